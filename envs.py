@@ -1,0 +1,2218 @@
+"""Tool-use environments for PAIR: the GTA and ToolBench replay benchmarks, their scorers, and the
+one text format every model sees (SPEC §1, §2, §10).
+
+An environment hands out episodes. An episode holds the chat so far (SPEC §2 messages), takes the
+policy's next assistant turn with `step(text)`, answers with the tool's observation, and is done
+at a `Final Answer:` or after MAX_TURNS = 10 assistant turns (then it scores 0):
+
+    env = make("gta", split="test", data_dir=...)
+    ep = env.episode(0)
+    while not ep.done:
+        ep.step(policy(ep.messages))
+    ep.score()          # in [0, 1], or None with ep.skip_reason
+
+The rendering functions (tool_instructions, render_action, render_final, dialog_to_messages) are
+shared by offline probe data and online rollouts, so a probe sees the same text in both.
+
+Replay (paper Appendix eval): a tool call is answered from a cache built from the episode's gold
+dialog, keyed by (tool name, json.dumps(arguments, sort_keys=True)). Choices made here where the
+paper and the release are silent or disagree (each is marked where it is implemented):
+- GTA answer matching. Each whitelist group is a list of aliases; an answer is correct iff every
+  group has an alias in it and no blacklist alias is in it. This is GTA's reference `iscorrect`.
+  The paper's wording ("at least one whitelist group fully matched") describes the release's loose
+  matcher, which reads the aliases of a group as all required: under it the gold answers of
+  GTA test episodes 28 ("24185" for ["24185", "24,185"]) and train 171, 207 would score 0.
+  strict mode: an alias must stand alone (no letter/digit/_ touching either end) - the reference
+  regex uses \\b, which can never match an alias that starts with "-" or "$" ("-2", "$3120");
+  loose mode: case-insensitive substring after collapsing whitespace.
+- A call repeated in the gold dialog with different responses (ToolBench retries) replays its
+  responses in order; later repeats get the last one. The release kept only the first.
+- GTA skip reasons: reference_list, no_answer, image_answer - the last also when the gold dialog
+  answers with an image (gta_skip_reason).
+- ToolBench history cap: see ToolBenchEpisode.
+- The task shown to the model lists the episode's attached files (GTA image paths): without them
+  no GTA tool call can be written. The release did the same in its rollout prompt.
+- Released assistant turns with text in `content` beside a tool call, or under `explanation`:
+  that text is the thought (assistant_parts). A gold tool name polluted by a ToolLLaMA parsing
+  artifact is replayed under the name a policy would write (written_tool_name).
+"""
+from __future__ import annotations
+
+import argparse
+import ast
+import hashlib
+import json
+import math
+import operator
+import os
+import random
+import re
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import requests
+
+MAX_TURNS = 10                      # assistant turns per episode (paper Appendix eval)
+OBSERVATION_CHARS = 1000            # SPEC §2: longer tool results are cut and get "..."
+CONTAMINATION_TYPES = ("reasoning_error", "tool_misuse", "observation_misinterpretation",
+                       "stale_memory")
+
+
+# ---------------------------------------------------------------------------------------------
+# SPEC §2: the canonical text of tools, steps and observations
+# ---------------------------------------------------------------------------------------------
+
+def tool_instructions(tools: list[dict]) -> str:
+    """The tool list and the reply format, appended to the task in the first user message."""
+    lines = ["You can use the following tools:"]
+    for tool in tools:
+        desc = " ".join((tool.get("description") or "").split())
+        lines.append(f"- {tool['name']}: {desc}" if desc else f"- {tool['name']}")
+        for inp in tool.get("inputs") or []:
+            kind = inp.get("type") or "text"
+            kind += ", optional" if inp.get("optional") else ""
+            note = " ".join((inp.get("description") or "").split())
+            lines.append(f"    {inp['name']} ({kind})" + (f": {note}" if note else ""))
+    if not tools:
+        lines.append("(none)")
+    lines += [
+        "",
+        "Solve the task step by step. Each reply is one step, in exactly one of two formats.",
+        "To call one tool:",
+        "Thought: <your reasoning about what to do next>",
+        "Action: <the tool name, exactly as listed above>",
+        "Action Input: <the tool's inputs as one JSON object keyed by input name>",
+        'Then stop: the tool\'s result comes back to you as "Observation: <result>".',
+        "To answer, once you know the answer:",
+        "Thought: <your reasoning>",
+        "Final Answer: <the answer only>",
+    ]
+    return "\n".join(lines)
+
+
+def render_action(thought: str | None, name: str, arguments: dict) -> str:
+    text = f"Action: {name}\nAction Input: {json.dumps(arguments, ensure_ascii=False)}"
+    return f"Thought: {thought}\n{text}" if thought else text
+
+
+def render_final(thought: str | None, answer: str) -> str:
+    return f"Thought: {thought}\nFinal Answer: {answer}" if thought else f"Final Answer: {answer}"
+
+
+def render_observation(text: str) -> str:
+    """A tool result as the content of a user message (SPEC §2)."""
+    if len(text) > OBSERVATION_CHARS:
+        text = text[:OBSERVATION_CHARS] + "..."
+    return f"Observation: {text}"
+
+
+def render_task(task: str, files: list[dict] | tuple = ()) -> str:
+    """The task text, with the files it refers to (GTA tools take these paths as inputs)."""
+    task = task.strip()
+    paths = [f"- {f['path']} ({f.get('type') or 'file'})" for f in files if f.get("path")]
+    return task + "\n\nFiles:\n" + "\n".join(paths) if paths else task
+
+
+def tool_result_text(message: dict) -> str:
+    """The text of a released `tool` message: {type, content} or a plain string."""
+    content = message.get("content")
+    if isinstance(content, dict):
+        content = content.get("content")
+    if isinstance(content, str):
+        return content
+    return json.dumps(content, ensure_ascii=False)
+
+
+def assistant_parts(message: dict) -> tuple[str | None, dict | None, str | None]:
+    """(thought, tool call {name, arguments} or None, final content) of a released assistant turn.
+
+    Three released turns carry text in `content` next to a tool call and no `thought`: that text
+    precedes the call (as in Qwen's own tool template) and reads as the step's reasoning, so it
+    is the thought. One contaminated turn holds its rewritten thought under `explanation` (the
+    contamination LLM's key): it is the thought too, otherwise that contamination is invisible.
+    """
+    calls = message.get("tool_calls") or []
+    call = calls[0]["function"] if calls else None
+    parts = [message.get("thought"), message.get("explanation")]
+    if call is not None:
+        parts.append(message.get("content"))
+    thought = "\n\n".join(p.strip() for p in parts if isinstance(p, str) and p.strip()) or None
+    final = None if call is not None else (message.get("content") or "").strip()
+    return thought, call, final
+
+
+def render_assistant(message: dict) -> str:
+    thought, call, final = assistant_parts(message)
+    if call is not None:
+        return render_action(thought, call["name"], call.get("arguments") or {})
+    return render_final(thought, final)
+
+
+def dialog_to_messages(dialog: list[dict], tools: list[dict],
+                       files: list[dict] | tuple = ()) -> list[dict]:
+    """A released dialog as chat messages {role, content} in SPEC §2 text form.
+
+    The first user message becomes task (+ files) + blank line + tool instructions; assistant
+    turns become Thought/Action/Action Input or Thought/Final Answer text; tool results become
+    user `Observation:` messages; consecutive messages of one role are merged with a blank line.
+    """
+    messages: list[dict] = []
+    for i, m in enumerate(dialog):
+        if m["role"] == "user":
+            role, content = "user", m["content"]
+            if i == 0:
+                content = render_task(content, files) + "\n\n" + tool_instructions(tools)
+        elif m["role"] == "assistant":
+            role, content = "assistant", render_assistant(m)
+        else:  # tool
+            role, content = "user", render_observation(tool_result_text(m))
+        if messages and messages[-1]["role"] == role:
+            messages[-1]["content"] += "\n\n" + content
+        else:
+            messages.append({"role": role, "content": content})
+    return messages
+
+
+def record_messages(record: dict) -> list[dict]:
+    """Messages of an episode record, or of a matched record returned by load_matched."""
+    return dialog_to_messages(record["dialogs"], record["tools"], record.get("files") or ())
+
+
+# ---------------------------------------------------------------------------------------------
+# ReAct parser: one assistant reply -> a tool call, a final answer, or what was wrong with it
+# ---------------------------------------------------------------------------------------------
+
+@dataclass
+class Action:
+    thought: str | None
+    name: str
+    arguments: dict
+
+
+@dataclass
+class Final:
+    thought: str | None
+    answer: str
+
+
+@dataclass
+class ParseError:
+    message: str        # written for the agent: it becomes the observation
+
+
+# A marker is a keyword at the start of a line; "Action Input" must be tried before "Action".
+_MARKER = re.compile(r"^[ \t]*(thought|action[ \t]*input|action|final[ \t]*answer|observation)"
+                     r"[ \t]*:", re.IGNORECASE | re.MULTILINE)
+_FORMAT_HINT = ("Reply with 'Thought:', 'Action:' and 'Action Input:' lines to call a tool, or "
+                "with 'Thought:' and 'Final Answer:' lines to answer.")
+
+
+def parse_react(text: str) -> Action | Final | ParseError:
+    """Parse the first step of a reply. Never raises.
+
+    The step is the first `Action:` line directly followed by an `Action Input:` line, or the
+    first `Final Answer:` line, whichever comes first: a thought may itself contain a line
+    starting with "Action:" (ToolBench's gold thoughts do), and anything after the step (an
+    invented `Observation:`, say) is ignored. The Action Input is the first JSON value after its
+    marker (an opening ``` fence is skipped) and must be an object.
+    """
+    if not isinstance(text, str):
+        return ParseError(f"The reply is not text. {_FORMAT_HINT}")
+    marks = [(re.sub(r"[ \t]+", " ", m.group(1).lower()), m.start(), m.end())
+             for m in _MARKER.finditer(text)]
+    head = next((k for k, mk in enumerate(marks) if mk[0] == "final answer" or
+                 (mk[0] == "action" and k + 1 < len(marks) and
+                  marks[k + 1][0] == "action input")), None)
+    if head is None:
+        lone = next((mk for mk in marks if mk[0] == "action"), None)
+        if lone is None:
+            return ParseError(f"No 'Action:' or 'Final Answer:' line found. {_FORMAT_HINT}")
+        line_end = text.find("\n", lone[2])
+        name = text[lone[2]:line_end if line_end >= 0 else len(text)].strip()
+        return ParseError(f"'Action: {name[:100]}' must be followed by an 'Action Input:' line "
+                          "with the tool's inputs as a JSON object.")
+    kind, start, end = marks[head]
+    thought_at = next((mk[2] for mk in marks[:head] if mk[0] == "thought"), 0)
+    thought = text[thought_at:start].strip() or None
+
+    if kind == "final answer":
+        after = marks[head + 1][1] if head + 1 < len(marks) else len(text)
+        answer = text[end:after].strip()
+        if not answer:
+            return ParseError("'Final Answer:' is empty: write the answer after it.")
+        return Final(thought, answer)
+
+    name = text[end:marks[head + 1][1]].strip().strip("`'\"*").strip()
+    if not name:
+        return ParseError(f"'Action:' names no tool. {_FORMAT_HINT}")
+    raw = text[marks[head + 1][2]:].lstrip()
+    if raw.startswith("```"):
+        raw = re.sub(r"^```[A-Za-z]*", "", raw).lstrip()
+    if not raw:
+        return ParseError("'Action Input:' is empty: write the inputs as a JSON object "
+                          "(use {} for a tool without inputs).")
+    try:
+        arguments, _ = json.JSONDecoder().raw_decode(raw)
+    except json.JSONDecodeError as e:
+        return ParseError(f"Invalid JSON in Action Input: {e.msg} (line {e.lineno}, column "
+                          f"{e.colno}). Write the inputs as one JSON object, for example "
+                          '{"name": "value"}.')
+    except (ValueError, RecursionError):
+        return ParseError("Invalid JSON in Action Input: the value is too deeply nested.")
+    if not isinstance(arguments, dict):
+        return ParseError(f"Action Input must be a JSON object {{...}}, not a JSON "
+                          f"{type(arguments).__name__}.")
+    return Action(thought, name, arguments)
+
+
+# ---------------------------------------------------------------------------------------------
+# Calculator: arithmetic by walking a whitelist of AST nodes - never eval
+# ---------------------------------------------------------------------------------------------
+
+MAX_EXPRESSION_CHARS = 1000
+MAX_INT_BITS = 4000          # ~1200 digits: bounds the work of *, ** and str() on integers
+MAX_FACTORIAL = 1000
+
+
+class CalculatorError(ValueError):
+    pass
+
+
+def _int_arg(x, fn):
+    if isinstance(x, float) and x.is_integer():
+        x = int(x)
+    if not isinstance(x, int):
+        raise CalculatorError(f"{fn}() needs an integer")
+    if abs(x) > MAX_FACTORIAL:
+        raise CalculatorError(f"{fn}() argument too large (limit {MAX_FACTORIAL})")
+    return x
+
+
+def _power(a, b):
+    # Refuse integer powers whose result would exceed MAX_INT_BITS before computing them.
+    if isinstance(a, int) and isinstance(b, int) and b > 0 and abs(a) > 1:
+        if b * math.log2(abs(a)) > MAX_INT_BITS:
+            raise CalculatorError("result too large")
+    return a ** b
+
+
+_BINARY = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul,
+           ast.Div: operator.truediv, ast.FloorDiv: operator.floordiv, ast.Mod: operator.mod,
+           ast.Pow: _power}
+_UNARY = {ast.USub: operator.neg, ast.UAdd: operator.pos}
+_FUNCTIONS = {
+    "abs": abs, "round": round, "min": min, "max": max, "int": int, "float": float,
+    "pow": _power, "sqrt": math.sqrt, "cbrt": math.cbrt, "exp": math.exp, "log": math.log,
+    "log10": math.log10, "log2": math.log2, "log1p": math.log1p, "sin": math.sin,
+    "cos": math.cos, "tan": math.tan, "asin": math.asin, "acos": math.acos, "atan": math.atan,
+    "atan2": math.atan2, "sinh": math.sinh, "cosh": math.cosh, "tanh": math.tanh,
+    "degrees": math.degrees, "radians": math.radians, "floor": math.floor, "ceil": math.ceil,
+    "trunc": math.trunc, "fabs": math.fabs, "hypot": math.hypot, "gcd": math.gcd,
+    "lcm": math.lcm, "isqrt": math.isqrt, "fsum": lambda *xs: math.fsum(xs),
+    "factorial": lambda n: math.factorial(_int_arg(n, "factorial")),
+    "comb": lambda n, k: math.comb(_int_arg(n, "comb"), _int_arg(k, "comb")),
+    "perm": lambda n, k: math.perm(_int_arg(n, "perm"), _int_arg(k, "perm")),
+}
+_CONSTANTS = {"pi": math.pi, "e": math.e, "tau": math.tau, "inf": math.inf, "nan": math.nan}
+
+
+def _evaluate(node):
+    if isinstance(node, ast.Expression):
+        return _evaluate(node.body)
+    if isinstance(node, ast.Constant):
+        if type(node.value) in (int, float):
+            return node.value
+        raise CalculatorError(f"unsupported literal {node.value!r}")
+    if isinstance(node, ast.BinOp) and type(node.op) in _BINARY:
+        value = _BINARY[type(node.op)](_evaluate(node.left), _evaluate(node.right))
+    elif isinstance(node, ast.UnaryOp) and type(node.op) in _UNARY:
+        value = _UNARY[type(node.op)](_evaluate(node.operand))
+    elif isinstance(node, (ast.Name, ast.Attribute)):
+        name = _qualified_name(node)
+        if name not in _CONSTANTS:
+            raise CalculatorError(f"unknown name '{name}'")
+        return _CONSTANTS[name]
+    elif isinstance(node, ast.Call):
+        name = _qualified_name(node.func)
+        if name not in _FUNCTIONS:
+            raise CalculatorError(f"unknown function '{name}'")
+        if node.keywords or any(isinstance(a, ast.Starred) for a in node.args):
+            raise CalculatorError(f"{name}() takes plain positional arguments only")
+        value = _FUNCTIONS[name](*[_evaluate(a) for a in node.args])
+    else:
+        raise CalculatorError(f"unsupported syntax ({type(node).__name__})")
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise CalculatorError("the result is not a real number")
+    if isinstance(value, int) and value.bit_length() > MAX_INT_BITS:
+        raise CalculatorError("result too large")
+    return value
+
+
+def _qualified_name(node) -> str:
+    # `sqrt` and `math.sqrt` both name the whitelisted function; no other attribute exists.
+    if isinstance(node, ast.Name):
+        return node.id
+    if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) \
+            and node.value.id == "math":
+        return node.attr
+    raise CalculatorError("attribute access is not allowed")
+
+
+def calculate(expression: str) -> str:
+    """Evaluate one arithmetic expression; the result as Python prints it, or 'Error: ...'.
+
+    Numbers, + - * / // % **, unary signs, parentheses, and math functions/constants by name
+    (`sqrt(2)` or `math.sqrt(2)`). Never raises.
+    """
+    try:
+        if not isinstance(expression, str):
+            raise CalculatorError("the expression must be a string")
+        if len(expression) > MAX_EXPRESSION_CHARS:
+            raise CalculatorError(f"expression longer than {MAX_EXPRESSION_CHARS} characters")
+        tree = ast.parse(expression.strip(), mode="eval")
+        if isinstance(tree.body, ast.Tuple):
+            raise CalculatorError("a comma separates values: write numbers without thousands "
+                                  "separators")
+        return str(_evaluate(tree))
+    except CalculatorError as e:
+        return f"Error: {e}"
+    except SyntaxError as e:
+        return f"Error: invalid expression ({e.msg})"
+    except RecursionError:
+        return "Error: expression nested too deeply"
+    except Exception as e:  # ZeroDivisionError, math domain errors, overflow, bad arity ...
+        return f"Error: {e}"
+
+
+# ---------------------------------------------------------------------------------------------
+# Episodes and environments
+# ---------------------------------------------------------------------------------------------
+
+@dataclass
+class StepResult:
+    observation: str | None     # content of the user message appended, None when done
+    done: bool
+    rewritten_from: int | None = None   # first message rewritten in place (ToolBench history
+    #                                     cap): a caller holding a KV cache re-renders from it
+
+
+class Episode:
+    """One task being played: the chat so far and the rules that answer each step.
+
+    Subclasses implement call_tool (the observation text for a parsed tool call) and score.
+    """
+
+    def __init__(self, id: str, task: str, tools: list[dict], files: list[dict] | tuple = ()):
+        self.id = str(id)
+        self.tools = tools
+        self.messages = dialog_to_messages([{"role": "user", "content": task}], tools, files)
+        self.steps: list[Action | Final | ParseError] = []   # one per assistant turn
+        self.final_answer: str | None = None
+        self.done = False
+        self.skip_reason: str | None = None
+
+    def step(self, assistant_text: str) -> StepResult:
+        """Append the policy's turn (its text without the closing <|im_end|>) and answer it."""
+        if self.done:
+            raise RuntimeError(f"episode {self.id} is done: no more steps")
+        self.messages.append({"role": "assistant", "content": assistant_text})
+        parsed = parse_react(assistant_text)
+        self.steps.append(parsed)
+        if isinstance(parsed, Final):
+            self.final_answer = parsed.answer
+            self.done = True
+            return StepResult(None, True)
+        if len(self.steps) >= MAX_TURNS:     # out of turns without an answer: scores 0
+            self.done = True
+            return StepResult(None, True)
+        if isinstance(parsed, Action):
+            text = self.call_tool(parsed.name, parsed.arguments)
+        else:
+            text = f"Invalid reply: {parsed.message}"
+        observation = render_observation(text)
+        self.messages.append({"role": "user", "content": observation})
+        return StepResult(observation, False, self._after_observation())
+
+    def call_tool(self, name: str, arguments: dict) -> str:
+        raise NotImplementedError
+
+    def _after_observation(self) -> int | None:
+        return None
+
+    def score(self) -> float | None:
+        raise NotImplementedError
+
+    def labels(self) -> list[bool] | None:
+        return None     # exact step labels exist only in the built-in world
+
+
+class Env:
+    """A split of episodes: env.episode(i) is a fresh Episode (an index or an episode id)."""
+    MAX_TURNS = MAX_TURNS
+
+    def __init__(self, records: dict[str, dict]):
+        self.records = records
+        self.ids = list(records)
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def episode(self, i: int | str) -> Episode:
+        key = self.ids[i] if isinstance(i, int) else str(i)
+        if key not in self.records:
+            raise KeyError(f"no episode {key!r} in this split")
+        return self._new_episode(key, self.records[key])
+
+    def _new_episode(self, key: str, record: dict) -> Episode:
+        raise NotImplementedError
+
+
+def play_gold(episode: Episode, dialog: list[dict]) -> list[tuple[str, str | None]]:
+    """Step an episode through a gold dialog's assistant turns (SPEC §2 text).
+
+    Returns (recorded observation, returned observation) for every gold tool call answered.
+    """
+    pairs = []
+    for i, m in enumerate(dialog):
+        if m["role"] != "assistant":
+            continue
+        result = episode.step(render_assistant(m))
+        nxt = dialog[i + 1] if i + 1 < len(dialog) else None
+        if nxt is not None and nxt["role"] == "tool":
+            pairs.append((render_observation(tool_result_text(nxt)), result.observation))
+        if result.done:
+            break
+    return pairs
+
+
+# ---------------------------------------------------------------------------------------------
+# Released data (SPEC §1): locations, download, validated loading
+# ---------------------------------------------------------------------------------------------
+
+RELEASE_REPO = "wonjoong-kim/PAIR"
+RELEASE_REF = "03e41ad6e5ce69b288a2cb14ac541b088ea1d3d9"    # the commit the splits were taken at
+RELEASE_URL = "https://raw.githubusercontent.com/{repo}/{ref}/data/{family}/{name}"
+RELEASE_FILES = {
+    "gta": [f"{kind}{part}_{split}.json" for kind in ("", "matched_")
+            for part in ("clean", "contaminated") for split in ("train", "test")],
+    # The ToolBench train splits are missing from the authors' repository (SPEC §1).
+    "toolbench": [f"{kind}{part}_test.json" for kind in ("", "matched_")
+                  for part in ("clean", "contaminated")],
+}
+
+
+class DataError(ValueError):
+    pass
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("PAIR_CACHE") or Path.home() / ".cache" / "pair")
+
+
+def default_data_dir() -> Path:
+    return Path(os.environ.get("PAIR_DATA") or cache_root() / "data")
+
+
+def write_atomic(path: Path, data: bytes) -> None:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        os.replace(tmp, path)
+    except BaseException:
+        os.unlink(tmp)
+        raise
+
+
+def download(family: str, data_dir: str | Path | None = None, ref: str = RELEASE_REF,
+             force: bool = False) -> Path:
+    """Fetch the released files of `family` into data_dir/family/; returns that folder.
+
+    Each file is validated (every record) before it is written, so a partial or wrong download
+    never lands on disk.
+    """
+    if family not in RELEASE_FILES:
+        raise ValueError(f"unknown data family {family!r}: choose {', '.join(RELEASE_FILES)}")
+    folder = Path(data_dir or default_data_dir()) / family
+    for name in RELEASE_FILES[family]:
+        dest = folder / name
+        if dest.exists() and not force:
+            continue
+        url = RELEASE_URL.format(repo=RELEASE_REPO, ref=ref, family=family, name=name)
+        print(f"downloading {url}", file=sys.stderr)
+        try:
+            r = requests.get(url, timeout=300)
+        except requests.RequestException as e:
+            raise DataError(f"cannot download {url}: {e}") from e
+        if r.status_code != 200:
+            raise DataError(f"cannot download {url}: HTTP {r.status_code}")
+        data = _parse_json(r.content, url)
+        if name.startswith("matched_"):
+            _check_matched_file(data, url)
+        else:
+            _check_episode_file(data, url)
+        write_atomic(dest, r.content)
+    return folder
+
+
+def _parse_json(raw: bytes | str, where) -> object:
+    try:
+        return json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise DataError(f"{where}: not valid JSON ({e})") from e
+
+
+def load_episodes(path: str | Path) -> dict[str, dict]:
+    """An episode file: {episode id: record}, every record validated (SPEC §1)."""
+    path = Path(path)
+    if not path.is_file():
+        raise DataError(f"{path}: no such file")
+    data = _parse_json(path.read_bytes(), path)
+    _check_episode_file(data, path)
+    return data
+
+
+def load_matched(path: str | Path) -> list[dict]:
+    """A matched file, every record validated, each given the `tools` and `files` of its episode
+    (from the episode file of the same family: matched_clean_train -> clean_train.json)."""
+    path = Path(path)
+    if not path.is_file():
+        raise DataError(f"{path}: no such file")
+    data = _parse_json(path.read_bytes(), path)
+    _check_matched_file(data, path)
+    if not path.name.startswith("matched_"):
+        raise DataError(f"{path}: a matched file is named matched_<family>_<split>.json")
+    episodes = load_episodes(path.with_name(path.name[len("matched_"):]))
+    out = []
+    for i, rec in enumerate(data):
+        ep = episodes.get(rec["episode_id"])
+        if ep is None:
+            raise DataError(f"{path}: record {i} (episode {rec['episode_id']}): episode not "
+                            f"found in {path.with_name(path.name[len('matched_'):])}")
+        out.append({**rec, "tools": ep["tools"], "files": ep["files"]})
+    return out
+
+
+def _check_episode_file(data, path) -> None:
+    if not isinstance(data, dict):
+        raise DataError(f"{path}: an episode file is a JSON object keyed by episode id")
+    for rid, rec in data.items():
+        where = f"{path}: record {rid}"
+        if not isinstance(rec, dict):
+            raise DataError(f"{where}: not an object")
+        for key in ("dialogs", "tools", "files", "gt_answer"):
+            if key not in rec:
+                raise DataError(f"{where}: missing '{key}'")
+        _check_dialog(rec["dialogs"], where)
+        _check_tools(rec["tools"], where)
+        if not isinstance(rec["files"], list) or not all(isinstance(f, dict)
+                                                         for f in rec["files"]):
+            raise DataError(f"{where}: 'files' must be a list of objects")
+        _check_gt_answer(rec["gt_answer"], where)
+        _check_contamination(rec, where)
+
+
+def _check_matched_file(data, path) -> None:
+    if not isinstance(data, list):
+        raise DataError(f"{path}: a matched file is a JSON list of records")
+    for i, rec in enumerate(data):
+        where = f"{path}: record {i}"
+        if not isinstance(rec, dict):
+            raise DataError(f"{where}: not an object")
+        where += f" (episode {rec.get('episode_id')}, turn {rec.get('turn_idx')})"
+        checks = {"episode_id": lambda v: isinstance(v, str),
+                  "turn_idx": lambda v: type(v) is int,
+                  "dialogs": lambda v: True,
+                  "label": lambda v: type(v) is int and v in (0, 1),
+                  "contamination_type": lambda v: v is None or v in CONTAMINATION_TYPES,
+                  "has_contaminated_prefix": lambda v: isinstance(v, bool),
+                  "original_contaminated_turn_indices":
+                      lambda v: isinstance(v, list) and all(type(x) is int for x in v),
+                  "prefix_type": lambda v: v in ("clean", "contaminated")}
+        for key, ok in checks.items():
+            if key not in rec:
+                raise DataError(f"{where}: missing '{key}'")
+            if not ok(rec[key]):
+                raise DataError(f"{where}: bad '{key}': {rec[key]!r}")
+        _check_dialog(rec["dialogs"], where)
+        if rec["turn_idx"] != len(rec["dialogs"]) - 1 \
+                or rec["dialogs"][-1]["role"] != "assistant":
+            raise DataError(f"{where}: the dialog must end at turn_idx with the assistant "
+                            "evaluation turn")
+
+
+def _check_dialog(dialog, where) -> None:
+    if not isinstance(dialog, list) or not dialog:
+        raise DataError(f"{where}: 'dialogs' must be a non-empty list")
+    for i, m in enumerate(dialog):
+        at = f"{where}: dialogs[{i}]"
+        if not isinstance(m, dict):
+            raise DataError(f"{at}: not an object")
+        role = m.get("role")
+        if i == 0 and role != "user":
+            raise DataError(f"{at}: the dialog must start with the user's task")
+        if role == "user":
+            if not isinstance(m.get("content"), str):
+                raise DataError(f"{at}: user message without text content")
+        elif role == "assistant":
+            _check_assistant(m, at)
+        elif role == "tool":
+            prev = dialog[i - 1]
+            if prev.get("role") != "assistant" or not prev.get("tool_calls"):
+                raise DataError(f"{at}: a tool result must follow an assistant tool call")
+            content = m.get("content")
+            if isinstance(content, dict):
+                content = content.get("content", None)
+            if not isinstance(m.get("name"), str) or content is None:
+                raise DataError(f"{at}: a tool message needs 'name' and 'content'")
+        else:
+            raise DataError(f"{at}: unknown role {role!r}")
+
+
+def _check_assistant(m: dict, at: str) -> None:
+    for key in ("thought", "content", "explanation"):
+        if m.get(key) is not None and not isinstance(m[key], str):
+            raise DataError(f"{at}: '{key}' must be a string")
+    calls = m.get("tool_calls")
+    if calls is None or calls == []:
+        if m.get("content") is None:
+            raise DataError(f"{at}: assistant message with neither tool_calls nor content")
+        return
+    if not isinstance(calls, list) or len(calls) > 1:
+        raise DataError(f"{at}: at most one tool call per assistant turn (SPEC §2)")
+    fn = calls[0].get("function") if isinstance(calls[0], dict) else None
+    if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not fn["name"]:
+        raise DataError(f"{at}: tool call without a function name")
+    if not isinstance(fn.get("arguments"), dict):
+        raise DataError(f"{at}: tool call arguments must be a JSON object")
+
+
+def _check_tools(tools, where) -> None:
+    if not isinstance(tools, list):
+        raise DataError(f"{where}: 'tools' must be a list")
+    for j, t in enumerate(tools):
+        if not isinstance(t, dict) or not isinstance(t.get("name"), str):
+            raise DataError(f"{where}: tools[{j}] needs a 'name'")
+        inputs = t.get("inputs") or []
+        if not isinstance(inputs, list) or not all(isinstance(x, dict) and
+                                                   isinstance(x.get("name"), str)
+                                                   for x in inputs):
+            raise DataError(f"{where}: tools[{j}] ({t['name']}): 'inputs' must be a list of "
+                            "objects with a 'name'")
+
+
+def _check_gt_answer(gt, where) -> None:
+    def phrase_groups(v):
+        return isinstance(v, list) and all(isinstance(g, list) and
+                                           all(isinstance(a, str) for a in g) for g in v)
+    if gt is None or (isinstance(gt, list) and all(isinstance(a, str) for a in gt)):
+        return
+    if isinstance(gt, dict) and phrase_groups(gt.get("whitelist")) and \
+            (gt.get("blacklist") is None or phrase_groups(gt["blacklist"])):
+        return
+    raise DataError(f"{where}: 'gt_answer' must be null, a list of reference strings, or "
+                    "{whitelist: [[str]], blacklist: [[str]] | null}")
+
+
+def _check_contamination(rec, where) -> None:
+    keys = ("contaminated_turn_indices", "contamination_types", "original_turn_contents")
+    if not any(k in rec for k in keys):
+        return
+    if not all(isinstance(rec.get(k), list) for k in keys) or \
+            len({len(rec[k]) for k in keys}) != 1:
+        raise DataError(f"{where}: {', '.join(keys)} must be lists of one length")
+    for idx, kind in zip(rec["contaminated_turn_indices"], rec["contamination_types"]):
+        if type(idx) is not int or not 0 <= idx < len(rec["dialogs"]) or \
+                rec["dialogs"][idx]["role"] != "assistant":
+            raise DataError(f"{where}: contaminated turn index {idx!r} is not an assistant turn")
+        if kind not in CONTAMINATION_TYPES:
+            raise DataError(f"{where}: unknown contamination type {kind!r}")
+
+
+def episode_file(family: str, split: str, data_dir: str | Path | None) -> Path:
+    """data_dir/family/clean_{split}.json, downloaded first when it is missing."""
+    name = f"clean_{split}.json"
+    if name not in RELEASE_FILES[family]:
+        raise DataError(f"{family} has no released '{split}' split (released: "
+                        f"{', '.join(RELEASE_FILES[family])})")
+    path = Path(data_dir or default_data_dir()) / family / name
+    if not path.is_file():
+        download(family, path.parent.parent)
+    return path
+
+
+# ---------------------------------------------------------------------------------------------
+# Replay (SPEC §10): tool calls answered from the gold dialog
+# ---------------------------------------------------------------------------------------------
+
+def cache_key(name: str, arguments) -> tuple[str, str]:
+    return name, json.dumps(arguments, sort_keys=True)
+
+
+def simulator_miss(name: str, arguments) -> str:
+    return (f"[Simulator] Tool '{name}' with args {json.dumps(arguments, ensure_ascii=False)} "
+            "has no cached response.")
+
+
+class ReplayCache:
+    """(tool name, canonical args) -> the responses recorded for that call, in dialog order."""
+
+    def __init__(self, dialog: list[dict]):
+        self.entries: dict[tuple[str, str], list[str]] = {}
+        self.served: dict[tuple[str, str], int] = {}
+        call = None
+        for m in dialog:
+            if m["role"] == "assistant":
+                _, call, _ = assistant_parts(m)
+            elif m["role"] == "tool" and call is not None:
+                key = cache_key(written_tool_name(call), call.get("arguments") or {})
+                self.entries.setdefault(key, []).append(tool_result_text(m))
+                call = None
+
+    def lookup(self, name: str, arguments) -> str | None:
+        return self._serve(cache_key(name, arguments))
+
+    def nearest(self, name: str, arguments) -> str | None:
+        """Fuzzy fallback: the same tool's entry whose argument tokens have the highest Jaccard
+        overlap with this call's (lowercased word tokens of the canonical JSON, keys included);
+        ties go to the entry recorded first."""
+        tokens = _arg_tokens(cache_key(name, arguments)[1])
+        best, best_sim = None, -1.0
+        for key in self.entries:
+            if key[0] != name:
+                continue
+            other = _arg_tokens(key[1])
+            union = tokens | other
+            sim = len(tokens & other) / len(union) if union else 1.0
+            if sim > best_sim:
+                best, best_sim = key, sim
+        return self._serve(best) if best is not None else None
+
+    def _serve(self, key) -> str | None:
+        responses = self.entries.get(key)
+        if not responses:
+            return None
+        n = self.served.get(key, 0)
+        self.served[key] = n + 1
+        return responses[min(n, len(responses) - 1)]
+
+
+def written_tool_name(call: dict) -> str:
+    """The tool name a policy writes to repeat a released call: what parse_react reads back
+    from the call's SPEC §2 text. It differs from the stored name for 54 released ToolBench
+    calls whose name carries a ToolLLaMA parsing artifact ('Call the function "f".\n\n\nAction:
+    f'), which no policy could reproduce."""
+    parsed = parse_react(render_action(None, call["name"], call.get("arguments") or {}))
+    return parsed.name if isinstance(parsed, Action) else call["name"]
+
+
+def _arg_tokens(canonical: str) -> set[str]:
+    return set(re.findall(r"\w+", canonical.lower()))
+
+
+# ---- GTA -------------------------------------------------------------------------------------
+
+GTA_UNAVAILABLE = ("FastOCR", "FastCalculator", "ImageDescriptor", "WebSearch")
+UNAVAILABLE_MESSAGE = "This tool is not available now. Consider other tools."
+IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png")
+
+
+GTA_IMAGE_REPLY = "The image is saved."     # GTA's final reply when the answer is an image
+
+
+def gta_skip_reason(gt, dialog: list[dict] = ()) -> str | None:
+    """Why an episode cannot be scored by answer matching, or None (SPEC §10).
+
+    image_answer also covers a gold dialog that answers with an image - it ends on an image tool
+    result, bare or followed only by "The image is saved." (test episode 211: "circle it in the
+    image") - so its whitelist cannot be matched against any text, not even the gold one.
+    """
+    if isinstance(gt, list):
+        return "reference_list"     # needs a sentence-embedding model the project does not ship
+    if not isinstance(gt, dict) or not gt.get("whitelist"):
+        return "no_answer"
+    if any(a.strip().lower().endswith(IMAGE_SUFFIXES) for g in gt["whitelist"] for a in g):
+        return "image_answer"
+    tail = list(dialog[-2:])
+    if tail and tail[-1]["role"] == "assistant" and not tail[-1].get("tool_calls") \
+            and (tail[-1].get("content") or "").strip() == GTA_IMAGE_REPLY:
+        tail = tail[:-1]
+    if tail and tail[-1]["role"] == "tool" and isinstance(tail[-1]["content"], dict) \
+            and tail[-1]["content"].get("type") == "image":
+        return "image_answer"
+    return None
+
+
+def gta_match(prediction: str, gt: dict, mode: str = "strict") -> float:
+    """1.0 iff every whitelist group has one of its aliases in the prediction and no blacklist
+    alias is in it (GTA's reference rule; see the module docstring), else 0.0.
+
+    strict: case-insensitive, the alias may not touch a letter, digit or _ on either side;
+    loose: case-insensitive substring after collapsing whitespace.
+    """
+    if mode == "strict":
+        def found(alias):
+            return re.search(r"(?<!\w)" + re.escape(alias.strip()) + r"(?!\w)", prediction,
+                             re.IGNORECASE) is not None
+    elif mode == "loose":
+        text = " ".join(prediction.split()).lower()
+
+        def found(alias):
+            return " ".join(alias.split()).lower() in text
+    else:
+        raise ValueError(f"unknown match mode {mode!r}: choose strict or loose")
+    if not all(any(found(a) for a in group) for group in gt["whitelist"]):
+        return 0.0
+    if any(found(a) for group in gt.get("blacklist") or [] for a in group):
+        return 0.0
+    return 1.0
+
+
+class GTAEpisode(Episode):
+    def __init__(self, key: str, record: dict, match: str = "strict"):
+        super().__init__(key, record["dialogs"][0]["content"], record["tools"], record["files"])
+        self.cache = ReplayCache(record["dialogs"])
+        self.gt_answer = record["gt_answer"]
+        self.match = match
+        self.skip_reason = gta_skip_reason(self.gt_answer, record["dialogs"])
+
+    def call_tool(self, name: str, arguments: dict) -> str:
+        if name in GTA_UNAVAILABLE:
+            return UNAVAILABLE_MESSAGE
+        hit = self.cache.lookup(name, arguments)
+        if hit is not None:
+            return hit
+        if name == "Calculator":
+            expression = arguments.get("expression")
+            if not isinstance(expression, str):
+                return 'Error: Calculator takes {"expression": "<arithmetic expression>"}'
+            return calculate(expression)
+        return simulator_miss(name, arguments)
+
+    def score(self, match: str | None = None) -> float | None:
+        """Task score in [0, 1]; None when skipped (reason in .skip_reason). `match` overrides
+        the env's mode: strict for the training reward, loose for evaluation (paper)."""
+        if self.skip_reason is not None:
+            return None
+        if self.final_answer is None:
+            return 0.0
+        return gta_match(self.final_answer, self.gt_answer, match or self.match)
+
+
+class GTAEnv(Env):
+    def __init__(self, split: str = "test", data_dir=None, match: str = "strict"):
+        if match not in ("strict", "loose"):
+            raise ValueError(f"match={match!r}: choose strict or loose")
+        super().__init__(load_episodes(episode_file("gta", split, data_dir)))
+        self.match = match
+
+    def _new_episode(self, key, record):
+        return GTAEpisode(key, record, self.match)
+
+    def skip_counts(self) -> dict[str, int]:
+        counts: dict[str, int] = {}
+        for rec in self.records.values():
+            reason = gta_skip_reason(rec["gt_answer"], rec["dialogs"])
+            counts[reason or "scored"] = counts.get(reason or "scored", 0) + 1
+        return counts
+
+
+# ---------------------------------------------------------------------------------------------
+# An OpenAI-compatible chat client (LLM judge, step judge, contamination)
+# ---------------------------------------------------------------------------------------------
+
+class LLMError(RuntimeError):
+    pass
+
+
+class AuthError(LLMError):
+    pass
+
+
+class BadReply(LLMError):
+    """The endpoint answered, but not with the JSON object asked for."""
+
+
+class ChatClient:
+    """POST {OPENAI_BASE_URL}/chat/completions with requests, JSON-object replies only.
+
+    Replies are cached on disk under the SHA-256 of the request body (model, messages,
+    temperature, max_tokens, response format), so a repeated call makes no request and an
+    interrupted run resumes. 429, 5xx and connection errors are retried with exponential backoff
+    (Retry-After honoured); 401 fails at once. A missing key fails in the constructor, before
+    any work starts.
+    """
+
+    def __init__(self, model: str, base_url: str | None = None, api_key: str | None = None,
+                 cache_dir: str | Path | None = None, max_retries: int = 6,
+                 backoff: float = 1.0, timeout: float = 120.0):
+        self.api_key = api_key or os.environ.get("OPENAI_API_KEY")
+        if not self.api_key:
+            raise LLMError("OPENAI_API_KEY is not set: the LLM judge and the contamination "
+                           "generator need an OpenAI-compatible endpoint (OPENAI_API_KEY, and "
+                           "OPENAI_BASE_URL for a server other than api.openai.com)")
+        self.model = model
+        self.base_url = (base_url or os.environ.get("OPENAI_BASE_URL")
+                         or "https://api.openai.com/v1").rstrip("/")
+        self.cache_dir = Path(cache_dir) if cache_dir else cache_root() / "llm"
+        self.max_retries = max_retries
+        self.backoff = backoff
+        self.timeout = timeout
+        self.session = requests.Session()
+        self.requests_made = 0          # HTTP requests sent (cache hits send none)
+
+    def chat_json(self, messages: list[dict], check=None, temperature: float = 0.0,
+                  max_tokens: int = 512) -> tuple[dict, str]:
+        """(parsed JSON object, raw reply). `check(obj)` may raise ValueError to reject a reply;
+        a rejected or unparsable reply raises BadReply and is not cached."""
+        body = {"model": self.model, "messages": messages, "temperature": temperature,
+                "max_tokens": max_tokens, "response_format": {"type": "json_object"}}
+        digest = hashlib.sha256(json.dumps(body, sort_keys=True, ensure_ascii=False)
+                                .encode("utf-8")).hexdigest()
+        path = self.cache_dir / digest[:2] / f"{digest}.json"
+        if path.is_file():
+            try:
+                raw = json.loads(path.read_text(encoding="utf-8"))["reply"]
+                return _checked_json(raw, check), raw
+            except (ValueError, KeyError, TypeError):
+                pass                        # unreadable entry: ask again and overwrite it
+        raw = self._post(body)
+        try:
+            obj = _checked_json(raw, check)
+        except ValueError as e:
+            raise BadReply(f"{self.model} replied with an unusable answer ({e}): "
+                           f"{raw[:300]!r}") from e
+        write_atomic(path, json.dumps({"request": body, "reply": raw},
+                                      ensure_ascii=False).encode("utf-8"))
+        return obj, raw
+
+    def _post(self, body: dict) -> str:
+        url = f"{self.base_url}/chat/completions"
+        headers = {"Authorization": f"Bearer {self.api_key}"}
+        for attempt in range(self.max_retries + 1):
+            wait = self.backoff * 2 ** attempt
+            try:
+                self.requests_made += 1
+                r = self.session.post(url, json=body, headers=headers, timeout=self.timeout)
+            except (requests.ConnectionError, requests.Timeout) as e:
+                problem = f"connection error: {e}"
+            else:
+                if r.status_code == 200:
+                    try:
+                        return r.json()["choices"][0]["message"]["content"]
+                    except (ValueError, KeyError, IndexError, TypeError) as e:
+                        raise LLMError(f"{url}: unexpected reply {r.text[:300]!r}") from e
+                if r.status_code == 401:
+                    raise AuthError(f"{url} answered 401 Unauthorized: the key in "
+                                    "OPENAI_API_KEY was rejected")
+                if r.status_code != 429 and r.status_code < 500:
+                    raise LLMError(f"{url} answered HTTP {r.status_code}: {r.text[:300]}")
+                problem = f"HTTP {r.status_code}"
+                try:
+                    wait = max(wait, float(r.headers.get("Retry-After", 0)))
+                except ValueError:
+                    pass
+            if attempt == self.max_retries:
+                raise LLMError(f"{url}: giving up after {attempt + 1} attempts ({problem})")
+            time.sleep(min(wait, 60.0))
+        raise AssertionError("unreachable")
+
+
+def _checked_json(raw: str, check) -> dict:
+    text = raw.strip()
+    if text.startswith("```"):      # tolerate a fenced reply from servers without JSON mode
+        text = re.sub(r"^```[A-Za-z]*\s*|\s*```$", "", text)
+    obj = json.loads(text)
+    if not isinstance(obj, dict):
+        raise ValueError("the reply is not a JSON object")
+    if check is not None:
+        check(obj)
+    return obj
+
+
+# ---- the ToolBench answer judge (paper Appendix eval) -----------------------------------------
+
+ANSWER_JUDGE_SYSTEM = """\
+You grade the final answer of a tool-using assistant against a reference answer.
+The reference was written from the tool outputs recorded when the task was collected; judge the
+answer against the reference's key facts - named entities, numbers, dates and stated relations -
+not against your own knowledge. Wording, order and formatting differences do not matter.
+Labels:
+- "yes": the answer captures most of the reference's key facts.
+- "partial": it captures some key facts, with minor omissions or local errors.
+- "no": a refusal, an empty or off-topic answer, or most key facts missing or wrong.
+Reply with a JSON object only: {"label": "yes" | "partial" | "no", "reason": "<one sentence>"}"""
+
+ANSWER_LABELS = {"yes": 1.0, "partial": 0.5, "no": 0.0}
+
+
+def judge_answer(client: ChatClient, task: str, reference: str, answer: str) -> float:
+    """yes 1.0 / partial 0.5 / no 0.0 for `answer` against `reference` (temperature 0)."""
+    def check(obj):
+        if obj.get("label") not in ANSWER_LABELS:
+            raise ValueError(f"label must be one of {', '.join(ANSWER_LABELS)}")
+    user = (f"Task:\n{task.strip()}\n\nReference answer:\n{reference.strip()}\n\n"
+            f"Assistant's final answer:\n{answer.strip()}")
+    obj, _ = client.chat_json([{"role": "system", "content": ANSWER_JUDGE_SYSTEM},
+                               {"role": "user", "content": user}], check=check)
+    return ANSWER_LABELS[obj["label"]]
+
+
+# ---- the per-step LLM-as-a-judge baseline reward (paper §5, Appendix prompts) -----------------
+
+STEP_JUDGE_SYSTEM = """\
+You are an expert evaluator of tool-using AI agents. You see a task (with the agent's tools and
+reply format), the agent's trajectory so far, and its latest step. Rate the quality of the latest
+step alone, on a scale from 1 to 10:
+- 9-10: correct and necessary; it clearly advances the task. Its reasoning is faithful to the
+  observations and its tool call and arguments are right (or it is a correct final answer).
+- 7-8: correct and useful, with a minor inefficiency or imprecision.
+- 5-6: partly useful: plausible but redundant, vague, or weakly justified.
+- 3-4: mostly wrong: it misreads an observation, picks a wrong tool or wrong arguments, or
+  reasons in a flawed way.
+- 1-2: harmful or invalid: invented facts, a contradiction of the observations, a malformed
+  action, or a wrong final answer.
+Do not reward length or confident tone. Reply with a JSON object only: {"score": <integer 1-10>}"""
+
+
+def judge_step(client: ChatClient, messages: list[dict]) -> float:
+    """The LLM-as-a-judge step reward in [0, 1]: (score - 1) / 9 for a 1-10 judgment of the last
+    message of `messages` (SPEC §2 chat: task first, the assistant turn to rate last)."""
+    if len(messages) < 2 or messages[-1]["role"] != "assistant":
+        raise ValueError("judge_step needs a chat ending with the assistant turn to rate")
+
+    def check(obj):
+        s = obj.get("score")
+        if type(s) is not int or not 1 <= s <= 10:
+            raise ValueError("score must be an integer from 1 to 10")
+    history = "\n\n".join(("Agent:\n" if m["role"] == "assistant" else "") + m["content"]
+                          for m in messages[1:-1]) or "(no earlier steps)"
+    user = (f"Task:\n{messages[0]['content']}\n\nTrajectory so far:\n{history}\n\n"
+            f"Latest step to rate:\n{messages[-1]['content']}")
+    obj, _ = client.chat_json([{"role": "system", "content": STEP_JUDGE_SYSTEM},
+                               {"role": "user", "content": user}], check=check)
+    return (obj["score"] - 1) / 9
+
+
+# ---- ToolBench ---------------------------------------------------------------------------------
+
+HISTORY_CHARS = 6000
+ELIDED_OBSERVATION = "Observation: [older observation elided]"
+
+
+class ToolBenchEpisode(Episode):
+    """Replay with the optional fuzzy fallback and the history cap.
+
+    History cap (paper Appendix eval, "cap the rollout history at 6,000 characters"), defined
+    here as: the history is every message after the first (task) message; after each new
+    observation, while the history's total content length exceeds `history_chars`, the oldest
+    observation not yet elided - never the newest one - is replaced by ELIDED_OBSERVATION.
+    Assistant turns are never changed (they are the policy's own tokens). Messages are rewritten
+    in place, so StepResult.rewritten_from tells a caller holding a KV cache to re-render.
+    """
+
+    def __init__(self, key: str, record: dict, fuzzy: bool = False,
+                 history_chars: int | None = HISTORY_CHARS, judge: ChatClient | None = None):
+        super().__init__(key, record["dialogs"][0]["content"], record["tools"], record["files"])
+        self.task = record["dialogs"][0]["content"]
+        self.cache = ReplayCache(record["dialogs"])
+        self.gt_answer = record["gt_answer"]
+        self.fuzzy = fuzzy
+        self.history_chars = history_chars
+        self.judge = judge
+        self.skip_reason = toolbench_skip_reason(self.gt_answer)
+
+    def call_tool(self, name: str, arguments: dict) -> str:
+        hit = self.cache.lookup(name, arguments)
+        if hit is None and self.fuzzy:
+            hit = self.cache.nearest(name, arguments)
+        return hit if hit is not None else simulator_miss(name, arguments)
+
+    def _after_observation(self) -> int | None:
+        if self.history_chars is None:
+            return None
+        size = sum(len(m["content"]) for m in self.messages[1:])
+        first = None
+        for i in range(1, len(self.messages) - 1):
+            if size <= self.history_chars:
+                break
+            m = self.messages[i]
+            if m["role"] == "user" and len(m["content"]) > len(ELIDED_OBSERVATION):
+                size -= len(m["content"]) - len(ELIDED_OBSERVATION)
+                self.messages[i] = {"role": "user", "content": ELIDED_OBSERVATION}
+                first = i if first is None else first
+        return first
+
+    def score(self) -> float | None:
+        if self.skip_reason is not None:
+            return None
+        if self.final_answer is None:
+            return 0.0
+        if self.judge is None:
+            raise LLMError("ToolBench scoring needs the LLM judge: make('toolbench', "
+                           "judge_model=...)")
+        return judge_answer(self.judge, self.task, toolbench_reference(self.gt_answer),
+                            self.final_answer)
+
+
+def toolbench_skip_reason(gt) -> str | None:
+    return None if toolbench_reference(gt) else "no_answer"
+
+
+def toolbench_reference(gt) -> str:
+    if isinstance(gt, dict):
+        return "\n".join(g[0] for g in gt.get("whitelist") or [] if g and g[0].strip())
+    if isinstance(gt, list):
+        return "\n".join(a for a in gt if a.strip())
+    return ""
+
+
+class ToolBenchEnv(Env):
+    def __init__(self, split: str = "test", data_dir=None, fuzzy: bool = False,
+                 history_chars: int | None = HISTORY_CHARS,
+                 judge_model: str | None = "gpt-4o-mini", judge_cache=None):
+        # The judge first: a missing key must fail before any data is read or fetched.
+        self.judge = ChatClient(judge_model, cache_dir=judge_cache) if judge_model else None
+        super().__init__(load_episodes(episode_file("toolbench", split, data_dir)))
+        self.fuzzy = fuzzy
+        self.history_chars = history_chars
+
+    def _new_episode(self, key, record):
+        return ToolBenchEpisode(key, record, self.fuzzy, self.history_chars, self.judge)
+
+
+# ---------------------------------------------------------------------------------------------
+# Contamination of released episodes with an LLM (paper Appendix contam_procedure)
+# ---------------------------------------------------------------------------------------------
+# For an episode with T assistant turns, turn T is the evaluation turn. Pick j uniformly from
+# 1..T-1, a type uniformly among those compatible with turn j (paper Table contam_compat), ask
+# the LLM once for a plausible but objectively wrong version of that turn, replace turn j only,
+# and log type, dialog index, original turn and raw reply. The choices come from
+# random.Random(f"{seed}:{episode id}"), so a run is deterministic given --seed and the reply
+# cache, and does not depend on the order of episodes.
+
+_CONTAMINATION_PREAMBLE = """\
+You help build a benchmark of errors made by tool-using AI agents. You receive an agent's task,
+its trajectory so far, and one target step. Rewrite the target step so that it stays fluent,
+confident, and consistent in style and length with the original, yet is objectively incorrect in
+the specific way described below - the kind of mistake a reasonable but mistaken agent could
+make. Never hint that the step is wrong: no disclaimers, apologies, or meta comments.
+"""
+
+CONTAMINATION_SYSTEM = {
+    "reasoning_error": _CONTAMINATION_PREAMBLE + """
+Error type: reasoning error. Rewrite the step's Thought so that it contains a logically flawed
+inference - for example a wrong calculation or comparison, an unjustified conclusion, a mistaken
+plan, or two entities confused - while reading as coherent with the conversation. The tool call
+(if any) stays as it is and is not part of your reply.
+Reply with a JSON object only: {"thought": "<the rewritten thought>"}""",
+    "tool_misuse": _CONTAMINATION_PREAMBLE + """
+Error type: tool misuse. Rewrite the step's tool call: call an inappropriate tool from the
+available list, supply a malformed argument, or call the right tool with semantically wrong
+parameters (a wrong value, entity, file, date or unit). The call must stay syntactically valid: a
+tool name and a JSON object of arguments. The thought stays as it is.
+Reply with a JSON object only: {"action": "<tool name>", "action_input": {<arguments>}}""",
+    "observation_misinterpretation": _CONTAMINATION_PREAMBLE + """
+Error type: observation misinterpretation. Rewrite the step's Thought so that it reaches a
+conclusion inconsistent with the immediately preceding observation - for example claiming a call
+succeeded when it failed, reading the wrong field or number, or misreporting a value. The tool
+call (if any) stays as it is and is not part of your reply.
+Reply with a JSON object only: {"thought": "<the rewritten thought>"}""",
+    "stale_memory": _CONTAMINATION_PREAMBLE + """
+Error type: stale memory. Rewrite the step so that it relies on information from earlier in the
+trajectory in a way that contradicts later evidence - for example it carries an outdated value,
+a superseded plan, or an earlier result that a later observation corrected, as if it were
+current. Rewrite the Thought and, if the step calls a tool, the call consistently with the stale
+belief (keep the call unchanged if the stale belief does not affect it).
+Reply with a JSON object only: {"thought": "<the rewritten thought>"} for a step without a tool
+call, else {"thought": "...", "action": "<tool name>", "action_input": {<arguments>}}""",
+}
+
+
+def assistant_positions(dialog: list[dict]) -> list[int]:
+    return [i for i, m in enumerate(dialog) if m["role"] == "assistant"]
+
+
+def compatible_types(dialog: list[dict], idx: int) -> list[str]:
+    """Contamination types that fit the assistant turn dialog[idx] (paper Table contam_compat)."""
+    positions = assistant_positions(dialog)
+    prev = max((p for p in positions if p < idx), default=0)
+    kinds = ["reasoning_error"]
+    if dialog[idx].get("tool_calls"):
+        kinds.append("tool_misuse")
+    if any(m["role"] == "tool" for m in dialog[prev:idx]):
+        kinds.append("observation_misinterpretation")
+    if len(positions) >= 3:
+        kinds.append("stale_memory")
+    return kinds
+
+
+def contamination_messages(record: dict, idx: int, kind: str) -> list[dict]:
+    """The system + user prompt asking to rewrite the assistant turn dialog[idx] as `kind`."""
+    dialog = record["dialogs"]
+    turn_no = assistant_positions(dialog).index(idx) + 1
+    n_turns = len(assistant_positions(dialog))
+    tools = "\n".join(f"- {t['name']}: {' '.join((t.get('description') or '').split())}"
+                      for t in record["tools"]) or "(none)"
+    history = dialog_to_messages(dialog[:idx], record["tools"], record["files"])[1:]
+    trajectory = "\n\n".join(("Agent:\n" if m["role"] == "assistant" else "") + m["content"]
+                             for m in history) or "(the target step is the first step)"
+    parts = [f"Task given to the agent:\n{render_task(dialog[0]['content'], record['files'])}",
+             f"Available tools:\n{tools}",
+             f"Trajectory before the target step:\n{trajectory}"]
+    if kind == "observation_misinterpretation":
+        obs = next(m for m in reversed(dialog[:idx]) if m["role"] == "tool")
+        parts.append("The observation immediately before the target step:\n"
+                     + render_observation(tool_result_text(obs)))
+    parts.append(f"Target step (step {turn_no} of {n_turns}), to rewrite with a "
+                 f"{kind.replace('_', ' ')} error:\n{render_assistant(dialog[idx])}")
+    parts.append("Reply with the JSON object described in your instructions.")
+    return [{"role": "system", "content": CONTAMINATION_SYSTEM[kind]},
+            {"role": "user", "content": "\n\n".join(parts)}]
+
+
+def _reply_fields(kind: str, has_call: bool) -> tuple[bool, bool]:
+    """(rewrites the thought, rewrites the tool call) for a contamination type."""
+    return kind != "tool_misuse", kind == "tool_misuse" or (kind == "stale_memory" and has_call)
+
+
+def contaminated_turn(message: dict, kind: str, reply: dict) -> dict:
+    """The assistant turn with the fields `kind` rewrites replaced by the LLM's reply."""
+    has_call = bool(message.get("tool_calls"))
+    new_thought, new_call = _reply_fields(kind, has_call)
+    new = dict(message)
+    if new_thought:
+        for key in ("explanation",) + (("content",) if has_call else ()):
+            new.pop(key, None)      # those keys are read as thought (assistant_parts)
+        new["thought"] = reply["thought"]
+    if new_call:
+        new["tool_calls"] = [{"type": "function", "function": {
+            "name": reply["action"], "arguments": reply["action_input"]}}]
+    return new
+
+
+def contaminate_record(client: ChatClient, key: str, record: dict, seed: int
+                       ) -> tuple[dict | None, str]:
+    """(contaminated record, "ok") or (None, why it was left out)."""
+    dialog = record["dialogs"]
+    positions = assistant_positions(dialog)
+    rng = random.Random(f"{seed}:{key}")
+    j = rng.randrange(1, len(positions))                 # 1..T-1, never the evaluation turn
+    idx = positions[j - 1]
+    kind = rng.choice(compatible_types(dialog, idx))
+    has_call = bool(dialog[idx].get("tool_calls"))
+    new_thought, new_call = _reply_fields(kind, has_call)
+
+    def check(obj):
+        if new_thought and not (isinstance(obj.get("thought"), str) and obj["thought"].strip()):
+            raise ValueError("missing 'thought'")
+        if new_call and not (isinstance(obj.get("action"), str) and obj["action"].strip()
+                             and isinstance(obj.get("action_input"), dict)):
+            raise ValueError("missing 'action' or 'action_input' (a JSON object)")
+    try:
+        reply, raw = client.chat_json(contamination_messages(record, idx, kind), check=check,
+                                      max_tokens=1024)
+    except BadReply as e:       # one call per turn (paper): a bad reply leaves the episode out
+        print(f"episode {key}: {e}", file=sys.stderr)
+        return None, "bad_reply"
+    turn = contaminated_turn(dialog[idx], kind, reply)
+    if render_assistant(turn) == render_assistant(dialog[idx]):
+        return None, "unchanged"
+    out = dict(record)
+    out["dialogs"] = dialog[:idx] + [turn] + dialog[idx + 1:]
+    out["contaminated_turn_indices"] = [idx]
+    out["contamination_types"] = [kind]
+    out["original_turn_contents"] = [dialog[idx]]
+    out["contamination_responses"] = [raw]
+    return out, "ok"
+
+
+def contaminate_file(data: str | Path, out: str | Path, client: ChatClient, seed: int = 42,
+                     min_turns: int = 3, max_turns: int = 8) -> dict[str, int]:
+    """Contaminate every episode of an episode file whose assistant-turn count T lies in
+    [min_turns, max_turns] (the paper's filters); write the released schema atomically."""
+    if min_turns < 2:
+        raise ValueError("--min-turns must be at least 2: a turn before the evaluation turn")
+    episodes = load_episodes(data)
+    result, counts = {}, {}
+    for key, record in episodes.items():
+        if "contaminated_turn_indices" in record:
+            raise DataError(f"{data}: record {key}: already contaminated")
+        n_turns = len(assistant_positions(record["dialogs"]))
+        if not min_turns <= n_turns <= max_turns:
+            status = "turns_out_of_range"
+        else:
+            new, status = contaminate_record(client, key, record, seed)
+            if new is not None:
+                result[key] = new
+        counts[status] = counts.get(status, 0) + 1
+    _check_episode_file(result, out)
+    write_atomic(Path(out), json.dumps(result, indent=2, ensure_ascii=False).encode("utf-8"))
+    return counts
+
+
+# ---------------------------------------------------------------------------------------------
+# make(): the one entry point of grpo.py and pair.py
+# ---------------------------------------------------------------------------------------------
+
+def make(name: str, split: str = "test", data_dir=None, **kw) -> Env:
+    """An environment by name: shop (built-in, from a seed), gta or toolbench (replay).
+
+    gta: match="strict" | "loose". toolbench: fuzzy=False, history_chars=6000,
+    judge_model="gpt-4o-mini" (None: no scoring), judge_cache=None. shop: seed=42, see below.
+    """
+    if name == "shop":
+        return ShopEnv(split, kw.pop("seed", 42), **kw)
+    if name == "gta":
+        return GTAEnv(split, data_dir, **kw)
+    if name == "toolbench":
+        return ToolBenchEnv(split, data_dir, **kw)
+    raise ValueError(f"unknown environment {name!r}: choose shop, gta or toolbench")
+
+
+# ---- shop: the built-in tool world (issue 4) ----
+#
+# Every episode is drawn from one integer seed: a world (USD prices of SHOP_ITEMS at stores A-D,
+# exchange rates) and a task, "What is the total cost of 3 apple at store B and 2 pear at store A,
+# in EUR?". Solving it takes 2-5 tool calls (one Lookup per line, a Rate unless the currency is
+# USD, one Calculator), then a final answer with 2 decimals. The tools really execute against the
+# world, so any dialog - gold, contaminated or a model's rollout - is labelled exactly, turn by
+# turn, by re-running its tool calls (shop_labels). Vocabulary and phrasing are small and regular
+# on purpose: a tiny model trained on the gold dialogs must be able to learn the world.
+#
+# A turn is correct iff (shop_labels):
+#   action - Lookup/Rate: the fact it fetches is one the task needs and no earlier turn of the
+#            dialog fetched (by its real call, whatever observation text the dialog shows);
+#            Calculator: the expression evaluates (within 0.005) to a needed quantity that no
+#            earlier Calculator call produced - a line subtotal q*p, a sum of subtotals, such a
+#            sum converted with the rate, or a converted unit price p*r;
+#            final answer: its first number is within 0.01 of the true answer;
+#            an unknown tool, bad arguments or an unparsable reply is never correct;
+#   thought - asserts nothing false. Claims are read with fixed patterns (_SHOP_CLAIM):
+#            "<item> at store <S> costs <x>" and "1 USD = <x> <CUR>" must state the world's value;
+#            "I need the price of <item> at store <S>" / "I need the <CUR> rate" must name a fact
+#            the task needs that is not yet fetched; "The total is <expression or x> [<CUR>]" must
+#            come within 0.01 of the true total (in the task's currency). Every other number in
+#            the thought must be a value the task involves: a quantity, a price or rate the task
+#            needs or the dialog fetched, a needed quantity, a result of an earlier calculation.
+# Claims are checked against the world, not against what the dialog happened to show: the
+# matched contaminated data keep the clean observations verbatim after a contaminated call (as
+# the release does), and a later gold turn restating the true price is still true.
+
+# The section's own imports, kept here so that the section reads on its own.
+from dataclasses import replace  # noqa: E402
+from decimal import ROUND_HALF_UP, Decimal  # noqa: E402
+from functools import cached_property  # noqa: E402
+
+SHOP_STORES = ("A", "B", "C", "D")
+SHOP_ITEMS = ("apple", "bread", "egg", "milk", "pear", "rice")
+# Units of each currency one USD buys, drawn uniformly in cents from these ranges.
+SHOP_RATE_CENTS = {"EUR": (80, 99), "GBP": (70, 89), "CAD": (120, 149), "JPY": (10000, 15999)}
+SHOP_CURRENCIES = ("USD",) + tuple(SHOP_RATE_CENTS)
+SHOP_PRICE_CENTS = (50, 999)
+SHOP_MAX_QUANTITY = 6
+SHOP_TEMPLATES = ("What is the total cost of {lines}, in {cur}?",
+                  "How much do {lines} cost in total, in {cur}?",
+                  "I buy {lines}. How much do I pay in {cur}?")
+# Episode seeds: seed * SHOP_SEED_STRIDE + SHOP_SPLIT_OFFSET[split] + i, so splits (and seeds)
+# never share an episode as long as i < SHOP_SPLIT_SIZE.
+SHOP_SEED_STRIDE = 10_000_000
+SHOP_SPLIT_SIZE = 5_000_000
+SHOP_SPLIT_OFFSET = {"train": 0, "test": SHOP_SPLIT_SIZE}
+SHOP_TOOLS = [
+    {"name": "Lookup", "description": "Look up the price in USD of one item at one store.",
+     "inputs": [{"type": "text", "name": "store", "description": "The store: A, B, C or D.",
+                 "optional": False, "default": None, "filetype": None},
+                {"type": "text", "name": "item", "description": "The item, e.g. apple.",
+                 "optional": False, "default": None, "filetype": None}],
+     "outputs": [{"type": "text", "name": None, "description": "The price in USD.",
+                  "optional": False, "default": None, "filetype": None}]},
+    {"name": "Rate", "description": "How many units of a currency one USD buys.",
+     "inputs": [{"type": "text", "name": "currency",
+                 "description": "The currency: " + ", ".join(SHOP_CURRENCIES) + ".",
+                 "optional": False, "default": None, "filetype": None}],
+     "outputs": [{"type": "text", "name": None, "description": "The exchange rate.",
+                  "optional": False, "default": None, "filetype": None}]},
+    {"name": "Calculator", "description": "Evaluate an arithmetic expression (+ - * / and "
+                                          "parentheses).",
+     "inputs": [{"type": "text", "name": "expression", "description": "e.g. (3*2.50+1.20)*0.92",
+                 "optional": False, "default": None, "filetype": None}],
+     "outputs": [{"type": "text", "name": None, "description": "The value.",
+                  "optional": False, "default": None, "filetype": None}]},
+]
+_CENT = Decimal("0.01")
+_SHOP_VALUE_TOL = 0.005     # a price, rate or calculation "equals" a value within half a cent
+_SHOP_TOTAL_TOL = 0.01      # a total or a final answer within a cent (the answer is rounded)
+
+
+def _cents(n: int) -> Decimal:
+    return Decimal(n).scaleb(-2)        # 250 -> Decimal("2.50"): keeps two decimals when printed
+
+
+@dataclass(frozen=True)
+class ShopTask:
+    """One episode: the world and the task. Facts are ("price", store, item) or ("rate", cur)."""
+    seed: int
+    prices: dict            # (store, item) -> Decimal USD, every store sells every item
+    rates: dict             # currency -> Decimal units per USD ("USD" -> 1.00)
+    lines: tuple            # ((quantity, item, store), ...), distinct (store, item)
+    currency: str
+    text: str
+
+    @cached_property
+    def needed(self) -> tuple:
+        """The facts a solution fetches, in the gold solver's order."""
+        facts = tuple(("price", s, i) for _, i, s in self.lines)
+        return facts + ((("rate", self.currency),) if self.currency != "USD" else ())
+
+    def value(self, fact) -> Decimal:
+        return self.prices[fact[1:]] if fact[0] == "price" else self.rates[fact[1]]
+
+    @cached_property
+    def total(self) -> Decimal:
+        """Exact total in the task's currency."""
+        usd = sum(q * self.prices[s, i] for q, i, s in self.lines)
+        return usd * self.rates[self.currency]
+
+    @cached_property
+    def answer(self) -> str:
+        """The canonical answer: the total rounded half-up to 2 decimals."""
+        return str(self.total.quantize(_CENT, rounding=ROUND_HALF_UP))
+
+    @cached_property
+    def quantities(self) -> list[Decimal]:
+        """Every value a useful Calculator call may produce (see the header comment)."""
+        rate = self.rates[self.currency]
+        subtotals = [q * self.prices[s, i] for q, i, s in self.lines]
+        sums = set()
+        for mask in range(1, 2 ** len(subtotals)):
+            sums.add(sum(x for k, x in enumerate(subtotals) if mask >> k & 1))
+        out = set(sums)
+        if self.currency != "USD":
+            out |= {x * rate for x in sums}
+            out |= {self.prices[s, i] * rate for _, i, s in self.lines}
+        return sorted(out)
+
+
+def shop_task(seed: int) -> ShopTask:
+    """The episode of one seed (deterministic: one random.Random(seed), fixed draw order)."""
+    rng = random.Random(seed)
+    prices = {(s, i): _cents(rng.randint(*SHOP_PRICE_CENTS))
+              for s in SHOP_STORES for i in SHOP_ITEMS}
+    rates = {"USD": _cents(100)}
+    rates.update({c: _cents(rng.randint(*span)) for c, span in SHOP_RATE_CENTS.items()})
+    n_lines = rng.randint(1, 3)
+    pairs = rng.sample([(s, i) for s in SHOP_STORES for i in SHOP_ITEMS], n_lines)
+    lines = tuple((rng.randint(1, SHOP_MAX_QUANTITY), i, s) for s, i in pairs)
+    currency = rng.choice(SHOP_CURRENCIES)
+    parts = [f"{q} {i} at store {s}" for q, i, s in lines]
+    listed = parts[0] if len(parts) == 1 else ", ".join(parts[:-1]) + " and " + parts[-1]
+    text = rng.choice(SHOP_TEMPLATES).format(lines=listed, cur=currency)
+    return ShopTask(seed, prices, rates, lines, currency, text)
+
+
+def shop_episode_seed(split: str, seed: int, i: int) -> int:
+    if split not in SHOP_SPLIT_OFFSET:
+        raise ValueError(f"shop: unknown split {split!r} (choose from train, test)")
+    if not 0 <= i < SHOP_SPLIT_SIZE:
+        raise IndexError(f"shop: episode index {i} out of range [0, {SHOP_SPLIT_SIZE})")
+    return seed * SHOP_SEED_STRIDE + SHOP_SPLIT_OFFSET[split] + i
+
+
+def shop_episode_id(split: str, seed: int, i: int) -> str:
+    return f"shop-{seed}-{split}-{i}"
+
+
+def shop_task_from_id(episode_id: str) -> ShopTask:
+    """Rebuild the world of a shop episode id, so any shop record can be re-labelled."""
+    m = re.fullmatch(r"shop-(\d+)-(train|test)-(\d+)", episode_id)
+    if m is None:
+        raise ValueError(f"not a shop episode id: {episode_id!r} (expected shop-SEED-SPLIT-I)")
+    return shop_task(shop_episode_seed(m.group(2), int(m.group(1)), int(m.group(3))))
+
+
+# ---- the tools -----------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class ShopResult:
+    text: str                   # the observation
+    fact: tuple | None = None   # what a Lookup/Rate call learned ...
+    value: Decimal | None = None    # ... and its value
+    number: float | None = None     # a Calculator result
+
+
+def _shop_args(arguments, keys: tuple[str, ...]) -> list[str] | None:
+    if not isinstance(arguments, dict) or set(arguments) != set(keys) or \
+            not all(isinstance(arguments[k], str) for k in keys):
+        return None
+    return [arguments[k].strip() for k in keys]
+
+
+def shop_execute(task: ShopTask, name: str, arguments) -> ShopResult:
+    """Run one tool call against the episode's world."""
+    if name == "Lookup":
+        args = _shop_args(arguments, ("store", "item"))
+        if args is None:
+            return ShopResult('Error: Lookup takes {"store": ..., "item": ...}.')
+        store, item = args[0].upper(), args[1].lower()
+        if store not in SHOP_STORES:
+            return ShopResult(f"Error: unknown store '{args[0]}'. Stores: "
+                              + ", ".join(SHOP_STORES) + ".")
+        if item not in SHOP_ITEMS:
+            return ShopResult(f"Error: unknown item '{args[1]}'. Items: "
+                              + ", ".join(SHOP_ITEMS) + ".")
+        price = task.prices[store, item]
+        return ShopResult(f"{item} at store {store} costs {price} USD.",
+                          ("price", store, item), price)
+    if name == "Rate":
+        args = _shop_args(arguments, ("currency",))
+        if args is None:
+            return ShopResult('Error: Rate takes {"currency": ...}.')
+        cur = args[0].upper()
+        if cur not in SHOP_CURRENCIES:
+            return ShopResult(f"Error: unknown currency '{args[0]}'. Currencies: "
+                              + ", ".join(SHOP_CURRENCIES) + ".")
+        return ShopResult(f"1 USD = {task.rates[cur]} {cur}.", ("rate", cur), task.rates[cur])
+    if name == "Calculator":
+        args = _shop_args(arguments, ("expression",))
+        if args is None:
+            return ShopResult('Error: Calculator takes {"expression": ...}.')
+        out = calculate(args[0])
+        try:
+            number = float(out)
+        except ValueError:          # "Error: ..."
+            return ShopResult(out)
+        # Round away float noise (9.108000000000001): a small model should not have to copy it.
+        return ShopResult(str(round(number, 6)), number=number)
+    return ShopResult(f"Error: unknown tool '{name}'. Tools: Lookup, Rate, Calculator.")
+
+
+# ---- exact labels --------------------------------------------------------------------------------
+
+_NUM = r"\d+(?:\.\d+)?"
+_SHOP_CLAIM = re.compile(
+    rf"(?P<item>[a-z]+) at store (?P<store>[a-z])\b costs (?P<price>{_NUM})(?: USD\b)?"
+    rf"|\b1 USD = (?P<rate>{_NUM}) (?P<rcur>[a-z]{{3}})\b"
+    r"|\bI need the price of (?P<nitem>[a-z]+) at store (?P<nstore>[a-z])\b"
+    r"|\bI need the (?P<ncur>[a-z]{3}) rate\b"
+    r"|\bthe total is (?P<total>[\d.+\-*/() ]*[\d)])(?: (?P<tcur>[a-z]{3})\b)?",
+    re.IGNORECASE)
+
+
+def _close(x: float, values, tol: float = _SHOP_VALUE_TOL) -> bool:
+    return any(abs(x - float(v)) <= tol + 1e-9 for v in values)
+
+
+def _calc_value(expression: str) -> float | None:
+    try:
+        return float(calculate(expression))
+    except ValueError:              # "Error: ..."
+        return None
+
+
+def _first_number(text: str) -> float | None:
+    m = re.search(r"-?\d[\d,]*(?:\.\d+)?", text or "")
+    return float(m.group(0).replace(",", "")) if m else None
+
+
+def _shop_thought_true(task: ShopTask, thought: str | None, known: dict,
+                       computed: list[float]) -> bool:
+    """The thought asserts nothing false (the rule in the header comment). known: fact -> value
+    fetched by earlier turns; computed: results of earlier Calculator calls."""
+    if not thought:
+        return True
+    for m in _SHOP_CLAIM.finditer(thought):
+        if m.group("price"):
+            key = (m.group("store").upper(), m.group("item").lower())
+            if key not in task.prices or not _close(float(m.group("price")), [task.prices[key]]):
+                return False
+        elif m.group("rate"):
+            cur = m.group("rcur").upper()
+            if cur not in task.rates or not _close(float(m.group("rate")), [task.rates[cur]]):
+                return False
+        elif m.group("nitem"):
+            fact = ("price", m.group("nstore").upper(), m.group("nitem").lower())
+            if fact not in task.needed or fact in known:
+                return False
+        elif m.group("ncur"):
+            fact = ("rate", m.group("ncur").upper())
+            if fact not in task.needed or fact in known:
+                return False
+        else:
+            cur = m.group("tcur")
+            value = _calc_value(m.group("total"))
+            if (cur and cur.upper() != task.currency) or value is None \
+                    or not _close(value, [task.total], _SHOP_TOTAL_TOL):
+                return False
+    allowed = [Decimal(q) for q, _, _ in task.lines] + [task.value(f) for f in task.needed]
+    allowed += list(known.values()) + task.quantities + [Decimal(task.answer)]
+    rest = _SHOP_CLAIM.sub(" ", thought)
+    return all(_close(float(x), allowed) or _close(float(x), computed)
+               for x in re.findall(_NUM, rest))
+
+
+def shop_labels(task: ShopTask, steps: list) -> list[bool]:
+    """Exact correctness of each assistant turn. steps: Action | Final | ParseError per turn, in
+    order (dialog_steps / parse_react); tool calls are re-run, observations never read."""
+    known: dict = {}
+    computed: list[float] = []
+    labels = []
+    for step in steps:
+        if isinstance(step, Final):
+            answer = _first_number(step.answer)
+            ok = answer is not None and _close(answer, [Decimal(task.answer)], _SHOP_TOTAL_TOL)
+        elif isinstance(step, Action):
+            ok = True
+        else:                      # ParseError, or a released turn with several tool calls
+            labels.append(False)
+            continue
+        ok = ok and _shop_thought_true(task, step.thought, known, computed)
+        if isinstance(step, Action):
+            res = shop_execute(task, step.name, step.arguments)
+            if res.fact is not None:
+                ok = ok and res.fact in task.needed and res.fact not in known
+                known[res.fact] = res.value
+            elif res.number is not None:
+                ok = ok and _close(res.number, task.quantities) and not _close(res.number,
+                                                                                computed)
+                computed.append(res.number)
+            else:
+                ok = False
+        labels.append(ok)
+    return labels
+
+
+def dialog_steps(dialog: list[dict]) -> list:
+    """The assistant turns of a released-schema dialog as parser results."""
+    steps = []
+    for m in dialog:
+        if m["role"] != "assistant":
+            continue
+        if len(m.get("tool_calls") or []) > 1:
+            steps.append(ParseError("several tool calls in one turn"))
+            continue
+        thought, call, final = assistant_parts(m)
+        steps.append(Action(thought, call["name"], call.get("arguments") or {})
+                     if call is not None else Final(thought, final))
+    return steps
+
+
+def shop_dialog_labels(task: ShopTask, dialog: list[dict]) -> list[bool]:
+    return shop_labels(task, dialog_steps(dialog))
+
+
+# ---- the gold solver ---------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class _ShopTurn:
+    """The pieces a gold-style turn is written from; contamination edits them."""
+    said: tuple = ()                # ((fact, value), ...) restated from observations
+    need: tuple | None = None       # the fact the thought says is needed next
+    formula: str | None = None      # the thought's "The total is <formula>."
+    call: tuple | None = None       # (tool name, arguments); None for the final answer
+    answer: str | None = None
+
+
+def _shop_fact_call(fact) -> tuple:
+    if fact[0] == "price":
+        return "Lookup", {"store": fact[1], "item": fact[2]}
+    return "Rate", {"currency": fact[1]}
+
+
+def _shop_formula(task: ShopTask, values: dict, mul: str = "*", conv: str = "*") -> str:
+    """The total as an expression of the given fact values ("(3*2.50+2*1.20)*0.92")."""
+    body = "+".join(f"{q}{mul}{values['price', s, i]}" for q, i, s in task.lines)
+    if task.currency == "USD":
+        return body
+    rate = values["rate", task.currency]
+    return f"{body}{conv}{rate}" if len(task.lines) == 1 else f"({body}){conv}{rate}"
+
+
+def _shop_render(task: ShopTask, turn: _ShopTurn) -> dict:
+    """A turn as a released-schema assistant message."""
+    parts = []
+    for fact, value in turn.said:
+        parts.append(f"{fact[2]} at store {fact[1]} costs {value}." if fact[0] == "price"
+                     else f"1 USD = {value} {fact[1]}.")
+    if turn.need is not None:
+        parts.append(f"I need the price of {turn.need[2]} at store {turn.need[1]}."
+                     if turn.need[0] == "price" else f"I need the {turn.need[1]} rate.")
+    if turn.formula is not None:
+        parts.append(f"The total is {turn.formula}.")
+    if turn.answer is not None:
+        parts.append(f"The total is {turn.answer} {task.currency}.")
+    thought = " ".join(parts)
+    if turn.call is None:
+        return {"role": "assistant", "content": turn.answer, "thought": thought}
+    name, arguments = turn.call
+    return {"role": "assistant",
+            "tool_calls": [{"type": "function",
+                            "function": {"name": name, "arguments": dict(arguments)}}],
+            "thought": thought}
+
+
+def _shop_next(task: ShopTask, known: dict, computed: list[float], said: tuple) -> _ShopTurn:
+    """The gold policy: fetch the next missing fact, then compute the total, then answer."""
+    missing = [f for f in task.needed if f not in known]
+    if missing:
+        return _ShopTurn(said=said, need=missing[0], call=_shop_fact_call(missing[0]))
+    if not _close(float(task.total), computed):
+        formula = _shop_formula(task, known)
+        return _ShopTurn(said=said, formula=formula,
+                         call=("Calculator", {"expression": formula}))
+    return _ShopTurn(said=said, answer=task.answer)
+
+
+def _tool_message(name: str, text: str) -> dict:
+    return {"role": "tool", "name": name, "content": {"type": "text", "content": text}}
+
+
+def _shop_play(task: ShopTask, dialog: list[dict], turn: _ShopTurn, state: tuple) -> ShopResult:
+    """Append a turn and its true observation; update state = (known, computed, said)."""
+    known, computed, _ = state
+    dialog.append(_shop_render(task, turn))
+    if turn.call is None:
+        return ShopResult("")
+    res = shop_execute(task, *turn.call)
+    dialog.append(_tool_message(turn.call[0], res.text))
+    if res.fact is not None:
+        known[res.fact] = res.value
+    if res.number is not None:
+        computed.append(res.number)
+    return res
+
+
+def shop_gold(task: ShopTask) -> tuple[list[dict], list[_ShopTurn]]:
+    """The gold dialog (released schema) and the pieces of each of its assistant turns."""
+    dialog = [{"role": "user", "content": task.text}]
+    turns: list[_ShopTurn] = []
+    known, computed, said = {}, [], ()
+    while True:
+        turn = _shop_next(task, known, computed, said)
+        turns.append(turn)
+        res = _shop_play(task, dialog, turn, (known, computed, said))
+        if turn.call is None:
+            return dialog, turns
+        said = ((res.fact, res.value),) if res.fact is not None else ()
+
+
+def shop_record(task: ShopTask, dialog: list[dict]) -> dict:
+    """An episode in the released schema (SPEC §1)."""
+    return {"tools": SHOP_TOOLS, "files": [], "dialogs": dialog,
+            "gt_answer": {"whitelist": [[task.answer]], "blacklist": None}}
+
+
+def _shop_state(task: ShopTask, dialog: list[dict]) -> tuple[dict, list[float], tuple]:
+    """Re-run the tool calls of a dialog: (facts fetched, calculation results, restatable facts
+    of the last result)."""
+    known, computed, said = {}, [], ()
+    for step in dialog_steps(dialog):
+        if isinstance(step, Action):
+            res = shop_execute(task, step.name, step.arguments)
+            if res.fact is not None:
+                known[res.fact] = res.value
+            if res.number is not None:
+                computed.append(res.number)
+            said = ((res.fact, res.value),) if res.fact is not None else ()
+    return known, computed, said
+
+
+# ---- contamination (paper Appendix contam_types, contam_procedure), rule-based -------------------
+#
+# Targets are drawn as in the paper: j uniform over the non-final assistant turns, a type uniform
+# over those compatible with turn j, and only turn j is rewritten - every later message, tool
+# results included, stays verbatim (matched-pair semantics). As in the release (63 of 176 GTA
+# train episodes), an episode gets a second contaminated turn, later and non-final, with
+# probability SHOP_SECOND_CONTAMINATION. The types, written onto the gold turn's pieces:
+#   reasoning_error (any turn): a Lookup/Rate turn's thought plans a fact the task does not need
+#       (its call unchanged); a Calculator turn gets a flawed formula in thought and call
+#       (converting with / instead of *; in USD, + instead of *);
+#   tool_misuse (any turn): a Lookup/Rate call gets a wrong store, item or currency; a Calculator
+#       call gets one * turned into + (thought unchanged);
+#   observation_misinterpretation (turns after an observation): the thought misreads one digit of
+#       the previous observation's number (a formula in the turn uses the misread number);
+#   stale_memory (turns after >= 2 price observations): the last price seen is replaced by an
+#       earlier one, in the restatement and in the formula.
+# A rewrite is kept only if shop_labels marks it incorrect, so every contaminated turn is an error
+# by the same rule that labels everything else.
+SHOP_SECOND_CONTAMINATION = 0.35
+
+
+def _shop_wrong_facts(task: ShopTask, fact) -> list:
+    """Facts of the same kind near `fact` that the task does not need."""
+    if fact[0] == "price":
+        near = [("price", s, fact[2]) for s in SHOP_STORES] + \
+               [("price", fact[1], i) for i in SHOP_ITEMS]
+    else:
+        near = [("rate", c) for c in SHOP_CURRENCIES if c != "USD"]
+    return [f for f in near if f not in task.needed]
+
+
+def _shop_misreads(value: Decimal) -> list[Decimal]:
+    """The value with one digit misread."""
+    text = str(value)
+    out = []
+    for pos, ch in enumerate(text):
+        if ch.isdigit():
+            out += [Decimal(text[:pos] + d + text[pos + 1:]) for d in "0123456789" if d != ch]
+    return [v for v in out if v > 0]
+
+
+def _shop_stale(task: ShopTask, turns: list[_ShopTurn], k: int) -> tuple:
+    """(last price fact seen before turn k, earlier price values it could be confused with)."""
+    seen = [t.need for t in turns[:k] if t.need is not None and t.need[0] == "price"]
+    if len(seen) < 2:
+        return None, []
+    last = seen[-1]
+    olds = sorted({task.value(f) for f in seen[:-1]} - {task.value(last)})
+    if turns[k].formula is None and all(f != last for f, _ in turns[k].said):
+        return None, []
+    return last, olds
+
+
+def shop_compatible(task: ShopTask, turns: list[_ShopTurn], k: int) -> list[str]:
+    """Contamination types that apply to gold turn k (paper Table contam_compat, for shop)."""
+    kinds = ["reasoning_error", "tool_misuse"]
+    if turns[k].said:
+        kinds.append("observation_misinterpretation")
+    if _shop_stale(task, turns, k)[1]:
+        kinds.append("stale_memory")
+    return kinds
+
+
+def _shop_with_value(task: ShopTask, turn: _ShopTurn, fact, value: Decimal) -> _ShopTurn:
+    """The turn believing fact = value: in its restatement and in its formula."""
+    said = tuple((f, value if f == fact else v) for f, v in turn.said)
+    if turn.formula is None:
+        return replace(turn, said=said)
+    values = {f: task.value(f) for f in task.needed}
+    values[fact] = value
+    formula = _shop_formula(task, values)
+    return replace(turn, said=said, formula=formula, call=("Calculator", {"expression": formula}))
+
+
+def _shop_rewrites(task: ShopTask, turns: list[_ShopTurn], k: int, kind: str,
+                   rng: random.Random) -> list[_ShopTurn]:
+    """Candidate rewrites of gold turn k as a `kind` error, in random order."""
+    turn = turns[k]
+    truth = {f: task.value(f) for f in task.needed}
+    out = []
+    if kind == "reasoning_error":
+        if turn.need is not None:
+            out = [replace(turn, need=f) for f in _shop_wrong_facts(task, turn.need)]
+        else:
+            flawed = (_shop_formula(task, truth, mul="+") if task.currency == "USD"
+                      else _shop_formula(task, truth, conv="/"))
+            out = [replace(turn, formula=flawed, call=("Calculator", {"expression": flawed}))]
+    elif kind == "tool_misuse":
+        if turn.need is not None:
+            out = [replace(turn, call=_shop_fact_call(f))
+                   for f in _shop_wrong_facts(task, turn.need)]
+        else:
+            out = [replace(turn, call=("Calculator",
+                                       {"expression": turn.formula.replace("*", "+", 1)}))]
+    elif kind == "observation_misinterpretation":
+        fact, value = turn.said[-1]
+        out = [_shop_with_value(task, turn, fact, v) for v in _shop_misreads(value)]
+    elif kind == "stale_memory":
+        last, olds = _shop_stale(task, turns, k)
+        out = [_shop_with_value(task, turn, last, v) for v in olds]
+    else:
+        raise ValueError(f"unknown contamination type {kind!r}")
+    rng.shuffle(out)
+    return out
+
+
+def shop_contaminate(task: ShopTask, dialog: list[dict], turns: list[_ShopTurn],
+                     rng: random.Random) -> tuple[list[dict], list[int], list[str], dict]:
+    """The contaminated dialog, its contaminated message indices and types, and the rewritten
+    turns' pieces by message index (the paper's procedure, see above)."""
+    out = list(dialog)
+    targets = [rng.randrange(len(turns) - 1)]
+    if targets[0] < len(turns) - 2 and rng.random() < SHOP_SECOND_CONTAMINATION:
+        targets.append(rng.randrange(targets[0] + 1, len(turns) - 1))
+    indices, kinds, rewritten = [], [], {}
+    for k in targets:
+        kind = rng.choice(shop_compatible(task, turns, k))
+        idx = 2 * k + 1                 # user task, then (assistant, tool) per turn
+        for turn in _shop_rewrites(task, turns, k, kind, rng):
+            message = _shop_render(task, turn)
+            if not shop_dialog_labels(task, out[:idx] + [message])[-1]:
+                break
+        else:
+            raise RuntimeError(f"shop seed {task.seed}: no {kind} rewrite of turn {k} is an "
+                               "error")
+        out[idx] = message
+        indices.append(idx)
+        kinds.append(kind)
+        rewritten[idx] = turn
+    return out, indices, kinds, rewritten
+
+
+def _matched_record(episode_id: str, turn_idx: int, label: bool, kind, indices: list[int],
+                    prefix_type: str, dialog: list[dict], **extra) -> dict:
+    # The released key order.
+    return {"episode_id": episode_id, "turn_idx": turn_idx, "label": int(label),
+            "contamination_type": kind,
+            "has_contaminated_prefix": any(i < turn_idx for i in indices),
+            "original_contaminated_turn_indices": list(indices), "prefix_type": prefix_type,
+            **extra, "dialogs": dialog}
+
+
+def shop_matched(task: ShopTask, episode_id: str, clean: list[dict], contaminated: list[dict],
+                 indices: list[int], kinds: list[str]) -> tuple[list[dict], list[dict]]:
+    """One matched record per assistant turn, as released: the evaluation turn is the
+    contaminated dialog's turn in both files; the prefix is clean or contaminated. Each label is
+    shop_labels' verdict on that record's own dialog."""
+    labels = shop_dialog_labels(task, contaminated)
+    clean_records, contaminated_records = [], []
+    for k, t in enumerate(range(1, len(contaminated), 2)):
+        kind = kinds[indices.index(t)] if t in indices else None
+        dialog = clean[:t] + [contaminated[t]]
+        label = shop_dialog_labels(task, dialog)[-1]
+        clean_records.append(_matched_record(episode_id, t, label, kind, indices, "clean",
+                                             dialog))
+        contaminated_records.append(_matched_record(episode_id, t, labels[k], kind, indices,
+                                                    "contaminated", contaminated[:t + 1]))
+    return clean_records, contaminated_records
+
+
+def shop_diagnostic(task: ShopTask, episode_id: str, clean: list[dict],
+                    contaminated: list[dict], j: int, rewritten: _ShopTurn,
+                    rng: random.Random) -> list[dict]:
+    """The adversarial pair of one episode (SPEC §8e, paper Appendix diagnostic), both evaluated
+    at the turn after the first contaminated turn j:
+    consistent_incorrect - clean prefix, then a fluent gold-style turn that fetches a fact the
+        task does not need (one already fetched, or a neighbour of a needed one): label 0;
+    inconsistent_correct - contaminated prefix (turn j and its true observation), then the gold
+        policy's turn from the true state, restating any value turn j misstated: label 1 (a
+        repair turn: it redoes the misused call, corrects the misread value, recomputes)."""
+    t = j + 2
+    prefix = clean[:t]
+    known, _, said = _shop_state(task, prefix)
+    options = sorted(known) + sorted({f for need in task.needed
+                                      for f in _shop_wrong_facts(task, need)})
+    rng.shuffle(options)
+    for fact in options:
+        turn = _ShopTurn(said=said, need=fact, call=_shop_fact_call(fact))
+        wrong = _shop_render(task, turn)
+        if not shop_dialog_labels(task, prefix + [wrong])[-1]:
+            break
+    else:
+        raise RuntimeError(f"shop seed {task.seed}: no consistent-but-incorrect turn")
+
+    prefix = contaminated[:j + 1]
+    name, arguments = rewritten.call
+    prefix.append(_tool_message(name, shop_execute(task, name, arguments).text))
+    known, computed, said = _shop_state(task, prefix)
+    fixes = tuple((f, task.value(f)) for f, v in rewritten.said
+                  if v != task.value(f) and all(f != g for g, _ in said))
+    repair = _shop_render(task, _shop_next(task, known, computed, fixes + said))
+    if not shop_dialog_labels(task, prefix + [repair])[-1]:
+        raise RuntimeError(f"shop seed {task.seed}: the repair turn is not correct")
+    return [_matched_record(episode_id, t, False, None, [], "clean", clean[:t] + [wrong],
+                            diagnostic="consistent_incorrect"),
+            _matched_record(episode_id, t, True, None, [j], "contaminated", prefix + [repair],
+                            diagnostic="inconsistent_correct")]
+
+
+# ---- make-data shop ------------------------------------------------------------------------------
+
+def make_shop_data(out_dir, episodes: int = 1000, seed: int = 42) -> dict[str, int]:
+    """Write the released-schema files of `episodes` shop episodes (80:20 train/test) to out_dir:
+    {clean,contaminated}_{train,test}.json, matched_{clean,contaminated}_{train,test}.json, and
+    the adversarial diagnostic set matched_diagnostic_test.json with its episode file
+    diagnostic_test.json. Byte-for-byte deterministic. Returns records per file."""
+    if episodes < 2:
+        raise DataError(f"--episodes {episodes}: need at least 2 (an 80:20 train/test split)")
+    if seed < 0:
+        raise DataError(f"--seed {seed}: must be a non-negative integer")
+    n_test = max(1, episodes // 5)
+    files: dict[str, object] = {}
+    for split, n in (("train", episodes - n_test), ("test", n_test)):
+        clean_eps, cont_eps, m_clean, m_cont, diagnostic = {}, {}, [], [], []
+        for i in range(n):
+            task = shop_task(shop_episode_seed(split, seed, i))
+            eid = shop_episode_id(split, seed, i)
+            clean, turns = shop_gold(task)
+            rng = random.Random(f"shop-contaminate-{task.seed}")
+            cont, indices, kinds, rewritten = shop_contaminate(task, clean, turns, rng)
+            clean_eps[eid] = shop_record(task, clean)
+            cont_eps[eid] = {**shop_record(task, cont), "contaminated_turn_indices": indices,
+                             "contamination_types": kinds,
+                             "original_turn_contents": [clean[t] for t in indices]}
+            mc, mx = shop_matched(task, eid, clean, cont, indices, kinds)
+            m_clean += mc
+            m_cont += mx
+            if split == "test":
+                diagnostic += shop_diagnostic(task, eid, clean, cont, indices[0],
+                                              rewritten[indices[0]], rng)
+        files[f"clean_{split}.json"] = clean_eps
+        files[f"contaminated_{split}.json"] = cont_eps
+        files[f"matched_clean_{split}.json"] = m_clean
+        files[f"matched_contaminated_{split}.json"] = m_cont
+        if split == "test":
+            files["diagnostic_test.json"] = clean_eps
+            files["matched_diagnostic_test.json"] = diagnostic
+    out_dir = Path(out_dir)
+    for name, data in files.items():
+        # The released layout: episode files indented by 2, matched files on one line.
+        text = json.dumps(data, indent=None if name.startswith("matched_") else 2)
+        write_atomic(out_dir / name, text.encode())
+    return {name: len(data) for name, data in files.items()}
+
+
+# ---- the environment -----------------------------------------------------------------------------
+
+SHOP_EPISODES = {"train": 10_000, "test": 200}     # test = make-data's 20% of 1000
+
+
+class ShopEpisode(Episode):
+    def __init__(self, key: str, task: ShopTask):
+        super().__init__(key, task.text, SHOP_TOOLS)
+        self.task = task
+
+    def call_tool(self, name: str, arguments: dict) -> str:
+        return shop_execute(self.task, name, arguments).text
+
+    def score(self) -> float:
+        """1.0 iff the final answer's first number is within 0.01 of the true answer."""
+        if self.final_answer is None:
+            return 0.0
+        answer = _first_number(self.final_answer)
+        return float(answer is not None and
+                     _close(answer, [Decimal(self.task.answer)], _SHOP_TOTAL_TOL))
+
+    def labels(self) -> list[bool]:
+        return shop_labels(self.task, self.steps)
+
+
+class ShopEnv(Env):
+    """Shop episodes of one split, drawn from seeds disjoint from the other split's."""
+
+    def __init__(self, split: str = "test", seed: int = 42, episodes: int | None = None):
+        if split not in SHOP_SPLIT_OFFSET:
+            raise ValueError(f"shop: unknown split {split!r} (choose from train, test)")
+        if type(seed) is not int or seed < 0:
+            raise ValueError(f"shop: seed must be a non-negative integer, got {seed!r}")
+        n = SHOP_EPISODES[split] if episodes is None else episodes
+        if not 0 < n <= SHOP_SPLIT_SIZE:
+            raise ValueError(f"shop: episodes must be in [1, {SHOP_SPLIT_SIZE}], got {n}")
+        self.split, self.seed = split, seed
+        self.ids = [shop_episode_id(split, seed, i) for i in range(n)]
+        self._index = {key: i for i, key in enumerate(self.ids)}
+
+    def episode(self, i: int | str) -> ShopEpisode:
+        if isinstance(i, str):
+            if i not in self._index:
+                raise KeyError(f"no episode {i!r} in shop {self.split} (seed {self.seed})")
+            i = self._index[i]
+        key = self.ids[i]
+        return ShopEpisode(key, shop_task(shop_episode_seed(self.split, self.seed,
+                                                            self._index[key])))
+
+# ---- end of shop section ----
+
+
+# ---------------------------------------------------------------------------------------------
+# Command line
+# ---------------------------------------------------------------------------------------------
+
+def replay_report(env: Env, match: str | None = None, score: bool = True) -> dict:
+    """Play every gold dialog of a replay env: observation mismatches, mean gold score, skips."""
+    mismatches, scores, skips = 0, [], {}
+    for key in env.ids:
+        ep = env.episode(key)
+        pairs = play_gold(ep, env.records[key]["dialogs"])
+        mismatches += sum(recorded != got for recorded, got in pairs)
+        if not score:
+            continue
+        s = ep.score(match) if isinstance(ep, GTAEpisode) else ep.score()
+        if s is None:
+            skips[ep.skip_reason] = skips.get(ep.skip_reason, 0) + 1
+        else:
+            scores.append(s)
+    report = {"episodes": len(env), "observation_mismatches": mismatches}
+    if score:
+        report.update(scored=len(scores), skipped=skips,
+                      mean_gold_score=sum(scores) / len(scores) if scores else None)
+    return report
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = ap.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("download", help="fetch the released splits from the authors' repository")
+    p.add_argument("family", choices=sorted(RELEASE_FILES), help="which benchmark's files")
+    p.add_argument("--data-dir", default=None,
+                   help="root folder (files go to DIR/<family>/); default $PAIR_DATA or "
+                        "~/.cache/pair/data")
+    p.add_argument("--ref", default=RELEASE_REF, help="git commit or branch of the repository")
+    p.add_argument("--force", action="store_true", help="download files that already exist")
+
+    p = sub.add_parser("contaminate", help="rewrite one turn per episode with an LLM (paper "
+                                           "Appendix contam_procedure)")
+    p.add_argument("--data", required=True, help="episode file to contaminate "
+                                                 "(clean_<split>.json schema)")
+    p.add_argument("--out", required=True, help="output episode file (contaminated schema)")
+    p.add_argument("--seed", type=int, default=42, help="seed of the turn and type choices")
+    p.add_argument("--model", default="gpt-4o-mini", help="chat model name at the endpoint "
+                   "($OPENAI_BASE_URL, key in $OPENAI_API_KEY)")
+    p.add_argument("--cache-dir", default=None, help="LLM reply cache (default "
+                                                     "~/.cache/pair/llm)")
+    p.add_argument("--min-turns", type=int, default=3,
+                   help="skip episodes with fewer assistant turns (paper: 3)")
+    p.add_argument("--max-turns", type=int, default=8,
+                   help="skip episodes with more assistant turns (paper: 8)")
+
+    p = sub.add_parser("make-data", help="write the built-in world's released-schema files")
+    p.add_argument("world", choices=["shop"], help="the built-in world")
+    p.add_argument("--out", required=True, help="output folder")
+    p.add_argument("--episodes", type=int, default=1000, help="number of episodes")
+    p.add_argument("--seed", type=int, default=42, help="generation seed")
+
+    p = sub.add_parser("replay", help="play the gold dialogs through a replay env and report")
+    p.add_argument("family", choices=["gta", "toolbench"], help="which benchmark")
+    p.add_argument("--split", default="test", choices=["train", "test"], help="released split")
+    p.add_argument("--data-dir", default=None, help="root folder of the released files")
+    p.add_argument("--match", default="strict", choices=["strict", "loose"],
+                   help="GTA answer matching mode")
+    p.add_argument("--judge-model", default=None,
+                   help="ToolBench: score gold answers with this judge model (default: no "
+                        "scoring)")
+    args = ap.parse_args(argv)
+    try:
+        _run(args)
+    except (DataError, LLMError) as e:      # expected failures: one clear line, no traceback
+        sys.exit(f"error: {e}")
+
+
+def _run(args):
+    if args.command == "download":
+        print(download(args.family, args.data_dir, args.ref, args.force))
+    elif args.command == "contaminate":
+        client = ChatClient(args.model, cache_dir=args.cache_dir)
+        counts = contaminate_file(args.data, args.out, client, args.seed, args.min_turns,
+                                  args.max_turns)
+        print(json.dumps({"out": args.out, "counts": counts,
+                          "requests": client.requests_made}))
+    elif args.command == "make-data":
+        make_shop_data(args.out, args.episodes, args.seed)
+    elif args.command == "replay":
+        if args.family == "gta":
+            env = make("gta", args.split, args.data_dir, match=args.match)
+        else:
+            env = make("toolbench", args.split, args.data_dir, judge_model=args.judge_model)
+        score = args.family == "gta" or args.judge_model is not None
+        print(json.dumps(replay_report(env, args.match, score)))
+
+
+if __name__ == "__main__":
+    main()
