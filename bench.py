@@ -1,0 +1,170 @@
+"""Speed and memory of model.py's internal signals (issue 2), on the real 0.5B checkpoint in bf16.
+
+One 2,048-token sequence with a 256-token span (the span = its last 256 tokens):
+  1. forward with attention statistics / plain forward: time and peak memory;
+  2. our forward with statistics and hidden states vs transformers eager with
+     output_attentions=True, output_hidden_states=True: time and peak memory;
+  3. generating 128 tokens for a batch of 4 chat prompts (greedy, no early stop): with statistics
+     / without, and our tokens per second vs transformers' generate().
+Each ratio is printed next to its target.
+
+Measurement: time is the best of --repeats runs (the CPU is shared, so the minimum is the least
+noisy estimate). Peak memory is the highest number of bytes held by tensors allocated during the
+call, read from the "Total Allocated" counter of PyTorch's CPU allocator as torch.profiler reports
+it (profile_memory=True), in a separate run: weights already resident are excluded and whatever
+the call returns (hidden states, attention matrices) is included. No forward computes full logits:
+ours runs with logits=False and transformers with logits_to_keep=1, so the comparison is about
+what the internal signals cost, not about a 2,048 x 151,936 logits matrix.
+
+transformers is imported here only: it is the library we measure against, not a dependency.
+"""
+import argparse
+import json
+import os
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+import model as M
+
+DEFAULT_MODEL = Path.home() / ".cache" / "pair-models" / "qwen2.5-0.5b"
+PROMPTS = ["Explain how a hash map handles collisions.",
+           "Write a short story about a lighthouse keeper.",
+           "List the planets of the solar system with one fact each.",
+           "What are the trade-offs between TCP and UDP?"]
+
+
+def best_times(runs: dict, repeats: int) -> dict[str, float]:
+    """Best wall time of each run; runs are interleaved so that a burst of load from other
+    processes on the shared CPU hits all of them alike."""
+    times = {k: [] for k in runs}
+    for _ in range(repeats):
+        for k, fn in runs.items():
+            t = time.perf_counter()
+            with torch.no_grad():
+                fn()
+            times[k].append(time.perf_counter() - t)
+    return {k: min(v) for k, v in times.items()}
+
+
+def peak_bytes(fn) -> int:
+    """Peak bytes held by tensors allocated during fn (PyTorch CPU allocator, via profiler)."""
+    with torch.no_grad(), profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        result = fn()
+    del result
+    with tempfile.TemporaryDirectory() as tmp:
+        trace = Path(tmp) / "trace.json"
+        prof.export_chrome_trace(str(trace))
+        events = json.loads(trace.read_text())["traceEvents"]
+    totals = [e["args"]["Total Allocated"] for e in events
+              if e.get("name") == "[memory]" and e["args"].get("Device Type") == 0]
+    return max(totals, default=0)
+
+
+def report(name: str, value: float, target: str, ok: bool):
+    print(f"  {name:<58} {value:8.2f}x   target {target:<7} {'ok' if ok else 'MISSED'}")
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model", default=str(DEFAULT_MODEL), help="checkpoint directory "
+                    "(default: the 0.5B checkpoint built by ../shared/tools/make_qwen05b.sh)")
+    ap.add_argument("--seq-len", type=int, default=2048, help="tokens in the forward benchmark")
+    ap.add_argument("--span", type=int, default=256, help="span length (the last tokens)")
+    ap.add_argument("--new-tokens", type=int, default=128, help="tokens generated per row")
+    ap.add_argument("--batch", type=int, default=4, help="rows generated at once")
+    ap.add_argument("--repeats", type=int, default=3, help="timed runs per forward (best kept)")
+    ap.add_argument("--gen-repeats", type=int, default=1,
+                    help="timed runs per generation benchmark (best kept)")
+    ap.add_argument("--skip-generation", action="store_true", help="only the forward benchmarks")
+    args = ap.parse_args(argv)
+    if not 0 < args.span <= args.seq_len:
+        ap.error("--span must be in 1..--seq-len")
+    if not (Path(args.model) / "config.json").is_file():
+        ap.error(f"--model {args.model}: no config.json (build the checkpoint with "
+                 "../shared/tools/make_qwen05b.sh)")
+    try:
+        import transformers
+    except ImportError:
+        raise SystemExit("bench.py compares against transformers: pip install -r "
+                         "requirements-dev.txt") from None
+    transformers.logging.set_verbosity_error()
+
+    print(f"torch {torch.__version__}, transformers {transformers.__version__}, "
+          f"{torch.get_num_threads()} threads, load average {os.getloadavg()[0]:.1f}")
+    model, tok = M.load_model(args.model, dtype=torch.bfloat16)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(
+        args.model, dtype=torch.bfloat16, attn_implementation="eager").eval()
+
+    # ---- forward: one sequence, span = its last tokens
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, 151643, (1, args.seq_len), generator=g)
+    span = (args.seq_len - args.span, args.seq_len)
+    runs = {
+        "plain": lambda: model(ids, logits=False),
+        "stats": lambda: model(ids, span=span, logits=False),
+        "stats+hidden": lambda: model(ids, span=span, output_hidden_states=True, logits=False),
+        "hf eager": lambda: hf(ids, output_attentions=True, output_hidden_states=True,
+                               logits_to_keep=1),
+    }
+    with torch.no_grad():
+        model(ids[:, :128], logits=False)           # warm up the kernels
+        hf(ids[:, :128], logits_to_keep=1)
+    t = best_times(runs, args.repeats)
+    mem = {k: peak_bytes(fn) for k, fn in runs.items()}
+    print(f"\nforward, {args.seq_len} tokens, span of {args.span} (bf16):")
+    for k in runs:
+        print(f"  {k:<14} {t[k]:7.2f} s   peak {mem[k] / 2**20:8.1f} MiB")
+    report("forward with stats / plain: time", t["stats"] / t["plain"], "<=1.15",
+           t["stats"] / t["plain"] <= 1.15)
+    report("forward with stats / plain: peak memory", mem["stats"] / mem["plain"], "<=1.10",
+           mem["stats"] / mem["plain"] <= 1.10)
+    report("(info) stats + hidden states / plain: time", t["stats+hidden"] / t["plain"], "-",
+           True)
+    report("(info) stats + hidden states / plain: peak memory",
+           mem["stats+hidden"] / mem["plain"], "-", True)
+    report("transformers eager / ours (stats + hidden): time", t["hf eager"] / t["stats+hidden"],
+           ">=3", t["hf eager"] / t["stats+hidden"] >= 3)
+    report("transformers eager / ours (stats + hidden): peak memory",
+           mem["hf eager"] / mem["stats+hidden"], ">=10",
+           mem["hf eager"] / mem["stats+hidden"] >= 10)
+    if args.skip_generation:
+        return
+
+    # ---- generation: batch of chat prompts, greedy, exactly --new-tokens each (no stop)
+    prompts = [tok.render([{"role": "user", "content": p}], add_generation_prompt=True)[0]
+               for p in (PROMPTS * args.batch)[:args.batch]]
+    n = args.new_tokens
+    capacity = max(map(len, prompts)) + n
+
+    def ours(stats):
+        return M.generate(model, model.new_cache(args.batch, capacity), prompts, n,
+                          temperature=0, stop_ids=[], stats=stats)
+
+    width = max(map(len, prompts))
+    padded = torch.tensor([[tok.pad_id] * (width - len(p)) + p for p in prompts])
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+
+    def theirs():
+        return hf.generate(padded, attention_mask=mask, max_new_tokens=n, min_new_tokens=n,
+                           do_sample=False, pad_token_id=tok.pad_id)
+
+    ours(False)                                       # warm up the decode path
+    tg = best_times({"ours, stats": lambda: ours(True), "ours, no stats": lambda: ours(False),
+                     "transformers": theirs}, args.gen_repeats)
+    total = args.batch * n
+    print(f"\ngeneration, batch {args.batch}, {n} new tokens per row (bf16, greedy):")
+    for k, v in tg.items():
+        print(f"  {k:<14} {v:7.2f} s   {total / v:7.1f} tokens/s")
+    report("generation with stats / without: time", tg["ours, stats"] / tg["ours, no stats"],
+           "<=1.10", tg["ours, stats"] / tg["ours, no stats"] <= 1.10)
+    report("tokens/s ours (with stats) / transformers generate()",
+           tg["transformers"] / tg["ours, stats"], ">=1", tg["transformers"] >= tg["ours, stats"])
+    print(f"load average at the end {os.getloadavg()[0]:.1f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,1468 @@
+"""A hand-written Qwen2-family decoder that reports its own hidden states and attention statistics.
+
+PAIR reads its reward from the policy's internals (SPEC §4), so this model returns them natively:
+  * `hidden_states`: L+1 tensors in the Hugging Face convention (embedding output, the output of
+    blocks 1..L-1, then the final-normed output of block L);
+  * `attn_stats`: for every layer l and query head h, six statistics of the softmax row p_i of
+    every query row i of the evaluation-turn span [span_start, span_end), averaged over those
+    rows (keys j <= i are the causal keys; a sliding window's masked keys count as zeros):
+        max      = max_j p_ij
+        std      = population std of p_i0..p_ii
+        prefix   = sum_{j < span_start} p_ij
+        self     = sum_{span_start <= j <= i} p_ij
+        entropy  = -log sum_j p_ij^2                     (Renyi-2, the Head Entropy baseline)
+        lookback = m_ctx / (m_ctx + m_new), m_ctx = mean_{j<span_start} p_ij,
+                   m_new = mean_{span_start<=j<=i} p_ij  (Lookback Lens; 0 when span_start = 0)
+    All six follow from three numbers per row: max_j p_ij, sum_j p_ij^2 and the prefix mass
+    (sum_j p_ij = 1, and std^2 = sum_j p_ij^2 / (i+1) - 1/(i+1)^2). They are computed only for the
+    span rows (a block of span rows x keys per head, in float32), never as a T x T matrix, in a
+    teacher-forced forward and while generating with the KV cache. Without a span the forward is
+    a plain forward.
+
+Architectures: Qwen2ForCausalLM (QKV bias, GQA, tied or untied embeddings), LlamaForCausalLM and
+MistralForCausalLM (no bias; Mistral's sliding window). Modules carry the Hugging Face weight
+names, so loading a checkpoint is a strict `load_state_dict`.
+
+Positions are explicit and every attention mask is built from them: key slot j is visible to the
+query at position p iff j <= p (and p - j < window). The KV cache is indexed by absolute position,
+so several rows can append ragged blocks of tokens, each at its own offset (multi-turn rollouts
+append observations mid-conversation). Pad queries of a ragged append get positions past the row's
+real tokens; their cache slots hold garbage that no real query can see (slot <= position) until the
+row's next real token overwrites it.
+
+Generation follows gpt-fast's small functions (`prefill`, `decode_one_token`, `sample`). Every
+generated token, the final <|im_end|> included, is fed through the model once: the cache holds it
+and its statistics and hidden states are accumulated on the way, so no second forward pass is run.
+Departure from the authors' release (SPEC §4): std is over the i+1 causal keys, not the whole
+padded row, and the statistics come from the generation pass instead of a second eager forward.
+"""
+import argparse
+import contextlib
+import hashlib
+import json
+import math
+import os
+import re
+import sys
+import time
+from bisect import bisect_right
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from urllib.parse import quote
+
+import requests
+import torch
+import torch.nn.functional as F
+from safetensors import safe_open
+from safetensors.torch import save_file
+from torch import Tensor, nn
+
+STATS = ("max", "std", "prefix", "self", "entropy", "lookback")
+ARCHITECTURES = {"qwen2": "Qwen2ForCausalLM", "llama": "LlamaForCausalLM",
+                 "mistral": "MistralForCausalLM"}      # model_type -> architecture
+# transformers < 5 saves only the keys that differ from its class defaults; these defaults of
+# the config classes differ from the dataclass defaults below.
+ARCH_DEFAULTS = {"Qwen2ForCausalLM": {"max_window_layers": 28},
+                 "MistralForCausalLM": {"sliding_window": 4096}}
+DEFAULT_SYSTEM = "You are Qwen, created by Alibaba Cloud. You are a helpful assistant."
+# Span rows are scored in chunks of at most this many float32 scores (8 MB): the few temporaries
+# of a chunk stay below what the MLP of the same block holds anyway, so peak memory is unchanged.
+STATS_CHUNK = 1 << 21
+
+
+class CheckpointError(Exception):
+    """A checkpoint directory that cannot be loaded exactly; the message names file and tensor."""
+
+
+# ----------------------------------------------------------------------------------------------
+# Config
+
+
+@dataclass
+class Config:
+    """The config.json of a checkpoint; field names are its keys, unknown keys are dropped."""
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int | None = None
+    head_dim: int | None = None
+    architectures: list[str] = field(default_factory=lambda: ["Qwen2ForCausalLM"])
+    model_type: str | None = None
+    hidden_act: str = "silu"
+    rms_norm_eps: float = 1e-6
+    max_position_embeddings: int = 32768
+    rope_theta: float | None = None         # transformers < 5 writes the RoPE base here,
+    rope_parameters: dict | None = None     # transformers >= 5 writes {"rope_theta", "rope_type"}
+    rope_scaling: dict | None = None
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False            # Llama's switch; Qwen2 always has a QKV bias
+    mlp_bias: bool = False
+    sliding_window: int | None = None
+    use_sliding_window: bool = False        # Qwen2: windows only when set, from max_window_layers
+    max_window_layers: int = 0
+    layer_types: list[str] | None = None
+    bos_token_id: int | None = None
+    eos_token_id: int | list[int] | None = None
+    pad_token_id: int | None = None
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "Config":
+        d = dict(d)
+        if not d.get("architectures"):
+            if d.get("model_type") not in ARCHITECTURES:
+                raise ValueError("no architectures entry and no known model_type")
+            d["architectures"] = [ARCHITECTURES[d["model_type"]]]
+        arch = d["architectures"][0]
+        d = {**ARCH_DEFAULTS.get(arch, {}), **d}
+        known = {f.name for f in fields(cls)}
+        cfg = cls(**{k: v for k, v in d.items() if k in known})
+        cfg.validate()
+        return cfg
+
+    def validate(self):
+        if self.arch not in ARCHITECTURES.values():
+            raise ValueError(f"unsupported architecture {self.architectures!r} "
+                             f"(supported: {', '.join(ARCHITECTURES.values())})")
+        if self.hidden_act != "silu":
+            raise ValueError(f"unsupported hidden_act {self.hidden_act!r} (only silu)")
+        for scaling in (self.rope_parameters, self.rope_scaling):
+            kind = (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
+            if kind != "default":
+                raise ValueError(f"unsupported RoPE type {kind!r} (only default RoPE)")
+        if self.num_attention_heads % self.n_kv_heads:
+            raise ValueError("num_attention_heads must be a multiple of num_key_value_heads")
+
+    @property
+    def arch(self) -> str:
+        return (self.architectures or ["?"])[0]
+
+    @property
+    def n_kv_heads(self) -> int:
+        return self.num_key_value_heads or self.num_attention_heads
+
+    @property
+    def head_size(self) -> int:
+        return self.head_dim or self.hidden_size // self.num_attention_heads
+
+    @property
+    def rope_base(self) -> float:
+        if self.rope_parameters and "rope_theta" in self.rope_parameters:
+            return float(self.rope_parameters["rope_theta"])
+        return float(self.rope_theta if self.rope_theta is not None else 10000.0)
+
+    @property
+    def qkv_bias(self) -> bool:
+        return self.arch == "Qwen2ForCausalLM" or self.attention_bias
+
+    def window(self, layer: int) -> int | None:
+        """Sliding-window size of one layer (None = full causal attention), as transformers does."""
+        if self.arch == "MistralForCausalLM":
+            return self.sliding_window
+        if self.arch == "Qwen2ForCausalLM" and self.use_sliding_window and self.sliding_window:
+            if self.layer_types is not None:
+                sliding = self.layer_types[layer] == "sliding_attention"
+            else:
+                sliding = layer >= self.max_window_layers
+            return self.sliding_window if sliding else None
+        return None
+
+    @property
+    def stop_ids(self) -> tuple[int, ...]:
+        eos = self.eos_token_id
+        return () if eos is None else tuple(eos) if isinstance(eos, list) else (eos,)
+
+
+# ----------------------------------------------------------------------------------------------
+# RoPE, written as Hugging Face writes it for Qwen (rotate_half), so no weight permutation
+
+
+def rope_inv_freq(config: Config) -> Tensor:
+    d = config.head_size
+    # Explicit CPU device: the model may be built under torch.device("meta") for loading.
+    return 1.0 / config.rope_base ** (torch.arange(0, d, 2, dtype=torch.float32, device="cpu") / d)
+
+
+def rope_tables(inv_freq: Tensor, positions: Tensor, dtype) -> tuple[Tensor, Tensor]:
+    freqs = positions[..., None].float() * inv_freq.to(positions.device)   # (B, T, D/2)
+    emb = torch.cat((freqs, freqs), dim=-1)                                 # (B, T, D)
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def rotate_half(x: Tensor) -> Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    cos, sin = cos[:, None], sin[:, None]                                   # (B, 1, T, D)
+    return x * cos + rotate_half(x) * sin
+
+
+def attention_mask(positions: Tensor, key_positions: Tensor, window: int | None) -> Tensor:
+    """(B, 1, T, S) bool: key j is visible to query t iff kpos_j <= pos_t (and within window)."""
+    q, k = positions[:, :, None], key_positions[:, None, :]
+    mask = k <= q
+    if window is not None:
+        mask &= q - k < window
+    return mask[:, None]
+
+
+# ----------------------------------------------------------------------------------------------
+# KV cache: one per layer, on that layer's device, slot index = absolute position
+
+
+class KVCache:
+    def __init__(self, batch_size, n_kv_heads, head_dim, capacity, dtype, device):
+        shape = (batch_size, n_kv_heads, capacity, head_dim)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        # Number of real tokens per row; kept on the CPU, it only decides default positions.
+        self.lengths = torch.zeros(batch_size, dtype=torch.long)
+
+    @property
+    def capacity(self) -> int:
+        return self.k.shape[2]
+
+    def grow(self, size: int):
+        if size <= self.capacity:
+            return
+        # Double (rounded to 256) so that decoding one token at a time reallocates rarely.
+        new = max(size, 2 * self.capacity)
+        new = (new + 255) // 256 * 256
+        for name in ("k", "v"):
+            old = getattr(self, name)
+            t = old.new_zeros(old.shape[0], old.shape[1], new, old.shape[3])
+            t[:, :, :old.shape[2]] = old
+            setattr(self, name, t)
+
+    def write(self, k: Tensor, v: Tensor, positions: Tensor, size: int) -> tuple[Tensor, Tensor]:
+        """Store k, v (B, KV, T, D) at slots `positions` (B, T); return slots [0, size)."""
+        self.grow(size)
+        positions = positions.to(self.k.device)
+        rows = torch.arange(k.shape[0], device=self.k.device)[:, None]
+        self.k[rows, :, positions] = k.transpose(1, 2).to(self.k.dtype)   # (B, T, KV, D)
+        self.v[rows, :, positions] = v.transpose(1, 2).to(self.v.dtype)
+        return self.k[:, :, :size], self.v[:, :, :size]
+
+
+def set_lengths(cache: list[KVCache], lengths: Tensor):
+    """Declare how many real tokens each row holds (slots past them are free to overwrite)."""
+    for layer_cache in cache:
+        layer_cache.lengths = lengths.detach().to("cpu", torch.long).clone()
+
+
+# ----------------------------------------------------------------------------------------------
+# Attention statistics of the span rows (SPEC §4)
+
+
+@dataclass
+class SpanRows:
+    """Which query rows of one forward call lie in the span, and where each row's span starts."""
+    lo: int                 # query indices [lo, hi) cover every span row of the batch
+    hi: int
+    is_row: Tensor          # (B, hi - lo) bool
+    start: Tensor           # (B,) span_start per row (absolute position)
+    count: Tensor           # (B,) number of span rows per row
+
+    def to(self, device) -> "SpanRows":
+        return SpanRows(self.lo, self.hi, self.is_row.to(device), self.start.to(device),
+                        self.count.to(device))
+
+
+def span_rows(span, positions: Tensor) -> SpanRows:
+    """span: (start, end) for every row, or one (start, end) per row; positions: (B, T)."""
+    B = positions.shape[0]
+    bounds = torch.as_tensor(span, dtype=torch.long, device=positions.device)
+    bounds = bounds.expand(B, 2) if bounds.dim() == 1 else bounds
+    start, end = bounds[:, 0], bounds[:, 1]
+    is_row = (positions >= start[:, None]) & (positions < end[:, None])    # (B, T)
+    hit = is_row.any(0).nonzero()
+    lo, hi = (int(hit[0]), int(hit[-1]) + 1) if len(hit) else (0, 0)
+    return SpanRows(lo, hi, is_row[:, lo:hi], start, is_row.sum(1))
+
+
+def attention_probs(q: Tensor, k: Tensor, mask: Tensor, scale: float) -> Tensor:
+    """softmax(q k^T * scale) in float32 for a few query rows: (B,H,c,D), (B,KV,S,D) -> (B,H,c,S)"""
+    B, H, c, D = q.shape
+    kv = k.shape[1]
+    # Query head h uses key head h // (H/KV): group the query heads instead of repeating keys.
+    # Scale the few queries rather than the many scores; mask in place: one (B,H,c,S) temporary.
+    q = (q.float() * scale).reshape(B, kv, (H // kv) * c, D)
+    scores = (q @ k.float().transpose(-1, -2)).view(B, H, c, -1)
+    return torch.softmax(scores.masked_fill_(~mask, float("-inf")), dim=-1)
+
+
+def row_stats(p: Tensor, pos: Tensor, key_pos: Tensor, start: Tensor) -> dict[str, Tensor]:
+    """The six statistics of each row of p (B,H,c,S); pos (B,c), key_pos (B,S), start (B,)."""
+    n = (pos + 1).float()[:, None]                              # (B, 1, c) causal keys j <= i
+    before = (key_pos < start[:, None]).to(p.dtype)             # (B, S) keys j < span_start
+    # Both masses in one matrix product, no second (B, H, c, S) temporary; masked keys j > i
+    # hold p = 0, so "not before" is exactly span_start <= j <= i.
+    masses = p @ torch.stack((before, 1 - before), -1)[:, None]  # (B, H, c, 2)
+    prefix, self_ = masses.unbind(-1)                            # (B, H, c) each
+    sum_sq = torch.linalg.vecdot(p, p)
+    s0 = start.float()[:, None, None]
+    m_ctx = prefix / s0.clamp(min=1)
+    m_new = self_ / (pos - start[:, None] + 1).float()[:, None]
+    return {
+        "max": p.amax(-1),
+        "std": (sum_sq / n - 1 / n.square()).clamp(min=0).sqrt(),
+        "prefix": prefix,
+        "self": self_,
+        "entropy": -sum_sq.log(),
+        "lookback": torch.where(s0 > 0, m_ctx / (m_ctx + m_new), torch.zeros_like(m_ctx)),
+    }
+
+
+def add_row_stats(sums: Tensor, p, pos, key_pos, rows: SpanRows, a: int, b: int):
+    """Add the statistics of query rows [a, b) that lie in the span to sums (B, H, len(STATS))."""
+    stats = row_stats(p, pos, key_pos, rows.start)
+    values = torch.stack([stats[name] for name in STATS], -1)   # (B, H, c, 6)
+    keep = rows.is_row[:, None, a - rows.lo:b - rows.lo, None]  # (B, 1, c, 1)
+    # where, not multiply: rows outside the span may hold inf/nan (e.g. m_new of i < start).
+    sums += torch.where(keep, values, 0.0).sum(2)
+
+
+# ----------------------------------------------------------------------------------------------
+# The transformer; module names are the Hugging Face weight keys
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, d, eps):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(d))
+        self.eps = eps
+
+    def forward(self, x):
+        # Normalise in float32 and cast back before the weight, in Hugging Face's order.
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(x.dtype)
+
+
+class MLP(nn.Module):
+    def __init__(self, config: Config):
+        super().__init__()
+        d, f, bias = config.hidden_size, config.intermediate_size, config.mlp_bias
+        self.gate_proj = nn.Linear(d, f, bias=bias)
+        self.up_proj = nn.Linear(d, f, bias=bias)
+        self.down_proj = nn.Linear(f, d, bias=bias)
+
+    def forward(self, x):
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Attention(nn.Module):
+    def __init__(self, config: Config):
+        super().__init__()
+        d, H, KV, D = (config.hidden_size, config.num_attention_heads, config.n_kv_heads,
+                       config.head_size)
+        self.n_heads, self.n_kv_heads, self.head_dim = H, KV, D
+        self.scale = D ** -0.5
+        self.q_proj = nn.Linear(d, H * D, bias=config.qkv_bias)
+        self.k_proj = nn.Linear(d, KV * D, bias=config.qkv_bias)
+        self.v_proj = nn.Linear(d, KV * D, bias=config.qkv_bias)
+        # Llama's attention_bias also puts a bias on o_proj; Qwen2's QKV bias does not.
+        self.o_proj = nn.Linear(H * D, d, bias=config.attention_bias)
+
+    def forward(self, x, cos, sin, mask, positions, key_pos, cache=None, rows=None):
+        """x (B,T,d) -> (B,T,d) and, when rows is given, the per-head sums of the span-row
+        statistics (B, H, len(STATS)) in STATS order."""
+        B, T, _ = x.shape
+        dev = x.device                              # the block may live on any device
+        cos, sin, mask = cos.to(dev), sin.to(dev), mask.to(dev)
+        positions, key_pos = positions.to(dev), key_pos.to(dev)
+        rows = rows.to(dev) if rows is not None else None
+        q = self.q_proj(x).view(B, T, self.n_heads, self.head_dim).transpose(1, 2)  # (B,H,T,D)
+        k = self.k_proj(x).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        v = self.v_proj(x).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if cache is not None:
+            k, v = cache.write(k, v, positions, mask.shape[-1])   # (B, KV, S, D)
+
+        sums = None
+        if rows is not None and rows.hi > rows.lo:
+            sums = x.new_zeros(B, self.n_heads, len(STATS), dtype=torch.float32)
+        if T == 1:
+            # One query row (decoding): attention by hand, so its probabilities give the stats.
+            p = attention_probs(q, k, mask, self.scale)                          # (B,H,1,S)
+            G = self.n_heads // self.n_kv_heads
+            out = p.view(B, self.n_kv_heads, G, -1) @ v.float()                  # (B,KV,G,D)
+            out = out.view(B, self.n_heads, 1, self.head_dim).to(x.dtype)
+            if sums is not None:
+                add_row_stats(sums, p, positions, key_pos, rows, 0, 1)
+        else:
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+            if sums is not None:
+                self.span_stats(sums, q, k, mask, positions, key_pos, rows)
+        out = out.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim)
+        return self.o_proj(out), sums
+
+    def span_stats(self, sums, q, k, mask, positions, key_pos, rows: SpanRows):
+        # Recompute q k^T for the span rows only, a chunk of rows at a time: (B, H, c, S).
+        B, H, _, _ = q.shape
+        k = k.float()
+        step = max(1, STATS_CHUNK // (B * H * k.shape[2]))
+        for a in range(rows.lo, rows.hi, step):
+            b = min(a + step, rows.hi)
+            p = attention_probs(q[:, :, a:b], k, mask[:, :, a:b], self.scale)
+            add_row_stats(sums, p, positions[:, a:b], key_pos, rows, a, b)
+
+
+class Block(nn.Module):
+    def __init__(self, config: Config):
+        super().__init__()
+        self.self_attn = Attention(config)
+        self.mlp = MLP(config)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, x, cos, sin, mask, positions, key_pos, cache=None, rows=None):
+        a, sums = self.self_attn(self.input_layernorm(x), cos, sin, mask, positions, key_pos,
+                                 cache, rows)
+        x = x + a
+        x = x + self.mlp(self.post_attention_layernorm(x))
+        return x, sums
+
+
+class Decoder(nn.Module):
+    """The `model.` prefix of the checkpoint keys."""
+    def __init__(self, config: Config):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(Block(config) for _ in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+
+@dataclass
+class Output:
+    logits: Tensor | None                       # (B, T, V) float32; None when logits=False
+    hidden_states: tuple[Tensor, ...] | None    # L+1 x (B, T, d), Hugging Face convention
+    attn_stats: dict[str, Tensor] | None        # STATS -> (B, L, H), span rows averaged
+
+
+class Transformer(nn.Module):
+    def __init__(self, config: Config):
+        super().__init__()
+        self.config = config
+        self.model = Decoder(config)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        self.inv_freq = rope_inv_freq(config)   # a plain tensor: not a weight of the checkpoint
+        self.windows = [config.window(i) for i in range(config.num_hidden_layers)]
+
+    def new_cache(self, batch_size: int, capacity: int = 256) -> list[KVCache]:
+        """One empty KV cache per layer, on that layer's device and in its dtype."""
+        c = self.config
+        return [KVCache(batch_size, c.n_kv_heads, c.head_size, capacity,
+                        layer.input_layernorm.weight.dtype, layer.input_layernorm.weight.device)
+                for layer in self.model.layers]
+
+    def forward(self, input_ids, positions=None, cache=None, span=None,
+                output_hidden_states=False, logits=True) -> Output:
+        h, hidden_states, attn_stats = self.trunk(input_ids, positions, cache, span,
+                                                  output_hidden_states)
+        return Output(self.lm_head(h).float() if logits else None, hidden_states, attn_stats)
+
+    def trunk(self, input_ids, positions=None, cache=None, span=None, output_hidden_states=False):
+        """Everything up to the final norm: (B,T,d) normed output, hidden states, span stats.
+
+        input_ids (B, T); positions (B, T) absolute positions (default: right after the cache's
+        tokens, else 0..T-1); span (start, end) or one per row, in absolute positions.
+        With a cache, K/V are written at `positions` and each row's length grows to cover them.
+        """
+        B, T = input_ids.shape
+        dev = self.model.embed_tokens.weight.device
+        if positions is None:
+            start = cache[0].lengths if cache is not None else torch.zeros(B, dtype=torch.long)
+            positions = start[:, None] + torch.arange(T)
+        positions = positions.to(dev)
+        if cache is not None:
+            size = int(positions.max()) + 1             # keys are slots [0, size) of the cache
+            key_pos = torch.arange(size, device=dev).expand(B, size)
+        else:
+            key_pos = positions
+        masks = {w: attention_mask(positions, key_pos, w) for w in set(self.windows)}
+        cos, sin = rope_tables(self.inv_freq, positions, self.model.embed_tokens.weight.dtype)
+        rows = span_rows(span, positions) if span is not None else None
+
+        x = self.model.embed_tokens(input_ids.to(dev))                          # (B, T, d)
+        hidden_states = [x] if output_hidden_states else None
+        layer_sums = []
+        for i, layer in enumerate(self.model.layers):
+            x, sums = layer(x, cos, sin, masks[self.windows[i]], positions, key_pos,
+                            cache[i] if cache is not None else None, rows)
+            layer_sums.append(sums)
+            if output_hidden_states and i < len(self.model.layers) - 1:
+                hidden_states.append(x)
+        x = self.model.norm(x)
+        if output_hidden_states:
+            hidden_states.append(x)        # Hugging Face: the last hidden state is after the norm
+        if cache is not None:
+            set_lengths(cache, torch.maximum(cache[0].lengths, positions.max(1).values.cpu() + 1))
+
+        attn_stats = None
+        if rows is not None:
+            H = self.config.num_attention_heads
+            per_layer = [s.to(dev) if s is not None else torch.zeros(B, H, len(STATS), device=dev)
+                         for s in layer_sums]
+            count = rows.count.to(dev).float()[:, None, None, None]      # 0 span rows -> nan
+            means = torch.stack(per_layer, 1) / count                     # (B, L, H, 6)
+            attn_stats = dict(zip(STATS, means.unbind(-1)))
+        return x, tuple(hidden_states) if output_hidden_states else None, attn_stats
+
+
+# ----------------------------------------------------------------------------------------------
+# Loading a Hugging Face checkpoint directory
+
+
+def _read_json(path: Path) -> dict:
+    try:
+        return json.loads(path.read_text())
+    except FileNotFoundError:
+        raise CheckpointError(f"{path}: file not found") from None
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"{path}: not readable JSON ({e})") from None
+
+
+def _open_safetensors(path: Path):
+    from safetensors import safe_open
+    try:
+        return safe_open(str(path), framework="pt", device="cpu")
+    except FileNotFoundError:
+        raise CheckpointError(f"{path}: file not found") from None
+    except Exception as e:      # safetensors raises its own error for truncated or corrupt files
+        raise CheckpointError(f"{path}: truncated or corrupt safetensors file ({e})") from None
+
+
+def _weight_files(directory: Path) -> dict[str, list[str]]:
+    """{file name: tensor names it must hold}; an empty list means 'whatever it holds'."""
+    index = directory / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = _read_json(index).get("weight_map")
+        if not isinstance(weight_map, dict):
+            raise CheckpointError(f"{index}: no weight_map")
+        files: dict[str, list[str]] = {}
+        for name, file in weight_map.items():
+            files.setdefault(file, []).append(name)
+        return files
+    if (directory / "model.safetensors").is_file():
+        return {"model.safetensors": []}
+    raise CheckpointError(f"{directory}: neither model.safetensors nor "
+                          "model.safetensors.index.json")
+
+
+def read_config(directory) -> Config:
+    path = Path(directory) / "config.json"
+    try:
+        return Config.from_dict(_read_json(path))
+    except (TypeError, ValueError) as e:
+        raise CheckpointError(f"{path}: {e}") from None
+
+
+def read_state_dict(directory, model: Transformer, dtype, device) -> dict[str, Tensor]:
+    """Every tensor the model expects, checked for presence, extras and shape."""
+    directory = Path(directory)
+    expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    tied = model.config.tie_word_embeddings
+    if tied:
+        expected.pop("lm_head.weight")          # tied heads are not stored (or ignored if they are)
+    state, where = {}, {}
+    for file, listed in _weight_files(directory).items():
+        path = directory / file
+        with _open_safetensors(path) as f:
+            names = set(f.keys())
+            for name in listed:
+                if name not in names:
+                    raise CheckpointError(f"{path}: missing tensor {name} (listed in the index)")
+            for name in sorted(names):
+                if listed and name not in listed:
+                    raise CheckpointError(f"{path}: unexpected tensor {name} (not in the index)")
+                if tied and name == "lm_head.weight":
+                    continue
+                if name not in expected:
+                    raise CheckpointError(f"{path}: unexpected tensor {name} for "
+                                          f"{model.config.arch}")
+                if name in where:
+                    raise CheckpointError(f"{path}: tensor {name} also in {where[name]}")
+                shape = tuple(f.get_slice(name).get_shape())
+                if shape != expected[name]:
+                    raise CheckpointError(f"{path}: tensor {name} has shape {list(shape)}, "
+                                          f"expected {list(expected[name])}")
+                try:
+                    tensor = f.get_tensor(name)
+                except Exception as e:
+                    raise CheckpointError(f"{path}: cannot read tensor {name} ({e})") from None
+                state[name], where[name] = tensor.to(device=device, dtype=dtype), path
+    missing = sorted(set(expected) - set(state))
+    if missing:
+        raise CheckpointError(f"{directory}: missing tensor {missing[0]}"
+                              + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""))
+    return state
+
+
+def load_model(path_or_repo, dtype=torch.float32, devices=None) -> tuple["Transformer",
+                                                                          "Tokenizer"]:
+    """A checkpoint directory (config.json, safetensors, tokenizer.json) or a Hugging Face Hub
+    name such as "Qwen/Qwen2.5-7B-Instruct" (fetched once into $PAIR_CACHE) -> (model, tokenizer).
+    devices: one device, or several to split the layers over (split_model, at the bottom)."""
+    directory = Path(path_or_repo)
+    if not directory.is_dir():
+        if not HUB_NAME.fullmatch(str(path_or_repo)):
+            raise CheckpointError(f"{directory}: not a checkpoint directory (nor a Hub model "
+                                  "name like Qwen/Qwen2.5-7B-Instruct)")
+        directory = fetch_from_hub(str(path_or_repo))
+    devices = [torch.device(d) for d in (devices or ["cpu"])]
+    if not devices:
+        raise ValueError("devices: empty list")
+    config = read_config(directory)
+    if not (directory / "tokenizer.json").is_file():
+        raise CheckpointError(f"{directory / 'tokenizer.json'}: file not found")
+    # Build without allocating, then adopt the loaded tensors (assign=True): one copy in memory.
+    with torch.device("meta"):
+        model = Transformer(config)
+    state = read_state_dict(directory, model, dtype, devices[0])
+    if config.tie_word_embeddings:
+        state["lm_head.weight"] = state["model.embed_tokens.weight"]
+    model.load_state_dict(state, strict=True, assign=True)
+    if config.tie_word_embeddings:
+        model.lm_head.weight = model.model.embed_tokens.weight   # assign=True broke the tie
+    # The base weights are never trained here (GRPO trains LoRA adapters beside them).
+    model.requires_grad_(False).eval()
+    model.name_or_path = str(path_or_repo)        # recorded in saved adapters' configs
+    if len(devices) > 1:
+        # Loaded on the first device, then spread: the blocks move to their devices one by one.
+        split_model(model, devices)
+    return model, Tokenizer.from_file(directory)
+
+
+# ----------------------------------------------------------------------------------------------
+# Tokenizer and the chat format (SPEC §2, §3)
+
+
+class Tokenizer:
+    def __init__(self, tok):
+        self.tok = tok
+        self.im_start_id = self._special("<|im_start|>")
+        self.im_end_id = self._special("<|im_end|>")
+        self.pad_id = self._special("<|endoftext|>")
+
+    def _special(self, text) -> int:
+        i = self.tok.token_to_id(text)
+        if i is None:
+            raise ValueError(f"tokenizer has no {text} token (not a Qwen2.5 tokenizer?)")
+        return i
+
+    @classmethod
+    def from_file(cls, path) -> "Tokenizer":
+        from tokenizers import Tokenizer as HFTokenizer
+        path = Path(path)
+        path = path / "tokenizer.json" if path.is_dir() else path
+        if not path.is_file():
+            raise FileNotFoundError(f"{path}: tokenizer.json not found")
+        return cls(HFTokenizer.from_file(str(path)))
+
+    def encode(self, text: str) -> list[int]:
+        # Added special tokens (<|im_start|>, ...) written in the text are recognised as such.
+        return self.tok.encode(text, add_special_tokens=False).ids
+
+    def decode(self, ids, skip_special_tokens=False) -> str:
+        return self.tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def _chat(self, messages, add_generation_prompt):
+        """ChatML text and the character range of every assistant message's content."""
+        for i, m in enumerate(messages):
+            if not isinstance(m, dict) or m.get("role") not in ("system", "user", "assistant"):
+                raise ValueError(f"message {i}: role must be system, user or assistant")
+            if not isinstance(m.get("content"), str):
+                raise ValueError(f"message {i}: content must be a string")
+        parts, ranges, n = [], [], 0
+        if not messages or messages[0]["role"] != "system":
+            parts.append(f"<|im_start|>system\n{DEFAULT_SYSTEM}<|im_end|>\n")
+            n += len(parts[-1])
+        for m in messages:
+            head = f"<|im_start|>{m['role']}\n"
+            if m["role"] == "assistant":
+                ranges.append((n + len(head), n + len(head) + len(m["content"])))
+            parts.append(f"{head}{m['content']}<|im_end|>\n")
+            n += len(parts[-1])
+        if add_generation_prompt:
+            parts.append("<|im_start|>assistant\n")
+        return "".join(parts), ranges
+
+    def chat_text(self, messages, add_generation_prompt=False) -> str:
+        return self._chat(messages, add_generation_prompt)[0]
+
+    def render(self, messages, add_generation_prompt=False) -> tuple[list[int], list[tuple]]:
+        """Token ids of the chat and, per assistant message, its span [start, end) (SPEC §3):
+        start = first token of the content, end = its closing <|im_end|> + 1."""
+        text, ranges = self._chat(messages, add_generation_prompt)
+        enc = self.tok.encode(text, add_special_tokens=False)   # one call: the real tokenization
+        ids, starts = enc.ids, [s for s, _ in enc.offsets]
+        ends = [e for _, e in enc.offsets]
+        spans = []
+        for a, b in ranges:
+            start = bisect_right(ends, a)               # first token reaching past char a
+            end = starts.index(b, start)                # the <|im_end|> right after the content
+            if ids[end] != self.im_end_id:
+                raise ValueError(f"assistant content at chars {a}..{b} is not closed by "
+                                 "<|im_end|> after tokenization")
+            spans.append((start, end + 1))
+        return ids, spans
+
+
+def keep_last(ids: list[int], spans: list[tuple], max_len: int):
+    """Keep the last max_len tokens (SPEC §3); spans shift with them, a span cut in part is
+    clipped at 0 and one cut entirely becomes (0, 0). Returns (ids, spans, n_cut)."""
+    cut = max(0, len(ids) - max_len)
+    if not cut:
+        return ids, list(spans), 0
+    shifted = [(max(0, s - cut), max(0, e - cut)) for s, e in spans]
+    return ids[cut:], shifted, cut
+
+
+# ----------------------------------------------------------------------------------------------
+# Generation (gpt-fast style small functions) and teacher-forced traces
+
+
+@dataclass
+class TurnTrace:
+    """Everything a reward needs from one assistant turn (CPU, float32)."""
+    tokens: list[int]                   # the turn's tokens (ends with a stop token when finished)
+    span: tuple[int, int]               # absolute positions [start, end) in the sequence
+    attn: dict[str, Tensor]             # STATS -> (L, H), averaged over span rows ({} if no stats)
+    h_last: Tensor | None               # (L+1, d) hidden_states[l] at the last span token
+    h_mean: Tensor | None               # (L+1, d) mean over span rows of hidden_states[l]
+    finished: bool                      # stopped on a stop token (vs max_new_tokens)
+
+
+@torch.no_grad()
+def trace_forward(model: Transformer, ids: list[int], span, stop_ids=None) -> TurnTrace:
+    """The TurnTrace of tokens ids[start:end] of one sequence, teacher-forced."""
+    start, end = span
+    if not 0 <= start < end <= len(ids):
+        raise ValueError(f"span {span} is not inside a sequence of {len(ids)} tokens")
+    stop_ids = model.config.stop_ids if stop_ids is None else tuple(stop_ids)
+    _, hidden, stats = model.trunk(torch.tensor([ids]), span=(start, end),
+                                   output_hidden_states=True)
+    h = torch.stack([hs[0, start:end].float().cpu() for hs in hidden])      # (L+1, n, d)
+    return TurnTrace(tokens=list(ids[start:end]), span=(start, end),
+                     attn={k: v[0].float().cpu() for k, v in stats.items()},
+                     h_last=h[:, -1], h_mean=h.mean(1), finished=ids[end - 1] in stop_ids)
+
+
+def sample(logits: Tensor, temperature: float, top_p: float, generator=None) -> Tensor:
+    """(B, V) float32 logits -> (B,) token ids; temperature 0 is greedy."""
+    if temperature == 0:
+        return logits.argmax(-1)
+    probs = torch.softmax(logits / temperature, dim=-1)
+    if top_p < 1.0:
+        # Nucleus: keep the most likely tokens until their mass reaches top_p (at least one).
+        sorted_p, order = probs.sort(-1, descending=True)
+        drop = sorted_p.cumsum(-1) - sorted_p >= top_p
+        probs = torch.zeros_like(probs).scatter_(-1, order, sorted_p.masked_fill(drop, 0.0))
+    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+
+
+def prefill(model: Transformer, cache, new_tokens: list[list[int]]) -> Tensor | None:
+    """Append each row's new tokens at that row's own offset; logits (B, V) after its last one
+    (rows with no new tokens get zeros). Pads sit past each row's real tokens (see the top)."""
+    lengths = cache[0].lengths.clone()
+    n = torch.tensor([len(t) for t in new_tokens])
+    T = int(n.max()) if len(n) else 0
+    if T == 0:
+        return None
+    ids = torch.tensor([list(t) + [0] * (T - len(t)) for t in new_tokens])     # (B, T)
+    positions = lengths[:, None] + torch.arange(T)
+    h, _, _ = model.trunk(ids, positions, cache)
+    set_lengths(cache, lengths + n)
+    rows = (n > 0).nonzero().squeeze(-1)
+    last = h[rows.to(h.device), (n[rows] - 1).to(h.device)]                     # (b, d)
+    logits = torch.zeros(len(new_tokens), model.config.vocab_size, device=h.device)
+    logits[rows.to(h.device)] = model.lm_head(last).float()
+    return logits
+
+
+def decode_one_token(model: Transformer, cache, tokens: Tensor, span, stats: bool,
+                     logits: bool):
+    """Feed one token per row (B,) at each row's length; (logits (B,V)|None, hidden, stats)."""
+    h, hidden, attn = model.trunk(tokens[:, None], cache=cache, span=span if stats else None,
+                                  output_hidden_states=stats)
+    return (model.lm_head(h[:, -1]).float() if logits else None), hidden, attn
+
+
+@torch.no_grad()
+def generate(model: Transformer, cache, new_tokens: list[list[int]], max_new_tokens: int,
+             temperature=1.0, top_p=1.0, stop_ids=None, generator=None,
+             stats=True, active=None) -> list[TurnTrace | None]:
+    """Append each row's new tokens to the cache, then sample up to max_new_tokens per row.
+
+    A row with no new tokens generates nothing (empty trace); a row with active[i] False (an
+    episode that has ended) gets nothing appended and None as its trace. With max_new_tokens=0
+    the call only appends. Every sampled token, the stop token included, is fed through the
+    model, so the cache holds it and (stats=True) its attention statistics and hidden states are
+    accumulated: the returned traces cover exactly the generated tokens. Idle rows still ride
+    along in the batch as pads (decoding is bound by reading the weights, so they cost little).
+    """
+    B = len(new_tokens)
+    if B != cache[0].k.shape[0]:
+        raise ValueError(f"{B} rows of new tokens for a cache of batch size {cache[0].k.shape[0]}")
+    if active is not None and len(active) != B:
+        raise ValueError(f"active has {len(active)} entries for {B} rows")
+    alive = [True] * B if active is None else [bool(a) for a in active]
+    new_tokens = [list(t) if a else [] for t, a in zip(new_tokens, alive)]
+    stop_ids = set(model.config.stop_ids if stop_ids is None else stop_ids)
+    logits = prefill(model, cache, new_tokens)
+    span_start = cache[0].lengths.clone()                                    # (B,)
+    active = torch.tensor([len(t) > 0 and max_new_tokens > 0 for t in new_tokens])
+    out = [[] for _ in range(B)]
+    finished = [False] * B
+    L, H, d = (model.config.num_hidden_layers, model.config.num_attention_heads,
+               model.config.hidden_size)
+    sums = torch.zeros(B, L, H, len(STATS))
+    h_sum, h_last = torch.zeros(L + 1, B, d), torch.zeros(L + 1, B, d)
+    far = span_start + max_new_tokens + 1
+    while active.any():
+        token = sample(logits, temperature, top_p, generator).cpu()         # (B,)
+        for r in active.nonzero().squeeze(-1).tolist():
+            out[r].append(int(token[r]))
+            finished[r] = out[r][-1] in stop_ids
+        ending = torch.tensor([bool(out[r]) and (finished[r] or len(out[r]) >= max_new_tokens)
+                               for r in range(B)]) & active
+        still = active & ~ending
+        # Inactive rows are fed a pad at their length: a free slot, released again below.
+        feed = torch.where(active, token, torch.zeros_like(token))
+        span = torch.stack([torch.where(active, span_start, 0), torch.where(active, far, 0)], 1)
+        lengths = cache[0].lengths.clone()
+        logits, hidden, attn = decode_one_token(model, cache, feed, span, stats, bool(still.any()))
+        set_lengths(cache, lengths + active.long())
+        if stats:
+            # Inactive rows have no span row: their stats are nan, hence where.
+            values = torch.stack([attn[name] for name in STATS], -1).float().cpu()  # (B,L,H,6)
+            sums += torch.where(active[:, None, None, None], values, 0.0)
+            h = torch.stack([hs[:, -1].float().cpu() for hs in hidden])       # (L+1, B, d)
+            h_sum += torch.where(active[None, :, None], h, 0.0)
+            h_last = torch.where(active[None, :, None], h, h_last)
+        active = still
+
+    traces = []
+    for r in range(B):
+        if not alive[r]:
+            traces.append(None)
+            continue
+        n, s = len(out[r]), int(span_start[r])
+        has = stats and n > 0
+        traces.append(TurnTrace(
+            tokens=out[r], span=(s, s + n),
+            attn=dict(zip(STATS, (sums[r] / n).unbind(-1))) if has else {},
+            h_last=h_last[:, r].clone() if has else None,
+            h_mean=h_sum[:, r] / n if has else None,
+            finished=finished[r]))
+    return traces
+
+
+# ----------------------------------------------------------------------------------------------
+# LoRA (Hu et al., 2021), by hand, laid out as PEFT lays it out
+
+# A targeted nn.Linear becomes a LoRALinear that keeps the base Parameters under their own keys
+# (`q_proj.weight`, `q_proj.bias`) and adds `q_proj.lora_A.weight` (r, d_in) and
+# `q_proj.lora_B.weight` (d_out, r) beside them:   y = x W^T + b + (alpha / r) * B A dropout(x).
+# B starts at zero, so a fresh adapter leaves the model unchanged. The adapter is kept in float32
+# (as PEFT does by default) even when the base weights are bf16: the updates are tiny.
+
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+@dataclass
+class LoraSettings:
+    r: int
+    alpha: float
+    dropout: float
+    targets: tuple[str, ...]
+    use_rslora: bool = False    # PEFT's rank-stabilized variant: scaling alpha / sqrt(r)
+
+
+class LoRALinear(nn.Module):
+    def __init__(self, base: nn.Linear, s: LoraSettings, dtype=torch.float32):
+        super().__init__()
+        self.in_features, self.out_features = base.in_features, base.out_features
+        self.weight = base.weight                        # (d_out, d_in), frozen
+        self.register_parameter("bias", base.bias)       # None for o/gate/up/down in Qwen2
+        self.scaling = s.alpha / (math.sqrt(s.r) if s.use_rslora else s.r)
+        self.lora_dropout = nn.Dropout(s.dropout) if s.dropout > 0 else nn.Identity()
+        kw = dict(bias=False, device=base.weight.device, dtype=dtype)
+        self.lora_A = nn.Linear(self.in_features, s.r, **kw)     # (r, d_in)
+        self.lora_B = nn.Linear(s.r, self.out_features, **kw)    # (d_out, r)
+        nn.init.kaiming_uniform_(self.lora_A.weight, a=math.sqrt(5))  # PEFT's default init
+        nn.init.zeros_(self.lora_B.weight)
+        self.enabled = True         # False: the base model (the GRPO reference policy)
+        self.merged = False         # True: B A is folded into `weight`, the branch is skipped
+
+    def forward(self, x):
+        y = F.linear(x, self.weight, self.bias)
+        if not self.enabled or self.merged:
+            return y
+        a = self.lora_A(self.lora_dropout(x.to(self.lora_A.weight.dtype)))   # (..., r)
+        return y + (self.lora_B(a) * self.scaling).to(y.dtype)
+
+    def delta_weight(self):
+        return (self.lora_B.weight @ self.lora_A.weight) * self.scaling        # (d_out, d_in)
+
+    @torch.no_grad()
+    def merge(self):
+        if not self.enabled:
+            raise RuntimeError("cannot merge a disabled LoRA adapter; enable it first")
+        if not self.merged:
+            self.weight += self.delta_weight().to(self.weight.dtype)
+            self.merged = True
+
+    @torch.no_grad()
+    def unmerge(self):
+        # Exact in float32 up to rounding; in bf16 W + dW - dW is not W (PEFT has the same caveat).
+        if self.merged:
+            self.weight -= self.delta_weight().to(self.weight.dtype)
+            self.merged = False
+
+    def extra_repr(self):
+        return (f"{self.in_features}, {self.out_features}, r={self.lora_A.out_features}, "
+                f"scaling={self.scaling:g}")
+
+
+def apply_lora(model: nn.Module, r=16, alpha=32.0, dropout=0.05, targets=LORA_TARGETS,
+               use_rslora=False, dtype=torch.float32) -> nn.Module:
+    """Freeze `model` and wrap every nn.Linear child named in `targets` with a LoRA adapter."""
+    if not (isinstance(r, int) and r > 0) or alpha <= 0 or not 0 <= dropout < 1:
+        raise ValueError(f"LoRA needs an integer r > 0, alpha > 0 and 0 <= dropout < 1; got "
+                         f"r={r!r}, alpha={alpha!r}, dropout={dropout!r}")
+    if getattr(model, "lora_settings", None) is not None:
+        raise ValueError(f"the model already has a LoRA adapter ({model.lora_settings})")
+    s = LoraSettings(r, float(alpha), float(dropout), tuple(targets), bool(use_rslora))
+    sites = [(module, name, child) for module in model.modules()
+             for name, child in module.named_children()
+             if name in s.targets and type(child) is nn.Linear]
+    if missing := sorted(set(s.targets) - {name for _, name, _ in sites}):
+        raise ValueError(f"LoRA targets {missing} match no nn.Linear module of the model")
+    for p in model.parameters():
+        p.requires_grad_(False)
+    for module, name, child in sites:
+        # A new module starts in training mode; keep the model's mode (dropout off in eval).
+        setattr(module, name, LoRALinear(child, s, dtype).train(child.training))
+    model.lora_settings = s
+    return model
+
+
+def lora_modules(model):
+    return ((n, m) for n, m in model.named_modules() if isinstance(m, LoRALinear))
+
+
+def lora_parameters(model):
+    """(name, Parameter) of every adapter weight, names as in model.state_dict()."""
+    return ((n, p) for n, p in model.named_parameters() if ".lora_A." in n or ".lora_B." in n)
+
+
+def lora_state_dict(model) -> dict[str, torch.Tensor]:
+    return {n: p.detach() for n, p in lora_parameters(model)}
+
+
+def enable_lora(model):
+    for _, m in lora_modules(model):
+        m.enabled = True
+
+
+def disable_lora(model):
+    for name, m in lora_modules(model):
+        if m.merged:
+            raise RuntimeError(f"{name}: cannot disable a merged LoRA adapter; unmerge it first")
+        m.enabled = False
+
+
+@contextlib.contextmanager
+def lora_disabled(model):
+    """`with lora_disabled(model):` runs the base model (GRPO's pi_ref) without copying weights."""
+    was = {name: m.enabled for name, m in lora_modules(model)}
+    disable_lora(model)
+    try:
+        yield model
+    finally:
+        for name, m in lora_modules(model):
+            m.enabled = was[name]
+
+
+def merge_lora(model):
+    for _, m in lora_modules(model):
+        m.merge()
+
+
+def unmerge_lora(model):
+    for _, m in lora_modules(model):
+        m.unmerge()
+
+
+# ----------------------------------------------------------------------------------------------
+# LoRA adapters on disk, in PEFT's layout
+
+# adapter_config.json + adapter_model.safetensors, keys named as PeftModel names them on a
+# transformers *ForCausalLM: "base_model.model." + our key (our module names are the HF ones),
+# e.g. base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight.
+
+PEFT_PREFIX = "base_model.model."
+ADAPTER_CONFIG, ADAPTER_WEIGHTS = "adapter_config.json", "adapter_model.safetensors"
+
+
+def save_adapter(model, path, base_model_name_or_path=None):
+    s = getattr(model, "lora_settings", None)
+    if s is None:
+        raise ValueError("save_adapter: the model has no LoRA adapter (call apply_lora first)")
+    folder = Path(path)
+    folder.mkdir(parents=True, exist_ok=True)
+    tensors = {PEFT_PREFIX + n: t.to("cpu").contiguous() for n, t in lora_state_dict(model).items()}
+    config = {
+        "peft_type": "LORA", "task_type": "CAUSAL_LM",
+        "base_model_name_or_path": base_model_name_or_path or getattr(model, "name_or_path", None),
+        "revision": None, "inference_mode": True,
+        "r": s.r, "lora_alpha": int(s.alpha) if s.alpha.is_integer() else s.alpha,
+        "lora_dropout": s.dropout,
+        "target_modules": sorted(s.targets), "use_rslora": s.use_rslora,
+        "bias": "none", "fan_in_fan_out": False, "init_lora_weights": True,
+        "use_dora": False, "lora_bias": False, "modules_to_save": None,
+        "layers_to_transform": None, "layers_pattern": None,
+        "rank_pattern": {}, "alpha_pattern": {},
+    }
+    tmp = folder / f".{ADAPTER_WEIGHTS}.{os.getpid()}.tmp"
+    save_file(tensors, str(tmp), metadata={"format": "pt"})
+    os.replace(tmp, folder / ADAPTER_WEIGHTS)
+    _write_atomic(folder / ADAPTER_CONFIG, (json.dumps(config, indent=2) + "\n").encode())
+
+
+def read_adapter_config(path) -> LoraSettings:
+    file = Path(path) / ADAPTER_CONFIG
+    try:
+        c = json.loads(file.read_text())
+    except OSError as e:
+        raise FileNotFoundError(f"{file}: cannot read the adapter config ({e})") from e
+    except ValueError as e:
+        raise ValueError(f"{file}: not valid JSON ({e})") from e
+
+    def bad(field, why):
+        return ValueError(f"{file}: {field}={c.get(field)!r}: {why}")
+
+    if c.get("peft_type") != "LORA":
+        raise bad("peft_type", "only LoRA adapters are supported")
+    # PEFT options that change the math: refuse them rather than load a different model.
+    for field, plain in (("bias", "none"), ("fan_in_fan_out", False), ("use_dora", False),
+                         ("lora_bias", False), ("modules_to_save", None),
+                         ("layers_to_transform", None), ("rank_pattern", {}),
+                         ("alpha_pattern", {})):
+        if c.get(field, plain) not in (plain, None, [], {}):
+            raise bad(field, f"not supported (only {plain!r})")
+    targets = c.get("target_modules")
+    if not (isinstance(targets, list) and targets and all(isinstance(t, str) for t in targets)):
+        raise bad("target_modules", "must be a list of module names (regex strings and "
+                                    "'all-linear' are not supported)")
+    if not isinstance(c.get("r"), int) or c["r"] <= 0:
+        raise bad("r", "must be a positive integer")
+    if not isinstance(c.get("lora_alpha"), (int, float)) or c["lora_alpha"] <= 0:
+        raise bad("lora_alpha", "must be a positive number")
+    return LoraSettings(c["r"], float(c["lora_alpha"]), float(c.get("lora_dropout", 0.0)),
+                        tuple(targets), bool(c.get("use_rslora", False)))
+
+
+def _same_shape(s: LoraSettings):
+    return s.r, s.alpha, set(s.targets), s.use_rslora       # dropout may differ
+
+
+def _adapter_shapes(model, s: LoraSettings) -> dict[str, tuple[int, int]]:
+    """PEFT key -> shape of every adapter weight `s` puts on `model` (applied or not yet)."""
+    shapes = {}
+    for name, m in model.named_modules():
+        if name.rsplit(".", 1)[-1] in s.targets and type(m) in (nn.Linear, LoRALinear):
+            shapes[f"{PEFT_PREFIX}{name}.lora_A.weight"] = (s.r, m.in_features)
+            shapes[f"{PEFT_PREFIX}{name}.lora_B.weight"] = (m.out_features, s.r)
+    return shapes
+
+
+def load_adapter(model, path):
+    """Load a PEFT LoRA adapter (ours or PEFT's) into `model`, applying LoRA first if needed.
+    Everything is checked before the model is touched."""
+    s = read_adapter_config(path)
+    if getattr(model, "lora_settings", None) is not None and \
+            _same_shape(model.lora_settings) != _same_shape(s):
+        raise ValueError(f"{Path(path) / ADAPTER_CONFIG}: {s} does not match the model's "
+                         f"adapter {model.lora_settings}")
+    file = Path(path) / ADAPTER_WEIGHTS
+    if not file.is_file():
+        raise FileNotFoundError(f"{file}: missing (only safetensors adapters are read)")
+    shapes = _adapter_shapes(model, s)
+    with safe_open(str(file), framework="pt") as f:
+        tensors = {key: f.get_tensor(key) for key in f.keys()}
+    if missing := sorted(shapes.keys() - tensors.keys()):
+        raise ValueError(f"{file}: {len(missing)} adapter weights missing, e.g. {missing[0]}")
+    if unexpected := sorted(tensors.keys() - shapes.keys()):
+        raise ValueError(f"{file}: {len(unexpected)} unexpected tensors, e.g. {unexpected[0]}")
+    for key, shape in shapes.items():
+        if tuple(tensors[key].shape) != shape:
+            raise ValueError(f"{file}: {key} has shape {tuple(tensors[key].shape)}, the model "
+                             f"expects {shape}")
+    if getattr(model, "lora_settings", None) is None:
+        apply_lora(model, s.r, s.alpha, s.dropout, s.targets, s.use_rslora)
+    with torch.no_grad():
+        for name, p in lora_parameters(model):
+            p.copy_(tensors[PEFT_PREFIX + name])
+    return model
+
+
+# ----------------------------------------------------------------------------------------------
+# Layers split across devices (pipeline placement, no pipelining), applied to a built model
+
+# The model code stays single-device. split_model moves contiguous ranges of blocks to the given
+# devices and adds a forward pre-hook to each block that moves its tensor inputs there. Only one
+# device computes at a time (placement, not pipelining): the point is memory, as a 7B policy with
+# its LoRA state and KV caches does not fit on one 48 GB GPU. Embeddings sit on the first device,
+# the final norm and lm_head on the last; new_cache puts each block's KV cache on its device.
+
+def balance_layers(block_sizes: list[int], n_devices: int, first_extra=0, last_extra=0):
+    """Layers per device: contiguous ranges whose loads (parameter counts, with the embedding on
+    the first device and the head on the last) come closest to an even share each."""
+    n_layers = len(block_sizes)
+    if not 1 <= n_devices <= n_layers:
+        raise ValueError(f"cannot split {n_layers} layers over {n_devices} devices")
+    total = first_extra + sum(block_sizes) + last_extra
+    load_before = [first_extra + sum(block_sizes[:b]) for b in range(n_layers + 1)]
+    cuts = [0]
+    for k in range(1, n_devices):
+        # Cut k where the load so far is nearest k/n of the total, leaving every device a layer.
+        lo, hi = cuts[-1] + 1, n_layers - (n_devices - k)
+        share = k * total / n_devices
+        cuts.append(min(range(lo, hi + 1), key=lambda b: abs(load_before[b] - share)))
+    cuts.append(n_layers)
+    return [b - a for a, b in zip(cuts, cuts[1:])]
+
+
+def _n_params(module) -> int:
+    return sum(p.numel() for p in module.parameters())
+
+
+def _move_inputs(device):
+    def to(x):
+        if isinstance(x, torch.Tensor):
+            return x.to(device)     # blocking: a copy to the CPU must have landed
+        if isinstance(x, (tuple, list)):
+            return type(x)(to(v) for v in x)
+        if isinstance(x, dict):
+            return {k: to(v) for k, v in x.items()}
+        return x            # caches and flags stay as they are: a block's cache lives with it
+
+    def hook(module, args, kwargs):
+        return to(args), to(kwargs)
+    return hook
+
+
+def split_model(model, devices, layer_counts=None):
+    """Place model.model.layers on `devices` (e.g. ["cuda:0", "cuda:1"]) in contiguous ranges.
+
+    layer_counts: layers per device (sums to the number of layers); default balances parameters.
+    """
+    if hasattr(model, "layer_devices"):
+        raise ValueError(f"the model is already split over {sorted(set(model.layer_devices))}")
+    devices = [torch.device(d) for d in devices]
+    inner, layers = model.model, model.model.layers
+    head = model.lm_head
+    tied = head.weight is inner.embed_tokens.weight
+    if layer_counts is None:
+        layer_counts = balance_layers([_n_params(b) for b in layers], len(devices),
+                                      first_extra=_n_params(inner.embed_tokens),
+                                      last_extra=_n_params(inner.norm) + head.weight.numel())
+    layer_counts = [int(n) for n in layer_counts]
+    if (len(layer_counts) != len(devices) or min(layer_counts) < 1
+            or sum(layer_counts) != len(layers)):
+        raise ValueError(f"layer_counts={layer_counts}: need one count >= 1 per device "
+                         f"({len(devices)}) summing to the model's {len(layers)} layers")
+    if tied and devices[0] != devices[-1]:
+        # The head needs the embedding matrix on the last device: a second copy, which stays
+        # equal to the first only while it is not trained (true under LoRA).
+        if inner.embed_tokens.weight.requires_grad:
+            raise ValueError("tied embeddings are copied to the last device; freeze them first "
+                             "(apply_lora does) or split over one device")
+        head.weight = nn.Parameter(inner.embed_tokens.weight.detach().to(devices[-1]),
+                                   requires_grad=False)
+    inner.embed_tokens.to(devices[0])
+    inner.embed_tokens.register_forward_pre_hook(_move_inputs(devices[0]), with_kwargs=True)
+    first = 0
+    for device, n in zip(devices, layer_counts):
+        for block in layers[first:first + n]:
+            block.to(device)
+            block.register_forward_pre_hook(_move_inputs(device), with_kwargs=True)
+        first += n
+    for module in (inner.norm, head):
+        module.to(devices[-1])
+        module.register_forward_pre_hook(_move_inputs(devices[-1]), with_kwargs=True)
+    model.layer_devices = [d for d, n in zip(devices, layer_counts) for _ in range(n)]
+    return model
+
+
+# ----------------------------------------------------------------------------------------------
+# Weights from the Hugging Face Hub
+
+# A model name that is not a directory is fetched over HTTPS into $PAIR_CACHE/<org>--<name>/.
+# Only the files load_model reads are fetched: the Hub API's tree listing gives each file's size
+# (and, for LFS files, its sha256), so a transfer can be resumed with an HTTP Range request and
+# checked when it ends. A manifest written last marks the copy complete, so later loads need no
+# network at all.
+
+HUB_NAME = re.compile(r"[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*")    # <org>/<name>
+HUB_OPTIONAL = ("tokenizer_config.json",)
+HUB_MANIFEST = ".pair-complete.json"
+HUB_TIMEOUT = (10, 60)          # (connect, read) seconds
+HUB_RETRIES = 5                 # attempts per file; each one resumes where the last one stopped
+HUB_RETRY_WAIT = 2.0            # seconds, times the attempt number
+
+
+class HubError(CheckpointError):
+    """A model name that could not be fetched from the Hub (or found complete in the cache)."""
+
+
+def hub_cache_dir(repo_id: str) -> Path:
+    root = Path(os.environ.get("PAIR_CACHE") or Path.home() / ".cache" / "pair")
+    return root.expanduser() / repo_id.replace("/", "--")
+
+
+def _cached_copy(folder: Path) -> bool:
+    # Complete only when the manifest exists and every file it lists has the listed size.
+    try:
+        files = json.loads((folder / HUB_MANIFEST).read_text())["files"]
+        return all((folder / name).stat().st_size == size for name, size in files.items())
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return False
+
+
+def fetch_from_hub(repo_id: str, revision: str = "main") -> Path:
+    """Download what load_model needs from `repo_id` (e.g. "Qwen/Qwen2.5-7B-Instruct")."""
+    folder = hub_cache_dir(repo_id)
+    if _cached_copy(folder):
+        return folder
+    endpoint = os.environ.get("HF_ENDPOINT", "https://huggingface.co").rstrip("/")
+    offline = (f"cannot fetch model {repo_id!r} from {endpoint}: {{}}; no complete copy in "
+               f"{folder} (copy the files there, or point load_model at a local directory)")
+    if os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes", "on"):
+        raise HubError(offline.format("HF_HUB_OFFLINE is set"))
+    import fcntl                    # POSIX only, so imported where it is needed
+    folder.mkdir(parents=True, exist_ok=True)
+    with open(folder / ".lock", "w") as lock:
+        # torchrun starts one process per GPU: the first one downloads, the others wait here
+        # and then find the copy complete.
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if _cached_copy(folder):
+            return folder
+        try:
+            files = _fetch_files(folder, repo_id, revision, endpoint)
+        except (requests.ConnectionError, requests.Timeout,
+                requests.exceptions.ChunkedEncodingError) as e:
+            raise HubError(offline.format(f"network unreachable or connection lost "
+                                          f"({type(e).__name__})")) from e
+        manifest = {"repo": repo_id, "revision": revision, "endpoint": endpoint, "files": files}
+        _write_atomic(folder / HUB_MANIFEST, json.dumps(manifest, indent=1).encode())
+    return folder
+
+
+def _fetch_files(folder: Path, repo_id, revision, endpoint) -> dict[str, int]:
+    """config, tokenizer and weights (one file, or the index and its shards) -> {name: size}."""
+    session = requests.Session()
+    if os.environ.get("HF_TOKEN"):
+        # requests drops this header when the Hub redirects a download to its CDN (other host),
+        # which is what we want: the CDN URL is signed.
+        session.headers["Authorization"] = f"Bearer {os.environ['HF_TOKEN']}"
+    listing = _hub_tree(session, endpoint, repo_id, revision)
+    files = {}
+
+    def fetch(name):
+        if name not in listing:
+            raise HubError(f"{repo_id}@{revision} on {endpoint} has no file {name!r}")
+        size, sha256 = listing[name]
+        url = f"{endpoint}/{repo_id}/resolve/{quote(revision, safe='')}/{quote(name)}"
+        _download(session, url, folder / name, size, sha256, f"{repo_id}/{name}")
+        files[name] = size
+
+    fetch("config.json")
+    fetch("tokenizer.json")
+    for name in HUB_OPTIONAL:
+        if name in listing:
+            fetch(name)
+    if "model.safetensors.index.json" not in listing:
+        fetch("model.safetensors")
+        return files
+    fetch("model.safetensors.index.json")
+    index = folder / "model.safetensors.index.json"
+    try:
+        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+    except (ValueError, KeyError, AttributeError) as e:
+        raise HubError(f"{index}: not a safetensors index ({e})") from e
+    for shard in shards:
+        fetch(shard)
+    return files
+
+
+def _hub_tree(session, endpoint, repo_id, revision) -> dict[str, tuple[int, str | None]]:
+    # GET /api/models/{repo}/tree/{revision}: [{"type", "path", "size", "oid", "lfs"?}, ...],
+    # paginated through the Link header. For LFS files lfs.oid is the sha256 of the content.
+    url = f"{endpoint}/api/models/{repo_id}/tree/{quote(revision, safe='')}"
+    listing = {}
+    while url:
+        r = session.get(url, timeout=HUB_TIMEOUT)
+        _check_status(r, f"model {repo_id!r} at revision {revision!r}")
+        try:
+            for entry in r.json():
+                if entry["type"] == "file":
+                    lfs = entry.get("lfs") or {}
+                    listing[entry["path"]] = (int(lfs.get("size", entry["size"])), lfs.get("oid"))
+        except (ValueError, KeyError, TypeError) as e:
+            raise HubError(f"{url}: unexpected answer from the Hub API ({e!r})") from e
+        url = r.links.get("next", {}).get("url")
+    return listing
+
+
+def _check_status(r, what):
+    if r.status_code in (401, 403):
+        raise HubError(f"{r.url}: HTTP {r.status_code}: access to {what} denied (private or "
+                       "gated?); set HF_TOKEN to a token that has access")
+    if r.status_code == 404:
+        raise HubError(f"{r.url}: HTTP 404: {what} not found")
+    if r.status_code >= 400:
+        raise HubError(f"{r.url}: HTTP {r.status_code} {r.reason}")
+
+
+def _download(session, url, dest: Path, size: int, sha256: str | None, label: str):
+    if dest.is_file() and dest.stat().st_size == size:
+        return                                  # finished by an earlier, interrupted fetch
+    part = dest.with_name(dest.name + ".part")
+    for attempt in range(1, HUB_RETRIES + 1):
+        have = part.stat().st_size if part.exists() else 0
+        if part.exists() and have >= size:
+            break                               # whole (or too long: the size check says so)
+        try:
+            with session.get(url, headers={"Range": f"bytes={have}-"} if have else {},
+                             stream=True, timeout=HUB_TIMEOUT) as r:
+                _check_status(r, label)
+                if have and r.status_code != 206:
+                    have = 0                    # the server ignored Range: start over
+                with open(part, "ab" if have else "wb") as f:
+                    progress = _Progress(label, size, have)
+                    # Small chunks: what was read before a dropped connection is on disk.
+                    for chunk in r.iter_content(chunk_size=1 << 16):
+                        f.write(chunk)
+                        progress.update(len(chunk))
+                        if progress.done > size:
+                            break
+                    progress.close()
+            break
+        except (requests.ConnectionError, requests.Timeout,
+                requests.exceptions.ChunkedEncodingError) as e:
+            if attempt == HUB_RETRIES:
+                raise
+            got = part.stat().st_size if part.exists() else 0
+            print(f"\n{label}: connection lost at {got} bytes ({type(e).__name__}), resuming",
+                  file=sys.stderr)
+            time.sleep(HUB_RETRY_WAIT * attempt)
+    got = part.stat().st_size if part.exists() else 0
+    if got != size:
+        part.unlink(missing_ok=True)
+        raise HubError(f"{url}: downloaded {got} bytes but the Hub lists {size}; removed {part}, "
+                       "try again")
+    if sha256 is not None and _sha256(part) != sha256:
+        part.unlink()
+        raise HubError(f"{url}: sha256 differs from the Hub's ({sha256}); removed {part}, "
+                       "try again")
+    os.replace(part, dest)
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(1 << 24):
+            h.update(block)
+    return h.hexdigest()
+
+
+class _Progress:
+    """One line on stderr, rewritten at most twice a second: name, bytes, percent, speed."""
+
+    def __init__(self, label, total, done):
+        self.label, self.total, self.done, self.start_done = label, total, done, done
+        self.t0 = self.shown = time.monotonic()
+
+    def update(self, n):
+        self.done += n
+        if time.monotonic() - self.shown >= 0.5:
+            self.show()
+
+    def show(self, end=""):
+        self.shown = time.monotonic()
+        rate = (self.done - self.start_done) / max(self.shown - self.t0, 1e-9) / 1e6
+        pct = 100.0 * self.done / max(self.total, 1)
+        print(f"\r{self.label}: {self.done / 1e6:.1f}/{self.total / 1e6:.1f} MB ({pct:.0f}%) "
+              f"{rate:.1f} MB/s", end=end, file=sys.stderr, flush=True)
+
+    def close(self):
+        self.show(end="\n")
+
+
+def _write_atomic(path: Path, data: bytes):
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    with open(tmp, "wb") as f:
+        f.write(data)
+    os.replace(tmp, path)
+
+
+# ----------------------------------------------------------------------------------------------
+# CLI
+
+
+DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description="A Qwen2-family model with native internal signals.")
+    sub = ap.add_subparsers(dest="command", required=True)
+    g = sub.add_parser("generate", help="chat-format a prompt and print the model's reply")
+    g.add_argument("--model", required=True, help="checkpoint directory (config.json, "
+                   "model.safetensors[.index.json], tokenizer.json) or a Hugging Face Hub name "
+                   "such as Qwen/Qwen2.5-7B-Instruct (downloaded once into $PAIR_CACHE)")
+    g.add_argument("--devices", default="cpu", help="comma-separated devices to split the "
+                   "layers over, e.g. cuda:0,cuda:1 (default: cpu)")
+    g.add_argument("--prompt", required=True, help="the user message")
+    g.add_argument("--system", default=None, help="system message (default: Qwen's default)")
+    g.add_argument("--max-new-tokens", type=int, default=256, help="most tokens to generate")
+    g.add_argument("--dtype", choices=sorted(DTYPES), default="fp32", help="weight dtype")
+    g.add_argument("--temperature", type=float, default=0.0,
+                   help="sampling temperature; 0 (default) decodes greedily")
+    g.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass")
+    g.add_argument("--seed", type=int, default=0, help="sampling seed")
+    args = ap.parse_args(argv)
+
+    if args.max_new_tokens < 1:
+        ap.error("--max-new-tokens must be at least 1")
+    if args.temperature < 0 or not 0 < args.top_p <= 1:
+        ap.error("--temperature must be >= 0 and --top-p in (0, 1]")
+    try:
+        model, tok = load_model(args.model, dtype=DTYPES[args.dtype],
+                                devices=args.devices.split(","))
+    except (CheckpointError, FileNotFoundError, ValueError) as e:
+        sys.exit(f"--model: {e}")
+    messages = ([{"role": "system", "content": args.system}] if args.system else [])
+    messages.append({"role": "user", "content": args.prompt})
+    ids, _ = tok.render(messages, add_generation_prompt=True)
+    mode = "greedy" if args.temperature == 0 else \
+        f"sampled (temperature {args.temperature}, top-p {args.top_p}, seed {args.seed})"
+    print(f"[{mode} decoding, {args.dtype}]", file=sys.stderr)
+    gen = torch.Generator().manual_seed(args.seed)
+    trace = generate(model, model.new_cache(1, capacity=len(ids) + args.max_new_tokens), [ids],
+                     args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
+                     stop_ids=[tok.im_end_id], generator=gen, stats=False)[0]
+    tokens = trace.tokens[:-1] if trace.finished else trace.tokens
+    print(tok.decode(tokens))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,928 @@
+"""PAIR — Prefix-Aware Internal Reward: the two-stage probe, its reward, and the paper's tables.
+
+PAIR (paper Eq. stage1 / stage2, SPEC §6) scores one assistant turn from the policy's internals:
+    Stage 1  s_bc    = sigma(w_1 . h + b_1)            h = last-token hidden state (last_token)
+    Stage 2  s_final = sigma(w_2 . [a; s_bc] + b_2)    a = multi_attn: [max, std, prefix, self] of
+                                                          every head, every layer (layer-major)
+Both are `probes.Probe` (StandardScaler + L2 logistic regression, C = 0.01). Train modes:
+`clean_only` = matched_clean_train; `mixed` (default, the paper's) = matched_clean_train +
+matched_contaminated_train, for both stages as in the release. Stage 2 is fitted on the in-sample
+stage-1 scores of the training set (as released); `--crossfit K` uses out-of-fold scores, with
+folds by episode so a record and its matched twin never sit on both sides. At inference stage 2
+reads the raw s_bc (*departure*: the release temperature-clipped s_bc at inference only).
+
+As a reward (paper Appendix reward, SPEC §7): s~_t = clip(sigma(logit(s_final_t) / T), eps, 1-eps)
+with T = 2, eps = 0.05, and the momentum reward r_1 = s~_1,
+r_t = sigma(logit(s~_t) + alpha (s~_t - mean_{k<t} s~_k)) with alpha = 5 (alpha = 0: vanilla
+r_t = s~_t). `PairReward` computes it per turn from a model.TurnTrace with two dot products.
+
+Protocol (SPEC §8): each probe is trained with seeds 42, 43, 44; a seed draws a class-balanced
+subsample of matched_clean_train (the same records are taken from matched_contaminated_train in
+mixed mode); results are mean +- std over seeds on matched_clean_test and matched_contaminated_test.
+
+Contamination distance. SPEC §8 defines d = turn_idx - nearest earlier contaminated turn index.
+The released indices count dialog *messages* (user, assistant, tool), so that difference is 2 for
+the immediately preceding assistant turn and bucket d = 1 would always be empty. The paper reads
+d = 1 as "the error is the immediately preceding turn", so `distance` counts assistant turns
+(the literal message difference is kept as `distance_messages`).
+
+    python pair.py extract --model DIR --data gta/matched_clean_train.json \\
+                           --out feats/matched_clean_train.safetensors
+    python pair.py train  --features feats --out probes/gta        # PAIR + every baseline probe
+    python pair.py eval   --probes probes/gta --features feats
+    python pair.py report --features feats                         # report.md + report.json
+"""
+from __future__ import annotations
+
+import argparse
+import hashlib
+import itertools
+import json
+import math
+import os
+import shutil
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file
+
+import envs
+import model as mdl
+import probes
+from probes import ATTN_STATS, FEATURES, Probe, attn_features, feature, stack_attn
+
+SEEDS = (42, 43, 44)
+MODES = ("mixed", "clean_only")
+TRAIN_SPLITS = {"clean_only": ("matched_clean_train",),
+                "mixed": ("matched_clean_train", "matched_contaminated_train")}
+TEST_SPLITS = ("matched_clean_test", "matched_contaminated_test")
+DIAGNOSTIC_SPLIT = "matched_diagnostic_test"   # envs.py make-data shop writes it
+DISTANCE_BUCKETS = ("1", "2", "3", "4", "5", "6", "7+")
+
+
+# ----------------------------------------------------------------------------------------------
+# Reward transforms (paper Appendix reward, SPEC §7): pure functions of floats
+
+def sigmoid(z: float) -> float:
+    if z >= 0:
+        return 1.0 / (1.0 + math.exp(-z))
+    e = math.exp(z)                       # no overflow for very negative z
+    return e / (1.0 + e)
+
+
+def logit(s: float, clamp: float = 1e-6) -> float:
+    s = min(max(s, clamp), 1.0 - clamp)
+    return math.log(s / (1.0 - s))
+
+
+def temp_clip(s: float, T: float = 2.0, eps: float = 0.05) -> float:
+    """Eq. tempclip: s~ = clip(sigma(logit(s) / T), eps, 1 - eps); keeps rewards off {0, 1}."""
+    return min(max(sigmoid(logit(s) / T), eps), 1.0 - eps)
+
+
+def momentum_reward(s_tilde: float, prev: list[float], alpha: float = 5.0) -> float:
+    """Eq. pair_momentum: r_t = sigma(logit(s~_t) + alpha (s~_t - mean_{k<t} s~_k)); the first
+    turn (no earlier s~) gets no bonus, r_1 = s~_1. alpha = 0 is vanilla PAIR, r_t = s~_t."""
+    if not prev or alpha == 0:
+        return s_tilde
+    bonus = alpha * (s_tilde - sum(prev) / len(prev))
+    return sigmoid(logit(s_tilde) + bonus)
+
+
+def trajectory_rewards(s_final: list[float], alpha: float = 5.0, T: float = 2.0,
+                       eps: float = 0.05) -> list[float]:
+    """The rewards r_1..r_n of one rollout from its turns' s_final."""
+    s_tilde = [temp_clip(s, T, eps) for s in s_final]
+    return [momentum_reward(s, s_tilde[:t], alpha) for t, s in enumerate(s_tilde)]
+
+
+# ----------------------------------------------------------------------------------------------
+# The PAIR model (SPEC §6)
+
+@dataclass
+class Pair:
+    stage1: Probe                        # last_token -> s_bc            (Eq. stage1)
+    stage2: Probe                        # [multi_attn; s_bc] -> s_final (Eq. stage2)
+    stats: tuple[str, ...] = ATTN_STATS  # attention statistics of stage 2 (the ablation varies it)
+    info: dict = field(default_factory=dict)
+
+    def scores(self, raw: dict) -> tuple[torch.Tensor, torch.Tensor]:
+        """(s_bc, s_final), each (N,), for a batch of raw features."""
+        s_bc = self.stage1.predict_proba(feature("last_token", raw))
+        X2 = torch.cat([attn_features(raw, self.stats), s_bc[:, None]], dim=1)   # (N, 4HL + 1)
+        return s_bc, self.stage2.predict_proba(X2)
+
+    def save(self, directory) -> None:
+        """stage1.safetensors, stage2.safetensors and pair.json (written last: a directory
+        holding pair.json is complete). Every file is written atomically."""
+        directory = Path(directory)
+        self.stage1.save(directory / "stage1.safetensors")
+        self.stage2.save(directory / "stage2.safetensors")
+        config = {"format": "pair/1", "hidden_feature": "last_token", "stats": list(self.stats),
+                  "stage1": "stage1.safetensors", "stage2": "stage2.safetensors", **self.info}
+        _write_text(directory / "pair.json", json.dumps(config, indent=2) + "\n")
+
+    @classmethod
+    def load(cls, directory) -> "Pair":
+        directory = Path(directory)
+        config_path = directory / "pair.json"
+        if not config_path.is_file():
+            raise FileNotFoundError(f"{config_path} not found: not a PAIR directory "
+                                    "(written by `pair.py train` or Pair.save)")
+        config = json.loads(config_path.read_text())
+        if config.get("format") != "pair/1":
+            raise ValueError(f"{config_path}: unknown format {config.get('format')!r}")
+        stats = tuple(config["stats"])
+        if not stats or not set(stats) <= set(ATTN_STATS):
+            raise ValueError(f"{config_path}: bad attention statistics {stats}")
+        stage1 = Probe.load(directory / config["stage1"])
+        stage2 = Probe.load(directory / config["stage2"])
+        info = {k: v for k, v in config.items()
+                if k not in ("format", "hidden_feature", "stats", "stage1", "stage2")}
+        return cls(stage1, stage2, stats, info)
+
+
+def fit_stage1(raw, y, C=0.01, crossfit=0, groups=None, seed=0, stage1=None):
+    """Stage 1 on all records, and the s_bc that stage 2 is fitted on: in-sample (crossfit 0,
+    as released) or out-of-fold over K folds of episodes. Stage 1 is the last_token probe: one
+    already fitted on the same records can be passed in."""
+    X1 = feature("last_token", raw)
+    stage1 = stage1 or Probe(info={"feature": "last_token"}).fit(X1, y, C)
+    if crossfit <= 1:
+        return stage1, stage1.predict_proba(X1)
+    if groups is None:
+        raise ValueError("--crossfit needs the episode id of every training record")
+    fold = episode_folds(groups, crossfit, seed)
+    y = torch.as_tensor(y, dtype=torch.float64)
+    s_bc = torch.empty(len(groups), dtype=torch.float64)
+    for k in range(crossfit):
+        held = fold == k
+        s_bc[held] = Probe().fit(X1[~held], y[~held], C).predict_proba(X1[held])
+    return stage1, s_bc
+
+
+def episode_folds(groups: list[str], K: int, seed: int) -> torch.Tensor:
+    """A fold in 0..K-1 per record; all records of an episode share one."""
+    unique = sorted(set(groups))
+    if len(unique) < K:
+        raise ValueError(f"--crossfit {K}: only {len(unique)} training episodes")
+    order = torch.randperm(len(unique), generator=torch.Generator().manual_seed(seed)).tolist()
+    fold_of = {unique[j]: i % K for i, j in enumerate(order)}
+    return torch.tensor([fold_of[g] for g in groups])
+
+
+def fit_stage2(stage1, s_bc, raw, y, C=0.01, stats=ATTN_STATS, info=None) -> Pair:
+    X2 = torch.cat([attn_features(raw, stats), s_bc[:, None]], dim=1)   # (N, 4HL + 1)
+    stage2 = Probe(info={"feature": "multi_attn+s_bc", "stats": list(stats)}).fit(X2, y, C)
+    return Pair(stage1, stage2, tuple(stats), dict(info or {}))
+
+
+def fit_pair(raw, y, C=0.01, crossfit=0, groups=None, seed=0, stats=ATTN_STATS, info=None,
+             stage1=None):
+    stage1, s_bc = fit_stage1(raw, y, C, crossfit, groups, seed, stage1)
+    return fit_stage2(stage1, s_bc, raw, y, C, stats, {"crossfit": crossfit, **(info or {})})
+
+
+# ----------------------------------------------------------------------------------------------
+# Per-turn reward entry points (used by grpo.py)
+
+@dataclass
+class TurnReward:
+    s_bc: float | None      # stage-1 score (None for a single probe)
+    s_final: float          # P(correct)
+    s_tilde: float          # after the temperature clip (= s_final for a single probe)
+    r: float                # the reward of this turn
+
+
+class PairReward:
+    """PAIR's reward for one turn: `reward(trace, prev)`, prev = s~ of the rollout's earlier turns.
+
+    Each stage's scaler is folded into its weights (logit = x . v + c), so a turn costs two dot
+    products and a few scalar operations."""
+
+    def __init__(self, pair_dir, alpha: float = 5.0, T: float = 2.0, eps: float = 0.05):
+        pair = Pair.load(pair_dir)
+        self.alpha, self.T, self.eps, self.stats = alpha, T, eps, pair.stats
+        self.v1, self.c1 = pair.stage1.folded()                 # (d,)
+        v2, self.c2 = pair.stage2.folded()                      # (L*k*H + 1,)
+        self.v2_attn, self.v2_sbc = v2[:-1].contiguous(), float(v2[-1])
+
+    def __call__(self, trace, prev: list[float] = ()) -> TurnReward:
+        h = trace.h_last[-1].double()                           # (d,) last layer, last token
+        s_bc = sigmoid(float(h @ self.v1) + self.c1)
+        a = stack_attn([trace.attn[s] for s in self.stats]).double()     # (L*k*H,)
+        s_final = sigmoid(float(a @ self.v2_attn) + self.v2_sbc * s_bc + self.c2)
+        s_tilde = temp_clip(s_final, self.T, self.eps)
+        return TurnReward(s_bc, s_final, s_tilde, momentum_reward(s_tilde, list(prev), self.alpha))
+
+
+class ProbeReward:
+    """A baseline probe as a reward (SPEC §7): r_t = its P(correct)."""
+
+    def __init__(self, probe_path):
+        probe = Probe.load(probe_path)
+        self.name = probe.info.get("feature")
+        if self.name not in FEATURES:
+            raise ValueError(f"{probe_path}: probe metadata names no feature set of {FEATURES}")
+        self.v, self.c = probe.folded()
+
+    def __call__(self, trace, prev: list[float] = ()) -> TurnReward:
+        raw = {k: v[None] for k, v in probes.raw_features(trace, coe=False).items()}
+        p = sigmoid(float(feature(self.name, raw)[0] @ self.v) + self.c)
+        return TurnReward(None, p, p, p)
+
+
+# ----------------------------------------------------------------------------------------------
+# Extraction: one teacher-forced forward per matched record (SPEC §2-4)
+
+def contamination_distance(record: dict) -> tuple[int, int]:
+    """(assistant turns, messages) from the nearest earlier contaminated turn to the evaluation
+    turn; (-1, -1) when no earlier turn is contaminated. See the module docstring."""
+    t = record["turn_idx"]
+    earlier = [c for c in record.get("original_contaminated_turn_indices") or [] if c < t]
+    if not earlier:
+        return -1, -1
+    c = max(earlier)
+    turns = sum(m["role"] == "assistant" for m in record["dialogs"][c + 1:t + 1])
+    return turns, t - c
+
+
+def render_record(record, tokenizer, max_len=4096):
+    """ids, span of the evaluation turn (SPEC §3) and the number of leading tokens cut to keep
+    the last max_len. `record` comes from envs.load_matched, which adds the episode's tools and
+    files (SPEC §2: from the episode file of the same family and id)."""
+    messages = envs.record_messages(record)
+    if messages[-1]["role"] != "assistant":
+        raise ValueError("dialog does not end with an assistant message (the evaluation turn)")
+    ids, spans = tokenizer.render(messages)
+    ids, spans, cut = mdl.keep_last(ids, spans, max_len)
+    if spans[-1][1] - spans[-1][0] < 1:
+        raise ValueError(f"the evaluation turn does not fit in --max-len {max_len}")
+    return ids, spans[-1], cut
+
+
+def _file_sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def extract(net, tokenizer, data_path, out_path, max_len=4096, shard_size=32,
+            manifest_extra=None, log=None) -> dict:
+    """Features of every record of a matched file -> a features file (see CONTRACTS.md).
+
+    Completed records are written to OUT.parts/ in shards (atomically); a rerun with the same
+    arguments skips them. Records that fail are listed by id, printed and kept in the output's
+    metadata; with failures the parts stay, so a rerun retries only those."""
+    log = log or sys.stderr
+    data_path, out_path = Path(data_path), Path(out_path)
+    records = envs.load_matched(data_path)        # validated; each with its episode's tools
+    parts = out_path.with_name(out_path.name + ".parts")
+    manifest = {"data": str(data_path.resolve()), "data_sha256": _file_sha256(data_path),
+                "max_len": max_len, **(manifest_extra or {})}
+    done = _open_parts(parts, manifest)
+    todo = [i for i in range(len(records)) if i not in done]
+    print(f"extract {data_path.name}: {len(records)} records, {len(done)} already done "
+          f"(resuming from {parts})" if done else
+          f"extract {data_path.name}: {len(records)} records", file=log)
+
+    failed, buffer = [], []
+    t0, last_print = time.perf_counter(), 0.0
+    for n_new, i in enumerate(todo, 1):
+        record = records[i]
+        rid = f"{record['episode_id']}@{record['turn_idx']}"
+        try:
+            ids, span, cut = render_record(record, tokenizer, max_len)
+            with torch.inference_mode():
+                trace = mdl.trace_forward(net, ids, span)
+            raw = probes.raw_features(trace)
+            raw["record_index"] = torch.tensor(i)
+            raw["truncated"] = torch.tensor(int(cut > 0))
+            buffer.append(raw)
+        except Exception as e:      # reported by id below and in the output, never dropped
+            failed.append({"index": i, "id": rid, "error": f"{type(e).__name__}: {e}"})
+            print(f"  record {i} ({rid}) failed: {failed[-1]['error']}", file=log)
+        if len(buffer) >= shard_size or n_new == len(todo):
+            _write_shard(parts, buffer, failed)
+            buffer = []
+        now = time.perf_counter()
+        if now - last_print > 5 or n_new == len(todo):
+            last_print = now
+            rate = n_new / (now - t0)
+            eta = (len(todo) - n_new) / rate if rate > 0 else 0
+            print(f"  {len(done) + n_new}/{len(records)} records  {rate:.2f} rec/s  "
+                  f"ETA {_hms(eta)}  failed {len(failed)}", file=log)
+    if not todo:
+        _write_shard(parts, [], [])
+
+    return _merge_parts(parts, records, out_path, manifest, failed, log)
+
+
+def _open_parts(parts: Path, manifest: dict) -> set[int]:
+    """The record indices already extracted under `parts` (creating it for a fresh run)."""
+    path = parts / "manifest.json"
+    if path.is_file():
+        old = json.loads(path.read_text())
+        if old != manifest:
+            diff = sorted(k for k in set(old) | set(manifest) if old.get(k) != manifest.get(k))
+            raise SystemExit(f"{parts} holds a run with different arguments ({', '.join(diff)}); "
+                             "rerun with the same ones or delete that directory")
+    else:
+        parts.mkdir(parents=True, exist_ok=True)
+        _write_text(path, json.dumps(manifest, indent=2) + "\n")
+    done = set()
+    for shard in sorted(parts.glob("shard_*.safetensors")):
+        done.update(load_file(str(shard))["record_index"].tolist())
+    return done
+
+
+def _write_shard(parts: Path, buffer: list[dict], failed: list[dict]) -> None:
+    if buffer:
+        stacked = {k: torch.stack([r[k] for r in buffer]) for k in buffer[0]}
+        first = int(stacked["record_index"][0])
+        probes.save_safetensors(stacked, parts / f"shard_{first:07d}.safetensors", {})
+    _write_text(parts / "failed.json", json.dumps(failed, indent=1) + "\n")
+
+
+def _merge_parts(parts, records, out_path, manifest, failed, log) -> dict:
+    shards = [load_file(str(p)) for p in sorted(parts.glob("shard_*.safetensors"))]
+    if not shards:
+        raise SystemExit(f"no record of {manifest['data']} could be extracted; see the errors "
+                         f"above and {parts / 'failed.json'}")
+    tensors = {k: torch.cat([s[k] for s in shards]) for k in shards[0]}
+    order = tensors["record_index"].argsort()
+    tensors = {k: v[order] for k, v in tensors.items()}
+    chosen = [records[i] for i in tensors["record_index"].tolist()]
+    distances = [contamination_distance(r) for r in chosen]
+    tensors["label"] = torch.tensor([int(r["label"]) for r in chosen])
+    tensors["turn_idx"] = torch.tensor([int(r["turn_idx"]) for r in chosen])
+    tensors["distance"] = torch.tensor([d for d, _ in distances])
+    tensors["distance_messages"] = torch.tensor([m for _, m in distances])
+    L, H = tensors["attn_max"].shape[1:]
+    meta = {**manifest, "n_records": len(chosen), "n_in_data": len(records),
+            "n_truncated": int(tensors["truncated"].sum()), "failed": failed,
+            "dims": {"d": tensors["h_mean"].shape[1], "L": L, "H": H},
+            "episode_id": [str(r["episode_id"]) for r in chosen],
+            "contamination_type": [r.get("contamination_type") for r in chosen],
+            "prefix_type": [r.get("prefix_type") for r in chosen]}
+    probes.save_safetensors(tensors, out_path, {"pair_features": json.dumps(meta)})
+    print(f"wrote {out_path}: {len(chosen)} records, {meta['n_truncated']} truncated to their "
+          f"last {manifest['max_len']} tokens, {len(failed)} failed", file=log)
+    if failed:
+        print(f"FAILED records ({len(failed)}), listed in the metadata of {out_path}; rerun the "
+              "same command to retry only them:", file=log)
+        for f in failed:
+            print(f"  {f['index']} {f['id']}: {f['error']}", file=log)
+    else:
+        shutil.rmtree(parts)
+    return meta
+
+
+def _hms(seconds: float) -> str:
+    seconds = int(seconds)
+    return f"{seconds // 3600}h{seconds // 60 % 60:02d}m{seconds % 60:02d}s"
+
+
+def _write_text(path: Path, text: str) -> None:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+# ----------------------------------------------------------------------------------------------
+# Training protocol (SPEC §8)
+
+@dataclass
+class Split:
+    """One features file: raw tensors stacked over records, labels and string columns."""
+    name: str
+    raw: dict
+    y: torch.Tensor
+    episode_id: list[str]
+    meta: dict
+
+    def keys(self) -> list[tuple[str, int]]:
+        return list(zip(self.episode_id, self.raw["turn_idx"].tolist()))
+
+    def take(self, idx) -> "Split":
+        idx = torch.as_tensor(idx, dtype=torch.long)
+        return Split(self.name, {k: v[idx] for k, v in self.raw.items()}, self.y[idx],
+                     [self.episode_id[i] for i in idx.tolist()], self.meta)
+
+
+def load_split(path, name=None) -> Split:
+    raw, meta = probes.load_features(path)
+    return Split(name or Path(path).stem, raw, raw["label"].long(), list(meta["episode_id"]),
+                 meta)
+
+
+def load_splits(features_dir, names) -> dict[str, Split]:
+    """The named features files of a directory (<name>.safetensors); absent ones are skipped."""
+    features_dir = Path(features_dir)
+    if not features_dir.is_dir():
+        raise FileNotFoundError(f"features directory not found: {features_dir}")
+    return {n: load_split(features_dir / f"{n}.safetensors", n) for n in names
+            if (features_dir / f"{n}.safetensors").is_file()}
+
+
+def concat_splits(splits: list[Split]) -> Split:
+    common = set.intersection(*(set(s.raw) for s in splits))
+    raw = {k: torch.cat([s.raw[k] for s in splits]) for k in common}
+    return Split("+".join(s.name for s in splits), raw, torch.cat([s.y for s in splits]),
+                 sum((s.episode_id for s in splits), []), splits[0].meta)
+
+
+def balanced_indices(y: torch.Tensor, seed: int) -> torch.Tensor:
+    """A class-balanced subsample: every record of the minority class and as many of the
+    majority class, drawn with `seed`."""
+    g = torch.Generator().manual_seed(seed)
+    pos, neg = (y == 1).nonzero().flatten(), (y == 0).nonzero().flatten()
+    m = min(len(pos), len(neg))
+    if m == 0:
+        raise ValueError("the training split holds a single class")
+    pick = [c[torch.randperm(len(c), generator=g)[:m]] for c in (pos, neg)]
+    return torch.cat(pick).sort().values
+
+
+def training_set(splits: dict[str, Split], mode: str, seed: int) -> Split:
+    """The seed's balanced subsample of matched_clean_train, plus (mixed) the same records of
+    matched_contaminated_train: its evaluation turns are identical, only the prefix differs."""
+    need = TRAIN_SPLITS[mode]
+    missing = [n for n in need if n not in splits]
+    if missing:
+        raise FileNotFoundError(f"mode {mode!r} needs the features of {missing} "
+                                f"(<name>.safetensors in the features directory)")
+    clean = splits["matched_clean_train"]
+    chosen = clean.take(balanced_indices(clean.y, seed))
+    if mode == "clean_only":
+        return chosen
+    contam = splits["matched_contaminated_train"]
+    row = {k: i for i, k in enumerate(contam.keys())}
+    twins = [row[k] for k in chosen.keys() if k in row]
+    if len(twins) < len(chosen.y):
+        print(f"warning: {len(chosen.y) - len(twins)} records of the clean subsample have no "
+              "matched_contaminated_train twin (failed extraction?)", file=sys.stderr)
+    return concat_splits([chosen, contam.take(twins)])
+
+
+def fit_baselines(train: Split, C=0.01, info=None) -> dict[str, Probe]:
+    """Every supervised baseline probe (SPEC §5) on one training set."""
+    return {name: Probe(info={"feature": name, **(info or {})}).fit(feature(name, train.raw),
+                                                                    train.y, C)
+            for name in FEATURES}
+
+
+def predict(model, raw) -> torch.Tensor:
+    """P(correct) of a Probe or a Pair."""
+    if isinstance(model, Pair):
+        return model.scores(raw)[1]
+    return model.predict_proba(feature(model.info["feature"], raw))
+
+
+# ----------------------------------------------------------------------------------------------
+# Report (SPEC §8 a-e)
+
+METHODS = {   # name -> (label in the tables, P(correct)?)
+    "last_token": ("Last-token", True), "mean_pooled": ("Mean-Pooled", True),
+    "multi_layer": ("Multi-layer", True), "attention": ("Attention", True),
+    "hidden_attn": ("Hidden + Attn", True), "multi_attn": ("Multi-Attn", True),
+    "lookback": ("Lookback Lens", True), "head_entropy": ("Head Entropy", True),
+    "neg_entropy": ("-Entropy (unsup.)", False), "coe_r": ("CoE-R (unsup.)", False),
+    "coe_c": ("CoE-C (unsup.)", False), "pair": ("PAIR", True),
+    "pair_clean_only": ("PAIR (clean_only)", True),
+}
+# Paper Table result_pair (Qwen2.5-7B-Instruct): AUROC, its std, ECE, its std (None: not given).
+PAPER = {
+    "gta": {"last_token": (0.8967, 0.012, 0.1294, 0.018),
+            "mean_pooled": (0.8851, 0.014, 0.1521, 0.020),
+            "multi_layer": (0.9082, 0.010, 0.1342, 0.017),
+            "attention": (0.8709, 0.015, 0.0954, 0.014),
+            "hidden_attn": (0.8978, 0.013, 0.1378, 0.018),
+            "multi_attn": (0.9034, 0.011, 0.1356, 0.018),
+            "lookback": (0.8745, 0.014, 0.1182, 0.015),
+            "head_entropy": (0.8821, 0.013, 0.1432, 0.019),
+            "coe_c": (0.7491, 0.022, None, None),
+            "pair": (0.9217, 0.009, 0.1198, 0.014)},
+    "toolbench": {"last_token": (0.7654, 0.008, 0.2562, 0.014),
+                  "mean_pooled": (0.7372, 0.009, 0.2871, 0.016),
+                  "multi_layer": (0.7821, 0.007, 0.2476, 0.013),
+                  "attention": (0.6847, 0.011, 0.1998, 0.011),
+                  "hidden_attn": (0.7598, 0.008, 0.2683, 0.015),
+                  "multi_attn": (0.7765, 0.007, 0.1961, 0.011),
+                  "lookback": (0.7295, 0.010, 0.1685, 0.010),
+                  "head_entropy": (0.7561, 0.009, 0.2329, 0.013),
+                  "coe_c": (0.5953, 0.013, None, None),
+                  "pair": (0.8129, 0.006, 0.2236, 0.012)},
+}
+
+
+def stat_subsets() -> list[tuple[str, ...]]:
+    """The 15 non-empty subsets of the four attention statistics, smallest first."""
+    return [c for k in range(1, 5) for c in itertools.combinations(ATTN_STATS, k)]
+
+
+def distance_bucket(d: int) -> str | None:
+    return None if d < 1 else ("7+" if d >= 7 else str(d))
+
+
+def mean_std(values: list[float]) -> dict:
+    """Mean and sample std (ddof 1) over seeds, ignoring NaN (a metric undefined on a split)."""
+    v = [x for x in values if x == x]
+    if not v:
+        return {"mean": None, "std": None, "values": values}
+    m = sum(v) / len(v)
+    s = math.sqrt(sum((x - m) ** 2 for x in v) / (len(v) - 1)) if len(v) > 1 else 0.0
+    return {"mean": m, "std": s, "values": values}
+
+
+def run_report(features_dir, mode="mixed", seeds=SEEDS, C=0.01, crossfit=0, log=None):
+    """Everything of SPEC §8 (a)-(e) from the features of the matched splits -> a JSON dict."""
+    log = log or sys.stderr
+    names = TRAIN_SPLITS["mixed"] + TEST_SPLITS + (DIAGNOSTIC_SPLIT,)
+    splits = load_splits(features_dir, names)
+    missing = [n for n in TEST_SPLITS + TRAIN_SPLITS[mode] if n not in splits]
+    if missing:
+        raise FileNotFoundError(f"{features_dir}: missing features of {missing} "
+                                "(name them <data file stem>.safetensors)")
+    tests = {n: splits[n] for n in TEST_SPLITS + (DIAGNOSTIC_SPLIT,) if n in splits}
+    tests["all_test"] = concat_splits([splits[n] for n in TEST_SPLITS])
+    # per-seed values: detection[method][split][metric] -> list over seeds
+    detection, distance, ablation = {}, {}, {}
+    n_train, fit_seconds = {}, []
+    t0 = time.perf_counter()
+
+    def add(table, keys, value):
+        node = table
+        for k in keys[:-1]:
+            node = node.setdefault(k, {})
+        node.setdefault(keys[-1], []).append(value)
+
+    def score_all(method, scorer, probability):
+        for split_name, split in tests.items():
+            p = scorer(split.raw)
+            metrics = probes.metrics(split.y, p, split.episode_id, probability)
+            for metric, value in metrics.items():
+                add(detection, (method, split_name, metric), value)
+            if split_name == "matched_contaminated_test":
+                buckets = [distance_bucket(d) for d in split.raw["distance"].tolist()]
+                for b in DISTANCE_BUCKETS:
+                    idx = [i for i, x in enumerate(buckets) if x == b]
+                    if idx:
+                        m = probes.metrics(split.y[idx], p[idx], None, probability)
+                        for metric in ("accuracy", "auroc"):
+                            if metric in m:
+                                add(distance, (method, b, metric), m[metric])
+                        distance.setdefault("_n", {})[b] = len(idx)
+
+    for seed in seeds:
+        t = time.perf_counter()
+        train = training_set(splits, mode, seed)
+        n_train[seed] = {"n": len(train.y), "positives": int(train.y.sum())}
+        info = {"seed": seed, "C": C, "mode": mode}
+        models = fit_baselines(train, C, info)
+        # (d) PAIR's stage 2 on every subset of the four statistics (stage 1 shared); the full
+        # set is PAIR itself
+        stage1, s_bc = fit_stage1(train.raw, train.y, C, crossfit, train.episode_id, seed,
+                                  stage1=models["last_token"])
+        for subset in stat_subsets():
+            model = fit_stage2(stage1, s_bc, train.raw, train.y, C, subset, info)
+            for split_name in TEST_SPLITS + ("all_test",):
+                split = tests[split_name]
+                add(ablation, ("+".join(subset), split_name),
+                    probes.auroc(split.y, model.scores(split.raw)[1]))
+        models["pair"] = model
+        clean = training_set(splits, "clean_only", seed)
+        models["pair_clean_only"] = fit_pair(
+            clean.raw, clean.y, C, crossfit, clean.episode_id, seed,
+            info={**info, "mode": "clean_only"},
+            stage1=models["last_token"] if mode == "clean_only" else None)
+        fit_seconds.append(time.perf_counter() - t)
+        for name, model in models.items():
+            score_all(name, lambda raw, m=model: predict(m, raw), True)
+        print(f"  seed {seed}: {len(models)} models + 15 ablations fitted "
+              f"({time.perf_counter() - t:.1f}s)", file=log)
+    for name in probes.SCORES:           # unsupervised: no training, one value per split
+        score_all(name, lambda raw, n=name: probes.unsupervised_score(n, raw), False)
+
+    def summarize(node):
+        if isinstance(node, list):
+            return mean_std(node)
+        return {k: (v if k == "_n" else summarize(v)) for k, v in node.items()}
+
+    meta = splits["matched_clean_test"].meta
+    return {
+        "features_dir": str(features_dir), "mode": mode, "seeds": list(seeds), "C": C,
+        "crossfit": crossfit, "model": meta.get("model"), "dtype": meta.get("dtype"),
+        "data": {n: s.meta.get("data") for n, s in splits.items()},
+        "n_records": {n: len(s.y) for n, s in tests.items()},
+        "positives": {n: int(s.y.sum()) for n, s in tests.items()},
+        "n_train": n_train, "fit_seconds_per_seed": fit_seconds,
+        "seconds": time.perf_counter() - t0,
+        "detection": summarize(detection), "distance": summarize(distance),
+        "ablation": summarize(ablation),
+    }
+
+
+def guess_paper_ref(result: dict) -> str | None:
+    """The paper's dataset whose name is a path component of the data or features paths."""
+    paths = [str(v) for v in result["data"].values()] + [result["features_dir"]]
+    parts = {part.lower() for path in paths for part in Path(path).parts}
+    return next((name for name in PAPER if name in parts), None)
+
+
+def _ms(node, digits=3) -> str:
+    if not node or node.get("mean") is None:
+        return "—"
+    return f"{node['mean']:.{digits}f} ± {node['std']:.{digits}f}"
+
+
+def _get(result, *keys):
+    node = result
+    for k in keys:
+        node = node.get(k) if isinstance(node, dict) else None
+        if node is None:
+            return None
+    return node
+
+
+def render_markdown(result: dict, paper_ref: str | None) -> str:
+    det = result["detection"]
+    methods = [m for m in METHODS if m in det]
+    k = result["crossfit"]
+    stage2_input = f"out-of-fold (K={k})" if k > 1 else "in-sample"
+    lines = [f"# PAIR detection report — {result['features_dir']}", "",
+             f"Model `{result['model']}` ({result['dtype']}); train mode `{result['mode']}` "
+             f"(PAIR (clean_only) is trained on matched_clean_train alone); C = {result['C']}; "
+             f"stage 2 on {stage2_input} s_bc; seeds {', '.join(map(str, result['seeds']))} "
+             f"(each a class-balanced "
+             f"subsample: {', '.join(str(v['n']) for v in result['n_train'].values())} "
+             f"training records). Mean ± sample std over seeds; unsupervised scores need no "
+             f"training (std 0) and have no calibration (—).", "",
+             "Test records: " + ", ".join(f"{n} {result['n_records'][n]} "
+                                          f"({result['positives'][n]} correct)"
+                                          for n in result["n_records"]), ""]
+    # (a)
+    header = ["Method", "AUROC clean", "AUROC contaminated", "AUROC both", "ECE clean",
+              "ECE contaminated", "ECE both"]
+    if paper_ref:
+        header += [f"paper AUROC ({paper_ref}, 7B)", f"paper ECE ({paper_ref}, 7B)"]
+    rows = []
+    for m in methods:
+        row = [METHODS[m][0]]
+        row += [_ms(_get(det, m, s, "auroc")) for s in TEST_SPLITS + ("all_test",)]
+        row += [_ms(_get(det, m, s, "ece")) for s in TEST_SPLITS + ("all_test",)]
+        if paper_ref:
+            ref = PAPER[paper_ref].get(m)
+            row += ["—" if ref is None else f"{ref[0]:.4f} ± {ref[1]:.3f}",
+                    "—" if ref is None or ref[2] is None else f"{ref[2]:.4f} ± {ref[3]:.3f}"]
+        rows.append(row)
+    lines += ["## (a) Detection (paper Table result_pair)", ""] + _table(header, rows)
+    if paper_ref:
+        lines += ["", f"The paper's numbers are for Qwen2.5-7B-Instruct on {paper_ref}; the "
+                  "paper does not say which test split they pool, so they sit beside each of "
+                  "ours. Its Hidden + Attn concatenates the multi-layer hidden state; ours is "
+                  "[last_token; attention] (SPEC §4)."]
+    header = ["Method"] + [f"{metric} {s}" for metric in ("AUPRC", "Brier", "pairwise")
+                           for s in ("clean", "contaminated")]
+    rows = [[METHODS[m][0]] + [_ms(_get(det, m, s, k)) for k in ("auprc", "brier", "pairwise")
+                               for s in TEST_SPLITS] for m in methods]
+    lines += ["", "Other metrics (pairwise = within-episode ranking accuracy):", ""]
+    lines += _table(header, rows)
+    # (b)
+    rows = []
+    for m in methods:
+        a = _get(det, m, "matched_clean_test", "auroc")
+        b = _get(det, m, "matched_contaminated_test", "auroc")
+        if a and b and a["mean"] is not None and b["mean"] is not None:
+            drop = a["mean"] - b["mean"]
+            rows.append([METHODS[m][0], f"{a['mean']:.3f}", f"{b['mean']:.3f}", f"{drop:+.3f}",
+                         f"{100 * drop / a['mean']:+.1f}%"])
+    lines += ["", "## (b) AUROC drop clean → contaminated prefix", ""]
+    lines += _table(["Method", "clean", "contaminated", "drop", "relative"], rows)
+    # (c)
+    dist = result["distance"]
+    counts = dist.get("_n", {})
+    buckets = [b for b in DISTANCE_BUCKETS if b in counts]
+    lines += ["", "## (c) Distance sensitivity (matched_contaminated_test)", "",
+              "d = assistant turns from the nearest earlier contaminated turn to the evaluation "
+              "turn; accuracy at threshold 0.5 (AUROC for unsupervised scores; — where a bucket "
+              "holds one class).", ""]
+    if buckets:
+        header = ["Method"] + [f"d={b} (n={counts[b]})" for b in buckets]
+        rows = []
+        for m in methods:
+            metric = "accuracy" if METHODS[m][1] else "auroc"
+            rows.append([METHODS[m][0] + ("" if METHODS[m][1] else " [AUROC]")]
+                        + [_ms(_get(dist, m, b, metric)) for b in buckets])
+        lines += _table(header, rows)
+    else:
+        lines += ["No record of matched_contaminated_test has an earlier contaminated turn."]
+    # (d)
+    abl = result["ablation"]
+    rows = [[k.replace("+", " + ")] + [_ms(_get(abl, k, s)) for s in TEST_SPLITS + ("all_test",)]
+            for k in abl]
+    lines += ["", "## (d) Ablation: attention statistics in PAIR's stage 2 (AUROC)", ""]
+    lines += _table(["Statistics", "clean", "contaminated", "both"], rows)
+    # (e)
+    lines += ["", "## (e) Adversarial diagnostic set", ""]
+    if DIAGNOSTIC_SPLIT in result["n_records"]:
+        lines += [f"{result['n_records'][DIAGNOSTIC_SPLIT]} records "
+                  f"({result['positives'][DIAGNOSTIC_SPLIT]} correct): consistent-but-incorrect "
+                  "turns after a clean prefix vs inconsistent-but-correct repair turns after a "
+                  "contaminated prefix. AUROC below 0.5 = the probe tracks belief-consistency.",
+                  ""]
+        lines += _table(["Method", "AUROC"], [[METHODS[m][0], _ms(_get(det, m, DIAGNOSTIC_SPLIT,
+                                                                       "auroc"))]
+                                              for m in methods])
+    else:
+        lines += [f"No {DIAGNOSTIC_SPLIT}.safetensors in the features directory."]
+    return "\n".join(lines) + "\n"
+
+
+def _table(header, rows) -> list[str]:
+    return (["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+            + ["| " + " | ".join(r) + " |" for r in rows])
+
+
+def _json_clean(node):
+    """NaN -> None so the JSON is standard."""
+    if isinstance(node, dict):
+        return {str(k): _json_clean(v) for k, v in node.items()}
+    if isinstance(node, list):
+        return [_json_clean(v) for v in node]
+    if isinstance(node, float) and node != node:
+        return None
+    return node
+
+
+# ----------------------------------------------------------------------------------------------
+# CLI
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def cmd_extract(args):
+    t0 = time.perf_counter()
+    net, tokenizer = mdl.load_model(args.model, dtype=DTYPES[args.dtype])
+    print(f"loaded {args.model} ({args.dtype}) in {time.perf_counter() - t0:.1f}s",
+          file=sys.stderr)
+    extract(net, tokenizer, args.data, args.out, args.max_len, args.shard_size,
+            manifest_extra={"model": str(Path(args.model).resolve()) if Path(args.model).exists()
+                            else args.model, "dtype": args.dtype})
+
+
+def cmd_train(args):
+    splits = load_splits(args.features, TRAIN_SPLITS["mixed"])
+    out = Path(args.out)
+    summary = []
+    for seed in args.seeds:
+        t0 = time.perf_counter()
+        train = training_set(splits, args.mode, seed)
+        info = {"seed": seed, "C": args.C, "mode": args.mode, "features": str(args.features),
+                "n_train": len(train.y)}
+        models = fit_baselines(train, args.C, info)
+        pair_model = fit_pair(train.raw, train.y, args.C, args.crossfit, train.episode_id, seed,
+                              info=info, stage1=models["last_token"])
+        for name, probe in models.items():
+            probe.save(out / f"seed{seed}" / f"{name}.safetensors")
+        pair_model.save(out / f"seed{seed}" / f"pair_{args.mode}")
+        summary.append({"seed": seed, "n_train": len(train.y), "seconds":
+                        time.perf_counter() - t0})
+        print(f"seed {seed}: PAIR ({args.mode}) and {len(models)} probes on {len(train.y)} "
+              f"records in {summary[-1]['seconds']:.1f}s -> {out / f'seed{seed}'}")
+    _write_text(out / "train.json", json.dumps({"mode": args.mode, "C": args.C,
+                                                "crossfit": args.crossfit, "runs": summary},
+                                               indent=2) + "\n")
+
+
+def cmd_eval(args):
+    root = Path(args.probes)
+    seed_dirs = sorted(p for p in root.glob("seed*") if p.is_dir())
+    if not seed_dirs:
+        raise SystemExit(f"{root}: no seed*/ directories (written by `pair.py train`)")
+    names = list(args.splits) if args.splits else list(TEST_SPLITS) + [DIAGNOSTIC_SPLIT]
+    tests = load_splits(args.features, names)
+    if not tests:
+        raise SystemExit(f"{args.features}: none of {names} found")
+    values = {}
+    for seed_dir in seed_dirs:
+        models = {p.stem: Probe.load(p) for p in sorted(seed_dir.glob("*.safetensors"))}
+        models.update({p.name: Pair.load(p) for p in sorted(seed_dir.glob("pair_*"))})
+        for name, m in models.items():
+            for split_name, split in tests.items():
+                metrics = probes.metrics(split.y, predict(m, split.raw), split.episode_id)
+                for k, v in metrics.items():
+                    values.setdefault(name, {}).setdefault(split_name, {}).setdefault(
+                        k, []).append(v)
+    for name in probes.SCORES:
+        for split_name, split in tests.items():
+            p = probes.unsupervised_score(name, split.raw)
+            for k, v in probes.metrics(split.y, p, split.episode_id, False).items():
+                values.setdefault(name, {}).setdefault(split_name, {})[k] = [v]
+    result = {m: {s: {k: mean_std(v) for k, v in d.items()} for s, d in per.items()}
+              for m, per in values.items()}
+    header = ["Method"] + [f"{k} {s}" for s in tests for k in ("AUROC", "ECE")]
+    rows = [[m] + [_ms(_get(result, m, s, k)) for s in tests for k in ("auroc", "ece")]
+            for m in result]
+    print("\n".join(_table(header, rows)))
+    if args.out:
+        _write_text(Path(args.out), json.dumps(_json_clean(result), indent=2) + "\n")
+        print(f"wrote {args.out}")
+
+
+def cmd_report(args):
+    out = Path(args.out or args.features)
+    print(f"report: fitting every probe for seeds {args.seeds} ...", file=sys.stderr)
+    result = run_report(args.features, args.mode, args.seeds, args.C, args.crossfit)
+    paper_ref = guess_paper_ref(result) if args.paper_ref == "auto" else (
+        None if args.paper_ref == "none" else args.paper_ref)
+    result["paper_ref"] = paper_ref
+    markdown = render_markdown(result, paper_ref)
+    _write_text(out / "report.json", json.dumps(_json_clean(result), indent=2) + "\n")
+    _write_text(out / "report.md", markdown)
+    print(markdown)
+    print(f"wrote {out / 'report.md'} and {out / 'report.json'} "
+          f"({result['seconds']:.1f}s)", file=sys.stderr)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter,
+                                 epilog="See the module docstring for the method.")
+    sub = ap.add_subparsers(dest="cmd", required=True)
+
+    p = sub.add_parser("extract", help="features of a matched file: one forward per record")
+    p.add_argument("--model", required=True, help="Hugging Face checkpoint directory")
+    p.add_argument("--data", required=True,
+                   help="matched_*.json file (released schema); the tool lists come from the "
+                        "episode file of the same family beside it (clean_train.json, SPEC §2)")
+    p.add_argument("--out", required=True, help="features file to write (.safetensors)")
+    p.add_argument("--max-len", type=int, default=4096,
+                   help="keep the last MAX_LEN tokens of longer sequences (default 4096)")
+    p.add_argument("--dtype", default="float32", choices=sorted(DTYPES),
+                   help="model weights dtype (default float32)")
+    p.add_argument("--shard-size", type=int, default=32,
+                   help="records per checkpoint shard; an interrupted run resumes after the last "
+                        "shard written (default 32)")
+    p.set_defaults(func=cmd_extract)
+
+    def training_flags(p):
+        p.add_argument("--mode", default="mixed", choices=MODES,
+                       help="training data: mixed = clean + contaminated train (the paper's), "
+                            "clean_only = matched_clean_train (default mixed)")
+        p.add_argument("--crossfit", type=int, default=0, metavar="K",
+                       help="fit stage 2 on out-of-fold stage-1 scores over K episode folds "
+                            "(default 0: in-sample, as released)")
+        p.add_argument("--seeds", type=int, nargs="+", default=list(SEEDS),
+                       help="seeds, each drawing a class-balanced subsample (default 42 43 44)")
+        p.add_argument("--C", type=float, default=0.01,
+                       help="inverse L2 strength of every probe (default 0.01)")
+
+    p = sub.add_parser("train", help="fit PAIR and every baseline probe per seed")
+    p.add_argument("--features", required=True,
+                   help="directory with matched_clean_train.safetensors (and, for mixed, "
+                        "matched_contaminated_train.safetensors)")
+    p.add_argument("--out", required=True,
+                   help="output directory: seed<S>/pair_<mode>/ and seed<S>/<feature>.safetensors")
+    training_flags(p)
+    p.set_defaults(func=cmd_train)
+
+    p = sub.add_parser("eval", help="evaluate trained probes on test features")
+    p.add_argument("--probes", required=True, help="directory written by `pair.py train`")
+    p.add_argument("--features", required=True, help="directory holding the test features")
+    p.add_argument("--splits", nargs="+", default=None,
+                   help="features file stems to evaluate (default: matched_clean_test "
+                        "matched_contaminated_test matched_diagnostic_test, those present)")
+    p.add_argument("--out", default=None, help="JSON file for the metrics")
+    p.set_defaults(func=cmd_eval)
+
+    p = sub.add_parser("report", help="the paper's tables (a)-(e) as Markdown and JSON")
+    p.add_argument("--features", required=True,
+                   help="directory with matched_{clean,contaminated}_{train,test}.safetensors "
+                        "(and optionally matched_diagnostic_test.safetensors)")
+    p.add_argument("--out", default=None,
+                   help="directory for report.md and report.json (default: --features)")
+    p.add_argument("--paper-ref", default="auto", choices=["auto", "gta", "toolbench", "none"],
+                   help="put the paper's Table result_pair beside ours (auto: by dataset name)")
+    training_flags(p)
+    p.set_defaults(func=cmd_report)
+    return ap
+
+
+def main(argv=None) -> None:
+    args = build_parser().parse_args(argv)
+    try:
+        args.func(args)
+    except (FileNotFoundError, envs.DataError, mdl.CheckpointError) as e:
+        sys.exit(f"error: {e}")         # bad input: one clear line naming the file
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,413 @@
+"""Internal-signal probes of the PAIR paper: features (SPEC §4), probe (SPEC §5), metrics (SPEC §8).
+
+A probe reads one assistant turn's internals — hidden states and attention statistics that
+model.py collects natively — and predicts P(correct) of that turn.
+
+- `raw_features(trace)` keeps, per turn, everything any probe needs (a few d-vectors and (L, H)
+  statistics); `feature(name, raw)` builds the feature vectors of the SPEC §4 table from a batch.
+- `Probe` is StandardScaler + L2 logistic regression, minimizing
+      sum_i logloss_i + ||w||^2 / (2C)        (intercept not penalized, C = 0.01)
+  in float64 with torch's LBFGS (strong Wolfe line search) to convergence. It is the same model as
+  scikit-learn's `StandardScaler` + `LogisticRegression(C)`, which the tests check to 1e-4 in
+  probability; scikit-learn is only a test dependency. Saved as safetensors with a JSON header.
+- Unsupervised scores: CoE-R, CoE-C (Chain-of-Embedding) and -mean head entropy. Higher = more
+  likely correct.
+- Metrics: AUROC (ties count 1/2), AUPRC (average precision as scikit-learn defines it), ECE over 15
+  equal-width bins (lo, hi] with p = 0 in the first bin, Brier, within-episode pairwise accuracy.
+
+    python probes.py fit --features FEATS.safetensors --feature multi_attn --out probe.safetensors
+    python probes.py score --probe probe.safetensors --features TEST.safetensors
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
+
+# The four attention statistics of the attention probes and of PAIR's stage 2, in feature order.
+ATTN_STATS = ("max", "std", "prefix", "self")
+# Supervised feature sets (SPEC §4 table); each is a `Probe` input.
+FEATURES = ("last_token", "mean_pooled", "multi_layer", "attention", "multi_attn",
+            "hidden_attn", "lookback", "head_entropy")
+# Unsupervised scores (no training): higher = more likely correct.
+SCORES = ("neg_entropy", "coe_r", "coe_c")
+# Keys of `raw_features`; a features file stacks them over records.
+RAW_KEYS = ("h_last4", "h_mean", "attn_max", "attn_std", "attn_prefix", "attn_self",
+            "attn_entropy", "attn_lookback", "coe_r", "coe_c")
+
+
+# ----------------------------------------------------------------------------------------------
+# Features (SPEC §4)
+
+def coe_scores(h: torch.Tensor) -> tuple[float, float]:
+    """CoE-R and CoE-C from the span-mean hidden state of every layer, h: (L+1, d)."""
+    h = h.double()
+    step = h[1:] - h[:-1]                                               # (L, d)
+    M = step.norm(dim=-1) / (h[-1] - h[0]).norm()                       # (L,) relative magnitude
+    cos = F.cosine_similarity(h[1:], h[:-1], dim=-1).clamp(-1.0, 1.0)    # (L,)
+    cos_end = F.cosine_similarity(h[-1], h[0], dim=0).clamp(-1.0, 1.0)
+    A = torch.arccos(cos) / torch.arccos(cos_end)                       # (L,) relative angle
+    coe_r = M.mean() - A.mean()
+    # |mean_l M_l e^{i A_l}|: the length of the average step drawn in the complex plane
+    coe_c = torch.hypot((M * torch.cos(A)).mean(), (M * torch.sin(A)).mean())
+    return coe_r.item(), coe_c.item()
+
+
+def raw_features(trace, coe: bool = True) -> dict[str, torch.Tensor]:
+    """Everything any probe needs from one model.TurnTrace, in float32 on the CPU (coe=False
+    skips the two CoE scores, which only the unsupervised baselines read)."""
+    raw = {"h_last4": trace.h_last[-4:].float(),                        # (4, d)
+           "h_mean": trace.h_mean[-1].float()}                          # (d,)
+    for stat in ("max", "std", "prefix", "self", "entropy", "lookback"):
+        raw[f"attn_{stat}"] = trace.attn[stat].float()                  # (L, H)
+    if not coe:
+        return raw
+    coe_r, coe_c = coe_scores(trace.h_mean)
+    raw["coe_r"] = torch.tensor(coe_r, dtype=torch.float32)
+    raw["coe_c"] = torch.tensor(coe_c, dtype=torch.float32)
+    return raw
+
+
+def stack_attn(stats: list[torch.Tensor]) -> torch.Tensor:
+    """k statistics of shape (..., L, H) -> (..., L*k*H), layer-major: for each layer the k
+    statistics one after the other, each over all heads."""
+    return torch.stack(stats, dim=-2).flatten(-3)                       # (..., L, k, H) -> flat
+
+
+def attn_features(raw: dict, stats=ATTN_STATS, last_layer_only=False) -> torch.Tensor:
+    """The statistics `stats` of every layer (multi_attn) or of the last one (attention)."""
+    parts = [raw[f"attn_{s}"] for s in stats]                           # k x (N, L, H)
+    if last_layer_only:
+        parts = [p[:, -1:] for p in parts]
+    return stack_attn(parts).double()
+
+
+def feature(name: str, raw: dict[str, torch.Tensor]) -> torch.Tensor:
+    """Feature set `name` (SPEC §4) of a batch of raw features -> (N, D) float64."""
+    n = raw["h_mean"].shape[0]
+    if name == "last_token":
+        return raw["h_last4"][:, -1].double()                           # (N, d)
+    if name == "mean_pooled":
+        return raw["h_mean"].double()                                   # (N, d)
+    if name == "multi_layer":
+        return raw["h_last4"].reshape(n, -1).double()                   # (N, 4d)
+    if name == "attention":
+        return attn_features(raw, last_layer_only=True)                 # (N, 4H)
+    if name == "multi_attn":
+        return attn_features(raw)                                       # (N, 4HL)
+    if name == "hidden_attn":
+        return torch.cat([feature("last_token", raw), feature("attention", raw)], dim=1)
+    if name == "lookback":
+        return raw["attn_lookback"].reshape(n, -1).double()             # (N, HL)
+    if name == "head_entropy":
+        return raw["attn_entropy"].reshape(n, -1).double()              # (N, HL)
+    raise ValueError(f"unknown feature set {name!r}; expected one of {FEATURES}")
+
+
+def unsupervised_score(name: str, raw: dict[str, torch.Tensor]) -> torch.Tensor:
+    """An unsupervised correctness score -> (N,) float64; higher = more likely correct."""
+    if name == "neg_entropy":
+        # a sharper attention (lower Renyi-2 entropy) reads as a more confident turn
+        return -raw["attn_entropy"].double().flatten(1).mean(dim=1)
+    if name in ("coe_r", "coe_c"):
+        return raw[name].double()
+    raise ValueError(f"unknown score {name!r}; expected one of {SCORES}")
+
+
+# ----------------------------------------------------------------------------------------------
+# The probe (SPEC §5)
+
+class Probe:
+    """StandardScaler + L2-regularized logistic regression; predicts P(label 1) = P(correct)."""
+
+    def __init__(self, mean=None, scale=None, w=None, b=None, info=None):
+        self.mean, self.scale = mean, scale     # (D,) StandardScaler
+        self.w, self.b = w, b                   # (D,), () on the standardized features
+        self.info = dict(info or {})            # C, n, convergence, feature name, ...
+
+    def fit(self, X, y, C: float = 0.01, tol: float = 1e-8, max_iter: int = 5000) -> "Probe":
+        X = _as_float64_2d(X, "X")
+        y = torch.as_tensor(y, dtype=torch.float64).flatten()
+        n, d = X.shape
+        if y.shape[0] != n:
+            raise ValueError(f"X has {n} rows but y has {y.shape[0]} labels")
+        if not torch.isfinite(X).all():
+            bad = (~torch.isfinite(X)).any(dim=0).nonzero().flatten()[:5].tolist()
+            raise ValueError(f"non-finite feature values (columns {bad}...)")
+        if not ((y == 0) | (y == 1)).all():
+            raise ValueError("labels must be 0 or 1")
+        if y.min() == y.max():
+            raise ValueError(f"labels hold a single class ({int(y[0])}); a probe needs both")
+        if C <= 0:
+            raise ValueError(f"C must be positive, got {C}")
+        t0 = time.perf_counter()
+
+        # StandardScaler: population std; near-constant columns (variance within the rounding
+        # error of the two-pass algorithm, as scikit-learn decides) keep scale 1.
+        self.mean = X.mean(dim=0)
+        var = X.var(dim=0, correction=0)
+        eps = torch.finfo(torch.float64).eps
+        constant = var <= n * eps * var + (n * self.mean * eps) ** 2
+        self.scale = torch.where(constant, torch.ones_like(var), var.sqrt())
+        Z = (X - self.mean) / self.scale                                # (n, d)
+
+        w, b, report = _fit_logistic(Z, y, C, tol, max_iter)
+        self.w, self.b = w, b
+        self.info.update(C=C, n=n, d=d, n_pos=int(y.sum()), fit_seconds=time.perf_counter() - t0,
+                         **report)
+        return self
+
+    def decision_function(self, X) -> torch.Tensor:
+        """The logit w.((x - mean) / scale) + b -> (N,) float64."""
+        self._check_fitted()
+        X = _as_float64_2d(X, "X")
+        if X.shape[1] != self.w.shape[0]:
+            raise ValueError(f"probe expects {self.w.shape[0]} features, got {X.shape[1]}")
+        return ((X - self.mean) / self.scale) @ self.w + self.b
+
+    def predict_proba(self, X) -> torch.Tensor:
+        """P(correct) = P(label 1) -> (N,) float64."""
+        return torch.sigmoid(self.decision_function(X))
+
+    def folded(self) -> tuple[torch.Tensor, float]:
+        """The scaler folded into the weights: logit = x . v + c (one dot product per turn)."""
+        self._check_fitted()
+        v = self.w / self.scale
+        return v, float(self.b - self.mean @ v)
+
+    def save(self, path) -> None:
+        self._check_fitted()
+        tensors = {"mean": self.mean, "scale": self.scale, "w": self.w, "b": self.b.reshape(1)}
+        save_safetensors(tensors, path, {"probe": json.dumps(self.info)})
+
+    @classmethod
+    def load(cls, path) -> "Probe":
+        path = Path(path)
+        if not path.is_file():
+            raise FileNotFoundError(f"probe file not found: {path}")
+        tensors = load_file(str(path))
+        missing = {"mean", "scale", "w", "b"} - set(tensors)
+        if missing:
+            raise ValueError(f"{path}: not a probe file (missing tensors {sorted(missing)})")
+        with safe_open(str(path), framework="pt") as f:
+            info = json.loads((f.metadata() or {}).get("probe", "{}"))
+        return cls(tensors["mean"].double(), tensors["scale"].double(), tensors["w"].double(),
+                   tensors["b"].double().reshape(()), info)
+
+    def _check_fitted(self):
+        if self.w is None:
+            raise RuntimeError("probe is not fitted")
+
+
+def _fit_logistic(Z, y, C, tol, max_iter):
+    """min_{w,b} sum_i logloss(z_i . w + b, y_i) + ||w||^2 / (2C) with LBFGS in float64.
+
+    The objective is divided by n so that gradient tolerances do not depend on the data size (the
+    minimizer is unchanged). It is strongly convex in w, so LBFGS reaches the unique optimum
+    that scikit-learn's solvers also find. LBFGS stops at max |gradient| <= tol or when an
+    iteration changes the objective by less than 1e-14 (scikit-learn's lbfgs stops on the same
+    kind of test, relative change < 64 eps); there the gradient is ~1e-8 and probabilities sit
+    ~1e-7 from the optimum, so only a gradient above 1e-6 counts as not converged."""
+    n, d = Z.shape
+    w = torch.zeros(d, dtype=torch.float64, requires_grad=True)
+    # Starting the intercept at the log-odds of the base rate is the exact optimum at w = 0.
+    p = y.mean().item()
+    b = torch.tensor(math.log(p / (1 - p)), dtype=torch.float64, requires_grad=True)
+    opt = torch.optim.LBFGS([w, b], lr=1.0, max_iter=max_iter, max_eval=2 * max_iter,
+                            tolerance_grad=tol, tolerance_change=1e-14, history_size=20,
+                            line_search_fn="strong_wolfe")
+
+    def closure():
+        opt.zero_grad()
+        logits = Z @ w + b                                              # (n,)
+        loss = F.binary_cross_entropy_with_logits(logits, y, reduction="sum")
+        loss = (loss + w.dot(w) / (2 * C)) / n
+        loss.backward()
+        return loss
+
+    opt.step(closure)
+    state = opt.state[opt._params[0]]
+    loss = closure()            # objective and gradient at the final point (step returns the first)
+    grad = torch.cat([w.grad.flatten(), b.grad.flatten()]).abs().max().item()
+    converged = grad <= max(tol, 1e-6)
+    if not converged:
+        print(f"probes: LBFGS stopped at max |grad| = {grad:.2e} after "
+              f"{state['n_iter']} iterations", file=sys.stderr)
+    return w.detach(), b.detach(), {"iterations": state["n_iter"], "grad_max": grad,
+                                    "converged": converged, "objective": loss.item() * n}
+
+
+def _as_float64_2d(X, what):
+    X = torch.as_tensor(X, dtype=torch.float64)
+    if X.dim() != 2:
+        raise ValueError(f"{what} must be 2-D (records, features), got shape {tuple(X.shape)}")
+    return X
+
+
+def save_safetensors(tensors: dict, path, metadata: dict) -> None:
+    """Atomic write: a temporary file in the same directory, then os.replace."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp), metadata=metadata)
+    os.replace(tmp, path)
+
+
+# ----------------------------------------------------------------------------------------------
+# Metrics (SPEC §8); y = 1 for a correct turn, s / p = a score or P(correct)
+
+def _labels_scores(y, s):
+    y = torch.as_tensor(y, dtype=torch.float64).flatten()
+    s = torch.as_tensor(s, dtype=torch.float64).flatten()
+    if y.shape != s.shape:
+        raise ValueError(f"{y.numel()} labels but {s.numel()} scores")
+    return y, s
+
+
+def auroc(y, s) -> float:
+    """P(score of a random positive > that of a random negative), ties counting 1/2 (Mann-Whitney
+    U with average ranks). NaN when one class is absent."""
+    y, s = _labels_scores(y, s)
+    n_pos = y.sum().item()
+    n_neg = y.numel() - n_pos
+    if n_pos == 0 or n_neg == 0:
+        return float("nan")
+    values, inverse, counts = torch.unique(s, return_inverse=True, return_counts=True)
+    # average 1-based rank of each distinct value: the middle of its run in sorted order
+    avg_rank = counts.cumsum(0).double() - (counts.double() - 1) / 2
+    rank_sum = avg_rank[inverse][y == 1].sum().item()
+    return (rank_sum - n_pos * (n_pos + 1) / 2) / (n_pos * n_neg)
+
+
+def auprc(y, s) -> float:
+    """Average precision: sum over distinct thresholds (descending) of (R_k - R_{k-1}) P_k, as
+    scikit-learn's average_precision_score. NaN without positives."""
+    y, s = _labels_scores(y, s)
+    n_pos = y.sum()
+    if n_pos == 0:
+        return float("nan")
+    values, inverse, counts = torch.unique(s, return_inverse=True, return_counts=True)
+    pos = torch.zeros_like(values).index_add_(0, inverse, y)            # positives per value
+    tp = pos.flip(0).cumsum(0)                                          # score >= threshold
+    predicted = counts.flip(0).double().cumsum(0)
+    precision, recall = tp / predicted, tp / n_pos
+    delta_recall = torch.diff(recall, prepend=recall.new_zeros(1))
+    return (delta_recall * precision).sum().item()
+
+
+def ece(y, p, n_bins: int = 15) -> float:
+    """Expected calibration error: bins (lo, hi] of equal width over P(correct), p = 0 in the
+    first bin; sum_b (n_b / N) |mean label - mean p| over the bin."""
+    y, p = _labels_scores(y, p)
+    edges = torch.arange(n_bins + 1, dtype=torch.float64) / n_bins
+    # searchsorted (left) gives i with edges[i-1] < p <= edges[i]: bin i-1
+    bins = (torch.searchsorted(edges, p, right=False) - 1).clamp(0, n_bins - 1)
+    sum_y = torch.zeros(n_bins, dtype=torch.float64).index_add_(0, bins, y)
+    sum_p = torch.zeros(n_bins, dtype=torch.float64).index_add_(0, bins, p)
+    # (n_b / N) |mean_b y - mean_b p| = |sum_b y - sum_b p| / N
+    return ((sum_y - sum_p).abs().sum() / p.numel()).item()
+
+
+def brier(y, p) -> float:
+    y, p = _labels_scores(y, p)
+    return ((p - y) ** 2).mean().item()
+
+
+def pairwise_accuracy(y, s, groups) -> float:
+    """Within-episode ranking: over every (correct, incorrect) pair of turns of the same episode,
+    the fraction where the correct turn scores higher (ties 1/2). NaN when there is no pair."""
+    y, s = _labels_scores(y, s)
+    groups = list(groups)
+    if len(groups) != y.numel():
+        raise ValueError(f"{y.numel()} labels but {len(groups)} episode ids")
+    by_group: dict = {}
+    for i, g in enumerate(groups):
+        by_group.setdefault(g, []).append(i)
+    wins, pairs = 0.0, 0
+    for idx in by_group.values():
+        idx = torch.tensor(idx)
+        pos, neg = s[idx][y[idx] == 1], s[idx][y[idx] == 0]
+        diff = pos[:, None] - neg[None, :]                              # (P, Q)
+        wins += (diff > 0).sum().item() + 0.5 * (diff == 0).sum().item()
+        pairs += diff.numel()
+    return wins / pairs if pairs else float("nan")
+
+
+def accuracy(y, p, threshold: float = 0.5) -> float:
+    y, p = _labels_scores(y, p)
+    return ((p > threshold).double() == y).double().mean().item()
+
+
+def metrics(y, p, groups=None, probability=True) -> dict[str, float]:
+    """All metrics of SPEC §8 for one set of predictions (calibration ones only for P(correct))."""
+    out = {"auroc": auroc(y, p), "auprc": auprc(y, p)}
+    if probability:
+        out.update(ece=ece(y, p), brier=brier(y, p), accuracy=accuracy(y, p))
+    if groups is not None:
+        out["pairwise"] = pairwise_accuracy(y, p, groups)
+    return out
+
+
+# ----------------------------------------------------------------------------------------------
+# Features files (written by `pair.py extract`)
+
+def load_features(path) -> tuple[dict[str, torch.Tensor], dict]:
+    """A features file -> (tensors stacked over records, JSON metadata)."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"features file not found: {path}")
+    tensors = load_file(str(path))
+    with safe_open(str(path), framework="pt") as f:
+        meta = json.loads((f.metadata() or {}).get("pair_features", "null") or "null")
+    missing = [k for k in RAW_KEYS + ("label",) if k not in tensors]
+    if meta is None or missing:
+        raise ValueError(f"{path}: not a features file written by `pair.py extract` "
+                         f"(missing {missing or 'metadata'})")
+    return tensors, meta
+
+
+# ----------------------------------------------------------------------------------------------
+# CLI
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    fit = sub.add_parser("fit", help="fit one probe on a features file")
+    fit.add_argument("--features", required=True, help="features file from `pair.py extract`")
+    fit.add_argument("--feature", required=True, choices=FEATURES, help="feature set (SPEC §4)")
+    fit.add_argument("--C", type=float, default=0.01, help="inverse L2 strength (default 0.01)")
+    fit.add_argument("--out", required=True, help="probe file to write (.safetensors)")
+    score = sub.add_parser("score", help="score a features file with a probe and print metrics")
+    score.add_argument("--probe", required=True, help="probe file written by `fit`")
+    score.add_argument("--features", required=True, help="features file from `pair.py extract`")
+    args = ap.parse_args(argv)
+
+    if args.cmd == "fit":
+        raw, meta = load_features(args.features)
+        probe = Probe(info={"feature": args.feature, "train": meta.get("data")})
+        probe.fit(feature(args.feature, raw), raw["label"], C=args.C)
+        probe.save(args.out)
+        print(f"fitted {args.feature} probe on {probe.info['n']} records "
+              f"(d={probe.info['d']}) in {probe.info['fit_seconds']:.2f}s -> {args.out}")
+    else:
+        probe = Probe.load(args.probe)
+        name = probe.info.get("feature")
+        if name not in FEATURES:
+            sys.exit(f"{args.probe}: probe metadata names no known feature set ({name!r})")
+        raw, meta = load_features(args.features)
+        p = probe.predict_proba(feature(name, raw))
+        print(json.dumps(metrics(raw["label"], p, meta.get("episode_id")), indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,468 @@
+"""model.py against transformers (tiny random configs, fp32, CPU), the real tokenizer and the
+real 0.5B checkpoint (opt-in: skipped when absent)."""
+import json
+import math
+import struct
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+import model as M
+
+transformers = pytest.importorskip("transformers")
+
+STATS = M.STATS
+T = 12          # sequence length of the tiny tests: longer than the sliding windows below
+
+# Tiny configs: GQA ratios 4:2, 4:1, 4:4; tied/untied; QKV bias (Qwen2), attention_bias with
+# an o_proj bias and head_dim != d/H (Llama), sliding windows smaller than T (Mistral, Qwen2).
+CONFIGS = {
+    "qwen2-gqa-tied": dict(arch="qwen2", num_key_value_heads=2, tie_word_embeddings=True,
+                           rope_theta=5000.0),
+    "qwen2-mqa-untied": dict(arch="qwen2", num_key_value_heads=1),
+    "qwen2-mha-window": dict(arch="qwen2", num_key_value_heads=4, use_sliding_window=True,
+                             sliding_window=3, max_window_layers=1),
+    "llama-gqa": dict(arch="llama", num_key_value_heads=2),
+    "llama-bias-headdim": dict(arch="llama", num_key_value_heads=2, attention_bias=True,
+                               head_dim=16),
+    "mistral-window": dict(arch="mistral", num_key_value_heads=2, sliding_window=4),
+}
+
+
+def hf_config(arch, **kw):
+    cls = {"qwen2": transformers.Qwen2Config, "llama": transformers.LlamaConfig,
+           "mistral": transformers.MistralConfig}[arch]
+    base = dict(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=3,
+                num_attention_heads=4, initializer_range=0.25, eos_token_id=2)
+    if arch == "mistral":
+        base["head_dim"] = 8
+    return cls(**{**base, **kw})
+
+
+def randomize(params, seed):
+    """Random weights, with biases and norm weights away from their 0 / 1 initial values."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in params:
+            if name.endswith("norm.weight"):
+                p.copy_(1 + 0.3 * torch.randn(p.shape, generator=g))
+            else:
+                p.copy_(0.25 * torch.randn(p.shape, generator=g))
+
+
+def write_tiny_tokenizer(directory):
+    """A word-level tokenizer holding the three specials the Tokenizer wrapper needs."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    vocab = {f"w{i}": i for i in range(61)}
+    vocab.update({"<|endoftext|>": 61, "<|im_start|>": 62, "<|im_end|>": 63})
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="w0"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.add_special_tokens(["<|endoftext|>", "<|im_start|>", "<|im_end|>"])
+    tok.save(str(directory / "tokenizer.json"))
+
+
+def hf_checkpoint(tmp_path, name, shard=False, seed=0):
+    """A transformers model with random weights, saved with save_pretrained into tmp_path."""
+    kw = dict(CONFIGS[name])
+    hf = transformers.AutoModelForCausalLM.from_config(hf_config(kw.pop("arch"), **kw),
+                                                       attn_implementation="eager")
+    randomize(hf.named_parameters(), seed)
+    hf.eval()
+    hf.save_pretrained(tmp_path, max_shard_size="20KB" if shard else "1GB")
+    write_tiny_tokenizer(tmp_path)
+    return hf
+
+
+def random_model(name, seed=0) -> M.Transformer:
+    kw = dict(CONFIGS[name])
+    arch = kw.pop("arch")
+    d = hf_config(arch, **kw).to_dict()
+    d["architectures"] = [{"qwen2": "Qwen2ForCausalLM", "llama": "LlamaForCausalLM",
+                           "mistral": "MistralForCausalLM"}[arch]]
+    cfg = M.Config.from_dict(d)
+    model = M.Transformer(cfg).eval()
+    randomize(model.named_parameters(), seed)
+    return model
+
+
+def reference_stats(attentions, start, end):
+    """SPEC §4 straight from full (B, H, T, T) attention matrices, row by row."""
+    out = {k: [] for k in STATS}
+    for A in attentions:
+        rows = {k: [] for k in STATS}
+        for i in range(start, end):
+            p = A[:, :, i, :i + 1].double()                  # (B, H, i+1) causal keys
+            prefix, self_ = p[..., :start].sum(-1), p[..., start:].sum(-1)
+            rows["max"].append(p.max(-1).values)
+            rows["std"].append(p.std(-1, correction=0))
+            rows["prefix"].append(prefix)
+            rows["self"].append(self_)
+            rows["entropy"].append(-(p ** 2).sum(-1).log())
+            if start == 0:
+                rows["lookback"].append(torch.zeros_like(prefix))
+            else:
+                ctx, new = prefix / start, self_ / (i - start + 1)
+                rows["lookback"].append(ctx / (ctx + new))
+        for k in STATS:
+            out[k].append(torch.stack(rows[k]).mean(0))
+    return {k: torch.stack(v, 1).float() for k, v in out.items()}   # (B, L, H)
+
+
+def assert_stats_close(a, b, atol=2e-5):
+    for k in STATS:
+        torch.testing.assert_close(a[k], b[k], atol=atol, rtol=1e-4, msg=lambda m: f"{k}: {m}")
+
+
+# ---------------------------------------------------------------------------------------------
+# Equality with transformers
+
+
+@pytest.mark.parametrize("name,shard", [(n, n in ("qwen2-gqa-tied", "mistral-window"))
+                                        for n in CONFIGS])
+def test_logits_hidden_states_and_stats_equal_transformers(tmp_path, name, shard):
+    hf = hf_checkpoint(tmp_path, name, shard=shard)
+    assert (tmp_path / "model.safetensors.index.json").exists() == shard
+    model, _ = M.load_model(tmp_path)
+    ids = torch.randint(0, 64, (2, T), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        ref = hf(ids, output_attentions=True, output_hidden_states=True)
+        for span in [(5, 11), (0, 4)]:
+            out = model(ids, span=span, output_hidden_states=True)
+            scale = ref.logits.abs().max()
+            assert (out.logits - ref.logits).abs().max() <= 1e-4 * scale
+            assert len(out.hidden_states) == len(ref.hidden_states) == 4
+            for ours, theirs in zip(out.hidden_states, ref.hidden_states):
+                assert (ours - theirs).abs().max() <= 1e-4 * theirs.abs().max()
+            assert out.attn_stats["max"].shape == (2, 3, 4)
+            assert_stats_close(out.attn_stats, reference_stats(ref.attentions, *span))
+        assert model(ids).attn_stats is None and model(ids).hidden_states is None
+        assert model(ids, logits=False).logits is None
+
+
+def test_tied_embeddings_share_one_tensor(tmp_path):
+    hf_checkpoint(tmp_path, "qwen2-gqa-tied")
+    assert "lm_head.weight" not in load_file(tmp_path / "model.safetensors")
+    model, _ = M.load_model(tmp_path)
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+
+
+def test_config_reads_both_rope_layouts_and_rejects_unknown():
+    base = dict(vocab_size=8, hidden_size=8, intermediate_size=8, num_hidden_layers=1,
+                num_attention_heads=2, architectures=["Qwen2ForCausalLM"], unknown_key=1)
+    assert M.Config.from_dict({**base, "rope_theta": 123.0}).rope_base == 123.0
+    assert M.Config.from_dict({**base, "rope_parameters": {"rope_theta": 7.0,
+                                                           "rope_type": "default"}}).rope_base == 7
+    with pytest.raises(ValueError, match="RoPE"):
+        M.Config.from_dict({**base, "rope_parameters": {"rope_theta": 7.0, "rope_type": "yarn"}})
+    with pytest.raises(ValueError, match="GPT2"):
+        M.Config.from_dict({**base, "architectures": ["GPT2LMHeadModel"]})
+    # transformers < 5 leaves out keys equal to its class defaults: Mistral's window is 4096.
+    legacy = {k: v for k, v in base.items() if k != "architectures"}
+    mistral = M.Config.from_dict({**legacy, "model_type": "mistral"})
+    assert mistral.arch == "MistralForCausalLM" and mistral.window(0) == 4096
+
+
+# ---------------------------------------------------------------------------------------------
+# Bad checkpoints
+
+
+def _rewrite(path, fn):
+    tensors = load_file(path)
+    fn(tensors)
+    save_file(tensors, path, metadata={"format": "pt"})
+
+
+@pytest.mark.parametrize("fault", ["missing", "extra", "shape", "truncated", "corrupt",
+                                   "architecture", "shard-missing", "no-weights", "no-tokenizer"])
+def test_bad_checkpoints_raise_checkpoint_error(tmp_path, fault):
+    shard = fault == "shard-missing"
+    hf_checkpoint(tmp_path, "qwen2-mqa-untied", shard=shard)
+    weights = tmp_path / "model.safetensors"
+    victim = "model.layers.1.self_attn.k_proj.bias"
+    expect = [victim]
+    if fault == "missing":
+        _rewrite(weights, lambda t: t.pop(victim))
+        expect += ["missing", str(tmp_path)]
+    elif fault == "extra":
+        _rewrite(weights, lambda t: t.update({"model.layers.9.mlp.bogus": torch.zeros(2)}))
+        expect = ["model.safetensors", "unexpected", "model.layers.9.mlp.bogus"]
+    elif fault == "shape":
+        _rewrite(weights, lambda t: t.update({victim: torch.zeros(9)}))
+        expect += ["model.safetensors", "[9]", "[8]"]
+    elif fault == "truncated":
+        data = weights.read_bytes()
+        weights.write_bytes(data[:len(data) - 100])
+        expect = ["model.safetensors", "truncated"]
+    elif fault == "corrupt":
+        data = bytearray(weights.read_bytes())
+        data[:8] = struct.pack("<Q", len(data) * 4)          # header longer than the file
+        weights.write_bytes(bytes(data))
+        expect = ["model.safetensors", "corrupt"]
+    elif fault == "architecture":
+        cfg = json.loads((tmp_path / "config.json").read_text())
+        cfg["architectures"] = ["GPTNeoXForCausalLM"]
+        (tmp_path / "config.json").write_text(json.dumps(cfg))
+        expect = ["config.json", "GPTNeoXForCausalLM"]
+    elif fault == "shard-missing":
+        index = json.loads((tmp_path / "model.safetensors.index.json").read_text())
+        shard_file = tmp_path / index["weight_map"][victim]
+        _rewrite(shard_file, lambda t: t.pop(victim))
+        expect += [shard_file.name, "missing"]
+    elif fault == "no-weights":
+        weights.unlink()
+        expect = ["model.safetensors"]
+    elif fault == "no-tokenizer":
+        (tmp_path / "tokenizer.json").unlink()
+        expect = ["tokenizer.json"]
+    with pytest.raises(M.CheckpointError) as err:
+        M.load_model(tmp_path)
+    for text in expect:
+        assert text in str(err.value)
+
+
+# ---------------------------------------------------------------------------------------------
+# KV cache: decoding, appends at an offset, ragged batches
+
+
+@pytest.mark.parametrize("name", ["qwen2-gqa-tied", "mistral-window", "qwen2-mha-window"])
+def test_cached_decoding_and_offset_append_equal_full_forward(name):
+    model = random_model(name)
+    ids = torch.randint(0, 64, (1, T), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        full = model(ids, span=(5, T), output_hidden_states=True)
+        # Prefill 2, then one token at a time: each logit row equals the full forward's.
+        cache = model.new_cache(1, capacity=4)          # small: it must grow on the way
+        rows = [model(ids[:, :2], cache=cache).logits]
+        for t in range(2, T):
+            rows.append(model(ids[:, t:t + 1], cache=cache).logits)
+        torch.testing.assert_close(torch.cat(rows, 1), full.logits, atol=1e-5, rtol=1e-5)
+        assert cache[0].lengths.tolist() == [T]
+        # Prefill 5, then append 7 tokens at offset 5 in one call (a mask from positions).
+        cache = model.new_cache(1)
+        model(ids[:, :5], cache=cache)
+        out = model(ids[:, 5:], cache=cache, span=(5, T), output_hidden_states=True)
+    torch.testing.assert_close(out.logits, full.logits[:, 5:], atol=1e-5, rtol=1e-5)
+    for ours, theirs in zip(out.hidden_states, full.hidden_states):
+        torch.testing.assert_close(ours, theirs[:, 5:], atol=1e-5, rtol=1e-5)
+    assert_stats_close(out.attn_stats, full.attn_stats)
+
+
+def test_ragged_batched_appends_equal_per_row_forward():
+    model = random_model("mistral-window")
+    g = torch.Generator().manual_seed(3)
+    steps = [[3, 7, 5], [4, 1, 6], [2, 3, 0], [1, 1, 1]]      # tokens per row, per append
+    chunks = [[torch.randint(0, 64, (n,), generator=g).tolist() for n in step] for step in steps]
+    cache = model.new_cache(3, capacity=8)
+    with torch.no_grad():
+        for k, step in enumerate(chunks):
+            logits = M.prefill(model, cache, step)              # logits after each row's last token
+            for r in range(3):
+                seq = sum((chunks[j][r] for j in range(k + 1)), [])
+                if not step[r]:
+                    continue
+                ref = model(torch.tensor([seq])).logits[0, -1]
+                torch.testing.assert_close(logits[r], ref, atol=1e-5, rtol=1e-5)
+            assert cache[0].lengths.tolist() == [sum(len(chunks[j][r]) for j in range(k + 1))
+                                                  for r in range(3)]
+
+
+# ---------------------------------------------------------------------------------------------
+# Generation: statistics accumulated while decoding == teacher-forced statistics
+
+
+def assert_trace_equal(trace, ref):
+    assert trace.tokens == ref.tokens and trace.span == ref.span
+    assert trace.finished == ref.finished
+    assert_stats_close(trace.attn, ref.attn)
+    torch.testing.assert_close(trace.h_last, ref.h_last, atol=5e-5, rtol=1e-4)
+    torch.testing.assert_close(trace.h_mean, ref.h_mean, atol=5e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("name", ["qwen2-gqa-tied", "mistral-window"])
+def test_generation_traces_equal_teacher_forced_traces(name):
+    model = random_model(name, seed=4)
+    g = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(0, 64, (n,), generator=g).tolist() for n in (5, 2, 8)]
+    cache = model.new_cache(3, capacity=4)
+    gen = torch.Generator().manual_seed(6)
+    traces = M.generate(model, cache, prompts, max_new_tokens=7, temperature=1.0, top_p=0.9,
+                        stop_ids=[], generator=gen)
+    seqs = [p + t.tokens for p, t in zip(prompts, traces)]
+    for seq, trace, prompt in zip(seqs, traces, prompts):
+        assert len(trace.tokens) == 7 and not trace.finished
+        assert trace.span == (len(prompt), len(seq))
+        assert_trace_equal(trace, M.trace_forward(model, seq, trace.span, stop_ids=[]))
+
+    # A second turn on the same cache: an observation appended mid-conversation (row 1 has
+    # none, so it generates nothing), greedy, stopping on a token the rows are known to emit.
+    obs = [torch.randint(0, 64, (n,), generator=g).tolist() for n in (3, 0, 1)]
+    probe = model.new_cache(3)
+    for c_probe, c in zip(probe, cache):
+        c_probe.k, c_probe.v, c_probe.lengths = c.k.clone(), c.v.clone(), c.lengths.clone()
+    free = M.generate(model, probe, obs, max_new_tokens=6, temperature=0, stop_ids=[])
+    stop = free[0].tokens[2]
+    second = M.generate(model, cache, obs, max_new_tokens=6, temperature=0, stop_ids=[stop])
+    assert second[1].tokens == [] and second[1].attn == {}
+    assert second[0].finished and second[0].tokens[-1] == stop and len(second[0].tokens) <= 3
+    for r in (0, 2):
+        seq = seqs[r] + obs[r] + second[r].tokens
+        ref = M.trace_forward(model, seq, second[r].span, stop_ids=[stop])
+        assert_trace_equal(second[r], ref)
+        # Greedy: each generated token is the argmax of the teacher-forced logits before it.
+        logits = model(torch.tensor([seq])).logits[0]
+        s, e = second[r].span
+        assert logits[s - 1:e - 1].argmax(-1).tolist() == second[r].tokens
+        assert cache[0].lengths[r] == len(seq)
+
+
+def test_statistics_do_not_change_the_sampled_tokens():
+    model = random_model("qwen2-mqa-untied", seed=7)
+    prompts = [[1, 2, 3], [4, 5]]
+    runs = []
+    for stats in (True, False):
+        gen = torch.Generator().manual_seed(8)
+        runs.append(M.generate(model, model.new_cache(2), prompts, 9, temperature=1.0,
+                               stop_ids=[], generator=gen, stats=stats))
+    assert [t.tokens for t in runs[0]] == [t.tokens for t in runs[1]]
+    assert runs[1][0].h_last is None and runs[1][0].attn == {}
+    prefill_only = M.generate(model, model.new_cache(2), prompts, 0)
+    assert [t.tokens for t in prefill_only] == [[], []]
+    # An ended row (active False) gets nothing appended and no trace; the other is unaffected.
+    cache = model.new_cache(2)
+    gen = torch.Generator().manual_seed(8)
+    partial = M.generate(model, cache, prompts, 9, temperature=1.0, stop_ids=[],
+                         generator=gen, active=[True, False])
+    assert partial[1] is None and cache[0].lengths.tolist() == [3 + 9, 0]
+    assert partial[0].tokens == runs[0][0].tokens
+
+
+def test_sample_temperature_and_top_p():
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.2], [0.1, 0.2, 0.7]]))
+    assert M.sample(logits, 0, 1.0).tolist() == [0, 2]
+    assert M.sample(logits, 1.0, 1e-6).tolist() == [0, 2]
+    g = torch.Generator().manual_seed(0)
+    draws = torch.stack([M.sample(logits, 1.0, 0.6, g) for _ in range(300)])
+    assert set(draws[:, 0].tolist()) == {0, 1}              # 0.5 < 0.6: token 1 is kept too
+    assert set(draws[:, 1].tolist()) == {2}                 # 0.7 >= 0.6 alone
+
+
+def test_cli_generate_smoke(tmp_path, capsys):
+    hf_checkpoint(tmp_path, "llama-gqa")
+    M.main(["generate", "--model", str(tmp_path), "--prompt", "w1 w2 w3",
+            "--max-new-tokens", "3"])
+    assert capsys.readouterr().out.strip()
+    with pytest.raises(SystemExit):
+        M.main(["generate", "--model", str(tmp_path / "nope"), "--prompt", "x"])
+
+
+# ---------------------------------------------------------------------------------------------
+# Chat format (SPEC §2) and spans (SPEC §3) with the real Qwen2.5 tokenizer
+
+
+def jinja_render(template_dir, messages, add_generation_prompt):
+    jinja2 = pytest.importorskip("jinja2")
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+    env.filters["tojson"] = lambda x, **kw: json.dumps(x, ensure_ascii=False, **kw)
+    template = env.from_string((template_dir / "chat_template.jinja").read_text())
+    return template.render(messages=messages, add_generation_prompt=add_generation_prompt)
+
+
+def gta_messages(dialog):
+    """A plain conversion of a released dialog to chat messages (only the text layout matters
+    here; envs.py owns the exact SPEC §2 rendering)."""
+    messages = []
+    for m in dialog:
+        if m["role"] == "assistant":
+            calls = [f"Action: {c['function']['name']}\nAction Input: "
+                     f"{json.dumps(c['function']['arguments'], ensure_ascii=False)}"
+                     for c in m.get("tool_calls") or []]
+            text = "\n".join(x for x in [f"Thought: {m['thought']}" if m.get("thought") else "",
+                                         *calls, m.get("content") or ""] if x)
+            messages.append({"role": "assistant", "content": text})
+        else:
+            content = m["content"]
+            if isinstance(content, dict):
+                content = content.get("content", "")
+            if m["role"] == "tool":
+                content = f"Observation: {content}"
+            if messages and messages[-1]["role"] == "user":
+                messages[-1]["content"] += "\n\n" + str(content)
+            else:
+                messages.append({"role": "user", "content": str(content)})
+    return messages
+
+
+MESSAGE_LISTS = [
+    [{"role": "user", "content": "Hi"}],
+    [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "2+2?"},
+     {"role": "assistant", "content": "4"}, {"role": "user", "content": "and 3+3?"}],
+    [{"role": "user", "content": "x"}, {"role": "assistant", "content": ""},
+     {"role": "user", "content": "y"}, {"role": "assistant", "content": " leading space"},
+     {"role": "user", "content": "z"},
+     {"role": "assistant", "content": "\n\nnewlines 你好 😀\n"},
+     {"role": "user", "content": "a <|im_start|> inside"},
+     {"role": "assistant", "content": "Thought: ok\nFinal Answer: 42"}],
+]
+
+
+def test_chat_text_equals_reference_jinja_template(qwen_tokenizer_dir, release_dir):
+    tok = M.Tokenizer.from_file(qwen_tokenizer_dir)
+    lists = list(MESSAGE_LISTS)
+    for split in ("clean_test", "contaminated_test", "clean_train", "contaminated_train"):
+        episodes = json.loads((release_dir / "gta" / f"{split}.json").read_text())
+        lists += [gta_messages(e["dialogs"]) for e in episodes.values()]
+    assert len(lists) > 100
+    for messages in lists:
+        for gen_prompt in (False, True):
+            assert tok.chat_text(messages, gen_prompt) == \
+                jinja_render(qwen_tokenizer_dir, messages, gen_prompt)
+
+
+def test_render_spans_point_at_assistant_content(qwen_tokenizer_dir):
+    tok = M.Tokenizer.from_file(qwen_tokenizer_dir)
+    assistant_id, newline_id = tok.encode("assistant"), tok.encode("\n")
+    for messages in MESSAGE_LISTS:
+        ids, spans = tok.render(messages)
+        assert ids == tok.encode(tok.chat_text(messages))
+        contents = [m["content"] for m in messages if m["role"] == "assistant"]
+        assert len(spans) == len(contents)
+        for (start, end), content in zip(spans, contents):
+            assert ids[end - 1] == tok.im_end_id
+            assert tok.decode(ids[start:end - 1]).lstrip("\n") == content.lstrip("\n")
+            if not content.startswith("\n"):     # else "\n\n" merges with the role's newline
+                assert ids[start - 3:start] == [tok.im_start_id, *assistant_id, *newline_id]
+    ids, spans = tok.render(MESSAGE_LISTS[1], add_generation_prompt=True)
+    assert ids[-3:] == [tok.im_start_id, *assistant_id, *newline_id]
+    cut_ids, cut_spans, n_cut = M.keep_last(ids, spans, 10)
+    assert cut_ids == ids[-10:] and n_cut == len(ids) - 10 and cut_spans == [(0, 0)]
+
+
+# ---------------------------------------------------------------------------------------------
+# The real 0.5B checkpoint (opt-in: skipped when ~/.cache/pair-models/qwen2.5-0.5b is absent)
+
+
+def test_real_checkpoint_greedy_equals_transformers(qwen05b_dir):
+    torch.manual_seed(0)
+    model, tok = M.load_model(qwen05b_dir, dtype=torch.float32)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(qwen05b_dir, dtype=torch.float32)
+    hf.eval()
+    prompts = ["What is 17 * 23? Answer briefly.", "Name three primary colors.",
+               "Write a Python one-liner that reverses a string s."]
+    rendered = [tok.render([{"role": "user", "content": p}], add_generation_prompt=True)[0]
+                for p in prompts]
+    ours = M.generate(model, model.new_cache(len(prompts)), rendered, max_new_tokens=16,
+                      temperature=0, stop_ids=[tok.im_end_id])
+    # transformers' batched greedy generate needs left padding and an attention mask.
+    width = max(map(len, rendered))
+    ids = torch.tensor([[tok.pad_id] * (width - len(r)) + r for r in rendered])
+    mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rendered])
+    ref = hf.generate(ids, attention_mask=mask, max_new_tokens=16, do_sample=False,
+                      eos_token_id=tok.im_end_id, pad_token_id=tok.pad_id)[:, width:]
+    for trace, row in zip(ours, ref.tolist()):
+        # transformers pads rows that stopped early with pad tokens after the stop token.
+        expected = row[:row.index(tok.im_end_id) + 1] if tok.im_end_id in row else row
+        assert trace.tokens == expected, tok.decode(trace.tokens)
+        assert trace.finished == (tok.im_end_id in row)
+    assert all(math.isfinite(float(t.attn["entropy"].sum())) for t in ours)

@@ -1,0 +1,418 @@
+"""pair.py: reward transforms by hand, PAIR fit / save / load / reward, the protocol, the report,
+and the whole pipeline (shop data -> extract with a tiny random model -> train -> eval ->
+report)."""
+import json
+import math
+import pickle
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+import pair
+import probes
+from pair import Pair, PairReward, ProbeReward
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    # Tiny matrices on a shared 2-core machine: thread hand-offs cost more than the math.
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+# ----------------------------------------------------------------------------------------------
+# reward transforms (SPEC §7), by hand: sigma(logit(s) / 2) = sqrt(s) / (sqrt(s) + sqrt(1 - s))
+
+def test_temp_clip_hand_values():
+    assert pair.temp_clip(0.9) == pytest.approx(0.75)                    # sqrt 9 = 3
+    assert pair.temp_clip(0.1) == pytest.approx(0.25)
+    assert pair.temp_clip(0.01) == pytest.approx(1 / (1 + math.sqrt(99)))
+    assert pair.temp_clip(0.5) == pytest.approx(0.5)
+    assert pair.temp_clip(0.999) == 0.95                                 # 0.969 -> clipped
+    assert pair.temp_clip(1.0) == 0.95 and pair.temp_clip(0.0) == 0.05   # logit clamped, finite
+    assert pair.temp_clip(0.3, T=1.0) == pytest.approx(0.3)
+    assert pair.temp_clip(0.9, T=2.0, eps=0.3) == 0.7
+
+
+def test_momentum_hand_values():
+    # first turn: no bonus, whatever alpha
+    assert pair.momentum_reward(0.75, [], alpha=5) == 0.75
+    # t=2: sigma(logit(0.5) + 5 (0.5 - 0.75)) = sigma(-1.25)
+    assert pair.momentum_reward(0.5, [0.75], alpha=5) == pytest.approx(1 / (1 + math.exp(1.25)))
+    # t=3: sigma(ln(1/3) + 5 (0.25 - 0.625)) = 1 / (1 + 3 e^1.875)
+    assert pair.momentum_reward(0.25, [0.75, 0.5], alpha=5) == pytest.approx(
+        1 / (1 + 3 * math.exp(1.875)))
+    # above the running mean -> boosted: sigma(ln 3 + 5 * 0.5) = 3 e^2.5 / (1 + 3 e^2.5)
+    assert pair.momentum_reward(0.75, [0.25], alpha=5) == pytest.approx(
+        3 * math.exp(2.5) / (1 + 3 * math.exp(2.5)))
+    assert pair.momentum_reward(0.25, [0.75, 0.5], alpha=0) == 0.25      # vanilla
+    assert pair.trajectory_rewards([0.9, 0.5, 0.1], alpha=5) == pytest.approx(
+        [0.75, 1 / (1 + math.exp(1.25)), 1 / (1 + 3 * math.exp(1.875))])
+    assert pair.trajectory_rewards([0.9, 0.1], alpha=0) == pytest.approx([0.75, 0.25])
+
+
+# ----------------------------------------------------------------------------------------------
+# synthetic features files (the real ones come from `extract`, tested at the bottom)
+
+L, H, D = 3, 2, 6
+
+
+def synthetic_split(path, n_episodes, seed, contaminated, name):
+    """Two evaluation turns per episode. The hidden state carries the label on a clean prefix and
+    flips it after a contaminated one (belief-consistency); attention carries it in both."""
+    g = torch.Generator().manual_seed(seed)          # same seed for a clean/contaminated pair
+    n = 2 * n_episodes
+    y = (torch.rand(n, generator=g) < 0.6).long()
+    distance = torch.randint(1, 9, (n,), generator=g)
+    distance[::3] = -1
+    sign = 2.0 * y - 1
+    hidden_sign = torch.where(torch.tensor(contaminated) & (distance > 0), -sign, sign)
+    raw = {"h_last4": torch.randn(n, 4, D, generator=g), "h_mean": torch.randn(n, D, generator=g)}
+    raw["h_last4"][:, -1, 0] += 1.5 * hidden_sign
+    for s in ("max", "std", "prefix", "self", "entropy", "lookback"):
+        raw[f"attn_{s}"] = torch.rand(n, L, H, generator=g)
+    raw["attn_prefix"][:, 1, 0] += 0.6 * sign
+    raw["attn_entropy"][:, :, :] -= 0.3 * sign[:, None, None]
+    raw["coe_r"] = torch.randn(n, generator=g) + 0.5 * sign
+    raw["coe_c"] = torch.rand(n, generator=g)
+    raw.update(label=y, turn_idx=torch.tensor([3, 5] * n_episodes), distance=distance,
+               distance_messages=2 * distance, record_index=torch.arange(n),
+               truncated=torch.zeros(n, dtype=torch.long))
+    meta = {"data": f"/data/gta/{name}.json", "model": "synthetic", "dtype": "float32",
+            "episode_id": [f"ep{i // 2}" for i in range(n)],
+            "contamination_type": [None] * n,
+            "prefix_type": ["contaminated" if contaminated else "clean"] * n, "failed": []}
+    probes.save_safetensors(raw, path, {"pair_features": json.dumps(meta)})
+
+
+@pytest.fixture(scope="module")
+def features_dir(tmp_path_factory):
+    d = tmp_path_factory.mktemp("feats")
+    for name, episodes, seed in (("train", 60, 1), ("test", 30, 2)):
+        synthetic_split(d / f"matched_clean_{name}.safetensors", episodes, seed, False,
+                        f"matched_clean_{name}")
+        synthetic_split(d / f"matched_contaminated_{name}.safetensors", episodes, seed, True,
+                        f"matched_contaminated_{name}")
+    return d
+
+
+def fake_trace(raw, i):
+    """A model.TurnTrace-like object carrying record i of a features batch."""
+    h_last = torch.randn(L + 1, D)
+    h_last[-4:] = raw["h_last4"][i]
+    return SimpleNamespace(h_last=h_last, h_mean=torch.randn(L + 1, D), tokens=[], span=(0, 1),
+                           finished=True,
+                           attn={s: raw[f"attn_{s}"][i] for s in
+                                 ("max", "std", "prefix", "self", "entropy", "lookback")})
+
+
+def forbid_pickle(monkeypatch):
+    def no_pickle(*a, **k):
+        raise AssertionError("pickle used while loading")
+    monkeypatch.setattr(pickle, "load", no_pickle)
+    monkeypatch.setattr(pickle, "loads", no_pickle)
+    monkeypatch.setattr(torch, "load", no_pickle)
+
+
+# ----------------------------------------------------------------------------------------------
+# PAIR
+
+def test_pair_is_two_probes_on_the_paper_inputs(features_dir):
+    train = pair.load_split(features_dir / "matched_clean_train.safetensors")
+    model = pair.fit_pair(train.raw, train.y)
+    X1 = probes.feature("last_token", train.raw)
+    ref1 = probes.Probe().fit(X1, train.y)
+    s_bc = ref1.predict_proba(X1)
+    ref2 = probes.Probe().fit(torch.cat([probes.feature("multi_attn", train.raw),
+                                         s_bc[:, None]], 1), train.y)
+    got_bc, got_final = model.scores(train.raw)
+    torch.testing.assert_close(got_bc, s_bc)
+    torch.testing.assert_close(got_final, ref2.predict_proba(
+        torch.cat([probes.feature("multi_attn", train.raw), s_bc[:, None]], 1)))
+
+
+def test_pair_save_load_reward_and_latency(features_dir, tmp_path, monkeypatch):
+    train = pair.load_split(features_dir / "matched_clean_train.safetensors")
+    test = pair.load_split(features_dir / "matched_contaminated_test.safetensors")
+    model = pair.fit_pair(train.raw, train.y, info={"mode": "clean_only"})
+    model.save(tmp_path / "pair")
+    assert sorted(p.name for p in (tmp_path / "pair").iterdir()) == [
+        "pair.json", "stage1.safetensors", "stage2.safetensors"]
+    forbid_pickle(monkeypatch)
+    loaded = Pair.load(tmp_path / "pair")
+    assert loaded.info["mode"] == "clean_only" and loaded.stats == probes.ATTN_STATS
+    s_bc, s_final = model.scores(test.raw)
+    for a, b in zip(loaded.scores(test.raw), (s_bc, s_final)):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+    # the per-turn entry point: same scores, then the SPEC §7 reward of a 3-turn rollout
+    reward = PairReward(tmp_path / "pair", alpha=5.0)
+    prev, rs = [], []
+    for i in range(3):
+        out = reward(fake_trace(test.raw, i), prev)
+        assert out.s_bc == pytest.approx(s_bc[i].item(), abs=1e-9)
+        assert out.s_final == pytest.approx(s_final[i].item(), abs=1e-9)
+        assert out.s_tilde == pytest.approx(pair.temp_clip(s_final[i].item()))
+        prev.append(out.s_tilde)
+        rs.append(out.r)
+    assert rs == pytest.approx(pair.trajectory_rewards(s_final[:3].tolist(), alpha=5.0))
+    assert rs[0] == prev[0]                           # first turn: no momentum bonus
+
+    trace = fake_trace(test.raw, 0)
+    n = 2000
+    t0 = time.perf_counter()
+    for _ in range(n):
+        reward(trace, prev)
+    per_turn = (time.perf_counter() - t0) / n
+    print(f"\nPairReward: {1e6 * per_turn:.1f} us per turn (d={D}, L={L}, H={H})")
+
+
+def test_probe_reward_is_p_correct(features_dir, tmp_path, monkeypatch):
+    train = pair.load_split(features_dir / "matched_clean_train.safetensors")
+    for name in ("attention", "hidden_attn", "multi_layer"):
+        probe = probes.Probe(info={"feature": name}).fit(probes.feature(name, train.raw), train.y)
+        probe.save(tmp_path / f"{name}.safetensors")
+        forbid_pickle(monkeypatch)
+        reward = ProbeReward(tmp_path / f"{name}.safetensors")
+        p = probe.predict_proba(probes.feature(name, train.raw))
+        out = reward(fake_trace(train.raw, 4), [0.3])
+        assert out.r == out.s_final == pytest.approx(p[4].item(), abs=1e-9)
+        assert out.s_bc is None
+
+
+def test_crossfit_uses_out_of_fold_scores(features_dir):
+    train = pair.load_split(features_dir / "matched_clean_train.safetensors")
+    folds = pair.episode_folds(train.episode_id, 3, seed=7)
+    by_episode = {}
+    for e, f in zip(train.episode_id, folds.tolist()):
+        assert by_episode.setdefault(e, f) == f        # an episode never straddles folds
+    assert sorted(set(folds.tolist())) == [0, 1, 2]
+    stage1, s_oof = pair.fit_stage1(train.raw, train.y, crossfit=3, groups=train.episode_id,
+                                    seed=7)
+    X1 = probes.feature("last_token", train.raw)
+    held = folds == 1
+    expect = probes.Probe().fit(X1[~held], train.y[~held]).predict_proba(X1[held])
+    torch.testing.assert_close(s_oof[held], expect)
+    _, s_in = pair.fit_stage1(train.raw, train.y)
+    assert (s_oof - s_in).abs().max() > 1e-3
+    torch.testing.assert_close(stage1.predict_proba(X1), s_in)  # the kept stage 1 sees all
+
+
+# ----------------------------------------------------------------------------------------------
+# protocol
+
+def test_balanced_indices():
+    y = torch.tensor([1] * 30 + [0] * 10)
+    a, b = pair.balanced_indices(y, 42), pair.balanced_indices(y, 43)
+    assert len(a) == 20 and y[a].sum() == 10
+    assert a.equal(pair.balanced_indices(y, 42)) and not a.equal(b)
+    assert set(range(30, 40)) <= set(a.tolist())     # the minority class is kept whole
+
+
+def test_mixed_training_set_takes_the_same_records(features_dir):
+    splits = pair.load_splits(features_dir, pair.TRAIN_SPLITS["mixed"])
+    mixed = pair.training_set(splits, "mixed", 43)
+    clean = pair.training_set(splits, "clean_only", 43)
+    n = len(clean.y)
+    assert len(mixed.y) == 2 * n and mixed.y[:n].equal(mixed.y[n:])
+    assert mixed.keys()[:n] == mixed.keys()[n:] == clean.keys()
+    assert mixed.y.sum() * 2 == len(mixed.y)
+
+
+def test_contamination_distance():
+    roles = ["user", "assistant", "tool", "assistant", "tool", "user", "assistant", "tool",
+             "assistant"]
+    dialogs = [{"role": r} for r in roles]
+    rec = {"turn_idx": 8, "dialogs": dialogs, "original_contaminated_turn_indices": [3, 8, 10]}
+    # nearest earlier contaminated turn: message 3; assistant turns 6 and 8 follow -> d = 2
+    assert pair.contamination_distance(rec) == (2, 5)
+    rec["original_contaminated_turn_indices"] = [6, 1]
+    assert pair.contamination_distance(rec) == (1, 2)
+    rec["original_contaminated_turn_indices"] = [8]
+    assert pair.contamination_distance(rec) == (-1, -1)
+    assert pair.distance_bucket(1) == "1" and pair.distance_bucket(9) == "7+"
+    assert pair.distance_bucket(-1) is None
+
+
+def test_train_eval_report_cli(features_dir, tmp_path, capsys):
+    pair.main(["train", "--features", str(features_dir), "--out", str(tmp_path / "m"),
+               "--seeds", "42", "43"])
+    files = {p.relative_to(tmp_path / "m").as_posix() for p in (tmp_path / "m").rglob("*")
+             if p.is_file()}
+    assert {f"seed42/{n}.safetensors" for n in probes.FEATURES} <= files
+    assert "seed43/pair_mixed/pair.json" in files
+    assert all(f.endswith((".safetensors", ".json")) for f in files)
+    pair.main(["eval", "--probes", str(tmp_path / "m"), "--features", str(features_dir),
+               "--out", str(tmp_path / "eval.json")])
+    ev = json.loads((tmp_path / "eval.json").read_text())
+    assert len(ev["pair_mixed"]["matched_clean_test"]["auroc"]["values"]) == 2
+
+    pair.main(["report", "--features", str(features_dir), "--out", str(tmp_path / "r"),
+               "--seeds", "42", "43", "44"])
+    rep = json.loads((tmp_path / "r" / "report.json").read_text())
+    md = (tmp_path / "r" / "report.md").read_text()
+    det = rep["detection"]
+    assert set(det) == set(pair.METHODS)
+    auroc = {m: {s: det[m][s]["auroc"]["mean"] for s in pair.TEST_SPLITS} for m in det}
+    # the synthetic data is built so that the hidden state flips after a contaminated prefix
+    clean, contam = "matched_clean_test", "matched_contaminated_test"
+    assert auroc["last_token"][clean] > 0.8 and auroc["last_token"][contam] < 0.65
+    assert auroc["pair"][contam] > auroc["last_token"][contam] + 0.1
+    assert auroc["pair"][clean] > 0.8
+    assert len(det["pair"][clean]["auroc"]["values"]) == 3
+    assert det["coe_c"][clean]["auroc"]["std"] == 0.0 and "ece" not in det["coe_c"][clean]
+    assert len(rep["ablation"]) == 15
+    assert set(rep["distance"]["_n"]) == set(pair.DISTANCE_BUCKETS)
+    assert rep["paper_ref"] == "gta" and "0.9217" in md
+    for section in ("(a)", "(b)", "(c)", "(d)", "(e)"):
+        assert f"## {section}" in md
+
+
+# ----------------------------------------------------------------------------------------------
+# the whole pipeline: make-data shop -> extract (tiny random model) -> train -> eval -> report
+
+SHOP_SPLITS = ("matched_clean_train", "matched_contaminated_train", "matched_clean_test",
+               "matched_contaminated_test", "matched_diagnostic_test")
+
+
+def tiny_checkpoint(directory: Path, data_dir: Path) -> Path:
+    """A random 4-layer Qwen2 model and a small byte-level BPE with the ChatML specials, trained
+    on the shop dialogs (no download)."""
+    import envs
+    import model as mdl
+    from safetensors.torch import save_file
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    directory.mkdir(parents=True)
+    texts = [m["content"] for f in sorted(data_dir.glob("matched_*.json"))
+             for r in envs.load_matched(f) for m in envs.record_messages(r)]
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.train_from_iterator(texts, trainers.BpeTrainer(
+        vocab_size=400, show_progress=False, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"]))
+    tok.save(str(directory / "tokenizer.json"))
+    config = {"architectures": ["Qwen2ForCausalLM"], "vocab_size": tok.get_vocab_size(),
+              "hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 4,
+              "num_attention_heads": 4, "num_key_value_heads": 2, "rope_theta": 10000.0,
+              "tie_word_embeddings": False, "max_position_embeddings": 8192,
+              "eos_token_id": tok.token_to_id("<|im_end|>")}
+    (directory / "config.json").write_text(json.dumps(config))
+    torch.manual_seed(0)
+    net = mdl.Transformer(mdl.Config.from_dict(config))
+    save_file({k: v.contiguous() for k, v in net.state_dict().items()},
+              str(directory / "model.safetensors"))
+    return directory
+
+
+def test_pipeline_on_shop(tmp_path, monkeypatch, capsys):
+    import envs
+    import model as mdl
+    t_start = time.perf_counter()
+    data, feats = tmp_path / "data", tmp_path / "feats"
+    envs.main(["make-data", "shop", "--out", str(data), "--episodes", "20", "--seed", "5"])
+    ckpt = tiny_checkpoint(tmp_path / "ckpt", data)
+
+    # an interrupted extraction resumes where it stopped
+    real_trace_forward, calls = mdl.trace_forward, []
+
+    def interrupted(net, ids, span):
+        calls.append(span)
+        if len(calls) == 10:
+            raise KeyboardInterrupt
+        return real_trace_forward(net, ids, span)
+    monkeypatch.setattr(mdl, "trace_forward", interrupted)
+    target = feats / "matched_clean_train.safetensors"
+    extract_args = ["extract", "--model", str(ckpt), "--data",
+                    str(data / "matched_clean_train.json"), "--out", str(target),
+                    "--shard-size", "4"]
+    with pytest.raises(KeyboardInterrupt):
+        pair.main(extract_args)
+    assert not target.exists() and len(list(target.parent.glob("*.parts/shard_*"))) == 2
+    calls.clear()
+    monkeypatch.setattr(mdl, "trace_forward", lambda *a: (calls.append(a[2]),
+                                                          real_trace_forward(*a))[1])
+    pair.main(extract_args)
+    records = envs.load_matched(data / "matched_clean_train.json")
+    assert len(calls) == len(records) - 8               # the two shards were not redone
+    assert not target.with_name(target.name + ".parts").exists()
+
+    # a failing record is reported by id and kept in the metadata; a rerun retries only it
+    target = feats / "matched_clean_test.safetensors"
+    test_records = envs.load_matched(data / "matched_clean_test.json")
+
+    def failing(net, ids, span):
+        calls.append(span)
+        if len(calls) == 2:
+            raise RuntimeError("boom")
+        return real_trace_forward(net, ids, span)
+    calls.clear()
+    monkeypatch.setattr(mdl, "trace_forward", failing)
+    extract_args = ["extract", "--model", str(ckpt), "--data",
+                    str(data / "matched_clean_test.json"), "--out", str(target)]
+    pair.main(extract_args)
+    _, meta = probes.load_features(target)
+    bad = f"{test_records[1]['episode_id']}@{test_records[1]['turn_idx']}"
+    assert meta["failed"][0]["id"] == bad and "boom" in meta["failed"][0]["error"]
+    assert len(meta["failed"]) == 1 and meta["n_records"] == len(test_records) - 1
+    assert f"1 {bad}: RuntimeError: boom" in capsys.readouterr().err
+    calls.clear()
+    monkeypatch.setattr(mdl, "trace_forward", lambda *a: (calls.append(a[2]),
+                                                          real_trace_forward(*a))[1])
+    pair.main(extract_args)
+    assert len(calls) == 1
+    _, meta = probes.load_features(target)
+    assert meta["failed"] == [] and meta["n_records"] == len(test_records)
+
+    for split in ("matched_contaminated_train", "matched_contaminated_test",
+                  "matched_diagnostic_test"):
+        pair.main(["extract", "--model", str(ckpt), "--data", str(data / f"{split}.json"),
+                   "--out", str(feats / f"{split}.safetensors")])
+
+    # the features file holds what one teacher-forced forward gives, and the record columns
+    raw, meta = probes.load_features(feats / "matched_contaminated_test.safetensors")
+    recs = envs.load_matched(data / "matched_contaminated_test.json")
+    net, tok = mdl.load_model(ckpt)
+    for i in (0, len(recs) - 1):
+        ids, spans = tok.render(envs.record_messages(recs[i]))
+        expect = probes.raw_features(real_trace_forward(net, ids, spans[-1]))
+        for k, v in expect.items():
+            torch.testing.assert_close(raw[k][i], v, msg=k)
+    assert raw["label"].tolist() == [r["label"] for r in recs]
+    assert raw["turn_idx"].tolist() == [r["turn_idx"] for r in recs]
+    assert raw["distance"].tolist() == [pair.contamination_distance(r)[0] for r in recs]
+    assert meta["episode_id"] == [r["episode_id"] for r in recs]
+    assert meta["contamination_type"] == [r["contamination_type"] for r in recs]
+    assert meta["dims"] == {"d": 16, "L": 4, "H": 4}
+    # long sequences keep their last max_len tokens, the span shifted with them
+    full_ids, full_spans = tok.render(envs.record_messages(recs[0]))
+    cut_ids, cut_span, cut = pair.render_record(recs[0], tok, max_len=len(full_ids) - 7)
+    assert cut == 7 and cut_ids == full_ids[7:]
+    assert cut_span == (full_spans[-1][0] - 7, full_spans[-1][1] - 7)
+    with pytest.raises(ValueError, match="does not fit"):
+        pair.render_record(recs[0], tok, max_len=1)
+
+    pair.main(["train", "--features", str(feats), "--out", str(tmp_path / "probes"),
+               "--seeds", "42"])
+    pair.main(["eval", "--probes", str(tmp_path / "probes"), "--features", str(feats),
+               "--out", str(tmp_path / "eval.json")])
+    pair.main(["report", "--features", str(feats), "--seeds", "42", "43"])
+    rep = json.loads((feats / "report.json").read_text())
+    assert rep["paper_ref"] is None                      # shop: no paper numbers
+    assert rep["n_records"]["matched_diagnostic_test"] == len(
+        envs.load_matched(data / "matched_diagnostic_test.json"))
+    for m in pair.METHODS:
+        assert 0 <= rep["detection"][m]["matched_clean_test"]["auroc"]["mean"] <= 1
+        assert rep["detection"][m]["matched_diagnostic_test"]["auroc"]["mean"] is not None
+    reward = PairReward(tmp_path / "probes" / "seed42" / "pair_mixed")
+    trace = real_trace_forward(net, ids, spans[-1])
+    out = reward(trace, [])
+    s_bc, s_final = Pair.load(tmp_path / "probes" / "seed42" / "pair_mixed").scores(
+        {k: v[None] for k, v in probes.raw_features(trace).items()})
+    assert out.s_final == pytest.approx(s_final.item(), abs=1e-9)
+    print(f"\nshop pipeline: {time.perf_counter() - t_start:.1f}s")
