@@ -79,6 +79,10 @@ def main(argv=None):
     ap.add_argument("--repeats", type=int, default=3, help="timed runs per forward (best kept)")
     ap.add_argument("--gen-repeats", type=int, default=1,
                     help="timed runs per generation benchmark (best kept)")
+    ap.add_argument("--threads", type=int, default=None,
+                    help="torch CPU threads (default: torch's choice). On a CPU shared with other "
+                    "busy processes, 1 thread gives far steadier ratios: no thread waits at a "
+                    "barrier for a sibling that the OS has descheduled")
     ap.add_argument("--skip-generation", action="store_true", help="only the forward benchmarks")
     args = ap.parse_args(argv)
     if not 0 < args.span <= args.seq_len:
@@ -92,6 +96,8 @@ def main(argv=None):
         raise SystemExit("bench.py compares against transformers: pip install -r "
                          "requirements-dev.txt") from None
     transformers.logging.set_verbosity_error()
+    if args.threads:
+        torch.set_num_threads(args.threads)
 
     print(f"torch {torch.__version__}, transformers {transformers.__version__}, "
           f"{torch.get_num_threads()} threads, load average {os.getloadavg()[0]:.1f}")

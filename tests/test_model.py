@@ -360,13 +360,13 @@ def test_cli_generate_smoke(tmp_path, capsys):
 # Chat format (SPEC §2) and spans (SPEC §3) with the real Qwen2.5 tokenizer
 
 
-def jinja_render(template_dir, messages, add_generation_prompt):
-    jinja2 = pytest.importorskip("jinja2")
+def jinja_template(template_dir):
+    """The reference chat template, compiled as transformers compiles it."""
+    pytest.importorskip("jinja2")
     from jinja2.sandbox import ImmutableSandboxedEnvironment
     env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
     env.filters["tojson"] = lambda x, **kw: json.dumps(x, ensure_ascii=False, **kw)
-    template = env.from_string((template_dir / "chat_template.jinja").read_text())
-    return template.render(messages=messages, add_generation_prompt=add_generation_prompt)
+    return env.from_string((template_dir / "chat_template.jinja").read_text())
 
 
 def gta_messages(dialog):
@@ -409,15 +409,17 @@ MESSAGE_LISTS = [
 
 def test_chat_text_equals_reference_jinja_template(qwen_tokenizer_dir, release_dir):
     tok = M.Tokenizer.from_file(qwen_tokenizer_dir)
+    template = jinja_template(qwen_tokenizer_dir)
     lists = list(MESSAGE_LISTS)
-    for split in ("clean_test", "contaminated_test", "clean_train", "contaminated_train"):
-        episodes = json.loads((release_dir / "gta" / f"{split}.json").read_text())
-        lists += [gta_messages(e["dialogs"]) for e in episodes.values()]
-    assert len(lists) > 100
+    for path in sorted((release_dir / "gta").glob("*.json")):     # episodes and matched records
+        data = json.loads(path.read_text())
+        records = data.values() if isinstance(data, dict) else data
+        lists += [gta_messages(r["dialogs"]) for r in records]
+    assert len(lists) > 2000
     for messages in lists:
         for gen_prompt in (False, True):
             assert tok.chat_text(messages, gen_prompt) == \
-                jinja_render(qwen_tokenizer_dir, messages, gen_prompt)
+                template.render(messages=messages, add_generation_prompt=gen_prompt)
 
 
 def test_render_spans_point_at_assistant_content(qwen_tokenizer_dir):
@@ -444,12 +446,14 @@ def test_render_spans_point_at_assistant_content(qwen_tokenizer_dir):
 
 
 def test_real_checkpoint_greedy_equals_transformers(qwen05b_dir):
-    torch.manual_seed(0)
-    model, tok = M.load_model(qwen05b_dir, dtype=torch.float32)
-    hf = transformers.AutoModelForCausalLM.from_pretrained(qwen05b_dir, dtype=torch.float32)
+    # bf16, the checkpoint's own dtype: loading needs no conversion and decoding is fast on CPU;
+    # greedy tokens agreed with transformers on every prompt tried (fp32 agrees too, 3x slower).
+    model, tok = M.load_model(qwen05b_dir, dtype=torch.bfloat16)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(qwen05b_dir, dtype=torch.bfloat16)
     hf.eval()
     prompts = ["What is 17 * 23? Answer briefly.", "Name three primary colors.",
-               "Write a Python one-liner that reverses a string s."]
+               "Write a Python one-liner that reverses a string s.", "Who wrote Hamlet?",
+               "Translate 'good morning' to French."]
     rendered = [tok.render([{"role": "user", "content": p}], add_generation_prompt=True)[0]
                 for p in prompts]
     ours = M.generate(model, model.new_cache(len(prompts)), rendered, max_new_tokens=16,
