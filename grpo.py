@@ -1,0 +1,1469 @@
+"""Multi-turn GRPO with LoRA and step-level rewards (SPEC §9), and the built-in shop policy.
+
+    python grpo.py --reward pair                   # shop, built-in policy, PAIR fitted on the fly
+    python grpo.py --reward outcome --out runs/o   # the sparse baseline, same budget
+    python grpo.py --env gta --model Qwen/Qwen2.5-7B-Instruct --probes runs/pair-gta --reward pair
+    torchrun --nproc_per_node 2 grpo.py ...        # prompts sharded, LoRA gradients all-reduced
+    python grpo.py sft --env shop --out data/shop-policy     # rebuild the built-in policy
+
+What runs, once per training step:
+ 1. rollout. `--batch` prompts x `--group` G rollouts (paper: 1 x 4). A rollout plays up to 10
+    assistant turns in an `envs` environment. The G rollouts of one prompt are one batch whose KV
+    cache lives for the whole episode: the rendered prompt is prefilled once, and each later turn
+    appends only the new tokens (the "\\n" after the <|im_end|> the model wrote, the observation as
+    a user message, `<|im_start|>assistant\\n`) at the row's own offset, then samples again. The
+    per-turn statistics every internal reward reads (hidden states and the attention statistics of
+    SPEC §4) come out of that same generation pass: no second forward for PAIR or the probes.
+ 2. rewards. One reward r_{i,t} per assistant turn t of rollout i, from `--reward` (the REWARDS
+    dict below). `--outcome-weight w` adds w x task score to the last turn's reward.
+ 3. advantages (DeepSeekMath process supervision). The group's step rewards are pooled and
+    normalized, r^ = (r - mean) / (std + 1e-6) with the population std, and every token of turn t
+    gets A_{i,t} = sum_{k>=t} r^_{i,k}. With `outcome` the only reward of a rollout is its task
+    score, on its last turn, so this is the usual group-normalized outcome on every token. A group
+    whose rewards are all equal has nothing to say: A = 0, counted in `frac_zero_std`.
+ 4. update. Per policy token: -min(rho A, clip(rho, 1-eps, 1+eps) A) + beta KL_k3(pi || pi_ref),
+    rho = exp(logp - logp_old), KL_k3 = exp(logp_ref - logp) - (logp_ref - logp) - 1, pi_ref = the
+    same model with its LoRA adapter disabled. Only the policy's own tokens count (prompt and
+    observations are masked; the <|im_end|> it generated counts); their sum is divided by the
+    number of such tokens in the whole batch, over all processes. AdamW on the LoRA parameters
+    (r 16, alpha 32, dropout 0.05 on q,k,v,o,gate,up,down), lr constant after a 5% linear warmup,
+    grad-norm clip 1.0. Probes stay frozen.
+
+Where this departs from textbook GRPO (DeepSeekMath; TRL's GRPOTrainer):
+ - One PPO epoch per batch, as the paper ran it: pi_old is the policy that sampled, rho = 1 in
+   value (its gradient is the plain policy gradient) and the clip never fires. `--ppo-epochs K`
+   re-uses the batch K times, and then the clip does its job.
+ - logp_old is the first epoch's own forward, detached, rather than a separate forward: exact,
+   since the parameters have not moved yet (TRL does the same).
+ - Token-level normalization over the whole batch (SPEC §9; DAPO / Dr. GRPO) instead of a mean
+   per sequence, which would weight the tokens of short rollouts more.
+ - Rewards live on turns, not sequences, and A is a per-turn return of normalized step rewards.
+ - The KL reference is the adapter-disabled base: no second copy of the model in memory.
+ - log pi is taken at the sampling temperature (logits / T), so that rho and the KL are about the
+   distribution the tokens were drawn from (T = 1 in the paper, where this changes nothing).
+
+Every checkpoint (`--save-every`, and the last step) stores the adapter in PEFT's layout, the
+optimizer, the RNG states and the step, atomically; `--resume` continues from the newest one and
+gives the same metrics as a run that was never interrupted. The base model and every checkpoint
+are evaluated on the held-out split with greedy decoding; the run ends with success before, best
+and final. Metrics go to OUT/metrics.jsonl (one line per step) and OUT/eval.jsonl.
+
+The built-in policy (data/shop-policy, rebuilt by `grpo.py sft`, see its section) is a ~0.3M
+parameter Qwen2 trained from scratch on shop dialogs. With it, the flags left unset take the TINY
+preset below (printed at start); with any other model they take the paper's 7B values. Its PAIR
+and probe rewards are fitted on the fly, once: `make-data shop`, `pair.py extract` with the
+policy, `pair.py`'s fits, cached under $PAIR_CACHE by the policy's hash.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import hashlib
+import json
+import math
+import os
+import random
+import shutil
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from safetensors.torch import load_file, save_file
+
+import envs
+import model as mdl
+import pair as pair_lib
+import probes
+
+ROOT = Path(__file__).resolve().parent
+BUILTIN_POLICY = ROOT / "data" / "shop-policy"
+
+# ---------------------------------------------------------------------------------------------
+# Hyperparameters: the paper's Table grpo_config, and a preset for the tiny built-in policy
+# ---------------------------------------------------------------------------------------------
+
+PAPER = dict(batch=1, group=4, max_turns=10, max_new_tokens=1024, temperature=1.0, top_p=1.0,
+             lr=3e-7, warmup=0.05, beta=0.01, eps=0.2, steps=500, save_every=50,
+             lora_r=16, lora_alpha=32.0, lora_dropout=0.05, eval_episodes=0)
+# The built-in policy has ~1M parameters, not 7B: an adapter on it needs a far larger step to move
+# within minutes, and its turns are short. Everything not listed keeps the paper's value.
+TINY = dict(group=8, max_new_tokens=96, lr=2e-3, steps=40, save_every=10, eval_episodes=48)
+
+
+# ---------------------------------------------------------------------------------------------
+# Stages hand off through three small dataclasses: a step, a trajectory, a batch
+# ---------------------------------------------------------------------------------------------
+
+@dataclass
+class Step:                         # one assistant turn of one rollout
+    tokens: list[int]               # what the policy generated (ends with <|im_end|> if finished)
+    segment: int                    # which of Trajectory.segments holds it ...
+    span: tuple[int, int]           # ... at these positions [start, end)
+    text: str                       # the assistant text handed to the environment
+    trace: mdl.TurnTrace | None     # statistics from the generation pass (None: not collected)
+    observation: str | None         # the environment's answer (None: the episode ended here)
+    p_correct: float | None = None  # the frozen probe's P(correct), when the reward has one
+
+
+@dataclass
+class Trajectory:                   # one rollout of one episode
+    episode: envs.Episode
+    # The tokens exactly as the model saw them. One sequence, unless the environment rewrote
+    # earlier messages (ToolBench's history cap): then the cache is refilled with the new history
+    # and a new segment starts, so that every turn is later scored in the context it came from.
+    segments: list[list[int]] = field(default_factory=lambda: [[]])
+    steps: list[Step] = field(default_factory=list)
+    score: float = 0.0              # task score in [0, 1]
+    truncated: bool = False         # stopped by --max-len, not by the episode
+
+
+@dataclass
+class Batch:                        # what the update consumes: rollouts right-padded into rows
+    ids: torch.Tensor               # (B, T) long
+    mask: torch.Tensor              # (B, T) bool: True on tokens the policy generated
+    adv: torch.Tensor               # (B, T) float32: A of the turn each policy token belongs to
+    lengths: list[int]              # real length of each row
+
+
+# ---------------------------------------------------------------------------------------------
+# 1. Rollout: multi-turn, one KV cache per group kept across turns
+# ---------------------------------------------------------------------------------------------
+
+def turn_opening(tok, finished: bool, observation: str | None) -> list[int]:
+    """The tokens between one assistant turn and the next: what a later turn appends to the cache.
+
+    Exactly what the chat template puts there (SPEC §2): the newline after <|im_end|> (plus the
+    <|im_end|> itself when the turn hit max_new_tokens), the observation as a user message, and the
+    next generation prompt. Special tokens split the text, so these tokens are the ones
+    Tokenizer.render gives for the whole conversation."""
+    text = "\n" if finished else "<|im_end|>\n"
+    if observation is not None:
+        text += f"<|im_start|>user\n{observation}<|im_end|>\n"
+    return tok.encode(text + "<|im_start|>assistant\n")
+
+
+def generate_rows(policy, cache, new_tokens, active, **kw) -> list[mdl.TurnTrace | None]:
+    """model.generate over the rows still playing: a finished row gets no new tokens, which
+    generate reads as "nothing to do" (its cache row is left as it is)."""
+    traces = mdl.generate(policy, cache, [t if a else [] for t, a in zip(new_tokens, active)], **kw)
+    return [tr if a else None for tr, a in zip(traces, active)]
+
+
+@torch.no_grad()
+def rollout(policy, tok, episodes: list, args, greedy=False, generator=None,
+            stats=True) -> list[Trajectory]:
+    """Play each episode (one batch row each) to its end; returns one Trajectory per row."""
+    trajs = [Trajectory(ep) for ep in episodes]
+    new = [tok.render(ep.messages, add_generation_prompt=True)[0] for ep in episodes]
+    cache = policy.new_cache(len(episodes), capacity=min(
+        args.max_len, max(map(len, new)) + 4 * args.max_new_tokens))     # it grows if needed
+    active = [True] * len(episodes)
+    refill = [False] * len(episodes)
+    for _ in range(args.max_turns):
+        for i, traj in enumerate(trajs):
+            # a turn that might not fit ends the rollout (it is scored as it stands)
+            seen = 0 if refill[i] else len(traj.segments[-1])
+            if active[i] and seen + len(new[i]) + args.max_new_tokens > args.max_len:
+                active[i], traj.truncated = False, True
+        if not any(active):
+            break
+        if any(a and r for a, r in zip(active, refill)):
+            lengths = cache[0].lengths.clone()
+            for i, traj in enumerate(trajs):
+                if active[i] and refill[i]:
+                    lengths[i] = 0           # the row's old slots are free: overwrite them
+                    traj.segments.append([])
+                    refill[i] = False
+            mdl.set_lengths(cache, lengths)
+        traces = generate_rows(policy, cache, new, active, max_new_tokens=args.max_new_tokens,
+                               temperature=0.0 if greedy else args.temperature,
+                               top_p=args.top_p, stop_ids=[tok.im_end_id], generator=generator,
+                               stats=stats)
+        for i, (traj, tr) in enumerate(zip(trajs, traces)):
+            if tr is None:
+                continue
+            seq = traj.segments[-1]
+            seq += new[i]
+            start = len(seq)
+            assert tuple(tr.span) == (start, start + len(tr.tokens)), (tr.span, start)
+            seq += tr.tokens
+            text = tok.decode(tr.tokens[:-1] if tr.finished else tr.tokens)
+            result = traj.episode.step(text)
+            obs = None if result.done else traj.episode.messages[-1]["content"]
+            traj.steps.append(Step(list(tr.tokens), len(traj.segments) - 1, (start, len(seq)),
+                                   text, tr if stats else None, obs))
+            if result.done:
+                active[i], new[i] = False, []
+            elif getattr(result, "rewritten_from", None) is not None:
+                new[i] = tok.render(traj.episode.messages, add_generation_prompt=True)[0]
+                refill[i] = True
+            else:
+                new[i] = turn_opening(tok, tr.finished, obs)
+    for traj in trajs:
+        score = traj.episode.score()
+        traj.score = 0.0 if score is None else float(score)
+    return trajs
+
+
+# ---------------------------------------------------------------------------------------------
+# 2. Rewards: one per assistant turn; `--reward` name -> function(trajectory, ctx)
+# ---------------------------------------------------------------------------------------------
+# Each function returns a list with one entry per turn: a float reward, or None for a turn that
+# gets no reward (outcome: every turn but the last). Probe-based ones also leave the probe's
+# P(correct) on each Step, for the AUROC monitor.
+
+@dataclass
+class RewardContext:                # what the reward functions need besides the rollout
+    policy: object
+    tok: object
+    args: argparse.Namespace
+    env: object = None              # the training environment (gold answers for igpo / tips)
+    pair: object = None             # pair.PairReward (reward "pair")
+    probe: object = None            # pair.ProbeReward for the feature set named by --reward
+    judge: object = None            # envs.ChatClient (reward "llm_judge")
+    lagged: dict | None = None      # tips: a snapshot of the LoRA parameters (the lagged teacher)
+
+
+def outcome_reward(traj: Trajectory, ctx) -> list[float | None]:
+    return [None] * (len(traj.steps) - 1) + [traj.score]
+
+
+def pair_reward(traj: Trajectory, ctx) -> list[float]:
+    # SPEC §6-7: s_final from the two stages, temperature clip, momentum against earlier turns
+    rewards, prev = [], []
+    for step in traj.steps:
+        out = ctx.pair(step.trace, prev)
+        prev.append(out.s_tilde)
+        step.p_correct = out.s_final
+        rewards.append(out.r)
+    return rewards
+
+
+def probe_reward(traj: Trajectory, ctx) -> list[float]:
+    # SPEC §7: a probe baseline used as a reward gives r_t = its P(correct)
+    rewards = []
+    for step in traj.steps:
+        step.p_correct = ctx.probe(step.trace).s_final
+        rewards.append(step.p_correct)
+    return rewards
+
+
+def coe_reward(traj: Trajectory, ctx) -> list[float]:
+    # CoE is unsupervised (SPEC §4-5): r_t = the turn's CoE-C score (the paper's CoE-C baseline);
+    # only its ordering within the group matters after normalization.
+    raw = _stack_raw([probes.raw_features(s.trace) for s in traj.steps])
+    return probes.unsupervised_score("coe_c", raw).tolist()
+
+
+def _stack_raw(raws: list[dict]) -> dict[str, torch.Tensor]:
+    return {k: torch.stack([r[k] for r in raws]) for k in raws[0]}
+
+
+def judge_reward(traj: Trajectory, ctx) -> list[float]:
+    """LLM-as-a-judge (paper baseline): a 1-10 score of each step given the task and the
+    trajectory up to it, from an OpenAI-compatible endpoint, normalized to [0, 1]."""
+    messages = traj.episode.messages
+    turns = [k for k, m in enumerate(messages) if m["role"] == "assistant"]
+    return [envs.judge_step(ctx.judge, messages[:k + 1]) for k in turns]
+
+
+# --- rewards from the teacher-forced probability of the gold answer (need the answer: training
+# only). A state s_t is the token prefix right before turn t's content; the gold answer is
+# appended there as a final turn ("Final Answer: <gold>") and its tokens are scored. Both methods
+# give the final turn the task score (IGPO's rule; TIPS adds shaping to the environment reward)
+# and the turns before it a per-turn change:
+
+def igpo_reward(traj: Trajectory, ctx) -> list[float]:
+    """IGPO (Wang et al. 2025): r_t = p(gold | s_{t+1}) - p(gold | s_t), information gain of turn t,
+    with p = exp(mean token log-probability) under the current policy."""
+    states = traj_states(traj, ctx.tok)
+    logp, n = gold_logprobs(ctx.policy, ctx.tok, states, gold_answer(ctx, traj.episode),
+                            ctx.args.micro_batch)
+    p = [math.exp(lp / k) for lp, k in zip(logp, n)]
+    return [p[t + 1] - p[t] for t in range(len(traj.steps) - 1)] + [traj.score]
+
+
+def tips_reward(traj: Trajectory, ctx) -> list[float]:
+    """TIPS-style potential-based shaping: r_t = gamma Phi(s_{t+1}) - Phi(s_t), Phi = the
+    log-probability of the gold answer under a lagged copy of the policy (a LoRA snapshot,
+    refreshed every --tips-refresh steps). The terminal state's potential is not set to 0: with
+    group-normalized returns that term would cancel the shaping signal of every turn."""
+    states = traj_states(traj, ctx.tok)
+    with lora_swapped(ctx.policy, ctx.lagged):
+        phi, _ = gold_logprobs(ctx.policy, ctx.tok, states, gold_answer(ctx, traj.episode),
+                               ctx.args.micro_batch)
+    g = ctx.args.tips_gamma
+    return [g * phi[t + 1] - phi[t] for t in range(len(traj.steps) - 1)] + [traj.score]
+
+
+def traj_states(traj: Trajectory, tok) -> list[list[int]]:
+    """s_1 .. s_T: the prefix each turn was generated from (the first turn's is the prompt)."""
+    return [traj.segments[s.segment][:s.span[0]] for s in traj.steps]
+
+
+def gold_answer(ctx, episode) -> str:
+    """The gold final answer of an episode: the shop world's answer, the gold dialog's last
+    answer (replay environments), else the whitelist."""
+    answer = getattr(getattr(episode, "task", None), "answer", None)
+    if isinstance(answer, str):
+        return answer
+    record = getattr(ctx.env, "records", {}).get(episode.id, {})
+    for m in reversed(record.get("dialogs") or []):
+        if m.get("role") == "assistant" and isinstance(m.get("content"), str) and m["content"]:
+            return m["content"]
+    gt = getattr(episode, "gt_answer", None) or record.get("gt_answer")
+    if isinstance(gt, dict) and gt.get("whitelist"):
+        return ", ".join(group[0] for group in gt["whitelist"])
+    raise SystemExit(f"--reward {ctx.args.reward}: episode {episode.id} has no gold answer")
+
+
+@torch.no_grad()
+def gold_logprobs(policy, tok, states: list[list[int]], answer: str,
+                  rows_per_forward: int) -> tuple[list[float], list[int]]:
+    """Sum of log pi(answer tokens | state, "Final Answer:") per state, and the token count."""
+    full = tok.encode(envs.render_final(None, answer))
+    head = tok.encode("Final Answer:")
+    target = full[len(head):] if full[:len(head)] == head else full
+    cond = full[:len(full) - len(target)]
+    seqs = [s + cond + target for s in states]
+    sums, dev = [], input_device(policy)
+    for i in range(0, len(seqs), rows_per_forward):
+        chunk = seqs[i:i + rows_per_forward]
+        T = max(len(x) for x in chunk)
+        ids = torch.full((len(chunk), T), tok.pad_id, dtype=torch.long)
+        mask = torch.zeros(len(chunk), T, dtype=torch.bool)
+        for r, x in enumerate(chunk):
+            ids[r, :len(x)] = torch.tensor(x)
+            mask[r, len(x) - len(target):len(x)] = True
+        lp = token_logprobs(policy, ids.to(dev), mask).view(len(chunk), len(target))
+        sums += lp.sum(1).tolist()
+    return sums, [len(target)] * len(states)
+
+
+REWARDS = {
+    "outcome": outcome_reward,
+    "pair": pair_reward,
+    **{name: probe_reward for name in probes.FEATURES},
+    "coe": coe_reward,
+    "llm_judge": judge_reward,
+    "igpo": igpo_reward,
+    "tips": tips_reward,
+}
+PROBE_REWARDS = set(probes.FEATURES)
+NEEDS_STATS = {"pair", "coe"} | PROBE_REWARDS
+
+
+def turn_rewards(traj: Trajectory, ctx) -> list[float | None]:
+    """The `--reward` function, plus `--outcome-weight` x task score on the last turn."""
+    if not traj.steps:              # a prompt longer than --max-len: nothing was generated
+        return []
+    rewards = REWARDS[ctx.args.reward](traj, ctx)
+    assert len(rewards) == len(traj.steps), (len(rewards), len(traj.steps))
+    w = ctx.args.outcome_weight
+    if w and ctx.args.reward != "outcome":
+        rewards[-1] = (rewards[-1] or 0.0) + w * traj.score
+    return rewards
+
+
+def reward_context(args, policy, tok, env, world, log) -> RewardContext:
+    """Load (or, on shop, fit once and cache) whatever the `--reward` function reads."""
+    ctx = RewardContext(policy, tok, args, env=env)
+    if args.reward == "pair" or args.reward in PROBE_REWARDS:
+        where = Path(args.probes) if args.probes else shop_probes(args, policy, tok, world, log)
+        if args.reward == "pair":
+            found = next((d for d in (where, where / "pair_mixed", where / "pair")
+                          if (d / "pair.json").is_file()), None)
+            if found is None:
+                raise SystemExit(f"--probes {where}: no pair.json there (nor in pair_mixed/): "
+                                 "train PAIR with `python pair.py train`")
+            ctx.pair = pair_lib.PairReward(found, alpha=args.alpha)
+        else:
+            path = where / f"{args.reward}.safetensors" if where.is_dir() else where
+            if not path.is_file():
+                raise SystemExit(f"--probes {where}: no probe {path.name} for --reward "
+                                 f"{args.reward}")
+            ctx.probe = pair_lib.ProbeReward(path)
+            if ctx.probe.name != args.reward:
+                raise SystemExit(f"--probes {path}: a {ctx.probe.name} probe, not "
+                                 f"{args.reward}")
+    if args.reward == "llm_judge":
+        try:
+            ctx.judge = envs.ChatClient(args.judge_model)
+        except envs.LLMError as e:
+            raise SystemExit(f"--reward llm_judge: {e}") from e
+    return ctx
+
+
+# The probes of the built-in policy are fitted on the fly, once, and cached by the policy's hash:
+# `envs.py make-data shop` -> `pair.py extract` (with the base policy) -> PAIR and every baseline
+# probe fitted on matched clean + contaminated train (mode mixed, seed 42).
+PROBE_SEED = 42
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("PAIR_CACHE") or Path.home() / ".cache" / "pair").expanduser()
+
+
+def policy_hash(model_dir, episodes: int) -> str:
+    h = hashlib.sha256(f"probes/1 episodes={episodes} seed={PROBE_SEED}".encode())
+    for name in ("config.json", "tokenizer.json", "model.safetensors"):
+        path = Path(model_dir) / name
+        if not path.is_file():
+            raise SystemExit(f"--probes is needed: cannot fit probes on the fly for a model "
+                             f"without {path}")
+        h.update(name.encode() + path.read_bytes())
+    return h.hexdigest()[:16]
+
+
+def shop_probes(args, policy, tok, world, log) -> Path:
+    if args.env != "shop":
+        raise SystemExit(f"--reward {args.reward} on {args.env} needs --probes DIR (train them "
+                         "with `python pair.py extract` and `python pair.py train`)")
+    out = cache_root() / "grpo-probes" / f"shop-{policy_hash(args.model, args.probe_episodes)}"
+    done = out / "probes.json"
+    if world.main and not done.is_file():
+        t0 = time.perf_counter()
+        log(f"fitting the probes of this policy once (cached in {out}):", flush=True)
+        data, feats = out / "data", out / "features"
+        envs.make_shop_data(data, episodes=args.probe_episodes, seed=PROBE_SEED)
+        with mdl.lora_disabled(policy):
+            for split in pair_lib.TRAIN_SPLITS["mixed"] + pair_lib.TEST_SPLITS:
+                pair_lib.extract(policy, tok, data / f"{split}.json",
+                                 feats / f"{split}.safetensors", log=sys.stdout)
+        splits = pair_lib.load_splits(feats, pair_lib.TRAIN_SPLITS["mixed"] + pair_lib.TEST_SPLITS)
+        train = pair_lib.training_set(splits, "mixed", PROBE_SEED)
+        info = {"seed": PROBE_SEED, "mode": "mixed", "features": str(feats)}
+        fitted = pair_lib.fit_baselines(train, info=info)
+        pair_model = pair_lib.fit_pair(train.raw, train.y, info=info, stage1=fitted["last_token"])
+        for name, probe in fitted.items():
+            probe.save(out / f"{name}.safetensors")
+        pair_model.save(out / "pair")
+        report = {name: {split: probes.auroc(splits[split].y,
+                                             pair_lib.predict(m, splits[split].raw))
+                         for split in pair_lib.TEST_SPLITS}
+                  for name, m in [("pair", pair_model), *fitted.items()]}
+        write_json(done, {"n_train": len(train.y), "seconds": time.perf_counter() - t0,
+                          "auroc": report})
+    barrier(world)
+    report = json.loads(done.read_text())
+    pa = report["auroc"].get("pair", {})
+    log(f"probes of this policy: {out} (PAIR AUROC on held-out matched turns: clean "
+        f"{pa.get('matched_clean_test', float('nan')):.3f}, contaminated "
+        f"{pa.get('matched_contaminated_test', float('nan')):.3f})", flush=True)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# 3. Advantages (SPEC §9: DeepSeekMath process supervision)
+# ---------------------------------------------------------------------------------------------
+
+def group_advantages(rewards: list[list[float | None]]) -> tuple[list[list[float]], bool]:
+    """Per-turn advantages of one group of G rollouts, and whether the group was all-equal.
+
+    rewards[i][t] = r_{i,t} or None (turn without reward). Pool every reward of the group,
+    r^ = (r - mean) / (std + 1e-6) with the population std, A_{i,t} = sum_{k>=t} r^_{i,k}.
+    "All equal" allows rounding noise (std <= 1e-8): the same score summed in another order."""
+    pooled = torch.tensor([r for row in rewards for r in row if r is not None], dtype=torch.float64)
+    std = pooled.std(correction=0) if len(pooled) else torch.tensor(0.0)
+    if std <= 1e-8:
+        return [[0.0] * len(row) for row in rewards], True
+    mean = pooled.mean()
+    advantages = []
+    for row in rewards:
+        rhat = torch.tensor([0.0 if r is None else (r - mean) / (std + 1e-6) for r in row],
+                            dtype=torch.float64)
+        # suffix sums: the return from turn t on
+        advantages.append(rhat.flip(0).cumsum(0).flip(0).tolist())
+    return advantages, False
+
+
+def make_batch(trajs: list[Trajectory], advantages: list[list[float]], pad_id: int) -> Batch:
+    """One right-padded row per token sequence; the mask covers the generated tokens only."""
+    rows = [(traj, k) for traj in trajs for k in range(len(traj.segments))]
+    T = max(len(traj.segments[k]) for traj, k in rows)
+    ids = torch.full((len(rows), T), pad_id, dtype=torch.long)
+    mask = torch.zeros(len(rows), T, dtype=torch.bool)
+    adv = torch.zeros(len(rows), T, dtype=torch.float32)
+    row_of = {}
+    for r, (traj, k) in enumerate(rows):
+        seq = traj.segments[k]
+        ids[r, :len(seq)] = torch.tensor(seq)
+        row_of[id(traj), k] = r
+    for traj, a in zip(trajs, advantages):
+        for step, a_t in zip(traj.steps, a):
+            r, (s, e) = row_of[id(traj), step.segment], step.span
+            mask[r, s:e] = True
+            adv[r, s:e] = a_t
+    return Batch(ids, mask, adv, [len(traj.segments[k]) for traj, k in rows])
+
+
+# ---------------------------------------------------------------------------------------------
+# 4. Update: PPO-clip + k3 KL, token-normalized, AdamW on LoRA
+# ---------------------------------------------------------------------------------------------
+
+def token_logprobs(policy, ids: torch.Tensor, mask: torch.Tensor,
+                   temperature: float = 1.0) -> torch.Tensor:
+    """log pi(x_j | x_<j) at the masked positions j, in row-major order -> (N,) float32.
+
+    The head runs only on the N positions that count: the (B, T, V) logits of a long multi-turn
+    rollout with a 150k vocabulary would not fit in memory."""
+    h, _, _ = policy.trunk(ids)                                 # (B, T, d) after the final norm
+    h = h[:, :-1]                                               # position j predicts x_{j+1}
+    target = mask[:, 1:].to(h.device)
+    logits = policy.lm_head(h[target]).float()                  # (N, V)
+    if temperature > 0:
+        logits = logits / temperature
+    labels = ids[:, 1:].to(h.device)[target]                    # (N,)
+    return torch.log_softmax(logits, dim=-1).gather(1, labels[:, None]).squeeze(1)
+
+
+def grpo_loss(logp, logp_old, logp_ref, adv, eps: float, beta: float, n_tokens: float):
+    """SPEC §9 loss summed over N policy tokens and divided by n_tokens (all tokens of the batch).
+
+    All inputs (N,). Returns (loss, sums) with sums of the per-token KL and clip indicator, so that
+    micro-batches and processes add up to batch-level metrics."""
+    ratio = torch.exp(logp - logp_old)                          # rho
+    clipped = torch.clamp(ratio, 1 - eps, 1 + eps)
+    pg = -torch.minimum(ratio * adv, clipped * adv)
+    d = logp_ref - logp
+    kl = torch.expm1(d) - d             # k3 estimator of KL(pi || pi_ref); expm1: exact near 0
+    loss = (pg + beta * kl).sum() / n_tokens
+    with torch.no_grad():
+        clip = ((ratio < 1 - eps) & (adv < 0)) | ((ratio > 1 + eps) & (adv > 0))
+        sums = {"kl": kl.sum().item(), "clip": clip.sum().item(),
+                "ratio": ratio.sum().item(), "pg": pg.sum().item()}
+    return loss, sums
+
+
+def lr_at(step: int, args) -> float:
+    """Constant lr after a linear warmup over the first `--warmup` fraction of the steps."""
+    warm = max(1, round(args.warmup * args.steps))
+    return args.lr * min(1.0, (step + 1) / warm)
+
+
+def update(policy, optimizer, batch: Batch, args, world) -> dict:
+    """`--ppo-epochs` passes over the batch in micro-batches; one AdamW step per pass."""
+    params = [p for p in policy.parameters() if p.requires_grad]
+    n_tokens = all_sum(world, [batch.mask[:, 1:].sum().item()])[0]
+    rows = len(batch.lengths)
+    chunks = [list(range(i, min(i + args.micro_batch, rows)))
+              for i in range(0, rows, args.micro_batch)]
+    dev = input_device(policy)
+    ref, old = {}, {}
+    for epoch in range(args.ppo_epochs):
+        optimizer.zero_grad(set_to_none=True)
+        sums = {"loss": 0.0, "kl": 0.0, "clip": 0.0, "ratio": 0.0, "pg": 0.0}
+        for c, rows_c in enumerate(chunks):
+            T = max(batch.lengths[r] for r in rows_c)
+            ids = batch.ids[rows_c, :T].to(dev)
+            mask = batch.mask[rows_c, :T]
+            adv = batch.adv[rows_c, :T][:, 1:][mask[:, 1:]].to(dev)
+            if c not in ref:
+                with torch.no_grad(), mdl.lora_disabled(policy):
+                    ref[c] = token_logprobs(policy, ids, mask, args.temperature)
+            logp = token_logprobs(policy, ids, mask, args.temperature)
+            if epoch == 0:
+                old[c] = logp.detach()
+            loss, s = grpo_loss(logp, old[c], ref[c], adv, args.eps, args.beta, n_tokens)
+            loss.backward()
+            sums["loss"] += loss.item()
+            for k in ("kl", "clip", "ratio", "pg"):
+                sums[k] += s[k]
+        for p in params:               # processes with fewer tokens still join the all-reduce
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        if world.size > 1:
+            for p in params:
+                dist.all_reduce(p.grad)
+        grad_norm = torch.nn.utils.clip_grad_norm_(params, args.grad_clip).item()
+        optimizer.step()
+        if epoch == 0:
+            first = all_sum(world, [sums[k] for k in ("loss", "kl", "clip", "ratio")])
+    loss, kl, clip, ratio = first
+    return {"loss": loss, "kl": kl / max(n_tokens, 1), "clip_frac": clip / max(n_tokens, 1),
+            "ratio": ratio / max(n_tokens, 1), "grad_norm": grad_norm, "tokens": int(n_tokens)}
+
+
+# ---------------------------------------------------------------------------------------------
+# LoRA (model.py) and devices
+# ---------------------------------------------------------------------------------------------
+
+def input_device(policy) -> torch.device:
+    return policy.model.embed_tokens.weight.device
+
+
+def add_lora(policy, args):
+    # apply_lora freezes the base: only the adapter is trained (and all-reduced)
+    mdl.apply_lora(policy, r=args.lora_r, alpha=args.lora_alpha, dropout=args.lora_dropout,
+                   targets=tuple(args.lora_targets.split(",")))
+
+
+def lora_state(policy) -> dict[str, torch.Tensor]:
+    return {n: p.detach().clone() for n, p in mdl.lora_parameters(policy)}
+
+
+def load_lora_state(policy, state: dict[str, torch.Tensor]):
+    with torch.no_grad():
+        for n, p in mdl.lora_parameters(policy):
+            p.copy_(state[n])
+
+
+@contextlib.contextmanager
+def lora_swapped(policy, state: dict[str, torch.Tensor]):
+    """Run with other adapter weights (the lagged teacher of tips), then put the policy's back."""
+    own = lora_state(policy)
+    load_lora_state(policy, state)
+    try:
+        yield policy
+    finally:
+        load_lora_state(policy, own)
+
+
+# ---------------------------------------------------------------------------------------------
+# Processes: torchrun shards the prompts; gradients and metric sums are all-reduced
+# ---------------------------------------------------------------------------------------------
+
+@dataclass
+class World:
+    rank: int = 0
+    size: int = 1
+    device: str = "cpu"             # where all-reduced tensors live (cuda for nccl)
+
+    @property
+    def main(self) -> bool:
+        return self.rank == 0
+
+
+def init_world(args) -> World:
+    size = int(os.environ.get("WORLD_SIZE", "1"))
+    if size == 1:
+        return World()
+    gpu = torch.cuda.is_available() and not (args.devices or "cuda").startswith("cpu")
+    local = int(os.environ.get("LOCAL_RANK", "0"))
+    if gpu:
+        torch.cuda.set_device(local)
+    dist.init_process_group("nccl" if gpu else "gloo")
+    return World(dist.get_rank(), dist.get_world_size(), f"cuda:{local}" if gpu else "cpu")
+
+
+def all_sum(world: World, values: list[float]) -> list[float]:
+    if world.size == 1:
+        return [float(v) for v in values]
+    t = torch.tensor(values, dtype=torch.float64, device=world.device)
+    dist.all_reduce(t)
+    return t.tolist()
+
+
+# ---------------------------------------------------------------------------------------------
+# Checkpoints: adapter (PEFT layout), optimizer, RNG states, step; written atomically
+# ---------------------------------------------------------------------------------------------
+
+def save_checkpoint(out: Path, step: int, policy, optimizer, world, ctx) -> Path:
+    final = out / f"checkpoint-{step:06d}"
+    tmp = out / f".checkpoint-{step:06d}.tmp"
+    if world.main:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+    barrier(world)
+    # every process has its own RNG streams (LoRA dropout); each saves its own
+    rng_tensors, rng_meta = rng_state()
+    save_file(rng_tensors, tmp / f"rng-{world.rank}.safetensors")
+    write_json(tmp / f"rng-{world.rank}.json", rng_meta)
+    barrier(world)
+    if world.main:
+        mdl.save_adapter(policy, tmp / "adapter")
+        tensors, meta = optimizer_to_tensors(optimizer)
+        save_file(tensors, tmp / "optimizer.safetensors")
+        if ctx.lagged is not None:
+            save_file(ctx.lagged, tmp / "lagged.safetensors")
+        write_json(tmp / "trainer.json", {"step": step, "processes": world.size,
+                                          "optimizer": meta})
+        shutil.rmtree(final, ignore_errors=True)
+        os.replace(tmp, final)        # the directory appears complete or not at all
+    barrier(world)
+    return final
+
+
+def barrier(world):
+    if world.size > 1:
+        dist.barrier()
+
+
+def latest_checkpoint(out: Path) -> Path | None:
+    done = sorted(p for p in out.glob("checkpoint-*") if (p / "trainer.json").is_file())
+    return done[-1] if done else None
+
+
+def load_checkpoint(path: Path, policy, optimizer, world, ctx) -> int:
+    try:
+        info = json.loads((path / "trainer.json").read_text())
+        if info["processes"] != world.size:
+            raise ValueError(f"it was written by {info['processes']} processes, this run has "
+                             f"{world.size}; the RNG streams would differ")
+        mdl.load_adapter(policy, path / "adapter")
+        optimizer_from_tensors(optimizer, load_file(path / "optimizer.safetensors"),
+                               info["optimizer"])
+        set_rng_state(load_file(path / f"rng-{world.rank}.safetensors"),
+                      json.loads((path / f"rng-{world.rank}.json").read_text()))
+        if (path / "lagged.safetensors").exists():
+            ctx.lagged = load_file(path / "lagged.safetensors")
+        return int(info["step"])
+    except (OSError, KeyError, ValueError) as e:
+        raise SystemExit(f"{path}: cannot resume from this checkpoint ({e})") from e
+
+
+def optimizer_to_tensors(optimizer) -> tuple[dict, dict]:
+    # safetensors holds the tensors and JSON the rest: no pickle anywhere
+    sd = optimizer.state_dict()
+    tensors, scalars = {}, {}
+    for idx, state in sd["state"].items():
+        for k, v in state.items():
+            if torch.is_tensor(v):
+                tensors[f"{idx}.{k}"] = v.detach().cpu().contiguous()
+            else:
+                scalars[f"{idx}.{k}"] = v
+    return tensors, {"param_groups": sd["param_groups"], "scalars": scalars}
+
+
+def optimizer_from_tensors(optimizer, tensors: dict, meta: dict):
+    state: dict[int, dict] = {}
+    for key, v in list(tensors.items()) + list(meta["scalars"].items()):
+        idx, k = key.split(".", 1)
+        state.setdefault(int(idx), {})[k] = v
+    optimizer.load_state_dict({"state": state, "param_groups": meta["param_groups"]})
+
+
+def rng_state() -> tuple[dict, dict]:
+    py = random.getstate()
+    np_state = np.random.get_state()
+    tensors = {"torch": torch.get_rng_state(),
+               "numpy": torch.from_numpy(np_state[1].astype(np.int64))}
+    if torch.cuda.is_available():
+        for i, s in enumerate(torch.cuda.get_rng_state_all()):
+            tensors[f"cuda{i}"] = s
+    meta = {"python": [py[0], list(py[1]), py[2]],
+            "numpy": [np_state[0], int(np_state[2]), int(np_state[3]), float(np_state[4])]}
+    return tensors, meta
+
+
+def set_rng_state(tensors: dict, meta: dict):
+    v, state, gauss = meta["python"]
+    random.setstate((v, tuple(state), gauss))
+    name, pos, has_gauss, cached = meta["numpy"]
+    np.random.set_state((name, tensors["numpy"].numpy().astype(np.uint32), pos, has_gauss, cached))
+    torch.set_rng_state(tensors["torch"])
+    if torch.cuda.is_available():
+        torch.cuda.set_rng_state_all([tensors[f"cuda{i}"]
+                                      for i in range(torch.cuda.device_count())
+                                      if f"cuda{i}" in tensors])
+
+
+# ---------------------------------------------------------------------------------------------
+# Evaluation: greedy decoding on the held-out split
+# ---------------------------------------------------------------------------------------------
+
+def evaluate(policy, tok, env, pool, args, world) -> dict:
+    """Mean task score of greedy rollouts on the first `--eval-episodes` held-out episodes."""
+    n = len(pool) if not args.eval_episodes else min(args.eval_episodes, len(pool))
+    mine = [pool[i] for i in range(world.rank, n, world.size)]
+    policy.eval()
+    total, turns = 0.0, 0
+    for i in range(0, len(mine), args.eval_batch):
+        episodes = [env.episode(j) for j in mine[i:i + args.eval_batch]]
+        for traj in rollout(policy, tok, episodes, args, greedy=True, stats=False):
+            total += traj.score
+            turns += len(traj.steps)
+    total, turns = all_sum(world, [total, turns])
+    return {"success": total / max(n, 1), "episodes": n, "turns": turns / max(n, 1)}
+
+
+# ---------------------------------------------------------------------------------------------
+# The training loop: rollout -> rewards -> advantages -> update, checkpoints, evaluation
+# ---------------------------------------------------------------------------------------------
+
+def scorable(env) -> list[int]:
+    """Indices of the episodes that can be scored (GTA skips some, SPEC §10; shop none)."""
+    if isinstance(env, envs.ShopEnv):
+        return list(range(len(env)))
+    return [i for i in range(len(env)) if env.episode(i).skip_reason is None]
+
+
+def prompt_index(seed: int, g: int, n: int) -> int:
+    """The training episode of the g-th prompt of the run: a fresh permutation every pass."""
+    epoch, k = divmod(g, n)
+    return int(np.random.default_rng([seed, epoch]).permutation(n)[k])
+
+
+def sampler(policy, seed: int, g: int) -> torch.Generator:
+    # One generator per prompt, seeded by its number in the run: the rollouts do not depend on how
+    # prompts are sharded over processes, nor on where a run was resumed.
+    device = policy.lm_head.weight.device
+    return torch.Generator(device=device).manual_seed(seed * 1_000_003 + g)
+
+
+def seed_all(seed: int):
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+TIMING = ("t_rollout", "t_reward", "t_update")
+
+
+def train_step(step: int, policy, tok, env, pool, ctx, optimizer, args, world) -> dict:
+    """One GRPO step: this process's share of the prompts, then the all-reduced update."""
+    t0 = time.perf_counter()
+    policy.eval()
+    mine = range(world.rank, args.batch, world.size)
+    groups = []
+    for j in mine:
+        g = step * args.batch + j
+        # G fresh copies of the same episode: the group GRPO compares
+        episodes = [env.episode(pool[prompt_index(args.seed, g, len(pool))])
+                    for _ in range(args.group)]
+        groups.append(rollout(policy, tok, episodes, args, generator=sampler(policy, args.seed, g),
+                              stats=args.reward in NEEDS_STATS))
+    t1 = time.perf_counter()
+    rewards = [[turn_rewards(traj, ctx) for traj in group] for group in groups]
+    t2 = time.perf_counter()
+    trajs, advs, zero = [], [], 0
+    for group, r in zip(groups, rewards):
+        a, all_equal = group_advantages(r)
+        zero += all_equal
+        trajs += group
+        advs += a
+    policy.train()
+    stats = update(policy, optimizer, make_batch(trajs, advs, tok.pad_id), args, world)
+    policy.eval()
+    t3 = time.perf_counter()
+    return step_metrics(step, trajs, rewards, zero, stats, (t1 - t0, t2 - t1, t3 - t2), args, world)
+
+
+def step_metrics(step, trajs, rewards, zero, stats, times, args, world) -> dict:
+    """One metrics.jsonl record, summed over processes."""
+    flat = [r for group in rewards for row in group for r in row if r is not None]
+    M = args.max_turns
+    turn_sum, turn_n, reached = [0.0] * M, [0] * M, [0] * M
+    for group in rewards:
+        for row in group:
+            for t, r in enumerate(row):
+                reached[t] += 1
+                if r is not None:
+                    turn_sum[t] += r
+                    turn_n[t] += 1
+    sums = all_sum(world, [len(flat), sum(flat), sum(r * r for r in flat), len(trajs),
+                           sum(t.score for t in trajs), sum(len(t.steps) for t in trajs),
+                           sum(t.truncated for t in trajs), zero, len(rewards), *times,
+                           *turn_sum, *turn_n, *reached])
+    n, s, s2, n_traj, score, turns, trunc, zero, n_groups = sums[:9]
+    times = sums[9:12]
+    turn_sum, turn_n, reached = sums[12:12 + M], sums[12 + M:12 + 2 * M], sums[12 + 2 * M:]
+    mean = s / max(n, 1)
+    rec = {"step": step + 1, "lr": lr_at(step, args),
+           "reward_mean": mean, "reward_std": math.sqrt(max(s2 / max(n, 1) - mean * mean, 0.0)),
+           "success": score / max(n_traj, 1), "frac_zero_std": zero / max(n_groups, 1),
+           **stats, "turns": turns / max(n_traj, 1), "truncated": int(trunc),
+           # mean reward of turn t over the rollouts that reached it (None: no reward there)
+           "turn_rewards": [turn_sum[t] / turn_n[t] if turn_n[t] else None
+                            for t in range(M) if reached[t]]}
+    # drift / reward-hacking monitor: the frozen probe against the exact step labels (shop)
+    if ctx_has_probe(args):
+        pairs = [(st.p_correct, float(lab)) for t in trajs
+                 for st, lab in zip(t.steps, t.episode.labels() or []) if st.p_correct is not None]
+        size = args.batch * args.group * M
+        p = gather_floats(world, [x for x, _ in pairs], size)
+        y = gather_floats(world, [y for _, y in pairs], size)
+        rec["probe_auroc"] = probes.auroc(y, p) if 0 < sum(y) < len(y) else None
+    for name, t in zip(TIMING, times):
+        rec[name] = t / world.size
+    return rec
+
+
+def ctx_has_probe(args) -> bool:
+    # probe rewards and PAIR score every turn; only shop knows the exact labels to check them on
+    return args.env == "shop" and (args.reward == "pair" or args.reward in PROBE_REWARDS)
+
+
+def gather_floats(world: World, values: list[float], size: int) -> list[float]:
+    """Concatenate every process's list (each at most `size` long)."""
+    if world.size == 1:
+        return list(values)
+    t = torch.full((size,), float("nan"), dtype=torch.float64, device=world.device)
+    t[:len(values)] = torch.tensor(values, dtype=torch.float64)
+    parts = [torch.empty_like(t) for _ in range(world.size)]
+    dist.all_gather(parts, t)
+    return [v for part in parts for v in part.tolist() if not math.isnan(v)]
+
+
+def append_jsonl(path: Path, record: dict):
+    with open(path, "a") as f:
+        f.write(json.dumps(record) + "\n")
+
+
+def truncate_jsonl(path: Path, last_step: int):
+    """Drop records after `last_step` (written by the interrupted run after its last checkpoint)."""
+    if not path.exists():
+        return
+    keep = [line for line in path.read_text().splitlines()
+            if line.strip() and json.loads(line)["step"] <= last_step]
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text("".join(line + "\n" for line in keep))
+    os.replace(tmp, path)
+
+
+def write_json(path: Path, obj):
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(json.dumps(obj, indent=1) + "\n")
+    os.replace(tmp, path)
+
+
+def duration(seconds: float) -> str:
+    seconds = int(round(seconds))
+    return f"{seconds // 60}m{seconds % 60:02d}s" if seconds >= 60 else f"{seconds}s"
+
+
+def progress_line(rec: dict, steps: int, elapsed: list[float]) -> str:
+    per_step = sum(elapsed) / len(elapsed)
+    left = per_step * (steps - rec["step"])
+    auroc = rec.get("probe_auroc")
+    return (f"step {rec['step']:>4}/{steps}  reward {rec['reward_mean']:.3f}"
+            f"±{rec['reward_std']:.3f}"
+            f"  success {rec['success']:.2f}  zero-std {rec['frac_zero_std']:.2f}"
+            f"  kl {rec['kl']:.2e}" + (f"  probe-auroc {auroc:.2f}" if auroc is not None else "")
+            + f"  {per_step:.1f}s/step (rollout {rec['t_rollout']:.1f} reward "
+            f"{rec['t_reward']:.2f} update {rec['t_update']:.1f})  ETA {duration(left)}")
+
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+# flags that must not change when a run is resumed
+RESUME_KEYS = ("env", "model", "reward", "alpha", "outcome_weight", "probes", "seed", "steps",
+               "batch", "group", "max_turns", "max_new_tokens", "max_len", "temperature", "top_p",
+               "lr", "warmup", "beta", "eps", "ppo_epochs", "micro_batch", "lora_r", "lora_alpha",
+               "lora_dropout", "lora_targets", "save_every", "tips_refresh", "tips_gamma",
+               "probe_episodes")
+
+
+def is_builtin(args) -> bool:
+    return args.env == "shop" and Path(args.model).resolve() == BUILTIN_POLICY.resolve()
+
+
+def resolve_preset(args, world) -> None:
+    """Fill the flags left unset: the tiny preset for the built-in policy, else the paper's."""
+    preset = dict(PAPER, **TINY) if is_builtin(args) else PAPER
+    for k, v in preset.items():
+        if getattr(args, k) is None:
+            setattr(args, k, v)
+    if args.micro_batch is None:
+        args.micro_batch = args.group
+    if world.main and is_builtin(args):
+        print("preset for the tiny built-in policy (the paper's 7B values for everything else; "
+              "any flag overrides): " + ", ".join(f"--{k.replace('_', '-')} {v}"
+                                                 for k, v in TINY.items()), flush=True)
+
+
+def prepare_out(args, world) -> Path:
+    out = Path(args.out)
+    if world.main:
+        saved = out / "args.json"
+        if args.resume and saved.exists():
+            old = json.loads(saved.read_text())
+            for k in RESUME_KEYS:
+                if k in old and old[k] != getattr(args, k):
+                    raise SystemExit(f"--resume: --{k.replace('_', '-')} is {getattr(args, k)!r} "
+                                     f"but the run in {out} used {old[k]!r}")
+        elif not args.resume and ((out / "metrics.jsonl").exists() or latest_checkpoint(out)):
+            raise SystemExit(f"--out {out} already holds a run: pass --resume to continue it, or "
+                             "choose another --out")
+        out.mkdir(parents=True, exist_ok=True)
+        write_json(saved, vars(args))
+    if world.size > 1:
+        dist.barrier()
+    return out
+
+
+def train(args) -> dict:
+    world = init_world(args)
+    resolve_preset(args, world)
+    if args.batch % world.size:
+        raise SystemExit(f"--batch {args.batch} must be a multiple of the {world.size} processes")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    out = prepare_out(args, world)
+    log = print if world.main else (lambda *a, **k: None)
+    started = time.perf_counter()
+    seed_all(args.seed)
+    devices = args.devices.split(",") if args.devices else (
+        [world.device] if world.device != "cpu" else None)
+    policy, tok = mdl.load_model(args.model, dtype=DTYPES[args.dtype], devices=devices)
+    add_lora(policy, args)
+    env = envs.make(args.env, split="train", data_dir=args.data_dir)
+    held_out = envs.make(args.env, split="test", data_dir=args.data_dir)
+    pool, held_pool = scorable(env), scorable(held_out)
+    if len(pool) < len(env) or len(held_pool) < len(held_out):
+        log(f"{args.env}: episodes that cannot be scored are left out: "
+            f"{len(env) - len(pool)} training, {len(held_out) - len(held_pool)} held-out")
+    if not pool or not held_pool:
+        raise SystemExit(f"--env {args.env}: no scorable episode in the train or test split")
+    ctx = reward_context(args, policy, tok, env, world, log)
+    params = [p for p in policy.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=args.lr, weight_decay=args.weight_decay)
+    log(f"policy {args.model}: {sum(p.numel() for p in policy.parameters()):,} parameters, "
+        f"LoRA {sum(p.numel() for p in params):,} trainable; env "
+        f"{args.env}: {len(pool)} training / {len(held_pool)} held-out episodes; reward "
+        f"{args.reward}; {args.steps} steps of {args.batch} x {args.group} rollouts "
+        f"on {world.size} process(es); run in {out}", flush=True)
+
+    start = 0
+    ckpt = latest_checkpoint(out) if args.resume else None
+    if ckpt is not None:
+        start = load_checkpoint(ckpt, policy, optimizer, world, ctx)
+        if world.main:
+            truncate_jsonl(out / "metrics.jsonl", start)
+            truncate_jsonl(out / "eval.jsonl", start)
+        log(f"resumed from {ckpt} at step {start}", flush=True)
+    if start == 0 and not args.no_eval:
+        ev = {"step": 0, **evaluate(policy, tok, held_out, held_pool, args, world)}
+        if world.main:
+            append_jsonl(out / "eval.jsonl", ev)
+        log(f"base model: held-out success {ev['success']:.3f} over {ev['episodes']} episodes "
+            "(greedy)", flush=True)
+
+    elapsed = []
+    for step in range(start, args.steps):
+        t = time.perf_counter()
+        for group in optimizer.param_groups:
+            group["lr"] = lr_at(step, args)
+        if args.reward == "tips" and step % args.tips_refresh == 0:
+            ctx.lagged = lora_state(policy)           # the lagged teacher moves to the policy
+        rec = train_step(step, policy, tok, env, pool, ctx, optimizer, args, world)
+        elapsed.append(time.perf_counter() - t)
+        if world.main:
+            append_jsonl(out / "metrics.jsonl", rec)
+        log(progress_line(rec, args.steps, elapsed[-10:]), flush=True)
+        if (step + 1) % args.save_every == 0 or step + 1 == args.steps:
+            path = save_checkpoint(out, step + 1, policy, optimizer, world, ctx)
+            if not args.no_eval:
+                ev = {"step": step + 1, **evaluate(policy, tok, held_out, held_pool, args, world)}
+                if world.main:
+                    append_jsonl(out / "eval.jsonl", ev)
+                log(f"checkpoint {path}: held-out success {ev['success']:.3f}", flush=True)
+    summary = summarize(out, time.perf_counter() - started, args)
+    if world.main:
+        write_json(out / "summary.json", summary)
+        log(summary_text(summary), flush=True)
+    if world.size > 1:
+        dist.barrier()
+        dist.destroy_process_group()
+    return summary
+
+
+def summarize(out: Path, seconds: float, args) -> dict:
+    evals = [json.loads(line) for line in (out / "eval.jsonl").read_text().splitlines()] \
+        if (out / "eval.jsonl").exists() else []
+    base = next((e for e in evals if e["step"] == 0), None)
+    ckpts = [e for e in evals if e["step"] > 0]
+    best = max(ckpts, key=lambda e: (e["success"], -e["step"])) if ckpts else None
+    final = ckpts[-1] if ckpts else None
+    return {"out": str(out), "seconds": round(seconds, 1), "reward": args.reward,
+            "base": base, "best": best, "final": final,
+            "best_adapter": str(out / f"checkpoint-{best['step']:06d}" / "adapter")
+            if best else None}
+
+
+def summary_text(s: dict) -> str:
+    lines = [f"done in {duration(s['seconds'])} (reward {s['reward']})."]
+    if s["base"] and s["best"]:
+        lines.append(f"held-out success (greedy, {s['base']['episodes']} episodes): before "
+                     f"{s['base']['success']:.3f} -> best {s['best']['success']:.3f} (step "
+                     f"{s['best']['step']}) -> final {s['final']['success']:.3f} (step "
+                     f"{s['final']['step']})")
+    lines.append(f"run: {s['out']}  (metrics.jsonl per step, eval.jsonl per checkpoint, "
+                 "summary.json)")
+    if s["best_adapter"]:
+        lines.append(f"best adapter (PEFT layout): {s['best_adapter']}")
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------------------------
+# The built-in policy: a tiny Qwen2 trained from scratch on shop dialogs
+# ---------------------------------------------------------------------------------------------
+# `python grpo.py sft --env shop --out data/shop-policy` writes what load_model reads: config.json
+# (Qwen2ForCausalLM), model.safetensors (Hugging Face key names, tied embeddings) and a byte-level
+# BPE tokenizer.json trained on the same text, with the ChatML specials. The data are the gold
+# dialogs of `make-data shop` with a fraction replaced by their contaminated versions, so the
+# policy learns the format and the world but also some of the four kinds of mistakes: it solves a
+# fair share of held-out tasks, not all, and GRPO has something to improve. The loss covers the
+# assistant turns only (SPEC §3 spans, <|im_end|> included). Same command, same bytes.
+
+SPECIALS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
+
+
+def train_tokenizer(texts: list[str], vocab_size: int):
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
+    tk = Tokenizer(models.BPE())
+    # Digits one by one (a space may lead one), as Qwen's tokenizer splits them: numbers are
+    # read and copied digit by digit.
+    tk.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(r" ?\d"), "isolated"),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)])
+    tk.decoder = decoders.ByteLevel()
+    tk.train_from_iterator(texts, trainers.BpeTrainer(
+        vocab_size=vocab_size, special_tokens=list(SPECIALS), show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    return tk
+
+
+def sft_dialogs(episodes: int, contaminated: float, seed: int) -> list[list[dict]]:
+    """Chat messages of make-data shop's training episodes, a fraction of them contaminated."""
+    import tempfile
+    with tempfile.TemporaryDirectory() as tmp:
+        envs.make_shop_data(tmp, episodes=episodes, seed=seed)
+        clean = envs.load_episodes(Path(tmp) / "clean_train.json")
+        dirty = envs.load_episodes(Path(tmp) / "contaminated_train.json")
+    rng = random.Random(f"sft-{seed}")
+    out = []
+    for eid in clean:
+        rec = dirty[eid] if rng.random() < contaminated else clean[eid]
+        out.append(envs.dialog_to_messages(rec["dialogs"], rec["tools"], rec["files"]))
+    return out
+
+
+def sft_config(args, tok) -> dict:
+    return {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2",
+            "vocab_size": tok.tok.get_vocab_size(), "hidden_size": args.hidden,
+            "intermediate_size": args.intermediate, "num_hidden_layers": args.layers,
+            "num_attention_heads": args.heads, "num_key_value_heads": args.kv_heads,
+            "hidden_act": "silu", "max_position_embeddings": 8192, "rope_theta": 10000.0,
+            "rms_norm_eps": 1e-6, "tie_word_embeddings": True, "use_sliding_window": False,
+            "bos_token_id": None, "eos_token_id": tok.im_end_id, "pad_token_id": tok.pad_id,
+            "torch_dtype": "float32"}
+
+
+def sft_batches(lengths: list[int], batch: int, steps: int, seed: int) -> list[list[int]]:
+    """`steps` batches of example indices: shuffled every pass, and grouped by length within
+    windows of 8 batches so that little compute goes to padding."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    while len(out) < steps:
+        order = torch.randperm(len(lengths), generator=g).tolist()
+        for w in range(0, len(order) - batch + 1, 8 * batch):
+            window = sorted(order[w:w + 8 * batch], key=lambda i: lengths[i])
+            chunks = [window[i:i + batch] for i in range(0, len(window) - batch + 1, batch)]
+            out += [chunks[i] for i in torch.randperm(len(chunks), generator=g).tolist()]
+    return out[:steps]
+
+
+def sft(args) -> dict:
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(args.seed)
+    t0 = time.perf_counter()
+    dialogs = sft_dialogs(args.episodes, args.contaminated, args.seed)
+    tok = mdl.Tokenizer(train_tokenizer([_chat(m) for m in dialogs], args.vocab))
+    examples = []
+    for messages in dialogs:
+        ids, spans = tok.render(messages)
+        mask = torch.zeros(len(ids), dtype=torch.bool)
+        for s, e in spans:
+            mask[s:e] = True
+        examples.append((torch.tensor(ids), mask))
+    config = sft_config(args, tok)
+    policy = mdl.Transformer(mdl.Config.from_dict(config))
+    for name, p in policy.named_parameters():       # GPT-2 style init
+        if p.dim() == 2:
+            torch.nn.init.normal_(p, std=0.02)
+        elif name.endswith("bias"):
+            torch.nn.init.zeros_(p)
+    n_params = sum(p.numel() for p in policy.parameters())
+    print(f"sft: {len(examples)} dialogs ({args.contaminated:.0%} contaminated), vocab "
+          f"{config['vocab_size']}, {n_params / 1e6:.2f}M parameters, {args.steps} steps of "
+          f"{args.batch}", flush=True)
+    opt = torch.optim.AdamW(policy.parameters(), lr=args.lr, betas=(0.9, 0.95),
+                            weight_decay=0.01)
+    batches = sft_batches([len(x) for x, _ in examples], args.batch, args.steps, args.seed)
+    copy = CopyTask(tok, args.seed)
+    policy.train()
+    losses, t_train = [], time.perf_counter()
+    for step, rows in enumerate(batches):
+        # linear warmup, then cosine down to a tenth
+        warm = min(1.0, (step + 1) / args.warmup)
+        cos = 0.1 + 0.45 * (1 + math.cos(math.pi * step / max(1, args.steps - 1)))
+        for group in opt.param_groups:
+            group["lr"] = args.lr * warm * cos
+        T = max(len(examples[r][0]) for r in rows)
+        ids = torch.full((len(rows), T), tok.pad_id, dtype=torch.long)
+        mask = torch.zeros(len(rows), T, dtype=torch.bool)
+        for i, r in enumerate(rows):
+            x, m = examples[r]
+            ids[i, :len(x)], mask[i, :len(x)] = x, m
+        loss = masked_lm_loss(policy, ids, mask)
+        (loss + (masked_lm_loss(policy, *copy.rows(args.copy_rows)) if args.copy_rows
+                 else 0.0)).backward()
+        torch.nn.utils.clip_grad_norm_(policy.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(loss.item())
+        if (step + 1) % 50 == 0 or step + 1 == args.steps:
+            rate = (time.perf_counter() - t_train) / (step + 1)
+            recent = losses[-50:]
+            print(f"  step {step + 1}/{args.steps}  loss {sum(recent) / len(recent):.4f}"
+                  f"  ETA {duration(rate * (args.steps - step - 1))}", flush=True)
+    policy.eval()
+    seconds = time.perf_counter() - t0
+    out = Path(args.out)
+    save_policy(out, policy, tok, config)
+    result = {"train_seconds": round(seconds, 1), "final_loss": round(
+        sum(losses[-50:]) / len(losses[-50:]), 4), "parameters": n_params}
+    if args.eval_episodes:
+        result.update(sft_eval(policy, tok, args))
+    write_policy_readme(out, args, config, result)
+    print(f"sft: wrote {out} in {duration(time.perf_counter() - t0)}: " + json.dumps(result),
+          flush=True)
+    return result
+
+
+def masked_lm_loss(policy, ids, mask) -> torch.Tensor:
+    """Mean cross-entropy of the tokens where mask is True (the head runs on those only)."""
+    h, _, _ = policy.trunk(ids)
+    target = mask[:, 1:]
+    return F.cross_entropy(policy.lm_head(h[:, :-1][target]).float(), ids[:, 1:][target])
+
+
+class CopyTask:
+    """Rows "x <|im_start|> s <|im_end|> s" with the loss on the second s: x and s random tokens,
+    their lengths random too, so that only attention by content (not a fixed offset) copies.
+
+    Why: a rollout copies prices from observations into thoughts and Calculator expressions.
+    The attention circuit that copies from context (an induction head) appears in a model this
+    small only after a long plateau when it is learned from the dialogs alone; a few rows of
+    plain copying in every batch make it appear early. Half the rows copy strings of number
+    pieces only: there the previous token ("." or a digit) is ambiguous, as in a price, and the
+    copy must key on more context."""
+
+    def __init__(self, tok, seed: int, max_len: int = 32):
+        self.tok, self.max_len = tok, max_len
+        self.g = torch.Generator().manual_seed(seed + 1)
+        vocab = tok.tok.get_vocab_size()
+        specials = {tok.im_start_id, tok.im_end_id, tok.pad_id}
+        self.any = torch.tensor([i for i in range(vocab) if i not in specials])
+        self.numbers = torch.tensor([i for i in range(vocab) if i not in specials and
+                                     tok.decode([i]).strip(" ") and
+                                     set(tok.decode([i])) <= set("0123456789. ")])
+
+    def rows(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        T = 3 * self.max_len + 2
+        ids = torch.full((n, T), self.tok.pad_id, dtype=torch.long)
+        mask = torch.zeros(n, T, dtype=torch.bool)
+        for r in range(n):
+            pool = self.any if r % 2 == 0 else self.numbers
+            k, m = torch.randint(4, self.max_len + 1, (2,), generator=self.g).tolist()
+            x, s = (pool[torch.randint(len(pool), (size,), generator=self.g)] for size in (m, k))
+            row = torch.cat([x, torch.tensor([self.tok.im_start_id]), s,
+                             torch.tensor([self.tok.im_end_id]), s])
+            ids[r, :len(row)] = row
+            mask[r, len(row) - k:len(row)] = True
+        return ids, mask
+
+
+def _chat(messages) -> str:
+    # the ChatML text the tokenizer is trained on (Tokenizer.chat_text needs a tokenizer)
+    text = f"<|im_start|>system\n{mdl.DEFAULT_SYSTEM}<|im_end|>\n"
+    return text + "".join(f"<|im_start|>{m['role']}\n{m['content']}<|im_end|>\n"
+                          for m in messages)
+
+
+def save_policy(out: Path, policy, tok, config: dict):
+    out.mkdir(parents=True, exist_ok=True)
+    state = {k: v.contiguous() for k, v in policy.state_dict().items() if k != "lm_head.weight"}
+    tmp = out / ".model.safetensors.tmp"
+    save_file(state, tmp, metadata={"format": "pt"})
+    os.replace(tmp, out / "model.safetensors")
+    write_json(out / "config.json", config)
+    tmp = out / ".tokenizer.json.tmp"
+    tok.tok.save(str(tmp))
+    os.replace(tmp, out / "tokenizer.json")
+
+
+@torch.no_grad()
+def sft_eval(policy, tok, args) -> dict:
+    """Held-out success: sampled at temperature 1 (what GRPO starts from) and greedy."""
+    env = envs.make("shop", split="test")
+    n = min(args.eval_episodes, len(env))
+    play = argparse.Namespace(max_turns=envs.MAX_TURNS, max_new_tokens=96, max_len=4096,
+                              temperature=1.0, top_p=1.0)
+    result = {"eval_episodes": n}
+    for name, greedy in (("success_sampled", False), ("success_greedy", True)):
+        g = torch.Generator().manual_seed(args.seed)
+        total = 0.0
+        for i in range(0, n, 25):
+            episodes = [env.episode(j) for j in range(i, min(i + 25, n))]
+            total += sum(t.score for t in rollout(policy, tok, episodes, play, greedy=greedy,
+                                                  generator=g, stats=False))
+        result[name] = round(total / n, 4)
+    return result
+
+
+def write_policy_readme(out: Path, args, config: dict, result: dict):
+    command = (f"python grpo.py sft --env shop --out {args.out} --episodes {args.episodes} "
+               f"--contaminated {args.contaminated} --steps {args.steps} --batch {args.batch} "
+               f"--lr {args.lr} --warmup {args.warmup} --copy-rows {args.copy_rows} "
+               f"--hidden {args.hidden} --layers {args.layers} --heads "
+               f"{args.heads} --kv-heads {args.kv_heads} --intermediate {args.intermediate} "
+               f"--vocab {args.vocab} --seed {args.seed} --threads {args.threads}")
+    lines = [
+        "# shop-policy: the built-in policy of `python grpo.py`", "",
+        "A tiny Qwen2-architecture model trained from scratch, with its own byte-level BPE "
+        "tokenizer (ChatML specials), on the gold dialogs of the built-in `shop` world mixed with "
+        "contaminated ones (envs.py make-data shop). It knows the format and the world but makes "
+        "mistakes, so GRPO has room to improve it. Loss on assistant tokens only.", "",
+        "Rebuilt, byte for byte, by:", "", "```bash", command, "```", "",
+        "| | |", "|---|---|",
+        f"| parameters | {result['parameters']:,} (hidden {config['hidden_size']}, "
+        f"{config['num_hidden_layers']} layers, {config['num_attention_heads']} heads, "
+        f"{config['num_key_value_heads']} KV heads, vocab {config['vocab_size']}) |",
+        f"| training | {args.steps} steps x {args.batch} dialogs, "
+        f"{result['train_seconds']:.0f} s on {args.threads} CPU threads, final loss "
+        f"{result['final_loss']} |"]
+    if "success_sampled" in result:
+        lines += [f"| held-out success, sampled (T = 1) | {result['success_sampled']:.3f} "
+                  f"(shop test episodes 0-{result['eval_episodes'] - 1}) |",
+                  f"| held-out success, greedy | {result['success_greedy']:.3f} |"]
+    tmp = out / ".README.md.tmp"
+    tmp.write_text("\n".join(lines) + "\n")
+    os.replace(tmp, out / "README.md")
+
+
+def sft_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(
+        prog="grpo.py sft", formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        description="Train the built-in policy from scratch (deterministic): a tiny Qwen2 and its "
+                    "BPE tokenizer on shop gold dialogs mixed with contaminated ones.")
+    a = ap.add_argument
+    a("--env", default="shop", choices=("shop",), help="the world to learn (only shop has "
+                                                       "gold dialogs to learn from)")
+    a("--out", default=str(BUILTIN_POLICY), help="output directory")
+    a("--episodes", type=int, default=2500,
+      help="make-data shop episodes (80%% of them, the train split, are used)")
+    a("--contaminated", type=float, default=0.3,
+      help="fraction of dialogs replaced by their contaminated version")
+    a("--steps", type=int, default=600, help="optimizer steps")
+    a("--batch", type=int, default=16, help="dialogs per step")
+    a("--lr", type=float, default=1e-2, help="peak AdamW learning rate (cosine to a tenth)")
+    a("--warmup", type=int, default=30, help="warmup steps")
+    a("--copy-rows", type=int, default=16,
+      help="rows of the synthetic copy task added to every batch (see CopyTask; 0: none)")
+    a("--hidden", type=int, default=64, help="hidden size")
+    a("--layers", type=int, default=4, help="transformer blocks")
+    a("--heads", type=int, default=4, help="attention heads")
+    a("--kv-heads", type=int, default=2, help="key/value heads (GQA)")
+    a("--intermediate", type=int, default=256, help="MLP size")
+    a("--vocab", type=int, default=1024, help="BPE vocabulary size (at most)")
+    a("--seed", type=int, default=42, help="seed of the data draw, the init and the order")
+    a("--threads", type=int, default=2, help="torch CPU threads (fixed: results depend on it)")
+    a("--eval-episodes", type=int, default=200,
+      help="held-out shop episodes to measure success on (0: skip)")
+    return ap
+
+
+# ---------------------------------------------------------------------------------------------
+# Command line
+# ---------------------------------------------------------------------------------------------
+
+def train_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(
+        prog="grpo.py", formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        description="Multi-turn GRPO with LoRA and step-level rewards (SPEC §9). With no flag: "
+                    "the shop environment, the built-in policy, PAIR probes fitted on the fly. "
+                    "`python grpo.py sft --help` rebuilds the built-in policy.",
+        epilog="Flags marked 'paper' default to the paper's Table grpo_config; with the built-in "
+               "policy some take the tiny preset printed at start. Scale out with "
+               "`torchrun --nproc_per_node N grpo.py ...` (prompts sharded, gradients "
+               "all-reduced) or split one model with --devices cuda:0,cuda:1.")
+    a = ap.add_argument
+    a("--env", default="shop", choices=("shop", "gta", "toolbench"), help="environment (envs.py)")
+    a("--data-dir", default=None, help="the environment's data directory (envs.make)")
+    a("--model", default=str(BUILTIN_POLICY),
+      help="policy: a checkpoint directory or a Hugging Face model name")
+    a("--reward", default="pair", choices=tuple(REWARDS), help="per-turn reward source")
+    a("--alpha", type=float, default=5.0,
+      help="PAIR momentum scaling (SPEC §7); 0 = vanilla PAIR, r_t = s~_t")
+    a("--outcome-weight", type=float, default=0.0,
+      help="add this times the task score to the last turn's reward (SPEC §9)")
+    a("--probes", default=None,
+      help="trained probes: a `pair.py train` directory for --reward pair, a probe file or a "
+           "directory holding <feature>.safetensors for a probe reward; default on shop: fitted "
+           "on the fly from `envs.py make-data shop` with this policy, cached under $PAIR_CACHE")
+    a("--probe-episodes", type=int, default=500,
+      help="episodes of `make-data shop` the on-the-fly probes are fitted on")
+    a("--judge-model", default="gpt-4o-mini",
+      help="llm_judge: model name at the OpenAI-compatible endpoint (OPENAI_BASE_URL, "
+           "OPENAI_API_KEY)")
+    a("--tips-refresh", type=int, default=10,
+      help="tips: steps between refreshes of the lagged teacher (a LoRA snapshot)")
+    a("--tips-gamma", type=float, default=1.0, help="tips: discount gamma of the shaping term")
+    g = ap.add_argument_group("rollout")
+    g.add_argument("--steps", type=int, default=None, help="training steps (paper 500)")
+    g.add_argument("--batch", type=int, default=None, help="prompts per step (paper 1)")
+    g.add_argument("--group", type=int, default=None, help="rollouts per prompt, G (paper 4)")
+    g.add_argument("--max-turns", type=int, default=None,
+                   help="assistant turns per rollout (paper 10)")
+    g.add_argument("--max-new-tokens", type=int, default=None,
+                   help="generated tokens per turn (paper 1024)")
+    g.add_argument("--max-len", type=int, default=8192,
+                   help="KV cache capacity per rollout; a rollout that would outgrow it ends")
+    g.add_argument("--temperature", type=float, default=None, help="sampling temperature (paper 1)")
+    g.add_argument("--top-p", type=float, default=None, help="nucleus sampling (paper 1)")
+    g = ap.add_argument_group("optimization")
+    g.add_argument("--lr", type=float, default=None, help="AdamW learning rate (paper 3e-7)")
+    g.add_argument("--warmup", type=float, default=None,
+                   help="fraction of steps of linear warmup, then constant (paper 0.05)")
+    g.add_argument("--beta", type=float, default=None, help="KL coefficient (paper 0.01)")
+    g.add_argument("--eps", type=float, default=None, help="PPO clip epsilon (paper 0.2)")
+    g.add_argument("--ppo-epochs", type=int, default=1,
+                   help="passes over each batch (1: on-policy, rho = 1)")
+    g.add_argument("--micro-batch", type=int, default=None,
+                   help="rollouts per forward in the update (default: the group size)")
+    g.add_argument("--grad-clip", type=float, default=1.0, help="gradient norm clip")
+    g.add_argument("--weight-decay", type=float, default=0.0, help="AdamW weight decay")
+    g.add_argument("--lora-r", type=int, default=None, help="LoRA rank (paper 16)")
+    g.add_argument("--lora-alpha", type=float, default=None, help="LoRA alpha (paper 32)")
+    g.add_argument("--lora-dropout", type=float, default=None, help="LoRA dropout (paper 0.05)")
+    g.add_argument("--lora-targets", default="q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,"
+                   "down_proj", help="comma-separated projections that get an adapter")
+    g = ap.add_argument_group("run")
+    g.add_argument("--out", default=None,
+                   help="run directory (default runs/<env>-<reward>-<time>)")
+    g.add_argument("--resume", action="store_true",
+                   help="continue the run in --out from its newest checkpoint")
+    g.add_argument("--save-every", type=int, default=None,
+                   help="checkpoint (and evaluate) every N steps (paper 50)")
+    g.add_argument("--eval-episodes", type=int, default=None,
+                   help="held-out episodes per evaluation (0 = the whole split)")
+    g.add_argument("--eval-batch", type=int, default=16, help="episodes decoded together")
+    g.add_argument("--no-eval", action="store_true", help="skip the held-out evaluations")
+    g.add_argument("--seed", type=int, default=42, help="seed of everything")
+    g.add_argument("--dtype", default="fp32", choices=tuple(DTYPES), help="model weights dtype")
+    g.add_argument("--devices", default=None,
+                   help="split the model over these devices, e.g. cuda:0,cuda:1")
+    g.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    return ap
+
+
+def main(argv=None):
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["sft"]:
+        return sft(sft_parser().parse_args(argv[1:]))
+    args = train_parser().parse_args(argv)
+    if args.out is None:
+        if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+            raise SystemExit("--out is required with several processes")
+        args.out = str(Path("runs") / f"{args.env}-{args.reward}-{time.strftime('%Y%m%d-%H%M%S')}")
+    return train(args)
+
+
+if __name__ == "__main__":
+    main()
