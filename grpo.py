@@ -999,6 +999,9 @@ def train(args) -> dict:
     seed_all(args.seed)
     devices = args.devices.split(",") if args.devices else (
         [world.device] if world.device != "cpu" else None)
+    if Path(args.model).resolve() == BUILTIN_POLICY.resolve() and not BUILTIN_POLICY.is_dir():
+        sys.exit(f"--model: the built-in policy {BUILTIN_POLICY} is missing; build it with "
+                 f"`python grpo.py sft --env shop --out {BUILTIN_POLICY}`")
     policy, tok = mdl.load_model(args.model, dtype=DTYPES[args.dtype], devices=devices)
     add_lora(policy, args)
     env = envs.make(args.env, split="train", data_dir=args.data_dir)
