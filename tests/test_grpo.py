@@ -405,7 +405,7 @@ def test_tips_reads_the_lagged_teacher(tiny_policy):
     ctx = grpo.RewardContext(policy, tok, args, env=env, lagged=base)
     rewards = grpo.tips_reward(traj, ctx)
     assert all(torch.equal(moved[n], p) for n, p in mdl.lora_parameters(policy))   # restored
-    states = grpo.traj_states(traj, tok)
+    states = grpo.traj_states(traj)
     answer = grpo.gold_answer(ctx, traj.episode)
     with mdl.lora_disabled(policy):
         phi, _ = grpo.gold_logprobs(policy, tok, states, answer, 1)
@@ -469,7 +469,7 @@ def test_llm_judge_without_a_key_fails_before_any_work(tiny_policy, tmp_path, mo
 def test_sft_is_deterministic_and_loadable(tmp_path):
     tiny = ["--episodes", "10", "--steps", "3", "--batch", "2", "--hidden", "16", "--layers",
             "1", "--heads", "2", "--kv-heads", "1", "--intermediate", "32", "--vocab", "300",
-            "--eval-episodes", "0", "--threads", "1"]
+            "--eval-episodes", "0", "--threads", "1", "--induction-steps", "3"]
     for name in ("a", "b"):
         grpo.main(["sft", "--out", str(tmp_path / name)] + tiny)
     for f in ("config.json", "model.safetensors", "tokenizer.json"):   # README: timings
