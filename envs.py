@@ -1938,15 +1938,20 @@ def shop_contaminate(task: ShopTask, dialog: list[dict], turns: list[_ShopTurn],
         targets.append(rng.randrange(targets[0] + 1, len(turns) - 1))
     indices, kinds, rewritten = [], [], {}
     for k in targets:
-        kind = rng.choice(shop_compatible(task, turns, k))
+        compatible = shop_compatible(task, turns, k)
+        kind = rng.choice(compatible)
         idx = 2 * k + 1                 # user task, then (assistant, tool) per turn
-        for turn in _shop_rewrites(task, turns, k, kind, rng):
-            message = _shop_render(task, turn)
-            if not shop_dialog_labels(task, out[:idx] + [message])[-1]:
+        # A rewrite can be right by coincidence (6*1.20 = 6+1.20): then the next compatible
+        # kind, in table order, is tried.
+        for kind in [kind] + [c for c in compatible if c != kind]:
+            turn = next((t for t in _shop_rewrites(task, turns, k, kind, rng)
+                         if not shop_dialog_labels(task, out[:idx] + [_shop_render(task, t)])[-1]),
+                        None)
+            if turn is not None:
                 break
         else:
-            raise RuntimeError(f"shop seed {task.seed}: no {kind} rewrite of turn {k} is an "
-                               "error")
+            raise RuntimeError(f"shop seed {task.seed}: no rewrite of turn {k} is an error")
+        message = _shop_render(task, turn)
         out[idx] = message
         indices.append(idx)
         kinds.append(kind)

@@ -196,6 +196,23 @@ def test_contamination_follows_the_paper_procedure(data):
     assert set(kinds) == set(envs.CONTAMINATION_TYPES), kinds
 
 
+def test_a_rewrite_right_by_coincidence_falls_back_to_another_kind():
+    # 6 bread at A costs 1.20 USD: the reasoning error "6+1.20" equals 6*1.20, so no
+    # reasoning_error rewrite of the Calculator turn is an error; make-data shop --seed 43 used
+    # to stop here. Every rng draw that picks reasoning_error for that turn must fall back.
+    task = envs.shop_task(430001751)
+    gold, turns = envs.shop_gold(task)
+    assert task.lines == ((6, "bread", "A"),) and task.currency == "USD"
+    picked = 0
+    for seed in range(40):
+        rng = envs.random.Random(seed)
+        dialog, idx, kinds, _ = envs.shop_contaminate(task, gold, turns, rng)
+        labels = envs.shop_dialog_labels(task, dialog)
+        assert [labels[(i - 1) // 2] for i in idx] == [False] * len(idx)
+        picked += idx == [3]
+    assert picked                           # the coincidental turn was drawn and rewritten
+
+
 def test_matched_records_mirror_the_release_and_labels_resimulate(data):
     for split in ("train", "test"):
         cont_eps = load(data, f"contaminated_{split}.json")
