@@ -1188,7 +1188,8 @@ def sft(args) -> dict:
           f"induction steps, then {args.steps} steps of {args.batch} dialogs", flush=True)
     opt = torch.optim.AdamW(policy.parameters(), lr=args.lr, betas=(0.9, 0.95),
                             weight_decay=0.01)
-    induction = InductionTask(tok, args.seed)
+    induction = InductionTask(tok, args.seed, [x[m.nonzero()[0, 0]:] for x, m in examples],
+                              args.induction_text)
     policy.train()
 
     def step(loss: torch.Tensor, lr: float) -> float:
@@ -1212,7 +1213,7 @@ def sft(args) -> dict:
                   f"  ETA {duration(rate * (args.induction_steps - i - 1))}", flush=True)
     # 2. the dialogs, with a few induction rows kept in every batch: linear warmup, cosine to 0.1
     batches = sft_batches([len(x) for x, _ in examples], args.batch, args.steps, args.seed)
-    t_phase, losses = time.perf_counter(), []
+    t_phase, losses, kept = time.perf_counter(), [], []
     for i, rows in enumerate(batches):
         warm = min(1.0, (i + 1) / args.warmup)
         cos = 0.1 + 0.45 * (1 + math.cos(math.pi * i / max(1, args.steps - 1)))
@@ -1227,10 +1228,11 @@ def sft(args) -> dict:
             if args.induction_rows else 0.0
         step(loss + extra, args.lr * warm * cos)
         losses.append(loss.item())
+        kept.append(extra.item() if torch.is_tensor(extra) else extra)
         if (i + 1) % 50 == 0 or i + 1 == args.steps:
             rate = (time.perf_counter() - t_phase) / (i + 1)
-            recent = losses[-50:]
-            print(f"  step {i + 1}/{args.steps}  loss {sum(recent) / len(recent):.4f}"
+            print(f"  step {i + 1}/{args.steps}  loss {sum(losses[-50:]) / len(losses[-50:]):.4f}"
+                  f"  induction loss {sum(kept[-50:]) / len(kept[-50:]):.4f}"
                   f"  ETA {duration(rate * (args.steps - i - 1))}", flush=True)
     policy.eval()
     seconds = time.perf_counter() - t0
@@ -1254,9 +1256,12 @@ def masked_lm_loss(policy, ids, mask) -> torch.Tensor:
 
 
 class InductionTask:
-    """Rows "x x": a random token string x (length 8-32, the same in a batch) and its repeat, the
-    loss on the repeat. Only copying by content solves it: find where the current token came
-    before, emit the token that followed (an induction head).
+    """Rows "x x": a token string x (length 8-32, the same in a batch) and its repeat, the loss on
+    the repeat. Only copying by content solves it: find where the current token came before,
+    emit the token that followed (an induction head). x is random tokens, or, for a fraction
+    `text` of the rows, a window of a training dialog after its prompt: there the tokens repeat
+    ("." and digits in every price), as in a rollout, and the copy must key on more than one
+    token.
 
     Why: a rollout copies items, stores and prices from the task and the observations into its
     thoughts and tool calls. Trained on the dialogs alone, a model this small did not find that
@@ -1265,14 +1270,21 @@ class InductionTask:
     a minute each hundred); trained first on these rows (--induction-steps), then on the dialogs
     with a few such rows kept in every batch (--induction-rows), the policy copies."""
 
-    def __init__(self, tok, seed: int, min_len: int = 8, max_len: int = 32):
+    def __init__(self, tok, seed: int, windows: list[torch.Tensor] = (), text: float = 0.0,
+                 min_len: int = 8, max_len: int = 32):
         self.vocab, self.min_len, self.max_len = tok.tok.get_vocab_size(), min_len, max_len
         self.low = len(SPECIALS)                # the specials take ids 0-2: never drawn
+        self.windows = [w for w in windows if len(w) >= max_len]
+        self.text = text if self.windows else 0.0
         self.g = torch.Generator().manual_seed(seed + 1)
 
     def rows(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
         k = int(torch.randint(self.min_len, self.max_len + 1, (1,), generator=self.g))
         x = torch.randint(self.low, self.vocab, (n, k), generator=self.g)
+        for r in range(round(n * self.text)):
+            w = self.windows[int(torch.randint(len(self.windows), (1,), generator=self.g))]
+            a = int(torch.randint(len(w) - k + 1, (1,), generator=self.g))
+            x[r] = w[a:a + k]
         ids = torch.cat([x, x], 1)
         mask = torch.zeros_like(ids, dtype=torch.bool)
         mask[:, k + 1:] = True          # the repeat's first token cannot be known: no loss there
@@ -1321,7 +1333,7 @@ def write_policy_readme(out: Path, args, config: dict, result: dict):
     command = (f"python grpo.py sft --env shop --out {args.out} --episodes {args.episodes} "
                f"--contaminated {args.contaminated} --steps {args.steps} --batch {args.batch} "
                f"--lr {args.lr} --warmup {args.warmup} --induction-steps {args.induction_steps} "
-               f"--induction-rows {args.induction_rows} "
+               f"--induction-rows {args.induction_rows} --induction-text {args.induction_text} "
                f"--hidden {args.hidden} --layers {args.layers} --heads "
                f"{args.heads} --kv-heads {args.kv_heads} --intermediate {args.intermediate} "
                f"--vocab {args.vocab} --seed {args.seed} --threads {args.threads}")
@@ -1372,6 +1384,8 @@ def sft_parser() -> argparse.ArgumentParser:
       help="steps of the induction task (32 rows each) before the dialogs (see InductionTask)")
     a("--induction-rows", type=int, default=8,
       help="induction rows kept in every dialog batch (0: none)")
+    a("--induction-text", type=float, default=0.0,
+      help="fraction of induction rows copying a dialog window instead of random tokens")
     a("--hidden", type=int, default=64, help="hidden size")
     a("--layers", type=int, default=4, help="transformer blocks")
     a("--heads", type=int, default=4, help="attention heads")
