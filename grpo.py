@@ -92,7 +92,7 @@ PAPER = dict(batch=1, group=4, max_turns=10, max_new_tokens=1024, temperature=1.
              lora_r=16, lora_alpha=32.0, lora_dropout=0.05, eval_episodes=0)
 # The built-in policy has ~1M parameters, not 7B: an adapter on it needs a far larger step to move
 # within minutes, and its turns are short. Everything not listed keeps the paper's value.
-TINY = dict(group=8, max_new_tokens=96, lr=2e-3, steps=40, save_every=10, eval_episodes=48)
+TINY = dict(group=8, max_new_tokens=96, lr=5e-4, steps=40, save_every=10, eval_episodes=48)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -1375,16 +1375,16 @@ def sft_parser() -> argparse.ArgumentParser:
       help="make-data shop episodes (80%% of them, the train split, are used)")
     a("--contaminated", type=float, default=0.3,
       help="fraction of dialogs replaced by their contaminated version")
-    a("--steps", type=int, default=600, help="optimizer steps")
+    a("--steps", type=int, default=2000, help="optimizer steps on the dialogs")
     a("--batch", type=int, default=16, help="dialogs per step")
     a("--lr", type=float, default=3e-3,
       help="peak AdamW learning rate (dialog phase: cosine down to a tenth)")
     a("--warmup", type=int, default=30, help="linear warmup steps of each phase")
     a("--induction-steps", type=int, default=2000,
       help="steps of the induction task (32 rows each) before the dialogs (see InductionTask)")
-    a("--induction-rows", type=int, default=8,
+    a("--induction-rows", type=int, default=16,
       help="induction rows kept in every dialog batch (0: none)")
-    a("--induction-text", type=float, default=0.0,
+    a("--induction-text", type=float, default=0.5,
       help="fraction of induction rows copying a dialog window instead of random tokens")
     a("--hidden", type=int, default=64, help="hidden size")
     a("--layers", type=int, default=4, help="transformer blocks")
@@ -1393,8 +1393,8 @@ def sft_parser() -> argparse.ArgumentParser:
     a("--intermediate", type=int, default=256, help="MLP size")
     a("--vocab", type=int, default=1024, help="BPE vocabulary size (at most)")
     a("--seed", type=int, default=42, help="seed of the data draw, the init and the order")
-    a("--threads", type=int, default=2, help="torch CPU threads (fixed: results depend on it)")
-    a("--eval-episodes", type=int, default=200,
+    a("--threads", type=int, default=1, help="torch CPU threads (fixed: results depend on it)")
+    a("--eval-episodes", type=int, default=100,
       help="held-out shop episodes to measure success on (0: skip)")
     return ap
 
