@@ -1944,14 +1944,14 @@ def shop_contaminate(task: ShopTask, dialog: list[dict], turns: list[_ShopTurn],
         # A rewrite can be right by coincidence (6*1.20 = 6+1.20): then the next compatible
         # kind, in table order, is tried.
         for kind in [kind] + [c for c in compatible if c != kind]:
-            turn = next((t for t in _shop_rewrites(task, turns, k, kind, rng)
-                         if not shop_dialog_labels(task, out[:idx] + [_shop_render(task, t)])[-1]),
-                        None)
-            if turn is not None:
+            found = next(((t, m) for t in _shop_rewrites(task, turns, k, kind, rng)
+                          for m in [_shop_render(task, t)]
+                          if not shop_dialog_labels(task, out[:idx] + [m])[-1]), None)
+            if found is not None:
+                turn, message = found
                 break
         else:
             raise RuntimeError(f"shop seed {task.seed}: no rewrite of turn {k} is an error")
-        message = _shop_render(task, turn)
         out[idx] = message
         indices.append(idx)
         kinds.append(kind)
