@@ -80,6 +80,15 @@ def play_args(**kw):
                                  "temperature": 1.0, "top_p": 1.0, **kw})
 
 
+def lora_policy(model_dir, flags: list[str]):
+    """The policy with its LoRA adapter, the parsed flags (preset filled) and the shop train env."""
+    policy, tok = mdl.load_model(model_dir)
+    args = grpo.train_parser().parse_args(flags)
+    grpo.resolve_preset(args, grpo.World())
+    grpo.add_lora(policy, args)
+    return policy, tok, args, envs.make("shop", split="train")
+
+
 # ---------------------------------------------------------------------------------------------
 # advantages (SPEC §9), hand-worked
 
@@ -235,11 +244,7 @@ def test_batch_masks_exactly_the_generated_tokens_eos_included():
 # the update: KL = 0 and rho = 1 before the first step, then the adapter moves
 
 def test_first_update_has_zero_kl_and_unit_ratio(tiny_policy):
-    policy, tok = mdl.load_model(tiny_policy)
-    args = grpo.train_parser().parse_args(["--lr", "1e-2", "--micro-batch", "1"])
-    grpo.resolve_preset(args, grpo.World())
-    grpo.add_lora(policy, args)
-    env = envs.make("shop", split="train")
+    policy, tok, args, env = lora_policy(tiny_policy, ["--lr", "1e-2", "--micro-batch", "1"])
     trajs = grpo.rollout(policy, tok, [env.episode(1) for _ in range(3)], play_args(),
                          generator=torch.Generator().manual_seed(0))
     adv = [[float(i + t) for t in range(len(tr.steps))] for i, tr in enumerate(trajs)]
@@ -390,11 +395,7 @@ def test_igpo_rewards_are_gold_probability_gains(tiny_policy):
 
 
 def test_tips_reads_the_lagged_teacher(tiny_policy):
-    policy, tok = mdl.load_model(tiny_policy)
-    args = grpo.train_parser().parse_args(["--micro-batch", "2", "--reward", "tips"])
-    grpo.resolve_preset(args, grpo.World())
-    grpo.add_lora(policy, args)
-    env = envs.make("shop", split="train")
+    policy, tok, args, env = lora_policy(tiny_policy, ["--micro-batch", "2", "--reward", "tips"])
     (traj,) = grpo.rollout(policy, tok, [env.episode(3)], play_args(),
                            generator=torch.Generator().manual_seed(0))
     base = grpo.lora_state(policy)                      # B = 0: the teacher is the base model
