@@ -4,6 +4,7 @@
     python grpo.py --reward outcome --out runs/o   # the sparse baseline, same budget
     python grpo.py --env gta --model Qwen/Qwen2.5-7B-Instruct --probes runs/pair-gta --reward pair
     torchrun --nproc_per_node 2 grpo.py ...        # prompts sharded, LoRA gradients all-reduced
+    python grpo.py compare --rewards outcome pair --seeds 42 43 44 --out runs/cmp   # the table
     python grpo.py sft --env shop --out data/shop-policy     # rebuild the built-in policy
 
 What runs, once per training step:
@@ -45,14 +46,18 @@ Where this departs from textbook GRPO (DeepSeekMath; TRL's GRPOTrainer):
 Every checkpoint (`--save-every`, and the last step) stores the adapter in PEFT's layout, the
 optimizer, the RNG states and the step, atomically; `--resume` continues from the newest one and
 gives the same metrics as a run that was never interrupted. The base model and every checkpoint
-are evaluated on the held-out split with greedy decoding; the run ends with success before, best
-and final. Metrics go to OUT/metrics.jsonl (one line per step) and OUT/eval.jsonl.
+are evaluated with greedy decoding on two held-out splits: validation, which selects the
+checkpoint, and test, on which it is reported (the paper picks the best checkpoint on test
+itself; `best_on_test` keeps that number, labelled). Metrics go to OUT/metrics.jsonl (one line
+per step), OUT/eval.jsonl (per evaluation, with every episode's score) and OUT/summary.json.
 
 The built-in policy (data/shop-policy, rebuilt by `grpo.py sft`, see its section) is a ~0.3M
 parameter Qwen2 trained from scratch on shop dialogs. With it, the flags left unset take the TINY
 preset below (printed at start); with any other model they take the paper's 7B values. Its PAIR
-and probe rewards are fitted on the fly, once: `make-data shop`, `pair.py extract` with the
-policy, `pair.py`'s fits, cached under $PAIR_CACHE by the policy's hash.
+and probe rewards are fitted on the fly, once per policy and corpus, and cached under
+$PAIR_CACHE: by default on the policy's own rollouts (`--probe-corpus`, see the probes section).
+`--probe-reads base` makes the probes read every turn through the frozen base model instead of
+the generation pass. `grpo.py compare` runs rewards x seeds and writes the comparison table.
 """
 from __future__ import annotations
 
@@ -64,6 +69,7 @@ import math
 import os
 import random
 import shutil
+import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
@@ -89,7 +95,7 @@ BUILTIN_POLICY = ROOT / "data" / "shop-policy"
 
 PAPER = dict(batch=1, group=4, max_turns=10, max_new_tokens=1024, temperature=1.0, top_p=1.0,
              lr=3e-7, warmup=0.05, beta=0.01, eps=0.2, steps=500, save_every=50,
-             lora_r=16, lora_alpha=32.0, lora_dropout=0.05, eval_episodes=0)
+             lora_r=16, lora_alpha=32.0, lora_dropout=0.05)
 # The built-in policy has ~1M parameters, not 7B: an adapter on it needs a far larger step to move
 # within minutes, and its turns are short. Everything not listed keeps the paper's value.
 TINY = dict(group=8, max_new_tokens=96, lr=5e-4, steps=40, save_every=10, eval_episodes=48)
@@ -227,6 +233,7 @@ class RewardContext:                # what the reward functions need besides the
     probe: object = None            # pair.ProbeReward for the feature set named by --reward
     judge: object = None            # envs.ChatClient (reward "llm_judge")
     lagged: dict | None = None      # tips: a snapshot of the LoRA parameters (the lagged teacher)
+    probe_report: dict | None = None    # shop: the fitted probes' AUROC on held-out own turns
 
 
 def outcome_reward(traj: Trajectory, ctx) -> list[float | None]:
@@ -374,7 +381,10 @@ def reward_context(args, policy, tok, env, world, log) -> RewardContext:
     """Load (or, on shop, fit once and cache) whatever the `--reward` function reads."""
     ctx = RewardContext(policy, tok, args, env=env)
     if args.reward == "pair" or args.reward in PROBE_REWARDS:
-        where = Path(args.probes) if args.probes else shop_probes(args, policy, tok, world, log)
+        if args.probes:
+            where = Path(args.probes)
+        else:
+            where, ctx.probe_report = shop_probes(args, policy, tok, world, log)
         if args.reward == "pair":
             found = next((d for d in (where, where / "pair_mixed", where / "pair")
                           if (d / "pair.json").is_file()), None)
@@ -399,18 +409,36 @@ def reward_context(args, policy, tok, env, world, log) -> RewardContext:
     return ctx
 
 
-# The probes of the built-in policy are fitted on the fly, once, and cached by the policy's hash:
-# `envs.py make-data shop` -> `pair.py extract` (with the base policy) -> PAIR and every baseline
-# probe fitted on matched clean + contaminated train (mode mixed, seed 42).
+# ---------------------------------------------------------------------------------------------
+# The probes of the built-in world: fitted on the fly, once per policy, and cached
+# ---------------------------------------------------------------------------------------------
+# A probe is only as good as the turns it was fitted on. Fitted on gold shop dialogs and their
+# rule-based contaminations, PAIR ranks the built-in policy's *own* turns below chance: that
+# policy's mistakes (a misremembered quantity in a tool call, a ramble) are not the ones the rules
+# write. So the default corpus is on-policy: rollouts of the base policy (adapter off) on training
+# episodes, at the training temperature, every turn labelled exactly by the world, its features
+# read from the generation pass exactly as the reward reads them. A turn that follows an earlier
+# wrong turn of the same rollout has a naturally contaminated prefix (distance = assistant turns
+# since the nearest wrong one), so the clean / contaminated split exists on-policy too.
+#   --probe-corpus on-policy     that corpus (default)
+#   --probe-corpus contaminated  the released recipe: `make-data shop` gold + contaminated dialogs,
+#                                mode mixed (matched clean + contaminated train), teacher-forced
+#   --probe-corpus both          the two training sets together
+# Every corpus is scored on the same held-out own turns: rollouts of the base policy on validation
+# episodes, which neither the probes nor GRPO train on. PAIR is fitted like the paper's (seed 42
+# balanced subsample, C = 0.01, stage 2 on in-sample s_bc), the baselines on the same records.
+
 PROBE_SEED = 42
+PROBE_CORPORA = ("on-policy", "contaminated", "both")
+PROBES_FORMAT = "grpo-probes/2"
 
 
 def cache_root() -> Path:
     return Path(os.environ.get("PAIR_CACHE") or Path.home() / ".cache" / "pair").expanduser()
 
 
-def policy_hash(model_dir, episodes: int) -> str:
-    h = hashlib.sha256(f"probes/1 episodes={episodes} seed={PROBE_SEED}".encode())
+def policy_hash(model_dir) -> str:
+    h = hashlib.sha256(PROBES_FORMAT.encode())
     for name in ("config.json", "tokenizer.json", "model.safetensors"):
         path = Path(model_dir) / name
         if not path.is_file():
@@ -420,42 +448,166 @@ def policy_hash(model_dir, episodes: int) -> str:
     return h.hexdigest()[:16]
 
 
-def shop_probes(args, policy, tok, world, log) -> Path:
+def settings_hash(settings: dict) -> str:
+    return hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:12]
+
+
+def own_turns_settings(args) -> dict:
+    """Everything the on-policy turns depend on besides the policy's files."""
+    return {"corpus_episodes": args.corpus_episodes, "samples": args.corpus_samples,
+            "heldout_episodes": args.corpus_heldout, "temperature": args.temperature,
+            "top_p": args.top_p, "max_new_tokens": args.max_new_tokens,
+            "max_turns": args.max_turns, "max_len": args.max_len, "seed": PROBE_SEED}
+
+
+def turn_records(trajs: list[Trajectory]) -> pair_lib.Split:
+    """One record per assistant turn of shop rollouts: raw features, the world's exact label,
+    and whether (and how far back) an earlier turn of the same rollout was wrong."""
+    raws, labels, turn_idx, distance, sample, episode_id = [], [], [], [], [], []
+    for k, traj in enumerate(trajs):
+        y = traj.episode.labels()
+        last_wrong = None
+        for t, (step, ok) in enumerate(zip(traj.steps, y)):
+            raws.append(probes.raw_features(step.trace))
+            labels.append(int(ok))
+            turn_idx.append(t)
+            distance.append(-1 if last_wrong is None else t - last_wrong)
+            sample.append(k)
+            episode_id.append(traj.episode.id)
+            if not ok:
+                last_wrong = t
+    raw = {key: torch.stack([r[key] for r in raws]) for key in raws[0]}
+    raw.update(label=torch.tensor(labels), turn_idx=torch.tensor(turn_idx),
+               distance=torch.tensor(distance), rollout=torch.tensor(sample))
+    return pair_lib.Split("own_turns", raw, raw["label"].long(), episode_id, {})
+
+
+@torch.no_grad()
+def sample_own_turns(policy, tok, env, n_episodes: int, samples: int, args, seed: int,
+                     log) -> pair_lib.Split:
+    """`samples` rollouts of the base policy on each of the first n_episodes of `env`."""
+    episodes = [i for i in range(n_episodes) for _ in range(samples)]
+    g = torch.Generator(device=input_device(policy)).manual_seed(seed)
+    trajs, rows, t0 = [], 16 * samples, time.perf_counter()
+    with mdl.lora_disabled(policy):
+        for a in range(0, len(episodes), rows):
+            batch = [env.episode(i) for i in episodes[a:a + rows]]
+            trajs += rollout(policy, tok, batch, args, generator=g, stats=True)
+    log(f"  {len(trajs)} rollouts of {n_episodes} {env.split} episodes x {samples} in "
+        f"{time.perf_counter() - t0:.0f}s", flush=True)
+    return turn_records(trajs)
+
+
+def contaminated_corpus(policy, tok, episodes: int, log) -> pair_lib.Split:
+    """The released recipe's training set for this policy: `make-data shop` matched clean +
+    contaminated train, teacher-forced with the base policy (mode mixed, seed 42)."""
+    import tempfile
+    splits = {}
+    with tempfile.TemporaryDirectory() as tmp, mdl.lora_disabled(policy):
+        envs.make_shop_data(tmp, episodes=episodes, seed=PROBE_SEED)
+        for name in pair_lib.TRAIN_SPLITS["mixed"]:
+            records = envs.load_matched(Path(tmp) / f"{name}.json")
+            rendered = [pair_lib.render_record(r, tok) for r in records]
+            traces = mdl.trace_batch(policy, [ids for ids, _, _ in rendered],
+                                     [span for _, span, _ in rendered])
+            raws = [probes.raw_features(tr) for tr in traces]
+            raw = {k: torch.stack([r[k] for r in raws]) for k in raws[0]}
+            raw["turn_idx"] = torch.tensor([int(r["turn_idx"]) for r in records])
+            y = torch.tensor([int(r["label"]) for r in records])
+            splits[name] = pair_lib.Split(name, raw, y, [str(r["episode_id"]) for r in records],
+                                          {})
+    train = pair_lib.training_set(splits, "mixed", PROBE_SEED)
+    log(f"  contaminated corpus: {len(train.y)} teacher-forced turns of `make-data shop "
+        f"--episodes {episodes}` (mode mixed)", flush=True)
+    return train
+
+
+def fit_probes(train: pair_lib.Split, info: dict) -> dict:
+    """PAIR and every baseline probe on one training set (balanced subsample, seed 42)."""
+    fitted = pair_lib.fit_baselines(train, info=info)
+    fitted["pair"] = pair_lib.fit_pair(train.raw, train.y, info=info,
+                                       stage1=fitted["last_token"])
+    return fitted
+
+
+def heldout_auroc(fitted: dict, heldout: pair_lib.Split) -> dict:
+    """AUROC of every fitted method on the held-out own turns: all, clean prefix, contaminated
+    prefix, and by distance to the nearest earlier wrong turn."""
+    d = heldout.raw["distance"]
+    groups = {"all": torch.ones_like(d, dtype=torch.bool), "clean_prefix": d < 0,
+              "contaminated_prefix": d > 0,
+              **{f"d={k}": d == k for k in (1, 2)}, "d>=3": d >= 3}
+    out = {}
+    for name, m in fitted.items():
+        p = pair_lib.predict(m, heldout.raw)
+        out[name] = {}
+        for g, sel in groups.items():
+            y = heldout.y[sel]
+            out[name][g] = probes.auroc(y, p[sel]) if 0 < int(y.sum()) < len(y) else None
+    out["n"] = {g: int(sel.sum()) for g, sel in groups.items()}
+    out["n_correct"] = {g: int(heldout.y[sel].sum()) for g, sel in groups.items()}
+    return out
+
+
+def shop_probes(args, policy, tok, world, log) -> tuple[Path, dict]:
+    """The directory of probes fitted for this policy on `--probe-corpus` (fitting them once),
+    and its report: AUROC on held-out own turns, next to the contaminated corpus's PAIR."""
     if args.env != "shop":
         raise SystemExit(f"--reward {args.reward} on {args.env} needs --probes DIR (train them "
                          "with `python pair.py extract` and `python pair.py train`)")
-    out = cache_root() / "grpo-probes" / f"shop-{policy_hash(args.model, args.probe_episodes)}"
+    settings = {"corpus": args.probe_corpus, "own": own_turns_settings(args),
+                "contaminated_episodes": args.probe_episodes}
+    root = cache_root() / "grpo-probes" / f"shop-{policy_hash(args.model)}"
+    out = root / f"{args.probe_corpus}-{settings_hash(settings)}"
     done = out / "probes.json"
     if world.main and not done.is_file():
         t0 = time.perf_counter()
-        log(f"fitting the probes of this policy once (cached in {out}):", flush=True)
-        data, feats = out / "data", out / "features"
-        envs.make_shop_data(data, episodes=args.probe_episodes, seed=PROBE_SEED)
-        with mdl.lora_disabled(policy):
-            for split in pair_lib.TRAIN_SPLITS["mixed"] + pair_lib.TEST_SPLITS:
-                pair_lib.extract(policy, tok, data / f"{split}.json",
-                                 feats / f"{split}.safetensors", log=sys.stdout)
-        splits = pair_lib.load_splits(feats, pair_lib.TRAIN_SPLITS["mixed"] + pair_lib.TEST_SPLITS)
-        train = pair_lib.training_set(splits, "mixed", PROBE_SEED)
-        info = {"seed": PROBE_SEED, "mode": "mixed", "features": str(feats)}
-        fitted = pair_lib.fit_baselines(train, info=info)
-        pair_model = pair_lib.fit_pair(train.raw, train.y, info=info, stage1=fitted["last_token"])
-        for name, probe in fitted.items():
-            probe.save(out / f"{name}.safetensors")
-        pair_model.save(out / "pair")
-        report = {name: {split: probes.auroc(splits[split].y,
-                                             pair_lib.predict(m, splits[split].raw))
-                         for split in pair_lib.TEST_SPLITS}
-                  for name, m in [("pair", pair_model), *fitted.items()]}
-        write_json(done, {"n_train": len(train.y), "seconds": time.perf_counter() - t0,
-                          "auroc": report})
+        log(f"fitting the probes of this policy once ({args.probe_corpus} corpus; cached in "
+            f"{out}):", flush=True)
+        train_env = envs.make("shop", split="train")
+        heldout = sample_own_turns(policy, tok, envs.make("shop", split="val"),
+                                   args.corpus_heldout, args.corpus_samples, args,
+                                   PROBE_SEED + 1, log)
+        corpora = {}
+        if args.probe_corpus in ("on-policy", "both"):
+            own = sample_own_turns(policy, tok, train_env, args.corpus_episodes,
+                                   args.corpus_samples, args, PROBE_SEED, log)
+            corpora["on-policy"] = own.take(pair_lib.balanced_indices(own.y, PROBE_SEED))
+        # the released recipe is always fitted: it is the yardstick the startup line prints
+        corpora["contaminated"] = contaminated_corpus(policy, tok, args.probe_episodes, log)
+        if args.probe_corpus == "both":
+            corpora["both"] = pair_lib.concat_splits([corpora["on-policy"],
+                                                      corpora["contaminated"]])
+        info = {"seed": PROBE_SEED, "corpus": args.probe_corpus}
+        fitted = fit_probes(corpora[args.probe_corpus], info)
+        reference = fitted if args.probe_corpus == "contaminated" else \
+            {"pair": fit_probes(corpora["contaminated"], info)["pair"]}
+        tmp = root / f".{out.name}.{os.getpid()}.tmp"
+        shutil.rmtree(tmp, ignore_errors=True)
+        for name, m in fitted.items():
+            m.save(tmp / "pair") if name == "pair" else m.save(tmp / f"{name}.safetensors")
+        report = {"format": PROBES_FORMAT, "settings": settings,
+                  "n_train": len(corpora[args.probe_corpus].y),
+                  "n_train_correct": int(corpora[args.probe_corpus].y.sum()),
+                  "heldout": heldout_auroc(fitted, heldout),
+                  "contaminated_corpus_pair": heldout_auroc(reference, heldout)["pair"],
+                  "seconds": round(time.perf_counter() - t0, 1)}
+        write_json(tmp / "probes.json", report)
+        shutil.rmtree(out, ignore_errors=True)
+        os.replace(tmp, out)                # the directory appears complete or not at all
     barrier(world)
     report = json.loads(done.read_text())
-    pa = report["auroc"].get("pair", {})
-    log(f"probes of this policy: {out} (PAIR AUROC on held-out matched turns: clean "
-        f"{pa.get('matched_clean_test', float('nan')):.3f}, contaminated "
-        f"{pa.get('matched_contaminated_test', float('nan')):.3f})", flush=True)
-    return out
+    h, ref = report["heldout"], report["contaminated_corpus_pair"]
+    log(f"probes: {out} ({args.probe_corpus} corpus, {report['n_train']} turns)\n"
+        f"  PAIR AUROC on {h['n']['all']} held-out own turns (validation episodes): "
+        f"{_num(h['pair']['all'])} (clean prefix {_num(h['pair']['clean_prefix'])}, after a "
+        f"wrong turn {_num(h['pair']['contaminated_prefix'])}); the contaminated-corpus PAIR "
+        f"on the same turns: {_num(ref['all'])}", flush=True)
+    return out, report
+
+
+def _num(x) -> str:
+    return "n/a" if x is None else f"{x:.3f}"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -767,19 +919,43 @@ def set_rng_state(tensors: dict, meta: dict):
 # Evaluation: greedy decoding on the held-out split
 # ---------------------------------------------------------------------------------------------
 
-def evaluate(policy, tok, env, pool, args, world) -> dict:
-    """Mean task score of greedy rollouts on the first `--eval-episodes` held-out episodes."""
-    n = len(pool) if not args.eval_episodes else min(args.eval_episodes, len(pool))
-    mine = [pool[i] for i in range(world.rank, n, world.size)]
+def evaluate(policy, tok, env, pool, n: int, args, world) -> dict:
+    """Greedy rollouts on the first n episodes of `pool` (0: all): mean task score, mean turns,
+    and every episode's score in pool order (for paired comparisons between runs)."""
+    n = len(pool) if not n else min(n, len(pool))
+    mine = list(range(world.rank, n, world.size))
     policy.eval()
-    total, turns = 0.0, 0
+    scores, turns = [], 0
     for i in range(0, len(mine), args.eval_batch):
-        episodes = [env.episode(j) for j in mine[i:i + args.eval_batch]]
+        episodes = [env.episode(pool[j]) for j in mine[i:i + args.eval_batch]]
         for traj in rollout(policy, tok, episodes, args, greedy=True, stats=False):
-            total += traj.score
+            scores.append(traj.score)
             turns += len(traj.steps)
-    total, turns = all_sum(world, [total, turns])
-    return {"success": total / max(n, 1), "episodes": n, "turns": turns / max(n, 1)}
+    turns = all_sum(world, [turns])[0]
+    order = gather_floats(world, [float(j) for j in mine], n)
+    scores = [s for _, s in sorted(zip(order, gather_floats(world, scores, n)))]
+    return {"success": sum(scores) / max(n, 1), "episodes": n, "turns": turns / max(n, 1),
+            "scores": scores}
+
+
+def eval_splits(args, train_env, train_pool) -> tuple[dict, list[int]]:
+    """The two held-out splits {"val": (env, pool), "test": (env, pool)} and the training pool
+    left. Checkpoints are selected on val and reported on test. Shop has its own validation
+    split; the replay environments set aside the last --val-episodes scorable training episodes.
+    """
+    test = envs.make(args.env, split="test", data_dir=args.data_dir)
+    if args.env == "shop":
+        val = envs.make("shop", split="val")
+        return {"val": (val, scorable(val)), "test": (test, scorable(test))}, train_pool
+    k = min(args.val_episodes or max(1, len(train_pool) // 10), len(train_pool) // 2)
+    return ({"val": (train_env, train_pool[len(train_pool) - k:]), "test": (test, scorable(test))},
+            train_pool[:len(train_pool) - k])
+
+
+def evaluate_all(step: int, policy, tok, held: dict, args, world) -> dict:
+    sizes = {"val": args.val_episodes, "test": args.eval_episodes}
+    return {"step": step, **{name: evaluate(policy, tok, env, pool, sizes[name], args, world)
+                             for name, (env, pool) in held.items()}}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -812,7 +988,25 @@ def seed_all(seed: int):
     torch.manual_seed(seed)
 
 
-TIMING = ("t_rollout", "t_reward", "t_update")
+# seconds per step; t_reward includes t_base_read, the extra forward of --probe-reads base
+TIMING = ("t_rollout", "t_reward", "t_update", "t_base_read")
+
+
+def read_from_base(policy, trajs: list[Trajectory], rows_per_forward: int) -> None:
+    """--probe-reads base: every turn's statistics from its tokens teacher-forced through the
+    frozen base (adapter off) instead of the generation pass. The probe then reads the
+    representation it was fitted on however far the policy drifts: a policy cannot move its
+    own hidden states to please it."""
+    seqs, spans, steps = [], [], []
+    for traj in trajs:
+        for step in traj.steps:
+            seqs.append(traj.segments[step.segment][:step.span[1]])
+            spans.append(step.span)
+            steps.append(step)
+    with mdl.lora_disabled(policy):
+        traces = mdl.trace_batch(policy, seqs, spans, rows_per_forward=rows_per_forward)
+    for step, trace in zip(steps, traces):
+        step.trace = trace
 
 
 def train_step(step: int, policy, tok, env, pool, ctx, optimizer, args, world) -> dict:
@@ -827,8 +1021,11 @@ def train_step(step: int, policy, tok, env, pool, ctx, optimizer, args, world) -
         episodes = [env.episode(pool[prompt_index(args.seed, g, len(pool))])
                     for _ in range(args.group)]
         groups.append(rollout(policy, tok, episodes, args, generator=sampler(policy, args.seed, g),
-                              stats=args.reward in NEEDS_STATS))
+                              stats=args.reward in NEEDS_STATS and args.probe_reads == "policy"))
     t1 = time.perf_counter()
+    if args.reward in NEEDS_STATS and args.probe_reads == "base":
+        read_from_base(policy, [traj for group in groups for traj in group], args.micro_batch)
+    t_read = time.perf_counter() - t1
     rewards = [[turn_rewards(traj, ctx) for traj in group] for group in groups]
     t2 = time.perf_counter()
     trajs, advs, zero = [], [], 0
@@ -841,7 +1038,8 @@ def train_step(step: int, policy, tok, env, pool, ctx, optimizer, args, world) -
     stats = update(policy, optimizer, make_batch(trajs, advs, tok.pad_id), args, world)
     policy.eval()
     t3 = time.perf_counter()
-    return step_metrics(step, trajs, rewards, zero, stats, (t1 - t0, t2 - t1, t3 - t2), args, world)
+    return step_metrics(step, trajs, rewards, zero, stats, (t1 - t0, t2 - t1, t3 - t2, t_read),
+                        args, world)
 
 
 def step_metrics(step, trajs, rewards, zero, stats, times, args, world) -> dict:
@@ -861,8 +1059,9 @@ def step_metrics(step, trajs, rewards, zero, stats, times, args, world) -> dict:
                            sum(t.truncated for t in trajs), zero, len(rewards), *times,
                            *turn_sum, *turn_n, *reached])
     n, s, s2, n_traj, score, turns, trunc, zero, n_groups = sums[:9]
-    times = sums[9:12]
-    turn_sum, turn_n, reached = sums[12:12 + M], sums[12 + M:12 + 2 * M], sums[12 + 2 * M:]
+    k = 9 + len(TIMING)
+    times = sums[9:k]
+    turn_sum, turn_n, reached = sums[k:k + M], sums[k + M:k + 2 * M], sums[k + 2 * M:]
     mean = s / max(n, 1)
     rec = {"step": step + 1, "lr": lr_at(step, args),
            "reward_mean": mean, "reward_std": math.sqrt(max(s2 / max(n, 1) - mean * mean, 0.0)),
@@ -905,21 +1104,43 @@ def append_jsonl(path: Path, record: dict):
         f.write(json.dumps(record) + "\n")
 
 
+def read_jsonl(path: Path) -> list[dict]:
+    """The records of a JSONL log. A last line cut short by a kill is dropped (the step it
+    logged is redone on resume); a broken line before the last one is an error."""
+    if not path.exists():
+        return []
+    lines = [line for line in path.read_text().splitlines() if line.strip()]
+    records = []
+    for k, line in enumerate(lines):
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError as e:
+            if k == len(lines) - 1:
+                break
+            raise SystemExit(f"{path}: line {k + 1} is not JSON ({e}); the log is damaged") \
+                from e
+    return records
+
+
 def truncate_jsonl(path: Path, last_step: int):
-    """Drop records after `last_step` (written by the interrupted run after its last checkpoint)."""
+    """Keep the records up to `last_step`: what an interrupted run logged after its last
+    checkpoint is redone on resume."""
     if not path.exists():
         return
-    keep = [line for line in path.read_text().splitlines()
-            if line.strip() and json.loads(line)["step"] <= last_step]
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text("".join(line + "\n" for line in keep))
+    keep = [r for r in read_jsonl(path) if r["step"] <= last_step]
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text("".join(json.dumps(r) + "\n" for r in keep))
+    os.replace(tmp, path)
+
+
+def write_text(path: Path, text: str):
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(text)
     os.replace(tmp, path)
 
 
 def write_json(path: Path, obj):
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(json.dumps(obj, indent=1) + "\n")
-    os.replace(tmp, path)
+    write_text(path, json.dumps(obj, indent=1) + "\n")
 
 
 def duration(seconds: float) -> str:
@@ -928,14 +1149,15 @@ def duration(seconds: float) -> str:
 
 
 def progress_line(rec: dict, steps: int, elapsed: list[float]) -> str:
-    per_step = sum(elapsed) / len(elapsed)
-    left = per_step * (steps - rec["step"])
+    """The step's own time, and an ETA from the median of the last 10 steps (a rollout that
+    rambles to --max-new-tokens makes single steps slow; the median does not jump with it)."""
+    left = float(np.median(elapsed[-10:])) * (steps - rec["step"])
     auroc = rec.get("probe_auroc")
     return (f"step {rec['step']:>4}/{steps}  reward {rec['reward_mean']:.3f}"
             f"±{rec['reward_std']:.3f}"
             f"  success {rec['success']:.2f}  zero-std {rec['frac_zero_std']:.2f}"
             f"  kl {rec['kl']:.2e}" + (f"  probe-auroc {auroc:.2f}" if auroc is not None else "")
-            + f"  {per_step:.1f}s/step (rollout {rec['t_rollout']:.1f} reward "
+            + f"  {elapsed[-1]:.1f}s (rollout {rec['t_rollout']:.1f} reward "
             f"{rec['t_reward']:.2f} update {rec['t_update']:.1f})  ETA {duration(left)}")
 
 
@@ -945,7 +1167,8 @@ RESUME_KEYS = ("env", "model", "reward", "alpha", "outcome_weight", "probes", "s
                "batch", "group", "max_turns", "max_new_tokens", "max_len", "temperature", "top_p",
                "lr", "warmup", "beta", "eps", "ppo_epochs", "micro_batch", "lora_r", "lora_alpha",
                "lora_dropout", "lora_targets", "save_every", "tips_refresh", "tips_gamma",
-               "probe_episodes")
+               "probe_corpus", "probe_reads", "corpus_episodes", "corpus_samples",
+               "corpus_heldout", "probe_episodes", "eval_episodes", "val_episodes")
 
 
 def is_builtin(args) -> bool:
@@ -1005,37 +1228,45 @@ def train(args) -> dict:
     policy, tok = mdl.load_model(args.model, dtype=DTYPES[args.dtype], devices=devices)
     add_lora(policy, args)
     env = envs.make(args.env, split="train", data_dir=args.data_dir)
-    held_out = envs.make(args.env, split="test", data_dir=args.data_dir)
-    pool, held_pool = scorable(env), scorable(held_out)
-    if len(pool) < len(env) or len(held_pool) < len(held_out):
-        log(f"{args.env}: episodes that cannot be scored are left out: "
-            f"{len(env) - len(pool)} training, {len(held_out) - len(held_pool)} held-out")
-    if not pool or not held_pool:
-        raise SystemExit(f"--env {args.env}: no scorable episode in the train or test split")
+    pool = scorable(env)
+    held, pool = eval_splits(args, env, pool)
+    if not pool or not all(p for _, p in held.values()):
+        raise SystemExit(f"--env {args.env}: no scorable episode in the train, validation or "
+                         "test split")
     ctx = reward_context(args, policy, tok, env, world, log)
     params = [p for p in policy.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=args.lr, weight_decay=args.weight_decay)
     log(f"policy {args.model}: {sum(p.numel() for p in policy.parameters()):,} parameters, "
-        f"LoRA {sum(p.numel() for p in params):,} trainable; env "
-        f"{args.env}: {len(pool)} training / {len(held_pool)} held-out episodes; reward "
-        f"{args.reward}; {args.steps} steps of {args.batch} x {args.group} rollouts "
-        f"on {world.size} process(es); run in {out}", flush=True)
+        f"LoRA {sum(p.numel() for p in params):,} trainable; env {args.env}: {len(pool)} "
+        f"training / {len(held['val'][1])} validation / {len(held['test'][1])} test episodes; "
+        f"reward {args.reward}; {args.steps} steps of {args.batch} x {args.group} rollouts on "
+        f"{world.size} process(es); run in {out}", flush=True)
 
     start = 0
     ckpt = latest_checkpoint(out) if args.resume else None
     if ckpt is not None:
         start = load_checkpoint(ckpt, policy, optimizer, world, ctx)
-        if world.main:
-            truncate_jsonl(out / "metrics.jsonl", start)
-            truncate_jsonl(out / "eval.jsonl", start)
         log(f"resumed from {ckpt} at step {start}", flush=True)
-    if start == 0 and not args.no_eval:
-        ev = {"step": 0, **evaluate(policy, tok, held_out, held_pool, args, world)}
+    if world.main and args.resume:
+        # what the interrupted run logged after its last checkpoint is redone, exactly
+        truncate_jsonl(out / "metrics.jsonl", start)
+        truncate_jsonl(out / "eval.jsonl", start)
+    barrier(world)
+    evaluated = {e["step"] for e in read_jsonl(out / "eval.jsonl")}
+
+    def evaluate_and_log(step: int):
+        if args.no_eval or step in evaluated:
+            return
+        ev = evaluate_all(step, policy, tok, held, args, world)
         if world.main:
             append_jsonl(out / "eval.jsonl", ev)
-        log(f"base model: held-out success {ev['success']:.3f} over {ev['episodes']} episodes "
-            "(greedy)", flush=True)
+        evaluated.add(step)
+        what = "base model" if step == 0 else f"step {step}"
+        log(f"{what}: held-out success {ev['test']['success']:.3f} on {ev['test']['episodes']} "
+            f"test episodes, {ev['val']['success']:.3f} on {ev['val']['episodes']} validation "
+            "episodes (greedy)", flush=True)
 
+    evaluate_and_log(start)      # the base model, or a checkpoint killed before its evaluation
     elapsed = []
     for step in range(start, args.steps):
         t = time.perf_counter()
@@ -1047,15 +1278,12 @@ def train(args) -> dict:
         elapsed.append(time.perf_counter() - t)
         if world.main:
             append_jsonl(out / "metrics.jsonl", rec)
-        log(progress_line(rec, args.steps, elapsed[-10:]), flush=True)
+        log(progress_line(rec, args.steps, elapsed), flush=True)
         if (step + 1) % args.save_every == 0 or step + 1 == args.steps:
             path = save_checkpoint(out, step + 1, policy, optimizer, world, ctx)
-            if not args.no_eval:
-                ev = {"step": step + 1, **evaluate(policy, tok, held_out, held_pool, args, world)}
-                if world.main:
-                    append_jsonl(out / "eval.jsonl", ev)
-                log(f"checkpoint {path}: held-out success {ev['success']:.3f}", flush=True)
-    summary = summarize(out, time.perf_counter() - started, args)
+            log(f"checkpoint {path}", flush=True)
+            evaluate_and_log(step + 1)
+    summary = summarize(out, time.perf_counter() - started, args, ctx.probe_report)
     if world.main:
         write_json(out / "summary.json", summary)
         log(summary_text(summary), flush=True)
@@ -1065,31 +1293,304 @@ def train(args) -> dict:
     return summary
 
 
-def summarize(out: Path, seconds: float, args) -> dict:
-    evals = [json.loads(line) for line in (out / "eval.jsonl").read_text().splitlines()] \
-        if (out / "eval.jsonl").exists() else []
+def summarize(out: Path, seconds: float, args, probe_report: dict | None = None) -> dict:
+    """base / selected / final held-out success on test. `selected` is the checkpoint with the
+    best validation success (ties: the earliest); `best_on_test` picks on the test split itself,
+    the paper's protocol, which flatters every method alike."""
+    evals = read_jsonl(out / "eval.jsonl")
     base = next((e for e in evals if e["step"] == 0), None)
     ckpts = [e for e in evals if e["step"] > 0]
-    best = max(ckpts, key=lambda e: (e["success"], -e["step"])) if ckpts else None
+
+    def on_test(e):
+        return None if e is None else {"step": e["step"], "val": e["val"]["success"],
+                                       **{k: v for k, v in e["test"].items() if k != "scores"}}
+    selected = max(ckpts, key=lambda e: (e["val"]["success"], -e["step"])) if ckpts else None
+    best = max(ckpts, key=lambda e: (e["test"]["success"], -e["step"])) if ckpts else None
     final = ckpts[-1] if ckpts else None
-    return {"out": str(out), "seconds": round(seconds, 1), "reward": args.reward,
-            "base": base, "best": best, "final": final,
-            "best_adapter": str(out / f"checkpoint-{best['step']:06d}" / "adapter")
-            if best else None}
+    summary = {"out": str(out), "seconds": round(seconds, 1), "reward": args.reward,
+               "alpha": args.alpha, "seed": args.seed, "steps": args.steps,
+               "selection": "checkpoint with the best validation success, reported on test",
+               "base": on_test(base), "selected": on_test(selected), "final": on_test(final),
+               "best_on_test": on_test(best),
+               "selected_adapter": str(out / f"checkpoint-{selected['step']:06d}" / "adapter")
+               if selected else None}
+    if probe_report is not None:
+        h = probe_report["heldout"]
+        summary["probe_auroc_heldout"] = {
+            "corpus": probe_report["settings"]["corpus"], "turns": h["n"]["all"],
+            "pair": h["pair"]["all"], "pair_clean_prefix": h["pair"]["clean_prefix"],
+            "pair_contaminated_prefix": h["pair"]["contaminated_prefix"],
+            "contaminated_corpus_pair": probe_report["contaminated_corpus_pair"]["all"],
+            **({args.reward: h[args.reward]["all"]} if args.reward in h else {})}
+    return summary
 
 
 def summary_text(s: dict) -> str:
     lines = [f"done in {duration(s['seconds'])} (reward {s['reward']})."]
-    if s["base"] and s["best"]:
-        lines.append(f"held-out success (greedy, {s['base']['episodes']} episodes): before "
-                     f"{s['base']['success']:.3f} -> best {s['best']['success']:.3f} (step "
-                     f"{s['best']['step']}) -> final {s['final']['success']:.3f} (step "
-                     f"{s['final']['step']})")
+    if s["base"] and s["selected"]:
+        lines.append(
+            f"held-out success (greedy, {s['base']['episodes']} test episodes): before "
+            f"{s['base']['success']:.3f} -> selected {s['selected']['success']:.3f} (step "
+            f"{s['selected']['step']}, chosen on validation) -> final {s['final']['success']:.3f}"
+            f" (step {s['final']['step']}); best on test {s['best_on_test']['success']:.3f} "
+            f"(step {s['best_on_test']['step']}, the paper's protocol)")
+    if s.get("probe_auroc_heldout"):
+        p = s["probe_auroc_heldout"]
+        lines.append(f"PAIR AUROC on {p['turns']} held-out own turns: {_num(p['pair'])} "
+                     f"({p['corpus']} corpus); contaminated-corpus PAIR: "
+                     f"{_num(p['contaminated_corpus_pair'])}")
     lines.append(f"run: {s['out']}  (metrics.jsonl per step, eval.jsonl per checkpoint, "
                  "summary.json)")
-    if s["best_adapter"]:
-        lines.append(f"best adapter (PEFT layout): {s['best_adapter']}")
+    if s["selected_adapter"]:
+        lines.append(f"selected adapter (PEFT layout): {s['selected_adapter']}")
     return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------------------------
+# compare: rewards x seeds -> the table and the learning curves a user would put in a paper
+# ---------------------------------------------------------------------------------------------
+# Each run is an ordinary `grpo.py` run in OUT/runs/<name>-s<seed>, started as its own process
+# (so `--jobs 2` uses two cores) and resumed with --resume if it was interrupted; a run with a
+# summary.json is finished and never redone. A reward is written NAME or NAME:flag=value,...
+# (e.g. pair:alpha=0), and flags after `--` go to every run.
+
+COMPARE_REWARDS = ("outcome", "pair", "pair:alpha=0", "last_token", "multi_attn", "attention",
+                   "head_entropy", "igpo", "tips", "pair:probe-corpus=contaminated")
+BOOTSTRAP = 1000
+
+
+def parse_spec(spec: str) -> tuple[str, list[str]]:
+    """'pair:alpha=0,probe-corpus=contaminated' -> ('pair', ['--alpha', '0', ...])."""
+    reward, _, rest = spec.partition(":")
+    if reward not in REWARDS:
+        raise SystemExit(f"compare: unknown reward {reward!r} in {spec!r} (choose from "
+                         f"{', '.join(REWARDS)})")
+    flags = []
+    for item in filter(None, rest.split(",")):
+        key, eq, value = item.partition("=")
+        if not eq or not key:
+            raise SystemExit(f"compare: {spec!r}: write flags as name=value, e.g. pair:alpha=0")
+        flags += [f"--{key}", value]
+    return reward, flags
+
+
+def run_name(spec: str, seed: int) -> str:
+    return "".join(c if c.isalnum() or c in "-_.=" else "-" for c in spec) + f"-s{seed}"
+
+
+def compare(argv: list[str]) -> dict:
+    command = " ".join(["python grpo.py compare", *argv])
+    ap = argparse.ArgumentParser(
+        prog="grpo.py compare", formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        description="Train every reward with every seed (resumable) and write compare.md, "
+                    "compare.json and curves.svg. Flags after `--` go to every run.")
+    ap.add_argument("--rewards", nargs="+", default=list(COMPARE_REWARDS),
+                    help="rewards, each NAME or NAME:flag=value,...")
+    ap.add_argument("--seeds", nargs="+", type=int, default=[42, 43, 44])
+    ap.add_argument("--out", required=True, help="directory of the runs and the tables")
+    ap.add_argument("--jobs", type=int, default=1, help="runs at once")
+    ap.add_argument("--threads", type=int, default=1, help="torch threads per run")
+    argv, extra = (argv[:argv.index("--")], argv[argv.index("--") + 1:]) if "--" in argv \
+        else (argv, [])
+    args = ap.parse_args(argv)
+    for spec in args.rewards:
+        parse_spec(spec)                         # every spec is checked before any run starts
+    out = Path(args.out)
+    (out / "runs").mkdir(parents=True, exist_ok=True)
+    todo = []
+    for spec in args.rewards:
+        reward, flags = parse_spec(spec)
+        for seed in args.seeds:
+            run = out / "runs" / run_name(spec, seed)
+            if (run / "summary.json").is_file():
+                continue
+            cmd = [sys.executable, str(Path(__file__).resolve()), "--reward", reward, *flags,
+                   "--seed", str(seed), "--out", str(run), "--threads", str(args.threads),
+                   *extra] + (["--resume"] if (run / "args.json").is_file() else [])
+            todo.append((run, cmd))
+    print(f"compare: {len(args.rewards)} rewards x {len(args.seeds)} seeds, {len(todo)} runs to "
+          f"do, {args.jobs} at a time; logs in {out / 'runs'}/<run>.log", flush=True)
+    running: list[tuple[Path, subprocess.Popen]] = []
+    failed = []
+    while todo or running:
+        while todo and len(running) < args.jobs:
+            run, cmd = todo.pop(0)
+            run.parent.mkdir(parents=True, exist_ok=True)
+            with open(run.with_name(run.name + ".log"), "a") as log:
+                running.append((run, subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)))
+            print(f"  started {run.name}", flush=True)
+        time.sleep(0.5)
+        for run, proc in list(running):
+            if proc.poll() is not None:
+                running.remove((run, proc))
+                print(f"  {'finished' if proc.returncode == 0 else 'FAILED'} {run.name}",
+                      flush=True)
+                if proc.returncode != 0:
+                    failed.append(run.name)
+    if failed:
+        raise SystemExit(f"compare: {len(failed)} runs failed ({', '.join(failed)}); see their "
+                         "logs; run the same command again to retry them")
+    result = compare_table(out, args.rewards, args.seeds)
+    write_json(out / "compare.json", result)
+    write_text(out / "compare.md", compare_markdown(result, command))
+    write_text(out / "curves.svg", curves_svg(result))
+    print((out / "compare.md").read_text() + f"\nwrote {out / 'compare.md'}, "
+          f"{out / 'compare.json'}, {out / 'curves.svg'}", flush=True)
+    return result
+
+
+def bootstrap_mean(rows: list[list[float]], base: list[list[float]] | None = None,
+                   seed: int = 0) -> tuple[float, float]:
+    """95% interval of the mean success over seeds x episodes (minus `base`'s, seed by seed and
+    episode by episode, when given): seeds and episodes both resampled (a two-level bootstrap),
+    so the interval holds both the training noise and the evaluation pool's."""
+    x = torch.tensor(rows, dtype=torch.float64)                       # (seeds, episodes)
+    if base is not None:
+        x = x - torch.tensor(base, dtype=torch.float64)
+    g = torch.Generator().manual_seed(seed)
+    S, n = x.shape
+    s_idx = torch.randint(S, (BOOTSTRAP, S), generator=g)
+    e_idx = torch.randint(n, (BOOTSTRAP, n), generator=g)
+    means = torch.stack([x[s_idx[b]][:, e_idx[b]].mean() for b in range(BOOTSTRAP)])
+    lo, hi = torch.quantile(means, torch.tensor([0.025, 0.975], dtype=torch.float64)).tolist()
+    return lo, hi
+
+
+def compare_table(out: Path, specs: list[str], seeds: list[int]) -> dict:
+    rows, scores = [], {}
+    for spec in specs:
+        runs = []
+        for seed in seeds:
+            run = out / "runs" / run_name(spec, seed)
+            evals = {e["step"]: e for e in read_jsonl(run / "eval.jsonl")}
+            runs.append((json.loads((run / "summary.json").read_text()),
+                         read_jsonl(run / "metrics.jsonl"), evals))
+        row = {"reward": spec, "seeds": seeds, "runs": [str(out / "runs" / run_name(spec, s))
+                                                         for s in seeds]}
+        for key in ("base", "selected", "final", "best_on_test"):
+            vals = [s[key]["success"] for s, _, _ in runs]
+            row[key] = {"mean": float(np.mean(vals)), "std": float(np.std(vals)),
+                        "per_seed": vals}
+        for key in ("selected", "final"):
+            per_episode = [ev[s[key]["step"]]["test"]["scores"] for s, _, ev in runs]
+            scores[spec, key] = per_episode
+            row[key]["ci95"] = bootstrap_mean(per_episode)
+        first = [m.get("probe_auroc") for _, ms, _ in runs for m in ms[:5]]
+        last = [m.get("probe_auroc") for _, ms, _ in runs for m in ms[-5:]]
+        row["probe_auroc"] = {"first5": _mean([x for x in first if x is not None]),
+                              "last5": _mean([x for x in last if x is not None])}
+        row["heldout_auroc"] = _mean([s.get("probe_auroc_heldout", {}).get("pair")
+                                      for s, _, _ in runs])
+        all_m = [m for _, ms, _ in runs for m in ms]
+        row["frac_zero_std"] = _mean([m["frac_zero_std"] for m in all_m])
+        row["kl_final"] = _mean([ms[-1]["kl"] for _, ms, _ in runs])
+        for key in TIMING:
+            row[key] = _mean([m.get(key, 0.0) for m in all_m])
+        row["minutes"] = _mean([s["seconds"] / 60 for s, _, _ in runs])
+        # the learning curves: test success at every evaluation, mean reward at every step
+        steps = sorted(set.intersection(*(set(ev) for _, _, ev in runs)))
+        row["curve_success"] = [(k, _mean([ev[k]["test"]["success"] for _, _, ev in runs]))
+                                for k in steps]
+        n_steps = min(len(ms) for _, ms, _ in runs)
+        row["curve_reward"] = [(k + 1, _mean([ms[k]["reward_mean"] for _, ms, _ in runs]))
+                               for k in range(n_steps)]
+        rows.append(row)
+    ref = specs[0]
+    for row in rows:          # paired against the first reward (outcome by default): same seeds
+        for key in ("selected", "final"):
+            d = np.mean(scores[row["reward"], key]) - np.mean(scores[ref, key])
+            row[key]["delta_vs_first"] = float(d)
+            row[key]["delta_ci95"] = bootstrap_mean(scores[row["reward"], key],
+                                                    scores[ref, key])
+    return {"rows": rows, "reference": ref, "bootstrap": BOOTSTRAP,
+            "selection": "checkpoint with the best validation success, reported on test"}
+
+
+def _mean(values) -> float | None:
+    values = [v for v in values if v is not None]
+    return float(np.mean(values)) if values else None
+
+
+def compare_markdown(result: dict, command: str) -> str:
+    def pct(x):
+        return "—" if x is None else f"{100 * x:.1f}"
+
+    def cell(r, key):
+        lo, hi = r[key]["ci95"]
+        return f"{pct(r[key]['mean'])} ± {pct(r[key]['std'])} [{pct(lo)}, {pct(hi)}]"
+
+    def delta(r, key):
+        lo, hi = r[key]["delta_ci95"]
+        return f"{100 * r[key]['delta_vs_first']:+.1f} [{100 * lo:+.1f}, {100 * hi:+.1f}]"
+
+    ref = result["reference"]
+    lines = [
+        f"Held-out success in % (greedy, test split), mean ± std over seeds "
+        f"{result['rows'][0]['seeds']} [95% interval, two-level bootstrap over seeds and "
+        f"episodes, {result['bootstrap']} draws]. *selected*: the checkpoint with the best "
+        f"validation success, reported on test; *best on test*: the paper's protocol (chosen on "
+        f"test itself). Δ: paired against `{ref}` (same seeds, same episodes).", "",
+        f"`{command}`", "",
+        "| reward | base | selected | Δ selected | final | Δ final | best on test "
+        "| PAIR AUROC held-out own turns | probe AUROC first → last 5 steps | zero-std "
+        "| KL final | s/step rollout / reward / update | min/run |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in result["rows"]:
+        pa = r["probe_auroc"]
+        lines.append(
+            f"| {r['reward']} | {pct(r['base']['mean'])} | {cell(r, 'selected')} | "
+            f"{delta(r, 'selected') if r['reward'] != ref else '—'} | {cell(r, 'final')} | "
+            f"{delta(r, 'final') if r['reward'] != ref else '—'} | "
+            f"{pct(r['best_on_test']['mean'])} | {_num(r['heldout_auroc'])} | "
+            + (f"{_num(pa['first5'])} → {_num(pa['last5'])}" if pa["first5"] is not None
+               else "—")
+            + f" | {r['frac_zero_std']:.2f} | {r['kl_final']:.3f} | {r['t_rollout']:.1f} / "
+            f"{r['t_reward']:.2f} / {r['t_update']:.1f} | {r['minutes']:.1f} |")
+    return "\n".join(lines) + "\n"
+
+
+def curves_svg(result: dict) -> str:
+    """Two panels, one line per reward: held-out test success vs step, mean reward vs step."""
+    W, H, pad = 460, 300, 48
+    colors = ["#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e", "#8c564b", "#e377c2",
+              "#7f7f7f", "#bcbd22", "#17becf"]
+    parts = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{2 * W}" '
+             f'height="{H + 24 * ((len(result["rows"]) + 1) // 2) + 20}" font-family="sans-serif"'
+             ' font-size="12"><rect width="100%" height="100%" fill="white"/>']
+    for p, (key, title) in enumerate((("curve_success", "held-out success (test, greedy)"),
+                                      ("curve_reward", "mean turn reward (training rollouts)"))):
+        series = [r[key] for r in result["rows"]]
+        xs = [x for s in series for x, _ in s] or [0, 1]
+        ys = [y for s in series for _, y in s if y is not None] or [0, 1]
+        x0, x1 = min(xs), max(max(xs), min(xs) + 1)
+        y0, y1 = min(ys), max(max(ys), min(ys) + 1e-3)
+        y0, y1 = y0 - 0.05 * (y1 - y0), y1 + 0.05 * (y1 - y0)
+        ox = p * W
+
+        def X(x):
+            return ox + pad + (x - x0) / (x1 - x0) * (W - 1.5 * pad)
+
+        def Y(y):
+            return H - pad + (y - y0) / (y1 - y0) * -(H - 1.6 * pad)
+        parts.append(f'<text x="{ox + W / 2}" y="18" text-anchor="middle">{title}</text>')
+        parts.append(f'<line x1="{X(x0)}" y1="{Y(y0)}" x2="{X(x1)}" y2="{Y(y0)}" '
+                     'stroke="black"/>'
+                     f'<line x1="{X(x0)}" y1="{Y(y0)}" x2="{X(x0)}" y2="{Y(y1)}" stroke="black"/>')
+        for t in range(5):
+            yv, xv = y0 + t * (y1 - y0) / 4, x0 + t * (x1 - x0) / 4
+            parts.append(f'<text x="{X(x0) - 4}" y="{Y(yv) + 4}" text-anchor="end">{yv:.2f}'
+                         f'</text><text x="{X(xv)}" y="{Y(y0) + 16}" text-anchor="middle">'
+                         f'{xv:.0f}</text>')
+        parts.append(f'<text x="{ox + W / 2}" y="{H - 8}" text-anchor="middle">step</text>')
+        for c, s in enumerate(series):
+            pts = " ".join(f"{X(x):.1f},{Y(y):.1f}" for x, y in s if y is not None)
+            parts.append(f'<polyline points="{pts}" fill="none" stroke="{colors[c % 10]}" '
+                         'stroke-width="1.6"/>')
+    for c, r in enumerate(result["rows"]):
+        x, y = 20 + (c % 2) * W, H + 24 * (c // 2) + 10
+        parts.append(f'<line x1="{x}" y1="{y}" x2="{x + 24}" y2="{y}" stroke="{colors[c % 10]}"'
+                     f' stroke-width="3"/><text x="{x + 30}" y="{y + 4}">{r["reward"]}</text>')
+    return "\n".join(parts) + "\n</svg>\n"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -1427,8 +1928,22 @@ def train_parser() -> argparse.ArgumentParser:
       help="trained probes: a `pair.py train` directory for --reward pair, a probe file or a "
            "directory holding <feature>.safetensors for a probe reward; default on shop: fitted "
            "on the fly from `envs.py make-data shop` with this policy, cached under $PAIR_CACHE")
-    a("--probe-episodes", type=int, default=500,
-      help="episodes of `make-data shop` the on-the-fly probes are fitted on")
+    a("--probe-corpus", default="on-policy", choices=PROBE_CORPORA,
+      help="shop, probes fitted on the fly: on-policy = rollouts of the base policy on training "
+           "episodes, labelled by the world; contaminated = `make-data shop` gold dialogs and "
+           "their rule-based contaminations (the released recipe); both = the two together")
+    a("--probe-reads", default="policy", choices=("policy", "base"),
+      help="where PAIR and the probes read a turn's statistics: policy = the generation pass "
+           "(the paper); base = the same tokens teacher-forced through the frozen base model "
+           "(one extra forward per step; a drifting policy cannot move what the probe reads)")
+    a("--corpus-episodes", type=int, default=150,
+      help="on-policy corpus: training episodes sampled")
+    a("--corpus-samples", type=int, default=4,
+      help="on-policy corpus: rollouts per episode (also for the held-out own turns)")
+    a("--corpus-heldout", type=int, default=60,
+      help="validation episodes whose rollouts score the fitted probes (held-out own turns)")
+    a("--probe-episodes", type=int, default=200,
+      help="contaminated corpus: episodes of `make-data shop` (80%% of them train)")
     a("--judge-model", default="gpt-4o-mini",
       help="llm_judge: model name at the OpenAI-compatible endpoint (OPENAI_BASE_URL, "
            "OPENAI_API_KEY)")
@@ -1471,8 +1986,12 @@ def train_parser() -> argparse.ArgumentParser:
                    help="continue the run in --out from its newest checkpoint")
     g.add_argument("--save-every", type=int, default=None,
                    help="checkpoint (and evaluate) every N steps (paper 50)")
-    g.add_argument("--eval-episodes", type=int, default=None,
-                   help="held-out episodes per evaluation (0 = the whole split)")
+    g.add_argument("--eval-episodes", type=int, default=0,
+                   help="test episodes per evaluation (0 = the whole test split; shop: 600)")
+    g.add_argument("--val-episodes", type=int, default=None,
+                   help="validation episodes per evaluation, for checkpoint selection (shop: its "
+                        "validation split, 200; replay environments: set aside from the end of "
+                        "the training split, default 10%% of it)")
     g.add_argument("--eval-batch", type=int, default=16, help="episodes decoded together")
     g.add_argument("--no-eval", action="store_true", help="skip the held-out evaluations")
     g.add_argument("--seed", type=int, default=42, help="seed of everything")
@@ -1487,6 +2006,8 @@ def main(argv=None):
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["sft"]:
         return sft(sft_parser().parse_args(argv[1:]))
+    if argv[:1] == ["compare"]:
+        return compare(argv[1:])
     args = train_parser().parse_args(argv)
     if args.out is None:
         if int(os.environ.get("WORLD_SIZE", "1")) > 1:

@@ -372,7 +372,8 @@ class Attention(nn.Module):
         statistics (B, H, len(STATS)) in STATS order."""
         B, T, _ = x.shape
         dev = x.device                              # the block may live on any device
-        cos, sin, mask = cos.to(dev), sin.to(dev), mask.to(dev)
+        cos, sin = cos.to(dev), sin.to(dev)
+        mask = mask.to(dev) if mask is not None else None     # None: plain causal (see trunk)
         positions, key_pos = positions.to(dev), key_pos.to(dev)
         rows = rows.to(dev) if rows is not None else None
         q = self.q_proj(x).view(B, T, self.n_heads, self.head_dim).transpose(1, 2)  # (B,H,T,D)
@@ -394,7 +395,8 @@ class Attention(nn.Module):
             if sums is not None:
                 add_row_stats(sums, p, positions, key_pos, rows, 0, 1)
         else:
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None,
+                                                 enable_gqa=True)
             if sums is not None:
                 self.span_stats(sums, q, k, mask, positions, key_pos, rows)
         out = out.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim)
@@ -476,6 +478,11 @@ class Transformer(nn.Module):
         """
         B, T = input_ids.shape
         dev = self.model.embed_tokens.weight.device
+        # A plain causal forward from position 0 (the GRPO update, log-probabilities) lets
+        # PyTorch's fused causal kernel skip the mask: upper-left causal is right there, and in a
+        # right-padded batch no real token sees a pad. Statistics need the explicit mask.
+        fused_causal = (positions is None and cache is None and span is None and T > 1
+                        and all(w is None for w in self.windows))
         if positions is None:
             start = cache[0].lengths if cache is not None else torch.zeros(B, dtype=torch.long)
             positions = start[:, None] + torch.arange(T)
@@ -485,7 +492,8 @@ class Transformer(nn.Module):
             key_pos = torch.arange(size, device=dev).expand(B, size)
         else:
             key_pos = positions
-        masks = {w: attention_mask(positions, key_pos, w) for w in set(self.windows)}
+        masks = {w: None if fused_causal else attention_mask(positions, key_pos, w)
+                 for w in set(self.windows)}
         cos, sin = rope_tables(self.inv_freq, positions, self.model.embed_tokens.weight.dtype)
         rows = span_rows(span, positions) if span is not None else None
 
@@ -742,16 +750,34 @@ class TurnTrace:
 @torch.no_grad()
 def trace_forward(model: Transformer, ids: list[int], span, stop_ids=None) -> TurnTrace:
     """The TurnTrace of tokens ids[start:end] of one sequence, teacher-forced."""
-    start, end = span
-    if not 0 <= start < end <= len(ids):
-        raise ValueError(f"span {span} is not inside a sequence of {len(ids)} tokens")
+    return trace_batch(model, [ids], [span], stop_ids)[0]
+
+
+@torch.no_grad()
+def trace_batch(model: Transformer, seqs: list[list[int]], spans, stop_ids=None,
+                rows_per_forward: int = 16) -> list[TurnTrace]:
+    """trace_forward of many (sequence, span) pairs, a few rows per forward.
+
+    Rows are right-padded: a real token never attends to a pad after it, so each row's trace is
+    the one its sequence gives alone. Only the span tokens' hidden states are kept."""
     stop_ids = model.config.stop_ids if stop_ids is None else tuple(stop_ids)
-    _, hidden, stats = model.trunk(torch.tensor([ids]), span=(start, end),
-                                   output_hidden_states=True)
-    h = torch.stack([hs[0, start:end].float().cpu() for hs in hidden])      # (L+1, n, d)
-    return TurnTrace(tokens=list(ids[start:end]), span=(start, end),
-                     attn={k: v[0].float().cpu() for k, v in stats.items()},
-                     h_last=h[:, -1], h_mean=h.mean(1), finished=ids[end - 1] in stop_ids)
+    for ids, (start, end) in zip(seqs, spans):
+        if not 0 <= start < end <= len(ids):
+            raise ValueError(f"span {(start, end)} is not inside a sequence of {len(ids)} tokens")
+    traces = []
+    for a in range(0, len(seqs), rows_per_forward):
+        chunk, bounds = seqs[a:a + rows_per_forward], spans[a:a + rows_per_forward]
+        T = max(len(ids) for ids in chunk)
+        batch = torch.tensor([list(ids) + [0] * (T - len(ids)) for ids in chunk])    # (b, T)
+        _, hidden, stats = model.trunk(batch, span=[tuple(b) for b in bounds],
+                                       output_hidden_states=True)
+        for r, (ids, (start, end)) in enumerate(zip(chunk, bounds)):
+            h = torch.stack([hs[r, start:end].float().cpu() for hs in hidden])  # (L+1, n, d)
+            traces.append(TurnTrace(tokens=list(ids[start:end]), span=(start, end),
+                                    attn={k: v[r].float().cpu() for k, v in stats.items()},
+                                    h_last=h[:, -1], h_mean=h.mean(1),
+                                    finished=ids[end - 1] in stop_ids))
+    return traces
 
 
 def sample(logits: Tensor, temperature: float, top_p: float, generator=None) -> Tensor:

@@ -3,6 +3,7 @@ import argparse
 import json
 import math
 import os
+import shutil
 import subprocess
 import sys
 import threading
@@ -17,7 +18,8 @@ import grpo
 import model as mdl
 
 ROOT = Path(__file__).resolve().parents[1]
-TIMING = {"t_rollout", "t_reward", "t_update"}
+TIMING = set(grpo.TIMING)
+BUILTIN = ROOT / "data" / "shop-policy"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -53,7 +55,11 @@ def _cache(pair_cache, monkeypatch):
 def flags(policy, out, reward="coe", **kw) -> list[str]:
     opts = {"model": policy, "reward": reward, "out": out, "steps": 2, "group": 2,
             "max_turns": 2, "max_new_tokens": 8, "lr": 1e-2, "save_every": 1,
-            "probe_episodes": 10, "seed": 3, "threads": 1, **kw}
+            "probe_episodes": 10, "seed": 3, "threads": 1,
+            # a random policy's own turns are all wrong: its probes come from the gold corpus
+            "probe_corpus": "contaminated", "corpus_samples": 2, "corpus_heldout": 2, **kw}
+    if "eval_episodes" in kw:
+        opts.setdefault("val_episodes", 2)
     argv = []
     for k, v in opts.items():
         if v is True:
@@ -361,13 +367,14 @@ def test_gta_replay_runs(reward, release_dir, tiny_policy, tmp_path):
 
 def test_probe_cache_is_reused(tiny_policy, tmp_path, pair_cache):
     run(flags(tiny_policy, tmp_path / "a", "last_token", steps=1))
-    cached = list((pair_cache / "grpo-probes").glob("shop-*/probes.json"))
+    cached = list((pair_cache / "grpo-probes").glob("shop-*/contaminated-*/probes.json"))
     assert len(cached) == 1
     before = cached[0].stat().st_mtime_ns
     run(flags(tiny_policy, tmp_path / "b", "multi_attn", steps=1))
     assert cached[0].stat().st_mtime_ns == before
     report = json.loads(cached[0].read_text())
-    assert set(report["auroc"]) >= {"pair", "last_token", "multi_attn"}
+    assert set(report["heldout"]) >= {"pair", "last_token", "multi_attn"}
+    assert report["settings"]["corpus"] == "contaminated"
 
 
 def test_igpo_rewards_are_gold_probability_gains(tiny_policy):
@@ -488,3 +495,167 @@ def test_cli_help_lists_every_reward():
     assert r.returncode == 0
     for name in grpo.REWARDS:
         assert name in r.stdout
+
+
+# ---------------------------------------------------------------------------------------------
+# the probes of the built-in world: an on-policy corpus, held-out own turns, reads from the base
+
+def test_on_policy_corpus_labels_are_the_worlds():
+    policy, tok = mdl.load_model(BUILTIN)
+    env = envs.make("shop", split="train")
+    trajs = grpo.rollout(policy, tok, [env.episode(i) for i in (0, 0, 1, 2, 3, 3)],
+                         play_args(max_turns=10, max_new_tokens=96),
+                         generator=torch.Generator().manual_seed(1))
+    split = grpo.turn_records(trajs)
+    labels = [ok for traj in trajs for ok in traj.episode.labels()]
+    assert split.y.tolist() == [int(ok) for ok in labels]
+    assert 0 < sum(labels) < len(labels)            # the built-in policy gets some turns wrong
+    # distance: assistant turns back to the nearest earlier wrong turn of the same rollout
+    k = 0
+    for traj in trajs:
+        last_wrong = None
+        for t, ok in enumerate(traj.episode.labels()):
+            want = -1 if last_wrong is None else t - last_wrong
+            assert split.raw["distance"][k] == want and split.raw["turn_idx"][k] == t
+            assert split.episode_id[k] == traj.episode.id
+            last_wrong = t if not ok else last_wrong
+            k += 1
+    first = grpo.probes.raw_features(trajs[0].steps[0].trace)
+    for key, v in first.items():
+        assert torch.equal(split.raw[key][0], v), key
+
+
+def test_no_held_out_episode_is_sampled_for_the_corpus_or_for_training(tmp_path, monkeypatch):
+    calls, fitted = [], []
+    real_rollout, real_fit = grpo.rollout, grpo.fit_probes
+
+    def spy_rollout(policy, tok, episodes, args, greedy=False, **kw):
+        calls.append((greedy, [ep.id for ep in episodes]))
+        return real_rollout(policy, tok, episodes, args, greedy=greedy, **kw)
+
+    def spy_fit(train, info):
+        fitted.append(list(train.episode_id))
+        return real_fit(train, info)
+    monkeypatch.setattr(grpo, "rollout", spy_rollout)
+    monkeypatch.setattr(grpo, "fit_probes", spy_fit)
+    summary = run(["--model", str(BUILTIN), "--reward", "pair", "--out", str(tmp_path / "r"),
+                   "--steps", "2", "--batch", "2", "--group", "2", "--save-every", "1",
+                   "--corpus-episodes", "4", "--corpus-samples", "2", "--corpus-heldout", "3",
+                   "--probe-episodes", "10", "--eval-episodes", "3", "--val-episodes", "2",
+                   "--threads", "1"])
+    split_of = {}
+    for greedy, ids in calls:
+        for eid in ids:
+            split_of.setdefault(eid.split("-")[2], set()).add(greedy)
+    sampled = {eid for greedy, ids in calls if not greedy for eid in ids}
+    assert not any("-test-" in eid for eid in sampled)              # test is only ever evaluated
+    val_sampled = {eid for eid in sampled if "-val-" in eid}
+    assert val_sampled == {f"shop-42-val-{i}" for i in range(3)}    # the held-out own turns
+    on_policy, contaminated = fitted[0], fitted[1]                  # corpus, then the yardstick
+    assert on_policy and all("-train-" in eid for eid in on_policy)
+    assert all("-train-" in eid for eid in contaminated)
+    evaluated = {eid for greedy, ids in calls if greedy for eid in ids}
+    assert evaluated == {f"shop-42-val-{i}" for i in range(2)} | \
+        {f"shop-42-test-{i}" for i in range(3)}
+    assert set(split_of) == {"train", "val", "test"}
+    assert 0 <= summary["probe_auroc_heldout"]["pair"] <= 1
+    report = json.loads(next((Path(os.environ["PAIR_CACHE"]) / "grpo-probes")
+                             .glob("shop-*/on-policy-*/probes.json")).read_text())
+    assert report["heldout"]["n"]["all"] == summary["probe_auroc_heldout"]["turns"] > 0
+
+
+def test_probe_reads_base_equals_teacher_forcing_through_the_base():
+    policy, tok, args, env = lora_policy(BUILTIN, ["--lora-dropout", "0"])
+    with torch.no_grad():                     # a trained-looking adapter: the policy != the base
+        for name, p in mdl.lora_parameters(policy):
+            p.normal_(0, 0.004 if "lora_B" in name else 0.3)
+    policy.eval()
+    trajs = grpo.rollout(policy, tok, [env.episode(i) for i in (0, 1)],
+                         play_args(max_new_tokens=96), generator=torch.Generator().manual_seed(0))
+    generated = [step.trace for traj in trajs for step in traj.steps]
+    grpo.read_from_base(policy, trajs, rows_per_forward=2)
+    k = 0
+    for traj in trajs:
+        turns = [m for m, msg in enumerate(traj.episode.messages) if msg["role"] == "assistant"]
+        for step, m in zip(traj.steps, turns):
+            # what `pair.py extract` does with this transcript: render, one teacher-forced pass
+            ids, spans = tok.render(traj.episode.messages[:m + 1])
+            if not step.trace.finished:           # a turn cut at max_new_tokens has no im_end
+                continue
+            assert tuple(spans[-1]) == step.span
+            assert ids[:step.span[1]] == traj.segments[step.segment][:step.span[1]]
+            with mdl.lora_disabled(policy):
+                want = grpo.probes.raw_features(mdl.trace_forward(policy, ids, spans[-1]))
+            got = grpo.probes.raw_features(step.trace)
+            for key in want:
+                torch.testing.assert_close(got[key], want[key], atol=1e-5, rtol=1e-4)
+            k += 1
+    assert k > 0
+    # and the policy's own generation pass reads something else
+    assert any(not torch.allclose(a.h_last, s.trace.h_last, atol=1e-4) for a, s in
+               zip(generated, [s for t in trajs for s in t.steps]))
+
+
+def test_probe_reads_base_runs_and_logs_its_cost(tiny_policy, tmp_path):
+    run(flags(tiny_policy, tmp_path / "b", "pair", steps=1, probe_reads="base"))
+    (rec,) = metrics(tmp_path / "b")
+    assert rec["t_base_read"] > 0 and "probe_auroc" in rec
+
+
+# ---------------------------------------------------------------------------------------------
+# compare: resumable, the table, the curves
+
+def test_compare_resumes_without_redoing_finished_runs(tiny_policy, tmp_path):
+    out = tmp_path / "cmp"
+    grpo.main(_compare_argv(tiny_policy, out))
+    runs = out / "runs"
+    done = {p.name: (p / "summary.json").stat().st_mtime_ns for p in runs.iterdir() if p.is_dir()}
+    assert len(done) == 4
+    first = json.loads((out / "compare.json").read_text())
+    # interrupt one run after its first checkpoint: no summary, the last checkpoint gone
+    cut = runs / "outcome-s2"
+    (cut / "summary.json").unlink()
+    shutil.rmtree(cut / "checkpoint-000002")
+    grpo.main(_compare_argv(tiny_policy, out))
+    for name, mtime in done.items():
+        if name != "outcome-s2":
+            assert (runs / name / "summary.json").stat().st_mtime_ns == mtime, name
+    assert "resumed from" in (runs / "outcome-s2.log").read_text()
+    again = json.loads((out / "compare.json").read_text())
+    for a, b in zip(first["rows"], again["rows"]):
+        assert a["selected"]["per_seed"] == b["selected"]["per_seed"]
+        assert a["final"]["per_seed"] == b["final"]["per_seed"]
+    row = again["rows"][1]
+    assert row["reward"] == "coe:alpha=0" and len(row["curve_success"]) == 3
+    lo, hi = row["selected"]["ci95"]
+    assert lo <= row["selected"]["mean"] <= hi
+    assert "| outcome |" in (out / "compare.md").read_text()
+    assert (out / "curves.svg").read_text().startswith("<svg")
+
+
+def _compare_argv(policy, out):
+    per_run = ["--model", str(policy), "--steps", "2", "--group", "2", "--max-turns", "2",
+               "--max-new-tokens", "8", "--save-every", "1", "--eval-episodes", "3",
+               "--val-episodes", "2"]
+    return ["compare", "--rewards", "outcome", "coe:alpha=0", "--seeds", "1", "2", "--out",
+            str(out), "--jobs", "2", "--", *per_run]
+
+
+def test_compare_rejects_a_bad_reward_spec(tmp_path):
+    with pytest.raises(SystemExit, match="unknown reward 'paír'"):
+        grpo.main(["compare", "--rewards", "paír", "--out", str(tmp_path)])
+    with pytest.raises(SystemExit, match="name=value"):
+        grpo.main(["compare", "--rewards", "pair:alpha", "--out", str(tmp_path)])
+
+
+def test_bootstrap_interval_covers_the_mean_and_shrinks_with_episodes():
+    g = torch.Generator().manual_seed(0)
+    small = (torch.rand(3, 100, generator=g) < 0.3).double().tolist()
+    large = (torch.rand(3, 2000, generator=g) < 0.3).double().tolist()
+    lo, hi = grpo.bootstrap_mean(small)
+    assert lo < 0.3 < hi
+    lo2, hi2 = grpo.bootstrap_mean(large)
+    assert lo2 < 0.3 < hi2 and hi2 - lo2 < (hi - lo) / 2
+    assert grpo.bootstrap_mean(small) == grpo.bootstrap_mean(small)      # seeded
+    d_lo, d_hi = grpo.bootstrap_mean(small, small)
+    assert d_lo == d_hi == 0.0                                           # paired: no noise

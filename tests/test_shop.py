@@ -123,9 +123,13 @@ def test_episodes_deterministic_and_splits_disjoint():
               for i in range(50)}
     assert len(worlds) == 100
     seeds = lambda split, seed: {envs.shop_episode_seed(split, seed, i)  # noqa: E731
-                                 for i in (0, 1, envs.SHOP_SPLIT_SIZE - 1)}
-    assert not seeds("train", 5) & seeds("test", 5)
+                                 for i in (0, 1, envs.SHOP_SPLIT_SIZE[split] - 1)}
+    for x, y in (("train", "val"), ("val", "test"), ("train", "test")):
+        assert not seeds(x, 5) & seeds(y, 5)
     assert not seeds("test", 5) & seeds("train", 6)
+    val = envs.ShopEnv("val", seed=5, episodes=50)
+    assert not set(val.ids) & (set(a.ids) | set(test.ids))
+    assert envs.shop_task_from_id(val.ids[3]) == val.episode(3).task
     with pytest.raises(ValueError, match="unknown split"):
         envs.ShopEnv("dev")
     with pytest.raises(KeyError, match="no episode"):
