@@ -45,7 +45,8 @@ Where this departs from textbook GRPO (DeepSeekMath; TRL's GRPOTrainer):
 Every checkpoint (`--save-every`, and the last step) stores the adapter in PEFT's layout, the
 optimizer, the RNG states and the step, atomically; `--resume` continues from the newest one and
 gives the same metrics as a run that was never interrupted. The base model and every checkpoint
-are evaluated on the held-out split with greedy decoding; the run ends with success before, best
+are evaluated on the held-out split with greedy decoding (GTA answers matched loosely there, as
+the paper evaluates, and strictly in the training reward); the run ends with success before, best
 and final. Metrics go to OUT/metrics.jsonl (one line per step) and OUT/eval.jsonl.
 
 The built-in policy (data/shop-policy, rebuilt by `grpo.py sft`, see its section) is a ~0.3M
@@ -767,6 +768,17 @@ def set_rng_state(tensors: dict, meta: dict):
 # Evaluation: greedy decoding on the held-out split
 # ---------------------------------------------------------------------------------------------
 
+# GTA answers are matched as the paper matches them: strictly (an alias must stand alone) for the
+# training reward, loosely (a substring) on the held-out split. Shop and ToolBench have one scorer.
+GTA_MATCH = {"train": "strict", "test": "loose"}
+
+
+def make_env(args, split: str):
+    """The `--env` environment of one split, scored as that split is scored."""
+    kw = {"match": GTA_MATCH[split]} if args.env == "gta" else {}
+    return envs.make(args.env, split=split, data_dir=args.data_dir, **kw)
+
+
 def evaluate(policy, tok, env, pool, args, world) -> dict:
     """Mean task score of greedy rollouts on the first `--eval-episodes` held-out episodes."""
     n = len(pool) if not args.eval_episodes else min(args.eval_episodes, len(pool))
@@ -1004,8 +1016,7 @@ def train(args) -> dict:
                  f"`python grpo.py sft --env shop --out {BUILTIN_POLICY}`")
     policy, tok = mdl.load_model(args.model, dtype=DTYPES[args.dtype], devices=devices)
     add_lora(policy, args)
-    env = envs.make(args.env, split="train", data_dir=args.data_dir)
-    held_out = envs.make(args.env, split="test", data_dir=args.data_dir)
+    env, held_out = make_env(args, "train"), make_env(args, "test")
     pool, held_pool = scorable(env), scorable(held_out)
     if len(pool) < len(env) or len(held_pool) < len(held_out):
         log(f"{args.env}: episodes that cannot be scored are left out: "

@@ -348,15 +348,49 @@ def test_every_offline_reward_runs(reward, tiny_policy, tmp_path):
     assert summary["base"]["episodes"] == 2 and summary["final"]["step"] == 1
 
 
+def spy_envs(monkeypatch) -> dict:
+    """Record what train() hands to the training steps and to evaluate: name -> (env, pool)."""
+    seen = {}
+    real_step, real_eval = grpo.train_step, grpo.evaluate
+
+    def train_step(step, policy, tok, env, pool, *a, **k):
+        seen["train"] = env, pool
+        return real_step(step, policy, tok, env, pool, *a, **k)
+
+    def evaluate(policy, tok, env, pool, *a, **k):
+        seen["eval"] = env, pool
+        return real_eval(policy, tok, env, pool, *a, **k)
+    monkeypatch.setattr(grpo, "train_step", train_step)
+    monkeypatch.setattr(grpo, "evaluate", evaluate)
+    return seen
+
+
 @pytest.mark.parametrize("reward", ["outcome", "igpo"])
-def test_gta_replay_runs(reward, release_dir, tiny_policy, tmp_path):
+def test_gta_replay_runs(reward, release_dir, tiny_policy, tmp_path, monkeypatch):
     # igpo reads the gold answer from the released gold dialog
     out = tmp_path / reward
+    seen = spy_envs(monkeypatch)
     summary = run(flags(tiny_policy, out, reward, env="gta", data_dir=release_dir, steps=1,
                         eval_episodes=2))
     (rec,) = metrics(out)
     assert rec["tokens"] > 0 and math.isfinite(rec["loss"]) and "probe_auroc" not in rec
     assert summary["base"]["episodes"] == 2
+    # the reward matches answers strictly, the held-out evaluation loosely (the paper's protocol)
+    (train_env, _), (eval_env, _) = seen["train"], seen["eval"]
+    assert train_env.match == "strict" and eval_env.match == "loose"
+    assert eval_env.ids == envs.make("gta", split="test", data_dir=release_dir).ids
+
+
+def test_gta_answers_match_strictly_in_training_and_loosely_in_evaluation(release_dir):
+    args = argparse.Namespace(env="gta", data_dir=release_dir)
+    scores = {}
+    for split in ("train", "test"):
+        ep = grpo.make_env(args, split).episode(0)
+        ep.gt_answer = {"whitelist": [["1919.96"]], "blacklist": None}  # GTA test episode 1
+        assert ep.skip_reason is None
+        ep.step("Final Answer: 1919.96s")           # "s" touches the alias: strict says no
+        scores[split] = ep.score()
+    assert scores == {"train": 0.0, "test": 1.0}
 
 
 def test_probe_cache_is_reused(tiny_policy, tmp_path, pair_cache):
