@@ -326,6 +326,69 @@ def test_two_processes_equal_one_process(tiny_policy, tmp_path, pair_cache):
 
 
 # ---------------------------------------------------------------------------------------------
+# evaluation: greedy rollouts on the held-out split; the summary keeps best and final apart
+
+class Recording:
+    """An environment that keeps every episode it hands out (to read what was played)."""
+
+    def __init__(self, env):
+        self.env, self.ids, self.episodes = env, env.ids, []
+
+    def __len__(self):
+        return len(self.env)
+
+    def episode(self, i):
+        self.episodes.append(self.env.episode(i))
+        return self.episodes[-1]
+
+
+def test_evaluation_decodes_greedily(tiny_policy):
+    policy, tok = mdl.load_model(tiny_policy)
+    held_out = envs.make("shop", split="test")
+    pool = [4, 1, 7]
+    args = play_args(eval_episodes=0, eval_batch=8, temperature=1.0)
+    played = []
+    for seed in (0, 1):                 # greedy: the global RNG state changes nothing
+        torch.manual_seed(seed)
+        env = Recording(held_out)
+        result = grpo.evaluate(policy, tok, env, pool, args, grpo.World())
+        played.append([ep.messages for ep in env.episodes])
+        assert result["episodes"] == 3
+        assert result["success"] == pytest.approx(sum(ep.score() for ep in env.episodes) / 3)
+    assert played[0] == played[1]
+    greedy = grpo.rollout(policy, tok, [held_out.episode(j) for j in pool], args, greedy=True,
+                          stats=False)
+    assert played[0] == [t.episode.messages for t in greedy]
+    sampled = grpo.rollout(policy, tok, [held_out.episode(j) for j in pool], args,
+                           generator=torch.Generator().manual_seed(0), stats=False)
+    assert played[0] != [t.episode.messages for t in sampled]      # the check can tell
+
+
+def test_training_plays_the_train_split_and_evaluation_the_test_split(tiny_policy, tmp_path,
+                                                                     monkeypatch):
+    seen = spy_envs(monkeypatch)
+    summary = run(flags(tiny_policy, tmp_path / "run", "outcome", steps=1, eval_episodes=2))
+    (train_env, train_pool), (eval_env, eval_pool) = seen["train"], seen["eval"]
+    assert train_env.ids == envs.make("shop", split="train").ids
+    assert eval_env.ids == envs.make("shop", split="test").ids
+    assert summary["base"]["episodes"] == 2 and len(eval_pool) == len(eval_env)
+
+
+def test_summary_reports_the_best_and_the_final_checkpoint(tmp_path):
+    # held-out success per evaluation: the best (0.7, first reached at step 20) is not the last
+    success = {0: 0.2, 10: 0.5, 20: 0.7, 30: 0.7, 40: 0.4}
+    for step, value in success.items():
+        grpo.append_jsonl(tmp_path / "eval.jsonl", {"step": step, "success": value,
+                                                     "episodes": 48, "turns": 3.0})
+    s = grpo.summarize(tmp_path, 12.0, argparse.Namespace(reward="pair"))
+    assert (s["base"]["step"], s["best"]["step"], s["final"]["step"]) == (0, 20, 40)
+    assert (s["base"]["success"], s["best"]["success"], s["final"]["success"]) == (0.2, 0.7, 0.4)
+    assert s["best_adapter"] == str(tmp_path / "checkpoint-000020" / "adapter")
+    assert "before 0.200 -> best 0.700 (step 20) -> final 0.400 (step 40)" in \
+        grpo.summary_text(s)
+
+
+# ---------------------------------------------------------------------------------------------
 # every --reward that needs no network: a short run each
 
 OFFLINE = [r for r in grpo.REWARDS if r != "llm_judge"]
