@@ -375,14 +375,10 @@ def reward_context(args, policy, tok, env, world, log) -> RewardContext:
     """Load (or, on shop, fit once and cache) whatever the `--reward` function reads."""
     ctx = RewardContext(policy, tok, args, env=env)
     if args.reward == "pair" or args.reward in PROBE_REWARDS:
-        where = Path(args.probes) if args.probes else shop_probes(args, policy, tok, world, log)
+        where = seed_dir(Path(args.probes), log) if args.probes else shop_probes(
+            args, policy, tok, world, log)
         if args.reward == "pair":
-            found = next((d for d in (where, where / "pair_mixed", where / "pair")
-                          if (d / "pair.json").is_file()), None)
-            if found is None:
-                raise SystemExit(f"--probes {where}: no pair.json there (nor in pair_mixed/): "
-                                 "train PAIR with `python pair.py train`")
-            ctx.pair = pair_lib.PairReward(found, alpha=args.alpha)
+            ctx.pair = pair_lib.PairReward(find_pair_dir(where), alpha=args.alpha)
         else:
             path = where / f"{args.reward}.safetensors" if where.is_dir() else where
             if not path.is_file():
@@ -398,6 +394,36 @@ def reward_context(args, policy, tok, env, world, log) -> RewardContext:
         except envs.LLMError as e:
             raise SystemExit(f"--reward llm_judge: {e}") from e
     return ctx
+
+
+def seed_dir(where: Path, log) -> Path:
+    """`pair.py train --out DIR` fits every probe once per seed, into DIR/seed<S>/: take the
+    smallest seed (42 with its defaults, the seed the built-in policy's probes are fitted with)
+    and say so. Any other path is used as it is; --probes DIR/seed<S> takes another seed."""
+    seeds = sorted((int(p.name[4:]), p) for p in (where.glob("seed*") if where.is_dir() else ())
+                   if p.name[4:].isdigit() and p.is_dir())
+    if not seeds:
+        return where
+    seed, chosen = seeds[0]
+    log(f"--probes {where}: the probes of seed {seed} ({chosen}), the smallest of "
+        f"{', '.join(str(s) for s, _ in seeds)}; --probes {where / 'seed<S>'} takes another",
+        flush=True)
+    return chosen
+
+
+# Where PAIR lies inside a probes directory, first found first: the paper's training mode, the
+# probes fitted on the fly, the clean_only mode
+PAIR_DIRS = ("pair_mixed", "pair", "pair_clean_only")
+
+
+def find_pair_dir(where: Path) -> Path:
+    """The directory holding pair.json: `where` itself or one of PAIR_DIRS in it."""
+    for d in (where, *(where / name for name in PAIR_DIRS)):
+        if (d / "pair.json").is_file():
+            return d
+    raise SystemExit(f"--probes {where}: no pair.json there nor in "
+                     f"{', '.join(n + '/' for n in PAIR_DIRS)} of it: train PAIR with "
+                     "`python pair.py train`")
 
 
 # The probes of the built-in policy are fitted on the fly, once, and cached by the policy's hash:
@@ -1435,9 +1461,10 @@ def train_parser() -> argparse.ArgumentParser:
     a("--outcome-weight", type=float, default=0.0,
       help="add this times the task score to the last turn's reward (SPEC §9)")
     a("--probes", default=None,
-      help="trained probes: a `pair.py train` directory for --reward pair, a probe file or a "
-           "directory holding <feature>.safetensors for a probe reward; default on shop: fitted "
-           "on the fly from `envs.py make-data shop` with this policy, cached under $PAIR_CACHE")
+      help="trained probes: a `pair.py train --out` directory (its smallest seed<S>/ is used, "
+           "pair_mixed/ in it for --reward pair) or one seed<S>/ of it, a PAIR directory, a "
+           "probe file; default on shop: fitted on the fly from `envs.py make-data shop` with "
+           "this policy, cached under $PAIR_CACHE")
     a("--probe-episodes", type=int, default=500,
       help="episodes of `make-data shop` the on-the-fly probes are fitted on")
     a("--judge-model", default="gpt-4o-mini",

@@ -15,6 +15,7 @@ import torch
 import envs
 import grpo
 import model as mdl
+import pair
 
 ROOT = Path(__file__).resolve().parents[1]
 TIMING = {"t_rollout", "t_reward", "t_update"}
@@ -511,6 +512,32 @@ def test_tips_reads_the_lagged_teacher(tiny_policy):
     assert rewards == pytest.approx(expected, rel=1e-5, abs=1e-6)
     phi_moved, _ = grpo.gold_logprobs(policy, tok, states, answer, 1)
     assert phi_moved != pytest.approx(phi, rel=1e-3)
+
+
+def test_probes_of_a_pair_train_run(tiny_policy, tmp_path, capsys, monkeypatch):
+    # README: `pair.py train --out runs/pair-gta`, then `grpo.py --probes runs/pair-gta`
+    policy, tok = mdl.load_model(tiny_policy)
+    args = grpo.train_parser().parse_args(flags(tiny_policy, tmp_path / "unused"))
+    features = grpo.shop_probes(args, policy, tok, grpo.World(), print) / "features"
+    trained = tmp_path / "pair-shop"
+    pair.main(["train", "--features", str(features), "--out", str(trained), "--seeds", "43", "42"])
+    loaded = []
+    real_pair, real_probe = pair.PairReward, pair.ProbeReward
+    monkeypatch.setattr(pair, "PairReward",
+                        lambda d, **k: loaded.append(Path(d)) or real_pair(d, **k))
+    monkeypatch.setattr(pair, "ProbeReward", lambda p: loaded.append(Path(p)) or real_probe(p))
+    capsys.readouterr()
+    for n, (reward, probes_flag, expect) in enumerate([
+            ("pair", trained, trained / "seed42" / "pair_mixed"),
+            ("last_token", trained, trained / "seed42" / "last_token.safetensors"),
+            ("pair", trained / "seed43", trained / "seed43" / "pair_mixed")]):
+        run(flags(tiny_policy, tmp_path / f"run{n}", reward, probes=probes_flag, steps=1))
+        assert loaded[-1] == expect
+        said = f"--probes {trained}: the probes of seed 42"
+        assert (said in capsys.readouterr().out) == (probes_flag == trained)
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(SystemExit, match="no pair.json there nor in pair_mixed/, pair/"):
+        run(flags(tiny_policy, tmp_path / "run3", "pair", probes=tmp_path / "empty", steps=1))
 
 
 # ---------------------------------------------------------------------------------------------
