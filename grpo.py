@@ -27,7 +27,8 @@ What runs, once per training step:
     observations are masked; the <|im_end|> it generated counts); their sum is divided by the
     number of such tokens in the whole batch, over all processes. AdamW on the LoRA parameters
     (r 16, alpha 32, dropout 0.05 on q,k,v,o,gate,up,down), lr constant after a 5% linear warmup,
-    grad-norm clip 1.0. Probes stay frozen.
+    grad-norm clip 1.0. Probes stay frozen. A batch without a single policy token (every prompt
+    longer than --max-len) makes no update, logs loss 0 and is counted in `empty_batch`.
 
 Where this departs from textbook GRPO (DeepSeekMath; TRL's GRPOTrainer):
  - One PPO epoch per batch, as the paper ran it: pi_old is the policy that sampled, rho = 1 in
@@ -577,6 +578,11 @@ def update(policy, optimizer, batch: Batch, args, world) -> dict:
     """`--ppo-epochs` passes over the batch in micro-batches; one AdamW step per pass."""
     params = [p for p in policy.parameters() if p.requires_grad]
     n_tokens = all_sum(world, [batch.mask[:, 1:].sum().item()])[0]
+    if n_tokens == 0:
+        # no rollout generated a token (every prompt outgrew --max-len): the loss would be 0/0,
+        # and an AdamW step on zero gradients would still move the adapter by its momentum
+        return {"loss": 0.0, "kl": 0.0, "clip_frac": 0.0, "ratio": 0.0, "grad_norm": 0.0,
+                "tokens": 0, "empty_batch": 1}
     rows = len(batch.lengths)
     chunks = [list(range(i, min(i + args.micro_batch, rows)))
               for i in range(0, rows, args.micro_batch)]
@@ -613,7 +619,8 @@ def update(policy, optimizer, batch: Batch, args, world) -> dict:
             first = all_sum(world, [sums[k] for k in ("loss", "kl", "clip", "ratio")])
     loss, kl, clip, ratio = first
     return {"loss": loss, "kl": kl / max(n_tokens, 1), "clip_frac": clip / max(n_tokens, 1),
-            "ratio": ratio / max(n_tokens, 1), "grad_norm": grad_norm, "tokens": int(n_tokens)}
+            "ratio": ratio / max(n_tokens, 1), "grad_norm": grad_norm, "tokens": int(n_tokens),
+            "empty_batch": 0}
 
 
 # ---------------------------------------------------------------------------------------------

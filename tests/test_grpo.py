@@ -262,6 +262,23 @@ def test_first_update_has_zero_kl_and_unit_ratio(tiny_policy):
     assert again["kl"] > 0 and again["ratio"] == pytest.approx(1.0)     # new pi_old, new ratio
 
 
+def test_a_batch_without_generated_tokens_logs_loss_0_and_is_counted(tiny_policy, tmp_path):
+    # every prompt is longer than --max-len: nothing is generated, nothing is learned
+    out = tmp_path / "empty"
+    run(flags(tiny_policy, out, "outcome", steps=2, max_len=20, save_every=2))
+    lines = (out / "metrics.jsonl").read_text().splitlines()
+
+    def no_nan(name):
+        raise AssertionError(f"{name} in metrics.jsonl")
+    recs = [json.loads(line, parse_constant=no_nan) for line in lines]
+    assert [(r["loss"], r["tokens"], r["empty_batch"], r["grad_norm"]) for r in recs] == \
+        [(0.0, 0, 1, 0.0)] * 2
+    policy, _ = mdl.load_model(tiny_policy)
+    adapter = mdl.load_adapter(policy, out / "checkpoint-000002" / "adapter")
+    lora_b = [p for n, p in mdl.lora_parameters(adapter) if ".lora_B." in n]
+    assert lora_b and all(p.abs().sum() == 0 for p in lora_b)     # B starts at zero, stays there
+
+
 # ---------------------------------------------------------------------------------------------
 # checkpoints and --resume
 
@@ -402,7 +419,7 @@ def test_every_offline_reward_runs(reward, tiny_policy, tmp_path):
                         outcome_weight=0.5 if reward == "pair" else None))
     (rec,) = metrics(out)
     assert math.isfinite(rec["reward_mean"]) and math.isfinite(rec["loss"])
-    assert rec["tokens"] > 0 and rec["turn_rewards"]
+    assert rec["tokens"] > 0 and rec["turn_rewards"] and rec["empty_batch"] == 0
     if reward in ("pair", *grpo.PROBE_REWARDS):
         assert "probe_auroc" in rec
         bound = 1.5 if reward == "pair" else 1.0            # + 0.5 x task score on pair
