@@ -245,7 +245,9 @@ def test_batch_masks_exactly_the_generated_tokens_eos_included():
 # the update: KL = 0 and rho = 1 before the first step, then the adapter moves
 
 def test_first_update_has_zero_kl_and_unit_ratio(tiny_policy):
-    policy, tok, args, env = lora_policy(tiny_policy, ["--lr", "1e-2", "--micro-batch", "1"])
+    # dropout 0: dropout noise alone would give KL > 0 even with pi_ref = the policy itself
+    policy, tok, args, env = lora_policy(tiny_policy, ["--lr", "1e-2", "--micro-batch", "1",
+                                                       "--lora-dropout", "0"])
     trajs = grpo.rollout(policy, tok, [env.episode(1) for _ in range(3)], play_args(),
                          generator=torch.Generator().manual_seed(0))
     adv = [[float(i + t) for t in range(len(tr.steps))] for i, tr in enumerate(trajs)]
@@ -258,8 +260,15 @@ def test_first_update_has_zero_kl_and_unit_ratio(tiny_policy):
     # rho = 1 and KL = 0: the loss is minus the token-averaged advantage
     assert stats["loss"] == pytest.approx(-batch.adv[batch.mask].sum().item() / n, rel=1e-5)
     assert stats["tokens"] == n and stats["grad_norm"] > 0
+    # the adapter has moved: the KL is against the same model with the adapter disabled
+    with torch.no_grad():
+        logp = grpo.token_logprobs(policy, batch.ids, batch.mask, args.temperature)
+        with mdl.lora_disabled(policy):
+            logp_ref = grpo.token_logprobs(policy, batch.ids, batch.mask, args.temperature)
+    kl = (torch.expm1(logp_ref - logp) - (logp_ref - logp)).mean().item()
     again = grpo.update(policy, opt, batch, args, grpo.World())
-    assert again["kl"] > 0 and again["ratio"] == pytest.approx(1.0)     # new pi_old, new ratio
+    assert kl > 1e-6 and again["kl"] == pytest.approx(kl, rel=1e-3)
+    assert again["ratio"] == pytest.approx(1.0)                          # new pi_old, new ratio
 
 
 def test_a_batch_without_generated_tokens_logs_loss_0_and_is_counted(tiny_policy, tmp_path):
