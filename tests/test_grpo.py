@@ -16,6 +16,7 @@ import envs
 import grpo
 import model as mdl
 import pair
+import probes
 
 ROOT = Path(__file__).resolve().parents[1]
 TIMING = {"t_rollout", "t_reward", "t_update"}
@@ -538,6 +539,51 @@ def test_tips_reads_the_lagged_teacher(tiny_policy):
     assert rewards == pytest.approx(expected, rel=1e-5, abs=1e-6)
     phi_moved, _ = grpo.gold_logprobs(policy, tok, states, answer, 1)
     assert phi_moved != pytest.approx(phi, rel=1e-3)
+
+
+def stacked_raw(steps) -> dict[str, torch.Tensor]:
+    raws = [probes.raw_features(step.trace) for step in steps]
+    return {k: torch.stack([r[k] for r in raws]) for k in raws[0]}
+
+
+def random_pair(raw: dict, seed: int) -> pair.Pair:
+    """PAIR with random weights, its scalers fitted to `raw`: s_final spread over (0, 1)."""
+    g = torch.Generator().manual_seed(seed)
+
+    def probe(X):
+        d = X.shape[1]
+        scale = X.std(0, correction=0).clamp_min(1e-3)
+        w = 2 * torch.randn(d, generator=g, dtype=torch.float64) / math.sqrt(d)
+        return probes.Probe(X.mean(0), scale, w, torch.tensor(0.0, dtype=torch.float64))
+    X1 = probes.feature("last_token", raw)
+    stage1 = probe(X1)
+    X2 = torch.cat([probes.feature("multi_attn", raw), stage1.predict_proba(X1)[:, None]], 1)
+    return pair.Pair(stage1, probe(X2))                           # stage 2 on [multi_attn; s_bc]
+
+
+def test_pair_reward_is_the_momentum_reward_of_the_turns_s_final(tiny_policy, tmp_path):
+    policy, tok = mdl.load_model(tiny_policy)
+    env = envs.make("shop", split="train")
+    trajs = grpo.rollout(policy, tok, [env.episode(i) for i in range(4)], play_args(max_turns=4),
+                         generator=torch.Generator().manual_seed(0))
+    model = random_pair(stacked_raw([step for t in trajs for step in t.steps]), seed=0)
+    model.save(tmp_path / "pair")
+    traj = max(trajs, key=lambda t: len(t.steps))
+    assert len(traj.steps) >= 3             # momentum reads the mean of at least two earlier s~
+    args = play_args(reward="pair", outcome_weight=0.0)
+    ctx = grpo.RewardContext(policy, tok, args, pair=pair.PairReward(tmp_path / "pair", alpha=5))
+    rewards = grpo.pair_reward(traj, ctx)
+
+    _, s_final = model.scores(stacked_raw(traj.steps))
+    assert [step.p_correct for step in traj.steps] == pytest.approx(s_final.tolist(), abs=1e-9)
+    expected = pair.trajectory_rewards(s_final.tolist(), alpha=5.0)
+    assert rewards == pytest.approx(expected, abs=1e-9)
+    # the check can tell: a momentum over the earlier rewards r instead of the earlier s~ differs
+    s_tilde = [pair.temp_clip(s) for s in s_final.tolist()]
+    over_r = [s_tilde[0]]
+    for t in range(1, len(s_tilde)):
+        over_r.append(pair.momentum_reward(s_tilde[t], over_r[:t]))
+    assert max(abs(a - b) for a, b in zip(over_r, expected)) > 1e-3
 
 
 def test_probes_of_a_pair_train_run(tiny_policy, tmp_path, capsys, monkeypatch):
