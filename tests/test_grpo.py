@@ -354,7 +354,25 @@ def test_two_processes_equal_one_process(tiny_policy, tmp_path, pair_cache):
 
 
 # ---------------------------------------------------------------------------------------------
-# evaluation: greedy rollouts on the held-out split; the summary keeps best and final apart
+# evaluation: greedy rollouts on the held-out split (GTA matched loosely there); the
+# summary keeps the best and the final checkpoint apart
+
+def spy_envs(monkeypatch) -> dict:
+    """Record what train() hands to the training steps and to evaluate: name -> (env, pool)."""
+    seen = {}
+    real_step, real_eval = grpo.train_step, grpo.evaluate
+
+    def train_step(step, policy, tok, env, pool, *a, **k):
+        seen["train"] = env, pool
+        return real_step(step, policy, tok, env, pool, *a, **k)
+
+    def evaluate(policy, tok, env, pool, *a, **k):
+        seen["eval"] = env, pool
+        return real_eval(policy, tok, env, pool, *a, **k)
+    monkeypatch.setattr(grpo, "train_step", train_step)
+    monkeypatch.setattr(grpo, "evaluate", evaluate)
+    return seen
+
 
 class Recording:
     """An environment that keeps every episode it hands out (to read what was played)."""
@@ -396,7 +414,7 @@ def test_training_plays_the_train_split_and_evaluation_the_test_split(tiny_polic
                                                                      monkeypatch):
     seen = spy_envs(monkeypatch)
     summary = run(flags(tiny_policy, tmp_path / "run", "outcome", steps=1, eval_episodes=2))
-    (train_env, train_pool), (eval_env, eval_pool) = seen["train"], seen["eval"]
+    (train_env, _), (eval_env, eval_pool) = seen["train"], seen["eval"]
     assert train_env.ids == envs.make("shop", split="train").ids
     assert eval_env.ids == envs.make("shop", split="test").ids
     assert summary["base"]["episodes"] == 2 and len(eval_pool) == len(eval_env)
@@ -414,6 +432,18 @@ def test_summary_reports_the_best_and_the_final_checkpoint(tmp_path):
     assert s["best_adapter"] == str(tmp_path / "checkpoint-000020" / "adapter")
     assert "before 0.200 -> best 0.700 (step 20) -> final 0.400 (step 40)" in \
         grpo.summary_text(s)
+
+
+def test_gta_answers_match_strictly_in_training_and_loosely_in_evaluation(release_dir):
+    args = argparse.Namespace(env="gta", data_dir=release_dir)
+    scores = {}
+    for split in ("train", "test"):
+        ep = grpo.make_env(args, split).episode(0)
+        ep.gt_answer = {"whitelist": [["1919.96"]], "blacklist": None}  # GTA test episode 1
+        assert ep.skip_reason is None
+        ep.step("Final Answer: 1919.96s")           # "s" touches the alias: strict says no
+        scores[split] = ep.score()
+    assert scores == {"train": 0.0, "test": 1.0}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -439,23 +469,6 @@ def test_every_offline_reward_runs(reward, tiny_policy, tmp_path):
     assert summary["base"]["episodes"] == 2 and summary["final"]["step"] == 1
 
 
-def spy_envs(monkeypatch) -> dict:
-    """Record what train() hands to the training steps and to evaluate: name -> (env, pool)."""
-    seen = {}
-    real_step, real_eval = grpo.train_step, grpo.evaluate
-
-    def train_step(step, policy, tok, env, pool, *a, **k):
-        seen["train"] = env, pool
-        return real_step(step, policy, tok, env, pool, *a, **k)
-
-    def evaluate(policy, tok, env, pool, *a, **k):
-        seen["eval"] = env, pool
-        return real_eval(policy, tok, env, pool, *a, **k)
-    monkeypatch.setattr(grpo, "train_step", train_step)
-    monkeypatch.setattr(grpo, "evaluate", evaluate)
-    return seen
-
-
 @pytest.mark.parametrize("reward", ["outcome", "igpo"])
 def test_gta_replay_runs(reward, release_dir, tiny_policy, tmp_path, monkeypatch):
     # igpo reads the gold answer from the released gold dialog
@@ -470,18 +483,6 @@ def test_gta_replay_runs(reward, release_dir, tiny_policy, tmp_path, monkeypatch
     (train_env, _), (eval_env, _) = seen["train"], seen["eval"]
     assert train_env.match == "strict" and eval_env.match == "loose"
     assert eval_env.ids == envs.make("gta", split="test", data_dir=release_dir).ids
-
-
-def test_gta_answers_match_strictly_in_training_and_loosely_in_evaluation(release_dir):
-    args = argparse.Namespace(env="gta", data_dir=release_dir)
-    scores = {}
-    for split in ("train", "test"):
-        ep = grpo.make_env(args, split).episode(0)
-        ep.gt_answer = {"whitelist": [["1919.96"]], "blacklist": None}  # GTA test episode 1
-        assert ep.skip_reason is None
-        ep.step("Final Answer: 1919.96s")           # "s" touches the alias: strict says no
-        scores[split] = ep.score()
-    assert scores == {"train": 0.0, "test": 1.0}
 
 
 def test_probe_cache_is_reused(tiny_policy, tmp_path, pair_cache):
