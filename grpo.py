@@ -28,7 +28,8 @@ What runs, once per training step:
     observations are masked; the <|im_end|> it generated counts); their sum is divided by the
     number of such tokens in the whole batch, over all processes. AdamW on the LoRA parameters
     (r 16, alpha 32, dropout 0.05 on q,k,v,o,gate,up,down), lr constant after a 5% linear warmup,
-    grad-norm clip 1.0. Probes stay frozen.
+    grad-norm clip 1.0. Probes stay frozen. A batch without a single policy token (every prompt
+    longer than --max-len) makes no update, logs loss 0 and is counted in `empty_batch`.
 
 Where this departs from textbook GRPO (DeepSeekMath; TRL's GRPOTrainer):
  - One PPO epoch per batch, as the paper ran it: pi_old is the policy that sampled, rho = 1 in
@@ -48,8 +49,10 @@ optimizer, the RNG states and the step, atomically; `--resume` continues from th
 gives the same metrics as a run that was never interrupted. The base model and every checkpoint
 are evaluated with greedy decoding on two held-out splits: validation, which selects the
 checkpoint, and test, on which it is reported (the paper picks the best checkpoint on test
-itself; `best_on_test` keeps that number, labelled). Metrics go to OUT/metrics.jsonl (one line
-per step), OUT/eval.jsonl (per evaluation, with every episode's score) and OUT/summary.json.
+itself; `best_on_test` keeps that number, labelled). GTA answers are matched loosely there, as
+the paper evaluates, and strictly in the training reward. Metrics go to OUT/metrics.jsonl (one
+line per step), OUT/eval.jsonl (per evaluation, with every episode's score) and
+OUT/summary.json.
 
 The built-in policy (data/shop-policy, rebuilt by `grpo.py sft`, see its section) is a ~0.3M
 parameter Qwen2 trained from scratch on shop dialogs. With it, the flags left unset take the TINY
@@ -382,16 +385,11 @@ def reward_context(args, policy, tok, env, world, log) -> RewardContext:
     ctx = RewardContext(policy, tok, args, env=env)
     if args.reward == "pair" or args.reward in PROBE_REWARDS:
         if args.probes:
-            where = Path(args.probes)
+            where = seed_dir(Path(args.probes), log)
         else:
             where, ctx.probe_report = shop_probes(args, policy, tok, world, log)
         if args.reward == "pair":
-            found = next((d for d in (where, where / "pair_mixed", where / "pair")
-                          if (d / "pair.json").is_file()), None)
-            if found is None:
-                raise SystemExit(f"--probes {where}: no pair.json there (nor in pair_mixed/): "
-                                 "train PAIR with `python pair.py train`")
-            ctx.pair = pair_lib.PairReward(found, alpha=args.alpha)
+            ctx.pair = pair_lib.PairReward(find_pair_dir(where), alpha=args.alpha)
         else:
             path = where / f"{args.reward}.safetensors" if where.is_dir() else where
             if not path.is_file():
@@ -407,6 +405,36 @@ def reward_context(args, policy, tok, env, world, log) -> RewardContext:
         except envs.LLMError as e:
             raise SystemExit(f"--reward llm_judge: {e}") from e
     return ctx
+
+
+def seed_dir(where: Path, log) -> Path:
+    """`pair.py train --out DIR` fits every probe once per seed, into DIR/seed<S>/: take the
+    smallest seed (42 with its defaults, the seed the built-in policy's probes are fitted with)
+    and say so. Any other path is used as it is; --probes DIR/seed<S> takes another seed."""
+    seeds = sorted((int(p.name[4:]), p) for p in (where.glob("seed*") if where.is_dir() else ())
+                   if p.name[4:].isdigit() and p.is_dir())
+    if not seeds:
+        return where
+    seed, chosen = seeds[0]
+    log(f"--probes {where}: the probes of seed {seed} ({chosen}), the smallest of "
+        f"{', '.join(str(s) for s, _ in seeds)}; --probes {where / 'seed<S>'} takes another",
+        flush=True)
+    return chosen
+
+
+# Where PAIR lies inside a probes directory, first found first: the paper's training mode, the
+# probes fitted on the fly, the clean_only mode
+PAIR_DIRS = ("pair_mixed", "pair", "pair_clean_only")
+
+
+def find_pair_dir(where: Path) -> Path:
+    """The directory holding pair.json: `where` itself or one of PAIR_DIRS in it."""
+    for d in (where, *(where / name for name in PAIR_DIRS)):
+        if (d / "pair.json").is_file():
+            return d
+    raise SystemExit(f"--probes {where}: no pair.json there nor in "
+                     f"{', '.join(n + '/' for n in PAIR_DIRS)} of it: train PAIR with "
+                     "`python pair.py train`")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -702,6 +730,11 @@ def update(policy, optimizer, batch: Batch, args, world) -> dict:
     """`--ppo-epochs` passes over the batch in micro-batches; one AdamW step per pass."""
     params = [p for p in policy.parameters() if p.requires_grad]
     n_tokens = all_sum(world, [batch.mask[:, 1:].sum().item()])[0]
+    if n_tokens == 0:
+        # no rollout generated a token (every prompt outgrew --max-len): the loss would be 0/0,
+        # and an AdamW step on zero gradients would still move the adapter by its momentum
+        return {"loss": 0.0, "kl": 0.0, "clip_frac": 0.0, "ratio": 0.0, "grad_norm": 0.0,
+                "tokens": 0, "empty_batch": 1}
     rows = len(batch.lengths)
     chunks = [list(range(i, min(i + args.micro_batch, rows)))
               for i in range(0, rows, args.micro_batch)]
@@ -738,7 +771,8 @@ def update(policy, optimizer, batch: Batch, args, world) -> dict:
             first = all_sum(world, [sums[k] for k in ("loss", "kl", "clip", "ratio")])
     loss, kl, clip, ratio = first
     return {"loss": loss, "kl": kl / max(n_tokens, 1), "clip_frac": clip / max(n_tokens, 1),
-            "ratio": ratio / max(n_tokens, 1), "grad_norm": grad_norm, "tokens": int(n_tokens)}
+            "ratio": ratio / max(n_tokens, 1), "grad_norm": grad_norm, "tokens": int(n_tokens),
+            "empty_batch": 0}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -919,6 +953,15 @@ def set_rng_state(tensors: dict, meta: dict):
 # Evaluation: greedy decoding on the held-out split
 # ---------------------------------------------------------------------------------------------
 
+# GTA answers are matched as the paper matches them: strictly (an alias must stand alone) for the
+# training reward, loosely (a substring) wherever a policy is evaluated. Shop and ToolBench have
+# one scorer.
+def make_env(args, split: str, evaluation: bool = False):
+    """The `--env` environment of one split, scored for training or for evaluation."""
+    kw = {"match": "loose" if evaluation else "strict"} if args.env == "gta" else {}
+    return envs.make(args.env, split=split, data_dir=args.data_dir, **kw)
+
+
 def evaluate(policy, tok, env, pool, n: int, args, world) -> dict:
     """Greedy rollouts on the first n episodes of `pool` (0: all): mean task score, mean turns,
     and every episode's score in pool order (for paired comparisons between runs)."""
@@ -943,12 +986,13 @@ def eval_splits(args, train_env, train_pool) -> tuple[dict, list[int]]:
     left. Checkpoints are selected on val and reported on test. Shop has its own validation
     split; the replay environments set aside the last --val-episodes scorable training episodes.
     """
-    test = envs.make(args.env, split="test", data_dir=args.data_dir)
+    test = make_env(args, "test", evaluation=True)
     if args.env == "shop":
-        val = envs.make("shop", split="val")
+        val = make_env(args, "val", evaluation=True)
         return {"val": (val, scorable(val)), "test": (test, scorable(test))}, train_pool
     k = min(args.val_episodes or max(1, len(train_pool) // 10), len(train_pool) // 2)
-    return ({"val": (train_env, train_pool[len(train_pool) - k:]), "test": (test, scorable(test))},
+    val = make_env(args, "train", evaluation=True)
+    return ({"val": (val, train_pool[len(train_pool) - k:]), "test": (test, scorable(test))},
             train_pool[:len(train_pool) - k])
 
 
@@ -1227,7 +1271,7 @@ def train(args) -> dict:
                  f"`python grpo.py sft --env shop --out {BUILTIN_POLICY}`")
     policy, tok = mdl.load_model(args.model, dtype=DTYPES[args.dtype], devices=devices)
     add_lora(policy, args)
-    env = envs.make(args.env, split="train", data_dir=args.data_dir)
+    env = make_env(args, "train")
     pool = scorable(env)
     held, pool = eval_splits(args, env, pool)
     if not pool or not all(p for _, p in held.values()):
@@ -1925,9 +1969,10 @@ def train_parser() -> argparse.ArgumentParser:
     a("--outcome-weight", type=float, default=0.0,
       help="add this times the task score to the last turn's reward (SPEC §9)")
     a("--probes", default=None,
-      help="trained probes: a `pair.py train` directory for --reward pair, a probe file or a "
-           "directory holding <feature>.safetensors for a probe reward; default on shop: fitted "
-           "on the fly from `envs.py make-data shop` with this policy, cached under $PAIR_CACHE")
+      help="trained probes: a `pair.py train --out` directory (its smallest seed<S>/ is used, "
+           "pair_mixed/ in it for --reward pair) or one seed<S>/ of it, a PAIR directory, a "
+           "probe file; default on shop: fitted on the fly for this policy (--probe-corpus), "
+           "cached under $PAIR_CACHE")
     a("--probe-corpus", default="on-policy", choices=PROBE_CORPORA,
       help="shop, probes fitted on the fly: on-policy = rollouts of the base policy on training "
            "episodes, labelled by the world; contaminated = `make-data shop` gold dialogs and "

@@ -16,6 +16,8 @@ import torch
 import envs
 import grpo
 import model as mdl
+import pair
+import probes
 
 ROOT = Path(__file__).resolve().parents[1]
 TIMING = set(grpo.TIMING)
@@ -250,7 +252,9 @@ def test_batch_masks_exactly_the_generated_tokens_eos_included():
 # the update: KL = 0 and rho = 1 before the first step, then the adapter moves
 
 def test_first_update_has_zero_kl_and_unit_ratio(tiny_policy):
-    policy, tok, args, env = lora_policy(tiny_policy, ["--lr", "1e-2", "--micro-batch", "1"])
+    # dropout 0: dropout noise alone would give KL > 0 even with pi_ref = the policy itself
+    policy, tok, args, env = lora_policy(tiny_policy, ["--lr", "1e-2", "--micro-batch", "1",
+                                                       "--lora-dropout", "0"])
     trajs = grpo.rollout(policy, tok, [env.episode(1) for _ in range(3)], play_args(),
                          generator=torch.Generator().manual_seed(0))
     adv = [[float(i + t) for t in range(len(tr.steps))] for i, tr in enumerate(trajs)]
@@ -263,8 +267,32 @@ def test_first_update_has_zero_kl_and_unit_ratio(tiny_policy):
     # rho = 1 and KL = 0: the loss is minus the token-averaged advantage
     assert stats["loss"] == pytest.approx(-batch.adv[batch.mask].sum().item() / n, rel=1e-5)
     assert stats["tokens"] == n and stats["grad_norm"] > 0
+    # the adapter has moved: the KL is against the same model with the adapter disabled
+    with torch.no_grad():
+        logp = grpo.token_logprobs(policy, batch.ids, batch.mask, args.temperature)
+        with mdl.lora_disabled(policy):
+            logp_ref = grpo.token_logprobs(policy, batch.ids, batch.mask, args.temperature)
+    kl = (torch.expm1(logp_ref - logp) - (logp_ref - logp)).mean().item()
     again = grpo.update(policy, opt, batch, args, grpo.World())
-    assert again["kl"] > 0 and again["ratio"] == pytest.approx(1.0)     # new pi_old, new ratio
+    assert kl > 1e-6 and again["kl"] == pytest.approx(kl, rel=1e-3)
+    assert again["ratio"] == pytest.approx(1.0)                          # new pi_old, new ratio
+
+
+def test_a_batch_without_generated_tokens_logs_loss_0_and_is_counted(tiny_policy, tmp_path):
+    # every prompt is longer than --max-len: nothing is generated, nothing is learned
+    out = tmp_path / "empty"
+    run(flags(tiny_policy, out, "outcome", steps=2, max_len=20, save_every=2))
+    lines = (out / "metrics.jsonl").read_text().splitlines()
+
+    def no_nan(name):
+        raise AssertionError(f"{name} in metrics.jsonl")
+    recs = [json.loads(line, parse_constant=no_nan) for line in lines]
+    assert [(r["loss"], r["tokens"], r["empty_batch"], r["grad_norm"]) for r in recs] == \
+        [(0.0, 0, 1, 0.0)] * 2
+    policy, _ = mdl.load_model(tiny_policy)
+    adapter = mdl.load_adapter(policy, out / "checkpoint-000002" / "adapter")
+    lora_b = [p for n, p in mdl.lora_parameters(adapter) if ".lora_B." in n]
+    assert lora_b and all(p.abs().sum() == 0 for p in lora_b)     # B starts at zero, stays there
 
 
 # ---------------------------------------------------------------------------------------------
@@ -332,6 +360,107 @@ def test_two_processes_equal_one_process(tiny_policy, tmp_path, pair_cache):
 
 
 # ---------------------------------------------------------------------------------------------
+# evaluation: greedy rollouts on the held-out split (GTA matched loosely there); the
+# summary keeps the best and the final checkpoint apart
+
+def spy_envs(monkeypatch) -> dict:
+    """Record what train() hands to the training steps and to evaluate: name -> (env, pool)."""
+    seen = {}
+    real_step, real_eval = grpo.train_step, grpo.evaluate
+
+    def train_step(step, policy, tok, env, pool, *a, **k):
+        seen["train"] = env, pool
+        return real_step(step, policy, tok, env, pool, *a, **k)
+
+    def evaluate(policy, tok, env, pool, *a, **k):
+        seen.setdefault("eval", []).append((env, pool))
+        return real_eval(policy, tok, env, pool, *a, **k)
+    monkeypatch.setattr(grpo, "train_step", train_step)
+    monkeypatch.setattr(grpo, "evaluate", evaluate)
+    return seen
+
+
+class Recording:
+    """An environment that keeps every episode it hands out (to read what was played)."""
+
+    def __init__(self, env):
+        self.env, self.ids, self.episodes = env, env.ids, []
+
+    def __len__(self):
+        return len(self.env)
+
+    def episode(self, i):
+        self.episodes.append(self.env.episode(i))
+        return self.episodes[-1]
+
+
+def test_evaluation_decodes_greedily(tiny_policy):
+    policy, tok = mdl.load_model(tiny_policy)
+    held_out = envs.make("shop", split="test")
+    pool = [4, 1, 7]
+    args = play_args(eval_episodes=0, eval_batch=8, temperature=1.0)
+    played = []
+    for seed in (0, 1):                 # greedy: the global RNG state changes nothing
+        torch.manual_seed(seed)
+        env = Recording(held_out)
+        result = grpo.evaluate(policy, tok, env, pool, 0, args, grpo.World())
+        played.append([ep.messages for ep in env.episodes])
+        assert result["episodes"] == 3
+        assert result["success"] == pytest.approx(sum(ep.score() for ep in env.episodes) / 3)
+    assert played[0] == played[1]
+    greedy = grpo.rollout(policy, tok, [held_out.episode(j) for j in pool], args, greedy=True,
+                          stats=False)
+    assert played[0] == [t.episode.messages for t in greedy]
+    sampled = grpo.rollout(policy, tok, [held_out.episode(j) for j in pool], args,
+                           generator=torch.Generator().manual_seed(0), stats=False)
+    assert played[0] != [t.episode.messages for t in sampled]      # the check can tell
+
+
+def test_training_plays_the_train_split_and_evaluation_the_test_split(tiny_policy, tmp_path,
+                                                                     monkeypatch):
+    seen = spy_envs(monkeypatch)
+    summary = run(flags(tiny_policy, tmp_path / "run", "outcome", steps=1, eval_episodes=2))
+    (train_env, _), evals = seen["train"], seen["eval"]
+    assert train_env.ids == envs.make("shop", split="train").ids
+    # base and step 1, each on validation (selection) then test (the reported number)
+    assert [env.ids for env, _ in evals] == [envs.make("shop", split=s).ids
+                                             for s in ("val", "test", "val", "test")]
+    assert summary["base"]["episodes"] == 2 and all(len(p) == len(e) for e, p in evals)
+
+
+def test_summary_selects_on_validation_and_reports_test(tmp_path):
+    # (validation, test) success per evaluation: validation's best (0.6, first at step 20) is
+    # not test's best (0.8 at step 30), and neither is the last checkpoint
+    success = {0: (0.3, 0.2), 10: (0.4, 0.5), 20: (0.6, 0.7), 30: (0.6, 0.8), 40: (0.5, 0.4)}
+    for step, (val, test) in success.items():
+        grpo.append_jsonl(tmp_path / "eval.jsonl", {
+            "step": step, "val": {"success": val, "episodes": 20, "turns": 3.0, "scores": []},
+            "test": {"success": test, "episodes": 48, "turns": 3.0, "scores": []}})
+    s = grpo.summarize(tmp_path, 12.0, argparse.Namespace(reward="pair", alpha=5.0, seed=1,
+                                                         steps=40))
+    assert [s[k]["step"] for k in ("base", "selected", "final", "best_on_test")] == [0, 20, 40, 30]
+    assert [s[k]["success"] for k in ("base", "selected", "final", "best_on_test")] == \
+        [0.2, 0.7, 0.4, 0.8]
+    assert s["selected"]["val"] == 0.6 and "scores" not in s["selected"]
+    assert s["selected_adapter"] == str(tmp_path / "checkpoint-000020" / "adapter")
+    assert ("before 0.200 -> selected 0.700 (step 20, chosen on validation) -> final 0.400 "
+            "(step 40); best on test 0.800 (step 30, the paper's protocol)") in \
+        grpo.summary_text(s)
+
+
+def test_gta_answers_match_strictly_in_training_and_loosely_in_evaluation(release_dir):
+    args = argparse.Namespace(env="gta", data_dir=release_dir)
+    scores = {}
+    for split, evaluation in (("train", False), ("train", True), ("test", True)):
+        ep = grpo.make_env(args, split, evaluation).episode(0)
+        ep.gt_answer = {"whitelist": [["1919.96"]], "blacklist": None}  # GTA test episode 1
+        assert ep.skip_reason is None
+        ep.step("Final Answer: 1919.96s")           # "s" touches the alias: strict says no
+        scores[split, evaluation] = ep.score()
+    assert scores == {("train", False): 0.0, ("train", True): 1.0, ("test", True): 1.0}
+
+
+# ---------------------------------------------------------------------------------------------
 # every --reward that needs no network: a short run each
 
 OFFLINE = [r for r in grpo.REWARDS if r != "llm_judge"]
@@ -344,7 +473,7 @@ def test_every_offline_reward_runs(reward, tiny_policy, tmp_path):
                         outcome_weight=0.5 if reward == "pair" else None))
     (rec,) = metrics(out)
     assert math.isfinite(rec["reward_mean"]) and math.isfinite(rec["loss"])
-    assert rec["tokens"] > 0 and rec["turn_rewards"]
+    assert rec["tokens"] > 0 and rec["turn_rewards"] and rec["empty_batch"] == 0
     if reward in ("pair", *grpo.PROBE_REWARDS):
         assert "probe_auroc" in rec
         bound = 1.5 if reward == "pair" else 1.0            # + 0.5 x task score on pair
@@ -355,14 +484,22 @@ def test_every_offline_reward_runs(reward, tiny_policy, tmp_path):
 
 
 @pytest.mark.parametrize("reward", ["outcome", "igpo"])
-def test_gta_replay_runs(reward, release_dir, tiny_policy, tmp_path):
+def test_gta_replay_runs(reward, release_dir, tiny_policy, tmp_path, monkeypatch):
     # igpo reads the gold answer from the released gold dialog
     out = tmp_path / reward
+    seen = spy_envs(monkeypatch)
     summary = run(flags(tiny_policy, out, reward, env="gta", data_dir=release_dir, steps=1,
                         eval_episodes=2))
     (rec,) = metrics(out)
     assert rec["tokens"] > 0 and math.isfinite(rec["loss"]) and "probe_auroc" not in rec
     assert summary["base"]["episodes"] == 2
+    # the reward matches answers strictly, the held-out evaluation loosely (the paper's protocol)
+    (train_env, train_pool), evals = seen["train"], seen["eval"]
+    (val_env, val_pool), (test_env, _) = evals[:2]
+    assert train_env.match == "strict" and val_env.match == test_env.match == "loose"
+    assert test_env.ids == envs.make("gta", split="test", data_dir=release_dir).ids
+    # validation is set aside from the end of the training split, and never trained on
+    assert val_env.ids == train_env.ids and not set(val_pool) & set(train_pool)
 
 
 def test_probe_cache_is_reused(tiny_policy, tmp_path, pair_cache):
@@ -421,6 +558,79 @@ def test_tips_reads_the_lagged_teacher(tiny_policy):
     assert rewards == pytest.approx(expected, rel=1e-5, abs=1e-6)
     phi_moved, _ = grpo.gold_logprobs(policy, tok, states, answer, 1)
     assert phi_moved != pytest.approx(phi, rel=1e-3)
+
+
+def stacked_raw(steps) -> dict[str, torch.Tensor]:
+    raws = [probes.raw_features(step.trace) for step in steps]
+    return {k: torch.stack([r[k] for r in raws]) for k in raws[0]}
+
+
+def random_pair(raw: dict, seed: int) -> pair.Pair:
+    """PAIR with random weights, its scalers fitted to `raw`: s_final spread over (0, 1)."""
+    g = torch.Generator().manual_seed(seed)
+
+    def probe(X):
+        d = X.shape[1]
+        scale = X.std(0, correction=0).clamp_min(1e-3)
+        w = 2 * torch.randn(d, generator=g, dtype=torch.float64) / math.sqrt(d)
+        return probes.Probe(X.mean(0), scale, w, torch.tensor(0.0, dtype=torch.float64))
+    X1 = probes.feature("last_token", raw)
+    stage1 = probe(X1)
+    X2 = torch.cat([probes.feature("multi_attn", raw), stage1.predict_proba(X1)[:, None]], 1)
+    return pair.Pair(stage1, probe(X2))                           # stage 2 on [multi_attn; s_bc]
+
+
+def test_pair_reward_is_the_momentum_reward_of_the_turns_s_final(tiny_policy, tmp_path):
+    policy, tok = mdl.load_model(tiny_policy)
+    env = envs.make("shop", split="train")
+    trajs = grpo.rollout(policy, tok, [env.episode(i) for i in range(4)], play_args(max_turns=4),
+                         generator=torch.Generator().manual_seed(0))
+    model = random_pair(stacked_raw([step for t in trajs for step in t.steps]), seed=0)
+    model.save(tmp_path / "pair")
+    traj = max(trajs, key=lambda t: len(t.steps))
+    assert len(traj.steps) >= 3             # momentum reads the mean of at least two earlier s~
+    args = play_args(reward="pair", outcome_weight=0.0)
+    ctx = grpo.RewardContext(policy, tok, args, pair=pair.PairReward(tmp_path / "pair", alpha=5))
+    rewards = grpo.pair_reward(traj, ctx)
+
+    _, s_final = model.scores(stacked_raw(traj.steps))
+    assert [step.p_correct for step in traj.steps] == pytest.approx(s_final.tolist(), abs=1e-9)
+    expected = pair.trajectory_rewards(s_final.tolist(), alpha=5.0)
+    assert rewards == pytest.approx(expected, abs=1e-9)
+    # the check can tell: a momentum over the earlier rewards r instead of the earlier s~ differs
+    s_tilde = [pair.temp_clip(s) for s in s_final.tolist()]
+    over_r = [s_tilde[0]]
+    for t in range(1, len(s_tilde)):
+        over_r.append(pair.momentum_reward(s_tilde[t], over_r[:t]))
+    assert max(abs(a - b) for a, b in zip(over_r, expected)) > 1e-3
+
+
+def test_probes_of_a_pair_train_run(tiny_policy, tmp_path, capsys, monkeypatch):
+    # README: `pair.py train --out runs/pair-gta`, then `grpo.py --probes runs/pair-gta`
+    policy, tok = mdl.load_model(tiny_policy)
+    data, features = tmp_path / "shop-data", tmp_path / "features"
+    envs.make_shop_data(data, episodes=10, seed=42)
+    for split in pair.TRAIN_SPLITS["mixed"] + pair.TEST_SPLITS:
+        pair.extract(policy, tok, data / f"{split}.json", features / f"{split}.safetensors")
+    trained = tmp_path / "pair-shop"
+    pair.main(["train", "--features", str(features), "--out", str(trained), "--seeds", "43", "42"])
+    loaded = []
+    real_pair, real_probe = pair.PairReward, pair.ProbeReward
+    monkeypatch.setattr(pair, "PairReward",
+                        lambda d, **k: loaded.append(Path(d)) or real_pair(d, **k))
+    monkeypatch.setattr(pair, "ProbeReward", lambda p: loaded.append(Path(p)) or real_probe(p))
+    capsys.readouterr()
+    for n, (reward, probes_flag, expect) in enumerate([
+            ("pair", trained, trained / "seed42" / "pair_mixed"),
+            ("last_token", trained, trained / "seed42" / "last_token.safetensors"),
+            ("pair", trained / "seed43", trained / "seed43" / "pair_mixed")]):
+        run(flags(tiny_policy, tmp_path / f"run{n}", reward, probes=probes_flag, steps=1))
+        assert loaded[-1] == expect
+        said = f"--probes {trained}: the probes of seed 42"
+        assert (said in capsys.readouterr().out) == (probes_flag == trained)
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(SystemExit, match="no pair.json there nor in pair_mixed/, pair/"):
+        run(flags(tiny_policy, tmp_path / "run3", "pair", probes=tmp_path / "empty", steps=1))
 
 
 # ---------------------------------------------------------------------------------------------

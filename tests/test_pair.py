@@ -163,13 +163,18 @@ def test_pair_save_load_reward_and_latency(features_dir, tmp_path, monkeypatch):
     assert rs == pytest.approx(pair.trajectory_rewards(s_final[:3].tolist(), alpha=5.0))
     assert rs[0] == prev[0]                           # first turn: no momentum bonus
 
+    # The paper: ~0.2 ms per step for its two linear maps on 7B-sized features. Ours are tiny,
+    # so a turn must cost less than that; the fastest of many rounds, since the machine is shared.
     trace = fake_trace(test.raw, 0)
-    n = 2000
-    t0 = time.perf_counter()
-    for _ in range(n):
-        reward(trace, prev)
-    per_turn = (time.perf_counter() - t0) / n
+    rounds, n = [], 100
+    for _ in range(20):
+        t0 = time.perf_counter()
+        for _ in range(n):
+            reward(trace, prev)
+        rounds.append((time.perf_counter() - t0) / n)
+    per_turn = min(rounds)
     print(f"\nPairReward: {1e6 * per_turn:.1f} us per turn (d={D}, L={L}, H={H})")
+    assert per_turn < 2e-4
 
 
 def test_probe_reward_is_p_correct(features_dir, tmp_path, monkeypatch):
@@ -271,6 +276,19 @@ def test_train_eval_report_cli(features_dir, tmp_path, capsys):
     assert rep["paper_ref"] == "gta" and "0.9217" in md
     for section in ("(a)", "(b)", "(c)", "(d)", "(e)"):
         assert f"## {section}" in md
+    # (b): every method's AUROC clean and contaminated, the drop and the relative drop
+    table = [line for line in md.split("## (b)")[1].split("## (c)")[0].splitlines()
+             if line.startswith("|")]
+    assert table[0] == "| Method | clean | contaminated | drop | relative |"
+    rows = [[cell.strip() for cell in line.strip("|").split("|")] for line in table[2:]]
+    expect = []
+    for m in det:
+        a, b = auroc[m][clean], auroc[m][contam]
+        expect.append([pair.METHODS[m][0], f"{a:.3f}", f"{b:.3f}", f"{a - b:+.3f}",
+                       f"{100 * (a - b) / a:+.1f}%"])
+    assert sorted(rows) == sorted(expect) and len(rows) == len(pair.METHODS)
+    drop = {row[0]: float(row[3]) for row in rows}
+    assert drop["Last-token"] > 0.15 and drop["PAIR"] < drop["Last-token"] - 0.1
 
 
 # ----------------------------------------------------------------------------------------------
