@@ -869,3 +869,30 @@ def test_bootstrap_interval_covers_the_mean_and_shrinks_with_episodes():
     assert grpo.bootstrap_mean(small) == grpo.bootstrap_mean(small)      # seeded
     d_lo, d_hi = grpo.bootstrap_mean(small, small)
     assert d_lo == d_hi == 0.0                                           # paired: no noise
+
+
+def test_oversample_keeps_the_first_groups_with_something_to_say(tiny_policy, tmp_path,
+                                                                 monkeypatch):
+    # prompts whose training-pool index is odd get varied rewards, the others all-equal ones
+    real_rewards, real_batch = grpo.turn_rewards, grpo.make_batch
+    counter, kept = iter(range(10**6)), []
+
+    def rewards(traj, ctx):
+        r = real_rewards(traj, ctx)
+        odd = int(traj.episode.id.rsplit("-", 1)[1]) % 2
+        return r[:-1] + [float(next(counter)) if odd else 0.5]
+
+    def batch(trajs, advantages, pad_id):
+        kept.append([t.episode.id for t in trajs])
+        return real_batch(trajs, advantages, pad_id)
+    monkeypatch.setattr(grpo, "turn_rewards", rewards)
+    monkeypatch.setattr(grpo, "make_batch", batch)
+    run(flags(tiny_policy, tmp_path / "o", "outcome", steps=1, batch=2, oversample=4))
+    (rec,) = metrics(tmp_path / "o")
+    played = [grpo.prompt_index(3, g, 10_000) for g in range(8)]
+    odd = [p for p in played if p % 2]
+    want = odd[:2] if len(odd) >= 2 else None
+    assert want is not None                      # seed 3's first 8 prompts hold two odd ones
+    assert [int(e.rsplit("-", 1)[1]) for e in kept[0][::2]] == want
+    assert rec["groups_played"] == played.index(want[1]) + 1
+    assert rec["frac_zero_std"] == pytest.approx(1 - 2 / rec["groups_played"])
