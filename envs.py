@@ -102,8 +102,19 @@ def render_final(thought: str | None, answer: str) -> str:
     return f"Thought: {thought}\nFinal Answer: {answer}" if thought else f"Final Answer: {answer}"
 
 
+# A code point in U+D800..U+DFFF left in a str is half of a UTF-16 pair (a JSON "\ud800"
+# escape decodes to one): no UTF-8 text can hold it and the tokenizer refuses it.
+_LONE_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def without_surrogates(text: str) -> str:
+    """text with every unpaired surrogate replaced by U+FFFD (same length)."""
+    return _LONE_SURROGATE.sub("\ufffd", text)
+
+
 def render_observation(text: str) -> str:
     """A tool result as the content of a user message (SPEC §2)."""
+    text = without_surrogates(text)
     if len(text) > OBSERVATION_CHARS:
         text = text[:OBSERVATION_CHARS] + "..."
     return f"Observation: {text}"
@@ -265,6 +276,10 @@ def parse_react(text: str) -> Action | Final | ParseError:
     if not isinstance(arguments, dict):
         return ParseError(f"Action Input must be a JSON object {{...}}, not a JSON "
                           f"{type(arguments).__name__}.")
+    if _LONE_SURROGATE.search(json.dumps(arguments, ensure_ascii=False)):
+        # a tool would echo it back, and no tokenizer can encode the observation
+        return ParseError("Action Input holds a \\ud800-\\udfff escape that is not half of a "
+                          "surrogate pair: write the character itself.")
     return Action(thought, name, arguments)
 
 

@@ -667,7 +667,7 @@ class Tokenizer:
 
     def encode(self, text: str) -> list[int]:
         # Added special tokens (<|im_start|>, ...) written in the text are recognised as such.
-        return self.tok.encode(text, add_special_tokens=False).ids
+        return self.tok.encode(_utf8_safe(text), add_special_tokens=False).ids
 
     def decode(self, ids, skip_special_tokens=False) -> str:
         return self.tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
@@ -700,6 +700,7 @@ class Tokenizer:
         """Token ids of the chat and, per assistant message, its span [start, end) (SPEC §3):
         start = first token of the content, end = its closing <|im_end|> + 1."""
         text, ranges = self._chat(messages, add_generation_prompt)
+        text = _utf8_safe(text)                                 # same length: ranges still hold
         enc = self.tok.encode(text, add_special_tokens=False)   # one call: the real tokenization
         ids, starts = enc.ids, [s for s, _ in enc.offsets]
         ends = [e for _, e in enc.offsets]
@@ -712,6 +713,16 @@ class Tokenizer:
                                  "<|im_end|> after tokenization")
             spans.append((start, end + 1))
         return ids, spans
+
+
+_LONE_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def _utf8_safe(text: str) -> str:
+    """Unpaired surrogates (a JSON "\\ud800" escape decodes to one) -> U+FFFD, one for one: the
+    tokenizer refuses a str that is not valid Unicode, and whatever a policy or a data file
+    wrote must stay encodable."""
+    return _LONE_SURROGATE.sub("\ufffd", text)
 
 
 def keep_last(ids: list[int], spans: list[tuple], max_len: int):

@@ -213,6 +213,24 @@ def test_parse_react_errors_tell_what_is_wrong(text, message):
     assert isinstance(parsed, ParseError) and message in parsed.message
 
 
+def test_lone_surrogate_escape_in_action_input_is_an_error_observation():
+    # Plain ASCII JSON whose "\\ud800" escape decodes to half a UTF-16 pair: the observation
+    # must still be valid Unicode (the tokenizer refuses anything else), and the episode goes on.
+    reply = 'Thought: x\nAction: Lookup\nAction Input: {"store": "\\ud800", "item": "tea"}'
+    assert reply.isascii()
+    parsed = envs.parse_react(reply)
+    assert isinstance(parsed, ParseError) and "surrogate pair" in parsed.message
+    ep = envs.make("shop", split="train").episode(0)
+    r = ep.step(reply)
+    assert not r.done and r.observation.startswith("Observation: Invalid reply")
+    r.observation.encode("utf-8")
+    key = 'Action: Lookup\nAction Input: {"\\udfff": "a"}'
+    assert isinstance(envs.parse_react(key), ParseError)
+    pair = envs.parse_react('Action: Lookup\nAction Input: {"store": "\\ud83d\\ude00"}')
+    assert pair == Action(None, "Lookup", {"store": "\U0001F600"})      # a real pair is fine
+    assert envs.render_observation("a\udc80b") == "Observation: a\ufffdb"
+
+
 def _random_text(rng, pieces, templates=()):
     """Random pieces and characters, or a valid template with a few random edits."""
     if templates and rng.random() < 0.5:

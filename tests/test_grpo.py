@@ -194,6 +194,18 @@ def test_rollout_appends_turns_to_one_cache_and_traces_equal_teacher_forcing(tin
         assert traj.score == traj.episode.score()
 
 
+def test_rollout_survives_a_reply_with_a_lone_surrogate_escape(tiny_policy, monkeypatch):
+    # Plain ASCII from the policy whose JSON escape decodes to half a UTF-16 pair: the episode gets
+    # an error observation and the rollout goes on.
+    policy, tok = mdl.load_model(tiny_policy)
+    hostile = 'Thought: x\nAction: Lookup\nAction Input: {"store": "\\ud800", "item": "tea"}'
+    monkeypatch.setattr(tok, "decode", lambda ids, **kw: hostile)
+    episodes = [envs.make("shop", split="train").episode(0)]
+    (traj,) = grpo.rollout(policy, tok, episodes, play_args(max_turns=2),
+                           generator=torch.Generator().manual_seed(0))
+    assert len(traj.steps) == 2 and traj.steps[0].observation.startswith("Observation: Invalid")
+
+
 def test_rollout_refills_the_cache_when_the_environment_rewrites_history(tiny_policy):
     # ToolBench's history cap rewrites old observations in place (StepResult.rewritten_from)
     policy, tok = mdl.load_model(tiny_policy)

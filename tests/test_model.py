@@ -3,6 +3,7 @@ real 0.5B checkpoint (opt-in: skipped when absent)."""
 import json
 import math
 import struct
+from pathlib import Path
 
 import pytest
 import torch
@@ -439,6 +440,17 @@ def test_render_spans_point_at_assistant_content(qwen_tokenizer_dir):
     assert ids[-3:] == [tok.im_start_id, *assistant_id, *newline_id]
     cut_ids, cut_spans, n_cut = M.keep_last(ids, spans, 10)
     assert cut_ids == ids[-10:] and n_cut == len(ids) - 10 and cut_spans == [(0, 0)]
+
+
+def test_tokenizer_survives_lone_surrogates():
+    # A JSON "\\ud800" escape decodes to an unpaired surrogate; whatever a policy or a data file
+    # wrote must still tokenize (as U+FFFD), with spans where they belong.
+    tok = M.Tokenizer.from_file(Path(__file__).resolve().parents[1] / "data" / "shop-policy")
+    assert tok.encode("a\ud800b") == tok.encode("a\ufffdb")
+    messages = [{"role": "user", "content": "x\udfff"}, {"role": "assistant", "content": "ok\ud800"}]
+    ids, spans = tok.render(messages)
+    clean = [dict(m, content=m["content"][:-1] + "\ufffd") for m in messages]
+    assert (ids, spans) == tok.render(clean)
 
 
 # ---------------------------------------------------------------------------------------------
