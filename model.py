@@ -68,6 +68,13 @@ DEFAULT_SYSTEM = "You are Qwen, created by Alibaba Cloud. You are a helpful assi
 # Span rows are scored in chunks of at most this many float32 scores (8 MB): the few temporaries
 # of a chunk stay below what the MLP of the same block holds anyway, so peak memory is unchanged.
 STATS_CHUNK = 1 << 21
+# (config.json key, largest value, may be absent): sizes a config may ask for; every released
+# model is far below these (the largest has ~126 layers and a 256K vocabulary).
+INT_LIMITS = (("vocab_size", 1 << 22, False), ("hidden_size", 1 << 16, False),
+              ("intermediate_size", 1 << 18, False), ("num_hidden_layers", 1024, False),
+              ("num_attention_heads", 1024, False), ("num_key_value_heads", 1024, True),
+              ("head_dim", 4096, True), ("max_position_embeddings", 1 << 24, False),
+              ("sliding_window", 1 << 24, True))
 
 
 class CheckpointError(Exception):
@@ -109,7 +116,13 @@ class Config:
 
     @classmethod
     def from_dict(cls, d: dict) -> "Config":
+        if not isinstance(d, dict):
+            raise ValueError(f"must be a JSON object, not {type(d).__name__}")
         d = dict(d)
+        arch = d.get("architectures")
+        if arch is not None and not (isinstance(arch, list) and
+                                     all(isinstance(a, str) for a in arch)):
+            raise ValueError(f"architectures must be a list of names, got {arch!r}")
         if not d.get("architectures"):
             if d.get("model_type") not in ARCHITECTURES:
                 raise ValueError("no architectures entry and no known model_type")
@@ -122,6 +135,7 @@ class Config:
         return cfg
 
     def validate(self):
+        self.check_values()
         if self.arch not in ARCHITECTURES.values():
             raise ValueError(f"unsupported architecture {self.architectures!r} "
                              f"(supported: {', '.join(ARCHITECTURES.values())})")
@@ -133,6 +147,50 @@ class Config:
                 raise ValueError(f"unsupported RoPE type {kind!r} (only default RoPE)")
         if self.num_attention_heads % self.n_kv_heads:
             raise ValueError("num_attention_heads must be a multiple of num_key_value_heads")
+
+    def check_values(self):
+        """Types and ranges, before anything is built from them: a config.json is input, and
+        num_hidden_layers = 10**6 would take minutes and gigabytes to build before any weight
+        is read. The limits are far above every released model."""
+        def bad(key, want):
+            return ValueError(f"{key} must be {want}, got {getattr(self, key)!r}")
+        for key, hi, optional in INT_LIMITS:
+            v = getattr(self, key)
+            if v is None and optional:
+                continue
+            if type(v) is not int or not 1 <= v <= hi:
+                raise bad(key, f"an integer in 1..{hi}")
+        if type(self.max_window_layers) is not int or self.max_window_layers < 0:
+            raise bad("max_window_layers", "an integer >= 0")
+        for key in ("bos_token_id", "pad_token_id", "eos_token_id"):
+            v = getattr(self, key)
+            ids = v if isinstance(v, list) else [v]
+            if v is not None and not all(type(i) is int and i >= 0 for i in ids):
+                raise bad(key, "a token id (or, for eos_token_id, a list of them)")
+        for key in ("tie_word_embeddings", "attention_bias", "mlp_bias", "use_sliding_window"):
+            if not isinstance(getattr(self, key), bool):
+                raise bad(key, "true or false")
+        if type(self.rms_norm_eps) not in (int, float) or not 0 < self.rms_norm_eps < 1:
+            raise bad("rms_norm_eps", "a number between 0 and 1")
+        for key in ("rope_parameters", "rope_scaling"):
+            if getattr(self, key) is not None and not isinstance(getattr(self, key), dict):
+                raise bad(key, "a JSON object")
+        for key, theta in (("rope_theta", self.rope_theta),
+                           ("rope_parameters.rope_theta",
+                            (self.rope_parameters or {}).get("rope_theta"))):
+            if theta is not None and (type(theta) not in (int, float) or
+                                      not 0 < theta < math.inf):
+                raise ValueError(f"{key} must be a positive number, got {theta!r}")
+        if not isinstance(self.hidden_act, str):
+            raise bad("hidden_act", "a name")
+        if self.head_dim is None and self.hidden_size % self.num_attention_heads:
+            raise ValueError(f"hidden_size {self.hidden_size} is not a multiple of "
+                             f"num_attention_heads {self.num_attention_heads} (and no head_dim)")
+        if self.layer_types is not None and (
+                not isinstance(self.layer_types, list) or
+                len(self.layer_types) != self.num_hidden_layers or
+                not all(isinstance(t, str) for t in self.layer_types)):
+            raise bad("layer_types", f"a list of {self.num_hidden_layers} names")
 
     @property
     def arch(self) -> str:
