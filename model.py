@@ -1302,8 +1302,10 @@ def _cached_copy(folder: Path) -> bool:
     # Complete only when the manifest exists and every file it lists has the listed size.
     try:
         files = json.loads((folder / HUB_MANIFEST).read_text())["files"]
+        for name in files:
+            _check_hub_name(name, folder, folder.name)
         return all((folder / name).stat().st_size == size for name, size in files.items())
-    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+    except (OSError, ValueError, KeyError, TypeError, AttributeError, HubError):
         return False
 
 
@@ -1347,6 +1349,7 @@ def _fetch_files(folder: Path, repo_id, revision, endpoint) -> dict[str, int]:
     files = {}
 
     def fetch(name):
+        _check_hub_name(name, folder, repo_id)
         if name not in listing:
             raise HubError(f"{repo_id}@{revision} on {endpoint} has no file {name!r}")
         size, sha256 = listing[name]
@@ -1355,22 +1358,51 @@ def _fetch_files(folder: Path, repo_id, revision, endpoint) -> dict[str, int]:
         files[name] = size
 
     fetch("config.json")
+    _check_hub_json(folder / "config.json", "a JSON object")
     fetch("tokenizer.json")
+    _check_hub_json(folder / "tokenizer.json", "a JSON object with a \"model\" entry",
+                    lambda d: isinstance(d.get("model"), dict))
     for name in HUB_OPTIONAL:
         if name in listing:
             fetch(name)
+            _check_hub_json(folder / name, "a JSON object")
     if "model.safetensors.index.json" not in listing:
         fetch("model.safetensors")
         return files
     fetch("model.safetensors.index.json")
-    index = folder / "model.safetensors.index.json"
-    try:
-        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-    except (ValueError, KeyError, AttributeError) as e:
-        raise HubError(f"{index}: not a safetensors index ({e})") from e
-    for shard in shards:
+    index = _check_hub_json(
+        folder / "model.safetensors.index.json", "a safetensors index: {\"weight_map\": "
+        "{tensor name: shard file name}}",
+        lambda d: isinstance(d.get("weight_map"), dict) and d["weight_map"] and
+        all(isinstance(v, str) and v.endswith(".safetensors") for v in d["weight_map"].values()))
+    for shard in sorted(set(index["weight_map"].values())):
         fetch(shard)
     return files
+
+
+def _check_hub_name(name: str, folder: Path, repo_id: str):
+    """A file name from the Hub (the listing or an index) is joined to the cache folder: it
+    must name a plain file inside it. A hostile endpoint could otherwise write anywhere
+    ("../../.bashrc", "/etc/x") or over our own bookkeeping (".pair-complete.json")."""
+    plain = (isinstance(name, str) and name and name == Path(name).name and
+             not name.startswith(".") and "\\" not in name and "\0" not in name and
+             (folder / name).resolve().parent == folder.resolve())
+    if not plain:
+        raise HubError(f"{repo_id}: refusing the file name {name!r} from the Hub (not a plain "
+                       f"file name inside {folder})")
+
+
+def _check_hub_json(path: Path, shape: str, check=None) -> dict:
+    # A JSON file is read by load_model only later: a wrong one is removed now, so that a
+    # retry fetches it again instead of finding it complete.
+    try:
+        data = json.loads(path.read_text())
+        if not isinstance(data, dict) or (check is not None and not check(data)):
+            raise ValueError(f"expected {shape}")
+    except (OSError, ValueError) as e:
+        path.unlink(missing_ok=True)
+        raise HubError(f"{path}: not {shape} ({e}); removed it") from None
+    return data
 
 
 def _hub_tree(session, endpoint, repo_id, revision) -> dict[str, tuple[int, str | None]]:
