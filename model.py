@@ -721,7 +721,12 @@ class Tokenizer:
         path = path / "tokenizer.json" if path.is_dir() else path
         if not path.is_file():
             raise FileNotFoundError(f"{path}: tokenizer.json not found")
-        return cls(HFTokenizer.from_file(str(path)))
+        try:
+            return cls(HFTokenizer.from_file(str(path)))
+        except Exception as e:      # the library's own error names no file
+            raise CheckpointError(f"{path}: not a tokenizer the tokenizers library can read "
+                                  f"({str(e).splitlines()[0] if str(e) else type(e).__name__})"
+                                  ) from None
 
     def encode(self, text: str) -> list[int]:
         # Added special tokens (<|im_start|>, ...) written in the text are recognised as such.

@@ -47,7 +47,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file
 
 import envs
 import model as mdl
@@ -132,12 +131,19 @@ class Pair:
         if not config_path.is_file():
             raise FileNotFoundError(f"{config_path} not found: not a PAIR directory "
                                     "(written by `pair.py train` or Pair.save)")
-        config = json.loads(config_path.read_text())
-        if config.get("format") != "pair/1":
-            raise ValueError(f"{config_path}: unknown format {config.get('format')!r}")
-        stats = tuple(config["stats"])
+        try:
+            config = json.loads(config_path.read_text())
+        except ValueError as e:
+            raise probes.FormatError(f"{config_path}: not JSON ({e})") from None
+        if not isinstance(config, dict) or config.get("format") != "pair/1":
+            raise probes.FormatError(f"{config_path}: not a pair/1 file")
+        stats = tuple(config.get("stats") or ())
         if not stats or not set(stats) <= set(ATTN_STATS):
-            raise ValueError(f"{config_path}: bad attention statistics {stats}")
+            raise probes.FormatError(f"{config_path}: bad attention statistics {stats}")
+        if config.get("stage1") != "stage1.safetensors" or \
+                config.get("stage2") != "stage2.safetensors":
+            # the names are joined to the directory: nothing else may be read through them
+            raise probes.FormatError(f"{config_path}: unexpected stage file names")
         stage1 = Probe.load(directory / config["stage1"])
         stage2 = Probe.load(directory / config["stage2"])
         info = {k: v for k, v in config.items()
@@ -273,7 +279,7 @@ def _file_sha256(path: Path) -> str:
 
 
 def extract(net, tokenizer, data_path, out_path, max_len=4096, shard_size=32,
-            manifest_extra=None, log=None) -> dict:
+            manifest_extra=None, log=None, records=None) -> dict:
     """Features of every record of a matched file -> a features file (see CONTRACTS.md).
 
     Completed records are written to OUT.parts/ in shards (atomically); a rerun with the same
@@ -281,7 +287,8 @@ def extract(net, tokenizer, data_path, out_path, max_len=4096, shard_size=32,
     metadata; with failures the parts stay, so a rerun retries only those."""
     log = log or sys.stderr
     data_path, out_path = Path(data_path), Path(out_path)
-    records = envs.load_matched(data_path)        # validated; each with its episode's tools
+    if records is None:                           # validated; each with its episode's tools
+        records = envs.load_matched(data_path)
     parts = out_path.with_name(out_path.name + ".parts")
     manifest = {"data": str(data_path.resolve()), "data_sha256": _file_sha256(data_path),
                 "max_len": max_len, **(manifest_extra or {})}
@@ -327,7 +334,11 @@ def _open_parts(parts: Path, manifest: dict) -> set[int]:
     """The record indices already extracted under `parts` (creating it for a fresh run)."""
     path = parts / "manifest.json"
     if path.is_file():
-        old = json.loads(path.read_text())
+        try:
+            old = json.loads(path.read_text())
+        except ValueError as e:
+            raise probes.FormatError(f"{path}: not JSON ({e}); delete {parts} to start "
+                                     "over") from None
         if old != manifest:
             diff = sorted(k for k in set(old) | set(manifest) if old.get(k) != manifest.get(k))
             raise SystemExit(f"{parts} holds a run with different arguments ({', '.join(diff)}); "
@@ -337,7 +348,7 @@ def _open_parts(parts: Path, manifest: dict) -> set[int]:
         _write_text(path, json.dumps(manifest, indent=2) + "\n")
     done = set()
     for shard in sorted(parts.glob("shard_*.safetensors")):
-        done.update(load_file(str(shard))["record_index"].tolist())
+        done.update(probes.read_safetensors(shard, "shard")[0]["record_index"].tolist())
     return done
 
 
@@ -350,7 +361,8 @@ def _write_shard(parts: Path, buffer: list[dict], failed: list[dict]) -> None:
 
 
 def _merge_parts(parts, records, out_path, manifest, failed, log) -> dict:
-    shards = [load_file(str(p)) for p in sorted(parts.glob("shard_*.safetensors"))]
+    shards = [probes.read_safetensors(p, "shard")[0]
+              for p in sorted(parts.glob("shard_*.safetensors"))]
     if not shards:
         raise SystemExit(f"no record of {manifest['data']} could be extracted; see the errors "
                          f"above and {parts / 'failed.json'}")
@@ -769,11 +781,12 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 
 
 def cmd_extract(args):
+    records = envs.load_matched(args.data)      # a bad data file fails before the model loads
     t0 = time.perf_counter()
     net, tokenizer = mdl.load_model(args.model, dtype=DTYPES[args.dtype])
     print(f"loaded {args.model} ({args.dtype}) in {time.perf_counter() - t0:.1f}s",
           file=sys.stderr)
-    extract(net, tokenizer, args.data, args.out, args.max_len, args.shard_size,
+    extract(net, tokenizer, args.data, args.out, args.max_len, args.shard_size, records=records,
             manifest_extra={"model": str(Path(args.model).resolve()) if Path(args.model).exists()
                             else args.model, "dtype": args.dtype})
 
@@ -920,7 +933,7 @@ def main(argv=None) -> None:
     args = build_parser().parse_args(argv)
     try:
         args.func(args)
-    except (FileNotFoundError, envs.DataError, mdl.CheckpointError) as e:
+    except (FileNotFoundError, envs.DataError, mdl.CheckpointError, probes.FormatError) as e:
         sys.exit(f"error: {e}")         # bad input: one clear line naming the file
 
 

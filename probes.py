@@ -194,12 +194,15 @@ class Probe:
         path = Path(path)
         if not path.is_file():
             raise FileNotFoundError(f"probe file not found: {path}")
-        tensors = load_file(str(path))
+        tensors, meta = read_safetensors(path, "probe")
         missing = {"mean", "scale", "w", "b"} - set(tensors)
         if missing:
-            raise ValueError(f"{path}: not a probe file (missing tensors {sorted(missing)})")
-        with safe_open(str(path), framework="pt") as f:
-            info = json.loads((f.metadata() or {}).get("probe", "{}"))
+            raise FormatError(f"{path}: not a probe file (missing tensors {sorted(missing)})")
+        info = _json_entry(meta, "probe", path) or {}
+        d = tensors["w"].numel()
+        if not (tensors["mean"].shape == tensors["scale"].shape == tensors["w"].shape == (d,)
+                and tensors["b"].numel() == 1):
+            raise FormatError(f"{path}: probe tensors of inconsistent shapes")
         return cls(tensors["mean"].double(), tensors["scale"].double(), tensors["w"].double(),
                    tensors["b"].double().reshape(()), info)
 
@@ -251,6 +254,30 @@ def _as_float64_2d(X, what):
     if X.dim() != 2:
         raise ValueError(f"{what} must be 2-D (records, features), got shape {tuple(X.shape)}")
     return X
+
+
+class FormatError(ValueError):
+    """A probe or features file that cannot be read; the message names the file."""
+
+
+def read_safetensors(path, what: str) -> tuple[dict[str, torch.Tensor], dict]:
+    """(tensors, string metadata) of a safetensors file; a truncated or corrupt one is a
+    FormatError naming it (safetensors raises its own error type, with no path)."""
+    try:
+        tensors = load_file(str(path))
+        with safe_open(str(path), framework="pt") as f:
+            return tensors, dict(f.metadata() or {})
+    except FileNotFoundError:
+        raise
+    except Exception as e:      # SafetensorError: header, offsets or length do not add up
+        raise FormatError(f"{path}: truncated or corrupt {what} file ({e})") from None
+
+
+def _json_entry(meta: dict, key: str, path):
+    try:
+        return json.loads(meta.get(key, "null") or "null")
+    except ValueError as e:
+        raise FormatError(f"{path}: metadata {key!r} is not JSON ({e})") from None
 
 
 def save_safetensors(tensors: dict, path, metadata: dict) -> None:
@@ -365,13 +392,16 @@ def load_features(path) -> tuple[dict[str, torch.Tensor], dict]:
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"features file not found: {path}")
-    tensors = load_file(str(path))
-    with safe_open(str(path), framework="pt") as f:
-        meta = json.loads((f.metadata() or {}).get("pair_features", "null") or "null")
+    tensors, meta = read_safetensors(path, "features")
+    meta = _json_entry(meta, "pair_features", path)
     missing = [k for k in RAW_KEYS + ("label",) if k not in tensors]
-    if meta is None or missing:
-        raise ValueError(f"{path}: not a features file written by `pair.py extract` "
-                         f"(missing {missing or 'metadata'})")
+    if not isinstance(meta, dict) or missing:
+        raise FormatError(f"{path}: not a features file written by `pair.py extract` "
+                          f"(missing {missing or 'metadata'})")
+    n = {len(v) for v in tensors.values() if v.dim() > 0}
+    if len(n) != 1 or len(meta.get("episode_id", ())) not in n:
+        raise FormatError(f"{path}: columns of different lengths (records {sorted(n)}, "
+                          f"episode ids {len(meta.get('episode_id', ()))})")
     return tensors, meta
 
 
@@ -391,7 +421,13 @@ def main(argv=None) -> None:
     score.add_argument("--probe", required=True, help="probe file written by `fit`")
     score.add_argument("--features", required=True, help="features file from `pair.py extract`")
     args = ap.parse_args(argv)
+    try:
+        run(args)
+    except (FileNotFoundError, FormatError) as e:
+        sys.exit(f"error: {e}")         # bad input: one clear line naming the file
 
+
+def run(args) -> None:
     if args.cmd == "fit":
         raw, meta = load_features(args.features)
         probe = Probe(info={"feature": args.feature, "train": meta.get("data")})

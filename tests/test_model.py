@@ -213,7 +213,8 @@ def _rewrite(path, fn):
 
 
 @pytest.mark.parametrize("fault", ["missing", "extra", "shape", "truncated", "corrupt",
-                                   "architecture", "shard-missing", "no-weights", "no-tokenizer"])
+                                   "architecture", "shard-missing", "no-weights", "no-tokenizer",
+                                   "tokenizer-not-json", "tokenizer-no-specials"])
 def test_bad_checkpoints_raise_checkpoint_error(tmp_path, fault):
     shard = fault == "shard-missing"
     hf_checkpoint(tmp_path, "qwen2-mqa-untied", shard=shard)
@@ -254,6 +255,13 @@ def test_bad_checkpoints_raise_checkpoint_error(tmp_path, fault):
     elif fault == "no-tokenizer":
         (tmp_path / "tokenizer.json").unlink()
         expect = ["tokenizer.json"]
+    elif fault == "tokenizer-not-json":
+        (tmp_path / "tokenizer.json").write_text("<html>rate limited</html>")
+        expect = [str(tmp_path / "tokenizer.json")]
+    elif fault == "tokenizer-no-specials":
+        from tokenizers import Tokenizer, models
+        Tokenizer(models.WordLevel({"a": 0}, unk_token="a")).save(str(tmp_path / "tokenizer.json"))
+        expect = [str(tmp_path / "tokenizer.json"), "<|im_start|>"]
     with pytest.raises(M.CheckpointError) as err:
         M.load_model(tmp_path)
     for text in expect:

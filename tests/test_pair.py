@@ -273,6 +273,53 @@ def test_train_eval_report_cli(features_dir, tmp_path, capsys):
         assert f"## {section}" in md
 
 
+def _truncate(path: Path, keep: int = 100):
+    path.write_bytes(path.read_bytes()[:keep])
+
+
+def test_unreadable_files_are_one_line_errors(features_dir, tmp_path):
+    # A truncated or corrupt input is an error naming the file, never a traceback.
+    feats = tmp_path / "feats"
+    feats.mkdir()
+    for p in features_dir.glob("*.safetensors"):
+        (feats / p.name).write_bytes(p.read_bytes())
+    pair.main(["train", "--features", str(feats), "--out", str(tmp_path / "m"), "--seeds", "42"])
+    seed = tmp_path / "m" / "seed42"
+
+    bad = feats / "matched_clean_test.safetensors"
+    _truncate(bad)
+    with pytest.raises(SystemExit, match=f"error: {bad}: truncated or corrupt features file"):
+        pair.main(["eval", "--probes", str(tmp_path / "m"), "--features", str(feats)])
+    (feats / bad.name).write_bytes((features_dir / bad.name).read_bytes())
+
+    _truncate(seed / "last_token.safetensors", 20)
+    with pytest.raises(SystemExit, match="last_token.safetensors: truncated or corrupt probe"):
+        pair.main(["eval", "--probes", str(tmp_path / "m"), "--features", str(feats)])
+    (seed / "last_token.safetensors").unlink()
+
+    (seed / "pair_mixed" / "pair.json").write_text("{not json")
+    with pytest.raises(SystemExit, match="pair.json: not JSON"):
+        pair.main(["eval", "--probes", str(tmp_path / "m"), "--features", str(feats)])
+    (seed / "pair_mixed" / "pair.json").write_text(json.dumps(
+        {"format": "pair/1", "stats": ["max"], "stage1": "../../x.safetensors",
+         "stage2": "stage2.safetensors"}))
+    with pytest.raises(SystemExit, match="unexpected stage file names"):
+        pair.main(["eval", "--probes", str(tmp_path / "m"), "--features", str(feats)])
+
+    (tmp_path / "x.safetensors").write_bytes(b"\xff" * 16)
+    with pytest.raises(SystemExit, match="error: .*x.safetensors: truncated or corrupt probe"):
+        probes.main(["score", "--probe", str(tmp_path / "x.safetensors"),
+                     "--features", str(bad)])
+
+
+def test_extract_checks_the_data_before_loading_the_model(tmp_path):
+    data = tmp_path / "matched_clean_train.json"
+    data.write_text("[{]")
+    with pytest.raises(SystemExit, match="matched_clean_train.json"):
+        pair.main(["extract", "--model", str(tmp_path / "no-model"), "--data", str(data),
+                   "--out", str(tmp_path / "f.safetensors")])
+
+
 # ----------------------------------------------------------------------------------------------
 # the whole pipeline: make-data shop -> extract (tiny random model) -> train -> eval -> report
 
