@@ -73,6 +73,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 import envs
@@ -713,7 +714,7 @@ def load_checkpoint(path: Path, policy, optimizer, world, ctx) -> int:
         if (path / "lagged.safetensors").exists():
             ctx.lagged = load_file(path / "lagged.safetensors")
         return int(info["step"])
-    except (OSError, KeyError, ValueError) as e:
+    except (OSError, KeyError, ValueError, SafetensorError) as e:
         raise SystemExit(f"{path}: cannot resume from this checkpoint ({e})") from e
 
 
@@ -945,7 +946,7 @@ RESUME_KEYS = ("env", "model", "reward", "alpha", "outcome_weight", "probes", "s
                "batch", "group", "max_turns", "max_new_tokens", "max_len", "temperature", "top_p",
                "lr", "warmup", "beta", "eps", "ppo_epochs", "micro_batch", "lora_r", "lora_alpha",
                "lora_dropout", "lora_targets", "save_every", "tips_refresh", "tips_gamma",
-               "probe_episodes")
+               "probe_episodes", "eval_episodes")
 
 
 def is_builtin(args) -> bool:
@@ -971,11 +972,21 @@ def prepare_out(args, world) -> Path:
     if world.main:
         saved = out / "args.json"
         if args.resume and saved.exists():
-            old = json.loads(saved.read_text())
+            try:
+                old = json.loads(saved.read_text())
+                if not isinstance(old, dict):
+                    raise ValueError("not a JSON object")
+            except (OSError, ValueError) as e:
+                raise SystemExit(f"--resume: {saved} is not readable ({e}); the flags of the "
+                                 "run cannot be checked") from None
             for k in RESUME_KEYS:
                 if k in old and old[k] != getattr(args, k):
                     raise SystemExit(f"--resume: --{k.replace('_', '-')} is {getattr(args, k)!r} "
                                      f"but the run in {out} used {old[k]!r}")
+        elif args.resume and latest_checkpoint(out):
+            # without it any flag could change under the checkpoint's optimizer and RNG states
+            raise SystemExit(f"--resume: {out} holds checkpoints but no args.json, so the flags "
+                             "of that run cannot be checked; restore it, or start a new --out")
         elif not args.resume and ((out / "metrics.jsonl").exists() or latest_checkpoint(out)):
             raise SystemExit(f"--out {out} already holds a run: pass --resume to continue it, or "
                              "choose another --out")
@@ -1492,7 +1503,10 @@ def main(argv=None):
         if int(os.environ.get("WORLD_SIZE", "1")) > 1:
             raise SystemExit("--out is required with several processes")
         args.out = str(Path("runs") / f"{args.env}-{args.reward}-{time.strftime('%Y%m%d-%H%M%S')}")
-    return train(args)
+    try:
+        return train(args)
+    except (mdl.CheckpointError, envs.DataError, probes.FormatError) as e:
+        sys.exit(f"error: {e}")         # bad input: one clear line naming the file
 
 
 if __name__ == "__main__":

@@ -312,6 +312,40 @@ def test_resume_reproduces_the_uninterrupted_run(tiny_policy, tmp_path, monkeypa
         assert torch.equal(p, q), name
 
 
+def test_resume_checks_args_json(tiny_policy, tmp_path):
+    def prepare(out, **kw):
+        args = grpo.train_parser().parse_args(flags(tiny_policy, out, **kw))
+        grpo.resolve_preset(args, grpo.World())
+        return grpo.prepare_out(args, grpo.World())
+
+    out = tmp_path / "run"
+    prepare(out, eval_episodes=4)
+    (out / "checkpoint-000001").mkdir()
+    (out / "checkpoint-000001" / "trainer.json").write_text('{"step": 1}')
+    with pytest.raises(SystemExit, match="--eval-episodes is 6 but the run .* used 4"):
+        prepare(out, resume=True, eval_episodes=6)
+    (out / "args.json").write_text('{"lr": 0.1')
+    with pytest.raises(SystemExit, match="args.json is not readable"):
+        prepare(out, resume=True, eval_episodes=4)
+    (out / "args.json").unlink()            # any flag could change under the checkpoint
+    with pytest.raises(SystemExit, match="no args.json"):
+        prepare(out, resume=True, eval_episodes=4, lr=0.5)
+
+
+def test_a_bad_model_is_a_one_line_error(tmp_path):
+    with pytest.raises(SystemExit, match="error: .*no-model: not a checkpoint directory"):
+        run(flags(tmp_path / "no-model", tmp_path / "a"))
+
+
+def test_a_truncated_checkpoint_is_a_one_line_error(tiny_policy, tmp_path):
+    out = tmp_path / "b"
+    run(flags(tiny_policy, out, steps=1))
+    opt = out / "checkpoint-000001" / "optimizer.safetensors"
+    opt.write_bytes(opt.read_bytes()[:50])
+    with pytest.raises(SystemExit, match="cannot resume from this checkpoint"):
+        run(flags(tiny_policy, out, steps=1, resume=True))
+
+
 # ---------------------------------------------------------------------------------------------
 # torchrun: 2 processes x 1 prompt == 1 process x 2 prompts
 
