@@ -970,6 +970,9 @@ def resolve_preset(args, world) -> None:
 def prepare_out(args, world) -> Path:
     out = Path(args.out)
     if world.main:
+        # One run per --out, held until this process exits: two would interleave their metrics
+        # and checkpoints.
+        pair_lib.claim(out)
         saved = out / "args.json"
         if args.resume and saved.exists():
             try:

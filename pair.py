@@ -35,6 +35,7 @@ d = 1 as "the error is the immediately preceding turn", so `distance` counts ass
 from __future__ import annotations
 
 import argparse
+import contextlib
 import hashlib
 import itertools
 import json
@@ -289,9 +290,17 @@ def extract(net, tokenizer, data_path, out_path, max_len=4096, shard_size=32,
     data_path, out_path = Path(data_path), Path(out_path)
     if records is None:                           # validated; each with its episode's tools
         records = envs.load_matched(data_path)
-    parts = out_path.with_name(out_path.name + ".parts")
+    parts = parts_dir(out_path)
     manifest = {"data": str(data_path.resolve()), "data_sha256": _file_sha256(data_path),
                 "max_len": max_len, **(manifest_extra or {})}
+    # One writer: a second run on the same output would delete this one's shards at its merge.
+    with exclusive_dir(parts):
+        return _extract_parts(net, tokenizer, records, data_path, parts, out_path, manifest,
+                              max_len, shard_size, log)
+
+
+def _extract_parts(net, tokenizer, records, data_path, parts, out_path, manifest, max_len,
+                   shard_size, log) -> dict:
     done = _open_parts(parts, manifest)
     todo = [i for i in range(len(records)) if i not in done]
     print(f"extract {data_path.name}: {len(records)} records, {len(done)} already done "
@@ -328,6 +337,11 @@ def extract(net, tokenizer, data_path, out_path, max_len=4096, shard_size=32,
         _write_shard(parts, [], [])
 
     return _merge_parts(parts, records, out_path, manifest, failed, log)
+
+
+def parts_dir(out_path) -> Path:
+    """Where extract keeps the shards of OUT until they are merged into it."""
+    return Path(out_path).with_name(Path(out_path).name + ".parts")
 
 
 def _open_parts(parts: Path, manifest: dict) -> set[int]:
@@ -369,6 +383,15 @@ def _merge_parts(parts, records, out_path, manifest, failed, log) -> dict:
     tensors = {k: torch.cat([s[k] for s in shards]) for k in shards[0]}
     order = tensors["record_index"].argsort()
     tensors = {k: v[order] for k, v in tensors.items()}
+    # Every record is extracted exactly once or listed as failed, else no file: shards lost
+    # (deleted by hand, or by another writer before the lock existed) would drop records silently.
+    index = tensors["record_index"].tolist()
+    missing = sorted(set(range(len(records))) - set(index) - {f["index"] for f in failed})
+    if missing or len(set(index)) != len(index) or not set(index) <= set(range(len(records))):
+        raise SystemExit(f"{parts}: {len(missing)} records of {manifest['data']} neither "
+                         f"extracted nor listed as failed (e.g. {missing[:5]}), or shards that do "
+                         f"not belong to it; {out_path} not written. Rerun the same command to "
+                         f"extract what is missing (or delete {parts} to start over)")
     chosen = [records[i] for i in tensors["record_index"].tolist()]
     distances = [contamination_distance(r) for r in chosen]
     tensors["label"] = torch.tensor([int(r["label"]) for r in chosen])
@@ -393,6 +416,81 @@ def _merge_parts(parts, records, out_path, manifest, failed, log) -> dict:
     else:
         shutil.rmtree(parts)
     return meta
+
+
+# ----------------------------------------------------------------------------------------------
+# One writer per output directory
+
+LOCK_FILE = ".lock"
+_claims: dict[str, list] = {}       # resolved directory -> [its open lock file, claim depth]
+
+
+def claim(directory) -> Path:
+    """Make this process the only writer of `directory` (created if needed) until it exits or
+    calls release(); a directory another process holds is refused with its pid. Claims nest
+    within a process.
+
+    The lock is flock() on DIRECTORY/.lock: the kernel drops it when the holder exits, however
+    it exits (kill -9 included), so there is no stale lock to judge by pid or age. A lock file
+    created with O_EXCL would need such a rule, and a recycled pid defeats it. The file may be
+    deleted while held (the holder removes OUT.parts when it is done), so a lock is only taken
+    on the file that is still at that path."""
+    import fcntl                    # POSIX only, so imported where it is needed
+    directory = Path(directory)
+    key = str(directory.resolve())
+    held = _claims.get(key)
+    if held is not None and _is_file_at(held[0], directory / LOCK_FILE):
+        held[1] += 1
+        return directory
+    for _ in range(100):
+        directory.mkdir(parents=True, exist_ok=True)
+        try:
+            f = open(directory / LOCK_FILE, "a+")   # "a+": the holder's pid stays readable
+        except FileNotFoundError:                   # the directory was removed meanwhile
+            continue
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            f.seek(0)
+            pid = f.read().strip() or "?"
+            f.close()
+            raise SystemExit(f"{directory} is in use by pid {pid}; wait for that process to "
+                             "finish (or stop it), or write somewhere else") from None
+        if _is_file_at(f, directory / LOCK_FILE):
+            f.truncate(0)
+            f.write(f"{os.getpid()}\n")
+            f.flush()
+            _claims[key] = [f, 1]
+            return directory
+        f.close()                                   # locked a file that was just deleted
+    raise SystemExit(f"{directory}: could not be locked (removed again and again meanwhile)")
+
+
+def release(directory) -> None:
+    held = _claims.get(str(Path(directory).resolve()))
+    if held is not None:
+        held[1] -= 1
+        if held[1] == 0:
+            del _claims[str(Path(directory).resolve())]
+            held[0].close()                         # closing the file drops the lock
+
+
+@contextlib.contextmanager
+def exclusive_dir(directory):
+    """`with exclusive_dir(out):` claim() for the duration of the block."""
+    claim(directory)
+    try:
+        yield Path(directory)
+    finally:
+        release(directory)
+
+
+def _is_file_at(f, path: Path) -> bool:
+    try:
+        a, b = os.fstat(f.fileno()), os.stat(path)
+    except FileNotFoundError:
+        return False
+    return (a.st_dev, a.st_ino) == (b.st_dev, b.st_ino)
 
 
 def _hms(seconds: float) -> str:
@@ -884,7 +982,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--shard-size", type=int, default=32,
                    help="records per checkpoint shard; an interrupted run resumes after the last "
                         "shard written (default 32)")
-    p.set_defaults(func=cmd_extract)
+    p.set_defaults(func=cmd_extract, writes=lambda a: [parts_dir(a.out)])
 
     def training_flags(p):
         p.add_argument("--mode", default="mixed", choices=MODES,
@@ -905,7 +1003,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", required=True,
                    help="output directory: seed<S>/pair_<mode>/ and seed<S>/<feature>.safetensors")
     training_flags(p)
-    p.set_defaults(func=cmd_train)
+    p.set_defaults(func=cmd_train, writes=lambda a: [a.out])
 
     p = sub.add_parser("eval", help="evaluate trained probes on test features")
     p.add_argument("--probes", required=True, help="directory written by `pair.py train`")
@@ -914,7 +1012,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="features file stems to evaluate (default: matched_clean_test "
                         "matched_contaminated_test matched_diagnostic_test, those present)")
     p.add_argument("--out", default=None, help="JSON file for the metrics")
-    p.set_defaults(func=cmd_eval)
+    p.set_defaults(func=cmd_eval, writes=lambda a: [])
 
     p = sub.add_parser("report", help="the paper's tables (a)-(e) as Markdown and JSON")
     p.add_argument("--features", required=True,
@@ -925,14 +1023,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--paper-ref", default="auto", choices=["auto", "gta", "toolbench", "none"],
                    help="put the paper's Table result_pair beside ours (auto: by dataset name)")
     training_flags(p)
-    p.set_defaults(func=cmd_report)
+    p.set_defaults(func=cmd_report, writes=lambda a: [a.out or a.features])
     return ap
 
 
 def main(argv=None) -> None:
     args = build_parser().parse_args(argv)
     try:
-        args.func(args)
+        with contextlib.ExitStack() as stack:
+            # Claimed before any work (extract: before the model loads): a busy output is
+            # refused at once, not after minutes.
+            for directory in args.writes(args):
+                stack.enter_context(exclusive_dir(directory))
+            args.func(args)
     except (FileNotFoundError, envs.DataError, mdl.CheckpointError, probes.FormatError) as e:
         sys.exit(f"error: {e}")         # bad input: one clear line naming the file
 

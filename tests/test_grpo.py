@@ -3,9 +3,11 @@ import argparse
 import json
 import math
 import os
+import signal
 import subprocess
 import sys
 import threading
+import time
 from http.server import BaseHTTPRequestHandler, HTTPServer
 from pathlib import Path
 
@@ -369,6 +371,42 @@ def test_two_processes_equal_one_process(tiny_policy, tmp_path, pair_cache):
     pb = mdl.load_adapter(mdl.load_model(tiny_policy)[0], two / "checkpoint-000002" / "adapter")
     for (name, p), (_, q) in zip(mdl.lora_parameters(pa), mdl.lora_parameters(pb)):
         torch.testing.assert_close(p, q, atol=1e-6, rtol=1e-4, msg=name)
+
+
+def test_two_runs_on_one_out_one_refuses(tiny_policy, tmp_path, pair_cache):
+    # Both start at once: without a lock both pass the "already holds a run" check and write
+    # interleaved metrics and checkpoints of two seeds.
+    out = tmp_path / "run"
+    env = dict(os.environ, PAIR_CACHE=str(pair_cache), OMP_NUM_THREADS="1")
+    runs = [subprocess.Popen([sys.executable, str(ROOT / "grpo.py"),
+                              *flags(tiny_policy, out, steps=3, seed=seed)], cwd=ROOT, env=env,
+                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+            for seed in (1, 2)]
+    results = [(r.wait(timeout=300), r.stderr.read()) for r in runs]
+    refused = [err for rc, err in results if rc != 0]
+    assert len(refused) == 1 and f"{out} is in use by pid" in refused[0], results
+    assert [m["step"] for m in metrics(out)] == [1, 2, 3]
+
+
+def test_kill_9_frees_the_out_of_a_run(tiny_policy, tmp_path, pair_cache):
+    out = tmp_path / "run"
+    args = grpo.train_parser().parse_args(flags(tiny_policy, out, steps=1000, resume=True))
+    grpo.resolve_preset(args, grpo.World())
+    env = dict(os.environ, PAIR_CACHE=str(pair_cache), OMP_NUM_THREADS="1")
+    first = subprocess.Popen([sys.executable, str(ROOT / "grpo.py"),
+                              *flags(tiny_policy, out, steps=1000)], cwd=ROOT, env=env,
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        t0 = time.perf_counter()
+        while not (out / "metrics.jsonl").exists():
+            assert time.perf_counter() - t0 < 120 and first.poll() is None
+            time.sleep(0.05)
+        with pytest.raises(SystemExit, match=f"{out} is in use by pid {first.pid}"):
+            grpo.prepare_out(args, grpo.World())
+    finally:
+        first.send_signal(signal.SIGKILL)       # no cleanup runs: the kernel drops the lock
+        first.wait()
+    assert grpo.prepare_out(args, grpo.World()) == out
 
 
 # ---------------------------------------------------------------------------------------------

@@ -246,7 +246,7 @@ def test_train_eval_report_cli(features_dir, tmp_path, capsys):
              if p.is_file()}
     assert {f"seed42/{n}.safetensors" for n in probes.FEATURES} <= files
     assert "seed43/pair_mixed/pair.json" in files
-    assert all(f.endswith((".safetensors", ".json")) for f in files)
+    assert all(f.endswith((".safetensors", ".json", pair.LOCK_FILE)) for f in files)
     pair.main(["eval", "--probes", str(tmp_path / "m"), "--features", str(features_dir),
                "--out", str(tmp_path / "eval.json")])
     ev = json.loads((tmp_path / "eval.json").read_text())
@@ -463,3 +463,122 @@ def test_pipeline_on_shop(tmp_path, monkeypatch, capsys):
         {k: v[None] for k, v in probes.raw_features(trace).items()})
     assert out.s_final == pytest.approx(s_final.item(), abs=1e-9)
     print(f"\nshop pipeline: {time.perf_counter() - t_start:.1f}s")
+
+
+# ----------------------------------------------------------------------------------------------
+# one writer per output: real processes racing, kill -9
+
+ROOT = Path(__file__).resolve().parents[1]
+# pair.py extract with each forward slowed down, so that two runs surely overlap
+SLOW_EXTRACT = ("import sys, time, model\n"
+                "real = model.trace_forward\n"
+                "model.trace_forward = lambda *a: (time.sleep(0.03), real(*a))[1]\n"
+                "import pair\n"
+                "pair.main(sys.argv[1:])\n")
+
+
+@pytest.fixture(scope="module")
+def shop_ckpt(tmp_path_factory):
+    import envs
+    root = tmp_path_factory.mktemp("shop")
+    envs.main(["make-data", "shop", "--out", str(root / "data"), "--episodes", "20",
+               "--seed", "5"])
+    return root / "data", tiny_checkpoint(root / "ckpt", root / "data")
+
+
+def _env():
+    import os
+    return dict(os.environ, OMP_NUM_THREADS="1")
+
+
+def test_two_extracts_on_one_output_one_refuses_and_the_file_is_complete(shop_ckpt, tmp_path):
+    import envs
+    import subprocess
+    import sys
+    data, ckpt = shop_ckpt
+    out = tmp_path / "feats" / "matched_clean_train.safetensors"
+    argv = ["extract", "--model", str(ckpt), "--data", str(data / "matched_clean_train.json"),
+            "--out", str(out), "--shard-size", "4"]
+    runs = [subprocess.Popen([sys.executable, "-c", SLOW_EXTRACT, *argv], cwd=ROOT, env=_env(),
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+            for _ in range(2)]
+    results = [(r.wait(timeout=300), r.stderr.read()) for r in runs]
+    refused = [err for rc, err in results if rc != 0]
+    assert len(refused) == 1, results
+    assert f"{pair.parts_dir(out)} is in use by pid" in refused[0]
+    raw, meta = probes.load_features(out)
+    n = len(envs.load_matched(data / "matched_clean_train.json"))
+    assert meta["n_records"] == n and meta["failed"] == [] and len(raw["label"]) == n
+    assert raw["record_index"].tolist() == list(range(n))
+    assert not pair.parts_dir(out).exists()
+
+
+def wait_for(condition, timeout=120.0):
+    t0 = time.perf_counter()
+    while not condition():
+        assert time.perf_counter() - t0 < timeout, "timed out"
+        time.sleep(0.05)
+
+
+def holds(directory: Path, proc) -> bool:
+    lock = directory / ".lock"
+    return lock.is_file() and lock.read_text().strip() == str(proc.pid)
+
+
+def test_a_busy_output_is_refused_and_kill_9_frees_it(features_dir, tmp_path):
+    import signal
+    import subprocess
+    import sys
+    out = tmp_path / "m"
+    train = ["train", "--features", str(features_dir), "--out", str(out)]
+    first = subprocess.Popen([sys.executable, str(ROOT / "pair.py"), *train, "--seeds",
+                              *map(str, range(40, 60))], cwd=ROOT, env=_env(),
+                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        # it holds the output (or, unlocked, has begun writing into it)
+        wait_for(lambda: holds(out, first) or (out / "seed40").exists())
+        with pytest.raises(SystemExit, match=f"{out} is in use by pid {first.pid}; "):
+            pair.main(train + ["--seeds", "42"])
+        with pytest.raises(SystemExit, match=f"{out} is in use by pid {first.pid}; "):
+            pair.main(["report", "--features", str(features_dir), "--out", str(out)])
+        assert first.poll() is None
+    finally:
+        first.send_signal(signal.SIGKILL)       # no cleanup runs: the kernel drops the lock
+        first.wait()
+    pair.main(train + ["--seeds", "42"])
+    assert json.loads((out / "train.json").read_text())["runs"][0]["seed"] == 42
+
+
+def test_claims_nest_and_survive_the_directory_being_removed(tmp_path):
+    d = tmp_path / "x.parts"
+    with pair.exclusive_dir(d):
+        with pair.exclusive_dir(d):             # nested in one process: fine
+            pass
+        assert pair._claims
+        import shutil
+        shutil.rmtree(d)                        # extract removes OUT.parts while holding it
+    assert not pair._claims
+    with pair.exclusive_dir(d):
+        assert (d / pair.LOCK_FILE).read_text().strip() == str(__import__("os").getpid())
+
+
+def test_merge_refuses_to_write_an_incomplete_file(shop_ckpt, tmp_path, monkeypatch):
+    data, ckpt = shop_ckpt
+    out = tmp_path / "f.safetensors"
+    real, calls = pair._write_shard, []
+
+    def loses_the_second_shard(parts, buffer, failed):
+        calls.append(len(buffer))
+        if len(calls) != 2:
+            real(parts, buffer, failed)
+    monkeypatch.setattr(pair, "_write_shard", loses_the_second_shard)
+    argv = ["extract", "--model", str(ckpt), "--data", str(data / "matched_clean_test.json"),
+            "--out", str(out), "--shard-size", "3"]
+    with pytest.raises(SystemExit, match=r"3 records .* neither extracted nor listed as failed"):
+        pair.main(argv)
+    assert not out.exists()
+    monkeypatch.setattr(pair, "_write_shard", real)
+    pair.main(argv)                              # the rerun extracts the lost records
+    import envs
+    _, meta = probes.load_features(out)
+    assert meta["n_records"] == len(envs.load_matched(data / "matched_clean_test.json"))
