@@ -383,12 +383,16 @@ def reward_context(args, policy, tok, env, world, log) -> RewardContext:
                 raise SystemExit(f"--probes {where}: no pair.json there (nor in pair_mixed/): "
                                  "train PAIR with `python pair.py train`")
             ctx.pair = pair_lib.PairReward(found, alpha=args.alpha)
+            if args.probes:             # fitted for this policy? (before any evaluation)
+                pair_lib.check_probe_model(found, policy.checkpoint_dir)
         else:
             path = where / f"{args.reward}.safetensors" if where.is_dir() else where
             if not path.is_file():
                 raise SystemExit(f"--probes {where}: no probe {path.name} for --reward "
                                  f"{args.reward}")
             ctx.probe = pair_lib.ProbeReward(path)
+            if args.probes:
+                pair_lib.check_probe_model(path, policy.checkpoint_dir)
             if ctx.probe.name != args.reward:
                 raise SystemExit(f"--probes {path}: a {ctx.probe.name} probe, not "
                                  f"{args.reward}")

@@ -43,6 +43,7 @@ import json
 import math
 import os
 import re
+import struct
 import sys
 import time
 from bisect import bisect_right
@@ -662,6 +663,55 @@ def read_state_dict(directory, model: Transformer, dtype, device) -> dict[str, T
     return state
 
 
+FINGERPRINT_WHOLE = 64 << 20     # files up to this size are hashed whole
+FINGERPRINT_BLOCK = 4096         # bytes read at each end of every tensor of a larger file
+
+
+def checkpoint_sha256(directory) -> str:
+    """A sha256 of what a checkpoint directory computes with, for keying what is made from it
+    (features, probes, resumed extractions) by content rather than by path.
+
+    config.json, tokenizer.json, the index and any weights file up to 64 MiB are hashed whole.
+    A larger safetensors file contributes its size, its header (every tensor's name, dtype,
+    shape and offsets) and the first and last 4 KiB of every tensor: under a second for a 7B
+    model, where hashing 15 GB would take minutes on a network disk at every extract and run.
+    Fine-tuning, merging an adapter, or another checkpoint of the same shape changes every tensor
+    it touches, ends included; only an edit confined to the middle of a tensor goes unseen.
+    Size and mtime are not enough: a copy changes mtime (false mismatch), and a swapped file of
+    the same size written within the clock's resolution, or copied with its mtime, keeps both."""
+    directory = Path(directory)
+    h = hashlib.sha256(b"checkpoint/1")
+    names = ["config.json", "tokenizer.json"]
+    if (directory / "model.safetensors.index.json").is_file():
+        names.append("model.safetensors.index.json")
+    for name in names + sorted(_weight_files(directory)):
+        path = directory / name
+        try:
+            with open(path, "rb") as f:
+                size = os.fstat(f.fileno()).st_size
+                h.update(f"{name}\0{size}\0".encode())
+                if size <= FINGERPRINT_WHOLE or not name.endswith(".safetensors"):
+                    for block in iter(lambda: f.read(1 << 20), b""):
+                        h.update(block)
+                    continue
+                n = struct.unpack("<Q", f.read(8))[0]
+                header = f.read(min(n, size))
+                h.update(header)
+                for key, entry in sorted(json.loads(header).items()):
+                    if key == "__metadata__":
+                        continue
+                    start, end = (8 + n + int(o) for o in entry["data_offsets"])
+                    for at in sorted({start, max(start, end - FINGERPRINT_BLOCK)}):
+                        f.seek(at)
+                        h.update(f.read(min(FINGERPRINT_BLOCK, end - at)))
+        except FileNotFoundError:
+            raise CheckpointError(f"{path}: file not found") from None
+        except (OSError, ValueError, KeyError, TypeError, AttributeError, struct.error) as e:
+            raise CheckpointError(f"{path}: truncated or corrupt safetensors file "
+                                  f"({type(e).__name__}: {e})") from None
+    return h.hexdigest()
+
+
 def load_model(path_or_repo, dtype=torch.float32, devices=None) -> tuple["Transformer",
                                                                           "Tokenizer"]:
     """A checkpoint directory (config.json, safetensors, tokenizer.json) or a Hugging Face Hub
@@ -691,6 +741,7 @@ def load_model(path_or_repo, dtype=torch.float32, devices=None) -> tuple["Transf
     # The base weights are never trained here (GRPO trains LoRA adapters beside them).
     model.requires_grad_(False).eval()
     model.name_or_path = str(path_or_repo)        # recorded in saved adapters' configs
+    model.checkpoint_dir = directory              # what checkpoint_sha256 reads
     if len(devices) > 1:
         # Loaded on the first device, then spread: the blocks move to their devices one by one.
         split_model(model, devices)

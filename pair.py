@@ -242,6 +242,34 @@ class ProbeReward:
         return TurnReward(None, p, p, p)
 
 
+def check_probe_model(probe_path, model_dir) -> None:
+    """Refuse a PAIR directory or probe file fitted on another model's features than the model
+    in `model_dir`: same-width internals of another model would be read without any error.
+    Compares what the probe recorded (model_sha256, dims) with the checkpoint; a probe that
+    recorded neither (written before they were) is only checked for PAIR's hidden width."""
+    probe_path = Path(probe_path)
+    if (probe_path / "pair.json").is_file():
+        pair = Pair.load(probe_path)
+        info, d = pair.info, pair.stage1.w.numel()
+    else:
+        info, d = Probe.load(probe_path).info, None
+    config = mdl.read_config(model_dir)
+    have = {"d": config.hidden_size, "L": config.num_hidden_layers,
+            "H": config.num_attention_heads}
+    model = {"model": str(model_dir), "dims": have}
+    if d is not None and d != have["d"]:
+        raise probes.FormatError(f"{probe_path} reads hidden states of width {d} but --model "
+                                 f"is {probes.describe_source(model)}: fitted on another model")
+    recorded = probes.source(info)
+    if "model_sha256" in recorded:
+        model["model_sha256"] = mdl.checkpoint_sha256(model_dir)
+    if "dims" in recorded or "model_sha256" in recorded:
+        probes.check_same_source(recorded, probe_path, model, f"--model {model_dir}")
+    else:
+        print(f"warning: {probe_path} does not record the model it was fitted for; it cannot "
+              "be checked against --model", file=sys.stderr)
+
+
 # ----------------------------------------------------------------------------------------------
 # Extraction: one teacher-forced forward per matched record (SPEC §2-4)
 
@@ -347,6 +375,9 @@ def parts_dir(out_path) -> Path:
 def _open_parts(parts: Path, manifest: dict) -> set[int]:
     """The record indices already extracted under `parts` (creating it for a fresh run)."""
     path = parts / "manifest.json"
+    # Resumed by content: the data's and the model's hashes, not their paths (a moved copy
+    # resumes; weights swapped under the same path do not).
+    manifest = {k: v for k, v in manifest.items() if k not in ("data", "model")}
     if path.is_file():
         try:
             old = json.loads(path.read_text())
@@ -538,8 +569,14 @@ def load_splits(features_dir, names) -> dict[str, Split]:
     features_dir = Path(features_dir)
     if not features_dir.is_dir():
         raise FileNotFoundError(f"features directory not found: {features_dir}")
-    return {n: load_split(features_dir / f"{n}.safetensors", n) for n in names
-            if (features_dir / f"{n}.safetensors").is_file()}
+    splits = {n: load_split(features_dir / f"{n}.safetensors", n) for n in names
+              if (features_dir / f"{n}.safetensors").is_file()}
+    path = {n: features_dir / f"{n}.safetensors" for n in splits}
+    first, *rest = splits.values() if splits else [None]
+    for split in rest:                  # all from one model, or the probes learn a mixture
+        probes.check_same_source(probes.source(first.meta), path[first.name],
+                                 probes.source(split.meta), path[split.name])
+    return splits
 
 
 def concat_splits(splits: list[Split]) -> Split:
@@ -882,11 +919,12 @@ def cmd_extract(args):
     records = envs.load_matched(args.data)      # a bad data file fails before the model loads
     t0 = time.perf_counter()
     net, tokenizer = mdl.load_model(args.model, dtype=DTYPES[args.dtype])
-    print(f"loaded {args.model} ({args.dtype}) in {time.perf_counter() - t0:.1f}s",
-          file=sys.stderr)
+    model_sha256 = mdl.checkpoint_sha256(net.checkpoint_dir)
+    print(f"loaded {args.model} ({args.dtype}, sha256 {model_sha256[:12]}) in "
+          f"{time.perf_counter() - t0:.1f}s", file=sys.stderr)
     extract(net, tokenizer, args.data, args.out, args.max_len, args.shard_size, records=records,
             manifest_extra={"model": str(Path(args.model).resolve()) if Path(args.model).exists()
-                            else args.model, "dtype": args.dtype})
+                            else args.model, "model_sha256": model_sha256, "dtype": args.dtype})
 
 
 def cmd_train(args):
@@ -897,7 +935,7 @@ def cmd_train(args):
         t0 = time.perf_counter()
         train = training_set(splits, args.mode, seed)
         info = {"seed": seed, "C": args.C, "mode": args.mode, "features": str(args.features),
-                "n_train": len(train.y)}
+                "n_train": len(train.y), **probes.source(train.meta)}
         models = fit_baselines(train, args.C, info)
         pair_model = fit_pair(train.raw, train.y, args.C, args.crossfit, train.episode_id, seed,
                               info=info, stage1=models["last_token"])
@@ -927,6 +965,10 @@ def cmd_eval(args):
         models = {p.stem: Probe.load(p) for p in sorted(seed_dir.glob("*.safetensors"))}
         models.update({p.name: Pair.load(p) for p in sorted(seed_dir.glob("pair_*"))})
         for name, m in models.items():
+            for split_name, split in tests.items():
+                probes.check_same_source(probes.source(m.info), seed_dir / name,
+                                         probes.source(split.meta), f"{args.features}/"
+                                         f"{split_name}.safetensors")
             for split_name, split in tests.items():
                 metrics = probes.metrics(split.y, predict(m, split.raw), split.episode_id)
                 for k, v in metrics.items():

@@ -257,7 +257,41 @@ def _as_float64_2d(X, what):
 
 
 class FormatError(ValueError):
-    """A probe or features file that cannot be read; the message names the file."""
+    """A probe or features file that cannot be read, or that does not belong with the other
+    inputs (another model); the message names the files."""
+
+
+# What a features file was extracted with, recorded in its metadata and copied into the info of
+# every probe fitted on it. Features of two models (or dtypes) can have the same width, and then
+# nothing downstream would notice that they are mixed.
+SOURCE_KEYS = ("model", "model_sha256", "dtype", "dims")
+
+
+def source(meta: dict) -> dict:
+    return {k: meta[k] for k in SOURCE_KEYS if meta.get(k) is not None}
+
+
+def check_same_source(a: dict, a_name, b: dict, b_name) -> None:
+    """Refuse to combine two inputs made from different models; keys one side lacks (files
+    written before they were recorded) are not compared."""
+    for key in ("model_sha256", "dtype", "dims"):
+        if key in a and key in b and a[key] != b[key]:
+            raise FormatError(f"{a_name} was made from {describe_source(a)} but {b_name} "
+                              f"from {describe_source(b)} ({key} differs): they do not belong "
+                              "together")
+
+
+def describe_source(src: dict) -> str:
+    dims = src.get("dims") or {}
+    return (f"model {src.get('model', '?')}"
+            + (f" (sha256 {src['model_sha256'][:12]})" if "model_sha256" in src else "")
+            + (f", {src['dtype']}" if "dtype" in src else "")
+            + (f", d={dims.get('d')} L={dims.get('L')} H={dims.get('H')}" if dims else ""))
+
+
+def features_dims(tensors: dict) -> dict:
+    L, H = tensors["attn_max"].shape[1:]
+    return {"d": int(tensors["h_mean"].shape[1]), "L": int(L), "H": int(H)}
 
 
 def read_safetensors(path, what: str) -> tuple[dict[str, torch.Tensor], dict]:
@@ -402,6 +436,9 @@ def load_features(path) -> tuple[dict[str, torch.Tensor], dict]:
     if len(n) != 1 or len(meta.get("episode_id", ())) not in n:
         raise FormatError(f"{path}: columns of different lengths (records {sorted(n)}, "
                           f"episode ids {len(meta.get('episode_id', ()))})")
+    if tensors["h_mean"].dim() != 2 or tensors["attn_max"].dim() != 3:
+        raise FormatError(f"{path}: h_mean must be (records, d) and attn_max (records, L, H)")
+    meta["dims"] = features_dims(tensors)     # what the tensors hold, whatever was recorded
     return tensors, meta
 
 
@@ -430,7 +467,8 @@ def main(argv=None) -> None:
 def run(args) -> None:
     if args.cmd == "fit":
         raw, meta = load_features(args.features)
-        probe = Probe(info={"feature": args.feature, "train": meta.get("data")})
+        probe = Probe(info={"feature": args.feature, "train": meta.get("data"),
+                            **source(meta)})
         probe.fit(feature(args.feature, raw), raw["label"], C=args.C)
         probe.save(args.out)
         print(f"fitted {args.feature} probe on {probe.info['n']} records "
@@ -441,6 +479,7 @@ def run(args) -> None:
         if name not in FEATURES:
             sys.exit(f"{args.probe}: probe metadata names no known feature set ({name!r})")
         raw, meta = load_features(args.features)
+        check_same_source(source(probe.info), args.probe, source(meta), args.features)
         p = probe.predict_proba(feature(name, raw))
         print(json.dumps(metrics(raw["label"], p, meta.get("episode_id")), indent=2))
 

@@ -348,6 +348,47 @@ def test_a_truncated_checkpoint_is_a_one_line_error(tiny_policy, tmp_path):
         run(flags(tiny_policy, out, steps=1, resume=True))
 
 
+def fake_pair(directory, d, n_attn, **info):
+    """A PAIR directory with random weights (d hidden, n_attn attention inputs) and a source."""
+    import pair
+    import probes
+    g = torch.Generator().manual_seed(0)
+
+    def probe(n):
+        return probes.Probe(torch.zeros(n, dtype=torch.float64), torch.ones(n, dtype=torch.float64),
+                            torch.randn(n, generator=g, dtype=torch.float64),
+                            torch.tensor(0.0, dtype=torch.float64))
+    pair.Pair(probe(d), probe(n_attn + 1), info=info).save(directory)
+    return directory
+
+
+def test_probes_of_another_model_fail_up_front(tiny_policy, tmp_path, monkeypatch):
+    import pair
+    other = tmp_path / "other"              # same shape, other weights
+    other.mkdir()
+    for f in tiny_policy.iterdir():
+        (other / f.name).write_bytes(f.read_bytes())
+    from safetensors.torch import load_file, save_file
+    w = load_file(str(other / "model.safetensors"))
+    save_file({k: v + 0.01 for k, v in w.items()}, str(other / "model.safetensors"))
+    dims = {"d": 32, "L": 2, "H": 4}        # tiny_policy's
+    theirs = fake_pair(tmp_path / "theirs", 32, 4 * 2 * 4, model=str(other), dims=dims,
+                       model_sha256=mdl.checkpoint_sha256(other))
+
+    def no_evaluation(*a, **k):
+        raise AssertionError("evaluated before the probes were checked")
+    monkeypatch.setattr(grpo, "evaluate", no_evaluation)
+    with pytest.raises(SystemExit, match=f"{theirs} was made from model {other} .* but --model "
+                                         f"{tiny_policy} from .*model_sha256 differs"):
+        run(flags(tiny_policy, tmp_path / "run", "pair", probes=theirs, eval_episodes=2))
+    narrow = fake_pair(tmp_path / "narrow", 16, 4 * 2 * 4)
+    with pytest.raises(SystemExit, match="width 16 but --model"):
+        run(flags(tiny_policy, tmp_path / "run2", "pair", probes=narrow, eval_episodes=2))
+    ours = fake_pair(tmp_path / "ours", 32, 4 * 2 * 4, dims=dims,
+                     model_sha256=mdl.checkpoint_sha256(tiny_policy))
+    pair.check_probe_model(ours, tiny_policy)          # the right model passes
+
+
 # ---------------------------------------------------------------------------------------------
 # torchrun: 2 processes x 1 prompt == 1 process x 2 prompts
 

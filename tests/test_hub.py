@@ -101,7 +101,8 @@ class FakeHub:
 
 def checkpoint_files(sharded=False):
     blob = bytes(range(256)) * 1200             # ~300 KB of "weights"
-    files = {"config.json": b'{"model_type": "qwen2"}', "tokenizer.json": b'{"version": "1.0", "model": {}}',
+    files = {"config.json": b'{"model_type": "qwen2"}',
+             "tokenizer.json": b'{"version": "1.0", "model": {}}',
              "tokenizer_config.json": b"{}", "README.md": b"# tiny",
              "pytorch_model.bin": b"x" * 5000}
     if sharded:

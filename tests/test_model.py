@@ -493,7 +493,8 @@ def test_tokenizer_survives_lone_surrogates():
     # wrote must still tokenize (as U+FFFD), with spans where they belong.
     tok = M.Tokenizer.from_file(ROOT / "data" / "shop-policy")
     assert tok.encode("a\ud800b") == tok.encode("a\ufffdb")
-    messages = [{"role": "user", "content": "x\udfff"}, {"role": "assistant", "content": "ok\ud800"}]
+    messages = [{"role": "user", "content": "x\udfff"},
+                {"role": "assistant", "content": "ok\ud800"}]
     ids, spans = tok.render(messages)
     clean = [dict(m, content=m["content"][:-1] + "\ufffd") for m in messages]
     assert (ids, spans) == tok.render(clean)

@@ -582,3 +582,86 @@ def test_merge_refuses_to_write_an_incomplete_file(shop_ckpt, tmp_path, monkeypa
     import envs
     _, meta = probes.load_features(out)
     assert meta["n_records"] == len(envs.load_matched(data / "matched_clean_test.json"))
+
+
+# ----------------------------------------------------------------------------------------------
+# inputs checked against each other: what a file was made from is recorded and compared
+
+def restamp(path: Path, **meta):
+    """Rewrite a features file's recorded source (as if extracted with another model)."""
+    raw, old = probes.load_features(path)
+    probes.save_safetensors(raw, path, {"pair_features": json.dumps({**old, **meta})})
+
+
+def test_features_of_another_model_are_refused(features_dir, tmp_path):
+    feats = tmp_path / "feats"
+    feats.mkdir()
+    for p in features_dir.glob("*.safetensors"):
+        (feats / p.name).write_bytes(p.read_bytes())
+        restamp(feats / p.name, model="/models/a", model_sha256="a" * 64)
+    pair.main(["train", "--features", str(feats), "--out", str(tmp_path / "m"), "--seeds", "42"])
+    # same width, another model: the test features
+    for p in feats.glob("*_test.safetensors"):
+        restamp(p, model="/models/b", model_sha256="b" * 64)
+    with pytest.raises(SystemExit, match=r"seed42/\S+ was made from model /models/a .*"
+                                         r"matched_clean_test.safetensors from model /models/b"):
+        pair.main(["eval", "--probes", str(tmp_path / "m"), "--features", str(feats)])
+    with pytest.raises(SystemExit, match="_test.safetensors from model /models/b"):
+        pair.main(["report", "--features", str(feats), "--seeds", "42"])
+    with pytest.raises(SystemExit, match="do not belong together"):
+        probes.main(["score", "--probe", str(tmp_path / "m" / "seed42" / "attention.safetensors"),
+                     "--features", str(feats / "matched_clean_test.safetensors")])
+    # ... and one of the training splits
+    restamp(feats / "matched_contaminated_train.safetensors", model_sha256="c" * 64)
+    with pytest.raises(SystemExit, match="matched_contaminated_train.safetensors from .*"
+                                         r"sha256 cccccccccccc"):
+        pair.main(["train", "--features", str(feats), "--out", str(tmp_path / "m2")])
+    # another dtype of the same model is another source too
+    restamp(feats / "matched_contaminated_train.safetensors", model_sha256="a" * 64,
+            dtype="bfloat16")
+    with pytest.raises(SystemExit, match="dtype differs"):
+        pair.main(["train", "--features", str(feats), "--out", str(tmp_path / "m2")])
+    info = Pair.load(tmp_path / "m" / "seed42" / "pair_mixed").info    # what eval compared
+    assert info["model_sha256"] == "a" * 64 and info["dims"] == {"d": D, "L": L, "H": H}
+
+
+def test_extraction_resumes_by_model_content_not_path(shop_ckpt, tmp_path, monkeypatch):
+    import shutil
+    import model as mdl
+    from safetensors.torch import load_file, save_file
+    data, original = shop_ckpt
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(original, ckpt)
+    out = tmp_path / "f.safetensors"
+    argv = ["extract", "--data", str(data / "matched_clean_test.json"), "--out", str(out),
+            "--shard-size", "2"]
+    real, calls = mdl.trace_forward, []
+
+    def interrupted(net, ids, span):
+        calls.append(span)
+        if len(calls) == 5:
+            raise KeyboardInterrupt
+        return real(net, ids, span)
+    monkeypatch.setattr(mdl, "trace_forward", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        pair.main(argv + ["--model", str(ckpt)])
+    monkeypatch.setattr(mdl, "trace_forward", real)
+
+    # other weights under the same path: the shards of the first model are not resumed
+    weights = load_file(str(ckpt / "model.safetensors"))
+    save_file({k: v + 0.01 for k, v in weights.items()}, str(ckpt / "model.safetensors"))
+    with pytest.raises(SystemExit, match="different arguments .*model_sha256"):
+        pair.main(argv + ["--model", str(ckpt)])
+    # the first model again, from another path: resumed
+    save_file(weights, str(ckpt / "model.safetensors"))
+    moved = tmp_path / "moved"
+    ckpt.rename(moved)
+    monkeypatch.setattr(mdl, "trace_forward", lambda *a: (calls.append(a[2]), real(*a))[1])
+    calls.clear()
+    pair.main(argv + ["--model", str(moved)])
+    import envs
+    n = len(envs.load_matched(data / "matched_clean_test.json"))
+    assert len(calls) == n - 4
+    _, meta = probes.load_features(out)
+    assert meta["model_sha256"] == mdl.checkpoint_sha256(moved) == mdl.checkpoint_sha256(original)
+    assert meta["data_sha256"] and meta["dims"] == {"d": 16, "L": 4, "H": 4}
