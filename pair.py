@@ -175,7 +175,7 @@ def episode_folds(groups: list[str], K: int, seed: int) -> torch.Tensor:
     """A fold in 0..K-1 per record; all records of an episode share one."""
     unique = sorted(set(groups))
     if len(unique) < K:
-        raise ValueError(f"--crossfit {K}: only {len(unique)} training episodes")
+        raise probes.FormatError(f"--crossfit {K}: only {len(unique)} training episodes")
     order = torch.randperm(len(unique), generator=torch.Generator().manual_seed(seed)).tolist()
     fold_of = {unique[j]: i % K for i, j in enumerate(order)}
     return torch.tensor([fold_of[g] for g in groups])
@@ -474,11 +474,19 @@ def claim(directory) -> Path:
         held[1] += 1
         return directory
     for _ in range(100):
-        directory.mkdir(parents=True, exist_ok=True)
+        try:
+            directory.mkdir(parents=True, exist_ok=True)
+        except (FileExistsError, NotADirectoryError):
+            raise SystemExit(f"{directory}: not a directory (an output directory is needed "
+                             "here)") from None
+        except OSError as e:
+            raise SystemExit(f"{directory}: cannot create it ({e.strerror})") from None
         try:
             f = open(directory / LOCK_FILE, "a+")   # "a+": the holder's pid stays readable
         except FileNotFoundError:                   # the directory was removed meanwhile
             continue
+        except OSError as e:
+            raise SystemExit(f"{directory}: cannot write there ({e.strerror})") from None
         try:
             fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -593,7 +601,7 @@ def balanced_indices(y: torch.Tensor, seed: int) -> torch.Tensor:
     pos, neg = (y == 1).nonzero().flatten(), (y == 0).nonzero().flatten()
     m = min(len(pos), len(neg))
     if m == 0:
-        raise ValueError("the training split holds a single class")
+        raise probes.FormatError("the training split holds a single class")
     pick = [c[torch.randperm(len(c), generator=g)[:m]] for c in (pos, neg)]
     return torch.cat(pick).sort().values
 
@@ -1005,6 +1013,22 @@ def cmd_report(args):
           f"({result['seconds']:.1f}s)", file=sys.stderr)
 
 
+def _positive(text: str) -> float:
+    x = float(text)
+    if not 0 < x < math.inf:        # nan fails too
+        raise argparse.ArgumentTypeError(f"must be a positive number, not {text}")
+    return x
+
+
+def _int_at_least(low: int):
+    def parse(text: str) -> int:
+        n = int(text)
+        if n < low:
+            raise argparse.ArgumentTypeError(f"must be >= {low}, not {text}")
+        return n
+    return parse
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -1017,11 +1041,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="matched_*.json file (released schema); the tool lists come from the "
                         "episode file of the same family beside it (clean_train.json, SPEC §2)")
     p.add_argument("--out", required=True, help="features file to write (.safetensors)")
-    p.add_argument("--max-len", type=int, default=4096,
+    p.add_argument("--max-len", type=_int_at_least(1), default=4096,
                    help="keep the last MAX_LEN tokens of longer sequences (default 4096)")
     p.add_argument("--dtype", default="float32", choices=sorted(DTYPES),
                    help="model weights dtype (default float32)")
-    p.add_argument("--shard-size", type=int, default=32,
+    p.add_argument("--shard-size", type=_int_at_least(1), default=32,
                    help="records per checkpoint shard; an interrupted run resumes after the last "
                         "shard written (default 32)")
     p.set_defaults(func=cmd_extract, writes=lambda a: [parts_dir(a.out)])
@@ -1030,12 +1054,12 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--mode", default="mixed", choices=MODES,
                        help="training data: mixed = clean + contaminated train (the paper's), "
                             "clean_only = matched_clean_train (default mixed)")
-        p.add_argument("--crossfit", type=int, default=0, metavar="K",
+        p.add_argument("--crossfit", type=_int_at_least(0), default=0, metavar="K",
                        help="fit stage 2 on out-of-fold stage-1 scores over K episode folds "
                             "(default 0: in-sample, as released)")
         p.add_argument("--seeds", type=int, nargs="+", default=list(SEEDS),
                        help="seeds, each drawing a class-balanced subsample (default 42 43 44)")
-        p.add_argument("--C", type=float, default=0.01,
+        p.add_argument("--C", type=_positive, default=0.01,
                        help="inverse L2 strength of every probe (default 0.01)")
 
     p = sub.add_parser("train", help="fit PAIR and every baseline probe per seed")

@@ -203,6 +203,7 @@ class Probe:
         if not (tensors["mean"].shape == tensors["scale"].shape == tensors["w"].shape == (d,)
                 and tensors["b"].numel() == 1):
             raise FormatError(f"{path}: probe tensors of inconsistent shapes")
+        _check_finite(tensors, path)       # a NaN weight would turn every reward into NaN
         return cls(tensors["mean"].double(), tensors["scale"].double(), tensors["w"].double(),
                    tensors["b"].double().reshape(()), info)
 
@@ -257,8 +258,8 @@ def _as_float64_2d(X, what):
 
 
 class FormatError(ValueError):
-    """A probe or features file that cannot be read, or that does not belong with the other
-    inputs (another model); the message names the files."""
+    """A probe or features file that cannot be read, that holds values no probe can use, or
+    that does not belong with the other inputs (another model); the message names it."""
 
 
 # What a features file was extracted with, recorded in its metadata and copied into the info of
@@ -438,8 +439,16 @@ def load_features(path) -> tuple[dict[str, torch.Tensor], dict]:
                           f"episode ids {len(meta.get('episode_id', ()))})")
     if tensors["h_mean"].dim() != 2 or tensors["attn_max"].dim() != 3:
         raise FormatError(f"{path}: h_mean must be (records, d) and attn_max (records, L, H)")
+    _check_finite(tensors, path)
     meta["dims"] = features_dims(tensors)     # what the tensors hold, whatever was recorded
     return tensors, meta
+
+
+def _check_finite(tensors: dict, path) -> None:
+    for key, t in tensors.items():
+        if t.is_floating_point() and not torch.isfinite(t).all():
+            bad = (~torch.isfinite(t)).nonzero()[0].tolist()
+            raise FormatError(f"{path}: {key} holds NaN or infinite values (first at {bad})")
 
 
 # ----------------------------------------------------------------------------------------------

@@ -665,3 +665,39 @@ def test_extraction_resumes_by_model_content_not_path(shop_ckpt, tmp_path, monke
     _, meta = probes.load_features(out)
     assert meta["model_sha256"] == mdl.checkpoint_sha256(moved) == mdl.checkpoint_sha256(original)
     assert meta["data_sha256"] and meta["dims"] == {"d": 16, "L": 4, "H": 4}
+
+
+# ----------------------------------------------------------------------------------------------
+# more hostile inputs: each a one-line error, never a traceback or a silent NaN
+
+def test_hostile_flags_and_values_are_one_line_errors(features_dir, tmp_path, capsys):
+    feats = str(features_dir)
+    for flag, value in (("--C", "-1"), ("--C", "nan"), ("--crossfit", "-3")):
+        with pytest.raises(SystemExit):
+            pair.main(["train", "--features", feats, "--out", str(tmp_path / "m"), flag, value])
+        assert f"argument {flag}: must be" in capsys.readouterr().err
+    with pytest.raises(SystemExit, match="--crossfit 1000: only 60 training episodes"):
+        pair.main(["train", "--features", feats, "--out", str(tmp_path / "m"), "--crossfit",
+                   "1000", "--seeds", "42"])
+    (tmp_path / "afile").write_text("")
+    with pytest.raises(SystemExit, match="afile: not a directory"):
+        pair.main(["train", "--features", feats, "--out", str(tmp_path / "afile")])
+
+    # a NaN in a features file or a probe would turn scores and rewards into NaN silently
+    nan_feats = tmp_path / "nan"
+    nan_feats.mkdir()
+    for p in features_dir.glob("*.safetensors"):
+        (nan_feats / p.name).write_bytes(p.read_bytes())
+    raw, meta = probes.load_features(nan_feats / "matched_clean_train.safetensors")
+    raw["attn_max"][3, 1, 0] = float("nan")
+    probes.save_safetensors(raw, nan_feats / "matched_clean_train.safetensors",
+                            {"pair_features": json.dumps(meta)})
+    with pytest.raises(SystemExit, match="matched_clean_train.safetensors: attn_max holds NaN"):
+        pair.main(["train", "--features", str(nan_feats), "--out", str(tmp_path / "m")])
+    train = pair.load_split(features_dir / "matched_clean_train.safetensors")
+    probe = probes.Probe(info={"feature": "last_token"}).fit(
+        probes.feature("last_token", train.raw), train.y)
+    probe.w[2] = float("inf")
+    probe.save(tmp_path / "inf.safetensors")
+    with pytest.raises(probes.FormatError, match="inf.safetensors: w holds NaN"):
+        ProbeReward(tmp_path / "inf.safetensors")
