@@ -271,8 +271,10 @@ def parse_react(text: str) -> Action | Final | ParseError:
         return ParseError(f"Invalid JSON in Action Input: {e.msg} (line {e.lineno}, column "
                           f"{e.colno}). Write the inputs as one JSON object, for example "
                           '{"name": "value"}.')
-    except (ValueError, RecursionError):
+    except RecursionError:
         return ParseError("Invalid JSON in Action Input: the value is too deeply nested.")
+    except ValueError as e:         # e.g. an integer longer than Python converts (4300 digits)
+        return ParseError(f"Invalid JSON in Action Input: {str(e)[:200]}")
     if not isinstance(arguments, dict):
         return ParseError(f"Action Input must be a JSON object {{...}}, not a JSON "
                           f"{type(arguments).__name__}.")

@@ -207,6 +207,7 @@ def test_parse_react_cases(text, expected):
     ("Action:\nAction Input: {}", "names no tool"),
     ("Final Answer:   ", "'Final Answer:' is empty"),
     ("Action: OCR\nAction Input: " + "[" * 100000, "Invalid JSON"),
+    ('Action: OCR\nAction Input: {"n": ' + "9" * 5000 + "}", "Exceeds the limit"),
 ])
 def test_parse_react_errors_tell_what_is_wrong(text, message):
     parsed = envs.parse_react(text)
