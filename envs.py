@@ -102,8 +102,19 @@ def render_final(thought: str | None, answer: str) -> str:
     return f"Thought: {thought}\nFinal Answer: {answer}" if thought else f"Final Answer: {answer}"
 
 
+# A code point in U+D800..U+DFFF left in a str is half of a UTF-16 pair (a JSON "\ud800"
+# escape decodes to one): no UTF-8 text can hold it and the tokenizer refuses it.
+_LONE_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def without_surrogates(text: str) -> str:
+    """text with every unpaired surrogate replaced by U+FFFD (same length)."""
+    return _LONE_SURROGATE.sub("\ufffd", text)
+
+
 def render_observation(text: str) -> str:
     """A tool result as the content of a user message (SPEC §2)."""
+    text = without_surrogates(text)
     if len(text) > OBSERVATION_CHARS:
         text = text[:OBSERVATION_CHARS] + "..."
     return f"Observation: {text}"
@@ -260,11 +271,17 @@ def parse_react(text: str) -> Action | Final | ParseError:
         return ParseError(f"Invalid JSON in Action Input: {e.msg} (line {e.lineno}, column "
                           f"{e.colno}). Write the inputs as one JSON object, for example "
                           '{"name": "value"}.')
-    except (ValueError, RecursionError):
+    except RecursionError:
         return ParseError("Invalid JSON in Action Input: the value is too deeply nested.")
+    except ValueError as e:         # e.g. an integer longer than Python converts (4300 digits)
+        return ParseError(f"Invalid JSON in Action Input: {str(e)[:200]}")
     if not isinstance(arguments, dict):
         return ParseError(f"Action Input must be a JSON object {{...}}, not a JSON "
                           f"{type(arguments).__name__}.")
+    if _LONE_SURROGATE.search(json.dumps(arguments, ensure_ascii=False)):
+        # a tool would echo it back, and no tokenizer can encode the observation
+        return ParseError("Action Input holds a \\ud800-\\udfff escape that is not half of a "
+                          "surrogate pair: write the character itself.")
     return Action(thought, name, arguments)
 
 
@@ -275,6 +292,7 @@ def parse_react(text: str) -> Action | Final | ParseError:
 MAX_EXPRESSION_CHARS = 1000
 MAX_INT_BITS = 4000          # ~1200 digits: bounds the work of *, ** and str() on integers
 MAX_FACTORIAL = 1000
+MAX_NDIGITS = 1000           # round(x, n) builds 10 ** |n|: n = -10**8 would run for minutes
 
 
 class CalculatorError(ValueError):
@@ -299,19 +317,48 @@ def _power(a, b):
     return a ** b
 
 
-_BINARY = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul,
+# Every operation is sized before it runs: each operand is already <= MAX_INT_BITS (checked
+# when it was computed), and the functions below refuse arguments whose result, or the work to
+# get it, would be larger. Checking the result afterwards is not enough: the work is done by then.
+
+def _multiply(a, b):
+    if isinstance(a, int) and isinstance(b, int) and \
+            a.bit_length() + b.bit_length() > MAX_INT_BITS + 1:
+        raise CalculatorError("result too large")
+    return a * b
+
+
+def _round(x, ndigits=None):
+    if ndigits is None:
+        return round(x)
+    if isinstance(ndigits, float) and ndigits.is_integer():
+        ndigits = int(ndigits)
+    if not isinstance(ndigits, int):
+        raise CalculatorError("round() needs an integer number of digits")
+    if abs(ndigits) > MAX_NDIGITS:
+        raise CalculatorError(f"round() digits out of range (limit {MAX_NDIGITS})")
+    return round(x, ndigits)
+
+
+def _lcm(*xs):
+    if sum(x.bit_length() for x in xs if isinstance(x, int)) > MAX_INT_BITS + len(xs):
+        raise CalculatorError("result too large")
+    return math.lcm(*xs)
+
+
+_BINARY = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: _multiply,
            ast.Div: operator.truediv, ast.FloorDiv: operator.floordiv, ast.Mod: operator.mod,
            ast.Pow: _power}
 _UNARY = {ast.USub: operator.neg, ast.UAdd: operator.pos}
 _FUNCTIONS = {
-    "abs": abs, "round": round, "min": min, "max": max, "int": int, "float": float,
+    "abs": abs, "round": _round, "min": min, "max": max, "int": int, "float": float,
     "pow": _power, "sqrt": math.sqrt, "cbrt": math.cbrt, "exp": math.exp, "log": math.log,
     "log10": math.log10, "log2": math.log2, "log1p": math.log1p, "sin": math.sin,
     "cos": math.cos, "tan": math.tan, "asin": math.asin, "acos": math.acos, "atan": math.atan,
     "atan2": math.atan2, "sinh": math.sinh, "cosh": math.cosh, "tanh": math.tanh,
     "degrees": math.degrees, "radians": math.radians, "floor": math.floor, "ceil": math.ceil,
     "trunc": math.trunc, "fabs": math.fabs, "hypot": math.hypot, "gcd": math.gcd,
-    "lcm": math.lcm, "isqrt": math.isqrt, "fsum": lambda *xs: math.fsum(xs),
+    "lcm": _lcm, "isqrt": math.isqrt, "fsum": lambda *xs: math.fsum(xs),
     "factorial": lambda n: math.factorial(_int_arg(n, "factorial")),
     "comb": lambda n, k: math.comb(_int_arg(n, "comb"), _int_arg(k, "comb")),
     "perm": lambda n, k: math.perm(_int_arg(n, "perm"), _int_arg(k, "perm")),

@@ -82,6 +82,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 import envs
@@ -394,13 +395,18 @@ def reward_context(args, policy, tok, env, world, log) -> RewardContext:
         else:
             where, ctx.probe_report = shop_probes(args, policy, tok, world, log)
         if args.reward == "pair":
-            ctx.pair = pair_lib.PairReward(find_pair_dir(where), alpha=args.alpha)
+            found = find_pair_dir(where)
+            ctx.pair = pair_lib.PairReward(found, alpha=args.alpha)
+            if args.probes:             # fitted for this policy? (before any evaluation)
+                pair_lib.check_probe_model(found, policy.checkpoint_dir)
         else:
             path = where / f"{args.reward}.safetensors" if where.is_dir() else where
             if not path.is_file():
                 raise SystemExit(f"--probes {where}: no probe {path.name} for --reward "
                                  f"{args.reward}")
             ctx.probe = pair_lib.ProbeReward(path)
+            if args.probes:
+                pair_lib.check_probe_model(path, policy.checkpoint_dir)
             if ctx.probe.name != args.reward:
                 raise SystemExit(f"--probes {path}: a {ctx.probe.name} probe, not "
                                  f"{args.reward}")
@@ -594,6 +600,9 @@ def shop_probes(args, policy, tok, world, log) -> tuple[Path, dict]:
     out = root / f"{args.probe_corpus}-{settings_hash(settings)}"
     done = out / "probes.json"
     if world.main and not done.is_file():
+        # two runs starting on one fresh cache (compare --jobs 2): the second waits, then reads
+        pair_lib.claim(root, wait=log)
+    if world.main and not done.is_file():
         t0 = time.perf_counter()
         log(f"fitting the probes of this policy once ({args.probe_corpus} corpus; cached in "
             f"{out}):", flush=True)
@@ -628,6 +637,8 @@ def shop_probes(args, policy, tok, world, log) -> tuple[Path, dict]:
         write_json(tmp / "probes.json", report)
         shutil.rmtree(out, ignore_errors=True)
         os.replace(tmp, out)                # the directory appears complete or not at all
+    if world.main:
+        pair_lib.release(root)
     barrier(world)
     report = json.loads(done.read_text())
     h, ref = report["heldout"], report["contaminated_corpus_pair"]
@@ -904,7 +915,7 @@ def load_checkpoint(path: Path, policy, optimizer, world, ctx) -> int:
         if (path / "lagged.safetensors").exists():
             ctx.lagged = load_file(path / "lagged.safetensors")
         return int(info["step"])
-    except (OSError, KeyError, ValueError) as e:
+    except (OSError, KeyError, ValueError, SafetensorError) as e:
         raise SystemExit(f"{path}: cannot resume from this checkpoint ({e})") from e
 
 
@@ -1235,8 +1246,8 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 RESUME_KEYS = ("env", "model", "reward", "alpha", "outcome_weight", "probes", "seed", "steps",
                "batch", "group", "max_turns", "max_new_tokens", "max_len", "temperature", "top_p",
                "lr", "warmup", "beta", "eps", "oversample", "ppo_epochs", "micro_batch", "lora_r",
-               "lora_alpha", "lora_dropout", "lora_targets", "save_every", "tips_refresh", "tips_gamma",
-               "probe_corpus", "probe_reads", "corpus_episodes", "corpus_samples",
+               "lora_alpha", "lora_dropout", "lora_targets", "save_every", "tips_refresh",
+               "tips_gamma", "probe_corpus", "probe_reads", "corpus_episodes", "corpus_samples",
                "corpus_heldout", "probe_episodes", "eval_episodes", "val_episodes")
 
 
@@ -1261,13 +1272,26 @@ def resolve_preset(args, world) -> None:
 def prepare_out(args, world) -> Path:
     out = Path(args.out)
     if world.main:
+        # One run per --out, held until this process exits: two would interleave their metrics
+        # and checkpoints.
+        pair_lib.claim(out)
         saved = out / "args.json"
         if args.resume and saved.exists():
-            old = json.loads(saved.read_text())
+            try:
+                old = json.loads(saved.read_text())
+                if not isinstance(old, dict):
+                    raise ValueError("not a JSON object")
+            except (OSError, ValueError) as e:
+                raise SystemExit(f"--resume: {saved} is not readable ({e}); the flags of the "
+                                 "run cannot be checked") from None
             for k in RESUME_KEYS:
                 if k in old and old[k] != getattr(args, k):
                     raise SystemExit(f"--resume: --{k.replace('_', '-')} is {getattr(args, k)!r} "
                                      f"but the run in {out} used {old[k]!r}")
+        elif args.resume and latest_checkpoint(out):
+            # without it any flag could change under the checkpoint's optimizer and RNG states
+            raise SystemExit(f"--resume: {out} holds checkpoints but no args.json, so the flags "
+                             "of that run cannot be checked; restore it, or start a new --out")
         elif not args.resume and ((out / "metrics.jsonl").exists() or latest_checkpoint(out)):
             raise SystemExit(f"--out {out} already holds a run: pass --resume to continue it, or "
                              "choose another --out")
@@ -2087,7 +2111,10 @@ def main(argv=None):
         if int(os.environ.get("WORLD_SIZE", "1")) > 1:
             raise SystemExit("--out is required with several processes")
         args.out = str(Path("runs") / f"{args.env}-{args.reward}-{time.strftime('%Y%m%d-%H%M%S')}")
-    return train(args)
+    try:
+        return train(args)
+    except (mdl.CheckpointError, envs.DataError, probes.FormatError) as e:
+        sys.exit(f"error: {e}")         # bad input: one clear line naming the file
 
 
 if __name__ == "__main__":

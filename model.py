@@ -43,6 +43,7 @@ import json
 import math
 import os
 import re
+import struct
 import sys
 import time
 from bisect import bisect_right
@@ -68,6 +69,13 @@ DEFAULT_SYSTEM = "You are Qwen, created by Alibaba Cloud. You are a helpful assi
 # Span rows are scored in chunks of at most this many float32 scores (8 MB): the few temporaries
 # of a chunk stay below what the MLP of the same block holds anyway, so peak memory is unchanged.
 STATS_CHUNK = 1 << 21
+# (config.json key, largest value, may be absent): sizes a config may ask for; every released
+# model is far below these (the largest has ~126 layers and a 256K vocabulary).
+INT_LIMITS = (("vocab_size", 1 << 22, False), ("hidden_size", 1 << 16, False),
+              ("intermediate_size", 1 << 18, False), ("num_hidden_layers", 1024, False),
+              ("num_attention_heads", 1024, False), ("num_key_value_heads", 1024, True),
+              ("head_dim", 4096, True), ("max_position_embeddings", 1 << 24, False),
+              ("sliding_window", 1 << 24, True))
 
 
 class CheckpointError(Exception):
@@ -109,7 +117,13 @@ class Config:
 
     @classmethod
     def from_dict(cls, d: dict) -> "Config":
+        if not isinstance(d, dict):
+            raise ValueError(f"must be a JSON object, not {type(d).__name__}")
         d = dict(d)
+        arch = d.get("architectures")
+        if arch is not None and not (isinstance(arch, list) and
+                                     all(isinstance(a, str) for a in arch)):
+            raise ValueError(f"architectures must be a list of names, got {arch!r}")
         if not d.get("architectures"):
             if d.get("model_type") not in ARCHITECTURES:
                 raise ValueError("no architectures entry and no known model_type")
@@ -122,6 +136,7 @@ class Config:
         return cfg
 
     def validate(self):
+        self.check_values()
         if self.arch not in ARCHITECTURES.values():
             raise ValueError(f"unsupported architecture {self.architectures!r} "
                              f"(supported: {', '.join(ARCHITECTURES.values())})")
@@ -133,6 +148,50 @@ class Config:
                 raise ValueError(f"unsupported RoPE type {kind!r} (only default RoPE)")
         if self.num_attention_heads % self.n_kv_heads:
             raise ValueError("num_attention_heads must be a multiple of num_key_value_heads")
+
+    def check_values(self):
+        """Types and ranges, before anything is built from them: a config.json is input, and
+        num_hidden_layers = 10**6 would take minutes and gigabytes to build before any weight
+        is read. The limits are far above every released model."""
+        def bad(key, want):
+            return ValueError(f"{key} must be {want}, got {getattr(self, key)!r}")
+        for key, hi, optional in INT_LIMITS:
+            v = getattr(self, key)
+            if v is None and optional:
+                continue
+            if type(v) is not int or not 1 <= v <= hi:
+                raise bad(key, f"an integer in 1..{hi}")
+        if type(self.max_window_layers) is not int or self.max_window_layers < 0:
+            raise bad("max_window_layers", "an integer >= 0")
+        for key in ("bos_token_id", "pad_token_id", "eos_token_id"):
+            v = getattr(self, key)
+            ids = v if isinstance(v, list) else [v]
+            if v is not None and not all(type(i) is int and i >= 0 for i in ids):
+                raise bad(key, "a token id (or, for eos_token_id, a list of them)")
+        for key in ("tie_word_embeddings", "attention_bias", "mlp_bias", "use_sliding_window"):
+            if not isinstance(getattr(self, key), bool):
+                raise bad(key, "true or false")
+        if type(self.rms_norm_eps) not in (int, float) or not 0 < self.rms_norm_eps < 1:
+            raise bad("rms_norm_eps", "a number between 0 and 1")
+        for key in ("rope_parameters", "rope_scaling"):
+            if getattr(self, key) is not None and not isinstance(getattr(self, key), dict):
+                raise bad(key, "a JSON object")
+        for key, theta in (("rope_theta", self.rope_theta),
+                           ("rope_parameters.rope_theta",
+                            (self.rope_parameters or {}).get("rope_theta"))):
+            if theta is not None and (type(theta) not in (int, float) or
+                                      not 0 < theta < math.inf):
+                raise ValueError(f"{key} must be a positive number, got {theta!r}")
+        if not isinstance(self.hidden_act, str):
+            raise bad("hidden_act", "a name")
+        if self.head_dim is None and self.hidden_size % self.num_attention_heads:
+            raise ValueError(f"hidden_size {self.hidden_size} is not a multiple of "
+                             f"num_attention_heads {self.num_attention_heads} (and no head_dim)")
+        if self.layer_types is not None and (
+                not isinstance(self.layer_types, list) or
+                len(self.layer_types) != self.num_hidden_layers or
+                not all(isinstance(t, str) for t in self.layer_types)):
+            raise bad("layer_types", f"a list of {self.num_hidden_layers} names")
 
     @property
     def arch(self) -> str:
@@ -612,6 +671,55 @@ def read_state_dict(directory, model: Transformer, dtype, device) -> dict[str, T
     return state
 
 
+FINGERPRINT_WHOLE = 64 << 20     # files up to this size are hashed whole
+FINGERPRINT_BLOCK = 4096         # bytes read at each end of every tensor of a larger file
+
+
+def checkpoint_sha256(directory) -> str:
+    """A sha256 of what a checkpoint directory computes with, for keying what is made from it
+    (features, probes, resumed extractions) by content rather than by path.
+
+    config.json, tokenizer.json, the index and any weights file up to 64 MiB are hashed whole.
+    A larger safetensors file contributes its size, its header (every tensor's name, dtype,
+    shape and offsets) and the first and last 4 KiB of every tensor: under a second for a 7B
+    model, where hashing 15 GB would take minutes on a network disk at every extract and run.
+    Fine-tuning, merging an adapter, or another checkpoint of the same shape changes every tensor
+    it touches, ends included; only an edit confined to the middle of a tensor goes unseen.
+    Size and mtime are not enough: a copy changes mtime (false mismatch), and a swapped file of
+    the same size written within the clock's resolution, or copied with its mtime, keeps both."""
+    directory = Path(directory)
+    h = hashlib.sha256(b"checkpoint/1")
+    names = ["config.json", "tokenizer.json"]
+    if (directory / "model.safetensors.index.json").is_file():
+        names.append("model.safetensors.index.json")
+    for name in names + sorted(_weight_files(directory)):
+        path = directory / name
+        try:
+            with open(path, "rb") as f:
+                size = os.fstat(f.fileno()).st_size
+                h.update(f"{name}\0{size}\0".encode())
+                if size <= FINGERPRINT_WHOLE or not name.endswith(".safetensors"):
+                    for block in iter(lambda: f.read(1 << 20), b""):
+                        h.update(block)
+                    continue
+                n = struct.unpack("<Q", f.read(8))[0]
+                header = f.read(min(n, size))
+                h.update(header)
+                for key, entry in sorted(json.loads(header).items()):
+                    if key == "__metadata__":
+                        continue
+                    start, end = (8 + n + int(o) for o in entry["data_offsets"])
+                    for at in sorted({start, max(start, end - FINGERPRINT_BLOCK)}):
+                        f.seek(at)
+                        h.update(f.read(min(FINGERPRINT_BLOCK, end - at)))
+        except FileNotFoundError:
+            raise CheckpointError(f"{path}: file not found") from None
+        except (OSError, ValueError, KeyError, TypeError, AttributeError, struct.error) as e:
+            raise CheckpointError(f"{path}: truncated or corrupt safetensors file "
+                                  f"({type(e).__name__}: {e})") from None
+    return h.hexdigest()
+
+
 def load_model(path_or_repo, dtype=torch.float32, devices=None) -> tuple["Transformer",
                                                                           "Tokenizer"]:
     """A checkpoint directory (config.json, safetensors, tokenizer.json) or a Hugging Face Hub
@@ -641,6 +749,7 @@ def load_model(path_or_repo, dtype=torch.float32, devices=None) -> tuple["Transf
     # The base weights are never trained here (GRPO trains LoRA adapters beside them).
     model.requires_grad_(False).eval()
     model.name_or_path = str(path_or_repo)        # recorded in saved adapters' configs
+    model.checkpoint_dir = directory              # what checkpoint_sha256 reads
     if len(devices) > 1:
         # Loaded on the first device, then spread: the blocks move to their devices one by one.
         split_model(model, devices)
@@ -671,11 +780,16 @@ class Tokenizer:
         path = path / "tokenizer.json" if path.is_dir() else path
         if not path.is_file():
             raise FileNotFoundError(f"{path}: tokenizer.json not found")
-        return cls(HFTokenizer.from_file(str(path)))
+        try:
+            return cls(HFTokenizer.from_file(str(path)))
+        except Exception as e:      # the library's own error names no file
+            raise CheckpointError(f"{path}: not a tokenizer the tokenizers library can read "
+                                  f"({str(e).splitlines()[0] if str(e) else type(e).__name__})"
+                                  ) from None
 
     def encode(self, text: str) -> list[int]:
         # Added special tokens (<|im_start|>, ...) written in the text are recognised as such.
-        return self.tok.encode(text, add_special_tokens=False).ids
+        return self.tok.encode(_utf8_safe(text), add_special_tokens=False).ids
 
     def decode(self, ids, skip_special_tokens=False) -> str:
         return self.tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
@@ -708,6 +822,7 @@ class Tokenizer:
         """Token ids of the chat and, per assistant message, its span [start, end) (SPEC §3):
         start = first token of the content, end = its closing <|im_end|> + 1."""
         text, ranges = self._chat(messages, add_generation_prompt)
+        text = _utf8_safe(text)                                 # same length: ranges still hold
         enc = self.tok.encode(text, add_special_tokens=False)   # one call: the real tokenization
         ids, starts = enc.ids, [s for s, _ in enc.offsets]
         ends = [e for _, e in enc.offsets]
@@ -720,6 +835,16 @@ class Tokenizer:
                                  "<|im_end|> after tokenization")
             spans.append((start, end + 1))
         return ids, spans
+
+
+_LONE_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def _utf8_safe(text: str) -> str:
+    """Unpaired surrogates (a JSON "\\ud800" escape decodes to one) -> U+FFFD, one for one: the
+    tokenizer refuses a str that is not valid Unicode, and whatever a policy or a data file
+    wrote must stay encodable."""
+    return _LONE_SURROGATE.sub("\ufffd", text)
 
 
 def keep_last(ids: list[int], spans: list[tuple], max_len: int):
@@ -1259,8 +1384,10 @@ def _cached_copy(folder: Path) -> bool:
     # Complete only when the manifest exists and every file it lists has the listed size.
     try:
         files = json.loads((folder / HUB_MANIFEST).read_text())["files"]
+        for name in files:
+            _check_hub_name(name, folder, folder.name)
         return all((folder / name).stat().st_size == size for name, size in files.items())
-    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+    except (OSError, ValueError, KeyError, TypeError, AttributeError, HubError):
         return False
 
 
@@ -1304,6 +1431,7 @@ def _fetch_files(folder: Path, repo_id, revision, endpoint) -> dict[str, int]:
     files = {}
 
     def fetch(name):
+        _check_hub_name(name, folder, repo_id)
         if name not in listing:
             raise HubError(f"{repo_id}@{revision} on {endpoint} has no file {name!r}")
         size, sha256 = listing[name]
@@ -1312,22 +1440,51 @@ def _fetch_files(folder: Path, repo_id, revision, endpoint) -> dict[str, int]:
         files[name] = size
 
     fetch("config.json")
+    _check_hub_json(folder / "config.json", "a JSON object")
     fetch("tokenizer.json")
+    _check_hub_json(folder / "tokenizer.json", "a JSON object with a \"model\" entry",
+                    lambda d: isinstance(d.get("model"), dict))
     for name in HUB_OPTIONAL:
         if name in listing:
             fetch(name)
+            _check_hub_json(folder / name, "a JSON object")
     if "model.safetensors.index.json" not in listing:
         fetch("model.safetensors")
         return files
     fetch("model.safetensors.index.json")
-    index = folder / "model.safetensors.index.json"
-    try:
-        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-    except (ValueError, KeyError, AttributeError) as e:
-        raise HubError(f"{index}: not a safetensors index ({e})") from e
-    for shard in shards:
+    index = _check_hub_json(
+        folder / "model.safetensors.index.json", "a safetensors index: {\"weight_map\": "
+        "{tensor name: shard file name}}",
+        lambda d: isinstance(d.get("weight_map"), dict) and d["weight_map"] and
+        all(isinstance(v, str) and v.endswith(".safetensors") for v in d["weight_map"].values()))
+    for shard in sorted(set(index["weight_map"].values())):
         fetch(shard)
     return files
+
+
+def _check_hub_name(name: str, folder: Path, repo_id: str):
+    """A file name from the Hub (the listing or an index) is joined to the cache folder: it
+    must name a plain file inside it. A hostile endpoint could otherwise write anywhere
+    ("../../.bashrc", "/etc/x") or over our own bookkeeping (".pair-complete.json")."""
+    plain = (isinstance(name, str) and name and name == Path(name).name and
+             not name.startswith(".") and "\\" not in name and "\0" not in name and
+             (folder / name).resolve().parent == folder.resolve())
+    if not plain:
+        raise HubError(f"{repo_id}: refusing the file name {name!r} from the Hub (not a plain "
+                       f"file name inside {folder})")
+
+
+def _check_hub_json(path: Path, shape: str, check=None) -> dict:
+    # A JSON file is read by load_model only later: a wrong one is removed now, so that a
+    # retry fetches it again instead of finding it complete.
+    try:
+        data = json.loads(path.read_text())
+        if not isinstance(data, dict) or (check is not None and not check(data)):
+            raise ValueError(f"expected {shape}")
+    except (OSError, ValueError) as e:
+        path.unlink(missing_ok=True)
+        raise HubError(f"{path}: not {shape} ({e}); removed it") from None
+    return data
 
 
 def _hub_tree(session, endpoint, repo_id, revision) -> dict[str, tuple[int, str | None]]:

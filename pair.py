@@ -35,6 +35,7 @@ d = 1 as "the error is the immediately preceding turn", so `distance` counts ass
 from __future__ import annotations
 
 import argparse
+import contextlib
 import hashlib
 import itertools
 import json
@@ -47,7 +48,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file
 
 import envs
 import model as mdl
@@ -132,12 +132,19 @@ class Pair:
         if not config_path.is_file():
             raise FileNotFoundError(f"{config_path} not found: not a PAIR directory "
                                     "(written by `pair.py train` or Pair.save)")
-        config = json.loads(config_path.read_text())
-        if config.get("format") != "pair/1":
-            raise ValueError(f"{config_path}: unknown format {config.get('format')!r}")
-        stats = tuple(config["stats"])
+        try:
+            config = json.loads(config_path.read_text())
+        except ValueError as e:
+            raise probes.FormatError(f"{config_path}: not JSON ({e})") from None
+        if not isinstance(config, dict) or config.get("format") != "pair/1":
+            raise probes.FormatError(f"{config_path}: not a pair/1 file")
+        stats = tuple(config.get("stats") or ())
         if not stats or not set(stats) <= set(ATTN_STATS):
-            raise ValueError(f"{config_path}: bad attention statistics {stats}")
+            raise probes.FormatError(f"{config_path}: bad attention statistics {stats}")
+        if config.get("stage1") != "stage1.safetensors" or \
+                config.get("stage2") != "stage2.safetensors":
+            # the names are joined to the directory: nothing else may be read through them
+            raise probes.FormatError(f"{config_path}: unexpected stage file names")
         stage1 = Probe.load(directory / config["stage1"])
         stage2 = Probe.load(directory / config["stage2"])
         info = {k: v for k, v in config.items()
@@ -168,7 +175,7 @@ def episode_folds(groups: list[str], K: int, seed: int) -> torch.Tensor:
     """A fold in 0..K-1 per record; all records of an episode share one."""
     unique = sorted(set(groups))
     if len(unique) < K:
-        raise ValueError(f"--crossfit {K}: only {len(unique)} training episodes")
+        raise probes.FormatError(f"--crossfit {K}: only {len(unique)} training episodes")
     order = torch.randperm(len(unique), generator=torch.Generator().manual_seed(seed)).tolist()
     fold_of = {unique[j]: i % K for i, j in enumerate(order)}
     return torch.tensor([fold_of[g] for g in groups])
@@ -235,6 +242,34 @@ class ProbeReward:
         return TurnReward(None, p, p, p)
 
 
+def check_probe_model(probe_path, model_dir) -> None:
+    """Refuse a PAIR directory or probe file fitted on another model's features than the model
+    in `model_dir`: same-width internals of another model would be read without any error.
+    Compares what the probe recorded (model_sha256, dims) with the checkpoint; a probe that
+    recorded neither (written before they were) is only checked for PAIR's hidden width."""
+    probe_path = Path(probe_path)
+    if (probe_path / "pair.json").is_file():
+        pair = Pair.load(probe_path)
+        info, d = pair.info, pair.stage1.w.numel()
+    else:
+        info, d = Probe.load(probe_path).info, None
+    config = mdl.read_config(model_dir)
+    have = {"d": config.hidden_size, "L": config.num_hidden_layers,
+            "H": config.num_attention_heads}
+    model = {"model": str(model_dir), "dims": have}
+    if d is not None and d != have["d"]:
+        raise probes.FormatError(f"{probe_path} reads hidden states of width {d} but --model "
+                                 f"is {probes.describe_source(model)}: fitted on another model")
+    recorded = probes.source(info)
+    if "model_sha256" in recorded:
+        model["model_sha256"] = mdl.checkpoint_sha256(model_dir)
+    if "dims" in recorded or "model_sha256" in recorded:
+        probes.check_same_source(recorded, probe_path, model, f"--model {model_dir}")
+    else:
+        print(f"warning: {probe_path} does not record the model it was fitted for; it cannot "
+              "be checked against --model", file=sys.stderr)
+
+
 # ----------------------------------------------------------------------------------------------
 # Extraction: one teacher-forced forward per matched record (SPEC §2-4)
 
@@ -273,7 +308,7 @@ def _file_sha256(path: Path) -> str:
 
 
 def extract(net, tokenizer, data_path, out_path, max_len=4096, shard_size=32,
-            manifest_extra=None, log=None) -> dict:
+            manifest_extra=None, log=None, records=None) -> dict:
     """Features of every record of a matched file -> a features file (see CONTRACTS.md).
 
     Completed records are written to OUT.parts/ in shards (atomically); a rerun with the same
@@ -281,10 +316,19 @@ def extract(net, tokenizer, data_path, out_path, max_len=4096, shard_size=32,
     metadata; with failures the parts stay, so a rerun retries only those."""
     log = log or sys.stderr
     data_path, out_path = Path(data_path), Path(out_path)
-    records = envs.load_matched(data_path)        # validated; each with its episode's tools
-    parts = out_path.with_name(out_path.name + ".parts")
+    if records is None:                           # validated; each with its episode's tools
+        records = envs.load_matched(data_path)
+    parts = parts_dir(out_path)
     manifest = {"data": str(data_path.resolve()), "data_sha256": _file_sha256(data_path),
                 "max_len": max_len, **(manifest_extra or {})}
+    # One writer: a second run on the same output would delete this one's shards at its merge.
+    with exclusive_dir(parts):
+        return _extract_parts(net, tokenizer, records, data_path, parts, out_path, manifest,
+                              max_len, shard_size, log)
+
+
+def _extract_parts(net, tokenizer, records, data_path, parts, out_path, manifest, max_len,
+                   shard_size, log) -> dict:
     done = _open_parts(parts, manifest)
     todo = [i for i in range(len(records)) if i not in done]
     print(f"extract {data_path.name}: {len(records)} records, {len(done)} already done "
@@ -323,11 +367,23 @@ def extract(net, tokenizer, data_path, out_path, max_len=4096, shard_size=32,
     return _merge_parts(parts, records, out_path, manifest, failed, log)
 
 
+def parts_dir(out_path) -> Path:
+    """Where extract keeps the shards of OUT until they are merged into it."""
+    return Path(out_path).with_name(Path(out_path).name + ".parts")
+
+
 def _open_parts(parts: Path, manifest: dict) -> set[int]:
     """The record indices already extracted under `parts` (creating it for a fresh run)."""
     path = parts / "manifest.json"
+    # Resumed by content: the data's and the model's hashes, not their paths (a moved copy
+    # resumes; weights swapped under the same path do not).
+    manifest = {k: v for k, v in manifest.items() if k not in ("data", "model")}
     if path.is_file():
-        old = json.loads(path.read_text())
+        try:
+            old = json.loads(path.read_text())
+        except ValueError as e:
+            raise probes.FormatError(f"{path}: not JSON ({e}); delete {parts} to start "
+                                     "over") from None
         if old != manifest:
             diff = sorted(k for k in set(old) | set(manifest) if old.get(k) != manifest.get(k))
             raise SystemExit(f"{parts} holds a run with different arguments ({', '.join(diff)}); "
@@ -337,7 +393,7 @@ def _open_parts(parts: Path, manifest: dict) -> set[int]:
         _write_text(path, json.dumps(manifest, indent=2) + "\n")
     done = set()
     for shard in sorted(parts.glob("shard_*.safetensors")):
-        done.update(load_file(str(shard))["record_index"].tolist())
+        done.update(probes.read_safetensors(shard, "shard")[0]["record_index"].tolist())
     return done
 
 
@@ -350,13 +406,23 @@ def _write_shard(parts: Path, buffer: list[dict], failed: list[dict]) -> None:
 
 
 def _merge_parts(parts, records, out_path, manifest, failed, log) -> dict:
-    shards = [load_file(str(p)) for p in sorted(parts.glob("shard_*.safetensors"))]
+    shards = [probes.read_safetensors(p, "shard")[0]
+              for p in sorted(parts.glob("shard_*.safetensors"))]
     if not shards:
         raise SystemExit(f"no record of {manifest['data']} could be extracted; see the errors "
                          f"above and {parts / 'failed.json'}")
     tensors = {k: torch.cat([s[k] for s in shards]) for k in shards[0]}
     order = tensors["record_index"].argsort()
     tensors = {k: v[order] for k, v in tensors.items()}
+    # Every record is extracted exactly once or listed as failed, else no file: shards lost
+    # (deleted by hand, or by another writer before the lock existed) would drop records silently.
+    index = tensors["record_index"].tolist()
+    missing = sorted(set(range(len(records))) - set(index) - {f["index"] for f in failed})
+    if missing or len(set(index)) != len(index) or not set(index) <= set(range(len(records))):
+        raise SystemExit(f"{parts}: {len(missing)} records of {manifest['data']} neither "
+                         f"extracted nor listed as failed (e.g. {missing[:5]}), or shards that do "
+                         f"not belong to it; {out_path} not written. Rerun the same command to "
+                         f"extract what is missing (or delete {parts} to start over)")
     chosen = [records[i] for i in tensors["record_index"].tolist()]
     distances = [contamination_distance(r) for r in chosen]
     tensors["label"] = torch.tensor([int(r["label"]) for r in chosen])
@@ -381,6 +447,92 @@ def _merge_parts(parts, records, out_path, manifest, failed, log) -> dict:
     else:
         shutil.rmtree(parts)
     return meta
+
+
+# ----------------------------------------------------------------------------------------------
+# One writer per output directory
+
+LOCK_FILE = ".lock"
+_claims: dict[str, list] = {}       # resolved directory -> [its open lock file, claim depth]
+
+
+def claim(directory, wait=None) -> Path:
+    """Make this process the only writer of `directory` (created if needed) until it exits or
+    calls release(); a directory another process holds is refused with its pid, or, with
+    wait=log (a print-like function), waited for after saying so. Claims nest within a process.
+
+    The lock is flock() on DIRECTORY/.lock: the kernel drops it when the holder exits, however
+    it exits (kill -9 included), so there is no stale lock to judge by pid or age. A lock file
+    created with O_EXCL would need such a rule, and a recycled pid defeats it. The file may be
+    deleted while held (the holder removes OUT.parts when it is done), so a lock is only taken
+    on the file that is still at that path."""
+    import fcntl                    # POSIX only, so imported where it is needed
+    directory = Path(directory)
+    key = str(directory.resolve())
+    held = _claims.get(key)
+    if held is not None and _is_file_at(held[0], directory / LOCK_FILE):
+        held[1] += 1
+        return directory
+    for _ in range(100):
+        try:
+            directory.mkdir(parents=True, exist_ok=True)
+        except (FileExistsError, NotADirectoryError):
+            raise SystemExit(f"{directory}: not a directory (an output directory is needed "
+                             "here)") from None
+        except OSError as e:
+            raise SystemExit(f"{directory}: cannot create it ({e.strerror})") from None
+        try:
+            f = open(directory / LOCK_FILE, "a+")   # "a+": the holder's pid stays readable
+        except FileNotFoundError:                   # the directory was removed meanwhile
+            continue
+        except OSError as e:
+            raise SystemExit(f"{directory}: cannot write there ({e.strerror})") from None
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            f.seek(0)
+            pid = f.read().strip() or "?"
+            if wait is None:
+                f.close()
+                raise SystemExit(f"{directory} is in use by pid {pid}; wait for that process to "
+                                 "finish (or stop it), or write somewhere else") from None
+            wait(f"{directory} is in use by pid {pid}: waiting for it", flush=True)
+            fcntl.flock(f, fcntl.LOCK_EX)
+        if _is_file_at(f, directory / LOCK_FILE):
+            f.truncate(0)
+            f.write(f"{os.getpid()}\n")
+            f.flush()
+            _claims[key] = [f, 1]
+            return directory
+        f.close()                                   # locked a file that was just deleted
+    raise SystemExit(f"{directory}: could not be locked (removed again and again meanwhile)")
+
+
+def release(directory) -> None:
+    held = _claims.get(str(Path(directory).resolve()))
+    if held is not None:
+        held[1] -= 1
+        if held[1] == 0:
+            del _claims[str(Path(directory).resolve())]
+            held[0].close()                         # closing the file drops the lock
+
+
+@contextlib.contextmanager
+def exclusive_dir(directory):
+    """`with exclusive_dir(out):` claim() for the duration of the block."""
+    claim(directory)
+    try:
+        yield Path(directory)
+    finally:
+        release(directory)
+
+
+def _is_file_at(f, path: Path) -> bool:
+    try:
+        a, b = os.fstat(f.fileno()), os.stat(path)
+    except FileNotFoundError:
+        return False
+    return (a.st_dev, a.st_ino) == (b.st_dev, b.st_ino)
 
 
 def _hms(seconds: float) -> str:
@@ -428,8 +580,14 @@ def load_splits(features_dir, names) -> dict[str, Split]:
     features_dir = Path(features_dir)
     if not features_dir.is_dir():
         raise FileNotFoundError(f"features directory not found: {features_dir}")
-    return {n: load_split(features_dir / f"{n}.safetensors", n) for n in names
-            if (features_dir / f"{n}.safetensors").is_file()}
+    splits = {n: load_split(features_dir / f"{n}.safetensors", n) for n in names
+              if (features_dir / f"{n}.safetensors").is_file()}
+    path = {n: features_dir / f"{n}.safetensors" for n in splits}
+    first, *rest = splits.values() if splits else [None]
+    for split in rest:                  # all from one model, or the probes learn a mixture
+        probes.check_same_source(probes.source(first.meta), path[first.name],
+                                 probes.source(split.meta), path[split.name])
+    return splits
 
 
 def concat_splits(splits: list[Split]) -> Split:
@@ -446,7 +604,7 @@ def balanced_indices(y: torch.Tensor, seed: int) -> torch.Tensor:
     pos, neg = (y == 1).nonzero().flatten(), (y == 0).nonzero().flatten()
     m = min(len(pos), len(neg))
     if m == 0:
-        raise ValueError("the training split holds a single class")
+        raise probes.FormatError("the training split holds a single class")
     pick = [c[torch.randperm(len(c), generator=g)[:m]] for c in (pos, neg)]
     return torch.cat(pick).sort().values
 
@@ -769,13 +927,15 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 
 
 def cmd_extract(args):
+    records = envs.load_matched(args.data)      # a bad data file fails before the model loads
     t0 = time.perf_counter()
     net, tokenizer = mdl.load_model(args.model, dtype=DTYPES[args.dtype])
-    print(f"loaded {args.model} ({args.dtype}) in {time.perf_counter() - t0:.1f}s",
-          file=sys.stderr)
-    extract(net, tokenizer, args.data, args.out, args.max_len, args.shard_size,
+    model_sha256 = mdl.checkpoint_sha256(net.checkpoint_dir)
+    print(f"loaded {args.model} ({args.dtype}, sha256 {model_sha256[:12]}) in "
+          f"{time.perf_counter() - t0:.1f}s", file=sys.stderr)
+    extract(net, tokenizer, args.data, args.out, args.max_len, args.shard_size, records=records,
             manifest_extra={"model": str(Path(args.model).resolve()) if Path(args.model).exists()
-                            else args.model, "dtype": args.dtype})
+                            else args.model, "model_sha256": model_sha256, "dtype": args.dtype})
 
 
 def cmd_train(args):
@@ -786,7 +946,7 @@ def cmd_train(args):
         t0 = time.perf_counter()
         train = training_set(splits, args.mode, seed)
         info = {"seed": seed, "C": args.C, "mode": args.mode, "features": str(args.features),
-                "n_train": len(train.y)}
+                "n_train": len(train.y), **probes.source(train.meta)}
         models = fit_baselines(train, args.C, info)
         pair_model = fit_pair(train.raw, train.y, args.C, args.crossfit, train.episode_id, seed,
                               info=info, stage1=models["last_token"])
@@ -816,6 +976,10 @@ def cmd_eval(args):
         models = {p.stem: Probe.load(p) for p in sorted(seed_dir.glob("*.safetensors"))}
         models.update({p.name: Pair.load(p) for p in sorted(seed_dir.glob("pair_*"))})
         for name, m in models.items():
+            for split_name, split in tests.items():
+                probes.check_same_source(probes.source(m.info), seed_dir / name,
+                                         probes.source(split.meta), f"{args.features}/"
+                                         f"{split_name}.safetensors")
             for split_name, split in tests.items():
                 metrics = probes.metrics(split.y, predict(m, split.raw), split.episode_id)
                 for k, v in metrics.items():
@@ -852,6 +1016,22 @@ def cmd_report(args):
           f"({result['seconds']:.1f}s)", file=sys.stderr)
 
 
+def _positive(text: str) -> float:
+    x = float(text)
+    if not 0 < x < math.inf:        # nan fails too
+        raise argparse.ArgumentTypeError(f"must be a positive number, not {text}")
+    return x
+
+
+def _int_at_least(low: int):
+    def parse(text: str) -> int:
+        n = int(text)
+        if n < low:
+            raise argparse.ArgumentTypeError(f"must be >= {low}, not {text}")
+        return n
+    return parse
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -864,25 +1044,25 @@ def build_parser() -> argparse.ArgumentParser:
                    help="matched_*.json file (released schema); the tool lists come from the "
                         "episode file of the same family beside it (clean_train.json, SPEC §2)")
     p.add_argument("--out", required=True, help="features file to write (.safetensors)")
-    p.add_argument("--max-len", type=int, default=4096,
+    p.add_argument("--max-len", type=_int_at_least(1), default=4096,
                    help="keep the last MAX_LEN tokens of longer sequences (default 4096)")
     p.add_argument("--dtype", default="float32", choices=sorted(DTYPES),
                    help="model weights dtype (default float32)")
-    p.add_argument("--shard-size", type=int, default=32,
+    p.add_argument("--shard-size", type=_int_at_least(1), default=32,
                    help="records per checkpoint shard; an interrupted run resumes after the last "
                         "shard written (default 32)")
-    p.set_defaults(func=cmd_extract)
+    p.set_defaults(func=cmd_extract, writes=lambda a: [parts_dir(a.out)])
 
     def training_flags(p):
         p.add_argument("--mode", default="mixed", choices=MODES,
                        help="training data: mixed = clean + contaminated train (the paper's), "
                             "clean_only = matched_clean_train (default mixed)")
-        p.add_argument("--crossfit", type=int, default=0, metavar="K",
+        p.add_argument("--crossfit", type=_int_at_least(0), default=0, metavar="K",
                        help="fit stage 2 on out-of-fold stage-1 scores over K episode folds "
                             "(default 0: in-sample, as released)")
         p.add_argument("--seeds", type=int, nargs="+", default=list(SEEDS),
                        help="seeds, each drawing a class-balanced subsample (default 42 43 44)")
-        p.add_argument("--C", type=float, default=0.01,
+        p.add_argument("--C", type=_positive, default=0.01,
                        help="inverse L2 strength of every probe (default 0.01)")
 
     p = sub.add_parser("train", help="fit PAIR and every baseline probe per seed")
@@ -892,7 +1072,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", required=True,
                    help="output directory: seed<S>/pair_<mode>/ and seed<S>/<feature>.safetensors")
     training_flags(p)
-    p.set_defaults(func=cmd_train)
+    p.set_defaults(func=cmd_train, writes=lambda a: [a.out])
 
     p = sub.add_parser("eval", help="evaluate trained probes on test features")
     p.add_argument("--probes", required=True, help="directory written by `pair.py train`")
@@ -901,7 +1081,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="features file stems to evaluate (default: matched_clean_test "
                         "matched_contaminated_test matched_diagnostic_test, those present)")
     p.add_argument("--out", default=None, help="JSON file for the metrics")
-    p.set_defaults(func=cmd_eval)
+    p.set_defaults(func=cmd_eval, writes=lambda a: [])
 
     p = sub.add_parser("report", help="the paper's tables (a)-(e) as Markdown and JSON")
     p.add_argument("--features", required=True,
@@ -912,15 +1092,20 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--paper-ref", default="auto", choices=["auto", "gta", "toolbench", "none"],
                    help="put the paper's Table result_pair beside ours (auto: by dataset name)")
     training_flags(p)
-    p.set_defaults(func=cmd_report)
+    p.set_defaults(func=cmd_report, writes=lambda a: [a.out or a.features])
     return ap
 
 
 def main(argv=None) -> None:
     args = build_parser().parse_args(argv)
     try:
-        args.func(args)
-    except (FileNotFoundError, envs.DataError, mdl.CheckpointError) as e:
+        with contextlib.ExitStack() as stack:
+            # Claimed before any work (extract: before the model loads): a busy output is
+            # refused at once, not after minutes.
+            for directory in args.writes(args):
+                stack.enter_context(exclusive_dir(directory))
+            args.func(args)
+    except (FileNotFoundError, envs.DataError, mdl.CheckpointError, probes.FormatError) as e:
         sys.exit(f"error: {e}")         # bad input: one clear line naming the file
 
 

@@ -194,12 +194,16 @@ class Probe:
         path = Path(path)
         if not path.is_file():
             raise FileNotFoundError(f"probe file not found: {path}")
-        tensors = load_file(str(path))
+        tensors, meta = read_safetensors(path, "probe")
         missing = {"mean", "scale", "w", "b"} - set(tensors)
         if missing:
-            raise ValueError(f"{path}: not a probe file (missing tensors {sorted(missing)})")
-        with safe_open(str(path), framework="pt") as f:
-            info = json.loads((f.metadata() or {}).get("probe", "{}"))
+            raise FormatError(f"{path}: not a probe file (missing tensors {sorted(missing)})")
+        info = _json_entry(meta, "probe", path) or {}
+        d = tensors["w"].numel()
+        if not (tensors["mean"].shape == tensors["scale"].shape == tensors["w"].shape == (d,)
+                and tensors["b"].numel() == 1):
+            raise FormatError(f"{path}: probe tensors of inconsistent shapes")
+        _check_finite(tensors, path)       # a NaN weight would turn every reward into NaN
         return cls(tensors["mean"].double(), tensors["scale"].double(), tensors["w"].double(),
                    tensors["b"].double().reshape(()), info)
 
@@ -251,6 +255,64 @@ def _as_float64_2d(X, what):
     if X.dim() != 2:
         raise ValueError(f"{what} must be 2-D (records, features), got shape {tuple(X.shape)}")
     return X
+
+
+class FormatError(ValueError):
+    """A probe or features file that cannot be read, that holds values no probe can use, or
+    that does not belong with the other inputs (another model); the message names it."""
+
+
+# What a features file was extracted with, recorded in its metadata and copied into the info of
+# every probe fitted on it. Features of two models (or dtypes) can have the same width, and then
+# nothing downstream would notice that they are mixed.
+SOURCE_KEYS = ("model", "model_sha256", "dtype", "dims")
+
+
+def source(meta: dict) -> dict:
+    return {k: meta[k] for k in SOURCE_KEYS if meta.get(k) is not None}
+
+
+def check_same_source(a: dict, a_name, b: dict, b_name) -> None:
+    """Refuse to combine two inputs made from different models; keys one side lacks (files
+    written before they were recorded) are not compared."""
+    for key in ("model_sha256", "dtype", "dims"):
+        if key in a and key in b and a[key] != b[key]:
+            raise FormatError(f"{a_name} was made from {describe_source(a)} but {b_name} "
+                              f"from {describe_source(b)} ({key} differs): they do not belong "
+                              "together")
+
+
+def describe_source(src: dict) -> str:
+    dims = src.get("dims") or {}
+    return (f"model {src.get('model', '?')}"
+            + (f" (sha256 {src['model_sha256'][:12]})" if "model_sha256" in src else "")
+            + (f", {src['dtype']}" if "dtype" in src else "")
+            + (f", d={dims.get('d')} L={dims.get('L')} H={dims.get('H')}" if dims else ""))
+
+
+def features_dims(tensors: dict) -> dict:
+    L, H = tensors["attn_max"].shape[1:]
+    return {"d": int(tensors["h_mean"].shape[1]), "L": int(L), "H": int(H)}
+
+
+def read_safetensors(path, what: str) -> tuple[dict[str, torch.Tensor], dict]:
+    """(tensors, string metadata) of a safetensors file; a truncated or corrupt one is a
+    FormatError naming it (safetensors raises its own error type, with no path)."""
+    try:
+        tensors = load_file(str(path))
+        with safe_open(str(path), framework="pt") as f:
+            return tensors, dict(f.metadata() or {})
+    except FileNotFoundError:
+        raise
+    except Exception as e:      # SafetensorError: header, offsets or length do not add up
+        raise FormatError(f"{path}: truncated or corrupt {what} file ({e})") from None
+
+
+def _json_entry(meta: dict, key: str, path):
+    try:
+        return json.loads(meta.get(key, "null") or "null")
+    except ValueError as e:
+        raise FormatError(f"{path}: metadata {key!r} is not JSON ({e})") from None
 
 
 def save_safetensors(tensors: dict, path, metadata: dict) -> None:
@@ -365,14 +427,28 @@ def load_features(path) -> tuple[dict[str, torch.Tensor], dict]:
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"features file not found: {path}")
-    tensors = load_file(str(path))
-    with safe_open(str(path), framework="pt") as f:
-        meta = json.loads((f.metadata() or {}).get("pair_features", "null") or "null")
+    tensors, meta = read_safetensors(path, "features")
+    meta = _json_entry(meta, "pair_features", path)
     missing = [k for k in RAW_KEYS + ("label",) if k not in tensors]
-    if meta is None or missing:
-        raise ValueError(f"{path}: not a features file written by `pair.py extract` "
-                         f"(missing {missing or 'metadata'})")
+    if not isinstance(meta, dict) or missing:
+        raise FormatError(f"{path}: not a features file written by `pair.py extract` "
+                          f"(missing {missing or 'metadata'})")
+    n = {len(v) for v in tensors.values() if v.dim() > 0}
+    if len(n) != 1 or len(meta.get("episode_id", ())) not in n:
+        raise FormatError(f"{path}: columns of different lengths (records {sorted(n)}, "
+                          f"episode ids {len(meta.get('episode_id', ()))})")
+    if tensors["h_mean"].dim() != 2 or tensors["attn_max"].dim() != 3:
+        raise FormatError(f"{path}: h_mean must be (records, d) and attn_max (records, L, H)")
+    _check_finite(tensors, path)
+    meta["dims"] = features_dims(tensors)     # what the tensors hold, whatever was recorded
     return tensors, meta
+
+
+def _check_finite(tensors: dict, path) -> None:
+    for key, t in tensors.items():
+        if t.is_floating_point() and not torch.isfinite(t).all():
+            bad = (~torch.isfinite(t)).nonzero()[0].tolist()
+            raise FormatError(f"{path}: {key} holds NaN or infinite values (first at {bad})")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -391,10 +467,17 @@ def main(argv=None) -> None:
     score.add_argument("--probe", required=True, help="probe file written by `fit`")
     score.add_argument("--features", required=True, help="features file from `pair.py extract`")
     args = ap.parse_args(argv)
+    try:
+        run(args)
+    except (FileNotFoundError, FormatError) as e:
+        sys.exit(f"error: {e}")         # bad input: one clear line naming the file
 
+
+def run(args) -> None:
     if args.cmd == "fit":
         raw, meta = load_features(args.features)
-        probe = Probe(info={"feature": args.feature, "train": meta.get("data")})
+        probe = Probe(info={"feature": args.feature, "train": meta.get("data"),
+                            **source(meta)})
         probe.fit(feature(args.feature, raw), raw["label"], C=args.C)
         probe.save(args.out)
         print(f"fitted {args.feature} probe on {probe.info['n']} records "
@@ -405,6 +488,7 @@ def main(argv=None) -> None:
         if name not in FEATURES:
             sys.exit(f"{args.probe}: probe metadata names no known feature set ({name!r})")
         raw, meta = load_features(args.features)
+        check_same_source(source(probe.info), args.probe, source(meta), args.features)
         p = probe.predict_proba(feature(name, raw))
         print(json.dumps(metrics(raw["label"], p, meta.get("episode_id")), indent=2))
 

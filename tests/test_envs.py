@@ -207,10 +207,29 @@ def test_parse_react_cases(text, expected):
     ("Action:\nAction Input: {}", "names no tool"),
     ("Final Answer:   ", "'Final Answer:' is empty"),
     ("Action: OCR\nAction Input: " + "[" * 100000, "Invalid JSON"),
+    ('Action: OCR\nAction Input: {"n": ' + "9" * 5000 + "}", "Exceeds the limit"),
 ])
 def test_parse_react_errors_tell_what_is_wrong(text, message):
     parsed = envs.parse_react(text)
     assert isinstance(parsed, ParseError) and message in parsed.message
+
+
+def test_lone_surrogate_escape_in_action_input_is_an_error_observation():
+    # Plain ASCII JSON whose "\\ud800" escape decodes to half a UTF-16 pair: the observation
+    # must still be valid Unicode (the tokenizer refuses anything else), and the episode goes on.
+    reply = 'Thought: x\nAction: Lookup\nAction Input: {"store": "\\ud800", "item": "tea"}'
+    assert reply.isascii()
+    parsed = envs.parse_react(reply)
+    assert isinstance(parsed, ParseError) and "surrogate pair" in parsed.message
+    ep = envs.make("shop", split="train").episode(0)
+    r = ep.step(reply)
+    assert not r.done and r.observation.startswith("Observation: Invalid reply")
+    r.observation.encode("utf-8")
+    key = 'Action: Lookup\nAction Input: {"\\udfff": "a"}'
+    assert isinstance(envs.parse_react(key), ParseError)
+    pair = envs.parse_react('Action: Lookup\nAction Input: {"store": "\\ud83d\\ude00"}')
+    assert pair == Action(None, "Lookup", {"store": "\U0001F600"})      # a real pair is fine
+    assert envs.render_observation("a\udc80b") == "Observation: a\ufffdb"
 
 
 def _random_text(rng, pieces, templates=()):
@@ -277,6 +296,35 @@ def test_calculator_values(expr, out):
 def test_calculator_rejects(expr, message):
     out = envs.calculate(expr)
     assert out.startswith("Error: ") and message in out
+
+
+HOSTILE = ["round(1, -10**8)", "round(1, -10**7)", "round(2**3999, -10**8)", "round(1.5, -10**8)",
+           "round(1, 10**8)", "round(1, -2**3999)", "2**3999 * 2**3999", "lcm(*[1])",
+           "lcm(2**3999 - 1, 2**3998 - 1, 2**3997 - 1, 2**3996 - 1)", "factorial(1000)",
+           "comb(1000, 500) * comb(1000, 500)", "pow(3, 2**3999)", "(-1) ** (2**3999)"]
+
+
+def test_calculator_bounds_every_operation_before_running_it():
+    # In a child process with a deadline: an unbounded operation (round(1, -10**8) builds
+    # 10**(10**8), minutes of work) must not hang the test either.
+    code = ("import json, sys, time, envs\n"
+            "out = []\n"
+            "for e in json.loads(sys.argv[1]):\n"
+            "    t = time.perf_counter(); r = envs.calculate(e)\n"
+            "    out.append([e, r[:60], time.perf_counter() - t])\n"
+            "print(json.dumps(out))\n")
+    r = subprocess.run([sys.executable, "-c", code, json.dumps(HOSTILE)], cwd=ROOT,
+                       capture_output=True, text=True, timeout=30)
+    assert r.returncode == 0, r.stderr[-2000:]
+    for expr, out, seconds in json.loads(r.stdout):
+        assert seconds < 0.5, (expr, out, seconds)
+    results = {e: out for e, out, _ in json.loads(r.stdout)}
+    assert results["round(1, -10**8)"] == "Error: round() digits out of range (limit 1000)"
+    assert results["round(1, 10**8)"].startswith("Error")
+    assert results["2**3999 * 2**3999"] == "Error: result too large"
+    assert results["(-1) ** (2**3999)"] == "1"
+    assert envs.calculate("round(1234, -2)") == "1200"
+    assert envs.calculate("round(2.675, 2.0)") == "2.67"
 
 
 def test_calculator_survives_fuzz():

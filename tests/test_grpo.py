@@ -4,9 +4,11 @@ import json
 import math
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import threading
+import time
 from http.server import BaseHTTPRequestHandler, HTTPServer
 from pathlib import Path
 
@@ -202,6 +204,18 @@ def test_rollout_appends_turns_to_one_cache_and_traces_equal_teacher_forcing(tin
         assert traj.score == traj.episode.score()
 
 
+def test_rollout_survives_a_reply_with_a_lone_surrogate_escape(tiny_policy, monkeypatch):
+    # Plain ASCII from the policy whose JSON escape decodes to half a UTF-16 pair: the episode gets
+    # an error observation and the rollout goes on.
+    policy, tok = mdl.load_model(tiny_policy)
+    hostile = 'Thought: x\nAction: Lookup\nAction Input: {"store": "\\ud800", "item": "tea"}'
+    monkeypatch.setattr(tok, "decode", lambda ids, **kw: hostile)
+    episodes = [envs.make("shop", split="train").episode(0)]
+    (traj,) = grpo.rollout(policy, tok, episodes, play_args(max_turns=2),
+                           generator=torch.Generator().manual_seed(0))
+    assert len(traj.steps) == 2 and traj.steps[0].observation.startswith("Observation: Invalid")
+
+
 def test_rollout_refills_the_cache_when_the_environment_rewrites_history(tiny_policy):
     # ToolBench's history cap rewrites old observations in place (StepResult.rewritten_from)
     policy, tok = mdl.load_model(tiny_policy)
@@ -334,6 +348,81 @@ def test_resume_reproduces_the_uninterrupted_run(tiny_policy, tmp_path, monkeypa
         assert torch.equal(p, q), name
 
 
+def test_resume_checks_args_json(tiny_policy, tmp_path):
+    def prepare(out, **kw):
+        args = grpo.train_parser().parse_args(flags(tiny_policy, out, **kw))
+        grpo.resolve_preset(args, grpo.World())
+        return grpo.prepare_out(args, grpo.World())
+
+    out = tmp_path / "run"
+    prepare(out, eval_episodes=4)
+    (out / "checkpoint-000001").mkdir()
+    (out / "checkpoint-000001" / "trainer.json").write_text('{"step": 1}')
+    with pytest.raises(SystemExit, match="--eval-episodes is 6 but the run .* used 4"):
+        prepare(out, resume=True, eval_episodes=6)
+    (out / "args.json").write_text('{"lr": 0.1')
+    with pytest.raises(SystemExit, match="args.json is not readable"):
+        prepare(out, resume=True, eval_episodes=4)
+    (out / "args.json").unlink()            # any flag could change under the checkpoint
+    with pytest.raises(SystemExit, match="no args.json"):
+        prepare(out, resume=True, eval_episodes=4, lr=0.5)
+
+
+def test_a_bad_model_is_a_one_line_error(tmp_path):
+    with pytest.raises(SystemExit, match="error: .*no-model: not a checkpoint directory"):
+        run(flags(tmp_path / "no-model", tmp_path / "a"))
+
+
+def test_a_truncated_checkpoint_is_a_one_line_error(tiny_policy, tmp_path):
+    out = tmp_path / "b"
+    run(flags(tiny_policy, out, steps=1))
+    opt = out / "checkpoint-000001" / "optimizer.safetensors"
+    opt.write_bytes(opt.read_bytes()[:50])
+    with pytest.raises(SystemExit, match="cannot resume from this checkpoint"):
+        run(flags(tiny_policy, out, steps=1, resume=True))
+
+
+def fake_pair(directory, d, n_attn, **info):
+    """A PAIR directory with random weights (d hidden, n_attn attention inputs) and a source."""
+    import pair
+    import probes
+    g = torch.Generator().manual_seed(0)
+
+    def probe(n):
+        return probes.Probe(torch.zeros(n, dtype=torch.float64), torch.ones(n, dtype=torch.float64),
+                            torch.randn(n, generator=g, dtype=torch.float64),
+                            torch.tensor(0.0, dtype=torch.float64))
+    pair.Pair(probe(d), probe(n_attn + 1), info=info).save(directory)
+    return directory
+
+
+def test_probes_of_another_model_fail_up_front(tiny_policy, tmp_path, monkeypatch):
+    import pair
+    other = tmp_path / "other"              # same shape, other weights
+    other.mkdir()
+    for f in tiny_policy.iterdir():
+        (other / f.name).write_bytes(f.read_bytes())
+    from safetensors.torch import load_file, save_file
+    w = load_file(str(other / "model.safetensors"))
+    save_file({k: v + 0.01 for k, v in w.items()}, str(other / "model.safetensors"))
+    dims = {"d": 32, "L": 2, "H": 4}        # tiny_policy's
+    theirs = fake_pair(tmp_path / "theirs", 32, 4 * 2 * 4, model=str(other), dims=dims,
+                       model_sha256=mdl.checkpoint_sha256(other))
+
+    def no_evaluation(*a, **k):
+        raise AssertionError("evaluated before the probes were checked")
+    monkeypatch.setattr(grpo, "evaluate", no_evaluation)
+    with pytest.raises(SystemExit, match=f"{theirs} was made from model {other} .* but --model "
+                                         f"{tiny_policy} from .*model_sha256 differs"):
+        run(flags(tiny_policy, tmp_path / "run", "pair", probes=theirs, eval_episodes=2))
+    narrow = fake_pair(tmp_path / "narrow", 16, 4 * 2 * 4)
+    with pytest.raises(SystemExit, match="width 16 but --model"):
+        run(flags(tiny_policy, tmp_path / "run2", "pair", probes=narrow, eval_episodes=2))
+    ours = fake_pair(tmp_path / "ours", 32, 4 * 2 * 4, dims=dims,
+                     model_sha256=mdl.checkpoint_sha256(tiny_policy))
+    pair.check_probe_model(ours, tiny_policy)          # the right model passes
+
+
 # ---------------------------------------------------------------------------------------------
 # torchrun: 2 processes x 1 prompt == 1 process x 2 prompts
 
@@ -357,6 +446,42 @@ def test_two_processes_equal_one_process(tiny_policy, tmp_path, pair_cache):
     pb = mdl.load_adapter(mdl.load_model(tiny_policy)[0], two / "checkpoint-000002" / "adapter")
     for (name, p), (_, q) in zip(mdl.lora_parameters(pa), mdl.lora_parameters(pb)):
         torch.testing.assert_close(p, q, atol=1e-6, rtol=1e-4, msg=name)
+
+
+def test_two_runs_on_one_out_one_refuses(tiny_policy, tmp_path, pair_cache):
+    # Both start at once: without a lock both pass the "already holds a run" check and write
+    # interleaved metrics and checkpoints of two seeds.
+    out = tmp_path / "run"
+    env = dict(os.environ, PAIR_CACHE=str(pair_cache), OMP_NUM_THREADS="1")
+    runs = [subprocess.Popen([sys.executable, str(ROOT / "grpo.py"),
+                              *flags(tiny_policy, out, steps=3, seed=seed)], cwd=ROOT, env=env,
+                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+            for seed in (1, 2)]
+    results = [(r.wait(timeout=300), r.stderr.read()) for r in runs]
+    refused = [err for rc, err in results if rc != 0]
+    assert len(refused) == 1 and f"{out} is in use by pid" in refused[0], results
+    assert [m["step"] for m in metrics(out)] == [1, 2, 3]
+
+
+def test_kill_9_frees_the_out_of_a_run(tiny_policy, tmp_path, pair_cache):
+    out = tmp_path / "run"
+    args = grpo.train_parser().parse_args(flags(tiny_policy, out, steps=1000, resume=True))
+    grpo.resolve_preset(args, grpo.World())
+    env = dict(os.environ, PAIR_CACHE=str(pair_cache), OMP_NUM_THREADS="1")
+    first = subprocess.Popen([sys.executable, str(ROOT / "grpo.py"),
+                              *flags(tiny_policy, out, steps=1000)], cwd=ROOT, env=env,
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        t0 = time.perf_counter()
+        while not (out / "metrics.jsonl").exists():
+            assert time.perf_counter() - t0 < 120 and first.poll() is None
+            time.sleep(0.05)
+        with pytest.raises(SystemExit, match=f"{out} is in use by pid {first.pid}"):
+            grpo.prepare_out(args, grpo.World())
+    finally:
+        first.send_signal(signal.SIGKILL)       # no cleanup runs: the kernel drops the lock
+        first.wait()
+    assert grpo.prepare_out(args, grpo.World()) == out
 
 
 # ---------------------------------------------------------------------------------------------
@@ -896,3 +1021,16 @@ def test_oversample_keeps_the_first_groups_with_something_to_say(tiny_policy, tm
     assert [int(e.rsplit("-", 1)[1]) for e in kept[0][::2]] == want
     assert rec["groups_played"] == played.index(want[1]) + 1
     assert rec["frac_zero_std"] == pytest.approx(1 - 2 / rec["groups_played"])
+
+
+def test_two_runs_on_one_fresh_probe_cache_fit_the_probes_once(tiny_policy, tmp_path):
+    cache = tmp_path / "fresh-cache"
+    env = dict(os.environ, PAIR_CACHE=str(cache), OMP_NUM_THREADS="1")
+    procs = [subprocess.Popen([sys.executable, str(ROOT / "grpo.py"),
+                               *flags(tiny_policy, tmp_path / f"run{k}", "pair", steps=1)],
+                              cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                              text=True) for k in range(2)]
+    outs = [p.communicate(timeout=600)[0] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], outs
+    assert sum(o.count("fitting the probes of this policy once") for o in outs) == 1, outs
+    assert len(list(cache.glob("grpo-probes/shop-*/contaminated-*/probes.json"))) == 1

@@ -2,6 +2,7 @@
 import hashlib
 import http.server
 import json
+import posixpath
 import socket
 import threading
 
@@ -39,6 +40,9 @@ class FakeHub:
                     return self.reply(200, json.dumps(hub.tree()).encode())
                 if self.path.startswith(resolve) and self.path[len(resolve):] in hub.files:
                     return self.send_file(self.path[len(resolve):])
+                for name in hub.files:      # a hostile name, as the client normalized its URL
+                    if posixpath.normpath(resolve + name) == posixpath.normpath(self.path):
+                        return self.send_file(name)
                 self.reply(404, b"not found")
 
             def reply(self, code, body, headers=()):
@@ -97,7 +101,8 @@ class FakeHub:
 
 def checkpoint_files(sharded=False):
     blob = bytes(range(256)) * 1200             # ~300 KB of "weights"
-    files = {"config.json": b'{"model_type": "qwen2"}', "tokenizer.json": b'{"version": "1.0"}',
+    files = {"config.json": b'{"model_type": "qwen2"}',
+             "tokenizer.json": b'{"version": "1.0", "model": {}}',
              "tokenizer_config.json": b"{}", "README.md": b"# tiny",
              "pytorch_model.bin": b"x" * 5000}
     if sharded:
@@ -236,6 +241,42 @@ def test_corrupt_content_fails_the_sha256_check(env):
     with pytest.raises(M.HubError, match="sha256"):
         M.fetch_from_hub(REPO)
     assert not (M.hub_cache_dir(REPO) / "model.safetensors.part").exists()
+
+
+@pytest.mark.parametrize("shard", ["../../escape.safetensors", "{tmp}/escape.safetensors",
+                                   "sub/../../escape.safetensors", ".pair-complete.json",
+                                   "..\\escape.safetensors"])
+def test_hostile_shard_names_are_refused(env, tmp_path, shard):
+    # A hostile endpoint names the shards: none may land outside the cache folder (or on our
+    # own bookkeeping files in it).
+    shard = shard.format(tmp=tmp_path)             # an absolute path
+    files = checkpoint_files(sharded=True)
+    files[shard] = b"x" * 64
+    files["model.safetensors.index.json"] = json.dumps({"weight_map": {"a": shard}}).encode()
+    hub = env(files=files, lfs=())
+    with pytest.raises(M.HubError, match="refusing the file name|not a safetensors index"):
+        M.fetch_from_hub(REPO)
+    folder = M.hub_cache_dir(REPO)
+    assert not hub.gets(shard)
+    written = {p for p in tmp_path.rglob("*") if p.is_file()}
+    assert all(folder in p.parents for p in written), written
+    assert not (folder / M.HUB_MANIFEST).exists()
+
+
+@pytest.mark.parametrize("name, body", [
+    ("config.json", b"not json"), ("config.json", b"[1, 2]"), ("tokenizer.json", b"<html>"),
+    ("tokenizer.json", b'{"version": "1.0"}'), ("model.safetensors.index.json", b'{"a": 1}'),
+    ("model.safetensors.index.json", b'{"weight_map": {"a": 7}}'),
+    ("model.safetensors.index.json", b'{"weight_map": {"a": "tokenizer.json"}}'),
+])
+def test_json_files_of_the_wrong_shape_are_refused_and_removed(env, name, body):
+    files = checkpoint_files(sharded=True)
+    files[name] = body
+    env(files=files, lfs=())
+    with pytest.raises(M.HubError, match=name.replace(".", r"\.")):
+        M.fetch_from_hub(REPO)
+    folder = M.hub_cache_dir(REPO)
+    assert not (folder / name).exists() and not (folder / M.HUB_MANIFEST).exists()
 
 
 def test_complete_cache_makes_no_request(env, monkeypatch):

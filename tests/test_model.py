@@ -3,12 +3,17 @@ real 0.5B checkpoint (opt-in: skipped when absent)."""
 import json
 import math
 import struct
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
 import model as M
+
+ROOT = Path(__file__).resolve().parents[1]
 
 transformers = pytest.importorskip("transformers")
 
@@ -163,6 +168,40 @@ def test_config_reads_both_rope_layouts_and_rejects_unknown():
     assert mistral.arch == "MistralForCausalLM" and mistral.window(0) == 4096
 
 
+GOOD_CONFIG = dict(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=3,
+                   num_attention_heads=4, num_key_value_heads=2,
+                   architectures=["Qwen2ForCausalLM"])
+
+
+@pytest.mark.parametrize("key, value", [
+    ("num_hidden_layers", 10 ** 6), ("num_hidden_layers", 0), ("num_hidden_layers", True),
+    ("hidden_size", "32"), ("hidden_size", -32), ("num_attention_heads", 0),
+    ("num_key_value_heads", 0), ("vocab_size", 2.5), ("intermediate_size", None),
+    ("head_dim", -1), ("rms_norm_eps", 0), ("rope_theta", "big"), ("max_window_layers", -1),
+    ("rope_parameters", [1]), ("tie_word_embeddings", "yes"), ("eos_token_id", ["x"]),
+    ("layer_types", ["full_attention"]), ("hidden_size", 30), ("architectures", "Qwen2"),
+])
+def test_config_values_are_checked_before_building(tmp_path, key, value):
+    (tmp_path / "config.json").write_text(json.dumps({**GOOD_CONFIG, key: value}))
+    write_tiny_tokenizer(tmp_path)
+    with pytest.raises(M.CheckpointError) as err:
+        M.load_model(tmp_path)
+    assert str(tmp_path / "config.json") in str(err.value)
+    assert key in str(err.value)
+
+
+def test_config_with_a_million_layers_is_a_one_line_error(tmp_path):
+    # It used to build a million blocks (minutes, gigabytes) before reading a weight.
+    (tmp_path / "config.json").write_text(json.dumps({**GOOD_CONFIG,
+                                                      "num_hidden_layers": 10 ** 6}))
+    write_tiny_tokenizer(tmp_path)
+    r = subprocess.run([sys.executable, str(ROOT / "model.py"), "generate", "--model",
+                        str(tmp_path), "--prompt", "x"], cwd=ROOT, capture_output=True,
+                       text=True, timeout=60)
+    assert r.returncode == 1 and len(r.stderr.strip().splitlines()) == 1, r.stderr[-2000:]
+    assert "config.json" in r.stderr and "num_hidden_layers" in r.stderr
+
+
 # ---------------------------------------------------------------------------------------------
 # Bad checkpoints
 
@@ -174,7 +213,8 @@ def _rewrite(path, fn):
 
 
 @pytest.mark.parametrize("fault", ["missing", "extra", "shape", "truncated", "corrupt",
-                                   "architecture", "shard-missing", "no-weights", "no-tokenizer"])
+                                   "architecture", "shard-missing", "no-weights", "no-tokenizer",
+                                   "tokenizer-not-json", "tokenizer-no-specials"])
 def test_bad_checkpoints_raise_checkpoint_error(tmp_path, fault):
     shard = fault == "shard-missing"
     hf_checkpoint(tmp_path, "qwen2-mqa-untied", shard=shard)
@@ -215,6 +255,13 @@ def test_bad_checkpoints_raise_checkpoint_error(tmp_path, fault):
     elif fault == "no-tokenizer":
         (tmp_path / "tokenizer.json").unlink()
         expect = ["tokenizer.json"]
+    elif fault == "tokenizer-not-json":
+        (tmp_path / "tokenizer.json").write_text("<html>rate limited</html>")
+        expect = [str(tmp_path / "tokenizer.json")]
+    elif fault == "tokenizer-no-specials":
+        from tokenizers import Tokenizer, models
+        Tokenizer(models.WordLevel({"a": 0}, unk_token="a")).save(str(tmp_path / "tokenizer.json"))
+        expect = [str(tmp_path / "tokenizer.json"), "<|im_start|>"]
     with pytest.raises(M.CheckpointError) as err:
         M.load_model(tmp_path)
     for text in expect:
@@ -439,6 +486,18 @@ def test_render_spans_point_at_assistant_content(qwen_tokenizer_dir):
     assert ids[-3:] == [tok.im_start_id, *assistant_id, *newline_id]
     cut_ids, cut_spans, n_cut = M.keep_last(ids, spans, 10)
     assert cut_ids == ids[-10:] and n_cut == len(ids) - 10 and cut_spans == [(0, 0)]
+
+
+def test_tokenizer_survives_lone_surrogates():
+    # A JSON "\\ud800" escape decodes to an unpaired surrogate; whatever a policy or a data file
+    # wrote must still tokenize (as U+FFFD), with spans where they belong.
+    tok = M.Tokenizer.from_file(ROOT / "data" / "shop-policy")
+    assert tok.encode("a\ud800b") == tok.encode("a\ufffdb")
+    messages = [{"role": "user", "content": "x\udfff"},
+                {"role": "assistant", "content": "ok\ud800"}]
+    ids, spans = tok.render(messages)
+    clean = [dict(m, content=m["content"][:-1] + "\ufffd") for m in messages]
+    assert (ids, spans) == tok.render(clean)
 
 
 # ---------------------------------------------------------------------------------------------

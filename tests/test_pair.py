@@ -251,7 +251,7 @@ def test_train_eval_report_cli(features_dir, tmp_path, capsys):
              if p.is_file()}
     assert {f"seed42/{n}.safetensors" for n in probes.FEATURES} <= files
     assert "seed43/pair_mixed/pair.json" in files
-    assert all(f.endswith((".safetensors", ".json")) for f in files)
+    assert all(f.endswith((".safetensors", ".json", pair.LOCK_FILE)) for f in files)
     pair.main(["eval", "--probes", str(tmp_path / "m"), "--features", str(features_dir),
                "--out", str(tmp_path / "eval.json")])
     ev = json.loads((tmp_path / "eval.json").read_text())
@@ -289,6 +289,53 @@ def test_train_eval_report_cli(features_dir, tmp_path, capsys):
     assert sorted(rows) == sorted(expect) and len(rows) == len(pair.METHODS)
     drop = {row[0]: float(row[3]) for row in rows}
     assert drop["Last-token"] > 0.15 and drop["PAIR"] < drop["Last-token"] - 0.1
+
+
+def _truncate(path: Path, keep: int = 100):
+    path.write_bytes(path.read_bytes()[:keep])
+
+
+def test_unreadable_files_are_one_line_errors(features_dir, tmp_path):
+    # A truncated or corrupt input is an error naming the file, never a traceback.
+    feats = tmp_path / "feats"
+    feats.mkdir()
+    for p in features_dir.glob("*.safetensors"):
+        (feats / p.name).write_bytes(p.read_bytes())
+    pair.main(["train", "--features", str(feats), "--out", str(tmp_path / "m"), "--seeds", "42"])
+    seed = tmp_path / "m" / "seed42"
+
+    bad = feats / "matched_clean_test.safetensors"
+    _truncate(bad)
+    with pytest.raises(SystemExit, match=f"error: {bad}: truncated or corrupt features file"):
+        pair.main(["eval", "--probes", str(tmp_path / "m"), "--features", str(feats)])
+    (feats / bad.name).write_bytes((features_dir / bad.name).read_bytes())
+
+    _truncate(seed / "last_token.safetensors", 20)
+    with pytest.raises(SystemExit, match="last_token.safetensors: truncated or corrupt probe"):
+        pair.main(["eval", "--probes", str(tmp_path / "m"), "--features", str(feats)])
+    (seed / "last_token.safetensors").unlink()
+
+    (seed / "pair_mixed" / "pair.json").write_text("{not json")
+    with pytest.raises(SystemExit, match="pair.json: not JSON"):
+        pair.main(["eval", "--probes", str(tmp_path / "m"), "--features", str(feats)])
+    (seed / "pair_mixed" / "pair.json").write_text(json.dumps(
+        {"format": "pair/1", "stats": ["max"], "stage1": "../../x.safetensors",
+         "stage2": "stage2.safetensors"}))
+    with pytest.raises(SystemExit, match="unexpected stage file names"):
+        pair.main(["eval", "--probes", str(tmp_path / "m"), "--features", str(feats)])
+
+    (tmp_path / "x.safetensors").write_bytes(b"\xff" * 16)
+    with pytest.raises(SystemExit, match="error: .*x.safetensors: truncated or corrupt probe"):
+        probes.main(["score", "--probe", str(tmp_path / "x.safetensors"),
+                     "--features", str(bad)])
+
+
+def test_extract_checks_the_data_before_loading_the_model(tmp_path):
+    data = tmp_path / "matched_clean_train.json"
+    data.write_text("[{]")
+    with pytest.raises(SystemExit, match="matched_clean_train.json"):
+        pair.main(["extract", "--model", str(tmp_path / "no-model"), "--data", str(data),
+                   "--out", str(tmp_path / "f.safetensors")])
 
 
 # ----------------------------------------------------------------------------------------------
@@ -434,3 +481,241 @@ def test_pipeline_on_shop(tmp_path, monkeypatch, capsys):
         {k: v[None] for k, v in probes.raw_features(trace).items()})
     assert out.s_final == pytest.approx(s_final.item(), abs=1e-9)
     print(f"\nshop pipeline: {time.perf_counter() - t_start:.1f}s")
+
+
+# ----------------------------------------------------------------------------------------------
+# one writer per output: real processes racing, kill -9
+
+ROOT = Path(__file__).resolve().parents[1]
+# pair.py extract with each forward slowed down, so that two runs surely overlap
+SLOW_EXTRACT = ("import sys, time, model\n"
+                "real = model.trace_forward\n"
+                "model.trace_forward = lambda *a: (time.sleep(0.03), real(*a))[1]\n"
+                "import pair\n"
+                "pair.main(sys.argv[1:])\n")
+
+
+@pytest.fixture(scope="module")
+def shop_ckpt(tmp_path_factory):
+    import envs
+    root = tmp_path_factory.mktemp("shop")
+    envs.main(["make-data", "shop", "--out", str(root / "data"), "--episodes", "20",
+               "--seed", "5"])
+    return root / "data", tiny_checkpoint(root / "ckpt", root / "data")
+
+
+def _env():
+    import os
+    return dict(os.environ, OMP_NUM_THREADS="1")
+
+
+def test_two_extracts_on_one_output_one_refuses_and_the_file_is_complete(shop_ckpt, tmp_path):
+    import envs
+    import subprocess
+    import sys
+    data, ckpt = shop_ckpt
+    out = tmp_path / "feats" / "matched_clean_train.safetensors"
+    argv = ["extract", "--model", str(ckpt), "--data", str(data / "matched_clean_train.json"),
+            "--out", str(out), "--shard-size", "4"]
+    runs = [subprocess.Popen([sys.executable, "-c", SLOW_EXTRACT, *argv], cwd=ROOT, env=_env(),
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+            for _ in range(2)]
+    results = [(r.wait(timeout=300), r.stderr.read()) for r in runs]
+    refused = [err for rc, err in results if rc != 0]
+    assert len(refused) == 1, results
+    assert f"{pair.parts_dir(out)} is in use by pid" in refused[0]
+    raw, meta = probes.load_features(out)
+    n = len(envs.load_matched(data / "matched_clean_train.json"))
+    assert meta["n_records"] == n and meta["failed"] == [] and len(raw["label"]) == n
+    assert raw["record_index"].tolist() == list(range(n))
+    assert not pair.parts_dir(out).exists()
+
+
+def wait_for(condition, timeout=120.0):
+    t0 = time.perf_counter()
+    while not condition():
+        assert time.perf_counter() - t0 < timeout, "timed out"
+        time.sleep(0.05)
+
+
+def holds(directory: Path, proc) -> bool:
+    lock = directory / ".lock"
+    return lock.is_file() and lock.read_text().strip() == str(proc.pid)
+
+
+def test_a_busy_output_is_refused_and_kill_9_frees_it(features_dir, tmp_path):
+    import signal
+    import subprocess
+    import sys
+    out = tmp_path / "m"
+    train = ["train", "--features", str(features_dir), "--out", str(out)]
+    first = subprocess.Popen([sys.executable, str(ROOT / "pair.py"), *train, "--seeds",
+                              *map(str, range(40, 60))], cwd=ROOT, env=_env(),
+                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        # it holds the output (or, unlocked, has begun writing into it)
+        wait_for(lambda: holds(out, first) or (out / "seed40").exists())
+        with pytest.raises(SystemExit, match=f"{out} is in use by pid {first.pid}; "):
+            pair.main(train + ["--seeds", "42"])
+        with pytest.raises(SystemExit, match=f"{out} is in use by pid {first.pid}; "):
+            pair.main(["report", "--features", str(features_dir), "--out", str(out)])
+        assert first.poll() is None
+    finally:
+        first.send_signal(signal.SIGKILL)       # no cleanup runs: the kernel drops the lock
+        first.wait()
+    pair.main(train + ["--seeds", "42"])
+    assert json.loads((out / "train.json").read_text())["runs"][0]["seed"] == 42
+
+
+def test_claims_nest_and_survive_the_directory_being_removed(tmp_path):
+    d = tmp_path / "x.parts"
+    with pair.exclusive_dir(d):
+        with pair.exclusive_dir(d):             # nested in one process: fine
+            pass
+        assert str(d.resolve()) in pair._claims
+        import shutil
+        shutil.rmtree(d)                        # extract removes OUT.parts while holding it
+    assert str(d.resolve()) not in pair._claims
+    with pair.exclusive_dir(d):
+        assert (d / pair.LOCK_FILE).read_text().strip() == str(__import__("os").getpid())
+
+
+def test_merge_refuses_to_write_an_incomplete_file(shop_ckpt, tmp_path, monkeypatch):
+    data, ckpt = shop_ckpt
+    out = tmp_path / "f.safetensors"
+    real, calls = pair._write_shard, []
+
+    def loses_the_second_shard(parts, buffer, failed):
+        calls.append(len(buffer))
+        if len(calls) != 2:
+            real(parts, buffer, failed)
+    monkeypatch.setattr(pair, "_write_shard", loses_the_second_shard)
+    argv = ["extract", "--model", str(ckpt), "--data", str(data / "matched_clean_test.json"),
+            "--out", str(out), "--shard-size", "3"]
+    with pytest.raises(SystemExit, match=r"3 records .* neither extracted nor listed as failed"):
+        pair.main(argv)
+    assert not out.exists()
+    monkeypatch.setattr(pair, "_write_shard", real)
+    pair.main(argv)                              # the rerun extracts the lost records
+    import envs
+    _, meta = probes.load_features(out)
+    assert meta["n_records"] == len(envs.load_matched(data / "matched_clean_test.json"))
+
+
+# ----------------------------------------------------------------------------------------------
+# inputs checked against each other: what a file was made from is recorded and compared
+
+def restamp(path: Path, **meta):
+    """Rewrite a features file's recorded source (as if extracted with another model)."""
+    raw, old = probes.load_features(path)
+    probes.save_safetensors(raw, path, {"pair_features": json.dumps({**old, **meta})})
+
+
+def test_features_of_another_model_are_refused(features_dir, tmp_path):
+    feats = tmp_path / "feats"
+    feats.mkdir()
+    for p in features_dir.glob("*.safetensors"):
+        (feats / p.name).write_bytes(p.read_bytes())
+        restamp(feats / p.name, model="/models/a", model_sha256="a" * 64)
+    pair.main(["train", "--features", str(feats), "--out", str(tmp_path / "m"), "--seeds", "42"])
+    # same width, another model: the test features
+    for p in feats.glob("*_test.safetensors"):
+        restamp(p, model="/models/b", model_sha256="b" * 64)
+    with pytest.raises(SystemExit, match=r"seed42/\S+ was made from model /models/a .*"
+                                         r"matched_clean_test.safetensors from model /models/b"):
+        pair.main(["eval", "--probes", str(tmp_path / "m"), "--features", str(feats)])
+    with pytest.raises(SystemExit, match="_test.safetensors from model /models/b"):
+        pair.main(["report", "--features", str(feats), "--seeds", "42"])
+    with pytest.raises(SystemExit, match="do not belong together"):
+        probes.main(["score", "--probe", str(tmp_path / "m" / "seed42" / "attention.safetensors"),
+                     "--features", str(feats / "matched_clean_test.safetensors")])
+    # ... and one of the training splits
+    restamp(feats / "matched_contaminated_train.safetensors", model_sha256="c" * 64)
+    with pytest.raises(SystemExit, match="matched_contaminated_train.safetensors from .*"
+                                         r"sha256 cccccccccccc"):
+        pair.main(["train", "--features", str(feats), "--out", str(tmp_path / "m2")])
+    # another dtype of the same model is another source too
+    restamp(feats / "matched_contaminated_train.safetensors", model_sha256="a" * 64,
+            dtype="bfloat16")
+    with pytest.raises(SystemExit, match="dtype differs"):
+        pair.main(["train", "--features", str(feats), "--out", str(tmp_path / "m2")])
+    info = Pair.load(tmp_path / "m" / "seed42" / "pair_mixed").info    # what eval compared
+    assert info["model_sha256"] == "a" * 64 and info["dims"] == {"d": D, "L": L, "H": H}
+
+
+def test_extraction_resumes_by_model_content_not_path(shop_ckpt, tmp_path, monkeypatch):
+    import shutil
+    import model as mdl
+    from safetensors.torch import load_file, save_file
+    data, original = shop_ckpt
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(original, ckpt)
+    out = tmp_path / "f.safetensors"
+    argv = ["extract", "--data", str(data / "matched_clean_test.json"), "--out", str(out),
+            "--shard-size", "2"]
+    real, calls = mdl.trace_forward, []
+
+    def interrupted(net, ids, span):
+        calls.append(span)
+        if len(calls) == 5:
+            raise KeyboardInterrupt
+        return real(net, ids, span)
+    monkeypatch.setattr(mdl, "trace_forward", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        pair.main(argv + ["--model", str(ckpt)])
+    monkeypatch.setattr(mdl, "trace_forward", real)
+
+    # other weights under the same path: the shards of the first model are not resumed
+    weights = load_file(str(ckpt / "model.safetensors"))
+    save_file({k: v + 0.01 for k, v in weights.items()}, str(ckpt / "model.safetensors"))
+    with pytest.raises(SystemExit, match="different arguments .*model_sha256"):
+        pair.main(argv + ["--model", str(ckpt)])
+    # the first model again, from another path: resumed
+    save_file(weights, str(ckpt / "model.safetensors"))
+    moved = tmp_path / "moved"
+    ckpt.rename(moved)
+    monkeypatch.setattr(mdl, "trace_forward", lambda *a: (calls.append(a[2]), real(*a))[1])
+    calls.clear()
+    pair.main(argv + ["--model", str(moved)])
+    import envs
+    n = len(envs.load_matched(data / "matched_clean_test.json"))
+    assert len(calls) == n - 4
+    _, meta = probes.load_features(out)
+    assert meta["model_sha256"] == mdl.checkpoint_sha256(moved) == mdl.checkpoint_sha256(original)
+    assert meta["data_sha256"] and meta["dims"] == {"d": 16, "L": 4, "H": 4}
+
+
+# ----------------------------------------------------------------------------------------------
+# more hostile inputs: each a one-line error, never a traceback or a silent NaN
+
+def test_hostile_flags_and_values_are_one_line_errors(features_dir, tmp_path, capsys):
+    feats = str(features_dir)
+    for flag, value in (("--C", "-1"), ("--C", "nan"), ("--crossfit", "-3")):
+        with pytest.raises(SystemExit):
+            pair.main(["train", "--features", feats, "--out", str(tmp_path / "m"), flag, value])
+        assert f"argument {flag}: must be" in capsys.readouterr().err
+    with pytest.raises(SystemExit, match="--crossfit 1000: only 60 training episodes"):
+        pair.main(["train", "--features", feats, "--out", str(tmp_path / "m"), "--crossfit",
+                   "1000", "--seeds", "42"])
+    (tmp_path / "afile").write_text("")
+    with pytest.raises(SystemExit, match="afile: not a directory"):
+        pair.main(["train", "--features", feats, "--out", str(tmp_path / "afile")])
+
+    # a NaN in a features file or a probe would turn scores and rewards into NaN silently
+    nan_feats = tmp_path / "nan"
+    nan_feats.mkdir()
+    for p in features_dir.glob("*.safetensors"):
+        (nan_feats / p.name).write_bytes(p.read_bytes())
+    raw, meta = probes.load_features(nan_feats / "matched_clean_train.safetensors")
+    raw["attn_max"][3, 1, 0] = float("nan")
+    probes.save_safetensors(raw, nan_feats / "matched_clean_train.safetensors",
+                            {"pair_features": json.dumps(meta)})
+    with pytest.raises(SystemExit, match="matched_clean_train.safetensors: attn_max holds NaN"):
+        pair.main(["train", "--features", str(nan_feats), "--out", str(tmp_path / "m")])
+    train = pair.load_split(features_dir / "matched_clean_train.safetensors")
+    probe = probes.Probe(info={"feature": "last_token"}).fit(
+        probes.feature("last_token", train.raw), train.y)
+    probe.w[2] = float("inf")
+    probe.save(tmp_path / "inf.safetensors")
+    with pytest.raises(probes.FormatError, match="inf.safetensors: w holds NaN"):
+        ProbeReward(tmp_path / "inf.safetensors")
