@@ -1034,3 +1034,54 @@ def test_two_runs_on_one_fresh_probe_cache_fit_the_probes_once(tiny_policy, tmp_
     assert [p.returncode for p in procs] == [0, 0], outs
     assert sum(o.count("fitting the probes of this policy once") for o in outs) == 1, outs
     assert len(list(cache.glob("grpo-probes/shop-*/contaminated-*/probes.json"))) == 1
+
+
+def test_resume_redoes_exactly_what_was_logged_after_the_last_checkpoint(tiny_policy, tmp_path,
+                                                                        monkeypatch):
+    kw = dict(steps=3, save_every=2, eval_episodes=2)
+    whole = tmp_path / "whole"
+    run(flags(tiny_policy, whole, "outcome", **kw))
+
+    def evals(out):
+        return [(e["step"], e["test"]["scores"]) for e in grpo.read_jsonl(out / "eval.jsonl")]
+
+    real_step, real_eval = grpo.train_step, grpo.evaluate_all
+    # 1. killed before the first checkpoint: step 1 was logged, the base model evaluated
+    early = tmp_path / "early"
+
+    def crash_at_step_2(step, *a, **k):
+        if step == 1:
+            raise KeyboardInterrupt
+        return real_step(step, *a, **k)
+    monkeypatch.setattr(grpo, "train_step", crash_at_step_2)
+    with pytest.raises(KeyboardInterrupt):
+        run(flags(tiny_policy, early, "outcome", **kw))
+    monkeypatch.setattr(grpo, "train_step", real_step)
+    with open(early / "metrics.jsonl", "a") as f:
+        f.write('{"step": 2, "reward_me')                  # a line cut short by the kill
+    run(flags(tiny_policy, early, "outcome", resume=True, **kw))
+    assert without_timing(metrics(early)) == without_timing(metrics(whole))
+    assert evals(early) == evals(whole)
+
+    # 2. killed after checkpoint 2 was written, before it was evaluated
+    late = tmp_path / "late"
+
+    def crash_in_eval_2(step, *a, **k):
+        if step == 2:
+            raise KeyboardInterrupt
+        return real_eval(step, *a, **k)
+    monkeypatch.setattr(grpo, "evaluate_all", crash_in_eval_2)
+    with pytest.raises(KeyboardInterrupt):
+        run(flags(tiny_policy, late, "outcome", **kw))
+    monkeypatch.setattr(grpo, "evaluate_all", real_eval)
+    assert (late / "checkpoint-000002").is_dir() and [s for s, _ in evals(late)] == [0]
+    summary = run(flags(tiny_policy, late, "outcome", resume=True, **kw))
+    assert without_timing(metrics(late)) == without_timing(metrics(whole))
+    assert evals(late) == evals(whole) and summary["final"]["step"] == 3
+
+
+def test_a_damaged_log_line_before_the_last_is_a_one_line_error(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    path.write_text('{"step": 1}\n{"step": 2, "reward\n{"step": 3}\n')
+    with pytest.raises(SystemExit, match="line 2 is not JSON"):
+        grpo.read_jsonl(path)
