@@ -516,7 +516,7 @@ def turn_records(trajs: list[Trajectory]) -> pair_lib.Split:
             episode_id.append(traj.episode.id)
             if not ok:
                 last_wrong = t
-    raw = {key: torch.stack([r[key] for r in raws]) for key in raws[0]}
+    raw = _stack_raw(raws)
     raw.update(label=torch.tensor(labels), turn_idx=torch.tensor(turn_idx),
                distance=torch.tensor(distance), rollout=torch.tensor(sample))
     return pair_lib.Split("own_turns", raw, raw["label"].long(), episode_id, {})
@@ -552,7 +552,7 @@ def contaminated_corpus(policy, tok, episodes: int, log) -> pair_lib.Split:
             traces = mdl.trace_batch(policy, [ids for ids, _, _ in rendered],
                                      [span for _, span, _ in rendered])
             raws = [probes.raw_features(tr) for tr in traces]
-            raw = {k: torch.stack([r[k] for r in raws]) for k in raws[0]}
+            raw = _stack_raw(raws)
             raw["turn_idx"] = torch.tensor([int(r["turn_idx"]) for r in records])
             y = torch.tensor([int(r["label"]) for r in records])
             splits[name] = pair_lib.Split(name, raw, y, [str(r["episode_id"]) for r in records],
@@ -625,7 +625,8 @@ def shop_probes(args, policy, tok, world, log) -> tuple[Path, dict]:
         info = {"seed": PROBE_SEED, "corpus": args.probe_corpus}
         fitted = fit_probes(corpora[args.probe_corpus], info)
         reference = fitted if args.probe_corpus == "contaminated" else \
-            {"pair": fit_probes(corpora["contaminated"], info)["pair"]}
+            {"pair": pair_lib.fit_pair(corpora["contaminated"].raw, corpora["contaminated"].y,
+                                       info=info)}
         tmp = root / f".{out.name}.{os.getpid()}.tmp"
         shutil.rmtree(tmp, ignore_errors=True)
         for name, m in fitted.items():        # pair/ is a directory, each probe one file
@@ -1080,7 +1081,7 @@ def train_step(step: int, policy, tok, env, pool, ctx, optimizer, args, world) -
     t = {k: 0.0 for k in TIMING}
     policy.eval()
     need = len(range(world.rank, args.batch, world.size))
-    groups, rewards, tried, zero = [], [], 0, 0
+    groups, rewards, advs, tried, zero = [], [], [], 0, 0
     candidates = list(range(world.rank, args.batch * args.oversample, world.size))
     for n, j in enumerate(candidates):
         if len(groups) == need:
@@ -1102,17 +1103,15 @@ def train_step(step: int, policy, tok, env, pool, ctx, optimizer, args, world) -
         t["t_base_read"] += t2 - t1
         t["t_reward"] += t3 - t1
         tried += 1
-        all_equal = group_advantages(r)[1]
+        a, all_equal = group_advantages(r)
         zero += all_equal
         if all_equal and len(candidates) - n - 1 >= need - len(groups) and args.oversample > 1:
             continue                    # set aside: enough prompts remain to fill the batch
         groups.append(group)
         rewards.append(r)
+        advs += a
     t0 = time.perf_counter()
-    trajs, advs = [], []
-    for group, r in zip(groups, rewards):
-        trajs += group
-        advs += group_advantages(r)[0]
+    trajs = [traj for group in groups for traj in group]
     policy.train()
     stats = update(policy, optimizer, make_batch(trajs, advs, tok.pad_id), args, world)
     policy.eval()
@@ -1210,9 +1209,7 @@ def truncate_jsonl(path: Path, last_step: int):
     if not path.exists():
         return
     keep = [r for r in read_jsonl(path) if r["step"] <= last_step]
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text("".join(json.dumps(r) + "\n" for r in keep))
-    os.replace(tmp, path)
+    write_text(path, "".join(json.dumps(r) + "\n" for r in keep))
 
 
 def write_text(path: Path, text: str):

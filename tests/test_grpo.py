@@ -861,8 +861,8 @@ def test_on_policy_corpus_labels_are_the_worlds():
 
 
 def test_no_held_out_episode_is_sampled_for_the_corpus_or_for_training(tmp_path, monkeypatch):
-    calls, fitted = [], []
-    real_rollout, real_fit = grpo.rollout, grpo.fit_probes
+    calls, fitted, yardstick = [], [], []
+    real_rollout, real_fit, real_corpus = grpo.rollout, grpo.fit_probes, grpo.contaminated_corpus
 
     def spy_rollout(policy, tok, episodes, args, greedy=False, **kw):
         calls.append((greedy, [ep.id for ep in episodes]))
@@ -873,6 +873,8 @@ def test_no_held_out_episode_is_sampled_for_the_corpus_or_for_training(tmp_path,
         return real_fit(train, info)
     monkeypatch.setattr(grpo, "rollout", spy_rollout)
     monkeypatch.setattr(grpo, "fit_probes", spy_fit)
+    monkeypatch.setattr(grpo, "contaminated_corpus", lambda *a: yardstick.append(real_corpus(*a))
+                        or yardstick[-1])
     summary = run(["--model", str(BUILTIN), "--reward", "pair", "--out", str(tmp_path / "r"),
                    "--steps", "2", "--batch", "2", "--group", "2", "--save-every", "1",
                    "--corpus-episodes", "4", "--corpus-samples", "2", "--corpus-heldout", "3",
@@ -886,7 +888,7 @@ def test_no_held_out_episode_is_sampled_for_the_corpus_or_for_training(tmp_path,
     assert not any("-test-" in eid for eid in sampled)              # test is only ever evaluated
     val_sampled = {eid for eid in sampled if "-val-" in eid}
     assert val_sampled == {f"shop-42-val-{i}" for i in range(3)}    # the held-out own turns
-    on_policy, contaminated = fitted[0], fitted[1]                  # corpus, then the yardstick
+    (on_policy,), contaminated = fitted, yardstick[0].episode_id    # corpus; the yardstick
     assert on_policy and all("-train-" in eid for eid in on_policy)
     assert all("-train-" in eid for eid in contaminated)
     evaluated = {eid for greedy, ids in calls if greedy for eid in ids}
