@@ -1851,6 +1851,30 @@ def shop_gold(task: ShopTask) -> tuple[list[dict], list[_ShopTurn]]:
         said = ((res.fact, res.value),) if res.fact is not None else ()
 
 
+def shop_divided(task: ShopTask) -> list[dict] | None:
+    """The gold dialog with the currency conversion done the wrong way round - the dollar total
+    divided by the rate ("3*4.17/0.77" for GBP) - and answered with what the Calculator returned,
+    so the dialog is consistent with itself and wrong. None for a USD task (nothing to convert).
+
+    Why it exists: the classic slip of currency conversion, and the habit the built-in policy is
+    taught on a fraction of its dialogs (grpo.py sft --divided): a fluent, self-consistent error
+    that an outcome or a per-turn reward can teach away, which errors of a missing skill are not."""
+    if task.currency == "USD":
+        return None
+    dialog = [{"role": "user", "content": task.text}]
+    known, computed, said = {}, [], ()
+    for turn in shop_gold(task)[1]:
+        if turn.formula is not None:
+            formula = _shop_formula(task, known, conv="/")
+            turn = replace(turn, formula=formula, call=("Calculator", {"expression": formula}))
+        elif turn.call is None:
+            wrong = Decimal(repr(computed[-1])).quantize(_CENT, rounding=ROUND_HALF_UP)
+            turn = replace(turn, answer=str(wrong))
+        res = _shop_play(task, dialog, turn, (known, computed, said))
+        said = ((res.fact, res.value),) if res.fact is not None else ()
+    return dialog
+
+
 def shop_record(task: ShopTask, dialog: list[dict]) -> dict:
     """An episode in the released schema (SPEC §1)."""
     return {"tools": SHOP_TOOLS, "files": [], "dialogs": dialog,

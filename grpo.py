@@ -55,7 +55,9 @@ line per step), OUT/eval.jsonl (per evaluation, with every episode's score) and
 OUT/summary.json.
 
 The built-in policy (data/shop-policy, rebuilt by `grpo.py sft`, see its section) is a ~0.3M
-parameter Qwen2 trained from scratch on shop dialogs. With it, the flags left unset take the TINY
+parameter Qwen2 trained from scratch on shop dialogs, then given one habit on purpose: on most
+non-USD tasks it converts the wrong way round (divides by the rate), a fluent error that GRPO can
+unlearn in a few steps. With it, the flags left unset take the TINY
 preset below (printed at start); with any other model they take the paper's 7B values. Its PAIR
 and probe rewards are fitted on the fly, once per policy and corpus, and cached under
 $PAIR_CACHE: by default on the policy's own rollouts (`--probe-corpus`, see the probes section).
@@ -71,6 +73,7 @@ import json
 import math
 import os
 import random
+import re
 import shutil
 import subprocess
 import sys
@@ -1715,17 +1718,24 @@ def train_tokenizer(texts: list[str], vocab_size: int):
     return tk
 
 
-def sft_dialogs(episodes: int, contaminated: float, seed: int) -> list[list[dict]]:
-    """Chat messages of make-data shop's training episodes, a fraction of them contaminated."""
+def sft_dialogs(episodes: int, contaminated: float, seed: int,
+                divided: float = 0.0) -> list[list[dict]]:
+    """Chat messages of make-data shop's training episodes: a fraction `contaminated` of them
+    replaced by their contaminated version, and a fraction `divided` of the other non-USD ones
+    by the dialog that converts the wrong way round (envs.shop_divided)."""
     import tempfile
     with tempfile.TemporaryDirectory() as tmp:
         envs.make_shop_data(tmp, episodes=episodes, seed=seed)
         clean = envs.load_episodes(Path(tmp) / "clean_train.json")
         dirty = envs.load_episodes(Path(tmp) / "contaminated_train.json")
     rng = random.Random(f"sft-{seed}")
+    habit = random.Random(f"sft-divided-{seed}")  # its own stream: divided=0 changes nothing
     out = []
     for eid in clean:
         rec = dirty[eid] if rng.random() < contaminated else clean[eid]
+        if rec is clean[eid] and habit.random() < divided:
+            wrong = envs.shop_divided(envs.shop_task_from_id(eid))
+            rec = rec if wrong is None else {**rec, "dialogs": wrong}
         out.append(envs.dialog_to_messages(rec["dialogs"], rec["tools"], rec["files"]))
     return out
 
@@ -1759,8 +1769,14 @@ def sft(args) -> dict:
     torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
     t0 = time.perf_counter()
-    dialogs = sft_dialogs(args.episodes, args.contaminated, args.seed)
-    tok = mdl.Tokenizer(train_tokenizer([_chat(m) for m in dialogs], args.vocab))
+    dialogs = sft_dialogs(args.episodes, args.contaminated, args.seed, args.divided)
+    earlier = policy_recipe(args.init) if args.init else []    # read before --out overwrites it
+    if args.init:       # continue a saved policy: its weights, its tokenizer, its shape
+        policy, tok = mdl.load_model(args.init)
+        policy.requires_grad_(True)             # load_model freezes a base for LoRA
+        config = json.loads((Path(args.init) / "config.json").read_text())
+    else:
+        tok = mdl.Tokenizer(train_tokenizer([_chat(m) for m in dialogs], args.vocab))
     examples = []
     for messages in dialogs:
         ids, spans = tok.render(messages)
@@ -1768,16 +1784,19 @@ def sft(args) -> dict:
         for s, e in spans:
             mask[s:e] = True
         examples.append((torch.tensor(ids), mask))
-    config = sft_config(args, tok)
-    policy = mdl.Transformer(mdl.Config.from_dict(config))
-    for name, p in policy.named_parameters():       # GPT-2 style init
-        if p.dim() == 2:
-            torch.nn.init.normal_(p, std=0.02)
-        elif name.endswith("bias"):
-            torch.nn.init.zeros_(p)
+    if not args.init:
+        config = sft_config(args, tok)
+        policy = mdl.Transformer(mdl.Config.from_dict(config))
+        for name, p in policy.named_parameters():       # GPT-2 style init
+            if p.dim() == 2:
+                torch.nn.init.normal_(p, std=0.02)
+            elif name.endswith("bias"):
+                torch.nn.init.zeros_(p)
     n_params = sum(p.numel() for p in policy.parameters())
-    print(f"sft: {len(examples)} dialogs ({args.contaminated:.0%} contaminated), vocab "
-          f"{config['vocab_size']}, {n_params / 1e6:.2f}M parameters; {args.induction_steps} "
+    print(f"sft: {len(examples)} dialogs ({args.contaminated:.0%} contaminated, "
+          f"{args.divided:.0%} of the others dividing by the rate), vocab "
+          f"{config['vocab_size']}, {n_params / 1e6:.2f}M parameters"
+          f"{', from ' + args.init if args.init else ''}; {args.induction_steps} "
           f"induction steps, then {args.steps} steps of {args.batch} dialogs", flush=True)
     opt = torch.optim.AdamW(policy.parameters(), lr=args.lr, betas=(0.9, 0.95),
                             weight_decay=0.01)
@@ -1835,7 +1854,7 @@ def sft(args) -> dict:
         sum(losses[-50:]) / len(losses[-50:]), 4), "parameters": n_params}
     if args.eval_episodes:
         result.update(sft_eval(policy, tok, args))
-    write_policy_readme(out, args, config, result)
+    write_policy_readme(out, args, config, result, earlier)
     print(f"sft: wrote {out} in {duration(time.perf_counter() - t0)}: " + json.dumps(result),
           flush=True)
     return result
@@ -1922,28 +1941,52 @@ def sft_eval(policy, tok, args) -> dict:
     return result
 
 
-def write_policy_readme(out: Path, args, config: dict, result: dict):
+def policy_recipe(directory) -> list[str]:
+    """The commands that rebuilt a saved policy, from the README its sft run wrote ([] if none)."""
+    readme = Path(directory) / "README.md"
+    text = readme.read_text() if readme.is_file() else ""
+    m = re.search(r"```bash\n(.*?)```", text, re.S)
+    return m.group(1).strip().splitlines() if m else []
+
+
+def write_policy_readme(out: Path, args, config: dict, result: dict, earlier: list[str]):
+    """README.md of a policy that sft wrote: how to rebuild it (the commands of the policy it was
+    continued from first), its size, its training and its held-out success."""
     command = (f"python grpo.py sft --env shop --out {args.out} --episodes {args.episodes} "
-               f"--contaminated {args.contaminated} --steps {args.steps} --batch {args.batch} "
+               f"--contaminated {args.contaminated} --divided {args.divided} "
+               + (f"--init {args.init} " if args.init else "") +
+               f"--steps {args.steps} --batch {args.batch} "
                f"--lr {args.lr} --warmup {args.warmup} --induction-steps {args.induction_steps} "
                f"--induction-rows {args.induction_rows} --induction-text {args.induction_text} "
                f"--hidden {args.hidden} --layers {args.layers} --heads "
                f"{args.heads} --kv-heads {args.kv_heads} --intermediate {args.intermediate} "
                f"--vocab {args.vocab} --seed {args.seed} --threads {args.threads}")
+    about = ("A tiny Qwen2-architecture model trained from scratch, with its own byte-level BPE "
+             "tokenizer (ChatML specials), on the gold dialogs of the built-in `shop` world mixed "
+             "with contaminated ones (envs.py make-data shop), after a warm-up on a synthetic copy "
+             "task that gives it induction heads (grpo.py InductionTask). Loss on assistant "
+             "tokens only.")
+    if args.init:
+        about += (" Then continued (`--init`, the last command) on the same dialogs")
+    if args.divided:
+        about += (f"{' where' if args.init else ' Of the dialogs not contaminated,'} "
+                  f"{args.divided:.0%} of the non-USD ones convert the wrong way round, dividing "
+                  "the dollar total by the rate (envs.shop_divided): a fluent, self-consistent "
+                  "habit, given on purpose so that GRPO has something it can unlearn within "
+                  "minutes. The policy's other errors are mostly a quantity recalled wrongly "
+                  "from the task text on two- and three-line tasks: a missing skill that 20 "
+                  "GRPO steps do not teach (README, Results on the built-in world).")
+    elif args.init:
+        about += "."
     lines = [
-        "# shop-policy: the built-in policy of `python grpo.py`", "",
-        "A tiny Qwen2-architecture model trained from scratch, with its own byte-level BPE "
-        "tokenizer (ChatML specials), on the gold dialogs of the built-in `shop` world mixed with "
-        "contaminated ones (envs.py make-data shop), after a warm-up on a synthetic copy task that "
-        "gives it induction heads (grpo.py InductionTask). It knows the format and the world but "
-        "makes mistakes, so GRPO has room to improve it. Loss on assistant tokens only.", "",
-        "Rebuilt, byte for byte, by:", "", "```bash", command, "```", "",
+        "# shop-policy: the built-in policy of `python grpo.py`", "", about, "",
+        "Rebuilt, byte for byte, by:", "", "```bash", *earlier, command, "```", "",
         "| | |", "|---|---|",
         f"| parameters | {result['parameters']:,} (hidden {config['hidden_size']}, "
         f"{config['num_hidden_layers']} layers, {config['num_attention_heads']} heads, "
         f"{config['num_key_value_heads']} KV heads, vocab {config['vocab_size']}) |",
-        f"| training | {args.induction_steps} induction steps, then {args.steps} steps x "
-        f"{args.batch} dialogs, "
+        f"| training{' (last command)' if earlier else ''} | {args.induction_steps} induction "
+        f"steps, then {args.steps} steps x {args.batch} dialogs, "
         f"{result['train_seconds']:.0f} s on {args.threads} CPU threads, final loss "
         f"{result['final_loss']} |"]
     if "success_sampled" in result:
@@ -1958,8 +2001,10 @@ def write_policy_readme(out: Path, args, config: dict, result: dict):
 def sft_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(
         prog="grpo.py sft", formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-        description="Train the built-in policy from scratch (deterministic): a tiny Qwen2 and its "
-                    "BPE tokenizer on shop gold dialogs mixed with contaminated ones.")
+        description="Train the built-in policy (deterministic): a tiny Qwen2 and its BPE "
+                    "tokenizer on shop gold dialogs mixed with contaminated ones, from scratch "
+                    "or (--init) continuing a saved one. data/shop-policy/README.md lists the "
+                    "commands that built the shipped policy.")
     a = ap.add_argument
     a("--env", default="shop", choices=("shop",), help="the world to learn (only shop has "
                                                        "gold dialogs to learn from)")
@@ -1968,6 +2013,12 @@ def sft_parser() -> argparse.ArgumentParser:
       help="make-data shop episodes (80%% of them, the train split, are used)")
     a("--contaminated", type=float, default=0.3,
       help="fraction of dialogs replaced by their contaminated version")
+    a("--divided", type=float, default=0.0,
+      help="fraction of the other non-USD dialogs replaced by one that converts the wrong way "
+           "round, dividing by the rate (envs.shop_divided): a habit for GRPO to unlearn")
+    a("--init", default=None, metavar="DIR",
+      help="continue from this saved policy (its weights, shape and tokenizer) instead of "
+           "training from scratch; the shape and --vocab flags are then ignored")
     a("--steps", type=int, default=2000, help="optimizer steps on the dialogs")
     a("--batch", type=int, default=16, help="dialogs per step")
     a("--lr", type=float, default=3e-3,

@@ -3,6 +3,7 @@ import argparse
 import json
 import math
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -822,6 +823,42 @@ def test_sft_is_deterministic_and_loadable(tmp_path):
     assert tok.decode(tok.encode("<|im_start|>user\n3 apple<|im_end|>")) == \
         "<|im_start|>user\n3 apple<|im_end|>"
     assert "python grpo.py sft --env shop" in (tmp_path / "a" / "README.md").read_text()
+
+
+def test_sft_divided_replaces_only_clean_non_usd_dialogs():
+    base = grpo.sft_dialogs(20, 0.3, seed=1)
+    assert grpo.sft_dialogs(20, 0.3, seed=1, divided=0.0) == base     # nothing else moves
+    habit = grpo.sft_dialogs(20, 0.3, seed=1, divided=1.0)
+    changed = 0
+    for before, after in zip(base, habit):
+        if before == after:
+            continue
+        changed += 1
+        assert not before[0]["content"].split("\n")[0].endswith("in USD?")
+        calcs = [m["content"] for m in after
+                 if m["role"] == "assistant" and "Action: Calculator" in m["content"]]
+        assert len(calcs) == 1 and "/" in calcs[0].split("Action Input:")[1]
+    assert changed >= 5         # ~70% clean x ~80% non-USD of 16 training dialogs
+
+
+def test_sft_continues_a_saved_policy_with_its_tokenizer(tmp_path):
+    tiny = ["--episodes", "10", "--steps", "2", "--batch", "2", "--hidden", "16", "--layers",
+            "1", "--heads", "2", "--kv-heads", "1", "--intermediate", "32", "--vocab", "300",
+            "--eval-episodes", "0", "--threads", "1", "--induction-steps", "2"]
+    grpo.main(["sft", "--out", str(tmp_path / "a")] + tiny)
+    grpo.main(["sft", "--out", str(tmp_path / "b"), "--init", str(tmp_path / "a"),
+               "--divided", "0.7"] + tiny)
+    assert (tmp_path / "a" / "tokenizer.json").read_bytes() == \
+        (tmp_path / "b" / "tokenizer.json").read_bytes()
+    a, _ = mdl.load_model(tmp_path / "a")
+    b, _ = mdl.load_model(tmp_path / "b")
+    assert a.config == b.config
+    moved = [k for k, v in a.state_dict().items() if not torch.equal(v, b.state_dict()[k])]
+    assert moved                                    # it trained ...
+    readme = (tmp_path / "b" / "README.md").read_text()
+    recipe = re.search(r"```bash\n(.*?)```", readme, re.S).group(1).splitlines()
+    assert len(recipe) == 2 and f"--out {tmp_path / 'a'}" in recipe[0]   # ... and says from what
+    assert f"--init {tmp_path / 'a'}" in recipe[1] and "--divided 0.7" in recipe[1]
 
 
 def test_cli_help_lists_every_reward():

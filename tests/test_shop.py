@@ -113,6 +113,26 @@ def test_gold_dialogs_replay_score_and_label():
     assert templates == {"What", "How", "I"}
 
 
+def test_divided_dialog_is_the_gold_one_converting_the_wrong_way_round():
+    task = hand_task("EUR")             # (3*2.50+2*1.20) USD = 9.90 USD; EUR rate 0.90
+    gold, divided = envs.shop_gold(task)[0], envs.shop_divided(task)
+    calc = next(i for i, m in enumerate(divided) if m.get("tool_calls") and
+                m["tool_calls"][0]["function"]["name"] == "Calculator")
+    assert divided[:calc] == gold[:calc]            # the same lookups and rate
+    assert divided[calc]["tool_calls"][0]["function"]["arguments"] == \
+        {"expression": "(3*2.50+2*1.20)/0.90"}
+    assert divided[calc]["thought"].endswith("The total is (3*2.50+2*1.20)/0.90.")
+    assert divided[calc + 1]["content"]["content"] == "11.0"
+    assert divided[-1]["content"] == "11.00" and divided[-1]["thought"] == \
+        "The total is 11.00 EUR."                   # it answers what it computed
+    labels = envs.shop_dialog_labels(task, divided)
+    assert labels == [True] * (len(labels) - 2) + [False, False]
+    ep = envs.ShopEpisode("hand", task)
+    envs.play_gold(ep, divided)
+    assert ep.score() == 0.0
+    assert envs.shop_divided(hand_task("USD")) is None     # nothing to convert
+
+
 def test_episodes_deterministic_and_splits_disjoint():
     a, b = envs.ShopEnv("train", seed=5, episodes=50), envs.ShopEnv("train", seed=5, episodes=50)
     assert [a.episode(i).task for i in range(50)] == [b.episode(i).task for i in range(50)]
