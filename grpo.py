@@ -1493,9 +1493,11 @@ def compare(argv: list[str]) -> dict:
     out = Path(args.out)
     (out / "runs").mkdir(parents=True, exist_ok=True)
     todo = []
-    for spec in args.rewards:
-        reward, flags = parse_spec(spec)
-        for seed in args.seeds:
+    # Seed by seed: every reward has its first seed before any has its second, so a comparison
+    # cut short still has a row for each (`--seeds 42` then tabulates what is done).
+    for seed in args.seeds:
+        for spec in args.rewards:
+            reward, flags = parse_spec(spec)
             run = out / "runs" / run_name(spec, seed)
             if (run / "summary.json").is_file():
                 continue
