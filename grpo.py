@@ -1024,6 +1024,22 @@ def evaluate_all(step: int, policy, tok, held: dict, args, world) -> dict:
                              for name, (env, pool) in held.items()}}
 
 
+def base_eval_cache(policy, args, world) -> Path | None:
+    """Where the base model's evaluation is kept for later runs: greedy decoding of a fixed pool
+    is the same in every run of one policy and one set of evaluation settings (every reward and
+    every seed of a comparison), so it is done once. Shop only: its held-out pools are procedural
+    and fixed (a replay pool depends on the data directory). The key holds everything the greedy
+    rollouts depend on, threads and batch included (they change float summation order)."""
+    if args.env != "shop" or world.size > 1:
+        return None
+    settings = {"val": args.val_episodes, "test": args.eval_episodes, "batch": args.eval_batch,
+                "max_turns": args.max_turns, "max_new_tokens": args.max_new_tokens,
+                "max_len": args.max_len, "dtype": args.dtype, "devices": args.devices,
+                "threads": torch.get_num_threads()}
+    return (cache_root() / "grpo-base-eval" /
+            f"shop-{policy_hash(policy.checkpoint_dir)}-{settings_hash(settings)}.json")
+
+
 # ---------------------------------------------------------------------------------------------
 # The training loop: rollout -> rewards -> advantages -> update, checkpoints, evaluation
 # ---------------------------------------------------------------------------------------------
@@ -1216,7 +1232,7 @@ def truncate_jsonl(path: Path, last_step: int):
 
 
 def write_text(path: Path, text: str):
-    tmp = path.with_name(f".{path.name}.tmp")
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")   # two writers never share one
     tmp.write_text(text)
     os.replace(tmp, path)
 
@@ -1352,7 +1368,16 @@ def train(args) -> dict:
     def evaluate_and_log(step: int):
         if args.no_eval or step in evaluated:
             return
-        ev = evaluate_all(step, policy, tok, held, args, world)
+        cache = base_eval_cache(policy, args, world) if step == 0 else None
+        if cache is not None and cache.is_file():
+            ev = json.loads(cache.read_text())
+            log(f"base model: evaluated by an earlier run of this policy with these evaluation "
+                f"settings ({cache})", flush=True)
+        else:
+            ev = evaluate_all(step, policy, tok, held, args, world)
+            if cache is not None:
+                cache.parent.mkdir(parents=True, exist_ok=True)
+                write_json(cache, ev)
         if world.main:
             append_jsonl(out / "eval.jsonl", ev)
         evaluated.add(step)

@@ -1124,3 +1124,25 @@ def test_a_damaged_log_line_before_the_last_is_a_one_line_error(tmp_path):
     path.write_text('{"step": 1}\n{"step": 2, "reward\n{"step": 3}\n')
     with pytest.raises(SystemExit, match="line 2 is not JSON"):
         grpo.read_jsonl(path)
+
+
+def test_the_base_model_is_evaluated_once_per_policy_and_evaluation_settings(
+        tiny_policy, tmp_path, monkeypatch):
+    monkeypatch.setenv("PAIR_CACHE", str(tmp_path / "cache"))
+    real_eval, steps = grpo.evaluate_all, []
+
+    def counted(step, *a, **k):
+        steps.append(step)
+        return real_eval(step, *a, **k)
+    monkeypatch.setattr(grpo, "evaluate_all", counted)
+    kw = dict(steps=1, eval_episodes=3)
+
+    def base(out):
+        return json.loads((out / "eval.jsonl").read_text().splitlines()[0])
+    run(flags(tiny_policy, tmp_path / "a", "outcome", **kw))
+    assert steps == [0, 1]
+    run(flags(tiny_policy, tmp_path / "b", "outcome", **{**kw, "seed": 4, "lr": 1e-3}))
+    assert steps == [0, 1, 1]                           # another seed and lr: the base is known
+    assert base(tmp_path / "b") == base(tmp_path / "a")    # as run a computed it
+    run(flags(tiny_policy, tmp_path / "c", "outcome", **{**kw, "max_new_tokens": 6}))
+    assert steps == [0, 1, 1, 0, 1]                     # other decoding: evaluated again
