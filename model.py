@@ -1680,12 +1680,14 @@ def main(argv=None):
                    "written by `grpo.py sft`), else none")
     g.add_argument("--system", default=None, help="system message (default: Qwen's default, "
                    "which the built-in policy is trained with too)")
-    g.add_argument("--max-new-tokens", type=int, default=256, help="most tokens to generate (default: 256)")
+    g.add_argument("--max-new-tokens", type=int, default=256,
+                   help="most tokens to generate (default: 256)")
     g.add_argument("--dtype", type=dtype_name, choices=tuple(DTYPES), default="float32",
                    help="weight dtype; fp32, bf16, fp16 are accepted too (default: float32)")
     g.add_argument("--temperature", type=float, default=0.0,
                    help="sampling temperature; 0 (default) decodes greedily")
-    g.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (default: 1, all)")
+    g.add_argument("--top-p", type=float, default=1.0,
+                   help="nucleus sampling mass (default: 1, all)")
     g.add_argument("--seed", type=int, default=0, help="sampling seed (default: 0)")
     args = ap.parse_args(argv)
 
