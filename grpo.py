@@ -530,10 +530,15 @@ def sample_own_turns(policy, tok, env, n_episodes: int, samples: int, args, seed
     g = torch.Generator(device=input_device(policy)).manual_seed(seed)
     # 16 rows a call: a call decodes until its slowest row is done, so wider calls wait longer
     trajs, rows, t0 = [], 16, time.perf_counter()
+    pacer = mdl.Pacer(len(episodes), sys.stdout)
     with mdl.lora_disabled(policy):
         for a in range(0, len(episodes), rows):
             batch = [env.episode(i) for i in episodes[a:a + rows]]
             trajs += rollout(policy, tok, batch, args, generator=g, stats=True)
+            if len(trajs) < len(episodes) and pacer.due(len(trajs)):
+                rate = (time.perf_counter() - t0) / len(trajs)
+                log(f"  {len(trajs)}/{len(episodes)} rollouts of {env.split} episodes, ETA "
+                    f"{duration(rate * (len(episodes) - len(trajs)))}", flush=True)
     log(f"  {len(trajs)} rollouts of {n_episodes} {env.split} episodes x {samples} in "
         f"{time.perf_counter() - t0:.0f}s", flush=True)
     return turn_records(trajs)
