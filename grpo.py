@@ -1264,15 +1264,19 @@ def is_builtin(args) -> bool:
 def resolve_preset(args, world) -> None:
     """Fill the flags left unset: the tiny preset for the built-in policy, else the paper's."""
     preset = dict(PAPER, **TINY) if is_builtin(args) else PAPER
+    given = {k for k in preset if getattr(args, k) is not None}
     for k, v in preset.items():
-        if getattr(args, k) is None:
+        if k not in given:
             setattr(args, k, v)
     if args.micro_batch is None:
         args.micro_batch = args.group
     if world.main and is_builtin(args):
-        print("preset for the tiny built-in policy (the paper's 7B values for everything else; "
-              "any flag overrides): " + ", ".join(f"--{k.replace('_', '-')} {v}"
-                                                 for k, v in TINY.items()), flush=True)
+        def flags(keys):
+            return ", ".join(f"--{k.replace('_', '-')} {getattr(args, k)}" for k in keys)
+        print("preset for the tiny built-in policy (the paper's 7B values for everything else): "
+              + flags(k for k in TINY if k not in given)
+              + (f"; from the command line: {flags(k for k in TINY if k in given)}"
+                 if given & set(TINY) else ""), flush=True)
 
 
 def check_out(args) -> None:
