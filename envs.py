@@ -187,6 +187,12 @@ def dialog_to_messages(dialog: list[dict], tools: list[dict],
     return messages
 
 
+def task_messages(task: str, tools: list[dict], files: list[dict] | tuple = ()) -> list[dict]:
+    """The chat an episode starts from, as the policy sees it: one user message, the task and
+    its files, then the tool list and the reply format."""
+    return dialog_to_messages([{"role": "user", "content": task}], tools, files)
+
+
 def record_messages(record: dict) -> list[dict]:
     """Messages of an episode record, or of a matched record returned by load_matched."""
     return dialog_to_messages(record["dialogs"], record["tools"], record.get("files") or ())
@@ -455,7 +461,7 @@ class Episode:
     def __init__(self, id: str, task: str, tools: list[dict], files: list[dict] | tuple = ()):
         self.id = str(id)
         self.tools = tools
-        self.messages = dialog_to_messages([{"role": "user", "content": task}], tools, files)
+        self.messages = task_messages(task, tools, files)
         self.steps: list[Action | Final | ParseError] = []   # one per assistant turn
         self.final_answer: str | None = None
         self.done = False
@@ -563,11 +569,19 @@ def default_data_dir() -> Path:
     return Path(os.environ.get("PAIR_DATA") or cache_root() / "data")
 
 
+# The process's umask, read once at import: os.umask can only be read by setting it, and setting
+# it while another thread creates a file would give that file the wrong mode.
+_UMASK = os.umask(0o022)
+os.umask(_UMASK)
+
+
 def write_atomic(path: Path, data: bytes) -> None:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
+        # mkstemp creates the file 0600; the result gets the mode open() would have given it
+        os.fchmod(fd, 0o666 & ~_UMASK)
         with os.fdopen(fd, "wb") as f:
             f.write(data)
         os.replace(tmp, path)
@@ -2287,7 +2301,11 @@ def _run(args):
         print(json.dumps({"out": args.out, "counts": counts,
                           "requests": client.requests_made}))
     elif args.command == "make-data":
-        make_shop_data(args.out, args.episodes, args.seed)
+        counts = make_shop_data(args.out, args.episodes, args.seed)
+        print(f"make-data shop: {args.episodes} episodes (seed {args.seed}) -> {args.out}")
+        for name, n in counts.items():
+            unit = "turn records" if name.startswith("matched_") else "episodes"
+            print(f"  {name:<34} {n:>7,} {unit}")
     elif args.command == "replay":
         if args.family == "gta":
             env = make("gta", args.split, args.data_dir, match=args.match)

@@ -533,10 +533,15 @@ def sample_own_turns(policy, tok, env, n_episodes: int, samples: int, args, seed
     g = torch.Generator(device=input_device(policy)).manual_seed(seed)
     # 16 rows a call: a call decodes until its slowest row is done, so wider calls wait longer
     trajs, rows, t0 = [], 16, time.perf_counter()
+    pacer = mdl.Pacer(len(episodes), sys.stdout)
     with mdl.lora_disabled(policy):
         for a in range(0, len(episodes), rows):
             batch = [env.episode(i) for i in episodes[a:a + rows]]
             trajs += rollout(policy, tok, batch, args, generator=g, stats=True)
+            if len(trajs) < len(episodes) and pacer.due(len(trajs)):
+                rate = (time.perf_counter() - t0) / len(trajs)
+                log(f"  {len(trajs)}/{len(episodes)} rollouts of {env.split} episodes, ETA "
+                    f"{duration(rate * (len(episodes) - len(trajs)))}", flush=True)
     log(f"  {len(trajs)} rollouts of {n_episodes} {env.split} episodes x {samples} in "
         f"{time.perf_counter() - t0:.0f}s", flush=True)
     return turn_records(trajs)
@@ -604,13 +609,14 @@ def shop_probes(args, policy, tok, world, log) -> tuple[Path, dict]:
     root = cache_root() / "grpo-probes" / f"shop-{policy_hash(args.model)}"
     out = root / f"{args.probe_corpus}-{settings_hash(settings)}"
     done = out / "probes.json"
+    cached = done.is_file()
     if world.main and not done.is_file():
         # two runs starting on one fresh cache (compare --jobs 2): the second waits, then reads
         pair_lib.claim(root, wait=log)
     if world.main and not done.is_file():
         t0 = time.perf_counter()
-        log(f"fitting the probes of this policy once ({args.probe_corpus} corpus; cached in "
-            f"{out}):", flush=True)
+        log(f"fitting the probes of this policy once, {args.probe_corpus} corpus (minutes: "
+            f"later runs read them from the cache, {out}):", flush=True)
         train_env = envs.make("shop", split="train")
         heldout = sample_own_turns(policy, tok, envs.make("shop", split="val"),
                                    args.corpus_heldout, args.corpus_samples, args,
@@ -648,7 +654,8 @@ def shop_probes(args, policy, tok, world, log) -> tuple[Path, dict]:
     barrier(world)
     report = json.loads(done.read_text())
     h, ref = report["heldout"], report["contaminated_corpus_pair"]
-    log(f"probes: {out} ({args.probe_corpus} corpus, {report['n_train']} turns)\n"
+    log(f"probes: {out} ({args.probe_corpus} corpus, {report['n_train']} turns"
+        f"{'; fitted by an earlier run' if cached else ''})\n"
         f"  PAIR AUROC on {h['n']['all']} held-out own turns (validation episodes): "
         f"{_num(h['pair']['all'])} (clean prefix {_num(h['pair']['clean_prefix'])}, after a "
         f"wrong turn {_num(h['pair']['contaminated_prefix'])}); the contaminated-corpus PAIR "
@@ -1246,10 +1253,11 @@ def duration(seconds: float) -> str:
     return f"{seconds // 60}m{seconds % 60:02d}s" if seconds >= 60 else f"{seconds}s"
 
 
-def progress_line(rec: dict, steps: int, elapsed: list[float]) -> str:
+def progress_line(rec: dict, steps: int, elapsed: list[float], evals_left: float = 0.0) -> str:
     """The step's own time, and an ETA from the median of the last 10 steps (a rollout that
-    rambles to --max-new-tokens makes single steps slow; the median does not jump with it)."""
-    left = float(np.median(elapsed[-10:])) * (steps - rec["step"])
+    rambles to --max-new-tokens makes single steps slow; the median does not jump with it)
+    plus `evals_left`, the seconds the evaluations still to come will take."""
+    left = float(np.median(elapsed[-10:])) * (steps - rec["step"]) + evals_left
     auroc = rec.get("probe_auroc")
     return (f"step {rec['step']:>4}/{steps}  reward {rec['reward_mean']:.3f}"
             f"±{rec['reward_std']:.3f}"
@@ -1259,7 +1267,6 @@ def progress_line(rec: dict, steps: int, elapsed: list[float]) -> str:
             f"{rec['t_reward']:.2f} update {rec['t_update']:.1f})  ETA {duration(left)}")
 
 
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 # flags that must not change when a run is resumed
 RESUME_KEYS = ("env", "model", "reward", "alpha", "outcome_weight", "probes", "seed", "steps",
                "batch", "group", "max_turns", "max_new_tokens", "max_len", "temperature", "top_p",
@@ -1276,15 +1283,53 @@ def is_builtin(args) -> bool:
 def resolve_preset(args, world) -> None:
     """Fill the flags left unset: the tiny preset for the built-in policy, else the paper's."""
     preset = dict(PAPER, **TINY) if is_builtin(args) else PAPER
+    given = {k for k in preset if getattr(args, k) is not None}
     for k, v in preset.items():
-        if getattr(args, k) is None:
+        if k not in given:
             setattr(args, k, v)
     if args.micro_batch is None:
         args.micro_batch = args.group
     if world.main and is_builtin(args):
-        print("preset for the tiny built-in policy (the paper's 7B values for everything else; "
-              "any flag overrides): " + ", ".join(f"--{k.replace('_', '-')} {v}"
-                                                 for k, v in TINY.items()), flush=True)
+        def flags(keys):
+            return ", ".join(f"--{k.replace('_', '-')} {getattr(args, k)}" for k in keys)
+        print("preset for the tiny built-in policy (the paper's 7B values for everything else): "
+              + flags(k for k in TINY if k not in given)
+              + (f"; from the command line: {flags(k for k in TINY if k in given)}"
+                 if given & set(TINY) else ""), flush=True)
+
+
+def check_out(args) -> None:
+    """What --out holds against --resume / --resume-if-present. Read-only: checked before
+    anything is loaded or written, and again once OUT is claimed. A run exists in OUT from the
+    moment its args.json is written (after every input was checked)."""
+    out = Path(args.out)
+    saved = out / "args.json"
+    if args.resume_if_present:
+        args.resume = saved.exists()
+    if args.resume and saved.exists():
+        try:
+            old = json.loads(saved.read_text())
+            if not isinstance(old, dict):
+                raise ValueError("not a JSON object")
+        except (OSError, ValueError) as e:
+            raise SystemExit(f"--resume: {saved} is not readable ({e}); the flags of the "
+                             "run cannot be checked") from None
+        for k in RESUME_KEYS:
+            if k in old and old[k] != getattr(args, k):
+                raise SystemExit(f"--resume: --{k.replace('_', '-')} is {getattr(args, k)!r} "
+                                 f"but the run in {out} used {old[k]!r}")
+    elif args.resume and latest_checkpoint(out):
+        # without it any flag could change under the checkpoint's optimizer and RNG states
+        raise SystemExit(f"--resume: {out} holds checkpoints but no args.json, so the flags "
+                         "of that run cannot be checked; restore it, or start a new --out")
+    elif args.resume:
+        # a typo in --out must not start a new run from scratch under the user's nose
+        raise SystemExit(f"--resume: nothing to resume in {out} (no run was started there); "
+                         "leave out --resume to start one, or pass --resume-if-present to "
+                         "start one only when there is none")
+    elif (out / "metrics.jsonl").exists() or latest_checkpoint(out):
+        raise SystemExit(f"--out {out} already holds a run: pass --resume to continue it, or "
+                         "choose another --out")
 
 
 def prepare_out(args, world) -> Path:
@@ -1293,28 +1338,8 @@ def prepare_out(args, world) -> Path:
         # One run per --out, held until this process exits: two would interleave their metrics
         # and checkpoints.
         pair_lib.claim(out)
-        saved = out / "args.json"
-        if args.resume and saved.exists():
-            try:
-                old = json.loads(saved.read_text())
-                if not isinstance(old, dict):
-                    raise ValueError("not a JSON object")
-            except (OSError, ValueError) as e:
-                raise SystemExit(f"--resume: {saved} is not readable ({e}); the flags of the "
-                                 "run cannot be checked") from None
-            for k in RESUME_KEYS:
-                if k in old and old[k] != getattr(args, k):
-                    raise SystemExit(f"--resume: --{k.replace('_', '-')} is {getattr(args, k)!r} "
-                                     f"but the run in {out} used {old[k]!r}")
-        elif args.resume and latest_checkpoint(out):
-            # without it any flag could change under the checkpoint's optimizer and RNG states
-            raise SystemExit(f"--resume: {out} holds checkpoints but no args.json, so the flags "
-                             "of that run cannot be checked; restore it, or start a new --out")
-        elif not args.resume and ((out / "metrics.jsonl").exists() or latest_checkpoint(out)):
-            raise SystemExit(f"--out {out} already holds a run: pass --resume to continue it, or "
-                             "choose another --out")
-        out.mkdir(parents=True, exist_ok=True)
-        write_json(saved, vars(args))
+        check_out(args)
+        write_json(out / "args.json", vars(args))
     if world.size > 1:
         dist.barrier()
     return out
@@ -1327,7 +1352,10 @@ def train(args) -> dict:
         raise SystemExit(f"--batch {args.batch} must be a multiple of the {world.size} processes")
     if args.threads:
         torch.set_num_threads(args.threads)
-    out = prepare_out(args, world)
+    # Every input is checked before OUT is written, so that a bad flag leaves nothing behind;
+    # OUT itself is checked read-only first, so that a --resume mistake costs no model load.
+    check_out(args)
+    barrier(world)          # every process reads OUT as it was before any of them writes
     log = print if world.main else (lambda *a, **k: None)
     started = time.perf_counter()
     seed_all(args.seed)
@@ -1336,7 +1364,7 @@ def train(args) -> dict:
     if Path(args.model).resolve() == BUILTIN_POLICY.resolve() and not BUILTIN_POLICY.is_dir():
         sys.exit(f"--model: the built-in policy {BUILTIN_POLICY} is missing; build it with "
                  f"`python grpo.py sft --env shop --out {BUILTIN_POLICY}`")
-    policy, tok = mdl.load_model(args.model, dtype=DTYPES[args.dtype], devices=devices)
+    policy, tok = mdl.load_model(args.model, dtype=mdl.DTYPES[args.dtype], devices=devices)
     add_lora(policy, args)
     env = make_env(args, "train")
     pool = scorable(env)
@@ -1344,11 +1372,17 @@ def train(args) -> dict:
     if not pool or not all(p for _, p in held.values()):
         raise SystemExit(f"--env {args.env}: no scorable episode in the train, validation or "
                          "test split")
-    ctx = reward_context(args, policy, tok, env, world, log)
+    # Probes fitted on the fly take minutes on a first run: OUT is claimed before them, so that
+    # a busy OUT is refused at once. Given probes and the judge's key are checked before OUT.
+    fit_later = ctx_has_probe(args) and not args.probes
+    ctx = None if fit_later else reward_context(args, policy, tok, env, world, log)
+    out = prepare_out(args, world)
+    ctx = ctx or reward_context(args, policy, tok, env, world, log)
     params = [p for p in policy.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=args.lr, weight_decay=args.weight_decay)
-    log(f"policy {args.model}: {sum(p.numel() for p in policy.parameters()):,} parameters, "
-        f"LoRA {sum(p.numel() for p in params):,} trainable; env {args.env}: {len(pool)} "
+    n_lora = sum(p.numel() for p in params)
+    log(f"policy {args.model}: {sum(p.numel() for p in policy.parameters()) - n_lora:,} "
+        f"parameters, + {n_lora:,} in the LoRA adapter (trained); env {args.env}: {len(pool)} "
         f"training / {len(held['val'][1])} validation / {len(held['test'][1])} test episodes; "
         f"reward {args.reward}; {args.steps} steps of {args.batch} x {args.group} rollouts on "
         f"{world.size} process(es); run in {out}", flush=True)
@@ -1364,10 +1398,12 @@ def train(args) -> dict:
         truncate_jsonl(out / "eval.jsonl", start)
     barrier(world)
     evaluated = {e["step"] for e in read_jsonl(out / "eval.jsonl")}
+    eval_seconds = []
 
     def evaluate_and_log(step: int):
         if args.no_eval or step in evaluated:
             return
+        t = time.perf_counter()
         cache = base_eval_cache(policy, args, world) if step == 0 else None
         if cache is not None and cache.is_file():
             ev = json.loads(cache.read_text())
@@ -1375,6 +1411,7 @@ def train(args) -> dict:
                 f"settings ({cache})", flush=True)
         else:
             ev = evaluate_all(step, policy, tok, held, args, world)
+            eval_seconds.append(time.perf_counter() - t)   # what the ETA expects of the next
             if cache is not None:
                 cache.parent.mkdir(parents=True, exist_ok=True)
                 write_json(cache, ev)
@@ -1398,7 +1435,9 @@ def train(args) -> dict:
         elapsed.append(time.perf_counter() - t)
         if world.main:
             append_jsonl(out / "metrics.jsonl", rec)
-        log(progress_line(rec, args.steps, elapsed), flush=True)
+        to_come = 0 if args.no_eval or not eval_seconds else eval_seconds[-1] * sum(
+            s % args.save_every == 0 or s == args.steps for s in range(step + 1, args.steps + 1))
+        log(progress_line(rec, args.steps, elapsed, to_come), flush=True)
         if (step + 1) % args.save_every == 0 or step + 1 == args.steps:
             path = save_checkpoint(out, step + 1, policy, optimizer, world, ctx)
             log(f"checkpoint {path}", flush=True)
@@ -1775,7 +1814,9 @@ def sft_config(args, tok) -> dict:
             "hidden_act": "silu", "max_position_embeddings": 8192, "rope_theta": 10000.0,
             "rms_norm_eps": 1e-6, "tie_word_embeddings": True, "use_sliding_window": False,
             "bos_token_id": None, "eos_token_id": tok.im_end_id, "pad_token_id": tok.pad_id,
-            "torch_dtype": "float32"}
+            "torch_dtype": "float32",
+            # `model.py generate` renders a prompt as this world renders a task
+            mdl.WORLD_KEY: "shop"}
 
 
 def sft_batches(lengths: list[int], batch: int, steps: int, seed: int) -> list[list[int]]:
@@ -2074,19 +2115,39 @@ def sft_parser() -> argparse.ArgumentParser:
 # Command line
 # ---------------------------------------------------------------------------------------------
 
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Every default in --help, but never "(default: None)": a flag whose default is decided
+    at run time (by the preset, or from another flag) says so in its own help text."""
+
+    def _get_help_string(self, action):
+        return action.help if action.default is None else super()._get_help_string(action)
+
+
+def preset_help(key: str, what: str) -> str:
+    """`what` and the flag's effective default, read from the presets themselves: TINY's with
+    the built-in policy, the paper's (Table grpo_config) with any other model."""
+    tiny, paper = dict(PAPER, **TINY)[key], PAPER[key]
+    if tiny == paper:
+        return f"{what} (default: {paper}, the paper's)"
+    return f"{what} (default: {tiny} with the built-in policy, {paper} otherwise: the paper's)"
+
+
 def train_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(
-        prog="grpo.py", formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        prog="grpo.py", formatter_class=HelpFormatter,
+        usage="%(prog)s [flags]           train (the flags below)\n"
+              "       %(prog)s sft [flags]       rebuild the built-in policy (sft --help)\n"
+              "       %(prog)s compare [flags]   rewards x seeds -> one table (compare --help)",
         description="Multi-turn GRPO with LoRA and step-level rewards (SPEC §9). With no flag: "
-                    "the shop environment, the built-in policy, PAIR probes fitted on the fly. "
-                    "`python grpo.py sft --help` rebuilds the built-in policy.",
-        epilog="Flags marked 'paper' default to the paper's Table grpo_config; with the built-in "
-               "policy some take the tiny preset printed at start. Scale out with "
-               "`torchrun --nproc_per_node N grpo.py ...` (prompts sharded, gradients "
-               "all-reduced) or split one model with --devices cuda:0,cuda:1.")
+                    "the shop environment, the built-in policy, PAIR probes fitted on the fly.",
+        epilog="A default given as two values is the tiny preset's with the built-in policy "
+               "(printed at start) and the paper's Table grpo_config with any other model. "
+               "Scale out with `torchrun --nproc_per_node N grpo.py ...` (prompts sharded, "
+               "gradients all-reduced) or split one model with --devices cuda:0,cuda:1.")
     a = ap.add_argument
     a("--env", default="shop", choices=("shop", "gta", "toolbench"), help="environment (envs.py)")
-    a("--data-dir", default=None, help="the environment's data directory (envs.make)")
+    a("--data-dir", default=None, help="gta / toolbench: the released files' root (default: "
+      "$PAIR_DATA, else ~/.cache/pair/data; `python envs.py download` fills it)")
     a("--model", default=str(BUILTIN_POLICY),
       help="policy: a checkpoint directory or a Hugging Face model name")
     a("--reward", default="pair", choices=tuple(REWARDS), help="per-turn reward source")
@@ -2122,45 +2183,56 @@ def train_parser() -> argparse.ArgumentParser:
       help="tips: steps between refreshes of the lagged teacher (a LoRA snapshot)")
     a("--tips-gamma", type=float, default=1.0, help="tips: discount gamma of the shaping term")
     g = ap.add_argument_group("rollout")
-    g.add_argument("--steps", type=int, default=None, help="training steps (paper 500)")
-    g.add_argument("--batch", type=int, default=None, help="prompts per step (paper 1)")
-    g.add_argument("--group", type=int, default=None, help="rollouts per prompt, G (paper 4)")
+    g.add_argument("--steps", type=int, default=None, help=preset_help("steps", "training steps"))
+    g.add_argument("--batch", type=int, default=None,
+                   help=preset_help("batch", "prompts per step"))
+    g.add_argument("--group", type=int, default=None,
+                   help=preset_help("group", "rollouts per prompt, G"))
     g.add_argument("--max-turns", type=int, default=None,
-                   help="assistant turns per rollout (paper 10)")
+                   help=preset_help("max_turns", "assistant turns per rollout"))
     g.add_argument("--max-new-tokens", type=int, default=None,
-                   help="generated tokens per turn (paper 1024)")
+                   help=preset_help("max_new_tokens", "generated tokens per turn"))
     g.add_argument("--max-len", type=int, default=8192,
                    help="KV cache capacity per rollout; a rollout that would outgrow it ends")
-    g.add_argument("--temperature", type=float, default=None, help="sampling temperature (paper 1)")
-    g.add_argument("--top-p", type=float, default=None, help="nucleus sampling (paper 1)")
+    g.add_argument("--temperature", type=float, default=None,
+                   help=preset_help("temperature", "sampling temperature"))
+    g.add_argument("--top-p", type=float, default=None,
+                   help=preset_help("top_p", "nucleus sampling mass"))
     g = ap.add_argument_group("optimization")
-    g.add_argument("--lr", type=float, default=None, help="AdamW learning rate (paper 3e-7)")
+    g.add_argument("--lr", type=float, default=None,
+                   help=preset_help("lr", "AdamW learning rate"))
     g.add_argument("--warmup", type=float, default=None,
-                   help="fraction of steps of linear warmup, then constant (paper 0.05)")
-    g.add_argument("--beta", type=float, default=None, help="KL coefficient (paper 0.01)")
-    g.add_argument("--eps", type=float, default=None, help="PPO clip epsilon (paper 0.2)")
+                   help=preset_help("warmup", "fraction of steps of linear warmup, then constant"))
+    g.add_argument("--beta", type=float, default=None, help=preset_help("beta", "KL coefficient"))
+    g.add_argument("--eps", type=float, default=None,
+                   help=preset_help("eps", "PPO clip epsilon"))
     g.add_argument("--oversample", type=int, default=None,
-                   help="DAPO dynamic sampling: play up to K x --batch prompts per step and keep "
-                        "the first --batch whose group rewards are not all equal (1: off, the "
-                        "paper)")
+                   help=preset_help("oversample", "DAPO dynamic sampling: play up to K x --batch "
+                                    "prompts per step and keep the first --batch whose group "
+                                    "rewards are not all equal (1: off)"))
     g.add_argument("--ppo-epochs", type=int, default=1,
                    help="passes over each batch (1: on-policy, rho = 1)")
     g.add_argument("--micro-batch", type=int, default=None,
-                   help="rollouts per forward in the update (default: the group size)")
+                   help="rollouts per forward in the update (default: --group)")
     g.add_argument("--grad-clip", type=float, default=1.0, help="gradient norm clip")
     g.add_argument("--weight-decay", type=float, default=0.0, help="AdamW weight decay")
-    g.add_argument("--lora-r", type=int, default=None, help="LoRA rank (paper 16)")
-    g.add_argument("--lora-alpha", type=float, default=None, help="LoRA alpha (paper 32)")
-    g.add_argument("--lora-dropout", type=float, default=None, help="LoRA dropout (paper 0.05)")
+    g.add_argument("--lora-r", type=int, default=None, help=preset_help("lora_r", "LoRA rank"))
+    g.add_argument("--lora-alpha", type=float, default=None,
+                   help=preset_help("lora_alpha", "LoRA alpha"))
+    g.add_argument("--lora-dropout", type=float, default=None,
+                   help=preset_help("lora_dropout", "LoRA dropout"))
     g.add_argument("--lora-targets", default="q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,"
                    "down_proj", help="comma-separated projections that get an adapter")
     g = ap.add_argument_group("run")
     g.add_argument("--out", default=None,
-                   help="run directory (default runs/<env>-<reward>-<time>)")
+                   help="run directory (default: runs/<env>-<reward>-<date>-<time>, new)")
     g.add_argument("--resume", action="store_true",
-                   help="continue the run in --out from its newest checkpoint")
+                   help="continue the run in --out from its newest checkpoint; with no run "
+                        "there, stop and say so")
+    g.add_argument("--resume-if-present", action="store_true",
+                   help="continue the run in --out if there is one, else start it (for scripts)")
     g.add_argument("--save-every", type=int, default=None,
-                   help="checkpoint (and evaluate) every N steps (paper 50)")
+                   help=preset_help("save_every", "checkpoint (and evaluate) every N steps"))
     g.add_argument("--eval-episodes", type=int, default=0,
                    help="test episodes per evaluation (0 = the whole test split; shop: 600)")
     g.add_argument("--val-episodes", type=int, default=None,
@@ -2168,13 +2240,17 @@ def train_parser() -> argparse.ArgumentParser:
                         "validation split, 200; replay environments: set aside from the end of "
                         "the training split, default 10%% of it)")
     g.add_argument("--eval-batch", type=int, default=None,
-                   help="episodes decoded together in an evaluation (paper setting 16)")
+                   help=preset_help("eval_batch", "episodes decoded together in an evaluation"))
     g.add_argument("--no-eval", action="store_true", help="skip the held-out evaluations")
     g.add_argument("--seed", type=int, default=42, help="seed of everything")
-    g.add_argument("--dtype", default="fp32", choices=tuple(DTYPES), help="model weights dtype")
+    g.add_argument("--dtype", default="float32", type=mdl.dtype_name,
+                   choices=("float32", "bfloat16"),
+                   help="model weights dtype (the adapter stays float32); fp32, bf16 accepted")
     g.add_argument("--devices", default=None,
-                   help="split the model over these devices, e.g. cuda:0,cuda:1")
-    g.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+                   help="split the model over these devices, e.g. cuda:0,cuda:1 (default: the "
+                        "process's GPU under torchrun, else the CPU)")
+    g.add_argument("--threads", type=int, default=None,
+                   help="torch CPU threads (default: torch's choice, or $OMP_NUM_THREADS)")
     return ap
 
 
@@ -2184,8 +2260,13 @@ def main(argv=None):
         return sft(sft_parser().parse_args(argv[1:]))
     if argv[:1] == ["compare"]:
         return compare(argv[1:])
-    args = train_parser().parse_args(argv)
+    ap = train_parser()
+    args = ap.parse_args(argv)
+    if args.resume and args.resume_if_present:
+        ap.error("--resume and --resume-if-present: pass one")
     if args.out is None:
+        if args.resume:
+            ap.error("--resume: nothing to resume without --out (the run directory to continue)")
         if int(os.environ.get("WORLD_SIZE", "1")) > 1:
             raise SystemExit("--out is required with several processes")
         args.out = str(Path("runs") / f"{args.env}-{args.reward}-{time.strftime('%Y%m%d-%H%M%S')}")

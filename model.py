@@ -720,6 +720,31 @@ def checkpoint_sha256(directory) -> str:
     return h.hexdigest()
 
 
+# --dtype of every script takes torch's names; the short spellings mean the same
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPE_ALIASES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+
+
+def dtype_name(text: str) -> str:
+    """The argparse type of --dtype: fp32 / bf16 / fp16 -> float32 / bfloat16 / float16."""
+    return DTYPE_ALIASES.get(text, text)
+
+
+# config.json key naming the world a checkpoint was trained on (the built-in policy: shop), so
+# that a prompt can be rendered as that world renders a task
+WORLD_KEY = "pair_world"
+WORLDS = ("shop",)
+
+
+def checkpoint_world(directory) -> str | None:
+    path = Path(directory) / "config.json"
+    world = _read_json(path).get(WORLD_KEY)
+    if world is not None and world not in WORLDS:
+        raise CheckpointError(f"{path}: {WORLD_KEY} is {world!r}, not a world this code knows "
+                              f"({', '.join(WORLDS)})")
+    return world
+
+
 def load_model(path_or_repo, dtype=torch.float32, devices=None) -> tuple["Transformer",
                                                                           "Tokenizer"]:
     """A checkpoint directory (config.json, safetensors, tokenizer.json) or a Hugging Face Hub
@@ -1568,24 +1593,46 @@ def _sha256(path: Path) -> str:
     return h.hexdigest()
 
 
+class Pacer:
+    """When the next progress line is due. On a terminal: every `every` seconds. Into a file or
+    a pipe (a log, read later): at most one line per 30 s and per 10% of the work, so that an
+    hour of work is a dozen lines, not hundreds. The end of the work is always due."""
+
+    def __init__(self, total: float, stream, every: float = 5.0, clock=time.monotonic):
+        self.tty = bool(getattr(stream, "isatty", lambda: False)())
+        self.total, self.clock = total, clock
+        self.every, self.least = (every, 0.0) if self.tty else (30.0, total / 10)
+        self.last_time, self.last_done = clock(), 0.0
+
+    def due(self, done: float) -> bool:
+        now = self.clock()
+        if done >= self.total or (now - self.last_time >= self.every
+                                  and done - self.last_done >= self.least):
+            self.last_time, self.last_done = now, done
+            return True
+        return False
+
+
 class _Progress:
-    """One line on stderr, rewritten at most twice a second: name, bytes, percent, speed."""
+    """A download's progress on stderr: name, bytes, percent, speed. On a terminal one line,
+    rewritten twice a second; in a log, a new line when the Pacer says so."""
 
     def __init__(self, label, total, done):
         self.label, self.total, self.done, self.start_done = label, total, done, done
-        self.t0 = self.shown = time.monotonic()
+        self.t0 = time.monotonic()
+        self.pacer = Pacer(total, sys.stderr, every=0.5)
 
     def update(self, n):
         self.done += n
-        if time.monotonic() - self.shown >= 0.5:
+        if self.done < self.total and self.pacer.due(self.done):
             self.show()
 
     def show(self, end=""):
-        self.shown = time.monotonic()
-        rate = (self.done - self.start_done) / max(self.shown - self.t0, 1e-9) / 1e6
+        rate = (self.done - self.start_done) / max(time.monotonic() - self.t0, 1e-9) / 1e6
         pct = 100.0 * self.done / max(self.total, 1)
-        print(f"\r{self.label}: {self.done / 1e6:.1f}/{self.total / 1e6:.1f} MB ({pct:.0f}%) "
-              f"{rate:.1f} MB/s", end=end, file=sys.stderr, flush=True)
+        print(f"{chr(13) if self.pacer.tty else ''}{self.label}: {self.done / 1e6:.1f}/"
+              f"{self.total / 1e6:.1f} MB ({pct:.0f}%) {rate:.1f} MB/s",
+              end=end if self.pacer.tty else "\n", file=sys.stderr, flush=True)
 
     def close(self):
         self.show(end="\n")
@@ -1602,7 +1649,16 @@ def _write_atomic(path: Path, data: bytes):
 # CLI
 
 
-DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+def prompt_messages(prompt: str, system: str | None, world: str | None) -> list[dict]:
+    """The chat `generate` renders: the prompt as the user message or, for a model trained on a
+    world, as that world renders a task (for shop: the task, then the tool list and the reply
+    format), exactly what the model saw in training and sees in rollouts."""
+    if world == "shop":
+        import envs             # the world's own rendering; envs does not import this module
+        messages = envs.task_messages(prompt, envs.SHOP_TOOLS)
+    else:
+        messages = [{"role": "user", "content": prompt}]
+    return ([{"role": "system", "content": system}] if system else []) + messages
 
 
 def main(argv=None):
@@ -1614,14 +1670,25 @@ def main(argv=None):
                    "such as Qwen/Qwen2.5-7B-Instruct (downloaded once into $PAIR_CACHE)")
     g.add_argument("--devices", default="cpu", help="comma-separated devices to split the "
                    "layers over, e.g. cuda:0,cuda:1 (default: cpu)")
-    g.add_argument("--prompt", required=True, help="the user message")
-    g.add_argument("--system", default=None, help="system message (default: Qwen's default)")
-    g.add_argument("--max-new-tokens", type=int, default=256, help="most tokens to generate")
-    g.add_argument("--dtype", choices=sorted(DTYPES), default="fp32", help="weight dtype")
+    g.add_argument("--prompt", required=True,
+                   help="the user message; for a model trained on a world, the task (--world)")
+    g.add_argument("--world", default="auto", choices=("auto", "none") + WORLDS,
+                   help="how the prompt is rendered: shop = as the shop world renders a task "
+                   "(the task, then the tool list and the reply format: what the built-in "
+                   "policy is trained and rolled out on); none = the prompt alone; auto "
+                   f"(default) = the world the checkpoint's config.json names ({WORLD_KEY}, "
+                   "written by `grpo.py sft`), else none")
+    g.add_argument("--system", default=None, help="system message (default: Qwen's default, "
+                   "which the built-in policy is trained with too)")
+    g.add_argument("--max-new-tokens", type=int, default=256,
+                   help="most tokens to generate (default: 256)")
+    g.add_argument("--dtype", type=dtype_name, choices=tuple(DTYPES), default="float32",
+                   help="weight dtype; fp32, bf16, fp16 are accepted too (default: float32)")
     g.add_argument("--temperature", type=float, default=0.0,
                    help="sampling temperature; 0 (default) decodes greedily")
-    g.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass")
-    g.add_argument("--seed", type=int, default=0, help="sampling seed")
+    g.add_argument("--top-p", type=float, default=1.0,
+                   help="nucleus sampling mass (default: 1, all)")
+    g.add_argument("--seed", type=int, default=0, help="sampling seed (default: 0)")
     args = ap.parse_args(argv)
 
     if args.max_new_tokens < 1:
@@ -1631,14 +1698,17 @@ def main(argv=None):
     try:
         model, tok = load_model(args.model, dtype=DTYPES[args.dtype],
                                 devices=args.devices.split(","))
+        world = checkpoint_world(model.checkpoint_dir) if args.world == "auto" else \
+            None if args.world == "none" else args.world
     except (CheckpointError, FileNotFoundError, ValueError) as e:
         sys.exit(f"--model: {e}")
-    messages = ([{"role": "system", "content": args.system}] if args.system else [])
-    messages.append({"role": "user", "content": args.prompt})
-    ids, _ = tok.render(messages, add_generation_prompt=True)
+    ids, _ = tok.render(prompt_messages(args.prompt, args.system, world),
+                        add_generation_prompt=True)
     mode = "greedy" if args.temperature == 0 else \
         f"sampled (temperature {args.temperature}, top-p {args.top_p}, seed {args.seed})"
-    print(f"[{mode} decoding, {args.dtype}]", file=sys.stderr)
+    print(f"[{mode} decoding, {args.dtype}; the prompt rendered "
+          f"{f'as a {world} task, with its tool list' if world else 'as the user message'}, "
+          f"{len(ids)} tokens]", file=sys.stderr)
     gen = torch.Generator().manual_seed(args.seed)
     trace = generate(model, model.new_cache(1, capacity=len(ids) + args.max_new_tokens), [ids],
                      args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,

@@ -336,7 +336,7 @@ def _extract_parts(net, tokenizer, records, data_path, parts, out_path, manifest
           f"extract {data_path.name}: {len(records)} records", file=log)
 
     failed, buffer = [], []
-    t0, last_print = time.perf_counter(), 0.0
+    t0, pacer = time.perf_counter(), mdl.Pacer(len(todo), log)
     for n_new, i in enumerate(todo, 1):
         record = records[i]
         rid = f"{record['episode_id']}@{record['turn_idx']}"
@@ -354,10 +354,8 @@ def _extract_parts(net, tokenizer, records, data_path, parts, out_path, manifest
         if len(buffer) >= shard_size or n_new == len(todo):
             _write_shard(parts, buffer, failed)
             buffer = []
-        now = time.perf_counter()
-        if now - last_print > 5 or n_new == len(todo):
-            last_print = now
-            rate = n_new / (now - t0)
+        if pacer.due(n_new):
+            rate = n_new / (time.perf_counter() - t0)
             eta = (len(todo) - n_new) / rate if rate > 0 else 0
             print(f"  {len(done) + n_new}/{len(records)} records  {rate:.2f} rec/s  "
                   f"ETA {_hms(eta)}  failed {len(failed)}", file=log)
@@ -923,13 +921,10 @@ def _json_clean(node):
 # ----------------------------------------------------------------------------------------------
 # CLI
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
 def cmd_extract(args):
     records = envs.load_matched(args.data)      # a bad data file fails before the model loads
     t0 = time.perf_counter()
-    net, tokenizer = mdl.load_model(args.model, dtype=DTYPES[args.dtype])
+    net, tokenizer = mdl.load_model(args.model, dtype=mdl.DTYPES[args.dtype])
     model_sha256 = mdl.checkpoint_sha256(net.checkpoint_dir)
     print(f"loaded {args.model} ({args.dtype}, sha256 {model_sha256[:12]}) in "
           f"{time.perf_counter() - t0:.1f}s", file=sys.stderr)
@@ -1046,8 +1041,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", required=True, help="features file to write (.safetensors)")
     p.add_argument("--max-len", type=_int_at_least(1), default=4096,
                    help="keep the last MAX_LEN tokens of longer sequences (default 4096)")
-    p.add_argument("--dtype", default="float32", choices=sorted(DTYPES),
-                   help="model weights dtype (default float32)")
+    p.add_argument("--dtype", default="float32", type=mdl.dtype_name, choices=tuple(mdl.DTYPES),
+                   help="model weights dtype; fp32, bf16, fp16 are accepted too (default "
+                        "float32)")
     p.add_argument("--shard-size", type=_int_at_least(1), default=32,
                    help="records per checkpoint shard; an interrupted run resumes after the last "
                         "shard written (default 32)")

@@ -369,9 +369,39 @@ def test_resume_checks_args_json(tiny_policy, tmp_path):
         prepare(out, resume=True, eval_episodes=4, lr=0.5)
 
 
-def test_a_bad_model_is_a_one_line_error(tmp_path):
+def test_a_bad_model_is_a_one_line_error_and_writes_nothing(tmp_path):
     with pytest.raises(SystemExit, match="error: .*no-model: not a checkpoint directory"):
         run(flags(tmp_path / "no-model", tmp_path / "a"))
+    assert not (tmp_path / "a").exists()
+    r = subprocess.run([sys.executable, str(ROOT / "grpo.py"), "--model", "no-model"],
+                       cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert r.returncode != 0 and r.stderr.strip().splitlines() == [
+        "error: no-model: not a checkpoint directory (nor a Hub model name like "
+        "Qwen/Qwen2.5-7B-Instruct)"], r.stderr
+    assert not (tmp_path / "runs").exists()          # where the run would have gone
+
+
+def test_resume_with_nothing_to_resume_stops_and_says_so(tiny_policy, tmp_path, capsys):
+    for out in (tmp_path / "missing", tmp_path / "empty"):
+        (tmp_path / "empty").mkdir(exist_ok=True)
+        with pytest.raises(SystemExit, match=f"--resume: nothing to resume in {out} "):
+            run(flags(tiny_policy, out, resume=True))
+        assert not (out / "args.json").exists()
+    with pytest.raises(SystemExit, match="2"):          # argparse's usage error
+        run(["--resume"])
+    assert "nothing to resume without --out" in capsys.readouterr().err
+    with pytest.raises(SystemExit, match="2"):
+        run(flags(tiny_policy, tmp_path / "x", resume=True, resume_if_present=True))
+    # asked for explicitly: a run starts where there is none, and continues where there is one
+    out = tmp_path / "empty"
+    run(flags(tiny_policy, out, steps=1, resume_if_present=True))
+    policy, _ = mdl.load_model(tiny_policy)
+    n_base = sum(p.numel() for p in policy.parameters())
+    n_lora = sum(p.numel() for p in mdl.apply_lora(policy, r=16).parameters() if p.requires_grad)
+    assert f": {n_base:,} parameters, + {n_lora:,} in the LoRA adapter" in capsys.readouterr().out
+    assert [m["step"] for m in metrics(out)] == [1]
+    run(flags(tiny_policy, out, steps=1, resume_if_present=True))
+    assert [m["step"] for m in metrics(out)] == [1]
 
 
 def test_a_truncated_checkpoint_is_a_one_line_error(tiny_policy, tmp_path):
@@ -861,12 +891,26 @@ def test_sft_continues_a_saved_policy_with_its_tokenizer(tmp_path):
     assert f"--init {tmp_path / 'a'}" in recipe[1] and "--divided 0.7" in recipe[1]
 
 
-def test_cli_help_lists_every_reward():
+def test_cli_help_lists_every_reward_and_the_real_defaults():
     r = subprocess.run([sys.executable, str(ROOT / "grpo.py"), "--help"], capture_output=True,
-                       text=True, cwd=ROOT, timeout=60)
+                       text=True, cwd=ROOT, timeout=60, env=dict(os.environ, COLUMNS="200"))
     assert r.returncode == 0
     for name in grpo.REWARDS:
         assert name in r.stdout
+    text = " ".join(r.stdout.split())       # wide enough that no default is broken at a "-"
+    assert "default: None" not in text and text.count("(default:", text.index("--micro-batch"),
+                                                      text.index("--grad-clip")) == 1
+    for key, paper in grpo.PAPER.items():
+        flag = f"--{key.replace('_', '-')} {key.upper()} "
+        default = text[text.index("(default:", text.index(flag)):][:80]   # its help's last part
+        tiny = grpo.TINY.get(key, paper)
+        assert default.startswith(f"(default: {tiny} with the built-in policy, {paper} otherwise"
+                                  if tiny != paper else f"(default: {paper}, the paper's)"), \
+            (flag, default)
+    usage = r.stdout.split("\n\n")[0]
+    assert "grpo.py sft" in usage and "grpo.py compare" in usage
+    for spelling in ("bf16", "bfloat16"):
+        assert grpo.train_parser().parse_args(["--dtype", spelling]).dtype == "bfloat16"
 
 
 # ---------------------------------------------------------------------------------------------

@@ -11,6 +11,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+import envs
 import model as M
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -401,6 +402,59 @@ def test_cli_generate_smoke(tmp_path, capsys):
     assert capsys.readouterr().out.strip()
     with pytest.raises(SystemExit):
         M.main(["generate", "--model", str(tmp_path / "nope"), "--prompt", "x"])
+
+
+def test_bench_runs_on_the_built_in_policy(capsys):
+    import bench
+    threads = torch.get_num_threads()
+    try:
+        bench.main(["--model", str(ROOT / "data" / "shop-policy"), "--seq-len", "48", "--span",
+                    "8", "--new-tokens", "3", "--batch", "2", "--repeats", "1", "--threads", "1"])
+    finally:
+        torch.set_num_threads(threads)
+    out = capsys.readouterr().out
+    assert "forward, 48 tokens, span of 8" in out and "tokens/s ours (with stats)" in out
+
+
+class _Stream:
+    def __init__(self, tty):
+        self.tty = tty
+
+    def isatty(self):
+        return self.tty
+
+
+def test_progress_into_a_log_is_at_most_a_line_per_30s_and_per_10_percent():
+    now = [0.0]
+
+    def due(tty, total=1000, seconds_each=1.0):
+        pacer = M.Pacer(total, _Stream(tty), every=5.0, clock=lambda: now[0])
+        lines = []
+        for done in range(1, total + 1):
+            now[0] += seconds_each
+            if pacer.due(done):
+                lines.append(done)
+        return lines
+
+    assert due(False) == list(range(100, 1001, 100))     # 1000 s: 10% is the tighter bound
+    assert due(False, total=10, seconds_each=20.0) == [2, 4, 6, 8, 10]     # 30 s is
+    assert due(False, seconds_each=0.01) == [1000]        # 10 s of work: only its end
+    assert due(True) == list(range(5, 1001, 5))          # a terminal: every 5 s
+
+
+def test_generate_renders_a_task_for_the_built_in_policy_as_its_rollouts_do(capsys):
+    policy = ROOT / "data" / "shop-policy"
+    episode = envs.make("shop", split="test").episode(0)
+    assert M.checkpoint_world(policy) == "shop"
+    assert M.prompt_messages(episode.task.text, None, "shop") == episode.messages
+    assert M.prompt_messages("hi", "Be brief.", None) == [
+        {"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"}]
+    M.main(["generate", "--model", str(policy), "--prompt", episode.task.text,
+            "--max-new-tokens", "48", "--dtype", "fp32"])
+    out, err = capsys.readouterr()
+    assert "float32; the prompt rendered as a shop task" in err
+    turn = envs.parse_react(out.strip())        # a first turn: a tool call, not an echo
+    assert isinstance(turn, envs.Action) and turn.name == "Lookup", out
 
 
 # ---------------------------------------------------------------------------------------------

@@ -168,6 +168,20 @@ def test_make_data_is_byte_for_byte_deterministic(data, tmp_path):
         envs.make_shop_data(tmp_path, episodes=1)
 
 
+def test_make_data_says_what_it_wrote_in_the_users_file_mode(tmp_path, capsys, monkeypatch):
+    envs.main(["make-data", "shop", "--out", str(tmp_path / "a"), "--episodes", "10"])
+    out = capsys.readouterr().out
+    assert f"10 episodes (seed 42) -> {tmp_path / 'a'}" in out
+    assert re.search(r"clean_train\.json +8 episodes", out), out
+    assert re.search(r"matched_diagnostic_test\.json +\d+ turn records", out), out
+    umask = os.umask(0)
+    os.umask(umask)
+    assert {(p.stat().st_mode & 0o777) for p in (tmp_path / "a").iterdir()} == {0o666 & ~umask}
+    monkeypatch.setattr(envs, "_UMASK", 0o027)      # a group-readable umask is honoured too
+    envs.make_shop_data(tmp_path / "b", episodes=2)
+    assert {(p.stat().st_mode & 0o777) for p in (tmp_path / "b").iterdir()} == {0o640}
+
+
 def test_make_data_files_load_and_split_80_20(data):
     for split, n in (("train", 48), ("test", 12)):
         clean = envs.load_episodes(data / f"clean_{split}.json")
