@@ -473,7 +473,7 @@ def find_pair_dir(where: Path) -> Path:
 
 PROBE_SEED = 42
 PROBE_CORPORA = ("on-policy", "contaminated", "both")
-PROBES_FORMAT = "grpo-probes/2"
+PROBES_FORMAT = "grpo-probes/3"   # 3: the on-policy corpus balanced within each kind of turn
 
 
 def cache_root() -> Path:
@@ -503,15 +503,24 @@ def own_turns_settings(args) -> dict:
             "max_turns": args.max_turns, "max_len": args.max_len, "seed": PROBE_SEED}
 
 
+def turn_kind(text: str) -> str:
+    """What a turn does: the tool it calls, "Final" or "ParseError"."""
+    step = envs.parse_react(text)
+    return step.name if isinstance(step, envs.Action) else type(step).__name__
+
+
 def turn_records(trajs: list[Trajectory]) -> pair_lib.Split:
     """One record per assistant turn of shop rollouts: raw features, the world's exact label,
-    and whether (and how far back) an earlier turn of the same rollout was wrong."""
-    raws, labels, turn_idx, distance, sample, episode_id = [], [], [], [], [], []
+    whether (and how far back) an earlier turn of the same rollout was wrong, and the turn's
+    kind (a code per turn_kind, numbered in order of appearance)."""
+    raws, labels, turn_idx, distance, sample, episode_id, kinds = [], [], [], [], [], [], {}
+    kind = []
     for k, traj in enumerate(trajs):
         y = traj.episode.labels()
         last_wrong = None
         for t, (step, ok) in enumerate(zip(traj.steps, y)):
             raws.append(probes.raw_features(step.trace))
+            kind.append(kinds.setdefault(turn_kind(step.text), len(kinds)))
             labels.append(int(ok))
             turn_idx.append(t)
             distance.append(-1 if last_wrong is None else t - last_wrong)
@@ -521,8 +530,36 @@ def turn_records(trajs: list[Trajectory]) -> pair_lib.Split:
                 last_wrong = t
     raw = _stack_raw(raws)
     raw.update(label=torch.tensor(labels), turn_idx=torch.tensor(turn_idx),
-               distance=torch.tensor(distance), rollout=torch.tensor(sample))
+               distance=torch.tensor(distance), rollout=torch.tensor(sample),
+               kind=torch.tensor(kind))
     return pair_lib.Split("own_turns", raw, raw["label"].long(), episode_id, {})
+
+
+def kind_balanced_indices(y: torch.Tensor, kind: torch.Tensor, seed: int) -> torch.Tensor:
+    """Indices in which every kind of turn that has both classes has them equally often: the
+    minority class of each kind drawn again (with replacement, seeded) up to the majority's
+    count. A kind with one class is kept as it is.
+
+    Why: a policy's own turns are not matched pairs. The built-in policy's Lookups are 98% right
+    and its Calculator calls mostly wrong, and a probe fitted on them as they come learns those
+    base rates: a right Calculator call then scores far below a right Lookup, every turn after
+    the first calculation sits below the group's mean, and the process-supervision advantage is
+    negative on every kind of turn (the README's results section measures it: GRPO on that
+    reward lowered held-out success). The paper's corpus holds each evaluation turn both correct
+    and contaminated, so its probe ranks turns within a kind; this gives an on-policy corpus the
+    same property."""
+    g = torch.Generator().manual_seed(seed)
+    keep = []
+    for k in kind.unique().tolist():
+        idx = (kind == k).nonzero().flatten()
+        pos, neg = idx[y[idx] == 1], idx[y[idx] == 0]
+        if len(pos) == 0 or len(neg) == 0:
+            keep.append(idx)
+            continue
+        small, big = (pos, neg) if len(pos) < len(neg) else (neg, pos)
+        extra = small[torch.randint(len(small), (len(big) - len(small),), generator=g)]
+        keep += [big, small, extra]
+    return torch.cat(keep)
 
 
 @torch.no_grad()
@@ -625,6 +662,7 @@ def shop_probes(args, policy, tok, world, log) -> tuple[Path, dict]:
         if args.probe_corpus in ("on-policy", "both"):
             own = sample_own_turns(policy, tok, train_env, args.corpus_episodes,
                                    args.corpus_samples, args, PROBE_SEED, log)
+            own = own.take(kind_balanced_indices(own.y, own.raw["kind"], PROBE_SEED))
             corpora["on-policy"] = own.take(pair_lib.balanced_indices(own.y, PROBE_SEED))
         # the released recipe is always fitted: it is the yardstick the startup line prints
         corpora["contaminated"] = contaminated_corpus(policy, tok, args.probe_episodes, log)

@@ -1228,12 +1228,12 @@ def read_adapter_config(path) -> LoraSettings:
     if c.get("peft_type") != "LORA":
         raise bad("peft_type", "only LoRA adapters are supported")
     # PEFT options that change the math: refuse them rather than load a different model.
-    for field, plain in (("bias", "none"), ("fan_in_fan_out", False), ("use_dora", False),
-                         ("lora_bias", False), ("modules_to_save", None),
-                         ("layers_to_transform", None), ("rank_pattern", {}),
-                         ("alpha_pattern", {})):
-        if c.get(field, plain) not in (plain, None, [], {}):
-            raise bad(field, f"not supported (only {plain!r})")
+    for key, plain in (("bias", "none"), ("fan_in_fan_out", False), ("use_dora", False),
+                       ("lora_bias", False), ("modules_to_save", None),
+                       ("layers_to_transform", None), ("rank_pattern", {}),
+                       ("alpha_pattern", {})):
+        if c.get(key, plain) not in (plain, None, [], {}):
+            raise bad(key, f"not supported (only {plain!r})")
     targets = c.get("target_modules")
     if not (isinstance(targets, list) and targets and all(isinstance(t, str) for t in targets)):
         raise bad("target_modules", "must be a list of module names (regex strings and "

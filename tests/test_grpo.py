@@ -939,6 +939,25 @@ def test_on_policy_corpus_labels_are_the_worlds():
     first = grpo.probes.raw_features(trajs[0].steps[0].trace)
     for key, v in first.items():
         assert torch.equal(split.raw[key][0], v), key
+    # kind: one code per turn_kind, the same code for the same kind
+    kinds = [grpo.turn_kind(s.text) for traj in trajs for s in traj.steps]
+    assert "Lookup" in kinds
+    codes = dict(zip(kinds, split.raw["kind"].tolist()))
+    assert [codes[k] for k in kinds] == split.raw["kind"].tolist()
+    assert len(set(codes.values())) == len(codes)
+
+
+def test_kind_balanced_indices_balance_every_kind_that_has_both_classes():
+    # kind 0: 5 right, 1 wrong; kind 1: 1 right, 3 wrong; kind 2: 2 wrong only
+    y = torch.tensor([1, 1, 1, 1, 1, 0, 1, 0, 0, 0, 0, 0])
+    kind = torch.tensor([0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 2, 2])
+    idx = grpo.kind_balanced_indices(y, kind, seed=3)
+    assert torch.equal(idx, grpo.kind_balanced_indices(y, kind, seed=3))     # seeded
+    for k, (right, wrong) in {0: (5, 5), 1: (3, 3), 2: (0, 2)}.items():
+        got = y[idx][kind[idx] == k]
+        assert (int(got.sum()), int((got == 0).sum())) == (right, wrong), k
+    assert set(idx.tolist()) == set(range(12))      # every turn kept, minorities drawn again
+    assert idx[kind[idx] == 0].tolist().count(5) == 5
 
 
 def test_no_held_out_episode_is_sampled_for_the_corpus_or_for_training(tmp_path, monkeypatch):
