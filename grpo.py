@@ -1578,12 +1578,13 @@ def run_name(spec: str, seed: int) -> str:
 def compare(argv: list[str]) -> dict:
     command = " ".join(["python grpo.py compare", *argv])
     ap = argparse.ArgumentParser(
-        prog="grpo.py compare", formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        prog="grpo.py compare", formatter_class=HelpFormatter,
         description="Train every reward with every seed (resumable) and write compare.md, "
                     "compare.json and curves.svg. Flags after `--` go to every run.")
     ap.add_argument("--rewards", nargs="+", default=list(COMPARE_REWARDS),
                     help="rewards, each NAME or NAME:flag=value,...")
-    ap.add_argument("--seeds", nargs="+", type=int, default=[42, 43, 44])
+    ap.add_argument("--seeds", nargs="+", type=int, default=[42, 43, 44],
+                    help="seeds, each a run per reward")
     ap.add_argument("--out", required=True, help="directory of the runs and the tables")
     ap.add_argument("--jobs", type=int, default=1, help="runs at once")
     ap.add_argument("--threads", type=int, default=1, help="torch threads per run")
