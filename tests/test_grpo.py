@@ -608,9 +608,10 @@ def test_every_offline_reward_runs(reward, tiny_policy, tmp_path):
     assert summary["base"]["episodes"] == 2 and summary["final"]["step"] == 1
 
 
-@pytest.mark.parametrize("reward", ["outcome", "igpo"])
+@pytest.mark.parametrize("reward", ["outcome", "igpo", "tree_grpo", "at2po"])
 def test_gta_replay_runs(reward, release_dir, tiny_policy, tmp_path, monkeypatch):
-    # igpo reads the gold answer from the released gold dialog
+    # igpo reads the gold answer from the released gold dialog; tree search replays GTA episodes
+    # to branch them
     out = tmp_path / reward
     seen = spy_envs(monkeypatch)
     summary = run(flags(tiny_policy, out, reward, env="gta", data_dir=release_dir, steps=1,
@@ -1353,3 +1354,24 @@ def test_tree_search_refuses_an_outcome_weight_and_an_empty_budget(tiny_policy, 
         run(flags(tiny_policy, tmp_path / "a", "at2po", outcome_weight=0.5))
     with pytest.raises(SystemExit, match="--tree-l must be at least 1"):
         run(flags(tiny_policy, tmp_path / "b", "tree_grpo", tree_l=0))
+
+
+def test_compare_cost_measures_what_each_reward_adds(tiny_policy, tmp_path):
+    out = tmp_path / "cost"
+    per_run = ["--model", str(tiny_policy), "--steps", "1", "--group", "4", "--max-turns", "2",
+               "--max-new-tokens", "8"]
+    result = grpo.main(["compare", "--cost", "--rewards", "outcome", "igpo", "tree_grpo", "at2po",
+                        "--seeds", "1", "--out", str(out), "--", *per_run])
+    rows = {r["reward"]: r for r in result["rows"]}
+    assert not any((out / "runs" / name / "eval.jsonl").exists() for name in
+                   ("outcome-s1", "igpo-s1"))                 # no evaluation: time only
+    assert rows["outcome"]["tf_rows"] == rows["outcome"]["branch_rollouts"] == 0
+    # igpo teacher-forces one row per turn state
+    assert rows["igpo"]["tf_rows"] == rows["igpo"]["gen_turns"] > 0
+    # tree_grpo: 2 trees x 2 branches; at2po: 2 rounds of 1 (G = 4)
+    assert rows["tree_grpo"]["branch_rollouts"] == 4 and rows["at2po"]["branch_rollouts"] == 2
+    for r in rows.values():
+        assert r["gen_tokens"] > 0 and r["mem_kv_mb"] > 0 and r["t_reward"] >= 0
+    text = (out / "cost.md").read_text()
+    assert "| tree_grpo |" in text and "~5-25 s" in text and "K sibling rollouts" in text
+    assert "4.0 sibling rollouts" in text and "~30-50 ms" in text
