@@ -5,6 +5,7 @@
     python grpo.py --env gta --model Qwen/Qwen2.5-7B-Instruct --probes runs/pair-gta --reward pair
     torchrun --nproc_per_node 2 grpo.py ...        # prompts sharded, LoRA gradients all-reduced
     python grpo.py compare --rewards outcome pair --seeds 42 43 44 --out runs/cmp   # the table
+    python grpo.py compare --cost --seeds 42 --out runs/cost -- --steps 3  # Table complexity
     python grpo.py sft --env shop --out data/shop-policy     # rebuild the built-in policy
 
 What runs, once per training step:
@@ -30,6 +31,11 @@ What runs, once per training step:
     (r 16, alpha 32, dropout 0.05 on q,k,v,o,gate,up,down), lr constant after a 5% linear warmup,
     grad-norm clip 1.0. Probes stay frozen. A batch without a single policy token (every prompt
     longer than --max-len) makes no update, logs loss 0 and is counted in `empty_batch`.
+
+The paper's two tree-search baselines change steps 1 and 3 (section 3b states their exact rules):
+`--reward tree_grpo` (Tree-GRPO) and `--reward at2po` (AT²PO) grow rollout trees whose nodes are
+whole turns, branching from a copy of the parent's KV cache rows, and derive per-turn advantages
+from the leaves' outcomes; AT²PO also replaces the per-token ratio of step 4 by a per-turn one.
 
 Where this departs from textbook GRPO (DeepSeekMath; TRL's GRPOTrainer):
  - One PPO epoch per batch, as the paper ran it: pi_old is the policy that sampled, rho = 1 in
@@ -127,6 +133,7 @@ class Step:                         # one assistant turn of one rollout
     trace: mdl.TurnTrace | None     # statistics from the generation pass (None: not collected)
     observation: str | None         # the environment's answer (None: the episode ended here)
     p_correct: float | None = None  # the frozen probe's P(correct), when the reward has one
+    nll: float | None = None        # mean -log pi of its tokens as sampled (AT²PO's entropy H)
 
 
 @dataclass
@@ -147,6 +154,11 @@ class Batch:                        # what the update consumes: rollouts right-p
     mask: torch.Tensor              # (B, T) bool: True on tokens the policy generated
     adv: torch.Tensor               # (B, T) float32: A of the turn each policy token belongs to
     lengths: list[int]              # real length of each row
+    # AT²PO's turn-level objective: which turn each policy token belongs to (-1 elsewhere), and
+    # 1 / (policy tokens of its trajectory), so that a trajectory's tokens weigh 1 together
+    turn: torch.Tensor | None = None        # (B, T) long
+    weight: torch.Tensor | None = None      # (B, T) float32
+    n_seqs: int = 0                         # trajectories with at least one policy token
 
 
 # ---------------------------------------------------------------------------------------------
@@ -175,16 +187,31 @@ def generate_rows(policy, cache, new_tokens, active, **kw) -> list[mdl.TurnTrace
 
 @torch.no_grad()
 def rollout(policy, tok, episodes: list, args, greedy=False, generator=None,
-            stats=True) -> list[Trajectory]:
-    """Play each episode (one batch row each) to its end; returns one Trajectory per row."""
+            stats=True, caches: list | None = None) -> list[Trajectory]:
+    """Play each episode (one batch row each) to its end; returns one Trajectory per row.
+    With `caches`, the KV cache of the batch is appended to it, row i holding trajectory i's
+    last segment (tree search branches from it)."""
     trajs = [Trajectory(ep) for ep in episodes]
     new = [tok.render(ep.messages, add_generation_prompt=True)[0] for ep in episodes]
     cache = policy.new_cache(len(episodes), capacity=min(
         args.max_len, max(map(len, new)) + 4 * args.max_new_tokens))     # it grows if needed
-    active = [True] * len(episodes)
-    refill = [False] * len(episodes)
-    for _ in range(args.max_turns):
+    play(policy, tok, trajs, cache, new, args, greedy, generator, stats)
+    if caches is not None:
+        caches.append(cache)
+    return trajs
+
+
+@torch.no_grad()
+def play(policy, tok, trajs: list[Trajectory], cache, new: list[list[int]], args, greedy=False,
+         generator=None, stats=True):
+    """Continue every row to the end of its episode. Row i's cache holds traj.segments[-1]; it
+    appends new[i] before its next turn (the prompt, or the rest of a branch's prefix)."""
+    active = [True] * len(trajs)
+    refill = [False] * len(trajs)
+    for _ in range(args.max_turns - min(len(t.steps) for t in trajs)):
         for i, traj in enumerate(trajs):
+            if len(traj.steps) >= args.max_turns:       # a branch that started deep in a tree
+                active[i] = False
             # a turn that might not fit ends the rollout (it is scored as it stands)
             seen = 0 if refill[i] else len(traj.segments[-1])
             if active[i] and seen + len(new[i]) + args.max_new_tokens > args.max_len:
@@ -215,7 +242,8 @@ def rollout(policy, tok, episodes: list, args, greedy=False, generator=None,
             result = traj.episode.step(text)
             obs = None if result.done else traj.episode.messages[-1]["content"]
             traj.steps.append(Step(list(tr.tokens), len(traj.segments) - 1, (start, len(seq)),
-                                   text, tr if stats else None, obs))
+                                   text, tr if stats else None, obs,
+                                   nll=-sum(tr.logprobs) / max(len(tr.logprobs), 1)))
             if result.done:
                 active[i], new[i] = False, []
             elif getattr(result, "rewritten_from", None) is not None:
@@ -226,7 +254,6 @@ def rollout(policy, tok, episodes: list, args, greedy=False, generator=None,
     for traj in trajs:
         score = traj.episode.score()
         traj.score = 0.0 if score is None else float(score)
-    return trajs
 
 
 # ---------------------------------------------------------------------------------------------
@@ -247,6 +274,7 @@ class RewardContext:                # what the reward functions need besides the
     judge: object = None            # envs.ChatClient (reward "llm_judge")
     lagged: dict | None = None      # tips: a snapshot of the LoRA parameters (the lagged teacher)
     probe_report: dict | None = None    # shop: the fitted probes' AUROC on held-out own turns
+    cost: dict = field(default_factory=dict)    # this step's extra work (COSTS), by the reward
 
 
 def outcome_reward(traj: Trajectory, ctx) -> list[float | None]:
@@ -289,7 +317,13 @@ def judge_reward(traj: Trajectory, ctx) -> list[float]:
     trajectory up to it, from an OpenAI-compatible endpoint, normalized to [0, 1]."""
     messages = traj.episode.messages
     turns = [k for k, m in enumerate(messages) if m["role"] == "assistant"]
+    count(ctx.cost, external_calls=len(turns))
     return [envs.judge_step(ctx.judge, messages[:k + 1]) for k in turns]
+
+
+def count(cost: dict, **amounts):
+    for k, v in amounts.items():
+        cost[k] = cost.get(k, 0) + v
 
 
 # --- rewards from the teacher-forced probability of the gold answer (need the answer: training
@@ -303,7 +337,7 @@ def igpo_reward(traj: Trajectory, ctx) -> list[float]:
     with p = exp(mean token log-probability) under the current policy."""
     states = traj_states(traj)
     logp, n = gold_logprobs(ctx.policy, ctx.tok, states, gold_answer(ctx, traj.episode),
-                            ctx.args.micro_batch)
+                            ctx.args.micro_batch, ctx.cost)
     p = [math.exp(lp / k) for lp, k in zip(logp, n)]
     return [p[t + 1] - p[t] for t in range(len(traj.steps) - 1)] + [traj.score]
 
@@ -316,7 +350,7 @@ def tips_reward(traj: Trajectory, ctx) -> list[float]:
     states = traj_states(traj)
     with lora_swapped(ctx.policy, ctx.lagged):
         phi, _ = gold_logprobs(ctx.policy, ctx.tok, states, gold_answer(ctx, traj.episode),
-                               ctx.args.micro_batch)
+                               ctx.args.micro_batch, ctx.cost)
     g = ctx.args.tips_gamma
     return [g * phi[t + 1] - phi[t] for t in range(len(traj.steps) - 1)] + [traj.score]
 
@@ -343,14 +377,17 @@ def gold_answer(ctx, episode) -> str:
 
 
 @torch.no_grad()
-def gold_logprobs(policy, tok, states: list[list[int]], answer: str,
-                  rows_per_forward: int) -> tuple[list[float], list[int]]:
-    """Sum of log pi(answer tokens | state, "Final Answer:") per state, and the token count."""
+def gold_logprobs(policy, tok, states: list[list[int]], answer: str, rows_per_forward: int,
+                  cost: dict | None = None) -> tuple[list[float], list[int]]:
+    """Sum of log pi(answer tokens | state, "Final Answer:") per state, and the token count.
+    The teacher-forced rows and tokens are added to `cost`."""
     full = tok.encode(envs.render_final(None, answer))
     head = tok.encode("Final Answer:")
     target = full[len(head):] if full[:len(head)] == head else full
     cond = full[:len(full) - len(target)]
     seqs = [s + cond + target for s in states]
+    if cost is not None:
+        count(cost, tf_rows=len(seqs), tf_tokens=sum(map(len, seqs)))
     sums, dev = [], input_device(policy)
     for i in range(0, len(seqs), rows_per_forward):
         chunk = seqs[i:i + rows_per_forward]
@@ -373,6 +410,9 @@ REWARDS = {
     "llm_judge": judge_reward,
     "igpo": igpo_reward,
     "tips": tips_reward,
+    # tree search: the leaves' outcome; the advantages come from the trees (section 3b)
+    "tree_grpo": outcome_reward,
+    "at2po": outcome_reward,
 }
 PROBE_REWARDS = set(probes.FEATURES)
 NEEDS_STATS = {"pair", "coe"} | PROBE_REWARDS
@@ -741,12 +781,295 @@ def make_batch(trajs: list[Trajectory], advantages: list[list[float]], pad_id: i
         seq = traj.segments[k]
         ids[r, :len(seq)] = torch.tensor(seq)
         row_of[id(traj), k] = r
+    turn = torch.full((len(rows), T), -1, dtype=torch.long)
+    weight = torch.zeros(len(rows), T, dtype=torch.float32)
+    n_seqs = 0
     for traj, a in zip(trajs, advantages):
+        n = sum(len(step.tokens) for step in traj.steps)
+        n_seqs += n > 0
         for step, a_t in zip(traj.steps, a):
             r, (s, e) = row_of[id(traj), step.segment], step.span
             mask[r, s:e] = True
             adv[r, s:e] = a_t
-    return Batch(ids, mask, adv, [len(traj.segments[k]) for traj, k in rows])
+            turn[r, s:e] = r * T + s           # unique in the batch: one id per (row, turn)
+            weight[r, s:e] = 1.0 / n
+    return Batch(ids, mask, adv, [len(traj.segments[k]) for traj, k in rows], turn, weight,
+                 n_seqs)
+
+
+# ---------------------------------------------------------------------------------------------
+# 3b. Tree search: Tree-GRPO and AT²PO (the paper's tree-based baselines)
+# ---------------------------------------------------------------------------------------------
+# Both replace the G independent rollouts of a prompt by rollout trees whose nodes are whole
+# agent turns (thought, action, and the observation that answers it), and both learn from the
+# outcome alone: the task score of each leaf. A branch at a node keeps the turns above it and
+# plays on from the exact context they left: the environment is replayed with those turns' texts
+# (every environment here is deterministic, which is checked: the replayed observations must be
+# the recorded ones), and the branch's KV cache row is a copy of the cache row of the rollout
+# that played those turns (model.copy_rows), so the shared prefix is never prefilled again. Only
+# its last token is fed once more, because its logits are where the branch's first token is
+# drawn from. (A ToolBench rollout whose history was rewritten holds only its last segment in its
+# cache: a branch from an earlier segment copies what the two share and prefills the rest.)
+# Every root-to-leaf path is one sample of the update, the turns it shares with other paths
+# included (as both releases train): make_batch gets one Trajectory per leaf.
+#
+# Tree-GRPO (Ji et al. 2025, arXiv 2509.21240; public code AMAP-ML/Tree-GRPO):
+#   1. M trees per prompt, each grown from one chain rollout (--tree-m);
+#   2. L times (--tree-l): in each tree draw N nodes (--tree-n) uniformly, with replacement, from
+#      the root (the prompt: expanding it plays a fresh chain) and every turn that has a child
+#      (a leaf has no turn after it to redo), and play one new branch from each, continuing
+#      after that turn (the branch's first turn is the node's new child);
+#   3. every leaf H gets its outcome R(H), and
+#        A(H) = (R - mean_T) / (std_T + 1e-6) + (R - mean_P) / (std_P + 1e-6)
+#      intra-tree over the leaves of its tree T plus inter-tree over all leaves of the prompt P
+#      (the release's `adv_estimator=tree`, the paper's sum of the two). Every token of the path
+#      gets A(H). Two leaves below a branching node share every turn above it, so the
+#      difference of their intra-tree advantages lands on the turns below it: the siblings of that
+#      node are compared (the paper shows this is step-level preference learning).
+#   Choices: std is the population std, as in this file's GRPO (SPEC §9; the release's
+#   torch.std is Bessel-corrected); a group whose leaves all scored alike gives 0 (the release
+#   gives a lone leaf its raw score); every leaf is kept (the release's k samples leaves, and its
+#   scripts set k to the leaf count).
+#
+# AT²PO (Zong et al. 2026, arXiv 2601.04767; public code zzfoutofspace/ATPO):
+#   1. one tree per prompt whose root has M chain rollouts (--tree-m, the release's
+#      initial_rollouts);
+#   2. L times (--tree-l, expansion_iterations): score every non-leaf node n of the tree (the
+#      root and every turn with a child) by its entropy minus the branching penalty,
+#        score(n) = H(n) - alpha * (siblings of n),   H(n) = mean over n's tokens of -log pi,
+#      (alpha = --at2po-penalty, the root's H is 0 and its "siblings" are its own children but
+#      one, as in the release), take the top K (--tree-n, beam_size; fewer candidates are cycled
+#      from the top), and regenerate each chosen turn: a new sibling of n, played from the
+#      context n was generated in (the root: a fresh chain);
+#   3. turn-wise credit assignment (the release's leaf_value_norm, node_value_mode
+#      child_softmax, node_adv_mode node_value): leaf values V = (R - mean) / (std + 1e-6) over
+#      the tree's leaves (population std), then bottom-up V(n) = sum_c softmax_c(H(c)) V(c) over
+#      n's children c, and the advantage of every token of turn n is V(n);
+#   4. the turn-level objective (the release's gspo_turn, see turn_loss): one importance ratio
+#      per turn, PPO-clipped in [1 - 3e-3, 1 + 4e-3] (--at2po-clip), averaged over each
+#      trajectory's tokens and then over trajectories.
+#   Choices: H(n) is read from the generation pass itself (model.generate records log pi of
+#   every sampled token, at the sampling temperature); the KL term stays this pipeline's
+#   (k3, token mean, --beta; the release ran with its KL coefficient at 0).
+#
+# Budget (flags left unset; G = --group): Tree-GRPO M = G/2, N = 2, L = 1, which at the paper's
+# G = 4 is the release's script (m 2, n 2, l 1: 6 leaves, 2 whole chains + 4 partial ones);
+# AT²PO M = G/2, K = G/4, L = 2, so that its leaves number G, as in the release, whose group
+# size is its samples per tree (10 + 2 x 6 = 22). Per step the branches are priced like a reward:
+# t_rollout is the M chains, t_reward the branches plus the advantages; `branch_rollouts` and
+# `branch_tokens` count them, `mem_kv_mb` is the KV cache the trees hold at once.
+
+TREE_GRPO, AT2PO = "tree_grpo", "at2po"
+
+
+@dataclass(eq=False)                # a node is itself: compared and hashed by identity
+class Node:                         # one assistant turn of a rollout tree; a root is the prompt
+    parent: Node | None
+    step: Step | None               # None at a root
+    owner: Trajectory | None        # the rollout that played this turn (its cache row holds it)
+    tree: int                       # which of the prompt's trees
+    depth: int = 0                  # turns from the root
+    children: list[Node] = field(default_factory=list)
+    value: float = 0.0              # AT²PO's V(n)
+
+
+@dataclass
+class Forest:                       # the rollout trees of one prompt
+    roots: list[Node]
+    leaves: list[Trajectory] = field(default_factory=list)  # one per root-to-leaf path
+    leaf_tree: list[int] = field(default_factory=list)      # the tree of each leaf
+    node_of: dict = field(default_factory=dict)     # id(Step) -> Node
+    caches: dict = field(default_factory=dict)      # id(Trajectory) -> (KV cache, row)
+    branch_rollouts: int = 0        # rollouts started from a copied prefix
+    branch_tokens: int = 0          # the tokens they generated
+
+
+def attach(forest: Forest, traj: Trajectory, parent: Node, kept: int):
+    """Hang traj's turns after its first `kept` (shared with parent's path) below parent."""
+    for step in traj.steps[kept:]:
+        node = Node(parent, step, traj, parent.tree, parent.depth + 1)
+        parent.children.append(node)
+        forest.node_of[id(step)] = node
+        parent = node
+    forest.leaves.append(traj)
+    forest.leaf_tree.append(parent.tree)
+
+
+def plant(policy, tok, fresh, args, generator) -> Forest:
+    """The M chain rollouts: one tree each (Tree-GRPO) or all under one root (AT²PO)."""
+    caches = []
+    chains = rollout(policy, tok, [fresh() for _ in range(args.tree_m)], args,
+                     generator=generator, stats=False, caches=caches)
+    forest = Forest([Node(None, None, None, k)
+                     for k in range(args.tree_m if args.reward == TREE_GRPO else 1)])
+    for i, traj in enumerate(chains):
+        forest.caches[id(traj)] = (caches[0], i)
+        attach(forest, traj, forest.roots[i if args.reward == TREE_GRPO else 0], 0)
+    return forest
+
+
+def inner_nodes(root: Node) -> list[Node]:
+    """The root and every turn with a child below it, breadth first (the expandable nodes)."""
+    out, queue = [], [root]
+    while queue:
+        node = queue.pop(0)
+        if node.children:
+            out.append(node)
+            queue += node.children
+    return out
+
+
+def branch_point(node: Node, after: bool) -> tuple[Node, Trajectory, int]:
+    """(parent of the new branch, a rollout holding the context, turns it keeps) for a branch
+    that continues after `node` (Tree-GRPO) or regenerates it (AT²PO). A root's context is the
+    prompt, held by any of its chains."""
+    if node.step is None:
+        return node, node.children[0].owner, 0
+    if after:
+        return node, node.owner, node.depth
+    return node.parent, node.owner, node.depth - 1
+
+
+def tree_grpo_points(forest: Forest, args, generator) -> list:
+    points = []
+    for root in forest.roots:
+        candidates = inner_nodes(root)
+        if not candidates:          # a chain that never got to play a turn: nothing to branch
+            continue
+        draws = torch.randint(len(candidates), (args.tree_n,), generator=generator,
+                              device=generator.device).tolist()
+        points += [branch_point(candidates[k], after=True) for k in draws]
+    return points
+
+
+def at2po_score(node: Node, alpha: float) -> float:
+    """H(n) - alpha x (branches already drawn beside n), the release's expansion score."""
+    if node.step is None:
+        return 0.0 - alpha * max(0, len(node.children) - 1)
+    return node.step.nll - alpha * max(0, len(node.parent.children) - 1)
+
+
+def at2po_points(forest: Forest, args, generator) -> list:
+    (root,) = forest.roots
+    candidates = inner_nodes(root)
+    if not candidates:
+        return []
+    # a stable sort: equal scores keep breadth-first order
+    ranked = sorted(candidates, key=lambda n: -at2po_score(n, args.at2po_penalty))
+    chosen = [ranked[k % len(ranked)] for k in range(args.tree_n)]
+    return [branch_point(n, after=False) for n in chosen]
+
+
+def common_prefix(a: list[int], b: list[int]) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def fork_episode(fresh, owner: Trajectory, kept: int):
+    """A new episode in the state owner's was in after its first `kept` turns: replayed."""
+    episode = fresh()
+    for step in owner.steps[:kept]:
+        result = episode.step(step.text)
+        obs = None if result.done else episode.messages[-1]["content"]
+        if obs != step.observation:
+            raise RuntimeError(f"episode {episode.id}: replaying a turn gave another observation "
+                               "than the rollout got; tree search needs a deterministic "
+                               "environment")
+    return episode
+
+
+def grow(policy, tok, fresh, forest: Forest, points: list, args, generator, stats=False):
+    """One new rollout per branch point, all in one batch, each from a copy of its context's
+    cache row (see the section comment), hung below its parent node."""
+    if not points:
+        return
+    trajs, new, sources = [], [], []
+    for parent, owner, kept in points:
+        at = owner.steps[kept]                          # the turn the branch replaces
+        context = owner.segments[at.segment][:at.span[0]]
+        cache, row = forest.caches[id(owner)]
+        # the row holds owner.segments[-1]; re-feed at least the last token (its logits)
+        n = min(common_prefix(context, owner.segments[-1]), len(context) - 1)
+        trajs.append(Trajectory(fork_episode(fresh, owner, kept),
+                                segments=[list(x) for x in owner.segments[:at.segment]]
+                                + [context[:n]], steps=list(owner.steps[:kept])))
+        new.append(context[n:])
+        sources.append((cache, row, n))
+    cache = policy.new_cache(len(trajs), capacity=min(args.max_len, max(
+        len(t.segments[-1]) + len(x) for t, x in zip(trajs, new)) + 4 * args.max_new_tokens))
+    for b, (src, row, n) in enumerate(sources):
+        mdl.copy_rows(src, row, cache, b, n)
+    play(policy, tok, trajs, cache, new, args, generator=generator, stats=stats)
+    for b, (traj, (parent, _, kept)) in enumerate(zip(trajs, points)):
+        forest.branch_rollouts += 1
+        if len(traj.steps) == kept:     # cut by --max-len before its first turn: no new leaf
+            continue
+        forest.caches[id(traj)] = (cache, b)
+        forest.branch_tokens += sum(len(step.tokens) for step in traj.steps[kept:])
+        attach(forest, traj, parent, kept)
+
+
+def expand(policy, tok, fresh, forest: Forest, args, generator):
+    """The L expansion rounds of the method."""
+    points_of = tree_grpo_points if args.reward == TREE_GRPO else at2po_points
+    for _ in range(args.tree_l):
+        grow(policy, tok, fresh, forest, points_of(forest, args, generator), args, generator)
+
+
+def normalized(x: torch.Tensor) -> torch.Tensor:
+    """(x - mean) / (std + 1e-6), population std; all zeros when x does not vary."""
+    std = x.std(correction=0) if len(x) > 1 else torch.tensor(0.0, dtype=x.dtype)
+    return torch.zeros_like(x) if std <= 1e-8 else (x - x.mean()) / (std + 1e-6)
+
+
+def tree_grpo_advantages(forest: Forest) -> tuple[list[list[float]], bool]:
+    """Per-turn advantages of every leaf path, and whether all the prompt's leaves scored alike."""
+    R = torch.tensor([t.score for t in forest.leaves], dtype=torch.float64)
+    trees = torch.tensor(forest.leaf_tree)
+    A = normalized(R)                                            # inter-tree
+    for k in trees.unique().tolist():
+        A[trees == k] += normalized(R[trees == k])               # intra-tree
+    return ([[a] * len(t.steps) for a, t in zip(A.tolist(), forest.leaves)],
+            bool(normalized(R).abs().sum() == 0))
+
+
+def at2po_advantages(forest: Forest) -> tuple[list[list[float]], bool]:
+    R = torch.tensor([t.score for t in forest.leaves], dtype=torch.float64)
+    V = normalized(R)
+    for traj, v in zip(forest.leaves, V.tolist()):
+        if traj.steps:
+            forest.node_of[id(traj.steps[-1])].value = v
+
+    def value(node: Node) -> float:          # bottom-up: entropy-weighted mean of the children
+        if node.children:
+            H = torch.tensor([c.step.nll for c in node.children], dtype=torch.float64)
+            w = torch.softmax(H, 0).tolist()
+            node.value = sum(wc * value(c) for wc, c in zip(w, node.children))
+        return node.value
+    for root in forest.roots:
+        value(root)
+    return ([[forest.node_of[id(s)].value for s in t.steps] for t in forest.leaves],
+            bool(V.abs().sum() == 0))
+
+
+TREE_SEARCH = {TREE_GRPO: tree_grpo_advantages, AT2PO: at2po_advantages}
+
+
+def tree_defaults(args):
+    """The budget of the flags left unset (see the section comment)."""
+    G = args.group
+    M, N, L = (G // 2, 2, 1) if args.reward == TREE_GRPO else (G // 2, G // 4, 2)
+    for name, v in (("tree_m", M), ("tree_n", N), ("tree_l", L)):
+        if getattr(args, name) is None:
+            setattr(args, name, max(1, v))
+
+
+def cache_bytes(caches) -> int:
+    return sum(c.k.nbytes + c.v.nbytes for cache in caches for c in cache)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -787,6 +1110,38 @@ def grpo_loss(logp, logp_old, logp_ref, adv, eps: float, beta: float, n_tokens: 
     return loss, sums
 
 
+def turn_loss(logp, logp_old, logp_ref, adv, turn, weight, clip: tuple[float, float],
+              beta: float, n_tokens: float, n_seqs: float):
+    """AT²PO's turn-level objective (the release's gspo_turn) summed over N policy tokens.
+
+    Turn k of a trajectory has one importance ratio s_k = exp(mean_{t in k}(logp_t - logp_old_t)),
+    and every token of the turn carries it with its own gradient: rho_t = sg[s_k] pi_t / sg[pi_t]
+    (GSPO's construction, per turn). Per token -min(rho A, clip(rho, 1 - lo, 1 + hi) A), weighted
+    by 1 / (policy tokens of its trajectory) and divided by the number of trajectories (a mean
+    over each trajectory's tokens, then over trajectories); the KL term is this pipeline's (k3,
+    summed and divided by n_tokens). turn (N,) labels each token's turn; weight (N,)."""
+    if logp.numel() == 0:
+        zero = logp.sum()
+        return zero, {"kl": 0.0, "clip": 0.0, "ratio": 0.0, "pg": 0.0}
+    d = (logp - logp_old).detach()
+    _, k = torch.unique(turn, return_inverse=True)
+    n = torch.zeros(int(k.max()) + 1, dtype=d.dtype, device=d.device)
+    n.index_add_(0, k, torch.ones_like(d))
+    log_s = torch.zeros_like(n).index_add_(0, k, d) / n                    # log s_k per turn
+    ratio = torch.exp((log_s[k] + logp - logp.detach()).clamp(max=10.0))   # the release's clamp
+    lo, hi = clip
+    clipped = torch.clamp(ratio, 1 - lo, 1 + hi)
+    pg = -torch.minimum(ratio * adv, clipped * adv)
+    dk = logp_ref - logp
+    kl = torch.expm1(dk) - dk
+    loss = (pg * weight).sum() / n_seqs + beta * kl.sum() / n_tokens
+    with torch.no_grad():
+        hit = ((ratio < 1 - lo) & (adv < 0)) | ((ratio > 1 + hi) & (adv > 0))
+        sums = {"kl": kl.sum().item(), "clip": hit.sum().item(),
+                "ratio": ratio.sum().item(), "pg": pg.sum().item()}
+    return loss, sums
+
+
 def lr_at(step: int, args) -> float:
     """Constant lr after a linear warmup over the first `--warmup` fraction of the steps."""
     warm = max(1, round(args.warmup * args.steps))
@@ -796,7 +1151,7 @@ def lr_at(step: int, args) -> float:
 def update(policy, optimizer, batch: Batch, args, world) -> dict:
     """`--ppo-epochs` passes over the batch in micro-batches; one AdamW step per pass."""
     params = [p for p in policy.parameters() if p.requires_grad]
-    n_tokens = all_sum(world, [batch.mask[:, 1:].sum().item()])[0]
+    n_tokens, n_seqs = all_sum(world, [batch.mask[:, 1:].sum().item(), batch.n_seqs])
     if n_tokens == 0:
         # no rollout generated a token (every prompt outgrew --max-len): the loss would be 0/0,
         # and an AdamW step on zero gradients would still move the adapter by its momentum
@@ -821,7 +1176,14 @@ def update(policy, optimizer, batch: Batch, args, world) -> dict:
             logp = token_logprobs(policy, ids, mask, args.temperature)
             if epoch == 0:
                 old[c] = logp.detach()
-            loss, s = grpo_loss(logp, old[c], ref[c], adv, args.eps, args.beta, n_tokens)
+            if args.reward == AT2PO:
+                sel = mask[:, 1:]
+                loss, s = turn_loss(logp, old[c], ref[c], adv,
+                                    batch.turn[rows_c, 1:T][sel].to(dev),
+                                    batch.weight[rows_c, 1:T][sel].to(dev), args.at2po_clip,
+                                    args.beta, n_tokens, n_seqs)
+            else:
+                loss, s = grpo_loss(logp, old[c], ref[c], adv, args.eps, args.beta, n_tokens)
             loss.backward()
             sums["loss"] += loss.item()
             for k in ("kl", "clip", "ratio", "pg"):
@@ -1117,9 +1479,15 @@ def seed_all(seed: int):
 
 # seconds per step; t_reward includes t_base_read, the extra forward of --probe-reads base
 TIMING = ("t_rollout", "t_reward", "t_update", "t_base_read")
+# what a step cost besides time, summed over processes: tokens sampled and turns played (chains
+# and branches), sibling rollouts of tree search, sequences and tokens teacher-forced by the
+# reward (igpo, tips, --probe-reads base), calls to an external judge
+COSTS = ("gen_tokens", "gen_turns", "branch_rollouts", "branch_tokens", "tf_rows", "tf_tokens",
+         "external_calls")
 
 
-def read_from_base(policy, trajs: list[Trajectory], rows_per_forward: int) -> None:
+def read_from_base(policy, trajs: list[Trajectory], rows_per_forward: int,
+                   cost: dict | None = None) -> None:
     """--probe-reads base: every turn's statistics from its tokens teacher-forced through the
     frozen base (adapter off) instead of the generation pass. The probe then reads the
     representation it was fitted on however far the policy drifts: a policy cannot move its
@@ -1130,6 +1498,8 @@ def read_from_base(policy, trajs: list[Trajectory], rows_per_forward: int) -> No
             seqs.append(traj.segments[step.segment][:step.span[1]])
             spans.append(step.span)
             steps.append(step)
+    if cost is not None:
+        count(cost, tf_rows=len(seqs), tf_tokens=sum(map(len, seqs)))
     with mdl.lora_disabled(policy):
         traces = mdl.trace_batch(policy, seqs, spans, rows_per_forward=rows_per_forward)
     for step, trace in zip(steps, traces):
@@ -1141,8 +1511,15 @@ def train_step(step: int, policy, tok, env, pool, ctx, optimizer, args, world) -
 
     With --oversample K (DAPO's dynamic sampling) up to K x its share of prompts are played, in
     order, and a group whose rewards are all equal is set aside while later prompts remain: it
-    has no advantage to give, and with a sparse reward most groups are such groups."""
+    has no advantage to give, and with a sparse reward most groups are such groups.
+
+    With tree search (section 3b) a prompt's group is the leaves of its trees."""
     t = {k: 0.0 for k in TIMING}
+    ctx.cost = dict.fromkeys(COSTS, 0)
+    kv_bytes = 0
+    on_cuda = input_device(policy).type == "cuda"
+    if on_cuda:
+        torch.cuda.reset_peak_memory_stats(input_device(policy))
     policy.eval()
     need = len(range(world.rank, args.batch, world.size))
     groups, rewards, advs, tried, zero = [], [], [], 0, 0
@@ -1152,22 +1529,42 @@ def train_step(step: int, policy, tok, env, pool, ctx, optimizer, args, world) -
             break
         g = step * args.batch * args.oversample + j
         t0 = time.perf_counter()
-        # G fresh copies of the same episode: the group GRPO compares
-        episodes = [env.episode(pool[prompt_index(args.seed, g, len(pool))])
-                    for _ in range(args.group)]
-        group = rollout(policy, tok, episodes, args, generator=sampler(policy, args.seed, g),
-                        stats=args.reward in NEEDS_STATS and args.probe_reads == "policy")
+        index = pool[prompt_index(args.seed, g, len(pool))]
+        generator = sampler(policy, args.seed, g)
+        caches, forest = [], None
+        if args.reward in TREE_SEARCH:
+            forest = plant(policy, tok, lambda: env.episode(index), args, generator)
+        else:
+            # G fresh copies of the same episode: the group GRPO compares
+            episodes = [env.episode(index) for _ in range(args.group)]
+            group = rollout(policy, tok, episodes, args, generator=generator, caches=caches,
+                            stats=args.reward in NEEDS_STATS and args.probe_reads == "policy")
         t1 = time.perf_counter()
+        if forest is not None:      # the sibling rollouts: the price of the trees' credit
+            expand(policy, tok, lambda: env.episode(index), forest, args, generator)
+            group = forest.leaves
+            caches = list({id(c): c for c, _ in forest.caches.values()}.values())
+            count(ctx.cost, branch_rollouts=forest.branch_rollouts,
+                  branch_tokens=forest.branch_tokens)
         if args.reward in NEEDS_STATS and args.probe_reads == "base":
-            read_from_base(policy, group, args.micro_batch)
+            read_from_base(policy, group, args.micro_batch, ctx.cost)
         t2 = time.perf_counter()
         r = [turn_rewards(traj, ctx) for traj in group]
+        if forest is not None:
+            a, all_equal = TREE_SEARCH[args.reward](forest)
         t3 = time.perf_counter()
         t["t_rollout"] += t1 - t0
         t["t_base_read"] += t2 - t1
         t["t_reward"] += t3 - t1
         tried += 1
-        a, all_equal = group_advantages(r)
+        if forest is None:
+            a, all_equal = group_advantages(r)
+        # every turn once: a tree's shared turns count where they were generated
+        played = [n.step for n in forest.node_of.values()] if forest is not None else \
+            [st for traj in group for st in traj.steps]
+        count(ctx.cost, gen_turns=len(played), gen_tokens=sum(len(st.tokens) for st in played))
+        kv_bytes = max(kv_bytes, cache_bytes(caches))
+        del caches, forest
         zero += all_equal
         if all_equal and len(candidates) - n - 1 >= need - len(groups) and args.oversample > 1:
             continue                    # set aside: enough prompts remain to fill the batch
@@ -1180,13 +1577,18 @@ def train_step(step: int, policy, tok, env, pool, ctx, optimizer, args, world) -
     stats = update(policy, optimizer, make_batch(trajs, advs, tok.pad_id), args, world)
     policy.eval()
     t["t_update"] = time.perf_counter() - t0
+    memory = {"mem_kv_mb": kv_bytes / 2**20}
+    if on_cuda:
+        memory["mem_cuda_peak_mb"] = torch.cuda.max_memory_allocated(input_device(policy)) / 2**20
     return step_metrics(step, trajs, rewards, (zero, tried), stats, [t[k] for k in TIMING],
-                        args, world)
+                        args, world, [ctx.cost[k] for k in COSTS], memory)
 
 
-def step_metrics(step, trajs, rewards, played, stats, times, args, world) -> dict:
-    """One metrics.jsonl record, summed over processes. played = (groups whose rewards were all
-    equal, groups played); the rest is about the groups kept for the update."""
+def step_metrics(step, trajs, rewards, played, stats, times, args, world, costs=(),
+                 memory=None) -> dict:
+    """One metrics.jsonl record, summed over processes (memory: the largest). played = (groups
+    whose rewards were all equal, groups played); the rest is about the groups kept for the
+    update."""
     zero, tried = played
     flat = [r for group in rewards for row in group for r in row if r is not None]
     M = args.max_turns
@@ -1201,11 +1603,12 @@ def step_metrics(step, trajs, rewards, played, stats, times, args, world) -> dic
     sums = all_sum(world, [len(flat), sum(flat), sum(r * r for r in flat), len(trajs),
                            sum(t.score for t in trajs), sum(len(t.steps) for t in trajs),
                            sum(t.truncated for t in trajs), zero, tried, *times,
-                           *turn_sum, *turn_n, *reached])
+                           *turn_sum, *turn_n, *reached, *costs])
     n, s, s2, n_traj, score, turns, trunc, zero, n_groups = sums[:9]
     k = 9 + len(TIMING)
     times = sums[9:k]
-    turn_sum, turn_n, reached = sums[k:k + M], sums[k + M:k + 2 * M], sums[k + 2 * M:]
+    turn_sum, turn_n, reached = sums[k:k + M], sums[k + M:k + 2 * M], sums[k + 2 * M:k + 3 * M]
+    costs = sums[k + 3 * M:]
     mean = s / max(n, 1)
     rec = {"step": step + 1, "lr": lr_at(step, args),
            "reward_mean": mean, "reward_std": math.sqrt(max(s2 / max(n, 1) - mean * mean, 0.0)),
@@ -1225,7 +1628,18 @@ def step_metrics(step, trajs, rewards, played, stats, times, args, world) -> dic
         rec["probe_auroc"] = probes.auroc(y, p) if 0 < sum(y) < len(y) else None
     for name, t in zip(TIMING, times):
         rec[name] = t / world.size
+    rec.update({name: int(c) for name, c in zip(COSTS, costs)})
+    for name, v in (memory or {}).items():
+        rec[name] = round(all_max(world, v), 3)
     return rec
+
+
+def all_max(world: World, value: float) -> float:
+    if world.size == 1:
+        return float(value)
+    t = torch.tensor([value], dtype=torch.float64, device=world.device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return t.item()
 
 
 def ctx_has_probe(args) -> bool:
@@ -1311,7 +1725,8 @@ RESUME_KEYS = ("env", "model", "reward", "alpha", "outcome_weight", "probes", "s
                "lr", "warmup", "beta", "eps", "oversample", "ppo_epochs", "micro_batch", "lora_r",
                "lora_alpha", "lora_dropout", "lora_targets", "save_every", "tips_refresh",
                "tips_gamma", "probe_corpus", "probe_reads", "corpus_episodes", "corpus_samples",
-               "corpus_heldout", "probe_episodes", "eval_episodes", "val_episodes")
+               "corpus_heldout", "probe_episodes", "eval_episodes", "val_episodes", "tree_m",
+               "tree_n", "tree_l", "at2po_penalty", "at2po_clip")
 
 
 def is_builtin(args) -> bool:
@@ -1327,6 +1742,15 @@ def resolve_preset(args, world) -> None:
             setattr(args, k, v)
     if args.micro_batch is None:
         args.micro_batch = args.group
+    if args.reward in TREE_SEARCH:
+        tree_defaults(args)
+        for name in ("tree_m", "tree_n", "tree_l"):
+            if getattr(args, name) < 1:
+                raise SystemExit(f"--{name.replace('_', '-')} must be at least 1, got "
+                                 f"{getattr(args, name)}")
+        if args.outcome_weight:
+            raise SystemExit(f"--outcome-weight: --reward {args.reward} learns from the outcome "
+                             "alone already; leave it at 0")
     if world.main and is_builtin(args):
         def flags(keys):
             return ", ".join(f"--{k.replace('_', '-')} {getattr(args, k)}" for k in keys)
@@ -1424,6 +1848,9 @@ def train(args) -> dict:
         f"training / {len(held['val'][1])} validation / {len(held['test'][1])} test episodes; "
         f"reward {args.reward}; {args.steps} steps of {args.batch} x {args.group} rollouts on "
         f"{world.size} process(es); run in {out}", flush=True)
+    if args.reward in TREE_SEARCH:
+        log(f"tree search instead of the {args.group} rollouts: --tree-m {args.tree_m} "
+            f"--tree-n {args.tree_n} --tree-l {args.tree_l} (see grpo.py section 3b)", flush=True)
 
     start = 0
     ckpt = latest_checkpoint(out) if args.resume else None
@@ -1588,9 +2015,19 @@ def compare(argv: list[str]) -> dict:
     ap.add_argument("--out", required=True, help="directory of the runs and the tables")
     ap.add_argument("--jobs", type=int, default=1, help="runs at once")
     ap.add_argument("--threads", type=int, default=1, help="torch threads per run")
+    ap.add_argument("--cost", action="store_true",
+                    help="the paper's Table complexity, measured: train every reward (default: "
+                         "all but llm_judge without an endpoint) for the few steps given after "
+                         "`--` without evaluations, one run at a time, and write cost.md")
     argv, extra = (argv[:argv.index("--")], argv[argv.index("--") + 1:]) if "--" in argv \
         else (argv, [])
     args = ap.parse_args(argv)
+    if args.cost:
+        if "--rewards" not in argv:
+            args.rewards = [r for r in REWARDS if r != "llm_judge"
+                            or os.environ.get("OPENAI_API_KEY")]
+        # latencies measured beside another run are not latencies
+        args.jobs, extra = 1, [*extra, "--no-eval"]
     for spec in args.rewards:
         parse_spec(spec)                         # every spec is checked before any run starts
     out = Path(args.out)
@@ -1630,6 +2067,13 @@ def compare(argv: list[str]) -> dict:
     if failed:
         raise SystemExit(f"compare: {len(failed)} runs failed ({', '.join(failed)}); see their "
                          "logs; run the same command again to retry them")
+    if args.cost:
+        result = cost_table(out, args.rewards, args.seeds)
+        write_json(out / "cost.json", result)
+        write_text(out / "cost.md", cost_markdown(result, command))
+        print((out / "cost.md").read_text() + f"\nwrote {out / 'cost.md'}, {out / 'cost.json'}",
+              flush=True)
+        return result
     result = compare_table(out, args.rewards, args.seeds)
     write_json(out / "compare.json", result)
     write_text(out / "compare.md", compare_markdown(result, command))
@@ -1637,6 +2081,80 @@ def compare(argv: list[str]) -> dict:
     print((out / "compare.md").read_text() + f"\nwrote {out / 'compare.md'}, "
           f"{out / 'compare.json'}, {out / 'curves.svg'}", flush=True)
     return result
+
+
+# The paper's Table complexity (A6000, Qwen2.5-7B-Instruct): latency per agent step of the
+# reward, additional forward passes, external calls, cost growth
+PAPER_COST = {
+    "outcome": ("0 ms", "0", "none", "O(1) per trajectory"),
+    "probe": ("~0.1 ms", "0", "none", "O(1) per step"),
+    "pair": ("~0.2 ms", "0", "none", "O(1) per step"),
+    "igpo": ("~30-50 ms", "1 (teacher-forced)", "none", "O(|y*|)"),
+    "tree": ("~5-25 s", "K sibling rollouts", "none", "O(K) per step"),
+    "llm_judge": ("~500 ms", "0", "GPT-4o-mini", "O(1) per step"),
+}
+
+
+def paper_cost(reward: str) -> tuple[str, str, str, str]:
+    if reward in ("igpo", "tips"):
+        return PAPER_COST["igpo"]
+    if reward in TREE_SEARCH:
+        return PAPER_COST["tree"]
+    if reward in PAPER_COST:
+        return PAPER_COST[reward]
+    return PAPER_COST["probe"]          # every probe baseline and CoE
+
+
+def cost_table(out: Path, specs: list[str], seeds: list[int]) -> dict:
+    """Per reward, the mean over every logged step of every seed: what the reward itself cost
+    (t_reward: the probes' read-out, the teacher-forced passes, the judge's calls, a tree's
+    sibling rollouts), and the work of the step around it."""
+    rows = []
+    for spec in specs:
+        ms = [m for seed in seeds for m in read_jsonl(out / "runs" / run_name(spec, seed) /
+                                                      "metrics.jsonl")]
+        if not ms:
+            raise SystemExit(f"compare --cost: no logged step for {spec}")
+        row = {"reward": spec, "steps": len(ms)}
+        for key in (*TIMING, *COSTS, "mem_kv_mb", "mem_cuda_peak_mb"):
+            row[key] = _mean([m.get(key) for m in ms])
+        # the paper's latency is per agent step (one turn's reward)
+        row["ms_per_turn"] = 1000 * row["t_reward"] / max(row["gen_turns"] or 0, 1)
+        row["reward_share"] = row["t_reward"] / max(
+            row["t_rollout"] + row["t_reward"] + row["t_update"], 1e-9)
+        row["paper"] = dict(zip(("latency", "forwards", "external", "growth"),
+                                paper_cost(parse_spec(spec)[0])))
+        rows.append(row)
+    return {"rows": rows, "seeds": seeds}
+
+
+def cost_markdown(result: dict, command: str) -> str:
+    def extra(r):
+        parts = []
+        if r["branch_rollouts"]:
+            parts.append(f"{r['branch_rollouts']:.1f} sibling rollouts "
+                         f"({r['branch_tokens']:.0f} tokens)")
+        if r["tf_rows"]:
+            parts.append(f"{r['tf_rows']:.1f} teacher-forced rows ({r['tf_tokens']:.0f} tokens)")
+        return "; ".join(parts) or "0"
+    lines = [
+        "Per training step, mean over every logged step of seeds "
+        f"{result['seeds']}; the paper's numbers (Table complexity, per agent step, A6000, 7B) "
+        "beside them. *reward*: t_reward, the time of the reward itself (for tree search: the "
+        "sibling rollouts and the advantages; the chains are the rollout); per turn: divided by "
+        "the turns played in the step.", "", f"`{command}`", "",
+        "| reward | reward s / step | ms / turn | paper latency / step | extra forward work / "
+        "step | paper add. fwd passes | external calls / step | paper external | tokens "
+        "generated / step | turns / step | reward share of step | KV cache MB | paper growth |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in result["rows"]:
+        p = r["paper"]
+        lines.append(
+            f"| {r['reward']} | {r['t_reward']:.3f} | {r['ms_per_turn']:.2f} | {p['latency']} "
+            f"| {extra(r)} | {p['forwards']} | {r['external_calls']:.1f} | {p['external']} | "
+            f"{r['gen_tokens']:.0f} | {r['gen_turns']:.1f} | {100 * r['reward_share']:.1f}% | "
+            f"{r['mem_kv_mb']:.1f} | {p['growth']} |")
+    return "\n".join(lines) + "\n"
 
 
 def bootstrap_mean(rows: list[list[float]], base: list[list[float]] | None = None,
@@ -2221,6 +2739,18 @@ def train_parser() -> argparse.ArgumentParser:
     a("--tips-refresh", type=int, default=10,
       help="tips: steps between refreshes of the lagged teacher (a LoRA snapshot)")
     a("--tips-gamma", type=float, default=1.0, help="tips: discount gamma of the shaping term")
+    a("--tree-m", type=int, default=None,
+      help="tree_grpo: trees per prompt, each grown from one chain; at2po: chain rollouts under "
+           "its one root (default --group / 2)")
+    a("--tree-n", type=int, default=None,
+      help="tree_grpo: nodes drawn per tree per round, one branch each (default 2); at2po: the "
+           "top-K nodes regenerated per round (default --group / 4)")
+    a("--tree-l", type=int, default=None,
+      help="tree_grpo, at2po: expansion rounds (default 1 for tree_grpo, 2 for at2po)")
+    a("--at2po-penalty", type=float, default=0.05,
+      help="at2po: branching penalty alpha, score = entropy - alpha x siblings (the release's)")
+    a("--at2po-clip", type=float, nargs=2, default=[3e-3, 4e-3], metavar=("LOW", "HIGH"),
+      help="at2po: clip range of the turn-level ratio, [1 - LOW, 1 + HIGH] (the release's)")
     g = ap.add_argument_group("rollout")
     g.add_argument("--steps", type=int, default=None, help=preset_help("steps", "training steps"))
     g.add_argument("--batch", type=int, default=None,

@@ -312,6 +312,19 @@ def set_lengths(cache: list[KVCache], lengths: Tensor):
         layer_cache.lengths = lengths.detach().to("cpu", torch.long).clone()
 
 
+def copy_rows(src: list[KVCache], src_row: int, dst: list[KVCache], dst_row: int, n: int):
+    """Row dst_row of dst holds the first n slots of row src_row of src, and n tokens.
+
+    A branch of a rollout tree continues from its parent's prefix this way instead of
+    prefilling it again: slot = position, so the copied keys are exactly what a fresh prefill of
+    those n tokens would write (RoPE already applied at the same positions)."""
+    for s, d in zip(src, dst):
+        d.grow(n)
+        d.k[dst_row, :, :n] = s.k[src_row, :, :n].to(d.k.device)
+        d.v[dst_row, :, :n] = s.v[src_row, :, :n].to(d.v.device)
+        d.lengths[dst_row] = n
+
+
 # ----------------------------------------------------------------------------------------------
 # Attention statistics of the span rows (SPEC §4)
 
@@ -895,6 +908,9 @@ class TurnTrace:
     h_last: Tensor | None               # (L+1, d) hidden_states[l] at the last span token
     h_mean: Tensor | None               # (L+1, d) mean over span rows of hidden_states[l]
     finished: bool                      # stopped on a stop token (vs max_new_tokens)
+    # log pi(token) of each sampled token at the sampling temperature (T = 1 when greedy), from
+    # the logits it was drawn from; empty for teacher-forced traces
+    logprobs: list[float] = field(default_factory=list)
 
 
 @torch.no_grad()
@@ -1001,10 +1017,15 @@ def generate(model: Transformer, cache, new_tokens: list[list[int]], max_new_tok
     sums = torch.zeros(B, L, H, len(STATS))
     h_sum, h_last = torch.zeros(L + 1, B, d), torch.zeros(L + 1, B, d)
     far = span_start + max_new_tokens + 1
+    logps = [[] for _ in range(B)]
     while active.any():
-        token = sample(logits, temperature, top_p, generator).cpu()         # (B,)
+        token = sample(logits, temperature, top_p, generator)                # (B,)
+        logp = torch.log_softmax(logits / (temperature or 1.0), -1).gather(
+            1, token[:, None]).squeeze(1).cpu()                              # (B,)
+        token = token.cpu()
         for r in active.nonzero().squeeze(-1).tolist():
             out[r].append(int(token[r]))
+            logps[r].append(float(logp[r]))
             finished[r] = out[r][-1] in stop_ids
         ending = torch.tensor([bool(out[r]) and (finished[r] or len(out[r]) >= max_new_tokens)
                                for r in range(B)]) & active
@@ -1036,7 +1057,7 @@ def generate(model: Transformer, cache, new_tokens: list[list[int]], max_new_tok
             attn=dict(zip(STATS, (sums[r] / n).unbind(-1))) if has else {},
             h_last=h_last[:, r].clone() if has else None,
             h_mean=h_sum[:, r] / n if has else None,
-            finished=finished[r]))
+            finished=finished[r], logprobs=logps[r]))
     return traces
 
 

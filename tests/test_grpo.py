@@ -639,9 +639,10 @@ def test_every_offline_reward_runs(reward, tiny_policy, tmp_path):
     assert summary["base"]["episodes"] == 2 and summary["final"]["step"] == 1
 
 
-@pytest.mark.parametrize("reward", ["outcome", "igpo"])
+@pytest.mark.parametrize("reward", ["outcome", "igpo", "tree_grpo", "at2po"])
 def test_gta_replay_runs(reward, release_dir, tiny_policy, tmp_path, monkeypatch):
-    # igpo reads the gold answer from the released gold dialog
+    # igpo reads the gold answer from the released gold dialog; tree search replays GTA episodes
+    # to branch them
     out = tmp_path / reward
     seen = spy_envs(monkeypatch)
     summary = run(flags(tiny_policy, out, reward, env="gta", data_dir=release_dir, steps=1,
@@ -1209,3 +1210,290 @@ def test_the_base_model_is_evaluated_once_per_policy_and_evaluation_settings(
     assert base(tmp_path / "b") == base(tmp_path / "a")    # as run a computed it
     run(flags(tiny_policy, tmp_path / "c", "outcome", **{**kw, "max_new_tokens": 6}))
     assert steps == [0, 1, 1, 0, 1]                     # other decoding: evaluated again
+
+
+# ---------------------------------------------------------------------------------------------
+# tree search: Tree-GRPO and AT²PO (grpo.py section 3b)
+
+def hand_step(nll: float = 0.0) -> grpo.Step:
+    return grpo.Step([1, 2], 0, (0, 2), "", None, None, nll=nll)
+
+
+def hand_forest(n_roots: int, paths: list[tuple[int, int | None, int, list[float], float]]):
+    """paths: (root, index of an earlier path it branches from or None, turns it keeps from it,
+    the entropies of its own new turns, its outcome) -> (forest, trajectories)."""
+    forest = grpo.Forest([grpo.Node(None, None, None, k) for k in range(n_roots)])
+    trajs = []
+    for root, src, kept, nlls, score in paths:
+        shared = trajs[src].steps[:kept] if src is not None else []
+        traj = grpo.Trajectory(None, steps=shared + [hand_step(h) for h in nlls], score=score)
+        parent = forest.node_of[id(shared[-1])] if shared else forest.roots[root]
+        grpo.attach(forest, traj, parent, kept)
+        trajs.append(traj)
+    return forest, trajs
+
+
+def test_tree_grpo_advantages_hand_worked():
+    # tree 0: chain a (2 turns, R 1); b (R 0) and e (R 1) branch after a's turn 1;
+    # tree 1: chain c (1 turn, R 0)
+    forest, (a, c, b, e) = hand_forest(2, [(0, None, 0, [0, 0], 1.0), (1, None, 0, [0], 0.0),
+                                           (0, 0, 1, [0, 0], 0.0), (0, 0, 1, [0], 1.0)])
+    assert forest.leaf_tree == [0, 1, 0, 0]
+    adv, zero = grpo.tree_grpo_advantages(forest)
+    s = 0.5 / (0.5 + 1e-6)                        # inter-tree: R = [1, 0, 0, 1], mean 0.5, std 0.5
+    sd = math.sqrt(2 / 9)                         # intra tree 0: R = [1, 0, 1], mean 2/3
+    up, down = (1 / 3) / (sd + 1e-6), -(2 / 3) / (sd + 1e-6)
+    # tree 1 has one leaf: nothing to compare it with inside its tree
+    assert not zero
+    assert adv == [pytest.approx([s + up] * 2), pytest.approx([-s]),
+                   pytest.approx([-s + down] * 3), pytest.approx([s + up] * 2)]
+    # the turn a, b and e share gets +A(a) - A(b) + A(e) in the update; the siblings below it
+    # get their own: b's turn 2 is pushed down, a's and e's up
+    forest, _ = hand_forest(1, [(0, None, 0, [0], 1.0), (0, None, 0, [0], 1.0)])
+    assert grpo.tree_grpo_advantages(forest) == ([[0.0], [0.0]], True)
+
+
+def test_at2po_values_are_entropy_weighted_means_of_the_children():
+    # one root; chain a = (a1, a2) R 1, chain c = (c1) R 0, b regenerates a2 (R 0), d
+    # regenerates from the root: (d1, d2) R 1
+    forest, (a, c, b, d) = hand_forest(1, [(0, None, 0, [1.0, 0.5], 1.0), (0, None, 0, [0.2], 0.0),
+                                           (0, 0, 1, [1.5], 0.0), (0, None, 0, [0.7, 0.1], 1.0)])
+    adv, zero = grpo.at2po_advantages(forest)
+    s = 0.5 / (0.5 + 1e-6)                         # leaf values: R normalized over the tree
+    e1, e2 = math.exp(0.5), math.exp(1.5)          # a1's children a2 (H .5, V s), b2 (H 1.5, -s)
+    v_a1 = (e1 * s - e2 * s) / (e1 + e2)
+    assert not zero
+    assert adv == [pytest.approx([v_a1, s]), pytest.approx([-s]), pytest.approx([v_a1, -s]),
+                   pytest.approx([s, s])]          # d1 has one child: V(d1) = V(d2)
+    # the root's value: the softmax over a1, c1, d1
+    w = torch.softmax(torch.tensor([1.0, 0.2, 0.7], dtype=torch.float64), 0).tolist()
+    assert forest.roots[0].value == pytest.approx(w[0] * v_a1 - w[1] * s + w[2] * s)
+
+
+def test_at2po_expands_the_highest_entropy_turns_minus_the_branching_penalty():
+    forest, (a, c, b, d) = hand_forest(1, [(0, None, 0, [1.0, 0.5], 1.0), (0, None, 0, [0.2], 0.0),
+                                           (0, 0, 1, [1.5], 0.0), (0, None, 0, [0.7, 0.1], 1.0)])
+    root = forest.roots[0]
+    a1, d1 = forest.node_of[id(a.steps[0])], forest.node_of[id(d.steps[0])]
+    # expandable: the root and the turns with a child, breadth first (leaves a2, b2, c1, d2 not)
+    assert grpo.inner_nodes(root) == [root, a1, d1]
+    # root: 0 - 0.05 x 2 own children but one; a1: 1.0 - 0.05 x 2 siblings; d1: 0.7 - 0.1
+    assert [grpo.at2po_score(n, 0.05) for n in (root, a1, d1)] == pytest.approx([-0.1, 0.9, 0.6])
+    args = argparse.Namespace(tree_n=4, at2po_penalty=0.05)
+    points = grpo.at2po_points(forest, args, None)
+    # a regenerated turn is a new sibling: parent, the rollout that holds its context, turns kept
+    # (ranked a1, d1, root; fewer candidates than K are cycled from the top; the root's context
+    # is held by its first chain)
+    assert points == [(root, a, 0), (root, d, 0), (root, a, 0), (root, a, 0)]
+
+
+def test_tree_grpo_draws_expandable_nodes_and_continues_after_them():
+    forest, (a, c, b) = hand_forest(2, [(0, None, 0, [0, 0, 0], 1.0), (1, None, 0, [0], 0.0),
+                                        (0, 0, 1, [0], 0.0)])
+    g = torch.Generator().manual_seed(0)
+    points = grpo.tree_grpo_points(forest, argparse.Namespace(tree_n=200), g)
+    tree0, tree1 = points[:200], points[200:]
+    a1, a2 = (forest.node_of[id(s)] for s in a.steps[:2])
+    # tree 0: the root (a fresh chain), a1 (2 children), a2; never a leaf; uniform draws
+    assert {p[0].depth for p in tree0} == {0, 1, 2}
+    assert {(p[0] is forest.roots[0], p[2]) for p in tree0} == {(True, 0), (False, 1),
+                                                                (False, 2)}
+    assert all(p[1] is a for p in tree0)           # a holds every context of tree 0
+    assert 40 < sum(p[0] is a1 for p in tree0) < 95
+    # tree 1 is one turn: only its root can be expanded
+    assert all(p == (forest.roots[1], c, 0) for p in tree1)
+
+
+def test_a_branch_from_a_copied_cache_equals_a_fresh_prefill(tiny_policy, monkeypatch):
+    policy, tok = mdl.load_model(tiny_policy)
+    env = envs.make("shop", split="train")
+    args = play_args(max_turns=4, max_new_tokens=12)
+    caches = []
+    chains = grpo.rollout(policy, tok, [env.episode(5) for _ in range(3)], args,
+                          generator=torch.Generator().manual_seed(0), caches=caches)
+    i = max(range(3), key=lambda k: len(chains[k].steps))
+    owner = chains[i]
+    assert len(owner.steps) >= 3 and owner.steps[0].observation
+    copied = []
+    real_copy = mdl.copy_rows
+    monkeypatch.setattr(mdl, "copy_rows", lambda *a: (copied.append(a[-1]), real_copy(*a)))
+    for kept in (0, 1, 2):                         # the prompt; after an observation, twice
+        forest = grpo.Forest([grpo.Node(None, None, None, 0)])
+        forest.caches[id(owner)] = (caches[0], i)
+        grpo.attach(forest, owner, forest.roots[0], 0)
+        parent = forest.node_of[id(owner.steps[kept - 1])] if kept else forest.roots[0]
+        grpo.grow(policy, tok, lambda: env.episode(5), forest, [(parent, owner, kept)], args,
+                  torch.Generator().manual_seed(11), stats=True)
+        branch = forest.leaves[-1]
+        context = owner.segments[0][:owner.steps[kept].span[0]]
+        assert copied[-1] == len(context) - 1       # the prefix is copied, one token re-fed
+        # the same continuation from a fresh prefill of the whole context
+        fresh = grpo.Trajectory(grpo.fork_episode(lambda: env.episode(5), owner, kept),
+                                steps=list(owner.steps[:kept]))
+        grpo.play(policy, tok, [fresh], policy.new_cache(1), [context], args,
+                  generator=torch.Generator().manual_seed(11), stats=True)
+        assert branch.segments == fresh.segments and branch.steps[:kept] == owner.steps[:kept]
+        assert branch.score == fresh.score and len(branch.steps) == len(fresh.steps) > kept
+        for x, y in zip(branch.steps[kept:], fresh.steps[kept:]):
+            assert x.tokens == y.tokens and x.observation == y.observation
+            torch.testing.assert_close(torch.tensor(x.trace.logprobs),
+                                       torch.tensor(y.trace.logprobs), atol=1e-5, rtol=1e-5)
+            torch.testing.assert_close(x.trace.h_last, y.trace.h_last, atol=1e-5, rtol=1e-5)
+            torch.testing.assert_close(x.trace.h_mean, y.trace.h_mean, atol=1e-5, rtol=1e-5)
+            for name in mdl.STATS:
+                torch.testing.assert_close(x.trace.attn[name], y.trace.attn[name], atol=1e-5,
+                                           rtol=1e-5)
+        # and the tree: the branch's new turns hang below the parent
+        assert forest.node_of[id(branch.steps[kept])].parent is parent
+
+
+def test_a_branch_from_before_a_rewritten_history_prefills_only_what_differs(tiny_policy,
+                                                                             monkeypatch):
+    # ToolBench's history cap: the owner's cache row holds its last segment only
+    policy, tok = mdl.load_model(tiny_policy)
+
+    class Rewriting(envs.Episode):
+        def call_tool(self, name, arguments):
+            return "x" * 50
+
+        def _after_observation(self):
+            if len(self.steps) == 2:
+                self.messages[2]["content"] = "Observation: [elided]"
+                return 2
+            return None
+
+        def score(self):
+            return float(len(self.steps))
+
+    def episode():
+        ep = Rewriting("r", "Add 1 and 2.", envs.SHOP_TOOLS)
+        ep.step = lambda text, step=ep.step: step(
+            'Action: Calculator\nAction Input: {"expression": "1+2"}')
+        return ep
+    args = play_args(max_turns=3)
+    caches = []
+    (owner,) = grpo.rollout(policy, tok, [episode()], args,
+                            generator=torch.Generator().manual_seed(0), caches=caches)
+    assert [s.segment for s in owner.steps] == [0, 0, 1]
+    copied = []
+    real_copy = mdl.copy_rows
+    monkeypatch.setattr(mdl, "copy_rows", lambda *a: (copied.append(a[-1]), real_copy(*a)))
+    for kept in (1, 2):
+        forest = grpo.Forest([grpo.Node(None, None, None, 0)])
+        forest.caches[id(owner)] = (caches[0], 0)
+        grpo.attach(forest, owner, forest.roots[0], 0)
+        grpo.grow(policy, tok, episode, forest, [(forest.node_of[id(owner.steps[kept - 1])],
+                                                  owner, kept)], args,
+                  torch.Generator().manual_seed(5), stats=True)
+        branch = forest.leaves[-1]
+        at = owner.steps[kept]
+        context = owner.segments[at.segment][:at.span[0]]
+        shared = grpo.common_prefix(context, owner.segments[-1])
+        assert copied[-1] == min(shared, len(context) - 1)
+        assert (shared < len(context)) == (kept == 1)   # turn 2 was played before the rewrite
+        fresh = grpo.Trajectory(grpo.fork_episode(episode, owner, kept),
+                                segments=[list(x) for x in owner.segments[:at.segment]] + [[]],
+                                steps=list(owner.steps[:kept]))
+        grpo.play(policy, tok, [fresh], policy.new_cache(1), [context], args,
+                  generator=torch.Generator().manual_seed(5), stats=True)
+        assert branch.segments == fresh.segments
+        for x, y in zip(branch.steps[kept:], fresh.steps[kept:]):
+            assert x.tokens == y.tokens
+            torch.testing.assert_close(x.trace.h_last, y.trace.h_last, atol=1e-5, rtol=1e-5)
+            torch.testing.assert_close(x.trace.attn["prefix"], y.trace.attn["prefix"],
+                                       atol=1e-5, rtol=1e-5)
+
+
+def test_turn_loss_matches_a_direct_computation():
+    # two turns of one trajectory, one turn of another; logp_old differs: the ratios move
+    g = torch.Generator().manual_seed(0)
+    N = 7
+    turn = torch.tensor([3, 3, 3, 9, 9, 20, 20])
+    weight = torch.tensor([1 / 5] * 5 + [1 / 2] * 2, dtype=torch.float64)
+    logp = (torch.randn(N, generator=g, dtype=torch.float64) - 1).requires_grad_()
+    # turn 3's ratio leaves the trust region upwards with A > 0 (clipped); the others do not
+    logp_old = logp.detach() - torch.tensor([0.004, 0.006, 0.008, 0.0, 0.002, -0.001, -0.003],
+                                             dtype=torch.float64)
+    logp_ref = logp.detach() + 0.1 * torch.randn(N, generator=g, dtype=torch.float64)
+    adv = torch.tensor([1.0, 1.0, 1.0, -0.5, -0.5, 2.0, 2.0], dtype=torch.float64)
+    lo, hi, beta = 3e-3, 4e-3, 0.05
+    loss, sums = grpo.turn_loss(logp, logp_old, logp_ref, adv, turn, weight, (lo, hi), beta,
+                                n_tokens=7.0, n_seqs=2.0)
+    loss.backward()
+    total, grad, clipped = 0.0, [0.0] * N, 0
+    lp, lo_, lr = logp.tolist(), logp_old.tolist(), logp_ref.tolist()
+    for k in (3, 9, 20):
+        idx = [t for t in range(N) if turn[t] == k]
+        s = math.exp(sum(lp[t] - lo_[t] for t in idx) / len(idx))   # the turn's ratio
+        a = adv[idx[0]].item()
+        active = (a >= 0 and s > 1 + hi) or (a < 0 and s < 1 - lo)
+        clipped += active * len(idx)
+        for t in idx:
+            surrogate = ((1 + hi) if a >= 0 else (1 - lo)) * a if active else s * a
+            total += -surrogate * weight[t].item() / 2
+            # a token's gradient is its own: s x d logp_t, none when clipped
+            grad[t] += 0.0 if active else -s * a * weight[t].item() / 2
+    for t in range(N):
+        total += beta * (math.exp(lr[t] - lp[t]) - (lr[t] - lp[t]) - 1) / 7
+        grad[t] += beta * (1 - math.exp(lr[t] - lp[t])) / 7
+    assert loss.item() == pytest.approx(total, rel=1e-12)
+    torch.testing.assert_close(logp.grad, torch.tensor(grad, dtype=torch.float64))
+    assert clipped == 3 and sums["clip"] == clipped
+
+
+@pytest.mark.parametrize("reward", ["tree_grpo", "at2po"])
+def test_tree_search_runs_and_resumes_exactly(reward, tiny_policy, tmp_path, monkeypatch):
+    kw = dict(steps=3, save_every=2, group=4, max_turns=3, tree_l=1 if reward == "at2po" else None)
+    whole = tmp_path / "whole"
+    run(flags(tiny_policy, whole, reward, **kw))
+    recs = metrics(whole)
+    # defaults from --group 4: tree_grpo M 2, N 2 (6 leaves); at2po M 2, K 1
+    args = json.loads((whole / "args.json").read_text())
+    assert (args["tree_m"], args["tree_n"]) == ((2, 2) if reward == "tree_grpo" else (2, 1))
+    for rec in recs:
+        assert rec["branch_rollouts"] == args["tree_n"] * (2 if reward == "tree_grpo" else 1)
+        assert rec["gen_tokens"] >= rec["branch_tokens"] > 0 and rec["mem_kv_mb"] > 0
+        assert rec["tokens"] >= rec["gen_tokens"]      # a turn shared by k leaves counts k times
+    cut = tmp_path / "cut"
+    real = grpo.train_step
+
+    def crash_at_step_3(step, *a, **k):
+        if step == 2:
+            raise KeyboardInterrupt
+        return real(step, *a, **k)
+    monkeypatch.setattr(grpo, "train_step", crash_at_step_3)
+    with pytest.raises(KeyboardInterrupt):
+        run(flags(tiny_policy, cut, reward, **kw))
+    monkeypatch.setattr(grpo, "train_step", real)
+    with pytest.raises(SystemExit, match="--tree-n"):
+        run(flags(tiny_policy, cut, reward, resume=True, **dict(kw, tree_n=3)))
+    run(flags(tiny_policy, cut, reward, resume=True, **kw))
+    assert without_timing(metrics(cut)) == without_timing(recs)
+
+
+def test_tree_search_refuses_an_outcome_weight_and_an_empty_budget(tiny_policy, tmp_path):
+    with pytest.raises(SystemExit, match="--outcome-weight"):
+        run(flags(tiny_policy, tmp_path / "a", "at2po", outcome_weight=0.5))
+    with pytest.raises(SystemExit, match="--tree-l must be at least 1"):
+        run(flags(tiny_policy, tmp_path / "b", "tree_grpo", tree_l=0))
+
+
+def test_compare_cost_measures_what_each_reward_adds(tiny_policy, tmp_path):
+    out = tmp_path / "cost"
+    per_run = ["--model", str(tiny_policy), "--steps", "1", "--group", "4", "--max-turns", "2",
+               "--max-new-tokens", "8"]
+    result = grpo.main(["compare", "--cost", "--rewards", "outcome", "igpo", "tree_grpo", "at2po",
+                        "--seeds", "1", "--out", str(out), "--", *per_run])
+    rows = {r["reward"]: r for r in result["rows"]}
+    assert not any((out / "runs" / name / "eval.jsonl").exists() for name in
+                   ("outcome-s1", "igpo-s1"))                 # no evaluation: time only
+    assert rows["outcome"]["tf_rows"] == rows["outcome"]["branch_rollouts"] == 0
+    # igpo teacher-forces one row per turn state
+    assert rows["igpo"]["tf_rows"] == rows["igpo"]["gen_turns"] > 0
+    # tree_grpo: 2 trees x 2 branches; at2po: 2 rounds of 1 (G = 4)
+    assert rows["tree_grpo"]["branch_rollouts"] == 4 and rows["at2po"]["branch_rollouts"] == 2
+    for r in rows.values():
+        assert r["gen_tokens"] > 0 and r["mem_kv_mb"] > 0 and r["t_reward"] >= 0
+    text = (out / "cost.md").read_text()
+    assert "| tree_grpo |" in text and "~5-25 s" in text and "K sibling rollouts" in text
+    assert "4.0 sibling rollouts" in text and "~30-50 ms" in text
