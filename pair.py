@@ -299,6 +299,13 @@ def render_record(record, tokenizer, max_len=4096):
     return ids, spans[-1], cut
 
 
+def input_digest(ids: list[int], span) -> torch.Tensor:
+    """sha256 of the exact model input (token ids and evaluation span) as 32 uint8: two records
+    with one digest give the same forward, so their features are the same numbers."""
+    h = hashlib.sha256(torch.tensor(list(ids) + list(span), dtype=torch.int64).numpy().tobytes())
+    return torch.frombuffer(bytearray(h.digest()), dtype=torch.uint8)
+
+
 def _file_sha256(path: Path) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as f:
@@ -308,12 +315,15 @@ def _file_sha256(path: Path) -> str:
 
 
 def extract(net, tokenizer, data_path, out_path, max_len=4096, shard_size=32,
-            manifest_extra=None, log=None, records=None) -> dict:
+            manifest_extra=None, log=None, records=None, reuse=()) -> dict:
     """Features of every record of a matched file -> a features file (see CONTRACTS.md).
 
     Completed records are written to OUT.parts/ in shards (atomically); a rerun with the same
     arguments skips them. Records that fail are listed by id, printed and kept in the output's
-    metadata; with failures the parts stay, so a rerun retries only those."""
+    metadata; with failures the parts stay, so a rerun retries only those. `reuse`: features
+    files of the same model whose records with the same input digest are copied instead of
+    run again (in the released GTA test pairs, 104 of 177 contaminated records are the clean
+    record token for token)."""
     log = log or sys.stderr
     data_path, out_path = Path(data_path), Path(out_path)
     if records is None:                           # validated; each with its episode's tools
@@ -321,30 +331,56 @@ def extract(net, tokenizer, data_path, out_path, max_len=4096, shard_size=32,
     parts = parts_dir(out_path)
     manifest = {"data": str(data_path.resolve()), "data_sha256": _file_sha256(data_path),
                 "max_len": max_len, **(manifest_extra or {})}
+    known = _reusable_rows(reuse, manifest)
     # One writer: a second run on the same output would delete this one's shards at its merge.
     with exclusive_dir(parts):
         return _extract_parts(net, tokenizer, records, data_path, parts, out_path, manifest,
-                              max_len, shard_size, log)
+                              max_len, shard_size, log, known)
+
+
+def _reusable_rows(paths, manifest) -> dict[bytes, dict]:
+    """digest -> raw features of one record, from features files extracted with the same model,
+    dtype and max_len (anything else would copy numbers of another forward)."""
+    known = {}
+    for path in paths:
+        raw, meta = probes.load_features(path)
+        for key in ("model_sha256", "dtype", "max_len"):
+            if meta.get(key) != manifest.get(key):
+                raise probes.FormatError(f"--reuse {path}: {key} {meta.get(key)!r} differs from "
+                                         f"this extraction's {manifest.get(key)!r}")
+        if "input_digest" not in raw:
+            raise probes.FormatError(f"--reuse {path}: no input digests (extracted before "
+                                     "they were recorded); extract it again")
+        skip = ("record_index", "label", "turn_idx", "distance", "distance_messages")
+        for r in range(len(raw["input_digest"])):
+            known.setdefault(bytes(raw["input_digest"][r].tolist()),
+                             {k: v[r] for k, v in raw.items() if k not in skip})
+    return known
 
 
 def _extract_parts(net, tokenizer, records, data_path, parts, out_path, manifest, max_len,
-                   shard_size, log) -> dict:
+                   shard_size, log, known=None) -> dict:
     done = _open_parts(parts, manifest)
     todo = [i for i in range(len(records)) if i not in done]
     print(f"extract {data_path.name}: {len(records)} records, {len(done)} already done "
           f"(resuming from {parts})" if done else
           f"extract {data_path.name}: {len(records)} records", file=log)
 
-    failed, buffer = [], []
+    failed, buffer, n_reused = [], [], 0
     t0, last_print = time.perf_counter(), 0.0
     for n_new, i in enumerate(todo, 1):
         record = records[i]
         rid = f"{record['episode_id']}@{record['turn_idx']}"
         try:
             ids, span, cut = render_record(record, tokenizer, max_len)
-            with torch.inference_mode():
-                trace = mdl.trace_forward(net, ids, span)
-            raw = probes.raw_features(trace)
+            digest = input_digest(ids, span)
+            raw = dict((known or {}).get(bytes(digest.tolist()), {}))
+            n_reused += bool(raw)
+            if not raw:
+                with torch.inference_mode():
+                    trace = mdl.trace_forward(net, ids, span)
+                raw = probes.raw_features(trace)
+            raw["input_digest"] = digest
             raw["record_index"] = torch.tensor(i)
             raw["truncated"] = torch.tensor(int(cut > 0))
             buffer.append(raw)
@@ -360,7 +396,7 @@ def _extract_parts(net, tokenizer, records, data_path, parts, out_path, manifest
             rate = n_new / (now - t0)
             eta = (len(todo) - n_new) / rate if rate > 0 else 0
             print(f"  {len(done) + n_new}/{len(records)} records  {rate:.2f} rec/s  "
-                  f"ETA {_hms(eta)}  failed {len(failed)}", file=log)
+                  f"ETA {_hms(eta)}  failed {len(failed)}  reused {n_reused}", file=log)
     if not todo:
         _write_shard(parts, [], [])
 
@@ -435,7 +471,11 @@ def _merge_parts(parts, records, out_path, manifest, failed, log) -> dict:
             "dims": {"d": tensors["h_mean"].shape[1], "L": L, "H": H},
             "episode_id": [str(r["episode_id"]) for r in chosen],
             "contamination_type": [r.get("contamination_type") for r in chosen],
-            "prefix_type": [r.get("prefix_type") for r in chosen]}
+            "prefix_type": [r.get("prefix_type") for r in chosen],
+            "has_contaminated_prefix": [r.get("has_contaminated_prefix") for r in chosen],
+            # the adversarial set's kind and rule (envs.py make-diagnostic); None elsewhere
+            "diagnostic": [r.get("diagnostic") for r in chosen],
+            "diagnostic_rule": [r.get("diagnostic_rule") for r in chosen]}
     probes.save_safetensors(tensors, out_path, {"pair_features": json.dumps(meta)})
     print(f"wrote {out_path}: {len(chosen)} records, {meta['n_truncated']} truncated to their "
           f"last {manifest['max_len']} tokens, {len(failed)} failed", file=log)
@@ -926,8 +966,25 @@ def _json_clean(node):
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
+def subsample_episodes(records: list[dict], n: int, seed: int) -> list[dict]:
+    """The records of n episodes drawn with `seed`, in file order. The draw depends only on the
+    set of episode ids, so the clean and contaminated files of a family keep the same pairs."""
+    unique = sorted({r["episode_id"] for r in records})
+    order = torch.randperm(len(unique), generator=torch.Generator().manual_seed(seed))
+    keep = {unique[j] for j in order[:n].tolist()}
+    return [r for r in records if r["episode_id"] in keep]
+
+
 def cmd_extract(args):
     records = envs.load_matched(args.data)      # a bad data file fails before the model loads
+    extra = {}
+    if args.episodes is not None:
+        n_episodes = len({r["episode_id"] for r in records})
+        records = subsample_episodes(records, args.episodes, args.episode_seed)
+        extra["subsample"] = {"episodes": min(args.episodes, n_episodes), "of": n_episodes,
+                              "seed": args.episode_seed, "records": len(records)}
+        print(f"subsample: {len(records)} records of {extra['subsample']['episodes']} of "
+              f"{n_episodes} episodes (seed {args.episode_seed})", file=sys.stderr)
     t0 = time.perf_counter()
     net, tokenizer = mdl.load_model(args.model, dtype=DTYPES[args.dtype])
     model_sha256 = mdl.checkpoint_sha256(net.checkpoint_dir)
@@ -935,7 +992,9 @@ def cmd_extract(args):
           f"{time.perf_counter() - t0:.1f}s", file=sys.stderr)
     extract(net, tokenizer, args.data, args.out, args.max_len, args.shard_size, records=records,
             manifest_extra={"model": str(Path(args.model).resolve()) if Path(args.model).exists()
-                            else args.model, "model_sha256": model_sha256, "dtype": args.dtype})
+                            else args.model, "model_sha256": model_sha256, "dtype": args.dtype,
+                            **extra},
+            reuse=args.reuse)
 
 
 def cmd_train(args):
@@ -1051,6 +1110,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--shard-size", type=_int_at_least(1), default=32,
                    help="records per checkpoint shard; an interrupted run resumes after the last "
                         "shard written (default 32)")
+    p.add_argument("--reuse", nargs="+", default=[], metavar="FEATURES",
+                   help="features files of the same model, dtype and max-len: a record whose "
+                        "model input (token ids and span) is in one of them is copied, not run "
+                        "again (e.g. the clean split when extracting the contaminated one)")
+    p.add_argument("--episodes", type=_int_at_least(1), default=None,
+                   help="keep the records of this many episodes only, drawn with "
+                        "--episode-seed (the same draw for the clean and contaminated files); "
+                        "default: every record")
+    p.add_argument("--episode-seed", type=int, default=0,
+                   help="seed of the --episodes draw (default 0)")
     p.set_defaults(func=cmd_extract, writes=lambda a: [parts_dir(a.out)])
 
     def training_flags(p):
