@@ -721,6 +721,124 @@ PAPER = {
 }
 
 
+HIDDEN_PROBES = ("last_token", "mean_pooled", "multi_layer")
+ATTENTION_PROBES = ("attention", "multi_attn", "lookback", "head_entropy")
+BOOTSTRAP_DRAWS, BOOTSTRAP_SEED = 1000, 0
+
+
+def differing_pairs(clean: Split, contaminated: Split) -> tuple[list[int], list[int]] | None:
+    """Rows (in clean, in contaminated) of the matched pairs whose model inputs differ; None
+    when the features carry no input digests. In the released GTA test splits 104 of 177 pairs
+    are the same dialog twice (no earlier turn was contaminated): they can only dilute a drop."""
+    if "input_digest" not in clean.raw or "input_digest" not in contaminated.raw:
+        return None
+    row = {k: j for j, k in enumerate(contaminated.keys())}
+    a, b = [], []
+    for i, k in enumerate(clean.keys()):
+        j = row.get(k)
+        if j is not None and not torch.equal(clean.raw["input_digest"][i],
+                                             contaminated.raw["input_digest"][j]):
+            a.append(i)
+            b.append(j)
+    return a, b
+
+
+def paired_bootstrap_drop(y_a, s_a: list, y_b, s_b: list, draws=BOOTSTRAP_DRAWS,
+                          seed=BOOTSTRAP_SEED) -> dict:
+    """AUROC(a) - AUROC(b) on n pairs (row i of a and of b are one pair), averaged over the
+    probe seeds (s_a, s_b: one (n,) score tensor per seed), and its 95% percentile interval
+    from `draws` resamples of the pairs with replacement. A given seed draws the same pairs for
+    every method. Draws whose resample holds one class (AUROC undefined) are dropped and
+    counted."""
+    y_a, y_b = torch.as_tensor(y_a), torch.as_tensor(y_b)
+    n = len(y_a)
+
+    def drop(idx):
+        d = [probes.auroc(y_a[idx], a[idx]) - probes.auroc(y_b[idx], b[idx])
+             for a, b in zip(s_a, s_b)]
+        d = [x for x in d if x == x]
+        return sum(d) / len(d) if d else float("nan")
+
+    point = drop(torch.arange(n))
+    if point != point:
+        return {"drop": None, "ci95": None, "draws": 0, "undefined_draws": draws}
+    g = torch.Generator().manual_seed(seed)
+    boot = [drop(torch.randint(n, (n,), generator=g)) for _ in range(draws)]
+    kept = torch.tensor([x for x in boot if x == x], dtype=torch.float64)
+    lo, hi = torch.quantile(kept, torch.tensor([0.025, 0.975], dtype=torch.float64)).tolist()
+    return {"drop": point, "ci95": [lo, hi], "draws": len(kept),
+            "undefined_draws": draws - len(kept)}
+
+
+def _logit(p: torch.Tensor) -> torch.Tensor:
+    p = p.double().clamp(1e-12, 1 - 1e-12)
+    return (p / (1 - p)).log()
+
+
+def drop_on_differing(clean: Split, contaminated: Split, scores: dict, probability: dict,
+                      draws=BOOTSTRAP_DRAWS, seed=BOOTSTRAP_SEED) -> dict:
+    """SPEC §8b on the pairs whose prefixes differ: per method AUROC clean and contaminated,
+    the drop with its paired bootstrap interval, and how far the evaluation turn's score moved
+    between its two prefixes: mean |logit(p_clean) - logit(p_contaminated)| over the pairs, also
+    divided by the std of that probe's logits over both test splits (a probe with larger
+    weights moves more in raw logits). scores[method][split]: one (N,) tensor per seed."""
+    pairs = differing_pairs(clean, contaminated)
+    if pairs is None:
+        return {"skipped": "the features carry no input digests (extracted before they were "
+                           "recorded): extract them again"}
+    a, b = pairs
+    out = {"n_pairs": len(a), "n_pairs_all": len(clean.y), "positives": int(clean.y[a].sum()),
+           "draws": draws, "seed": seed, "methods": {}}
+    if not a:
+        return {**out, "skipped": "no pair differs"}
+    y_a, y_b = clean.y[a], contaminated.y[b]
+    for method, per_split in scores.items():
+        s_a = [s[a] for s in per_split["matched_clean_test"]]
+        s_b = [s[b] for s in per_split["matched_contaminated_test"]]
+        row = {"clean": mean_std([probes.auroc(y_a, s) for s in s_a]),
+               "contaminated": mean_std([probes.auroc(y_b, s) for s in s_b]),
+               **paired_bootstrap_drop(y_a, s_a, y_b, s_b, draws, seed)}
+        if probability[method]:
+            moved, rel = [], []
+            for sa, sb, whole_a, whole_b in zip(s_a, s_b, per_split["matched_clean_test"],
+                                                per_split["matched_contaminated_test"]):
+                d = (_logit(sa) - _logit(sb)).abs().mean().item()
+                spread = torch.cat([_logit(whole_a), _logit(whole_b)]).std().item()
+                moved.append(d)
+                rel.append(d / spread if spread > 0 else float("nan"))
+            row["mean_abs_dlogit"], row["rel_abs_dlogit"] = mean_std(moved), mean_std(rel)
+        out["methods"][method] = row
+    groups = {"hidden": HIDDEN_PROBES, "attention": ATTENTION_PROBES}
+    out["groups"] = {}
+    for group, names in groups.items():
+        rows = [out["methods"][m] for m in names if "mean_abs_dlogit" in out["methods"].get(m, {})]
+        if rows:
+            out["groups"][group] = {
+                "probes": [m for m in names if m in out["methods"]],
+                "mean_abs_dlogit": sum(r["mean_abs_dlogit"]["mean"] for r in rows) / len(rows),
+                "rel_abs_dlogit": sum(r["rel_abs_dlogit"]["mean"] for r in rows) / len(rows)}
+    return out
+
+
+def diagnostic_summary(split: Split, scores: dict) -> dict:
+    """Table (e): AUROC on the adversarial set, overall and per rule of its negatives (each
+    rule's negatives against every positive)."""
+    rules = split.meta.get("diagnostic_rule") or [None] * len(split.y)
+    neg_rules = sorted({r for r, y in zip(rules, split.y.tolist()) if y == 0 and r})
+    out = {"n": len(split.y), "positives": int(split.y.sum()),
+           "by_rule_n": {r: rules.count(r) for r in sorted(set(filter(None, rules)))},
+           "methods": {}}
+    pos = [i for i, y in enumerate(split.y.tolist()) if y == 1]
+    for method, per_split in scores.items():
+        seeds = per_split[DIAGNOSTIC_SPLIT]
+        row = {"auroc": mean_std([probes.auroc(split.y, s) for s in seeds]), "by_rule": {}}
+        for rule in neg_rules:
+            idx = pos + [i for i, r in enumerate(rules) if r == rule]
+            row["by_rule"][rule] = mean_std([probes.auroc(split.y[idx], s[idx]) for s in seeds])
+        out["methods"][method] = row
+    return out
+
+
 def stat_subsets() -> list[tuple[str, ...]]:
     """The 15 non-empty subsets of the four attention statistics, smallest first."""
     return [c for k in range(1, 5) for c in itertools.combinations(ATTN_STATS, k)]
@@ -753,6 +871,7 @@ def run_report(features_dir, mode="mixed", seeds=SEEDS, C=0.01, crossfit=0, log=
     tests["all_test"] = concat_splits([splits[n] for n in TEST_SPLITS])
     # per-seed values: detection[method][split][metric] -> list over seeds
     detection, distance, ablation = {}, {}, {}
+    kept, probability_of = {}, {}   # method -> split -> [(N,) scores per seed]; P(correct)?
     n_train, fit_seconds = {}, []
     t0 = time.perf_counter()
 
@@ -765,6 +884,8 @@ def run_report(features_dir, mode="mixed", seeds=SEEDS, C=0.01, crossfit=0, log=
     def score_all(method, scorer, probability):
         for split_name, split in tests.items():
             p = scorer(split.raw)
+            kept.setdefault(method, {}).setdefault(split_name, []).append(p)
+            probability_of[method] = probability
             metrics = probes.metrics(split.y, p, split.episode_id, probability)
             for metric, value in metrics.items():
                 add(detection, (method, split_name, metric), value)
@@ -814,6 +935,12 @@ def run_report(features_dir, mode="mixed", seeds=SEEDS, C=0.01, crossfit=0, log=
             return mean_std(node)
         return {k: (v if k == "_n" else summarize(v)) for k, v in node.items()}
 
+    t_drop = time.perf_counter()
+    drop_differing = drop_on_differing(splits["matched_clean_test"],
+                                       splits["matched_contaminated_test"], kept, probability_of)
+    drop_differing["seconds"] = time.perf_counter() - t_drop
+    diagnostic = (diagnostic_summary(tests[DIAGNOSTIC_SPLIT], kept)
+                  if DIAGNOSTIC_SPLIT in tests else None)
     meta = splits["matched_clean_test"].meta
     return {
         "features_dir": str(features_dir), "mode": mode, "seeds": list(seeds), "C": C,
@@ -824,7 +951,8 @@ def run_report(features_dir, mode="mixed", seeds=SEEDS, C=0.01, crossfit=0, log=
         "n_train": n_train, "fit_seconds_per_seed": fit_seconds,
         "seconds": time.perf_counter() - t0,
         "detection": summarize(detection), "distance": summarize(distance),
-        "ablation": summarize(ablation),
+        "ablation": summarize(ablation), "drop_differing": drop_differing,
+        "diagnostic": diagnostic,
     }
 
 
@@ -902,8 +1030,11 @@ def render_markdown(result: dict, paper_ref: str | None) -> str:
             drop = a["mean"] - b["mean"]
             rows.append([METHODS[m][0], f"{a['mean']:.3f}", f"{b['mean']:.3f}", f"{drop:+.3f}",
                          f"{100 * drop / a['mean']:+.1f}%"])
-    lines += ["", "## (b) AUROC drop clean → contaminated prefix", ""]
+    lines += ["", "## (b) AUROC drop clean → contaminated prefix", "",
+              "Whole splits (every record, including pairs whose two dialogs are identical):",
+              ""]
     lines += _table(["Method", "clean", "contaminated", "drop", "relative"], rows)
+    lines += _render_differing(result, methods)
     # (c)
     dist = result["distance"]
     counts = dist.get("_n", {})
@@ -930,18 +1061,55 @@ def render_markdown(result: dict, paper_ref: str | None) -> str:
     lines += _table(["Statistics", "clean", "contaminated", "both"], rows)
     # (e)
     lines += ["", "## (e) Adversarial diagnostic set", ""]
-    if DIAGNOSTIC_SPLIT in result["n_records"]:
-        lines += [f"{result['n_records'][DIAGNOSTIC_SPLIT]} records "
-                  f"({result['positives'][DIAGNOSTIC_SPLIT]} correct): consistent-but-incorrect "
-                  "turns after a clean prefix vs inconsistent-but-correct repair turns after a "
-                  "contaminated prefix. AUROC below 0.5 = the probe tracks belief-consistency.",
-                  ""]
-        lines += _table(["Method", "AUROC"], [[METHODS[m][0], _ms(_get(det, m, DIAGNOSTIC_SPLIT,
-                                                                       "auroc"))]
-                                              for m in methods])
+    diag = result.get("diagnostic")
+    if DIAGNOSTIC_SPLIT in result["n_records"] and diag:
+        rules = [r for r in diag["by_rule_n"] if diag["by_rule_n"][r] and any(
+            r in row["by_rule"] for row in diag["methods"].values())]
+        lines += [f"{diag['n']} records ({diag['positives']} correct): consistent-but-incorrect "
+                  "turns after a clean prefix (label 0) vs correct turns after a contaminated "
+                  "prefix (label 1)" + ("; records per rule: " + ", ".join(
+                      f"{r} {n}" for r, n in diag["by_rule_n"].items()) if diag["by_rule_n"]
+                      else "") + ". AUROC below 0.5 = "
+                  "the probe ranks the fluent wrong turn above the right turn after errors: it "
+                  "tracks belief-consistency. Per rule: that rule's negatives against every "
+                  "positive.", ""]
+        lines += _table(["Method", "AUROC"] + [f"vs {r}" for r in rules],
+                        [[METHODS[m][0], _ms(diag["methods"][m]["auroc"])]
+                         + [_ms(diag["methods"][m]["by_rule"].get(r)) for r in rules]
+                         for m in methods if m in diag["methods"]])
     else:
         lines += [f"No {DIAGNOSTIC_SPLIT}.safetensors in the features directory."]
     return "\n".join(lines) + "\n"
+
+
+def _render_differing(result: dict, methods: list[str]) -> list[str]:
+    dd = result.get("drop_differing") or {}
+    lines = ["", "On the pairs whose two dialogs differ (an earlier turn was contaminated):", ""]
+    if "skipped" in dd:
+        return lines + [f"Not computed: {dd['skipped']}."]
+    lines += [f"{dd['n_pairs']} of {dd['n_pairs_all']} pairs differ ({dd['positives']} with a "
+              f"correct evaluation turn). Drop = AUROC clean − AUROC contaminated on those "
+              f"pairs, mean over seeds; 95% interval from a paired bootstrap ({dd['draws']} "
+              f"resamples of the pairs, seed {dd['seed']}). |Δ logit| = mean over the pairs of "
+              "how far the evaluation turn's logit moved between its clean and its "
+              "contaminated prefix; relative = divided by the std of that probe's logits over "
+              "both test splits.", ""]
+    rows = []
+    for m in methods:
+        row = dd["methods"].get(m)
+        if row is None:
+            continue
+        ci = row.get("ci95")
+        rows.append([METHODS[m][0], _ms(row["clean"]), _ms(row["contaminated"]),
+                     "undefined (one class)" if row["drop"] is None else
+                     f"{row['drop']:+.3f} [{ci[0]:+.3f}, {ci[1]:+.3f}]",
+                     _ms(row.get("mean_abs_dlogit")), _ms(row.get("rel_abs_dlogit"))])
+    lines += _table(["Method", "clean", "contaminated", "drop [95% CI]", "|Δ logit|",
+                     "relative |Δ logit|"], rows)
+    for group, g in dd.get("groups", {}).items():
+        lines.append(f"\nMean over the {group} probes ({', '.join(g['probes'])}): |Δ logit| "
+                     f"{g['mean_abs_dlogit']:.3f}, relative {g['rel_abs_dlogit']:.3f}.")
+    return lines
 
 
 def _table(header, rows) -> list[str]:
