@@ -26,6 +26,14 @@ the immediately preceding assistant turn and bucket d = 1 would always be empty.
 d = 1 as "the error is the immediately preceding turn", so `distance` counts assistant turns
 (the literal message difference is kept as `distance_messages`).
 
+Contamination analyses. (b) is also measured on the matched pairs whose two model inputs
+differ (by an input digest recorded at extraction): in the released GTA test splits 104 of 177
+pairs are the same dialog twice, which can only dilute a drop. There, per method: AUROC clean and
+contaminated, the drop with a paired bootstrap 95% interval (1,000 resamples of the pairs, seed
+0), and how far the evaluation turn's logit moved between its two prefixes (report.json
+`drop_differing`). (e) reads matched_diagnostic_test (shop: `envs.py make-data`; GTA:
+`envs.py make-diagnostic gta`), overall and per rule of its negatives (report.json `diagnostic`).
+
     python pair.py extract --model DIR --data gta/matched_clean_train.json \\
                            --out feats/matched_clean_train.safetensors
     python pair.py train  --features feats --out probes/gta        # PAIR + every baseline probe
