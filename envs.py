@@ -2217,6 +2217,183 @@ class ShopEnv(Env):
 
 
 # ---------------------------------------------------------------------------------------------
+# Analysis sets made from the released splits, no LLM
+# ---------------------------------------------------------------------------------------------
+
+# make-diagnostic gta: the adversarial diagnostic set (paper Appendix diagnostic, SPEC §8e).
+#   looks-wrong-but-right (label 1): every released matched_contaminated_test record with
+#     has_contaminated_prefix and label 1 - the gold evaluation turn after a contaminated prefix.
+#   looks-right-but-wrong (label 0), after the gold (clean) prefix, at most one per rule and
+#     episode, at a position drawn with the seed among those where the rule applies:
+#     repeat_previous_call - the previous assistant message (thought and tool call) verbatim: a
+#       redundant retrieval (GTA tools are deterministic, a repeat learns nothing); not used
+#       where the gold turn itself makes that call;
+#     unused_observation_number - the gold turn with a number it copies from an earlier
+#       observation replaced, in its call and its thought, by another number of the earlier
+#       observations that no gold assistant turn and no reference answer contains: a fluent call
+#       of a task tool on a value the solution never uses. OCR box coordinates "(x1, y1, x2, y2)"
+#       are not values a solution copies, so they are not taken.
+# The paper built its set with an LLM; these rules need none, and each negative is checked to
+# differ from the gold turn at its position.
+DIAGNOSTIC_RULES = ("repeat_previous_call", "unused_observation_number")
+_NUMBER = re.compile(r"(?<![\w.,])\d+(?:\.\d+)?(?![\w]|[.,]\d)")
+_BOX = re.compile(r"\(\d+, \d+, \d+, \d+\)")
+
+
+def _tool_call(message: dict) -> tuple[str, str] | None:
+    calls = message.get("tool_calls") if message.get("role") == "assistant" else None
+    if not calls:
+        return None
+    fn = calls[0]["function"]
+    return fn["name"], json.dumps(fn["arguments"], sort_keys=True)
+
+
+def _numbers(text: str) -> list[str]:
+    return _NUMBER.findall(_BOX.sub(" ", text))
+
+
+def _swap_number(text: str, old: str, new: str) -> str:
+    return re.sub(r"(?<![\w.,])" + re.escape(old) + r"(?![\w]|[.,]\d)", new, text)
+
+
+def _gold_numbers(record: dict) -> set[str]:
+    """Every number a gold assistant turn or a reference answer contains."""
+    texts = [json.dumps(m, ensure_ascii=False) for m in record["dialogs"]
+             if m["role"] == "assistant"]
+    texts.append(json.dumps(record.get("gt_answer"), ensure_ascii=False))
+    return {n for text in texts for n in _NUMBER.findall(text)}
+
+
+def repeat_previous_call(dialog: list[dict], t: int) -> dict | None:
+    prev = dialog[t - 2] if t >= 2 else {}
+    if _tool_call(prev) is None or _tool_call(dialog[t]) == _tool_call(prev):
+        return None
+    return json.loads(json.dumps(prev))
+
+
+def unused_observation_number(record: dict, t: int, rng: random.Random) -> dict | None:
+    dialog, gold = record["dialogs"], record["dialogs"][t]
+    if _tool_call(gold) is None:
+        return None
+    seen = {n for m in dialog[:t] if m["role"] == "tool" for n in _numbers(tool_result_text(m))}
+    arguments = gold["tool_calls"][0]["function"]["arguments"]
+    copied = sorted({n for v in arguments.values() if isinstance(v, str)
+                     for n in _numbers(v)} & seen)
+    unused = sorted(seen - _gold_numbers(record))
+    if not copied or not unused:
+        return None
+    old, new = rng.choice(copied), rng.choice(unused)
+    turn = json.loads(json.dumps(gold))
+    fn = turn["tool_calls"][0]["function"]
+    fn["arguments"] = {k: _swap_number(v, old, new) if isinstance(v, str) else v
+                       for k, v in fn["arguments"].items()}
+    if isinstance(turn.get("thought"), str):
+        turn["thought"] = _swap_number(turn["thought"], old, new)
+    return turn if _tool_call(turn) != _tool_call(gold) else None
+
+
+def gta_diagnostic(clean: dict[str, dict], contaminated_matched: list[dict],
+                   seed: int = 0) -> list[dict]:
+    """The diagnostic records of the GTA test split, episode by episode in file order."""
+    positives: dict[str, list[dict]] = {}
+    for rec in contaminated_matched:
+        if rec["has_contaminated_prefix"] and rec["label"] == 1:
+            positives.setdefault(rec["episode_id"], []).append(
+                {**{k: v for k, v in rec.items() if k != "dialogs"},
+                 "diagnostic": "inconsistent_correct",
+                 "diagnostic_rule": "gold_after_contaminated_prefix", "dialogs": rec["dialogs"]})
+    out = []
+    for eid, record in clean.items():
+        dialog = record["dialogs"]
+        rng = random.Random(f"gta-diagnostic-{seed}-{eid}")
+        turns = [t for t in assistant_positions(dialog) if t >= 1]
+        for rule in DIAGNOSTIC_RULES:
+            made = [(t, repeat_previous_call(dialog, t) if rule == DIAGNOSTIC_RULES[0]
+                     else unused_observation_number(record, t, rng)) for t in turns]
+            made = [(t, turn) for t, turn in made if turn is not None]
+            if made:
+                t, turn = rng.choice(made)
+                out.append(_matched_record(eid, t, False, None, [], "clean",
+                                           dialog[:t] + [turn], diagnostic="consistent_incorrect",
+                                           diagnostic_rule=rule))
+        out += positives.pop(eid, [])
+    if positives:
+        raise DataError(f"matched_contaminated_test episodes {sorted(positives)} are not in "
+                        "clean_test.json")
+    return out
+
+
+def make_gta_diagnostic(data_dir=None, out_dir=None, seed: int = 0) -> dict[str, int]:
+    """Write matched_diagnostic_test.json and its episode file diagnostic_test.json (the clean
+    test episodes, for the tool lists) to out_dir (default: the released gta folder)."""
+    folder = Path(data_dir or default_data_dir()) / "gta"
+    if not (folder / "matched_contaminated_test.json").is_file():
+        download("gta", folder.parent)
+    clean = load_episodes(folder / "clean_test.json")
+    matched = _parse_json((folder / "matched_contaminated_test.json").read_bytes(),
+                          folder / "matched_contaminated_test.json")
+    _check_matched_file(matched, folder / "matched_contaminated_test.json")
+    records = gta_diagnostic(clean, matched, seed)
+    _check_matched_file(records, "matched_diagnostic_test.json")
+    used = {r["episode_id"] for r in records}
+    out_dir = Path(out_dir or folder)
+    write_atomic(out_dir / "diagnostic_test.json", json.dumps(
+        {k: v for k, v in clean.items() if k in used}, indent=2).encode())
+    write_atomic(out_dir / "matched_diagnostic_test.json", json.dumps(records).encode())
+    counts: dict[str, int] = {}
+    for r in records:
+        counts[r["diagnostic_rule"]] = counts.get(r["diagnostic_rule"], 0) + 1
+    return {"records": len(records), "episodes": len(used), **counts}
+
+
+# split-episodes: a train split from released test files (ToolBench has no train split, SPEC §1).
+# The episodes of the test files are drawn into two halves with a seed; each half gets all four
+# files (episode and matched, clean and contaminated) named as released. *Departure*: the paper
+# trained on ToolBench train episodes, which are not public; probes fitted on half of the test
+# episodes and scored on the other half answer the same question on fewer data.
+SPLIT_FILES = ("clean", "contaminated", "matched_clean", "matched_contaminated")
+
+
+def split_episodes(data_dir, family: str, out_dir, seed: int = 0, fraction: float = 0.5,
+                   episodes: int | None = None) -> dict[str, int]:
+    """Write {clean,contaminated,matched_clean,matched_contaminated}_{train,test}.json of the
+    family's test episodes split by episode (`fraction` to train), optionally of a seeded
+    subsample of `episodes` episodes first. Returns records per file written."""
+    if not 0 < fraction < 1:
+        raise DataError(f"--fraction {fraction}: must be strictly between 0 and 1")
+    folder = Path(data_dir or default_data_dir()) / family
+    if not all((folder / f"{name}_test.json").is_file() for name in SPLIT_FILES):
+        download(family, folder.parent)
+    data = {}
+    for name in SPLIT_FILES:
+        path = folder / f"{name}_test.json"
+        data[name] = _parse_json(path.read_bytes(), path)
+        (_check_matched_file if name.startswith("matched_") else _check_episode_file)(
+            data[name], path)
+    ids = sorted(data["clean"])
+    rng = random.Random(f"split-{family}-{seed}")
+    rng.shuffle(ids)
+    if episodes is not None:
+        if episodes < 2:
+            raise DataError(f"--episodes {episodes}: need at least 2 (one per half)")
+        ids = ids[:episodes]
+    n_train = max(1, min(len(ids) - 1, round(fraction * len(ids))))
+    halves = {"train": set(ids[:n_train]), "test": set(ids[n_train:])}
+    counts = {}
+    for split, keep in halves.items():
+        for name in SPLIT_FILES:
+            if name.startswith("matched_"):
+                part = [r for r in data[name] if r["episode_id"] in keep]
+            else:
+                part = {k: v for k, v in data[name].items() if k in keep}
+            target = Path(out_dir) / f"{name}_{split}.json"
+            write_atomic(target, json.dumps(part, indent=None if name.startswith("matched_")
+                                            else 2).encode())
+            counts[target.name] = len(part)
+    return counts
+
+
+# ---------------------------------------------------------------------------------------------
 # Command line
 # ---------------------------------------------------------------------------------------------
 
@@ -2275,6 +2452,27 @@ def main(argv=None):
     p.add_argument("--episodes", type=int, default=1000, help="number of episodes")
     p.add_argument("--seed", type=int, default=42, help="generation seed")
 
+    p = sub.add_parser("make-diagnostic", help="write the adversarial diagnostic set of a "
+                                               "released benchmark from its data (no LLM)")
+    p.add_argument("family", choices=["gta"], help="which benchmark (GTA: the rules in envs.py)")
+    p.add_argument("--data-dir", default=None,
+                   help="root folder of the released files (DIR/<family>/); default $PAIR_DATA "
+                        "or ~/.cache/pair/data")
+    p.add_argument("--out", default=None, help="output folder (default: DIR/<family>/)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the positions drawn (default 0)")
+
+    p = sub.add_parser("split-episodes", help="split a benchmark's released test files by "
+                                              "episode into train and test halves")
+    p.add_argument("family", choices=sorted(RELEASE_FILES), help="which benchmark")
+    p.add_argument("--data-dir", default=None,
+                   help="root folder of the released files (DIR/<family>/)")
+    p.add_argument("--out", required=True, help="output folder for the eight files")
+    p.add_argument("--seed", type=int, default=0, help="seed of the episode draw (default 0)")
+    p.add_argument("--fraction", type=float, default=0.5,
+                   help="fraction of the episodes that go to train (default 0.5)")
+    p.add_argument("--episodes", type=int, default=None,
+                   help="first draw this many episodes (a seeded subsample; default: all)")
+
     p = sub.add_parser("replay", help="play the gold dialogs through a replay env and report")
     p.add_argument("family", choices=["gta", "toolbench"], help="which benchmark")
     p.add_argument("--split", default="test", choices=["train", "test"], help="released split")
@@ -2306,6 +2504,11 @@ def _run(args):
         for name, n in counts.items():
             unit = "turn records" if name.startswith("matched_") else "episodes"
             print(f"  {name:<34} {n:>7,} {unit}")
+    elif args.command == "make-diagnostic":
+        print(json.dumps(make_gta_diagnostic(args.data_dir, args.out, args.seed)))
+    elif args.command == "split-episodes":
+        print(json.dumps(split_episodes(args.data_dir, args.family, args.out, args.seed,
+                                        args.fraction, args.episodes)))
     elif args.command == "replay":
         if args.family == "gta":
             env = make("gta", args.split, args.data_dir, match=args.match)

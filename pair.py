@@ -26,6 +26,14 @@ the immediately preceding assistant turn and bucket d = 1 would always be empty.
 d = 1 as "the error is the immediately preceding turn", so `distance` counts assistant turns
 (the literal message difference is kept as `distance_messages`).
 
+Contamination analyses. (b) is also measured on the matched pairs whose two model inputs
+differ (by an input digest recorded at extraction): in the released GTA test splits 104 of 177
+pairs are the same dialog twice, which can only dilute a drop. There, per method: AUROC clean and
+contaminated, the drop with a paired bootstrap 95% interval (1,000 resamples of the pairs, seed
+0), and how far the evaluation turn's logit moved between its two prefixes (report.json
+`drop_differing`). (e) reads matched_diagnostic_test (shop: `envs.py make-data`; GTA:
+`envs.py make-diagnostic gta`), overall and per rule of its negatives (report.json `diagnostic`).
+
     python pair.py extract --model DIR --data gta/matched_clean_train.json \\
                            --out feats/matched_clean_train.safetensors
     python pair.py train  --features feats --out probes/gta        # PAIR + every baseline probe
@@ -299,6 +307,13 @@ def render_record(record, tokenizer, max_len=4096):
     return ids, spans[-1], cut
 
 
+def input_digest(ids: list[int], span) -> torch.Tensor:
+    """sha256 of the exact model input (token ids and evaluation span) as 32 uint8: two records
+    with one digest give the same forward, so their features are the same numbers."""
+    h = hashlib.sha256(torch.tensor(list(ids) + list(span), dtype=torch.int64).numpy().tobytes())
+    return torch.frombuffer(bytearray(h.digest()), dtype=torch.uint8)
+
+
 def _file_sha256(path: Path) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as f:
@@ -308,12 +323,15 @@ def _file_sha256(path: Path) -> str:
 
 
 def extract(net, tokenizer, data_path, out_path, max_len=4096, shard_size=32,
-            manifest_extra=None, log=None, records=None) -> dict:
+            manifest_extra=None, log=None, records=None, reuse=()) -> dict:
     """Features of every record of a matched file -> a features file (see CONTRACTS.md).
 
     Completed records are written to OUT.parts/ in shards (atomically); a rerun with the same
     arguments skips them. Records that fail are listed by id, printed and kept in the output's
-    metadata; with failures the parts stay, so a rerun retries only those."""
+    metadata; with failures the parts stay, so a rerun retries only those. `reuse`: features
+    files of the same model whose records with the same input digest are copied instead of
+    run again (in the released GTA test pairs, 104 of 177 contaminated records are the clean
+    record token for token)."""
     log = log or sys.stderr
     data_path, out_path = Path(data_path), Path(out_path)
     if records is None:                           # validated; each with its episode's tools
@@ -321,30 +339,56 @@ def extract(net, tokenizer, data_path, out_path, max_len=4096, shard_size=32,
     parts = parts_dir(out_path)
     manifest = {"data": str(data_path.resolve()), "data_sha256": _file_sha256(data_path),
                 "max_len": max_len, **(manifest_extra or {})}
+    known = _reusable_rows(reuse, manifest)
     # One writer: a second run on the same output would delete this one's shards at its merge.
     with exclusive_dir(parts):
         return _extract_parts(net, tokenizer, records, data_path, parts, out_path, manifest,
-                              max_len, shard_size, log)
+                              max_len, shard_size, log, known)
+
+
+def _reusable_rows(paths, manifest) -> dict[bytes, dict]:
+    """digest -> raw features of one record, from features files extracted with the same model,
+    dtype and max_len (anything else would copy numbers of another forward)."""
+    known = {}
+    for path in paths:
+        raw, meta = probes.load_features(path)
+        for key in ("model_sha256", "dtype", "max_len"):
+            if meta.get(key) != manifest.get(key):
+                raise probes.FormatError(f"--reuse {path}: {key} {meta.get(key)!r} differs from "
+                                         f"this extraction's {manifest.get(key)!r}")
+        if "input_digest" not in raw:
+            raise probes.FormatError(f"--reuse {path}: no input digests (extracted before "
+                                     "they were recorded); extract it again")
+        skip = ("record_index", "label", "turn_idx", "distance", "distance_messages")
+        for r in range(len(raw["input_digest"])):
+            known.setdefault(bytes(raw["input_digest"][r].tolist()),
+                             {k: v[r] for k, v in raw.items() if k not in skip})
+    return known
 
 
 def _extract_parts(net, tokenizer, records, data_path, parts, out_path, manifest, max_len,
-                   shard_size, log) -> dict:
+                   shard_size, log, known=None) -> dict:
     done = _open_parts(parts, manifest)
     todo = [i for i in range(len(records)) if i not in done]
     print(f"extract {data_path.name}: {len(records)} records, {len(done)} already done "
           f"(resuming from {parts})" if done else
           f"extract {data_path.name}: {len(records)} records", file=log)
 
-    failed, buffer = [], []
+    failed, buffer, n_reused = [], [], 0
     t0, pacer = time.perf_counter(), mdl.Pacer(len(todo), log)
     for n_new, i in enumerate(todo, 1):
         record = records[i]
         rid = f"{record['episode_id']}@{record['turn_idx']}"
         try:
             ids, span, cut = render_record(record, tokenizer, max_len)
-            with torch.inference_mode():
-                trace = mdl.trace_forward(net, ids, span)
-            raw = probes.raw_features(trace)
+            digest = input_digest(ids, span)
+            raw = dict((known or {}).get(bytes(digest.tolist()), {}))
+            n_reused += bool(raw)
+            if not raw:
+                with torch.inference_mode():
+                    trace = mdl.trace_forward(net, ids, span)
+                raw = probes.raw_features(trace)
+            raw["input_digest"] = digest
             raw["record_index"] = torch.tensor(i)
             raw["truncated"] = torch.tensor(int(cut > 0))
             buffer.append(raw)
@@ -358,7 +402,7 @@ def _extract_parts(net, tokenizer, records, data_path, parts, out_path, manifest
             rate = n_new / (time.perf_counter() - t0)
             eta = (len(todo) - n_new) / rate if rate > 0 else 0
             print(f"  {len(done) + n_new}/{len(records)} records  {rate:.2f} rec/s  "
-                  f"ETA {_hms(eta)}  failed {len(failed)}", file=log)
+                  f"ETA {_hms(eta)}  failed {len(failed)}  reused {n_reused}", file=log)
     if not todo:
         _write_shard(parts, [], [])
 
@@ -433,7 +477,11 @@ def _merge_parts(parts, records, out_path, manifest, failed, log) -> dict:
             "dims": {"d": tensors["h_mean"].shape[1], "L": L, "H": H},
             "episode_id": [str(r["episode_id"]) for r in chosen],
             "contamination_type": [r.get("contamination_type") for r in chosen],
-            "prefix_type": [r.get("prefix_type") for r in chosen]}
+            "prefix_type": [r.get("prefix_type") for r in chosen],
+            "has_contaminated_prefix": [r.get("has_contaminated_prefix") for r in chosen],
+            # the adversarial set's kind and rule (envs.py make-diagnostic); None elsewhere
+            "diagnostic": [r.get("diagnostic") for r in chosen],
+            "diagnostic_rule": [r.get("diagnostic_rule") for r in chosen]}
     probes.save_safetensors(tensors, out_path, {"pair_features": json.dumps(meta)})
     print(f"wrote {out_path}: {len(chosen)} records, {meta['n_truncated']} truncated to their "
           f"last {manifest['max_len']} tokens, {len(failed)} failed", file=log)
@@ -679,6 +727,124 @@ PAPER = {
 }
 
 
+HIDDEN_PROBES = ("last_token", "mean_pooled", "multi_layer")
+ATTENTION_PROBES = ("attention", "multi_attn", "lookback", "head_entropy")
+BOOTSTRAP_DRAWS, BOOTSTRAP_SEED = 1000, 0
+
+
+def differing_pairs(clean: Split, contaminated: Split) -> tuple[list[int], list[int]] | None:
+    """Rows (in clean, in contaminated) of the matched pairs whose model inputs differ; None
+    when the features carry no input digests. In the released GTA test splits 104 of 177 pairs
+    are the same dialog twice (no earlier turn was contaminated): they can only dilute a drop."""
+    if "input_digest" not in clean.raw or "input_digest" not in contaminated.raw:
+        return None
+    row = {k: j for j, k in enumerate(contaminated.keys())}
+    a, b = [], []
+    for i, k in enumerate(clean.keys()):
+        j = row.get(k)
+        if j is not None and not torch.equal(clean.raw["input_digest"][i],
+                                             contaminated.raw["input_digest"][j]):
+            a.append(i)
+            b.append(j)
+    return a, b
+
+
+def paired_bootstrap_drop(y_a, s_a: list, y_b, s_b: list, draws=BOOTSTRAP_DRAWS,
+                          seed=BOOTSTRAP_SEED) -> dict:
+    """AUROC(a) - AUROC(b) on n pairs (row i of a and of b are one pair), averaged over the
+    probe seeds (s_a, s_b: one (n,) score tensor per seed), and its 95% percentile interval
+    from `draws` resamples of the pairs with replacement. A given seed draws the same pairs for
+    every method. Draws whose resample holds one class (AUROC undefined) are dropped and
+    counted."""
+    y_a, y_b = torch.as_tensor(y_a), torch.as_tensor(y_b)
+    n = len(y_a)
+
+    def drop(idx):
+        d = [probes.auroc(y_a[idx], a[idx]) - probes.auroc(y_b[idx], b[idx])
+             for a, b in zip(s_a, s_b)]
+        d = [x for x in d if x == x]
+        return sum(d) / len(d) if d else float("nan")
+
+    point = drop(torch.arange(n))
+    if point != point:
+        return {"drop": None, "ci95": None, "draws": 0, "undefined_draws": draws}
+    g = torch.Generator().manual_seed(seed)
+    boot = [drop(torch.randint(n, (n,), generator=g)) for _ in range(draws)]
+    kept = torch.tensor([x for x in boot if x == x], dtype=torch.float64)
+    lo, hi = torch.quantile(kept, torch.tensor([0.025, 0.975], dtype=torch.float64)).tolist()
+    return {"drop": point, "ci95": [lo, hi], "draws": len(kept),
+            "undefined_draws": draws - len(kept)}
+
+
+def _logit(p: torch.Tensor) -> torch.Tensor:
+    p = p.double().clamp(1e-12, 1 - 1e-12)
+    return (p / (1 - p)).log()
+
+
+def drop_on_differing(clean: Split, contaminated: Split, scores: dict, probability: dict,
+                      draws=BOOTSTRAP_DRAWS, seed=BOOTSTRAP_SEED) -> dict:
+    """SPEC §8b on the pairs whose prefixes differ: per method AUROC clean and contaminated,
+    the drop with its paired bootstrap interval, and how far the evaluation turn's score moved
+    between its two prefixes: mean |logit(p_clean) - logit(p_contaminated)| over the pairs, also
+    divided by the std of that probe's logits over both test splits (a probe with larger
+    weights moves more in raw logits). scores[method][split]: one (N,) tensor per seed."""
+    pairs = differing_pairs(clean, contaminated)
+    if pairs is None:
+        return {"skipped": "the features carry no input digests (extracted before they were "
+                           "recorded): extract them again"}
+    a, b = pairs
+    out = {"n_pairs": len(a), "n_pairs_all": len(clean.y), "positives": int(clean.y[a].sum()),
+           "draws": draws, "seed": seed, "methods": {}}
+    if not a:
+        return {**out, "skipped": "no pair differs"}
+    y_a, y_b = clean.y[a], contaminated.y[b]
+    for method, per_split in scores.items():
+        s_a = [s[a] for s in per_split["matched_clean_test"]]
+        s_b = [s[b] for s in per_split["matched_contaminated_test"]]
+        row = {"clean": mean_std([probes.auroc(y_a, s) for s in s_a]),
+               "contaminated": mean_std([probes.auroc(y_b, s) for s in s_b]),
+               **paired_bootstrap_drop(y_a, s_a, y_b, s_b, draws, seed)}
+        if probability[method]:
+            moved, rel = [], []
+            for sa, sb, whole_a, whole_b in zip(s_a, s_b, per_split["matched_clean_test"],
+                                                per_split["matched_contaminated_test"]):
+                d = (_logit(sa) - _logit(sb)).abs().mean().item()
+                spread = torch.cat([_logit(whole_a), _logit(whole_b)]).std().item()
+                moved.append(d)
+                rel.append(d / spread if spread > 0 else float("nan"))
+            row["mean_abs_dlogit"], row["rel_abs_dlogit"] = mean_std(moved), mean_std(rel)
+        out["methods"][method] = row
+    groups = {"hidden": HIDDEN_PROBES, "attention": ATTENTION_PROBES}
+    out["groups"] = {}
+    for group, names in groups.items():
+        rows = [out["methods"][m] for m in names if "mean_abs_dlogit" in out["methods"].get(m, {})]
+        if rows:
+            out["groups"][group] = {
+                "probes": [m for m in names if m in out["methods"]],
+                "mean_abs_dlogit": sum(r["mean_abs_dlogit"]["mean"] for r in rows) / len(rows),
+                "rel_abs_dlogit": sum(r["rel_abs_dlogit"]["mean"] for r in rows) / len(rows)}
+    return out
+
+
+def diagnostic_summary(split: Split, scores: dict) -> dict:
+    """Table (e): AUROC on the adversarial set, overall and per rule of its negatives (each
+    rule's negatives against every positive)."""
+    rules = split.meta.get("diagnostic_rule") or [None] * len(split.y)
+    neg_rules = sorted({r for r, y in zip(rules, split.y.tolist()) if y == 0 and r})
+    out = {"n": len(split.y), "positives": int(split.y.sum()),
+           "by_rule_n": {r: rules.count(r) for r in sorted(set(filter(None, rules)))},
+           "methods": {}}
+    pos = [i for i, y in enumerate(split.y.tolist()) if y == 1]
+    for method, per_split in scores.items():
+        seeds = per_split[DIAGNOSTIC_SPLIT]
+        row = {"auroc": mean_std([probes.auroc(split.y, s) for s in seeds]), "by_rule": {}}
+        for rule in neg_rules:
+            idx = pos + [i for i, r in enumerate(rules) if r == rule]
+            row["by_rule"][rule] = mean_std([probes.auroc(split.y[idx], s[idx]) for s in seeds])
+        out["methods"][method] = row
+    return out
+
+
 def stat_subsets() -> list[tuple[str, ...]]:
     """The 15 non-empty subsets of the four attention statistics, smallest first."""
     return [c for k in range(1, 5) for c in itertools.combinations(ATTN_STATS, k)]
@@ -711,6 +877,7 @@ def run_report(features_dir, mode="mixed", seeds=SEEDS, C=0.01, crossfit=0, log=
     tests["all_test"] = concat_splits([splits[n] for n in TEST_SPLITS])
     # per-seed values: detection[method][split][metric] -> list over seeds
     detection, distance, ablation = {}, {}, {}
+    kept, probability_of = {}, {}   # method -> split -> [(N,) scores per seed]; P(correct)?
     n_train, fit_seconds = {}, []
     t0 = time.perf_counter()
 
@@ -723,6 +890,8 @@ def run_report(features_dir, mode="mixed", seeds=SEEDS, C=0.01, crossfit=0, log=
     def score_all(method, scorer, probability):
         for split_name, split in tests.items():
             p = scorer(split.raw)
+            kept.setdefault(method, {}).setdefault(split_name, []).append(p)
+            probability_of[method] = probability
             metrics = probes.metrics(split.y, p, split.episode_id, probability)
             for metric, value in metrics.items():
                 add(detection, (method, split_name, metric), value)
@@ -772,6 +941,12 @@ def run_report(features_dir, mode="mixed", seeds=SEEDS, C=0.01, crossfit=0, log=
             return mean_std(node)
         return {k: (v if k == "_n" else summarize(v)) for k, v in node.items()}
 
+    t_drop = time.perf_counter()
+    drop_differing = drop_on_differing(splits["matched_clean_test"],
+                                       splits["matched_contaminated_test"], kept, probability_of)
+    drop_differing["seconds"] = time.perf_counter() - t_drop
+    diagnostic = (diagnostic_summary(tests[DIAGNOSTIC_SPLIT], kept)
+                  if DIAGNOSTIC_SPLIT in tests else None)
     meta = splits["matched_clean_test"].meta
     return {
         "features_dir": str(features_dir), "mode": mode, "seeds": list(seeds), "C": C,
@@ -782,7 +957,8 @@ def run_report(features_dir, mode="mixed", seeds=SEEDS, C=0.01, crossfit=0, log=
         "n_train": n_train, "fit_seconds_per_seed": fit_seconds,
         "seconds": time.perf_counter() - t0,
         "detection": summarize(detection), "distance": summarize(distance),
-        "ablation": summarize(ablation),
+        "ablation": summarize(ablation), "drop_differing": drop_differing,
+        "diagnostic": diagnostic,
     }
 
 
@@ -860,8 +1036,11 @@ def render_markdown(result: dict, paper_ref: str | None) -> str:
             drop = a["mean"] - b["mean"]
             rows.append([METHODS[m][0], f"{a['mean']:.3f}", f"{b['mean']:.3f}", f"{drop:+.3f}",
                          f"{100 * drop / a['mean']:+.1f}%"])
-    lines += ["", "## (b) AUROC drop clean → contaminated prefix", ""]
+    lines += ["", "## (b) AUROC drop clean → contaminated prefix", "",
+              "Whole splits (every record, including pairs whose two dialogs are identical):",
+              ""]
     lines += _table(["Method", "clean", "contaminated", "drop", "relative"], rows)
+    lines += _render_differing(result, methods)
     # (c)
     dist = result["distance"]
     counts = dist.get("_n", {})
@@ -888,18 +1067,55 @@ def render_markdown(result: dict, paper_ref: str | None) -> str:
     lines += _table(["Statistics", "clean", "contaminated", "both"], rows)
     # (e)
     lines += ["", "## (e) Adversarial diagnostic set", ""]
-    if DIAGNOSTIC_SPLIT in result["n_records"]:
-        lines += [f"{result['n_records'][DIAGNOSTIC_SPLIT]} records "
-                  f"({result['positives'][DIAGNOSTIC_SPLIT]} correct): consistent-but-incorrect "
-                  "turns after a clean prefix vs inconsistent-but-correct repair turns after a "
-                  "contaminated prefix. AUROC below 0.5 = the probe tracks belief-consistency.",
-                  ""]
-        lines += _table(["Method", "AUROC"], [[METHODS[m][0], _ms(_get(det, m, DIAGNOSTIC_SPLIT,
-                                                                       "auroc"))]
-                                              for m in methods])
+    diag = result.get("diagnostic")
+    if DIAGNOSTIC_SPLIT in result["n_records"] and diag:
+        rules = [r for r in diag["by_rule_n"] if diag["by_rule_n"][r] and any(
+            r in row["by_rule"] for row in diag["methods"].values())]
+        lines += [f"{diag['n']} records ({diag['positives']} correct): consistent-but-incorrect "
+                  "turns after a clean prefix (label 0) vs correct turns after a contaminated "
+                  "prefix (label 1)" + ("; records per rule: " + ", ".join(
+                      f"{r} {n}" for r, n in diag["by_rule_n"].items()) if diag["by_rule_n"]
+                      else "") + ". AUROC below 0.5 = "
+                  "the probe ranks the fluent wrong turn above the right turn after errors: it "
+                  "tracks belief-consistency. Per rule: that rule's negatives against every "
+                  "positive.", ""]
+        lines += _table(["Method", "AUROC"] + [f"vs {r}" for r in rules],
+                        [[METHODS[m][0], _ms(diag["methods"][m]["auroc"])]
+                         + [_ms(diag["methods"][m]["by_rule"].get(r)) for r in rules]
+                         for m in methods if m in diag["methods"]])
     else:
         lines += [f"No {DIAGNOSTIC_SPLIT}.safetensors in the features directory."]
     return "\n".join(lines) + "\n"
+
+
+def _render_differing(result: dict, methods: list[str]) -> list[str]:
+    dd = result.get("drop_differing") or {}
+    lines = ["", "On the pairs whose two dialogs differ (an earlier turn was contaminated):", ""]
+    if "skipped" in dd:
+        return lines + [f"Not computed: {dd['skipped']}."]
+    lines += [f"{dd['n_pairs']} of {dd['n_pairs_all']} pairs differ ({dd['positives']} with a "
+              f"correct evaluation turn). Drop = AUROC clean − AUROC contaminated on those "
+              f"pairs, mean over seeds; 95% interval from a paired bootstrap ({dd['draws']} "
+              f"resamples of the pairs, seed {dd['seed']}). |Δ logit| = mean over the pairs of "
+              "how far the evaluation turn's logit moved between its clean and its "
+              "contaminated prefix; relative = divided by the std of that probe's logits over "
+              "both test splits.", ""]
+    rows = []
+    for m in methods:
+        row = dd["methods"].get(m)
+        if row is None:
+            continue
+        ci = row.get("ci95")
+        rows.append([METHODS[m][0], _ms(row["clean"]), _ms(row["contaminated"]),
+                     "undefined (one class)" if row["drop"] is None else
+                     f"{row['drop']:+.3f} [{ci[0]:+.3f}, {ci[1]:+.3f}]",
+                     _ms(row.get("mean_abs_dlogit")), _ms(row.get("rel_abs_dlogit"))])
+    lines += _table(["Method", "clean", "contaminated", "drop [95% CI]", "|Δ logit|",
+                     "relative |Δ logit|"], rows)
+    for group, g in dd.get("groups", {}).items():
+        lines.append(f"\nMean over the {group} probes ({', '.join(g['probes'])}): |Δ logit| "
+                     f"{g['mean_abs_dlogit']:.3f}, relative {g['rel_abs_dlogit']:.3f}.")
+    return lines
 
 
 def _table(header, rows) -> list[str]:
@@ -921,8 +1137,25 @@ def _json_clean(node):
 # ----------------------------------------------------------------------------------------------
 # CLI
 
+def subsample_episodes(records: list[dict], n: int, seed: int) -> list[dict]:
+    """The records of n episodes drawn with `seed`, in file order. The draw depends only on the
+    set of episode ids, so the clean and contaminated files of a family keep the same pairs."""
+    unique = sorted({r["episode_id"] for r in records})
+    order = torch.randperm(len(unique), generator=torch.Generator().manual_seed(seed))
+    keep = {unique[j] for j in order[:n].tolist()}
+    return [r for r in records if r["episode_id"] in keep]
+
+
 def cmd_extract(args):
     records = envs.load_matched(args.data)      # a bad data file fails before the model loads
+    extra = {}
+    if args.episodes is not None:
+        n_episodes = len({r["episode_id"] for r in records})
+        records = subsample_episodes(records, args.episodes, args.episode_seed)
+        extra["subsample"] = {"episodes": min(args.episodes, n_episodes), "of": n_episodes,
+                              "seed": args.episode_seed, "records": len(records)}
+        print(f"subsample: {len(records)} records of {extra['subsample']['episodes']} of "
+              f"{n_episodes} episodes (seed {args.episode_seed})", file=sys.stderr)
     t0 = time.perf_counter()
     net, tokenizer = mdl.load_model(args.model, dtype=mdl.DTYPES[args.dtype])
     model_sha256 = mdl.checkpoint_sha256(net.checkpoint_dir)
@@ -930,7 +1163,9 @@ def cmd_extract(args):
           f"{time.perf_counter() - t0:.1f}s", file=sys.stderr)
     extract(net, tokenizer, args.data, args.out, args.max_len, args.shard_size, records=records,
             manifest_extra={"model": str(Path(args.model).resolve()) if Path(args.model).exists()
-                            else args.model, "model_sha256": model_sha256, "dtype": args.dtype})
+                            else args.model, "model_sha256": model_sha256, "dtype": args.dtype,
+                            **extra},
+            reuse=args.reuse)
 
 
 def cmd_train(args):
@@ -1047,6 +1282,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--shard-size", type=_int_at_least(1), default=32,
                    help="records per checkpoint shard; an interrupted run resumes after the last "
                         "shard written (default 32)")
+    p.add_argument("--reuse", nargs="+", default=[], metavar="FEATURES",
+                   help="features files of the same model, dtype and max-len: a record whose "
+                        "model input (token ids and span) is in one of them is copied, not run "
+                        "again (e.g. the clean split when extracting the contaminated one)")
+    p.add_argument("--episodes", type=_int_at_least(1), default=None,
+                   help="keep the records of this many episodes only, drawn with "
+                        "--episode-seed (the same draw for the clean and contaminated files); "
+                        "default: every record")
+    p.add_argument("--episode-seed", type=int, default=0,
+                   help="seed of the --episodes draw (default 0)")
     p.set_defaults(func=cmd_extract, writes=lambda a: [parts_dir(a.out)])
 
     def training_flags(p):

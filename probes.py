@@ -49,7 +49,15 @@ RAW_KEYS = ("h_last4", "h_mean", "attn_max", "attn_std", "attn_prefix", "attn_se
 # Features (SPEC §4)
 
 def coe_scores(h: torch.Tensor) -> tuple[float, float]:
-    """CoE-R and CoE-C from the span-mean hidden state of every layer, h: (L+1, d)."""
+    """CoE-R and CoE-C from the span-mean hidden state of every layer, h: (L+1, d).
+
+    Direction: higher = more likely correct, as in the CoE paper (Wang et al., ICLR 2025,
+    arXiv 2410.13640). It finds that correct responses take larger relative magnitude steps and
+    smaller relative angle steps through the layers, so CoE-R = mean M - mean A rises with
+    correctness; its evaluation code passes CoE-R and CoE-C unchanged as the score of the
+    correct class to roc_curve (label 1 = correct), with the same M, A and |mean M e^{iA}| as
+    here. The sign is therefore not inverted; an AUROC below 0.5 on tool-use turns is a result
+    about this setting, not a sign error."""
     h = h.double()
     step = h[1:] - h[:-1]                                               # (L, d)
     M = step.norm(dim=-1) / (h[-1] - h[0]).norm()                       # (L,) relative magnitude
