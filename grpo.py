@@ -1979,7 +1979,8 @@ def summary_text(s: dict) -> str:
 # (e.g. pair:alpha=0), and flags after `--` go to every run.
 
 COMPARE_REWARDS = ("outcome", "pair", "pair:alpha=0", "last_token", "multi_attn", "attention",
-                   "head_entropy", "igpo", "tips", "pair:probe-corpus=contaminated")
+                   "head_entropy", "igpo", "tips", "tree_grpo", "at2po",
+                   "pair:probe-corpus=contaminated")
 BOOTSTRAP = 1000
 
 
