@@ -2807,9 +2807,8 @@ def train_parser() -> argparse.ArgumentParser:
                    help=preset_help("eval_batch", "episodes decoded together in an evaluation"))
     g.add_argument("--no-eval", action="store_true", help="skip the held-out evaluations")
     g.add_argument("--seed", type=int, default=42, help="seed of everything")
-    g.add_argument("--dtype", default="float32", type=mdl.dtype_name,
-                   choices=("float32", "bfloat16"),
-                   help="model weights dtype (the adapter stays float32); fp32, bf16 accepted")
+    g.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"),
+                   help="model weights dtype (the adapter stays float32)")
     g.add_argument("--devices", default=None,
                    help="split the model over these devices, e.g. cuda:0,cuda:1 (default: the "
                         "process's GPU under torchrun, else the CPU)")

@@ -734,14 +734,8 @@ def checkpoint_sha256(directory) -> str:
     return h.hexdigest()
 
 
-# --dtype of every script takes torch's names; the short spellings mean the same
+# --dtype of every script takes these names, torch's, and only these
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-DTYPE_ALIASES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
-
-
-def dtype_name(text: str) -> str:
-    """The argparse type of --dtype: fp32 / bf16 / fp16 -> float32 / bfloat16 / float16."""
-    return DTYPE_ALIASES.get(text, text)
 
 
 # config.json key naming the world a checkpoint was trained on (the built-in policy: shop), so
@@ -1088,7 +1082,7 @@ def generate(model: Transformer, cache, new_tokens: list[list[int]], max_new_tok
 # (`q_proj.weight`, `q_proj.bias`) and adds `q_proj.lora_A.weight` (r, d_in) and
 # `q_proj.lora_B.weight` (d_out, r) beside them:   y = x W^T + b + (alpha / r) * B A dropout(x).
 # B starts at zero, so a fresh adapter leaves the model unchanged. The adapter is kept in float32
-# (as PEFT does by default) even when the base weights are bf16: the updates are tiny.
+# (as PEFT does by default) even when the base weights are bfloat16: the updates are tiny.
 
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
@@ -1138,7 +1132,8 @@ class LoRALinear(nn.Module):
 
     @torch.no_grad()
     def unmerge(self):
-        # Exact in float32 up to rounding; in bf16 W + dW - dW is not W (PEFT has the same caveat).
+        # Exact in float32 up to rounding; in bfloat16 W + dW - dW is not W (PEFT has the same
+        # caveat).
         if self.merged:
             self.weight -= self.delta_weight().to(self.weight.dtype)
             self.merged = False
@@ -1723,8 +1718,8 @@ def main(argv=None):
                    "which the built-in policy is trained with too)")
     g.add_argument("--max-new-tokens", type=int, default=256,
                    help="most tokens to generate (default: 256)")
-    g.add_argument("--dtype", type=dtype_name, choices=tuple(DTYPES), default="float32",
-                   help="weight dtype; fp32, bf16, fp16 are accepted too (default: float32)")
+    g.add_argument("--dtype", choices=tuple(DTYPES), default="float32",
+                   help="weight dtype (default: float32)")
     g.add_argument("--temperature", type=float, default=0.0,
                    help="sampling temperature; 0 (default) decodes greedily")
     g.add_argument("--top-p", type=float, default=1.0,
