@@ -1,5 +1,5 @@
-"""Speed and memory of model.py's internal signals, on any checkpoint in bf16 (targets set for the
-real 0.5B; the built-in policy, data/shop-policy, runs in seconds).
+"""Speed and memory of model.py's internal signals, on any checkpoint in bfloat16 (targets set for
+the real 0.5B; the built-in policy, data/shop-policy, runs in seconds).
 
 One 2,048-token sequence with a 256-token span (the span = its last 256 tokens):
   1. forward with attention statistics / plain forward: time and peak memory;
@@ -85,6 +85,8 @@ def main(argv=None):
                     "busy processes, 1 thread gives far steadier ratios: no thread waits at a "
                     "barrier for a sibling that the OS has descheduled")
     ap.add_argument("--skip-generation", action="store_true", help="only the forward benchmarks")
+    ap.add_argument("--dtype", choices=tuple(M.DTYPES), default="bfloat16",
+                    help="weight dtype of both models (default: bfloat16)")
     args = ap.parse_args(argv)
     if not 0 < args.span <= args.seq_len:
         ap.error("--span must be in 1..--seq-len")
@@ -103,13 +105,13 @@ def main(argv=None):
 
     print(f"torch {torch.__version__}, transformers {transformers.__version__}, "
           f"{torch.get_num_threads()} threads, load average {os.getloadavg()[0]:.1f}")
-    model, tok = M.load_model(args.model, dtype=torch.bfloat16)
+    model, tok = M.load_model(args.model, dtype=M.DTYPES[args.dtype])
     n_params = sum(p.numel() for p in model.parameters())
     if n_params < 100_000_000:
         print(f"{args.model} has {n_params:,} parameters: the targets are set for the 0.5B, and a "
               "forward this short is dominated by fixed costs (read the ratios as a smoke test)")
     hf = transformers.AutoModelForCausalLM.from_pretrained(
-        args.model, dtype=torch.bfloat16, attn_implementation="eager").eval()
+        args.model, dtype=M.DTYPES[args.dtype], attn_implementation="eager").eval()
 
     # ---- forward: one sequence of the tokenizer's ordinary tokens, span = its last tokens
     g = torch.Generator().manual_seed(0)
@@ -130,7 +132,7 @@ def main(argv=None):
         hf(ids[:, :128], logits_to_keep=1)
     t = best_times(runs, args.repeats)
     mem = {k: peak_bytes(fn) for k, fn in runs.items()}
-    print(f"\n{args.model}: forward, {args.seq_len} tokens, span of {args.span} (bf16):")
+    print(f"\n{args.model}: forward, {args.seq_len} tokens, span of {args.span} ({args.dtype}):")
     for k in runs:
         print(f"  {k:<14} {t[k]:7.2f} s   peak {mem[k] / 2**20:8.1f} MiB")
     report("forward with stats / plain: time", t["stats"] / t["plain"], "<=1.15",
@@ -171,7 +173,7 @@ def main(argv=None):
     tg = best_times({"ours, stats": lambda: ours(True), "ours, no stats": lambda: ours(False),
                      "transformers": theirs}, args.gen_repeats)
     total = args.batch * n
-    print(f"\ngeneration, batch {args.batch}, {n} new tokens per row (bf16, greedy):")
+    print(f"\ngeneration, batch {args.batch}, {n} new tokens per row ({args.dtype}, greedy):")
     for k, v in tg.items():
         print(f"  {k:<14} {v:7.2f} s   {total / v:7.1f} tokens/s")
     report("generation with stats / without: time", tg["ours, stats"] / tg["ours, no stats"],

@@ -178,13 +178,6 @@ def turn_opening(tok, finished: bool, observation: str | None) -> list[int]:
     return tok.encode(text + "<|im_start|>assistant\n")
 
 
-def generate_rows(policy, cache, new_tokens, active, **kw) -> list[mdl.TurnTrace | None]:
-    """model.generate over the rows still playing: a finished row gets no new tokens, which
-    generate reads as "nothing to do" (its cache row is left as it is)."""
-    traces = mdl.generate(policy, cache, [t if a else [] for t, a in zip(new_tokens, active)], **kw)
-    return [tr if a else None for tr, a in zip(traces, active)]
-
-
 @torch.no_grad()
 def rollout(policy, tok, episodes: list, args, greedy=False, generator=None,
             stats=True, caches: list | None = None) -> list[Trajectory]:
@@ -226,10 +219,11 @@ def play(policy, tok, trajs: list[Trajectory], cache, new: list[list[int]], args
                     traj.segments.append([])
                     refill[i] = False
             mdl.set_lengths(cache, lengths)
-        traces = generate_rows(policy, cache, new, active, max_new_tokens=args.max_new_tokens,
-                               temperature=0.0 if greedy else args.temperature,
-                               top_p=args.top_p, stop_ids=[tok.im_end_id], generator=generator,
-                               stats=stats)
+        # a row no longer playing gets nothing appended (its cache row stays) and no trace
+        traces = mdl.generate(policy, cache, new, max_new_tokens=args.max_new_tokens,
+                              temperature=0.0 if greedy else args.temperature, top_p=args.top_p,
+                              stop_ids=[tok.im_end_id], generator=generator, stats=stats,
+                              active=active)
         for i, (traj, tr) in enumerate(zip(trajs, traces)):
             if tr is None:
                 continue
@@ -2813,9 +2807,8 @@ def train_parser() -> argparse.ArgumentParser:
                    help=preset_help("eval_batch", "episodes decoded together in an evaluation"))
     g.add_argument("--no-eval", action="store_true", help="skip the held-out evaluations")
     g.add_argument("--seed", type=int, default=42, help="seed of everything")
-    g.add_argument("--dtype", default="float32", type=mdl.dtype_name,
-                   choices=("float32", "bfloat16"),
-                   help="model weights dtype (the adapter stays float32); fp32, bf16 accepted")
+    g.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"),
+                   help="model weights dtype (the adapter stays float32)")
     g.add_argument("--devices", default=None,
                    help="split the model over these devices, e.g. cuda:0,cuda:1 (default: the "
                         "process's GPU under torchrun, else the CPU)")

@@ -31,8 +31,9 @@ real tokens; their cache slots hold garbage that no real query can see (slot <= 
 row's next real token overwrites it.
 
 Generation follows gpt-fast's small functions (`prefill`, `decode_one_token`, `sample`). Every
-generated token, the final <|im_end|> included, is fed through the model once: the cache holds it
-and its statistics and hidden states are accumulated on the way, so no second forward pass is run.
+generated token, the final <|im_end|> included, is fed through the model once: the cache holds it,
+and `accumulate` adds its statistics and hidden states to its turn's running sums (`TurnStats`),
+so no second forward pass is run.
 Departure from the authors' release (SPEC §4): std is over the i+1 causal keys, not the whole
 padded row, and the statistics come from the generation pass instead of a second eager forward.
 """
@@ -733,14 +734,8 @@ def checkpoint_sha256(directory) -> str:
     return h.hexdigest()
 
 
-# --dtype of every script takes torch's names; the short spellings mean the same
+# --dtype of every script takes these names, torch's, and only these
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-DTYPE_ALIASES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
-
-
-def dtype_name(text: str) -> str:
-    """The argparse type of --dtype: fp32 / bf16 / fp16 -> float32 / bfloat16 / float16."""
-    return DTYPE_ALIASES.get(text, text)
 
 
 # config.json key naming the world a checkpoint was trained on (the built-in policy: shop), so
@@ -978,12 +973,58 @@ def prefill(model: Transformer, cache, new_tokens: list[list[int]]) -> Tensor | 
     return logits
 
 
-def decode_one_token(model: Transformer, cache, tokens: Tensor, span, stats: bool,
-                     logits: bool):
-    """Feed one token per row (B,) at each row's length; (logits (B,V)|None, hidden, stats)."""
-    h, hidden, attn = model.trunk(tokens[:, None], cache=cache, span=span if stats else None,
-                                  output_hidden_states=stats)
+def decode_one_token(model: Transformer, cache, tokens: Tensor, active: Tensor,
+                     span_start: Tensor | None, logits: bool):
+    """Feed tokens (B,) of the active rows at each row's length; (logits (B,V)|None, hidden
+    states, attention statistics), the last two of the fed token, given span_start (B,).
+    An idle row is fed a pad in its first free slot, released again, and has an empty span."""
+    lengths = cache[0].lengths.clone()
+    span = None if span_start is None else torch.where(
+        active[:, None], torch.stack([span_start, lengths + 1], 1), 0)       # (B, 2)
+    h, hidden, attn = model.trunk(torch.where(active, tokens, 0)[:, None], cache=cache,
+                                  span=span, output_hidden_states=span is not None)
+    set_lengths(cache, lengths + active.long())
     return (model.lm_head(h[:, -1]).float() if logits else None), hidden, attn
+
+
+@dataclass
+class TurnStats:
+    """Per row, the running sums of the statistics of the turn being decoded (CPU, float32)."""
+    attn: Tensor                        # (B, L, H, len(STATS)) summed over the turn's tokens
+    h_sum: Tensor                       # (L+1, B, d) hidden states summed over the turn's tokens
+    h_last: Tensor                      # (L+1, B, d) hidden states of the latest token
+
+    @classmethod
+    def zeros(cls, config: Config, B: int) -> "TurnStats":
+        L, H, d = config.num_hidden_layers, config.num_attention_heads, config.hidden_size
+        return cls(torch.zeros(B, L, H, len(STATS)), torch.zeros(L + 1, B, d),
+                   torch.zeros(L + 1, B, d))
+
+    def means(self, r: int, n: int) -> tuple[dict[str, Tensor], Tensor, Tensor]:
+        """Row r's turn of n tokens: attention statistics (STATS -> (L, H)), h_last, h_mean."""
+        return (dict(zip(STATS, (self.attn[r] / n).unbind(-1))), self.h_last[:, r].clone(),
+                self.h_sum[:, r] / n)
+
+
+def accumulate(acc: TurnStats, attn: dict[str, Tensor], hidden, fed: Tensor):
+    """Add one decoded token's statistics to the rows that fed a real token (fed (B,) bool).
+    The other rows have no span row, so their statistics are nan: where, not a multiply."""
+    values = torch.stack([attn[name] for name in STATS], -1).float().cpu()   # (B, L, H, 6)
+    acc.attn += torch.where(fed[:, None, None, None], values, 0.0)
+    h = torch.stack([hs[:, -1].float().cpu() for hs in hidden])               # (L+1, B, d)
+    acc.h_sum += torch.where(fed[None, :, None], h, 0.0)
+    acc.h_last = torch.where(fed[None, :, None], h, acc.h_last)
+
+
+def record(turns: list[TurnTrace], token: Tensor, logp: Tensor, active: Tensor, stop_ids,
+           max_new_tokens: int) -> Tensor:
+    """Append each active row's sampled token (and its log pi) to its turn; (B,) bool: the rows
+    that go on, having neither stopped nor reached max_new_tokens."""
+    for r in active.nonzero().squeeze(-1).tolist():
+        turns[r].tokens.append(int(token[r]))
+        turns[r].logprobs.append(float(logp[r]))
+        turns[r].finished = turns[r].tokens[-1] in stop_ids
+    return active & ~torch.tensor([t.finished or len(t.tokens) >= max_new_tokens for t in turns])
 
 
 @torch.no_grad()
@@ -1007,58 +1048,31 @@ def generate(model: Transformer, cache, new_tokens: list[list[int]], max_new_tok
     alive = [True] * B if active is None else [bool(a) for a in active]
     new_tokens = [list(t) if a else [] for t, a in zip(new_tokens, alive)]
     stop_ids = set(model.config.stop_ids if stop_ids is None else stop_ids)
+
     logits = prefill(model, cache, new_tokens)
     span_start = cache[0].lengths.clone()                                    # (B,)
+    turns = [TurnTrace(tokens=[], span=(s, s), attn={}, h_last=None, h_mean=None, finished=False)
+             for s in span_start.tolist()]                                   # filled as we go
+    acc = TurnStats.zeros(model.config, B) if stats else None
     active = torch.tensor([len(t) > 0 and max_new_tokens > 0 for t in new_tokens])
-    out = [[] for _ in range(B)]
-    finished = [False] * B
-    L, H, d = (model.config.num_hidden_layers, model.config.num_attention_heads,
-               model.config.hidden_size)
-    sums = torch.zeros(B, L, H, len(STATS))
-    h_sum, h_last = torch.zeros(L + 1, B, d), torch.zeros(L + 1, B, d)
-    far = span_start + max_new_tokens + 1
-    logps = [[] for _ in range(B)]
     while active.any():
         token = sample(logits, temperature, top_p, generator)                # (B,)
-        logp = torch.log_softmax(logits / (temperature or 1.0), -1).gather(
-            1, token[:, None]).squeeze(1).cpu()                              # (B,)
+        # log pi at the sampling temperature, from the logits the token was drawn from
+        logp = torch.log_softmax(logits / (temperature or 1.0), -1).gather(1, token[:, None])
         token = token.cpu()
-        for r in active.nonzero().squeeze(-1).tolist():
-            out[r].append(int(token[r]))
-            logps[r].append(float(logp[r]))
-            finished[r] = out[r][-1] in stop_ids
-        ending = torch.tensor([bool(out[r]) and (finished[r] or len(out[r]) >= max_new_tokens)
-                               for r in range(B)]) & active
-        still = active & ~ending
-        # Inactive rows are fed a pad at their length: a free slot, released again below.
-        feed = torch.where(active, token, torch.zeros_like(token))
-        span = torch.stack([torch.where(active, span_start, 0), torch.where(active, far, 0)], 1)
-        lengths = cache[0].lengths.clone()
-        logits, hidden, attn = decode_one_token(model, cache, feed, span, stats, bool(still.any()))
-        set_lengths(cache, lengths + active.long())
+        still = record(turns, token, logp[:, 0].cpu(), active, stop_ids, max_new_tokens)
+        logits, hidden, attn = decode_one_token(model, cache, token, active,
+                                                span_start if stats else None, bool(still.any()))
         if stats:
-            # Inactive rows have no span row: their stats are nan, hence where.
-            values = torch.stack([attn[name] for name in STATS], -1).float().cpu()  # (B,L,H,6)
-            sums += torch.where(active[:, None, None, None], values, 0.0)
-            h = torch.stack([hs[:, -1].float().cpu() for hs in hidden])       # (L+1, B, d)
-            h_sum += torch.where(active[None, :, None], h, 0.0)
-            h_last = torch.where(active[None, :, None], h, h_last)
+            accumulate(acc, attn, hidden, active)
         active = still
 
-    traces = []
-    for r in range(B):
-        if not alive[r]:
-            traces.append(None)
-            continue
-        n, s = len(out[r]), int(span_start[r])
-        has = stats and n > 0
-        traces.append(TurnTrace(
-            tokens=out[r], span=(s, s + n),
-            attn=dict(zip(STATS, (sums[r] / n).unbind(-1))) if has else {},
-            h_last=h_last[:, r].clone() if has else None,
-            h_mean=h_sum[:, r] / n if has else None,
-            finished=finished[r], logprobs=logps[r]))
-    return traces
+    for r, turn in enumerate(turns):
+        n = len(turn.tokens)
+        turn.span = (turn.span[0], turn.span[0] + n)
+        if stats and n > 0:
+            turn.attn, turn.h_last, turn.h_mean = acc.means(r, n)
+    return [turn if a else None for turn, a in zip(turns, alive)]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -1068,7 +1082,7 @@ def generate(model: Transformer, cache, new_tokens: list[list[int]], max_new_tok
 # (`q_proj.weight`, `q_proj.bias`) and adds `q_proj.lora_A.weight` (r, d_in) and
 # `q_proj.lora_B.weight` (d_out, r) beside them:   y = x W^T + b + (alpha / r) * B A dropout(x).
 # B starts at zero, so a fresh adapter leaves the model unchanged. The adapter is kept in float32
-# (as PEFT does by default) even when the base weights are bf16: the updates are tiny.
+# (as PEFT does by default) even when the base weights are bfloat16: the updates are tiny.
 
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
@@ -1118,7 +1132,8 @@ class LoRALinear(nn.Module):
 
     @torch.no_grad()
     def unmerge(self):
-        # Exact in float32 up to rounding; in bf16 W + dW - dW is not W (PEFT has the same caveat).
+        # Exact in float32 up to rounding; in bfloat16 W + dW - dW is not W (PEFT has the same
+        # caveat).
         if self.merged:
             self.weight -= self.delta_weight().to(self.weight.dtype)
             self.merged = False
@@ -1703,8 +1718,8 @@ def main(argv=None):
                    "which the built-in policy is trained with too)")
     g.add_argument("--max-new-tokens", type=int, default=256,
                    help="most tokens to generate (default: 256)")
-    g.add_argument("--dtype", type=dtype_name, choices=tuple(DTYPES), default="float32",
-                   help="weight dtype; fp32, bf16, fp16 are accepted too (default: float32)")
+    g.add_argument("--dtype", choices=tuple(DTYPES), default="float32",
+                   help="weight dtype (default: float32)")
     g.add_argument("--temperature", type=float, default=0.0,
                    help="sampling temperature; 0 (default) decodes greedily")
     g.add_argument("--top-p", type=float, default=1.0,

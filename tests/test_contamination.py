@@ -232,14 +232,14 @@ def test_split_episodes_of_released_test_files(release_dir, tmp_path):
 
 
 # ----------------------------------------------------------------------------------------------
-# Opt-in: the real 0.5B checkpoint, every extracted feature against transformers (fp32)
+# Opt-in: the real 0.5B checkpoint, every extracted feature against transformers (float32)
 
 def test_extracted_features_equal_transformers_on_gta(qwen05b_dir, release_dir, tmp_path):
     transformers = pytest.importorskip("transformers")
     from test_model import reference_stats
     folder = release_dir / "gta"
     released = json.loads((folder / "matched_clean_test.json").read_text())
-    # the three shortest records: fp32 eager attention of 24 layers stays small
+    # the three shortest records: float32 eager attention of 24 layers stays small
     chosen = sorted(released, key=lambda r: len(json.dumps(r["dialogs"])))[:3]
     (tmp_path / "matched_clean_test.json").write_text(json.dumps(chosen))
     (tmp_path / "clean_test.json").write_text((folder / "clean_test.json").read_text())

@@ -175,12 +175,12 @@ def test_round_trip_and_load_errors(hf, tmp_path):
         M.apply_lora(build_ours(hf), targets=("q_proj", "qkv_proj"))
 
 
-def test_bf16_base_keeps_a_float32_adapter(hf):
+def test_bfloat16_base_keeps_a_float32_adapter(hf):
     ours = build_ours(hf).to(torch.bfloat16)
     base = logits(ours, IDS)
     M.apply_lora(ours, r=4, alpha=8, dropout=0.0)
     assert all(p.dtype == torch.float32 for _, p in M.lora_parameters(ours))
-    assert torch.equal(logits(ours, IDS), base)                 # B = 0, in bf16 too
+    assert torch.equal(logits(ours, IDS), base)                 # B = 0, in bfloat16 too
     randomize_lora(ours)
     ours(IDS).logits.float().square().mean().backward()
     q = ours.model.layers[0].self_attn.q_proj

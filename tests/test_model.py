@@ -1,4 +1,4 @@
-"""model.py against transformers (tiny random configs, fp32, CPU), the real tokenizer and the
+"""model.py against transformers (tiny random configs, float32, CPU), the real tokenizer and the
 real 0.5B checkpoint (opt-in: skipped when absent)."""
 import json
 import math
@@ -450,7 +450,7 @@ def test_generate_renders_a_task_for_the_built_in_policy_as_its_rollouts_do(caps
     assert M.prompt_messages("hi", "Be brief.", None) == [
         {"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"}]
     M.main(["generate", "--model", str(policy), "--prompt", episode.task.text,
-            "--max-new-tokens", "48", "--dtype", "fp32"])
+            "--max-new-tokens", "48", "--dtype", "float32"])
     out, err = capsys.readouterr()
     assert "float32; the prompt rendered as a shop task" in err
     turn = envs.parse_react(out.strip())        # a first turn: a tool call, not an echo
@@ -559,8 +559,8 @@ def test_tokenizer_survives_lone_surrogates():
 
 
 def test_real_checkpoint_greedy_equals_transformers(qwen05b_dir):
-    # bf16, the checkpoint's own dtype: loading needs no conversion and decoding is fast on CPU;
-    # greedy tokens agreed with transformers on every prompt tried (fp32 agrees too, 3x slower).
+    # bfloat16, the checkpoint's own dtype: loading needs no conversion and decoding is fast on CPU;
+    # greedy tokens agreed with transformers on every prompt tried (float32 agrees too, 3x slower).
     model, tok = M.load_model(qwen05b_dir, dtype=torch.bfloat16)
     hf = transformers.AutoModelForCausalLM.from_pretrained(qwen05b_dir, dtype=torch.bfloat16)
     hf.eval()
