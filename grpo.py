@@ -1,4 +1,4 @@
-"""Multi-turn GRPO with LoRA and step-level rewards (SPEC §9), and the built-in shop policy.
+"""Multi-turn GRPO with LoRA and step-level rewards (SPEC §9).
 
     python grpo.py --reward pair                   # shop, built-in policy, PAIR fitted on the fly
     python grpo.py --reward outcome --out runs/o   # the sparse baseline, same budget
@@ -6,7 +6,6 @@
     torchrun --nproc_per_node 2 grpo.py ...        # prompts sharded, LoRA gradients all-reduced
     python grpo.py compare --rewards outcome pair --seeds 42 43 44 --out runs/cmp   # the table
     python grpo.py compare --cost --seeds 42 --out runs/cost -- --steps 3  # Table complexity
-    python grpo.py sft --env shop --out data/shop-policy     # rebuild the built-in policy
 
 What runs, once per training step:
  1. rollout. `--batch` prompts x `--group` G rollouts (paper: 1 x 4). A rollout plays up to 10
@@ -60,13 +59,13 @@ the paper evaluates, and strictly in the training reward. Metrics go to OUT/metr
 line per step), OUT/eval.jsonl (per evaluation, with every episode's score) and
 OUT/summary.json.
 
-The built-in policy (data/shop-policy, rebuilt by `grpo.py sft`, see its section) is a ~0.3M
+The built-in policy (data/shop-policy, rebuilt by `python shop.py sft`) is a ~0.3M
 parameter Qwen2 trained from scratch on shop dialogs, then given one habit on purpose: on most
 non-USD tasks it converts the wrong way round (divides by the rate), a fluent error that GRPO can
 unlearn in a few steps. With it, the flags left unset take the TINY
 preset below (printed at start); with any other model they take the paper's 7B values. Its PAIR
 and probe rewards are fitted on the fly, once per policy and corpus, and cached under
-$PAIR_CACHE: by default on the policy's own rollouts (`--probe-corpus`, see the probes section).
+$PAIR_CACHE: by default on the policy's own rollouts (`--probe-corpus`; shop.py fits them).
 `--probe-reads base` makes the probes read every turn through the frozen base model instead of
 the generation pass. `grpo.py compare` runs rewards x seeds and writes the comparison table.
 """
@@ -74,12 +73,10 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import hashlib
 import json
 import math
 import os
 import random
-import re
 import shutil
 import subprocess
 import sys
@@ -90,7 +87,6 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
@@ -118,6 +114,8 @@ PAPER = dict(batch=1, group=4, max_turns=10, max_new_tokens=1024, temperature=1.
 # listed keeps the paper's value.
 TINY = dict(batch=4, group=8, max_new_tokens=96, temperature=0.7, lr=3e-4, lora_dropout=0.0,
             steps=20, save_every=10, eval_batch=128)
+# What the probes of the built-in policy are fitted on (--probe-corpus; shop.py fits them)
+PROBE_CORPORA = ("on-policy", "contaminated", "both")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -298,12 +296,8 @@ def probe_reward(traj: Trajectory, ctx) -> list[float]:
 def coe_reward(traj: Trajectory, ctx) -> list[float]:
     # CoE is unsupervised (SPEC §4-5): r_t = the turn's CoE-C score (the paper's CoE-C baseline);
     # only its ordering within the group matters after normalization.
-    raw = _stack_raw([probes.raw_features(s.trace) for s in traj.steps])
+    raw = probes.stack_raw([probes.raw_features(s.trace) for s in traj.steps])
     return probes.unsupervised_score("coe_c", raw).tolist()
-
-
-def _stack_raw(raws: list[dict]) -> dict[str, torch.Tensor]:
-    return {k: torch.stack([r[k] for r in raws]) for k in raws[0]}
 
 
 def judge_reward(traj: Trajectory, ctx) -> list[float]:
@@ -430,8 +424,12 @@ def reward_context(args, policy, tok, env, world, log) -> RewardContext:
     if args.reward == "pair" or args.reward in PROBE_REWARDS:
         if args.probes:
             where = seed_dir(Path(args.probes), log)
-        else:
-            where, ctx.probe_report = shop_probes(args, policy, tok, world, log)
+        elif args.env != "shop":
+            raise SystemExit(f"--reward {args.reward} on {args.env} needs --probes DIR (train "
+                             "them with `python pair.py extract` and `python pair.py train`)")
+        else:                           # the built-in world: fitted once for this policy
+            import shop
+            where, ctx.probe_report = shop.shop_probes(args, policy, tok, world, log, rollout)
         if args.reward == "pair":
             found = find_pair_dir(where)
             ctx.pair = pair_lib.PairReward(found, alpha=args.alpha)
@@ -484,259 +482,6 @@ def find_pair_dir(where: Path) -> Path:
     raise SystemExit(f"--probes {where}: no pair.json there nor in "
                      f"{', '.join(n + '/' for n in PAIR_DIRS)} of it: train PAIR with "
                      "`python pair.py train`")
-
-
-# ---------------------------------------------------------------------------------------------
-# The probes of the built-in world: fitted on the fly, once per policy, and cached
-# ---------------------------------------------------------------------------------------------
-# A probe is only as good as the turns it was fitted on. Fitted on gold shop dialogs and their
-# rule-based contaminations, PAIR ranks the built-in policy's *own* turns below chance: that
-# policy's mistakes (a misremembered quantity in a tool call, a ramble) are not the ones the rules
-# write. So the default corpus is on-policy: rollouts of the base policy (adapter off) on training
-# episodes, at the training temperature, every turn labelled exactly by the world, its features
-# read from the generation pass exactly as the reward reads them. A turn that follows an earlier
-# wrong turn of the same rollout has a naturally contaminated prefix (distance = assistant turns
-# since the nearest wrong one), so the clean / contaminated split exists on-policy too.
-#   --probe-corpus on-policy     that corpus (default)
-#   --probe-corpus contaminated  the released recipe: `make-data shop` gold + contaminated dialogs,
-#                                mode mixed (matched clean + contaminated train), teacher-forced
-#   --probe-corpus both          the two training sets together
-# Every corpus is scored on the same held-out own turns: rollouts of the base policy on validation
-# episodes, which neither the probes nor GRPO train on. PAIR is fitted like the paper's (seed 42
-# balanced subsample, C = 0.01, stage 2 on in-sample s_bc), the baselines on the same records.
-
-PROBE_SEED = 42
-PROBE_CORPORA = ("on-policy", "contaminated", "both")
-PROBES_FORMAT = "grpo-probes/3"   # 3: the on-policy corpus balanced within each kind of turn
-
-
-def cache_root() -> Path:
-    return Path(os.environ.get("PAIR_CACHE") or Path.home() / ".cache" / "pair").expanduser()
-
-
-def policy_hash(model_dir) -> str:
-    h = hashlib.sha256(PROBES_FORMAT.encode())
-    for name in ("config.json", "tokenizer.json", "model.safetensors"):
-        path = Path(model_dir) / name
-        if not path.is_file():
-            raise SystemExit(f"--probes is needed: cannot fit probes on the fly for a model "
-                             f"without {path}")
-        h.update(name.encode() + path.read_bytes())
-    return h.hexdigest()[:16]
-
-
-def settings_hash(settings: dict) -> str:
-    return hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:12]
-
-
-def own_turns_settings(args) -> dict:
-    """Everything the on-policy turns depend on besides the policy's files."""
-    return {"corpus_episodes": args.corpus_episodes, "samples": args.corpus_samples,
-            "heldout_episodes": args.corpus_heldout, "temperature": args.temperature,
-            "top_p": args.top_p, "max_new_tokens": args.max_new_tokens,
-            "max_turns": args.max_turns, "max_len": args.max_len, "seed": PROBE_SEED}
-
-
-def turn_kind(text: str) -> str:
-    """What a turn does: the tool it calls, "Final" or "ParseError"."""
-    step = envs.parse_react(text)
-    return step.name if isinstance(step, envs.Action) else type(step).__name__
-
-
-def turn_records(trajs: list[Trajectory]) -> pair_lib.Split:
-    """One record per assistant turn of shop rollouts: raw features, the world's exact label,
-    whether (and how far back) an earlier turn of the same rollout was wrong, and the turn's
-    kind (a code per turn_kind, numbered in order of appearance)."""
-    raws, labels, turn_idx, distance, sample, episode_id, kinds = [], [], [], [], [], [], {}
-    kind = []
-    for k, traj in enumerate(trajs):
-        y = traj.episode.labels()
-        last_wrong = None
-        for t, (step, ok) in enumerate(zip(traj.steps, y)):
-            raws.append(probes.raw_features(step.trace))
-            kind.append(kinds.setdefault(turn_kind(step.text), len(kinds)))
-            labels.append(int(ok))
-            turn_idx.append(t)
-            distance.append(-1 if last_wrong is None else t - last_wrong)
-            sample.append(k)
-            episode_id.append(traj.episode.id)
-            if not ok:
-                last_wrong = t
-    raw = _stack_raw(raws)
-    raw.update(label=torch.tensor(labels), turn_idx=torch.tensor(turn_idx),
-               distance=torch.tensor(distance), rollout=torch.tensor(sample),
-               kind=torch.tensor(kind))
-    return pair_lib.Split("own_turns", raw, raw["label"].long(), episode_id, {})
-
-
-def kind_balanced_indices(y: torch.Tensor, kind: torch.Tensor, seed: int) -> torch.Tensor:
-    """Indices in which every kind of turn that has both classes has them equally often: the
-    minority class of each kind drawn again (with replacement, seeded) up to the majority's
-    count. A kind with one class is kept as it is.
-
-    Why: a policy's own turns are not matched pairs. The built-in policy's Lookups are 98% right
-    and its Calculator calls mostly wrong, and a probe fitted on them as they come learns those
-    base rates: a right Calculator call then scores far below a right Lookup, every turn after
-    the first calculation sits below the group's mean, and the process-supervision advantage is
-    negative on every kind of turn (the README's results section measures it: GRPO on that
-    reward lowered held-out success). The paper's corpus holds each evaluation turn both correct
-    and contaminated, so its probe ranks turns within a kind; this gives an on-policy corpus the
-    same property."""
-    g = torch.Generator().manual_seed(seed)
-    keep = []
-    for k in kind.unique().tolist():
-        idx = (kind == k).nonzero().flatten()
-        pos, neg = idx[y[idx] == 1], idx[y[idx] == 0]
-        if len(pos) == 0 or len(neg) == 0:
-            keep.append(idx)
-            continue
-        small, big = (pos, neg) if len(pos) < len(neg) else (neg, pos)
-        extra = small[torch.randint(len(small), (len(big) - len(small),), generator=g)]
-        keep += [big, small, extra]
-    return torch.cat(keep)
-
-
-@torch.no_grad()
-def sample_own_turns(policy, tok, env, n_episodes: int, samples: int, args, seed: int,
-                     log) -> pair_lib.Split:
-    """`samples` rollouts of the base policy on each of the first n_episodes of `env`."""
-    episodes = [i for i in range(n_episodes) for _ in range(samples)]
-    g = torch.Generator(device=input_device(policy)).manual_seed(seed)
-    # 16 rows a call: a call decodes until its slowest row is done, so wider calls wait longer
-    trajs, rows, t0 = [], 16, time.perf_counter()
-    pacer = mdl.Pacer(len(episodes), sys.stdout)
-    with mdl.lora_disabled(policy):
-        for a in range(0, len(episodes), rows):
-            batch = [env.episode(i) for i in episodes[a:a + rows]]
-            trajs += rollout(policy, tok, batch, args, generator=g, stats=True)
-            if len(trajs) < len(episodes) and pacer.due(len(trajs)):
-                rate = (time.perf_counter() - t0) / len(trajs)
-                log(f"  {len(trajs)}/{len(episodes)} rollouts of {env.split} episodes, ETA "
-                    f"{duration(rate * (len(episodes) - len(trajs)))}", flush=True)
-    log(f"  {len(trajs)} rollouts of {n_episodes} {env.split} episodes x {samples} in "
-        f"{time.perf_counter() - t0:.0f}s", flush=True)
-    return turn_records(trajs)
-
-
-def contaminated_corpus(policy, tok, episodes: int, log) -> pair_lib.Split:
-    """The released recipe's training set for this policy: `make-data shop` matched clean +
-    contaminated train, teacher-forced with the base policy (mode mixed, seed 42)."""
-    import tempfile
-    splits = {}
-    with tempfile.TemporaryDirectory() as tmp, mdl.lora_disabled(policy):
-        envs.make_shop_data(tmp, episodes=episodes, seed=PROBE_SEED)
-        for name in pair_lib.TRAIN_SPLITS["mixed"]:
-            records = envs.load_matched(Path(tmp) / f"{name}.json")
-            rendered = [pair_lib.render_record(r, tok) for r in records]
-            traces = mdl.trace_batch(policy, [ids for ids, _, _ in rendered],
-                                     [span for _, span, _ in rendered])
-            raws = [probes.raw_features(tr) for tr in traces]
-            raw = _stack_raw(raws)
-            raw["turn_idx"] = torch.tensor([int(r["turn_idx"]) for r in records])
-            y = torch.tensor([int(r["label"]) for r in records])
-            splits[name] = pair_lib.Split(name, raw, y, [str(r["episode_id"]) for r in records],
-                                          {})
-    train = pair_lib.training_set(splits, "mixed", PROBE_SEED)
-    log(f"  contaminated corpus: {len(train.y)} teacher-forced turns of `make-data shop "
-        f"--episodes {episodes}` (mode mixed)", flush=True)
-    return train
-
-
-def fit_probes(train: pair_lib.Split, info: dict) -> dict:
-    """PAIR and every baseline probe on one training set (balanced subsample, seed 42)."""
-    fitted = pair_lib.fit_baselines(train, info=info)
-    fitted["pair"] = pair_lib.fit_pair(train.raw, train.y, info=info,
-                                       stage1=fitted["last_token"])
-    return fitted
-
-
-def heldout_auroc(fitted: dict, heldout: pair_lib.Split) -> dict:
-    """AUROC of every fitted method on the held-out own turns: all, clean prefix, contaminated
-    prefix, and by distance to the nearest earlier wrong turn."""
-    d = heldout.raw["distance"]
-    groups = {"all": torch.ones_like(d, dtype=torch.bool), "clean_prefix": d < 0,
-              "contaminated_prefix": d > 0,
-              **{f"d={k}": d == k for k in (1, 2)}, "d>=3": d >= 3}
-    out = {}
-    for name, m in fitted.items():
-        p = pair_lib.predict(m, heldout.raw)
-        out[name] = {}
-        for g, sel in groups.items():
-            y = heldout.y[sel]
-            out[name][g] = probes.auroc(y, p[sel]) if 0 < int(y.sum()) < len(y) else None
-    out["n"] = {g: int(sel.sum()) for g, sel in groups.items()}
-    out["n_correct"] = {g: int(heldout.y[sel].sum()) for g, sel in groups.items()}
-    return out
-
-
-def shop_probes(args, policy, tok, world, log) -> tuple[Path, dict]:
-    """The directory of probes fitted for this policy on `--probe-corpus` (fitting them once),
-    and its report: AUROC on held-out own turns, next to the contaminated corpus's PAIR."""
-    if args.env != "shop":
-        raise SystemExit(f"--reward {args.reward} on {args.env} needs --probes DIR (train them "
-                         "with `python pair.py extract` and `python pair.py train`)")
-    settings = {"corpus": args.probe_corpus, "own": own_turns_settings(args),
-                "contaminated_episodes": args.probe_episodes}
-    root = cache_root() / "grpo-probes" / f"shop-{policy_hash(args.model)}"
-    out = root / f"{args.probe_corpus}-{settings_hash(settings)}"
-    done = out / "probes.json"
-    cached = done.is_file()
-    if world.main and not done.is_file():
-        # two runs starting on one fresh cache (compare --jobs 2): the second waits, then reads
-        pair_lib.claim(root, wait=log)
-    if world.main and not done.is_file():
-        t0 = time.perf_counter()
-        log(f"fitting the probes of this policy once, {args.probe_corpus} corpus (minutes: "
-            f"later runs read them from the cache, {out}):", flush=True)
-        train_env = envs.make("shop", split="train")
-        heldout = sample_own_turns(policy, tok, envs.make("shop", split="val"),
-                                   args.corpus_heldout, args.corpus_samples, args,
-                                   PROBE_SEED + 1, log)
-        corpora = {}
-        if args.probe_corpus in ("on-policy", "both"):
-            own = sample_own_turns(policy, tok, train_env, args.corpus_episodes,
-                                   args.corpus_samples, args, PROBE_SEED, log)
-            own = own.take(kind_balanced_indices(own.y, own.raw["kind"], PROBE_SEED))
-            corpora["on-policy"] = own.take(pair_lib.balanced_indices(own.y, PROBE_SEED))
-        # the released recipe is always fitted: it is the yardstick the startup line prints
-        corpora["contaminated"] = contaminated_corpus(policy, tok, args.probe_episodes, log)
-        if args.probe_corpus == "both":
-            corpora["both"] = pair_lib.concat_splits([corpora["on-policy"],
-                                                      corpora["contaminated"]])
-        info = {"seed": PROBE_SEED, "corpus": args.probe_corpus}
-        fitted = fit_probes(corpora[args.probe_corpus], info)
-        reference = fitted if args.probe_corpus == "contaminated" else \
-            {"pair": pair_lib.fit_pair(corpora["contaminated"].raw, corpora["contaminated"].y,
-                                       info=info)}
-        tmp = root / f".{out.name}.{os.getpid()}.tmp"
-        shutil.rmtree(tmp, ignore_errors=True)
-        for name, m in fitted.items():        # pair/ is a directory, each probe one file
-            m.save(tmp / ("pair" if name == "pair" else f"{name}.safetensors"))
-        report = {"format": PROBES_FORMAT, "settings": settings,
-                  "n_train": len(corpora[args.probe_corpus].y),
-                  "n_train_correct": int(corpora[args.probe_corpus].y.sum()),
-                  "heldout": heldout_auroc(fitted, heldout),
-                  "contaminated_corpus_pair": heldout_auroc(reference, heldout)["pair"],
-                  "seconds": round(time.perf_counter() - t0, 1)}
-        write_json(tmp / "probes.json", report)
-        shutil.rmtree(out, ignore_errors=True)
-        os.replace(tmp, out)                # the directory appears complete or not at all
-    if world.main:
-        pair_lib.release(root)
-    barrier(world)
-    report = json.loads(done.read_text())
-    h, ref = report["heldout"], report["contaminated_corpus_pair"]
-    log(f"probes: {out} ({args.probe_corpus} corpus, {report['n_train']} turns"
-        f"{'; fitted by an earlier run' if cached else ''})\n"
-        f"  PAIR AUROC on {h['n']['all']} held-out own turns (validation episodes): "
-        f"{_num(h['pair']['all'])} (clean prefix {_num(h['pair']['clean_prefix'])}, after a "
-        f"wrong turn {_num(h['pair']['contaminated_prefix'])}); the contaminated-corpus PAIR "
-        f"on the same turns: {_num(ref['all'])}", flush=True)
-    return out, report
-
-
-def _num(x) -> str:
-    return "n/a" if x is None else f"{x:.3f}"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -1433,12 +1178,13 @@ def base_eval_cache(policy, args, world) -> Path | None:
     rollouts depend on, threads and batch included (they change float summation order)."""
     if args.env != "shop" or world.size > 1:
         return None
+    import shop                         # the built-in world: its cache root and policy key
     settings = {"val": args.val_episodes, "test": args.eval_episodes, "batch": args.eval_batch,
                 "max_turns": args.max_turns, "max_new_tokens": args.max_new_tokens,
                 "max_len": args.max_len, "dtype": args.dtype, "devices": args.devices,
                 "threads": torch.get_num_threads()}
-    return (cache_root() / "grpo-base-eval" /
-            f"shop-{policy_hash(policy.checkpoint_dir)}-{settings_hash(settings)}.json")
+    return (shop.cache_root() / "grpo-base-eval" /
+            f"shop-{shop.policy_hash(policy.checkpoint_dir)}-{shop.settings_hash(settings)}.json")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -1447,7 +1193,8 @@ def base_eval_cache(policy, args, world) -> Path | None:
 
 def scorable(env) -> list[int]:
     """Indices of the episodes that can be scored (GTA skips some, SPEC §10; shop none)."""
-    if isinstance(env, envs.ShopEnv):
+    import shop                         # the built-in world: every episode is scorable
+    if isinstance(env, shop.ShopEnv):
         return list(range(len(env)))
     return [i for i in range(len(env)) if env.episode(i).skip_reason is None]
 
@@ -1694,11 +1441,6 @@ def write_json(path: Path, obj):
     write_text(path, json.dumps(obj, indent=1) + "\n")
 
 
-def duration(seconds: float) -> str:
-    seconds = int(round(seconds))
-    return f"{seconds // 60}m{seconds % 60:02d}s" if seconds >= 60 else f"{seconds}s"
-
-
 def progress_line(rec: dict, steps: int, elapsed: list[float], evals_left: float = 0.0) -> str:
     """The step's own time, and an ETA from the median of the last 10 steps (a rollout that
     rambles to --max-new-tokens makes single steps slow; the median does not jump with it)
@@ -1710,7 +1452,7 @@ def progress_line(rec: dict, steps: int, elapsed: list[float], evals_left: float
             f"  success {rec['success']:.2f}  zero-std {rec['frac_zero_std']:.2f}"
             f"  kl {rec['kl']:.2e}" + (f"  probe-auroc {auroc:.2f}" if auroc is not None else "")
             + f"  {elapsed[-1]:.1f}s (rollout {rec['t_rollout']:.1f} reward "
-            f"{rec['t_reward']:.2f} update {rec['t_update']:.1f})  ETA {duration(left)}")
+            f"{rec['t_reward']:.2f} update {rec['t_update']:.1f})  ETA {mdl.duration(left)}")
 
 
 # flags that must not change when a run is resumed
@@ -1819,7 +1561,7 @@ def train(args) -> dict:
         [world.device] if world.device != "cpu" else None)
     if Path(args.model).resolve() == BUILTIN_POLICY.resolve() and not BUILTIN_POLICY.is_dir():
         sys.exit(f"--model: the built-in policy {BUILTIN_POLICY} is missing; build it with "
-                 f"`python grpo.py sft --env shop --out {BUILTIN_POLICY}`")
+                 f"`python shop.py sft --out {BUILTIN_POLICY}`")
     policy, tok = mdl.load_model(args.model, dtype=mdl.DTYPES[args.dtype], devices=devices)
     add_lora(policy, args)
     env = make_env(args, "train")
@@ -1944,7 +1686,7 @@ def summarize(out: Path, seconds: float, args, probe_report: dict | None = None)
 
 
 def summary_text(s: dict) -> str:
-    lines = [f"done in {duration(s['seconds'])} (reward {s['reward']})."]
+    lines = [f"done in {mdl.duration(s['seconds'])} (reward {s['reward']})."]
     if s["base"] and s["selected"]:
         lines.append(
             f"held-out success (greedy, {s['base']['episodes']} test episodes): before "
@@ -1962,6 +1704,10 @@ def summary_text(s: dict) -> str:
     if s["selected_adapter"]:
         lines.append(f"selected adapter (PEFT layout): {s['selected_adapter']}")
     return "\n".join(lines)
+
+
+def _num(x) -> str:
+    return "n/a" if x is None else f"{x:.3f}"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -2307,363 +2053,6 @@ def curves_svg(result: dict) -> str:
 
 
 # ---------------------------------------------------------------------------------------------
-# The built-in policy: a tiny Qwen2 trained from scratch on shop dialogs
-# ---------------------------------------------------------------------------------------------
-# `python grpo.py sft --env shop --out data/shop-policy` writes what load_model reads: config.json
-# (Qwen2ForCausalLM), model.safetensors (Hugging Face key names, tied embeddings) and a byte-level
-# BPE tokenizer.json trained on the same text, with the ChatML specials. The data are the gold
-# dialogs of `make-data shop` with a fraction replaced by their contaminated versions, so the
-# policy learns the format and the world but also some of the four kinds of mistakes: it solves a
-# fair share of held-out tasks, not all, and GRPO has something to improve. Training starts with a
-# synthetic copy task (InductionTask) so that the model can copy from its context at all. The loss
-# covers the assistant turns only (SPEC §3 spans, <|im_end|> included). Same command, same bytes.
-
-SPECIALS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
-
-
-def train_tokenizer(texts: list[str], vocab_size: int):
-    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
-    tk = Tokenizer(models.BPE())
-    # Digits one by one (a space may lead one), as Qwen's tokenizer splits them: numbers are
-    # read and copied digit by digit.
-    tk.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.Split(Regex(r" ?\d"), "isolated"),
-        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)])
-    tk.decoder = decoders.ByteLevel()
-    tk.train_from_iterator(texts, trainers.BpeTrainer(
-        vocab_size=vocab_size, special_tokens=list(SPECIALS), show_progress=False,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
-    return tk
-
-
-def sft_dialogs(episodes: int, contaminated: float, seed: int,
-                divided: float = 0.0) -> list[list[dict]]:
-    """Chat messages of make-data shop's training episodes: a fraction `contaminated` of them
-    replaced by their contaminated version, and a fraction `divided` of the other non-USD ones
-    by the dialog that converts the wrong way round (envs.shop_divided)."""
-    import tempfile
-    with tempfile.TemporaryDirectory() as tmp:
-        envs.make_shop_data(tmp, episodes=episodes, seed=seed)
-        clean = envs.load_episodes(Path(tmp) / "clean_train.json")
-        dirty = envs.load_episodes(Path(tmp) / "contaminated_train.json")
-    rng = random.Random(f"sft-{seed}")
-    habit = random.Random(f"sft-divided-{seed}")  # its own stream: divided=0 changes nothing
-    out = []
-    for eid in clean:
-        rec = dirty[eid] if rng.random() < contaminated else clean[eid]
-        if rec is clean[eid] and habit.random() < divided:
-            wrong = envs.shop_divided(envs.shop_task_from_id(eid))
-            rec = rec if wrong is None else {**rec, "dialogs": wrong}
-        out.append(envs.dialog_to_messages(rec["dialogs"], rec["tools"], rec["files"]))
-    return out
-
-
-def sft_config(args, tok) -> dict:
-    return {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2",
-            "vocab_size": tok.tok.get_vocab_size(), "hidden_size": args.hidden,
-            "intermediate_size": args.intermediate, "num_hidden_layers": args.layers,
-            "num_attention_heads": args.heads, "num_key_value_heads": args.kv_heads,
-            "hidden_act": "silu", "max_position_embeddings": 8192, "rope_theta": 10000.0,
-            "rms_norm_eps": 1e-6, "tie_word_embeddings": True, "use_sliding_window": False,
-            "bos_token_id": None, "eos_token_id": tok.im_end_id, "pad_token_id": tok.pad_id,
-            "torch_dtype": "float32",
-            # `model.py generate` renders a prompt as this world renders a task
-            mdl.WORLD_KEY: "shop"}
-
-
-def sft_batches(lengths: list[int], batch: int, steps: int, seed: int) -> list[list[int]]:
-    """`steps` batches of example indices: shuffled every pass, and grouped by length within
-    windows of 8 batches so that little compute goes to padding."""
-    g = torch.Generator().manual_seed(seed)
-    out = []
-    while len(out) < steps:
-        order = torch.randperm(len(lengths), generator=g).tolist()
-        for w in range(0, len(order) - batch + 1, 8 * batch):
-            window = sorted(order[w:w + 8 * batch], key=lambda i: lengths[i])
-            chunks = [window[i:i + batch] for i in range(0, len(window) - batch + 1, batch)]
-            out += [chunks[i] for i in torch.randperm(len(chunks), generator=g).tolist()]
-    return out[:steps]
-
-
-def sft(args) -> dict:
-    torch.set_num_threads(args.threads)
-    torch.manual_seed(args.seed)
-    t0 = time.perf_counter()
-    dialogs = sft_dialogs(args.episodes, args.contaminated, args.seed, args.divided)
-    earlier = policy_recipe(args.init) if args.init else []    # read before --out overwrites it
-    if args.init:       # continue a saved policy: its weights, its tokenizer, its shape
-        policy, tok = mdl.load_model(args.init)
-        policy.requires_grad_(True)             # load_model freezes a base for LoRA
-        config = json.loads((Path(args.init) / "config.json").read_text())
-    else:
-        tok = mdl.Tokenizer(train_tokenizer([_chat(m) for m in dialogs], args.vocab))
-    examples = []
-    for messages in dialogs:
-        ids, spans = tok.render(messages)
-        mask = torch.zeros(len(ids), dtype=torch.bool)
-        for s, e in spans:
-            mask[s:e] = True
-        examples.append((torch.tensor(ids), mask))
-    if not args.init:
-        config = sft_config(args, tok)
-        policy = mdl.Transformer(mdl.Config.from_dict(config))
-        for name, p in policy.named_parameters():       # GPT-2 style init
-            if p.dim() == 2:
-                torch.nn.init.normal_(p, std=0.02)
-            elif name.endswith("bias"):
-                torch.nn.init.zeros_(p)
-    n_params = sum(p.numel() for p in policy.parameters())
-    print(f"sft: {len(examples)} dialogs ({args.contaminated:.0%} contaminated, "
-          f"{args.divided:.0%} of the others dividing by the rate), vocab "
-          f"{config['vocab_size']}, {n_params / 1e6:.2f}M parameters"
-          f"{', from ' + args.init if args.init else ''}; {args.induction_steps} "
-          f"induction steps, then {args.steps} steps of {args.batch} dialogs", flush=True)
-    opt = torch.optim.AdamW(policy.parameters(), lr=args.lr, betas=(0.9, 0.95),
-                            weight_decay=0.01)
-    induction = InductionTask(tok, args.seed, [x[m.nonzero()[0, 0]:] for x, m in examples],
-                              args.induction_text)
-    policy.train()
-
-    def step(loss: torch.Tensor, lr: float) -> float:
-        for group in opt.param_groups:
-            group["lr"] = lr
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(policy.parameters(), 1.0)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        return loss.item()
-
-    # 1. the copy circuit first (see InductionTask): linear warmup, then constant
-    t_phase, losses = time.perf_counter(), []
-    for i in range(args.induction_steps):
-        losses.append(step(masked_lm_loss(policy, *induction.rows(32)),
-                           args.lr * min(1.0, (i + 1) / args.warmup)))
-        if (i + 1) % 250 == 0 or i + 1 == args.induction_steps:
-            rate = (time.perf_counter() - t_phase) / (i + 1)
-            print(f"  induction {i + 1}/{args.induction_steps}  loss "
-                  f"{sum(losses[-250:]) / len(losses[-250:]):.4f}"
-                  f"  ETA {duration(rate * (args.induction_steps - i - 1))}", flush=True)
-    # 2. the dialogs, with a few induction rows kept in every batch: linear warmup, cosine to 0.1
-    batches = sft_batches([len(x) for x, _ in examples], args.batch, args.steps, args.seed)
-    t_phase, losses, kept = time.perf_counter(), [], []
-    for i, rows in enumerate(batches):
-        warm = min(1.0, (i + 1) / args.warmup)
-        cos = 0.1 + 0.45 * (1 + math.cos(math.pi * i / max(1, args.steps - 1)))
-        T = max(len(examples[r][0]) for r in rows)
-        ids = torch.full((len(rows), T), tok.pad_id, dtype=torch.long)
-        mask = torch.zeros(len(rows), T, dtype=torch.bool)
-        for j, r in enumerate(rows):
-            x, m = examples[r]
-            ids[j, :len(x)], mask[j, :len(x)] = x, m
-        loss = masked_lm_loss(policy, ids, mask)
-        extra = masked_lm_loss(policy, *induction.rows(args.induction_rows)) \
-            if args.induction_rows else 0.0
-        step(loss + extra, args.lr * warm * cos)
-        losses.append(loss.item())
-        kept.append(extra.item() if torch.is_tensor(extra) else extra)
-        if (i + 1) % 50 == 0 or i + 1 == args.steps:
-            rate = (time.perf_counter() - t_phase) / (i + 1)
-            print(f"  step {i + 1}/{args.steps}  loss {sum(losses[-50:]) / len(losses[-50:]):.4f}"
-                  f"  induction loss {sum(kept[-50:]) / len(kept[-50:]):.4f}"
-                  f"  ETA {duration(rate * (args.steps - i - 1))}", flush=True)
-    policy.eval()
-    seconds = time.perf_counter() - t0
-    out = Path(args.out)
-    save_policy(out, policy, tok, config)
-    result = {"train_seconds": round(seconds, 1), "final_loss": round(
-        sum(losses[-50:]) / len(losses[-50:]), 4), "parameters": n_params}
-    if args.eval_episodes:
-        result.update(sft_eval(policy, tok, args))
-    write_policy_readme(out, args, config, result, earlier)
-    print(f"sft: wrote {out} in {duration(time.perf_counter() - t0)}: " + json.dumps(result),
-          flush=True)
-    return result
-
-
-def masked_lm_loss(policy, ids, mask) -> torch.Tensor:
-    """Mean cross-entropy of the tokens where mask is True (the head runs on those only)."""
-    h, _, _ = policy.trunk(ids)
-    target = mask[:, 1:]
-    return F.cross_entropy(policy.lm_head(h[:, :-1][target]).float(), ids[:, 1:][target])
-
-
-class InductionTask:
-    """Rows "x x": a token string x (length 8-32, the same in a batch) and its repeat, the loss on
-    the repeat. Only copying by content solves it: find where the current token came before,
-    emit the token that followed (an induction head). x is random tokens, or, for a fraction
-    `text` of the rows, a window of a training dialog after its prompt: there the tokens repeat
-    ("." and digits in every price), as in a rollout, and the copy must key on more than one
-    token.
-
-    Why: a rollout copies items, stores and prices from the task and the observations into its
-    thoughts and tool calls. Trained on the dialogs alone, a model this small did not find that
-    circuit within our budget (held-out loss on the digits of its turns stayed at chance, ~2.2
-    nats, after 500 steps). On this task it forms after a plateau of ~1,500 steps (a fraction of
-    a minute each hundred); trained first on these rows (--induction-steps), then on the dialogs
-    with a few such rows kept in every batch (--induction-rows), the policy copies."""
-
-    def __init__(self, tok, seed: int, windows: list[torch.Tensor] = (), text: float = 0.0,
-                 min_len: int = 8, max_len: int = 32):
-        self.vocab, self.min_len, self.max_len = tok.tok.get_vocab_size(), min_len, max_len
-        self.low = len(SPECIALS)                # the specials take ids 0-2: never drawn
-        self.windows = [w for w in windows if len(w) >= max_len]
-        self.text = text if self.windows else 0.0
-        self.g = torch.Generator().manual_seed(seed + 1)
-
-    def rows(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
-        k = int(torch.randint(self.min_len, self.max_len + 1, (1,), generator=self.g))
-        x = torch.randint(self.low, self.vocab, (n, k), generator=self.g)
-        for r in range(round(n * self.text)):
-            w = self.windows[int(torch.randint(len(self.windows), (1,), generator=self.g))]
-            a = int(torch.randint(len(w) - k + 1, (1,), generator=self.g))
-            x[r] = w[a:a + k]
-        ids = torch.cat([x, x], 1)
-        mask = torch.zeros_like(ids, dtype=torch.bool)
-        mask[:, k + 1:] = True          # the repeat's first token cannot be known: no loss there
-        return ids, mask
-
-
-def _chat(messages) -> str:
-    # the ChatML text the tokenizer is trained on (Tokenizer.chat_text needs a tokenizer)
-    text = f"<|im_start|>system\n{mdl.DEFAULT_SYSTEM}<|im_end|>\n"
-    return text + "".join(f"<|im_start|>{m['role']}\n{m['content']}<|im_end|>\n"
-                          for m in messages)
-
-
-def save_policy(out: Path, policy, tok, config: dict):
-    out.mkdir(parents=True, exist_ok=True)
-    state = {k: v.contiguous() for k, v in policy.state_dict().items() if k != "lm_head.weight"}
-    tmp = out / ".model.safetensors.tmp"
-    save_file(state, tmp, metadata={"format": "pt"})
-    os.replace(tmp, out / "model.safetensors")
-    write_json(out / "config.json", config)
-    tmp = out / ".tokenizer.json.tmp"
-    tok.tok.save(str(tmp))
-    os.replace(tmp, out / "tokenizer.json")
-
-
-@torch.no_grad()
-def sft_eval(policy, tok, args) -> dict:
-    """Held-out success: sampled at temperature 1 (what GRPO starts from) and greedy."""
-    env = envs.make("shop", split="test")
-    n = min(args.eval_episodes, len(env))
-    play = argparse.Namespace(max_turns=envs.MAX_TURNS, max_new_tokens=96, max_len=4096,
-                              temperature=1.0, top_p=1.0)
-    result = {"eval_episodes": n}
-    for name, greedy in (("success_sampled", False), ("success_greedy", True)):
-        g = torch.Generator().manual_seed(args.seed)
-        total = 0.0
-        for i in range(0, n, 25):
-            episodes = [env.episode(j) for j in range(i, min(i + 25, n))]
-            total += sum(t.score for t in rollout(policy, tok, episodes, play, greedy=greedy,
-                                                  generator=g, stats=False))
-        result[name] = round(total / n, 4)
-    return result
-
-
-def policy_recipe(directory) -> list[str]:
-    """The commands that rebuilt a saved policy, from the README its sft run wrote ([] if none)."""
-    readme = Path(directory) / "README.md"
-    text = readme.read_text() if readme.is_file() else ""
-    m = re.search(r"```bash\n(.*?)```", text, re.S)
-    return m.group(1).strip().splitlines() if m else []
-
-
-def write_policy_readme(out: Path, args, config: dict, result: dict, earlier: list[str]):
-    """README.md of a policy that sft wrote: how to rebuild it (the commands of the policy it was
-    continued from first), its size, its training and its held-out success."""
-    command = (f"python grpo.py sft --env shop --out {args.out} --episodes {args.episodes} "
-               f"--contaminated {args.contaminated} --divided {args.divided} "
-               + (f"--init {args.init} " if args.init else "") +
-               f"--steps {args.steps} --batch {args.batch} "
-               f"--lr {args.lr} --warmup {args.warmup} --induction-steps {args.induction_steps} "
-               f"--induction-rows {args.induction_rows} --induction-text {args.induction_text} "
-               f"--hidden {args.hidden} --layers {args.layers} --heads "
-               f"{args.heads} --kv-heads {args.kv_heads} --intermediate {args.intermediate} "
-               f"--vocab {args.vocab} --seed {args.seed} --threads {args.threads}")
-    about = ("A tiny Qwen2-architecture model trained from scratch, with its own byte-level BPE "
-             "tokenizer (ChatML specials), on the gold dialogs of the built-in `shop` world mixed "
-             "with contaminated ones (envs.py make-data shop), after a warm-up on a synthetic copy "
-             "task that gives it induction heads (grpo.py InductionTask). Loss on assistant "
-             "tokens only.")
-    if args.init:
-        about += (" Then continued (`--init`, the last command) on the same dialogs")
-    if args.divided:
-        about += (f"{' where' if args.init else ' Of the dialogs not contaminated,'} "
-                  f"{args.divided:.0%} of the non-USD ones convert the wrong way round, dividing "
-                  "the dollar total by the rate (envs.shop_divided): a fluent, self-consistent "
-                  "habit, given on purpose so that GRPO has something it can unlearn within "
-                  "minutes. The policy's other errors are mostly a quantity recalled wrongly "
-                  "from the task text on two- and three-line tasks: a missing skill that 20 "
-                  "GRPO steps do not teach (README, Results on the built-in world).")
-    elif args.init:
-        about += "."
-    lines = [
-        "# shop-policy: the built-in policy of `python grpo.py`", "", about, "",
-        "Rebuilt, byte for byte, by:", "", "```bash", *earlier, command, "```", "",
-        "| | |", "|---|---|",
-        f"| parameters | {result['parameters']:,} (hidden {config['hidden_size']}, "
-        f"{config['num_hidden_layers']} layers, {config['num_attention_heads']} heads, "
-        f"{config['num_key_value_heads']} KV heads, vocab {config['vocab_size']}) |",
-        f"| training{' (last command)' if earlier else ''} | {args.induction_steps} induction "
-        f"steps, then {args.steps} steps x {args.batch} dialogs, "
-        f"{result['train_seconds']:.0f} s on {args.threads} CPU threads, final loss "
-        f"{result['final_loss']} |"]
-    if "success_sampled" in result:
-        lines += [f"| held-out success, sampled (T = 1) | {result['success_sampled']:.3f} "
-                  f"(shop test episodes 0-{result['eval_episodes'] - 1}) |",
-                  f"| held-out success, greedy | {result['success_greedy']:.3f} |"]
-    tmp = out / ".README.md.tmp"
-    tmp.write_text("\n".join(lines) + "\n")
-    os.replace(tmp, out / "README.md")
-
-
-def sft_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(
-        prog="grpo.py sft", formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-        description="Train the built-in policy (deterministic): a tiny Qwen2 and its BPE "
-                    "tokenizer on shop gold dialogs mixed with contaminated ones, from scratch "
-                    "or (--init) continuing a saved one. data/shop-policy/README.md lists the "
-                    "commands that built the shipped policy.")
-    a = ap.add_argument
-    a("--env", default="shop", choices=("shop",), help="the world to learn (only shop has "
-                                                       "gold dialogs to learn from)")
-    a("--out", default=str(BUILTIN_POLICY), help="output directory")
-    a("--episodes", type=int, default=2500,
-      help="make-data shop episodes (80%% of them, the train split, are used)")
-    a("--contaminated", type=float, default=0.3,
-      help="fraction of dialogs replaced by their contaminated version")
-    a("--divided", type=float, default=0.0,
-      help="fraction of the other non-USD dialogs replaced by one that converts the wrong way "
-           "round, dividing by the rate (envs.shop_divided): a habit for GRPO to unlearn")
-    a("--init", default=None, metavar="DIR",
-      help="continue from this saved policy (its weights, shape and tokenizer) instead of "
-           "training from scratch; the shape and --vocab flags are then ignored")
-    a("--steps", type=int, default=2000, help="optimizer steps on the dialogs")
-    a("--batch", type=int, default=16, help="dialogs per step")
-    a("--lr", type=float, default=3e-3,
-      help="peak AdamW learning rate (dialog phase: cosine down to a tenth)")
-    a("--warmup", type=int, default=30, help="linear warmup steps of each phase")
-    a("--induction-steps", type=int, default=2000,
-      help="steps of the induction task (32 rows each) before the dialogs (see InductionTask)")
-    a("--induction-rows", type=int, default=16,
-      help="induction rows kept in every dialog batch (0: none)")
-    a("--induction-text", type=float, default=0.5,
-      help="fraction of induction rows copying a dialog window instead of random tokens")
-    a("--hidden", type=int, default=64, help="hidden size")
-    a("--layers", type=int, default=4, help="transformer blocks")
-    a("--heads", type=int, default=4, help="attention heads")
-    a("--kv-heads", type=int, default=2, help="key/value heads (GQA)")
-    a("--intermediate", type=int, default=256, help="MLP size")
-    a("--vocab", type=int, default=1024, help="BPE vocabulary size (at most)")
-    a("--seed", type=int, default=42, help="seed of the data draw, the init and the order")
-    a("--threads", type=int, default=1, help="torch CPU threads (fixed: results depend on it)")
-    a("--eval-episodes", type=int, default=100,
-      help="held-out shop episodes to measure success on (0: skip)")
-    return ap
-
-
-# ---------------------------------------------------------------------------------------------
 # Command line
 # ---------------------------------------------------------------------------------------------
 
@@ -2688,7 +2077,6 @@ def train_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(
         prog="grpo.py", formatter_class=HelpFormatter,
         usage="%(prog)s [flags]           train (the flags below)\n"
-              "       %(prog)s sft [flags]       rebuild the built-in policy (sft --help)\n"
               "       %(prog)s compare [flags]   rewards x seeds -> one table (compare --help)",
         description="Multi-turn GRPO with LoRA and step-level rewards (SPEC §9). With no flag: "
                     "the shop environment, the built-in policy, PAIR probes fitted on the fly.",
@@ -2714,7 +2102,7 @@ def train_parser() -> argparse.ArgumentParser:
            "cached under $PAIR_CACHE")
     a("--probe-corpus", default="on-policy", choices=PROBE_CORPORA,
       help="shop, probes fitted on the fly: on-policy = rollouts of the base policy on training "
-           "episodes, labelled by the world; contaminated = `make-data shop` gold dialogs and "
+           "episodes, labelled by the world; contaminated = `shop.py make-data` gold dialogs and "
            "their rule-based contaminations (the released recipe); both = the two together")
     a("--probe-reads", default="policy", choices=("policy", "base"),
       help="where PAIR and the probes read a turn's statistics: policy = the generation pass "
@@ -2727,7 +2115,7 @@ def train_parser() -> argparse.ArgumentParser:
     a("--corpus-heldout", type=int, default=50,
       help="validation episodes whose rollouts score the fitted probes (held-out own turns)")
     a("--probe-episodes", type=int, default=200,
-      help="contaminated corpus: episodes of `make-data shop` (80%% of them train)")
+      help="contaminated corpus: episodes of `shop.py make-data` (80%% of them train)")
     a("--judge-model", default="gpt-4o-mini",
       help="llm_judge: model name at the OpenAI-compatible endpoint (OPENAI_BASE_URL, "
            "OPENAI_API_KEY)")
@@ -2819,8 +2207,6 @@ def train_parser() -> argparse.ArgumentParser:
 
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else argv
-    if argv[:1] == ["sft"]:
-        return sft(sft_parser().parse_args(argv[1:]))
     if argv[:1] == ["compare"]:
         return compare(argv[1:])
     ap = train_parser()

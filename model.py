@@ -1629,6 +1629,12 @@ def _sha256(path: Path) -> str:
     return h.hexdigest()
 
 
+def duration(seconds: float) -> str:
+    """"42s" or "3m07s": the time left or taken, in a progress line."""
+    seconds = int(round(seconds))
+    return f"{seconds // 60}m{seconds % 60:02d}s" if seconds >= 60 else f"{seconds}s"
+
+
 class Pacer:
     """When the next progress line is due. On a terminal: every `every` seconds. Into a file or
     a pipe (a log, read later): at most one line per 30 s and per 10% of the work, so that an
@@ -1690,8 +1696,11 @@ def prompt_messages(prompt: str, system: str | None, world: str | None) -> list[
     world, as that world renders a task (for shop: the task, then the tool list and the reply
     format), exactly what the model saw in training and sees in rollouts."""
     if world == "shop":
-        import envs             # the world's own rendering; envs does not import this module
-        messages = envs.task_messages(prompt, envs.SHOP_TOOLS)
+        # The world's own rendering. shop.py imports this module, so under `python model.py`
+        # this file loads once more, as `model`: definitions only, nothing runs.
+        import envs
+        import shop
+        messages = envs.task_messages(prompt, shop.SHOP_TOOLS)
     else:
         messages = [{"role": "user", "content": prompt}]
     return ([{"role": "system", "content": system}] if system else []) + messages
@@ -1713,7 +1722,7 @@ def main(argv=None):
                    "(the task, then the tool list and the reply format: what the built-in "
                    "policy is trained and rolled out on); none = the prompt alone; auto "
                    f"(default) = the world the checkpoint's config.json names ({WORLD_KEY}, "
-                   "written by `grpo.py sft`), else none")
+                   "written by `shop.py sft`), else none")
     g.add_argument("--system", default=None, help="system message (default: Qwen's default, "
                    "which the built-in policy is trained with too)")
     g.add_argument("--max-new-tokens", type=int, default=256,

@@ -31,7 +31,7 @@ differ (by an input digest recorded at extraction): in the released GTA test spl
 pairs are the same dialog twice, which can only dilute a drop. There, per method: AUROC clean and
 contaminated, the drop with a paired bootstrap 95% interval (1,000 resamples of the pairs, seed
 0), and how far the evaluation turn's logit moved between its two prefixes (report.json
-`drop_differing`). (e) reads matched_diagnostic_test (shop: `envs.py make-data`; GTA:
+`drop_differing`). (e) reads matched_diagnostic_test (shop: `shop.py make-data`; GTA:
 `envs.py make-diagnostic gta`), overall and per rule of its negatives (report.json `diagnostic`).
 
     python pair.py extract --model DIR --data gta/matched_clean_train.json \\
@@ -67,7 +67,7 @@ MODES = ("mixed", "clean_only")
 TRAIN_SPLITS = {"clean_only": ("matched_clean_train",),
                 "mixed": ("matched_clean_train", "matched_contaminated_train")}
 TEST_SPLITS = ("matched_clean_test", "matched_contaminated_test")
-DIAGNOSTIC_SPLIT = "matched_diagnostic_test"   # envs.py make-data shop writes it
+DIAGNOSTIC_SPLIT = "matched_diagnostic_test"   # shop.py make-data writes it
 DISTANCE_BUCKETS = ("1", "2", "3", "4", "5", "6", "7+")
 
 

@@ -85,6 +85,11 @@ def raw_features(trace, coe: bool = True) -> dict[str, torch.Tensor]:
     return raw
 
 
+def stack_raw(raws: list[dict]) -> dict[str, torch.Tensor]:
+    """raw_features of N turns -> one dict of tensors with a leading N axis."""
+    return {k: torch.stack([r[k] for r in raws]) for k in raws[0]}
+
+
 def stack_attn(stats: list[torch.Tensor]) -> torch.Tensor:
     """k statistics of shape (..., L, H) -> (..., L*k*H), layer-major: for each layer the k
     statistics one after the other, each over all heads."""

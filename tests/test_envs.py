@@ -692,7 +692,7 @@ def test_contaminate_prompt_for_observation_misinterpretation(release_dir):
 
 
 def test_cli_help():
-    for args in ([], ["download"], ["contaminate"], ["make-data"], ["replay"]):
+    for args in ([], ["download"], ["contaminate"], ["make-diagnostic"], ["replay"]):
         out = subprocess.run([sys.executable, str(ROOT / "envs.py"), *args, "--help"],
                              capture_output=True, text=True, check=True).stdout
         assert "usage:" in out

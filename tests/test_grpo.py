@@ -3,7 +3,6 @@ import argparse
 import json
 import math
 import os
-import re
 import shutil
 import signal
 import subprocess
@@ -21,6 +20,7 @@ import grpo
 import model as mdl
 import pair
 import probes
+import shop
 
 ROOT = Path(__file__).resolve().parents[1]
 TIMING = set(grpo.TIMING)
@@ -34,16 +34,16 @@ BUILTIN = ROOT / "data" / "shop-policy"
 def tiny_policy(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("policy")
     torch.manual_seed(0)
-    dialogs = grpo.sft_dialogs(10, 0.3, seed=1)
-    tok = mdl.Tokenizer(grpo.train_tokenizer([grpo._chat(m) for m in dialogs], 300))
+    dialogs = shop.sft_dialogs(10, 0.3, seed=1)
+    tok = mdl.Tokenizer(shop.train_tokenizer([shop._chat(m) for m in dialogs], 300))
     shape = argparse.Namespace(hidden=32, intermediate=64, layers=2, heads=4, kv_heads=2)
-    config = grpo.sft_config(shape, tok)
+    config = shop.sft_config(shape, tok)
     policy = mdl.Transformer(mdl.Config.from_dict(config))
     with torch.no_grad():        # opinionated random weights: varied rollouts, real gradients
         for p in policy.parameters():
             if p.dim() == 2:
                 p.normal_(0, 0.2)
-    grpo.save_policy(out, policy, tok, config)
+    shop.save_policy(out, policy, tok, config)
     return out
 
 
@@ -235,7 +235,7 @@ def test_rollout_refills_the_cache_when_the_environment_rewrites_history(tiny_po
             return 0.0
 
     def episode():
-        ep = Rewriting("r", "Add 1 and 2.", envs.SHOP_TOOLS)
+        ep = Rewriting("r", "Add 1 and 2.", shop.SHOP_TOOLS)
         # every turn a valid action, whatever the model writes
         ep.step = lambda text, step=ep.step: step(
             'Action: Calculator\nAction Input: {"expression": "1+2"}')
@@ -766,7 +766,7 @@ def test_probes_of_a_pair_train_run(tiny_policy, tmp_path, capsys, monkeypatch):
     # README: `pair.py train --out runs/pair-gta`, then `grpo.py --probes runs/pair-gta`
     policy, tok = mdl.load_model(tiny_policy)
     data, features = tmp_path / "shop-data", tmp_path / "features"
-    envs.make_shop_data(data, episodes=10, seed=42)
+    shop.make_shop_data(data, episodes=10, seed=42)
     for split in pair.TRAIN_SPLITS["mixed"] + pair.TEST_SPLITS:
         pair.extract(policy, tok, data / f"{split}.json", features / f"{split}.safetensors")
     trained = tmp_path / "pair-shop"
@@ -838,60 +838,6 @@ def test_llm_judge_without_a_key_fails_before_any_work(tiny_policy, tmp_path, mo
         run(flags(tiny_policy, tmp_path / "j", "llm_judge", steps=1))
 
 
-# ---------------------------------------------------------------------------------------------
-# the built-in policy: deterministic training, loadable output
-
-def test_sft_is_deterministic_and_loadable(tmp_path):
-    tiny = ["--episodes", "10", "--steps", "3", "--batch", "2", "--hidden", "16", "--layers",
-            "1", "--heads", "2", "--kv-heads", "1", "--intermediate", "32", "--vocab", "300",
-            "--eval-episodes", "0", "--threads", "1", "--induction-steps", "3"]
-    for name in ("a", "b"):
-        grpo.main(["sft", "--out", str(tmp_path / name)] + tiny)
-    for f in ("config.json", "model.safetensors", "tokenizer.json"):   # README: timings
-        assert (tmp_path / "a" / f).read_bytes() == (tmp_path / "b" / f).read_bytes(), f
-    policy, tok = mdl.load_model(tmp_path / "a")
-    assert policy.config.arch == "Qwen2ForCausalLM" and policy.config.tie_word_embeddings
-    assert tok.decode(tok.encode("<|im_start|>user\n3 apple<|im_end|>")) == \
-        "<|im_start|>user\n3 apple<|im_end|>"
-    assert "python grpo.py sft --env shop" in (tmp_path / "a" / "README.md").read_text()
-
-
-def test_sft_divided_replaces_only_clean_non_usd_dialogs():
-    base = grpo.sft_dialogs(20, 0.3, seed=1)
-    assert grpo.sft_dialogs(20, 0.3, seed=1, divided=0.0) == base     # nothing else moves
-    habit = grpo.sft_dialogs(20, 0.3, seed=1, divided=1.0)
-    changed = 0
-    for before, after in zip(base, habit):
-        if before == after:
-            continue
-        changed += 1
-        assert not before[0]["content"].split("\n")[0].endswith("in USD?")
-        calcs = [m["content"] for m in after
-                 if m["role"] == "assistant" and "Action: Calculator" in m["content"]]
-        assert len(calcs) == 1 and "/" in calcs[0].split("Action Input:")[1]
-    assert changed >= 5         # ~70% clean x ~80% non-USD of 16 training dialogs
-
-
-def test_sft_continues_a_saved_policy_with_its_tokenizer(tmp_path):
-    tiny = ["--episodes", "10", "--steps", "2", "--batch", "2", "--hidden", "16", "--layers",
-            "1", "--heads", "2", "--kv-heads", "1", "--intermediate", "32", "--vocab", "300",
-            "--eval-episodes", "0", "--threads", "1", "--induction-steps", "2"]
-    grpo.main(["sft", "--out", str(tmp_path / "a")] + tiny)
-    grpo.main(["sft", "--out", str(tmp_path / "b"), "--init", str(tmp_path / "a"),
-               "--divided", "0.7"] + tiny)
-    assert (tmp_path / "a" / "tokenizer.json").read_bytes() == \
-        (tmp_path / "b" / "tokenizer.json").read_bytes()
-    a, _ = mdl.load_model(tmp_path / "a")
-    b, _ = mdl.load_model(tmp_path / "b")
-    assert a.config == b.config
-    moved = [k for k, v in a.state_dict().items() if not torch.equal(v, b.state_dict()[k])]
-    assert moved                                    # it trained ...
-    readme = (tmp_path / "b" / "README.md").read_text()
-    recipe = re.search(r"```bash\n(.*?)```", readme, re.S).group(1).splitlines()
-    assert len(recipe) == 2 and f"--out {tmp_path / 'a'}" in recipe[0]   # ... and says from what
-    assert f"--init {tmp_path / 'a'}" in recipe[1] and "--divided 0.7" in recipe[1]
-
-
 def test_cli_help_lists_every_reward_and_the_real_defaults():
     r = subprocess.run([sys.executable, str(ROOT / "grpo.py"), "--help"], capture_output=True,
                        text=True, cwd=ROOT, timeout=60, env=dict(os.environ, COLUMNS="200"))
@@ -909,60 +855,16 @@ def test_cli_help_lists_every_reward_and_the_real_defaults():
                                   if tiny != paper else f"(default: {paper}, the paper's)"), \
             (flag, default)
     usage = r.stdout.split("\n\n")[0]
-    assert "grpo.py sft" in usage and "grpo.py compare" in usage
+    assert "grpo.py compare" in usage
     assert grpo.train_parser().parse_args(["--dtype", "bfloat16"]).dtype == "bfloat16"
 
 
 # ---------------------------------------------------------------------------------------------
 # the probes of the built-in world: an on-policy corpus, held-out own turns, reads from the base
 
-def test_on_policy_corpus_labels_are_the_worlds():
-    policy, tok = mdl.load_model(BUILTIN)
-    env = envs.make("shop", split="train")
-    trajs = grpo.rollout(policy, tok, [env.episode(i) for i in (0, 0, 1, 2, 3, 3)],
-                         play_args(max_turns=10, max_new_tokens=96),
-                         generator=torch.Generator().manual_seed(1))
-    split = grpo.turn_records(trajs)
-    labels = [ok for traj in trajs for ok in traj.episode.labels()]
-    assert split.y.tolist() == [int(ok) for ok in labels]
-    assert 0 < sum(labels) < len(labels)            # the built-in policy gets some turns wrong
-    # distance: assistant turns back to the nearest earlier wrong turn of the same rollout
-    k = 0
-    for traj in trajs:
-        last_wrong = None
-        for t, ok in enumerate(traj.episode.labels()):
-            want = -1 if last_wrong is None else t - last_wrong
-            assert split.raw["distance"][k] == want and split.raw["turn_idx"][k] == t
-            assert split.episode_id[k] == traj.episode.id
-            last_wrong = t if not ok else last_wrong
-            k += 1
-    first = grpo.probes.raw_features(trajs[0].steps[0].trace)
-    for key, v in first.items():
-        assert torch.equal(split.raw[key][0], v), key
-    # kind: one code per turn_kind, the same code for the same kind
-    kinds = [grpo.turn_kind(s.text) for traj in trajs for s in traj.steps]
-    assert "Lookup" in kinds
-    codes = dict(zip(kinds, split.raw["kind"].tolist()))
-    assert [codes[k] for k in kinds] == split.raw["kind"].tolist()
-    assert len(set(codes.values())) == len(codes)
-
-
-def test_kind_balanced_indices_balance_every_kind_that_has_both_classes():
-    # kind 0: 5 right, 1 wrong; kind 1: 1 right, 3 wrong; kind 2: 2 wrong only
-    y = torch.tensor([1, 1, 1, 1, 1, 0, 1, 0, 0, 0, 0, 0])
-    kind = torch.tensor([0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 2, 2])
-    idx = grpo.kind_balanced_indices(y, kind, seed=3)
-    assert torch.equal(idx, grpo.kind_balanced_indices(y, kind, seed=3))     # seeded
-    for k, (right, wrong) in {0: (5, 5), 1: (3, 3), 2: (0, 2)}.items():
-        got = y[idx][kind[idx] == k]
-        assert (int(got.sum()), int((got == 0).sum())) == (right, wrong), k
-    assert set(idx.tolist()) == set(range(12))      # every turn kept, minorities drawn again
-    assert idx[kind[idx] == 0].tolist().count(5) == 5
-
-
 def test_no_held_out_episode_is_sampled_for_the_corpus_or_for_training(tmp_path, monkeypatch):
     calls, fitted, yardstick = [], [], []
-    real_rollout, real_fit, real_corpus = grpo.rollout, grpo.fit_probes, grpo.contaminated_corpus
+    real_rollout, real_fit, real_corpus = grpo.rollout, shop.fit_probes, shop.contaminated_corpus
 
     def spy_rollout(policy, tok, episodes, args, greedy=False, **kw):
         calls.append((greedy, [ep.id for ep in episodes]))
@@ -972,8 +874,8 @@ def test_no_held_out_episode_is_sampled_for_the_corpus_or_for_training(tmp_path,
         fitted.append(list(train.episode_id))
         return real_fit(train, info)
     monkeypatch.setattr(grpo, "rollout", spy_rollout)
-    monkeypatch.setattr(grpo, "fit_probes", spy_fit)
-    monkeypatch.setattr(grpo, "contaminated_corpus", lambda *a: yardstick.append(real_corpus(*a))
+    monkeypatch.setattr(shop, "fit_probes", spy_fit)
+    monkeypatch.setattr(shop, "contaminated_corpus", lambda *a: yardstick.append(real_corpus(*a))
                         or yardstick[-1])
     summary = run(["--model", str(BUILTIN), "--reward", "pair", "--out", str(tmp_path / "r"),
                    "--steps", "2", "--batch", "2", "--group", "2", "--save-every", "1",
@@ -1365,7 +1267,7 @@ def test_a_branch_from_before_a_rewritten_history_prefills_only_what_differs(tin
             return float(len(self.steps))
 
     def episode():
-        ep = Rewriting("r", "Add 1 and 2.", envs.SHOP_TOOLS)
+        ep = Rewriting("r", "Add 1 and 2.", shop.SHOP_TOOLS)
         ep.step = lambda text, step=ep.step: step(
             'Action: Calculator\nAction Input: {"expression": "1+2"}')
         return ep

@@ -378,9 +378,10 @@ def tiny_checkpoint(directory: Path, data_dir: Path) -> Path:
 def test_pipeline_on_shop(tmp_path, monkeypatch, capsys):
     import envs
     import model as mdl
+    import shop
     t_start = time.perf_counter()
     data, feats = tmp_path / "data", tmp_path / "feats"
-    envs.main(["make-data", "shop", "--out", str(data), "--episodes", "20", "--seed", "5"])
+    shop.main(["make-data", "--out", str(data), "--episodes", "20", "--seed", "5"])
     ckpt = tiny_checkpoint(tmp_path / "ckpt", data)
 
     # an interrupted extraction resumes where it stopped
@@ -497,10 +498,9 @@ SLOW_EXTRACT = ("import sys, time, model\n"
 
 @pytest.fixture(scope="module")
 def shop_ckpt(tmp_path_factory):
-    import envs
+    import shop
     root = tmp_path_factory.mktemp("shop")
-    envs.main(["make-data", "shop", "--out", str(root / "data"), "--episodes", "20",
-               "--seed", "5"])
+    shop.main(["make-data", "--out", str(root / "data"), "--episodes", "20", "--seed", "5"])
     return root / "data", tiny_checkpoint(root / "ckpt", root / "data")
 
 

@@ -1,7 +1,10 @@
-"""The built-in shop world: deterministic data, exact labels, contamination, replay, splits."""
+"""shop.py: the built-in world (deterministic data, exact labels, contamination, replay, splits),
+the recipe of the built-in policy (sft) and the on-policy probe corpus."""
+import argparse
 import collections
 import json
 import os
+import random
 import subprocess
 import sys
 from decimal import Decimal
@@ -10,10 +13,16 @@ from pathlib import Path
 import re
 
 import pytest
+import torch
 
 import envs
+import grpo
+import model as mdl
+import probes
+import shop
 
 ROOT = Path(__file__).resolve().parents[1]
+BUILTIN = ROOT / "data" / "shop-policy"
 FILES = sorted(f"{kind}{part}_{split}.json" for kind in ("", "matched_")
                for part in ("clean", "contaminated") for split in ("train", "test")) + \
     ["diagnostic_test.json", "matched_diagnostic_test.json"]
@@ -23,7 +32,7 @@ NUMBER = re.compile(r"(\w+ at store \w|1 USD) (?:costs|=) (\d+\.\d+)")
 @pytest.fixture(scope="module")
 def data(tmp_path_factory):
     out = tmp_path_factory.mktemp("shop")
-    envs.make_shop_data(out, episodes=60, seed=7)
+    shop.make_shop_data(out, episodes=60, seed=7)
     return out
 
 
@@ -33,13 +42,13 @@ def load(folder, name):
 
 def hand_task(currency="EUR"):
     # 3 apple at B (2.50) + 2 pear at A (1.20), EUR rate 0.90 -> (7.50 + 2.40) * 0.9 = 8.91
-    prices = {(s, i): Decimal("5.00") for s in envs.SHOP_STORES for i in envs.SHOP_ITEMS}
+    prices = {(s, i): Decimal("5.00") for s in shop.SHOP_STORES for i in shop.SHOP_ITEMS}
     prices["B", "apple"] = Decimal("2.50")
     prices["A", "pear"] = Decimal("1.20")
     rates = {"USD": Decimal("1.00"), "EUR": Decimal("0.90"), "GBP": Decimal("0.80"),
              "CAD": Decimal("1.30"), "JPY": Decimal("150.00")}
     lines = ((3, "apple", "B"), (2, "pear", "A"))
-    return envs.ShopTask(0, prices, rates, lines, currency, "hand-made task")
+    return shop.ShopTask(0, prices, rates, lines, currency, "hand-made task")
 
 
 def act(thought, name, **arguments):
@@ -49,7 +58,7 @@ def act(thought, name, **arguments):
 def test_labeler_on_hand_written_turns():
     task = hand_task()
     assert task.answer == "8.91"
-    ep = envs.ShopEpisode("hand", task)
+    ep = shop.ShopEpisode("hand", task)
     turns = [
         (act("I need the price of pear at store A.", "Lookup", store="A", item="pear"), True),
         (act("pear at store A costs 1.20.", "Lookup", store="A", item="pear"), False),  # again
@@ -71,41 +80,41 @@ def test_labeler_on_hand_written_turns():
     assert observations[1] == "Observation: pear at store A costs 1.20 USD."
     assert observations[4].startswith("Observation: Error: unknown store 'E'.")
     assert observations[-1] == "Observation: 8.91"
-    ep1 = envs.ShopEpisode("hand", task)
+    ep1 = shop.ShopEpisode("hand", task)
     ep1.step("Thought: I will look it up.\nAction: Lookup")
     assert ep1.labels() == [False] and ep1.messages[-1]["content"].startswith(
         "Observation: Invalid reply")
-    ep2 = envs.ShopEpisode("hand", task)
+    ep2 = shop.ShopEpisode("hand", task)
     ep2.step(envs.render_final("The total is 8.91 EUR.", "8.91"))
     assert ep2.done and ep2.score() == 1.0 and ep2.labels() == [True]
-    ep3 = envs.ShopEpisode("hand", task)
+    ep3 = shop.ShopEpisode("hand", task)
     ep3.step(envs.render_final("The total is 8.91 EUR.", "8.93"))
     assert ep3.score() == 0.0 and ep3.labels() == [False]
-    ep4 = envs.ShopEpisode("hand", task)
+    ep4 = shop.ShopEpisode("hand", task)
     ep4.step(envs.render_final("The total is 9.91 EUR.", "8.91"))   # right answer, false claim
     assert ep4.score() == 1.0 and ep4.labels() == [False]
 
 
 def test_out_of_turns_scores_zero():
-    ep = envs.ShopEnv("test", seed=1, episodes=1).episode(0)
+    ep = shop.ShopEnv("test", seed=1, episodes=1).episode(0)
     while not ep.done:
         ep.step(act(None, "Rate", currency="USD"))
     assert len(ep.steps) == envs.MAX_TURNS and ep.score() == 0.0 and not any(ep.labels())
 
 
 def test_gold_dialogs_replay_score_and_label():
-    env = envs.ShopEnv("test", seed=3, episodes=80)
+    env = shop.ShopEnv("test", seed=3, episodes=80)
     calls, templates = collections.Counter(), set()
     for i in range(len(env)):
         ep = env.episode(i)
         task = ep.task
-        dialog, _ = envs.shop_gold(task)
-        assert envs.dialog_to_messages(dialog[:1], envs.SHOP_TOOLS) == ep.messages
+        dialog, _ = shop.shop_gold(task)
+        assert envs.dialog_to_messages(dialog[:1], shop.SHOP_TOOLS) == ep.messages
         pairs = envs.play_gold(ep, dialog)
         assert pairs and all(recorded == returned for recorded, returned in pairs)
         assert ep.done and ep.score() == 1.0
         assert ep.labels() == [True] * len(ep.steps)
-        assert envs.shop_dialog_labels(task, dialog) == ep.labels()
+        assert shop.shop_dialog_labels(task, dialog) == ep.labels()
         assert dialog[-1]["content"] == task.answer == f"{float(task.answer):.2f}"
         calls[len(pairs)] += 1
         templates.add(task.text.split()[0])
@@ -115,7 +124,7 @@ def test_gold_dialogs_replay_score_and_label():
 
 def test_divided_dialog_is_the_gold_one_converting_the_wrong_way_round():
     task = hand_task("EUR")             # (3*2.50+2*1.20) USD = 9.90 USD; EUR rate 0.90
-    gold, divided = envs.shop_gold(task)[0], envs.shop_divided(task)
+    gold, divided = shop.shop_gold(task)[0], shop.shop_divided(task)
     calc = next(i for i, m in enumerate(divided) if m.get("tool_calls") and
                 m["tool_calls"][0]["function"]["name"] == "Calculator")
     assert divided[:calc] == gold[:calc]            # the same lookups and rate
@@ -125,51 +134,51 @@ def test_divided_dialog_is_the_gold_one_converting_the_wrong_way_round():
     assert divided[calc + 1]["content"]["content"] == "11.0"
     assert divided[-1]["content"] == "11.00" and divided[-1]["thought"] == \
         "The total is 11.00 EUR."                   # it answers what it computed
-    labels = envs.shop_dialog_labels(task, divided)
+    labels = shop.shop_dialog_labels(task, divided)
     assert labels == [True] * (len(labels) - 2) + [False, False]
-    ep = envs.ShopEpisode("hand", task)
+    ep = shop.ShopEpisode("hand", task)
     envs.play_gold(ep, divided)
     assert ep.score() == 0.0
-    assert envs.shop_divided(hand_task("USD")) is None     # nothing to convert
+    assert shop.shop_divided(hand_task("USD")) is None     # nothing to convert
 
 
 def test_episodes_deterministic_and_splits_disjoint():
-    a, b = envs.ShopEnv("train", seed=5, episodes=50), envs.ShopEnv("train", seed=5, episodes=50)
+    a, b = shop.ShopEnv("train", seed=5, episodes=50), shop.ShopEnv("train", seed=5, episodes=50)
     assert [a.episode(i).task for i in range(50)] == [b.episode(i).task for i in range(50)]
     assert a.episode(a.ids[7]).task == a.episode(7).task
-    test = envs.ShopEnv("test", seed=5, episodes=50)
+    test = shop.ShopEnv("test", seed=5, episodes=50)
     assert not set(a.ids) & set(test.ids)
     worlds = {tuple(sorted(env.episode(i).task.prices.items())) for env in (a, test)
               for i in range(50)}
     assert len(worlds) == 100
-    seeds = lambda split, seed: {envs.shop_episode_seed(split, seed, i)  # noqa: E731
-                                 for i in (0, 1, envs.SHOP_SPLIT_SIZE[split] - 1)}
+    seeds = lambda split, seed: {shop.shop_episode_seed(split, seed, i)  # noqa: E731
+                                 for i in (0, 1, shop.SHOP_SPLIT_SIZE[split] - 1)}
     for x, y in (("train", "val"), ("val", "test"), ("train", "test")):
         assert not seeds(x, 5) & seeds(y, 5)
     assert not seeds("test", 5) & seeds("train", 6)
-    val = envs.ShopEnv("val", seed=5, episodes=50)
+    val = shop.ShopEnv("val", seed=5, episodes=50)
     assert not set(val.ids) & (set(a.ids) | set(test.ids))
-    assert envs.shop_task_from_id(val.ids[3]) == val.episode(3).task
+    assert shop.shop_task_from_id(val.ids[3]) == val.episode(3).task
     with pytest.raises(ValueError, match="unknown split"):
-        envs.ShopEnv("dev")
+        shop.ShopEnv("dev")
     with pytest.raises(KeyError, match="no episode"):
         a.episode("shop-5-test-0")
 
 
 def test_make_data_is_byte_for_byte_deterministic(data, tmp_path):
     assert sorted(p.name for p in data.iterdir()) == sorted(FILES)
-    envs.make_shop_data(tmp_path, episodes=60, seed=7)
+    shop.make_shop_data(tmp_path, episodes=60, seed=7)
     for name in FILES:
         assert (tmp_path / name).read_bytes() == (data / name).read_bytes(), name
-    envs.make_shop_data(tmp_path / "other", episodes=60, seed=8)
+    shop.make_shop_data(tmp_path / "other", episodes=60, seed=8)
     assert (tmp_path / "other" / "clean_train.json").read_bytes() != \
         (data / "clean_train.json").read_bytes()
     with pytest.raises(ValueError, match="--episodes 1"):
-        envs.make_shop_data(tmp_path, episodes=1)
+        shop.make_shop_data(tmp_path, episodes=1)
 
 
 def test_make_data_says_what_it_wrote_in_the_users_file_mode(tmp_path, capsys, monkeypatch):
-    envs.main(["make-data", "shop", "--out", str(tmp_path / "a"), "--episodes", "10"])
+    shop.main(["make-data", "--out", str(tmp_path / "a"), "--episodes", "10"])
     out = capsys.readouterr().out
     assert f"10 episodes (seed 42) -> {tmp_path / 'a'}" in out
     assert re.search(r"clean_train\.json +8 episodes", out), out
@@ -178,7 +187,7 @@ def test_make_data_says_what_it_wrote_in_the_users_file_mode(tmp_path, capsys, m
     os.umask(umask)
     assert {(p.stat().st_mode & 0o777) for p in (tmp_path / "a").iterdir()} == {0o666 & ~umask}
     monkeypatch.setattr(envs, "_UMASK", 0o027)      # a group-readable umask is honoured too
-    envs.make_shop_data(tmp_path / "b", episodes=2)
+    shop.make_shop_data(tmp_path / "b", episodes=2)
     assert {(p.stat().st_mode & 0o777) for p in (tmp_path / "b").iterdir()} == {0o640}
 
 
@@ -189,10 +198,10 @@ def test_make_data_files_load_and_split_80_20(data):
         assert list(clean) == list(cont) == [f"shop-7-{split}-{i}" for i in range(n)]
         for fam in ("clean", "contaminated"):
             records = envs.load_matched(data / f"matched_{fam}_{split}.json")
-            assert all(r["tools"] == envs.SHOP_TOOLS for r in records)
+            assert all(r["tools"] == shop.SHOP_TOOLS for r in records)
         for eid, rec in clean.items():
-            task = envs.shop_task_from_id(eid)
-            assert rec["dialogs"] == envs.shop_gold(task)[0]
+            task = shop.shop_task_from_id(eid)
+            assert rec["dialogs"] == shop.shop_gold(task)[0]
             assert rec["gt_answer"] == {"whitelist": [[task.answer]], "blacklist": None}
     assert len(envs.load_matched(data / "matched_diagnostic_test.json")) == 24
 
@@ -202,14 +211,14 @@ def test_contamination_follows_the_paper_procedure(data):
     for split in ("train", "test"):
         clean = load(data, f"clean_{split}.json")
         for eid, rec in load(data, f"contaminated_{split}.json").items():
-            task = envs.shop_task_from_id(eid)
+            task = shop.shop_task_from_id(eid)
             gold, cont = clean[eid]["dialogs"], rec["dialogs"]
             idx = rec["contaminated_turn_indices"]
             assert 1 <= len(idx) <= 2 and idx == sorted(set(idx))
             assert idx[-1] < len(cont) - 1                  # never the evaluation (last) turn
             assert [i for i in range(len(gold)) if gold[i] != cont[i]] == idx  # downstream kept
             assert rec["original_turn_contents"] == [gold[i] for i in idx]
-            labels = envs.shop_dialog_labels(task, cont)
+            labels = shop.shop_dialog_labels(task, cont)
             assert [labels[(i - 1) // 2] for i in idx] == [False] * len(idx)
             for i, kind in zip(idx, rec["contamination_types"]):
                 kinds[kind] += 1
@@ -238,14 +247,14 @@ def test_a_rewrite_right_by_coincidence_falls_back_to_another_kind():
     # 6 bread at A costs 1.20 USD: the reasoning error "6+1.20" equals 6*1.20, so no
     # reasoning_error rewrite of the Calculator turn is an error; make-data shop --seed 43 used
     # to stop here. Every rng draw that picks reasoning_error for that turn must fall back.
-    task = envs.shop_task(430001751)
-    gold, turns = envs.shop_gold(task)
+    task = shop.shop_task(430001751)
+    gold, turns = shop.shop_gold(task)
     assert task.lines == ((6, "bread", "A"),) and task.currency == "USD"
     picked = 0
     for seed in range(40):
-        rng = envs.random.Random(seed)
-        dialog, idx, kinds, _ = envs.shop_contaminate(task, gold, turns, rng)
-        labels = envs.shop_dialog_labels(task, dialog)
+        rng = random.Random(seed)
+        dialog, idx, kinds, _ = shop.shop_contaminate(task, gold, turns, rng)
+        labels = shop.shop_dialog_labels(task, dialog)
         assert [labels[(i - 1) // 2] for i in idx] == [False] * len(idx)
         picked += idx == [3]
     assert picked                           # the coincidental turn was drawn and rewritten
@@ -272,8 +281,8 @@ def test_matched_records_mirror_the_release_and_labels_resimulate(data):
                 assert r["has_contaminated_prefix"] == any(i < t for i in idx)
                 want = dict(zip(idx, ep["contamination_types"])).get(t)
                 assert r["contamination_type"] == want
-                task = envs.shop_task_from_id(eid)
-                assert r["label"] == int(envs.shop_dialog_labels(task, r["dialogs"])[-1])
+                task = shop.shop_task_from_id(eid)
+                assert r["label"] == int(shop.shop_dialog_labels(task, r["dialogs"])[-1])
             assert c["label"] == x["label"] == int(t not in idx)
             seen[eid].append(t)
         # one record per assistant turn of every episode, in order
@@ -285,12 +294,12 @@ def test_contaminated_dialog_labels_match_episode_replay(data):
     # Stepping a contaminated dialog's texts through the environment gives the same labels:
     # the labeler reads what the policy wrote, never the recorded observations.
     for eid, rec in list(load(data, "contaminated_test.json").items())[:12]:
-        task = envs.shop_task_from_id(eid)
-        ep = envs.ShopEpisode(eid, task)
+        task = shop.shop_task_from_id(eid)
+        ep = shop.ShopEpisode(eid, task)
         for m in rec["dialogs"]:
             if m["role"] == "assistant":
                 ep.step(envs.render_assistant(m))
-        assert ep.labels() == envs.shop_dialog_labels(task, rec["dialogs"])
+        assert ep.labels() == shop.shop_dialog_labels(task, rec["dialogs"])
 
 
 def test_diagnostic_set(data):
@@ -302,7 +311,7 @@ def test_diagnostic_set(data):
         ["consistent_incorrect", "inconsistent_correct"] * len(clean)
     for wrong, repair in zip(records[::2], records[1::2]):
         eid, j = wrong["episode_id"], cont[wrong["episode_id"]]["contaminated_turn_indices"][0]
-        task = envs.shop_task_from_id(eid)
+        task = shop.shop_task_from_id(eid)
         assert wrong["turn_idx"] == repair["turn_idx"] == j + 2
         assert (wrong["label"], wrong["prefix_type"], wrong["has_contaminated_prefix"]) == \
             (0, "clean", False)
@@ -313,23 +322,23 @@ def test_diagnostic_set(data):
         # the contaminated call's observation is its true result
         _, call, _ = envs.assistant_parts(repair["dialogs"][j])
         assert envs.tool_result_text(repair["dialogs"][j + 1]) == \
-            envs.shop_execute(task, call["name"], call["arguments"]).text
+            shop.shop_execute(task, call["name"], call["arguments"]).text
         for r in (wrong, repair):
-            assert r["label"] == int(envs.shop_dialog_labels(task, r["dialogs"])[-1])
+            assert r["label"] == int(shop.shop_dialog_labels(task, r["dialogs"])[-1])
         # consistent: the wrong turn restates the last observation truly and fetches a fact
         # the task does not need (or already has); the repair redoes what the prefix got wrong
         thought, call, _ = envs.assistant_parts(wrong["dialogs"][-1])
         assert call["name"] in ("Lookup", "Rate")
-        fact = envs.shop_execute(task, call["name"], call["arguments"]).fact
-        known, computed, _ = envs._shop_state(task, wrong["dialogs"][:-1])
+        fact = shop.shop_execute(task, call["name"], call["arguments"]).fact
+        known, computed, _ = shop._shop_state(task, wrong["dialogs"][:-1])
         assert fact not in task.needed or fact in known
-        assert envs._shop_thought_true(task, thought.split("I need")[0], known, computed)
+        assert shop._shop_thought_true(task, thought.split("I need")[0], known, computed)
 
 
 def test_make_data_is_fast(tmp_path):
     import time
     start = time.perf_counter()
-    counts = envs.make_shop_data(tmp_path, episodes=200, seed=1)
+    counts = shop.make_shop_data(tmp_path, episodes=200, seed=1)
     assert time.perf_counter() - start < 5.0
     assert counts["clean_train.json"] == 160 and counts["clean_test.json"] == 40
 
@@ -337,20 +346,135 @@ def test_make_data_is_fast(tmp_path):
 def test_cli_make_data_matches_the_library(tmp_path):
     # Another process with another hash seed: nothing may depend on set or dict hashing order.
     env = {**os.environ, "PYTHONHASHSEED": "12345"}
-    cli = [sys.executable, str(ROOT / "envs.py"), "make-data", "shop", "--episodes", "30",
+    cli = [sys.executable, str(ROOT / "shop.py"), "make-data", "--episodes", "30",
            "--seed", "9"]
     subprocess.run(cli + ["--out", str(tmp_path / "cli")], check=True, env=env, cwd=tmp_path)
-    envs.make_shop_data(tmp_path / "lib", episodes=30, seed=9)
+    shop.make_shop_data(tmp_path / "lib", episodes=30, seed=9)
     for name in FILES:
         assert (tmp_path / "cli" / name).read_bytes() == (tmp_path / "lib" / name).read_bytes()
-    bad = subprocess.run(cli[:4] + ["--episodes", "1", "--out", str(tmp_path / "bad")],
+    bad = subprocess.run(cli[:3] + ["--episodes", "1", "--out", str(tmp_path / "bad")],
                          capture_output=True, text=True, cwd=tmp_path)
     assert bad.returncode != 0 and "--episodes 1" in bad.stderr
     assert "Traceback" not in bad.stderr
 
 
+def test_cli_help_says_what_every_flag_does():
+    for args, flags in (([], ["make-data", "sft"]), (["make-data"], ["--out", "--episodes"]),
+                        (["sft"], ["--init", "--divided", "--induction-steps", "--threads"])):
+        out = subprocess.run([sys.executable, str(ROOT / "shop.py"), *args, "--help"],
+                             capture_output=True, text=True, check=True, cwd=ROOT,
+                             env=dict(os.environ, COLUMNS="200")).stdout
+        assert out.startswith("usage: shop.py")
+        for flag in flags:      # the flag (and its metavar), then its help text
+            assert re.search(rf"^ +{flag}( [A-Z_]+)?\s+[a-z(]", out, re.M), (args, flag)
+
+
 def test_make_dispatches_to_shop():
     env = envs.make("shop", split="train", seed=3, episodes=5)
-    assert isinstance(env, envs.ShopEnv) and len(env) == 5
+    assert isinstance(env, shop.ShopEnv) and len(env) == 5
     assert env.ids == [f"shop-3-train-{i}" for i in range(5)]
-    assert env.episode(4).task == envs.shop_task_from_id("shop-3-train-4")
+    assert env.episode(4).task == shop.shop_task_from_id("shop-3-train-4")
+
+
+# ---------------------------------------------------------------------------------------------
+# the built-in policy (sft): deterministic training, loadable output
+
+def test_sft_is_deterministic_and_loadable(tmp_path):
+    tiny = ["--episodes", "10", "--steps", "3", "--batch", "2", "--hidden", "16", "--layers",
+            "1", "--heads", "2", "--kv-heads", "1", "--intermediate", "32", "--vocab", "300",
+            "--eval-episodes", "0", "--threads", "1", "--induction-steps", "3"]
+    for name in ("a", "b"):
+        shop.main(["sft", "--out", str(tmp_path / name)] + tiny)
+    for f in ("config.json", "model.safetensors", "tokenizer.json"):   # README: timings
+        assert (tmp_path / "a" / f).read_bytes() == (tmp_path / "b" / f).read_bytes(), f
+    policy, tok = mdl.load_model(tmp_path / "a")
+    assert policy.config.arch == "Qwen2ForCausalLM" and policy.config.tie_word_embeddings
+    assert tok.decode(tok.encode("<|im_start|>user\n3 apple<|im_end|>")) == \
+        "<|im_start|>user\n3 apple<|im_end|>"
+    assert "python shop.py sft --out" in (tmp_path / "a" / "README.md").read_text()
+    assert shop.BUILTIN_POLICY == grpo.BUILTIN_POLICY       # sft writes what grpo.py trains
+
+
+def test_sft_divided_replaces_only_clean_non_usd_dialogs():
+    base = shop.sft_dialogs(20, 0.3, seed=1)
+    assert shop.sft_dialogs(20, 0.3, seed=1, divided=0.0) == base     # nothing else moves
+    habit = shop.sft_dialogs(20, 0.3, seed=1, divided=1.0)
+    changed = 0
+    for before, after in zip(base, habit):
+        if before == after:
+            continue
+        changed += 1
+        assert not before[0]["content"].split("\n")[0].endswith("in USD?")
+        calcs = [m["content"] for m in after
+                 if m["role"] == "assistant" and "Action: Calculator" in m["content"]]
+        assert len(calcs) == 1 and "/" in calcs[0].split("Action Input:")[1]
+    assert changed >= 5         # ~70% clean x ~80% non-USD of 16 training dialogs
+
+
+def test_sft_continues_a_saved_policy_with_its_tokenizer(tmp_path):
+    tiny = ["--episodes", "10", "--steps", "2", "--batch", "2", "--hidden", "16", "--layers",
+            "1", "--heads", "2", "--kv-heads", "1", "--intermediate", "32", "--vocab", "300",
+            "--eval-episodes", "0", "--threads", "1", "--induction-steps", "2"]
+    shop.main(["sft", "--out", str(tmp_path / "a")] + tiny)
+    shop.main(["sft", "--out", str(tmp_path / "b"), "--init", str(tmp_path / "a"),
+               "--divided", "0.7"] + tiny)
+    assert (tmp_path / "a" / "tokenizer.json").read_bytes() == \
+        (tmp_path / "b" / "tokenizer.json").read_bytes()
+    a, _ = mdl.load_model(tmp_path / "a")
+    b, _ = mdl.load_model(tmp_path / "b")
+    assert a.config == b.config
+    moved = [k for k, v in a.state_dict().items() if not torch.equal(v, b.state_dict()[k])]
+    assert moved                                    # it trained ...
+    readme = (tmp_path / "b" / "README.md").read_text()
+    recipe = re.search(r"```bash\n(.*?)```", readme, re.S).group(1).splitlines()
+    assert len(recipe) == 2 and f"--out {tmp_path / 'a'}" in recipe[0]   # ... and says from what
+    assert f"--init {tmp_path / 'a'}" in recipe[1] and "--divided 0.7" in recipe[1]
+
+
+
+# ---------------------------------------------------------------------------------------------
+# the probes of the built-in world: the on-policy corpus
+
+def test_on_policy_corpus_labels_are_the_worlds():
+    policy, tok = mdl.load_model(BUILTIN)
+    env = envs.make("shop", split="train")
+    play = argparse.Namespace(max_turns=10, max_new_tokens=96, max_len=4096, temperature=1.0,
+                              top_p=1.0)
+    trajs = grpo.rollout(policy, tok, [env.episode(i) for i in (0, 0, 1, 2, 3, 3)], play,
+                         generator=torch.Generator().manual_seed(1))
+    split = shop.turn_records(trajs)
+    labels = [ok for traj in trajs for ok in traj.episode.labels()]
+    assert split.y.tolist() == [int(ok) for ok in labels]
+    assert 0 < sum(labels) < len(labels)            # the built-in policy gets some turns wrong
+    # distance: assistant turns back to the nearest earlier wrong turn of the same rollout
+    k = 0
+    for traj in trajs:
+        last_wrong = None
+        for t, ok in enumerate(traj.episode.labels()):
+            want = -1 if last_wrong is None else t - last_wrong
+            assert split.raw["distance"][k] == want and split.raw["turn_idx"][k] == t
+            assert split.episode_id[k] == traj.episode.id
+            last_wrong = t if not ok else last_wrong
+            k += 1
+    first = probes.raw_features(trajs[0].steps[0].trace)
+    for key, v in first.items():
+        assert torch.equal(split.raw[key][0], v), key
+    # kind: one code per turn_kind, the same code for the same kind
+    kinds = [shop.turn_kind(s.text) for traj in trajs for s in traj.steps]
+    assert "Lookup" in kinds
+    codes = dict(zip(kinds, split.raw["kind"].tolist()))
+    assert [codes[k] for k in kinds] == split.raw["kind"].tolist()
+    assert len(set(codes.values())) == len(codes)
+
+
+def test_kind_balanced_indices_balance_every_kind_that_has_both_classes():
+    # kind 0: 5 right, 1 wrong; kind 1: 1 right, 3 wrong; kind 2: 2 wrong only
+    y = torch.tensor([1, 1, 1, 1, 1, 0, 1, 0, 0, 0, 0, 0])
+    kind = torch.tensor([0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 2, 2])
+    idx = shop.kind_balanced_indices(y, kind, seed=3)
+    assert torch.equal(idx, shop.kind_balanced_indices(y, kind, seed=3))     # seeded
+    for k, (right, wrong) in {0: (5, 5), 1: (3, 3), 2: (0, 2)}.items():
+        got = y[idx][kind[idx] == k]
+        assert (int(got.sum()), int((got == 0).sum())) == (right, wrong), k
+    assert set(idx.tolist()) == set(range(12))      # every turn kept, minorities drawn again
+    assert idx[kind[idx] == 0].tolist().count(5) == 5

@@ -1,0 +1,1460 @@
+"""The built-in tool world, `shop`, and the tiny policy that plays it: what `python grpo.py` runs
+on when no model and no data are given. A port of PAIR never needs this file.
+
+    python shop.py make-data --out data/shop --episodes 1000   # released-schema files, offline
+    python shop.py sft --out data/shop-policy                   # rebuild the built-in policy
+
+Three parts, top to bottom:
+1. The world. Every episode is drawn from one integer seed; its tools really execute, so every
+   turn of any dialog is labelled exactly. `make-data` writes the released file schema from it
+   (gold dialogs, rule-based contaminations, matched pairs, the diagnostic set), and `ShopEnv`
+   is the environment `envs.make("shop")` returns.
+2. The built-in policy's recipe (`sft`): a tiny Qwen2 and its tokenizer trained from scratch on
+   the world's gold and contaminated dialogs; data/shop-policy/README.md lists the commands.
+3. The probes grpo.py fits on the fly for a policy of this world, once, and caches: PAIR and the
+   baselines on the policy's own labelled turns (the on-policy corpus).
+
+Imports: envs, model, pair and probes; grpo.py never at the top. grpo.py, envs.make and
+model.py's `generate` import this file where the built-in world is chosen, and a script that is
+imported again loads twice (`python grpo.py` would run grpo.py as __main__ and as grpo). So
+grpo.py hands its rollout function to shop_probes, and only sft's held-out evaluation, which runs
+under `python shop.py sft`, imports grpo.py, inside the function.
+"""
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import math
+import os
+import random
+import re
+import shutil
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, replace
+from decimal import ROUND_HALF_UP, Decimal
+from functools import cached_property
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from safetensors.torch import save_file
+
+import envs
+import model as mdl
+import pair as pair_lib
+import probes
+
+# ---------------------------------------------------------------------------------------------
+# The world (issue 4): tasks drawn from a seed, tools that really execute, exact labels
+# ---------------------------------------------------------------------------------------------
+# Every episode is drawn from one integer seed: a world (USD prices of SHOP_ITEMS at stores A-D,
+# exchange rates) and a task, "What is the total cost of 3 apple at store B and 2 pear at store A,
+# in EUR?". Solving it takes 2-5 tool calls (one Lookup per line, a Rate unless the currency is
+# USD, one Calculator), then a final answer with 2 decimals. The tools really execute against the
+# world, so any dialog - gold, contaminated or a model's rollout - is labelled exactly, turn by
+# turn, by re-running its tool calls (shop_labels). Vocabulary and phrasing are small and regular
+# on purpose: a tiny model trained on the gold dialogs must be able to learn the world.
+#
+# A turn is correct iff (shop_labels):
+#   action - Lookup/Rate: the fact it fetches is one the task needs and no earlier turn of the
+#            dialog fetched (by its real call, whatever observation text the dialog shows);
+#            Calculator: the expression evaluates (within 0.005) to a needed quantity that no
+#            earlier Calculator call produced - a line subtotal q*p, a sum of subtotals, such a
+#            sum converted with the rate, or a converted unit price p*r;
+#            final answer: its first number is within 0.01 of the true answer;
+#            an unknown tool, bad arguments or an unparsable reply is never correct;
+#   thought - asserts nothing false. Claims are read with fixed patterns (_SHOP_CLAIM):
+#            "<item> at store <S> costs <x>" and "1 USD = <x> <CUR>" must state the world's value;
+#            "I need the price of <item> at store <S>" / "I need the <CUR> rate" must name a fact
+#            the task needs that is not yet fetched; "The total is <expression or x> [<CUR>]" must
+#            come within 0.01 of the true total (in the task's currency). Every other number in
+#            the thought must be a value the task involves: a quantity, a price or rate the task
+#            needs or the dialog fetched, a needed quantity, a result of an earlier calculation.
+# Claims are checked against the world, not against what the dialog happened to show: the
+# matched contaminated data keep the clean observations verbatim after a contaminated call (as
+# the release does), and a later gold turn restating the true price is still true.
+
+SHOP_STORES = ("A", "B", "C", "D")
+SHOP_ITEMS = ("apple", "bread", "egg", "milk", "pear", "rice")
+# Units of each currency one USD buys, drawn uniformly in cents from these ranges.
+SHOP_RATE_CENTS = {"EUR": (80, 99), "GBP": (70, 89), "CAD": (120, 149), "JPY": (10000, 15999)}
+SHOP_CURRENCIES = ("USD",) + tuple(SHOP_RATE_CENTS)
+SHOP_PRICE_CENTS = (50, 999)
+SHOP_MAX_QUANTITY = 6
+SHOP_TEMPLATES = ("What is the total cost of {lines}, in {cur}?",
+                  "How much do {lines} cost in total, in {cur}?",
+                  "I buy {lines}. How much do I pay in {cur}?")
+# Episode seeds: seed * SHOP_SEED_STRIDE + SHOP_SPLIT_OFFSET[split] + i, so splits (and seeds)
+# never share an episode as long as i < SHOP_SPLIT_SIZE[split]. The validation split (checkpoint
+# selection) is the top of the training range, which no run comes near; train and test seeds are
+# the ones they always were.
+SHOP_SEED_STRIDE = 10_000_000
+SHOP_SPLIT_OFFSET = {"train": 0, "val": 4_500_000, "test": 5_000_000}
+SHOP_SPLIT_SIZE = {"train": 4_500_000, "val": 500_000, "test": 5_000_000}
+SHOP_TOOLS = [
+    {"name": "Lookup", "description": "Look up the price in USD of one item at one store.",
+     "inputs": [{"type": "text", "name": "store", "description": "The store: A, B, C or D.",
+                 "optional": False, "default": None, "filetype": None},
+                {"type": "text", "name": "item", "description": "The item, e.g. apple.",
+                 "optional": False, "default": None, "filetype": None}],
+     "outputs": [{"type": "text", "name": None, "description": "The price in USD.",
+                  "optional": False, "default": None, "filetype": None}]},
+    {"name": "Rate", "description": "How many units of a currency one USD buys.",
+     "inputs": [{"type": "text", "name": "currency",
+                 "description": "The currency: " + ", ".join(SHOP_CURRENCIES) + ".",
+                 "optional": False, "default": None, "filetype": None}],
+     "outputs": [{"type": "text", "name": None, "description": "The exchange rate.",
+                  "optional": False, "default": None, "filetype": None}]},
+    {"name": "Calculator", "description": "Evaluate an arithmetic expression (+ - * / and "
+                                          "parentheses).",
+     "inputs": [{"type": "text", "name": "expression", "description": "e.g. (3*2.50+1.20)*0.92",
+                 "optional": False, "default": None, "filetype": None}],
+     "outputs": [{"type": "text", "name": None, "description": "The value.",
+                  "optional": False, "default": None, "filetype": None}]},
+]
+_CENT = Decimal("0.01")
+_SHOP_VALUE_TOL = 0.005     # a price, rate or calculation "equals" a value within half a cent
+_SHOP_TOTAL_TOL = 0.01      # a total or a final answer within a cent (the answer is rounded)
+
+
+def _cents(n: int) -> Decimal:
+    return Decimal(n).scaleb(-2)        # 250 -> Decimal("2.50"): keeps two decimals when printed
+
+
+@dataclass(frozen=True)
+class ShopTask:
+    """One episode: the world and the task. Facts are ("price", store, item) or ("rate", cur)."""
+    seed: int
+    prices: dict            # (store, item) -> Decimal USD, every store sells every item
+    rates: dict             # currency -> Decimal units per USD ("USD" -> 1.00)
+    lines: tuple            # ((quantity, item, store), ...), distinct (store, item)
+    currency: str
+    text: str
+
+    @cached_property
+    def needed(self) -> tuple:
+        """The facts a solution fetches, in the gold solver's order."""
+        facts = tuple(("price", s, i) for _, i, s in self.lines)
+        return facts + ((("rate", self.currency),) if self.currency != "USD" else ())
+
+    def value(self, fact) -> Decimal:
+        return self.prices[fact[1:]] if fact[0] == "price" else self.rates[fact[1]]
+
+    @cached_property
+    def total(self) -> Decimal:
+        """Exact total in the task's currency."""
+        usd = sum(q * self.prices[s, i] for q, i, s in self.lines)
+        return usd * self.rates[self.currency]
+
+    @cached_property
+    def answer(self) -> str:
+        """The canonical answer: the total rounded half-up to 2 decimals."""
+        return str(self.total.quantize(_CENT, rounding=ROUND_HALF_UP))
+
+    @cached_property
+    def quantities(self) -> list[Decimal]:
+        """Every value a useful Calculator call may produce (see the header comment)."""
+        rate = self.rates[self.currency]
+        subtotals = [q * self.prices[s, i] for q, i, s in self.lines]
+        sums = set()
+        for mask in range(1, 2 ** len(subtotals)):
+            sums.add(sum(x for k, x in enumerate(subtotals) if mask >> k & 1))
+        out = set(sums)
+        if self.currency != "USD":
+            out |= {x * rate for x in sums}
+            out |= {self.prices[s, i] * rate for _, i, s in self.lines}
+        return sorted(out)
+
+
+def shop_task(seed: int) -> ShopTask:
+    """The episode of one seed (deterministic: one random.Random(seed), fixed draw order)."""
+    rng = random.Random(seed)
+    prices = {(s, i): _cents(rng.randint(*SHOP_PRICE_CENTS))
+              for s in SHOP_STORES for i in SHOP_ITEMS}
+    rates = {"USD": _cents(100)}
+    rates.update({c: _cents(rng.randint(*span)) for c, span in SHOP_RATE_CENTS.items()})
+    n_lines = rng.randint(1, 3)
+    pairs = rng.sample([(s, i) for s in SHOP_STORES for i in SHOP_ITEMS], n_lines)
+    lines = tuple((rng.randint(1, SHOP_MAX_QUANTITY), i, s) for s, i in pairs)
+    currency = rng.choice(SHOP_CURRENCIES)
+    parts = [f"{q} {i} at store {s}" for q, i, s in lines]
+    listed = parts[0] if len(parts) == 1 else ", ".join(parts[:-1]) + " and " + parts[-1]
+    text = rng.choice(SHOP_TEMPLATES).format(lines=listed, cur=currency)
+    return ShopTask(seed, prices, rates, lines, currency, text)
+
+
+def shop_episode_seed(split: str, seed: int, i: int) -> int:
+    if split not in SHOP_SPLIT_OFFSET:
+        raise ValueError(f"shop: unknown split {split!r} (choose from train, val, test)")
+    if not 0 <= i < SHOP_SPLIT_SIZE[split]:
+        raise IndexError(f"shop: {split} episode index {i} out of range "
+                         f"[0, {SHOP_SPLIT_SIZE[split]})")
+    return seed * SHOP_SEED_STRIDE + SHOP_SPLIT_OFFSET[split] + i
+
+
+def shop_episode_id(split: str, seed: int, i: int) -> str:
+    return f"shop-{seed}-{split}-{i}"
+
+
+def shop_task_from_id(episode_id: str) -> ShopTask:
+    """Rebuild the world of a shop episode id, so any shop record can be re-labelled."""
+    m = re.fullmatch(r"shop-(\d+)-(train|val|test)-(\d+)", episode_id)
+    if m is None:
+        raise ValueError(f"not a shop episode id: {episode_id!r} (expected shop-SEED-SPLIT-I)")
+    return shop_task(shop_episode_seed(m.group(2), int(m.group(1)), int(m.group(3))))
+
+
+# ---- the tools -----------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class ShopResult:
+    text: str                   # the observation
+    fact: tuple | None = None   # what a Lookup/Rate call learned ...
+    value: Decimal | None = None    # ... and its value
+    number: float | None = None     # a Calculator result
+
+
+def _shop_args(arguments, keys: tuple[str, ...]) -> list[str] | None:
+    if not isinstance(arguments, dict) or set(arguments) != set(keys) or \
+            not all(isinstance(arguments[k], str) for k in keys):
+        return None
+    return [arguments[k].strip() for k in keys]
+
+
+def shop_execute(task: ShopTask, name: str, arguments) -> ShopResult:
+    """Run one tool call against the episode's world."""
+    if name == "Lookup":
+        args = _shop_args(arguments, ("store", "item"))
+        if args is None:
+            return ShopResult('Error: Lookup takes {"store": ..., "item": ...}.')
+        store, item = args[0].upper(), args[1].lower()
+        if store not in SHOP_STORES:
+            return ShopResult(f"Error: unknown store '{args[0]}'. Stores: "
+                              + ", ".join(SHOP_STORES) + ".")
+        if item not in SHOP_ITEMS:
+            return ShopResult(f"Error: unknown item '{args[1]}'. Items: "
+                              + ", ".join(SHOP_ITEMS) + ".")
+        price = task.prices[store, item]
+        return ShopResult(f"{item} at store {store} costs {price} USD.",
+                          ("price", store, item), price)
+    if name == "Rate":
+        args = _shop_args(arguments, ("currency",))
+        if args is None:
+            return ShopResult('Error: Rate takes {"currency": ...}.')
+        cur = args[0].upper()
+        if cur not in SHOP_CURRENCIES:
+            return ShopResult(f"Error: unknown currency '{args[0]}'. Currencies: "
+                              + ", ".join(SHOP_CURRENCIES) + ".")
+        return ShopResult(f"1 USD = {task.rates[cur]} {cur}.", ("rate", cur), task.rates[cur])
+    if name == "Calculator":
+        args = _shop_args(arguments, ("expression",))
+        if args is None:
+            return ShopResult('Error: Calculator takes {"expression": ...}.')
+        out = envs.calculate(args[0])
+        try:
+            number = float(out)
+        except ValueError:          # "Error: ..."
+            return ShopResult(out)
+        # Round away float noise (9.108000000000001): a small model should not have to copy it.
+        return ShopResult(str(round(number, 6)), number=number)
+    return ShopResult(f"Error: unknown tool '{name}'. Tools: Lookup, Rate, Calculator.")
+
+
+# ---- exact labels --------------------------------------------------------------------------------
+
+_NUM = r"\d+(?:\.\d+)?"
+_SHOP_CLAIM = re.compile(
+    rf"(?P<item>[a-z]+) at store (?P<store>[a-z])\b costs (?P<price>{_NUM})(?: USD\b)?"
+    rf"|\b1 USD = (?P<rate>{_NUM}) (?P<rcur>[a-z]{{3}})\b"
+    r"|\bI need the price of (?P<nitem>[a-z]+) at store (?P<nstore>[a-z])\b"
+    r"|\bI need the (?P<ncur>[a-z]{3}) rate\b"
+    r"|\bthe total is (?P<total>[\d.+\-*/() ]*[\d)])(?: (?P<tcur>[a-z]{3})\b)?",
+    re.IGNORECASE)
+
+
+def _close(x: float, values, tol: float = _SHOP_VALUE_TOL) -> bool:
+    return any(abs(x - float(v)) <= tol + 1e-9 for v in values)
+
+
+def _calc_value(expression: str) -> float | None:
+    try:
+        return float(envs.calculate(expression))
+    except ValueError:              # "Error: ..."
+        return None
+
+
+def _first_number(text: str) -> float | None:
+    m = re.search(r"-?\d[\d,]*(?:\.\d+)?", text or "")
+    return float(m.group(0).replace(",", "")) if m else None
+
+
+def _shop_thought_true(task: ShopTask, thought: str | None, known: dict,
+                       computed: list[float]) -> bool:
+    """The thought asserts nothing false (the rule in the header comment). known: fact -> value
+    fetched by earlier turns; computed: results of earlier Calculator calls."""
+    if not thought:
+        return True
+    for m in _SHOP_CLAIM.finditer(thought):
+        if m.group("price"):
+            key = (m.group("store").upper(), m.group("item").lower())
+            if key not in task.prices or not _close(float(m.group("price")), [task.prices[key]]):
+                return False
+        elif m.group("rate"):
+            cur = m.group("rcur").upper()
+            if cur not in task.rates or not _close(float(m.group("rate")), [task.rates[cur]]):
+                return False
+        elif m.group("nitem"):
+            fact = ("price", m.group("nstore").upper(), m.group("nitem").lower())
+            if fact not in task.needed or fact in known:
+                return False
+        elif m.group("ncur"):
+            fact = ("rate", m.group("ncur").upper())
+            if fact not in task.needed or fact in known:
+                return False
+        else:
+            cur = m.group("tcur")
+            value = _calc_value(m.group("total"))
+            if (cur and cur.upper() != task.currency) or value is None \
+                    or not _close(value, [task.total], _SHOP_TOTAL_TOL):
+                return False
+    allowed = [Decimal(q) for q, _, _ in task.lines] + [task.value(f) for f in task.needed]
+    allowed += list(known.values()) + task.quantities + [Decimal(task.answer)]
+    rest = _SHOP_CLAIM.sub(" ", thought)
+    return all(_close(float(x), allowed) or _close(float(x), computed)
+               for x in re.findall(_NUM, rest))
+
+
+def shop_labels(task: ShopTask, steps: list) -> list[bool]:
+    """Exact correctness of each assistant turn. steps: Action | Final | ParseError per turn, in
+    order (dialog_steps / parse_react); tool calls are re-run, observations never read."""
+    known: dict = {}
+    computed: list[float] = []
+    labels = []
+    for step in steps:
+        if isinstance(step, envs.Final):
+            answer = _first_number(step.answer)
+            ok = answer is not None and _close(answer, [Decimal(task.answer)], _SHOP_TOTAL_TOL)
+        elif isinstance(step, envs.Action):
+            ok = True
+        else:                      # ParseError, or a released turn with several tool calls
+            labels.append(False)
+            continue
+        ok = ok and _shop_thought_true(task, step.thought, known, computed)
+        if isinstance(step, envs.Action):
+            res = shop_execute(task, step.name, step.arguments)
+            if res.fact is not None:
+                ok = ok and res.fact in task.needed and res.fact not in known
+                known[res.fact] = res.value
+            elif res.number is not None:
+                ok = ok and _close(res.number, task.quantities) and not _close(res.number,
+                                                                                computed)
+                computed.append(res.number)
+            else:
+                ok = False
+        labels.append(ok)
+    return labels
+
+
+def dialog_steps(dialog: list[dict]) -> list:
+    """The assistant turns of a released-schema dialog as parser results."""
+    steps = []
+    for m in dialog:
+        if m["role"] != "assistant":
+            continue
+        if len(m.get("tool_calls") or []) > 1:
+            steps.append(envs.ParseError("several tool calls in one turn"))
+            continue
+        thought, call, final = envs.assistant_parts(m)
+        steps.append(envs.Action(thought, call["name"], call.get("arguments") or {})
+                     if call is not None else envs.Final(thought, final))
+    return steps
+
+
+def shop_dialog_labels(task: ShopTask, dialog: list[dict]) -> list[bool]:
+    return shop_labels(task, dialog_steps(dialog))
+
+
+# ---- the gold solver ---------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class _ShopTurn:
+    """The pieces a gold-style turn is written from; contamination edits them."""
+    said: tuple = ()                # ((fact, value), ...) restated from observations
+    need: tuple | None = None       # the fact the thought says is needed next
+    formula: str | None = None      # the thought's "The total is <formula>."
+    call: tuple | None = None       # (tool name, arguments); None for the final answer
+    answer: str | None = None
+
+
+def _shop_fact_call(fact) -> tuple:
+    if fact[0] == "price":
+        return "Lookup", {"store": fact[1], "item": fact[2]}
+    return "Rate", {"currency": fact[1]}
+
+
+def _shop_formula(task: ShopTask, values: dict, mul: str = "*", conv: str = "*") -> str:
+    """The total as an expression of the given fact values ("(3*2.50+2*1.20)*0.92")."""
+    body = "+".join(f"{q}{mul}{values['price', s, i]}" for q, i, s in task.lines)
+    if task.currency == "USD":
+        return body
+    rate = values["rate", task.currency]
+    return f"{body}{conv}{rate}" if len(task.lines) == 1 else f"({body}){conv}{rate}"
+
+
+def _shop_render(task: ShopTask, turn: _ShopTurn) -> dict:
+    """A turn as a released-schema assistant message."""
+    parts = []
+    for fact, value in turn.said:
+        parts.append(f"{fact[2]} at store {fact[1]} costs {value}." if fact[0] == "price"
+                     else f"1 USD = {value} {fact[1]}.")
+    if turn.need is not None:
+        parts.append(f"I need the price of {turn.need[2]} at store {turn.need[1]}."
+                     if turn.need[0] == "price" else f"I need the {turn.need[1]} rate.")
+    if turn.formula is not None:
+        parts.append(f"The total is {turn.formula}.")
+    if turn.answer is not None:
+        parts.append(f"The total is {turn.answer} {task.currency}.")
+    thought = " ".join(parts)
+    if turn.call is None:
+        return {"role": "assistant", "content": turn.answer, "thought": thought}
+    name, arguments = turn.call
+    return {"role": "assistant",
+            "tool_calls": [{"type": "function",
+                            "function": {"name": name, "arguments": dict(arguments)}}],
+            "thought": thought}
+
+
+def _shop_next(task: ShopTask, known: dict, computed: list[float], said: tuple) -> _ShopTurn:
+    """The gold policy: fetch the next missing fact, then compute the total, then answer."""
+    missing = [f for f in task.needed if f not in known]
+    if missing:
+        return _ShopTurn(said=said, need=missing[0], call=_shop_fact_call(missing[0]))
+    if not _close(float(task.total), computed):
+        formula = _shop_formula(task, known)
+        return _ShopTurn(said=said, formula=formula,
+                         call=("Calculator", {"expression": formula}))
+    return _ShopTurn(said=said, answer=task.answer)
+
+
+def _tool_message(name: str, text: str) -> dict:
+    return {"role": "tool", "name": name, "content": {"type": "text", "content": text}}
+
+
+def _shop_play(task: ShopTask, dialog: list[dict], turn: _ShopTurn, state: tuple) -> ShopResult:
+    """Append a turn and its true observation; update state = (known, computed, said)."""
+    known, computed, _ = state
+    dialog.append(_shop_render(task, turn))
+    if turn.call is None:
+        return ShopResult("")
+    res = shop_execute(task, *turn.call)
+    dialog.append(_tool_message(turn.call[0], res.text))
+    if res.fact is not None:
+        known[res.fact] = res.value
+    if res.number is not None:
+        computed.append(res.number)
+    return res
+
+
+def shop_gold(task: ShopTask) -> tuple[list[dict], list[_ShopTurn]]:
+    """The gold dialog (released schema) and the pieces of each of its assistant turns."""
+    dialog = [{"role": "user", "content": task.text}]
+    turns: list[_ShopTurn] = []
+    known, computed, said = {}, [], ()
+    while True:
+        turn = _shop_next(task, known, computed, said)
+        turns.append(turn)
+        res = _shop_play(task, dialog, turn, (known, computed, said))
+        if turn.call is None:
+            return dialog, turns
+        said = ((res.fact, res.value),) if res.fact is not None else ()
+
+
+def shop_divided(task: ShopTask) -> list[dict] | None:
+    """The gold dialog with the currency conversion done the wrong way round - the dollar total
+    divided by the rate ("3*4.17/0.77" for GBP) - and answered with what the Calculator returned,
+    so the dialog is consistent with itself and wrong. None for a USD task (nothing to convert).
+
+    Why it exists: the classic slip of currency conversion, and the habit the built-in policy is
+    taught on a fraction of its dialogs (shop.py sft --divided): a fluent, self-consistent error
+    that an outcome or a per-turn reward can teach away, which errors of a missing skill are not."""
+    if task.currency == "USD":
+        return None
+    dialog = [{"role": "user", "content": task.text}]
+    known, computed, said = {}, [], ()
+    for turn in shop_gold(task)[1]:
+        if turn.formula is not None:
+            formula = _shop_formula(task, known, conv="/")
+            turn = replace(turn, formula=formula, call=("Calculator", {"expression": formula}))
+        elif turn.call is None:
+            wrong = Decimal(repr(computed[-1])).quantize(_CENT, rounding=ROUND_HALF_UP)
+            turn = replace(turn, answer=str(wrong))
+        res = _shop_play(task, dialog, turn, (known, computed, said))
+        said = ((res.fact, res.value),) if res.fact is not None else ()
+    return dialog
+
+
+def shop_record(task: ShopTask, dialog: list[dict]) -> dict:
+    """An episode in the released schema (SPEC §1)."""
+    return {"tools": SHOP_TOOLS, "files": [], "dialogs": dialog,
+            "gt_answer": {"whitelist": [[task.answer]], "blacklist": None}}
+
+
+def _shop_state(task: ShopTask, dialog: list[dict]) -> tuple[dict, list[float], tuple]:
+    """Re-run the tool calls of a dialog: (facts fetched, calculation results, restatable facts
+    of the last result)."""
+    known, computed, said = {}, [], ()
+    for step in dialog_steps(dialog):
+        if isinstance(step, envs.Action):
+            res = shop_execute(task, step.name, step.arguments)
+            if res.fact is not None:
+                known[res.fact] = res.value
+            if res.number is not None:
+                computed.append(res.number)
+            said = ((res.fact, res.value),) if res.fact is not None else ()
+    return known, computed, said
+
+
+# ---- contamination (paper Appendix contam_types, contam_procedure), rule-based -------------------
+#
+# Targets are drawn as in the paper: j uniform over the non-final assistant turns, a type uniform
+# over those compatible with turn j, and only turn j is rewritten - every later message, tool
+# results included, stays verbatim (matched-pair semantics). As in the release (63 of 176 GTA
+# train episodes), an episode gets a second contaminated turn, later and non-final, with
+# probability SHOP_SECOND_CONTAMINATION. The types, written onto the gold turn's pieces:
+#   reasoning_error (any turn): a Lookup/Rate turn's thought plans a fact the task does not need
+#       (its call unchanged); a Calculator turn gets a flawed formula in thought and call
+#       (converting with / instead of *; in USD, + instead of *);
+#   tool_misuse (any turn): a Lookup/Rate call gets a wrong store, item or currency; a Calculator
+#       call gets one * turned into + (thought unchanged);
+#   observation_misinterpretation (turns after an observation): the thought misreads one digit of
+#       the previous observation's number (a formula in the turn uses the misread number);
+#   stale_memory (turns after >= 2 price observations): the last price seen is replaced by an
+#       earlier one, in the restatement and in the formula.
+# A rewrite is kept only if shop_labels marks it incorrect, so every contaminated turn is an error
+# by the same rule that labels everything else.
+SHOP_SECOND_CONTAMINATION = 0.35
+
+
+def _shop_wrong_facts(task: ShopTask, fact) -> list:
+    """Facts of the same kind near `fact` that the task does not need."""
+    if fact[0] == "price":
+        near = [("price", s, fact[2]) for s in SHOP_STORES] + \
+               [("price", fact[1], i) for i in SHOP_ITEMS]
+    else:
+        near = [("rate", c) for c in SHOP_CURRENCIES if c != "USD"]
+    return [f for f in near if f not in task.needed]
+
+
+def _shop_misreads(value: Decimal) -> list[Decimal]:
+    """The value with one digit misread."""
+    text = str(value)
+    out = []
+    for pos, ch in enumerate(text):
+        if ch.isdigit():
+            out += [Decimal(text[:pos] + d + text[pos + 1:]) for d in "0123456789" if d != ch]
+    return [v for v in out if v > 0]
+
+
+def _shop_stale(task: ShopTask, turns: list[_ShopTurn], k: int) -> tuple:
+    """(last price fact seen before turn k, earlier price values it could be confused with)."""
+    seen = [t.need for t in turns[:k] if t.need is not None and t.need[0] == "price"]
+    if len(seen) < 2:
+        return None, []
+    last = seen[-1]
+    olds = sorted({task.value(f) for f in seen[:-1]} - {task.value(last)})
+    if turns[k].formula is None and all(f != last for f, _ in turns[k].said):
+        return None, []
+    return last, olds
+
+
+def shop_compatible(task: ShopTask, turns: list[_ShopTurn], k: int) -> list[str]:
+    """Contamination types that apply to gold turn k (paper Table contam_compat, for shop)."""
+    kinds = ["reasoning_error", "tool_misuse"]
+    if turns[k].said:
+        kinds.append("observation_misinterpretation")
+    if _shop_stale(task, turns, k)[1]:
+        kinds.append("stale_memory")
+    return kinds
+
+
+def _shop_with_value(task: ShopTask, turn: _ShopTurn, fact, value: Decimal) -> _ShopTurn:
+    """The turn believing fact = value: in its restatement and in its formula."""
+    said = tuple((f, value if f == fact else v) for f, v in turn.said)
+    if turn.formula is None:
+        return replace(turn, said=said)
+    values = {f: task.value(f) for f in task.needed}
+    values[fact] = value
+    formula = _shop_formula(task, values)
+    return replace(turn, said=said, formula=formula, call=("Calculator", {"expression": formula}))
+
+
+def _shop_rewrites(task: ShopTask, turns: list[_ShopTurn], k: int, kind: str,
+                   rng: random.Random) -> list[_ShopTurn]:
+    """Candidate rewrites of gold turn k as a `kind` error, in random order."""
+    turn = turns[k]
+    truth = {f: task.value(f) for f in task.needed}
+    out = []
+    if kind == "reasoning_error":
+        if turn.need is not None:
+            out = [replace(turn, need=f) for f in _shop_wrong_facts(task, turn.need)]
+        else:
+            flawed = (_shop_formula(task, truth, mul="+") if task.currency == "USD"
+                      else _shop_formula(task, truth, conv="/"))
+            out = [replace(turn, formula=flawed, call=("Calculator", {"expression": flawed}))]
+    elif kind == "tool_misuse":
+        if turn.need is not None:
+            out = [replace(turn, call=_shop_fact_call(f))
+                   for f in _shop_wrong_facts(task, turn.need)]
+        else:
+            out = [replace(turn, call=("Calculator",
+                                       {"expression": turn.formula.replace("*", "+", 1)}))]
+    elif kind == "observation_misinterpretation":
+        fact, value = turn.said[-1]
+        out = [_shop_with_value(task, turn, fact, v) for v in _shop_misreads(value)]
+    elif kind == "stale_memory":
+        last, olds = _shop_stale(task, turns, k)
+        out = [_shop_with_value(task, turn, last, v) for v in olds]
+    else:
+        raise ValueError(f"unknown contamination type {kind!r}")
+    rng.shuffle(out)
+    return out
+
+
+def shop_contaminate(task: ShopTask, dialog: list[dict], turns: list[_ShopTurn],
+                     rng: random.Random) -> tuple[list[dict], list[int], list[str], dict]:
+    """The contaminated dialog, its contaminated message indices and types, and the rewritten
+    turns' pieces by message index (the paper's procedure, see above)."""
+    out = list(dialog)
+    targets = [rng.randrange(len(turns) - 1)]
+    if targets[0] < len(turns) - 2 and rng.random() < SHOP_SECOND_CONTAMINATION:
+        targets.append(rng.randrange(targets[0] + 1, len(turns) - 1))
+    indices, kinds, rewritten = [], [], {}
+    for k in targets:
+        compatible = shop_compatible(task, turns, k)
+        kind = rng.choice(compatible)
+        idx = 2 * k + 1                 # user task, then (assistant, tool) per turn
+        # A rewrite can be right by coincidence (6*1.20 = 6+1.20): then the next compatible
+        # kind, in table order, is tried.
+        for kind in [kind] + [c for c in compatible if c != kind]:
+            found = next(((t, m) for t in _shop_rewrites(task, turns, k, kind, rng)
+                          for m in [_shop_render(task, t)]
+                          if not shop_dialog_labels(task, out[:idx] + [m])[-1]), None)
+            if found is not None:
+                turn, message = found
+                break
+        else:
+            raise RuntimeError(f"shop seed {task.seed}: no rewrite of turn {k} is an error")
+        out[idx] = message
+        indices.append(idx)
+        kinds.append(kind)
+        rewritten[idx] = turn
+    return out, indices, kinds, rewritten
+
+
+def shop_matched(task: ShopTask, episode_id: str, clean: list[dict], contaminated: list[dict],
+                 indices: list[int], kinds: list[str]) -> tuple[list[dict], list[dict]]:
+    """One matched record per assistant turn, as released: the evaluation turn is the
+    contaminated dialog's turn in both files; the prefix is clean or contaminated. Each label is
+    shop_labels' verdict on that record's own dialog."""
+    labels = shop_dialog_labels(task, contaminated)
+    clean_records, contaminated_records = [], []
+    for k, t in enumerate(range(1, len(contaminated), 2)):
+        kind = kinds[indices.index(t)] if t in indices else None
+        dialog = clean[:t] + [contaminated[t]]
+        label = shop_dialog_labels(task, dialog)[-1]
+        clean_records.append(envs.matched_record(episode_id, t, label, kind, indices,
+                                                 "clean", dialog))
+        contaminated_records.append(envs.matched_record(
+            episode_id, t, labels[k], kind, indices, "contaminated", contaminated[:t + 1]))
+    return clean_records, contaminated_records
+
+
+def shop_diagnostic(task: ShopTask, episode_id: str, clean: list[dict],
+                    contaminated: list[dict], j: int, rewritten: _ShopTurn,
+                    rng: random.Random) -> list[dict]:
+    """The adversarial pair of one episode (SPEC §8e, paper Appendix diagnostic), both evaluated
+    at the turn after the first contaminated turn j:
+    consistent_incorrect - clean prefix, then a fluent gold-style turn that fetches a fact the
+        task does not need (one already fetched, or a neighbour of a needed one): label 0;
+    inconsistent_correct - contaminated prefix (turn j and its true observation), then the gold
+        policy's turn from the true state, restating any value turn j misstated: label 1 (a
+        repair turn: it redoes the misused call, corrects the misread value, recomputes)."""
+    t = j + 2
+    prefix = clean[:t]
+    known, _, said = _shop_state(task, prefix)
+    options = sorted(known) + sorted({f for need in task.needed
+                                      for f in _shop_wrong_facts(task, need)})
+    rng.shuffle(options)
+    for fact in options:
+        turn = _ShopTurn(said=said, need=fact, call=_shop_fact_call(fact))
+        wrong = _shop_render(task, turn)
+        if not shop_dialog_labels(task, prefix + [wrong])[-1]:
+            break
+    else:
+        raise RuntimeError(f"shop seed {task.seed}: no consistent-but-incorrect turn")
+
+    prefix = contaminated[:j + 1]
+    name, arguments = rewritten.call
+    prefix.append(_tool_message(name, shop_execute(task, name, arguments).text))
+    known, computed, said = _shop_state(task, prefix)
+    fixes = tuple((f, task.value(f)) for f, v in rewritten.said
+                  if v != task.value(f) and all(f != g for g, _ in said))
+    repair = _shop_render(task, _shop_next(task, known, computed, fixes + said))
+    if not shop_dialog_labels(task, prefix + [repair])[-1]:
+        raise RuntimeError(f"shop seed {task.seed}: the repair turn is not correct")
+    return [envs.matched_record(episode_id, t, False, None, [], "clean", clean[:t] + [wrong],
+                                diagnostic="consistent_incorrect"),
+            envs.matched_record(episode_id, t, True, None, [j], "contaminated",
+                                prefix + [repair], diagnostic="inconsistent_correct")]
+
+
+# ---- make-data ----------------------------------------------------------------------------------
+
+def make_shop_data(out_dir, episodes: int = 1000, seed: int = 42) -> dict[str, int]:
+    """Write the released-schema files of `episodes` shop episodes (80:20 train/test) to out_dir:
+    {clean,contaminated}_{train,test}.json, matched_{clean,contaminated}_{train,test}.json, and
+    the adversarial diagnostic set matched_diagnostic_test.json with its episode file
+    diagnostic_test.json. Byte-for-byte deterministic. Returns records per file."""
+    if episodes < 2:
+        raise envs.DataError(f"--episodes {episodes}: need at least 2 (an 80:20 train/test "
+                             "split)")
+    if seed < 0:
+        raise envs.DataError(f"--seed {seed}: must be a non-negative integer")
+    n_test = max(1, episodes // 5)
+    files: dict[str, object] = {}
+    for split, n in (("train", episodes - n_test), ("test", n_test)):
+        clean_eps, cont_eps, m_clean, m_cont, diagnostic = {}, {}, [], [], []
+        for i in range(n):
+            task = shop_task(shop_episode_seed(split, seed, i))
+            eid = shop_episode_id(split, seed, i)
+            clean, turns = shop_gold(task)
+            rng = random.Random(f"shop-contaminate-{task.seed}")
+            cont, indices, kinds, rewritten = shop_contaminate(task, clean, turns, rng)
+            clean_eps[eid] = shop_record(task, clean)
+            cont_eps[eid] = {**shop_record(task, cont), "contaminated_turn_indices": indices,
+                             "contamination_types": kinds,
+                             "original_turn_contents": [clean[t] for t in indices]}
+            mc, mx = shop_matched(task, eid, clean, cont, indices, kinds)
+            m_clean += mc
+            m_cont += mx
+            if split == "test":
+                diagnostic += shop_diagnostic(task, eid, clean, cont, indices[0],
+                                              rewritten[indices[0]], rng)
+        files[f"clean_{split}.json"] = clean_eps
+        files[f"contaminated_{split}.json"] = cont_eps
+        files[f"matched_clean_{split}.json"] = m_clean
+        files[f"matched_contaminated_{split}.json"] = m_cont
+        if split == "test":
+            files["diagnostic_test.json"] = clean_eps
+            files["matched_diagnostic_test.json"] = diagnostic
+    out_dir = Path(out_dir)
+    for name, data in files.items():
+        # The released layout: episode files indented by 2, matched files on one line.
+        text = json.dumps(data, indent=None if name.startswith("matched_") else 2)
+        envs.write_atomic(out_dir / name, text.encode())
+    return {name: len(data) for name, data in files.items()}
+
+
+# ---- the environment -----------------------------------------------------------------------------
+
+# Held-out pools: a success rate near 0.3 on 600 test episodes is known to +-3.7 points (95%),
+# and a mean over 3 seeds to about +-2; validation only picks a checkpoint. The first 200 test
+# episodes are make-data's test split.
+SHOP_EPISODES = {"train": 10_000, "val": 200, "test": 600}
+
+
+class ShopEpisode(envs.Episode):
+    def __init__(self, key: str, task: ShopTask):
+        super().__init__(key, task.text, SHOP_TOOLS)
+        self.task = task
+
+    def call_tool(self, name: str, arguments: dict) -> str:
+        return shop_execute(self.task, name, arguments).text
+
+    def score(self) -> float:
+        """1.0 iff the final answer's first number is within 0.01 of the true answer."""
+        if self.final_answer is None:
+            return 0.0
+        answer = _first_number(self.final_answer)
+        return float(answer is not None and
+                     _close(answer, [Decimal(self.task.answer)], _SHOP_TOTAL_TOL))
+
+    def labels(self) -> list[bool]:
+        return shop_labels(self.task, self.steps)
+
+
+class ShopEnv(envs.Env):
+    """Shop episodes of one split (train, val or test), from seeds disjoint from the others'."""
+
+    def __init__(self, split: str = "test", seed: int = 42, episodes: int | None = None):
+        if split not in SHOP_SPLIT_OFFSET:
+            raise ValueError(f"shop: unknown split {split!r} (choose from train, val, test)")
+        if type(seed) is not int or seed < 0:
+            raise ValueError(f"shop: seed must be a non-negative integer, got {seed!r}")
+        n = SHOP_EPISODES[split] if episodes is None else episodes
+        if not 0 < n <= SHOP_SPLIT_SIZE[split]:
+            raise ValueError(f"shop: {split} episodes must be in [1, "
+                             f"{SHOP_SPLIT_SIZE[split]}], got {n}")
+        self.split, self.seed = split, seed
+        self.ids = [shop_episode_id(split, seed, i) for i in range(n)]
+        self._index = {key: i for i, key in enumerate(self.ids)}
+
+    def episode(self, i: int | str) -> ShopEpisode:
+        if isinstance(i, str):
+            if i not in self._index:
+                raise KeyError(f"no episode {i!r} in shop {self.split} (seed {self.seed})")
+            i = self._index[i]
+        key = self.ids[i]
+        return ShopEpisode(key, shop_task(shop_episode_seed(self.split, self.seed,
+                                                            self._index[key])))
+
+
+# ---------------------------------------------------------------------------------------------
+# The built-in policy: a tiny Qwen2 trained from scratch on shop dialogs
+# ---------------------------------------------------------------------------------------------
+# `python shop.py sft --out data/shop-policy` writes what load_model reads: config.json
+# (Qwen2ForCausalLM), model.safetensors (Hugging Face key names, tied embeddings) and a byte-level
+# BPE tokenizer.json trained on the same text, with the ChatML specials. The data are the gold
+# dialogs of `make-data` with a fraction replaced by their contaminated versions, so the
+# policy learns the format and the world but also some of the four kinds of mistakes: it solves a
+# fair share of held-out tasks, not all, and GRPO has something to improve. Training starts with a
+# synthetic copy task (InductionTask) so that the model can copy from its context at all. The loss
+# covers the assistant turns only (SPEC §3 spans, <|im_end|> included). Same command, same bytes.
+
+SPECIALS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
+# where sft writes by default: the policy grpo.py trains by default (grpo.BUILTIN_POLICY)
+BUILTIN_POLICY = Path(__file__).resolve().parent / "data" / "shop-policy"
+
+
+def train_tokenizer(texts: list[str], vocab_size: int):
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
+    tk = Tokenizer(models.BPE())
+    # Digits one by one (a space may lead one), as Qwen's tokenizer splits them: numbers are
+    # read and copied digit by digit.
+    tk.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(r" ?\d"), "isolated"),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)])
+    tk.decoder = decoders.ByteLevel()
+    tk.train_from_iterator(texts, trainers.BpeTrainer(
+        vocab_size=vocab_size, special_tokens=list(SPECIALS), show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    return tk
+
+
+def sft_dialogs(episodes: int, contaminated: float, seed: int,
+                divided: float = 0.0) -> list[list[dict]]:
+    """Chat messages of make-data's training episodes: a fraction `contaminated` of them
+    replaced by their contaminated version, and a fraction `divided` of the other non-USD ones
+    by the dialog that converts the wrong way round (shop_divided)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        make_shop_data(tmp, episodes=episodes, seed=seed)
+        clean = envs.load_episodes(Path(tmp) / "clean_train.json")
+        dirty = envs.load_episodes(Path(tmp) / "contaminated_train.json")
+    rng = random.Random(f"sft-{seed}")
+    habit = random.Random(f"sft-divided-{seed}")  # its own stream: divided=0 changes nothing
+    out = []
+    for eid in clean:
+        rec = dirty[eid] if rng.random() < contaminated else clean[eid]
+        if rec is clean[eid] and habit.random() < divided:
+            wrong = shop_divided(shop_task_from_id(eid))
+            rec = rec if wrong is None else {**rec, "dialogs": wrong}
+        out.append(envs.dialog_to_messages(rec["dialogs"], rec["tools"], rec["files"]))
+    return out
+
+
+def sft_config(args, tok) -> dict:
+    return {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2",
+            "vocab_size": tok.tok.get_vocab_size(), "hidden_size": args.hidden,
+            "intermediate_size": args.intermediate, "num_hidden_layers": args.layers,
+            "num_attention_heads": args.heads, "num_key_value_heads": args.kv_heads,
+            "hidden_act": "silu", "max_position_embeddings": 8192, "rope_theta": 10000.0,
+            "rms_norm_eps": 1e-6, "tie_word_embeddings": True, "use_sliding_window": False,
+            "bos_token_id": None, "eos_token_id": tok.im_end_id, "pad_token_id": tok.pad_id,
+            "torch_dtype": "float32",
+            # `model.py generate` renders a prompt as this world renders a task
+            mdl.WORLD_KEY: "shop"}
+
+
+def sft_batches(lengths: list[int], batch: int, steps: int, seed: int) -> list[list[int]]:
+    """`steps` batches of example indices: shuffled every pass, and grouped by length within
+    windows of 8 batches so that little compute goes to padding."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    while len(out) < steps:
+        order = torch.randperm(len(lengths), generator=g).tolist()
+        for w in range(0, len(order) - batch + 1, 8 * batch):
+            window = sorted(order[w:w + 8 * batch], key=lambda i: lengths[i])
+            chunks = [window[i:i + batch] for i in range(0, len(window) - batch + 1, batch)]
+            out += [chunks[i] for i in torch.randperm(len(chunks), generator=g).tolist()]
+    return out[:steps]
+
+
+def sft(args) -> dict:
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(args.seed)
+    t0 = time.perf_counter()
+    dialogs = sft_dialogs(args.episodes, args.contaminated, args.seed, args.divided)
+    earlier = policy_recipe(args.init) if args.init else []    # read before --out overwrites it
+    if args.init:       # continue a saved policy: its weights, its tokenizer, its shape
+        policy, tok = mdl.load_model(args.init)
+        policy.requires_grad_(True)             # load_model freezes a base for LoRA
+        config = json.loads((Path(args.init) / "config.json").read_text())
+    else:
+        tok = mdl.Tokenizer(train_tokenizer([_chat(m) for m in dialogs], args.vocab))
+    examples = []
+    for messages in dialogs:
+        ids, spans = tok.render(messages)
+        mask = torch.zeros(len(ids), dtype=torch.bool)
+        for s, e in spans:
+            mask[s:e] = True
+        examples.append((torch.tensor(ids), mask))
+    if not args.init:
+        config = sft_config(args, tok)
+        policy = mdl.Transformer(mdl.Config.from_dict(config))
+        for name, p in policy.named_parameters():       # GPT-2 style init
+            if p.dim() == 2:
+                torch.nn.init.normal_(p, std=0.02)
+            elif name.endswith("bias"):
+                torch.nn.init.zeros_(p)
+    n_params = sum(p.numel() for p in policy.parameters())
+    print(f"sft: {len(examples)} dialogs ({args.contaminated:.0%} contaminated, "
+          f"{args.divided:.0%} of the others dividing by the rate), vocab "
+          f"{config['vocab_size']}, {n_params / 1e6:.2f}M parameters"
+          f"{', from ' + args.init if args.init else ''}; {args.induction_steps} "
+          f"induction steps, then {args.steps} steps of {args.batch} dialogs", flush=True)
+    opt = torch.optim.AdamW(policy.parameters(), lr=args.lr, betas=(0.9, 0.95),
+                            weight_decay=0.01)
+    induction = InductionTask(tok, args.seed, [x[m.nonzero()[0, 0]:] for x, m in examples],
+                              args.induction_text)
+    policy.train()
+
+    def step(loss: torch.Tensor, lr: float) -> float:
+        for group in opt.param_groups:
+            group["lr"] = lr
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(policy.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss.item()
+
+    # 1. the copy circuit first (see InductionTask): linear warmup, then constant
+    t_phase, losses = time.perf_counter(), []
+    for i in range(args.induction_steps):
+        losses.append(step(masked_lm_loss(policy, *induction.rows(32)),
+                           args.lr * min(1.0, (i + 1) / args.warmup)))
+        if (i + 1) % 250 == 0 or i + 1 == args.induction_steps:
+            rate = (time.perf_counter() - t_phase) / (i + 1)
+            print(f"  induction {i + 1}/{args.induction_steps}  loss "
+                  f"{sum(losses[-250:]) / len(losses[-250:]):.4f}"
+                  f"  ETA {mdl.duration(rate * (args.induction_steps - i - 1))}", flush=True)
+    # 2. the dialogs, with a few induction rows kept in every batch: linear warmup, cosine to 0.1
+    batches = sft_batches([len(x) for x, _ in examples], args.batch, args.steps, args.seed)
+    t_phase, losses, kept = time.perf_counter(), [], []
+    for i, rows in enumerate(batches):
+        warm = min(1.0, (i + 1) / args.warmup)
+        cos = 0.1 + 0.45 * (1 + math.cos(math.pi * i / max(1, args.steps - 1)))
+        T = max(len(examples[r][0]) for r in rows)
+        ids = torch.full((len(rows), T), tok.pad_id, dtype=torch.long)
+        mask = torch.zeros(len(rows), T, dtype=torch.bool)
+        for j, r in enumerate(rows):
+            x, m = examples[r]
+            ids[j, :len(x)], mask[j, :len(x)] = x, m
+        loss = masked_lm_loss(policy, ids, mask)
+        extra = masked_lm_loss(policy, *induction.rows(args.induction_rows)) \
+            if args.induction_rows else 0.0
+        step(loss + extra, args.lr * warm * cos)
+        losses.append(loss.item())
+        kept.append(extra.item() if torch.is_tensor(extra) else extra)
+        if (i + 1) % 50 == 0 or i + 1 == args.steps:
+            rate = (time.perf_counter() - t_phase) / (i + 1)
+            print(f"  step {i + 1}/{args.steps}  loss {sum(losses[-50:]) / len(losses[-50:]):.4f}"
+                  f"  induction loss {sum(kept[-50:]) / len(kept[-50:]):.4f}"
+                  f"  ETA {mdl.duration(rate * (args.steps - i - 1))}", flush=True)
+    policy.eval()
+    seconds = time.perf_counter() - t0
+    out = Path(args.out)
+    save_policy(out, policy, tok, config)
+    result = {"train_seconds": round(seconds, 1), "final_loss": round(
+        sum(losses[-50:]) / len(losses[-50:]), 4), "parameters": n_params}
+    if args.eval_episodes:
+        result.update(sft_eval(policy, tok, args))
+    write_policy_readme(out, args, config, result, earlier)
+    print(f"sft: wrote {out} in {mdl.duration(time.perf_counter() - t0)}: " + json.dumps(result),
+          flush=True)
+    return result
+
+
+def masked_lm_loss(policy, ids, mask) -> torch.Tensor:
+    """Mean cross-entropy of the tokens where mask is True (the head runs on those only)."""
+    h, _, _ = policy.trunk(ids)
+    target = mask[:, 1:]
+    return F.cross_entropy(policy.lm_head(h[:, :-1][target]).float(), ids[:, 1:][target])
+
+
+class InductionTask:
+    """Rows "x x": a token string x (length 8-32, the same in a batch) and its repeat, the loss on
+    the repeat. Only copying by content solves it: find where the current token came before,
+    emit the token that followed (an induction head). x is random tokens, or, for a fraction
+    `text` of the rows, a window of a training dialog after its prompt: there the tokens repeat
+    ("." and digits in every price), as in a rollout, and the copy must key on more than one
+    token.
+
+    Why: a rollout copies items, stores and prices from the task and the observations into its
+    thoughts and tool calls. Trained on the dialogs alone, a model this small did not find that
+    circuit within our budget (held-out loss on the digits of its turns stayed at chance, ~2.2
+    nats, after 500 steps). On this task it forms after a plateau of ~1,500 steps (a fraction of
+    a minute each hundred); trained first on these rows (--induction-steps), then on the dialogs
+    with a few such rows kept in every batch (--induction-rows), the policy copies."""
+
+    def __init__(self, tok, seed: int, windows: list[torch.Tensor] = (), text: float = 0.0,
+                 min_len: int = 8, max_len: int = 32):
+        self.vocab, self.min_len, self.max_len = tok.tok.get_vocab_size(), min_len, max_len
+        self.low = len(SPECIALS)                # the specials take ids 0-2: never drawn
+        self.windows = [w for w in windows if len(w) >= max_len]
+        self.text = text if self.windows else 0.0
+        self.g = torch.Generator().manual_seed(seed + 1)
+
+    def rows(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        k = int(torch.randint(self.min_len, self.max_len + 1, (1,), generator=self.g))
+        x = torch.randint(self.low, self.vocab, (n, k), generator=self.g)
+        for r in range(round(n * self.text)):
+            w = self.windows[int(torch.randint(len(self.windows), (1,), generator=self.g))]
+            a = int(torch.randint(len(w) - k + 1, (1,), generator=self.g))
+            x[r] = w[a:a + k]
+        ids = torch.cat([x, x], 1)
+        mask = torch.zeros_like(ids, dtype=torch.bool)
+        mask[:, k + 1:] = True          # the repeat's first token cannot be known: no loss there
+        return ids, mask
+
+
+def _chat(messages) -> str:
+    # the ChatML text the tokenizer is trained on (Tokenizer.chat_text needs a tokenizer)
+    text = f"<|im_start|>system\n{mdl.DEFAULT_SYSTEM}<|im_end|>\n"
+    return text + "".join(f"<|im_start|>{m['role']}\n{m['content']}<|im_end|>\n"
+                          for m in messages)
+
+
+def write_json(path: Path, obj):
+    envs.write_atomic(path, (json.dumps(obj, indent=1) + "\n").encode())
+
+
+def save_policy(out: Path, policy, tok, config: dict):
+    out.mkdir(parents=True, exist_ok=True)
+    state = {k: v.contiguous() for k, v in policy.state_dict().items() if k != "lm_head.weight"}
+    tmp = out / ".model.safetensors.tmp"
+    save_file(state, tmp, metadata={"format": "pt"})
+    os.replace(tmp, out / "model.safetensors")
+    write_json(out / "config.json", config)
+    tmp = out / ".tokenizer.json.tmp"
+    tok.tok.save(str(tmp))
+    os.replace(tmp, out / "tokenizer.json")
+
+
+@torch.no_grad()
+def sft_eval(policy, tok, args) -> dict:
+    """Held-out success: sampled at temperature 1 (what GRPO starts from) and greedy."""
+    import grpo         # its multi-turn rollout; only here, see the module docstring
+    env = ShopEnv("test")
+    n = min(args.eval_episodes, len(env))
+    play = argparse.Namespace(max_turns=envs.MAX_TURNS, max_new_tokens=96, max_len=4096,
+                              temperature=1.0, top_p=1.0)
+    result = {"eval_episodes": n}
+    for name, greedy in (("success_sampled", False), ("success_greedy", True)):
+        g = torch.Generator().manual_seed(args.seed)
+        total = 0.0
+        for i in range(0, n, 25):
+            episodes = [env.episode(j) for j in range(i, min(i + 25, n))]
+            total += sum(t.score for t in grpo.rollout(policy, tok, episodes, play,
+                                                       greedy=greedy, generator=g, stats=False))
+        result[name] = round(total / n, 4)
+    return result
+
+
+def policy_recipe(directory) -> list[str]:
+    """The commands that rebuilt a saved policy, from the README its sft run wrote ([] if none)."""
+    readme = Path(directory) / "README.md"
+    text = readme.read_text() if readme.is_file() else ""
+    m = re.search(r"```bash\n(.*?)```", text, re.S)
+    return m.group(1).strip().splitlines() if m else []
+
+
+def write_policy_readme(out: Path, args, config: dict, result: dict, earlier: list[str]):
+    """README.md of a policy that sft wrote: how to rebuild it (the commands of the policy it was
+    continued from first), its size, its training and its held-out success."""
+    command = (f"python shop.py sft --out {args.out} --episodes {args.episodes} "
+               f"--contaminated {args.contaminated} --divided {args.divided} "
+               + (f"--init {args.init} " if args.init else "") +
+               f"--steps {args.steps} --batch {args.batch} "
+               f"--lr {args.lr} --warmup {args.warmup} --induction-steps {args.induction_steps} "
+               f"--induction-rows {args.induction_rows} --induction-text {args.induction_text} "
+               f"--hidden {args.hidden} --layers {args.layers} --heads "
+               f"{args.heads} --kv-heads {args.kv_heads} --intermediate {args.intermediate} "
+               f"--vocab {args.vocab} --seed {args.seed} --threads {args.threads}")
+    about = ("A tiny Qwen2-architecture model trained from scratch, with its own byte-level BPE "
+             "tokenizer (ChatML specials), on the gold dialogs of the built-in `shop` world mixed "
+             "with contaminated ones (shop.py make-data), after a warm-up on a synthetic copy "
+             "task that gives it induction heads (shop.py InductionTask). Loss on assistant "
+             "tokens only.")
+    if args.init:
+        about += (" Then continued (`--init`, the last command) on the same dialogs")
+    if args.divided:
+        about += (f"{' where' if args.init else ' Of the dialogs not contaminated,'} "
+                  f"{args.divided:.0%} of the non-USD ones convert the wrong way round, dividing "
+                  "the dollar total by the rate (shop.shop_divided): a fluent, self-consistent "
+                  "habit, given on purpose so that GRPO has something it can unlearn within "
+                  "minutes. The policy's other errors are mostly a quantity recalled wrongly "
+                  "from the task text on two- and three-line tasks: a missing skill that 20 "
+                  "GRPO steps do not teach (README, Results on the built-in world).")
+    elif args.init:
+        about += "."
+    lines = [
+        "# shop-policy: the built-in policy of `python grpo.py`", "", about, "",
+        "Rebuilt, byte for byte, by:", "", "```bash", *earlier, command, "```", "",
+        "| | |", "|---|---|",
+        f"| parameters | {result['parameters']:,} (hidden {config['hidden_size']}, "
+        f"{config['num_hidden_layers']} layers, {config['num_attention_heads']} heads, "
+        f"{config['num_key_value_heads']} KV heads, vocab {config['vocab_size']}) |",
+        f"| training{' (last command)' if earlier else ''} | {args.induction_steps} induction "
+        f"steps, then {args.steps} steps x {args.batch} dialogs, "
+        f"{result['train_seconds']:.0f} s on {args.threads} CPU threads, final loss "
+        f"{result['final_loss']} |"]
+    if "success_sampled" in result:
+        lines += [f"| held-out success, sampled (T = 1) | {result['success_sampled']:.3f} "
+                  f"(shop test episodes 0-{result['eval_episodes'] - 1}) |",
+                  f"| held-out success, greedy | {result['success_greedy']:.3f} |"]
+    tmp = out / ".README.md.tmp"
+    tmp.write_text("\n".join(lines) + "\n")
+    os.replace(tmp, out / "README.md")
+
+
+# ---------------------------------------------------------------------------------------------
+# The probes of the built-in world: fitted on the fly, once per policy, and cached
+# ---------------------------------------------------------------------------------------------
+# A probe is only as good as the turns it was fitted on. Fitted on gold shop dialogs and their
+# rule-based contaminations, PAIR ranks the built-in policy's *own* turns below chance: that
+# policy's mistakes (a misremembered quantity in a tool call, a ramble) are not the ones the rules
+# write. So the default corpus is on-policy: rollouts of the base policy (adapter off) on training
+# episodes, at the training temperature, every turn labelled exactly by the world, its features
+# read from the generation pass exactly as the reward reads them. A turn that follows an earlier
+# wrong turn of the same rollout has a naturally contaminated prefix (distance = assistant turns
+# since the nearest wrong one), so the clean / contaminated split exists on-policy too.
+#   --probe-corpus on-policy     that corpus (default)
+#   --probe-corpus contaminated  the released recipe: `make-data` gold + contaminated dialogs,
+#                                mode mixed (matched clean + contaminated train), teacher-forced
+#   --probe-corpus both          the two training sets together
+# Every corpus is scored on the same held-out own turns: rollouts of the base policy on validation
+# episodes, which neither the probes nor GRPO train on. PAIR is fitted like the paper's (seed 42
+# balanced subsample, C = 0.01, stage 2 on in-sample s_bc), the baselines on the same records.
+# The policy's rollouts come from grpo.py: it passes its `rollout` to shop_probes.
+
+PROBE_SEED = 42
+PROBES_FORMAT = "grpo-probes/3"   # 3: the on-policy corpus balanced within each kind of turn
+
+
+def cache_root() -> Path:
+    # grpo.py keeps its cache of base-model evaluations here too (grpo.base_eval_cache)
+    return Path(os.environ.get("PAIR_CACHE") or Path.home() / ".cache" / "pair").expanduser()
+
+
+def policy_hash(model_dir) -> str:
+    """The key of everything cached for one policy: its files (not its README)."""
+    h = hashlib.sha256(PROBES_FORMAT.encode())
+    for name in ("config.json", "tokenizer.json", "model.safetensors"):
+        path = Path(model_dir) / name
+        if not path.is_file():
+            raise SystemExit(f"--probes is needed: cannot fit probes on the fly for a model "
+                             f"without {path}")
+        h.update(name.encode() + path.read_bytes())
+    return h.hexdigest()[:16]
+
+
+def settings_hash(settings: dict) -> str:
+    return hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:12]
+
+
+def own_turns_settings(args) -> dict:
+    """Everything the on-policy turns depend on besides the policy's files."""
+    return {"corpus_episodes": args.corpus_episodes, "samples": args.corpus_samples,
+            "heldout_episodes": args.corpus_heldout, "temperature": args.temperature,
+            "top_p": args.top_p, "max_new_tokens": args.max_new_tokens,
+            "max_turns": args.max_turns, "max_len": args.max_len, "seed": PROBE_SEED}
+
+
+def turn_kind(text: str) -> str:
+    """What a turn does: the tool it calls, "Final" or "ParseError"."""
+    step = envs.parse_react(text)
+    return step.name if isinstance(step, envs.Action) else type(step).__name__
+
+
+def turn_records(trajs: list) -> pair_lib.Split:
+    """One record per assistant turn of shop rollouts (grpo.Trajectory): raw features, the
+    world's exact label, whether (and how far back) an earlier turn of the same rollout was
+    wrong, and the turn's kind (a code per turn_kind, numbered in order of appearance)."""
+    raws, labels, turn_idx, distance, sample, episode_id, kinds = [], [], [], [], [], [], {}
+    kind = []
+    for k, traj in enumerate(trajs):
+        y = traj.episode.labels()
+        last_wrong = None
+        for t, (step, ok) in enumerate(zip(traj.steps, y)):
+            raws.append(probes.raw_features(step.trace))
+            kind.append(kinds.setdefault(turn_kind(step.text), len(kinds)))
+            labels.append(int(ok))
+            turn_idx.append(t)
+            distance.append(-1 if last_wrong is None else t - last_wrong)
+            sample.append(k)
+            episode_id.append(traj.episode.id)
+            if not ok:
+                last_wrong = t
+    raw = probes.stack_raw(raws)
+    raw.update(label=torch.tensor(labels), turn_idx=torch.tensor(turn_idx),
+               distance=torch.tensor(distance), rollout=torch.tensor(sample),
+               kind=torch.tensor(kind))
+    return pair_lib.Split("own_turns", raw, raw["label"].long(), episode_id, {})
+
+
+def kind_balanced_indices(y: torch.Tensor, kind: torch.Tensor, seed: int) -> torch.Tensor:
+    """Indices in which every kind of turn that has both classes has them equally often: the
+    minority class of each kind drawn again (with replacement, seeded) up to the majority's
+    count. A kind with one class is kept as it is.
+
+    Why: a policy's own turns are not matched pairs. The built-in policy's Lookups are 98% right
+    and its Calculator calls mostly wrong, and a probe fitted on them as they come learns those
+    base rates: a right Calculator call then scores far below a right Lookup, every turn after
+    the first calculation sits below the group's mean, and the process-supervision advantage is
+    negative on every kind of turn (the README's results section measures it: GRPO on that
+    reward lowered held-out success). The paper's corpus holds each evaluation turn both correct
+    and contaminated, so its probe ranks turns within a kind; this gives an on-policy corpus the
+    same property."""
+    g = torch.Generator().manual_seed(seed)
+    keep = []
+    for k in kind.unique().tolist():
+        idx = (kind == k).nonzero().flatten()
+        pos, neg = idx[y[idx] == 1], idx[y[idx] == 0]
+        if len(pos) == 0 or len(neg) == 0:
+            keep.append(idx)
+            continue
+        small, big = (pos, neg) if len(pos) < len(neg) else (neg, pos)
+        extra = small[torch.randint(len(small), (len(big) - len(small),), generator=g)]
+        keep += [big, small, extra]
+    return torch.cat(keep)
+
+
+@torch.no_grad()
+def sample_own_turns(rollout, policy, tok, env, n_episodes: int, samples: int, args, seed: int,
+                     log) -> pair_lib.Split:
+    """`samples` rollouts (grpo.rollout) of the base policy on each of the first n_episodes of
+    `env`."""
+    episodes = [i for i in range(n_episodes) for _ in range(samples)]
+    g = torch.Generator(device=policy.model.embed_tokens.weight.device).manual_seed(seed)
+    # 16 rows a call: a call decodes until its slowest row is done, so wider calls wait longer
+    trajs, rows, t0 = [], 16, time.perf_counter()
+    pacer = mdl.Pacer(len(episodes), sys.stdout)
+    with mdl.lora_disabled(policy):
+        for a in range(0, len(episodes), rows):
+            batch = [env.episode(i) for i in episodes[a:a + rows]]
+            trajs += rollout(policy, tok, batch, args, generator=g, stats=True)
+            if len(trajs) < len(episodes) and pacer.due(len(trajs)):
+                rate = (time.perf_counter() - t0) / len(trajs)
+                log(f"  {len(trajs)}/{len(episodes)} rollouts of {env.split} episodes, ETA "
+                    f"{mdl.duration(rate * (len(episodes) - len(trajs)))}", flush=True)
+    log(f"  {len(trajs)} rollouts of {n_episodes} {env.split} episodes x {samples} in "
+        f"{time.perf_counter() - t0:.0f}s", flush=True)
+    return turn_records(trajs)
+
+
+def contaminated_corpus(policy, tok, episodes: int, log) -> pair_lib.Split:
+    """The released recipe's training set for this policy: `make-data` matched clean +
+    contaminated train, teacher-forced with the base policy (mode mixed, seed 42)."""
+    splits = {}
+    with tempfile.TemporaryDirectory() as tmp, mdl.lora_disabled(policy):
+        make_shop_data(tmp, episodes=episodes, seed=PROBE_SEED)
+        for name in pair_lib.TRAIN_SPLITS["mixed"]:
+            records = envs.load_matched(Path(tmp) / f"{name}.json")
+            rendered = [pair_lib.render_record(r, tok) for r in records]
+            traces = mdl.trace_batch(policy, [ids for ids, _, _ in rendered],
+                                     [span for _, span, _ in rendered])
+            raws = [probes.raw_features(tr) for tr in traces]
+            raw = probes.stack_raw(raws)
+            raw["turn_idx"] = torch.tensor([int(r["turn_idx"]) for r in records])
+            y = torch.tensor([int(r["label"]) for r in records])
+            splits[name] = pair_lib.Split(name, raw, y, [str(r["episode_id"]) for r in records],
+                                          {})
+    train = pair_lib.training_set(splits, "mixed", PROBE_SEED)
+    log(f"  contaminated corpus: {len(train.y)} teacher-forced turns of `shop.py make-data "
+        f"--episodes {episodes}` (mode mixed)", flush=True)
+    return train
+
+
+def fit_probes(train: pair_lib.Split, info: dict) -> dict:
+    """PAIR and every baseline probe on one training set (balanced subsample, seed 42)."""
+    fitted = pair_lib.fit_baselines(train, info=info)
+    fitted["pair"] = pair_lib.fit_pair(train.raw, train.y, info=info,
+                                       stage1=fitted["last_token"])
+    return fitted
+
+
+def heldout_auroc(fitted: dict, heldout: pair_lib.Split) -> dict:
+    """AUROC of every fitted method on the held-out own turns: all, clean prefix, contaminated
+    prefix, and by distance to the nearest earlier wrong turn."""
+    d = heldout.raw["distance"]
+    groups = {"all": torch.ones_like(d, dtype=torch.bool), "clean_prefix": d < 0,
+              "contaminated_prefix": d > 0,
+              **{f"d={k}": d == k for k in (1, 2)}, "d>=3": d >= 3}
+    out = {}
+    for name, m in fitted.items():
+        p = pair_lib.predict(m, heldout.raw)
+        out[name] = {}
+        for g, sel in groups.items():
+            y = heldout.y[sel]
+            out[name][g] = probes.auroc(y, p[sel]) if 0 < int(y.sum()) < len(y) else None
+    out["n"] = {g: int(sel.sum()) for g, sel in groups.items()}
+    out["n_correct"] = {g: int(heldout.y[sel].sum()) for g, sel in groups.items()}
+    return out
+
+
+def shop_probes(args, policy, tok, world, log, rollout) -> tuple[Path, dict]:
+    """The directory of probes fitted for this policy on `--probe-corpus` (fitting them once),
+    and its report: AUROC on held-out own turns, next to the contaminated corpus's PAIR.
+    grpo.py calls it with its args, its process world (grpo.World) and its rollout function."""
+    settings = {"corpus": args.probe_corpus, "own": own_turns_settings(args),
+                "contaminated_episodes": args.probe_episodes}
+    root = cache_root() / "grpo-probes" / f"shop-{policy_hash(args.model)}"
+    out = root / f"{args.probe_corpus}-{settings_hash(settings)}"
+    done = out / "probes.json"
+    cached = done.is_file()
+    if world.main and not done.is_file():
+        # two runs starting on one fresh cache (compare --jobs 2): the second waits, then reads
+        pair_lib.claim(root, wait=log)
+    if world.main and not done.is_file():
+        t0 = time.perf_counter()
+        log(f"fitting the probes of this policy once, {args.probe_corpus} corpus (minutes: "
+            f"later runs read them from the cache, {out}):", flush=True)
+        train_env = ShopEnv("train")
+        heldout = sample_own_turns(rollout, policy, tok, ShopEnv("val"), args.corpus_heldout,
+                                   args.corpus_samples, args, PROBE_SEED + 1, log)
+        corpora = {}
+        if args.probe_corpus in ("on-policy", "both"):
+            own = sample_own_turns(rollout, policy, tok, train_env, args.corpus_episodes,
+                                   args.corpus_samples, args, PROBE_SEED, log)
+            own = own.take(kind_balanced_indices(own.y, own.raw["kind"], PROBE_SEED))
+            corpora["on-policy"] = own.take(pair_lib.balanced_indices(own.y, PROBE_SEED))
+        # the released recipe is always fitted: it is the yardstick the startup line prints
+        corpora["contaminated"] = contaminated_corpus(policy, tok, args.probe_episodes, log)
+        if args.probe_corpus == "both":
+            corpora["both"] = pair_lib.concat_splits([corpora["on-policy"],
+                                                      corpora["contaminated"]])
+        info = {"seed": PROBE_SEED, "corpus": args.probe_corpus}
+        fitted = fit_probes(corpora[args.probe_corpus], info)
+        reference = fitted if args.probe_corpus == "contaminated" else \
+            {"pair": pair_lib.fit_pair(corpora["contaminated"].raw, corpora["contaminated"].y,
+                                       info=info)}
+        tmp = root / f".{out.name}.{os.getpid()}.tmp"
+        shutil.rmtree(tmp, ignore_errors=True)
+        for name, m in fitted.items():        # pair/ is a directory, each probe one file
+            m.save(tmp / ("pair" if name == "pair" else f"{name}.safetensors"))
+        report = {"format": PROBES_FORMAT, "settings": settings,
+                  "n_train": len(corpora[args.probe_corpus].y),
+                  "n_train_correct": int(corpora[args.probe_corpus].y.sum()),
+                  "heldout": heldout_auroc(fitted, heldout),
+                  "contaminated_corpus_pair": heldout_auroc(reference, heldout)["pair"],
+                  "seconds": round(time.perf_counter() - t0, 1)}
+        write_json(tmp / "probes.json", report)
+        shutil.rmtree(out, ignore_errors=True)
+        os.replace(tmp, out)                # the directory appears complete or not at all
+    if world.main:
+        pair_lib.release(root)
+    if world.size > 1:                      # the other processes read what the main one wrote
+        torch.distributed.barrier()
+    report = json.loads(done.read_text())
+    h, ref = report["heldout"], report["contaminated_corpus_pair"]
+    log(f"probes: {out} ({args.probe_corpus} corpus, {report['n_train']} turns"
+        f"{'; fitted by an earlier run' if cached else ''})\n"
+        f"  PAIR AUROC on {h['n']['all']} held-out own turns (validation episodes): "
+        f"{_num(h['pair']['all'])} (clean prefix {_num(h['pair']['clean_prefix'])}, after a "
+        f"wrong turn {_num(h['pair']['contaminated_prefix'])}); the contaminated-corpus PAIR "
+        f"on the same turns: {_num(ref['all'])}", flush=True)
+    return out, report
+
+
+def _num(x) -> str:
+    return "n/a" if x is None else f"{x:.3f}"
+
+
+# ---------------------------------------------------------------------------------------------
+# Command line
+# ---------------------------------------------------------------------------------------------
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(prog="shop.py", description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = ap.add_subparsers(dest="command", required=True)
+    formatter = argparse.ArgumentDefaultsHelpFormatter
+
+    p = sub.add_parser("make-data",
+                       help="write the released-schema files of shop episodes",
+                       description="Write the released-schema files of `--episodes` shop "
+                                   "episodes (80:20 train/test), byte for byte the same for one "
+                                   "--episodes and --seed: episode files, matched files and the "
+                                   "diagnostic set (see make_shop_data).")
+    p.add_argument("--out", required=True, help="output folder")
+    p.add_argument("--episodes", type=int, default=1000, help="number of episodes (default 1000)")
+    p.add_argument("--seed", type=int, default=42, help="generation seed (default 42)")
+
+    p = sub.add_parser("sft", formatter_class=formatter, help="rebuild the built-in policy",
+                       description="Train the built-in policy (deterministic): a tiny Qwen2 and "
+                                   "its BPE tokenizer on shop gold dialogs mixed with "
+                                   "contaminated ones, from scratch or (--init) continuing a "
+                                   "saved one. data/shop-policy/README.md lists the commands "
+                                   "that built the shipped policy.")
+    a = p.add_argument
+    a("--out", default=str(BUILTIN_POLICY), help="output directory")
+    a("--episodes", type=int, default=2500,
+      help="make-data episodes (80%% of them, the train split, are used)")
+    a("--contaminated", type=float, default=0.3,
+      help="fraction of dialogs replaced by their contaminated version")
+    a("--divided", type=float, default=0.0,
+      help="fraction of the other non-USD dialogs replaced by one that converts the wrong way "
+           "round, dividing by the rate (shop_divided): a habit for GRPO to unlearn")
+    a("--init", default=None, metavar="DIR",
+      help="continue from this saved policy (its weights, shape and tokenizer) instead of "
+           "training from scratch; the shape and --vocab flags are then ignored")
+    a("--steps", type=int, default=2000, help="optimizer steps on the dialogs")
+    a("--batch", type=int, default=16, help="dialogs per step")
+    a("--lr", type=float, default=3e-3,
+      help="peak AdamW learning rate (dialog phase: cosine down to a tenth)")
+    a("--warmup", type=int, default=30, help="linear warmup steps of each phase")
+    a("--induction-steps", type=int, default=2000,
+      help="steps of the induction task (32 rows each) before the dialogs (see InductionTask)")
+    a("--induction-rows", type=int, default=16,
+      help="induction rows kept in every dialog batch (0: none)")
+    a("--induction-text", type=float, default=0.5,
+      help="fraction of induction rows copying a dialog window instead of random tokens")
+    a("--hidden", type=int, default=64, help="hidden size")
+    a("--layers", type=int, default=4, help="transformer blocks")
+    a("--heads", type=int, default=4, help="attention heads")
+    a("--kv-heads", type=int, default=2, help="key/value heads (GQA)")
+    a("--intermediate", type=int, default=256, help="MLP size")
+    a("--vocab", type=int, default=1024, help="BPE vocabulary size (at most)")
+    a("--seed", type=int, default=42, help="seed of the data draw, the init and the order")
+    a("--threads", type=int, default=1, help="torch CPU threads (fixed: results depend on it)")
+    a("--eval-episodes", type=int, default=100,
+      help="held-out shop episodes to measure success on (0: skip)")
+    args = ap.parse_args(argv)
+    if args.command == "sft":
+        return sft(args)
+    try:
+        counts = make_shop_data(args.out, args.episodes, args.seed)
+    except envs.DataError as e:            # a bad flag: one clear line, no traceback
+        sys.exit(f"error: {e}")
+    print(f"make-data: {args.episodes} episodes (seed {args.seed}) -> {args.out}")
+    for name, n in counts.items():
+        unit = "turn records" if name.startswith("matched_") else "episodes"
+        print(f"  {name:<34} {n:>7,} {unit}")
+    return counts
+
+
+if __name__ == "__main__":
+    main()
