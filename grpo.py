@@ -1248,7 +1248,19 @@ def read_from_base(policy, trajs: list[Trajectory], rows_per_forward: int,
         step.trace = trace
 
 
-def train_step(step: int, policy, tok, env, pool, ctx, optimizer, args, world) -> dict:
+@dataclass
+class Training:                     # what every training step reads; train() builds it once
+    policy: mdl.Transformer
+    tok: mdl.Tokenizer
+    env: envs.Env                   # the training environment ...
+    pool: list[int]                 # ... and the indices of its episodes the prompts come from
+    ctx: RewardContext
+    optimizer: torch.optim.Optimizer
+    args: argparse.Namespace
+    world: World
+
+
+def train_step(step: int, run: Training) -> dict:
     """One GRPO step: this process's share of the prompts, then the all-reduced update.
 
     With --oversample K (DAPO's dynamic sampling) up to K x its share of prompts are played, in
@@ -1256,6 +1268,8 @@ def train_step(step: int, policy, tok, env, pool, ctx, optimizer, args, world) -
     has no advantage to give, and with a sparse reward most groups are such groups.
 
     With tree search (section 3b) a prompt's group is the leaves of its trees."""
+    policy, tok, env, pool, ctx, args, world = (run.policy, run.tok, run.env, run.pool, run.ctx,
+                                                run.args, run.world)
     t = {k: 0.0 for k in TIMING}
     ctx.cost = dict.fromkeys(COSTS, 0)
     kv_bytes = 0
@@ -1317,7 +1331,7 @@ def train_step(step: int, policy, tok, env, pool, ctx, optimizer, args, world) -
     t0 = time.perf_counter()
     trajs = [traj for group in groups for traj in group]
     policy.train()
-    stats = update(policy, optimizer, make_batch(trajs, advs, tok.pad_id), args, world)
+    stats = update(policy, run.optimizer, make_batch(trajs, advs, tok.pad_id), args, world)
     policy.eval()
     t["t_update"] = time.perf_counter() - t0
     memory = {"mem_kv_mb": kv_bytes / 2**20}
@@ -1580,6 +1594,7 @@ def train(args) -> dict:
     ctx = ctx or reward_context(args, policy, tok, env, world, log)
     params = [p for p in policy.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=args.lr, weight_decay=args.weight_decay)
+    run = Training(policy, tok, env, pool, ctx, optimizer, args, world)
     n_lora = sum(p.numel() for p in params)
     log(f"policy {args.model}: {sum(p.numel() for p in policy.parameters()) - n_lora:,} "
         f"parameters, + {n_lora:,} in the LoRA adapter (trained); env {args.env}: {len(pool)} "
@@ -1634,7 +1649,7 @@ def train(args) -> dict:
             group["lr"] = lr_at(step, args)
         if args.reward == "tips" and step % args.tips_refresh == 0:
             ctx.lagged = lora_state(policy)           # the lagged teacher moves to the policy
-        rec = train_step(step, policy, tok, env, pool, ctx, optimizer, args, world)
+        rec = train_step(step, run)
         elapsed.append(time.perf_counter() - t)
         if world.main:
             append_jsonl(out / "metrics.jsonl", rec)

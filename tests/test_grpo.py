@@ -524,9 +524,9 @@ def spy_envs(monkeypatch) -> dict:
     seen = {}
     real_step, real_eval = grpo.train_step, grpo.evaluate
 
-    def train_step(step, policy, tok, env, pool, *a, **k):
-        seen["train"] = env, pool
-        return real_step(step, policy, tok, env, pool, *a, **k)
+    def train_step(step, run):
+        seen["train"] = run.env, run.pool
+        return real_step(step, run)
 
     def evaluate(policy, tok, env, pool, *a, **k):
         seen.setdefault("eval", []).append((env, pool))
