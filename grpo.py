@@ -102,9 +102,10 @@ BUILTIN_POLICY = ROOT / "data" / "shop-policy"
 # Hyperparameters: the paper's Table grpo_config, and a preset for the tiny built-in policy
 # ---------------------------------------------------------------------------------------------
 
-PAPER = dict(batch=1, group=4, max_turns=10, max_new_tokens=1024, temperature=1.0, top_p=1.0,
-             lr=3e-7, warmup=0.05, beta=0.01, eps=0.2, steps=500, save_every=50,
-             lora_r=16, lora_alpha=32.0, lora_dropout=0.05, oversample=1, eval_batch=16)
+PAPER_HPARAMS = dict(batch=1, group=4, max_turns=10, max_new_tokens=1024, temperature=1.0,
+                     top_p=1.0, lr=3e-7, warmup=0.05, beta=0.01, eps=0.2, steps=500,
+                     save_every=50, lora_r=16, lora_alpha=32.0, lora_dropout=0.05, oversample=1,
+                     eval_batch=16)
 # The built-in policy has ~0.3M parameters, not 7B, and its turns are short. Its rollouts are
 # sampled at T = 0.7: closer to the greedy decoding it is evaluated with, and shorter (at T = 1 it
 # rambles to --max-new-tokens far more often). Four prompts per step so that a step rarely has no
@@ -1487,7 +1488,7 @@ def is_builtin(args) -> bool:
 
 def resolve_preset(args, world) -> None:
     """Fill the flags left unset: the tiny preset for the built-in policy, else the paper's."""
-    preset = dict(PAPER, **TINY) if is_builtin(args) else PAPER
+    preset = dict(PAPER_HPARAMS, **TINY) if is_builtin(args) else PAPER_HPARAMS
     given = {k for k in preset if getattr(args, k) is not None}
     for k, v in preset.items():
         if k not in given:
@@ -2084,7 +2085,7 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
 def preset_help(key: str, what: str) -> str:
     """`what` and the flag's effective default, read from the presets themselves: TINY's with
     the built-in policy, the paper's (Table grpo_config) with any other model."""
-    tiny, paper = dict(PAPER, **TINY)[key], PAPER[key]
+    tiny, paper = dict(PAPER_HPARAMS, **TINY)[key], PAPER_HPARAMS[key]
     if tiny == paper:
         return f"{what} (default: {paper}, the paper's)"
     return f"{what} (default: {tiny} with the built-in policy, {paper} otherwise: the paper's)"

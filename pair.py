@@ -656,7 +656,7 @@ METHODS = {   # name -> (label in the tables, P(correct)?)
     "pair_clean_only": ("PAIR (clean_only)", True),
 }
 # Paper Table result_pair (Qwen2.5-7B-Instruct): AUROC, its std, ECE, its std (None: not given).
-PAPER = {
+PAPER_DETECTION = {
     "gta": {"last_token": (0.8967, 0.012, 0.1294, 0.018),
             "mean_pooled": (0.8851, 0.014, 0.1521, 0.020),
             "multi_layer": (0.9082, 0.010, 0.1342, 0.017),
@@ -919,7 +919,7 @@ def guess_paper_ref(result: dict) -> str | None:
     """The paper's dataset whose name is a path component of the data or features paths."""
     paths = [str(v) for v in result["data"].values()] + [result["features_dir"]]
     parts = {part.lower() for path in paths for part in Path(path).parts}
-    return next((name for name in PAPER if name in parts), None)
+    return next((name for name in PAPER_DETECTION if name in parts), None)
 
 
 def _ms(node, digits=3) -> str:
@@ -964,7 +964,7 @@ def render_markdown(result: dict, paper_ref: str | None) -> str:
         row += [_ms(_get(det, m, s, "auroc")) for s in TEST_SPLITS + ("all_test",)]
         row += [_ms(_get(det, m, s, "ece")) for s in TEST_SPLITS + ("all_test",)]
         if paper_ref:
-            ref = PAPER[paper_ref].get(m)
+            ref = PAPER_DETECTION[paper_ref].get(m)
             row += ["—" if ref is None else f"{ref[0]:.4f} ± {ref[1]:.3f}",
                     "—" if ref is None or ref[2] is None else f"{ref[2]:.4f} ± {ref[3]:.3f}"]
         rows.append(row)

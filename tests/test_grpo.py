@@ -850,7 +850,7 @@ def test_cli_help_lists_every_reward_and_the_real_defaults():
     text = " ".join(r.stdout.split())       # wide enough that no default is broken at a "-"
     assert "default: None" not in text and text.count("(default:", text.index("--micro-batch"),
                                                       text.index("--grad-clip")) == 1
-    for key, paper in grpo.PAPER.items():
+    for key, paper in grpo.PAPER_HPARAMS.items():
         flag = f"--{key.replace('_', '-')} {key.upper()} "
         default = text[text.index("(default:", text.index(flag)):][:80]   # its help's last part
         tiny = grpo.TINY.get(key, paper)
