@@ -83,7 +83,9 @@ class Pair:
     info: dict = field(default_factory=dict)
 
     def scores(self, raw: dict) -> tuple[torch.Tensor, torch.Tensor]:
-        """(s_bc, s_final), each (N,), for a batch of raw features."""
+        """(s_bc, s_final), each (N,), for a batch of raw features (probes.raw_features):
+        Eq. stage1 s_bc = sigma(w_1 . h + b_1), Eq. stage2 s_final = sigma(w_2 . [a; s_bc] + b_2),
+        each stage's input standardized by its own scaler (probes.Probe)."""
         s_bc = self.stage1.predict_proba(feature("last_token", raw))
         X2 = torch.cat([attn_features(raw, self.stats), s_bc[:, None]], dim=1)   # (N, 4HL + 1)
         return s_bc, self.stage2.predict_proba(X2)
