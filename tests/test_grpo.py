@@ -746,7 +746,7 @@ def test_pair_reward_is_the_momentum_reward_of_the_turns_s_final(tiny_policy, tm
     model.save(tmp_path / "pair")
     traj = max(trajs, key=lambda t: len(t.steps))
     assert len(traj.steps) >= 3             # momentum reads the mean of at least two earlier s~
-    args = play_args(reward="pair", outcome_weight=0.0)
+    args = play_args(reward="pair", outcome_weight=0.0, alpha=5.0)
     ctx = grpo.RewardContext(policy, tok, args, pair=pair.Pair.load(tmp_path / "pair"))
     rewards, p_correct = grpo.pair_reward(traj, ctx)
 
