@@ -102,9 +102,10 @@ BUILTIN_POLICY = ROOT / "data" / "shop-policy"
 # Hyperparameters: the paper's Table grpo_config, and a preset for the tiny built-in policy
 # ---------------------------------------------------------------------------------------------
 
-PAPER = dict(batch=1, group=4, max_turns=10, max_new_tokens=1024, temperature=1.0, top_p=1.0,
-             lr=3e-7, warmup=0.05, beta=0.01, eps=0.2, steps=500, save_every=50,
-             lora_r=16, lora_alpha=32.0, lora_dropout=0.05, oversample=1, eval_batch=16)
+PAPER_HPARAMS = dict(batch=1, group=4, max_turns=10, max_new_tokens=1024, temperature=1.0,
+                     top_p=1.0, lr=3e-7, warmup=0.05, beta=0.01, eps=0.2, steps=500,
+                     save_every=50, lora_r=16, lora_alpha=32.0, lora_dropout=0.05, oversample=1,
+                     eval_batch=16)
 # The built-in policy has ~0.3M parameters, not 7B, and its turns are short. Its rollouts are
 # sampled at T = 0.7: closer to the greedy decoding it is evaluated with, and shorter (at T = 1 it
 # rambles to --max-new-tokens far more often). Four prompts per step so that a step rarely has no
@@ -130,7 +131,6 @@ class Step:                         # one assistant turn of one rollout
     text: str                       # the assistant text handed to the environment
     trace: mdl.TurnTrace | None     # statistics from the generation pass (None: not collected)
     observation: str | None         # the environment's answer (None: the episode ended here)
-    p_correct: float | None = None  # the frozen probe's P(correct), when the reward has one
     nll: float | None = None        # mean -log pi of its tokens as sampled (AT²PO's entropy H)
 
 
@@ -252,52 +252,50 @@ def play(policy, tok, trajs: list[Trajectory], cache, new: list[list[int]], args
 # 2. Rewards: one per assistant turn; `--reward` name -> function(trajectory, ctx)
 # ---------------------------------------------------------------------------------------------
 # Each function returns a list with one entry per turn: a float reward, or None for a turn that
-# gets no reward (outcome: every turn but the last). Probe-based ones also leave the probe's
-# P(correct) on each Step, for the AUROC monitor.
+# gets no reward (outcome: every turn but the last). The ones that read a frozen probe (READS_PROBE)
+# return (rewards, P(correct) of each turn): train_step checks the probe against the labels.
 
 @dataclass
 class RewardContext:                # what the reward functions need besides the rollout
-    policy: object
-    tok: object
+    policy: mdl.Transformer
+    tok: mdl.Tokenizer
     args: argparse.Namespace
-    env: object = None              # the training environment (gold answers for igpo / tips)
-    pair: object = None             # pair.PairReward (reward "pair")
-    probe: object = None            # pair.ProbeReward for the feature set named by --reward
-    judge: object = None            # envs.ChatClient (reward "llm_judge")
-    lagged: dict | None = None      # tips: a snapshot of the LoRA parameters (the lagged teacher)
+    env: envs.Env | None = None     # the training environment (gold answers for igpo / tips)
+    pair: pair_lib.Pair | None = None           # reward "pair"
+    probe: probes.Probe | None = None           # the probe of the feature set named by --reward
+    judge: envs.ChatClient | None = None        # reward "llm_judge"
+    lagged: dict[str, torch.Tensor] | None = None   # tips: the lagged teacher's LoRA parameters
     probe_report: dict | None = None    # shop: the fitted probes' AUROC on held-out own turns
-    cost: dict = field(default_factory=dict)    # this step's extra work (COSTS), by the reward
+    cost: dict[str, int] = field(default_factory=dict)  # this step's extra work (COSTS)
 
 
 def outcome_reward(traj: Trajectory, ctx) -> list[float | None]:
     return [None] * (len(traj.steps) - 1) + [traj.score]
 
 
-def pair_reward(traj: Trajectory, ctx) -> list[float]:
-    # SPEC §6-7: s_final from the two stages, temperature clip, momentum against earlier turns
-    rewards, prev = [], []
-    for step in traj.steps:
-        out = ctx.pair(step.trace, prev)
-        prev.append(out.s_tilde)
-        step.p_correct = out.s_final
-        rewards.append(out.r)
-    return rewards
+def pair_reward(traj: Trajectory, ctx) -> tuple[list[float], list[float]]:
+    # SPEC §6-7: each turn's s_final from the two stages (paper Eq. stage1, stage2), then the
+    # rollout's rewards from them (Appendix reward: temperature clip, momentum)
+    _, s_final = ctx.pair.scores(turn_features(traj))
+    s_final = s_final.tolist()
+    return pair_lib.trajectory_rewards(s_final, ctx.args.alpha), s_final
 
 
-def probe_reward(traj: Trajectory, ctx) -> list[float]:
+def probe_reward(traj: Trajectory, ctx) -> tuple[list[float], list[float]]:
     # SPEC §7: a probe baseline used as a reward gives r_t = its P(correct)
-    rewards = []
-    for step in traj.steps:
-        step.p_correct = ctx.probe(step.trace).s_final
-        rewards.append(step.p_correct)
-    return rewards
+    p = ctx.probe.predict_proba(probes.feature(ctx.args.reward, turn_features(traj))).tolist()
+    return p, p
+
+
+def turn_features(traj: Trajectory, coe: bool = False) -> dict[str, torch.Tensor]:
+    """probes.raw_features of every turn, stacked: (turns, ...) each."""
+    return probes.stack_raw([probes.raw_features(step.trace, coe) for step in traj.steps])
 
 
 def coe_reward(traj: Trajectory, ctx) -> list[float]:
     # CoE is unsupervised (SPEC §4-5): r_t = the turn's CoE-C score (the paper's CoE-C baseline);
     # only its ordering within the group matters after normalization.
-    raw = probes.stack_raw([probes.raw_features(s.trace) for s in traj.steps])
-    return probes.unsupervised_score("coe_c", raw).tolist()
+    return probes.unsupervised_score("coe_c", turn_features(traj, coe=True)).tolist()
 
 
 def judge_reward(traj: Trajectory, ctx) -> list[float]:
@@ -403,19 +401,23 @@ REWARDS = {
     "at2po": outcome_reward,
 }
 PROBE_REWARDS = set(probes.FEATURES)
-NEEDS_STATS = {"pair", "coe"} | PROBE_REWARDS
+READS_PROBE = {"pair"} | PROBE_REWARDS
+NEEDS_STATS = {"coe"} | READS_PROBE
 
 
-def turn_rewards(traj: Trajectory, ctx) -> list[float | None]:
-    """The `--reward` function, plus `--outcome-weight` x task score on the last turn."""
+def turn_rewards(traj: Trajectory, ctx) -> tuple[list[float | None], list[float] | None]:
+    """The `--reward` function, plus `--outcome-weight` x task score on the last turn; and the
+    frozen probe's P(correct) of every turn when the reward reads one (else None)."""
     if not traj.steps:              # a prompt longer than --max-len: nothing was generated
-        return []
-    rewards = REWARDS[ctx.args.reward](traj, ctx)
+        return [], None
+    rewards, p_correct = REWARDS[ctx.args.reward](traj, ctx), None
+    if ctx.args.reward in READS_PROBE:
+        rewards, p_correct = rewards
     assert len(rewards) == len(traj.steps), (len(rewards), len(traj.steps))
     w = ctx.args.outcome_weight
     if w and ctx.args.reward != "outcome":
         rewards[-1] = (rewards[-1] or 0.0) + w * traj.score
-    return rewards
+    return rewards, p_correct
 
 
 def reward_context(args, policy, tok, env, world, log) -> RewardContext:
@@ -432,7 +434,7 @@ def reward_context(args, policy, tok, env, world, log) -> RewardContext:
             where, ctx.probe_report = shop.shop_probes(args, policy, tok, world, log, rollout)
         if args.reward == "pair":
             found = find_pair_dir(where)
-            ctx.pair = pair_lib.PairReward(found, alpha=args.alpha)
+            ctx.pair = pair_lib.Pair.load(found)
             if args.probes:             # fitted for this policy? (before any evaluation)
                 pair_lib.check_probe_model(found, policy.checkpoint_dir)
         else:
@@ -440,12 +442,12 @@ def reward_context(args, policy, tok, env, world, log) -> RewardContext:
             if not path.is_file():
                 raise SystemExit(f"--probes {where}: no probe {path.name} for --reward "
                                  f"{args.reward}")
-            ctx.probe = pair_lib.ProbeReward(path)
+            ctx.probe = probes.Probe.load(path)
             if args.probes:
                 pair_lib.check_probe_model(path, policy.checkpoint_dir)
-            if ctx.probe.name != args.reward:
-                raise SystemExit(f"--probes {path}: a {ctx.probe.name} probe, not "
-                                 f"{args.reward}")
+            name = ctx.probe.info.get("feature")
+            if name != args.reward:
+                raise SystemExit(f"--probes {path}: a {name} probe, not {args.reward}")
     if args.reward == "llm_judge":
         try:
             ctx.judge = envs.ChatClient(args.judge_model)
@@ -1247,7 +1249,19 @@ def read_from_base(policy, trajs: list[Trajectory], rows_per_forward: int,
         step.trace = trace
 
 
-def train_step(step: int, policy, tok, env, pool, ctx, optimizer, args, world) -> dict:
+@dataclass
+class Training:                     # what every training step reads; train() builds it once
+    policy: mdl.Transformer
+    tok: mdl.Tokenizer
+    env: envs.Env                   # the training environment ...
+    pool: list[int]                 # ... and the indices of its episodes the prompts come from
+    ctx: RewardContext
+    optimizer: torch.optim.Optimizer
+    args: argparse.Namespace
+    world: World
+
+
+def train_step(step: int, run: Training) -> dict:
     """One GRPO step: this process's share of the prompts, then the all-reduced update.
 
     With --oversample K (DAPO's dynamic sampling) up to K x its share of prompts are played, in
@@ -1255,6 +1269,8 @@ def train_step(step: int, policy, tok, env, pool, ctx, optimizer, args, world) -
     has no advantage to give, and with a sparse reward most groups are such groups.
 
     With tree search (section 3b) a prompt's group is the leaves of its trees."""
+    policy, tok, env, pool, ctx, args, world = (run.policy, run.tok, run.env, run.pool, run.ctx,
+                                                run.args, run.world)
     t = {k: 0.0 for k in TIMING}
     ctx.cost = dict.fromkeys(COSTS, 0)
     kv_bytes = 0
@@ -1263,7 +1279,7 @@ def train_step(step: int, policy, tok, env, pool, ctx, optimizer, args, world) -
         torch.cuda.reset_peak_memory_stats(input_device(policy))
     policy.eval()
     need = len(range(world.rank, args.batch, world.size))
-    groups, rewards, advs, tried, zero = [], [], [], 0, 0
+    groups, rewards, p_correct, advs, tried, zero = [], [], [], [], 0, 0
     candidates = list(range(world.rank, args.batch * args.oversample, world.size))
     for n, j in enumerate(candidates):
         if len(groups) == need:
@@ -1290,7 +1306,7 @@ def train_step(step: int, policy, tok, env, pool, ctx, optimizer, args, world) -
         if args.reward in NEEDS_STATS and args.probe_reads == "base":
             read_from_base(policy, group, args.micro_batch, ctx.cost)
         t2 = time.perf_counter()
-        r = [turn_rewards(traj, ctx) for traj in group]
+        r, p = zip(*[turn_rewards(traj, ctx) for traj in group])
         if forest is not None:
             a, all_equal = TREE_SEARCH[args.reward](forest)
         t3 = time.perf_counter()
@@ -1310,26 +1326,27 @@ def train_step(step: int, policy, tok, env, pool, ctx, optimizer, args, world) -
         if all_equal and len(candidates) - n - 1 >= need - len(groups) and args.oversample > 1:
             continue                    # set aside: enough prompts remain to fill the batch
         groups.append(group)
-        rewards.append(r)
+        rewards.append(list(r))
+        p_correct += p
         advs += a
     t0 = time.perf_counter()
     trajs = [traj for group in groups for traj in group]
     policy.train()
-    stats = update(policy, optimizer, make_batch(trajs, advs, tok.pad_id), args, world)
+    stats = update(policy, run.optimizer, make_batch(trajs, advs, tok.pad_id), args, world)
     policy.eval()
     t["t_update"] = time.perf_counter() - t0
     memory = {"mem_kv_mb": kv_bytes / 2**20}
     if on_cuda:
         memory["mem_cuda_peak_mb"] = torch.cuda.max_memory_allocated(input_device(policy)) / 2**20
-    return step_metrics(step, trajs, rewards, (zero, tried), stats, [t[k] for k in TIMING],
-                        args, world, [ctx.cost[k] for k in COSTS], memory)
+    return step_metrics(step, trajs, rewards, p_correct, (zero, tried), stats,
+                        [t[k] for k in TIMING], args, world, [ctx.cost[k] for k in COSTS], memory)
 
 
-def step_metrics(step, trajs, rewards, played, stats, times, args, world, costs=(),
+def step_metrics(step, trajs, rewards, p_correct, played, stats, times, args, world, costs=(),
                  memory=None) -> dict:
     """One metrics.jsonl record, summed over processes (memory: the largest). played = (groups
     whose rewards were all equal, groups played); the rest is about the groups kept for the
-    update."""
+    update. p_correct: per trajectory, the frozen probe's P(correct) of each turn (or None)."""
     zero, tried = played
     flat = [r for group in rewards for row in group for r in row if r is not None]
     M = args.max_turns
@@ -1361,8 +1378,8 @@ def step_metrics(step, trajs, rewards, played, stats, times, args, world, costs=
                             for t in range(M) if reached[t]]}
     # drift / reward-hacking monitor: the frozen probe against the exact step labels (shop)
     if ctx_has_probe(args):
-        pairs = [(st.p_correct, float(lab)) for t in trajs
-                 for st, lab in zip(t.steps, t.episode.labels() or []) if st.p_correct is not None]
+        pairs = [(p, float(lab)) for t, ps in zip(trajs, p_correct) if ps is not None
+                 for p, lab in zip(ps, t.episode.labels() or [])]
         size = args.batch * args.group * M
         p = gather_floats(world, [x for x, _ in pairs], size)
         y = gather_floats(world, [y for _, y in pairs], size)
@@ -1471,7 +1488,7 @@ def is_builtin(args) -> bool:
 
 def resolve_preset(args, world) -> None:
     """Fill the flags left unset: the tiny preset for the built-in policy, else the paper's."""
-    preset = dict(PAPER, **TINY) if is_builtin(args) else PAPER
+    preset = dict(PAPER_HPARAMS, **TINY) if is_builtin(args) else PAPER_HPARAMS
     given = {k for k in preset if getattr(args, k) is not None}
     for k, v in preset.items():
         if k not in given:
@@ -1578,6 +1595,7 @@ def train(args) -> dict:
     ctx = ctx or reward_context(args, policy, tok, env, world, log)
     params = [p for p in policy.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=args.lr, weight_decay=args.weight_decay)
+    run = Training(policy, tok, env, pool, ctx, optimizer, args, world)
     n_lora = sum(p.numel() for p in params)
     log(f"policy {args.model}: {sum(p.numel() for p in policy.parameters()) - n_lora:,} "
         f"parameters, + {n_lora:,} in the LoRA adapter (trained); env {args.env}: {len(pool)} "
@@ -1632,7 +1650,7 @@ def train(args) -> dict:
             group["lr"] = lr_at(step, args)
         if args.reward == "tips" and step % args.tips_refresh == 0:
             ctx.lagged = lora_state(policy)           # the lagged teacher moves to the policy
-        rec = train_step(step, policy, tok, env, pool, ctx, optimizer, args, world)
+        rec = train_step(step, run)
         elapsed.append(time.perf_counter() - t)
         if world.main:
             append_jsonl(out / "metrics.jsonl", rec)
@@ -2067,7 +2085,7 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
 def preset_help(key: str, what: str) -> str:
     """`what` and the flag's effective default, read from the presets themselves: TINY's with
     the built-in policy, the paper's (Table grpo_config) with any other model."""
-    tiny, paper = dict(PAPER, **TINY)[key], PAPER[key]
+    tiny, paper = dict(PAPER_HPARAMS, **TINY)[key], PAPER_HPARAMS[key]
     if tiny == paper:
         return f"{what} (default: {paper}, the paper's)"
     return f"{what} (default: {tiny} with the built-in policy, {paper} otherwise: the paper's)"

@@ -14,7 +14,8 @@ reads the raw s_bc (*departure*: the release temperature-clipped s_bc at inferen
 As a reward (paper Appendix reward, SPEC §7): s~_t = clip(sigma(logit(s_final_t) / T), eps, 1-eps)
 with T = 2, eps = 0.05, and the momentum reward r_1 = s~_1,
 r_t = sigma(logit(s~_t) + alpha (s~_t - mean_{k<t} s~_k)) with alpha = 5 (alpha = 0: vanilla
-r_t = s~_t). `PairReward` computes it per turn from a model.TurnTrace with two dot products.
+r_t = s~_t). grpo.py's PAIR reward of a rollout is `trajectory_rewards` of the s_final that
+`Pair.scores` gives its turns.
 
 Protocol (SPEC §8): each probe is trained with seeds 42, 43, 44; a seed draws a class-balanced
 subsample of matched_clean_train (the same records are taken from matched_contaminated_train in
@@ -60,7 +61,7 @@ import torch
 import envs
 import model as mdl
 import probes
-from probes import ATTN_STATS, FEATURES, Probe, attn_features, feature, stack_attn
+from probes import ATTN_STATS, FEATURES, Probe, attn_features, feature
 
 SEEDS = (42, 43, 44)
 MODES = ("mixed", "clean_only")
@@ -69,42 +70,6 @@ TRAIN_SPLITS = {"clean_only": ("matched_clean_train",),
 TEST_SPLITS = ("matched_clean_test", "matched_contaminated_test")
 DIAGNOSTIC_SPLIT = "matched_diagnostic_test"   # shop.py make-data writes it
 DISTANCE_BUCKETS = ("1", "2", "3", "4", "5", "6", "7+")
-
-
-# ----------------------------------------------------------------------------------------------
-# Reward transforms (paper Appendix reward, SPEC §7): pure functions of floats
-
-def sigmoid(z: float) -> float:
-    if z >= 0:
-        return 1.0 / (1.0 + math.exp(-z))
-    e = math.exp(z)                       # no overflow for very negative z
-    return e / (1.0 + e)
-
-
-def logit(s: float, clamp: float = 1e-6) -> float:
-    s = min(max(s, clamp), 1.0 - clamp)
-    return math.log(s / (1.0 - s))
-
-
-def temp_clip(s: float, T: float = 2.0, eps: float = 0.05) -> float:
-    """Eq. tempclip: s~ = clip(sigma(logit(s) / T), eps, 1 - eps); keeps rewards off {0, 1}."""
-    return min(max(sigmoid(logit(s) / T), eps), 1.0 - eps)
-
-
-def momentum_reward(s_tilde: float, prev: list[float], alpha: float = 5.0) -> float:
-    """Eq. pair_momentum: r_t = sigma(logit(s~_t) + alpha (s~_t - mean_{k<t} s~_k)); the first
-    turn (no earlier s~) gets no bonus, r_1 = s~_1. alpha = 0 is vanilla PAIR, r_t = s~_t."""
-    if not prev or alpha == 0:
-        return s_tilde
-    bonus = alpha * (s_tilde - sum(prev) / len(prev))
-    return sigmoid(logit(s_tilde) + bonus)
-
-
-def trajectory_rewards(s_final: list[float], alpha: float = 5.0, T: float = 2.0,
-                       eps: float = 0.05) -> list[float]:
-    """The rewards r_1..r_n of one rollout from its turns' s_final."""
-    s_tilde = [temp_clip(s, T, eps) for s in s_final]
-    return [momentum_reward(s, s_tilde[:t], alpha) for t, s in enumerate(s_tilde)]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -118,7 +83,9 @@ class Pair:
     info: dict = field(default_factory=dict)
 
     def scores(self, raw: dict) -> tuple[torch.Tensor, torch.Tensor]:
-        """(s_bc, s_final), each (N,), for a batch of raw features."""
+        """(s_bc, s_final), each (N,), for a batch of raw features (probes.raw_features):
+        Eq. stage1 s_bc = sigma(w_1 . h + b_1), Eq. stage2 s_final = sigma(w_2 . [a; s_bc] + b_2),
+        each stage's input standardized by its own scaler (probes.Probe)."""
         s_bc = self.stage1.predict_proba(feature("last_token", raw))
         X2 = torch.cat([attn_features(raw, self.stats), s_bc[:, None]], dim=1)   # (N, 4HL + 1)
         return s_bc, self.stage2.predict_proba(X2)
@@ -202,52 +169,40 @@ def fit_pair(raw, y, C=0.01, crossfit=0, groups=None, seed=0, stats=ATTN_STATS, 
 
 
 # ----------------------------------------------------------------------------------------------
-# Per-turn reward entry points (used by grpo.py)
+# The reward (paper Appendix reward, SPEC §7): one rollout's rewards from its turns' s_final
 
-@dataclass
-class TurnReward:
-    s_bc: float | None      # stage-1 score (None for a single probe)
-    s_final: float          # P(correct)
-    s_tilde: float          # after the temperature clip (= s_final for a single probe)
-    r: float                # the reward of this turn
-
-
-class PairReward:
-    """PAIR's reward for one turn: `reward(trace, prev)`, prev = s~ of the rollout's earlier turns.
-
-    Each stage's scaler is folded into its weights (logit = x . v + c), so a turn costs two dot
-    products and a few scalar operations."""
-
-    def __init__(self, pair_dir, alpha: float = 5.0, T: float = 2.0, eps: float = 0.05):
-        pair = Pair.load(pair_dir)
-        self.alpha, self.T, self.eps, self.stats = alpha, T, eps, pair.stats
-        self.v1, self.c1 = pair.stage1.folded()                 # (d,)
-        v2, self.c2 = pair.stage2.folded()                      # (L*k*H + 1,)
-        self.v2_attn, self.v2_sbc = v2[:-1].contiguous(), float(v2[-1])
-
-    def __call__(self, trace, prev: list[float] = ()) -> TurnReward:
-        h = trace.h_last[-1].double()                           # (d,) last layer, last token
-        s_bc = sigmoid(float(h @ self.v1) + self.c1)
-        a = stack_attn([trace.attn[s] for s in self.stats]).double()     # (L*k*H,)
-        s_final = sigmoid(float(a @ self.v2_attn) + self.v2_sbc * s_bc + self.c2)
-        s_tilde = temp_clip(s_final, self.T, self.eps)
-        return TurnReward(s_bc, s_final, s_tilde, momentum_reward(s_tilde, list(prev), self.alpha))
+def trajectory_rewards(s_final: list[float], alpha: float = 5.0, T: float = 2.0,
+                       eps: float = 0.05) -> list[float]:
+    """The rewards r_1..r_n of one rollout from the s_final of its turns (`Pair.scores`): each
+    s_final is temperature-clipped, then rewarded against the mean of the earlier clipped ones."""
+    s_tilde = [temp_clip(s, T, eps) for s in s_final]
+    return [momentum_reward(s, s_tilde[:t], alpha) for t, s in enumerate(s_tilde)]
 
 
-class ProbeReward:
-    """A baseline probe as a reward (SPEC §7): r_t = its P(correct)."""
+def temp_clip(s: float, T: float = 2.0, eps: float = 0.05) -> float:
+    """Eq. tempclip: s~ = clip(sigma(logit(s) / T), eps, 1 - eps); keeps rewards off {0, 1}."""
+    return min(max(sigmoid(logit(s) / T), eps), 1.0 - eps)
 
-    def __init__(self, probe_path):
-        probe = Probe.load(probe_path)
-        self.name = probe.info.get("feature")
-        if self.name not in FEATURES:
-            raise ValueError(f"{probe_path}: probe metadata names no feature set of {FEATURES}")
-        self.v, self.c = probe.folded()
 
-    def __call__(self, trace, prev: list[float] = ()) -> TurnReward:
-        raw = {k: v[None] for k, v in probes.raw_features(trace, coe=False).items()}
-        p = sigmoid(float(feature(self.name, raw)[0] @ self.v) + self.c)
-        return TurnReward(None, p, p, p)
+def momentum_reward(s_tilde: float, prev: list[float], alpha: float = 5.0) -> float:
+    """Eq. pair_momentum: r_t = sigma(logit(s~_t) + alpha (s~_t - mean_{k<t} s~_k)); the first
+    turn (no earlier s~) gets no bonus, r_1 = s~_1. alpha = 0 is vanilla PAIR, r_t = s~_t."""
+    if not prev or alpha == 0:
+        return s_tilde
+    bonus = alpha * (s_tilde - sum(prev) / len(prev))
+    return sigmoid(logit(s_tilde) + bonus)
+
+
+def sigmoid(z: float) -> float:
+    if z >= 0:
+        return 1.0 / (1.0 + math.exp(-z))
+    e = math.exp(z)                       # no overflow for very negative z
+    return e / (1.0 + e)
+
+
+def logit(s: float, clamp: float = 1e-6) -> float:
+    s = min(max(s, clamp), 1.0 - clamp)
+    return math.log(s / (1.0 - s))
 
 
 def check_probe_model(probe_path, model_dir) -> None:
@@ -703,7 +658,7 @@ METHODS = {   # name -> (label in the tables, P(correct)?)
     "pair_clean_only": ("PAIR (clean_only)", True),
 }
 # Paper Table result_pair (Qwen2.5-7B-Instruct): AUROC, its std, ECE, its std (None: not given).
-PAPER = {
+PAPER_DETECTION = {
     "gta": {"last_token": (0.8967, 0.012, 0.1294, 0.018),
             "mean_pooled": (0.8851, 0.014, 0.1521, 0.020),
             "multi_layer": (0.9082, 0.010, 0.1342, 0.017),
@@ -966,7 +921,7 @@ def guess_paper_ref(result: dict) -> str | None:
     """The paper's dataset whose name is a path component of the data or features paths."""
     paths = [str(v) for v in result["data"].values()] + [result["features_dir"]]
     parts = {part.lower() for path in paths for part in Path(path).parts}
-    return next((name for name in PAPER if name in parts), None)
+    return next((name for name in PAPER_DETECTION if name in parts), None)
 
 
 def _ms(node, digits=3) -> str:
@@ -1011,7 +966,7 @@ def render_markdown(result: dict, paper_ref: str | None) -> str:
         row += [_ms(_get(det, m, s, "auroc")) for s in TEST_SPLITS + ("all_test",)]
         row += [_ms(_get(det, m, s, "ece")) for s in TEST_SPLITS + ("all_test",)]
         if paper_ref:
-            ref = PAPER[paper_ref].get(m)
+            ref = PAPER_DETECTION[paper_ref].get(m)
             row += ["—" if ref is None else f"{ref[0]:.4f} ± {ref[1]:.3f}",
                     "—" if ref is None or ref[2] is None else f"{ref[2]:.4f} ± {ref[3]:.3f}"]
         rows.append(row)

@@ -191,12 +191,6 @@ class Probe:
         """P(correct) = P(label 1) -> (N,) float64."""
         return torch.sigmoid(self.decision_function(X))
 
-    def folded(self) -> tuple[torch.Tensor, float]:
-        """The scaler folded into the weights: logit = x . v + c (one dot product per turn)."""
-        self._check_fitted()
-        v = self.w / self.scale
-        return v, float(self.b - self.mean @ v)
-
     def save(self, path) -> None:
         self._check_fitted()
         tensors = {"mean": self.mean, "scale": self.scale, "w": self.w, "b": self.b.reshape(1)}

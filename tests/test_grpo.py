@@ -524,9 +524,9 @@ def spy_envs(monkeypatch) -> dict:
     seen = {}
     real_step, real_eval = grpo.train_step, grpo.evaluate
 
-    def train_step(step, policy, tok, env, pool, *a, **k):
-        seen["train"] = env, pool
-        return real_step(step, policy, tok, env, pool, *a, **k)
+    def train_step(step, run):
+        seen["train"] = run.env, run.pool
+        return real_step(step, run)
 
     def evaluate(policy, tok, env, pool, *a, **k):
         seen.setdefault("eval", []).append((env, pool))
@@ -746,12 +746,12 @@ def test_pair_reward_is_the_momentum_reward_of_the_turns_s_final(tiny_policy, tm
     model.save(tmp_path / "pair")
     traj = max(trajs, key=lambda t: len(t.steps))
     assert len(traj.steps) >= 3             # momentum reads the mean of at least two earlier s~
-    args = play_args(reward="pair", outcome_weight=0.0)
-    ctx = grpo.RewardContext(policy, tok, args, pair=pair.PairReward(tmp_path / "pair", alpha=5))
-    rewards = grpo.pair_reward(traj, ctx)
+    args = play_args(reward="pair", outcome_weight=0.0, alpha=5.0)
+    ctx = grpo.RewardContext(policy, tok, args, pair=pair.Pair.load(tmp_path / "pair"))
+    rewards, p_correct = grpo.pair_reward(traj, ctx)
 
     _, s_final = model.scores(stacked_raw(traj.steps))
-    assert [step.p_correct for step in traj.steps] == pytest.approx(s_final.tolist(), abs=1e-9)
+    assert p_correct == pytest.approx(s_final.tolist(), abs=1e-9)
     expected = pair.trajectory_rewards(s_final.tolist(), alpha=5.0)
     assert rewards == pytest.approx(expected, abs=1e-9)
     # the check can tell: a momentum over the earlier rewards r instead of the earlier s~ differs
@@ -771,16 +771,19 @@ def test_probes_of_a_pair_train_run(tiny_policy, tmp_path, capsys, monkeypatch):
         pair.extract(policy, tok, data / f"{split}.json", features / f"{split}.safetensors")
     trained = tmp_path / "pair-shop"
     pair.main(["train", "--features", str(features), "--out", str(trained), "--seeds", "43", "42"])
-    loaded = []
-    real_pair, real_probe = pair.PairReward, pair.ProbeReward
-    monkeypatch.setattr(pair, "PairReward",
-                        lambda d, **k: loaded.append(Path(d)) or real_pair(d, **k))
-    monkeypatch.setattr(pair, "ProbeReward", lambda p: loaded.append(Path(p)) or real_probe(p))
+    loaded, real_context = [], grpo.reward_context
+
+    def reward_context(*a, **k):            # what the reward reads: which model, which seed
+        ctx = real_context(*a, **k)
+        m = ctx.pair or ctx.probe
+        loaded.append((type(m).__name__, m.info.get("feature"), m.info["seed"]))
+        return ctx
+    monkeypatch.setattr(grpo, "reward_context", reward_context)
     capsys.readouterr()
     for n, (reward, probes_flag, expect) in enumerate([
-            ("pair", trained, trained / "seed42" / "pair_mixed"),
-            ("last_token", trained, trained / "seed42" / "last_token.safetensors"),
-            ("pair", trained / "seed43", trained / "seed43" / "pair_mixed")]):
+            ("pair", trained, ("Pair", None, 42)),
+            ("last_token", trained, ("Probe", "last_token", 42)),
+            ("pair", trained / "seed43", ("Pair", None, 43))]):
         run(flags(tiny_policy, tmp_path / f"run{n}", reward, probes=probes_flag, steps=1))
         assert loaded[-1] == expect
         said = f"--probes {trained}: the probes of seed 42"
@@ -847,7 +850,7 @@ def test_cli_help_lists_every_reward_and_the_real_defaults():
     text = " ".join(r.stdout.split())       # wide enough that no default is broken at a "-"
     assert "default: None" not in text and text.count("(default:", text.index("--micro-batch"),
                                                       text.index("--grad-clip")) == 1
-    for key, paper in grpo.PAPER.items():
+    for key, paper in grpo.PAPER_HPARAMS.items():
         flag = f"--{key.replace('_', '-')} {key.upper()} "
         default = text[text.index("(default:", text.index(flag)):][:80]   # its help's last part
         tiny = grpo.TINY.get(key, paper)
@@ -1007,9 +1010,9 @@ def test_oversample_keeps_the_first_groups_with_something_to_say(tiny_policy, tm
     counter, kept = iter(range(10**6)), []
 
     def rewards(traj, ctx):
-        r = real_rewards(traj, ctx)
+        r, p_correct = real_rewards(traj, ctx)
         odd = int(traj.episode.id.rsplit("-", 1)[1]) % 2
-        return r[:-1] + [float(next(counter)) if odd else 0.5]
+        return r[:-1] + [float(next(counter)) if odd else 0.5], p_correct
 
     def batch(trajs, advantages, pad_id):
         kept.append([t.episode.id for t in trajs])

@@ -13,7 +13,7 @@ import torch
 
 import pair
 import probes
-from pair import Pair, PairReward, ProbeReward
+from pair import Pair
 
 
 @pytest.fixture(autouse=True)
@@ -150,44 +150,44 @@ def test_pair_save_load_reward_and_latency(features_dir, tmp_path, monkeypatch):
     for a, b in zip(loaded.scores(test.raw), (s_bc, s_final)):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
 
-    # the per-turn entry point: same scores, then the SPEC §7 reward of a 3-turn rollout
-    reward = PairReward(tmp_path / "pair", alpha=5.0)
-    prev, rs = [], []
+    # a turn read from its trace, as grpo.py's PAIR reward reads it: the same scores
     for i in range(3):
-        out = reward(fake_trace(test.raw, i), prev)
-        assert out.s_bc == pytest.approx(s_bc[i].item(), abs=1e-9)
-        assert out.s_final == pytest.approx(s_final[i].item(), abs=1e-9)
-        assert out.s_tilde == pytest.approx(pair.temp_clip(s_final[i].item()))
-        prev.append(out.s_tilde)
-        rs.append(out.r)
-    assert rs == pytest.approx(pair.trajectory_rewards(s_final[:3].tolist(), alpha=5.0))
-    assert rs[0] == prev[0]                           # first turn: no momentum bonus
+        raw = {k: v[None] for k, v in probes.raw_features(fake_trace(test.raw, i), False).items()}
+        for a, b in zip(loaded.scores(raw), (s_bc, s_final)):
+            assert a.item() == pytest.approx(b[i].item(), abs=1e-12)
 
     # The paper: ~0.2 ms per step for its two linear maps on 7B-sized features. Ours are tiny,
-    # so a turn must cost less than that; the fastest of many rounds, since the machine is shared.
+    # so a turn's reward (features from the trace, both stages, clip and momentum) must cost less
+    # than that: this thread's CPU time, the least of many rounds, since the machine is shared.
     trace = fake_trace(test.raw, 0)
+
+    def reward_of_one_turn():
+        raw = {k: v[None] for k, v in probes.raw_features(trace, coe=False).items()}
+        return pair.trajectory_rewards(loaded.scores(raw)[1].tolist())
     rounds, n = [], 100
     for _ in range(20):
-        t0 = time.perf_counter()
+        t0 = time.thread_time()
         for _ in range(n):
-            reward(trace, prev)
-        rounds.append((time.perf_counter() - t0) / n)
+            reward_of_one_turn()
+        rounds.append((time.thread_time() - t0) / n)
     per_turn = min(rounds)
-    print(f"\nPairReward: {1e6 * per_turn:.1f} us per turn (d={D}, L={L}, H={H})")
+    print(f"\nPAIR reward: {1e6 * per_turn:.1f} us per turn (d={D}, L={L}, H={H})")
     assert per_turn < 2e-4
 
 
-def test_probe_reward_is_p_correct(features_dir, tmp_path, monkeypatch):
+def test_a_probe_reads_a_turn_from_its_trace_as_from_the_features_file(features_dir, tmp_path,
+                                                                        monkeypatch):
+    # grpo.py's probe rewards: P(correct) of the features of a turn's trace
     train = pair.load_split(features_dir / "matched_clean_train.safetensors")
     for name in ("attention", "hidden_attn", "multi_layer"):
         probe = probes.Probe(info={"feature": name}).fit(probes.feature(name, train.raw), train.y)
         probe.save(tmp_path / f"{name}.safetensors")
         forbid_pickle(monkeypatch)
-        reward = ProbeReward(tmp_path / f"{name}.safetensors")
+        loaded = probes.Probe.load(tmp_path / f"{name}.safetensors")
         p = probe.predict_proba(probes.feature(name, train.raw))
-        out = reward(fake_trace(train.raw, 4), [0.3])
-        assert out.r == out.s_final == pytest.approx(p[4].item(), abs=1e-9)
-        assert out.s_bc is None
+        raw = {k: v[None] for k, v in probes.raw_features(fake_trace(train.raw, 4), False).items()}
+        assert loaded.predict_proba(probes.feature(name, raw)).item() == pytest.approx(
+            p[4].item(), abs=1e-12)
 
 
 def test_crossfit_uses_out_of_fold_scores(features_dir):
@@ -475,12 +475,13 @@ def test_pipeline_on_shop(tmp_path, monkeypatch, capsys):
     for m in pair.METHODS:
         assert 0 <= rep["detection"][m]["matched_clean_test"]["auroc"]["mean"] <= 1
         assert rep["detection"][m]["matched_diagnostic_test"]["auroc"]["mean"] is not None
-    reward = PairReward(tmp_path / "probes" / "seed42" / "pair_mixed")
+    # the trained PAIR scores a live turn (grpo.py's reward) as it scores the extracted record
+    model = Pair.load(tmp_path / "probes" / "seed42" / "pair_mixed")
     trace = real_trace_forward(net, ids, spans[-1])
-    out = reward(trace, [])
-    s_bc, s_final = Pair.load(tmp_path / "probes" / "seed42" / "pair_mixed").scores(
-        {k: v[None] for k, v in probes.raw_features(trace).items()})
-    assert out.s_final == pytest.approx(s_final.item(), abs=1e-9)
+    live = model.scores({k: v[None] for k, v in probes.raw_features(trace, False).items()})
+    extracted = model.scores({k: v[-1:] for k, v in raw.items()})
+    for a, b in zip(live, extracted):
+        torch.testing.assert_close(a, b)
     print(f"\nshop pipeline: {time.perf_counter() - t_start:.1f}s")
 
 
@@ -718,4 +719,4 @@ def test_hostile_flags_and_values_are_one_line_errors(features_dir, tmp_path, ca
     probe.w[2] = float("inf")
     probe.save(tmp_path / "inf.safetensors")
     with pytest.raises(probes.FormatError, match="inf.safetensors: w holds NaN"):
-        ProbeReward(tmp_path / "inf.safetensors")
+        probes.Probe.load(tmp_path / "inf.safetensors")
