@@ -6,7 +6,10 @@ One 2,048-token sequence with a 256-token span (the span = its last 256 tokens):
   2. our forward with statistics and hidden states vs transformers eager with
      output_attentions=True, output_hidden_states=True: time and peak memory;
   3. generating 128 tokens for a batch of 4 chat prompts (greedy, no early stop): with statistics
-     / without, and our tokens per second vs transformers' generate().
+     / without, and our tokens per second vs transformers' generate();
+  4. the PAIR reward of one generated turn (its features read from the trace, both stages, the
+     temperature clip and the momentum), with a PAIR fitted on this model's feature shapes,
+     against the paper's ~0.2 ms per step (Table complexity).
 Each ratio is printed next to its target.
 
 Measurement: time is the best of --repeats runs (the CPU is shared, so the minimum is the least
@@ -30,6 +33,8 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 import model as M
+import pair
+import probes
 
 DEFAULT_MODEL = Path.home() / ".cache" / "pair-models" / "qwen2.5-0.5b"
 PROMPTS = ["Explain how a hash map handles collisions.",
@@ -180,6 +185,28 @@ def main(argv=None):
            "<=1.10", tg["ours, stats"] / tg["ours, no stats"] <= 1.10)
     report("tokens/s ours (with stats) / transformers generate()",
            tg["transformers"] / tg["ours, stats"], ">=1", tg["transformers"] >= tg["ours, stats"])
+
+    # ---- the PAIR reward of one turn, from a real trace of this model
+    trace = ours(True)[0]
+    raw = probes.raw_features(trace, coe=False)
+    g = torch.Generator().manual_seed(0)
+    corpus = {k: v[None] + 0.1 * torch.randn((64, *v.shape), generator=g) for k, v in raw.items()}
+    y = torch.arange(64) % 2                        # any labels: only the shapes matter here
+    fitted = pair.fit_pair(corpus, y)
+
+    def reward_of_one_turn():
+        one = {k: v[None] for k, v in probes.raw_features(trace, coe=False).items()}
+        return pair.trajectory_rewards(fitted.scores(one)[1].tolist())
+    reward_of_one_turn()
+    rounds = []
+    for _ in range(20):                               # this thread's CPU time, least of 20 rounds
+        t0 = time.thread_time()
+        for _ in range(100):
+            reward_of_one_turn()
+        rounds.append((time.thread_time() - t0) / 100)
+    per_turn = min(rounds)
+    print(f"\nPAIR reward of one turn: {1e6 * per_turn:.1f} us of CPU time")
+    report("paper's ~0.2 ms per step / ours per turn", 2e-4 / per_turn, ">=1", per_turn <= 2e-4)
     print(f"load average at the end {os.getloadavg()[0]:.1f}")
 
 
