@@ -1,7 +1,7 @@
 """Tool-use environments for PAIR: the GTA and ToolBench replay benchmarks, their scorers, and the
-one text format every model sees (SPEC §1, §2, §10).
+one text format every model sees (METHOD.md §1, §2, §10).
 
-An environment hands out episodes. An episode holds the chat so far (SPEC §2 messages), takes the
+An environment hands out episodes. An episode holds the chat so far (METHOD.md §2), takes the
 policy's next assistant turn with `step(text)`, answers with the tool's observation, and is done
 at a `Final Answer:` or after MAX_TURNS = 10 assistant turns (then it scores 0):
 
@@ -59,13 +59,13 @@ from pathlib import Path
 import requests
 
 MAX_TURNS = 10                      # assistant turns per episode (paper Appendix eval)
-OBSERVATION_CHARS = 1000            # SPEC §2: longer tool results are cut and get "..."
+OBSERVATION_CHARS = 1000            # METHOD.md §2: longer tool results are cut and get "..."
 CONTAMINATION_TYPES = ("reasoning_error", "tool_misuse", "observation_misinterpretation",
                        "stale_memory")
 
 
 # ---------------------------------------------------------------------------------------------
-# SPEC §2: the canonical text of tools, steps and observations
+# METHOD.md §2: the canonical text of tools, steps and observations
 # ---------------------------------------------------------------------------------------------
 
 def tool_instructions(tools: list[dict]) -> str:
@@ -116,7 +116,7 @@ def without_surrogates(text: str) -> str:
 
 
 def render_observation(text: str) -> str:
-    """A tool result as the content of a user message (SPEC §2)."""
+    """A tool result as the content of a user message (METHOD.md §2)."""
     text = without_surrogates(text)
     if len(text) > OBSERVATION_CHARS:
         text = text[:OBSERVATION_CHARS] + "..."
@@ -167,7 +167,7 @@ def render_assistant(message: dict) -> str:
 
 def dialog_to_messages(dialog: list[dict], tools: list[dict],
                        files: list[dict] | tuple = ()) -> list[dict]:
-    """A released dialog as chat messages {role, content} in SPEC §2 text form.
+    """A released dialog as chat messages {role, content} in METHOD.md §2 text form.
 
     The first user message becomes task (+ files) + blank line + tool instructions; assistant
     turns become Thought/Action/Action Input or Thought/Final Answer text; tool results become
@@ -527,7 +527,7 @@ class Env:
 
 
 def play_gold(episode: Episode, dialog: list[dict]) -> list[tuple[str, str | None]]:
-    """Step an episode through a gold dialog's assistant turns (SPEC §2 text).
+    """Step an episode through a gold dialog's assistant turns (METHOD.md §2 text).
 
     Returns (recorded observation, returned observation) for every gold tool call answered.
     """
@@ -545,7 +545,7 @@ def play_gold(episode: Episode, dialog: list[dict]) -> list[tuple[str, str | Non
 
 
 # ---------------------------------------------------------------------------------------------
-# Released data (SPEC §1): locations, download, validated loading
+# Released data (METHOD.md §1): locations, download, validated loading
 # ---------------------------------------------------------------------------------------------
 
 RELEASE_REPO = "wonjoong-kim/PAIR"
@@ -554,7 +554,7 @@ RELEASE_URL = "https://raw.githubusercontent.com/{repo}/{ref}/data/{family}/{nam
 RELEASE_FILES = {
     "gta": [f"{kind}{part}_{split}.json" for kind in ("", "matched_")
             for part in ("clean", "contaminated") for split in ("train", "test")],
-    # The ToolBench train splits are missing from the authors' repository (SPEC §1).
+    # The ToolBench train splits are missing from the authors' repository (METHOD.md §1).
     "toolbench": [f"{kind}{part}_test.json" for kind in ("", "matched_")
                   for part in ("clean", "contaminated")],
 }
@@ -632,7 +632,7 @@ def _parse_json(raw: bytes | str, where) -> object:
 
 
 def load_episodes(path: str | Path) -> dict[str, dict]:
-    """An episode file: {episode id: record}, every record validated (SPEC §1)."""
+    """An episode file: {episode id: record}, every record validated (METHOD.md §1)."""
     path = Path(path)
     if not path.is_file():
         raise DataError(f"{path}: no such file")
@@ -758,7 +758,7 @@ def _check_assistant(m: dict, at: str) -> None:
             raise DataError(f"{at}: assistant message with neither tool_calls nor content")
         return
     if not isinstance(calls, list) or len(calls) > 1:
-        raise DataError(f"{at}: at most one tool call per assistant turn (SPEC §2)")
+        raise DataError(f"{at}: at most one tool call per assistant turn (METHOD.md §2)")
     fn = calls[0].get("function") if isinstance(calls[0], dict) else None
     if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not fn["name"]:
         raise DataError(f"{at}: tool call without a function name")
@@ -821,7 +821,7 @@ def episode_file(family: str, split: str, data_dir: str | Path | None) -> Path:
 
 
 # ---------------------------------------------------------------------------------------------
-# Replay (SPEC §10): tool calls answered from the gold dialog
+# Replay (METHOD.md §10): tool calls answered from the gold dialog
 # ---------------------------------------------------------------------------------------------
 
 def cache_key(name: str, arguments) -> tuple[str, str]:
@@ -878,7 +878,7 @@ class ReplayCache:
 
 def written_tool_name(call: dict) -> str:
     """The tool name a policy writes to repeat a released call: what parse_react reads back
-    from the call's SPEC §2 text. It differs from the stored name for 54 released ToolBench
+    from the call's METHOD.md §2 text. It differs from the stored name for 54 released ToolBench
     calls whose name carries a ToolLLaMA parsing artifact ('Call the function "f".\n\n\nAction:
     f'), which no policy could reproduce."""
     parsed = parse_react(render_action(None, call["name"], call.get("arguments") or {}))
@@ -900,7 +900,7 @@ GTA_IMAGE_REPLY = "The image is saved."     # GTA's final reply when the answer 
 
 
 def gta_skip_reason(gt, dialog: list[dict] = ()) -> str | None:
-    """Why an episode cannot be scored by answer matching, or None (SPEC §10).
+    """Why an episode cannot be scored by answer matching, or None (METHOD.md §10).
 
     image_answer also covers a gold dialog that answers with an image - it ends on an image tool
     result, bare or followed only by "The image is saved." (test episode 211: "circle it in the
@@ -1156,7 +1156,7 @@ Do not reward length or confident tone. Reply with a JSON object only: {"score":
 
 def judge_step(client: ChatClient, messages: list[dict]) -> float:
     """The LLM-as-a-judge step reward in [0, 1]: (score - 1) / 9 for a 1-10 judgment of the last
-    message of `messages` (SPEC §2 chat: task first, the assistant turn to rate last)."""
+    message of `messages` (METHOD.md §2 chat: task first, the assistant turn to rate last)."""
     if len(messages) < 2 or messages[-1]["role"] != "assistant":
         raise ValueError("judge_step needs a chat ending with the assistant turn to rate")
 
@@ -1455,7 +1455,7 @@ def make(name: str, split: str = "test", data_dir=None, **kw) -> Env:
 # Analysis sets made from the released splits, no LLM
 # ---------------------------------------------------------------------------------------------
 
-# make-diagnostic gta: the adversarial diagnostic set (paper Appendix diagnostic, SPEC §8e).
+# make-diagnostic gta: the adversarial diagnostic set (paper Appendix diagnostic, METHOD.md §8e).
 #   looks-wrong-but-right (label 1): every released matched_contaminated_test record with
 #     has_contaminated_prefix and label 1 - the gold evaluation turn after a contaminated prefix.
 #   looks-right-but-wrong (label 0), after the gold (clean) prefix, at most one per rule and
@@ -1581,7 +1581,7 @@ def make_gta_diagnostic(data_dir=None, out_dir=None, seed: int = 0) -> dict[str,
     return {"records": len(records), "episodes": len(used), **counts}
 
 
-# split-episodes: a train split from released test files (ToolBench has no train split, SPEC §1).
+# split-episodes: a train split from released test files (ToolBench has none, METHOD.md §1).
 # The episodes of the test files are drawn into two halves with a seed; each half gets all four
 # files (episode and matched, clean and contaminated) named as released. *Departure*: the paper
 # trained on ToolBench train episodes, which are not public; probes fitted on half of the test

@@ -1,4 +1,4 @@
-"""Multi-turn GRPO with LoRA and step-level rewards (SPEC §9).
+"""Multi-turn GRPO with LoRA and step-level rewards (METHOD.md §9).
 
     python grpo.py --reward pair                   # shop, built-in policy, PAIR fitted on the fly
     python grpo.py --reward outcome --out runs/o   # the sparse baseline, same budget
@@ -14,7 +14,7 @@ What runs, once per training step:
     appends only the new tokens (the "\\n" after the <|im_end|> the model wrote, the observation as
     a user message, `<|im_start|>assistant\\n`) at the row's own offset, then samples again. The
     per-turn statistics every internal reward reads (hidden states and the attention statistics of
-    SPEC §4) come out of that same generation pass: no second forward for PAIR or the probes.
+    METHOD.md §4) come out of that same generation pass: no second forward for PAIR or the probes.
  2. rewards. One reward r_{i,t} per assistant turn t of rollout i, from `--reward` (the REWARDS
     dict below). `--outcome-weight w` adds w x task score to the last turn's reward.
  3. advantages (DeepSeekMath process supervision). The group's step rewards are pooled and
@@ -42,7 +42,7 @@ Where this departs from textbook GRPO (DeepSeekMath; TRL's GRPOTrainer):
    re-uses the batch K times, and then the clip does its job.
  - logp_old is the first epoch's own forward, detached, rather than a separate forward: exact,
    since the parameters have not moved yet (TRL does the same).
- - Token-level normalization over the whole batch (SPEC §9; DAPO / Dr. GRPO) instead of a mean
+ - Token-level normalization over the whole batch (METHOD.md §9; DAPO / Dr. GRPO) instead of a mean
    per sequence, which would weight the tokens of short rollouts more.
  - Rewards live on turns, not sequences, and A is a per-turn return of normalized step rewards.
  - The KL reference is the adapter-disabled base: no second copy of the model in memory.
@@ -166,7 +166,7 @@ class Batch:                        # what the update consumes: rollouts right-p
 def turn_opening(tok, finished: bool, observation: str | None) -> list[int]:
     """The tokens between one assistant turn and the next: what a later turn appends to the cache.
 
-    Exactly what the chat template puts there (SPEC §2): the newline after <|im_end|> (plus the
+    Exactly what the chat template puts there (METHOD.md §2): the newline after <|im_end|> (plus the
     <|im_end|> itself when the turn hit max_new_tokens), the observation as a user message, and the
     next generation prompt. Special tokens split the text, so these tokens are the ones
     Tokenizer.render gives for the whole conversation."""
@@ -274,7 +274,7 @@ def outcome_reward(traj: Trajectory, ctx) -> list[float | None]:
 
 
 def pair_reward(traj: Trajectory, ctx) -> tuple[list[float], list[float]]:
-    # SPEC §6-7: each turn's s_final from the two stages (paper Eq. stage1, stage2), then the
+    # METHOD.md §6-7: each turn's s_final from the two stages (paper Eq. stage1, stage2), then the
     # rollout's rewards from them (Appendix reward: temperature clip, momentum)
     _, s_final = ctx.pair.scores(turn_features(traj))
     s_final = s_final.tolist()
@@ -282,7 +282,7 @@ def pair_reward(traj: Trajectory, ctx) -> tuple[list[float], list[float]]:
 
 
 def probe_reward(traj: Trajectory, ctx) -> tuple[list[float], list[float]]:
-    # SPEC §7: a probe baseline used as a reward gives r_t = its P(correct)
+    # METHOD.md §7: a probe baseline used as a reward gives r_t = its P(correct)
     p = ctx.probe.predict_proba(probes.feature(ctx.args.reward, turn_features(traj))).tolist()
     return p, p
 
@@ -293,7 +293,7 @@ def turn_features(traj: Trajectory, coe: bool = False) -> dict[str, torch.Tensor
 
 
 def coe_reward(traj: Trajectory, ctx) -> list[float]:
-    # CoE is unsupervised (SPEC §4-5): r_t = the turn's CoE-C score (the paper's CoE-C baseline);
+    # CoE is unsupervised (METHOD.md §4-5): r_t = the turn's CoE-C score (the paper's baseline);
     # only its ordering within the group matters after normalization.
     return probes.unsupervised_score("coe_c", turn_features(traj, coe=True)).tolist()
 
@@ -487,7 +487,7 @@ def find_pair_dir(where: Path) -> Path:
 
 
 # ---------------------------------------------------------------------------------------------
-# 3. Advantages (SPEC §9: DeepSeekMath process supervision)
+# 3. Advantages (METHOD.md §9: DeepSeekMath process supervision)
 # ---------------------------------------------------------------------------------------------
 
 def group_advantages(rewards: list[list[float | None]]) -> tuple[list[list[float]], bool]:
@@ -567,7 +567,7 @@ def make_batch(trajs: list[Trajectory], advantages: list[list[float]], pad_id: i
 #      gets A(H). Two leaves below a branching node share every turn above it, so the
 #      difference of their intra-tree advantages lands on the turns below it: the siblings of that
 #      node are compared (the paper shows this is step-level preference learning).
-#   Choices: std is the population std, as in this file's GRPO (SPEC §9; the release's
+#   Choices: std is the population std, as in this file's GRPO (METHOD.md §9; the release's
 #   torch.std is Bessel-corrected); a group whose leaves all scored alike gives 0 (the release
 #   gives a lone leaf its raw score); every leaf is kept (the release's k samples leaves, and its
 #   scripts set k to the leaf count).
@@ -834,7 +834,7 @@ def token_logprobs(policy, ids: torch.Tensor, mask: torch.Tensor,
 
 
 def grpo_loss(logp, logp_old, logp_ref, adv, eps: float, beta: float, n_tokens: float):
-    """SPEC §9 loss summed over N policy tokens and divided by n_tokens (all tokens of the batch).
+    """METHOD.md §9 loss summed over N policy tokens, divided by n_tokens (all of the batch).
 
     All inputs (N,). Returns (loss, sums) with sums of the per-token KL and clip indicator, so that
     micro-batches and processes add up to batch-level metrics."""
@@ -1194,7 +1194,7 @@ def base_eval_cache(policy, args, world) -> Path | None:
 # ---------------------------------------------------------------------------------------------
 
 def scorable(env) -> list[int]:
-    """Indices of the episodes that can be scored (GTA skips some, SPEC §10; shop none)."""
+    """Indices of the episodes that can be scored (GTA skips some, METHOD.md §10; shop none)."""
     import shop                         # the built-in world: every episode is scorable
     if isinstance(env, shop.ShopEnv):
         return list(range(len(env)))
@@ -2096,7 +2096,8 @@ def train_parser() -> argparse.ArgumentParser:
         prog="grpo.py", formatter_class=HelpFormatter,
         usage="%(prog)s [flags]           train (the flags below)\n"
               "       %(prog)s compare [flags]   rewards x seeds -> one table (compare --help)",
-        description="Multi-turn GRPO with LoRA and step-level rewards (SPEC §9). With no flag: "
+        description="Multi-turn GRPO with LoRA and step-level rewards (METHOD.md §9). "
+                    "With no flag: "
                     "the shop environment, the built-in policy, PAIR probes fitted on the fly.",
         epilog="A default given as two values is the tiny preset's with the built-in policy "
                "(printed at start) and the paper's Table grpo_config with any other model. "
@@ -2110,9 +2111,9 @@ def train_parser() -> argparse.ArgumentParser:
       help="policy: a checkpoint directory or a Hugging Face model name")
     a("--reward", default="pair", choices=tuple(REWARDS), help="per-turn reward source")
     a("--alpha", type=float, default=5.0,
-      help="PAIR momentum scaling (SPEC §7); 0 = vanilla PAIR, r_t = s~_t")
+      help="PAIR momentum scaling (METHOD.md §7); 0 = vanilla PAIR, r_t = s~_t")
     a("--outcome-weight", type=float, default=0.0,
-      help="add this times the task score to the last turn's reward (SPEC §9)")
+      help="add this times the task score to the last turn's reward (METHOD.md §9)")
     a("--probes", default=None,
       help="trained probes: a `pair.py train --out` directory (its smallest seed<S>/ is used, "
            "pair_mixed/ in it for --reward pair) or one seed<S>/ of it, a PAIR directory, a "

@@ -1,6 +1,6 @@
 """A hand-written Qwen2-family decoder that reports its own hidden states and attention statistics.
 
-PAIR reads its reward from the policy's internals (SPEC §4), so this model returns them natively:
+PAIR reads its reward from the policy's internals (METHOD.md §4); this model returns them natively:
   * `hidden_states`: L+1 tensors in the Hugging Face convention (embedding output, the output of
     blocks 1..L-1, then the final-normed output of block L);
   * `attn_stats`: for every layer l and query head h, six statistics of the softmax row p_i of
@@ -34,7 +34,7 @@ Generation follows gpt-fast's small functions (`prefill`, `decode_one_token`, `s
 generated token, the final <|im_end|> included, is fed through the model once: the cache holds it,
 and `accumulate` adds its statistics and hidden states to its turn's running sums (`TurnStats`),
 so no second forward pass is run.
-Departure from the authors' release (SPEC §4): std is over the i+1 causal keys, not the whole
+Departure from the authors' release (METHOD.md §4): std is over the i+1 causal keys, not the whole
 padded row, and the statistics come from the generation pass instead of a second eager forward.
 """
 import argparse
@@ -327,7 +327,7 @@ def copy_rows(src: list[KVCache], src_row: int, dst: list[KVCache], dst_row: int
 
 
 # ----------------------------------------------------------------------------------------------
-# Attention statistics of the span rows (SPEC §4)
+# Attention statistics of the span rows (METHOD.md §4)
 
 
 @dataclass
@@ -790,7 +790,7 @@ def load_model(path_or_repo, dtype=torch.float32, devices=None) -> tuple["Transf
 
 
 # ----------------------------------------------------------------------------------------------
-# Tokenizer and the chat format (SPEC §2, §3)
+# Tokenizer and the chat format (METHOD.md §2, §3)
 
 
 class Tokenizer:
@@ -852,7 +852,7 @@ class Tokenizer:
         return self._chat(messages, add_generation_prompt)[0]
 
     def render(self, messages, add_generation_prompt=False) -> tuple[list[int], list[tuple]]:
-        """Token ids of the chat and, per assistant message, its span [start, end) (SPEC §3):
+        """Token ids of the chat and, per assistant message, its span [start, end) (METHOD.md §3):
         start = first token of the content, end = its closing <|im_end|> + 1."""
         text, ranges = self._chat(messages, add_generation_prompt)
         text = _utf8_safe(text)                                 # same length: ranges still hold
@@ -881,7 +881,7 @@ def _utf8_safe(text: str) -> str:
 
 
 def keep_last(ids: list[int], spans: list[tuple], max_len: int):
-    """Keep the last max_len tokens (SPEC §3); spans shift with them, a span cut in part is
+    """Keep the last max_len tokens (METHOD.md §3); spans shift with them, a span cut in part is
     clipped at 0 and one cut entirely becomes (0, 0). Returns (ids, spans, n_cut)."""
     cut = max(0, len(ids) - max_len)
     if not cut:

@@ -1,6 +1,6 @@
 """PAIR — Prefix-Aware Internal Reward: the two-stage probe, its reward, and the paper's tables.
 
-PAIR (paper Eq. stage1 / stage2, SPEC §6) scores one assistant turn from the policy's internals:
+PAIR (paper Eq. stage1 / stage2, METHOD.md §6) scores one assistant turn from the model's internals:
     Stage 1  s_bc    = sigma(w_1 . h + b_1)            h = last-token hidden state (last_token)
     Stage 2  s_final = sigma(w_2 . [a; s_bc] + b_2)    a = multi_attn: [max, std, prefix, self] of
                                                           every head, every layer (layer-major)
@@ -11,17 +11,18 @@ stage-1 scores of the training set (as released); `--crossfit K` uses out-of-fol
 folds by episode so a record and its matched twin never sit on both sides. At inference stage 2
 reads the raw s_bc (*departure*: the release temperature-clipped s_bc at inference only).
 
-As a reward (paper Appendix reward, SPEC §7): s~_t = clip(sigma(logit(s_final_t) / T), eps, 1-eps)
+As a reward (paper Appendix reward, METHOD.md §7):
+    s~_t = clip(sigma(logit(s_final_t) / T), eps, 1-eps)
 with T = 2, eps = 0.05, and the momentum reward r_1 = s~_1,
 r_t = sigma(logit(s~_t) + alpha (s~_t - mean_{k<t} s~_k)) with alpha = 5 (alpha = 0: vanilla
 r_t = s~_t). grpo.py's PAIR reward of a rollout is `trajectory_rewards` of the s_final that
 `Pair.scores` gives its turns.
 
-Protocol (SPEC §8): each probe is trained with seeds 42, 43, 44; a seed draws a class-balanced
+Protocol (METHOD.md §8): each probe is trained with seeds 42, 43, 44; a seed draws a class-balanced
 subsample of matched_clean_train (the same records are taken from matched_contaminated_train in
 mixed mode); results are mean +- std over seeds on matched_clean_test and matched_contaminated_test.
 
-Contamination distance. SPEC §8 defines d = turn_idx - nearest earlier contaminated turn index.
+Contamination distance (METHOD.md §8c): d = turn_idx - the nearest earlier contaminated index.
 The released indices count dialog *messages* (user, assistant, tool), so that difference is 2 for
 the immediately preceding assistant turn and bucket d = 1 would always be empty. The paper reads
 d = 1 as "the error is the immediately preceding turn", so `distance` counts assistant turns
@@ -73,7 +74,7 @@ DISTANCE_BUCKETS = ("1", "2", "3", "4", "5", "6", "7+")
 
 
 # ----------------------------------------------------------------------------------------------
-# The PAIR model (SPEC §6)
+# The PAIR model (METHOD.md §6)
 
 @dataclass
 class Pair:
@@ -169,7 +170,7 @@ def fit_pair(raw, y, C=0.01, crossfit=0, groups=None, seed=0, stats=ATTN_STATS, 
 
 
 # ----------------------------------------------------------------------------------------------
-# The reward (paper Appendix reward, SPEC §7): one rollout's rewards from its turns' s_final
+# The reward (paper Appendix reward, METHOD.md §7): one rollout's rewards from its turns' s_final
 
 def trajectory_rewards(s_final: list[float], alpha: float = 5.0, T: float = 2.0,
                        eps: float = 0.05) -> list[float]:
@@ -234,7 +235,7 @@ def check_probe_model(probe_path, model_dir) -> None:
 
 
 # ----------------------------------------------------------------------------------------------
-# Extraction: one teacher-forced forward per matched record (SPEC §2-4)
+# Extraction: one teacher-forced forward per matched record (METHOD.md §2-4)
 
 def contamination_distance(record: dict) -> tuple[int, int]:
     """(assistant turns, messages) from the nearest earlier contaminated turn to the evaluation
@@ -249,9 +250,9 @@ def contamination_distance(record: dict) -> tuple[int, int]:
 
 
 def render_record(record, tokenizer, max_len=4096):
-    """ids, span of the evaluation turn (SPEC §3) and the number of leading tokens cut to keep
+    """ids, span of the evaluation turn (METHOD.md §3) and the number of leading tokens cut to keep
     the last max_len. `record` comes from envs.load_matched, which adds the episode's tools and
-    files (SPEC §2: from the episode file of the same family and id)."""
+    files (METHOD.md §2: from the episode file of the same family and id)."""
     messages = envs.record_messages(record)
     if messages[-1]["role"] != "assistant":
         raise ValueError("dialog does not end with an assistant message (the evaluation turn)")
@@ -279,7 +280,9 @@ def _file_sha256(path: Path) -> str:
 
 def extract(net, tokenizer, data_path, out_path, max_len=4096, shard_size=32,
             manifest_extra=None, log=None, records=None, reuse=()) -> dict:
-    """Features of every record of a matched file -> a features file (see CONTRACTS.md).
+    """Features of every record of a matched file -> a features file (safetensors: the
+    raw tensors of probes.RAW_KEYS and the label, stacked over records; the record ids and the
+    manifest in its JSON metadata, read back by probes.load_features).
 
     Completed records are written to OUT.parts/ in shards (atomically); a rerun with the same
     arguments skips them. Records that fail are listed by id, printed and kept in the output's
@@ -550,7 +553,7 @@ def _write_text(path: Path, text: str) -> None:
 
 
 # ----------------------------------------------------------------------------------------------
-# Training protocol (SPEC §8)
+# Training protocol (METHOD.md §8)
 
 @dataclass
 class Split:
@@ -632,7 +635,7 @@ def training_set(splits: dict[str, Split], mode: str, seed: int) -> Split:
 
 
 def fit_baselines(train: Split, C=0.01, info=None) -> dict[str, Probe]:
-    """Every supervised baseline probe (SPEC §5) on one training set."""
+    """Every supervised baseline probe (METHOD.md §5) on one training set."""
     return {name: Probe(info={"feature": name, **(info or {})}).fit(feature(name, train.raw),
                                                                     train.y, C)
             for name in FEATURES}
@@ -646,7 +649,7 @@ def predict(model, raw) -> torch.Tensor:
 
 
 # ----------------------------------------------------------------------------------------------
-# Report (SPEC §8 a-e)
+# Report (METHOD.md §8 a-e)
 
 METHODS = {   # name -> (label in the tables, P(correct)?)
     "last_token": ("Last-token", True), "mean_pooled": ("Mean-Pooled", True),
@@ -738,7 +741,7 @@ def _logit(p: torch.Tensor) -> torch.Tensor:
 
 def drop_on_differing(clean: Split, contaminated: Split, scores: dict, probability: dict,
                       draws=BOOTSTRAP_DRAWS, seed=BOOTSTRAP_SEED) -> dict:
-    """SPEC §8b on the pairs whose prefixes differ: per method AUROC clean and contaminated,
+    """METHOD.md §8b on the pairs whose prefixes differ: per method AUROC clean and contaminated,
     the drop with its paired bootstrap interval, and how far the evaluation turn's score moved
     between its two prefixes: mean |logit(p_clean) - logit(p_contaminated)| over the pairs, also
     divided by the std of that probe's logits over both test splits (a probe with larger
@@ -820,7 +823,7 @@ def mean_std(values: list[float]) -> dict:
 
 
 def run_report(features_dir, mode="mixed", seeds=SEEDS, C=0.01, crossfit=0, log=None):
-    """Everything of SPEC §8 (a)-(e) from the features of the matched splits -> a JSON dict."""
+    """Everything of METHOD.md §8 (a)-(e) from the features of the matched splits, as JSON."""
     log = log or sys.stderr
     names = TRAIN_SPLITS["mixed"] + TEST_SPLITS + (DIAGNOSTIC_SPLIT,)
     splits = load_splits(features_dir, names)
@@ -975,7 +978,7 @@ def render_markdown(result: dict, paper_ref: str | None) -> str:
         lines += ["", f"The paper's numbers are for Qwen2.5-7B-Instruct on {paper_ref}; the "
                   "paper does not say which test split they pool, so they sit beside each of "
                   "ours. Its Hidden + Attn concatenates the multi-layer hidden state; ours is "
-                  "[last_token; attention] (SPEC §4)."]
+                  "[last_token; attention] (METHOD.md §4)."]
     header = ["Method"] + [f"{metric} {s}" for metric in ("AUPRC", "Brier", "pairwise")
                            for s in ("clean", "contaminated")]
     rows = [[METHODS[m][0]] + [_ms(_get(det, m, s, k)) for k in ("auprc", "brier", "pairwise")
@@ -1227,7 +1230,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", required=True, help="Hugging Face checkpoint directory")
     p.add_argument("--data", required=True,
                    help="matched_*.json file (released schema); the tool lists come from the "
-                        "episode file of the same family beside it (clean_train.json, SPEC §2)")
+                        "episode file of the same family beside it "
+                        "(clean_train.json, METHOD.md §2)")
     p.add_argument("--out", required=True, help="features file to write (.safetensors)")
     p.add_argument("--max-len", type=_int_at_least(1), default=4096,
                    help="keep the last MAX_LEN tokens of longer sequences (default 4096)")

@@ -1,10 +1,10 @@
-"""Internal-signal probes of the PAIR paper: features (SPEC §4), probe (SPEC §5), metrics (SPEC §8).
+"""Internal-signal probes of the PAIR paper: features, probe, metrics (METHOD.md §4, §5, §8).
 
 A probe reads one assistant turn's internals — hidden states and attention statistics that
 model.py collects natively — and predicts P(correct) of that turn.
 
 - `raw_features(trace)` keeps, per turn, everything any probe needs (a few d-vectors and (L, H)
-  statistics); `feature(name, raw)` builds the feature vectors of the SPEC §4 table from a batch.
+  statistics); `feature(name, raw)` builds the feature vectors of METHOD.md §4 from a batch.
 - `Probe` is StandardScaler + L2 logistic regression, minimizing
       sum_i logloss_i + ||w||^2 / (2C)        (intercept not penalized, C = 0.01)
   in float64 with torch's LBFGS (strong Wolfe line search) to convergence. It is the same model as
@@ -35,7 +35,7 @@ from safetensors.torch import load_file, save_file
 
 # The four attention statistics of the attention probes and of PAIR's stage 2, in feature order.
 ATTN_STATS = ("max", "std", "prefix", "self")
-# Supervised feature sets (SPEC §4 table); each is a `Probe` input.
+# Supervised feature sets (METHOD.md §4 table); each is a `Probe` input.
 FEATURES = ("last_token", "mean_pooled", "multi_layer", "attention", "multi_attn",
             "hidden_attn", "lookback", "head_entropy")
 # Unsupervised scores (no training): higher = more likely correct.
@@ -46,7 +46,7 @@ RAW_KEYS = ("h_last4", "h_mean", "attn_max", "attn_std", "attn_prefix", "attn_se
 
 
 # ----------------------------------------------------------------------------------------------
-# Features (SPEC §4)
+# Features (METHOD.md §4)
 
 def coe_scores(h: torch.Tensor) -> tuple[float, float]:
     """CoE-R and CoE-C from the span-mean hidden state of every layer, h: (L+1, d).
@@ -105,7 +105,7 @@ def attn_features(raw: dict, stats=ATTN_STATS, last_layer_only=False) -> torch.T
 
 
 def feature(name: str, raw: dict[str, torch.Tensor]) -> torch.Tensor:
-    """Feature set `name` (SPEC §4) of a batch of raw features -> (N, D) float64."""
+    """Feature set `name` (METHOD.md §4) of a batch of raw features -> (N, D) float64."""
     n = raw["h_mean"].shape[0]
     if name == "last_token":
         return raw["h_last4"][:, -1].double()                           # (N, d)
@@ -137,7 +137,7 @@ def unsupervised_score(name: str, raw: dict[str, torch.Tensor]) -> torch.Tensor:
 
 
 # ----------------------------------------------------------------------------------------------
-# The probe (SPEC §5)
+# The probe (METHOD.md §5)
 
 class Probe:
     """StandardScaler + L2-regularized logistic regression; predicts P(label 1) = P(correct)."""
@@ -332,7 +332,7 @@ def save_safetensors(tensors: dict, path, metadata: dict) -> None:
 
 
 # ----------------------------------------------------------------------------------------------
-# Metrics (SPEC §8); y = 1 for a correct turn, s / p = a score or P(correct)
+# Metrics (METHOD.md §8); y = 1 for a correct turn, s / p = a score or P(correct)
 
 def _labels_scores(y, s):
     y = torch.as_tensor(y, dtype=torch.float64).flatten()
@@ -417,7 +417,7 @@ def accuracy(y, p, threshold: float = 0.5) -> float:
 
 
 def metrics(y, p, groups=None, probability=True) -> dict[str, float]:
-    """All metrics of SPEC §8 for one set of predictions (calibration ones only for P(correct))."""
+    """All metrics of METHOD.md §8 for one set of predictions (calibration: P(correct) only)."""
     out = {"auroc": auroc(y, p), "auprc": auprc(y, p)}
     if probability:
         out.update(ece=ece(y, p), brier=brier(y, p), accuracy=accuracy(y, p))
@@ -467,7 +467,8 @@ def main(argv=None) -> None:
     sub = ap.add_subparsers(dest="cmd", required=True)
     fit = sub.add_parser("fit", help="fit one probe on a features file")
     fit.add_argument("--features", required=True, help="features file from `pair.py extract`")
-    fit.add_argument("--feature", required=True, choices=FEATURES, help="feature set (SPEC §4)")
+    fit.add_argument("--feature", required=True, choices=FEATURES,
+                     help="feature set (METHOD.md §4)")
     fit.add_argument("--C", type=float, default=0.01, help="inverse L2 strength (default 0.01)")
     fit.add_argument("--out", required=True, help="probe file to write (.safetensors)")
     score = sub.add_parser("score", help="score a features file with a probe and print metrics")

@@ -48,7 +48,7 @@ import pair as pair_lib
 import probes
 
 # ---------------------------------------------------------------------------------------------
-# The world (issue 4): tasks drawn from a seed, tools that really execute, exact labels
+# The world: tasks drawn from a seed, tools that really execute, exact labels
 # ---------------------------------------------------------------------------------------------
 # Every episode is drawn from one integer seed: a world (USD prices of SHOP_ITEMS at stores A-D,
 # exchange rates) and a task, "What is the total cost of 3 apple at store B and 2 pear at store A,
@@ -497,7 +497,7 @@ def shop_divided(task: ShopTask) -> list[dict] | None:
 
 
 def shop_record(task: ShopTask, dialog: list[dict]) -> dict:
-    """An episode in the released schema (SPEC §1)."""
+    """An episode in the released schema (METHOD.md §1)."""
     return {"tools": SHOP_TOOLS, "files": [], "dialogs": dialog,
             "gt_answer": {"whitelist": [[task.answer]], "blacklist": None}}
 
@@ -675,7 +675,8 @@ def shop_matched(task: ShopTask, episode_id: str, clean: list[dict], contaminate
 def shop_diagnostic(task: ShopTask, episode_id: str, clean: list[dict],
                     contaminated: list[dict], j: int, rewritten: _ShopTurn,
                     rng: random.Random) -> list[dict]:
-    """The adversarial pair of one episode (SPEC §8e, paper Appendix diagnostic), both evaluated
+    """The adversarial pair of one episode (METHOD.md §8e, the paper's Appendix diagnostic), both
+    evaluated
     at the turn after the first contaminated turn j:
     consistent_incorrect - clean prefix, then a fluent gold-style turn that fetches a fact the
         task does not need (one already fetched, or a neighbour of a needed one): label 0;
@@ -822,7 +823,7 @@ class ShopEnv(envs.Env):
 # policy learns the format and the world but also some of the four kinds of mistakes: it solves a
 # fair share of held-out tasks, not all, and GRPO has something to improve. Training starts with a
 # synthetic copy task (InductionTask) so that the model can copy from its context at all. The loss
-# covers the assistant turns only (SPEC §3 spans, <|im_end|> included). Same command, same bytes.
+# covers the assistant turns only (METHOD.md §3, <|im_end|> included). Same command, same bytes.
 
 SPECIALS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 # where sft writes by default: the policy grpo.py trains by default (grpo.BUILTIN_POLICY)

@@ -1,4 +1,4 @@
-"""Shared test fixtures: the ../shared material (skipped cleanly when absent) and the 0.5B checkpoint."""
+"""Shared test fixtures: the ../shared material (skipped cleanly when absent), the 0.5B model."""
 import os
 import sys
 from pathlib import Path

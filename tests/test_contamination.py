@@ -261,7 +261,7 @@ def test_extracted_features_equal_transformers_on_gta(qwen05b_dir, release_dir, 
         ref = {"h_last4": torch.stack([h[end - 1] for h in hs[-4:]]),
                "h_mean": span_mean[-1]}
         ref.update({f"attn_{k}": v[0] for k, v in stats.items()})
-        # CoE (SPEC §4) written out again from the transformers hidden states
+        # CoE (METHOD.md §4) written out again from the transformers hidden states
         step = span_mean[1:] - span_mean[:-1]
         M_l = step.norm(dim=-1) / (span_mean[-1] - span_mean[0]).norm()
         cos = torch.nn.functional.cosine_similarity(span_mean[1:], span_mean[:-1], dim=-1)

@@ -1,4 +1,4 @@
-"""envs.py: SPEC §2 rendering, the ReAct parser, the calculator, GTA/ToolBench replay and scoring,
+"""envs.py: METHOD.md §2 rendering, the ReAct parser, the calculator, GTA/ToolBench replay, scoring,
 the loaders, and the OpenAI-compatible client (judge, contamination) against a local fake server."""
 import functools
 import json
@@ -101,7 +101,7 @@ def test_gta_match_rules():
     assert envs.gta_skip_reason({"whitelist": [["image/out.jpg"]]}) == "image_answer"
 
 
-# ---- SPEC §2 rendering -------------------------------------------------------------------------
+# ---- METHOD.md §2 rendering ----------------------------------------------------------------------
 
 def test_render_format_and_parse_roundtrip_on_released_turns(release_dir):
     assert envs.render_action("t", "f", {"a": "é"}) == \

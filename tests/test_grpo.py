@@ -101,7 +101,7 @@ def lora_policy(model_dir, flags: list[str]):
 
 
 # ---------------------------------------------------------------------------------------------
-# advantages (SPEC §9), hand-worked
+# advantages (METHOD.md §9), hand-worked
 
 def test_advantages_dense_steps():
     # pooled r = [1, 0, 0.5]: mean 0.5, population std sqrt(1/6)
@@ -130,7 +130,7 @@ def test_advantages_all_equal_group_is_zero_and_flagged():
 
 
 # ---------------------------------------------------------------------------------------------
-# the loss (SPEC §9) against a direct re-computation, gradient included
+# the loss (METHOD.md §9) against a direct re-computation, gradient included
 
 def test_loss_and_gradient_match_direct_computation():
     g = torch.Generator().manual_seed(0)

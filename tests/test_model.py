@@ -93,7 +93,7 @@ def random_model(name, seed=0) -> M.Transformer:
 
 
 def reference_stats(attentions, start, end):
-    """SPEC §4 straight from full (B, H, T, T) attention matrices, row by row."""
+    """METHOD.md §4 straight from full (B, H, T, T) attention matrices, row by row."""
     out = {k: [] for k in STATS}
     for A in attentions:
         rows = {k: [] for k in STATS}
@@ -458,7 +458,7 @@ def test_generate_renders_a_task_for_the_built_in_policy_as_its_rollouts_do(caps
 
 
 # ---------------------------------------------------------------------------------------------
-# Chat format (SPEC §2) and spans (SPEC §3) with the real Qwen2.5 tokenizer
+# Chat format (METHOD.md §2) and spans (METHOD.md §3) with the real Qwen2.5 tokenizer
 
 
 def jinja_template(template_dir):
@@ -472,7 +472,7 @@ def jinja_template(template_dir):
 
 def gta_messages(dialog):
     """A plain conversion of a released dialog to chat messages (only the text layout matters
-    here; envs.py owns the exact SPEC §2 rendering)."""
+    here; envs.py owns the exact METHOD.md §2 rendering)."""
     messages = []
     for m in dialog:
         if m["role"] == "assistant":

@@ -26,7 +26,7 @@ def one_thread():
 
 
 # ----------------------------------------------------------------------------------------------
-# reward transforms (SPEC §7), by hand: sigma(logit(s) / 2) = sqrt(s) / (sqrt(s) + sqrt(1 - s))
+# reward transforms (METHOD.md §7), by hand: sigma(logit(s) / 2) = sqrt(s)/(sqrt(s) + sqrt(1-s))
 
 def test_temp_clip_hand_values():
     assert pair.temp_clip(0.9) == pytest.approx(0.75)                    # sqrt 9 = 3

@@ -1,4 +1,4 @@
-"""SPEC §2/§3 end to end: every released GTA dialog, rendered by envs.dialog_to_messages and
+"""METHOD.md §2/§3 end to end: every released GTA dialog, rendered by envs.dialog_to_messages and
 model.Tokenizer, equals Qwen's reference chat template rendered by jinja2, and the assistant
 spans cover exactly the assistant contents."""
 import pytest
