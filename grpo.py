@@ -91,8 +91,8 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 import envs
-import model as mdl
-import pair as pair_lib
+import model
+import pair
 import probes
 
 ROOT = Path(__file__).resolve().parent
@@ -129,7 +129,7 @@ class Step:                         # one assistant turn of one rollout
     segment: int                    # which of Trajectory.segments holds it ...
     span: tuple[int, int]           # ... at these positions [start, end)
     text: str                       # the assistant text handed to the environment
-    trace: mdl.TurnTrace | None     # statistics from the generation pass (None: not collected)
+    trace: model.TurnTrace | None     # statistics from the generation pass (None: not collected)
     observation: str | None         # the environment's answer (None: the episode ended here)
     nll: float | None = None        # mean -log pi of its tokens as sampled (AT²PO's entropy H)
 
@@ -216,9 +216,9 @@ def play(policy, tok, trajs: list[Trajectory], cache, new: list[list[int]], args
                     lengths[i] = 0           # the row's old slots are free: overwrite them
                     traj.segments.append([])
                     refill[i] = False
-            mdl.set_lengths(cache, lengths)
+            model.set_lengths(cache, lengths)
         # a row no longer playing gets nothing appended (its cache row stays) and no trace
-        traces = mdl.generate(policy, cache, new, max_new_tokens=args.max_new_tokens,
+        traces = model.generate(policy, cache, new, max_new_tokens=args.max_new_tokens,
                               temperature=0.0 if greedy else args.temperature, top_p=args.top_p,
                               stop_ids=[tok.im_end_id], generator=generator, stats=stats,
                               active=active)
@@ -257,11 +257,11 @@ def play(policy, tok, trajs: list[Trajectory], cache, new: list[list[int]], args
 
 @dataclass
 class RewardContext:                # what the reward functions need besides the rollout
-    policy: mdl.Transformer
-    tok: mdl.Tokenizer
+    policy: model.Transformer
+    tok: model.Tokenizer
     args: argparse.Namespace
     env: envs.Env | None = None     # the training environment (gold answers for igpo / tips)
-    pair: pair_lib.Pair | None = None           # reward "pair"
+    pair: pair.Pair | None = None           # reward "pair"
     probe: probes.Probe | None = None           # the probe of the feature set named by --reward
     judge: envs.ChatClient | None = None        # reward "llm_judge"
     lagged: dict[str, torch.Tensor] | None = None   # tips: the lagged teacher's LoRA parameters
@@ -278,7 +278,7 @@ def pair_reward(traj: Trajectory, ctx) -> tuple[list[float], list[float]]:
     # rollout's rewards from them (Appendix reward: temperature clip, momentum)
     _, s_final = ctx.pair.scores(turn_features(traj))
     s_final = s_final.tolist()
-    return pair_lib.trajectory_rewards(s_final, ctx.args.alpha), s_final
+    return pair.trajectory_rewards(s_final, ctx.args.alpha), s_final
 
 
 def probe_reward(traj: Trajectory, ctx) -> tuple[list[float], list[float]]:
@@ -434,9 +434,9 @@ def reward_context(args, policy, tok, env, world, log) -> RewardContext:
             where, ctx.probe_report = shop.shop_probes(args, policy, tok, world, log, rollout)
         if args.reward == "pair":
             found = find_pair_dir(where)
-            ctx.pair = pair_lib.Pair.load(found)
+            ctx.pair = pair.Pair.load(found)
             if args.probes:             # fitted for this policy? (before any evaluation)
-                pair_lib.check_probe_model(found, policy.checkpoint_dir)
+                pair.check_probe_model(found, policy.checkpoint_dir)
         else:
             path = where / f"{args.reward}.safetensors" if where.is_dir() else where
             if not path.is_file():
@@ -444,7 +444,7 @@ def reward_context(args, policy, tok, env, world, log) -> RewardContext:
                                  f"{args.reward}")
             ctx.probe = probes.Probe.load(path)
             if args.probes:
-                pair_lib.check_probe_model(path, policy.checkpoint_dir)
+                pair.check_probe_model(path, policy.checkpoint_dir)
             name = ctx.probe.info.get("feature")
             if name != args.reward:
                 raise SystemExit(f"--probes {path}: a {name} probe, not {args.reward}")
@@ -743,7 +743,7 @@ def grow(policy, tok, fresh, forest: Forest, points: list, args, generator, stat
     cache = policy.new_cache(len(trajs), capacity=min(args.max_len, max(
         len(t.segments[-1]) + len(x) for t, x in zip(trajs, new)) + 4 * args.max_new_tokens))
     for b, (src, row, n) in enumerate(sources):
-        mdl.copy_rows(src, row, cache, b, n)
+        model.copy_rows(src, row, cache, b, n)
     play(policy, tok, trajs, cache, new, args, generator=generator, stats=stats)
     for b, (traj, (parent, _, kept)) in enumerate(zip(trajs, points)):
         forest.branch_rollouts += 1
@@ -912,7 +912,7 @@ def update(policy, optimizer, batch: Batch, args, world) -> dict:
             mask = batch.mask[rows_c, :T]
             adv = batch.adv[rows_c, :T][:, 1:][mask[:, 1:]].to(dev)
             if c not in ref:
-                with torch.no_grad(), mdl.lora_disabled(policy):
+                with torch.no_grad(), model.lora_disabled(policy):
                     ref[c] = token_logprobs(policy, ids, mask, args.temperature)
             logp = token_logprobs(policy, ids, mask, args.temperature)
             if epoch == 0:
@@ -955,17 +955,17 @@ def input_device(policy) -> torch.device:
 
 def add_lora(policy, args):
     # apply_lora freezes the base: only the adapter is trained (and all-reduced)
-    mdl.apply_lora(policy, r=args.lora_r, alpha=args.lora_alpha, dropout=args.lora_dropout,
+    model.apply_lora(policy, r=args.lora_r, alpha=args.lora_alpha, dropout=args.lora_dropout,
                    targets=tuple(args.lora_targets.split(",")))
 
 
 def lora_state(policy) -> dict[str, torch.Tensor]:
-    return {n: p.detach().clone() for n, p in mdl.lora_parameters(policy)}
+    return {n: p.detach().clone() for n, p in model.lora_parameters(policy)}
 
 
 def load_lora_state(policy, state: dict[str, torch.Tensor]):
     with torch.no_grad():
-        for n, p in mdl.lora_parameters(policy):
+        for n, p in model.lora_parameters(policy):
             p.copy_(state[n])
 
 
@@ -1032,7 +1032,7 @@ def save_checkpoint(out: Path, step: int, policy, optimizer, world, ctx) -> Path
     write_json(tmp / f"rng-{world.rank}.json", rng_meta)
     barrier(world)
     if world.main:
-        mdl.save_adapter(policy, tmp / "adapter")
+        model.save_adapter(policy, tmp / "adapter")
         tensors, meta = optimizer_to_tensors(optimizer)
         save_file(tensors, tmp / "optimizer.safetensors")
         if ctx.lagged is not None:
@@ -1061,7 +1061,7 @@ def load_checkpoint(path: Path, policy, optimizer, world, ctx) -> int:
         if info["processes"] != world.size:
             raise ValueError(f"it was written by {info['processes']} processes, this run has "
                              f"{world.size}; the RNG streams would differ")
-        mdl.load_adapter(policy, path / "adapter")
+        model.load_adapter(policy, path / "adapter")
         optimizer_from_tensors(optimizer, load_file(path / "optimizer.safetensors"),
                                info["optimizer"])
         set_rng_state(load_file(path / f"rng-{world.rank}.safetensors"),
@@ -1243,16 +1243,16 @@ def read_from_base(policy, trajs: list[Trajectory], rows_per_forward: int,
             steps.append(step)
     if cost is not None:
         count(cost, tf_rows=len(seqs), tf_tokens=sum(map(len, seqs)))
-    with mdl.lora_disabled(policy):
-        traces = mdl.trace_batch(policy, seqs, spans, rows_per_forward=rows_per_forward)
+    with model.lora_disabled(policy):
+        traces = model.trace_batch(policy, seqs, spans, rows_per_forward=rows_per_forward)
     for step, trace in zip(steps, traces):
         step.trace = trace
 
 
 @dataclass
 class Training:                     # what every training step reads; train() builds it once
-    policy: mdl.Transformer
-    tok: mdl.Tokenizer
+    policy: model.Transformer
+    tok: model.Tokenizer
     env: envs.Env                   # the training environment ...
     pool: list[int]                 # ... and the indices of its episodes the prompts come from
     ctx: RewardContext
@@ -1469,7 +1469,7 @@ def progress_line(rec: dict, steps: int, elapsed: list[float], evals_left: float
             f"  success {rec['success']:.2f}  zero-std {rec['frac_zero_std']:.2f}"
             f"  kl {rec['kl']:.2e}" + (f"  probe-auroc {auroc:.2f}" if auroc is not None else "")
             + f"  {elapsed[-1]:.1f}s (rollout {rec['t_rollout']:.1f} reward "
-            f"{rec['t_reward']:.2f} update {rec['t_update']:.1f})  ETA {mdl.duration(left)}")
+            f"{rec['t_reward']:.2f} update {rec['t_update']:.1f})  ETA {model.duration(left)}")
 
 
 # flags that must not change when a run is resumed
@@ -1552,7 +1552,7 @@ def prepare_out(args, world) -> Path:
     if world.main:
         # One run per --out, held until this process exits: two would interleave their metrics
         # and checkpoints.
-        pair_lib.claim(out)
+        pair.claim(out)
         check_out(args)
         write_json(out / "args.json", vars(args))
     if world.size > 1:
@@ -1579,7 +1579,7 @@ def train(args) -> dict:
     if Path(args.model).resolve() == BUILTIN_POLICY.resolve() and not BUILTIN_POLICY.is_dir():
         sys.exit(f"--model: the built-in policy {BUILTIN_POLICY} is missing; build it with "
                  f"`python shop.py sft --out {BUILTIN_POLICY}`")
-    policy, tok = mdl.load_model(args.model, dtype=mdl.DTYPES[args.dtype], devices=devices)
+    policy, tok = model.load_model(args.model, dtype=model.DTYPES[args.dtype], devices=devices)
     add_lora(policy, args)
     env = make_env(args, "train")
     pool = scorable(env)
@@ -1704,7 +1704,7 @@ def summarize(out: Path, seconds: float, args, probe_report: dict | None = None)
 
 
 def summary_text(s: dict) -> str:
-    lines = [f"done in {mdl.duration(s['seconds'])} (reward {s['reward']})."]
+    lines = [f"done in {model.duration(s['seconds'])} (reward {s['reward']})."]
     if s["base"] and s["selected"]:
         lines.append(
             f"held-out success (greedy, {s['base']['episodes']} test episodes): before "
@@ -2240,7 +2240,7 @@ def main(argv=None):
         args.out = str(Path("runs") / f"{args.env}-{args.reward}-{time.strftime('%Y%m%d-%H%M%S')}")
     try:
         return train(args)
-    except (mdl.CheckpointError, envs.DataError, probes.FormatError) as e:
+    except (model.CheckpointError, envs.DataError, probes.FormatError) as e:
         sys.exit(f"error: {e}")         # bad input: one clear line naming the file
 
 

@@ -43,8 +43,8 @@ import torch.nn.functional as F
 from safetensors.torch import save_file
 
 import envs
-import model as mdl
-import pair as pair_lib
+import model
+import pair
 import probes
 
 # ---------------------------------------------------------------------------------------------
@@ -876,7 +876,7 @@ def sft_config(args, tok) -> dict:
             "bos_token_id": None, "eos_token_id": tok.im_end_id, "pad_token_id": tok.pad_id,
             "torch_dtype": "float32",
             # `model.py generate` renders a prompt as this world renders a task
-            mdl.WORLD_KEY: "shop"}
+            model.WORLD_KEY: "shop"}
 
 
 def sft_batches(lengths: list[int], batch: int, steps: int, seed: int) -> list[list[int]]:
@@ -900,11 +900,11 @@ def sft(args) -> dict:
     dialogs = sft_dialogs(args.episodes, args.contaminated, args.seed, args.divided)
     earlier = policy_recipe(args.init) if args.init else []    # read before --out overwrites it
     if args.init:       # continue a saved policy: its weights, its tokenizer, its shape
-        policy, tok = mdl.load_model(args.init)
+        policy, tok = model.load_model(args.init)
         policy.requires_grad_(True)             # load_model freezes a base for LoRA
         config = json.loads((Path(args.init) / "config.json").read_text())
     else:
-        tok = mdl.Tokenizer(train_tokenizer([_chat(m) for m in dialogs], args.vocab))
+        tok = model.Tokenizer(train_tokenizer([_chat(m) for m in dialogs], args.vocab))
     examples = []
     for messages in dialogs:
         ids, spans = tok.render(messages)
@@ -914,7 +914,7 @@ def sft(args) -> dict:
         examples.append((torch.tensor(ids), mask))
     if not args.init:
         config = sft_config(args, tok)
-        policy = mdl.Transformer(mdl.Config.from_dict(config))
+        policy = model.Transformer(model.Config.from_dict(config))
         for name, p in policy.named_parameters():       # GPT-2 style init
             if p.dim() == 2:
                 torch.nn.init.normal_(p, std=0.02)
@@ -950,7 +950,7 @@ def sft(args) -> dict:
             rate = (time.perf_counter() - t_phase) / (i + 1)
             print(f"  induction {i + 1}/{args.induction_steps}  loss "
                   f"{sum(losses[-250:]) / len(losses[-250:]):.4f}"
-                  f"  ETA {mdl.duration(rate * (args.induction_steps - i - 1))}", flush=True)
+                  f"  ETA {model.duration(rate * (args.induction_steps - i - 1))}", flush=True)
     # 2. the dialogs, with a few induction rows kept in every batch: linear warmup, cosine to 0.1
     batches = sft_batches([len(x) for x, _ in examples], args.batch, args.steps, args.seed)
     t_phase, losses, kept = time.perf_counter(), [], []
@@ -973,7 +973,7 @@ def sft(args) -> dict:
             rate = (time.perf_counter() - t_phase) / (i + 1)
             print(f"  step {i + 1}/{args.steps}  loss {sum(losses[-50:]) / len(losses[-50:]):.4f}"
                   f"  induction loss {sum(kept[-50:]) / len(kept[-50:]):.4f}"
-                  f"  ETA {mdl.duration(rate * (args.steps - i - 1))}", flush=True)
+                  f"  ETA {model.duration(rate * (args.steps - i - 1))}", flush=True)
     policy.eval()
     seconds = time.perf_counter() - t0
     out = Path(args.out)
@@ -983,7 +983,7 @@ def sft(args) -> dict:
     if args.eval_episodes:
         result.update(sft_eval(policy, tok, args))
     write_policy_readme(out, args, config, result, earlier)
-    print(f"sft: wrote {out} in {mdl.duration(time.perf_counter() - t0)}: " + json.dumps(result),
+    print(f"sft: wrote {out} in {model.duration(time.perf_counter() - t0)}: " + json.dumps(result),
           flush=True)
     return result
 
@@ -1033,7 +1033,7 @@ class InductionTask:
 
 def _chat(messages) -> str:
     # the ChatML text the tokenizer is trained on (Tokenizer.chat_text needs a tokenizer)
-    text = f"<|im_start|>system\n{mdl.DEFAULT_SYSTEM}<|im_end|>\n"
+    text = f"<|im_start|>system\n{model.DEFAULT_SYSTEM}<|im_end|>\n"
     return text + "".join(f"<|im_start|>{m['role']}\n{m['content']}<|im_end|>\n"
                           for m in messages)
 
@@ -1190,7 +1190,7 @@ def turn_kind(text: str) -> str:
     return step.name if isinstance(step, envs.Action) else type(step).__name__
 
 
-def turn_records(trajs: list) -> pair_lib.Split:
+def turn_records(trajs: list) -> pair.Split:
     """One record per assistant turn of shop rollouts (grpo.Trajectory): raw features, the
     world's exact label, whether (and how far back) an earlier turn of the same rollout was
     wrong, and the turn's kind (a code per turn_kind, numbered in order of appearance)."""
@@ -1213,7 +1213,7 @@ def turn_records(trajs: list) -> pair_lib.Split:
     raw.update(label=torch.tensor(labels), turn_idx=torch.tensor(turn_idx),
                distance=torch.tensor(distance), rollout=torch.tensor(sample),
                kind=torch.tensor(kind))
-    return pair_lib.Split("own_turns", raw, raw["label"].long(), episode_id, {})
+    return pair.Split("own_turns", raw, raw["label"].long(), episode_id, {})
 
 
 def kind_balanced_indices(y: torch.Tensor, kind: torch.Tensor, seed: int) -> torch.Tensor:
@@ -1245,59 +1245,59 @@ def kind_balanced_indices(y: torch.Tensor, kind: torch.Tensor, seed: int) -> tor
 
 @torch.no_grad()
 def sample_own_turns(rollout, policy, tok, env, n_episodes: int, samples: int, args, seed: int,
-                     log) -> pair_lib.Split:
+                     log) -> pair.Split:
     """`samples` rollouts (grpo.rollout) of the base policy on each of the first n_episodes of
     `env`."""
     episodes = [i for i in range(n_episodes) for _ in range(samples)]
     g = torch.Generator(device=policy.model.embed_tokens.weight.device).manual_seed(seed)
     # 16 rows a call: a call decodes until its slowest row is done, so wider calls wait longer
     trajs, rows, t0 = [], 16, time.perf_counter()
-    pacer = mdl.Pacer(len(episodes), sys.stdout)
-    with mdl.lora_disabled(policy):
+    pacer = model.Pacer(len(episodes), sys.stdout)
+    with model.lora_disabled(policy):
         for a in range(0, len(episodes), rows):
             batch = [env.episode(i) for i in episodes[a:a + rows]]
             trajs += rollout(policy, tok, batch, args, generator=g, stats=True)
             if len(trajs) < len(episodes) and pacer.due(len(trajs)):
                 rate = (time.perf_counter() - t0) / len(trajs)
                 log(f"  {len(trajs)}/{len(episodes)} rollouts of {env.split} episodes, ETA "
-                    f"{mdl.duration(rate * (len(episodes) - len(trajs)))}", flush=True)
+                    f"{model.duration(rate * (len(episodes) - len(trajs)))}", flush=True)
     log(f"  {len(trajs)} rollouts of {n_episodes} {env.split} episodes x {samples} in "
         f"{time.perf_counter() - t0:.0f}s", flush=True)
     return turn_records(trajs)
 
 
-def contaminated_corpus(policy, tok, episodes: int, log) -> pair_lib.Split:
+def contaminated_corpus(policy, tok, episodes: int, log) -> pair.Split:
     """The released recipe's training set for this policy: `make-data` matched clean +
     contaminated train, teacher-forced with the base policy (mode mixed, seed 42)."""
     splits = {}
-    with tempfile.TemporaryDirectory() as tmp, mdl.lora_disabled(policy):
+    with tempfile.TemporaryDirectory() as tmp, model.lora_disabled(policy):
         make_shop_data(tmp, episodes=episodes, seed=PROBE_SEED)
-        for name in pair_lib.TRAIN_SPLITS["mixed"]:
+        for name in pair.TRAIN_SPLITS["mixed"]:
             records = envs.load_matched(Path(tmp) / f"{name}.json")
-            rendered = [pair_lib.render_record(r, tok) for r in records]
-            traces = mdl.trace_batch(policy, [ids for ids, _, _ in rendered],
+            rendered = [pair.render_record(r, tok) for r in records]
+            traces = model.trace_batch(policy, [ids for ids, _, _ in rendered],
                                      [span for _, span, _ in rendered])
             raws = [probes.raw_features(tr) for tr in traces]
             raw = probes.stack_raw(raws)
             raw["turn_idx"] = torch.tensor([int(r["turn_idx"]) for r in records])
             y = torch.tensor([int(r["label"]) for r in records])
-            splits[name] = pair_lib.Split(name, raw, y, [str(r["episode_id"]) for r in records],
+            splits[name] = pair.Split(name, raw, y, [str(r["episode_id"]) for r in records],
                                           {})
-    train = pair_lib.training_set(splits, "mixed", PROBE_SEED)
+    train = pair.training_set(splits, "mixed", PROBE_SEED)
     log(f"  contaminated corpus: {len(train.y)} teacher-forced turns of `shop.py make-data "
         f"--episodes {episodes}` (mode mixed)", flush=True)
     return train
 
 
-def fit_probes(train: pair_lib.Split, info: dict) -> dict:
+def fit_probes(train: pair.Split, info: dict) -> dict:
     """PAIR and every baseline probe on one training set (balanced subsample, seed 42)."""
-    fitted = pair_lib.fit_baselines(train, info=info)
-    fitted["pair"] = pair_lib.fit_pair(train.raw, train.y, info=info,
+    fitted = pair.fit_baselines(train, info=info)
+    fitted["pair"] = pair.fit_pair(train.raw, train.y, info=info,
                                        stage1=fitted["last_token"])
     return fitted
 
 
-def heldout_auroc(fitted: dict, heldout: pair_lib.Split) -> dict:
+def heldout_auroc(fitted: dict, heldout: pair.Split) -> dict:
     """AUROC of every fitted method on the held-out own turns: all, clean prefix, contaminated
     prefix, and by distance to the nearest earlier wrong turn."""
     d = heldout.raw["distance"]
@@ -1306,7 +1306,7 @@ def heldout_auroc(fitted: dict, heldout: pair_lib.Split) -> dict:
               **{f"d={k}": d == k for k in (1, 2)}, "d>=3": d >= 3}
     out = {}
     for name, m in fitted.items():
-        p = pair_lib.predict(m, heldout.raw)
+        p = pair.predict(m, heldout.raw)
         out[name] = {}
         for g, sel in groups.items():
             y = heldout.y[sel]
@@ -1328,7 +1328,7 @@ def shop_probes(args, policy, tok, world, log, rollout) -> tuple[Path, dict]:
     cached = done.is_file()
     if world.main and not done.is_file():
         # two runs starting on one fresh cache (compare --jobs 2): the second waits, then reads
-        pair_lib.claim(root, wait=log)
+        pair.claim(root, wait=log)
     if world.main and not done.is_file():
         t0 = time.perf_counter()
         log(f"fitting the probes of this policy once, {args.probe_corpus} corpus (minutes: "
@@ -1341,16 +1341,16 @@ def shop_probes(args, policy, tok, world, log, rollout) -> tuple[Path, dict]:
             own = sample_own_turns(rollout, policy, tok, train_env, args.corpus_episodes,
                                    args.corpus_samples, args, PROBE_SEED, log)
             own = own.take(kind_balanced_indices(own.y, own.raw["kind"], PROBE_SEED))
-            corpora["on-policy"] = own.take(pair_lib.balanced_indices(own.y, PROBE_SEED))
+            corpora["on-policy"] = own.take(pair.balanced_indices(own.y, PROBE_SEED))
         # the released recipe is always fitted: it is the yardstick the startup line prints
         corpora["contaminated"] = contaminated_corpus(policy, tok, args.probe_episodes, log)
         if args.probe_corpus == "both":
-            corpora["both"] = pair_lib.concat_splits([corpora["on-policy"],
+            corpora["both"] = pair.concat_splits([corpora["on-policy"],
                                                       corpora["contaminated"]])
         info = {"seed": PROBE_SEED, "corpus": args.probe_corpus}
         fitted = fit_probes(corpora[args.probe_corpus], info)
         reference = fitted if args.probe_corpus == "contaminated" else \
-            {"pair": pair_lib.fit_pair(corpora["contaminated"].raw, corpora["contaminated"].y,
+            {"pair": pair.fit_pair(corpora["contaminated"].raw, corpora["contaminated"].y,
                                        info=info)}
         tmp = root / f".{out.name}.{os.getpid()}.tmp"
         shutil.rmtree(tmp, ignore_errors=True)
@@ -1366,7 +1366,7 @@ def shop_probes(args, policy, tok, world, log, rollout) -> tuple[Path, dict]:
         shutil.rmtree(out, ignore_errors=True)
         os.replace(tmp, out)                # the directory appears complete or not at all
     if world.main:
-        pair_lib.release(root)
+        pair.release(root)
     if world.size > 1:                      # the other processes read what the main one wrote
         torch.distributed.barrier()
     report = json.loads(done.read_text())
