@@ -565,7 +565,10 @@ class DataError(ValueError):
 
 
 def cache_root() -> Path:
-    return Path(os.environ.get("PAIR_CACHE") or Path.home() / ".cache" / "pair")
+    """Where everything fetched or fitted once is kept: Hub checkpoints, the released data, LLM
+    judgments, the built-in policy's probes and base evaluations. $PAIR_CACHE, else
+    ~/.cache/pair."""
+    return Path(os.environ.get("PAIR_CACHE") or Path.home() / ".cache" / "pair").expanduser()
 
 
 def default_data_dir() -> Path:
@@ -578,8 +581,11 @@ _UMASK = os.umask(0o022)
 os.umask(_UMASK)
 
 
-def write_atomic(path: Path, data: bytes) -> None:
+def write_atomic(path: Path, data: bytes | str) -> None:
+    """The one way this project writes a file: a unique temporary file beside it, then
+    os.replace, so a reader (or a run killed mid-write) sees the old file or the new one."""
     path = Path(path)
+    data = data.encode() if isinstance(data, str) else data
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
@@ -591,6 +597,10 @@ def write_atomic(path: Path, data: bytes) -> None:
     except BaseException:
         os.unlink(tmp)
         raise
+
+
+def write_json(path: Path, obj, indent: int = 1) -> None:
+    write_atomic(path, json.dumps(obj, indent=indent) + "\n")
 
 
 def download(family: str, data_dir: str | Path | None = None, ref: str = RELEASE_REF,

@@ -1029,7 +1029,7 @@ def save_checkpoint(out: Path, step: int, policy, optimizer, world, ctx) -> Path
     # every process has its own RNG streams (LoRA dropout); each saves its own
     rng_tensors, rng_meta = rng_state()
     save_file(rng_tensors, tmp / f"rng-{world.rank}.safetensors")
-    write_json(tmp / f"rng-{world.rank}.json", rng_meta)
+    envs.write_json(tmp / f"rng-{world.rank}.json", rng_meta)
     barrier(world)
     if world.main:
         model.save_adapter(policy, tmp / "adapter")
@@ -1037,7 +1037,7 @@ def save_checkpoint(out: Path, step: int, policy, optimizer, world, ctx) -> Path
         save_file(tensors, tmp / "optimizer.safetensors")
         if ctx.lagged is not None:
             save_file(ctx.lagged, tmp / "lagged.safetensors")
-        write_json(tmp / "trainer.json", {"step": step, "processes": world.size,
+        envs.write_json(tmp / "trainer.json", {"step": step, "processes": world.size,
                                           "optimizer": meta})
         shutil.rmtree(final, ignore_errors=True)
         os.replace(tmp, final)        # the directory appears complete or not at all
@@ -1185,7 +1185,7 @@ def base_eval_cache(policy, args, world) -> Path | None:
                 "max_turns": args.max_turns, "max_new_tokens": args.max_new_tokens,
                 "max_len": args.max_len, "dtype": args.dtype, "devices": args.devices,
                 "threads": torch.get_num_threads()}
-    return (shop.cache_root() / "grpo-base-eval" /
+    return (envs.cache_root() / "grpo-base-eval" /
             f"shop-{shop.policy_hash(policy.checkpoint_dir)}-{shop.settings_hash(settings)}.json")
 
 
@@ -1445,17 +1445,7 @@ def truncate_jsonl(path: Path, last_step: int):
     if not path.exists():
         return
     keep = [r for r in read_jsonl(path) if r["step"] <= last_step]
-    write_text(path, "".join(json.dumps(r) + "\n" for r in keep))
-
-
-def write_text(path: Path, text: str):
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")   # two writers never share one
-    tmp.write_text(text)
-    os.replace(tmp, path)
-
-
-def write_json(path: Path, obj):
-    write_text(path, json.dumps(obj, indent=1) + "\n")
+    envs.write_atomic(path, "".join(json.dumps(r) + "\n" for r in keep))
 
 
 def progress_line(rec: dict, steps: int, elapsed: list[float], evals_left: float = 0.0) -> str:
@@ -1554,7 +1544,7 @@ def prepare_out(args, world) -> Path:
         # and checkpoints.
         pair.claim(out)
         check_out(args)
-        write_json(out / "args.json", vars(args))
+        envs.write_json(out / "args.json", vars(args))
     if world.size > 1:
         dist.barrier()
     return out
@@ -1633,7 +1623,7 @@ def train(args) -> dict:
             eval_seconds.append(time.perf_counter() - t)   # what the ETA expects of the next
             if cache is not None:
                 cache.parent.mkdir(parents=True, exist_ok=True)
-                write_json(cache, ev)
+                envs.write_json(cache, ev)
         if world.main:
             append_jsonl(out / "eval.jsonl", ev)
         evaluated.add(step)
@@ -1663,7 +1653,7 @@ def train(args) -> dict:
             evaluate_and_log(step + 1)
     summary = summarize(out, time.perf_counter() - started, args, ctx.probe_report)
     if world.main:
-        write_json(out / "summary.json", summary)
+        envs.write_json(out / "summary.json", summary)
         log(summary_text(summary), flush=True)
     if world.size > 1:
         dist.barrier()
@@ -1828,15 +1818,15 @@ def compare(argv: list[str]) -> dict:
                          "logs; run the same command again to retry them")
     if args.cost:
         result = cost_table(out, args.rewards, args.seeds)
-        write_json(out / "cost.json", result)
-        write_text(out / "cost.md", cost_markdown(result, command))
+        envs.write_json(out / "cost.json", result)
+        envs.write_atomic(out / "cost.md", cost_markdown(result, command))
         print((out / "cost.md").read_text() + f"\nwrote {out / 'cost.md'}, {out / 'cost.json'}",
               flush=True)
         return result
     result = compare_table(out, args.rewards, args.seeds)
-    write_json(out / "compare.json", result)
-    write_text(out / "compare.md", compare_markdown(result, command))
-    write_text(out / "curves.svg", curves_svg(result))
+    envs.write_json(out / "compare.json", result)
+    envs.write_atomic(out / "compare.md", compare_markdown(result, command))
+    envs.write_atomic(out / "curves.svg", curves_svg(result))
     print((out / "compare.md").read_text() + f"\nwrote {out / 'compare.md'}, "
           f"{out / 'compare.json'}, {out / 'curves.svg'}", flush=True)
     return result

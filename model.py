@@ -56,8 +56,10 @@ import requests
 import torch
 import torch.nn.functional as F
 from safetensors import safe_open
-from safetensors.torch import save_file
+from safetensors.torch import save as safetensors_bytes
 from torch import Tensor, nn
+
+import envs
 
 STATS = ("max", "std", "prefix", "self", "entropy", "lookback")
 ARCHITECTURES = {"qwen2": "Qwen2ForCausalLM", "llama": "LlamaForCausalLM",
@@ -1243,10 +1245,8 @@ def save_adapter(model, path, base_model_name_or_path=None):
         "layers_to_transform": None, "layers_pattern": None,
         "rank_pattern": {}, "alpha_pattern": {},
     }
-    tmp = folder / f".{ADAPTER_WEIGHTS}.{os.getpid()}.tmp"
-    save_file(tensors, str(tmp), metadata={"format": "pt"})
-    os.replace(tmp, folder / ADAPTER_WEIGHTS)
-    _write_atomic(folder / ADAPTER_CONFIG, (json.dumps(config, indent=2) + "\n").encode())
+    envs.write_atomic(folder / ADAPTER_WEIGHTS, safetensors_bytes(tensors, {"format": "pt"}))
+    envs.write_atomic(folder / ADAPTER_CONFIG, (json.dumps(config, indent=2) + "\n").encode())
 
 
 def read_adapter_config(path) -> LoraSettings:
@@ -1437,8 +1437,7 @@ class HubError(CheckpointError):
 
 
 def hub_cache_dir(repo_id: str) -> Path:
-    root = Path(os.environ.get("PAIR_CACHE") or Path.home() / ".cache" / "pair")
-    return root.expanduser() / repo_id.replace("/", "--")
+    return envs.cache_root() / repo_id.replace("/", "--")
 
 
 def _cached_copy(folder: Path) -> bool:
@@ -1477,7 +1476,7 @@ def fetch_from_hub(repo_id: str, revision: str = "main") -> Path:
             raise HubError(offline.format(f"network unreachable or connection lost "
                                           f"({type(e).__name__})")) from e
         manifest = {"repo": repo_id, "revision": revision, "endpoint": endpoint, "files": files}
-        _write_atomic(folder / HUB_MANIFEST, json.dumps(manifest, indent=1).encode())
+        envs.write_atomic(folder / HUB_MANIFEST, json.dumps(manifest, indent=1).encode())
     return folder
 
 
@@ -1680,13 +1679,6 @@ class _Progress:
         self.show(end="\n")
 
 
-def _write_atomic(path: Path, data: bytes):
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    with open(tmp, "wb") as f:
-        f.write(data)
-    os.replace(tmp, path)
-
-
 # ----------------------------------------------------------------------------------------------
 # CLI
 
@@ -1698,7 +1690,6 @@ def prompt_messages(prompt: str, system: str | None, world: str | None) -> list[
     if world == "shop":
         # The world's own rendering. shop.py imports this module, so under `python model.py`
         # this file loads once more, as `model`: definitions only, nothing runs.
-        import envs
         import shop
         messages = envs.task_messages(prompt, shop.SHOP_TOOLS)
     else:

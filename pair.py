@@ -99,7 +99,7 @@ class Pair:
         self.stage2.save(directory / "stage2.safetensors")
         config = {"format": "pair/1", "hidden_feature": "last_token", "stats": list(self.stats),
                   "stage1": "stage1.safetensors", "stage2": "stage2.safetensors", **self.info}
-        _write_text(directory / "pair.json", json.dumps(config, indent=2) + "\n")
+        envs.write_atomic(directory / "pair.json", json.dumps(config, indent=2) + "\n")
 
     @classmethod
     def load(cls, directory) -> "Pair":
@@ -390,7 +390,7 @@ def _open_parts(parts: Path, manifest: dict) -> set[int]:
                              "rerun with the same ones or delete that directory")
     else:
         parts.mkdir(parents=True, exist_ok=True)
-        _write_text(path, json.dumps(manifest, indent=2) + "\n")
+        envs.write_atomic(path, json.dumps(manifest, indent=2) + "\n")
     done = set()
     for shard in sorted(parts.glob("shard_*.safetensors")):
         done.update(probes.read_safetensors(shard, "shard")[0]["record_index"].tolist())
@@ -402,7 +402,7 @@ def _write_shard(parts: Path, buffer: list[dict], failed: list[dict]) -> None:
         stacked = {k: torch.stack([r[k] for r in buffer]) for k in buffer[0]}
         first = int(stacked["record_index"][0])
         probes.save_safetensors(stacked, parts / f"shard_{first:07d}.safetensors", {})
-    _write_text(parts / "failed.json", json.dumps(failed, indent=1) + "\n")
+    envs.write_atomic(parts / "failed.json", json.dumps(failed, indent=1) + "\n")
 
 
 def _merge_parts(parts, records, out_path, manifest, failed, log) -> dict:
@@ -542,14 +542,6 @@ def _is_file_at(f, path: Path) -> bool:
 def _hms(seconds: float) -> str:
     seconds = int(seconds)
     return f"{seconds // 3600}h{seconds // 60 % 60:02d}m{seconds % 60:02d}s"
-
-
-def _write_text(path: Path, text: str) -> None:
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -1145,7 +1137,7 @@ def cmd_train(args):
                         time.perf_counter() - t0})
         print(f"seed {seed}: PAIR ({args.mode}) and {len(models)} probes on {len(train.y)} "
               f"records in {summary[-1]['seconds']:.1f}s -> {out / f'seed{seed}'}")
-    _write_text(out / "train.json", json.dumps({"mode": args.mode, "C": args.C,
+    envs.write_atomic(out / "train.json", json.dumps({"mode": args.mode, "C": args.C,
                                                 "crossfit": args.crossfit, "runs": summary},
                                                indent=2) + "\n")
 
@@ -1185,7 +1177,7 @@ def cmd_eval(args):
             for m in result]
     print("\n".join(_table(header, rows)))
     if args.out:
-        _write_text(Path(args.out), json.dumps(_json_clean(result), indent=2) + "\n")
+        envs.write_atomic(Path(args.out), json.dumps(_json_clean(result), indent=2) + "\n")
         print(f"wrote {args.out}")
 
 
@@ -1197,8 +1189,8 @@ def cmd_report(args):
         None if args.paper_ref == "none" else args.paper_ref)
     result["paper_ref"] = paper_ref
     markdown = render_markdown(result, paper_ref)
-    _write_text(out / "report.json", json.dumps(_json_clean(result), indent=2) + "\n")
-    _write_text(out / "report.md", markdown)
+    envs.write_atomic(out / "report.json", json.dumps(_json_clean(result), indent=2) + "\n")
+    envs.write_atomic(out / "report.md", markdown)
     print(markdown)
     print(f"wrote {out / 'report.md'} and {out / 'report.json'} "
           f"({result['seconds']:.1f}s)", file=sys.stderr)

@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import sys
 import time
 from pathlib import Path
@@ -31,7 +30,10 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 from safetensors import safe_open
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
+from safetensors.torch import save as safetensors_bytes
+
+import envs
 
 # The four attention statistics of the attention probes and of PAIR's stage 2, in feature order.
 ATTN_STATS = ("max", "std", "prefix", "self")
@@ -323,12 +325,8 @@ def _json_entry(meta: dict, key: str, path):
 
 
 def save_safetensors(tensors: dict, path, metadata: dict) -> None:
-    """Atomic write: a temporary file in the same directory, then os.replace."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp), metadata=metadata)
-    os.replace(tmp, path)
+    envs.write_atomic(path, safetensors_bytes({k: v.contiguous() for k, v in tensors.items()},
+                                              metadata))
 
 
 # ----------------------------------------------------------------------------------------------

@@ -40,7 +40,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from safetensors.torch import save_file
+from safetensors.torch import save as safetensors_bytes
 
 import envs
 import model
@@ -1038,20 +1038,12 @@ def _chat(messages) -> str:
                           for m in messages)
 
 
-def write_json(path: Path, obj):
-    envs.write_atomic(path, (json.dumps(obj, indent=1) + "\n").encode())
-
-
 def save_policy(out: Path, policy, tok, config: dict):
     out.mkdir(parents=True, exist_ok=True)
     state = {k: v.contiguous() for k, v in policy.state_dict().items() if k != "lm_head.weight"}
-    tmp = out / ".model.safetensors.tmp"
-    save_file(state, tmp, metadata={"format": "pt"})
-    os.replace(tmp, out / "model.safetensors")
-    write_json(out / "config.json", config)
-    tmp = out / ".tokenizer.json.tmp"
-    tok.tok.save(str(tmp))
-    os.replace(tmp, out / "tokenizer.json")
+    envs.write_atomic(out / "model.safetensors", safetensors_bytes(state, {"format": "pt"}))
+    envs.write_json(out / "config.json", config)
+    envs.write_atomic(out / "tokenizer.json", tok.tok.to_str(pretty=True))
 
 
 @torch.no_grad()
@@ -1126,9 +1118,7 @@ def write_policy_readme(out: Path, args, config: dict, result: dict, earlier: li
         lines += [f"| held-out success, sampled (T = 1) | {result['success_sampled']:.3f} "
                   f"(shop test episodes 0-{result['eval_episodes'] - 1}) |",
                   f"| held-out success, greedy | {result['success_greedy']:.3f} |"]
-    tmp = out / ".README.md.tmp"
-    tmp.write_text("\n".join(lines) + "\n")
-    os.replace(tmp, out / "README.md")
+    envs.write_atomic(out / "README.md", "\n".join(lines) + "\n")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -1153,11 +1143,6 @@ def write_policy_readme(out: Path, args, config: dict, result: dict, earlier: li
 
 PROBE_SEED = 42
 PROBES_FORMAT = "grpo-probes/3"   # 3: the on-policy corpus balanced within each kind of turn
-
-
-def cache_root() -> Path:
-    # grpo.py keeps its cache of base-model evaluations here too (grpo.base_eval_cache)
-    return Path(os.environ.get("PAIR_CACHE") or Path.home() / ".cache" / "pair").expanduser()
 
 
 def policy_hash(model_dir) -> str:
@@ -1322,7 +1307,7 @@ def shop_probes(args, policy, tok, world, log, rollout) -> tuple[Path, dict]:
     grpo.py calls it with its args, its process world (grpo.World) and its rollout function."""
     settings = {"corpus": args.probe_corpus, "own": own_turns_settings(args),
                 "contaminated_episodes": args.probe_episodes}
-    root = cache_root() / "grpo-probes" / f"shop-{policy_hash(args.model)}"
+    root = envs.cache_root() / "grpo-probes" / f"shop-{policy_hash(args.model)}"
     out = root / f"{args.probe_corpus}-{settings_hash(settings)}"
     done = out / "probes.json"
     cached = done.is_file()
@@ -1362,7 +1347,7 @@ def shop_probes(args, policy, tok, world, log, rollout) -> tuple[Path, dict]:
                   "heldout": heldout_auroc(fitted, heldout),
                   "contaminated_corpus_pair": heldout_auroc(reference, heldout)["pair"],
                   "seconds": round(time.perf_counter() - t0, 1)}
-        write_json(tmp / "probes.json", report)
+        envs.write_json(tmp / "probes.json", report)
         shutil.rmtree(out, ignore_errors=True)
         os.replace(tmp, out)                # the directory appears complete or not at all
     if world.main:
