@@ -4,6 +4,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -35,3 +36,12 @@ def qwen05b_dir():
         pytest.skip(f"0.5B checkpoint not found at {QWEN05B} (build it with "
                     "../shared/tools/make_qwen05b.sh)")
     return QWEN05B
+
+
+@pytest.fixture
+def one_thread():
+    # Tiny matrices on a shared 2-core machine: thread hand-offs cost more than the math.
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)

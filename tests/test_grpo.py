@@ -217,29 +217,39 @@ def test_rollout_survives_a_reply_with_a_lone_surrogate_escape(tiny_policy, monk
     assert len(traj.steps) == 2 and traj.steps[0].observation.startswith("Observation: Invalid")
 
 
+class RewritingEpisode(envs.Episode):
+    """ToolBench's history cap in miniature: after the second turn the first observation is
+    rewritten in place (StepResult.rewritten_from = 2). Every turn is a valid Calculator call,
+    whatever the model writes; the score is `fixed`, or the number of turns when None."""
+    fixed: float | None = None
+
+    def call_tool(self, name, arguments):
+        return "x" * 50
+
+    def _after_observation(self):
+        if len(self.steps) == 2:
+            self.messages[2]["content"] = "Observation: [elided]"
+            return 2
+        return None
+
+    def score(self):
+        return float(len(self.steps)) if self.fixed is None else self.fixed
+
+
+def rewriting_episode(score: float | None) -> RewritingEpisode:
+    ep = RewritingEpisode("r", "Add 1 and 2.", shop.SHOP_TOOLS)
+    ep.fixed = score
+    ep.step = lambda text, step=ep.step: step(
+        'Action: Calculator\nAction Input: {"expression": "1+2"}')
+    return ep
+
+
 def test_rollout_refills_the_cache_when_the_environment_rewrites_history(tiny_policy):
     # ToolBench's history cap rewrites old observations in place (StepResult.rewritten_from)
     policy, tok = mdl.load_model(tiny_policy)
 
-    class Rewriting(envs.Episode):
-        def call_tool(self, name, arguments):
-            return "x" * 50
-
-        def _after_observation(self):
-            if len(self.steps) == 2:
-                self.messages[2]["content"] = "Observation: [elided]"
-                return 2
-            return None
-
-        def score(self):
-            return 0.0
-
     def episode():
-        ep = Rewriting("r", "Add 1 and 2.", shop.SHOP_TOOLS)
-        # every turn a valid action, whatever the model writes
-        ep.step = lambda text, step=ep.step: step(
-            'Action: Calculator\nAction Input: {"expression": "1+2"}')
-        return ep
+        return rewriting_episode(score=0.0)
     (traj,) = grpo.rollout(policy, tok, [episode()], play_args(max_turns=3),
                            generator=torch.Generator().manual_seed(0))
     assert len(traj.segments) == 2 and [s.segment for s in traj.steps] == [0, 0, 1]
@@ -313,12 +323,8 @@ def test_a_batch_without_generated_tokens_logs_loss_0_and_is_counted(tiny_policy
 # ---------------------------------------------------------------------------------------------
 # checkpoints and --resume
 
-def test_resume_reproduces_the_uninterrupted_run(tiny_policy, tmp_path, monkeypatch):
-    kw = dict(steps=4, save_every=2, lora_dropout=0.05)
-    whole = tmp_path / "whole"
-    run(flags(tiny_policy, whole, **kw))
-
-    cut = tmp_path / "cut"
+def interrupted_run(monkeypatch, argv):
+    """A run interrupted (KeyboardInterrupt) as its third step starts."""
     real = grpo.train_step
 
     def crash_at_step_3(step, *a, **k):
@@ -327,8 +333,17 @@ def test_resume_reproduces_the_uninterrupted_run(tiny_policy, tmp_path, monkeypa
         return real(step, *a, **k)
     monkeypatch.setattr(grpo, "train_step", crash_at_step_3)
     with pytest.raises(KeyboardInterrupt):
-        run(flags(tiny_policy, cut, **kw))
+        run(argv)
     monkeypatch.setattr(grpo, "train_step", real)
+
+
+def test_resume_reproduces_the_uninterrupted_run(tiny_policy, tmp_path, monkeypatch):
+    kw = dict(steps=4, save_every=2, lora_dropout=0.05)
+    whole = tmp_path / "whole"
+    run(flags(tiny_policy, whole, **kw))
+
+    cut = tmp_path / "cut"
+    interrupted_run(monkeypatch, flags(tiny_policy, cut, **kw))
     with pytest.raises(SystemExit, match="--out .* already holds a run"):
         run(flags(tiny_policy, cut, **kw))
     with pytest.raises(SystemExit, match="--lr"):
@@ -1256,24 +1271,8 @@ def test_a_branch_from_before_a_rewritten_history_prefills_only_what_differs(tin
     # ToolBench's history cap: the owner's cache row holds its last segment only
     policy, tok = mdl.load_model(tiny_policy)
 
-    class Rewriting(envs.Episode):
-        def call_tool(self, name, arguments):
-            return "x" * 50
-
-        def _after_observation(self):
-            if len(self.steps) == 2:
-                self.messages[2]["content"] = "Observation: [elided]"
-                return 2
-            return None
-
-        def score(self):
-            return float(len(self.steps))
-
     def episode():
-        ep = Rewriting("r", "Add 1 and 2.", shop.SHOP_TOOLS)
-        ep.step = lambda text, step=ep.step: step(
-            'Action: Calculator\nAction Input: {"expression": "1+2"}')
-        return ep
+        return rewriting_episode(score=None)
     args = play_args(max_turns=3)
     caches = []
     (owner,) = grpo.rollout(policy, tok, [episode()], args,
@@ -1359,16 +1358,7 @@ def test_tree_search_runs_and_resumes_exactly(reward, tiny_policy, tmp_path, mon
         assert rec["gen_tokens"] >= rec["branch_tokens"] > 0 and rec["mem_kv_mb"] > 0
         assert rec["tokens"] >= rec["gen_tokens"]      # a turn shared by k leaves counts k times
     cut = tmp_path / "cut"
-    real = grpo.train_step
-
-    def crash_at_step_3(step, *a, **k):
-        if step == 2:
-            raise KeyboardInterrupt
-        return real(step, *a, **k)
-    monkeypatch.setattr(grpo, "train_step", crash_at_step_3)
-    with pytest.raises(KeyboardInterrupt):
-        run(flags(tiny_policy, cut, reward, **kw))
-    monkeypatch.setattr(grpo, "train_step", real)
+    interrupted_run(monkeypatch, flags(tiny_policy, cut, reward, **kw))
     with pytest.raises(SystemExit, match="--tree-n"):
         run(flags(tiny_policy, cut, reward, resume=True, **dict(kw, tree_n=3)))
     run(flags(tiny_policy, cut, reward, resume=True, **kw))

@@ -16,13 +16,7 @@ import probes
 from pair import Pair
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    # Tiny matrices on a shared 2-core machine: thread hand-offs cost more than the math.
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 # ----------------------------------------------------------------------------------------------
