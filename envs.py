@@ -998,14 +998,6 @@ class GTAEnv(Env):
     def _new_episode(self, key, record):
         return GTAEpisode(key, record, self.match)
 
-    def skip_counts(self) -> dict[str, int]:
-        counts: dict[str, int] = {}
-        for rec in self.records.values():
-            reason = gta_skip_reason(rec["gt_answer"], rec["dialogs"])
-            counts[reason or "scored"] = counts.get(reason or "scored", 0) + 1
-        return counts
-
-
 # ---------------------------------------------------------------------------------------------
 # An OpenAI-compatible chat client (LLM judge, step judge, contamination)
 # ---------------------------------------------------------------------------------------------

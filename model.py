@@ -1112,33 +1112,13 @@ class LoRALinear(nn.Module):
         nn.init.kaiming_uniform_(self.lora_A.weight, a=math.sqrt(5))  # PEFT's default init
         nn.init.zeros_(self.lora_B.weight)
         self.enabled = True         # False: the base model (the GRPO reference policy)
-        self.merged = False         # True: B A is folded into `weight`, the branch is skipped
 
     def forward(self, x):
         y = F.linear(x, self.weight, self.bias)
-        if not self.enabled or self.merged:
+        if not self.enabled:
             return y
         a = self.lora_A(self.lora_dropout(x.to(self.lora_A.weight.dtype)))   # (..., r)
         return y + (self.lora_B(a) * self.scaling).to(y.dtype)
-
-    def delta_weight(self):
-        return (self.lora_B.weight @ self.lora_A.weight) * self.scaling        # (d_out, d_in)
-
-    @torch.no_grad()
-    def merge(self):
-        if not self.enabled:
-            raise RuntimeError("cannot merge a disabled LoRA adapter; enable it first")
-        if not self.merged:
-            self.weight += self.delta_weight().to(self.weight.dtype)
-            self.merged = True
-
-    @torch.no_grad()
-    def unmerge(self):
-        # Exact in float32 up to rounding; in bfloat16 W + dW - dW is not W (PEFT has the same
-        # caveat).
-        if self.merged:
-            self.weight -= self.delta_weight().to(self.weight.dtype)
-            self.merged = False
 
     def extra_repr(self):
         return (f"{self.in_features}, {self.out_features}, r={self.lora_A.out_features}, "
@@ -1181,38 +1161,17 @@ def lora_state_dict(model) -> dict[str, torch.Tensor]:
     return {n: p.detach() for n, p in lora_parameters(model)}
 
 
-def enable_lora(model):
-    for _, m in lora_modules(model):
-        m.enabled = True
-
-
-def disable_lora(model):
-    for name, m in lora_modules(model):
-        if m.merged:
-            raise RuntimeError(f"{name}: cannot disable a merged LoRA adapter; unmerge it first")
-        m.enabled = False
-
-
 @contextlib.contextmanager
 def lora_disabled(model):
     """`with lora_disabled(model):` runs the base model (GRPO's pi_ref) without copying weights."""
     was = {name: m.enabled for name, m in lora_modules(model)}
-    disable_lora(model)
+    for _, m in lora_modules(model):
+        m.enabled = False
     try:
         yield model
     finally:
         for name, m in lora_modules(model):
             m.enabled = was[name]
-
-
-def merge_lora(model):
-    for _, m in lora_modules(model):
-        m.merge()
-
-
-def unmerge_lora(model):
-    for _, m in lora_modules(model):
-        m.unmerge()
 
 
 # ----------------------------------------------------------------------------------------------
@@ -1425,7 +1384,6 @@ def split_model(model, devices, layer_counts=None):
 # network at all.
 
 HUB_NAME = re.compile(r"[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*")    # <org>/<name>
-HUB_OPTIONAL = ("tokenizer_config.json",)
 HUB_MANIFEST = ".pair-complete.json"
 HUB_TIMEOUT = (10, 60)          # (connect, read) seconds
 HUB_RETRIES = 5                 # attempts per file; each one resumes where the last one stopped
@@ -1504,10 +1462,6 @@ def _fetch_files(folder: Path, repo_id, revision, endpoint) -> dict[str, int]:
     fetch("tokenizer.json")
     _check_hub_json(folder / "tokenizer.json", "a JSON object with a \"model\" entry",
                     lambda d: isinstance(d.get("model"), dict))
-    for name in HUB_OPTIONAL:
-        if name in listing:
-            fetch(name)
-            _check_hub_json(folder / name, "a JSON object")
     if "model.safetensors.index.json" not in listing:
         fetch("model.safetensors")
         return files

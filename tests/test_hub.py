@@ -142,12 +142,12 @@ def test_fetches_only_needed_files_with_token(env, monkeypatch, capsys):
     assert "tiny-org/tiny-model/model.safetensors: 0.3/0.3 MB (100%)" in capsys.readouterr().err
     assert folder == M.hub_cache_dir(REPO) and folder.name == "tiny-org--tiny-model"
     fetched = sorted(p.name for p in folder.iterdir() if not p.name.startswith("."))
-    assert fetched == ["config.json", "model.safetensors", "tokenizer.json",
-                       "tokenizer_config.json"]
+    assert fetched == ["config.json", "model.safetensors", "tokenizer.json"]
     for name in fetched:
         assert (folder / name).read_bytes() == hub.files[name]
         assert len(hub.gets(name)) == 1
     assert not hub.gets("README.md") and not hub.gets("pytorch_model.bin")
+    assert not hub.gets("tokenizer_config.json")                # nothing here reads it
     assert all(h["Authorization"] == "Bearer secret" for _, _, h in hub.requests)
 
 

@@ -1,4 +1,4 @@
-"""LoRA by hand vs PEFT: adapters cross over both ways, B = 0 is a no-op, disable/merge/unmerge."""
+"""LoRA by hand vs PEFT: adapters cross over both ways, B = 0 is a no-op, disable."""
 import copy
 import json
 
@@ -82,10 +82,9 @@ def test_only_adapter_weights_get_gradients(hf):
         assert (p.grad is not None) == ("lora_" in name), name
 
 
-def test_disable_gives_base_and_merge_matches(hf):
+def test_disable_gives_the_base_model_and_enables_again(hf):
     ours = build_ours(hf)
     base = logits(ours, IDS)
-    weights = {n: p.clone() for n, p in ours.state_dict().items()}
     M.apply_lora(ours, r=4, alpha=8, dropout=0.1)
     randomize_lora(ours)
     adapted = logits(ours, IDS)
@@ -93,18 +92,6 @@ def test_disable_gives_base_and_merge_matches(hf):
     with M.lora_disabled(ours):
         assert torch.equal(logits(ours, IDS), base)
     assert torch.equal(logits(ours, IDS), adapted)      # re-enabled on exit
-
-    M.merge_lora(ours)
-    torch.testing.assert_close(logits(ours, IDS), adapted, atol=1e-5, rtol=0)
-    q = "model.layers.0.self_attn.q_proj.weight"
-    assert (ours.state_dict()[q] - weights[q]).abs().max() > 1e-3
-    with pytest.raises(RuntimeError, match="unmerge"):
-        with M.lora_disabled(ours):
-            pass
-    M.unmerge_lora(ours)
-    for n, w in weights.items():
-        torch.testing.assert_close(ours.state_dict()[n], w, atol=1e-6, rtol=0)
-    torch.testing.assert_close(logits(ours, IDS), adapted, atol=1e-5, rtol=0)
 
 
 def test_our_adapter_loads_in_peft(hf, tmp_path):
