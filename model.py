@@ -927,19 +927,22 @@ def trace_batch(model: Transformer, seqs: list[list[int]], spans, stop_ids=None,
     for ids, (start, end) in zip(seqs, spans):
         if not 0 <= start < end <= len(ids):
             raise ValueError(f"span {(start, end)} is not inside a sequence of {len(ids)} tokens")
-    traces = []
-    for a in range(0, len(seqs), rows_per_forward):
-        chunk, bounds = seqs[a:a + rows_per_forward], spans[a:a + rows_per_forward]
-        T = max(len(ids) for ids in chunk)
-        batch = torch.tensor([list(ids) + [0] * (T - len(ids)) for ids in chunk])    # (b, T)
-        _, hidden, stats = model.trunk(batch, span=[tuple(b) for b in bounds],
+    # rows of similar length share a forward (less padding); traces come back in input order
+    order = sorted(range(len(seqs)), key=lambda i: len(seqs[i]))
+    traces = [None] * len(seqs)
+    for a in range(0, len(order), rows_per_forward):
+        chunk = order[a:a + rows_per_forward]
+        T = max(len(seqs[i]) for i in chunk)
+        batch = torch.tensor([list(seqs[i]) + [0] * (T - len(seqs[i])) for i in chunk])  # (b, T)
+        _, hidden, stats = model.trunk(batch, span=[tuple(spans[i]) for i in chunk],
                                        output_hidden_states=True)
-        for r, (ids, (start, end)) in enumerate(zip(chunk, bounds)):
+        for r, i in enumerate(chunk):
+            (start, end), ids = spans[i], seqs[i]
             h = torch.stack([hs[r, start:end].float().cpu() for hs in hidden])  # (L+1, n, d)
-            traces.append(TurnTrace(tokens=list(ids[start:end]), span=(start, end),
-                                    attn={k: v[r].float().cpu() for k, v in stats.items()},
-                                    h_last=h[:, -1], h_mean=h.mean(1),
-                                    finished=ids[end - 1] in stop_ids))
+            traces[i] = TurnTrace(tokens=list(ids[start:end]), span=(start, end),
+                                  attn={k: v[r].float().cpu() for k, v in stats.items()},
+                                  h_last=h[:, -1], h_mean=h.mean(1),
+                                  finished=ids[end - 1] in stop_ids)
     return traces
 
 

@@ -1252,26 +1252,33 @@ def sample_own_turns(rollout, policy, tok, env, n_episodes: int, samples: int, a
 
 
 def contaminated_corpus(policy, tok, episodes: int, log) -> pair.Split:
-    """The released recipe's training set for this policy: `make-data` matched clean +
-    contaminated train, teacher-forced with the base policy (mode mixed, seed 42)."""
-    splits = {}
-    with tempfile.TemporaryDirectory() as tmp, model.lora_disabled(policy):
+    """The released recipe's training set for this policy: of `make-data`'s matched clean and
+    contaminated train records, the ones pair.training_set keeps (mode mixed, seed 42),
+    teacher-forced with the base policy. The choice reads labels only, so it is made first and
+    only the kept records (about half) are traced."""
+    with tempfile.TemporaryDirectory() as tmp:
         make_shop_data(tmp, episodes=episodes, seed=PROBE_SEED)
-        for name in pair.TRAIN_SPLITS["mixed"]:
-            records = envs.load_matched(Path(tmp) / f"{name}.json")
-            rendered = [pair.render_record(r, tok) for r in records]
-            traces = model.trace_batch(policy, [ids for ids, _, _ in rendered],
-                                     [span for _, span, _ in rendered])
-            raws = [probes.raw_features(tr) for tr in traces]
-            raw = probes.stack_raw(raws)
-            raw["turn_idx"] = torch.tensor([int(r["turn_idx"]) for r in records])
-            y = torch.tensor([int(r["label"]) for r in records])
-            splits[name] = pair.Split(name, raw, y, [str(r["episode_id"]) for r in records],
-                                          {})
-    train = pair.training_set(splits, "mixed", PROBE_SEED)
-    log(f"  contaminated corpus: {len(train.y)} teacher-forced turns of `shop.py make-data "
+        loaded = [envs.load_matched(Path(tmp) / f"{name}.json")
+                  for name in pair.TRAIN_SPLITS["mixed"]]
+    # feature-less splits whose "raw" says where each row came from: (split, record) indices
+    index = {name: pair.Split(name, {"turn_idx": torch.tensor([int(r["turn_idx"]) for r in recs]),
+                                     "split": torch.full((len(recs),), s),
+                                     "record": torch.arange(len(recs))},
+                              torch.tensor([int(r["label"]) for r in recs]),
+                              [str(r["episode_id"]) for r in recs], {})
+             for s, (name, recs) in enumerate(zip(pair.TRAIN_SPLITS["mixed"], loaded))}
+    kept = pair.training_set(index, "mixed", PROBE_SEED)
+    records = [loaded[s][r] for s, r in zip(kept.raw["split"].tolist(),
+                                            kept.raw["record"].tolist())]
+    rendered = [pair.render_record(r, tok) for r in records]
+    with model.lora_disabled(policy):
+        traces = model.trace_batch(policy, [ids for ids, _, _ in rendered],
+                                   [span for _, span, _ in rendered])
+    raw = probes.stack_raw([probes.raw_features(tr) for tr in traces])
+    raw["turn_idx"] = kept.raw["turn_idx"]
+    log(f"  contaminated corpus: {len(kept.y)} teacher-forced turns of `shop.py make-data "
         f"--episodes {episodes}` (mode mixed)", flush=True)
-    return train
+    return pair.Split(kept.name, raw, kept.y, kept.episode_id, {})
 
 
 def fit_probes(train: pair.Split, info: dict) -> dict:

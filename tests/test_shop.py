@@ -18,6 +18,7 @@ import torch
 import envs
 import grpo
 import model as mdl
+import pair
 import probes
 import shop
 
@@ -465,6 +466,31 @@ def test_on_policy_corpus_labels_are_the_worlds():
     codes = dict(zip(kinds, split.raw["kind"].tolist()))
     assert [codes[k] for k in kinds] == split.raw["kind"].tolist()
     assert len(set(codes.values())) == len(codes)
+
+
+def test_contaminated_corpus_is_the_recipes_training_set_of_every_traced_record(tmp_path):
+    # the corpus picks its records from labels before tracing: the same rows, in the same order,
+    # as pair.training_set on both matched train splits traced whole, one record at a time
+    policy, tok = mdl.load_model(BUILTIN)
+    got = shop.contaminated_corpus(policy, tok, 3, lambda *a, **k: None)
+    shop.make_shop_data(tmp_path, episodes=3, seed=shop.PROBE_SEED)
+    splits = {}
+    for name in pair.TRAIN_SPLITS["mixed"]:
+        recs = envs.load_matched(tmp_path / f"{name}.json")
+        raws = []
+        for r in recs:
+            ids, span, _ = pair.render_record(r, tok)
+            raws.append(probes.raw_features(mdl.trace_forward(policy, ids, span)))
+        raw = probes.stack_raw(raws)
+        raw["turn_idx"] = torch.tensor([int(r["turn_idx"]) for r in recs])
+        splits[name] = pair.Split(name, raw, torch.tensor([int(r["label"]) for r in recs]),
+                                  [str(r["episode_id"]) for r in recs], {})
+    want = pair.training_set(splits, "mixed", shop.PROBE_SEED)
+    assert len(got.y) < sum(len(s.y) for s in splits.values())     # not every record is kept
+    assert torch.equal(got.y, want.y) and got.keys() == want.keys()
+    assert 0 < int(got.y.sum()) < len(got.y)
+    for key in want.raw:
+        torch.testing.assert_close(got.raw[key], want.raw[key], atol=1e-5, rtol=1e-4)
 
 
 def test_kind_balanced_indices_balance_every_kind_that_has_both_classes():
