@@ -1448,6 +1448,16 @@ def truncate_jsonl(path: Path, last_step: int):
     envs.write_atomic(path, "".join(json.dumps(r) + "\n" for r in keep))
 
 
+def below_chance(aurocs: list, window: int = 5) -> float | None:
+    """The drift monitor's alarm: the mean probe AUROC of the last `window` steps when it is
+    below chance (the frozen probe now ranks the run's wrong turns above its right ones, so its
+    reward favours them), else None."""
+    recent = [a for a in aurocs[-window:] if a is not None]
+    if len(recent) == window and sum(recent) / window < 0.5:
+        return sum(recent) / window
+    return None
+
+
 def progress_line(rec: dict, steps: int, elapsed: list[float], evals_left: float = 0.0) -> str:
     """The step's own time, and an ETA from the median of the last 10 steps (a rollout that
     rambles to --max-new-tokens makes single steps slow; the median does not jump with it)
@@ -1633,7 +1643,7 @@ def train(args) -> dict:
             "episodes (greedy)", flush=True)
 
     evaluate_and_log(start)      # the base model, or a checkpoint killed before its evaluation
-    elapsed = []
+    elapsed, aurocs, warned = [], [], False
     for step in range(start, args.steps):
         t = time.perf_counter()
         for group in optimizer.param_groups:
@@ -1647,6 +1657,12 @@ def train(args) -> dict:
         to_come = 0 if args.no_eval or not eval_seconds else eval_seconds[-1] * sum(
             s % args.save_every == 0 or s == args.steps for s in range(step + 1, args.steps + 1))
         log(progress_line(rec, args.steps, elapsed, to_come), flush=True)
+        aurocs.append(rec.get("probe_auroc"))
+        if not warned and below_chance(aurocs) is not None:
+            warned = True
+            log(f"warning: the probe ranks this run's own turns below chance (mean AUROC "
+                f"{below_chance(aurocs):.2f} over the last 5 steps, probe_auroc in "
+                "metrics.jsonl): its reward now favours wrong turns", flush=True)
         if (step + 1) % args.save_every == 0 or step + 1 == args.steps:
             path = save_checkpoint(out, step + 1, policy, optimizer, world, ctx)
             log(f"checkpoint {path}", flush=True)

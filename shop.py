@@ -1369,6 +1369,12 @@ def shop_probes(args, policy, tok, world, log, rollout) -> tuple[Path, dict]:
         f"{_num(h['pair']['all'])} (clean prefix {_num(h['pair']['clean_prefix'])}, after a "
         f"wrong turn {_num(h['pair']['contaminated_prefix'])}); the contaminated-corpus PAIR "
         f"on the same turns: {_num(ref['all'])}", flush=True)
+    mine = h.get(args.reward, h["pair"])["all"]         # the probe this run's reward reads
+    if mine is not None and mine < 0.5:
+        what = "PAIR" if args.reward == "pair" else f"the {args.reward} probe"
+        log(f"  warning: {what} ranks this policy's own held-out turns below chance "
+            f"({mine:.3f}): as a reward it favours wrong turns (`--probe-corpus on-policy` fits "
+            "it on the policy's own rollouts)", flush=True)
     return out, report
 
 

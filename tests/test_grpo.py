@@ -953,6 +953,28 @@ def test_probe_reads_base_equals_teacher_forcing_through_the_base():
                zip(generated, [s for t in trajs for s in t.steps]))
 
 
+def test_the_drift_monitor_warns_once_when_the_probe_falls_below_chance(tiny_policy, tmp_path,
+                                                                       monkeypatch, capsys):
+    assert grpo.below_chance([0.9, 0.4, 0.4, 0.4, 0.4]) is None           # not yet 5 below
+    assert grpo.below_chance([0.9, 0.4, 0.4, None, 0.4, 0.4]) is None     # a step without one
+    assert grpo.below_chance([0.9, 0.3, 0.4, 0.5, 0.4, 0.4]) == pytest.approx(0.4)
+    assert grpo.below_chance([0.3, 0.4, 0.5, 0.6, 0.7]) is None           # mean 0.5: not below
+    # a tiny random policy's turns are all wrong (no AUROC): feed the loop a falling monitor
+    real, falling = grpo.train_step, iter([0.8, 0.6, 0.4, 0.4, 0.4, 0.4, 0.3])
+
+    def step(*a, **kw):
+        rec = real(*a, **kw)
+        rec["probe_auroc"] = next(falling)
+        return rec
+    monkeypatch.setattr(grpo, "train_step", step)
+    run(flags(tiny_policy, tmp_path / "m", "pair", steps=7, save_every=7))
+    out = capsys.readouterr().out
+    assert out.count("below chance") == 1
+    lines = out.splitlines()
+    i = next(i for i, line in enumerate(lines) if "below chance" in line)
+    assert lines[i - 1].startswith("step    6/7") and "mean AUROC 0.44" in lines[i]
+
+
 def test_probe_reads_base_runs_and_logs_its_cost(tiny_policy, tmp_path):
     run(flags(tiny_policy, tmp_path / "b", "pair", steps=1, probe_reads="base"))
     (rec,) = metrics(tmp_path / "b")
