@@ -472,8 +472,9 @@ def test_probes_of_another_model_fail_up_front(tiny_policy, tmp_path, monkeypatc
 # ---------------------------------------------------------------------------------------------
 # torchrun: 2 processes x 1 prompt == 1 process x 2 prompts
 
-def test_two_processes_equal_one_process(tiny_policy, tmp_path, pair_cache):
-    kw = dict(batch=2, steps=2, lora_dropout=0.0, save_every=2)
+@pytest.mark.parametrize("reward", ["coe", "tree_grpo"])
+def test_two_processes_equal_one_process(reward, tiny_policy, tmp_path, pair_cache):
+    kw = dict(reward=reward, batch=2, steps=2, lora_dropout=0.0, save_every=2)
     env = dict(os.environ, PAIR_CACHE=str(pair_cache), OMP_NUM_THREADS="1")
     one, two = tmp_path / "one", tmp_path / "two"
     for out, launcher in ((one, [sys.executable]),
