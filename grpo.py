@@ -1303,6 +1303,7 @@ def train_step(step: int, run: Training) -> dict:
             caches = list({id(c): c for c, _ in forest.caches.values()}.values())
             count(ctx.cost, branch_rollouts=forest.branch_rollouts,
                   branch_tokens=forest.branch_tokens)
+        tb = time.perf_counter()
         if args.reward in NEEDS_STATS and args.probe_reads == "base":
             read_from_base(policy, group, args.micro_batch, ctx.cost)
         t2 = time.perf_counter()
@@ -1311,7 +1312,7 @@ def train_step(step: int, run: Training) -> dict:
             a, all_equal = TREE_SEARCH[args.reward](forest)
         t3 = time.perf_counter()
         t["t_rollout"] += t1 - t0
-        t["t_base_read"] += t2 - t1
+        t["t_base_read"] += t2 - tb
         t["t_reward"] += t3 - t1
         tried += 1
         if forest is None:

@@ -1380,6 +1380,8 @@ def test_tree_search_runs_and_resumes_exactly(reward, tiny_policy, tmp_path, mon
         assert rec["branch_rollouts"] == args["tree_n"] * (2 if reward == "tree_grpo" else 1)
         assert rec["gen_tokens"] >= rec["branch_tokens"] > 0 and rec["mem_kv_mb"] > 0
         assert rec["tokens"] >= rec["gen_tokens"]      # a turn shared by k leaves counts k times
+        # the sibling rollouts are the reward's time, not a base read's (there is none)
+        assert rec["t_base_read"] < rec["t_reward"] / 2
     cut = tmp_path / "cut"
     interrupted_run(monkeypatch, flags(tiny_policy, cut, reward, **kw))
     with pytest.raises(SystemExit, match="--tree-n"):
