@@ -819,14 +819,18 @@ def _check_contamination(rec, where) -> None:
 
 
 def episode_file(family: str, split: str, data_dir: str | Path | None) -> Path:
-    """data_dir/family/clean_{split}.json, downloaded first when it is missing."""
+    """data_dir/family/clean_{split}.json, downloaded first when it is missing (a split the
+    authors did not release, such as ToolBench's train, is one `split-episodes` wrote)."""
     name = f"clean_{split}.json"
+    path = Path(data_dir or default_data_dir()) / family / name
+    if path.is_file():
+        return path
     if name not in RELEASE_FILES[family]:
         raise DataError(f"{family} has no released '{split}' split (released: "
-                        f"{', '.join(RELEASE_FILES[family])})")
-    path = Path(data_dir or default_data_dir()) / family / name
-    if not path.is_file():
-        download(family, path.parent.parent)
+                        f"{', '.join(RELEASE_FILES[family])}) and {path} is missing: "
+                        f"`python envs.py split-episodes {family} --out {path.parent}` writes one from its "
+                        "test files")
+    download(family, path.parent.parent)
     return path
 
 

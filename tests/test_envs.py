@@ -478,7 +478,8 @@ def test_download_validates_and_writes_atomically(monkeypatch, tmp_path, release
 
 
 def test_missing_split_is_a_clear_error(tmp_path):
-    with pytest.raises(envs.DataError, match="no released 'train' split"):
+    with pytest.raises(envs.DataError, match="no released 'train' split .* `python envs.py "
+                       "split-episodes toolbench --out .*` writes one"):
         envs.make("toolbench", split="train", data_dir=tmp_path, judge_model=None)
     with pytest.raises(ValueError, match="unknown environment"):
         envs.make("webshop")

@@ -675,6 +675,30 @@ def test_gta_replay_runs(reward, release_dir, tiny_policy, tmp_path, monkeypatch
     assert val_env.ids == train_env.ids and not set(val_pool) & set(train_pool)
 
 
+@pytest.mark.parametrize("reward", ["tree_grpo", "at2po"])
+def test_toolbench_tree_search_runs_with_the_judge(reward, release_dir, tiny_policy, tmp_path,
+                                                   monkeypatch):
+    from test_envs import FakeOpenAI        # a local OpenAI-compatible judge
+    fake = FakeOpenAI()
+    monkeypatch.setenv("OPENAI_BASE_URL", fake.url)
+    monkeypatch.setenv("OPENAI_API_KEY", "sk-test")
+    fake.reply = lambda body: {"label": "yes"}
+    # ToolBench releases test files only: a by-episode split of a few of them (envs.py
+    # split-episodes) is its training data
+    envs.split_episodes(release_dir, "toolbench", tmp_path / "data" / "toolbench", seed=0,
+                        episodes=8)
+    try:
+        out = tmp_path / reward
+        summary = run(flags(tiny_policy, out, reward, env="toolbench", data_dir=tmp_path / "data",
+                            steps=1, eval_episodes=2))
+    finally:
+        fake.server.shutdown()
+        fake.server.server_close()
+    (rec,) = metrics(out)
+    assert rec["branch_rollouts"] > 0 and rec["tokens"] > 0 and math.isfinite(rec["loss"])
+    assert summary["base"]["episodes"] == 2 and summary["final"]["step"] == 1
+
+
 def test_probe_cache_is_reused(tiny_policy, tmp_path, pair_cache):
     run(flags(tiny_policy, tmp_path / "a", "last_token", steps=1))
     cached = list((pair_cache / "grpo-probes").glob("shop-*/contaminated-*/probes.json"))
