@@ -827,9 +827,9 @@ def episode_file(family: str, split: str, data_dir: str | Path | None) -> Path:
         return path
     if name not in RELEASE_FILES[family]:
         raise DataError(f"{family} has no released '{split}' split (released: "
-                        f"{', '.join(RELEASE_FILES[family])}) and {path} is missing: "
-                        f"`python envs.py split-episodes {family} --out {path.parent}` writes one from its "
-                        "test files")
+                        f"{', '.join(RELEASE_FILES[family])}) and {path} is missing: `python "
+                        f"envs.py split-episodes {family} --out {path.parent}` writes one from "
+                        "its test files")
     download(family, path.parent.parent)
     return path
 

@@ -1449,14 +1449,16 @@ def truncate_jsonl(path: Path, last_step: int):
     envs.write_atomic(path, "".join(json.dumps(r) + "\n" for r in keep))
 
 
-def below_chance(aurocs: list, window: int = 5) -> float | None:
-    """The drift monitor's alarm: the mean probe AUROC of the last `window` steps when it is
-    below chance (the frozen probe now ranks the run's wrong turns above its right ones, so its
-    reward favours them), else None."""
-    recent = [a for a in aurocs[-window:] if a is not None]
-    if len(recent) == window and sum(recent) / window < 0.5:
-        return sum(recent) / window
-    return None
+CHANCE_WINDOW = 5       # steps the drift monitor's alarm averages over
+
+
+def below_chance(aurocs: list) -> float | None:
+    """The drift monitor's alarm: the mean probe AUROC of the last CHANCE_WINDOW steps when it
+    is below chance (the frozen probe now ranks the run's wrong turns above its right ones, so
+    its reward favours them), else None."""
+    recent = [a for a in aurocs[-CHANCE_WINDOW:] if a is not None]
+    mean = sum(recent) / CHANCE_WINDOW
+    return mean if len(recent) == CHANCE_WINDOW and mean < 0.5 else None
 
 
 def progress_line(rec: dict, steps: int, elapsed: list[float], evals_left: float = 0.0) -> str:
@@ -1659,10 +1661,10 @@ def train(args) -> dict:
             s % args.save_every == 0 or s == args.steps for s in range(step + 1, args.steps + 1))
         log(progress_line(rec, args.steps, elapsed, to_come), flush=True)
         aurocs.append(rec.get("probe_auroc"))
-        if not warned and below_chance(aurocs) is not None:
+        if not warned and (mean := below_chance(aurocs)) is not None:
             warned = True
             log(f"warning: the probe ranks this run's own turns below chance (mean AUROC "
-                f"{below_chance(aurocs):.2f} over the last 5 steps, probe_auroc in "
+                f"{mean:.2f} over the last {CHANCE_WINDOW} steps, probe_auroc in "
                 "metrics.jsonl): its reward now favours wrong turns", flush=True)
         if (step + 1) % args.save_every == 0 or step + 1 == args.steps:
             path = save_checkpoint(out, step + 1, policy, optimizer, world, ctx)

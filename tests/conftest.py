@@ -1,6 +1,10 @@
-"""Shared test fixtures: the ../shared material (skipped cleanly when absent), the 0.5B model."""
+"""Shared test fixtures: the ../shared material (skipped cleanly when absent), the 0.5B model,
+a local OpenAI-compatible server."""
+import json
 import os
 import sys
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
@@ -45,3 +49,48 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(n)
+
+
+class FakeOpenAI:
+    """Answers POST /v1/chat/completions: scripted (status, body) first, then `reply(request)`."""
+
+    def __init__(self):
+        self.requests, self.script = [], []
+        self.reply = lambda body: {"label": "yes"}
+        fake = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(self):
+                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                fake.requests.append({"path": self.path, "body": body,
+                                      "auth": self.headers.get("Authorization")})
+                if fake.script:
+                    status, payload = fake.script.pop(0)
+                else:
+                    content = fake.reply(body)
+                    status, payload = 200, {"choices": [{"message": {
+                        "role": "assistant", "content": content if isinstance(content, str)
+                        else json.dumps(content)}}]}
+                data = json.dumps(payload).encode()
+                self.send_response(status)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            def log_message(self, *args):
+                pass
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}/v1"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+
+@pytest.fixture
+def fake_openai(monkeypatch):
+    fake = FakeOpenAI()
+    monkeypatch.setenv("OPENAI_BASE_URL", fake.url)
+    monkeypatch.setenv("OPENAI_API_KEY", "sk-test")
+    yield fake
+    fake.server.shutdown()
+    fake.server.server_close()

@@ -6,7 +6,7 @@ import random
 import subprocess
 import sys
 import threading
-from http.server import BaseHTTPRequestHandler, SimpleHTTPRequestHandler, ThreadingHTTPServer
+from http.server import SimpleHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
@@ -485,52 +485,7 @@ def test_missing_split_is_a_clear_error(tmp_path):
         envs.make("webshop")
 
 
-# ---- the OpenAI-compatible client against a fake server on 127.0.0.1 --------------------------
-
-class FakeOpenAI:
-    """Answers POST /v1/chat/completions: scripted (status, body) first, then `reply(request)`."""
-
-    def __init__(self):
-        self.requests, self.script = [], []
-        self.reply = lambda body: {"label": "yes"}
-        fake = self
-
-        class Handler(BaseHTTPRequestHandler):
-            def do_POST(self):
-                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-                fake.requests.append({"path": self.path, "body": body,
-                                      "auth": self.headers.get("Authorization")})
-                if fake.script:
-                    status, payload = fake.script.pop(0)
-                else:
-                    content = fake.reply(body)
-                    status, payload = 200, {"choices": [{"message": {
-                        "role": "assistant", "content": content if isinstance(content, str)
-                        else json.dumps(content)}}]}
-                data = json.dumps(payload).encode()
-                self.send_response(status)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(data)))
-                self.end_headers()
-                self.wfile.write(data)
-
-            def log_message(self, *args):
-                pass
-
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}/v1"
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
-
-
-@pytest.fixture
-def fake_openai(monkeypatch):
-    fake = FakeOpenAI()
-    monkeypatch.setenv("OPENAI_BASE_URL", fake.url)
-    monkeypatch.setenv("OPENAI_API_KEY", "sk-test")
-    yield fake
-    fake.server.shutdown()
-    fake.server.server_close()
-
+# ---- the OpenAI-compatible client against a fake server on 127.0.0.1 (conftest.fake_openai)
 
 def _client(tmp_path, **kw):
     return envs.ChatClient("judge-model", cache_dir=tmp_path / "llm", backoff=0.01, **kw)

@@ -677,23 +677,14 @@ def test_gta_replay_runs(reward, release_dir, tiny_policy, tmp_path, monkeypatch
 
 @pytest.mark.parametrize("reward", ["tree_grpo", "at2po"])
 def test_toolbench_tree_search_runs_with_the_judge(reward, release_dir, tiny_policy, tmp_path,
-                                                   monkeypatch):
-    from test_envs import FakeOpenAI        # a local OpenAI-compatible judge
-    fake = FakeOpenAI()
-    monkeypatch.setenv("OPENAI_BASE_URL", fake.url)
-    monkeypatch.setenv("OPENAI_API_KEY", "sk-test")
-    fake.reply = lambda body: {"label": "yes"}
+                                                   fake_openai):
     # ToolBench releases test files only: a by-episode split of a few of them (envs.py
-    # split-episodes) is its training data
+    # split-episodes) is its training data; ToolBench needs a judge to score answers
     envs.split_episodes(release_dir, "toolbench", tmp_path / "data" / "toolbench", seed=0,
                         episodes=8)
-    try:
-        out = tmp_path / reward
-        summary = run(flags(tiny_policy, out, reward, env="toolbench", data_dir=tmp_path / "data",
-                            steps=1, eval_episodes=2))
-    finally:
-        fake.server.shutdown()
-        fake.server.server_close()
+    out = tmp_path / reward
+    summary = run(flags(tiny_policy, out, reward, env="toolbench", data_dir=tmp_path / "data",
+                        steps=1, eval_episodes=2))
     (rec,) = metrics(out)
     assert rec["branch_rollouts"] > 0 and rec["tokens"] > 0 and math.isfinite(rec["loss"])
     assert summary["base"]["episodes"] == 2 and summary["final"]["step"] == 1
