@@ -15,7 +15,7 @@ The rendering functions (tool_instructions, render_action, render_final, dialog_
 shared by offline probe data and online rollouts, so a probe sees the same text in both.
 
 The built-in world, `shop` (episodes drawn from a seed, exact step labels, `make-data`), is in
-shop.py; `make("shop")` returns its environment.
+shop.py (`shop.ShopEnv`), one floor up: it is built on the classes here.
 
 Replay (paper Appendix eval): a tool call is answered from a cache built from the episode's gold
 dialog, keyed by (tool name, json.dumps(arguments, sort_keys=True)). Choices made here where the
@@ -42,21 +42,19 @@ paper and the release are silent or disagree (each is marked where it is impleme
 from __future__ import annotations
 
 import argparse
-import ast
-import hashlib
 import json
-import math
-import operator
 import os
 import random
 import re
 import sys
-import tempfile
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import requests
+
+import calculator
+import chat_api
+import common
 
 MAX_TURNS = 10                      # assistant turns per episode (paper Appendix eval)
 OBSERVATION_CHARS = 1000            # METHOD.md §2: longer tool results are cut and get "..."
@@ -295,155 +293,6 @@ def parse_react(text: str) -> Action | Final | ParseError:
 
 
 # ---------------------------------------------------------------------------------------------
-# Calculator: arithmetic by walking a whitelist of AST nodes - never eval
-# ---------------------------------------------------------------------------------------------
-
-MAX_EXPRESSION_CHARS = 1000
-MAX_INT_BITS = 4000          # ~1200 digits: bounds the work of *, ** and str() on integers
-MAX_FACTORIAL = 1000
-MAX_NDIGITS = 1000           # round(x, n) builds 10 ** |n|: n = -10**8 would run for minutes
-
-
-class CalculatorError(ValueError):
-    pass
-
-
-def _int_arg(x, fn):
-    if isinstance(x, float) and x.is_integer():
-        x = int(x)
-    if not isinstance(x, int):
-        raise CalculatorError(f"{fn}() needs an integer")
-    if abs(x) > MAX_FACTORIAL:
-        raise CalculatorError(f"{fn}() argument too large (limit {MAX_FACTORIAL})")
-    return x
-
-
-def _power(a, b):
-    # Refuse integer powers whose result would exceed MAX_INT_BITS before computing them.
-    if isinstance(a, int) and isinstance(b, int) and b > 0 and abs(a) > 1:
-        if b * math.log2(abs(a)) > MAX_INT_BITS:
-            raise CalculatorError("result too large")
-    return a ** b
-
-
-# Every operation is sized before it runs: each operand is already <= MAX_INT_BITS (checked
-# when it was computed), and the functions below refuse arguments whose result, or the work to
-# get it, would be larger. Checking the result afterwards is not enough: the work is done by then.
-
-def _multiply(a, b):
-    if isinstance(a, int) and isinstance(b, int) and \
-            a.bit_length() + b.bit_length() > MAX_INT_BITS + 1:
-        raise CalculatorError("result too large")
-    return a * b
-
-
-def _round(x, ndigits=None):
-    if ndigits is None:
-        return round(x)
-    if isinstance(ndigits, float) and ndigits.is_integer():
-        ndigits = int(ndigits)
-    if not isinstance(ndigits, int):
-        raise CalculatorError("round() needs an integer number of digits")
-    if abs(ndigits) > MAX_NDIGITS:
-        raise CalculatorError(f"round() digits out of range (limit {MAX_NDIGITS})")
-    return round(x, ndigits)
-
-
-def _lcm(*xs):
-    if sum(x.bit_length() for x in xs if isinstance(x, int)) > MAX_INT_BITS + len(xs):
-        raise CalculatorError("result too large")
-    return math.lcm(*xs)
-
-
-_BINARY = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: _multiply,
-           ast.Div: operator.truediv, ast.FloorDiv: operator.floordiv, ast.Mod: operator.mod,
-           ast.Pow: _power}
-_UNARY = {ast.USub: operator.neg, ast.UAdd: operator.pos}
-_FUNCTIONS = {
-    "abs": abs, "round": _round, "min": min, "max": max, "int": int, "float": float,
-    "pow": _power, "sqrt": math.sqrt, "cbrt": math.cbrt, "exp": math.exp, "log": math.log,
-    "log10": math.log10, "log2": math.log2, "log1p": math.log1p, "sin": math.sin,
-    "cos": math.cos, "tan": math.tan, "asin": math.asin, "acos": math.acos, "atan": math.atan,
-    "atan2": math.atan2, "sinh": math.sinh, "cosh": math.cosh, "tanh": math.tanh,
-    "degrees": math.degrees, "radians": math.radians, "floor": math.floor, "ceil": math.ceil,
-    "trunc": math.trunc, "fabs": math.fabs, "hypot": math.hypot, "gcd": math.gcd,
-    "lcm": _lcm, "isqrt": math.isqrt, "fsum": lambda *xs: math.fsum(xs),
-    "factorial": lambda n: math.factorial(_int_arg(n, "factorial")),
-    "comb": lambda n, k: math.comb(_int_arg(n, "comb"), _int_arg(k, "comb")),
-    "perm": lambda n, k: math.perm(_int_arg(n, "perm"), _int_arg(k, "perm")),
-}
-_CONSTANTS = {"pi": math.pi, "e": math.e, "tau": math.tau, "inf": math.inf, "nan": math.nan}
-
-
-def _evaluate(node):
-    if isinstance(node, ast.Expression):
-        return _evaluate(node.body)
-    if isinstance(node, ast.Constant):
-        if type(node.value) in (int, float):
-            return node.value
-        raise CalculatorError(f"unsupported literal {node.value!r}")
-    if isinstance(node, ast.BinOp) and type(node.op) in _BINARY:
-        value = _BINARY[type(node.op)](_evaluate(node.left), _evaluate(node.right))
-    elif isinstance(node, ast.UnaryOp) and type(node.op) in _UNARY:
-        value = _UNARY[type(node.op)](_evaluate(node.operand))
-    elif isinstance(node, (ast.Name, ast.Attribute)):
-        name = _qualified_name(node)
-        if name not in _CONSTANTS:
-            raise CalculatorError(f"unknown name '{name}'")
-        return _CONSTANTS[name]
-    elif isinstance(node, ast.Call):
-        name = _qualified_name(node.func)
-        if name not in _FUNCTIONS:
-            raise CalculatorError(f"unknown function '{name}'")
-        if node.keywords or any(isinstance(a, ast.Starred) for a in node.args):
-            raise CalculatorError(f"{name}() takes plain positional arguments only")
-        value = _FUNCTIONS[name](*[_evaluate(a) for a in node.args])
-    else:
-        raise CalculatorError(f"unsupported syntax ({type(node).__name__})")
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise CalculatorError("the result is not a real number")
-    if isinstance(value, int) and value.bit_length() > MAX_INT_BITS:
-        raise CalculatorError("result too large")
-    return value
-
-
-def _qualified_name(node) -> str:
-    # `sqrt` and `math.sqrt` both name the whitelisted function; no other attribute exists.
-    if isinstance(node, ast.Name):
-        return node.id
-    if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) \
-            and node.value.id == "math":
-        return node.attr
-    raise CalculatorError("attribute access is not allowed")
-
-
-def calculate(expression: str) -> str:
-    """Evaluate one arithmetic expression; the result as Python prints it, or 'Error: ...'.
-
-    Numbers, + - * / // % **, unary signs, parentheses, and math functions/constants by name
-    (`sqrt(2)` or `math.sqrt(2)`). Never raises.
-    """
-    try:
-        if not isinstance(expression, str):
-            raise CalculatorError("the expression must be a string")
-        if len(expression) > MAX_EXPRESSION_CHARS:
-            raise CalculatorError(f"expression longer than {MAX_EXPRESSION_CHARS} characters")
-        tree = ast.parse(expression.strip(), mode="eval")
-        if isinstance(tree.body, ast.Tuple):
-            raise CalculatorError("a comma separates values: write numbers without thousands "
-                                  "separators")
-        return str(_evaluate(tree))
-    except CalculatorError as e:
-        return f"Error: {e}"
-    except SyntaxError as e:
-        return f"Error: invalid expression ({e.msg})"
-    except RecursionError:
-        return "Error: expression nested too deeply"
-    except Exception as e:  # ZeroDivisionError, math domain errors, overflow, bad arity ...
-        return f"Error: {e}"
-
-
-# ---------------------------------------------------------------------------------------------
 # Episodes and environments
 # ---------------------------------------------------------------------------------------------
 
@@ -564,43 +413,9 @@ class DataError(ValueError):
     pass
 
 
-def cache_root() -> Path:
-    """Where everything fetched or fitted once is kept: Hub checkpoints, the released data, LLM
-    judgments, the built-in policy's probes and base evaluations. $PAIR_CACHE, else
-    ~/.cache/pair."""
-    return Path(os.environ.get("PAIR_CACHE") or Path.home() / ".cache" / "pair").expanduser()
-
-
 def default_data_dir() -> Path:
-    return Path(os.environ.get("PAIR_DATA") or cache_root() / "data")
+    return Path(os.environ.get("PAIR_DATA") or common.cache_root() / "data")
 
-
-# The process's umask, read once at import: os.umask can only be read by setting it, and setting
-# it while another thread creates a file would give that file the wrong mode.
-_UMASK = os.umask(0o022)
-os.umask(_UMASK)
-
-
-def write_atomic(path: Path, data: bytes | str) -> None:
-    """The one way this project writes a file: a unique temporary file beside it, then
-    os.replace, so a reader (or a run killed mid-write) sees the old file or the new one."""
-    path = Path(path)
-    data = data.encode() if isinstance(data, str) else data
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        # mkstemp creates the file 0600; the result gets the mode open() would have given it
-        os.fchmod(fd, 0o666 & ~_UMASK)
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-        os.replace(tmp, path)
-    except BaseException:
-        os.unlink(tmp)
-        raise
-
-
-def write_json(path: Path, obj, indent: int = 1) -> None:
-    write_atomic(path, json.dumps(obj, indent=indent) + "\n")
 
 
 def download(family: str, data_dir: str | Path | None = None, ref: str = RELEASE_REF,
@@ -630,7 +445,7 @@ def download(family: str, data_dir: str | Path | None = None, ref: str = RELEASE
             _check_matched_file(data, url)
         else:
             _check_episode_file(data, url)
-        write_atomic(dest, r.content)
+        common.write_atomic(dest, r.content)
     return folder
 
 
@@ -979,7 +794,7 @@ class GTAEpisode(Episode):
             expression = arguments.get("expression")
             if not isinstance(expression, str):
                 return 'Error: Calculator takes {"expression": "<arithmetic expression>"}'
-            return calculate(expression)
+            return calculator.calculate(expression)
         return simulator_miss(name, arguments)
 
     def score(self, match: str | None = None) -> float | None:
@@ -1002,184 +817,8 @@ class GTAEnv(Env):
     def _new_episode(self, key, record):
         return GTAEpisode(key, record, self.match)
 
-# ---------------------------------------------------------------------------------------------
-# An OpenAI-compatible chat client (LLM judge, step judge, contamination)
-# ---------------------------------------------------------------------------------------------
 
-class LLMError(RuntimeError):
-    pass
-
-
-class AuthError(LLMError):
-    pass
-
-
-class BadReply(LLMError):
-    """The endpoint answered, but not with the JSON object asked for."""
-
-
-class ChatClient:
-    """POST {OPENAI_BASE_URL}/chat/completions with requests, JSON-object replies only.
-
-    Replies are cached on disk under the SHA-256 of the request body (model, messages,
-    temperature, max_tokens, response format), so a repeated call makes no request and an
-    interrupted run resumes. 429, 5xx and connection errors are retried with exponential backoff
-    (Retry-After honoured); 401 fails at once. A missing key fails in the constructor, before
-    any work starts.
-    """
-
-    def __init__(self, model: str, base_url: str | None = None, api_key: str | None = None,
-                 cache_dir: str | Path | None = None, max_retries: int = 6,
-                 backoff: float = 1.0, timeout: float = 120.0):
-        self.api_key = api_key or os.environ.get("OPENAI_API_KEY")
-        if not self.api_key:
-            raise LLMError("OPENAI_API_KEY is not set: the LLM judge and the contamination "
-                           "generator need an OpenAI-compatible endpoint (OPENAI_API_KEY, and "
-                           "OPENAI_BASE_URL for a server other than api.openai.com)")
-        self.model = model
-        self.base_url = (base_url or os.environ.get("OPENAI_BASE_URL")
-                         or "https://api.openai.com/v1").rstrip("/")
-        self.cache_dir = Path(cache_dir) if cache_dir else cache_root() / "llm"
-        self.max_retries = max_retries
-        self.backoff = backoff
-        self.timeout = timeout
-        self.session = requests.Session()
-        self.requests_made = 0          # HTTP requests sent (cache hits send none)
-
-    def chat_json(self, messages: list[dict], check=None, temperature: float = 0.0,
-                  max_tokens: int = 512) -> tuple[dict, str]:
-        """(parsed JSON object, raw reply). `check(obj)` may raise ValueError to reject a reply;
-        a rejected or unparsable reply raises BadReply and is not cached."""
-        body = {"model": self.model, "messages": messages, "temperature": temperature,
-                "max_tokens": max_tokens, "response_format": {"type": "json_object"}}
-        digest = hashlib.sha256(json.dumps(body, sort_keys=True, ensure_ascii=False)
-                                .encode("utf-8")).hexdigest()
-        path = self.cache_dir / digest[:2] / f"{digest}.json"
-        if path.is_file():
-            try:
-                raw = json.loads(path.read_text(encoding="utf-8"))["reply"]
-                return _checked_json(raw, check), raw
-            except (ValueError, KeyError, TypeError):
-                pass                        # unreadable entry: ask again and overwrite it
-        raw = self._post(body)
-        try:
-            obj = _checked_json(raw, check)
-        except ValueError as e:
-            raise BadReply(f"{self.model} replied with an unusable answer ({e}): "
-                           f"{raw[:300]!r}") from e
-        write_atomic(path, json.dumps({"request": body, "reply": raw},
-                                      ensure_ascii=False).encode("utf-8"))
-        return obj, raw
-
-    def _post(self, body: dict) -> str:
-        url = f"{self.base_url}/chat/completions"
-        headers = {"Authorization": f"Bearer {self.api_key}"}
-        for attempt in range(self.max_retries + 1):
-            wait = self.backoff * 2 ** attempt
-            try:
-                self.requests_made += 1
-                r = self.session.post(url, json=body, headers=headers, timeout=self.timeout)
-            except (requests.ConnectionError, requests.Timeout) as e:
-                problem = f"connection error: {e}"
-            else:
-                if r.status_code == 200:
-                    try:
-                        return r.json()["choices"][0]["message"]["content"]
-                    except (ValueError, KeyError, IndexError, TypeError) as e:
-                        raise LLMError(f"{url}: unexpected reply {r.text[:300]!r}") from e
-                if r.status_code == 401:
-                    raise AuthError(f"{url} answered 401 Unauthorized: the key in "
-                                    "OPENAI_API_KEY was rejected")
-                if r.status_code != 429 and r.status_code < 500:
-                    raise LLMError(f"{url} answered HTTP {r.status_code}: {r.text[:300]}")
-                problem = f"HTTP {r.status_code}"
-                try:
-                    wait = max(wait, float(r.headers.get("Retry-After", 0)))
-                except ValueError:
-                    pass
-            if attempt == self.max_retries:
-                raise LLMError(f"{url}: giving up after {attempt + 1} attempts ({problem})")
-            time.sleep(min(wait, 60.0))
-        raise AssertionError("unreachable")
-
-
-def _checked_json(raw: str, check) -> dict:
-    text = raw.strip()
-    if text.startswith("```"):      # tolerate a fenced reply from servers without JSON mode
-        text = re.sub(r"^```[A-Za-z]*\s*|\s*```$", "", text)
-    obj = json.loads(text)
-    if not isinstance(obj, dict):
-        raise ValueError("the reply is not a JSON object")
-    if check is not None:
-        check(obj)
-    return obj
-
-
-# ---- the ToolBench answer judge (paper Appendix eval) -----------------------------------------
-
-ANSWER_JUDGE_SYSTEM = """\
-You grade the final answer of a tool-using assistant against a reference answer.
-The reference was written from the tool outputs recorded when the task was collected; judge the
-answer against the reference's key facts - named entities, numbers, dates and stated relations -
-not against your own knowledge. Wording, order and formatting differences do not matter.
-Labels:
-- "yes": the answer captures most of the reference's key facts.
-- "partial": it captures some key facts, with minor omissions or local errors.
-- "no": a refusal, an empty or off-topic answer, or most key facts missing or wrong.
-Reply with a JSON object only: {"label": "yes" | "partial" | "no", "reason": "<one sentence>"}"""
-
-ANSWER_LABELS = {"yes": 1.0, "partial": 0.5, "no": 0.0}
-
-
-def judge_answer(client: ChatClient, task: str, reference: str, answer: str) -> float:
-    """yes 1.0 / partial 0.5 / no 0.0 for `answer` against `reference` (temperature 0)."""
-    def check(obj):
-        if obj.get("label") not in ANSWER_LABELS:
-            raise ValueError(f"label must be one of {', '.join(ANSWER_LABELS)}")
-    user = (f"Task:\n{task.strip()}\n\nReference answer:\n{reference.strip()}\n\n"
-            f"Assistant's final answer:\n{answer.strip()}")
-    obj, _ = client.chat_json([{"role": "system", "content": ANSWER_JUDGE_SYSTEM},
-                               {"role": "user", "content": user}], check=check)
-    return ANSWER_LABELS[obj["label"]]
-
-
-# ---- the per-step LLM-as-a-judge baseline reward (paper §5, Appendix prompts) -----------------
-
-STEP_JUDGE_SYSTEM = """\
-You are an expert evaluator of tool-using AI agents. You see a task (with the agent's tools and
-reply format), the agent's trajectory so far, and its latest step. Rate the quality of the latest
-step alone, on a scale from 1 to 10:
-- 9-10: correct and necessary; it clearly advances the task. Its reasoning is faithful to the
-  observations and its tool call and arguments are right (or it is a correct final answer).
-- 7-8: correct and useful, with a minor inefficiency or imprecision.
-- 5-6: partly useful: plausible but redundant, vague, or weakly justified.
-- 3-4: mostly wrong: it misreads an observation, picks a wrong tool or wrong arguments, or
-  reasons in a flawed way.
-- 1-2: harmful or invalid: invented facts, a contradiction of the observations, a malformed
-  action, or a wrong final answer.
-Do not reward length or confident tone. Reply with a JSON object only: {"score": <integer 1-10>}"""
-
-
-def judge_step(client: ChatClient, messages: list[dict]) -> float:
-    """The LLM-as-a-judge step reward in [0, 1]: (score - 1) / 9 for a 1-10 judgment of the last
-    message of `messages` (METHOD.md §2 chat: task first, the assistant turn to rate last)."""
-    if len(messages) < 2 or messages[-1]["role"] != "assistant":
-        raise ValueError("judge_step needs a chat ending with the assistant turn to rate")
-
-    def check(obj):
-        s = obj.get("score")
-        if type(s) is not int or not 1 <= s <= 10:
-            raise ValueError("score must be an integer from 1 to 10")
-    history = "\n\n".join(("Agent:\n" if m["role"] == "assistant" else "") + m["content"]
-                          for m in messages[1:-1]) or "(no earlier steps)"
-    user = (f"Task:\n{messages[0]['content']}\n\nTrajectory so far:\n{history}\n\n"
-            f"Latest step to rate:\n{messages[-1]['content']}")
-    obj, _ = client.chat_json([{"role": "system", "content": STEP_JUDGE_SYSTEM},
-                               {"role": "user", "content": user}], check=check)
-    return (obj["score"] - 1) / 9
-
-
-# ---- ToolBench ---------------------------------------------------------------------------------
+# ---- ToolBench (its answers are scored by chat_api's LLM judge) -------------------------------
 
 HISTORY_CHARS = 6000
 ELIDED_OBSERVATION = "Observation: [older observation elided]"
@@ -1197,7 +836,8 @@ class ToolBenchEpisode(Episode):
     """
 
     def __init__(self, key: str, record: dict, fuzzy: bool = False,
-                 history_chars: int | None = HISTORY_CHARS, judge: ChatClient | None = None):
+                 history_chars: int | None = HISTORY_CHARS,
+                 judge: chat_api.ChatClient | None = None):
         super().__init__(key, record["dialogs"][0]["content"], record["tools"], record["files"])
         self.task = record["dialogs"][0]["content"]
         self.cache = ReplayCache(record["dialogs"])
@@ -1234,9 +874,9 @@ class ToolBenchEpisode(Episode):
         if self.final_answer is None:
             return 0.0
         if self.judge is None:
-            raise LLMError("ToolBench scoring needs the LLM judge: make('toolbench', "
+            raise chat_api.LLMError("ToolBench scoring needs the LLM judge: make('toolbench', "
                            "judge_model=...)")
-        return judge_answer(self.judge, self.task, toolbench_reference(self.gt_answer),
+        return chat_api.judge_answer(self.judge, self.task, toolbench_reference(self.gt_answer),
                             self.final_answer)
 
 
@@ -1257,7 +897,8 @@ class ToolBenchEnv(Env):
                  history_chars: int | None = HISTORY_CHARS,
                  judge_model: str | None = "gpt-4o-mini", judge_cache=None):
         # The judge first: a missing key must fail before any data is read or fetched.
-        self.judge = ChatClient(judge_model, cache_dir=judge_cache) if judge_model else None
+        self.judge = chat_api.ChatClient(judge_model, cache_dir=judge_cache) \
+            if judge_model else None
         super().__init__(load_episodes(episode_file("toolbench", split, data_dir)))
         self.fuzzy = fuzzy
         self.history_chars = history_chars
@@ -1275,44 +916,6 @@ class ToolBenchEnv(Env):
 # and log type, dialog index, original turn and raw reply. The choices come from
 # random.Random(f"{seed}:{episode id}"), so a run is deterministic given --seed and the reply
 # cache, and does not depend on the order of episodes.
-
-_CONTAMINATION_PREAMBLE = """\
-You help build a benchmark of errors made by tool-using AI agents. You receive an agent's task,
-its trajectory so far, and one target step. Rewrite the target step so that it stays fluent,
-confident, and consistent in style and length with the original, yet is objectively incorrect in
-the specific way described below - the kind of mistake a reasonable but mistaken agent could
-make. Never hint that the step is wrong: no disclaimers, apologies, or meta comments.
-"""
-
-CONTAMINATION_SYSTEM = {
-    "reasoning_error": _CONTAMINATION_PREAMBLE + """
-Error type: reasoning error. Rewrite the step's Thought so that it contains a logically flawed
-inference - for example a wrong calculation or comparison, an unjustified conclusion, a mistaken
-plan, or two entities confused - while reading as coherent with the conversation. The tool call
-(if any) stays as it is and is not part of your reply.
-Reply with a JSON object only: {"thought": "<the rewritten thought>"}""",
-    "tool_misuse": _CONTAMINATION_PREAMBLE + """
-Error type: tool misuse. Rewrite the step's tool call: call an inappropriate tool from the
-available list, supply a malformed argument, or call the right tool with semantically wrong
-parameters (a wrong value, entity, file, date or unit). The call must stay syntactically valid: a
-tool name and a JSON object of arguments. The thought stays as it is.
-Reply with a JSON object only: {"action": "<tool name>", "action_input": {<arguments>}}""",
-    "observation_misinterpretation": _CONTAMINATION_PREAMBLE + """
-Error type: observation misinterpretation. Rewrite the step's Thought so that it reaches a
-conclusion inconsistent with the immediately preceding observation - for example claiming a call
-succeeded when it failed, reading the wrong field or number, or misreporting a value. The tool
-call (if any) stays as it is and is not part of your reply.
-Reply with a JSON object only: {"thought": "<the rewritten thought>"}""",
-    "stale_memory": _CONTAMINATION_PREAMBLE + """
-Error type: stale memory. Rewrite the step so that it relies on information from earlier in the
-trajectory in a way that contradicts later evidence - for example it carries an outdated value,
-a superseded plan, or an earlier result that a later observation corrected, as if it were
-current. Rewrite the Thought and, if the step calls a tool, the call consistently with the stale
-belief (keep the call unchanged if the stale belief does not affect it).
-Reply with a JSON object only: {"thought": "<the rewritten thought>"} for a step without a tool
-call, else {"thought": "...", "action": "<tool name>", "action_input": {<arguments>}}""",
-}
-
 
 def assistant_positions(dialog: list[dict]) -> list[int]:
     return [i for i, m in enumerate(dialog) if m["role"] == "assistant"]
@@ -1352,7 +955,7 @@ def contamination_messages(record: dict, idx: int, kind: str) -> list[dict]:
     parts.append(f"Target step (step {turn_no} of {n_turns}), to rewrite with a "
                  f"{kind.replace('_', ' ')} error:\n{render_assistant(dialog[idx])}")
     parts.append("Reply with the JSON object described in your instructions.")
-    return [{"role": "system", "content": CONTAMINATION_SYSTEM[kind]},
+    return [{"role": "system", "content": chat_api.CONTAMINATION_SYSTEM[kind]},
             {"role": "user", "content": "\n\n".join(parts)}]
 
 
@@ -1376,7 +979,7 @@ def contaminated_turn(message: dict, kind: str, reply: dict) -> dict:
     return new
 
 
-def contaminate_record(client: ChatClient, key: str, record: dict, seed: int
+def contaminate_record(client: chat_api.ChatClient, key: str, record: dict, seed: int
                        ) -> tuple[dict | None, str]:
     """(contaminated record, "ok") or (None, why it was left out)."""
     dialog = record["dialogs"]
@@ -1397,7 +1000,7 @@ def contaminate_record(client: ChatClient, key: str, record: dict, seed: int
     try:
         reply, raw = client.chat_json(contamination_messages(record, idx, kind), check=check,
                                       max_tokens=1024)
-    except BadReply as e:       # one call per turn (paper): a bad reply leaves the episode out
+    except chat_api.BadReply as e:  # one call per turn (paper): a bad reply leaves the episode out
         print(f"episode {key}: {e}", file=sys.stderr)
         return None, "bad_reply"
     turn = contaminated_turn(dialog[idx], kind, reply)
@@ -1412,7 +1015,7 @@ def contaminate_record(client: ChatClient, key: str, record: dict, seed: int
     return out, "ok"
 
 
-def contaminate_file(data: str | Path, out: str | Path, client: ChatClient, seed: int = 42,
+def contaminate_file(data: str | Path, out: str | Path, client: chat_api.ChatClient, seed: int = 42,
                      min_turns: int = 3, max_turns: int = 8) -> dict[str, int]:
     """Contaminate every episode of an episode file whose assistant-turn count T lies in
     [min_turns, max_turns] (the paper's filters); write the released schema atomically."""
@@ -1432,7 +1035,7 @@ def contaminate_file(data: str | Path, out: str | Path, client: ChatClient, seed
                 result[key] = new
         counts[status] = counts.get(status, 0) + 1
     _check_episode_file(result, out)
-    write_atomic(Path(out), json.dumps(result, indent=2, ensure_ascii=False).encode("utf-8"))
+    common.write_atomic(Path(out), json.dumps(result, indent=2, ensure_ascii=False).encode("utf-8"))
     return counts
 
 
@@ -1441,20 +1044,16 @@ def contaminate_file(data: str | Path, out: str | Path, client: ChatClient, seed
 # ---------------------------------------------------------------------------------------------
 
 def make(name: str, split: str = "test", data_dir=None, **kw) -> Env:
-    """An environment by name: shop (built-in, from a seed), gta or toolbench (replay).
+    """A replay environment by name: gta or toolbench (the built-in world is shop.ShopEnv).
 
     gta: match="strict" | "loose". toolbench: fuzzy=False, history_chars=6000,
-    judge_model="gpt-4o-mini" (None: no scoring), judge_cache=None. shop: seed=42,
-    episodes=None (shop.ShopEnv).
+    judge_model="gpt-4o-mini" (None: no scoring), judge_cache=None.
     """
-    if name == "shop":
-        import shop     # the built-in world lives in shop.py, which imports this module
-        return shop.ShopEnv(split, kw.pop("seed", 42), **kw)
     if name == "gta":
         return GTAEnv(split, data_dir, **kw)
     if name == "toolbench":
         return ToolBenchEnv(split, data_dir, **kw)
-    raise ValueError(f"unknown environment {name!r}: choose shop, gta or toolbench")
+    raise ValueError(f"unknown environment {name!r}: choose gta or toolbench")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -1578,9 +1177,9 @@ def make_gta_diagnostic(data_dir=None, out_dir=None, seed: int = 0) -> dict[str,
     _check_matched_file(records, "matched_diagnostic_test.json")
     used = {r["episode_id"] for r in records}
     out_dir = Path(out_dir or folder)
-    write_atomic(out_dir / "diagnostic_test.json", json.dumps(
+    common.write_atomic(out_dir / "diagnostic_test.json", json.dumps(
         {k: v for k, v in clean.items() if k in used}, indent=2).encode())
-    write_atomic(out_dir / "matched_diagnostic_test.json", json.dumps(records).encode())
+    common.write_atomic(out_dir / "matched_diagnostic_test.json", json.dumps(records).encode())
     counts: dict[str, int] = {}
     for r in records:
         counts[r["diagnostic_rule"]] = counts.get(r["diagnostic_rule"], 0) + 1
@@ -1628,7 +1227,7 @@ def split_episodes(data_dir, family: str, out_dir, seed: int = 0, fraction: floa
             else:
                 part = {k: v for k, v in data[name].items() if k in keep}
             target = Path(out_dir) / f"{name}_{split}.json"
-            write_atomic(target, json.dumps(part, indent=None if name.startswith("matched_")
+            common.write_atomic(target, json.dumps(part, indent=None if name.startswith("matched_")
                                             else 2).encode())
             counts[target.name] = len(part)
     return counts
@@ -1720,7 +1319,7 @@ def main(argv=None):
     args = ap.parse_args(argv)
     try:
         _run(args)
-    except (DataError, LLMError) as e:      # expected failures: one clear line, no traceback
+    except (DataError, chat_api.LLMError) as e:  # expected failures: one clear line, no traceback
         sys.exit(f"error: {e}")
 
 
@@ -1728,7 +1327,7 @@ def _run(args):
     if args.command == "download":
         print(download(args.family, args.data_dir, args.ref, args.force))
     elif args.command == "contaminate":
-        client = ChatClient(args.model, cache_dir=args.cache_dir)
+        client = chat_api.ChatClient(args.model, cache_dir=args.cache_dir)
         counts = contaminate_file(args.data, args.out, client, args.seed, args.min_turns,
                                   args.max_turns)
         print(json.dumps({"out": args.out, "counts": counts,

@@ -1,6 +1,7 @@
 """PAIR — Prefix-Aware Internal Reward: the two-stage probe, its reward, and the paper's tables.
 
-PAIR (paper Eq. stage1 / stage2, METHOD.md §6) scores one assistant turn from the model's internals:
+PAIR (paper Eq. stage1 / stage2, METHOD.md §6) scores one assistant turn from the model's
+internals:
     Stage 1  s_bc    = sigma(w_1 . h + b_1)            h = last-token hidden state (last_token)
     Stage 2  s_final = sigma(w_2 . [a; s_bc] + b_2)    a = multi_attn: [max, std, prefix, self] of
                                                           every head, every layer (layer-major)
@@ -50,7 +51,6 @@ import hashlib
 import itertools
 import json
 import math
-import os
 import shutil
 import sys
 import time
@@ -59,9 +59,11 @@ from pathlib import Path
 
 import torch
 
+import common
 import envs
 import model as mdl
 import probes
+import weights
 from probes import ATTN_STATS, FEATURES, Probe, attn_features, feature
 
 SEEDS = (42, 43, 44)
@@ -99,7 +101,7 @@ class Pair:
         self.stage2.save(directory / "stage2.safetensors")
         config = {"format": "pair/1", "hidden_feature": "last_token", "stats": list(self.stats),
                   "stage1": "stage1.safetensors", "stage2": "stage2.safetensors", **self.info}
-        envs.write_atomic(directory / "pair.json", json.dumps(config, indent=2) + "\n")
+        common.write_atomic(directory / "pair.json", json.dumps(config, indent=2) + "\n")
 
     @classmethod
     def load(cls, directory) -> "Pair":
@@ -217,7 +219,7 @@ def check_probe_model(probe_path, model_dir) -> None:
         info, d = pair.info, pair.stage1.w.numel()
     else:
         info, d = Probe.load(probe_path).info, None
-    config = mdl.read_config(model_dir)
+    config = weights.read_config(model_dir)
     have = {"d": config.hidden_size, "L": config.num_hidden_layers,
             "H": config.num_attention_heads}
     model = {"model": str(model_dir), "dims": have}
@@ -226,7 +228,7 @@ def check_probe_model(probe_path, model_dir) -> None:
                                  f"is {probes.describe_source(model)}: fitted on another model")
     recorded = probes.source(info)
     if "model_sha256" in recorded:
-        model["model_sha256"] = mdl.checkpoint_sha256(model_dir)
+        model["model_sha256"] = weights.checkpoint_sha256(model_dir)
     if "dims" in recorded or "model_sha256" in recorded:
         probes.check_same_source(recorded, probe_path, model, f"--model {model_dir}")
     else:
@@ -299,7 +301,7 @@ def extract(net, tokenizer, data_path, out_path, max_len=4096, shard_size=32,
                 "max_len": max_len, **(manifest_extra or {})}
     known = _reusable_rows(reuse, manifest)
     # One writer: a second run on the same output would delete this one's shards at its merge.
-    with exclusive_dir(parts):
+    with common.exclusive_dir(parts):
         return _extract_parts(net, tokenizer, records, data_path, parts, out_path, manifest,
                               max_len, shard_size, log, known)
 
@@ -333,7 +335,7 @@ def _extract_parts(net, tokenizer, records, data_path, parts, out_path, manifest
           f"extract {data_path.name}: {len(records)} records", file=log)
 
     failed, buffer, n_reused = [], [], 0
-    t0, pacer = time.perf_counter(), mdl.Pacer(len(todo), log)
+    t0, pacer = time.perf_counter(), common.Pacer(len(todo), log)
     for n_new, i in enumerate(todo, 1):
         record = records[i]
         rid = f"{record['episode_id']}@{record['turn_idx']}"
@@ -360,7 +362,7 @@ def _extract_parts(net, tokenizer, records, data_path, parts, out_path, manifest
             rate = n_new / (time.perf_counter() - t0)
             eta = (len(todo) - n_new) / rate if rate > 0 else 0
             print(f"  {len(done) + n_new}/{len(records)} records  {rate:.2f} rec/s  "
-                  f"ETA {_hms(eta)}  failed {len(failed)}  reused {n_reused}", file=log)
+                  f"ETA {common.hms(eta)}  failed {len(failed)}  reused {n_reused}", file=log)
     if not todo:
         _write_shard(parts, [], [])
 
@@ -390,7 +392,7 @@ def _open_parts(parts: Path, manifest: dict) -> set[int]:
                              "rerun with the same ones or delete that directory")
     else:
         parts.mkdir(parents=True, exist_ok=True)
-        envs.write_atomic(path, json.dumps(manifest, indent=2) + "\n")
+        common.write_atomic(path, json.dumps(manifest, indent=2) + "\n")
     done = set()
     for shard in sorted(parts.glob("shard_*.safetensors")):
         done.update(probes.read_safetensors(shard, "shard")[0]["record_index"].tolist())
@@ -402,7 +404,7 @@ def _write_shard(parts: Path, buffer: list[dict], failed: list[dict]) -> None:
         stacked = {k: torch.stack([r[k] for r in buffer]) for k in buffer[0]}
         first = int(stacked["record_index"][0])
         probes.save_safetensors(stacked, parts / f"shard_{first:07d}.safetensors", {})
-    envs.write_atomic(parts / "failed.json", json.dumps(failed, indent=1) + "\n")
+    common.write_atomic(parts / "failed.json", json.dumps(failed, indent=1) + "\n")
 
 
 def _merge_parts(parts, records, out_path, manifest, failed, log) -> dict:
@@ -455,94 +457,6 @@ def _merge_parts(parts, records, out_path, manifest, failed, log) -> dict:
 
 # ----------------------------------------------------------------------------------------------
 # One writer per output directory
-
-LOCK_FILE = ".lock"
-_claims: dict[str, list] = {}       # resolved directory -> [its open lock file, claim depth]
-
-
-def claim(directory, wait=None) -> Path:
-    """Make this process the only writer of `directory` (created if needed) until it exits or
-    calls release(); a directory another process holds is refused with its pid, or, with
-    wait=log (a print-like function), waited for after saying so. Claims nest within a process.
-
-    The lock is flock() on DIRECTORY/.lock: the kernel drops it when the holder exits, however
-    it exits (kill -9 included), so there is no stale lock to judge by pid or age. A lock file
-    created with O_EXCL would need such a rule, and a recycled pid defeats it. The file may be
-    deleted while held (the holder removes OUT.parts when it is done), so a lock is only taken
-    on the file that is still at that path."""
-    import fcntl                    # POSIX only, so imported where it is needed
-    directory = Path(directory)
-    key = str(directory.resolve())
-    held = _claims.get(key)
-    if held is not None and _is_file_at(held[0], directory / LOCK_FILE):
-        held[1] += 1
-        return directory
-    for _ in range(100):
-        try:
-            directory.mkdir(parents=True, exist_ok=True)
-        except (FileExistsError, NotADirectoryError):
-            raise SystemExit(f"{directory}: not a directory (an output directory is needed "
-                             "here)") from None
-        except OSError as e:
-            raise SystemExit(f"{directory}: cannot create it ({e.strerror})") from None
-        try:
-            f = open(directory / LOCK_FILE, "a+")   # "a+": the holder's pid stays readable
-        except FileNotFoundError:                   # the directory was removed meanwhile
-            continue
-        except OSError as e:
-            raise SystemExit(f"{directory}: cannot write there ({e.strerror})") from None
-        try:
-            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            f.seek(0)
-            pid = f.read().strip() or "?"
-            if wait is None:
-                f.close()
-                raise SystemExit(f"{directory} is in use by pid {pid}; wait for that process to "
-                                 "finish (or stop it), or write somewhere else") from None
-            wait(f"{directory} is in use by pid {pid}: waiting for it", flush=True)
-            fcntl.flock(f, fcntl.LOCK_EX)
-        if _is_file_at(f, directory / LOCK_FILE):
-            f.truncate(0)
-            f.write(f"{os.getpid()}\n")
-            f.flush()
-            _claims[key] = [f, 1]
-            return directory
-        f.close()                                   # locked a file that was just deleted
-    raise SystemExit(f"{directory}: could not be locked (removed again and again meanwhile)")
-
-
-def release(directory) -> None:
-    held = _claims.get(str(Path(directory).resolve()))
-    if held is not None:
-        held[1] -= 1
-        if held[1] == 0:
-            del _claims[str(Path(directory).resolve())]
-            held[0].close()                         # closing the file drops the lock
-
-
-@contextlib.contextmanager
-def exclusive_dir(directory):
-    """`with exclusive_dir(out):` claim() for the duration of the block."""
-    claim(directory)
-    try:
-        yield Path(directory)
-    finally:
-        release(directory)
-
-
-def _is_file_at(f, path: Path) -> bool:
-    try:
-        a, b = os.fstat(f.fileno()), os.stat(path)
-    except FileNotFoundError:
-        return False
-    return (a.st_dev, a.st_ino) == (b.st_dev, b.st_ino)
-
-
-def _hms(seconds: float) -> str:
-    seconds = int(seconds)
-    return f"{seconds // 3600}h{seconds // 60 % 60:02d}m{seconds % 60:02d}s"
-
 
 # ----------------------------------------------------------------------------------------------
 # Training protocol (METHOD.md §8)
@@ -1108,7 +1022,7 @@ def cmd_extract(args):
               f"{n_episodes} episodes (seed {args.episode_seed})", file=sys.stderr)
     t0 = time.perf_counter()
     net, tokenizer = mdl.load_model(args.model, dtype=mdl.DTYPES[args.dtype])
-    model_sha256 = mdl.checkpoint_sha256(net.checkpoint_dir)
+    model_sha256 = weights.checkpoint_sha256(net.checkpoint_dir)
     print(f"loaded {args.model} ({args.dtype}, sha256 {model_sha256[:12]}) in "
           f"{time.perf_counter() - t0:.1f}s", file=sys.stderr)
     extract(net, tokenizer, args.data, args.out, args.max_len, args.shard_size, records=records,
@@ -1137,7 +1051,7 @@ def cmd_train(args):
                         time.perf_counter() - t0})
         print(f"seed {seed}: PAIR ({args.mode}) and {len(models)} probes on {len(train.y)} "
               f"records in {summary[-1]['seconds']:.1f}s -> {out / f'seed{seed}'}")
-    envs.write_atomic(out / "train.json", json.dumps({"mode": args.mode, "C": args.C,
+    common.write_atomic(out / "train.json", json.dumps({"mode": args.mode, "C": args.C,
                                                 "crossfit": args.crossfit, "runs": summary},
                                                indent=2) + "\n")
 
@@ -1177,7 +1091,7 @@ def cmd_eval(args):
             for m in result]
     print("\n".join(_table(header, rows)))
     if args.out:
-        envs.write_atomic(Path(args.out), json.dumps(_json_clean(result), indent=2) + "\n")
+        common.write_atomic(Path(args.out), json.dumps(_json_clean(result), indent=2) + "\n")
         print(f"wrote {args.out}")
 
 
@@ -1189,8 +1103,8 @@ def cmd_report(args):
         None if args.paper_ref == "none" else args.paper_ref)
     result["paper_ref"] = paper_ref
     markdown = render_markdown(result, paper_ref)
-    envs.write_atomic(out / "report.json", json.dumps(_json_clean(result), indent=2) + "\n")
-    envs.write_atomic(out / "report.md", markdown)
+    common.write_atomic(out / "report.json", json.dumps(_json_clean(result), indent=2) + "\n")
+    common.write_atomic(out / "report.md", markdown)
     print(markdown)
     print(f"wrote {out / 'report.md'} and {out / 'report.json'} "
           f"({result['seconds']:.1f}s)", file=sys.stderr)
@@ -1294,9 +1208,9 @@ def main(argv=None) -> None:
             # Claimed before any work (extract: before the model loads): a busy output is
             # refused at once, not after minutes.
             for directory in args.writes(args):
-                stack.enter_context(exclusive_dir(directory))
+                stack.enter_context(common.exclusive_dir(directory))
             args.func(args)
-    except (FileNotFoundError, envs.DataError, mdl.CheckpointError, probes.FormatError) as e:
+    except (FileNotFoundError, envs.DataError, weights.CheckpointError, probes.FormatError) as e:
         sys.exit(f"error: {e}")         # bad input: one clear line naming the file
 
 

@@ -33,7 +33,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 from safetensors.torch import save as safetensors_bytes
 
-import envs
+import common
 
 # The four attention statistics of the attention probes and of PAIR's stage 2, in feature order.
 ATTN_STATS = ("max", "std", "prefix", "self")
@@ -325,7 +325,7 @@ def _json_entry(meta: dict, key: str, path):
 
 
 def save_safetensors(tensors: dict, path, metadata: dict) -> None:
-    envs.write_atomic(path, safetensors_bytes({k: v.contiguous() for k, v in tensors.items()},
+    common.write_atomic(path, safetensors_bytes({k: v.contiguous() for k, v in tensors.items()},
                                               metadata))
 
 

@@ -1,5 +1,6 @@
-"""envs.py: METHOD.md §2 rendering, the ReAct parser, the calculator, GTA/ToolBench replay, scoring,
-the loaders, and the OpenAI-compatible client (judge, contamination) against a local fake server."""
+"""envs.py: METHOD.md §2 rendering, the ReAct parser, the calculator, GTA/ToolBench replay,
+scoring, the loaders, and the OpenAI-compatible client (judge, contamination) against a local fake
+server."""
 import functools
 import json
 import random
@@ -11,7 +12,10 @@ from pathlib import Path
 
 import pytest
 
+import calculator
+import chat_api
 import envs
+import shop
 from envs import Action, Final, ParseError
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -104,7 +108,7 @@ def test_gta_match_rules():
     assert envs.gta_skip_reason({"whitelist": [["image/out.jpg"]]}) == "image_answer"
 
 
-# ---- METHOD.md §2 rendering ----------------------------------------------------------------------
+# ---- METHOD.md §2 rendering ---------------------------------------------------------------------
 
 def test_render_format_and_parse_roundtrip_on_released_turns(release_dir):
     assert envs.render_action("t", "f", {"a": "é"}) == \
@@ -224,7 +228,7 @@ def test_lone_surrogate_escape_in_action_input_is_an_error_observation():
     assert reply.isascii()
     parsed = envs.parse_react(reply)
     assert isinstance(parsed, ParseError) and "surrogate pair" in parsed.message
-    ep = envs.make("shop", split="train").episode(0)
+    ep = shop.ShopEnv("train").episode(0)
     r = ep.step(reply)
     assert not r.done and r.observation.startswith("Observation: Invalid reply")
     r.observation.encode("utf-8")
@@ -278,7 +282,7 @@ def test_parser_survives_fuzz():
     ("2 ** 100", "1267650600228229401496703205376"), ("abs(-3.5)", "3.5"), (" 1 + 1 ", "2"),
 ])
 def test_calculator_values(expr, out):
-    assert envs.calculate(expr) == out
+    assert calculator.calculate(expr) == out
 
 
 @pytest.mark.parametrize("expr, message", [
@@ -297,7 +301,7 @@ def test_calculator_values(expr, out):
     ("True + 1", "unsupported literal"), ("1 < 2", "unsupported syntax"),
 ])
 def test_calculator_rejects(expr, message):
-    out = envs.calculate(expr)
+    out = calculator.calculate(expr)
     assert out.startswith("Error: ") and message in out
 
 
@@ -310,10 +314,10 @@ HOSTILE = ["round(1, -10**8)", "round(1, -10**7)", "round(2**3999, -10**8)", "ro
 def test_calculator_bounds_every_operation_before_running_it():
     # In a child process with a deadline: an unbounded operation (round(1, -10**8) builds
     # 10**(10**8), minutes of work) must not hang the test either.
-    code = ("import json, sys, time, envs\n"
+    code = ("import json, sys, time, calculator\n"
             "out = []\n"
             "for e in json.loads(sys.argv[1]):\n"
-            "    t = time.perf_counter(); r = envs.calculate(e)\n"
+            "    t = time.perf_counter(); r = calculator.calculate(e)\n"
             "    out.append([e, r[:60], time.perf_counter() - t])\n"
             "print(json.dumps(out))\n")
     r = subprocess.run([sys.executable, "-c", code, json.dumps(HOSTILE)], cwd=ROOT,
@@ -326,8 +330,8 @@ def test_calculator_bounds_every_operation_before_running_it():
     assert results["round(1, 10**8)"].startswith("Error")
     assert results["2**3999 * 2**3999"] == "Error: result too large"
     assert results["(-1) ** (2**3999)"] == "1"
-    assert envs.calculate("round(1234, -2)") == "1200"
-    assert envs.calculate("round(2.675, 2.0)") == "2.67"
+    assert calculator.calculate("round(1234, -2)") == "1200"
+    assert calculator.calculate("round(2.675, 2.0)") == "2.67"
 
 
 def test_calculator_survives_fuzz():
@@ -338,11 +342,11 @@ def test_calculator_survives_fuzz():
     templates = ["479.99 * 4", "round(75 / 59 * 100)", "math.sqrt(2) ** 2", "2 ** 3 ** 2"]
     results = set()
     for _ in range(4000):
-        out = envs.calculate(_random_text(rng, pieces, templates))
+        out = calculator.calculate(_random_text(rng, pieces, templates))
         assert isinstance(out, str)
         results.add(out.startswith("Error"))
     assert results == {True, False}
-    assert envs.calculate(None).startswith("Error")
+    assert calculator.calculate(None).startswith("Error")
 
 
 # ---- ToolBench replay ----------------------------------------------------------------------------
@@ -488,27 +492,27 @@ def test_missing_split_is_a_clear_error(tmp_path):
 # ---- the OpenAI-compatible client against a fake server on 127.0.0.1 (conftest.fake_openai)
 
 def _client(tmp_path, **kw):
-    return envs.ChatClient("judge-model", cache_dir=tmp_path / "llm", backoff=0.01, **kw)
+    return chat_api.ChatClient("judge-model", cache_dir=tmp_path / "llm", backoff=0.01, **kw)
 
 
 def test_judge_request_shape_and_cache(fake_openai, tmp_path):
     client = _client(tmp_path)
     fake_openai.reply = lambda body: {"label": "partial", "reason": "one fact missing"}
-    assert envs.judge_answer(client, "Task?", "Paris, 21 C", "Paris") == 0.5
+    assert chat_api.judge_answer(client, "Task?", "Paris, 21 C", "Paris") == 0.5
     (req,) = fake_openai.requests
     assert req["path"] == "/v1/chat/completions" and req["auth"] == "Bearer sk-test"
     body = req["body"]
     assert body["model"] == "judge-model" and body["temperature"] == 0
     assert body["response_format"] == {"type": "json_object"}
     assert [m["role"] for m in body["messages"]] == ["system", "user"]
-    assert body["messages"][0]["content"] == envs.ANSWER_JUDGE_SYSTEM
+    assert body["messages"][0]["content"] == chat_api.ANSWER_JUDGE_SYSTEM
     assert "Reference answer:\nParis, 21 C" in body["messages"][1]["content"]
     assert "Assistant's final answer:\nParis" in body["messages"][1]["content"]
     again = _client(tmp_path)                     # a new client reads the same disk cache
-    assert envs.judge_answer(again, "Task?", "Paris, 21 C", "Paris") == 0.5
+    assert chat_api.judge_answer(again, "Task?", "Paris, 21 C", "Paris") == 0.5
     assert len(fake_openai.requests) == 1 and again.requests_made == 0
     assert len(list((tmp_path / "llm").glob("*/*.json"))) == 1
-    envs.judge_answer(again, "Task?", "Paris, 21 C", "Lyon")       # other content, new request
+    chat_api.judge_answer(again, "Task?", "Paris, 21 C", "Lyon")       # other content, new request
     assert len(fake_openai.requests) == 2
 
 
@@ -516,38 +520,38 @@ def test_client_retries_429_and_500_then_succeeds(fake_openai, tmp_path):
     fake_openai.script = [(429, {"error": "slow down"}), (500, {"error": "oops"}),
                           (503, {"error": "busy"})]
     client = _client(tmp_path)
-    assert envs.judge_answer(client, "t", "r", "a") == 1.0
+    assert chat_api.judge_answer(client, "t", "r", "a") == 1.0
     assert len(fake_openai.requests) == 4 and client.requests_made == 4
     fake_openai.script = [(500, {})] * 3
-    with pytest.raises(envs.LLMError, match="giving up after 3 attempts"):
-        envs.judge_answer(_client(tmp_path, max_retries=2), "t", "r", "other")
+    with pytest.raises(chat_api.LLMError, match="giving up after 3 attempts"):
+        chat_api.judge_answer(_client(tmp_path, max_retries=2), "t", "r", "other")
 
 
 def test_client_401_fails_at_once(fake_openai, tmp_path):
     fake_openai.script = [(401, {"error": "bad key"})]
-    with pytest.raises(envs.AuthError, match="401 Unauthorized"):
-        envs.judge_answer(_client(tmp_path), "t", "r", "a")
+    with pytest.raises(chat_api.AuthError, match="401 Unauthorized"):
+        chat_api.judge_answer(_client(tmp_path), "t", "r", "a")
     assert len(fake_openai.requests) == 1
 
 
 def test_bad_replies_are_rejected_and_not_cached(fake_openai, tmp_path):
     fake_openai.reply = lambda body: {"label": "maybe"}
-    with pytest.raises(envs.BadReply, match="label must be one of"):
-        envs.judge_answer(_client(tmp_path), "t", "r", "a")
+    with pytest.raises(chat_api.BadReply, match="label must be one of"):
+        chat_api.judge_answer(_client(tmp_path), "t", "r", "a")
     fake_openai.reply = lambda body: "not json"
-    with pytest.raises(envs.BadReply):
-        envs.judge_answer(_client(tmp_path), "t", "r", "a")
+    with pytest.raises(chat_api.BadReply):
+        chat_api.judge_answer(_client(tmp_path), "t", "r", "a")
     fake_openai.reply = lambda body: {"label": "no"}
-    assert envs.judge_answer(_client(tmp_path), "t", "r", "a") == 0.0
+    assert chat_api.judge_answer(_client(tmp_path), "t", "r", "a") == 0.0
     assert len(fake_openai.requests) == 3
 
 
 def test_missing_key_fails_before_any_work(monkeypatch, tmp_path):
     monkeypatch.delenv("OPENAI_API_KEY", raising=False)
-    with pytest.raises(envs.LLMError, match="OPENAI_API_KEY is not set"):
-        envs.ChatClient("m")
+    with pytest.raises(chat_api.LLMError, match="OPENAI_API_KEY is not set"):
+        chat_api.ChatClient("m")
     # the data dir does not exist: the key is checked before any load or download
-    with pytest.raises(envs.LLMError, match="OPENAI_API_KEY is not set"):
+    with pytest.raises(chat_api.LLMError, match="OPENAI_API_KEY is not set"):
         envs.make("toolbench", data_dir=tmp_path / "nowhere")
 
 
@@ -574,14 +578,14 @@ def test_step_judge(fake_openai, tmp_path):
             {"role": "assistant", "content": "Action: Calculator\nAction Input: {}"},
             {"role": "user", "content": "Observation: 5"},
             {"role": "assistant", "content": "Final Answer: 5"}]
-    assert envs.judge_step(_client(tmp_path), msgs) == pytest.approx(6 / 9)
+    assert chat_api.judge_step(_client(tmp_path), msgs) == pytest.approx(6 / 9)
     user = fake_openai.requests[0]["body"]["messages"][1]["content"]
     assert user.startswith("Task:\nTask: add 2 and 3.")
     assert user.endswith("Latest step to rate:\nFinal Answer: 5")
     assert "Agent:\nAction: Calculator" in user and "Observation: 5" in user
     fake_openai.reply = lambda body: {"score": 11}
-    with pytest.raises(envs.BadReply):
-        envs.judge_step(_client(tmp_path), msgs[:2])
+    with pytest.raises(chat_api.BadReply):
+        chat_api.judge_step(_client(tmp_path), msgs[:2])
 
 
 # ---- contamination -------------------------------------------------------------------------------
@@ -624,7 +628,7 @@ def test_contaminate_rewrites_one_turn_per_episode(fake_openai, tmp_path, releas
                             {"name": "OCR", "arguments": {"image": "wrong.jpg"}})
     assert len(kinds) >= 2
     systems = {r["body"]["messages"][0]["content"] for r in fake_openai.requests}
-    assert systems <= set(envs.CONTAMINATION_SYSTEM.values()) and len(systems) == len(kinds)
+    assert systems <= set(chat_api.CONTAMINATION_SYSTEM.values()) and len(systems) == len(kinds)
     # deterministic given the seed; the second run is served from the cache
     again = tmp_path / "again.json"
     envs.contaminate_file(data, again, _client(tmp_path), seed=3)

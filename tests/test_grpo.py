@@ -15,12 +15,19 @@ from pathlib import Path
 import pytest
 import torch
 
+import baselines
+import common
+import compare
 import envs
 import grpo
 import model as mdl
+import onpolicy
 import pair
 import probes
+import rollout
+import runs
 import shop
+import weights
 
 ROOT = Path(__file__).resolve().parents[1]
 TIMING = set(grpo.TIMING)
@@ -38,7 +45,7 @@ def tiny_policy(tmp_path_factory) -> Path:
     tok = mdl.Tokenizer(shop.train_tokenizer([shop._chat(m) for m in dialogs], 300))
     shape = argparse.Namespace(hidden=32, intermediate=64, layers=2, heads=4, kv_heads=2)
     config = shop.sft_config(shape, tok)
-    policy = mdl.Transformer(mdl.Config.from_dict(config))
+    policy = mdl.Transformer(weights.Config.from_dict(config))
     with torch.no_grad():        # opinionated random weights: varied rollouts, real gradients
         for p in policy.parameters():
             if p.dim() == 2:
@@ -94,10 +101,11 @@ def play_args(**kw):
 def lora_policy(model_dir, flags: list[str]):
     """The policy with its LoRA adapter, the parsed flags (preset filled) and the shop train env."""
     policy, tok = mdl.load_model(model_dir)
-    args = grpo.train_parser().parse_args(flags)
-    grpo.resolve_preset(args, grpo.World())
-    grpo.add_lora(policy, args)
-    return policy, tok, args, envs.make("shop", split="train")
+    args = runs.train_parser(grpo.REWARDS).parse_args(flags)
+    runs.resolve_preset(args, runs.World())
+    mdl.apply_lora(policy, r=args.lora_r, alpha=args.lora_alpha, dropout=args.lora_dropout,
+                   targets=tuple(args.lora_targets.split(",")))
+    return policy, tok, args, shop.ShopEnv("train")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -169,7 +177,7 @@ def test_token_logprobs_equal_full_log_softmax(tiny_policy):
     full = torch.log_softmax(policy(ids).logits / 0.7, -1)             # (B, T, V)
     direct = torch.cat([full[b, j - 1, ids[b, j]][None] for b in range(2) for j in range(12)
                         if mask[b, j]])
-    torch.testing.assert_close(grpo.token_logprobs(policy, ids, mask, 0.7), direct)
+    torch.testing.assert_close(mdl.token_logprobs(policy, ids, mask, 0.7), direct)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -177,10 +185,10 @@ def test_token_logprobs_equal_full_log_softmax(tiny_policy):
 
 def test_rollout_appends_turns_to_one_cache_and_traces_equal_teacher_forcing(tiny_policy):
     policy, tok = mdl.load_model(tiny_policy)
-    env = envs.make("shop", split="train")
+    env = shop.ShopEnv("train")
     episodes = [env.episode(5), env.episode(5), env.episode(6)]
     prompts = [tok.render(ep.messages, add_generation_prompt=True)[0] for ep in episodes]
-    trajs = grpo.rollout(policy, tok, episodes, play_args(),
+    trajs = rollout.rollout(policy, tok, episodes, play_args(),
                          generator=torch.Generator().manual_seed(0))
     assert max(len(t.steps) for t in trajs) > 1
     for traj, prompt in zip(trajs, prompts):
@@ -192,7 +200,7 @@ def test_rollout_appends_turns_to_one_cache_and_traces_equal_teacher_forcing(tin
             assert (s, e) == (pos, pos + len(step.tokens)) and seq[s:e] == step.tokens
             pos = e
             if k + 1 < len(traj.steps):     # exactly the chat template's tokens in between
-                opening = grpo.turn_opening(tok, step.trace.finished, step.observation)
+                opening = rollout.turn_opening(tok, step.trace.finished, step.observation)
                 assert seq[e:e + len(opening)] == opening
                 pos += len(opening)
             # the reward's statistics came from generation; teacher forcing gives the same
@@ -211,8 +219,8 @@ def test_rollout_survives_a_reply_with_a_lone_surrogate_escape(tiny_policy, monk
     policy, tok = mdl.load_model(tiny_policy)
     hostile = 'Thought: x\nAction: Lookup\nAction Input: {"store": "\\ud800", "item": "tea"}'
     monkeypatch.setattr(tok, "decode", lambda ids, **kw: hostile)
-    episodes = [envs.make("shop", split="train").episode(0)]
-    (traj,) = grpo.rollout(policy, tok, episodes, play_args(max_turns=2),
+    episodes = [shop.ShopEnv("train").episode(0)]
+    (traj,) = rollout.rollout(policy, tok, episodes, play_args(max_turns=2),
                            generator=torch.Generator().manual_seed(0))
     assert len(traj.steps) == 2 and traj.steps[0].observation.startswith("Observation: Invalid")
 
@@ -250,7 +258,7 @@ def test_rollout_refills_the_cache_when_the_environment_rewrites_history(tiny_po
 
     def episode():
         return rewriting_episode(score=0.0)
-    (traj,) = grpo.rollout(policy, tok, [episode()], play_args(max_turns=3),
+    (traj,) = rollout.rollout(policy, tok, [episode()], play_args(max_turns=3),
                            generator=torch.Generator().manual_seed(0))
     assert len(traj.segments) == 2 and [s.segment for s in traj.steps] == [0, 0, 1]
     first, second = traj.segments
@@ -264,10 +272,10 @@ def test_rollout_refills_the_cache_when_the_environment_rewrites_history(tiny_po
 
 
 def test_batch_masks_exactly_the_generated_tokens_eos_included():
-    ep = envs.make("shop", split="train").episode(0)
-    traj = grpo.Trajectory(ep, segments=[[7, 7, 7, 1, 2, 99, 7, 7, 3, 99, 7]])
+    ep = shop.ShopEnv("train").episode(0)
+    traj = rollout.Trajectory(ep, segments=[[7, 7, 7, 1, 2, 99, 7, 7, 3, 99, 7]])
     for (s, e) in ((3, 6), (8, 10)):
-        traj.steps.append(grpo.Step(traj.segments[0][s:e], 0, (s, e), "", None, None))
+        traj.steps.append(rollout.Step(traj.segments[0][s:e], 0, (s, e), "", None, None))
     batch = grpo.make_batch([traj], [[0.5, -1.0]], pad_id=0)
     assert batch.mask[0].tolist() == [False] * 3 + [True] * 3 + [False] * 2 + [True] * 2 + [False]
     assert batch.adv[0].tolist() == [0, 0, 0, .5, .5, .5, 0, 0, -1, -1, 0]
@@ -280,13 +288,13 @@ def test_first_update_has_zero_kl_and_unit_ratio(tiny_policy):
     # dropout 0: dropout noise alone would give KL > 0 even with pi_ref = the policy itself
     policy, tok, args, env = lora_policy(tiny_policy, ["--lr", "1e-2", "--micro-batch", "1",
                                                        "--lora-dropout", "0"])
-    trajs = grpo.rollout(policy, tok, [env.episode(1) for _ in range(3)], play_args(),
+    trajs = rollout.rollout(policy, tok, [env.episode(1) for _ in range(3)], play_args(),
                          generator=torch.Generator().manual_seed(0))
     adv = [[float(i + t) for t in range(len(tr.steps))] for i, tr in enumerate(trajs)]
     batch = grpo.make_batch(trajs, adv, tok.pad_id)
     opt = torch.optim.AdamW([p for _, p in mdl.lora_parameters(policy)], lr=1e-2)
     policy.train()
-    stats = grpo.update(policy, opt, batch, args, grpo.World())
+    stats = grpo.update(policy, opt, batch, args, runs.World())
     assert stats["kl"] == 0.0 and stats["ratio"] == 1.0 and stats["clip_frac"] == 0.0
     n = batch.mask.sum().item()
     # rho = 1 and KL = 0: the loss is minus the token-averaged advantage
@@ -294,11 +302,11 @@ def test_first_update_has_zero_kl_and_unit_ratio(tiny_policy):
     assert stats["tokens"] == n and stats["grad_norm"] > 0
     # the adapter has moved: the KL is against the same model with the adapter disabled
     with torch.no_grad():
-        logp = grpo.token_logprobs(policy, batch.ids, batch.mask, args.temperature)
+        logp = mdl.token_logprobs(policy, batch.ids, batch.mask, args.temperature)
         with mdl.lora_disabled(policy):
-            logp_ref = grpo.token_logprobs(policy, batch.ids, batch.mask, args.temperature)
+            logp_ref = mdl.token_logprobs(policy, batch.ids, batch.mask, args.temperature)
     kl = (torch.expm1(logp_ref - logp) - (logp_ref - logp)).mean().item()
-    again = grpo.update(policy, opt, batch, args, grpo.World())
+    again = grpo.update(policy, opt, batch, args, runs.World())
     assert kl > 1e-6 and again["kl"] == pytest.approx(kl, rel=1e-3)
     assert again["ratio"] == pytest.approx(1.0)                          # new pi_old, new ratio
 
@@ -366,9 +374,9 @@ def test_resume_reproduces_the_uninterrupted_run(tiny_policy, tmp_path, monkeypa
 
 def test_resume_checks_args_json(tiny_policy, tmp_path):
     def prepare(out, **kw):
-        args = grpo.train_parser().parse_args(flags(tiny_policy, out, **kw))
-        grpo.resolve_preset(args, grpo.World())
-        return grpo.prepare_out(args, grpo.World())
+        args = runs.train_parser(grpo.REWARDS).parse_args(flags(tiny_policy, out, **kw))
+        runs.resolve_preset(args, runs.World())
+        return runs.prepare_out(args, runs.World())
 
     out = tmp_path / "run"
     prepare(out, eval_episodes=4)
@@ -453,11 +461,11 @@ def test_probes_of_another_model_fail_up_front(tiny_policy, tmp_path, monkeypatc
     save_file({k: v + 0.01 for k, v in w.items()}, str(other / "model.safetensors"))
     dims = {"d": 32, "L": 2, "H": 4}        # tiny_policy's
     theirs = fake_pair(tmp_path / "theirs", 32, 4 * 2 * 4, model=str(other), dims=dims,
-                       model_sha256=mdl.checkpoint_sha256(other))
+                       model_sha256=weights.checkpoint_sha256(other))
 
     def no_evaluation(*a, **k):
         raise AssertionError("evaluated before the probes were checked")
-    monkeypatch.setattr(grpo, "evaluate", no_evaluation)
+    monkeypatch.setattr(runs, "evaluate", no_evaluation)
     with pytest.raises(SystemExit, match=f"{theirs} was made from model {other} .* but --model "
                                          f"{tiny_policy} from .*model_sha256 differs"):
         run(flags(tiny_policy, tmp_path / "run", "pair", probes=theirs, eval_episodes=2))
@@ -465,7 +473,7 @@ def test_probes_of_another_model_fail_up_front(tiny_policy, tmp_path, monkeypatc
     with pytest.raises(SystemExit, match="width 16 but --model"):
         run(flags(tiny_policy, tmp_path / "run2", "pair", probes=narrow, eval_episodes=2))
     ours = fake_pair(tmp_path / "ours", 32, 4 * 2 * 4, dims=dims,
-                     model_sha256=mdl.checkpoint_sha256(tiny_policy))
+                     model_sha256=weights.checkpoint_sha256(tiny_policy))
     pair.check_probe_model(ours, tiny_policy)          # the right model passes
 
 
@@ -512,8 +520,9 @@ def test_two_runs_on_one_out_one_refuses(tiny_policy, tmp_path, pair_cache):
 
 def test_kill_9_frees_the_out_of_a_run(tiny_policy, tmp_path, pair_cache):
     out = tmp_path / "run"
-    args = grpo.train_parser().parse_args(flags(tiny_policy, out, steps=1000, resume=True))
-    grpo.resolve_preset(args, grpo.World())
+    args = runs.train_parser(grpo.REWARDS).parse_args(
+        flags(tiny_policy, out, steps=1000, resume=True))
+    runs.resolve_preset(args, runs.World())
     env = dict(os.environ, PAIR_CACHE=str(pair_cache), OMP_NUM_THREADS="1")
     first = subprocess.Popen([sys.executable, str(ROOT / "grpo.py"),
                               *flags(tiny_policy, out, steps=1000)], cwd=ROOT, env=env,
@@ -524,11 +533,11 @@ def test_kill_9_frees_the_out_of_a_run(tiny_policy, tmp_path, pair_cache):
             assert time.perf_counter() - t0 < 120 and first.poll() is None
             time.sleep(0.05)
         with pytest.raises(SystemExit, match=f"{out} is in use by pid {first.pid}"):
-            grpo.prepare_out(args, grpo.World())
+            runs.prepare_out(args, runs.World())
     finally:
         first.send_signal(signal.SIGKILL)       # no cleanup runs: the kernel drops the lock
         first.wait()
-    assert grpo.prepare_out(args, grpo.World()) == out
+    assert runs.prepare_out(args, runs.World()) == out
 
 
 # ---------------------------------------------------------------------------------------------
@@ -538,7 +547,7 @@ def test_kill_9_frees_the_out_of_a_run(tiny_policy, tmp_path, pair_cache):
 def spy_envs(monkeypatch) -> dict:
     """Record what train() hands to the training steps and to evaluate: name -> (env, pool)."""
     seen = {}
-    real_step, real_eval = grpo.train_step, grpo.evaluate
+    real_step, real_eval = grpo.train_step, runs.evaluate
 
     def train_step(step, run):
         seen["train"] = run.env, run.pool
@@ -548,7 +557,7 @@ def spy_envs(monkeypatch) -> dict:
         seen.setdefault("eval", []).append((env, pool))
         return real_eval(policy, tok, env, pool, *a, **k)
     monkeypatch.setattr(grpo, "train_step", train_step)
-    monkeypatch.setattr(grpo, "evaluate", evaluate)
+    monkeypatch.setattr(runs, "evaluate", evaluate)
     return seen
 
 
@@ -568,22 +577,22 @@ class Recording:
 
 def test_evaluation_decodes_greedily(tiny_policy):
     policy, tok = mdl.load_model(tiny_policy)
-    held_out = envs.make("shop", split="test")
+    held_out = shop.ShopEnv("test")
     pool = [4, 1, 7]
     args = play_args(eval_episodes=0, eval_batch=8, temperature=1.0)
     played = []
     for seed in (0, 1):                 # greedy: the global RNG state changes nothing
         torch.manual_seed(seed)
         env = Recording(held_out)
-        result = grpo.evaluate(policy, tok, env, pool, 0, args, grpo.World())
+        result = runs.evaluate(policy, tok, env, pool, 0, args, runs.World())
         played.append([ep.messages for ep in env.episodes])
         assert result["episodes"] == 3
         assert result["success"] == pytest.approx(sum(ep.score() for ep in env.episodes) / 3)
     assert played[0] == played[1]
-    greedy = grpo.rollout(policy, tok, [held_out.episode(j) for j in pool], args, greedy=True,
+    greedy = rollout.rollout(policy, tok, [held_out.episode(j) for j in pool], args, greedy=True,
                           stats=False)
     assert played[0] == [t.episode.messages for t in greedy]
-    sampled = grpo.rollout(policy, tok, [held_out.episode(j) for j in pool], args,
+    sampled = rollout.rollout(policy, tok, [held_out.episode(j) for j in pool], args,
                            generator=torch.Generator().manual_seed(0), stats=False)
     assert played[0] != [t.episode.messages for t in sampled]      # the check can tell
 
@@ -593,9 +602,9 @@ def test_training_plays_the_train_split_and_evaluation_the_test_split(tiny_polic
     seen = spy_envs(monkeypatch)
     summary = run(flags(tiny_policy, tmp_path / "run", "outcome", steps=1, eval_episodes=2))
     (train_env, _), evals = seen["train"], seen["eval"]
-    assert train_env.ids == envs.make("shop", split="train").ids
+    assert train_env.ids == shop.ShopEnv("train").ids
     # base and step 1, each on validation (selection) then test (the reported number)
-    assert [env.ids for env, _ in evals] == [envs.make("shop", split=s).ids
+    assert [env.ids for env, _ in evals] == [shop.ShopEnv(s).ids
                                              for s in ("val", "test", "val", "test")]
     assert summary["base"]["episodes"] == 2 and all(len(p) == len(e) for e, p in evals)
 
@@ -605,10 +614,10 @@ def test_summary_selects_on_validation_and_reports_test(tmp_path):
     # not test's best (0.8 at step 30), and neither is the last checkpoint
     success = {0: (0.3, 0.2), 10: (0.4, 0.5), 20: (0.6, 0.7), 30: (0.6, 0.8), 40: (0.5, 0.4)}
     for step, (val, test) in success.items():
-        grpo.append_jsonl(tmp_path / "eval.jsonl", {
+        common.append_jsonl(tmp_path / "eval.jsonl", {
             "step": step, "val": {"success": val, "episodes": 20, "turns": 3.0, "scores": []},
             "test": {"success": test, "episodes": 48, "turns": 3.0, "scores": []}})
-    s = grpo.summarize(tmp_path, 12.0, argparse.Namespace(reward="pair", alpha=5.0, seed=1,
+    s = runs.summarize(tmp_path, 12.0, argparse.Namespace(reward="pair", alpha=5.0, seed=1,
                                                          steps=40))
     assert [s[k]["step"] for k in ("base", "selected", "final", "best_on_test")] == [0, 20, 40, 30]
     assert [s[k]["success"] for k in ("base", "selected", "final", "best_on_test")] == \
@@ -617,14 +626,14 @@ def test_summary_selects_on_validation_and_reports_test(tmp_path):
     assert s["selected_adapter"] == str(tmp_path / "checkpoint-000020" / "adapter")
     assert ("before 0.200 -> selected 0.700 (step 20, chosen on validation) -> final 0.400 "
             "(step 40); best on test 0.800 (step 30, the paper's protocol)") in \
-        grpo.summary_text(s)
+        runs.summary_text(s)
 
 
 def test_gta_answers_match_strictly_in_training_and_loosely_in_evaluation(release_dir):
     args = argparse.Namespace(env="gta", data_dir=release_dir)
     scores = {}
     for split, evaluation in (("train", False), ("train", True), ("test", True)):
-        ep = grpo.make_env(args, split, evaluation).episode(0)
+        ep = runs.make_env(args, split, evaluation).episode(0)
         ep.gt_answer = {"whitelist": [["1919.96"]], "blacklist": None}  # GTA test episode 1
         assert ep.skip_reason is None
         ep.step("Final Answer: 1919.96s")           # "s" touches the alias: strict says no
@@ -704,14 +713,14 @@ def test_probe_cache_is_reused(tiny_policy, tmp_path, pair_cache):
 
 def test_igpo_rewards_are_gold_probability_gains(tiny_policy):
     policy, tok = mdl.load_model(tiny_policy)
-    env = envs.make("shop", split="train")
+    env = shop.ShopEnv("train")
     args = play_args(micro_batch=2, reward="igpo", outcome_weight=0.0)
-    (traj,) = grpo.rollout(policy, tok, [env.episode(2)], args,
+    (traj,) = rollout.rollout(policy, tok, [env.episode(2)], args,
                            generator=torch.Generator().manual_seed(0))
     ctx = grpo.RewardContext(policy, tok, args, env=env)
-    rewards = grpo.igpo_reward(traj, ctx)
+    rewards = baselines.igpo_reward(traj, ctx)
     answer = env.episode(2).task.answer
-    assert grpo.gold_answer(ctx, traj.episode) == answer
+    assert baselines.gold_answer(ctx, traj.episode) == answer
 
     def p_gold(prefix):        # geometric-mean probability of the answer tokens, directly
         head = tok.encode("Final Answer:")
@@ -728,23 +737,23 @@ def test_igpo_rewards_are_gold_probability_gains(tiny_policy):
 
 def test_tips_reads_the_lagged_teacher(tiny_policy):
     policy, tok, args, env = lora_policy(tiny_policy, ["--micro-batch", "2", "--reward", "tips"])
-    (traj,) = grpo.rollout(policy, tok, [env.episode(3)], play_args(),
+    (traj,) = rollout.rollout(policy, tok, [env.episode(3)], play_args(),
                            generator=torch.Generator().manual_seed(0))
-    base = grpo.lora_state(policy)                      # B = 0: the teacher is the base model
+    base = mdl.lora_state(policy)                      # B = 0: the teacher is the base model
     with torch.no_grad():
         for _, p in mdl.lora_parameters(policy):
             p.add_(0.3)                                  # the policy has moved on since
-    moved = grpo.lora_state(policy)
+    moved = mdl.lora_state(policy)
     ctx = grpo.RewardContext(policy, tok, args, env=env, lagged=base)
-    rewards = grpo.tips_reward(traj, ctx)
+    rewards = baselines.tips_reward(traj, ctx)
     assert all(torch.equal(moved[n], p) for n, p in mdl.lora_parameters(policy))   # restored
-    states = grpo.traj_states(traj)
-    answer = grpo.gold_answer(ctx, traj.episode)
+    states = baselines.traj_states(traj)
+    answer = baselines.gold_answer(ctx, traj.episode)
     with mdl.lora_disabled(policy):
-        phi, _ = grpo.gold_logprobs(policy, tok, states, answer, 1)
+        phi, _ = baselines.gold_logprobs(policy, tok, states, answer, 1)
     expected = [phi[t + 1] - phi[t] for t in range(len(phi) - 1)] + [traj.score]
     assert rewards == pytest.approx(expected, rel=1e-5, abs=1e-6)
-    phi_moved, _ = grpo.gold_logprobs(policy, tok, states, answer, 1)
+    phi_moved, _ = baselines.gold_logprobs(policy, tok, states, answer, 1)
     assert phi_moved != pytest.approx(phi, rel=1e-3)
 
 
@@ -770,8 +779,8 @@ def random_pair(raw: dict, seed: int) -> pair.Pair:
 
 def test_pair_reward_is_the_momentum_reward_of_the_turns_s_final(tiny_policy, tmp_path):
     policy, tok = mdl.load_model(tiny_policy)
-    env = envs.make("shop", split="train")
-    trajs = grpo.rollout(policy, tok, [env.episode(i) for i in range(4)], play_args(max_turns=4),
+    env = shop.ShopEnv("train")
+    trajs = rollout.rollout(policy, tok, [env.episode(i) for i in range(4)], play_args(max_turns=4),
                          generator=torch.Generator().manual_seed(0))
     model = random_pair(stacked_raw([step for t in trajs for step in t.steps]), seed=0)
     model.save(tmp_path / "pair")
@@ -881,16 +890,16 @@ def test_cli_help_lists_every_reward_and_the_real_defaults():
     text = " ".join(r.stdout.split())       # wide enough that no default is broken at a "-"
     assert "default: None" not in text and text.count("(default:", text.index("--micro-batch"),
                                                       text.index("--grad-clip")) == 1
-    for key, paper in grpo.PAPER_HPARAMS.items():
+    for key, paper in runs.PAPER_HPARAMS.items():
         flag = f"--{key.replace('_', '-')} {key.upper()} "
         default = text[text.index("(default:", text.index(flag)):][:80]   # its help's last part
-        tiny = grpo.TINY.get(key, paper)
+        tiny = runs.TINY.get(key, paper)
         assert default.startswith(f"(default: {tiny} with the built-in policy, {paper} otherwise"
                                   if tiny != paper else f"(default: {paper}, the paper's)"), \
             (flag, default)
     usage = r.stdout.split("\n\n")[0]
     assert "grpo.py compare" in usage
-    assert grpo.train_parser().parse_args(["--dtype", "bfloat16"]).dtype == "bfloat16"
+    assert runs.train_parser(grpo.REWARDS).parse_args(["--dtype", "bfloat16"]).dtype == "bfloat16"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -898,7 +907,8 @@ def test_cli_help_lists_every_reward_and_the_real_defaults():
 
 def test_no_held_out_episode_is_sampled_for_the_corpus_or_for_training(tmp_path, monkeypatch):
     calls, fitted, yardstick = [], [], []
-    real_rollout, real_fit, real_corpus = grpo.rollout, shop.fit_probes, shop.contaminated_corpus
+    real_rollout, real_fit = rollout.rollout, onpolicy.fit_probes
+    real_corpus = onpolicy.contaminated_corpus
 
     def spy_rollout(policy, tok, episodes, args, greedy=False, **kw):
         calls.append((greedy, [ep.id for ep in episodes]))
@@ -907,10 +917,11 @@ def test_no_held_out_episode_is_sampled_for_the_corpus_or_for_training(tmp_path,
     def spy_fit(train, info):
         fitted.append(list(train.episode_id))
         return real_fit(train, info)
-    monkeypatch.setattr(grpo, "rollout", spy_rollout)
-    monkeypatch.setattr(shop, "fit_probes", spy_fit)
-    monkeypatch.setattr(shop, "contaminated_corpus", lambda *a: yardstick.append(real_corpus(*a))
-                        or yardstick[-1])
+    for module in (grpo, runs, onpolicy):       # training, evaluation, the probe corpus
+        monkeypatch.setattr(module, "rollout", spy_rollout)
+    monkeypatch.setattr(onpolicy, "fit_probes", spy_fit)
+    monkeypatch.setattr(onpolicy, "contaminated_corpus",
+                        lambda *a: yardstick.append(real_corpus(*a)) or yardstick[-1])
     summary = run(["--model", str(BUILTIN), "--reward", "pair", "--out", str(tmp_path / "r"),
                    "--steps", "2", "--batch", "2", "--group", "2", "--save-every", "1",
                    "--corpus-episodes", "4", "--corpus-samples", "2", "--corpus-heldout", "3",
@@ -943,7 +954,7 @@ def test_probe_reads_base_equals_teacher_forcing_through_the_base():
         for name, p in mdl.lora_parameters(policy):
             p.normal_(0, 0.004 if "lora_B" in name else 0.3)
     policy.eval()
-    trajs = grpo.rollout(policy, tok, [env.episode(i) for i in (0, 1)],
+    trajs = rollout.rollout(policy, tok, [env.episode(i) for i in (0, 1)],
                          play_args(max_new_tokens=96), generator=torch.Generator().manual_seed(0))
     generated = [step.trace for traj in trajs for step in traj.steps]
     grpo.read_from_base(policy, trajs, rows_per_forward=2)
@@ -1002,7 +1013,7 @@ def test_probe_reads_base_runs_and_logs_its_cost(tiny_policy, tmp_path):
 
 def test_compare_resumes_without_redoing_finished_runs(tiny_policy, tmp_path):
     out = tmp_path / "cmp"
-    grpo.main(_compare_argv(tiny_policy, out))
+    compare.main(_compare_argv(tiny_policy, out))
     runs = out / "runs"
     done = {p.name: (p / "summary.json").stat().st_mtime_ns for p in runs.iterdir() if p.is_dir()}
     assert len(done) == 4
@@ -1011,7 +1022,7 @@ def test_compare_resumes_without_redoing_finished_runs(tiny_policy, tmp_path):
     cut = runs / "outcome-s2"
     (cut / "summary.json").unlink()
     shutil.rmtree(cut / "checkpoint-000002")
-    grpo.main(_compare_argv(tiny_policy, out))
+    compare.main(_compare_argv(tiny_policy, out))
     for name, mtime in done.items():
         if name != "outcome-s2":
             assert (runs / name / "summary.json").stat().st_mtime_ns == mtime, name
@@ -1032,27 +1043,27 @@ def _compare_argv(policy, out):
     per_run = ["--model", str(policy), "--steps", "2", "--group", "2", "--max-turns", "2",
                "--max-new-tokens", "8", "--save-every", "1", "--eval-episodes", "3",
                "--val-episodes", "2"]
-    return ["compare", "--rewards", "outcome", "coe:alpha=0", "--seeds", "1", "2", "--out",
+    return ["--rewards", "outcome", "coe:alpha=0", "--seeds", "1", "2", "--out",
             str(out), "--jobs", "2", "--", *per_run]
 
 
 def test_compare_rejects_a_bad_reward_spec(tmp_path):
     with pytest.raises(SystemExit, match="unknown reward 'paír'"):
-        grpo.main(["compare", "--rewards", "paír", "--out", str(tmp_path)])
+        compare.main(["--rewards", "paír", "--out", str(tmp_path)])
     with pytest.raises(SystemExit, match="name=value"):
-        grpo.main(["compare", "--rewards", "pair:alpha", "--out", str(tmp_path)])
+        compare.main(["--rewards", "pair:alpha", "--out", str(tmp_path)])
 
 
 def test_bootstrap_interval_covers_the_mean_and_shrinks_with_episodes():
     g = torch.Generator().manual_seed(0)
     small = (torch.rand(3, 100, generator=g) < 0.3).double().tolist()
     large = (torch.rand(3, 2000, generator=g) < 0.3).double().tolist()
-    lo, hi = grpo.bootstrap_mean(small)
+    lo, hi = compare.bootstrap_mean(small)
     assert lo < 0.3 < hi
-    lo2, hi2 = grpo.bootstrap_mean(large)
+    lo2, hi2 = compare.bootstrap_mean(large)
     assert lo2 < 0.3 < hi2 and hi2 - lo2 < (hi - lo) / 2
-    assert grpo.bootstrap_mean(small) == grpo.bootstrap_mean(small)      # seeded
-    d_lo, d_hi = grpo.bootstrap_mean(small, small)
+    assert compare.bootstrap_mean(small) == compare.bootstrap_mean(small)      # seeded
+    d_lo, d_hi = compare.bootstrap_mean(small, small)
     assert d_lo == d_hi == 0.0                                           # paired: no noise
 
 
@@ -1103,9 +1114,9 @@ def test_resume_redoes_exactly_what_was_logged_after_the_last_checkpoint(tiny_po
     run(flags(tiny_policy, whole, "outcome", **kw))
 
     def evals(out):
-        return [(e["step"], e["test"]["scores"]) for e in grpo.read_jsonl(out / "eval.jsonl")]
+        return [(e["step"], e["test"]["scores"]) for e in common.read_jsonl(out / "eval.jsonl")]
 
-    real_step, real_eval = grpo.train_step, grpo.evaluate_all
+    real_step, real_eval = grpo.train_step, runs.evaluate_all
     # 1. killed before the first checkpoint: step 1 was logged, the base model evaluated
     early = tmp_path / "early"
 
@@ -1130,10 +1141,10 @@ def test_resume_redoes_exactly_what_was_logged_after_the_last_checkpoint(tiny_po
         if step == 2:
             raise KeyboardInterrupt
         return real_eval(step, *a, **k)
-    monkeypatch.setattr(grpo, "evaluate_all", crash_in_eval_2)
+    monkeypatch.setattr(runs, "evaluate_all", crash_in_eval_2)
     with pytest.raises(KeyboardInterrupt):
         run(flags(tiny_policy, late, "outcome", **kw))
-    monkeypatch.setattr(grpo, "evaluate_all", real_eval)
+    monkeypatch.setattr(runs, "evaluate_all", real_eval)
     assert (late / "checkpoint-000002").is_dir() and [s for s, _ in evals(late)] == [0]
     summary = run(flags(tiny_policy, late, "outcome", resume=True, **kw))
     assert without_timing(metrics(late)) == without_timing(metrics(whole))
@@ -1144,18 +1155,18 @@ def test_a_damaged_log_line_before_the_last_is_a_one_line_error(tmp_path):
     path = tmp_path / "metrics.jsonl"
     path.write_text('{"step": 1}\n{"step": 2, "reward\n{"step": 3}\n')
     with pytest.raises(SystemExit, match="line 2 is not JSON"):
-        grpo.read_jsonl(path)
+        common.read_jsonl(path)
 
 
 def test_the_base_model_is_evaluated_once_per_policy_and_evaluation_settings(
         tiny_policy, tmp_path, monkeypatch):
     monkeypatch.setenv("PAIR_CACHE", str(tmp_path / "cache"))
-    real_eval, steps = grpo.evaluate_all, []
+    real_eval, steps = runs.evaluate_all, []
 
     def counted(step, *a, **k):
         steps.append(step)
         return real_eval(step, *a, **k)
-    monkeypatch.setattr(grpo, "evaluate_all", counted)
+    monkeypatch.setattr(runs, "evaluate_all", counted)
     kw = dict(steps=1, eval_episodes=3)
 
     def base(out):
@@ -1172,20 +1183,20 @@ def test_the_base_model_is_evaluated_once_per_policy_and_evaluation_settings(
 # ---------------------------------------------------------------------------------------------
 # tree search: Tree-GRPO and AT²PO (grpo.py section 3b)
 
-def hand_step(nll: float = 0.0) -> grpo.Step:
-    return grpo.Step([1, 2], 0, (0, 2), "", None, None, nll=nll)
+def hand_step(nll: float = 0.0) -> rollout.Step:
+    return rollout.Step([1, 2], 0, (0, 2), "", None, None, nll=nll)
 
 
 def hand_forest(n_roots: int, paths: list[tuple[int, int | None, int, list[float], float]]):
     """paths: (root, index of an earlier path it branches from or None, turns it keeps from it,
     the entropies of its own new turns, its outcome) -> (forest, trajectories)."""
-    forest = grpo.Forest([grpo.Node(None, None, None, k) for k in range(n_roots)])
+    forest = baselines.Forest([baselines.Node(None, None, None, k) for k in range(n_roots)])
     trajs = []
     for root, src, kept, nlls, score in paths:
         shared = trajs[src].steps[:kept] if src is not None else []
-        traj = grpo.Trajectory(None, steps=shared + [hand_step(h) for h in nlls], score=score)
+        traj = rollout.Trajectory(None, steps=shared + [hand_step(h) for h in nlls], score=score)
         parent = forest.node_of[id(shared[-1])] if shared else forest.roots[root]
-        grpo.attach(forest, traj, parent, kept)
+        baselines.attach(forest, traj, parent, kept)
         trajs.append(traj)
     return forest, trajs
 
@@ -1196,7 +1207,7 @@ def test_tree_grpo_advantages_hand_worked():
     forest, (a, c, b, e) = hand_forest(2, [(0, None, 0, [0, 0], 1.0), (1, None, 0, [0], 0.0),
                                            (0, 0, 1, [0, 0], 0.0), (0, 0, 1, [0], 1.0)])
     assert forest.leaf_tree == [0, 1, 0, 0]
-    adv, zero = grpo.tree_grpo_advantages(forest)
+    adv, zero = baselines.tree_grpo_advantages(forest)
     s = 0.5 / (0.5 + 1e-6)                        # inter-tree: R = [1, 0, 0, 1], mean 0.5, std 0.5
     sd = math.sqrt(2 / 9)                         # intra tree 0: R = [1, 0, 1], mean 2/3
     up, down = (1 / 3) / (sd + 1e-6), -(2 / 3) / (sd + 1e-6)
@@ -1207,7 +1218,7 @@ def test_tree_grpo_advantages_hand_worked():
     # the turn a, b and e share gets +A(a) - A(b) + A(e) in the update; the siblings below it
     # get their own: b's turn 2 is pushed down, a's and e's up
     forest, _ = hand_forest(1, [(0, None, 0, [0], 1.0), (0, None, 0, [0], 1.0)])
-    assert grpo.tree_grpo_advantages(forest) == ([[0.0], [0.0]], True)
+    assert baselines.tree_grpo_advantages(forest) == ([[0.0], [0.0]], True)
 
 
 def test_at2po_values_are_entropy_weighted_means_of_the_children():
@@ -1215,7 +1226,7 @@ def test_at2po_values_are_entropy_weighted_means_of_the_children():
     # regenerates from the root: (d1, d2) R 1
     forest, (a, c, b, d) = hand_forest(1, [(0, None, 0, [1.0, 0.5], 1.0), (0, None, 0, [0.2], 0.0),
                                            (0, 0, 1, [1.5], 0.0), (0, None, 0, [0.7, 0.1], 1.0)])
-    adv, zero = grpo.at2po_advantages(forest)
+    adv, zero = baselines.at2po_advantages(forest)
     s = 0.5 / (0.5 + 1e-6)                         # leaf values: R normalized over the tree
     e1, e2 = math.exp(0.5), math.exp(1.5)          # a1's children a2 (H .5, V s), b2 (H 1.5, -s)
     v_a1 = (e1 * s - e2 * s) / (e1 + e2)
@@ -1233,11 +1244,12 @@ def test_at2po_expands_the_highest_entropy_turns_minus_the_branching_penalty():
     root = forest.roots[0]
     a1, d1 = forest.node_of[id(a.steps[0])], forest.node_of[id(d.steps[0])]
     # expandable: the root and the turns with a child, breadth first (leaves a2, b2, c1, d2 not)
-    assert grpo.inner_nodes(root) == [root, a1, d1]
+    assert baselines.inner_nodes(root) == [root, a1, d1]
     # root: 0 - 0.05 x 2 own children but one; a1: 1.0 - 0.05 x 2 siblings; d1: 0.7 - 0.1
-    assert [grpo.at2po_score(n, 0.05) for n in (root, a1, d1)] == pytest.approx([-0.1, 0.9, 0.6])
+    assert [baselines.at2po_score(n, 0.05) for n in (root, a1, d1)] == \
+        pytest.approx([-0.1, 0.9, 0.6])
     args = argparse.Namespace(tree_n=4, at2po_penalty=0.05)
-    points = grpo.at2po_points(forest, args, None)
+    points = baselines.at2po_points(forest, args, None)
     # a regenerated turn is a new sibling: parent, the rollout that holds its context, turns kept
     # (ranked a1, d1, root; fewer candidates than K are cycled from the top; the root's context
     # is held by its first chain)
@@ -1248,7 +1260,7 @@ def test_tree_grpo_draws_expandable_nodes_and_continues_after_them():
     forest, (a, c, b) = hand_forest(2, [(0, None, 0, [0, 0, 0], 1.0), (1, None, 0, [0], 0.0),
                                         (0, 0, 1, [0], 0.0)])
     g = torch.Generator().manual_seed(0)
-    points = grpo.tree_grpo_points(forest, argparse.Namespace(tree_n=200), g)
+    points = baselines.tree_grpo_points(forest, argparse.Namespace(tree_n=200), g)
     tree0, tree1 = points[:200], points[200:]
     a1, a2 = (forest.node_of[id(s)] for s in a.steps[:2])
     # tree 0: the root (a fresh chain), a1 (2 children), a2; never a leaf; uniform draws
@@ -1263,10 +1275,10 @@ def test_tree_grpo_draws_expandable_nodes_and_continues_after_them():
 
 def test_a_branch_from_a_copied_cache_equals_a_fresh_prefill(tiny_policy, monkeypatch):
     policy, tok = mdl.load_model(tiny_policy)
-    env = envs.make("shop", split="train")
+    env = shop.ShopEnv("train")
     args = play_args(max_turns=4, max_new_tokens=12)
     caches = []
-    chains = grpo.rollout(policy, tok, [env.episode(5) for _ in range(3)], args,
+    chains = rollout.rollout(policy, tok, [env.episode(5) for _ in range(3)], args,
                           generator=torch.Generator().manual_seed(0), caches=caches)
     i = max(range(3), key=lambda k: len(chains[k].steps))
     owner = chains[i]
@@ -1275,19 +1287,19 @@ def test_a_branch_from_a_copied_cache_equals_a_fresh_prefill(tiny_policy, monkey
     real_copy = mdl.copy_rows
     monkeypatch.setattr(mdl, "copy_rows", lambda *a: (copied.append(a[-1]), real_copy(*a)))
     for kept in (0, 1, 2):                         # the prompt; after an observation, twice
-        forest = grpo.Forest([grpo.Node(None, None, None, 0)])
+        forest = baselines.Forest([baselines.Node(None, None, None, 0)])
         forest.caches[id(owner)] = (caches[0], i)
-        grpo.attach(forest, owner, forest.roots[0], 0)
+        baselines.attach(forest, owner, forest.roots[0], 0)
         parent = forest.node_of[id(owner.steps[kept - 1])] if kept else forest.roots[0]
-        grpo.grow(policy, tok, lambda: env.episode(5), forest, [(parent, owner, kept)], args,
+        baselines.grow(policy, tok, lambda: env.episode(5), forest, [(parent, owner, kept)], args,
                   torch.Generator().manual_seed(11), stats=True)
         branch = forest.leaves[-1]
         context = owner.segments[0][:owner.steps[kept].span[0]]
         assert copied[-1] == len(context) - 1       # the prefix is copied, one token re-fed
         # the same continuation from a fresh prefill of the whole context
-        fresh = grpo.Trajectory(grpo.fork_episode(lambda: env.episode(5), owner, kept),
+        fresh = rollout.Trajectory(baselines.fork_episode(lambda: env.episode(5), owner, kept),
                                 steps=list(owner.steps[:kept]))
-        grpo.play(policy, tok, [fresh], policy.new_cache(1), [context], args,
+        rollout.play(policy, tok, [fresh], policy.new_cache(1), [context], args,
                   generator=torch.Generator().manual_seed(11), stats=True)
         assert branch.segments == fresh.segments and branch.steps[:kept] == owner.steps[:kept]
         assert branch.score == fresh.score and len(branch.steps) == len(fresh.steps) > kept
@@ -1313,29 +1325,29 @@ def test_a_branch_from_before_a_rewritten_history_prefills_only_what_differs(tin
         return rewriting_episode(score=None)
     args = play_args(max_turns=3)
     caches = []
-    (owner,) = grpo.rollout(policy, tok, [episode()], args,
+    (owner,) = rollout.rollout(policy, tok, [episode()], args,
                             generator=torch.Generator().manual_seed(0), caches=caches)
     assert [s.segment for s in owner.steps] == [0, 0, 1]
     copied = []
     real_copy = mdl.copy_rows
     monkeypatch.setattr(mdl, "copy_rows", lambda *a: (copied.append(a[-1]), real_copy(*a)))
     for kept in (1, 2):
-        forest = grpo.Forest([grpo.Node(None, None, None, 0)])
+        forest = baselines.Forest([baselines.Node(None, None, None, 0)])
         forest.caches[id(owner)] = (caches[0], 0)
-        grpo.attach(forest, owner, forest.roots[0], 0)
-        grpo.grow(policy, tok, episode, forest, [(forest.node_of[id(owner.steps[kept - 1])],
+        baselines.attach(forest, owner, forest.roots[0], 0)
+        baselines.grow(policy, tok, episode, forest, [(forest.node_of[id(owner.steps[kept - 1])],
                                                   owner, kept)], args,
                   torch.Generator().manual_seed(5), stats=True)
         branch = forest.leaves[-1]
         at = owner.steps[kept]
         context = owner.segments[at.segment][:at.span[0]]
-        shared = grpo.common_prefix(context, owner.segments[-1])
+        shared = baselines.common_prefix(context, owner.segments[-1])
         assert copied[-1] == min(shared, len(context) - 1)
         assert (shared < len(context)) == (kept == 1)   # turn 2 was played before the rewrite
-        fresh = grpo.Trajectory(grpo.fork_episode(episode, owner, kept),
+        fresh = rollout.Trajectory(baselines.fork_episode(episode, owner, kept),
                                 segments=[list(x) for x in owner.segments[:at.segment]] + [[]],
                                 steps=list(owner.steps[:kept]))
-        grpo.play(policy, tok, [fresh], policy.new_cache(1), [context], args,
+        rollout.play(policy, tok, [fresh], policy.new_cache(1), [context], args,
                   generator=torch.Generator().manual_seed(5), stats=True)
         assert branch.segments == fresh.segments
         for x, y in zip(branch.steps[kept:], fresh.steps[kept:]):
@@ -1358,7 +1370,7 @@ def test_turn_loss_matches_a_direct_computation():
     logp_ref = logp.detach() + 0.1 * torch.randn(N, generator=g, dtype=torch.float64)
     adv = torch.tensor([1.0, 1.0, 1.0, -0.5, -0.5, 2.0, 2.0], dtype=torch.float64)
     lo, hi, beta = 3e-3, 4e-3, 0.05
-    loss, sums = grpo.turn_loss(logp, logp_old, logp_ref, adv, turn, weight, (lo, hi), beta,
+    loss, sums = baselines.turn_loss(logp, logp_old, logp_ref, adv, turn, weight, (lo, hi), beta,
                                 n_tokens=7.0, n_seqs=2.0)
     loss.backward()
     total, grad, clipped = 0.0, [0.0] * N, 0
@@ -1416,7 +1428,7 @@ def test_compare_cost_measures_what_each_reward_adds(tiny_policy, tmp_path):
     out = tmp_path / "cost"
     per_run = ["--model", str(tiny_policy), "--steps", "1", "--group", "4", "--max-turns", "2",
                "--max-new-tokens", "8"]
-    result = grpo.main(["compare", "--cost", "--rewards", "outcome", "igpo", "tree_grpo", "at2po",
+    result = compare.main(["--cost", "--rewards", "outcome", "igpo", "tree_grpo", "at2po",
                         "--seeds", "1", "--out", str(out), "--", *per_run])
     rows = {r["reward"]: r for r in result["rows"]}
     assert not any((out / "runs" / name / "eval.jsonl").exists() for name in

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 import model as M
+import weights
 
 pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning")   # peft on transformers 5
 peft = pytest.importorskip("peft")
@@ -28,7 +29,7 @@ def hf():
 def build_ours(hf_model) -> M.Transformer:
     """Our Transformer holding the same weights as the transformers model."""
     d = dict(hf_model.config.to_dict(), architectures=["Qwen2ForCausalLM"])
-    ours = M.Transformer(M.Config.from_dict(d))
+    ours = M.Transformer(weights.Config.from_dict(d))
     ours.load_state_dict(hf_model.state_dict(), strict=True)
     return ours.eval()
 

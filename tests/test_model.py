@@ -11,8 +11,11 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+import common
 import envs
 import model as M
+import shop
+import weights
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -86,7 +89,7 @@ def random_model(name, seed=0) -> M.Transformer:
     d = hf_config(arch, **kw).to_dict()
     d["architectures"] = [{"qwen2": "Qwen2ForCausalLM", "llama": "LlamaForCausalLM",
                            "mistral": "MistralForCausalLM"}[arch]]
-    cfg = M.Config.from_dict(d)
+    cfg = weights.Config.from_dict(d)
     model = M.Transformer(cfg).eval()
     randomize(model.named_parameters(), seed)
     return model
@@ -156,16 +159,17 @@ def test_tied_embeddings_share_one_tensor(tmp_path):
 def test_config_reads_both_rope_layouts_and_rejects_unknown():
     base = dict(vocab_size=8, hidden_size=8, intermediate_size=8, num_hidden_layers=1,
                 num_attention_heads=2, architectures=["Qwen2ForCausalLM"], unknown_key=1)
-    assert M.Config.from_dict({**base, "rope_theta": 123.0}).rope_base == 123.0
-    assert M.Config.from_dict({**base, "rope_parameters": {"rope_theta": 7.0,
+    assert weights.Config.from_dict({**base, "rope_theta": 123.0}).rope_base == 123.0
+    assert weights.Config.from_dict({**base, "rope_parameters": {"rope_theta": 7.0,
                                                            "rope_type": "default"}}).rope_base == 7
     with pytest.raises(ValueError, match="RoPE"):
-        M.Config.from_dict({**base, "rope_parameters": {"rope_theta": 7.0, "rope_type": "yarn"}})
+        weights.Config.from_dict({**base, "rope_parameters": {"rope_theta": 7.0,
+                                                              "rope_type": "yarn"}})
     with pytest.raises(ValueError, match="GPT2"):
-        M.Config.from_dict({**base, "architectures": ["GPT2LMHeadModel"]})
+        weights.Config.from_dict({**base, "architectures": ["GPT2LMHeadModel"]})
     # transformers < 5 leaves out keys equal to its class defaults: Mistral's window is 4096.
     legacy = {k: v for k, v in base.items() if k != "architectures"}
-    mistral = M.Config.from_dict({**legacy, "model_type": "mistral"})
+    mistral = weights.Config.from_dict({**legacy, "model_type": "mistral"})
     assert mistral.arch == "MistralForCausalLM" and mistral.window(0) == 4096
 
 
@@ -185,7 +189,7 @@ GOOD_CONFIG = dict(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidd
 def test_config_values_are_checked_before_building(tmp_path, key, value):
     (tmp_path / "config.json").write_text(json.dumps({**GOOD_CONFIG, key: value}))
     write_tiny_tokenizer(tmp_path)
-    with pytest.raises(M.CheckpointError) as err:
+    with pytest.raises(weights.CheckpointError) as err:
         M.load_model(tmp_path)
     assert str(tmp_path / "config.json") in str(err.value)
     assert key in str(err.value)
@@ -219,26 +223,26 @@ def _rewrite(path, fn):
 def test_bad_checkpoints_raise_checkpoint_error(tmp_path, fault):
     shard = fault == "shard-missing"
     hf_checkpoint(tmp_path, "qwen2-mqa-untied", shard=shard)
-    weights = tmp_path / "model.safetensors"
+    st_file = tmp_path / "model.safetensors"
     victim = "model.layers.1.self_attn.k_proj.bias"
     expect = [victim]
     if fault == "missing":
-        _rewrite(weights, lambda t: t.pop(victim))
+        _rewrite(st_file, lambda t: t.pop(victim))
         expect += ["missing", str(tmp_path)]
     elif fault == "extra":
-        _rewrite(weights, lambda t: t.update({"model.layers.9.mlp.bogus": torch.zeros(2)}))
+        _rewrite(st_file, lambda t: t.update({"model.layers.9.mlp.bogus": torch.zeros(2)}))
         expect = ["model.safetensors", "unexpected", "model.layers.9.mlp.bogus"]
     elif fault == "shape":
-        _rewrite(weights, lambda t: t.update({victim: torch.zeros(9)}))
+        _rewrite(st_file, lambda t: t.update({victim: torch.zeros(9)}))
         expect += ["model.safetensors", "[9]", "[8]"]
     elif fault == "truncated":
-        data = weights.read_bytes()
-        weights.write_bytes(data[:len(data) - 100])
+        data = st_file.read_bytes()
+        st_file.write_bytes(data[:len(data) - 100])
         expect = ["model.safetensors", "truncated"]
     elif fault == "corrupt":
-        data = bytearray(weights.read_bytes())
+        data = bytearray(st_file.read_bytes())
         data[:8] = struct.pack("<Q", len(data) * 4)          # header longer than the file
-        weights.write_bytes(bytes(data))
+        st_file.write_bytes(bytes(data))
         expect = ["model.safetensors", "corrupt"]
     elif fault == "architecture":
         cfg = json.loads((tmp_path / "config.json").read_text())
@@ -251,7 +255,7 @@ def test_bad_checkpoints_raise_checkpoint_error(tmp_path, fault):
         _rewrite(shard_file, lambda t: t.pop(victim))
         expect += [shard_file.name, "missing"]
     elif fault == "no-weights":
-        weights.unlink()
+        st_file.unlink()
         expect = ["model.safetensors"]
     elif fault == "no-tokenizer":
         (tmp_path / "tokenizer.json").unlink()
@@ -263,7 +267,7 @@ def test_bad_checkpoints_raise_checkpoint_error(tmp_path, fault):
         from tokenizers import Tokenizer, models
         Tokenizer(models.WordLevel({"a": 0}, unk_token="a")).save(str(tmp_path / "tokenizer.json"))
         expect = [str(tmp_path / "tokenizer.json"), "<|im_start|>"]
-    with pytest.raises(M.CheckpointError) as err:
+    with pytest.raises(weights.CheckpointError) as err:
         M.load_model(tmp_path)
     for text in expect:
         assert text in str(err.value)
@@ -428,7 +432,7 @@ def test_progress_into_a_log_is_at_most_a_line_per_30s_and_per_10_percent():
     now = [0.0]
 
     def due(tty, total=1000, seconds_each=1.0):
-        pacer = M.Pacer(total, _Stream(tty), every=5.0, clock=lambda: now[0])
+        pacer = common.Pacer(total, _Stream(tty), every=5.0, clock=lambda: now[0])
         lines = []
         for done in range(1, total + 1):
             now[0] += seconds_each
@@ -444,9 +448,11 @@ def test_progress_into_a_log_is_at_most_a_line_per_30s_and_per_10_percent():
 
 def test_generate_renders_a_task_for_the_built_in_policy_as_its_rollouts_do(capsys):
     policy = ROOT / "data" / "shop-policy"
-    episode = envs.make("shop", split="test").episode(0)
-    assert M.checkpoint_world(policy) == "shop"
-    assert M.prompt_messages(episode.task.text, None, "shop") == episode.messages
+    episode = shop.ShopEnv("test").episode(0)
+    world, tools = weights.checkpoint_world(policy)
+    # the config carries the world's tool list and reply format, as the world renders them
+    assert world == "shop" and tools == envs.tool_instructions(shop.SHOP_TOOLS)
+    assert M.prompt_messages(episode.task.text, None, tools) == episode.messages
     assert M.prompt_messages("hi", "Be brief.", None) == [
         {"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"}]
     M.main(["generate", "--model", str(policy), "--prompt", episode.task.text,
@@ -455,6 +461,12 @@ def test_generate_renders_a_task_for_the_built_in_policy_as_its_rollouts_do(caps
     assert "float32; the prompt rendered as a shop task" in err
     turn = envs.parse_react(out.strip())        # a first turn: a tool call, not an echo
     assert isinstance(turn, envs.Action) and turn.name == "Lookup", out
+
+
+def test_generate_refuses_a_world_the_checkpoint_does_not_record(tmp_path):
+    hf_checkpoint(tmp_path, "qwen2-gqa-tied")
+    with pytest.raises(SystemExit, match="records no shop task rendering"):
+        M.main(["generate", "--model", str(tmp_path), "--prompt", "hi", "--world", "shop"])
 
 
 # ---------------------------------------------------------------------------------------------

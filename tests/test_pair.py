@@ -11,8 +11,10 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+import common
 import pair
 import probes
+import weights
 from pair import Pair
 
 
@@ -227,7 +229,7 @@ def test_train_eval_report_cli(features_dir, tmp_path, capsys):
              if p.is_file()}
     assert {f"seed42/{n}.safetensors" for n in probes.FEATURES} <= files
     assert "seed43/pair_mixed/pair.json" in files
-    assert all(f.endswith((".safetensors", ".json", pair.LOCK_FILE)) for f in files)
+    assert all(f.endswith((".safetensors", ".json", common.LOCK_FILE)) for f in files)
     pair.main(["eval", "--probes", str(tmp_path / "m"), "--features", str(features_dir),
                "--out", str(tmp_path / "eval.json")])
     ev = json.loads((tmp_path / "eval.json").read_text())
@@ -345,7 +347,7 @@ def tiny_checkpoint(directory: Path, data_dir: Path) -> Path:
               "eos_token_id": tok.token_to_id("<|im_end|>")}
     (directory / "config.json").write_text(json.dumps(config))
     torch.manual_seed(0)
-    net = mdl.Transformer(mdl.Config.from_dict(config))
+    net = mdl.Transformer(weights.Config.from_dict(config))
     save_file({k: v.contiguous() for k, v in net.state_dict().items()},
               str(directory / "model.safetensors"))
     return directory
@@ -546,15 +548,15 @@ def test_a_busy_output_is_refused_and_kill_9_frees_it(features_dir, tmp_path):
 
 def test_claims_nest_and_survive_the_directory_being_removed(tmp_path):
     d = tmp_path / "x.parts"
-    with pair.exclusive_dir(d):
-        with pair.exclusive_dir(d):             # nested in one process: fine
+    with common.exclusive_dir(d):
+        with common.exclusive_dir(d):             # nested in one process: fine
             pass
-        assert str(d.resolve()) in pair._claims
+        assert str(d.resolve()) in common._claims
         import shutil
         shutil.rmtree(d)                        # extract removes OUT.parts while holding it
-    assert str(d.resolve()) not in pair._claims
-    with pair.exclusive_dir(d):
-        assert (d / pair.LOCK_FILE).read_text().strip() == str(__import__("os").getpid())
+    assert str(d.resolve()) not in common._claims
+    with common.exclusive_dir(d):
+        assert (d / common.LOCK_FILE).read_text().strip() == str(__import__("os").getpid())
 
 
 def test_merge_refuses_to_write_an_incomplete_file(shop_ckpt, tmp_path, monkeypatch):
@@ -643,12 +645,12 @@ def test_extraction_resumes_by_model_content_not_path(shop_ckpt, tmp_path, monke
     monkeypatch.setattr(mdl, "trace_forward", real)
 
     # other weights under the same path: the shards of the first model are not resumed
-    weights = load_file(str(ckpt / "model.safetensors"))
-    save_file({k: v + 0.01 for k, v in weights.items()}, str(ckpt / "model.safetensors"))
+    tensors = load_file(str(ckpt / "model.safetensors"))
+    save_file({k: v + 0.01 for k, v in tensors.items()}, str(ckpt / "model.safetensors"))
     with pytest.raises(SystemExit, match="different arguments .*model_sha256"):
         pair.main(argv + ["--model", str(ckpt)])
     # the first model again, from another path: resumed
-    save_file(weights, str(ckpt / "model.safetensors"))
+    save_file(tensors, str(ckpt / "model.safetensors"))
     moved = tmp_path / "moved"
     ckpt.rename(moved)
     monkeypatch.setattr(mdl, "trace_forward", lambda *a: (calls.append(a[2]), real(*a))[1])
@@ -658,7 +660,8 @@ def test_extraction_resumes_by_model_content_not_path(shop_ckpt, tmp_path, monke
     n = len(envs.load_matched(data / "matched_clean_test.json"))
     assert len(calls) == n - 4
     _, meta = probes.load_features(out)
-    assert meta["model_sha256"] == mdl.checkpoint_sha256(moved) == mdl.checkpoint_sha256(original)
+    assert meta["model_sha256"] == weights.checkpoint_sha256(moved) \
+        == weights.checkpoint_sha256(original)
     assert meta["data_sha256"] and meta["dims"] == {"d": 16, "L": 4, "H": 4}
 
 

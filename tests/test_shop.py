@@ -15,11 +15,15 @@ import re
 import pytest
 import torch
 
+import common
 import envs
 import grpo
 import model as mdl
+import onpolicy
 import pair
 import probes
+import rollout
+import runs
 import shop
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -187,7 +191,7 @@ def test_make_data_says_what_it_wrote_in_the_users_file_mode(tmp_path, capsys, m
     umask = os.umask(0)
     os.umask(umask)
     assert {(p.stat().st_mode & 0o777) for p in (tmp_path / "a").iterdir()} == {0o666 & ~umask}
-    monkeypatch.setattr(envs, "_UMASK", 0o027)      # a group-readable umask is honoured too
+    monkeypatch.setattr(common, "_UMASK", 0o027)      # a group-readable umask is honoured too
     shop.make_shop_data(tmp_path / "b", episodes=2)
     assert {(p.stat().st_mode & 0o777) for p in (tmp_path / "b").iterdir()} == {0o640}
 
@@ -371,7 +375,7 @@ def test_cli_help_says_what_every_flag_does():
 
 
 def test_make_dispatches_to_shop():
-    env = envs.make("shop", split="train", seed=3, episodes=5)
+    env = shop.ShopEnv("train", seed=3, episodes=5)
     assert isinstance(env, shop.ShopEnv) and len(env) == 5
     assert env.ids == [f"shop-3-train-{i}" for i in range(5)]
     assert env.episode(4).task == shop.shop_task_from_id("shop-3-train-4")
@@ -393,7 +397,8 @@ def test_sft_is_deterministic_and_loadable(tmp_path):
     assert tok.decode(tok.encode("<|im_start|>user\n3 apple<|im_end|>")) == \
         "<|im_start|>user\n3 apple<|im_end|>"
     assert "python shop.py sft --out" in (tmp_path / "a" / "README.md").read_text()
-    assert shop.BUILTIN_POLICY == grpo.BUILTIN_POLICY       # sft writes what grpo.py trains
+    # sft writes, by default, what grpo.py trains by default
+    assert runs.train_parser(grpo.REWARDS).parse_args([]).model == str(shop.BUILTIN_POLICY)
 
 
 def test_sft_divided_replaces_only_clean_non_usd_dialogs():
@@ -438,12 +443,12 @@ def test_sft_continues_a_saved_policy_with_its_tokenizer(tmp_path):
 
 def test_on_policy_corpus_labels_are_the_worlds():
     policy, tok = mdl.load_model(BUILTIN)
-    env = envs.make("shop", split="train")
+    env = shop.ShopEnv("train")
     play = argparse.Namespace(max_turns=10, max_new_tokens=96, max_len=4096, temperature=1.0,
                               top_p=1.0)
-    trajs = grpo.rollout(policy, tok, [env.episode(i) for i in (0, 0, 1, 2, 3, 3)], play,
+    trajs = rollout.rollout(policy, tok, [env.episode(i) for i in (0, 0, 1, 2, 3, 3)], play,
                          generator=torch.Generator().manual_seed(1))
-    split = shop.turn_records(trajs)
+    split = onpolicy.turn_records(trajs)
     labels = [ok for traj in trajs for ok in traj.episode.labels()]
     assert split.y.tolist() == [int(ok) for ok in labels]
     assert 0 < sum(labels) < len(labels)            # the built-in policy gets some turns wrong
@@ -461,7 +466,7 @@ def test_on_policy_corpus_labels_are_the_worlds():
     for key, v in first.items():
         assert torch.equal(split.raw[key][0], v), key
     # kind: one code per turn_kind, the same code for the same kind
-    kinds = [shop.turn_kind(s.text) for traj in trajs for s in traj.steps]
+    kinds = [onpolicy.turn_kind(s.text) for traj in trajs for s in traj.steps]
     assert "Lookup" in kinds
     codes = dict(zip(kinds, split.raw["kind"].tolist()))
     assert [codes[k] for k in kinds] == split.raw["kind"].tolist()
@@ -472,8 +477,8 @@ def test_contaminated_corpus_is_the_recipes_training_set_of_every_traced_record(
     # the corpus picks its records from labels before tracing: the same rows, in the same order,
     # as pair.training_set on both matched train splits traced whole, one record at a time
     policy, tok = mdl.load_model(BUILTIN)
-    got = shop.contaminated_corpus(policy, tok, 3, lambda *a, **k: None)
-    shop.make_shop_data(tmp_path, episodes=3, seed=shop.PROBE_SEED)
+    got = onpolicy.contaminated_corpus(policy, tok, 3, lambda *a, **k: None)
+    shop.make_shop_data(tmp_path, episodes=3, seed=onpolicy.PROBE_SEED)
     splits = {}
     for name in pair.TRAIN_SPLITS["mixed"]:
         recs = envs.load_matched(tmp_path / f"{name}.json")
@@ -485,7 +490,7 @@ def test_contaminated_corpus_is_the_recipes_training_set_of_every_traced_record(
         raw["turn_idx"] = torch.tensor([int(r["turn_idx"]) for r in recs])
         splits[name] = pair.Split(name, raw, torch.tensor([int(r["label"]) for r in recs]),
                                   [str(r["episode_id"]) for r in recs], {})
-    want = pair.training_set(splits, "mixed", shop.PROBE_SEED)
+    want = pair.training_set(splits, "mixed", onpolicy.PROBE_SEED)
     assert len(got.y) < sum(len(s.y) for s in splits.values())     # not every record is kept
     assert torch.equal(got.y, want.y) and got.keys() == want.keys()
     assert 0 < int(got.y.sum()) < len(got.y)
@@ -497,8 +502,8 @@ def test_kind_balanced_indices_balance_every_kind_that_has_both_classes():
     # kind 0: 5 right, 1 wrong; kind 1: 1 right, 3 wrong; kind 2: 2 wrong only
     y = torch.tensor([1, 1, 1, 1, 1, 0, 1, 0, 0, 0, 0, 0])
     kind = torch.tensor([0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 2, 2])
-    idx = shop.kind_balanced_indices(y, kind, seed=3)
-    assert torch.equal(idx, shop.kind_balanced_indices(y, kind, seed=3))     # seeded
+    idx = onpolicy.kind_balanced_indices(y, kind, seed=3)
+    assert torch.equal(idx, onpolicy.kind_balanced_indices(y, kind, seed=3))     # seeded
     for k, (right, wrong) in {0: (5, 5), 1: (3, 3), 2: (0, 2)}.items():
         got = y[idx][kind[idx] == k]
         assert (int(got.sum()), int((got == 0).sum())) == (right, wrong), k

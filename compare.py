@@ -1,0 +1,377 @@
+"""Rewards x seeds -> the comparison a user would put in a paper, and the paper's Table complexity.
+
+    python compare.py --rewards outcome pair pair:alpha=0 --seeds 42 43 44 --out runs/cmp
+    python compare.py --cost --seeds 42 --out runs/cost -- --steps 3
+    python grpo.py compare ...          # the same command (grpo.py hands it to this file)
+
+Each run is an ordinary `grpo.py` run in OUT/runs/<name>-s<seed>, started as its own process
+(so `--jobs 2` uses two cores) and resumed with --resume if it was interrupted; a run with a
+summary.json is finished and never redone. A reward is written NAME or NAME:flag=value,...
+(e.g. pair:alpha=0), and flags after `--` go to every run.
+
+It writes compare.md (held-out success of the checkpoint selected on validation and of the final
+one, mean ± std over seeds, a 95% interval from a two-level bootstrap over seeds and episodes, the
+paired difference to the first reward), compare.json and curves.svg; with --cost, cost.md: what a
+training step of each reward costs, beside the paper's numbers.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+import baselines
+import common
+import grpo
+
+COMPARE_REWARDS = ("outcome", "pair", "pair:alpha=0", "last_token", "multi_attn", "attention",
+                   "head_entropy", "igpo", "tips", "tree_grpo", "at2po",
+                   "pair:probe-corpus=contaminated")
+
+
+BOOTSTRAP = 1000
+
+
+def parse_spec(spec: str) -> tuple[str, list[str]]:
+    """'pair:alpha=0,probe-corpus=contaminated' -> ('pair', ['--alpha', '0', ...])."""
+    reward, _, rest = spec.partition(":")
+    if reward not in grpo.REWARDS:
+        raise SystemExit(f"compare: unknown reward {reward!r} in {spec!r} (choose from "
+                         f"{', '.join(grpo.REWARDS)})")
+    flags = []
+    for item in filter(None, rest.split(",")):
+        key, eq, value = item.partition("=")
+        if not eq or not key:
+            raise SystemExit(f"compare: {spec!r}: write flags as name=value, e.g. pair:alpha=0")
+        flags += [f"--{key}", value]
+    return reward, flags
+
+
+def run_name(spec: str, seed: int) -> str:
+    return "".join(c if c.isalnum() or c in "-_.=" else "-" for c in spec) + f"-s{seed}"
+
+
+def compare(argv: list[str]) -> dict:
+    command = " ".join(["python compare.py", *argv])
+    ap = argparse.ArgumentParser(
+        prog="compare.py", formatter_class=common.HelpFormatter,
+        description="Train every reward with every seed (resumable) and write compare.md, "
+                    "compare.json and curves.svg. Flags after `--` go to every run.")
+    ap.add_argument("--rewards", nargs="+", default=list(COMPARE_REWARDS),
+                    help="rewards, each NAME or NAME:flag=value,...")
+    ap.add_argument("--seeds", nargs="+", type=int, default=[42, 43, 44],
+                    help="seeds, each a run per reward")
+    ap.add_argument("--out", required=True, help="directory of the runs and the tables")
+    ap.add_argument("--jobs", type=int, default=1, help="runs at once")
+    ap.add_argument("--threads", type=int, default=1, help="torch threads per run")
+    ap.add_argument("--cost", action="store_true",
+                    help="the paper's Table complexity, measured: train every reward (default: "
+                         "all but llm_judge without an endpoint) for the few steps given after "
+                         "`--` without evaluations, one run at a time, and write cost.md")
+    argv, extra = (argv[:argv.index("--")], argv[argv.index("--") + 1:]) if "--" in argv \
+        else (argv, [])
+    args = ap.parse_args(argv)
+    if args.cost:
+        if "--rewards" not in argv:
+            args.rewards = [r for r in grpo.REWARDS if r != "llm_judge"
+                            or os.environ.get("OPENAI_API_KEY")]
+        # latencies measured beside another run are not latencies
+        args.jobs, extra = 1, [*extra, "--no-eval"]
+    for spec in args.rewards:
+        parse_spec(spec)                         # every spec is checked before any run starts
+    out = Path(args.out)
+    (out / "runs").mkdir(parents=True, exist_ok=True)
+    todo = []
+    # Seed by seed: every reward has its first seed before any has its second, so a comparison
+    # cut short still has a row for each (`--seeds 42` then tabulates what is done).
+    for seed in args.seeds:
+        for spec in args.rewards:
+            reward, flags = parse_spec(spec)
+            run = out / "runs" / run_name(spec, seed)
+            if (run / "summary.json").is_file():
+                continue
+            cmd = [sys.executable, str(Path(grpo.__file__).resolve()), "--reward", reward, *flags,
+                   "--seed", str(seed), "--out", str(run), "--threads", str(args.threads),
+                   *extra] + (["--resume"] if (run / "args.json").is_file() else [])
+            todo.append((run, cmd))
+    print(f"compare: {len(args.rewards)} rewards x {len(args.seeds)} seeds, {len(todo)} runs to "
+          f"do, {args.jobs} at a time; logs in {out / 'runs'}/<run>.log", flush=True)
+    running: list[tuple[Path, subprocess.Popen]] = []
+    failed = []
+    while todo or running:
+        while todo and len(running) < args.jobs:
+            run, cmd = todo.pop(0)
+            run.parent.mkdir(parents=True, exist_ok=True)
+            with open(run.with_name(run.name + ".log"), "a") as log:
+                running.append((run, subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)))
+            print(f"  started {run.name}", flush=True)
+        time.sleep(0.5)
+        for run, proc in list(running):
+            if proc.poll() is not None:
+                running.remove((run, proc))
+                print(f"  {'finished' if proc.returncode == 0 else 'FAILED'} {run.name}",
+                      flush=True)
+                if proc.returncode != 0:
+                    failed.append(run.name)
+    if failed:
+        raise SystemExit(f"compare: {len(failed)} runs failed ({', '.join(failed)}); see their "
+                         "logs; run the same command again to retry them")
+    if args.cost:
+        result = cost_table(out, args.rewards, args.seeds)
+        common.write_json(out / "cost.json", result)
+        common.write_atomic(out / "cost.md", cost_markdown(result, command))
+        print((out / "cost.md").read_text() + f"\nwrote {out / 'cost.md'}, {out / 'cost.json'}",
+              flush=True)
+        return result
+    result = compare_table(out, args.rewards, args.seeds)
+    common.write_json(out / "compare.json", result)
+    common.write_atomic(out / "compare.md", compare_markdown(result, command))
+    common.write_atomic(out / "curves.svg", curves_svg(result))
+    print((out / "compare.md").read_text() + f"\nwrote {out / 'compare.md'}, "
+          f"{out / 'compare.json'}, {out / 'curves.svg'}", flush=True)
+    return result
+
+
+# The paper's Table complexity (A6000, Qwen2.5-7B-Instruct): latency per agent step of the
+# reward, additional forward passes, external calls, cost growth
+# The paper's Table complexity (A6000, Qwen2.5-7B-Instruct): latency per agent step of the
+# reward, additional forward passes, external calls, cost growth
+PAPER_COST = {
+    "outcome": ("0 ms", "0", "none", "O(1) per trajectory"),
+    "probe": ("~0.1 ms", "0", "none", "O(1) per step"),
+    "pair": ("~0.2 ms", "0", "none", "O(1) per step"),
+    "igpo": ("~30-50 ms", "1 (teacher-forced)", "none", "O(|y*|)"),
+    "tree": ("~5-25 s", "K sibling rollouts", "none", "O(K) per step"),
+    "llm_judge": ("~500 ms", "0", "GPT-4o-mini", "O(1) per step"),
+}
+
+
+def paper_cost(reward: str) -> tuple[str, str, str, str]:
+    if reward in ("igpo", "tips"):
+        return PAPER_COST["igpo"]
+    if reward in baselines.TREE_SEARCH:
+        return PAPER_COST["tree"]
+    if reward in PAPER_COST:
+        return PAPER_COST[reward]
+    return PAPER_COST["probe"]          # every probe baseline and CoE
+
+
+def cost_table(out: Path, specs: list[str], seeds: list[int]) -> dict:
+    """Per reward, the mean over every logged step of every seed: what the reward itself cost
+    (t_reward: the probes' read-out, the teacher-forced passes, the judge's calls, a tree's
+    sibling rollouts), and the work of the step around it."""
+    rows = []
+    for spec in specs:
+        ms = [m for seed in seeds for m in common.read_jsonl(out / "runs" / run_name(spec, seed) /
+                                                      "metrics.jsonl")]
+        if not ms:
+            raise SystemExit(f"compare --cost: no logged step for {spec}")
+        row = {"reward": spec, "steps": len(ms)}
+        for key in (*grpo.TIMING, *grpo.COSTS, "mem_kv_mb", "mem_cuda_peak_mb"):
+            row[key] = _mean([m.get(key) for m in ms])
+        # the paper's latency is per agent step (one turn's reward)
+        row["ms_per_turn"] = 1000 * row["t_reward"] / max(row["gen_turns"] or 0, 1)
+        row["reward_share"] = row["t_reward"] / max(
+            row["t_rollout"] + row["t_reward"] + row["t_update"], 1e-9)
+        row["paper"] = dict(zip(("latency", "forwards", "external", "growth"),
+                                paper_cost(parse_spec(spec)[0])))
+        rows.append(row)
+    return {"rows": rows, "seeds": seeds}
+
+
+def cost_markdown(result: dict, command: str) -> str:
+    def extra(r):
+        parts = []
+        if r["branch_rollouts"]:
+            parts.append(f"{r['branch_rollouts']:.1f} sibling rollouts "
+                         f"({r['branch_tokens']:.0f} tokens)")
+        if r["tf_rows"]:
+            parts.append(f"{r['tf_rows']:.1f} teacher-forced rows ({r['tf_tokens']:.0f} tokens)")
+        return "; ".join(parts) or "0"
+    lines = [
+        "Per training step, mean over every logged step of seeds "
+        f"{result['seeds']}; the paper's numbers (Table complexity, per agent step, A6000, 7B) "
+        "beside them. *reward*: t_reward, the time of the reward itself (for tree search: the "
+        "sibling rollouts and the advantages; the chains are the rollout); per turn: divided by "
+        "the turns played in the step.", "", f"`{command}`", "",
+        "| reward | reward s / step | ms / turn | paper latency / step | extra forward work / "
+        "step | paper add. fwd passes | external calls / step | paper external | tokens "
+        "generated / step | turns / step | reward share of step | KV cache MB | paper growth |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in result["rows"]:
+        p = r["paper"]
+        lines.append(
+            f"| {r['reward']} | {r['t_reward']:.3f} | {r['ms_per_turn']:.2f} | {p['latency']} "
+            f"| {extra(r)} | {p['forwards']} | {r['external_calls']:.1f} | {p['external']} | "
+            f"{r['gen_tokens']:.0f} | {r['gen_turns']:.1f} | {100 * r['reward_share']:.1f}% | "
+            f"{r['mem_kv_mb']:.1f} | {p['growth']} |")
+    return "\n".join(lines) + "\n"
+
+
+def bootstrap_mean(rows: list[list[float]], base: list[list[float]] | None = None,
+                   seed: int = 0) -> tuple[float, float]:
+    """95% interval of the mean success over seeds x episodes (minus `base`'s, seed by seed and
+    episode by episode, when given): seeds and episodes both resampled (a two-level bootstrap),
+    so the interval holds both the training noise and the evaluation pool's."""
+    x = torch.tensor(rows, dtype=torch.float64)                       # (seeds, episodes)
+    if base is not None:
+        x = x - torch.tensor(base, dtype=torch.float64)
+    g = torch.Generator().manual_seed(seed)
+    S, n = x.shape
+    s_idx = torch.randint(S, (BOOTSTRAP, S), generator=g)
+    e_idx = torch.randint(n, (BOOTSTRAP, n), generator=g)
+    means = torch.stack([x[s_idx[b]][:, e_idx[b]].mean() for b in range(BOOTSTRAP)])
+    lo, hi = torch.quantile(means, torch.tensor([0.025, 0.975], dtype=torch.float64)).tolist()
+    return lo, hi
+
+
+def compare_table(out: Path, specs: list[str], seeds: list[int]) -> dict:
+    rows, scores = [], {}
+    for spec in specs:
+        runs = []
+        for seed in seeds:
+            run = out / "runs" / run_name(spec, seed)
+            evals = {e["step"]: e for e in common.read_jsonl(run / "eval.jsonl")}
+            runs.append((json.loads((run / "summary.json").read_text()),
+                         common.read_jsonl(run / "metrics.jsonl"), evals))
+        row = {"reward": spec, "seeds": seeds, "runs": [str(out / "runs" / run_name(spec, s))
+                                                         for s in seeds]}
+        for key in ("base", "selected", "final", "best_on_test"):
+            vals = [s[key]["success"] for s, _, _ in runs]
+            row[key] = {"mean": float(np.mean(vals)), "std": float(np.std(vals)),
+                        "per_seed": vals}
+        for key in ("selected", "final"):
+            per_episode = [ev[s[key]["step"]]["test"]["scores"] for s, _, ev in runs]
+            scores[spec, key] = per_episode
+            row[key]["ci95"] = bootstrap_mean(per_episode)
+        first = [m.get("probe_auroc") for _, ms, _ in runs for m in ms[:5]]
+        last = [m.get("probe_auroc") for _, ms, _ in runs for m in ms[-5:]]
+        row["probe_auroc"] = {"first5": _mean([x for x in first if x is not None]),
+                              "last5": _mean([x for x in last if x is not None])}
+        row["heldout_auroc"] = _mean([s.get("probe_auroc_heldout", {}).get("pair")
+                                      for s, _, _ in runs])
+        all_m = [m for _, ms, _ in runs for m in ms]
+        row["frac_zero_std"] = _mean([m["frac_zero_std"] for m in all_m])
+        row["kl_final"] = _mean([ms[-1]["kl"] for _, ms, _ in runs])
+        for key in grpo.TIMING:
+            row[key] = _mean([m.get(key, 0.0) for m in all_m])
+        row["minutes"] = _mean([s["seconds"] / 60 for s, _, _ in runs])
+        # the learning curves: test success at every evaluation, mean reward at every step
+        steps = sorted(set.intersection(*(set(ev) for _, _, ev in runs)))
+        row["curve_success"] = [(k, _mean([ev[k]["test"]["success"] for _, _, ev in runs]))
+                                for k in steps]
+        n_steps = min(len(ms) for _, ms, _ in runs)
+        row["curve_reward"] = [(k + 1, _mean([ms[k]["reward_mean"] for _, ms, _ in runs]))
+                               for k in range(n_steps)]
+        rows.append(row)
+    ref = specs[0]
+    for row in rows:          # paired against the first reward (outcome by default): same seeds
+        for key in ("selected", "final"):
+            d = np.mean(scores[row["reward"], key]) - np.mean(scores[ref, key])
+            row[key]["delta_vs_first"] = float(d)
+            row[key]["delta_ci95"] = bootstrap_mean(scores[row["reward"], key],
+                                                    scores[ref, key])
+    return {"rows": rows, "reference": ref, "bootstrap": BOOTSTRAP,
+            "selection": "checkpoint with the best validation success, reported on test"}
+
+
+def _mean(values) -> float | None:
+    values = [v for v in values if v is not None]
+    return float(np.mean(values)) if values else None
+
+
+def compare_markdown(result: dict, command: str) -> str:
+    def pct(x):
+        return "—" if x is None else f"{100 * x:.1f}"
+
+    def cell(r, key):
+        lo, hi = r[key]["ci95"]
+        return f"{pct(r[key]['mean'])} ± {pct(r[key]['std'])} [{pct(lo)}, {pct(hi)}]"
+
+    def delta(r, key):
+        lo, hi = r[key]["delta_ci95"]
+        return f"{100 * r[key]['delta_vs_first']:+.1f} [{100 * lo:+.1f}, {100 * hi:+.1f}]"
+
+    ref = result["reference"]
+    lines = [
+        f"Held-out success in % (greedy, test split), mean ± std over seeds "
+        f"{result['rows'][0]['seeds']} [95% interval, two-level bootstrap over seeds and "
+        f"episodes, {result['bootstrap']} draws]. *selected*: the checkpoint with the best "
+        f"validation success, reported on test; *best on test*: the paper's protocol (chosen on "
+        f"test itself). Δ: paired against `{ref}` (same seeds, same episodes).", "",
+        f"`{command}`", "",
+        "| reward | base | selected | Δ selected | final | Δ final | best on test "
+        "| PAIR AUROC held-out own turns | probe AUROC first → last 5 steps | zero-std "
+        "| KL final | s/step rollout / reward / update | min/run |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in result["rows"]:
+        pa = r["probe_auroc"]
+        lines.append(
+            f"| {r['reward']} | {pct(r['base']['mean'])} | {cell(r, 'selected')} | "
+            f"{delta(r, 'selected') if r['reward'] != ref else '—'} | {cell(r, 'final')} | "
+            f"{delta(r, 'final') if r['reward'] != ref else '—'} | "
+            f"{pct(r['best_on_test']['mean'])} | {common.num(r['heldout_auroc'])} | "
+            + (f"{common.num(pa['first5'])} → {common.num(pa['last5'])}"
+               if pa["first5"] is not None else "—")
+            + f" | {r['frac_zero_std']:.2f} | {r['kl_final']:.3f} | {r['t_rollout']:.1f} / "
+            f"{r['t_reward']:.2f} / {r['t_update']:.1f} | {r['minutes']:.1f} |")
+    return "\n".join(lines) + "\n"
+
+
+def curves_svg(result: dict) -> str:
+    """Two panels, one line per reward: held-out test success vs step, mean reward vs step."""
+    W, H, pad = 460, 300, 48
+    colors = ["#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e", "#8c564b", "#e377c2",
+              "#7f7f7f", "#bcbd22", "#17becf"]
+    parts = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{2 * W}" '
+             f'height="{H + 24 * ((len(result["rows"]) + 1) // 2) + 20}" font-family="sans-serif"'
+             ' font-size="12"><rect width="100%" height="100%" fill="white"/>']
+    for p, (key, title) in enumerate((("curve_success", "held-out success (test, greedy)"),
+                                      ("curve_reward", "mean turn reward (training rollouts)"))):
+        series = [r[key] for r in result["rows"]]
+        xs = [x for s in series for x, _ in s] or [0, 1]
+        ys = [y for s in series for _, y in s if y is not None] or [0, 1]
+        x0, x1 = min(xs), max(max(xs), min(xs) + 1)
+        y0, y1 = min(ys), max(max(ys), min(ys) + 1e-3)
+        y0, y1 = y0 - 0.05 * (y1 - y0), y1 + 0.05 * (y1 - y0)
+        ox = p * W
+
+        def X(x):
+            return ox + pad + (x - x0) / (x1 - x0) * (W - 1.5 * pad)
+
+        def Y(y):
+            return H - pad + (y - y0) / (y1 - y0) * -(H - 1.6 * pad)
+        parts.append(f'<text x="{ox + W / 2}" y="18" text-anchor="middle">{title}</text>')
+        parts.append(f'<line x1="{X(x0)}" y1="{Y(y0)}" x2="{X(x1)}" y2="{Y(y0)}" '
+                     'stroke="black"/>'
+                     f'<line x1="{X(x0)}" y1="{Y(y0)}" x2="{X(x0)}" y2="{Y(y1)}" stroke="black"/>')
+        for t in range(5):
+            yv, xv = y0 + t * (y1 - y0) / 4, x0 + t * (x1 - x0) / 4
+            parts.append(f'<text x="{X(x0) - 4}" y="{Y(yv) + 4}" text-anchor="end">{yv:.2f}'
+                         f'</text><text x="{X(xv)}" y="{Y(y0) + 16}" text-anchor="middle">'
+                         f'{xv:.0f}</text>')
+        parts.append(f'<text x="{ox + W / 2}" y="{H - 8}" text-anchor="middle">step</text>')
+        for c, s in enumerate(series):
+            pts = " ".join(f"{X(x):.1f},{Y(y):.1f}" for x, y in s if y is not None)
+            parts.append(f'<polyline points="{pts}" fill="none" stroke="{colors[c % 10]}" '
+                         'stroke-width="1.6"/>')
+    for c, r in enumerate(result["rows"]):
+        x, y = 20 + (c % 2) * W, H + 24 * (c // 2) + 10
+        parts.append(f'<line x1="{x}" y1="{y}" x2="{x + 24}" y2="{y}" stroke="{colors[c % 10]}"'
+                     f' stroke-width="3"/><text x="{x + 30}" y="{y + 4}">{r["reward"]}</text>')
+    return "\n".join(parts) + "\n</svg>\n"
+
+
+def main(argv=None):
+    return compare(sys.argv[1:] if argv is None else argv)
+
+
+if __name__ == "__main__":
+    main()

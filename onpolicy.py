@@ -1,0 +1,281 @@
+"""Probes fitted on a policy's own labelled turns: how grpo.py gets PAIR and the probe rewards for
+the built-in policy, on the fly, once per policy and corpus, cached under $PAIR_CACHE.
+
+A probe is only as good as the turns it was fitted on. Fitted on gold shop dialogs and their
+rule-based contaminations, PAIR ranks the built-in policy's *own* turns below chance: that
+policy's mistakes (a misremembered quantity in a tool call, a ramble) are not the ones the rules
+write. So the default corpus is on-policy: rollouts of the base policy (adapter off) on training
+episodes, at the training temperature, every turn labelled exactly by the world, its features
+read from the generation pass exactly as the reward reads them. A turn that follows an earlier
+wrong turn of the same rollout has a naturally contaminated prefix (distance = assistant turns
+since the nearest wrong one), so the clean / contaminated split exists on-policy too.
+  --probe-corpus on-policy     that corpus (default)
+  --probe-corpus contaminated  the released recipe: `make-data` gold + contaminated dialogs,
+                               mode mixed (matched clean + contaminated train), teacher-forced
+  --probe-corpus both          the two training sets together
+Every corpus is scored on the same held-out own turns: rollouts of the base policy on validation
+episodes, which neither the probes nor GRPO train on. PAIR is fitted like the paper's (seed 42
+balanced subsample, C = 0.01, stage 2 on in-sample s_bc), the baselines on the same records.
+
+    probes_dir, report = shop_probes(args, policy, tok, world, log)   # in grpo.reward_context
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+import common
+import envs
+import model
+import pair
+import probes
+import shop
+from rollout import rollout
+
+PROBE_SEED = 42
+
+
+PROBES_FORMAT = "grpo-probes/3"   # 3: the on-policy corpus balanced within each kind of turn
+
+
+def policy_hash(model_dir) -> str:
+    """The key of everything cached for one policy: its files (not its README)."""
+    h = hashlib.sha256(PROBES_FORMAT.encode())
+    for name in ("config.json", "tokenizer.json", "model.safetensors"):
+        path = Path(model_dir) / name
+        if not path.is_file():
+            raise SystemExit(f"--probes is needed: cannot fit probes on the fly for a model "
+                             f"without {path}")
+        h.update(name.encode() + path.read_bytes())
+    return h.hexdigest()[:16]
+
+
+def settings_hash(settings: dict) -> str:
+    return hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:12]
+
+
+def own_turns_settings(args) -> dict:
+    """Everything the on-policy turns depend on besides the policy's files."""
+    return {"corpus_episodes": args.corpus_episodes, "samples": args.corpus_samples,
+            "heldout_episodes": args.corpus_heldout, "temperature": args.temperature,
+            "top_p": args.top_p, "max_new_tokens": args.max_new_tokens,
+            "max_turns": args.max_turns, "max_len": args.max_len, "seed": PROBE_SEED}
+
+
+def turn_kind(text: str) -> str:
+    """What a turn does: the tool it calls, "Final" or "ParseError"."""
+    step = envs.parse_react(text)
+    return step.name if isinstance(step, envs.Action) else type(step).__name__
+
+
+def turn_records(trajs: list) -> pair.Split:
+    """One record per assistant turn of shop rollouts (rollout.Trajectory): raw features, the
+    world's exact label, whether (and how far back) an earlier turn of the same rollout was
+    wrong, and the turn's kind (a code per turn_kind, numbered in order of appearance)."""
+    raws, labels, turn_idx, distance, sample, episode_id, kinds = [], [], [], [], [], [], {}
+    kind = []
+    for k, traj in enumerate(trajs):
+        y = traj.episode.labels()
+        last_wrong = None
+        for t, (step, ok) in enumerate(zip(traj.steps, y)):
+            raws.append(probes.raw_features(step.trace))
+            kind.append(kinds.setdefault(turn_kind(step.text), len(kinds)))
+            labels.append(int(ok))
+            turn_idx.append(t)
+            distance.append(-1 if last_wrong is None else t - last_wrong)
+            sample.append(k)
+            episode_id.append(traj.episode.id)
+            if not ok:
+                last_wrong = t
+    raw = probes.stack_raw(raws)
+    raw.update(label=torch.tensor(labels), turn_idx=torch.tensor(turn_idx),
+               distance=torch.tensor(distance), rollout=torch.tensor(sample),
+               kind=torch.tensor(kind))
+    return pair.Split("own_turns", raw, raw["label"].long(), episode_id, {})
+
+
+def kind_balanced_indices(y: torch.Tensor, kind: torch.Tensor, seed: int) -> torch.Tensor:
+    """Indices in which every kind of turn that has both classes has them equally often: the
+    minority class of each kind drawn again (with replacement, seeded) up to the majority's
+    count. A kind with one class is kept as it is.
+
+    Why: a policy's own turns are not matched pairs. The built-in policy's Lookups are 98% right
+    and its Calculator calls mostly wrong, and a probe fitted on them as they come learns those
+    base rates: a right Calculator call then scores far below a right Lookup, every turn after
+    the first calculation sits below the group's mean, and the process-supervision advantage is
+    negative on every kind of turn (the README's results section measures it: GRPO on that
+    reward lowered held-out success). The paper's corpus holds each evaluation turn both correct
+    and contaminated, so its probe ranks turns within a kind; this gives an on-policy corpus the
+    same property."""
+    g = torch.Generator().manual_seed(seed)
+    keep = []
+    for k in kind.unique().tolist():
+        idx = (kind == k).nonzero().flatten()
+        pos, neg = idx[y[idx] == 1], idx[y[idx] == 0]
+        if len(pos) == 0 or len(neg) == 0:
+            keep.append(idx)
+            continue
+        small, big = (pos, neg) if len(pos) < len(neg) else (neg, pos)
+        extra = small[torch.randint(len(small), (len(big) - len(small),), generator=g)]
+        keep += [big, small, extra]
+    return torch.cat(keep)
+
+
+@torch.no_grad()
+def sample_own_turns(policy, tok, env, n_episodes: int, samples: int, args, seed: int,
+                     log) -> pair.Split:
+    """`samples` rollouts (rollout.rollout) of the base policy on each of the first n_episodes of
+    `env`."""
+    episodes = [i for i in range(n_episodes) for _ in range(samples)]
+    g = torch.Generator(device=policy.model.embed_tokens.weight.device).manual_seed(seed)
+    # 16 rows a call: a call decodes until its slowest row is done, so wider calls wait longer
+    trajs, rows, t0 = [], 16, time.perf_counter()
+    pacer = common.Pacer(len(episodes), sys.stdout)
+    with model.lora_disabled(policy):
+        for a in range(0, len(episodes), rows):
+            batch = [env.episode(i) for i in episodes[a:a + rows]]
+            trajs += rollout(policy, tok, batch, args, generator=g, stats=True)
+            if len(trajs) < len(episodes) and pacer.due(len(trajs)):
+                rate = (time.perf_counter() - t0) / len(trajs)
+                log(f"  {len(trajs)}/{len(episodes)} rollouts of {env.split} episodes, ETA "
+                    f"{common.duration(rate * (len(episodes) - len(trajs)))}", flush=True)
+    log(f"  {len(trajs)} rollouts of {n_episodes} {env.split} episodes x {samples} in "
+        f"{time.perf_counter() - t0:.0f}s", flush=True)
+    return turn_records(trajs)
+
+
+def contaminated_corpus(policy, tok, episodes: int, log) -> pair.Split:
+    """The released recipe's training set for this policy: of `make-data`'s matched clean and
+    contaminated train records, the ones pair.training_set keeps (mode mixed, seed 42),
+    teacher-forced with the base policy. The choice reads labels only, so it is made first and
+    only the kept records (about half) are traced."""
+    with tempfile.TemporaryDirectory() as tmp:
+        shop.make_shop_data(tmp, episodes=episodes, seed=PROBE_SEED)
+        loaded = [envs.load_matched(Path(tmp) / f"{name}.json")
+                  for name in pair.TRAIN_SPLITS["mixed"]]
+    # feature-less splits whose "raw" says where each row came from: (split, record) indices
+    index = {name: pair.Split(name, {"turn_idx": torch.tensor([int(r["turn_idx"]) for r in recs]),
+                                     "split": torch.full((len(recs),), s),
+                                     "record": torch.arange(len(recs))},
+                              torch.tensor([int(r["label"]) for r in recs]),
+                              [str(r["episode_id"]) for r in recs], {})
+             for s, (name, recs) in enumerate(zip(pair.TRAIN_SPLITS["mixed"], loaded))}
+    kept = pair.training_set(index, "mixed", PROBE_SEED)
+    records = [loaded[s][r] for s, r in zip(kept.raw["split"].tolist(),
+                                            kept.raw["record"].tolist())]
+    rendered = [pair.render_record(r, tok) for r in records]
+    with model.lora_disabled(policy):
+        traces = model.trace_batch(policy, [ids for ids, _, _ in rendered],
+                                   [span for _, span, _ in rendered])
+    raw = probes.stack_raw([probes.raw_features(tr) for tr in traces])
+    raw["turn_idx"] = kept.raw["turn_idx"]
+    log(f"  contaminated corpus: {len(kept.y)} teacher-forced turns of `shop.py make-data "
+        f"--episodes {episodes}` (mode mixed)", flush=True)
+    return pair.Split(kept.name, raw, kept.y, kept.episode_id, {})
+
+
+def fit_probes(train: pair.Split, info: dict) -> dict:
+    """PAIR and every baseline probe on one training set (balanced subsample, seed 42)."""
+    fitted = pair.fit_baselines(train, info=info)
+    fitted["pair"] = pair.fit_pair(train.raw, train.y, info=info,
+                                       stage1=fitted["last_token"])
+    return fitted
+
+
+def heldout_auroc(fitted: dict, heldout: pair.Split) -> dict:
+    """AUROC of every fitted method on the held-out own turns: all, clean prefix, contaminated
+    prefix, and by distance to the nearest earlier wrong turn."""
+    d = heldout.raw["distance"]
+    groups = {"all": torch.ones_like(d, dtype=torch.bool), "clean_prefix": d < 0,
+              "contaminated_prefix": d > 0,
+              **{f"d={k}": d == k for k in (1, 2)}, "d>=3": d >= 3}
+    out = {}
+    for name, m in fitted.items():
+        p = pair.predict(m, heldout.raw)
+        out[name] = {}
+        for g, sel in groups.items():
+            y = heldout.y[sel]
+            out[name][g] = probes.auroc(y, p[sel]) if 0 < int(y.sum()) < len(y) else None
+    out["n"] = {g: int(sel.sum()) for g, sel in groups.items()}
+    out["n_correct"] = {g: int(heldout.y[sel].sum()) for g, sel in groups.items()}
+    return out
+
+
+def shop_probes(args, policy, tok, world, log) -> tuple[Path, dict]:
+    """The directory of probes fitted for this policy on `--probe-corpus` (fitting them once),
+    and its report: AUROC on held-out own turns, next to the contaminated corpus's PAIR.
+    grpo.py calls it with its args and its process world (runs.World)."""
+    settings = {"corpus": args.probe_corpus, "own": own_turns_settings(args),
+                "contaminated_episodes": args.probe_episodes}
+    root = common.cache_root() / "grpo-probes" / f"shop-{policy_hash(args.model)}"
+    out = root / f"{args.probe_corpus}-{settings_hash(settings)}"
+    done = out / "probes.json"
+    cached = done.is_file()
+    if world.main and not done.is_file():
+        # two runs starting on one fresh cache (compare --jobs 2): the second waits, then reads
+        common.claim(root, wait=log)
+    if world.main and not done.is_file():
+        t0 = time.perf_counter()
+        log(f"fitting the probes of this policy once, {args.probe_corpus} corpus (minutes: "
+            f"later runs read them from the cache, {out}):", flush=True)
+        train_env = shop.ShopEnv("train")
+        heldout = sample_own_turns(policy, tok, shop.ShopEnv("val"), args.corpus_heldout,
+                                   args.corpus_samples, args, PROBE_SEED + 1, log)
+        corpora = {}
+        if args.probe_corpus in ("on-policy", "both"):
+            own = sample_own_turns(policy, tok, train_env, args.corpus_episodes,
+                                   args.corpus_samples, args, PROBE_SEED, log)
+            own = own.take(kind_balanced_indices(own.y, own.raw["kind"], PROBE_SEED))
+            corpora["on-policy"] = own.take(pair.balanced_indices(own.y, PROBE_SEED))
+        # the released recipe is always fitted: it is the yardstick the startup line prints
+        corpora["contaminated"] = contaminated_corpus(policy, tok, args.probe_episodes, log)
+        if args.probe_corpus == "both":
+            corpora["both"] = pair.concat_splits([corpora["on-policy"],
+                                                      corpora["contaminated"]])
+        info = {"seed": PROBE_SEED, "corpus": args.probe_corpus}
+        fitted = fit_probes(corpora[args.probe_corpus], info)
+        reference = fitted if args.probe_corpus == "contaminated" else \
+            {"pair": pair.fit_pair(corpora["contaminated"].raw, corpora["contaminated"].y,
+                                       info=info)}
+        tmp = root / f".{out.name}.{os.getpid()}.tmp"
+        shutil.rmtree(tmp, ignore_errors=True)
+        for name, m in fitted.items():        # pair/ is a directory, each probe one file
+            m.save(tmp / ("pair" if name == "pair" else f"{name}.safetensors"))
+        report = {"format": PROBES_FORMAT, "settings": settings,
+                  "n_train": len(corpora[args.probe_corpus].y),
+                  "n_train_correct": int(corpora[args.probe_corpus].y.sum()),
+                  "heldout": heldout_auroc(fitted, heldout),
+                  "contaminated_corpus_pair": heldout_auroc(reference, heldout)["pair"],
+                  "seconds": round(time.perf_counter() - t0, 1)}
+        common.write_json(tmp / "probes.json", report)
+        shutil.rmtree(out, ignore_errors=True)
+        os.replace(tmp, out)                # the directory appears complete or not at all
+    if world.main:
+        common.release(root)
+    if world.size > 1:                      # the other processes read what the main one wrote
+        torch.distributed.barrier()
+    report = json.loads(done.read_text())
+    h, ref = report["heldout"], report["contaminated_corpus_pair"]
+    log(f"probes: {out} ({args.probe_corpus} corpus, {report['n_train']} turns"
+        f"{'; fitted by an earlier run' if cached else ''})\n"
+        f"  PAIR AUROC on {h['n']['all']} held-out own turns (validation episodes): "
+        f"{common.num(h['pair']['all'])} (clean prefix {common.num(h['pair']['clean_prefix'])}, "
+        f"after a wrong turn {common.num(h['pair']['contaminated_prefix'])}); the "
+        f"contaminated-corpus PAIR on the same turns: {common.num(ref['all'])}", flush=True)
+    mine = h.get(args.reward, h["pair"])["all"]         # the probe this run's reward reads
+    if mine is not None and mine < 0.5:
+        what = "PAIR" if args.reward == "pair" else f"the {args.reward} probe"
+        log(f"  warning: {what} ranks this policy's own held-out turns below chance "
+            f"({mine:.3f}): as a reward it favours wrong turns (`--probe-corpus on-policy` fits "
+            "it on the policy's own rollouts)", flush=True)
+    return out, report
+
+
