@@ -143,6 +143,15 @@ class KVCache:
         self.v[rows, :, positions] = v.transpose(1, 2).to(self.v.dtype)
         return self.k[:, :, :size], self.v[:, :, :size]
 
+    def write_one(self, k: Tensor, v: Tensor, pos: Tensor, size: int) -> tuple[Tensor, Tensor]:
+        """Store one token per row, k, v (B, KV, 1, D), at slots pos (B,); return slots
+        [0, size). Written in place: no new cache tensor unless the capacity is exceeded."""
+        self.grow(size)
+        rows = torch.arange(k.shape[0], device=pos.device)
+        self.k[rows, :, pos] = k[:, :, 0].to(self.k.dtype)                 # (B, KV, D)
+        self.v[rows, :, pos] = v[:, :, 0].to(self.v.dtype)
+        return self.k[:, :, :size], self.v[:, :, :size]
+
 
 def set_lengths(cache: list[KVCache], lengths: Tensor):
     """Declare how many real tokens each row holds (slots past them are free to overwrite)."""
@@ -204,20 +213,30 @@ def attention_probs(q: Tensor, k: Tensor, mask: Tensor, scale: float) -> Tensor:
     return torch.softmax(scores.masked_fill_(~mask, float("-inf")), dim=-1)
 
 
+def masses_matrix(key_pos: Tensor, start: Tensor) -> Tensor:
+    """(B, 1, S, 2): for each key slot, [j < span_start, j >= span_start]; key_pos (B, S) or
+    (S,), start (B,). A row of probabilities times it gives the prefix and the self mass at once:
+    masked keys j > i hold p = 0, so "not before" is exactly span_start <= j <= i."""
+    before = (key_pos < start[:, None]).float()                 # (B, S) keys j < span_start
+    return torch.stack((before, 1 - before), -1)[:, None]
+
+
 def row_stats(p: Tensor, pos: Tensor, key_pos: Tensor, start: Tensor) -> dict[str, Tensor]:
     """The six statistics of each row of p (B,H,c,S); pos (B,c), key_pos (B,S), start (B,)."""
-    n = (pos + 1).float()[:, None]                              # (B, 1, c) causal keys j <= i
-    before = (key_pos < start[:, None]).to(p.dtype)             # (B, S) keys j < span_start
-    # Both masses in one matrix product, no second (B, H, c, S) temporary; masked keys j > i
-    # hold p = 0, so "not before" is exactly span_start <= j <= i.
-    masses = p @ torch.stack((before, 1 - before), -1)[:, None]  # (B, H, c, 2)
-    prefix, self_ = masses.unbind(-1)                            # (B, H, c) each
-    sum_sq = torch.linalg.vecdot(p, p)
-    s0 = start.float()[:, None, None]
+    masses = p @ masses_matrix(key_pos, start)                  # (B, H, c, 2)
+    return stats_from(p.amax(-1), torch.linalg.vecdot(p, p), *masses.unbind(-1),
+                      pos[:, None], start[:, None, None])
+
+
+def stats_from(mx, sum_sq, prefix, self_, pos, start) -> dict[str, Tensor]:
+    """The six statistics from the four numbers of each softmax row (its max, its sum of squares,
+    its prefix and self masses); pos (the row's position) and start broadcast against them."""
+    n = (pos + 1).float()                                       # causal keys j <= i
+    s0 = start.float()
     m_ctx = prefix / s0.clamp(min=1)
-    m_new = self_ / (pos - start[:, None] + 1).float()[:, None]
+    m_new = self_ / (pos - start + 1).float()
     return {
-        "max": p.amax(-1),
+        "max": mx,
         "std": (sum_sq / n - 1 / n.square()).clamp(min=0).sqrt(),
         "prefix": prefix,
         "self": self_,
@@ -293,24 +312,39 @@ class Attention(nn.Module):
         if cache is not None:
             k, v = cache.write(k, v, positions, mask.shape[-1])   # (B, KV, S, D)
 
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None,
+                                             enable_gqa=True)
         sums = None
         if rows is not None and rows.hi > rows.lo:
             sums = x.new_zeros(B, self.n_heads, len(STATS), dtype=torch.float32)
-        if T == 1:
-            # One query row (decoding): attention by hand, so its probabilities give the stats.
-            p = attention_probs(q, k, mask, self.scale)                          # (B,H,1,S)
-            G = self.n_heads // self.n_kv_heads
-            out = p.view(B, self.n_kv_heads, G, -1) @ v.float()                  # (B,KV,G,D)
-            out = out.view(B, self.n_heads, 1, self.head_dim).to(x.dtype)
-            if sums is not None:
-                add_row_stats(sums, p, positions, key_pos, rows, 0, 1)
-        else:
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None,
-                                                 enable_gqa=True)
-            if sums is not None:
-                self.span_stats(sums, q, k, mask, positions, key_pos, rows)
+            self.span_stats(sums, q, k, mask, positions, key_pos, rows)
         out = out.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim)
         return self.o_proj(out), sums
+
+    def decode(self, x, cos, sin, bias, pos, cache, before=None):
+        """One new token per row, x (B, 1, d) at positions pos (B,): the attention output and,
+        given before (B, 1, 1, S), 1 on the key slots before each row's span, the four numbers of
+        each head's softmax row (stats_from): its max, sum of squares, prefix and self masses,
+        each (B, H, 1). A softmax row sums to 1 over the visible keys, so self = 1 - prefix.
+
+        The attention is computed by hand, in float32 (its probabilities are the statistics):
+        query head h uses key head h // (H/KV), so the query heads are grouped, not the keys
+        repeated; `bias` (B, 1, 1, S) is 0 on visible key slots and -inf elsewhere."""
+        B, H, KV, D = x.shape[0], self.n_heads, self.n_kv_heads, self.head_dim
+        q = self.q_proj(x).view(B, 1, H, D).transpose(1, 2)                 # (B, H, 1, D)
+        k = self.k_proj(x).view(B, 1, KV, D).transpose(1, 2)
+        v = self.v_proj(x).view(B, 1, KV, D).transpose(1, 2)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        k, v = cache.write_one(k, v, pos, bias.shape[-1])                   # (B, KV, S, D)
+        q = (q.float() * self.scale).view(B, KV, H // KV, D)                # (B, KV, G, D)
+        p = torch.softmax(q @ k.float().transpose(-1, -2) + bias, dim=-1)  # (B, KV, G, S)
+        out = (p @ v.float()).view(B, 1, H * D).to(x.dtype)
+        numbers = None
+        if before is not None:
+            p = p.view(B, H, 1, -1)                                         # (B, H, 1, S)
+            prefix = torch.linalg.vecdot(p, before)
+            numbers = (p.amax(-1), torch.linalg.vecdot(p, p), prefix, 1 - prefix)
+        return self.o_proj(out), numbers
 
     def span_stats(self, sums, q, k, mask, positions, key_pos, rows: SpanRows):
         # Recompute q k^T for the span rows only, a chunk of rows at a time: (B, H, c, S).
@@ -337,6 +371,13 @@ class Block(nn.Module):
         x = x + a
         x = x + self.mlp(self.post_attention_layernorm(x))
         return x, sums
+
+    def decode(self, x, cos, sin, bias, pos, cache, before=None):
+        """forward for one new token per row (Attention.decode): (B, 1, d) -> (B, 1, d)."""
+        a, numbers = self.self_attn.decode(self.input_layernorm(x), cos, sin, bias, pos, cache,
+                                           before)
+        x = x + a
+        return x + self.mlp(self.post_attention_layernorm(x)), numbers
 
 
 class Decoder(nn.Module):
@@ -431,6 +472,50 @@ class Transformer(nn.Module):
             means = torch.stack(per_layer, 1) / count                     # (B, L, H, 6)
             attn_stats = dict(zip(STATS, means.unbind(-1)))
         return x, tuple(hidden_states) if output_hidden_states else None, attn_stats
+
+    def decode(self, tokens, cache, span_start=None):
+        """One token per row, tokens (B,), appended at each row's cache length (its position;
+        the caller advances the lengths). Returns the normed output (B, d) and, given
+        span_start (B,), where each row's turn began: the hidden states of the new token
+        (L+1, B, d), Hugging Face's convention, and its six statistics (B, L, H, 6), STATS order.
+
+        The decoding counterpart of trunk, with nothing that depends on a row's length done
+        per layer: the masks, RoPE tables and masses matrix are built once per step, and the
+        statistics of every layer are derived from their four numbers in one pass at the end."""
+        dev = self.model.embed_tokens.weight.device
+        lengths = cache[0].lengths                          # (B,) on the CPU: no device sync
+        size = int(lengths.max()) + 1                       # key slots [0, size)
+        pos = lengths.to(dev)
+        key_pos = torch.arange(size, device=dev)
+        visible = key_pos <= pos[:, None]                                   # (B, S)
+        bias = {w: torch.where(visible if w is None else visible & (pos[:, None] - key_pos < w),
+                               0.0, float("-inf"))[:, None, None] for w in set(self.windows)}
+        cos, sin = rope_tables(self.inv_freq, pos[:, None], self.model.embed_tokens.weight.dtype)
+        start = None if span_start is None else span_start.to(dev)
+        before = None if start is None else \
+            (key_pos < start[:, None]).float()[:, None, None]              # (B, 1, 1, S)
+        x = self.model.embed_tokens(tokens.to(dev)[:, None])                # (B, 1, d)
+        hidden, numbers, moved = [x], [], {}
+        for i, (layer, layer_cache) in enumerate(zip(self.model.layers, cache)):
+            # a split model: each device gets the step's tables once
+            key = (layer_cache.k.device, self.windows[i])
+            if key not in moved:
+                moved[key] = [t.to(key[0]) if t is not None else None
+                              for t in (cos, sin, bias[key[1]], pos, before)]
+            c, s, b, p, m = moved[key]
+            x, n = layer.decode(x.to(key[0]), c, s, b, p, layer_cache, m)
+            numbers.append(n)
+            if i < len(self.model.layers) - 1:
+                hidden.append(x)
+        x = self.model.norm(x.to(dev))
+        if start is None:
+            return x[:, 0], None, None
+        hidden.append(x)
+        four = [torch.cat([n[k].to(dev) for n in numbers], -1) for k in range(4)]   # (B, H, L)
+        stats = stats_from(*(t.transpose(1, 2) for t in four), pos[:, None, None],
+                           start[:, None, None])                            # (B, L, H) each
+        return (x[:, 0], torch.cat([h.to(dev) for h in hidden], 1).transpose(0, 1),
+                torch.stack([stats[name] for name in STATS], -1))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -646,7 +731,11 @@ def token_logprobs(policy, ids: torch.Tensor, mask: torch.Tensor,
 
 
 def sample(logits: Tensor, temperature: float, top_p: float, generator=None) -> Tensor:
-    """(B, V) float32 logits -> (B,) token ids; temperature 0 is greedy."""
+    """(B, V) float32 logits -> (B,) token ids; temperature 0 is greedy.
+
+    Sampled by the inverse of each row's cumulative distribution at one uniform number: the
+    draw torch.multinomial makes for a single sample costs one random number per vocabulary
+    entry, which at a small model's size is most of a decoding step."""
     if temperature == 0:
         return logits.argmax(-1)
     probs = torch.softmax(logits / temperature, dim=-1)
@@ -655,7 +744,12 @@ def sample(logits: Tensor, temperature: float, top_p: float, generator=None) -> 
         sorted_p, order = probs.sort(-1, descending=True)
         drop = sorted_p.cumsum(-1) - sorted_p >= top_p
         probs = torch.zeros_like(probs).scatter_(-1, order, sorted_p.masked_fill(drop, 0.0))
-    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+    cdf = probs.cumsum(-1)                                                  # (B, V)
+    total = cdf[:, -1:]
+    u = torch.rand(total.shape, generator=generator, device=cdf.device, dtype=cdf.dtype)
+    # strictly below the total, so a token of probability 0 at the end is never drawn
+    u = torch.minimum(u * total, total.nextafter(torch.zeros_like(total)))
+    return torch.searchsorted(cdf, u, right=True)[:, 0]
 
 
 def prefill(model: Transformer, cache, new_tokens: list[list[int]]) -> Tensor | None:
@@ -677,32 +771,30 @@ def prefill(model: Transformer, cache, new_tokens: list[list[int]]) -> Tensor | 
     return logits
 
 
-def decode_one_token(model: Transformer, cache, tokens: Tensor, active: Tensor,
-                     span_start: Tensor | None, logits: bool):
-    """Feed tokens (B,) of the active rows at each row's length; (logits (B,V)|None, hidden
-    states, attention statistics), the last two of the fed token, given span_start (B,).
-    An idle row is fed a pad in its first free slot, released again, and has an empty span."""
+def decode_one_token(model: Transformer, cache, tokens: Tensor, fed: Tensor,
+                     span_start: Tensor | None, logits: bool = True):
+    """Feed tokens (B,) of the rows where fed (B,) is True, each at its row's length; (logits
+    (B, V) | None, hidden states, statistics), the last two given span_start (Transformer.decode).
+    A row not fed gets a pad in its first free slot, which stays free."""
     lengths = cache[0].lengths.clone()
-    span = None if span_start is None else torch.where(
-        active[:, None], torch.stack([span_start, lengths + 1], 1), 0)       # (B, 2)
-    h, hidden, attn = model.trunk(torch.where(active, tokens, 0)[:, None], cache=cache,
-                                  span=span, output_hidden_states=span is not None)
-    set_lengths(cache, lengths + active.long())
-    return (model.lm_head(h[:, -1]).float() if logits else None), hidden, attn
+    h, hidden, stats = model.decode(torch.where(fed, tokens, 0), cache, span_start)
+    set_lengths(cache, lengths + fed.long().cpu())
+    return (model.lm_head(h).float() if logits else None), hidden, stats
 
 
 @dataclass
 class TurnStats:
-    """Per row, the running sums of the statistics of the turn being decoded (CPU, float32)."""
+    """Per row, the running sums of the statistics of the turn being decoded (float32, on the
+    model's device until the turn ends)."""
     attn: Tensor                        # (B, L, H, len(STATS)) summed over the turn's tokens
     h_sum: Tensor                       # (L+1, B, d) hidden states summed over the turn's tokens
     h_last: Tensor                      # (L+1, B, d) hidden states of the latest token
 
     @classmethod
-    def zeros(cls, config: Config, B: int) -> "TurnStats":
+    def zeros(cls, config: Config, B: int, device=None) -> "TurnStats":
         L, H, d = config.num_hidden_layers, config.num_attention_heads, config.hidden_size
-        return cls(torch.zeros(B, L, H, len(STATS)), torch.zeros(L + 1, B, d),
-                   torch.zeros(L + 1, B, d))
+        return cls(torch.zeros(B, L, H, len(STATS), device=device),
+                   torch.zeros(L + 1, B, d, device=device), torch.zeros(L + 1, B, d, device=device))
 
     def means(self, r: int, n: int) -> tuple[dict[str, Tensor], Tensor, Tensor]:
         """Row r's turn of n tokens: attention statistics (STATS -> (L, H)), h_last, h_mean."""
@@ -710,25 +802,14 @@ class TurnStats:
                 self.h_sum[:, r] / n)
 
 
-def accumulate(acc: TurnStats, attn: dict[str, Tensor], hidden, fed: Tensor):
-    """Add one decoded token's statistics to the rows that fed a real token (fed (B,) bool).
-    The other rows have no span row, so their statistics are nan: where, not a multiply."""
-    values = torch.stack([attn[name] for name in STATS], -1).float().cpu()   # (B, L, H, 6)
-    acc.attn += torch.where(fed[:, None, None, None], values, 0.0)
-    h = torch.stack([hs[:, -1].float().cpu() for hs in hidden])               # (L+1, B, d)
-    acc.h_sum += torch.where(fed[None, :, None], h, 0.0)
-    acc.h_last = torch.where(fed[None, :, None], h, acc.h_last)
-
-
-def record(turns: list[TurnTrace], token: Tensor, logp: Tensor, active: Tensor, stop_ids,
-           max_new_tokens: int) -> Tensor:
-    """Append each active row's sampled token (and its log pi) to its turn; (B,) bool: the rows
-    that go on, having neither stopped nor reached max_new_tokens."""
-    for r in active.nonzero().squeeze(-1).tolist():
-        turns[r].tokens.append(int(token[r]))
-        turns[r].logprobs.append(float(logp[r]))
-        turns[r].finished = turns[r].tokens[-1] in stop_ids
-    return active & ~torch.tensor([t.finished or len(t.tokens) >= max_new_tokens for t in turns])
+def accumulate(acc: TurnStats, attn: Tensor, hidden: Tensor, fed: Tensor):
+    """Add one decoded token's statistics (B, L, H, 6) and hidden states (L+1, B, d) to the
+    rows that fed a real token (fed (B,) bool). The other rows' numbers are garbage (they were
+    fed a pad): where, not a multiply."""
+    acc.attn += torch.where(fed[:, None, None, None], attn, 0.0)
+    hidden = hidden.float()
+    acc.h_sum += torch.where(fed[None, :, None], hidden, 0.0)
+    acc.h_last = torch.where(fed[None, :, None], hidden, acc.h_last)
 
 
 @torch.no_grad()
@@ -743,6 +824,8 @@ def generate(model: Transformer, cache, new_tokens: list[list[int]], max_new_tok
     model, so the cache holds it and (stats=True) its attention statistics and hidden states are
     accumulated: the returned traces cover exactly the generated tokens. Idle rows still ride
     along in the batch as pads (decoding is bound by reading the weights, so they cost little).
+    The decoding loop keeps every row's state in tensors on the model's device: the one value
+    it reads back each step is whether any row is still running.
     """
     B = len(new_tokens)
     if B != cache[0].k.shape[0]:
@@ -751,32 +834,49 @@ def generate(model: Transformer, cache, new_tokens: list[list[int]], max_new_tok
         raise ValueError(f"active has {len(active)} entries for {B} rows")
     alive = [True] * B if active is None else [bool(a) for a in active]
     new_tokens = [list(t) if a else [] for t, a in zip(new_tokens, alive)]
-    stop_ids = set(model.config.stop_ids if stop_ids is None else stop_ids)
+    stop_ids = sorted(set(model.config.stop_ids if stop_ids is None else stop_ids))
 
     logits = prefill(model, cache, new_tokens)
     span_start = cache[0].lengths.clone()                                    # (B,)
-    turns = [TurnTrace(tokens=[], span=(s, s), attn={}, h_last=None, h_mean=None, finished=False)
-             for s in span_start.tolist()]                                   # filled as we go
-    acc = TurnStats.zeros(model.config, B) if stats else None
-    active = torch.tensor([len(t) > 0 and max_new_tokens > 0 for t in new_tokens])
-    while active.any():
+    running = torch.tensor([len(t) > 0 and max_new_tokens > 0 for t in new_tokens])
+    dev = logits.device if logits is not None else input_device(model)
+    running, steps = running.to(dev), max_new_tokens if running.any() else 0
+    tokens = torch.zeros(B, max(steps, 1), dtype=torch.long, device=dev)
+    logps = torch.zeros(B, max(steps, 1), device=dev)
+    count = torch.zeros(B, dtype=torch.long, device=dev)
+    finished = torch.zeros(B, dtype=torch.bool, device=dev)
+    stop = torch.tensor(stop_ids, dtype=torch.long, device=dev)
+    acc = TurnStats.zeros(model.config, B, dev) if stats else None
+    for t in range(steps):
         token = sample(logits, temperature, top_p, generator)                # (B,)
         # log pi at the sampling temperature, from the logits the token was drawn from
         logp = torch.log_softmax(logits / (temperature or 1.0), -1).gather(1, token[:, None])
-        token = token.cpu()
-        still = record(turns, token, logp[:, 0].cpu(), active, stop_ids, max_new_tokens)
-        logits, hidden, attn = decode_one_token(model, cache, token, active,
-                                                span_start if stats else None, bool(still.any()))
+        tokens[:, t], logps[:, t] = token, logp[:, 0]
+        fed = running
+        count += fed
+        stopped = torch.isin(token, stop) & fed
+        finished |= stopped
+        running = fed & ~stopped
+        logits, hidden, attn = decode_one_token(model, cache, token, fed,
+                                                span_start if stats else None, t + 1 < steps)
         if stats:
-            accumulate(acc, attn, hidden, active)
-        active = still
+            accumulate(acc, attn, hidden, fed)
+        if not running.any():
+            break
 
-    for r, turn in enumerate(turns):
-        n = len(turn.tokens)
-        turn.span = (turn.span[0], turn.span[0] + n)
+    tokens, logps = tokens.cpu().tolist(), logps.cpu().tolist()
+    count, finished = count.cpu().tolist(), finished.cpu().tolist()
+    if stats:
+        acc = TurnStats(acc.attn.cpu(), acc.h_sum.cpu(), acc.h_last.cpu())
+    traces = []
+    for r, s in enumerate(span_start.tolist()):
+        n = count[r]
+        trace = TurnTrace(tokens=tokens[r][:n], span=(s, s + n), attn={}, h_last=None,
+                          h_mean=None, finished=finished[r], logprobs=logps[r][:n])
         if stats and n > 0:
-            turn.attn, turn.h_last, turn.h_mean = acc.means(r, n)
-    return [turn if a else None for turn, a in zip(turns, alive)]
+            trace.attn, trace.h_last, trace.h_mean = acc.means(r, n)
+        traces.append(trace if alive[r] else None)
+    return traces
 
 
 # ----------------------------------------------------------------------------------------------
@@ -807,6 +907,7 @@ class LoRALinear(nn.Module):
         self.weight = base.weight                        # (d_out, d_in), frozen
         self.register_parameter("bias", base.bias)       # None for o/gate/up/down in Qwen2
         self.scaling = s.alpha / (math.sqrt(s.r) if s.use_rslora else s.r)
+        self.dropout = s.dropout
         self.lora_dropout = nn.Dropout(s.dropout) if s.dropout > 0 else nn.Identity()
         kw = dict(bias=False, device=base.weight.device, dtype=dtype)
         self.lora_A = nn.Linear(self.in_features, s.r, **kw)     # (r, d_in)
@@ -819,8 +920,13 @@ class LoRALinear(nn.Module):
         y = F.linear(x, self.weight, self.bias)
         if not self.enabled:
             return y
-        a = self.lora_A(self.lora_dropout(x.to(self.lora_A.weight.dtype)))   # (..., r)
-        return y + (self.lora_B(a) * self.scaling).to(y.dtype)
+        # lora_A and lora_B are applied as functions, not called as modules: decoding calls this
+        # once per projection per token, where a module call costs more than its tiny matmul
+        x = x.to(self.lora_A.weight.dtype)
+        if self.dropout > 0:
+            x = self.lora_dropout(x)
+        a = F.linear(x, self.lora_A.weight)                                    # (..., r)
+        return y + (F.linear(a, self.lora_B.weight) * self.scaling).to(y.dtype)
 
     def extra_repr(self):
         return (f"{self.in_features}, {self.out_features}, r={self.lora_A.out_features}, "
