@@ -21,7 +21,10 @@ What runs, once per training step:
     std, and every token of turn t gets A_{i,t} = sum_{k>=t} r^_{i,k}. With `outcome` the only
     reward of a rollout is its task score, on its last turn, so this is the usual
     group-normalized outcome on every token. A group whose rewards are all equal has nothing to
-    say: A = 0, counted in `frac_zero_std`.
+    say: A = 0, counted in `frac_zero_std`. `--advantage release` takes the authors' release
+    instead (`release_advantages`, `release_loss`): A_{i,t} = r_{i,t} - mean_t r_{i,.} + z_i,
+    z_i the group-normalized total reward of rollout i, and a loss in which every turn, not
+    every token, weighs the same.
  4. update (section 4: `grpo_loss`, `update`). Per policy token:
     -min(rho A, clip(rho, 1-eps, 1+eps) A) + beta KL_k3(pi || pi_ref), rho = exp(logp -
     logp_old), KL_k3 = exp(logp_ref - logp) - (logp_ref - logp) - 1, pi_ref = the same model with
@@ -250,6 +253,9 @@ class Batch:                        # what the update consumes: rollouts right-p
     turn: torch.Tensor | None = None        # (B, T) long
     weight: torch.Tensor | None = None      # (B, T) float32
     n_seqs: int = 0                         # trajectories with at least one policy token
+    # --advantage release: 1 / (policy tokens of the token's turn), and the number of turns
+    per_turn: torch.Tensor | None = None    # (B, T) float32
+    n_turns: int = 0
 
 
 def group_advantages(rewards: list[list[float | None]]) -> tuple[list[list[float]], bool]:
@@ -272,6 +278,25 @@ def group_advantages(rewards: list[list[float | None]]) -> tuple[list[list[float
     return advantages, False
 
 
+def release_advantages(rewards: list[list[float | None]]) -> tuple[list[list[float]], bool]:
+    """`--advantage release`: the authors' release (its GRPO loop). Per group, z_i = the
+    group-normalized total R_i = sum_t r_{i,t} (population std; only centered when the std is
+    <= 1e-8), and per turn A_{i,t} = r_{i,t} - mean_t r_{i,.} + z_i: a turn is credited its
+    reward against its own rollout's mean, plus the rollout's standing in the group. A turn
+    without a reward counts 0. "All equal": no turn of the group gets an advantage."""
+    rows = [torch.tensor([0.0 if r is None else r for r in row], dtype=torch.float64)
+            for row in rewards]
+    totals = torch.stack([row.sum() for row in rows])
+    std = totals.std(correction=0)
+    z = (totals - totals.mean()) / std if std > 1e-8 else totals - totals.mean()
+    advantages = [(row - row.mean() + z_i).tolist() if len(row) else []
+                  for row, z_i in zip(rows, z.tolist())]
+    return advantages, all(abs(a) <= 1e-12 for row in advantages for a in row)
+
+
+ADVANTAGES = {"process": group_advantages, "release": release_advantages}
+
+
 def make_batch(trajs: list[Trajectory], advantages: list[list[float]], pad_id: int) -> Batch:
     """One right-padded row per token sequence; the mask covers the generated tokens only."""
     rows = [(traj, k) for traj in trajs for k in range(len(traj.segments))]
@@ -286,7 +311,8 @@ def make_batch(trajs: list[Trajectory], advantages: list[list[float]], pad_id: i
         row_of[id(traj), k] = r
     turn = torch.full((len(rows), T), -1, dtype=torch.long)
     weight = torch.zeros(len(rows), T, dtype=torch.float32)
-    n_seqs = 0
+    per_turn = torch.zeros(len(rows), T, dtype=torch.float32)
+    n_seqs = n_turns = 0
     for traj, a in zip(trajs, advantages):
         n = sum(len(step.tokens) for step in traj.steps)
         n_seqs += n > 0
@@ -296,8 +322,10 @@ def make_batch(trajs: list[Trajectory], advantages: list[list[float]], pad_id: i
             adv[r, s:e] = a_t
             turn[r, s:e] = r * T + s           # unique in the batch: one id per (row, turn)
             weight[r, s:e] = 1.0 / n
+            per_turn[r, s:e] = 1.0 / max(e - s, 1)
+            n_turns += e > s
     return Batch(ids, mask, adv, [len(traj.segments[k]) for traj, k in rows], turn, weight,
-                 n_seqs)
+                 n_seqs, per_turn, n_turns)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -322,6 +350,26 @@ def grpo_loss(logp, logp_old, logp_ref, adv, eps: float, beta: float, n_tokens: 
     return loss, sums
 
 
+def release_loss(logp, logp_old, logp_ref, adv, turn_weight, eps: float, beta: float,
+                 n_turns: float):
+    """`--advantage release`: the authors' update, each turn weighing the same. Per turn, the
+    mean over its tokens of the clipped surrogate plus beta (logp - logp_ref) (the release's KL
+    estimate, the mean log-ratio to the adapter-disabled model); then the mean over the batch's
+    turns. turn_weight (N,) = 1 / (tokens of the token's turn). At one PPO epoch rho = 1 in
+    value and this is the release's REINFORCE step, gradient for gradient:
+    -(1 / n_turns) sum_turns (A mean_t grad log pi_t - beta mean_t grad(log pi_t - log pi_ref,t)).
+    (The logged loss is -(A - beta KL) per turn, where the release logs -(A mean log pi - ...).)"""
+    ratio = torch.exp(logp - logp_old)                          # rho
+    pg = -torch.minimum(ratio * adv, torch.clamp(ratio, 1 - eps, 1 + eps) * adv)
+    kl = logp - logp_ref
+    loss = ((pg + beta * kl) * turn_weight).sum() / n_turns
+    with torch.no_grad():
+        clip = ((ratio < 1 - eps) & (adv < 0)) | ((ratio > 1 + eps) & (adv > 0))
+        sums = {"kl": kl.sum().item(), "clip": clip.sum().item(),
+                "ratio": ratio.sum().item(), "pg": pg.sum().item()}
+    return loss, sums
+
+
 def lr_at(step: int, args) -> float:
     """Constant lr after a linear warmup over the first `--warmup` fraction of the steps."""
     warm = max(1, round(args.warmup * args.steps))
@@ -331,7 +379,8 @@ def lr_at(step: int, args) -> float:
 def update(policy, optimizer, batch: Batch, args, world) -> dict:
     """`--ppo-epochs` passes over the batch in micro-batches; one AdamW step per pass."""
     params = [p for p in policy.parameters() if p.requires_grad]
-    n_tokens, n_seqs = runs.all_sum(world, [batch.mask[:, 1:].sum().item(), batch.n_seqs])
+    n_tokens, n_seqs, n_turns = runs.all_sum(world, [batch.mask[:, 1:].sum().item(),
+                                                     batch.n_seqs, batch.n_turns])
     if n_tokens == 0:
         # no rollout generated a token (every prompt outgrew --max-len): the loss would be 0/0,
         # and an AdamW step on zero gradients would still move the adapter by its momentum
@@ -362,6 +411,10 @@ def update(policy, optimizer, batch: Batch, args, world) -> dict:
                                               batch.turn[rows_c, 1:T][sel].to(dev),
                                               batch.weight[rows_c, 1:T][sel].to(dev),
                                               args.at2po_clip, args.beta, n_tokens, n_seqs)
+            elif args.advantage == "release":
+                loss, s = release_loss(logp, old[c], ref[c], adv,
+                                       batch.per_turn[rows_c, 1:T][mask[:, 1:]].to(dev),
+                                       args.eps, args.beta, n_turns)
             else:
                 loss, s = grpo_loss(logp, old[c], ref[c], adv, args.eps, args.beta, n_tokens)
             loss.backward()
@@ -477,7 +530,7 @@ def play_group(g: int, run: Training, t: dict) -> tuple[Group, int]:
     t["t_base_read"] += t2 - tb
     t["t_reward"] += t3 - t1
     if forest is None:
-        a, all_equal = group_advantages(r)
+        a, all_equal = ADVANTAGES[args.advantage](r)
     # every turn once: a tree's shared turns count where they were generated
     played = [n.step for n in forest.node_of.values()] if forest is not None else \
         [st for traj in trajs for st in traj.steps]

@@ -82,6 +82,9 @@ def resolve_preset(args, world) -> None:
         if args.outcome_weight:
             raise SystemExit(f"--outcome-weight: --reward {args.reward} learns from the outcome "
                              "alone already; leave it at 0")
+        if args.advantage != "process":
+            raise SystemExit(f"--advantage {args.advantage}: --reward {args.reward} derives its "
+                             "advantages from its trees; leave --advantage at process")
     if world.main and is_builtin(args):
         def flags(keys):
             return ", ".join(f"--{k.replace('_', '-')} {getattr(args, k)}" for k in keys)
@@ -124,6 +127,11 @@ def train_parser(rewards) -> argparse.ArgumentParser:
       help="PAIR momentum scaling (METHOD.md §7); 0 = vanilla PAIR, r_t = s~_t")
     a("--outcome-weight", type=float, default=0.0,
       help="add this times the task score to the last turn's reward (METHOD.md §9)")
+    a("--advantage", default="process", choices=("process", "release"),
+      help="how per-turn rewards become advantages and the loss (METHOD.md §9): process = "
+           "DeepSeekMath process supervision, pooled normalization and returns to go, "
+           "token-normalized loss; release = the authors' release, each turn's reward against "
+           "its rollout's mean plus the rollout's normalized total, every turn weighing the same")
     a("--probes", default=None,
       help="trained probes: a `pair.py train --out` directory (its smallest seed<S>/ is used, "
            "pair_mixed/ in it for --reward pair) or one seed<S>/ of it, a PAIR directory, a "
@@ -319,7 +327,7 @@ RESUME_KEYS = ("env", "model", "reward", "alpha", "outcome_weight", "probes", "s
                "lora_alpha", "lora_dropout", "lora_targets", "save_every", "tips_refresh",
                "tips_gamma", "probe_corpus", "probe_reads", "corpus_episodes", "corpus_samples",
                "corpus_heldout", "probe_episodes", "eval_episodes", "val_episodes", "tree_m",
-               "tree_n", "tree_l", "at2po_penalty", "at2po_clip")
+               "tree_n", "tree_l", "at2po_penalty", "at2po_clip", "advantage")
 
 
 def check_out(args) -> None:

@@ -137,6 +137,59 @@ def test_advantages_all_equal_group_is_zero_and_flagged():
     assert grpo.group_advantages([[0.3, 0.3], [0.3000001]])[1] is False
 
 
+def test_release_advantages_hand_worked():
+    # rollout 0: r = [0.2, 0.8], total 1.0, own mean 0.5; rollout 1: r = [0.4], total 0.4;
+    # rollout 2: r = [None, 0.1, 0.7] -> [0, 0.1, 0.7], total 0.8, own mean 0.8 / 3
+    rewards = [[0.2, 0.8], [0.4], [None, 0.1, 0.7]]
+    adv, zero = grpo.release_advantages(rewards)
+    totals = [1.0, 0.4, 0.8]
+    mean = sum(totals) / 3
+    std = math.sqrt(sum((t - mean) ** 2 for t in totals) / 3)       # population std
+    z = [(t - mean) / std for t in totals]
+    assert not zero
+    assert adv[0] == pytest.approx([0.2 - 0.5 + z[0], 0.8 - 0.5 + z[0]], abs=1e-12)
+    assert adv[1] == pytest.approx([0.4 - 0.4 + z[1]], abs=1e-12)
+    assert adv[2] == pytest.approx([r - 0.8 / 3 + z[2] for r in (0.0, 0.1, 0.7)], abs=1e-12)
+    # equal totals: only centered (no division by a zero std); every reward equal: no advantage
+    adv, zero = grpo.release_advantages([[0.5, 0.1], [0.6]])
+    assert not zero and adv == [pytest.approx([0.2, -0.2]), pytest.approx([0.0])]
+    assert grpo.release_advantages([[0.3, 0.3], [0.3, 0.3]]) == ([[0.0, 0.0], [0.0, 0.0]], True)
+
+
+def test_release_loss_is_the_release_reinforce_step():
+    """At one epoch (logp_old = logp, detached) the gradient of release_loss equals the
+    release's per-turn REINFORCE:
+    -(1/n) sum_turns (A mean grad logp - beta mean grad(logp - ref))."""
+    g = torch.Generator().manual_seed(1)
+    turns = [3, 1, 4]                                    # tokens per turn
+    A = torch.tensor([0.7, -1.2, 0.3], dtype=torch.float64)
+    beta, eps = 0.05, 0.2
+    theta = torch.randn(sum(turns), dtype=torch.float64, generator=g, requires_grad=True)
+    ref = torch.randn(sum(turns), dtype=torch.float64, generator=g)
+    logp = torch.nn.functional.logsigmoid(theta)         # any differentiable log-probabilities
+    adv = torch.cat([a.repeat(n) for a, n in zip(A, turns)])
+    w = torch.cat([torch.full((n,), 1.0 / n, dtype=torch.float64) for n in turns])
+    loss, _ = grpo.release_loss(logp, logp.detach(), ref, adv, w, eps, beta, len(turns))
+    (ours,) = torch.autograd.grad(loss, theta)
+    logp = torch.nn.functional.logsigmoid(theta)
+    theirs, at = 0.0, 0
+    for a, n in zip(A, turns):                          # the release's loop over turns
+        mean_lp, kl = logp[at:at + n].mean(), (logp[at:at + n] - ref[at:at + n]).mean()
+        theirs = theirs - (a * mean_lp - beta * kl) / len(turns)
+        at += n
+    (expected,) = torch.autograd.grad(theirs, theta)
+    torch.testing.assert_close(ours, expected, rtol=1e-12, atol=1e-14)
+
+
+def test_release_advantage_trains_and_is_refused_with_tree_search(tiny_policy, tmp_path):
+    summary = run(flags(tiny_policy, tmp_path / "r", advantage="release", eval_episodes=3))
+    assert summary["selected"] is not None
+    recs = metrics(tmp_path / "r")
+    assert len(recs) == 2 and all(math.isfinite(r["loss"]) and r["tokens"] > 0 for r in recs)
+    with pytest.raises(SystemExit, match="--advantage release"):
+        run(flags(tiny_policy, tmp_path / "t", reward="tree_grpo", advantage="release"))
+
+
 # ---------------------------------------------------------------------------------------------
 # the loss (METHOD.md §9) against a direct re-computation, gradient included
 
