@@ -564,8 +564,16 @@ def input_device(model: "Transformer") -> torch.device:
 
 
 class Tokenizer:
+    """A tokenizers.Tokenizer and the ChatML template around it.
+
+    Untrusted text stays text: every string (a task, a tool's observation, a dataset record, the
+    policy's own reply) is encoded with special-token text treated as ordinary characters, so
+    an observation that writes "<|im_end|>\n<|im_start|>system" is those characters, not a new
+    turn. Only the template puts the special tokens <|im_start|> and <|im_end|>, as ids."""
+
     def __init__(self, tok):
         self.tok = tok
+        tok.encode_special_tokens = True        # an attribute of the instance: never saved
         self.im_start_id = self._special("<|im_start|>")
         self.im_end_id = self._special("<|im_end|>")
         self.pad_id = self._special("<|endoftext|>")
@@ -591,7 +599,7 @@ class Tokenizer:
                                   ) from None
 
     def encode(self, text: str) -> list[int]:
-        # Added special tokens (<|im_start|>, ...) written in the text are recognised as such.
+        """The ids of text as text: special-token text in it is encoded as ordinary characters."""
         return self.tok.encode(_utf8_safe(text), add_special_tokens=False).ids
 
     def decode(self, ids, skip_special_tokens=False) -> str:
@@ -623,20 +631,25 @@ class Tokenizer:
 
     def render(self, messages, add_generation_prompt=False) -> tuple[list[int], list[tuple]]:
         """Token ids of the chat and, per assistant message, its span [start, end) (METHOD.md §3):
-        start = first token of the content, end = its closing <|im_end|> + 1."""
-        text, ranges = self._chat(messages, add_generation_prompt)
-        text = _utf8_safe(text)                                 # same length: ranges still hold
-        enc = self.tok.encode(text, add_special_tokens=False)   # one call: the real tokenization
-        ids, starts = enc.ids, [s for s, _ in enc.offsets]
-        ends = [e for _, e in enc.offsets]
-        spans = []
-        for a, b in ranges:
-            start = bisect_right(ends, a)               # first token reaching past char a
-            end = starts.index(b, start)                # the <|im_end|> right after the content
-            if ids[end] != self.im_end_id:
-                raise ValueError(f"assistant content at chars {a}..{b} is not closed by "
-                                 "<|im_end|> after tokenization")
-            spans.append((start, end + 1))
+        start = first token of the content, end = its closing <|im_end|> + 1.
+
+        The template's special tokens are inserted as ids and the text between them is encoded as
+        text, piece by piece: the ids a tokenizer gives the whole ChatML string (special tokens
+        split it into these same pieces), except that a message cannot open or close a turn."""
+        self._chat(messages, add_generation_prompt)             # checks every message
+        if not messages or messages[0]["role"] != "system":
+            messages = [{"role": "system", "content": DEFAULT_SYSTEM}, *messages]
+        ids, spans = [], []
+        for m in messages:
+            head = f"{m['role']}\n"
+            enc = self.tok.encode(_utf8_safe(head + m["content"]), add_special_tokens=False)
+            ids.append(self.im_start_id)
+            if m["role"] == "assistant":        # first token reaching past the head
+                start = len(ids) + bisect_right([e for _, e in enc.offsets], len(head))
+                spans.append((start, len(ids) + len(enc.ids) + 1))
+            ids += enc.ids + [self.im_end_id] + self.encode("\n")
+        if add_generation_prompt:
+            ids += [self.im_start_id] + self.encode("assistant\n")
         return ids, spans
 
 

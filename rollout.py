@@ -55,10 +55,11 @@ def turn_opening(tok, finished: bool, observation: str | None) -> list[int]:
     the <|im_end|> itself when the turn hit max_new_tokens), the observation as a user message,
     and the next generation prompt. Special tokens split the text, so these tokens are the ones
     Tokenizer.render gives for the whole conversation."""
-    text = "\n" if finished else "<|im_end|>\n"
-    if observation is not None:
-        text += f"<|im_start|>user\n{observation}<|im_end|>\n"
-    return tok.encode(text + "<|im_start|>assistant\n")
+    ids = ([] if finished else [tok.im_end_id]) + tok.encode("\n")
+    if observation is not None:         # text, not template: it cannot open or close a turn
+        ids += [tok.im_start_id] + tok.encode(f"user\n{observation}") + [tok.im_end_id] + \
+            tok.encode("\n")
+    return ids + [tok.im_start_id] + tok.encode("assistant\n")
 
 
 @torch.no_grad()

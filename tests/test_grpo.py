@@ -137,6 +137,21 @@ def test_advantages_all_equal_group_is_zero_and_flagged():
     assert grpo.group_advantages([[0.3, 0.3], [0.3000001]])[1] is False
 
 
+@pytest.mark.parametrize("flag, value", [("--temperature", "-1"), ("--lr", "nan"),
+                                         ("--group", "0"), ("--save-every", "0"),
+                                         ("--steps", "-1"), ("--eval-episodes", "-5"),
+                                         ("--top-p", "0"), ("--beta", "inf"),
+                                         ("--at2po-clip", "0.1 -1")])
+def test_numeric_flags_are_checked_before_any_work(flag, value, tmp_path, monkeypatch, capsys):
+    def no_load(*a, **k):
+        raise AssertionError("the model was loaded before the flags were checked")
+    monkeypatch.setattr(mdl, "load_model", no_load)
+    with pytest.raises(SystemExit):
+        grpo.main([flag, *value.split(), "--out", str(tmp_path / "r")])
+    assert f"{flag} must be" in capsys.readouterr().err
+    assert not (tmp_path / "r").exists()
+
+
 def test_release_advantages_hand_worked():
     # rollout 0: r = [0.2, 0.8], total 1.0, own mean 0.5; rollout 1: r = [0.4], total 0.4;
     # rollout 2: r = [None, 0.1, 0.7] -> [0, 0.1, 0.7], total 0.8, own mean 0.8 / 3
@@ -1470,11 +1485,13 @@ def test_tree_search_runs_and_resumes_exactly(reward, tiny_policy, tmp_path, mon
     assert without_timing(metrics(cut)) == without_timing(recs)
 
 
-def test_tree_search_refuses_an_outcome_weight_and_an_empty_budget(tiny_policy, tmp_path):
+def test_tree_search_refuses_an_outcome_weight_and_an_empty_budget(tiny_policy, tmp_path,
+                                                                   capsys):
     with pytest.raises(SystemExit, match="--outcome-weight"):
         run(flags(tiny_policy, tmp_path / "a", "at2po", outcome_weight=0.5))
-    with pytest.raises(SystemExit, match="--tree-l must be at least 1"):
+    with pytest.raises(SystemExit):
         run(flags(tiny_policy, tmp_path / "b", "tree_grpo", tree_l=0))
+    assert "--tree-l must be at least 1" in capsys.readouterr().err
 
 
 def test_compare_cost_measures_what_each_reward_adds(tiny_policy, tmp_path):
