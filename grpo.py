@@ -71,6 +71,7 @@ import json
 import math
 import os
 import random
+import shlex
 import sys
 import time
 from collections import Counter
@@ -722,6 +723,11 @@ def resume(run: Training) -> int:
     interrupted run logged after that checkpoint is dropped, to be redone exactly."""
     start, args, out = 0, run.args, run.out
     ckpt = runs.latest_checkpoint(out) if args.resume else None
+    damaged = sorted(p.name for p in out.glob("checkpoint-*") if not (p / "trainer.json").is_file())
+    if args.resume and ckpt is None and damaged:
+        raise SystemExit(f"--resume: {out} holds {', '.join(damaged)} without trainer.json (cut "
+                         "short or damaged), and no complete checkpoint: delete them to start "
+                         "the run over from step 0")
     if ckpt is not None:
         start, lagged = runs.load_checkpoint(ckpt, run.policy, run.optimizer, run.world)
         if lagged is not None:
@@ -815,8 +821,13 @@ def main(argv=None):
     args = runs.parse_args(argv, REWARDS)
     try:
         return train(args)
-    except (weights.CheckpointError, envs.DataError, probes.FormatError) as e:
+    except (weights.CheckpointError, envs.DataError, probes.FormatError, chat_api.LLMError) as e:
         sys.exit(f"error: {e}")         # bad input: one clear line naming the file
+    except KeyboardInterrupt:
+        again = [*argv] + ([] if "--out" in argv else ["--out", args.out]) + \
+            ([] if "--resume" in argv or "--resume-if-present" in argv else ["--resume"])
+        sys.exit(f"\ninterrupted; the run resumes from its last checkpoint, exactly, with: "
+                 f"python grpo.py {shlex.join(again)}")
 
 
 if __name__ == "__main__":

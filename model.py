@@ -1119,6 +1119,8 @@ def load_adapter(model, path):
         if tuple(tensors[key].shape) != shape:
             raise ValueError(f"{file}: {key} has shape {tuple(tensors[key].shape)}, the model "
                              f"expects {shape}")
+        if not torch.isfinite(tensors[key]).all():
+            raise ValueError(f"{file}: {key} holds NaN or infinite values")
     if getattr(model, "lora_settings", None) is None:
         apply_lora(model, s.r, s.alpha, s.dropout, s.targets, s.use_rslora)
     with torch.no_grad():
@@ -1265,6 +1267,10 @@ def main(argv=None):
         ap.error("--max-new-tokens must be at least 1")
     if args.temperature < 0 or not 0 < args.top_p <= 1:
         ap.error("--temperature must be >= 0 and --top-p in (0, 1]")
+    if any(d.strip().startswith("cuda") for d in args.devices.split(",")) and \
+            not torch.cuda.is_available():
+        ap.error(f"--devices {args.devices}: this PyTorch sees no CUDA device (a CPU build, or no "
+                 "GPU visible)")
     try:
         model, tok = load_model(args.model, dtype=DTYPES[args.dtype],
                                 devices=args.devices.split(","))

@@ -286,6 +286,10 @@ def parse_args(argv, rewards) -> argparse.Namespace:
                 ap.error(f"--{name.replace('_', '-')} must be {what}, got {v}")
     if args.resume and args.resume_if_present:
         ap.error("--resume and --resume-if-present: pass one")
+    if args.devices and any(d.strip().startswith("cuda") for d in args.devices.split(",")) \
+            and not torch.cuda.is_available():
+        ap.error(f"--devices {args.devices}: this PyTorch sees no CUDA device (a CPU build, or no "
+                 "GPU visible); leave --devices out to run on the CPU")
     if args.out is None:
         if args.resume:
             ap.error("--resume: nothing to resume without --out (the run directory to continue)")

@@ -27,6 +27,7 @@ from pathlib import Path
 from urllib.parse import quote
 
 import requests
+import torch
 from safetensors import safe_open
 
 import common
@@ -299,6 +300,9 @@ def read_state_dict(directory, expected: dict[str, tuple], config: Config, dtype
                     tensor = f.get_tensor(name)
                 except Exception as e:
                     raise CheckpointError(f"{path}: cannot read tensor {name} ({e})") from None
+                if tensor.is_floating_point() and not torch.isfinite(tensor).all():
+                    # a model with a NaN weight loads and generates a stop token forever
+                    raise CheckpointError(f"{path}: tensor {name} holds NaN or infinite values")
                 state[name], where[name] = tensor.to(device=device, dtype=dtype), path
     missing = sorted(set(expected) - set(state))
     if missing:

@@ -3,6 +3,7 @@ import argparse
 import json
 import math
 import os
+import shlex
 import shutil
 import signal
 import subprocess
@@ -408,9 +409,40 @@ def interrupted_run(monkeypatch, argv):
             raise KeyboardInterrupt
         return real(step, *a, **k)
     monkeypatch.setattr(grpo, "train_step", crash_at_step_3)
-    with pytest.raises(KeyboardInterrupt):
+    with pytest.raises(SystemExit) as stop:             # Ctrl-C: one line, how to resume
         run(argv)
     monkeypatch.setattr(grpo, "train_step", real)
+    message = str(stop.value.code)
+    assert message.count("\n") == 1 and "python grpo.py " in message and "--resume" in message
+    return message
+
+
+def test_ctrl_c_says_how_to_resume_and_that_command_resumes(tiny_policy, tmp_path, monkeypatch):
+    out = tmp_path / "r"
+    message = interrupted_run(monkeypatch, flags(tiny_policy, out, steps=3, save_every=1))
+    again = shlex.split(message.split("python grpo.py ", 1)[1])
+    assert again[again.index("--out") + 1] == str(out) and again[-1] == "--resume"
+    run(again)
+    assert [r["step"] for r in metrics(out)] == [1, 2, 3]
+
+
+def test_resume_refuses_checkpoints_without_trainer_json(tiny_policy, tmp_path, monkeypatch):
+    out = tmp_path / "r"
+    run(flags(tiny_policy, out, steps=1))
+    (out / "checkpoint-000001" / "trainer.json").unlink()       # cut short, or damaged
+    with pytest.raises(SystemExit, match="checkpoint-000001 without trainer.json"):
+        run(flags(tiny_policy, out, steps=1, resume=True))
+
+
+def test_bad_devices_and_a_missing_judge_key_are_one_line(tiny_policy, tmp_path, monkeypatch,
+                                                          capsys):
+    if not torch.cuda.is_available():
+        with pytest.raises(SystemExit):
+            grpo.main(["--devices", "cuda:0,cuda:1", "--out", str(tmp_path / "a")])
+        assert "--devices cuda:0,cuda:1: this PyTorch sees no CUDA" in capsys.readouterr().err
+    monkeypatch.delenv("OPENAI_API_KEY", raising=False)
+    with pytest.raises(SystemExit, match="^error: OPENAI_API_KEY is not set"):
+        grpo.main(["--env", "toolbench", "--reward", "outcome", "--out", str(tmp_path / "b")])
 
 
 def test_resume_reproduces_the_uninterrupted_run(tiny_policy, tmp_path, monkeypatch):
@@ -1193,7 +1225,7 @@ def test_resume_redoes_exactly_what_was_logged_after_the_last_checkpoint(tiny_po
             raise KeyboardInterrupt
         return real_step(step, *a, **k)
     monkeypatch.setattr(grpo, "train_step", crash_at_step_2)
-    with pytest.raises(KeyboardInterrupt):
+    with pytest.raises(SystemExit, match="--resume"):          # Ctrl-C: how to resume
         run(flags(tiny_policy, early, "outcome", **kw))
     monkeypatch.setattr(grpo, "train_step", real_step)
     with open(early / "metrics.jsonl", "a") as f:
@@ -1210,7 +1242,7 @@ def test_resume_redoes_exactly_what_was_logged_after_the_last_checkpoint(tiny_po
             raise KeyboardInterrupt
         return real_eval(step, *a, **k)
     monkeypatch.setattr(runs, "evaluate_all", crash_in_eval_2)
-    with pytest.raises(KeyboardInterrupt):
+    with pytest.raises(SystemExit, match="--resume"):
         run(flags(tiny_policy, late, "outcome", **kw))
     monkeypatch.setattr(runs, "evaluate_all", real_eval)
     assert (late / "checkpoint-000002").is_dir() and [s for s, _ in evals(late)] == [0]

@@ -4,6 +4,7 @@ import json
 
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
 
 import model as M
 import weights
@@ -173,3 +174,18 @@ def test_bfloat16_base_keeps_a_float32_adapter(hf):
     ours(IDS).logits.float().square().mean().backward()
     q = ours.model.layers[0].self_attn.q_proj
     assert q.lora_B.weight.grad.dtype == torch.float32 and q.lora_B.weight.grad.abs().max() > 0
+
+
+def test_an_adapter_holding_nan_is_refused_before_the_model_is_touched(hf, tmp_path):
+    ours = M.apply_lora(build_ours(hf), r=4, alpha=8, dropout=0.0)
+    randomize_lora(ours)
+    M.save_adapter(ours, tmp_path)
+    path = tmp_path / "adapter_model.safetensors"
+    tensors = load_file(str(path))
+    key = sorted(tensors)[0]
+    tensors[key][0, 0] = float("nan")
+    save_file(tensors, str(path))
+    before = {n: p.clone() for n, p in M.lora_parameters(ours)}
+    with pytest.raises(ValueError, match=f"{key}.*NaN"):
+        M.load_adapter(ours, tmp_path)
+    assert all(torch.equal(p, before[n]) for n, p in M.lora_parameters(ours))

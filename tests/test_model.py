@@ -221,7 +221,7 @@ def _rewrite(path, fn):
 
 @pytest.mark.parametrize("fault", ["missing", "extra", "shape", "truncated", "corrupt",
                                    "architecture", "shard-missing", "no-weights", "no-tokenizer",
-                                   "tokenizer-not-json", "tokenizer-no-specials"])
+                                   "tokenizer-not-json", "tokenizer-no-specials", "nan"])
 def test_bad_checkpoints_raise_checkpoint_error(tmp_path, fault):
     shard = fault == "shard-missing"
     hf_checkpoint(tmp_path, "qwen2-mqa-untied", shard=shard)
@@ -237,6 +237,9 @@ def test_bad_checkpoints_raise_checkpoint_error(tmp_path, fault):
     elif fault == "shape":
         _rewrite(st_file, lambda t: t.update({victim: torch.zeros(9)}))
         expect += ["model.safetensors", "[9]", "[8]"]
+    elif fault == "nan":
+        _rewrite(st_file, lambda t: t[victim].__setitem__(3, float("nan")))
+        expect += ["model.safetensors", "NaN"]
     elif fault == "truncated":
         data = st_file.read_bytes()
         st_file.write_bytes(data[:len(data) - 100])
