@@ -452,8 +452,9 @@ def download(family: str, data_dir: str | Path | None = None, ref: str = RELEASE
 def _parse_json(raw: bytes | str, where) -> object:
     try:
         return json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise DataError(f"{where}: not valid JSON ({e})") from e
+    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as e:
+        # RecursionError: a value nested deeper than Python's parser goes ('[' * 100000)
+        raise DataError(f"{where}: not valid JSON ({type(e).__name__}: {e})") from None
 
 
 def load_episodes(path: str | Path) -> dict[str, dict]:

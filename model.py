@@ -1056,8 +1056,8 @@ def read_adapter_config(path) -> LoraSettings:
         c = json.loads(file.read_text())
     except OSError as e:
         raise FileNotFoundError(f"{file}: cannot read the adapter config ({e})") from e
-    except ValueError as e:
-        raise ValueError(f"{file}: not valid JSON ({e})") from e
+    except (ValueError, RecursionError) as e:
+        raise ValueError(f"{file}: not valid JSON ({type(e).__name__}: {e})") from None
 
     def bad(field, why):
         return ValueError(f"{file}: {field}={c.get(field)!r}: {why}")

@@ -112,7 +112,7 @@ class Pair:
                                     "(written by `pair.py train` or Pair.save)")
         try:
             config = json.loads(config_path.read_text())
-        except ValueError as e:
+        except (ValueError, RecursionError) as e:
             raise probes.FormatError(f"{config_path}: not JSON ({e})") from None
         if not isinstance(config, dict) or config.get("format") != "pair/1":
             raise probes.FormatError(f"{config_path}: not a pair/1 file")

@@ -385,9 +385,9 @@ def check_out(args) -> None:
             old = json.loads(saved.read_text())
             if not isinstance(old, dict):
                 raise ValueError("not a JSON object")
-        except (OSError, ValueError) as e:
-            raise SystemExit(f"--resume: {saved} is not readable ({e}); the flags of the "
-                             "run cannot be checked") from None
+        except (OSError, ValueError, RecursionError) as e:
+            raise SystemExit(f"--resume: {saved} is not readable ({type(e).__name__}: {e}); the "
+                             "flags of the run cannot be checked") from None
         for k in RESUME_KEYS:
             if k in old and old[k] != getattr(args, k):
                 raise SystemExit(f"--resume: --{k.replace('_', '-')} is {getattr(args, k)!r} "
@@ -459,6 +459,8 @@ def load_checkpoint(path: Path, policy, optimizer, world) -> tuple[int, dict | N
     """Restore a checkpoint into policy, optimizer and RNGs: (its step, the lagged snapshot)."""
     try:
         info = json.loads((path / "trainer.json").read_text())
+        if not (isinstance(info, dict) and type(info.get("step")) is int and info["step"] >= 1):
+            raise ValueError(f"trainer.json holds no step >= 1: {str(info)[:80]}")
         if info["processes"] != world.size:
             raise ValueError(f"it was written by {info['processes']} processes, this run has "
                              f"{world.size}; the RNG streams would differ")
@@ -470,8 +472,10 @@ def load_checkpoint(path: Path, policy, optimizer, world) -> tuple[int, dict | N
         lagged = load_file(path / "lagged.safetensors") \
             if (path / "lagged.safetensors").exists() else None
         return int(info["step"]), lagged
-    except (OSError, KeyError, ValueError, SafetensorError) as e:
-        raise SystemExit(f"{path}: cannot resume from this checkpoint ({e})") from e
+    except (OSError, KeyError, IndexError, TypeError, ValueError, RecursionError,
+            SafetensorError) as e:      # a damaged file: any of these, never a traceback
+        raise SystemExit(f"{path}: cannot resume from this checkpoint ({type(e).__name__}: "
+                         f"{e})") from None
 
 
 def optimizer_to_tensors(optimizer) -> tuple[dict, dict]:

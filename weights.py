@@ -206,8 +206,8 @@ def _read_json(path: Path) -> dict:
         return json.loads(path.read_text())
     except FileNotFoundError:
         raise CheckpointError(f"{path}: file not found") from None
-    except (OSError, ValueError) as e:
-        raise CheckpointError(f"{path}: not readable JSON ({e})") from None
+    except (OSError, ValueError, RecursionError) as e:    # deep nesting: RecursionError
+        raise CheckpointError(f"{path}: not readable JSON ({type(e).__name__}: {e})") from None
 
 
 def read_config(directory) -> Config:

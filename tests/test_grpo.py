@@ -1545,3 +1545,45 @@ def test_compare_cost_measures_what_each_reward_adds(tiny_policy, tmp_path):
     text = (out / "cost.md").read_text()
     assert "| tree_grpo |" in text and "~5-25 s" in text and "K sibling rollouts" in text
     assert "4.0 sibling rollouts" in text and "~30-50 ms" in text
+
+
+@pytest.mark.parametrize("damage", ["rng-json-list", "negative-step", "deep-trainer-json",
+                                    "deep-adapter-config"])
+def test_a_damaged_checkpoint_is_one_line_naming_it(tiny_policy, tmp_path, damage):
+    out = tmp_path / "r"
+    run(flags(tiny_policy, out, steps=2, save_every=1))
+    ckpt = out / "checkpoint-000002"                     # the newest: the one resumed from
+    if damage == "rng-json-list":
+        (ckpt / "rng-0.json").write_text("[]")
+    elif damage == "negative-step":
+        info = json.loads((ckpt / "trainer.json").read_text())
+        (ckpt / "trainer.json").write_text(json.dumps({**info, "step": -2}))
+    elif damage == "deep-trainer-json":
+        (ckpt / "trainer.json").write_text("[" * 100000)
+    else:
+        (ckpt / "adapter" / "adapter_config.json").write_text("[" * 100000)
+    with pytest.raises(SystemExit, match=f"{ckpt}: cannot resume from this checkpoint"):
+        run(flags(tiny_policy, out, steps=2, save_every=1, resume=True))
+    assert all(r["step"] > 0 for r in metrics(out))      # nothing logged for a bogus step
+
+
+def test_deeply_nested_json_is_one_line_everywhere(tiny_policy, tmp_path):
+    deep = "[" * 100000
+    bad_model = tmp_path / "model"
+    shutil.copytree(tiny_policy, bad_model)
+    (bad_model / "config.json").write_text(deep)
+    with pytest.raises(weights.CheckpointError, match="config.json: not readable JSON"):
+        mdl.load_model(bad_model)
+    data = tmp_path / "matched_clean_test.json"
+    data.write_text(deep)
+    with pytest.raises(envs.DataError, match="matched_clean_test.json: not valid JSON"):
+        envs.load_matched(data)
+    (tmp_path / "pairdir").mkdir()
+    (tmp_path / "pairdir" / "pair.json").write_text(deep)
+    with pytest.raises(probes.FormatError, match="pair.json: not JSON"):
+        pair.Pair.load(tmp_path / "pairdir")
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "args.json").write_text(deep)
+    with pytest.raises(SystemExit, match="args.json is not readable"):
+        run(flags(tiny_policy, out, steps=1, resume=True))
