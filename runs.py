@@ -30,10 +30,10 @@ import torch.distributed as dist
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
+import adapters
 import baselines
 import common
 import envs
-import model
 import onpolicy
 import shop
 from rollout import rollout
@@ -437,7 +437,7 @@ def save_checkpoint(out: Path, step: int, policy, optimizer, world, lagged=None)
     common.write_json(tmp / f"rng-{world.rank}.json", rng_meta)
     barrier(world)
     if world.main:
-        model.save_adapter(policy, tmp / "adapter")
+        adapters.save_adapter(policy, tmp / "adapter")
         tensors, meta = optimizer_to_tensors(optimizer)
         save_file(tensors, tmp / "optimizer.safetensors")
         if lagged is not None:
@@ -464,7 +464,7 @@ def load_checkpoint(path: Path, policy, optimizer, world) -> tuple[int, dict | N
         if info["processes"] != world.size:
             raise ValueError(f"it was written by {info['processes']} processes, this run has "
                              f"{world.size}; the RNG streams would differ")
-        model.load_adapter(policy, path / "adapter")
+        adapters.load_adapter(policy, path / "adapter")
         optimizer_from_tensors(optimizer, load_file(path / "optimizer.safetensors"),
                                info["optimizer"])
         set_rng_state(load_file(path / f"rng-{world.rank}.safetensors"),

@@ -9,7 +9,7 @@ ROOT = Path(__file__).resolve().parents[1]
 # import nothing of the project but the ground floor.
 FLOORS = {
     "common": 0, "weights": 0.5, "chat_api": 0.5, "calculator": 0,
-    "model": 1, "probes": 1,
+    "model": 1, "probes": 1, "adapters": 1.5,
     "envs": 2, "rollout": 2, "pair": 2.5,
     "shop": 3, "onpolicy": 3.5, "baselines": 3.5, "runs": 3.7,
     "grpo": 4,
