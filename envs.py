@@ -1164,10 +1164,20 @@ def gta_diagnostic(clean: dict[str, dict], contaminated_matched: list[dict],
     return out
 
 
+def family_folder(data_dir, family: str) -> Path:
+    """DATA_DIR/<family>/. A --data-dir that is the family's folder itself (it holds the
+    released files) is refused with one line, not answered with a download beside it."""
+    root = Path(data_dir or default_data_dir())
+    if not (root / family).is_dir() and (root / "matched_clean_test.json").is_file():
+        raise DataError(f"--data-dir {root}: holds the {family} files itself; --data-dir is "
+                        f"the folder above it ({root.parent}), which holds {family}/")
+    return root / family
+
+
 def make_gta_diagnostic(data_dir=None, out_dir=None, seed: int = 0) -> dict[str, int]:
     """Write matched_diagnostic_test.json and its episode file diagnostic_test.json (the clean
     test episodes, for the tool lists) to out_dir (default: the released gta folder)."""
-    folder = Path(data_dir or default_data_dir()) / "gta"
+    folder = family_folder(data_dir, "gta")
     if not (folder / "matched_contaminated_test.json").is_file():
         download("gta", folder.parent)
     clean = load_episodes(folder / "clean_test.json")
@@ -1202,7 +1212,7 @@ def split_episodes(data_dir, family: str, out_dir, seed: int = 0, fraction: floa
     subsample of `episodes` episodes first. Returns records per file written."""
     if not 0 < fraction < 1:
         raise DataError(f"--fraction {fraction}: must be strictly between 0 and 1")
-    folder = Path(data_dir or default_data_dir()) / family
+    folder = family_folder(data_dir, family)
     if not all((folder / f"{name}_test.json").is_file() for name in SPLIT_FILES):
         download(family, folder.parent)
     data = {}

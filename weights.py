@@ -257,6 +257,12 @@ def _weight_files(directory: Path) -> dict[str, list[str]]:
             raise CheckpointError(f"{index}: no weight_map")
         files: dict[str, list[str]] = {}
         for name, file in weight_map.items():
+            # a shard is a plain file beside the index: "../x.safetensors" or "/etc/x" would
+            # read whatever the index points at
+            if not (isinstance(file, str) and file == Path(file).name and
+                    file.endswith(".safetensors") and not file.startswith(".")):
+                raise CheckpointError(f"{index}: tensor {name} is mapped to {file!r}, not a "
+                                      "safetensors file beside the index")
             files.setdefault(file, []).append(name)
         return files
     if (directory / "model.safetensors").is_file():

@@ -4,6 +4,7 @@ server."""
 import functools
 import json
 import random
+import shutil
 import subprocess
 import sys
 import threading
@@ -659,3 +660,14 @@ def test_cli_help():
         out = subprocess.run([sys.executable, str(ROOT / "envs.py"), *args, "--help"],
                              capture_output=True, text=True, check=True).stdout
         assert "usage:" in out
+
+
+def test_a_data_dir_that_is_the_family_folder_itself_is_one_line(release_dir, tmp_path):
+    gta = tmp_path / "gta"
+    shutil.copytree(release_dir / "gta", gta)
+    for run in (lambda: envs.main(["make-diagnostic", "gta", "--data-dir", str(gta)]),
+                lambda: envs.main(["split-episodes", "gta", "--data-dir", str(gta),
+                                   "--out", str(tmp_path / "out")])):
+        with pytest.raises(SystemExit, match="--data-dir .*holds the gta files itself"):
+            run()
+    assert not (gta / "gta").exists()                   # nothing was downloaded beside it

@@ -221,9 +221,10 @@ def _rewrite(path, fn):
 
 @pytest.mark.parametrize("fault", ["missing", "extra", "shape", "truncated", "corrupt",
                                    "architecture", "shard-missing", "no-weights", "no-tokenizer",
-                                   "tokenizer-not-json", "tokenizer-no-specials", "nan"])
+                                   "tokenizer-not-json", "tokenizer-no-specials", "nan",
+                                   "shard-outside"])
 def test_bad_checkpoints_raise_checkpoint_error(tmp_path, fault):
-    shard = fault == "shard-missing"
+    shard = fault in ("shard-missing", "shard-outside")
     hf_checkpoint(tmp_path, "qwen2-mqa-untied", shard=shard)
     st_file = tmp_path / "model.safetensors"
     victim = "model.layers.1.self_attn.k_proj.bias"
@@ -237,6 +238,14 @@ def test_bad_checkpoints_raise_checkpoint_error(tmp_path, fault):
     elif fault == "shape":
         _rewrite(st_file, lambda t: t.update({victim: torch.zeros(9)}))
         expect += ["model.safetensors", "[9]", "[8]"]
+    elif fault == "shard-outside":
+        index_path = tmp_path / "model.safetensors.index.json"
+        index = json.loads(index_path.read_text())
+        outside = tmp_path.parent / f"{tmp_path.name}-OUTSIDE.safetensors"
+        (tmp_path / index["weight_map"][victim]).rename(outside)
+        index["weight_map"] = {k: f"../{outside.name}" for k in index["weight_map"]}
+        index_path.write_text(json.dumps(index))
+        expect = ["model.safetensors.index.json", "not a safetensors file beside the index"]
     elif fault == "nan":
         _rewrite(st_file, lambda t: t[victim].__setitem__(3, float("nan")))
         expect += ["model.safetensors", "NaN"]
