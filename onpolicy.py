@@ -218,10 +218,11 @@ def shop_probes(args, policy, tok, world, log) -> tuple[Path, dict]:
     root = common.cache_root() / "grpo-probes" / f"shop-{policy_hash(args.model)}"
     out = root / f"{args.probe_corpus}-{settings_hash(settings)}"
     done = out / "probes.json"
-    cached = done.is_file()
+    fitted_by = "an earlier run" if done.is_file() else None
     if world.main and not done.is_file():
         # two runs starting on one fresh cache (compare --jobs 2): the second waits, then reads
         common.claim(root, wait=log)
+        fitted_by = "another run, which this one waited for" if done.is_file() else None
     if world.main and not done.is_file():
         t0 = time.perf_counter()
         log(f"fitting the probes of this policy once, {args.probe_corpus} corpus (minutes: "
@@ -265,7 +266,7 @@ def shop_probes(args, policy, tok, world, log) -> tuple[Path, dict]:
     report = json.loads(done.read_text())
     h, ref = report["heldout"], report["contaminated_corpus_pair"]
     log(f"probes: {out} ({args.probe_corpus} corpus, {report['n_train']} turns"
-        f"{'; fitted by an earlier run' if cached else ''})\n"
+        f"{'; fitted by ' + fitted_by if fitted_by else ''})\n"
         f"  PAIR AUROC on {h['n']['all']} held-out own turns (validation episodes): "
         f"{common.num(h['pair']['all'])} (clean prefix {common.num(h['pair']['clean_prefix'])}, "
         f"after a wrong turn {common.num(h['pair']['contaminated_prefix'])}); the "

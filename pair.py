@@ -1059,6 +1059,20 @@ def cmd_train(args):
 def cmd_eval(args):
     root = Path(args.probes)
     seed_dirs = sorted(p for p in root.glob("seed*") if p.is_dir())
+    listed = root / "train.json"
+    if listed.is_file():
+        # the seeds the last `pair.py train --out` wrote: an older run's seed<S>/ left in the
+        # directory (another C, another mode) must not be averaged in
+        try:
+            seeds = {int(r["seed"]) for r in json.loads(listed.read_text())["runs"]}
+        except (ValueError, KeyError, TypeError, RecursionError) as e:
+            raise probes.FormatError(f"{listed}: not a train.json written by `pair.py train` "
+                                     f"({type(e).__name__}: {e})") from None
+        stale = [p.name for p in seed_dirs if p.name[4:] not in {str(s) for s in seeds}]
+        if stale:
+            print(f"ignoring {', '.join(stale)} in {root}: not written by the `pair.py train` "
+                  f"that wrote {listed.name} (seeds {sorted(seeds)})", file=sys.stderr)
+        seed_dirs = [p for p in seed_dirs if p.name not in stale]
     if not seed_dirs:
         raise SystemExit(f"{root}: no seed*/ directories (written by `pair.py train`)")
     names = list(args.splits) if args.splits else list(TEST_SPLITS) + [DIAGNOSTIC_SPLIT]

@@ -20,6 +20,7 @@ import math
 import os
 import random
 import shutil
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -539,18 +540,25 @@ def make_env(args, split: str, evaluation: bool = False):
     return envs.make(args.env, split=split, data_dir=args.data_dir, **kw)
 
 
-def evaluate(policy, tok, env, pool, n: int, args, world) -> dict:
+def evaluate(policy, tok, env, pool, n: int, args, world, name: str = "held-out") -> dict:
     """Greedy rollouts on the first n episodes of `pool` (0: all): mean task score, mean turns,
-    and every episode's score in pool order (for paired comparisons between runs)."""
+    and every episode's score in pool order (for paired comparisons between runs). A progress
+    line with an ETA when the Pacer says so (an evaluation of the built-in world takes a minute
+    or more)."""
     n = len(pool) if not n else min(n, len(pool))
     mine = list(range(world.rank, n, world.size))
     policy.eval()
     scores, turns = [], 0
+    t0, pacer = time.perf_counter(), common.Pacer(len(mine), sys.stdout)
     for i in range(0, len(mine), args.eval_batch):
         episodes = [env.episode(pool[j]) for j in mine[i:i + args.eval_batch]]
         for traj in rollout(policy, tok, episodes, args, greedy=True, stats=False):
             scores.append(traj.score)
             turns += len(traj.steps)
+        if world.main and pacer.due(len(scores)):
+            rate = (time.perf_counter() - t0) / len(scores)
+            print(f"  evaluating: {len(scores)}/{len(mine)} {name} episodes, ETA "
+                  f"{common.duration(rate * (len(mine) - len(scores)))}", flush=True)
     turns = all_sum(world, [turns])[0]
     order = gather_floats(world, [float(j) for j in mine], n)
     scores = [s for _, s in sorted(zip(order, gather_floats(world, scores, n)))]
@@ -575,7 +583,8 @@ def eval_splits(args, train_env, train_pool) -> tuple[dict, list[int]]:
 
 def evaluate_all(step: int, policy, tok, held: dict, args, world) -> dict:
     sizes = {"val": args.val_episodes, "test": args.eval_episodes}
-    return {"step": step, **{name: evaluate(policy, tok, env, pool, sizes[name], args, world)
+    return {"step": step, **{name: evaluate(policy, tok, env, pool, sizes[name], args, world,
+                                            {"val": "validation"}.get(name, name))
                              for name, (env, pool) in held.items()}}
 
 
@@ -610,15 +619,18 @@ def scorable(env) -> list[int]:
 def progress_line(rec: dict, steps: int, elapsed: list[float], evals_left: float = 0.0) -> str:
     """The step's own time, and an ETA from the median of the last 10 steps (a rollout that
     rambles to --max-new-tokens makes single steps slow; the median does not jump with it)
-    plus `evals_left`, the seconds the evaluations still to come will take."""
+    plus `evals_left`, the seconds the evaluations still to come will take. No ETA before 3
+    steps: a median of one or two steps is one outlier away from hours."""
     left = float(np.median(elapsed[-10:])) * (steps - rec["step"]) + evals_left
+    eta = common.duration(left) if len(elapsed) >= 3 or rec["step"] == steps else \
+        "after 3 steps"
     auroc = rec.get("probe_auroc")
     return (f"step {rec['step']:>4}/{steps}  reward {rec['reward_mean']:.3f}"
             f"±{rec['reward_std']:.3f}"
             f"  success {rec['success']:.2f}  zero-std {rec['frac_zero_std']:.2f}"
             f"  kl {rec['kl']:.2e}" + (f"  probe-auroc {auroc:.2f}" if auroc is not None else "")
             + f"  {elapsed[-1]:.1f}s (rollout {rec['t_rollout']:.1f} reward "
-            f"{rec['t_reward']:.2f} update {rec['t_update']:.1f})  ETA {common.duration(left)}")
+            f"{rec['t_reward']:.2f} update {rec['t_update']:.1f})  ETA {eta}")
 
 
 def summarize(out: Path, seconds: float, args, probe_report: dict | None = None) -> dict:

@@ -1209,6 +1209,10 @@ def test_two_runs_on_one_fresh_probe_cache_fit_the_probes_once(tiny_policy, tmp_
     assert [p.returncode for p in procs] == [0, 0], outs
     assert sum(o.count("fitting the probes of this policy once") for o in outs) == 1, outs
     assert len(list(cache.glob("grpo-probes/shop-*/contaminated-*/probes.json"))) == 1
+    # the other one says whose probes it reads (the one it waited for, as a rule)
+    other = next(o for o in outs if "fitting the probes of this policy once" not in o)
+    assert "fitted by another run, which this one waited for" in other or \
+        "fitted by an earlier run" in other, other
 
 
 def test_resume_redoes_exactly_what_was_logged_after_the_last_checkpoint(tiny_policy, tmp_path,
@@ -1591,3 +1595,15 @@ def test_deeply_nested_json_is_one_line_everywhere(tiny_policy, tmp_path):
     (out / "args.json").write_text(deep)
     with pytest.raises(SystemExit, match="args.json is not readable"):
         run(flags(tiny_policy, out, steps=1, resume=True))
+
+
+def test_progress_an_eta_is_not_one_outlier_and_evaluations_print_progress(tiny_policy, tmp_path,
+                                                                           capsys):
+    rec = {"step": 1, "reward_mean": 0.5, "reward_std": 0.1, "success": 0.2,
+           "frac_zero_std": 0.0, "kl": 0.0, "t_rollout": 1.0, "t_reward": 0.0, "t_update": 1.0}
+    assert runs.progress_line(rec, 20, [11580.0]).endswith("ETA after 3 steps")
+    line = runs.progress_line({**rec, "step": 3}, 20, [11580.0, 5.0, 6.0])
+    assert line.endswith("ETA " + common.duration(6.0 * 17))        # the median, not the mean
+    run(flags(tiny_policy, tmp_path / "r", steps=1, eval_episodes=3))
+    out = capsys.readouterr().out
+    assert "evaluating: 3/3 test episodes, ETA" in out and "2/2 validation episodes" in out

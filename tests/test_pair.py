@@ -234,6 +234,14 @@ def test_train_eval_report_cli(features_dir, tmp_path, capsys):
                "--out", str(tmp_path / "eval.json")])
     ev = json.loads((tmp_path / "eval.json").read_text())
     assert len(ev["pair_mixed"]["matched_clean_test"]["auroc"]["values"]) == 2
+    # a later train into the same directory: eval reads the seeds it wrote, not the stale ones
+    pair.main(["train", "--features", str(features_dir), "--out", str(tmp_path / "m"),
+               "--seeds", "44", "--C", "1.0"])
+    pair.main(["eval", "--probes", str(tmp_path / "m"), "--features", str(features_dir),
+               "--out", str(tmp_path / "eval.json")])
+    ev = json.loads((tmp_path / "eval.json").read_text())
+    assert len(ev["pair_mixed"]["matched_clean_test"]["auroc"]["values"]) == 1
+    assert "ignoring seed42, seed43" in capsys.readouterr().err
 
     pair.main(["report", "--features", str(features_dir), "--out", str(tmp_path / "r"),
                "--seeds", "42", "43", "44"])
