@@ -112,7 +112,7 @@ def report(name: str, value: float, target: str, ok: bool):
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))
     ap.add_argument("--model", default=str(DEFAULT_MODEL), help="checkpoint directory, e.g. "
                     "data/shop-policy (default: a Qwen2.5-0.5B checkpoint at this path)")
     ap.add_argument("--seq-len", type=int, default=2048, help="tokens in the forward benchmark")

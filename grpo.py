@@ -201,12 +201,30 @@ def reward_context(args, policy, tok, env, world, log) -> RewardContext:
             name = ctx.probe.info.get("feature")
             if name != args.reward:
                 raise SystemExit(f"--probes {path}: a {name} probe, not {args.reward}")
+        check_widths(ctx, policy.config, found if args.reward == "pair" else path)
     if args.reward == "llm_judge":
         try:
             ctx.judge = chat_api.ChatClient(args.judge_model)
         except chat_api.LLMError as e:
             raise SystemExit(f"--reward llm_judge: {e}") from e
     return ctx
+
+
+def check_widths(ctx: RewardContext, config, where: Path):
+    """The probes read features of this policy's width: a damaged or foreign probe file fails
+    here, before any rollout, not at the first reward."""
+    d, L, H = config.hidden_size, config.num_hidden_layers, config.num_attention_heads
+    if ctx.pair is not None:
+        want = {"stage1": d, "stage2": len(ctx.pair.stats) * H * L + 1}
+        have = {"stage1": ctx.pair.stage1.w.numel(), "stage2": ctx.pair.stage2.w.numel()}
+    else:
+        want = {ctx.args.reward: probes.feature_width(ctx.args.reward, d, L, H)}
+        have = {ctx.args.reward: ctx.probe.w.numel()}
+    for part, n in want.items():
+        if have[part] != n:
+            raise SystemExit(f"{where}: the {part} probe reads {have[part]} features, this "
+                             f"policy gives {n} (d={d}, L={L}, H={H}): fitted on another model, "
+                             "or damaged")
 
 
 def seed_dir(where: Path, log) -> Path:

@@ -263,8 +263,13 @@ def shop_probes(args, policy, tok, world, log) -> tuple[Path, dict]:
         common.release(root)
     if world.size > 1:                      # the other processes read what the main one wrote
         torch.distributed.barrier()
-    report = json.loads(done.read_text())
-    h, ref = report["heldout"], report["contaminated_corpus_pair"]
+    try:
+        report = json.loads(done.read_text())
+        h, ref = report["heldout"], report["contaminated_corpus_pair"]
+        h["pair"]["all"], h["n"]["all"], report["n_train"]
+    except (ValueError, KeyError, TypeError, RecursionError) as e:
+        raise SystemExit(f"{done}: a damaged probe cache ({type(e).__name__}: {e}); delete {out} "
+                         "and the next run fits these probes again") from None
     log(f"probes: {out} ({args.probe_corpus} corpus, {report['n_train']} turns"
         f"{'; fitted by ' + fitted_by if fitted_by else ''})\n"
         f"  PAIR AUROC on {h['n']['all']} held-out own turns (validation episodes): "

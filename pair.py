@@ -296,6 +296,8 @@ def extract(net, tokenizer, data_path, out_path, max_len=4096, shard_size=32,
     data_path, out_path = Path(data_path), Path(out_path)
     if records is None:                           # validated; each with its episode's tools
         records = envs.load_matched(data_path)
+    if not records:
+        raise SystemExit(f"{data_path}: no record to extract (an empty list)")
     parts = parts_dir(out_path)
     manifest = {"data": str(data_path.resolve()), "data_sha256": _file_sha256(data_path),
                 "max_len": max_len, **(manifest_extra or {})}

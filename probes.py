@@ -106,6 +106,15 @@ def attn_features(raw: dict, stats=ATTN_STATS, last_layer_only=False) -> torch.T
     return stack_attn(parts).double()
 
 
+def feature_width(name: str, d: int, L: int, H: int) -> int:
+    """The width of feature set `name` (METHOD.md §4) for a model of hidden size d, L layers
+    and H heads: what a probe of it must have been fitted on."""
+    return {"last_token": d, "mean_pooled": d, "multi_layer": min(4, L + 1) * d,  # h_last4
+            "attention": 4 * H,
+            "multi_attn": 4 * H * L, "hidden_attn": d + 4 * H, "lookback": H * L,
+            "head_entropy": H * L}[name]
+
+
 def feature(name: str, raw: dict[str, torch.Tensor]) -> torch.Tensor:
     """Feature set `name` (METHOD.md §4) of a batch of raw features -> (N, D) float64."""
     n = raw["h_mean"].shape[0]

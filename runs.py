@@ -425,9 +425,22 @@ def prepare_out(args, world) -> Path:
 # ---------------------------------------------------------------------------------------------
 
 def save_checkpoint(out: Path, step: int, policy, optimizer, world, lagged=None) -> Path:
-    """OUT/checkpoint-<step>/; `lagged`: the tips reward's lagged LoRA snapshot, if any."""
+    """OUT/checkpoint-<step>/; `lagged`: the tips reward's lagged LoRA snapshot, if any. A write
+    that fails (a full disk) leaves the earlier checkpoints as they were and stops the run with
+    one line."""
     final = out / f"checkpoint-{step:06d}"
     tmp = out / f".checkpoint-{step:06d}.tmp"
+    try:
+        return _write_checkpoint(out, step, final, tmp, policy, optimizer, world, lagged)
+    except (OSError, SafetensorError) as e:
+        shutil.rmtree(tmp, ignore_errors=True)
+        last = latest_checkpoint(out)
+        raise SystemExit(f"{final}: could not be written ({type(e).__name__}: {e}); "
+                         + (f"{last.name} is intact: " if last else "")
+                         + "free the space and continue with --resume") from None
+
+
+def _write_checkpoint(out, step, final, tmp, policy, optimizer, world, lagged) -> Path:
     if world.main:
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)

@@ -1607,3 +1607,38 @@ def test_progress_an_eta_is_not_one_outlier_and_evaluations_print_progress(tiny_
     run(flags(tiny_policy, tmp_path / "r", steps=1, eval_episodes=3))
     out = capsys.readouterr().out
     assert "evaluating: 3/3 test episodes, ETA" in out and "2/2 validation episodes" in out
+
+
+def test_a_full_disk_at_a_checkpoint_is_one_line_and_keeps_the_last_one(tiny_policy, tmp_path,
+                                                                        monkeypatch):
+    out = tmp_path / "r"
+    real, calls = runs.save_file, []
+
+    def full_at_second_checkpoint(tensors, path, *a, **k):
+        calls.append(path)
+        if "checkpoint-000002" in str(path):
+            raise OSError(28, "No space left on device")
+        return real(tensors, path, *a, **k)
+    monkeypatch.setattr(runs, "save_file", full_at_second_checkpoint)
+    with pytest.raises(SystemExit, match="checkpoint-000002: could not be written .*No space "
+                                         ".*checkpoint-000001 is intact"):
+        run(flags(tiny_policy, out, steps=2, save_every=1))
+    assert sorted(p.name for p in out.iterdir() if "checkpoint" in p.name) == \
+        ["checkpoint-000001"]
+    assert (out / "checkpoint-000001" / "trainer.json").is_file()
+
+
+def test_a_damaged_probe_cache_fails_before_any_rollout(tiny_policy, tmp_path, monkeypatch):
+    cache = tmp_path / "cache"
+    monkeypatch.setenv("PAIR_CACHE", str(cache))
+    run(flags(tiny_policy, tmp_path / "a", "pair", steps=1))
+    (pair_dir,) = cache.glob("grpo-probes/shop-*/contaminated-*/pair")
+    stage1 = probes.Probe.load(pair_dir / "stage1.safetensors")
+    stage1.mean, stage1.scale, stage1.w = stage1.mean[:8], stage1.scale[:8], stage1.w[:8]
+    stage1.save(pair_dir / "stage1.safetensors")                   # cut to width 8
+    with pytest.raises(SystemExit, match="the stage1 probe reads 8 features, this policy gives"):
+        run(flags(tiny_policy, tmp_path / "b", "pair", steps=1))
+    (report,) = cache.glob("grpo-probes/shop-*/contaminated-*/probes.json")
+    report.write_text("{}")
+    with pytest.raises(SystemExit, match="probes.json: a damaged probe cache"):
+        run(flags(tiny_policy, tmp_path / "c", "pair", steps=1))

@@ -4,6 +4,7 @@ report)."""
 import json
 import math
 import pickle
+import shutil
 import time
 from pathlib import Path
 from types import SimpleNamespace
@@ -707,3 +708,14 @@ def test_hostile_flags_and_values_are_one_line_errors(features_dir, tmp_path, ca
     probe.save(tmp_path / "inf.safetensors")
     with pytest.raises(probes.FormatError, match="inf.safetensors: w holds NaN"):
         probes.Probe.load(tmp_path / "inf.safetensors")
+
+
+def test_extract_of_an_empty_file_says_so(shop_ckpt, tmp_path):
+    data, ckpt = shop_ckpt
+    empty = tmp_path / "matched_clean_test.json"
+    empty.write_text("[]")
+    shutil.copy(data / "clean_test.json", tmp_path / "clean_test.json")
+    with pytest.raises(SystemExit, match="no record to extract") as stop:
+        pair.main(["extract", "--model", str(ckpt), "--data", str(empty), "--out",
+                   str(tmp_path / "f.safetensors")])
+    assert "errors above" not in str(stop.value)
