@@ -30,6 +30,7 @@ import torch
 import baselines
 import common
 import grpo
+import runs
 
 COMPARE_REWARDS = ("outcome", "pair", "pair:alpha=0", "last_token", "multi_attn", "attention",
                    "head_entropy", "igpo", "tips", "tree_grpo", "at2po",
@@ -133,7 +134,7 @@ def compare(argv: list[str]) -> dict:
     result = compare_table(out, args.rewards, args.seeds)
     common.write_json(out / "compare.json", result)
     common.write_atomic(out / "compare.md", compare_markdown(result, command))
-    common.write_atomic(out / "curves.svg", curves_svg(result))
+    common.write_atomic(out / "curves.svg", runs.curves_svg(result))
     print((out / "compare.md").read_text() + f"\nwrote {out / 'compare.md'}, "
           f"{out / 'compare.json'}, {out / 'curves.svg'}", flush=True)
     return result
@@ -323,50 +324,6 @@ def compare_markdown(result: dict, command: str) -> str:
             + f" | {r['frac_zero_std']:.2f} | {r['kl_final']:.3f} | {r['t_rollout']:.1f} / "
             f"{r['t_reward']:.2f} / {r['t_update']:.1f} | {r['minutes']:.1f} |")
     return "\n".join(lines) + "\n"
-
-
-def curves_svg(result: dict) -> str:
-    """Two panels, one line per reward: held-out test success vs step, mean reward vs step."""
-    W, H, pad = 460, 300, 48
-    colors = ["#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e", "#8c564b", "#e377c2",
-              "#7f7f7f", "#bcbd22", "#17becf"]
-    parts = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{2 * W}" '
-             f'height="{H + 24 * ((len(result["rows"]) + 1) // 2) + 20}" font-family="sans-serif"'
-             ' font-size="12"><rect width="100%" height="100%" fill="white"/>']
-    for p, (key, title) in enumerate((("curve_success", "held-out success (test, greedy)"),
-                                      ("curve_reward", "mean turn reward (training rollouts)"))):
-        series = [r[key] for r in result["rows"]]
-        xs = [x for s in series for x, _ in s] or [0, 1]
-        ys = [y for s in series for _, y in s if y is not None] or [0, 1]
-        x0, x1 = min(xs), max(max(xs), min(xs) + 1)
-        y0, y1 = min(ys), max(max(ys), min(ys) + 1e-3)
-        y0, y1 = y0 - 0.05 * (y1 - y0), y1 + 0.05 * (y1 - y0)
-        ox = p * W
-
-        def X(x):
-            return ox + pad + (x - x0) / (x1 - x0) * (W - 1.5 * pad)
-
-        def Y(y):
-            return H - pad + (y - y0) / (y1 - y0) * -(H - 1.6 * pad)
-        parts.append(f'<text x="{ox + W / 2}" y="18" text-anchor="middle">{title}</text>')
-        parts.append(f'<line x1="{X(x0)}" y1="{Y(y0)}" x2="{X(x1)}" y2="{Y(y0)}" '
-                     'stroke="black"/>'
-                     f'<line x1="{X(x0)}" y1="{Y(y0)}" x2="{X(x0)}" y2="{Y(y1)}" stroke="black"/>')
-        for t in range(5):
-            yv, xv = y0 + t * (y1 - y0) / 4, x0 + t * (x1 - x0) / 4
-            parts.append(f'<text x="{X(x0) - 4}" y="{Y(yv) + 4}" text-anchor="end">{yv:.2f}'
-                         f'</text><text x="{X(xv)}" y="{Y(y0) + 16}" text-anchor="middle">'
-                         f'{xv:.0f}</text>')
-        parts.append(f'<text x="{ox + W / 2}" y="{H - 8}" text-anchor="middle">step</text>')
-        for c, s in enumerate(series):
-            pts = " ".join(f"{X(x):.1f},{Y(y):.1f}" for x, y in s if y is not None)
-            parts.append(f'<polyline points="{pts}" fill="none" stroke="{colors[c % 10]}" '
-                         'stroke-width="1.6"/>')
-    for c, r in enumerate(result["rows"]):
-        x, y = 20 + (c % 2) * W, H + 24 * (c // 2) + 10
-        parts.append(f'<line x1="{x}" y1="{y}" x2="{x + 24}" y2="{y}" stroke="{colors[c % 10]}"'
-                     f' stroke-width="3"/><text x="{x + 30}" y="{y + 4}">{r["reward"]}</text>')
-    return "\n".join(parts) + "\n</svg>\n"
 
 
 def main(argv=None):

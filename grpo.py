@@ -823,6 +823,7 @@ def train(args) -> dict:
     summary = runs.summarize(run.out, time.perf_counter() - started, args, ctx.probe_report)
     if world.main:
         common.write_json(run.out / "summary.json", summary)
+        common.write_atomic(run.out / "curves.svg", runs.run_curves(run.out, args.reward))
         log(runs.summary_text(summary), flush=True)
     if world.size > 1:
         dist.barrier()

@@ -646,6 +646,79 @@ def progress_line(rec: dict, steps: int, elapsed: list[float], evals_left: float
             f"{rec['t_reward']:.2f} update {rec['t_update']:.1f})  ETA {eta}")
 
 
+def nice_ticks(lo: float, hi: float, most: int = 6, integer: bool = False) -> list[float]:
+    """Evenly spaced round values (1, 2 or 5 times a power of ten) covering [lo, hi], at most
+    `most` of them, never a value twice (integer: whole numbers only, for steps)."""
+    span = max(hi - lo, 1e-12)
+    for base in (10 ** k for k in range(math.floor(math.log10(span / most)) - 1, 12)):
+        for m in (1, 2, 5):
+            step = m * base
+            if integer and step < 1:
+                continue
+            first = math.ceil(lo / step - 1e-9) * step
+            ticks = [first + i * step for i in range(int((hi - first) / step + 1e-9) + 1)]
+            if 2 <= len(ticks) <= most or (len(ticks) <= most and integer):
+                return ticks
+    return [lo, hi]
+
+
+def curves_svg(result: dict) -> str:
+    """Two panels, one line per reward: held-out test success vs step, mean reward vs step; the
+    legend below them, four entries a row."""
+    W, H, pad = 460, 300, 52
+    colors = ["#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e", "#8c564b", "#e377c2",
+              "#7f7f7f", "#bcbd22", "#17becf"]
+    rows = result["rows"]
+    parts = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{2 * W}" '
+             f'height="{H + 22 * ((len(rows) + 3) // 4) + 16}" font-family="sans-serif"'
+             ' font-size="12"><rect width="100%" height="100%" fill="white"/>']
+    for p, (key, title) in enumerate((("curve_success", "held-out success (test, greedy)"),
+                                      ("curve_reward", "mean turn reward (training rollouts)"))):
+        series = [r[key] for r in rows]
+        xs = [x for s in series for x, _ in s] or [0, 1]
+        ys = [y for s in series for _, y in s if y is not None] or [0, 1]
+        x0, x1 = min(xs), max(max(xs), min(xs) + 1)
+        yt = nice_ticks(min(ys), max(max(ys), min(ys) + 1e-3))
+        y0, y1 = min(yt[0], min(ys)), max(yt[-1], max(ys))
+        ox = p * W
+
+        def X(x):
+            return ox + pad + (x - x0) / (x1 - x0) * (W - 1.5 * pad)
+
+        def Y(y):
+            return H - pad + (y - y0) / (y1 - y0) * -(H - 1.6 * pad)
+        parts.append(f'<text x="{ox + W / 2}" y="18" text-anchor="middle">{title}</text>')
+        parts.append(f'<line x1="{X(x0)}" y1="{Y(y0)}" x2="{X(x1)}" y2="{Y(y0)}" '
+                     'stroke="black"/>'
+                     f'<line x1="{X(x0)}" y1="{Y(y0)}" x2="{X(x0)}" y2="{Y(y1)}" stroke="black"/>')
+        for yv in yt:
+            parts.append(f'<text x="{X(x0) - 4}" y="{Y(yv) + 4}" text-anchor="end">{yv:g}</text>')
+        for xv in nice_ticks(x0, x1, integer=True):
+            parts.append(f'<text x="{X(xv)}" y="{Y(y0) + 16}" text-anchor="middle">{xv:g}</text>')
+        parts.append(f'<text x="{ox + W / 2}" y="{H - 8}" text-anchor="middle">step</text>')
+        for c, s in enumerate(series):
+            pts = " ".join(f"{X(x):.1f},{Y(y):.1f}" for x, y in s if y is not None)
+            parts.append(f'<polyline points="{pts}" fill="none" stroke="{colors[c % 10]}" '
+                         'stroke-width="1.6"/>')
+    for c, r in enumerate(rows):
+        x, y = 16 + (c % 4) * (W // 2), H + 22 * (c // 4) + 8
+        label = r["reward"] if len(r["reward"]) <= 26 else r["reward"][:25] + "…"
+        parts.append(f'<line x1="{x}" y1="{y}" x2="{x + 20}" y2="{y}" stroke="{colors[c % 10]}"'
+                     f' stroke-width="3"/><text x="{x + 26}" y="{y + 4}">{label}</text>')
+    return "\n".join(parts) + "\n</svg>\n"
+
+
+def run_curves(out: Path, reward: str) -> str:
+    """curves.svg of one run: its held-out test success at every evaluation and its mean
+    reward at every step (compare.py draws every run of a comparison the same way)."""
+    evals = common.read_jsonl(out / "eval.jsonl")
+    steps = common.read_jsonl(out / "metrics.jsonl")
+    return curves_svg({"rows": [{
+        "reward": reward,
+        "curve_success": [(e["step"], e["test"]["success"]) for e in evals],
+        "curve_reward": [(m["step"], m["reward_mean"]) for m in steps]}]})
+
+
 def summarize(out: Path, seconds: float, args, probe_report: dict | None = None) -> dict:
     """base / selected / final held-out success on test. `selected` is the checkpoint with the
     best validation success (ties: the earliest); `best_on_test` picks on the test split itself,
@@ -693,7 +766,7 @@ def summary_text(s: dict) -> str:
                      f"({p['corpus']} corpus); contaminated-corpus PAIR: "
                      f"{common.num(p['contaminated_corpus_pair'])}")
     lines.append(f"run: {s['out']}  (metrics.jsonl per step, eval.jsonl per checkpoint, "
-                 "summary.json)")
+                 "summary.json, curves.svg)")
     if s["selected_adapter"]:
         lines.append(f"selected adapter (PEFT layout): {s['selected_adapter']}")
     return "\n".join(lines)

@@ -1642,3 +1642,16 @@ def test_a_damaged_probe_cache_fails_before_any_rollout(tiny_policy, tmp_path, m
     report.write_text("{}")
     with pytest.raises(SystemExit, match="probes.json: a damaged probe cache"):
         run(flags(tiny_policy, tmp_path / "c", "pair", steps=1))
+
+
+def test_a_run_draws_its_curves_with_distinct_round_ticks(tiny_policy, tmp_path):
+    out = tmp_path / "r"
+    run(flags(tiny_policy, out, steps=4, save_every=2, eval_episodes=3))
+    svg = (out / "curves.svg").read_text()
+    assert svg.count("<polyline") == 2 and "</svg>" in svg
+    for ticks in ([0.04, 0.3], [0.11, 0.18], [1, 4]):
+        values = runs.nice_ticks(*ticks, integer=ticks == [1, 4])
+        assert len(set(values)) == len(values) and values == sorted(values)
+        steps = {round(b - a, 12) for a, b in zip(values, values[1:])}
+        assert len(steps) == 1                           # evenly spaced
+    assert runs.nice_ticks(1, 4, integer=True) == [1, 2, 3, 4]  # not "1, 2, 2, 3, 4"
