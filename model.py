@@ -601,29 +601,17 @@ class Tokenizer:
     def decode(self, ids, skip_special_tokens=False) -> str:
         return self.tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
-    def _chat(self, messages, add_generation_prompt):
-        """ChatML text and the character range of every assistant message's content."""
+    @staticmethod
+    def _check(messages):
         for i, m in enumerate(messages):
             if not isinstance(m, dict) or m.get("role") not in ("system", "user", "assistant"):
                 raise ValueError(f"message {i}: role must be system, user or assistant")
             if not isinstance(m.get("content"), str):
                 raise ValueError(f"message {i}: content must be a string")
-        parts, ranges, n = [], [], 0
-        if not messages or messages[0]["role"] != "system":
-            parts.append(f"<|im_start|>system\n{DEFAULT_SYSTEM}<|im_end|>\n")
-            n += len(parts[-1])
-        for m in messages:
-            head = f"<|im_start|>{m['role']}\n"
-            if m["role"] == "assistant":
-                ranges.append((n + len(head), n + len(head) + len(m["content"])))
-            parts.append(f"{head}{m['content']}<|im_end|>\n")
-            n += len(parts[-1])
-        if add_generation_prompt:
-            parts.append("<|im_start|>assistant\n")
-        return "".join(parts), ranges
 
     def chat_text(self, messages, add_generation_prompt=False) -> str:
-        return self._chat(messages, add_generation_prompt)[0]
+        self._check(messages)
+        return chat_text(messages, add_generation_prompt)
 
     def render(self, messages, add_generation_prompt=False) -> tuple[list[int], list[tuple]]:
         """Token ids of the chat and, per assistant message, its span [start, end) (METHOD.md §3):
@@ -632,7 +620,7 @@ class Tokenizer:
         The template's special tokens are inserted as ids and the text between them is encoded as
         text, piece by piece: the ids a tokenizer gives the whole ChatML string (special tokens
         split it into these same pieces), except that a message cannot open or close a turn."""
-        self._chat(messages, add_generation_prompt)             # checks every message
+        self._check(messages)
         if not messages or messages[0]["role"] != "system":
             messages = [{"role": "system", "content": DEFAULT_SYSTEM}, *messages]
         ids, spans = [], []
@@ -647,6 +635,16 @@ class Tokenizer:
         if add_generation_prompt:
             ids += [self.im_start_id] + self.encode("assistant\n")
         return ids, spans
+
+
+def chat_text(messages, add_generation_prompt=False) -> str:
+    """The ChatML text of a chat, as the chat template writes it (the text a tokenizer is trained
+    on; Tokenizer.render gives the ids, with the template's special tokens as ids)."""
+    system = [] if messages and messages[0]["role"] == "system" else \
+        [f"<|im_start|>system\n{DEFAULT_SYSTEM}<|im_end|>\n"]
+    return "".join(system + [f"<|im_start|>{m['role']}\n{m['content']}<|im_end|>\n"
+                             for m in messages]) + \
+        ("<|im_start|>assistant\n" if add_generation_prompt else "")
 
 
 _LONE_SURROGATE = re.compile("[\ud800-\udfff]")

@@ -897,7 +897,7 @@ def sft(args) -> dict:
         policy.requires_grad_(True)             # load_model freezes a base for LoRA
         config = json.loads((Path(args.init) / "config.json").read_text())
     else:
-        tok = model.Tokenizer(train_tokenizer([_chat(m) for m in dialogs], args.vocab))
+        tok = model.Tokenizer(train_tokenizer([model.chat_text(m) for m in dialogs], args.vocab))
     examples = []
     for messages in dialogs:
         ids, spans = tok.render(messages)
@@ -1022,13 +1022,6 @@ class InductionTask:
         mask = torch.zeros_like(ids, dtype=torch.bool)
         mask[:, k + 1:] = True          # the repeat's first token cannot be known: no loss there
         return ids, mask
-
-
-def _chat(messages) -> str:
-    # the ChatML text the tokenizer is trained on (Tokenizer.chat_text needs a tokenizer)
-    text = f"<|im_start|>system\n{model.DEFAULT_SYSTEM}<|im_end|>\n"
-    return text + "".join(f"<|im_start|>{m['role']}\n{m['content']}<|im_end|>\n"
-                          for m in messages)
 
 
 def save_policy(out: Path, policy, tok, config: dict):

@@ -44,7 +44,7 @@ def tiny_policy(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("policy")
     torch.manual_seed(0)
     dialogs = shop.sft_dialogs(10, 0.3, seed=1)
-    tok = mdl.Tokenizer(shop.train_tokenizer([shop._chat(m) for m in dialogs], 300))
+    tok = mdl.Tokenizer(shop.train_tokenizer([mdl.chat_text(m) for m in dialogs], 300))
     shape = argparse.Namespace(hidden=32, intermediate=64, layers=2, heads=4, kv_heads=2)
     config = shop.sft_config(shape, tok)
     policy = mdl.Transformer(weights.Config.from_dict(config))
