@@ -158,6 +158,12 @@ def release(directory) -> None:
             held[0].close()                         # closing the file drops the lock
 
 
+def holds(directory) -> bool:
+    """Whether this process holds the claim on `directory`."""
+    held = _claims.get(str(Path(directory).resolve()))
+    return held is not None and _is_file_at(held[0], Path(directory) / LOCK_FILE)
+
+
 @contextlib.contextmanager
 def exclusive_dir(directory):
     """`with exclusive_dir(out):` claim() for the duration of the block."""

@@ -236,43 +236,54 @@ def bootstrap_mean(rows: list[list[float]], base: list[list[float]] | None = Non
 def compare_table(out: Path, specs: list[str], seeds: list[int]) -> dict:
     rows, scores = [], {}
     for spec in specs:
-        runs = []
+        played = []
         for seed in seeds:
             run = out / "runs" / run_name(spec, seed)
             evals = {e["step"]: e for e in common.read_jsonl(run / "eval.jsonl")}
-            runs.append((json.loads((run / "summary.json").read_text()),
-                         common.read_jsonl(run / "metrics.jsonl"), evals))
+            played.append((json.loads((run / "summary.json").read_text()),
+                           common.read_jsonl(run / "metrics.jsonl"), evals))
         row = {"reward": spec, "seeds": seeds, "runs": [str(out / "runs" / run_name(spec, s))
                                                          for s in seeds]}
         for key in ("base", "selected", "final", "best_on_test"):
-            vals = [s[key]["success"] for s, _, _ in runs]
+            vals = [s[key]["success"] for s, _, _ in played]
             row[key] = {"mean": float(np.mean(vals)), "std": float(np.std(vals)),
                         "per_seed": vals}
         for key in ("selected", "final"):
-            per_episode = [ev[s[key]["step"]]["test"]["scores"] for s, _, ev in runs]
+            per_episode = [ev[s[key]["step"]]["test"]["scores"] for s, _, ev in played]
             scores[spec, key] = per_episode
             row[key]["ci95"] = bootstrap_mean(per_episode)
-        first = [m.get("probe_auroc") for _, ms, _ in runs for m in ms[:5]]
-        last = [m.get("probe_auroc") for _, ms, _ in runs for m in ms[-5:]]
+        first = [m.get("probe_auroc") for _, ms, _ in played for m in ms[:5]]
+        last = [m.get("probe_auroc") for _, ms, _ in played for m in ms[-5:]]
         row["probe_auroc"] = {"first5": _mean([x for x in first if x is not None]),
                               "last5": _mean([x for x in last if x is not None])}
         row["heldout_auroc"] = _mean([s.get("probe_auroc_heldout", {}).get("pair")
-                                      for s, _, _ in runs])
-        all_m = [m for _, ms, _ in runs for m in ms]
+                                      for s, _, _ in played])
+        all_m = [m for _, ms, _ in played for m in ms]
         row["frac_zero_std"] = _mean([m["frac_zero_std"] for m in all_m])
-        row["kl_final"] = _mean([ms[-1]["kl"] for _, ms, _ in runs])
+        row["kl_final"] = _mean([ms[-1]["kl"] for _, ms, _ in played])
         for key in grpo.TIMING:
             row[key] = _mean([m.get(key, 0.0) for m in all_m])
-        row["minutes"] = _mean([s["seconds"] / 60 for s, _, _ in runs])
+        row["minutes"] = _mean([s["seconds"] / 60 for s, _, _ in played])
         # the learning curves: test success at every evaluation, mean reward at every step
-        steps = sorted(set.intersection(*(set(ev) for _, _, ev in runs)))
-        row["curve_success"] = [(k, _mean([ev[k]["test"]["success"] for _, _, ev in runs]))
+        steps = sorted(set.intersection(*(set(ev) for _, _, ev in played)))
+        row["curve_success"] = [(k, _mean([ev[k]["test"]["success"] for _, _, ev in played]))
                                 for k in steps]
-        n_steps = min(len(ms) for _, ms, _ in runs)
-        row["curve_reward"] = [(k + 1, _mean([ms[k]["reward_mean"] for _, ms, _ in runs]))
+        clocks = [runs.training_seconds(ms) for _, ms, _ in played]
+        row["curve_seconds"] = [(_mean([c.get(k) for c in clocks]), y)
+                                for k, y in row["curve_success"]]
+        n_steps = min(len(ms) for _, ms, _ in played)
+        row["curve_reward"] = [(k + 1, _mean([ms[k]["reward_mean"] for _, ms, _ in played]))
                                for k in range(n_steps)]
         rows.append(row)
     ref = specs[0]
+    # how soon each reward reaches what the first one ends with: the first evaluation whose
+    # mean held-out success (over seeds) is at least the first reward's final mean
+    target = rows[0]["final"]["mean"]
+    for row in rows:
+        reached = [(k, x) for (k, y), (x, _) in zip(row["curve_success"], row["curve_seconds"])
+                   if k > 0 and y is not None and y >= target]
+        row["to_target"] = {"success": target, "step": reached[0][0] if reached else None,
+                            "seconds": reached[0][1] if reached else None}
     for row in rows:          # paired against the first reward (outcome by default): same seeds
         for key in ("selected", "final"):
             d = np.mean(scores[row["reward"], key]) - np.mean(scores[ref, key])
@@ -300,6 +311,10 @@ def compare_markdown(result: dict, command: str) -> str:
         lo, hi = r[key]["delta_ci95"]
         return f"{100 * r[key]['delta_vs_first']:+.1f} [{100 * lo:+.1f}, {100 * hi:+.1f}]"
 
+    def reach(r):
+        t = r.get("to_target") or {}
+        return "—" if t.get("step") is None else f"{t['step']} / {t['seconds']:.0f} s"
+
     ref = result["reference"]
     lines = [
         f"Held-out success in % (greedy, test split), mean ± std over seeds "
@@ -308,17 +323,20 @@ def compare_markdown(result: dict, command: str) -> str:
         f"validation success, reported on test; *best on test*: the paper's protocol (chosen on "
         f"test itself). Δ: paired against `{ref}` (same seeds, same episodes).", "",
         f"`{command}`", "",
-        "| reward | base | selected | Δ selected | final | Δ final | best on test "
+        f"*reaches*: the first evaluation (step, and seconds of training: rollouts, reward, "
+        f"update) whose mean test success is at least `{ref}`'s final "
+        f"({pct(result['rows'][0]['final']['mean'])}); — when none is.", "",
+        "| reward | base | selected | Δ selected | final | Δ final | best on test | reaches "
         "| PAIR AUROC held-out own turns | probe AUROC first → last 5 steps | zero-std "
         "| KL final | s/step rollout / reward / update | min/run |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in result["rows"]:
         pa = r["probe_auroc"]
         lines.append(
             f"| {r['reward']} | {pct(r['base']['mean'])} | {cell(r, 'selected')} | "
             f"{delta(r, 'selected') if r['reward'] != ref else '—'} | {cell(r, 'final')} | "
             f"{delta(r, 'final') if r['reward'] != ref else '—'} | "
-            f"{pct(r['best_on_test']['mean'])} | {common.num(r['heldout_auroc'])} | "
+            f"{pct(r['best_on_test']['mean'])} | {reach(r)} | {common.num(r['heldout_auroc'])} | "
             + (f"{common.num(pa['first5'])} → {common.num(pa['last5'])}"
                if pa["first5"] is not None else "—")
             + f" | {r['frac_zero_std']:.2f} | {r['kl_final']:.3f} | {r['t_rollout']:.1f} / "

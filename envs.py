@@ -309,6 +309,7 @@ class Episode:
 
     Subclasses implement call_tool (the observation text for a parsed tool call) and score.
     """
+    max_turns = MAX_TURNS               # a world with longer tasks allows more
 
     def __init__(self, id: str, task: str, tools: list[dict], files: list[dict] | tuple = ()):
         self.id = str(id)
@@ -330,7 +331,7 @@ class Episode:
             self.final_answer = parsed.answer
             self.done = True
             return StepResult(None, True)
-        if len(self.steps) >= MAX_TURNS:     # out of turns without an answer: scores 0
+        if len(self.steps) >= self.max_turns:   # out of turns without an answer: scores 0
             self.done = True
             return StepResult(None, True)
         if isinstance(parsed, Action):

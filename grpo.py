@@ -180,7 +180,7 @@ def reward_context(args, policy, tok, env, world, log) -> RewardContext:
     if args.reward == "pair" or args.reward in PROBE_REWARDS:
         if args.probes:
             where = seed_dir(Path(args.probes), log)
-        elif args.env != "shop":
+        elif args.env not in shop.WORLDS:
             raise SystemExit(f"--reward {args.reward} on {args.env} needs --probes DIR (train "
                              "them with `python pair.py extract` and `python pair.py train`)")
         else:                           # the built-in world: fitted once for this policy
@@ -589,6 +589,8 @@ def train_step(step: int, run: Training) -> dict:
     stats = update(policy, run.optimizer, make_batch(trajs, advs, run.tok.pad_id), args, world)
     policy.eval()
     t["t_update"] = time.perf_counter() - t0
+    if args.probe_retrain_every:        # the next refit's turns, kept until no resume needs them
+        onpolicy.save_step_turns(run.out, step + 1, world.rank, trajs)
     memory = {"mem_kv_mb": kv_bytes / 2**20}
     if on_cuda:
         memory["mem_cuda_peak_mb"] = torch.cuda.max_memory_allocated(
@@ -597,6 +599,34 @@ def train_step(step: int, run: Training) -> dict:
                         [p for g in kept for p in g.p_correct], (zero, tried), stats,
                         [t[k] for k in TIMING], args, world,
                         [run.ctx.cost[k] for k in COSTS], memory)
+
+
+def refit_head(run: Training, step: int) -> dict:
+    """--probe-retrain-every N, after step `step`: the head the reward reads fitted again on the
+    policy's own turns of the last N steps (onpolicy.refit), saved in the run directory; what
+    it did, for metrics.jsonl. Every process fits the same head from the same files."""
+    args, ctx, world = run.args, run.ctx, run.world
+    t0, every = time.perf_counter(), args.probe_retrain_every
+    runs.barrier(world)                 # every process's turns of this step are written
+    window = onpolicy.load_window(run.out, range(step - every + 1, step + 1))
+    head = ctx.pair if ctx.pair is not None else ctx.probe
+    new, rep = onpolicy.refit(head, window, onpolicy.PROBE_SEED + step)
+    what = "PAIR's stage 2" if ctx.pair is not None else f"the {args.reward} probe"
+    if new is None:
+        run.log(f"refit: {what} kept, the {rep['turns']} own turns of steps {step - every + 1}-"
+                f"{step} are all {'right' if rep['correct'] else 'wrong'}", flush=True)
+    else:
+        if world.main:
+            onpolicy.save_head(new, onpolicy.head_dir(run.out, step))
+        if ctx.pair is not None:
+            ctx.pair = new
+        else:
+            ctx.probe = new
+        run.log(f"refit: {what} fitted again on the {rep['turns']} own turns of steps "
+                f"{step - every + 1}-{step} ({rep['correct']} right), AUROC on them "
+                f"{rep['auroc_before']:.3f} -> {rep['auroc_after']:.3f}", flush=True)
+    runs.barrier(world)
+    return {**{f"refit_{k}": v for k, v in rep.items()}, "t_refit": time.perf_counter() - t0}
 
 
 def read_from_base(policy, trajs: list[Trajectory], rows_per_forward: int,
@@ -671,7 +701,7 @@ def step_metrics(step, trajs, rewards, p_correct, played, stats, times, args, wo
 
 def ctx_has_probe(args) -> bool:
     # probe rewards and PAIR score every turn; only shop knows the exact labels to check them on
-    return args.env == "shop" and (args.reward == "pair" or args.reward in PROBE_REWARDS)
+    return args.env in shop.WORLDS and (args.reward == "pair" or args.reward in PROBE_REWARDS)
 
 
 CHANCE_WINDOW = 5       # steps the drift monitor's alarm averages over
@@ -703,10 +733,11 @@ def setup(args) -> Training:
     seed_all(args.seed)
     devices = args.devices.split(",") if args.devices else (
         [world.device] if world.device != "cpu" else None)
-    builtin = shop.BUILTIN_POLICY
+    builtin = shop.BUILTIN_POLICIES.get(args.env, shop.BUILTIN_POLICY)
     if Path(args.model).resolve() == builtin.resolve() and not builtin.is_dir():
-        sys.exit(f"--model: the built-in policy {builtin} is missing; build it with "
-                 f"`python shop.py sft --out {builtin}`")
+        how = f"`python shop.py sft --out {builtin}`" if args.env == "shop" else \
+            "the commands under \"The long-horizon world\" in README.md"
+        sys.exit(f"--model: the built-in policy {builtin} is missing; build it with {how}")
     policy, tok = model.load_model(args.model, dtype=model.DTYPES[args.dtype], devices=devices)
     # apply_lora freezes the base: only the adapter is trained (and all-reduced)
     model.apply_lora(policy, r=args.lora_r, alpha=args.lora_alpha, dropout=args.lora_dropout,
@@ -754,7 +785,17 @@ def resume(run: Training) -> int:
     if run.world.main and args.resume:
         common.truncate_jsonl(out / "metrics.jsonl", start)
         common.truncate_jsonl(out / "eval.jsonl", start)
+        onpolicy.forget_after(out, start)
     runs.barrier(run.world)
+    if args.probe_retrain_every and start:      # the head the run read at its checkpoint
+        head, k = onpolicy.latest_head(out, start)
+        if head is not None:
+            if run.ctx.pair is not None:
+                run.ctx.pair = head
+            else:
+                run.ctx.probe = head
+            run.log(f"reading the head refitted after step {k} "
+                    f"({onpolicy.head_dir(out, k)})", flush=True)
     return start
 
 
@@ -804,6 +845,8 @@ def train(args) -> dict:
         if args.reward == "tips" and step % args.tips_refresh == 0:
             ctx.lagged = model.lora_state(policy)     # the lagged teacher moves to the policy
         rec = train_step(step, run)
+        if args.probe_retrain_every and (step + 1) % args.probe_retrain_every == 0:
+            rec.update(refit_head(run, step + 1))
         elapsed.append(time.perf_counter() - t)
         if world.main:
             common.append_jsonl(run.out / "metrics.jsonl", rec)
@@ -819,6 +862,8 @@ def train(args) -> dict:
         if (step + 1) % args.save_every == 0 or step + 1 == args.steps:
             path = runs.save_checkpoint(run.out, step + 1, policy, optimizer, world, ctx.lagged)
             log(f"checkpoint {path}", flush=True)
+            if args.probe_retrain_every and world.main:
+                onpolicy.forget_turns(run.out, step + 1, args.probe_retrain_every)
             evaluate_and_log(run, step + 1, done, eval_seconds)
     summary = runs.summarize(run.out, time.perf_counter() - started, args, ctx.probe_report)
     if world.main:
@@ -838,10 +883,21 @@ def main(argv=None):
         # above it, and the hand-over is a new program, not an import
         os.execv(sys.executable, [sys.executable, str(ROOT / "compare.py"), *argv[1:]])
     args = runs.parse_args(argv, REWARDS)
+    if args.probe_retrain_every and args.reward not in READS_PROBE:
+        sys.exit(f"--probe-retrain-every: --reward {args.reward} reads no probe to refit (pair or "
+                 f"a probe reward: {', '.join(sorted(PROBE_REWARDS))})")
+    if args.probe_retrain_every and args.env not in shop.WORLDS:
+        sys.exit(f"--probe-retrain-every refits on the exact labels of the policy's own turns, "
+                 f"which only the built-in world has (its tool calls re-executed); {args.env}'s "
+                 "replayed tools label only the final answer")
     try:
         return train(args)
     except (weights.CheckpointError, envs.DataError, probes.FormatError, chat_api.LLMError) as e:
+        runs.forget_failed(args.out)
         sys.exit(f"error: {e}")         # bad input: one clear line naming the file
+    except SystemExit:                  # refused with one line: no run left behind either
+        runs.forget_failed(args.out)
+        raise
     except KeyboardInterrupt:
         again = [*argv] + ([] if "--out" in argv else ["--out", args.out]) + \
             ([] if "--resume" in argv or "--resume-if-present" in argv else ["--resume"])

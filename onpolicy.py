@@ -18,6 +18,9 @@ episodes, which neither the probes nor GRPO train on. PAIR is fitted like the pa
 balanced subsample, C = 0.01, stage 2 on in-sample s_bc), the baselines on the same records.
 
     probes_dir, report = shop_probes(args, policy, tok, world, log)   # in grpo.reward_context
+
+With --probe-retrain-every N the head the reward reads is fitted again during GRPO on the run's
+own turns of the last N steps (the last section: refit and the run-directory files it keeps).
 """
 from __future__ import annotations
 
@@ -99,7 +102,7 @@ def turn_records(trajs: list) -> pair.Split:
     raw.update(label=torch.tensor(labels), turn_idx=torch.tensor(turn_idx),
                distance=torch.tensor(distance), rollout=torch.tensor(sample),
                kind=torch.tensor(kind))
-    return pair.Split("own_turns", raw, raw["label"].long(), episode_id, {})
+    return pair.Split("own_turns", raw, raw["label"].long(), episode_id, {"kinds": list(kinds)})
 
 
 def kind_balanced_indices(y: torch.Tensor, kind: torch.Tensor, seed: int) -> torch.Tensor:
@@ -192,11 +195,13 @@ def fit_probes(train: pair.Split, info: dict) -> dict:
 
 def heldout_auroc(fitted: dict, heldout: pair.Split) -> dict:
     """AUROC of every fitted method on the held-out own turns: all, clean prefix, contaminated
-    prefix, and by distance to the nearest earlier wrong turn."""
+    prefix, by distance to the nearest earlier wrong turn, and by kind of turn (turn_kind)."""
     d = heldout.raw["distance"]
     groups = {"all": torch.ones_like(d, dtype=torch.bool), "clean_prefix": d < 0,
               "contaminated_prefix": d > 0,
-              **{f"d={k}": d == k for k in (1, 2)}, "d>=3": d >= 3}
+              **{f"d={k}": d == k for k in (1, 2)}, "d>=3": d >= 3,
+              **{f"kind={name}": heldout.raw["kind"] == code
+                 for code, name in enumerate(heldout.meta.get("kinds", ()))}}
     out = {}
     for name, m in fitted.items():
         p = pair.predict(m, heldout.raw)
@@ -215,7 +220,7 @@ def shop_probes(args, policy, tok, world, log) -> tuple[Path, dict]:
     grpo.py calls it with its args and its process world (runs.World)."""
     settings = {"corpus": args.probe_corpus, "own": own_turns_settings(args),
                 "contaminated_episodes": args.probe_episodes}
-    root = common.cache_root() / "grpo-probes" / f"shop-{policy_hash(args.model)}"
+    root = common.cache_root() / "grpo-probes" / f"{args.env}-{policy_hash(args.model)}"
     out = root / f"{args.probe_corpus}-{settings_hash(settings)}"
     done = out / "probes.json"
     fitted_by = "an earlier run" if done.is_file() else None
@@ -227,8 +232,9 @@ def shop_probes(args, policy, tok, world, log) -> tuple[Path, dict]:
         t0 = time.perf_counter()
         log(f"fitting the probes of this policy once, {args.probe_corpus} corpus (minutes: "
             f"later runs read them from the cache, {out}):", flush=True)
-        train_env = shop.ShopEnv("train")
-        heldout = sample_own_turns(policy, tok, shop.ShopEnv("val"), args.corpus_heldout,
+        train_env = shop.ShopEnv("train", world=args.env)
+        heldout = sample_own_turns(policy, tok, shop.ShopEnv("val", world=args.env),
+                                   args.corpus_heldout,
                                    args.corpus_samples, args, PROBE_SEED + 1, log)
         corpora = {}
         if args.probe_corpus in ("on-policy", "both"):
@@ -276,6 +282,11 @@ def shop_probes(args, policy, tok, world, log) -> tuple[Path, dict]:
         f"{common.num(h['pair']['all'])} (clean prefix {common.num(h['pair']['clean_prefix'])}, "
         f"after a wrong turn {common.num(h['pair']['contaminated_prefix'])}); the "
         f"contaminated-corpus PAIR on the same turns: {common.num(ref['all'])}", flush=True)
+    kinds = [g for g in h["n"] if g.startswith("kind=")]
+    if kinds:                   # caches fitted before the per-kind report have none
+        log("  by kind of turn: " + ", ".join(
+            f"{g[5:]} {common.num(h['pair'].get(g))} ({h['n'][g]} turns, {h['n_correct'][g]} "
+            "right)" for g in kinds), flush=True)
     mine = h.get(args.reward, h["pair"])["all"]         # the probe this run's reward reads
     if mine is not None and mine < 0.5:
         what = "PAIR" if args.reward == "pair" else f"the {args.reward} probe"
@@ -285,3 +296,113 @@ def shop_probes(args, policy, tok, world, log) -> tuple[Path, dict]:
     return out, report
 
 
+
+
+# ---------------------------------------------------------------------------------------------
+# Re-fitting during GRPO (--probe-retrain-every N; the paper's probe_retrain_every, which it
+# tried and disabled): every N steps, the head the reward reads is fitted again on the policy's
+# own turns of the last N steps, labelled exactly by the world. PAIR keeps its stage 1 (s_bc is
+# read by the frozen one) and refits stage 2; a probe reward refits its probe. The turns of every
+# step and every refitted head are files of the run directory, so a resumed run refits on the
+# same turns as an uninterrupted one and reads the same head.
+# ---------------------------------------------------------------------------------------------
+
+REFIT_DIR = "refit"
+
+
+def turns_path(out: Path, step: int, rank: int) -> Path:
+    return Path(out) / REFIT_DIR / f"turns-{step:06d}-r{rank}.safetensors"
+
+
+def head_dir(out: Path, step: int) -> Path:
+    return Path(out) / REFIT_DIR / f"head-{step:06d}"
+
+
+def save_step_turns(out: Path, step: int, rank: int, trajs: list) -> None:
+    """One process's labelled turns of step `step` (1-based: written after the step), with the
+    features the reward read. A turn's kind is stored by name: codes are per file."""
+    played = [t for t in trajs if t.steps]
+    if not played:
+        return
+    split = turn_records(played)
+    meta = {"pair_refit_turns": json.dumps({"kinds": split.meta["kinds"],
+                                            "episode_id": split.episode_id})}
+    path = turns_path(out, step, rank)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    probes.save_safetensors(split.raw, path, meta)
+
+
+def load_window(out: Path, steps: range) -> pair.Split:
+    """The turns of `steps`, every process's, kinds recoded by name across files."""
+    parts, codes = [], {}
+    for step in steps:
+        for path in sorted(Path(out, REFIT_DIR).glob(f"turns-{step:06d}-r*.safetensors")):
+            tensors, meta = probes.read_safetensors(path, "refit turns")
+            meta = json.loads(meta["pair_refit_turns"])
+            recode = torch.tensor([codes.setdefault(k, len(codes)) for k in meta["kinds"]])
+            tensors["kind"] = recode[tensors["kind"]]
+            parts.append(pair.Split(path.stem, tensors, tensors["label"].long(),
+                                    meta["episode_id"], {}))
+    return pair.concat_splits(parts) if parts else None
+
+
+def refit(head, window: pair.Split, seed: int):
+    """`head` (a pair.Pair or a probes.Probe) fitted again on `window`, balanced as the on-policy
+    corpus is (within each kind of turn, then the two classes), and what it did: turns, correct,
+    AUROC on the window before and after. None for the head when the window holds one class."""
+    y = window.y if window is not None else torch.zeros(0)
+    report = {"turns": len(y), "correct": int(y.sum())}
+    if not 0 < report["correct"] < len(y):
+        return None, report
+    train = window.take(kind_balanced_indices(y, window.raw["kind"], seed))
+    train = train.take(pair.balanced_indices(train.y, seed))
+    if isinstance(head, pair.Pair):     # stage 1 stays: stage 2 reads the frozen s_bc
+        new = pair.fit_pair(train.raw, train.y, stats=head.stats, info=head.info,
+                            stage1=head.stage1)
+    else:
+        name = head.info["feature"]
+        new = probes.Probe(info=head.info).fit(pair.feature(name, train.raw), train.y)
+    report["auroc_before"] = probes.auroc(y, pair.predict(head, window.raw))
+    report["auroc_after"] = probes.auroc(y, pair.predict(new, window.raw))
+    return new, report
+
+
+def save_head(head, where: Path) -> None:
+    if isinstance(head, pair.Pair):
+        head.save(where)                # pair.json last: a directory holding it is complete
+    else:
+        head.save(where / "probe.safetensors")
+
+
+def latest_head(out: Path, step: int):
+    """The newest refitted head of a run at or before `step` (pair.Pair or probes.Probe), and
+    its step; (None, 0) when none was fitted yet."""
+    found = sorted(p for p in Path(out, REFIT_DIR).glob("head-*")
+                   if p.name[5:].isdigit() and int(p.name[5:]) <= step)
+    for d in reversed(found):
+        if (d / "pair.json").is_file():
+            return pair.Pair.load(d), int(d.name[5:])
+        if (d / "probe.safetensors").is_file():
+            return probes.Probe.load(d / "probe.safetensors"), int(d.name[5:])
+    return None, 0
+
+
+def _step_of(path: Path) -> int | None:
+    k = path.name.split("-")[1].split(".")[0] if "-" in path.name else ""
+    return int(k) if k.isdigit() else None
+
+
+def forget_after(out: Path, step: int) -> None:
+    """A resumed run redoes what followed its checkpoint: drop the turns and heads after it."""
+    for p in Path(out, REFIT_DIR).glob("*-*"):
+        if (k := _step_of(p)) is not None and k > step:
+            shutil.rmtree(p) if p.is_dir() else p.unlink()
+
+
+def forget_turns(out: Path, step: int, every: int) -> None:
+    """At a checkpoint at `step`: the turns no resume can need any more, those before the
+    current window (a resume redoes the steps after the checkpoint, and refits on the window's
+    earlier steps from their files)."""
+    for p in Path(out, REFIT_DIR).glob("turns-*"):
+        if (k := _step_of(p)) is not None and k <= step - step % every:
+            p.unlink()

@@ -304,8 +304,13 @@ def extract(net, tokenizer, data_path, out_path, max_len=4096, shard_size=32,
     known = _reusable_rows(reuse, manifest)
     # One writer: a second run on the same output would delete this one's shards at its merge.
     with common.exclusive_dir(parts):
-        return _extract_parts(net, tokenizer, records, data_path, parts, out_path, manifest,
-                              max_len, shard_size, log, known)
+        try:
+            return _extract_parts(net, tokenizer, records, data_path, parts, out_path, manifest,
+                                  max_len, shard_size, log, known)
+        except BaseException:
+            if not any(parts.glob("shard_*.safetensors")):
+                shutil.rmtree(parts, ignore_errors=True)    # nothing done: nothing left behind
+            raise
 
 
 def _reusable_rows(paths, manifest) -> dict[bytes, dict]:

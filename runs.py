@@ -15,6 +15,7 @@ this file holds what makes a run of it safe to start, kill and resume:
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
@@ -62,12 +63,16 @@ PROBE_CORPORA = ("on-policy", "contaminated", "both")
 
 
 def is_builtin(args) -> bool:
-    return args.env == "shop" and Path(args.model).resolve() == shop.BUILTIN_POLICY.resolve()
+    """The built-in world's own policy (TINY preset)."""
+    return args.env in shop.WORLDS and \
+        Path(args.model).resolve() == shop.BUILTIN_POLICIES[args.env].resolve()
 
 
 def resolve_preset(args, world) -> None:
     """Fill the flags left unset: the tiny preset for the built-in policy, else the paper's."""
-    preset = dict(PAPER_HPARAMS, **TINY) if is_builtin(args) else PAPER_HPARAMS
+    preset = dict(PAPER_HPARAMS, **TINY) if is_builtin(args) else dict(PAPER_HPARAMS)
+    if args.env in shop.WORLDS:         # shop-long's episodes are longer than the paper's 10
+        preset["max_turns"] = shop.MAX_TURNS[args.env]
     given = {k for k in preset if getattr(args, k) is not None}
     for k, v in preset.items():
         if k not in given:
@@ -118,11 +123,14 @@ def train_parser(rewards) -> argparse.ArgumentParser:
                "Scale out with `torchrun --nproc_per_node N grpo.py ...` (prompts sharded, "
                "gradients all-reduced) or split one model with --devices cuda:0,cuda:1.")
     a = ap.add_argument
-    a("--env", default="shop", choices=("shop", "gta", "toolbench"), help="environment (envs.py)")
+    a("--env", default="shop", choices=(*shop.WORLDS, "gta", "toolbench"),
+      help="environment: a built-in world (shop.py; shop-long is the long-horizon one) or a "
+           "released dataset replayed (envs.py)")
     a("--data-dir", default=None, help="gta / toolbench: the released files' root (default: "
       "$PAIR_DATA, else ~/.cache/pair/data; `python envs.py download` fills it)")
-    a("--model", default=str(shop.BUILTIN_POLICY),
-      help="policy: a checkpoint directory or a Hugging Face model name")
+    a("--model", default=None,
+      help="policy: a checkpoint directory or a Hugging Face model name (default: the built-in "
+           "world's own policy, data/shop-policy or data/shop-long-policy)")
     a("--reward", default="pair", choices=tuple(rewards), help="per-turn reward source")
     a("--alpha", type=float, default=5.0,
       help="PAIR momentum scaling (METHOD.md §7); 0 = vanilla PAIR, r_t = s~_t")
@@ -146,6 +154,10 @@ def train_parser(rewards) -> argparse.ArgumentParser:
       help="where PAIR and the probes read a turn's statistics: policy = the generation pass "
            "(the paper); base = the same tokens teacher-forced through the frozen base model "
            "(one extra forward per step; a drifting policy cannot move what the probe reads)")
+    a("--probe-retrain-every", type=int, default=0,
+      help="shop: every N steps, fit the head the reward reads again (PAIR's stage 2, or the "
+           "probe) on the policy's own turns of the last N steps, labelled by the world "
+           "(0: never; the paper tried it and kept it off)")
     a("--corpus-episodes", type=int, default=100,
       help="on-policy corpus: training episodes sampled")
     a("--corpus-samples", type=int, default=4,
@@ -264,7 +276,8 @@ FLAG_RANGES = {
                                  "save_every", "eval_batch", "corpus_episodes", "corpus_samples",
                                  "corpus_heldout", "tips_refresh", "tree_m", "tree_n", "tree_l",
                                  "threads")},
-    **{k: _at_least(0) for k in ("eval_episodes", "val_episodes", "seed")},
+    **{k: _at_least(0) for k in ("eval_episodes", "val_episodes", "seed",
+                                 "probe_retrain_every")},
     "probe_episodes": _at_least(2),
     **{k: _positive() for k in ("temperature", "lr", "eps", "grad_clip", "lora_alpha")},
     **{k: _finite(0.0) for k in ("beta", "weight_decay", "at2po_penalty", "alpha")},
@@ -280,6 +293,8 @@ def parse_args(argv, rewards) -> argparse.Namespace:
     """grpo.py's command line, checked, with --out defaulting to a new runs/ directory."""
     ap = train_parser(rewards)
     args = ap.parse_args(argv)
+    if args.model is None:
+        args.model = str(shop.BUILTIN_POLICIES.get(args.env, shop.BUILTIN_POLICY))
     for name, (ok, what) in FLAG_RANGES.items():
         value = getattr(args, name)
         for v in value if isinstance(value, list) else [value]:
@@ -370,7 +385,8 @@ RESUME_KEYS = ("env", "model", "reward", "alpha", "outcome_weight", "probes", "s
                "lora_alpha", "lora_dropout", "lora_targets", "save_every", "tips_refresh",
                "tips_gamma", "probe_corpus", "probe_reads", "corpus_episodes", "corpus_samples",
                "corpus_heldout", "probe_episodes", "eval_episodes", "val_episodes", "tree_m",
-               "tree_n", "tree_l", "at2po_penalty", "at2po_clip", "advantage")
+               "tree_n", "tree_l", "at2po_penalty", "at2po_clip", "advantage",
+               "probe_retrain_every")
 
 
 def check_out(args) -> None:
@@ -418,6 +434,22 @@ def prepare_out(args, world) -> Path:
     if world.size > 1:
         dist.barrier()
     return out
+
+
+def forget_failed(out) -> None:
+    """A run that failed before its first step leaves no run behind: the args.json, lock and
+    directory this process made are removed (only while it holds OUT, and only when OUT holds
+    no metrics, evaluation or checkpoint)."""
+    out = Path(out)
+    if not common.holds(out) or any((out / n).exists() for n in ("metrics.jsonl", "eval.jsonl")) \
+            or latest_checkpoint(out) or any(out.glob("checkpoint-*")):
+        return
+    (out / "args.json").unlink(missing_ok=True)
+    shutil.rmtree(out / "refit", ignore_errors=True)
+    (out / common.LOCK_FILE).unlink(missing_ok=True)
+    common.release(out)
+    with contextlib.suppress(OSError):
+        out.rmdir()                     # only if nothing else is in it
 
 
 # ---------------------------------------------------------------------------------------------
@@ -547,8 +579,8 @@ def set_rng_state(tensors: dict, meta: dict):
 # one scorer.
 def make_env(args, split: str, evaluation: bool = False):
     """The `--env` environment of one split, scored for training or for evaluation."""
-    if args.env == "shop":
-        return shop.ShopEnv(split)
+    if args.env in shop.WORLDS:
+        return shop.ShopEnv(split, world=args.env)
     kw = {"match": "loose" if evaluation else "strict"} if args.env == "gta" else {}
     return envs.make(args.env, split=split, data_dir=args.data_dir, **kw)
 
@@ -585,7 +617,7 @@ def eval_splits(args, train_env, train_pool) -> tuple[dict, list[int]]:
     split; the replay environments set aside the last --val-episodes scorable training episodes.
     """
     test = make_env(args, "test", evaluation=True)
-    if args.env == "shop":
+    if args.env in shop.WORLDS:
         val = make_env(args, "val", evaluation=True)
         return {"val": (val, scorable(val)), "test": (test, scorable(test))}, train_pool
     k = min(args.val_episodes or max(1, len(train_pool) // 10), len(train_pool) // 2)
@@ -607,14 +639,14 @@ def base_eval_cache(policy, args, world) -> Path | None:
     every seed of a comparison), so it is done once. Shop only: its held-out pools are procedural
     and fixed (a replay pool depends on the data directory). The key holds everything the greedy
     rollouts depend on, threads and batch included (they change float summation order)."""
-    if args.env != "shop" or world.size > 1:
+    if args.env not in shop.WORLDS or world.size > 1:
         return None
     settings = {"val": args.val_episodes, "test": args.eval_episodes, "batch": args.eval_batch,
                 "max_turns": args.max_turns, "max_new_tokens": args.max_new_tokens,
                 "max_len": args.max_len, "dtype": args.dtype, "devices": args.devices,
                 "threads": torch.get_num_threads()}
     return (common.cache_root() / "grpo-base-eval" /
-            f"shop-{onpolicy.policy_hash(policy.checkpoint_dir)}-"
+            f"{args.env}-{onpolicy.policy_hash(policy.checkpoint_dir)}-"
             f"{onpolicy.settings_hash(settings)}.json")
 
 
@@ -662,18 +694,24 @@ def nice_ticks(lo: float, hi: float, most: int = 6, integer: bool = False) -> li
     return [lo, hi]
 
 
+CURVES = (("curve_success", "held-out success (test, greedy)", "step"),
+          ("curve_seconds", "held-out success against training time", "seconds of training"),
+          ("curve_reward", "mean turn reward (training rollouts)", "step"))
+
+
 def curves_svg(result: dict) -> str:
-    """Two panels, one line per reward: held-out test success vs step, mean reward vs step; the
+    """One panel per curve the rows hold (CURVES: held-out test success against the step and
+    against the seconds of training, mean reward against the step), one line per reward; the
     legend below them, four entries a row."""
     W, H, pad = 460, 300, 52
     colors = ["#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e", "#8c564b", "#e377c2",
               "#7f7f7f", "#bcbd22", "#17becf"]
     rows = result["rows"]
-    parts = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{2 * W}" '
+    panels = [c for c in CURVES if all(c[0] in r for r in rows)]
+    parts = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{len(panels) * W}" '
              f'height="{H + 22 * ((len(rows) + 3) // 4) + 16}" font-family="sans-serif"'
              ' font-size="12"><rect width="100%" height="100%" fill="white"/>']
-    for p, (key, title) in enumerate((("curve_success", "held-out success (test, greedy)"),
-                                      ("curve_reward", "mean turn reward (training rollouts)"))):
+    for p, (key, title, xlabel) in enumerate(panels):
         series = [r[key] for r in rows]
         xs = [x for s in series for x, _ in s] or [0, 1]
         ys = [y for s in series for _, y in s if y is not None] or [0, 1]
@@ -695,7 +733,7 @@ def curves_svg(result: dict) -> str:
             parts.append(f'<text x="{X(x0) - 4}" y="{Y(yv) + 4}" text-anchor="end">{yv:g}</text>')
         for xv in nice_ticks(x0, x1, integer=True):
             parts.append(f'<text x="{X(xv)}" y="{Y(y0) + 16}" text-anchor="middle">{xv:g}</text>')
-        parts.append(f'<text x="{ox + W / 2}" y="{H - 8}" text-anchor="middle">step</text>')
+        parts.append(f'<text x="{ox + W / 2}" y="{H - 8}" text-anchor="middle">{xlabel}</text>')
         for c, s in enumerate(series):
             pts = " ".join(f"{X(x):.1f},{Y(y):.1f}" for x, y in s if y is not None)
             parts.append(f'<polyline points="{pts}" fill="none" stroke="{colors[c % 10]}" '
@@ -713,10 +751,26 @@ def run_curves(out: Path, reward: str) -> str:
     reward at every step (compare.py draws every run of a comparison the same way)."""
     evals = common.read_jsonl(out / "eval.jsonl")
     steps = common.read_jsonl(out / "metrics.jsonl")
+    clock = training_seconds(steps)
     return curves_svg({"rows": [{
         "reward": reward,
         "curve_success": [(e["step"], e["test"]["success"]) for e in evals],
+        "curve_seconds": [(clock[e["step"]], e["test"]["success"]) for e in evals
+                          if e["step"] in clock],
         "curve_reward": [(m["step"], m["reward_mean"]) for m in steps]}]})
+
+
+STEP_SECONDS = ("t_rollout", "t_reward", "t_update", "t_refit")
+
+
+def training_seconds(metrics: list[dict]) -> dict[int, float]:
+    """step -> seconds of training up to the end of that step (rollouts, reward, update and any
+    probe refit; evaluations and checkpoints not counted), from metrics.jsonl; 0 -> 0."""
+    out, total = {0: 0.0}, 0.0
+    for m in metrics:
+        total += sum(m.get(k, 0.0) for k in STEP_SECONDS)
+        out[m["step"]] = total
+    return out
 
 
 def summarize(out: Path, seconds: float, args, probe_report: dict | None = None) -> dict:

@@ -126,6 +126,7 @@ class ShopTask:
     lines: tuple            # ((quantity, item, store), ...), distinct (store, item)
     currency: str
     text: str
+    stepwise: bool = False  # a shop-long task: the line-by-line solution (LONG_WORLD below)
 
     @cached_property
     def needed(self) -> tuple:
@@ -149,9 +150,13 @@ class ShopTask:
 
     @cached_property
     def quantities(self) -> list[Decimal]:
-        """Every value a useful Calculator call may produce (see the header comment)."""
+        """Every value a useful Calculator call may produce (see the header comment; a
+        shop-long task's are fewer, LONG_WORLD)."""
         rate = self.rates[self.currency]
         subtotals = [q * self.prices[s, i] for q, i, s in self.lines]
+        if self.stepwise:
+            return sorted(set(subtotals) | {sum(subtotals), self.total} |
+                          {x * rate for x in subtotals})
         sums = set()
         for mask in range(1, 2 ** len(subtotals)):
             sums.add(sum(x for k, x in enumerate(subtotals) if mask >> k & 1))
@@ -188,16 +193,17 @@ def shop_episode_seed(split: str, seed: int, i: int) -> int:
     return seed * SHOP_SEED_STRIDE + SHOP_SPLIT_OFFSET[split] + i
 
 
-def shop_episode_id(split: str, seed: int, i: int) -> str:
-    return f"shop-{seed}-{split}-{i}"
+def shop_episode_id(split: str, seed: int, i: int, world: str = "shop") -> str:
+    return f"{world}-{seed}-{split}-{i}"
 
 
 def shop_task_from_id(episode_id: str) -> ShopTask:
-    """Rebuild the world of a shop episode id, so any shop record can be re-labelled."""
-    m = re.fullmatch(r"shop-(\d+)-(train|val|test)-(\d+)", episode_id)
+    """Rebuild the world of a shop (or shop-long) episode id, so any record can be re-labelled."""
+    m = re.fullmatch(r"(shop|shop-long)-(\d+)-(train|val|test)-(\d+)", episode_id)
     if m is None:
-        raise ValueError(f"not a shop episode id: {episode_id!r} (expected shop-SEED-SPLIT-I)")
-    return shop_task(shop_episode_seed(m.group(2), int(m.group(1)), int(m.group(3))))
+        raise ValueError(f"not a shop episode id: {episode_id!r} (expected shop-SEED-SPLIT-I or "
+                         "shop-long-SEED-SPLIT-I)")
+    return WORLDS[m.group(1)](shop_episode_seed(m.group(3), int(m.group(2)), int(m.group(4))))
 
 
 # ---- the tools -----------------------------------------------------------------------------------
@@ -316,6 +322,8 @@ def _shop_thought_true(task: ShopTask, thought: str | None, known: dict,
     allowed = [Decimal(q) for q, _, _ in task.lines] + [task.value(f) for f in task.needed]
     allowed += list(known.values()) + task.quantities + [Decimal(task.answer)]
     rest = _SHOP_CLAIM.sub(" ", thought)
+    if task.stepwise:                   # shop-long numbers its lines "(1)": a name, not a value
+        rest = re.sub(r"\(\d+\)", " ", rest)
     return all(_close(float(x), allowed) or _close(float(x), computed)
                for x in re.findall(_NUM, rest))
 
@@ -508,6 +516,116 @@ def _shop_state(task: ShopTask, dialog: list[dict]) -> tuple[dict, list[float], 
                 computed.append(res.number)
             said = ((res.fact, res.value),) if res.fact is not None else ()
     return known, computed, said
+
+
+# ---- shop-long: the long-horizon world ----------------------------------------------------------
+#
+# The same stores, items, tools and labels, for tasks where credit assignment is the hard part. A
+# task buys 3-5 numbered lines, "(2) 1 apple at store A", and always asks for a currency other than
+# USD. The solution goes line by line, each turn restating its line by number (which a model as
+# small as the built-in one copies from the task with an induction head; unnumbered, it took the
+# first line's quantity for every line): a Lookup and the line's subtotal (Calculator q*p) per
+# line, then the sum of the subtotals, the rate, the conversion, the answer: 2 x lines + 4 = 10-14
+# assistant turns. A Calculator call is right when it produces a subtotal, the sum of all of them,
+# or either converted with the rate: no partial sums (shop accepts any), so a sum that leaves a
+# line out is wrong where it is made. A line's number in a thought is a name, not a value.
+#
+# The built-in policy of this world (data/shop-long-policy) is given three slips on purpose, each
+# a fluent, turn-local habit at a different turn, each drawn on its own, each alone enough to
+# fail the episode (its later turns carry the wrong number, consistently):
+#   store   - the first line is misread: its item at the wrong store (the next store the task
+#             does not need), looked up and costed;
+#   forget  - the sum of the subtotals leaves out the last line;
+#   divided - the conversion divides the dollar sum by the rate (as in shop_divided).
+LONG_LINES = (3, 5)
+LONG_SLIPS = ("store", "forget", "divided")
+
+
+def long_task(seed: int) -> ShopTask:
+    """The shop-long episode of one seed (one random.Random(seed), fixed draw order)."""
+    rng = random.Random(seed)
+    prices = {(s, i): _cents(rng.randint(*SHOP_PRICE_CENTS))
+              for s in SHOP_STORES for i in SHOP_ITEMS}
+    rates = {"USD": _cents(100)}
+    rates.update({c: _cents(rng.randint(*span)) for c, span in SHOP_RATE_CENTS.items()})
+    while True:     # drawn again (same stream) until every slip is visible: _long_distinct
+        n_lines = rng.randint(*LONG_LINES)
+        pairs = rng.sample([(s, i) for s in SHOP_STORES for i in SHOP_ITEMS], n_lines)
+        lines = tuple((rng.randint(1, SHOP_MAX_QUANTITY), i, s) for s, i in pairs)
+        currency = rng.choice(tuple(SHOP_RATE_CENTS))
+        parts = [f"({k + 1}) {q} {i} at store {s}" for k, (q, i, s) in enumerate(lines)]
+        text = rng.choice(SHOP_TEMPLATES).format(
+            lines=", ".join(parts[:-1]) + " and " + parts[-1], cur=currency)
+        task = ShopTask(seed, prices, rates, lines, currency, text, stepwise=True)
+        if _long_distinct(task):
+            return task
+
+
+def _long_distinct(task: ShopTask) -> bool:
+    """The gold's computed values lie more than a cent apart (a Calculator result equal to an
+    earlier one is a wasted call, so a tie would make a gold turn wrong), and the store slip
+    fetches another price than the right one."""
+    gold = [q * task.prices[s, i] for q, i, s in task.lines]
+    gold += [sum(gold), task.total]
+    if any(abs(a - b) <= _CENT for k, a in enumerate(gold) for b in gold[k + 1:]):
+        return False
+    _, item, store = task.lines[0]
+    other = _slip_store(task, store, item)
+    return other != store and abs(task.prices[other, item] - task.prices[store, item]) > _CENT
+
+
+WORLDS = {"shop": shop_task, "shop-long": long_task}
+# assistant turns an episode allows: shop's 2-5 turns fit the paper's 10, shop-long's 10-14 not
+MAX_TURNS = {"shop": envs.MAX_TURNS, "shop-long": 16}
+
+
+def _slip_store(task: ShopTask, store: str, item: str) -> str:
+    """The next store after `store` (cyclically) whose price of `item` the task does not need."""
+    k = SHOP_STORES.index(store)
+    for j in range(1, len(SHOP_STORES)):
+        other = SHOP_STORES[(k + j) % len(SHOP_STORES)]
+        if ("price", other, item) not in task.needed:
+            return other
+    return store
+
+
+def long_dialog(task: ShopTask, slips=()) -> list[dict]:
+    """The shop-long solution (released schema), with the named LONG_SLIPS made: the gold dialog
+    when there are none. Observations are the tools' real outputs, and every turn after a slip
+    goes on consistently with what it got, so the answer is wrong and the dialog fluent."""
+    dialog = [{"role": "user", "content": task.text}]
+
+    def turn(thought, call=None, answer=None) -> ShopResult:
+        if call is None:
+            dialog.append({"role": "assistant", "content": answer, "thought": thought})
+            return ShopResult("")
+        dialog.append({"role": "assistant", "thought": thought, "tool_calls": [
+            {"type": "function", "function": {"name": call[0], "arguments": call[1]}}]})
+        res = shop_execute(task, *call)
+        dialog.append(_tool_message(call[0], res.text))
+        return res
+
+    subtotals = []
+    for k, (q, item, store) in enumerate(task.lines):
+        if k == 0 and "store" in slips:             # the line misread
+            store = _slip_store(task, store, item)
+        line = f"({k + 1}) {q} {item} at store {store}"
+        price = turn(f"{line}. I need the price of {item} at store {store}.",
+                     ("Lookup", {"store": store, "item": item})).value
+        formula = f"{q}*{price}"
+        subtotals.append(turn(f"{line} costs {price}. The subtotal is {formula}.",
+                              ("Calculator", {"expression": formula})).text)
+    added = subtotals[:-1] if "forget" in slips else subtotals
+    usd = turn("I add the subtotals.", ("Calculator", {"expression": "+".join(added)})).text
+    cur = task.currency
+    rate = turn(f"I need the {cur} rate.", ("Rate", {"currency": cur})).value
+    formula = f"{usd}{'/' if 'divided' in slips else '*'}{rate}"
+    total = turn(f"1 USD = {rate} {cur}. The total is {formula}.",
+                 ("Calculator", {"expression": formula})).number
+    answer = task.answer if not slips else \
+        str(Decimal(repr(total)).quantize(_CENT, rounding=ROUND_HALF_UP))
+    turn(f"The total is {answer} {cur}.", answer=answer)
+    return dialog
 
 
 # ---- contamination (paper Appendix contam_types, contam_procedure), rule-based -------------------
@@ -764,6 +882,7 @@ class ShopEpisode(envs.Episode):
     def __init__(self, key: str, task: ShopTask):
         super().__init__(key, task.text, SHOP_TOOLS)
         self.task = task
+        self.max_turns = MAX_TURNS["shop-long" if task.stepwise else "shop"]
 
     def call_tool(self, name: str, arguments: dict) -> str:
         return shop_execute(self.task, name, arguments).text
@@ -781,9 +900,14 @@ class ShopEpisode(envs.Episode):
 
 
 class ShopEnv(envs.Env):
-    """Shop episodes of one split (train, val or test), from seeds disjoint from the others'."""
+    """Episodes of one split (train, val or test) of a built-in world (WORLDS: shop, or
+    shop-long), from seeds disjoint from the other splits'."""
 
-    def __init__(self, split: str = "test", seed: int = 42, episodes: int | None = None):
+    def __init__(self, split: str = "test", seed: int = 42, episodes: int | None = None,
+                 world: str = "shop"):
+        if world not in WORLDS:
+            raise ValueError(f"unknown built-in world {world!r} (choose from "
+                             f"{', '.join(WORLDS)})")
         if split not in SHOP_SPLIT_OFFSET:
             raise ValueError(f"shop: unknown split {split!r} (choose from train, val, test)")
         if type(seed) is not int or seed < 0:
@@ -792,8 +916,8 @@ class ShopEnv(envs.Env):
         if not 0 < n <= SHOP_SPLIT_SIZE[split]:
             raise ValueError(f"shop: {split} episodes must be in [1, "
                              f"{SHOP_SPLIT_SIZE[split]}], got {n}")
-        self.split, self.seed = split, seed
-        self.ids = [shop_episode_id(split, seed, i) for i in range(n)]
+        self.split, self.seed, self.world = split, seed, world
+        self.ids = [shop_episode_id(split, seed, i, world) for i in range(n)]
         self._index = {key: i for i, key in enumerate(self.ids)}
 
     def episode(self, i: int | str) -> ShopEpisode:
@@ -802,8 +926,8 @@ class ShopEnv(envs.Env):
                 raise KeyError(f"no episode {i!r} in shop {self.split} (seed {self.seed})")
             i = self._index[i]
         key = self.ids[i]
-        return ShopEpisode(key, shop_task(shop_episode_seed(self.split, self.seed,
-                                                            self._index[key])))
+        return ShopEpisode(key, WORLDS[self.world](shop_episode_seed(self.split, self.seed,
+                                                                     self._index[key])))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -819,8 +943,9 @@ class ShopEnv(envs.Env):
 # covers the assistant turns only (METHOD.md §3, <|im_end|> included). Same command, same bytes.
 
 SPECIALS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
-# where sft writes by default: the policy grpo.py trains by default
+# where sft writes by default: the policy grpo.py trains by default, and each world's own
 BUILTIN_POLICY = Path(__file__).resolve().parent / "data" / "shop-policy"
+BUILTIN_POLICIES = {"shop": BUILTIN_POLICY, "shop-long": BUILTIN_POLICY.parent / "shop-long-policy"}
 
 
 def train_tokenizer(texts: list[str], vocab_size: int):
@@ -859,6 +984,18 @@ def sft_dialogs(episodes: int, contaminated: float, seed: int,
     return out
 
 
+def long_sft_dialogs(episodes: int, slips: float, seed: int) -> list[list[dict]]:
+    """Chat messages of the first `episodes` shop-long training episodes, each of LONG_SLIPS made
+    in a dialog with probability `slips`, drawn on its own."""
+    rng = random.Random(f"sft-slips-{seed}")
+    out = []
+    for i in range(episodes):
+        task = long_task(shop_episode_seed("train", seed, i))
+        made = tuple(slip for slip in LONG_SLIPS if rng.random() < slips)
+        out.append(envs.dialog_to_messages(long_dialog(task, made), SHOP_TOOLS, []))
+    return out
+
+
 def sft_config(args, tok) -> dict:
     return {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2",
             "vocab_size": tok.tok.get_vocab_size(), "hidden_size": args.hidden,
@@ -890,7 +1027,8 @@ def sft(args) -> dict:
     torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
     t0 = time.perf_counter()
-    dialogs = sft_dialogs(args.episodes, args.contaminated, args.seed, args.divided)
+    dialogs = sft_dialogs(args.episodes, args.contaminated, args.seed, args.divided) \
+        if args.world == "shop" else long_sft_dialogs(args.episodes, args.slips, args.seed)
     earlier = policy_recipe(args.init) if args.init else []    # read before --out overwrites it
     if args.init:       # continue a saved policy: its weights, its tokenizer, its shape
         policy, tok = model.load_model(args.init)
@@ -914,8 +1052,9 @@ def sft(args) -> dict:
             elif name.endswith("bias"):
                 torch.nn.init.zeros_(p)
     n_params = sum(p.numel() for p in policy.parameters())
-    print(f"sft: {len(examples)} dialogs ({args.contaminated:.0%} contaminated, "
-          f"{args.divided:.0%} of the others dividing by the rate), vocab "
+    what = f"{args.contaminated:.0%} contaminated, {args.divided:.0%} of the others dividing " \
+        "by the rate" if args.world == "shop" else f"shop-long, each slip in {args.slips:.0%}"
+    print(f"sft: {len(examples)} dialogs ({what}), vocab "
           f"{config['vocab_size']}, {n_params / 1e6:.2f}M parameters"
           f"{', from ' + args.init if args.init else ''}; {args.induction_steps} "
           f"induction steps, then {args.steps} steps of {args.batch} dialogs", flush=True)
@@ -1035,9 +1174,9 @@ def save_policy(out: Path, policy, tok, config: dict):
 @torch.no_grad()
 def sft_eval(policy, tok, args) -> dict:
     """Held-out success: sampled at temperature 1 (what GRPO starts from) and greedy."""
-    env = ShopEnv("test")
+    env = ShopEnv("test", world=args.world)
     n = min(args.eval_episodes, len(env))
-    play = argparse.Namespace(max_turns=envs.MAX_TURNS, max_new_tokens=96, max_len=4096,
+    play = argparse.Namespace(max_turns=MAX_TURNS[args.world], max_new_tokens=96, max_len=4096,
                               temperature=1.0, top_p=1.0)
     result = {"eval_episodes": n}
     for name, greedy in (("success_sampled", False), ("success_greedy", True)):
@@ -1062,8 +1201,9 @@ def policy_recipe(directory) -> list[str]:
 def write_policy_readme(out: Path, args, config: dict, result: dict, earlier: list[str]):
     """README.md of a policy that sft wrote: how to rebuild it (the commands of the policy it was
     continued from first), its size, its training and its held-out success."""
-    command = (f"python shop.py sft --out {args.out} --episodes {args.episodes} "
-               f"--contaminated {args.contaminated} --divided {args.divided} "
+    data = f"--contaminated {args.contaminated} --divided {args.divided} " \
+        if args.world == "shop" else f"--world shop-long --slips {args.slips} "
+    command = (f"python shop.py sft --out {args.out} --episodes {args.episodes} {data}"
                + (f"--init {args.init} " if args.init else "") +
                f"--steps {args.steps} --batch {args.batch} "
                f"--lr {args.lr} --warmup {args.warmup} --induction-steps {args.induction_steps} "
@@ -1086,10 +1226,22 @@ def write_policy_readme(out: Path, args, config: dict, result: dict, earlier: li
                   "minutes. The policy's other errors are mostly a quantity recalled wrongly "
                   "from the task text on two- and three-line tasks: a missing skill that 20 "
                   "GRPO steps do not teach (README, Results on the built-in world).")
-    elif args.init:
+    elif args.init and args.world == "shop":
         about += "."
+    title = "# shop-policy: the built-in policy of `python grpo.py`"
+    if args.world == "shop-long":
+        title = ("# shop-long-policy: the built-in policy of `python grpo.py --env shop-long`")
+        about = (f"The policy of the long-horizon world (shop.py, shop-long: 3-5 lines, 10-14 "
+                 f"turns), continued (`--init`, the last command) from the policy of the "
+                 f"commands before it on the gold shop-long dialogs, where each of three slips "
+                 f"is made in {args.slips:.0%} of them, drawn on its own (shop.LONG_SLIPS): "
+                 "the first Lookup at the wrong store, the sum of the subtotals leaving out the "
+                 "last line, the conversion dividing by the rate. Each is a fluent, turn-local "
+                 "habit at its own turn, each alone fails the episode: a rollout that fails "
+                 "mostly holds one wrong decision among many right turns, the case a per-turn "
+                 "reward is for.")
     lines = [
-        "# shop-policy: the built-in policy of `python grpo.py`", "", about, "",
+        title, "", about, "",
         "Rebuilt, byte for byte, by:", "", "```bash", *earlier, command, "```", "",
         "| | |", "|---|---|",
         f"| parameters | {result['parameters']:,} (hidden {config['hidden_size']}, "
@@ -1101,7 +1253,7 @@ def write_policy_readme(out: Path, args, config: dict, result: dict, earlier: li
         f"{result['final_loss']} |"]
     if "success_sampled" in result:
         lines += [f"| held-out success, sampled (T = 1) | {result['success_sampled']:.3f} "
-                  f"(shop test episodes 0-{result['eval_episodes'] - 1}) |",
+                  f"({args.world} test episodes 0-{result['eval_episodes'] - 1}) |",
                   f"| held-out success, greedy | {result['success_greedy']:.3f} |"]
     common.write_atomic(out / "README.md", "\n".join(lines) + "\n")
 
@@ -1141,6 +1293,11 @@ def main(argv=None):
     a("--divided", type=float, default=0.0,
       help="fraction of the other non-USD dialogs replaced by one that converts the wrong way "
            "round, dividing by the rate (shop_divided): a habit for GRPO to unlearn")
+    a("--world", default="shop", choices=tuple(WORLDS),
+      help="the world whose dialogs are trained on (shop-long: continue a shop policy, --init)")
+    a("--slips", type=float, default=0.0,
+      help="shop-long: probability of each of the three slips (LONG_SLIPS) in a dialog, drawn "
+           "on its own")
     a("--init", default=None, metavar="DIR",
       help="continue from this saved policy (its weights, shape and tokenizer) instead of "
            "training from scratch; the shape and --vocab flags are then ignored")
@@ -1167,6 +1324,11 @@ def main(argv=None):
       help="held-out shop episodes to measure success on (0: skip)")
     args = ap.parse_args(argv)
     if args.command == "sft":
+        if args.world == "shop-long" and not args.init:
+            ap.error("--world shop-long continues a shop policy: pass --init DIR (the shipped "
+                     f"one: {BUILTIN_POLICY}), its tokenizer knows the words of both worlds")
+        if not 0 <= args.slips <= 1:
+            ap.error(f"--slips must be in [0, 1], got {args.slips}")
         return sft(args)
     try:
         counts = make_shop_data(args.out, args.episodes, args.seed)

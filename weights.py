@@ -384,8 +384,8 @@ def resolve(path_or_repo) -> Path:
 
 # A model name that is not a directory is fetched over HTTPS into $PAIR_CACHE/<org>--<name>/.
 # Only the files load_model reads are fetched: the Hub API's tree listing gives each file's size
-# (and, for LFS files, its sha256), so a transfer can be resumed with an HTTP Range request and
-# checked when it ends. A manifest written last marks the copy complete, so later loads need no
+# and its hash (an LFS file's sha256; a small file's git blob id, a sha1 of "blob <size>\0" and
+# the content), so a transfer can be resumed with an HTTP Range request and checked when it ends. A manifest written last marks the copy complete, so later loads need no
 # network at all.
 
 HUB_NAME = re.compile(r"[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*")    # <org>/<name>
@@ -465,9 +465,9 @@ def _fetch_files(folder: Path, repo_id, revision, endpoint) -> dict[str, int]:
         _check_hub_name(name, folder, repo_id)
         if name not in listing:
             raise HubError(f"{repo_id}@{revision} on {endpoint} has no file {name!r}")
-        size, sha256 = listing[name]
+        size, digest = listing[name]
         url = f"{endpoint}/{repo_id}/resolve/{quote(revision, safe='')}/{quote(name)}"
-        _download(session, url, folder / name, size, sha256, f"{repo_id}/{name}")
+        _download(session, url, folder / name, size, digest, f"{repo_id}/{name}")
         files[name] = size
 
     fetch("config.json")
@@ -514,9 +514,10 @@ def _check_hub_json(path: Path, shape: str, check=None) -> dict:
     return data
 
 
-def _hub_tree(session, endpoint, repo_id, revision) -> dict[str, tuple[int, str | None]]:
+def _hub_tree(session, endpoint, repo_id, revision) -> dict[str, tuple[int, tuple | None]]:
     # GET /api/models/{repo}/tree/{revision}: [{"type", "path", "size", "oid", "lfs"?}, ...],
-    # paginated through the Link header. For LFS files lfs.oid is the sha256 of the content.
+    # paginated through the Link header. For LFS files lfs.oid is the sha256 of the content;
+    # for the others oid is the git blob id of the content. -> {path: (size, (kind, hex))}
     url = f"{endpoint}/api/models/{repo_id}/tree/{quote(revision, safe='')}"
     listing = {}
     while url:
@@ -526,7 +527,9 @@ def _hub_tree(session, endpoint, repo_id, revision) -> dict[str, tuple[int, str 
             for entry in r.json():
                 if entry["type"] == "file":
                     lfs = entry.get("lfs") or {}
-                    listing[entry["path"]] = (int(lfs.get("size", entry["size"])), lfs.get("oid"))
+                    digest = ("sha256", lfs["oid"]) if lfs.get("oid") else \
+                        ("git blob id", entry["oid"]) if not lfs and entry.get("oid") else None
+                    listing[entry["path"]] = (int(lfs.get("size", entry["size"])), digest)
         except (ValueError, KeyError, TypeError) as e:
             raise HubError(f"{url}: unexpected answer from the Hub API ({e!r})") from e
         url = r.links.get("next", {}).get("url")
@@ -543,7 +546,7 @@ def _check_status(r, what):
         raise HubError(f"{r.url}: HTTP {r.status_code} {r.reason}")
 
 
-def _download(session, url, dest: Path, size: int, sha256: str | None, label: str):
+def _download(session, url, dest: Path, size: int, digest: tuple | None, label: str):
     if dest.is_file() and dest.stat().st_size == size:
         return                                  # finished by an earlier, interrupted fetch
     part = dest.with_name(dest.name + ".part")
@@ -580,15 +583,18 @@ def _download(session, url, dest: Path, size: int, sha256: str | None, label: st
         part.unlink(missing_ok=True)
         raise HubError(f"{url}: downloaded {got} bytes but the Hub lists {size}; removed {part}, "
                        "try again")
-    if sha256 is not None and _sha256(part) != sha256:
+    if digest is not None and _digest(part, digest[0], size) != str(digest[1]).lower():
         part.unlink()
-        raise HubError(f"{url}: sha256 differs from the Hub's ({sha256}); removed {part}, "
-                       "try again")
+        raise HubError(f"{url}: {digest[0]} differs from the Hub's ({digest[1]}); removed "
+                       f"{part}, try again")
     os.replace(part, dest)
 
 
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
+def _digest(path: Path, kind: str, size: int) -> str:
+    if kind == "sha256":
+        h = hashlib.sha256()
+    else:                   # git's blob id: sha1 of the header "blob <size>\0", then the content
+        h = hashlib.sha1(b"blob %d\0" % size)
     with open(path, "rb") as f:
         while block := f.read(1 << 24):
             h.update(block)

@@ -92,7 +92,7 @@ def metrics(out) -> list[dict]:
 
 
 def without_timing(records):
-    return [{k: v for k, v in r.items() if k not in TIMING} for r in records]
+    return [{k: v for k, v in r.items() if k not in TIMING and k != "t_refit"} for r in records]
 
 
 def play_args(**kw):
@@ -103,7 +103,7 @@ def play_args(**kw):
 def lora_policy(model_dir, flags: list[str]):
     """The policy with its LoRA adapter, the parsed flags (preset filled) and the shop train env."""
     policy, tok = mdl.load_model(model_dir)
-    args = runs.train_parser(grpo.REWARDS).parse_args(flags)
+    args = runs.train_parser(grpo.REWARDS).parse_args([*flags, "--model", str(model_dir)])
     runs.resolve_preset(args, runs.World())
     mdl.apply_lora(policy, r=args.lora_r, alpha=args.lora_alpha, dropout=args.lora_dropout,
                    targets=tuple(args.lora_targets.split(",")))
@@ -1118,19 +1118,20 @@ def test_probe_reads_base_runs_and_logs_its_cost(tiny_policy, tmp_path):
 def test_compare_resumes_without_redoing_finished_runs(tiny_policy, tmp_path):
     out = tmp_path / "cmp"
     compare.main(_compare_argv(tiny_policy, out))
-    runs = out / "runs"
-    done = {p.name: (p / "summary.json").stat().st_mtime_ns for p in runs.iterdir() if p.is_dir()}
+    run_dirs = out / "runs"
+    done = {p.name: (p / "summary.json").stat().st_mtime_ns for p in run_dirs.iterdir()
+            if p.is_dir()}
     assert len(done) == 4
     first = json.loads((out / "compare.json").read_text())
     # interrupt one run after its first checkpoint: no summary, the last checkpoint gone
-    cut = runs / "outcome-s2"
+    cut = run_dirs / "outcome-s2"
     (cut / "summary.json").unlink()
     shutil.rmtree(cut / "checkpoint-000002")
     compare.main(_compare_argv(tiny_policy, out))
     for name, mtime in done.items():
         if name != "outcome-s2":
-            assert (runs / name / "summary.json").stat().st_mtime_ns == mtime, name
-    assert "resumed from" in (runs / "outcome-s2.log").read_text()
+            assert (run_dirs / name / "summary.json").stat().st_mtime_ns == mtime, name
+    assert "resumed from" in (run_dirs / "outcome-s2.log").read_text()
     again = json.loads((out / "compare.json").read_text())
     for a, b in zip(first["rows"], again["rows"]):
         assert a["selected"]["per_seed"] == b["selected"]["per_seed"]
@@ -1141,6 +1142,17 @@ def test_compare_resumes_without_redoing_finished_runs(tiny_policy, tmp_path):
     assert lo <= row["selected"]["mean"] <= hi
     assert "| outcome |" in (out / "compare.md").read_text()
     assert (out / "curves.svg").read_text().startswith("<svg")
+    # the curves against training seconds, and how soon each reaches outcome's final success
+    first_row = again["rows"][0]
+    xs = [x for x, _ in first_row["curve_seconds"]]
+    assert xs[0] == 0.0 and xs == sorted(xs) and xs[-1] > 0
+    assert [y for _, y in first_row["curve_seconds"]] == [y for _, y in first_row["curve_success"]]
+    clock = runs.training_seconds(metrics(run_dirs / "outcome-s1"))
+    assert clock[2] == pytest.approx(sum(m["t_rollout"] + m["t_reward"] + m["t_update"]
+                                         for m in metrics(run_dirs / "outcome-s1")))
+    reach = first_row["to_target"]
+    assert reach["success"] == first_row["final"]["mean"] and reach["step"] in (1, 2)
+    assert "held-out success against training time" in (out / "curves.svg").read_text()
 
 
 def _compare_argv(policy, out):
@@ -1648,10 +1660,135 @@ def test_a_run_draws_its_curves_with_distinct_round_ticks(tiny_policy, tmp_path)
     out = tmp_path / "r"
     run(flags(tiny_policy, out, steps=4, save_every=2, eval_episodes=3))
     svg = (out / "curves.svg").read_text()
-    assert svg.count("<polyline") == 2 and "</svg>" in svg
+    assert svg.count("<polyline") == 3 and "</svg>" in svg         # success vs step, vs s; reward
     for ticks in ([0.04, 0.3], [0.11, 0.18], [1, 4]):
         values = runs.nice_ticks(*ticks, integer=ticks == [1, 4])
         assert len(set(values)) == len(values) and values == sorted(values)
         steps = {round(b - a, 12) for a, b in zip(values, values[1:])}
         assert len(steps) == 1                           # evenly spaced
     assert runs.nice_ticks(1, 4, integer=True) == [1, 2, 3, 4]  # not "1, 2, 2, 3, 4"
+
+
+# ---------------------------------------------------------------------------------------------
+# --probe-retrain-every: the head refitted on the policy's own turns, exactly on resume
+
+def refit_flags(out, reward="pair", **kw):
+    opts = {"model": BUILTIN, "reward": reward, "out": out, "steps": 4, "batch": 2, "group": 4,
+            "max_turns": 6, "save_every": 1, "probe_corpus": "contaminated",
+            "probe_episodes": 10, "corpus_heldout": 3, "corpus_samples": 2, "no_eval": True,
+            "threads": 1, "probe_retrain_every": 2, **kw}
+    argv = []
+    for k, v in opts.items():
+        argv += [f"--{k.replace('_', '-')}"] + ([] if v is True else [str(v)])
+    return argv
+
+
+def test_probe_retrain_refits_stage_2_on_the_named_steps_own_turns(tmp_path, monkeypatch):
+    windows, real = [], onpolicy.refit
+
+    def spy(head, window, seed):
+        new, rep = real(head, window, seed)
+        windows.append((head, window, new))
+        return new, rep
+    monkeypatch.setattr(onpolicy, "refit", spy)
+    out = tmp_path / "r"
+    run(refit_flags(out))
+    recs = metrics(out)
+    assert [r["step"] for r in recs if "refit_turns" in r] == [2, 4]      # every 2 steps only
+    for (head, window, new), r in zip(windows, (recs[:2], recs[2:])):
+        # the window is the two steps' turns, every one of them, labelled by the world
+        assert len(window.y) == sum(round(x["turns"] * 8) for x in r) == r[1]["refit_turns"]
+        assert 0 < int(window.y.sum()) < len(window.y)
+        assert new is not None and new.stage1 is head.stage1         # stage 1 stays
+        assert not torch.equal(new.stage2.w, head.stage2.w)
+        assert r[1]["refit_auroc_after"] >= r[1]["refit_auroc_before"] - 1e-9
+    assert windows[1][0] is windows[0][2]               # the second refit starts from the first
+    saved = pair.Pair.load(out / "refit" / "head-000004")
+    assert torch.equal(saved.stage2.w, windows[1][2].stage2.w)
+    assert sorted(p.name for p in (out / "refit").iterdir()) == \
+        ["head-000002", "head-000004"]      # turns no resume needs are gone at the checkpoints
+    # the refitted head is the one read: step 3 differs from a run without refits, 1-2 do not
+    plain = tmp_path / "plain"
+    run(refit_flags(plain, probe_retrain_every=0, steps=3))
+    other = metrics(plain)
+    assert without_timing(other[:2]) == without_timing([
+        {k: v for k, v in r.items() if not k.startswith("refit_")} for r in recs[:2]])
+    assert other[2]["reward_mean"] != recs[2]["reward_mean"]
+
+
+def test_probe_retrain_resumes_exactly(tmp_path, monkeypatch):
+    whole = tmp_path / "whole"
+    run(refit_flags(whole, reward="last_token", steps=5, save_every=3))
+    assert (whole / "refit" / "head-000004" / "probe.safetensors").is_file()
+    cut = tmp_path / "cut"
+    real = grpo.train_step
+
+    def crash_at_step_5(step, *a, **k):     # after checkpoint 3, the refit after 4 done
+        if step == 4:
+            raise KeyboardInterrupt
+        return real(step, *a, **k)
+    monkeypatch.setattr(grpo, "train_step", crash_at_step_5)
+    with pytest.raises(SystemExit, match="--resume"):
+        run(refit_flags(cut, reward="last_token", steps=5, save_every=3))
+    monkeypatch.setattr(grpo, "train_step", real)
+    assert (cut / "refit" / "head-000004").is_dir()     # after the checkpoint: redone
+    run(refit_flags(cut, reward="last_token", steps=5, save_every=3, resume=True))
+    assert without_timing(metrics(cut)) == without_timing(metrics(whole))
+    for name in ("head-000002", "head-000004"):
+        a, b = (probes.Probe.load(d / "refit" / name / "probe.safetensors") for d in (whole, cut))
+        assert torch.equal(a.w, b.w) and torch.equal(a.mean, b.mean)
+
+
+def test_probe_retrain_is_refused_where_there_is_nothing_to_refit(tmp_path, capsys):
+    with pytest.raises(SystemExit, match="reads no probe"):
+        run(refit_flags(tmp_path / "a", reward="outcome"))
+    with pytest.raises(SystemExit, match="only the built-in world"):
+        run(refit_flags(tmp_path / "b", env="gta"))
+    with pytest.raises(SystemExit):
+        run(refit_flags(tmp_path / "c", probe_retrain_every=-1))
+    assert "--probe-retrain-every must be at least 0, got -1" in capsys.readouterr().err
+
+
+def test_shop_long_is_a_world_of_its_own(tiny_policy, tmp_path, monkeypatch):
+    played, real = [], rollout.rollout
+
+    def spy(policy, tok, episodes, args, **kw):
+        played.extend(e.id for e in episodes)
+        return real(policy, tok, episodes, args, **kw)
+    for module in (grpo, runs, onpolicy):
+        monkeypatch.setattr(module, "rollout", spy)
+    out = tmp_path / "r"
+    run(flags(tiny_policy, out, "pair", env="shop-long", steps=1, eval_episodes=2))
+    saved = json.loads((out / "args.json").read_text())
+    assert saved["env"] == "shop-long"
+    for model in (tiny_policy, shop.BUILTIN_POLICIES["shop-long"]):   # any policy: 16 turns
+        args = runs.parse_args(["--env", "shop-long", "--model", str(model), "--out", "x"],
+                               grpo.REWARDS)
+        runs.resolve_preset(args, runs.World())
+        assert args.max_turns == shop.MAX_TURNS["shop-long"] == 16
+    assert played and all(eid.startswith("shop-long-") for eid in played)
+    caches = [p.name for p in (Path(os.environ["PAIR_CACHE"]) / "grpo-probes").iterdir()]
+    assert any(name.startswith("shop-long-") for name in caches)
+    with pytest.raises(SystemExit, match="shop-long-policy is missing"):
+        monkeypatch.setitem(shop.BUILTIN_POLICIES, "shop-long", tmp_path / "shop-long-policy")
+        run(["--env", "shop-long", "--out", str(tmp_path / "x"), "--threads", "1"])
+
+
+def test_a_run_refused_before_its_first_step_leaves_nothing_behind(tiny_policy, tmp_path,
+                                                                   monkeypatch):
+    def damaged(*a, **k):
+        raise probes.FormatError("probes.json: damaged")
+    monkeypatch.setattr(onpolicy, "shop_probes", damaged)     # after OUT is claimed
+    out = tmp_path / "r"
+    with pytest.raises(SystemExit, match="^error: probes.json: damaged"):
+        run(flags(tiny_policy, out, "pair"))
+    assert not out.exists()
+    out.mkdir()                                 # a directory the user made keeps what it held
+    (out / "notes.txt").write_text("mine")
+    with pytest.raises(SystemExit, match="damaged"):
+        run(flags(tiny_policy, out, "pair"))
+    assert sorted(p.name for p in out.iterdir()) == ["notes.txt"]
+    monkeypatch.undo()
+    monkeypatch.setenv("PAIR_CACHE", str(tmp_path / "cache"))
+    run(flags(tiny_policy, out, "pair", steps=1))              # the next run starts cleanly
+    assert [r["step"] for r in metrics(out)] == [1]

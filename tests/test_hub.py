@@ -84,7 +84,9 @@ class FakeHub:
     def tree(self):
         out = []
         for name, size in self.listed.items():
-            entry = {"type": "file", "path": name, "size": size, "oid": "0" * 40}
+            data = self.files.get(name, b"")      # what the Hub holds: git's blob id of it
+            entry = {"type": "file", "path": name, "size": size,
+                     "oid": hashlib.sha1(b"blob %d\0" % len(data) + data).hexdigest()}
             if name in self.lfs:
                 sha = hashlib.sha256(self.files[name]).hexdigest()
                 entry["lfs"] = {"oid": sha, "size": size, "pointerSize": 134}
@@ -242,6 +244,26 @@ def test_corrupt_content_fails_the_sha256_check(env):
     with pytest.raises(weights.HubError, match="sha256"):
         weights.fetch_from_hub(REPO)
     assert not (weights.hub_cache_dir(REPO) / "model.safetensors.part").exists()
+
+
+@pytest.mark.parametrize("name", ["config.json", "tokenizer.json",
+                                  "model.safetensors.index.json"])
+def test_small_files_are_checked_against_their_git_blob_id(env, name):
+    # Not LFS: the listing gives their git blob id, not a sha256. Served tampered, same size.
+    files = checkpoint_files(sharded=True)
+    hub = env(files=files, lfs=())
+    listed = hub.tree()
+    hub.tree = lambda: listed                   # the Hub's ids, of the true content
+    good = files[name]
+    hub.files[name] = good.replace(b"{", b" ", 1)[:len(good) - 1] + b"}" \
+        if name != "model.safetensors.index.json" else good.replace(b'"a"', b'"z"')
+    assert len(hub.files[name]) == len(good) and hub.files[name] != good
+    with pytest.raises(weights.HubError, match=f"{name}: git blob id differs"):
+        weights.fetch_from_hub(REPO)
+    folder = weights.hub_cache_dir(REPO)
+    assert not (folder / name).exists() and not (folder / f"{name}.part").exists()
+    hub.files[name] = good                      # served right again: fetched and kept
+    assert (weights.fetch_from_hub(REPO) / name).read_bytes() == good
 
 
 @pytest.mark.parametrize("shard", ["../../escape.safetensors", "{tmp}/escape.safetensors",

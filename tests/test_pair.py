@@ -519,6 +519,21 @@ def test_two_extracts_on_one_output_one_refuses_and_the_file_is_complete(shop_ck
     assert not pair.parts_dir(out).exists()
 
 
+def test_an_extract_stopped_before_its_first_shard_leaves_nothing_behind(shop_ckpt, tmp_path,
+                                                                         monkeypatch):
+    data, ckpt = shop_ckpt
+    out = tmp_path / "feats" / "matched_clean_train.safetensors"
+    argv = ["extract", "--model", str(ckpt), "--data", str(data / "matched_clean_train.json"),
+            "--out", str(out), "--shard-size", "4"]
+
+    def interrupted(*a, **k):
+        raise KeyboardInterrupt
+    monkeypatch.setattr(pair.mdl, "trace_forward", interrupted)
+    with pytest.raises((KeyboardInterrupt, SystemExit)):
+        pair.main(argv)
+    assert not pair.parts_dir(out).exists() and not out.exists()
+
+
 def wait_for(condition, timeout=120.0):
     t0 = time.perf_counter()
     while not condition():

@@ -147,6 +147,105 @@ def test_divided_dialog_is_the_gold_one_converting_the_wrong_way_round():
     assert shop.shop_divided(hand_task("USD")) is None     # nothing to convert
 
 
+# ---------------------------------------------------------------------------------------------
+# shop-long: the long-horizon world
+
+def slip_labels(n_lines: int, slip: str) -> list[bool]:
+    """What each turn of a shop-long dialog with one slip must be labelled: the slip's own turn
+    and every later turn that carries its number are wrong, the rest right."""
+    turns = 2 * n_lines + 4             # per line Lookup + subtotal; sum, Rate, conversion, answer
+    wrong = {"store": {0, 1}, "forget": set(), "divided": set()}[slip]
+    wrong |= {turns - 4, turns - 2, turns - 1} if slip != "divided" else {turns - 2, turns - 1}
+    return [t not in wrong for t in range(turns)]
+
+
+def test_long_world_gold_dialogs_replay_score_and_label():
+    env = shop.ShopEnv("test", seed=3, episodes=60, world="shop-long")
+    turns = collections.Counter()
+    for i in range(len(env)):
+        ep = env.episode(i)
+        task = ep.task
+        assert ep.id == f"shop-long-3-test-{i}" and shop.shop_task_from_id(ep.id) == task
+        assert task.currency != "USD" and 3 <= len(task.lines) <= 5
+        dialog = shop.long_dialog(task)
+        pairs = envs.play_gold(ep, dialog)      # every tool call re-executed: same observations
+        assert pairs and all(recorded == returned for recorded, returned in pairs)
+        assert ep.score() == 1.0 and ep.labels() == [True] * len(ep.steps)
+        assert shop.shop_dialog_labels(task, dialog) == ep.labels()
+        turns[len(ep.steps)] += 1
+    assert set(turns) == {10, 12, 14}
+    assert shop.ShopEnv("test", seed=3, episodes=5).episode(0).task != \
+        shop.ShopEnv("test", seed=3, episodes=5, world="shop-long").episode(0).task
+
+
+def test_long_world_slips_are_turn_local_and_each_fails_the_episode():
+    env = shop.ShopEnv("train", seed=42, episodes=40, world="shop-long")
+    for i in range(len(env)):
+        task = env.episode(i).task
+        for slip in shop.LONG_SLIPS:
+            dialog = shop.long_dialog(task, (slip,))
+            ep = env.episode(i)
+            pairs = envs.play_gold(ep, dialog)
+            assert all(recorded == returned for recorded, returned in pairs)
+            assert ep.score() == 0.0, (i, slip)
+            assert ep.labels() == slip_labels(len(task.lines), slip), (i, slip)
+        both = shop.shop_dialog_labels(task, shop.long_dialog(task, ("store", "divided")))
+        assert both == [a and b for a, b in zip(slip_labels(len(task.lines), "store"),
+                                                slip_labels(len(task.lines), "divided"))]
+    task = env.episode(0).task
+    first = shop.long_dialog(task, ("store",))[1]["tool_calls"][0]["function"]["arguments"]
+    assert first["item"] == task.lines[0][1] and first["store"] != task.lines[0][2]
+
+
+def test_long_world_counts_a_partial_sum_wrong():
+    task = shop.ShopEnv("test", episodes=1, world="shop-long").episode(0).task
+    subtotals = [f"{q}*{task.prices[s, i]}" for q, i, s in task.lines]
+    steps = [envs.Action(None, "Calculator", {"expression": "+".join(subtotals[:2])}),
+             envs.Action(None, "Calculator", {"expression": "+".join(subtotals)}),
+             envs.Action(None, "Calculator", {"expression": subtotals[0]})]
+    assert shop.shop_labels(task, steps) == [False, True, True]
+    short = shop.ShopTask(0, task.prices, task.rates, task.lines, task.currency, "")
+    assert shop.shop_labels(short, steps[:1]) == [True]      # shop counts any subset sum
+
+
+def test_long_sft_dialogs_make_each_slip_on_its_own():
+    gold = shop.long_sft_dialogs(30, 0.0, seed=1)
+    assert gold == [envs.dialog_to_messages(shop.long_dialog(shop.long_task(
+        shop.shop_episode_seed("train", 1, i))), shop.SHOP_TOOLS, []) for i in range(30)]
+    made = collections.Counter()
+    for i, dialog in enumerate(shop.long_sft_dialogs(400, 0.5, seed=1)):
+        task = shop.long_task(shop.shop_episode_seed("train", 1, i))
+        n = len(task.lines)
+        inputs = [m["content"].split("Action Input:")[-1] for m in dialog
+                  if m["role"] == "assistant"]
+        seen = {"store": f'"store": "{task.lines[0][2]}"' not in inputs[0],
+                "forget": inputs[2 * n].count("+") == n - 2, "divided": "/" in inputs[2 * n + 2]}
+        slips = tuple(k for k in shop.LONG_SLIPS if seen[k])
+        assert dialog == envs.dialog_to_messages(shop.long_dialog(task, slips),
+                                                 shop.SHOP_TOOLS, [])
+        made.update(slips)
+        made[len(slips)] += 1
+    assert all(160 <= made[s] <= 240 for s in shop.LONG_SLIPS), made   # 50% each ...
+    assert 30 <= made[0] <= 70 and 30 <= made[3] <= 70, made           # ... on its own
+
+
+def test_sft_shop_long_continues_a_shop_policy_byte_for_byte(tmp_path):
+    tiny = ["--episodes", "6", "--steps", "2", "--batch", "2", "--hidden", "16", "--layers",
+            "1", "--heads", "2", "--kv-heads", "1", "--intermediate", "32", "--vocab", "300",
+            "--eval-episodes", "0", "--threads", "1", "--induction-steps", "2"]
+    shop.main(["sft", "--out", str(tmp_path / "shop")] + tiny)
+    for name in ("a", "b"):
+        shop.main(["sft", "--out", str(tmp_path / name), "--world", "shop-long", "--slips",
+                   "0.5", "--init", str(tmp_path / "shop")] + tiny)
+    for f in ("config.json", "model.safetensors", "tokenizer.json"):
+        assert (tmp_path / "a" / f).read_bytes() == (tmp_path / "b" / f).read_bytes(), f
+    recipe = shop.policy_recipe(tmp_path / "a")
+    assert len(recipe) == 2 and "--world shop-long --slips 0.5" in recipe[1]
+    assert "shop-long-policy" in (tmp_path / "a" / "README.md").read_text()
+    with pytest.raises(SystemExit):
+        shop.main(["sft", "--out", str(tmp_path / "c"), "--world", "shop-long"] + tiny)
+
+
 def test_episodes_deterministic_and_splits_disjoint():
     a, b = shop.ShopEnv("train", seed=5, episodes=50), shop.ShopEnv("train", seed=5, episodes=50)
     assert [a.episode(i).task for i in range(50)] == [b.episode(i).task for i in range(50)]
@@ -397,8 +496,10 @@ def test_sft_is_deterministic_and_loadable(tmp_path):
     assert tok.decode(tok.encode("<|im_start|>user\n3 apple<|im_end|>")) == \
         "<|im_start|>user\n3 apple<|im_end|>"
     assert "python shop.py sft --out" in (tmp_path / "a" / "README.md").read_text()
-    # sft writes, by default, what grpo.py trains by default
-    assert runs.train_parser(grpo.REWARDS).parse_args([]).model == str(shop.BUILTIN_POLICY)
+    # sft writes, by default, what grpo.py trains by default; each world its own policy
+    assert runs.parse_args(["--out", "x"], grpo.REWARDS).model == str(shop.BUILTIN_POLICY)
+    assert runs.parse_args(["--out", "x", "--env", "shop-long"], grpo.REWARDS).model == \
+        str(shop.BUILTIN_POLICIES["shop-long"])
 
 
 def test_sft_divided_replaces_only_clean_non_usd_dialogs():
