@@ -324,7 +324,7 @@ def compare_markdown(result: dict, command: str) -> str:
         f"test itself). Δ: paired against `{ref}` (same seeds, same episodes).", "",
         f"`{command}`", "",
         f"*reaches*: the first evaluation (step, and seconds of training: rollouts, reward, "
-        f"update) whose mean test success is at least `{ref}`'s final "
+        f"update, probe refits) whose mean test success is at least `{ref}`'s final "
         f"({pct(result['rows'][0]['final']['mean'])}); — when none is.", "",
         "| reward | base | selected | Δ selected | final | Δ final | best on test | reaches "
         "| PAIR AUROC held-out own turns | probe AUROC first → last 5 steps | zero-std "

@@ -608,13 +608,14 @@ def refit_head(run: Training, step: int) -> dict:
     args, ctx, world = run.args, run.ctx, run.world
     t0, every = time.perf_counter(), args.probe_retrain_every
     runs.barrier(world)                 # every process's turns of this step are written
-    window = onpolicy.load_window(run.out, range(step - every + 1, step + 1))
+    window = onpolicy.load_window(run.out, range(step - every + 1, step + 1), world.size)
     head = ctx.pair if ctx.pair is not None else ctx.probe
     new, rep = onpolicy.refit(head, window, onpolicy.PROBE_SEED + step)
     what = "PAIR's stage 2" if ctx.pair is not None else f"the {args.reward} probe"
     if new is None:
-        run.log(f"refit: {what} kept, the {rep['turns']} own turns of steps {step - every + 1}-"
-                f"{step} are all {'right' if rep['correct'] else 'wrong'}", flush=True)
+        why = "no turn was played" if not rep["turns"] else \
+            f"their {rep['turns']} turns are all {'right' if rep['correct'] else 'wrong'}"
+        run.log(f"refit: {what} kept, steps {step - every + 1}-{step}: {why}", flush=True)
     else:
         if world.main:
             onpolicy.save_head(new, onpolicy.head_dir(run.out, step))
@@ -785,6 +786,7 @@ def resume(run: Training) -> int:
     if run.world.main and args.resume:
         common.truncate_jsonl(out / "metrics.jsonl", start)
         common.truncate_jsonl(out / "eval.jsonl", start)
+    if run.world.main:                  # turns and heads of steps to be (re)done: not this run's
         onpolicy.forget_after(out, start)
     runs.barrier(run.world)
     if args.probe_retrain_every and start:      # the head the run read at its checkpoint

@@ -181,7 +181,8 @@ def contaminated_corpus(policy, tok, episodes: int, log) -> pair.Split:
     raw = probes.stack_raw([probes.raw_features(tr) for tr in traces])
     raw["turn_idx"] = kept.raw["turn_idx"]
     log(f"  contaminated corpus: {len(kept.y)} teacher-forced turns of `shop.py make-data "
-        f"--episodes {episodes}` (mode mixed)", flush=True)
+        f"--episodes {episodes}` (mode mixed; the shop world's, also for shop-long, which has "
+        "no make-data)", flush=True)
     return pair.Split(kept.name, raw, kept.y, kept.episode_id, {})
 
 
@@ -321,22 +322,33 @@ def head_dir(out: Path, step: int) -> Path:
 def save_step_turns(out: Path, step: int, rank: int, trajs: list) -> None:
     """One process's labelled turns of step `step` (1-based: written after the step), with the
     features the reward read. A turn's kind is stored by name: codes are per file."""
+    path = turns_path(out, step, rank)
+    path.parent.mkdir(parents=True, exist_ok=True)
     played = [t for t in trajs if t.steps]
-    if not played:
+    if not played:                      # written all the same: a missing file is an error
+        common.write_atomic(path.with_suffix(".none"), "no turn\n")
+        path.unlink(missing_ok=True)
         return
+    path.with_suffix(".none").unlink(missing_ok=True)
     split = turn_records(played)
     meta = {"pair_refit_turns": json.dumps({"kinds": split.meta["kinds"],
                                             "episode_id": split.episode_id})}
-    path = turns_path(out, step, rank)
-    path.parent.mkdir(parents=True, exist_ok=True)
     probes.save_safetensors(split.raw, path, meta)
 
 
-def load_window(out: Path, steps: range) -> pair.Split:
-    """The turns of `steps`, every process's, kinds recoded by name across files."""
+def load_window(out: Path, steps: range, processes: int) -> pair.Split | None:
+    """The turns of `steps`, every process's, kinds recoded by name across files (None: no
+    turn at all). A file that is gone is an error, never a smaller window."""
     parts, codes = [], {}
     for step in steps:
-        for path in sorted(Path(out, REFIT_DIR).glob(f"turns-{step:06d}-r*.safetensors")):
+        for rank in range(processes):
+            path = turns_path(out, step, rank)
+            if path.with_suffix(".none").is_file():
+                continue
+            if not path.is_file():
+                raise SystemExit(f"{path} is gone: the turns of step {step} were removed at a "
+                                 "later checkpoint, so a run resumed from an earlier one cannot "
+                                 "refit as it did; resume from the newest checkpoint")
             tensors, meta = probes.read_safetensors(path, "refit turns")
             meta = json.loads(meta["pair_refit_turns"])
             recode = torch.tensor([codes.setdefault(k, len(codes)) for k in meta["kinds"]])
@@ -357,11 +369,12 @@ def refit(head, window: pair.Split, seed: int):
     train = window.take(kind_balanced_indices(y, window.raw["kind"], seed))
     train = train.take(pair.balanced_indices(train.y, seed))
     if isinstance(head, pair.Pair):     # stage 1 stays: stage 2 reads the frozen s_bc
-        new = pair.fit_pair(train.raw, train.y, stats=head.stats, info=head.info,
-                            stage1=head.stage1)
+        new = pair.fit_pair(train.raw, train.y, C=head.stage2.info.get("C", 0.01),
+                            stats=head.stats, info=head.info, stage1=head.stage1)
     else:
         name = head.info["feature"]
-        new = probes.Probe(info=head.info).fit(pair.feature(name, train.raw), train.y)
+        new = probes.Probe(info=head.info).fit(pair.feature(name, train.raw), train.y,
+                                               C=head.info.get("C", 0.01))
     report["auroc_before"] = probes.auroc(y, pair.predict(head, window.raw))
     report["auroc_after"] = probes.auroc(y, pair.predict(new, window.raw))
     return new, report
@@ -405,4 +418,4 @@ def forget_turns(out: Path, step: int, every: int) -> None:
     earlier steps from their files)."""
     for p in Path(out, REFIT_DIR).glob("turns-*"):
         if (k := _step_of(p)) is not None and k <= step - step % every:
-            p.unlink()
+            p.unlink()          # a resume from an older checkpoint then stops (load_window)

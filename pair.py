@@ -308,8 +308,9 @@ def extract(net, tokenizer, data_path, out_path, max_len=4096, shard_size=32,
             return _extract_parts(net, tokenizer, records, data_path, parts, out_path, manifest,
                                   max_len, shard_size, log, known)
         except BaseException:
-            if not any(parts.glob("shard_*.safetensors")):
-                shutil.rmtree(parts, ignore_errors=True)    # nothing done: nothing left behind
+            if not any(parts.glob("shard_*.safetensors")) and \
+                    not (parts / "failed.json").is_file():  # nothing done: nothing left behind
+                shutil.rmtree(parts, ignore_errors=True)
             raise
 
 

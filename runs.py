@@ -389,6 +389,10 @@ RESUME_KEYS = ("env", "model", "reward", "alpha", "outcome_weight", "probes", "s
                "probe_retrain_every")
 
 
+# what a run from before these flags existed ran with
+RESUME_DEFAULTS = {"advantage": "process", "probe_retrain_every": 0}
+
+
 def check_out(args) -> None:
     """What --out holds against --resume / --resume-if-present. Read-only: checked before
     anything is loaded or written, and again once OUT is claimed. A run exists in OUT from the
@@ -406,6 +410,8 @@ def check_out(args) -> None:
             raise SystemExit(f"--resume: {saved} is not readable ({type(e).__name__}: {e}); the "
                              "flags of the run cannot be checked") from None
         for k in RESUME_KEYS:
+            if k not in old and k in RESUME_DEFAULTS:      # a run from before the flag existed
+                old[k] = RESUME_DEFAULTS[k]
             if k in old and old[k] != getattr(args, k):
                 raise SystemExit(f"--resume: --{k.replace('_', '-')} is {getattr(args, k)!r} "
                                  f"but the run in {out} used {old[k]!r}")
@@ -442,7 +448,7 @@ def forget_failed(out) -> None:
     no metrics, evaluation or checkpoint)."""
     out = Path(out)
     if not common.holds(out) or any((out / n).exists() for n in ("metrics.jsonl", "eval.jsonl")) \
-            or latest_checkpoint(out) or any(out.glob("checkpoint-*")):
+            or any(out.glob("checkpoint-*")):
         return
     (out / "args.json").unlink(missing_ok=True)
     shutil.rmtree(out / "refit", ignore_errors=True)

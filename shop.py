@@ -1285,14 +1285,16 @@ def main(argv=None):
                                    "saved one. data/shop-policy/README.md lists the commands "
                                    "that built the shipped policy.")
     a = p.add_argument
-    a("--out", default=str(BUILTIN_POLICY), help="output directory")
+    a("--out", default=None,
+      help="output directory (default: the world's built-in policy, data/shop-policy or "
+           "data/shop-long-policy)")
     a("--episodes", type=int, default=2500,
       help="make-data episodes (80%% of them, the train split, are used)")
     a("--contaminated", type=float, default=0.3,
-      help="fraction of dialogs replaced by their contaminated version")
+      help="shop: fraction of dialogs replaced by their contaminated version")
     a("--divided", type=float, default=0.0,
-      help="fraction of the other non-USD dialogs replaced by one that converts the wrong way "
-           "round, dividing by the rate (shop_divided): a habit for GRPO to unlearn")
+      help="shop: fraction of the other non-USD dialogs replaced by one that converts the wrong "
+           "way round, dividing by the rate (shop_divided): a habit for GRPO to unlearn")
     a("--world", default="shop", choices=tuple(WORLDS),
       help="the world whose dialogs are trained on (shop-long: continue a shop policy, --init)")
     a("--slips", type=float, default=0.0,
@@ -1324,11 +1326,15 @@ def main(argv=None):
       help="held-out shop episodes to measure success on (0: skip)")
     args = ap.parse_args(argv)
     if args.command == "sft":
+        args.out = args.out or str(BUILTIN_POLICIES[args.world])
         if args.world == "shop-long" and not args.init:
             ap.error("--world shop-long continues a shop policy: pass --init DIR (the shipped "
                      f"one: {BUILTIN_POLICY}), its tokenizer knows the words of both worlds")
         if not 0 <= args.slips <= 1:
             ap.error(f"--slips must be in [0, 1], got {args.slips}")
+        if args.world == "shop" and args.slips or args.world == "shop-long" and args.divided:
+            ap.error("--slips is shop-long's habit, --divided shop's: pass the one of --world "
+                     f"{args.world}")
         return sft(args)
     try:
         counts = make_shop_data(args.out, args.episodes, args.seed)

@@ -385,7 +385,8 @@ def resolve(path_or_repo) -> Path:
 # A model name that is not a directory is fetched over HTTPS into $PAIR_CACHE/<org>--<name>/.
 # Only the files load_model reads are fetched: the Hub API's tree listing gives each file's size
 # and its hash (an LFS file's sha256; a small file's git blob id, a sha1 of "blob <size>\0" and
-# the content), so a transfer can be resumed with an HTTP Range request and checked when it ends. A manifest written last marks the copy complete, so later loads need no
+# the content), so a transfer can be resumed with an HTTP Range request and checked when it
+# ends. A manifest written last marks the copy complete, so later loads need no
 # network at all.
 
 HUB_NAME = re.compile(r"[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*")    # <org>/<name>

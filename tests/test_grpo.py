@@ -1739,6 +1739,15 @@ def test_probe_retrain_resumes_exactly(tmp_path, monkeypatch):
         assert torch.equal(a.w, b.w) and torch.equal(a.mean, b.mean)
 
 
+def test_probe_retrain_from_a_checkpoint_whose_turns_are_gone_stops(tmp_path):
+    out = tmp_path / "r"
+    kw = dict(reward="last_token", steps=6, save_every=3, probe_retrain_every=4)
+    run(refit_flags(out, **kw))         # checkpoint 6 removed the turns of steps 1-4
+    (out / "checkpoint-000006" / "trainer.json").unlink()       # damaged: resume from 3
+    with pytest.raises(SystemExit, match="turns-000001-r0.safetensors is gone"):
+        run(refit_flags(out, resume=True, **kw))
+
+
 def test_probe_retrain_is_refused_where_there_is_nothing_to_refit(tmp_path, capsys):
     with pytest.raises(SystemExit, match="reads no probe"):
         run(refit_flags(tmp_path / "a", reward="outcome"))
