@@ -154,9 +154,8 @@ class ShopTask:
         shop-long task's are fewer, LONG_WORLD)."""
         rate = self.rates[self.currency]
         subtotals = [q * self.prices[s, i] for q, i, s in self.lines]
-        if self.stepwise:
-            return sorted(set(subtotals) | {sum(subtotals), self.total} |
-                          {x * rate for x in subtotals})
+        if self.stepwise:           # the running totals, and the total converted
+            return sorted({sum(subtotals[:k + 1]) for k in range(len(subtotals))} | {self.total})
         sums = set()
         for mask in range(1, 2 ** len(subtotals)):
             sums.add(sum(x for k, x in enumerate(subtotals) if mask >> k & 1))
@@ -521,23 +520,27 @@ def _shop_state(task: ShopTask, dialog: list[dict]) -> tuple[dict, list[float], 
 # ---- shop-long: the long-horizon world ----------------------------------------------------------
 #
 # The same stores, items, tools and labels, for tasks where credit assignment is the hard part. A
-# task buys 3-5 numbered lines, "(2) 1 apple at store A", and always asks for a currency other than
-# USD. The solution goes line by line, each turn restating its line by number (which a model as
-# small as the built-in one copies from the task with an induction head; unnumbered, it took the
-# first line's quantity for every line): a Lookup and the line's subtotal (Calculator q*p) per
-# line, then the sum of the subtotals, the rate, the conversion, the answer: 2 x lines + 4 = 10-14
-# assistant turns. A Calculator call is right when it produces a subtotal, the sum of all of them,
-# or either converted with the rate: no partial sums (shop accepts any), so a sum that leaves a
-# line out is wrong where it is made. A line's number in a thought is a name, not a value.
+# task buys 3-4 numbered lines of different items at one store, "(1) 6 pear, (2) 1 apple and
+# (3) 4 milk at store B", and always asks for a currency other than USD. The solution goes line by
+# line: a Lookup and the running total (Calculator "total so far + q*p") per line, then the rate,
+# the conversion, the answer: 2 x lines + 3 = 9-11 assistant turns. A Lookup's thought
+# restates the line before and its own as the task writes them, "(1) 6 pear, (2) 1 apple.":
+# finding the next line is then copying on from where the last one ends, which a model as small as
+# the built-in one does with an induction head. (Measured on the way here: without the numbers it
+# took the first line's quantity for every line; with each line alone, it lost its place from the
+# third line on; with a store per line, it copied the wrong store letter; adding the subtotals
+# in one call at the end, it could not copy them back from their observations.)
+# A Calculator call is right when it produces a running total (the first k lines) or the total
+# converted: a total that leaves a line out is wrong where it is made. A line's number in a
+# thought is a name, not a value.
 #
 # The built-in policy of this world (data/shop-long-policy) is given three slips on purpose, each
 # a fluent, turn-local habit at a different turn, each drawn on its own, each alone enough to
 # fail the episode (its later turns carry the wrong number, consistently):
-#   store   - the first line is misread: its item at the wrong store (the next store the task
-#             does not need), looked up and costed;
-#   forget  - the sum of the subtotals leaves out the last line;
+#   store   - the first line's item is looked up (and costed) at the wrong store, the next one;
+#   forget  - the last line's running total leaves out the lines before it (q*p alone);
 #   divided - the conversion divides the dollar sum by the rate (as in shop_divided).
-LONG_LINES = (3, 5)
+LONG_LINES = (3, 4)
 LONG_SLIPS = ("store", "forget", "divided")
 
 
@@ -550,12 +553,14 @@ def long_task(seed: int) -> ShopTask:
     rates.update({c: _cents(rng.randint(*span)) for c, span in SHOP_RATE_CENTS.items()})
     while True:     # drawn again (same stream) until every slip is visible: _long_distinct
         n_lines = rng.randint(*LONG_LINES)
-        pairs = rng.sample([(s, i) for s in SHOP_STORES for i in SHOP_ITEMS], n_lines)
-        lines = tuple((rng.randint(1, SHOP_MAX_QUANTITY), i, s) for s, i in pairs)
+        store = rng.choice(SHOP_STORES)
+        lines = tuple((rng.randint(1, SHOP_MAX_QUANTITY), i, store)
+                      for i in rng.sample(SHOP_ITEMS, n_lines))
         currency = rng.choice(tuple(SHOP_RATE_CENTS))
-        parts = [f"({k + 1}) {q} {i} at store {s}" for k, (q, i, s) in enumerate(lines)]
+        parts = [f"({k + 1}) {q} {i}" for k, (q, i, _) in enumerate(lines)]
         text = rng.choice(SHOP_TEMPLATES).format(
-            lines=", ".join(parts[:-1]) + " and " + parts[-1], cur=currency)
+            lines=", ".join(parts[:-1]) + " and " + parts[-1] + f" at store {store}",
+            cur=currency)
         task = ShopTask(seed, prices, rates, lines, currency, text, stepwise=True)
         if _long_distinct(task):
             return task
@@ -563,19 +568,23 @@ def long_task(seed: int) -> ShopTask:
 
 def _long_distinct(task: ShopTask) -> bool:
     """The gold's computed values lie more than a cent apart (a Calculator result equal to an
-    earlier one is a wasted call, so a tie would make a gold turn wrong), and the store slip
-    fetches another price than the right one."""
-    gold = [q * task.prices[s, i] for q, i, s in task.lines]
-    gold += [sum(gold), task.total]
+    earlier one is a wasted call, so a tie would make a gold turn wrong), and no slip computes a
+    value a right turn could (each is wrong where it is made)."""
+    gold = task.quantities
     if any(abs(a - b) <= _CENT for k, a in enumerate(gold) for b in gold[k + 1:]):
         return False
-    _, item, store = task.lines[0]
-    other = _slip_store(task, store, item)
-    return other != store and abs(task.prices[other, item] - task.prices[store, item]) > _CENT
+    q, item, store = task.lines[0]
+    running = [q * task.prices[_slip_store(task, store, item), item]]     # store
+    for q, i, s in task.lines[1:]:
+        running.append(running[-1] + q * task.prices[s, i])
+    q, i, s = task.lines[-1]
+    wrong = running + [q * task.prices[s, i],                          # forget
+                       gold[-2] / task.rates[task.currency]]           # divided
+    return all(abs(a - b) > _CENT for a in wrong for b in gold)
 
 
 WORLDS = {"shop": shop_task, "shop-long": long_task}
-# assistant turns an episode allows: shop's 2-5 turns fit the paper's 10, shop-long's 10-14 not
+# assistant turns an episode allows: shop's 2-5 turns fit the paper's 10, shop-long's 9-11 not
 MAX_TURNS = {"shop": envs.MAX_TURNS, "shop-long": 16}
 
 
@@ -605,18 +614,21 @@ def long_dialog(task: ShopTask, slips=()) -> list[dict]:
         dialog.append(_tool_message(call[0], res.text))
         return res
 
-    subtotals = []
+    running, said = None, []
     for k, (q, item, store) in enumerate(task.lines):
         if k == 0 and "store" in slips:             # the line misread
             store = _slip_store(task, store, item)
-        line = f"({k + 1}) {q} {item} at store {store}"
-        price = turn(f"{line}. I need the price of {item} at store {store}.",
+        line = f"({k + 1}) {q} {item}"
+        # the last line and this one, joined as the task joins them: a verbatim continuation
+        joint = "" if k == 0 else f"{said[-1]}{' and ' if k == len(task.lines) - 1 else ', '}"
+        said.append(line)
+        price = turn(f"{joint}{line}. I need the price of {item} at store {store}.",
                      ("Lookup", {"store": store, "item": item})).value
-        formula = f"{q}*{price}"
-        subtotals.append(turn(f"{line} costs {price}. The subtotal is {formula}.",
-                              ("Calculator", {"expression": formula})).text)
-    added = subtotals[:-1] if "forget" in slips else subtotals
-    usd = turn("I add the subtotals.", ("Calculator", {"expression": "+".join(added)})).text
+        carry = k > 0 and not (k == len(task.lines) - 1 and "forget" in slips)
+        formula = f"{running}+{q}*{price}" if carry else f"{q}*{price}"
+        running = turn(f"{line} at store {store} costs {price}. The total so far is {formula}.",
+                       ("Calculator", {"expression": formula})).text
+    usd = running
     cur = task.currency
     rate = turn(f"I need the {cur} rate.", ("Rate", {"currency": cur})).value
     formula = f"{usd}{'/' if 'divided' in slips else '*'}{rate}"
@@ -1231,13 +1243,14 @@ def write_policy_readme(out: Path, args, config: dict, result: dict, earlier: li
     title = "# shop-policy: the built-in policy of `python grpo.py`"
     if args.world == "shop-long":
         title = ("# shop-long-policy: the built-in policy of `python grpo.py --env shop-long`")
-        about = (f"The policy of the long-horizon world (shop.py, shop-long: 3-5 lines, 10-14 "
+        about = (f"The policy of the long-horizon world (shop.py, shop-long: 3-4 lines, 9-11 "
                  f"turns), continued (`--init`, the last command) from the policy of the "
                  f"commands before it on the gold shop-long dialogs, where each of three slips "
                  f"is made in {args.slips:.0%} of them, drawn on its own (shop.LONG_SLIPS): "
-                 "the first Lookup at the wrong store, the sum of the subtotals leaving out the "
-                 "last line, the conversion dividing by the rate. Each is a fluent, turn-local "
-                 "habit at its own turn, each alone fails the episode: a rollout that fails "
+                 "the first Lookup at the wrong store, the last running total leaving out the "
+                 "lines before it, the conversion dividing by the rate. Each is a fluent, "
+                 "turn-local habit at its own turn, each alone fails the episode: a rollout that "
+                 "fails "
                  "mostly holds one wrong decision among many right turns, the case a per-turn "
                  "reward is for.")
     lines = [

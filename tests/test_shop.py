@@ -153,9 +153,10 @@ def test_divided_dialog_is_the_gold_one_converting_the_wrong_way_round():
 def slip_labels(n_lines: int, slip: str) -> list[bool]:
     """What each turn of a shop-long dialog with one slip must be labelled: the slip's own turn
     and every later turn that carries its number are wrong, the rest right."""
-    turns = 2 * n_lines + 4             # per line Lookup + subtotal; sum, Rate, conversion, answer
-    wrong = {"store": {0, 1}, "forget": set(), "divided": set()}[slip]
-    wrong |= {turns - 4, turns - 2, turns - 1} if slip != "divided" else {turns - 2, turns - 1}
+    turns = 2 * n_lines + 3             # per line Lookup + running total; Rate, conversion, answer
+    wrong = {"store": {0} | set(range(1, 2 * n_lines, 2)),     # every running total after it
+             "forget": {2 * n_lines - 1}, "divided": set()}[slip]
+    wrong |= {turns - 2, turns - 1}                             # the conversion, the answer
     return [t not in wrong for t in range(turns)]
 
 
@@ -173,7 +174,7 @@ def test_long_world_gold_dialogs_replay_score_and_label():
         assert ep.score() == 1.0 and ep.labels() == [True] * len(ep.steps)
         assert shop.shop_dialog_labels(task, dialog) == ep.labels()
         turns[len(ep.steps)] += 1
-    assert set(turns) == {10, 12, 14}
+    assert set(turns) == {9, 11}
     assert shop.ShopEnv("test", seed=3, episodes=5).episode(0).task != \
         shop.ShopEnv("test", seed=3, episodes=5, world="shop-long").episode(0).task
 
@@ -197,13 +198,13 @@ def test_long_world_slips_are_turn_local_and_each_fails_the_episode():
     assert first["item"] == task.lines[0][1] and first["store"] != task.lines[0][2]
 
 
-def test_long_world_counts_a_partial_sum_wrong():
+def test_long_world_counts_only_running_totals():
     task = shop.ShopEnv("test", episodes=1, world="shop-long").episode(0).task
     subtotals = [f"{q}*{task.prices[s, i]}" for q, i, s in task.lines]
-    steps = [envs.Action(None, "Calculator", {"expression": "+".join(subtotals[:2])}),
+    steps = [envs.Action(None, "Calculator", {"expression": "+".join(subtotals[1:3])}),
              envs.Action(None, "Calculator", {"expression": "+".join(subtotals)}),
-             envs.Action(None, "Calculator", {"expression": subtotals[0]})]
-    assert shop.shop_labels(task, steps) == [False, True, True]
+             envs.Action(None, "Calculator", {"expression": "+".join(subtotals[:2])})]
+    assert shop.shop_labels(task, steps) == [False, True, True]     # running totals only
     short = shop.ShopTask(0, task.prices, task.rates, task.lines, task.currency, "")
     assert shop.shop_labels(short, steps[:1]) == [True]      # shop counts any subset sum
 
@@ -219,7 +220,7 @@ def test_long_sft_dialogs_make_each_slip_on_its_own():
         inputs = [m["content"].split("Action Input:")[-1] for m in dialog
                   if m["role"] == "assistant"]
         seen = {"store": f'"store": "{task.lines[0][2]}"' not in inputs[0],
-                "forget": inputs[2 * n].count("+") == n - 2, "divided": "/" in inputs[2 * n + 2]}
+                "forget": "+" not in inputs[2 * n - 1], "divided": "/" in inputs[2 * n + 1]}
         slips = tuple(k for k in shop.LONG_SLIPS if seen[k])
         assert dialog == envs.dialog_to_messages(shop.long_dialog(task, slips),
                                                  shop.SHOP_TOOLS, [])
