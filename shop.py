@@ -166,13 +166,19 @@ class ShopTask:
         return sorted(out)
 
 
-def shop_task(seed: int) -> ShopTask:
-    """The episode of one seed (deterministic: one random.Random(seed), fixed draw order)."""
-    rng = random.Random(seed)
+def draw_world(rng: random.Random) -> tuple[dict, dict]:
+    """An episode's prices and rates, the first draws of its seed's stream."""
     prices = {(s, i): _cents(rng.randint(*SHOP_PRICE_CENTS))
               for s in SHOP_STORES for i in SHOP_ITEMS}
     rates = {"USD": _cents(100)}
     rates.update({c: _cents(rng.randint(*span)) for c, span in SHOP_RATE_CENTS.items()})
+    return prices, rates
+
+
+def shop_task(seed: int) -> ShopTask:
+    """The episode of one seed (deterministic: one random.Random(seed), fixed draw order)."""
+    rng = random.Random(seed)
+    prices, rates = draw_world(rng)
     n_lines = rng.randint(1, 3)
     pairs = rng.sample([(s, i) for s in SHOP_STORES for i in SHOP_ITEMS], n_lines)
     lines = tuple((rng.randint(1, SHOP_MAX_QUANTITY), i, s) for s, i in pairs)
@@ -547,10 +553,7 @@ LONG_SLIPS = ("store", "forget", "divided")
 def long_task(seed: int) -> ShopTask:
     """The shop-long episode of one seed (one random.Random(seed), fixed draw order)."""
     rng = random.Random(seed)
-    prices = {(s, i): _cents(rng.randint(*SHOP_PRICE_CENTS))
-              for s in SHOP_STORES for i in SHOP_ITEMS}
-    rates = {"USD": _cents(100)}
-    rates.update({c: _cents(rng.randint(*span)) for c, span in SHOP_RATE_CENTS.items()})
+    prices, rates = draw_world(rng)
     while True:     # drawn again (same stream) until every slip is visible: _long_distinct
         n_lines = rng.randint(*LONG_LINES)
         store = rng.choice(SHOP_STORES)
