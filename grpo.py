@@ -736,9 +736,9 @@ def setup(args) -> Training:
         [world.device] if world.device != "cpu" else None)
     builtin = shop.BUILTIN_POLICIES.get(args.env, shop.BUILTIN_POLICY)
     if Path(args.model).resolve() == builtin.resolve() and not builtin.is_dir():
-        how = f"`python shop.py sft --out {builtin}`" if args.env == "shop" else \
-            "the commands under \"The long-horizon world\" in README.md"
-        sys.exit(f"--model: the built-in policy {builtin} is missing; build it with {how}")
+        how = f"build it with `python shop.py sft --out {builtin}`" if args.env == "shop" else \
+            "it is not shipped yet (README.md, \"The long-horizon world\"): pass --model"
+        sys.exit(f"--model: the built-in policy {builtin} is missing; {how}")
     policy, tok = model.load_model(args.model, dtype=model.DTYPES[args.dtype], devices=devices)
     # apply_lora freezes the base: only the adapter is trained (and all-reduced)
     model.apply_lora(policy, r=args.lora_r, alpha=args.lora_alpha, dropout=args.lora_dropout,
