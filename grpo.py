@@ -118,6 +118,13 @@ class RewardContext:                # what the reward functions need besides the
     probe_report: dict | None = None    # shop: the fitted probes' AUROC on held-out own turns
     cost: Counter = field(default_factory=Counter)  # this step's extra work (COSTS)
 
+    def use_head(self, head) -> None:
+        """Read `head` from now on (--probe-retrain-every): a pair.Pair or a probes.Probe."""
+        if isinstance(head, pair.Pair):
+            self.pair = head
+        else:
+            self.probe = head
+
 
 def outcome_reward(traj: Trajectory, ctx) -> list[float | None]:
     return [None] * (len(traj.steps) - 1) + [traj.score]
@@ -619,10 +626,7 @@ def refit_head(run: Training, step: int) -> dict:
     else:
         if world.main:
             onpolicy.save_head(new, onpolicy.head_dir(run.out, step))
-        if ctx.pair is not None:
-            ctx.pair = new
-        else:
-            ctx.probe = new
+        ctx.use_head(new)
         run.log(f"refit: {what} fitted again on the {rep['turns']} own turns of steps "
                 f"{step - every + 1}-{step} ({rep['correct']} right), AUROC on them "
                 f"{rep['auroc_before']:.3f} -> {rep['auroc_after']:.3f}", flush=True)
@@ -792,10 +796,7 @@ def resume(run: Training) -> int:
     if args.probe_retrain_every and start:      # the head the run read at its checkpoint
         head, k = onpolicy.latest_head(out, start)
         if head is not None:
-            if run.ctx.pair is not None:
-                run.ctx.pair = head
-            else:
-                run.ctx.probe = head
+            run.ctx.use_head(head)
             run.log(f"reading the head refitted after step {k} "
                     f"({onpolicy.head_dir(out, k)})", flush=True)
     return start
