@@ -532,22 +532,31 @@ def _shop_state(task: ShopTask, dialog: list[dict]) -> tuple[dict, list[float], 
 # the conversion, the answer: 2 x lines + 3 = 9-11 assistant turns. A Lookup's thought
 # restates the line before and its own as the task writes them, "(1) 6 pear, (2) 1 apple.":
 # finding the next line is then copying on from where the last one ends, which a model as small as
-# the built-in one does with an induction head. (Measured on the way here: without the numbers it
-# took the first line's quantity for every line; with each line alone, it lost its place from the
-# third line on; with a store per line, it copied the wrong store letter; adding the subtotals
-# in one call at the end, it could not copy them back from their observations.)
+# the built-in one does with an induction head. Every turn after a Calculator call restates its
+# result first, "The total so far is 24.21.", so that each number is copied from one message back.
+# (Measured on the way here: without the numbers it took the first line's quantity for every line;
+# with each line alone, it lost its place from the third line on; with a store per line, it copied
+# the wrong store letter; adding the subtotals in one call at the end, it could not copy them back
+# from their observations; with running totals not restated, it lost digits copying one from three
+# messages back.)
 # A Calculator call is right when it produces a running total (the first k lines) or the total
 # converted: a total that leaves a line out is wrong where it is made. A line's number in a
 # thought is a name, not a value.
 #
 # The built-in policy of this world (data/shop-long-policy) is given three slips on purpose, each
-# a fluent, turn-local habit at a different turn, each drawn on its own, each alone enough to
-# fail the episode (its later turns carry the wrong number, consistently):
-#   store   - the first line's item is looked up (and costed) at the wrong store, the next one;
-#   forget  - the last line's running total leaves out the lines before it (q*p alone);
-#   divided - the conversion divides the dollar sum by the rate (as in shop_divided).
+# a fluent, turn-local habit at a different turn, each alone enough to fail the episode (its later
+# turns carry the wrong number, consistently). Each is a habit of some tasks, as shop's divided
+# habit is of non-USD ones, on a feature of its own that half the tasks have (LONG_HABITS): made
+# there more often than not, greedy decoding makes it wherever it can, so greedy success is about
+# the eighth of tasks that have none, while sampling also plays each habit's right turn.
+#   store   - at store A or B, the first line's item is looked up (and costed) at the next store;
+#   forget  - with 4 lines, the last line's running total leaves out the lines before it (q*p);
+#   divided - in EUR or GBP, the conversion divides the dollar sum by the rate (as shop_divided).
 LONG_LINES = (3, 4)
 LONG_SLIPS = ("store", "forget", "divided")
+LONG_HABITS = {"store": lambda task: task.lines[0][2] in ("A", "B"),
+               "forget": lambda task: len(task.lines) == 4,
+               "divided": lambda task: task.currency in ("EUR", "GBP")}
 
 
 def long_task(seed: int) -> ShopTask:
@@ -581,8 +590,9 @@ def _long_distinct(task: ShopTask) -> bool:
     for q, i, s in task.lines[1:]:
         running.append(running[-1] + q * task.prices[s, i])
     q, i, s = task.lines[-1]
+    usd = sum(q * task.prices[s, i] for q, i, s in task.lines)
     wrong = running + [q * task.prices[s, i],                          # forget
-                       gold[-2] / task.rates[task.currency]]           # divided
+                       usd / task.rates[task.currency]]                # divided
     return all(abs(a - b) > _CENT for a in wrong for b in gold)
 
 
@@ -617,6 +627,11 @@ def long_dialog(task: ShopTask, slips=()) -> list[dict]:
         dialog.append(_tool_message(call[0], res.text))
         return res
 
+    def so_far(running) -> str:
+        # each turn after a running total restates it first, copied from the observation just
+        # before, so the next total copies it from one message back, not three
+        return "" if running is None else f"The total so far is {running}. "
+
     running, said = None, []
     for k, (q, item, store) in enumerate(task.lines):
         if k == 0 and "store" in slips:             # the line misread
@@ -625,15 +640,15 @@ def long_dialog(task: ShopTask, slips=()) -> list[dict]:
         # the last line and this one, joined as the task joins them: a verbatim continuation
         joint = "" if k == 0 else f"{said[-1]}{' and ' if k == len(task.lines) - 1 else ', '}"
         said.append(line)
-        price = turn(f"{joint}{line}. I need the price of {item} at store {store}.",
-                     ("Lookup", {"store": store, "item": item})).value
+        price = turn(f"{so_far(running)}{joint}{line}. I need the price of {item} at store "
+                     f"{store}.", ("Lookup", {"store": store, "item": item})).value
         carry = k > 0 and not (k == len(task.lines) - 1 and "forget" in slips)
         formula = f"{running}+{q}*{price}" if carry else f"{q}*{price}"
         running = turn(f"{line} at store {store} costs {price}. The total so far is {formula}.",
                        ("Calculator", {"expression": formula})).text
     usd = running
     cur = task.currency
-    rate = turn(f"I need the {cur} rate.", ("Rate", {"currency": cur})).value
+    rate = turn(f"{so_far(usd)}I need the {cur} rate.", ("Rate", {"currency": cur})).value
     formula = f"{usd}{'/' if 'divided' in slips else '*'}{rate}"
     total = turn(f"1 USD = {rate} {cur}. The total is {formula}.",
                  ("Calculator", {"expression": formula})).number
@@ -1001,12 +1016,14 @@ def sft_dialogs(episodes: int, contaminated: float, seed: int,
 
 def long_sft_dialogs(episodes: int, slips: float, seed: int) -> list[list[dict]]:
     """Chat messages of the first `episodes` shop-long training episodes, each of LONG_SLIPS made
-    in a dialog with probability `slips`, drawn on its own."""
+    with probability `slips` in a dialog whose task has its habit (LONG_HABITS), drawn on its own
+    (three draws per dialog, always: the stream does not depend on the task)."""
     rng = random.Random(f"sft-slips-{seed}")
     out = []
     for i in range(episodes):
         task = long_task(shop_episode_seed("train", seed, i))
-        made = tuple(slip for slip in LONG_SLIPS if rng.random() < slips)
+        made = tuple(slip for slip in LONG_SLIPS
+                     if rng.random() < slips and LONG_HABITS[slip](task))
         out.append(envs.dialog_to_messages(long_dialog(task, made), SHOP_TOOLS, []))
     return out
 
@@ -1068,7 +1085,7 @@ def sft(args) -> dict:
                 torch.nn.init.zeros_(p)
     n_params = sum(p.numel() for p in policy.parameters())
     what = f"{args.contaminated:.0%} contaminated, {args.divided:.0%} of the others dividing " \
-        "by the rate" if args.world == "shop" else f"shop-long, each slip in {args.slips:.0%}"
+        "by the rate" if args.world == "shop" else f"shop-long, each slip in {args.slips:.0%} of its tasks"
     print(f"sft: {len(examples)} dialogs ({what}), vocab "
           f"{config['vocab_size']}, {n_params / 1e6:.2f}M parameters"
           f"{', from ' + args.init if args.init else ''}; {args.induction_steps} "
@@ -1249,13 +1266,13 @@ def write_policy_readme(out: Path, args, config: dict, result: dict, earlier: li
         about = (f"The policy of the long-horizon world (shop.py, shop-long: 3-4 lines, 9-11 "
                  f"turns), continued (`--init`, the last command) from the policy of the "
                  f"commands before it on the gold shop-long dialogs, where each of three slips "
-                 f"is made in {args.slips:.0%} of them, drawn on its own (shop.LONG_SLIPS): "
-                 "the first Lookup at the wrong store, the last running total leaving out the "
-                 "lines before it, the conversion dividing by the rate. Each is a fluent, "
+                 f"is made in {args.slips:.0%} of the tasks that have its habit, drawn on its own "
+                 "(shop.LONG_SLIPS, shop.LONG_HABITS): at store A or B the first Lookup at the "
+                 "next store, with 4 lines the last running total leaving out the lines before "
+                 "it, in EUR or GBP the conversion dividing by the rate. Each is a fluent, "
                  "turn-local habit at its own turn, each alone fails the episode: a rollout that "
-                 "fails "
-                 "mostly holds one wrong decision among many right turns, the case a per-turn "
-                 "reward is for.")
+                 "fails mostly holds one wrong decision among many right turns, the case a "
+                 "per-turn reward is for.")
     lines = [
         title, "", about, "",
         "Rebuilt, byte for byte, by:", "", "```bash", *earlier, command, "```", "",
@@ -1314,7 +1331,8 @@ def main(argv=None):
     a("--world", default="shop", choices=tuple(WORLDS),
       help="the world whose dialogs are trained on (shop-long: continue a shop policy, --init)")
     a("--slips", type=float, default=0.0,
-      help="shop-long: probability of each of the three slips (LONG_SLIPS) in a dialog, drawn "
+      help="shop-long: probability of each of the three slips (LONG_SLIPS) in a dialog whose "
+           "task has its habit (LONG_HABITS), drawn "
            "on its own")
     a("--init", default=None, metavar="DIR",
       help="continue from this saved policy (its weights, shape and tokenizer) instead of "

@@ -209,12 +209,12 @@ def test_long_world_counts_only_running_totals():
     assert shop.shop_labels(short, steps[:1]) == [True]      # shop counts any subset sum
 
 
-def test_long_sft_dialogs_make_each_slip_on_its_own():
+def test_long_sft_dialogs_make_each_slip_on_its_own_where_its_habit_is():
     gold = shop.long_sft_dialogs(30, 0.0, seed=1)
     assert gold == [envs.dialog_to_messages(shop.long_dialog(shop.long_task(
         shop.shop_episode_seed("train", 1, i))), shop.SHOP_TOOLS, []) for i in range(30)]
-    made = collections.Counter()
-    for i, dialog in enumerate(shop.long_sft_dialogs(400, 0.5, seed=1)):
+    made, habits, every = collections.Counter(), collections.Counter(), collections.Counter()
+    for i, dialog in enumerate(shop.long_sft_dialogs(600, 0.5, seed=1)):
         task = shop.long_task(shop.shop_episode_seed("train", 1, i))
         n = len(task.lines)
         inputs = [m["content"].split("Action Input:")[-1] for m in dialog
@@ -224,10 +224,16 @@ def test_long_sft_dialogs_make_each_slip_on_its_own():
         slips = tuple(k for k in shop.LONG_SLIPS if seen[k])
         assert dialog == envs.dialog_to_messages(shop.long_dialog(task, slips),
                                                  shop.SHOP_TOOLS, [])
+        has = {k for k in shop.LONG_SLIPS if shop.LONG_HABITS[k](task)}
+        assert set(slips) <= has, (i, slips, has)           # never where its habit is not
         made.update(slips)
-        made[len(slips)] += 1
-    assert all(160 <= made[s] <= 240 for s in shop.LONG_SLIPS), made   # 50% each ...
-    assert 30 <= made[0] <= 70 and 30 <= made[3] <= 70, made           # ... on its own
+        habits.update(has)
+        if len(has) == 3:
+            every[len(slips)] += 1
+    for s in shop.LONG_SLIPS:
+        assert 0.35 * 600 <= habits[s] <= 0.65 * 600, habits     # each habit: half the tasks
+        assert 0.4 * habits[s] <= made[s] <= 0.6 * habits[s], (made, habits)    # 50% of those
+    assert every[0] and every[3] and every[1] and every[2], every   # ... each drawn on its own
 
 
 def test_sft_shop_long_continues_a_shop_policy_byte_for_byte(tmp_path):
