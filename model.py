@@ -317,7 +317,7 @@ class Attention(nn.Module):
         out = out.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim)
         return self.o_proj(out), sums
 
-    def decode(self, x, cos, sin, bias, pos, cache, before=None):
+    def decode(self, x, cos, sin, bias, pos, cache, before=None, w=None):
         """One new token per row, x (B, 1, d) at positions pos (B,): the attention output and,
         given before (B, 1, 1, S), 1 on the key slots before each row's span, the four numbers of
         each head's softmax row (stats_from): its max, sum of squares, prefix and self masses,
@@ -325,11 +325,16 @@ class Attention(nn.Module):
 
         The attention is computed by hand, in float32 (its probabilities are the statistics):
         query head h uses key head h // (H/KV), so the query heads are grouped, not the keys
-        repeated; `bias` (B, 1, 1, S) is 0 on visible key slots and -inf elsewhere."""
+        repeated; `bias` (B, 1, 1, S) is 0 on visible key slots and -inf elsewhere. w: the
+        fused projections (Block.decode_weights), or None for the modules."""
         B, H, KV, D = x.shape[0], self.n_heads, self.n_kv_heads, self.head_dim
-        q = self.q_proj(x).view(B, 1, H, D).transpose(1, 2)                 # (B, H, 1, D)
-        k = self.k_proj(x).view(B, 1, KV, D).transpose(1, 2)
-        v = self.v_proj(x).view(B, 1, KV, D).transpose(1, 2)
+        if w is None:
+            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        else:
+            q, k, v = F.linear(x, *w[0]).split((H * D, KV * D, KV * D), -1)
+        q = q.view(B, 1, H, D).transpose(1, 2)                              # (B, H, 1, D)
+        k = k.view(B, 1, KV, D).transpose(1, 2)
+        v = v.view(B, 1, KV, D).transpose(1, 2)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         k, v = cache.write_one(k, v, pos, bias.shape[-1])                   # (B, KV, S, D)
         q = (q.float() * self.scale).view(B, KV, H // KV, D)                # (B, KV, G, D)
@@ -340,7 +345,7 @@ class Attention(nn.Module):
             p = p.view(B, H, 1, -1)                                         # (B, H, 1, S)
             prefix = torch.linalg.vecdot(p, before)
             numbers = (p.amax(-1), torch.linalg.vecdot(p, p), prefix, 1 - prefix)
-        return self.o_proj(out), numbers
+        return (self.o_proj(out) if w is None else F.linear(out, *w[1])), numbers
 
     def span_stats(self, sums, q, k, mask, positions, key_pos, rows: SpanRows):
         # Recompute q k^T for the span rows only, a chunk of rows at a time: (B, H, c, S).
@@ -370,10 +375,44 @@ class Block(nn.Module):
 
     def decode(self, x, cos, sin, bias, pos, cache, before=None):
         """forward for one new token per row (Attention.decode): (B, 1, d) -> (B, 1, d)."""
+        w = self.decode_weights()
         a, numbers = self.self_attn.decode(self.input_layernorm(x), cos, sin, bias, pos, cache,
-                                           before)
+                                           before, w)
         x = x + a
-        return x + self.mlp(self.post_attention_layernorm(x)), numbers
+        h = self.post_attention_layernorm(x)
+        if w is None:
+            return x + self.mlp(h), numbers
+        gate, up = F.linear(h, *w[2]).chunk(2, -1)
+        return x + F.linear(F.silu(gate) * up, *w[3]), numbers
+
+    def decode_weights(self) -> list[tuple] | None:
+        """(weight, bias) of q/k/v, o, gate/up and down as decoding applies them: an enabled
+        adapter merged in, q/k/v and gate/up concatenated - four matmuls a token instead of seven
+        (21 with adapters), each of which costs its call, not its arithmetic, at a small model's
+        size. Rebuilt when a tensor's version changes (optimizer steps, copy_) or an adapter is
+        switched. None, for the modules themselves, where merging would change the numbers (not
+        float32: an adapter merged into bfloat16 is rounded away; adapter dropout on) or a second
+        copy of the weights buys nothing (a block over FUSE_MAX_ELEMENTS)."""
+        a, m = self.self_attn, self.mlp
+        groups = ((a.q_proj, a.k_proj, a.v_proj), (a.o_proj,), (m.gate_proj, m.up_proj),
+                  (m.down_proj,))
+        linears = [lin for group in groups for lin in group]
+        if sum(lin.weight.numel() for lin in linears) > FUSE_MAX_ELEMENTS or any(
+                lin.weight.dtype != torch.float32 or getattr(lin, "dropout", 0) and lin.training
+                for lin in linears):
+            return None
+        key = [(id(t), t.data_ptr(), t._version) for lin in linears for t in _lora_reads(lin)]
+        if getattr(self, "_fused", (None,))[0] != key:
+            with torch.no_grad():
+                self._fused = key, [(torch.cat([merged_weight(lin) for lin in group]),
+                                     None if all(lin.bias is None for lin in group) else
+                                     torch.cat([lin.bias if lin.bias is not None else
+                                                lin.weight.new_zeros(lin.out_features)
+                                                for lin in group])) for group in groups]
+        return self._fused[1]
+
+
+FUSE_MAX_ELEMENTS = 1 << 22       # 16 MB of float32 per block: the built-in policy, not 0.5B
 
 
 class Decoder(nn.Module):
@@ -938,6 +977,22 @@ class LoRALinear(nn.Module):
     def extra_repr(self):
         return (f"{self.in_features}, {self.out_features}, r={self.lora_A.out_features}, "
                 f"scaling={self.scaling:g}")
+
+
+def merged_weight(linear: nn.Module) -> Tensor:
+    """The weight an nn.Linear or LoRALinear applies now: W + scaling * B A with its adapter
+    enabled (float32 throughout; without dropout, forward computes exactly this map)."""
+    if isinstance(linear, LoRALinear) and linear.enabled:
+        return linear.weight + linear.scaling * (linear.lora_B.weight @ linear.lora_A.weight)
+    return linear.weight
+
+
+def _lora_reads(linear: nn.Module) -> list[Tensor]:
+    """The tensors merged_weight and the bias read now (the adapter's only while enabled)."""
+    out = [linear.weight] + ([linear.bias] if linear.bias is not None else [])
+    if isinstance(linear, LoRALinear) and linear.enabled:
+        out += [linear.lora_A.weight, linear.lora_B.weight]
+    return out
 
 
 def apply_lora(model: nn.Module, r=16, alpha=32.0, dropout=0.05, targets=LORA_TARGETS,

@@ -434,6 +434,47 @@ def test_decoding_equals_the_straightforward_loop(name, temperature, top_p):
     assert len({len(t.tokens) for t in traces} | {0}) > 1 or temperature == 0
 
 
+def check_decoding(model, prompts, temperature, seed):
+    """generate against reference_generate and trace_forward (the modules' own forward)."""
+    stop = [0, 1, 2]
+    traces = M.generate(model, model.new_cache(len(prompts)), prompts, 10, temperature, 1.0,
+                        stop, torch.Generator().manual_seed(seed))
+    expect = reference_generate(model, prompts, 10, temperature, 1.0, stop,
+                                torch.Generator().manual_seed(seed), [True] * len(prompts))
+    assert [t.tokens for t in traces] == expect
+    for p, trace in zip(prompts, traces):
+        ref = M.trace_forward(model, p + trace.tokens, trace.span, stop_ids=stop)
+        assert_stats_close(trace.attn, ref.attn, atol=1e-5)
+        torch.testing.assert_close(trace.h_mean, ref.h_mean, atol=1e-5, rtol=1e-4)
+    return [t.tokens for t in traces]
+
+
+@pytest.mark.parametrize("fused", [True, False])
+def test_decoding_with_an_adapter_follows_its_updates(monkeypatch, fused):
+    """Decoding merges an enabled adapter into fused projections (Block.decode_weights): they
+    must follow every update of the adapter and every switch to the base model, or rollouts
+    would sample from a stale policy. With fused=False the modules themselves decode."""
+    if not fused:
+        monkeypatch.setattr(M, "FUSE_MAX_ELEMENTS", 0)
+    model = M.apply_lora(random_model("qwen2-gqa-tied", seed=3), r=4, alpha=8.0, dropout=0.0)
+    layer = model.model.layers[0]
+    for _, p in M.lora_parameters(model):
+        p.data.normal_(0, 0.1, generator=torch.Generator().manual_seed(4))
+    assert (layer.decode_weights() is not None) == fused
+    prompts = [[5, 6, 7, 8], [9, 10], [11, 12, 13]]
+    before = check_decoding(model, prompts, 1.0, seed=5)
+    opt = torch.optim.AdamW([p for _, p in M.lora_parameters(model)], lr=0.5)
+    model(torch.tensor([prompts[0]])).logits.logsumexp(-1).sum().backward()
+    opt.step()                              # an in-place update, as GRPO's
+    after = check_decoding(model, prompts, 1.0, seed=5)
+    with M.lora_disabled(model):
+        base = check_decoding(model, prompts, 1.0, seed=5)
+    assert before != after != base          # each check above saw different weights
+    model.train()                           # adapter dropout on: the modules decode
+    model.model.layers[0].self_attn.q_proj.dropout = 0.1
+    assert layer.decode_weights() is None
+
+
 def test_statistics_do_not_change_the_sampled_tokens():
     model = random_model("qwen2-mqa-untied", seed=7)
     prompts = [[1, 2, 3], [4, 5]]
