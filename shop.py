@@ -533,7 +533,8 @@ def _shop_state(task: ShopTask, dialog: list[dict]) -> tuple[dict, list[float], 
 # restates the line before and its own as the task writes them, "(1) 6 pear, (2) 1 apple.":
 # finding the next line is then copying on from where the last one ends, which a model as small as
 # the built-in one does with an induction head. Every turn after a Calculator call restates its
-# result first, "The total so far is 24.21.", so that each number is copied from one message back.
+# result first, "The total so far is 24.21.", copied from the observation just before: the next
+# running total then copies it from two messages back, not three.
 # (Measured on the way here: without the numbers it took the first line's quantity for every line;
 # with each line alone, it lost its place from the third line on; with a store per line, it copied
 # the wrong store letter; adding the subtotals in one call at the end, it could not copy them back
