@@ -391,13 +391,15 @@ class Block(nn.Module):
         (21 with adapters), each of which costs its call, not its arithmetic, at a small model's
         size. Rebuilt when a tensor's version changes (optimizer steps, copy_) or an adapter is
         switched. None, for the modules themselves, where merging would change the numbers (not
-        float32: an adapter merged into bfloat16 is rounded away; adapter dropout on) or a second
-        copy of the weights buys nothing (a block over FUSE_MAX_ELEMENTS)."""
+        float32: an adapter merged into bfloat16 is rounded away; adapter dropout on), where a
+        gradient is wanted (the fused weights are detached), or where a second copy of the
+        weights buys nothing (a block over FUSE_MAX_ELEMENTS)."""
         a, m = self.self_attn, self.mlp
         groups = ((a.q_proj, a.k_proj, a.v_proj), (a.o_proj,), (m.gate_proj, m.up_proj),
                   (m.down_proj,))
         linears = [lin for group in groups for lin in group]
-        if sum(lin.weight.numel() for lin in linears) > FUSE_MAX_ELEMENTS or any(
+        if torch.is_grad_enabled() or sum(lin.weight.numel() for lin in linears) > \
+                FUSE_MAX_ELEMENTS or any(
                 lin.weight.dtype != torch.float32 or getattr(lin, "dropout", 0) and lin.training
                 for lin in linears):
             return None
