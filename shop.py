@@ -1086,7 +1086,8 @@ def sft(args) -> dict:
                 torch.nn.init.zeros_(p)
     n_params = sum(p.numel() for p in policy.parameters())
     what = f"{args.contaminated:.0%} contaminated, {args.divided:.0%} of the others dividing " \
-        "by the rate" if args.world == "shop" else f"shop-long, each slip in {args.slips:.0%} of its tasks"
+        "by the rate" if args.world == "shop" else \
+        f"shop-long, each slip in {args.slips:.0%} of its tasks"
     print(f"sft: {len(examples)} dialogs ({what}), vocab "
           f"{config['vocab_size']}, {n_params / 1e6:.2f}M parameters"
           f"{', from ' + args.init if args.init else ''}; {args.induction_steps} "
