@@ -406,12 +406,17 @@ class Block(nn.Module):
         key = [(id(t), t.data_ptr(), t._version) for lin in linears for t in _lora_reads(lin)]
         if getattr(self, "_fused", (None,))[0] != key:
             with torch.no_grad():
-                self._fused = key, [(torch.cat([merged_weight(lin) for lin in group]),
-                                     None if all(lin.bias is None for lin in group) else
-                                     torch.cat([lin.bias if lin.bias is not None else
-                                                lin.weight.new_zeros(lin.out_features)
-                                                for lin in group])) for group in groups]
+                self._fused = key, [_fuse(group) for group in groups]
         return self._fused[1]
+
+
+def _fuse(linears) -> tuple[Tensor, Tensor | None]:
+    """One (weight, bias) applying the given projections side by side (a missing bias is 0)."""
+    weight = torch.cat([merged_weight(lin) for lin in linears])
+    if all(lin.bias is None for lin in linears):
+        return weight, None
+    return weight, torch.cat([lin.bias if lin.bias is not None else
+                              lin.weight.new_zeros(lin.out_features) for lin in linears])
 
 
 FUSE_MAX_ELEMENTS = 1 << 22       # 16 MB of float32 per block: the built-in policy, not 0.5B

@@ -590,8 +590,8 @@ def _long_distinct(task: ShopTask) -> bool:
     running = [q * task.prices[_slip_store(task, store, item), item]]     # store
     for q, i, s in task.lines[1:]:
         running.append(running[-1] + q * task.prices[s, i])
-    q, i, s = task.lines[-1]
     usd = sum(q * task.prices[s, i] for q, i, s in task.lines)
+    q, i, s = task.lines[-1]
     wrong = running + [q * task.prices[s, i],                          # forget
                        usd / task.rates[task.currency]]                # divided
     return all(abs(a - b) > _CENT for a in wrong for b in gold)
@@ -630,7 +630,7 @@ def long_dialog(task: ShopTask, slips=()) -> list[dict]:
 
     def so_far(running) -> str:
         # each turn after a running total restates it first, copied from the observation just
-        # before, so the next total copies it from one message back, not three
+        # before, so the next total copies it from two messages back, not three
         return "" if running is None else f"The total so far is {running}. "
 
     running, said = None, []
