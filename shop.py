@@ -27,6 +27,7 @@ import time
 from dataclasses import dataclass, replace
 from decimal import ROUND_HALF_UP, Decimal
 from functools import cached_property
+from itertools import accumulate
 from pathlib import Path
 
 import torch
@@ -583,7 +584,8 @@ def _long_distinct(task: ShopTask) -> bool:
     """The gold's computed values lie more than a cent apart (a Calculator result equal to an
     earlier one is a wasted call, so a tie would make a gold turn wrong), and no slip computes a
     value a right turn could (each is wrong where it is made)."""
-    gold = task.quantities
+    # the values as the gold computes them, ties kept (task.quantities is a set: it hides them)
+    gold = list(accumulate(q * task.prices[s, i] for q, i, s in task.lines)) + [task.total]
     if any(abs(a - b) <= _CENT for k, a in enumerate(gold) for b in gold[k + 1:]):
         return False
     q, item, store = task.lines[0]

@@ -179,6 +179,21 @@ def test_long_world_gold_dialogs_replay_score_and_label():
         shop.ShopEnv("test", seed=3, episodes=5, world="shop-long").episode(0).task
 
 
+def test_long_world_rejects_tasks_whose_gold_values_tie():
+    """A Calculator result equal to an earlier one is a wasted call, labelled wrong, so a task
+    whose converted total equals one of its running totals would make its own gold wrong."""
+    world = shop.long_task(shop.shop_episode_seed("test", 42, 0))
+    prices = {**world.prices, ("C", "milk"): Decimal("40.00"), ("C", "rice"): Decimal("8.00"),
+              ("C", "egg"): Decimal("12.00")}           # running totals 40, 48, 60 USD
+    rates = {**world.rates, "GBP": Decimal("0.80")}     # 60 USD is 48.00 GBP: a running total
+    tie = shop.ShopTask(0, prices, rates, ((1, "milk", "C"), (1, "rice", "C"), (1, "egg", "C")),
+                        "GBP", "", stepwise=True)
+    assert not all(shop.shop_dialog_labels(tie, shop.long_dialog(tie)))
+    assert not shop._long_distinct(tie)
+    assert shop._long_distinct(world) and all(shop.shop_dialog_labels(world,
+                                                                      shop.long_dialog(world)))
+
+
 def test_long_world_slips_are_turn_local_and_each_fails_the_episode():
     env = shop.ShopEnv("train", seed=42, episodes=40, world="shop-long")
     for i in range(len(env)):
