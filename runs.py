@@ -38,6 +38,7 @@ import common
 import envs
 import onpolicy
 import shop
+import weights
 from rollout import rollout
 
 
@@ -490,7 +491,7 @@ def _write_checkpoint(out, step, final, tmp, policy, optimizer, world, lagged) -
     barrier(world)
     if world.main:
         adapters.save_adapter(policy, tmp / "adapter")
-        tensors, meta = optimizer_to_tensors(optimizer)
+        tensors, meta = weights.optimizer_to_tensors(optimizer)
         save_file(tensors, tmp / "optimizer.safetensors")
         if lagged is not None:
             save_file(lagged, tmp / "lagged.safetensors")
@@ -517,7 +518,7 @@ def load_checkpoint(path: Path, policy, optimizer, world) -> tuple[int, dict | N
             raise ValueError(f"it was written by {info['processes']} processes, this run has "
                              f"{world.size}; the RNG streams would differ")
         adapters.load_adapter(policy, path / "adapter")
-        optimizer_from_tensors(optimizer, load_file(path / "optimizer.safetensors"),
+        weights.optimizer_from_tensors(optimizer, load_file(path / "optimizer.safetensors"),
                                info["optimizer"])
         set_rng_state(load_file(path / f"rng-{world.rank}.safetensors"),
                       json.loads((path / f"rng-{world.rank}.json").read_text()))
@@ -528,27 +529,6 @@ def load_checkpoint(path: Path, policy, optimizer, world) -> tuple[int, dict | N
             SafetensorError) as e:      # a damaged file: any of these, never a traceback
         raise SystemExit(f"{path}: cannot resume from this checkpoint ({type(e).__name__}: "
                          f"{e})") from None
-
-
-def optimizer_to_tensors(optimizer) -> tuple[dict, dict]:
-    # safetensors holds the tensors and JSON the rest: no pickle anywhere
-    sd = optimizer.state_dict()
-    tensors, scalars = {}, {}
-    for idx, state in sd["state"].items():
-        for k, v in state.items():
-            if torch.is_tensor(v):
-                tensors[f"{idx}.{k}"] = v.detach().cpu().contiguous()
-            else:
-                scalars[f"{idx}.{k}"] = v
-    return tensors, {"param_groups": sd["param_groups"], "scalars": scalars}
-
-
-def optimizer_from_tensors(optimizer, tensors: dict, meta: dict):
-    state: dict[int, dict] = {}
-    for key, v in list(tensors.items()) + list(meta["scalars"].items()):
-        idx, k = key.split(".", 1)
-        state.setdefault(int(idx), {})[k] = v
-    optimizer.load_state_dict({"state": state, "param_groups": meta["param_groups"]})
 
 
 def rng_state() -> tuple[dict, dict]:

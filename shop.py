@@ -19,8 +19,10 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import random
 import re
+import shutil
 import sys
 import tempfile
 import time
@@ -32,6 +34,8 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
 from safetensors.torch import save as safetensors_bytes
 
 import calculator
@@ -1109,20 +1113,41 @@ def sft(args) -> dict:
         opt.zero_grad(set_to_none=True)
         return loss.item()
 
+    # A checkpoint every --save-every steps (both phases counted as one sequence); --resume
+    # restores the weights, the optimizer, the induction rows' generator and the logged losses,
+    # so a resumed run writes the same bytes as one never stopped.
+    ckpt = Path(args.out) / "sft-checkpoint"
+    done, losses, kept, earlier_seconds = 0, [], [], 0.0
+    if args.resume:
+        done, losses, kept, earlier_seconds = load_sft_checkpoint(ckpt, args, policy, opt,
+                                                                   induction)
+        print(f"sft: resumed from {ckpt} after {done} of {args.induction_steps + args.steps} "
+              "steps", flush=True)
+
+    def checkpoint(n_done: int):
+        if args.save_every and n_done % args.save_every == 0 and \
+                n_done < args.induction_steps + args.steps:
+            save_sft_checkpoint(ckpt, args, n_done, policy, opt, induction, losses, kept,
+                                earlier_seconds + time.perf_counter() - t0)
+
     # 1. the copy circuit first (see InductionTask): linear warmup, then constant
-    t_phase, losses = time.perf_counter(), []
-    for i in range(args.induction_steps):
+    t_phase, first = time.perf_counter(), done
+    for i in range(done, args.induction_steps):
         losses.append(step(masked_lm_loss(policy, *induction.rows(32)),
                            args.lr * min(1.0, (i + 1) / args.warmup)))
         if (i + 1) % 250 == 0 or i + 1 == args.induction_steps:
-            rate = (time.perf_counter() - t_phase) / (i + 1)
+            rate = (time.perf_counter() - t_phase) / (i + 1 - first)
             print(f"  induction {i + 1}/{args.induction_steps}  loss "
                   f"{sum(losses[-250:]) / len(losses[-250:]):.4f}"
                   f"  ETA {common.duration(rate * (args.induction_steps - i - 1))}", flush=True)
+        checkpoint(i + 1)
+    if done <= args.induction_steps:
+        losses = []             # the dialog phase logs its own losses
     # 2. the dialogs, with a few induction rows kept in every batch: linear warmup, cosine to 0.1
     batches = sft_batches([len(x) for x, _ in examples], args.batch, args.steps, args.seed)
-    t_phase, losses, kept = time.perf_counter(), [], []
-    for i, rows in enumerate(batches):
+    t_phase, first = time.perf_counter(), max(0, done - args.induction_steps)
+    for i in range(first, args.steps):
+        rows = batches[i]
         warm = min(1.0, (i + 1) / args.warmup)
         cos = 0.1 + 0.45 * (1 + math.cos(math.pi * i / max(1, args.steps - 1)))
         T = max(len(examples[r][0]) for r in rows)
@@ -1138,14 +1163,16 @@ def sft(args) -> dict:
         losses.append(loss.item())
         kept.append(extra.item() if torch.is_tensor(extra) else extra)
         if (i + 1) % 50 == 0 or i + 1 == args.steps:
-            rate = (time.perf_counter() - t_phase) / (i + 1)
+            rate = (time.perf_counter() - t_phase) / (i + 1 - first)
             print(f"  step {i + 1}/{args.steps}  loss {sum(losses[-50:]) / len(losses[-50:]):.4f}"
                   f"  induction loss {sum(kept[-50:]) / len(kept[-50:]):.4f}"
                   f"  ETA {common.duration(rate * (args.steps - i - 1))}", flush=True)
+        checkpoint(args.induction_steps + i + 1)
     policy.eval()
-    seconds = time.perf_counter() - t0
+    seconds = earlier_seconds + time.perf_counter() - t0
     out = Path(args.out)
     save_policy(out, policy, tok, config)
+    shutil.rmtree(ckpt, ignore_errors=True)
     result = {"train_seconds": round(seconds, 1), "final_loss": round(
         sum(losses[-50:]) / len(losses[-50:]), 4), "parameters": n_params}
     if args.eval_episodes:
@@ -1199,12 +1226,71 @@ class InductionTask:
         return ids, mask
 
 
+def _policy_tensors(policy) -> dict[str, torch.Tensor]:
+    """The weights as saved: the head is tied to the embeddings (tie_word_embeddings)."""
+    return {k: v.contiguous() for k, v in policy.state_dict().items() if k != "lm_head.weight"}
+
+
 def save_policy(out: Path, policy, tok, config: dict):
     out.mkdir(parents=True, exist_ok=True)
-    state = {k: v.contiguous() for k, v in policy.state_dict().items() if k != "lm_head.weight"}
-    common.write_atomic(out / "model.safetensors", safetensors_bytes(state, {"format": "pt"}))
+    common.write_atomic(out / "model.safetensors",
+                        safetensors_bytes(_policy_tensors(policy), {"format": "pt"}))
     common.write_json(out / "config.json", config)
     common.write_atomic(out / "tokenizer.json", tok.tok.to_str(pretty=True))
+
+
+# the flags a resumed sft run must share with the run it continues (the others change nothing
+# that is trained)
+_SFT_FREE_FLAGS = ("out", "resume", "save_every", "eval_episodes", "command")
+
+
+def _sft_flags(args) -> dict:
+    return {k: v for k, v in sorted(vars(args).items()) if k not in _SFT_FREE_FLAGS}
+
+
+def save_sft_checkpoint(path: Path, args, done: int, policy, opt, induction, losses, kept,
+                        seconds: float):
+    """OUT/sft-checkpoint after `done` steps, written whole or not at all (a temporary directory
+    renamed over the last one)."""
+    tmp = path.with_name(path.name + ".tmp")
+    try:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+        save_file(_policy_tensors(policy), tmp / "model.safetensors")
+        tensors, meta = weights.optimizer_to_tensors(opt)
+        save_file(tensors, tmp / "optimizer.safetensors")
+        save_file({"induction": induction.g.get_state()}, tmp / "rng.safetensors")
+        common.write_json(tmp / "trainer.json", {
+            "done": done, "flags": _sft_flags(args), "losses": losses, "kept": kept,
+            "seconds": seconds, "optimizer": meta})
+        shutil.rmtree(path, ignore_errors=True)
+        os.replace(tmp, path)
+    except (OSError, SafetensorError) as e:        # a full disk: the last checkpoint stays
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise SystemExit(f"{path}: could not be written ({type(e).__name__}: {e}); free the "
+                         "space and continue with --resume") from None
+
+
+def load_sft_checkpoint(path: Path, args, policy, opt, induction) -> tuple:
+    """Restore what save_sft_checkpoint wrote: (steps done, losses, kept, seconds so far)."""
+    try:
+        info = json.loads((path / "trainer.json").read_text())
+        changed = [f"--{k.replace('_', '-')} {v} (was {info['flags'].get(k)})"
+                   for k, v in _sft_flags(args).items() if info["flags"].get(k) != v]
+        if changed:
+            raise ValueError("it was trained with other flags: " + ", ".join(changed))
+        state = load_file(path / "model.safetensors")
+        missing, unexpected = policy.load_state_dict(state, strict=False)
+        if unexpected or set(missing) - {"lm_head.weight"}:
+            raise ValueError(f"weights do not fit the model: missing {missing}, "
+                             f"unexpected {unexpected}")
+        weights.optimizer_from_tensors(opt, load_file(path / "optimizer.safetensors"),
+                                       info["optimizer"])
+        induction.g.set_state(load_file(path / "rng.safetensors")["induction"])
+        return int(info["done"]), info["losses"], info["kept"], float(info["seconds"])
+    except (OSError, KeyError, TypeError, ValueError, RuntimeError, SafetensorError) as e:
+        raise SystemExit(f"{path}: cannot resume from this checkpoint ({type(e).__name__}: "
+                         f"{e})") from None
 
 
 @torch.no_grad()
@@ -1360,6 +1446,12 @@ def main(argv=None):
     a("--vocab", type=int, default=1024, help="BPE vocabulary size (at most)")
     a("--seed", type=int, default=42, help="seed of the data draw, the init and the order")
     a("--threads", type=int, default=1, help="torch CPU threads (fixed: results depend on it)")
+    a("--save-every", type=int, default=100,
+      help="write OUT/sft-checkpoint every this many steps (induction and dialog steps counted "
+           "together; 0: never); it is removed once the policy is written")
+    a("--resume", action="store_true",
+      help="continue from OUT/sft-checkpoint (the same flags; the result is byte for byte the "
+           "uninterrupted run's)")
     a("--eval-episodes", type=int, default=100,
       help="held-out shop episodes to measure success on (0: skip)")
     args = ap.parse_args(argv)

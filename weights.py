@@ -8,6 +8,8 @@ cannot read exactly, naming the file and the tensor:
   * `read_state_dict`: every tensor a model expects, checked for presence, extras and shape;
   * `checkpoint_sha256`: a fingerprint of what a checkpoint computes with, which keys every file
     made from it (features, probes, resumed extractions) by content rather than by path;
+  * `optimizer_to_tensors` / `optimizer_from_tensors`: an optimizer's state as tensors and JSON,
+    which the checkpoints of GRPO and of the policy's training are written in;
   * `fetch_from_hub`: a name such as "Qwen/Qwen2.5-7B-Instruct" is downloaded once, with
     `requests`, into $PAIR_CACHE (resumable, size- and sha256-checked).
 model.py's `load_model` puts these together.
@@ -377,6 +379,30 @@ def resolve(path_or_repo) -> Path:
         raise CheckpointError(f"{directory}: not a checkpoint directory (nor a Hub model "
                               "name like Qwen/Qwen2.5-7B-Instruct)")
     return fetch_from_hub(str(path_or_repo))
+
+
+# ----------------------------------------------------------------------------------------------
+# Optimizer state, for the checkpoints of long runs: safetensors holds its tensors and JSON the
+# rest, so that resuming reads no pickle
+
+def optimizer_to_tensors(optimizer) -> tuple[dict, dict]:
+    sd = optimizer.state_dict()
+    tensors, scalars = {}, {}
+    for idx, state in sd["state"].items():
+        for k, v in state.items():
+            if torch.is_tensor(v):
+                tensors[f"{idx}.{k}"] = v.detach().cpu().contiguous()
+            else:
+                scalars[f"{idx}.{k}"] = v
+    return tensors, {"param_groups": sd["param_groups"], "scalars": scalars}
+
+
+def optimizer_from_tensors(optimizer, tensors: dict, meta: dict):
+    state: dict[int, dict] = {}
+    for key, v in list(tensors.items()) + list(meta["scalars"].items()):
+        idx, k = key.split(".", 1)
+        state.setdefault(int(idx), {})[k] = v
+    optimizer.load_state_dict({"state": state, "param_groups": meta["param_groups"]})
 
 
 # ----------------------------------------------------------------------------------------------

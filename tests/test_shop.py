@@ -268,6 +268,42 @@ def test_sft_shop_long_continues_a_shop_policy_byte_for_byte(tmp_path):
         shop.main(["sft", "--out", str(tmp_path / "c"), "--world", "shop-long"] + tiny)
 
 
+class _Stop(Exception):
+    pass
+
+
+def test_sft_resumed_after_a_stop_writes_the_same_bytes(tmp_path, monkeypatch):
+    """A run stopped right after a checkpoint (in the induction phase, and in the dialog phase)
+    and resumed writes the uninterrupted run's policy, byte for byte; other flags are refused."""
+    tiny = ["--episodes", "6", "--steps", "4", "--batch", "2", "--hidden", "16", "--layers", "1",
+            "--heads", "2", "--kv-heads", "1", "--intermediate", "32", "--vocab", "300",
+            "--eval-episodes", "0", "--threads", "1", "--induction-steps", "3",
+            "--save-every", "2"]
+    shop.main(["sft", "--out", str(tmp_path / "a")] + tiny)
+    save = shop.save_sft_checkpoint
+    for stop in (2, 4, 6):          # checkpoints after 2 induction steps, 1 and 3 dialog steps
+        out = tmp_path / f"stop{stop}"
+
+        def save_then_stop(path, args, done, *rest):
+            save(path, args, done, *rest)
+            if done == stop:
+                raise _Stop
+
+        monkeypatch.setattr(shop, "save_sft_checkpoint", save_then_stop)
+        with pytest.raises(_Stop):
+            shop.main(["sft", "--out", str(out)] + tiny)
+        monkeypatch.setattr(shop, "save_sft_checkpoint", save)
+        assert json.loads((out / "sft-checkpoint" / "trainer.json").read_text())["done"] == stop
+        with pytest.raises(SystemExit, match="--lr 0.001 \\(was 0.003\\)"):
+            shop.main(["sft", "--out", str(out), "--resume", "--lr", "0.001"] + tiny)
+        shop.main(["sft", "--out", str(out), "--resume"] + tiny)
+        for f in ("config.json", "model.safetensors", "tokenizer.json"):
+            assert (out / f).read_bytes() == (tmp_path / "a" / f).read_bytes(), (stop, f)
+        assert not (out / "sft-checkpoint").exists()
+    with pytest.raises(SystemExit, match="cannot resume"):
+        shop.main(["sft", "--out", str(tmp_path / "none"), "--resume"] + tiny)
+
+
 def test_episodes_deterministic_and_splits_disjoint():
     a, b = shop.ShopEnv("train", seed=5, episodes=50), shop.ShopEnv("train", seed=5, episodes=50)
     assert [a.episode(i).task for i in range(50)] == [b.episode(i).task for i in range(50)]
