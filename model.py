@@ -330,14 +330,14 @@ class Attention(nn.Module):
         B, H, KV, D = x.shape[0], self.n_heads, self.n_kv_heads, self.head_dim
         if w is None:
             q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
-        else:
-            q, k, v = F.linear(x, *w[0]).split((H * D, KV * D, KV * D), -1)
-        q = q.view(B, 1, H, D).transpose(1, 2)                              # (B, H, 1, D)
-        k = k.view(B, 1, KV, D).transpose(1, 2)
+            q = apply_rope(q.view(B, 1, H, D).transpose(1, 2), cos, sin)   # (B, H, 1, D)
+            k = apply_rope(k.view(B, 1, KV, D).transpose(1, 2), cos, sin)
+        else:       # q and k side by side from one matmul: rotated together, in one pass
+            qk, v = F.linear(x, *w[0]).split(((H + KV) * D, KV * D), -1)
+            q, k = apply_rope(qk.view(B, 1, H + KV, D).transpose(1, 2), cos, sin).split((H, KV), 1)
         v = v.view(B, 1, KV, D).transpose(1, 2)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         k, v = cache.write_one(k, v, pos, bias.shape[-1])                   # (B, KV, S, D)
-        q = (q.float() * self.scale).view(B, KV, H // KV, D)                # (B, KV, G, D)
+        q = (q.float() * self.scale).reshape(B, KV, H // KV, D)             # (B, KV, G, D)
         p = torch.softmax(q @ k.float().transpose(-1, -2) + bias, dim=-1)  # (B, KV, G, S)
         out = (p @ v.float()).view(B, 1, H * D).to(x.dtype)
         numbers = None
