@@ -1465,7 +1465,11 @@ def main(argv=None):
         if args.world == "shop" and args.slips or args.world == "shop-long" and args.divided:
             ap.error("--slips is shop-long's habit, --divided shop's: pass the one of --world "
                      f"{args.world}")
-        return sft(args)
+        with common.exclusive_dir(args.out):    # one writer; a stopped run is not overwritten
+            if (Path(args.out) / "sft-checkpoint").is_dir() and not args.resume:
+                ap.error(f"{Path(args.out) / 'sft-checkpoint'} holds a stopped run: continue "
+                         "it with --resume, or delete it to start over")
+            return sft(args)
     try:
         counts = make_shop_data(args.out, args.episodes, args.seed)
     except envs.DataError as e:            # a bad flag: one clear line, no traceback

@@ -294,6 +294,8 @@ def test_sft_resumed_after_a_stop_writes_the_same_bytes(tmp_path, monkeypatch):
             shop.main(["sft", "--out", str(out)] + tiny)
         monkeypatch.setattr(shop, "save_sft_checkpoint", save)
         assert json.loads((out / "sft-checkpoint" / "trainer.json").read_text())["done"] == stop
+        with pytest.raises(SystemExit):         # not started over by accident
+            shop.main(["sft", "--out", str(out)] + tiny)
         with pytest.raises(SystemExit, match="--lr 0.001 \\(was 0.003\\)"):
             shop.main(["sft", "--out", str(out), "--resume", "--lr", "0.001"] + tiny)
         shop.main(["sft", "--out", str(out), "--resume"] + tiny)
