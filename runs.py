@@ -519,7 +519,7 @@ def load_checkpoint(path: Path, policy, optimizer, world) -> tuple[int, dict | N
                              f"{world.size}; the RNG streams would differ")
         adapters.load_adapter(policy, path / "adapter")
         weights.optimizer_from_tensors(optimizer, load_file(path / "optimizer.safetensors"),
-                               info["optimizer"])
+                                       info["optimizer"])
         set_rng_state(load_file(path / f"rng-{world.rank}.safetensors"),
                       json.loads((path / f"rng-{world.rank}.json").read_text()))
         lagged = load_file(path / "lagged.safetensors") \

@@ -1062,6 +1062,9 @@ def sft_batches(lengths: list[int], batch: int, steps: int, seed: int) -> list[l
     return out[:steps]
 
 
+SFT_CHECKPOINT = "sft-checkpoint"      # under --out while a run is unfinished
+
+
 def sft(args) -> dict:
     torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
@@ -1116,7 +1119,7 @@ def sft(args) -> dict:
     # A checkpoint every --save-every steps (both phases counted as one sequence); --resume
     # restores the weights, the optimizer, the induction rows' generator and the logged losses,
     # so a resumed run writes the same bytes as one never stopped.
-    ckpt = Path(args.out) / "sft-checkpoint"
+    ckpt = Path(args.out) / SFT_CHECKPOINT
     done, losses, kept, earlier_seconds = 0, [], [], 0.0
     if args.resume:
         done, losses, kept, earlier_seconds = load_sft_checkpoint(ckpt, args, policy, opt,
@@ -1466,8 +1469,8 @@ def main(argv=None):
             ap.error("--slips is shop-long's habit, --divided shop's: pass the one of --world "
                      f"{args.world}")
         with common.exclusive_dir(args.out):    # one writer; a stopped run is not overwritten
-            if (Path(args.out) / "sft-checkpoint").is_dir() and not args.resume:
-                ap.error(f"{Path(args.out) / 'sft-checkpoint'} holds a stopped run: continue "
+            if (Path(args.out) / SFT_CHECKPOINT).is_dir() and not args.resume:
+                ap.error(f"{Path(args.out) / SFT_CHECKPOINT} holds a stopped run: continue "
                          "it with --resume, or delete it to start over")
             return sft(args)
     try:
