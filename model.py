@@ -45,6 +45,7 @@ layout, are adapters.py's), the layer split across devices, and the `generate` c
 import argparse
 import contextlib
 import math
+import os
 import re
 import sys
 from bisect import bisect_right
@@ -137,15 +138,6 @@ class KVCache:
         rows = torch.arange(k.shape[0], device=self.k.device)[:, None]
         self.k[rows, :, positions] = k.transpose(1, 2).to(self.k.dtype)   # (B, T, KV, D)
         self.v[rows, :, positions] = v.transpose(1, 2).to(self.v.dtype)
-        return self.k[:, :, :size], self.v[:, :, :size]
-
-    def write_one(self, k: Tensor, v: Tensor, pos: Tensor, size: int) -> tuple[Tensor, Tensor]:
-        """Store one token per row, k, v (B, KV, 1, D), at slots pos (B,); return slots
-        [0, size). Written in place: no new cache tensor unless the capacity is exceeded."""
-        self.grow(size)
-        rows = torch.arange(k.shape[0], device=pos.device)
-        self.k[rows, :, pos] = k[:, :, 0].to(self.k.dtype)                 # (B, KV, D)
-        self.v[rows, :, pos] = v[:, :, 0].to(self.v.dtype)
         return self.k[:, :, :size], self.v[:, :, :size]
 
 
@@ -317,16 +309,18 @@ class Attention(nn.Module):
         out = out.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim)
         return self.o_proj(out), sums
 
-    def decode(self, x, cos, sin, bias, pos, cache, before=None, w=None):
-        """One new token per row, x (B, 1, d) at positions pos (B,): the attention output and,
-        given before (B, 1, 1, S), 1 on the key slots before each row's span, the four numbers of
-        each head's softmax row (stats_from): its max, sum of squares, prefix and self masses,
-        each (B, H, 1). A softmax row sums to 1 over the visible keys, so self = 1 - prefix.
+    def decode(self, x, cos, sin, bias, pos, kv, before=None, w=None):
+        """One new token per row, x (B, 1, d) at positions pos (B,), its k and v written into
+        this layer's cache tensors kv = (k, v) (B, KV, capacity, D) at slots pos: the attention
+        output and, given before (B, 1, 1, S), 1 on the key slots before each row's span, the
+        four numbers of each head's softmax row (stats_from): its max, sum of squares, prefix
+        and self masses, each (B, H, 1). A softmax row sums to 1 over the visible keys, so
+        self = 1 - prefix.
 
-        The attention is computed by hand, in float32 (its probabilities are the statistics):
-        query head h uses key head h // (H/KV), so the query heads are grouped, not the keys
-        repeated; `bias` (B, 1, 1, S) is 0 on visible key slots and -inf elsewhere. w: the
-        fused projections (Block.decode_weights), or None for the modules."""
+        The attention is computed by hand, in float32 (its probabilities are the statistics),
+        over key slots [0, S): query head h uses key head h // (H/KV), so the query heads are
+        grouped, not the keys repeated; `bias` (B, 1, 1, S) is 0 on visible key slots and -inf
+        elsewhere. w: the fused projections (Block.decode_weights), or None for the modules."""
         B, H, KV, D = x.shape[0], self.n_heads, self.n_kv_heads, self.head_dim
         if w is None:
             q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
@@ -335,8 +329,12 @@ class Attention(nn.Module):
         else:       # q and k side by side from one matmul: rotated together, in one pass
             qk, v = F.linear(x, *w[0]).split(((H + KV) * D, KV * D), -1)
             q, k = apply_rope(qk.view(B, 1, H + KV, D).transpose(1, 2), cos, sin).split((H, KV), 1)
-        v = v.view(B, 1, KV, D).transpose(1, 2)
-        k, v = cache.write_one(k, v, pos, bias.shape[-1])                   # (B, KV, S, D)
+        k_cache, v_cache = kv
+        rows = torch.arange(B, device=pos.device)
+        k_cache[rows, :, pos] = k[:, :, 0].to(k_cache.dtype)                 # (B, KV, D)
+        v_cache[rows, :, pos] = v.view(B, KV, D).to(v_cache.dtype)
+        S = bias.shape[-1]
+        k, v = k_cache[:, :, :S], v_cache[:, :, :S]                         # (B, KV, S, D)
         q = (q.float() * self.scale).reshape(B, KV, H // KV, D)             # (B, KV, G, D)
         p = torch.softmax(q @ k.float().transpose(-1, -2) + bias, dim=-1)  # (B, KV, G, S)
         out = (p @ v.float()).view(B, 1, H * D).to(x.dtype)
@@ -373,10 +371,10 @@ class Block(nn.Module):
         x = x + self.mlp(self.post_attention_layernorm(x))
         return x, sums
 
-    def decode(self, x, cos, sin, bias, pos, cache, before=None):
-        """forward for one new token per row (Attention.decode): (B, 1, d) -> (B, 1, d)."""
-        w = self.decode_weights()
-        a, numbers = self.self_attn.decode(self.input_layernorm(x), cos, sin, bias, pos, cache,
+    def decode(self, x, cos, sin, bias, pos, kv, before=None, w=None):
+        """forward for one new token per row (Attention.decode): (B, 1, d) -> (B, 1, d).
+        w: decode_weights(), or None for the modules."""
+        a, numbers = self.self_attn.decode(self.input_layernorm(x), cos, sin, bias, pos, kv,
                                            before, w)
         x = x + a
         h = self.post_attention_layernorm(x)
@@ -517,16 +515,37 @@ class Transformer(nn.Module):
 
     def decode(self, tokens, cache, span_start=None):
         """One token per row, tokens (B,), appended at each row's cache length (its position;
-        the caller advances the lengths). Returns the normed output (B, d) and, given
-        span_start (B,), where each row's turn began: the hidden states of the new token
-        (L+1, B, d), Hugging Face's convention, and its six statistics (B, L, H, 6), STATS order.
+        the caller advances the lengths). Returns the logits (B, V) in float32 and, given span_start (B,), where each row's turn began: the hidden states
+        of the new token (L+1, B, d), Hugging Face's convention, and its six statistics
+        (B, L, H, 6), STATS order.
+
+        A small model's decoding step costs its number of operations, not their arithmetic, so
+        where every block decodes with fused weights on the CPU the step runs as one compiled
+        graph (compiled_step). That graph attends over the cache's whole capacity, the slots
+        past each row's position masked out, so that its shapes change only when the cache
+        grows; the eager step attends over the slots in use."""
+        lengths = cache[0].lengths                          # (B,) on the CPU: no device sync
+        size = int(lengths.max()) + 1                       # key slots [0, size) are in use
+        for layer_cache in cache:
+            layer_cache.grow(size)
+        w = [layer.decode_weights() for layer in self.model.layers]
+        args = (tokens, lengths, span_start, [c.k for c in cache], [c.v for c in cache], w)
+        step = compiled_step(w, cache)
+        if step is not None:
+            try:
+                return step(self, *args, cache[0].capacity)
+            except torch._dynamo.exc.TorchDynamoException as e:     # no working C++ compiler
+                compile_failed(e)
+        return self.decode_step(*args, size)
+
+    def decode_step(self, tokens, lengths, span_start, ks, vs, w, size):
+        """decode on the cache tensors ks, vs (one (B, KV, capacity, D) each per layer),
+        attending over key slots [0, size); w: each block's decode_weights().
 
         The decoding counterpart of trunk, with nothing that depends on a row's length done
         per layer: the masks, RoPE tables and masses matrix are built once per step, and the
         statistics of every layer are derived from their four numbers in one pass at the end."""
         dev = self.model.embed_tokens.weight.device
-        lengths = cache[0].lengths                          # (B,) on the CPU: no device sync
-        size = int(lengths.max()) + 1                       # key slots [0, size)
         pos = lengths.to(dev)
         key_pos = torch.arange(size, device=dev)
         visible = key_pos <= pos[:, None]                                   # (B, S)
@@ -538,26 +557,57 @@ class Transformer(nn.Module):
             (key_pos < start[:, None]).float()[:, None, None]              # (B, 1, 1, S)
         x = self.model.embed_tokens(tokens.to(dev)[:, None])                # (B, 1, d)
         hidden, numbers, moved = [x], [], {}
-        for i, (layer, layer_cache) in enumerate(zip(self.model.layers, cache)):
+        for i, layer in enumerate(self.model.layers):
             # a split model: each device gets the step's tables once
-            key = (layer_cache.k.device, self.windows[i])
+            key = (ks[i].device, self.windows[i])
             if key not in moved:
                 moved[key] = [t.to(key[0]) if t is not None else None
                               for t in (cos, sin, bias[key[1]], pos, before)]
             c, s, b, p, m = moved[key]
-            x, n = layer.decode(x.to(key[0]), c, s, b, p, layer_cache, m)
+            x, n = layer.decode(x.to(key[0]), c, s, b, p, (ks[i], vs[i]), m, w[i])
             numbers.append(n)
             if i < len(self.model.layers) - 1:
                 hidden.append(x)
         x = self.model.norm(x.to(dev))
+        logits = self.lm_head(x[:, 0]).float()
         if start is None:
-            return x[:, 0], None, None
+            return logits, None, None
         hidden.append(x)
         four = [torch.cat([n[k].to(dev) for n in numbers], -1) for k in range(4)]   # (B, H, L)
         stats = stats_from(*(t.transpose(1, 2) for t in four), pos[:, None, None],
                            start[:, None, None])                            # (B, L, H) each
-        return (x[:, 0], torch.cat([h.to(dev) for h in hidden], 1).transpose(0, 1),
+        return (logits, torch.cat([h.to(dev) for h in hidden], 1).transpose(0, 1),
                 torch.stack([stats[name] for name in STATS], -1))
+
+
+# ----------------------------------------------------------------------------------------------
+# The compiled decoding step
+
+# PAIR_COMPILE=0 decodes eagerly everywhere (the test suite does, but where it compares the two).
+COMPILE = os.environ.get("PAIR_COMPILE", "1") != "0"
+_compiled = {}          # "step": Transformer.decode_step compiled; "failed": why it was given up
+
+
+def compiled_step(w: list, cache: list[KVCache]):
+    """Transformer.decode_step compiled (called with the model first), or None where compiling
+    does not pay or is not wanted: a block decoding with its modules (bfloat16, a gradient, a
+    model bound by reading its weights rather than by its operations: Block.decode_weights), a
+    cache off the CPU, PAIR_COMPILE=0, or an earlier failure. Its shapes are dynamic, so a new
+    batch size or cache capacity reuses the graph instead of compiling another."""
+    if not COMPILE or "failed" in _compiled or any(x is None for x in w) or \
+            any(c.k.device.type != "cpu" for c in cache):
+        return None
+    if "step" not in _compiled:
+        _compiled["step"] = torch.compile(Transformer.decode_step, dynamic=True, fullgraph=True)
+    return _compiled["step"]
+
+
+def compile_failed(error: Exception):
+    """Decode eagerly from now on, and say so once."""
+    _compiled["failed"] = error
+    first = str(error).strip().splitlines()[0] if str(error).strip() else ""
+    print(f"model.py: decoding eagerly, torch.compile failed: {type(error).__name__}: {first}",
+          file=sys.stderr, flush=True)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -825,14 +875,14 @@ def prefill(model: Transformer, cache, new_tokens: list[list[int]]) -> Tensor | 
 
 
 def decode_one_token(model: Transformer, cache, tokens: Tensor, fed: Tensor,
-                     span_start: Tensor | None, logits: bool = True):
+                     span_start: Tensor | None):
     """Feed tokens (B,) of the rows where fed (B,) is True, each at its row's length; (logits
-    (B, V) | None, hidden states, statistics), the last two given span_start (Transformer.decode).
+    (B, V), hidden states, statistics), the last two given span_start (Transformer.decode).
     A row not fed gets a pad in its first free slot, which stays free."""
     lengths = cache[0].lengths.clone()
-    h, hidden, stats = model.decode(torch.where(fed, tokens, 0), cache, span_start)
+    out = model.decode(torch.where(fed, tokens, 0), cache, span_start)
     set_lengths(cache, lengths + fed.long().cpu())
-    return (model.lm_head(h).float() if logits else None), hidden, stats
+    return out
 
 
 @dataclass
@@ -911,7 +961,7 @@ def generate(model: Transformer, cache, new_tokens: list[list[int]], max_new_tok
         finished |= stopped
         running = fed & ~stopped
         logits, hidden, attn = decode_one_token(model, cache, token, fed,
-                                                span_start if stats else None, t + 1 < steps)
+                                                span_start if stats else None)
         if stats:
             accumulate(acc, attn, hidden, fed)
         if not running.any():

@@ -1,5 +1,5 @@
 """Shared test fixtures: the ../shared material (skipped cleanly when absent), the 0.5B model,
-a local OpenAI-compatible server."""
+a local OpenAI-compatible server; eager decoding."""
 import json
 import os
 import sys
@@ -12,6 +12,10 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+# Decode eagerly (model.py's PAIR_COMPILE switch, also for the command lines the tests start):
+# compiling a graph for each tiny config would cost more than the suite. The tests that hold
+# the compiled step against the eager one turn it back on.
+os.environ["PAIR_COMPILE"] = "0"
 
 SHARED = Path(os.environ.get("PAIR_SHARED", ROOT.parent / "shared"))
 RELEASE = SHARED / "data" / "pair-release"

@@ -403,13 +403,23 @@ def reference_generate(model, seqs, max_new, temperature, top_p, stop, generator
     return new
 
 
-@pytest.mark.parametrize("name", list(CONFIGS))
+# The compiled decoding step, on a GQA config and on one with sliding windows (each config
+# compiles its own graph, about 20 s on 2 cores).
+COMPILED = [(name, True) for name in ("qwen2-gqa-tied", "mistral-window")]
+
+
+@pytest.mark.parametrize("name, compiled", [(n, False) for n in CONFIGS] + COMPILED)
 @pytest.mark.parametrize("temperature, top_p", [(0.0, 1.0), (1.0, 1.0), (0.8, 0.9)])
-def test_decoding_equals_the_straightforward_loop(name, temperature, top_p):
+def test_decoding_equals_the_straightforward_loop(monkeypatch, name, compiled, temperature,
+                                                  top_p):
     """The fast decoding path (KV cache, one token per row per step, statistics of every layer
-    at once) against a full teacher-forced forward per token: the same tokens under one
-    generator, and hidden states and every statistic within 1e-5; rows finishing at different
-    times, then a second turn appended mid-conversation on the same cache."""
+    at once; eager, and compiled as it runs outside the tests) against a full teacher-forced
+    forward per token: the same tokens under one generator, and hidden states and every
+    statistic within 1e-5; rows finishing at different times, then a second turn appended
+    mid-conversation on the same cache."""
+    monkeypatch.setattr(M, "COMPILE", compiled)
+    steps, compiled_step = [], M.compiled_step          # which step each decode ran
+    monkeypatch.setattr(M, "compiled_step", lambda *a: steps.append(compiled_step(*a)) or steps[-1])
     model = random_model(name, seed=11)
     g = torch.Generator().manual_seed(12)
     prompts = [torch.randint(3, 64, (n,), generator=g).tolist() for n in (6, 3, 9, 1)]
@@ -432,6 +442,28 @@ def test_decoding_equals_the_straightforward_loop(name, temperature, top_p):
             torch.testing.assert_close(trace.h_mean, ref.h_mean, atol=1e-5, rtol=1e-5)
             seqs[r] = seqs[r] + trace.tokens
     assert len({len(t.tokens) for t in traces} | {0}) > 1 or temperature == 0
+    assert steps and all(s is not None for s in steps) == compiled and "failed" not in M._compiled
+
+
+def test_decoding_falls_back_to_eager_when_compiling_fails(monkeypatch, capsys):
+    """A machine where torch.compile cannot build its kernels (no C++ compiler) decodes eagerly,
+    says so once, and gets the same tokens."""
+    def broken_compile(fn, **kw):
+        def call(*args):
+            raise torch._dynamo.exc.BackendCompilerFailed(
+                "inductor", RuntimeError("no working C++ compiler found"), None)
+        return call
+
+    model = random_model("qwen2-gqa-tied", seed=11)
+    prompts = [[5, 6, 7], [8, 9]]
+    eager = check_decoding(model, prompts, 1.0, seed=3)
+    monkeypatch.setattr(M, "COMPILE", True)
+    monkeypatch.setattr(M, "_compiled", {})
+    monkeypatch.setattr(torch, "compile", broken_compile)
+    assert check_decoding(model, prompts, 1.0, seed=3) == eager
+    err = capsys.readouterr().err
+    assert err.count("decoding eagerly, torch.compile failed: BackendCompilerFailed") == 1
+    assert isinstance(M._compiled["failed"], torch._dynamo.exc.BackendCompilerFailed)
 
 
 def check_decoding(model, prompts, temperature, seed):
