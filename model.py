@@ -592,13 +592,15 @@ def compiled_step(w: list, cache: list[KVCache]):
     """Transformer.decode_step compiled (called with the model first), or None where compiling
     does not pay or is not wanted: a block decoding with its modules (bfloat16, a gradient, a
     model bound by reading its weights rather than by its operations: Block.decode_weights), a
-    cache off the CPU, PAIR_COMPILE=0, or an earlier failure. Its shapes are dynamic, so a new
-    batch size or cache capacity reuses the graph instead of compiling another."""
+    cache off the CPU, PAIR_COMPILE=0, or an earlier failure. torch compiles it for the shapes of
+    its first call and, at the first change, once more with the sizes that changed left symbolic
+    (the batch, the capacity): a third batch size or capacity reuses that graph. Everything else
+    (the weights' shapes, the norms' epsilon) stays a constant of the graph."""
     if not COMPILE or "failed" in _compiled or any(x is None for x in w) or \
             any(c.k.device.type != "cpu" for c in cache):
         return None
     if "step" not in _compiled:
-        _compiled["step"] = torch.compile(Transformer.decode_step, dynamic=True, fullgraph=True)
+        _compiled["step"] = torch.compile(Transformer.decode_step, fullgraph=True)
     return _compiled["step"]
 
 

@@ -445,6 +445,32 @@ def test_decoding_equals_the_straightforward_loop(monkeypatch, name, compiled, t
     assert steps and all(s is not None for s in steps) == compiled and "failed" not in M._compiled
 
 
+def test_compiled_decoding_does_not_depend_on_the_graphs_compiled_before(monkeypatch):
+    """torch compiles the step for the shapes of its first call, then again with the batch and
+    the capacity symbolic. A run resumed from a checkpoint (or one whose probes come from the
+    cache) sees other shapes first than the run it continues, so both graphs must give the same
+    bits, or resuming would not reproduce the run."""
+    torch._dynamo.reset()                   # no graph compiled by an earlier test
+    monkeypatch.setattr(M, "COMPILE", True)
+    monkeypatch.setattr(M, "_compiled", {})
+    model = random_model("qwen2-gqa-tied", seed=11)
+
+    def step(B, capacity):
+        g = torch.Generator().manual_seed(B)
+        cache = model.new_cache(B, capacity)
+        prompts = [torch.randint(3, 64, (4 + r,), generator=g).tolist() for r in range(B)]
+        M.generate(model, cache, prompts, 0)
+        tokens = torch.randint(3, 64, (B,), generator=g)
+        fed = torch.tensor([r != 1 for r in range(B)])
+        return M.decode_one_token(model, cache, tokens, fed, cache[0].lengths.clone())
+
+    first = step(6, 16)                     # the graph of these shapes
+    step(3, 16), step(3, 32)                # a batch size, then a capacity: symbolic
+    for a, b in zip(first, step(6, 16)):
+        assert torch.equal(a, b)
+    assert "failed" not in M._compiled
+
+
 def test_decoding_falls_back_to_eager_when_compiling_fails(monkeypatch, capsys):
     """A machine where torch.compile cannot build its kernels (no C++ compiler) decodes eagerly,
     says so once, and gets the same tokens."""
