@@ -521,7 +521,9 @@ class Transformer(nn.Module):
 
         A small model's decoding step costs its number of operations, not their arithmetic, so
         where every block decodes with fused weights on the CPU the step runs as one compiled
-        graph (compiled_step)."""
+        graph (compiled_step). That graph attends over the cache's whole capacity, the slots
+        past each row's position masked out, so that its shapes change only when the cache
+        grows; the eager step attends over the slots in use."""
         lengths = cache[0].lengths                          # (B,) on the CPU: no device sync
         size = int(lengths.max()) + 1                       # key slots [0, size) are in use
         for layer_cache in cache:
@@ -531,7 +533,7 @@ class Transformer(nn.Module):
         step = compiled_step(w, cache)
         if step is not None:
             try:
-                return step(self, *args, size)
+                return step(self, *args, cache[0].capacity)
             except torch._dynamo.exc.TorchDynamoException as e:     # no working C++ compiler
                 compile_failed(e)
         return self.decode_step(*args, size)
@@ -592,7 +594,7 @@ def compiled_step(w: list, cache: list[KVCache]):
     model bound by reading its weights rather than by its operations: Block.decode_weights), a
     cache off the CPU, PAIR_COMPILE=0, or an earlier failure. torch compiles it for the shapes of
     its first call and, at the first change, once more with the sizes that changed left symbolic
-    (the batch, the keys in use, the capacity): a third size reuses that graph. Everything else
+    (the batch, the capacity): a third batch size or capacity reuses that graph. Everything else
     (the weights' shapes, the norms' epsilon) stays a constant of the graph."""
     if not COMPILE or "failed" in _compiled or any(x is None for x in w) or \
             any(c.k.device.type != "cpu" for c in cache):

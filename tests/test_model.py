@@ -446,8 +446,8 @@ def test_decoding_equals_the_straightforward_loop(monkeypatch, name, compiled, t
 
 
 def test_compiled_decoding_does_not_depend_on_the_graphs_compiled_before(monkeypatch):
-    """torch compiles the step for the shapes of its first call, then again with the sizes that
-    changed symbolic. A run resumed from a checkpoint (or one whose probes come from the
+    """torch compiles the step for the shapes of its first call, then again with the batch and
+    the capacity symbolic. A run resumed from a checkpoint (or one whose probes come from the
     cache) sees other shapes first than the run it continues, so both graphs must give the same
     bits, or resuming would not reproduce the run."""
     torch._dynamo.reset()                   # no graph compiled by an earlier test
