@@ -8,6 +8,7 @@ One 2,048-token sequence with a 256-token span (the span = its last 256 tokens):
   3. generation, sampled at T = 1, exactly n new tokens a row: --batch rows x --new-tokens, and
      GRPO's training shape on the built-in policy, 32 rows x 96 tokens: with statistics /
      without, and our tokens per second vs transformers' generate() (its sdpa attention);
+     for information, our compiled decoding step against the eager one (model.compiled_step);
   4. the PAIR reward of one generated turn (its features read from the trace, both stages, the
      temperature clip and the momentum), with a PAIR fitted on this model's feature shapes,
      against the paper's ~0.2 ms per step (Table complexity).
@@ -91,13 +92,23 @@ def generation_bench(model, tok, hf, batch: int, n: int, args, vs_hf: float):
                            do_sample=True, temperature=1.0, top_k=0, top_p=1.0,
                            pad_token_id=tok.pad_id)
 
-    ours(False)                                       # warm up both decode paths
-    theirs()
+    def eager(stats):                                 # the step not compiled (PAIR_COMPILE=0)
+        compile_on, M.COMPILE = M.COMPILE, False
+        try:
+            return ours(stats)
+        finally:
+            M.COMPILE = compile_on
+
+    for warm_up in (lambda: ours(True), lambda: ours(False), lambda: eager(True), theirs):
+        warm_up()                                     # compiled graphs and kernels included
     tg = best_times({"ours, stats": lambda: ours(True), "ours, no stats": lambda: ours(False),
-                     "transformers": theirs}, args.gen_repeats)
+                     "eager, stats": lambda: eager(True), "transformers": theirs},
+                    args.gen_repeats)
     print(f"\ngeneration, batch {batch}, {n} new tokens per row ({args.dtype}, sampled):")
     for k, v in tg.items():
         print(f"  {k:<14} {v:7.2f} s   {batch * n / v:7.1f} tokens/s")
+    report(f"batch {batch}: (info) compiled step / eager step: tokens/s",
+           tg["eager, stats"] / tg["ours, stats"], "-", True)
     ratio = tg["ours, stats"] / tg["ours, no stats"]
     report(f"batch {batch}: generation with stats / without: time", ratio, "<=1.15",
            ratio <= 1.15)

@@ -534,7 +534,8 @@ class Transformer(nn.Module):
         if step is not None:
             try:
                 return step(self, *args, cache[0].capacity)
-            except torch._dynamo.exc.TorchDynamoException as e:     # no working C++ compiler
+            except (torch._dynamo.exc.TorchDynamoException,      # no working C++ compiler
+                    torch._dynamo.exc.FailOnRecompileLimitHit) as e:
                 compile_failed(e)
         return self.decode_step(*args, size)
 
