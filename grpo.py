@@ -741,7 +741,7 @@ def setup(args) -> Training:
     builtin = shop.BUILTIN_POLICIES.get(args.env, shop.BUILTIN_POLICY)
     if Path(args.model).resolve() == builtin.resolve() and not builtin.is_dir():
         how = f"build it with `python shop.py sft --out {builtin}`" if args.env == "shop" else \
-            "it is not shipped yet (README.md, \"The long-horizon world\"): pass --model"
+            "build it with the two commands of README.md, \"The long-horizon world\""
         sys.exit(f"--model: the built-in policy {builtin} is missing; {how}")
     policy, tok = model.load_model(args.model, dtype=model.DTYPES[args.dtype], devices=devices)
     # apply_lora freezes the base: only the adapter is trained (and all-reduced)

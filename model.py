@@ -515,9 +515,10 @@ class Transformer(nn.Module):
 
     def decode(self, tokens, cache, span_start=None):
         """One token per row, tokens (B,), appended at each row's cache length (its position;
-        the caller advances the lengths). Returns the logits (B, V) in float32 and, given span_start (B,), where each row's turn began: the hidden states
-        of the new token (L+1, B, d), Hugging Face's convention, and its six statistics
-        (B, L, H, 6), STATS order.
+        the caller advances the lengths). Returns the logits (B, V) in float32 and, given
+        span_start (B,), where each row's turn began: the hidden states of the new token
+        (L+1, B, d), Hugging Face's convention, and its six statistics (B, L, H, 6), STATS
+        order.
 
         A small model's decoding step costs its number of operations, not their arithmetic, so
         where every block decodes with fused weights on the CPU the step runs as one compiled
