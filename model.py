@@ -34,13 +34,15 @@ row's next real token overwrites it.
 Generation follows gpt-fast's small functions (`prefill`, `decode_one_token`, `sample`). Every
 generated token, the final <|im_end|> included, is fed through the model once: the cache holds it,
 and `accumulate` adds its statistics and hidden states to its turn's running sums (`TurnStats`),
-so no second forward pass is run.
+so no second forward pass is run. As in gpt-fast, the decoding step runs compiled
+(`torch.compile`) where that pays: a small model on the CPU (compiled_step).
 Departure from the authors' release (METHOD.md §4): std is over the i+1 causal keys, not the whole
 padded row, and the statistics come from the generation pass instead of a second eager forward.
 
-Top to bottom: RoPE, the KV cache, the span statistics, the transformer, `load_model`, the
-tokenizer and the chat format, generation and teacher-forced traces, LoRA (its files, in PEFT's
-layout, are adapters.py's), the layer split across devices, and the `generate` command line.
+Top to bottom: RoPE, the KV cache, the span statistics, the transformer, its compiled decoding
+step, `load_model`, the tokenizer and the chat format, generation and teacher-forced traces, LoRA
+(its files, in PEFT's layout, are adapters.py's), the layer split across devices, and the
+`generate` command line.
 """
 import argparse
 import contextlib
