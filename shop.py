@@ -1461,8 +1461,9 @@ def main(argv=None):
     if args.command == "sft":
         args.out = args.out or str(BUILTIN_POLICIES[args.world])
         if args.world == "shop-long" and not args.init:
-            ap.error("--world shop-long continues a shop policy: pass --init DIR (the shipped "
-                     f"one: {BUILTIN_POLICY}), its tokenizer knows the words of both worlds")
+            ap.error("--world shop-long continues a shop policy: pass --init DIR (its "
+                     "tokenizer knows the words of both worlds; the first command of "
+                     f"{BUILTIN_POLICIES['shop-long']}/README.md trains the one it ships with)")
         if not 0 <= args.slips <= 1:
             ap.error(f"--slips must be in [0, 1], got {args.slips}")
         if args.world == "shop" and args.slips or args.world == "shop-long" and args.divided:
