@@ -604,6 +604,8 @@ def compiled_step(w: list, cache: list[KVCache]):
             any(c.k.device.type != "cpu" for c in cache):
         return None
     if "step" not in _compiled:
+        print("model.py: compiling the decoding step (under a minute the first time on a machine, "
+              "seconds later; PAIR_COMPILE=0 decodes eagerly)", file=sys.stderr, flush=True)
         _compiled["step"] = torch.compile(Transformer.decode_step, fullgraph=True)
     return _compiled["step"]
 
