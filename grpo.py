@@ -309,15 +309,20 @@ def release_advantages(rewards: list[list[float | None]]) -> tuple[list[list[flo
     group-normalized total R_i = sum_t r_{i,t} (population std; only centered when the std is
     <= 1e-8), and per turn A_{i,t} = r_{i,t} - mean_t r_{i,.} + z_i: a turn is credited its
     reward against its own rollout's mean, plus the rollout's standing in the group. A turn
-    without a reward counts 0. "All equal": no turn of the group gets an advantage."""
+    without a reward counts 0. A group of one rollout is not normalized at all (A = r), as the
+    release leaves it. "All equal" here means that no turn of the group gets an advantage (a
+    group whose totals are equal still moves turns within each rollout)."""
     rows = [torch.tensor([0.0 if r is None else r for r in row], dtype=torch.float64)
             for row in rewards]
-    totals = torch.stack([row.sum() for row in rows])
-    std = totals.std(correction=0)
-    z = (totals - totals.mean()) / std if std > 1e-8 else totals - totals.mean()
-    advantages = [(row - row.mean() + z_i).tolist() if len(row) else []
-                  for row, z_i in zip(rows, z.tolist())]
-    return advantages, all(abs(a) <= 1e-12 for row in advantages for a in row)
+    if len(rows) == 1:
+        advantages = [rows[0].tolist()]
+    else:
+        totals = torch.stack([row.sum() for row in rows])
+        std = totals.std(correction=0)
+        z = (totals - totals.mean()) / std if std > 1e-8 else totals - totals.mean()
+        advantages = [(row - row.mean() + z_i).tolist() if len(row) else []
+                      for row, z_i in zip(rows, z.tolist())]
+    return advantages, all(abs(a) <= 1e-8 for row in advantages for a in row)
 
 
 ADVANTAGES = {"process": group_advantages, "release": release_advantages}
@@ -384,14 +389,15 @@ def release_loss(logp, logp_old, logp_ref, adv, turn_weight, eps: float, beta: f
     turns. turn_weight (N,) = 1 / (tokens of the token's turn). At one PPO epoch rho = 1 in
     value and this is the release's REINFORCE step, gradient for gradient:
     -(1 / n_turns) sum_turns (A mean_t grad log pi_t - beta mean_t grad(log pi_t - log pi_ref,t)).
-    (The logged loss is -(A - beta KL) per turn, where the release logs -(A mean log pi - ...).)"""
+    (The logged loss is -(A - beta KL) per turn, where the release logs -(A mean log pi - ...).
+    The logged KL is the k3 estimate, as grpo_loss logs it, so that the two forms compare.)"""
     ratio = torch.exp(logp - logp_old)                          # rho
     pg = -torch.minimum(ratio * adv, torch.clamp(ratio, 1 - eps, 1 + eps) * adv)
-    kl = logp - logp_ref
-    loss = ((pg + beta * kl) * turn_weight).sum() / n_turns
+    loss = ((pg + beta * (logp - logp_ref)) * turn_weight).sum() / n_turns
     with torch.no_grad():
+        d = logp_ref - logp
         clip = ((ratio < 1 - eps) & (adv < 0)) | ((ratio > 1 + eps) & (adv > 0))
-        sums = {"kl": kl.sum().item(), "clip": clip.sum().item(),
+        sums = {"kl": (torch.expm1(d) - d).sum().item(), "clip": clip.sum().item(),
                 "ratio": ratio.sum().item(), "pg": pg.sum().item()}
     return loss, sums
 
@@ -411,12 +417,15 @@ def update(policy, optimizer, batch: Batch, args, world) -> dict:
         # no rollout generated a token (every prompt outgrew --max-len): the loss would be 0/0,
         # and an AdamW step on zero gradients would still move the adapter by its momentum
         return {"loss": 0.0, "kl": 0.0, "clip_frac": 0.0, "ratio": 0.0, "grad_norm": 0.0,
-                "tokens": 0, "empty_batch": 1}
+                "tokens": 0, "empty_batch": 1, "skipped_updates": 0}
     rows = len(batch.lengths)
     chunks = [list(range(i, min(i + args.micro_batch, rows)))
               for i in range(0, rows, args.micro_batch)]
     dev = model.input_device(policy)
-    ref, old = {}, {}
+    # log pi at the sampling temperature: the distribution the tokens were drawn from. The
+    # release takes the model's own (T = 1) whatever it sampled at; `release` does as it does.
+    temperature = 1.0 if args.advantage == "release" else args.temperature
+    ref, old, skipped = {}, {}, 0
     for epoch in range(args.ppo_epochs):
         optimizer.zero_grad(set_to_none=True)
         sums = {"loss": 0.0, "kl": 0.0, "clip": 0.0, "ratio": 0.0, "pg": 0.0}
@@ -427,8 +436,8 @@ def update(policy, optimizer, batch: Batch, args, world) -> dict:
             adv = batch.adv[rows_c, :T][:, 1:][mask[:, 1:]].to(dev)
             if c not in ref:
                 with torch.no_grad(), model.lora_disabled(policy):
-                    ref[c] = model.token_logprobs(policy, ids, mask, args.temperature)
-            logp = model.token_logprobs(policy, ids, mask, args.temperature)
+                    ref[c] = model.token_logprobs(policy, ids, mask, temperature)
+            logp = model.token_logprobs(policy, ids, mask, temperature)
             if epoch == 0:
                 old[c] = logp.detach()
             if args.reward == baselines.AT2PO:
@@ -454,13 +463,16 @@ def update(policy, optimizer, batch: Batch, args, world) -> dict:
             for p in params:
                 dist.all_reduce(p.grad)
         grad_norm = torch.nn.utils.clip_grad_norm_(params, args.grad_clip).item()
-        optimizer.step()
+        if math.isfinite(grad_norm):
+            optimizer.step()
+        else:       # a NaN or inf reached the gradient: a step on it would ruin the adapter
+            skipped += 1
         if epoch == 0:
             first = runs.all_sum(world, [sums[k] for k in ("loss", "kl", "clip", "ratio")])
     loss, kl, clip, ratio = first
     return {"loss": loss, "kl": kl / max(n_tokens, 1), "clip_frac": clip / max(n_tokens, 1),
             "ratio": ratio / max(n_tokens, 1), "grad_norm": grad_norm, "tokens": int(n_tokens),
-            "empty_batch": 0}
+            "empty_batch": 0, "skipped_updates": skipped}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -856,6 +868,10 @@ def train(args) -> dict:
         to_come = 0 if args.no_eval or not eval_seconds else eval_seconds[-1] * sum(
             s % args.save_every == 0 or s == args.steps for s in range(step + 1, args.steps + 1))
         log(runs.progress_line(rec, args.steps, elapsed, to_come), flush=True)
+        if rec.get("skipped_updates"):
+            log(f"warning: step {step + 1}: the gradient was not finite (a NaN or infinite "
+                "reward or log-probability reached it); the adapter was not updated "
+                "(skipped_updates in metrics.jsonl)", flush=True)
         aurocs.append(rec.get("probe_auroc"))
         if not warned and (mean := below_chance(aurocs)) is not None:
             warned = True

@@ -171,6 +171,11 @@ def test_release_advantages_hand_worked():
     adv, zero = grpo.release_advantages([[0.5, 0.1], [0.6]])
     assert not zero and adv == [pytest.approx([0.2, -0.2]), pytest.approx([0.0])]
     assert grpo.release_advantages([[0.3, 0.3], [0.3, 0.3]]) == ([[0.0, 0.0], [0.0, 0.0]], True)
+    # equal totals but rewards that differ within a rollout: the turns still move
+    assert grpo.release_advantages([[1.0, 0.0], [0.0, 1.0]]) == \
+        ([[0.5, -0.5], [-0.5, 0.5]], False)
+    # a group of one rollout is left as it is (the release normalizes groups of two or more)
+    assert grpo.release_advantages([[0.2, None, 0.8]]) == ([[0.2, 0.0, 0.8]], False)
 
 
 def test_release_loss_is_the_release_reinforce_step():
@@ -198,9 +203,20 @@ def test_release_loss_is_the_release_reinforce_step():
     torch.testing.assert_close(ours, expected, rtol=1e-12, atol=1e-14)
 
 
-def test_release_advantage_trains_and_is_refused_with_tree_search(tiny_policy, tmp_path):
-    summary = run(flags(tiny_policy, tmp_path / "r", advantage="release", eval_episodes=3))
+def test_release_advantage_trains_and_is_refused_with_tree_search(tiny_policy, tmp_path,
+                                                                 monkeypatch):
+    temperatures = []
+
+    def token_logprobs(policy, ids, mask, temperature=1.0):
+        temperatures.append(temperature)
+        return logprobs(policy, ids, mask, temperature)
+    logprobs = mdl.token_logprobs
+    monkeypatch.setattr(mdl, "token_logprobs", token_logprobs)
+    summary = run(flags(tiny_policy, tmp_path / "r", advantage="release", eval_episodes=3,
+                        temperature=0.7))
     assert summary["selected"] is not None
+    # the release's log pi is the model's own distribution, whatever the sampling temperature
+    assert temperatures and set(temperatures) == {1.0}
     recs = metrics(tmp_path / "r")
     assert len(recs) == 2 and all(math.isfinite(r["loss"]) and r["tokens"] > 0 for r in recs)
     with pytest.raises(SystemExit, match="--advantage release"):
@@ -396,6 +412,24 @@ def test_a_batch_without_generated_tokens_logs_loss_0_and_is_counted(tiny_policy
     adapter = adapters.load_adapter(policy, out / "checkpoint-000002" / "adapter")
     lora_b = [p for n, p in mdl.lora_parameters(adapter) if ".lora_B." in n]
     assert lora_b and all(p.abs().sum() == 0 for p in lora_b)     # B starts at zero, stays there
+
+
+def test_a_non_finite_gradient_skips_the_update_and_says_so(tiny_policy, tmp_path, monkeypatch,
+                                                           capsys):
+    # a NaN that reaches the gradient (here through the advantages) must not reach the adapter:
+    # AdamW would turn every weight it touches into NaN
+    def nan_advantages(rewards):
+        return [[math.nan] * len(row) for row in rewards], False
+    monkeypatch.setitem(grpo.ADVANTAGES, "process", nan_advantages)
+    out = tmp_path / "nan"
+    run(flags(tiny_policy, out, "outcome", steps=1))
+    recs = metrics(out)
+    assert [(r["skipped_updates"], r["tokens"] > 0) for r in recs] == [(1, True)]
+    assert "step 1: the gradient was not finite" in capsys.readouterr().out
+    policy, _ = mdl.load_model(tiny_policy)
+    adapter = adapters.load_adapter(policy, out / "checkpoint-000001" / "adapter")
+    lora_b = [p for n, p in mdl.lora_parameters(adapter) if ".lora_B." in n]
+    assert lora_b and all(p.abs().sum() == 0 for p in lora_b)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -5,12 +5,12 @@ import collections
 import json
 import os
 import random
+import re
+import shlex
 import subprocess
 import sys
 from decimal import Decimal
 from pathlib import Path
-
-import re
 
 import pytest
 import torch
@@ -266,6 +266,27 @@ def test_sft_shop_long_continues_a_shop_policy_byte_for_byte(tmp_path):
     assert "shop-long-policy" in (tmp_path / "a" / "README.md").read_text()
     with pytest.raises(SystemExit):
         shop.main(["sft", "--out", str(tmp_path / "c"), "--world", "shop-long"] + tiny)
+
+
+def test_the_readme_commands_rebuild_a_continued_policy_in_one_directory(tmp_path):
+    """As data/shop-long-policy's README does: both commands write one directory, the second
+    continuing it in place (--init = --out). Its README's commands, run as written into another
+    directory, write the same bytes."""
+    tiny = ["--episodes", "6", "--steps", "2", "--batch", "2", "--hidden", "16", "--layers",
+            "1", "--heads", "2", "--kv-heads", "1", "--intermediate", "32", "--vocab", "300",
+            "--threads", "1", "--induction-steps", "2"]
+    c, d = tmp_path / "c", tmp_path / "d"
+    shop.main(["sft", "--out", str(c), "--eval-episodes", "0"] + tiny)
+    shop.main(["sft", "--out", str(c), "--world", "shop-long", "--slips", "0.5", "--init",
+               str(c), "--eval-episodes", "0"] + tiny)
+    recipe = shop.policy_recipe(c)
+    assert len(recipe) == 2 and f"--out {c} " in recipe[1] and f"--init {c} " in recipe[1]
+    for line in recipe:
+        argv = shlex.split(line.replace(str(c), str(d)))
+        assert argv[:3] == ["python", "shop.py", "sft"], line
+        shop.main(argv[2:] + ["--eval-episodes", "0"])      # evaluation writes no weights
+    for f in ("config.json", "model.safetensors", "tokenizer.json"):
+        assert (c / f).read_bytes() == (d / f).read_bytes(), f
 
 
 class _Stop(Exception):
