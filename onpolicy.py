@@ -82,15 +82,17 @@ def turn_kind(text: str) -> str:
 def turn_records(trajs: list) -> pair.Split:
     """One record per assistant turn of shop rollouts (rollout.Trajectory): raw features, the
     world's exact label, whether (and how far back) an earlier turn of the same rollout was
-    wrong, and the turn's kind (a code per turn_kind, numbered in order of appearance)."""
+    wrong, the turn's kind (a code per turn_kind, numbered in order of appearance) and the mean
+    -log pi of its tokens as sampled (nll: the policy's own confidence, for the report)."""
     raws, labels, turn_idx, distance, sample, episode_id, kinds = [], [], [], [], [], [], {}
-    kind = []
+    kind, nll = [], []
     for k, traj in enumerate(trajs):
         y = traj.episode.labels()
         last_wrong = None
         for t, (step, ok) in enumerate(zip(traj.steps, y)):
             raws.append(probes.raw_features(step.trace))
             kind.append(kinds.setdefault(turn_kind(step.text), len(kinds)))
+            nll.append(float("nan") if step.nll is None else step.nll)
             labels.append(int(ok))
             turn_idx.append(t)
             distance.append(-1 if last_wrong is None else t - last_wrong)
@@ -101,7 +103,7 @@ def turn_records(trajs: list) -> pair.Split:
     raw = probes.stack_raw(raws)
     raw.update(label=torch.tensor(labels), turn_idx=torch.tensor(turn_idx),
                distance=torch.tensor(distance), rollout=torch.tensor(sample),
-               kind=torch.tensor(kind))
+               kind=torch.tensor(kind), nll=torch.tensor(nll))
     return pair.Split("own_turns", raw, raw["label"].long(), episode_id, {"kinds": list(kinds)})
 
 
@@ -196,16 +198,32 @@ def fit_probes(train: pair.Split, info: dict) -> dict:
 
 def heldout_auroc(fitted: dict, heldout: pair.Split) -> dict:
     """AUROC of every fitted method on the held-out own turns: all, clean prefix, contaminated
-    prefix, by distance to the nearest earlier wrong turn, and by kind of turn (turn_kind)."""
-    d = heldout.raw["distance"]
+    prefix, by distance to the nearest earlier wrong turn, by kind of turn (turn_kind), and at
+    each habit's own turn (shop.slip_turns) with a clean prefix: the slip made against the same
+    decision made right.
+
+    Why the last: a turn after a wrong one is wrong by its label and easy to tell, and kinds and
+    positions differ in how often they are right, so the pooled AUROC can be high while the probe
+    cannot tell a slip from the same call made right, which is the decision a per-turn reward has
+    to credit."""
+    d, kind = heldout.raw["distance"], heldout.raw["kind"]
     groups = {"all": torch.ones_like(d, dtype=torch.bool), "clean_prefix": d < 0,
               "contaminated_prefix": d > 0,
               **{f"d={k}": d == k for k in (1, 2)}, "d>=3": d >= 3,
-              **{f"kind={name}": heldout.raw["kind"] == code
+              **{f"kind={name}": kind == code
                  for code, name in enumerate(heldout.meta.get("kinds", ()))}}
+    sites = {eid: shop.slip_turns(shop.shop_task_from_id(eid)) for eid in set(heldout.episode_id)}
+    at = [{t: s for s, t in sites[eid].items()}.get(t)
+          for eid, t in zip(heldout.episode_id, heldout.raw["turn_idx"].tolist())]
+    for slip in shop.LONG_SLIPS:
+        here = torch.tensor([a == slip for a in at], dtype=torch.bool)
+        if here.any():
+            groups[f"slip={slip}"] = here & (d < 0)
+    scores = {name: pair.predict(m, heldout.raw) for name, m in fitted.items()}
+    if "nll" in heldout.raw:        # unsupervised: the turn's own confidence, no probe at all
+        scores["confidence"] = -heldout.raw["nll"].double()
     out = {}
-    for name, m in fitted.items():
-        p = pair.predict(m, heldout.raw)
+    for name, p in scores.items():
         out[name] = {}
         for g, sel in groups.items():
             y = heldout.y[sel]
@@ -288,6 +306,16 @@ def shop_probes(args, policy, tok, world, log) -> tuple[Path, dict]:
         log("  by kind of turn: " + ", ".join(
             f"{g[5:]} {common.num(h['pair'].get(g))} ({h['n'][g]} turns, {h['n_correct'][g]} "
             "right)" for g in kinds), flush=True)
+    slips = [g for g in h["n"] if g.startswith("slip=")]
+    if slips:
+        log("  at the habits' own turns, clean prefix (the slip against the same turn made "
+            "right): " + ", ".join(
+                f"{g[5:]} {common.num(h['pair'].get(g))} ({h['n'][g]} turns, "
+                f"{h['n'][g] - h['n_correct'][g]} wrong)" for g in slips), flush=True)
+        if "confidence" in h:
+            log("  there, the turn's own confidence (-mean NLL of its tokens, no probe): " +
+                ", ".join(f"{g[5:]} {common.num(h['confidence'].get(g))}" for g in slips) +
+                " (below 0.5: the slip is the policy's confident choice, a habit)", flush=True)
     mine = h.get(args.reward, h["pair"])["all"]         # the probe this run's reward reads
     if mine is not None and mine < 0.5:
         what = "PAIR" if args.reward == "pair" else f"the {args.reward} probe"

@@ -665,6 +665,24 @@ def long_dialog(task: ShopTask, slips=()) -> list[dict]:
     return dialog
 
 
+def slip_turns(task: ShopTask) -> dict[str, int]:
+    """Where the built-in policy's habits would be made in this task: for each slip it has the
+    habit of here (shop: divided, at a non-USD task; shop-long: LONG_SLIPS by LONG_HABITS), the
+    index of the assistant turn at which the dialog with that slip first departs from the gold.
+    A rollout whose earlier turns are all right reaches that decision at that turn."""
+    if task.stepwise:
+        gold = long_dialog(task)
+        slipped = {s: long_dialog(task, (s,)) for s in LONG_SLIPS if LONG_HABITS[s](task)}
+    else:
+        gold, divided = shop_gold(task)[0], shop_divided(task)
+        slipped = {} if divided is None else {"divided": divided}
+    mine = [m for m in gold if m["role"] == "assistant"]
+    return {s: next(k for k, (a, b) in enumerate(zip(mine, (m for m in d
+                                                             if m["role"] == "assistant")))
+                    if a != b)
+            for s, d in slipped.items()}
+
+
 # ---- contamination (paper Appendix contam_types, contam_procedure), rule-based -------------------
 #
 # Targets are drawn as in the paper: j uniform over the non-final assistant turns, a type uniform

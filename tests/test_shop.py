@@ -691,3 +691,49 @@ def test_kind_balanced_indices_balance_every_kind_that_has_both_classes():
         assert (int(got.sum()), int((got == 0).sum())) == (right, wrong), k
     assert set(idx.tolist()) == set(range(12))      # every turn kept, minorities drawn again
     assert idx[kind[idx] == 0].tolist().count(5) == 5
+
+
+def test_heldout_auroc_reports_each_habit_at_its_own_turn_with_a_clean_prefix(monkeypatch):
+    ids = {k: f"shop-long-42-test-{k}" for k in range(6)}
+    # test-0: forget at turn 7; 1: store at 0; 2, 3, 5: divided at 7; 4: store at 0, forget at 7
+    assert [shop.slip_turns(shop.shop_task_from_id(ids[k])) for k in (0, 1, 2, 4)] == \
+        [{"forget": 7}, {"store": 0}, {"divided": 7}, {"store": 0, "forget": 7}]
+    rows = [  # (episode, turn, right, distance to an earlier wrong turn, P(correct))
+        (1, 0, 1, -1, 0.3), (4, 0, 0, -1, 0.6),     # store: the slip ranked above the right turn
+        (4, 1, 0, 1, 0.1), (4, 7, 0, 7, 0.1),       # after the slip: not the forget decision
+        (0, 7, 1, -1, 0.5), (0, 0, 1, -1, 0.9),     # forget made right; a turn no habit is at
+        (2, 7, 0, -1, 0.2), (3, 7, 1, -1, 0.8), (5, 7, 1, -1, 0.7)]        # divided: ranked
+    episode, turn, y, distance, p = zip(*rows)
+    nll = torch.tensor([1.0, 0.2, 0.5, 0.5, 0.4, 0.1, 0.95, 0.9, 0.6])     # each turn -log pi
+    raw = {"turn_idx": torch.tensor(turn), "distance": torch.tensor(distance),
+           "kind": torch.zeros(len(rows), dtype=torch.long), "nll": nll}
+    split = pair.Split("own_turns", raw, torch.tensor(y), [ids[k] for k in episode],
+                       {"kinds": ["Calculator"]})
+    p = torch.tensor(p)
+    monkeypatch.setattr(onpolicy.pair, "predict", lambda m, raw: p)
+    got = onpolicy.heldout_auroc({"pair": object()}, split)
+    assert got["pair"]["slip=store"] == 0.0 and got["n"]["slip=store"] == 2
+    assert got["pair"]["slip=forget"] is None and got["n"]["slip=forget"] == 1     # one class
+    assert got["pair"]["slip=divided"] == 1.0 and got["n_correct"]["slip=divided"] == 2
+    y = torch.tensor(y)
+    for group, sel in {"all": slice(None), "kind=Calculator": slice(None),
+                       "clean_prefix": torch.tensor(distance) < 0}.items():
+        assert got["pair"][group] == pytest.approx(probes.auroc(y[sel], p[sel])), group
+        assert got["confidence"][group] == pytest.approx(probes.auroc(y[sel], -nll[sel])), group
+    # no probe: the confident slip ranks above the right turn; the divided slip is the unsure one
+    assert got["confidence"]["slip=store"] == 0.0 and got["confidence"]["slip=divided"] == 1.0
+
+
+def test_slip_turns_are_where_each_slipped_dialog_is_first_labelled_wrong():
+    for world in ("shop-long", "shop"):
+        env, seen = shop.ShopEnv("val", world=world), collections.Counter()
+        for i in range(40):
+            task = env.episode(i).task
+            for slip, turn in shop.slip_turns(task).items():
+                dialog = shop.long_dialog(task, (slip,)) if world == "shop-long" else \
+                    shop.shop_divided(task)
+                labels = shop.shop_dialog_labels(task, dialog)
+                assert labels.index(False) == turn, (world, i, slip)
+                seen[slip] += 1
+        assert set(seen) == ({"store", "forget", "divided"} if world == "shop-long" else
+                             {"divided"}), seen
