@@ -290,14 +290,23 @@ def shop_probes(args, policy, tok, world, log) -> tuple[Path, dict]:
         torch.distributed.barrier()
     try:
         report = json.loads(done.read_text())
-        h, ref = report["heldout"], report["contaminated_corpus_pair"]
+        h = report["heldout"]
         h["pair"]["all"], h["n"]["all"], report["n_train"]
+        report["contaminated_corpus_pair"]["all"]
     except (ValueError, KeyError, TypeError, RecursionError) as e:
         raise SystemExit(f"{done}: a damaged probe cache ({type(e).__name__}: {e}); delete {out} "
                          "and the next run fits these probes again") from None
     log(f"probes: {out} ({args.probe_corpus} corpus, {report['n_train']} turns"
-        f"{'; fitted by ' + fitted_by if fitted_by else ''})\n"
-        f"  PAIR AUROC on {h['n']['all']} held-out own turns (validation episodes): "
+        f"{'; fitted by ' + fitted_by if fitted_by else ''})", flush=True)
+    log_report(report, args.reward, log)
+    return out, report
+
+
+def log_report(report: dict, reward: str, log) -> None:
+    """The held-out report of shop_probes, as `grpo.py` prints it at start, with a warning
+    wherever the probe the reward reads ranks wrong turns above right ones."""
+    h, ref = report["heldout"], report["contaminated_corpus_pair"]
+    log(f"  PAIR AUROC on {h['n']['all']} held-out own turns (validation episodes): "
         f"{common.num(h['pair']['all'])} (clean prefix {common.num(h['pair']['clean_prefix'])}, "
         f"after a wrong turn {common.num(h['pair']['contaminated_prefix'])}); the "
         f"contaminated-corpus PAIR on the same turns: {common.num(ref['all'])}", flush=True)
@@ -306,23 +315,31 @@ def shop_probes(args, policy, tok, world, log) -> tuple[Path, dict]:
         log("  by kind of turn: " + ", ".join(
             f"{g[5:]} {common.num(h['pair'].get(g))} ({h['n'][g]} turns, {h['n_correct'][g]} "
             "right)" for g in kinds), flush=True)
+    # the probe this run's reward reads
+    name = reward if reward in h else "pair"
+    what = "PAIR" if name == "pair" else f"the {name} probe"
     slips = [g for g in h["n"] if g.startswith("slip=")]
     if slips:
-        log("  at the habits' own turns, clean prefix (the slip against the same turn made "
-            "right): " + ", ".join(
-                f"{g[5:]} {common.num(h['pair'].get(g))} ({h['n'][g]} turns, "
+        log(f"  {what} at the habits' own turns, clean prefix (the slip against the same turn "
+            "made right): " + ", ".join(
+                f"{g[5:]} {common.num(h[name].get(g))} ({h['n'][g]} turns, "
                 f"{h['n'][g] - h['n_correct'][g]} wrong)" for g in slips), flush=True)
         if "confidence" in h:
-            log("  there, the turn's own confidence (-mean NLL of its tokens, no probe): " +
-                ", ".join(f"{g[5:]} {common.num(h['confidence'].get(g))}" for g in slips) +
-                " (below 0.5: the slip is the policy's confident choice, a habit)", flush=True)
-    mine = h.get(args.reward, h["pair"])["all"]         # the probe this run's reward reads
+            log("  there, the turn's own confidence (-mean NLL of its tokens, no probe; below "
+                "0.5 where the slip is the more confident turn): " +
+                ", ".join(f"{g[5:]} {common.num(h['confidence'].get(g))}" for g in slips),
+                flush=True)
+    mine = h[name]["all"]
     if mine is not None and mine < 0.5:
-        what = "PAIR" if args.reward == "pair" else f"the {args.reward} probe"
         log(f"  warning: {what} ranks this policy's own held-out turns below chance "
             f"({mine:.3f}): as a reward it favours wrong turns (`--probe-corpus on-policy` fits "
             "it on the policy's own rollouts)", flush=True)
-    return out, report
+    for g in slips:
+        a = h[name].get(g)
+        if a is not None and a < 0.5:
+            log(f"  warning: {what} ranks the {g[5:]} slip above the same turn made right "
+                f"({a:.3f} on {h['n'][g]} held-out turns): as a reward it favours that habit, "
+                "which GRPO would otherwise unlearn", flush=True)
 
 
 

@@ -737,3 +737,28 @@ def test_slip_turns_are_where_each_slipped_dialog_is_first_labelled_wrong():
                 seen[slip] += 1
         assert set(seen) == ({"store", "forget", "divided"} if world == "shop-long" else
                              {"divided"}), seen
+
+
+def test_the_report_warns_where_the_rewards_probe_favours_a_habit():
+    def report(pair_at, probe_at):
+        groups = {"all": 0.8, "clean_prefix": 0.8, "contaminated_prefix": 0.9}
+        return {"heldout": {"pair": {**groups, **pair_at}, "last_token": {**groups, **probe_at},
+                            "confidence": {**groups, "slip=store": 0.0, "slip=divided": 0.1},
+                            "n": {"all": 50, "slip=store": 10, "slip=divided": 8},
+                            "n_correct": {"all": 30, "slip=store": 4, "slip=divided": 2}},
+                "contaminated_corpus_pair": {"all": 0.4}}
+    lines = []
+    onpolicy.log_report(report({"slip=store": 0.7, "slip=divided": 0.2}, {"slip=store": 0.3,
+                                                                           "slip=divided": 0.9}),
+                        "pair", lambda line, **kw: lines.append(line))
+    text = "\n".join(lines)
+    assert "PAIR at the habits' own turns" in text and "store 0.700 (10 turns, 6 wrong)" in text
+    assert "confidence" in text and "store 0.000, divided 0.100" in text
+    (warning,) = [line for line in lines if "warning" in line]
+    assert "the divided slip above the same turn made right (0.200 on 8" in warning
+    lines.clear()            # a probe reward: its own probe is judged, not PAIR
+    onpolicy.log_report(report({"slip=store": 0.7, "slip=divided": 0.2}, {"slip=store": 0.3,
+                                                                           "slip=divided": 0.9}),
+                        "last_token", lambda line, **kw: lines.append(line))
+    (warning,) = [line for line in lines if "warning" in line]
+    assert "the last_token probe ranks the store slip" in warning
