@@ -212,8 +212,9 @@ def heldout_auroc(fitted: dict, heldout: pair.Split) -> dict:
               **{f"d={k}": d == k for k in (1, 2)}, "d>=3": d >= 3,
               **{f"kind={name}": kind == code
                  for code, name in enumerate(heldout.meta.get("kinds", ()))}}
-    sites = {eid: shop.slip_turns(shop.shop_task_from_id(eid)) for eid in set(heldout.episode_id)}
-    at = [{t: s for s, t in sites[eid].items()}.get(t)
+    slip_at = {eid: {t: s for s, t in shop.slip_turns(shop.shop_task_from_id(eid)).items()}
+               for eid in set(heldout.episode_id)}      # episode -> {turn: the slip made there}
+    at = [slip_at[eid].get(t)
           for eid, t in zip(heldout.episode_id, heldout.raw["turn_idx"].tolist())]
     for slip in shop.LONG_SLIPS:
         here = torch.tensor([a == slip for a in at], dtype=torch.bool)

@@ -676,10 +676,9 @@ def slip_turns(task: ShopTask) -> dict[str, int]:
     else:
         gold, divided = shop_gold(task)[0], shop_divided(task)
         slipped = {} if divided is None else {"divided": divided}
-    mine = [m for m in gold if m["role"] == "assistant"]
-    return {s: next(k for k, (a, b) in enumerate(zip(mine, (m for m in d
-                                                             if m["role"] == "assistant")))
-                    if a != b)
+    def turns(dialog):
+        return [m for m in dialog if m["role"] == "assistant"]
+    return {s: next(k for k, (a, b) in enumerate(zip(turns(gold), turns(d))) if a != b)
             for s, d in slipped.items()}
 
 
