@@ -31,6 +31,7 @@ import baselines
 import common
 import grpo
 import runs
+import shop
 
 COMPARE_REWARDS = ("outcome", "pair", "pair:alpha=0", "last_token", "multi_attn", "attention",
                    "head_entropy", "igpo", "tips", "tree_grpo", "at2po",
@@ -235,6 +236,7 @@ def bootstrap_mean(rows: list[list[float]], base: list[list[float]] | None = Non
 
 def compare_table(out: Path, specs: list[str], seeds: list[int]) -> dict:
     rows, scores = [], {}
+    habits = habit_tasks(out / "runs" / run_name(specs[0], seeds[0]))
     for spec in specs:
         played = []
         for seed in seeds:
@@ -274,6 +276,11 @@ def compare_table(out: Path, specs: list[str], seeds: list[int]) -> dict:
         n_steps = min(len(ms) for _, ms, _ in played)
         row["curve_reward"] = [(k + 1, _mean([ms[k]["reward_mean"] for _, ms, _ in played]))
                                for k in range(n_steps)]
+        if habits is not None:
+            row["by_habit"] = {key: {h: _mean([_mean([ev[s[key]["step"]]["test"]["scores"][i]
+                                                      for i in tasks]) for s, _, ev in played])
+                                     for h, tasks in habits.items()}
+                               for key in ("base", "selected", "final")}
         rows.append(row)
     ref = specs[0]
     # how soon each reward reaches what the first one ends with: the first evaluation whose
@@ -290,8 +297,24 @@ def compare_table(out: Path, specs: list[str], seeds: list[int]) -> dict:
             row[key]["delta_vs_first"] = float(d)
             row[key]["delta_ci95"] = bootstrap_mean(scores[row["reward"], key],
                                                     scores[ref, key])
-    return {"rows": rows, "reference": ref, "bootstrap": BOOTSTRAP,
+    return {"rows": rows, "reference": ref, "bootstrap": BOOTSTRAP, "habits": habits,
             "selection": "checkpoint with the best validation success, reported on test"}
+
+
+def habit_tasks(run: Path) -> dict[str, list[int]] | None:
+    """On a built-in world, the test tasks (indices in evaluation order) that have each habit of
+    its policy (shop.slip_turns), and those with none: which errors a reward taught away, where
+    the success rate alone cannot say. None on other environments."""
+    args = json.loads((run / "args.json").read_text())
+    if args["env"] not in shop.WORLDS:
+        return None
+    test = shop.ShopEnv("test", world=args["env"])
+    n = min(args["eval_episodes"] or len(test), len(test))
+    groups = {h: [] for h in ("none", *shop.LONG_SLIPS)}
+    for i in range(n):
+        for habit in shop.slip_turns(test.episode(i).task) or ("none",):
+            groups[habit].append(i)
+    return {h: tasks for h, tasks in groups.items() if tasks}
 
 
 def _mean(values) -> float | None:
@@ -341,6 +364,18 @@ def compare_markdown(result: dict, command: str) -> str:
                if pa["first5"] is not None else "—")
             + f" | {r['frac_zero_std']:.2f} | {r['kl_final']:.3f} | {r['t_rollout']:.1f} / "
             f"{r['t_reward']:.2f} / {r['t_update']:.1f} | {r['minutes']:.1f} |")
+    habits = result.get("habits")
+    if habits:
+        lines += ["", "Held-out success in % on the test tasks that have each habit of the "
+                  "built-in policy (a task with two counts under both; *none*: tasks without "
+                  "one), mean over seeds: base → selected → final.", "",
+                  "| reward | " + " | ".join(f"{h} ({len(t)} tasks)" for h, t in habits.items())
+                  + " |", "|---|" + "---|" * len(habits)]
+        for r in result["rows"]:
+            b = r["by_habit"]
+            lines.append(f"| {r['reward']} | " + " | ".join(
+                " → ".join(pct(b[key][h]) for key in ("base", "selected", "final"))
+                for h in habits) + " |")
     return "\n".join(lines) + "\n"
 
 

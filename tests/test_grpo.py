@@ -1187,6 +1187,19 @@ def test_compare_resumes_without_redoing_finished_runs(tiny_policy, tmp_path):
     reach = first_row["to_target"]
     assert reach["success"] == first_row["final"]["mean"] and reach["step"] in (1, 2)
     assert "held-out success against training time" in (out / "curves.svg").read_text()
+    # which habits each reward taught away: the test tasks by habit (task 0 is in USD, 1 and 2
+    # are not: the divided habit's), success on each group recomputed from eval.jsonl
+    assert again["habits"] == {"none": [0], "divided": [1, 2]}
+    for row in again["rows"]:
+        for key in ("base", "selected", "final"):
+            want = []
+            for run in row["runs"]:
+                step = json.loads((Path(run) / "summary.json").read_text())[key]["step"]
+                (ev,) = [e for e in common.read_jsonl(Path(run) / "eval.jsonl")
+                         if e["step"] == step]
+                want.append(sum(ev["test"]["scores"][1:]) / 2)
+            assert row["by_habit"][key]["divided"] == pytest.approx(sum(want) / len(want))
+    assert "| divided (2 tasks) |" in (out / "compare.md").read_text()
 
 
 def _compare_argv(policy, out):
