@@ -666,20 +666,17 @@ def long_dialog(task: ShopTask, slips=()) -> list[dict]:
 
 
 def slip_turns(task: ShopTask) -> dict[str, int]:
-    """Where the built-in policy's habits would be made in this task: for each slip it has the
-    habit of here (shop: divided, at a non-USD task; shop-long: LONG_SLIPS by LONG_HABITS), the
-    index of the assistant turn at which the dialog with that slip first departs from the gold.
-    A rollout whose earlier turns are all right reaches that decision at that turn."""
+    """For each habit of the built-in policy this task has (shop: divided, if not in USD;
+    shop-long: LONG_SLIPS by LONG_HABITS), the assistant turn at which the dialog with that slip
+    departs from the gold: where a rollout with a clean prefix makes the decision."""
     if task.stepwise:
         gold = long_dialog(task)
         slipped = {s: long_dialog(task, (s,)) for s in LONG_SLIPS if LONG_HABITS[s](task)}
     else:
         gold, divided = shop_gold(task)[0], shop_divided(task)
         slipped = {} if divided is None else {"divided": divided}
-    def turns(dialog):
-        return [m for m in dialog if m["role"] == "assistant"]
-    return {s: next(k for k, (a, b) in enumerate(zip(turns(gold), turns(d))) if a != b)
-            for s, d in slipped.items()}
+    return {s: next(k for k, (a, b) in enumerate(zip(dialog_steps(gold), dialog_steps(d)))
+                    if a != b) for s, d in slipped.items()}
 
 
 # ---- contamination (paper Appendix contam_types, contam_procedure), rule-based -------------------
@@ -885,8 +882,7 @@ def make_shop_data(out_dir, episodes: int = 1000, seed: int = 42) -> dict[str, i
     the adversarial diagnostic set matched_diagnostic_test.json with its episode file
     diagnostic_test.json. Byte-for-byte deterministic. Returns records per file."""
     if episodes < 2:
-        raise envs.DataError(f"--episodes {episodes}: need at least 2 (an 80:20 train/test "
-                             "split)")
+        raise envs.DataError(f"--episodes {episodes}: need at least 2 (an 80:20 train/test split)")
     if seed < 0:
         raise envs.DataError(f"--seed {seed}: must be a non-negative integer")
     n_test = max(1, episodes // 5)
@@ -1411,8 +1407,7 @@ def main(argv=None):
     sub = ap.add_subparsers(dest="command", required=True)
     formatter = argparse.ArgumentDefaultsHelpFormatter
 
-    p = sub.add_parser("make-data",
-                       help="write the released-schema files of shop episodes",
+    p = sub.add_parser("make-data", help="write the released-schema files of shop episodes",
                        description="Write the released-schema files of `--episodes` shop "
                                    "episodes (80:20 train/test), byte for byte the same for one "
                                    "--episodes and --seed: episode files, matched files and the "
@@ -1442,8 +1437,7 @@ def main(argv=None):
       help="the world whose dialogs are trained on (shop-long: continue a shop policy, --init)")
     a("--slips", type=float, default=0.0,
       help="shop-long: probability of each of the three slips (LONG_SLIPS) in a dialog whose "
-           "task has its habit (LONG_HABITS), drawn "
-           "on its own")
+           "task has its habit (LONG_HABITS), drawn on its own")
     a("--init", default=None, metavar="DIR",
       help="continue from this saved policy (its weights, shape and tokenizer) instead of "
            "training from scratch; the shape and --vocab flags are then ignored")
