@@ -1202,6 +1202,35 @@ def test_compare_resumes_without_redoing_finished_runs(tiny_policy, tmp_path):
     assert "| divided (2 tasks) |" in (out / "compare.md").read_text()
 
 
+def test_compare_tables_success_by_habit_from_each_runs_evaluations(tmp_path):
+    # shop's test tasks 0-3: task 0 is in USD (no habit), 1-3 have the divided habit
+    scores = {1: {0: [0, 0, 0, 0], 10: [1, 1, 0, 0], 20: [0, 0, 0, 1]},
+              2: {0: [0, 0, 0, 0], 10: [1, 1, 1, 1], 20: [0, 1, 1, 0]}}
+    for seed, by_step in scores.items():
+        run = tmp_path / "runs" / compare.run_name("outcome", seed)
+        run.mkdir(parents=True)
+        common.write_json(run / "args.json", {"env": "shop", "eval_episodes": 4})
+        for step, test in by_step.items():
+            common.append_jsonl(run / "eval.jsonl", {"step": step, "test": {
+                "scores": test, "success": sum(test) / 4}})
+        for step in (10, 20):
+            common.append_jsonl(run / "metrics.jsonl", {"step": step, "frac_zero_std": 0.0,
+                                                        "kl": 0.0, "reward_mean": 0.0})
+        common.write_json(run / "summary.json", {"seconds": 60, **{
+            key: {"step": step, "success": sum(by_step[step]) / 4}
+            for key, step in (("base", 0), ("selected", 10), ("final", 20),
+                              ("best_on_test", 10))}})
+    result = compare.compare_table(tmp_path, ["outcome"], [1, 2])
+    assert result["habits"] == {"none": [0], "divided": [1, 2, 3]}
+    got = result["rows"][0]["by_habit"]
+    assert got["base"] == {"none": 0.0, "divided": 0.0}
+    # mean over seeds of each seed's success on the group's tasks
+    assert got["selected"] == pytest.approx({"none": 1.0, "divided": (1 / 3 + 1) / 2})
+    assert got["final"] == pytest.approx({"none": 0.0, "divided": (1 / 3 + 2 / 3) / 2})
+    assert "| outcome | 0.0 → 100.0 → 0.0 | 0.0 → 66.7 → 50.0 |" in \
+        compare.compare_markdown(result, "cmd")
+
+
 def _compare_argv(policy, out):
     per_run = ["--model", str(policy), "--steps", "2", "--group", "2", "--max-turns", "2",
                "--max-new-tokens", "8", "--save-every", "1", "--eval-episodes", "3",
