@@ -515,12 +515,14 @@ class Transformer(nn.Module):
             attn_stats = dict(zip(STATS, means.unbind(-1)))
         return x, tuple(hidden_states) if output_hidden_states else None, attn_stats
 
-    def decode(self, tokens, cache, span_start=None):
+    def decode(self, tokens, cache, span_start=None, w=None):
         """One token per row, tokens (B,), appended at each row's cache length (its position;
         the caller advances the lengths). Returns the logits (B, V) in float32 and, given
         span_start (B,), where each row's turn began: the hidden states of the new token
         (L+1, B, d), Hugging Face's convention, and its six statistics (B, L, H, 6), STATS
-        order.
+        order. w: self.decode_weights(), read once by a caller that decodes many tokens with
+        the same weights (checking that they are current costs a fair part of a small model's
+        step).
 
         A small model's decoding step costs its number of operations, not their arithmetic, so
         where every block decodes with fused weights on the CPU the step runs as one compiled
@@ -531,7 +533,7 @@ class Transformer(nn.Module):
         size = int(lengths.max()) + 1                       # key slots [0, size) are in use
         for layer_cache in cache:
             layer_cache.grow(size)
-        w = [layer.decode_weights() for layer in self.model.layers]
+        w = self.decode_weights() if w is None else w
         args = (tokens, lengths, span_start, [c.k for c in cache], [c.v for c in cache], w)
         step = compiled_step(w, cache)
         if step is not None:
@@ -541,6 +543,10 @@ class Transformer(nn.Module):
                     torch._dynamo.exc.FailOnRecompileLimitHit) as e:
                 compile_failed(e)
         return self.decode_step(*args, size)
+
+    def decode_weights(self) -> list:
+        """Each block's decode_weights(), current for the weights as they are now."""
+        return [layer.decode_weights() for layer in self.model.layers]
 
     def decode_step(self, tokens, lengths, span_start, ks, vs, w, size):
         """decode on the cache tensors ks, vs (one (B, KV, capacity, D) each per layer),
@@ -883,12 +889,12 @@ def prefill(model: Transformer, cache, new_tokens: list[list[int]]) -> Tensor | 
 
 
 def decode_one_token(model: Transformer, cache, tokens: Tensor, fed: Tensor,
-                     span_start: Tensor | None):
+                     span_start: Tensor | None, w=None):
     """Feed tokens (B,) of the rows where fed (B,) is True, each at its row's length; (logits
     (B, V), hidden states, statistics), the last two given span_start (Transformer.decode).
     A row not fed gets a pad in its first free slot, which stays free."""
     lengths = cache[0].lengths.clone()
-    out = model.decode(torch.where(fed, tokens, 0), cache, span_start)
+    out = model.decode(torch.where(fed, tokens, 0), cache, span_start, w)
     set_lengths(cache, lengths + fed.long().cpu())
     return out
 
@@ -958,6 +964,7 @@ def generate(model: Transformer, cache, new_tokens: list[list[int]], max_new_tok
     finished = torch.zeros(B, dtype=torch.bool, device=dev)
     stop = torch.tensor(stop_ids, dtype=torch.long, device=dev)
     acc = TurnStats.zeros(model.config, B, dev) if stats else None
+    w = model.decode_weights()                  # no_grad: the weights cannot change in the loop
     for t in range(steps):
         token = sample(logits, temperature, top_p, generator)                # (B,)
         # log pi at the sampling temperature, from the logits the token was drawn from
@@ -969,7 +976,7 @@ def generate(model: Transformer, cache, new_tokens: list[list[int]], max_new_tok
         finished |= stopped
         running = fed & ~stopped
         logits, hidden, attn = decode_one_token(model, cache, token, fed,
-                                                span_start if stats else None)
+                                                span_start if stats else None, w)
         if stats:
             accumulate(acc, attn, hidden, fed)
         if not running.any():
