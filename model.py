@@ -526,9 +526,10 @@ class Transformer(nn.Module):
 
         A small model's decoding step costs its number of operations, not their arithmetic, so
         where every block decodes with fused weights on the CPU the step runs as one compiled
-        graph (compiled_step). That graph attends over the cache's whole capacity, the slots
-        past each row's position masked out, so that its shapes change only when the cache
-        grows; the eager step attends over the slots in use."""
+        graph (compiled_step). That graph attends over the slots in use rounded up to a whole
+        number of KEY_BLOCKs (at most the capacity), the slots past each row's position masked
+        out, so that its shapes change once every KEY_BLOCK tokens, not at each; the eager step
+        attends over the slots in use."""
         lengths = cache[0].lengths                          # (B,) on the CPU: no device sync
         size = int(lengths.max()) + 1                       # key slots [0, size) are in use
         for layer_cache in cache:
@@ -538,7 +539,8 @@ class Transformer(nn.Module):
         step = compiled_step(w, cache)
         if step is not None:
             try:
-                return step(self, *args, cache[0].capacity)
+                blocks = -(-size // KEY_BLOCK) * KEY_BLOCK
+                return step(self, *args, min(cache[0].capacity, blocks))
             except (torch._dynamo.exc.TorchDynamoException,      # no working C++ compiler
                     torch._dynamo.exc.FailOnRecompileLimitHit) as e:
                 compile_failed(e)
@@ -595,6 +597,10 @@ class Transformer(nn.Module):
 
 # PAIR_COMPILE=0 decodes eagerly everywhere (the test suite does, but where it compares the two).
 COMPILE = os.environ.get("PAIR_COMPILE", "1") != "0"
+# The compiled step attends over key slots in blocks of this many. Over the whole capacity instead
+# (a cache is made for several turns, and doubles as it grows) the attention's products, most of
+# a long episode's step, did up to twice the work: shop-long's greedy episodes took 1.5x longer.
+KEY_BLOCK = 128
 _compiled = {}          # "step": Transformer.decode_step compiled; "failed": why it was given up
 
 
@@ -604,7 +610,7 @@ def compiled_step(w: list, cache: list[KVCache]):
     model bound by reading its weights rather than by its operations: Block.decode_weights), a
     cache off the CPU, PAIR_COMPILE=0, or an earlier failure. torch compiles it for the shapes of
     its first call and, at the first change, once more with the sizes that changed left symbolic
-    (the batch, the capacity): a third batch size or capacity reuses that graph. Everything else
+    (the batch, the key slots, the capacity): a third size reuses that graph. Everything else
     (the weights' shapes, the norms' epsilon) stays a constant of the graph."""
     if not COMPILE or "failed" in _compiled or any(x is None for x in w) or \
             any(c.k.device.type != "cpu" for c in cache):

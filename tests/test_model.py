@@ -416,8 +416,10 @@ def test_decoding_equals_the_straightforward_loop(monkeypatch, name, compiled, t
     at once; eager, and compiled as it runs outside the tests) against a full teacher-forced
     forward per token: the same tokens under one generator, and hidden states and every
     statistic within 1e-5; rows finishing at different times, then a second turn appended
-    mid-conversation on the same cache."""
+    mid-conversation on the same cache. Compiled, the step attends over key slots in blocks of
+    4 here, so that the blocks in use change within a turn and stay short of the capacity."""
     monkeypatch.setattr(M, "COMPILE", compiled)
+    monkeypatch.setattr(M, "KEY_BLOCK", 4)
     steps, compiled_step = [], M.compiled_step          # which step each decode ran
     monkeypatch.setattr(M, "compiled_step", lambda *a: steps.append(compiled_step(*a)) or steps[-1])
     model = random_model(name, seed=11)
