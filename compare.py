@@ -250,10 +250,12 @@ def compare_table(out: Path, specs: list[str], seeds: list[int]) -> dict:
             vals = [s[key]["success"] for s, _, _ in played]
             row[key] = {"mean": float(np.mean(vals)), "std": float(np.std(vals)),
                         "per_seed": vals}
+        # each seed's per-episode test scores at its base, selected and final checkpoints
+        test_scores = {key: [ev[s[key]["step"]]["test"]["scores"] for s, _, ev in played]
+                       for key in ("base", "selected", "final")}
         for key in ("selected", "final"):
-            per_episode = [ev[s[key]["step"]]["test"]["scores"] for s, _, ev in played]
-            scores[spec, key] = per_episode
-            row[key]["ci95"] = bootstrap_mean(per_episode)
+            scores[spec, key] = test_scores[key]
+            row[key]["ci95"] = bootstrap_mean(test_scores[key])
         first = [m.get("probe_auroc") for _, ms, _ in played for m in ms[:5]]
         last = [m.get("probe_auroc") for _, ms, _ in played for m in ms[-5:]]
         row["probe_auroc"] = {"first5": _mean([x for x in first if x is not None]),
@@ -276,11 +278,11 @@ def compare_table(out: Path, specs: list[str], seeds: list[int]) -> dict:
         n_steps = min(len(ms) for _, ms, _ in played)
         row["curve_reward"] = [(k + 1, _mean([ms[k]["reward_mean"] for _, ms, _ in played]))
                                for k in range(n_steps)]
-        if habits is not None:
-            row["by_habit"] = {key: {h: _mean([_mean([ev[s[key]["step"]]["test"]["scores"][i]
-                                                      for i in tasks]) for s, _, ev in played])
+        if habits is not None:          # mean over seeds of each seed's success on the tasks
+            row["by_habit"] = {key: {h: _mean([_mean([seed[i] for i in tasks])
+                                               for seed in per_seed])
                                      for h, tasks in habits.items()}
-                               for key in ("base", "selected", "final")}
+                               for key, per_seed in test_scores.items()}
         rows.append(row)
     ref = specs[0]
     # how soon each reward reaches what the first one ends with: the first evaluation whose
