@@ -14,7 +14,8 @@ PAIR reads its reward from the policy's internals (METHOD.md §4); this model re
         lookback = m_ctx / (m_ctx + m_new), m_ctx = mean_{j<span_start} p_ij,
                    m_new = mean_{span_start<=j<=i} p_ij  (Lookback Lens; 0 when span_start = 0)
     All six follow from three numbers per row: max_j p_ij, sum_j p_ij^2 and the prefix mass
-    (sum_j p_ij = 1, and std^2 = sum_j p_ij^2 / (i+1) - 1/(i+1)^2). They are computed only for the
+    (sum_j p_ij = 1, so self = 1 - prefix, and std^2 = sum_j p_ij^2 / (i+1) - 1/(i+1)^2);
+    the code carries self as a fourth (`stats_from`). They are computed only for the
     span rows (a block of span rows x keys per head, in float32), never as a T x T matrix, in a
     teacher-forced forward and while generating with the KV cache. Without a span the forward is
     a plain forward.
@@ -114,7 +115,8 @@ class KVCache:
         shape = (batch_size, n_kv_heads, capacity, head_dim)
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
-        # Number of real tokens per row; kept on the CPU, it only decides default positions.
+        # Number of real tokens per row, kept on the CPU: where each row's next token goes (the
+        # trunk's default positions, the decoding step's positions and the key slots it reads).
         self.lengths = torch.zeros(batch_size, dtype=torch.long)
 
     @property
@@ -520,7 +522,7 @@ class Transformer(nn.Module):
         the caller advances the lengths). Returns the logits (B, V) in float32 and, given
         span_start (B,), where each row's turn began: the hidden states of the new token
         (L+1, B, d), Hugging Face's convention, and its six statistics (B, L, H, 6), STATS
-        order. w: self.decode_weights(), read once by a caller that decodes many tokens with
+        order, all three on the head's device (a split model's last). w: self.decode_weights(), read once by a caller that decodes many tokens with
         the same weights (checking that they are current costs a fair part of a small model's
         step).
 
@@ -555,14 +557,16 @@ class Transformer(nn.Module):
         attending over key slots [0, size); w: each block's decode_weights().
 
         The decoding counterpart of trunk, with nothing that depends on a row's length done
-        per layer: the masks, RoPE tables and masses matrix are built once per step, and the
-        statistics of every layer are derived from their four numbers in one pass at the end."""
+        per layer: the masks, RoPE tables and the before-span vector are built once per step,
+        and the statistics of every layer are derived from their four numbers in one pass at
+        the end."""
         dev = self.model.embed_tokens.weight.device
         pos = lengths.to(dev)
         key_pos = torch.arange(size, device=dev)
         visible = key_pos <= pos[:, None]                                   # (B, S)
-        bias = {w: torch.where(visible if w is None else visible & (pos[:, None] - key_pos < w),
-                               0.0, float("-inf"))[:, None, None] for w in set(self.windows)}
+        bias = {win: torch.where(visible if win is None else
+                                 visible & (pos[:, None] - key_pos < win),
+                                 0.0, float("-inf"))[:, None, None] for win in set(self.windows)}
         cos, sin = rope_tables(self.inv_freq, pos[:, None], self.model.embed_tokens.weight.dtype)
         start = None if span_start is None else span_start.to(dev)
         before = None if start is None else \
@@ -575,20 +579,22 @@ class Transformer(nn.Module):
             if key not in moved:
                 moved[key] = [t.to(key[0]) if t is not None else None
                               for t in (cos, sin, bias[key[1]], pos, before)]
-            c, s, b, p, m = moved[key]
-            x, n = layer.decode(x.to(key[0]), c, s, b, p, (ks[i], vs[i]), m, w[i])
+            cos_i, sin_i, bias_i, pos_i, before_i = moved[key]
+            x, n = layer.decode(x.to(key[0]), cos_i, sin_i, bias_i, pos_i, (ks[i], vs[i]),
+                                before_i, w[i])
             numbers.append(n)
             if i < len(self.model.layers) - 1:
                 hidden.append(x)
-        x = self.model.norm(x.to(dev))
+        x = self.model.norm(x)                  # on the head's device (a split model's hooks)
         logits = self.lm_head(x[:, 0]).float()
         if start is None:
             return logits, None, None
+        out = logits.device                     # where the caller accumulates (TurnStats)
         hidden.append(x)
-        four = [torch.cat([n[k].to(dev) for n in numbers], -1) for k in range(4)]   # (B, H, L)
-        stats = stats_from(*(t.transpose(1, 2) for t in four), pos[:, None, None],
-                           start[:, None, None])                            # (B, L, H) each
-        return (logits, torch.cat([h.to(dev) for h in hidden], 1).transpose(0, 1),
+        four = [torch.cat([n[k].to(out) for n in numbers], -1) for k in range(4)]   # (B, H, L)
+        stats = stats_from(*(t.transpose(1, 2) for t in four), pos.to(out)[:, None, None],
+                           start.to(out)[:, None, None])                    # (B, L, H) each
+        return (logits, torch.cat([h.to(out) for h in hidden], 1).transpose(0, 1),
                 torch.stack([stats[name] for name in STATS], -1))
 
 
@@ -947,8 +953,9 @@ def generate(model: Transformer, cache, new_tokens: list[list[int]], max_new_tok
     model, so the cache holds it and (stats=True) its attention statistics and hidden states are
     accumulated: the returned traces cover exactly the generated tokens. Idle rows still ride
     along in the batch as pads (decoding is bound by reading the weights, so they cost little).
-    The decoding loop keeps every row's state in tensors on the model's device: the one value
-    it reads back each step is whether any row is still running.
+    The decoding loop keeps every row's state in tensors on the model's device; each step it
+    reads back which rows were fed (the cache's lengths live on the CPU) and whether any row is
+    still running.
     """
     B = len(new_tokens)
     if B != cache[0].k.shape[0]:
@@ -963,7 +970,8 @@ def generate(model: Transformer, cache, new_tokens: list[list[int]], max_new_tok
     span_start = cache[0].lengths.clone()                                    # (B,)
     running = torch.tensor([len(t) > 0 and max_new_tokens > 0 for t in new_tokens])
     dev = logits.device if logits is not None else input_device(model)
-    running, steps = running.to(dev), max_new_tokens if running.any() else 0
+    steps = max_new_tokens if running.any() else 0
+    running = running.to(dev)
     tokens = torch.zeros(B, max(steps, 1), dtype=torch.long, device=dev)
     logps = torch.zeros(B, max(steps, 1), device=dev)
     count = torch.zeros(B, dtype=torch.long, device=dev)
@@ -973,7 +981,8 @@ def generate(model: Transformer, cache, new_tokens: list[list[int]], max_new_tok
     w = model.decode_weights()                  # no_grad: the weights cannot change in the loop
     for t in range(steps):
         token = sample(logits, temperature, top_p, generator)                # (B,)
-        # log pi at the sampling temperature, from the logits the token was drawn from
+        # log pi at the sampling temperature, before top_p's truncation: the policy's own
+        # probability of the token, as token_logprobs computes it for the update
         logp = torch.log_softmax(logits / (temperature or 1.0), -1).gather(1, token[:, None])
         tokens[:, t], logps[:, t] = token, logp[:, 0]
         fed = running

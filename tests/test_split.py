@@ -68,6 +68,24 @@ def test_placement_on_fake_devices():
         assert step.logits.shape == (2, 1, 64)
 
 
+def test_decoding_step_on_fake_devices():
+    """generate's step on a split model: the logits, hidden states and statistics of the new
+    token come back on one device, the head's, where generate keeps each turn's running sums
+    (a step that left them on the first device could not be added to those sums)."""
+    model = M.split_model(tiny(), ["cpu", "meta"], layer_counts=[2, 2])
+    cache = model.new_cache(2, capacity=8)
+    M.set_lengths(cache, torch.tensor([3, 5]))
+    fed = torch.tensor([True, False])
+    with torch.no_grad():
+        logits, hidden, stats = M.decode_one_token(model, cache, torch.tensor([4, 7]), fed,
+                                                    torch.tensor([1, 2]))
+        assert {logits.device.type, hidden.device.type, stats.device.type} == {"meta"}
+        assert hidden.shape == (5, 2, 32) and stats.shape == (2, 4, 4, len(STATS))
+        acc = M.TurnStats.zeros(model.config, 2, logits.device)
+        M.accumulate(acc, stats, hidden, fed.to(logits.device))
+    assert cache[0].lengths.tolist() == [4, 5]
+
+
 def test_default_split_balances_and_three_devices():
     model = M.split_model(tiny(layers=6), ["cpu", "meta", "meta"])
     # Equal blocks, the embedding on the first device and the head on the last: 1 + 4 + 1.
