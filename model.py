@@ -522,9 +522,9 @@ class Transformer(nn.Module):
         the caller advances the lengths). Returns the logits (B, V) in float32 and, given
         span_start (B,), where each row's turn began: the hidden states of the new token
         (L+1, B, d), Hugging Face's convention, and its six statistics (B, L, H, 6), STATS
-        order, all three on the head's device (a split model's last). w: self.decode_weights(), read once by a caller that decodes many tokens with
-        the same weights (checking that they are current costs a fair part of a small model's
-        step).
+        order, all three on the head's device (a split model's last). w: self.decode_weights(),
+        read once by a caller that decodes many tokens with the same weights (checking that they
+        are current costs a fair part of a small model's step).
 
         A small model's decoding step costs its number of operations, not their arithmetic, so
         where every block decodes with fused weights on the CPU the step runs as one compiled
