@@ -64,20 +64,26 @@ def append_jsonl(path: Path, record: dict):
 
 
 def read_jsonl(path: Path) -> list[dict]:
-    """The records of a JSONL log. A last line cut short by a kill is dropped (the step it
-    logged is redone on resume); a broken line before the last one is an error."""
+    """The records of a per-step JSONL log (metrics.jsonl, eval.jsonl): one JSON object with an
+    integer "step" per line. A last line cut short by a kill is dropped (the step it logged is
+    redone on resume); a broken line before the last one, or a record of another shape, is an
+    error."""
     if not path.exists():
         return []
     lines = [line for line in path.read_text().splitlines() if line.strip()]
     records = []
     for k, line in enumerate(lines):
         try:
-            records.append(json.loads(line))
+            record = json.loads(line)
         except json.JSONDecodeError as e:
             if k == len(lines) - 1:
                 break
             raise SystemExit(f"{path}: line {k + 1} is not JSON ({e}); the log is damaged") \
                 from e
+        if not isinstance(record, dict) or type(record.get("step")) is not int:
+            raise SystemExit(f"{path}: line {k + 1} is not a step's record (a JSON object with "
+                             "an integer \"step\"); the log is damaged")
+        records.append(record)
     return records
 
 

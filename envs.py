@@ -1331,8 +1331,8 @@ def main(argv=None):
     args = ap.parse_args(argv)
     try:
         _run(args)
-    except (DataError, chat_api.LLMError) as e:  # expected failures: one clear line, no traceback
-        sys.exit(f"error: {e}")
+    except (DataError, chat_api.LLMError, OSError) as e:    # expected failures (an --out under
+        sys.exit(f"error: {e}")                             # a file too): one line
 
 
 def _run(args):

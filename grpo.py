@@ -911,7 +911,8 @@ def main(argv=None):
                  "replayed tools label only the final answer")
     try:
         return train(args)
-    except (weights.CheckpointError, envs.DataError, probes.FormatError, chat_api.LLMError) as e:
+    except (weights.CheckpointError, envs.DataError, probes.FormatError, chat_api.LLMError,
+            FileNotFoundError) as e:
         runs.forget_failed(args.out)
         sys.exit(f"error: {e}")         # bad input: one clear line naming the file
     except SystemExit:                  # refused with one line: no run left behind either

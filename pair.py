@@ -394,6 +394,9 @@ def _open_parts(parts: Path, manifest: dict) -> set[int]:
         except ValueError as e:
             raise probes.FormatError(f"{path}: not JSON ({e}); delete {parts} to start "
                                      "over") from None
+        if not isinstance(old, dict):
+            raise probes.FormatError(f"{path}: not a manifest (a JSON object); delete {parts} "
+                                     "to start over")
         if old != manifest:
             diff = sorted(k for k in set(old) | set(manifest) if old.get(k) != manifest.get(k))
             raise SystemExit(f"{parts} holds a run with different arguments ({', '.join(diff)}); "
@@ -403,7 +406,11 @@ def _open_parts(parts: Path, manifest: dict) -> set[int]:
         common.write_atomic(path, json.dumps(manifest, indent=2) + "\n")
     done = set()
     for shard in sorted(parts.glob("shard_*.safetensors")):
-        done.update(probes.read_safetensors(shard, "shard")[0]["record_index"].tolist())
+        tensors = probes.read_safetensors(shard, "shard")[0]
+        if "record_index" not in tensors:
+            raise probes.FormatError(f"{shard}: not a shard of this extraction (no "
+                                     f"record_index); delete {parts} to start over")
+        done.update(tensors["record_index"].tolist())
     return done
 
 
@@ -1232,8 +1239,8 @@ def main(argv=None) -> None:
             for directory in args.writes(args):
                 stack.enter_context(common.exclusive_dir(directory))
             args.func(args)
-    except (FileNotFoundError, envs.DataError, weights.CheckpointError, probes.FormatError) as e:
-        sys.exit(f"error: {e}")         # bad input: one clear line naming the file
+    except (OSError, envs.DataError, weights.CheckpointError, probes.FormatError) as e:
+        sys.exit(f"error: {e}")         # bad input (or an --out under a file): one line
 
 
 if __name__ == "__main__":

@@ -447,6 +447,8 @@ def load_features(path) -> tuple[dict[str, torch.Tensor], dict]:
     if not isinstance(meta, dict) or missing:
         raise FormatError(f"{path}: not a features file written by `pair.py extract` "
                           f"(missing {missing or 'metadata'})")
+    if not isinstance(meta.get("episode_id", []), list):
+        raise FormatError(f"{path}: its metadata's episode_id must be a list (one per record)")
     n = {len(v) for v in tensors.values() if v.dim() > 0}
     if len(n) != 1 or len(meta.get("episode_id", ())) not in n:
         raise FormatError(f"{path}: columns of different lengths (records {sorted(n)}, "
@@ -454,6 +456,9 @@ def load_features(path) -> tuple[dict[str, torch.Tensor], dict]:
     if tensors["h_mean"].dim() != 2 or tensors["attn_max"].dim() != 3:
         raise FormatError(f"{path}: h_mean must be (records, d) and attn_max (records, L, H)")
     _check_finite(tensors, path)
+    if not set(tensors["label"].unique().tolist()) <= {0, 1}:
+        raise FormatError(f"{path}: labels must be 0 (wrong) or 1 (right), got "
+                          f"{sorted(set(tensors['label'].unique().tolist()))[:5]}")
     meta["dims"] = features_dims(tensors)     # what the tensors hold, whatever was recorded
     return tensors, meta
 
@@ -482,9 +487,11 @@ def main(argv=None) -> None:
     score.add_argument("--probe", required=True, help="probe file written by `fit`")
     score.add_argument("--features", required=True, help="features file from `pair.py extract`")
     args = ap.parse_args(argv)
+    if args.cmd == "fit" and not 0 < args.C < math.inf:
+        ap.error(f"--C must be a finite number > 0, got {args.C}")
     try:
         run(args)
-    except (FileNotFoundError, FormatError) as e:
+    except (OSError, FormatError) as e:     # a missing file, an --out under a file
         sys.exit(f"error: {e}")         # bad input: one clear line naming the file
 
 

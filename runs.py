@@ -36,6 +36,7 @@ import adapters
 import baselines
 import common
 import envs
+import model
 import onpolicy
 import shop
 import weights
@@ -224,8 +225,8 @@ def train_parser(rewards) -> argparse.ArgumentParser:
                    help=preset_help("lora_alpha", "LoRA alpha"))
     g.add_argument("--lora-dropout", type=float, default=None,
                    help=preset_help("lora_dropout", "LoRA dropout"))
-    g.add_argument("--lora-targets", default="q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,"
-                   "down_proj", help="comma-separated projections that get an adapter")
+    g.add_argument("--lora-targets", default=",".join(model.LORA_TARGETS),
+                   help="comma-separated projections that get an adapter")
     g = ap.add_argument_group("run")
     g.add_argument("--out", default=None,
                    help="run directory (default: runs/<env>-<reward>-<date>-<time>, new)")
@@ -275,10 +276,12 @@ FLAG_RANGES = {
     **{k: _at_least(1) for k in ("steps", "batch", "group", "max_turns", "max_new_tokens",
                                  "max_len", "oversample", "ppo_epochs", "micro_batch", "lora_r",
                                  "save_every", "eval_batch", "corpus_episodes", "corpus_samples",
-                                 "corpus_heldout", "tips_refresh", "tree_m", "tree_n", "tree_l",
-                                 "threads")},
-    **{k: _at_least(0) for k in ("eval_episodes", "val_episodes", "seed",
-                                 "probe_retrain_every")},
+                                 "corpus_heldout", "tips_refresh", "tree_m", "tree_n", "tree_l")},
+    # more threads than cores only slows a run down, and a huge count crashes torch's pool
+    "threads": ((lambda v: 1 <= v <= (os.cpu_count() or 1)),
+                f"between 1 and this machine's {os.cpu_count() or 1} cores"),
+    **{k: _at_least(0) for k in ("eval_episodes", "val_episodes", "probe_retrain_every")},
+    "seed": ((lambda v: 0 <= v < 2 ** 32), "in [0, 2**32) (numpy's seeds)"),
     "probe_episodes": _at_least(2),
     **{k: _positive() for k in ("temperature", "lr", "eps", "grad_clip", "lora_alpha")},
     **{k: _finite(0.0) for k in ("beta", "weight_decay", "at2po_penalty", "alpha")},
@@ -303,6 +306,18 @@ def parse_args(argv, rewards) -> argparse.Namespace:
                 ap.error(f"--{name.replace('_', '-')} must be {what}, got {v}")
     if args.resume and args.resume_if_present:
         ap.error("--resume and --resume-if-present: pass one")
+    if args.devices is not None:
+        try:
+            kinds = [torch.device(d.strip()).type for d in args.devices.split(",")]
+        except RuntimeError:
+            kinds = []
+        if not kinds or any(k not in ("cpu", "cuda") for k in kinds):
+            ap.error(f"--devices {args.devices!r}: a comma-separated list of devices such as "
+                     "cuda:0,cuda:1 (or cpu)")
+    bad = [t for t in args.lora_targets.split(",") if t not in model.LORA_TARGETS]
+    if bad:
+        ap.error(f"--lora-targets {args.lora_targets!r}: {bad} not among the blocks' linear "
+                 f"layers {','.join(model.LORA_TARGETS)}")
     if args.devices and any(d.strip().startswith("cuda") for d in args.devices.split(",")) \
             and not torch.cuda.is_available():
         ap.error(f"--devices {args.devices}: this PyTorch sees no CUDA device (a CPU build, or no "

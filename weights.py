@@ -24,7 +24,7 @@ import re
 import struct
 import sys
 import time
-from dataclasses import dataclass, field, fields
+from dataclasses import MISSING, dataclass, field, fields
 from pathlib import Path
 from urllib.parse import quote
 
@@ -101,6 +101,10 @@ class Config:
         arch = d["architectures"][0]
         d = {**ARCH_DEFAULTS.get(arch, {}), **d}
         known = {f.name for f in fields(cls)}
+        missing = [f.name for f in fields(cls) if f.name not in d
+                   and f.default is MISSING and f.default_factory is MISSING]
+        if missing:
+            raise ValueError(f"no {', '.join(missing)} (a model's config.json has them)")
         cfg = cls(**{k: v for k, v in d.items() if k in known})
         cfg.validate()
         return cfg
@@ -254,7 +258,8 @@ def _weight_files(directory: Path) -> dict[str, list[str]]:
     """{file name: tensor names it must hold}; an empty list means 'whatever it holds'."""
     index = directory / "model.safetensors.index.json"
     if index.is_file():
-        weight_map = _read_json(index).get("weight_map")
+        index_json = _read_json(index)
+        weight_map = index_json.get("weight_map") if isinstance(index_json, dict) else None
         if not isinstance(weight_map, dict):
             raise CheckpointError(f"{index}: no weight_map")
         files: dict[str, list[str]] = {}

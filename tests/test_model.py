@@ -197,6 +197,18 @@ def test_config_values_are_checked_before_building(tmp_path, key, value):
     assert key in str(err.value)
 
 
+def test_config_without_a_required_key_or_with_an_index_of_another_shape(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps(
+        {k: v for k, v in GOOD_CONFIG.items() if k != "hidden_size"}))
+    write_tiny_tokenizer(tmp_path)
+    with pytest.raises(weights.CheckpointError, match="config.json: no hidden_size"):
+        M.load_model(tmp_path)
+    (tmp_path / "config.json").write_text(json.dumps(GOOD_CONFIG))
+    (tmp_path / "model.safetensors.index.json").write_text("[]")
+    with pytest.raises(weights.CheckpointError, match="index.json: no weight_map"):
+        M.load_model(tmp_path)
+
+
 def test_config_with_a_million_layers_is_a_one_line_error(tmp_path):
     # It used to build a million blocks (minutes, gigabytes) before reading a weight.
     (tmp_path / "config.json").write_text(json.dumps({**GOOD_CONFIG,

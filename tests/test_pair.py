@@ -282,7 +282,7 @@ def _truncate(path: Path, keep: int = 100):
     path.write_bytes(path.read_bytes()[:keep])
 
 
-def test_unreadable_files_are_one_line_errors(features_dir, tmp_path):
+def test_unreadable_files_are_one_line_errors(features_dir, tmp_path, capsys):
     # A truncated or corrupt input is an error naming the file, never a traceback.
     feats = tmp_path / "feats"
     feats.mkdir()
@@ -315,6 +315,23 @@ def test_unreadable_files_are_one_line_errors(features_dir, tmp_path):
     with pytest.raises(SystemExit, match="error: .*x.safetensors: truncated or corrupt probe"):
         probes.main(["score", "--probe", str(tmp_path / "x.safetensors"),
                      "--features", str(bad)])
+
+    # readable features that no probe can use: labels other than 0/1, episode ids not a list
+    tensors, meta = probes.read_safetensors(bad, "features")
+    meta = json.loads(meta["pair_features"])
+    fit = ["fit", "--features", str(bad), "--feature", "attention", "--out",
+           str(tmp_path / "p.safetensors")]
+    for t, m, expect in ((dict(tensors, label=tensors["label"] * 7), meta, "labels must be 0"),
+                         (tensors, dict(meta, episode_id=3), "episode_id must be a list")):
+        probes.save_safetensors(t, bad, {"pair_features": json.dumps(m)})
+        with pytest.raises(SystemExit, match=f"error: {bad}: .*{expect}"):
+            probes.main(fit)
+    probes.save_safetensors(tensors, bad, {"pair_features": json.dumps(meta)})
+    with pytest.raises(SystemExit, match=f"error: .*{bad}"):       # --out under a file
+        probes.main(fit[:-1] + [str(bad / "p.safetensors")])
+    with pytest.raises(SystemExit):
+        probes.main(fit + ["--C", "0"])
+    assert "--C must be a finite number > 0" in capsys.readouterr().err
 
 
 def test_extract_checks_the_data_before_loading_the_model(tmp_path):
@@ -387,6 +404,12 @@ def test_pipeline_on_shop(tmp_path, monkeypatch, capsys):
     with pytest.raises(KeyboardInterrupt):
         pair.main(extract_args)
     assert not target.exists() and len(list(target.parent.glob("*.parts/shard_*"))) == 2
+    manifest = target.with_name(target.name + ".parts") / "manifest.json"
+    kept = manifest.read_text()
+    manifest.write_text("[]")                   # JSON, but not the manifest: refused, named
+    with pytest.raises(SystemExit, match="manifest.json: not a manifest"):
+        pair.main(extract_args)
+    manifest.write_text(kept)
     calls.clear()
     monkeypatch.setattr(mdl, "trace_forward", lambda *a: (calls.append(a[2]),
                                                           real_trace_forward(*a))[1])
