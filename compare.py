@@ -17,6 +17,8 @@ training step of each reward costs, beside the paper's numbers.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import io
 import json
 import os
 import subprocess
@@ -60,6 +62,133 @@ def run_name(spec: str, seed: int) -> str:
     return "".join(c if c.isalnum() or c in "-_.=" else "-" for c in spec) + f"-s{seed}"
 
 
+def check_out_dir(out: Path) -> None:
+    """OUT/runs and every folder above it are folders or not there yet (mkdir would raise)."""
+    for p in (out / "runs", *(out / "runs").parents):
+        if p.exists():
+            if not p.is_dir():
+                raise SystemExit(f"compare: --out {out}: {p} is a file, not a directory")
+            return
+
+
+def check_run(spec: str, argv: list[str], reward: str, seed: int, run: Path, resume: bool,
+              done: bool) -> argparse.Namespace:
+    """grpo.py's own checks of one run's command line, those that load nothing: its parser and
+    flag ranges, the presets and, for a run still to do, what its directory holds against
+    --resume. A mistake is one line naming the spec, before any run has started."""
+    said = io.StringIO()                # argparse's usage and the preset line: not for here
+    try:
+        with contextlib.redirect_stdout(said), contextlib.redirect_stderr(said):
+            args = runs.parse_args(argv, grpo.REWARDS)
+            # compare sets these per run: given again they would put every seed in one run
+            if (args.reward, args.seed, args.out, args.resume, args.resume_if_present) != \
+                    (reward, seed, str(run), resume, False):
+                raise SystemExit("--reward, --seed, --out and --resume are compare's to set; "
+                                 "leave them out of the spec and of the flags after --")
+            runs.resolve_preset(args, runs.World())
+            if not done:
+                runs.check_out(args)
+    except SystemExit as e:
+        if e.code in (0, None):         # `-- --help`: grpo.py's help is what was asked for
+            print(said.getvalue(), end="")
+            raise
+        why = e.code if isinstance(e.code, str) else \
+            (said.getvalue().strip().splitlines() or ["refused"])[-1].removeprefix(
+                "grpo.py: error: ")
+        raise SystemExit(f"compare: {spec!r} (run {run.name}): {why}") from None
+    return args
+
+
+# What the tables read from each step of metrics.jsonl: numbers that must be there, and numbers
+# that may be missing (a run from before they were logged)
+TABLE_METRICS = ("reward_mean", "frac_zero_std", "kl"), (*grpo.TIMING, *runs.STEP_SECONDS)
+COST_METRICS = ("t_rollout", "t_reward", "t_update", *grpo.COSTS, "mem_kv_mb"), \
+    ("t_base_read", "mem_cuda_peak_mb")
+
+
+def damaged(path: Path, what: str) -> SystemExit:
+    """The one line for a finished run's file that cannot be tabulated; a run with a
+    summary.json is never redone, so say how to have it redone."""
+    return SystemExit(f"compare: {path}: {what}; delete {path.parent} and run the same command "
+                      "again to redo that run")
+
+
+def _number(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
+def read_json(path: Path) -> dict:
+    try:
+        data = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise damaged(path, "missing") from None
+    except (OSError, ValueError, RecursionError) as e:
+        raise damaged(path, f"not readable JSON ({type(e).__name__}: {e})") from None
+    if not isinstance(data, dict):
+        raise damaged(path, "not a JSON object")
+    return data
+
+
+def read_log(path: Path) -> list[dict]:
+    try:
+        return common.read_jsonl(path)
+    except SystemExit as e:             # common's line names the damaged line
+        raise SystemExit(f"compare: {e.code}; delete {path.parent} and run the same command "
+                         "again to redo that run") from None
+    except (OSError, ValueError) as e:  # a folder there, or bytes that are not UTF-8
+        raise damaged(path, f"not readable ({type(e).__name__}: {e})") from None
+
+
+def read_metrics(run: Path, keys: tuple[tuple[str, ...], tuple[str, ...]]) -> list[dict]:
+    path = run / "metrics.jsonl"
+    ms = read_log(path)
+    if not ms:
+        raise damaged(path, "missing or empty: no training step logged")
+    need, may = keys
+    for m in ms:
+        bad = [k for k in need if not _number(m.get(k))] + \
+            [k for k in may if k in m and not _number(m[k])]
+        if m.get("probe_auroc") is not None and not _number(m["probe_auroc"]):
+            bad.append("probe_auroc")
+        if bad:
+            raise damaged(path, f"step {m['step']}: {', '.join(bad)} not a number")
+    return ms
+
+
+def read_run(run: Path) -> tuple[dict, list[dict], dict]:
+    """A finished run's summary.json, metrics.jsonl and eval.jsonl (by step), with what the
+    table reads from each checked."""
+    path = run / "summary.json"
+    s = read_json(path)
+    if not _number(s.get("seconds")):
+        raise damaged(path, 'no number "seconds"')
+    heldout = s.get("probe_auroc_heldout", {})
+    if not isinstance(heldout, dict) or not (heldout.get("pair") is None
+                                             or _number(heldout["pair"])):
+        raise damaged(path, '"probe_auroc_heldout" is not an object with a number "pair"')
+    evals = {}
+    for e in read_log(run / "eval.jsonl"):
+        test = e.get("test")
+        if not (isinstance(test, dict) and _number(test.get("success"))
+                and isinstance(test.get("scores"), list) and test["scores"]
+                and all(map(_number, test["scores"]))):
+            raise damaged(run / "eval.jsonl", f"step {e['step']}: \"test\" is not an object with "
+                          "a number \"success\" and a list of numbers \"scores\"")
+        evals[e["step"]] = e
+    for key in ("base", "selected", "final", "best_on_test"):
+        c = s.get(key)
+        if c is None:
+            raise damaged(path, f'"{key}" is null: the run has no held-out evaluation (was it '
+                          "run with --no-eval, or by compare --cost?)")
+        if not (isinstance(c, dict) and type(c.get("step")) is int and _number(c.get("success"))):
+            raise damaged(path, f'"{key}" is not an object with an integer "step" and a number '
+                          '"success"')
+        if key != "best_on_test" and c["step"] not in evals:
+            raise damaged(run / "eval.jsonl", f"no evaluation of step {c['step']}, summary.json's "
+                          f'"{key}"')
+    return s, read_metrics(run, TABLE_METRICS), evals
+
+
 def compare(argv: list[str]) -> dict:
     command = " ".join(["python compare.py", *argv])
     ap = argparse.ArgumentParser(
@@ -80,29 +209,41 @@ def compare(argv: list[str]) -> dict:
     argv, extra = (argv[:argv.index("--")], argv[argv.index("--") + 1:]) if "--" in argv \
         else (argv, [])
     args = ap.parse_args(argv)
+    if args.jobs < 1:                   # 0 would start nothing and wait for it forever
+        raise SystemExit(f"compare: --jobs must be at least 1, got {args.jobs}")
     if args.cost:
         if "--rewards" not in argv:
             args.rewards = [r for r in grpo.REWARDS if r != "llm_judge"
                             or os.environ.get("OPENAI_API_KEY")]
         # latencies measured beside another run are not latencies
         args.jobs, extra = 1, [*extra, "--no-eval"]
-    for spec in args.rewards:
-        parse_spec(spec)                         # every spec is checked before any run starts
     out = Path(args.out)
-    (out / "runs").mkdir(parents=True, exist_ok=True)
+    check_out_dir(out)
     todo = []
     # Seed by seed: every reward has its first seed before any has its second, so a comparison
     # cut short still has a row for each (`--seeds 42` then tabulates what is done).
+    # Every run's command line is checked here, before any run starts or anything is written.
     for seed in args.seeds:
         for spec in args.rewards:
             reward, flags = parse_spec(spec)
             run = out / "runs" / run_name(spec, seed)
-            if (run / "summary.json").is_file():
-                continue
-            cmd = [sys.executable, str(Path(grpo.__file__).resolve()), "--reward", reward, *flags,
-                   "--seed", str(seed), "--out", str(run), "--threads", str(args.threads),
-                   *extra] + (["--resume"] if (run / "args.json").is_file() else [])
-            todo.append((run, cmd))
+            done = (run / "summary.json").is_file()
+            resume = (run / "args.json").is_file()
+            run_argv = ["--reward", reward, *flags, "--seed", str(seed), "--out", str(run),
+                        "--threads", str(args.threads), *extra] + (["--resume"] if resume else [])
+            run_args = check_run(spec, run_argv, reward, seed, run, resume, done)
+            if run_args.no_eval and not args.cost:
+                raise SystemExit("compare: --no-eval: the table is held-out success, read from "
+                                 "the runs' evaluations; leave it out (--cost times the rewards "
+                                 "without them)")
+            if not done:
+                todo.append((run, [sys.executable, str(Path(grpo.__file__).resolve()),
+                                   *run_argv]))
+    try:
+        (out / "runs").mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise SystemExit(f"compare: --out {out}: cannot make {out / 'runs'} ({e.strerror})") \
+            from None
     print(f"compare: {len(args.rewards)} rewards x {len(args.seeds)} seeds, {len(todo)} runs to "
           f"do, {args.jobs} at a time; logs in {out / 'runs'}/<run>.log", flush=True)
     running: list[tuple[Path, subprocess.Popen]] = []
@@ -171,10 +312,8 @@ def cost_table(out: Path, specs: list[str], seeds: list[int]) -> dict:
     sibling rollouts), and the work of the step around it."""
     rows = []
     for spec in specs:
-        ms = [m for seed in seeds for m in common.read_jsonl(out / "runs" / run_name(spec, seed) /
-                                                      "metrics.jsonl")]
-        if not ms:
-            raise SystemExit(f"compare --cost: no logged step for {spec}")
+        ms = [m for seed in seeds
+              for m in read_metrics(out / "runs" / run_name(spec, seed), COST_METRICS)]
         row = {"reward": spec, "steps": len(ms)}
         for key in (*grpo.TIMING, *grpo.COSTS, "mem_kv_mb", "mem_cuda_peak_mb"):
             row[key] = _mean([m.get(key) for m in ms])
@@ -236,14 +375,16 @@ def bootstrap_mean(rows: list[list[float]], base: list[list[float]] | None = Non
 
 def compare_table(out: Path, specs: list[str], seeds: list[int]) -> dict:
     rows, scores = [], {}
-    habits = habit_tasks(out / "runs" / run_name(specs[0], seeds[0]))
+    first = out / "runs" / run_name(specs[0], seeds[0])
+    habits = habit_tasks(first)
+    # test episodes scored -> a file that says so: one number for all, or nothing is paired
+    sizes = {1 + max(i for tasks in habits.values() for i in tasks): first / "args.json"} \
+        if habits else {}
     for spec in specs:
         played = []
         for seed in seeds:
             run = out / "runs" / run_name(spec, seed)
-            evals = {e["step"]: e for e in common.read_jsonl(run / "eval.jsonl")}
-            played.append((json.loads((run / "summary.json").read_text()),
-                           common.read_jsonl(run / "metrics.jsonl"), evals))
+            played.append(read_run(run))
         row = {"reward": spec, "seeds": seeds, "runs": [str(out / "runs" / run_name(spec, s))
                                                          for s in seeds]}
         for key in ("base", "selected", "final", "best_on_test"):
@@ -253,6 +394,15 @@ def compare_table(out: Path, specs: list[str], seeds: list[int]) -> dict:
         # each seed's per-episode test scores at its base, selected and final checkpoints
         test_scores = {key: [ev[s[key]["step"]]["test"]["scores"] for s, _, ev in played]
                        for key in ("base", "selected", "final")}
+        for per_seed in test_scores.values():
+            for seed, x in zip(seeds, per_seed):
+                sizes.setdefault(len(x), out / "runs" / run_name(spec, seed) / "eval.jsonl")
+        if len(sizes) > 1:
+            (n1, w1), (n2, w2) = list(sizes.items())[:2]
+            raise SystemExit(f"compare: the runs were evaluated on different test episodes ({w1}: "
+                             f"{n1}, {w2}: {n2}; --eval-episodes changed between commands?); "
+                             "delete the runs that differ and run the same command again to "
+                             "redo them")
         for key in ("selected", "final"):
             scores[spec, key] = test_scores[key]
             row[key]["ci95"] = bootstrap_mean(test_scores[key])
@@ -307,11 +457,14 @@ def habit_tasks(run: Path) -> dict[str, list[int]] | None:
     """On a built-in world, the test tasks (indices in evaluation order) that have each habit of
     its policy (shop.slip_turns), and those with none: which errors a reward taught away, where
     the success rate alone cannot say. None on other environments."""
-    args = json.loads((run / "args.json").read_text())
+    args = read_json(run / "args.json")
+    n = args.get("eval_episodes")
+    if not isinstance(args.get("env"), str) or not (n is None or type(n) is int and n >= 0):
+        raise damaged(run / "args.json", 'no string "env" or no count "eval_episodes"')
     if args["env"] not in shop.WORLDS:
         return None
     test = shop.ShopEnv("test", world=args["env"])
-    n = min(args["eval_episodes"] or len(test), len(test))
+    n = min(n or len(test), len(test))
     groups = {h: [] for h in ("none", *shop.LONG_SLIPS)}
     for i in range(n):
         for habit in shop.slip_turns(test.episode(i).task) or ("none",):
@@ -338,7 +491,9 @@ def compare_markdown(result: dict, command: str) -> str:
 
     def reach(r):
         t = r.get("to_target") or {}
-        return "—" if t.get("step") is None else f"{t['step']} / {t['seconds']:.0f} s"
+        if t.get("step") is None:
+            return "—"          # seconds: None when metrics.jsonl has no record of that step
+        return f"{t['step']} / " + ("—" if t["seconds"] is None else f"{t['seconds']:.0f} s")
 
     ref = result["reference"]
     lines = [

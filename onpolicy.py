@@ -260,6 +260,13 @@ def shop_probes(args, policy, tok, world, log) -> tuple[Path, dict]:
         if args.probe_corpus in ("on-policy", "both"):
             own = sample_own_turns(policy, tok, train_env, args.corpus_episodes,
                                    args.corpus_samples, args, PROBE_SEED, log)
+            if len(set(own.y.tolist())) < 2:
+                raise probes.FormatError(
+                    f"--probe-corpus {args.probe_corpus}: all {len(own.y)} turns of the "
+                    f"policy's own rollouts ({args.corpus_episodes} episodes x "
+                    f"{args.corpus_samples}) are {'right' if own.y[0] else 'wrong'}, and a probe "
+                    "needs both (more --corpus-episodes or --max-new-tokens, or "
+                    "--probe-corpus contaminated)")
             own = own.take(kind_balanced_indices(own.y, own.raw["kind"], PROBE_SEED))
             corpora["on-policy"] = own.take(pair.balanced_indices(own.y, PROBE_SEED))
         # the released recipe is always fitted: it is the yardstick the startup line prints

@@ -143,7 +143,8 @@ def test_advantages_all_equal_group_is_zero_and_flagged():
                                          ("--group", "0"), ("--save-every", "0"),
                                          ("--steps", "-1"), ("--eval-episodes", "-5"),
                                          ("--top-p", "0"), ("--beta", "inf"),
-                                         ("--at2po-clip", "0.1 -1")])
+                                         ("--at2po-clip", "0.1 -1"),
+                                         ("--seed", str(2 ** 32)), ("--threads", "100000")])
 def test_numeric_flags_are_checked_before_any_work(flag, value, tmp_path, monkeypatch, capsys):
     def no_load(*a, **k):
         raise AssertionError("the model was loaded before the flags were checked")
@@ -151,6 +152,20 @@ def test_numeric_flags_are_checked_before_any_work(flag, value, tmp_path, monkey
     with pytest.raises(SystemExit):
         grpo.main([flag, *value.split(), "--out", str(tmp_path / "r")])
     assert f"{flag} must be" in capsys.readouterr().err
+    assert not (tmp_path / "r").exists()
+
+
+@pytest.mark.parametrize("flag, value", [("--devices", "foo"), ("--devices", ""),
+                                         ("--devices", "meta"), ("--lora-targets", "bogus_proj"),
+                                         ("--lora-targets", "q_proj,,v_proj")])
+def test_device_and_adapter_flags_are_checked_before_any_work(flag, value, tmp_path,
+                                                              monkeypatch, capsys):
+    def no_load(*a, **k):
+        raise AssertionError("the model was loaded before the flags were checked")
+    monkeypatch.setattr(mdl, "load_model", no_load)
+    with pytest.raises(SystemExit):
+        grpo.main([flag, value, "--out", str(tmp_path / "r")])
+    assert f"{flag} {value!r}:" in capsys.readouterr().err
     assert not (tmp_path / "r").exists()
 
 
@@ -1202,12 +1217,15 @@ def test_compare_resumes_without_redoing_finished_runs(tiny_policy, tmp_path):
     assert "| divided (2 tasks) |" in (out / "compare.md").read_text()
 
 
-def test_compare_tables_success_by_habit_from_each_runs_evaluations(tmp_path):
-    # shop's test tasks 0-3: task 0 is in USD (no habit), 1-3 have the divided habit
-    scores = {1: {0: [0, 0, 0, 0], 10: [1, 1, 0, 0], 20: [0, 0, 0, 1]},
-              2: {0: [0, 0, 0, 0], 10: [1, 1, 1, 1], 20: [0, 1, 1, 0]}}
+# shop's test tasks 0-3: task 0 is in USD (no habit), 1-3 have the divided habit
+FAKE_SCORES = {1: {0: [0, 0, 0, 0], 10: [1, 1, 0, 0], 20: [0, 0, 0, 1]},
+               2: {0: [0, 0, 0, 0], 10: [1, 1, 1, 1], 20: [0, 1, 1, 0]}}
+
+
+def _finished_runs(out: Path, scores=FAKE_SCORES):
+    """compare's finished runs of `outcome` as grpo.py leaves them, without training."""
     for seed, by_step in scores.items():
-        run = tmp_path / "runs" / compare.run_name("outcome", seed)
+        run = out / "runs" / compare.run_name("outcome", seed)
         run.mkdir(parents=True)
         common.write_json(run / "args.json", {"env": "shop", "eval_episodes": 4})
         for step, test in by_step.items():
@@ -1220,6 +1238,10 @@ def test_compare_tables_success_by_habit_from_each_runs_evaluations(tmp_path):
             key: {"step": step, "success": sum(by_step[step]) / 4}
             for key, step in (("base", 0), ("selected", 10), ("final", 20),
                               ("best_on_test", 10))}})
+
+
+def test_compare_tables_success_by_habit_from_each_runs_evaluations(tmp_path):
+    _finished_runs(tmp_path)
     result = compare.compare_table(tmp_path, ["outcome"], [1, 2])
     assert result["habits"] == {"none": [0], "divided": [1, 2, 3]}
     got = result["rows"][0]["by_habit"]
@@ -1244,6 +1266,131 @@ def test_compare_rejects_a_bad_reward_spec(tmp_path):
         compare.main(["--rewards", "paír", "--out", str(tmp_path)])
     with pytest.raises(SystemExit, match="name=value"):
         compare.main(["--rewards", "pair:alpha", "--out", str(tmp_path)])
+
+
+@pytest.fixture
+def no_run_starts(monkeypatch):
+    def refuse(*a, **k):
+        raise AssertionError("compare started a run")
+    monkeypatch.setattr(compare.subprocess, "Popen", refuse)
+
+
+@pytest.mark.parametrize("jobs", ["0", "-2"])
+def test_compare_refuses_jobs_below_one(jobs, tmp_path, no_run_starts):
+    # it started nothing and waited for it forever
+    with pytest.raises(SystemExit) as e:
+        compare.main(["--rewards", "outcome", "--seeds", "1", "--out", str(tmp_path / "o"),
+                      "--jobs", jobs])
+    assert e.value.code == f"compare: --jobs must be at least 1, got {jobs}"
+    assert not (tmp_path / "o").exists()
+
+
+@pytest.mark.parametrize("rewards, extra, error", [
+    (["pair:alpha="], [], "argument --alpha: invalid float value: ''"),
+    (["outcome", "pair:nosuchflag=1"], [], "unrecognized arguments: --nosuchflag 1"),
+    (["pair:alpha=abc"], [], "argument --alpha: invalid float value: 'abc'"),
+    (["tree_grpo:tree-l=0"], [], "--tree-l must be at least 1, got 0"),
+    (["outcome"], ["--bogus"], "unrecognized arguments: --bogus"),
+    (["outcome"], ["--steps", "0"], "--steps must be at least 1, got 0"),
+    (["outcome"], ["--see", "7"], "--seed, --out and --resume are compare's to set"),
+    (["outcome:reward=pair"], [], "--seed, --out and --resume are compare's to set")])
+def test_compare_checks_every_run_with_grpos_parser_before_starting_any(
+        rewards, extra, error, tmp_path, no_run_starts):
+    out = tmp_path / "o"
+    with pytest.raises(SystemExit) as e:
+        compare.main(["--rewards", *rewards, "--seeds", "1", "--out", str(out), "--", *extra])
+    spec = rewards[-1]
+    assert e.value.code.startswith(f"compare: {spec!r} (run {compare.run_name(spec, 1)}): ")
+    assert error in e.value.code
+    assert "\n" not in e.value.code and not out.exists()       # no run dir, no log
+
+
+def test_compare_refuses_a_resumed_run_whose_flags_changed_before_starting_any(
+        tmp_path, no_run_starts):
+    run = tmp_path / "runs" / "outcome-s1"
+    run.mkdir(parents=True)
+    common.write_json(run / "args.json", {"steps": 3})
+    with pytest.raises(SystemExit) as e:
+        compare.main(["--rewards", "outcome", "--seeds", "1", "--out", str(tmp_path), "--",
+                      "--steps", "2"])
+    assert e.value.code == (f"compare: 'outcome' (run outcome-s1): --resume: --steps is 2 but "
+                            f"the run in {run} used 3")
+    assert [p.name for p in (tmp_path / "runs").iterdir()] == ["outcome-s1"]      # no log
+
+
+def test_compare_refuses_no_eval_as_there_is_then_nothing_to_tabulate(tmp_path, no_run_starts):
+    with pytest.raises(SystemExit, match="^compare: --no-eval: the table is held-out success"):
+        compare.main(["--rewards", "outcome", "--seeds", "1", "--out", str(tmp_path / "o"),
+                      "--", "--no-eval"])
+    assert not (tmp_path / "o").exists()
+
+
+@pytest.mark.parametrize("under", ["", "x/y", "runs"])
+def test_compare_refuses_an_out_with_a_file_in_the_way(under, tmp_path, no_run_starts):
+    path = tmp_path / "f"
+    out = path / under if under and under != "runs" else path
+    if under == "runs":                 # OUT is a folder, but OUT/runs a file
+        out.mkdir()
+        path = out / "runs"
+    path.write_text("kept")
+    with pytest.raises(SystemExit) as e:
+        compare.main(["--rewards", "outcome", "--seeds", "1", "--out", str(out)])
+    assert e.value.code == f"compare: --out {out}: {path} is a file, not a directory"
+    assert path.read_text() == "kept"
+
+
+def _set_summary(run, key, value):
+    summary = json.loads((run / "summary.json").read_text())
+    common.write_json(run / "summary.json", {**summary, key: value})
+
+
+def _drop_eval(run, step):
+    kept = [e for e in common.read_jsonl(run / "eval.jsonl") if e["step"] != step]
+    (run / "eval.jsonl").write_text("".join(json.dumps(e) + "\n" for e in kept))
+
+
+@pytest.mark.parametrize("damage, file, error", [
+    (lambda r: (r / "summary.json").write_text(""), "summary.json", "not readable JSON"),
+    (lambda r: (r / "summary.json").write_text("[]"), "summary.json", "not a JSON object"),
+    (lambda r: _set_summary(r, "base", None), "summary.json", "no held-out evaluation"),
+    (lambda r: _set_summary(r, "selected", {"step": "10", "success": 1}), "summary.json",
+     '"selected" is not an object with an integer "step"'),
+    (lambda r: _set_summary(r, "seconds", None), "summary.json", 'no number "seconds"'),
+    (lambda r: _drop_eval(r, 10), "eval.jsonl", "no evaluation of step 10"),
+    (lambda r: common.append_jsonl(r / "eval.jsonl", {"step": 30, "test": {"success": 1}}),
+     "eval.jsonl", '"test" is not an object with a number "success" and a list of numbers'),
+    (lambda r: (r / "eval.jsonl").write_text('{"step"\n{"step": 0}\n'), "eval.jsonl",
+     "line 1 is not JSON"),
+    (lambda r: (r / "metrics.jsonl").write_text(""), "metrics.jsonl", "no training step logged"),
+    (lambda r: common.append_jsonl(r / "metrics.jsonl", {"step": 21}), "metrics.jsonl",
+     "step 21: reward_mean, frac_zero_std, kl not a number"),
+    (lambda r: (r / "args.json").write_text("{"), "args.json", "not readable JSON"),
+    (lambda r: common.write_json(r / "args.json", {"env": "shop", "eval_episodes": "4"}),
+     "args.json", 'no count "eval_episodes"')])
+def test_compare_tabulating_a_damaged_run_is_one_line_naming_its_file(
+        damage, file, error, tmp_path, no_run_starts):
+    _finished_runs(tmp_path)
+    run = tmp_path / "runs" / "outcome-s1"
+    damage(run)
+    with pytest.raises(SystemExit) as e:     # every run finished: straight to the table
+        compare.main(["--rewards", "outcome", "--seeds", "1", "2", "--out", str(tmp_path)])
+    assert e.value.code.startswith(f"compare: {run / file}") and error in e.value.code
+    assert e.value.code.endswith(f"delete {run} and run the same command again to redo that run")
+    assert "\n" not in e.value.code and not (tmp_path / "compare.md").exists()
+
+
+def test_compare_refuses_runs_evaluated_on_different_episodes(tmp_path, no_run_starts):
+    _finished_runs(tmp_path, {**FAKE_SCORES, 2: {k: v[:3] for k, v in FAKE_SCORES[2].items()}})
+    with pytest.raises(SystemExit, match="^compare: the runs were evaluated on different test "
+                       r"episodes \(.*outcome-s1/args.json: 4, .*outcome-s2/eval.jsonl: 3;"):
+        compare.main(["--rewards", "outcome", "--seeds", "1", "2", "--out", str(tmp_path)])
+
+
+def test_compare_cost_names_a_run_whose_metrics_lack_the_costs(tmp_path, no_run_starts):
+    _finished_runs(tmp_path)
+    with pytest.raises(SystemExit, match=r"^compare: .*outcome-s1/metrics.jsonl: step 10: "
+                       "t_rollout, t_reward, t_update, gen_tokens"):
+        compare.main(["--cost", "--rewards", "outcome", "--seeds", "1", "--out", str(tmp_path)])
 
 
 def test_bootstrap_interval_covers_the_mean_and_shrinks_with_episodes():
@@ -1352,6 +1499,11 @@ def test_a_damaged_log_line_before_the_last_is_a_one_line_error(tmp_path):
     path.write_text('{"step": 1}\n{"step": 2, "reward\n{"step": 3}\n')
     with pytest.raises(SystemExit, match="line 2 is not JSON"):
         common.read_jsonl(path)
+    # valid JSON of another shape: resuming would fail on it (a KeyError, a TypeError)
+    for line in ('{"x": 1}', "[1]", '{"step": "a"}', '{"step": true}'):
+        path.write_text(f'{{"step": 1}}\n{line}\n{{"step": 3}}\n')
+        with pytest.raises(SystemExit, match="line 2 is not a step's record"):
+            common.truncate_jsonl(path, 2)
 
 
 def test_the_base_model_is_evaluated_once_per_policy_and_evaluation_settings(
@@ -1859,6 +2011,17 @@ def test_shop_long_is_a_world_of_its_own(tiny_policy, tmp_path, monkeypatch):
         run(["--env", "shop-long", "--out", str(tmp_path / "x"), "--threads", "1"])
 
 
+def test_an_on_policy_corpus_of_one_class_is_one_line_naming_the_flags(tiny_policy, tmp_path,
+                                                                       monkeypatch):
+    monkeypatch.setenv("PAIR_CACHE", str(tmp_path / "cache"))
+    # a random policy's own turns are all wrong
+    with pytest.raises(SystemExit, match="^error: --probe-corpus on-policy: all 16 turns .* are "
+                                         "wrong, and a probe needs both"):
+        run(flags(tiny_policy, tmp_path / "r", "pair", probe_corpus="on-policy",
+                  corpus_episodes=4))
+    assert not (tmp_path / "r").exists()
+
+
 def test_a_run_refused_before_its_first_step_leaves_nothing_behind(tiny_policy, tmp_path,
                                                                    monkeypatch):
     def damaged(*a, **k):
@@ -1877,3 +2040,10 @@ def test_a_run_refused_before_its_first_step_leaves_nothing_behind(tiny_policy, 
     monkeypatch.setenv("PAIR_CACHE", str(tmp_path / "cache"))
     run(flags(tiny_policy, out, "pair", steps=1))              # the next run starts cleanly
     assert [r["step"] for r in metrics(out)] == [1]
+    # given probes with a file missing: one line naming it, and nothing left behind
+    pair_dir = next((tmp_path / "cache" / "grpo-probes").rglob("stage2.safetensors")).parent
+    shutil.copytree(pair_dir, tmp_path / "probes")
+    (tmp_path / "probes" / "stage2.safetensors").unlink()
+    with pytest.raises(SystemExit, match="^error: .*stage2.safetensors"):
+        run(flags(tiny_policy, tmp_path / "r2", "pair", probes=tmp_path / "probes"))
+    assert not (tmp_path / "r2").exists()
