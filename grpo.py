@@ -764,6 +764,12 @@ def setup(args) -> Training:
     if not pool or not all(p for _, p in held.values()):
         raise SystemExit(f"--env {args.env}: no scorable episode in the train, validation or "
                          "test split")
+    # a turn that might not fit ends a rollout: with no room for the first, a run learns nothing
+    prompt = len(tok.render(env.episode(pool[0]).messages, add_generation_prompt=True)[0])
+    if prompt + args.max_new_tokens > args.max_len:
+        raise SystemExit(f"--max-len {args.max_len}: a task's prompt alone is {prompt} tokens "
+                         f"and a turn needs --max-new-tokens {args.max_new_tokens} more, so no "
+                         "rollout could play its first turn")
     # Probes fitted on the fly take minutes on a first run: OUT is claimed before them, so that
     # a busy OUT is refused at once. Given probes and the judge's key are checked before OUT.
     fit_later = ctx_has_probe(args) and not args.probes

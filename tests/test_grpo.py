@@ -2011,6 +2011,12 @@ def test_shop_long_is_a_world_of_its_own(tiny_policy, tmp_path, monkeypatch):
         run(["--env", "shop-long", "--out", str(tmp_path / "x"), "--threads", "1"])
 
 
+def test_a_max_len_with_no_room_for_a_first_turn_is_refused(tiny_policy, tmp_path):
+    with pytest.raises(SystemExit, match="^--max-len 20: a task's prompt alone is .* tokens"):
+        run(flags(tiny_policy, tmp_path / "r", "outcome", max_len=20))
+    assert not (tmp_path / "r").exists()
+
+
 def test_an_on_policy_corpus_of_one_class_is_one_line_naming_the_flags(tiny_policy, tmp_path,
                                                                        monkeypatch):
     monkeypatch.setenv("PAIR_CACHE", str(tmp_path / "cache"))
