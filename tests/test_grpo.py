@@ -412,10 +412,18 @@ def test_first_update_has_zero_kl_and_unit_ratio(tiny_policy):
     assert again["ratio"] == pytest.approx(1.0)                          # new pi_old, new ratio
 
 
-def test_a_batch_without_generated_tokens_logs_loss_0_and_is_counted(tiny_policy, tmp_path):
-    # every prompt is longer than --max-len: nothing is generated, nothing is learned
+def test_a_batch_without_generated_tokens_logs_loss_0_and_is_counted(tiny_policy, tmp_path,
+                                                                      monkeypatch):
+    # every rollout ends before its first turn (each prompt is longer than a max_len of 20,
+    # which grpo.py would refuse up front): nothing is generated, nothing is learned
+    real = grpo.rollout
+
+    def no_room(policy, tok, episodes, args, **kw):
+        return real(policy, tok, episodes, argparse.Namespace(**{**vars(args), "max_len": 20}),
+                    **kw)
+    monkeypatch.setattr(grpo, "rollout", no_room)
     out = tmp_path / "empty"
-    run(flags(tiny_policy, out, "outcome", steps=2, max_len=20, save_every=2))
+    run(flags(tiny_policy, out, "outcome", steps=2, save_every=2))
     lines = (out / "metrics.jsonl").read_text().splitlines()
 
     def no_nan(name):
