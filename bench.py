@@ -37,6 +37,7 @@ from torch.profiler import ProfilerActivity, profile
 import model as M
 import pair
 import probes
+import weights
 
 DEFAULT_MODEL = Path.home() / ".cache" / "pair-models" / "qwen2.5-0.5b"
 PROMPTS = ["Explain how a hash map handles collisions.",
@@ -142,6 +143,13 @@ def main(argv=None):
     ap.add_argument("--dtype", choices=tuple(M.DTYPES), default="bfloat16",
                     help="weight dtype of both models (default: bfloat16)")
     args = ap.parse_args(argv)
+    for name in ("new_tokens", "batch", "repeats", "gen_repeats"):     # min() of no timings
+        if getattr(args, name) < 1:
+            ap.error(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
+    # more threads than cores only slow the timings, and a huge count crashes torch's pool
+    if args.threads is not None and not 1 <= args.threads <= (os.cpu_count() or 1):
+        ap.error(f"--threads must be between 1 and this machine's {os.cpu_count() or 1} cores, "
+                 f"got {args.threads}")
     if not 0 < args.span <= args.seq_len:
         ap.error("--span must be in 1..--seq-len")
     if not (Path(args.model) / "config.json").is_file():
@@ -159,7 +167,10 @@ def main(argv=None):
 
     print(f"torch {torch.__version__}, transformers {transformers.__version__}, "
           f"{torch.get_num_threads()} threads, load average {os.getloadavg()[0]:.1f}")
-    model, tok = M.load_model(args.model, dtype=M.DTYPES[args.dtype])
+    try:
+        model, tok = M.load_model(args.model, dtype=M.DTYPES[args.dtype])
+    except (weights.CheckpointError, OSError, ValueError) as e:     # a damaged checkpoint
+        raise SystemExit(f"--model {args.model}: {e}") from None
     n_params = sum(p.numel() for p in model.parameters())
     if n_params < 100_000_000:
         print(f"{args.model} has {n_params:,} parameters: the targets are set for the 0.5B, and a "

@@ -1288,15 +1288,29 @@ def main(argv=None):
 
     if args.max_new_tokens < 1:
         ap.error("--max-new-tokens must be at least 1")
-    if args.temperature < 0 or not 0 < args.top_p <= 1:
-        ap.error("--temperature must be >= 0 and --top-p in (0, 1]")
-    if any(d.strip().startswith("cuda") for d in args.devices.split(",")) and \
-            not torch.cuda.is_available():
+    if not 0 <= args.temperature < math.inf:           # nan fails too
+        ap.error(f"--temperature must be a finite number >= 0, got {args.temperature}")
+    if not 0 < args.top_p <= 1:
+        ap.error(f"--top-p must be in (0, 1], got {args.top_p}")
+    if not -2**63 <= args.seed < 2**64:                 # what torch.Generator takes
+        ap.error(f"--seed must be in [-2**63, 2**64), got {args.seed}")
+    try:
+        devices = [torch.device(d.strip()) for d in args.devices.split(",")]
+    except RuntimeError:                                # "", "foo", "cuda:x"
+        devices = []
+    if not devices or any(d.type not in ("cpu", "cuda") for d in devices):
+        ap.error(f"--devices {args.devices!r}: a comma-separated list of devices such as "
+                 "cuda:0,cuda:1 (or cpu)")
+    if any(d.type == "cuda" for d in devices) and not torch.cuda.is_available():
         ap.error(f"--devices {args.devices}: this PyTorch sees no CUDA device (a CPU build, or no "
                  "GPU visible)")
+    missing = [str(d) for d in devices if d.type == "cuda" and d.index is not None
+               and d.index >= torch.cuda.device_count()]
+    if missing:
+        ap.error(f"--devices {args.devices}: no {', '.join(missing)} here (this machine has "
+                 f"{torch.cuda.device_count()} GPUs)")
     try:
-        model, tok = load_model(args.model, dtype=DTYPES[args.dtype],
-                                devices=args.devices.split(","))
+        model, tok = load_model(args.model, dtype=DTYPES[args.dtype], devices=devices)
         world, tools = weights.checkpoint_world(model.checkpoint_dir)
     except (weights.CheckpointError, FileNotFoundError, ValueError) as e:
         sys.exit(f"--model: {e}")

@@ -11,8 +11,7 @@ Two parts, top to bottom:
    is its environment.
 2. The built-in policy's recipe (`sft`): a tiny Qwen2 and its tokenizer trained from scratch on
    the world's gold and contaminated dialogs; data/shop-policy/README.md lists the commands.
-The probes grpo.py fits for a policy of this world, on its own labelled turns, are in
-onpolicy.py.
+The probes grpo.py fits for a policy of this world, on its own labelled turns, are in onpolicy.py.
 """
 from __future__ import annotations
 
@@ -35,8 +34,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 from safetensors import SafetensorError
-from safetensors.torch import load_file, save_file
-from safetensors.torch import save as safetensors_bytes
+from safetensors.torch import load_file, save_file, save as safetensors_bytes
 
 import calculator
 import common
@@ -161,9 +159,8 @@ class ShopTask:
         subtotals = [q * self.prices[s, i] for q, i, s in self.lines]
         if self.stepwise:           # the running totals, and the total converted
             return sorted({sum(subtotals[:k + 1]) for k in range(len(subtotals))} | {self.total})
-        sums = set()
-        for mask in range(1, 2 ** len(subtotals)):
-            sums.add(sum(x for k, x in enumerate(subtotals) if mask >> k & 1))
+        sums = {sum(x for k, x in enumerate(subtotals) if mask >> k & 1)
+                for mask in range(1, 2 ** len(subtotals))}
         out = set(sums)
         if self.currency != "USD":
             out |= {x * rate for x in sums}
@@ -244,8 +241,7 @@ def shop_execute(task: ShopTask, name: str, arguments) -> ShopResult:
             return ShopResult(f"Error: unknown store '{args[0]}'. Stores: "
                               + ", ".join(SHOP_STORES) + ".")
         if item not in SHOP_ITEMS:
-            return ShopResult(f"Error: unknown item '{args[1]}'. Items: "
-                              + ", ".join(SHOP_ITEMS) + ".")
+            return ShopResult(f"Error: unknown item '{args[1]}'. Items: {', '.join(SHOP_ITEMS)}.")
         price = task.prices[store, item]
         return ShopResult(f"{item} at store {store} costs {price} USD.",
                           ("price", store, item), price)
@@ -360,8 +356,7 @@ def shop_labels(task: ShopTask, steps: list) -> list[bool]:
                 ok = ok and res.fact in task.needed and res.fact not in known
                 known[res.fact] = res.value
             elif res.number is not None:
-                ok = ok and _close(res.number, task.quantities) and not _close(res.number,
-                                                                                computed)
+                ok = ok and _close(res.number, task.quantities) and not _close(res.number, computed)
                 computed.append(res.number)
             else:
                 ok = False
@@ -432,10 +427,8 @@ def _shop_render(task: ShopTask, turn: _ShopTurn) -> dict:
     if turn.call is None:
         return {"role": "assistant", "content": turn.answer, "thought": thought}
     name, arguments = turn.call
-    return {"role": "assistant",
-            "tool_calls": [{"type": "function",
-                            "function": {"name": name, "arguments": dict(arguments)}}],
-            "thought": thought}
+    call = {"type": "function", "function": {"name": name, "arguments": dict(arguments)}}
+    return {"role": "assistant", "tool_calls": [call], "thought": thought}
 
 
 def _shop_next(task: ShopTask, known: dict, computed: list[float], said: tuple) -> _ShopTurn:
@@ -445,8 +438,7 @@ def _shop_next(task: ShopTask, known: dict, computed: list[float], said: tuple) 
         return _ShopTurn(said=said, need=missing[0], call=_shop_fact_call(missing[0]))
     if not _close(float(task.total), computed):
         formula = _shop_formula(task, known)
-        return _ShopTurn(said=said, formula=formula,
-                         call=("Calculator", {"expression": formula}))
+        return _ShopTurn(said=said, formula=formula, call=("Calculator", {"expression": formula}))
     return _ShopTurn(said=said, answer=task.answer)
 
 
@@ -577,8 +569,7 @@ def long_task(seed: int) -> ShopTask:
         currency = rng.choice(tuple(SHOP_RATE_CENTS))
         parts = [f"({k + 1}) {q} {i}" for k, (q, i, _) in enumerate(lines)]
         text = rng.choice(SHOP_TEMPLATES).format(
-            lines=", ".join(parts[:-1]) + " and " + parts[-1] + f" at store {store}",
-            cur=currency)
+            lines=", ".join(parts[:-1]) + " and " + parts[-1] + f" at store {store}", cur=currency)
         task = ShopTask(seed, prices, rates, lines, currency, text, stepwise=True)
         if _long_distinct(task):
             return task
@@ -838,8 +829,7 @@ def shop_diagnostic(task: ShopTask, episode_id: str, clean: list[dict],
                     contaminated: list[dict], j: int, rewritten: _ShopTurn,
                     rng: random.Random) -> list[dict]:
     """The adversarial pair of one episode (METHOD.md §8e, the paper's Appendix diagnostic), both
-    evaluated
-    at the turn after the first contaminated turn j:
+    evaluated at the turn after the first contaminated turn j:
     consistent_incorrect - clean prefix, then a fluent gold-style turn that fetches a fact the
         task does not need (one already fetched, or a neighbour of a needed one): label 0;
     inconsistent_correct - contaminated prefix (turn j and its true observation), then the gold
@@ -905,10 +895,9 @@ def make_shop_data(out_dir, episodes: int = 1000, seed: int = 42) -> dict[str, i
             if split == "test":
                 diagnostic += shop_diagnostic(task, eid, clean, cont, indices[0],
                                               rewritten[indices[0]], rng)
-        files[f"clean_{split}.json"] = clean_eps
-        files[f"contaminated_{split}.json"] = cont_eps
-        files[f"matched_clean_{split}.json"] = m_clean
-        files[f"matched_contaminated_{split}.json"] = m_cont
+        files.update({f"clean_{split}.json": clean_eps, f"contaminated_{split}.json": cont_eps,
+                      f"matched_clean_{split}.json": m_clean,
+                      f"matched_contaminated_{split}.json": m_cont})
         if split == "test":
             files["diagnostic_test.json"] = clean_eps
             files["matched_diagnostic_test.json"] = diagnostic
@@ -956,8 +945,7 @@ class ShopEnv(envs.Env):
     def __init__(self, split: str = "test", seed: int = 42, episodes: int | None = None,
                  world: str = "shop"):
         if world not in WORLDS:
-            raise ValueError(f"unknown built-in world {world!r} (choose from "
-                             f"{', '.join(WORLDS)})")
+            raise ValueError(f"unknown built-in world {world!r} (choose from {', '.join(WORLDS)})")
         if split not in SHOP_SPLIT_OFFSET:
             raise ValueError(f"shop: unknown split {split!r} (choose from train, val, test)")
         if type(seed) is not int or seed < 0:
@@ -1082,14 +1070,17 @@ def sft(args) -> dict:
     torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
     t0 = time.perf_counter()
-    dialogs = sft_dialogs(args.episodes, args.contaminated, args.seed, args.divided) \
-        if args.world == "shop" else long_sft_dialogs(args.episodes, args.slips, args.seed)
     earlier = policy_recipe(args.init) if args.init else []    # read before --out overwrites it
-    if args.init:       # continue a saved policy: its weights, its tokenizer, its shape
-        policy, tok = model.load_model(args.init)
+    if args.init:   # continue a saved policy, its tokenizer and shape (first: a bad one fails fast)
+        try:
+            policy, tok = model.load_model(args.init)
+        except (weights.CheckpointError, OSError, ValueError) as e:
+            raise SystemExit(f"--init {args.init}: cannot continue this policy ({e})") from None
         policy.requires_grad_(True)             # load_model freezes a base for LoRA
         config = json.loads((Path(args.init) / "config.json").read_text())
-    else:
+    dialogs = sft_dialogs(args.episodes, args.contaminated, args.seed, args.divided) \
+        if args.world == "shop" else long_sft_dialogs(args.episodes, args.slips, args.seed)
+    if not args.init:
         tok = model.Tokenizer(train_tokenizer([model.chat_text(m) for m in dialogs], args.vocab))
     examples = []
     for messages in dialogs:
@@ -1114,8 +1105,7 @@ def sft(args) -> dict:
           f"{config['vocab_size']}, {n_params / 1e6:.2f}M parameters"
           f"{', from ' + args.init if args.init else ''}; {args.induction_steps} "
           f"induction steps, then {args.steps} steps of {args.batch} dialogs", flush=True)
-    opt = torch.optim.AdamW(policy.parameters(), lr=args.lr, betas=(0.9, 0.95),
-                            weight_decay=0.01)
+    opt = torch.optim.AdamW(policy.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.01)
     induction = InductionTask(tok, args.seed, [x[m.nonzero()[0, 0]:] for x, m in examples],
                               args.induction_text)
     policy.train()
@@ -1166,12 +1156,9 @@ def sft(args) -> dict:
         rows = batches[i]
         warm = min(1.0, (i + 1) / args.warmup)
         cos = 0.1 + 0.45 * (1 + math.cos(math.pi * i / max(1, args.steps - 1)))
-        T = max(len(examples[r][0]) for r in rows)
-        ids = torch.full((len(rows), T), tok.pad_id, dtype=torch.long)
-        mask = torch.zeros(len(rows), T, dtype=torch.bool)
-        for j, r in enumerate(rows):
-            x, m = examples[r]
-            ids[j, :len(x)], mask[j, :len(x)] = x, m
+        pad = torch.nn.utils.rnn.pad_sequence      # to the longest row: pad_id, mask False
+        ids = pad([examples[r][0] for r in rows], batch_first=True, padding_value=tok.pad_id)
+        mask = pad([examples[r][1] for r in rows], batch_first=True)
         loss = masked_lm_loss(policy, ids, mask)
         extra = masked_lm_loss(policy, *induction.rows(args.induction_rows)) \
             if args.induction_rows else 0.0
@@ -1276,9 +1263,8 @@ def save_sft_checkpoint(path: Path, args, done: int, policy, opt, induction, los
         tensors, meta = weights.optimizer_to_tensors(opt)
         save_file(tensors, tmp / "optimizer.safetensors")
         save_file({"induction": induction.g.get_state()}, tmp / "rng.safetensors")
-        common.write_json(tmp / "trainer.json", {
-            "done": done, "flags": _sft_flags(args), "losses": losses, "kept": kept,
-            "seconds": seconds, "optimizer": meta})
+        common.write_json(tmp / "trainer.json", {"done": done, "flags": _sft_flags(args),
+                          "losses": losses, "kept": kept, "seconds": seconds, "optimizer": meta})
         shutil.rmtree(path, ignore_errors=True)
         os.replace(tmp, path)
     except (OSError, SafetensorError) as e:        # a full disk: the last checkpoint stays
@@ -1341,14 +1327,12 @@ def write_policy_readme(out: Path, args, config: dict, result: dict, earlier: li
     continued from first), its size, its training and its held-out success."""
     data = f"--contaminated {args.contaminated} --divided {args.divided} " \
         if args.world == "shop" else f"--world shop-long --slips {args.slips} "
+    flags = ("steps", "batch", "lr", "warmup", "induction_steps", "induction_rows",
+             "induction_text", "hidden", "layers", "heads", "kv_heads", "intermediate", "vocab",
+             "seed", "threads")
     command = (f"python shop.py sft --out {args.out} --episodes {args.episodes} {data}"
-               + (f"--init {args.init} " if args.init else "") +
-               f"--steps {args.steps} --batch {args.batch} "
-               f"--lr {args.lr} --warmup {args.warmup} --induction-steps {args.induction_steps} "
-               f"--induction-rows {args.induction_rows} --induction-text {args.induction_text} "
-               f"--hidden {args.hidden} --layers {args.layers} --heads "
-               f"{args.heads} --kv-heads {args.kv_heads} --intermediate {args.intermediate} "
-               f"--vocab {args.vocab} --seed {args.seed} --threads {args.threads}")
+               + (f"--init {args.init} " if args.init else "")
+               + " ".join(f"--{k.replace('_', '-')} {getattr(args, k)}" for k in flags))
     about = ("A tiny Qwen2-architecture model trained from scratch, with its own byte-level BPE "
              "tokenizer (ChatML specials), on the gold dialogs of the built-in `shop` world mixed "
              "with contaminated ones (shop.py make-data), after a warm-up on a synthetic copy "
@@ -1379,17 +1363,15 @@ def write_policy_readme(out: Path, args, config: dict, result: dict, earlier: li
                  "turn-local habit at its own turn, each alone fails the episode: a rollout that "
                  "fails mostly holds one wrong decision among many right turns, the case a "
                  "per-turn reward is for.")
-    lines = [
-        title, "", about, "",
-        "Rebuilt, byte for byte, by:", "", "```bash", *earlier, command, "```", "",
-        "| | |", "|---|---|",
-        f"| parameters | {result['parameters']:,} (hidden {config['hidden_size']}, "
-        f"{config['num_hidden_layers']} layers, {config['num_attention_heads']} heads, "
-        f"{config['num_key_value_heads']} KV heads, vocab {config['vocab_size']}) |",
-        f"| training{' (last command)' if earlier else ''} | {args.induction_steps} induction "
-        f"steps, then {args.steps} steps x {args.batch} dialogs, "
-        f"{result['train_seconds']:.0f} s on {args.threads} CPU threads, final loss "
-        f"{result['final_loss']} |"]
+    lines = [title, "", about, "",
+             "Rebuilt, byte for byte, by:", "", "```bash", *earlier, command, "```", "",
+             "| | |", "|---|---|",
+             f"| parameters | {result['parameters']:,} (hidden {config['hidden_size']}, "
+             f"{config['num_hidden_layers']} layers, {config['num_attention_heads']} heads, "
+             f"{config['num_key_value_heads']} KV heads, vocab {config['vocab_size']}) |",
+             f"| training{' (last command)' if earlier else ''} | {args.induction_steps} induction "
+             f"steps, then {args.steps} steps x {args.batch} dialogs, {result['train_seconds']:.0f}"
+             f" s on {args.threads} CPU threads, final loss {result['final_loss']} |"]
     if "success_sampled" in result:
         lines += [f"| held-out success, sampled (T = 1) | {result['success_sampled']:.3f} "
                   f"({args.world} test episodes 0-{result['eval_episodes'] - 1}) |",
@@ -1401,31 +1383,40 @@ def write_policy_readme(out: Path, args, config: dict, result: dict, earlier: li
 # Command line
 # ---------------------------------------------------------------------------------------------
 
+# The range of each numeric flag of sft, checked before anything is read or written (nan is in
+# none; --lr and the shape: in main). Any BPE vocabulary holds the specials and the 256 bytes; a
+# warmup of 1 step is none; more threads than cores only slow a run, and a huge count crashes.
+SFT_RANGES = {**dict.fromkeys(("steps", "batch", "warmup", "hidden", "layers", "heads", "kv_heads",
+                               "intermediate"), (1, math.inf)),
+              **dict.fromkeys(("induction_steps", "induction_rows", "save_every",
+                               "eval_episodes"), (0, math.inf)),
+              **dict.fromkeys(("contaminated", "divided", "slips", "induction_text"), (0, 1)),
+              "episodes": (2, SHOP_SPLIT_SIZE["train"]), "seed": (0, 2**32 - 1),
+              "vocab": (len(SPECIALS) + 256, math.inf), "threads": (1, os.cpu_count() or 1)}
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(prog="shop.py", description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="command", required=True)
-    formatter = argparse.ArgumentDefaultsHelpFormatter
 
     p = sub.add_parser("make-data", help="write the released-schema files of shop episodes",
-                       description="Write the released-schema files of `--episodes` shop "
-                                   "episodes (80:20 train/test), byte for byte the same for one "
-                                   "--episodes and --seed: episode files, matched files and the "
-                                   "diagnostic set (see make_shop_data).")
+                       description="Write the released-schema files of `--episodes` shop episodes "
+                       "(80:20 train/test), byte for byte the same for one --episodes and --seed: "
+                       "episode files, matched files and the diagnostic set (see make_shop_data).")
     p.add_argument("--out", required=True, help="output folder")
     p.add_argument("--episodes", type=int, default=1000, help="number of episodes (default 1000)")
     p.add_argument("--seed", type=int, default=42, help="generation seed (default 42)")
 
-    p = sub.add_parser("sft", formatter_class=formatter, help="rebuild the built-in policy",
-                       description="Train the built-in policy (deterministic): a tiny Qwen2 and "
-                                   "its BPE tokenizer on shop gold dialogs mixed with "
-                                   "contaminated ones, from scratch or (--init) continuing a "
-                                   "saved one. data/shop-policy/README.md lists the commands "
-                                   "that built the shipped policy.")
+    p = sub.add_parser("sft", formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+                       help="rebuild the built-in policy", description="Train the built-in policy "
+                       "(deterministic): a tiny Qwen2 and its BPE tokenizer on shop gold dialogs "
+                       "mixed with contaminated ones, from scratch or (--init) continuing a saved "
+                       "one. data/shop-policy/README.md lists the commands that built the shipped "
+                       "policy.")
     a = p.add_argument
-    a("--out", default=None,
-      help="output directory (default: the world's built-in policy, data/shop-policy or "
-           "data/shop-long-policy)")
+    a("--out", help="output directory (default: the world's built-in policy, data/shop-policy or "
+      "data/shop-long-policy)")
     a("--episodes", type=int, default=2500,
       help="make-data episodes (80%% of them, the train split, are used)")
     a("--contaminated", type=float, default=0.3,
@@ -1463,23 +1454,30 @@ def main(argv=None):
     a("--save-every", type=int, default=100,
       help="write OUT/sft-checkpoint every this many steps (induction and dialog steps counted "
            "together; 0: never); it is removed once the policy is written")
-    a("--resume", action="store_true",
-      help="continue from OUT/sft-checkpoint (the same flags; the result is byte for byte the "
-           "uninterrupted run's)")
+    a("--resume", action="store_true", help="continue from OUT/sft-checkpoint (the same flags; "
+      "the result is byte for byte the uninterrupted run's)")
     a("--eval-episodes", type=int, default=100,
       help="held-out shop episodes to measure success on (0: skip)")
     args = ap.parse_args(argv)
     if args.command == "sft":
         args.out = args.out or str(BUILTIN_POLICIES[args.world])
-        if args.world == "shop-long" and not args.init:
-            ap.error("--world shop-long continues a shop policy: pass --init DIR (its "
-                     "tokenizer knows the words of both worlds; the first command of "
-                     f"{BUILTIN_POLICIES['shop-long']}/README.md trains the one it ships with)")
-        if not 0 <= args.slips <= 1:
-            ap.error(f"--slips must be in [0, 1], got {args.slips}")
-        if args.world == "shop" and args.slips or args.world == "shop-long" and args.divided:
-            ap.error("--slips is shop-long's habit, --divided shop's: pass the one of --world "
-                     f"{args.world}")
+        for name, (low, high) in SFT_RANGES.items():
+            if not low <= (value := getattr(args, name)) <= high:
+                ap.error(f"--{name.replace('_', '-')} must be in [{low}, {high}], got {value}")
+        train = args.episodes - (args.world == "shop") * max(1, args.episodes // 5)
+        for bad, why in (
+                (not 0 < args.lr < math.inf, "--lr must be a positive number"),
+                (args.hidden % (2 * args.heads), "--hidden must be a multiple of 2 x --heads"),
+                (args.heads % args.kv_heads, "--heads must be a multiple of --kv-heads"),
+                (args.batch > train, f"--batch must be at most the {train} training dialogs"),
+                (args.init and not Path(args.init).is_dir(), "--init must be a directory"),
+                (args.world == "shop-long" and not args.init, "--world shop-long continues a shop "
+                 "policy: pass --init DIR (its tokenizer knows the words of both worlds; the first "
+                 f"command of {BUILTIN_POLICIES['shop-long']}/README.md trains the shipped one)"),
+                (args.world == "shop" and args.slips or args.world == "shop-long" and args.divided,
+                 "--slips is shop-long's habit and --divided shop's: pass the one of --world")):
+            if bad:
+                ap.error(why)
         with common.exclusive_dir(args.out):    # one writer; a stopped run is not overwritten
             if (Path(args.out) / SFT_CHECKPOINT).is_dir() and not args.resume:
                 ap.error(f"{Path(args.out) / SFT_CHECKPOINT} holds a stopped run: continue "
@@ -1489,6 +1487,8 @@ def main(argv=None):
         counts = make_shop_data(args.out, args.episodes, args.seed)
     except envs.DataError as e:            # a bad flag: one clear line, no traceback
         sys.exit(f"error: {e}")
+    except OSError as e:                   # e.g. --out is a file
+        sys.exit(f"error: --out {args.out}: cannot write there ({e.strerror}: {e.filename})")
     print(f"make-data: {args.episodes} episodes (seed {args.seed}) -> {args.out}")
     for name, n in counts.items():
         unit = "turn records" if name.startswith("matched_") else "episodes"

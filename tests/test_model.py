@@ -2,6 +2,7 @@
 real 0.5B checkpoint (opt-in: skipped when absent)."""
 import json
 import math
+import shutil
 import struct
 import subprocess
 import sys
@@ -590,6 +591,19 @@ def test_cli_generate_smoke(tmp_path, capsys):
         M.main(["generate", "--model", str(tmp_path / "nope"), "--prompt", "x"])
 
 
+@pytest.mark.parametrize("bad", [["--temperature", "nan"], ["--temperature", "inf"],
+                                 ["--temperature", "-1"], ["--top-p", "nan"], ["--top-p", "0"],
+                                 ["--devices", "foo"], ["--devices", ""], ["--devices", "meta"],
+                                 ["--devices", "cpu,"], ["--seed", str(2**64)]])
+def test_cli_generate_refuses_a_bad_flag_in_one_line(bad, tmp_path, capsys):
+    hf_checkpoint(tmp_path, "llama-gqa")
+    with pytest.raises(SystemExit):
+        M.main(["generate", "--model", str(tmp_path), "--prompt", "w1 w2",
+                "--max-new-tokens", "3"] + bad)
+    err = capsys.readouterr().err
+    assert f"error: {bad[0]}" in err and "Traceback" not in err, err
+
+
 def test_bench_runs_on_the_built_in_policy(capsys):
     import bench
     threads = torch.get_num_threads()
@@ -600,6 +614,42 @@ def test_bench_runs_on_the_built_in_policy(capsys):
         torch.set_num_threads(threads)
     out = capsys.readouterr().out
     assert "forward, 48 tokens, span of 8" in out and "tokens/s ours (with stats)" in out
+
+
+# a run that wrongly starts is a short one: the sizes of the test above
+_BENCH = ["--model", str(ROOT / "data" / "shop-policy"), "--seq-len", "48", "--span", "8",
+          "--new-tokens", "3", "--batch", "2", "--repeats", "1", "--threads", "1"]
+
+
+@pytest.mark.parametrize("bad", [["--repeats", "0"], ["--gen-repeats", "0"], ["--threads", "-1"],
+                                 ["--threads", "0"], ["--batch", "0"], ["--new-tokens", "0"]])
+def test_bench_refuses_a_bad_count_in_one_line(bad, capsys):
+    import bench
+    threads = torch.get_num_threads()
+    try:
+        with pytest.raises(SystemExit):
+            bench.main(_BENCH + bad)
+    finally:
+        torch.set_num_threads(threads)
+    err = capsys.readouterr().err
+    assert f"error: {bad[0]} must be" in err and "Traceback" not in err, err
+
+
+@pytest.mark.parametrize("damaged", ["model.safetensors", "config.json"])
+def test_bench_names_a_damaged_model(damaged, tmp_path):
+    import bench
+    ckpt = shutil.copytree(ROOT / "data" / "shop-policy", tmp_path / "policy")
+    if damaged == "model.safetensors":                  # cut short
+        (ckpt / damaged).write_bytes((ckpt / damaged).read_bytes()[:1000])
+    else:
+        (ckpt / damaged).write_text('{"hidden_size": 8}')
+    threads = torch.get_num_threads()
+    try:
+        with pytest.raises(SystemExit) as e:
+            bench.main(["--model", str(ckpt)] + _BENCH[2:])
+    finally:
+        torch.set_num_threads(threads)
+    assert str(e.value.code).startswith(f"--model {ckpt}: {ckpt / damaged}"), e.value.code
 
 
 class _Stream:

@@ -619,6 +619,43 @@ def test_sft_continues_a_saved_policy_with_its_tokenizer(tmp_path):
     assert f"--init {tmp_path / 'a'}" in recipe[1] and "--divided 0.7" in recipe[1]
 
 
+# A bad flag of sft, after tiny valid ones (so that a run that wrongly starts is short): each is
+# refused in one line naming the flag, before a policy is written.
+_TINY_SFT = ["--episodes", "6", "--steps", "2", "--batch", "2", "--hidden", "16", "--layers", "1",
+             "--heads", "2", "--kv-heads", "1", "--intermediate", "32", "--vocab", "300",
+             "--eval-episodes", "0", "--threads", "1", "--induction-steps", "2", "--save-every", "0"]
+
+
+@pytest.mark.parametrize("bad", [
+    "--batch 0", "--batch 6", "--heads 3", "--hidden 6", "--kv-heads 3", "--hidden 0", "--lr nan",
+    "--lr 0", "--episodes 1", "--steps -1", "--steps 0", "--contaminated 2", "--divided -1",
+    "--vocab 0", "--warmup -5", "--warmup 0", "--save-every -1", "--induction-rows -1",
+    "--induction-text 5", "--induction-text nan", "--threads -1", "--threads CORES+1",
+    "--seed -1", "--eval-episodes -1", "--init FILE", "--init EMPTY", "--init BROKEN"])
+def test_sft_refuses_a_bad_flag_before_writing_a_policy(bad, tmp_path, capsys):
+    (tmp_path / "file").write_text("x")
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "broken").mkdir()
+    (tmp_path / "broken" / "config.json").write_text("{")
+    flag, value = bad.split()
+    value = {"FILE": str(tmp_path / "file"), "EMPTY": str(tmp_path / "empty"),
+             "BROKEN": str(tmp_path / "broken"),
+             "CORES+1": str((os.cpu_count() or 1) + 1)}.get(value, value)
+    out = tmp_path / "out"
+    with pytest.raises(SystemExit) as e:
+        shop.main(["sft", "--out", str(out)] + _TINY_SFT + [flag, value])
+    said = f"{e.value.code}\n{capsys.readouterr().err}"
+    assert flag in said and "Traceback" not in said, said
+    assert not (out / "model.safetensors").exists() and not (out / "README.md").exists()
+
+
+def test_make_data_refuses_a_file_as_out(tmp_path):
+    (tmp_path / "f").write_text("x")
+    with pytest.raises(SystemExit, match="--out"):
+        shop.main(["make-data", "--out", str(tmp_path / "f"), "--episodes", "4"])
+    assert (tmp_path / "f").read_text() == "x"
+
+
 
 # ---------------------------------------------------------------------------------------------
 # the probes of the built-in world: the on-policy corpus
