@@ -623,7 +623,8 @@ def test_sft_continues_a_saved_policy_with_its_tokenizer(tmp_path):
 # refused in one line naming the flag, before a policy is written.
 _TINY_SFT = ["--episodes", "6", "--steps", "2", "--batch", "2", "--hidden", "16", "--layers", "1",
              "--heads", "2", "--kv-heads", "1", "--intermediate", "32", "--vocab", "300",
-             "--eval-episodes", "0", "--threads", "1", "--induction-steps", "2", "--save-every", "0"]
+             "--eval-episodes", "0", "--threads", "1", "--induction-steps", "2",
+             "--save-every", "0"]
 
 
 @pytest.mark.parametrize("bad", [
