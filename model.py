@@ -1198,6 +1198,27 @@ def _move_inputs(device):
     return hook
 
 
+def parse_devices(text: str) -> list[torch.device]:
+    """A --devices value ("cuda:0,cuda:1", "cpu") -> the devices; a ValueError whose message is
+    the command line's one line for a value that is not a list of this machine's devices."""
+    try:
+        devices = [torch.device(d.strip()) for d in text.split(",")]
+    except RuntimeError:                                # "", "foo", "cuda:x"
+        devices = []
+    if not devices or any(d.type not in ("cpu", "cuda") for d in devices):
+        raise ValueError(f"--devices {text!r}: a comma-separated list of devices such as "
+                         "cuda:0,cuda:1 (or cpu)")
+    if any(d.type == "cuda" for d in devices) and not torch.cuda.is_available():
+        raise ValueError(f"--devices {text}: this PyTorch sees no CUDA device (a CPU build, or no "
+                         "GPU visible); leave --devices out to run on the CPU")
+    missing = [str(d) for d in devices if d.type == "cuda" and d.index is not None
+               and d.index >= torch.cuda.device_count()]
+    if missing:
+        raise ValueError(f"--devices {text}: no {', '.join(missing)} here (this machine has "
+                         f"{torch.cuda.device_count()} GPUs)")
+    return devices
+
+
 def split_model(model, devices, layer_counts=None):
     """Place model.model.layers on `devices` (e.g. ["cuda:0", "cuda:1"]) in contiguous ranges.
 
@@ -1295,20 +1316,9 @@ def main(argv=None):
     if not -2**63 <= args.seed < 2**64:                 # what torch.Generator takes
         ap.error(f"--seed must be in [-2**63, 2**64), got {args.seed}")
     try:
-        devices = [torch.device(d.strip()) for d in args.devices.split(",")]
-    except RuntimeError:                                # "", "foo", "cuda:x"
-        devices = []
-    if not devices or any(d.type not in ("cpu", "cuda") for d in devices):
-        ap.error(f"--devices {args.devices!r}: a comma-separated list of devices such as "
-                 "cuda:0,cuda:1 (or cpu)")
-    if any(d.type == "cuda" for d in devices) and not torch.cuda.is_available():
-        ap.error(f"--devices {args.devices}: this PyTorch sees no CUDA device (a CPU build, or no "
-                 "GPU visible)")
-    missing = [str(d) for d in devices if d.type == "cuda" and d.index is not None
-               and d.index >= torch.cuda.device_count()]
-    if missing:
-        ap.error(f"--devices {args.devices}: no {', '.join(missing)} here (this machine has "
-                 f"{torch.cuda.device_count()} GPUs)")
+        devices = parse_devices(args.devices)
+    except ValueError as e:
+        ap.error(str(e))
     try:
         model, tok = load_model(args.model, dtype=DTYPES[args.dtype], devices=devices)
         world, tools = weights.checkpoint_world(model.checkpoint_dir)

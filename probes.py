@@ -456,9 +456,10 @@ def load_features(path) -> tuple[dict[str, torch.Tensor], dict]:
     if tensors["h_mean"].dim() != 2 or tensors["attn_max"].dim() != 3:
         raise FormatError(f"{path}: h_mean must be (records, d) and attn_max (records, L, H)")
     _check_finite(tensors, path)
-    if not set(tensors["label"].unique().tolist()) <= {0, 1}:
+    labels = set(tensors["label"].unique().tolist())
+    if not labels <= {0, 1}:
         raise FormatError(f"{path}: labels must be 0 (wrong) or 1 (right), got "
-                          f"{sorted(set(tensors['label'].unique().tolist()))[:5]}")
+                          f"{sorted(labels)[:5]}")
     meta["dims"] = features_dims(tensors)     # what the tensors hold, whatever was recorded
     return tensors, meta
 

@@ -308,20 +308,13 @@ def parse_args(argv, rewards) -> argparse.Namespace:
         ap.error("--resume and --resume-if-present: pass one")
     if args.devices is not None:
         try:
-            kinds = [torch.device(d.strip()).type for d in args.devices.split(",")]
-        except RuntimeError:
-            kinds = []
-        if not kinds or any(k not in ("cpu", "cuda") for k in kinds):
-            ap.error(f"--devices {args.devices!r}: a comma-separated list of devices such as "
-                     "cuda:0,cuda:1 (or cpu)")
+            model.parse_devices(args.devices)
+        except ValueError as e:
+            ap.error(str(e))
     bad = [t for t in args.lora_targets.split(",") if t not in model.LORA_TARGETS]
     if bad:
         ap.error(f"--lora-targets {args.lora_targets!r}: {bad} not among the blocks' linear "
                  f"layers {','.join(model.LORA_TARGETS)}")
-    if args.devices and any(d.strip().startswith("cuda") for d in args.devices.split(",")) \
-            and not torch.cuda.is_available():
-        ap.error(f"--devices {args.devices}: this PyTorch sees no CUDA device (a CPU build, or no "
-                 "GPU visible); leave --devices out to run on the CPU")
     if args.out is None:
         if args.resume:
             ap.error("--resume: nothing to resume without --out (the run directory to continue)")
