@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import math
 import os
 import tempfile
 import time
@@ -237,3 +238,11 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
         return action.help if action.default is None else super()._get_help_string(action)
 
 
+
+
+def positive_number(text: str) -> float:
+    """An argparse type: a finite number > 0 (nan and inf fail too)."""
+    x = float(text)
+    if not 0 < x < math.inf:
+        raise argparse.ArgumentTypeError(f"must be a positive number, not {text}")
+    return x

@@ -1139,13 +1139,6 @@ def cmd_report(args):
           f"({result['seconds']:.1f}s)", file=sys.stderr)
 
 
-def _positive(text: str) -> float:
-    x = float(text)
-    if not 0 < x < math.inf:        # nan fails too
-        raise argparse.ArgumentTypeError(f"must be a positive number, not {text}")
-    return x
-
-
 def _int_at_least(low: int):
     def parse(text: str) -> int:
         n = int(text)
@@ -1196,7 +1189,7 @@ def build_parser() -> argparse.ArgumentParser:
                             "(default 0: in-sample, as released)")
         p.add_argument("--seeds", type=int, nargs="+", default=list(SEEDS),
                        help="seeds, each drawing a class-balanced subsample (default 42 43 44)")
-        p.add_argument("--C", type=_positive, default=0.01,
+        p.add_argument("--C", type=common.positive_number, default=0.01,
                        help="inverse L2 strength of every probe (default 0.01)")
 
     p = sub.add_parser("train", help="fit PAIR and every baseline probe per seed")

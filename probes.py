@@ -482,14 +482,13 @@ def main(argv=None) -> None:
     fit.add_argument("--features", required=True, help="features file from `pair.py extract`")
     fit.add_argument("--feature", required=True, choices=FEATURES,
                      help="feature set (METHOD.md §4)")
-    fit.add_argument("--C", type=float, default=0.01, help="inverse L2 strength (default 0.01)")
+    fit.add_argument("--C", type=common.positive_number, default=0.01,
+                     help="inverse L2 strength (default 0.01)")
     fit.add_argument("--out", required=True, help="probe file to write (.safetensors)")
     score = sub.add_parser("score", help="score a features file with a probe and print metrics")
     score.add_argument("--probe", required=True, help="probe file written by `fit`")
     score.add_argument("--features", required=True, help="features file from `pair.py extract`")
     args = ap.parse_args(argv)
-    if args.cmd == "fit" and not 0 < args.C < math.inf:
-        ap.error(f"--C must be a finite number > 0, got {args.C}")
     try:
         run(args)
     except (OSError, FormatError) as e:     # a missing file, an --out under a file

@@ -331,7 +331,7 @@ def test_unreadable_files_are_one_line_errors(features_dir, tmp_path, capsys):
         probes.main(fit[:-1] + [str(bad / "p.safetensors")])
     with pytest.raises(SystemExit):
         probes.main(fit + ["--C", "0"])
-    assert "--C must be a finite number > 0" in capsys.readouterr().err
+    assert "argument --C: must be a positive number, not 0" in capsys.readouterr().err
 
 
 def test_extract_checks_the_data_before_loading_the_model(tmp_path):
