@@ -34,6 +34,7 @@ from pathlib import Path
 import torch
 from torch.profiler import ProfilerActivity, profile
 
+import common
 import model as M
 import pair
 import probes
@@ -143,13 +144,10 @@ def main(argv=None):
     ap.add_argument("--dtype", choices=tuple(M.DTYPES), default="bfloat16",
                     help="weight dtype of both models (default: bfloat16)")
     args = ap.parse_args(argv)
-    for name in ("new_tokens", "batch", "repeats", "gen_repeats"):     # min() of no timings
-        if getattr(args, name) < 1:
-            ap.error(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
-    # more threads than cores only slow the timings, and a huge count crashes torch's pool
-    if args.threads is not None and not 1 <= args.threads <= (os.cpu_count() or 1):
-        ap.error(f"--threads must be between 1 and this machine's {os.cpu_count() or 1} cores, "
-                 f"got {args.threads}")
+    # no timings is min() of nothing
+    common.check_ranges(ap, args, {**dict.fromkeys(("new_tokens", "batch", "repeats",
+                                                    "gen_repeats"), common.at_least(1)),
+                                   "threads": common.THREADS})
     if not 0 < args.span <= args.seq_len:
         ap.error("--span must be in 1..--seq-len")
     if not (Path(args.model) / "config.json").is_file():

@@ -246,3 +246,37 @@ def positive_number(text: str) -> float:
     if not 0 < x < math.inf:
         raise argparse.ArgumentTypeError(f"must be a positive number, not {text}")
     return x
+
+
+# The range of a numeric flag: (test, what it must be), checked after parsing by check_ranges.
+
+def at_least(low):
+    return (lambda v: v >= low), f"at least {low}"
+
+
+def within(low, high):
+    return (lambda v: low <= v <= high), f"in [{low}, {high}]"
+
+
+def positive():
+    return (lambda v: 0 < v < math.inf), "a positive number"
+
+
+def finite(low=-math.inf):
+    return (lambda v: low <= v < math.inf), \
+        "a finite number" + (f" >= {low}" if low > -math.inf else "")
+
+
+# more threads than cores only slows a run down, and a huge count crashes torch's thread pool
+THREADS = (lambda v: 1 <= v <= (os.cpu_count() or 1)), \
+    f"between 1 and this machine's {os.cpu_count() or 1} cores"
+
+
+def check_ranges(ap: argparse.ArgumentParser, args, ranges: dict) -> None:
+    """ap.error for the first flag of `ranges` (name -> (test, what)) whose value, or one of its
+    values, fails its test; a flag left at None is not checked (nan fails every test)."""
+    for name, (ok, what) in ranges.items():
+        value = getattr(args, name)
+        for v in value if isinstance(value, list) else [value]:
+            if v is not None and not ok(v):
+                ap.error(f"--{name.replace('_', '-')} must be {what}, got {v}")

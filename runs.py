@@ -257,35 +257,20 @@ def train_parser(rewards) -> argparse.ArgumentParser:
     return ap
 
 
-def _at_least(low):
-    return (lambda v: v >= low), f"at least {low}"
-
-
-def _positive():
-    return (lambda v: 0 < v < math.inf), "a positive number"
-
-
-def _finite(low=-math.inf):
-    return (lambda v: low <= v < math.inf), \
-        "a finite number" + (f" >= {low}" if low > -math.inf else "")
-
-
 # The range of every numeric flag, checked before anything is loaded: a wrong value must not
 # cost a model load and minutes of probe fitting first (nan fails every check).
 FLAG_RANGES = {
-    **{k: _at_least(1) for k in ("steps", "batch", "group", "max_turns", "max_new_tokens",
+    **{k: common.at_least(1) for k in ("steps", "batch", "group", "max_turns", "max_new_tokens",
                                  "max_len", "oversample", "ppo_epochs", "micro_batch", "lora_r",
                                  "save_every", "eval_batch", "corpus_episodes", "corpus_samples",
                                  "corpus_heldout", "tips_refresh", "tree_m", "tree_n", "tree_l")},
-    # more threads than cores only slows a run down, and a huge count crashes torch's pool
-    "threads": ((lambda v: 1 <= v <= (os.cpu_count() or 1)),
-                f"between 1 and this machine's {os.cpu_count() or 1} cores"),
-    **{k: _at_least(0) for k in ("eval_episodes", "val_episodes", "probe_retrain_every")},
+    "threads": common.THREADS,
+    **{k: common.at_least(0) for k in ("eval_episodes", "val_episodes", "probe_retrain_every")},
     "seed": ((lambda v: 0 <= v < 2 ** 32), "in [0, 2**32) (numpy's seeds)"),
-    "probe_episodes": _at_least(2),
-    **{k: _positive() for k in ("temperature", "lr", "eps", "grad_clip", "lora_alpha")},
-    **{k: _finite(0.0) for k in ("beta", "weight_decay", "at2po_penalty", "alpha")},
-    **{k: _finite() for k in ("outcome_weight", "tips_gamma")},
+    "probe_episodes": common.at_least(2),
+    **{k: common.positive() for k in ("temperature", "lr", "eps", "grad_clip", "lora_alpha")},
+    **{k: common.finite(0.0) for k in ("beta", "weight_decay", "at2po_penalty", "alpha")},
+    **{k: common.finite() for k in ("outcome_weight", "tips_gamma")},
     "top_p": ((lambda v: 0 < v <= 1), "in (0, 1]"),
     "warmup": ((lambda v: 0 <= v <= 1), "in [0, 1]"),
     "lora_dropout": ((lambda v: 0 <= v < 1), "in [0, 1)"),
@@ -299,11 +284,7 @@ def parse_args(argv, rewards) -> argparse.Namespace:
     args = ap.parse_args(argv)
     if args.model is None:
         args.model = str(shop.BUILTIN_POLICIES.get(args.env, shop.BUILTIN_POLICY))
-    for name, (ok, what) in FLAG_RANGES.items():
-        value = getattr(args, name)
-        for v in value if isinstance(value, list) else [value]:
-            if v is not None and not ok(v):
-                ap.error(f"--{name.replace('_', '-')} must be {what}, got {v}")
+    common.check_ranges(ap, args, FLAG_RANGES)
     if args.resume and args.resume_if_present:
         ap.error("--resume and --resume-if-present: pass one")
     if args.devices is not None:

@@ -1385,14 +1385,16 @@ def write_policy_readme(out: Path, args, config: dict, result: dict, earlier: li
 
 # The range of each numeric flag of sft, checked before anything is read or written (nan is in
 # none; --lr and the shape: in main). Any BPE vocabulary holds the specials and the 256 bytes; a
-# warmup of 1 step is none; more threads than cores only slow a run, and a huge count crashes.
+# warmup of 1 step is none.
 SFT_RANGES = {**dict.fromkeys(("steps", "batch", "warmup", "hidden", "layers", "heads", "kv_heads",
-                               "intermediate"), (1, math.inf)),
+                               "intermediate"), common.at_least(1)),
               **dict.fromkeys(("induction_steps", "induction_rows", "save_every",
-                               "eval_episodes"), (0, math.inf)),
-              **dict.fromkeys(("contaminated", "divided", "slips", "induction_text"), (0, 1)),
-              "episodes": (2, SHOP_SPLIT_SIZE["train"]), "seed": (0, 2**32 - 1),
-              "vocab": (len(SPECIALS) + 256, math.inf), "threads": (1, os.cpu_count() or 1)}
+                               "eval_episodes"), common.at_least(0)),
+              **dict.fromkeys(("contaminated", "divided", "slips", "induction_text"),
+                              common.within(0, 1)),
+              "episodes": common.within(2, SHOP_SPLIT_SIZE["train"]),
+              "seed": common.within(0, 2**32 - 1), "vocab": common.at_least(len(SPECIALS) + 256),
+              "threads": common.THREADS}
 
 
 def main(argv=None):
@@ -1461,9 +1463,7 @@ def main(argv=None):
     args = ap.parse_args(argv)
     if args.command == "sft":
         args.out = args.out or str(BUILTIN_POLICIES[args.world])
-        for name, (low, high) in SFT_RANGES.items():
-            if not low <= (value := getattr(args, name)) <= high:
-                ap.error(f"--{name.replace('_', '-')} must be in [{low}, {high}], got {value}")
+        common.check_ranges(ap, args, SFT_RANGES)
         train = args.episodes - (args.world == "shop") * max(1, args.episodes // 5)
         for bad, why in (
                 (not 0 < args.lr < math.inf, "--lr must be a positive number"),
