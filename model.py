@@ -607,6 +607,13 @@ COMPILE = os.environ.get("PAIR_COMPILE", "1") != "0"
 # (a cache is made for several turns, and doubles as it grows) the attention's products, most of
 # a long episode's step, did up to twice the work: shop-long's greedy episodes took 1.5x longer.
 KEY_BLOCK = 128
+# torch specializes a graph on the relations it meets among its sizes: whether span_start is
+# given, whether the batch is one row, whether the slots attended fill the cache (then its keys
+# are contiguous). That makes 8 graphs once every size is symbolic, after the first call's static
+# graph and one more at the first change of each size (key slots, batch, capacity): 9 in a
+# shop-long `pair` run, more with --probe-retrain-every, over torch's default limit of 8, past
+# which the step decoded eagerly for the rest of the process.
+RECOMPILE_LIMIT = 32
 _compiled = {}          # "step": Transformer.decode_step compiled; "failed": why it was given up
 
 
@@ -624,6 +631,9 @@ def compiled_step(w: list, cache: list[KVCache]):
     if "step" not in _compiled:
         print("model.py: compiling the decoding step (under a minute the first time on a machine, "
               "seconds later; PAIR_COMPILE=0 decodes eagerly)", file=sys.stderr, flush=True)
+        config = torch._dynamo.config        # named cache_size_limit before torch 2.6
+        name = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"
+        setattr(config, name, max(getattr(config, name), RECOMPILE_LIMIT))
         _compiled["step"] = torch.compile(Transformer.decode_step, fullgraph=True)
     return _compiled["step"]
 

@@ -486,6 +486,38 @@ def test_compiled_decoding_does_not_depend_on_the_graphs_compiled_before(monkeyp
     assert "failed" not in M._compiled
 
 
+def test_compiled_decoding_stays_compiled_over_the_shapes_of_a_run(monkeypatch):
+    """A run decodes with statistics (rollouts) and without (evaluations), batches of one row and
+    of many, over slots in use that fill the cache or not. torch compiles a graph for each such
+    case (here 11), and past its default limit of 8 the step decoded eagerly for the rest of the
+    process. Each of them gives the eager step's numbers."""
+    torch._dynamo.reset()
+    monkeypatch.setattr(M, "COMPILE", True)
+    monkeypatch.setattr(M, "_compiled", {})
+    monkeypatch.setattr(M, "KEY_BLOCK", 4)
+    model = random_model("qwen2-gqa-tied", seed=11)
+    g = torch.Generator().manual_seed(5)
+    shapes = [(3, 16, 5), (3, 16, 9), (5, 16, 13), (5, 32, 20), (2, 16, 15), (1, 16, 6),
+              (1, 16, 14), (4, 8, 7)]                     # (batch, capacity, length in use)
+    with torch.no_grad():
+        w = model.decode_weights()
+        for stats in (True, False):
+            for B, capacity, length in shapes:
+                cache = model.new_cache(B, capacity)
+                for c in cache:
+                    c.k.normal_(generator=g), c.v.normal_(generator=g)
+                M.set_lengths(cache, torch.randint(length - 3, length + 1, (B,), generator=g))
+                tokens = torch.randint(3, 64, (B,), generator=g)
+                span = torch.randint(0, length - 3, (B,), generator=g) if stats else None
+                compiled = model.decode(tokens, cache, span, w=w)
+                eager = model.decode_step(tokens, cache[0].lengths, span, [c.k for c in cache],
+                                          [c.v for c in cache], w, int(cache[0].lengths.max()) + 1)
+                for a, b in zip(compiled, eager):
+                    if a is not None:
+                        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+    assert "failed" not in M._compiled
+
+
 def test_decoding_falls_back_to_eager_when_compiling_fails(monkeypatch, capsys):
     """A machine where torch.compile cannot build its kernels (no C++ compiler) decodes eagerly,
     says so once, and gets the same tokens."""
@@ -518,7 +550,9 @@ def check_decoding(model, prompts, temperature, seed):
     for p, trace in zip(prompts, traces):
         ref = M.trace_forward(model, p + trace.tokens, trace.span, stop_ids=stop)
         assert_stats_close(trace.attn, ref.attn, atol=1e-5)
-        torch.testing.assert_close(trace.h_mean, ref.h_mean, atol=1e-5, rtol=1e-4)
+        # An adapter merged into the weights rounds otherwise than the modules' two products:
+        # 9e-5 on hidden states near 1, after a large update, on an AMD EPYC.
+        torch.testing.assert_close(trace.h_mean, ref.h_mean, atol=2e-4, rtol=1e-4)
     return [t.tokens for t in traces]
 
 
