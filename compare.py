@@ -284,8 +284,6 @@ def compare(argv: list[str]) -> dict:
 
 # The paper's Table complexity (A6000, Qwen2.5-7B-Instruct): latency per agent step of the
 # reward, additional forward passes, external calls, cost growth
-# The paper's Table complexity (A6000, Qwen2.5-7B-Instruct): latency per agent step of the
-# reward, additional forward passes, external calls, cost growth
 PAPER_COST = {
     "outcome": ("0 ms", "0", "none", "O(1) per trajectory"),
     "probe": ("~0.1 ms", "0", "none", "O(1) per step"),
