@@ -73,9 +73,10 @@ def check_out_dir(out: Path) -> None:
 
 def check_run(spec: str, argv: list[str], reward: str, seed: int, run: Path, resume: bool,
               done: bool) -> argparse.Namespace:
-    """grpo.py's own checks of one run's command line, those that load nothing: its parser and
-    flag ranges, the presets and, for a run still to do, what its directory holds against
-    --resume. A mistake is one line naming the spec, before any run has started."""
+    """grpo.py's own checks of one run's command line, those that load nothing: its parser,
+    flag ranges and rules between flags, the presets and, for a run still to do, what its
+    directory holds against --resume. A mistake is one line naming the spec, before any run has
+    started."""
     said = io.StringIO()                # argparse's usage and the preset line: not for here
     try:
         with contextlib.redirect_stdout(said), contextlib.redirect_stderr(said):
@@ -85,6 +86,7 @@ def check_run(spec: str, argv: list[str], reward: str, seed: int, run: Path, res
                     (reward, seed, str(run), resume, False):
                 raise SystemExit("--reward, --seed, --out and --resume are compare's to set; "
                                  "leave them out of the spec and of the flags after --")
+            grpo.check_args(args)
             runs.resolve_preset(args, runs.World())
             if not done:
                 runs.check_out(args)

@@ -901,13 +901,9 @@ def train(args) -> dict:
     return summary
 
 
-def main(argv=None):
-    argv = sys.argv[1:] if argv is None else argv
-    if argv[:1] == ["compare"]:
-        # `grpo.py compare` is compare.py's command line: that file runs this one, so it sits
-        # above it, and the hand-over is a new program, not an import
-        os.execv(sys.executable, [sys.executable, str(ROOT / "compare.py"), *argv[1:]])
-    args = runs.parse_args(argv, REWARDS)
+def check_args(args: argparse.Namespace) -> None:
+    """The rules between flags that need this file's rewards (runs.parse_args checks the rest);
+    compare.py applies them to every run before starting any."""
     if args.probe_retrain_every and args.reward not in READS_PROBE:
         sys.exit(f"--probe-retrain-every: --reward {args.reward} reads no probe to refit (pair or "
                  f"a probe reward: {', '.join(sorted(PROBE_REWARDS))})")
@@ -915,6 +911,16 @@ def main(argv=None):
         sys.exit(f"--probe-retrain-every refits on the exact labels of the policy's own turns, "
                  f"which only the built-in world has (its tool calls re-executed); {args.env}'s "
                  "replayed tools label only the final answer")
+
+
+def main(argv=None):
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["compare"]:
+        # `grpo.py compare` is compare.py's command line: that file runs this one, so it sits
+        # above it, and the hand-over is a new program, not an import
+        os.execv(sys.executable, [sys.executable, str(ROOT / "compare.py"), *argv[1:]])
+    args = runs.parse_args(argv, REWARDS)
+    check_args(args)
     try:
         return train(args)
     except (weights.CheckpointError, envs.DataError, probes.FormatError, chat_api.LLMError,

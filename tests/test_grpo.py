@@ -1301,7 +1301,9 @@ def test_compare_refuses_jobs_below_one(jobs, tmp_path, no_run_starts):
     (["outcome"], ["--bogus"], "unrecognized arguments: --bogus"),
     (["outcome"], ["--steps", "0"], "--steps must be at least 1, got 0"),
     (["outcome"], ["--see", "7"], "--seed, --out and --resume are compare's to set"),
-    (["outcome:reward=pair"], [], "--seed, --out and --resume are compare's to set")])
+    (["outcome:reward=pair"], [], "--seed, --out and --resume are compare's to set"),
+    (["pair", "outcome:probe-retrain-every=5"], [], "--reward outcome reads no probe to refit"),
+    (["pair:probe-retrain-every=5"], ["--env", "gta"], "only the built-in world has")])
 def test_compare_checks_every_run_with_grpos_parser_before_starting_any(
         rewards, extra, error, tmp_path, no_run_starts):
     out = tmp_path / "o"
