@@ -238,14 +238,23 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
         return action.help if action.default is None else super()._get_help_string(action)
 
 
-
-
 def positive_number(text: str) -> float:
     """An argparse type: a finite number > 0 (nan and inf fail too)."""
     x = float(text)
     if not 0 < x < math.inf:
         raise argparse.ArgumentTypeError(f"must be a positive number, not {text}")
     return x
+
+
+def int_at_least(low: int):
+    """An argparse type: an integer >= low."""
+    def parse(text: str) -> int:
+        n = int(text)
+        if n < low:
+            raise argparse.ArgumentTypeError(f"must be >= {low}, not {text}")
+        return n
+    parse.__name__ = "int"              # argparse's "invalid int value: 'x'"
+    return parse
 
 
 # The range of a numeric flag: (test, what it must be), checked after parsing by check_ranges.

@@ -1139,15 +1139,6 @@ def cmd_report(args):
           f"({result['seconds']:.1f}s)", file=sys.stderr)
 
 
-def _int_at_least(low: int):
-    def parse(text: str) -> int:
-        n = int(text)
-        if n < low:
-            raise argparse.ArgumentTypeError(f"must be >= {low}, not {text}")
-        return n
-    return parse
-
-
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -1161,18 +1152,18 @@ def build_parser() -> argparse.ArgumentParser:
                         "episode file of the same family beside it "
                         "(clean_train.json, METHOD.md §2)")
     p.add_argument("--out", required=True, help="features file to write (.safetensors)")
-    p.add_argument("--max-len", type=_int_at_least(1), default=4096,
+    p.add_argument("--max-len", type=common.int_at_least(1), default=4096,
                    help="keep the last MAX_LEN tokens of longer sequences (default 4096)")
     p.add_argument("--dtype", default="float32", choices=tuple(mdl.DTYPES),
                    help="model weights dtype (default float32)")
-    p.add_argument("--shard-size", type=_int_at_least(1), default=32,
+    p.add_argument("--shard-size", type=common.int_at_least(1), default=32,
                    help="records per checkpoint shard; an interrupted run resumes after the last "
                         "shard written (default 32)")
     p.add_argument("--reuse", nargs="+", default=[], metavar="FEATURES",
                    help="features files of the same model, dtype and max-len: a record whose "
                         "model input (token ids and span) is in one of them is copied, not run "
                         "again (e.g. the clean split when extracting the contaminated one)")
-    p.add_argument("--episodes", type=_int_at_least(1), default=None,
+    p.add_argument("--episodes", type=common.int_at_least(1), default=None,
                    help="keep the records of this many episodes only, drawn with "
                         "--episode-seed (the same draw for the clean and contaminated files); "
                         "default: every record")
@@ -1184,7 +1175,7 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--mode", default="mixed", choices=MODES,
                        help="training data: mixed = clean + contaminated train (the paper's), "
                             "clean_only = matched_clean_train (default mixed)")
-        p.add_argument("--crossfit", type=_int_at_least(0), default=0, metavar="K",
+        p.add_argument("--crossfit", type=common.int_at_least(0), default=0, metavar="K",
                        help="fit stage 2 on out-of-fold stage-1 scores over K episode folds "
                             "(default 0: in-sample, as released)")
         p.add_argument("--seeds", type=int, nargs="+", default=list(SEEDS),
