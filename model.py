@@ -47,6 +47,7 @@ step, `load_model`, the tokenizer and the chat format, generation and teacher-fo
 """
 import argparse
 import contextlib
+import inspect
 import math
 import os
 import re
@@ -543,8 +544,7 @@ class Transformer(nn.Module):
             try:
                 blocks = -(-size // KEY_BLOCK) * KEY_BLOCK
                 return step(self, *args, min(cache[0].capacity, blocks))
-            except (torch._dynamo.exc.TorchDynamoException,      # no working C++ compiler
-                    torch._dynamo.exc.FailOnRecompileLimitHit) as e:
+            except COMPILE_ERRORS as e:
                 compile_failed(e)
         return self.decode_step(*args, size)
 
@@ -610,11 +610,16 @@ KEY_BLOCK = 128
 # torch specializes a graph on the relations it meets among its sizes: whether span_start is
 # given, whether the batch is one row, whether the slots attended fill the cache (then its keys
 # are contiguous). That makes 8 graphs once every size is symbolic, after the first call's static
-# graph and one more at the first change of each size (key slots, batch, capacity): 9 in a
-# shop-long `pair` run, more with --probe-retrain-every, over torch's default limit of 8, past
-# which the step decoded eagerly for the rest of the process.
+# graph and one more at the first change of each size (key slots, batch, capacity): up to 11, 9
+# in a shop-long `pair` run, over torch's default limit of 8, past which the step decoded
+# eagerly for the rest of the process.
 RECOMPILE_LIMIT = 32
 _compiled = {}          # "step": Transformer.decode_step compiled; "failed": why it was given up
+_exc = torch._dynamo.exc
+# Compiling failed: no working C++ compiler, or past the limit (named FailOnCacheLimitHit before
+# torch 2.7), which fullgraph=True raises instead of running the step eagerly
+COMPILE_ERRORS = (_exc.TorchDynamoException, *(getattr(_exc, name) for name in (
+    "FailOnRecompileLimitHit", "FailOnCacheLimitHit") if hasattr(_exc, name)))
 
 
 def compiled_step(w: list, cache: list[KVCache]):
@@ -623,18 +628,23 @@ def compiled_step(w: list, cache: list[KVCache]):
     model bound by reading its weights rather than by its operations: Block.decode_weights), a
     cache off the CPU, PAIR_COMPILE=0, or an earlier failure. torch compiles it for the shapes of
     its first call and, at the first change, once more with the sizes that changed left symbolic
-    (the batch, the key slots, the capacity): a third size reuses that graph. Everything else
-    (the weights' shapes, the norms' epsilon) stays a constant of the graph."""
+    (the batch, the key slots, the capacity), and once per relation among them (RECOMPILE_LIMIT):
+    a third size reuses a graph. Everything else (the weights' shapes, the norms' epsilon) stays
+    a constant of the graph."""
     if not COMPILE or "failed" in _compiled or any(x is None for x in w) or \
             any(c.k.device.type != "cpu" for c in cache):
         return None
     if "step" not in _compiled:
         print("model.py: compiling the decoding step (under a minute the first time on a machine, "
               "seconds later; PAIR_COMPILE=0 decodes eagerly)", file=sys.stderr, flush=True)
-        config = torch._dynamo.config        # named cache_size_limit before torch 2.6
-        name = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"
-        setattr(config, name, max(getattr(config, name), RECOMPILE_LIMIT))
-        _compiled["step"] = torch.compile(Transformer.decode_step, fullgraph=True)
+        limit = {}
+        if "recompile_limit" in inspect.signature(torch.compile).parameters:
+            limit["recompile_limit"] = RECOMPILE_LIMIT          # this function's own
+        else:               # older torch: the process's, named cache_size_limit before 2.7
+            config = torch._dynamo.config
+            name = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"
+            setattr(config, name, max(getattr(config, name), RECOMPILE_LIMIT))
+        _compiled["step"] = torch.compile(Transformer.decode_step, fullgraph=True, **limit)
     return _compiled["step"]
 
 

@@ -516,6 +516,8 @@ def test_compiled_decoding_stays_compiled_over_the_shapes_of_a_run(monkeypatch):
                     if a is not None:
                         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
     assert "failed" not in M._compiled
+    # more graphs than torch's default limit, or this test would not see the step give up
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] > 8
 
 
 def test_decoding_falls_back_to_eager_when_compiling_fails(monkeypatch, capsys):
@@ -539,7 +541,7 @@ def test_decoding_falls_back_to_eager_when_compiling_fails(monkeypatch, capsys):
     assert isinstance(M._compiled["failed"], torch._dynamo.exc.BackendCompilerFailed)
 
 
-def check_decoding(model, prompts, temperature, seed):
+def check_decoding(model, prompts, temperature, seed, h_atol=1e-5):
     """generate against reference_generate and trace_forward (the modules' own forward)."""
     stop = [0, 1, 2]
     traces = M.generate(model, model.new_cache(len(prompts)), prompts, 10, temperature, 1.0,
@@ -550,9 +552,7 @@ def check_decoding(model, prompts, temperature, seed):
     for p, trace in zip(prompts, traces):
         ref = M.trace_forward(model, p + trace.tokens, trace.span, stop_ids=stop)
         assert_stats_close(trace.attn, ref.attn, atol=1e-5)
-        # An adapter merged into the weights rounds otherwise than the modules' two products:
-        # 9e-5 on hidden states near 1, after a large update, on an AMD EPYC.
-        torch.testing.assert_close(trace.h_mean, ref.h_mean, atol=2e-4, rtol=1e-4)
+        torch.testing.assert_close(trace.h_mean, ref.h_mean, atol=h_atol, rtol=1e-4)
     return [t.tokens for t in traces]
 
 
@@ -575,7 +575,9 @@ def test_decoding_with_an_adapter_follows_its_updates(monkeypatch, fused):
     opt = torch.optim.AdamW([p for _, p in M.lora_parameters(model)], lr=0.5)
     model(torch.tensor([prompts[0]])).logits.logsumexp(-1).sum().backward()
     opt.step()                              # an in-place update, as GRPO's
-    after = check_decoding(model, prompts, 1.0, seed=5)
+    # The adapter merged into the weights rounds otherwise than the modules' two products: after
+    # this large update, 9e-5 on a hidden state of 0.72 on an AMD EPYC.
+    after = check_decoding(model, prompts, 1.0, seed=5, h_atol=2e-4)
     with M.lora_disabled(model):
         base = check_decoding(model, prompts, 1.0, seed=5)
     assert before != after != base          # each check above saw different weights

@@ -721,6 +721,9 @@ def test_hostile_flags_and_values_are_one_line_errors(features_dir, tmp_path, ca
         with pytest.raises(SystemExit):
             pair.main(["train", "--features", feats, "--out", str(tmp_path / "m"), flag, value])
         assert f"argument {flag}: must be" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        pair.main(["train", "--features", feats, "--out", str(tmp_path / "m"), "--crossfit", "2.5"])
+    assert "argument --crossfit: invalid int value: '2.5'" in capsys.readouterr().err
     with pytest.raises(SystemExit, match="--crossfit 1000: only 60 training episodes"):
         pair.main(["train", "--features", feats, "--out", str(tmp_path / "m"), "--crossfit",
                    "1000", "--seeds", "42"])
