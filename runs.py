@@ -681,6 +681,10 @@ def curves_svg(result: dict) -> str:
     W, H, pad = 460, 300, 52
     colors = ["#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e", "#8c564b", "#e377c2",
               "#7f7f7f", "#bcbd22", "#17becf"]
+
+    def stroke(c):      # past the ten colors, dashed (longer each round): a line of its own
+        dash = f' stroke-dasharray="{6 * (c // 10)},3"' if c >= 10 else ""
+        return f'stroke="{colors[c % 10]}"{dash}'
     rows = result["rows"]
     panels = [c for c in CURVES if all(c[0] in r for r in rows)]
     parts = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{len(panels) * W}" '
@@ -711,12 +715,12 @@ def curves_svg(result: dict) -> str:
         parts.append(f'<text x="{ox + W / 2}" y="{H - 8}" text-anchor="middle">{xlabel}</text>')
         for c, s in enumerate(series):
             pts = " ".join(f"{X(x):.1f},{Y(y):.1f}" for x, y in s if y is not None)
-            parts.append(f'<polyline points="{pts}" fill="none" stroke="{colors[c % 10]}" '
+            parts.append(f'<polyline points="{pts}" fill="none" {stroke(c)} '
                          'stroke-width="1.6"/>')
     for c, r in enumerate(rows):
         x, y = 16 + (c % 4) * (W // 2), H + 22 * (c // 4) + 8
         label = r["reward"] if len(r["reward"]) <= 26 else r["reward"][:25] + "…"
-        parts.append(f'<line x1="{x}" y1="{y}" x2="{x + 20}" y2="{y}" stroke="{colors[c % 10]}"'
+        parts.append(f'<line x1="{x}" y1="{y}" x2="{x + 20}" y2="{y}" {stroke(c)}'
                      f' stroke-width="3"/><text x="{x + 26}" y="{y + 4}">{label}</text>')
     return "\n".join(parts) + "\n</svg>\n"
 

@@ -3,6 +3,7 @@ import argparse
 import json
 import math
 import os
+import re
 import shlex
 import shutil
 import signal
@@ -1892,6 +1893,16 @@ def test_a_damaged_probe_cache_fails_before_any_rollout(tiny_policy, tmp_path, m
     report.write_text("{}")
     with pytest.raises(SystemExit, match="probes.json: a damaged probe cache"):
         run(flags(tiny_policy, tmp_path / "c", "pair", steps=1))
+
+
+def test_compare_draws_each_of_twelve_rewards_with_a_line_of_its_own():
+    rows = [{"reward": f"r{i}", "curve_success": [(0, 0.1), (5, 0.2 + i / 100)]}
+            for i in range(12)]
+    svg = runs.curves_svg({"rows": rows})
+    style = r'stroke="#\w+"(?: stroke-dasharray="[\d,]+")?'
+    lines = re.findall(f"<polyline [^>]*?({style})", svg)
+    legend = re.findall(f'<line [^>]*?({style}) stroke-width="3"/><text[^>]*>r\\d+<', svg)
+    assert len(set(lines)) == 12 and legend == lines       # ten colors, then dashed
 
 
 def test_a_run_draws_its_curves_with_distinct_round_ticks(tiny_policy, tmp_path):
