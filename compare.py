@@ -11,8 +11,9 @@ summary.json is finished and never redone. A reward is written NAME or NAME:flag
 
 It writes compare.md (held-out success of the checkpoint selected on validation and of the final
 one, mean ± std over seeds, a 95% interval from a two-level bootstrap over seeds and episodes, the
-paired difference to the first reward), compare.json and curves.svg; with --cost, cost.md: what a
-training step of each reward costs, beside the paper's numbers.
+paired difference to the first reward; with several seeds, each seed's success at every
+evaluation; on a built-in world, success on the tasks of each habit), compare.json and curves.svg;
+with --cost, cost.md: what a training step of each reward costs, beside the paper's numbers.
 """
 from __future__ import annotations
 
@@ -422,6 +423,9 @@ def compare_table(out: Path, specs: list[str], seeds: list[int]) -> dict:
         steps = sorted(set.intersection(*(set(ev) for _, _, ev in played)))
         row["curve_success"] = [(k, _mean([ev[k]["test"]["success"] for _, _, ev in played]))
                                 for k in steps]
+        # and each seed's own, after the base: where seeds disagree, the mean hides how
+        row["curve_by_seed"] = [[ev[k]["test"]["success"] for k in steps if k > 0]
+                                for _, _, ev in played]
         clocks = [runs.training_seconds(ms) for _, ms, _ in played]
         row["curve_seconds"] = [(_mean([c.get(k) for c in clocks]), y)
                                 for k, y in row["curve_success"]]
@@ -521,6 +525,15 @@ def compare_markdown(result: dict, command: str) -> str:
                if pa["first5"] is not None else "—")
             + f" | {r['frac_zero_std']:.2f} | {r['kl_final']:.3f} | {r['t_rollout']:.1f} / "
             f"{r['t_reward']:.2f} / {r['t_update']:.1f} | {r['minutes']:.1f} |")
+    rows = result["rows"]
+    if len(rows[0]["seeds"]) > 1:
+        steps = [k for k, _ in rows[0]["curve_success"] if k > 0]
+        lines += ["", f"Held-out success in % by seed, at steps {', '.join(map(str, steps))}.",
+                  "", "| reward | " + " | ".join(f"seed {s}" for s in rows[0]["seeds"]) + " |",
+                  "|---|" + "---|" * len(rows[0]["seeds"])]
+        for r in rows:
+            lines.append(f"| {r['reward']} | " + " | ".join(
+                ", ".join(map(pct, curve)) for curve in r["curve_by_seed"]) + " |")
     habits = result.get("habits")
     if habits:
         lines += ["", "Held-out success in % on the test tasks that have each habit of the "

@@ -1249,7 +1249,7 @@ def _finished_runs(out: Path, scores=FAKE_SCORES):
                               ("best_on_test", 10))}})
 
 
-def test_compare_tables_success_by_habit_from_each_runs_evaluations(tmp_path):
+def test_compare_tables_success_by_habit_and_by_seed_from_each_runs_evaluations(tmp_path):
     _finished_runs(tmp_path)
     result = compare.compare_table(tmp_path, ["outcome"], [1, 2])
     assert result["habits"] == {"none": [0], "divided": [1, 2, 3]}
@@ -1258,8 +1258,11 @@ def test_compare_tables_success_by_habit_from_each_runs_evaluations(tmp_path):
     # mean over seeds of each seed's success on the group's tasks
     assert got["selected"] == pytest.approx({"none": 1.0, "divided": (1 / 3 + 1) / 2})
     assert got["final"] == pytest.approx({"none": 0.0, "divided": (1 / 3 + 2 / 3) / 2})
-    assert "| outcome | 0.0 → 100.0 → 0.0 | 0.0 → 66.7 → 50.0 |" in \
-        compare.compare_markdown(result, "cmd")
+    table = compare.compare_markdown(result, "cmd")
+    assert "| outcome | 0.0 → 100.0 → 0.0 | 0.0 → 66.7 → 50.0 |" in table
+    # and each seed's curve after the base, which the mean over seeds hides
+    assert "by seed, at steps 10, 20." in table
+    assert "| outcome | 50.0, 25.0 | 100.0, 50.0 |" in table
 
 
 def _compare_argv(policy, out):
