@@ -676,7 +676,10 @@ def test_two_runs_on_one_out_one_refuses(tiny_policy, tmp_path, pair_cache):
             for seed in (1, 2)]
     results = [(r.wait(timeout=300), r.stderr.read()) for r in runs]
     refused = [err for rc, err in results if rc != 0]
-    assert len(refused) == 1 and f"{out} is in use by pid" in refused[0], results
+    # on a loaded machine the second may start only after the first has finished, and then
+    # meets its metrics instead of its lock: a refusal too (the lock alone: the next test)
+    assert len(refused) == 1 and (f"{out} is in use by pid" in refused[0]
+                                  or f"--out {out} already holds a run" in refused[0]), results
     assert [m["step"] for m in metrics(out)] == [1, 2, 3]
 
 
