@@ -32,8 +32,9 @@ What runs, once per training step:
     masked; the <|im_end|> it generated counts); their sum is divided by the number of such
     tokens in the whole batch, over all processes. AdamW on the LoRA parameters (r 16, alpha 32,
     dropout 0.05 on q,k,v,o,gate,up,down), lr constant after a 5% linear warmup, grad-norm clip
-    1.0. Probes stay frozen. A batch without a single policy token (every prompt longer than
-    --max-len) makes no update, logs loss 0 and is counted in `empty_batch`.
+    1.0. Probes stay frozen (unless --probe-retrain-every fits the head again). A batch without
+    a single policy token (every prompt longer than --max-len) makes no update, logs loss 0 and
+    is counted in `empty_batch`.
 Section 5 is the training loop: the steps, the checkpoints and the evaluations around them.
 
 Where this departs from textbook GRPO (DeepSeekMath; TRL's GRPOTrainer):
@@ -47,7 +48,8 @@ Where this departs from textbook GRPO (DeepSeekMath; TRL's GRPOTrainer):
  - Rewards live on turns, not sequences, and A is a per-turn return of normalized step rewards.
  - The KL reference is the adapter-disabled base: no second copy of the model in memory.
  - log pi is taken at the sampling temperature (logits / T), so that rho and the KL are about the
-   distribution the tokens were drawn from (T = 1 in the paper, where this changes nothing).
+   distribution the tokens were drawn from (T = 1 in the paper, where this changes nothing);
+   `--advantage release` takes it at T = 1 whatever the sampling temperature, as the release.
 
 What this file leaves to others: the paper's other rewards and the two tree searches, which
 change steps 1, 3 and 4 (Tree-GRPO, AT²PO), are in baselines.py; the probes of the built-in
@@ -177,7 +179,8 @@ def turn_rewards(traj: Trajectory, ctx) -> tuple[list[float | None], list[float]
     assert len(rewards) == len(traj.steps), (len(rewards), len(traj.steps))
     w = ctx.args.outcome_weight
     if w and ctx.args.reward != "outcome":
-        rewards[-1] = (rewards[-1] or 0.0) + w * traj.score
+        # a new list: a probe reward's list is also its P(correct), which the monitor scores
+        rewards = rewards[:-1] + [(rewards[-1] or 0.0) + w * traj.score]
     return rewards, p_correct
 
 
@@ -530,7 +533,8 @@ class Group:                        # one prompt's rollouts, rewarded, with thei
     rewards: list[list[float | None]]
     p_correct: list                 # per rollout, the frozen probe's P(correct) per turn, or None
     advantages: list[list[float]]
-    all_equal: bool                 # every reward of the group equal: nothing to learn from
+    all_equal: bool                 # no turn got an advantage: nothing to learn from (process:
+                                    # every reward equal; release: equal totals still move turns)
 
 
 def play_group(g: int, run: Training, t: dict) -> tuple[Group, int]:
@@ -581,8 +585,8 @@ def train_step(step: int, run: Training) -> dict:
     """One GRPO step: this process's share of the prompts, then the all-reduced update.
 
     With --oversample K (DAPO's dynamic sampling) up to K x its share of prompts are played, in
-    order, and a group whose rewards are all equal is set aside while later prompts remain: it
-    has no advantage to give, and with a sparse reward most groups are such groups."""
+    order, and a group with no advantage to give (Group.all_equal) is set aside while later
+    prompts remain: with a sparse reward most groups are such groups."""
     policy, args, world = run.policy, run.args, run.world
     t = {k: 0.0 for k in TIMING}
     run.ctx.cost = Counter(dict.fromkeys(COSTS, 0))
@@ -669,8 +673,9 @@ def read_from_base(policy, trajs: list[Trajectory], rows_per_forward: int,
 def step_metrics(step, trajs, rewards, p_correct, played, stats, times, args, world, costs=(),
                  memory=None) -> dict:
     """One metrics.jsonl record, summed over processes (memory: the largest). played = (groups
-    whose rewards were all equal, groups played); the rest is about the groups kept for the
-    update. p_correct: per trajectory, the frozen probe's P(correct) of each turn (or None)."""
+    with no advantage to give (Group.all_equal), groups played); the rest is about the groups
+    kept for the update. p_correct: per trajectory, the frozen probe's P(correct) of each turn
+    (or None)."""
     zero, tried = played
     flat = [r for group in rewards for row in group for r in row if r is not None]
     M = args.max_turns

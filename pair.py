@@ -23,11 +23,12 @@ Protocol (METHOD.md §8): each probe is trained with seeds 42, 43, 44; a seed dr
 subsample of matched_clean_train (the same records are taken from matched_contaminated_train in
 mixed mode); results are mean +- std over seeds on matched_clean_test and matched_contaminated_test.
 
-Contamination distance (METHOD.md §8c): d = turn_idx - the nearest earlier contaminated index.
-The released indices count dialog *messages* (user, assistant, tool), so that difference is 2 for
-the immediately preceding assistant turn and bucket d = 1 would always be empty. The paper reads
-d = 1 as "the error is the immediately preceding turn", so `distance` counts assistant turns
-(the literal message difference is kept as `distance_messages`).
+Contamination distance (METHOD.md §8c): d = the number of assistant turns from the nearest earlier
+contaminated turn to the evaluated one. The released indices count dialog *messages* (user,
+assistant, tool), so their difference is 2 for the immediately preceding assistant turn and bucket
+d = 1 would always be empty; the paper reads d = 1 as "the error is the immediately preceding
+turn", so `distance` counts assistant turns (the message difference is kept as
+`distance_messages`).
 
 Contamination analyses. (b) is also measured on the matched pairs whose two model inputs
 differ (by an input digest recorded at extraction): in the released GTA test splits 104 of 177
@@ -136,8 +137,10 @@ def fit_stage1(raw, y, C=0.01, crossfit=0, groups=None, seed=0, stage1=None):
     already fitted on the same records can be passed in."""
     X1 = feature("last_token", raw)
     stage1 = stage1 or Probe(info={"feature": "last_token"}).fit(X1, y, C)
-    if crossfit <= 1:
+    if crossfit == 0:
         return stage1, stage1.predict_proba(X1)
+    if crossfit == 1:       # its one fold would leave no record to fit on
+        raise ValueError("--crossfit 1: 0 (in-sample) or K >= 2 folds")
     if groups is None:
         raise ValueError("--crossfit needs the episode id of every training record")
     fold = episode_folds(groups, crossfit, seed)
@@ -903,7 +906,7 @@ def render_markdown(result: dict, paper_ref: str | None) -> str:
     header = ["Method"] + [f"{metric} {s}" for metric in ("AUPRC", "Brier", "pairwise")
                            for s in ("clean", "contaminated")]
     rows = [[METHODS[m][0]] + [_ms(_get(det, m, s, k)) for k in ("auprc", "brier", "pairwise")
-                               for s in TEST_SPLITS] for m in methods]
+                               for s in TEST_SPLITS] for m in methods if METHODS[m][1]]
     lines += ["", "Other metrics (pairwise = within-episode ranking accuracy):", ""]
     lines += _table(header, rows)
     # (b)
@@ -1139,6 +1142,18 @@ def cmd_report(args):
           f"({result['seconds']:.1f}s)", file=sys.stderr)
 
 
+def crossfit_folds(text: str) -> int:
+    """An argparse type: 0 (in-sample) or K >= 2 folds."""
+    try:
+        k = common.int_at_least(0)(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid int value: {text!r}") from None
+    if k == 1:
+        raise argparse.ArgumentTypeError("one fold leaves no record to fit on: 0 (in-sample) or "
+                                         "K >= 2")
+    return k
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -1175,9 +1190,9 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--mode", default="mixed", choices=MODES,
                        help="training data: mixed = clean + contaminated train (the paper's), "
                             "clean_only = matched_clean_train (default mixed)")
-        p.add_argument("--crossfit", type=common.int_at_least(0), default=0, metavar="K",
-                       help="fit stage 2 on out-of-fold stage-1 scores over K episode folds "
-                            "(default 0: in-sample, as released)")
+        p.add_argument("--crossfit", type=crossfit_folds, default=0, metavar="K",
+                       help="fit stage 2 on out-of-fold stage-1 scores over K >= 2 episode "
+                            "folds (default 0: in-sample, as released)")
         p.add_argument("--seeds", type=int, nargs="+", default=list(SEEDS),
                        help="seeds, each drawing a class-balanced subsample (default 42 43 44)")
         p.add_argument("--C", type=common.positive_number, default=0.01,

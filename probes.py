@@ -424,10 +424,12 @@ def accuracy(y, p, threshold: float = 0.5) -> float:
 
 
 def metrics(y, p, groups=None, probability=True) -> dict[str, float]:
-    """All metrics of METHOD.md §8 for one set of predictions (calibration: P(correct) only)."""
-    out = {"auroc": auroc(y, p), "auprc": auprc(y, p)}
-    if probability:
-        out.update(ece=ece(y, p), brier=brier(y, p), accuracy=accuracy(y, p))
+    """All metrics of METHOD.md §8 for one set of P(correct); an unsupervised score
+    (probability=False: -entropy, CoE) has a ranking but no scale, and is reported by AUROC only."""
+    if not probability:
+        return {"auroc": auroc(y, p)}
+    out = {"auroc": auroc(y, p), "auprc": auprc(y, p), "ece": ece(y, p), "brier": brier(y, p),
+           "accuracy": accuracy(y, p)}
     if groups is not None:
         out["pairwise"] = pairwise_accuracy(y, p, groups)
     return out

@@ -193,7 +193,8 @@ def train_parser(rewards) -> argparse.ArgumentParser:
     g.add_argument("--group", type=int, default=None,
                    help=preset_help("group", "rollouts per prompt, G"))
     g.add_argument("--max-turns", type=int, default=None,
-                   help=preset_help("max_turns", "assistant turns per rollout"))
+                   help=preset_help("max_turns", "assistant turns per rollout") +
+                   f"; --env shop-long: {shop.MAX_TURNS['shop-long']}")
     g.add_argument("--max-new-tokens", type=int, default=None,
                    help=preset_help("max_new_tokens", "generated tokens per turn"))
     g.add_argument("--max-len", type=int, default=8192,
@@ -213,7 +214,7 @@ def train_parser(rewards) -> argparse.ArgumentParser:
     g.add_argument("--oversample", type=int, default=None,
                    help=preset_help("oversample", "DAPO dynamic sampling: play up to K x --batch "
                                     "prompts per step and keep the first --batch whose group "
-                                    "rewards are not all equal (1: off)"))
+                                    "gives some turn an advantage (1: off)"))
     g.add_argument("--ppo-epochs", type=int, default=1,
                    help="passes over each batch (1: on-policy, rho = 1)")
     g.add_argument("--micro-batch", type=int, default=None,

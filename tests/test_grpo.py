@@ -967,6 +967,23 @@ def test_pair_reward_is_the_momentum_reward_of_the_turns_s_final(tiny_policy, tm
     assert max(abs(a - b) for a, b in zip(over_r, expected)) > 1e-3
 
 
+def test_outcome_weight_moves_the_last_reward_not_the_probes_p_correct(tiny_policy):
+    # a probe reward's turn rewards are its P(correct), which the drift monitor also scores:
+    # --outcome-weight adds to the last reward only
+    policy, tok = mdl.load_model(tiny_policy)
+    env = shop.ShopEnv("train")
+    traj = rollout.rollout(policy, tok, [env.episode(0)], play_args(max_turns=3),
+                           generator=torch.Generator().manual_seed(0))[0]
+    traj.score = 1.0
+    probe = random_pair(stacked_raw(traj.steps), seed=0).stage1        # a last_token probe
+    ctx = grpo.RewardContext(policy, tok, play_args(reward="last_token", outcome_weight=0.5),
+                             probe=probe)
+    p = probe.predict_proba(probes.feature("last_token", stacked_raw(traj.steps))).tolist()
+    rewards, p_correct = grpo.turn_rewards(traj, ctx)
+    assert p_correct == pytest.approx(p, abs=1e-12)
+    assert rewards == pytest.approx(p[:-1] + [p[-1] + 0.5], abs=1e-12)
+
+
 def test_probes_of_a_pair_train_run(tiny_policy, tmp_path, capsys, monkeypatch):
     # README: `pair.py train --out runs/pair-gta`, then `grpo.py --probes runs/pair-gta`
     policy, tok = mdl.load_model(tiny_policy)

@@ -258,6 +258,10 @@ def test_train_eval_report_cli(features_dir, tmp_path, capsys):
     assert auroc["pair"][clean] > 0.8
     assert len(det["pair"][clean]["auroc"]["values"]) == 3
     assert det["coe_c"][clean]["auroc"]["std"] == 0.0 and "ece" not in det["coe_c"][clean]
+    # an unsupervised score is reported by AUROC only, in the tables too
+    assert all(set(det[m][clean]) == {"auroc"} for m in det if not pair.METHODS[m][1])
+    other = md.split("Other metrics")[1].split("## (b)")[0]
+    assert "Last-token" in other and "CoE-R" not in other and "Entropy (unsup.)" not in other
     assert len(rep["ablation"]) == 15
     assert set(rep["distance"]["_n"]) == set(pair.DISTANCE_BUCKETS)
     assert rep["paper_ref"] == "gta" and "0.9217" in md
@@ -724,6 +728,9 @@ def test_hostile_flags_and_values_are_one_line_errors(features_dir, tmp_path, ca
     with pytest.raises(SystemExit):
         pair.main(["train", "--features", feats, "--out", str(tmp_path / "m"), "--crossfit", "2.5"])
     assert "argument --crossfit: invalid int value: '2.5'" in capsys.readouterr().err
+    with pytest.raises(SystemExit):         # one fold would be in-sample under another name
+        pair.main(["train", "--features", feats, "--out", str(tmp_path / "m"), "--crossfit", "1"])
+    assert "argument --crossfit: one fold leaves no record" in capsys.readouterr().err
     with pytest.raises(SystemExit, match="--crossfit 1000: only 60 training episodes"):
         pair.main(["train", "--features", feats, "--out", str(tmp_path / "m"), "--crossfit",
                    "1000", "--seeds", "42"])
