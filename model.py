@@ -879,6 +879,11 @@ def token_logprobs(policy, ids: torch.Tensor, mask: torch.Tensor,
     return torch.log_softmax(logits, dim=-1).gather(1, labels[:, None]).squeeze(1)
 
 
+# The smallest sampling temperature: below it sampling is greedy decoding in all but name, and far
+# below it logits / T overflows float32 and the softmax turns to NaN (use 0 for greedy).
+MIN_TEMPERATURE = 1e-3
+
+
 def sample(logits: Tensor, temperature: float, top_p: float, generator=None) -> Tensor:
     """(B, V) float32 logits -> (B,) token ids; temperature 0 is greedy.
 
@@ -982,6 +987,8 @@ def generate(model: Transformer, cache, new_tokens: list[list[int]], max_new_tok
         raise ValueError(f"{B} rows of new tokens for a cache of batch size {cache[0].k.shape[0]}")
     if active is not None and len(active) != B:
         raise ValueError(f"active has {len(active)} entries for {B} rows")
+    if temperature != 0 and not MIN_TEMPERATURE <= temperature < math.inf:
+        raise ValueError(f"temperature {temperature}: 0 (greedy) or in [{MIN_TEMPERATURE}, inf)")
     alive = [True] * B if active is None else [bool(a) for a in active]
     new_tokens = [list(t) if a else [] for t, a in zip(new_tokens, alive)]
     stop_ids = sorted(set(model.config.stop_ids if stop_ids is None else stop_ids))
@@ -1329,8 +1336,9 @@ def main(argv=None):
 
     if args.max_new_tokens < 1:
         ap.error("--max-new-tokens must be at least 1")
-    if not 0 <= args.temperature < math.inf:           # nan fails too
-        ap.error(f"--temperature must be a finite number >= 0, got {args.temperature}")
+    if args.temperature != 0 and not MIN_TEMPERATURE <= args.temperature < math.inf:   # nan too
+        ap.error(f"--temperature must be 0 (greedy) or a finite number >= {MIN_TEMPERATURE}, "
+                 f"got {args.temperature}")
     if not 0 < args.top_p <= 1:
         ap.error(f"--top-p must be in (0, 1], got {args.top_p}")
     if not -2**63 <= args.seed < 2**64:                 # what torch.Generator takes

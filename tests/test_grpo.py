@@ -140,7 +140,8 @@ def test_advantages_all_equal_group_is_zero_and_flagged():
     assert grpo.group_advantages([[0.3, 0.3], [0.3000001]])[1] is False
 
 
-@pytest.mark.parametrize("flag, value", [("--temperature", "-1"), ("--lr", "nan"),
+@pytest.mark.parametrize("flag, value", [("--temperature", "-1"), ("--temperature", "1e-40"),
+                                         ("--lr", "nan"),
                                          ("--group", "0"), ("--save-every", "0"),
                                          ("--steps", "-1"), ("--eval-episodes", "-5"),
                                          ("--top-p", "0"), ("--beta", "inf"),

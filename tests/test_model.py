@@ -630,7 +630,8 @@ def test_cli_generate_smoke(tmp_path, capsys):
 
 
 @pytest.mark.parametrize("bad", [["--temperature", "nan"], ["--temperature", "inf"],
-                                 ["--temperature", "-1"], ["--top-p", "nan"], ["--top-p", "0"],
+                                 ["--temperature", "-1"], ["--temperature", "1e-40"],
+                                 ["--top-p", "nan"], ["--top-p", "0"],
                                  ["--devices", "foo"], ["--devices", ""], ["--devices", "meta"],
                                  ["--devices", "cpu,"], ["--seed", str(2**64)]])
 def test_cli_generate_refuses_a_bad_flag_in_one_line(bad, tmp_path, capsys):
@@ -640,6 +641,15 @@ def test_cli_generate_refuses_a_bad_flag_in_one_line(bad, tmp_path, capsys):
                 "--max-new-tokens", "3"] + bad)
     err = capsys.readouterr().err
     assert f"error: {bad[0]}" in err and "Traceback" not in err, err
+
+
+def test_generate_refuses_a_temperature_that_overflows_the_logits():
+    # logits / 1e-40 is inf, the softmax NaN, and the draw an index past the vocabulary
+    model = random_model("qwen2-gqa-tied", seed=0)
+    for t in (1e-40, float("nan"), float("inf"), -1.0):
+        with pytest.raises(ValueError, match="0 \\(greedy\\) or in"):
+            M.generate(model, model.new_cache(1, 8), [[3, 4]], 2, temperature=t)
+    M.generate(model, model.new_cache(1, 8), [[3, 4]], 2, temperature=M.MIN_TEMPERATURE)
 
 
 def test_bench_runs_on_the_built_in_policy(capsys):
