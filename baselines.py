@@ -66,14 +66,17 @@ def igpo_reward(traj: Trajectory, ctx) -> list[float]:
 
 
 def tips_reward(traj: Trajectory, ctx) -> list[float]:
-    """TIPS-style potential-based shaping: r_t = gamma Phi(s_{t+1}) - Phi(s_t), Phi = the
-    log-probability of the gold answer under a lagged copy of the policy (a LoRA snapshot,
-    refreshed every --tips-refresh steps). The terminal state's potential is not set to 0: with
-    group-normalized returns that term would cancel the shaping signal of every turn."""
+    """TIPS-style potential-based shaping: r_t = gamma Phi(s_{t+1}) - Phi(s_t), Phi = the mean
+    token log-probability of the gold answer (length-normalized, as the TIPS release scores it:
+    a summed one would weigh the shaping against the task score by the answer's length) under a
+    lagged copy of the policy (a LoRA snapshot, refreshed every --tips-refresh steps). The final
+    turn gets the task score and no shaping term, as in the release (a terminal potential of 0
+    would, with group-normalized returns, cancel the shaping of every turn)."""
     states = traj_states(traj)
     with model.lora_swapped(ctx.policy, ctx.lagged):
-        phi, _ = gold_logprobs(ctx.policy, ctx.tok, states, gold_answer(ctx, traj.episode),
-                               ctx.args.micro_batch, ctx.cost)
+        logp, n = gold_logprobs(ctx.policy, ctx.tok, states, gold_answer(ctx, traj.episode),
+                                ctx.args.micro_batch, ctx.cost)
+    phi = [lp / k for lp, k in zip(logp, n)]
     g = ctx.args.tips_gamma
     return [g * phi[t + 1] - phi[t] for t in range(len(traj.steps) - 1)] + [traj.score]
 
