@@ -42,11 +42,10 @@ def coe_reward(traj: Trajectory, ctx) -> list[float]:
 
 def judge_reward(traj: Trajectory, ctx) -> list[float]:
     """LLM-as-a-judge (paper baseline): a 1-10 score of each step given the task and the
-    trajectory up to it, from an OpenAI-compatible endpoint, normalized to [0, 1]."""
-    messages = traj.episode.messages
-    turns = [k for k, m in enumerate(messages) if m["role"] == "assistant"]
-    ctx.cost.update(external_calls=len(turns))
-    return [chat_api.judge_step(ctx.judge, messages[:k + 1]) for k in turns]
+    trajectory up to it, as the policy saw it when it took the step (Step.history), from an
+    OpenAI-compatible endpoint, normalized to [0, 1]."""
+    ctx.cost.update(external_calls=len(traj.steps))
+    return [chat_api.judge_step(ctx.judge, step.history) for step in traj.steps]
 
 
 # --- rewards from the teacher-forced probability of the gold answer (need the answer: training

@@ -34,6 +34,9 @@ class Step:                         # one assistant turn of one rollout
     trace: model.TurnTrace | None   # statistics from the generation pass (None: not collected)
     observation: str | None         # the environment's answer (None: the episode ended here)
     nll: float | None = None        # mean -log pi of its tokens as sampled (AT²PO's entropy H)
+    # the chat up to and including this turn as the policy saw it: an environment may rewrite
+    # earlier messages later (ToolBench's history cap), and a judge rates the turn in its context
+    history: list[dict] = field(default_factory=list)
 
 
 @dataclass
@@ -117,11 +120,16 @@ def play(policy, tok, trajs: list[Trajectory], cache, new: list[list[int]], args
             assert tuple(tr.span) == (start, start + len(tr.tokens)), (tr.span, start)
             seq += tr.tokens
             text = tok.decode(tr.tokens[:-1] if tr.finished else tr.tokens)
+            before = [dict(m) for m in traj.episode.messages]   # as this turn saw them
             result = traj.episode.step(text)
             obs = None if result.done else traj.episode.messages[-1]["content"]
+            # step appends the assistant message after the ones it had (a rewrite changes
+            # messages, it does not move them)
+            history = before + [dict(traj.episode.messages[len(before)])]
             traj.steps.append(Step(list(tr.tokens), len(traj.segments) - 1, (start, len(seq)),
                                    text, tr if stats else None, obs,
-                                   nll=-sum(tr.logprobs) / max(len(tr.logprobs), 1)))
+                                   nll=-sum(tr.logprobs) / max(len(tr.logprobs), 1),
+                                   history=history))
             if result.done:
                 active[i], new[i] = False, []
             elif getattr(result, "rewritten_from", None) is not None:

@@ -374,6 +374,25 @@ def test_rollout_refills_the_cache_when_the_environment_rewrites_history(tiny_po
     assert batch.adv[1][batch.mask[1]].unique().tolist() == [3.0]
 
 
+def test_the_judge_rates_each_turn_in_the_history_it_was_taken_in(tiny_policy, monkeypatch):
+    # the third turn's rollout elides the first observation; the judge of the second turn must
+    # still see it, as the policy did when it took that turn
+    policy, tok = mdl.load_model(tiny_policy)
+    (traj,) = rollout.rollout(policy, tok, [rewriting_episode(score=0.0)], play_args(max_turns=3),
+                              generator=torch.Generator().manual_seed(0))
+    assert traj.episode.messages[2]["content"] == "Observation: [elided]"
+    rated = []
+    monkeypatch.setattr(baselines.chat_api, "judge_step",
+                        lambda client, messages: rated.append(messages) or 0.5)
+    ctx = grpo.RewardContext(policy, tok, play_args(), judge=object())
+    assert baselines.judge_reward(traj, ctx) == [0.5] * 3
+    assert [len(m) for m in rated] == [2, 4, 6]      # the task, then turns and observations
+    assert all(m[-1]["role"] == "assistant" for m in rated)
+    assert [m[2]["content"] for m in rated[1:]] == [traj.steps[0].observation,
+                                                    "Observation: [elided]"]
+    assert "[elided]" not in traj.steps[0].observation
+
+
 def test_batch_masks_exactly_the_generated_tokens_eos_included():
     ep = shop.ShopEnv("train").episode(0)
     traj = rollout.Trajectory(ep, segments=[[7, 7, 7, 1, 2, 99, 7, 7, 3, 99, 7]])
