@@ -10,9 +10,10 @@ summary.json is finished and never redone. A reward is written NAME or NAME:flag
 (e.g. pair:alpha=0), and flags after `--` go to every run.
 
 It writes compare.md (held-out success of the checkpoint selected on validation and of the final
-one, mean ± std over seeds, a 95% interval from a two-level bootstrap over seeds and episodes, the
-paired difference to the first reward; with several seeds, each seed's success at every
-evaluation; on a built-in world, success on the tasks of each habit), compare.json and curves.svg;
+one, mean ± sample std over seeds, a 95% Student's t interval from the seeds' and the episodes'
+variances, the paired difference to the first reward; with several seeds, each seed's success at
+every evaluation; on a built-in world, success on the tasks of each habit), compare.json and
+curves.svg;
 with --cost, cost.md: what a training step of each reward costs, beside the paper's numbers.
 """
 from __future__ import annotations
@@ -21,6 +22,7 @@ import argparse
 import contextlib
 import io
 import json
+import math
 import os
 import subprocess
 import sys
@@ -28,7 +30,6 @@ import time
 from pathlib import Path
 
 import numpy as np
-import torch
 
 import baselines
 import common
@@ -40,8 +41,6 @@ COMPARE_REWARDS = ("outcome", "pair", "pair:alpha=0", "last_token", "multi_attn"
                    "head_entropy", "igpo", "tips", "tree_grpo", "at2po",
                    "pair:probe-corpus=contaminated")
 
-
-BOOTSTRAP = 1000
 
 
 def parse_spec(spec: str) -> tuple[str, list[str]]:
@@ -99,6 +98,12 @@ def check_run(spec: str, argv: list[str], reward: str, seed: int, run: Path, res
             (said.getvalue().strip().splitlines() or ["refused"])[-1].removeprefix(
                 "grpo.py: error: ")
         raise SystemExit(f"compare: {spec!r} (run {run.name}): {why}") from None
+    if done:            # tabulated as it is, so it must be the run this command asks for
+        changed = runs.changed_flag(args, read_json(run / "args.json"))
+        if changed:
+            flag, now, then = changed
+            raise damaged(run / "args.json", f"the run used {flag} {then!r}, where this command "
+                          f"gives {now!r} (or choose another --out)")
     return args
 
 
@@ -357,21 +362,48 @@ def cost_markdown(result: dict, command: str) -> str:
     return "\n".join(lines) + "\n"
 
 
-def bootstrap_mean(rows: list[list[float]], base: list[list[float]] | None = None,
-                   seed: int = 0) -> tuple[float, float]:
+def interval95(rows: list[list[float]], base: list[list[float]] | None = None
+               ) -> tuple[float, float]:
     """95% interval of the mean success over seeds x episodes (minus `base`'s, seed by seed and
-    episode by episode, when given): seeds and episodes both resampled (a two-level bootstrap),
-    so the interval holds both the training noise and the evaluation pool's."""
-    x = torch.tensor(rows, dtype=torch.float64)                       # (seeds, episodes)
+    episode by episode, when given), holding both the training noise and the evaluation pool's:
+    the mean's variance is the seeds' means' sample variance over the number of seeds plus the
+    episodes' means' (each episode's mean over the seeds) over the number of episodes, and the
+    quantile is Student's t with the Welch-Satterthwaite degrees of freedom of that sum. With
+    three seeds whose means disagree that is nearly t with 2 degrees of freedom (4.30 standard
+    errors): a bootstrap over three seeds cannot draw anything outside their range, and its
+    percentile interval covered far less than 95%. The seed-by-episode noise is in both terms,
+    so the interval errs wide. One seed: the episodes' term alone. Clipped to what a score in
+    [0, 1] allows (a difference: [-1, 1])."""
+    x = np.asarray(rows, dtype=np.float64)                             # (seeds, episodes)
     if base is not None:
-        x = x - torch.tensor(base, dtype=torch.float64)
-    g = torch.Generator().manual_seed(seed)
-    S, n = x.shape
-    s_idx = torch.randint(S, (BOOTSTRAP, S), generator=g)
-    e_idx = torch.randint(n, (BOOTSTRAP, n), generator=g)
-    means = torch.stack([x[s_idx[b]][:, e_idx[b]].mean() for b in range(BOOTSTRAP)])
-    lo, hi = torch.quantile(means, torch.tensor([0.025, 0.975], dtype=torch.float64)).tolist()
-    return lo, hi
+        x = x - np.asarray(base, dtype=np.float64)
+    S, E = x.shape
+    a = x.mean(1).var(ddof=1) / S if S > 1 else 0.0                     # seeds
+    b = x.mean(0).var(ddof=1) / E if E > 1 else 0.0                     # episodes
+    if a + b == 0:
+        return float(x.mean()), float(x.mean())
+    df = (a + b) ** 2 / ((a * a / (S - 1) if S > 1 else 0) + (b * b / (E - 1) if E > 1 else 0))
+    half = student_t_quantile(0.975, df) * math.sqrt(a + b)
+    low = 0.0 if base is None else -1.0
+    return max(low, float(x.mean() - half)), min(1.0, float(x.mean() + half))
+
+
+def student_t_quantile(p: float, df: float) -> float:
+    """The p-quantile (p > 1/2) of Student's t with df > 0 degrees of freedom (any real df):
+    bisection on its CDF, the density integrated by Simpson's rule (to 1e-9)."""
+    log_c = math.lgamma((df + 1) / 2) - math.lgamma(df / 2) - 0.5 * math.log(df * math.pi)
+
+    def cdf(q):                                         # 1/2 + the integral of the density
+        t = np.linspace(0.0, q, 2001)
+        f = np.exp(log_c - (df + 1) / 2 * np.log1p(t * t / df))
+        return 0.5 + q / 6000 * (f[0] + f[-1] + 4 * f[1:-1:2].sum() + 2 * f[2:-1:2].sum())
+    lo, hi = 0.0, 1.0
+    while cdf(hi) < p:
+        lo, hi = hi, 2 * hi
+    for _ in range(60):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if cdf(mid) < p else (lo, mid)
+    return (lo + hi) / 2
 
 
 def compare_table(out: Path, specs: list[str], seeds: list[int]) -> dict:
@@ -390,7 +422,9 @@ def compare_table(out: Path, specs: list[str], seeds: list[int]) -> dict:
                                                          for s in seeds]}
         for key in ("base", "selected", "final", "best_on_test"):
             vals = [s[key]["success"] for s, _, _ in played]
-            row[key] = {"mean": float(np.mean(vals)), "std": float(np.std(vals)),
+            # the sample std (n - 1): the seeds are a sample of the training noise
+            row[key] = {"mean": float(np.mean(vals)),
+                        "std": float(np.std(vals, ddof=1)) if len(vals) > 1 else 0.0,
                         "per_seed": vals}
         # each seed's per-episode test scores at its base, selected and final checkpoints
         test_scores = {key: [ev[s[key]["step"]]["test"]["scores"] for s, _, ev in played]
@@ -406,7 +440,7 @@ def compare_table(out: Path, specs: list[str], seeds: list[int]) -> dict:
                              "redo them")
         for key in ("selected", "final"):
             scores[spec, key] = test_scores[key]
-            row[key]["ci95"] = bootstrap_mean(test_scores[key])
+            row[key]["ci95"] = interval95(test_scores[key])
         first = [m.get("probe_auroc") for _, ms, _ in played for m in ms[:5]]
         last = [m.get("probe_auroc") for _, ms, _ in played for m in ms[-5:]]
         row["probe_auroc"] = {"first5": _mean([x for x in first if x is not None]),
@@ -424,8 +458,8 @@ def compare_table(out: Path, specs: list[str], seeds: list[int]) -> dict:
         row["curve_success"] = [(k, _mean([ev[k]["test"]["success"] for _, _, ev in played]))
                                 for k in steps]
         # and each seed's own, after the base: where seeds disagree, the mean hides how
-        row["curve_by_seed"] = [[ev[k]["test"]["success"] for k in steps if k > 0]
-                                for _, _, ev in played]
+        row["curve_by_seed"] = {"steps": [k for k in steps if k > 0], "success": [
+            [ev[k]["test"]["success"] for k in steps if k > 0] for _, _, ev in played]}
         clocks = [runs.training_seconds(ms) for _, ms, _ in played]
         row["curve_seconds"] = [(_mean([c.get(k) for c in clocks]), y)
                                 for k, y in row["curve_success"]]
@@ -451,9 +485,8 @@ def compare_table(out: Path, specs: list[str], seeds: list[int]) -> dict:
         for key in ("selected", "final"):
             d = np.mean(scores[row["reward"], key]) - np.mean(scores[ref, key])
             row[key]["delta_vs_first"] = float(d)
-            row[key]["delta_ci95"] = bootstrap_mean(scores[row["reward"], key],
-                                                    scores[ref, key])
-    return {"rows": rows, "reference": ref, "bootstrap": BOOTSTRAP, "habits": habits,
+            row[key]["delta_ci95"] = interval95(scores[row["reward"], key], scores[ref, key])
+    return {"rows": rows, "reference": ref, "habits": habits,
             "selection": "checkpoint with the best validation success, reported on test"}
 
 
@@ -501,9 +534,10 @@ def compare_markdown(result: dict, command: str) -> str:
 
     ref = result["reference"]
     lines = [
-        f"Held-out success in % (greedy, test split), mean ± std over seeds "
-        f"{result['rows'][0]['seeds']} [95% interval, two-level bootstrap over seeds and "
-        f"episodes, {result['bootstrap']} draws]. *selected*: the checkpoint with the best "
+        f"Held-out success in % (greedy, test split), mean ± sample std over seeds "
+        f"{result['rows'][0]['seeds']} [95% interval: Student's t, from the variance of the "
+        f"seeds' means and of the episodes' (compare.interval95)]. *selected*: the checkpoint "
+        f"with the best "
         f"validation success, reported on test; *best on test*: the paper's protocol (chosen on "
         f"test itself). Δ: paired against `{ref}` (same seeds, same episodes).", "",
         f"`{command}`", "",
@@ -527,13 +561,18 @@ def compare_markdown(result: dict, command: str) -> str:
             f"{r['t_reward']:.2f} / {r['t_update']:.1f} | {r['minutes']:.1f} |")
     rows = result["rows"]
     if len(rows[0]["seeds"]) > 1:
-        steps = [k for k, _ in rows[0]["curve_success"] if k > 0]
-        lines += ["", f"Held-out success in % by seed, at steps {', '.join(map(str, steps))}.",
-                  "", "| reward | " + " | ".join(f"seed {s}" for s in rows[0]["seeds"]) + " |",
-                  "|---|" + "---|" * len(rows[0]["seeds"])]
+        steps = rows[0]["curve_by_seed"]["steps"]
+        same = all(r["curve_by_seed"]["steps"] == steps for r in rows)
+        lines += ["", "Held-out success in % by seed, " + (
+            f"at steps {', '.join(map(str, steps))}." if same else "step: success."),
+            "", "| reward | " + " | ".join(f"seed {s}" for s in rows[0]["seeds"]) + " |",
+            "|---|" + "---|" * len(rows[0]["seeds"])]
         for r in rows:
+            by_seed = r["curve_by_seed"]
             lines.append(f"| {r['reward']} | " + " | ".join(
-                ", ".join(map(pct, curve)) for curve in r["curve_by_seed"]) + " |")
+                ", ".join(pct(y) if same else f"{k}: {pct(y)}"
+                          for k, y in zip(by_seed["steps"], curve))
+                for curve in by_seed["success"]) + " |")
     habits = result.get("habits")
     if habits:
         lines += ["", "Held-out success in % on the test tasks that have each habit of the "

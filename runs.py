@@ -386,6 +386,21 @@ RESUME_KEYS = ("env", "model", "reward", "alpha", "outcome_weight", "probes", "s
 RESUME_DEFAULTS = {"advantage": "process", "probe_retrain_every": 0}
 
 
+def changed_flag(args, old: dict) -> tuple[str, object, object] | None:
+    """The first flag of RESUME_KEYS whose value in args differs from a run's args.json (old):
+    (--flag, its value now, the run's), or None. A model directory is the same written another
+    way (relative, as the records in results/ are)."""
+    for k in RESUME_KEYS:
+        now, then = getattr(args, k), old.get(k, RESUME_DEFAULTS.get(k))   # a run from before
+        if not (k in old or k in RESUME_DEFAULTS) or then == now:         # the flag existed
+            continue
+        if k == "model" and isinstance(then, str) and Path(then).is_dir() and \
+                Path(then).resolve() == Path(now).resolve():
+            continue
+        return f"--{k.replace('_', '-')}", now, then
+    return None
+
+
 def check_out(args) -> None:
     """What --out holds against --resume / --resume-if-present. Read-only: checked before
     anything is loaded or written, and again once OUT is claimed. A run exists in OUT from the
@@ -402,12 +417,10 @@ def check_out(args) -> None:
         except (OSError, ValueError, RecursionError) as e:
             raise SystemExit(f"--resume: {saved} is not readable ({type(e).__name__}: {e}); the "
                              "flags of the run cannot be checked") from None
-        for k in RESUME_KEYS:
-            if k not in old and k in RESUME_DEFAULTS:      # a run from before the flag existed
-                old[k] = RESUME_DEFAULTS[k]
-            if k in old and old[k] != getattr(args, k):
-                raise SystemExit(f"--resume: --{k.replace('_', '-')} is {getattr(args, k)!r} "
-                                 f"but the run in {out} used {old[k]!r}")
+        changed = changed_flag(args, old)
+        if changed:
+            flag, now, then = changed
+            raise SystemExit(f"--resume: {flag} is {now!r} but the run in {out} used {then!r}")
     elif args.resume and latest_checkpoint(out):
         # without it any flag could change under the checkpoint's optimizer and RNG states
         raise SystemExit(f"--resume: {out} holds checkpoints but no args.json, so the flags "

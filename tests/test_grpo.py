@@ -14,6 +14,7 @@ import time
 from http.server import BaseHTTPRequestHandler, HTTPServer
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -1305,6 +1306,12 @@ def test_compare_tables_success_by_habit_and_by_seed_from_each_runs_evaluations(
     # and each seed's curve after the base, which the mean over seeds hides
     assert "by seed, at steps 10, 20." in table
     assert "| outcome | 50.0, 25.0 | 100.0, 50.0 |" in table
+    # a row evaluated at other steps (its own --save-every) says at which, cell by cell
+    other = json.loads(json.dumps(result["rows"][0]))
+    other["reward"], other["curve_by_seed"] = "sparse", {"steps": [20], "success": [[0.25], [0.5]]}
+    table = compare.compare_markdown({**result, "rows": result["rows"] + [other]}, "cmd")
+    assert "by seed, step: success." in table and "| sparse | 20: 25.0 | 20: 50.0 |" in table
+    assert "| outcome | 10: 50.0, 20: 25.0 | 10: 100.0, 20: 50.0 |" in table
 
 
 def _compare_argv(policy, out):
@@ -1422,14 +1429,17 @@ def _drop_eval(run, step):
      "step 21: reward_mean, frac_zero_std, kl not a number"),
     (lambda r: (r / "args.json").write_text("{"), "args.json", "not readable JSON"),
     (lambda r: common.write_json(r / "args.json", {"env": "shop", "eval_episodes": "4"}),
-     "args.json", 'no count "eval_episodes"')])
+     "args.json", "the run used --eval-episodes '4', where this command gives 4"),
+    (lambda r: common.write_json(r / "args.json", {"env": "shop-long", "eval_episodes": 4}),
+     "args.json", "the run used --env 'shop-long', where this command gives 'shop'")])
 def test_compare_tabulating_a_damaged_run_is_one_line_naming_its_file(
         damage, file, error, tmp_path, no_run_starts):
     _finished_runs(tmp_path)
     run = tmp_path / "runs" / "outcome-s1"
     damage(run)
     with pytest.raises(SystemExit) as e:     # every run finished: straight to the table
-        compare.main(["--rewards", "outcome", "--seeds", "1", "2", "--out", str(tmp_path)])
+        compare.main(["--rewards", "outcome", "--seeds", "1", "2", "--out", str(tmp_path), "--",
+                      "--eval-episodes", "4"])
     assert e.value.code.startswith(f"compare: {run / file}") and error in e.value.code
     assert e.value.code.endswith(f"delete {run} and run the same command again to redo that run")
     assert "\n" not in e.value.code and not (tmp_path / "compare.md").exists()
@@ -1439,27 +1449,58 @@ def test_compare_refuses_runs_evaluated_on_different_episodes(tmp_path, no_run_s
     _finished_runs(tmp_path, {**FAKE_SCORES, 2: {k: v[:3] for k, v in FAKE_SCORES[2].items()}})
     with pytest.raises(SystemExit, match="^compare: the runs were evaluated on different test "
                        r"episodes \(.*outcome-s1/args.json: 4, .*outcome-s2/eval.jsonl: 3;"):
-        compare.main(["--rewards", "outcome", "--seeds", "1", "2", "--out", str(tmp_path)])
+        compare.main(["--rewards", "outcome", "--seeds", "1", "2", "--out", str(tmp_path), "--",
+                      "--eval-episodes", "4"])
 
 
 def test_compare_cost_names_a_run_whose_metrics_lack_the_costs(tmp_path, no_run_starts):
     _finished_runs(tmp_path)
     with pytest.raises(SystemExit, match=r"^compare: .*outcome-s1/metrics.jsonl: step 10: "
                        "t_rollout, t_reward, t_update, gen_tokens"):
-        compare.main(["--cost", "--rewards", "outcome", "--seeds", "1", "--out", str(tmp_path)])
+        compare.main(["--cost", "--rewards", "outcome", "--seeds", "1", "--out", str(tmp_path),
+                      "--", "--eval-episodes", "4"])
 
 
-def test_bootstrap_interval_covers_the_mean_and_shrinks_with_episodes():
-    g = torch.Generator().manual_seed(0)
-    small = (torch.rand(3, 100, generator=g) < 0.3).double().tolist()
-    large = (torch.rand(3, 2000, generator=g) < 0.3).double().tolist()
-    lo, hi = compare.bootstrap_mean(small)
-    assert lo < 0.3 < hi
-    lo2, hi2 = compare.bootstrap_mean(large)
-    assert lo2 < 0.3 < hi2 and hi2 - lo2 < (hi - lo) / 2
-    assert compare.bootstrap_mean(small) == compare.bootstrap_mean(small)      # seeded
-    d_lo, d_hi = compare.bootstrap_mean(small, small)
-    assert d_lo == d_hi == 0.0                                           # paired: no noise
+def test_changed_flag_reads_a_model_directory_written_another_way(tmp_path, monkeypatch):
+    (tmp_path / "policy").mkdir()
+    monkeypatch.chdir(tmp_path)
+    args = runs.parse_args(["--model", str(tmp_path / "policy")], grpo.REWARDS)
+    saved = {k: getattr(args, k) for k in runs.RESUME_KEYS}
+    assert runs.changed_flag(args, {**saved, "model": "policy"}) is None      # relative
+    assert runs.changed_flag(args, {**saved, "model": "other"}) == (
+        "--model", str(tmp_path / "policy"), "other")
+    assert runs.changed_flag(args, {**saved, "lr": 1.0}) == ("--lr", args.lr, 1.0)
+
+
+def test_student_t_quantile_equals_scipys():
+    from scipy.stats import t
+    for df in (1, 2, 2.5, 3, 9.7, 30, 599):
+        assert compare.student_t_quantile(0.975, df) == pytest.approx(t.ppf(0.975, df), abs=1e-8)
+
+
+def test_interval95_by_hand_and_where_it_holds_the_seeds():
+    from scipy.stats import t
+    g = np.random.default_rng(0)
+    x = (g.random((3, 100)) < np.array([[0.2], [0.3], [0.45]])).astype(float)
+    a, b = x.mean(1).var(ddof=1) / 3, x.mean(0).var(ddof=1) / 100
+    df = (a + b) ** 2 / (a * a / 2 + b * b / 99)
+    half = t.ppf(0.975, df) * np.sqrt(a + b)
+    assert compare.interval95(x.tolist()) == pytest.approx((x.mean() - half, x.mean() + half))
+    one = x[:1]                                                 # one seed: the episodes alone
+    half = t.ppf(0.975, 99) * one.std(ddof=1) / 10
+    assert compare.interval95(one.tolist()) == pytest.approx((one.mean() - half,
+                                                              one.mean() + half))
+    assert compare.interval95(x.tolist(), x.tolist()) == (0.0, 0.0)     # paired: no noise
+    assert compare.interval95([[1.0, 1.0, 0.0], [1.0, 1.0, 1.0]])[1] == 1.0     # clipped
+    # three seeds whose success differs from seed to seed by more than the episodes' noise: the
+    # interval holds the mean over seeds about 95% of the time (one from the episodes alone held
+    # it 19% of the time, the three seeds' range about 75%)
+    held = 0
+    for _ in range(400):
+        p = 0.5 + g.normal(0, 0.1, size=3)
+        lo, hi = compare.interval95((g.random((3, 2000)) < p[:, None]).astype(float).tolist())
+        held += lo <= 0.5 <= hi
+    assert 0.9 <= held / 400 <= 0.99
 
 
 def test_oversample_keeps_the_first_groups_with_something_to_say(tiny_policy, tmp_path,
