@@ -909,20 +909,44 @@ def sample(logits: Tensor, temperature: float, top_p: float, generator=None) -> 
 def prefill(model: Transformer, cache, new_tokens: list[list[int]]) -> Tensor | None:
     """Append each row's new tokens at that row's own offset; logits (B, V) after its last one
     (rows with no new tokens get zeros). Pads sit past each row's real tokens (see the top)."""
+    n = torch.tensor([len(t) for t in new_tokens])
+    if not len(n) or n.max() == 0:
+        return None
+    h = prefill_last(model, cache, new_tokens)
+    rows = (n > 0).nonzero().squeeze(-1).to(h.device)
+    logits = torch.zeros(len(new_tokens), model.config.vocab_size, device=h.device)
+    logits[rows] = model.lm_head(h[rows]).float()
+    return logits
+
+
+def prefill_last(model: Transformer, cache, new_tokens: list[list[int]]) -> Tensor:
+    """prefill up to the head: the final-normed hidden state of each row's last new token (B, d)
+    (garbage in a row with none).
+
+    An empty cache whose rows start alike (GRPO's group: G copies of one prompt) computes each
+    distinct prompt once and copies its keys, values and last state to the rows that repeat it:
+    a row's numbers do not depend on the rows beside it, so the copies are what computing them
+    would give, to the bit (the head is then applied to every row, as it would be)."""
     lengths = cache[0].lengths.clone()
     n = torch.tensor([len(t) for t in new_tokens])
-    T = int(n.max()) if len(n) else 0
-    if T == 0:
-        return None
+    T = int(n.max())
+    if not lengths.any():
+        first = {}                                      # tokens -> their row in `once`
+        index = torch.tensor([first.setdefault(tuple(t), len(first)) for t in new_tokens])
+        if len(first) < len(new_tokens):
+            once = model.new_cache(len(first), capacity=T)
+            h = prefill_last(model, once, [list(t) for t in first])
+            for c, o in zip(cache, once):
+                c.grow(T)
+                i = index.to(c.k.device)
+                c.k[:, :, :T], c.v[:, :, :T] = o.k[i, :, :T], o.v[i, :, :T]
+            set_lengths(cache, n)
+            return h[index.to(h.device)]
     ids = torch.tensor([list(t) + [0] * (T - len(t)) for t in new_tokens])     # (B, T)
     positions = lengths[:, None] + torch.arange(T)
     h, _, _ = model.trunk(ids, positions, cache)
     set_lengths(cache, lengths + n)
-    rows = (n > 0).nonzero().squeeze(-1)
-    last = h[rows.to(h.device), (n[rows] - 1).to(h.device)]                     # (b, d)
-    logits = torch.zeros(len(new_tokens), model.config.vocab_size, device=h.device)
-    logits[rows.to(h.device)] = model.lm_head(last).float()
-    return logits
+    return h[torch.arange(len(n), device=h.device), (n - 1).clamp_min(0).to(h.device)]
 
 
 def decode_one_token(model: Transformer, cache, tokens: Tensor, fed: Tensor,

@@ -395,6 +395,39 @@ def test_generation_traces_equal_teacher_forced_traces(name):
         assert cache[0].lengths[r] == len(seq)
 
 
+@pytest.mark.parametrize("name", ["qwen2-gqa-tied", "mistral-window"])
+def test_prefill_computes_a_repeated_prompt_once_to_the_bit(name, monkeypatch):
+    model = random_model(name, seed=3)
+    g = torch.Generator().manual_seed(4)
+    a, b = (torch.randint(3, 64, (n,), generator=g).tolist() for n in (7, 4))
+    rows = [a, b, a, [], a, b]                # GRPO's groups, and a row with nothing to add
+    computed = []
+    trunk = model.trunk
+    monkeypatch.setattr(model, "trunk", lambda ids, *x, **k: computed.append(len(ids)) or
+                        trunk(ids, *x, **k))
+    cache = model.new_cache(len(rows), capacity=4)
+    logits = M.prefill(model, cache, rows)
+    assert computed == [3]                      # a, b and the empty row, once each
+    # every row computed in one batch, as prefill does for rows that do not repeat
+    T = max(map(len, rows))
+    ref = model.new_cache(len(rows), capacity=T)
+    ids = torch.tensor([r + [0] * (T - len(r)) for r in rows])
+    h, _, _ = trunk(ids, torch.arange(T).expand(len(rows), T), ref)
+    n = torch.tensor(list(map(len, rows)))
+    for c, r in zip(cache, ref):
+        assert torch.equal(c.lengths, n)
+        for i, k in enumerate(n.tolist()):
+            assert torch.equal(c.k[i, :, :k], r.k[i, :, :k]) and torch.equal(c.v[i, :, :k],
+                                                                              r.v[i, :, :k])
+    full = n > 0
+    assert torch.equal(logits[full], model.lm_head(h[full, n[full] - 1]).float())
+    assert not logits[~full].any()
+    # a cache that already holds tokens appends row by row, repeated or not
+    computed.clear()
+    M.prefill(model, cache, [[5]] * len(rows))
+    assert computed == [len(rows)]
+
+
 def reference_generate(model, seqs, max_new, temperature, top_p, stop, generator, active):
     """The straightforward decoding loop: every step runs each running row's whole sequence
     through a plain teacher-forced forward (no KV cache), then draws the batch's tokens with
@@ -437,7 +470,8 @@ def test_decoding_equals_the_straightforward_loop(monkeypatch, name, compiled, t
     monkeypatch.setattr(M, "compiled_step", lambda *a: steps.append(compiled_step(*a)) or steps[-1])
     model = random_model(name, seed=11)
     g = torch.Generator().manual_seed(12)
-    prompts = [torch.randint(3, 64, (n,), generator=g).tolist() for n in (6, 3, 9, 1)]
+    prompts = [torch.randint(3, 64, (n,), generator=g).tolist() for n in (6, 3, 9)]
+    prompts.append(list(prompts[1]))                    # a repeated prompt, prefilled once
     stop = [0, 1, 2]                # a 64-token vocabulary: rows stop at different steps
     cache, seqs = model.new_cache(4, capacity=8), [list(p) for p in prompts]
     for turn, new in enumerate((prompts, [[5, 6], [], [7], [8, 9, 10]])):
