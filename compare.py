@@ -42,7 +42,6 @@ COMPARE_REWARDS = ("outcome", "pair", "pair:alpha=0", "last_token", "multi_attn"
                    "pair:probe-corpus=contaminated")
 
 
-
 def parse_spec(spec: str) -> tuple[str, list[str]]:
     """'pair:alpha=0,probe-corpus=contaminated' -> ('pair', ['--alpha', '0', ...])."""
     reward, _, rest = spec.partition(":")
