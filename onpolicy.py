@@ -41,6 +41,7 @@ import model
 import pair
 import probes
 import shop
+import weights
 from rollout import rollout
 
 PROBE_SEED = 42
@@ -50,15 +51,14 @@ PROBES_FORMAT = "grpo-probes/3"   # 3: the on-policy corpus balanced within each
 
 
 def policy_hash(model_dir) -> str:
-    """The key of everything cached for one policy: its files (not its README)."""
-    h = hashlib.sha256(PROBES_FORMAT.encode())
-    for name in ("config.json", "tokenizer.json", "model.safetensors"):
-        path = Path(model_dir) / name
-        if not path.is_file():
-            raise SystemExit(f"--probes is needed: cannot fit probes on the fly for a model "
-                             f"without {path}")
-        h.update(name.encode() + path.read_bytes())
-    return h.hexdigest()[:16]
+    """The key of everything cached for one policy: its files (not its README), one weights
+    file or shards, fingerprinted as weights.checkpoint_sha256 does (a 7B model is not read
+    whole)."""
+    try:
+        digest = weights.checkpoint_sha256(model_dir)
+    except weights.CheckpointError as e:
+        raise SystemExit(f"{model_dir}: nothing to key this policy's cache on ({e})") from None
+    return hashlib.sha256(f"{PROBES_FORMAT}\0{digest}".encode()).hexdigest()[:16]
 
 
 def settings_hash(settings: dict) -> str:
@@ -66,11 +66,13 @@ def settings_hash(settings: dict) -> str:
 
 
 def own_turns_settings(args) -> dict:
-    """Everything the on-policy turns depend on besides the policy's files."""
+    """Everything the on-policy turns depend on besides the policy's files: the sampling, and
+    where and how it runs (a dtype, a GPU's random stream, the threads' summation order)."""
     return {"corpus_episodes": args.corpus_episodes, "samples": args.corpus_samples,
             "heldout_episodes": args.corpus_heldout, "temperature": args.temperature,
             "top_p": args.top_p, "max_new_tokens": args.max_new_tokens,
-            "max_turns": args.max_turns, "max_len": args.max_len, "seed": PROBE_SEED}
+            "max_turns": args.max_turns, "max_len": args.max_len, "seed": PROBE_SEED,
+            "dtype": args.dtype, "devices": args.devices, "threads": torch.get_num_threads()}
 
 
 def turn_kind(text: str) -> str:

@@ -371,7 +371,8 @@ def gather_floats(world: World, values: list[float], size: int) -> list[float]:
 # The run directory: one run per --out, checked against --resume first
 # ---------------------------------------------------------------------------------------------
 
-# flags that must not change when a run is resumed
+# flags that must not change when a run is resumed: everything that trains or scores it (not
+# where it runs: --threads, --devices, --eval-batch change float summation order only)
 RESUME_KEYS = ("env", "model", "reward", "alpha", "outcome_weight", "probes", "seed", "steps",
                "batch", "group", "max_turns", "max_new_tokens", "max_len", "temperature", "top_p",
                "lr", "warmup", "beta", "eps", "oversample", "ppo_epochs", "micro_batch", "lora_r",
@@ -379,7 +380,7 @@ RESUME_KEYS = ("env", "model", "reward", "alpha", "outcome_weight", "probes", "s
                "tips_gamma", "probe_corpus", "probe_reads", "corpus_episodes", "corpus_samples",
                "corpus_heldout", "probe_episodes", "eval_episodes", "val_episodes", "tree_m",
                "tree_n", "tree_l", "at2po_penalty", "at2po_clip", "advantage",
-               "probe_retrain_every")
+               "probe_retrain_every", "grad_clip", "weight_decay", "dtype", "judge_model")
 
 
 # what a run from before these flags existed ran with
@@ -430,7 +431,8 @@ def check_out(args) -> None:
         raise SystemExit(f"--resume: nothing to resume in {out} (no run was started there); "
                          "leave out --resume to start one, or pass --resume-if-present to "
                          "start one only when there is none")
-    elif (out / "metrics.jsonl").exists() or latest_checkpoint(out):
+    elif any((out / f).exists() for f in ("metrics.jsonl", "eval.jsonl")) or \
+            latest_checkpoint(out):         # eval.jsonl: killed after the base evaluation
         raise SystemExit(f"--out {out} already holds a run: pass --resume to continue it, or "
                          "choose another --out")
 
@@ -782,6 +784,7 @@ def summarize(out: Path, seconds: float, args, probe_report: dict | None = None)
     selected = max(ckpts, key=lambda e: (e["val"]["success"], -e["step"])) if ckpts else None
     best = max(ckpts, key=lambda e: (e["test"]["success"], -e["step"])) if ckpts else None
     final = ckpts[-1] if ckpts else None
+    # seconds: this process's (a resumed run: since it resumed)
     summary = {"out": str(out), "seconds": round(seconds, 1), "reward": args.reward,
                "alpha": args.alpha, "seed": args.seed, "steps": args.steps,
                "selection": "checkpoint with the best validation success, reported on test",

@@ -585,6 +585,51 @@ def test_a_bad_model_is_a_one_line_error_and_writes_nothing(tmp_path):
     assert not (tmp_path / "runs").exists()          # where the run would have gone
 
 
+def test_out_and_resume_checks_read_what_a_run_left(tiny_policy, tmp_path):
+    def checked(out, *argv):
+        args = runs.parse_args(["--model", str(tiny_policy), "--out", str(out), *argv],
+                               grpo.REWARDS)
+        runs.resolve_preset(args, runs.World())
+        runs.check_out(args)
+        return args
+    # a run killed after its base evaluation, before step 1: a new one would take its step 0
+    out = tmp_path / "killed"
+    out.mkdir()
+    common.append_jsonl(out / "eval.jsonl", {"step": 0})
+    with pytest.raises(SystemExit, match="already holds a run: pass --resume"):
+        checked(out)
+    # what trains a run cannot change under a resume, nor what scores it
+    common.write_json(out / "args.json", vars(checked(tmp_path / "new")))
+    for flag, value in (("--grad-clip", "0.1"), ("--weight-decay", "0.1"),
+                        ("--dtype", "bfloat16"), ("--judge-model", "x")):
+        with pytest.raises(SystemExit, match=f"--resume: {flag} is"):
+            checked(out, "--resume", flag, value)
+    checked(out, "--resume", "--threads", "1", "--eval-batch", "7")    # where it runs: free
+
+
+def test_the_probe_cache_keys_a_sharded_policy_and_where_it_runs(tiny_policy, tmp_path):
+    from safetensors.torch import load_file, save_file
+    sharded = tmp_path / "sharded"
+    shutil.copytree(tiny_policy, sharded)
+    tensors = load_file(sharded / "model.safetensors")
+    (sharded / "model.safetensors").unlink()
+    names = sorted(tensors)
+    halves = {"a.safetensors": names[::2], "b.safetensors": names[1::2]}
+    for file, part in halves.items():
+        save_file({n: tensors[n] for n in part}, sharded / file)
+    common.write_json(sharded / "model.safetensors.index.json", {"weight_map": {
+        n: file for file, part in halves.items() for n in part}})
+    assert onpolicy.policy_hash(sharded) != onpolicy.policy_hash(tiny_policy)
+    mdl.load_model(sharded)                                 # a policy the run can load
+    args = runs.parse_args(["--model", str(tiny_policy)], grpo.REWARDS)
+    runs.resolve_preset(args, runs.World())
+    keys = {onpolicy.settings_hash(onpolicy.own_turns_settings(args))}
+    for name, value in (("dtype", "bfloat16"), ("devices", "cuda")):
+        keys.add(onpolicy.settings_hash(onpolicy.own_turns_settings(
+            argparse.Namespace(**{**vars(args), name: value}))))
+    assert len(keys) == 3
+
+
 def test_resume_with_nothing_to_resume_stops_and_says_so(tiny_policy, tmp_path, capsys):
     for out in (tmp_path / "missing", tmp_path / "empty"):
         (tmp_path / "empty").mkdir(exist_ok=True)
