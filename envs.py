@@ -228,14 +228,30 @@ _FORMAT_HINT = ("Reply with 'Thought:', 'Action:' and 'Action Input:' lines to c
                 "with 'Thought:' and 'Final Answer:' lines to answer.")
 
 
+MAX_NESTING = 64             # of an Action Input's objects and lists
+
+
+def _nesting(value) -> int:
+    """How deep lists and objects nest in a parsed JSON value (iteratively: no recursion)."""
+    deepest, stack = 0, [(value, 1)]
+    while stack:
+        v, depth = stack.pop()
+        if isinstance(v, (dict, list)):
+            deepest = max(deepest, depth)
+            stack.extend((x, depth + 1) for x in (v.values() if isinstance(v, dict) else v))
+    return deepest
+
+
 def parse_react(text: str) -> Action | Final | ParseError:
     """Parse the first step of a reply. Never raises.
 
-    The step is the first `Action:` line directly followed by an `Action Input:` line, or the
-    first `Final Answer:` line, whichever comes first: a thought may itself contain a line
-    starting with "Action:" (ToolBench's gold thoughts do), and anything after the step (an
-    invented `Observation:`, say) is ignored. The Action Input is the first JSON value after its
-    marker (an opening ``` fence is skipped) and must be an object.
+    The step is the first `Action:` marker whose next marker is `Action Input:`, or the first
+    `Final Answer:`, whichever comes first: a thought may itself contain a line starting with
+    "Action:" (ToolBench's gold thoughts do), and anything after the step (an invented
+    `Observation:`, say) is ignored. The tool's name is the text between the two markers,
+    stripped (a name over several lines names no tool there is, and the tool call misses). The
+    Action Input is the first JSON value after its marker (an opening ``` fence is skipped), an
+    object nested at most MAX_NESTING deep.
     """
     if not isinstance(text, str):
         return ParseError(f"The reply is not text. {_FORMAT_HINT}")
@@ -285,6 +301,10 @@ def parse_react(text: str) -> Action | Final | ParseError:
     if not isinstance(arguments, dict):
         return ParseError(f"Action Input must be a JSON object {{...}}, not a JSON "
                           f"{type(arguments).__name__}.")
+    if _nesting(arguments) > MAX_NESTING:
+        # json.dumps (the tool cache's key, the check below) recurses and would overflow
+        return ParseError(f"Invalid JSON in Action Input: nested deeper than {MAX_NESTING} "
+                          "levels.")
     if _LONE_SURROGATE.search(json.dumps(arguments, ensure_ascii=False)):
         # a tool would echo it back, and no tokenizer can encode the observation
         return ParseError("Action Input holds a \\ud800-\\udfff escape that is not half of a "
@@ -605,19 +625,27 @@ def _check_tools(tools, where) -> None:
                                                    for x in inputs):
             raise DataError(f"{where}: tools[{j}] ({t['name']}): 'inputs' must be a list of "
                             "objects with a 'name'")
+        # the tool instructions render these as text
+        texts = [("description", t.get("description"))] + [
+            (f"inputs[{i}].{key}", x.get(key)) for i, x in enumerate(inputs)
+            for key in ("type", "description")]
+        for key, value in texts:
+            if value is not None and not isinstance(value, str):
+                raise DataError(f"{where}: tools[{j}] ({t['name']}): '{key}' must be a string")
 
 
 def _check_gt_answer(gt, where) -> None:
-    def phrase_groups(v):
-        return isinstance(v, list) and all(isinstance(g, list) and
-                                           all(isinstance(a, str) for a in g) for g in v)
+    def phrase_groups(v):               # an empty group or alias would match every answer
+        return isinstance(v, list) and all(isinstance(g, list) and g and
+                                           all(isinstance(a, str) and a.strip() for a in g)
+                                           for g in v)
     if gt is None or (isinstance(gt, list) and all(isinstance(a, str) for a in gt)):
         return
     if isinstance(gt, dict) and phrase_groups(gt.get("whitelist")) and \
             (gt.get("blacklist") is None or phrase_groups(gt["blacklist"])):
         return
     raise DataError(f"{where}: 'gt_answer' must be null, a list of reference strings, or "
-                    "{whitelist: [[str]], blacklist: [[str]] | null}")
+                    "{whitelist: [[str]], blacklist: [[str]] | null} (no empty group or alias)")
 
 
 def _check_contamination(rec, where) -> None:
@@ -645,8 +673,8 @@ def episode_file(family: str, split: str, data_dir: str | Path | None) -> Path:
     if name not in RELEASE_FILES[family]:
         raise DataError(f"{family} has no released '{split}' split (released: "
                         f"{', '.join(RELEASE_FILES[family])}) and {path} is missing: `python "
-                        f"envs.py split-episodes {family} --out {path.parent}` writes one from "
-                        "its test files")
+                        f"envs.py split-episodes {family} --out OUT/{family}` writes one from "
+                        "its test files (then --data-dir OUT)")
     download(family, path.parent.parent)
     return path
 
@@ -999,6 +1027,9 @@ def contaminate_record(client: chat_api.ChatClient, key: str, record: dict, seed
         if new_call and not (isinstance(obj.get("action"), str) and obj["action"].strip()
                              and isinstance(obj.get("action_input"), dict)):
             raise ValueError("missing 'action' or 'action_input' (a JSON object)")
+        if _LONE_SURROGATE.search(json.dumps(obj, ensure_ascii=False)):
+            # the contaminated file is written as UTF-8, which cannot hold it
+            raise ValueError("a \\ud800-\\udfff escape that is not half of a surrogate pair")
     try:
         reply, raw = client.chat_json(contamination_messages(record, idx, kind), check=check,
                                       max_tokens=1024)
@@ -1214,6 +1245,10 @@ def split_episodes(data_dir, family: str, out_dir, seed: int = 0, fraction: floa
     if not 0 < fraction < 1:
         raise DataError(f"--fraction {fraction}: must be strictly between 0 and 1")
     folder = family_folder(data_dir, family)
+    if Path(out_dir).resolve() == folder.resolve():
+        raise DataError(f"--out {out_dir}: that is where the released files are, and the split "
+                        "would overwrite their test files: write it to another folder "
+                        f"(e.g. OUT/{family}, then --data-dir OUT)")
     if not all((folder / f"{name}_test.json").is_file() for name in SPLIT_FILES):
         download(family, folder.parent)
     data = {}

@@ -4,6 +4,7 @@ server."""
 import functools
 import json
 import random
+import re
 import shutil
 import subprocess
 import sys
@@ -216,10 +217,19 @@ def test_parse_react_cases(text, expected):
     ("Final Answer:   ", "'Final Answer:' is empty"),
     ("Action: OCR\nAction Input: " + "[" * 100000, "Invalid JSON"),
     ('Action: OCR\nAction Input: {"n": ' + "9" * 5000 + "}", "Exceeds the limit"),
+    # parses, but json.dumps (the tool cache's key) would overflow the stack on it
+    ("Action: OCR\nAction Input: " + '{"a":' * 950 + "1" + "}" * 950, "nested deeper than 64"),
 ])
 def test_parse_react_errors_tell_what_is_wrong(text, message):
     parsed = envs.parse_react(text)
     assert isinstance(parsed, ParseError) and message in parsed.message
+
+
+def test_a_deep_action_input_is_an_observation_not_a_crash():
+    ep = shop.ShopEnv("train").episode(0)
+    r = ep.step("Action: Lookup\nAction Input: " + '{"a":' * 950 + "1" + "}" * 950)
+    assert not r.done and "nested deeper than 64" in r.observation
+    assert envs.parse_react("Action: L\nAction Input: " + '{"a":' * 63 + "1" + "}" * 63).name == "L"
 
 
 def test_lone_surrogate_escape_in_action_input_is_an_error_observation():
@@ -482,9 +492,42 @@ def test_download_validates_and_writes_atomically(monkeypatch, tmp_path, release
         server.server_close()
 
 
+@pytest.mark.parametrize("field, value, message", [
+    ("description", 5, "'description' must be a string"),
+    ("input_type", 3, "'inputs[0].type' must be a string"),
+    ("input_description", ["a"], "'inputs[0].description' must be a string"),
+    ("gt_answer", {"whitelist": [["42"]], "blacklist": [[""]]}, "no empty group or alias"),
+    ("gt_answer", {"whitelist": [[]]}, "no empty group or alias"),
+    ("gt_answer", {"whitelist": [[" "]]}, "no empty group or alias")])
+def test_a_record_the_tools_or_scorer_cannot_use_is_named(field, value, message, release_dir,
+                                                          tmp_path):
+    records = json.loads((release_dir / "gta" / "clean_test.json").read_text())
+    key = next(iter(records))
+    tool = next(t for t in records[key]["tools"] if t.get("inputs"))
+    if field == "gt_answer":
+        records[key]["gt_answer"] = value
+    elif field == "description":
+        tool["description"] = value
+    else:
+        tool["inputs"][0][field.removeprefix("input_")] = value
+    path = tmp_path / "clean_test.json"
+    path.write_text(json.dumps(records))
+    with pytest.raises(envs.DataError, match=f"clean_test.json: .*{re.escape(message)}"):
+        envs.load_episodes(path)
+
+
+def test_split_episodes_refuses_to_write_over_the_released_files(release_dir, tmp_path):
+    data = tmp_path / "data"
+    shutil.copytree(release_dir / "toolbench", data / "toolbench")
+    before = (data / "toolbench" / "clean_test.json").read_bytes()
+    with pytest.raises(envs.DataError, match="would overwrite their test files"):
+        envs.split_episodes(data, "toolbench", data / "toolbench", episodes=4)
+    assert (data / "toolbench" / "clean_test.json").read_bytes() == before
+
+
 def test_missing_split_is_a_clear_error(tmp_path):
     with pytest.raises(envs.DataError, match="no released 'train' split .* `python envs.py "
-                       "split-episodes toolbench --out .*` writes one"):
+                       "split-episodes toolbench --out OUT/toolbench` writes one"):
         envs.make("toolbench", split="train", data_dir=tmp_path, judge_model=None)
     with pytest.raises(ValueError, match="unknown environment"):
         envs.make("webshop")
@@ -636,6 +679,19 @@ def test_contaminate_rewrites_one_turn_per_episode(fake_openai, tmp_path, releas
     assert again.read_bytes() == out.read_bytes() and len(fake_openai.requests) == n_requests
     envs.contaminate_file(data, tmp_path / "other.json", _client(tmp_path), seed=4)
     assert (tmp_path / "other.json").read_bytes() != out.read_bytes()
+
+
+def test_contaminate_leaves_out_a_reply_utf8_cannot_hold(fake_openai, tmp_path, release_dir):
+    source = envs.load_episodes(release_dir / "gta" / "clean_test.json")
+    data = tmp_path / "clean_small.json"
+    data.write_text(json.dumps({k: source[k] for k in list(source)[:6]}))
+    # the JSON escape decodes to half a surrogate pair: no UTF-8 file can hold the thought
+    fake_openai.reply = lambda body: {"thought": "wrong \ud800 idea", "action": "OCR",
+                                      "action_input": {"image": "x\udc00.jpg"}}
+    out = tmp_path / "contaminated_small.json"
+    counts = envs.contaminate_file(data, out, _client(tmp_path), seed=3)
+    assert counts.get("bad_reply", 0) >= 1 and counts.get("ok", 0) == 0
+    assert envs.load_episodes(out) == {}
 
 
 def test_contaminate_prompt_for_observation_misinterpretation(release_dir):
