@@ -276,7 +276,7 @@ _SHOP_CLAIM = re.compile(
     rf"|\b1 USD = (?P<rate>{_NUM}) (?P<rcur>[a-z]{{3}})\b"
     r"|\bI need the price of (?P<nitem>[a-z]+) at store (?P<nstore>[a-z])\b"
     r"|\bI need the (?P<ncur>[a-z]{3}) rate\b"
-    r"|\bthe total is (?P<total>[\d.+\-*/() ]*[\d)])(?: (?P<tcur>[a-z]{3})\b)?",
+    r"|\bthe total is (?P<total>[\d.,+\-*/() ]*[\d)])(?: (?P<tcur>USD|EUR|GBP|CAD|JPY)\b)?",
     re.IGNORECASE)
 
 
@@ -321,7 +321,7 @@ def _shop_thought_true(task: ShopTask, thought: str | None, known: dict,
                 return False
         else:
             cur = m.group("tcur")
-            value = _calc_value(m.group("total"))
+            value = _calc_value(m.group("total").replace(",", ""))       # "10,996.94"
             if (cur and cur.upper() != task.currency) or value is None \
                     or not _close(value, [task.total], _SHOP_TOTAL_TOL):
                 return False

@@ -98,6 +98,15 @@ def test_labeler_on_hand_written_turns():
     ep4 = shop.ShopEpisode("hand", task)
     ep4.step(envs.render_final("The total is 9.91 EUR.", "8.91"))   # right answer, false claim
     assert ep4.score() == 1.0 and ep4.labels() == [False]
+    # the words after the claim are not its currency; a thousands comma is part of its number
+    for thought, right in (("The total is 8.91 and I am done.", True),
+                           ("The total is 8.91 for 2 lines.", True),
+                           ("The total is 8.91 USD.", False),        # the task is in EUR
+                           ("The total is 1,008.91 EUR.", False),    # read whole: not 8.91
+                           ("The total is 8,91 EUR.", False)):       # 891
+        ep5 = shop.ShopEpisode("hand", task)
+        ep5.step(envs.render_final(thought, "8.91"))
+        assert ep5.labels() == [right], thought
 
 
 def test_out_of_turns_scores_zero():
