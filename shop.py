@@ -109,8 +109,7 @@ SHOP_TOOLS = [
      "inputs": [{"type": "text", "name": "expression", "description": "e.g. (3*2.50+1.20)*0.92",
                  "optional": False, "default": None, "filetype": None}],
      "outputs": [{"type": "text", "name": None, "description": "The value.",
-                  "optional": False, "default": None, "filetype": None}]},
-]
+                  "optional": False, "default": None, "filetype": None}]}]
 _CENT = Decimal("0.01")
 _SHOP_VALUE_TOL = 0.005     # a price, rate or calculation "equals" a value within half a cent
 _SHOP_TOTAL_TOL = 0.01      # a total or a final answer within a cent (the answer is rounded)
@@ -1339,9 +1338,10 @@ def write_policy_readme(out: Path, args, config: dict, result: dict, earlier: li
              "task that gives it induction heads (shop.py InductionTask). Loss on assistant "
              "tokens only.")
     if args.init:
-        about += (" Then continued (`--init`, the last command) on the same dialogs")
-    if args.divided:
-        about += (f"{' where' if args.init else ' Of the dialogs not contaminated,'} "
+        about += " Then continued (`--init`, the last command) on the same dialogs" + \
+            ("" if args.divided else ".")
+    if args.divided:     # sft_dialogs divides in the dialogs not contaminated only
+        about += (f"{', where, of those' if args.init else ' Of the dialogs'} not contaminated, "
                   f"{args.divided:.0%} of the non-USD ones convert the wrong way round, dividing "
                   "the dollar total by the rate (shop.shop_divided): a fluent, self-consistent "
                   "habit, given on purpose so that GRPO has something it can unlearn within "

@@ -626,6 +626,8 @@ def test_sft_continues_a_saved_policy_with_its_tokenizer(tmp_path):
     recipe = re.search(r"```bash\n(.*?)```", readme, re.S).group(1).splitlines()
     assert len(recipe) == 2 and f"--out {tmp_path / 'a'}" in recipe[0]   # ... and says from what
     assert f"--init {tmp_path / 'a'}" in recipe[1] and "--divided 0.7" in recipe[1]
+    # --divided applies to the dialogs not contaminated only (sft_dialogs), and it says so
+    assert "dialogs, where, of those not contaminated, 70% of the non-USD ones" in readme
 
 
 # A bad flag of sft, after tiny valid ones (so that a run that wrongly starts is short): each is
