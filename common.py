@@ -16,6 +16,7 @@ import contextlib
 import json
 import math
 import os
+import re
 import tempfile
 import time
 from pathlib import Path
@@ -289,3 +290,22 @@ def check_ranges(ap: argparse.ArgumentParser, args, ranges: dict) -> None:
         for v in value if isinstance(value, list) else [value]:
             if v is not None and not ok(v):
                 ap.error(f"--{name.replace('_', '-')} must be {what}, got {v}")
+
+
+# ----------------------------------------------------------------------------------------------
+# Text that must stay UTF-8
+
+# A code point in U+D800..U+DFFF left in a str is half of a UTF-16 pair (a JSON "\ud800"
+# escape decodes to one): no UTF-8 text can hold it and the tokenizer refuses it.
+LONE_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def holds_lone_surrogate(value) -> bool:
+    """Whether a JSON value holds one anywhere, in a key or a string."""
+    return bool(LONE_SURROGATE.search(json.dumps(value, ensure_ascii=False)))
+
+
+def without_surrogates(text: str) -> str:
+    """text with every unpaired surrogate replaced by U+FFFD (same length): whatever a policy or
+    a data file wrote stays encodable."""
+    return LONE_SURROGATE.sub("\ufffd", text)

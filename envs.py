@@ -103,19 +103,9 @@ def render_final(thought: str | None, answer: str) -> str:
     return f"Thought: {thought}\nFinal Answer: {answer}" if thought else f"Final Answer: {answer}"
 
 
-# A code point in U+D800..U+DFFF left in a str is half of a UTF-16 pair (a JSON "\ud800"
-# escape decodes to one): no UTF-8 text can hold it and the tokenizer refuses it.
-_LONE_SURROGATE = re.compile("[\ud800-\udfff]")
-
-
-def without_surrogates(text: str) -> str:
-    """text with every unpaired surrogate replaced by U+FFFD (same length)."""
-    return _LONE_SURROGATE.sub("\ufffd", text)
-
-
 def render_observation(text: str) -> str:
     """A tool result as the content of a user message (METHOD.md §2)."""
-    text = without_surrogates(text)
+    text = common.without_surrogates(text)
     if len(text) > OBSERVATION_CHARS:
         text = text[:OBSERVATION_CHARS] + "..."
     return f"Observation: {text}"
@@ -305,7 +295,7 @@ def parse_react(text: str) -> Action | Final | ParseError:
         # json.dumps (the tool cache's key, the check below) recurses and would overflow
         return ParseError(f"Invalid JSON in Action Input: nested deeper than {MAX_NESTING} "
                           "levels.")
-    if _LONE_SURROGATE.search(json.dumps(arguments, ensure_ascii=False)):
+    if common.holds_lone_surrogate(arguments):
         # a tool would echo it back, and no tokenizer can encode the observation
         return ParseError("Action Input holds a \\ud800-\\udfff escape that is not half of a "
                           "surrogate pair: write the character itself.")
@@ -1027,7 +1017,7 @@ def contaminate_record(client: chat_api.ChatClient, key: str, record: dict, seed
         if new_call and not (isinstance(obj.get("action"), str) and obj["action"].strip()
                              and isinstance(obj.get("action_input"), dict)):
             raise ValueError("missing 'action' or 'action_input' (a JSON object)")
-        if _LONE_SURROGATE.search(json.dumps(obj, ensure_ascii=False)):
+        if common.holds_lone_surrogate(obj):
             # the contaminated file is written as UTF-8, which cannot hold it
             raise ValueError("a \\ud800-\\udfff escape that is not half of a surrogate pair")
     try:

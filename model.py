@@ -50,7 +50,6 @@ import contextlib
 import inspect
 import math
 import os
-import re
 import sys
 from bisect import bisect_right
 from dataclasses import dataclass, field
@@ -60,6 +59,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+import common
 import weights
 from weights import CheckpointError, Config
 
@@ -738,7 +738,7 @@ class Tokenizer:
 
     def encode(self, text: str) -> list[int]:
         """The ids of text as text: special-token text in it is encoded as ordinary characters."""
-        return self.tok.encode(_utf8_safe(text), add_special_tokens=False).ids
+        return self.tok.encode(common.without_surrogates(text), add_special_tokens=False).ids
 
     def decode(self, ids, skip_special_tokens=False) -> str:
         return self.tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
@@ -768,7 +768,8 @@ class Tokenizer:
         ids, spans = [], []
         for m in messages:
             head = f"{m['role']}\n"
-            enc = self.tok.encode(_utf8_safe(head + m["content"]), add_special_tokens=False)
+            enc = self.tok.encode(common.without_surrogates(head + m["content"]),
+                                  add_special_tokens=False)
             ids.append(self.im_start_id)
             if m["role"] == "assistant":        # first token reaching past the head
                 start = len(ids) + bisect_right([e for _, e in enc.offsets], len(head))
@@ -787,16 +788,6 @@ def chat_text(messages, add_generation_prompt=False) -> str:
     return "".join(system + [f"<|im_start|>{m['role']}\n{m['content']}<|im_end|>\n"
                              for m in messages]) + \
         ("<|im_start|>assistant\n" if add_generation_prompt else "")
-
-
-_LONE_SURROGATE = re.compile("[\ud800-\udfff]")
-
-
-def _utf8_safe(text: str) -> str:
-    """Unpaired surrogates (a JSON "\\ud800" escape decodes to one) -> U+FFFD, one for one: the
-    tokenizer refuses a str that is not valid Unicode, and whatever a policy or a data file
-    wrote must stay encodable."""
-    return _LONE_SURROGATE.sub("\ufffd", text)
 
 
 def keep_last(ids: list[int], spans: list[tuple], max_len: int):
@@ -882,6 +873,11 @@ def token_logprobs(policy, ids: torch.Tensor, mask: torch.Tensor,
 # The smallest sampling temperature: below it sampling is greedy decoding in all but name, and far
 # below it logits / T overflows float32 and the softmax turns to NaN (use 0 for greedy).
 MIN_TEMPERATURE = 1e-3
+
+
+def valid_temperature(t: float) -> bool:
+    """0 (greedy), or a finite temperature of at least MIN_TEMPERATURE (nan is neither)."""
+    return t == 0 or MIN_TEMPERATURE <= t < math.inf
 
 
 def sample(logits: Tensor, temperature: float, top_p: float, generator=None) -> Tensor:
@@ -1011,7 +1007,7 @@ def generate(model: Transformer, cache, new_tokens: list[list[int]], max_new_tok
         raise ValueError(f"{B} rows of new tokens for a cache of batch size {cache[0].k.shape[0]}")
     if active is not None and len(active) != B:
         raise ValueError(f"active has {len(active)} entries for {B} rows")
-    if temperature != 0 and not MIN_TEMPERATURE <= temperature < math.inf:
+    if not valid_temperature(temperature):
         raise ValueError(f"temperature {temperature}: 0 (greedy) or in [{MIN_TEMPERATURE}, inf)")
     alive = [True] * B if active is None else [bool(a) for a in active]
     new_tokens = [list(t) if a else [] for t, a in zip(new_tokens, alive)]
@@ -1360,7 +1356,7 @@ def main(argv=None):
 
     if args.max_new_tokens < 1:
         ap.error("--max-new-tokens must be at least 1")
-    if args.temperature != 0 and not MIN_TEMPERATURE <= args.temperature < math.inf:   # nan too
+    if not valid_temperature(args.temperature):
         ap.error(f"--temperature must be 0 (greedy) or a finite number >= {MIN_TEMPERATURE}, "
                  f"got {args.temperature}")
     if not 0 < args.top_p <= 1:

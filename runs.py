@@ -392,8 +392,11 @@ def changed_flag(args, old: dict) -> tuple[str, object, object] | None:
     (--flag, its value now, the run's), or None. A model directory is the same written another
     way (relative, as the records in results/ are)."""
     for k in RESUME_KEYS:
-        now, then = getattr(args, k), old.get(k, RESUME_DEFAULTS.get(k))   # a run from before
-        if not (k in old or k in RESUME_DEFAULTS) or then == now:         # the flag existed
+        if k not in old and k not in RESUME_DEFAULTS:
+            continue                        # not recorded, and no default to compare with
+        # a run from before the flag existed ran with its default
+        now, then = getattr(args, k), old.get(k, RESUME_DEFAULTS.get(k))
+        if then == now:
             continue
         if k == "model" and isinstance(then, str) and Path(then).is_dir() and \
                 Path(then).resolve() == Path(now).resolve():
