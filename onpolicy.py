@@ -241,7 +241,7 @@ def shop_probes(args, policy, tok, world, log) -> tuple[Path, dict]:
     and its report: AUROC on held-out own turns, next to the contaminated corpus's PAIR.
     grpo.py calls it with its args and its process world (runs.World)."""
     settings = {"corpus": args.probe_corpus, "own": own_turns_settings(args),
-                "contaminated_episodes": args.probe_episodes}
+                "contaminated_episodes": args.probe_episodes, "labels": shop.SHOP_SCORING}
     root = common.cache_root() / "grpo-probes" / f"{args.env}-{policy_hash(args.model)}"
     out = root / f"{args.probe_corpus}-{settings_hash(settings)}"
     done = out / "probes.json"

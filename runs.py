@@ -634,13 +634,14 @@ def base_eval_cache(policy, args, world) -> Path | None:
     is the same in every run of one policy and one set of evaluation settings (every reward and
     every seed of a comparison), so it is done once. Shop only: its held-out pools are procedural
     and fixed (a replay pool depends on the data directory). The key holds everything the greedy
-    rollouts depend on, threads and batch included (they change float summation order)."""
+    rollouts depend on, threads and batch included (they change float summation order), and the
+    version of the world's scoring rules."""
     if args.env not in shop.WORLDS or world.size > 1:
         return None
     settings = {"val": args.val_episodes, "test": args.eval_episodes, "batch": args.eval_batch,
                 "max_turns": args.max_turns, "max_new_tokens": args.max_new_tokens,
                 "max_len": args.max_len, "dtype": args.dtype, "devices": args.devices,
-                "threads": torch.get_num_threads()}
+                "threads": torch.get_num_threads(), "scoring": shop.SHOP_SCORING}
     return (common.cache_root() / "grpo-base-eval" /
             f"{args.env}-{onpolicy.policy_hash(policy.checkpoint_dir)}-"
             f"{onpolicy.settings_hash(settings)}.json")

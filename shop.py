@@ -60,15 +60,16 @@ from rollout import rollout
 #            Calculator: the expression evaluates (within 0.005) to a needed quantity that no
 #            earlier Calculator call produced - a line subtotal q*p, a sum of subtotals, such a
 #            sum converted with the rate, or a converted unit price p*r;
-#            final answer: its first number is within 0.01 of the true answer;
+#            final answer: its first number is within half a cent of the exact total (1.67
+#            or 1.674 for 1.674, not 1.68);
 #            an unknown tool, bad arguments or an unparsable reply is never correct;
 #   thought - asserts nothing false. Claims are read with fixed patterns (_SHOP_CLAIM):
 #            "<item> at store <S> costs <x>" and "1 USD = <x> <CUR>" must state the world's value;
 #            "I need the price of <item> at store <S>" / "I need the <CUR> rate" must name a fact
 #            the task needs that is not yet fetched; "The total is <expression or x> [<CUR>]" must
-#            come within 0.01 of the true total (in the task's currency). Every other number in
-#            the thought must be a value the task involves: a quantity, a price or rate the task
-#            needs or the dialog fetched, a needed quantity, a result of an earlier calculation.
+#            come within half a cent of the exact total (in the task's currency). Every other
+#            number in the thought must be a value the task involves: a quantity, a price or
+#            rate the task needs or the dialog fetched, a needed quantity, an earlier result.
 # Claims are checked against the world, not against what the dialog happened to show: the
 # matched contaminated data keep the clean observations verbatim after a contaminated call (as
 # the release does), and a later gold turn restating the true price is still true.
@@ -111,8 +112,8 @@ SHOP_TOOLS = [
      "outputs": [{"type": "text", "name": None, "description": "The value.",
                   "optional": False, "default": None, "filetype": None}]}]
 _CENT = Decimal("0.01")
-_SHOP_VALUE_TOL = 0.005     # a price, rate or calculation "equals" a value within half a cent
-_SHOP_TOTAL_TOL = 0.01      # a total or a final answer within a cent (the answer is rounded)
+SHOP_SCORING = 2    # the rules' version (2: half a cent): cached evaluations and probes key on it
+_SHOP_VALUE_TOL = 0.005     # "equals" within half a cent: of a total, its rounding, not a cent off
 
 
 def _cents(n: int) -> Decimal:
@@ -322,7 +323,7 @@ def _shop_thought_true(task: ShopTask, thought: str | None, known: dict,
             cur = m.group("tcur")
             value = _calc_value(m.group("total").replace(",", ""))       # "10,996.94"
             if (cur and cur.upper() != task.currency) or value is None \
-                    or not _close(value, [task.total], _SHOP_TOTAL_TOL):
+                    or not _close(value, [task.total]):
                 return False
     allowed = [Decimal(q) for q, _, _ in task.lines] + [task.value(f) for f in task.needed]
     allowed += list(known.values()) + task.quantities + [Decimal(task.answer)]
@@ -342,7 +343,7 @@ def shop_labels(task: ShopTask, steps: list) -> list[bool]:
     for step in steps:
         if isinstance(step, envs.Final):
             answer = _first_number(step.answer)
-            ok = answer is not None and _close(answer, [Decimal(task.answer)], _SHOP_TOTAL_TOL)
+            ok = answer is not None and _close(answer, [task.total])
         elif isinstance(step, envs.Action):
             ok = True
         else:                      # ParseError, or a released turn with several tool calls
@@ -926,12 +927,11 @@ class ShopEpisode(envs.Episode):
         return shop_execute(self.task, name, arguments).text
 
     def score(self) -> float:
-        """1.0 iff the final answer's first number is within 0.01 of the true answer."""
+        """1.0 iff the final answer's first number is within half a cent of the exact total."""
         if self.final_answer is None:
             return 0.0
         answer = _first_number(self.final_answer)
-        return float(answer is not None and
-                     _close(answer, [Decimal(self.task.answer)], _SHOP_TOTAL_TOL))
+        return float(answer is not None and _close(answer, [self.task.total]))
 
     def labels(self) -> list[bool]:
         return shop_labels(self.task, self.steps)

@@ -109,6 +109,17 @@ def test_labeler_on_hand_written_turns():
         assert ep5.labels() == [right], thought
 
 
+def test_the_answer_is_the_total_rounded_not_a_cent_off():
+    task = hand_task()
+    task.rates["EUR"] = Decimal("0.92")             # (7.50 + 2.40) * 0.92 = 9.108
+    assert task.total == Decimal("9.108") and task.answer == "9.11"
+    for answer, right in (("9.11", True), ("9.108", True), ("9.1", False), ("9.10", False),
+                          ("9.12", False)):
+        ep = shop.ShopEpisode("hand", task)
+        ep.step(envs.render_final(f"The total is {answer} EUR.", answer))
+        assert (ep.score(), ep.labels()) == (float(right), [right]), answer
+
+
 def test_out_of_turns_scores_zero():
     ep = shop.ShopEnv("test", seed=1, episodes=1).episode(0)
     while not ep.done:
