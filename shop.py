@@ -311,17 +311,15 @@ def _shop_thought_true(task: ShopTask, thought: str | None, known: dict,
             cur = m.group("rcur").upper()
             if cur not in task.rates or not _close(float(m.group("rate")), [task.rates[cur]]):
                 return False
-        elif m.group("nitem"):
-            fact = ("price", m.group("nstore").upper(), m.group("nitem").lower())
+        elif m.group("nitem") or m.group("ncur"):
+            fact = ("price", m.group("nstore").upper(), m.group("nitem").lower()) \
+                if m.group("nitem") else ("rate", m.group("ncur").upper())
             if fact not in task.needed or fact in known:
                 return False
-        elif m.group("ncur"):
-            fact = ("rate", m.group("ncur").upper())
-            if fact not in task.needed or fact in known:
-                return False
-        else:
-            cur = m.group("tcur")
-            value = _calc_value(m.group("total").replace(",", ""))       # "10,996.94"
+        else:       # the longest start that computes: "21.91 (2 lines)" claims 21.91
+            total, cur = m.group("total").replace(",", ""), m.group("tcur")    # "10,996.94"
+            value = next((v for k in range(len(total), 0, -1)
+                          if (v := _calc_value(total[:k])) is not None), None)
             if (cur and cur.upper() != task.currency) or value is None \
                     or not _close(value, [task.total]):
                 return False

@@ -103,7 +103,9 @@ def test_labeler_on_hand_written_turns():
                            ("The total is 8.91 for 2 lines.", True),
                            ("The total is 8.91 USD.", False),        # the task is in EUR
                            ("The total is 1,008.91 EUR.", False),    # read whole: not 8.91
-                           ("The total is 8,91 EUR.", False)):       # 891
+                           ("The total is 8,91 EUR.", False),        # 891
+                           ("The total is 8.91 (2 lines).", True),   # the start that computes
+                           ("The total is 9.91 (2 lines).", False)):
         ep5 = shop.ShopEpisode("hand", task)
         ep5.step(envs.render_final(thought, "8.91"))
         assert ep5.labels() == [right], thought
