@@ -280,8 +280,8 @@ _SHOP_CLAIM = re.compile(
     re.IGNORECASE)
 
 
-def _close(x: float, values, tol: float = _SHOP_VALUE_TOL) -> bool:
-    return any(abs(x - float(v)) <= tol + 1e-9 for v in values)
+def _close(x: float, values) -> bool:
+    return any(abs(x - float(v)) <= _SHOP_VALUE_TOL + 1e-9 for v in values)
 
 
 def _calc_value(expression: str) -> float | None:
@@ -294,6 +294,12 @@ def _calc_value(expression: str) -> float | None:
 def _first_number(text: str) -> float | None:
     m = re.search(r"-?\d[\d,]*(?:\.\d+)?", text or "")
     return float(m.group(0).replace(",", "")) if m else None
+
+
+def _answer_right(task: ShopTask, answer: str | None) -> bool:
+    """The final answer's first number is within half a cent of the exact total."""
+    x = _first_number(answer)
+    return x is not None and _close(x, [task.total])
 
 
 def _shop_thought_true(task: ShopTask, thought: str | None, known: dict,
@@ -340,8 +346,7 @@ def shop_labels(task: ShopTask, steps: list) -> list[bool]:
     labels = []
     for step in steps:
         if isinstance(step, envs.Final):
-            answer = _first_number(step.answer)
-            ok = answer is not None and _close(answer, [task.total])
+            ok = _answer_right(task, step.answer)
         elif isinstance(step, envs.Action):
             ok = True
         else:                      # ParseError, or a released turn with several tool calls
@@ -926,10 +931,7 @@ class ShopEpisode(envs.Episode):
 
     def score(self) -> float:
         """1.0 iff the final answer's first number is within half a cent of the exact total."""
-        if self.final_answer is None:
-            return 0.0
-        answer = _first_number(self.final_answer)
-        return float(answer is not None and _close(answer, [self.task.total]))
+        return float(_answer_right(self.task, self.final_answer))
 
     def labels(self) -> list[bool]:
         return shop_labels(self.task, self.steps)
