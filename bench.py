@@ -1,5 +1,5 @@
 """Speed and memory of model.py's internal signals, on any checkpoint in bfloat16 (targets set for
-the real 0.5B; the built-in policy, data/shop-policy, runs in seconds).
+the real 0.5B; the built-in policy, data/shop-policy, runs in under a minute).
 
 One 2,048-token sequence with a 256-token span (the span = its last 256 tokens):
   1. forward with attention statistics / plain forward: time and peak memory;

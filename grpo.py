@@ -8,10 +8,11 @@
 
 What runs, once per training step:
  1. rollout (rollout.py). `--batch` prompts x `--group` G rollouts (paper: 1 x 4). A rollout plays
-    up to 10 assistant turns in an environment; the G rollouts of one prompt are one batch whose
-    KV cache lives for the whole episode, and the per-turn statistics every internal reward reads
-    (hidden states and the attention statistics of METHOD.md §4) come out of that same
-    generation pass (model.generate -> model.accumulate): no second forward for PAIR.
+    up to --max-turns assistant turns (paper: 10) in an environment; the G rollouts of one
+    prompt are one batch whose KV cache lives for the whole episode, and the per-turn statistics
+    every internal reward reads (hidden states and the attention statistics of METHOD.md §4) come
+    out of that same generation pass (model.generate -> model.accumulate): no second forward for
+    PAIR.
  2. rewards (section 2). One reward r_{i,t} per assistant turn t of rollout i, from `--reward`
     (the REWARDS dict). PAIR: each turn's s_final from its two stages (pair.Pair.scores), then the
     rollout's rewards from them (pair.trajectory_rewards). `--outcome-weight w` adds w x task
@@ -31,10 +32,10 @@ What runs, once per training step:
     its LoRA adapter disabled. Only the policy's own tokens count (prompt and observations are
     masked; the <|im_end|> it generated counts); their sum is divided by the number of such
     tokens in the whole batch, over all processes. AdamW on the LoRA parameters (r 16, alpha 32,
-    dropout 0.05 on q,k,v,o,gate,up,down), lr constant after a 5% linear warmup, grad-norm clip
-    1.0. Probes stay frozen (unless --probe-retrain-every fits the head again). A batch without
-    a single policy token (every prompt longer than --max-len) makes no update, logs loss 0 and
-    is counted in `empty_batch`.
+    dropout 0.05 - 0 on the built-in worlds - on q,k,v,o,gate,up,down), lr constant after a 5%
+    linear warmup, grad-norm clip 1.0. Probes stay frozen (unless --probe-retrain-every fits the
+    head again). A batch without a single policy token (every prompt longer than --max-len)
+    makes no update, logs loss 0 and is counted in `empty_batch`.
 Section 5 is the training loop: the steps, the checkpoints and the evaluations around them.
 
 Where this departs from textbook GRPO (DeepSeekMath; TRL's GRPOTrainer):

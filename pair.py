@@ -1161,7 +1161,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub = ap.add_subparsers(dest="cmd", required=True)
 
     p = sub.add_parser("extract", help="features of a matched file: one forward per record")
-    p.add_argument("--model", required=True, help="Hugging Face checkpoint directory")
+    p.add_argument("--model", required=True,
+                   help="Hugging Face checkpoint directory (or a Hub name)")
     p.add_argument("--data", required=True,
                    help="matched_*.json file (released schema); the tool lists come from the "
                         "episode file of the same family beside it "

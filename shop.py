@@ -2,7 +2,7 @@
 `python grpo.py` runs on when no model and no data are given. A port of PAIR never needs this file.
 
     python shop.py make-data --out data/shop --episodes 1000   # released-schema files, offline
-    python shop.py sft --out data/shop-policy                   # rebuild the built-in policy
+    python shop.py sft --out DIR        # train a policy; data/shop-policy/README.md: the 2 commands
 
 Two parts, top to bottom:
 1. The world. Every episode is drawn from one integer seed; its tools really execute, so every
