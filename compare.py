@@ -98,11 +98,16 @@ def check_run(spec: str, argv: list[str], reward: str, seed: int, run: Path, res
                 "grpo.py: error: ")
         raise SystemExit(f"compare: {spec!r} (run {run.name}): {why}") from None
     if done:            # tabulated as it is, so it must be the run this command asks for
-        changed = runs.changed_flag(args, read_json(run / "args.json"))
+        old = read_json(run / "args.json")
+        changed = runs.changed_flag(args, old)
         if changed:
             flag, now, then = changed
             raise damaged(run / "args.json", f"the run used {flag} {then!r}, where this command "
                           f"gives {now!r} (or choose another --out)")
+        if args.no_eval and not old.get("no_eval"):     # --cost's runs: alone, no evaluations
+            raise damaged(run / "args.json", "the run was trained with evaluations, perhaps "
+                          "beside another run, so its step times are not --cost's (or choose "
+                          "another --out)")
     return args
 
 
@@ -218,6 +223,13 @@ def compare(argv: list[str]) -> dict:
     args = ap.parse_args(argv)
     if args.jobs < 1:                   # 0 would start nothing and wait for it forever
         raise SystemExit(f"compare: --jobs must be at least 1, got {args.jobs}")
+    # one run directory each: a repeat would be trained twice at once and tabulated twice
+    for flag, values, name in (("--seeds", args.seeds, str),
+                               ("--rewards", args.rewards, lambda spec: run_name(spec, 0))):
+        names = [name(v) for v in values]
+        twice = [v for k, v in enumerate(values) if names[k] in names[:k]]
+        if twice:
+            raise SystemExit(f"compare: {flag}: {', '.join(map(str, twice))} given twice")
     if args.cost:
         if "--rewards" not in argv:
             args.rewards = [r for r in grpo.REWARDS if r != "llm_judge"

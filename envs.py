@@ -1043,7 +1043,11 @@ def contaminate_file(data: str | Path, out: str | Path, client: chat_api.ChatCli
     """Contaminate every episode of an episode file whose assistant-turn count T lies in
     [min_turns, max_turns] (the paper's filters); write the released schema atomically."""
     if min_turns < 2:
-        raise ValueError("--min-turns must be at least 2: a turn before the evaluation turn")
+        raise DataError(f"--min-turns {min_turns}: at least 2 (a turn before the evaluation turn)")
+    if min_turns > max_turns:
+        raise DataError(f"--min-turns {min_turns} > --max-turns {max_turns}: no episode would do")
+    if Path(out).resolve() == Path(data).resolve():
+        raise DataError(f"--out {out} is --data: it would replace the episodes it reads")
     episodes = load_episodes(data)
     result, counts = {}, {}
     for key, record in episodes.items():
@@ -1057,6 +1061,8 @@ def contaminate_file(data: str | Path, out: str | Path, client: chat_api.ChatCli
             if new is not None:
                 result[key] = new
         counts[status] = counts.get(status, 0) + 1
+    if not result:
+        raise DataError(f"{data}: no episode was contaminated ({counts}); {out} not written")
     _check_episode_file(result, out)
     common.write_atomic(Path(out), json.dumps(result, indent=2, ensure_ascii=False).encode("utf-8"))
     return counts

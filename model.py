@@ -1379,6 +1379,10 @@ def main(argv=None):
                  f"(its config.json has {weights.WORLD_KEY} {world!r})")
     ids, _ = tok.render(prompt_messages(args.prompt, args.system, tools),
                         add_generation_prompt=True)
+    context = model.config.max_position_embeddings     # the cache is made for all of it at once
+    if len(ids) + args.max_new_tokens > context:
+        sys.exit(f"--max-new-tokens {args.max_new_tokens}: with the prompt's {len(ids)} tokens "
+                 f"that is past the model's context, {context} tokens (max_position_embeddings)")
     mode = "greedy" if args.temperature == 0 else \
         f"sampled (temperature {args.temperature}, top-p {args.top_p}, seed {args.seed})"
     print(f"[{mode} decoding, {args.dtype}; the prompt rendered "

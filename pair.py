@@ -916,8 +916,9 @@ def render_markdown(result: dict, paper_ref: str | None) -> str:
         b = _get(det, m, "matched_contaminated_test", "auroc")
         if a and b and a["mean"] is not None and b["mean"] is not None:
             drop = a["mean"] - b["mean"]
+            relative = f"{100 * drop / a['mean']:+.1f}%" if a["mean"] else "n/a"   # AUROC 0
             rows.append([METHODS[m][0], f"{a['mean']:.3f}", f"{b['mean']:.3f}", f"{drop:+.3f}",
-                         f"{100 * drop / a['mean']:+.1f}%"])
+                         relative])
     lines += ["", "## (b) AUROC drop clean → contaminated prefix", "",
               "Whole splits (every record, including pairs whose two dialogs are identical):",
               ""]
@@ -1194,7 +1195,7 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--crossfit", type=crossfit_folds, default=0, metavar="K",
                        help="fit stage 2 on out-of-fold stage-1 scores over K >= 2 episode "
                             "folds (default 0: in-sample, as released)")
-        p.add_argument("--seeds", type=int, nargs="+", default=list(SEEDS),
+        p.add_argument("--seeds", type=common.int_at_least(0), nargs="+", default=list(SEEDS),
                        help="seeds, each drawing a class-balanced subsample (default 42 43 44)")
         p.add_argument("--C", type=common.positive_number, default=0.01,
                        help="inverse L2 strength of every probe (default 0.01)")
@@ -1232,6 +1233,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv=None) -> None:
     args = build_parser().parse_args(argv)
+    if args.func in (cmd_extract, cmd_eval) and args.out and Path(args.out).is_dir():
+        sys.exit(f"error: --out {args.out} is a directory; name the file to write")  # before work
     try:
         with contextlib.ExitStack() as stack:
             # Claimed before any work (extract: before the model loads): a busy output is

@@ -425,6 +425,17 @@ def check_out(args) -> None:
         if changed:
             flag, now, then = changed
             raise SystemExit(f"--resume: {flag} is {now!r} but the run in {out} used {then!r}")
+        # A finished run, or logs past the step of the first checkpoint (a step is logged, then
+        # its checkpoint saved), and no checkpoint: they were deleted (as in results/, which
+        # keeps none). Starting over would replace the logs.
+        logged = max((r["step"] for r in common.read_jsonl(out / "metrics.jsonl")), default=0)
+        first = min(args.save_every, args.steps)
+        gone = not any(out.glob("checkpoint-*"))     # a damaged one: resume() says so
+        if gone and (logged > first or (out / "summary.json").exists()):
+            raise SystemExit(f"--resume: {out} logged {logged} steps but holds no checkpoint (the "
+                             f"first is saved after step {first}): there is nothing to resume "
+                             "from, and starting over would replace its logs; restore its "
+                             "checkpoints, or choose another --out")
     elif args.resume and latest_checkpoint(out):
         # without it any flag could change under the checkpoint's optimizer and RNG states
         raise SystemExit(f"--resume: {out} holds checkpoints but no args.json, so the flags "

@@ -874,8 +874,8 @@ def make_shop_data(out_dir, episodes: int = 1000, seed: int = 42) -> dict[str, i
     {clean,contaminated}_{train,test}.json, matched_{clean,contaminated}_{train,test}.json, and
     the adversarial diagnostic set matched_diagnostic_test.json with its episode file
     diagnostic_test.json. Byte-for-byte deterministic. Returns records per file."""
-    if episodes < 2:
-        raise envs.DataError(f"--episodes {episodes}: need at least 2 (an 80:20 train/test split)")
+    if not 2 <= episodes <= SHOP_SPLIT_SIZE["train"]:      # 80:20 train/test, disjoint seeds
+        raise envs.DataError(f"--episodes {episodes}: 2 to {SHOP_SPLIT_SIZE['train']:,}")
     if seed < 0:
         raise envs.DataError(f"--seed {seed}: must be a non-negative integer")
     n_test = max(1, episodes // 5)

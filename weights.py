@@ -140,8 +140,10 @@ class Config:
         for key in ("bos_token_id", "pad_token_id", "eos_token_id"):
             v = getattr(self, key)
             ids = v if isinstance(v, list) else [v]
-            if v is not None and not all(type(i) is int and i >= 0 for i in ids):
-                raise bad(key, "a token id (or, for eos_token_id, a list of them)")
+            if v is not None and not all(type(i) is int and 0 <= i < self.vocab_size
+                                         for i in ids):   # an eos never drawn: no stop
+                raise bad(key, f"a token id below vocab_size {self.vocab_size} (or, for "
+                               "eos_token_id, a list of them)")
         for key in ("tie_word_embeddings", "attention_bias", "mlp_bias", "use_sliding_window"):
             if not isinstance(getattr(self, key), bool):
                 raise bad(key, "true or false")

@@ -2,6 +2,7 @@
 scoring, the loaders, and the OpenAI-compatible client (judge, contamination) against a local fake
 server."""
 import functools
+import os
 import json
 import random
 import re
@@ -689,9 +690,25 @@ def test_contaminate_leaves_out_a_reply_utf8_cannot_hold(fake_openai, tmp_path, 
     fake_openai.reply = lambda body: {"thought": "wrong \ud800 idea", "action": "OCR",
                                       "action_input": {"image": "x\udc00.jpg"}}
     out = tmp_path / "contaminated_small.json"
-    counts = envs.contaminate_file(data, out, _client(tmp_path), seed=3)
-    assert counts.get("bad_reply", 0) >= 1 and counts.get("ok", 0) == 0
-    assert envs.load_episodes(out) == {}
+    with pytest.raises(envs.DataError, match="no episode was contaminated .*'bad_reply': [1-9]"):
+        envs.contaminate_file(data, out, _client(tmp_path), seed=3)
+    assert not out.exists()
+
+
+def test_contaminate_refuses_to_replace_its_input_or_to_select_nothing(tmp_path, release_dir):
+    data = tmp_path / "clean.json"
+    shutil.copy(release_dir / "gta" / "clean_test.json", data)
+    before = data.read_bytes()
+    for out, lo, hi, why in ((data, 3, 8, "is --data"), (tmp_path / "a.json", 5, 2, "5 > --max"),
+                             (tmp_path / "b.json", 1, 8, "--min-turns 1: at least 2")):
+        r = subprocess.run([sys.executable, str(ROOT / "envs.py"), "contaminate", "--data",
+                            str(data), "--out", str(out), "--min-turns", str(lo),
+                            "--max-turns", str(hi)], capture_output=True, text=True, timeout=60,
+                           env={**os.environ, "OPENAI_API_KEY": "x",
+                                "OPENAI_BASE_URL": "http://127.0.0.1:9/v1"})
+        assert r.returncode == 1 and r.stderr.startswith("error: ") and why in r.stderr, r.stderr
+        assert len(r.stderr.strip().splitlines()) == 1
+    assert data.read_bytes() == before and not list(tmp_path.glob("[ab].json"))
 
 
 def test_contaminate_prompt_for_observation_misinterpretation(release_dir):

@@ -604,7 +604,23 @@ def test_out_and_resume_checks_read_what_a_run_left(tiny_policy, tmp_path):
                         ("--dtype", "bfloat16"), ("--judge-model", "x")):
         with pytest.raises(SystemExit, match=f"--resume: {flag} is"):
             checked(out, "--resume", flag, value)
-    checked(out, "--resume", "--threads", "1", "--eval-batch", "7")    # where it runs: free
+    args = checked(out, "--resume", "--threads", "1", "--eval-batch", "7")    # where it runs: free
+    # logged past the step of its first checkpoint, or finished, but no checkpoint: they were
+    # deleted (as results/ keeps none), and starting over would replace the logs
+    first = min(args.save_every, args.steps)
+    for step in range(1, first + 1):
+        common.append_jsonl(out / "metrics.jsonl", {"step": step})
+    checked(out, "--resume")            # killed before its first checkpoint was whole: redone
+    (out / "summary.json").write_text("{}")
+    with pytest.raises(SystemExit, match=f"logged {first} steps but holds no checkpoint"):
+        checked(out, "--resume")
+    (out / "summary.json").unlink()
+    common.append_jsonl(out / "metrics.jsonl", {"step": first + 1})
+    with pytest.raises(SystemExit, match=f"logged {first + 1} steps but holds no checkpoint"):
+        checked(out, "--resume")
+    (out / "checkpoint-000001").mkdir()
+    (out / "checkpoint-000001" / "trainer.json").write_text('{"step": 1}')
+    checked(out, "--resume")
 
 
 def test_the_probe_cache_keys_a_sharded_policy_and_where_it_runs(tiny_policy, tmp_path):
@@ -1391,6 +1407,17 @@ def test_compare_refuses_jobs_below_one(jobs, tmp_path, no_run_starts):
     assert not (tmp_path / "o").exists()
 
 
+@pytest.mark.parametrize("rewards, seeds, error", [
+    (["outcome", "pair"], ["42", "43", "42"], "--seeds: 42 given twice"),
+    (["outcome", "pair:alpha=0", "pair:alpha=0"], ["42"], "--rewards: pair:alpha=0 given twice")])
+def test_compare_refuses_a_run_asked_for_twice(rewards, seeds, error, tmp_path, no_run_starts):
+    # it would train the same run directory twice at once and tabulate it twice
+    with pytest.raises(SystemExit) as e:
+        compare.main(["--rewards", *rewards, "--seeds", *seeds, "--out", str(tmp_path / "o")])
+    assert e.value.code == f"compare: {error}"
+    assert not (tmp_path / "o").exists()
+
+
 @pytest.mark.parametrize("rewards, extra, error", [
     (["pair:alpha="], [], "argument --alpha: invalid float value: ''"),
     (["outcome", "pair:nosuchflag=1"], [], "unrecognized arguments: --nosuchflag 1"),
@@ -1500,10 +1527,17 @@ def test_compare_refuses_runs_evaluated_on_different_episodes(tmp_path, no_run_s
 
 def test_compare_cost_names_a_run_whose_metrics_lack_the_costs(tmp_path, no_run_starts):
     _finished_runs(tmp_path)
+    cost = ["--cost", "--rewards", "outcome", "--seeds", "1", "--out", str(tmp_path), "--",
+            "--eval-episodes", "4"]
+    # a comparison's run: trained with evaluations, perhaps beside another, so not timed alone
+    with pytest.raises(SystemExit, match=r"^compare: .*outcome-s1/args.json: the run was "
+                       "trained with evaluations, .* so its step times are not --cost's"):
+        compare.main(cost)
+    args = tmp_path / "runs" / "outcome-s1" / "args.json"
+    common.write_json(args, {**json.loads(args.read_text()), "no_eval": True})
     with pytest.raises(SystemExit, match=r"^compare: .*outcome-s1/metrics.jsonl: step 10: "
                        "t_rollout, t_reward, t_update, gen_tokens"):
-        compare.main(["--cost", "--rewards", "outcome", "--seeds", "1", "--out", str(tmp_path),
-                      "--", "--eval-episodes", "4"])
+        compare.main(cost)
 
 
 def test_changed_flag_reads_a_model_directory_written_another_way(tmp_path, monkeypatch):

@@ -187,6 +187,7 @@ GOOD_CONFIG = dict(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidd
     ("num_key_value_heads", 0), ("vocab_size", 2.5), ("intermediate_size", None),
     ("head_dim", -1), ("rms_norm_eps", 0), ("rope_theta", "big"), ("max_window_layers", -1),
     ("rope_parameters", [1]), ("tie_word_embeddings", "yes"), ("eos_token_id", ["x"]),
+    ("eos_token_id", 64), ("pad_token_id", 99999),            # past vocab_size 64: never drawn
     ("layer_types", ["full_attention"]), ("hidden_size", 30), ("architectures", "Qwen2"),
 ])
 def test_config_values_are_checked_before_building(tmp_path, key, value):
@@ -675,6 +676,17 @@ def test_cli_generate_refuses_a_bad_flag_in_one_line(bad, tmp_path, capsys):
                 "--max-new-tokens", "3"] + bad)
     err = capsys.readouterr().err
     assert f"error: {bad[0]}" in err and "Traceback" not in err, err
+
+
+def test_cli_generate_refuses_more_tokens_than_the_models_context(tmp_path):
+    # the cache is allocated for prompt + --max-new-tokens at once: 10**12 asked for 128 TB
+    hf_checkpoint(tmp_path, "llama-gqa")
+    context = json.loads((tmp_path / "config.json").read_text())["max_position_embeddings"]
+    with pytest.raises(SystemExit, match=f"--max-new-tokens {context}: with the prompt's "
+                                         f"[0-9]+ tokens that is past the model's context, "
+                                         f"{context} tokens"):
+        M.main(["generate", "--model", str(tmp_path), "--prompt", "w1 w2", "--max-new-tokens",
+                str(context)])
 
 
 def test_generate_refuses_a_temperature_that_overflows_the_logits():

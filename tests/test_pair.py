@@ -280,6 +280,11 @@ def test_train_eval_report_cli(features_dir, tmp_path, capsys):
     assert sorted(rows) == sorted(expect) and len(rows) == len(pair.METHODS)
     drop = {row[0]: float(row[3]) for row in rows}
     assert drop["Last-token"] > 0.15 and drop["PAIR"] < drop["Last-token"] - 0.1
+    # a clean AUROC of 0 (a tiny test split can give one) has a drop but no relative drop
+    det["last_token"][clean]["auroc"]["mean"] = 0.0
+    table = pair.render_markdown(rep, "gta").split("## (b)")[1]
+    assert f"| Last-token | 0.000 | {auroc['last_token'][contam]:.3f} |" in table
+    assert table.split("| Last-token |")[1].split("\n")[0].rstrip().endswith("| n/a |")
 
 
 def _truncate(path: Path, keep: int = 100):
@@ -767,3 +772,24 @@ def test_extract_of_an_empty_file_says_so(shop_ckpt, tmp_path):
         pair.main(["extract", "--model", str(ckpt), "--data", str(empty), "--out",
                    str(tmp_path / "f.safetensors")])
     assert "errors above" not in str(stop.value)
+
+
+def test_an_out_that_is_a_directory_is_refused_before_any_work(tmp_path):
+    # it was refused only after the extraction or the fit, naming a temporary file
+    d = tmp_path / "d"
+    d.mkdir()
+    for main, argv in ((pair.main, ["extract", "--model", "no-model", "--data", "no.json"]),
+                       (pair.main, ["eval", "--probes", "no-probes", "--features", "no"]),
+                       (probes.main, ["fit", "--features", "no", "--feature", "last_token"])):
+        with pytest.raises(SystemExit, match=f"^error: --out {d} is a directory; name the file"):
+            main([*argv, "--out", str(d)])
+    assert not list(d.iterdir()) and not pair.parts_dir(d).exists()
+
+
+def test_a_negative_seed_is_refused(tmp_path, capsys):
+    # it wrote seed-1/, which grpo.py --probes then did not recognise as a seed's probes
+    with pytest.raises(SystemExit):
+        pair.main(["train", "--features", str(tmp_path), "--out", str(tmp_path / "m"),
+                   "--seeds", "42", "-1"])
+    assert "argument --seeds: must be >= 0, not -1" in capsys.readouterr().err
+    assert not (tmp_path / "m").exists()

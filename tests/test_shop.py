@@ -382,6 +382,10 @@ def test_make_data_is_byte_for_byte_deterministic(data, tmp_path):
         (data / "clean_train.json").read_bytes()
     with pytest.raises(ValueError, match="--episodes 1"):
         shop.make_shop_data(tmp_path, episodes=1)
+    # past the train seeds' range: refused at once (it ran for hours before the range check)
+    with pytest.raises(ValueError, match="--episodes 1000000000000: 2 to 4,500,000"):
+        shop.make_shop_data(tmp_path / "huge", episodes=10**12)
+    assert not (tmp_path / "huge").exists()
 
 
 def test_make_data_says_what_it_wrote_in_the_users_file_mode(tmp_path, capsys, monkeypatch):
