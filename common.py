@@ -56,6 +56,13 @@ def write_atomic(path: Path, data: bytes | str) -> None:
         raise
 
 
+def refuse_dir_out(path) -> None:
+    """An --out that names a file to write, checked before any work: not a directory (else
+    write_atomic would fail only at the end, naming its temporary file)."""
+    if path is not None and Path(path).is_dir():
+        raise SystemExit(f"error: --out {path} is a directory; name the file to write")
+
+
 def write_json(path: Path, obj, indent: int = 1) -> None:
     write_atomic(path, json.dumps(obj, indent=indent) + "\n")
 

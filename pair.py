@@ -1233,8 +1233,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv=None) -> None:
     args = build_parser().parse_args(argv)
-    if args.func in (cmd_extract, cmd_eval) and args.out and Path(args.out).is_dir():
-        sys.exit(f"error: --out {args.out} is a directory; name the file to write")  # before work
+    if args.func in (cmd_extract, cmd_eval):
+        common.refuse_dir_out(args.out)
     try:
         with contextlib.ExitStack() as stack:
             # Claimed before any work (extract: before the model loads): a busy output is

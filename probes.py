@@ -499,8 +499,7 @@ def main(argv=None) -> None:
 
 def run(args) -> None:
     if args.cmd == "fit":
-        if Path(args.out).is_dir():                 # said before the fit, not after it
-            sys.exit(f"error: --out {args.out} is a directory; name the file to write")
+        common.refuse_dir_out(args.out)
         raw, meta = load_features(args.features)
         probe = Probe(info={"feature": args.feature, "train": meta.get("data"),
                             **source(meta)})
