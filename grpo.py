@@ -412,6 +412,21 @@ def lr_at(step: int, args) -> float:
     return args.lr * min(1.0, (step + 1) / warm)
 
 
+def micro_batches(lengths: list[int], rows: int, tokens: int) -> list[list[int]]:
+    """Consecutive rows in groups of at most `rows` rows and `tokens` padded tokens (rows x the
+    longest), so that the update's memory is bounded whatever the rollouts' lengths; a row
+    longer than `tokens` goes alone (a row is bounded by --max-len)."""
+    chunks, longest = [], 0
+    for r, n in enumerate(lengths):
+        longest = max(longest, n)
+        if chunks and len(chunks[-1]) < rows and (len(chunks[-1]) + 1) * longest <= tokens:
+            chunks[-1].append(r)
+        else:
+            chunks.append([r])
+            longest = n
+    return chunks
+
+
 def update(policy, optimizer, batch: Batch, args, world) -> dict:
     """`--ppo-epochs` passes over the batch in micro-batches; one AdamW step per pass."""
     params = [p for p in policy.parameters() if p.requires_grad]
@@ -422,9 +437,7 @@ def update(policy, optimizer, batch: Batch, args, world) -> dict:
         # and an AdamW step on zero gradients would still move the adapter by its momentum
         return {"loss": 0.0, "kl": 0.0, "clip_frac": 0.0, "ratio": 0.0, "grad_norm": 0.0,
                 "tokens": 0, "empty_batch": 1, "skipped_updates": 0}
-    rows = len(batch.lengths)
-    chunks = [list(range(i, min(i + args.micro_batch, rows)))
-              for i in range(0, rows, args.micro_batch)]
+    chunks = micro_batches(batch.lengths, args.micro_batch, args.micro_batch_tokens)
     dev = model.input_device(policy)
     # log pi at the sampling temperature: the distribution the tokens were drawn from. The
     # release takes the model's own (T = 1) whatever it sampled at; `release` does as it does.

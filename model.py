@@ -36,7 +36,10 @@ Generation follows gpt-fast's small functions (`prefill`, `decode_one_token`, `s
 generated token, the final <|im_end|> included, is fed through the model once: the cache holds it,
 and `accumulate` adds its statistics and hidden states to its turn's running sums (`TurnStats`),
 so no second forward pass is run. As in gpt-fast, the decoding step runs compiled
-(`torch.compile`) where that pays: a small model on the CPU (compiled_step).
+(`torch.compile`) where that pays: a small model on the CPU, and any model on one GPU, where it
+is also captured as a CUDA graph (compiled_step). The GRPO update's log-probabilities
+(`token_logprobs`) recompute each block and the head in chunks, so that a long rollout's update
+holds little more than one (T, d) tensor per block.
 Departure from the authors' release (METHOD.md §4): std is over the i+1 causal keys, not the whole
 padded row, and the statistics come from the generation pass instead of a second eager forward.
 
@@ -57,6 +60,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+import torch.utils.checkpoint
 from torch import Tensor, nn
 
 import common
@@ -68,6 +72,9 @@ DEFAULT_SYSTEM = "You are Qwen, created by Alibaba Cloud. You are a helpful assi
 # Span rows are scored in chunks of at most this many float32 scores (8 MB): the few temporaries
 # of a chunk stay below what the MLP of the same block holds anyway, so peak memory is unchanged.
 STATS_CHUNK = 1 << 21
+# On a GPU the chunk's launches cost more than its memory: 256 MB of scores, a 256-row span over
+# 8,192 keys of the 7B's 28 heads in one product per layer.
+STATS_CHUNK_GPU = 1 << 26
 # --dtype of every script takes these names, torch's, and only these
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -111,11 +118,20 @@ def attention_mask(positions: Tensor, key_positions: Tensor, window: int | None)
 # KV cache: one per layer, on that layer's device, slot index = absolute position
 
 
+def static_address(t: Tensor) -> Tensor:
+    """t, marked as a tensor a CUDA graph may write into in place: the compiled decoding step is
+    replayed with the addresses it was captured with, and torch.compile captures no graph that
+    mutates an input unless that input keeps its address."""
+    if t.is_cuda:
+        torch._dynamo.mark_static_address(t, guard=False)
+    return t
+
+
 class KVCache:
     def __init__(self, batch_size, n_kv_heads, head_dim, capacity, dtype, device):
         shape = (batch_size, n_kv_heads, capacity, head_dim)
-        self.k = torch.zeros(shape, dtype=dtype, device=device)
-        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.k = static_address(torch.zeros(shape, dtype=dtype, device=device))
+        self.v = static_address(torch.zeros(shape, dtype=dtype, device=device))
         # Number of real tokens per row, kept on the CPU: where each row's next token goes (the
         # trunk's default positions, the decoding step's positions and the key slots it reads).
         self.lengths = torch.zeros(batch_size, dtype=torch.long)
@@ -134,7 +150,7 @@ class KVCache:
             old = getattr(self, name)
             t = old.new_zeros(old.shape[0], old.shape[1], new, old.shape[3])
             t[:, :, :old.shape[2]] = old
-            setattr(self, name, t)
+            setattr(self, name, static_address(t))
 
     def write(self, k: Tensor, v: Tensor, positions: Tensor, size: int) -> tuple[Tensor, Tensor]:
         """Store k, v (B, KV, T, D) at slots `positions` (B, T); return slots [0, size)."""
@@ -351,13 +367,17 @@ class Attention(nn.Module):
         return (self.o_proj(out) if w is None else F.linear(out, *w[1])), numbers
 
     def span_stats(self, sums, q, k, mask, positions, key_pos, rows: SpanRows):
-        # Recompute q k^T for the span rows only, a chunk of rows at a time: (B, H, c, S).
+        """Recompute q k^T for the span rows only, a chunk of rows at a time: (B, H, c, S).
+        mask None: the plain causal forward, whose span rows' masks are built here."""
         B, H, _, _ = q.shape
         k = k.float()
-        step = max(1, STATS_CHUNK // (B * H * k.shape[2]))
+        budget = STATS_CHUNK if q.device.type == "cpu" else STATS_CHUNK_GPU
+        step = max(1, budget // (B * H * k.shape[2]))
         for a in range(rows.lo, rows.hi, step):
             b = min(a + step, rows.hi)
-            p = attention_probs(q[:, :, a:b], k, mask[:, :, a:b], self.scale)
+            m = attention_mask(positions[:, a:b], key_pos, None) if mask is None \
+                else mask[:, :, a:b]
+            p = attention_probs(q[:, :, a:b], k, m, self.scale)
             add_row_stats(sums, p, positions[:, a:b], key_pos, rows, a, b)
 
 
@@ -369,12 +389,20 @@ class Block(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, x, cos, sin, mask, positions, key_pos, cache=None, rows=None):
+    def forward(self, x, cos, sin, mask, positions, key_pos, cache=None, rows=None,
+                mlp_chunk=None):
+        """mlp_chunk: the MLP over at most this many tokens at a time, each chunk recomputed in
+        the backward pass (the update of a long rollout: its (T, intermediate) activations,
+        most of what a recomputed block holds, then never exist for the whole sequence)."""
         a, sums = self.self_attn(self.input_layernorm(x), cos, sin, mask, positions, key_pos,
                                  cache, rows)
         x = x + a
-        x = x + self.mlp(self.post_attention_layernorm(x))
-        return x, sums
+        h = self.post_attention_layernorm(x)
+        if mlp_chunk is None or x.shape[1] <= mlp_chunk:
+            return x + self.mlp(h), sums
+        return x + torch.cat([torch.utils.checkpoint.checkpoint(
+            self.mlp, h[:, i:i + mlp_chunk], use_reentrant=False)
+            for i in range(0, x.shape[1], mlp_chunk)], 1), sums
 
     def decode(self, x, cos, sin, bias, pos, kv, before=None, w=None):
         """forward for one new token per row (Attention.decode): (B, 1, d) -> (B, 1, d).
@@ -465,19 +493,23 @@ class Transformer(nn.Module):
                                                   output_hidden_states)
         return Output(self.lm_head(h).float() if logits else None, hidden_states, attn_stats)
 
-    def trunk(self, input_ids, positions=None, cache=None, span=None, output_hidden_states=False):
+    def trunk(self, input_ids, positions=None, cache=None, span=None, output_hidden_states=False,
+              recompute=False):
         """Everything up to the final norm: (B,T,d) normed output, hidden states, span stats.
 
         input_ids (B, T); positions (B, T) absolute positions (default: right after the cache's
         tokens, else 0..T-1); span (start, end) or one per row, in absolute positions.
         With a cache, K/V are written at `positions` and each row's length grows to cover them.
+        recompute: activation checkpointing where a gradient is wanted: each block keeps only its
+        input and runs again in the backward pass, its MLP in chunks of MLP_CHUNK tokens (the
+        update of a long rollout).
         """
         B, T = input_ids.shape
         dev = self.model.embed_tokens.weight.device
-        # A plain causal forward from position 0 (the GRPO update, log-probabilities) lets
+        # A causal forward from position 0 (the GRPO update, teacher-forced traces) lets
         # PyTorch's fused causal kernel skip the mask: upper-left causal is right there, and in a
-        # right-padded batch no real token sees a pad. Statistics need the explicit mask.
-        fused_causal = (positions is None and cache is None and span is None and T > 1
+        # right-padded batch no real token sees a pad. The span rows' statistics build their own.
+        fused_causal = (positions is None and cache is None and T > 1
                         and all(w is None for w in self.windows))
         if positions is None:
             start = cache[0].lengths if cache is not None else torch.zeros(B, dtype=torch.long)
@@ -497,8 +529,13 @@ class Transformer(nn.Module):
         hidden_states = [x] if output_hidden_states else None
         layer_sums = []
         for i, layer in enumerate(self.model.layers):
-            x, sums = layer(x, cos, sin, masks[self.windows[i]], positions, key_pos,
-                            cache[i] if cache is not None else None, rows)
+            inputs = (x, cos, sin, masks[self.windows[i]], positions, key_pos,
+                      cache[i] if cache is not None else None, rows)
+            if recompute and torch.is_grad_enabled():
+                x, sums = torch.utils.checkpoint.checkpoint(
+                    layer, *inputs, mlp_chunk=max(1, MLP_CHUNK // B), use_reentrant=False)
+            else:
+                x, sums = layer(*inputs)
             layer_sums.append(sums)
             if output_hidden_states and i < len(self.model.layers) - 1:
                 hidden_states.append(x)
@@ -527,9 +564,10 @@ class Transformer(nn.Module):
         read once by a caller that decodes many tokens with the same weights (checking that they
         are current costs a fair part of a small model's step).
 
-        A small model's decoding step costs its number of operations, not their arithmetic, so
-        where every block decodes with fused weights on the CPU the step runs as one compiled
-        graph (compiled_step). That graph attends over the slots in use rounded up to a whole
+        A small model's decoding step on the CPU costs its number of operations, not their
+        arithmetic, and a GPU's step waits on the CPU to launch its kernels one by one, so the
+        step runs compiled where it can: one graph, and on a GPU one captured CUDA graph
+        (compiled_step). That graph attends over the slots in use rounded up to a whole
         number of KEY_BLOCKs (at most the capacity), the slots past each row's position masked
         out, so that its shapes change once every KEY_BLOCK tokens, not at each; the eager step
         attends over the slots in use."""
@@ -542,8 +580,17 @@ class Transformer(nn.Module):
         step = compiled_step(w, cache)
         if step is not None:
             try:
-                blocks = -(-size // KEY_BLOCK) * KEY_BLOCK
-                return step(self, *args, min(cache[0].capacity, blocks))
+                blocks = min(cache[0].capacity, -(-size // KEY_BLOCK) * KEY_BLOCK)
+                if not cache[0].k.is_cuda:
+                    return step(self, *args, blocks)
+                # A CUDA graph reads device tensors only, and its outputs live in memory that its
+                # next replay overwrites: the caller gets copies.
+                dev = cache[0].k.device
+                self.inv_freq = self.inv_freq.to(dev)
+                on_dev = [None if t is None else t.to(dev) for t in args[:3]]
+                torch.compiler.cudagraph_mark_step_begin()
+                out = step(self, *on_dev, *args[3:], blocks)
+                return tuple(None if t is None else t.clone() for t in out)
             except COMPILE_ERRORS as e:
                 compile_failed(e)
         return self.decode_step(*args, size)
@@ -614,7 +661,9 @@ KEY_BLOCK = 128
 # in a shop-long `pair` run, over torch's default limit of 8, past which the step decoded
 # eagerly for the rest of the process.
 RECOMPILE_LIMIT = 32
-_compiled = {}          # "step": Transformer.decode_step compiled; "failed": why it was given up
+# a CUDA graph per step, every size symbolic from the first compile (compiled_step)
+COMPILE_OPTIONS = {"cpu": {}, "cuda": {"mode": "reduce-overhead", "dynamic": True}}
+_compiled = {}          # device kind: Transformer.decode_step compiled; "failed": why given up
 _exc = torch._dynamo.exc
 # Compiling failed: no working C++ compiler, or past the limit (named FailOnCacheLimitHit before
 # torch 2.7), which fullgraph=True raises instead of running the step eagerly
@@ -624,17 +673,27 @@ COMPILE_ERRORS = (_exc.TorchDynamoException, *(getattr(_exc, name) for name in (
 
 def compiled_step(w: list, cache: list[KVCache]):
     """Transformer.decode_step compiled (called with the model first), or None where compiling
-    does not pay or is not wanted: a block decoding with its modules (bfloat16, a gradient, a
-    model bound by reading its weights rather than by its operations: Block.decode_weights), a
-    cache off the CPU, PAIR_COMPILE=0, or an earlier failure. torch compiles it for the shapes of
-    its first call and, at the first change, once more with the sizes that changed left symbolic
-    (the batch, the key slots, the capacity), and once per relation among them (RECOMPILE_LIMIT):
-    a third size reuses a graph. Everything else (the weights' shapes, the norms' epsilon) stays
-    a constant of the graph."""
-    if not COMPILE or "failed" in _compiled or any(x is None for x in w) or \
-            any(c.k.device.type != "cpu" for c in cache):
+    does not pay or is not wanted: PAIR_COMPILE=0, an earlier failure, a model split over several
+    devices, or on the CPU a block decoding with its modules (bfloat16, a gradient, a model bound
+    by reading its weights rather than by its operations: Block.decode_weights).
+
+    On the CPU (a small model: its step costs its number of operations) inductor compiles it for
+    the shapes of its first call and, at the first change, once more with the sizes that changed
+    left symbolic (the batch, the key slots, the capacity), and once per relation among them
+    (RECOMPILE_LIMIT): a third size reuses a graph. Everything else (the weights' shapes, the
+    norms' epsilon) stays a constant of the graph.
+
+    On a GPU it is also captured as a CUDA graph (mode="reduce-overhead", gpt-fast's recipe): a
+    step is one launch instead of a few thousand kernels, each waiting on the CPU. The graph
+    writes the cache in place at the addresses it was captured with (static_address, and
+    generate reserves a whole generation's slots first); every size is symbolic from the first
+    call, so one compile serves each batch and key-slot count, a graph recorded for each."""
+    if not COMPILE or "failed" in _compiled or len({c.k.device for c in cache}) > 1:
         return None
-    if "step" not in _compiled:
+    kind = cache[0].k.device.type
+    if kind == "cpu" and any(x is None for x in w) or kind not in ("cpu", "cuda"):
+        return None
+    if kind not in _compiled:
         print("model.py: compiling the decoding step (under a minute the first time on a machine, "
               "seconds later; PAIR_COMPILE=0 decodes eagerly)", file=sys.stderr, flush=True)
         limit = {}
@@ -644,8 +703,13 @@ def compiled_step(w: list, cache: list[KVCache]):
             config = torch._dynamo.config
             name = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"
             setattr(config, name, max(getattr(config, name), RECOMPILE_LIMIT))
-        _compiled["step"] = torch.compile(Transformer.decode_step, fullgraph=True, **limit)
-    return _compiled["step"]
+        if kind == "cuda":
+            # Every size symbolic, each its own symbol: "duck" sizing would take two sizes equal
+            # at the first call (4 rows, 4 key heads) for one, and compile again when they part.
+            torch.fx.experimental._config.use_duck_shape = False
+        _compiled[kind] = torch.compile(Transformer.decode_step, fullgraph=True, **limit,
+                                        **COMPILE_OPTIONS[kind])
+    return _compiled[kind]
 
 
 def compile_failed(error: Exception):
@@ -854,19 +918,42 @@ def trace_batch(model: Transformer, seqs: list[list[int]], spans, stop_ids=None,
     return traces
 
 
+# A recomputed block runs its MLP over at most this many tokens (rows x positions) at a time.
+MLP_CHUNK = 4096
+# The head's float32 logits over a 152k vocabulary take 0.58 GiB per 1,000 tokens, and the update
+# would hold several such copies (the logits, / T, the log-softmax, their gradients): it scores
+# at most this many logits at a time (64 MB), and scores them again in the backward pass.
+LOGITS_CHUNK = 1 << 24
+
+
 def token_logprobs(policy, ids: torch.Tensor, mask: torch.Tensor,
                    temperature: float = 1.0) -> torch.Tensor:
     """log pi(x_j | x_<j) at the masked positions j, in row-major order -> (N,) float32.
 
-    The head runs only on the N positions that count: the (B, T, V) logits of a long multi-turn
-    rollout with a 150k vocabulary would not fit in memory."""
-    h, _, _ = policy.trunk(ids)                                 # (B, T, d) after the final norm
+    Sized for the update of a long multi-turn rollout: the head runs only on the N positions
+    that count, LOGITS_CHUNK // V of them at a time, and where a gradient is wanted each block,
+    each MLP_CHUNK tokens of its MLP and each chunk of the head are recomputed in the backward
+    pass instead of kept (activation checkpointing), so what the call holds is about one (T, d)
+    input per block: neither the (N, V) logits nor the MLPs' (T, intermediate) activations ever
+    exist for the whole rollout."""
+    h, _, _ = policy.trunk(ids, recompute=True)                 # (B, T, d) after the final norm
     h = h[:, :-1]                                               # position j predicts x_{j+1}
     target = mask[:, 1:].to(h.device)
-    logits = policy.lm_head(h[target]).float()                  # (N, V)
+    h, labels = h[target], ids[:, 1:].to(h.device)[target]      # (N, d), (N,)
+    n = max(1, LOGITS_CHUNK // policy.config.vocab_size)
+    parts = []
+    for a in range(0, len(labels), n):
+        inputs = (policy.lm_head, h[a:a + n], labels[a:a + n], temperature)
+        parts.append(torch.utils.checkpoint.checkpoint(head_logprobs, *inputs, use_reentrant=False)
+                     if torch.is_grad_enabled() else head_logprobs(*inputs))
+    return torch.cat(parts) if parts else torch.zeros(0, device=h.device)
+
+
+def head_logprobs(lm_head: nn.Module, h: Tensor, labels: Tensor, temperature: float) -> Tensor:
+    """log softmax(lm_head(h) / T)[label] of each row: (n, d), (n,) -> (n,) float32."""
+    logits = lm_head(h).float()                                 # (n, V)
     if temperature > 0:
         logits = logits / temperature
-    labels = ids[:, 1:].to(h.device)[target]                    # (N,)
     return torch.log_softmax(logits, dim=-1).gather(1, labels[:, None]).squeeze(1)
 
 
@@ -986,6 +1073,16 @@ def accumulate(acc: TurnStats, attn: Tensor, hidden: Tensor, fed: Tensor):
     acc.h_last = torch.where(fed[None, :, None], hidden, acc.h_last)
 
 
+def reserve_slots(cache: list[KVCache], steps: int):
+    """Room for `steps` more tokens a row, and past the last block of key slots a decoding step
+    attends over, reserved before a generation on a GPU: the captured step then writes at the
+    same addresses to its end, and its key slots never fill the cache, a relation between the
+    sizes that torch would compile a graph of its own for (at 7B, a minute and more)."""
+    need = -(-(int(cache[0].lengths.max()) + steps) // KEY_BLOCK) * KEY_BLOCK + 1
+    for c in cache:
+        c.grow(need)
+
+
 @torch.no_grad()
 def generate(model: Transformer, cache, new_tokens: list[list[int]], max_new_tokens: int,
              temperature=1.0, top_p=1.0, stop_ids=None, generator=None,
@@ -1025,6 +1122,8 @@ def generate(model: Transformer, cache, new_tokens: list[list[int]], max_new_tok
     finished = torch.zeros(B, dtype=torch.bool, device=dev)
     stop = torch.tensor(stop_ids, dtype=torch.long, device=dev)
     acc = TurnStats.zeros(model.config, B, dev) if stats else None
+    if cache[0].k.is_cuda and steps:
+        reserve_slots(cache, steps)
     w = model.decode_weights()                  # no_grad: the weights cannot change in the loop
     for t in range(steps):
         token = sample(logits, temperature, top_p, generator)                # (B,)

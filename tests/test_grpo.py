@@ -1155,7 +1155,7 @@ def test_cli_help_lists_every_reward_and_the_real_defaults():
         assert name in r.stdout
     text = " ".join(r.stdout.split())       # wide enough that no default is broken at a "-"
     assert "default: None" not in text and text.count("(default:", text.index("--micro-batch"),
-                                                      text.index("--grad-clip")) == 1
+                                                      text.index("--micro-batch-tokens")) == 1
     for key, paper in runs.PAPER_HPARAMS.items():
         flag = f"--{key.replace('_', '-')} {key.upper()} "
         default = text[text.index("(default:", text.index(flag)):][:80]   # its help's last part
@@ -2239,3 +2239,12 @@ def test_a_run_refused_before_its_first_step_leaves_nothing_behind(tiny_policy, 
     with pytest.raises(SystemExit, match="^error: .*stage2.safetensors"):
         run(flags(tiny_policy, tmp_path / "r2", "pair", probes=tmp_path / "probes"))
     assert not (tmp_path / "r2").exists()
+
+
+def test_micro_batches_bound_rows_and_padded_tokens():
+    """At most `rows` consecutive rows and rows x longest <= tokens per micro-batch; a row over
+    the token bound goes alone."""
+    assert grpo.micro_batches([5, 5, 5, 5, 5], 4, 100) == [[0, 1, 2, 3], [4]]
+    assert grpo.micro_batches([10, 30, 20, 70, 5, 5], 4, 60) == [[0, 1], [2], [3], [4, 5]]
+    assert grpo.micro_batches([10, 30, 20, 200, 5], 4, 90) == [[0, 1, 2], [3], [4]]
+    assert grpo.micro_batches([], 4, 90) == []

@@ -953,3 +953,93 @@ def test_real_checkpoint_greedy_equals_transformers(qwen05b_dir):
         assert trace.tokens == expected, tok.decode(trace.tokens)
         assert trace.finished == (tok.im_end_id in row)
     assert all(math.isfinite(float(t.attn["entropy"].sum())) for t in ours)
+
+
+# ---------------------------------------------------------------------------------------------
+# The update at scale: blocks recomputed, the head in chunks; the GPU's compile settings
+
+
+@pytest.mark.parametrize("name, mlp_chunk", [("qwen2-gqa-tied", 5), ("llama-bias-headdim", 5),
+                                             ("qwen2-gqa-tied", None)])
+def test_update_logprobs_recomputed_and_chunked_equal_the_plain_path(monkeypatch, name,
+                                                                     mlp_chunk):
+    check_update_logprobs(monkeypatch, name, "cpu", mlp_chunk)
+
+
+def check_update_logprobs(monkeypatch, name, device, mlp_chunk):
+    """token_logprobs as the update calls it (each block recomputed in the backward pass, its
+    MLP mlp_chunk positions at a time and the head 3 rows at a time, also recomputed) against
+    the straightforward computation (every activation kept, the (N, V) logits whole): the same
+    log-probabilities and the same adapter gradients within 1e-5, on a right-padded batch of
+    two rows at T = 0.7. With the MLP whole (mlp_chunk None), LoRA dropout is on: the
+    recomputation replays its masks (a chunked MLP draws them chunk by chunk, other masks)."""
+    monkeypatch.setattr(M, "LOGITS_CHUNK", 3 * 64)              # 3 rows of a 64-token vocabulary
+    monkeypatch.setattr(M, "MLP_CHUNK", 2 * (mlp_chunk or T))   # 2 rows x mlp_chunk positions
+    model = M.apply_lora(random_model(name, seed=3).to(device), r=4, alpha=8,
+                         dropout=0.0 if mlp_chunk else 0.05).train()
+    with torch.no_grad():
+        for _, p in M.lora_parameters(model):
+            p.normal_(0, 0.2, generator=torch.Generator(p.device).manual_seed(p.numel()))
+    g = torch.Generator().manual_seed(4)
+    ids = torch.randint(3, 64, (2, T), generator=g)
+    mask = torch.zeros(2, T, dtype=torch.bool)
+    mask[0, 4:], mask[1, 2:7] = True, True                      # row 1 padded after 7 tokens
+    ids, mask = ids.to(device), mask.to(device)
+    params = [p for _, p in M.lora_parameters(model)]
+
+    def run(fn):
+        torch.manual_seed(0)                                    # the same dropout masks
+        logp = fn()
+        weights = torch.linspace(-1, 1, len(logp), device=logp.device)
+        grads = torch.autograd.grad((logp * weights).sum(), params)
+        return logp.detach(), grads
+
+    def plain():
+        h, _, _ = model.trunk(ids)
+        logits = model.lm_head(h[:, :-1][mask[:, 1:]]).float() / 0.7
+        return torch.log_softmax(logits, -1).gather(1, ids[:, 1:][mask[:, 1:]][:, None])[:, 0]
+
+    recomputed, checkpoint = [], torch.utils.checkpoint.checkpoint
+    monkeypatch.setattr(torch.utils.checkpoint, "checkpoint",
+                        lambda fn, *a, **kw: recomputed.append(fn) or checkpoint(fn, *a, **kw))
+    logp, grads = run(lambda: M.token_logprobs(model, ids, mask, 0.7))
+    n_blocks, n_head = len(model.model.layers), sum(f is M.head_logprobs for f in recomputed)
+    n_mlp = sum(isinstance(f, M.MLP) for f in recomputed)
+    assert sum(isinstance(f, M.Block) for f in recomputed) == n_blocks
+    # each block's MLP chunks: in the forward, and again when the backward recomputes the block
+    assert n_head == -(-len(logp) // 3) > 1
+    assert n_mlp == (2 * n_blocks * -(-T // mlp_chunk) if mlp_chunk else 0)
+    ref_logp, ref_grads = run(plain)
+    assert len(logp) == int(mask[:, 1:].sum())
+    torch.testing.assert_close(logp, ref_logp, atol=1e-5, rtol=1e-5)
+    for a, b in zip(grads, ref_grads):      # float32 sums in another order: 1e-5 of the scale
+        assert (a - b).abs().max() <= 1e-5 * b.abs().max()
+    assert max(a.abs().max() for a in grads) > 1e-3             # the gradients are not all zero
+
+
+def test_decoding_compiled_with_the_gpu_settings_equals_the_straightforward_loop(monkeypatch):
+    """On a GPU the step is compiled with every size symbolic, each its own symbol, from the first
+    call and captured as a CUDA graph (model.COMPILE_OPTIONS["cuda"]); the graph replays the
+    compiled kernels, so the compiled step with those settings, run here on the CPU, must give
+    the eager loop's tokens and statistics over generations whose key slots, batch rows and
+    spans all change; and with the slots reserved as a GPU generation reserves them, all of
+    them must run one graph (a compile of the 7B's step takes minutes)."""
+    torch._dynamo.reset()
+    graphs = torch._dynamo.utils.counters["stats"]
+    monkeypatch.setattr(M, "COMPILE", True)
+    monkeypatch.setattr(M, "_compiled", {})
+    monkeypatch.setattr(M, "KEY_BLOCK", 4)
+    monkeypatch.setitem(M.COMPILE_OPTIONS, "cpu", {"dynamic": True})
+    monkeypatch.setattr(torch.fx.experimental._config, "use_duck_shape", False)
+    model = random_model("qwen2-gqa-tied", seed=11)
+    g = torch.Generator().manual_seed(12)
+    prompts = [torch.randint(3, 64, (n,), generator=g).tolist() for n in (6, 3, 9, 4)]
+    before = graphs["unique_graphs"]
+    check_decoding(model, prompts, 1.0, seed=5)
+    check_decoding(model, prompts[:2], 0.0, seed=6)
+    for B, n in ((4, 10), (3, 25), (1, 7)):
+        cache = model.new_cache(B, 4)
+        M.reserve_slots(cache, 9 + n)
+        M.generate(model, cache, prompts[:B], n, stop_ids=[], generator=g)
+    assert "cpu" in M._compiled and "failed" not in M._compiled
+    assert graphs["unique_graphs"] - before == 2        # a batch of one row is its own graph
