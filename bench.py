@@ -1,28 +1,38 @@
-"""Speed and memory of model.py's internal signals, on any checkpoint in bfloat16 (targets set for
-the real 0.5B; the built-in policy, data/shop-policy, runs in under a minute).
+"""Speed and memory of model.py where the training run spends them, on any device, against plain
+forwards and `transformers`; every ratio is printed next to its target.
 
-One 2,048-token sequence with a 256-token span (the span = its last 256 tokens):
-  1. forward with attention statistics / plain forward: time and peak memory;
-  2. our forward with statistics and hidden states vs transformers eager with
-     output_attentions=True, output_hidden_states=True: time and peak memory;
-  3. generation, sampled at T = 1, exactly n new tokens a row: --batch rows x --new-tokens, and
-     GRPO's training shape on the built-in policy, 32 rows x 96 tokens: with statistics /
-     without, and our tokens per second vs transformers' generate() (its sdpa attention);
-     for information, our compiled decoding step against the eager one (model.compiled_step);
-  4. the PAIR reward of one generated turn (its features read from the trace, both stages, the
-     temperature clip and the momentum), with a PAIR fitted on this model's feature shapes,
-     against the paper's ~0.2 ms per step (Table complexity).
-Each ratio is printed next to its target.
+    python bench.py --device cuda --shape qwen2.5-7b      # the paper's model, random weights
+    python bench.py --shape update-proxy --sections update --dtype float32     # its CPU proxy
+    python bench.py --model data/shop-policy --dtype float32 --threads 1      # a checkpoint
 
-Measurement: time is the best of --repeats runs (the CPU is shared, so the minimum is the least
-noisy estimate). Peak memory is the highest number of bytes held by tensors allocated during the
-call, read from the "Total Allocated" counter of PyTorch's CPU allocator as torch.profiler reports
-it (profile_memory=True), in a separate run: weights already resident are excluded and whatever
-the call returns (hidden states, attention matrices) is included. No forward computes full logits:
-ours runs with logits=False and transformers with logits_to_keep=1, so the comparison is about
-what the internal signals cost, not about a 2,048 x 151,936 logits matrix.
+--shape builds random weights of a named real shape in memory (no download): qwen2.5-7b,
+qwen2.5-0.5b, the built-in policies (shop-policy, shop-long-policy: their config.json), and
+update-proxy (width 1024, 8 layers, the real 152k vocabulary: what the 7B's update holds per
+token, at a size a CPU can run). --model reads a checkpoint directory instead. `transformers`
+gets the same weights (no second copy) and is imported here only: it is what we measure
+against, not a dependency.
 
-transformers is imported here only: it is the library we measure against, not a dependency.
+Sections (--sections):
+  forward     one sequence of --seq-lens tokens with a span of its last --span tokens: the forward
+              with attention statistics / the plain forward, and ours with statistics and hidden
+              states against transformers' eager forward with output_attentions and
+              output_hidden_states (where its T x T attention maps fit the device);
+  generation  --batch rows x --new-tokens sampled tokens at T = 1, and GRPO's shape of 32 x 96:
+              with statistics / without, tokens per second against transformers' generate() (its
+              sdpa attention, its default cache), and on a GPU one decoding step at --batch rows
+              against the time it takes to read the weights once (the floor of a step);
+  update      the GRPO update's model.token_logprobs forward and backward, LoRA r 16 (dropout
+              0.05) on every projection, one row of each of --update-tokens tokens: peak memory
+              held by the call, less the adapter's gradients, per 1,000 tokens; and the paper's
+              GRPO step (G = 4 rollouts of 12,288 tokens in micro-batches of at most 16,384)
+              beside the weights;
+  reward      the PAIR reward of one generated turn, against the paper's ~0.2 ms per step.
+
+Time is the best of --repeats runs (on a shared CPU the minimum is the least noisy estimate). Peak
+memory is the most bytes held by tensors allocated during the call: on a GPU its allocator's
+peak, on the CPU the "Total Allocated" counter of PyTorch's CPU allocator as torch.profiler reports
+it; weights already resident are excluded, whatever the call returns is included. No forward
+computes full logits (ours logits=False, transformers logits_to_keep=1).
 """
 import argparse
 import json
@@ -32,7 +42,6 @@ import time
 from pathlib import Path
 
 import torch
-from torch.profiler import ProfilerActivity, profile
 
 import common
 import model as M
@@ -40,31 +49,70 @@ import pair
 import probes
 import weights
 
-DEFAULT_MODEL = Path.home() / ".cache" / "pair-models" / "qwen2.5-0.5b"
-PROMPTS = ["Explain how a hash map handles collisions.",
-           "Write a short story about a lighthouse keeper.",
-           "List the planets of the solar system with one fact each.",
-           "What are the trade-offs between TCP and UDP?"]
+ROOT = Path(__file__).resolve().parent
+QWEN2 = dict(architectures=["Qwen2ForCausalLM"], model_type="qwen2", hidden_act="silu",
+             rms_norm_eps=1e-6, max_position_embeddings=32768, rope_theta=1e6)
+SHAPES = {
+    "qwen2.5-7b": dict(QWEN2, vocab_size=152064, hidden_size=3584, intermediate_size=18944,
+                       num_hidden_layers=28, num_attention_heads=28, num_key_value_heads=4,
+                       tie_word_embeddings=False),
+    "qwen2.5-0.5b": dict(QWEN2, vocab_size=151936, hidden_size=896, intermediate_size=4864,
+                         num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2,
+                         tie_word_embeddings=True),
+    "update-proxy": dict(QWEN2, vocab_size=152064, hidden_size=1024, intermediate_size=5504,
+                         num_hidden_layers=8, num_attention_heads=16, num_key_value_heads=16,
+                         tie_word_embeddings=False),
+}
+POLICIES = ("shop-policy", "shop-long-policy")
+SECTIONS = ("forward", "generation", "update", "reward")
+GiB = 2 ** 30
 
 
-def best_times(runs: dict, repeats: int) -> dict[str, float]:
+def shape_config(name: str) -> dict:
+    if name in POLICIES:
+        return json.loads((ROOT / "data" / name / "config.json").read_text())
+    return dict(SHAPES[name])
+
+
+# ----------------------------------------------------------------------------------------------
+# Measuring
+
+
+def sync(device: torch.device):
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def best_times(runs: dict, repeats: int, device) -> dict[str, float]:
     """Best wall time of each run; runs are interleaved so that a burst of load from other
-    processes on the shared CPU hits all of them alike."""
+    processes hits all of them alike."""
     times = {k: [] for k in runs}
     for _ in range(repeats):
         for k, fn in runs.items():
+            sync(device)
             t = time.perf_counter()
             with torch.no_grad():
                 fn()
+            sync(device)
             times[k].append(time.perf_counter() - t)
     return {k: min(v) for k, v in times.items()}
 
 
-def peak_bytes(fn) -> int:
-    """Peak bytes held by tensors allocated during fn (PyTorch CPU allocator, via profiler)."""
-    with torch.no_grad(), profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        result = fn()
-    del result
+def peak_bytes(fn, device, grad=False) -> int:
+    """Peak bytes held by tensors allocated during fn (resident tensors excluded)."""
+    with torch.set_grad_enabled(grad):
+        if device.type == "cuda":
+            sync(device)
+            torch.cuda.reset_peak_memory_stats(device)
+            base = torch.cuda.memory_allocated(device)
+            result = fn()
+            sync(device)
+            del result
+            return torch.cuda.max_memory_allocated(device) - base
+        from torch.profiler import ProfilerActivity, profile
+        with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+            result = fn()
+        del result
     with tempfile.TemporaryDirectory() as tmp:
         trace = Path(tmp) / "trace.json"
         prof.export_chrome_trace(str(trace))
@@ -74,160 +122,282 @@ def peak_bytes(fn) -> int:
     return max(totals, default=0)
 
 
-def generation_bench(model, tok, hf, batch: int, n: int, args, vs_hf: float):
-    """Ours with and without statistics against transformers' generate(), `batch` rows of n
-    sampled tokens each; returns our generation function (stats -> traces)."""
-    prompts = [tok.render([{"role": "user", "content": p}], add_generation_prompt=True)[0]
-               for p in (PROMPTS * batch)[:batch]]
-    capacity = max(map(len, prompts)) + n
-
-    def ours(stats):
-        return M.generate(model, model.new_cache(batch, capacity), prompts, n, temperature=1.0,
-                          stop_ids=[], stats=stats, generator=torch.Generator().manual_seed(0))
-
-    width = max(map(len, prompts))
-    padded = torch.tensor([[tok.pad_id] * (width - len(p)) + p for p in prompts])
-    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
-
-    def theirs():
-        return hf.generate(padded, attention_mask=mask, max_new_tokens=n, min_new_tokens=n,
-                           do_sample=True, temperature=1.0, top_k=0, top_p=1.0,
-                           pad_token_id=tok.pad_id)
-
-    def eager(stats):                                 # the step not compiled (PAIR_COMPILE=0)
-        compile_on, M.COMPILE = M.COMPILE, False
-        try:
-            return ours(stats)
-        finally:
-            M.COMPILE = compile_on
-
-    for warm_up in (lambda: ours(True), lambda: ours(False), lambda: eager(True), theirs):
-        warm_up()                                     # compiled graphs and kernels included
-    tg = best_times({"ours, stats": lambda: ours(True), "ours, no stats": lambda: ours(False),
-                     "eager, stats": lambda: eager(True), "transformers": theirs},
-                    args.gen_repeats)
-    print(f"\ngeneration, batch {batch}, {n} new tokens per row ({args.dtype}, sampled):")
-    for k, v in tg.items():
-        print(f"  {k:<14} {v:7.2f} s   {batch * n / v:7.1f} tokens/s")
-    report(f"batch {batch}: (info) compiled step / eager step: tokens/s",
-           tg["eager, stats"] / tg["ours, stats"], "-", True)
-    ratio = tg["ours, stats"] / tg["ours, no stats"]
-    report(f"batch {batch}: generation with stats / without: time", ratio, "<=1.15",
-           ratio <= 1.15)
-    speed = tg["transformers"] / tg["ours, stats"]
-    report(f"batch {batch}: tokens/s ours (with stats) / transformers generate()", speed,
-           f">={vs_hf:g}", speed >= vs_hf)
-    return ours
+def report(name: str, value: float, target: str, ok: bool | None):
+    verdict = "" if ok is None else ("ok" if ok else "MISSED")
+    print(f"  {name:<66} {value:8.2f}x  target {target:<7} {verdict}", flush=True)
 
 
-def report(name: str, value: float, target: str, ok: bool):
-    print(f"  {name:<58} {value:8.2f}x   target {target:<7} {'ok' if ok else 'MISSED'}")
+# ----------------------------------------------------------------------------------------------
+# The models: ours, and transformers' on the same tensors
 
 
-def main(argv=None):
-    ap = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))
-    ap.add_argument("--model", default=str(DEFAULT_MODEL), help="checkpoint directory, e.g. "
-                    "data/shop-policy (default: a Qwen2.5-0.5B checkpoint at this path)")
-    ap.add_argument("--seq-len", type=int, default=2048, help="tokens in the forward benchmark")
-    ap.add_argument("--span", type=int, default=256, help="span length (the last tokens)")
-    ap.add_argument("--new-tokens", type=int, default=128, help="tokens generated per row")
-    ap.add_argument("--batch", type=int, default=4,
-                    help="rows generated at once (the second generation benchmark is 32 x 96)")
-    ap.add_argument("--repeats", type=int, default=3, help="timed runs per forward (best kept)")
-    ap.add_argument("--gen-repeats", type=int, default=1,
-                    help="timed runs per generation benchmark (best kept)")
-    ap.add_argument("--threads", type=int, default=None,
-                    help="torch CPU threads (default: torch's choice). On a CPU shared with other "
-                    "busy processes, 1 thread gives far steadier ratios: no thread waits at a "
-                    "barrier for a sibling that the OS has descheduled")
-    ap.add_argument("--skip-generation", action="store_true", help="only the forward benchmarks")
-    ap.add_argument("--dtype", choices=tuple(M.DTYPES), default="bfloat16",
-                    help="weight dtype of both models (default: bfloat16)")
-    args = ap.parse_args(argv)
-    # no timings is min() of nothing
-    common.check_ranges(ap, args, {**dict.fromkeys(("new_tokens", "batch", "repeats",
-                                                    "gen_repeats"), common.at_least(1)),
-                                   "threads": common.THREADS})
-    if not 0 < args.span <= args.seq_len:
-        ap.error("--span must be in 1..--seq-len")
-    if not (Path(args.model) / "config.json").is_file():
-        ap.error(f"--model {args.model}: no config.json there (a checkpoint directory is needed, "
-                 "e.g. data/shop-policy)")
+def build(args, device, dtype):
+    """(our model, transformers' model or None, shape name) for --model or --shape."""
     try:
         import transformers
+        transformers.logging.set_verbosity_error()
+        transformers.logging.disable_progress_bar()
     except ImportError:
+        transformers = None
+    needs_hf = set(args.sections) & {"forward", "generation"}
+    if needs_hf and transformers is None:
         raise SystemExit("bench.py compares against transformers: pip install -r "
-                         "requirements-dev.txt") from None
-    transformers.logging.set_verbosity_error()
-    transformers.logging.disable_progress_bar()
-    if args.threads:
-        torch.set_num_threads(args.threads)
+                         "requirements-dev.txt (or --sections update reward)")
+    if args.model:
+        try:
+            model, _ = M.load_model(args.model, dtype=dtype, devices=[device])
+        except (weights.CheckpointError, OSError, ValueError) as e:     # a damaged checkpoint
+            raise SystemExit(f"--model {args.model}: {e}") from None
+        hf = None
+        if needs_hf:
+            hf = transformers.AutoModelForCausalLM.from_pretrained(
+                args.model, dtype=dtype, attn_implementation="eager").to(device).eval()
+        return model, hf, args.model
+    cfg = shape_config(args.shape)
+    config = weights.Config.from_dict(cfg)
+    with torch.device("meta"):
+        model = M.Transformer(config)
+    if needs_hf:            # transformers initialises the weights; ours adopts its tensors
+        hf_config = transformers.AutoConfig.for_model(**{k: v for k, v in cfg.items()
+                                                         if not k.startswith("pair_")})
+        hf_config._attn_implementation = "eager"
+        default = torch.get_default_dtype()
+        torch.set_default_dtype(dtype)
+        try:
+            with torch.device(device):
+                hf = transformers.AutoModelForCausalLM.from_config(hf_config, dtype=dtype)
+        finally:
+            torch.set_default_dtype(default)
+        hf = hf.to(device, dtype).eval()
+        state = hf.state_dict()
+    else:
+        hf = None
+        g = torch.Generator(device).manual_seed(0)
+        state = {}
+        for name, p in model.state_dict().items():
+            t = torch.empty(p.shape, dtype=dtype, device=device)
+            state[name] = t.fill_(1.0) if name.endswith("norm.weight") else \
+                t.normal_(0.0, 0.02, generator=g)
+    model.load_state_dict(state, strict=not config.tie_word_embeddings, assign=True)
+    if config.tie_word_embeddings:
+        model.lm_head.weight = model.model.embed_tokens.weight
+    model.requires_grad_(False).eval()
+    return model, hf, f"{args.shape} (random weights)"
 
-    print(f"torch {torch.__version__}, transformers {transformers.__version__}, "
-          f"{torch.get_num_threads()} threads, load average {os.getloadavg()[0]:.1f}")
-    try:
-        model, tok = M.load_model(args.model, dtype=M.DTYPES[args.dtype])
-    except (weights.CheckpointError, OSError, ValueError) as e:     # a damaged checkpoint
-        raise SystemExit(f"--model {args.model}: {e}") from None
-    n_params = sum(p.numel() for p in model.parameters())
-    if n_params < 100_000_000:
-        print(f"{args.model} has {n_params:,} parameters: the targets are set for the 0.5B, and a "
-              "forward this short is dominated by fixed costs (read the ratios as a smoke test)")
-    hf = transformers.AutoModelForCausalLM.from_pretrained(
-        args.model, dtype=M.DTYPES[args.dtype], attn_implementation="eager").eval()
 
-    # ---- forward: one sequence of the tokenizer's ordinary tokens, span = its last tokens
-    g = torch.Generator().manual_seed(0)
-    special = set(tok.tok.get_added_tokens_decoder())
-    known = min(model.config.vocab_size, tok.tok.get_vocab_size())
-    ordinary = torch.tensor([i for i in range(known) if i not in special])
-    ids = ordinary[torch.randint(0, len(ordinary), (1, args.seq_len), generator=g)]
-    span = (args.seq_len - args.span, args.seq_len)
-    runs = {
-        "plain": lambda: model(ids, logits=False),
-        "stats": lambda: model(ids, span=span, logits=False),
-        "stats+hidden": lambda: model(ids, span=span, output_hidden_states=True, logits=False),
-        "hf eager": lambda: hf(ids, output_attentions=True, output_hidden_states=True,
-                               logits_to_keep=1),
-    }
+def random_ids(model, n: int, rows: int, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(3, min(model.config.vocab_size, 150000), (rows, n), generator=g)
+
+
+# ----------------------------------------------------------------------------------------------
+# The sections
+
+
+def forward_section(model, hf, args, device):
+    gpu = device.type == "cuda"
+    for T in args.seq_lens:
+        ids = random_ids(model, T, 1, seed=T).to(device)
+        span = (T - args.span, T)
+        runs = {
+            "plain": lambda: model(ids, logits=False),
+            "stats": lambda: model(ids, span=span, logits=False),
+            "stats+hidden": lambda: model(ids, span=span, output_hidden_states=True,
+                                          logits=False),
+        }
+        c = model.config
+        maps = c.num_hidden_layers * c.num_attention_heads * T * T * ids.new_zeros(
+            0, dtype=model.lm_head.weight.dtype).element_size()
+        free = torch.cuda.mem_get_info(device)[0] if gpu else 16 * GiB
+        if hf is not None and 2 * maps < free:
+            runs["hf eager"] = lambda: hf(ids, output_attentions=True,
+                                          output_hidden_states=True, logits_to_keep=1)
+        with torch.no_grad():
+            for fn in runs.values():
+                fn()                                          # warm up the kernels
+        t = best_times(runs, args.repeats, device)
+        mem = {k: peak_bytes(fn, device) for k, fn in runs.items()}
+        print(f"\nforward, {T} tokens, span of {args.span}:", flush=True)
+        for k in runs:
+            print(f"  {k:<14} {1e3 * t[k]:9.1f} ms   peak {mem[k] / 2**20:9.1f} MiB", flush=True)
+        ratio = t["stats"] / t["plain"]
+        report(f"{T} tokens: forward with stats / plain: time", ratio, "<=1.15", ratio <= 1.15)
+        ratio = mem["stats"] / mem["plain"]
+        report(f"{T} tokens: forward with stats / plain: peak memory", ratio, "<=1.10",
+               ratio <= 1.10)
+        report(f"{T} tokens: (info) stats + hidden states / plain: time",
+               t["stats+hidden"] / t["plain"], "-", None)
+        if "hf eager" in runs:
+            target = 2 if gpu else 3
+            ratio = t["hf eager"] / t["stats+hidden"]
+            report(f"{T} tokens: transformers eager / ours (stats + hidden): time", ratio,
+                   f">={target}", ratio >= target)
+            ratio = mem["hf eager"] / mem["stats+hidden"]
+            report(f"{T} tokens: transformers eager / ours (stats + hidden): peak memory", ratio,
+                   ">=10", ratio >= 10)
+        else:
+            print(f"  (transformers' eager attention maps, {maps / GiB:.0f} GiB, do not fit: "
+                  "not run)", flush=True)
+
+
+def generation_section(model, hf, args, device) -> list:
+    gpu = device.type == "cuda"
+    if hasattr(hf, "set_attn_implementation"):
+        hf.set_attn_implementation("sdpa")                 # transformers' own fastest path
+    else:
+        hf.config._attn_implementation = "sdpa"
+    traces = []
+    for batch, n, vs_hf in ((args.batch, args.new_tokens, 2.0 if gpu else 1.5),
+                            (32, 96, 2.0 if gpu else 4.0)):
+        prompts = random_ids(model, args.prompt_len, batch, seed=batch)
+
+        def ours(stats):
+            cache = model.new_cache(batch, args.prompt_len + n)
+            gen = torch.Generator(device).manual_seed(0)
+            return M.generate(model, cache, prompts.tolist(), n, temperature=1.0, stop_ids=[],
+                              stats=stats, generator=gen)
+
+        def theirs():
+            return hf.generate(prompts.to(device), attention_mask=torch.ones_like(prompts)
+                               .to(device), max_new_tokens=n, min_new_tokens=n, do_sample=True,
+                               temperature=1.0, top_k=0, top_p=1.0, pad_token_id=0)
+
+        runs = {"ours, stats": lambda: ours(True), "ours, no stats": lambda: ours(False),
+                "transformers": theirs}
+        if args.stats_only:
+            del runs["ours, no stats"]
+        for name, fn in runs.items():
+            sync(device)
+            t0 = time.perf_counter()
+            with torch.no_grad():
+                fn()                                      # compiles, captures, warms up
+            sync(device)
+            print(f"  (first call, {name}, batch {batch}: {time.perf_counter() - t0:.1f} s)",
+                  flush=True)
+        tg = best_times(runs, args.gen_repeats, device)
+        print(f"\ngeneration, batch {batch}, {n} new tokens per row (sampled):", flush=True)
+        for k, v in tg.items():
+            print(f"  {k:<14} {v:7.2f} s   {batch * n / v:8.1f} tokens/s", flush=True)
+        if "ours, no stats" in tg:
+            ratio = tg["ours, stats"] / tg["ours, no stats"]
+            target = 1.10 if gpu else 1.15
+            report(f"batch {batch}: generation with stats / without: time", ratio,
+                   f"<={target:g}", ratio <= target)
+        speed = tg["transformers"] / tg["ours, stats"]
+        report(f"batch {batch}: tokens/s ours (with stats) / transformers generate()", speed,
+               f">={vs_hf:g}", speed >= vs_hf)
+        traces = ours(True)
+        if gpu and batch == args.batch:
+            step_section(model, args, device)
+    if gpu:
+        skips = torch._dynamo.utils.counters["inductor"].get("cudagraph_skips", 0)
+        print(f"  (CUDA graphs skipped {skips} times; TORCH_LOGS=perf_hints says why)", flush=True)
+    return traces
+
+
+def step_section(model, args, device):
+    """One decoding step with statistics at --batch rows against reading the weights once."""
+    B = args.batch
+    cache = model.new_cache(B, args.prompt_len + args.new_tokens + 64)
     with torch.no_grad():
-        model(ids[:, :128], logits=False)           # warm up the kernels
-        hf(ids[:, :128], logits_to_keep=1)
-    t = best_times(runs, args.repeats)
-    mem = {k: peak_bytes(fn) for k, fn in runs.items()}
-    print(f"\n{args.model}: forward, {args.seq_len} tokens, span of {args.span} ({args.dtype}):")
-    for k in runs:
-        print(f"  {k:<14} {t[k]:7.2f} s   peak {mem[k] / 2**20:8.1f} MiB")
-    report("forward with stats / plain: time", t["stats"] / t["plain"], "<=1.15",
-           t["stats"] / t["plain"] <= 1.15)
-    report("forward with stats / plain: peak memory", mem["stats"] / mem["plain"], "<=1.10",
-           mem["stats"] / mem["plain"] <= 1.10)
-    report("(info) stats + hidden states / plain: time", t["stats+hidden"] / t["plain"], "-",
-           True)
-    report("(info) stats + hidden states / plain: peak memory",
-           mem["stats+hidden"] / mem["plain"], "-", True)
-    report("transformers eager / ours (stats + hidden): time", t["hf eager"] / t["stats+hidden"],
-           ">=3", t["hf eager"] / t["stats+hidden"] >= 3)
-    report("transformers eager / ours (stats + hidden): peak memory",
-           mem["hf eager"] / mem["stats+hidden"], ">=10",
-           mem["hf eager"] / mem["stats+hidden"] >= 10)
-    if args.skip_generation:
-        return
+        M.generate(model, cache, random_ids(model, args.prompt_len, B, 1).tolist(), 0)
+        for c in cache:
+            c.grow(args.prompt_len + args.new_tokens + 64)
+        tokens = torch.zeros(B, dtype=torch.long, device=device)
+        fed = torch.ones(B, dtype=torch.bool, device=device)
+        span = cache[0].lengths.clone()
+        M.decode_one_token(model, cache, tokens, fed, span)
+        sync(device)
+        t0 = time.perf_counter()
+        for _ in range(args.new_tokens):
+            M.decode_one_token(model, cache, tokens, fed, span)
+        sync(device)
+    step = (time.perf_counter() - t0) / args.new_tokens
+    x = torch.empty(GiB, dtype=torch.uint8, device=device)
+    y = torch.empty_like(x)
+    y.copy_(x)
+    sync(device)
+    t0 = time.perf_counter()
+    for _ in range(10):
+        y.copy_(x)
+    sync(device)
+    bandwidth = 2 * GiB * 10 / (time.perf_counter() - t0)        # bytes read and written
+    del x, y
+    read = sum(p.numel() * p.element_size() for n, p in model.named_parameters()
+               if "embed_tokens" not in n or model.config.tie_word_embeddings)
+    floor = read / bandwidth
+    print(f"\ndecoding step, batch {B}, with statistics: {1e3 * step:.2f} ms; the weights "
+          f"({read / GiB:.1f} GiB) read once at {bandwidth / 1e12:.2f} TB/s (a copy): "
+          f"{1e3 * floor:.2f} ms", flush=True)
+    report(f"batch {B}: decoding step / weight-read floor", step / floor, "<=2.5",
+           step / floor <= 2.5)
 
-    # ---- generation: batches of chat prompts, sampled at T = 1, exactly n new tokens (no stop);
-    # the targets of each batch size: tokens/s against transformers' generate(), and the cost
-    # of the statistics
-    hf.config._attn_implementation = "sdpa"           # transformers' own fastest path on a CPU
-    for batch, n, vs_hf in ((args.batch, args.new_tokens, 1.5), (32, 96, 4.0)):
-        ours = generation_bench(model, tok, hf, batch, n, args, vs_hf)
-    trace = ours(True)[0]
 
-    # ---- the PAIR reward of one turn, from a real trace of this model
+def update_section(model, args, device):
+    lora = M.apply_lora(model, r=16, alpha=32, dropout=0.05)
+    lora.train()
+    adapter = sum(p.numel() * p.element_size() for _, p in M.lora_parameters(model))
+    weights_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    print(f"\nupdate: token_logprobs forward + backward, LoRA r 16 on every projection "
+          f"({adapter / 2**20:.0f} MiB of adapter), one row:", flush=True)
+
+    def step(T, plain=False):
+        ids = random_ids(model, T, 1, seed=T).to(device)
+        mask = torch.ones_like(ids, dtype=torch.bool)
+        if plain:       # the straightforward way: every activation kept, the logits whole
+            h, _, _ = model.trunk(ids)
+            logits = model.lm_head(h[:, :-1][mask[:, 1:]]).float()
+            logp = torch.log_softmax(logits, -1).gather(1, ids[:, 1:][mask[:, 1:]][:, None])
+        else:
+            logp = M.token_logprobs(model, ids, mask)
+        logp.sum().backward()
+        model.zero_grad(set_to_none=True)
+
+    per_k = {}
+    for T in args.update_tokens:
+        for plain in (False, True) if T == min(args.update_tokens) else (False,):
+            try:
+                t0 = time.perf_counter()
+                peak = peak_bytes(lambda: step(T, plain), device, grad=True) - adapter
+                seconds = time.perf_counter() - t0
+            except torch.OutOfMemoryError:
+                print(f"  {T:>6} tokens{' (plain)' if plain else ''}: out of memory", flush=True)
+                continue
+            finally:
+                model.zero_grad(set_to_none=True)
+            name = "plain: all activations, whole logits" if plain else "checkpointed, chunked"
+            print(f"  {T:>6} tokens, {name:<37} peak {peak / GiB:7.2f} GiB   "
+                  f"{peak / GiB / T * 1000:5.2f} GiB per 1,000 tokens   {seconds:6.2f} s",
+                  flush=True)
+            if not plain:
+                per_k[T] = peak / GiB / T * 1000
+    if per_k:
+        T = max(per_k)
+        report(f"update at {T:,} tokens: activations, GiB per 1,000 tokens", per_k[T],
+               f"<={args.update_target:g}", per_k[T] <= args.update_target)
+        if len(per_k) > 1:
+            a, b = sorted(per_k)[-2:]
+            slope = (per_k[b] * b - per_k[a] * a) / (b - a)
+            report(f"(info) each further 1,000 tokens from {a:,} to {b:,}: GiB", slope, "-",
+                   None)
+        total = per_k[T] * T / 1000 + weights_bytes / GiB
+        print(f"  a rollout of {T:,} tokens in its own micro-batch (the paper's step: 4 such, "
+              f"--micro-batch-tokens 16384 takes one at a time): {per_k[T] * T / 1000:.1f} GiB "
+              f"beside {weights_bytes / GiB:.1f} GiB of weights and adapter = {total:.1f} GiB",
+              flush=True)
+
+
+def reward_section(model, traces):
+    trace = next((t for t in traces if t is not None and t.attn), None)
+    if trace is None:
+        with torch.no_grad():
+            cache = model.new_cache(1, 64)
+            trace = M.generate(model, cache, random_ids(model, 16, 1, 0).tolist(), 16,
+                               stop_ids=[])[0]
     raw = probes.raw_features(trace, coe=False)
     g = torch.Generator().manual_seed(0)
     corpus = {k: v[None] + 0.1 * torch.randn((64, *v.shape), generator=g) for k, v in raw.items()}
-    y = torch.arange(64) % 2                        # any labels: only the shapes matter here
-    fitted = pair.fit_pair(corpus, y)
+    fitted = pair.fit_pair(corpus, torch.arange(64) % 2)     # labels: only the shapes matter
 
     def reward_of_one_turn():
         one = {k: v[None] for k, v in probes.raw_features(trace, coe=False).items()}
@@ -240,9 +410,85 @@ def main(argv=None):
             reward_of_one_turn()
         rounds.append((time.thread_time() - t0) / 100)
     per_turn = min(rounds)
-    print(f"\nPAIR reward of one turn: {1e6 * per_turn:.1f} us of CPU time")
+    print(f"\nPAIR reward of one turn: {1e6 * per_turn:.1f} us of CPU time", flush=True)
     report("paper's ~0.2 ms per step / ours per turn", 2e-4 / per_turn, ">=1", per_turn <= 2e-4)
-    print(f"load average at the end {os.getloadavg()[0]:.1f}")
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))
+    what = ap.add_mutually_exclusive_group()
+    what.add_argument("--shape", choices=(*SHAPES, *POLICIES),
+                      help="random weights of this real shape, built in memory (default: "
+                      "qwen2.5-0.5b)")
+    what.add_argument("--model", help="a checkpoint directory instead, e.g. data/shop-policy")
+    ap.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (default: cpu)")
+    ap.add_argument("--dtype", choices=tuple(M.DTYPES), default="bfloat16",
+                    help="weight dtype of both models (default: bfloat16)")
+    ap.add_argument("--sections", nargs="+", choices=SECTIONS, default=list(SECTIONS),
+                    help="what to measure (default: all)")
+    ap.add_argument("--seq-lens", type=int, nargs="+", default=None,
+                    help="forward lengths (default: 2048 4096 8192 on a GPU, 2048 on the CPU)")
+    ap.add_argument("--span", type=int, default=256, help="span length (the last tokens)")
+    ap.add_argument("--prompt-len", type=int, default=32, help="prompt tokens per row")
+    ap.add_argument("--new-tokens", type=int, default=128, help="tokens generated per row")
+    ap.add_argument("--batch", type=int, default=4,
+                    help="rows generated at once (the second generation benchmark is 32 x 96)")
+    ap.add_argument("--update-tokens", type=int, nargs="+", default=None,
+                    help="row lengths of the update (default: 1024 4096 12288 on a GPU, 1024)")
+    ap.add_argument("--update-target", type=float, default=None,
+                    help="GiB per 1,000 tokens (default: 0.6 on a GPU, the 7B; 0.5 on the CPU, "
+                    "the proxy)")
+    ap.add_argument("--stats-only", action="store_true",
+                    help="generation with statistics only (no run, and no compile, without)")
+    ap.add_argument("--repeats", type=int, default=3, help="timed runs per forward (best kept)")
+    ap.add_argument("--gen-repeats", type=int, default=1,
+                    help="timed runs per generation benchmark (best kept)")
+    ap.add_argument("--threads", type=int, default=None,
+                    help="torch CPU threads (default: torch's choice). On a CPU shared with other "
+                    "busy processes, 1 thread gives far steadier ratios")
+    args = ap.parse_args(argv)
+    common.check_ranges(ap, args, {**dict.fromkeys(("new_tokens", "batch", "repeats",
+                                                    "gen_repeats", "prompt_len"),
+                                                   common.at_least(1)),
+                                   "threads": common.THREADS})
+    device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        ap.error(f"--device {args.device}: torch sees no CUDA device")
+    gpu = device.type == "cuda"
+    args.seq_lens = args.seq_lens or ([2048, 4096, 8192] if gpu else [2048])
+    args.update_tokens = args.update_tokens or ([1024, 4096, 12288] if gpu else [1024])
+    args.update_target = args.update_target or (0.6 if gpu else 0.5)
+    if not 0 < args.span <= min(args.seq_lens) or min(args.seq_lens + args.update_tokens) < 2:
+        ap.error("--span must be in 1..the shortest --seq-lens, and every length >= 2")
+    if args.model and not (Path(args.model) / "config.json").is_file():
+        ap.error(f"--model {args.model}: no config.json there (a checkpoint directory is needed, "
+                 "e.g. data/shop-policy)")
+    if not args.model and not args.shape:
+        args.shape = "qwen2.5-0.5b"
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    dtype = M.DTYPES[args.dtype]
+
+    where = torch.cuda.get_device_name(device) if gpu else f"CPU, {torch.get_num_threads()} threads"
+    print(f"torch {torch.__version__}, {where}, load average {os.getloadavg()[0]:.1f}",
+          flush=True)
+    t0 = time.perf_counter()
+    model, hf, name = build(args, device, dtype)
+    n_params = sum(p.numel() for p in model.parameters())
+    print(f"{name}: {n_params / 1e9:.2f}B parameters, {args.dtype}, built in "
+          f"{time.perf_counter() - t0:.0f} s", flush=True)
+    traces = []
+    if "forward" in args.sections:
+        forward_section(model, hf, args, device)
+    if "generation" in args.sections:
+        traces = generation_section(model, hf, args, device)
+    del hf
+    if "update" in args.sections:
+        update_section(model, args, device)
+    if "reward" in args.sections:
+        reward_section(model, traces)
+    print(f"\ndone in {time.perf_counter() - t0:.0f} s; load average {os.getloadavg()[0]:.1f}",
+          flush=True)
 
 
 if __name__ == "__main__":
