@@ -573,16 +573,24 @@ def test_resume_checks_args_json(tiny_policy, tmp_path):
         prepare(out, resume=True, eval_episodes=4, lr=0.5)
 
 
-def test_a_bad_model_is_a_one_line_error_and_writes_nothing(tmp_path):
-    with pytest.raises(SystemExit, match="error: .*no-model: not a checkpoint directory"):
+def test_a_bad_model_is_a_one_line_error_and_writes_nothing(tmp_path, monkeypatch):
+    with pytest.raises(SystemExit, match="error: .*no-model: no such directory"):
         run(flags(tmp_path / "no-model", tmp_path / "a"))
     assert not (tmp_path / "a").exists()
     r = subprocess.run([sys.executable, str(ROOT / "grpo.py"), "--model", "no-model"],
                        cwd=tmp_path, capture_output=True, text=True, timeout=120)
     assert r.returncode != 0 and r.stderr.strip().splitlines() == [
-        "error: no-model: not a checkpoint directory (nor a Hub model name like "
+        "error: no-model: no such directory (nor a Hub model name like "
         "Qwen/Qwen2.5-7B-Instruct)"], r.stderr
     assert not (tmp_path / "runs").exists()          # where the run would have gone
+    # shaped like a Hub name, but data/ is a local directory: a path, never fetched
+    (tmp_path / "data").mkdir()
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("PAIR_CACHE", str(tmp_path / "cache"))
+    with pytest.raises(SystemExit, match=r"error: data/nonexistent: no such directory \(data/ "
+                                         "is a local directory"):
+        run(flags("data/nonexistent", tmp_path / "b"))
+    assert not (tmp_path / "b").exists() and not (tmp_path / "cache").exists()
 
 
 def test_out_and_resume_checks_read_what_a_run_left(tiny_policy, tmp_path):
