@@ -506,6 +506,22 @@ def test_ctrl_c_says_how_to_resume_and_that_command_resumes(tiny_policy, tmp_pat
     assert [r["step"] for r in metrics(out)] == [1, 2, 3]
 
 
+def test_ctrl_c_before_the_first_checkpoint_says_the_run_starts_over(tiny_policy, tmp_path,
+                                                                     monkeypatch):
+    out = tmp_path / "r"
+    message = interrupted_run(monkeypatch, flags(tiny_policy, out, steps=3, save_every=3))
+    assert "before the first checkpoint (after step 3)" in message and \
+        "starts the run over from step 1" in message and "exactly" not in message, message
+    run(shlex.split(message.split("python grpo.py ", 1)[1]))
+    assert [r["step"] for r in metrics(out)] == [1, 2, 3]
+    # before the run directory was written: a plain restart, nothing to resume
+    monkeypatch.setattr(grpo, "setup", lambda args: (_ for _ in ()).throw(KeyboardInterrupt))
+    with pytest.raises(SystemExit, match="interrupted before the run started; start it with: "
+                                         "python grpo.py ") as stop:
+        run(flags(tiny_policy, tmp_path / "s"))
+    assert "--resume" not in str(stop.value.code)
+
+
 def test_resume_refuses_checkpoints_without_trainer_json(tiny_policy, tmp_path, monkeypatch):
     out = tmp_path / "r"
     run(flags(tiny_policy, out, steps=1))
