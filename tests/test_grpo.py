@@ -2091,7 +2091,17 @@ def test_compare_draws_each_of_twelve_rewards_with_a_line_of_its_own():
     style = r'stroke="#\w+"(?: stroke-dasharray="[\d,]+")?'
     lines = re.findall(f"<polyline [^>]*?({style})", svg)
     legend = re.findall(f'<line [^>]*?({style}) stroke-width="3"/><text[^>]*>r\\d+<', svg)
-    assert len(set(lines)) == 12 and legend == lines       # ten colors, then dashed
+    assert len(set(lines)) == 12 and legend == lines
+    assert len({re.search(r'"(#\w+)"', s)[1] for s in lines}) == 12     # a color each, too
+
+
+def test_curves_keep_whole_labels_and_a_tick_below_the_lowest_point():
+    rows = [{"reward": name, "curve_reward": [(1, 0.353), (2, 0.61)]}
+            for name in ("pair:probe-corpus=contaminated", "pair:advantage=release", "outcome")]
+    svg = runs.curves_svg({"rows": rows})
+    assert all(f">{r['reward']}</text>" in svg for r in rows)             # no label cut
+    ticks = [float(v) for v in re.findall(r'text-anchor="end">([\d.]+)<', svg)]
+    assert min(ticks) <= 0.353 and max(ticks) >= 0.61, ticks
 
 
 def test_a_run_draws_its_curves_with_distinct_round_ticks(tiny_policy, tmp_path):
