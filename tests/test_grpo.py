@@ -670,6 +670,16 @@ def test_the_probe_cache_keys_a_sharded_policy_and_where_it_runs(tiny_policy, tm
     assert len(keys) == 3
 
 
+def test_torch_threads_wait_passively_unless_told():
+    # spinning threads beside another busy process made a run 5-40 times slower; OpenMP reads
+    # the policy when torch loads, so grpo.py sets it before importing torch
+    code = "import os, sys, grpo; print(os.environ['OMP_WAIT_POLICY'], 'torch' in sys.modules)"
+    env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
+    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True,
+                       text=True, timeout=120)
+    assert r.stdout.split() == ["PASSIVE", "True"], r.stderr
+
+
 def test_resume_with_nothing_to_resume_stops_and_says_so(tiny_policy, tmp_path, capsys):
     for out in (tmp_path / "missing", tmp_path / "empty"):
         (tmp_path / "empty").mkdir(exist_ok=True)
