@@ -150,8 +150,15 @@ def sample_own_turns(policy, tok, env, n_episodes: int, samples: int, args, seed
         for a in range(0, len(episodes), rows):
             batch = [env.episode(i) for i in episodes[a:a + rows]]
             trajs += rollout(policy, tok, batch, args, generator=g, stats=True)
-            if len(trajs) < len(episodes) and pacer.due(len(trajs)):
-                rate = (time.perf_counter() - t0) / len(trajs)
+            if a == 0 and len(trajs) < len(episodes):
+                # the first call of a process may have compiled the decoding step (a minute
+                # without a line otherwise): said at once, and left out of the ETA
+                t1 = time.perf_counter()
+                log(f"  {len(trajs)}/{len(episodes)} rollouts of {env.split} episodes, the first "
+                    f"{len(trajs)} in {t1 - t0:.0f}s (with compiling, if this process did)",
+                    flush=True)
+            elif len(trajs) < len(episodes) and pacer.due(len(trajs)):
+                rate = (time.perf_counter() - t1) / (len(trajs) - rows)
                 log(f"  {len(trajs)}/{len(episodes)} rollouts of {env.split} episodes, ETA "
                     f"{common.duration(rate * (len(episodes) - len(trajs)))}", flush=True)
     log(f"  {len(trajs)} rollouts of {n_episodes} {env.split} episodes x {samples} in "
@@ -164,6 +171,9 @@ def contaminated_corpus(policy, tok, episodes: int, log) -> pair.Split:
     contaminated train records, the ones pair.training_set keeps (mode mixed, seed 42),
     teacher-forced with the base policy. The choice reads labels only, so it is made first and
     only the kept records (about half) are traced."""
+    t0 = time.perf_counter()
+    log(f"  contaminated corpus: `shop.py make-data --episodes {episodes}`, its kept turns "
+        "teacher-forced ...", flush=True)
     with tempfile.TemporaryDirectory() as tmp:
         shop.make_shop_data(tmp, episodes=episodes, seed=PROBE_SEED)
         loaded = [envs.load_matched(Path(tmp) / f"{name}.json")
@@ -186,7 +196,7 @@ def contaminated_corpus(policy, tok, episodes: int, log) -> pair.Split:
     raw["turn_idx"] = kept.raw["turn_idx"]
     log(f"  contaminated corpus: {len(kept.y)} teacher-forced turns of `shop.py make-data "
         f"--episodes {episodes}` (mode mixed; the shop world's, also for shop-long, which has "
-        "no make-data)", flush=True)
+        f"no make-data) in {time.perf_counter() - t0:.0f}s", flush=True)
     return pair.Split(kept.name, raw, kept.y, kept.episode_id, {})
 
 

@@ -716,18 +716,24 @@ CURVES = (("curve_success", "held-out success (test, greedy)", "step"),
 def curves_svg(result: dict) -> str:
     """One panel per curve the rows hold (CURVES: held-out test success against the step and
     against the seconds of training, mean reward against the step), one line per reward; the
-    legend below them, four entries a row."""
+    legend below them, as many entries a row as its longest label leaves room for."""
     W, H, pad = 460, 300, 52
+    # tab10, then ten darker ones drawn dashed: twenty rows, each a color of its own
     colors = ["#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e", "#8c564b", "#e377c2",
-              "#7f7f7f", "#bcbd22", "#17becf"]
+              "#7f7f7f", "#bcbd22", "#17becf", "#393b79", "#843c39", "#637939", "#7b4173",
+              "#8c6d31", "#000000", "#3182bd", "#31a354", "#e6550d", "#756bb1"]
 
-    def stroke(c):      # past the ten colors, dashed (longer each round): a line of its own
+    def stroke(c):      # past the ten first colors, dashed (longer each round of ten)
         dash = f' stroke-dasharray="{6 * (c // 10)},3"' if c >= 10 else ""
-        return f'stroke="{colors[c % 10]}"{dash}'
+        return f'stroke="{colors[c % len(colors)]}"{dash}'
     rows = result["rows"]
     panels = [c for c in CURVES if all(c[0] in r for r in rows)]
-    parts = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{len(panels) * W}" '
-             f'height="{H + 22 * ((len(rows) + 3) // 4) + 16}" font-family="sans-serif"'
+    width = len(panels) * W
+    # 12px sans-serif: about 7px a character at most; a label is never cut
+    entry = 26 + 7 * max((len(r["reward"]) for r in rows), default=0) + 20
+    per_row = max(1, min(4, (width - 16) // entry))
+    parts = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" '
+             f'height="{H + 22 * (-(-len(rows) // per_row)) + 16}" font-family="sans-serif"'
              ' font-size="12"><rect width="100%" height="100%" fill="white"/>']
     for p, (key, title, xlabel) in enumerate(panels):
         series = [r[key] for r in rows]
@@ -735,7 +741,10 @@ def curves_svg(result: dict) -> str:
         ys = [y for s in series for _, y in s if y is not None] or [0, 1]
         x0, x1 = min(xs), max(max(xs), min(xs) + 1)
         yt = nice_ticks(min(ys), max(max(ys), min(ys) + 1e-3))
-        y0, y1 = min(yt[0], min(ys)), max(yt[-1], max(ys))
+        step = yt[1] - yt[0]            # one more tick below the lowest point, and above
+        yt = [yt[0] - step] * (yt[0] > min(ys) + 1e-12) + yt + \
+            [yt[-1] + step] * (yt[-1] < max(ys) - 1e-12)
+        y0, y1 = yt[0], yt[-1]
         ox = p * W
 
         def X(x):
@@ -748,7 +757,8 @@ def curves_svg(result: dict) -> str:
                      'stroke="black"/>'
                      f'<line x1="{X(x0)}" y1="{Y(y0)}" x2="{X(x0)}" y2="{Y(y1)}" stroke="black"/>')
         for yv in yt:
-            parts.append(f'<text x="{X(x0) - 4}" y="{Y(yv) + 4}" text-anchor="end">{yv:g}</text>')
+            parts.append(f'<text x="{X(x0) - 4}" y="{Y(yv) + 4}" text-anchor="end">'
+                         f'{round(yv, 12):g}</text>')
         for xv in nice_ticks(x0, x1, integer=True):
             parts.append(f'<text x="{X(xv)}" y="{Y(y0) + 16}" text-anchor="middle">{xv:g}</text>')
         parts.append(f'<text x="{ox + W / 2}" y="{H - 8}" text-anchor="middle">{xlabel}</text>')
@@ -757,10 +767,9 @@ def curves_svg(result: dict) -> str:
             parts.append(f'<polyline points="{pts}" fill="none" {stroke(c)} '
                          'stroke-width="1.6"/>')
     for c, r in enumerate(rows):
-        x, y = 16 + (c % 4) * (W // 2), H + 22 * (c // 4) + 8
-        label = r["reward"] if len(r["reward"]) <= 26 else r["reward"][:25] + "…"
+        x, y = 16 + (c % per_row) * max(entry, (width - 16) // per_row), H + 22 * (c // per_row) + 8
         parts.append(f'<line x1="{x}" y1="{y}" x2="{x + 20}" y2="{y}" {stroke(c)}'
-                     f' stroke-width="3"/><text x="{x + 26}" y="{y + 4}">{label}</text>')
+                     f' stroke-width="3"/><text x="{x + 26}" y="{y + 4}">{r["reward"]}</text>')
     return "\n".join(parts) + "\n</svg>\n"
 
 

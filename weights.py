@@ -382,9 +382,17 @@ def resolve(path_or_repo) -> Path:
     directory = Path(path_or_repo)
     if directory.is_dir():
         return directory
+    if directory.exists():
+        raise CheckpointError(f"{directory}: not a checkpoint directory (a file)")
     if not HUB_NAME.fullmatch(str(path_or_repo)):
-        raise CheckpointError(f"{directory}: not a checkpoint directory (nor a Hub model "
-                              "name like Qwen/Qwen2.5-7B-Instruct)")
+        raise CheckpointError(f"{directory}: no such directory (nor a Hub model name like "
+                              "Qwen/Qwen2.5-7B-Instruct)")
+    # <org>/<name> where <org> is a local directory names a path (data/shop-policy misspelt),
+    # not a model to fetch: it fails here, before anything is written to the cache
+    first = directory.parts[0]
+    if Path(first).is_dir():
+        raise CheckpointError(f"{directory}: no such directory ({first}/ is a local directory, "
+                              "so this is a path, not a Hub model name)")
     return fetch_from_hub(str(path_or_repo))
 
 
@@ -463,7 +471,7 @@ def fetch_from_hub(repo_id: str, revision: str = "main") -> Path:
         return folder
     endpoint = os.environ.get("HF_ENDPOINT", "https://huggingface.co").rstrip("/")
     offline = (f"cannot fetch model {repo_id!r} from {endpoint}: {{}}; no complete copy in "
-               f"{folder} (copy the files there, or point load_model at a local directory)")
+               f"{folder} (copy the files there, or give a local directory instead)")
     if os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes", "on"):
         raise HubError(offline.format("HF_HUB_OFFLINE is set"))
     import fcntl                    # POSIX only, so imported where it is needed

@@ -506,6 +506,22 @@ def test_ctrl_c_says_how_to_resume_and_that_command_resumes(tiny_policy, tmp_pat
     assert [r["step"] for r in metrics(out)] == [1, 2, 3]
 
 
+def test_ctrl_c_before_the_first_checkpoint_says_the_run_starts_over(tiny_policy, tmp_path,
+                                                                     monkeypatch):
+    out = tmp_path / "r"
+    message = interrupted_run(monkeypatch, flags(tiny_policy, out, steps=3, save_every=3))
+    assert "before the first checkpoint (after step 3)" in message and \
+        "starts the run over from step 1" in message and "exactly" not in message, message
+    run(shlex.split(message.split("python grpo.py ", 1)[1]))
+    assert [r["step"] for r in metrics(out)] == [1, 2, 3]
+    # before the run directory was written: a plain restart, nothing to resume
+    monkeypatch.setattr(grpo, "setup", lambda args: (_ for _ in ()).throw(KeyboardInterrupt))
+    with pytest.raises(SystemExit, match="interrupted before the run started; start it with: "
+                                         "python grpo.py ") as stop:
+        run(flags(tiny_policy, tmp_path / "s"))
+    assert "--resume" not in str(stop.value.code)
+
+
 def test_resume_refuses_checkpoints_without_trainer_json(tiny_policy, tmp_path, monkeypatch):
     out = tmp_path / "r"
     run(flags(tiny_policy, out, steps=1))
@@ -573,16 +589,24 @@ def test_resume_checks_args_json(tiny_policy, tmp_path):
         prepare(out, resume=True, eval_episodes=4, lr=0.5)
 
 
-def test_a_bad_model_is_a_one_line_error_and_writes_nothing(tmp_path):
-    with pytest.raises(SystemExit, match="error: .*no-model: not a checkpoint directory"):
+def test_a_bad_model_is_a_one_line_error_and_writes_nothing(tmp_path, monkeypatch):
+    with pytest.raises(SystemExit, match="error: .*no-model: no such directory"):
         run(flags(tmp_path / "no-model", tmp_path / "a"))
     assert not (tmp_path / "a").exists()
     r = subprocess.run([sys.executable, str(ROOT / "grpo.py"), "--model", "no-model"],
                        cwd=tmp_path, capture_output=True, text=True, timeout=120)
     assert r.returncode != 0 and r.stderr.strip().splitlines() == [
-        "error: no-model: not a checkpoint directory (nor a Hub model name like "
+        "error: no-model: no such directory (nor a Hub model name like "
         "Qwen/Qwen2.5-7B-Instruct)"], r.stderr
     assert not (tmp_path / "runs").exists()          # where the run would have gone
+    # shaped like a Hub name, but data/ is a local directory: a path, never fetched
+    (tmp_path / "data").mkdir()
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("PAIR_CACHE", str(tmp_path / "cache"))
+    with pytest.raises(SystemExit, match=r"error: data/nonexistent: no such directory \(data/ "
+                                         "is a local directory"):
+        run(flags("data/nonexistent", tmp_path / "b"))
+    assert not (tmp_path / "b").exists() and not (tmp_path / "cache").exists()
 
 
 def test_out_and_resume_checks_read_what_a_run_left(tiny_policy, tmp_path):
@@ -644,6 +668,16 @@ def test_the_probe_cache_keys_a_sharded_policy_and_where_it_runs(tiny_policy, tm
         keys.add(onpolicy.settings_hash(onpolicy.own_turns_settings(
             argparse.Namespace(**{**vars(args), name: value}))))
     assert len(keys) == 3
+
+
+def test_torch_threads_wait_passively_unless_told():
+    # spinning threads beside another busy process made a run 5-40 times slower; OpenMP reads
+    # the policy when torch loads, so grpo.py sets it before importing torch
+    code = "import os, sys, grpo; print(os.environ['OMP_WAIT_POLICY'], 'torch' in sys.modules)"
+    env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
+    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True,
+                       text=True, timeout=120)
+    assert r.stdout.split() == ["PASSIVE", "True"], r.stderr
 
 
 def test_resume_with_nothing_to_resume_stops_and_says_so(tiny_policy, tmp_path, capsys):
@@ -2067,7 +2101,17 @@ def test_compare_draws_each_of_twelve_rewards_with_a_line_of_its_own():
     style = r'stroke="#\w+"(?: stroke-dasharray="[\d,]+")?'
     lines = re.findall(f"<polyline [^>]*?({style})", svg)
     legend = re.findall(f'<line [^>]*?({style}) stroke-width="3"/><text[^>]*>r\\d+<', svg)
-    assert len(set(lines)) == 12 and legend == lines       # ten colors, then dashed
+    assert len(set(lines)) == 12 and legend == lines
+    assert len({re.search(r'"(#\w+)"', s)[1] for s in lines}) == 12     # a color each, too
+
+
+def test_curves_keep_whole_labels_and_a_tick_below_the_lowest_point():
+    rows = [{"reward": name, "curve_reward": [(1, 0.353), (2, 0.61)]}
+            for name in ("pair:probe-corpus=contaminated", "pair:advantage=release", "outcome")]
+    svg = runs.curves_svg({"rows": rows})
+    assert all(f">{r['reward']}</text>" in svg for r in rows)             # no label cut
+    ticks = [float(v) for v in re.findall(r'text-anchor="end">([\d.]+)<', svg)]
+    assert min(ticks) <= 0.353 and max(ticks) >= 0.61, ticks
 
 
 def test_a_run_draws_its_curves_with_distinct_round_ticks(tiny_policy, tmp_path):

@@ -374,5 +374,5 @@ def test_load_model_fetches_a_name_and_then_uses_the_cache(env, tmp_path):
     again, _ = M.load_model(REPO, devices=["cpu", "cpu"])
     assert len(hub.requests) == n                              # the cache, no network
     assert all(b._forward_pre_hooks for b in again.model.layers)   # and split as asked
-    with pytest.raises(weights.CheckpointError, match="not a checkpoint directory"):
+    with pytest.raises(weights.CheckpointError, match="no such directory"):
         M.load_model(str(tmp_path / "no" / "such" / "dir"))

@@ -721,6 +721,26 @@ def test_on_policy_corpus_labels_are_the_worlds():
     assert len(set(codes.values())) == len(codes)
 
 
+def test_the_probe_corpora_say_what_they_do_before_their_silent_parts(monkeypatch):
+    # the first call of a process compiles the decoding step (a minute without a line): a line
+    # right after it; the contaminated corpus says what it does before tracing (~20 s)
+    policy, tok = mdl.load_model(BUILTIN)
+    lines = []
+
+    def log(line, **kw):
+        lines.append(line)
+    monkeypatch.setattr(onpolicy, "rollout", lambda p, t, batch, *a, **k: [None] * len(batch))
+    monkeypatch.setattr(onpolicy, "turn_records", lambda trajs: trajs)
+    onpolicy.sample_own_turns(policy, tok, shop.ShopEnv("val"), 20, 2, None, 0, log)
+    assert re.fullmatch(r"  16/40 rollouts of val episodes, the first 16 in \d+s .*", lines[0])
+    lines.clear()
+    monkeypatch.setattr(mdl, "trace_batch", lambda *a: lines.append("traced") or [])
+    monkeypatch.setattr(probes, "stack_raw", lambda raws: {})
+    onpolicy.contaminated_corpus(policy, tok, 3, log)
+    assert lines[0].startswith("  contaminated corpus: `shop.py make-data --episodes 3`") and \
+        lines[1] == "traced" and lines[2].endswith("s")
+
+
 def test_contaminated_corpus_is_the_recipes_training_set_of_every_traced_record(tmp_path):
     # the corpus picks its records from labels before tracing: the same rows, in the same order,
     # as pair.training_set on both matched train splits traced whole, one record at a time
