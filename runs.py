@@ -62,6 +62,8 @@ TINY = dict(batch=4, group=8, max_new_tokens=96, temperature=0.7, lr=3e-4, lora_
             steps=20, save_every=10, eval_batch=128)
 # What the probes of the built-in policy are fitted on (--probe-corpus; onpolicy.py fits them)
 PROBE_CORPORA = ("on-policy", "contaminated", "both")
+# --advantage: how per-turn rewards become advantages (grpo.ADVANTAGES, grpo.advantages)
+ADVANTAGE_FORMS = ("process", "release", "position", "outcome-turn")
 
 
 def is_builtin(args) -> bool:
@@ -138,11 +140,17 @@ def train_parser(rewards) -> argparse.ArgumentParser:
       help="PAIR momentum scaling (METHOD.md §7); 0 = vanilla PAIR, r_t = s~_t")
     a("--outcome-weight", type=float, default=0.0,
       help="add this times the task score to the last turn's reward (METHOD.md §9)")
-    a("--advantage", default="process", choices=("process", "release"),
+    a("--advantage", default="process", choices=ADVANTAGE_FORMS,
       help="how per-turn rewards become advantages and the loss (METHOD.md §9): process = "
            "DeepSeekMath process supervision, pooled normalization and returns to go, "
            "token-normalized loss; release = the authors' release, each turn's reward against "
-           "its rollout's mean plus the rollout's normalized total, every turn weighing the same")
+           "its rollout's mean plus the rollout's normalized total, every turn weighing the "
+           "same; position = process on each turn's reward minus the group's mean at its turn "
+           "index; outcome-turn = the outcome's group advantage on every token plus "
+           "--turn-weight x the turn's own position-centred reward, no sum over later turns")
+    a("--turn-weight", type=float, default=1.0,
+      help="--advantage outcome-turn: lambda, the weight of the turn's own centred reward "
+           "beside the outcome's group advantage")
     a("--probes", default=None,
       help="trained probes: a `pair.py train --out` directory (its smallest seed<S>/ is used, "
            "pair_mixed/ in it for --reward pair) or one seed<S>/ of it, a PAIR directory, a "
@@ -273,7 +281,7 @@ FLAG_RANGES = {
                     f"a finite number >= {model.MIN_TEMPERATURE}"),
     **{k: common.positive() for k in ("lr", "eps", "grad_clip", "lora_alpha")},
     **{k: common.finite(0.0) for k in ("beta", "weight_decay", "at2po_penalty", "alpha")},
-    **{k: common.finite() for k in ("outcome_weight", "tips_gamma")},
+    **{k: common.finite() for k in ("outcome_weight", "tips_gamma", "turn_weight")},
     "top_p": ((lambda v: 0 < v <= 1), "in (0, 1]"),
     "warmup": ((lambda v: 0 <= v <= 1), "in [0, 1]"),
     "lora_dropout": ((lambda v: 0 <= v < 1), "in [0, 1)"),
@@ -380,11 +388,12 @@ RESUME_KEYS = ("env", "model", "reward", "alpha", "outcome_weight", "probes", "s
                "tips_gamma", "probe_corpus", "probe_reads", "corpus_episodes", "corpus_samples",
                "corpus_heldout", "probe_episodes", "eval_episodes", "val_episodes", "tree_m",
                "tree_n", "tree_l", "at2po_penalty", "at2po_clip", "advantage",
-               "probe_retrain_every", "grad_clip", "weight_decay", "dtype", "judge_model")
+               "probe_retrain_every", "grad_clip", "weight_decay", "dtype", "judge_model",
+               "turn_weight")
 
 
 # what a run from before these flags existed ran with
-RESUME_DEFAULTS = {"advantage": "process", "probe_retrain_every": 0}
+RESUME_DEFAULTS = {"advantage": "process", "probe_retrain_every": 0, "turn_weight": 1.0}
 
 
 def changed_flag(args, old: dict) -> tuple[str, object, object] | None:

@@ -1147,6 +1147,23 @@ def test_llm_judge_without_a_key_fails_before_any_work(tiny_policy, tmp_path, mo
         run(flags(tiny_policy, tmp_path / "j", "llm_judge", steps=1))
 
 
+def test_premise_gate_is_printed_kept_and_its_turns_cached(tiny_policy, tmp_path, pair_cache,
+                                                            capsys):
+    # --reward labels fits no probe: the held-out own turns are sampled once, then read again
+    summary = run(flags(tiny_policy, tmp_path / "a", "labels", steps=1, eval_episodes=2,
+                        advantage="position"))
+    gate = summary["premise_gate"]
+    assert (gate["advantage"], gate["reward"]) == ("position", "labels") and gate["groups"] == 2
+    assert "premise gate: the position advantage of --reward labels" in capsys.readouterr().out
+    cached = {p: p.stat().st_mtime_ns
+              for p in (pair_cache / "grpo-probes").glob("shop-*/heldout-*.safetensors")}
+    assert cached
+    summary = run(flags(tiny_policy, tmp_path / "b", "labels", steps=1, eval_episodes=2))
+    assert all(p.stat().st_mtime_ns == t for p, t in cached.items())
+    assert summary["premise_gate"]["advantage"] == "process"
+    assert "sampling the held-out own turns" not in capsys.readouterr().out
+
+
 def test_cli_help_lists_every_reward_and_the_real_defaults():
     r = subprocess.run([sys.executable, str(ROOT / "grpo.py"), "--help"], capture_output=True,
                        text=True, cwd=ROOT, timeout=60, env=dict(os.environ, COLUMNS="200"))
