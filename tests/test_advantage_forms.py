@@ -1,5 +1,5 @@
-"""grpo.py's advantage forms beside `process` (METHOD.md §9), the exact-label reward and the premise
-gate: every number worked out by hand here, not by the code under test."""
+"""grpo.py's advantage forms beside `process` (METHOD.md §9), the exact-label reward, the premise
+gate and the release preset: every number worked out by hand here, not by the code under test."""
 import argparse
 import math
 
@@ -109,7 +109,8 @@ def test_labels_and_forms_are_refused_where_they_cannot_work(argv, error, tmp_pa
 
 
 @pytest.mark.parametrize("reward", ["tree_grpo", "at2po"])
-@pytest.mark.parametrize("argv", [["--advantage", "position"], ["--advantage", "outcome-turn"]])
+@pytest.mark.parametrize("argv", [["--advantage", "position"], ["--advantage", "outcome-turn"],
+                                  ["--preset", "release"]])
 def test_tree_search_refuses_the_forms_it_cannot_use(reward, argv, tmp_path):
     args = runs.parse_args(["--reward", reward, *argv, "--out", str(tmp_path / "r")],
                            grpo.REWARDS)
@@ -160,10 +161,12 @@ def test_premise_gate_catches_an_advantage_that_inverts_the_reward():
     assert got["process"]["auroc"] == 0.0 and got["position"]["auroc"] == 0.0
     assert got["outcome-turn"]["auroc"] == 1.0
     assert got["process"]["by_habit"] == {"forget": 0.0}
-    warnings = [line for line in lines if line.startswith("warning: the advantage credits the slip")]
+    warnings = [line for line in lines
+                if line.startswith("warning: the advantage credits the slip")]
     assert len(warnings) == 2 and "process" in warnings[0] and "position" in warnings[1]
-    # every clean-prefix turn: rollout 0's turns 0-2 (labels 1, 1, 0) and rollout 1's 0-1 (1, 0)
-    assert got["process"]["clean_prefix"] is not None
+    # every clean-prefix turn, in units of 1/d: right turns r0t0 = (3+3-5-5)/8 = -0.5, r0t1 =
+    # -0.875, r1t0 = (3-5+3+3)/8 = 0.5; wrong turns r0t2 = -1.25, r1t1 = 0.125: 4 of 6 pairs
+    assert got["process"]["clean_prefix"] == pytest.approx(4 / 6)
 
 
 def test_premise_gate_reads_the_outcome_on_the_last_turn():
@@ -173,6 +176,23 @@ def test_premise_gate_reads_the_outcome_on_the_last_turn():
     gate = grpo.premise_gate(turns, argparse.Namespace(args=args_for(reward="outcome")),
                              [None, "store", None] * 2)
     assert gate["auroc"] == 1.0 and gate["reward_auroc"] is None    # no reward at turn 1
+
+
+# ---------------------------------------------------------------------------------------------
+# --preset release
+
+def test_release_preset_sets_the_release_and_flags_given_win(tmp_path):
+    def resolved(*argv):
+        args = runs.parse_args([*argv, "--out", str(tmp_path / "r")], grpo.REWARDS)
+        runs.resolve_preset(args, runs.World(rank=1))
+        return args
+    a = resolved("--preset", "release")
+    assert (a.weight_decay, a.warmup, a.top_p, a.advantage) == (0.01, 0.0, 0.95, "release")
+    a = resolved("--preset", "release", "--top-p", "1.0", "--advantage", "position")
+    assert (a.weight_decay, a.top_p, a.advantage) == (0.01, 1.0, "position")
+    a = resolved()                      # no preset: the defaults as before
+    assert (a.weight_decay, a.warmup, a.top_p, a.advantage) == (0.0, 0.05, 1.0, "process")
+    assert "turn_weight" in runs.RESUME_KEYS and "turn_weight" in runs.FLAG_RANGES
 
 
 def test_compare_rows_take_labels_and_the_forms():

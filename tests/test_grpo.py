@@ -1177,9 +1177,13 @@ def test_cli_help_lists_every_reward_and_the_real_defaults():
         flag = f"--{key.replace('_', '-')} {key.upper()} "
         default = text[text.index("(default:", text.index(flag)):][:80]   # its help's last part
         tiny = runs.TINY.get(key, paper)
+        # "the paper's" only for what Table grpo_config states (not T, top-p, LoRA alpha, dropout)
+        source = "the paper's" if key in runs.PAPER_STATED else runs.SOURCE.get(key)
         assert default.startswith(f"(default: {tiny} with the built-in policy, {paper} otherwise"
-                                  if tiny != paper else f"(default: {paper}, the paper's)"), \
-            (flag, default)
+                                  if tiny != paper else f"(default: {paper}" +
+                                  (f", {source})" if source else ")")), (flag, default)
+        if key not in runs.PAPER_STATED:
+            assert "the paper's" not in default, (flag, default)
     usage = r.stdout.split("\n\n")[0]
     assert "grpo.py compare" in usage
     assert runs.train_parser(grpo.REWARDS).parse_args(["--dtype", "bfloat16"]).dtype == "bfloat16"
