@@ -15,8 +15,8 @@ What runs, once per training step:
     PAIR.
  2. rewards (section 2). One reward r_{i,t} per assistant turn t of rollout i, from `--reward`
     (the REWARDS dict). PAIR: each turn's s_final from its two stages (pair.Pair.scores), then the
-    rollout's rewards from them (pair.trajectory_rewards). `--outcome-weight w` adds w x task
-    score to the last turn's reward.
+    rollout's rewards from them (pair.trajectory_rewards). `labels` (built-in worlds): each
+    turn's exact step label. `--outcome-weight w` adds w x task score to the last turn's reward.
  3. advantages (section 3: `group_advantages`, DeepSeekMath process supervision). The group's
     step rewards are pooled and normalized, r^ = (r - mean) / (std + 1e-6) with the population
     std, and every token of turn t gets A_{i,t} = sum_{k>=t} r^_{i,k}. With `outcome` the only
@@ -25,7 +25,11 @@ What runs, once per training step:
     say: A = 0, counted in `frac_zero_std`. `--advantage release` takes the authors' release
     instead (`release_advantages`, `release_loss`): A_{i,t} = r_{i,t} - mean_t r_{i,.} + z_i,
     z_i the group-normalized total reward of rollout i, and a loss in which every turn, not
-    every token, weighs the same.
+    every token, weighs the same. `--advantage position` subtracts the group's mean at each turn
+    index first (`position_advantages`); `--advantage outcome-turn` gives every token the
+    outcome's group advantage plus lambda x its turn's own centred reward
+    (`outcome_turn_advantages`). On the built-in worlds the chosen form is scored before
+    training (`premise_gate`): does its advantage rank the right decision above the slip?
  4. update (section 4: `grpo_loss`, `update`). Per policy token:
     -min(rho A, clip(rho, 1-eps, 1+eps) A) + beta KL_k3(pi || pi_ref), rho = exp(logp -
     logp_old), KL_k3 = exp(logp_ref - logp) - (logp_ref - logp) - 1, pi_ref = the same model with
@@ -125,6 +129,7 @@ class RewardContext:                # what the reward functions need besides the
     judge: chat_api.ChatClient | None = None        # reward "llm_judge"
     lagged: dict[str, torch.Tensor] | None = None   # tips: the lagged teacher's LoRA parameters
     probe_report: dict | None = None    # shop: the fitted probes' AUROC on held-out own turns
+    gate: dict | None = None            # shop: the advantage's AUROC there (premise_gate)
     cost: Counter = field(default_factory=Counter)  # this step's extra work (COSTS)
 
     def use_head(self, head) -> None:
@@ -139,17 +144,31 @@ def outcome_reward(traj: Trajectory, ctx) -> list[float | None]:
     return [None] * (len(traj.steps) - 1) + [traj.score]
 
 
+def labels_reward(traj: Trajectory, ctx) -> list[float]:
+    # the built-in worlds' exact step labels (1 right, 0 wrong): the perfect process reward, the
+    # ceiling every dense reward is measured against
+    return [float(ok) for ok in traj.episode.labels()]
+
+
 def pair_reward(traj: Trajectory, ctx) -> tuple[list[float], list[float]]:
+    return pair_from_features(turn_features(traj), ctx)
+
+
+def pair_from_features(features: dict[str, torch.Tensor], ctx) -> tuple[list[float], list[float]]:
     # METHOD.md §6-7: each turn's s_final from the two stages (paper Eq. stage1, stage2), then the
     # rollout's rewards from them (Appendix reward: temperature clip, momentum)
-    _, s_final = ctx.pair.scores(turn_features(traj))
+    _, s_final = ctx.pair.scores(features)
     s_final = s_final.tolist()
     return pair.trajectory_rewards(s_final, ctx.args.alpha), s_final
 
 
 def probe_reward(traj: Trajectory, ctx) -> tuple[list[float], list[float]]:
+    return probe_from_features(turn_features(traj), ctx)
+
+
+def probe_from_features(features: dict[str, torch.Tensor], ctx) -> tuple[list[float], list[float]]:
     # METHOD.md §7: a probe baseline used as a reward gives r_t = its P(correct)
-    p = ctx.probe.predict_proba(probes.feature(ctx.args.reward, turn_features(traj))).tolist()
+    p = ctx.probe.predict_proba(probes.feature(ctx.args.reward, features)).tolist()
     return p, p
 
 
@@ -160,6 +179,7 @@ def turn_features(traj: Trajectory, coe: bool = False) -> dict[str, torch.Tensor
 
 REWARDS = {
     "outcome": outcome_reward,
+    "labels": labels_reward,
     "pair": pair_reward,
     **{name: probe_reward for name in probes.FEATURES},
     "coe": baselines.coe_reward,
@@ -173,6 +193,8 @@ REWARDS = {
 PROBE_REWARDS = set(probes.FEATURES)
 READS_PROBE = {"pair"} | PROBE_REWARDS
 NEEDS_STATS = {"coe"} | READS_PROBE
+# the worlds whose every turn has an exact label (the tool calls re-executed): --reward labels
+LABELLED_WORLDS = tuple(shop.WORLDS)
 
 
 def turn_rewards(traj: Trajectory, ctx) -> tuple[list[float | None], list[float] | None]:
@@ -184,11 +206,16 @@ def turn_rewards(traj: Trajectory, ctx) -> tuple[list[float | None], list[float]
     if ctx.args.reward in READS_PROBE:
         rewards, p_correct = rewards
     assert len(rewards) == len(traj.steps), (len(rewards), len(traj.steps))
-    w = ctx.args.outcome_weight
-    if w and ctx.args.reward != "outcome":
+    return with_outcome(rewards, traj.score, ctx.args), p_correct
+
+
+def with_outcome(rewards: list[float | None], score: float, args) -> list[float | None]:
+    """`--outcome-weight w`: w x the task score added to the last turn's reward."""
+    w = args.outcome_weight
+    if w and args.reward != "outcome":
         # a new list: a probe reward's list is also its P(correct), which the monitor scores
-        rewards = rewards[:-1] + [(rewards[-1] or 0.0) + w * traj.score]
-    return rewards, p_correct
+        rewards = rewards[:-1] + [(rewards[-1] or 0.0) + w * score]
+    return rewards
 
 
 def reward_context(args, policy, tok, env, world, log) -> RewardContext:
@@ -335,7 +362,58 @@ def release_advantages(rewards: list[list[float | None]]) -> tuple[list[list[flo
     return advantages, all(abs(a) <= 1e-8 for row in advantages for a in row)
 
 
-ADVANTAGES = {"process": group_advantages, "release": release_advantages}
+def position_centred(rewards: list[list[float | None]]) -> list[list[float | None]]:
+    """c_{i,t} = r_{i,t} - mean_{j: r_{j,t} given} r_{j,t}: each turn's reward against the
+    group's mean reward at the same turn index. A turn without a reward stays None; a turn index
+    that one rollout alone reaches (or rewards) is its own mean, so it is centred to 0."""
+    n = max((len(row) for row in rewards), default=0)
+    at = [[row[t] for row in rewards if t < len(row) and row[t] is not None] for t in range(n)]
+    mean = [sum(rs) / len(rs) if rs else 0.0 for rs in at]
+    return [[None if r is None else r - mean[t] for t, r in enumerate(row)] for row in rewards]
+
+
+def position_advantages(rewards: list[list[float | None]]) -> tuple[list[list[float]], bool]:
+    """`--advantage position`: the per-position baseline. c_{i,t} = r_{i,t} - mean_j r_{j,t}
+    (position_centred), then exactly `process` on c: pooled normalization c^ = (c - mean c) /
+    (std c + 1e-6) (mean c = 0: every position is centred) and A_{i,t} = sum_{k>=t} c^_{i,k}.
+
+    Why: under `process` most of a turn's advantage is the group's mean at its position, the
+    same for every rollout (how right that kind of turn usually is), not what this rollout did.
+    A turn index one rollout alone reaches gives c = 0, which still counts in the pooled std. A
+    group whose rewards are equal at every position has nothing to say: A = 0, all equal."""
+    return group_advantages(position_centred(rewards))
+
+
+def outcome_turn_advantages(rewards: list[list[float | None]], scores: list[float],
+                            lam: float) -> tuple[list[list[float]], bool]:
+    """`--advantage outcome-turn`: A_{i,t} = z_i + lambda c_{i,t}. z_i = the outcome's group
+    advantage, (s_i - mean_j s_j) / (std_j s_j + 1e-6) over the group's task scores s (0 when
+    they are all equal): the number `process` gives every token under --reward outcome. c_{i,t}
+    = the turn's own reward centred by the group's mean at its turn index (position_centred; 0
+    for a turn without a reward): no sum over later turns, so a turn is credited for itself and
+    never for the harder turns its right decision leads to. lambda = --turn-weight. A rollout
+    that played no turn has no advantage. All equal: no turn gets an advantage."""
+    z, _ = group_advantages([[s] if row else [] for row, s in zip(rewards, scores)])
+    advantages = [[z_i[0] + lam * (c or 0.0) for c in row] if row else []
+                  for row, z_i in zip(position_centred(rewards), z)]
+    return advantages, all(abs(a) <= 1e-8 for row in advantages for a in row)
+
+
+# --advantage name -> function(the group's per-turn rewards) -> (advantages, all equal); the form
+# that also reads the task outcome is in `advantages`, which every caller goes through. The loss
+# of each form (update): release_loss for `release`, grpo_loss for the others
+ADVANTAGES = {"process": group_advantages, "release": release_advantages,
+              "position": position_advantages}
+OUTCOME_FORMS = ("outcome-turn",)
+
+
+def advantages(rewards: list[list[float | None]], scores: list[float],
+               args) -> tuple[list[list[float]], bool]:
+    """One group's `--advantage`: rewards[i][t] = r_{i,t} (or None), scores[i] = rollout i's
+    task score, which outcome-turn adds as a term of its own."""
+    if args.advantage == "outcome-turn":
+        return outcome_turn_advantages(rewards, scores, args.turn_weight)
+    return ADVANTAGES[args.advantage](rewards)
 
 
 def make_batch(trajs: list[Trajectory], advantages: list[list[float]], pad_id: int) -> Batch:
@@ -367,6 +445,94 @@ def make_batch(trajs: list[Trajectory], advantages: list[list[float]], pad_id: i
             n_turns += e > s
     return Batch(ids, mask, adv, [len(traj.segments[k]) for traj, k in rows], turn, weight,
                  n_seqs, per_turn, n_turns)
+
+
+# The premise gate, before training (built-in worlds): a per-turn reward helps only if the
+# advantage built from it credits the right decision above the slip. The reward can rank a turn
+# right while the advantage does not: under `process` a turn's advantage is the sum of the
+# rewards still to come, and after the right decision the later turns may be harder and score
+# lower. So the chosen form's advantage is scored on the held-out own turns the probes are
+# scored on (groups of --corpus-samples base-policy rollouts of validation episodes), at the
+# habits' first-error turns with a clean prefix (onpolicy.habit_at): the slip against the same
+# decision made right.
+
+GATE_REWARDS = {"outcome", "labels", "pair"} | PROBE_REWARDS     # what stored_rewards computes
+
+
+def stored_rewards(turns: pair.Split, ctx) -> list[float | None] | None:
+    """One rollout's rewards from its stored turns (features, labels, task score), as
+    turn_rewards gives them from the trajectory; None for a reward that needs more (a judge, a
+    forward of the policy, trees)."""
+    name, score = ctx.args.reward, float(turns.raw["score"][0])
+    if name == "outcome":
+        rewards = [None] * (len(turns.y) - 1) + [score]
+    elif name == "labels":
+        rewards = [float(y) for y in turns.y.tolist()]
+    elif name == "pair":
+        rewards = pair_from_features(turns.raw, ctx)[0]
+    elif name in PROBE_REWARDS:
+        rewards = probe_from_features(turns.raw, ctx)[0]
+    else:
+        return None
+    return with_outcome(rewards, score, ctx.args)
+
+
+def premise_gate(turns: pair.Split, ctx, at: list[str | None]) -> dict | None:
+    """AUROC of the `--advantage` (and of the reward alone) for right (1) against wrong (0) at
+    the first-error turns with a clean prefix: the turns where `at` names a habit and no earlier
+    turn of the rollout is wrong; by habit; and on every clean-prefix turn. Each episode's
+    rollouts are one group. None for a reward stored_rewards cannot compute."""
+    rollout_ids = turns.raw["rollout"].tolist()
+    rows = {}                                           # rollout -> its turns' row indices
+    for k, r in enumerate(rollout_ids):
+        rows.setdefault(r, []).append(k)
+    groups = {}                                         # episode -> its rollouts
+    for r, idx in rows.items():
+        groups.setdefault(turns.episode_id[idx[0]], []).append(idx)
+    adv = torch.full((len(turns.y),), float("nan"), dtype=torch.float64)
+    reward = torch.full((len(turns.y),), float("nan"), dtype=torch.float64)
+    for group in groups.values():
+        rewards = [stored_rewards(turns.take(idx), ctx) for idx in group]
+        if any(r is None for r in rewards):
+            return None
+        scores = [float(turns.raw["score"][idx[0]]) for idx in group]
+        a, _ = advantages(rewards, scores, ctx.args)
+        for idx, a_i, r_i in zip(group, a, rewards):
+            adv[idx] = torch.tensor(a_i, dtype=torch.float64)
+            reward[idx] = torch.tensor([math.nan if r is None else r for r in r_i],
+                                       dtype=torch.float64)
+    clean = turns.raw["distance"] < 0
+    first = torch.tensor([h is not None for h in at]) & clean
+
+    def auroc(sel, score):
+        y = turns.y[sel]
+        if not 0 < int(y.sum()) < len(y) or score[sel].isnan().any():
+            return None
+        return probes.auroc(y, score[sel])
+    habits = sorted({h for h, f in zip(at, first.tolist()) if f})
+    return {"advantage": ctx.args.advantage, "reward": ctx.args.reward, "groups": len(groups),
+            "turns": int(first.sum()), "slips": int((turns.y[first] == 0).sum()),
+            "auroc": auroc(first, adv), "reward_auroc": auroc(first, reward),
+            "by_habit": {h: auroc(first & torch.tensor([x == h for x in at]), adv)
+                         for h in habits},
+            "clean_prefix": auroc(clean, adv)}
+
+
+def log_gate(gate: dict, log) -> None:
+    """The gate's line at start, and the warning when the advantage credits the slip."""
+    num = common.num
+    log(f"premise gate: the {gate['advantage']} advantage of --reward {gate['reward']} at the "
+        f"habits' first-error turns, clean prefix ({gate['turns']} held-out turns, "
+        f"{gate['slips']} slips, {gate['groups']} groups of base-policy rollouts): AUROC "
+        f"{num(gate['auroc'])} (the reward alone {num(gate['reward_auroc'])}"
+        + "".join(f"; {h} {num(a)}" for h, a in gate["by_habit"].items())
+        + f"); on every clean-prefix turn {num(gate['clean_prefix'])}", flush=True)
+    if gate["auroc"] is not None and gate["auroc"] < 0.5:
+        log(f"warning: the advantage credits the slip: the {gate['advantage']} advantage ranks "
+            f"the slip above the same decision made right (AUROC {gate['auroc']:.3f} on "
+            f"{gate['turns']} held-out first-error turns, the reward alone "
+            f"{num(gate['reward_auroc'])}): the turns that follow a decision, not the decision, "
+            "set its credit (premise_gate in summary.json)", flush=True)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -592,7 +758,7 @@ def play_group(g: int, run: Training, t: dict) -> tuple[Group, int]:
     t["t_base_read"] += t2 - tb
     t["t_reward"] += t3 - t1
     if forest is None:
-        a, all_equal = ADVANTAGES[args.advantage](r)
+        a, all_equal = advantages(list(r), [traj.score for traj in trajs], args)
     # every turn once: a tree's shared turns count where they were generated
     played = [n.step for n in forest.node_of.values()] if forest is not None else \
         [st for traj in trajs for st in traj.steps]
@@ -801,6 +967,11 @@ def setup(args) -> Training:
     ctx = None if fit_later else reward_context(args, policy, tok, env, world, log)
     out = runs.prepare_out(args, world)
     ctx = ctx or reward_context(args, policy, tok, env, world, log)
+    if args.env in shop.WORLDS and args.reward in GATE_REWARDS:
+        turns = onpolicy.heldout_turns(args, policy, tok, world, log)
+        ctx.gate = premise_gate(turns, ctx, onpolicy.habit_at(turns))
+        if ctx.gate is not None:
+            log_gate(ctx.gate, log)
     params = [p for p in policy.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=args.lr, weight_decay=args.weight_decay)
     n_lora = sum(p.numel() for p in params)
@@ -916,6 +1087,8 @@ def train(args) -> dict:
                 onpolicy.forget_turns(run.out, step + 1, args.probe_retrain_every)
             evaluate_and_log(run, step + 1, done, eval_seconds)
     summary = runs.summarize(run.out, time.perf_counter() - started, args, ctx.probe_report)
+    if ctx.gate is not None:
+        summary["premise_gate"] = ctx.gate
     if world.main:
         common.write_json(run.out / "summary.json", summary)
         common.write_atomic(run.out / "curves.svg", runs.run_curves(run.out, args.reward))
@@ -929,6 +1102,16 @@ def train(args) -> dict:
 def check_args(args: argparse.Namespace) -> None:
     """The rules between flags that need this file's rewards (runs.parse_args checks the rest);
     compare.py applies them to every run before starting any."""
+    if args.reward == "labels" and args.env not in LABELLED_WORLDS:
+        sys.exit(f"--reward labels: {args.env} has no exact step labels (its replayed tools "
+                 f"label only the final answer); only the built-in worlds do "
+                 f"({', '.join(LABELLED_WORLDS)})")
+    if args.advantage in OUTCOME_FORMS and args.reward == "outcome":
+        sys.exit(f"--advantage {args.advantage} adds a dense per-turn reward to the outcome; "
+                 "--reward outcome has none (its own form is --advantage process)")
+    if args.advantage in OUTCOME_FORMS and args.outcome_weight:
+        sys.exit(f"--outcome-weight: --advantage {args.advantage} adds the outcome's group "
+                 "advantage itself; leave it at 0")
     if args.probe_retrain_every and args.reward not in READS_PROBE:
         sys.exit(f"--probe-retrain-every: --reward {args.reward} reads no probe to refit (pair or "
                  f"a probe reward: {', '.join(sorted(PROBE_REWARDS))})")

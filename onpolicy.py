@@ -84,10 +84,11 @@ def turn_kind(text: str) -> str:
 def turn_records(trajs: list) -> pair.Split:
     """One record per assistant turn of shop rollouts (rollout.Trajectory): raw features, the
     world's exact label, whether (and how far back) an earlier turn of the same rollout was
-    wrong, the turn's kind (a code per turn_kind, numbered in order of appearance) and the mean
-    -log pi of its tokens as sampled (nll: the policy's own confidence, for the report)."""
+    wrong, the turn's kind (a code per turn_kind, numbered in order of appearance), the mean
+    -log pi of its tokens as sampled (nll: the policy's own confidence, for the report) and its
+    rollout's task score (for the advantages of grpo's premise gate)."""
     raws, labels, turn_idx, distance, sample, episode_id, kinds = [], [], [], [], [], [], {}
-    kind, nll = [], []
+    kind, nll, score = [], [], []
     for k, traj in enumerate(trajs):
         y = traj.episode.labels()
         last_wrong = None
@@ -99,13 +100,15 @@ def turn_records(trajs: list) -> pair.Split:
             turn_idx.append(t)
             distance.append(-1 if last_wrong is None else t - last_wrong)
             sample.append(k)
+            score.append(traj.score)
             episode_id.append(traj.episode.id)
             if not ok:
                 last_wrong = t
     raw = probes.stack_raw(raws)
     raw.update(label=torch.tensor(labels), turn_idx=torch.tensor(turn_idx),
                distance=torch.tensor(distance), rollout=torch.tensor(sample),
-               kind=torch.tensor(kind), nll=torch.tensor(nll))
+               kind=torch.tensor(kind), nll=torch.tensor(nll),
+               score=torch.tensor(score, dtype=torch.float64))
     return pair.Split("own_turns", raw, raw["label"].long(), episode_id, {"kinds": list(kinds)})
 
 
@@ -224,10 +227,7 @@ def heldout_auroc(fitted: dict, heldout: pair.Split) -> dict:
               **{f"d={k}": d == k for k in (1, 2)}, "d>=3": d >= 3,
               **{f"kind={name}": kind == code
                  for code, name in enumerate(heldout.meta.get("kinds", ()))}}
-    slip_at = {eid: {t: s for s, t in shop.slip_turns(shop.shop_task_from_id(eid)).items()}
-               for eid in set(heldout.episode_id)}      # episode -> {turn: the slip made there}
-    at = [slip_at[eid].get(t)
-          for eid, t in zip(heldout.episode_id, heldout.raw["turn_idx"].tolist())]
+    at = habit_at(heldout)
     for slip in shop.LONG_SLIPS:
         here = torch.tensor([a == slip for a in at], dtype=torch.bool)
         if here.any():
@@ -244,6 +244,16 @@ def heldout_auroc(fitted: dict, heldout: pair.Split) -> dict:
     out["n"] = {g: int(sel.sum()) for g, sel in groups.items()}
     out["n_correct"] = {g: int(heldout.y[sel].sum()) for g, sel in groups.items()}
     return out
+
+
+def habit_at(turns: pair.Split) -> list[str | None]:
+    """For each turn, the habit (shop.slip_turns) whose decision is made at its turn index in its
+    episode, or None: with a clean prefix, the turn where a rollout first goes wrong by that
+    habit (label 0) or makes the same decision right (label 1)."""
+    slip_at = {eid: {t: s for s, t in shop.slip_turns(shop.shop_task_from_id(eid)).items()}
+               for eid in set(turns.episode_id)}        # episode -> {turn: the slip made there}
+    return [slip_at[eid].get(t)
+            for eid, t in zip(turns.episode_id, turns.raw["turn_idx"].tolist())]
 
 
 def shop_probes(args, policy, tok, world, log) -> tuple[Path, dict]:
@@ -268,6 +278,7 @@ def shop_probes(args, policy, tok, world, log) -> tuple[Path, dict]:
         heldout = sample_own_turns(policy, tok, shop.ShopEnv("val", world=args.env),
                                    args.corpus_heldout,
                                    args.corpus_samples, args, PROBE_SEED + 1, log)
+        save_heldout(heldout, heldout_path(args))     # grpo's premise gate reads them again
         corpora = {}
         if args.probe_corpus in ("on-policy", "both"):
             own = sample_own_turns(policy, tok, train_env, args.corpus_episodes,
@@ -320,6 +331,52 @@ def shop_probes(args, policy, tok, world, log) -> tuple[Path, dict]:
         f"{'; fitted by ' + fitted_by if fitted_by else ''})", flush=True)
     log_report(report, args.reward, log)
     return out, report
+
+
+HELDOUT_FORMAT = "heldout-turns/1"
+
+
+def heldout_path(args) -> Path:
+    """Where the held-out own turns of this policy are kept: beside its probes, keyed on what
+    they depend on (the sampling, the labelling rules)."""
+    key = settings_hash({"format": HELDOUT_FORMAT, "own": own_turns_settings(args),
+                         "labels": shop.SHOP_SCORING})
+    return (common.cache_root() / "grpo-probes" / f"{args.env}-{policy_hash(args.model)}" /
+            f"heldout-{key}.safetensors")
+
+
+def save_heldout(turns: pair.Split, path: Path) -> None:
+    meta = {"heldout_turns": json.dumps({"kinds": turns.meta["kinds"],
+                                         "episode_id": turns.episode_id})}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    probes.save_safetensors(turns.raw, path, meta)
+
+
+def heldout_turns(args, policy, tok, world, log) -> pair.Split:
+    """The held-out own turns that score the fitted probes (shop_probes): --corpus-samples
+    rollouts of the base policy on each of the first --corpus-heldout validation episodes, at
+    the training sampling, labelled, with their features and task scores. Written when the
+    probes are fitted; a cache fitted before they were kept, or a run whose reward fits no probe,
+    samples them once (half a minute for the built-in policy)."""
+    path = heldout_path(args)
+    if world.main and not path.is_file():
+        common.claim(path.parent, wait=log)
+        if not path.is_file():
+            log(f"sampling the held-out own turns once ({path}):", flush=True)
+            save_heldout(sample_own_turns(policy, tok, shop.ShopEnv("val", world=args.env),
+                                          args.corpus_heldout, args.corpus_samples, args,
+                                          PROBE_SEED + 1, log), path)
+        common.release(path.parent)
+    if world.size > 1:                      # the other processes read what the main one wrote
+        torch.distributed.barrier()
+    tensors, meta = probes.read_safetensors(path, "held-out turns")
+    try:
+        meta = json.loads(meta["heldout_turns"])
+        return pair.Split("heldout_turns", tensors, tensors["label"].long(),
+                          list(meta["episode_id"]), {"kinds": list(meta["kinds"])})
+    except (KeyError, ValueError, TypeError) as e:
+        raise SystemExit(f"{path}: a damaged cache of held-out turns ({type(e).__name__}: "
+                         f"{e}); delete it and the next run samples them again") from None
 
 
 def log_report(report: dict, reward: str, log) -> None:

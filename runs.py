@@ -62,6 +62,25 @@ TINY = dict(batch=4, group=8, max_new_tokens=96, temperature=0.7, lr=3e-4, lora_
             steps=20, save_every=10, eval_batch=128)
 # What the probes of the built-in policy are fitted on (--probe-corpus; onpolicy.py fits them)
 PROBE_CORPORA = ("on-policy", "contaminated", "both")
+# Defaults of flags that a --preset may set, and which Table grpo_config does not give
+DEFAULTS = dict(weight_decay=0.0, advantage="process")
+# --preset release: the authors' release as it ran (its GRPO loop and policy wrapper), where it
+# departs from the defaults: torch's AdamW weight decay 0.01, a constant lr with no warmup (its
+# "constant" schedule builds no scheduler at all), nucleus sampling at top-p 0.95, and its
+# advantage and update (--advantage release: every turn weighing the same, the mean log-ratio as
+# the KL estimate, log pi at T = 1). Not reproduced: the cap of its update's forward at the last
+# 2,560 tokens of each turn's context (METHOD.md §9).
+PRESETS = {"release": dict(weight_decay=0.01, warmup=0.0, top_p=0.95, advantage="release")}
+# The flags of Table grpo_config (and the paper's 50-step checkpoints); the paper states no
+# sampling temperature, top-p, LoRA alpha or dropout: those defaults are the release's (T 1.0,
+# alpha 32, dropout 0.05) or, top-p 1.0, this repository's (the release samples at 0.95)
+PAPER_STATED = ("batch", "group", "max_turns", "max_new_tokens", "lr", "warmup", "beta", "eps",
+                "steps", "save_every", "lora_r")
+SOURCE = {"temperature": "the release's; the paper states none", "lora_alpha": "the release's",
+          "lora_dropout": "the release's", "top_p": "the paper states none; the release's 0.95 "
+          "with --preset release"}
+# --advantage: how per-turn rewards become advantages (grpo.ADVANTAGES, grpo.advantages)
+ADVANTAGE_FORMS = ("process", "release", "position", "outcome-turn")
 
 
 def is_builtin(args) -> bool:
@@ -75,6 +94,7 @@ def resolve_preset(args, world) -> None:
     preset = dict(PAPER_HPARAMS, **TINY) if is_builtin(args) else dict(PAPER_HPARAMS)
     if args.env in shop.WORLDS:         # shop-long's episodes are longer than the paper's 10
         preset["max_turns"] = shop.MAX_TURNS[args.env]
+    preset.update(DEFAULTS, **PRESETS.get(args.preset, {}))
     given = {k for k in preset if getattr(args, k) is not None}
     for k, v in preset.items():
         if k not in given:
@@ -91,8 +111,10 @@ def resolve_preset(args, world) -> None:
             raise SystemExit(f"--outcome-weight: --reward {args.reward} learns from the outcome "
                              "alone already; leave it at 0")
         if args.advantage != "process":
-            raise SystemExit(f"--advantage {args.advantage}: --reward {args.reward} derives its "
-                             "advantages from its trees; leave --advantage at process")
+            what = f"--preset {args.preset}" if "advantage" not in given and args.preset else \
+                f"--advantage {args.advantage}"
+            raise SystemExit(f"{what}: --reward {args.reward} derives its advantages from its "
+                             "trees; leave --advantage at process")
     if world.main and is_builtin(args):
         def flags(keys):
             return ", ".join(f"--{k.replace('_', '-')} {getattr(args, k)}" for k in keys)
@@ -100,15 +122,22 @@ def resolve_preset(args, world) -> None:
               + flags(k for k in TINY if k not in given)
               + (f"; from the command line: {flags(k for k in TINY if k in given)}"
                  if given & set(TINY) else ""), flush=True)
+    if world.main and args.preset:
+        print(f"--preset {args.preset}: " + ", ".join(
+            f"--{k.replace('_', '-')} {getattr(args, k)}" + (" (from the command line)"
+                                                             if k in given else "")
+            for k in PRESETS[args.preset]), flush=True)
 
 
 def preset_help(key: str, what: str) -> str:
     """`what` and the flag's effective default, read from the presets themselves: TINY's with
     the built-in policy, the paper's (Table grpo_config) with any other model."""
     tiny, paper = dict(PAPER_HPARAMS, **TINY)[key], PAPER_HPARAMS[key]
+    source = "the paper's" if key in PAPER_STATED else SOURCE.get(key)
     if tiny == paper:
-        return f"{what} (default: {paper}, the paper's)"
-    return f"{what} (default: {tiny} with the built-in policy, {paper} otherwise: the paper's)"
+        return f"{what} (default: {paper}{', ' + source if source else ''})"
+    return f"{what} (default: {tiny} with the built-in policy, {paper} otherwise" \
+        f"{': ' + source if source else ''})"
 
 
 def train_parser(rewards) -> argparse.ArgumentParser:
@@ -138,11 +167,21 @@ def train_parser(rewards) -> argparse.ArgumentParser:
       help="PAIR momentum scaling (METHOD.md §7); 0 = vanilla PAIR, r_t = s~_t")
     a("--outcome-weight", type=float, default=0.0,
       help="add this times the task score to the last turn's reward (METHOD.md §9)")
-    a("--advantage", default="process", choices=("process", "release"),
+    a("--advantage", default=None, choices=ADVANTAGE_FORMS,
       help="how per-turn rewards become advantages and the loss (METHOD.md §9): process = "
            "DeepSeekMath process supervision, pooled normalization and returns to go, "
            "token-normalized loss; release = the authors' release, each turn's reward against "
-           "its rollout's mean plus the rollout's normalized total, every turn weighing the same")
+           "its rollout's mean plus the rollout's normalized total, every turn weighing the "
+           "same; position = process on each turn's reward minus the group's mean at its turn "
+           "index; outcome-turn = the outcome's group advantage on every token plus "
+           "--turn-weight x the turn's own position-centred reward, no sum over later turns "
+           "(default: process; release with --preset release)")
+    a("--turn-weight", type=float, default=1.0,
+      help="--advantage outcome-turn: lambda, the weight of the turn's own centred reward "
+           "beside the outcome's group advantage")
+    a("--preset", default=None, choices=tuple(PRESETS),
+      help="release = the authors' release as it ran: --weight-decay 0.01, --warmup 0, --top-p "
+           "0.95, --advantage release (its update and KL estimate); flags given win")
     a("--probes", default=None,
       help="trained probes: a `pair.py train --out` directory (its smallest seed<S>/ is used, "
            "pair_mixed/ in it for --reward pair) or one seed<S>/ of it, a PAIR directory, a "
@@ -224,7 +263,9 @@ def train_parser(rewards) -> argparse.ArgumentParser:
                    "rollout goes alone): with its blocks recomputed in the backward pass, the "
                    "update holds about 0.2 GiB per 1,000 tokens at 7B")
     g.add_argument("--grad-clip", type=float, default=1.0, help="gradient norm clip")
-    g.add_argument("--weight-decay", type=float, default=0.0, help="AdamW weight decay")
+    g.add_argument("--weight-decay", type=float, default=None,
+                   help="AdamW weight decay (default: 0; 0.01 with --preset release, torch's "
+                        "default, which the release keeps)")
     g.add_argument("--lora-r", type=int, default=None, help=preset_help("lora_r", "LoRA rank"))
     g.add_argument("--lora-alpha", type=float, default=None,
                    help=preset_help("lora_alpha", "LoRA alpha"))
@@ -278,7 +319,7 @@ FLAG_RANGES = {
                     f"a finite number >= {model.MIN_TEMPERATURE}"),
     **{k: common.positive() for k in ("lr", "eps", "grad_clip", "lora_alpha")},
     **{k: common.finite(0.0) for k in ("beta", "weight_decay", "at2po_penalty", "alpha")},
-    **{k: common.finite() for k in ("outcome_weight", "tips_gamma")},
+    **{k: common.finite() for k in ("outcome_weight", "tips_gamma", "turn_weight")},
     "top_p": ((lambda v: 0 < v <= 1), "in (0, 1]"),
     "warmup": ((lambda v: 0 <= v <= 1), "in [0, 1]"),
     "lora_dropout": ((lambda v: 0 <= v < 1), "in [0, 1)"),
@@ -386,11 +427,12 @@ RESUME_KEYS = ("env", "model", "reward", "alpha", "outcome_weight", "probes", "s
                "tips_gamma", "probe_corpus", "probe_reads", "corpus_episodes", "corpus_samples",
                "corpus_heldout", "probe_episodes", "eval_episodes", "val_episodes", "tree_m",
                "tree_n", "tree_l", "at2po_penalty", "at2po_clip", "advantage",
-               "probe_retrain_every", "grad_clip", "weight_decay", "dtype", "judge_model")
+               "probe_retrain_every", "grad_clip", "weight_decay", "dtype", "judge_model",
+               "turn_weight")
 
 
 # what a run from before these flags existed ran with
-RESUME_DEFAULTS = {"advantage": "process", "probe_retrain_every": 0}
+RESUME_DEFAULTS = {"advantage": "process", "probe_retrain_every": 0, "turn_weight": 1.0}
 
 
 def changed_flag(args, old: dict) -> tuple[str, object, object] | None:

@@ -1181,6 +1181,23 @@ def test_llm_judge_without_a_key_fails_before_any_work(tiny_policy, tmp_path, mo
         run(flags(tiny_policy, tmp_path / "j", "llm_judge", steps=1))
 
 
+def test_premise_gate_is_printed_kept_and_its_turns_cached(tiny_policy, tmp_path, pair_cache,
+                                                            capsys):
+    # --reward labels fits no probe: the held-out own turns are sampled once, then read again
+    summary = run(flags(tiny_policy, tmp_path / "a", "labels", steps=1, eval_episodes=2,
+                        advantage="position"))
+    gate = summary["premise_gate"]
+    assert (gate["advantage"], gate["reward"]) == ("position", "labels") and gate["groups"] == 2
+    assert "premise gate: the position advantage of --reward labels" in capsys.readouterr().out
+    cached = {p: p.stat().st_mtime_ns
+              for p in (pair_cache / "grpo-probes").glob("shop-*/heldout-*.safetensors")}
+    assert cached
+    summary = run(flags(tiny_policy, tmp_path / "b", "labels", steps=1, eval_episodes=2))
+    assert all(p.stat().st_mtime_ns == t for p, t in cached.items())
+    assert summary["premise_gate"]["advantage"] == "process"
+    assert "sampling the held-out own turns" not in capsys.readouterr().out
+
+
 def test_cli_help_lists_every_reward_and_the_real_defaults():
     r = subprocess.run([sys.executable, str(ROOT / "grpo.py"), "--help"], capture_output=True,
                        text=True, cwd=ROOT, timeout=60, env=dict(os.environ, COLUMNS="200"))
@@ -1194,9 +1211,13 @@ def test_cli_help_lists_every_reward_and_the_real_defaults():
         flag = f"--{key.replace('_', '-')} {key.upper()} "
         default = text[text.index("(default:", text.index(flag)):][:80]   # its help's last part
         tiny = runs.TINY.get(key, paper)
+        # "the paper's" only for what Table grpo_config states (not T, top-p, LoRA alpha, dropout)
+        source = "the paper's" if key in runs.PAPER_STATED else runs.SOURCE.get(key)
         assert default.startswith(f"(default: {tiny} with the built-in policy, {paper} otherwise"
-                                  if tiny != paper else f"(default: {paper}, the paper's)"), \
-            (flag, default)
+                                  if tiny != paper else f"(default: {paper}" +
+                                  (f", {source})" if source else ")")), (flag, default)
+        if key not in runs.PAPER_STATED:
+            assert "the paper's" not in default, (flag, default)
     usage = r.stdout.split("\n\n")[0]
     assert "grpo.py compare" in usage
     assert runs.train_parser(grpo.REWARDS).parse_args(["--dtype", "bfloat16"]).dtype == "bfloat16"
