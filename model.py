@@ -591,7 +591,7 @@ class Transformer(nn.Module):
                 torch.compiler.cudagraph_mark_step_begin()
                 out = step(self, *on_dev, *args[3:], blocks)
                 return tuple(None if t is None else t.clone() for t in out)
-            except COMPILE_ERRORS as e:
+            except compile_errors() as e:
                 compile_failed(e)
         return self.decode_step(*args, size)
 
@@ -664,11 +664,16 @@ RECOMPILE_LIMIT = 32
 # a CUDA graph per step, every size symbolic from the first compile (compiled_step)
 COMPILE_OPTIONS = {"cpu": {}, "cuda": {"mode": "reduce-overhead", "dynamic": True}}
 _compiled = {}          # device kind: Transformer.decode_step compiled; "failed": why given up
-_exc = torch._dynamo.exc
-# Compiling failed: no working C++ compiler, or past the limit (named FailOnCacheLimitHit before
-# torch 2.7), which fullgraph=True raises instead of running the step eagerly
-COMPILE_ERRORS = (_exc.TorchDynamoException, *(getattr(_exc, name) for name in (
-    "FailOnRecompileLimitHit", "FailOnCacheLimitHit") if hasattr(_exc, name)))
+
+
+def compile_errors() -> tuple:
+    """Compiling failed: no working C++ compiler, or past the limit (named FailOnCacheLimitHit
+    before torch 2.7), which fullgraph=True raises instead of running the step eagerly. torch's
+    compiler is imported here, when a step was compiled, not with this module: it is seconds of
+    every command's start, `--help` included."""
+    exc = torch._dynamo.exc
+    return (exc.TorchDynamoException, *(getattr(exc, name) for name in (
+        "FailOnRecompileLimitHit", "FailOnCacheLimitHit") if hasattr(exc, name)))
 
 
 def compiled_step(w: list, cache: list[KVCache]):
