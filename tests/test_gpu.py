@@ -12,9 +12,10 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA d
 
 @pytest.mark.parametrize("fused", [True, False])
 def test_cuda_graph_decoding_equals_the_straightforward_loop(monkeypatch, fused):
-    """Compiled with COMPILE_OPTIONS["cuda"] (a graph per shape, the cache written in place at
-    fixed addresses) over two generations whose shapes change; fused: the small model's fused
-    weights, else the modules (as a bfloat16 7B decodes)."""
+    """Compiled with COMPILE_OPTIONS["cuda"] (one compiled step, a CUDA graph recorded for each
+    shape, the cache written in place at fixed addresses) over two greedy generations whose
+    shapes change; fused: the small model's fused weights, else the modules (as a bfloat16 7B
+    decodes)."""
     torch._dynamo.reset()
     monkeypatch.setattr(M, "COMPILE", True)
     monkeypatch.setattr(M, "_compiled", {})
@@ -24,7 +25,6 @@ def test_cuda_graph_decoding_equals_the_straightforward_loop(monkeypatch, fused)
     model = random_model("qwen2-gqa-tied", seed=11).cuda()
     g = torch.Generator().manual_seed(12)
     prompts = [torch.randint(3, 64, (n,), generator=g).tolist() for n in (6, 3, 9)]
-    torch.backends.cuda.matmul.allow_tf32 = False
     check_decoding(model, prompts, 0.0, seed=5, h_atol=1e-4)
     check_decoding(model, prompts[:2], 0.0, seed=6, h_atol=1e-4)
     assert "cuda" in M._compiled and "failed" not in M._compiled
@@ -33,6 +33,6 @@ def test_cuda_graph_decoding_equals_the_straightforward_loop(monkeypatch, fused)
 
 
 def test_cuda_update_logprobs_equal_the_plain_path(monkeypatch):
-    torch.backends.cuda.matmul.allow_tf32 = False
+    """test_model's gradient check of the update's recomputed, chunked log-probabilities, on CUDA."""
     check_update_logprobs(monkeypatch, "qwen2-gqa-tied", "cuda", 5)
     check_update_logprobs(monkeypatch, "qwen2-gqa-tied", "cuda", None)
