@@ -33,6 +33,6 @@ def test_cuda_graph_decoding_equals_the_straightforward_loop(monkeypatch, fused)
 
 
 def test_cuda_update_logprobs_equal_the_plain_path(monkeypatch):
-    """test_model's gradient check of the update's recomputed, chunked log-probabilities, on CUDA."""
+    """The update's recomputed, chunked log-probabilities against the plain path, on CUDA."""
     check_update_logprobs(monkeypatch, "qwen2-gqa-tied", "cuda", 5)
     check_update_logprobs(monkeypatch, "qwen2-gqa-tied", "cuda", None)
