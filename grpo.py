@@ -85,12 +85,6 @@ from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
-# torch's OpenMP threads spin when they wait for each other at the end of an operation: beside
-# another busy process, the spinning holds the core that a descheduled thread needs, and a run of
-# the built-in policy went 5 to 40 times slower. Passive, a waiting thread sleeps. OpenMP reads it
-# once, when torch loads: hence here, before the import (a value already set is kept).
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-
 import numpy as np
 import torch
 import torch.distributed as dist

@@ -670,16 +670,6 @@ def test_the_probe_cache_keys_a_sharded_policy_and_where_it_runs(tiny_policy, tm
     assert len(keys) == 3
 
 
-def test_torch_threads_wait_passively_unless_told():
-    # spinning threads beside another busy process made a run 5-40 times slower; OpenMP reads
-    # the policy when torch loads, so grpo.py sets it before importing torch
-    code = "import os, sys, grpo; print(os.environ['OMP_WAIT_POLICY'], 'torch' in sys.modules)"
-    env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
-    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True,
-                       text=True, timeout=120)
-    assert r.stdout.split() == ["PASSIVE", "True"], r.stderr
-
-
 def test_resume_with_nothing_to_resume_stops_and_says_so(tiny_policy, tmp_path, capsys):
     for out in (tmp_path / "missing", tmp_path / "empty"):
         (tmp_path / "empty").mkdir(exist_ok=True)
@@ -2313,3 +2303,17 @@ def test_micro_batches_bound_rows_and_padded_tokens():
     assert grpo.micro_batches([10, 30, 20, 70, 5, 5], 4, 60) == [[0, 1], [2], [3], [4, 5]]
     assert grpo.micro_batches([10, 30, 20, 200, 5], 4, 90) == [[0, 1, 2], [3], [4]]
     assert grpo.micro_batches([], 4, 90) == []
+
+
+def test_the_built_in_policies_run_on_one_thread_unless_told(tmp_path):
+    """Two torch threads of a model this small wait for each other spinning, and beside any other
+    busy process a run went 1.8 to 40 times slower: the built-in policies' preset takes one
+    thread, --threads overrides it, and any other model keeps torch's choice."""
+    def resolved(*argv):
+        args = runs.parse_args([*argv, "--out", str(tmp_path / "r")], grpo.REWARDS)
+        runs.resolve_preset(args, runs.World(rank=1))
+        return args.threads
+    assert resolved() == 1
+    assert resolved("--env", "shop-long") == 1
+    assert resolved("--threads", "2") == 2
+    assert resolved("--model", str(tmp_path)) is None
