@@ -298,11 +298,10 @@ def generation_section(model, hf, args, device) -> list:
 def step_section(model, args, device):
     """One decoding step with statistics at --batch rows against reading the weights once."""
     B = args.batch
-    cache = model.new_cache(B, args.prompt_len + args.new_tokens + 64)
+    cache = model.new_cache(B, args.prompt_len)
     with torch.no_grad():
         M.generate(model, cache, random_ids(model, args.prompt_len, B, 1).tolist(), 0)
-        for c in cache:
-            c.grow(args.prompt_len + args.new_tokens + 64)
+        M.reserve_slots(cache, args.new_tokens + 1)         # as a generation on a GPU does
         tokens = torch.zeros(B, dtype=torch.long, device=device)
         fed = torch.ones(B, dtype=torch.bool, device=device)
         span = cache[0].lengths.clone()

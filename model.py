@@ -708,7 +708,7 @@ def compiled_step(w: list, cache: list[KVCache]):
             config = torch._dynamo.config
             name = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"
             setattr(config, name, max(getattr(config, name), RECOMPILE_LIMIT))
-        if kind == "cuda":
+        if COMPILE_OPTIONS[kind].get("dynamic"):
             # Every size symbolic, each its own symbol: "duck" sizing would take two sizes equal
             # at the first call (4 rows, 4 key heads) for one, and compile again when they part.
             torch.fx.experimental._config.use_duck_shape = False
