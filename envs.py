@@ -41,10 +41,8 @@ paper and the release are silent or disagree (each is marked where it is impleme
 """
 from __future__ import annotations
 
-import argparse
 import json
 import os
-import random
 import re
 import sys
 from dataclasses import dataclass
@@ -52,9 +50,16 @@ from pathlib import Path
 
 import requests
 
-import calculator
-import chat_api
-import common
+import model
+import ast
+import hashlib
+import math
+import operator
+import time
+from decimal import Decimal
+from functools import cached_property
+from decimal import ROUND_HALF_UP
+import random
 
 MAX_TURNS = 10                      # assistant turns per episode (paper Appendix eval)
 OBSERVATION_CHARS = 1000            # METHOD.md §2: longer tool results are cut and get "..."
@@ -105,7 +110,7 @@ def render_final(thought: str | None, answer: str) -> str:
 
 def render_observation(text: str) -> str:
     """A tool result as the content of a user message (METHOD.md §2)."""
-    text = common.without_surrogates(text)
+    text = model.without_surrogates(text)
     if len(text) > OBSERVATION_CHARS:
         text = text[:OBSERVATION_CHARS] + "..."
     return f"Observation: {text}"
@@ -295,7 +300,7 @@ def parse_react(text: str) -> Action | Final | ParseError:
         # json.dumps (the tool cache's key, the check below) recurses and would overflow
         return ParseError(f"Invalid JSON in Action Input: nested deeper than {MAX_NESTING} "
                           "levels.")
-    if common.holds_lone_surrogate(arguments):
+    if model.holds_lone_surrogate(arguments):
         # a tool would echo it back, and no tokenizer can encode the observation
         return ParseError("Action Input holds a \\ud800-\\udfff escape that is not half of a "
                           "surrogate pair: write the character itself.")
@@ -425,8 +430,7 @@ class DataError(ValueError):
 
 
 def default_data_dir() -> Path:
-    return Path(os.environ.get("PAIR_DATA") or common.cache_root() / "data")
-
+    return Path(os.environ.get("PAIR_DATA") or model.cache_root() / "data")
 
 
 def download(family: str, data_dir: str | Path | None = None, ref: str = RELEASE_REF,
@@ -456,7 +460,7 @@ def download(family: str, data_dir: str | Path | None = None, ref: str = RELEASE
             _check_matched_file(data, url)
         else:
             _check_episode_file(data, url)
-        common.write_atomic(dest, r.content)
+        model.write_atomic(dest, r.content)
     return folder
 
 
@@ -663,7 +667,7 @@ def episode_file(family: str, split: str, data_dir: str | Path | None) -> Path:
     if name not in RELEASE_FILES[family]:
         raise DataError(f"{family} has no released '{split}' split (released: "
                         f"{', '.join(RELEASE_FILES[family])}) and {path} is missing: `python "
-                        f"envs.py split-episodes {family} --out OUT/{family}` writes one from "
+                        f"-m lab.data split-episodes {family} --out OUT/{family}` writes one from "
                         "its test files (then --data-dir OUT)")
     download(family, path.parent.parent)
     return path
@@ -814,7 +818,7 @@ class GTAEpisode(Episode):
             expression = arguments.get("expression")
             if not isinstance(expression, str):
                 return 'Error: Calculator takes {"expression": "<arithmetic expression>"}'
-            return calculator.calculate(expression)
+            return calculate(expression)
         return simulator_miss(name, arguments)
 
     def score(self, match: str | None = None) -> float | None:
@@ -857,7 +861,7 @@ class ToolBenchEpisode(Episode):
 
     def __init__(self, key: str, record: dict, fuzzy: bool = False,
                  history_chars: int | None = HISTORY_CHARS,
-                 judge: chat_api.ChatClient | None = None):
+                 judge: ChatClient | None = None):
         super().__init__(key, record["dialogs"][0]["content"], record["tools"], record["files"])
         self.task = record["dialogs"][0]["content"]
         self.cache = ReplayCache(record["dialogs"])
@@ -894,9 +898,9 @@ class ToolBenchEpisode(Episode):
         if self.final_answer is None:
             return 0.0
         if self.judge is None:
-            raise chat_api.LLMError("ToolBench scoring needs the LLM judge: make('toolbench', "
+            raise LLMError("ToolBench scoring needs the LLM judge: make('toolbench', "
                            "judge_model=...)")
-        return chat_api.judge_answer(self.judge, self.task, toolbench_reference(self.gt_answer),
+        return judge_answer(self.judge, self.task, toolbench_reference(self.gt_answer),
                             self.final_answer)
 
 
@@ -917,7 +921,7 @@ class ToolBenchEnv(Env):
                  history_chars: int | None = HISTORY_CHARS,
                  judge_model: str | None = "gpt-4o-mini", judge_cache=None):
         # The judge first: a missing key must fail before any data is read or fetched.
-        self.judge = chat_api.ChatClient(judge_model, cache_dir=judge_cache) \
+        self.judge = ChatClient(judge_model, cache_dir=judge_cache) \
             if judge_model else None
         super().__init__(load_episodes(episode_file("toolbench", split, data_dir)))
         self.fuzzy = fuzzy
@@ -936,136 +940,6 @@ class ToolBenchEnv(Env):
 # and log type, dialog index, original turn and raw reply. The choices come from
 # random.Random(f"{seed}:{episode id}"), so a run is deterministic given --seed and the reply
 # cache, and does not depend on the order of episodes.
-
-def assistant_positions(dialog: list[dict]) -> list[int]:
-    return [i for i, m in enumerate(dialog) if m["role"] == "assistant"]
-
-
-def compatible_types(dialog: list[dict], idx: int) -> list[str]:
-    """Contamination types that fit the assistant turn dialog[idx] (paper Table contam_compat)."""
-    positions = assistant_positions(dialog)
-    prev = max((p for p in positions if p < idx), default=0)
-    kinds = ["reasoning_error"]
-    if dialog[idx].get("tool_calls"):
-        kinds.append("tool_misuse")
-    if any(m["role"] == "tool" for m in dialog[prev:idx]):
-        kinds.append("observation_misinterpretation")
-    if len(positions) >= 3:
-        kinds.append("stale_memory")
-    return kinds
-
-
-def contamination_messages(record: dict, idx: int, kind: str) -> list[dict]:
-    """The system + user prompt asking to rewrite the assistant turn dialog[idx] as `kind`."""
-    dialog = record["dialogs"]
-    turn_no = assistant_positions(dialog).index(idx) + 1
-    n_turns = len(assistant_positions(dialog))
-    tools = "\n".join(f"- {t['name']}: {' '.join((t.get('description') or '').split())}"
-                      for t in record["tools"]) or "(none)"
-    history = dialog_to_messages(dialog[:idx], record["tools"], record["files"])[1:]
-    trajectory = "\n\n".join(("Agent:\n" if m["role"] == "assistant" else "") + m["content"]
-                             for m in history) or "(the target step is the first step)"
-    parts = [f"Task given to the agent:\n{render_task(dialog[0]['content'], record['files'])}",
-             f"Available tools:\n{tools}",
-             f"Trajectory before the target step:\n{trajectory}"]
-    if kind == "observation_misinterpretation":
-        obs = next(m for m in reversed(dialog[:idx]) if m["role"] == "tool")
-        parts.append("The observation immediately before the target step:\n"
-                     + render_observation(tool_result_text(obs)))
-    parts.append(f"Target step (step {turn_no} of {n_turns}), to rewrite with a "
-                 f"{kind.replace('_', ' ')} error:\n{render_assistant(dialog[idx])}")
-    parts.append("Reply with the JSON object described in your instructions.")
-    return [{"role": "system", "content": chat_api.CONTAMINATION_SYSTEM[kind]},
-            {"role": "user", "content": "\n\n".join(parts)}]
-
-
-def _reply_fields(kind: str, has_call: bool) -> tuple[bool, bool]:
-    """(rewrites the thought, rewrites the tool call) for a contamination type."""
-    return kind != "tool_misuse", kind == "tool_misuse" or (kind == "stale_memory" and has_call)
-
-
-def contaminated_turn(message: dict, kind: str, reply: dict) -> dict:
-    """The assistant turn with the fields `kind` rewrites replaced by the LLM's reply."""
-    has_call = bool(message.get("tool_calls"))
-    new_thought, new_call = _reply_fields(kind, has_call)
-    new = dict(message)
-    if new_thought:
-        for key in ("explanation",) + (("content",) if has_call else ()):
-            new.pop(key, None)      # those keys are read as thought (assistant_parts)
-        new["thought"] = reply["thought"]
-    if new_call:
-        new["tool_calls"] = [{"type": "function", "function": {
-            "name": reply["action"], "arguments": reply["action_input"]}}]
-    return new
-
-
-def contaminate_record(client: chat_api.ChatClient, key: str, record: dict, seed: int
-                       ) -> tuple[dict | None, str]:
-    """(contaminated record, "ok") or (None, why it was left out)."""
-    dialog = record["dialogs"]
-    positions = assistant_positions(dialog)
-    rng = random.Random(f"{seed}:{key}")
-    j = rng.randrange(1, len(positions))                 # 1..T-1, never the evaluation turn
-    idx = positions[j - 1]
-    kind = rng.choice(compatible_types(dialog, idx))
-    has_call = bool(dialog[idx].get("tool_calls"))
-    new_thought, new_call = _reply_fields(kind, has_call)
-
-    def check(obj):
-        if new_thought and not (isinstance(obj.get("thought"), str) and obj["thought"].strip()):
-            raise ValueError("missing 'thought'")
-        if new_call and not (isinstance(obj.get("action"), str) and obj["action"].strip()
-                             and isinstance(obj.get("action_input"), dict)):
-            raise ValueError("missing 'action' or 'action_input' (a JSON object)")
-        if common.holds_lone_surrogate(obj):
-            # the contaminated file is written as UTF-8, which cannot hold it
-            raise ValueError("a \\ud800-\\udfff escape that is not half of a surrogate pair")
-    try:
-        reply, raw = client.chat_json(contamination_messages(record, idx, kind), check=check,
-                                      max_tokens=1024)
-    except chat_api.BadReply as e:  # one call per turn (paper): a bad reply leaves the episode out
-        print(f"episode {key}: {e}", file=sys.stderr)
-        return None, "bad_reply"
-    turn = contaminated_turn(dialog[idx], kind, reply)
-    if render_assistant(turn) == render_assistant(dialog[idx]):
-        return None, "unchanged"
-    out = dict(record)
-    out["dialogs"] = dialog[:idx] + [turn] + dialog[idx + 1:]
-    out["contaminated_turn_indices"] = [idx]
-    out["contamination_types"] = [kind]
-    out["original_turn_contents"] = [dialog[idx]]
-    out["contamination_responses"] = [raw]
-    return out, "ok"
-
-
-def contaminate_file(data: str | Path, out: str | Path, client: chat_api.ChatClient, seed: int = 42,
-                     min_turns: int = 3, max_turns: int = 8) -> dict[str, int]:
-    """Contaminate every episode of an episode file whose assistant-turn count T lies in
-    [min_turns, max_turns] (the paper's filters); write the released schema atomically."""
-    if min_turns < 2:
-        raise DataError(f"--min-turns {min_turns}: at least 2 (a turn before the evaluation turn)")
-    if min_turns > max_turns:
-        raise DataError(f"--min-turns {min_turns} > --max-turns {max_turns}: no episode would do")
-    if Path(out).resolve() == Path(data).resolve():
-        raise DataError(f"--out {out} is --data: it would replace the episodes it reads")
-    episodes = load_episodes(data)
-    result, counts = {}, {}
-    for key, record in episodes.items():
-        if "contaminated_turn_indices" in record:
-            raise DataError(f"{data}: record {key}: already contaminated")
-        n_turns = len(assistant_positions(record["dialogs"]))
-        if not min_turns <= n_turns <= max_turns:
-            status = "turns_out_of_range"
-        else:
-            new, status = contaminate_record(client, key, record, seed)
-            if new is not None:
-                result[key] = new
-        counts[status] = counts.get(status, 0) + 1
-    if not result:
-        raise DataError(f"{data}: no episode was contaminated ({counts}); {out} not written")
-    _check_episode_file(result, out)
-    common.write_atomic(Path(out), json.dumps(result, indent=2, ensure_ascii=False).encode("utf-8"))
-    return counts
 
 
 # ---------------------------------------------------------------------------------------------
@@ -1089,305 +963,680 @@ def make(name: str, split: str = "test", data_dir=None, **kw) -> Env:
 # Analysis sets made from the released splits, no LLM
 # ---------------------------------------------------------------------------------------------
 
-# make-diagnostic gta: the adversarial diagnostic set (paper Appendix diagnostic, METHOD.md §8e).
-#   looks-wrong-but-right (label 1): every released matched_contaminated_test record with
-#     has_contaminated_prefix and label 1 - the gold evaluation turn after a contaminated prefix.
-#   looks-right-but-wrong (label 0), after the gold (clean) prefix, at most one per rule and
-#     episode, at a position drawn with the seed among those where the rule applies:
-#     repeat_previous_call - the previous assistant message (thought and tool call) verbatim: a
-#       redundant retrieval (GTA tools are deterministic, a repeat learns nothing); not used
-#       where the gold turn itself makes that call;
-#     unused_observation_number - the gold turn with a number it copies from an earlier
-#       observation replaced, in its call and its thought, by another number of the earlier
-#       observations that no gold assistant turn and no reference answer contains: a fluent call
-#       of a task tool on a value the solution never uses. OCR box coordinates "(x1, y1, x2, y2)"
-#       are not values a solution copies, so they are not taken.
-# The paper built its set with an LLM; these rules need none, and each negative is checked to
-# differ from the gold turn at its position.
-DIAGNOSTIC_RULES = ("repeat_previous_call", "unused_observation_number")
-_NUMBER = re.compile(r"(?<![\w.,])\d+(?:\.\d+)?(?![\w]|[.,]\d)")
-_BOX = re.compile(r"\(\d+, \d+, \d+, \d+\)")
-
-
-def _tool_call(message: dict) -> tuple[str, str] | None:
-    calls = message.get("tool_calls") if message.get("role") == "assistant" else None
-    if not calls:
-        return None
-    fn = calls[0]["function"]
-    return fn["name"], json.dumps(fn["arguments"], sort_keys=True)
-
-
-def _numbers(text: str) -> list[str]:
-    return _NUMBER.findall(_BOX.sub(" ", text))
-
-
-def _swap_number(text: str, old: str, new: str) -> str:
-    return re.sub(r"(?<![\w.,])" + re.escape(old) + r"(?![\w]|[.,]\d)", new, text)
-
-
-def _gold_numbers(record: dict) -> set[str]:
-    """Every number a gold assistant turn or a reference answer contains."""
-    texts = [json.dumps(m, ensure_ascii=False) for m in record["dialogs"]
-             if m["role"] == "assistant"]
-    texts.append(json.dumps(record.get("gt_answer"), ensure_ascii=False))
-    return {n for text in texts for n in _NUMBER.findall(text)}
-
-
-def repeat_previous_call(dialog: list[dict], t: int) -> dict | None:
-    prev = dialog[t - 2] if t >= 2 else {}
-    if _tool_call(prev) is None or _tool_call(dialog[t]) == _tool_call(prev):
-        return None
-    return json.loads(json.dumps(prev))
-
-
-def unused_observation_number(record: dict, t: int, rng: random.Random) -> dict | None:
-    dialog, gold = record["dialogs"], record["dialogs"][t]
-    if _tool_call(gold) is None:
-        return None
-    seen = {n for m in dialog[:t] if m["role"] == "tool" for n in _numbers(tool_result_text(m))}
-    arguments = gold["tool_calls"][0]["function"]["arguments"]
-    copied = sorted({n for v in arguments.values() if isinstance(v, str)
-                     for n in _numbers(v)} & seen)
-    unused = sorted(seen - _gold_numbers(record))
-    if not copied or not unused:
-        return None
-    old, new = rng.choice(copied), rng.choice(unused)
-    turn = json.loads(json.dumps(gold))
-    fn = turn["tool_calls"][0]["function"]
-    fn["arguments"] = {k: _swap_number(v, old, new) if isinstance(v, str) else v
-                       for k, v in fn["arguments"].items()}
-    if isinstance(turn.get("thought"), str):
-        turn["thought"] = _swap_number(turn["thought"], old, new)
-    return turn if _tool_call(turn) != _tool_call(gold) else None
-
-
-def gta_diagnostic(clean: dict[str, dict], contaminated_matched: list[dict],
-                   seed: int = 0) -> list[dict]:
-    """The diagnostic records of the GTA test split, episode by episode in file order."""
-    positives: dict[str, list[dict]] = {}
-    for rec in contaminated_matched:
-        if rec["has_contaminated_prefix"] and rec["label"] == 1:
-            positives.setdefault(rec["episode_id"], []).append(
-                {**{k: v for k, v in rec.items() if k != "dialogs"},
-                 "diagnostic": "inconsistent_correct",
-                 "diagnostic_rule": "gold_after_contaminated_prefix", "dialogs": rec["dialogs"]})
-    out = []
-    for eid, record in clean.items():
-        dialog = record["dialogs"]
-        rng = random.Random(f"gta-diagnostic-{seed}-{eid}")
-        turns = [t for t in assistant_positions(dialog) if t >= 1]
-        for rule in DIAGNOSTIC_RULES:
-            made = [(t, repeat_previous_call(dialog, t) if rule == DIAGNOSTIC_RULES[0]
-                     else unused_observation_number(record, t, rng)) for t in turns]
-            made = [(t, turn) for t, turn in made if turn is not None]
-            if made:
-                t, turn = rng.choice(made)
-                out.append(matched_record(eid, t, False, None, [], "clean",
-                                          dialog[:t] + [turn], diagnostic="consistent_incorrect",
-                                          diagnostic_rule=rule))
-        out += positives.pop(eid, [])
-    if positives:
-        raise DataError(f"matched_contaminated_test episodes {sorted(positives)} are not in "
-                        "clean_test.json")
-    return out
-
-
-def family_folder(data_dir, family: str) -> Path:
-    """DATA_DIR/<family>/. A --data-dir that is the family's folder itself (it holds the
-    released files) is refused with one line, not answered with a download beside it."""
-    root = Path(data_dir or default_data_dir())
-    if not (root / family).is_dir() and (root / "matched_clean_test.json").is_file():
-        raise DataError(f"--data-dir {root}: holds the {family} files itself; --data-dir is "
-                        f"the folder above it ({root.parent}), which holds {family}/")
-    return root / family
-
-
-def make_gta_diagnostic(data_dir=None, out_dir=None, seed: int = 0) -> dict[str, int]:
-    """Write matched_diagnostic_test.json and its episode file diagnostic_test.json (the clean
-    test episodes, for the tool lists) to out_dir (default: the released gta folder)."""
-    folder = family_folder(data_dir, "gta")
-    if not (folder / "matched_contaminated_test.json").is_file():
-        download("gta", folder.parent)
-    clean = load_episodes(folder / "clean_test.json")
-    matched = _parse_json((folder / "matched_contaminated_test.json").read_bytes(),
-                          folder / "matched_contaminated_test.json")
-    _check_matched_file(matched, folder / "matched_contaminated_test.json")
-    records = gta_diagnostic(clean, matched, seed)
-    _check_matched_file(records, "matched_diagnostic_test.json")
-    used = {r["episode_id"] for r in records}
-    out_dir = Path(out_dir or folder)
-    common.write_atomic(out_dir / "diagnostic_test.json", json.dumps(
-        {k: v for k, v in clean.items() if k in used}, indent=2).encode())
-    common.write_atomic(out_dir / "matched_diagnostic_test.json", json.dumps(records).encode())
-    counts: dict[str, int] = {}
-    for r in records:
-        counts[r["diagnostic_rule"]] = counts.get(r["diagnostic_rule"], 0) + 1
-    return {"records": len(records), "episodes": len(used), **counts}
-
-
-# split-episodes: a train split from released test files (ToolBench has none, METHOD.md §1).
-# The episodes of the test files are drawn into two halves with a seed; each half gets all four
-# files (episode and matched, clean and contaminated) named as released. *Departure*: the paper
-# trained on ToolBench train episodes, which are not public; probes fitted on half of the test
-# episodes and scored on the other half answer the same question on fewer data.
-SPLIT_FILES = ("clean", "contaminated", "matched_clean", "matched_contaminated")
-
-
-def split_episodes(data_dir, family: str, out_dir, seed: int = 0, fraction: float = 0.5,
-                   episodes: int | None = None) -> dict[str, int]:
-    """Write {clean,contaminated,matched_clean,matched_contaminated}_{train,test}.json of the
-    family's test episodes split by episode (`fraction` to train), optionally of a seeded
-    subsample of `episodes` episodes first. Returns records per file written."""
-    if not 0 < fraction < 1:
-        raise DataError(f"--fraction {fraction}: must be strictly between 0 and 1")
-    folder = family_folder(data_dir, family)
-    if Path(out_dir).resolve() == folder.resolve():
-        raise DataError(f"--out {out_dir}: that is where the released files are, and the split "
-                        "would overwrite their test files: write it to another folder "
-                        f"(e.g. OUT/{family}, then --data-dir OUT)")
-    if not all((folder / f"{name}_test.json").is_file() for name in SPLIT_FILES):
-        download(family, folder.parent)
-    data = {}
-    for name in SPLIT_FILES:
-        path = folder / f"{name}_test.json"
-        data[name] = _parse_json(path.read_bytes(), path)
-        (_check_matched_file if name.startswith("matched_") else _check_episode_file)(
-            data[name], path)
-    ids = sorted(data["clean"])
-    rng = random.Random(f"split-{family}-{seed}")
-    rng.shuffle(ids)
-    if episodes is not None:
-        if episodes < 2:
-            raise DataError(f"--episodes {episodes}: need at least 2 (one per half)")
-        ids = ids[:episodes]
-    n_train = max(1, min(len(ids) - 1, round(fraction * len(ids))))
-    halves = {"train": set(ids[:n_train]), "test": set(ids[n_train:])}
-    counts = {}
-    for split, keep in halves.items():
-        for name in SPLIT_FILES:
-            if name.startswith("matched_"):
-                part = [r for r in data[name] if r["episode_id"] in keep]
-            else:
-                part = {k: v for k, v in data[name].items() if k in keep}
-            target = Path(out_dir) / f"{name}_{split}.json"
-            common.write_atomic(target, json.dumps(part, indent=None if name.startswith("matched_")
-                                            else 2).encode())
-            counts[target.name] = len(part)
-    return counts
-
 
 # ---------------------------------------------------------------------------------------------
 # Command line
 # ---------------------------------------------------------------------------------------------
 
-def replay_report(env: Env, match: str | None = None, score: bool = True) -> dict:
-    """Play every gold dialog of a replay env: observation mismatches, mean gold score, skips."""
-    mismatches, scores, skips = 0, [], {}
-    for key in env.ids:
-        ep = env.episode(key)
-        pairs = play_gold(ep, env.records[key]["dialogs"])
-        mismatches += sum(recorded != got for recorded, got in pairs)
-        if not score:
-            continue
-        s = ep.score(match) if isinstance(ep, GTAEpisode) else ep.score()
-        if s is None:
-            skips[ep.skip_reason] = skips.get(ep.skip_reason, 0) + 1
-        else:
-            scores.append(s)
-    report = {"episodes": len(env), "observation_mismatches": mismatches}
-    if score:
-        report.update(scored=len(scores), skipped=skips,
-                      mean_gold_score=sum(scores) / len(scores) if scores else None)
-    return report
+
+MAX_EXPRESSION_CHARS = 1000
 
 
-def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    sub = ap.add_subparsers(dest="command", required=True)
+MAX_INT_BITS = 4000          # ~1200 digits: bounds the work of *, ** and str() on integers
 
-    p = sub.add_parser("download", help="fetch the released splits from the authors' repository")
-    p.add_argument("family", choices=sorted(RELEASE_FILES), help="which benchmark's files")
-    p.add_argument("--data-dir", default=None,
-                   help="root folder (files go to DIR/<family>/); default $PAIR_DATA or "
-                        "~/.cache/pair/data")
-    p.add_argument("--ref", default=RELEASE_REF, help="git commit or branch of the repository")
-    p.add_argument("--force", action="store_true", help="download files that already exist")
 
-    p = sub.add_parser("contaminate", help="rewrite one turn per episode with an LLM (paper "
-                                           "Appendix contam_procedure)")
-    p.add_argument("--data", required=True, help="episode file to contaminate "
-                                                 "(clean_<split>.json schema)")
-    p.add_argument("--out", required=True, help="output episode file (contaminated schema)")
-    p.add_argument("--seed", type=int, default=42, help="seed of the turn and type choices")
-    p.add_argument("--model", default="gpt-4o-mini", help="chat model name at the endpoint "
-                   "($OPENAI_BASE_URL, key in $OPENAI_API_KEY)")
-    p.add_argument("--cache-dir", default=None, help="LLM reply cache (default "
-                                                     "~/.cache/pair/llm)")
-    p.add_argument("--min-turns", type=int, default=3,
-                   help="skip episodes with fewer assistant turns (paper: 3)")
-    p.add_argument("--max-turns", type=int, default=8,
-                   help="skip episodes with more assistant turns (paper: 8)")
+MAX_FACTORIAL = 1000
 
-    p = sub.add_parser("make-diagnostic", help="write the adversarial diagnostic set of a "
-                                               "released benchmark from its data (no LLM)")
-    p.add_argument("family", choices=["gta"], help="which benchmark (GTA: the rules in envs.py)")
-    p.add_argument("--data-dir", default=None,
-                   help="root folder of the released files (DIR/<family>/); default $PAIR_DATA "
-                        "or ~/.cache/pair/data")
-    p.add_argument("--out", default=None, help="output folder (default: DIR/<family>/)")
-    p.add_argument("--seed", type=int, default=0, help="seed of the positions drawn (default 0)")
 
-    p = sub.add_parser("split-episodes", help="split a benchmark's released test files by "
-                                              "episode into train and test halves")
-    p.add_argument("family", choices=sorted(RELEASE_FILES), help="which benchmark")
-    p.add_argument("--data-dir", default=None,
-                   help="root folder of the released files (DIR/<family>/)")
-    p.add_argument("--out", required=True, help="output folder for the eight files")
-    p.add_argument("--seed", type=int, default=0, help="seed of the episode draw (default 0)")
-    p.add_argument("--fraction", type=float, default=0.5,
-                   help="fraction of the episodes that go to train (default 0.5)")
-    p.add_argument("--episodes", type=int, default=None,
-                   help="first draw this many episodes (a seeded subsample; default: all)")
+MAX_NDIGITS = 1000           # round(x, n) builds 10 ** |n|: n = -10**8 would run for minutes
 
-    p = sub.add_parser("replay", help="play the gold dialogs through a replay env and report")
-    p.add_argument("family", choices=["gta", "toolbench"], help="which benchmark")
-    p.add_argument("--split", default="test", choices=["train", "test"], help="released split")
-    p.add_argument("--data-dir", default=None, help="root folder of the released files")
-    p.add_argument("--match", default="strict", choices=["strict", "loose"],
-                   help="GTA answer matching mode")
-    p.add_argument("--judge-model", default=None,
-                   help="ToolBench: score gold answers with this judge model (default: no "
-                        "scoring)")
-    args = ap.parse_args(argv)
+
+class CalculatorError(ValueError):
+    pass
+
+
+def _int_arg(x, fn):
+    if isinstance(x, float) and x.is_integer():
+        x = int(x)
+    if not isinstance(x, int):
+        raise CalculatorError(f"{fn}() needs an integer")
+    if abs(x) > MAX_FACTORIAL:
+        raise CalculatorError(f"{fn}() argument too large (limit {MAX_FACTORIAL})")
+    return x
+
+
+def _power(a, b):
+    # Refuse integer powers whose result would exceed MAX_INT_BITS before computing them.
+    if isinstance(a, int) and isinstance(b, int) and b > 0 and abs(a) > 1:
+        if b * math.log2(abs(a)) > MAX_INT_BITS:
+            raise CalculatorError("result too large")
+    return a ** b
+
+
+def _multiply(a, b):
+    if isinstance(a, int) and isinstance(b, int) and \
+            a.bit_length() + b.bit_length() > MAX_INT_BITS + 1:
+        raise CalculatorError("result too large")
+    return a * b
+
+
+def _round(x, ndigits=None):
+    if ndigits is None:
+        return round(x)
+    if isinstance(ndigits, float) and ndigits.is_integer():
+        ndigits = int(ndigits)
+    if not isinstance(ndigits, int):
+        raise CalculatorError("round() needs an integer number of digits")
+    if abs(ndigits) > MAX_NDIGITS:
+        raise CalculatorError(f"round() digits out of range (limit {MAX_NDIGITS})")
+    return round(x, ndigits)
+
+
+def _lcm(*xs):
+    if sum(x.bit_length() for x in xs if isinstance(x, int)) > MAX_INT_BITS + len(xs):
+        raise CalculatorError("result too large")
+    return math.lcm(*xs)
+
+
+_BINARY = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: _multiply,
+           ast.Div: operator.truediv, ast.FloorDiv: operator.floordiv, ast.Mod: operator.mod,
+           ast.Pow: _power}
+
+
+_UNARY = {ast.USub: operator.neg, ast.UAdd: operator.pos}
+
+
+_FUNCTIONS = {
+    "abs": abs, "round": _round, "min": min, "max": max, "int": int, "float": float,
+    "pow": _power, "sqrt": math.sqrt, "cbrt": math.cbrt, "exp": math.exp, "log": math.log,
+    "log10": math.log10, "log2": math.log2, "log1p": math.log1p, "sin": math.sin,
+    "cos": math.cos, "tan": math.tan, "asin": math.asin, "acos": math.acos, "atan": math.atan,
+    "atan2": math.atan2, "sinh": math.sinh, "cosh": math.cosh, "tanh": math.tanh,
+    "degrees": math.degrees, "radians": math.radians, "floor": math.floor, "ceil": math.ceil,
+    "trunc": math.trunc, "fabs": math.fabs, "hypot": math.hypot, "gcd": math.gcd,
+    "lcm": _lcm, "isqrt": math.isqrt, "fsum": lambda *xs: math.fsum(xs),
+    "factorial": lambda n: math.factorial(_int_arg(n, "factorial")),
+    "comb": lambda n, k: math.comb(_int_arg(n, "comb"), _int_arg(k, "comb")),
+    "perm": lambda n, k: math.perm(_int_arg(n, "perm"), _int_arg(k, "perm")),
+}
+
+
+_CONSTANTS = {"pi": math.pi, "e": math.e, "tau": math.tau, "inf": math.inf, "nan": math.nan}
+
+
+def _evaluate(node):
+    if isinstance(node, ast.Expression):
+        return _evaluate(node.body)
+    if isinstance(node, ast.Constant):
+        if type(node.value) in (int, float):
+            return node.value
+        raise CalculatorError(f"unsupported literal {node.value!r}")
+    if isinstance(node, ast.BinOp) and type(node.op) in _BINARY:
+        value = _BINARY[type(node.op)](_evaluate(node.left), _evaluate(node.right))
+    elif isinstance(node, ast.UnaryOp) and type(node.op) in _UNARY:
+        value = _UNARY[type(node.op)](_evaluate(node.operand))
+    elif isinstance(node, (ast.Name, ast.Attribute)):
+        name = _qualified_name(node)
+        if name not in _CONSTANTS:
+            raise CalculatorError(f"unknown name '{name}'")
+        return _CONSTANTS[name]
+    elif isinstance(node, ast.Call):
+        name = _qualified_name(node.func)
+        if name not in _FUNCTIONS:
+            raise CalculatorError(f"unknown function '{name}'")
+        if node.keywords or any(isinstance(a, ast.Starred) for a in node.args):
+            raise CalculatorError(f"{name}() takes plain positional arguments only")
+        value = _FUNCTIONS[name](*[_evaluate(a) for a in node.args])
+    else:
+        raise CalculatorError(f"unsupported syntax ({type(node).__name__})")
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise CalculatorError("the result is not a real number")
+    if isinstance(value, int) and value.bit_length() > MAX_INT_BITS:
+        raise CalculatorError("result too large")
+    return value
+
+
+def _qualified_name(node) -> str:
+    # `sqrt` and `math.sqrt` both name the whitelisted function; no other attribute exists.
+    if isinstance(node, ast.Name):
+        return node.id
+    if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) \
+            and node.value.id == "math":
+        return node.attr
+    raise CalculatorError("attribute access is not allowed")
+
+
+def calculate(expression: str) -> str:
+    """Evaluate one arithmetic expression; the result as Python prints it, or 'Error: ...'.
+
+    Numbers, + - * / // % **, unary signs, parentheses, and math functions/constants by name
+    (`sqrt(2)` or `math.sqrt(2)`). Never raises.
+    """
     try:
-        _run(args)
-    except (DataError, chat_api.LLMError, OSError) as e:    # expected failures (an --out under
-        sys.exit(f"error: {e}")                             # a file too): one line
+        if not isinstance(expression, str):
+            raise CalculatorError("the expression must be a string")
+        if len(expression) > MAX_EXPRESSION_CHARS:
+            raise CalculatorError(f"expression longer than {MAX_EXPRESSION_CHARS} characters")
+        tree = ast.parse(expression.strip(), mode="eval")
+        if isinstance(tree.body, ast.Tuple):
+            raise CalculatorError("a comma separates values: write numbers without thousands "
+                                  "separators")
+        return str(_evaluate(tree))
+    except CalculatorError as e:
+        return f"Error: {e}"
+    except SyntaxError as e:
+        return f"Error: invalid expression ({e.msg})"
+    except RecursionError:
+        return "Error: expression nested too deeply"
+    except Exception as e:  # ZeroDivisionError, math domain errors, overflow, bad arity ...
+        return f"Error: {e}"
 
 
-def _run(args):
-    if args.command == "download":
-        print(download(args.family, args.data_dir, args.ref, args.force))
-    elif args.command == "contaminate":
-        client = chat_api.ChatClient(args.model, cache_dir=args.cache_dir)
-        counts = contaminate_file(args.data, args.out, client, args.seed, args.min_turns,
-                                  args.max_turns)
-        print(json.dumps({"out": args.out, "counts": counts,
-                          "requests": client.requests_made}))
-    elif args.command == "make-diagnostic":
-        print(json.dumps(make_gta_diagnostic(args.data_dir, args.out, args.seed)))
-    elif args.command == "split-episodes":
-        print(json.dumps(split_episodes(args.data_dir, args.family, args.out, args.seed,
-                                        args.fraction, args.episodes)))
-    elif args.command == "replay":
-        if args.family == "gta":
-            env = make("gta", args.split, args.data_dir, match=args.match)
-        else:
-            env = make("toolbench", args.split, args.data_dir, judge_model=args.judge_model)
-        score = args.family == "gta" or args.judge_model is not None
-        print(json.dumps(replay_report(env, args.match, score)))
+class LLMError(RuntimeError):
+    pass
 
 
-if __name__ == "__main__":
-    main()
+class AuthError(LLMError):
+    pass
+
+
+class BadReply(LLMError):
+    """The endpoint answered, but not with the JSON object asked for."""
+
+
+class ChatClient:
+    """POST {OPENAI_BASE_URL}/chat/completions with requests, JSON-object replies only.
+
+    Replies are cached on disk under the SHA-256 of the request body (model, messages,
+    temperature, max_tokens, response format), so a repeated call makes no request and an
+    interrupted run resumes. 429, 5xx and connection errors are retried with exponential backoff
+    (Retry-After honoured); 401 fails at once. A missing key fails in the constructor, before
+    any work starts.
+    """
+
+    def __init__(self, model_name: str, base_url: str | None = None, api_key: str | None = None,
+                 cache_dir: str | Path | None = None, max_retries: int = 6,
+                 backoff: float = 1.0, timeout: float = 120.0):
+        self.api_key = api_key or os.environ.get("OPENAI_API_KEY")
+        if not self.api_key:
+            raise LLMError("OPENAI_API_KEY is not set: the LLM judge and the contamination "
+                           "generator need an OpenAI-compatible endpoint (OPENAI_API_KEY, and "
+                           "OPENAI_BASE_URL for a server other than api.openai.com)")
+        self.model = model_name
+        self.base_url = (base_url or os.environ.get("OPENAI_BASE_URL")
+                         or "https://api.openai.com/v1").rstrip("/")
+        self.cache_dir = Path(cache_dir) if cache_dir else model.cache_root() / "llm"
+        self.max_retries = max_retries
+        self.backoff = backoff
+        self.timeout = timeout
+        self.session = requests.Session()
+        self.requests_made = 0          # HTTP requests sent (cache hits send none)
+
+    def chat_json(self, messages: list[dict], check=None, temperature: float = 0.0,
+                  max_tokens: int = 512) -> tuple[dict, str]:
+        """(parsed JSON object, raw reply). `check(obj)` may raise ValueError to reject a reply;
+        a rejected or unparsable reply raises BadReply and is not cached."""
+        body = {"model": self.model, "messages": messages, "temperature": temperature,
+                "max_tokens": max_tokens, "response_format": {"type": "json_object"}}
+        digest = hashlib.sha256(json.dumps(body, sort_keys=True, ensure_ascii=False)
+                                .encode("utf-8")).hexdigest()
+        path = self.cache_dir / digest[:2] / f"{digest}.json"
+        if path.is_file():
+            try:
+                raw = json.loads(path.read_text(encoding="utf-8"))["reply"]
+                return _checked_json(raw, check), raw
+            except (ValueError, KeyError, TypeError):
+                pass                        # unreadable entry: ask again and overwrite it
+        raw = self._post(body)
+        try:
+            obj = _checked_json(raw, check)
+        except ValueError as e:
+            raise BadReply(f"{self.model} replied with an unusable answer ({e}): "
+                           f"{raw[:300]!r}") from e
+        model.write_atomic(path, json.dumps({"request": body, "reply": raw},
+                                      ensure_ascii=False).encode("utf-8"))
+        return obj, raw
+
+    def _post(self, body: dict) -> str:
+        url = f"{self.base_url}/chat/completions"
+        headers = {"Authorization": f"Bearer {self.api_key}"}
+        for attempt in range(self.max_retries + 1):
+            wait = self.backoff * 2 ** attempt
+            try:
+                self.requests_made += 1
+                r = self.session.post(url, json=body, headers=headers, timeout=self.timeout)
+            except (requests.ConnectionError, requests.Timeout) as e:
+                problem = f"connection error: {e}"
+            else:
+                if r.status_code == 200:
+                    try:
+                        return r.json()["choices"][0]["message"]["content"]
+                    except (ValueError, KeyError, IndexError, TypeError) as e:
+                        raise LLMError(f"{url}: unexpected reply {r.text[:300]!r}") from e
+                if r.status_code == 401:
+                    raise AuthError(f"{url} answered 401 Unauthorized: the key in "
+                                    "OPENAI_API_KEY was rejected")
+                if r.status_code != 429 and r.status_code < 500:
+                    raise LLMError(f"{url} answered HTTP {r.status_code}: {r.text[:300]}")
+                problem = f"HTTP {r.status_code}"
+                try:
+                    wait = max(wait, float(r.headers.get("Retry-After", 0)))
+                except ValueError:
+                    pass
+            if attempt == self.max_retries:
+                raise LLMError(f"{url}: giving up after {attempt + 1} attempts ({problem})")
+            time.sleep(min(wait, 60.0))
+        raise AssertionError("unreachable")
+
+
+def _checked_json(raw: str, check) -> dict:
+    text = raw.strip()
+    if text.startswith("```"):      # tolerate a fenced reply from servers without JSON mode
+        text = re.sub(r"^```[A-Za-z]*\s*|\s*```$", "", text)
+    obj = json.loads(text)
+    if not isinstance(obj, dict):
+        raise ValueError("the reply is not a JSON object")
+    if check is not None:
+        check(obj)
+    return obj
+
+
+ANSWER_JUDGE_SYSTEM = """\
+You grade the final answer of a tool-using assistant against a reference answer.
+The reference was written from the tool outputs recorded when the task was collected; judge the
+answer against the reference's key facts - named entities, numbers, dates and stated relations -
+not against your own knowledge. Wording, order and formatting differences do not matter.
+Labels:
+- "yes": the answer captures most of the reference's key facts.
+- "partial": it captures some key facts, with minor omissions or local errors.
+- "no": a refusal, an empty or off-topic answer, or most key facts missing or wrong.
+Reply with a JSON object only: {"label": "yes" | "partial" | "no", "reason": "<one sentence>"}"""
+
+
+ANSWER_LABELS = {"yes": 1.0, "partial": 0.5, "no": 0.0}
+
+
+def judge_answer(client: ChatClient, task: str, reference: str, answer: str) -> float:
+    """yes 1.0 / partial 0.5 / no 0.0 for `answer` against `reference` (temperature 0)."""
+    def check(obj):
+        if obj.get("label") not in ANSWER_LABELS:
+            raise ValueError(f"label must be one of {', '.join(ANSWER_LABELS)}")
+    user = (f"Task:\n{task.strip()}\n\nReference answer:\n{reference.strip()}\n\n"
+            f"Assistant's final answer:\n{answer.strip()}")
+    obj, _ = client.chat_json([{"role": "system", "content": ANSWER_JUDGE_SYSTEM},
+                               {"role": "user", "content": user}], check=check)
+    return ANSWER_LABELS[obj["label"]]
+
+
+SHOP_STORES = ("A", "B", "C", "D")
+
+
+SHOP_ITEMS = ("apple", "bread", "egg", "milk", "pear", "rice")
+
+
+# Units of each currency one USD buys, drawn uniformly in cents from these ranges.
+SHOP_RATE_CENTS = {"EUR": (80, 99), "GBP": (70, 89), "CAD": (120, 149), "JPY": (10000, 15999)}
+
+
+SHOP_CURRENCIES = ("USD",) + tuple(SHOP_RATE_CENTS)
+
+
+SHOP_PRICE_CENTS = (50, 999)
+
+
+SHOP_MAX_QUANTITY = 6
+
+
+SHOP_TEMPLATES = ("What is the total cost of {lines}, in {cur}?",
+                  "How much do {lines} cost in total, in {cur}?",
+                  "I buy {lines}. How much do I pay in {cur}?")
+
+
+# Episode seeds: seed * SHOP_SEED_STRIDE + SHOP_SPLIT_OFFSET[split] + i, so splits (and seeds)
+# never share an episode as long as i < SHOP_SPLIT_SIZE[split]. The validation split (checkpoint
+# selection) is the top of the training range, which no run comes near; train and test seeds are
+# the ones they always were.
+SHOP_SEED_STRIDE = 10_000_000
+
+
+SHOP_SPLIT_OFFSET = {"train": 0, "val": 4_500_000, "test": 5_000_000}
+
+
+SHOP_SPLIT_SIZE = {"train": 4_500_000, "val": 500_000, "test": 5_000_000}
+
+
+SHOP_TOOLS = [
+    {"name": "Lookup", "description": "Look up the price in USD of one item at one store.",
+     "inputs": [{"type": "text", "name": "store", "description": "The store: A, B, C or D.",
+                 "optional": False, "default": None, "filetype": None},
+                {"type": "text", "name": "item", "description": "The item, e.g. apple.",
+                 "optional": False, "default": None, "filetype": None}],
+     "outputs": [{"type": "text", "name": None, "description": "The price in USD.",
+                  "optional": False, "default": None, "filetype": None}]},
+    {"name": "Rate", "description": "How many units of a currency one USD buys.",
+     "inputs": [{"type": "text", "name": "currency",
+                 "description": "The currency: " + ", ".join(SHOP_CURRENCIES) + ".",
+                 "optional": False, "default": None, "filetype": None}],
+     "outputs": [{"type": "text", "name": None, "description": "The exchange rate.",
+                  "optional": False, "default": None, "filetype": None}]},
+    {"name": "Calculator", "description": "Evaluate an arithmetic expression (+ - * / and "
+                                          "parentheses).",
+     "inputs": [{"type": "text", "name": "expression", "description": "e.g. (3*2.50+1.20)*0.92",
+                 "optional": False, "default": None, "filetype": None}],
+     "outputs": [{"type": "text", "name": None, "description": "The value.",
+                  "optional": False, "default": None, "filetype": None}]}]
+
+
+_CENT = Decimal("0.01")
+
+
+SHOP_SCORING = 2    # the rules' version (2: half a cent): cached evaluations and probes key on it
+
+
+_SHOP_VALUE_TOL = 0.005     # "equals" within half a cent: of a total, its rounding, not a cent off
+
+
+def _cents(n: int) -> Decimal:
+    return Decimal(n).scaleb(-2)        # 250 -> Decimal("2.50"): keeps two decimals when printed
+
+
+@dataclass(frozen=True)
+class ShopTask:
+    """One episode: the world and the task. Facts are ("price", store, item) or ("rate", cur)."""
+    seed: int
+    prices: dict            # (store, item) -> Decimal USD, every store sells every item
+    rates: dict             # currency -> Decimal units per USD ("USD" -> 1.00)
+    lines: tuple            # ((quantity, item, store), ...), distinct (store, item)
+    currency: str
+    text: str
+    stepwise: bool = False  # a shop-long task: the line-by-line solution (LONG_WORLD below)
+
+    @cached_property
+    def needed(self) -> tuple:
+        """The facts a solution fetches, in the gold solver's order."""
+        facts = tuple(("price", s, i) for _, i, s in self.lines)
+        return facts + ((("rate", self.currency),) if self.currency != "USD" else ())
+
+    def value(self, fact) -> Decimal:
+        return self.prices[fact[1:]] if fact[0] == "price" else self.rates[fact[1]]
+
+    @cached_property
+    def total(self) -> Decimal:
+        """Exact total in the task's currency."""
+        usd = sum(q * self.prices[s, i] for q, i, s in self.lines)
+        return usd * self.rates[self.currency]
+
+    @cached_property
+    def answer(self) -> str:
+        """The canonical answer: the total rounded half-up to 2 decimals."""
+        return str(self.total.quantize(_CENT, rounding=ROUND_HALF_UP))
+
+    @cached_property
+    def quantities(self) -> list[Decimal]:
+        """Every value a useful Calculator call may produce (see the header comment; a
+        shop-long task's are fewer, LONG_WORLD)."""
+        rate = self.rates[self.currency]
+        subtotals = [q * self.prices[s, i] for q, i, s in self.lines]
+        if self.stepwise:           # the running totals, and the total converted
+            return sorted({sum(subtotals[:k + 1]) for k in range(len(subtotals))} | {self.total})
+        sums = {sum(x for k, x in enumerate(subtotals) if mask >> k & 1)
+                for mask in range(1, 2 ** len(subtotals))}
+        out = set(sums)
+        if self.currency != "USD":
+            out |= {x * rate for x in sums}
+            out |= {self.prices[s, i] * rate for _, i, s in self.lines}
+        return sorted(out)
+
+
+def draw_world(rng: random.Random) -> tuple[dict, dict]:
+    """An episode's prices and rates, the first draws of its seed's stream."""
+    prices = {(s, i): _cents(rng.randint(*SHOP_PRICE_CENTS))
+              for s in SHOP_STORES for i in SHOP_ITEMS}
+    rates = {"USD": _cents(100)}
+    rates.update({c: _cents(rng.randint(*span)) for c, span in SHOP_RATE_CENTS.items()})
+    return prices, rates
+
+
+def shop_task(seed: int) -> ShopTask:
+    """The episode of one seed (deterministic: one random.Random(seed), fixed draw order)."""
+    rng = random.Random(seed)
+    prices, rates = draw_world(rng)
+    n_lines = rng.randint(1, 3)
+    pairs = rng.sample([(s, i) for s in SHOP_STORES for i in SHOP_ITEMS], n_lines)
+    lines = tuple((rng.randint(1, SHOP_MAX_QUANTITY), i, s) for s, i in pairs)
+    currency = rng.choice(SHOP_CURRENCIES)
+    parts = [f"{q} {i} at store {s}" for q, i, s in lines]
+    listed = parts[0] if len(parts) == 1 else ", ".join(parts[:-1]) + " and " + parts[-1]
+    text = rng.choice(SHOP_TEMPLATES).format(lines=listed, cur=currency)
+    return ShopTask(seed, prices, rates, lines, currency, text)
+
+
+def shop_episode_seed(split: str, seed: int, i: int) -> int:
+    if split not in SHOP_SPLIT_OFFSET:
+        raise ValueError(f"shop: unknown split {split!r} (choose from train, val, test)")
+    if not 0 <= i < SHOP_SPLIT_SIZE[split]:
+        raise IndexError(f"shop: {split} episode index {i} out of range "
+                         f"[0, {SHOP_SPLIT_SIZE[split]})")
+    return seed * SHOP_SEED_STRIDE + SHOP_SPLIT_OFFSET[split] + i
+
+
+def shop_episode_id(split: str, seed: int, i: int, world: str = "shop") -> str:
+    return f"{world}-{seed}-{split}-{i}"
+
+
+def shop_task_from_id(episode_id: str) -> ShopTask:
+    """Rebuild the world of a shop (or shop-long) episode id, so any record can be re-labelled."""
+    m = re.fullmatch(r"(shop|shop-long)-(\d+)-(train|val|test)-(\d+)", episode_id)
+    if m is None:
+        raise ValueError(f"not a shop episode id: {episode_id!r} (expected shop-SEED-SPLIT-I or "
+                         "shop-long-SEED-SPLIT-I)")
+    return WORLDS[m.group(1)](shop_episode_seed(m.group(3), int(m.group(2)), int(m.group(4))))
+
+
+@dataclass(frozen=True)
+class ShopResult:
+    text: str                   # the observation
+    fact: tuple | None = None   # what a Lookup/Rate call learned ...
+    value: Decimal | None = None    # ... and its value
+    number: float | None = None     # a Calculator result
+
+
+def _shop_args(arguments, keys: tuple[str, ...]) -> list[str] | None:
+    if not isinstance(arguments, dict) or set(arguments) != set(keys) or \
+            not all(isinstance(arguments[k], str) for k in keys):
+        return None
+    return [arguments[k].strip() for k in keys]
+
+
+def shop_execute(task: ShopTask, name: str, arguments) -> ShopResult:
+    """Run one tool call against the episode's world."""
+    if name == "Lookup":
+        args = _shop_args(arguments, ("store", "item"))
+        if args is None:
+            return ShopResult('Error: Lookup takes {"store": ..., "item": ...}.')
+        store, item = args[0].upper(), args[1].lower()
+        if store not in SHOP_STORES:
+            return ShopResult(f"Error: unknown store '{args[0]}'. Stores: "
+                              + ", ".join(SHOP_STORES) + ".")
+        if item not in SHOP_ITEMS:
+            return ShopResult(f"Error: unknown item '{args[1]}'. Items: {', '.join(SHOP_ITEMS)}.")
+        price = task.prices[store, item]
+        return ShopResult(f"{item} at store {store} costs {price} USD.",
+                          ("price", store, item), price)
+    if name == "Rate":
+        args = _shop_args(arguments, ("currency",))
+        if args is None:
+            return ShopResult('Error: Rate takes {"currency": ...}.')
+        cur = args[0].upper()
+        if cur not in SHOP_CURRENCIES:
+            return ShopResult(f"Error: unknown currency '{args[0]}'. Currencies: "
+                              + ", ".join(SHOP_CURRENCIES) + ".")
+        return ShopResult(f"1 USD = {task.rates[cur]} {cur}.", ("rate", cur), task.rates[cur])
+    if name == "Calculator":
+        args = _shop_args(arguments, ("expression",))
+        if args is None:
+            return ShopResult('Error: Calculator takes {"expression": ...}.')
+        out = calculate(args[0])
+        try:
+            number = float(out)
+        except ValueError:          # "Error: ..."
+            return ShopResult(out)
+        # Round away float noise (9.108000000000001): a small model should not have to copy it.
+        return ShopResult(str(round(number, 6)), number=number)
+    return ShopResult(f"Error: unknown tool '{name}'. Tools: Lookup, Rate, Calculator.")
+
+
+_NUM = r"\d+(?:\.\d+)?"
+
+
+_SHOP_CLAIM = re.compile(
+    rf"(?P<item>[a-z]+) at store (?P<store>[a-z])\b costs (?P<price>{_NUM})(?: USD\b)?"
+    rf"|\b1 USD = (?P<rate>{_NUM}) (?P<rcur>[a-z]{{3}})\b"
+    r"|\bI need the price of (?P<nitem>[a-z]+) at store (?P<nstore>[a-z])\b"
+    r"|\bI need the (?P<ncur>[a-z]{3}) rate\b"
+    r"|\bthe total is (?P<total>[\d.,+\-*/() ]*[\d)])(?: (?P<tcur>USD|EUR|GBP|CAD|JPY)\b)?",
+    re.IGNORECASE)
+
+
+def _close(x: float, values) -> bool:
+    return any(abs(x - float(v)) <= _SHOP_VALUE_TOL + 1e-9 for v in values)
+
+
+def _calc_value(expression: str) -> float | None:
+    try:
+        return float(calculate(expression))
+    except ValueError:              # "Error: ..."
+        return None
+
+
+def _first_number(text: str) -> float | None:
+    m = re.search(r"-?\d[\d,]*(?:\.\d+)?", text or "")
+    return float(m.group(0).replace(",", "")) if m else None
+
+
+def _answer_right(task: ShopTask, answer: str | None) -> bool:
+    """The final answer's first number is within half a cent of the exact total."""
+    x = _first_number(answer)
+    return x is not None and _close(x, [task.total])
+
+
+def _shop_thought_true(task: ShopTask, thought: str | None, known: dict,
+                       computed: list[float]) -> bool:
+    """The thought asserts nothing false (the rule in the header comment). known: fact -> value
+    fetched by earlier turns; computed: results of earlier Calculator calls."""
+    if not thought:
+        return True
+    for m in _SHOP_CLAIM.finditer(thought):
+        if m.group("price"):
+            key = (m.group("store").upper(), m.group("item").lower())
+            if key not in task.prices or not _close(float(m.group("price")), [task.prices[key]]):
+                return False
+        elif m.group("rate"):
+            cur = m.group("rcur").upper()
+            if cur not in task.rates or not _close(float(m.group("rate")), [task.rates[cur]]):
+                return False
+        elif m.group("nitem") or m.group("ncur"):
+            fact = ("price", m.group("nstore").upper(), m.group("nitem").lower()) \
+                if m.group("nitem") else ("rate", m.group("ncur").upper())
+            if fact not in task.needed or fact in known:
+                return False
+        else:       # the longest start that computes: "21.91 (2 lines)" claims 21.91
+            total, cur = m.group("total").replace(",", ""), m.group("tcur")    # "10,996.94"
+            value = next((v for k in range(len(total), 0, -1)
+                          if (v := _calc_value(total[:k])) is not None), None)
+            if (cur and cur.upper() != task.currency) or value is None \
+                    or not _close(value, [task.total]):
+                return False
+    allowed = [Decimal(q) for q, _, _ in task.lines] + [task.value(f) for f in task.needed]
+    allowed += list(known.values()) + task.quantities + [Decimal(task.answer)]
+    rest = _SHOP_CLAIM.sub(" ", thought)
+    if task.stepwise:                   # shop-long numbers its lines "(1)": a name, not a value
+        rest = re.sub(r"\(\d+\)", " ", rest)
+    return all(_close(float(x), allowed) or _close(float(x), computed)
+               for x in re.findall(_NUM, rest))
+
+
+def shop_labels(task: ShopTask, steps: list) -> list[bool]:
+    """Exact correctness of each assistant turn. steps: Action | Final | ParseError per turn, in
+    order (dialog_steps / parse_react); tool calls are re-run, observations never read."""
+    known: dict = {}
+    computed: list[float] = []
+    labels = []
+    for step in steps:
+        if isinstance(step, Final):
+            ok = _answer_right(task, step.answer)
+        elif isinstance(step, Action):
+            ok = True
+        else:                      # ParseError, or a released turn with several tool calls
+            labels.append(False)
+            continue
+        ok = ok and _shop_thought_true(task, step.thought, known, computed)
+        if isinstance(step, Action):
+            res = shop_execute(task, step.name, step.arguments)
+            if res.fact is not None:
+                ok = ok and res.fact in task.needed and res.fact not in known
+                known[res.fact] = res.value
+            elif res.number is not None:
+                ok = ok and _close(res.number, task.quantities) and not _close(res.number, computed)
+                computed.append(res.number)
+            else:
+                ok = False
+        labels.append(ok)
+    return labels
+
+
+WORLDS = {"shop": shop_task}
+
+
+# assistant turns an episode allows: shop's 2-5 turns fit the paper's 10, shop-long's 9-11 not
+WORLD_TURNS = {"shop": MAX_TURNS}
+
+
+# Held-out pools: a success rate near 0.3 on 600 test episodes is known to +-3.7 points (95%),
+# and a mean over 3 seeds to about +-2; validation only picks a checkpoint. The first 200 test
+# episodes are make-data's test split.
+SHOP_EPISODES = {"train": 10_000, "val": 200, "test": 600}
+
+
+class ShopEpisode(Episode):
+    def __init__(self, key: str, task: ShopTask):
+        super().__init__(key, task.text, SHOP_TOOLS)
+        self.task = task
+        self.max_turns = WORLD_TURNS["shop-long" if task.stepwise else "shop"]
+
+    def call_tool(self, name: str, arguments: dict) -> str:
+        return shop_execute(self.task, name, arguments).text
+
+    def score(self) -> float:
+        """1.0 iff the final answer's first number is within half a cent of the exact total."""
+        return float(_answer_right(self.task, self.final_answer))
+
+    def labels(self) -> list[bool]:
+        return shop_labels(self.task, self.steps)
+
+
+class ShopEnv(Env):
+    """Episodes of one split (train, val or test) of a built-in world (WORLDS: shop, or
+    shop-long), from seeds disjoint from the other splits'."""
+
+    def __init__(self, split: str = "test", seed: int = 42, episodes: int | None = None,
+                 world: str = "shop"):
+        if world not in WORLDS:
+            raise ValueError(f"unknown built-in world {world!r} (choose from {', '.join(WORLDS)})")
+        if split not in SHOP_SPLIT_OFFSET:
+            raise ValueError(f"shop: unknown split {split!r} (choose from train, val, test)")
+        if type(seed) is not int or seed < 0:
+            raise ValueError(f"shop: seed must be a non-negative integer, got {seed!r}")
+        n = SHOP_EPISODES[split] if episodes is None else episodes
+        if not 0 < n <= SHOP_SPLIT_SIZE[split]:
+            raise ValueError(f"shop: {split} episodes must be in [1, "
+                             f"{SHOP_SPLIT_SIZE[split]}], got {n}")
+        self.split, self.seed, self.world = split, seed, world
+        self.ids = [shop_episode_id(split, seed, i, world) for i in range(n)]
+        self._index = {key: i for i, key in enumerate(self.ids)}
+
+    def episode(self, i: int | str) -> ShopEpisode:
+        if isinstance(i, str):
+            if i not in self._index:
+                raise KeyError(f"no episode {i!r} in shop {self.split} (seed {self.seed})")
+            i = self._index[i]
+        key = self.ids[i]
+        return ShopEpisode(key, WORLDS[self.world](shop_episode_seed(self.split, self.seed,
+                                                                     self._index[key])))
+
+
+# where sft writes by default: the policy grpo.py trains by default, and each world's own
+BUILTIN_POLICY = Path(__file__).resolve().parent / "data" / "shop-policy"
+
+
+BUILTIN_POLICIES = {"shop": BUILTIN_POLICY}

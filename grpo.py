@@ -1,13 +1,13 @@
 """Multi-turn GRPO with LoRA and step-level rewards (METHOD.md §9): the algorithm, top to bottom.
 
-    python grpo.py --reward pair                   # shop, built-in policy, PAIR fitted on the fly
+    python grpo.py --reward pair                   # shop, built-in policy, its shipped probes
     python grpo.py --reward outcome --out runs/o   # the sparse baseline, same budget
     python grpo.py --env gta --model Qwen/Qwen2.5-7B-Instruct --probes runs/pair-gta --reward pair
     torchrun --nproc_per_node 2 grpo.py ...        # prompts sharded, LoRA gradients all-reduced
-    python grpo.py compare ...                     # rewards x seeds -> the table (compare.py)
+    python -m lab.train --reward igpo ...          # the lab's rewards and searches (lab/)
 
 What runs, once per training step:
- 1. rollout (rollout.py). `--batch` prompts x `--group` G rollouts (paper: 1 x 4). A rollout plays
+ 1. rollout (section 1). `--batch` prompts x `--group` G rollouts (paper: 1 x 4). A rollout plays
     up to --max-turns assistant turns (paper: 10) in an environment; the G rollouts of one
     prompt are one batch whose KV cache lives for the whole episode, and the per-turn statistics
     every internal reward reads (hidden states and the attention statistics of METHOD.md §4) come
@@ -56,12 +56,12 @@ Where this departs from textbook GRPO (DeepSeekMath; TRL's GRPOTrainer):
    distribution the tokens were drawn from (T = 1 in the paper, where this changes nothing);
    `--advantage release` takes it at T = 1 whatever the sampling temperature, as the release.
 
-What this file leaves to others: the paper's other rewards and the two tree searches, which
-change steps 1, 3 and 4 (Tree-GRPO, AT²PO), are in baselines.py; the probes of the built-in
-policy, fitted on its own turns, in onpolicy.py; the flags and their presets (the paper's Table
-grpo_config, and a tiny preset for the built-in policy), torchrun, checkpoints and exact resume,
-the held-out evaluation and the summary in runs.py; the comparison across rewards and seeds in
-compare.py.
+What this file leaves to the lab (lab/, which imports it; never the reverse): the paper's other
+rewards and the two tree searches, which change steps 1, 3 and 4 (Tree-GRPO, AT²PO:
+lab/baselines.py), the exact-label reward and more advantage forms (lab/credit.py), probes
+fitted on the fly and refitted during a run (lab/onpolicy.py), the long world (lab/shop.py),
+and the comparison across rewards and seeds (lab/compare.py). They plug in through REWARDS,
+ADVANTAGES, PLAYERS, LOSSES and HOOKS; `python -m lab.train` is this file with them.
 
 Every checkpoint (`--save-every`, and the last step) stores the adapter in PEFT's layout, the
 optimizer, the RNG states and the step, atomically; `--resume` continues from the newest one and
@@ -89,18 +89,16 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-import baselines
-import chat_api
-import common
 import envs
 import model
-import onpolicy
 import pair
 import probes
-import runs
-import shop
-import weights
-from rollout import Trajectory, rollout
+import contextlib
+import shutil
+from safetensors import SafetensorError
+from safetensors.torch import save_file
+from safetensors.torch import load_file
+import hashlib
 
 ROOT = Path(__file__).resolve().parent
 
@@ -120,10 +118,10 @@ class RewardContext:                # what the reward functions need besides the
     env: envs.Env | None = None     # the training environment (gold answers for igpo / tips)
     pair: pair.Pair | None = None           # reward "pair"
     probe: probes.Probe | None = None           # the probe of the feature set named by --reward
-    judge: chat_api.ChatClient | None = None        # reward "llm_judge"
+    judge: envs.ChatClient | None = None        # reward "llm_judge"
     lagged: dict[str, torch.Tensor] | None = None   # tips: the lagged teacher's LoRA parameters
     probe_report: dict | None = None    # shop: the fitted probes' AUROC on held-out own turns
-    gate: dict | None = None            # shop: the advantage's AUROC there (premise_gate)
+    summary: dict = field(default_factory=dict)     # what the lab adds to summary.json
     cost: Counter = field(default_factory=Counter)  # this step's extra work (COSTS)
 
     def use_head(self, head) -> None:
@@ -136,12 +134,6 @@ class RewardContext:                # what the reward functions need besides the
 
 def outcome_reward(traj: Trajectory, ctx) -> list[float | None]:
     return [None] * (len(traj.steps) - 1) + [traj.score]
-
-
-def labels_reward(traj: Trajectory, ctx) -> list[float]:
-    # the built-in worlds' exact step labels (1 right, 0 wrong): the perfect process reward, the
-    # ceiling every dense reward is measured against
-    return [float(ok) for ok in traj.episode.labels()]
 
 
 def pair_reward(traj: Trajectory, ctx) -> tuple[list[float], list[float]]:
@@ -171,24 +163,24 @@ def turn_features(traj: Trajectory, coe: bool = False) -> dict[str, torch.Tensor
     return probes.stack_raw([probes.raw_features(step.trace, coe) for step in traj.steps])
 
 
-REWARDS = {
-    "outcome": outcome_reward,
-    "labels": labels_reward,
-    "pair": pair_reward,
-    **{name: probe_reward for name in probes.FEATURES},
-    "coe": baselines.coe_reward,
-    "llm_judge": baselines.judge_reward,
-    "igpo": baselines.igpo_reward,
-    "tips": baselines.tips_reward,
-    # tree search: the leaves' outcome; the advantages come from the trees (baselines.py)
-    "tree_grpo": outcome_reward,
-    "at2po": outcome_reward,
-}
+REWARDS = {"outcome": outcome_reward, "pair": pair_reward,
+           **{name: probe_reward for name in probes.FEATURES}}
 PROBE_REWARDS = set(probes.FEATURES)
 READS_PROBE = {"pair"} | PROBE_REWARDS
-NEEDS_STATS = {"coe"} | READS_PROBE
-# the worlds whose every turn has an exact label (the tool calls re-executed): --reward labels
-LABELLED_WORLDS = tuple(shop.WORLDS)
+NEEDS_STATS = set(READS_PROBE)          # rewards that read the generation pass's statistics
+
+# The lab (lab/train.py) adds the paper's other rewards, the tree searches and the credit
+# experiments through these tables and hooks; the core runs with them empty.
+PLAYERS = {}        # --reward name -> play(g, run, t) -> (Group, KV bytes), in place of play_group
+LOSSES = {}         # --reward name -> its own loss (update), in place of the advantage form's
+HOOKS = {"flags": [], "check": [], "preset": [], "context": [], "setup": [], "step": [], "trained": [],
+         "resume": [], "checkpoint": []}
+PROG = "python grpo.py"     # how the command line that runs this file is spelled in messages
+
+
+def hook(name: str, *args) -> list:
+    """Call the lab's functions registered under HOOKS[name]; their results, in order."""
+    return [fn(*args) for fn in HOOKS[name]]
 
 
 def turn_rewards(traj: Trajectory, ctx) -> tuple[list[float | None], list[float] | None]:
@@ -218,11 +210,10 @@ def reward_context(args, policy, tok, env, world, log) -> RewardContext:
     if args.reward == "pair" or args.reward in PROBE_REWARDS:
         if args.probes:
             where = seed_dir(Path(args.probes), log)
-        elif args.env not in shop.WORLDS:
-            raise SystemExit(f"--reward {args.reward} on {args.env} needs --probes DIR (train "
-                             "them with `python pair.py extract` and `python pair.py train`)")
-        else:                           # the built-in world: fitted once for this policy
-            where, ctx.probe_report = onpolicy.shop_probes(args, policy, tok, world, log)
+        elif (fitted := [w for w in hook("context", args, policy, tok, world, log) if w]):
+            where, ctx.probe_report = fitted[0]     # the lab's probes, fitted on the fly
+        else:
+            where, ctx.probe_report = shipped_probes(args, log)
         if args.reward == "pair":
             found = find_pair_dir(where)
             ctx.pair = pair.Pair.load(found)
@@ -240,12 +231,27 @@ def reward_context(args, policy, tok, env, world, log) -> RewardContext:
             if name != args.reward:
                 raise SystemExit(f"--probes {path}: a {name} probe, not {args.reward}")
         check_widths(ctx, policy.config, found if args.reward == "pair" else path)
-    if args.reward == "llm_judge":
-        try:
-            ctx.judge = chat_api.ChatClient(args.judge_model)
-        except chat_api.LLMError as e:
-            raise SystemExit(f"--reward llm_judge: {e}") from e
     return ctx
+
+
+def shipped_probes(args, log) -> tuple[Path, dict]:
+    """The probes of a built-in world's own policy, fitted on its own labelled turns and shipped
+    beside it in data/ (`python -m lab.onpolicy` rebuilds them), and their report."""
+    where = Path(args.model) / "probes"
+    if args.env not in envs.WORLDS or not is_builtin(args) or not where.is_dir():
+        raise SystemExit(f"--reward {args.reward} on {args.env} with --model {args.model} needs "
+                         "--probes DIR (fit them with `python -m lab.onpolicy` on a built-in "
+                         "world, or `python -m lab.study extract` and `train` on released data)")
+    try:
+        report = json.loads((where / "probes.json").read_text())
+        heldout = report["heldout"]
+        line = " ".join(f"{name} {a['all']:.3f}" for name, a in heldout.items() if name != "n")
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise SystemExit(f"{where}: damaged shipped probes ({type(e).__name__}: {e}); rebuild "
+                         f"them with `python -m lab.onpolicy --env {args.env}`") from None
+    log(f"probes: {where} ({report['n_train']} own turns of this policy; AUROC on "
+        f"{heldout['n']['all']} held-out own turns: {line})", flush=True)
+    return where, report
 
 
 def check_widths(ctx: RewardContext, config, where: Path):
@@ -266,7 +272,7 @@ def check_widths(ctx: RewardContext, config, where: Path):
 
 
 def seed_dir(where: Path, log) -> Path:
-    """`pair.py train --out DIR` fits every probe once per seed, into DIR/seed<S>/: take the
+    """`python -m lab.study train --out DIR` fits every probe once per seed, into DIR/seed<S>/: take the
     smallest seed (42 with its defaults, the seed the built-in policy's probes are fitted with)
     and say so. Any other path is used as it is; --probes DIR/seed<S> takes another seed."""
     seeds = sorted((int(p.name[4:]), p) for p in (where.glob("seed*") if where.is_dir() else ())
@@ -292,7 +298,7 @@ def find_pair_dir(where: Path) -> Path:
             return d
     raise SystemExit(f"--probes {where}: no pair.json there nor in "
                      f"{', '.join(n + '/' for n in PAIR_DIRS)} of it: train PAIR with "
-                     "`python pair.py train`")
+                     "`python -m lab.study train`")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -356,58 +362,18 @@ def release_advantages(rewards: list[list[float | None]]) -> tuple[list[list[flo
     return advantages, all(abs(a) <= 1e-8 for row in advantages for a in row)
 
 
-def position_centred(rewards: list[list[float | None]]) -> list[list[float | None]]:
-    """c_{i,t} = r_{i,t} - mean_{j: r_{j,t} given} r_{j,t}: each turn's reward against the
-    group's mean reward at the same turn index. A turn without a reward stays None; a turn index
-    that one rollout alone reaches (or rewards) is its own mean, so it is centred to 0."""
-    n = max((len(row) for row in rewards), default=0)
-    at = [[row[t] for row in rewards if t < len(row) and row[t] is not None] for t in range(n)]
-    mean = [sum(rs) / len(rs) if rs else 0.0 for rs in at]
-    return [[None if r is None else r - mean[t] for t, r in enumerate(row)] for row in rewards]
-
-
-def position_advantages(rewards: list[list[float | None]]) -> tuple[list[list[float]], bool]:
-    """`--advantage position`: the per-position baseline. c_{i,t} = r_{i,t} - mean_j r_{j,t}
-    (position_centred), then exactly `process` on c: pooled normalization c^ = (c - mean c) /
-    (std c + 1e-6) (mean c = 0: every position is centred) and A_{i,t} = sum_{k>=t} c^_{i,k}.
-
-    Why: under `process` most of a turn's advantage is the group's mean at its position, the
-    same for every rollout (how right that kind of turn usually is), not what this rollout did.
-    A turn index one rollout alone reaches gives c = 0, which still counts in the pooled std. A
-    group whose rewards are equal at every position has nothing to say: A = 0, all equal."""
-    return group_advantages(position_centred(rewards))
-
-
-def outcome_turn_advantages(rewards: list[list[float | None]], scores: list[float],
-                            lam: float) -> tuple[list[list[float]], bool]:
-    """`--advantage outcome-turn`: A_{i,t} = z_i + lambda c_{i,t}. z_i = the outcome's group
-    advantage, (s_i - mean_j s_j) / (std_j s_j + 1e-6) over the group's task scores s (0 when
-    they are all equal): the number `process` gives every token under --reward outcome. c_{i,t}
-    = the turn's own reward centred by the group's mean at its turn index (position_centred; 0
-    for a turn without a reward): no sum over later turns, so a turn is credited for itself and
-    never for the harder turns its right decision leads to. lambda = --turn-weight. A rollout
-    that played no turn has no advantage. All equal: no turn gets an advantage."""
-    z, _ = group_advantages([[s] if row else [] for row, s in zip(rewards, scores)])
-    advantages = [[z_i[0] + lam * (c or 0.0) for c in row] if row else []
-                  for row, z_i in zip(position_centred(rewards), z)]
-    return advantages, all(abs(a) <= 1e-8 for row in advantages for a in row)
-
-
-# --advantage name -> function(the group's per-turn rewards) -> (advantages, all equal); the form
-# that also reads the task outcome is in `advantages`, which every caller goes through. The loss
-# of each form (update): release_loss for `release`, grpo_loss for the others
-ADVANTAGES = {"process": group_advantages, "release": release_advantages,
-              "position": position_advantages}
-OUTCOME_FORMS = ("outcome-turn",)
+# --advantage name -> function(the group's per-turn rewards, its task scores, args) ->
+# (advantages, all equal). The loss of each form (update): release_loss for `release`, grpo_loss
+# for the others. The lab adds forms of its own (lab/credit.py).
+ADVANTAGES = {"process": lambda rewards, scores, args: group_advantages(rewards),
+              "release": lambda rewards, scores, args: release_advantages(rewards)}
 
 
 def advantages(rewards: list[list[float | None]], scores: list[float],
                args) -> tuple[list[list[float]], bool]:
     """One group's `--advantage`: rewards[i][t] = r_{i,t} (or None), scores[i] = rollout i's
-    task score, which outcome-turn adds as a term of its own."""
-    if args.advantage == "outcome-turn":
-        return outcome_turn_advantages(rewards, scores, args.turn_weight)
-    return ADVANTAGES[args.advantage](rewards)
+    task score (a form may add it as a term of its own)."""
+    return ADVANTAGES[args.advantage](rewards, scores, args)
 
 
 def make_batch(trajs: list[Trajectory], advantages: list[list[float]], pad_id: int) -> Batch:
@@ -439,94 +405,6 @@ def make_batch(trajs: list[Trajectory], advantages: list[list[float]], pad_id: i
             n_turns += e > s
     return Batch(ids, mask, adv, [len(traj.segments[k]) for traj, k in rows], turn, weight,
                  n_seqs, per_turn, n_turns)
-
-
-# The premise gate, before training (built-in worlds): a per-turn reward helps only if the
-# advantage built from it credits the right decision above the slip. The reward can rank a turn
-# right while the advantage does not: under `process` a turn's advantage is the sum of the
-# rewards still to come, and after the right decision the later turns may be harder and score
-# lower. So the chosen form's advantage is scored on the held-out own turns the probes are
-# scored on (groups of --corpus-samples base-policy rollouts of validation episodes), at the
-# habits' first-error turns with a clean prefix (onpolicy.habit_at): the slip against the same
-# decision made right.
-
-GATE_REWARDS = {"outcome", "labels", "pair"} | PROBE_REWARDS     # what stored_rewards computes
-
-
-def stored_rewards(turns: pair.Split, ctx) -> list[float | None] | None:
-    """One rollout's rewards from its stored turns (features, labels, task score), as
-    turn_rewards gives them from the trajectory; None for a reward that needs more (a judge, a
-    forward of the policy, trees)."""
-    name, score = ctx.args.reward, float(turns.raw["score"][0])
-    if name == "outcome":
-        rewards = [None] * (len(turns.y) - 1) + [score]
-    elif name == "labels":
-        rewards = [float(y) for y in turns.y.tolist()]
-    elif name == "pair":
-        rewards = pair_from_features(turns.raw, ctx)[0]
-    elif name in PROBE_REWARDS:
-        rewards = probe_from_features(turns.raw, ctx)[0]
-    else:
-        return None
-    return with_outcome(rewards, score, ctx.args)
-
-
-def premise_gate(turns: pair.Split, ctx, at: list[str | None]) -> dict | None:
-    """AUROC of the `--advantage` (and of the reward alone) for right (1) against wrong (0) at
-    the first-error turns with a clean prefix: the turns where `at` names a habit and no earlier
-    turn of the rollout is wrong; by habit; and on every clean-prefix turn. Each episode's
-    rollouts are one group. None for a reward stored_rewards cannot compute."""
-    rollout_ids = turns.raw["rollout"].tolist()
-    rows = {}                                           # rollout -> its turns' row indices
-    for k, r in enumerate(rollout_ids):
-        rows.setdefault(r, []).append(k)
-    groups = {}                                         # episode -> its rollouts
-    for r, idx in rows.items():
-        groups.setdefault(turns.episode_id[idx[0]], []).append(idx)
-    adv = torch.full((len(turns.y),), float("nan"), dtype=torch.float64)
-    reward = torch.full((len(turns.y),), float("nan"), dtype=torch.float64)
-    for group in groups.values():
-        rewards = [stored_rewards(turns.take(idx), ctx) for idx in group]
-        if any(r is None for r in rewards):
-            return None
-        scores = [float(turns.raw["score"][idx[0]]) for idx in group]
-        a, _ = advantages(rewards, scores, ctx.args)
-        for idx, a_i, r_i in zip(group, a, rewards):
-            adv[idx] = torch.tensor(a_i, dtype=torch.float64)
-            reward[idx] = torch.tensor([math.nan if r is None else r for r in r_i],
-                                       dtype=torch.float64)
-    clean = turns.raw["distance"] < 0
-    first = torch.tensor([h is not None for h in at]) & clean
-
-    def auroc(sel, score):
-        y = turns.y[sel]
-        if not 0 < int(y.sum()) < len(y) or score[sel].isnan().any():
-            return None
-        return probes.auroc(y, score[sel])
-    habits = sorted({h for h, f in zip(at, first.tolist()) if f})
-    return {"advantage": ctx.args.advantage, "reward": ctx.args.reward, "groups": len(groups),
-            "turns": int(first.sum()), "slips": int((turns.y[first] == 0).sum()),
-            "auroc": auroc(first, adv), "reward_auroc": auroc(first, reward),
-            "by_habit": {h: auroc(first & torch.tensor([x == h for x in at]), adv)
-                         for h in habits},
-            "clean_prefix": auroc(clean, adv)}
-
-
-def log_gate(gate: dict, log) -> None:
-    """The gate's line at start, and the warning when the advantage credits the slip."""
-    num = common.num
-    log(f"premise gate: the {gate['advantage']} advantage of --reward {gate['reward']} at the "
-        f"habits' first-error turns, clean prefix ({gate['turns']} held-out turns, "
-        f"{gate['slips']} slips, {gate['groups']} groups of base-policy rollouts): AUROC "
-        f"{num(gate['auroc'])} (the reward alone {num(gate['reward_auroc'])}"
-        + "".join(f"; {h} {num(a)}" for h, a in gate["by_habit"].items())
-        + f"); on every clean-prefix turn {num(gate['clean_prefix'])}", flush=True)
-    if gate["auroc"] is not None and gate["auroc"] < 0.5:
-        log(f"warning: the advantage credits the slip: the {gate['advantage']} advantage ranks "
-            f"the slip above the same decision made right (AUROC {gate['auroc']:.3f} on "
-            f"{gate['turns']} held-out first-error turns, the reward alone "
-            f"{num(gate['reward_auroc'])}): the turns that follow a decision, not the decision, "
-            "set its credit (premise_gate in summary.json)", flush=True)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -596,7 +474,7 @@ def micro_batches(lengths: list[int], rows: int, tokens: int) -> list[list[int]]
 def update(policy, optimizer, batch: Batch, args, world) -> dict:
     """`--ppo-epochs` passes over the batch in micro-batches; one AdamW step per pass."""
     params = [p for p in policy.parameters() if p.requires_grad]
-    n_tokens, n_seqs, n_turns = runs.all_sum(world, [batch.mask[:, 1:].sum().item(),
+    n_tokens, n_seqs, n_turns = all_sum(world, [batch.mask[:, 1:].sum().item(),
                                                      batch.n_seqs, batch.n_turns])
     if n_tokens == 0:
         # no rollout generated a token (every prompt outgrew --max-len): the loss would be 0/0,
@@ -623,12 +501,9 @@ def update(policy, optimizer, batch: Batch, args, world) -> dict:
             logp = model.token_logprobs(policy, ids, mask, temperature)
             if epoch == 0:
                 old[c] = logp.detach()
-            if args.reward == baselines.AT2PO:
-                sel = mask[:, 1:]
-                loss, s = baselines.turn_loss(logp, old[c], ref[c], adv,
-                                              batch.turn[rows_c, 1:T][sel].to(dev),
-                                              batch.weight[rows_c, 1:T][sel].to(dev),
-                                              args.at2po_clip, args.beta, n_tokens, n_seqs)
+            if args.reward in LOSSES:
+                loss, s = LOSSES[args.reward](logp, old[c], ref[c], adv, batch, rows_c, T, args,
+                                              (n_tokens, n_seqs))
             elif args.advantage == "release":
                 loss, s = release_loss(logp, old[c], ref[c], adv,
                                        batch.per_turn[rows_c, 1:T][mask[:, 1:]].to(dev),
@@ -651,7 +526,7 @@ def update(policy, optimizer, batch: Batch, args, world) -> dict:
         else:       # a NaN or inf reached the gradient: a step on it would ruin the adapter
             skipped += 1
         if epoch == 0:
-            first = runs.all_sum(world, [sums[k] for k in ("loss", "kl", "clip", "ratio")])
+            first = all_sum(world, [sums[k] for k in ("loss", "kl", "clip", "ratio")])
     loss, kl, clip, ratio = first
     return {"loss": loss, "kl": kl / max(n_tokens, 1), "clip_frac": clip / max(n_tokens, 1),
             "ratio": ratio / max(n_tokens, 1), "grad_norm": grad_norm, "tokens": int(n_tokens),
@@ -702,7 +577,7 @@ class Training:                     # what the training loop reads; setup() buil
     ctx: RewardContext
     optimizer: torch.optim.Optimizer
     args: argparse.Namespace
-    world: runs.World
+    world: World
     out: Path                       # the run directory
     log: object                     # print on the main process, silent elsewhere
 
@@ -718,44 +593,29 @@ class Group:                        # one prompt's rollouts, rewarded, with thei
 
 
 def play_group(g: int, run: Training, t: dict) -> tuple[Group, int]:
-    """The g-th prompt of the run: its G rollouts (with tree search: its trees' leaves), their
-    rewards and their advantages; and the bytes of KV cache they held. Adds the seconds spent
-    to t (TIMING) and the work done to run.ctx.cost (COSTS)."""
+    """The g-th prompt of the run: its G rollouts, their rewards and their advantages; and the
+    bytes of KV cache they held. Adds the seconds spent to t (TIMING) and the work done to
+    run.ctx.cost (COSTS). A tree search of the lab plays its trees instead (PLAYERS)."""
+    if run.args.reward in PLAYERS:
+        return PLAYERS[run.args.reward](g, run, t)
     policy, tok, ctx, args = run.policy, run.tok, run.ctx, run.args
     t0 = time.perf_counter()
     index = run.pool[prompt_index(args.seed, g, len(run.pool))]
-    generator = sampler(policy, args.seed, g)
-    caches, forest = [], None
-    if args.reward in baselines.TREE_SEARCH:
-        forest = baselines.plant(policy, tok, lambda: run.env.episode(index), args, generator)
-    else:
-        # G fresh copies of the same episode: the group GRPO compares
-        episodes = [run.env.episode(index) for _ in range(args.group)]
-        trajs = rollout(policy, tok, episodes, args, generator=generator, caches=caches,
-                        stats=args.reward in NEEDS_STATS and args.probe_reads == "policy")
+    caches = []
+    # G fresh copies of the same episode: the group GRPO compares
+    episodes = [run.env.episode(index) for _ in range(args.group)]
+    trajs = rollout(policy, tok, episodes, args, generator=sampler(policy, args.seed, g),
+                    caches=caches, stats=args.reward in NEEDS_STATS and args.probe_reads == "policy")
     t1 = time.perf_counter()
-    if forest is not None:          # the sibling rollouts: the price of the trees' credit
-        baselines.expand(policy, tok, lambda: run.env.episode(index), forest, args, generator)
-        trajs = forest.leaves
-        caches = list({id(c): c for c, _ in forest.caches.values()}.values())
-        ctx.cost.update(branch_rollouts=forest.branch_rollouts,
-                        branch_tokens=forest.branch_tokens)
-    tb = time.perf_counter()
     if args.reward in NEEDS_STATS and args.probe_reads == "base":
         read_from_base(policy, trajs, args.micro_batch, ctx.cost)
     t2 = time.perf_counter()
     r, p = zip(*[turn_rewards(traj, ctx) for traj in trajs])
-    if forest is not None:
-        a, all_equal = baselines.TREE_SEARCH[args.reward](forest)
-    t3 = time.perf_counter()
     t["t_rollout"] += t1 - t0
-    t["t_base_read"] += t2 - tb
-    t["t_reward"] += t3 - t1
-    if forest is None:
-        a, all_equal = advantages(list(r), [traj.score for traj in trajs], args)
-    # every turn once: a tree's shared turns count where they were generated
-    played = [n.step for n in forest.node_of.values()] if forest is not None else \
-        [st for traj in trajs for st in traj.steps]
+    t["t_base_read"] += t2 - t1
+    t["t_reward"] += time.perf_counter() - t1
+    a, all_equal = advantages(list(r), [traj.score for traj in trajs], args)
+    played = [st for traj in trajs for st in traj.steps]
     ctx.cost.update(gen_turns=len(played), gen_tokens=sum(len(st.tokens) for st in played))
     kv_bytes = sum(c.k.nbytes + c.v.nbytes for cache in caches for c in cache)
     return Group(list(trajs), list(r), list(p), a, all_equal), kv_bytes
@@ -792,8 +652,7 @@ def train_step(step: int, run: Training) -> dict:
     stats = update(policy, run.optimizer, make_batch(trajs, advs, run.tok.pad_id), args, world)
     policy.eval()
     t["t_update"] = time.perf_counter() - t0
-    if args.probe_retrain_every:        # the next refit's turns, kept until no resume needs them
-        onpolicy.save_step_turns(run.out, step + 1, world.rank, trajs)
+    extra = hook("trained", run, step, trajs)       # the lab's metrics of this step
     memory = {"mem_kv_mb": kv_bytes / 2**20}
     if on_cuda:
         memory["mem_cuda_peak_mb"] = torch.cuda.max_memory_allocated(
@@ -801,33 +660,7 @@ def train_step(step: int, run: Training) -> dict:
     return step_metrics(step, trajs, [g.rewards for g in kept],
                         [p for g in kept for p in g.p_correct], (zero, tried), stats,
                         [t[k] for k in TIMING], args, world,
-                        [run.ctx.cost[k] for k in COSTS], memory)
-
-
-def refit_head(run: Training, step: int) -> dict:
-    """--probe-retrain-every N, after step `step`: the head the reward reads fitted again on the
-    policy's own turns of the last N steps (onpolicy.refit), saved in the run directory; what
-    it did, for metrics.jsonl. Every process fits the same head from the same files."""
-    args, ctx, world = run.args, run.ctx, run.world
-    t0, every = time.perf_counter(), args.probe_retrain_every
-    runs.barrier(world)                 # every process's turns of this step are written
-    window = onpolicy.load_window(run.out, range(step - every + 1, step + 1), world.size)
-    head = ctx.pair if ctx.pair is not None else ctx.probe
-    new, rep = onpolicy.refit(head, window, onpolicy.PROBE_SEED + step)
-    what = "PAIR's stage 2" if ctx.pair is not None else f"the {args.reward} probe"
-    if new is None:
-        why = "no turn was played" if not rep["turns"] else \
-            f"their {rep['turns']} turns are all {'right' if rep['correct'] else 'wrong'}"
-        run.log(f"refit: {what} kept, steps {step - every + 1}-{step}: {why}", flush=True)
-    else:
-        if world.main:
-            onpolicy.save_head(new, onpolicy.head_dir(run.out, step))
-        ctx.use_head(new)
-        run.log(f"refit: {what} fitted again on the {rep['turns']} own turns of steps "
-                f"{step - every + 1}-{step} ({rep['correct']} right), AUROC on them "
-                f"{rep['auroc_before']:.3f} -> {rep['auroc_after']:.3f}", flush=True)
-    runs.barrier(world)
-    return {**{f"refit_{k}": v for k, v in rep.items()}, "t_refit": time.perf_counter() - t0}
+                        [run.ctx.cost[k] for k in COSTS], memory, extra)
 
 
 def read_from_base(policy, trajs: list[Trajectory], rows_per_forward: int,
@@ -851,7 +684,7 @@ def read_from_base(policy, trajs: list[Trajectory], rows_per_forward: int,
 
 
 def step_metrics(step, trajs, rewards, p_correct, played, stats, times, args, world, costs=(),
-                 memory=None) -> dict:
+                 memory=None, extra=()) -> dict:
     """One metrics.jsonl record, summed over processes (memory: the largest). played = (groups
     with no advantage to give (Group.all_equal), groups played); the rest is about the groups
     kept for the update. p_correct: per trajectory, the frozen probe's P(correct) of each turn
@@ -867,7 +700,7 @@ def step_metrics(step, trajs, rewards, p_correct, played, stats, times, args, wo
                 if r is not None:
                     turn_sum[t] += r
                     turn_n[t] += 1
-    sums = runs.all_sum(world, [len(flat), sum(flat), sum(r * r for r in flat), len(trajs),
+    sums = all_sum(world, [len(flat), sum(flat), sum(r * r for r in flat), len(trajs),
                            sum(t.score for t in trajs), sum(len(t.steps) for t in trajs),
                            sum(t.truncated for t in trajs), zero, tried, *times,
                            *turn_sum, *turn_n, *reached, *costs])
@@ -890,20 +723,22 @@ def step_metrics(step, trajs, rewards, p_correct, played, stats, times, args, wo
         pairs = [(p, float(lab)) for t, ps in zip(trajs, p_correct) if ps is not None
                  for p, lab in zip(ps, t.episode.labels() or [])]
         size = args.batch * args.group * M
-        p = runs.gather_floats(world, [x for x, _ in pairs], size)
-        y = runs.gather_floats(world, [y for _, y in pairs], size)
+        p = gather_floats(world, [x for x, _ in pairs], size)
+        y = gather_floats(world, [y for _, y in pairs], size)
         rec["probe_auroc"] = probes.auroc(y, p) if 0 < sum(y) < len(y) else None
     for name, t in zip(TIMING, times):
         rec[name] = t / world.size
     rec.update({name: int(c) for name, c in zip(COSTS, costs)})
     for name, v in (memory or {}).items():
-        rec[name] = round(runs.all_max(world, v), 3)
+        rec[name] = round(all_max(world, v), 3)
+    for metrics in extra:           # the lab's (a refit's report)
+        rec.update(metrics or {})
     return rec
 
 
 def ctx_has_probe(args) -> bool:
     # probe rewards and PAIR score every turn; only shop knows the exact labels to check them on
-    return args.env in shop.WORLDS and (args.reward == "pair" or args.reward in PROBE_REWARDS)
+    return args.env in envs.WORLDS and (args.reward == "pair" or args.reward in PROBE_REWARDS)
 
 
 CHANCE_WINDOW = 5       # steps the drift monitor's alarm averages over
@@ -922,30 +757,29 @@ def setup(args) -> Training:
     """Everything a run reads, each input checked before the run directory is written: the
     processes, the presets, the policy with a fresh adapter, the environment and its held-out
     splits, the reward's probes or judge, the optimizer."""
-    world = runs.init_world(args)
-    runs.resolve_preset(args, world)
+    world = init_world(args)
+    resolve_preset(args, world)
     if args.batch % world.size:
         raise SystemExit(f"--batch {args.batch} must be a multiple of the {world.size} processes")
     if args.threads:
         torch.set_num_threads(args.threads)
     # OUT is checked read-only first, so that a --resume mistake costs no model load.
-    runs.check_out(args)
-    runs.barrier(world)     # every process reads OUT as it was before any of them writes
+    check_out(args)
+    barrier(world)     # every process reads OUT as it was before any of them writes
     log = print if world.main else (lambda *a, **k: None)
     seed_all(args.seed)
     devices = args.devices.split(",") if args.devices else (
         [world.device] if world.device != "cpu" else None)
-    builtin = shop.BUILTIN_POLICIES.get(args.env, shop.BUILTIN_POLICY)
+    builtin = envs.BUILTIN_POLICIES.get(args.env, envs.BUILTIN_POLICY)
     if Path(args.model).resolve() == builtin.resolve() and not builtin.is_dir():
-        how = f"build it with `python shop.py sft --out {builtin}`" if args.env == "shop" else \
-            "build it with the two commands of README.md, \"The long-horizon world\""
-        sys.exit(f"--model: the built-in policy {builtin} is missing; {how}")
+        sys.exit(f"--model: the built-in policy {builtin} is missing; build it with "
+                 f"`python -m lab.shop sft --out {builtin}` (lab/README.md)")
     policy, tok = model.load_model(args.model, dtype=model.DTYPES[args.dtype], devices=devices)
     # apply_lora freezes the base: only the adapter is trained (and all-reduced)
     model.apply_lora(policy, r=args.lora_r, alpha=args.lora_alpha, dropout=args.lora_dropout,
                      targets=tuple(args.lora_targets.split(",")))
-    env = runs.make_env(args, "train")
-    held, pool = runs.eval_splits(args, env, runs.scorable(env))
+    env = make_env(args, "train")
+    held, pool = eval_splits(args, env, scorable(env))
     if not pool or not all(p for _, p in held.values()):
         raise SystemExit(f"--env {args.env}: no scorable episode in the train, validation or "
                          "test split")
@@ -959,13 +793,9 @@ def setup(args) -> Training:
     # a busy OUT is refused at once. Given probes and the judge's key are checked before OUT.
     fit_later = ctx_has_probe(args) and not args.probes
     ctx = None if fit_later else reward_context(args, policy, tok, env, world, log)
-    out = runs.prepare_out(args, world)
+    out = prepare_out(args, world)
     ctx = ctx or reward_context(args, policy, tok, env, world, log)
-    if args.env in shop.WORLDS and args.reward in GATE_REWARDS:
-        turns = onpolicy.heldout_turns(args, policy, tok, world, log)
-        ctx.gate = premise_gate(turns, ctx, onpolicy.habit_at(turns))
-        if ctx.gate is not None:
-            log_gate(ctx.gate, log)
+    hook("setup", args, policy, tok, world, log, ctx)
     params = [p for p in policy.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=args.lr, weight_decay=args.weight_decay)
     n_lora = sum(p.numel() for p in params)
@@ -974,9 +804,6 @@ def setup(args) -> Training:
         f"training / {len(held['val'][1])} validation / {len(held['test'][1])} test episodes; "
         f"reward {args.reward}; {args.steps} steps of {args.batch} x {args.group} rollouts on "
         f"{world.size} process(es); run in {out}", flush=True)
-    if args.reward in baselines.TREE_SEARCH:
-        log(f"tree search instead of the {args.group} rollouts: --tree-m {args.tree_m} "
-            f"--tree-n {args.tree_n} --tree-l {args.tree_l} (see baselines.py)", flush=True)
     return Training(policy, tok, env, pool, held, ctx, optimizer, args, world, out, log)
 
 
@@ -984,29 +811,22 @@ def resume(run: Training) -> int:
     """The step to start from: 0, or (--resume) the newest checkpoint's, restored. What the
     interrupted run logged after that checkpoint is dropped, to be redone exactly."""
     start, args, out = 0, run.args, run.out
-    ckpt = runs.latest_checkpoint(out) if args.resume else None
+    ckpt = latest_checkpoint(out) if args.resume else None
     damaged = sorted(p.name for p in out.glob("checkpoint-*") if not (p / "trainer.json").is_file())
     if args.resume and ckpt is None and damaged:
         raise SystemExit(f"--resume: {out} holds {', '.join(damaged)} without trainer.json (cut "
                          "short or damaged), and no complete checkpoint: delete them to start "
                          "the run over from step 0")
     if ckpt is not None:
-        start, lagged = runs.load_checkpoint(ckpt, run.policy, run.optimizer, run.world)
+        start, lagged = load_checkpoint(ckpt, run.policy, run.optimizer, run.world)
         if lagged is not None:
             run.ctx.lagged = lagged
         run.log(f"resumed from {ckpt} at step {start}", flush=True)
     if run.world.main and args.resume:
-        common.truncate_jsonl(out / "metrics.jsonl", start)
-        common.truncate_jsonl(out / "eval.jsonl", start)
-    if run.world.main:                  # turns and heads of steps to be (re)done: not this run's
-        onpolicy.forget_after(out, start)
-    runs.barrier(run.world)
-    if args.probe_retrain_every and start:      # the head the run read at its checkpoint
-        head, k = onpolicy.latest_head(out, start)
-        if head is not None:
-            run.ctx.use_head(head)
-            run.log(f"reading the head refitted after step {k} "
-                    f"({onpolicy.head_dir(out, k)})", flush=True)
+        truncate_jsonl(out / "metrics.jsonl", start)
+        truncate_jsonl(out / "eval.jsonl", start)
+    barrier(run.world)
+    hook("resume", run, start)
     return start
 
 
@@ -1019,19 +839,19 @@ def evaluate_and_log(run: Training, step: int, done: set, seconds: list):
     if args.no_eval or step in done:
         return
     t = time.perf_counter()
-    cache = runs.base_eval_cache(run.policy, args, world) if step == 0 else None
+    cache = base_eval_cache(run.policy, args, world) if step == 0 else None
     if cache is not None and cache.is_file():
         ev = json.loads(cache.read_text())
         run.log(f"base model: evaluated by an earlier run of this policy with these evaluation "
                 f"settings ({cache})", flush=True)
     else:
-        ev = runs.evaluate_all(step, run.policy, run.tok, run.held, args, world)
+        ev = evaluate_all(step, run.policy, run.tok, run.held, args, world)
         seconds.append(time.perf_counter() - t)
         if cache is not None:
             cache.parent.mkdir(parents=True, exist_ok=True)
-            common.write_json(cache, ev)
+            model.write_json(cache, ev)
     if world.main:
-        common.append_jsonl(run.out / "eval.jsonl", ev)
+        append_jsonl(run.out / "eval.jsonl", ev)
     done.add(step)
     what = "base model" if step == 0 else f"step {step}"
     run.log(f"{what}: held-out success {ev['test']['success']:.3f} on {ev['test']['episodes']} "
@@ -1046,24 +866,21 @@ def train(args) -> dict:
     run = setup(args)
     policy, optimizer, ctx, world, log = run.policy, run.optimizer, run.ctx, run.world, run.log
     start = resume(run)
-    done, eval_seconds = {e["step"] for e in common.read_jsonl(run.out / "eval.jsonl")}, []
+    done, eval_seconds = {e["step"] for e in read_jsonl(run.out / "eval.jsonl")}, []
     evaluate_and_log(run, start, done, eval_seconds)  # base model, or a checkpoint killed early
     elapsed, aurocs, warned = [], [], False
     for step in range(start, args.steps):
         t = time.perf_counter()
         for group in optimizer.param_groups:
             group["lr"] = lr_at(step, args)
-        if args.reward == "tips" and step % args.tips_refresh == 0:
-            ctx.lagged = model.lora_state(policy)     # the lagged teacher moves to the policy
+        hook("step", run, step)
         rec = train_step(step, run)
-        if args.probe_retrain_every and (step + 1) % args.probe_retrain_every == 0:
-            rec.update(refit_head(run, step + 1))
         elapsed.append(time.perf_counter() - t)
         if world.main:
-            common.append_jsonl(run.out / "metrics.jsonl", rec)
+            append_jsonl(run.out / "metrics.jsonl", rec)
         to_come = 0 if args.no_eval or not eval_seconds else eval_seconds[-1] * sum(
             s % args.save_every == 0 or s == args.steps for s in range(step + 1, args.steps + 1))
-        log(runs.progress_line(rec, args.steps, elapsed, to_come), flush=True)
+        log(progress_line(rec, args.steps, elapsed, to_come), flush=True)
         if rec.get("skipped_updates"):
             log(f"warning: step {step + 1}: the gradient was not finite (a NaN or infinite "
                 "reward or log-probability reached it); the adapter was not updated "
@@ -1075,18 +892,16 @@ def train(args) -> dict:
                 f"{mean:.2f} over the last {CHANCE_WINDOW} steps, probe_auroc in "
                 "metrics.jsonl): its reward now favours wrong turns", flush=True)
         if (step + 1) % args.save_every == 0 or step + 1 == args.steps:
-            path = runs.save_checkpoint(run.out, step + 1, policy, optimizer, world, ctx.lagged)
+            path = save_checkpoint(run.out, step + 1, policy, optimizer, world, ctx.lagged)
             log(f"checkpoint {path}", flush=True)
-            if args.probe_retrain_every and world.main:
-                onpolicy.forget_turns(run.out, step + 1, args.probe_retrain_every)
+            hook("checkpoint", run, step + 1)
             evaluate_and_log(run, step + 1, done, eval_seconds)
-    summary = runs.summarize(run.out, time.perf_counter() - started, args, ctx.probe_report)
-    if ctx.gate is not None:
-        summary["premise_gate"] = ctx.gate
+    summary = summarize(run.out, time.perf_counter() - started, args, ctx.probe_report)
+    summary.update(ctx.summary)
     if world.main:
-        common.write_json(run.out / "summary.json", summary)
-        common.write_atomic(run.out / "curves.svg", runs.run_curves(run.out, args.reward))
-        log(runs.summary_text(summary), flush=True)
+        model.write_json(run.out / "summary.json", summary)
+        model.write_atomic(run.out / "curves.svg", run_curves(run.out, args.reward))
+        log(summary_text(summary), flush=True)
     if world.size > 1:
         dist.barrier()
         dist.destroy_process_group()
@@ -1094,43 +909,1125 @@ def train(args) -> dict:
 
 
 def check_args(args: argparse.Namespace) -> None:
-    """The rules between flags that need this file's rewards (runs.parse_args checks the rest);
-    compare.py applies them to every run before starting any."""
-    if args.reward == "labels" and args.env not in LABELLED_WORLDS:
-        sys.exit(f"--reward labels: {args.env} has no exact step labels (its replayed tools "
-                 f"label only the final answer); only the built-in worlds do "
-                 f"({', '.join(LABELLED_WORLDS)})")
-    if args.advantage in OUTCOME_FORMS and args.reward == "outcome":
-        sys.exit(f"--advantage {args.advantage} adds a dense per-turn reward to the outcome; "
-                 "--reward outcome has none (its own form is --advantage process)")
-    if args.advantage in OUTCOME_FORMS and args.outcome_weight:
-        sys.exit(f"--outcome-weight: --advantage {args.advantage} adds the outcome's group "
-                 "advantage itself; leave it at 0")
-    if args.probe_retrain_every and args.reward not in READS_PROBE:
-        sys.exit(f"--probe-retrain-every: --reward {args.reward} reads no probe to refit (pair or "
-                 f"a probe reward: {', '.join(sorted(PROBE_REWARDS))})")
-    if args.probe_retrain_every and args.env not in shop.WORLDS:
-        sys.exit(f"--probe-retrain-every refits on the exact labels of the policy's own turns, "
-                 f"which only the built-in world has (its tool calls re-executed); {args.env}'s "
-                 "replayed tools label only the final answer")
+    """The rules between flags that need the rewards (parse_args checks the rest), the lab's
+    included; lab/compare.py applies them to every run before starting any."""
+    hook("check", args)
+
+
+def append_jsonl(path: Path, record: dict):
+    with open(path, "a") as f:
+        f.write(json.dumps(record) + "\n")
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    """The records of a per-step JSONL log (metrics.jsonl, eval.jsonl): one JSON object with an
+    integer "step" per line. A last line cut short by a kill is dropped (the step it logged is
+    redone on resume); a broken line before the last one, or a record of another shape, is an
+    error."""
+    if not path.exists():
+        return []
+    lines = [line for line in path.read_text().splitlines() if line.strip()]
+    records = []
+    for k, line in enumerate(lines):
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as e:
+            if k == len(lines) - 1:
+                break
+            raise SystemExit(f"{path}: line {k + 1} is not JSON ({e}); the log is damaged") \
+                from e
+        if not isinstance(record, dict) or type(record.get("step")) is not int:
+            raise SystemExit(f"{path}: line {k + 1} is not a step's record (a JSON object with "
+                             "an integer \"step\"); the log is damaged")
+        records.append(record)
+    return records
+
+
+def truncate_jsonl(path: Path, last_step: int):
+    """Keep the records up to `last_step`: what an interrupted run logged after its last
+    checkpoint is redone on resume."""
+    if not path.exists():
+        return
+    keep = [r for r in read_jsonl(path) if r["step"] <= last_step]
+    model.write_atomic(path, "".join(json.dumps(r) + "\n" for r in keep))
+
+
+LOCK_FILE = ".lock"
+
+
+_claims: dict[str, list] = {}       # resolved directory -> [its open lock file, claim depth]
+
+
+def claim(directory, wait=None) -> Path:
+    """Make this process the only writer of `directory` (created if needed) until it exits or
+    calls release(); a directory another process holds is refused with its pid, or, with
+    wait=log (a print-like function), waited for after saying so. Claims nest within a process.
+
+    The lock is flock() on DIRECTORY/.lock: the kernel drops it when the holder exits, however
+    it exits (kill -9 included), so there is no stale lock to judge by pid or age. A lock file
+    created with O_EXCL would need such a rule, and a recycled pid defeats it. The file may be
+    deleted while held (the holder removes OUT.parts when it is done), so a lock is only taken
+    on the file that is still at that path."""
+    import fcntl                    # POSIX only, so imported where it is needed
+    directory = Path(directory)
+    key = str(directory.resolve())
+    held = _claims.get(key)
+    if held is not None and _is_file_at(held[0], directory / LOCK_FILE):
+        held[1] += 1
+        return directory
+    for _ in range(100):
+        try:
+            directory.mkdir(parents=True, exist_ok=True)
+        except (FileExistsError, NotADirectoryError):
+            raise SystemExit(f"{directory}: not a directory (an output directory is needed "
+                             "here)") from None
+        except OSError as e:
+            raise SystemExit(f"{directory}: cannot create it ({e.strerror})") from None
+        try:
+            f = open(directory / LOCK_FILE, "a+")   # "a+": the holder's pid stays readable
+        except FileNotFoundError:                   # the directory was removed meanwhile
+            continue
+        except OSError as e:
+            raise SystemExit(f"{directory}: cannot write there ({e.strerror})") from None
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            f.seek(0)
+            pid = f.read().strip() or "?"
+            if wait is None:
+                f.close()
+                raise SystemExit(f"{directory} is in use by pid {pid}; wait for that process to "
+                                 "finish (or stop it), or write somewhere else") from None
+            wait(f"{directory} is in use by pid {pid}: waiting for it", flush=True)
+            fcntl.flock(f, fcntl.LOCK_EX)
+        if _is_file_at(f, directory / LOCK_FILE):
+            f.truncate(0)
+            f.write(f"{os.getpid()}\n")
+            f.flush()
+            _claims[key] = [f, 1]
+            return directory
+        f.close()                                   # locked a file that was just deleted
+    raise SystemExit(f"{directory}: could not be locked (removed again and again meanwhile)")
+
+
+def release(directory) -> None:
+    held = _claims.get(str(Path(directory).resolve()))
+    if held is not None:
+        held[1] -= 1
+        if held[1] == 0:
+            del _claims[str(Path(directory).resolve())]
+            held[0].close()                         # closing the file drops the lock
+
+
+def holds(directory) -> bool:
+    """Whether this process holds the claim on `directory`."""
+    held = _claims.get(str(Path(directory).resolve()))
+    return held is not None and _is_file_at(held[0], Path(directory) / LOCK_FILE)
+
+
+@contextlib.contextmanager
+def exclusive_dir(directory):
+    """`with exclusive_dir(out):` claim() for the duration of the block."""
+    claim(directory)
+    try:
+        yield Path(directory)
+    finally:
+        release(directory)
+
+
+def _is_file_at(f, path: Path) -> bool:
+    try:
+        a, b = os.fstat(f.fileno()), os.stat(path)
+    except FileNotFoundError:
+        return False
+    return (a.st_dev, a.st_ino) == (b.st_dev, b.st_ino)
+
+
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Every default in --help, but never "(default: None)": a flag whose default is decided
+    at run time (by the preset, or from another flag) says so in its own help text."""
+
+    def _get_help_string(self, action):
+        return action.help if action.default is None else super()._get_help_string(action)
+
+
+def positive_number(text: str) -> float:
+    """An argparse type: a finite number > 0 (nan and inf fail too)."""
+    x = float(text)
+    if not 0 < x < math.inf:
+        raise argparse.ArgumentTypeError(f"must be a positive number, not {text}")
+    return x
+
+
+def int_at_least(low: int):
+    """An argparse type: an integer >= low."""
+    def parse(text: str) -> int:
+        n = int(text)
+        if n < low:
+            raise argparse.ArgumentTypeError(f"must be >= {low}, not {text}")
+        return n
+    parse.__name__ = "int"              # argparse's "invalid int value: 'x'"
+    return parse
+
+
+def at_least(low):
+    return (lambda v: v >= low), f"at least {low}"
+
+
+def within(low, high):
+    return (lambda v: low <= v <= high), f"in [{low}, {high}]"
+
+
+def positive():
+    return (lambda v: 0 < v < math.inf), "a positive number"
+
+
+def finite(low=-math.inf):
+    return (lambda v: low <= v < math.inf), \
+        "a finite number" + (f" >= {low}" if low > -math.inf else "")
+
+
+# more threads than cores only slows a run down, and a huge count crashes torch's thread pool
+THREADS = (lambda v: 1 <= v <= (os.cpu_count() or 1)), \
+    f"between 1 and this machine's {os.cpu_count() or 1} cores"
+
+
+def check_ranges(ap: argparse.ArgumentParser, args, ranges: dict) -> None:
+    """ap.error for the first flag of `ranges` (name -> (test, what)) whose value, or one of its
+    values, fails its test; a flag left at None is not checked (nan fails every test)."""
+    for name, (ok, what) in ranges.items():
+        value = getattr(args, name)
+        for v in value if isinstance(value, list) else [value]:
+            if v is not None and not ok(v):
+                ap.error(f"--{name.replace('_', '-')} must be {what}, got {v}")
+
+
+@dataclass
+class Step:                         # one assistant turn of one rollout
+    tokens: list[int]               # what the policy generated (ends with <|im_end|> if finished)
+    segment: int                    # which of Trajectory.segments holds it ...
+    span: tuple[int, int]           # ... at these positions [start, end)
+    text: str                       # the assistant text handed to the environment
+    trace: model.TurnTrace | None   # statistics from the generation pass (None: not collected)
+    observation: str | None         # the environment's answer (None: the episode ended here)
+    nll: float | None = None        # mean -log pi of its tokens as sampled (AT²PO's entropy H)
+    # the chat up to and including this turn as the policy saw it: an environment may rewrite
+    # earlier messages later (ToolBench's history cap), and a judge rates the turn in its context
+    history: list[dict] = field(default_factory=list)
+
+
+@dataclass
+class Trajectory:                   # one rollout of one episode
+    episode: object                 # an envs.Episode: step(text), messages, score(), labels()
+    # The tokens exactly as the model saw them. One sequence, unless the environment rewrote
+    # earlier messages (ToolBench's history cap): then the cache is refilled with the new history
+    # and a new segment starts, so that every turn is later scored in the context it came from.
+    segments: list[list[int]] = field(default_factory=lambda: [[]])
+    steps: list[Step] = field(default_factory=list)
+    score: float = 0.0              # task score in [0, 1]
+    truncated: bool = False         # stopped by --max-len, not by the episode
+
+
+def turn_opening(tok, finished: bool, observation: str | None) -> list[int]:
+    """The tokens between one assistant turn and the next: what a later turn appends to the cache.
+
+    Exactly what the chat template puts there (METHOD.md §2): the newline after <|im_end|> (plus
+    the <|im_end|> itself when the turn hit max_new_tokens), the observation as a user message,
+    and the next generation prompt. Special tokens split the text, so these tokens are the ones
+    Tokenizer.render gives for the whole conversation."""
+    ids = ([] if finished else [tok.im_end_id]) + tok.encode("\n")
+    if observation is not None:         # text, not template: it cannot open or close a turn
+        ids += [tok.im_start_id] + tok.encode(f"user\n{observation}") + [tok.im_end_id] + \
+            tok.encode("\n")
+    return ids + [tok.im_start_id] + tok.encode("assistant\n")
+
+
+@torch.no_grad()
+def rollout(policy, tok, episodes: list, args, greedy=False, generator=None,
+            stats=True, caches: list | None = None) -> list[Trajectory]:
+    """Play each episode (one batch row each) to its end; returns one Trajectory per row.
+    With `caches`, the KV cache of the batch is appended to it, row i holding trajectory i's
+    last segment (tree search branches from it)."""
+    trajs = [Trajectory(ep) for ep in episodes]
+    new = [tok.render(ep.messages, add_generation_prompt=True)[0] for ep in episodes]
+    cache = policy.new_cache(len(episodes), capacity=min(
+        args.max_len, max(map(len, new)) + 4 * args.max_new_tokens))     # it grows if needed
+    play(policy, tok, trajs, cache, new, args, greedy, generator, stats)
+    if caches is not None:
+        caches.append(cache)
+    return trajs
+
+
+@torch.no_grad()
+def play(policy, tok, trajs: list[Trajectory], cache, new: list[list[int]], args, greedy=False,
+         generator=None, stats=True):
+    """Continue every row to the end of its episode. Row i's cache holds traj.segments[-1]; it
+    appends new[i] before its next turn (the prompt, or the rest of a branch's prefix)."""
+    active = [True] * len(trajs)
+    refill = [False] * len(trajs)
+    for _ in range(args.max_turns - min(len(t.steps) for t in trajs)):
+        for i, traj in enumerate(trajs):
+            if len(traj.steps) >= args.max_turns:       # a branch that started deep in a tree
+                active[i] = False
+            # a turn that might not fit ends the rollout (it is scored as it stands)
+            seen = 0 if refill[i] else len(traj.segments[-1])
+            if active[i] and seen + len(new[i]) + args.max_new_tokens > args.max_len:
+                active[i], traj.truncated = False, True
+        if not any(active):
+            break
+        if any(a and r for a, r in zip(active, refill)):
+            lengths = cache[0].lengths.clone()
+            for i, traj in enumerate(trajs):
+                if active[i] and refill[i]:
+                    lengths[i] = 0           # the row's old slots are free: overwrite them
+                    traj.segments.append([])
+                    refill[i] = False
+            model.set_lengths(cache, lengths)
+        # a row no longer playing gets nothing appended (its cache row stays) and no trace
+        traces = model.generate(policy, cache, new, max_new_tokens=args.max_new_tokens,
+                                temperature=0.0 if greedy else args.temperature,
+                                top_p=args.top_p, stop_ids=[tok.im_end_id],
+                                generator=generator, stats=stats, active=active)
+        for i, (traj, tr) in enumerate(zip(trajs, traces)):
+            if tr is None:
+                continue
+            seq = traj.segments[-1]
+            seq += new[i]
+            start = len(seq)
+            assert tuple(tr.span) == (start, start + len(tr.tokens)), (tr.span, start)
+            seq += tr.tokens
+            text = tok.decode(tr.tokens[:-1] if tr.finished else tr.tokens)
+            before = [dict(m) for m in traj.episode.messages]   # as this turn saw them
+            result = traj.episode.step(text)
+            obs = None if result.done else traj.episode.messages[-1]["content"]
+            # step appends the assistant message after the ones it had (a rewrite changes
+            # messages, it does not move them)
+            history = before + [dict(traj.episode.messages[len(before)])]
+            traj.steps.append(Step(list(tr.tokens), len(traj.segments) - 1, (start, len(seq)),
+                                   text, tr if stats else None, obs,
+                                   nll=-sum(tr.logprobs) / max(len(tr.logprobs), 1),
+                                   history=history))
+            if result.done:
+                active[i], new[i] = False, []
+            elif getattr(result, "rewritten_from", None) is not None:
+                new[i] = tok.render(traj.episode.messages, add_generation_prompt=True)[0]
+                refill[i] = True
+            else:
+                new[i] = turn_opening(tok, tr.finished, obs)
+    for traj in trajs:
+        score = traj.episode.score()
+        traj.score = 0.0 if score is None else float(score)
+
+
+PAPER_HPARAMS = dict(batch=1, group=4, max_turns=10, max_new_tokens=1024, temperature=1.0,
+                     top_p=1.0, lr=3e-7, warmup=0.05, beta=0.01, eps=0.2, steps=500,
+                     save_every=50, lora_r=16, lora_alpha=32.0, lora_dropout=0.05, oversample=1,
+                     eval_batch=16)
+
+
+# The built-in policy has ~0.3M parameters, not 7B, and its turns are short. Its rollouts are
+# sampled at T = 0.7: closer to the greedy decoding it is evaluated with, and shorter (at T = 1 it
+# rambles to --max-new-tokens far more often). Four prompts per step so that a step rarely has no
+# informative group; lr 3e-4 (1e-3 and above erode held-out success within 10 steps); no LoRA
+# dropout, which at this size costs a fifth of the update and only adds noise. Greedy evaluation
+# decodes 128 episodes at a time (the turns of greedy rows end close together). One torch thread:
+# a model this small gains little from a second (1.17x alone), and two threads waiting for each
+# other beside any other busy process ran 1.8x to 40x slower, one thread not at all. Everything
+# not listed keeps the paper's value.
+TINY = dict(batch=4, group=8, max_new_tokens=96, temperature=0.7, lr=3e-4, lora_dropout=0.0,
+            steps=20, save_every=10, eval_batch=128, threads=1)
+
+
+# Defaults of flags that a --preset may set, and which Table grpo_config does not give
+DEFAULTS = dict(weight_decay=0.0, advantage="process")
+
+
+# --preset release: the authors' release as it ran (its GRPO loop and policy wrapper), where it
+# departs from the defaults: torch's AdamW weight decay 0.01, a constant lr with no warmup (its
+# "constant" schedule builds no scheduler at all), nucleus sampling at top-p 0.95, and its
+# advantage and update (--advantage release: every turn weighing the same, the mean log-ratio as
+# the KL estimate, log pi at T = 1). Not reproduced: the cap of its update's forward at the last
+# 2,560 tokens of each turn's context (METHOD.md §9).
+PRESETS = {"release": dict(weight_decay=0.01, warmup=0.0, top_p=0.95, advantage="release")}
+
+
+# The flags of Table grpo_config (and the paper's 50-step checkpoints); the paper states no
+# sampling temperature, top-p, LoRA alpha or dropout: those defaults are the release's (T 1.0,
+# alpha 32, dropout 0.05) or, top-p 1.0, this repository's (the release samples at 0.95)
+PAPER_STATED = ("batch", "group", "max_turns", "max_new_tokens", "lr", "warmup", "beta", "eps",
+                "steps", "save_every", "lora_r")
+
+
+SOURCE = {"temperature": "the release's; the paper states none", "lora_alpha": "the release's",
+          "lora_dropout": "the release's", "top_p": "the paper states none; the release's 0.95 "
+          "with --preset release"}
+
+
+def is_builtin(args) -> bool:
+    """The built-in world's own policy (TINY preset)."""
+    return args.env in envs.WORLDS and \
+        Path(args.model).resolve() == envs.BUILTIN_POLICIES[args.env].resolve()
+
+
+def resolve_preset(args, world) -> None:
+    """Fill the flags left unset: the tiny preset for the built-in policy, else the paper's."""
+    preset = dict(PAPER_HPARAMS, **TINY) if is_builtin(args) else dict(PAPER_HPARAMS)
+    if args.env in envs.WORLDS:         # shop-long's episodes are longer than the paper's 10
+        preset["max_turns"] = envs.WORLD_TURNS[args.env]
+    preset.update(DEFAULTS, **PRESETS.get(args.preset, {}))
+    given = {k for k in preset if getattr(args, k) is not None}
+    for k, v in preset.items():
+        if k not in given:
+            setattr(args, k, v)
+    if args.micro_batch is None:
+        args.micro_batch = args.group
+    hook("preset", args, given)
+    if world.main and is_builtin(args):
+        def flags(keys):
+            return ", ".join(f"--{k.replace('_', '-')} {getattr(args, k)}" for k in keys)
+        print("preset for the tiny built-in policy (the paper's 7B values for everything else): "
+              + flags(k for k in TINY if k not in given)
+              + (f"; from the command line: {flags(k for k in TINY if k in given)}"
+                 if given & set(TINY) else ""), flush=True)
+    if world.main and args.preset:
+        print(f"--preset {args.preset}: " + ", ".join(
+            f"--{k.replace('_', '-')} {getattr(args, k)}" + (" (from the command line)"
+                                                             if k in given else "")
+            for k in PRESETS[args.preset]), flush=True)
+
+
+def preset_help(key: str, what: str) -> str:
+    """`what` and the flag's effective default, read from the presets themselves: TINY's with
+    the built-in policy, the paper's (Table grpo_config) with any other model."""
+    tiny, paper = dict(PAPER_HPARAMS, **TINY)[key], PAPER_HPARAMS[key]
+    source = "the paper's" if key in PAPER_STATED else SOURCE.get(key)
+    if tiny == paper:
+        return f"{what} (default: {paper}{', ' + source if source else ''})"
+    return f"{what} (default: {tiny} with the built-in policy, {paper} otherwise" \
+        f"{': ' + source if source else ''})"
+
+
+def train_parser(rewards) -> argparse.ArgumentParser:
+    """grpo.py's flags; `rewards`: the names --reward takes (grpo.REWARDS)."""
+    ap = argparse.ArgumentParser(
+        prog=PROG, formatter_class=HelpFormatter,
+        description="Multi-turn GRPO with LoRA and step-level rewards (METHOD.md §9). "
+                    "With no flag: the shop environment, the built-in policy and its probes; "
+                    "`python -m lab.train` adds the lab's rewards, searches and worlds.",
+        epilog="A default given as two values is the tiny preset's with the built-in policy "
+               "(printed at start) and the paper's Table grpo_config with any other model. "
+               "Scale out with `torchrun --nproc_per_node N grpo.py ...` (prompts sharded, "
+               "gradients all-reduced) or split one model with --devices cuda:0,cuda:1.")
+    a = ap.add_argument
+    a("--env", default="shop", choices=(*envs.WORLDS, "gta", "toolbench"),
+      help="environment: a built-in world (envs.WORLDS; python -m lab.train adds shop-long, "
+           "the long-horizon one) or a released dataset replayed (envs.py)")
+    a("--data-dir", default=None, help="gta / toolbench: the released files' root (default: "
+      "$PAIR_DATA, else ~/.cache/pair/data; `python -m lab.data download` fills it)")
+    a("--model", default=None,
+      help="policy: a checkpoint directory or a Hugging Face model name (default: the built-in "
+           "world's own policy, data/shop-policy or data/shop-long-policy)")
+    a("--reward", default="pair", choices=tuple(rewards), help="per-turn reward source")
+    a("--alpha", type=float, default=5.0,
+      help="PAIR momentum scaling (METHOD.md §7); 0 = vanilla PAIR, r_t = s~_t")
+    a("--outcome-weight", type=float, default=0.0,
+      help="add this times the task score to the last turn's reward (METHOD.md §9)")
+    a("--advantage", default=None, choices=tuple(ADVANTAGES),
+      help="how per-turn rewards become advantages and the loss (METHOD.md §9): process = "
+           "DeepSeekMath process supervision, pooled normalization and returns to go, "
+           "token-normalized loss; release = the authors' release, each turn's reward against "
+           "its rollout's mean plus the rollout's normalized total, every turn weighing the "
+           "same; position = process on each turn's reward minus the group's mean at its turn "
+           "index; outcome-turn = the outcome's group advantage on every token plus "
+           "--turn-weight x the turn's own position-centred reward, no sum over later turns "
+           "(default: process; release with --preset release)")
+    a("--preset", default=None, choices=tuple(PRESETS),
+      help="release = the authors' release as it ran: --weight-decay 0.01, --warmup 0, --top-p "
+           "0.95, --advantage release (its update and KL estimate); flags given win")
+    a("--probes", default=None,
+      help="trained probes: a `python -m lab.study train --out` directory (its smallest seed<S>/ is used, "
+           "pair_mixed/ in it for --reward pair) or one seed<S>/ of it, a PAIR directory, a "
+           "probe file; default on shop: fitted on the fly for this policy (--probe-corpus), "
+           "cached under $PAIR_CACHE")
+    a("--probe-reads", default="policy", choices=("policy", "base"),
+      help="where PAIR and the probes read a turn's statistics: policy = the generation pass "
+           "(the paper); base = the same tokens teacher-forced through the frozen base model "
+           "(one extra forward per step; a drifting policy cannot move what the probe reads)")
+    g = ap.add_argument_group("rollout")
+    g.add_argument("--steps", type=int, default=None, help=preset_help("steps", "training steps"))
+    g.add_argument("--batch", type=int, default=None,
+                   help=preset_help("batch", "prompts per step"))
+    g.add_argument("--group", type=int, default=None,
+                   help=preset_help("group", "rollouts per prompt, G"))
+    g.add_argument("--max-turns", type=int, default=None,
+                   help=preset_help("max_turns", "assistant turns per rollout") +
+                   " (a built-in world's own: envs.WORLD_TURNS)")
+    g.add_argument("--max-new-tokens", type=int, default=None,
+                   help=preset_help("max_new_tokens", "generated tokens per turn"))
+    g.add_argument("--max-len", type=int, default=8192,
+                   help="KV cache capacity per rollout; a rollout that would outgrow it ends")
+    g.add_argument("--temperature", type=float, default=None,
+                   help=preset_help("temperature", "sampling temperature"))
+    g.add_argument("--top-p", type=float, default=None,
+                   help=preset_help("top_p", "nucleus sampling mass"))
+    g = ap.add_argument_group("optimization")
+    g.add_argument("--lr", type=float, default=None,
+                   help=preset_help("lr", "AdamW learning rate"))
+    g.add_argument("--warmup", type=float, default=None,
+                   help=preset_help("warmup", "fraction of steps of linear warmup, then constant"))
+    g.add_argument("--beta", type=float, default=None, help=preset_help("beta", "KL coefficient"))
+    g.add_argument("--eps", type=float, default=None,
+                   help=preset_help("eps", "PPO clip epsilon"))
+    g.add_argument("--oversample", type=int, default=None,
+                   help=preset_help("oversample", "DAPO dynamic sampling: play up to K x --batch "
+                                    "prompts per step and keep the first --batch whose group "
+                                    "gives some turn an advantage (1: off)"))
+    g.add_argument("--ppo-epochs", type=int, default=1,
+                   help="passes over each batch (1: on-policy, rho = 1)")
+    g.add_argument("--micro-batch", type=int, default=None,
+                   help="rollouts per forward in the update (default: --group)")
+    g.add_argument("--micro-batch-tokens", type=int, default=16384,
+                   help="at most this many padded tokens per forward in the update (a longer "
+                   "rollout goes alone): with its blocks recomputed in the backward pass, the "
+                   "update holds about 0.2 GiB per 1,000 tokens at 7B")
+    g.add_argument("--grad-clip", type=float, default=1.0, help="gradient norm clip")
+    g.add_argument("--weight-decay", type=float, default=None,
+                   help="AdamW weight decay (default: 0; 0.01 with --preset release, torch's "
+                        "default, which the release keeps)")
+    g.add_argument("--lora-r", type=int, default=None, help=preset_help("lora_r", "LoRA rank"))
+    g.add_argument("--lora-alpha", type=float, default=None,
+                   help=preset_help("lora_alpha", "LoRA alpha"))
+    g.add_argument("--lora-dropout", type=float, default=None,
+                   help=preset_help("lora_dropout", "LoRA dropout"))
+    g.add_argument("--lora-targets", default=",".join(model.LORA_TARGETS),
+                   help="comma-separated projections that get an adapter")
+    g = ap.add_argument_group("run")
+    g.add_argument("--out", default=None,
+                   help="run directory (default: runs/<env>-<reward>-<date>-<time>, new)")
+    g.add_argument("--resume", action="store_true",
+                   help="continue the run in --out from its newest checkpoint; with no run "
+                        "there, stop and say so")
+    g.add_argument("--resume-if-present", action="store_true",
+                   help="continue the run in --out if there is one, else start it (for scripts)")
+    g.add_argument("--save-every", type=int, default=None,
+                   help=preset_help("save_every", "checkpoint (and evaluate) every N steps"))
+    g.add_argument("--eval-episodes", type=int, default=0,
+                   help="test episodes per evaluation (0 = the whole test split; shop: 600)")
+    g.add_argument("--val-episodes", type=int, default=None,
+                   help="validation episodes per evaluation, for checkpoint selection (shop: its "
+                        "validation split, 200; replay environments: set aside from the end of "
+                        "the training split, default 10%% of it)")
+    g.add_argument("--eval-batch", type=int, default=None,
+                   help=preset_help("eval_batch", "episodes decoded together in an evaluation"))
+    g.add_argument("--no-eval", action="store_true", help="skip the held-out evaluations")
+    g.add_argument("--seed", type=int, default=42, help="seed of everything")
+    g.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"),
+                   help="model weights dtype (the adapter stays float32)")
+    g.add_argument("--devices", default=None,
+                   help="split the model over these devices, e.g. cuda:0,cuda:1 (default: the "
+                        "process's GPU under torchrun, else the CPU)")
+    g.add_argument("--threads", type=int, default=None,
+                   help="torch CPU threads (default: 1 with the built-in policy; else torch's "
+                   "choice, or $OMP_NUM_THREADS)")
+    hook("flags", ap)
+    return ap
+
+
+# The range of every numeric flag, checked before anything is loaded: a wrong value must not
+# cost a model load and minutes of probe fitting first (nan fails every check).
+FLAG_RANGES = {
+    **{k: at_least(1) for k in ("steps", "batch", "group", "max_turns", "max_new_tokens",
+                                 "max_len", "oversample", "ppo_epochs", "micro_batch", "lora_r",
+                                 "micro_batch_tokens", "save_every", "eval_batch")},
+    "threads": THREADS,
+    **{k: at_least(0) for k in ("eval_episodes", "val_episodes")},
+    "seed": ((lambda v: 0 <= v < 2 ** 32), "in [0, 2**32) (numpy's seeds)"),
+    "temperature": ((lambda v: model.MIN_TEMPERATURE <= v < math.inf),
+                    f"a finite number >= {model.MIN_TEMPERATURE}"),
+    **{k: positive() for k in ("lr", "eps", "grad_clip", "lora_alpha")},
+    **{k: finite(0.0) for k in ("beta", "weight_decay", "alpha")},
+    "outcome_weight": finite(),
+    "top_p": ((lambda v: 0 < v <= 1), "in (0, 1]"),
+    "warmup": ((lambda v: 0 <= v <= 1), "in [0, 1]"),
+    "lora_dropout": ((lambda v: 0 <= v < 1), "in [0, 1)"),
+}
+
+
+def parse_args(argv, rewards) -> argparse.Namespace:
+    """grpo.py's command line, checked, with --out defaulting to a new runs/ directory."""
+    ap = train_parser(rewards)
+    args = ap.parse_args(argv)
+    if args.model is None:
+        args.model = str(envs.BUILTIN_POLICIES.get(args.env, envs.BUILTIN_POLICY))
+    check_ranges(ap, args, FLAG_RANGES)
+    if args.resume and args.resume_if_present:
+        ap.error("--resume and --resume-if-present: pass one")
+    if args.devices is not None:
+        try:
+            model.parse_devices(args.devices)
+        except ValueError as e:
+            ap.error(str(e))
+    bad = [t for t in args.lora_targets.split(",") if t not in model.LORA_TARGETS]
+    if bad:
+        ap.error(f"--lora-targets {args.lora_targets!r}: {bad} not among the blocks' linear "
+                 f"layers {','.join(model.LORA_TARGETS)}")
+    if args.out is None:
+        if args.resume:
+            ap.error("--resume: nothing to resume without --out (the run directory to continue)")
+        if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+            raise SystemExit("--out is required with several processes")
+        args.out = str(Path("runs") / f"{args.env}-{args.reward}-{time.strftime('%Y%m%d-%H%M%S')}")
+    return args
+
+
+@dataclass
+class World:
+    rank: int = 0
+    size: int = 1
+    device: str = "cpu"             # where all-reduced tensors live (cuda for nccl)
+
+    @property
+    def main(self) -> bool:
+        return self.rank == 0
+
+
+def init_world(args) -> World:
+    size = int(os.environ.get("WORLD_SIZE", "1"))
+    if size == 1:
+        return World()
+    gpu = torch.cuda.is_available() and not (args.devices or "cuda").startswith("cpu")
+    local = int(os.environ.get("LOCAL_RANK", "0"))
+    if gpu:
+        torch.cuda.set_device(local)
+    dist.init_process_group("nccl" if gpu else "gloo")
+    return World(dist.get_rank(), dist.get_world_size(), f"cuda:{local}" if gpu else "cpu")
+
+
+def all_sum(world: World, values: list[float]) -> list[float]:
+    if world.size == 1:
+        return [float(v) for v in values]
+    t = torch.tensor(values, dtype=torch.float64, device=world.device)
+    dist.all_reduce(t)
+    return t.tolist()
+
+
+def barrier(world):
+    if world.size > 1:
+        dist.barrier()
+
+
+def all_max(world: World, value: float) -> float:
+    if world.size == 1:
+        return float(value)
+    t = torch.tensor([value], dtype=torch.float64, device=world.device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return t.item()
+
+
+def gather_floats(world: World, values: list[float], size: int) -> list[float]:
+    """Concatenate every process's list (each at most `size` long)."""
+    if world.size == 1:
+        return list(values)
+    t = torch.full((size,), float("nan"), dtype=torch.float64, device=world.device)
+    t[:len(values)] = torch.tensor(values, dtype=torch.float64)
+    parts = [torch.empty_like(t) for _ in range(world.size)]
+    dist.all_gather(parts, t)
+    return [v for part in parts for v in part.tolist() if not math.isnan(v)]
+
+
+# flags that must not change when a run is resumed: everything that trains or scores it (not
+# where it runs: --threads, --devices, --eval-batch change float summation order only)
+RESUME_KEYS = ("env", "model", "reward", "alpha", "outcome_weight", "probes", "seed", "steps",
+               "batch", "group", "max_turns", "max_new_tokens", "max_len", "temperature", "top_p",
+               "lr", "warmup", "beta", "eps", "oversample", "ppo_epochs", "micro_batch",
+               "micro_batch_tokens", "lora_r", "lora_alpha", "lora_dropout", "lora_targets",
+               "save_every", "probe_reads", "eval_episodes", "val_episodes", "advantage",
+               "grad_clip", "weight_decay", "dtype")
+
+
+# what a run from before these flags existed ran with
+RESUME_DEFAULTS = {"advantage": "process"}
+
+
+def changed_flag(args, old: dict) -> tuple[str, object, object] | None:
+    """The first flag of RESUME_KEYS whose value in args differs from a run's args.json (old):
+    (--flag, its value now, the run's), or None. A model directory is the same written another
+    way (relative, as the records in results/ are)."""
+    for k in RESUME_KEYS:
+        if k not in old and k not in RESUME_DEFAULTS:
+            continue                        # not recorded, and no default to compare with
+        # a run from before the flag existed ran with its default
+        now, then = getattr(args, k), old.get(k, RESUME_DEFAULTS.get(k))
+        if then == now:
+            continue
+        if k == "model" and isinstance(then, str) and Path(then).is_dir() and \
+                Path(then).resolve() == Path(now).resolve():
+            continue
+        return f"--{k.replace('_', '-')}", now, then
+    return None
+
+
+def check_out(args) -> None:
+    """What --out holds against --resume / --resume-if-present. Read-only: checked before
+    anything is loaded or written, and again once OUT is claimed. A run exists in OUT from the
+    moment its args.json is written (after every input was checked)."""
+    out = Path(args.out)
+    saved = out / "args.json"
+    if args.resume_if_present:
+        args.resume = saved.exists()
+    if args.resume and saved.exists():
+        try:
+            old = json.loads(saved.read_text())
+            if not isinstance(old, dict):
+                raise ValueError("not a JSON object")
+        except (OSError, ValueError, RecursionError) as e:
+            raise SystemExit(f"--resume: {saved} is not readable ({type(e).__name__}: {e}); the "
+                             "flags of the run cannot be checked") from None
+        changed = changed_flag(args, old)
+        if changed:
+            flag, now, then = changed
+            raise SystemExit(f"--resume: {flag} is {now!r} but the run in {out} used {then!r}")
+        # A finished run, or logs past the step of the first checkpoint (a step is logged, then
+        # its checkpoint saved), and no checkpoint: they were deleted (as in results/, which
+        # keeps none). Starting over would replace the logs.
+        logged = max((r["step"] for r in read_jsonl(out / "metrics.jsonl")), default=0)
+        first = min(args.save_every, args.steps)
+        gone = not any(out.glob("checkpoint-*"))     # a damaged one: resume() says so
+        if gone and (logged > first or (out / "summary.json").exists()):
+            raise SystemExit(f"--resume: {out} logged {logged} steps but holds no checkpoint (the "
+                             f"first is saved after step {first}): there is nothing to resume "
+                             "from, and starting over would replace its logs; restore its "
+                             "checkpoints, or choose another --out")
+    elif args.resume and latest_checkpoint(out):
+        # without it any flag could change under the checkpoint's optimizer and RNG states
+        raise SystemExit(f"--resume: {out} holds checkpoints but no args.json, so the flags "
+                         "of that run cannot be checked; restore it, or start a new --out")
+    elif args.resume:
+        # a typo in --out must not start a new run from scratch under the user's nose
+        raise SystemExit(f"--resume: nothing to resume in {out} (no run was started there); "
+                         "leave out --resume to start one, or pass --resume-if-present to "
+                         "start one only when there is none")
+    elif any((out / f).exists() for f in ("metrics.jsonl", "eval.jsonl")) or \
+            latest_checkpoint(out):         # eval.jsonl: killed after the base evaluation
+        raise SystemExit(f"--out {out} already holds a run: pass --resume to continue it, or "
+                         "choose another --out")
+
+
+def prepare_out(args, world) -> Path:
+    out = Path(args.out)
+    if world.main:
+        # One run per --out, held until this process exits: two would interleave their metrics
+        # and checkpoints.
+        claim(out)
+        check_out(args)
+        model.write_json(out / "args.json", vars(args))
+    if world.size > 1:
+        dist.barrier()
+    return out
+
+
+def forget_failed(out) -> None:
+    """A run that failed before its first step leaves no run behind: the args.json, lock and
+    directory this process made are removed (only while it holds OUT, and only when OUT holds
+    no metrics, evaluation or checkpoint)."""
+    out = Path(out)
+    if not holds(out) or any((out / n).exists() for n in ("metrics.jsonl", "eval.jsonl")) \
+            or any(out.glob("checkpoint-*")):
+        return
+    (out / "args.json").unlink(missing_ok=True)
+    shutil.rmtree(out / "refit", ignore_errors=True)
+    (out / LOCK_FILE).unlink(missing_ok=True)
+    release(out)
+    with contextlib.suppress(OSError):
+        out.rmdir()                     # only if nothing else is in it
+
+
+def save_checkpoint(out: Path, step: int, policy, optimizer, world, lagged=None) -> Path:
+    """OUT/checkpoint-<step>/; `lagged`: the tips reward's lagged LoRA snapshot, if any. A write
+    that fails (a full disk) leaves the earlier checkpoints as they were and stops the run with
+    one line."""
+    final = out / f"checkpoint-{step:06d}"
+    tmp = out / f".checkpoint-{step:06d}.tmp"
+    try:
+        return _write_checkpoint(out, step, final, tmp, policy, optimizer, world, lagged)
+    except (OSError, SafetensorError) as e:
+        shutil.rmtree(tmp, ignore_errors=True)
+        last = latest_checkpoint(out)
+        raise SystemExit(f"{final}: could not be written ({type(e).__name__}: {e}); "
+                         + (f"{last.name} is intact: " if last else "")
+                         + "free the space and continue with --resume") from None
+
+
+def _write_checkpoint(out, step, final, tmp, policy, optimizer, world, lagged) -> Path:
+    if world.main:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+    barrier(world)
+    # every process has its own RNG streams (LoRA dropout); each saves its own
+    rng_tensors, rng_meta = rng_state()
+    save_file(rng_tensors, tmp / f"rng-{world.rank}.safetensors")
+    model.write_json(tmp / f"rng-{world.rank}.json", rng_meta)
+    barrier(world)
+    if world.main:
+        model.save_adapter(policy, tmp / "adapter")
+        tensors, meta = model.optimizer_to_tensors(optimizer)
+        save_file(tensors, tmp / "optimizer.safetensors")
+        if lagged is not None:
+            save_file(lagged, tmp / "lagged.safetensors")
+        model.write_json(tmp / "trainer.json", {"step": step, "processes": world.size,
+                                          "optimizer": meta})
+        shutil.rmtree(final, ignore_errors=True)
+        os.replace(tmp, final)        # the directory appears complete or not at all
+    barrier(world)
+    return final
+
+
+def latest_checkpoint(out: Path) -> Path | None:
+    done = sorted(p for p in out.glob("checkpoint-*") if (p / "trainer.json").is_file())
+    return done[-1] if done else None
+
+
+def load_checkpoint(path: Path, policy, optimizer, world) -> tuple[int, dict | None]:
+    """Restore a checkpoint into policy, optimizer and RNGs: (its step, the lagged snapshot)."""
+    try:
+        info = json.loads((path / "trainer.json").read_text())
+        if not (isinstance(info, dict) and type(info.get("step")) is int and info["step"] >= 1):
+            raise ValueError(f"trainer.json holds no step >= 1: {str(info)[:80]}")
+        if info["processes"] != world.size:
+            raise ValueError(f"it was written by {info['processes']} processes, this run has "
+                             f"{world.size}; the RNG streams would differ")
+        model.load_adapter(policy, path / "adapter")
+        model.optimizer_from_tensors(optimizer, load_file(path / "optimizer.safetensors"),
+                                       info["optimizer"])
+        set_rng_state(load_file(path / f"rng-{world.rank}.safetensors"),
+                      json.loads((path / f"rng-{world.rank}.json").read_text()))
+        lagged = load_file(path / "lagged.safetensors") \
+            if (path / "lagged.safetensors").exists() else None
+        return int(info["step"]), lagged
+    except (OSError, KeyError, IndexError, TypeError, ValueError, RecursionError,
+            SafetensorError) as e:      # a damaged file: any of these, never a traceback
+        raise SystemExit(f"{path}: cannot resume from this checkpoint ({type(e).__name__}: "
+                         f"{e})") from None
+
+
+def rng_state() -> tuple[dict, dict]:
+    py = random.getstate()
+    np_state = np.random.get_state()
+    tensors = {"torch": torch.get_rng_state(),
+               "numpy": torch.from_numpy(np_state[1].astype(np.int64))}
+    if torch.cuda.is_available():
+        for i, s in enumerate(torch.cuda.get_rng_state_all()):
+            tensors[f"cuda{i}"] = s
+    meta = {"python": [py[0], list(py[1]), py[2]],
+            "numpy": [np_state[0], int(np_state[2]), int(np_state[3]), float(np_state[4])]}
+    return tensors, meta
+
+
+def set_rng_state(tensors: dict, meta: dict):
+    v, state, gauss = meta["python"]
+    random.setstate((v, tuple(state), gauss))
+    name, pos, has_gauss, cached = meta["numpy"]
+    np.random.set_state((name, tensors["numpy"].numpy().astype(np.uint32), pos, has_gauss, cached))
+    torch.set_rng_state(tensors["torch"])
+    if torch.cuda.is_available():
+        torch.cuda.set_rng_state_all([tensors[f"cuda{i}"]
+                                      for i in range(torch.cuda.device_count())
+                                      if f"cuda{i}" in tensors])
+
+
+# GTA answers are matched as the paper matches them: strictly (an alias must stand alone) for the
+# training reward, loosely (a substring) wherever a policy is evaluated. Shop and ToolBench have
+# one scorer.
+def make_env(args, split: str, evaluation: bool = False):
+    """The `--env` environment of one split, scored for training or for evaluation."""
+    if args.env in envs.WORLDS:
+        return envs.ShopEnv(split, world=args.env)
+    kw = {"match": "loose" if evaluation else "strict"} if args.env == "gta" else {}
+    return envs.make(args.env, split=split, data_dir=args.data_dir, **kw)
+
+
+def evaluate(policy, tok, env, pool, n: int, args, world, name: str = "held-out") -> dict:
+    """Greedy rollouts on the first n episodes of `pool` (0: all): mean task score, mean turns,
+    and every episode's score in pool order (for paired comparisons between runs). A progress
+    line with an ETA when the Pacer says so (an evaluation of the built-in world takes a minute
+    or more)."""
+    n = len(pool) if not n else min(n, len(pool))
+    mine = list(range(world.rank, n, world.size))
+    policy.eval()
+    scores, turns = [], 0
+    t0, pacer = time.perf_counter(), model.Pacer(len(mine), sys.stdout)
+    for i in range(0, len(mine), args.eval_batch):
+        episodes = [env.episode(pool[j]) for j in mine[i:i + args.eval_batch]]
+        for traj in rollout(policy, tok, episodes, args, greedy=True, stats=False):
+            scores.append(traj.score)
+            turns += len(traj.steps)
+        if world.main and pacer.due(len(scores)):
+            rate = (time.perf_counter() - t0) / len(scores)
+            print(f"  evaluating: {len(scores)}/{len(mine)} {name} episodes, ETA "
+                  f"{model.duration(rate * (len(mine) - len(scores)))}", flush=True)
+    turns = all_sum(world, [turns])[0]
+    order = gather_floats(world, [float(j) for j in mine], n)
+    scores = [s for _, s in sorted(zip(order, gather_floats(world, scores, n)))]
+    return {"success": sum(scores) / max(n, 1), "episodes": n, "turns": turns / max(n, 1),
+            "scores": scores}
+
+
+def eval_splits(args, train_env, train_pool) -> tuple[dict, list[int]]:
+    """The two held-out splits {"val": (env, pool), "test": (env, pool)} and the training pool
+    left. Checkpoints are selected on val and reported on test. Shop has its own validation
+    split; the replay environments set aside the last --val-episodes scorable training episodes.
+    """
+    test = make_env(args, "test", evaluation=True)
+    if args.env in envs.WORLDS:
+        val = make_env(args, "val", evaluation=True)
+        return {"val": (val, scorable(val)), "test": (test, scorable(test))}, train_pool
+    k = min(args.val_episodes or max(1, len(train_pool) // 10), len(train_pool) // 2)
+    val = make_env(args, "train", evaluation=True)
+    return ({"val": (val, train_pool[len(train_pool) - k:]), "test": (test, scorable(test))},
+            train_pool[:len(train_pool) - k])
+
+
+def evaluate_all(step: int, policy, tok, held: dict, args, world) -> dict:
+    sizes = {"val": args.val_episodes, "test": args.eval_episodes}
+    return {"step": step, **{name: evaluate(policy, tok, env, pool, sizes[name], args, world,
+                                            {"val": "validation"}.get(name, name))
+                             for name, (env, pool) in held.items()}}
+
+
+def base_eval_cache(policy, args, world) -> Path | None:
+    """Where the base model's evaluation is kept for later runs: greedy decoding of a fixed pool
+    is the same in every run of one policy and one set of evaluation settings (every reward and
+    every seed of a comparison), so it is done once. Shop only: its held-out pools are procedural
+    and fixed (a replay pool depends on the data directory). The key holds everything the greedy
+    rollouts depend on, threads and batch included (they change float summation order), and the
+    version of the world's scoring rules."""
+    if args.env not in envs.WORLDS or world.size > 1:
+        return None
+    settings = {"val": args.val_episodes, "test": args.eval_episodes, "batch": args.eval_batch,
+                "max_turns": args.max_turns, "max_new_tokens": args.max_new_tokens,
+                "max_len": args.max_len, "dtype": args.dtype, "devices": args.devices,
+                "threads": torch.get_num_threads(), "scoring": envs.SHOP_SCORING}
+    return (model.cache_root() / "grpo-base-eval" /
+            f"{args.env}-{policy_hash(policy.checkpoint_dir)}-"
+            f"{settings_hash(settings)}.json")
+
+
+def scorable(env) -> list[int]:
+    """Indices of the episodes that can be scored (GTA skips some, METHOD.md §10; shop none)."""
+    if isinstance(env, envs.ShopEnv):          # the built-in world: every episode is scorable
+        return list(range(len(env)))
+    return [i for i in range(len(env)) if env.episode(i).skip_reason is None]
+
+
+def progress_line(rec: dict, steps: int, elapsed: list[float], evals_left: float = 0.0) -> str:
+    """The step's own time, and an ETA from the median of the last 10 steps (a rollout that
+    rambles to --max-new-tokens makes single steps slow; the median does not jump with it)
+    plus `evals_left`, the seconds the evaluations still to come will take. No ETA before 3
+    steps: a median of one or two steps is one outlier away from hours."""
+    left = float(np.median(elapsed[-10:])) * (steps - rec["step"]) + evals_left
+    eta = model.duration(left) if len(elapsed) >= 3 or rec["step"] == steps else \
+        "after 3 steps"
+    auroc = rec.get("probe_auroc")
+    return (f"step {rec['step']:>4}/{steps}  reward {rec['reward_mean']:.3f}"
+            f"±{rec['reward_std']:.3f}"
+            f"  success {rec['success']:.2f}  zero-std {rec['frac_zero_std']:.2f}"
+            f"  kl {rec['kl']:.2e}" + (f"  probe-auroc {auroc:.2f}" if auroc is not None else "")
+            + f"  {elapsed[-1]:.1f}s (rollout {rec['t_rollout']:.1f} reward "
+            f"{rec['t_reward']:.2f} update {rec['t_update']:.1f})  ETA {eta}")
+
+
+def nice_ticks(lo: float, hi: float, most: int = 6, integer: bool = False) -> list[float]:
+    """Evenly spaced round values (1, 2 or 5 times a power of ten) covering [lo, hi], at most
+    `most` of them, never a value twice (integer: whole numbers only, for steps)."""
+    span = max(hi - lo, 1e-12)
+    for base in (10 ** k for k in range(math.floor(math.log10(span / most)) - 1, 12)):
+        for m in (1, 2, 5):
+            step = m * base
+            if integer and step < 1:
+                continue
+            first = math.ceil(lo / step - 1e-9) * step
+            ticks = [first + i * step for i in range(int((hi - first) / step + 1e-9) + 1)]
+            if 2 <= len(ticks) <= most or (len(ticks) <= most and integer):
+                return ticks
+    return [lo, hi]
+
+
+CURVES = (("curve_success", "held-out success (test, greedy)", "step"),
+          ("curve_seconds", "held-out success against training time", "seconds of training"),
+          ("curve_reward", "mean turn reward (training rollouts)", "step"))
+
+
+def curves_svg(result: dict) -> str:
+    """One panel per curve the rows hold (CURVES: held-out test success against the step and
+    against the seconds of training, mean reward against the step), one line per reward; the
+    legend below them, as many entries a row as its longest label leaves room for."""
+    W, H, pad = 460, 300, 52
+    # tab10, then ten darker ones drawn dashed: twenty rows, each a color of its own
+    colors = ["#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e", "#8c564b", "#e377c2",
+              "#7f7f7f", "#bcbd22", "#17becf", "#393b79", "#843c39", "#637939", "#7b4173",
+              "#8c6d31", "#000000", "#3182bd", "#31a354", "#e6550d", "#756bb1"]
+
+    def stroke(c):      # past the ten first colors, dashed (longer each round of ten)
+        dash = f' stroke-dasharray="{6 * (c // 10)},3"' if c >= 10 else ""
+        return f'stroke="{colors[c % len(colors)]}"{dash}'
+    rows = result["rows"]
+    panels = [c for c in CURVES if all(c[0] in r for r in rows)]
+    width = len(panels) * W
+    # 12px sans-serif: about 7px a character at most; a label is never cut
+    entry = 26 + 7 * max((len(r["reward"]) for r in rows), default=0) + 20
+    per_row = max(1, min(4, (width - 16) // entry))
+    parts = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" '
+             f'height="{H + 22 * (-(-len(rows) // per_row)) + 16}" font-family="sans-serif"'
+             ' font-size="12"><rect width="100%" height="100%" fill="white"/>']
+    for p, (key, title, xlabel) in enumerate(panels):
+        series = [r[key] for r in rows]
+        xs = [x for s in series for x, _ in s] or [0, 1]
+        ys = [y for s in series for _, y in s if y is not None] or [0, 1]
+        x0, x1 = min(xs), max(max(xs), min(xs) + 1)
+        yt = nice_ticks(min(ys), max(max(ys), min(ys) + 1e-3))
+        step = yt[1] - yt[0]            # one more tick below the lowest point, and above
+        yt = [yt[0] - step] * (yt[0] > min(ys) + 1e-12) + yt + \
+            [yt[-1] + step] * (yt[-1] < max(ys) - 1e-12)
+        y0, y1 = yt[0], yt[-1]
+        ox = p * W
+
+        def X(x):
+            return ox + pad + (x - x0) / (x1 - x0) * (W - 1.5 * pad)
+
+        def Y(y):
+            return H - pad + (y - y0) / (y1 - y0) * -(H - 1.6 * pad)
+        parts.append(f'<text x="{ox + W / 2}" y="18" text-anchor="middle">{title}</text>')
+        parts.append(f'<line x1="{X(x0)}" y1="{Y(y0)}" x2="{X(x1)}" y2="{Y(y0)}" '
+                     'stroke="black"/>'
+                     f'<line x1="{X(x0)}" y1="{Y(y0)}" x2="{X(x0)}" y2="{Y(y1)}" stroke="black"/>')
+        for yv in yt:
+            parts.append(f'<text x="{X(x0) - 4}" y="{Y(yv) + 4}" text-anchor="end">'
+                         f'{round(yv, 12):g}</text>')
+        for xv in nice_ticks(x0, x1, integer=True):
+            parts.append(f'<text x="{X(xv)}" y="{Y(y0) + 16}" text-anchor="middle">{xv:g}</text>')
+        parts.append(f'<text x="{ox + W / 2}" y="{H - 8}" text-anchor="middle">{xlabel}</text>')
+        for c, s in enumerate(series):
+            pts = " ".join(f"{X(x):.1f},{Y(y):.1f}" for x, y in s if y is not None)
+            parts.append(f'<polyline points="{pts}" fill="none" {stroke(c)} '
+                         'stroke-width="1.6"/>')
+    for c, r in enumerate(rows):
+        x, y = 16 + (c % per_row) * max(entry, (width - 16) // per_row), H + 22 * (c // per_row) + 8
+        parts.append(f'<line x1="{x}" y1="{y}" x2="{x + 20}" y2="{y}" {stroke(c)}'
+                     f' stroke-width="3"/><text x="{x + 26}" y="{y + 4}">{r["reward"]}</text>')
+    return "\n".join(parts) + "\n</svg>\n"
+
+
+def run_curves(out: Path, reward: str) -> str:
+    """curves.svg of one run: its held-out test success at every evaluation and its mean
+    reward at every step (compare.py draws every run of a comparison the same way)."""
+    evals = read_jsonl(out / "eval.jsonl")
+    steps = read_jsonl(out / "metrics.jsonl")
+    clock = training_seconds(steps)
+    return curves_svg({"rows": [{
+        "reward": reward,
+        "curve_success": [(e["step"], e["test"]["success"]) for e in evals],
+        "curve_seconds": [(clock[e["step"]], e["test"]["success"]) for e in evals
+                          if e["step"] in clock],
+        "curve_reward": [(m["step"], m["reward_mean"]) for m in steps]}]})
+
+
+STEP_SECONDS = ("t_rollout", "t_reward", "t_update", "t_refit")
+
+
+def training_seconds(metrics: list[dict]) -> dict[int, float]:
+    """step -> seconds of training up to the end of that step (rollouts, reward, update and any
+    probe refit; evaluations and checkpoints not counted), from metrics.jsonl; 0 -> 0."""
+    out, total = {0: 0.0}, 0.0
+    for m in metrics:
+        total += sum(m.get(k, 0.0) for k in STEP_SECONDS)
+        out[m["step"]] = total
+    return out
+
+
+def summarize(out: Path, seconds: float, args, probe_report: dict | None = None) -> dict:
+    """base / selected / final held-out success on test. `selected` is the checkpoint with the
+    best validation success (ties: the earliest); `best_on_test` picks on the test split itself,
+    the paper's protocol, which flatters every method alike."""
+    evals = read_jsonl(out / "eval.jsonl")
+    base = next((e for e in evals if e["step"] == 0), None)
+    ckpts = [e for e in evals if e["step"] > 0]
+
+    def on_test(e):
+        return None if e is None else {"step": e["step"], "val": e["val"]["success"],
+                                       **{k: v for k, v in e["test"].items() if k != "scores"}}
+    selected = max(ckpts, key=lambda e: (e["val"]["success"], -e["step"])) if ckpts else None
+    best = max(ckpts, key=lambda e: (e["test"]["success"], -e["step"])) if ckpts else None
+    final = ckpts[-1] if ckpts else None
+    # seconds: this process's (a resumed run: since it resumed)
+    summary = {"out": str(out), "seconds": round(seconds, 1), "reward": args.reward,
+               "alpha": args.alpha, "seed": args.seed, "steps": args.steps,
+               "selection": "checkpoint with the best validation success, reported on test",
+               "base": on_test(base), "selected": on_test(selected), "final": on_test(final),
+               "best_on_test": on_test(best),
+               "selected_adapter": str(out / f"checkpoint-{selected['step']:06d}" / "adapter")
+               if selected else None}
+    if probe_report is not None:
+        h = probe_report["heldout"]
+        summary["probe_auroc_heldout"] = {
+            "corpus": probe_report["settings"]["corpus"], "turns": h["n"]["all"],
+            "pair": h["pair"]["all"], "pair_clean_prefix": h["pair"]["clean_prefix"],
+            "pair_contaminated_prefix": h["pair"]["contaminated_prefix"],
+            "contaminated_corpus_pair": probe_report["contaminated_corpus_pair"]["all"],
+            **({args.reward: h[args.reward]["all"]} if args.reward in h else {})}
+    return summary
+
+
+def summary_text(s: dict) -> str:
+    lines = [f"done in {model.duration(s['seconds'])} (reward {s['reward']})."]
+    if s["base"] and s["selected"]:
+        lines.append(
+            f"held-out success (greedy, {s['base']['episodes']} test episodes): before "
+            f"{s['base']['success']:.3f} -> selected {s['selected']['success']:.3f} (step "
+            f"{s['selected']['step']}, chosen on validation) -> final {s['final']['success']:.3f}"
+            f" (step {s['final']['step']}); best on test {s['best_on_test']['success']:.3f} "
+            f"(step {s['best_on_test']['step']}, the paper's protocol)")
+    if s.get("probe_auroc_heldout"):
+        p = s["probe_auroc_heldout"]
+        lines.append(f"PAIR AUROC on {p['turns']} held-out own turns: {model.num(p['pair'])} "
+                     f"({p['corpus']} corpus); contaminated-corpus PAIR: "
+                     f"{model.num(p['contaminated_corpus_pair'])}")
+    lines.append(f"run: {s['out']}  (metrics.jsonl per step, eval.jsonl per checkpoint, "
+                 "summary.json, curves.svg)")
+    if s["selected_adapter"]:
+        lines.append(f"selected adapter (PEFT layout): {s['selected_adapter']}")
+    return "\n".join(lines)
+
+
+def policy_hash(model_dir) -> str:
+    """The key of everything cached for one policy: its files (not its README), one weights
+    file or shards, fingerprinted as weights.checkpoint_sha256 does (a 7B model is not read
+    whole)."""
+    try:
+        digest = model.checkpoint_sha256(model_dir)
+    except model.CheckpointError as e:
+        raise SystemExit(f"{model_dir}: nothing to key this policy's cache on ({e})") from None
+    return hashlib.sha256(f"{PROBES_FORMAT}\0{digest}".encode()).hexdigest()[:16]
+
+
+def settings_hash(settings: dict) -> str:
+    return hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:12]
+
+
+PROBES_FORMAT = "grpo-probes/3"   # 3: the on-policy corpus balanced within each kind of turn
 
 
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else argv
-    if argv[:1] == ["compare"]:
-        # `grpo.py compare` is compare.py's command line: that file runs this one, so it sits
-        # above it, and the hand-over is a new program, not an import
-        os.execv(sys.executable, [sys.executable, str(ROOT / "compare.py"), *argv[1:]])
-    args = runs.parse_args(argv, REWARDS)
+    args = parse_args(argv, REWARDS)
     check_args(args)
     try:
         return train(args)
-    except (weights.CheckpointError, envs.DataError, probes.FormatError, chat_api.LLMError,
+    except (model.CheckpointError, envs.DataError, probes.FormatError, envs.LLMError,
             FileNotFoundError) as e:
-        runs.forget_failed(args.out)
+        forget_failed(args.out)
         sys.exit(f"error: {e}")         # bad input: one clear line naming the file
     except SystemExit:                  # refused with one line: no run left behind either
-        runs.forget_failed(args.out)
+        forget_failed(args.out)
         raise
     except KeyboardInterrupt:
         sys.exit("\n" + interrupted(args, argv))
@@ -1142,15 +2039,15 @@ def interrupted(args, argv) -> str:
     out = Path(args.out)
     again = [*argv] + ([] if "--out" in argv else ["--out", args.out])
     resume = [] if "--resume" in argv or "--resume-if-present" in argv else ["--resume"]
-    ckpt = runs.latest_checkpoint(out)
+    ckpt = latest_checkpoint(out)
     if ckpt is not None:
         return (f"interrupted; the run resumes from its last checkpoint ({ckpt.name}), exactly, "
-                f"with: python grpo.py {shlex.join(again + resume)}")
+                f"with: {PROG} {shlex.join(again + resume)}")
     if (out / "args.json").is_file():
         return (f"interrupted before the first checkpoint (after step "
                 f"{min(args.save_every, args.steps)}): no step is kept, and this starts the run "
-                f"over from step 1: python grpo.py {shlex.join(again + resume)}")
-    return f"interrupted before the run started; start it with: python grpo.py {shlex.join(again)}"
+                f"over from step 1: {PROG} {shlex.join(again + resume)}")
+    return f"interrupted before the run started; start it with: {PROG} {shlex.join(again)}"
 
 
 if __name__ == "__main__":

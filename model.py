@@ -48,24 +48,32 @@ step, `load_model`, the tokenizer and the chat format, generation and teacher-fo
 (its files, in PEFT's layout, are adapters.py's), the layer split across devices, and the
 `generate` command line.
 """
-import argparse
 import contextlib
 import inspect
 import math
 import os
 import sys
 from bisect import bisect_right
-from dataclasses import dataclass, field
+from dataclasses import MISSING, dataclass, field
 from pathlib import Path
 
 import torch
+from safetensors import safe_open
+from safetensors.torch import save as safetensors_bytes
 import torch.nn.functional as F
 import torch.utils.checkpoint
 from torch import Tensor, nn
 
-import common
-import weights
-from weights import CheckpointError, Config
+import tempfile
+import json
+import time
+import re
+
+import hashlib
+import struct
+import requests
+from urllib.parse import quote
+from dataclasses import fields
 
 STATS = ("max", "std", "prefix", "self", "entropy", "lookback")
 DEFAULT_SYSTEM = "You are Qwen, created by Alibaba Cloud. You are a helpful assistant."
@@ -81,6 +89,182 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 
 # ----------------------------------------------------------------------------------------------
 # RoPE, written as Hugging Face writes it for Qwen (rotate_half), so no weight permutation
+
+
+ARCHITECTURES = {"qwen2": "Qwen2ForCausalLM", "llama": "LlamaForCausalLM",
+                 "mistral": "MistralForCausalLM"}      # model_type -> architecture
+
+
+# transformers < 5 saves only the keys that differ from its class defaults; these defaults of
+# the config classes differ from the dataclass defaults below.
+ARCH_DEFAULTS = {"Qwen2ForCausalLM": {"max_window_layers": 28},
+                 "MistralForCausalLM": {"sliding_window": 4096}}
+
+
+# (config.json key, largest value, may be absent): sizes a config may ask for; every released
+# model is far below these (the largest has ~126 layers and a 256K vocabulary).
+INT_LIMITS = (("vocab_size", 1 << 22, False), ("hidden_size", 1 << 16, False),
+              ("intermediate_size", 1 << 18, False), ("num_hidden_layers", 1024, False),
+              ("num_attention_heads", 1024, False), ("num_key_value_heads", 1024, True),
+              ("head_dim", 4096, True), ("max_position_embeddings", 1 << 24, False),
+              ("sliding_window", 1 << 24, True))
+
+
+class CheckpointError(Exception):
+    """A checkpoint directory that cannot be loaded exactly; the message names file and tensor."""
+
+
+@dataclass
+class Config:
+    """The config.json of a checkpoint; field names are its keys, unknown keys are dropped."""
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int | None = None
+    head_dim: int | None = None
+    architectures: list[str] = field(default_factory=lambda: ["Qwen2ForCausalLM"])
+    model_type: str | None = None
+    hidden_act: str = "silu"
+    rms_norm_eps: float = 1e-6
+    max_position_embeddings: int = 32768
+    rope_theta: float | None = None         # transformers < 5 writes the RoPE base here,
+    rope_parameters: dict | None = None     # transformers >= 5 writes {"rope_theta", "rope_type"}
+    rope_scaling: dict | None = None
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False            # Llama's switch; Qwen2 always has a QKV bias
+    mlp_bias: bool = False
+    sliding_window: int | None = None
+    use_sliding_window: bool = False        # Qwen2: windows only when set, from max_window_layers
+    max_window_layers: int = 0
+    layer_types: list[str] | None = None
+    bos_token_id: int | None = None
+    eos_token_id: int | list[int] | None = None
+    pad_token_id: int | None = None
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "Config":
+        if not isinstance(d, dict):
+            raise ValueError(f"must be a JSON object, not {type(d).__name__}")
+        d = dict(d)
+        arch = d.get("architectures")
+        if arch is not None and not (isinstance(arch, list) and
+                                     all(isinstance(a, str) for a in arch)):
+            raise ValueError(f"architectures must be a list of names, got {arch!r}")
+        if not d.get("architectures"):
+            if d.get("model_type") not in ARCHITECTURES:
+                raise ValueError("no architectures entry and no known model_type")
+            d["architectures"] = [ARCHITECTURES[d["model_type"]]]
+        arch = d["architectures"][0]
+        d = {**ARCH_DEFAULTS.get(arch, {}), **d}
+        known = {f.name for f in fields(cls)}
+        missing = [f.name for f in fields(cls) if f.name not in d
+                   and f.default is MISSING and f.default_factory is MISSING]
+        if missing:
+            raise ValueError(f"no {', '.join(missing)} (a model's config.json has them)")
+        cfg = cls(**{k: v for k, v in d.items() if k in known})
+        cfg.validate()
+        return cfg
+
+    def validate(self):
+        self.check_values()
+        if self.arch not in ARCHITECTURES.values():
+            raise ValueError(f"unsupported architecture {self.architectures!r} "
+                             f"(supported: {', '.join(ARCHITECTURES.values())})")
+        if self.hidden_act != "silu":
+            raise ValueError(f"unsupported hidden_act {self.hidden_act!r} (only silu)")
+        for scaling in (self.rope_parameters, self.rope_scaling):
+            kind = (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
+            if kind != "default":
+                raise ValueError(f"unsupported RoPE type {kind!r} (only default RoPE)")
+        if self.num_attention_heads % self.n_kv_heads:
+            raise ValueError("num_attention_heads must be a multiple of num_key_value_heads")
+
+    def check_values(self):
+        """Types and ranges, before anything is built from them: a config.json is input, and
+        num_hidden_layers = 10**6 would take minutes and gigabytes to build before any weight
+        is read. The limits are far above every released model."""
+        def bad(key, want):
+            return ValueError(f"{key} must be {want}, got {getattr(self, key)!r}")
+        for key, hi, optional in INT_LIMITS:
+            v = getattr(self, key)
+            if v is None and optional:
+                continue
+            if type(v) is not int or not 1 <= v <= hi:
+                raise bad(key, f"an integer in 1..{hi}")
+        if type(self.max_window_layers) is not int or self.max_window_layers < 0:
+            raise bad("max_window_layers", "an integer >= 0")
+        for key in ("bos_token_id", "pad_token_id", "eos_token_id"):
+            v = getattr(self, key)
+            ids = v if isinstance(v, list) else [v]
+            if v is not None and not all(type(i) is int and 0 <= i < self.vocab_size
+                                         for i in ids):   # an eos never drawn: no stop
+                raise bad(key, f"a token id below vocab_size {self.vocab_size} (or, for "
+                               "eos_token_id, a list of them)")
+        for key in ("tie_word_embeddings", "attention_bias", "mlp_bias", "use_sliding_window"):
+            if not isinstance(getattr(self, key), bool):
+                raise bad(key, "true or false")
+        if type(self.rms_norm_eps) not in (int, float) or not 0 < self.rms_norm_eps < 1:
+            raise bad("rms_norm_eps", "a number between 0 and 1")
+        for key in ("rope_parameters", "rope_scaling"):
+            if getattr(self, key) is not None and not isinstance(getattr(self, key), dict):
+                raise bad(key, "a JSON object")
+        for key, theta in (("rope_theta", self.rope_theta),
+                           ("rope_parameters.rope_theta",
+                            (self.rope_parameters or {}).get("rope_theta"))):
+            if theta is not None and (type(theta) not in (int, float) or
+                                      not 0 < theta < math.inf):
+                raise ValueError(f"{key} must be a positive number, got {theta!r}")
+        if not isinstance(self.hidden_act, str):
+            raise bad("hidden_act", "a name")
+        if self.head_dim is None and self.hidden_size % self.num_attention_heads:
+            raise ValueError(f"hidden_size {self.hidden_size} is not a multiple of "
+                             f"num_attention_heads {self.num_attention_heads} (and no head_dim)")
+        if self.layer_types is not None and (
+                not isinstance(self.layer_types, list) or
+                len(self.layer_types) != self.num_hidden_layers or
+                not all(isinstance(t, str) for t in self.layer_types)):
+            raise bad("layer_types", f"a list of {self.num_hidden_layers} names")
+
+    @property
+    def arch(self) -> str:
+        return (self.architectures or ["?"])[0]
+
+    @property
+    def n_kv_heads(self) -> int:
+        return self.num_key_value_heads or self.num_attention_heads
+
+    @property
+    def head_size(self) -> int:
+        return self.head_dim or self.hidden_size // self.num_attention_heads
+
+    @property
+    def rope_base(self) -> float:
+        if self.rope_parameters and "rope_theta" in self.rope_parameters:
+            return float(self.rope_parameters["rope_theta"])
+        return float(self.rope_theta if self.rope_theta is not None else 10000.0)
+
+    @property
+    def qkv_bias(self) -> bool:
+        return self.arch == "Qwen2ForCausalLM" or self.attention_bias
+
+    def window(self, layer: int) -> int | None:
+        """Sliding-window size of one layer (None = full causal attention), as transformers does."""
+        if self.arch == "MistralForCausalLM":
+            return self.sliding_window
+        if self.arch == "Qwen2ForCausalLM" and self.use_sliding_window and self.sliding_window:
+            if self.layer_types is not None:
+                sliding = self.layer_types[layer] == "sliding_attention"
+            else:
+                sliding = layer >= self.max_window_layers
+            return self.sliding_window if sliding else None
+        return None
+
+    @property
+    def stop_ids(self) -> tuple[int, ...]:
+        eos = self.eos_token_id
+        return () if eos is None else tuple(eos) if isinstance(eos, list) else (eos,)
 
 
 def rope_inv_freq(config: Config) -> Tensor:
@@ -734,18 +918,18 @@ def load_model(path_or_repo, dtype=torch.float32, devices=None) -> tuple["Transf
     """A checkpoint directory (config.json, safetensors, tokenizer.json) or a Hugging Face Hub
     name such as "Qwen/Qwen2.5-7B-Instruct" (fetched once into $PAIR_CACHE) -> (model, tokenizer).
     devices: one device, or several to split the layers over (split_model, at the bottom)."""
-    directory = weights.resolve(path_or_repo)
+    directory = resolve(path_or_repo)
     devices = [torch.device(d) for d in (devices or ["cpu"])]
     if not devices:
         raise ValueError("devices: empty list")
-    config = weights.read_config(directory)
+    config = read_config(directory)
     if not (directory / "tokenizer.json").is_file():
-        raise weights.CheckpointError(f"{directory / 'tokenizer.json'}: file not found")
+        raise CheckpointError(f"{directory / 'tokenizer.json'}: file not found")
     # Build without allocating, then adopt the loaded tensors (assign=True): one copy in memory.
     with torch.device("meta"):
         model = Transformer(config)
     expected = {name: tuple(t.shape) for name, t in model.state_dict().items()}
-    state = weights.read_state_dict(directory, expected, config, dtype, devices[0])
+    state = read_state_dict(directory, expected, config, dtype, devices[0])
     if config.tie_word_embeddings:
         state["lm_head.weight"] = state["model.embed_tokens.weight"]
     model.load_state_dict(state, strict=True, assign=True)
@@ -807,7 +991,7 @@ class Tokenizer:
 
     def encode(self, text: str) -> list[int]:
         """The ids of text as text: special-token text in it is encoded as ordinary characters."""
-        return self.tok.encode(common.without_surrogates(text), add_special_tokens=False).ids
+        return self.tok.encode(without_surrogates(text), add_special_tokens=False).ids
 
     def decode(self, ids, skip_special_tokens=False) -> str:
         return self.tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
@@ -837,7 +1021,7 @@ class Tokenizer:
         ids, spans = [], []
         for m in messages:
             head = f"{m['role']}\n"
-            enc = self.tok.encode(common.without_surrogates(head + m["content"]),
+            enc = self.tok.encode(without_surrogates(head + m["content"]),
                                   add_special_tokens=False)
             ids.append(self.im_start_id)
             if m["role"] == "assistant":        # first token reaching past the head
@@ -1417,88 +1601,644 @@ def split_model(model, devices, layer_counts=None):
 # CLI
 
 
-def prompt_messages(prompt: str, system: str | None, tools: str | None) -> list[dict]:
-    """The chat `generate` renders: the prompt as the user message or, for a model trained on a
-    world, as that world renders a task: the task, a blank line, then the tool list and the
-    reply format the checkpoint records (weights.checkpoint_world), exactly what the model saw
-    in training and sees in rollouts."""
-    content = f"{prompt.strip()}\n\n{tools}" if tools else prompt
-    return ([{"role": "system", "content": system}] if system else []) + \
-        [{"role": "user", "content": content}]
+def cache_root() -> Path:
+    """Where everything fetched or fitted once is kept: Hub checkpoints, the released data, LLM
+    judgments, the built-in policy's probes and base evaluations. $PAIR_CACHE, else
+    ~/.cache/pair."""
+    return Path(os.environ.get("PAIR_CACHE") or Path.home() / ".cache" / "pair").expanduser()
 
 
-def main(argv=None):
-    ap = argparse.ArgumentParser(description="A Qwen2-family model with native internal signals.")
-    sub = ap.add_subparsers(dest="command", required=True)
-    g = sub.add_parser("generate", help="chat-format a prompt and print the model's reply")
-    g.add_argument("--model", required=True, help="checkpoint directory (config.json, "
-                   "model.safetensors[.index.json], tokenizer.json) or a Hugging Face Hub name "
-                   "such as Qwen/Qwen2.5-7B-Instruct (downloaded once into $PAIR_CACHE)")
-    g.add_argument("--devices", default="cpu", help="comma-separated devices to split the "
-                   "layers over, e.g. cuda:0,cuda:1 (default: cpu)")
-    g.add_argument("--prompt", required=True,
-                   help="the user message; for a model trained on a world, the task (--world)")
-    g.add_argument("--world", default="auto", choices=("auto", "none", "shop"),
-                   help="how the prompt is rendered: shop = as the shop world renders a task "
-                   "(the task, then the tool list and the reply format: what the built-in "
-                   "policy is trained and rolled out on; the checkpoint's config.json records "
-                   f"them, {weights.WORLD_KEY} and {weights.TOOLS_KEY}, written by `shop.py "
-                   "sft`); none = the prompt alone; auto (default) = the world the checkpoint "
-                   "records, else none")
-    g.add_argument("--system", default=None, help="system message (default: Qwen's default, "
-                   "which the built-in policy is trained with too)")
-    g.add_argument("--max-new-tokens", type=int, default=256,
-                   help="most tokens to generate (default: 256)")
-    g.add_argument("--dtype", choices=tuple(DTYPES), default="float32",
-                   help="weight dtype (default: float32)")
-    g.add_argument("--temperature", type=float, default=0.0,
-                   help="sampling temperature; 0 (default) decodes greedily")
-    g.add_argument("--top-p", type=float, default=1.0,
-                   help="nucleus sampling mass (default: 1, all)")
-    g.add_argument("--seed", type=int, default=0, help="sampling seed (default: 0)")
-    args = ap.parse_args(argv)
+# The process's umask, read once at import: os.umask can only be read by setting it, and setting
+# it while another thread creates a file would give that file the wrong mode.
+_UMASK = os.umask(0o022)
+os.umask(_UMASK)
 
-    if args.max_new_tokens < 1:
-        ap.error("--max-new-tokens must be at least 1")
-    if not valid_temperature(args.temperature):
-        ap.error(f"--temperature must be 0 (greedy) or a finite number >= {MIN_TEMPERATURE}, "
-                 f"got {args.temperature}")
-    if not 0 < args.top_p <= 1:
-        ap.error(f"--top-p must be in (0, 1], got {args.top_p}")
-    if not -2**63 <= args.seed < 2**64:                 # what torch.Generator takes
-        ap.error(f"--seed must be in [-2**63, 2**64), got {args.seed}")
+
+def write_atomic(path: Path, data: bytes | str) -> None:
+    """The one way this project writes a file: a unique temporary file beside it, then
+    os.replace, so a reader (or a run killed mid-write) sees the old file or the new one."""
+    path = Path(path)
+    data = data.encode() if isinstance(data, str) else data
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
-        devices = parse_devices(args.devices)
-    except ValueError as e:
-        ap.error(str(e))
+        # mkstemp creates the file 0600; the result gets the mode open() would have given it
+        os.fchmod(fd, 0o666 & ~_UMASK)
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        os.replace(tmp, path)
+    except BaseException:
+        os.unlink(tmp)
+        raise
+
+
+def refuse_dir_out(path) -> None:
+    """An --out that names a file to write, checked before any work: not a directory (else
+    write_atomic would fail only at the end, naming its temporary file)."""
+    if path is not None and Path(path).is_dir():
+        raise SystemExit(f"error: --out {path} is a directory; name the file to write")
+
+
+def write_json(path: Path, obj, indent: int = 1) -> None:
+    write_atomic(path, json.dumps(obj, indent=indent) + "\n")
+
+
+def duration(seconds: float) -> str:
+    """"42s" or "3m07s": the time left or taken, in a progress line."""
+    seconds = int(round(seconds))
+    return f"{seconds // 60}m{seconds % 60:02d}s" if seconds >= 60 else f"{seconds}s"
+
+
+class Pacer:
+    """When the next progress line is due. On a terminal: every `every` seconds. Into a file or
+    a pipe (a log, read later): at most one line per 30 s and per 10% of the work, so that an
+    hour of work is a dozen lines, not hundreds. The end of the work is always due."""
+
+    def __init__(self, total: float, stream, every: float = 5.0, clock=time.monotonic):
+        self.tty = bool(getattr(stream, "isatty", lambda: False)())
+        self.total, self.clock = total, clock
+        self.every, self.least = (every, 0.0) if self.tty else (30.0, total / 10)
+        self.last_time, self.last_done = clock(), 0.0
+
+    def due(self, done: float) -> bool:
+        now = self.clock()
+        if done >= self.total or (now - self.last_time >= self.every
+                                  and done - self.last_done >= self.least):
+            self.last_time, self.last_done = now, done
+            return True
+        return False
+
+
+def hms(seconds: float) -> str:
+    seconds = int(seconds)
+    return f"{seconds // 3600}h{seconds // 60 % 60:02d}m{seconds % 60:02d}s"
+
+
+def num(x) -> str:
+    return "n/a" if x is None else f"{x:.3f}"
+
+
+# A code point in U+D800..U+DFFF left in a str is half of a UTF-16 pair (a JSON "\ud800"
+# escape decodes to one): no UTF-8 text can hold it and the tokenizer refuses it.
+LONE_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def holds_lone_surrogate(value) -> bool:
+    """Whether a JSON value holds one anywhere, in a key or a string."""
+    return bool(LONE_SURROGATE.search(json.dumps(value, ensure_ascii=False)))
+
+
+def without_surrogates(text: str) -> str:
+    """text with every unpaired surrogate replaced by U+FFFD (same length): whatever a policy or
+    a data file wrote stays encodable."""
+    return LONE_SURROGATE.sub("\ufffd", text)
+
+
+def _read_json(path: Path) -> dict:
     try:
-        model, tok = load_model(args.model, dtype=DTYPES[args.dtype], devices=devices)
-        world, tools = weights.checkpoint_world(model.checkpoint_dir)
-    except (weights.CheckpointError, FileNotFoundError, ValueError) as e:
-        sys.exit(f"--model: {e}")
-    if args.world == "none":
-        world, tools = None, None
-    elif args.world != "auto" and world != args.world:
-        sys.exit(f"--world {args.world}: {args.model} records no {args.world} task rendering "
-                 f"(its config.json has {weights.WORLD_KEY} {world!r})")
-    ids, _ = tok.render(prompt_messages(args.prompt, args.system, tools),
-                        add_generation_prompt=True)
-    context = model.config.max_position_embeddings     # the cache is made for all of it at once
-    if len(ids) + args.max_new_tokens > context:
-        sys.exit(f"--max-new-tokens {args.max_new_tokens}: with the prompt's {len(ids)} tokens "
-                 f"that is past the model's context, {context} tokens (max_position_embeddings)")
-    mode = "greedy" if args.temperature == 0 else \
-        f"sampled (temperature {args.temperature}, top-p {args.top_p}, seed {args.seed})"
-    print(f"[{mode} decoding, {args.dtype}; the prompt rendered "
-          f"{f'as a {world} task, with its tool list' if world else 'as the user message'}, "
-          f"{len(ids)} tokens]", file=sys.stderr)
-    gen = torch.Generator().manual_seed(args.seed)
-    trace = generate(model, model.new_cache(1, capacity=len(ids) + args.max_new_tokens), [ids],
-                     args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
-                     stop_ids=[tok.im_end_id], generator=gen, stats=False)[0]
-    tokens = trace.tokens[:-1] if trace.finished else trace.tokens
-    print(tok.decode(tokens))
+        return json.loads(path.read_text())
+    except FileNotFoundError:
+        raise CheckpointError(f"{path}: file not found") from None
+    except (OSError, ValueError, RecursionError) as e:    # deep nesting: RecursionError
+        raise CheckpointError(f"{path}: not readable JSON ({type(e).__name__}: {e})") from None
 
 
-if __name__ == "__main__":
-    main()
+def read_config(directory) -> Config:
+    path = Path(directory) / "config.json"
+    try:
+        return Config.from_dict(_read_json(path))
+    except (TypeError, ValueError) as e:
+        raise CheckpointError(f"{path}: {e}") from None
+
+
+# config.json keys of a checkpoint trained on a built-in world (written by `python -m lab.shop sft`): the
+# world's name, and the tool list and reply format it appends to a task in the first user
+# message, so that `model.py generate` can show a prompt as the model saw tasks in training.
+WORLD_KEY = "pair_world"
+
+
+TOOLS_KEY = "pair_tool_instructions"
+
+
+def checkpoint_world(directory) -> tuple[str | None, str | None]:
+    """(world name, its tool instructions) a checkpoint's config.json records, or (None, None)."""
+    path = Path(directory) / "config.json"
+    config = _read_json(path)
+    world, tools = config.get(WORLD_KEY), config.get(TOOLS_KEY)
+    if world is not None and not (isinstance(world, str) and isinstance(tools, str)):
+        raise CheckpointError(f"{path}: {WORLD_KEY} must name a world and {TOOLS_KEY} hold its "
+                              f"tool instructions (got {world!r} and {type(tools).__name__})")
+    return world, tools
+
+
+def _open_safetensors(path: Path):
+    try:
+        return safe_open(str(path), framework="pt", device="cpu")
+    except FileNotFoundError:
+        raise CheckpointError(f"{path}: file not found") from None
+    except Exception as e:      # safetensors raises its own error for truncated or corrupt files
+        raise CheckpointError(f"{path}: truncated or corrupt safetensors file ({e})") from None
+
+
+def _weight_files(directory: Path) -> dict[str, list[str]]:
+    """{file name: tensor names it must hold}; an empty list means 'whatever it holds'."""
+    index = directory / "model.safetensors.index.json"
+    if index.is_file():
+        index_json = _read_json(index)
+        weight_map = index_json.get("weight_map") if isinstance(index_json, dict) else None
+        if not isinstance(weight_map, dict):
+            raise CheckpointError(f"{index}: no weight_map")
+        files: dict[str, list[str]] = {}
+        for name, file in weight_map.items():
+            # a shard is a plain file beside the index: "../x.safetensors" or "/etc/x" would
+            # read whatever the index points at
+            if not (isinstance(file, str) and file == Path(file).name and
+                    file.endswith(".safetensors") and not file.startswith(".")):
+                raise CheckpointError(f"{index}: tensor {name} is mapped to {file!r}, not a "
+                                      "safetensors file beside the index")
+            files.setdefault(file, []).append(name)
+        return files
+    if (directory / "model.safetensors").is_file():
+        return {"model.safetensors": []}
+    raise CheckpointError(f"{directory}: neither model.safetensors nor "
+                          "model.safetensors.index.json")
+
+
+def read_state_dict(directory, expected: dict[str, tuple], config: Config, dtype,
+                    device) -> dict:
+    """Every tensor of `expected` (name -> shape: what the model built from `config` holds),
+    checked for presence, extras and shape, as `dtype` on `device`."""
+    directory = Path(directory)
+    expected = dict(expected)
+    tied = config.tie_word_embeddings
+    if tied:
+        expected.pop("lm_head.weight")          # tied heads are not stored (or ignored if they are)
+    state, where = {}, {}
+    for file, listed in _weight_files(directory).items():
+        path = directory / file
+        with _open_safetensors(path) as f:
+            names = set(f.keys())
+            for name in listed:
+                if name not in names:
+                    raise CheckpointError(f"{path}: missing tensor {name} (listed in the index)")
+            for name in sorted(names):
+                if listed and name not in listed:
+                    raise CheckpointError(f"{path}: unexpected tensor {name} (not in the index)")
+                if tied and name == "lm_head.weight":
+                    continue
+                if name not in expected:
+                    raise CheckpointError(f"{path}: unexpected tensor {name} for "
+                                          f"{config.arch}")
+                if name in where:
+                    raise CheckpointError(f"{path}: tensor {name} also in {where[name]}")
+                shape = tuple(f.get_slice(name).get_shape())
+                if shape != expected[name]:
+                    raise CheckpointError(f"{path}: tensor {name} has shape {list(shape)}, "
+                                          f"expected {list(expected[name])}")
+                try:
+                    tensor = f.get_tensor(name)
+                except Exception as e:
+                    raise CheckpointError(f"{path}: cannot read tensor {name} ({e})") from None
+                if tensor.is_floating_point() and not torch.isfinite(tensor).all():
+                    # a model with a NaN weight loads and generates a stop token forever
+                    raise CheckpointError(f"{path}: tensor {name} holds NaN or infinite values")
+                state[name], where[name] = tensor.to(device=device, dtype=dtype), path
+    missing = sorted(set(expected) - set(state))
+    if missing:
+        raise CheckpointError(f"{directory}: missing tensor {missing[0]}"
+                              + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""))
+    return state
+
+
+FINGERPRINT_WHOLE = 64 << 20     # files up to this size are hashed whole
+
+
+FINGERPRINT_BLOCK = 4096         # bytes read at each end of every tensor of a larger file
+
+
+def checkpoint_sha256(directory) -> str:
+    """A sha256 of what a checkpoint directory computes with, for keying what is made from it
+    (features, probes, resumed extractions) by content rather than by path.
+
+    config.json, tokenizer.json, the index and any weights file up to 64 MiB are hashed whole.
+    A larger safetensors file contributes its size, its header (every tensor's name, dtype,
+    shape and offsets) and the first and last 4 KiB of every tensor: under a second for a 7B
+    model, where hashing 15 GB would take minutes on a network disk at every extract and run.
+    Fine-tuning, merging an adapter, or another checkpoint of the same shape changes every tensor
+    it touches, ends included; only an edit confined to the middle of a tensor goes unseen.
+    Size and mtime are not enough: a copy changes mtime (false mismatch), and a swapped file of
+    the same size written within the clock's resolution, or copied with its mtime, keeps both."""
+    directory = Path(directory)
+    h = hashlib.sha256(b"checkpoint/1")
+    names = ["config.json", "tokenizer.json"]
+    if (directory / "model.safetensors.index.json").is_file():
+        names.append("model.safetensors.index.json")
+    for name in names + sorted(_weight_files(directory)):
+        path = directory / name
+        try:
+            with open(path, "rb") as f:
+                size = os.fstat(f.fileno()).st_size
+                h.update(f"{name}\0{size}\0".encode())
+                if size <= FINGERPRINT_WHOLE or not name.endswith(".safetensors"):
+                    for block in iter(lambda: f.read(1 << 20), b""):
+                        h.update(block)
+                    continue
+                n = struct.unpack("<Q", f.read(8))[0]
+                header = f.read(min(n, size))
+                h.update(header)
+                for key, entry in sorted(json.loads(header).items()):
+                    if key == "__metadata__":
+                        continue
+                    start, end = (8 + n + int(o) for o in entry["data_offsets"])
+                    for at in sorted({start, max(start, end - FINGERPRINT_BLOCK)}):
+                        f.seek(at)
+                        h.update(f.read(min(FINGERPRINT_BLOCK, end - at)))
+        except FileNotFoundError:
+            raise CheckpointError(f"{path}: file not found") from None
+        except (OSError, ValueError, KeyError, TypeError, AttributeError, struct.error) as e:
+            raise CheckpointError(f"{path}: truncated or corrupt safetensors file "
+                                  f"({type(e).__name__}: {e})") from None
+    return h.hexdigest()
+
+
+def resolve(path_or_repo) -> Path:
+    """A checkpoint directory, or the local copy of a Hub model name (fetched once)."""
+    directory = Path(path_or_repo)
+    if directory.is_dir():
+        return directory
+    if directory.exists():
+        raise CheckpointError(f"{directory}: not a checkpoint directory (a file)")
+    if not HUB_NAME.fullmatch(str(path_or_repo)):
+        raise CheckpointError(f"{directory}: no such directory (nor a Hub model name like "
+                              "Qwen/Qwen2.5-7B-Instruct)")
+    # <org>/<name> where <org> is a local directory names a path (data/shop-policy misspelt),
+    # not a model to fetch: it fails here, before anything is written to the cache
+    first = directory.parts[0]
+    if Path(first).is_dir():
+        raise CheckpointError(f"{directory}: no such directory ({first}/ is a local directory, "
+                              "so this is a path, not a Hub model name)")
+    return fetch_from_hub(str(path_or_repo))
+
+
+def optimizer_to_tensors(optimizer) -> tuple[dict, dict]:
+    sd = optimizer.state_dict()
+    tensors, scalars = {}, {}
+    for idx, state in sd["state"].items():
+        for k, v in state.items():
+            if torch.is_tensor(v):
+                tensors[f"{idx}.{k}"] = v.detach().cpu().contiguous()
+            else:
+                scalars[f"{idx}.{k}"] = v
+    return tensors, {"param_groups": sd["param_groups"], "scalars": scalars}
+
+
+def optimizer_from_tensors(optimizer, tensors: dict, meta: dict):
+    state: dict[int, dict] = {}
+    for key, v in list(tensors.items()) + list(meta["scalars"].items()):
+        idx, k = key.split(".", 1)
+        state.setdefault(int(idx), {})[k] = v
+    optimizer.load_state_dict({"state": state, "param_groups": meta["param_groups"]})
+
+
+HUB_NAME = re.compile(r"[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*")    # <org>/<name>
+
+
+HUB_MANIFEST = ".pair-complete.json"
+
+
+HUB_TIMEOUT = (10, 60)          # (connect, read) seconds
+
+
+HUB_RETRIES = 5                 # attempts per file; each one resumes where the last one stopped
+
+
+HUB_RETRY_WAIT = 2.0            # seconds, times the attempt number
+
+
+class HubError(CheckpointError):
+    """A model name that could not be fetched from the Hub (or found complete in the cache)."""
+
+
+def hub_cache_dir(repo_id: str) -> Path:
+    return cache_root() / repo_id.replace("/", "--")
+
+
+def _cached_copy(folder: Path) -> bool:
+    # Complete only when the manifest exists and every file it lists has the listed size.
+    try:
+        files = json.loads((folder / HUB_MANIFEST).read_text())["files"]
+        for name in files:
+            _check_hub_name(name, folder, folder.name)
+        return all((folder / name).stat().st_size == size for name, size in files.items())
+    except (OSError, ValueError, KeyError, TypeError, AttributeError, HubError):
+        return False
+
+
+def fetch_from_hub(repo_id: str, revision: str = "main") -> Path:
+    """Download what load_model needs from `repo_id` (e.g. "Qwen/Qwen2.5-7B-Instruct")."""
+    folder = hub_cache_dir(repo_id)
+    if _cached_copy(folder):
+        return folder
+    endpoint = os.environ.get("HF_ENDPOINT", "https://huggingface.co").rstrip("/")
+    offline = (f"cannot fetch model {repo_id!r} from {endpoint}: {{}}; no complete copy in "
+               f"{folder} (copy the files there, or give a local directory instead)")
+    if os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes", "on"):
+        raise HubError(offline.format("HF_HUB_OFFLINE is set"))
+    import fcntl                    # POSIX only, so imported where it is needed
+    folder.mkdir(parents=True, exist_ok=True)
+    with open(folder / ".lock", "w") as lock:
+        # torchrun starts one process per GPU: the first one downloads, the others wait here
+        # and then find the copy complete.
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if _cached_copy(folder):
+            return folder
+        try:
+            files = _fetch_files(folder, repo_id, revision, endpoint)
+        except (requests.ConnectionError, requests.Timeout,
+                requests.exceptions.ChunkedEncodingError) as e:
+            raise HubError(offline.format(f"network unreachable or connection lost "
+                                          f"({type(e).__name__})")) from e
+        manifest = {"repo": repo_id, "revision": revision, "endpoint": endpoint, "files": files}
+        write_atomic(folder / HUB_MANIFEST, json.dumps(manifest, indent=1).encode())
+    return folder
+
+
+def _fetch_files(folder: Path, repo_id, revision, endpoint) -> dict[str, int]:
+    """config, tokenizer and weights (one file, or the index and its shards) -> {name: size}."""
+    session = requests.Session()
+    if os.environ.get("HF_TOKEN"):
+        # requests drops this header when the Hub redirects a download to its CDN (other host),
+        # which is what we want: the CDN URL is signed.
+        session.headers["Authorization"] = f"Bearer {os.environ['HF_TOKEN']}"
+    listing = _hub_tree(session, endpoint, repo_id, revision)
+    files = {}
+
+    def fetch(name):
+        _check_hub_name(name, folder, repo_id)
+        if name not in listing:
+            raise HubError(f"{repo_id}@{revision} on {endpoint} has no file {name!r}")
+        size, digest = listing[name]
+        url = f"{endpoint}/{repo_id}/resolve/{quote(revision, safe='')}/{quote(name)}"
+        _download(session, url, folder / name, size, digest, f"{repo_id}/{name}")
+        files[name] = size
+
+    fetch("config.json")
+    _check_hub_json(folder / "config.json", "a JSON object")
+    fetch("tokenizer.json")
+    _check_hub_json(folder / "tokenizer.json", "a JSON object with a \"model\" entry",
+                    lambda d: isinstance(d.get("model"), dict))
+    if "model.safetensors.index.json" not in listing:
+        fetch("model.safetensors")
+        return files
+    fetch("model.safetensors.index.json")
+    index = _check_hub_json(
+        folder / "model.safetensors.index.json", "a safetensors index: {\"weight_map\": "
+        "{tensor name: shard file name}}",
+        lambda d: isinstance(d.get("weight_map"), dict) and d["weight_map"] and
+        all(isinstance(v, str) and v.endswith(".safetensors") for v in d["weight_map"].values()))
+    for shard in sorted(set(index["weight_map"].values())):
+        fetch(shard)
+    return files
+
+
+def _check_hub_name(name: str, folder: Path, repo_id: str):
+    """A file name from the Hub (the listing or an index) is joined to the cache folder: it
+    must name a plain file inside it. A hostile endpoint could otherwise write anywhere
+    ("../../.bashrc", "/etc/x") or over our own bookkeeping (".pair-complete.json")."""
+    plain = (isinstance(name, str) and name and name == Path(name).name and
+             not name.startswith(".") and "\\" not in name and "\0" not in name and
+             (folder / name).resolve().parent == folder.resolve())
+    if not plain:
+        raise HubError(f"{repo_id}: refusing the file name {name!r} from the Hub (not a plain "
+                       f"file name inside {folder})")
+
+
+def _check_hub_json(path: Path, shape: str, check=None) -> dict:
+    # A JSON file is read by load_model only later: a wrong one is removed now, so that a
+    # retry fetches it again instead of finding it complete.
+    try:
+        data = json.loads(path.read_text())
+        if not isinstance(data, dict) or (check is not None and not check(data)):
+            raise ValueError(f"expected {shape}")
+    except (OSError, ValueError) as e:
+        path.unlink(missing_ok=True)
+        raise HubError(f"{path}: not {shape} ({e}); removed it") from None
+    return data
+
+
+def _hub_tree(session, endpoint, repo_id, revision) -> dict[str, tuple[int, tuple | None]]:
+    # GET /api/models/{repo}/tree/{revision}: [{"type", "path", "size", "oid", "lfs"?}, ...],
+    # paginated through the Link header. For LFS files lfs.oid is the sha256 of the content;
+    # for the others oid is the git blob id of the content. -> {path: (size, (kind, hex))}
+    url = f"{endpoint}/api/models/{repo_id}/tree/{quote(revision, safe='')}"
+    listing = {}
+    while url:
+        r = session.get(url, timeout=HUB_TIMEOUT)
+        _check_status(r, f"model {repo_id!r} at revision {revision!r}")
+        try:
+            for entry in r.json():
+                if entry["type"] == "file":
+                    lfs = entry.get("lfs") or {}
+                    digest = ("sha256", lfs["oid"]) if lfs.get("oid") else \
+                        ("git blob id", entry["oid"]) if not lfs and entry.get("oid") else None
+                    listing[entry["path"]] = (int(lfs.get("size", entry["size"])), digest)
+        except (ValueError, KeyError, TypeError) as e:
+            raise HubError(f"{url}: unexpected answer from the Hub API ({e!r})") from e
+        url = r.links.get("next", {}).get("url")
+    return listing
+
+
+def _check_status(r, what):
+    if r.status_code in (401, 403):
+        raise HubError(f"{r.url}: HTTP {r.status_code}: access to {what} denied (private or "
+                       "gated?); set HF_TOKEN to a token that has access")
+    if r.status_code == 404:
+        raise HubError(f"{r.url}: HTTP 404: {what} not found")
+    if r.status_code >= 400:
+        raise HubError(f"{r.url}: HTTP {r.status_code} {r.reason}")
+
+
+def _download(session, url, dest: Path, size: int, digest: tuple | None, label: str):
+    if dest.is_file() and dest.stat().st_size == size:
+        return                                  # finished by an earlier, interrupted fetch
+    part = dest.with_name(dest.name + ".part")
+    for attempt in range(1, HUB_RETRIES + 1):
+        have = part.stat().st_size if part.exists() else 0
+        if part.exists() and have >= size:
+            break                               # whole (or too long: the size check says so)
+        try:
+            with session.get(url, headers={"Range": f"bytes={have}-"} if have else {},
+                             stream=True, timeout=HUB_TIMEOUT) as r:
+                _check_status(r, label)
+                if have and r.status_code != 206:
+                    have = 0                    # the server ignored Range: start over
+                with open(part, "ab" if have else "wb") as f:
+                    progress = _Progress(label, size, have)
+                    # Small chunks: what was read before a dropped connection is on disk.
+                    for chunk in r.iter_content(chunk_size=1 << 16):
+                        f.write(chunk)
+                        progress.update(len(chunk))
+                        if progress.done > size:
+                            break
+                    progress.close()
+            break
+        except (requests.ConnectionError, requests.Timeout,
+                requests.exceptions.ChunkedEncodingError) as e:
+            if attempt == HUB_RETRIES:
+                raise
+            got = part.stat().st_size if part.exists() else 0
+            print(f"\n{label}: connection lost at {got} bytes ({type(e).__name__}), resuming",
+                  file=sys.stderr)
+            time.sleep(HUB_RETRY_WAIT * attempt)
+    got = part.stat().st_size if part.exists() else 0
+    if got != size:
+        part.unlink(missing_ok=True)
+        raise HubError(f"{url}: downloaded {got} bytes but the Hub lists {size}; removed {part}, "
+                       "try again")
+    if digest is not None and _digest(part, digest[0], size) != str(digest[1]).lower():
+        part.unlink()
+        raise HubError(f"{url}: {digest[0]} differs from the Hub's ({digest[1]}); removed "
+                       f"{part}, try again")
+    os.replace(part, dest)
+
+
+def _digest(path: Path, kind: str, size: int) -> str:
+    if kind == "sha256":
+        h = hashlib.sha256()
+    else:                   # git's blob id: sha1 of the header "blob <size>\0", then the content
+        h = hashlib.sha1(b"blob %d\0" % size)
+    with open(path, "rb") as f:
+        while block := f.read(1 << 24):
+            h.update(block)
+    return h.hexdigest()
+
+
+class _Progress:
+    """A download's progress on stderr: name, bytes, percent, speed. On a terminal one line,
+    rewritten twice a second; in a log, a new line when the Pacer says so."""
+
+    def __init__(self, label, total, done):
+        self.label, self.total, self.done, self.start_done = label, total, done, done
+        self.t0 = time.monotonic()
+        self.pacer = Pacer(total, sys.stderr, every=0.5)
+
+    def update(self, n):
+        self.done += n
+        if self.done < self.total and self.pacer.due(self.done):
+            self.show()
+
+    def show(self, end=""):
+        rate = (self.done - self.start_done) / max(time.monotonic() - self.t0, 1e-9) / 1e6
+        pct = 100.0 * self.done / max(self.total, 1)
+        print(f"{chr(13) if self.pacer.tty else ''}{self.label}: {self.done / 1e6:.1f}/"
+              f"{self.total / 1e6:.1f} MB ({pct:.0f}%) {rate:.1f} MB/s",
+              end=end if self.pacer.tty else "\n", file=sys.stderr, flush=True)
+
+    def close(self):
+        self.show(end="\n")
+
+
+ADAPTER_CONFIG, ADAPTER_WEIGHTS = "adapter_config.json", "adapter_model.safetensors"
+PEFT_PREFIX = "base_model.model."
+
+
+def save_adapter(model, path, base_model_name_or_path=None):
+    s = getattr(model, "lora_settings", None)
+    if s is None:
+        raise ValueError("save_adapter: the model has no LoRA adapter (call apply_lora first)")
+    folder = Path(path)
+    folder.mkdir(parents=True, exist_ok=True)
+    tensors = {PEFT_PREFIX + n: t.to("cpu").contiguous() for n, t in lora_state_dict(model).items()}
+    config = {
+        "peft_type": "LORA", "task_type": "CAUSAL_LM",
+        "base_model_name_or_path": base_model_name_or_path or getattr(model, "name_or_path", None),
+        "revision": None, "inference_mode": True,
+        "r": s.r, "lora_alpha": int(s.alpha) if s.alpha.is_integer() else s.alpha,
+        "lora_dropout": s.dropout,
+        "target_modules": sorted(s.targets), "use_rslora": s.use_rslora,
+        "bias": "none", "fan_in_fan_out": False, "init_lora_weights": True,
+        "use_dora": False, "lora_bias": False, "modules_to_save": None,
+        "layers_to_transform": None, "layers_pattern": None,
+        "rank_pattern": {}, "alpha_pattern": {},
+    }
+    write_atomic(folder / ADAPTER_WEIGHTS, safetensors_bytes(tensors, {"format": "pt"}))
+    write_atomic(folder / ADAPTER_CONFIG, (json.dumps(config, indent=2) + "\n").encode())
+
+
+def read_adapter_config(path) -> LoraSettings:
+    file = Path(path) / ADAPTER_CONFIG
+    try:
+        c = json.loads(file.read_text())
+    except OSError as e:
+        raise FileNotFoundError(f"{file}: cannot read the adapter config ({e})") from e
+    except (ValueError, RecursionError) as e:
+        raise ValueError(f"{file}: not valid JSON ({type(e).__name__}: {e})") from None
+
+    def bad(field, why):
+        return ValueError(f"{file}: {field}={c.get(field)!r}: {why}")
+
+    if c.get("peft_type") != "LORA":
+        raise bad("peft_type", "only LoRA adapters are supported")
+    # PEFT options that change the math: refuse them rather than load a different model.
+    for key, plain in (("bias", "none"), ("fan_in_fan_out", False), ("use_dora", False),
+                       ("lora_bias", False), ("modules_to_save", None),
+                       ("layers_to_transform", None), ("rank_pattern", {}),
+                       ("alpha_pattern", {})):
+        if c.get(key, plain) not in (plain, None, [], {}):
+            raise bad(key, f"not supported (only {plain!r})")
+    targets = c.get("target_modules")
+    if not (isinstance(targets, list) and targets and all(isinstance(t, str) for t in targets)):
+        raise bad("target_modules", "must be a list of module names (regex strings and "
+                                    "'all-linear' are not supported)")
+    if not isinstance(c.get("r"), int) or c["r"] <= 0:
+        raise bad("r", "must be a positive integer")
+    if not isinstance(c.get("lora_alpha"), (int, float)) or c["lora_alpha"] <= 0:
+        raise bad("lora_alpha", "must be a positive number")
+    return LoraSettings(c["r"], float(c["lora_alpha"]), float(c.get("lora_dropout", 0.0)),
+                        tuple(targets), bool(c.get("use_rslora", False)))
+
+
+def _same_shape(s: LoraSettings):
+    return s.r, s.alpha, set(s.targets), s.use_rslora       # dropout may differ
+
+
+def _adapter_shapes(model, s: LoraSettings) -> dict[str, tuple[int, int]]:
+    """PEFT key -> shape of every adapter weight `s` puts on `model` (applied or not yet)."""
+    shapes = {}
+    for name, m in model.named_modules():
+        if name.rsplit(".", 1)[-1] in s.targets and type(m) in (nn.Linear, LoRALinear):
+            shapes[f"{PEFT_PREFIX}{name}.lora_A.weight"] = (s.r, m.in_features)
+            shapes[f"{PEFT_PREFIX}{name}.lora_B.weight"] = (m.out_features, s.r)
+    return shapes
+
+
+def load_adapter(model, path):
+    """Load a PEFT LoRA adapter (ours or PEFT's) into `model`, applying LoRA first if needed.
+    Everything is checked before the model is touched."""
+    s = read_adapter_config(path)
+    if getattr(model, "lora_settings", None) is not None and \
+            _same_shape(model.lora_settings) != _same_shape(s):
+        raise ValueError(f"{Path(path) / ADAPTER_CONFIG}: {s} does not match the model's "
+                         f"adapter {model.lora_settings}")
+    file = Path(path) / ADAPTER_WEIGHTS
+    if not file.is_file():
+        raise FileNotFoundError(f"{file}: missing (only safetensors adapters are read)")
+    shapes = _adapter_shapes(model, s)
+    with safe_open(str(file), framework="pt") as f:
+        tensors = {key: f.get_tensor(key) for key in f.keys()}
+    if missing := sorted(shapes.keys() - tensors.keys()):
+        raise ValueError(f"{file}: {len(missing)} adapter weights missing, e.g. {missing[0]}")
+    if unexpected := sorted(tensors.keys() - shapes.keys()):
+        raise ValueError(f"{file}: {len(unexpected)} unexpected tensors, e.g. {unexpected[0]}")
+    for key, shape in shapes.items():
+        if tuple(tensors[key].shape) != shape:
+            raise ValueError(f"{file}: {key} has shape {tuple(tensors[key].shape)}, the model "
+                             f"expects {shape}")
+        if not torch.isfinite(tensors[key]).all():
+            raise ValueError(f"{file}: {key} holds NaN or infinite values")
+    if getattr(model, "lora_settings", None) is None:
+        apply_lora(model, s.r, s.alpha, s.dropout, s.targets, s.use_rslora)
+    with torch.no_grad():
+        for name, p in lora_parameters(model):
+            p.copy_(tensors[PEFT_PREFIX + name])
+    return model

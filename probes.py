@@ -15,12 +15,11 @@ model.py collects natively — and predicts P(correct) of that turn.
 - Metrics: AUROC (ties count 1/2), AUPRC (average precision as scikit-learn defines it), ECE over 15
   equal-width bins (lo, hi] with p = 0 in the first bin, Brier, within-episode pairwise accuracy.
 
-    python probes.py fit --features FEATS.safetensors --feature multi_attn --out probe.safetensors
-    python probes.py score --probe probe.safetensors --features TEST.safetensors
+    python -m lab.study fit --features FEATS.safetensors --feature multi_attn --out probe.safetensors
+    python -m lab.study score --probe probe.safetensors --features TEST.safetensors
 """
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import sys
@@ -33,7 +32,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 from safetensors.torch import save as safetensors_bytes
 
-import common
+import model
 
 # The four attention statistics of the attention probes and of PAIR's stage 2, in feature order.
 ATTN_STATS = ("max", "std", "prefix", "self")
@@ -334,7 +333,7 @@ def _json_entry(meta: dict, key: str, path):
 
 
 def save_safetensors(tensors: dict, path, metadata: dict) -> None:
-    common.write_atomic(path, safetensors_bytes({k: v.contiguous() for k, v in tensors.items()},
+    model.write_atomic(path, safetensors_bytes({k: v.contiguous() for k, v in tensors.items()},
                                               metadata))
 
 
@@ -436,34 +435,7 @@ def metrics(y, p, groups=None, probability=True) -> dict[str, float]:
 
 
 # ----------------------------------------------------------------------------------------------
-# Features files (written by `pair.py extract`)
-
-def load_features(path) -> tuple[dict[str, torch.Tensor], dict]:
-    """A features file -> (tensors stacked over records, JSON metadata)."""
-    path = Path(path)
-    if not path.is_file():
-        raise FileNotFoundError(f"features file not found: {path}")
-    tensors, meta = read_safetensors(path, "features")
-    meta = _json_entry(meta, "pair_features", path)
-    missing = [k for k in RAW_KEYS + ("label",) if k not in tensors]
-    if not isinstance(meta, dict) or missing:
-        raise FormatError(f"{path}: not a features file written by `pair.py extract` "
-                          f"(missing {missing or 'metadata'})")
-    if not isinstance(meta.get("episode_id", []), list):
-        raise FormatError(f"{path}: its metadata's episode_id must be a list (one per record)")
-    n = {len(v) for v in tensors.values() if v.dim() > 0}
-    if len(n) != 1 or len(meta.get("episode_id", ())) not in n:
-        raise FormatError(f"{path}: columns of different lengths (records {sorted(n)}, "
-                          f"episode ids {len(meta.get('episode_id', ()))})")
-    if tensors["h_mean"].dim() != 2 or tensors["attn_max"].dim() != 3:
-        raise FormatError(f"{path}: h_mean must be (records, d) and attn_max (records, L, H)")
-    _check_finite(tensors, path)
-    labels = set(tensors["label"].unique().tolist())
-    if not labels <= {0, 1}:
-        raise FormatError(f"{path}: labels must be 0 (wrong) or 1 (right), got "
-                          f"{sorted(labels)[:5]}")
-    meta["dims"] = features_dims(tensors)     # what the tensors hold, whatever was recorded
-    return tensors, meta
+# Features files (written by `python -m lab.study extract`)
 
 
 def _check_finite(tensors: dict, path) -> None:
@@ -476,47 +448,4 @@ def _check_finite(tensors: dict, path) -> None:
 # ----------------------------------------------------------------------------------------------
 # CLI
 
-def main(argv=None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    sub = ap.add_subparsers(dest="cmd", required=True)
-    fit = sub.add_parser("fit", help="fit one probe on a features file")
-    fit.add_argument("--features", required=True, help="features file from `pair.py extract`")
-    fit.add_argument("--feature", required=True, choices=FEATURES,
-                     help="feature set (METHOD.md §4)")
-    fit.add_argument("--C", type=common.positive_number, default=0.01,
-                     help="inverse L2 strength (default 0.01)")
-    fit.add_argument("--out", required=True, help="probe file to write (.safetensors)")
-    score = sub.add_parser("score", help="score a features file with a probe and print metrics")
-    score.add_argument("--probe", required=True, help="probe file written by `fit`")
-    score.add_argument("--features", required=True, help="features file from `pair.py extract`")
-    args = ap.parse_args(argv)
-    try:
-        run(args)
-    except (OSError, FormatError) as e:     # a missing file, an --out under a file
-        sys.exit(f"error: {e}")         # bad input: one clear line naming the file
 
-
-def run(args) -> None:
-    if args.cmd == "fit":
-        common.refuse_dir_out(args.out)
-        raw, meta = load_features(args.features)
-        probe = Probe(info={"feature": args.feature, "train": meta.get("data"),
-                            **source(meta)})
-        probe.fit(feature(args.feature, raw), raw["label"], C=args.C)
-        probe.save(args.out)
-        print(f"fitted {args.feature} probe on {probe.info['n']} records "
-              f"(d={probe.info['d']}) in {probe.info['fit_seconds']:.2f}s -> {args.out}")
-    else:
-        probe = Probe.load(args.probe)
-        name = probe.info.get("feature")
-        if name not in FEATURES:
-            sys.exit(f"{args.probe}: probe metadata names no known feature set ({name!r})")
-        raw, meta = load_features(args.features)
-        check_same_source(source(probe.info), args.probe, source(meta), args.features)
-        p = probe.predict_proba(feature(name, raw))
-        print(json.dumps(metrics(raw["label"], p, meta.get("episode_id")), indent=2))
-
-
-if __name__ == "__main__":
-    main()

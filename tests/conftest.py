@@ -16,6 +16,10 @@ sys.path.insert(0, str(ROOT))
 # compiling a graph for each tiny config would cost more than the suite. The tests that hold
 # the compiled step against the eager one turn it back on.
 os.environ["PAIR_COMPILE"] = "0"
+# The command lines the tests start find the core and the lab (python -m lab.X) from anywhere.
+os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, (str(ROOT), os.environ.get("PYTHONPATH"))))
+
+from lab import train  # noqa: E402, F401 (the lab plugged into grpo.py, as python -m lab.train)
 
 SHARED = Path(os.environ.get("PAIR_SHARED", ROOT.parent / "shared"))
 RELEASE = SHARED / "data" / "pair-release"

@@ -7,8 +7,8 @@ import pytest
 import torch
 
 import grpo
-import pair
-import runs
+from lab import study
+from lab import credit
 
 
 def args_for(**kw):
@@ -24,7 +24,7 @@ def test_position_advantages_hand_worked():
     # position means: t0 (1.0 + 0.5) / 2 = 0.75, t1 (0.0 + 1.0) / 2 = 0.5, t2 0.4 (rollout 1 alone)
     # c = [[0.25, -0.5], [-0.25, 0.5, 0.0]]: the lone turn 2 is its own mean, centred to 0
     # pooled: mean 0, population variance (0.0625 + 0.25 + 0.0625 + 0.25 + 0) / 5 = 0.125
-    adv, zero = grpo.position_advantages([[1.0, 0.0], [0.5, 1.0, 0.4]])
+    adv, zero = credit.position_advantages([[1.0, 0.0], [0.5, 1.0, 0.4]])
     s = 1 / (math.sqrt(0.125) + 1e-6)
     assert not zero
     # suffix sums of c x s
@@ -36,10 +36,10 @@ def test_position_advantages_drop_what_every_rollout_shares():
     # the same reward at each position in every rollout: process still moves every turn (pooled
     # r = [1, 0, 1, 0]: r^ = +-1), the per-position baseline has nothing to say
     assert grpo.group_advantages([[1.0, 0.0], [1.0, 0.0]])[1] is False
-    assert grpo.position_advantages([[1.0, 0.0], [1.0, 0.0]]) == ([[0.0, 0.0], [0.0, 0.0]], True)
+    assert credit.position_advantages([[1.0, 0.0], [1.0, 0.0]]) == ([[0.0, 0.0], [0.0, 0.0]], True)
     # turns without a reward stay out of the mean and get 0: an outcome on the same last turn
     # gives the outcome's group advantage, (1 - 0.5) / (0.5 + 1e-6) on every turn
-    adv, zero = grpo.position_advantages([[None, 1.0], [None, 0.0]])
+    adv, zero = credit.position_advantages([[None, 1.0], [None, 0.0]])
     q = 0.5 / (0.5 + 1e-6)
     assert not zero and adv == [pytest.approx([q, q]), pytest.approx([-q, -q])]
 
@@ -51,18 +51,18 @@ def test_outcome_turn_advantages_hand_worked():
     # scores [1, 0]: mean 0.5, population std 0.5, z = +-0.5 / (0.5 + 1e-6) = +-q
     # c as in the position test: [[0.25, -0.5], [-0.25, 0.5, 0.0]]; lambda 2: A = z + 2c
     q = 0.5 / (0.5 + 1e-6)
-    adv, zero = grpo.outcome_turn_advantages([[1.0, 0.0], [0.5, 1.0, 0.4]], [1.0, 0.0], 2.0)
+    adv, zero = credit.outcome_turn_advantages([[1.0, 0.0], [0.5, 1.0, 0.4]], [1.0, 0.0], 2.0)
     assert not zero
     assert adv[0] == pytest.approx([q + 0.5, q - 1.0], abs=1e-12)
     assert adv[1] == pytest.approx([-q - 0.5, -q + 1.0, -q], abs=1e-12)
     # a rollout that played no turn stays out of the outcome's statistics, as under process:
     # scores [1, 0] of the two that played; c = [[0.5], [], [-0.5]]
-    adv, _ = grpo.outcome_turn_advantages([[1.0], [], [0.0]], [1.0, 0.0, 0.0], 1.0)
+    adv, _ = credit.outcome_turn_advantages([[1.0], [], [0.0]], [1.0, 0.0, 0.0], 1.0)
     assert adv == [pytest.approx([q + 0.5]), [], pytest.approx([-q - 0.5])]
     # equal outcomes: only the turns' own centred rewards; all equal: nothing
-    adv, zero = grpo.outcome_turn_advantages([[1.0, 0.0], [0.0, 0.0]], [1.0, 1.0], 1.0)
+    adv, zero = credit.outcome_turn_advantages([[1.0, 0.0], [0.0, 0.0]], [1.0, 1.0], 1.0)
     assert not zero and adv == [pytest.approx([0.5, 0.0]), pytest.approx([-0.5, 0.0])]
-    assert grpo.outcome_turn_advantages([[0.3], [0.3]], [1.0, 1.0], 1.0) == ([[0.0], [0.0]], True)
+    assert credit.outcome_turn_advantages([[0.3], [0.3]], [1.0, 1.0], 1.0) == ([[0.0], [0.0]], True)
 
 
 def test_outcome_turn_gives_the_outcome_term_process_gives_the_outcome():
@@ -70,18 +70,19 @@ def test_outcome_turn_gives_the_outcome_term_process_gives_the_outcome():
     scores = [1.0, 0.0, 1.0]
     outcome, _ = grpo.group_advantages([[None] * (len(r) - 1) + [s]
                                         for r, s in zip(rewards, scores)])
-    adv, _ = grpo.outcome_turn_advantages(rewards, scores, 0.0)
+    adv, _ = credit.outcome_turn_advantages(rewards, scores, 0.0)
     assert adv == outcome
 
 
 def test_advantages_dispatch_reads_the_scores_only_where_the_form_needs_them():
     rewards, scores = [[1.0, 0.0], [0.5, 1.0, 0.4]], [1.0, 0.0]
     for form in ("process", "release", "position"):
-        assert grpo.advantages(rewards, scores, args_for(advantage=form)) == \
-            grpo.ADVANTAGES[form](rewards)
+        form_of = {"process": grpo.group_advantages, "release": grpo.release_advantages,
+                   "position": credit.position_advantages}[form]
+        assert grpo.advantages(rewards, scores, args_for(advantage=form)) == form_of(rewards)
     assert grpo.advantages(rewards, scores, args_for(advantage="outcome-turn", turn_weight=2.0)) \
-        == grpo.outcome_turn_advantages(rewards, scores, 2.0)
-    assert set(runs.ADVANTAGE_FORMS) == {*grpo.ADVANTAGES, *grpo.OUTCOME_FORMS}
+        == credit.outcome_turn_advantages(rewards, scores, 2.0)
+    assert set(grpo.ADVANTAGES) == {"process", "release", "position", "outcome-turn"}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -104,7 +105,7 @@ def test_labels_reward_is_the_exact_labels():
 ])
 def test_labels_and_forms_are_refused_where_they_cannot_work(argv, error, tmp_path):
     with pytest.raises(SystemExit) as e:
-        grpo.check_args(runs.parse_args([*argv, "--out", str(tmp_path / "r")], grpo.REWARDS))
+        grpo.check_args(grpo.parse_args([*argv, "--out", str(tmp_path / "r")], grpo.REWARDS))
     assert error in str(e.value.code)
 
 
@@ -112,17 +113,17 @@ def test_labels_and_forms_are_refused_where_they_cannot_work(argv, error, tmp_pa
 @pytest.mark.parametrize("argv", [["--advantage", "position"], ["--advantage", "outcome-turn"],
                                   ["--preset", "release"]])
 def test_tree_search_refuses_the_forms_it_cannot_use(reward, argv, tmp_path):
-    args = runs.parse_args(["--reward", reward, *argv, "--out", str(tmp_path / "r")],
+    args = grpo.parse_args(["--reward", reward, *argv, "--out", str(tmp_path / "r")],
                            grpo.REWARDS)
     with pytest.raises(SystemExit) as e:
-        runs.resolve_preset(args, runs.World(rank=1))
+        grpo.resolve_preset(args, grpo.World(rank=1))
     assert f"{' '.join(argv)}: --reward {reward} derives its advantages" in str(e.value.code)
 
 
 # ---------------------------------------------------------------------------------------------
 # the premise gate
 
-def gate_turns(labels: list[list[int]], score: list[float], episode: str = "e") -> pair.Split:
+def gate_turns(labels: list[list[int]], score: list[float], episode: str = "e") -> study.Split:
     """Stored held-out turns of one group: per rollout its labels; distance as onpolicy writes
     it (turns since the nearest earlier wrong one, -1 for a clean prefix)."""
     y, t_idx, dist, roll, sc = [], [], [], [], []
@@ -136,7 +137,7 @@ def gate_turns(labels: list[list[int]], score: list[float], episode: str = "e") 
     raw = {"label": torch.tensor(y), "turn_idx": torch.tensor(t_idx),
            "distance": torch.tensor(dist), "rollout": torch.tensor(roll),
            "score": torch.tensor(sc, dtype=torch.float64)}
-    return pair.Split("gate", raw, raw["label"].long(), [episode] * len(y), {})
+    return study.Split("gate", raw, raw["label"].long(), [episode] * len(y), {})
 
 
 def test_premise_gate_catches_an_advantage_that_inverts_the_reward():
@@ -154,8 +155,8 @@ def test_premise_gate_catches_an_advantage_that_inverts_the_reward():
     got = {}
     for form in ("process", "position", "outcome-turn"):
         ctx = argparse.Namespace(args=args_for(advantage=form))
-        got[form] = gate = grpo.premise_gate(turns, ctx, at)
-        grpo.log_gate(gate, lambda text, **k: lines.append(text))
+        got[form] = gate = credit.premise_gate(turns, ctx, at)
+        credit.log_gate(gate, lambda text, **k: lines.append(text))
         assert (gate["turns"], gate["slips"], gate["groups"]) == (2, 1, 1)
         assert gate["reward_auroc"] == 1.0
     assert got["process"]["auroc"] == 0.0 and got["position"]["auroc"] == 0.0
@@ -173,7 +174,7 @@ def test_premise_gate_reads_the_outcome_on_the_last_turn():
     # --reward outcome: the advantage is the group-normalized outcome on every turn, so the
     # rollout that slipped and failed ranks below the one that made the decision right
     turns = gate_turns([[1, 1, 1], [1, 0, 0]], [1.0, 0.0])
-    gate = grpo.premise_gate(turns, argparse.Namespace(args=args_for(reward="outcome")),
+    gate = credit.premise_gate(turns, argparse.Namespace(args=args_for(reward="outcome")),
                              [None, "store", None] * 2)
     assert gate["auroc"] == 1.0 and gate["reward_auroc"] is None    # no reward at turn 1
 
@@ -183,8 +184,8 @@ def test_premise_gate_reads_the_outcome_on_the_last_turn():
 
 def test_release_preset_sets_the_release_and_flags_given_win(tmp_path):
     def resolved(*argv):
-        args = runs.parse_args([*argv, "--out", str(tmp_path / "r")], grpo.REWARDS)
-        runs.resolve_preset(args, runs.World(rank=1))
+        args = grpo.parse_args([*argv, "--out", str(tmp_path / "r")], grpo.REWARDS)
+        grpo.resolve_preset(args, grpo.World(rank=1))
         return args
     a = resolved("--preset", "release")
     assert (a.weight_decay, a.warmup, a.top_p, a.advantage) == (0.01, 0.0, 0.95, "release")
@@ -192,11 +193,11 @@ def test_release_preset_sets_the_release_and_flags_given_win(tmp_path):
     assert (a.weight_decay, a.top_p, a.advantage) == (0.01, 1.0, "position")
     a = resolved()                      # no preset: the defaults as before
     assert (a.weight_decay, a.warmup, a.top_p, a.advantage) == (0.0, 0.05, 1.0, "process")
-    assert "turn_weight" in runs.RESUME_KEYS and "turn_weight" in runs.FLAG_RANGES
+    assert "turn_weight" in grpo.RESUME_KEYS and "turn_weight" in grpo.FLAG_RANGES
 
 
 def test_compare_rows_take_labels_and_the_forms():
-    import compare
+    from lab import compare
     assert compare.parse_spec("labels") == ("labels", [])
     assert compare.parse_spec("labels:advantage=position") == \
         ("labels", ["--advantage", "position"])

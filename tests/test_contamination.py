@@ -11,8 +11,9 @@ import torch
 
 import envs
 import model as M
-import pair
 import probes
+from lab import data as lab_data
+from lab import study
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -60,15 +61,15 @@ def hand_made_pairs():
 
 
 def split_of(records, tokenizer, name, order):
-    """A pair.Split holding only what the filter reads: keys, labels and input digests."""
+    """A study.Split holding only what the filter reads: keys, labels and input digests."""
     records = [records[i] for i in order]
     digests = []
     for r in records:
-        ids, span, _ = pair.render_record(r, tokenizer)
-        digests.append(pair.input_digest(ids, span))
+        ids, span, _ = study.render_record(r, tokenizer)
+        digests.append(study.input_digest(ids, span))
     raw = {"input_digest": torch.stack(digests),
            "turn_idx": torch.tensor([r["turn_idx"] for r in records])}
-    return pair.Split(name, raw, torch.tensor([r["label"] for r in records]),
+    return study.Split(name, raw, torch.tensor([r["label"] for r in records]),
                       [r["episode_id"] for r in records], {})
 
 
@@ -77,7 +78,7 @@ def test_differing_pairs_on_a_hand_made_matched_set():
     clean, contaminated = hand_made_pairs()
     a = split_of(clean, tokenizer, "matched_clean_test", [0, 1, 2, 3])
     b = split_of(contaminated, tokenizer, "matched_contaminated_test", [3, 2, 1, 0])
-    rows_a, rows_b = pair.differing_pairs(a, b)
+    rows_a, rows_b = study.differing_pairs(a, b)
     # b and d differ (d only in a thought); paired by (episode, turn), not by row order
     assert [a.episode_id[i] for i in rows_a] == ["b", "d"]
     assert [b.episode_id[j] for j in rows_b] == ["b", "d"]
@@ -85,7 +86,7 @@ def test_differing_pairs_on_a_hand_made_matched_set():
     assert [r["episode_id"] for r in clean if r["has_contaminated_prefix"]] == ["b", "d"]
     # features without digests cannot be filtered: reported, not guessed
     del a.raw["input_digest"]
-    assert pair.differing_pairs(a, b) is None
+    assert study.differing_pairs(a, b) is None
 
 
 def normal_scores(n, sigma, g):
@@ -102,27 +103,27 @@ def test_paired_bootstrap_is_reproducible_and_covers_the_true_drop():
     g = torch.Generator().manual_seed(0)
     y, s_clean = normal_scores(300, 0.8, g)
     s_cont = y + 1.6 * torch.randn(300, generator=g)
-    one = pair.paired_bootstrap_drop(y, [s_clean], y, [s_cont])
-    assert one == pair.paired_bootstrap_drop(y, [s_clean], y, [s_cont])      # seeded
-    other = pair.paired_bootstrap_drop(y, [s_clean], y, [s_cont], seed=1)
+    one = study.paired_bootstrap_drop(y, [s_clean], y, [s_cont])
+    assert one == study.paired_bootstrap_drop(y, [s_clean], y, [s_cont])      # seeded
+    other = study.paired_bootstrap_drop(y, [s_clean], y, [s_cont], seed=1)
     assert other["drop"] == one["drop"] and other["ci95"] != one["ci95"]
     assert one["draws"] == 1000
     truth = true_auroc(0.8) - true_auroc(1.6)                            # ~0.20
     assert one["ci95"][0] < truth < one["ci95"][1]
     assert one["ci95"][0] > 0                                           # a real drop is seen
     # identical scores on both sides: drop 0 and a zero-width interval (pairs stay paired)
-    same = pair.paired_bootstrap_drop(y, [s_clean], y, [s_clean.clone()])
+    same = study.paired_bootstrap_drop(y, [s_clean], y, [s_clean.clone()])
     assert same["drop"] == 0 and same["ci95"] == [0, 0]
     # coverage over fresh data sets: a 95% interval misses rarely
     covered = 0
     for k in range(20):
         y, s_clean = normal_scores(200, 0.8, g)
         s_cont = y + 1.6 * torch.randn(200, generator=g)
-        ci = pair.paired_bootstrap_drop(y, [s_clean], y, [s_cont], draws=300, seed=k)["ci95"]
+        ci = study.paired_bootstrap_drop(y, [s_clean], y, [s_cont], draws=300, seed=k)["ci95"]
         covered += ci[0] < truth < ci[1]
     assert covered >= 16, covered
     # one class on a side: the drop is undefined, not a number
-    assert pair.paired_bootstrap_drop(torch.ones(5), [torch.rand(5)], torch.ones(5),
+    assert study.paired_bootstrap_drop(torch.ones(5), [torch.rand(5)], torch.ones(5),
                                       [torch.rand(5)])["drop"] is None
 
 
@@ -132,7 +133,7 @@ def test_report_measures_the_differing_pairs(tmp_path):
         for kind in ("clean", "contaminated"):
             path = tmp_path / f"matched_{kind}_{name}.safetensors"
             synthetic_split(path, episodes, seed, kind == "contaminated", path.stem)
-            raw, meta = probes.load_features(path)
+            raw, meta = study.load_features(path)
             # pairs 0, 3, 6, ... are the same input twice; the others differ
             n = len(raw["label"])
             digest = torch.zeros(n, 32, dtype=torch.uint8)
@@ -141,7 +142,7 @@ def test_report_measures_the_differing_pairs(tmp_path):
                 digest[torch.arange(n) % 3 != 0, 1] = 1
             raw["input_digest"] = digest
             probes.save_safetensors(raw, path, {"pair_features": json.dumps(meta)})
-    result = pair.run_report(tmp_path, seeds=(42,))
+    result = study.run_report(tmp_path, seeds=(42,))
     dd = result["drop_differing"]
     assert dd["n_pairs"] == 40 and dd["n_pairs_all"] == 60
     # synthetic: the hidden state flips on a contaminated prefix, attention does not
@@ -149,7 +150,7 @@ def test_report_measures_the_differing_pairs(tmp_path):
     assert last["drop"] > 0.3 and last["ci95"][0] > 0
     assert last["rel_abs_dlogit"]["mean"] > 3 * attention["rel_abs_dlogit"]["mean"]
     assert dd["groups"]["hidden"]["rel_abs_dlogit"] > dd["groups"]["attention"]["rel_abs_dlogit"]
-    text = pair.render_markdown(result, None)
+    text = study.render_markdown(result, None)
     assert "drop [95% CI]" in text and "40 of 60 pairs differ" in text
 
 
@@ -166,35 +167,35 @@ def test_diagnostic_rules_on_a_hand_made_episode():
         {"role": "tool", "name": "Calculator", "content": "37.5"},
         {"role": "assistant", "content": "37.5"}], "gt_answer": {"whitelist": [["37.5"]]}}
     dialog = record["dialogs"]
-    assert envs.repeat_previous_call(dialog, 3) == dialog[1]
-    assert envs.repeat_previous_call(dialog, 5) == dialog[3]
-    assert envs.repeat_previous_call(dialog, 1) is None               # no earlier call
-    turn = envs.unused_observation_number(record, 3, random.Random(0))
+    assert lab_data.repeat_previous_call(dialog, 3) == dialog[1]
+    assert lab_data.repeat_previous_call(dialog, 5) == dialog[3]
+    assert lab_data.repeat_previous_call(dialog, 1) is None               # no earlier call
+    turn = lab_data.unused_observation_number(record, 3, random.Random(0))
     # 12.5 is copied from the observation; the unused values are 7 and 4 (never the box
     # coordinates 1, 2, 30, 40, and never 3 or 37.5, which the gold turns use)
     expression = turn["tool_calls"][0]["function"]["arguments"]["expression"]
     assert expression in ("7 * 3", "4 * 3")
     assert turn["thought"] == f"An adult ticket is {expression[0]}, so 3 cost {expression}."
-    assert envs.unused_observation_number(record, 1, random.Random(0)) is None
+    assert lab_data.unused_observation_number(record, 1, random.Random(0)) is None
 
 
 def test_gta_diagnostic_set_from_the_release(release_dir, tmp_path):
-    counts = envs.make_gta_diagnostic(release_dir, tmp_path, seed=0)
+    counts = lab_data.make_gta_diagnostic(release_dir, tmp_path, seed=0)
     first = (tmp_path / "matched_diagnostic_test.json").read_bytes()
-    envs.make_gta_diagnostic(release_dir, tmp_path, seed=0)
+    lab_data.make_gta_diagnostic(release_dir, tmp_path, seed=0)
     assert (tmp_path / "matched_diagnostic_test.json").read_bytes() == first     # deterministic
     records = envs.load_matched(tmp_path / "matched_diagnostic_test.json")        # the schema
     assert counts["records"] == len(records)
     gold = envs.load_episodes(release_dir / "gta" / "clean_test.json")
     negatives = [r for r in records if r["label"] == 0]
     positives = [r for r in records if r["label"] == 1]
-    assert {r["diagnostic_rule"] for r in negatives} == set(envs.DIAGNOSTIC_RULES)
+    assert {r["diagnostic_rule"] for r in negatives} == set(lab_data.DIAGNOSTIC_RULES)
     for r in negatives:
         dialog, t = gold[r["episode_id"]]["dialogs"], r["turn_idx"]
         assert r["diagnostic"] == "consistent_incorrect" and not r["has_contaminated_prefix"]
         assert r["dialogs"][:t] == dialog[:t]                             # a clean prefix
         assert r["dialogs"][t] != dialog[t]                               # never the gold turn
-        assert envs._tool_call(r["dialogs"][t]) != envs._tool_call(dialog[t])
+        assert lab_data._tool_call(r["dialogs"][t]) != lab_data._tool_call(dialog[t])
     released = json.loads((release_dir / "gta" / "matched_contaminated_test.json").read_text())
     expected = [r for r in released if r["has_contaminated_prefix"] and r["label"] == 1]
     assert len(positives) == len(expected) == 57
@@ -207,8 +208,8 @@ def test_gta_diagnostic_set_from_the_release(release_dir, tmp_path):
 
 
 def test_split_episodes_of_released_test_files(release_dir, tmp_path):
-    counts = envs.split_episodes(release_dir, "toolbench", tmp_path, seed=0, episodes=12)
-    again = envs.split_episodes(release_dir, "toolbench", tmp_path / "again", seed=0,
+    counts = lab_data.split_episodes(release_dir, "toolbench", tmp_path, seed=0, episodes=12)
+    again = lab_data.split_episodes(release_dir, "toolbench", tmp_path / "again", seed=0,
                                 episodes=12)
     assert counts == again
     halves = {}
@@ -239,15 +240,15 @@ def test_extracted_features_equal_transformers_on_gta(qwen05b_dir, release_dir, 
     (tmp_path / "matched_clean_test.json").write_text(json.dumps(chosen))
     (tmp_path / "clean_test.json").write_text((folder / "clean_test.json").read_text())
     net, tok = M.load_model(qwen05b_dir, dtype=torch.float32)
-    pair.extract(net, tok, tmp_path / "matched_clean_test.json", tmp_path / "f.safetensors")
-    ours, _ = probes.load_features(tmp_path / "f.safetensors")
+    study.extract(net, tok, tmp_path / "matched_clean_test.json", tmp_path / "f.safetensors")
+    ours, _ = study.load_features(tmp_path / "f.safetensors")
     del net
     hf = transformers.AutoModelForCausalLM.from_pretrained(
         qwen05b_dir, dtype=torch.float32, attn_implementation="eager").eval()
     records = envs.load_matched(tmp_path / "matched_clean_test.json")
     worst = {}
     for i, record in enumerate(records):
-        ids, (start, end), _ = pair.render_record(record, tok)
+        ids, (start, end), _ = study.render_record(record, tok)
         with torch.no_grad():
             out = hf(torch.tensor([ids]), output_hidden_states=True, output_attentions=True)
         hs = [h[0].double() for h in out.hidden_states]                      # L+1 x (T, d)

@@ -15,11 +15,10 @@ from pathlib import Path
 
 import pytest
 
-import calculator
-import chat_api
 import envs
-import shop
 from envs import Action, Final, ParseError
+from lab import baselines
+from lab import data as lab_data
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -227,7 +226,7 @@ def test_parse_react_errors_tell_what_is_wrong(text, message):
 
 
 def test_a_deep_action_input_is_an_observation_not_a_crash():
-    ep = shop.ShopEnv("train").episode(0)
+    ep = envs.ShopEnv("train").episode(0)
     r = ep.step("Action: Lookup\nAction Input: " + '{"a":' * 950 + "1" + "}" * 950)
     assert not r.done and "nested deeper than 64" in r.observation
     assert envs.parse_react("Action: L\nAction Input: " + '{"a":' * 63 + "1" + "}" * 63).name == "L"
@@ -240,7 +239,7 @@ def test_lone_surrogate_escape_in_action_input_is_an_error_observation():
     assert reply.isascii()
     parsed = envs.parse_react(reply)
     assert isinstance(parsed, ParseError) and "surrogate pair" in parsed.message
-    ep = shop.ShopEnv("train").episode(0)
+    ep = envs.ShopEnv("train").episode(0)
     r = ep.step(reply)
     assert not r.done and r.observation.startswith("Observation: Invalid reply")
     r.observation.encode("utf-8")
@@ -294,7 +293,7 @@ def test_parser_survives_fuzz():
     ("2 ** 100", "1267650600228229401496703205376"), ("abs(-3.5)", "3.5"), (" 1 + 1 ", "2"),
 ])
 def test_calculator_values(expr, out):
-    assert calculator.calculate(expr) == out
+    assert envs.calculate(expr) == out
 
 
 @pytest.mark.parametrize("expr, message", [
@@ -313,7 +312,7 @@ def test_calculator_values(expr, out):
     ("True + 1", "unsupported literal"), ("1 < 2", "unsupported syntax"),
 ])
 def test_calculator_rejects(expr, message):
-    out = calculator.calculate(expr)
+    out = envs.calculate(expr)
     assert out.startswith("Error: ") and message in out
 
 
@@ -326,10 +325,10 @@ HOSTILE = ["round(1, -10**8)", "round(1, -10**7)", "round(2**3999, -10**8)", "ro
 def test_calculator_bounds_every_operation_before_running_it():
     # In a child process with a deadline: an unbounded operation (round(1, -10**8) builds
     # 10**(10**8), minutes of work) must not hang the test either.
-    code = ("import json, sys, time, calculator\n"
+    code = ("import json, sys, time, envs\n"
             "out = []\n"
             "for e in json.loads(sys.argv[1]):\n"
-            "    t = time.perf_counter(); r = calculator.calculate(e)\n"
+            "    t = time.perf_counter(); r = envs.calculate(e)\n"
             "    out.append([e, r[:60], time.perf_counter() - t])\n"
             "print(json.dumps(out))\n")
     r = subprocess.run([sys.executable, "-c", code, json.dumps(HOSTILE)], cwd=ROOT,
@@ -342,8 +341,8 @@ def test_calculator_bounds_every_operation_before_running_it():
     assert results["round(1, 10**8)"].startswith("Error")
     assert results["2**3999 * 2**3999"] == "Error: result too large"
     assert results["(-1) ** (2**3999)"] == "1"
-    assert calculator.calculate("round(1234, -2)") == "1200"
-    assert calculator.calculate("round(2.675, 2.0)") == "2.67"
+    assert envs.calculate("round(1234, -2)") == "1200"
+    assert envs.calculate("round(2.675, 2.0)") == "2.67"
 
 
 def test_calculator_survives_fuzz():
@@ -354,11 +353,11 @@ def test_calculator_survives_fuzz():
     templates = ["479.99 * 4", "round(75 / 59 * 100)", "math.sqrt(2) ** 2", "2 ** 3 ** 2"]
     results = set()
     for _ in range(4000):
-        out = calculator.calculate(_random_text(rng, pieces, templates))
+        out = envs.calculate(_random_text(rng, pieces, templates))
         assert isinstance(out, str)
         results.add(out.startswith("Error"))
     assert results == {True, False}
-    assert calculator.calculate(None).startswith("Error")
+    assert envs.calculate(None).startswith("Error")
 
 
 # ---- ToolBench replay ----------------------------------------------------------------------------
@@ -522,12 +521,12 @@ def test_split_episodes_refuses_to_write_over_the_released_files(release_dir, tm
     shutil.copytree(release_dir / "toolbench", data / "toolbench")
     before = (data / "toolbench" / "clean_test.json").read_bytes()
     with pytest.raises(envs.DataError, match="would overwrite their test files"):
-        envs.split_episodes(data, "toolbench", data / "toolbench", episodes=4)
+        lab_data.split_episodes(data, "toolbench", data / "toolbench", episodes=4)
     assert (data / "toolbench" / "clean_test.json").read_bytes() == before
 
 
 def test_missing_split_is_a_clear_error(tmp_path):
-    with pytest.raises(envs.DataError, match="no released 'train' split .* `python envs.py "
+    with pytest.raises(envs.DataError, match="no released 'train' split .* `python -m lab.data "
                        "split-episodes toolbench --out OUT/toolbench` writes one"):
         envs.make("toolbench", split="train", data_dir=tmp_path, judge_model=None)
     with pytest.raises(ValueError, match="unknown environment"):
@@ -537,27 +536,27 @@ def test_missing_split_is_a_clear_error(tmp_path):
 # ---- the OpenAI-compatible client against a fake server on 127.0.0.1 (conftest.fake_openai)
 
 def _client(tmp_path, **kw):
-    return chat_api.ChatClient("judge-model", cache_dir=tmp_path / "llm", backoff=0.01, **kw)
+    return envs.ChatClient("judge-model", cache_dir=tmp_path / "llm", backoff=0.01, **kw)
 
 
 def test_judge_request_shape_and_cache(fake_openai, tmp_path):
     client = _client(tmp_path)
     fake_openai.reply = lambda body: {"label": "partial", "reason": "one fact missing"}
-    assert chat_api.judge_answer(client, "Task?", "Paris, 21 C", "Paris") == 0.5
+    assert envs.judge_answer(client, "Task?", "Paris, 21 C", "Paris") == 0.5
     (req,) = fake_openai.requests
     assert req["path"] == "/v1/chat/completions" and req["auth"] == "Bearer sk-test"
     body = req["body"]
     assert body["model"] == "judge-model" and body["temperature"] == 0
     assert body["response_format"] == {"type": "json_object"}
     assert [m["role"] for m in body["messages"]] == ["system", "user"]
-    assert body["messages"][0]["content"] == chat_api.ANSWER_JUDGE_SYSTEM
+    assert body["messages"][0]["content"] == envs.ANSWER_JUDGE_SYSTEM
     assert "Reference answer:\nParis, 21 C" in body["messages"][1]["content"]
     assert "Assistant's final answer:\nParis" in body["messages"][1]["content"]
     again = _client(tmp_path)                     # a new client reads the same disk cache
-    assert chat_api.judge_answer(again, "Task?", "Paris, 21 C", "Paris") == 0.5
+    assert envs.judge_answer(again, "Task?", "Paris, 21 C", "Paris") == 0.5
     assert len(fake_openai.requests) == 1 and again.requests_made == 0
     assert len(list((tmp_path / "llm").glob("*/*.json"))) == 1
-    chat_api.judge_answer(again, "Task?", "Paris, 21 C", "Lyon")       # other content, new request
+    envs.judge_answer(again, "Task?", "Paris, 21 C", "Lyon")       # other content, new request
     assert len(fake_openai.requests) == 2
 
 
@@ -565,38 +564,38 @@ def test_client_retries_429_and_500_then_succeeds(fake_openai, tmp_path):
     fake_openai.script = [(429, {"error": "slow down"}), (500, {"error": "oops"}),
                           (503, {"error": "busy"})]
     client = _client(tmp_path)
-    assert chat_api.judge_answer(client, "t", "r", "a") == 1.0
+    assert envs.judge_answer(client, "t", "r", "a") == 1.0
     assert len(fake_openai.requests) == 4 and client.requests_made == 4
     fake_openai.script = [(500, {})] * 3
-    with pytest.raises(chat_api.LLMError, match="giving up after 3 attempts"):
-        chat_api.judge_answer(_client(tmp_path, max_retries=2), "t", "r", "other")
+    with pytest.raises(envs.LLMError, match="giving up after 3 attempts"):
+        envs.judge_answer(_client(tmp_path, max_retries=2), "t", "r", "other")
 
 
 def test_client_401_fails_at_once(fake_openai, tmp_path):
     fake_openai.script = [(401, {"error": "bad key"})]
-    with pytest.raises(chat_api.AuthError, match="401 Unauthorized"):
-        chat_api.judge_answer(_client(tmp_path), "t", "r", "a")
+    with pytest.raises(envs.AuthError, match="401 Unauthorized"):
+        envs.judge_answer(_client(tmp_path), "t", "r", "a")
     assert len(fake_openai.requests) == 1
 
 
 def test_bad_replies_are_rejected_and_not_cached(fake_openai, tmp_path):
     fake_openai.reply = lambda body: {"label": "maybe"}
-    with pytest.raises(chat_api.BadReply, match="label must be one of"):
-        chat_api.judge_answer(_client(tmp_path), "t", "r", "a")
+    with pytest.raises(envs.BadReply, match="label must be one of"):
+        envs.judge_answer(_client(tmp_path), "t", "r", "a")
     fake_openai.reply = lambda body: "not json"
-    with pytest.raises(chat_api.BadReply):
-        chat_api.judge_answer(_client(tmp_path), "t", "r", "a")
+    with pytest.raises(envs.BadReply):
+        envs.judge_answer(_client(tmp_path), "t", "r", "a")
     fake_openai.reply = lambda body: {"label": "no"}
-    assert chat_api.judge_answer(_client(tmp_path), "t", "r", "a") == 0.0
+    assert envs.judge_answer(_client(tmp_path), "t", "r", "a") == 0.0
     assert len(fake_openai.requests) == 3
 
 
 def test_missing_key_fails_before_any_work(monkeypatch, tmp_path):
     monkeypatch.delenv("OPENAI_API_KEY", raising=False)
-    with pytest.raises(chat_api.LLMError, match="OPENAI_API_KEY is not set"):
-        chat_api.ChatClient("m")
+    with pytest.raises(envs.LLMError, match="OPENAI_API_KEY is not set"):
+        envs.ChatClient("m")
     # the data dir does not exist: the key is checked before any load or download
-    with pytest.raises(chat_api.LLMError, match="OPENAI_API_KEY is not set"):
+    with pytest.raises(envs.LLMError, match="OPENAI_API_KEY is not set"):
         envs.make("toolbench", data_dir=tmp_path / "nowhere")
 
 
@@ -623,14 +622,14 @@ def test_step_judge(fake_openai, tmp_path):
             {"role": "assistant", "content": "Action: Calculator\nAction Input: {}"},
             {"role": "user", "content": "Observation: 5"},
             {"role": "assistant", "content": "Final Answer: 5"}]
-    assert chat_api.judge_step(_client(tmp_path), msgs) == pytest.approx(6 / 9)
+    assert baselines.judge_step(_client(tmp_path), msgs) == pytest.approx(6 / 9)
     user = fake_openai.requests[0]["body"]["messages"][1]["content"]
     assert user.startswith("Task:\nTask: add 2 and 3.")
     assert user.endswith("Latest step to rate:\nFinal Answer: 5")
     assert "Agent:\nAction: Calculator" in user and "Observation: 5" in user
     fake_openai.reply = lambda body: {"score": 11}
-    with pytest.raises(chat_api.BadReply):
-        chat_api.judge_step(_client(tmp_path), msgs[:2])
+    with pytest.raises(envs.BadReply):
+        baselines.judge_step(_client(tmp_path), msgs[:2])
 
 
 # ---- contamination -------------------------------------------------------------------------------
@@ -643,11 +642,11 @@ def test_contaminate_rewrites_one_turn_per_episode(fake_openai, tmp_path, releas
     fake_openai.reply = lambda body: {"thought": "A wrong but fluent thought.",
                                       "action": "OCR", "action_input": {"image": "wrong.jpg"}}
     out = tmp_path / "contaminated_small.json"
-    counts = envs.contaminate_file(data, out, _client(tmp_path), seed=3)
+    counts = lab_data.contaminate_file(data, out, _client(tmp_path), seed=3)
     n_requests = len(fake_openai.requests)
     result = envs.load_episodes(out)
     eligible = [k for k, r in small.items()
-                if 3 <= len(envs.assistant_positions(r["dialogs"])) <= 8]
+                if 3 <= len(lab_data.assistant_positions(r["dialogs"])) <= 8]
     assert sorted(result) == sorted(eligible) and n_requests == len(eligible) >= 5
     assert counts == {"ok": len(eligible), "turns_out_of_range": len(small) - len(eligible)}
     kinds = set()
@@ -655,8 +654,8 @@ def test_contaminate_rewrites_one_turn_per_episode(fake_openai, tmp_path, releas
         orig = small[key]["dialogs"]
         (idx,), (kind,) = rec["contaminated_turn_indices"], rec["contamination_types"]
         kinds.add(kind)
-        assert idx in envs.assistant_positions(orig)[:-1]     # never the evaluation turn
-        assert kind in envs.compatible_types(orig, idx)
+        assert idx in lab_data.assistant_positions(orig)[:-1]     # never the evaluation turn
+        assert kind in lab_data.compatible_types(orig, idx)
         assert rec["original_turn_contents"] == [orig[idx]]
         assert json.loads(rec["contamination_responses"][0])["thought"] == \
             "A wrong but fluent thought."
@@ -673,12 +672,12 @@ def test_contaminate_rewrites_one_turn_per_episode(fake_openai, tmp_path, releas
                             {"name": "OCR", "arguments": {"image": "wrong.jpg"}})
     assert len(kinds) >= 2
     systems = {r["body"]["messages"][0]["content"] for r in fake_openai.requests}
-    assert systems <= set(chat_api.CONTAMINATION_SYSTEM.values()) and len(systems) == len(kinds)
+    assert systems <= set(lab_data.CONTAMINATION_SYSTEM.values()) and len(systems) == len(kinds)
     # deterministic given the seed; the second run is served from the cache
     again = tmp_path / "again.json"
-    envs.contaminate_file(data, again, _client(tmp_path), seed=3)
+    lab_data.contaminate_file(data, again, _client(tmp_path), seed=3)
     assert again.read_bytes() == out.read_bytes() and len(fake_openai.requests) == n_requests
-    envs.contaminate_file(data, tmp_path / "other.json", _client(tmp_path), seed=4)
+    lab_data.contaminate_file(data, tmp_path / "other.json", _client(tmp_path), seed=4)
     assert (tmp_path / "other.json").read_bytes() != out.read_bytes()
 
 
@@ -691,7 +690,7 @@ def test_contaminate_leaves_out_a_reply_utf8_cannot_hold(fake_openai, tmp_path, 
                                       "action_input": {"image": "x\udc00.jpg"}}
     out = tmp_path / "contaminated_small.json"
     with pytest.raises(envs.DataError, match="no episode was contaminated .*'bad_reply': [1-9]"):
-        envs.contaminate_file(data, out, _client(tmp_path), seed=3)
+        lab_data.contaminate_file(data, out, _client(tmp_path), seed=3)
     assert not out.exists()
 
 
@@ -701,7 +700,7 @@ def test_contaminate_refuses_to_replace_its_input_or_to_select_nothing(tmp_path,
     before = data.read_bytes()
     for out, lo, hi, why in ((data, 3, 8, "is --data"), (tmp_path / "a.json", 5, 2, "5 > --max"),
                              (tmp_path / "b.json", 1, 8, "--min-turns 1: at least 2")):
-        r = subprocess.run([sys.executable, str(ROOT / "envs.py"), "contaminate", "--data",
+        r = subprocess.run([sys.executable, "-m", "lab.data", "contaminate", "--data",
                             str(data), "--out", str(out), "--min-turns", str(lo),
                             "--max-turns", str(hi)], capture_output=True, text=True, timeout=60,
                            env={**os.environ, "OPENAI_API_KEY": "x",
@@ -713,12 +712,12 @@ def test_contaminate_refuses_to_replace_its_input_or_to_select_nothing(tmp_path,
 
 def test_contaminate_prompt_for_observation_misinterpretation(release_dir):
     rec = envs.load_episodes(release_dir / "gta" / "clean_test.json")["1"]
-    idx = envs.assistant_positions(rec["dialogs"])[1]
-    assert envs.compatible_types(rec["dialogs"], idx) == [
+    idx = lab_data.assistant_positions(rec["dialogs"])[1]
+    assert lab_data.compatible_types(rec["dialogs"], idx) == [
         "reasoning_error", "tool_misuse", "observation_misinterpretation", "stale_memory"]
-    assert envs.compatible_types(rec["dialogs"], 1) == ["reasoning_error", "tool_misuse",
+    assert lab_data.compatible_types(rec["dialogs"], 1) == ["reasoning_error", "tool_misuse",
                                                         "stale_memory"]
-    system, user = envs.contamination_messages(rec, idx, "observation_misinterpretation")
+    system, user = lab_data.contamination_messages(rec, idx, "observation_misinterpretation")
     text = user["content"]
     assert "The observation immediately before the target step:\nObservation: The image " \
         "features a group of five people" in text
@@ -730,7 +729,7 @@ def test_contaminate_prompt_for_observation_misinterpretation(release_dir):
 
 def test_cli_help():
     for args in ([], ["download"], ["contaminate"], ["make-diagnostic"], ["replay"]):
-        out = subprocess.run([sys.executable, str(ROOT / "envs.py"), *args, "--help"],
+        out = subprocess.run([sys.executable, "-m", "lab.data", *args, "--help"],
                              capture_output=True, text=True, check=True).stdout
         assert "usage:" in out
 
@@ -738,8 +737,8 @@ def test_cli_help():
 def test_a_data_dir_that_is_the_family_folder_itself_is_one_line(release_dir, tmp_path):
     gta = tmp_path / "gta"
     shutil.copytree(release_dir / "gta", gta)
-    for run in (lambda: envs.main(["make-diagnostic", "gta", "--data-dir", str(gta)]),
-                lambda: envs.main(["split-episodes", "gta", "--data-dir", str(gta),
+    for run in (lambda: lab_data.main(["make-diagnostic", "gta", "--data-dir", str(gta)]),
+                lambda: lab_data.main(["split-episodes", "gta", "--data-dir", str(gta),
                                    "--out", str(tmp_path / "out")])):
         with pytest.raises(SystemExit, match="--data-dir .*holds the gta files itself"):
             run()

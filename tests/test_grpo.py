@@ -18,22 +18,20 @@ import numpy as np
 import pytest
 import torch
 
-import adapters
-import baselines
-import common
-import compare
+from lab import baselines
+from lab import compare
 import envs
 import grpo
 import model as mdl
-import onpolicy
+from lab import onpolicy
 import pair
 import probes
-import rollout
-import runs
-import shop
-import weights
+from lab import shop
+from lab import data as lab_data
+from lab import study
 
 ROOT = Path(__file__).resolve().parents[1]
+CORE_REWARDS = {"outcome", "pair", *probes.FEATURES}
 TIMING = set(grpo.TIMING)
 BUILTIN = ROOT / "data" / "shop-policy"
 
@@ -49,7 +47,7 @@ def tiny_policy(tmp_path_factory) -> Path:
     tok = mdl.Tokenizer(shop.train_tokenizer([mdl.chat_text(m) for m in dialogs], 300))
     shape = argparse.Namespace(hidden=32, intermediate=64, layers=2, heads=4, kv_heads=2)
     config = shop.sft_config(shape, tok)
-    policy = mdl.Transformer(weights.Config.from_dict(config))
+    policy = mdl.Transformer(mdl.Config.from_dict(config))
     with torch.no_grad():        # opinionated random weights: varied rollouts, real gradients
         for p in policy.parameters():
             if p.dim() == 2:
@@ -105,11 +103,11 @@ def play_args(**kw):
 def lora_policy(model_dir, flags: list[str]):
     """The policy with its LoRA adapter, the parsed flags (preset filled) and the shop train env."""
     policy, tok = mdl.load_model(model_dir)
-    args = runs.train_parser(grpo.REWARDS).parse_args([*flags, "--model", str(model_dir)])
-    runs.resolve_preset(args, runs.World())
+    args = grpo.train_parser(grpo.REWARDS).parse_args([*flags, "--model", str(model_dir)])
+    grpo.resolve_preset(args, grpo.World())
     mdl.apply_lora(policy, r=args.lora_r, alpha=args.lora_alpha, dropout=args.lora_dropout,
                    targets=tuple(args.lora_targets.split(",")))
-    return policy, tok, args, shop.ShopEnv("train")
+    return policy, tok, args, envs.ShopEnv("train")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -289,10 +287,10 @@ def test_token_logprobs_equal_full_log_softmax(tiny_policy):
 
 def test_rollout_appends_turns_to_one_cache_and_traces_equal_teacher_forcing(tiny_policy):
     policy, tok = mdl.load_model(tiny_policy)
-    env = shop.ShopEnv("train")
+    env = envs.ShopEnv("train")
     episodes = [env.episode(5), env.episode(5), env.episode(6)]
     prompts = [tok.render(ep.messages, add_generation_prompt=True)[0] for ep in episodes]
-    trajs = rollout.rollout(policy, tok, episodes, play_args(),
+    trajs = grpo.rollout(policy, tok, episodes, play_args(),
                          generator=torch.Generator().manual_seed(0))
     assert max(len(t.steps) for t in trajs) > 1
     for traj, prompt in zip(trajs, prompts):
@@ -304,7 +302,7 @@ def test_rollout_appends_turns_to_one_cache_and_traces_equal_teacher_forcing(tin
             assert (s, e) == (pos, pos + len(step.tokens)) and seq[s:e] == step.tokens
             pos = e
             if k + 1 < len(traj.steps):     # exactly the chat template's tokens in between
-                opening = rollout.turn_opening(tok, step.trace.finished, step.observation)
+                opening = grpo.turn_opening(tok, step.trace.finished, step.observation)
                 assert seq[e:e + len(opening)] == opening
                 pos += len(opening)
             # the reward's statistics came from generation; teacher forcing gives the same
@@ -323,8 +321,8 @@ def test_rollout_survives_a_reply_with_a_lone_surrogate_escape(tiny_policy, monk
     policy, tok = mdl.load_model(tiny_policy)
     hostile = 'Thought: x\nAction: Lookup\nAction Input: {"store": "\\ud800", "item": "tea"}'
     monkeypatch.setattr(tok, "decode", lambda ids, **kw: hostile)
-    episodes = [shop.ShopEnv("train").episode(0)]
-    (traj,) = rollout.rollout(policy, tok, episodes, play_args(max_turns=2),
+    episodes = [envs.ShopEnv("train").episode(0)]
+    (traj,) = grpo.rollout(policy, tok, episodes, play_args(max_turns=2),
                            generator=torch.Generator().manual_seed(0))
     assert len(traj.steps) == 2 and traj.steps[0].observation.startswith("Observation: Invalid")
 
@@ -349,7 +347,7 @@ class RewritingEpisode(envs.Episode):
 
 
 def rewriting_episode(score: float | None) -> RewritingEpisode:
-    ep = RewritingEpisode("r", "Add 1 and 2.", shop.SHOP_TOOLS)
+    ep = RewritingEpisode("r", "Add 1 and 2.", envs.SHOP_TOOLS)
     ep.fixed = score
     ep.step = lambda text, step=ep.step: step(
         'Action: Calculator\nAction Input: {"expression": "1+2"}')
@@ -362,7 +360,7 @@ def test_rollout_refills_the_cache_when_the_environment_rewrites_history(tiny_po
 
     def episode():
         return rewriting_episode(score=0.0)
-    (traj,) = rollout.rollout(policy, tok, [episode()], play_args(max_turns=3),
+    (traj,) = grpo.rollout(policy, tok, [episode()], play_args(max_turns=3),
                            generator=torch.Generator().manual_seed(0))
     assert len(traj.segments) == 2 and [s.segment for s in traj.steps] == [0, 0, 1]
     first, second = traj.segments
@@ -379,11 +377,11 @@ def test_the_judge_rates_each_turn_in_the_history_it_was_taken_in(tiny_policy, m
     # the third turn's rollout elides the first observation; the judge of the second turn must
     # still see it, as the policy did when it took that turn
     policy, tok = mdl.load_model(tiny_policy)
-    (traj,) = rollout.rollout(policy, tok, [rewriting_episode(score=0.0)], play_args(max_turns=3),
+    (traj,) = grpo.rollout(policy, tok, [rewriting_episode(score=0.0)], play_args(max_turns=3),
                               generator=torch.Generator().manual_seed(0))
     assert traj.episode.messages[2]["content"] == "Observation: [elided]"
     rated = []
-    monkeypatch.setattr(baselines.chat_api, "judge_step",
+    monkeypatch.setattr(baselines, "judge_step",
                         lambda client, messages: rated.append(messages) or 0.5)
     ctx = grpo.RewardContext(policy, tok, play_args(), judge=object())
     assert baselines.judge_reward(traj, ctx) == [0.5] * 3
@@ -395,10 +393,10 @@ def test_the_judge_rates_each_turn_in_the_history_it_was_taken_in(tiny_policy, m
 
 
 def test_batch_masks_exactly_the_generated_tokens_eos_included():
-    ep = shop.ShopEnv("train").episode(0)
-    traj = rollout.Trajectory(ep, segments=[[7, 7, 7, 1, 2, 99, 7, 7, 3, 99, 7]])
+    ep = envs.ShopEnv("train").episode(0)
+    traj = grpo.Trajectory(ep, segments=[[7, 7, 7, 1, 2, 99, 7, 7, 3, 99, 7]])
     for (s, e) in ((3, 6), (8, 10)):
-        traj.steps.append(rollout.Step(traj.segments[0][s:e], 0, (s, e), "", None, None))
+        traj.steps.append(grpo.Step(traj.segments[0][s:e], 0, (s, e), "", None, None))
     batch = grpo.make_batch([traj], [[0.5, -1.0]], pad_id=0)
     assert batch.mask[0].tolist() == [False] * 3 + [True] * 3 + [False] * 2 + [True] * 2 + [False]
     assert batch.adv[0].tolist() == [0, 0, 0, .5, .5, .5, 0, 0, -1, -1, 0]
@@ -411,13 +409,13 @@ def test_first_update_has_zero_kl_and_unit_ratio(tiny_policy):
     # dropout 0: dropout noise alone would give KL > 0 even with pi_ref = the policy itself
     policy, tok, args, env = lora_policy(tiny_policy, ["--lr", "1e-2", "--micro-batch", "1",
                                                        "--lora-dropout", "0"])
-    trajs = rollout.rollout(policy, tok, [env.episode(1) for _ in range(3)], play_args(),
+    trajs = grpo.rollout(policy, tok, [env.episode(1) for _ in range(3)], play_args(),
                          generator=torch.Generator().manual_seed(0))
     adv = [[float(i + t) for t in range(len(tr.steps))] for i, tr in enumerate(trajs)]
     batch = grpo.make_batch(trajs, adv, tok.pad_id)
     opt = torch.optim.AdamW([p for _, p in mdl.lora_parameters(policy)], lr=1e-2)
     policy.train()
-    stats = grpo.update(policy, opt, batch, args, runs.World())
+    stats = grpo.update(policy, opt, batch, args, grpo.World())
     assert stats["kl"] == 0.0 and stats["ratio"] == 1.0 and stats["clip_frac"] == 0.0
     n = batch.mask.sum().item()
     # rho = 1 and KL = 0: the loss is minus the token-averaged advantage
@@ -429,7 +427,7 @@ def test_first_update_has_zero_kl_and_unit_ratio(tiny_policy):
         with mdl.lora_disabled(policy):
             logp_ref = mdl.token_logprobs(policy, batch.ids, batch.mask, args.temperature)
     kl = (torch.expm1(logp_ref - logp) - (logp_ref - logp)).mean().item()
-    again = grpo.update(policy, opt, batch, args, runs.World())
+    again = grpo.update(policy, opt, batch, args, grpo.World())
     assert kl > 1e-6 and again["kl"] == pytest.approx(kl, rel=1e-3)
     assert again["ratio"] == pytest.approx(1.0)                          # new pi_old, new ratio
 
@@ -454,7 +452,7 @@ def test_a_batch_without_generated_tokens_logs_loss_0_and_is_counted(tiny_policy
     assert [(r["loss"], r["tokens"], r["empty_batch"], r["grad_norm"]) for r in recs] == \
         [(0.0, 0, 1, 0.0)] * 2
     policy, _ = mdl.load_model(tiny_policy)
-    adapter = adapters.load_adapter(policy, out / "checkpoint-000002" / "adapter")
+    adapter = mdl.load_adapter(policy, out / "checkpoint-000002" / "adapter")
     lora_b = [p for n, p in mdl.lora_parameters(adapter) if ".lora_B." in n]
     assert lora_b and all(p.abs().sum() == 0 for p in lora_b)     # B starts at zero, stays there
 
@@ -463,7 +461,7 @@ def test_a_non_finite_gradient_skips_the_update_and_says_so(tiny_policy, tmp_pat
                                                            capsys):
     # a NaN that reaches the gradient (here through the advantages) must not reach the adapter:
     # AdamW would turn every weight it touches into NaN
-    def nan_advantages(rewards):
+    def nan_advantages(rewards, scores, args):
         return [[math.nan] * len(row) for row in rewards], False
     monkeypatch.setitem(grpo.ADVANTAGES, "process", nan_advantages)
     out = tmp_path / "nan"
@@ -472,7 +470,7 @@ def test_a_non_finite_gradient_skips_the_update_and_says_so(tiny_policy, tmp_pat
     assert [(r["skipped_updates"], r["tokens"] > 0) for r in recs] == [(1, True)]
     assert "step 1: the gradient was not finite" in capsys.readouterr().out
     policy, _ = mdl.load_model(tiny_policy)
-    adapter = adapters.load_adapter(policy, out / "checkpoint-000001" / "adapter")
+    adapter = mdl.load_adapter(policy, out / "checkpoint-000001" / "adapter")
     lora_b = [p for n, p in mdl.lora_parameters(adapter) if ".lora_B." in n]
     assert lora_b and all(p.abs().sum() == 0 for p in lora_b)
 
@@ -493,14 +491,14 @@ def interrupted_run(monkeypatch, argv):
         run(argv)
     monkeypatch.setattr(grpo, "train_step", real)
     message = str(stop.value.code)
-    assert message.count("\n") == 1 and "python grpo.py " in message and "--resume" in message
+    assert message.count("\n") == 1 and f"{grpo.PROG} " in message and "--resume" in message
     return message
 
 
 def test_ctrl_c_says_how_to_resume_and_that_command_resumes(tiny_policy, tmp_path, monkeypatch):
     out = tmp_path / "r"
     message = interrupted_run(monkeypatch, flags(tiny_policy, out, steps=3, save_every=1))
-    again = shlex.split(message.split("python grpo.py ", 1)[1])
+    again = shlex.split(message.split(f"{grpo.PROG} ", 1)[1])
     assert again[again.index("--out") + 1] == str(out) and again[-1] == "--resume"
     run(again)
     assert [r["step"] for r in metrics(out)] == [1, 2, 3]
@@ -512,12 +510,12 @@ def test_ctrl_c_before_the_first_checkpoint_says_the_run_starts_over(tiny_policy
     message = interrupted_run(monkeypatch, flags(tiny_policy, out, steps=3, save_every=3))
     assert "before the first checkpoint (after step 3)" in message and \
         "starts the run over from step 1" in message and "exactly" not in message, message
-    run(shlex.split(message.split("python grpo.py ", 1)[1]))
+    run(shlex.split(message.split(f"{grpo.PROG} ", 1)[1]))
     assert [r["step"] for r in metrics(out)] == [1, 2, 3]
     # before the run directory was written: a plain restart, nothing to resume
     monkeypatch.setattr(grpo, "setup", lambda args: (_ for _ in ()).throw(KeyboardInterrupt))
     with pytest.raises(SystemExit, match="interrupted before the run started; start it with: "
-                                         "python grpo.py ") as stop:
+                                         f"{grpo.PROG} ") as stop:
         run(flags(tiny_policy, tmp_path / "s"))
     assert "--resume" not in str(stop.value.code)
 
@@ -562,18 +560,18 @@ def test_resume_reproduces_the_uninterrupted_run(tiny_policy, tmp_path, monkeypa
     assert sorted(p.name for p in (ckpt / "adapter").iterdir()) == [
         "adapter_config.json", "adapter_model.safetensors"]
     assert not list(cut.glob(".*tmp*"))
-    a = adapters.load_adapter(mdl.load_model(tiny_policy)[0],
+    a = mdl.load_adapter(mdl.load_model(tiny_policy)[0],
                               whole / "checkpoint-000004" / "adapter")
-    b = adapters.load_adapter(mdl.load_model(tiny_policy)[0], ckpt / "adapter")
+    b = mdl.load_adapter(mdl.load_model(tiny_policy)[0], ckpt / "adapter")
     for (name, p), (_, q) in zip(mdl.lora_parameters(a), mdl.lora_parameters(b)):
         assert torch.equal(p, q), name
 
 
 def test_resume_checks_args_json(tiny_policy, tmp_path):
     def prepare(out, **kw):
-        args = runs.train_parser(grpo.REWARDS).parse_args(flags(tiny_policy, out, **kw))
-        runs.resolve_preset(args, runs.World())
-        return runs.prepare_out(args, runs.World())
+        args = grpo.train_parser(grpo.REWARDS).parse_args(flags(tiny_policy, out, **kw))
+        grpo.resolve_preset(args, grpo.World())
+        return grpo.prepare_out(args, grpo.World())
 
     out = tmp_path / "run"
     prepare(out, eval_episodes=4)
@@ -611,19 +609,19 @@ def test_a_bad_model_is_a_one_line_error_and_writes_nothing(tmp_path, monkeypatc
 
 def test_out_and_resume_checks_read_what_a_run_left(tiny_policy, tmp_path):
     def checked(out, *argv):
-        args = runs.parse_args(["--model", str(tiny_policy), "--out", str(out), *argv],
+        args = grpo.parse_args(["--model", str(tiny_policy), "--out", str(out), *argv],
                                grpo.REWARDS)
-        runs.resolve_preset(args, runs.World())
-        runs.check_out(args)
+        grpo.resolve_preset(args, grpo.World())
+        grpo.check_out(args)
         return args
     # a run killed after its base evaluation, before step 1: a new one would take its step 0
     out = tmp_path / "killed"
     out.mkdir()
-    common.append_jsonl(out / "eval.jsonl", {"step": 0})
+    grpo.append_jsonl(out / "eval.jsonl", {"step": 0})
     with pytest.raises(SystemExit, match="already holds a run: pass --resume"):
         checked(out)
     # what trains a run cannot change under a resume, nor what scores it
-    common.write_json(out / "args.json", vars(checked(tmp_path / "new")))
+    mdl.write_json(out / "args.json", vars(checked(tmp_path / "new")))
     for flag, value in (("--grad-clip", "0.1"), ("--weight-decay", "0.1"),
                         ("--dtype", "bfloat16"), ("--judge-model", "x")):
         with pytest.raises(SystemExit, match=f"--resume: {flag} is"):
@@ -633,13 +631,13 @@ def test_out_and_resume_checks_read_what_a_run_left(tiny_policy, tmp_path):
     # deleted (as results/ keeps none), and starting over would replace the logs
     first = min(args.save_every, args.steps)
     for step in range(1, first + 1):
-        common.append_jsonl(out / "metrics.jsonl", {"step": step})
+        grpo.append_jsonl(out / "metrics.jsonl", {"step": step})
     checked(out, "--resume")            # killed before its first checkpoint was whole: redone
     (out / "summary.json").write_text("{}")
     with pytest.raises(SystemExit, match=f"logged {first} steps but holds no checkpoint"):
         checked(out, "--resume")
     (out / "summary.json").unlink()
-    common.append_jsonl(out / "metrics.jsonl", {"step": first + 1})
+    grpo.append_jsonl(out / "metrics.jsonl", {"step": first + 1})
     with pytest.raises(SystemExit, match=f"logged {first + 1} steps but holds no checkpoint"):
         checked(out, "--resume")
     (out / "checkpoint-000001").mkdir()
@@ -657,15 +655,15 @@ def test_the_probe_cache_keys_a_sharded_policy_and_where_it_runs(tiny_policy, tm
     halves = {"a.safetensors": names[::2], "b.safetensors": names[1::2]}
     for file, part in halves.items():
         save_file({n: tensors[n] for n in part}, sharded / file)
-    common.write_json(sharded / "model.safetensors.index.json", {"weight_map": {
+    mdl.write_json(sharded / "model.safetensors.index.json", {"weight_map": {
         n: file for file, part in halves.items() for n in part}})
-    assert onpolicy.policy_hash(sharded) != onpolicy.policy_hash(tiny_policy)
+    assert grpo.policy_hash(sharded) != grpo.policy_hash(tiny_policy)
     mdl.load_model(sharded)                                 # a policy the run can load
-    args = runs.parse_args(["--model", str(tiny_policy)], grpo.REWARDS)
-    runs.resolve_preset(args, runs.World())
-    keys = {onpolicy.settings_hash(onpolicy.own_turns_settings(args))}
+    args = grpo.parse_args(["--model", str(tiny_policy)], grpo.REWARDS)
+    grpo.resolve_preset(args, grpo.World())
+    keys = {grpo.settings_hash(onpolicy.own_turns_settings(args))}
     for name, value in (("dtype", "bfloat16"), ("devices", "cuda")):
-        keys.add(onpolicy.settings_hash(onpolicy.own_turns_settings(
+        keys.add(grpo.settings_hash(onpolicy.own_turns_settings(
             argparse.Namespace(**{**vars(args), name: value}))))
     assert len(keys) == 3
 
@@ -727,11 +725,11 @@ def test_probes_of_another_model_fail_up_front(tiny_policy, tmp_path, monkeypatc
     save_file({k: v + 0.01 for k, v in w.items()}, str(other / "model.safetensors"))
     dims = {"d": 32, "L": 2, "H": 4}        # tiny_policy's
     theirs = fake_pair(tmp_path / "theirs", 32, 4 * 2 * 4, model=str(other), dims=dims,
-                       model_sha256=weights.checkpoint_sha256(other))
+                       model_sha256=mdl.checkpoint_sha256(other))
 
     def no_evaluation(*a, **k):
         raise AssertionError("evaluated before the probes were checked")
-    monkeypatch.setattr(runs, "evaluate", no_evaluation)
+    monkeypatch.setattr(grpo, "evaluate", no_evaluation)
     with pytest.raises(SystemExit, match=f"{theirs} was made from model {other} .* but --model "
                                          f"{tiny_policy} from .*model_sha256 differs"):
         run(flags(tiny_policy, tmp_path / "run", "pair", probes=theirs, eval_episodes=2))
@@ -739,7 +737,7 @@ def test_probes_of_another_model_fail_up_front(tiny_policy, tmp_path, monkeypatc
     with pytest.raises(SystemExit, match="width 16 but --model"):
         run(flags(tiny_policy, tmp_path / "run2", "pair", probes=narrow, eval_episodes=2))
     ours = fake_pair(tmp_path / "ours", 32, 4 * 2 * 4, dims=dims,
-                     model_sha256=weights.checkpoint_sha256(tiny_policy))
+                     model_sha256=mdl.checkpoint_sha256(tiny_policy))
     pair.check_probe_model(ours, tiny_policy)          # the right model passes
 
 
@@ -754,7 +752,7 @@ def test_two_processes_equal_one_process(reward, tiny_policy, tmp_path, pair_cac
     for out, launcher in ((one, [sys.executable]),
                           (two, [sys.executable, "-m", "torch.distributed.run", "--standalone",
                                  "--nproc_per_node", "2"])):
-        r = subprocess.run(launcher + [str(ROOT / "grpo.py")] + flags(tiny_policy, out, **kw),
+        r = subprocess.run(launcher + ["-m", "lab.train"] + flags(tiny_policy, out, **kw),
                            cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
         assert r.returncode == 0, r.stderr[-3000:]
     m1, m2 = metrics(one), metrics(two)
@@ -763,9 +761,9 @@ def test_two_processes_equal_one_process(reward, tiny_policy, tmp_path, pair_cac
         for k in ("reward_mean", "reward_std", "success", "loss", "kl", "grad_norm", "tokens",
                   "frac_zero_std", "turns"):
             assert b[k] == pytest.approx(a[k], rel=1e-4, abs=1e-7), k
-    pa = adapters.load_adapter(mdl.load_model(tiny_policy)[0],
+    pa = mdl.load_adapter(mdl.load_model(tiny_policy)[0],
                                one / "checkpoint-000002" / "adapter")
-    pb = adapters.load_adapter(mdl.load_model(tiny_policy)[0],
+    pb = mdl.load_adapter(mdl.load_model(tiny_policy)[0],
                                two / "checkpoint-000002" / "adapter")
     for (name, p), (_, q) in zip(mdl.lora_parameters(pa), mdl.lora_parameters(pb)):
         torch.testing.assert_close(p, q, atol=1e-6, rtol=1e-4, msg=name)
@@ -776,7 +774,7 @@ def test_two_runs_on_one_out_one_refuses(tiny_policy, tmp_path, pair_cache):
     # interleaved metrics and checkpoints of two seeds.
     out = tmp_path / "run"
     env = dict(os.environ, PAIR_CACHE=str(pair_cache), OMP_NUM_THREADS="1")
-    runs = [subprocess.Popen([sys.executable, str(ROOT / "grpo.py"),
+    runs = [subprocess.Popen([sys.executable, "-m", "lab.train",
                               *flags(tiny_policy, out, steps=3, seed=seed)], cwd=ROOT, env=env,
                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
             for seed in (1, 2)]
@@ -791,11 +789,11 @@ def test_two_runs_on_one_out_one_refuses(tiny_policy, tmp_path, pair_cache):
 
 def test_kill_9_frees_the_out_of_a_run(tiny_policy, tmp_path, pair_cache):
     out = tmp_path / "run"
-    args = runs.train_parser(grpo.REWARDS).parse_args(
+    args = grpo.train_parser(grpo.REWARDS).parse_args(
         flags(tiny_policy, out, steps=1000, resume=True))
-    runs.resolve_preset(args, runs.World())
+    grpo.resolve_preset(args, grpo.World())
     env = dict(os.environ, PAIR_CACHE=str(pair_cache), OMP_NUM_THREADS="1")
-    first = subprocess.Popen([sys.executable, str(ROOT / "grpo.py"),
+    first = subprocess.Popen([sys.executable, "-m", "lab.train",
                               *flags(tiny_policy, out, steps=1000)], cwd=ROOT, env=env,
                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
@@ -804,11 +802,11 @@ def test_kill_9_frees_the_out_of_a_run(tiny_policy, tmp_path, pair_cache):
             assert time.perf_counter() - t0 < 120 and first.poll() is None
             time.sleep(0.05)
         with pytest.raises(SystemExit, match=f"{out} is in use by pid {first.pid}"):
-            runs.prepare_out(args, runs.World())
+            grpo.prepare_out(args, grpo.World())
     finally:
         first.send_signal(signal.SIGKILL)       # no cleanup runs: the kernel drops the lock
         first.wait()
-    assert runs.prepare_out(args, runs.World()) == out
+    assert grpo.prepare_out(args, grpo.World()) == out
 
 
 # ---------------------------------------------------------------------------------------------
@@ -818,7 +816,7 @@ def test_kill_9_frees_the_out_of_a_run(tiny_policy, tmp_path, pair_cache):
 def spy_envs(monkeypatch) -> dict:
     """Record what train() hands to the training steps and to evaluate: name -> (env, pool)."""
     seen = {}
-    real_step, real_eval = grpo.train_step, runs.evaluate
+    real_step, real_eval = grpo.train_step, grpo.evaluate
 
     def train_step(step, run):
         seen["train"] = run.env, run.pool
@@ -828,7 +826,7 @@ def spy_envs(monkeypatch) -> dict:
         seen.setdefault("eval", []).append((env, pool))
         return real_eval(policy, tok, env, pool, *a, **k)
     monkeypatch.setattr(grpo, "train_step", train_step)
-    monkeypatch.setattr(runs, "evaluate", evaluate)
+    monkeypatch.setattr(grpo, "evaluate", evaluate)
     return seen
 
 
@@ -848,22 +846,22 @@ class Recording:
 
 def test_evaluation_decodes_greedily(tiny_policy):
     policy, tok = mdl.load_model(tiny_policy)
-    held_out = shop.ShopEnv("test")
+    held_out = envs.ShopEnv("test")
     pool = [4, 1, 7]
     args = play_args(eval_episodes=0, eval_batch=8, temperature=1.0)
     played = []
     for seed in (0, 1):                 # greedy: the global RNG state changes nothing
         torch.manual_seed(seed)
         env = Recording(held_out)
-        result = runs.evaluate(policy, tok, env, pool, 0, args, runs.World())
+        result = grpo.evaluate(policy, tok, env, pool, 0, args, grpo.World())
         played.append([ep.messages for ep in env.episodes])
         assert result["episodes"] == 3
         assert result["success"] == pytest.approx(sum(ep.score() for ep in env.episodes) / 3)
     assert played[0] == played[1]
-    greedy = rollout.rollout(policy, tok, [held_out.episode(j) for j in pool], args, greedy=True,
+    greedy = grpo.rollout(policy, tok, [held_out.episode(j) for j in pool], args, greedy=True,
                           stats=False)
     assert played[0] == [t.episode.messages for t in greedy]
-    sampled = rollout.rollout(policy, tok, [held_out.episode(j) for j in pool], args,
+    sampled = grpo.rollout(policy, tok, [held_out.episode(j) for j in pool], args,
                            generator=torch.Generator().manual_seed(0), stats=False)
     assert played[0] != [t.episode.messages for t in sampled]      # the check can tell
 
@@ -873,9 +871,9 @@ def test_training_plays_the_train_split_and_evaluation_the_test_split(tiny_polic
     seen = spy_envs(monkeypatch)
     summary = run(flags(tiny_policy, tmp_path / "run", "outcome", steps=1, eval_episodes=2))
     (train_env, _), evals = seen["train"], seen["eval"]
-    assert train_env.ids == shop.ShopEnv("train").ids
+    assert train_env.ids == envs.ShopEnv("train").ids
     # base and step 1, each on validation (selection) then test (the reported number)
-    assert [env.ids for env, _ in evals] == [shop.ShopEnv(s).ids
+    assert [env.ids for env, _ in evals] == [envs.ShopEnv(s).ids
                                              for s in ("val", "test", "val", "test")]
     assert summary["base"]["episodes"] == 2 and all(len(p) == len(e) for e, p in evals)
 
@@ -885,10 +883,10 @@ def test_summary_selects_on_validation_and_reports_test(tmp_path):
     # not test's best (0.8 at step 30), and neither is the last checkpoint
     success = {0: (0.3, 0.2), 10: (0.4, 0.5), 20: (0.6, 0.7), 30: (0.6, 0.8), 40: (0.5, 0.4)}
     for step, (val, test) in success.items():
-        common.append_jsonl(tmp_path / "eval.jsonl", {
+        grpo.append_jsonl(tmp_path / "eval.jsonl", {
             "step": step, "val": {"success": val, "episodes": 20, "turns": 3.0, "scores": []},
             "test": {"success": test, "episodes": 48, "turns": 3.0, "scores": []}})
-    s = runs.summarize(tmp_path, 12.0, argparse.Namespace(reward="pair", alpha=5.0, seed=1,
+    s = grpo.summarize(tmp_path, 12.0, argparse.Namespace(reward="pair", alpha=5.0, seed=1,
                                                          steps=40))
     assert [s[k]["step"] for k in ("base", "selected", "final", "best_on_test")] == [0, 20, 40, 30]
     assert [s[k]["success"] for k in ("base", "selected", "final", "best_on_test")] == \
@@ -897,14 +895,14 @@ def test_summary_selects_on_validation_and_reports_test(tmp_path):
     assert s["selected_adapter"] == str(tmp_path / "checkpoint-000020" / "adapter")
     assert ("before 0.200 -> selected 0.700 (step 20, chosen on validation) -> final 0.400 "
             "(step 40); best on test 0.800 (step 30, the paper's protocol)") in \
-        runs.summary_text(s)
+        grpo.summary_text(s)
 
 
 def test_gta_answers_match_strictly_in_training_and_loosely_in_evaluation(release_dir):
     args = argparse.Namespace(env="gta", data_dir=release_dir)
     scores = {}
     for split, evaluation in (("train", False), ("train", True), ("test", True)):
-        ep = runs.make_env(args, split, evaluation).episode(0)
+        ep = grpo.make_env(args, split, evaluation).episode(0)
         ep.gt_answer = {"whitelist": [["1919.96"]], "blacklist": None}  # GTA test episode 1
         assert ep.skip_reason is None
         ep.step("Final Answer: 1919.96s")           # "s" touches the alias: strict says no
@@ -960,7 +958,7 @@ def test_toolbench_tree_search_runs_with_the_judge(reward, release_dir, tiny_pol
                                                    fake_openai):
     # ToolBench releases test files only: a by-episode split of a few of them (envs.py
     # split-episodes) is its training data; ToolBench needs a judge to score answers
-    envs.split_episodes(release_dir, "toolbench", tmp_path / "data" / "toolbench", seed=0,
+    lab_data.split_episodes(release_dir, "toolbench", tmp_path / "data" / "toolbench", seed=0,
                         episodes=8)
     out = tmp_path / reward
     summary = run(flags(tiny_policy, out, reward, env="toolbench", data_dir=tmp_path / "data",
@@ -984,9 +982,9 @@ def test_probe_cache_is_reused(tiny_policy, tmp_path, pair_cache):
 
 def test_igpo_rewards_are_gold_probability_gains(tiny_policy):
     policy, tok = mdl.load_model(tiny_policy)
-    env = shop.ShopEnv("train")
+    env = envs.ShopEnv("train")
     args = play_args(micro_batch=2, reward="igpo", outcome_weight=0.0)
-    (traj,) = rollout.rollout(policy, tok, [env.episode(2)], args,
+    (traj,) = grpo.rollout(policy, tok, [env.episode(2)], args,
                            generator=torch.Generator().manual_seed(0))
     ctx = grpo.RewardContext(policy, tok, args, env=env)
     rewards = baselines.igpo_reward(traj, ctx)
@@ -1008,7 +1006,7 @@ def test_igpo_rewards_are_gold_probability_gains(tiny_policy):
 
 def test_tips_reads_the_lagged_teacher(tiny_policy):
     policy, tok, args, env = lora_policy(tiny_policy, ["--micro-batch", "2", "--reward", "tips"])
-    (traj,) = rollout.rollout(policy, tok, [env.episode(3)], play_args(),
+    (traj,) = grpo.rollout(policy, tok, [env.episode(3)], play_args(),
                            generator=torch.Generator().manual_seed(0))
     base = mdl.lora_state(policy)                      # B = 0: the teacher is the base model
     with torch.no_grad():
@@ -1052,8 +1050,8 @@ def random_pair(raw: dict, seed: int) -> pair.Pair:
 
 def test_pair_reward_is_the_momentum_reward_of_the_turns_s_final(tiny_policy, tmp_path):
     policy, tok = mdl.load_model(tiny_policy)
-    env = shop.ShopEnv("train")
-    trajs = rollout.rollout(policy, tok, [env.episode(i) for i in range(4)], play_args(max_turns=4),
+    env = envs.ShopEnv("train")
+    trajs = grpo.rollout(policy, tok, [env.episode(i) for i in range(4)], play_args(max_turns=4),
                          generator=torch.Generator().manual_seed(0))
     model = random_pair(stacked_raw([step for t in trajs for step in t.steps]), seed=0)
     model.save(tmp_path / "pair")
@@ -1079,8 +1077,8 @@ def test_outcome_weight_moves_the_last_reward_not_the_probes_p_correct(tiny_poli
     # a probe reward's turn rewards are its P(correct), which the drift monitor also scores:
     # --outcome-weight adds to the last reward only
     policy, tok = mdl.load_model(tiny_policy)
-    env = shop.ShopEnv("train")
-    traj = rollout.rollout(policy, tok, [env.episode(0)], play_args(max_turns=3),
+    env = envs.ShopEnv("train")
+    traj = grpo.rollout(policy, tok, [env.episode(0)], play_args(max_turns=3),
                            generator=torch.Generator().manual_seed(0))[0]
     traj.score = 1.0
     probe = random_pair(stacked_raw(traj.steps), seed=0).stage1        # a last_token probe
@@ -1093,14 +1091,14 @@ def test_outcome_weight_moves_the_last_reward_not_the_probes_p_correct(tiny_poli
 
 
 def test_probes_of_a_pair_train_run(tiny_policy, tmp_path, capsys, monkeypatch):
-    # README: `pair.py train --out runs/pair-gta`, then `grpo.py --probes runs/pair-gta`
+    # README: `python -m lab.study train --out runs/pair-gta`, then `grpo.py --probes runs/pair-gta`
     policy, tok = mdl.load_model(tiny_policy)
     data, features = tmp_path / "shop-data", tmp_path / "features"
     shop.make_shop_data(data, episodes=10, seed=42)
-    for split in pair.TRAIN_SPLITS["mixed"] + pair.TEST_SPLITS:
-        pair.extract(policy, tok, data / f"{split}.json", features / f"{split}.safetensors")
+    for split in study.TRAIN_SPLITS["mixed"] + study.TEST_SPLITS:
+        study.extract(policy, tok, data / f"{split}.json", features / f"{split}.safetensors")
     trained = tmp_path / "pair-shop"
-    pair.main(["train", "--features", str(features), "--out", str(trained), "--seeds", "43", "42"])
+    study.main(["train", "--features", str(features), "--out", str(trained), "--seeds", "43", "42"])
     loaded, real_context = [], grpo.reward_context
 
     def reward_context(*a, **k):            # what the reward reads: which model, which seed
@@ -1189,28 +1187,33 @@ def test_premise_gate_is_printed_kept_and_its_turns_cached(tiny_policy, tmp_path
 
 
 def test_cli_help_lists_every_reward_and_the_real_defaults():
-    r = subprocess.run([sys.executable, str(ROOT / "grpo.py"), "--help"], capture_output=True,
+    core = subprocess.run([sys.executable, str(ROOT / "grpo.py"), "--help"], capture_output=True,
+                          text=True, cwd=ROOT, timeout=60, env=dict(os.environ, COLUMNS="200"))
+    assert core.returncode == 0 and "igpo" not in core.stdout and "--tree-m" not in core.stdout
+    # the lab's (python -m lab.train) adds its rewards and flags to the core's
+    r = subprocess.run([sys.executable, "-m", "lab.train", "--help"], capture_output=True,
                        text=True, cwd=ROOT, timeout=60, env=dict(os.environ, COLUMNS="200"))
     assert r.returncode == 0
-    for name in grpo.REWARDS:
-        assert name in r.stdout
+
+    def choices(text):
+        return set(re.search(r"--reward \{([^}]*)\}", text)[1].split(","))
+    assert choices(r.stdout) == set(grpo.REWARDS) and choices(core.stdout) == CORE_REWARDS
     text = " ".join(r.stdout.split())       # wide enough that no default is broken at a "-"
-    assert "default: None" not in text and text.count("(default:", text.index("--micro-batch"),
-                                                      text.index("--micro-batch-tokens")) == 1
-    for key, paper in runs.PAPER_HPARAMS.items():
+    body = text[text.index("optimization:"):]          # the flags' help, past the usage
+    assert "default: None" not in text and body.count("(default:", body.index("--micro-batch"),
+                                                      body.index("--micro-batch-tokens")) == 1
+    for key, paper in grpo.PAPER_HPARAMS.items():
         flag = f"--{key.replace('_', '-')} {key.upper()} "
         default = text[text.index("(default:", text.index(flag)):][:80]   # its help's last part
-        tiny = runs.TINY.get(key, paper)
+        tiny = grpo.TINY.get(key, paper)
         # "the paper's" only for what Table grpo_config states (not T, top-p, LoRA alpha, dropout)
-        source = "the paper's" if key in runs.PAPER_STATED else runs.SOURCE.get(key)
+        source = "the paper's" if key in grpo.PAPER_STATED else grpo.SOURCE.get(key)
         assert default.startswith(f"(default: {tiny} with the built-in policy, {paper} otherwise"
                                   if tiny != paper else f"(default: {paper}" +
                                   (f", {source})" if source else ")")), (flag, default)
-        if key not in runs.PAPER_STATED:
+        if key not in grpo.PAPER_STATED:
             assert "the paper's" not in default, (flag, default)
-    usage = r.stdout.split("\n\n")[0]
-    assert "grpo.py compare" in usage
-    assert runs.train_parser(grpo.REWARDS).parse_args(["--dtype", "bfloat16"]).dtype == "bfloat16"
+    assert grpo.train_parser(grpo.REWARDS).parse_args(["--dtype", "bfloat16"]).dtype == "bfloat16"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -1218,7 +1221,7 @@ def test_cli_help_lists_every_reward_and_the_real_defaults():
 
 def test_no_held_out_episode_is_sampled_for_the_corpus_or_for_training(tmp_path, monkeypatch):
     calls, fitted, yardstick = [], [], []
-    real_rollout, real_fit = rollout.rollout, onpolicy.fit_probes
+    real_rollout, real_fit = grpo.rollout, onpolicy.fit_probes
     real_corpus = onpolicy.contaminated_corpus
 
     def spy_rollout(policy, tok, episodes, args, greedy=False, **kw):
@@ -1228,7 +1231,7 @@ def test_no_held_out_episode_is_sampled_for_the_corpus_or_for_training(tmp_path,
     def spy_fit(train, info):
         fitted.append(list(train.episode_id))
         return real_fit(train, info)
-    for module in (grpo, runs, onpolicy):       # training, evaluation, the probe corpus
+    for module in (grpo, onpolicy):       # training, evaluation, the probe corpus
         monkeypatch.setattr(module, "rollout", spy_rollout)
     monkeypatch.setattr(onpolicy, "fit_probes", spy_fit)
     monkeypatch.setattr(onpolicy, "contaminated_corpus",
@@ -1265,7 +1268,7 @@ def test_probe_reads_base_equals_teacher_forcing_through_the_base():
         for name, p in mdl.lora_parameters(policy):
             p.normal_(0, 0.004 if "lora_B" in name else 0.3)
     policy.eval()
-    trajs = rollout.rollout(policy, tok, [env.episode(i) for i in (0, 1)],
+    trajs = grpo.rollout(policy, tok, [env.episode(i) for i in (0, 1)],
                          play_args(max_new_tokens=96), generator=torch.Generator().manual_seed(0))
     generated = [step.trace for traj in trajs for step in traj.steps]
     grpo.read_from_base(policy, trajs, rows_per_forward=2)
@@ -1273,7 +1276,7 @@ def test_probe_reads_base_equals_teacher_forcing_through_the_base():
     for traj in trajs:
         turns = [m for m, msg in enumerate(traj.episode.messages) if msg["role"] == "assistant"]
         for step, m in zip(traj.steps, turns):
-            # what `pair.py extract` does with this transcript: render, one teacher-forced pass
+            # what `python -m lab.study extract` does with this transcript: render, one teacher-forced pass
             ids, spans = tok.render(traj.episode.messages[:m + 1])
             if not step.trace.finished:           # a turn cut at max_new_tokens has no im_end
                 continue
@@ -1354,7 +1357,7 @@ def test_compare_resumes_without_redoing_finished_runs(tiny_policy, tmp_path):
     xs = [x for x, _ in first_row["curve_seconds"]]
     assert xs[0] == 0.0 and xs == sorted(xs) and xs[-1] > 0
     assert [y for _, y in first_row["curve_seconds"]] == [y for _, y in first_row["curve_success"]]
-    clock = runs.training_seconds(metrics(run_dirs / "outcome-s1"))
+    clock = grpo.training_seconds(metrics(run_dirs / "outcome-s1"))
     assert clock[2] == pytest.approx(sum(m["t_rollout"] + m["t_reward"] + m["t_update"]
                                          for m in metrics(run_dirs / "outcome-s1")))
     reach = first_row["to_target"]
@@ -1368,7 +1371,7 @@ def test_compare_resumes_without_redoing_finished_runs(tiny_policy, tmp_path):
             want = []
             for run in row["runs"]:
                 step = json.loads((Path(run) / "summary.json").read_text())[key]["step"]
-                (ev,) = [e for e in common.read_jsonl(Path(run) / "eval.jsonl")
+                (ev,) = [e for e in grpo.read_jsonl(Path(run) / "eval.jsonl")
                          if e["step"] == step]
                 want.append(sum(ev["test"]["scores"][1:]) / 2)
             assert row["by_habit"][key]["divided"] == pytest.approx(sum(want) / len(want))
@@ -1385,14 +1388,14 @@ def _finished_runs(out: Path, scores=FAKE_SCORES):
     for seed, by_step in scores.items():
         run = out / "runs" / compare.run_name("outcome", seed)
         run.mkdir(parents=True)
-        common.write_json(run / "args.json", {"env": "shop", "eval_episodes": 4})
+        mdl.write_json(run / "args.json", {"env": "shop", "eval_episodes": 4})
         for step, test in by_step.items():
-            common.append_jsonl(run / "eval.jsonl", {"step": step, "test": {
+            grpo.append_jsonl(run / "eval.jsonl", {"step": step, "test": {
                 "scores": test, "success": sum(test) / 4}})
         for step in (10, 20):
-            common.append_jsonl(run / "metrics.jsonl", {"step": step, "frac_zero_std": 0.0,
+            grpo.append_jsonl(run / "metrics.jsonl", {"step": step, "frac_zero_std": 0.0,
                                                         "kl": 0.0, "reward_mean": 0.0})
-        common.write_json(run / "summary.json", {"seconds": 60, **{
+        mdl.write_json(run / "summary.json", {"seconds": 60, **{
             key: {"step": step, "success": sum(by_step[step]) / 4}
             for key, step in (("base", 0), ("selected", 10), ("final", 20),
                               ("best_on_test", 10))}})
@@ -1489,7 +1492,7 @@ def test_compare_refuses_a_resumed_run_whose_flags_changed_before_starting_any(
         tmp_path, no_run_starts):
     run = tmp_path / "runs" / "outcome-s1"
     run.mkdir(parents=True)
-    common.write_json(run / "args.json", {"steps": 3})
+    mdl.write_json(run / "args.json", {"steps": 3})
     with pytest.raises(SystemExit) as e:
         compare.main(["--rewards", "outcome", "--seeds", "1", "--out", str(tmp_path), "--",
                       "--steps", "2"])
@@ -1521,11 +1524,11 @@ def test_compare_refuses_an_out_with_a_file_in_the_way(under, tmp_path, no_run_s
 
 def _set_summary(run, key, value):
     summary = json.loads((run / "summary.json").read_text())
-    common.write_json(run / "summary.json", {**summary, key: value})
+    mdl.write_json(run / "summary.json", {**summary, key: value})
 
 
 def _drop_eval(run, step):
-    kept = [e for e in common.read_jsonl(run / "eval.jsonl") if e["step"] != step]
+    kept = [e for e in grpo.read_jsonl(run / "eval.jsonl") if e["step"] != step]
     (run / "eval.jsonl").write_text("".join(json.dumps(e) + "\n" for e in kept))
 
 
@@ -1537,17 +1540,17 @@ def _drop_eval(run, step):
      '"selected" is not an object with an integer "step"'),
     (lambda r: _set_summary(r, "seconds", None), "summary.json", 'no number "seconds"'),
     (lambda r: _drop_eval(r, 10), "eval.jsonl", "no evaluation of step 10"),
-    (lambda r: common.append_jsonl(r / "eval.jsonl", {"step": 30, "test": {"success": 1}}),
+    (lambda r: grpo.append_jsonl(r / "eval.jsonl", {"step": 30, "test": {"success": 1}}),
      "eval.jsonl", '"test" is not an object with a number "success" and a list of numbers'),
     (lambda r: (r / "eval.jsonl").write_text('{"step"\n{"step": 0}\n'), "eval.jsonl",
      "line 1 is not JSON"),
     (lambda r: (r / "metrics.jsonl").write_text(""), "metrics.jsonl", "no training step logged"),
-    (lambda r: common.append_jsonl(r / "metrics.jsonl", {"step": 21}), "metrics.jsonl",
+    (lambda r: grpo.append_jsonl(r / "metrics.jsonl", {"step": 21}), "metrics.jsonl",
      "step 21: reward_mean, frac_zero_std, kl not a number"),
     (lambda r: (r / "args.json").write_text("{"), "args.json", "not readable JSON"),
-    (lambda r: common.write_json(r / "args.json", {"env": "shop", "eval_episodes": "4"}),
+    (lambda r: mdl.write_json(r / "args.json", {"env": "shop", "eval_episodes": "4"}),
      "args.json", "the run used --eval-episodes '4', where this command gives 4"),
-    (lambda r: common.write_json(r / "args.json", {"env": "shop-long", "eval_episodes": 4}),
+    (lambda r: mdl.write_json(r / "args.json", {"env": "shop-long", "eval_episodes": 4}),
      "args.json", "the run used --env 'shop-long', where this command gives 'shop'")])
 def test_compare_tabulating_a_damaged_run_is_one_line_naming_its_file(
         damage, file, error, tmp_path, no_run_starts):
@@ -1579,7 +1582,7 @@ def test_compare_cost_names_a_run_whose_metrics_lack_the_costs(tmp_path, no_run_
                        "trained with evaluations, .* so its step times are not --cost's"):
         compare.main(cost)
     args = tmp_path / "runs" / "outcome-s1" / "args.json"
-    common.write_json(args, {**json.loads(args.read_text()), "no_eval": True})
+    mdl.write_json(args, {**json.loads(args.read_text()), "no_eval": True})
     with pytest.raises(SystemExit, match=r"^compare: .*outcome-s1/metrics.jsonl: step 10: "
                        "t_rollout, t_reward, t_update, gen_tokens"):
         compare.main(cost)
@@ -1588,12 +1591,12 @@ def test_compare_cost_names_a_run_whose_metrics_lack_the_costs(tmp_path, no_run_
 def test_changed_flag_reads_a_model_directory_written_another_way(tmp_path, monkeypatch):
     (tmp_path / "policy").mkdir()
     monkeypatch.chdir(tmp_path)
-    args = runs.parse_args(["--model", str(tmp_path / "policy")], grpo.REWARDS)
-    saved = {k: getattr(args, k) for k in runs.RESUME_KEYS}
-    assert runs.changed_flag(args, {**saved, "model": "policy"}) is None      # relative
-    assert runs.changed_flag(args, {**saved, "model": "other"}) == (
+    args = grpo.parse_args(["--model", str(tmp_path / "policy")], grpo.REWARDS)
+    saved = {k: getattr(args, k) for k in grpo.RESUME_KEYS}
+    assert grpo.changed_flag(args, {**saved, "model": "policy"}) is None      # relative
+    assert grpo.changed_flag(args, {**saved, "model": "other"}) == (
         "--model", str(tmp_path / "policy"), "other")
-    assert runs.changed_flag(args, {**saved, "lr": 1.0}) == ("--lr", args.lr, 1.0)
+    assert grpo.changed_flag(args, {**saved, "lr": 1.0}) == ("--lr", args.lr, 1.0)
 
 
 def test_student_t_quantile_equals_scipys():
@@ -1657,7 +1660,7 @@ def test_oversample_keeps_the_first_groups_with_something_to_say(tiny_policy, tm
 def test_two_runs_on_one_fresh_probe_cache_fit_the_probes_once(tiny_policy, tmp_path):
     cache = tmp_path / "fresh-cache"
     env = dict(os.environ, PAIR_CACHE=str(cache), OMP_NUM_THREADS="1")
-    procs = [subprocess.Popen([sys.executable, str(ROOT / "grpo.py"),
+    procs = [subprocess.Popen([sys.executable, "-m", "lab.train",
                                *flags(tiny_policy, tmp_path / f"run{k}", "pair", steps=1)],
                               cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                               text=True) for k in range(2)]
@@ -1678,9 +1681,9 @@ def test_resume_redoes_exactly_what_was_logged_after_the_last_checkpoint(tiny_po
     run(flags(tiny_policy, whole, "outcome", **kw))
 
     def evals(out):
-        return [(e["step"], e["test"]["scores"]) for e in common.read_jsonl(out / "eval.jsonl")]
+        return [(e["step"], e["test"]["scores"]) for e in grpo.read_jsonl(out / "eval.jsonl")]
 
-    real_step, real_eval = grpo.train_step, runs.evaluate_all
+    real_step, real_eval = grpo.train_step, grpo.evaluate_all
     # 1. killed before the first checkpoint: step 1 was logged, the base model evaluated
     early = tmp_path / "early"
 
@@ -1705,10 +1708,10 @@ def test_resume_redoes_exactly_what_was_logged_after_the_last_checkpoint(tiny_po
         if step == 2:
             raise KeyboardInterrupt
         return real_eval(step, *a, **k)
-    monkeypatch.setattr(runs, "evaluate_all", crash_in_eval_2)
+    monkeypatch.setattr(grpo, "evaluate_all", crash_in_eval_2)
     with pytest.raises(SystemExit, match="--resume"):
         run(flags(tiny_policy, late, "outcome", **kw))
-    monkeypatch.setattr(runs, "evaluate_all", real_eval)
+    monkeypatch.setattr(grpo, "evaluate_all", real_eval)
     assert (late / "checkpoint-000002").is_dir() and [s for s, _ in evals(late)] == [0]
     summary = run(flags(tiny_policy, late, "outcome", resume=True, **kw))
     assert without_timing(metrics(late)) == without_timing(metrics(whole))
@@ -1719,23 +1722,23 @@ def test_a_damaged_log_line_before_the_last_is_a_one_line_error(tmp_path):
     path = tmp_path / "metrics.jsonl"
     path.write_text('{"step": 1}\n{"step": 2, "reward\n{"step": 3}\n')
     with pytest.raises(SystemExit, match="line 2 is not JSON"):
-        common.read_jsonl(path)
+        grpo.read_jsonl(path)
     # valid JSON of another shape: resuming would fail on it (a KeyError, a TypeError)
     for line in ('{"x": 1}', "[1]", '{"step": "a"}', '{"step": true}'):
         path.write_text(f'{{"step": 1}}\n{line}\n{{"step": 3}}\n')
         with pytest.raises(SystemExit, match="line 2 is not a step's record"):
-            common.truncate_jsonl(path, 2)
+            grpo.truncate_jsonl(path, 2)
 
 
 def test_the_base_model_is_evaluated_once_per_policy_and_evaluation_settings(
         tiny_policy, tmp_path, monkeypatch):
     monkeypatch.setenv("PAIR_CACHE", str(tmp_path / "cache"))
-    real_eval, steps = runs.evaluate_all, []
+    real_eval, steps = grpo.evaluate_all, []
 
     def counted(step, *a, **k):
         steps.append(step)
         return real_eval(step, *a, **k)
-    monkeypatch.setattr(runs, "evaluate_all", counted)
+    monkeypatch.setattr(grpo, "evaluate_all", counted)
     kw = dict(steps=1, eval_episodes=3)
 
     def base(out):
@@ -1752,8 +1755,8 @@ def test_the_base_model_is_evaluated_once_per_policy_and_evaluation_settings(
 # ---------------------------------------------------------------------------------------------
 # tree search: Tree-GRPO and AT²PO (grpo.py section 3b)
 
-def hand_step(nll: float = 0.0) -> rollout.Step:
-    return rollout.Step([1, 2], 0, (0, 2), "", None, None, nll=nll)
+def hand_step(nll: float = 0.0) -> grpo.Step:
+    return grpo.Step([1, 2], 0, (0, 2), "", None, None, nll=nll)
 
 
 def hand_forest(n_roots: int, paths: list[tuple[int, int | None, int, list[float], float]]):
@@ -1763,7 +1766,7 @@ def hand_forest(n_roots: int, paths: list[tuple[int, int | None, int, list[float
     trajs = []
     for root, src, kept, nlls, score in paths:
         shared = trajs[src].steps[:kept] if src is not None else []
-        traj = rollout.Trajectory(None, steps=shared + [hand_step(h) for h in nlls], score=score)
+        traj = grpo.Trajectory(None, steps=shared + [hand_step(h) for h in nlls], score=score)
         parent = forest.node_of[id(shared[-1])] if shared else forest.roots[root]
         baselines.attach(forest, traj, parent, kept)
         trajs.append(traj)
@@ -1844,10 +1847,10 @@ def test_tree_grpo_draws_expandable_nodes_and_continues_after_them():
 
 def test_a_branch_from_a_copied_cache_equals_a_fresh_prefill(tiny_policy, monkeypatch):
     policy, tok = mdl.load_model(tiny_policy)
-    env = shop.ShopEnv("train")
+    env = envs.ShopEnv("train")
     args = play_args(max_turns=4, max_new_tokens=12)
     caches = []
-    chains = rollout.rollout(policy, tok, [env.episode(5) for _ in range(3)], args,
+    chains = grpo.rollout(policy, tok, [env.episode(5) for _ in range(3)], args,
                           generator=torch.Generator().manual_seed(0), caches=caches)
     i = max(range(3), key=lambda k: len(chains[k].steps))
     owner = chains[i]
@@ -1866,9 +1869,9 @@ def test_a_branch_from_a_copied_cache_equals_a_fresh_prefill(tiny_policy, monkey
         context = owner.segments[0][:owner.steps[kept].span[0]]
         assert copied[-1] == len(context) - 1       # the prefix is copied, one token re-fed
         # the same continuation from a fresh prefill of the whole context
-        fresh = rollout.Trajectory(baselines.fork_episode(lambda: env.episode(5), owner, kept),
+        fresh = grpo.Trajectory(baselines.fork_episode(lambda: env.episode(5), owner, kept),
                                 steps=list(owner.steps[:kept]))
-        rollout.play(policy, tok, [fresh], policy.new_cache(1), [context], args,
+        grpo.play(policy, tok, [fresh], policy.new_cache(1), [context], args,
                   generator=torch.Generator().manual_seed(11), stats=True)
         assert branch.segments == fresh.segments and branch.steps[:kept] == owner.steps[:kept]
         assert branch.score == fresh.score and len(branch.steps) == len(fresh.steps) > kept
@@ -1894,7 +1897,7 @@ def test_a_branch_from_before_a_rewritten_history_prefills_only_what_differs(tin
         return rewriting_episode(score=None)
     args = play_args(max_turns=3)
     caches = []
-    (owner,) = rollout.rollout(policy, tok, [episode()], args,
+    (owner,) = grpo.rollout(policy, tok, [episode()], args,
                             generator=torch.Generator().manual_seed(0), caches=caches)
     assert [s.segment for s in owner.steps] == [0, 0, 1]
     copied = []
@@ -1913,10 +1916,10 @@ def test_a_branch_from_before_a_rewritten_history_prefills_only_what_differs(tin
         shared = baselines.common_prefix(context, owner.segments[-1])
         assert copied[-1] == min(shared, len(context) - 1)
         assert (shared < len(context)) == (kept == 1)   # turn 2 was played before the rewrite
-        fresh = rollout.Trajectory(baselines.fork_episode(episode, owner, kept),
+        fresh = grpo.Trajectory(baselines.fork_episode(episode, owner, kept),
                                 segments=[list(x) for x in owner.segments[:at.segment]] + [[]],
                                 steps=list(owner.steps[:kept]))
-        rollout.play(policy, tok, [fresh], policy.new_cache(1), [context], args,
+        grpo.play(policy, tok, [fresh], policy.new_cache(1), [context], args,
                   generator=torch.Generator().manual_seed(5), stats=True)
         assert branch.segments == fresh.segments
         for x, y in zip(branch.steps[kept:], fresh.steps[kept:]):
@@ -2041,7 +2044,7 @@ def test_deeply_nested_json_is_one_line_everywhere(tiny_policy, tmp_path):
     bad_model = tmp_path / "model"
     shutil.copytree(tiny_policy, bad_model)
     (bad_model / "config.json").write_text(deep)
-    with pytest.raises(weights.CheckpointError, match="config.json: not readable JSON"):
+    with pytest.raises(mdl.CheckpointError, match="config.json: not readable JSON"):
         mdl.load_model(bad_model)
     data = tmp_path / "matched_clean_test.json"
     data.write_text(deep)
@@ -2062,9 +2065,9 @@ def test_progress_an_eta_is_not_one_outlier_and_evaluations_print_progress(tiny_
                                                                            capsys):
     rec = {"step": 1, "reward_mean": 0.5, "reward_std": 0.1, "success": 0.2,
            "frac_zero_std": 0.0, "kl": 0.0, "t_rollout": 1.0, "t_reward": 0.0, "t_update": 1.0}
-    assert runs.progress_line(rec, 20, [11580.0]).endswith("ETA after 3 steps")
-    line = runs.progress_line({**rec, "step": 3}, 20, [11580.0, 5.0, 6.0])
-    assert line.endswith("ETA " + common.duration(6.0 * 17))        # the median, not the mean
+    assert grpo.progress_line(rec, 20, [11580.0]).endswith("ETA after 3 steps")
+    line = grpo.progress_line({**rec, "step": 3}, 20, [11580.0, 5.0, 6.0])
+    assert line.endswith("ETA " + mdl.duration(6.0 * 17))        # the median, not the mean
     run(flags(tiny_policy, tmp_path / "r", steps=1, eval_episodes=3))
     out = capsys.readouterr().out
     assert "evaluating: 3/3 test episodes, ETA" in out and "2/2 validation episodes" in out
@@ -2073,14 +2076,14 @@ def test_progress_an_eta_is_not_one_outlier_and_evaluations_print_progress(tiny_
 def test_a_full_disk_at_a_checkpoint_is_one_line_and_keeps_the_last_one(tiny_policy, tmp_path,
                                                                         monkeypatch):
     out = tmp_path / "r"
-    real, calls = runs.save_file, []
+    real, calls = grpo.save_file, []
 
     def full_at_second_checkpoint(tensors, path, *a, **k):
         calls.append(path)
         if "checkpoint-000002" in str(path):
             raise OSError(28, "No space left on device")
         return real(tensors, path, *a, **k)
-    monkeypatch.setattr(runs, "save_file", full_at_second_checkpoint)
+    monkeypatch.setattr(grpo, "save_file", full_at_second_checkpoint)
     with pytest.raises(SystemExit, match="checkpoint-000002: could not be written .*No space "
                                          ".*checkpoint-000001 is intact"):
         run(flags(tiny_policy, out, steps=2, save_every=1))
@@ -2108,7 +2111,7 @@ def test_a_damaged_probe_cache_fails_before_any_rollout(tiny_policy, tmp_path, m
 def test_compare_draws_each_of_twelve_rewards_with_a_line_of_its_own():
     rows = [{"reward": f"r{i}", "curve_success": [(0, 0.1), (5, 0.2 + i / 100)]}
             for i in range(12)]
-    svg = runs.curves_svg({"rows": rows})
+    svg = grpo.curves_svg({"rows": rows})
     style = r'stroke="#\w+"(?: stroke-dasharray="[\d,]+")?'
     lines = re.findall(f"<polyline [^>]*?({style})", svg)
     legend = re.findall(f'<line [^>]*?({style}) stroke-width="3"/><text[^>]*>r\\d+<', svg)
@@ -2119,7 +2122,7 @@ def test_compare_draws_each_of_twelve_rewards_with_a_line_of_its_own():
 def test_curves_keep_whole_labels_and_a_tick_below_the_lowest_point():
     rows = [{"reward": name, "curve_reward": [(1, 0.353), (2, 0.61)]}
             for name in ("pair:probe-corpus=contaminated", "pair:advantage=release", "outcome")]
-    svg = runs.curves_svg({"rows": rows})
+    svg = grpo.curves_svg({"rows": rows})
     assert all(f">{r['reward']}</text>" in svg for r in rows)             # no label cut
     ticks = [float(v) for v in re.findall(r'text-anchor="end">([\d.]+)<', svg)]
     assert min(ticks) <= 0.353 and max(ticks) >= 0.61, ticks
@@ -2131,11 +2134,11 @@ def test_a_run_draws_its_curves_with_distinct_round_ticks(tiny_policy, tmp_path)
     svg = (out / "curves.svg").read_text()
     assert svg.count("<polyline") == 3 and "</svg>" in svg         # success vs step, vs s; reward
     for ticks in ([0.04, 0.3], [0.11, 0.18], [1, 4]):
-        values = runs.nice_ticks(*ticks, integer=ticks == [1, 4])
+        values = grpo.nice_ticks(*ticks, integer=ticks == [1, 4])
         assert len(set(values)) == len(values) and values == sorted(values)
         steps = {round(b - a, 12) for a, b in zip(values, values[1:])}
         assert len(steps) == 1                           # evenly spaced
-    assert runs.nice_ticks(1, 4, integer=True) == [1, 2, 3, 4]  # not "1, 2, 2, 3, 4"
+    assert grpo.nice_ticks(1, 4, integer=True) == [1, 2, 3, 4]  # not "1, 2, 2, 3, 4"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -2228,27 +2231,27 @@ def test_probe_retrain_is_refused_where_there_is_nothing_to_refit(tmp_path, caps
 
 
 def test_shop_long_is_a_world_of_its_own(tiny_policy, tmp_path, monkeypatch):
-    played, real = [], rollout.rollout
+    played, real = [], grpo.rollout
 
     def spy(policy, tok, episodes, args, **kw):
         played.extend(e.id for e in episodes)
         return real(policy, tok, episodes, args, **kw)
-    for module in (grpo, runs, onpolicy):
+    for module in (grpo, onpolicy):
         monkeypatch.setattr(module, "rollout", spy)
     out = tmp_path / "r"
     run(flags(tiny_policy, out, "pair", env="shop-long", steps=1, eval_episodes=2))
     saved = json.loads((out / "args.json").read_text())
     assert saved["env"] == "shop-long"
-    for model in (tiny_policy, shop.BUILTIN_POLICIES["shop-long"]):   # any policy: 16 turns
-        args = runs.parse_args(["--env", "shop-long", "--model", str(model), "--out", "x"],
+    for model in (tiny_policy, envs.BUILTIN_POLICIES["shop-long"]):   # any policy: 16 turns
+        args = grpo.parse_args(["--env", "shop-long", "--model", str(model), "--out", "x"],
                                grpo.REWARDS)
-        runs.resolve_preset(args, runs.World())
-        assert args.max_turns == shop.MAX_TURNS["shop-long"] == 16
+        grpo.resolve_preset(args, grpo.World())
+        assert args.max_turns == envs.WORLD_TURNS["shop-long"] == 16
     assert played and all(eid.startswith("shop-long-") for eid in played)
     caches = [p.name for p in (Path(os.environ["PAIR_CACHE"]) / "grpo-probes").iterdir()]
     assert any(name.startswith("shop-long-") for name in caches)
     with pytest.raises(SystemExit, match="shop-long-policy is missing"):
-        monkeypatch.setitem(shop.BUILTIN_POLICIES, "shop-long", tmp_path / "shop-long-policy")
+        monkeypatch.setitem(envs.BUILTIN_POLICIES, "shop-long", tmp_path / "shop-long-policy")
         run(["--env", "shop-long", "--out", str(tmp_path / "x"), "--threads", "1"])
 
 
@@ -2310,8 +2313,8 @@ def test_the_built_in_policies_run_on_one_thread_unless_told(tmp_path):
     busy process a run went 1.8 to 40 times slower: the built-in policies' preset takes one
     thread, --threads overrides it, and any other model keeps torch's choice."""
     def resolved(*argv):
-        args = runs.parse_args([*argv, "--out", str(tmp_path / "r")], grpo.REWARDS)
-        runs.resolve_preset(args, runs.World(rank=1))
+        args = grpo.parse_args([*argv, "--out", str(tmp_path / "r")], grpo.REWARDS)
+        grpo.resolve_preset(args, grpo.World(rank=1))
         return args.threads
     assert resolved() == 1
     assert resolved("--env", "shop-long") == 1

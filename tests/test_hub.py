@@ -10,7 +10,6 @@ import pytest
 import torch
 
 import model as M
-import weights
 
 REPO = "tiny-org/tiny-model"
 
@@ -124,7 +123,7 @@ def env(tmp_path, monkeypatch):
     monkeypatch.setenv("PAIR_CACHE", str(tmp_path / "cache"))
     monkeypatch.delenv("HF_TOKEN", raising=False)
     monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
-    monkeypatch.setattr(weights, "HUB_RETRY_WAIT", 0.0)
+    monkeypatch.setattr(M, "HUB_RETRY_WAIT", 0.0)
     hubs = []
 
     def start(files=None, **kw):
@@ -141,9 +140,9 @@ def env(tmp_path, monkeypatch):
 def test_fetches_only_needed_files_with_token(env, monkeypatch, capsys):
     hub = env(token="secret")
     monkeypatch.setenv("HF_TOKEN", "secret")
-    folder = weights.fetch_from_hub(REPO)
+    folder = M.fetch_from_hub(REPO)
     assert "tiny-org/tiny-model/model.safetensors: 0.3/0.3 MB (100%)" in capsys.readouterr().err
-    assert folder == weights.hub_cache_dir(REPO) and folder.name == "tiny-org--tiny-model"
+    assert folder == M.hub_cache_dir(REPO) and folder.name == "tiny-org--tiny-model"
     fetched = sorted(p.name for p in folder.iterdir() if not p.name.startswith("."))
     assert fetched == ["config.json", "model.safetensors", "tokenizer.json"]
     for name in fetched:
@@ -156,14 +155,14 @@ def test_fetches_only_needed_files_with_token(env, monkeypatch, capsys):
 
 def test_gated_model_without_token_names_hf_token(env):
     env(token="secret")
-    with pytest.raises(weights.HubError, match="HF_TOKEN"):
-        weights.fetch_from_hub(REPO)
+    with pytest.raises(M.HubError, match="HF_TOKEN"):
+        M.fetch_from_hub(REPO)
 
 
 def test_sharded_checkpoint_fetches_index_and_every_shard(env):
     hub = env(sharded=True, lfs=("model-00001-of-00002.safetensors",
                                  "model-00002-of-00002.safetensors"))
-    folder = weights.fetch_from_hub(REPO)
+    folder = M.fetch_from_hub(REPO)
     for name in ("model.safetensors.index.json", "model-00001-of-00002.safetensors",
                  "model-00002-of-00002.safetensors"):
         assert (folder / name).read_bytes() == hub.files[name]
@@ -173,7 +172,7 @@ def test_sharded_checkpoint_fetches_index_and_every_shard(env):
 def test_interrupted_transfer_resumes_with_range(env):
     hub = env()
     hub.drop_first.add("model.safetensors")
-    folder = weights.fetch_from_hub(REPO)
+    folder = M.fetch_from_hub(REPO)
     data = hub.files["model.safetensors"]
     assert (folder / "model.safetensors").read_bytes() == data
     first, second = hub.gets("model.safetensors")
@@ -187,13 +186,13 @@ def test_interrupted_transfer_resumes_with_range(env):
 def test_interrupted_fetch_resumes_in_a_later_call(env, monkeypatch):
     hub = env()
     hub.drop_first.add("model.safetensors")
-    monkeypatch.setattr(weights, "HUB_RETRIES", 1)
-    with pytest.raises(weights.HubError, match="tiny-org/tiny-model"):
-        weights.fetch_from_hub(REPO)
-    part = weights.hub_cache_dir(REPO) / "model.safetensors.part"
+    monkeypatch.setattr(M, "HUB_RETRIES", 1)
+    with pytest.raises(M.HubError, match="tiny-org/tiny-model"):
+        M.fetch_from_hub(REPO)
+    part = M.hub_cache_dir(REPO) / "model.safetensors.part"
     kept = part.stat().st_size
     assert 0 < kept < len(hub.files["model.safetensors"])
-    folder = weights.fetch_from_hub(REPO)
+    folder = M.fetch_from_hub(REPO)
     assert (folder / "model.safetensors").read_bytes() == hub.files["model.safetensors"]
     assert hub.gets("model.safetensors")[-1]["Range"] == f"bytes={kept}-"
     # Files finished by the first call are not fetched again.
@@ -207,7 +206,7 @@ def test_concurrent_fetches_download_once(env):
 
     def load():
         try:
-            folders.append(weights.fetch_from_hub(REPO))
+            folders.append(M.fetch_from_hub(REPO))
         except Exception as e:      # surfaced below: an assert in a thread would be lost
             errors.append(e)
 
@@ -225,13 +224,13 @@ def test_size_mismatch_is_detected_and_part_removed(env):
     hub = env()
     hub.files["model.safetensors"] = hub.files["model.safetensors"][:-7]   # served short
     hub.lfs.clear()
-    with pytest.raises(weights.HubError, match="lists") as err:
-        weights.fetch_from_hub(REPO)
-    folder = weights.hub_cache_dir(REPO)
+    with pytest.raises(M.HubError, match="lists") as err:
+        M.fetch_from_hub(REPO)
+    folder = M.hub_cache_dir(REPO)
     assert "model.safetensors" in str(err.value)
     assert not (folder / "model.safetensors").exists()
     assert not (folder / "model.safetensors.part").exists()
-    assert not (folder / weights.HUB_MANIFEST).exists()
+    assert not (folder / M.HUB_MANIFEST).exists()
 
 
 def test_corrupt_content_fails_the_sha256_check(env):
@@ -241,9 +240,9 @@ def test_corrupt_content_fails_the_sha256_check(env):
     hub.tree = lambda orig=hub.tree: [dict(e, lfs=dict(e["lfs"], oid=sha)) if "lfs" in e else e
                                       for e in orig()]
     hub.files["model.safetensors"] = bytes([good[0] ^ 1]) + good[1:]   # one byte flipped
-    with pytest.raises(weights.HubError, match="sha256"):
-        weights.fetch_from_hub(REPO)
-    assert not (weights.hub_cache_dir(REPO) / "model.safetensors.part").exists()
+    with pytest.raises(M.HubError, match="sha256"):
+        M.fetch_from_hub(REPO)
+    assert not (M.hub_cache_dir(REPO) / "model.safetensors.part").exists()
 
 
 @pytest.mark.parametrize("name", ["config.json", "tokenizer.json",
@@ -258,12 +257,12 @@ def test_small_files_are_checked_against_their_git_blob_id(env, name):
     hub.files[name] = good.replace(b"{", b" ", 1)[:len(good) - 1] + b"}" \
         if name != "model.safetensors.index.json" else good.replace(b'"a"', b'"z"')
     assert len(hub.files[name]) == len(good) and hub.files[name] != good
-    with pytest.raises(weights.HubError, match=f"{name}: git blob id differs"):
-        weights.fetch_from_hub(REPO)
-    folder = weights.hub_cache_dir(REPO)
+    with pytest.raises(M.HubError, match=f"{name}: git blob id differs"):
+        M.fetch_from_hub(REPO)
+    folder = M.hub_cache_dir(REPO)
     assert not (folder / name).exists() and not (folder / f"{name}.part").exists()
     hub.files[name] = good                      # served right again: fetched and kept
-    assert (weights.fetch_from_hub(REPO) / name).read_bytes() == good
+    assert (M.fetch_from_hub(REPO) / name).read_bytes() == good
 
 
 @pytest.mark.parametrize("shard", ["../../escape.safetensors", "{tmp}/escape.safetensors",
@@ -277,13 +276,13 @@ def test_hostile_shard_names_are_refused(env, tmp_path, shard):
     files[shard] = b"x" * 64
     files["model.safetensors.index.json"] = json.dumps({"weight_map": {"a": shard}}).encode()
     hub = env(files=files, lfs=())
-    with pytest.raises(weights.HubError, match="refusing the file name|not a safetensors index"):
-        weights.fetch_from_hub(REPO)
-    folder = weights.hub_cache_dir(REPO)
+    with pytest.raises(M.HubError, match="refusing the file name|not a safetensors index"):
+        M.fetch_from_hub(REPO)
+    folder = M.hub_cache_dir(REPO)
     assert not hub.gets(shard)
     written = {p for p in tmp_path.rglob("*") if p.is_file()}
     assert all(folder in p.parents for p in written), written
-    assert not (folder / weights.HUB_MANIFEST).exists()
+    assert not (folder / M.HUB_MANIFEST).exists()
 
 
 @pytest.mark.parametrize("name, body", [
@@ -296,21 +295,21 @@ def test_json_files_of_the_wrong_shape_are_refused_and_removed(env, name, body):
     files = checkpoint_files(sharded=True)
     files[name] = body
     env(files=files, lfs=())
-    with pytest.raises(weights.HubError, match=name.replace(".", r"\.")):
-        weights.fetch_from_hub(REPO)
-    folder = weights.hub_cache_dir(REPO)
-    assert not (folder / name).exists() and not (folder / weights.HUB_MANIFEST).exists()
+    with pytest.raises(M.HubError, match=name.replace(".", r"\.")):
+        M.fetch_from_hub(REPO)
+    folder = M.hub_cache_dir(REPO)
+    assert not (folder / name).exists() and not (folder / M.HUB_MANIFEST).exists()
 
 
 def test_complete_cache_makes_no_request(env, monkeypatch):
     hub = env()
-    folder = weights.fetch_from_hub(REPO)
+    folder = M.fetch_from_hub(REPO)
     n = len(hub.requests)
-    assert weights.fetch_from_hub(REPO) == folder
+    assert M.fetch_from_hub(REPO) == folder
     assert len(hub.requests) == n
     # A damaged cached file makes the copy incomplete again: it is fetched anew.
     (folder / "model.safetensors").write_bytes(b"junk")
-    weights.fetch_from_hub(REPO)
+    M.fetch_from_hub(REPO)
     assert len(hub.gets("model.safetensors")) == 2
     assert (folder / "model.safetensors").read_bytes() == hub.files["model.safetensors"]
 
@@ -323,27 +322,27 @@ def closed_port():
 
 def test_offline_error_names_model_and_cache(env, monkeypatch):
     monkeypatch.setenv("HF_ENDPOINT", f"http://127.0.0.1:{closed_port()}")
-    with pytest.raises(weights.HubError) as err:
-        weights.fetch_from_hub(REPO)
+    with pytest.raises(M.HubError) as err:
+        M.fetch_from_hub(REPO)
     msg = str(err.value)
-    assert REPO in msg and str(weights.hub_cache_dir(REPO)) in msg
+    assert REPO in msg and str(M.hub_cache_dir(REPO)) in msg
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    with pytest.raises(weights.HubError, match="HF_HUB_OFFLINE"):
-        weights.fetch_from_hub(REPO)
+    with pytest.raises(M.HubError, match="HF_HUB_OFFLINE"):
+        M.fetch_from_hub(REPO)
 
 
 def test_offline_with_complete_cache_works(env, monkeypatch):
     env()
-    folder = weights.fetch_from_hub(REPO)
+    folder = M.fetch_from_hub(REPO)
     monkeypatch.setenv("HF_ENDPOINT", f"http://127.0.0.1:{closed_port()}")
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    assert weights.fetch_from_hub(REPO) == folder
+    assert M.fetch_from_hub(REPO) == folder
 
 
 def test_unknown_repo_is_a_clear_404(env):
     env()
-    with pytest.raises(weights.HubError, match="not found"):
-        weights.fetch_from_hub("tiny-org/missing")
+    with pytest.raises(M.HubError, match="not found"):
+        M.fetch_from_hub("tiny-org/missing")
 
 
 def test_load_model_fetches_a_name_and_then_uses_the_cache(env, tmp_path):
@@ -354,7 +353,7 @@ def test_load_model_fetches_a_name_and_then_uses_the_cache(env, tmp_path):
                intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
                num_key_value_heads=1)
     torch.manual_seed(0)
-    ref = M.Transformer(weights.Config.from_dict(cfg))
+    ref = M.Transformer(M.Config.from_dict(cfg))
     src = tmp_path / "src"
     src.mkdir()
     save_file({k: v.contiguous() for k, v in ref.state_dict().items()},
@@ -374,5 +373,5 @@ def test_load_model_fetches_a_name_and_then_uses_the_cache(env, tmp_path):
     again, _ = M.load_model(REPO, devices=["cpu", "cpu"])
     assert len(hub.requests) == n                              # the cache, no network
     assert all(b._forward_pre_hooks for b in again.model.layers)   # and split as asked
-    with pytest.raises(weights.CheckpointError, match="no such directory"):
+    with pytest.raises(M.CheckpointError, match="no such directory"):
         M.load_model(str(tmp_path / "no" / "such" / "dir"))

@@ -1,52 +1,51 @@
-"""The house: every import of a product file (top-level or inside a function) goes one way, down
-the floors below, and never in a circle."""
+"""The house: the five core files import each other in one order, model -> probes -> pair ->
+envs -> grpo, and nothing else of the project (lab/ not even inside a function); the lab imports
+the core, never the reverse; and the core runs alone."""
 import ast
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-
-# Each file's floor; a file may import files of lower floors only. The model and the probes
-# import nothing of the project but the ground floor.
-FLOORS = {
-    "common": 0, "weights": 0.5, "chat_api": 0.5, "calculator": 0,
-    "model": 1, "probes": 1, "adapters": 1.5,
-    "envs": 2, "rollout": 2, "pair": 2.5,
-    "shop": 3, "onpolicy": 3.5, "baselines": 3.5, "runs": 3.7,
-    "grpo": 4,
-    "compare": 5, "bench": 5,
-}
+CORE = ("model", "probes", "pair", "envs", "grpo")
 
 
 def imports(path: Path) -> set[str]:
+    """Every module a file imports, at the top or inside a function ("lab.x" for the lab's)."""
     found = set()
     for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.Import):
-            found |= {a.name.split(".")[0] for a in node.names}
+            found |= {a.name for a in node.names}
         elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            found.add(node.module.split(".")[0])
-    return found
+            found |= {f"lab.{a.name}" for a in node.names} if node.module == "lab" else \
+                {node.module}
+    return {name.split(".")[0] if name.split(".")[0] != "lab" else name for name in found}
 
 
-def test_every_product_file_has_a_floor():
-    assert {p.stem for p in ROOT.glob("*.py")} == set(FLOORS)
+def test_the_top_level_is_the_five_core_files():
+    assert sorted(p.stem for p in ROOT.glob("*.py")) == sorted(CORE)
 
 
-def test_imports_go_down_and_never_in_a_circle():
-    graph = {name: imports(ROOT / f"{name}.py") & set(FLOORS) - {name} for name in FLOORS}
-    for name, deps in graph.items():
-        for dep in deps:
-            assert FLOORS[dep] < FLOORS[name], f"{name}.py imports {dep}.py, which is not below it"
-    assert graph["model"] <= {"common", "weights"} and graph["probes"] <= {"common"}
-    # no cycle (implied by the floors, checked on the graph itself as well)
-    seen, done = set(), set()
+def test_the_core_imports_down_its_order_and_never_the_lab():
+    for k, name in enumerate(CORE):
+        project = {m for m in imports(ROOT / f"{name}.py") if m in CORE or m.startswith("lab")}
+        assert project <= set(CORE[:k]), f"{name}.py imports {sorted(project - set(CORE[:k]))}"
 
-    def visit(node, path):
-        assert node not in seen - done, f"import cycle: {' -> '.join(path)}"
-        if node in done:
-            return
-        seen.add(node)
-        for dep in graph[node]:
-            visit(dep, path + [dep])
-        done.add(node)
-    for name in graph:
-        visit(name, [name])
+
+def test_the_lab_imports_the_core_and_its_own_files_only():
+    lab = {p.stem for p in (ROOT / "lab").glob("*.py")}
+    for path in (ROOT / "lab").glob("*.py"):
+        for m in imports(path):
+            if m.startswith("lab."):
+                assert m[4:] in lab, f"{path.name} imports {m}, which does not exist"
+
+
+def test_the_core_runs_without_the_lab():
+    # a fresh interpreter that imports grpo alone: the lab's rewards are not there, the core's are
+    code = ("import sys, grpo; assert not any(m.startswith('lab') for m in sys.modules); "
+            "print(sorted(grpo.REWARDS))")
+    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
+                       env=dict(os.environ, PYTHONPATH=str(ROOT)), timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "'pair'" in r.stdout and "'outcome'" in r.stdout and "'igpo'" not in r.stdout

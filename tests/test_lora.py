@@ -6,9 +6,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-import adapters
 import model as M
-import weights
 
 pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning")   # peft on transformers 5
 peft = pytest.importorskip("peft")
@@ -31,7 +29,7 @@ def hf():
 def build_ours(hf_model) -> M.Transformer:
     """Our Transformer holding the same weights as the transformers model."""
     d = dict(hf_model.config.to_dict(), architectures=["Qwen2ForCausalLM"])
-    ours = M.Transformer(weights.Config.from_dict(d))
+    ours = M.Transformer(M.Config.from_dict(d))
     ours.load_state_dict(hf_model.state_dict(), strict=True)
     return ours.eval()
 
@@ -100,7 +98,7 @@ def test_disable_gives_the_base_model_and_enables_again(hf):
 def test_our_adapter_loads_in_peft(hf, tmp_path):
     ours = M.apply_lora(build_ours(hf), r=4, alpha=8, dropout=0.05)
     randomize_lora(ours)
-    adapters.save_adapter(ours, tmp_path, base_model_name_or_path="tiny/base")
+    M.save_adapter(ours, tmp_path, base_model_name_or_path="tiny/base")
     config = json.loads((tmp_path / "adapter_config.json").read_text())
     assert config["peft_type"] == "LORA" and config["task_type"] == "CAUSAL_LM"
     assert config["r"] == 4 and config["lora_alpha"] == 8 and config["bias"] == "none"
@@ -124,7 +122,7 @@ def test_peft_adapter_loads_in_ours(hf, tmp_path, targets, rslora):
     randomize_lora(theirs, seed=2)
     theirs.save_pretrained(str(tmp_path))
     theirs.eval()
-    ours = adapters.load_adapter(build_ours(hf), tmp_path)
+    ours = M.load_adapter(build_ours(hf), tmp_path)
     assert ours.lora_settings.use_rslora == rslora
     expected = logits(theirs, IDS)
     assert (expected - logits(hf, IDS)).abs().max() > 1e-2
@@ -134,8 +132,8 @@ def test_peft_adapter_loads_in_ours(hf, tmp_path, targets, rslora):
 def test_round_trip_and_load_errors(hf, tmp_path):
     ours = M.apply_lora(build_ours(hf), r=4, alpha=8, dropout=0.0)
     randomize_lora(ours)
-    adapters.save_adapter(ours, tmp_path)
-    again = adapters.load_adapter(build_ours(hf), tmp_path)
+    M.save_adapter(ours, tmp_path)
+    again = M.load_adapter(build_ours(hf), tmp_path)
     assert torch.equal(logits(again, IDS), logits(ours, IDS))
     weights = tmp_path / "adapter_model.safetensors"
     key = "base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight"
@@ -146,21 +144,21 @@ def test_round_trip_and_load_errors(hf, tmp_path):
     save_file(tensors, weights)
     fresh = build_ours(hf)
     with pytest.raises(ValueError, match=f"{weights}.*{key}.*shape"):
-        adapters.load_adapter(fresh, tmp_path)
+        M.load_adapter(fresh, tmp_path)
     assert not any("lora_" in n for n in fresh.state_dict())     # checked before touching it
     del tensors[key]
     save_file(tensors, weights)
     with pytest.raises(ValueError, match=f"{weights}.*missing.*{key}"):
-        adapters.load_adapter(build_ours(hf), tmp_path)
+        M.load_adapter(build_ours(hf), tmp_path)
 
     config_file = tmp_path / "adapter_config.json"
     config = json.loads(config_file.read_text())
     config_file.write_text(json.dumps(dict(config, use_dora=True)))
     with pytest.raises(ValueError, match=f"{config_file}.*use_dora"):
-        adapters.load_adapter(build_ours(hf), tmp_path)
+        M.load_adapter(build_ours(hf), tmp_path)
     config_file.write_text(json.dumps(dict(config, peft_type="IA3")))
     with pytest.raises(ValueError, match="peft_type"):
-        adapters.load_adapter(build_ours(hf), tmp_path)
+        M.load_adapter(build_ours(hf), tmp_path)
     with pytest.raises(ValueError, match="match no nn.Linear"):
         M.apply_lora(build_ours(hf), targets=("q_proj", "qkv_proj"))
 
@@ -180,7 +178,7 @@ def test_bfloat16_base_keeps_a_float32_adapter(hf):
 def test_an_adapter_holding_nan_is_refused_before_the_model_is_touched(hf, tmp_path):
     ours = M.apply_lora(build_ours(hf), r=4, alpha=8, dropout=0.0)
     randomize_lora(ours)
-    adapters.save_adapter(ours, tmp_path)
+    M.save_adapter(ours, tmp_path)
     path = tmp_path / "adapter_model.safetensors"
     tensors = load_file(str(path))
     key = sorted(tensors)[0]
@@ -188,5 +186,5 @@ def test_an_adapter_holding_nan_is_refused_before_the_model_is_touched(hf, tmp_p
     save_file(tensors, str(path))
     before = {n: p.clone() for n, p in M.lora_parameters(ours)}
     with pytest.raises(ValueError, match=f"{key}.*NaN"):
-        adapters.load_adapter(ours, tmp_path)
+        M.load_adapter(ours, tmp_path)
     assert all(torch.equal(p, before[n]) for n, p in M.lora_parameters(ours))

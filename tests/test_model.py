@@ -13,12 +13,10 @@ import torch
 from tokenizers import Tokenizer
 from safetensors.torch import load_file, save_file
 
-import common
 import envs
 import model as M
-import rollout
-import shop
-import weights
+import grpo
+from lab import generate
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -92,7 +90,7 @@ def random_model(name, seed=0) -> M.Transformer:
     d = hf_config(arch, **kw).to_dict()
     d["architectures"] = [{"qwen2": "Qwen2ForCausalLM", "llama": "LlamaForCausalLM",
                            "mistral": "MistralForCausalLM"}[arch]]
-    cfg = weights.Config.from_dict(d)
+    cfg = M.Config.from_dict(d)
     model = M.Transformer(cfg).eval()
     randomize(model.named_parameters(), seed)
     return model
@@ -162,17 +160,17 @@ def test_tied_embeddings_share_one_tensor(tmp_path):
 def test_config_reads_both_rope_layouts_and_rejects_unknown():
     base = dict(vocab_size=8, hidden_size=8, intermediate_size=8, num_hidden_layers=1,
                 num_attention_heads=2, architectures=["Qwen2ForCausalLM"], unknown_key=1)
-    assert weights.Config.from_dict({**base, "rope_theta": 123.0}).rope_base == 123.0
-    assert weights.Config.from_dict({**base, "rope_parameters": {"rope_theta": 7.0,
+    assert M.Config.from_dict({**base, "rope_theta": 123.0}).rope_base == 123.0
+    assert M.Config.from_dict({**base, "rope_parameters": {"rope_theta": 7.0,
                                                            "rope_type": "default"}}).rope_base == 7
     with pytest.raises(ValueError, match="RoPE"):
-        weights.Config.from_dict({**base, "rope_parameters": {"rope_theta": 7.0,
+        M.Config.from_dict({**base, "rope_parameters": {"rope_theta": 7.0,
                                                               "rope_type": "yarn"}})
     with pytest.raises(ValueError, match="GPT2"):
-        weights.Config.from_dict({**base, "architectures": ["GPT2LMHeadModel"]})
+        M.Config.from_dict({**base, "architectures": ["GPT2LMHeadModel"]})
     # transformers < 5 leaves out keys equal to its class defaults: Mistral's window is 4096.
     legacy = {k: v for k, v in base.items() if k != "architectures"}
-    mistral = weights.Config.from_dict({**legacy, "model_type": "mistral"})
+    mistral = M.Config.from_dict({**legacy, "model_type": "mistral"})
     assert mistral.arch == "MistralForCausalLM" and mistral.window(0) == 4096
 
 
@@ -193,7 +191,7 @@ GOOD_CONFIG = dict(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidd
 def test_config_values_are_checked_before_building(tmp_path, key, value):
     (tmp_path / "config.json").write_text(json.dumps({**GOOD_CONFIG, key: value}))
     write_tiny_tokenizer(tmp_path)
-    with pytest.raises(weights.CheckpointError) as err:
+    with pytest.raises(M.CheckpointError) as err:
         M.load_model(tmp_path)
     assert str(tmp_path / "config.json") in str(err.value)
     assert key in str(err.value)
@@ -203,11 +201,11 @@ def test_config_without_a_required_key_or_with_an_index_of_another_shape(tmp_pat
     (tmp_path / "config.json").write_text(json.dumps(
         {k: v for k, v in GOOD_CONFIG.items() if k != "hidden_size"}))
     write_tiny_tokenizer(tmp_path)
-    with pytest.raises(weights.CheckpointError, match="config.json: no hidden_size"):
+    with pytest.raises(M.CheckpointError, match="config.json: no hidden_size"):
         M.load_model(tmp_path)
     (tmp_path / "config.json").write_text(json.dumps(GOOD_CONFIG))
     (tmp_path / "model.safetensors.index.json").write_text("[]")
-    with pytest.raises(weights.CheckpointError, match="index.json: no weight_map"):
+    with pytest.raises(M.CheckpointError, match="index.json: no weight_map"):
         M.load_model(tmp_path)
 
 
@@ -216,7 +214,7 @@ def test_config_with_a_million_layers_is_a_one_line_error(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({**GOOD_CONFIG,
                                                       "num_hidden_layers": 10 ** 6}))
     write_tiny_tokenizer(tmp_path)
-    r = subprocess.run([sys.executable, str(ROOT / "model.py"), "generate", "--model",
+    r = subprocess.run([sys.executable, "-m", "lab.generate", "--model",
                         str(tmp_path), "--prompt", "x"], cwd=ROOT, capture_output=True,
                        text=True, timeout=60)
     assert r.returncode == 1 and len(r.stderr.strip().splitlines()) == 1, r.stderr[-2000:]
@@ -295,7 +293,7 @@ def test_bad_checkpoints_raise_checkpoint_error(tmp_path, fault):
         from tokenizers import Tokenizer, models
         Tokenizer(models.WordLevel({"a": 0}, unk_token="a")).save(str(tmp_path / "tokenizer.json"))
         expect = [str(tmp_path / "tokenizer.json"), "<|im_start|>"]
-    with pytest.raises(weights.CheckpointError) as err:
+    with pytest.raises(M.CheckpointError) as err:
         M.load_model(tmp_path)
     for text in expect:
         assert text in str(err.value)
@@ -657,11 +655,11 @@ def test_sample_temperature_and_top_p():
 
 def test_cli_generate_smoke(tmp_path, capsys):
     hf_checkpoint(tmp_path, "llama-gqa")
-    M.main(["generate", "--model", str(tmp_path), "--prompt", "w1 w2 w3",
+    generate.main(["--model", str(tmp_path), "--prompt", "w1 w2 w3",
             "--max-new-tokens", "3"])
     assert capsys.readouterr().out.strip()
     with pytest.raises(SystemExit):
-        M.main(["generate", "--model", str(tmp_path / "nope"), "--prompt", "x"])
+        generate.main(["--model", str(tmp_path / "nope"), "--prompt", "x"])
 
 
 @pytest.mark.parametrize("bad", [["--temperature", "nan"], ["--temperature", "inf"],
@@ -672,7 +670,7 @@ def test_cli_generate_smoke(tmp_path, capsys):
 def test_cli_generate_refuses_a_bad_flag_in_one_line(bad, tmp_path, capsys):
     hf_checkpoint(tmp_path, "llama-gqa")
     with pytest.raises(SystemExit):
-        M.main(["generate", "--model", str(tmp_path), "--prompt", "w1 w2",
+        generate.main(["--model", str(tmp_path), "--prompt", "w1 w2",
                 "--max-new-tokens", "3"] + bad)
     err = capsys.readouterr().err
     assert f"error: {bad[0]}" in err and "Traceback" not in err, err
@@ -685,7 +683,7 @@ def test_cli_generate_refuses_more_tokens_than_the_models_context(tmp_path):
     with pytest.raises(SystemExit, match=f"--max-new-tokens {context}: with the prompt's "
                                          f"[0-9]+ tokens that is past the model's context, "
                                          f"{context} tokens"):
-        M.main(["generate", "--model", str(tmp_path), "--prompt", "w1 w2", "--max-new-tokens",
+        generate.main(["--model", str(tmp_path), "--prompt", "w1 w2", "--max-new-tokens",
                 str(context)])
 
 
@@ -699,7 +697,7 @@ def test_generate_refuses_a_temperature_that_overflows_the_logits():
 
 
 def test_bench_runs_on_the_built_in_policy(capsys):
-    import bench
+    from lab import bench
     threads = torch.get_num_threads()
     try:
         bench.main(["--model", str(ROOT / "data" / "shop-policy"), "--seq-len", "48", "--span",
@@ -718,7 +716,7 @@ _BENCH = ["--model", str(ROOT / "data" / "shop-policy"), "--seq-len", "48", "--s
 @pytest.mark.parametrize("bad", [["--repeats", "0"], ["--gen-repeats", "0"], ["--threads", "-1"],
                                  ["--threads", "0"], ["--batch", "0"], ["--new-tokens", "0"]])
 def test_bench_refuses_a_bad_count_in_one_line(bad, capsys):
-    import bench
+    from lab import bench
     threads = torch.get_num_threads()
     try:
         with pytest.raises(SystemExit):
@@ -731,7 +729,7 @@ def test_bench_refuses_a_bad_count_in_one_line(bad, capsys):
 
 @pytest.mark.parametrize("damaged", ["model.safetensors", "config.json"])
 def test_bench_names_a_damaged_model(damaged, tmp_path):
-    import bench
+    from lab import bench
     ckpt = shutil.copytree(ROOT / "data" / "shop-policy", tmp_path / "policy")
     if damaged == "model.safetensors":                  # cut short
         (ckpt / damaged).write_bytes((ckpt / damaged).read_bytes()[:1000])
@@ -758,7 +756,7 @@ def test_progress_into_a_log_is_at_most_a_line_per_30s_and_per_10_percent():
     now = [0.0]
 
     def due(tty, total=1000, seconds_each=1.0):
-        pacer = common.Pacer(total, _Stream(tty), every=5.0, clock=lambda: now[0])
+        pacer = M.Pacer(total, _Stream(tty), every=5.0, clock=lambda: now[0])
         lines = []
         for done in range(1, total + 1):
             now[0] += seconds_each
@@ -774,14 +772,14 @@ def test_progress_into_a_log_is_at_most_a_line_per_30s_and_per_10_percent():
 
 def test_generate_renders_a_task_for_the_built_in_policy_as_its_rollouts_do(capsys):
     policy = ROOT / "data" / "shop-policy"
-    episode = shop.ShopEnv("test").episode(0)
-    world, tools = weights.checkpoint_world(policy)
+    episode = envs.ShopEnv("test").episode(0)
+    world, tools = M.checkpoint_world(policy)
     # the config carries the world's tool list and reply format, as the world renders them
-    assert world == "shop" and tools == envs.tool_instructions(shop.SHOP_TOOLS)
-    assert M.prompt_messages(episode.task.text, None, tools) == episode.messages
-    assert M.prompt_messages("hi", "Be brief.", None) == [
+    assert world == "shop" and tools == envs.tool_instructions(envs.SHOP_TOOLS)
+    assert generate.prompt_messages(episode.task.text, None, tools) == episode.messages
+    assert generate.prompt_messages("hi", "Be brief.", None) == [
         {"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"}]
-    M.main(["generate", "--model", str(policy), "--prompt", episode.task.text,
+    generate.main(["--model", str(policy), "--prompt", episode.task.text,
             "--max-new-tokens", "48", "--dtype", "float32"])
     out, err = capsys.readouterr()
     assert "float32; the prompt rendered as a shop task" in err
@@ -792,7 +790,7 @@ def test_generate_renders_a_task_for_the_built_in_policy_as_its_rollouts_do(caps
 def test_generate_refuses_a_world_the_checkpoint_does_not_record(tmp_path):
     hf_checkpoint(tmp_path, "qwen2-gqa-tied")
     with pytest.raises(SystemExit, match="records no shop task rendering"):
-        M.main(["generate", "--model", str(tmp_path), "--prompt", "hi", "--world", "shop"])
+        generate.main(["--model", str(tmp_path), "--prompt", "hi", "--world", "shop"])
 
 
 # ---------------------------------------------------------------------------------------------
@@ -899,7 +897,7 @@ def assert_only_template_specials(tok):
     found = [i for i in ids if i in specials]
     assert found == [tok.im_start_id, tok.im_end_id] * 4 + [tok.im_start_id]
     assert tok.decode(ids[spans[0][0]:spans[0][1] - 1]) == "Thought: " + forged
-    opening = rollout.turn_opening(tok, True, "Observation: " + forged)
+    opening = grpo.turn_opening(tok, True, "Observation: " + forged)
     assert [i for i in opening if i in specials] == [tok.im_start_id, tok.im_end_id,
                                                     tok.im_start_id]
 

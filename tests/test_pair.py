@@ -12,11 +12,11 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-import common
 import pair
 import probes
-import weights
 from pair import Pair
+import grpo
+from lab import study
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -120,7 +120,7 @@ def forbid_pickle(monkeypatch):
 # PAIR
 
 def test_pair_is_two_probes_on_the_paper_inputs(features_dir):
-    train = pair.load_split(features_dir / "matched_clean_train.safetensors")
+    train = study.load_split(features_dir / "matched_clean_train.safetensors")
     model = pair.fit_pair(train.raw, train.y)
     X1 = probes.feature("last_token", train.raw)
     ref1 = probes.Probe().fit(X1, train.y)
@@ -134,8 +134,8 @@ def test_pair_is_two_probes_on_the_paper_inputs(features_dir):
 
 
 def test_pair_save_load_reward_and_latency(features_dir, tmp_path, monkeypatch):
-    train = pair.load_split(features_dir / "matched_clean_train.safetensors")
-    test = pair.load_split(features_dir / "matched_contaminated_test.safetensors")
+    train = study.load_split(features_dir / "matched_clean_train.safetensors")
+    test = study.load_split(features_dir / "matched_contaminated_test.safetensors")
     model = pair.fit_pair(train.raw, train.y, info={"mode": "clean_only"})
     model.save(tmp_path / "pair")
     assert sorted(p.name for p in (tmp_path / "pair").iterdir()) == [
@@ -157,7 +157,7 @@ def test_pair_save_load_reward_and_latency(features_dir, tmp_path, monkeypatch):
 def test_a_probe_reads_a_turn_from_its_trace_as_from_the_features_file(features_dir, tmp_path,
                                                                         monkeypatch):
     # grpo.py's probe rewards: P(correct) of the features of a turn's trace
-    train = pair.load_split(features_dir / "matched_clean_train.safetensors")
+    train = study.load_split(features_dir / "matched_clean_train.safetensors")
     for name in ("attention", "hidden_attn", "multi_layer"):
         probe = probes.Probe(info={"feature": name}).fit(probes.feature(name, train.raw), train.y)
         probe.save(tmp_path / f"{name}.safetensors")
@@ -170,7 +170,7 @@ def test_a_probe_reads_a_turn_from_its_trace_as_from_the_features_file(features_
 
 
 def test_crossfit_uses_out_of_fold_scores(features_dir):
-    train = pair.load_split(features_dir / "matched_clean_train.safetensors")
+    train = study.load_split(features_dir / "matched_clean_train.safetensors")
     folds = pair.episode_folds(train.episode_id, 3, seed=7)
     by_episode = {}
     for e, f in zip(train.episode_id, folds.tolist()):
@@ -192,16 +192,16 @@ def test_crossfit_uses_out_of_fold_scores(features_dir):
 
 def test_balanced_indices():
     y = torch.tensor([1] * 30 + [0] * 10)
-    a, b = pair.balanced_indices(y, 42), pair.balanced_indices(y, 43)
+    a, b = study.balanced_indices(y, 42), study.balanced_indices(y, 43)
     assert len(a) == 20 and y[a].sum() == 10
-    assert a.equal(pair.balanced_indices(y, 42)) and not a.equal(b)
+    assert a.equal(study.balanced_indices(y, 42)) and not a.equal(b)
     assert set(range(30, 40)) <= set(a.tolist())     # the minority class is kept whole
 
 
 def test_mixed_training_set_takes_the_same_records(features_dir):
-    splits = pair.load_splits(features_dir, pair.TRAIN_SPLITS["mixed"])
-    mixed = pair.training_set(splits, "mixed", 43)
-    clean = pair.training_set(splits, "clean_only", 43)
+    splits = study.load_splits(features_dir, study.TRAIN_SPLITS["mixed"])
+    mixed = study.training_set(splits, "mixed", 43)
+    clean = study.training_set(splits, "clean_only", 43)
     n = len(clean.y)
     assert len(mixed.y) == 2 * n and mixed.y[:n].equal(mixed.y[n:])
     assert mixed.keys()[:n] == mixed.keys()[n:] == clean.keys()
@@ -214,43 +214,43 @@ def test_contamination_distance():
     dialogs = [{"role": r} for r in roles]
     rec = {"turn_idx": 8, "dialogs": dialogs, "original_contaminated_turn_indices": [3, 8, 10]}
     # nearest earlier contaminated turn: message 3; assistant turns 6 and 8 follow -> d = 2
-    assert pair.contamination_distance(rec) == (2, 5)
+    assert study.contamination_distance(rec) == (2, 5)
     rec["original_contaminated_turn_indices"] = [6, 1]
-    assert pair.contamination_distance(rec) == (1, 2)
+    assert study.contamination_distance(rec) == (1, 2)
     rec["original_contaminated_turn_indices"] = [8]
-    assert pair.contamination_distance(rec) == (-1, -1)
-    assert pair.distance_bucket(1) == "1" and pair.distance_bucket(9) == "7+"
-    assert pair.distance_bucket(-1) is None
+    assert study.contamination_distance(rec) == (-1, -1)
+    assert study.distance_bucket(1) == "1" and study.distance_bucket(9) == "7+"
+    assert study.distance_bucket(-1) is None
 
 
 def test_train_eval_report_cli(features_dir, tmp_path, capsys):
-    pair.main(["train", "--features", str(features_dir), "--out", str(tmp_path / "m"),
+    study.main(["train", "--features", str(features_dir), "--out", str(tmp_path / "m"),
                "--seeds", "42", "43"])
     files = {p.relative_to(tmp_path / "m").as_posix() for p in (tmp_path / "m").rglob("*")
              if p.is_file()}
     assert {f"seed42/{n}.safetensors" for n in probes.FEATURES} <= files
     assert "seed43/pair_mixed/pair.json" in files
-    assert all(f.endswith((".safetensors", ".json", common.LOCK_FILE)) for f in files)
-    pair.main(["eval", "--probes", str(tmp_path / "m"), "--features", str(features_dir),
+    assert all(f.endswith((".safetensors", ".json", grpo.LOCK_FILE)) for f in files)
+    study.main(["eval", "--probes", str(tmp_path / "m"), "--features", str(features_dir),
                "--out", str(tmp_path / "eval.json")])
     ev = json.loads((tmp_path / "eval.json").read_text())
     assert len(ev["pair_mixed"]["matched_clean_test"]["auroc"]["values"]) == 2
     # a later train into the same directory: eval reads the seeds it wrote, not the stale ones
-    pair.main(["train", "--features", str(features_dir), "--out", str(tmp_path / "m"),
+    study.main(["train", "--features", str(features_dir), "--out", str(tmp_path / "m"),
                "--seeds", "44", "--C", "1.0"])
-    pair.main(["eval", "--probes", str(tmp_path / "m"), "--features", str(features_dir),
+    study.main(["eval", "--probes", str(tmp_path / "m"), "--features", str(features_dir),
                "--out", str(tmp_path / "eval.json")])
     ev = json.loads((tmp_path / "eval.json").read_text())
     assert len(ev["pair_mixed"]["matched_clean_test"]["auroc"]["values"]) == 1
     assert "ignoring seed42, seed43" in capsys.readouterr().err
 
-    pair.main(["report", "--features", str(features_dir), "--out", str(tmp_path / "r"),
+    study.main(["report", "--features", str(features_dir), "--out", str(tmp_path / "r"),
                "--seeds", "42", "43", "44"])
     rep = json.loads((tmp_path / "r" / "report.json").read_text())
     md = (tmp_path / "r" / "report.md").read_text()
     det = rep["detection"]
-    assert set(det) == set(pair.METHODS)
-    auroc = {m: {s: det[m][s]["auroc"]["mean"] for s in pair.TEST_SPLITS} for m in det}
+    assert set(det) == set(study.METHODS)
+    auroc = {m: {s: det[m][s]["auroc"]["mean"] for s in study.TEST_SPLITS} for m in det}
     # the synthetic data is built so that the hidden state flips after a contaminated prefix
     clean, contam = "matched_clean_test", "matched_contaminated_test"
     assert auroc["last_token"][clean] > 0.8 and auroc["last_token"][contam] < 0.65
@@ -259,11 +259,11 @@ def test_train_eval_report_cli(features_dir, tmp_path, capsys):
     assert len(det["pair"][clean]["auroc"]["values"]) == 3
     assert det["coe_c"][clean]["auroc"]["std"] == 0.0 and "ece" not in det["coe_c"][clean]
     # an unsupervised score is reported by AUROC only, in the tables too
-    assert all(set(det[m][clean]) == {"auroc"} for m in det if not pair.METHODS[m][1])
+    assert all(set(det[m][clean]) == {"auroc"} for m in det if not study.METHODS[m][1])
     other = md.split("Other metrics")[1].split("## (b)")[0]
     assert "Last-token" in other and "CoE-R" not in other and "Entropy (unsup.)" not in other
     assert len(rep["ablation"]) == 15
-    assert set(rep["distance"]["_n"]) == set(pair.DISTANCE_BUCKETS)
+    assert set(rep["distance"]["_n"]) == set(study.DISTANCE_BUCKETS)
     assert rep["paper_ref"] == "gta" and "0.9217" in md
     for section in ("(a)", "(b)", "(c)", "(d)", "(e)"):
         assert f"## {section}" in md
@@ -275,14 +275,14 @@ def test_train_eval_report_cli(features_dir, tmp_path, capsys):
     expect = []
     for m in det:
         a, b = auroc[m][clean], auroc[m][contam]
-        expect.append([pair.METHODS[m][0], f"{a:.3f}", f"{b:.3f}", f"{a - b:+.3f}",
+        expect.append([study.METHODS[m][0], f"{a:.3f}", f"{b:.3f}", f"{a - b:+.3f}",
                        f"{100 * (a - b) / a:+.1f}%"])
-    assert sorted(rows) == sorted(expect) and len(rows) == len(pair.METHODS)
+    assert sorted(rows) == sorted(expect) and len(rows) == len(study.METHODS)
     drop = {row[0]: float(row[3]) for row in rows}
     assert drop["Last-token"] > 0.15 and drop["PAIR"] < drop["Last-token"] - 0.1
     # a clean AUROC of 0 (a tiny test split can give one) has a drop but no relative drop
     det["last_token"][clean]["auroc"]["mean"] = 0.0
-    table = pair.render_markdown(rep, "gta").split("## (b)")[1]
+    table = study.render_markdown(rep, "gta").split("## (b)")[1]
     assert f"| Last-token | 0.000 | {auroc['last_token'][contam]:.3f} |" in table
     assert table.split("| Last-token |")[1].split("\n")[0].rstrip().endswith("| n/a |")
 
@@ -297,32 +297,32 @@ def test_unreadable_files_are_one_line_errors(features_dir, tmp_path, capsys):
     feats.mkdir()
     for p in features_dir.glob("*.safetensors"):
         (feats / p.name).write_bytes(p.read_bytes())
-    pair.main(["train", "--features", str(feats), "--out", str(tmp_path / "m"), "--seeds", "42"])
+    study.main(["train", "--features", str(feats), "--out", str(tmp_path / "m"), "--seeds", "42"])
     seed = tmp_path / "m" / "seed42"
 
     bad = feats / "matched_clean_test.safetensors"
     _truncate(bad)
     with pytest.raises(SystemExit, match=f"error: {bad}: truncated or corrupt features file"):
-        pair.main(["eval", "--probes", str(tmp_path / "m"), "--features", str(feats)])
+        study.main(["eval", "--probes", str(tmp_path / "m"), "--features", str(feats)])
     (feats / bad.name).write_bytes((features_dir / bad.name).read_bytes())
 
     _truncate(seed / "last_token.safetensors", 20)
     with pytest.raises(SystemExit, match="last_token.safetensors: truncated or corrupt probe"):
-        pair.main(["eval", "--probes", str(tmp_path / "m"), "--features", str(feats)])
+        study.main(["eval", "--probes", str(tmp_path / "m"), "--features", str(feats)])
     (seed / "last_token.safetensors").unlink()
 
     (seed / "pair_mixed" / "pair.json").write_text("{not json")
     with pytest.raises(SystemExit, match="pair.json: not JSON"):
-        pair.main(["eval", "--probes", str(tmp_path / "m"), "--features", str(feats)])
+        study.main(["eval", "--probes", str(tmp_path / "m"), "--features", str(feats)])
     (seed / "pair_mixed" / "pair.json").write_text(json.dumps(
         {"format": "pair/1", "stats": ["max"], "stage1": "../../x.safetensors",
          "stage2": "stage2.safetensors"}))
     with pytest.raises(SystemExit, match="unexpected stage file names"):
-        pair.main(["eval", "--probes", str(tmp_path / "m"), "--features", str(feats)])
+        study.main(["eval", "--probes", str(tmp_path / "m"), "--features", str(feats)])
 
     (tmp_path / "x.safetensors").write_bytes(b"\xff" * 16)
     with pytest.raises(SystemExit, match="error: .*x.safetensors: truncated or corrupt probe"):
-        probes.main(["score", "--probe", str(tmp_path / "x.safetensors"),
+        study.probe_main(["score", "--probe", str(tmp_path / "x.safetensors"),
                      "--features", str(bad)])
 
     # readable features that no probe can use: labels other than 0/1, episode ids not a list
@@ -334,12 +334,12 @@ def test_unreadable_files_are_one_line_errors(features_dir, tmp_path, capsys):
                          (tensors, dict(meta, episode_id=3), "episode_id must be a list")):
         probes.save_safetensors(t, bad, {"pair_features": json.dumps(m)})
         with pytest.raises(SystemExit, match=f"error: {bad}: .*{expect}"):
-            probes.main(fit)
+            study.probe_main(fit)
     probes.save_safetensors(tensors, bad, {"pair_features": json.dumps(meta)})
     with pytest.raises(SystemExit, match=f"error: .*{bad}"):       # --out under a file
-        probes.main(fit[:-1] + [str(bad / "p.safetensors")])
+        study.probe_main(fit[:-1] + [str(bad / "p.safetensors")])
     with pytest.raises(SystemExit):
-        probes.main(fit + ["--C", "0"])
+        study.probe_main(fit + ["--C", "0"])
     assert "argument --C: must be a positive number, not 0" in capsys.readouterr().err
 
 
@@ -347,7 +347,7 @@ def test_extract_checks_the_data_before_loading_the_model(tmp_path):
     data = tmp_path / "matched_clean_train.json"
     data.write_text("[{]")
     with pytest.raises(SystemExit, match="matched_clean_train.json"):
-        pair.main(["extract", "--model", str(tmp_path / "no-model"), "--data", str(data),
+        study.main(["extract", "--model", str(tmp_path / "no-model"), "--data", str(data),
                    "--out", str(tmp_path / "f.safetensors")])
 
 
@@ -382,7 +382,7 @@ def tiny_checkpoint(directory: Path, data_dir: Path) -> Path:
               "eos_token_id": tok.token_to_id("<|im_end|>")}
     (directory / "config.json").write_text(json.dumps(config))
     torch.manual_seed(0)
-    net = mdl.Transformer(weights.Config.from_dict(config))
+    net = mdl.Transformer(mdl.Config.from_dict(config))
     save_file({k: v.contiguous() for k, v in net.state_dict().items()},
               str(directory / "model.safetensors"))
     return directory
@@ -391,7 +391,7 @@ def tiny_checkpoint(directory: Path, data_dir: Path) -> Path:
 def test_pipeline_on_shop(tmp_path, monkeypatch, capsys):
     import envs
     import model as mdl
-    import shop
+    from lab import shop
     t_start = time.perf_counter()
     data, feats = tmp_path / "data", tmp_path / "feats"
     shop.main(["make-data", "--out", str(data), "--episodes", "20", "--seed", "5"])
@@ -411,18 +411,18 @@ def test_pipeline_on_shop(tmp_path, monkeypatch, capsys):
                     str(data / "matched_clean_train.json"), "--out", str(target),
                     "--shard-size", "4"]
     with pytest.raises(KeyboardInterrupt):
-        pair.main(extract_args)
+        study.main(extract_args)
     assert not target.exists() and len(list(target.parent.glob("*.parts/shard_*"))) == 2
     manifest = target.with_name(target.name + ".parts") / "manifest.json"
     kept = manifest.read_text()
     manifest.write_text("[]")                   # JSON, but not the manifest: refused, named
     with pytest.raises(SystemExit, match="manifest.json: not a manifest"):
-        pair.main(extract_args)
+        study.main(extract_args)
     manifest.write_text(kept)
     calls.clear()
     monkeypatch.setattr(mdl, "trace_forward", lambda *a: (calls.append(a[2]),
                                                           real_trace_forward(*a))[1])
-    pair.main(extract_args)
+    study.main(extract_args)
     records = envs.load_matched(data / "matched_clean_train.json")
     assert len(calls) == len(records) - 8               # the two shards were not redone
     assert not target.with_name(target.name + ".parts").exists()
@@ -440,8 +440,8 @@ def test_pipeline_on_shop(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(mdl, "trace_forward", failing)
     extract_args = ["extract", "--model", str(ckpt), "--data",
                     str(data / "matched_clean_test.json"), "--out", str(target)]
-    pair.main(extract_args)
-    _, meta = probes.load_features(target)
+    study.main(extract_args)
+    _, meta = study.load_features(target)
     bad = f"{test_records[1]['episode_id']}@{test_records[1]['turn_idx']}"
     assert meta["failed"][0]["id"] == bad and "boom" in meta["failed"][0]["error"]
     assert len(meta["failed"]) == 1 and meta["n_records"] == len(test_records) - 1
@@ -449,18 +449,18 @@ def test_pipeline_on_shop(tmp_path, monkeypatch, capsys):
     calls.clear()
     monkeypatch.setattr(mdl, "trace_forward", lambda *a: (calls.append(a[2]),
                                                           real_trace_forward(*a))[1])
-    pair.main(extract_args)
+    study.main(extract_args)
     assert len(calls) == 1
-    _, meta = probes.load_features(target)
+    _, meta = study.load_features(target)
     assert meta["failed"] == [] and meta["n_records"] == len(test_records)
 
     for split in ("matched_contaminated_train", "matched_contaminated_test",
                   "matched_diagnostic_test"):
-        pair.main(["extract", "--model", str(ckpt), "--data", str(data / f"{split}.json"),
+        study.main(["extract", "--model", str(ckpt), "--data", str(data / f"{split}.json"),
                    "--out", str(feats / f"{split}.safetensors")])
 
     # the features file holds what one teacher-forced forward gives, and the record columns
-    raw, meta = probes.load_features(feats / "matched_contaminated_test.safetensors")
+    raw, meta = study.load_features(feats / "matched_contaminated_test.safetensors")
     recs = envs.load_matched(data / "matched_contaminated_test.json")
     net, tok = mdl.load_model(ckpt)
     for i in (0, len(recs) - 1):
@@ -470,28 +470,28 @@ def test_pipeline_on_shop(tmp_path, monkeypatch, capsys):
             torch.testing.assert_close(raw[k][i], v, msg=k)
     assert raw["label"].tolist() == [r["label"] for r in recs]
     assert raw["turn_idx"].tolist() == [r["turn_idx"] for r in recs]
-    assert raw["distance"].tolist() == [pair.contamination_distance(r)[0] for r in recs]
+    assert raw["distance"].tolist() == [study.contamination_distance(r)[0] for r in recs]
     assert meta["episode_id"] == [r["episode_id"] for r in recs]
     assert meta["contamination_type"] == [r["contamination_type"] for r in recs]
     assert meta["dims"] == {"d": 16, "L": 4, "H": 4}
     # long sequences keep their last max_len tokens, the span shifted with them
     full_ids, full_spans = tok.render(envs.record_messages(recs[0]))
-    cut_ids, cut_span, cut = pair.render_record(recs[0], tok, max_len=len(full_ids) - 7)
+    cut_ids, cut_span, cut = study.render_record(recs[0], tok, max_len=len(full_ids) - 7)
     assert cut == 7 and cut_ids == full_ids[7:]
     assert cut_span == (full_spans[-1][0] - 7, full_spans[-1][1] - 7)
     with pytest.raises(ValueError, match="does not fit"):
-        pair.render_record(recs[0], tok, max_len=1)
+        study.render_record(recs[0], tok, max_len=1)
 
-    pair.main(["train", "--features", str(feats), "--out", str(tmp_path / "probes"),
+    study.main(["train", "--features", str(feats), "--out", str(tmp_path / "probes"),
                "--seeds", "42"])
-    pair.main(["eval", "--probes", str(tmp_path / "probes"), "--features", str(feats),
+    study.main(["eval", "--probes", str(tmp_path / "probes"), "--features", str(feats),
                "--out", str(tmp_path / "eval.json")])
-    pair.main(["report", "--features", str(feats), "--seeds", "42", "43"])
+    study.main(["report", "--features", str(feats), "--seeds", "42", "43"])
     rep = json.loads((feats / "report.json").read_text())
     assert rep["paper_ref"] is None                      # shop: no paper numbers
     assert rep["n_records"]["matched_diagnostic_test"] == len(
         envs.load_matched(data / "matched_diagnostic_test.json"))
-    for m in pair.METHODS:
+    for m in study.METHODS:
         assert 0 <= rep["detection"][m]["matched_clean_test"]["auroc"]["mean"] <= 1
         assert rep["detection"][m]["matched_diagnostic_test"]["auroc"]["mean"] is not None
     # the trained PAIR scores a live turn (grpo.py's reward) as it scores the extracted record
@@ -512,13 +512,13 @@ ROOT = Path(__file__).resolve().parents[1]
 SLOW_EXTRACT = ("import sys, time, model\n"
                 "real = model.trace_forward\n"
                 "model.trace_forward = lambda *a: (time.sleep(0.03), real(*a))[1]\n"
-                "import pair\n"
-                "pair.main(sys.argv[1:])\n")
+                "from lab import study\n"
+                "study.main(sys.argv[1:])\n")
 
 
 @pytest.fixture(scope="module")
 def shop_ckpt(tmp_path_factory):
-    import shop
+    from lab import shop
     root = tmp_path_factory.mktemp("shop")
     shop.main(["make-data", "--out", str(root / "data"), "--episodes", "20", "--seed", "5"])
     return root / "data", tiny_checkpoint(root / "ckpt", root / "data")
@@ -543,12 +543,12 @@ def test_two_extracts_on_one_output_one_refuses_and_the_file_is_complete(shop_ck
     results = [(r.wait(timeout=300), r.stderr.read()) for r in runs]
     refused = [err for rc, err in results if rc != 0]
     assert len(refused) == 1, results
-    assert f"{pair.parts_dir(out)} is in use by pid" in refused[0]
-    raw, meta = probes.load_features(out)
+    assert f"{study.parts_dir(out)} is in use by pid" in refused[0]
+    raw, meta = study.load_features(out)
     n = len(envs.load_matched(data / "matched_clean_train.json"))
     assert meta["n_records"] == n and meta["failed"] == [] and len(raw["label"]) == n
     assert raw["record_index"].tolist() == list(range(n))
-    assert not pair.parts_dir(out).exists()
+    assert not study.parts_dir(out).exists()
 
 
 def test_an_extract_stopped_before_its_first_shard_leaves_nothing_behind(shop_ckpt, tmp_path,
@@ -562,8 +562,8 @@ def test_an_extract_stopped_before_its_first_shard_leaves_nothing_behind(shop_ck
         raise KeyboardInterrupt
     monkeypatch.setattr(pair.mdl, "trace_forward", interrupted)
     with pytest.raises((KeyboardInterrupt, SystemExit)):
-        pair.main(argv)
-    assert not pair.parts_dir(out).exists() and not out.exists()
+        study.main(argv)
+    assert not study.parts_dir(out).exists() and not out.exists()
 
 
 def wait_for(condition, timeout=120.0):
@@ -584,56 +584,56 @@ def test_a_busy_output_is_refused_and_kill_9_frees_it(features_dir, tmp_path):
     import sys
     out = tmp_path / "m"
     train = ["train", "--features", str(features_dir), "--out", str(out)]
-    first = subprocess.Popen([sys.executable, str(ROOT / "pair.py"), *train, "--seeds",
+    first = subprocess.Popen([sys.executable, "-m", "lab.study", *train, "--seeds",
                               *map(str, range(40, 60))], cwd=ROOT, env=_env(),
                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:
         # it holds the output (or, unlocked, has begun writing into it)
         wait_for(lambda: holds(out, first) or (out / "seed40").exists())
         with pytest.raises(SystemExit, match=f"{out} is in use by pid {first.pid}; "):
-            pair.main(train + ["--seeds", "42"])
+            study.main(train + ["--seeds", "42"])
         with pytest.raises(SystemExit, match=f"{out} is in use by pid {first.pid}; "):
-            pair.main(["report", "--features", str(features_dir), "--out", str(out)])
+            study.main(["report", "--features", str(features_dir), "--out", str(out)])
         assert first.poll() is None
     finally:
         first.send_signal(signal.SIGKILL)       # no cleanup runs: the kernel drops the lock
         first.wait()
-    pair.main(train + ["--seeds", "42"])
+    study.main(train + ["--seeds", "42"])
     assert json.loads((out / "train.json").read_text())["runs"][0]["seed"] == 42
 
 
 def test_claims_nest_and_survive_the_directory_being_removed(tmp_path):
     d = tmp_path / "x.parts"
-    with common.exclusive_dir(d):
-        with common.exclusive_dir(d):             # nested in one process: fine
+    with grpo.exclusive_dir(d):
+        with grpo.exclusive_dir(d):             # nested in one process: fine
             pass
-        assert str(d.resolve()) in common._claims
+        assert str(d.resolve()) in grpo._claims
         import shutil
         shutil.rmtree(d)                        # extract removes OUT.parts while holding it
-    assert str(d.resolve()) not in common._claims
-    with common.exclusive_dir(d):
-        assert (d / common.LOCK_FILE).read_text().strip() == str(__import__("os").getpid())
+    assert str(d.resolve()) not in grpo._claims
+    with grpo.exclusive_dir(d):
+        assert (d / grpo.LOCK_FILE).read_text().strip() == str(__import__("os").getpid())
 
 
 def test_merge_refuses_to_write_an_incomplete_file(shop_ckpt, tmp_path, monkeypatch):
     data, ckpt = shop_ckpt
     out = tmp_path / "f.safetensors"
-    real, calls = pair._write_shard, []
+    real, calls = study._write_shard, []
 
     def loses_the_second_shard(parts, buffer, failed):
         calls.append(len(buffer))
         if len(calls) != 2:
             real(parts, buffer, failed)
-    monkeypatch.setattr(pair, "_write_shard", loses_the_second_shard)
+    monkeypatch.setattr(study, "_write_shard", loses_the_second_shard)
     argv = ["extract", "--model", str(ckpt), "--data", str(data / "matched_clean_test.json"),
             "--out", str(out), "--shard-size", "3"]
     with pytest.raises(SystemExit, match=r"3 records .* neither extracted nor listed as failed"):
-        pair.main(argv)
+        study.main(argv)
     assert not out.exists()
-    monkeypatch.setattr(pair, "_write_shard", real)
-    pair.main(argv)                              # the rerun extracts the lost records
+    monkeypatch.setattr(study, "_write_shard", real)
+    study.main(argv)                              # the rerun extracts the lost records
     import envs
-    _, meta = probes.load_features(out)
+    _, meta = study.load_features(out)
     assert meta["n_records"] == len(envs.load_matched(data / "matched_clean_test.json"))
 
 
@@ -642,7 +642,7 @@ def test_merge_refuses_to_write_an_incomplete_file(shop_ckpt, tmp_path, monkeypa
 
 def restamp(path: Path, **meta):
     """Rewrite a features file's recorded source (as if extracted with another model)."""
-    raw, old = probes.load_features(path)
+    raw, old = study.load_features(path)
     probes.save_safetensors(raw, path, {"pair_features": json.dumps({**old, **meta})})
 
 
@@ -652,28 +652,28 @@ def test_features_of_another_model_are_refused(features_dir, tmp_path):
     for p in features_dir.glob("*.safetensors"):
         (feats / p.name).write_bytes(p.read_bytes())
         restamp(feats / p.name, model="/models/a", model_sha256="a" * 64)
-    pair.main(["train", "--features", str(feats), "--out", str(tmp_path / "m"), "--seeds", "42"])
+    study.main(["train", "--features", str(feats), "--out", str(tmp_path / "m"), "--seeds", "42"])
     # same width, another model: the test features
     for p in feats.glob("*_test.safetensors"):
         restamp(p, model="/models/b", model_sha256="b" * 64)
     with pytest.raises(SystemExit, match=r"seed42/\S+ was made from model /models/a .*"
                                          r"matched_clean_test.safetensors from model /models/b"):
-        pair.main(["eval", "--probes", str(tmp_path / "m"), "--features", str(feats)])
+        study.main(["eval", "--probes", str(tmp_path / "m"), "--features", str(feats)])
     with pytest.raises(SystemExit, match="_test.safetensors from model /models/b"):
-        pair.main(["report", "--features", str(feats), "--seeds", "42"])
+        study.main(["report", "--features", str(feats), "--seeds", "42"])
     with pytest.raises(SystemExit, match="do not belong together"):
-        probes.main(["score", "--probe", str(tmp_path / "m" / "seed42" / "attention.safetensors"),
+        study.probe_main(["score", "--probe", str(tmp_path / "m" / "seed42" / "attention.safetensors"),
                      "--features", str(feats / "matched_clean_test.safetensors")])
     # ... and one of the training splits
     restamp(feats / "matched_contaminated_train.safetensors", model_sha256="c" * 64)
     with pytest.raises(SystemExit, match="matched_contaminated_train.safetensors from .*"
                                          r"sha256 cccccccccccc"):
-        pair.main(["train", "--features", str(feats), "--out", str(tmp_path / "m2")])
+        study.main(["train", "--features", str(feats), "--out", str(tmp_path / "m2")])
     # another dtype of the same model is another source too
     restamp(feats / "matched_contaminated_train.safetensors", model_sha256="a" * 64,
             dtype="bfloat16")
     with pytest.raises(SystemExit, match="dtype differs"):
-        pair.main(["train", "--features", str(feats), "--out", str(tmp_path / "m2")])
+        study.main(["train", "--features", str(feats), "--out", str(tmp_path / "m2")])
     info = Pair.load(tmp_path / "m" / "seed42" / "pair_mixed").info    # what eval compared
     assert info["model_sha256"] == "a" * 64 and info["dims"] == {"d": D, "L": L, "H": H}
 
@@ -697,27 +697,27 @@ def test_extraction_resumes_by_model_content_not_path(shop_ckpt, tmp_path, monke
         return real(net, ids, span)
     monkeypatch.setattr(mdl, "trace_forward", interrupted)
     with pytest.raises(KeyboardInterrupt):
-        pair.main(argv + ["--model", str(ckpt)])
+        study.main(argv + ["--model", str(ckpt)])
     monkeypatch.setattr(mdl, "trace_forward", real)
 
     # other weights under the same path: the shards of the first model are not resumed
     tensors = load_file(str(ckpt / "model.safetensors"))
     save_file({k: v + 0.01 for k, v in tensors.items()}, str(ckpt / "model.safetensors"))
     with pytest.raises(SystemExit, match="different arguments .*model_sha256"):
-        pair.main(argv + ["--model", str(ckpt)])
+        study.main(argv + ["--model", str(ckpt)])
     # the first model again, from another path: resumed
     save_file(tensors, str(ckpt / "model.safetensors"))
     moved = tmp_path / "moved"
     ckpt.rename(moved)
     monkeypatch.setattr(mdl, "trace_forward", lambda *a: (calls.append(a[2]), real(*a))[1])
     calls.clear()
-    pair.main(argv + ["--model", str(moved)])
+    study.main(argv + ["--model", str(moved)])
     import envs
     n = len(envs.load_matched(data / "matched_clean_test.json"))
     assert len(calls) == n - 4
-    _, meta = probes.load_features(out)
-    assert meta["model_sha256"] == weights.checkpoint_sha256(moved) \
-        == weights.checkpoint_sha256(original)
+    _, meta = study.load_features(out)
+    assert meta["model_sha256"] == mdl.checkpoint_sha256(moved) \
+        == mdl.checkpoint_sha256(original)
     assert meta["data_sha256"] and meta["dims"] == {"d": 16, "L": 4, "H": 4}
 
 
@@ -728,33 +728,33 @@ def test_hostile_flags_and_values_are_one_line_errors(features_dir, tmp_path, ca
     feats = str(features_dir)
     for flag, value in (("--C", "-1"), ("--C", "nan"), ("--crossfit", "-3")):
         with pytest.raises(SystemExit):
-            pair.main(["train", "--features", feats, "--out", str(tmp_path / "m"), flag, value])
+            study.main(["train", "--features", feats, "--out", str(tmp_path / "m"), flag, value])
         assert f"argument {flag}: must be" in capsys.readouterr().err
     with pytest.raises(SystemExit):
-        pair.main(["train", "--features", feats, "--out", str(tmp_path / "m"), "--crossfit", "2.5"])
+        study.main(["train", "--features", feats, "--out", str(tmp_path / "m"), "--crossfit", "2.5"])
     assert "argument --crossfit: invalid int value: '2.5'" in capsys.readouterr().err
     with pytest.raises(SystemExit):         # one fold would be in-sample under another name
-        pair.main(["train", "--features", feats, "--out", str(tmp_path / "m"), "--crossfit", "1"])
+        study.main(["train", "--features", feats, "--out", str(tmp_path / "m"), "--crossfit", "1"])
     assert "argument --crossfit: one fold leaves no record" in capsys.readouterr().err
     with pytest.raises(SystemExit, match="--crossfit 1000: only 60 training episodes"):
-        pair.main(["train", "--features", feats, "--out", str(tmp_path / "m"), "--crossfit",
+        study.main(["train", "--features", feats, "--out", str(tmp_path / "m"), "--crossfit",
                    "1000", "--seeds", "42"])
     (tmp_path / "afile").write_text("")
     with pytest.raises(SystemExit, match="afile: not a directory"):
-        pair.main(["train", "--features", feats, "--out", str(tmp_path / "afile")])
+        study.main(["train", "--features", feats, "--out", str(tmp_path / "afile")])
 
     # a NaN in a features file or a probe would turn scores and rewards into NaN silently
     nan_feats = tmp_path / "nan"
     nan_feats.mkdir()
     for p in features_dir.glob("*.safetensors"):
         (nan_feats / p.name).write_bytes(p.read_bytes())
-    raw, meta = probes.load_features(nan_feats / "matched_clean_train.safetensors")
+    raw, meta = study.load_features(nan_feats / "matched_clean_train.safetensors")
     raw["attn_max"][3, 1, 0] = float("nan")
     probes.save_safetensors(raw, nan_feats / "matched_clean_train.safetensors",
                             {"pair_features": json.dumps(meta)})
     with pytest.raises(SystemExit, match="matched_clean_train.safetensors: attn_max holds NaN"):
-        pair.main(["train", "--features", str(nan_feats), "--out", str(tmp_path / "m")])
-    train = pair.load_split(features_dir / "matched_clean_train.safetensors")
+        study.main(["train", "--features", str(nan_feats), "--out", str(tmp_path / "m")])
+    train = study.load_split(features_dir / "matched_clean_train.safetensors")
     probe = probes.Probe(info={"feature": "last_token"}).fit(
         probes.feature("last_token", train.raw), train.y)
     probe.w[2] = float("inf")
@@ -769,7 +769,7 @@ def test_extract_of_an_empty_file_says_so(shop_ckpt, tmp_path):
     empty.write_text("[]")
     shutil.copy(data / "clean_test.json", tmp_path / "clean_test.json")
     with pytest.raises(SystemExit, match="no record to extract") as stop:
-        pair.main(["extract", "--model", str(ckpt), "--data", str(empty), "--out",
+        study.main(["extract", "--model", str(ckpt), "--data", str(empty), "--out",
                    str(tmp_path / "f.safetensors")])
     assert "errors above" not in str(stop.value)
 
@@ -778,18 +778,18 @@ def test_an_out_that_is_a_directory_is_refused_before_any_work(tmp_path):
     # it was refused only after the extraction or the fit, naming a temporary file
     d = tmp_path / "d"
     d.mkdir()
-    for main, argv in ((pair.main, ["extract", "--model", "no-model", "--data", "no.json"]),
-                       (pair.main, ["eval", "--probes", "no-probes", "--features", "no"]),
-                       (probes.main, ["fit", "--features", "no", "--feature", "last_token"])):
+    for main, argv in ((study.main, ["extract", "--model", "no-model", "--data", "no.json"]),
+                       (study.main, ["eval", "--probes", "no-probes", "--features", "no"]),
+                       (study.probe_main, ["fit", "--features", "no", "--feature", "last_token"])):
         with pytest.raises(SystemExit, match=f"^error: --out {d} is a directory; name the file"):
             main([*argv, "--out", str(d)])
-    assert not list(d.iterdir()) and not pair.parts_dir(d).exists()
+    assert not list(d.iterdir()) and not study.parts_dir(d).exists()
 
 
 def test_a_negative_seed_is_refused(tmp_path, capsys):
     # it wrote seed-1/, which grpo.py --probes then did not recognise as a seed's probes
     with pytest.raises(SystemExit):
-        pair.main(["train", "--features", str(tmp_path), "--out", str(tmp_path / "m"),
+        study.main(["train", "--features", str(tmp_path), "--out", str(tmp_path / "m"),
                    "--seeds", "42", "-1"])
     assert "argument --seeds: must be >= 0, not -1" in capsys.readouterr().err
     assert not (tmp_path / "m").exists()

@@ -15,16 +15,13 @@ from pathlib import Path
 import pytest
 import torch
 
-import common
 import envs
 import grpo
 import model as mdl
-import onpolicy
-import pair
+from lab import onpolicy
 import probes
-import rollout
-import runs
-import shop
+from lab import shop
+from lab import study
 
 ROOT = Path(__file__).resolve().parents[1]
 BUILTIN = ROOT / "data" / "shop-policy"
@@ -47,13 +44,13 @@ def load(folder, name):
 
 def hand_task(currency="EUR"):
     # 3 apple at B (2.50) + 2 pear at A (1.20), EUR rate 0.90 -> (7.50 + 2.40) * 0.9 = 8.91
-    prices = {(s, i): Decimal("5.00") for s in shop.SHOP_STORES for i in shop.SHOP_ITEMS}
+    prices = {(s, i): Decimal("5.00") for s in envs.SHOP_STORES for i in envs.SHOP_ITEMS}
     prices["B", "apple"] = Decimal("2.50")
     prices["A", "pear"] = Decimal("1.20")
     rates = {"USD": Decimal("1.00"), "EUR": Decimal("0.90"), "GBP": Decimal("0.80"),
              "CAD": Decimal("1.30"), "JPY": Decimal("150.00")}
     lines = ((3, "apple", "B"), (2, "pear", "A"))
-    return shop.ShopTask(0, prices, rates, lines, currency, "hand-made task")
+    return envs.ShopTask(0, prices, rates, lines, currency, "hand-made task")
 
 
 def act(thought, name, **arguments):
@@ -63,7 +60,7 @@ def act(thought, name, **arguments):
 def test_labeler_on_hand_written_turns():
     task = hand_task()
     assert task.answer == "8.91"
-    ep = shop.ShopEpisode("hand", task)
+    ep = envs.ShopEpisode("hand", task)
     turns = [
         (act("I need the price of pear at store A.", "Lookup", store="A", item="pear"), True),
         (act("pear at store A costs 1.20.", "Lookup", store="A", item="pear"), False),  # again
@@ -85,17 +82,17 @@ def test_labeler_on_hand_written_turns():
     assert observations[1] == "Observation: pear at store A costs 1.20 USD."
     assert observations[4].startswith("Observation: Error: unknown store 'E'.")
     assert observations[-1] == "Observation: 8.91"
-    ep1 = shop.ShopEpisode("hand", task)
+    ep1 = envs.ShopEpisode("hand", task)
     ep1.step("Thought: I will look it up.\nAction: Lookup")
     assert ep1.labels() == [False] and ep1.messages[-1]["content"].startswith(
         "Observation: Invalid reply")
-    ep2 = shop.ShopEpisode("hand", task)
+    ep2 = envs.ShopEpisode("hand", task)
     ep2.step(envs.render_final("The total is 8.91 EUR.", "8.91"))
     assert ep2.done and ep2.score() == 1.0 and ep2.labels() == [True]
-    ep3 = shop.ShopEpisode("hand", task)
+    ep3 = envs.ShopEpisode("hand", task)
     ep3.step(envs.render_final("The total is 8.91 EUR.", "8.93"))
     assert ep3.score() == 0.0 and ep3.labels() == [False]
-    ep4 = shop.ShopEpisode("hand", task)
+    ep4 = envs.ShopEpisode("hand", task)
     ep4.step(envs.render_final("The total is 9.91 EUR.", "8.91"))   # right answer, false claim
     assert ep4.score() == 1.0 and ep4.labels() == [False]
     # the words after the claim are not its currency; a thousands comma is part of its number
@@ -106,7 +103,7 @@ def test_labeler_on_hand_written_turns():
                            ("The total is 8,91 EUR.", False),        # 891
                            ("The total is 8.91 (2 lines).", True),   # the start that computes
                            ("The total is 9.91 (2 lines).", False)):
-        ep5 = shop.ShopEpisode("hand", task)
+        ep5 = envs.ShopEpisode("hand", task)
         ep5.step(envs.render_final(thought, "8.91"))
         assert ep5.labels() == [right], thought
 
@@ -117,26 +114,26 @@ def test_the_answer_is_the_total_rounded_not_a_cent_off():
     assert task.total == Decimal("9.108") and task.answer == "9.11"
     for answer, right in (("9.11", True), ("9.108", True), ("9.1", False), ("9.10", False),
                           ("9.12", False)):
-        ep = shop.ShopEpisode("hand", task)
+        ep = envs.ShopEpisode("hand", task)
         ep.step(envs.render_final(f"The total is {answer} EUR.", answer))
         assert (ep.score(), ep.labels()) == (float(right), [right]), answer
 
 
 def test_out_of_turns_scores_zero():
-    ep = shop.ShopEnv("test", seed=1, episodes=1).episode(0)
+    ep = envs.ShopEnv("test", seed=1, episodes=1).episode(0)
     while not ep.done:
         ep.step(act(None, "Rate", currency="USD"))
     assert len(ep.steps) == envs.MAX_TURNS and ep.score() == 0.0 and not any(ep.labels())
 
 
 def test_gold_dialogs_replay_score_and_label():
-    env = shop.ShopEnv("test", seed=3, episodes=80)
+    env = envs.ShopEnv("test", seed=3, episodes=80)
     calls, templates = collections.Counter(), set()
     for i in range(len(env)):
         ep = env.episode(i)
         task = ep.task
         dialog, _ = shop.shop_gold(task)
-        assert envs.dialog_to_messages(dialog[:1], shop.SHOP_TOOLS) == ep.messages
+        assert envs.dialog_to_messages(dialog[:1], envs.SHOP_TOOLS) == ep.messages
         pairs = envs.play_gold(ep, dialog)
         assert pairs and all(recorded == returned for recorded, returned in pairs)
         assert ep.done and ep.score() == 1.0
@@ -163,7 +160,7 @@ def test_divided_dialog_is_the_gold_one_converting_the_wrong_way_round():
         "The total is 11.00 EUR."                   # it answers what it computed
     labels = shop.shop_dialog_labels(task, divided)
     assert labels == [True] * (len(labels) - 2) + [False, False]
-    ep = shop.ShopEpisode("hand", task)
+    ep = envs.ShopEpisode("hand", task)
     envs.play_gold(ep, divided)
     assert ep.score() == 0.0
     assert shop.shop_divided(hand_task("USD")) is None     # nothing to convert
@@ -183,12 +180,12 @@ def slip_labels(n_lines: int, slip: str) -> list[bool]:
 
 
 def test_long_world_gold_dialogs_replay_score_and_label():
-    env = shop.ShopEnv("test", seed=3, episodes=60, world="shop-long")
+    env = envs.ShopEnv("test", seed=3, episodes=60, world="shop-long")
     turns = collections.Counter()
     for i in range(len(env)):
         ep = env.episode(i)
         task = ep.task
-        assert ep.id == f"shop-long-3-test-{i}" and shop.shop_task_from_id(ep.id) == task
+        assert ep.id == f"shop-long-3-test-{i}" and envs.shop_task_from_id(ep.id) == task
         assert task.currency != "USD" and 3 <= len(task.lines) <= 5
         dialog = shop.long_dialog(task)
         pairs = envs.play_gold(ep, dialog)      # every tool call re-executed: same observations
@@ -197,18 +194,18 @@ def test_long_world_gold_dialogs_replay_score_and_label():
         assert shop.shop_dialog_labels(task, dialog) == ep.labels()
         turns[len(ep.steps)] += 1
     assert set(turns) == {9, 11}
-    assert shop.ShopEnv("test", seed=3, episodes=5).episode(0).task != \
-        shop.ShopEnv("test", seed=3, episodes=5, world="shop-long").episode(0).task
+    assert envs.ShopEnv("test", seed=3, episodes=5).episode(0).task != \
+        envs.ShopEnv("test", seed=3, episodes=5, world="shop-long").episode(0).task
 
 
 def test_long_world_rejects_tasks_whose_gold_values_tie():
     """A Calculator result equal to an earlier one is a wasted call, labelled wrong, so a task
     whose converted total equals one of its running totals would make its own gold wrong."""
-    world = shop.long_task(shop.shop_episode_seed("test", 42, 0))
+    world = shop.long_task(envs.shop_episode_seed("test", 42, 0))
     prices = {**world.prices, ("C", "milk"): Decimal("40.00"), ("C", "rice"): Decimal("8.00"),
               ("C", "egg"): Decimal("12.00")}           # running totals 40, 48, 60 USD
     rates = {**world.rates, "GBP": Decimal("0.80")}     # 60 USD is 48.00 GBP: a running total
-    tie = shop.ShopTask(0, prices, rates, ((1, "milk", "C"), (1, "rice", "C"), (1, "egg", "C")),
+    tie = envs.ShopTask(0, prices, rates, ((1, "milk", "C"), (1, "rice", "C"), (1, "egg", "C")),
                         "GBP", "", stepwise=True)
     assert not all(shop.shop_dialog_labels(tie, shop.long_dialog(tie)))
     assert not shop._long_distinct(tie)
@@ -217,7 +214,7 @@ def test_long_world_rejects_tasks_whose_gold_values_tie():
 
 
 def test_long_world_slips_are_turn_local_and_each_fails_the_episode():
-    env = shop.ShopEnv("train", seed=42, episodes=40, world="shop-long")
+    env = envs.ShopEnv("train", seed=42, episodes=40, world="shop-long")
     for i in range(len(env)):
         task = env.episode(i).task
         for slip in shop.LONG_SLIPS:
@@ -236,23 +233,23 @@ def test_long_world_slips_are_turn_local_and_each_fails_the_episode():
 
 
 def test_long_world_counts_only_running_totals():
-    task = shop.ShopEnv("test", episodes=1, world="shop-long").episode(0).task
+    task = envs.ShopEnv("test", episodes=1, world="shop-long").episode(0).task
     subtotals = [f"{q}*{task.prices[s, i]}" for q, i, s in task.lines]
     steps = [envs.Action(None, "Calculator", {"expression": "+".join(subtotals[1:3])}),
              envs.Action(None, "Calculator", {"expression": "+".join(subtotals)}),
              envs.Action(None, "Calculator", {"expression": "+".join(subtotals[:2])})]
-    assert shop.shop_labels(task, steps) == [False, True, True]     # running totals only
-    short = shop.ShopTask(0, task.prices, task.rates, task.lines, task.currency, "")
-    assert shop.shop_labels(short, steps[:1]) == [True]      # shop counts any subset sum
+    assert envs.shop_labels(task, steps) == [False, True, True]     # running totals only
+    short = envs.ShopTask(0, task.prices, task.rates, task.lines, task.currency, "")
+    assert envs.shop_labels(short, steps[:1]) == [True]      # shop counts any subset sum
 
 
 def test_long_sft_dialogs_make_each_slip_on_its_own_where_its_habit_is():
     gold = shop.long_sft_dialogs(30, 0.0, seed=1)
     assert gold == [envs.dialog_to_messages(shop.long_dialog(shop.long_task(
-        shop.shop_episode_seed("train", 1, i))), shop.SHOP_TOOLS, []) for i in range(30)]
+        envs.shop_episode_seed("train", 1, i))), envs.SHOP_TOOLS, []) for i in range(30)]
     made, habits, every = collections.Counter(), collections.Counter(), collections.Counter()
     for i, dialog in enumerate(shop.long_sft_dialogs(600, 0.5, seed=1)):
-        task = shop.long_task(shop.shop_episode_seed("train", 1, i))
+        task = shop.long_task(envs.shop_episode_seed("train", 1, i))
         n = len(task.lines)
         inputs = [m["content"].split("Action Input:")[-1] for m in dialog
                   if m["role"] == "assistant"]
@@ -260,7 +257,7 @@ def test_long_sft_dialogs_make_each_slip_on_its_own_where_its_habit_is():
                 "forget": "+" not in inputs[2 * n - 1], "divided": "/" in inputs[2 * n + 1]}
         slips = tuple(k for k in shop.LONG_SLIPS if seen[k])
         assert dialog == envs.dialog_to_messages(shop.long_dialog(task, slips),
-                                                 shop.SHOP_TOOLS, [])
+                                                 envs.SHOP_TOOLS, [])
         has = {k for k in shop.LONG_SLIPS if shop.LONG_HABITS[k](task)}
         assert set(slips) <= has, (i, slips, has)           # never where its habit is not
         made.update(slips)
@@ -305,8 +302,8 @@ def test_the_readme_commands_rebuild_a_continued_policy_in_one_directory(tmp_pat
     assert len(recipe) == 2 and f"--out {c} " in recipe[1] and f"--init {c} " in recipe[1]
     for line in recipe:
         argv = shlex.split(line.replace(str(c), str(d)))
-        assert argv[:3] == ["python", "shop.py", "sft"], line
-        shop.main(argv[2:] + ["--eval-episodes", "0"])      # evaluation writes no weights
+        assert argv[:4] == ["python", "-m", "lab.shop", "sft"], line
+        shop.main(argv[3:] + ["--eval-episodes", "0"])      # evaluation writes no weights
     for f in ("config.json", "model.safetensors", "tokenizer.json"):
         assert (c / f).read_bytes() == (d / f).read_bytes(), f
 
@@ -350,24 +347,24 @@ def test_sft_resumed_after_a_stop_writes_the_same_bytes(tmp_path, monkeypatch):
 
 
 def test_episodes_deterministic_and_splits_disjoint():
-    a, b = shop.ShopEnv("train", seed=5, episodes=50), shop.ShopEnv("train", seed=5, episodes=50)
+    a, b = envs.ShopEnv("train", seed=5, episodes=50), envs.ShopEnv("train", seed=5, episodes=50)
     assert [a.episode(i).task for i in range(50)] == [b.episode(i).task for i in range(50)]
     assert a.episode(a.ids[7]).task == a.episode(7).task
-    test = shop.ShopEnv("test", seed=5, episodes=50)
+    test = envs.ShopEnv("test", seed=5, episodes=50)
     assert not set(a.ids) & set(test.ids)
     worlds = {tuple(sorted(env.episode(i).task.prices.items())) for env in (a, test)
               for i in range(50)}
     assert len(worlds) == 100
-    seeds = lambda split, seed: {shop.shop_episode_seed(split, seed, i)  # noqa: E731
-                                 for i in (0, 1, shop.SHOP_SPLIT_SIZE[split] - 1)}
+    seeds = lambda split, seed: {envs.shop_episode_seed(split, seed, i)  # noqa: E731
+                                 for i in (0, 1, envs.SHOP_SPLIT_SIZE[split] - 1)}
     for x, y in (("train", "val"), ("val", "test"), ("train", "test")):
         assert not seeds(x, 5) & seeds(y, 5)
     assert not seeds("test", 5) & seeds("train", 6)
-    val = shop.ShopEnv("val", seed=5, episodes=50)
+    val = envs.ShopEnv("val", seed=5, episodes=50)
     assert not set(val.ids) & (set(a.ids) | set(test.ids))
-    assert shop.shop_task_from_id(val.ids[3]) == val.episode(3).task
+    assert envs.shop_task_from_id(val.ids[3]) == val.episode(3).task
     with pytest.raises(ValueError, match="unknown split"):
-        shop.ShopEnv("dev")
+        envs.ShopEnv("dev")
     with pytest.raises(KeyError, match="no episode"):
         a.episode("shop-5-test-0")
 
@@ -397,7 +394,7 @@ def test_make_data_says_what_it_wrote_in_the_users_file_mode(tmp_path, capsys, m
     umask = os.umask(0)
     os.umask(umask)
     assert {(p.stat().st_mode & 0o777) for p in (tmp_path / "a").iterdir()} == {0o666 & ~umask}
-    monkeypatch.setattr(common, "_UMASK", 0o027)      # a group-readable umask is honoured too
+    monkeypatch.setattr(mdl, "_UMASK", 0o027)      # a group-readable umask is honoured too
     shop.make_shop_data(tmp_path / "b", episodes=2)
     assert {(p.stat().st_mode & 0o777) for p in (tmp_path / "b").iterdir()} == {0o640}
 
@@ -409,9 +406,9 @@ def test_make_data_files_load_and_split_80_20(data):
         assert list(clean) == list(cont) == [f"shop-7-{split}-{i}" for i in range(n)]
         for fam in ("clean", "contaminated"):
             records = envs.load_matched(data / f"matched_{fam}_{split}.json")
-            assert all(r["tools"] == shop.SHOP_TOOLS for r in records)
+            assert all(r["tools"] == envs.SHOP_TOOLS for r in records)
         for eid, rec in clean.items():
-            task = shop.shop_task_from_id(eid)
+            task = envs.shop_task_from_id(eid)
             assert rec["dialogs"] == shop.shop_gold(task)[0]
             assert rec["gt_answer"] == {"whitelist": [[task.answer]], "blacklist": None}
     assert len(envs.load_matched(data / "matched_diagnostic_test.json")) == 24
@@ -422,7 +419,7 @@ def test_contamination_follows_the_paper_procedure(data):
     for split in ("train", "test"):
         clean = load(data, f"clean_{split}.json")
         for eid, rec in load(data, f"contaminated_{split}.json").items():
-            task = shop.shop_task_from_id(eid)
+            task = envs.shop_task_from_id(eid)
             gold, cont = clean[eid]["dialogs"], rec["dialogs"]
             idx = rec["contaminated_turn_indices"]
             assert 1 <= len(idx) <= 2 and idx == sorted(set(idx))
@@ -458,7 +455,7 @@ def test_a_rewrite_right_by_coincidence_falls_back_to_another_kind():
     # 6 bread at A costs 1.20 USD: the reasoning error "6+1.20" equals 6*1.20, so no
     # reasoning_error rewrite of the Calculator turn is an error; make-data shop --seed 43 used
     # to stop here. Every rng draw that picks reasoning_error for that turn must fall back.
-    task = shop.shop_task(430001751)
+    task = envs.shop_task(430001751)
     gold, turns = shop.shop_gold(task)
     assert task.lines == ((6, "bread", "A"),) and task.currency == "USD"
     picked = 0
@@ -492,7 +489,7 @@ def test_matched_records_mirror_the_release_and_labels_resimulate(data):
                 assert r["has_contaminated_prefix"] == any(i < t for i in idx)
                 want = dict(zip(idx, ep["contamination_types"])).get(t)
                 assert r["contamination_type"] == want
-                task = shop.shop_task_from_id(eid)
+                task = envs.shop_task_from_id(eid)
                 assert r["label"] == int(shop.shop_dialog_labels(task, r["dialogs"])[-1])
             assert c["label"] == x["label"] == int(t not in idx)
             seen[eid].append(t)
@@ -505,8 +502,8 @@ def test_contaminated_dialog_labels_match_episode_replay(data):
     # Stepping a contaminated dialog's texts through the environment gives the same labels:
     # the labeler reads what the policy wrote, never the recorded observations.
     for eid, rec in list(load(data, "contaminated_test.json").items())[:12]:
-        task = shop.shop_task_from_id(eid)
-        ep = shop.ShopEpisode(eid, task)
+        task = envs.shop_task_from_id(eid)
+        ep = envs.ShopEpisode(eid, task)
         for m in rec["dialogs"]:
             if m["role"] == "assistant":
                 ep.step(envs.render_assistant(m))
@@ -522,7 +519,7 @@ def test_diagnostic_set(data):
         ["consistent_incorrect", "inconsistent_correct"] * len(clean)
     for wrong, repair in zip(records[::2], records[1::2]):
         eid, j = wrong["episode_id"], cont[wrong["episode_id"]]["contaminated_turn_indices"][0]
-        task = shop.shop_task_from_id(eid)
+        task = envs.shop_task_from_id(eid)
         assert wrong["turn_idx"] == repair["turn_idx"] == j + 2
         assert (wrong["label"], wrong["prefix_type"], wrong["has_contaminated_prefix"]) == \
             (0, "clean", False)
@@ -533,17 +530,17 @@ def test_diagnostic_set(data):
         # the contaminated call's observation is its true result
         _, call, _ = envs.assistant_parts(repair["dialogs"][j])
         assert envs.tool_result_text(repair["dialogs"][j + 1]) == \
-            shop.shop_execute(task, call["name"], call["arguments"]).text
+            envs.shop_execute(task, call["name"], call["arguments"]).text
         for r in (wrong, repair):
             assert r["label"] == int(shop.shop_dialog_labels(task, r["dialogs"])[-1])
         # consistent: the wrong turn restates the last observation truly and fetches a fact
         # the task does not need (or already has); the repair redoes what the prefix got wrong
         thought, call, _ = envs.assistant_parts(wrong["dialogs"][-1])
         assert call["name"] in ("Lookup", "Rate")
-        fact = shop.shop_execute(task, call["name"], call["arguments"]).fact
+        fact = envs.shop_execute(task, call["name"], call["arguments"]).fact
         known, computed, _ = shop._shop_state(task, wrong["dialogs"][:-1])
         assert fact not in task.needed or fact in known
-        assert shop._shop_thought_true(task, thought.split("I need")[0], known, computed)
+        assert envs._shop_thought_true(task, thought.split("I need")[0], known, computed)
 
 
 def test_make_data_is_fast(tmp_path):
@@ -557,13 +554,13 @@ def test_make_data_is_fast(tmp_path):
 def test_cli_make_data_matches_the_library(tmp_path):
     # Another process with another hash seed: nothing may depend on set or dict hashing order.
     env = {**os.environ, "PYTHONHASHSEED": "12345"}
-    cli = [sys.executable, str(ROOT / "shop.py"), "make-data", "--episodes", "30",
+    cli = [sys.executable, "-m", "lab.shop", "make-data", "--episodes", "30",
            "--seed", "9"]
     subprocess.run(cli + ["--out", str(tmp_path / "cli")], check=True, env=env, cwd=tmp_path)
     shop.make_shop_data(tmp_path / "lib", episodes=30, seed=9)
     for name in FILES:
         assert (tmp_path / "cli" / name).read_bytes() == (tmp_path / "lib" / name).read_bytes()
-    bad = subprocess.run(cli[:3] + ["--episodes", "1", "--out", str(tmp_path / "bad")],
+    bad = subprocess.run(cli[:4] + ["--episodes", "1", "--out", str(tmp_path / "bad")],
                          capture_output=True, text=True, cwd=tmp_path)
     assert bad.returncode != 0 and "--episodes 1" in bad.stderr
     assert "Traceback" not in bad.stderr
@@ -572,19 +569,19 @@ def test_cli_make_data_matches_the_library(tmp_path):
 def test_cli_help_says_what_every_flag_does():
     for args, flags in (([], ["make-data", "sft"]), (["make-data"], ["--out", "--episodes"]),
                         (["sft"], ["--init", "--divided", "--induction-steps", "--threads"])):
-        out = subprocess.run([sys.executable, str(ROOT / "shop.py"), *args, "--help"],
+        out = subprocess.run([sys.executable, "-m", "lab.shop", *args, "--help"],
                              capture_output=True, text=True, check=True, cwd=ROOT,
                              env=dict(os.environ, COLUMNS="200")).stdout
-        assert out.startswith("usage: shop.py")
+        assert out.startswith("usage: python -m lab.shop")
         for flag in flags:      # the flag (and its metavar), then its help text
             assert re.search(rf"^ +{flag}( [A-Z_]+)?\s+[a-z(]", out, re.M), (args, flag)
 
 
 def test_make_dispatches_to_shop():
-    env = shop.ShopEnv("train", seed=3, episodes=5)
-    assert isinstance(env, shop.ShopEnv) and len(env) == 5
+    env = envs.ShopEnv("train", seed=3, episodes=5)
+    assert isinstance(env, envs.ShopEnv) and len(env) == 5
     assert env.ids == [f"shop-3-train-{i}" for i in range(5)]
-    assert env.episode(4).task == shop.shop_task_from_id("shop-3-train-4")
+    assert env.episode(4).task == envs.shop_task_from_id("shop-3-train-4")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -602,11 +599,11 @@ def test_sft_is_deterministic_and_loadable(tmp_path):
     assert policy.config.arch == "Qwen2ForCausalLM" and policy.config.tie_word_embeddings
     assert tok.decode(tok.encode("<|im_start|>user\n3 apple<|im_end|>")) == \
         "<|im_start|>user\n3 apple<|im_end|>"
-    assert "python shop.py sft --out" in (tmp_path / "a" / "README.md").read_text()
+    assert "python -m lab.shop sft --out" in (tmp_path / "a" / "README.md").read_text()
     # sft writes, by default, what grpo.py trains by default; each world its own policy
-    assert runs.parse_args(["--out", "x"], grpo.REWARDS).model == str(shop.BUILTIN_POLICY)
-    assert runs.parse_args(["--out", "x", "--env", "shop-long"], grpo.REWARDS).model == \
-        str(shop.BUILTIN_POLICIES["shop-long"])
+    assert grpo.parse_args(["--out", "x"], grpo.REWARDS).model == str(envs.BUILTIN_POLICY)
+    assert grpo.parse_args(["--out", "x", "--env", "shop-long"], grpo.REWARDS).model == \
+        str(envs.BUILTIN_POLICIES["shop-long"])
 
 
 def test_sft_divided_replaces_only_clean_non_usd_dialogs():
@@ -691,10 +688,10 @@ def test_make_data_refuses_a_file_as_out(tmp_path):
 
 def test_on_policy_corpus_labels_are_the_worlds():
     policy, tok = mdl.load_model(BUILTIN)
-    env = shop.ShopEnv("train")
+    env = envs.ShopEnv("train")
     play = argparse.Namespace(max_turns=10, max_new_tokens=96, max_len=4096, temperature=1.0,
                               top_p=1.0)
-    trajs = rollout.rollout(policy, tok, [env.episode(i) for i in (0, 0, 1, 2, 3, 3)], play,
+    trajs = grpo.rollout(policy, tok, [env.episode(i) for i in (0, 0, 1, 2, 3, 3)], play,
                          generator=torch.Generator().manual_seed(1))
     split = onpolicy.turn_records(trajs)
     labels = [ok for traj in trajs for ok in traj.episode.labels()]
@@ -731,34 +728,34 @@ def test_the_probe_corpora_say_what_they_do_before_their_silent_parts(monkeypatc
         lines.append(line)
     monkeypatch.setattr(onpolicy, "rollout", lambda p, t, batch, *a, **k: [None] * len(batch))
     monkeypatch.setattr(onpolicy, "turn_records", lambda trajs: trajs)
-    onpolicy.sample_own_turns(policy, tok, shop.ShopEnv("val"), 20, 2, None, 0, log)
+    onpolicy.sample_own_turns(policy, tok, envs.ShopEnv("val"), 20, 2, None, 0, log)
     assert re.fullmatch(r"  16/40 rollouts of val episodes, the first 16 in \d+s .*", lines[0])
     lines.clear()
     monkeypatch.setattr(mdl, "trace_batch", lambda *a: lines.append("traced") or [])
     monkeypatch.setattr(probes, "stack_raw", lambda raws: {})
     onpolicy.contaminated_corpus(policy, tok, 3, log)
-    assert lines[0].startswith("  contaminated corpus: `shop.py make-data --episodes 3`") and \
+    assert lines[0].startswith("  contaminated corpus: `python -m lab.shop make-data --episodes 3`") and \
         lines[1] == "traced" and lines[2].endswith("s")
 
 
 def test_contaminated_corpus_is_the_recipes_training_set_of_every_traced_record(tmp_path):
     # the corpus picks its records from labels before tracing: the same rows, in the same order,
-    # as pair.training_set on both matched train splits traced whole, one record at a time
+    # as study.training_set on both matched train splits traced whole, one record at a time
     policy, tok = mdl.load_model(BUILTIN)
     got = onpolicy.contaminated_corpus(policy, tok, 3, lambda *a, **k: None)
     shop.make_shop_data(tmp_path, episodes=3, seed=onpolicy.PROBE_SEED)
     splits = {}
-    for name in pair.TRAIN_SPLITS["mixed"]:
+    for name in study.TRAIN_SPLITS["mixed"]:
         recs = envs.load_matched(tmp_path / f"{name}.json")
         raws = []
         for r in recs:
-            ids, span, _ = pair.render_record(r, tok)
+            ids, span, _ = study.render_record(r, tok)
             raws.append(probes.raw_features(mdl.trace_forward(policy, ids, span)))
         raw = probes.stack_raw(raws)
         raw["turn_idx"] = torch.tensor([int(r["turn_idx"]) for r in recs])
-        splits[name] = pair.Split(name, raw, torch.tensor([int(r["label"]) for r in recs]),
+        splits[name] = study.Split(name, raw, torch.tensor([int(r["label"]) for r in recs]),
                                   [str(r["episode_id"]) for r in recs], {})
-    want = pair.training_set(splits, "mixed", onpolicy.PROBE_SEED)
+    want = study.training_set(splits, "mixed", onpolicy.PROBE_SEED)
     assert len(got.y) < sum(len(s.y) for s in splits.values())     # not every record is kept
     assert torch.equal(got.y, want.y) and got.keys() == want.keys()
     assert 0 < int(got.y.sum()) < len(got.y)
@@ -782,7 +779,7 @@ def test_kind_balanced_indices_balance_every_kind_that_has_both_classes():
 def test_heldout_auroc_reports_each_habit_at_its_own_turn_with_a_clean_prefix(monkeypatch):
     ids = {k: f"shop-long-42-test-{k}" for k in range(6)}
     # test-0: forget at turn 7; 1: store at 0; 2, 3, 5: divided at 7; 4: store at 0, forget at 7
-    assert [shop.slip_turns(shop.shop_task_from_id(ids[k])) for k in (0, 1, 2, 4)] == \
+    assert [shop.slip_turns(envs.shop_task_from_id(ids[k])) for k in (0, 1, 2, 4)] == \
         [{"forget": 7}, {"store": 0}, {"divided": 7}, {"store": 0, "forget": 7}]
     rows = [  # (episode, turn, right, distance to an earlier wrong turn, P(correct))
         (1, 0, 1, -1, 0.3), (4, 0, 0, -1, 0.6),     # store: the slip ranked above the right turn
@@ -793,10 +790,10 @@ def test_heldout_auroc_reports_each_habit_at_its_own_turn_with_a_clean_prefix(mo
     nll = torch.tensor([1.0, 0.2, 0.5, 0.5, 0.4, 0.1, 0.95, 0.9, 0.6])     # each turn -log pi
     raw = {"turn_idx": torch.tensor(turn), "distance": torch.tensor(distance),
            "kind": torch.zeros(len(rows), dtype=torch.long), "nll": nll}
-    split = pair.Split("own_turns", raw, torch.tensor(y), [ids[k] for k in episode],
+    split = study.Split("own_turns", raw, torch.tensor(y), [ids[k] for k in episode],
                        {"kinds": ["Calculator"]})
     p = torch.tensor(p)
-    monkeypatch.setattr(onpolicy.pair, "predict", lambda m, raw: p)
+    monkeypatch.setattr(onpolicy.study, "predict", lambda m, raw: p)
     got = onpolicy.heldout_auroc({"pair": object()}, split)
     assert got["pair"]["slip=store"] == 0.0 and got["n"]["slip=store"] == 2
     assert got["pair"]["slip=forget"] is None and got["n"]["slip=forget"] == 1     # one class
@@ -812,7 +809,7 @@ def test_heldout_auroc_reports_each_habit_at_its_own_turn_with_a_clean_prefix(mo
 
 def test_slip_turns_are_where_each_slipped_dialog_is_first_labelled_wrong():
     for world in ("shop-long", "shop"):
-        env, seen = shop.ShopEnv("val", world=world), collections.Counter()
+        env, seen = envs.ShopEnv("val", world=world), collections.Counter()
         for i in range(40):
             task = env.episode(i).task
             for slip, turn in shop.slip_turns(task).items():

@@ -5,13 +5,12 @@ import pytest
 import torch
 
 import model as M
-import weights
 
 STATS = M.STATS
 
 
 def tiny(tie=False, layers=4, seed=0) -> M.Transformer:
-    cfg = weights.Config.from_dict(dict(
+    cfg = M.Config.from_dict(dict(
         architectures=["Qwen2ForCausalLM"], vocab_size=64, hidden_size=32, intermediate_size=48,
         num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
         tie_word_embeddings=tie, eos_token_id=2))

@@ -1,7 +1,7 @@
 """Rewards x seeds -> the comparison a user would put in a paper, and the paper's Table complexity.
 
-    python compare.py --rewards outcome pair pair:alpha=0 --seeds 42 43 44 --out runs/cmp
-    python compare.py --cost --seeds 42 --out runs/cost -- --steps 3
+    python -m lab.compare --rewards outcome pair pair:alpha=0 --seeds 42 43 44 --out runs/cmp
+    python -m lab.compare --cost --seeds 42 --out runs/cost -- --steps 3
     python grpo.py compare ...          # the same command (grpo.py hands it to this file)
 
 Each run is an ordinary `grpo.py` run in OUT/runs/<name>-s<seed>, started as its own process
@@ -31,11 +31,11 @@ from pathlib import Path
 
 import numpy as np
 
-import baselines
-import common
+from lab import baselines
 import grpo
-import runs
-import shop
+from lab import shop
+import model
+import envs
 
 COMPARE_REWARDS = ("outcome", "pair", "pair:alpha=0", "last_token", "multi_attn", "attention",
                    "head_entropy", "igpo", "tips", "tree_grpo", "at2po",
@@ -79,16 +79,16 @@ def check_run(spec: str, argv: list[str], reward: str, seed: int, run: Path, res
     said = io.StringIO()                # argparse's usage and the preset line: not for here
     try:
         with contextlib.redirect_stdout(said), contextlib.redirect_stderr(said):
-            args = runs.parse_args(argv, grpo.REWARDS)
+            args = grpo.parse_args(argv, grpo.REWARDS)
             # compare sets these per run: given again they would put every seed in one run
             if (args.reward, args.seed, args.out, args.resume, args.resume_if_present) != \
                     (reward, seed, str(run), resume, False):
                 raise SystemExit("--reward, --seed, --out and --resume are compare's to set; "
                                  "leave them out of the spec and of the flags after --")
             grpo.check_args(args)
-            runs.resolve_preset(args, runs.World())
+            grpo.resolve_preset(args, grpo.World())
             if not done:
-                runs.check_out(args)
+                grpo.check_out(args)
     except SystemExit as e:
         if e.code in (0, None):         # `-- --help`: grpo.py's help is what was asked for
             print(said.getvalue(), end="")
@@ -99,7 +99,7 @@ def check_run(spec: str, argv: list[str], reward: str, seed: int, run: Path, res
         raise SystemExit(f"compare: {spec!r} (run {run.name}): {why}") from None
     if done:            # tabulated as it is, so it must be the run this command asks for
         old = read_json(run / "args.json")
-        changed = runs.changed_flag(args, old)
+        changed = grpo.changed_flag(args, old)
         if changed:
             flag, now, then = changed
             raise damaged(run / "args.json", f"the run used {flag} {then!r}, where this command "
@@ -113,7 +113,7 @@ def check_run(spec: str, argv: list[str], reward: str, seed: int, run: Path, res
 
 # What the tables read from each step of metrics.jsonl: numbers that must be there, and numbers
 # that may be missing (a run from before they were logged)
-TABLE_METRICS = ("reward_mean", "frac_zero_std", "kl"), (*grpo.TIMING, *runs.STEP_SECONDS)
+TABLE_METRICS = ("reward_mean", "frac_zero_std", "kl"), (*grpo.TIMING, *grpo.STEP_SECONDS)
 COST_METRICS = ("t_rollout", "t_reward", "t_update", *grpo.COSTS, "mem_kv_mb"), \
     ("t_base_read", "mem_cuda_peak_mb")
 
@@ -143,7 +143,7 @@ def read_json(path: Path) -> dict:
 
 def read_log(path: Path) -> list[dict]:
     try:
-        return common.read_jsonl(path)
+        return grpo.read_jsonl(path)
     except SystemExit as e:             # common's line names the damaged line
         raise SystemExit(f"compare: {e.code}; delete {path.parent} and run the same command "
                          "again to redo that run") from None
@@ -202,9 +202,9 @@ def read_run(run: Path) -> tuple[dict, list[dict], dict]:
 
 
 def compare(argv: list[str]) -> dict:
-    command = " ".join(["python compare.py", *argv])
+    command = " ".join(["python -m lab.compare", *argv])
     ap = argparse.ArgumentParser(
-        prog="compare.py", formatter_class=common.HelpFormatter,
+        prog="python -m lab.compare", formatter_class=grpo.HelpFormatter,
         description="Train every reward with every seed (resumable) and write compare.md, "
                     "compare.json and curves.svg. Flags after `--` go to every run.")
     ap.add_argument("--rewards", nargs="+", default=list(COMPARE_REWARDS),
@@ -256,8 +256,7 @@ def compare(argv: list[str]) -> dict:
                                  "the runs' evaluations; leave it out (--cost times the rewards "
                                  "without them)")
             if not done:
-                todo.append((run, [sys.executable, str(Path(grpo.__file__).resolve()),
-                                   *run_argv]))
+                todo.append((run, [sys.executable, "-m", "lab.train", *run_argv]))
     try:
         (out / "runs").mkdir(parents=True, exist_ok=True)
     except OSError as e:
@@ -287,15 +286,15 @@ def compare(argv: list[str]) -> dict:
                          "logs; run the same command again to retry them")
     if args.cost:
         result = cost_table(out, args.rewards, args.seeds)
-        common.write_json(out / "cost.json", result)
-        common.write_atomic(out / "cost.md", cost_markdown(result, command))
+        model.write_json(out / "cost.json", result)
+        model.write_atomic(out / "cost.md", cost_markdown(result, command))
         print((out / "cost.md").read_text() + f"\nwrote {out / 'cost.md'}, {out / 'cost.json'}",
               flush=True)
         return result
     result = compare_table(out, args.rewards, args.seeds)
-    common.write_json(out / "compare.json", result)
-    common.write_atomic(out / "compare.md", compare_markdown(result, command))
-    common.write_atomic(out / "curves.svg", runs.curves_svg(result))
+    model.write_json(out / "compare.json", result)
+    model.write_atomic(out / "compare.md", compare_markdown(result, command))
+    model.write_atomic(out / "curves.svg", grpo.curves_svg(result))
     print((out / "compare.md").read_text() + f"\nwrote {out / 'compare.md'}, "
           f"{out / 'compare.json'}, {out / 'curves.svg'}", flush=True)
     return result
@@ -471,7 +470,7 @@ def compare_table(out: Path, specs: list[str], seeds: list[int]) -> dict:
         # and each seed's own, after the base: where seeds disagree, the mean hides how
         row["curve_by_seed"] = {"steps": [k for k in steps if k > 0], "success": [
             [ev[k]["test"]["success"] for k in steps if k > 0] for _, _, ev in played]}
-        clocks = [runs.training_seconds(ms) for _, ms, _ in played]
+        clocks = [grpo.training_seconds(ms) for _, ms, _ in played]
         row["curve_seconds"] = [(_mean([c.get(k) for c in clocks]), y)
                                 for k, y in row["curve_success"]]
         n_steps = min(len(ms) for _, ms, _ in played)
@@ -509,9 +508,9 @@ def habit_tasks(run: Path) -> dict[str, list[int]] | None:
     n = args.get("eval_episodes")
     if not isinstance(args.get("env"), str) or not (n is None or type(n) is int and n >= 0):
         raise damaged(run / "args.json", 'no string "env" or no count "eval_episodes"')
-    if args["env"] not in shop.WORLDS:
+    if args["env"] not in envs.WORLDS:
         return None
-    test = shop.ShopEnv("test", world=args["env"])
+    test = envs.ShopEnv("test", world=args["env"])
     n = min(n or len(test), len(test))
     groups = {h: [] for h in ("none", *shop.LONG_SLIPS)}
     for i in range(n):
@@ -565,8 +564,8 @@ def compare_markdown(result: dict, command: str) -> str:
             f"| {r['reward']} | {pct(r['base']['mean'])} | {cell(r, 'selected')} | "
             f"{delta(r, 'selected') if r['reward'] != ref else '—'} | {cell(r, 'final')} | "
             f"{delta(r, 'final') if r['reward'] != ref else '—'} | "
-            f"{pct(r['best_on_test']['mean'])} | {reach(r)} | {common.num(r['heldout_auroc'])} | "
-            + (f"{common.num(pa['first5'])} → {common.num(pa['last5'])}"
+            f"{pct(r['best_on_test']['mean'])} | {reach(r)} | {model.num(r['heldout_auroc'])} | "
+            + (f"{model.num(pa['first5'])} → {model.num(pa['last5'])}"
                if pa["first5"] is not None else "—")
             + f" | {r['frac_zero_std']:.2f} | {r['kl_final']:.3f} | {r['t_rollout']:.1f} / "
             f"{r['t_reward']:.2f} / {r['t_update']:.1f} | {r['minutes']:.1f} |")

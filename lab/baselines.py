@@ -10,6 +10,7 @@ outcome, PAIR and probe rewards, the advantages, the update and the training loo
       tree_grpo   Tree-GRPO (Ji et al. 2025): intra- plus inter-tree normalized outcomes;
       at2po       AT²PO (Zong et al. 2026): entropy-guided expansion, entropy-weighted values,
                   and a turn-level importance ratio in the update (`turn_loss`).
+Each plugs into grpo.py's tables and hooks when this module is imported (python -m lab.train).
 Each section states its exact rules and every choice made where a paper and its release leave
 one open. Their cost is counted into the step's `cost` counter (teacher-forced rows and tokens,
 sibling rollouts, external calls), which the cost table prices.
@@ -22,11 +23,12 @@ from dataclasses import dataclass, field
 
 import torch
 
-import chat_api
 import envs
 import model
 import probes
-from rollout import Step, Trajectory, play, rollout
+from grpo import Step, Trajectory, play, rollout
+import time
+import grpo
 
 
 # ---------------------------------------------------------------------------------------------
@@ -45,7 +47,7 @@ def judge_reward(traj: Trajectory, ctx) -> list[float]:
     trajectory up to it, as the policy saw it when it took the step (Step.history), from an
     OpenAI-compatible endpoint, normalized to [0, 1]."""
     ctx.cost.update(external_calls=len(traj.steps))
-    return [chat_api.judge_step(ctx.judge, step.history) for step in traj.steps]
+    return [judge_step(ctx.judge, step.history) for step in traj.steps]
 
 
 # --- rewards from the teacher-forced probability of the gold answer (need the answer: training
@@ -389,6 +391,37 @@ def at2po_advantages(forest: Forest) -> tuple[list[list[float]], bool]:
 TREE_SEARCH = {TREE_GRPO: tree_grpo_advantages, AT2PO: at2po_advantages}
 
 
+def play_trees(g: int, run, t: dict):
+    """grpo.play_group for a tree search: the g-th prompt's trees (planted, then expanded by
+    sibling rollouts), their leaves' rewards and the advantages the trees give."""
+    policy, tok, ctx, args = run.policy, run.tok, run.ctx, run.args
+    t0 = time.perf_counter()
+    index = run.pool[grpo.prompt_index(args.seed, g, len(run.pool))]
+    generator = grpo.sampler(policy, args.seed, g)
+    forest = plant(policy, tok, lambda: run.env.episode(index), args, generator)
+    t1 = time.perf_counter()
+    # the sibling rollouts: the price of the trees' credit
+    expand(policy, tok, lambda: run.env.episode(index), forest, args, generator)
+    trajs = forest.leaves
+    caches = list({id(c): c for c, _ in forest.caches.values()}.values())
+    ctx.cost.update(branch_rollouts=forest.branch_rollouts, branch_tokens=forest.branch_tokens)
+    tb = time.perf_counter()
+    if args.reward in grpo.NEEDS_STATS and args.probe_reads == "base":
+        grpo.read_from_base(policy, trajs, args.micro_batch, ctx.cost)
+    t2 = time.perf_counter()
+    r, p = zip(*[grpo.turn_rewards(traj, ctx) for traj in trajs])
+    a, all_equal = TREE_SEARCH[args.reward](forest)
+    t3 = time.perf_counter()
+    t["t_rollout"] += t1 - t0
+    t["t_base_read"] += t2 - tb
+    t["t_reward"] += t3 - t1
+    # every turn once: a tree's shared turns count where they were generated
+    played = [n.step for n in forest.node_of.values()]
+    ctx.cost.update(gen_turns=len(played), gen_tokens=sum(len(st.tokens) for st in played))
+    kv_bytes = sum(c.k.nbytes + c.v.nbytes for cache in caches for c in cache)
+    return grpo.Group(list(trajs), list(r), list(p), a, all_equal), kv_bytes
+
+
 def tree_defaults(args):
     """The budget of the flags left unset (see the section comment)."""
     G = args.group
@@ -434,3 +467,129 @@ def turn_loss(logp, logp_old, logp_ref, adv, turn, weight, clip: tuple[float, fl
     return loss, sums
 
 
+def judge_step(client: envs.ChatClient, messages: list[dict]) -> float:
+    """The LLM-as-a-judge step reward in [0, 1]: (score - 1) / 9 for a 1-10 judgment of the last
+    message of `messages` (METHOD.md §2 chat: task first, the assistant turn to rate last)."""
+    if len(messages) < 2 or messages[-1]["role"] != "assistant":
+        raise ValueError("judge_step needs a chat ending with the assistant turn to rate")
+
+    def check(obj):
+        s = obj.get("score")
+        if type(s) is not int or not 1 <= s <= 10:
+            raise ValueError("score must be an integer from 1 to 10")
+    history = "\n\n".join(("Agent:\n" if m["role"] == "assistant" else "") + m["content"]
+                          for m in messages[1:-1]) or "(no earlier steps)"
+    user = (f"Task:\n{messages[0]['content']}\n\nTrajectory so far:\n{history}\n\n"
+            f"Latest step to rate:\n{messages[-1]['content']}")
+    obj, _ = client.chat_json([{"role": "system", "content": STEP_JUDGE_SYSTEM},
+                               {"role": "user", "content": user}], check=check)
+    return (obj["score"] - 1) / 9
+
+
+STEP_JUDGE_SYSTEM = """\
+You are an expert evaluator of tool-using AI agents. You see a task (with the agent's tools and
+reply format), the agent's trajectory so far, and its latest step. Rate the quality of the latest
+step alone, on a scale from 1 to 10:
+- 9-10: correct and necessary; it clearly advances the task. Its reasoning is faithful to the
+  observations and its tool call and arguments are right (or it is a correct final answer).
+- 7-8: correct and useful, with a minor inefficiency or imprecision.
+- 5-6: partly useful: plausible but redundant, vague, or weakly justified.
+- 3-4: mostly wrong: it misreads an observation, picks a wrong tool or wrong arguments, or
+  reasons in a flawed way.
+- 1-2: harmful or invalid: invented facts, a contradiction of the observations, a malformed
+  action, or a wrong final answer.
+Do not reward length or confident tone. Reply with a JSON object only: {"score": <integer 1-10>}"""
+
+
+# ---------------------------------------------------------------------------------------------
+# Into grpo.py: the rewards, the tree searches' plays and AT²PO's loss, and what they need
+# around the run (the judge's client, the budget of the trees, the lagged teacher)
+# ---------------------------------------------------------------------------------------------
+
+def at2po_loss(logp, logp_old, logp_ref, adv, batch, rows, T, args, totals):
+    """grpo.update's call of turn_loss on one micro-batch (rows, padded to T tokens)."""
+    sel = batch.mask[rows, :T][:, 1:]
+    turn = batch.turn[rows, 1:T][sel].to(logp.device)
+    weight = batch.weight[rows, 1:T][sel].to(logp.device)
+    return turn_loss(logp, logp_old, logp_ref, adv, turn, weight, args.at2po_clip, args.beta,
+                     *totals)
+
+
+def preset(args, given) -> None:
+    """The trees' budget, and the flags a tree search cannot take."""
+    if args.reward not in TREE_SEARCH:
+        return
+    tree_defaults(args)
+    for name in ("tree_m", "tree_n", "tree_l"):
+        if getattr(args, name) < 1:
+            raise SystemExit(f"--{name.replace('_', '-')} must be at least 1, got "
+                             f"{getattr(args, name)}")
+    if args.outcome_weight:
+        raise SystemExit(f"--outcome-weight: --reward {args.reward} learns from the outcome "
+                         "alone already; leave it at 0")
+    if args.advantage != "process":
+        what = f"--preset {args.preset}" if "advantage" not in given and args.preset else \
+            f"--advantage {args.advantage}"
+        raise SystemExit(f"{what}: --reward {args.reward} derives its advantages from its "
+                         "trees; leave --advantage at process")
+
+
+def setup(args, policy, tok, world, log, ctx) -> None:
+    if args.reward == "llm_judge":
+        try:
+            ctx.judge = envs.ChatClient(args.judge_model)
+        except envs.LLMError as e:
+            raise SystemExit(f"--reward llm_judge: {e}") from e
+    if args.reward in TREE_SEARCH:
+        log(f"tree search instead of the {args.group} rollouts: --tree-m {args.tree_m} "
+            f"--tree-n {args.tree_n} --tree-l {args.tree_l} (see lab/baselines.py)", flush=True)
+
+
+def refresh_teacher(run, step: int) -> None:
+    """tips: every --tips-refresh steps the lagged teacher moves to the policy."""
+    if run.args.reward == "tips" and step % run.args.tips_refresh == 0:
+        run.ctx.lagged = model.lora_state(run.policy)
+
+
+def flags(ap) -> None:
+    """This module's flags, on grpo.py's parser."""
+    a = ap.add_argument
+    a("--judge-model", default="gpt-4o-mini",
+      help="llm_judge: model name at the OpenAI-compatible endpoint (OPENAI_BASE_URL, "
+           "OPENAI_API_KEY)")
+    a("--tips-refresh", type=int, default=10,
+      help="tips: steps between refreshes of the lagged teacher (a LoRA snapshot)")
+    a("--tips-gamma", type=float, default=1.0, help="tips: discount gamma of the shaping term")
+    a("--tree-m", type=int, default=None,
+      help="tree_grpo: trees per prompt, each grown from one chain; at2po: chain rollouts under "
+           "its one root (default --group / 2)")
+    a("--tree-n", type=int, default=None,
+      help="tree_grpo: nodes drawn per tree per round, one branch each (default 2); at2po: the "
+           "top-K nodes regenerated per round (default --group / 4)")
+    a("--tree-l", type=int, default=None,
+      help="tree_grpo, at2po: expansion rounds (default 1 for tree_grpo, 2 for at2po)")
+    a("--at2po-penalty", type=float, default=0.05,
+      help="at2po: branching penalty alpha, score = entropy - alpha x siblings (the release's)")
+    a("--at2po-clip", type=float, nargs=2, default=[3e-3, 4e-3], metavar=("LOW", "HIGH"),
+      help="at2po: clip range of the turn-level ratio, [1 - LOW, 1 + HIGH] (the release's)")
+
+
+def register() -> None:
+    """Plug this module into grpo.py (lab/train.py does, once)."""
+    if flags in grpo.HOOKS["flags"]:
+        return
+    grpo.HOOKS["flags"].append(flags)
+    grpo.FLAG_RANGES.update({**{k: grpo.at_least(1) for k in ("tips_refresh", "tree_m", "tree_n", "tree_l")},
+                        "at2po_penalty": grpo.finite(0.0), "tips_gamma": grpo.finite(),
+                        "at2po_clip": ((lambda v: 0 <= v < 1), "two numbers in [0, 1)")})
+    grpo.RESUME_KEYS += ("tips_refresh", "tips_gamma", "tree_m", "tree_n", "tree_l", "at2po_penalty",
+                         "at2po_clip", "judge_model")
+    grpo.REWARDS.update(coe=coe_reward, llm_judge=judge_reward, igpo=igpo_reward, tips=tips_reward,
+                        # tree search: the leaves' outcome; the advantages come from the trees
+                        tree_grpo=grpo.outcome_reward, at2po=grpo.outcome_reward)
+    grpo.NEEDS_STATS.add("coe")
+    grpo.PLAYERS.update(dict.fromkeys(TREE_SEARCH, play_trees))
+    grpo.LOSSES[AT2PO] = at2po_loss
+    grpo.HOOKS["preset"].append(preset)
+    grpo.HOOKS["setup"].append(setup)
+    grpo.HOOKS["step"].append(refresh_teacher)

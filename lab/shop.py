@@ -1,8 +1,8 @@
 """The built-in tool world, `shop`, and the recipe of the tiny policy that plays it: what
 `python grpo.py` runs on when no model and no data are given. A port of PAIR never needs this file.
 
-    python shop.py make-data --out data/shop --episodes 1000   # released-schema files, offline
-    python shop.py sft --out DIR        # train a policy; data/shop-policy/README.md: the 2 commands
+    python -m lab.shop make-data --out data/shop --episodes 1000   # released-schema files, offline
+    python -m lab.shop sft --out DIR        # train a policy; data/shop-policy/README.md: the 2 commands
 
 Two parts, top to bottom:
 1. The world. Every episode is drawn from one integer seed; its tools really execute, so every
@@ -27,7 +27,6 @@ import tempfile
 import time
 from dataclasses import dataclass, replace
 from decimal import ROUND_HALF_UP, Decimal
-from functools import cached_property
 from itertools import accumulate
 from pathlib import Path
 
@@ -36,12 +35,10 @@ import torch.nn.functional as F
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file, save as safetensors_bytes
 
-import calculator
-import common
 import envs
 import model
-import weights
-from rollout import rollout
+from grpo import rollout
+import grpo
 
 # ---------------------------------------------------------------------------------------------
 # The world: tasks drawn from a seed, tools that really execute, exact labels
@@ -74,297 +71,11 @@ from rollout import rollout
 # matched contaminated data keep the clean observations verbatim after a contaminated call (as
 # the release does), and a later gold turn restating the true price is still true.
 
-SHOP_STORES = ("A", "B", "C", "D")
-SHOP_ITEMS = ("apple", "bread", "egg", "milk", "pear", "rice")
-# Units of each currency one USD buys, drawn uniformly in cents from these ranges.
-SHOP_RATE_CENTS = {"EUR": (80, 99), "GBP": (70, 89), "CAD": (120, 149), "JPY": (10000, 15999)}
-SHOP_CURRENCIES = ("USD",) + tuple(SHOP_RATE_CENTS)
-SHOP_PRICE_CENTS = (50, 999)
-SHOP_MAX_QUANTITY = 6
-SHOP_TEMPLATES = ("What is the total cost of {lines}, in {cur}?",
-                  "How much do {lines} cost in total, in {cur}?",
-                  "I buy {lines}. How much do I pay in {cur}?")
-# Episode seeds: seed * SHOP_SEED_STRIDE + SHOP_SPLIT_OFFSET[split] + i, so splits (and seeds)
-# never share an episode as long as i < SHOP_SPLIT_SIZE[split]. The validation split (checkpoint
-# selection) is the top of the training range, which no run comes near; train and test seeds are
-# the ones they always were.
-SHOP_SEED_STRIDE = 10_000_000
-SHOP_SPLIT_OFFSET = {"train": 0, "val": 4_500_000, "test": 5_000_000}
-SHOP_SPLIT_SIZE = {"train": 4_500_000, "val": 500_000, "test": 5_000_000}
-SHOP_TOOLS = [
-    {"name": "Lookup", "description": "Look up the price in USD of one item at one store.",
-     "inputs": [{"type": "text", "name": "store", "description": "The store: A, B, C or D.",
-                 "optional": False, "default": None, "filetype": None},
-                {"type": "text", "name": "item", "description": "The item, e.g. apple.",
-                 "optional": False, "default": None, "filetype": None}],
-     "outputs": [{"type": "text", "name": None, "description": "The price in USD.",
-                  "optional": False, "default": None, "filetype": None}]},
-    {"name": "Rate", "description": "How many units of a currency one USD buys.",
-     "inputs": [{"type": "text", "name": "currency",
-                 "description": "The currency: " + ", ".join(SHOP_CURRENCIES) + ".",
-                 "optional": False, "default": None, "filetype": None}],
-     "outputs": [{"type": "text", "name": None, "description": "The exchange rate.",
-                  "optional": False, "default": None, "filetype": None}]},
-    {"name": "Calculator", "description": "Evaluate an arithmetic expression (+ - * / and "
-                                          "parentheses).",
-     "inputs": [{"type": "text", "name": "expression", "description": "e.g. (3*2.50+1.20)*0.92",
-                 "optional": False, "default": None, "filetype": None}],
-     "outputs": [{"type": "text", "name": None, "description": "The value.",
-                  "optional": False, "default": None, "filetype": None}]}]
-_CENT = Decimal("0.01")
-SHOP_SCORING = 2    # the rules' version (2: half a cent): cached evaluations and probes key on it
-_SHOP_VALUE_TOL = 0.005     # "equals" within half a cent: of a total, its rounding, not a cent off
-
-
-def _cents(n: int) -> Decimal:
-    return Decimal(n).scaleb(-2)        # 250 -> Decimal("2.50"): keeps two decimals when printed
-
-
-@dataclass(frozen=True)
-class ShopTask:
-    """One episode: the world and the task. Facts are ("price", store, item) or ("rate", cur)."""
-    seed: int
-    prices: dict            # (store, item) -> Decimal USD, every store sells every item
-    rates: dict             # currency -> Decimal units per USD ("USD" -> 1.00)
-    lines: tuple            # ((quantity, item, store), ...), distinct (store, item)
-    currency: str
-    text: str
-    stepwise: bool = False  # a shop-long task: the line-by-line solution (LONG_WORLD below)
-
-    @cached_property
-    def needed(self) -> tuple:
-        """The facts a solution fetches, in the gold solver's order."""
-        facts = tuple(("price", s, i) for _, i, s in self.lines)
-        return facts + ((("rate", self.currency),) if self.currency != "USD" else ())
-
-    def value(self, fact) -> Decimal:
-        return self.prices[fact[1:]] if fact[0] == "price" else self.rates[fact[1]]
-
-    @cached_property
-    def total(self) -> Decimal:
-        """Exact total in the task's currency."""
-        usd = sum(q * self.prices[s, i] for q, i, s in self.lines)
-        return usd * self.rates[self.currency]
-
-    @cached_property
-    def answer(self) -> str:
-        """The canonical answer: the total rounded half-up to 2 decimals."""
-        return str(self.total.quantize(_CENT, rounding=ROUND_HALF_UP))
-
-    @cached_property
-    def quantities(self) -> list[Decimal]:
-        """Every value a useful Calculator call may produce (see the header comment; a
-        shop-long task's are fewer, LONG_WORLD)."""
-        rate = self.rates[self.currency]
-        subtotals = [q * self.prices[s, i] for q, i, s in self.lines]
-        if self.stepwise:           # the running totals, and the total converted
-            return sorted({sum(subtotals[:k + 1]) for k in range(len(subtotals))} | {self.total})
-        sums = {sum(x for k, x in enumerate(subtotals) if mask >> k & 1)
-                for mask in range(1, 2 ** len(subtotals))}
-        out = set(sums)
-        if self.currency != "USD":
-            out |= {x * rate for x in sums}
-            out |= {self.prices[s, i] * rate for _, i, s in self.lines}
-        return sorted(out)
-
-
-def draw_world(rng: random.Random) -> tuple[dict, dict]:
-    """An episode's prices and rates, the first draws of its seed's stream."""
-    prices = {(s, i): _cents(rng.randint(*SHOP_PRICE_CENTS))
-              for s in SHOP_STORES for i in SHOP_ITEMS}
-    rates = {"USD": _cents(100)}
-    rates.update({c: _cents(rng.randint(*span)) for c, span in SHOP_RATE_CENTS.items()})
-    return prices, rates
-
-
-def shop_task(seed: int) -> ShopTask:
-    """The episode of one seed (deterministic: one random.Random(seed), fixed draw order)."""
-    rng = random.Random(seed)
-    prices, rates = draw_world(rng)
-    n_lines = rng.randint(1, 3)
-    pairs = rng.sample([(s, i) for s in SHOP_STORES for i in SHOP_ITEMS], n_lines)
-    lines = tuple((rng.randint(1, SHOP_MAX_QUANTITY), i, s) for s, i in pairs)
-    currency = rng.choice(SHOP_CURRENCIES)
-    parts = [f"{q} {i} at store {s}" for q, i, s in lines]
-    listed = parts[0] if len(parts) == 1 else ", ".join(parts[:-1]) + " and " + parts[-1]
-    text = rng.choice(SHOP_TEMPLATES).format(lines=listed, cur=currency)
-    return ShopTask(seed, prices, rates, lines, currency, text)
-
-
-def shop_episode_seed(split: str, seed: int, i: int) -> int:
-    if split not in SHOP_SPLIT_OFFSET:
-        raise ValueError(f"shop: unknown split {split!r} (choose from train, val, test)")
-    if not 0 <= i < SHOP_SPLIT_SIZE[split]:
-        raise IndexError(f"shop: {split} episode index {i} out of range "
-                         f"[0, {SHOP_SPLIT_SIZE[split]})")
-    return seed * SHOP_SEED_STRIDE + SHOP_SPLIT_OFFSET[split] + i
-
-
-def shop_episode_id(split: str, seed: int, i: int, world: str = "shop") -> str:
-    return f"{world}-{seed}-{split}-{i}"
-
-
-def shop_task_from_id(episode_id: str) -> ShopTask:
-    """Rebuild the world of a shop (or shop-long) episode id, so any record can be re-labelled."""
-    m = re.fullmatch(r"(shop|shop-long)-(\d+)-(train|val|test)-(\d+)", episode_id)
-    if m is None:
-        raise ValueError(f"not a shop episode id: {episode_id!r} (expected shop-SEED-SPLIT-I or "
-                         "shop-long-SEED-SPLIT-I)")
-    return WORLDS[m.group(1)](shop_episode_seed(m.group(3), int(m.group(2)), int(m.group(4))))
-
 
 # ---- the tools -----------------------------------------------------------------------------------
 
-@dataclass(frozen=True)
-class ShopResult:
-    text: str                   # the observation
-    fact: tuple | None = None   # what a Lookup/Rate call learned ...
-    value: Decimal | None = None    # ... and its value
-    number: float | None = None     # a Calculator result
-
-
-def _shop_args(arguments, keys: tuple[str, ...]) -> list[str] | None:
-    if not isinstance(arguments, dict) or set(arguments) != set(keys) or \
-            not all(isinstance(arguments[k], str) for k in keys):
-        return None
-    return [arguments[k].strip() for k in keys]
-
-
-def shop_execute(task: ShopTask, name: str, arguments) -> ShopResult:
-    """Run one tool call against the episode's world."""
-    if name == "Lookup":
-        args = _shop_args(arguments, ("store", "item"))
-        if args is None:
-            return ShopResult('Error: Lookup takes {"store": ..., "item": ...}.')
-        store, item = args[0].upper(), args[1].lower()
-        if store not in SHOP_STORES:
-            return ShopResult(f"Error: unknown store '{args[0]}'. Stores: "
-                              + ", ".join(SHOP_STORES) + ".")
-        if item not in SHOP_ITEMS:
-            return ShopResult(f"Error: unknown item '{args[1]}'. Items: {', '.join(SHOP_ITEMS)}.")
-        price = task.prices[store, item]
-        return ShopResult(f"{item} at store {store} costs {price} USD.",
-                          ("price", store, item), price)
-    if name == "Rate":
-        args = _shop_args(arguments, ("currency",))
-        if args is None:
-            return ShopResult('Error: Rate takes {"currency": ...}.')
-        cur = args[0].upper()
-        if cur not in SHOP_CURRENCIES:
-            return ShopResult(f"Error: unknown currency '{args[0]}'. Currencies: "
-                              + ", ".join(SHOP_CURRENCIES) + ".")
-        return ShopResult(f"1 USD = {task.rates[cur]} {cur}.", ("rate", cur), task.rates[cur])
-    if name == "Calculator":
-        args = _shop_args(arguments, ("expression",))
-        if args is None:
-            return ShopResult('Error: Calculator takes {"expression": ...}.')
-        out = calculator.calculate(args[0])
-        try:
-            number = float(out)
-        except ValueError:          # "Error: ..."
-            return ShopResult(out)
-        # Round away float noise (9.108000000000001): a small model should not have to copy it.
-        return ShopResult(str(round(number, 6)), number=number)
-    return ShopResult(f"Error: unknown tool '{name}'. Tools: Lookup, Rate, Calculator.")
-
 
 # ---- exact labels --------------------------------------------------------------------------------
-
-_NUM = r"\d+(?:\.\d+)?"
-_SHOP_CLAIM = re.compile(
-    rf"(?P<item>[a-z]+) at store (?P<store>[a-z])\b costs (?P<price>{_NUM})(?: USD\b)?"
-    rf"|\b1 USD = (?P<rate>{_NUM}) (?P<rcur>[a-z]{{3}})\b"
-    r"|\bI need the price of (?P<nitem>[a-z]+) at store (?P<nstore>[a-z])\b"
-    r"|\bI need the (?P<ncur>[a-z]{3}) rate\b"
-    r"|\bthe total is (?P<total>[\d.,+\-*/() ]*[\d)])(?: (?P<tcur>USD|EUR|GBP|CAD|JPY)\b)?",
-    re.IGNORECASE)
-
-
-def _close(x: float, values) -> bool:
-    return any(abs(x - float(v)) <= _SHOP_VALUE_TOL + 1e-9 for v in values)
-
-
-def _calc_value(expression: str) -> float | None:
-    try:
-        return float(calculator.calculate(expression))
-    except ValueError:              # "Error: ..."
-        return None
-
-
-def _first_number(text: str) -> float | None:
-    m = re.search(r"-?\d[\d,]*(?:\.\d+)?", text or "")
-    return float(m.group(0).replace(",", "")) if m else None
-
-
-def _answer_right(task: ShopTask, answer: str | None) -> bool:
-    """The final answer's first number is within half a cent of the exact total."""
-    x = _first_number(answer)
-    return x is not None and _close(x, [task.total])
-
-
-def _shop_thought_true(task: ShopTask, thought: str | None, known: dict,
-                       computed: list[float]) -> bool:
-    """The thought asserts nothing false (the rule in the header comment). known: fact -> value
-    fetched by earlier turns; computed: results of earlier Calculator calls."""
-    if not thought:
-        return True
-    for m in _SHOP_CLAIM.finditer(thought):
-        if m.group("price"):
-            key = (m.group("store").upper(), m.group("item").lower())
-            if key not in task.prices or not _close(float(m.group("price")), [task.prices[key]]):
-                return False
-        elif m.group("rate"):
-            cur = m.group("rcur").upper()
-            if cur not in task.rates or not _close(float(m.group("rate")), [task.rates[cur]]):
-                return False
-        elif m.group("nitem") or m.group("ncur"):
-            fact = ("price", m.group("nstore").upper(), m.group("nitem").lower()) \
-                if m.group("nitem") else ("rate", m.group("ncur").upper())
-            if fact not in task.needed or fact in known:
-                return False
-        else:       # the longest start that computes: "21.91 (2 lines)" claims 21.91
-            total, cur = m.group("total").replace(",", ""), m.group("tcur")    # "10,996.94"
-            value = next((v for k in range(len(total), 0, -1)
-                          if (v := _calc_value(total[:k])) is not None), None)
-            if (cur and cur.upper() != task.currency) or value is None \
-                    or not _close(value, [task.total]):
-                return False
-    allowed = [Decimal(q) for q, _, _ in task.lines] + [task.value(f) for f in task.needed]
-    allowed += list(known.values()) + task.quantities + [Decimal(task.answer)]
-    rest = _SHOP_CLAIM.sub(" ", thought)
-    if task.stepwise:                   # shop-long numbers its lines "(1)": a name, not a value
-        rest = re.sub(r"\(\d+\)", " ", rest)
-    return all(_close(float(x), allowed) or _close(float(x), computed)
-               for x in re.findall(_NUM, rest))
-
-
-def shop_labels(task: ShopTask, steps: list) -> list[bool]:
-    """Exact correctness of each assistant turn. steps: Action | Final | ParseError per turn, in
-    order (dialog_steps / parse_react); tool calls are re-run, observations never read."""
-    known: dict = {}
-    computed: list[float] = []
-    labels = []
-    for step in steps:
-        if isinstance(step, envs.Final):
-            ok = _answer_right(task, step.answer)
-        elif isinstance(step, envs.Action):
-            ok = True
-        else:                      # ParseError, or a released turn with several tool calls
-            labels.append(False)
-            continue
-        ok = ok and _shop_thought_true(task, step.thought, known, computed)
-        if isinstance(step, envs.Action):
-            res = shop_execute(task, step.name, step.arguments)
-            if res.fact is not None:
-                ok = ok and res.fact in task.needed and res.fact not in known
-                known[res.fact] = res.value
-            elif res.number is not None:
-                ok = ok and _close(res.number, task.quantities) and not _close(res.number, computed)
-                computed.append(res.number)
-            else:
-                ok = False
-        labels.append(ok)
-    return labels
 
 
 def dialog_steps(dialog: list[dict]) -> list:
@@ -382,8 +93,8 @@ def dialog_steps(dialog: list[dict]) -> list:
     return steps
 
 
-def shop_dialog_labels(task: ShopTask, dialog: list[dict]) -> list[bool]:
-    return shop_labels(task, dialog_steps(dialog))
+def shop_dialog_labels(task: envs.ShopTask, dialog: list[dict]) -> list[bool]:
+    return envs.shop_labels(task, dialog_steps(dialog))
 
 
 # ---- the gold solver ---------------------------------------------------------------------------
@@ -404,7 +115,7 @@ def _shop_fact_call(fact) -> tuple:
     return "Rate", {"currency": fact[1]}
 
 
-def _shop_formula(task: ShopTask, values: dict, mul: str = "*", conv: str = "*") -> str:
+def _shop_formula(task: envs.ShopTask, values: dict, mul: str = "*", conv: str = "*") -> str:
     """The total as an expression of the given fact values ("(3*2.50+2*1.20)*0.92")."""
     body = "+".join(f"{q}{mul}{values['price', s, i]}" for q, i, s in task.lines)
     if task.currency == "USD":
@@ -413,7 +124,7 @@ def _shop_formula(task: ShopTask, values: dict, mul: str = "*", conv: str = "*")
     return f"{body}{conv}{rate}" if len(task.lines) == 1 else f"({body}){conv}{rate}"
 
 
-def _shop_render(task: ShopTask, turn: _ShopTurn) -> dict:
+def _shop_render(task: envs.ShopTask, turn: _ShopTurn) -> dict:
     """A turn as a released-schema assistant message."""
     parts = []
     for fact, value in turn.said:
@@ -434,12 +145,12 @@ def _shop_render(task: ShopTask, turn: _ShopTurn) -> dict:
     return {"role": "assistant", "tool_calls": [call], "thought": thought}
 
 
-def _shop_next(task: ShopTask, known: dict, computed: list[float], said: tuple) -> _ShopTurn:
+def _shop_next(task: envs.ShopTask, known: dict, computed: list[float], said: tuple) -> _ShopTurn:
     """The gold policy: fetch the next missing fact, then compute the total, then answer."""
     missing = [f for f in task.needed if f not in known]
     if missing:
         return _ShopTurn(said=said, need=missing[0], call=_shop_fact_call(missing[0]))
-    if not _close(float(task.total), computed):
+    if not envs._close(float(task.total), computed):
         formula = _shop_formula(task, known)
         return _ShopTurn(said=said, formula=formula, call=("Calculator", {"expression": formula}))
     return _ShopTurn(said=said, answer=task.answer)
@@ -449,13 +160,13 @@ def _tool_message(name: str, text: str) -> dict:
     return {"role": "tool", "name": name, "content": {"type": "text", "content": text}}
 
 
-def _shop_play(task: ShopTask, dialog: list[dict], turn: _ShopTurn, state: tuple) -> ShopResult:
+def _shop_play(task: envs.ShopTask, dialog: list[dict], turn: _ShopTurn, state: tuple) -> envs.ShopResult:
     """Append a turn and its true observation; update state = (known, computed, said)."""
     known, computed, _ = state
     dialog.append(_shop_render(task, turn))
     if turn.call is None:
-        return ShopResult("")
-    res = shop_execute(task, *turn.call)
+        return envs.ShopResult("")
+    res = envs.shop_execute(task, *turn.call)
     dialog.append(_tool_message(turn.call[0], res.text))
     if res.fact is not None:
         known[res.fact] = res.value
@@ -464,7 +175,7 @@ def _shop_play(task: ShopTask, dialog: list[dict], turn: _ShopTurn, state: tuple
     return res
 
 
-def shop_gold(task: ShopTask) -> tuple[list[dict], list[_ShopTurn]]:
+def shop_gold(task: envs.ShopTask) -> tuple[list[dict], list[_ShopTurn]]:
     """The gold dialog (released schema) and the pieces of each of its assistant turns."""
     dialog = [{"role": "user", "content": task.text}]
     turns: list[_ShopTurn] = []
@@ -478,13 +189,13 @@ def shop_gold(task: ShopTask) -> tuple[list[dict], list[_ShopTurn]]:
         said = ((res.fact, res.value),) if res.fact is not None else ()
 
 
-def shop_divided(task: ShopTask) -> list[dict] | None:
+def shop_divided(task: envs.ShopTask) -> list[dict] | None:
     """The gold dialog with the currency conversion done the wrong way round - the dollar total
     divided by the rate ("3*4.17/0.77" for GBP) - and answered with what the Calculator returned,
     so the dialog is consistent with itself and wrong. None for a USD task (nothing to convert).
 
     Why it exists: the classic slip of currency conversion, and the habit the built-in policy is
-    taught on a fraction of its dialogs (shop.py sft --divided): a fluent, self-consistent error
+    taught on a fraction of its dialogs (python -m lab.shop sft --divided): a fluent, self-consistent error
     that an outcome or a per-turn reward can teach away, which errors of a missing skill are not."""
     if task.currency == "USD":
         return None
@@ -495,26 +206,26 @@ def shop_divided(task: ShopTask) -> list[dict] | None:
             formula = _shop_formula(task, known, conv="/")
             turn = replace(turn, formula=formula, call=("Calculator", {"expression": formula}))
         elif turn.call is None:
-            wrong = Decimal(repr(computed[-1])).quantize(_CENT, rounding=ROUND_HALF_UP)
+            wrong = Decimal(repr(computed[-1])).quantize(envs._CENT, rounding=ROUND_HALF_UP)
             turn = replace(turn, answer=str(wrong))
         res = _shop_play(task, dialog, turn, (known, computed, said))
         said = ((res.fact, res.value),) if res.fact is not None else ()
     return dialog
 
 
-def shop_record(task: ShopTask, dialog: list[dict]) -> dict:
+def shop_record(task: envs.ShopTask, dialog: list[dict]) -> dict:
     """An episode in the released schema (METHOD.md §1)."""
-    return {"tools": SHOP_TOOLS, "files": [], "dialogs": dialog,
+    return {"tools": envs.SHOP_TOOLS, "files": [], "dialogs": dialog,
             "gt_answer": {"whitelist": [[task.answer]], "blacklist": None}}
 
 
-def _shop_state(task: ShopTask, dialog: list[dict]) -> tuple[dict, list[float], tuple]:
+def _shop_state(task: envs.ShopTask, dialog: list[dict]) -> tuple[dict, list[float], tuple]:
     """Re-run the tool calls of a dialog: (facts fetched, calculation results, restatable facts
     of the last result)."""
     known, computed, said = {}, [], ()
     for step in dialog_steps(dialog):
         if isinstance(step, envs.Action):
-            res = shop_execute(task, step.name, step.arguments)
+            res = envs.shop_execute(task, step.name, step.arguments)
             if res.fact is not None:
                 known[res.fact] = res.value
             if res.number is not None:
@@ -560,31 +271,31 @@ LONG_HABITS = {"store": lambda task: task.lines[0][2] in ("A", "B"),
                "divided": lambda task: task.currency in ("EUR", "GBP")}
 
 
-def long_task(seed: int) -> ShopTask:
+def long_task(seed: int) -> envs.ShopTask:
     """The shop-long episode of one seed (one random.Random(seed), fixed draw order)."""
     rng = random.Random(seed)
-    prices, rates = draw_world(rng)
+    prices, rates = envs.draw_world(rng)
     while True:     # drawn again (same stream) until every slip is visible: _long_distinct
         n_lines = rng.randint(*LONG_LINES)
-        store = rng.choice(SHOP_STORES)
-        lines = tuple((rng.randint(1, SHOP_MAX_QUANTITY), i, store)
-                      for i in rng.sample(SHOP_ITEMS, n_lines))
-        currency = rng.choice(tuple(SHOP_RATE_CENTS))
+        store = rng.choice(envs.SHOP_STORES)
+        lines = tuple((rng.randint(1, envs.SHOP_MAX_QUANTITY), i, store)
+                      for i in rng.sample(envs.SHOP_ITEMS, n_lines))
+        currency = rng.choice(tuple(envs.SHOP_RATE_CENTS))
         parts = [f"({k + 1}) {q} {i}" for k, (q, i, _) in enumerate(lines)]
-        text = rng.choice(SHOP_TEMPLATES).format(
+        text = rng.choice(envs.SHOP_TEMPLATES).format(
             lines=", ".join(parts[:-1]) + " and " + parts[-1] + f" at store {store}", cur=currency)
-        task = ShopTask(seed, prices, rates, lines, currency, text, stepwise=True)
+        task = envs.ShopTask(seed, prices, rates, lines, currency, text, stepwise=True)
         if _long_distinct(task):
             return task
 
 
-def _long_distinct(task: ShopTask) -> bool:
+def _long_distinct(task: envs.ShopTask) -> bool:
     """The gold's computed values lie more than a cent apart (a Calculator result equal to an
     earlier one is a wasted call, so a tie would make a gold turn wrong), and no slip computes a
     value a right turn could (each is wrong where it is made)."""
     # the values as the gold computes them, ties kept (task.quantities is a set: it hides them)
     gold = list(accumulate(q * task.prices[s, i] for q, i, s in task.lines)) + [task.total]
-    if any(abs(a - b) <= _CENT for k, a in enumerate(gold) for b in gold[k + 1:]):
+    if any(abs(a - b) <= envs._CENT for k, a in enumerate(gold) for b in gold[k + 1:]):
         return False
     q, item, store = task.lines[0]
     running = [q * task.prices[_slip_store(task, store, item), item]]     # store
@@ -594,37 +305,38 @@ def _long_distinct(task: ShopTask) -> bool:
     q, i, s = task.lines[-1]
     wrong = running + [q * task.prices[s, i],                          # forget
                        usd / task.rates[task.currency]]                # divided
-    return all(abs(a - b) > _CENT for a in wrong for b in gold)
+    return all(abs(a - b) > envs._CENT for a in wrong for b in gold)
 
 
-WORLDS = {"shop": shop_task, "shop-long": long_task}
-# assistant turns an episode allows: shop's 2-5 turns fit the paper's 10, shop-long's 9-11 not
-MAX_TURNS = {"shop": envs.MAX_TURNS, "shop-long": 16}
 
+# the long world joins the built-in ones: its episodes, its turn limit and its policy
+envs.WORLDS["shop-long"] = long_task
+envs.WORLD_TURNS["shop-long"] = 16
+envs.BUILTIN_POLICIES["shop-long"] = envs.BUILTIN_POLICY.parent / "shop-long-policy"
 
-def _slip_store(task: ShopTask, store: str, item: str) -> str:
+def _slip_store(task: envs.ShopTask, store: str, item: str) -> str:
     """The next store after `store` (cyclically) whose price of `item` the task does not need."""
-    k = SHOP_STORES.index(store)
-    for j in range(1, len(SHOP_STORES)):
-        other = SHOP_STORES[(k + j) % len(SHOP_STORES)]
+    k = envs.SHOP_STORES.index(store)
+    for j in range(1, len(envs.SHOP_STORES)):
+        other = envs.SHOP_STORES[(k + j) % len(envs.SHOP_STORES)]
         if ("price", other, item) not in task.needed:
             return other
     return store
 
 
-def long_dialog(task: ShopTask, slips=()) -> list[dict]:
+def long_dialog(task: envs.ShopTask, slips=()) -> list[dict]:
     """The shop-long solution (released schema), with the named LONG_SLIPS made: the gold dialog
     when there are none. Observations are the tools' real outputs, and every turn after a slip
     goes on consistently with what it got, so the answer is wrong and the dialog fluent."""
     dialog = [{"role": "user", "content": task.text}]
 
-    def turn(thought, call=None, answer=None) -> ShopResult:
+    def turn(thought, call=None, answer=None) -> envs.ShopResult:
         if call is None:
             dialog.append({"role": "assistant", "content": answer, "thought": thought})
-            return ShopResult("")
+            return envs.ShopResult("")
         dialog.append({"role": "assistant", "thought": thought, "tool_calls": [
             {"type": "function", "function": {"name": call[0], "arguments": call[1]}}]})
-        res = shop_execute(task, *call)
+        res = envs.shop_execute(task, *call)
         dialog.append(_tool_message(call[0], res.text))
         return res
 
@@ -654,12 +366,12 @@ def long_dialog(task: ShopTask, slips=()) -> list[dict]:
     total = turn(f"1 USD = {rate} {cur}. The total is {formula}.",
                  ("Calculator", {"expression": formula})).number
     answer = task.answer if not slips else \
-        str(Decimal(repr(total)).quantize(_CENT, rounding=ROUND_HALF_UP))
+        str(Decimal(repr(total)).quantize(envs._CENT, rounding=ROUND_HALF_UP))
     turn(f"The total is {answer} {cur}.", answer=answer)
     return dialog
 
 
-def slip_turns(task: ShopTask) -> dict[str, int]:
+def slip_turns(task: envs.ShopTask) -> dict[str, int]:
     """For each habit of the built-in policy this task has (shop: divided, if not in USD;
     shop-long: LONG_SLIPS by LONG_HABITS), the assistant turn at which the dialog with that slip
     departs from the gold: where a rollout with a clean prefix makes the decision."""
@@ -694,13 +406,13 @@ def slip_turns(task: ShopTask) -> dict[str, int]:
 SHOP_SECOND_CONTAMINATION = 0.35
 
 
-def _shop_wrong_facts(task: ShopTask, fact) -> list:
+def _shop_wrong_facts(task: envs.ShopTask, fact) -> list:
     """Facts of the same kind near `fact` that the task does not need."""
     if fact[0] == "price":
-        near = [("price", s, fact[2]) for s in SHOP_STORES] + \
-               [("price", fact[1], i) for i in SHOP_ITEMS]
+        near = [("price", s, fact[2]) for s in envs.SHOP_STORES] + \
+               [("price", fact[1], i) for i in envs.SHOP_ITEMS]
     else:
-        near = [("rate", c) for c in SHOP_CURRENCIES if c != "USD"]
+        near = [("rate", c) for c in envs.SHOP_CURRENCIES if c != "USD"]
     return [f for f in near if f not in task.needed]
 
 
@@ -714,7 +426,7 @@ def _shop_misreads(value: Decimal) -> list[Decimal]:
     return [v for v in out if v > 0]
 
 
-def _shop_stale(task: ShopTask, turns: list[_ShopTurn], k: int) -> tuple:
+def _shop_stale(task: envs.ShopTask, turns: list[_ShopTurn], k: int) -> tuple:
     """(last price fact seen before turn k, earlier price values it could be confused with)."""
     seen = [t.need for t in turns[:k] if t.need is not None and t.need[0] == "price"]
     if len(seen) < 2:
@@ -726,7 +438,7 @@ def _shop_stale(task: ShopTask, turns: list[_ShopTurn], k: int) -> tuple:
     return last, olds
 
 
-def shop_compatible(task: ShopTask, turns: list[_ShopTurn], k: int) -> list[str]:
+def shop_compatible(task: envs.ShopTask, turns: list[_ShopTurn], k: int) -> list[str]:
     """Contamination types that apply to gold turn k (paper Table contam_compat, for shop)."""
     kinds = ["reasoning_error", "tool_misuse"]
     if turns[k].said:
@@ -736,7 +448,7 @@ def shop_compatible(task: ShopTask, turns: list[_ShopTurn], k: int) -> list[str]
     return kinds
 
 
-def _shop_with_value(task: ShopTask, turn: _ShopTurn, fact, value: Decimal) -> _ShopTurn:
+def _shop_with_value(task: envs.ShopTask, turn: _ShopTurn, fact, value: Decimal) -> _ShopTurn:
     """The turn believing fact = value: in its restatement and in its formula."""
     said = tuple((f, value if f == fact else v) for f, v in turn.said)
     if turn.formula is None:
@@ -747,7 +459,7 @@ def _shop_with_value(task: ShopTask, turn: _ShopTurn, fact, value: Decimal) -> _
     return replace(turn, said=said, formula=formula, call=("Calculator", {"expression": formula}))
 
 
-def _shop_rewrites(task: ShopTask, turns: list[_ShopTurn], k: int, kind: str,
+def _shop_rewrites(task: envs.ShopTask, turns: list[_ShopTurn], k: int, kind: str,
                    rng: random.Random) -> list[_ShopTurn]:
     """Candidate rewrites of gold turn k as a `kind` error, in random order."""
     turn = turns[k]
@@ -779,7 +491,7 @@ def _shop_rewrites(task: ShopTask, turns: list[_ShopTurn], k: int, kind: str,
     return out
 
 
-def shop_contaminate(task: ShopTask, dialog: list[dict], turns: list[_ShopTurn],
+def shop_contaminate(task: envs.ShopTask, dialog: list[dict], turns: list[_ShopTurn],
                      rng: random.Random) -> tuple[list[dict], list[int], list[str], dict]:
     """The contaminated dialog, its contaminated message indices and types, and the rewritten
     turns' pieces by message index (the paper's procedure, see above)."""
@@ -810,7 +522,7 @@ def shop_contaminate(task: ShopTask, dialog: list[dict], turns: list[_ShopTurn],
     return out, indices, kinds, rewritten
 
 
-def shop_matched(task: ShopTask, episode_id: str, clean: list[dict], contaminated: list[dict],
+def shop_matched(task: envs.ShopTask, episode_id: str, clean: list[dict], contaminated: list[dict],
                  indices: list[int], kinds: list[str]) -> tuple[list[dict], list[dict]]:
     """One matched record per assistant turn, as released: the evaluation turn is the
     contaminated dialog's turn in both files; the prefix is clean or contaminated. Each label is
@@ -828,7 +540,7 @@ def shop_matched(task: ShopTask, episode_id: str, clean: list[dict], contaminate
     return clean_records, contaminated_records
 
 
-def shop_diagnostic(task: ShopTask, episode_id: str, clean: list[dict],
+def shop_diagnostic(task: envs.ShopTask, episode_id: str, clean: list[dict],
                     contaminated: list[dict], j: int, rewritten: _ShopTurn,
                     rng: random.Random) -> list[dict]:
     """The adversarial pair of one episode (METHOD.md §8e, the paper's Appendix diagnostic), both
@@ -854,7 +566,7 @@ def shop_diagnostic(task: ShopTask, episode_id: str, clean: list[dict],
 
     prefix = contaminated[:j + 1]
     name, arguments = rewritten.call
-    prefix.append(_tool_message(name, shop_execute(task, name, arguments).text))
+    prefix.append(_tool_message(name, envs.shop_execute(task, name, arguments).text))
     known, computed, said = _shop_state(task, prefix)
     fixes = tuple((f, task.value(f)) for f, v in rewritten.said
                   if v != task.value(f) and all(f != g for g, _ in said))
@@ -874,8 +586,8 @@ def make_shop_data(out_dir, episodes: int = 1000, seed: int = 42) -> dict[str, i
     {clean,contaminated}_{train,test}.json, matched_{clean,contaminated}_{train,test}.json, and
     the adversarial diagnostic set matched_diagnostic_test.json with its episode file
     diagnostic_test.json. Byte-for-byte deterministic. Returns records per file."""
-    if not 2 <= episodes <= SHOP_SPLIT_SIZE["train"]:      # 80:20 train/test, disjoint seeds
-        raise envs.DataError(f"--episodes {episodes}: 2 to {SHOP_SPLIT_SIZE['train']:,}")
+    if not 2 <= episodes <= envs.SHOP_SPLIT_SIZE["train"]:      # 80:20 train/test, disjoint seeds
+        raise envs.DataError(f"--episodes {episodes}: 2 to {envs.SHOP_SPLIT_SIZE['train']:,}")
     if seed < 0:
         raise envs.DataError(f"--seed {seed}: must be a non-negative integer")
     n_test = max(1, episodes // 5)
@@ -883,8 +595,8 @@ def make_shop_data(out_dir, episodes: int = 1000, seed: int = 42) -> dict[str, i
     for split, n in (("train", episodes - n_test), ("test", n_test)):
         clean_eps, cont_eps, m_clean, m_cont, diagnostic = {}, {}, [], [], []
         for i in range(n):
-            task = shop_task(shop_episode_seed(split, seed, i))
-            eid = shop_episode_id(split, seed, i)
+            task = envs.shop_task(envs.shop_episode_seed(split, seed, i))
+            eid = envs.shop_episode_id(split, seed, i)
             clean, turns = shop_gold(task)
             rng = random.Random(f"shop-contaminate-{task.seed}")
             cont, indices, kinds, rewritten = shop_contaminate(task, clean, turns, rng)
@@ -908,69 +620,17 @@ def make_shop_data(out_dir, episodes: int = 1000, seed: int = 42) -> dict[str, i
     for name, data in files.items():
         # The released layout: episode files indented by 2, matched files on one line.
         text = json.dumps(data, indent=None if name.startswith("matched_") else 2)
-        common.write_atomic(out_dir / name, text.encode())
+        model.write_atomic(out_dir / name, text.encode())
     return {name: len(data) for name, data in files.items()}
 
 
 # ---- the environment -----------------------------------------------------------------------------
 
-# Held-out pools: a success rate near 0.3 on 600 test episodes is known to +-3.7 points (95%),
-# and a mean over 3 seeds to about +-2; validation only picks a checkpoint. The first 200 test
-# episodes are make-data's test split.
-SHOP_EPISODES = {"train": 10_000, "val": 200, "test": 600}
-
-
-class ShopEpisode(envs.Episode):
-    def __init__(self, key: str, task: ShopTask):
-        super().__init__(key, task.text, SHOP_TOOLS)
-        self.task = task
-        self.max_turns = MAX_TURNS["shop-long" if task.stepwise else "shop"]
-
-    def call_tool(self, name: str, arguments: dict) -> str:
-        return shop_execute(self.task, name, arguments).text
-
-    def score(self) -> float:
-        """1.0 iff the final answer's first number is within half a cent of the exact total."""
-        return float(_answer_right(self.task, self.final_answer))
-
-    def labels(self) -> list[bool]:
-        return shop_labels(self.task, self.steps)
-
-
-class ShopEnv(envs.Env):
-    """Episodes of one split (train, val or test) of a built-in world (WORLDS: shop, or
-    shop-long), from seeds disjoint from the other splits'."""
-
-    def __init__(self, split: str = "test", seed: int = 42, episodes: int | None = None,
-                 world: str = "shop"):
-        if world not in WORLDS:
-            raise ValueError(f"unknown built-in world {world!r} (choose from {', '.join(WORLDS)})")
-        if split not in SHOP_SPLIT_OFFSET:
-            raise ValueError(f"shop: unknown split {split!r} (choose from train, val, test)")
-        if type(seed) is not int or seed < 0:
-            raise ValueError(f"shop: seed must be a non-negative integer, got {seed!r}")
-        n = SHOP_EPISODES[split] if episodes is None else episodes
-        if not 0 < n <= SHOP_SPLIT_SIZE[split]:
-            raise ValueError(f"shop: {split} episodes must be in [1, "
-                             f"{SHOP_SPLIT_SIZE[split]}], got {n}")
-        self.split, self.seed, self.world = split, seed, world
-        self.ids = [shop_episode_id(split, seed, i, world) for i in range(n)]
-        self._index = {key: i for i, key in enumerate(self.ids)}
-
-    def episode(self, i: int | str) -> ShopEpisode:
-        if isinstance(i, str):
-            if i not in self._index:
-                raise KeyError(f"no episode {i!r} in shop {self.split} (seed {self.seed})")
-            i = self._index[i]
-        key = self.ids[i]
-        return ShopEpisode(key, WORLDS[self.world](shop_episode_seed(self.split, self.seed,
-                                                                     self._index[key])))
-
 
 # ---------------------------------------------------------------------------------------------
 # The built-in policy: a tiny Qwen2 trained from scratch on shop dialogs
 # ---------------------------------------------------------------------------------------------
-# `python shop.py sft --out data/shop-policy` writes what load_model reads: config.json
+# `python -m lab.shop sft --out data/shop-policy` writes what load_model reads: config.json
 # (Qwen2ForCausalLM), model.safetensors (Hugging Face key names, tied embeddings) and a byte-level
 # BPE tokenizer.json trained on the same text, with the ChatML specials. The data are the gold
 # dialogs of `make-data` with a fraction replaced by their contaminated versions, so the
@@ -980,9 +640,6 @@ class ShopEnv(envs.Env):
 # covers the assistant turns only (METHOD.md §3, <|im_end|> included). Same command, same bytes.
 
 SPECIALS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
-# where sft writes by default: the policy grpo.py trains by default, and each world's own
-BUILTIN_POLICY = Path(__file__).resolve().parent / "data" / "shop-policy"
-BUILTIN_POLICIES = {"shop": BUILTIN_POLICY, "shop-long": BUILTIN_POLICY.parent / "shop-long-policy"}
 
 
 def train_tokenizer(texts: list[str], vocab_size: int):
@@ -1015,7 +672,7 @@ def sft_dialogs(episodes: int, contaminated: float, seed: int,
     for eid in clean:
         rec = dirty[eid] if rng.random() < contaminated else clean[eid]
         if rec is clean[eid] and habit.random() < divided:
-            wrong = shop_divided(shop_task_from_id(eid))
+            wrong = shop_divided(envs.shop_task_from_id(eid))
             rec = rec if wrong is None else {**rec, "dialogs": wrong}
         out.append(envs.dialog_to_messages(rec["dialogs"], rec["tools"], rec["files"]))
     return out
@@ -1028,10 +685,10 @@ def long_sft_dialogs(episodes: int, slips: float, seed: int) -> list[list[dict]]
     rng = random.Random(f"sft-slips-{seed}")
     out = []
     for i in range(episodes):
-        task = long_task(shop_episode_seed("train", seed, i))
+        task = long_task(envs.shop_episode_seed("train", seed, i))
         made = tuple(slip for slip in LONG_SLIPS
                      if rng.random() < slips and LONG_HABITS[slip](task))
-        out.append(envs.dialog_to_messages(long_dialog(task, made), SHOP_TOOLS, []))
+        out.append(envs.dialog_to_messages(long_dialog(task, made), envs.SHOP_TOOLS, []))
     return out
 
 
@@ -1045,7 +702,7 @@ def sft_config(args, tok) -> dict:
             "bos_token_id": None, "eos_token_id": tok.im_end_id, "pad_token_id": tok.pad_id,
             "torch_dtype": "float32",
             # `model.py generate` renders a prompt as this world renders a task
-            weights.WORLD_KEY: "shop", weights.TOOLS_KEY: envs.tool_instructions(SHOP_TOOLS)}
+            model.WORLD_KEY: "shop", model.TOOLS_KEY: envs.tool_instructions(envs.SHOP_TOOLS)}
 
 
 def sft_batches(lengths: list[int], batch: int, steps: int, seed: int) -> list[list[int]]:
@@ -1073,7 +730,7 @@ def sft(args) -> dict:
     if args.init:   # continue a saved policy, its tokenizer and shape (first: a bad one fails fast)
         try:
             policy, tok = model.load_model(args.init)
-        except (weights.CheckpointError, OSError, ValueError) as e:
+        except (model.CheckpointError, OSError, ValueError) as e:
             raise SystemExit(f"--init {args.init}: cannot continue this policy ({e})") from None
         policy.requires_grad_(True)             # load_model freezes a base for LoRA
         config = json.loads((Path(args.init) / "config.json").read_text())
@@ -1090,7 +747,7 @@ def sft(args) -> dict:
         examples.append((torch.tensor(ids), mask))
     if not args.init:
         config = sft_config(args, tok)
-        policy = model.Transformer(weights.Config.from_dict(config))
+        policy = model.Transformer(model.Config.from_dict(config))
         for name, p in policy.named_parameters():       # GPT-2 style init
             if p.dim() == 2:
                 torch.nn.init.normal_(p, std=0.02)
@@ -1144,7 +801,7 @@ def sft(args) -> dict:
             rate = (time.perf_counter() - t_phase) / (i + 1 - first)
             print(f"  induction {i + 1}/{args.induction_steps}  loss "
                   f"{sum(losses[-250:]) / len(losses[-250:]):.4f}"
-                  f"  ETA {common.duration(rate * (args.induction_steps - i - 1))}", flush=True)
+                  f"  ETA {model.duration(rate * (args.induction_steps - i - 1))}", flush=True)
         checkpoint(i + 1)
     if done <= args.induction_steps:
         losses = []             # the dialog phase logs its own losses
@@ -1168,7 +825,7 @@ def sft(args) -> dict:
             rate = (time.perf_counter() - t_phase) / (i + 1 - first)
             print(f"  step {i + 1}/{args.steps}  loss {sum(losses[-50:]) / len(losses[-50:]):.4f}"
                   f"  induction loss {sum(kept[-50:]) / len(kept[-50:]):.4f}"
-                  f"  ETA {common.duration(rate * (args.steps - i - 1))}", flush=True)
+                  f"  ETA {model.duration(rate * (args.steps - i - 1))}", flush=True)
         checkpoint(args.induction_steps + i + 1)
     policy.eval()
     seconds = earlier_seconds + time.perf_counter() - t0
@@ -1180,7 +837,7 @@ def sft(args) -> dict:
     if args.eval_episodes:
         result.update(sft_eval(policy, tok, args))
     write_policy_readme(out, args, config, result, earlier)
-    print(f"sft: wrote {out} in {common.duration(time.perf_counter() - t0)}: " + json.dumps(result),
+    print(f"sft: wrote {out} in {model.duration(time.perf_counter() - t0)}: " + json.dumps(result),
           flush=True)
     return result
 
@@ -1235,10 +892,10 @@ def _policy_tensors(policy) -> dict[str, torch.Tensor]:
 
 def save_policy(out: Path, policy, tok, config: dict):
     out.mkdir(parents=True, exist_ok=True)
-    common.write_atomic(out / "model.safetensors",
+    model.write_atomic(out / "model.safetensors",
                         safetensors_bytes(_policy_tensors(policy), {"format": "pt"}))
-    common.write_json(out / "config.json", config)
-    common.write_atomic(out / "tokenizer.json", tok.tok.to_str(pretty=True))
+    model.write_json(out / "config.json", config)
+    model.write_atomic(out / "tokenizer.json", tok.tok.to_str(pretty=True))
 
 
 # the flags a resumed sft run must share with the run it continues (the others change nothing
@@ -1259,10 +916,10 @@ def save_sft_checkpoint(path: Path, args, done: int, policy, opt, induction, los
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
         save_file(_policy_tensors(policy), tmp / "model.safetensors")
-        tensors, meta = weights.optimizer_to_tensors(opt)
+        tensors, meta = model.optimizer_to_tensors(opt)
         save_file(tensors, tmp / "optimizer.safetensors")
         save_file({"induction": induction.g.get_state()}, tmp / "rng.safetensors")
-        common.write_json(tmp / "trainer.json", {"done": done, "flags": _sft_flags(args),
+        model.write_json(tmp / "trainer.json", {"done": done, "flags": _sft_flags(args),
                           "losses": losses, "kept": kept, "seconds": seconds, "optimizer": meta})
         shutil.rmtree(path, ignore_errors=True)
         os.replace(tmp, path)
@@ -1285,7 +942,7 @@ def load_sft_checkpoint(path: Path, args, policy, opt, induction) -> tuple:
         if unexpected or set(missing) - {"lm_head.weight"}:
             raise ValueError(f"weights do not fit the model: missing {missing}, "
                              f"unexpected {unexpected}")
-        weights.optimizer_from_tensors(opt, load_file(path / "optimizer.safetensors"),
+        model.optimizer_from_tensors(opt, load_file(path / "optimizer.safetensors"),
                                        info["optimizer"])
         induction.g.set_state(load_file(path / "rng.safetensors")["induction"])
         return int(info["done"]), info["losses"], info["kept"], float(info["seconds"])
@@ -1297,9 +954,9 @@ def load_sft_checkpoint(path: Path, args, policy, opt, induction) -> tuple:
 @torch.no_grad()
 def sft_eval(policy, tok, args) -> dict:
     """Held-out success: sampled at temperature 1 (what GRPO starts from) and greedy."""
-    env = ShopEnv("test", world=args.world)
+    env = envs.ShopEnv("test", world=args.world)
     n = min(args.eval_episodes, len(env))
-    play = argparse.Namespace(max_turns=MAX_TURNS[args.world], max_new_tokens=96, max_len=4096,
+    play = argparse.Namespace(max_turns=envs.WORLD_TURNS[args.world], max_new_tokens=96, max_len=4096,
                               temperature=1.0, top_p=1.0)
     result = {"eval_episodes": n}
     for name, greedy in (("success_sampled", False), ("success_greedy", True)):
@@ -1329,12 +986,12 @@ def write_policy_readme(out: Path, args, config: dict, result: dict, earlier: li
     flags = ("steps", "batch", "lr", "warmup", "induction_steps", "induction_rows",
              "induction_text", "hidden", "layers", "heads", "kv_heads", "intermediate", "vocab",
              "seed", "threads")
-    command = (f"python shop.py sft --out {args.out} --episodes {args.episodes} {data}"
+    command = (f"python -m lab.shop sft --out {args.out} --episodes {args.episodes} {data}"
                + (f"--init {args.init} " if args.init else "")
                + " ".join(f"--{k.replace('_', '-')} {getattr(args, k)}" for k in flags))
     about = ("A tiny Qwen2-architecture model trained from scratch, with its own byte-level BPE "
              "tokenizer (ChatML specials), on the gold dialogs of the built-in `shop` world mixed "
-             "with contaminated ones (shop.py make-data), after a warm-up on a synthetic copy "
+             "with contaminated ones (python -m lab.shop make-data), after a warm-up on a synthetic copy "
              "task that gives it induction heads (shop.py InductionTask). Loss on assistant "
              "tokens only.")
     if args.init:
@@ -1376,7 +1033,7 @@ def write_policy_readme(out: Path, args, config: dict, result: dict, earlier: li
         lines += [f"| held-out success, sampled (T = 1) | {result['success_sampled']:.3f} "
                   f"({args.world} test episodes 0-{result['eval_episodes'] - 1}) |",
                   f"| held-out success, greedy | {result['success_greedy']:.3f} |"]
-    common.write_atomic(out / "README.md", "\n".join(lines) + "\n")
+    model.write_atomic(out / "README.md", "\n".join(lines) + "\n")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -1387,18 +1044,18 @@ def write_policy_readme(out: Path, args, config: dict, result: dict, earlier: li
 # none; --lr and the shape: in main). Any BPE vocabulary holds the specials and the 256 bytes; a
 # warmup of 1 step is none.
 SFT_RANGES = {**dict.fromkeys(("steps", "batch", "warmup", "hidden", "layers", "heads", "kv_heads",
-                               "intermediate"), common.at_least(1)),
+                               "intermediate"), grpo.at_least(1)),
               **dict.fromkeys(("induction_steps", "induction_rows", "save_every",
-                               "eval_episodes"), common.at_least(0)),
+                               "eval_episodes"), grpo.at_least(0)),
               **dict.fromkeys(("contaminated", "divided", "slips", "induction_text"),
-                              common.within(0, 1)),
-              "episodes": common.within(2, SHOP_SPLIT_SIZE["train"]),
-              "seed": common.within(0, 2**32 - 1), "vocab": common.at_least(len(SPECIALS) + 256),
-              "threads": common.THREADS}
+                              grpo.within(0, 1)),
+              "episodes": grpo.within(2, envs.SHOP_SPLIT_SIZE["train"]),
+              "seed": grpo.within(0, 2**32 - 1), "vocab": grpo.at_least(len(SPECIALS) + 256),
+              "threads": grpo.THREADS}
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(prog="shop.py", description=__doc__.split("\n\n")[0],
+    ap = argparse.ArgumentParser(prog="python -m lab.shop", description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="command", required=True)
 
@@ -1426,7 +1083,7 @@ def main(argv=None):
     a("--divided", type=float, default=0.0,
       help="shop: fraction of the other non-USD dialogs replaced by one that converts the wrong "
            "way round, dividing by the rate (shop_divided): a habit for GRPO to unlearn")
-    a("--world", default="shop", choices=tuple(WORLDS),
+    a("--world", default="shop", choices=tuple(envs.WORLDS),
       help="the world whose dialogs are trained on (shop-long: continue a shop policy, --init)")
     a("--slips", type=float, default=0.0,
       help="shop-long: probability of each of the three slips (LONG_SLIPS) in a dialog whose "
@@ -1462,8 +1119,8 @@ def main(argv=None):
       help="held-out shop episodes to measure success on (0: skip)")
     args = ap.parse_args(argv)
     if args.command == "sft":
-        args.out = args.out or str(BUILTIN_POLICIES[args.world])
-        common.check_ranges(ap, args, SFT_RANGES)
+        args.out = args.out or str(envs.BUILTIN_POLICIES[args.world])
+        grpo.check_ranges(ap, args, SFT_RANGES)
         train = args.episodes - (args.world == "shop") * max(1, args.episodes // 5)
         for bad, why in (
                 (not 0 < args.lr < math.inf, "--lr must be a positive number"),
@@ -1473,12 +1130,12 @@ def main(argv=None):
                 (args.init and not Path(args.init).is_dir(), "--init must be a directory"),
                 (args.world == "shop-long" and not args.init, "--world shop-long continues a shop "
                  "policy: pass --init DIR (its tokenizer knows the words of both worlds; the first "
-                 f"command of {BUILTIN_POLICIES['shop-long']}/README.md trains the shipped one)"),
+                 f"command of {envs.BUILTIN_POLICIES['shop-long']}/README.md trains the shipped one)"),
                 (args.world == "shop" and args.slips or args.world == "shop-long" and args.divided,
                  "--slips is shop-long's habit and --divided shop's: pass the one of --world")):
             if bad:
                 ap.error(why)
-        with common.exclusive_dir(args.out):    # one writer; a stopped run is not overwritten
+        with grpo.exclusive_dir(args.out):    # one writer; a stopped run is not overwritten
             if (Path(args.out) / SFT_CHECKPOINT).is_dir() and not args.resume:
                 ap.error(f"{Path(args.out) / SFT_CHECKPOINT} holds a stopped run: continue "
                          "it with --resume, or delete it to start over")

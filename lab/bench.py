@@ -1,9 +1,9 @@
 """Speed and memory of model.py where the training run spends them, on any device, against plain
 forwards and `transformers`; every ratio is printed next to its target.
 
-    python bench.py --device cuda --shape qwen2.5-7b      # the paper's model, random weights
-    python bench.py --shape update-proxy --sections update --dtype float32     # its CPU proxy
-    python bench.py --model data/shop-policy --dtype float32 --threads 1      # a checkpoint
+    python -m lab.bench --device cuda --shape qwen2.5-7b      # the paper's model, random weights
+    python -m lab.bench --shape update-proxy --sections update --dtype float32     # its CPU proxy
+    python -m lab.bench --model data/shop-policy --dtype float32 --threads 1      # a checkpoint
 
 --shape builds random weights of a named real shape in memory (no download): qwen2.5-7b,
 qwen2.5-0.5b, the built-in policies (shop-policy, shop-long-policy: their config.json), and
@@ -43,11 +43,10 @@ from pathlib import Path
 
 import torch
 
-import common
 import model as M
 import pair
 import probes
-import weights
+import grpo
 
 ROOT = Path(__file__).resolve().parent
 QWEN2 = dict(architectures=["Qwen2ForCausalLM"], model_type="qwen2", hidden_act="silu",
@@ -146,7 +145,7 @@ def build(args, device, dtype):
     if args.model:
         try:
             model, _ = M.load_model(args.model, dtype=dtype, devices=[device])
-        except (weights.CheckpointError, OSError, ValueError) as e:     # a damaged checkpoint
+        except (M.CheckpointError, OSError, ValueError) as e:     # a damaged checkpoint
             raise SystemExit(f"--model {args.model}: {e}") from None
         hf = None
         if needs_hf:
@@ -154,7 +153,7 @@ def build(args, device, dtype):
                 args.model, dtype=dtype, attn_implementation="eager").to(device).eval()
         return model, hf, args.model
     cfg = shape_config(args.shape)
-    config = weights.Config.from_dict(cfg)
+    config = M.Config.from_dict(cfg)
     with torch.device("meta"):
         model = M.Transformer(config)
     if needs_hf:            # transformers initialises the weights; ours adopts its tensors
@@ -446,10 +445,10 @@ def main(argv=None):
                     help="torch CPU threads (default: torch's choice). On a CPU shared with other "
                     "busy processes, 1 thread gives far steadier ratios")
     args = ap.parse_args(argv)
-    common.check_ranges(ap, args, {**dict.fromkeys(("new_tokens", "batch", "repeats",
+    grpo.check_ranges(ap, args, {**dict.fromkeys(("new_tokens", "batch", "repeats",
                                                     "gen_repeats", "prompt_len"),
-                                                   common.at_least(1)),
-                                   "threads": common.THREADS})
+                                                   grpo.at_least(1)),
+                                   "threads": grpo.THREADS})
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         ap.error(f"--device {args.device}: torch sees no CUDA device")

@@ -17,14 +17,17 @@ Every corpus is scored on the same held-out own turns: rollouts of the base poli
 episodes, which neither the probes nor GRPO train on. PAIR is fitted like the paper's (seed 42
 balanced subsample, C = 0.01, stage 2 on in-sample s_bc), the baselines on the same records.
 
-    probes_dir, report = shop_probes(args, policy, tok, world, log)   # in grpo.reward_context
+    python -m lab.onpolicy --env shop    # rebuild data/shop-policy/probes/, which grpo.py reads
+
+grpo.py reads the probes shipped beside a built-in policy; under python -m lab.train, probes of
+other settings (--probe-corpus, --corpus-*) or of another policy are fitted here on the fly
+(`shop_probes`) and cached.
 
 With --probe-retrain-every N the head the reward reads is fitted again during GRPO on the run's
 own turns of the last N steps (the last section: refit and the run-directory files it keeps).
 """
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import shutil
@@ -35,34 +38,24 @@ from pathlib import Path
 
 import torch
 
-import common
 import envs
 import model
 import pair
 import probes
-import shop
-import weights
-from rollout import rollout
+from lab import shop
+from grpo import rollout
+import grpo
+from lab import study
+from lab import onpolicy
+import argparse
 
 PROBE_SEED = 42
 
 
-PROBES_FORMAT = "grpo-probes/3"   # 3: the on-policy corpus balanced within each kind of turn
-
-
-def policy_hash(model_dir) -> str:
-    """The key of everything cached for one policy: its files (not its README), one weights
-    file or shards, fingerprinted as weights.checkpoint_sha256 does (a 7B model is not read
-    whole)."""
-    try:
-        digest = weights.checkpoint_sha256(model_dir)
-    except weights.CheckpointError as e:
-        raise SystemExit(f"{model_dir}: nothing to key this policy's cache on ({e})") from None
-    return hashlib.sha256(f"{PROBES_FORMAT}\0{digest}".encode()).hexdigest()[:16]
-
-
-def settings_hash(settings: dict) -> str:
-    return hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:12]
+def probe_settings(args) -> dict:
+    """What a policy's fitted probes depend on besides its files (their cache key)."""
+    return {"corpus": args.probe_corpus, "own": own_turns_settings(args),
+            "contaminated_episodes": args.probe_episodes, "labels": envs.SHOP_SCORING}
 
 
 def own_turns_settings(args) -> dict:
@@ -81,7 +74,7 @@ def turn_kind(text: str) -> str:
     return step.name if isinstance(step, envs.Action) else type(step).__name__
 
 
-def turn_records(trajs: list) -> pair.Split:
+def turn_records(trajs: list) -> study.Split:
     """One record per assistant turn of shop rollouts (rollout.Trajectory): raw features, the
     world's exact label, whether (and how far back) an earlier turn of the same rollout was
     wrong, the turn's kind (a code per turn_kind, numbered in order of appearance), the mean
@@ -109,7 +102,7 @@ def turn_records(trajs: list) -> pair.Split:
                distance=torch.tensor(distance), rollout=torch.tensor(sample),
                kind=torch.tensor(kind), nll=torch.tensor(nll),
                score=torch.tensor(score, dtype=torch.float64))
-    return pair.Split("own_turns", raw, raw["label"].long(), episode_id, {"kinds": list(kinds)})
+    return study.Split("own_turns", raw, raw["label"].long(), episode_id, {"kinds": list(kinds)})
 
 
 def kind_balanced_indices(y: torch.Tensor, kind: torch.Tensor, seed: int) -> torch.Tensor:
@@ -141,14 +134,14 @@ def kind_balanced_indices(y: torch.Tensor, kind: torch.Tensor, seed: int) -> tor
 
 @torch.no_grad()
 def sample_own_turns(policy, tok, env, n_episodes: int, samples: int, args, seed: int,
-                     log) -> pair.Split:
+                     log) -> study.Split:
     """`samples` rollouts (rollout.rollout) of the base policy on each of the first n_episodes of
     `env`."""
     episodes = [i for i in range(n_episodes) for _ in range(samples)]
     g = torch.Generator(device=policy.model.embed_tokens.weight.device).manual_seed(seed)
     # 16 rows a call: a call decodes until its slowest row is done, so wider calls wait longer
     trajs, rows, t0 = [], 16, time.perf_counter()
-    pacer = common.Pacer(len(episodes), sys.stdout)
+    pacer = model.Pacer(len(episodes), sys.stdout)
     with model.lora_disabled(policy):
         for a in range(0, len(episodes), rows):
             batch = [env.episode(i) for i in episodes[a:a + rows]]
@@ -163,55 +156,55 @@ def sample_own_turns(policy, tok, env, n_episodes: int, samples: int, args, seed
             elif len(trajs) < len(episodes) and pacer.due(len(trajs)):
                 rate = (time.perf_counter() - t1) / (len(trajs) - rows)
                 log(f"  {len(trajs)}/{len(episodes)} rollouts of {env.split} episodes, ETA "
-                    f"{common.duration(rate * (len(episodes) - len(trajs)))}", flush=True)
+                    f"{model.duration(rate * (len(episodes) - len(trajs)))}", flush=True)
     log(f"  {len(trajs)} rollouts of {n_episodes} {env.split} episodes x {samples} in "
         f"{time.perf_counter() - t0:.0f}s", flush=True)
     return turn_records(trajs)
 
 
-def contaminated_corpus(policy, tok, episodes: int, log) -> pair.Split:
+def contaminated_corpus(policy, tok, episodes: int, log) -> study.Split:
     """The released recipe's training set for this policy: of `make-data`'s matched clean and
     contaminated train records, the ones pair.training_set keeps (mode mixed, seed 42),
     teacher-forced with the base policy. The choice reads labels only, so it is made first and
     only the kept records (about half) are traced."""
     t0 = time.perf_counter()
-    log(f"  contaminated corpus: `shop.py make-data --episodes {episodes}`, its kept turns "
+    log(f"  contaminated corpus: `python -m lab.shop make-data --episodes {episodes}`, its kept turns "
         "teacher-forced ...", flush=True)
     with tempfile.TemporaryDirectory() as tmp:
         shop.make_shop_data(tmp, episodes=episodes, seed=PROBE_SEED)
         loaded = [envs.load_matched(Path(tmp) / f"{name}.json")
-                  for name in pair.TRAIN_SPLITS["mixed"]]
+                  for name in study.TRAIN_SPLITS["mixed"]]
     # feature-less splits whose "raw" says where each row came from: (split, record) indices
-    index = {name: pair.Split(name, {"turn_idx": torch.tensor([int(r["turn_idx"]) for r in recs]),
+    index = {name: study.Split(name, {"turn_idx": torch.tensor([int(r["turn_idx"]) for r in recs]),
                                      "split": torch.full((len(recs),), s),
                                      "record": torch.arange(len(recs))},
                               torch.tensor([int(r["label"]) for r in recs]),
                               [str(r["episode_id"]) for r in recs], {})
-             for s, (name, recs) in enumerate(zip(pair.TRAIN_SPLITS["mixed"], loaded))}
-    kept = pair.training_set(index, "mixed", PROBE_SEED)
+             for s, (name, recs) in enumerate(zip(study.TRAIN_SPLITS["mixed"], loaded))}
+    kept = study.training_set(index, "mixed", PROBE_SEED)
     records = [loaded[s][r] for s, r in zip(kept.raw["split"].tolist(),
                                             kept.raw["record"].tolist())]
-    rendered = [pair.render_record(r, tok) for r in records]
+    rendered = [study.render_record(r, tok) for r in records]
     with model.lora_disabled(policy):
         traces = model.trace_batch(policy, [ids for ids, _, _ in rendered],
                                    [span for _, span, _ in rendered])
     raw = probes.stack_raw([probes.raw_features(tr) for tr in traces])
     raw["turn_idx"] = kept.raw["turn_idx"]
-    log(f"  contaminated corpus: {len(kept.y)} teacher-forced turns of `shop.py make-data "
+    log(f"  contaminated corpus: {len(kept.y)} teacher-forced turns of `python -m lab.shop make-data "
         f"--episodes {episodes}` (mode mixed; the shop world's, also for shop-long, which has "
         f"no make-data) in {time.perf_counter() - t0:.0f}s", flush=True)
-    return pair.Split(kept.name, raw, kept.y, kept.episode_id, {})
+    return study.Split(kept.name, raw, kept.y, kept.episode_id, {})
 
 
-def fit_probes(train: pair.Split, info: dict) -> dict:
+def fit_probes(train: study.Split, info: dict) -> dict:
     """PAIR and every baseline probe on one training set (balanced subsample, seed 42)."""
-    fitted = pair.fit_baselines(train, info=info)
+    fitted = study.fit_baselines(train, info=info)
     fitted["pair"] = pair.fit_pair(train.raw, train.y, info=info,
                                        stage1=fitted["last_token"])
     return fitted
 
 
-def heldout_auroc(fitted: dict, heldout: pair.Split) -> dict:
+def heldout_auroc(fitted: dict, heldout: study.Split) -> dict:
     """AUROC of every fitted method on the held-out own turns: all, clean prefix, contaminated
     prefix, by distance to the nearest earlier wrong turn, by kind of turn (turn_kind), and at
     each habit's own turn (shop.slip_turns) with a clean prefix: the slip made against the same
@@ -232,7 +225,7 @@ def heldout_auroc(fitted: dict, heldout: pair.Split) -> dict:
         here = torch.tensor([a == slip for a in at], dtype=torch.bool)
         if here.any():
             groups[f"slip={slip}"] = here & (d < 0)
-    scores = {name: pair.predict(m, heldout.raw) for name, m in fitted.items()}
+    scores = {name: study.predict(m, heldout.raw) for name, m in fitted.items()}
     if "nll" in heldout.raw:        # unsupervised: the turn's own confidence, no probe at all
         scores["confidence"] = -heldout.raw["nll"].double()
     out = {}
@@ -246,11 +239,11 @@ def heldout_auroc(fitted: dict, heldout: pair.Split) -> dict:
     return out
 
 
-def habit_at(turns: pair.Split) -> list[str | None]:
+def habit_at(turns: study.Split) -> list[str | None]:
     """For each turn, the habit (shop.slip_turns) whose decision is made at its turn index in its
     episode, or None: with a clean prefix, the turn where a rollout first goes wrong by that
     habit (label 0) or makes the same decision right (label 1)."""
-    slip_at = {eid: {t: s for s, t in shop.slip_turns(shop.shop_task_from_id(eid)).items()}
+    slip_at = {eid: {t: s for s, t in shop.slip_turns(envs.shop_task_from_id(eid)).items()}
                for eid in set(turns.episode_id)}        # episode -> {turn: the slip made there}
     return [slip_at[eid].get(t)
             for eid, t in zip(turns.episode_id, turns.raw["turn_idx"].tolist())]
@@ -260,22 +253,21 @@ def shop_probes(args, policy, tok, world, log) -> tuple[Path, dict]:
     """The directory of probes fitted for this policy on `--probe-corpus` (fitting them once),
     and its report: AUROC on held-out own turns, next to the contaminated corpus's PAIR.
     grpo.py calls it with its args and its process world (runs.World)."""
-    settings = {"corpus": args.probe_corpus, "own": own_turns_settings(args),
-                "contaminated_episodes": args.probe_episodes, "labels": shop.SHOP_SCORING}
-    root = common.cache_root() / "grpo-probes" / f"{args.env}-{policy_hash(args.model)}"
-    out = root / f"{args.probe_corpus}-{settings_hash(settings)}"
+    settings = probe_settings(args)
+    root = model.cache_root() / "grpo-probes" / f"{args.env}-{grpo.policy_hash(args.model)}"
+    out = root / f"{args.probe_corpus}-{grpo.settings_hash(settings)}"
     done = out / "probes.json"
     fitted_by = "an earlier run" if done.is_file() else None
     if world.main and not done.is_file():
         # two runs starting on one fresh cache (compare --jobs 2): the second waits, then reads
-        common.claim(root, wait=log)
+        grpo.claim(root, wait=log)
         fitted_by = "another run, which this one waited for" if done.is_file() else None
     if world.main and not done.is_file():
         t0 = time.perf_counter()
         log(f"fitting the probes of this policy once, {args.probe_corpus} corpus (minutes: "
             f"later runs read them from the cache, {out}):", flush=True)
-        train_env = shop.ShopEnv("train", world=args.env)
-        heldout = sample_own_turns(policy, tok, shop.ShopEnv("val", world=args.env),
+        train_env = envs.ShopEnv("train", world=args.env)
+        heldout = sample_own_turns(policy, tok, envs.ShopEnv("val", world=args.env),
                                    args.corpus_heldout,
                                    args.corpus_samples, args, PROBE_SEED + 1, log)
         save_heldout(heldout, heldout_path(args))     # grpo's premise gate reads them again
@@ -291,11 +283,11 @@ def shop_probes(args, policy, tok, world, log) -> tuple[Path, dict]:
                     "needs both (more --corpus-episodes or --max-new-tokens, or "
                     "--probe-corpus contaminated)")
             own = own.take(kind_balanced_indices(own.y, own.raw["kind"], PROBE_SEED))
-            corpora["on-policy"] = own.take(pair.balanced_indices(own.y, PROBE_SEED))
+            corpora["on-policy"] = own.take(study.balanced_indices(own.y, PROBE_SEED))
         # the released recipe is always fitted: it is the yardstick the startup line prints
         corpora["contaminated"] = contaminated_corpus(policy, tok, args.probe_episodes, log)
         if args.probe_corpus == "both":
-            corpora["both"] = pair.concat_splits([corpora["on-policy"],
+            corpora["both"] = study.concat_splits([corpora["on-policy"],
                                                       corpora["contaminated"]])
         info = {"seed": PROBE_SEED, "corpus": args.probe_corpus}
         fitted = fit_probes(corpora[args.probe_corpus], info)
@@ -306,17 +298,17 @@ def shop_probes(args, policy, tok, world, log) -> tuple[Path, dict]:
         shutil.rmtree(tmp, ignore_errors=True)
         for name, m in fitted.items():        # pair/ is a directory, each probe one file
             m.save(tmp / ("pair" if name == "pair" else f"{name}.safetensors"))
-        report = {"format": PROBES_FORMAT, "settings": settings,
+        report = {"format": grpo.PROBES_FORMAT, "settings": settings,
                   "n_train": len(corpora[args.probe_corpus].y),
                   "n_train_correct": int(corpora[args.probe_corpus].y.sum()),
                   "heldout": heldout_auroc(fitted, heldout),
                   "contaminated_corpus_pair": heldout_auroc(reference, heldout)["pair"],
                   "seconds": round(time.perf_counter() - t0, 1)}
-        common.write_json(tmp / "probes.json", report)
+        model.write_json(tmp / "probes.json", report)
         shutil.rmtree(out, ignore_errors=True)
         os.replace(tmp, out)                # the directory appears complete or not at all
     if world.main:
-        common.release(root)
+        grpo.release(root)
     if world.size > 1:                      # the other processes read what the main one wrote
         torch.distributed.barrier()
     try:
@@ -339,20 +331,20 @@ HELDOUT_FORMAT = "heldout-turns/1"
 def heldout_path(args) -> Path:
     """Where the held-out own turns of this policy are kept: beside its probes, keyed on what
     they depend on (the sampling, the labelling rules)."""
-    key = settings_hash({"format": HELDOUT_FORMAT, "own": own_turns_settings(args),
-                         "labels": shop.SHOP_SCORING})
-    return (common.cache_root() / "grpo-probes" / f"{args.env}-{policy_hash(args.model)}" /
+    key = grpo.settings_hash({"format": HELDOUT_FORMAT, "own": own_turns_settings(args),
+                         "labels": envs.SHOP_SCORING})
+    return (model.cache_root() / "grpo-probes" / f"{args.env}-{grpo.policy_hash(args.model)}" /
             f"heldout-{key}.safetensors")
 
 
-def save_heldout(turns: pair.Split, path: Path) -> None:
+def save_heldout(turns: study.Split, path: Path) -> None:
     meta = {"heldout_turns": json.dumps({"kinds": turns.meta["kinds"],
                                          "episode_id": turns.episode_id})}
     path.parent.mkdir(parents=True, exist_ok=True)
     probes.save_safetensors(turns.raw, path, meta)
 
 
-def heldout_turns(args, policy, tok, world, log) -> pair.Split:
+def heldout_turns(args, policy, tok, world, log) -> study.Split:
     """The held-out own turns that score the fitted probes (shop_probes): --corpus-samples
     rollouts of the base policy on each of the first --corpus-heldout validation episodes, at
     the training sampling, labelled, with their features and task scores. Written when the
@@ -360,19 +352,19 @@ def heldout_turns(args, policy, tok, world, log) -> pair.Split:
     samples them once (half a minute for the built-in policy)."""
     path = heldout_path(args)
     if world.main and not path.is_file():
-        common.claim(path.parent, wait=log)
+        grpo.claim(path.parent, wait=log)
         if not path.is_file():
             log(f"sampling the held-out own turns once ({path}):", flush=True)
-            save_heldout(sample_own_turns(policy, tok, shop.ShopEnv("val", world=args.env),
+            save_heldout(sample_own_turns(policy, tok, envs.ShopEnv("val", world=args.env),
                                           args.corpus_heldout, args.corpus_samples, args,
                                           PROBE_SEED + 1, log), path)
-        common.release(path.parent)
+        grpo.release(path.parent)
     if world.size > 1:                      # the other processes read what the main one wrote
         torch.distributed.barrier()
     tensors, meta = probes.read_safetensors(path, "held-out turns")
     try:
         meta = json.loads(meta["heldout_turns"])
-        return pair.Split("heldout_turns", tensors, tensors["label"].long(),
+        return study.Split("heldout_turns", tensors, tensors["label"].long(),
                           list(meta["episode_id"]), {"kinds": list(meta["kinds"])})
     except (KeyError, ValueError, TypeError) as e:
         raise SystemExit(f"{path}: a damaged cache of held-out turns ({type(e).__name__}: "
@@ -384,13 +376,13 @@ def log_report(report: dict, reward: str, log) -> None:
     wherever the probe the reward reads ranks wrong turns above right ones."""
     h, ref = report["heldout"], report["contaminated_corpus_pair"]
     log(f"  PAIR AUROC on {h['n']['all']} held-out own turns (validation episodes): "
-        f"{common.num(h['pair']['all'])} (clean prefix {common.num(h['pair']['clean_prefix'])}, "
-        f"after a wrong turn {common.num(h['pair']['contaminated_prefix'])}); the "
-        f"contaminated-corpus PAIR on the same turns: {common.num(ref['all'])}", flush=True)
+        f"{model.num(h['pair']['all'])} (clean prefix {model.num(h['pair']['clean_prefix'])}, "
+        f"after a wrong turn {model.num(h['pair']['contaminated_prefix'])}); the "
+        f"contaminated-corpus PAIR on the same turns: {model.num(ref['all'])}", flush=True)
     kinds = [g for g in h["n"] if g.startswith("kind=")]
     if kinds:                   # caches fitted before the per-kind report have none
         log("  by kind of turn: " + ", ".join(
-            f"{g[5:]} {common.num(h['pair'].get(g))} ({h['n'][g]} turns, {h['n_correct'][g]} "
+            f"{g[5:]} {model.num(h['pair'].get(g))} ({h['n'][g]} turns, {h['n_correct'][g]} "
             "right)" for g in kinds), flush=True)
     # the probe this run's reward reads
     name = reward if reward in h else "pair"
@@ -399,12 +391,12 @@ def log_report(report: dict, reward: str, log) -> None:
     if slips:
         log(f"  {what} at the habits' own turns, clean prefix (the slip against the same turn "
             "made right): " + ", ".join(
-                f"{g[5:]} {common.num(h[name].get(g))} ({h['n'][g]} turns, "
+                f"{g[5:]} {model.num(h[name].get(g))} ({h['n'][g]} turns, "
                 f"{h['n'][g] - h['n_correct'][g]} wrong)" for g in slips), flush=True)
         if "confidence" in h:
             log("  there, the turn's own confidence (-mean NLL of its tokens, no probe; below "
                 "0.5 where the slip is the more confident turn): " +
-                ", ".join(f"{g[5:]} {common.num(h['confidence'].get(g))}" for g in slips),
+                ", ".join(f"{g[5:]} {model.num(h['confidence'].get(g))}" for g in slips),
                 flush=True)
     mine = h[name]["all"]
     if mine is not None and mine < 0.5:
@@ -417,8 +409,6 @@ def log_report(report: dict, reward: str, log) -> None:
             log(f"  warning: {what} ranks the {g[5:]} slip above the same turn made right "
                 f"({a:.3f} on {h['n'][g]} held-out turns): as a reward it favours that habit, "
                 "which GRPO would otherwise unlearn", flush=True)
-
-
 
 
 # ---------------------------------------------------------------------------------------------
@@ -448,7 +438,7 @@ def save_step_turns(out: Path, step: int, rank: int, trajs: list) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     played = [t for t in trajs if t.steps]
     if not played:                      # written all the same: a missing file is an error
-        common.write_atomic(path.with_suffix(".none"), "no turn\n")
+        model.write_atomic(path.with_suffix(".none"), "no turn\n")
         path.unlink(missing_ok=True)
         return
     path.with_suffix(".none").unlink(missing_ok=True)
@@ -458,7 +448,7 @@ def save_step_turns(out: Path, step: int, rank: int, trajs: list) -> None:
     probes.save_safetensors(split.raw, path, meta)
 
 
-def load_window(out: Path, steps: range, processes: int) -> pair.Split | None:
+def load_window(out: Path, steps: range, processes: int) -> study.Split | None:
     """The turns of `steps`, every process's, kinds recoded by name across files (None: no
     turn at all). A file that is gone is an error, never a smaller window."""
     parts, codes = [], {}
@@ -475,12 +465,12 @@ def load_window(out: Path, steps: range, processes: int) -> pair.Split | None:
             meta = json.loads(meta["pair_refit_turns"])
             recode = torch.tensor([codes.setdefault(k, len(codes)) for k in meta["kinds"]])
             tensors["kind"] = recode[tensors["kind"]]
-            parts.append(pair.Split(path.stem, tensors, tensors["label"].long(),
+            parts.append(study.Split(path.stem, tensors, tensors["label"].long(),
                                     meta["episode_id"], {}))
-    return pair.concat_splits(parts) if parts else None
+    return study.concat_splits(parts) if parts else None
 
 
-def refit(head, window: pair.Split, seed: int):
+def refit(head, window: study.Split, seed: int):
     """`head` (a pair.Pair or a probes.Probe) fitted again on `window`, balanced as the on-policy
     corpus is (within each kind of turn, then the two classes), and what it did: turns, correct,
     AUROC on the window before and after. None for the head when the window holds one class."""
@@ -489,7 +479,7 @@ def refit(head, window: pair.Split, seed: int):
     if not 0 < report["correct"] < len(y):
         return None, report
     train = window.take(kind_balanced_indices(y, window.raw["kind"], seed))
-    train = train.take(pair.balanced_indices(train.y, seed))
+    train = train.take(study.balanced_indices(train.y, seed))
     if isinstance(head, pair.Pair):     # stage 1 stays: stage 2 reads the frozen s_bc
         new = pair.fit_pair(train.raw, train.y, C=head.stage2.info.get("C", 0.01),
                             stats=head.stats, info=head.info, stage1=head.stage1)
@@ -497,8 +487,8 @@ def refit(head, window: pair.Split, seed: int):
         name = head.info["feature"]
         new = probes.Probe(info=head.info).fit(pair.feature(name, train.raw), train.y,
                                                C=head.info.get("C", 0.01))
-    report["auroc_before"] = probes.auroc(y, pair.predict(head, window.raw))
-    report["auroc_after"] = probes.auroc(y, pair.predict(new, window.raw))
+    report["auroc_before"] = probes.auroc(y, study.predict(head, window.raw))
+    report["auroc_after"] = probes.auroc(y, study.predict(new, window.raw))
     return new, report
 
 
@@ -541,3 +531,161 @@ def forget_turns(out: Path, step: int, every: int) -> None:
     for p in Path(out, REFIT_DIR).glob("turns-*"):
         if (k := _step_of(p)) is not None and k <= step - step % every:
             p.unlink()          # a resume from an older checkpoint then stops (load_window)
+
+
+def refit_head(run: grpo.Training, step: int) -> dict:
+    """--probe-retrain-every N, after step `step`: the head the reward reads fitted again on the
+    policy's own turns of the last N steps (onpolicy.refit), saved in the run directory; what
+    it did, for metrics.jsonl. Every process fits the same head from the same files."""
+    args, ctx, world = run.args, run.ctx, run.world
+    t0, every = time.perf_counter(), args.probe_retrain_every
+    grpo.barrier(world)                 # every process's turns of this step are written
+    window = onpolicy.load_window(run.out, range(step - every + 1, step + 1), world.size)
+    head = ctx.pair if ctx.pair is not None else ctx.probe
+    new, rep = onpolicy.refit(head, window, onpolicy.PROBE_SEED + step)
+    what = "PAIR's stage 2" if ctx.pair is not None else f"the {args.reward} probe"
+    if new is None:
+        why = "no turn was played" if not rep["turns"] else \
+            f"their {rep['turns']} turns are all {'right' if rep['correct'] else 'wrong'}"
+        run.log(f"refit: {what} kept, steps {step - every + 1}-{step}: {why}", flush=True)
+    else:
+        if world.main:
+            onpolicy.save_head(new, onpolicy.head_dir(run.out, step))
+        ctx.use_head(new)
+        run.log(f"refit: {what} fitted again on the {rep['turns']} own turns of steps "
+                f"{step - every + 1}-{step} ({rep['correct']} right), AUROC on them "
+                f"{rep['auroc_before']:.3f} -> {rep['auroc_after']:.3f}", flush=True)
+    grpo.barrier(world)
+    return {**{f"refit_{k}": v for k, v in rep.items()}, "t_refit": time.perf_counter() - t0}
+
+
+# ---------------------------------------------------------------------------------------------
+# Into grpo.py (python -m lab.train): probes fitted on the fly, and the refits during a run
+# ---------------------------------------------------------------------------------------------
+
+def fit_on_the_fly(args, policy, tok, world, log):
+    """The probes of a built-in world's policy fitted for these settings (shop_probes), unless
+    the ones shipped beside it are those: None then, and grpo.py reads the shipped ones."""
+    if args.env not in envs.WORLDS:
+        return None
+    shipped = Path(args.model) / "probes" / "probes.json"
+    if grpo.is_builtin(args) and shipped.is_file() and \
+            json.loads(shipped.read_text()).get("settings") == probe_settings(args):
+        return None
+    return shop_probes(args, policy, tok, world, log)
+
+
+def check(args) -> None:
+    if args.probe_retrain_every and args.reward not in grpo.READS_PROBE:
+        sys.exit(f"--probe-retrain-every: --reward {args.reward} reads no probe to refit (pair or "
+                 f"a probe reward: {', '.join(sorted(grpo.PROBE_REWARDS))})")
+    if args.probe_retrain_every and args.env not in envs.WORLDS:
+        sys.exit(f"--probe-retrain-every refits on the exact labels of the policy's own turns, "
+                 f"which only the built-in world has (its tool calls re-executed); {args.env}'s "
+                 "replayed tools label only the final answer")
+
+
+def after_step(run, step: int, trajs) -> dict | None:
+    """--probe-retrain-every N: keep the step's turns (until no resume needs them), and after
+    every N-th step fit the head again (refit_head); its report joins the step's metrics."""
+    every = run.args.probe_retrain_every
+    if not every:
+        return None
+    save_step_turns(run.out, step + 1, run.world.rank, trajs)
+    return refit_head(run, step + 1) if (step + 1) % every == 0 else None
+
+
+def on_resume(run, start: int) -> None:
+    """Turns and heads of the steps to be redone are not this run's; the head read at the
+    checkpoint is read again."""
+    if run.world.main:
+        forget_after(run.out, start)
+    grpo.barrier(run.world)
+    if run.args.probe_retrain_every and start:
+        head, k = latest_head(run.out, start)
+        if head is not None:
+            run.ctx.use_head(head)
+            run.log(f"reading the head refitted after step {k} ({head_dir(run.out, k)})",
+                    flush=True)
+
+
+def at_checkpoint(run, step: int) -> None:
+    if run.args.probe_retrain_every and run.world.main:
+        forget_turns(run.out, step, run.args.probe_retrain_every)
+
+
+# What the probes of the built-in policy are fitted on (--probe-corpus; onpolicy.py fits them)
+PROBE_CORPORA = ("on-policy", "contaminated", "both")
+
+
+def flags(ap) -> None:
+    """This module's flags, on grpo.py's parser."""
+    a = ap.add_argument
+    a("--probe-corpus", default="on-policy", choices=PROBE_CORPORA,
+      help="shop, probes fitted on the fly: on-policy = rollouts of the base policy on training "
+           "episodes, labelled by the world; contaminated = `python -m lab.shop make-data` gold dialogs and "
+           "their rule-based contaminations (the released recipe); both = the two together")
+    a("--probe-retrain-every", type=int, default=0,
+      help="shop: every N steps, fit the head the reward reads again (PAIR's stage 2, or the "
+           "probe) on the policy's own turns of the last N steps, labelled by the world "
+           "(0: never; the paper tried it and kept it off)")
+    a("--corpus-episodes", type=int, default=100,
+      help="on-policy corpus: training episodes sampled")
+    a("--corpus-samples", type=int, default=4,
+      help="on-policy corpus: rollouts per episode (also for the held-out own turns)")
+    a("--corpus-heldout", type=int, default=50,
+      help="validation episodes whose rollouts score the fitted probes (held-out own turns)")
+    a("--probe-episodes", type=int, default=200,
+      help="contaminated corpus: episodes of `python -m lab.shop make-data` (80%% of them train)")
+
+
+def main(argv=None) -> None:
+    """python -m lab.onpolicy --env shop: fit the built-in policy's probes as the default run
+    fits them (its flags, preset and seed) and write them beside it, in data/<policy>/probes/,
+    byte for byte the same every time (the fit's durations are left out)."""
+    ap = argparse.ArgumentParser(prog="python -m lab.onpolicy", description=main.__doc__)
+    ap.add_argument("--env", default="shop", choices=tuple(envs.WORLDS))
+    env = ap.parse_args(argv).env
+    from lab import train  # noqa: F401 (grpo's flags and defaults, as python -m lab.train's)
+    with tempfile.TemporaryDirectory() as tmp:
+        os.environ["PAIR_CACHE"] = tmp                  # a fresh fit, never a cached one
+        args = grpo.parse_args(["--env", env, "--out", str(Path(tmp) / "run")], grpo.REWARDS)
+        world = grpo.World()
+        grpo.resolve_preset(args, world)
+        torch.set_num_threads(args.threads)
+        grpo.seed_all(args.seed)                        # as grpo.setup, draw for draw
+        policy, tok = model.load_model(args.model, dtype=model.DTYPES[args.dtype])
+        model.apply_lora(policy, r=args.lora_r, alpha=args.lora_alpha, dropout=args.lora_dropout,
+                         targets=tuple(args.lora_targets.split(",")))
+        fitted, report = shop_probes(args, policy, tok, world, print)
+        report.pop("seconds", None)
+        out = Path(args.model) / "probes"
+        shutil.rmtree(out, ignore_errors=True)
+        shutil.copytree(fitted, out, ignore=shutil.ignore_patterns("probes.json"))
+        for path in out.rglob("*.safetensors"):        # a fit's duration is not its result
+            probe = probes.Probe.load(path)
+            probe.info.pop("fit_seconds", None)
+            probe.save(path)
+        model.write_json(out / "probes.json", report)
+    print(f"wrote {out}")
+
+
+
+def register() -> None:
+    """Plug this module into grpo.py (lab/train.py does, once)."""
+    if flags in grpo.HOOKS["flags"]:
+        return
+    grpo.HOOKS["flags"].append(flags)
+    grpo.FLAG_RANGES.update({**{k: grpo.at_least(1) for k in ("corpus_episodes", "corpus_samples", "corpus_heldout")},
+                        "probe_retrain_every": grpo.at_least(0), "probe_episodes": grpo.at_least(2)})
+    grpo.RESUME_KEYS += ("probe_corpus", "corpus_episodes", "corpus_samples", "corpus_heldout", "probe_episodes",
+                         "probe_retrain_every")
+    grpo.RESUME_DEFAULTS.update({"probe_retrain_every": 0})
+    grpo.HOOKS["context"].append(fit_on_the_fly)
+    grpo.HOOKS["check"].append(check)
+    grpo.HOOKS["trained"].append(after_step)
+    grpo.HOOKS["resume"].append(on_resume)
+    grpo.HOOKS["checkpoint"].append(at_checkpoint)
+
+if __name__ == "__main__":
+    main()

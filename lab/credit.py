@@ -1,0 +1,205 @@
+"""Credit experiments on the built-in worlds: which advantage lets a dense per-turn reward beat
+the outcome (lab/FINDINGS.md).
+
+- `--reward labels`: each turn's exact step label (1 right, 0 wrong), the perfect process reward,
+  the ceiling every dense reward is measured against;
+- `--advantage position` and `--advantage outcome-turn` (`--turn-weight`), beside the core's
+  `process` and `release`;
+- the premise gate, before training: does the chosen advantage rank the right decision above the
+  slip on held-out own turns? (its AUROC in summary.json, `premise_gate`).
+
+Each plugs into grpo.py's tables and hooks when this module is imported (python -m lab.train).
+"""
+from __future__ import annotations
+import grpo
+from lab import study
+import torch
+import math
+import probes
+import model
+import envs
+import sys
+from lab import onpolicy
+
+
+def labels_reward(traj: grpo.Trajectory, ctx) -> list[float]:
+    # the built-in worlds' exact step labels (1 right, 0 wrong): the perfect process reward, the
+    # ceiling every dense reward is measured against
+    return [float(ok) for ok in traj.episode.labels()]
+
+
+def position_centred(rewards: list[list[float | None]]) -> list[list[float | None]]:
+    """c_{i,t} = r_{i,t} - mean_{j: r_{j,t} given} r_{j,t}: each turn's reward against the
+    group's mean reward at the same turn index. A turn without a reward stays None; a turn index
+    that one rollout alone reaches (or rewards) is its own mean, so it is centred to 0."""
+    n = max((len(row) for row in rewards), default=0)
+    at = [[row[t] for row in rewards if t < len(row) and row[t] is not None] for t in range(n)]
+    mean = [sum(rs) / len(rs) if rs else 0.0 for rs in at]
+    return [[None if r is None else r - mean[t] for t, r in enumerate(row)] for row in rewards]
+
+
+def position_advantages(rewards: list[list[float | None]]) -> tuple[list[list[float]], bool]:
+    """`--advantage position`: the per-position baseline. c_{i,t} = r_{i,t} - mean_j r_{j,t}
+    (position_centred), then exactly `process` on c: pooled normalization c^ = (c - mean c) /
+    (std c + 1e-6) (mean c = 0: every position is centred) and A_{i,t} = sum_{k>=t} c^_{i,k}.
+
+    Why: under `process` most of a turn's advantage is the group's mean at its position, the
+    same for every rollout (how right that kind of turn usually is), not what this rollout did.
+    A turn index one rollout alone reaches gives c = 0, which still counts in the pooled std. A
+    group whose rewards are equal at every position has nothing to say: A = 0, all equal."""
+    return grpo.group_advantages(position_centred(rewards))
+
+
+def outcome_turn_advantages(rewards: list[list[float | None]], scores: list[float],
+                            lam: float) -> tuple[list[list[float]], bool]:
+    """`--advantage outcome-turn`: A_{i,t} = z_i + lambda c_{i,t}. z_i = the outcome's group
+    advantage, (s_i - mean_j s_j) / (std_j s_j + 1e-6) over the group's task scores s (0 when
+    they are all equal): the number `process` gives every token under --reward outcome. c_{i,t}
+    = the turn's own reward centred by the group's mean at its turn index (position_centred; 0
+    for a turn without a reward): no sum over later turns, so a turn is credited for itself and
+    never for the harder turns its right decision leads to. lambda = --turn-weight. A rollout
+    that played no turn has no advantage. All equal: no turn gets an advantage."""
+    z, _ = grpo.group_advantages([[s] if row else [] for row, s in zip(rewards, scores)])
+    advantages = [[z_i[0] + lam * (c or 0.0) for c in row] if row else []
+                  for row, z_i in zip(position_centred(rewards), z)]
+    return advantages, all(abs(a) <= 1e-8 for row in advantages for a in row)
+
+
+# The premise gate, before training (built-in worlds): a per-turn reward helps only if the
+# advantage built from it credits the right decision above the slip. The reward can rank a turn
+# right while the advantage does not: under `process` a turn's advantage is the sum of the
+# rewards still to come, and after the right decision the later turns may be harder and score
+# lower. So the chosen form's advantage is scored on the held-out own turns the probes are
+# scored on (groups of --corpus-samples base-policy rollouts of validation episodes), at the
+# habits' first-error turns with a clean prefix (onpolicy.habit_at): the slip against the same
+# decision made right.
+
+GATE_REWARDS = {"outcome", "labels", "pair"} | grpo.PROBE_REWARDS     # what stored_rewards computes
+
+
+def stored_rewards(turns: study.Split, ctx) -> list[float | None] | None:
+    """One rollout's rewards from its stored turns (features, labels, task score), as
+    turn_rewards gives them from the trajectory; None for a reward that needs more (a judge, a
+    forward of the policy, trees)."""
+    name, score = ctx.args.reward, float(turns.raw["score"][0])
+    if name == "outcome":
+        rewards = [None] * (len(turns.y) - 1) + [score]
+    elif name == "labels":
+        rewards = [float(y) for y in turns.y.tolist()]
+    elif name == "pair":
+        rewards = grpo.pair_from_features(turns.raw, ctx)[0]
+    elif name in grpo.PROBE_REWARDS:
+        rewards = grpo.probe_from_features(turns.raw, ctx)[0]
+    else:
+        return None
+    return grpo.with_outcome(rewards, score, ctx.args)
+
+
+def premise_gate(turns: study.Split, ctx, at: list[str | None]) -> dict | None:
+    """AUROC of the `--advantage` (and of the reward alone) for right (1) against wrong (0) at
+    the first-error turns with a clean prefix: the turns where `at` names a habit and no earlier
+    turn of the rollout is wrong; by habit; and on every clean-prefix turn. Each episode's
+    rollouts are one group. None for a reward stored_rewards cannot compute."""
+    rollout_ids = turns.raw["rollout"].tolist()
+    rows = {}                                           # rollout -> its turns' row indices
+    for k, r in enumerate(rollout_ids):
+        rows.setdefault(r, []).append(k)
+    groups = {}                                         # episode -> its rollouts
+    for r, idx in rows.items():
+        groups.setdefault(turns.episode_id[idx[0]], []).append(idx)
+    adv = torch.full((len(turns.y),), float("nan"), dtype=torch.float64)
+    reward = torch.full((len(turns.y),), float("nan"), dtype=torch.float64)
+    for group in groups.values():
+        rewards = [stored_rewards(turns.take(idx), ctx) for idx in group]
+        if any(r is None for r in rewards):
+            return None
+        scores = [float(turns.raw["score"][idx[0]]) for idx in group]
+        a, _ = grpo.advantages(rewards, scores, ctx.args)
+        for idx, a_i, r_i in zip(group, a, rewards):
+            adv[idx] = torch.tensor(a_i, dtype=torch.float64)
+            reward[idx] = torch.tensor([math.nan if r is None else r for r in r_i],
+                                       dtype=torch.float64)
+    clean = turns.raw["distance"] < 0
+    first = torch.tensor([h is not None for h in at]) & clean
+
+    def auroc(sel, score):
+        y = turns.y[sel]
+        if not 0 < int(y.sum()) < len(y) or score[sel].isnan().any():
+            return None
+        return probes.auroc(y, score[sel])
+    habits = sorted({h for h, f in zip(at, first.tolist()) if f})
+    return {"advantage": ctx.args.advantage, "reward": ctx.args.reward, "groups": len(groups),
+            "turns": int(first.sum()), "slips": int((turns.y[first] == 0).sum()),
+            "auroc": auroc(first, adv), "reward_auroc": auroc(first, reward),
+            "by_habit": {h: auroc(first & torch.tensor([x == h for x in at]), adv)
+                         for h in habits},
+            "clean_prefix": auroc(clean, adv)}
+
+
+def log_gate(gate: dict, log) -> None:
+    """The gate's line at start, and the warning when the advantage credits the slip."""
+    num = model.num
+    log(f"premise gate: the {gate['advantage']} advantage of --reward {gate['reward']} at the "
+        f"habits' first-error turns, clean prefix ({gate['turns']} held-out turns, "
+        f"{gate['slips']} slips, {gate['groups']} groups of base-policy rollouts): AUROC "
+        f"{num(gate['auroc'])} (the reward alone {num(gate['reward_auroc'])}"
+        + "".join(f"; {h} {num(a)}" for h, a in gate["by_habit"].items())
+        + f"); on every clean-prefix turn {num(gate['clean_prefix'])}", flush=True)
+    if gate["auroc"] is not None and gate["auroc"] < 0.5:
+        log(f"warning: the advantage credits the slip: the {gate['advantage']} advantage ranks "
+            f"the slip above the same decision made right (AUROC {gate['auroc']:.3f} on "
+            f"{gate['turns']} held-out first-error turns, the reward alone "
+            f"{num(gate['reward_auroc'])}): the turns that follow a decision, not the decision, "
+            "set its credit (premise_gate in summary.json)", flush=True)
+
+
+OUTCOME_FORMS = ("outcome-turn",)
+
+
+def check(args) -> None:
+    """The rules between flags of this module's reward and advantage forms."""
+    if args.reward == "labels" and args.env not in envs.WORLDS:
+        sys.exit(f"--reward labels: {args.env} has no exact step labels (its replayed tools "
+                 f"label only the final answer); only the built-in worlds do "
+                 f"({', '.join(envs.WORLDS)})")
+    if args.advantage in OUTCOME_FORMS and args.reward == "outcome":
+        sys.exit(f"--advantage {args.advantage} adds a dense per-turn reward to the outcome; "
+                 "--reward outcome has none (its own form is --advantage process)")
+    if args.advantage in OUTCOME_FORMS and args.outcome_weight:
+        sys.exit(f"--outcome-weight: --advantage {args.advantage} adds the outcome's group "
+                 "advantage itself; leave it at 0")
+
+
+def gate_at_setup(args, policy, tok, world, log, ctx) -> None:
+    """The premise gate of the run's reward and advantage, logged and kept for summary.json."""
+    if args.env not in envs.WORLDS or args.reward not in GATE_REWARDS:
+        return
+    turns = onpolicy.heldout_turns(args, policy, tok, world, log)
+    gate = premise_gate(turns, ctx, onpolicy.habit_at(turns))
+    if gate is not None:
+        log_gate(gate, log)
+        ctx.summary["premise_gate"] = gate
+
+
+def flags(ap) -> None:
+    """This module's flags, on grpo.py's parser."""
+    a = ap.add_argument
+    a("--turn-weight", type=float, default=1.0,
+      help="--advantage outcome-turn: lambda, the weight of the turn's own centred reward "
+           "beside the outcome's group advantage")
+
+
+def register() -> None:
+    """Plug this module into grpo.py (lab/train.py does, once)."""
+    if flags in grpo.HOOKS["flags"]:
+        return
+    grpo.HOOKS["flags"].append(flags)
+    grpo.FLAG_RANGES.update({"turn_weight": grpo.finite()})
+    grpo.RESUME_KEYS += ("turn_weight",)
+    grpo.RESUME_DEFAULTS.update({"turn_weight": 1.0})
+    grpo.REWARDS["labels"] = labels_reward
+    grpo.ADVANTAGES["position"] = lambda rewards, scores, args: position_advantages(rewards)
+    grpo.ADVANTAGES["outcome-turn"] = lambda rewards, scores, args: outcome_turn_advantages(
+        rewards, scores, args.turn_weight)
+    grpo.HOOKS["check"].append(check)
+    grpo.HOOKS["setup"].append(gate_at_setup)
