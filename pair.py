@@ -1,4 +1,4 @@
-"""PAIR — Prefix-Aware Internal Reward: the two-stage probe, its reward, and the paper's tables.
+"""PAIR — Prefix-Aware Internal Reward: the two-stage probe, its fit, and its reward.
 
 PAIR (paper Eq. stage1 / stage2, METHOD.md §6) scores one assistant turn from the model's
 internals:
@@ -19,30 +19,8 @@ r_t = sigma(logit(s~_t) + alpha (s~_t - mean_{k<t} s~_k)) with alpha = 5 (alpha 
 r_t = s~_t). grpo.py's PAIR reward of a rollout is `trajectory_rewards` of the s_final that
 `Pair.scores` gives its turns.
 
-Protocol (METHOD.md §8): each probe is trained with seeds 42, 43, 44; a seed draws a class-balanced
-subsample of matched_clean_train (the same records are taken from matched_contaminated_train in
-mixed mode); results are mean +- std over seeds on matched_clean_test and matched_contaminated_test.
-
-Contamination distance (METHOD.md §8c): d = the number of assistant turns from the nearest earlier
-contaminated turn to the evaluated one. The released indices count dialog *messages* (user,
-assistant, tool), so their difference is 2 for the immediately preceding assistant turn and bucket
-d = 1 would always be empty; the paper reads d = 1 as "the error is the immediately preceding
-turn", so `distance` counts assistant turns (the message difference is kept as
-`distance_messages`).
-
-Contamination analyses. (b) is also measured on the matched pairs whose two model inputs
-differ (by an input digest recorded at extraction): in the released GTA test splits 104 of 177
-pairs are the same dialog twice, which can only dilute a drop. There, per method: AUROC clean and
-contaminated, the drop with a paired bootstrap 95% interval (1,000 resamples of the pairs, seed
-0), and how far the evaluation turn's logit moved between its two prefixes (report.json
-`drop_differing`). (e) reads matched_diagnostic_test (shop: `python -m lab.shop make-data`; GTA:
-`python -m lab.data make-diagnostic gta`), overall and per rule of its negatives (report.json `diagnostic`).
-
-    python -m lab.study extract --model DIR --data gta/matched_clean_train.json \\
-                           --out feats/matched_clean_train.safetensors
-    python -m lab.study train  --features feats --out probes/gta        # PAIR + every baseline probe
-    python -m lab.study eval   --probes probes/gta --features feats
-    python -m lab.study report --features feats                         # report.md + report.json
+The detection study around it (extraction, the training protocol, the paper's tables) is
+lab/study.py's.
 """
 from __future__ import annotations
 
@@ -220,25 +198,3 @@ def check_probe_model(probe_path, model_dir) -> None:
     else:
         print(f"warning: {probe_path} does not record the model it was fitted for; it cannot "
               "be checked against --model", file=sys.stderr)
-
-
-# ----------------------------------------------------------------------------------------------
-# Extraction: one teacher-forced forward per matched record (METHOD.md §2-4)
-
-
-# ----------------------------------------------------------------------------------------------
-# One writer per output directory
-
-# ----------------------------------------------------------------------------------------------
-# Training protocol (METHOD.md §8)
-
-
-# ----------------------------------------------------------------------------------------------
-# Report (METHOD.md §8 a-e)
-
-
-
-
-# ----------------------------------------------------------------------------------------------
-# CLI
-

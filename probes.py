@@ -15,8 +15,8 @@ model.py collects natively — and predicts P(correct) of that turn.
 - Metrics: AUROC (ties count 1/2), AUPRC (average precision as scikit-learn defines it), ECE over 15
   equal-width bins (lo, hi] with p = 0 in the first bin, Brier, within-episode pairwise accuracy.
 
-    python -m lab.study fit --features FEATS.safetensors --feature multi_attn --out probe.safetensors
-    python -m lab.study score --probe probe.safetensors --features TEST.safetensors
+Fitting and scoring a probe on a features file from the command line: `python -m lab.study fit`
+and `score` (lab/study.py).
 """
 from __future__ import annotations
 
@@ -337,6 +337,13 @@ def save_safetensors(tensors: dict, path, metadata: dict) -> None:
                                               metadata))
 
 
+def _check_finite(tensors: dict, path) -> None:
+    for key, t in tensors.items():
+        if t.is_floating_point() and not torch.isfinite(t).all():
+            bad = (~torch.isfinite(t)).nonzero()[0].tolist()
+            raise FormatError(f"{path}: {key} holds NaN or infinite values (first at {bad})")
+
+
 # ----------------------------------------------------------------------------------------------
 # Metrics (METHOD.md §8); y = 1 for a correct turn, s / p = a score or P(correct)
 
@@ -432,20 +439,3 @@ def metrics(y, p, groups=None, probability=True) -> dict[str, float]:
     if groups is not None:
         out["pairwise"] = pairwise_accuracy(y, p, groups)
     return out
-
-
-# ----------------------------------------------------------------------------------------------
-# Features files (written by `python -m lab.study extract`)
-
-
-def _check_finite(tensors: dict, path) -> None:
-    for key, t in tensors.items():
-        if t.is_floating_point() and not torch.isfinite(t).all():
-            bad = (~torch.isfinite(t)).nonzero()[0].tolist()
-            raise FormatError(f"{path}: {key} holds NaN or infinite values (first at {bad})")
-
-
-# ----------------------------------------------------------------------------------------------
-# CLI
-
-

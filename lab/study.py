@@ -1,41 +1,59 @@
-"""TODO"""
+"""The detection study (paper §3, Table result_pair): features extracted from matched records,
+PAIR and every baseline probe trained per seed, and the paper's tables (a)-(e).
+
+Protocol (METHOD.md §8): each probe is trained with seeds 42, 43, 44; a seed draws a class-balanced
+subsample of matched_clean_train (the same records are taken from matched_contaminated_train in
+mixed mode); results are mean +- std over seeds on matched_clean_test and matched_contaminated_test.
+
+Contamination distance (METHOD.md §8c): d = the number of assistant turns from the nearest earlier
+contaminated turn to the evaluated one. The released indices count dialog *messages* (user,
+assistant, tool), so their difference is 2 for the immediately preceding assistant turn and bucket
+d = 1 would always be empty; the paper reads d = 1 as "the error is the immediately preceding
+turn", so `distance` counts assistant turns (the message difference is kept as
+`distance_messages`).
+
+Contamination analyses. (b) is also measured on the matched pairs whose two model inputs
+differ (by an input digest recorded at extraction): in the released GTA test splits 104 of 177
+pairs are the same dialog twice, which can only dilute a drop. There, per method: AUROC clean and
+contaminated, the drop with a paired bootstrap 95% interval (1,000 resamples of the pairs, seed
+0), and how far the evaluation turn's logit moved between its two prefixes (report.json
+`drop_differing`). (e) reads matched_diagnostic_test (shop: `python -m lab.shop make-data`; GTA:
+`python -m lab.data make-diagnostic gta`), overall and per rule of its negatives (report.json `diagnostic`).
+
+    python -m lab.study extract --model DIR --data gta/matched_clean_train.json \\
+                           --out feats/matched_clean_train.safetensors
+    python -m lab.study train  --features feats --out probes/gta        # PAIR + every baseline probe
+    python -m lab.study eval   --probes probes/gta --features feats
+    python -m lab.study report --features feats                         # report.md + report.json
+"""
 from __future__ import annotations
-import envs
-import torch
-import hashlib
-from pathlib import Path
-import sys
-import grpo
-import shutil
-import probes
-import time
-import json
-from dataclasses import dataclass
-import pair
-import itertools
-import math
 import argparse
-import model as mdl
 import contextlib
-import model
+from dataclasses import dataclass
+import hashlib
+import itertools
+import json
+import math
+from pathlib import Path
+import shutil
+import sys
+import time
+
+import torch
+
+import envs
+import grpo
+import model as mdl
+import pair
+import probes
 
 
 SEEDS = (42, 43, 44)
-
-
 MODES = ("mixed", "clean_only")
-
-
 TRAIN_SPLITS = {"clean_only": ("matched_clean_train",),
                 "mixed": ("matched_clean_train", "matched_contaminated_train")}
-
-
 TEST_SPLITS = ("matched_clean_test", "matched_contaminated_test")
-
-
-DIAGNOSTIC_SPLIT = "matched_diagnostic_test"   # shop.py make-data writes it
-
-
+DIAGNOSTIC_SPLIT = "matched_diagnostic_test"   # python -m lab.shop make-data writes it
 DISTANCE_BUCKETS = ("1", "2", "3", "4", "5", "6", "7+")
 
 
@@ -1045,7 +1063,7 @@ def probe_main(argv=None) -> None:
 
 def probe_run(args) -> None:
     if args.cmd == "fit":
-        model.refuse_dir_out(args.out)
+        mdl.refuse_dir_out(args.out)
         raw, meta = load_features(args.features)
         probe = probes.Probe(info={"feature": args.feature, "train": meta.get("data"),
                             **probes.source(meta)})
