@@ -1,21 +1,22 @@
-"""Tool-use environments for PAIR: the GTA and ToolBench replay benchmarks, their scorers, and the
-one text format every model sees (METHOD.md §1, §2, §10).
+"""Tool-use environments for PAIR (METHOD.md §1, §2, §10): the text every model sees and its
+ReAct parser, the built-in `shop` world, the GTA and ToolBench replay benchmarks, released data.
 
 An environment hands out episodes. An episode holds the chat so far (METHOD.md §2), takes the
 policy's next assistant turn with `step(text)`, answers with the tool's observation, and is done
 at a `Final Answer:` or after MAX_TURNS = 10 assistant turns (then it scores 0):
 
-    env = make("gta", split="test", data_dir=...)
+    env = make("gta", split="test", data_dir=...)       # or ShopEnv("test"), the built-in world
     ep = env.episode(0)
     while not ep.done:
         ep.step(policy(ep.messages))
     ep.score()          # in [0, 1], or None with ep.skip_reason
 
-The rendering functions (tool_instructions, render_action, render_final, dialog_to_messages) are
-shared by offline probe data and online rollouts, so a probe sees the same text in both.
-
-The built-in world, `shop` (episodes drawn from a seed, exact step labels, `make-data`), is in
-shop.py (`shop.ShopEnv`), one floor up: it is built on the classes here.
+Top to bottom: the text format, shared by offline probe data and online rollouts so a probe sees
+the same text in both, and its parser; episodes and environments; the built-in world, whose tools
+really execute, so every turn of any dialog is labelled exactly (shop_labels: the default run's
+step labels; its data recipes and the long world are in lab/shop.py); GTA and ToolBench replay;
+the released data, validated on load; the Calculator tool (an AST whitelist, never eval); the
+OpenAI-compatible chat client and ToolBench's answer judge.
 
 Replay (paper Appendix eval): a tool call is answered from a cache built from the episode's gold
 dialog, keyed by (tool name, json.dumps(arguments, sort_keys=True)). Choices made here where the
@@ -41,35 +42,30 @@ paper and the release are silent or disagree (each is marked where it is impleme
 """
 from __future__ import annotations
 
+import ast
+import hashlib
 import json
+import math
+import operator
 import os
+import random
 import re
 import sys
+import time
 from dataclasses import dataclass
+from decimal import ROUND_HALF_UP, Decimal
+from functools import cached_property
 from pathlib import Path
 
 import requests
 
 import model
-import ast
-import hashlib
-import math
-import operator
-import time
-from decimal import Decimal
-from functools import cached_property
-from decimal import ROUND_HALF_UP
-import random
 
 MAX_TURNS = 10                      # assistant turns per episode (paper Appendix eval)
 OBSERVATION_CHARS = 1000            # METHOD.md §2: longer tool results are cut and get "..."
-CONTAMINATION_TYPES = ("reasoning_error", "tool_misuse", "observation_misinterpretation",
-                       "stale_memory")
 
 
-# ---------------------------------------------------------------------------------------------
-# METHOD.md §2: the canonical text of tools, steps and observations
-# ---------------------------------------------------------------------------------------------
+# ==== METHOD.md §2: the canonical text of tools, steps and observations ===========================
 
 def tool_instructions(tools: list[dict]) -> str:
     """The tool list and the reply format, appended to the task in the first user message."""
@@ -128,9 +124,7 @@ def tool_result_text(message: dict) -> str:
     content = message.get("content")
     if isinstance(content, dict):
         content = content.get("content")
-    if isinstance(content, str):
-        return content
-    return json.dumps(content, ensure_ascii=False)
+    return content if isinstance(content, str) else json.dumps(content, ensure_ascii=False)
 
 
 def assistant_parts(message: dict) -> tuple[str | None, dict | None, str | None]:
@@ -183,20 +177,12 @@ def dialog_to_messages(dialog: list[dict], tools: list[dict],
     return messages
 
 
-def task_messages(task: str, tools: list[dict], files: list[dict] | tuple = ()) -> list[dict]:
-    """The chat an episode starts from, as the policy sees it: one user message, the task and
-    its files, then the tool list and the reply format."""
-    return dialog_to_messages([{"role": "user", "content": task}], tools, files)
-
-
 def record_messages(record: dict) -> list[dict]:
     """Messages of an episode record, or of a matched record returned by load_matched."""
     return dialog_to_messages(record["dialogs"], record["tools"], record.get("files") or ())
 
 
-# ---------------------------------------------------------------------------------------------
-# ReAct parser: one assistant reply -> a tool call, a final answer, or what was wrong with it
-# ---------------------------------------------------------------------------------------------
+# ==== ReAct parser: one assistant reply -> a tool call, a final answer, or what was wrong with it
 
 @dataclass
 class Action:
@@ -221,8 +207,6 @@ _MARKER = re.compile(r"^[ \t]*(thought|action[ \t]*input|action|final[ \t]*answe
                      r"[ \t]*:", re.IGNORECASE | re.MULTILINE)
 _FORMAT_HINT = ("Reply with 'Thought:', 'Action:' and 'Action Input:' lines to call a tool, or "
                 "with 'Thought:' and 'Final Answer:' lines to answer.")
-
-
 MAX_NESTING = 64             # of an Action Input's objects and lists
 
 
@@ -307,9 +291,7 @@ def parse_react(text: str) -> Action | Final | ParseError:
     return Action(thought, name, arguments)
 
 
-# ---------------------------------------------------------------------------------------------
-# Episodes and environments
-# ---------------------------------------------------------------------------------------------
+# ==== Episodes and environments ===================================================================
 
 @dataclass
 class StepResult:
@@ -329,7 +311,8 @@ class Episode:
     def __init__(self, id: str, task: str, tools: list[dict], files: list[dict] | tuple = ()):
         self.id = str(id)
         self.tools = tools
-        self.messages = task_messages(task, tools, files)
+        # the chat as the policy sees it: the task and its files, the tools, the reply format
+        self.messages = dialog_to_messages([{"role": "user", "content": task}], tools, files)
         self.steps: list[Action | Final | ParseError] = []   # one per assistant turn
         self.final_answer: str | None = None
         self.done = False
@@ -344,9 +327,7 @@ class Episode:
         self.steps.append(parsed)
         if isinstance(parsed, Final):
             self.final_answer = parsed.answer
-            self.done = True
-            return StepResult(None, True)
-        if len(self.steps) >= self.max_turns:   # out of turns without an answer: scores 0
+        if isinstance(parsed, Final) or len(self.steps) >= self.max_turns:  # out of turns: 0
             self.done = True
             return StepResult(None, True)
         if isinstance(parsed, Action):
@@ -372,7 +353,6 @@ class Episode:
 
 class Env:
     """A split of episodes: env.episode(i) is a fresh Episode (an index or an episode id)."""
-    MAX_TURNS = MAX_TURNS
 
     def __init__(self, records: dict[str, dict]):
         self.records = records
@@ -391,27 +371,631 @@ class Env:
         raise NotImplementedError
 
 
-def play_gold(episode: Episode, dialog: list[dict]) -> list[tuple[str, str | None]]:
-    """Step an episode through a gold dialog's assistant turns (METHOD.md §2 text).
+# ==== The built-in world, shop: tasks drawn from a seed, tools that really execute, exact labels
+# An episode's seed draws a world (USD prices of SHOP_ITEMS at SHOP_STORES, exchange rates) and
+# a task, "What is the total cost of 3 apple at store B and 2 pear at store A, in EUR?": 2-5 tool
+# calls (a Lookup per line, a Rate unless the currency is USD, a Calculator), then the answer with
+# 2 decimals. Vocabulary and phrasing are small and regular on purpose: a tiny model trained on
+# the gold dialogs must be able to learn the world. The rules of a right turn are shop_labels'.
 
-    Returns (recorded observation, returned observation) for every gold tool call answered.
+SHOP_STORES = ("A", "B", "C", "D")
+SHOP_ITEMS = ("apple", "bread", "egg", "milk", "pear", "rice")
+# Units of each currency one USD buys, drawn uniformly in cents from these ranges.
+SHOP_RATE_CENTS = {"EUR": (80, 99), "GBP": (70, 89), "CAD": (120, 149), "JPY": (10000, 15999)}
+SHOP_CURRENCIES = ("USD",) + tuple(SHOP_RATE_CENTS)
+SHOP_PRICE_CENTS = (50, 999)
+SHOP_MAX_QUANTITY = 6
+SHOP_TEMPLATES = ("What is the total cost of {lines}, in {cur}?",
+                  "How much do {lines} cost in total, in {cur}?",
+                  "I buy {lines}. How much do I pay in {cur}?")
+# Episode seeds: seed * SHOP_SEED_STRIDE + SHOP_SPLIT_OFFSET[split] + i, so splits (and seeds)
+# never share an episode as long as i < SHOP_SPLIT_SIZE[split]. The validation split (checkpoint
+# selection) is the top of the training range, which no run comes near.
+SHOP_SEED_STRIDE = 10_000_000
+SHOP_SPLIT_OFFSET = {"train": 0, "val": 4_500_000, "test": 5_000_000}
+SHOP_SPLIT_SIZE = {"train": 4_500_000, "val": 500_000, "test": 5_000_000}
+# Held-out pools: a success rate near 0.3 on 600 test episodes is known to +-3.7 points (95%),
+# and a mean over 3 seeds to about +-2; validation only picks a checkpoint. The first 200 test
+# episodes are make-data's test split.
+SHOP_EPISODES = {"train": 10_000, "val": 200, "test": 600}
+SHOP_SCORING = 2    # the rules' version (2: half a cent): cached evaluations and probes key on it
+_SHOP_VALUE_TOL = 0.005     # "equals" within half a cent: of a total, its rounding, not a cent off
+_CENT = Decimal("0.01")
+
+
+def _text_field(name: str | None, description: str) -> dict:
+    """One text input or output of a tool, in the released (GTA) tool schema."""
+    return {"type": "text", "name": name, "description": description, "optional": False,
+            "default": None, "filetype": None}
+
+
+SHOP_TOOLS = [
+    {"name": "Lookup", "description": "Look up the price in USD of one item at one store.",
+     "inputs": [_text_field("store", "The store: A, B, C or D."),
+                _text_field("item", "The item, e.g. apple.")],
+     "outputs": [_text_field(None, "The price in USD.")]},
+    {"name": "Rate", "description": "How many units of a currency one USD buys.",
+     "inputs": [_text_field("currency", "The currency: " + ", ".join(SHOP_CURRENCIES) + ".")],
+     "outputs": [_text_field(None, "The exchange rate.")]},
+    {"name": "Calculator",
+     "description": "Evaluate an arithmetic expression (+ - * / and parentheses).",
+     "inputs": [_text_field("expression", "e.g. (3*2.50+1.20)*0.92")],
+     "outputs": [_text_field(None, "The value.")]}]
+
+
+def _cents(n: int) -> Decimal:
+    return Decimal(n).scaleb(-2)        # 250 -> Decimal("2.50"): keeps two decimals when printed
+
+
+@dataclass(frozen=True)
+class ShopTask:
+    """One episode: the world and the task. Facts are ("price", store, item) or ("rate", cur)."""
+    seed: int
+    prices: dict            # (store, item) -> Decimal USD, every store sells every item
+    rates: dict             # currency -> Decimal units per USD ("USD" -> 1.00)
+    lines: tuple            # ((quantity, item, store), ...), distinct (store, item)
+    currency: str
+    text: str
+    stepwise: bool = False  # a shop-long task: the line-by-line solution (lab/shop.py)
+
+    @cached_property
+    def needed(self) -> tuple:
+        """The facts a solution fetches, in the gold solver's order."""
+        facts = tuple(("price", s, i) for _, i, s in self.lines)
+        return facts + ((("rate", self.currency),) if self.currency != "USD" else ())
+
+    def value(self, fact) -> Decimal:
+        return self.prices[fact[1:]] if fact[0] == "price" else self.rates[fact[1]]
+
+    @cached_property
+    def total(self) -> Decimal:
+        """Exact total in the task's currency."""
+        usd = sum(q * self.prices[s, i] for q, i, s in self.lines)
+        return usd * self.rates[self.currency]
+
+    @cached_property
+    def answer(self) -> str:
+        """The canonical answer: the total rounded half-up to 2 decimals."""
+        return str(self.total.quantize(_CENT, rounding=ROUND_HALF_UP))
+
+    @cached_property
+    def quantities(self) -> list[Decimal]:
+        """Every value a useful Calculator call may produce: a line subtotal q*p, a sum of
+        subtotals, such a sum converted with the rate, a converted unit price p*r (a stepwise
+        task's: the running totals and the total converted)."""
+        rate = self.rates[self.currency]
+        subtotals = [q * self.prices[s, i] for q, i, s in self.lines]
+        if self.stepwise:
+            return sorted({sum(subtotals[:k + 1]) for k in range(len(subtotals))} | {self.total})
+        sums = {sum(x for k, x in enumerate(subtotals) if mask >> k & 1)
+                for mask in range(1, 2 ** len(subtotals))}
+        out = set(sums)
+        if self.currency != "USD":
+            out |= {x * rate for x in sums}
+            out |= {self.prices[s, i] * rate for _, i, s in self.lines}
+        return sorted(out)
+
+
+def draw_world(rng: random.Random) -> tuple[dict, dict]:
+    """An episode's prices and rates, the first draws of its seed's stream."""
+    prices = {(s, i): _cents(rng.randint(*SHOP_PRICE_CENTS))
+              for s in SHOP_STORES for i in SHOP_ITEMS}
+    rates = {"USD": _cents(100)}
+    rates.update({c: _cents(rng.randint(*span)) for c, span in SHOP_RATE_CENTS.items()})
+    return prices, rates
+
+
+def shop_task(seed: int) -> ShopTask:
+    """The episode of one seed (deterministic: one random.Random(seed), fixed draw order)."""
+    rng = random.Random(seed)
+    prices, rates = draw_world(rng)
+    n_lines = rng.randint(1, 3)
+    pairs = rng.sample([(s, i) for s in SHOP_STORES for i in SHOP_ITEMS], n_lines)
+    lines = tuple((rng.randint(1, SHOP_MAX_QUANTITY), i, s) for s, i in pairs)
+    currency = rng.choice(SHOP_CURRENCIES)
+    parts = [f"{q} {i} at store {s}" for q, i, s in lines]
+    listed = parts[0] if len(parts) == 1 else ", ".join(parts[:-1]) + " and " + parts[-1]
+    text = rng.choice(SHOP_TEMPLATES).format(lines=listed, cur=currency)
+    return ShopTask(seed, prices, rates, lines, currency, text)
+
+
+WORLDS = {"shop": shop_task}        # lab/shop.py adds shop-long
+# assistant turns an episode allows: shop's 2-5 turns fit the paper's 10, shop-long's 9-11 not
+WORLD_TURNS = {"shop": MAX_TURNS}
+# where sft writes by default: the policy grpo.py trains by default, and each world's own
+BUILTIN_POLICY = Path(__file__).resolve().parent / "data" / "shop-policy"
+BUILTIN_POLICIES = {"shop": BUILTIN_POLICY}
+
+
+def shop_episode_seed(split: str, seed: int, i: int) -> int:
+    if split not in SHOP_SPLIT_OFFSET:
+        raise ValueError(f"shop: unknown split {split!r} (choose from train, val, test)")
+    if not 0 <= i < SHOP_SPLIT_SIZE[split]:
+        raise IndexError(f"shop: {split} episode index {i} out of range "
+                         f"[0, {SHOP_SPLIT_SIZE[split]})")
+    return seed * SHOP_SEED_STRIDE + SHOP_SPLIT_OFFSET[split] + i
+
+
+def shop_episode_id(split: str, seed: int, i: int, world: str = "shop") -> str:
+    return f"{world}-{seed}-{split}-{i}"
+
+
+def shop_task_from_id(episode_id: str) -> ShopTask:
+    """Rebuild the world of a shop (or shop-long) episode id, so any record can be re-labelled."""
+    m = re.fullmatch(r"(shop|shop-long)-(\d+)-(train|val|test)-(\d+)", episode_id)
+    if m is None:
+        raise ValueError(f"not a shop episode id: {episode_id!r} (expected shop-SEED-SPLIT-I or "
+                         "shop-long-SEED-SPLIT-I)")
+    return WORLDS[m.group(1)](shop_episode_seed(m.group(3), int(m.group(2)), int(m.group(4))))
+
+
+@dataclass(frozen=True)
+class ShopResult:
+    text: str                   # the observation
+    fact: tuple | None = None   # what a Lookup/Rate call learned ...
+    value: Decimal | None = None    # ... and its value
+    number: float | None = None     # a Calculator result
+
+
+def _shop_args(arguments, keys: tuple[str, ...]) -> list[str] | None:
+    if not isinstance(arguments, dict) or set(arguments) != set(keys) or \
+            not all(isinstance(arguments[k], str) for k in keys):
+        return None
+    return [arguments[k].strip() for k in keys]
+
+
+def shop_execute(task: ShopTask, name: str, arguments) -> ShopResult:
+    """Run one tool call against the episode's world."""
+    if name == "Lookup":
+        args = _shop_args(arguments, ("store", "item"))
+        if args is None:
+            return ShopResult('Error: Lookup takes {"store": ..., "item": ...}.')
+        store, item = args[0].upper(), args[1].lower()
+        if store not in SHOP_STORES:
+            return ShopResult(f"Error: unknown store '{args[0]}'. Stores: "
+                              + ", ".join(SHOP_STORES) + ".")
+        if item not in SHOP_ITEMS:
+            return ShopResult(f"Error: unknown item '{args[1]}'. Items: {', '.join(SHOP_ITEMS)}.")
+        price = task.prices[store, item]
+        return ShopResult(f"{item} at store {store} costs {price} USD.",
+                          ("price", store, item), price)
+    if name == "Rate":
+        args = _shop_args(arguments, ("currency",))
+        if args is None:
+            return ShopResult('Error: Rate takes {"currency": ...}.')
+        cur = args[0].upper()
+        if cur not in SHOP_CURRENCIES:
+            return ShopResult(f"Error: unknown currency '{args[0]}'. Currencies: "
+                              + ", ".join(SHOP_CURRENCIES) + ".")
+        return ShopResult(f"1 USD = {task.rates[cur]} {cur}.", ("rate", cur), task.rates[cur])
+    if name == "Calculator":
+        args = _shop_args(arguments, ("expression",))
+        if args is None:
+            return ShopResult('Error: Calculator takes {"expression": ...}.')
+        out = calculate(args[0])
+        try:
+            number = float(out)
+        except ValueError:          # "Error: ..."
+            return ShopResult(out)
+        # Round away float noise (9.108000000000001): a small model should not have to copy it.
+        return ShopResult(str(round(number, 6)), number=number)
+    return ShopResult(f"Error: unknown tool '{name}'. Tools: Lookup, Rate, Calculator.")
+
+
+_NUM = r"\d+(?:\.\d+)?"
+_SHOP_CLAIM = re.compile(
+    rf"(?P<item>[a-z]+) at store (?P<store>[a-z])\b costs (?P<price>{_NUM})(?: USD\b)?"
+    rf"|\b1 USD = (?P<rate>{_NUM}) (?P<rcur>[a-z]{{3}})\b"
+    r"|\bI need the price of (?P<nitem>[a-z]+) at store (?P<nstore>[a-z])\b"
+    r"|\bI need the (?P<ncur>[a-z]{3}) rate\b"
+    r"|\bthe total is (?P<total>[\d.,+\-*/() ]*[\d)])(?: (?P<tcur>USD|EUR|GBP|CAD|JPY)\b)?",
+    re.IGNORECASE)
+
+
+def _close(x: float, values) -> bool:
+    return any(abs(x - float(v)) <= _SHOP_VALUE_TOL + 1e-9 for v in values)
+
+
+def _calc_value(expression: str) -> float | None:
+    try:
+        return float(calculate(expression))
+    except ValueError:              # "Error: ..."
+        return None
+
+
+def _answer_right(task: ShopTask, answer: str | None) -> bool:
+    """The final answer's first number is within half a cent of the exact total (1.67 or 1.674
+    for 1.674, not 1.68)."""
+    m = re.search(r"-?\d[\d,]*(?:\.\d+)?", answer or "")
+    return m is not None and _close(float(m.group(0).replace(",", "")), [task.total])
+
+
+def _shop_thought_true(task: ShopTask, thought: str | None, known: dict,
+                       computed: list[float]) -> bool:
+    """The thought asserts nothing false. known: fact -> value fetched by earlier turns;
+    computed: results of earlier Calculator calls.
+
+    Claims are read with fixed patterns (_SHOP_CLAIM): "<item> at store <S> costs <x>" and
+    "1 USD = <x> <CUR>" must state the world's value; "I need the price of <item> at store <S>" /
+    "I need the <CUR> rate" must name a fact the task needs that is not yet fetched; "The total is
+    <expression or x> [<CUR>]" must come within half a cent of the exact total, in the task's
+    currency. Every other number must be a value the task involves: a quantity, a price or rate
+    the task needs or the dialog fetched, a needed quantity, an earlier result.
     """
-    pairs = []
-    for i, m in enumerate(dialog):
-        if m["role"] != "assistant":
+    if not thought:
+        return True
+    for m in _SHOP_CLAIM.finditer(thought):
+        if m.group("price"):
+            key = (m.group("store").upper(), m.group("item").lower())
+            if key not in task.prices or not _close(float(m.group("price")), [task.prices[key]]):
+                return False
+        elif m.group("rate"):
+            cur = m.group("rcur").upper()
+            if cur not in task.rates or not _close(float(m.group("rate")), [task.rates[cur]]):
+                return False
+        elif m.group("nitem") or m.group("ncur"):
+            fact = ("price", m.group("nstore").upper(), m.group("nitem").lower()) \
+                if m.group("nitem") else ("rate", m.group("ncur").upper())
+            if fact not in task.needed or fact in known:
+                return False
+        else:       # the longest start that computes: "21.91 (2 lines)" claims 21.91
+            total, cur = m.group("total").replace(",", ""), m.group("tcur")    # "10,996.94"
+            value = next((v for k in range(len(total), 0, -1)
+                          if (v := _calc_value(total[:k])) is not None), None)
+            if (cur and cur.upper() != task.currency) or value is None \
+                    or not _close(value, [task.total]):
+                return False
+    allowed = [Decimal(q) for q, _, _ in task.lines] + [task.value(f) for f in task.needed]
+    allowed += list(known.values()) + task.quantities + [Decimal(task.answer)]
+    rest = _SHOP_CLAIM.sub(" ", thought)
+    if task.stepwise:                   # shop-long numbers its lines "(1)": a name, not a value
+        rest = re.sub(r"\(\d+\)", " ", rest)
+    return all(_close(float(x), allowed) or _close(float(x), computed)
+               for x in re.findall(_NUM, rest))
+
+
+def shop_labels(task: ShopTask, steps: list) -> list[bool]:
+    """Exact correctness of each assistant turn. steps: Action | Final | ParseError per turn, in
+    order (parse_react); tool calls are re-run, observations never read.
+
+    A turn is right iff its thought asserts nothing false (_shop_thought_true) and its step is
+    a Lookup/Rate of a fact the task needs that no earlier turn fetched; a Calculator call that
+    evaluates (within half a cent) to a needed quantity (ShopTask.quantities) no earlier call
+    produced; or a final answer within half a cent of the exact total. An unknown tool, bad
+    arguments or an unparsable reply is never right. Claims are checked against the world, not
+    against what the dialog showed: matched contaminated data keep the clean observations after a
+    contaminated call (as the release does), and a later gold turn restating the truth is true.
+    """
+    known: dict = {}
+    computed: list[float] = []
+    labels = []
+    for step in steps:
+        if isinstance(step, Final):
+            ok = _answer_right(task, step.answer)
+        elif isinstance(step, Action):
+            ok = True
+        else:                      # ParseError, or a released turn with several tool calls
+            labels.append(False)
             continue
-        result = episode.step(render_assistant(m))
-        nxt = dialog[i + 1] if i + 1 < len(dialog) else None
-        if nxt is not None and nxt["role"] == "tool":
-            pairs.append((render_observation(tool_result_text(nxt)), result.observation))
-        if result.done:
-            break
-    return pairs
+        ok = ok and _shop_thought_true(task, step.thought, known, computed)
+        if isinstance(step, Action):
+            res = shop_execute(task, step.name, step.arguments)
+            if res.fact is not None:
+                ok = ok and res.fact in task.needed and res.fact not in known
+                known[res.fact] = res.value
+            elif res.number is not None:
+                ok = ok and _close(res.number, task.quantities) and not _close(res.number, computed)
+                computed.append(res.number)
+            else:
+                ok = False
+        labels.append(ok)
+    return labels
 
 
-# ---------------------------------------------------------------------------------------------
-# Released data (METHOD.md §1): locations, download, validated loading
-# ---------------------------------------------------------------------------------------------
+class ShopEpisode(Episode):
+    def __init__(self, key: str, task: ShopTask):
+        super().__init__(key, task.text, SHOP_TOOLS)
+        self.task = task
+        self.max_turns = WORLD_TURNS["shop-long" if task.stepwise else "shop"]
+
+    def call_tool(self, name: str, arguments: dict) -> str:
+        return shop_execute(self.task, name, arguments).text
+
+    def score(self) -> float:
+        """1.0 iff the final answer's first number is within half a cent of the exact total."""
+        return float(_answer_right(self.task, self.final_answer))
+
+    def labels(self) -> list[bool]:
+        return shop_labels(self.task, self.steps)
+
+
+class ShopEnv(Env):
+    """Episodes of one split (train, val or test) of a built-in world (WORLDS: shop, or
+    shop-long), from seeds disjoint from the other splits'."""
+
+    def __init__(self, split: str = "test", seed: int = 42, episodes: int | None = None,
+                 world: str = "shop"):
+        if world not in WORLDS:
+            raise ValueError(f"unknown built-in world {world!r} (choose from {', '.join(WORLDS)})")
+        if split not in SHOP_SPLIT_OFFSET:
+            raise ValueError(f"shop: unknown split {split!r} (choose from train, val, test)")
+        if type(seed) is not int or seed < 0:
+            raise ValueError(f"shop: seed must be a non-negative integer, got {seed!r}")
+        n = SHOP_EPISODES[split] if episodes is None else episodes
+        if not 0 < n <= SHOP_SPLIT_SIZE[split]:
+            raise ValueError(f"shop: {split} episodes must be in [1, "
+                             f"{SHOP_SPLIT_SIZE[split]}], got {n}")
+        self.split, self.seed, self.world = split, seed, world
+        self.ids = [shop_episode_id(split, seed, i, world) for i in range(n)]
+        self._index = {key: i for i, key in enumerate(self.ids)}
+
+    def episode(self, i: int | str) -> ShopEpisode:
+        if isinstance(i, str):
+            if i not in self._index:
+                raise KeyError(f"no episode {i!r} in shop {self.split} (seed {self.seed})")
+            i = self._index[i]
+        key = self.ids[i]
+        return ShopEpisode(key, WORLDS[self.world](shop_episode_seed(self.split, self.seed,
+                                                                     self._index[key])))
+
+
+# ==== Replay (METHOD.md §10): tool calls answered from the gold dialog ============================
+
+def cache_key(name: str, arguments) -> tuple[str, str]:
+    return name, json.dumps(arguments, sort_keys=True)
+
+
+def simulator_miss(name: str, arguments) -> str:
+    return (f"[Simulator] Tool '{name}' with args {json.dumps(arguments, ensure_ascii=False)} "
+            "has no cached response.")
+
+
+class ReplayCache:
+    """(tool name, canonical args) -> the responses recorded for that call, in dialog order."""
+
+    def __init__(self, dialog: list[dict]):
+        self.entries: dict[tuple[str, str], list[str]] = {}
+        self.served: dict[tuple[str, str], int] = {}
+        call = None
+        for m in dialog:
+            if m["role"] == "assistant":
+                _, call, _ = assistant_parts(m)
+            elif m["role"] == "tool" and call is not None:
+                key = cache_key(written_tool_name(call), call.get("arguments") or {})
+                self.entries.setdefault(key, []).append(tool_result_text(m))
+                call = None
+
+    def lookup(self, name: str, arguments) -> str | None:
+        return self._serve(cache_key(name, arguments))
+
+    def nearest(self, name: str, arguments) -> str | None:
+        """Fuzzy fallback: the same tool's entry whose argument tokens have the highest Jaccard
+        overlap with this call's (lowercased word tokens of the canonical JSON, keys included);
+        ties go to the entry recorded first."""
+        tokens = set(re.findall(r"\w+", cache_key(name, arguments)[1].lower()))
+        best, best_sim = None, -1.0
+        for key in self.entries:
+            if key[0] != name:
+                continue
+            other = set(re.findall(r"\w+", key[1].lower()))
+            union = tokens | other
+            sim = len(tokens & other) / len(union) if union else 1.0
+            if sim > best_sim:
+                best, best_sim = key, sim
+        return self._serve(best) if best is not None else None
+
+    def _serve(self, key) -> str | None:
+        responses = self.entries.get(key)
+        if not responses:
+            return None
+        n = self.served.get(key, 0)
+        self.served[key] = n + 1
+        return responses[min(n, len(responses) - 1)]
+
+
+def written_tool_name(call: dict) -> str:
+    """The tool name a policy writes to repeat a released call: what parse_react reads back
+    from the call's METHOD.md §2 text. It differs from the stored name for 54 released ToolBench
+    calls whose name carries a ToolLLaMA parsing artifact ('Call the function "f".\n\n\nAction:
+    f'), which no policy could reproduce."""
+    parsed = parse_react(render_action(None, call["name"], call.get("arguments") or {}))
+    return parsed.name if isinstance(parsed, Action) else call["name"]
+
+
+# ---- GTA -------------------------------------------------------------------------------------
+
+GTA_UNAVAILABLE = ("FastOCR", "FastCalculator", "ImageDescriptor", "WebSearch")
+UNAVAILABLE_MESSAGE = "This tool is not available now. Consider other tools."
+IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png")
+GTA_IMAGE_REPLY = "The image is saved."     # GTA's final reply when the answer is an image
+
+
+def gta_skip_reason(gt, dialog: list[dict] = ()) -> str | None:
+    """Why an episode cannot be scored by answer matching, or None (METHOD.md §10).
+
+    image_answer also covers a gold dialog that answers with an image - it ends on an image tool
+    result, bare or followed only by "The image is saved." (test episode 211: "circle it in the
+    image") - so its whitelist cannot be matched against any text, not even the gold one.
+    """
+    if isinstance(gt, list):
+        return "reference_list"     # needs a sentence-embedding model the project does not ship
+    if not isinstance(gt, dict) or not gt.get("whitelist"):
+        return "no_answer"
+    if any(a.strip().lower().endswith(IMAGE_SUFFIXES) for g in gt["whitelist"] for a in g):
+        return "image_answer"
+    tail = list(dialog[-2:])
+    if tail and tail[-1]["role"] == "assistant" and not tail[-1].get("tool_calls") \
+            and (tail[-1].get("content") or "").strip() == GTA_IMAGE_REPLY:
+        tail = tail[:-1]
+    if tail and tail[-1]["role"] == "tool" and isinstance(tail[-1]["content"], dict) \
+            and tail[-1]["content"].get("type") == "image":
+        return "image_answer"
+    return None
+
+
+def gta_match(prediction: str, gt: dict, mode: str = "strict") -> float:
+    """1.0 iff every whitelist group has one of its aliases in the prediction and no blacklist
+    alias is in it (GTA's reference rule; see the module docstring), else 0.0.
+
+    strict: case-insensitive, the alias may not touch a letter, digit or _ on either side;
+    loose: case-insensitive substring after collapsing whitespace.
+    """
+    if mode == "strict":
+        def found(alias):
+            return re.search(r"(?<!\w)" + re.escape(alias.strip()) + r"(?!\w)", prediction,
+                             re.IGNORECASE) is not None
+    elif mode == "loose":
+        text = " ".join(prediction.split()).lower()
+
+        def found(alias):
+            return " ".join(alias.split()).lower() in text
+    else:
+        raise ValueError(f"unknown match mode {mode!r}: choose strict or loose")
+    right = all(any(found(a) for a in group) for group in gt["whitelist"]) and \
+        not any(found(a) for group in gt.get("blacklist") or [] for a in group)
+    return 1.0 if right else 0.0
+
+
+class GTAEpisode(Episode):
+    def __init__(self, key: str, record: dict, match: str = "strict"):
+        super().__init__(key, record["dialogs"][0]["content"], record["tools"], record["files"])
+        self.cache = ReplayCache(record["dialogs"])
+        self.gt_answer = record["gt_answer"]
+        self.match = match
+        self.skip_reason = gta_skip_reason(self.gt_answer, record["dialogs"])
+
+    def call_tool(self, name: str, arguments: dict) -> str:
+        if name in GTA_UNAVAILABLE:
+            return UNAVAILABLE_MESSAGE
+        hit = self.cache.lookup(name, arguments)
+        if hit is not None:
+            return hit
+        if name == "Calculator":
+            expression = arguments.get("expression")
+            if not isinstance(expression, str):
+                return 'Error: Calculator takes {"expression": "<arithmetic expression>"}'
+            return calculate(expression)
+        return simulator_miss(name, arguments)
+
+    def score(self, match: str | None = None) -> float | None:
+        """Task score in [0, 1]; None when skipped (reason in .skip_reason). `match` overrides
+        the env's mode: strict for the training reward, loose for evaluation (paper)."""
+        if self.skip_reason is not None:
+            return None
+        if self.final_answer is None:
+            return 0.0
+        return gta_match(self.final_answer, self.gt_answer, match or self.match)
+
+
+class GTAEnv(Env):
+    def __init__(self, split: str = "test", data_dir=None, match: str = "strict"):
+        if match not in ("strict", "loose"):
+            raise ValueError(f"match={match!r}: choose strict or loose")
+        super().__init__(load_episodes(episode_file("gta", split, data_dir)))
+        self.match = match
+
+    def _new_episode(self, key, record):
+        return GTAEpisode(key, record, self.match)
+
+
+# ---- ToolBench (its answers are scored by the LLM judge, judge_answer) -----------------------
+
+HISTORY_CHARS = 6000
+ELIDED_OBSERVATION = "Observation: [older observation elided]"
+
+
+class ToolBenchEpisode(Episode):
+    """Replay with the optional fuzzy fallback and the history cap.
+
+    History cap (paper Appendix eval, "cap the rollout history at 6,000 characters"), defined
+    here as: the history is every message after the first (task) message; after each new
+    observation, while the history's total content length exceeds `history_chars`, the oldest
+    observation not yet elided - never the newest one - is replaced by ELIDED_OBSERVATION.
+    Assistant turns are never changed (they are the policy's own tokens). Messages are rewritten
+    in place, so StepResult.rewritten_from tells a caller holding a KV cache to re-render.
+    """
+
+    def __init__(self, key: str, record: dict, fuzzy: bool = False,
+                 history_chars: int | None = HISTORY_CHARS,
+                 judge: ChatClient | None = None):
+        super().__init__(key, record["dialogs"][0]["content"], record["tools"], record["files"])
+        self.task = record["dialogs"][0]["content"]
+        self.cache = ReplayCache(record["dialogs"])
+        self.gt_answer = record["gt_answer"]
+        self.fuzzy = fuzzy
+        self.history_chars = history_chars
+        self.judge = judge
+        self.skip_reason = None if toolbench_reference(self.gt_answer) else "no_answer"
+
+    def call_tool(self, name: str, arguments: dict) -> str:
+        hit = self.cache.lookup(name, arguments)
+        if hit is None and self.fuzzy:
+            hit = self.cache.nearest(name, arguments)
+        return hit if hit is not None else simulator_miss(name, arguments)
+
+    def _after_observation(self) -> int | None:
+        if self.history_chars is None:
+            return None
+        size = sum(len(m["content"]) for m in self.messages[1:])
+        first = None
+        for i in range(1, len(self.messages) - 1):
+            if size <= self.history_chars:
+                break
+            m = self.messages[i]
+            if m["role"] == "user" and len(m["content"]) > len(ELIDED_OBSERVATION):
+                size -= len(m["content"]) - len(ELIDED_OBSERVATION)
+                self.messages[i] = {"role": "user", "content": ELIDED_OBSERVATION}
+                first = i if first is None else first
+        return first
+
+    def score(self) -> float | None:
+        if self.skip_reason is not None:
+            return None
+        if self.final_answer is None:
+            return 0.0
+        if self.judge is None:
+            raise LLMError("ToolBench scoring needs the LLM judge: make('toolbench', "
+                           "judge_model=...)")
+        return judge_answer(self.judge, self.task, toolbench_reference(self.gt_answer),
+                            self.final_answer)
+
+
+def toolbench_reference(gt) -> str:
+    if isinstance(gt, dict):
+        return "\n".join(g[0] for g in gt.get("whitelist") or [] if g and g[0].strip())
+    if isinstance(gt, list):
+        return "\n".join(a for a in gt if a.strip())
+    return ""
+
+
+class ToolBenchEnv(Env):
+    def __init__(self, split: str = "test", data_dir=None, fuzzy: bool = False,
+                 history_chars: int | None = HISTORY_CHARS,
+                 judge_model: str | None = "gpt-4o-mini", judge_cache=None):
+        # The judge first: a missing key must fail before any data is read or fetched.
+        self.judge = ChatClient(judge_model, cache_dir=judge_cache) if judge_model else None
+        super().__init__(load_episodes(episode_file("toolbench", split, data_dir)))
+        self.fuzzy = fuzzy
+        self.history_chars = history_chars
+
+    def _new_episode(self, key, record):
+        return ToolBenchEpisode(key, record, self.fuzzy, self.history_chars, self.judge)
+
+
+def make(name: str, split: str = "test", data_dir=None, **kw) -> Env:
+    """A replay environment by name: gta or toolbench (the built-in world is ShopEnv).
+
+    gta: match="strict" | "loose". toolbench: fuzzy=False, history_chars=6000,
+    judge_model="gpt-4o-mini" (None: no scoring), judge_cache=None.
+    """
+    if name == "gta":
+        return GTAEnv(split, data_dir, **kw)
+    if name == "toolbench":
+        return ToolBenchEnv(split, data_dir, **kw)
+    raise ValueError(f"unknown environment {name!r}: choose gta or toolbench")
+
+
+# ==== Released data (METHOD.md §1): locations, download, validated loading ========================
 
 RELEASE_REPO = "wonjoong-kim/PAIR"
 RELEASE_REF = "03e41ad6e5ce69b288a2cb14ac541b088ea1d3d9"    # the commit the splits were taken at
@@ -423,6 +1007,8 @@ RELEASE_FILES = {
     "toolbench": [f"{kind}{part}_test.json" for kind in ("", "matched_")
                   for part in ("clean", "contaminated")],
 }
+CONTAMINATION_TYPES = ("reasoning_error", "tool_misuse", "observation_misinterpretation",
+                       "stale_memory")
 
 
 class DataError(ValueError):
@@ -431,6 +1017,22 @@ class DataError(ValueError):
 
 def default_data_dir() -> Path:
     return Path(os.environ.get("PAIR_DATA") or model.cache_root() / "data")
+
+
+def episode_file(family: str, split: str, data_dir: str | Path | None) -> Path:
+    """data_dir/family/clean_{split}.json, downloaded first when it is missing (a split the
+    authors did not release, such as ToolBench's train, is one `split-episodes` wrote)."""
+    name = f"clean_{split}.json"
+    path = Path(data_dir or default_data_dir()) / family / name
+    if path.is_file():
+        return path
+    if name not in RELEASE_FILES[family]:
+        raise DataError(f"{family} has no released '{split}' split (released: "
+                        f"{', '.join(RELEASE_FILES[family])}) and {path} is missing: `python "
+                        f"-m lab.data split-episodes {family} --out OUT/{family}` writes one from "
+                        "its test files (then --data-dir OUT)")
+    download(family, path.parent.parent)
+    return path
 
 
 def download(family: str, data_dir: str | Path | None = None, ref: str = RELEASE_REF,
@@ -472,12 +1074,16 @@ def _parse_json(raw: bytes | str, where) -> object:
         raise DataError(f"{where}: not valid JSON ({type(e).__name__}: {e})") from None
 
 
+def _read_json(path: Path) -> object:
+    if not path.is_file():
+        raise DataError(f"{path}: no such file")
+    return _parse_json(path.read_bytes(), path)
+
+
 def load_episodes(path: str | Path) -> dict[str, dict]:
     """An episode file: {episode id: record}, every record validated (METHOD.md §1)."""
     path = Path(path)
-    if not path.is_file():
-        raise DataError(f"{path}: no such file")
-    data = _parse_json(path.read_bytes(), path)
+    data = _read_json(path)
     _check_episode_file(data, path)
     return data
 
@@ -486,31 +1092,20 @@ def load_matched(path: str | Path) -> list[dict]:
     """A matched file, every record validated, each given the `tools` and `files` of its episode
     (from the episode file of the same family: matched_clean_train -> clean_train.json)."""
     path = Path(path)
-    if not path.is_file():
-        raise DataError(f"{path}: no such file")
-    data = _parse_json(path.read_bytes(), path)
+    data = _read_json(path)
     _check_matched_file(data, path)
     if not path.name.startswith("matched_"):
         raise DataError(f"{path}: a matched file is named matched_<family>_<split>.json")
-    episodes = load_episodes(path.with_name(path.name[len("matched_"):]))
+    episode_path = path.with_name(path.name[len("matched_"):])
+    episodes = load_episodes(episode_path)
     out = []
     for i, rec in enumerate(data):
         ep = episodes.get(rec["episode_id"])
         if ep is None:
             raise DataError(f"{path}: record {i} (episode {rec['episode_id']}): episode not "
-                            f"found in {path.with_name(path.name[len('matched_'):])}")
+                            f"found in {episode_path}")
         out.append({**rec, "tools": ep["tools"], "files": ep["files"]})
     return out
-
-
-def matched_record(episode_id: str, turn_idx: int, label: bool, kind, indices: list[int],
-                    prefix_type: str, dialog: list[dict], **extra) -> dict:
-    """One record of a matched file, in the released key order."""
-    return {"episode_id": episode_id, "turn_idx": turn_idx, "label": int(label),
-            "contamination_type": kind,
-            "has_contaminated_prefix": any(i < turn_idx for i in indices),
-            "original_contaminated_turn_indices": list(indices), "prefix_type": prefix_type,
-            **extra, "dialogs": dialog}
 
 
 def _check_episode_file(data, path) -> None:
@@ -657,327 +1252,11 @@ def _check_contamination(rec, where) -> None:
             raise DataError(f"{where}: unknown contamination type {kind!r}")
 
 
-def episode_file(family: str, split: str, data_dir: str | Path | None) -> Path:
-    """data_dir/family/clean_{split}.json, downloaded first when it is missing (a split the
-    authors did not release, such as ToolBench's train, is one `split-episodes` wrote)."""
-    name = f"clean_{split}.json"
-    path = Path(data_dir or default_data_dir()) / family / name
-    if path.is_file():
-        return path
-    if name not in RELEASE_FILES[family]:
-        raise DataError(f"{family} has no released '{split}' split (released: "
-                        f"{', '.join(RELEASE_FILES[family])}) and {path} is missing: `python "
-                        f"-m lab.data split-episodes {family} --out OUT/{family}` writes one from "
-                        "its test files (then --data-dir OUT)")
-    download(family, path.parent.parent)
-    return path
-
-
-# ---------------------------------------------------------------------------------------------
-# Replay (METHOD.md §10): tool calls answered from the gold dialog
-# ---------------------------------------------------------------------------------------------
-
-def cache_key(name: str, arguments) -> tuple[str, str]:
-    return name, json.dumps(arguments, sort_keys=True)
-
-
-def simulator_miss(name: str, arguments) -> str:
-    return (f"[Simulator] Tool '{name}' with args {json.dumps(arguments, ensure_ascii=False)} "
-            "has no cached response.")
-
-
-class ReplayCache:
-    """(tool name, canonical args) -> the responses recorded for that call, in dialog order."""
-
-    def __init__(self, dialog: list[dict]):
-        self.entries: dict[tuple[str, str], list[str]] = {}
-        self.served: dict[tuple[str, str], int] = {}
-        call = None
-        for m in dialog:
-            if m["role"] == "assistant":
-                _, call, _ = assistant_parts(m)
-            elif m["role"] == "tool" and call is not None:
-                key = cache_key(written_tool_name(call), call.get("arguments") or {})
-                self.entries.setdefault(key, []).append(tool_result_text(m))
-                call = None
-
-    def lookup(self, name: str, arguments) -> str | None:
-        return self._serve(cache_key(name, arguments))
-
-    def nearest(self, name: str, arguments) -> str | None:
-        """Fuzzy fallback: the same tool's entry whose argument tokens have the highest Jaccard
-        overlap with this call's (lowercased word tokens of the canonical JSON, keys included);
-        ties go to the entry recorded first."""
-        tokens = _arg_tokens(cache_key(name, arguments)[1])
-        best, best_sim = None, -1.0
-        for key in self.entries:
-            if key[0] != name:
-                continue
-            other = _arg_tokens(key[1])
-            union = tokens | other
-            sim = len(tokens & other) / len(union) if union else 1.0
-            if sim > best_sim:
-                best, best_sim = key, sim
-        return self._serve(best) if best is not None else None
-
-    def _serve(self, key) -> str | None:
-        responses = self.entries.get(key)
-        if not responses:
-            return None
-        n = self.served.get(key, 0)
-        self.served[key] = n + 1
-        return responses[min(n, len(responses) - 1)]
-
-
-def written_tool_name(call: dict) -> str:
-    """The tool name a policy writes to repeat a released call: what parse_react reads back
-    from the call's METHOD.md §2 text. It differs from the stored name for 54 released ToolBench
-    calls whose name carries a ToolLLaMA parsing artifact ('Call the function "f".\n\n\nAction:
-    f'), which no policy could reproduce."""
-    parsed = parse_react(render_action(None, call["name"], call.get("arguments") or {}))
-    return parsed.name if isinstance(parsed, Action) else call["name"]
-
-
-def _arg_tokens(canonical: str) -> set[str]:
-    return set(re.findall(r"\w+", canonical.lower()))
-
-
-# ---- GTA -------------------------------------------------------------------------------------
-
-GTA_UNAVAILABLE = ("FastOCR", "FastCalculator", "ImageDescriptor", "WebSearch")
-UNAVAILABLE_MESSAGE = "This tool is not available now. Consider other tools."
-IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png")
-
-
-GTA_IMAGE_REPLY = "The image is saved."     # GTA's final reply when the answer is an image
-
-
-def gta_skip_reason(gt, dialog: list[dict] = ()) -> str | None:
-    """Why an episode cannot be scored by answer matching, or None (METHOD.md §10).
-
-    image_answer also covers a gold dialog that answers with an image - it ends on an image tool
-    result, bare or followed only by "The image is saved." (test episode 211: "circle it in the
-    image") - so its whitelist cannot be matched against any text, not even the gold one.
-    """
-    if isinstance(gt, list):
-        return "reference_list"     # needs a sentence-embedding model the project does not ship
-    if not isinstance(gt, dict) or not gt.get("whitelist"):
-        return "no_answer"
-    if any(a.strip().lower().endswith(IMAGE_SUFFIXES) for g in gt["whitelist"] for a in g):
-        return "image_answer"
-    tail = list(dialog[-2:])
-    if tail and tail[-1]["role"] == "assistant" and not tail[-1].get("tool_calls") \
-            and (tail[-1].get("content") or "").strip() == GTA_IMAGE_REPLY:
-        tail = tail[:-1]
-    if tail and tail[-1]["role"] == "tool" and isinstance(tail[-1]["content"], dict) \
-            and tail[-1]["content"].get("type") == "image":
-        return "image_answer"
-    return None
-
-
-def gta_match(prediction: str, gt: dict, mode: str = "strict") -> float:
-    """1.0 iff every whitelist group has one of its aliases in the prediction and no blacklist
-    alias is in it (GTA's reference rule; see the module docstring), else 0.0.
-
-    strict: case-insensitive, the alias may not touch a letter, digit or _ on either side;
-    loose: case-insensitive substring after collapsing whitespace.
-    """
-    if mode == "strict":
-        def found(alias):
-            return re.search(r"(?<!\w)" + re.escape(alias.strip()) + r"(?!\w)", prediction,
-                             re.IGNORECASE) is not None
-    elif mode == "loose":
-        text = " ".join(prediction.split()).lower()
-
-        def found(alias):
-            return " ".join(alias.split()).lower() in text
-    else:
-        raise ValueError(f"unknown match mode {mode!r}: choose strict or loose")
-    if not all(any(found(a) for a in group) for group in gt["whitelist"]):
-        return 0.0
-    if any(found(a) for group in gt.get("blacklist") or [] for a in group):
-        return 0.0
-    return 1.0
-
-
-class GTAEpisode(Episode):
-    def __init__(self, key: str, record: dict, match: str = "strict"):
-        super().__init__(key, record["dialogs"][0]["content"], record["tools"], record["files"])
-        self.cache = ReplayCache(record["dialogs"])
-        self.gt_answer = record["gt_answer"]
-        self.match = match
-        self.skip_reason = gta_skip_reason(self.gt_answer, record["dialogs"])
-
-    def call_tool(self, name: str, arguments: dict) -> str:
-        if name in GTA_UNAVAILABLE:
-            return UNAVAILABLE_MESSAGE
-        hit = self.cache.lookup(name, arguments)
-        if hit is not None:
-            return hit
-        if name == "Calculator":
-            expression = arguments.get("expression")
-            if not isinstance(expression, str):
-                return 'Error: Calculator takes {"expression": "<arithmetic expression>"}'
-            return calculate(expression)
-        return simulator_miss(name, arguments)
-
-    def score(self, match: str | None = None) -> float | None:
-        """Task score in [0, 1]; None when skipped (reason in .skip_reason). `match` overrides
-        the env's mode: strict for the training reward, loose for evaluation (paper)."""
-        if self.skip_reason is not None:
-            return None
-        if self.final_answer is None:
-            return 0.0
-        return gta_match(self.final_answer, self.gt_answer, match or self.match)
-
-
-class GTAEnv(Env):
-    def __init__(self, split: str = "test", data_dir=None, match: str = "strict"):
-        if match not in ("strict", "loose"):
-            raise ValueError(f"match={match!r}: choose strict or loose")
-        super().__init__(load_episodes(episode_file("gta", split, data_dir)))
-        self.match = match
-
-    def _new_episode(self, key, record):
-        return GTAEpisode(key, record, self.match)
-
-
-# ---- ToolBench (its answers are scored by chat_api's LLM judge) -------------------------------
-
-HISTORY_CHARS = 6000
-ELIDED_OBSERVATION = "Observation: [older observation elided]"
-
-
-class ToolBenchEpisode(Episode):
-    """Replay with the optional fuzzy fallback and the history cap.
-
-    History cap (paper Appendix eval, "cap the rollout history at 6,000 characters"), defined
-    here as: the history is every message after the first (task) message; after each new
-    observation, while the history's total content length exceeds `history_chars`, the oldest
-    observation not yet elided - never the newest one - is replaced by ELIDED_OBSERVATION.
-    Assistant turns are never changed (they are the policy's own tokens). Messages are rewritten
-    in place, so StepResult.rewritten_from tells a caller holding a KV cache to re-render.
-    """
-
-    def __init__(self, key: str, record: dict, fuzzy: bool = False,
-                 history_chars: int | None = HISTORY_CHARS,
-                 judge: ChatClient | None = None):
-        super().__init__(key, record["dialogs"][0]["content"], record["tools"], record["files"])
-        self.task = record["dialogs"][0]["content"]
-        self.cache = ReplayCache(record["dialogs"])
-        self.gt_answer = record["gt_answer"]
-        self.fuzzy = fuzzy
-        self.history_chars = history_chars
-        self.judge = judge
-        self.skip_reason = toolbench_skip_reason(self.gt_answer)
-
-    def call_tool(self, name: str, arguments: dict) -> str:
-        hit = self.cache.lookup(name, arguments)
-        if hit is None and self.fuzzy:
-            hit = self.cache.nearest(name, arguments)
-        return hit if hit is not None else simulator_miss(name, arguments)
-
-    def _after_observation(self) -> int | None:
-        if self.history_chars is None:
-            return None
-        size = sum(len(m["content"]) for m in self.messages[1:])
-        first = None
-        for i in range(1, len(self.messages) - 1):
-            if size <= self.history_chars:
-                break
-            m = self.messages[i]
-            if m["role"] == "user" and len(m["content"]) > len(ELIDED_OBSERVATION):
-                size -= len(m["content"]) - len(ELIDED_OBSERVATION)
-                self.messages[i] = {"role": "user", "content": ELIDED_OBSERVATION}
-                first = i if first is None else first
-        return first
-
-    def score(self) -> float | None:
-        if self.skip_reason is not None:
-            return None
-        if self.final_answer is None:
-            return 0.0
-        if self.judge is None:
-            raise LLMError("ToolBench scoring needs the LLM judge: make('toolbench', "
-                           "judge_model=...)")
-        return judge_answer(self.judge, self.task, toolbench_reference(self.gt_answer),
-                            self.final_answer)
-
-
-def toolbench_skip_reason(gt) -> str | None:
-    return None if toolbench_reference(gt) else "no_answer"
-
-
-def toolbench_reference(gt) -> str:
-    if isinstance(gt, dict):
-        return "\n".join(g[0] for g in gt.get("whitelist") or [] if g and g[0].strip())
-    if isinstance(gt, list):
-        return "\n".join(a for a in gt if a.strip())
-    return ""
-
-
-class ToolBenchEnv(Env):
-    def __init__(self, split: str = "test", data_dir=None, fuzzy: bool = False,
-                 history_chars: int | None = HISTORY_CHARS,
-                 judge_model: str | None = "gpt-4o-mini", judge_cache=None):
-        # The judge first: a missing key must fail before any data is read or fetched.
-        self.judge = ChatClient(judge_model, cache_dir=judge_cache) \
-            if judge_model else None
-        super().__init__(load_episodes(episode_file("toolbench", split, data_dir)))
-        self.fuzzy = fuzzy
-        self.history_chars = history_chars
-
-    def _new_episode(self, key, record):
-        return ToolBenchEpisode(key, record, self.fuzzy, self.history_chars, self.judge)
-
-
-# ---------------------------------------------------------------------------------------------
-# Contamination of released episodes with an LLM (paper Appendix contam_procedure)
-# ---------------------------------------------------------------------------------------------
-# For an episode with T assistant turns, turn T is the evaluation turn. Pick j uniformly from
-# 1..T-1, a type uniformly among those compatible with turn j (paper Table contam_compat), ask
-# the LLM once for a plausible but objectively wrong version of that turn, replace turn j only,
-# and log type, dialog index, original turn and raw reply. The choices come from
-# random.Random(f"{seed}:{episode id}"), so a run is deterministic given --seed and the reply
-# cache, and does not depend on the order of episodes.
-
-
-# ---------------------------------------------------------------------------------------------
-# make(): the one entry point of grpo.py and pair.py
-# ---------------------------------------------------------------------------------------------
-
-def make(name: str, split: str = "test", data_dir=None, **kw) -> Env:
-    """A replay environment by name: gta or toolbench (the built-in world is shop.ShopEnv).
-
-    gta: match="strict" | "loose". toolbench: fuzzy=False, history_chars=6000,
-    judge_model="gpt-4o-mini" (None: no scoring), judge_cache=None.
-    """
-    if name == "gta":
-        return GTAEnv(split, data_dir, **kw)
-    if name == "toolbench":
-        return ToolBenchEnv(split, data_dir, **kw)
-    raise ValueError(f"unknown environment {name!r}: choose gta or toolbench")
-
-
-# ---------------------------------------------------------------------------------------------
-# Analysis sets made from the released splits, no LLM
-# ---------------------------------------------------------------------------------------------
-
-
-# ---------------------------------------------------------------------------------------------
-# Command line
-# ---------------------------------------------------------------------------------------------
-
+# ==== The Calculator tool (GTA's and shop's): an AST whitelist, never eval ========================
 
 MAX_EXPRESSION_CHARS = 1000
-
-
 MAX_INT_BITS = 4000          # ~1200 digits: bounds the work of *, ** and str() on integers
-
-
 MAX_FACTORIAL = 1000
-
-
 MAX_NDIGITS = 1000           # round(x, n) builds 10 ** |n|: n = -10**8 would run for minutes
 
 
@@ -1031,11 +1310,7 @@ def _lcm(*xs):
 _BINARY = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: _multiply,
            ast.Div: operator.truediv, ast.FloorDiv: operator.floordiv, ast.Mod: operator.mod,
            ast.Pow: _power}
-
-
 _UNARY = {ast.USub: operator.neg, ast.UAdd: operator.pos}
-
-
 _FUNCTIONS = {
     "abs": abs, "round": _round, "min": min, "max": max, "int": int, "float": float,
     "pow": _power, "sqrt": math.sqrt, "cbrt": math.cbrt, "exp": math.exp, "log": math.log,
@@ -1049,8 +1324,6 @@ _FUNCTIONS = {
     "comb": lambda n, k: math.comb(_int_arg(n, "comb"), _int_arg(k, "comb")),
     "perm": lambda n, k: math.perm(_int_arg(n, "perm"), _int_arg(k, "perm")),
 }
-
-
 _CONSTANTS = {"pi": math.pi, "e": math.e, "tau": math.tau, "inf": math.inf, "nan": math.nan}
 
 
@@ -1122,6 +1395,8 @@ def calculate(expression: str) -> str:
         return f"Error: {e}"
 
 
+# ==== The LLM client (an OpenAI-compatible endpoint) and ToolBench's answer judge =================
+
 class LLMError(RuntimeError):
     pass
 
@@ -1156,9 +1431,7 @@ class ChatClient:
         self.base_url = (base_url or os.environ.get("OPENAI_BASE_URL")
                          or "https://api.openai.com/v1").rstrip("/")
         self.cache_dir = Path(cache_dir) if cache_dir else model.cache_root() / "llm"
-        self.max_retries = max_retries
-        self.backoff = backoff
-        self.timeout = timeout
+        self.max_retries, self.backoff, self.timeout = max_retries, backoff, timeout
         self.session = requests.Session()
         self.requests_made = 0          # HTTP requests sent (cache hits send none)
 
@@ -1184,7 +1457,7 @@ class ChatClient:
             raise BadReply(f"{self.model} replied with an unusable answer ({e}): "
                            f"{raw[:300]!r}") from e
         model.write_atomic(path, json.dumps({"request": body, "reply": raw},
-                                      ensure_ascii=False).encode("utf-8"))
+                                            ensure_ascii=False).encode("utf-8"))
         return obj, raw
 
     def _post(self, body: dict) -> str:
@@ -1241,8 +1514,6 @@ Labels:
 - "partial": it captures some key facts, with minor omissions or local errors.
 - "no": a refusal, an empty or off-topic answer, or most key facts missing or wrong.
 Reply with a JSON object only: {"label": "yes" | "partial" | "no", "reason": "<one sentence>"}"""
-
-
 ANSWER_LABELS = {"yes": 1.0, "partial": 0.5, "no": 0.0}
 
 
@@ -1256,387 +1527,3 @@ def judge_answer(client: ChatClient, task: str, reference: str, answer: str) -> 
     obj, _ = client.chat_json([{"role": "system", "content": ANSWER_JUDGE_SYSTEM},
                                {"role": "user", "content": user}], check=check)
     return ANSWER_LABELS[obj["label"]]
-
-
-SHOP_STORES = ("A", "B", "C", "D")
-
-
-SHOP_ITEMS = ("apple", "bread", "egg", "milk", "pear", "rice")
-
-
-# Units of each currency one USD buys, drawn uniformly in cents from these ranges.
-SHOP_RATE_CENTS = {"EUR": (80, 99), "GBP": (70, 89), "CAD": (120, 149), "JPY": (10000, 15999)}
-
-
-SHOP_CURRENCIES = ("USD",) + tuple(SHOP_RATE_CENTS)
-
-
-SHOP_PRICE_CENTS = (50, 999)
-
-
-SHOP_MAX_QUANTITY = 6
-
-
-SHOP_TEMPLATES = ("What is the total cost of {lines}, in {cur}?",
-                  "How much do {lines} cost in total, in {cur}?",
-                  "I buy {lines}. How much do I pay in {cur}?")
-
-
-# Episode seeds: seed * SHOP_SEED_STRIDE + SHOP_SPLIT_OFFSET[split] + i, so splits (and seeds)
-# never share an episode as long as i < SHOP_SPLIT_SIZE[split]. The validation split (checkpoint
-# selection) is the top of the training range, which no run comes near; train and test seeds are
-# the ones they always were.
-SHOP_SEED_STRIDE = 10_000_000
-
-
-SHOP_SPLIT_OFFSET = {"train": 0, "val": 4_500_000, "test": 5_000_000}
-
-
-SHOP_SPLIT_SIZE = {"train": 4_500_000, "val": 500_000, "test": 5_000_000}
-
-
-SHOP_TOOLS = [
-    {"name": "Lookup", "description": "Look up the price in USD of one item at one store.",
-     "inputs": [{"type": "text", "name": "store", "description": "The store: A, B, C or D.",
-                 "optional": False, "default": None, "filetype": None},
-                {"type": "text", "name": "item", "description": "The item, e.g. apple.",
-                 "optional": False, "default": None, "filetype": None}],
-     "outputs": [{"type": "text", "name": None, "description": "The price in USD.",
-                  "optional": False, "default": None, "filetype": None}]},
-    {"name": "Rate", "description": "How many units of a currency one USD buys.",
-     "inputs": [{"type": "text", "name": "currency",
-                 "description": "The currency: " + ", ".join(SHOP_CURRENCIES) + ".",
-                 "optional": False, "default": None, "filetype": None}],
-     "outputs": [{"type": "text", "name": None, "description": "The exchange rate.",
-                  "optional": False, "default": None, "filetype": None}]},
-    {"name": "Calculator", "description": "Evaluate an arithmetic expression (+ - * / and "
-                                          "parentheses).",
-     "inputs": [{"type": "text", "name": "expression", "description": "e.g. (3*2.50+1.20)*0.92",
-                 "optional": False, "default": None, "filetype": None}],
-     "outputs": [{"type": "text", "name": None, "description": "The value.",
-                  "optional": False, "default": None, "filetype": None}]}]
-
-
-_CENT = Decimal("0.01")
-
-
-SHOP_SCORING = 2    # the rules' version (2: half a cent): cached evaluations and probes key on it
-
-
-_SHOP_VALUE_TOL = 0.005     # "equals" within half a cent: of a total, its rounding, not a cent off
-
-
-def _cents(n: int) -> Decimal:
-    return Decimal(n).scaleb(-2)        # 250 -> Decimal("2.50"): keeps two decimals when printed
-
-
-@dataclass(frozen=True)
-class ShopTask:
-    """One episode: the world and the task. Facts are ("price", store, item) or ("rate", cur)."""
-    seed: int
-    prices: dict            # (store, item) -> Decimal USD, every store sells every item
-    rates: dict             # currency -> Decimal units per USD ("USD" -> 1.00)
-    lines: tuple            # ((quantity, item, store), ...), distinct (store, item)
-    currency: str
-    text: str
-    stepwise: bool = False  # a shop-long task: the line-by-line solution (LONG_WORLD below)
-
-    @cached_property
-    def needed(self) -> tuple:
-        """The facts a solution fetches, in the gold solver's order."""
-        facts = tuple(("price", s, i) for _, i, s in self.lines)
-        return facts + ((("rate", self.currency),) if self.currency != "USD" else ())
-
-    def value(self, fact) -> Decimal:
-        return self.prices[fact[1:]] if fact[0] == "price" else self.rates[fact[1]]
-
-    @cached_property
-    def total(self) -> Decimal:
-        """Exact total in the task's currency."""
-        usd = sum(q * self.prices[s, i] for q, i, s in self.lines)
-        return usd * self.rates[self.currency]
-
-    @cached_property
-    def answer(self) -> str:
-        """The canonical answer: the total rounded half-up to 2 decimals."""
-        return str(self.total.quantize(_CENT, rounding=ROUND_HALF_UP))
-
-    @cached_property
-    def quantities(self) -> list[Decimal]:
-        """Every value a useful Calculator call may produce (see the header comment; a
-        shop-long task's are fewer, LONG_WORLD)."""
-        rate = self.rates[self.currency]
-        subtotals = [q * self.prices[s, i] for q, i, s in self.lines]
-        if self.stepwise:           # the running totals, and the total converted
-            return sorted({sum(subtotals[:k + 1]) for k in range(len(subtotals))} | {self.total})
-        sums = {sum(x for k, x in enumerate(subtotals) if mask >> k & 1)
-                for mask in range(1, 2 ** len(subtotals))}
-        out = set(sums)
-        if self.currency != "USD":
-            out |= {x * rate for x in sums}
-            out |= {self.prices[s, i] * rate for _, i, s in self.lines}
-        return sorted(out)
-
-
-def draw_world(rng: random.Random) -> tuple[dict, dict]:
-    """An episode's prices and rates, the first draws of its seed's stream."""
-    prices = {(s, i): _cents(rng.randint(*SHOP_PRICE_CENTS))
-              for s in SHOP_STORES for i in SHOP_ITEMS}
-    rates = {"USD": _cents(100)}
-    rates.update({c: _cents(rng.randint(*span)) for c, span in SHOP_RATE_CENTS.items()})
-    return prices, rates
-
-
-def shop_task(seed: int) -> ShopTask:
-    """The episode of one seed (deterministic: one random.Random(seed), fixed draw order)."""
-    rng = random.Random(seed)
-    prices, rates = draw_world(rng)
-    n_lines = rng.randint(1, 3)
-    pairs = rng.sample([(s, i) for s in SHOP_STORES for i in SHOP_ITEMS], n_lines)
-    lines = tuple((rng.randint(1, SHOP_MAX_QUANTITY), i, s) for s, i in pairs)
-    currency = rng.choice(SHOP_CURRENCIES)
-    parts = [f"{q} {i} at store {s}" for q, i, s in lines]
-    listed = parts[0] if len(parts) == 1 else ", ".join(parts[:-1]) + " and " + parts[-1]
-    text = rng.choice(SHOP_TEMPLATES).format(lines=listed, cur=currency)
-    return ShopTask(seed, prices, rates, lines, currency, text)
-
-
-def shop_episode_seed(split: str, seed: int, i: int) -> int:
-    if split not in SHOP_SPLIT_OFFSET:
-        raise ValueError(f"shop: unknown split {split!r} (choose from train, val, test)")
-    if not 0 <= i < SHOP_SPLIT_SIZE[split]:
-        raise IndexError(f"shop: {split} episode index {i} out of range "
-                         f"[0, {SHOP_SPLIT_SIZE[split]})")
-    return seed * SHOP_SEED_STRIDE + SHOP_SPLIT_OFFSET[split] + i
-
-
-def shop_episode_id(split: str, seed: int, i: int, world: str = "shop") -> str:
-    return f"{world}-{seed}-{split}-{i}"
-
-
-def shop_task_from_id(episode_id: str) -> ShopTask:
-    """Rebuild the world of a shop (or shop-long) episode id, so any record can be re-labelled."""
-    m = re.fullmatch(r"(shop|shop-long)-(\d+)-(train|val|test)-(\d+)", episode_id)
-    if m is None:
-        raise ValueError(f"not a shop episode id: {episode_id!r} (expected shop-SEED-SPLIT-I or "
-                         "shop-long-SEED-SPLIT-I)")
-    return WORLDS[m.group(1)](shop_episode_seed(m.group(3), int(m.group(2)), int(m.group(4))))
-
-
-@dataclass(frozen=True)
-class ShopResult:
-    text: str                   # the observation
-    fact: tuple | None = None   # what a Lookup/Rate call learned ...
-    value: Decimal | None = None    # ... and its value
-    number: float | None = None     # a Calculator result
-
-
-def _shop_args(arguments, keys: tuple[str, ...]) -> list[str] | None:
-    if not isinstance(arguments, dict) or set(arguments) != set(keys) or \
-            not all(isinstance(arguments[k], str) for k in keys):
-        return None
-    return [arguments[k].strip() for k in keys]
-
-
-def shop_execute(task: ShopTask, name: str, arguments) -> ShopResult:
-    """Run one tool call against the episode's world."""
-    if name == "Lookup":
-        args = _shop_args(arguments, ("store", "item"))
-        if args is None:
-            return ShopResult('Error: Lookup takes {"store": ..., "item": ...}.')
-        store, item = args[0].upper(), args[1].lower()
-        if store not in SHOP_STORES:
-            return ShopResult(f"Error: unknown store '{args[0]}'. Stores: "
-                              + ", ".join(SHOP_STORES) + ".")
-        if item not in SHOP_ITEMS:
-            return ShopResult(f"Error: unknown item '{args[1]}'. Items: {', '.join(SHOP_ITEMS)}.")
-        price = task.prices[store, item]
-        return ShopResult(f"{item} at store {store} costs {price} USD.",
-                          ("price", store, item), price)
-    if name == "Rate":
-        args = _shop_args(arguments, ("currency",))
-        if args is None:
-            return ShopResult('Error: Rate takes {"currency": ...}.')
-        cur = args[0].upper()
-        if cur not in SHOP_CURRENCIES:
-            return ShopResult(f"Error: unknown currency '{args[0]}'. Currencies: "
-                              + ", ".join(SHOP_CURRENCIES) + ".")
-        return ShopResult(f"1 USD = {task.rates[cur]} {cur}.", ("rate", cur), task.rates[cur])
-    if name == "Calculator":
-        args = _shop_args(arguments, ("expression",))
-        if args is None:
-            return ShopResult('Error: Calculator takes {"expression": ...}.')
-        out = calculate(args[0])
-        try:
-            number = float(out)
-        except ValueError:          # "Error: ..."
-            return ShopResult(out)
-        # Round away float noise (9.108000000000001): a small model should not have to copy it.
-        return ShopResult(str(round(number, 6)), number=number)
-    return ShopResult(f"Error: unknown tool '{name}'. Tools: Lookup, Rate, Calculator.")
-
-
-_NUM = r"\d+(?:\.\d+)?"
-
-
-_SHOP_CLAIM = re.compile(
-    rf"(?P<item>[a-z]+) at store (?P<store>[a-z])\b costs (?P<price>{_NUM})(?: USD\b)?"
-    rf"|\b1 USD = (?P<rate>{_NUM}) (?P<rcur>[a-z]{{3}})\b"
-    r"|\bI need the price of (?P<nitem>[a-z]+) at store (?P<nstore>[a-z])\b"
-    r"|\bI need the (?P<ncur>[a-z]{3}) rate\b"
-    r"|\bthe total is (?P<total>[\d.,+\-*/() ]*[\d)])(?: (?P<tcur>USD|EUR|GBP|CAD|JPY)\b)?",
-    re.IGNORECASE)
-
-
-def _close(x: float, values) -> bool:
-    return any(abs(x - float(v)) <= _SHOP_VALUE_TOL + 1e-9 for v in values)
-
-
-def _calc_value(expression: str) -> float | None:
-    try:
-        return float(calculate(expression))
-    except ValueError:              # "Error: ..."
-        return None
-
-
-def _first_number(text: str) -> float | None:
-    m = re.search(r"-?\d[\d,]*(?:\.\d+)?", text or "")
-    return float(m.group(0).replace(",", "")) if m else None
-
-
-def _answer_right(task: ShopTask, answer: str | None) -> bool:
-    """The final answer's first number is within half a cent of the exact total."""
-    x = _first_number(answer)
-    return x is not None and _close(x, [task.total])
-
-
-def _shop_thought_true(task: ShopTask, thought: str | None, known: dict,
-                       computed: list[float]) -> bool:
-    """The thought asserts nothing false (the rule in the header comment). known: fact -> value
-    fetched by earlier turns; computed: results of earlier Calculator calls."""
-    if not thought:
-        return True
-    for m in _SHOP_CLAIM.finditer(thought):
-        if m.group("price"):
-            key = (m.group("store").upper(), m.group("item").lower())
-            if key not in task.prices or not _close(float(m.group("price")), [task.prices[key]]):
-                return False
-        elif m.group("rate"):
-            cur = m.group("rcur").upper()
-            if cur not in task.rates or not _close(float(m.group("rate")), [task.rates[cur]]):
-                return False
-        elif m.group("nitem") or m.group("ncur"):
-            fact = ("price", m.group("nstore").upper(), m.group("nitem").lower()) \
-                if m.group("nitem") else ("rate", m.group("ncur").upper())
-            if fact not in task.needed or fact in known:
-                return False
-        else:       # the longest start that computes: "21.91 (2 lines)" claims 21.91
-            total, cur = m.group("total").replace(",", ""), m.group("tcur")    # "10,996.94"
-            value = next((v for k in range(len(total), 0, -1)
-                          if (v := _calc_value(total[:k])) is not None), None)
-            if (cur and cur.upper() != task.currency) or value is None \
-                    or not _close(value, [task.total]):
-                return False
-    allowed = [Decimal(q) for q, _, _ in task.lines] + [task.value(f) for f in task.needed]
-    allowed += list(known.values()) + task.quantities + [Decimal(task.answer)]
-    rest = _SHOP_CLAIM.sub(" ", thought)
-    if task.stepwise:                   # shop-long numbers its lines "(1)": a name, not a value
-        rest = re.sub(r"\(\d+\)", " ", rest)
-    return all(_close(float(x), allowed) or _close(float(x), computed)
-               for x in re.findall(_NUM, rest))
-
-
-def shop_labels(task: ShopTask, steps: list) -> list[bool]:
-    """Exact correctness of each assistant turn. steps: Action | Final | ParseError per turn, in
-    order (dialog_steps / parse_react); tool calls are re-run, observations never read."""
-    known: dict = {}
-    computed: list[float] = []
-    labels = []
-    for step in steps:
-        if isinstance(step, Final):
-            ok = _answer_right(task, step.answer)
-        elif isinstance(step, Action):
-            ok = True
-        else:                      # ParseError, or a released turn with several tool calls
-            labels.append(False)
-            continue
-        ok = ok and _shop_thought_true(task, step.thought, known, computed)
-        if isinstance(step, Action):
-            res = shop_execute(task, step.name, step.arguments)
-            if res.fact is not None:
-                ok = ok and res.fact in task.needed and res.fact not in known
-                known[res.fact] = res.value
-            elif res.number is not None:
-                ok = ok and _close(res.number, task.quantities) and not _close(res.number, computed)
-                computed.append(res.number)
-            else:
-                ok = False
-        labels.append(ok)
-    return labels
-
-
-WORLDS = {"shop": shop_task}
-
-
-# assistant turns an episode allows: shop's 2-5 turns fit the paper's 10, shop-long's 9-11 not
-WORLD_TURNS = {"shop": MAX_TURNS}
-
-
-# Held-out pools: a success rate near 0.3 on 600 test episodes is known to +-3.7 points (95%),
-# and a mean over 3 seeds to about +-2; validation only picks a checkpoint. The first 200 test
-# episodes are make-data's test split.
-SHOP_EPISODES = {"train": 10_000, "val": 200, "test": 600}
-
-
-class ShopEpisode(Episode):
-    def __init__(self, key: str, task: ShopTask):
-        super().__init__(key, task.text, SHOP_TOOLS)
-        self.task = task
-        self.max_turns = WORLD_TURNS["shop-long" if task.stepwise else "shop"]
-
-    def call_tool(self, name: str, arguments: dict) -> str:
-        return shop_execute(self.task, name, arguments).text
-
-    def score(self) -> float:
-        """1.0 iff the final answer's first number is within half a cent of the exact total."""
-        return float(_answer_right(self.task, self.final_answer))
-
-    def labels(self) -> list[bool]:
-        return shop_labels(self.task, self.steps)
-
-
-class ShopEnv(Env):
-    """Episodes of one split (train, val or test) of a built-in world (WORLDS: shop, or
-    shop-long), from seeds disjoint from the other splits'."""
-
-    def __init__(self, split: str = "test", seed: int = 42, episodes: int | None = None,
-                 world: str = "shop"):
-        if world not in WORLDS:
-            raise ValueError(f"unknown built-in world {world!r} (choose from {', '.join(WORLDS)})")
-        if split not in SHOP_SPLIT_OFFSET:
-            raise ValueError(f"shop: unknown split {split!r} (choose from train, val, test)")
-        if type(seed) is not int or seed < 0:
-            raise ValueError(f"shop: seed must be a non-negative integer, got {seed!r}")
-        n = SHOP_EPISODES[split] if episodes is None else episodes
-        if not 0 < n <= SHOP_SPLIT_SIZE[split]:
-            raise ValueError(f"shop: {split} episodes must be in [1, "
-                             f"{SHOP_SPLIT_SIZE[split]}], got {n}")
-        self.split, self.seed, self.world = split, seed, world
-        self.ids = [shop_episode_id(split, seed, i, world) for i in range(n)]
-        self._index = {key: i for i, key in enumerate(self.ids)}
-
-    def episode(self, i: int | str) -> ShopEpisode:
-        if isinstance(i, str):
-            if i not in self._index:
-                raise KeyError(f"no episode {i!r} in shop {self.split} (seed {self.seed})")
-            i = self._index[i]
-        key = self.ids[i]
-        return ShopEpisode(key, WORLDS[self.world](shop_episode_seed(self.split, self.seed,
-                                                                     self._index[key])))
-
-
-# where sft writes by default: the policy grpo.py trains by default, and each world's own
-BUILTIN_POLICY = Path(__file__).resolve().parent / "data" / "shop-policy"
-
-
-BUILTIN_POLICIES = {"shop": BUILTIN_POLICY}

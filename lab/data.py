@@ -1,13 +1,64 @@
-"""TODO"""
+"""Data recipes for the released benchmarks (GTA, ToolBench), beside envs.py which loads and
+replays them: the LLM contamination of episodes, the rule-based diagnostic set, episode splits of
+the test files, and gold-dialog replay checks.
+
+    python -m lab.data download gta                       # the released splits (envs.download)
+    python -m lab.data contaminate --data clean_train.json --out contaminated_train.json
+    python -m lab.data make-diagnostic gta                # matched_diagnostic_test.json, no LLM
+    python -m lab.data split-episodes toolbench --out OUT/toolbench
+    python -m lab.data replay gta --split test            # play the gold dialogs, report
+"""
 from __future__ import annotations
-import envs
-from pathlib import Path
+
 import argparse
 import json
 import random
 import re
 import sys
+from pathlib import Path
+
+import envs
 import model
+
+
+def matched_record(episode_id: str, turn_idx: int, label: bool, kind, indices: list[int],
+                   prefix_type: str, dialog: list[dict], **extra) -> dict:
+    """One record of a matched file, in the released key order."""
+    return {"episode_id": episode_id, "turn_idx": turn_idx, "label": int(label),
+            "contamination_type": kind,
+            "has_contaminated_prefix": any(i < turn_idx for i in indices),
+            "original_contaminated_turn_indices": list(indices), "prefix_type": prefix_type,
+            **extra, "dialogs": dialog}
+
+
+def play_gold(episode: envs.Episode, dialog: list[dict]) -> list[tuple[str, str | None]]:
+    """Step an episode through a gold dialog's assistant turns (METHOD.md §2 text).
+
+    Returns (recorded observation, returned observation) for every gold tool call answered.
+    """
+    pairs = []
+    for i, m in enumerate(dialog):
+        if m["role"] != "assistant":
+            continue
+        result = episode.step(envs.render_assistant(m))
+        nxt = dialog[i + 1] if i + 1 < len(dialog) else None
+        if nxt is not None and nxt["role"] == "tool":
+            pairs.append((envs.render_observation(envs.tool_result_text(nxt)),
+                          result.observation))
+        if result.done:
+            break
+    return pairs
+
+
+# ---------------------------------------------------------------------------------------------
+# Contamination of released episodes with an LLM (paper Appendix contam_procedure)
+# ---------------------------------------------------------------------------------------------
+# For an episode with T assistant turns, turn T is the evaluation turn. Pick j uniformly from
+# 1..T-1, a type uniformly among those compatible with turn j (paper Table contam_compat), ask
+# the LLM once for a plausible but objectively wrong version of that turn, replace turn j only,
+# and log type, dialog index, original turn and raw reply. The choices come from
+# random.Random(f"{seed}:{episode id}"), so a run is deterministic given --seed and the reply
+# cache, and does not depend on the order of episodes.
 
 
 _CONTAMINATION_PREAMBLE = """\
@@ -155,9 +206,11 @@ def contaminate_file(data: str | Path, out: str | Path, client: envs.ChatClient,
     """Contaminate every episode of an episode file whose assistant-turn count T lies in
     [min_turns, max_turns] (the paper's filters); write the released schema atomically."""
     if min_turns < 2:
-        raise envs.DataError(f"--min-turns {min_turns}: at least 2 (a turn before the evaluation turn)")
+        raise envs.DataError(f"--min-turns {min_turns}: at least 2 (a turn before the "
+                             "evaluation turn)")
     if min_turns > max_turns:
-        raise envs.DataError(f"--min-turns {min_turns} > --max-turns {max_turns}: no episode would do")
+        raise envs.DataError(f"--min-turns {min_turns} > --max-turns {max_turns}: no episode "
+                             "would do")
     if Path(out).resolve() == Path(data).resolve():
         raise envs.DataError(f"--out {out} is --data: it would replace the episodes it reads")
     episodes = envs.load_episodes(data)
@@ -239,7 +292,8 @@ def unused_observation_number(record: dict, t: int, rng: random.Random) -> dict 
     dialog, gold = record["dialogs"], record["dialogs"][t]
     if _tool_call(gold) is None:
         return None
-    seen = {n for m in dialog[:t] if m["role"] == "tool" for n in _numbers(envs.tool_result_text(m))}
+    seen = {n for m in dialog[:t] if m["role"] == "tool"
+            for n in _numbers(envs.tool_result_text(m))}
     arguments = gold["tool_calls"][0]["function"]["arguments"]
     copied = sorted({n for v in arguments.values() if isinstance(v, str)
                      for n in _numbers(v)} & seen)
@@ -277,7 +331,7 @@ def gta_diagnostic(clean: dict[str, dict], contaminated_matched: list[dict],
             made = [(t, turn) for t, turn in made if turn is not None]
             if made:
                 t, turn = rng.choice(made)
-                out.append(envs.matched_record(eid, t, False, None, [], "clean",
+                out.append(matched_record(eid, t, False, None, [], "clean",
                                           dialog[:t] + [turn], diagnostic="consistent_incorrect",
                                           diagnostic_rule=rule))
         out += positives.pop(eid, [])
@@ -337,9 +391,9 @@ def split_episodes(data_dir, family: str, out_dir, seed: int = 0, fraction: floa
         raise envs.DataError(f"--fraction {fraction}: must be strictly between 0 and 1")
     folder = family_folder(data_dir, family)
     if Path(out_dir).resolve() == folder.resolve():
-        raise envs.DataError(f"--out {out_dir}: that is where the released files are, and the split "
-                        "would overwrite their test files: write it to another folder "
-                        f"(e.g. OUT/{family}, then --data-dir OUT)")
+        raise envs.DataError(f"--out {out_dir}: that is where the released files are, and the "
+                             "split would overwrite their test files: write it to another folder "
+                             f"(e.g. OUT/{family}, then --data-dir OUT)")
     if not all((folder / f"{name}_test.json").is_file() for name in SPLIT_FILES):
         envs.download(family, folder.parent)
     data = {}
@@ -376,7 +430,7 @@ def replay_report(env: envs.Env, match: str | None = None, score: bool = True) -
     mismatches, scores, skips = 0, [], {}
     for key in env.ids:
         ep = env.episode(key)
-        pairs = envs.play_gold(ep, env.records[key]["dialogs"])
+        pairs = play_gold(ep, env.records[key]["dialogs"])
         mismatches += sum(recorded != got for recorded, got in pairs)
         if not score:
             continue
@@ -422,7 +476,8 @@ def main(argv=None):
 
     p = sub.add_parser("make-diagnostic", help="write the adversarial diagnostic set of a "
                                                "released benchmark from its data (no LLM)")
-    p.add_argument("family", choices=["gta"], help="which benchmark (GTA: the rules in envs.py)")
+    p.add_argument("family", choices=["gta"], help="which benchmark (GTA: the rules in "
+                                                        "lab/data.py)")
     p.add_argument("--data-dir", default=None,
                    help="root folder of the released files (DIR/<family>/); default $PAIR_DATA "
                         "or ~/.cache/pair/data")

@@ -2,7 +2,7 @@
 `python grpo.py` runs on when no model and no data are given. A port of PAIR never needs this file.
 
     python -m lab.shop make-data --out data/shop --episodes 1000   # released-schema files, offline
-    python -m lab.shop sft --out DIR        # train a policy; data/shop-policy/README.md: the 2 commands
+    python -m lab.shop sft --out DIR    # train a policy (data/shop-policy/README.md: the commands)
 
 Two parts, top to bottom:
 1. The world. Every episode is drawn from one integer seed; its tools really execute, so every
@@ -37,6 +37,7 @@ from safetensors.torch import load_file, save_file, save as safetensors_bytes
 
 import envs
 import model
+from lab import data as lab_data
 from grpo import rollout
 import grpo
 
@@ -51,32 +52,11 @@ import grpo
 # turn, by re-running its tool calls (shop_labels). Vocabulary and phrasing are small and regular
 # on purpose: a tiny model trained on the gold dialogs must be able to learn the world.
 #
-# A turn is correct iff (shop_labels):
-#   action - Lookup/Rate: the fact it fetches is one the task needs and no earlier turn of the
-#            dialog fetched (by its real call, whatever observation text the dialog shows);
-#            Calculator: the expression evaluates (within 0.005) to a needed quantity that no
-#            earlier Calculator call produced - a line subtotal q*p, a sum of subtotals, such a
-#            sum converted with the rate, or a converted unit price p*r;
-#            final answer: its first number is within half a cent of the exact total (1.67
-#            or 1.674 for 1.674, not 1.68);
-#            an unknown tool, bad arguments or an unparsable reply is never correct;
-#   thought - asserts nothing false. Claims are read with fixed patterns (_SHOP_CLAIM):
-#            "<item> at store <S> costs <x>" and "1 USD = <x> <CUR>" must state the world's value;
-#            "I need the price of <item> at store <S>" / "I need the <CUR> rate" must name a fact
-#            the task needs that is not yet fetched; "The total is <expression or x> [<CUR>]" must
-#            come within half a cent of the exact total (in the task's currency). Every other
-#            number in the thought must be a value the task involves: a quantity, a price or
-#            rate the task needs or the dialog fetched, a needed quantity, an earlier result.
-# Claims are checked against the world, not against what the dialog happened to show: the
-# matched contaminated data keep the clean observations verbatim after a contaminated call (as
-# the release does), and a later gold turn restating the true price is still true.
-
-
-# ---- the tools -----------------------------------------------------------------------------------
+# A turn is correct iff envs.shop_labels says so: its docstring and _shop_thought_true's state the
+# rules, which the default run's rewards and successes depend on.
 
 
 # ---- exact labels --------------------------------------------------------------------------------
-
 
 def dialog_steps(dialog: list[dict]) -> list:
     """The assistant turns of a released-schema dialog as parser results."""
@@ -160,7 +140,8 @@ def _tool_message(name: str, text: str) -> dict:
     return {"role": "tool", "name": name, "content": {"type": "text", "content": text}}
 
 
-def _shop_play(task: envs.ShopTask, dialog: list[dict], turn: _ShopTurn, state: tuple) -> envs.ShopResult:
+def _shop_play(task: envs.ShopTask, dialog: list[dict], turn: _ShopTurn,
+               state: tuple) -> envs.ShopResult:
     """Append a turn and its true observation; update state = (known, computed, said)."""
     known, computed, _ = state
     dialog.append(_shop_render(task, turn))
@@ -195,8 +176,9 @@ def shop_divided(task: envs.ShopTask) -> list[dict] | None:
     so the dialog is consistent with itself and wrong. None for a USD task (nothing to convert).
 
     Why it exists: the classic slip of currency conversion, and the habit the built-in policy is
-    taught on a fraction of its dialogs (python -m lab.shop sft --divided): a fluent, self-consistent error
-    that an outcome or a per-turn reward can teach away, which errors of a missing skill are not."""
+    taught on a fraction of its dialogs (python -m lab.shop sft --divided): a fluent,
+    self-consistent error that an outcome or a per-turn reward can teach away, which errors of a
+    missing skill are not."""
     if task.currency == "USD":
         return None
     dialog = [{"role": "user", "content": task.text}]
@@ -533,9 +515,9 @@ def shop_matched(task: envs.ShopTask, episode_id: str, clean: list[dict], contam
         kind = kinds[indices.index(t)] if t in indices else None
         dialog = clean[:t] + [contaminated[t]]
         label = shop_dialog_labels(task, dialog)[-1]
-        clean_records.append(envs.matched_record(episode_id, t, label, kind, indices,
+        clean_records.append(lab_data.matched_record(episode_id, t, label, kind, indices,
                                                  "clean", dialog))
-        contaminated_records.append(envs.matched_record(
+        contaminated_records.append(lab_data.matched_record(
             episode_id, t, labels[k], kind, indices, "contaminated", contaminated[:t + 1]))
     return clean_records, contaminated_records
 
@@ -573,9 +555,9 @@ def shop_diagnostic(task: envs.ShopTask, episode_id: str, clean: list[dict],
     repair = _shop_render(task, _shop_next(task, known, computed, fixes + said))
     if not shop_dialog_labels(task, prefix + [repair])[-1]:
         raise RuntimeError(f"shop seed {task.seed}: the repair turn is not correct")
-    return [envs.matched_record(episode_id, t, False, None, [], "clean", clean[:t] + [wrong],
+    return [lab_data.matched_record(episode_id, t, False, None, [], "clean", clean[:t] + [wrong],
                                 diagnostic="consistent_incorrect"),
-            envs.matched_record(episode_id, t, True, None, [j], "contaminated",
+            lab_data.matched_record(episode_id, t, True, None, [j], "contaminated",
                                 prefix + [repair], diagnostic="inconsistent_correct")]
 
 
@@ -956,8 +938,8 @@ def sft_eval(policy, tok, args) -> dict:
     """Held-out success: sampled at temperature 1 (what GRPO starts from) and greedy."""
     env = envs.ShopEnv("test", world=args.world)
     n = min(args.eval_episodes, len(env))
-    play = argparse.Namespace(max_turns=envs.WORLD_TURNS[args.world], max_new_tokens=96, max_len=4096,
-                              temperature=1.0, top_p=1.0)
+    play = argparse.Namespace(max_turns=envs.WORLD_TURNS[args.world], max_new_tokens=96,
+                              max_len=4096, temperature=1.0, top_p=1.0)
     result = {"eval_episodes": n}
     for name, greedy in (("success_sampled", False), ("success_greedy", True)):
         g = torch.Generator().manual_seed(args.seed)
@@ -991,9 +973,9 @@ def write_policy_readme(out: Path, args, config: dict, result: dict, earlier: li
                + " ".join(f"--{k.replace('_', '-')} {getattr(args, k)}" for k in flags))
     about = ("A tiny Qwen2-architecture model trained from scratch, with its own byte-level BPE "
              "tokenizer (ChatML specials), on the gold dialogs of the built-in `shop` world mixed "
-             "with contaminated ones (python -m lab.shop make-data), after a warm-up on a synthetic copy "
-             "task that gives it induction heads (shop.py InductionTask). Loss on assistant "
-             "tokens only.")
+             "with contaminated ones (python -m lab.shop make-data), after a warm-up on a "
+             "synthetic copy task that gives it induction heads (shop.py InductionTask). Loss on "
+             "assistant tokens only.")
     if args.init:
         about += " Then continued (`--init`, the last command) on the same dialogs" + \
             ("" if args.divided else ".")
@@ -1129,8 +1111,9 @@ def main(argv=None):
                 (args.batch > train, f"--batch must be at most the {train} training dialogs"),
                 (args.init and not Path(args.init).is_dir(), "--init must be a directory"),
                 (args.world == "shop-long" and not args.init, "--world shop-long continues a shop "
-                 "policy: pass --init DIR (its tokenizer knows the words of both worlds; the first "
-                 f"command of {envs.BUILTIN_POLICIES['shop-long']}/README.md trains the shipped one)"),
+                 "policy: pass --init DIR (its tokenizer knows the words of both worlds; the "
+                 f"first command of {envs.BUILTIN_POLICIES['shop-long']}/README.md trains the "
+                 "shipped one)"),
                 (args.world == "shop" and args.slips or args.world == "shop-long" and args.divided,
                  "--slips is shop-long's habit and --divided shop's: pass the one of --world")):
             if bad:

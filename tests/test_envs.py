@@ -38,7 +38,7 @@ def test_gta_gold_replay_returns_recorded_observations_and_scores_one(release_di
         record = env.records[key]
         ep = env.episode(key)
         assert ep.messages == envs.record_messages(record)[:1]
-        pairs = envs.play_gold(ep, record["dialogs"])
+        pairs = lab_data.play_gold(ep, record["dialogs"])
         n_calls = sum(1 for m in record["dialogs"] if m["role"] == "tool")
         assert len(pairs) == n_calls
         for recorded, got in pairs:
@@ -604,7 +604,7 @@ def test_toolbench_scored_by_the_judge(fake_openai, tmp_path, release_dir):
     key = env.ids[0]
     record = env.records[key]
     ep = env.episode(key)
-    pairs = envs.play_gold(ep, record["dialogs"])
+    pairs = lab_data.play_gold(ep, record["dialogs"])
     assert pairs and all(a == b for a, b in pairs) and ep.done
     fake_openai.reply = lambda body: {"label": "yes"}
     assert ep.score() == 1.0

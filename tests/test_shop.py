@@ -1,4 +1,4 @@
-"""shop.py: the built-in world (deterministic data, exact labels, contamination, replay, splits),
+"""The built-in world (envs.py: exact labels, replay, splits; lab/shop.py: data, contamination),
 the recipe of the built-in policy (sft) and the on-policy probe corpus."""
 import argparse
 import collections
@@ -20,6 +20,7 @@ import grpo
 import model as mdl
 from lab import onpolicy
 import probes
+from lab import data as lab_data
 from lab import shop
 from lab import study
 
@@ -134,7 +135,7 @@ def test_gold_dialogs_replay_score_and_label():
         task = ep.task
         dialog, _ = shop.shop_gold(task)
         assert envs.dialog_to_messages(dialog[:1], envs.SHOP_TOOLS) == ep.messages
-        pairs = envs.play_gold(ep, dialog)
+        pairs = lab_data.play_gold(ep, dialog)
         assert pairs and all(recorded == returned for recorded, returned in pairs)
         assert ep.done and ep.score() == 1.0
         assert ep.labels() == [True] * len(ep.steps)
@@ -161,7 +162,7 @@ def test_divided_dialog_is_the_gold_one_converting_the_wrong_way_round():
     labels = shop.shop_dialog_labels(task, divided)
     assert labels == [True] * (len(labels) - 2) + [False, False]
     ep = envs.ShopEpisode("hand", task)
-    envs.play_gold(ep, divided)
+    lab_data.play_gold(ep, divided)
     assert ep.score() == 0.0
     assert shop.shop_divided(hand_task("USD")) is None     # nothing to convert
 
@@ -188,7 +189,7 @@ def test_long_world_gold_dialogs_replay_score_and_label():
         assert ep.id == f"shop-long-3-test-{i}" and envs.shop_task_from_id(ep.id) == task
         assert task.currency != "USD" and 3 <= len(task.lines) <= 5
         dialog = shop.long_dialog(task)
-        pairs = envs.play_gold(ep, dialog)      # every tool call re-executed: same observations
+        pairs = lab_data.play_gold(ep, dialog)      # every tool call re-executed: same observations
         assert pairs and all(recorded == returned for recorded, returned in pairs)
         assert ep.score() == 1.0 and ep.labels() == [True] * len(ep.steps)
         assert shop.shop_dialog_labels(task, dialog) == ep.labels()
@@ -220,7 +221,7 @@ def test_long_world_slips_are_turn_local_and_each_fails_the_episode():
         for slip in shop.LONG_SLIPS:
             dialog = shop.long_dialog(task, (slip,))
             ep = env.episode(i)
-            pairs = envs.play_gold(ep, dialog)
+            pairs = lab_data.play_gold(ep, dialog)
             assert all(recorded == returned for recorded, returned in pairs)
             assert ep.score() == 0.0, (i, slip)
             assert ep.labels() == slip_labels(len(task.lines), slip), (i, slip)
