@@ -6,79 +6,65 @@
     torchrun --nproc_per_node 2 grpo.py ...        # prompts sharded, LoRA gradients all-reduced
     python -m lab.train --reward igpo ...          # the lab's rewards and searches (lab/)
 
-What runs, once per training step:
- 1. rollout (section 1). `--batch` prompts x `--group` G rollouts (paper: 1 x 4). A rollout plays
-    up to --max-turns assistant turns (paper: 10) in an environment; the G rollouts of one
-    prompt are one batch whose KV cache lives for the whole episode, and the per-turn statistics
-    every internal reward reads (hidden states and the attention statistics of METHOD.md §4) come
-    out of that same generation pass (model.generate -> model.accumulate): no second forward for
-    PAIR.
- 2. rewards (section 2). One reward r_{i,t} per assistant turn t of rollout i, from `--reward`
-    (the REWARDS dict). PAIR: each turn's s_final from its two stages (pair.Pair.scores), then the
-    rollout's rewards from them (pair.trajectory_rewards). `labels` (built-in worlds): each
-    turn's exact step label. `--outcome-weight w` adds w x task score to the last turn's reward.
- 3. advantages (section 3: `group_advantages`, DeepSeekMath process supervision). The group's
-    step rewards are pooled and normalized, r^ = (r - mean) / (std + 1e-6) with the population
-    std, and every token of turn t gets A_{i,t} = sum_{k>=t} r^_{i,k}. With `outcome` the only
-    reward of a rollout is its task score, on its last turn, so this is the usual
-    group-normalized outcome on every token. A group whose rewards are all equal has nothing to
-    say: A = 0, counted in `frac_zero_std`. `--advantage release` takes the authors' release
-    instead (`release_advantages`, `release_loss`): A_{i,t} = r_{i,t} - mean_t r_{i,.} + z_i,
-    z_i the group-normalized total reward of rollout i, and a loss in which every turn, not
-    every token, weighs the same. `--advantage position` subtracts the group's mean at each turn
-    index first (`position_advantages`); `--advantage outcome-turn` gives every token the
-    outcome's group advantage plus lambda x its turn's own centred reward
-    (`outcome_turn_advantages`). On the built-in worlds the chosen form is scored before
-    training (`premise_gate`): does its advantage rank the right decision above the slip?
- 4. update (section 4: `grpo_loss`, `update`). Per policy token:
-    -min(rho A, clip(rho, 1-eps, 1+eps) A) + beta KL_k3(pi || pi_ref), rho = exp(logp -
-    logp_old), KL_k3 = exp(logp_ref - logp) - (logp_ref - logp) - 1, pi_ref = the same model with
-    its LoRA adapter disabled. Only the policy's own tokens count (prompt and observations are
-    masked; the <|im_end|> it generated counts); their sum is divided by the number of such
-    tokens in the whole batch, over all processes. AdamW on the LoRA parameters (r 16, alpha 32,
-    dropout 0.05 - 0 on the built-in worlds - on q,k,v,o,gate,up,down), lr constant after a 5%
-    linear warmup, grad-norm clip 1.0. Probes stay frozen (unless --probe-retrain-every fits the
-    head again). A batch without a single policy token (every prompt longer than --max-len)
-    makes no update, logs loss 0 and is counted in `empty_batch`.
-Section 5 is the training loop: the steps, the checkpoints and the evaluations around them.
+One training step, section by section:
+ 1. Rollout. `--batch` prompts x `--group` G rollouts (paper: 1 x 4), each up to --max-turns
+    assistant turns (paper: 10). The G rollouts of a prompt are one batch whose KV cache lives
+    for the whole episode; the per-turn statistics the internal rewards read (hidden states,
+    the attention statistics of METHOD.md §4) come out of that same generation pass.
+ 2. Rewards. One r_{i,t} per assistant turn t of rollout i, from `--reward` (REWARDS). PAIR:
+    each turn's s_final from its two stages (pair.Pair.scores), the rollout's rewards from them
+    (pair.trajectory_rewards). `--outcome-weight w` adds w x task score to the last turn's.
+ 3. Advantages (`group_advantages`, DeepSeekMath process supervision). The group's rewards are
+    pooled, r^ = (r - mean) / (std + 1e-6) with the population std, and every token of turn t
+    gets A_{i,t} = sum_{k>=t} r^_{i,k}; with `outcome` this is the usual group-normalized
+    outcome. A group whose rewards are all equal gives A = 0 (`frac_zero_std`). `--advantage
+    release` is the authors' release (`release_advantages`, `release_loss`): A_{i,t} = r_{i,t}
+    - mean_t r_{i,.} + z_i, z_i the group-normalized total of rollout i, every turn weighing
+    the same in the loss. The lab adds more forms (ADVANTAGES).
+ 4. Update (`grpo_loss`, `update`). Per policy token -min(rho A, clip(rho, 1-eps, 1+eps) A) +
+    beta KL_k3(pi || pi_ref), rho = exp(logp - logp_old), KL_k3 = exp(logp_ref - logp) -
+    (logp_ref - logp) - 1, pi_ref = the model with its LoRA adapter disabled. Only the policy's
+    own tokens count (its <|im_end|> included), summed and divided by their number in the whole
+    batch, over all processes. AdamW on LoRA (r 16, alpha 32, dropout 0.05 - 0 on the built-in
+    worlds - on q,k,v,o,gate,up,down), lr constant after a 5% linear warmup, grad-norm clip 1.0.
+    A batch without a policy token makes no update (`empty_batch`).
+ 5. The training loop: the steps, with a checkpoint and an evaluation every --save-every.
+Then the run around it: flags and presets, processes, the run directory, checkpoints,
+evaluation, summary.
 
 Where this departs from textbook GRPO (DeepSeekMath; TRL's GRPOTrainer):
- - One PPO epoch per batch, as the paper ran it: pi_old is the policy that sampled, rho = 1 in
-   value (its gradient is the plain policy gradient) and the clip never fires. `--ppo-epochs K`
-   re-uses the batch K times, and then the clip does its job.
- - logp_old is the first epoch's own forward, detached, rather than a separate forward: exact,
-   since the parameters have not moved yet (TRL does the same).
- - Token-level normalization over the whole batch (METHOD.md §9; DAPO / Dr. GRPO) instead of a mean
-   per sequence, which would weight the tokens of short rollouts more.
- - Rewards live on turns, not sequences, and A is a per-turn return of normalized step rewards.
+ - One PPO epoch per batch, as the paper ran it: rho = 1 in value (the plain policy gradient)
+   and the clip never fires; `--ppo-epochs K` re-uses the batch K times.
+ - logp_old is the first epoch's own forward, detached: exact, the parameters have not moved.
+ - Token-level normalization over the whole batch (DAPO / Dr. GRPO), not a mean per sequence.
+ - Rewards live on turns, not sequences, and A is a per-turn return of normalized rewards.
  - The KL reference is the adapter-disabled base: no second copy of the model in memory.
- - log pi is taken at the sampling temperature (logits / T), so that rho and the KL are about the
-   distribution the tokens were drawn from (T = 1 in the paper, where this changes nothing);
-   `--advantage release` takes it at T = 1 whatever the sampling temperature, as the release.
+ - log pi is taken at the sampling temperature (logits / T), the distribution the tokens were
+   drawn from (T = 1 in the paper); `--advantage release` takes it at T = 1, as the release.
 
-What this file leaves to the lab (lab/, which imports it; never the reverse): the paper's other
-rewards and the two tree searches, which change steps 1, 3 and 4 (Tree-GRPO, AT²PO:
-lab/baselines.py), the exact-label reward and more advantage forms (lab/credit.py), probes
-fitted on the fly and refitted during a run (lab/onpolicy.py), the long world (lab/shop.py),
-and the comparison across rewards and seeds (lab/compare.py). They plug in through REWARDS,
-ADVANTAGES, PLAYERS, LOSSES and HOOKS; `python -m lab.train` is this file with them.
+The lab (lab/, which imports this file, never the reverse) plugs in through REWARDS, ADVANTAGES,
+PLAYERS, LOSSES and HOOKS: the paper's other rewards and tree searches (lab/baselines.py), more
+advantage forms (lab/credit.py), probes fitted on the fly (lab/onpolicy.py), the long world
+(lab/shop.py), comparisons and curves (lab/compare.py, lab/curves.py); `python -m lab.train` is
+this file with them.
 
-Every checkpoint (`--save-every`, and the last step) stores the adapter in PEFT's layout, the
-optimizer, the RNG states and the step, atomically; `--resume` continues from the newest one and
-gives the same metrics as a run that was never interrupted. The base model and every checkpoint
-are evaluated with greedy decoding on two held-out splits: validation, which selects the
-checkpoint, and test, on which it is reported (the paper picks the best checkpoint on test
-itself; `best_on_test` keeps that number, labelled). Metrics go to OUT/metrics.jsonl (one line
-per step), OUT/eval.jsonl (per evaluation, with every episode's score) and OUT/summary.json.
+Every checkpoint stores the PEFT-layout adapter, the optimizer, the RNG states and the step,
+atomically; `--resume` continues from the newest and gives the metrics of an uninterrupted run.
+The base model and every checkpoint are evaluated greedily on validation (which selects the
+checkpoint) and test (which reports it; `best_on_test` is the paper's pick on test itself).
+OUT holds metrics.jsonl (per step), eval.jsonl (per evaluation) and summary.json.
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
+import hashlib
 import json
 import math
 import os
 import random
 import shlex
+import shutil
 import sys
 import time
 from collections import Counter
@@ -88,27 +74,144 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.distributed as dist
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
 
 import envs
 import model
 import pair
 import probes
-import contextlib
-import shutil
-from safetensors import SafetensorError
-from safetensors.torch import save_file
-from safetensors.torch import load_file
-import hashlib
 
 ROOT = Path(__file__).resolve().parent
 
 
 # ---------------------------------------------------------------------------------------------
+# 1. Rollout: G rollouts of one prompt played together, one KV cache for the whole episode
+# ---------------------------------------------------------------------------------------------
+
+@dataclass
+class Step:                         # one assistant turn of one rollout
+    tokens: list[int]               # what the policy generated (ends with <|im_end|> if finished)
+    segment: int                    # which of Trajectory.segments holds it ...
+    span: tuple[int, int]           # ... at these positions [start, end)
+    text: str                       # the assistant text handed to the environment
+    trace: model.TurnTrace | None   # statistics from the generation pass (None: not collected)
+    observation: str | None         # the environment's answer (None: the episode ended here)
+    nll: float | None = None        # mean -log pi of its tokens as sampled (AT²PO's entropy H)
+    # the chat up to this turn as the policy saw it: an environment may rewrite earlier
+    # messages later (ToolBench's history cap), and a judge rates the turn in its context
+    history: list[dict] = field(default_factory=list)
+
+
+@dataclass
+class Trajectory:                   # one rollout of one episode
+    episode: object                 # an envs.Episode: step(text), messages, score(), labels()
+    # The tokens exactly as the model saw them: one sequence, unless the environment rewrote
+    # earlier messages (ToolBench's history cap); then the cache is refilled and a new segment
+    # starts, so that every turn is later scored in the context it came from.
+    segments: list[list[int]] = field(default_factory=lambda: [[]])
+    steps: list[Step] = field(default_factory=list)
+    score: float = 0.0              # task score in [0, 1]
+    truncated: bool = False         # stopped by --max-len, not by the episode
+
+
+def turn_opening(tok, finished: bool, observation: str | None) -> list[int]:
+    """The tokens between one assistant turn and the next: what a later turn appends to the cache.
+
+    Exactly what the chat template puts there (METHOD.md §2): the newline after <|im_end|> (plus
+    the <|im_end|> itself when the turn hit max_new_tokens), the observation as a user message,
+    and the next generation prompt. Special tokens split the text, so these tokens are the ones
+    Tokenizer.render gives for the whole conversation."""
+    ids = ([] if finished else [tok.im_end_id]) + tok.encode("\n")
+    if observation is not None:         # text, not template: it cannot open or close a turn
+        ids += [tok.im_start_id] + tok.encode(f"user\n{observation}") + [tok.im_end_id] + \
+            tok.encode("\n")
+    return ids + [tok.im_start_id] + tok.encode("assistant\n")
+
+
+@torch.no_grad()
+def rollout(policy, tok, episodes: list, args, greedy=False, generator=None,
+            stats=True, caches: list | None = None) -> list[Trajectory]:
+    """Play each episode (one batch row each) to its end; returns one Trajectory per row.
+    With `caches`, the KV cache of the batch is appended to it, row i holding trajectory i's
+    last segment (tree search branches from it)."""
+    trajs = [Trajectory(ep) for ep in episodes]
+    new = [tok.render(ep.messages, add_generation_prompt=True)[0] for ep in episodes]
+    cache = policy.new_cache(len(episodes), capacity=min(
+        args.max_len, max(map(len, new)) + 4 * args.max_new_tokens))     # it grows if needed
+    play(policy, tok, trajs, cache, new, args, greedy, generator, stats)
+    if caches is not None:
+        caches.append(cache)
+    return trajs
+
+
+@torch.no_grad()
+def play(policy, tok, trajs: list[Trajectory], cache, new: list[list[int]], args, greedy=False,
+         generator=None, stats=True):
+    """Continue every row to the end of its episode. Row i's cache holds traj.segments[-1]; it
+    appends new[i] before its next turn (the prompt, or the rest of a branch's prefix)."""
+    active = [True] * len(trajs)
+    refill = [False] * len(trajs)
+    for _ in range(args.max_turns - min(len(t.steps) for t in trajs)):
+        for i, traj in enumerate(trajs):
+            if len(traj.steps) >= args.max_turns:       # a branch that started deep in a tree
+                active[i] = False
+            # a turn that might not fit ends the rollout (it is scored as it stands)
+            seen = 0 if refill[i] else len(traj.segments[-1])
+            if active[i] and seen + len(new[i]) + args.max_new_tokens > args.max_len:
+                active[i], traj.truncated = False, True
+        if not any(active):
+            break
+        if any(a and r for a, r in zip(active, refill)):
+            lengths = cache[0].lengths.clone()
+            for i, traj in enumerate(trajs):
+                if active[i] and refill[i]:
+                    lengths[i] = 0           # the row's old slots are free: overwrite them
+                    traj.segments.append([])
+                    refill[i] = False
+            model.set_lengths(cache, lengths)
+        # a row no longer playing gets nothing appended (its cache row stays) and no trace
+        traces = model.generate(policy, cache, new, max_new_tokens=args.max_new_tokens,
+                                temperature=0.0 if greedy else args.temperature,
+                                top_p=args.top_p, stop_ids=[tok.im_end_id],
+                                generator=generator, stats=stats, active=active)
+        for i, (traj, tr) in enumerate(zip(trajs, traces)):
+            if tr is None:
+                continue
+            seq = traj.segments[-1]
+            seq += new[i]
+            start = len(seq)
+            assert tuple(tr.span) == (start, start + len(tr.tokens)), (tr.span, start)
+            seq += tr.tokens
+            text = tok.decode(tr.tokens[:-1] if tr.finished else tr.tokens)
+            before = [dict(m) for m in traj.episode.messages]   # as this turn saw them
+            result = traj.episode.step(text)
+            obs = None if result.done else traj.episode.messages[-1]["content"]
+            # step appends the assistant message after the ones it had (a rewrite changes
+            # messages, it does not move them)
+            history = before + [dict(traj.episode.messages[len(before)])]
+            traj.steps.append(Step(list(tr.tokens), len(traj.segments) - 1, (start, len(seq)),
+                                   text, tr if stats else None, obs,
+                                   nll=-sum(tr.logprobs) / max(len(tr.logprobs), 1),
+                                   history=history))
+            if result.done:
+                active[i], new[i] = False, []
+            elif getattr(result, "rewritten_from", None) is not None:
+                new[i] = tok.render(traj.episode.messages, add_generation_prompt=True)[0]
+                refill[i] = True
+            else:
+                new[i] = turn_opening(tok, tr.finished, obs)
+    for traj in trajs:
+        score = traj.episode.score()
+        traj.score = 0.0 if score is None else float(score)
+
+
+# ---------------------------------------------------------------------------------------------
 # 2. Rewards: one per assistant turn; `--reward` name -> function(trajectory, ctx)
 # ---------------------------------------------------------------------------------------------
-# Each function returns a list with one entry per turn: a float reward, or None for a turn that
-# gets no reward (outcome: every turn but the last). The ones that read a frozen probe (READS_PROBE)
-# return (rewards, P(correct) of each turn): train_step checks the probe against the labels.
+# Each returns one entry per turn: a float, or None for a turn without reward (outcome: all but
+# the last). Those that read a frozen probe (READS_PROBE) return (rewards, P(correct) of each
+# turn), which the drift monitor scores against the exact labels.
 
 @dataclass
 class RewardContext:                # what the reward functions need besides the rollout
@@ -117,8 +220,8 @@ class RewardContext:                # what the reward functions need besides the
     args: argparse.Namespace
     env: envs.Env | None = None     # the training environment (gold answers for igpo / tips)
     pair: pair.Pair | None = None           # reward "pair"
-    probe: probes.Probe | None = None           # the probe of the feature set named by --reward
-    judge: envs.ChatClient | None = None        # reward "llm_judge"
+    probe: probes.Probe | None = None       # the probe of the feature set named by --reward
+    judge: envs.ChatClient | None = None    # reward "llm_judge"
     lagged: dict[str, torch.Tensor] | None = None   # tips: the lagged teacher's LoRA parameters
     probe_report: dict | None = None    # shop: the fitted probes' AUROC on held-out own turns
     summary: dict = field(default_factory=dict)     # what the lab adds to summary.json
@@ -169,23 +272,22 @@ PROBE_REWARDS = set(probes.FEATURES)
 READS_PROBE = {"pair"} | PROBE_REWARDS
 NEEDS_STATS = set(READS_PROBE)          # rewards that read the generation pass's statistics
 
-# The lab (lab/train.py) adds the paper's other rewards, the tree searches and the credit
-# experiments through these tables and hooks; the core runs with them empty.
+# The lab (lab/train.py) adds its rewards, searches and experiments through these tables and
+# hooks (`hook(name, ...)` calls each function of HOOKS[name]); the core runs with them empty.
 PLAYERS = {}        # --reward name -> play(g, run, t) -> (Group, KV bytes), in place of play_group
 LOSSES = {}         # --reward name -> its own loss (update), in place of the advantage form's
-HOOKS = {"flags": [], "check": [], "preset": [], "context": [], "setup": [], "step": [], "trained": [],
-         "resume": [], "checkpoint": []}
+HOOKS = {name: [] for name in ("flags", "check", "preset", "context", "setup", "step", "trained",
+                               "resume", "checkpoint")}
 PROG = "python grpo.py"     # how the command line that runs this file is spelled in messages
 
 
 def hook(name: str, *args) -> list:
-    """Call the lab's functions registered under HOOKS[name]; their results, in order."""
     return [fn(*args) for fn in HOOKS[name]]
 
 
 def turn_rewards(traj: Trajectory, ctx) -> tuple[list[float | None], list[float] | None]:
-    """The `--reward` function, plus `--outcome-weight` x task score on the last turn; and the
-    frozen probe's P(correct) of every turn when the reward reads one (else None)."""
+    """The `--reward` function plus `--outcome-weight`, and the frozen probe's P(correct) of
+    every turn when the reward reads one (else None)."""
     if not traj.steps:              # a prompt longer than --max-len: nothing was generated
         return [], None
     rewards, p_correct = REWARDS[ctx.args.reward](traj, ctx), None
@@ -205,32 +307,29 @@ def with_outcome(rewards: list[float | None], score: float, args) -> list[float 
 
 
 def reward_context(args, policy, tok, env, world, log) -> RewardContext:
-    """Load (or, on shop, fit once and cache) whatever the `--reward` function reads."""
+    """Load (or, through the lab, fit once and cache) whatever the `--reward` function reads."""
     ctx = RewardContext(policy, tok, args, env=env)
-    if args.reward == "pair" or args.reward in PROBE_REWARDS:
-        if args.probes:
-            where = seed_dir(Path(args.probes), log)
-        elif (fitted := [w for w in hook("context", args, policy, tok, world, log) if w]):
-            where, ctx.probe_report = fitted[0]     # the lab's probes, fitted on the fly
-        else:
-            where, ctx.probe_report = shipped_probes(args, log)
-        if args.reward == "pair":
-            found = find_pair_dir(where)
-            ctx.pair = pair.Pair.load(found)
-            if args.probes:             # fitted for this policy? (before any evaluation)
-                pair.check_probe_model(found, policy.checkpoint_dir)
-        else:
-            path = where / f"{args.reward}.safetensors" if where.is_dir() else where
-            if not path.is_file():
-                raise SystemExit(f"--probes {where}: no probe {path.name} for --reward "
-                                 f"{args.reward}")
-            ctx.probe = probes.Probe.load(path)
-            if args.probes:
-                pair.check_probe_model(path, policy.checkpoint_dir)
-            name = ctx.probe.info.get("feature")
-            if name != args.reward:
-                raise SystemExit(f"--probes {path}: a {name} probe, not {args.reward}")
-        check_widths(ctx, policy.config, found if args.reward == "pair" else path)
+    if args.reward not in READS_PROBE:
+        return ctx
+    if args.probes:
+        where = seed_dir(Path(args.probes), log)
+    elif (fitted := [w for w in hook("context", args, policy, tok, world, log) if w]):
+        where, ctx.probe_report = fitted[0]     # the lab's probes, fitted on the fly
+    else:
+        where, ctx.probe_report = shipped_probes(args, log)
+    if args.reward == "pair":
+        path = find_pair_dir(where)
+        ctx.pair = pair.Pair.load(path)
+    else:
+        path = where / f"{args.reward}.safetensors" if where.is_dir() else where
+        if not path.is_file():
+            raise SystemExit(f"--probes {where}: no probe {path.name} for --reward {args.reward}")
+        ctx.probe = probes.Probe.load(path)
+    if args.probes:                     # fitted for this policy? (before any evaluation)
+        pair.check_probe_model(path, policy.checkpoint_dir)
+    if ctx.probe is not None and (name := ctx.probe.info.get("feature")) != args.reward:
+        raise SystemExit(f"--probes {path}: a {name} probe, not {args.reward}")
+    check_widths(ctx, policy.config, path)
     return ctx
 
 
@@ -255,8 +354,7 @@ def shipped_probes(args, log) -> tuple[Path, dict]:
 
 
 def check_widths(ctx: RewardContext, config, where: Path):
-    """The probes read features of this policy's width: a damaged or foreign probe file fails
-    here, before any rollout, not at the first reward."""
+    """A damaged or foreign probe file fails here, before any rollout, not at the first reward."""
     d, L, H = config.hidden_size, config.num_hidden_layers, config.num_attention_heads
     if ctx.pair is not None:
         want = {"stage1": d, "stage2": len(ctx.pair.stats) * H * L + 1}
@@ -272,9 +370,9 @@ def check_widths(ctx: RewardContext, config, where: Path):
 
 
 def seed_dir(where: Path, log) -> Path:
-    """`python -m lab.study train --out DIR` fits every probe once per seed, into DIR/seed<S>/: take the
-    smallest seed (42 with its defaults, the seed the built-in policy's probes are fitted with)
-    and say so. Any other path is used as it is; --probes DIR/seed<S> takes another seed."""
+    """`python -m lab.study train --out DIR` fits every probe once per seed, into DIR/seed<S>/:
+    take the smallest seed (42 by default, the built-in policy's) and say so. Any other path is
+    used as it is."""
     seeds = sorted((int(p.name[4:]), p) for p in (where.glob("seed*") if where.is_dir() else ())
                    if p.name[4:].isdigit() and p.is_dir())
     if not seeds:
@@ -292,7 +390,6 @@ PAIR_DIRS = ("pair_mixed", "pair", "pair_clean_only")
 
 
 def find_pair_dir(where: Path) -> Path:
-    """The directory holding pair.json: `where` itself or one of PAIR_DIRS in it."""
     for d in (where, *(where / name for name in PAIR_DIRS)):
         if (d / "pair.json").is_file():
             return d
@@ -472,7 +569,7 @@ def micro_batches(lengths: list[int], rows: int, tokens: int) -> list[list[int]]
 
 
 def update(policy, optimizer, batch: Batch, args, world) -> dict:
-    """`--ppo-epochs` passes over the batch in micro-batches; one AdamW step per pass."""
+    """`--ppo-epochs` passes over the batch in micro-batches, one AdamW step each."""
     params = [p for p in policy.parameters() if p.requires_grad]
     n_tokens, n_seqs, n_turns = all_sum(world, [batch.mask[:, 1:].sum().item(),
                                                      batch.n_seqs, batch.n_turns])
@@ -544,8 +641,8 @@ def prompt_index(seed: int, g: int, n: int) -> int:
 
 
 def sampler(policy, seed: int, g: int) -> torch.Generator:
-    # One generator per prompt, seeded by its number in the run: the rollouts do not depend on how
-    # prompts are sharded over processes, nor on where a run was resumed.
+    # One generator per prompt, seeded by its number in the run: the rollouts do not depend on
+    # how prompts are sharded over processes, nor on where a run was resumed.
     device = policy.lm_head.weight.device
     return torch.Generator(device=device).manual_seed(seed * 1_000_003 + g)
 
@@ -558,8 +655,6 @@ def seed_all(seed: int):
 
 # seconds per step; t_reward includes t_base_read, the extra forward of --probe-reads base
 TIMING = ("t_rollout", "t_reward", "t_update", "t_base_read")
-
-
 # what a step cost besides time, summed over processes: tokens sampled and turns played (chains
 # and branches), sibling rollouts of tree search, sequences and tokens teacher-forced by the
 # reward (igpo, tips, --probe-reads base), calls to an external judge
@@ -588,15 +683,13 @@ class Group:                        # one prompt's rollouts, rewarded, with thei
     rewards: list[list[float | None]]
     p_correct: list                 # per rollout, the frozen probe's P(correct) per turn, or None
     advantages: list[list[float]]
-    all_equal: bool                 # no turn got an advantage: nothing to learn from (process:
-                                    # every reward equal; release: equal totals still move turns)
+    all_equal: bool                 # no turn got an advantage: nothing to learn from
 
 
 def play_group(g: int, run: Training, t: dict) -> tuple[Group, int]:
-    """The g-th prompt of the run: its G rollouts, their rewards and their advantages; and the
-    bytes of KV cache they held. Adds the seconds spent to t (TIMING) and the work done to
-    run.ctx.cost (COSTS). A tree search of the lab plays its trees instead (PLAYERS)."""
-    if run.args.reward in PLAYERS:
+    """The g-th prompt of the run: its G rollouts, rewards and advantages, and the bytes of KV
+    cache they held. Adds the seconds spent to t (TIMING) and the work to run.ctx.cost (COSTS)."""
+    if run.args.reward in PLAYERS:      # a tree search of the lab plays its trees instead
         return PLAYERS[run.args.reward](g, run, t)
     policy, tok, ctx, args = run.policy, run.tok, run.ctx, run.args
     t0 = time.perf_counter()
@@ -604,10 +697,11 @@ def play_group(g: int, run: Training, t: dict) -> tuple[Group, int]:
     caches = []
     # G fresh copies of the same episode: the group GRPO compares
     episodes = [run.env.episode(index) for _ in range(args.group)]
+    reads = args.reward in NEEDS_STATS
     trajs = rollout(policy, tok, episodes, args, generator=sampler(policy, args.seed, g),
-                    caches=caches, stats=args.reward in NEEDS_STATS and args.probe_reads == "policy")
+                    caches=caches, stats=reads and args.probe_reads == "policy")
     t1 = time.perf_counter()
-    if args.reward in NEEDS_STATS and args.probe_reads == "base":
+    if reads and args.probe_reads == "base":
         read_from_base(policy, trajs, args.micro_batch, ctx.cost)
     t2 = time.perf_counter()
     r, p = zip(*[turn_rewards(traj, ctx) for traj in trajs])
@@ -619,6 +713,25 @@ def play_group(g: int, run: Training, t: dict) -> tuple[Group, int]:
     ctx.cost.update(gen_turns=len(played), gen_tokens=sum(len(st.tokens) for st in played))
     kv_bytes = sum(c.k.nbytes + c.v.nbytes for cache in caches for c in cache)
     return Group(list(trajs), list(r), list(p), a, all_equal), kv_bytes
+
+
+def read_from_base(policy, trajs: list[Trajectory], rows_per_forward: int,
+                   cost: Counter | None = None) -> None:
+    """--probe-reads base: every turn's statistics from its tokens teacher-forced through the
+    frozen base (adapter off) instead of the generation pass, so that the probe reads the
+    representation it was fitted on: a policy cannot move its own hidden states to please it."""
+    seqs, spans, steps = [], [], []
+    for traj in trajs:
+        for step in traj.steps:
+            seqs.append(traj.segments[step.segment][:step.span[1]])
+            spans.append(step.span)
+            steps.append(step)
+    if cost is not None:
+        cost.update(tf_rows=len(seqs), tf_tokens=sum(map(len, seqs)))
+    with model.lora_disabled(policy):
+        traces = model.trace_batch(policy, seqs, spans, rows_per_forward=rows_per_forward)
+    for step, trace in zip(steps, traces):
+        step.trace = trace
 
 
 def train_step(step: int, run: Training) -> dict:
@@ -663,32 +776,11 @@ def train_step(step: int, run: Training) -> dict:
                         [run.ctx.cost[k] for k in COSTS], memory, extra)
 
 
-def read_from_base(policy, trajs: list[Trajectory], rows_per_forward: int,
-                   cost: Counter | None = None) -> None:
-    """--probe-reads base: every turn's statistics from its tokens teacher-forced through the
-    frozen base (adapter off) instead of the generation pass. The probe then reads the
-    representation it was fitted on however far the policy drifts: a policy cannot move its
-    own hidden states to please it."""
-    seqs, spans, steps = [], [], []
-    for traj in trajs:
-        for step in traj.steps:
-            seqs.append(traj.segments[step.segment][:step.span[1]])
-            spans.append(step.span)
-            steps.append(step)
-    if cost is not None:
-        cost.update(tf_rows=len(seqs), tf_tokens=sum(map(len, seqs)))
-    with model.lora_disabled(policy):
-        traces = model.trace_batch(policy, seqs, spans, rows_per_forward=rows_per_forward)
-    for step, trace in zip(steps, traces):
-        step.trace = trace
-
-
 def step_metrics(step, trajs, rewards, p_correct, played, stats, times, args, world, costs=(),
                  memory=None, extra=()) -> dict:
     """One metrics.jsonl record, summed over processes (memory: the largest). played = (groups
-    with no advantage to give (Group.all_equal), groups played); the rest is about the groups
-    kept for the update. p_correct: per trajectory, the frozen probe's P(correct) of each turn
-    (or None)."""
+    all_equal, groups played); the rest is about the groups kept. p_correct: per trajectory,
+    the frozen probe's P(correct) of each turn (or None)."""
     zero, tried = played
     flat = [r for group in rewards for row in group for r in row if r is not None]
     M = args.max_turns
@@ -745,18 +837,15 @@ CHANCE_WINDOW = 5       # steps the drift monitor's alarm averages over
 
 
 def below_chance(aurocs: list) -> float | None:
-    """The drift monitor's alarm: the mean probe AUROC of the last CHANCE_WINDOW steps when it
-    is below chance (the frozen probe now ranks the run's wrong turns above its right ones, so
-    its reward favours them), else None."""
+    """The drift monitor's alarm: the mean probe AUROC of the last CHANCE_WINDOW steps when
+    below chance (the frozen probe's reward now favours wrong turns), else None."""
     recent = [a for a in aurocs[-CHANCE_WINDOW:] if a is not None]
     mean = sum(recent) / CHANCE_WINDOW
     return mean if len(recent) == CHANCE_WINDOW and mean < 0.5 else None
 
 
 def setup(args) -> Training:
-    """Everything a run reads, each input checked before the run directory is written: the
-    processes, the presets, the policy with a fresh adapter, the environment and its held-out
-    splits, the reward's probes or judge, the optimizer."""
+    """Everything a run reads, each input checked before the run directory is written."""
     world = init_world(args)
     resolve_preset(args, world)
     if args.batch % world.size:
@@ -808,8 +897,8 @@ def setup(args) -> Training:
 
 
 def resume(run: Training) -> int:
-    """The step to start from: 0, or (--resume) the newest checkpoint's, restored. What the
-    interrupted run logged after that checkpoint is dropped, to be redone exactly."""
+    """The step to start from: 0, or (--resume) the newest checkpoint's, restored; what was
+    logged after it is dropped, to be redone exactly."""
     start, args, out = 0, run.args, run.out
     ckpt = latest_checkpoint(out) if args.resume else None
     damaged = sorted(p.name for p in out.glob("checkpoint-*") if not (p / "trainer.json").is_file())
@@ -831,10 +920,9 @@ def resume(run: Training) -> int:
 
 
 def evaluate_and_log(run: Training, step: int, done: set, seconds: list):
-    """Evaluate the policy at `step` on the held-out splits (unless done already, or --no-eval)
-    and append it to eval.jsonl. The base model's evaluation (step 0) is read from the cache when
-    an earlier run of this policy made it with the same settings. `seconds`: each evaluation's
-    time, which the ETA expects of the next."""
+    """Evaluate the policy at `step` on the held-out splits (unless done, or --no-eval) into
+    eval.jsonl; step 0 from the cache when an earlier run made it (base_eval_cache). `seconds`:
+    each evaluation's time, which the ETA expects of the next."""
     args, world = run.args, run.world
     if args.no_eval or step in done:
         return
@@ -860,8 +948,8 @@ def evaluate_and_log(run: Training, step: int, done: set, seconds: list):
 
 
 def train(args) -> dict:
-    """The run: setup, the base model's evaluation, then --steps GRPO steps with a checkpoint and
-    an evaluation every --save-every steps and at the end; the summary."""
+    """Setup, the base model's evaluation, --steps GRPO steps with a checkpoint and an
+    evaluation every --save-every steps and at the end, the summary."""
     started = time.perf_counter()
     run = setup(args)
     policy, optimizer, ctx, world, log = run.policy, run.optimizer, run.ctx, run.world, run.log
@@ -900,7 +988,6 @@ def train(args) -> dict:
     summary.update(ctx.summary)
     if world.main:
         model.write_json(run.out / "summary.json", summary)
-        model.write_atomic(run.out / "curves.svg", run_curves(run.out, args.reward))
         log(summary_text(summary), flush=True)
     if world.size > 1:
         dist.barrier()
@@ -914,134 +1001,11 @@ def check_args(args: argparse.Namespace) -> None:
     hook("check", args)
 
 
-def append_jsonl(path: Path, record: dict):
-    with open(path, "a") as f:
-        f.write(json.dumps(record) + "\n")
 
-
-def read_jsonl(path: Path) -> list[dict]:
-    """The records of a per-step JSONL log (metrics.jsonl, eval.jsonl): one JSON object with an
-    integer "step" per line. A last line cut short by a kill is dropped (the step it logged is
-    redone on resume); a broken line before the last one, or a record of another shape, is an
-    error."""
-    if not path.exists():
-        return []
-    lines = [line for line in path.read_text().splitlines() if line.strip()]
-    records = []
-    for k, line in enumerate(lines):
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError as e:
-            if k == len(lines) - 1:
-                break
-            raise SystemExit(f"{path}: line {k + 1} is not JSON ({e}); the log is damaged") \
-                from e
-        if not isinstance(record, dict) or type(record.get("step")) is not int:
-            raise SystemExit(f"{path}: line {k + 1} is not a step's record (a JSON object with "
-                             "an integer \"step\"); the log is damaged")
-        records.append(record)
-    return records
-
-
-def truncate_jsonl(path: Path, last_step: int):
-    """Keep the records up to `last_step`: what an interrupted run logged after its last
-    checkpoint is redone on resume."""
-    if not path.exists():
-        return
-    keep = [r for r in read_jsonl(path) if r["step"] <= last_step]
-    model.write_atomic(path, "".join(json.dumps(r) + "\n" for r in keep))
-
-
-LOCK_FILE = ".lock"
-
-
-_claims: dict[str, list] = {}       # resolved directory -> [its open lock file, claim depth]
-
-
-def claim(directory, wait=None) -> Path:
-    """Make this process the only writer of `directory` (created if needed) until it exits or
-    calls release(); a directory another process holds is refused with its pid, or, with
-    wait=log (a print-like function), waited for after saying so. Claims nest within a process.
-
-    The lock is flock() on DIRECTORY/.lock: the kernel drops it when the holder exits, however
-    it exits (kill -9 included), so there is no stale lock to judge by pid or age. A lock file
-    created with O_EXCL would need such a rule, and a recycled pid defeats it. The file may be
-    deleted while held (the holder removes OUT.parts when it is done), so a lock is only taken
-    on the file that is still at that path."""
-    import fcntl                    # POSIX only, so imported where it is needed
-    directory = Path(directory)
-    key = str(directory.resolve())
-    held = _claims.get(key)
-    if held is not None and _is_file_at(held[0], directory / LOCK_FILE):
-        held[1] += 1
-        return directory
-    for _ in range(100):
-        try:
-            directory.mkdir(parents=True, exist_ok=True)
-        except (FileExistsError, NotADirectoryError):
-            raise SystemExit(f"{directory}: not a directory (an output directory is needed "
-                             "here)") from None
-        except OSError as e:
-            raise SystemExit(f"{directory}: cannot create it ({e.strerror})") from None
-        try:
-            f = open(directory / LOCK_FILE, "a+")   # "a+": the holder's pid stays readable
-        except FileNotFoundError:                   # the directory was removed meanwhile
-            continue
-        except OSError as e:
-            raise SystemExit(f"{directory}: cannot write there ({e.strerror})") from None
-        try:
-            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            f.seek(0)
-            pid = f.read().strip() or "?"
-            if wait is None:
-                f.close()
-                raise SystemExit(f"{directory} is in use by pid {pid}; wait for that process to "
-                                 "finish (or stop it), or write somewhere else") from None
-            wait(f"{directory} is in use by pid {pid}: waiting for it", flush=True)
-            fcntl.flock(f, fcntl.LOCK_EX)
-        if _is_file_at(f, directory / LOCK_FILE):
-            f.truncate(0)
-            f.write(f"{os.getpid()}\n")
-            f.flush()
-            _claims[key] = [f, 1]
-            return directory
-        f.close()                                   # locked a file that was just deleted
-    raise SystemExit(f"{directory}: could not be locked (removed again and again meanwhile)")
-
-
-def release(directory) -> None:
-    held = _claims.get(str(Path(directory).resolve()))
-    if held is not None:
-        held[1] -= 1
-        if held[1] == 0:
-            del _claims[str(Path(directory).resolve())]
-            held[0].close()                         # closing the file drops the lock
-
-
-def holds(directory) -> bool:
-    """Whether this process holds the claim on `directory`."""
-    held = _claims.get(str(Path(directory).resolve()))
-    return held is not None and _is_file_at(held[0], Path(directory) / LOCK_FILE)
-
-
-@contextlib.contextmanager
-def exclusive_dir(directory):
-    """`with exclusive_dir(out):` claim() for the duration of the block."""
-    claim(directory)
-    try:
-        yield Path(directory)
-    finally:
-        release(directory)
-
-
-def _is_file_at(f, path: Path) -> bool:
-    try:
-        a, b = os.fstat(f.fileno()), os.stat(path)
-    except FileNotFoundError:
-        return False
-    return (a.st_dev, a.st_ino) == (b.st_dev, b.st_ino)
-
+# ---------------------------------------------------------------------------------------------
+# The run around the loop: flags and presets, processes, run directory, checkpoints,
+# evaluation, summary
+# ---------------------------------------------------------------------------------------------
 
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
     """Every default in --help, but never "(default: None)": a flag whose default is decided
@@ -1102,162 +1066,30 @@ def check_ranges(ap: argparse.ArgumentParser, args, ranges: dict) -> None:
                 ap.error(f"--{name.replace('_', '-')} must be {what}, got {v}")
 
 
-@dataclass
-class Step:                         # one assistant turn of one rollout
-    tokens: list[int]               # what the policy generated (ends with <|im_end|> if finished)
-    segment: int                    # which of Trajectory.segments holds it ...
-    span: tuple[int, int]           # ... at these positions [start, end)
-    text: str                       # the assistant text handed to the environment
-    trace: model.TurnTrace | None   # statistics from the generation pass (None: not collected)
-    observation: str | None         # the environment's answer (None: the episode ended here)
-    nll: float | None = None        # mean -log pi of its tokens as sampled (AT²PO's entropy H)
-    # the chat up to and including this turn as the policy saw it: an environment may rewrite
-    # earlier messages later (ToolBench's history cap), and a judge rates the turn in its context
-    history: list[dict] = field(default_factory=list)
-
-
-@dataclass
-class Trajectory:                   # one rollout of one episode
-    episode: object                 # an envs.Episode: step(text), messages, score(), labels()
-    # The tokens exactly as the model saw them. One sequence, unless the environment rewrote
-    # earlier messages (ToolBench's history cap): then the cache is refilled with the new history
-    # and a new segment starts, so that every turn is later scored in the context it came from.
-    segments: list[list[int]] = field(default_factory=lambda: [[]])
-    steps: list[Step] = field(default_factory=list)
-    score: float = 0.0              # task score in [0, 1]
-    truncated: bool = False         # stopped by --max-len, not by the episode
-
-
-def turn_opening(tok, finished: bool, observation: str | None) -> list[int]:
-    """The tokens between one assistant turn and the next: what a later turn appends to the cache.
-
-    Exactly what the chat template puts there (METHOD.md §2): the newline after <|im_end|> (plus
-    the <|im_end|> itself when the turn hit max_new_tokens), the observation as a user message,
-    and the next generation prompt. Special tokens split the text, so these tokens are the ones
-    Tokenizer.render gives for the whole conversation."""
-    ids = ([] if finished else [tok.im_end_id]) + tok.encode("\n")
-    if observation is not None:         # text, not template: it cannot open or close a turn
-        ids += [tok.im_start_id] + tok.encode(f"user\n{observation}") + [tok.im_end_id] + \
-            tok.encode("\n")
-    return ids + [tok.im_start_id] + tok.encode("assistant\n")
-
-
-@torch.no_grad()
-def rollout(policy, tok, episodes: list, args, greedy=False, generator=None,
-            stats=True, caches: list | None = None) -> list[Trajectory]:
-    """Play each episode (one batch row each) to its end; returns one Trajectory per row.
-    With `caches`, the KV cache of the batch is appended to it, row i holding trajectory i's
-    last segment (tree search branches from it)."""
-    trajs = [Trajectory(ep) for ep in episodes]
-    new = [tok.render(ep.messages, add_generation_prompt=True)[0] for ep in episodes]
-    cache = policy.new_cache(len(episodes), capacity=min(
-        args.max_len, max(map(len, new)) + 4 * args.max_new_tokens))     # it grows if needed
-    play(policy, tok, trajs, cache, new, args, greedy, generator, stats)
-    if caches is not None:
-        caches.append(cache)
-    return trajs
-
-
-@torch.no_grad()
-def play(policy, tok, trajs: list[Trajectory], cache, new: list[list[int]], args, greedy=False,
-         generator=None, stats=True):
-    """Continue every row to the end of its episode. Row i's cache holds traj.segments[-1]; it
-    appends new[i] before its next turn (the prompt, or the rest of a branch's prefix)."""
-    active = [True] * len(trajs)
-    refill = [False] * len(trajs)
-    for _ in range(args.max_turns - min(len(t.steps) for t in trajs)):
-        for i, traj in enumerate(trajs):
-            if len(traj.steps) >= args.max_turns:       # a branch that started deep in a tree
-                active[i] = False
-            # a turn that might not fit ends the rollout (it is scored as it stands)
-            seen = 0 if refill[i] else len(traj.segments[-1])
-            if active[i] and seen + len(new[i]) + args.max_new_tokens > args.max_len:
-                active[i], traj.truncated = False, True
-        if not any(active):
-            break
-        if any(a and r for a, r in zip(active, refill)):
-            lengths = cache[0].lengths.clone()
-            for i, traj in enumerate(trajs):
-                if active[i] and refill[i]:
-                    lengths[i] = 0           # the row's old slots are free: overwrite them
-                    traj.segments.append([])
-                    refill[i] = False
-            model.set_lengths(cache, lengths)
-        # a row no longer playing gets nothing appended (its cache row stays) and no trace
-        traces = model.generate(policy, cache, new, max_new_tokens=args.max_new_tokens,
-                                temperature=0.0 if greedy else args.temperature,
-                                top_p=args.top_p, stop_ids=[tok.im_end_id],
-                                generator=generator, stats=stats, active=active)
-        for i, (traj, tr) in enumerate(zip(trajs, traces)):
-            if tr is None:
-                continue
-            seq = traj.segments[-1]
-            seq += new[i]
-            start = len(seq)
-            assert tuple(tr.span) == (start, start + len(tr.tokens)), (tr.span, start)
-            seq += tr.tokens
-            text = tok.decode(tr.tokens[:-1] if tr.finished else tr.tokens)
-            before = [dict(m) for m in traj.episode.messages]   # as this turn saw them
-            result = traj.episode.step(text)
-            obs = None if result.done else traj.episode.messages[-1]["content"]
-            # step appends the assistant message after the ones it had (a rewrite changes
-            # messages, it does not move them)
-            history = before + [dict(traj.episode.messages[len(before)])]
-            traj.steps.append(Step(list(tr.tokens), len(traj.segments) - 1, (start, len(seq)),
-                                   text, tr if stats else None, obs,
-                                   nll=-sum(tr.logprobs) / max(len(tr.logprobs), 1),
-                                   history=history))
-            if result.done:
-                active[i], new[i] = False, []
-            elif getattr(result, "rewritten_from", None) is not None:
-                new[i] = tok.render(traj.episode.messages, add_generation_prompt=True)[0]
-                refill[i] = True
-            else:
-                new[i] = turn_opening(tok, tr.finished, obs)
-    for traj in trajs:
-        score = traj.episode.score()
-        traj.score = 0.0 if score is None else float(score)
-
-
 PAPER_HPARAMS = dict(batch=1, group=4, max_turns=10, max_new_tokens=1024, temperature=1.0,
                      top_p=1.0, lr=3e-7, warmup=0.05, beta=0.01, eps=0.2, steps=500,
                      save_every=50, lora_r=16, lora_alpha=32.0, lora_dropout=0.05, oversample=1,
                      eval_batch=16)
-
-
-# The built-in policy has ~0.3M parameters, not 7B, and its turns are short. Its rollouts are
-# sampled at T = 0.7: closer to the greedy decoding it is evaluated with, and shorter (at T = 1 it
-# rambles to --max-new-tokens far more often). Four prompts per step so that a step rarely has no
-# informative group; lr 3e-4 (1e-3 and above erode held-out success within 10 steps); no LoRA
-# dropout, which at this size costs a fifth of the update and only adds noise. Greedy evaluation
-# decodes 128 episodes at a time (the turns of greedy rows end close together). One torch thread:
-# a model this small gains little from a second (1.17x alone), and two threads waiting for each
-# other beside any other busy process ran 1.8x to 40x slower, one thread not at all. Everything
-# not listed keeps the paper's value.
+# The built-in policy has ~0.3M parameters and short turns. T = 0.7: closer to its greedy
+# evaluation, and it rambles to --max-new-tokens far less than at T = 1. Four prompts a step, so
+# that a step rarely has no informative group; lr 3e-4 (1e-3 and above erode held-out success
+# within 10 steps); no LoRA dropout (a fifth of the update at this size, only noise); greedy
+# evaluation 128 episodes at a time. One torch thread: a second gains 1.17x alone, and two
+# threads beside any other busy process ran 1.8x to 40x slower. The rest is the paper's.
 TINY = dict(batch=4, group=8, max_new_tokens=96, temperature=0.7, lr=3e-4, lora_dropout=0.0,
             steps=20, save_every=10, eval_batch=128, threads=1)
-
-
 # Defaults of flags that a --preset may set, and which Table grpo_config does not give
 DEFAULTS = dict(weight_decay=0.0, advantage="process")
-
-
-# --preset release: the authors' release as it ran (its GRPO loop and policy wrapper), where it
-# departs from the defaults: torch's AdamW weight decay 0.01, a constant lr with no warmup (its
-# "constant" schedule builds no scheduler at all), nucleus sampling at top-p 0.95, and its
-# advantage and update (--advantage release: every turn weighing the same, the mean log-ratio as
-# the KL estimate, log pi at T = 1). Not reproduced: the cap of its update's forward at the last
-# 2,560 tokens of each turn's context (METHOD.md §9).
+# --preset release: the authors' release as it ran, where it departs from the defaults: torch's
+# AdamW weight decay 0.01, a constant lr with no warmup, nucleus sampling at top-p 0.95, and its
+# advantage and update (--advantage release). Not reproduced: the cap of its update's forward at
+# the last 2,560 tokens of each turn's context (METHOD.md §9).
 PRESETS = {"release": dict(weight_decay=0.01, warmup=0.0, top_p=0.95, advantage="release")}
-
-
 # The flags of Table grpo_config (and the paper's 50-step checkpoints); the paper states no
 # sampling temperature, top-p, LoRA alpha or dropout: those defaults are the release's (T 1.0,
 # alpha 32, dropout 0.05) or, top-p 1.0, this repository's (the release samples at 0.95)
 PAPER_STATED = ("batch", "group", "max_turns", "max_new_tokens", "lr", "warmup", "beta", "eps",
                 "steps", "save_every", "lora_r")
-
-
 SOURCE = {"temperature": "the release's; the paper states none", "lora_alpha": "the release's",
           "lora_dropout": "the release's", "top_p": "the paper states none; the release's 0.95 "
           "with --preset release"}
@@ -1307,6 +1139,11 @@ def preset_help(key: str, what: str) -> str:
         f"{': ' + source if source else ''})"
 
 
+def preset_flag(group, key: str, what: str, kind=int):
+    group.add_argument(f"--{key.replace('_', '-')}", type=kind, default=None,
+                       help=preset_help(key, what))
+
+
 def train_parser(rewards) -> argparse.ArgumentParser:
     """grpo.py's flags; `rewards`: the names --reward takes (grpo.REWARDS)."""
     ap = argparse.ArgumentParser(
@@ -1345,39 +1182,31 @@ def train_parser(rewards) -> argparse.ArgumentParser:
       help="release = the authors' release as it ran: --weight-decay 0.01, --warmup 0, --top-p "
            "0.95, --advantage release (its update and KL estimate); flags given win")
     a("--probes", default=None,
-      help="trained probes: a `python -m lab.study train --out` directory (its smallest seed<S>/ is used, "
-           "pair_mixed/ in it for --reward pair) or one seed<S>/ of it, a PAIR directory, a "
-           "probe file; default on shop: fitted on the fly for this policy (--probe-corpus), "
-           "cached under $PAIR_CACHE")
+      help="trained probes: a `python -m lab.study train --out` directory (its smallest "
+           "seed<S>/ is used, pair_mixed/ in it for --reward pair) or one seed<S>/ of it, a "
+           "PAIR directory, a probe file; default on shop: fitted on the fly for this policy "
+           "(--probe-corpus), cached under $PAIR_CACHE")
     a("--probe-reads", default="policy", choices=("policy", "base"),
       help="where PAIR and the probes read a turn's statistics: policy = the generation pass "
            "(the paper); base = the same tokens teacher-forced through the frozen base model "
            "(one extra forward per step; a drifting policy cannot move what the probe reads)")
     g = ap.add_argument_group("rollout")
-    g.add_argument("--steps", type=int, default=None, help=preset_help("steps", "training steps"))
-    g.add_argument("--batch", type=int, default=None,
-                   help=preset_help("batch", "prompts per step"))
-    g.add_argument("--group", type=int, default=None,
-                   help=preset_help("group", "rollouts per prompt, G"))
+    preset_flag(g, "steps", "training steps")
+    preset_flag(g, "batch", "prompts per step")
+    preset_flag(g, "group", "rollouts per prompt, G")
     g.add_argument("--max-turns", type=int, default=None,
                    help=preset_help("max_turns", "assistant turns per rollout") +
                    " (a built-in world's own: envs.WORLD_TURNS)")
-    g.add_argument("--max-new-tokens", type=int, default=None,
-                   help=preset_help("max_new_tokens", "generated tokens per turn"))
+    preset_flag(g, "max_new_tokens", "generated tokens per turn")
     g.add_argument("--max-len", type=int, default=8192,
                    help="KV cache capacity per rollout; a rollout that would outgrow it ends")
-    g.add_argument("--temperature", type=float, default=None,
-                   help=preset_help("temperature", "sampling temperature"))
-    g.add_argument("--top-p", type=float, default=None,
-                   help=preset_help("top_p", "nucleus sampling mass"))
+    preset_flag(g, "temperature", "sampling temperature", float)
+    preset_flag(g, "top_p", "nucleus sampling mass", float)
     g = ap.add_argument_group("optimization")
-    g.add_argument("--lr", type=float, default=None,
-                   help=preset_help("lr", "AdamW learning rate"))
-    g.add_argument("--warmup", type=float, default=None,
-                   help=preset_help("warmup", "fraction of steps of linear warmup, then constant"))
-    g.add_argument("--beta", type=float, default=None, help=preset_help("beta", "KL coefficient"))
-    g.add_argument("--eps", type=float, default=None,
-                   help=preset_help("eps", "PPO clip epsilon"))
+    preset_flag(g, "lr", "AdamW learning rate", float)
+    preset_flag(g, "warmup", "fraction of steps of linear warmup, then constant", float)
+    preset_flag(g, "beta", "KL coefficient", float)
+    preset_flag(g, "eps", "PPO clip epsilon", float)
     g.add_argument("--oversample", type=int, default=None,
                    help=preset_help("oversample", "DAPO dynamic sampling: play up to K x --batch "
                                     "prompts per step and keep the first --batch whose group "
@@ -1394,11 +1223,9 @@ def train_parser(rewards) -> argparse.ArgumentParser:
     g.add_argument("--weight-decay", type=float, default=None,
                    help="AdamW weight decay (default: 0; 0.01 with --preset release, torch's "
                         "default, which the release keeps)")
-    g.add_argument("--lora-r", type=int, default=None, help=preset_help("lora_r", "LoRA rank"))
-    g.add_argument("--lora-alpha", type=float, default=None,
-                   help=preset_help("lora_alpha", "LoRA alpha"))
-    g.add_argument("--lora-dropout", type=float, default=None,
-                   help=preset_help("lora_dropout", "LoRA dropout"))
+    preset_flag(g, "lora_r", "LoRA rank")
+    preset_flag(g, "lora_alpha", "LoRA alpha", float)
+    preset_flag(g, "lora_dropout", "LoRA dropout", float)
     g.add_argument("--lora-targets", default=",".join(model.LORA_TARGETS),
                    help="comma-separated projections that get an adapter")
     g = ap.add_argument_group("run")
@@ -1409,16 +1236,14 @@ def train_parser(rewards) -> argparse.ArgumentParser:
                         "there, stop and say so")
     g.add_argument("--resume-if-present", action="store_true",
                    help="continue the run in --out if there is one, else start it (for scripts)")
-    g.add_argument("--save-every", type=int, default=None,
-                   help=preset_help("save_every", "checkpoint (and evaluate) every N steps"))
+    preset_flag(g, "save_every", "checkpoint (and evaluate) every N steps")
     g.add_argument("--eval-episodes", type=int, default=0,
                    help="test episodes per evaluation (0 = the whole test split; shop: 600)")
     g.add_argument("--val-episodes", type=int, default=None,
                    help="validation episodes per evaluation, for checkpoint selection (shop: its "
                         "validation split, 200; replay environments: set aside from the end of "
                         "the training split, default 10%% of it)")
-    g.add_argument("--eval-batch", type=int, default=None,
-                   help=preset_help("eval_batch", "episodes decoded together in an evaluation"))
+    preset_flag(g, "eval_batch", "episodes decoded together in an evaluation")
     g.add_argument("--no-eval", action="store_true", help="skip the held-out evaluations")
     g.add_argument("--seed", type=int, default=42, help="seed of everything")
     g.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"),
@@ -1550,9 +1375,8 @@ RESUME_DEFAULTS = {"advantage": "process"}
 
 
 def changed_flag(args, old: dict) -> tuple[str, object, object] | None:
-    """The first flag of RESUME_KEYS whose value in args differs from a run's args.json (old):
-    (--flag, its value now, the run's), or None. A model directory is the same written another
-    way (relative, as the records in results/ are)."""
+    """The first flag of RESUME_KEYS that differs from a run's args.json (old): (--flag, its
+    value now, the run's), or None. A model directory may be written another way (relative)."""
     for k in RESUME_KEYS:
         if k not in old and k not in RESUME_DEFAULTS:
             continue                        # not recorded, and no default to compare with
@@ -1568,9 +1392,8 @@ def changed_flag(args, old: dict) -> tuple[str, object, object] | None:
 
 
 def check_out(args) -> None:
-    """What --out holds against --resume / --resume-if-present. Read-only: checked before
-    anything is loaded or written, and again once OUT is claimed. A run exists in OUT from the
-    moment its args.json is written (after every input was checked)."""
+    """What --out holds against --resume / --resume-if-present, read-only: checked before
+    anything is loaded and again once OUT is claimed. A run exists once its args.json does."""
     out = Path(args.out)
     saved = out / "args.json"
     if args.resume_if_present:
@@ -1627,9 +1450,8 @@ def prepare_out(args, world) -> Path:
 
 
 def forget_failed(out) -> None:
-    """A run that failed before its first step leaves no run behind: the args.json, lock and
-    directory this process made are removed (only while it holds OUT, and only when OUT holds
-    no metrics, evaluation or checkpoint)."""
+    """A run that failed before its first step leaves no run behind: its args.json, lock and
+    directory are removed (only while this process holds OUT, which logged nothing yet)."""
     out = Path(out)
     if not holds(out) or any((out / n).exists() for n in ("metrics.jsonl", "eval.jsonl")) \
             or any(out.glob("checkpoint-*")):
@@ -1642,10 +1464,135 @@ def forget_failed(out) -> None:
         out.rmdir()                     # only if nothing else is in it
 
 
+def append_jsonl(path: Path, record: dict):
+    with open(path, "a") as f:
+        f.write(json.dumps(record) + "\n")
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    """The records of metrics.jsonl or eval.jsonl: a JSON object with an integer "step" a line.
+    A last line cut short by a kill is dropped (its step is redone on resume); any other broken
+    line is an error."""
+    if not path.exists():
+        return []
+    lines = [line for line in path.read_text().splitlines() if line.strip()]
+    records = []
+    for k, line in enumerate(lines):
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as e:
+            if k == len(lines) - 1:
+                break
+            raise SystemExit(f"{path}: line {k + 1} is not JSON ({e}); the log is damaged") \
+                from e
+        if not isinstance(record, dict) or type(record.get("step")) is not int:
+            raise SystemExit(f"{path}: line {k + 1} is not a step's record (a JSON object with "
+                             "an integer \"step\"); the log is damaged")
+        records.append(record)
+    return records
+
+
+def truncate_jsonl(path: Path, last_step: int):
+    """Keep the records up to `last_step`: what an interrupted run logged after its last
+    checkpoint is redone on resume."""
+    if not path.exists():
+        return
+    keep = [r for r in read_jsonl(path) if r["step"] <= last_step]
+    model.write_atomic(path, "".join(json.dumps(r) + "\n" for r in keep))
+
+
+LOCK_FILE = ".lock"
+
+
+_claims: dict[str, list] = {}       # resolved directory -> [its open lock file, claim depth]
+
+
+def claim(directory, wait=None) -> Path:
+    """Make this process the only writer of `directory` (created if needed) until it exits or
+    calls release(); one another process holds is refused with its pid, or, with wait=log (a
+    print-like function), waited for after saying so. Claims nest within a process.
+
+    flock() on DIRECTORY/.lock: the kernel drops it when the holder exits, kill -9 included, so
+    there is no stale lock to judge by pid or age (a recycled pid defeats that). The file may
+    be deleted while held, so a lock is only taken on the file still at that path."""
+    import fcntl                    # POSIX only, so imported where it is needed
+    directory = Path(directory)
+    key = str(directory.resolve())
+    held = _claims.get(key)
+    if held is not None and _is_file_at(held[0], directory / LOCK_FILE):
+        held[1] += 1
+        return directory
+    for _ in range(100):
+        try:
+            directory.mkdir(parents=True, exist_ok=True)
+        except (FileExistsError, NotADirectoryError):
+            raise SystemExit(f"{directory}: not a directory (an output directory is needed "
+                             "here)") from None
+        except OSError as e:
+            raise SystemExit(f"{directory}: cannot create it ({e.strerror})") from None
+        try:
+            f = open(directory / LOCK_FILE, "a+")   # "a+": the holder's pid stays readable
+        except FileNotFoundError:                   # the directory was removed meanwhile
+            continue
+        except OSError as e:
+            raise SystemExit(f"{directory}: cannot write there ({e.strerror})") from None
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            f.seek(0)
+            pid = f.read().strip() or "?"
+            if wait is None:
+                f.close()
+                raise SystemExit(f"{directory} is in use by pid {pid}; wait for that process to "
+                                 "finish (or stop it), or write somewhere else") from None
+            wait(f"{directory} is in use by pid {pid}: waiting for it", flush=True)
+            fcntl.flock(f, fcntl.LOCK_EX)
+        if _is_file_at(f, directory / LOCK_FILE):
+            f.truncate(0)
+            f.write(f"{os.getpid()}\n")
+            f.flush()
+            _claims[key] = [f, 1]
+            return directory
+        f.close()                                   # locked a file that was just deleted
+    raise SystemExit(f"{directory}: could not be locked (removed again and again meanwhile)")
+
+
+def release(directory) -> None:
+    held = _claims.get(str(Path(directory).resolve()))
+    if held is not None:
+        held[1] -= 1
+        if held[1] == 0:
+            del _claims[str(Path(directory).resolve())]
+            held[0].close()                         # closing the file drops the lock
+
+
+def holds(directory) -> bool:
+    """Whether this process holds the claim on `directory`."""
+    held = _claims.get(str(Path(directory).resolve()))
+    return held is not None and _is_file_at(held[0], Path(directory) / LOCK_FILE)
+
+
+@contextlib.contextmanager
+def exclusive_dir(directory):
+    """`with exclusive_dir(out):` claim() for the duration of the block."""
+    claim(directory)
+    try:
+        yield Path(directory)
+    finally:
+        release(directory)
+
+
+def _is_file_at(f, path: Path) -> bool:
+    try:
+        a, b = os.fstat(f.fileno()), os.stat(path)
+    except FileNotFoundError:
+        return False
+    return (a.st_dev, a.st_ino) == (b.st_dev, b.st_ino)
+
+
 def save_checkpoint(out: Path, step: int, policy, optimizer, world, lagged=None) -> Path:
-    """OUT/checkpoint-<step>/; `lagged`: the tips reward's lagged LoRA snapshot, if any. A write
-    that fails (a full disk) leaves the earlier checkpoints as they were and stops the run with
-    one line."""
+    """OUT/checkpoint-<step>/ (`lagged`: the tips reward's LoRA snapshot). A failed write (a
+    full disk) leaves the earlier checkpoints as they were and stops the run with one line."""
     final = out / f"checkpoint-{step:06d}"
     tmp = out / f".checkpoint-{step:06d}.tmp"
     try:
@@ -1748,9 +1695,8 @@ def make_env(args, split: str, evaluation: bool = False):
 
 def evaluate(policy, tok, env, pool, n: int, args, world, name: str = "held-out") -> dict:
     """Greedy rollouts on the first n episodes of `pool` (0: all): mean task score, mean turns,
-    and every episode's score in pool order (for paired comparisons between runs). A progress
-    line with an ETA when the Pacer says so (an evaluation of the built-in world takes a minute
-    or more)."""
+    and every episode's score in pool order (for paired comparisons), with an ETA line when the
+    Pacer says so."""
     n = len(pool) if not n else min(n, len(pool))
     mine = list(range(world.rank, n, world.size))
     policy.eval()
@@ -1773,10 +1719,9 @@ def evaluate(policy, tok, env, pool, n: int, args, world, name: str = "held-out"
 
 
 def eval_splits(args, train_env, train_pool) -> tuple[dict, list[int]]:
-    """The two held-out splits {"val": (env, pool), "test": (env, pool)} and the training pool
-    left. Checkpoints are selected on val and reported on test. Shop has its own validation
-    split; the replay environments set aside the last --val-episodes scorable training episodes.
-    """
+    """The held-out splits {"val": (env, pool), "test": (env, pool)} and the training pool left.
+    A built-in world has its own validation split; a replay environment sets aside the last
+    --val-episodes scorable training episodes."""
     test = make_env(args, "test", evaluation=True)
     if args.env in envs.WORLDS:
         val = make_env(args, "val", evaluation=True)
@@ -1796,11 +1741,9 @@ def evaluate_all(step: int, policy, tok, held: dict, args, world) -> dict:
 
 def base_eval_cache(policy, args, world) -> Path | None:
     """Where the base model's evaluation is kept for later runs: greedy decoding of a fixed pool
-    is the same in every run of one policy and one set of evaluation settings (every reward and
-    every seed of a comparison), so it is done once. Shop only: its held-out pools are procedural
-    and fixed (a replay pool depends on the data directory). The key holds everything the greedy
-    rollouts depend on, threads and batch included (they change float summation order), and the
-    version of the world's scoring rules."""
+    is the same in every run of one policy and evaluation settings, so it is done once. Built-in
+    worlds only (a replay pool depends on the data directory). The key holds everything the
+    rollouts depend on, threads and batch included (float summation order), and the scoring."""
     if args.env not in envs.WORLDS or world.size > 1:
         return None
     settings = {"val": args.val_episodes, "test": args.eval_episodes, "batch": args.eval_batch,
@@ -1820,10 +1763,9 @@ def scorable(env) -> list[int]:
 
 
 def progress_line(rec: dict, steps: int, elapsed: list[float], evals_left: float = 0.0) -> str:
-    """The step's own time, and an ETA from the median of the last 10 steps (a rollout that
-    rambles to --max-new-tokens makes single steps slow; the median does not jump with it)
-    plus `evals_left`, the seconds the evaluations still to come will take. No ETA before 3
-    steps: a median of one or two steps is one outlier away from hours."""
+    """The step's time, and an ETA from the median of the last 10 steps (a rollout rambling to
+    --max-new-tokens makes single steps slow) plus `evals_left`, the seconds of the evaluations
+    to come. No ETA before 3 steps: a median of one or two is one outlier away from hours."""
     left = float(np.median(elapsed[-10:])) * (steps - rec["step"]) + evals_left
     eta = model.duration(left) if len(elapsed) >= 3 or rec["step"] == steps else \
         "after 3 steps"
@@ -1834,114 +1776,6 @@ def progress_line(rec: dict, steps: int, elapsed: list[float], evals_left: float
             f"  kl {rec['kl']:.2e}" + (f"  probe-auroc {auroc:.2f}" if auroc is not None else "")
             + f"  {elapsed[-1]:.1f}s (rollout {rec['t_rollout']:.1f} reward "
             f"{rec['t_reward']:.2f} update {rec['t_update']:.1f})  ETA {eta}")
-
-
-def nice_ticks(lo: float, hi: float, most: int = 6, integer: bool = False) -> list[float]:
-    """Evenly spaced round values (1, 2 or 5 times a power of ten) covering [lo, hi], at most
-    `most` of them, never a value twice (integer: whole numbers only, for steps)."""
-    span = max(hi - lo, 1e-12)
-    for base in (10 ** k for k in range(math.floor(math.log10(span / most)) - 1, 12)):
-        for m in (1, 2, 5):
-            step = m * base
-            if integer and step < 1:
-                continue
-            first = math.ceil(lo / step - 1e-9) * step
-            ticks = [first + i * step for i in range(int((hi - first) / step + 1e-9) + 1)]
-            if 2 <= len(ticks) <= most or (len(ticks) <= most and integer):
-                return ticks
-    return [lo, hi]
-
-
-CURVES = (("curve_success", "held-out success (test, greedy)", "step"),
-          ("curve_seconds", "held-out success against training time", "seconds of training"),
-          ("curve_reward", "mean turn reward (training rollouts)", "step"))
-
-
-def curves_svg(result: dict) -> str:
-    """One panel per curve the rows hold (CURVES: held-out test success against the step and
-    against the seconds of training, mean reward against the step), one line per reward; the
-    legend below them, as many entries a row as its longest label leaves room for."""
-    W, H, pad = 460, 300, 52
-    # tab10, then ten darker ones drawn dashed: twenty rows, each a color of its own
-    colors = ["#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e", "#8c564b", "#e377c2",
-              "#7f7f7f", "#bcbd22", "#17becf", "#393b79", "#843c39", "#637939", "#7b4173",
-              "#8c6d31", "#000000", "#3182bd", "#31a354", "#e6550d", "#756bb1"]
-
-    def stroke(c):      # past the ten first colors, dashed (longer each round of ten)
-        dash = f' stroke-dasharray="{6 * (c // 10)},3"' if c >= 10 else ""
-        return f'stroke="{colors[c % len(colors)]}"{dash}'
-    rows = result["rows"]
-    panels = [c for c in CURVES if all(c[0] in r for r in rows)]
-    width = len(panels) * W
-    # 12px sans-serif: about 7px a character at most; a label is never cut
-    entry = 26 + 7 * max((len(r["reward"]) for r in rows), default=0) + 20
-    per_row = max(1, min(4, (width - 16) // entry))
-    parts = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" '
-             f'height="{H + 22 * (-(-len(rows) // per_row)) + 16}" font-family="sans-serif"'
-             ' font-size="12"><rect width="100%" height="100%" fill="white"/>']
-    for p, (key, title, xlabel) in enumerate(panels):
-        series = [r[key] for r in rows]
-        xs = [x for s in series for x, _ in s] or [0, 1]
-        ys = [y for s in series for _, y in s if y is not None] or [0, 1]
-        x0, x1 = min(xs), max(max(xs), min(xs) + 1)
-        yt = nice_ticks(min(ys), max(max(ys), min(ys) + 1e-3))
-        step = yt[1] - yt[0]            # one more tick below the lowest point, and above
-        yt = [yt[0] - step] * (yt[0] > min(ys) + 1e-12) + yt + \
-            [yt[-1] + step] * (yt[-1] < max(ys) - 1e-12)
-        y0, y1 = yt[0], yt[-1]
-        ox = p * W
-
-        def X(x):
-            return ox + pad + (x - x0) / (x1 - x0) * (W - 1.5 * pad)
-
-        def Y(y):
-            return H - pad + (y - y0) / (y1 - y0) * -(H - 1.6 * pad)
-        parts.append(f'<text x="{ox + W / 2}" y="18" text-anchor="middle">{title}</text>')
-        parts.append(f'<line x1="{X(x0)}" y1="{Y(y0)}" x2="{X(x1)}" y2="{Y(y0)}" '
-                     'stroke="black"/>'
-                     f'<line x1="{X(x0)}" y1="{Y(y0)}" x2="{X(x0)}" y2="{Y(y1)}" stroke="black"/>')
-        for yv in yt:
-            parts.append(f'<text x="{X(x0) - 4}" y="{Y(yv) + 4}" text-anchor="end">'
-                         f'{round(yv, 12):g}</text>')
-        for xv in nice_ticks(x0, x1, integer=True):
-            parts.append(f'<text x="{X(xv)}" y="{Y(y0) + 16}" text-anchor="middle">{xv:g}</text>')
-        parts.append(f'<text x="{ox + W / 2}" y="{H - 8}" text-anchor="middle">{xlabel}</text>')
-        for c, s in enumerate(series):
-            pts = " ".join(f"{X(x):.1f},{Y(y):.1f}" for x, y in s if y is not None)
-            parts.append(f'<polyline points="{pts}" fill="none" {stroke(c)} '
-                         'stroke-width="1.6"/>')
-    for c, r in enumerate(rows):
-        x, y = 16 + (c % per_row) * max(entry, (width - 16) // per_row), H + 22 * (c // per_row) + 8
-        parts.append(f'<line x1="{x}" y1="{y}" x2="{x + 20}" y2="{y}" {stroke(c)}'
-                     f' stroke-width="3"/><text x="{x + 26}" y="{y + 4}">{r["reward"]}</text>')
-    return "\n".join(parts) + "\n</svg>\n"
-
-
-def run_curves(out: Path, reward: str) -> str:
-    """curves.svg of one run: its held-out test success at every evaluation and its mean
-    reward at every step (compare.py draws every run of a comparison the same way)."""
-    evals = read_jsonl(out / "eval.jsonl")
-    steps = read_jsonl(out / "metrics.jsonl")
-    clock = training_seconds(steps)
-    return curves_svg({"rows": [{
-        "reward": reward,
-        "curve_success": [(e["step"], e["test"]["success"]) for e in evals],
-        "curve_seconds": [(clock[e["step"]], e["test"]["success"]) for e in evals
-                          if e["step"] in clock],
-        "curve_reward": [(m["step"], m["reward_mean"]) for m in steps]}]})
-
-
-STEP_SECONDS = ("t_rollout", "t_reward", "t_update", "t_refit")
-
-
-def training_seconds(metrics: list[dict]) -> dict[int, float]:
-    """step -> seconds of training up to the end of that step (rollouts, reward, update and any
-    probe refit; evaluations and checkpoints not counted), from metrics.jsonl; 0 -> 0."""
-    out, total = {0: 0.0}, 0.0
-    for m in metrics:
-        total += sum(m.get(k, 0.0) for k in STEP_SECONDS)
-        out[m["step"]] = total
-    return out
 
 
 def summarize(out: Path, seconds: float, args, probe_report: dict | None = None) -> dict:
@@ -1992,16 +1826,14 @@ def summary_text(s: dict) -> str:
                      f"({p['corpus']} corpus); contaminated-corpus PAIR: "
                      f"{model.num(p['contaminated_corpus_pair'])}")
     lines.append(f"run: {s['out']}  (metrics.jsonl per step, eval.jsonl per checkpoint, "
-                 "summary.json, curves.svg)")
+                 "summary.json; `python -m lab.curves` draws them)")
     if s["selected_adapter"]:
         lines.append(f"selected adapter (PEFT layout): {s['selected_adapter']}")
     return "\n".join(lines)
 
 
 def policy_hash(model_dir) -> str:
-    """The key of everything cached for one policy: its files (not its README), one weights
-    file or shards, fingerprinted as weights.checkpoint_sha256 does (a 7B model is not read
-    whole)."""
+    """The key of everything cached for one policy: model.checkpoint_sha256 of its files."""
     try:
         digest = model.checkpoint_sha256(model_dir)
     except model.CheckpointError as e:
@@ -2034,8 +1866,7 @@ def main(argv=None):
 
 
 def interrupted(args, argv) -> str:
-    """What Ctrl-C leaves, and the command that goes on from there: a checkpoint to resume
-    from, exactly; a run with none yet, which --resume starts over from step 1; or no run."""
+    """What Ctrl-C leaves, and the command that goes on from there."""
     out = Path(args.out)
     again = [*argv] + ([] if "--out" in argv else ["--out", args.out])
     resume = [] if "--resume" in argv or "--resume-if-present" in argv else ["--resume"]

@@ -31,7 +31,7 @@ from pathlib import Path
 
 import numpy as np
 
-from lab import baselines
+from lab import baselines, curves
 import grpo
 from lab import shop
 import model
@@ -113,7 +113,7 @@ def check_run(spec: str, argv: list[str], reward: str, seed: int, run: Path, res
 
 # What the tables read from each step of metrics.jsonl: numbers that must be there, and numbers
 # that may be missing (a run from before they were logged)
-TABLE_METRICS = ("reward_mean", "frac_zero_std", "kl"), (*grpo.TIMING, *grpo.STEP_SECONDS)
+TABLE_METRICS = ("reward_mean", "frac_zero_std", "kl"), (*grpo.TIMING, *curves.STEP_SECONDS)
 COST_METRICS = ("t_rollout", "t_reward", "t_update", *grpo.COSTS, "mem_kv_mb"), \
     ("t_base_read", "mem_cuda_peak_mb")
 
@@ -294,7 +294,7 @@ def compare(argv: list[str]) -> dict:
     result = compare_table(out, args.rewards, args.seeds)
     model.write_json(out / "compare.json", result)
     model.write_atomic(out / "compare.md", compare_markdown(result, command))
-    model.write_atomic(out / "curves.svg", grpo.curves_svg(result))
+    model.write_atomic(out / "curves.svg", curves.curves_svg(result))
     print((out / "compare.md").read_text() + f"\nwrote {out / 'compare.md'}, "
           f"{out / 'compare.json'}, {out / 'curves.svg'}", flush=True)
     return result
@@ -470,7 +470,7 @@ def compare_table(out: Path, specs: list[str], seeds: list[int]) -> dict:
         # and each seed's own, after the base: where seeds disagree, the mean hides how
         row["curve_by_seed"] = {"steps": [k for k in steps if k > 0], "success": [
             [ev[k]["test"]["success"] for k in steps if k > 0] for _, _, ev in played]}
-        clocks = [grpo.training_seconds(ms) for _, ms, _ in played]
+        clocks = [curves.training_seconds(ms) for _, ms, _ in played]
         row["curve_seconds"] = [(_mean([c.get(k) for c in clocks]), y)
                                 for k, y in row["curve_success"]]
         n_steps = min(len(ms) for _, ms, _ in played)

@@ -20,6 +20,7 @@ import torch
 
 from lab import baselines
 from lab import compare
+from lab import curves
 import envs
 import grpo
 import model as mdl
@@ -1357,7 +1358,7 @@ def test_compare_resumes_without_redoing_finished_runs(tiny_policy, tmp_path):
     xs = [x for x, _ in first_row["curve_seconds"]]
     assert xs[0] == 0.0 and xs == sorted(xs) and xs[-1] > 0
     assert [y for _, y in first_row["curve_seconds"]] == [y for _, y in first_row["curve_success"]]
-    clock = grpo.training_seconds(metrics(run_dirs / "outcome-s1"))
+    clock = curves.training_seconds(metrics(run_dirs / "outcome-s1"))
     assert clock[2] == pytest.approx(sum(m["t_rollout"] + m["t_reward"] + m["t_update"]
                                          for m in metrics(run_dirs / "outcome-s1")))
     reach = first_row["to_target"]
@@ -2111,7 +2112,7 @@ def test_a_damaged_probe_cache_fails_before_any_rollout(tiny_policy, tmp_path, m
 def test_compare_draws_each_of_twelve_rewards_with_a_line_of_its_own():
     rows = [{"reward": f"r{i}", "curve_success": [(0, 0.1), (5, 0.2 + i / 100)]}
             for i in range(12)]
-    svg = grpo.curves_svg({"rows": rows})
+    svg = curves.curves_svg({"rows": rows})
     style = r'stroke="#\w+"(?: stroke-dasharray="[\d,]+")?'
     lines = re.findall(f"<polyline [^>]*?({style})", svg)
     legend = re.findall(f'<line [^>]*?({style}) stroke-width="3"/><text[^>]*>r\\d+<', svg)
@@ -2122,7 +2123,7 @@ def test_compare_draws_each_of_twelve_rewards_with_a_line_of_its_own():
 def test_curves_keep_whole_labels_and_a_tick_below_the_lowest_point():
     rows = [{"reward": name, "curve_reward": [(1, 0.353), (2, 0.61)]}
             for name in ("pair:probe-corpus=contaminated", "pair:advantage=release", "outcome")]
-    svg = grpo.curves_svg({"rows": rows})
+    svg = curves.curves_svg({"rows": rows})
     assert all(f">{r['reward']}</text>" in svg for r in rows)             # no label cut
     ticks = [float(v) for v in re.findall(r'text-anchor="end">([\d.]+)<', svg)]
     assert min(ticks) <= 0.353 and max(ticks) >= 0.61, ticks
@@ -2131,14 +2132,16 @@ def test_curves_keep_whole_labels_and_a_tick_below_the_lowest_point():
 def test_a_run_draws_its_curves_with_distinct_round_ticks(tiny_policy, tmp_path):
     out = tmp_path / "r"
     run(flags(tiny_policy, out, steps=4, save_every=2, eval_episodes=3))
+    assert not (out / "curves.svg").exists()          # the core run draws none: lab.curves does
+    curves.main([str(out)])
     svg = (out / "curves.svg").read_text()
     assert svg.count("<polyline") == 3 and "</svg>" in svg         # success vs step, vs s; reward
     for ticks in ([0.04, 0.3], [0.11, 0.18], [1, 4]):
-        values = grpo.nice_ticks(*ticks, integer=ticks == [1, 4])
+        values = curves.nice_ticks(*ticks, integer=ticks == [1, 4])
         assert len(set(values)) == len(values) and values == sorted(values)
         steps = {round(b - a, 12) for a, b in zip(values, values[1:])}
         assert len(steps) == 1                           # evenly spaced
-    assert grpo.nice_ticks(1, 4, integer=True) == [1, 2, 3, 4]  # not "1, 2, 2, 3, 4"
+    assert curves.nice_ticks(1, 4, integer=True) == [1, 2, 3, 4]  # not "1, 2, 2, 3, 4"
 
 
 # ---------------------------------------------------------------------------------------------
