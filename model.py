@@ -1,4 +1,5 @@
-"""A hand-written Qwen2-family decoder that reports its own hidden states and attention statistics.
+"""A hand-written Qwen2-family decoder that reports its own hidden states and attention statistics,
+and what it needs around it: loading a checkpoint, a tokenizer, generation, LoRA, a layer split.
 
 PAIR reads its reward from the policy's internals (METHOD.md §4); this model returns them natively:
   * `hidden_states`: L+1 tensors in the Hugging Face convention (embedding output, the output of
@@ -22,8 +23,8 @@ PAIR reads its reward from the policy's internals (METHOD.md §4); this model re
 
 Architectures: Qwen2ForCausalLM (QKV bias, GQA, tied or untied embeddings), LlamaForCausalLM and
 MistralForCausalLM (no bias; Mistral's sliding window). Modules carry the Hugging Face weight
-names, so loading a checkpoint is a strict `load_state_dict`; weights.py reads and checks the
-directory it comes from (config.json, the safetensors tensors, a Hub download).
+names, so loading a checkpoint (a local directory, or a Hub name downloaded once into
+$PAIR_CACHE) is a strict `load_state_dict` after every file, tensor and shape is checked.
 
 Positions are explicit and every attention mask is built from them: key slot j is visible to the
 query at position p iff j <= p (and p - j < window). The KV cache is indexed by absolute position,
@@ -35,71 +36,60 @@ row's next real token overwrites it.
 Generation follows gpt-fast's small functions (`prefill`, `decode_one_token`, `sample`). Every
 generated token, the final <|im_end|> included, is fed through the model once: the cache holds it,
 and `accumulate` adds its statistics and hidden states to its turn's running sums (`TurnStats`),
-so no second forward pass is run. As in gpt-fast, the decoding step runs compiled
-(`torch.compile`) where that pays: a small model on the CPU, and any model on one GPU, where it
-is also captured as a CUDA graph (compiled_step). The GRPO update's log-probabilities
-(`token_logprobs`) recompute each block and the head in chunks, so that a long rollout's update
-holds little more than one (T, d) tensor per block.
+so no second forward pass is run. The decoding step runs compiled (`torch.compile`) where that
+pays: a small model on the CPU, and any model on one GPU, where it is also captured as a CUDA
+graph (compiled_step). The GRPO update's log-probabilities (`token_logprobs`) recompute each block
+and the head in chunks, so that a long rollout's update holds little more than one (T, d) tensor
+per block.
 Departure from the authors' release (METHOD.md §4): std is over the i+1 causal keys, not the whole
 padded row, and the statistics come from the generation pass instead of a second eager forward.
 
-Top to bottom: RoPE, the KV cache, the span statistics, the transformer, its compiled decoding
-step, `load_model`, the tokenizer and the chat format, generation and teacher-forced traces, LoRA
-(its files, in PEFT's layout, are adapters.py's), the layer split across devices, and the
-`generate` command line.
+Top to bottom: the config and loading a checkpoint (local or from the Hub), RoPE, the KV cache,
+the span statistics, the transformer, its compiled decoding step, the tokenizer and the chat
+format, generation and teacher-forced traces, LoRA and its adapter files (PEFT's layout), the
+layer split across devices, and the file helpers the whole project writes with.
 """
 import contextlib
+import hashlib
 import inspect
+import json
 import math
 import os
+import re
+import struct
 import sys
+import tempfile
+import time
 from bisect import bisect_right
-from dataclasses import MISSING, dataclass, field
+from dataclasses import MISSING, dataclass, field, fields
 from pathlib import Path
+from urllib.parse import quote
 
+import requests
 import torch
-from safetensors import safe_open
-from safetensors.torch import save as safetensors_bytes
 import torch.nn.functional as F
 import torch.utils.checkpoint
+from safetensors import safe_open
+from safetensors.torch import save as safetensors_bytes
 from torch import Tensor, nn
-
-import tempfile
-import json
-import time
-import re
-
-import hashlib
-import struct
-import requests
-from urllib.parse import quote
-from dataclasses import fields
 
 STATS = ("max", "std", "prefix", "self", "entropy", "lookback")
 DEFAULT_SYSTEM = "You are Qwen, created by Alibaba Cloud. You are a helpful assistant."
-# Span rows are scored in chunks of at most this many float32 scores (8 MB): the few temporaries
-# of a chunk stay below what the MLP of the same block holds anyway, so peak memory is unchanged.
-STATS_CHUNK = 1 << 21
-# On a GPU the chunk's launches cost more than its memory: 256 MB of scores, a 256-row span over
-# 8,192 keys of the 7B's 28 heads in one product per layer.
-STATS_CHUNK_GPU = 1 << 26
 # --dtype of every script takes these names, torch's, and only these
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 # ----------------------------------------------------------------------------------------------
-# RoPE, written as Hugging Face writes it for Qwen (rotate_half), so no weight permutation
+# The config and loading a checkpoint: a local directory or a Hugging Face Hub name
 
 
 ARCHITECTURES = {"qwen2": "Qwen2ForCausalLM", "llama": "LlamaForCausalLM",
                  "mistral": "MistralForCausalLM"}      # model_type -> architecture
 
-
 # transformers < 5 saves only the keys that differ from its class defaults; these defaults of
 # the config classes differ from the dataclass defaults below.
 ARCH_DEFAULTS = {"Qwen2ForCausalLM": {"max_window_layers": 28},
                  "MistralForCausalLM": {"sliding_window": 4096}}
-
 
 # (config.json key, largest value, may be absent): sizes a config may ask for; every released
 # model is far below these (the largest has ~126 layers and a 256K vocabulary).
@@ -168,22 +158,8 @@ class Config:
         return cfg
 
     def validate(self):
-        self.check_values()
-        if self.arch not in ARCHITECTURES.values():
-            raise ValueError(f"unsupported architecture {self.architectures!r} "
-                             f"(supported: {', '.join(ARCHITECTURES.values())})")
-        if self.hidden_act != "silu":
-            raise ValueError(f"unsupported hidden_act {self.hidden_act!r} (only silu)")
-        for scaling in (self.rope_parameters, self.rope_scaling):
-            kind = (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
-            if kind != "default":
-                raise ValueError(f"unsupported RoPE type {kind!r} (only default RoPE)")
-        if self.num_attention_heads % self.n_kv_heads:
-            raise ValueError("num_attention_heads must be a multiple of num_key_value_heads")
-
-    def check_values(self):
-        """Types and ranges, before anything is built from them: a config.json is input, and
-        num_hidden_layers = 10**6 would take minutes and gigabytes to build before any weight
+        """Types and ranges first, before anything is built from them: a config.json is input,
+        and num_hidden_layers = 10**6 would take minutes and gigabytes to build before any weight
         is read. The limits are far above every released model."""
         def bad(key, want):
             return ValueError(f"{key} must be {want}, got {getattr(self, key)!r}")
@@ -226,6 +202,17 @@ class Config:
                 len(self.layer_types) != self.num_hidden_layers or
                 not all(isinstance(t, str) for t in self.layer_types)):
             raise bad("layer_types", f"a list of {self.num_hidden_layers} names")
+        if self.arch not in ARCHITECTURES.values():
+            raise ValueError(f"unsupported architecture {self.architectures!r} "
+                             f"(supported: {', '.join(ARCHITECTURES.values())})")
+        if self.hidden_act != "silu":
+            raise ValueError(f"unsupported hidden_act {self.hidden_act!r} (only silu)")
+        for scaling in (self.rope_parameters, self.rope_scaling):
+            kind = (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
+            if kind != "default":
+                raise ValueError(f"unsupported RoPE type {kind!r} (only default RoPE)")
+        if self.num_attention_heads % self.n_kv_heads:
+            raise ValueError("num_attention_heads must be a multiple of num_key_value_heads")
 
     @property
     def arch(self) -> str:
@@ -265,6 +252,447 @@ class Config:
     def stop_ids(self) -> tuple[int, ...]:
         eos = self.eos_token_id
         return () if eos is None else tuple(eos) if isinstance(eos, list) else (eos,)
+
+
+def read_json(path: Path) -> dict:
+    try:
+        return json.loads(path.read_text())
+    except FileNotFoundError:
+        raise CheckpointError(f"{path}: file not found") from None
+    except (OSError, ValueError, RecursionError) as e:    # deep nesting: RecursionError
+        raise CheckpointError(f"{path}: not readable JSON ({type(e).__name__}: {e})") from None
+
+
+def read_config(directory) -> Config:
+    path = Path(directory) / "config.json"
+    try:
+        return Config.from_dict(read_json(path))
+    except (TypeError, ValueError) as e:
+        raise CheckpointError(f"{path}: {e}") from None
+
+
+# config.json keys of a checkpoint trained on a built-in world (`python -m lab.shop sft` writes
+# them): the world's name, and the tool list and reply format it appends to a task in the first
+# user message, so that a prompt can be shown to the model as it saw tasks in training.
+WORLD_KEY = "pair_world"
+
+TOOLS_KEY = "pair_tool_instructions"
+
+
+def _open_safetensors(path: Path):
+    try:
+        return safe_open(str(path), framework="pt", device="cpu")
+    except FileNotFoundError:
+        raise CheckpointError(f"{path}: file not found") from None
+    except Exception as e:      # safetensors raises its own error for truncated or corrupt files
+        raise CheckpointError(f"{path}: truncated or corrupt safetensors file ({e})") from None
+
+
+def _weight_files(directory: Path) -> dict[str, list[str]]:
+    """{file name: tensor names it must hold}; an empty list means 'whatever it holds'."""
+    index = directory / "model.safetensors.index.json"
+    if index.is_file():
+        index_json = read_json(index)
+        weight_map = index_json.get("weight_map") if isinstance(index_json, dict) else None
+        if not isinstance(weight_map, dict):
+            raise CheckpointError(f"{index}: no weight_map")
+        files: dict[str, list[str]] = {}
+        for name, file in weight_map.items():
+            # a shard is a plain file beside the index: "../x.safetensors" or "/etc/x" would
+            # read whatever the index points at
+            if not (isinstance(file, str) and file == Path(file).name and
+                    file.endswith(".safetensors") and not file.startswith(".")):
+                raise CheckpointError(f"{index}: tensor {name} is mapped to {file!r}, not a "
+                                      "safetensors file beside the index")
+            files.setdefault(file, []).append(name)
+        return files
+    if (directory / "model.safetensors").is_file():
+        return {"model.safetensors": []}
+    raise CheckpointError(f"{directory}: neither model.safetensors nor "
+                          "model.safetensors.index.json")
+
+
+def read_state_dict(directory, expected: dict[str, tuple], config: Config, dtype,
+                    device) -> dict:
+    """Every tensor of `expected` (name -> shape: what the model built from `config` holds),
+    checked for presence, extras and shape, as `dtype` on `device`."""
+    directory = Path(directory)
+    expected = dict(expected)
+    tied = config.tie_word_embeddings
+    if tied:
+        expected.pop("lm_head.weight")          # tied heads are not stored (or ignored if they are)
+    state, where = {}, {}
+    for file, listed in _weight_files(directory).items():
+        path = directory / file
+        with _open_safetensors(path) as f:
+            names = set(f.keys())
+            for name in listed:
+                if name not in names:
+                    raise CheckpointError(f"{path}: missing tensor {name} (listed in the index)")
+            for name in sorted(names):
+                if listed and name not in listed:
+                    raise CheckpointError(f"{path}: unexpected tensor {name} (not in the index)")
+                if tied and name == "lm_head.weight":
+                    continue
+                if name not in expected:
+                    raise CheckpointError(f"{path}: unexpected tensor {name} for "
+                                          f"{config.arch}")
+                if name in where:
+                    raise CheckpointError(f"{path}: tensor {name} also in {where[name]}")
+                shape = tuple(f.get_slice(name).get_shape())
+                if shape != expected[name]:
+                    raise CheckpointError(f"{path}: tensor {name} has shape {list(shape)}, "
+                                          f"expected {list(expected[name])}")
+                try:
+                    tensor = f.get_tensor(name)
+                except Exception as e:
+                    raise CheckpointError(f"{path}: cannot read tensor {name} ({e})") from None
+                if tensor.is_floating_point() and not torch.isfinite(tensor).all():
+                    # a model with a NaN weight loads and generates a stop token forever
+                    raise CheckpointError(f"{path}: tensor {name} holds NaN or infinite values")
+                state[name], where[name] = tensor.to(device=device, dtype=dtype), path
+    missing = sorted(set(expected) - set(state))
+    if missing:
+        raise CheckpointError(f"{directory}: missing tensor {missing[0]}"
+                              + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""))
+    return state
+
+
+FINGERPRINT_WHOLE = 64 << 20     # files up to this size are hashed whole
+
+FINGERPRINT_BLOCK = 4096         # bytes read at each end of every tensor of a larger file
+
+
+def checkpoint_sha256(directory) -> str:
+    """A sha256 of what a checkpoint directory computes with, to key what is made from it
+    (features, probes, resumed extractions) by content: a copy changes mtime, and a swapped file
+    of the same size can keep it.
+
+    config.json, tokenizer.json, the index and any weights file up to 64 MiB are hashed whole; a
+    larger safetensors file gives its size, its header and the first and last 4 KiB of every
+    tensor: under a second for a 7B model, not minutes on a network disk. Fine-tuning or merging
+    changes every tensor it touches, ends included; only an edit inside a tensor goes unseen."""
+    directory = Path(directory)
+    h = hashlib.sha256(b"checkpoint/1")
+    names = ["config.json", "tokenizer.json"]
+    if (directory / "model.safetensors.index.json").is_file():
+        names.append("model.safetensors.index.json")
+    for name in names + sorted(_weight_files(directory)):
+        path = directory / name
+        try:
+            with open(path, "rb") as f:
+                size = os.fstat(f.fileno()).st_size
+                h.update(f"{name}\0{size}\0".encode())
+                if size <= FINGERPRINT_WHOLE or not name.endswith(".safetensors"):
+                    for block in iter(lambda: f.read(1 << 20), b""):
+                        h.update(block)
+                    continue
+                n = struct.unpack("<Q", f.read(8))[0]
+                header = f.read(min(n, size))
+                h.update(header)
+                for key, entry in sorted(json.loads(header).items()):
+                    if key == "__metadata__":
+                        continue
+                    start, end = (8 + n + int(o) for o in entry["data_offsets"])
+                    for at in sorted({start, max(start, end - FINGERPRINT_BLOCK)}):
+                        f.seek(at)
+                        h.update(f.read(min(FINGERPRINT_BLOCK, end - at)))
+        except FileNotFoundError:
+            raise CheckpointError(f"{path}: file not found") from None
+        except (OSError, ValueError, KeyError, TypeError, AttributeError, struct.error) as e:
+            raise CheckpointError(f"{path}: truncated or corrupt safetensors file "
+                                  f"({type(e).__name__}: {e})") from None
+    return h.hexdigest()
+
+
+def resolve(path_or_repo) -> Path:
+    """A checkpoint directory, or the local copy of a Hub model name (fetched once)."""
+    directory = Path(path_or_repo)
+    if directory.is_dir():
+        return directory
+    if directory.exists():
+        raise CheckpointError(f"{directory}: not a checkpoint directory (a file)")
+    if not HUB_NAME.fullmatch(str(path_or_repo)):
+        raise CheckpointError(f"{directory}: no such directory (nor a Hub model name like "
+                              "Qwen/Qwen2.5-7B-Instruct)")
+    # <org>/<name> where <org> is a local directory names a path (data/shop-policy misspelt),
+    # not a model to fetch: it fails here, before anything is written to the cache
+    first = directory.parts[0]
+    if Path(first).is_dir():
+        raise CheckpointError(f"{directory}: no such directory ({first}/ is a local directory, "
+                              "so this is a path, not a Hub model name)")
+    return fetch_from_hub(str(path_or_repo))
+
+
+HUB_NAME = re.compile(r"[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*")    # <org>/<name>
+
+HUB_MANIFEST = ".pair-complete.json"
+
+HUB_TIMEOUT = (10, 60)          # (connect, read) seconds
+
+HUB_RETRIES = 5                 # attempts per file; each one resumes where the last one stopped
+
+HUB_RETRY_WAIT = 2.0            # seconds, times the attempt number
+NETWORK_ERRORS = (requests.ConnectionError, requests.Timeout,
+                  requests.exceptions.ChunkedEncodingError)
+
+
+class HubError(CheckpointError):
+    """A model name that could not be fetched from the Hub (or found complete in the cache)."""
+
+
+def hub_cache_dir(repo_id: str) -> Path:
+    return cache_root() / repo_id.replace("/", "--")
+
+
+def _cached_copy(folder: Path) -> bool:
+    # Complete only when the manifest exists and every file it lists has the listed size.
+    try:
+        files = json.loads((folder / HUB_MANIFEST).read_text())["files"]
+        for name in files:
+            _check_hub_name(name, folder, folder.name)
+        return all((folder / name).stat().st_size == size for name, size in files.items())
+    except (OSError, ValueError, KeyError, TypeError, AttributeError, HubError):
+        return False
+
+
+def fetch_from_hub(repo_id: str, revision: str = "main") -> Path:
+    """Download what load_model needs from `repo_id` (e.g. "Qwen/Qwen2.5-7B-Instruct")."""
+    folder = hub_cache_dir(repo_id)
+    if _cached_copy(folder):
+        return folder
+    endpoint = os.environ.get("HF_ENDPOINT", "https://huggingface.co").rstrip("/")
+    offline = (f"cannot fetch model {repo_id!r} from {endpoint}: {{}}; no complete copy in "
+               f"{folder} (copy the files there, or give a local directory instead)")
+    if os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes", "on"):
+        raise HubError(offline.format("HF_HUB_OFFLINE is set"))
+    import fcntl                    # POSIX only, so imported where it is needed
+    folder.mkdir(parents=True, exist_ok=True)
+    with open(folder / ".lock", "w") as lock:
+        # torchrun starts one process per GPU: the first one downloads, the others wait here
+        # and then find the copy complete.
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if _cached_copy(folder):
+            return folder
+        try:
+            files = _fetch_files(folder, repo_id, revision, endpoint)
+        except NETWORK_ERRORS as e:
+            raise HubError(offline.format(f"network unreachable or connection lost "
+                                          f"({type(e).__name__})")) from e
+        manifest = {"repo": repo_id, "revision": revision, "endpoint": endpoint, "files": files}
+        write_atomic(folder / HUB_MANIFEST, json.dumps(manifest, indent=1).encode())
+    return folder
+
+
+def _fetch_files(folder: Path, repo_id, revision, endpoint) -> dict[str, int]:
+    """config, tokenizer and weights (one file, or the index and its shards) -> {name: size}."""
+    session = requests.Session()
+    if os.environ.get("HF_TOKEN"):
+        # requests drops this header when the Hub redirects a download to its CDN (other host),
+        # which is what we want: the CDN URL is signed.
+        session.headers["Authorization"] = f"Bearer {os.environ['HF_TOKEN']}"
+    listing = _hub_tree(session, endpoint, repo_id, revision)
+    files = {}
+
+    def fetch(name):
+        _check_hub_name(name, folder, repo_id)
+        if name not in listing:
+            raise HubError(f"{repo_id}@{revision} on {endpoint} has no file {name!r}")
+        size, digest = listing[name]
+        url = f"{endpoint}/{repo_id}/resolve/{quote(revision, safe='')}/{quote(name)}"
+        _download(session, url, folder / name, size, digest, f"{repo_id}/{name}")
+        files[name] = size
+
+    fetch("config.json")
+    _check_hub_json(folder / "config.json", "a JSON object")
+    fetch("tokenizer.json")
+    _check_hub_json(folder / "tokenizer.json", "a JSON object with a \"model\" entry",
+                    lambda d: isinstance(d.get("model"), dict))
+    if "model.safetensors.index.json" not in listing:
+        fetch("model.safetensors")
+        return files
+    fetch("model.safetensors.index.json")
+    index = _check_hub_json(
+        folder / "model.safetensors.index.json", "a safetensors index: {\"weight_map\": "
+        "{tensor name: shard file name}}",
+        lambda d: isinstance(d.get("weight_map"), dict) and d["weight_map"] and
+        all(isinstance(v, str) and v.endswith(".safetensors") for v in d["weight_map"].values()))
+    for shard in sorted(set(index["weight_map"].values())):
+        fetch(shard)
+    return files
+
+
+def _check_hub_name(name: str, folder: Path, repo_id: str):
+    """A file name from the Hub (the listing or an index) is joined to the cache folder: it
+    must name a plain file inside it. A hostile endpoint could otherwise write anywhere
+    ("../../.bashrc", "/etc/x") or over our own bookkeeping (".pair-complete.json")."""
+    plain = (isinstance(name, str) and name and name == Path(name).name and
+             not name.startswith(".") and "\\" not in name and "\0" not in name and
+             (folder / name).resolve().parent == folder.resolve())
+    if not plain:
+        raise HubError(f"{repo_id}: refusing the file name {name!r} from the Hub (not a plain "
+                       f"file name inside {folder})")
+
+
+def _check_hub_json(path: Path, shape: str, check=None) -> dict:
+    # A JSON file is read by load_model only later: a wrong one is removed now, so that a
+    # retry fetches it again instead of finding it complete.
+    try:
+        data = json.loads(path.read_text())
+        if not isinstance(data, dict) or (check is not None and not check(data)):
+            raise ValueError(f"expected {shape}")
+    except (OSError, ValueError) as e:
+        path.unlink(missing_ok=True)
+        raise HubError(f"{path}: not {shape} ({e}); removed it") from None
+    return data
+
+
+def _hub_tree(session, endpoint, repo_id, revision) -> dict[str, tuple[int, tuple | None]]:
+    # GET /api/models/{repo}/tree/{revision}: [{"type", "path", "size", "oid", "lfs"?}, ...],
+    # paginated through the Link header. For LFS files lfs.oid is the sha256 of the content;
+    # for the others oid is the git blob id of the content. -> {path: (size, (kind, hex))}
+    url = f"{endpoint}/api/models/{repo_id}/tree/{quote(revision, safe='')}"
+    listing = {}
+    while url:
+        r = session.get(url, timeout=HUB_TIMEOUT)
+        _check_status(r, f"model {repo_id!r} at revision {revision!r}")
+        try:
+            for entry in r.json():
+                if entry["type"] == "file":
+                    lfs = entry.get("lfs") or {}
+                    digest = ("sha256", lfs["oid"]) if lfs.get("oid") else \
+                        ("git blob id", entry["oid"]) if not lfs and entry.get("oid") else None
+                    listing[entry["path"]] = (int(lfs.get("size", entry["size"])), digest)
+        except (ValueError, KeyError, TypeError) as e:
+            raise HubError(f"{url}: unexpected answer from the Hub API ({e!r})") from e
+        url = r.links.get("next", {}).get("url")
+    return listing
+
+
+def _check_status(r, what):
+    if r.status_code in (401, 403):
+        raise HubError(f"{r.url}: HTTP {r.status_code}: access to {what} denied (private or "
+                       "gated?); set HF_TOKEN to a token that has access")
+    if r.status_code == 404:
+        raise HubError(f"{r.url}: HTTP 404: {what} not found")
+    if r.status_code >= 400:
+        raise HubError(f"{r.url}: HTTP {r.status_code} {r.reason}")
+
+
+def _download(session, url, dest: Path, size: int, digest: tuple | None, label: str):
+    if dest.is_file() and dest.stat().st_size == size:
+        return                                  # finished by an earlier, interrupted fetch
+    part = dest.with_name(dest.name + ".part")
+    for attempt in range(1, HUB_RETRIES + 1):
+        have = part.stat().st_size if part.exists() else 0
+        if part.exists() and have >= size:
+            break                               # whole (or too long: the size check says so)
+        try:
+            with session.get(url, headers={"Range": f"bytes={have}-"} if have else {},
+                             stream=True, timeout=HUB_TIMEOUT) as r:
+                _check_status(r, label)
+                if have and r.status_code != 206:
+                    have = 0                    # the server ignored Range: start over
+                with open(part, "ab" if have else "wb") as f:
+                    progress = _Progress(label, size, have)
+                    # Small chunks: what was read before a dropped connection is on disk.
+                    for chunk in r.iter_content(chunk_size=1 << 16):
+                        f.write(chunk)
+                        progress.update(len(chunk))
+                        if progress.done > size:
+                            break
+                    progress.show(end="\n")
+            break
+        except NETWORK_ERRORS as e:
+            if attempt == HUB_RETRIES:
+                raise
+            got = part.stat().st_size if part.exists() else 0
+            print(f"\n{label}: connection lost at {got} bytes ({type(e).__name__}), resuming",
+                  file=sys.stderr)
+            time.sleep(HUB_RETRY_WAIT * attempt)
+    got = part.stat().st_size if part.exists() else 0
+    if got != size:
+        part.unlink(missing_ok=True)
+        raise HubError(f"{url}: downloaded {got} bytes but the Hub lists {size}; removed {part}, "
+                       "try again")
+    if digest is not None and _digest(part, digest[0], size) != str(digest[1]).lower():
+        part.unlink()
+        raise HubError(f"{url}: {digest[0]} differs from the Hub's ({digest[1]}); removed "
+                       f"{part}, try again")
+    os.replace(part, dest)
+
+
+def _digest(path: Path, kind: str, size: int) -> str:
+    if kind == "sha256":
+        h = hashlib.sha256()
+    else:                   # git's blob id: sha1 of the header "blob <size>\0", then the content
+        h = hashlib.sha1(b"blob %d\0" % size)
+    with open(path, "rb") as f:
+        while block := f.read(1 << 24):
+            h.update(block)
+    return h.hexdigest()
+
+
+class _Progress:
+    """A download's progress on stderr: name, bytes, percent, speed. On a terminal one line,
+    rewritten twice a second; in a log, a new line when the Pacer says so."""
+
+    def __init__(self, label, total, done):
+        self.label, self.total, self.done, self.start_done = label, total, done, done
+        self.t0, self.pacer = time.monotonic(), Pacer(total, sys.stderr, every=0.5)
+
+    def update(self, n):
+        self.done += n
+        if self.done < self.total and self.pacer.due(self.done):
+            self.show()
+
+    def show(self, end=""):
+        rate = (self.done - self.start_done) / max(time.monotonic() - self.t0, 1e-9) / 1e6
+        pct = 100.0 * self.done / max(self.total, 1)
+        print(f"{chr(13) if self.pacer.tty else ''}{self.label}: {self.done / 1e6:.1f}/"
+              f"{self.total / 1e6:.1f} MB ({pct:.0f}%) {rate:.1f} MB/s",
+              end=end if self.pacer.tty else "\n", file=sys.stderr, flush=True)
+
+
+def load_model(path_or_repo, dtype=torch.float32, devices=None) -> tuple["Transformer",
+                                                                          "Tokenizer"]:
+    """A checkpoint directory (config.json, safetensors, tokenizer.json) or a Hugging Face Hub
+    name such as "Qwen/Qwen2.5-7B-Instruct" (fetched once into $PAIR_CACHE) -> (model, tokenizer).
+    devices: one device, or several to split the layers over (split_model)."""
+    directory = resolve(path_or_repo)
+    devices = [torch.device(d) for d in (devices or ["cpu"])]
+    if not devices:
+        raise ValueError("devices: empty list")
+    config = read_config(directory)
+    if not (directory / "tokenizer.json").is_file():
+        raise CheckpointError(f"{directory / 'tokenizer.json'}: file not found")
+    # Build without allocating, then adopt the loaded tensors (assign=True): one copy in memory.
+    with torch.device("meta"):
+        model = Transformer(config)
+    expected = {name: tuple(t.shape) for name, t in model.state_dict().items()}
+    state = read_state_dict(directory, expected, config, dtype, devices[0])
+    if config.tie_word_embeddings:
+        state["lm_head.weight"] = state["model.embed_tokens.weight"]
+    model.load_state_dict(state, strict=True, assign=True)
+    if config.tie_word_embeddings:
+        model.lm_head.weight = model.model.embed_tokens.weight   # assign=True broke the tie
+    # The base weights are never trained here (GRPO trains LoRA adapters beside them).
+    model.requires_grad_(False).eval()
+    model.name_or_path = str(path_or_repo)        # recorded in saved adapters' configs
+    model.checkpoint_dir = directory              # what checkpoint_sha256 reads
+    if len(devices) > 1:
+        # Loaded on the first device, then spread: the blocks move to their devices one by one.
+        split_model(model, devices)
+    return model, Tokenizer.from_file(directory)
+
+
+def input_device(model: "Transformer") -> torch.device:
+    """Where input ids go: the embedding's device (the first one of a split model)."""
+    return model.model.embed_tokens.weight.device
+
+
+# ----------------------------------------------------------------------------------------------
+# RoPE, written as Hugging Face writes it for Qwen (rotate_half), so no weight permutation
 
 
 def rope_inv_freq(config: Config) -> Tensor:
@@ -328,8 +756,7 @@ class KVCache:
         if size <= self.capacity:
             return
         # Double (rounded to 256) so that decoding one token at a time reallocates rarely.
-        new = max(size, 2 * self.capacity)
-        new = (new + 255) // 256 * 256
+        new = (max(size, 2 * self.capacity) + 255) // 256 * 256
         for name in ("k", "v"):
             old = getattr(self, name)
             t = old.new_zeros(old.shape[0], old.shape[1], new, old.shape[3])
@@ -353,11 +780,9 @@ def set_lengths(cache: list[KVCache], lengths: Tensor):
 
 
 def copy_rows(src: list[KVCache], src_row: int, dst: list[KVCache], dst_row: int, n: int):
-    """Row dst_row of dst holds the first n slots of row src_row of src, and n tokens.
-
-    A branch of a rollout tree continues from its parent's prefix this way instead of
-    prefilling it again: slot = position, so the copied keys are exactly what a fresh prefill of
-    those n tokens would write (RoPE already applied at the same positions)."""
+    """Row dst_row of dst holds the first n slots of row src_row of src, and n tokens: a branch
+    of a rollout tree continues from its parent's prefix without prefilling it again (slot =
+    position, so the copied keys, RoPE applied, are what a fresh prefill would write)."""
     for s, d in zip(src, dst):
         d.grow(n)
         d.k[dst_row, :, :n] = s.k[src_row, :, :n].to(d.k.device)
@@ -367,6 +792,14 @@ def copy_rows(src: list[KVCache], src_row: int, dst: list[KVCache], dst_row: int
 
 # ----------------------------------------------------------------------------------------------
 # Attention statistics of the span rows (METHOD.md §4)
+
+# Span rows are scored in chunks of at most this many float32 scores (8 MB): the few temporaries
+# of a chunk stay below what the MLP of the same block holds anyway, so peak memory is unchanged.
+STATS_CHUNK = 1 << 21
+# On a GPU the chunk's launches cost more than its memory: 256 MB of scores, a 256-row span over
+# 8,192 keys of the 7B's 28 heads in one product per layer.
+STATS_CHUNK_GPU = 1 << 26
+
 
 
 @dataclass
@@ -515,17 +948,13 @@ class Attention(nn.Module):
         return self.o_proj(out), sums
 
     def decode(self, x, cos, sin, bias, pos, kv, before=None, w=None):
-        """One new token per row, x (B, 1, d) at positions pos (B,), its k and v written into
-        this layer's cache tensors kv = (k, v) (B, KV, capacity, D) at slots pos: the attention
-        output and, given before (B, 1, 1, S), 1 on the key slots before each row's span, the
-        four numbers of each head's softmax row (stats_from): its max, sum of squares, prefix
-        and self masses, each (B, H, 1). A softmax row sums to 1 over the visible keys, so
-        self = 1 - prefix.
-
-        The attention is computed by hand, in float32 (its probabilities are the statistics),
-        over key slots [0, S): query head h uses key head h // (H/KV), so the query heads are
-        grouped, not the keys repeated; `bias` (B, 1, 1, S) is 0 on visible key slots and -inf
-        elsewhere. w: the fused projections (Block.decode_weights), or None for the modules."""
+        """One new token per row, x (B, 1, d) at positions pos (B,), its k and v written at
+        slots pos of this layer's cache tensors kv = (k, v) (B, KV, capacity, D): the attention
+        output and, given before (B, 1, 1, S) (1 on the key slots before each row's span), the
+        four numbers of each head's softmax row for stats_from, each (B, H, 1) (a row sums to 1,
+        so self = 1 - prefix). By hand, in float32 (its probabilities are the statistics), over
+        key slots [0, S), query heads grouped per key head; bias (B, 1, 1, S) is 0 on visible
+        slots, -inf elsewhere. w: the fused projections (Block.decode_weights) or None."""
         B, H, KV, D = x.shape[0], self.n_heads, self.n_kv_heads, self.head_dim
         if w is None:
             q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
@@ -601,14 +1030,12 @@ class Block(nn.Module):
         return x + F.linear(F.silu(gate) * up, *w[3]), numbers
 
     def decode_weights(self) -> list[tuple] | None:
-        """(weight, bias) of q/k/v, o, gate/up and down as decoding applies them: an enabled
-        adapter merged in, q/k/v and gate/up concatenated - four matmuls a token instead of seven
-        (21 with adapters), each of which costs its call, not its arithmetic, at a small model's
-        size. Rebuilt when a tensor's version changes (optimizer steps, copy_) or an adapter is
-        switched. None, for the modules themselves, where merging would change the numbers (not
-        float32: an adapter merged into bfloat16 is rounded away; adapter dropout on), where a
-        gradient is wanted (the fused weights are detached), or where a second copy of the
-        weights buys nothing (a block over FUSE_MAX_ELEMENTS)."""
+        """(weight, bias) of q/k/v, o, gate/up and down as decoding applies them, an enabled
+        adapter merged in: four matmuls a token instead of seven (21 with adapters), each costing
+        its call, not its arithmetic, at a small model's size. Rebuilt when a tensor's version
+        changes or an adapter is switched. None (use the modules) where merging would change the
+        numbers (not float32; adapter dropout on), where a gradient is wanted (the fused weights
+        are detached), or where a second copy buys nothing (a block over FUSE_MAX_ELEMENTS)."""
         a, m = self.self_attn, self.mlp
         groups = ((a.q_proj, a.k_proj, a.v_proj), (a.o_proj,), (m.gate_proj, m.up_proj),
                   (m.down_proj,))
@@ -682,12 +1109,10 @@ class Transformer(nn.Module):
         """Everything up to the final norm: (B,T,d) normed output, hidden states, span stats.
 
         input_ids (B, T); positions (B, T) absolute positions (default: right after the cache's
-        tokens, else 0..T-1); span (start, end) or one per row, in absolute positions.
-        With a cache, K/V are written at `positions` and each row's length grows to cover them.
-        recompute: activation checkpointing where a gradient is wanted: each block keeps only its
-        input and runs again in the backward pass, its MLP in chunks of MLP_CHUNK tokens (the
-        update of a long rollout).
-        """
+        tokens, else 0..T-1); span (start, end) or one per row, in absolute positions. With a
+        cache, K/V are written at `positions` and each row's length grows to cover them.
+        recompute: where a gradient is wanted, each block keeps only its input and runs again in
+        the backward pass, its MLP in chunks of MLP_CHUNK tokens (a long rollout's update)."""
         B, T = input_ids.shape
         dev = self.model.embed_tokens.weight.device
         # A causal forward from position 0 (the GRPO update, teacher-forced traces) lets
@@ -740,21 +1165,16 @@ class Transformer(nn.Module):
         return x, tuple(hidden_states) if output_hidden_states else None, attn_stats
 
     def decode(self, tokens, cache, span_start=None, w=None):
-        """One token per row, tokens (B,), appended at each row's cache length (its position;
-        the caller advances the lengths). Returns the logits (B, V) in float32 and, given
-        span_start (B,), where each row's turn began: the hidden states of the new token
-        (L+1, B, d), Hugging Face's convention, and its six statistics (B, L, H, 6), STATS
-        order, all three on the head's device (a split model's last). w: self.decode_weights(),
-        read once by a caller that decodes many tokens with the same weights (checking that they
-        are current costs a fair part of a small model's step).
+        """One token per row, tokens (B,), at each row's cache length (the caller advances the
+        lengths) -> the logits (B, V) in float32 and, given span_start (B,) (where each row's turn
+        began), the token's hidden states (L+1, B, d) and six statistics (B, L, H, 6), all on the
+        head's device. w: self.decode_weights(), read once by a caller decoding many tokens
+        (checking that they are current costs a fair part of a small model's step).
 
-        A small model's decoding step on the CPU costs its number of operations, not their
-        arithmetic, and a GPU's step waits on the CPU to launch its kernels one by one, so the
-        step runs compiled where it can: one graph, and on a GPU one captured CUDA graph
-        (compiled_step). That graph attends over the slots in use rounded up to a whole
-        number of KEY_BLOCKs (at most the capacity), the slots past each row's position masked
-        out, so that its shapes change once every KEY_BLOCK tokens, not at each; the eager step
-        attends over the slots in use."""
+        The step runs compiled where it can (compiled_step): a small model's step on the CPU
+        costs its number of operations, and a GPU's waits on the CPU to launch each kernel. The
+        compiled step attends over the slots in use rounded up to whole KEY_BLOCKs (at most the
+        capacity), later slots masked, so its shapes change once every KEY_BLOCK tokens."""
         lengths = cache[0].lengths                          # (B,) on the CPU: no device sync
         size = int(lengths.max()) + 1                       # key slots [0, size) are in use
         for layer_cache in cache:
@@ -785,12 +1205,9 @@ class Transformer(nn.Module):
 
     def decode_step(self, tokens, lengths, span_start, ks, vs, w, size):
         """decode on the cache tensors ks, vs (one (B, KV, capacity, D) each per layer),
-        attending over key slots [0, size); w: each block's decode_weights().
-
-        The decoding counterpart of trunk, with nothing that depends on a row's length done
-        per layer: the masks, RoPE tables and the before-span vector are built once per step,
-        and the statistics of every layer are derived from their four numbers in one pass at
-        the end."""
+        attending over key slots [0, size); w: each block's decode_weights(). The counterpart of
+        trunk with nothing per layer that depends on a row's length: the masks, RoPE tables and
+        before-span vector are built once per step, every layer's statistics derived at the end."""
         dev = self.model.embed_tokens.weight.device
         pos = lengths.to(dev)
         key_pos = torch.arange(size, device=dev)
@@ -834,16 +1251,13 @@ class Transformer(nn.Module):
 
 # PAIR_COMPILE=0 decodes eagerly everywhere (the test suite does, but where it compares the two).
 COMPILE = os.environ.get("PAIR_COMPILE", "1") != "0"
-# The compiled step attends over key slots in blocks of this many. Over the whole capacity instead
-# (a cache is made for several turns, and doubles as it grows) the attention's products, most of
-# a long episode's step, did up to twice the work: shop-long's greedy episodes took 1.5x longer.
+# The compiled step attends over key slots in blocks of this many, not over the whole capacity:
+# a cache made for several turns, doubling as it grows, would up to double the attention's work.
 KEY_BLOCK = 128
-# torch specializes a graph on the relations it meets among its sizes: whether span_start is
-# given, whether the batch is one row, whether the slots attended fill the cache (then its keys
-# are contiguous). That makes 8 graphs once every size is symbolic, after the first call's static
-# graph and one more at the first change of each size (key slots, batch, capacity): up to 11, 9
-# in a shop-long `pair` run, over torch's default limit of 8, past which the step decoded
-# eagerly for the rest of the process.
+# torch specializes a graph on the relations among its sizes (span_start given or not, one row
+# or more, the slots attended filling the cache or not): 8 graphs once every size is symbolic,
+# after the first call's static graph and one more at the first change of each size. Up to 11,
+# over torch's default limit of 8, past which the step would decode eagerly for good.
 RECOMPILE_LIMIT = 32
 # a CUDA graph per step, every size symbolic from the first compile (compiled_step)
 COMPILE_OPTIONS = {"cpu": {}, "cuda": {"mode": "reduce-overhead", "dynamic": True}}
@@ -851,10 +1265,9 @@ _compiled = {}          # device kind: Transformer.decode_step compiled; "failed
 
 
 def compile_errors() -> tuple:
-    """Compiling failed: no working C++ compiler, or past the limit (named FailOnCacheLimitHit
-    before torch 2.7), which fullgraph=True raises instead of running the step eagerly. torch's
-    compiler is imported here, when a step was compiled, not with this module: it is seconds of
-    every command's start, `--help` included."""
+    """Compiling failed: no working C++ compiler, or past the limit (FailOnCacheLimitHit before
+    torch 2.7), which fullgraph=True raises. Imported here, not with this module: torch's
+    compiler is seconds of every command's start, `--help` included."""
     exc = torch._dynamo.exc
     return (exc.TorchDynamoException, *(getattr(exc, name) for name in (
         "FailOnRecompileLimitHit", "FailOnCacheLimitHit") if hasattr(exc, name)))
@@ -863,20 +1276,14 @@ def compile_errors() -> tuple:
 def compiled_step(w: list, cache: list[KVCache]):
     """Transformer.decode_step compiled (called with the model first), or None where compiling
     does not pay or is not wanted: PAIR_COMPILE=0, an earlier failure, a model split over several
-    devices, or on the CPU a block decoding with its modules (bfloat16, a gradient, a model bound
-    by reading its weights rather than by its operations: Block.decode_weights).
+    devices, or on the CPU a block decoding with its modules (Block.decode_weights).
 
-    On the CPU (a small model: its step costs its number of operations) inductor compiles it for
-    the shapes of its first call and, at the first change, once more with the sizes that changed
-    left symbolic (the batch, the key slots, the capacity), and once per relation among them
-    (RECOMPILE_LIMIT): a third size reuses a graph. Everything else (the weights' shapes, the
-    norms' epsilon) stays a constant of the graph.
-
-    On a GPU it is also captured as a CUDA graph (mode="reduce-overhead", gpt-fast's recipe): a
-    step is one launch instead of a few thousand kernels, each waiting on the CPU. The graph
-    writes the cache in place at the addresses it was captured with (static_address, and
-    generate reserves a whole generation's slots first); every size is symbolic from the first
-    call, so one compile serves each batch and key-slot count, a graph recorded for each."""
+    On the CPU inductor compiles it for the shapes of its first call and, at the first change,
+    once more with the changed sizes symbolic (batch, key slots, capacity), once per relation
+    among them (RECOMPILE_LIMIT). On a GPU it is also captured as a CUDA graph (gpt-fast's
+    recipe): one launch instead of thousands of kernels, writing the cache in place at the
+    addresses it was captured with (static_address; generate reserves its slots first); every
+    size is symbolic from the first call, one compile serving each batch and key-slot count."""
     if not COMPILE or "failed" in _compiled or len({c.k.device for c in cache}) > 1:
         return None
     kind = cache[0].k.device.type
@@ -910,48 +1317,7 @@ def compile_failed(error: Exception):
 
 
 # ----------------------------------------------------------------------------------------------
-# Loading a Hugging Face checkpoint directory (read and checked by weights.py)
-
-
-def load_model(path_or_repo, dtype=torch.float32, devices=None) -> tuple["Transformer",
-                                                                          "Tokenizer"]:
-    """A checkpoint directory (config.json, safetensors, tokenizer.json) or a Hugging Face Hub
-    name such as "Qwen/Qwen2.5-7B-Instruct" (fetched once into $PAIR_CACHE) -> (model, tokenizer).
-    devices: one device, or several to split the layers over (split_model, at the bottom)."""
-    directory = resolve(path_or_repo)
-    devices = [torch.device(d) for d in (devices or ["cpu"])]
-    if not devices:
-        raise ValueError("devices: empty list")
-    config = read_config(directory)
-    if not (directory / "tokenizer.json").is_file():
-        raise CheckpointError(f"{directory / 'tokenizer.json'}: file not found")
-    # Build without allocating, then adopt the loaded tensors (assign=True): one copy in memory.
-    with torch.device("meta"):
-        model = Transformer(config)
-    expected = {name: tuple(t.shape) for name, t in model.state_dict().items()}
-    state = read_state_dict(directory, expected, config, dtype, devices[0])
-    if config.tie_word_embeddings:
-        state["lm_head.weight"] = state["model.embed_tokens.weight"]
-    model.load_state_dict(state, strict=True, assign=True)
-    if config.tie_word_embeddings:
-        model.lm_head.weight = model.model.embed_tokens.weight   # assign=True broke the tie
-    # The base weights are never trained here (GRPO trains LoRA adapters beside them).
-    model.requires_grad_(False).eval()
-    model.name_or_path = str(path_or_repo)        # recorded in saved adapters' configs
-    model.checkpoint_dir = directory              # what checkpoint_sha256 reads
-    if len(devices) > 1:
-        # Loaded on the first device, then spread: the blocks move to their devices one by one.
-        split_model(model, devices)
-    return model, Tokenizer.from_file(directory)
-
-
-def input_device(model: "Transformer") -> torch.device:
-    """Where input ids go: the embedding's device (the first one of a split model)."""
-    return model.model.embed_tokens.weight.device
-
-
-# ----------------------------------------------------------------------------------------------
-# Tokenizer and the chat format (METHOD.md §2, §3)
+# Tokenizer and the chat format (METHOD.md §2, §3); text kept encodable
 
 
 class Tokenizer:
@@ -1053,6 +1419,22 @@ def keep_last(ids: list[int], spans: list[tuple], max_len: int):
     return ids[cut:], shifted, cut
 
 
+# A code point in U+D800..U+DFFF left in a str is half of a UTF-16 pair (a JSON "\ud800"
+# escape decodes to one): no UTF-8 text can hold it and the tokenizer refuses it.
+LONE_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def holds_lone_surrogate(value) -> bool:
+    """Whether a JSON value holds one anywhere, in a key or a string."""
+    return bool(LONE_SURROGATE.search(json.dumps(value, ensure_ascii=False)))
+
+
+def without_surrogates(text: str) -> str:
+    """text with every unpaired surrogate replaced by U+FFFD (same length): whatever a policy or
+    a data file wrote stays encodable."""
+    return LONE_SURROGATE.sub("\ufffd", text)
+
+
 # ----------------------------------------------------------------------------------------------
 # Generation (gpt-fast style small functions) and teacher-forced traces
 
@@ -1120,11 +1502,10 @@ def token_logprobs(policy, ids: torch.Tensor, mask: torch.Tensor,
     """log pi(x_j | x_<j) at the masked positions j, in row-major order -> (N,) float32.
 
     Sized for the update of a long multi-turn rollout: the head runs only on the N positions
-    that count, LOGITS_CHUNK // V of them at a time, and where a gradient is wanted each block,
-    each MLP_CHUNK tokens of its MLP and each chunk of the head are recomputed in the backward
-    pass instead of kept (activation checkpointing), so what the call holds is about one (T, d)
-    input per block: neither the (N, V) logits nor the MLPs' (T, intermediate) activations ever
-    exist for the whole rollout."""
+    that count, LOGITS_CHUNK // V at a time, and where a gradient is wanted each block, each
+    MLP_CHUNK tokens of its MLP and each chunk of the head are recomputed in the backward pass,
+    so the call holds about one (T, d) input per block: neither the (N, V) logits nor the MLPs'
+    (T, intermediate) activations ever exist for the whole rollout."""
     h, _, _ = policy.trunk(ids, recompute=True)                 # (B, T, d) after the final norm
     h = h[:, :-1]                                               # position j predicts x_{j+1}
     target = mask[:, 1:].to(h.device)
@@ -1279,15 +1660,11 @@ def generate(model: Transformer, cache, new_tokens: list[list[int]], max_new_tok
     """Append each row's new tokens to the cache, then sample up to max_new_tokens per row.
 
     A row with no new tokens generates nothing (empty trace); a row with active[i] False (an
-    episode that has ended) gets nothing appended and None as its trace. With max_new_tokens=0
-    the call only appends. Every sampled token, the stop token included, is fed through the
-    model, so the cache holds it and (stats=True) its attention statistics and hidden states are
-    accumulated: the returned traces cover exactly the generated tokens. Idle rows still ride
-    along in the batch as pads (decoding is bound by reading the weights, so they cost little).
-    The decoding loop keeps every row's state in tensors on the model's device; each step it
-    reads back which rows were fed (the cache's lengths live on the CPU) and whether any row is
-    still running.
-    """
+    episode that has ended) gets nothing appended and None as its trace; max_new_tokens=0 only
+    appends. Every sampled token, the stop token included, is fed through the model, so the
+    cache holds it and (stats=True) its statistics and hidden states are accumulated: the traces
+    cover exactly the generated tokens. Idle rows ride along as pads (decoding is bound by
+    reading the weights). The loop keeps every row's state in tensors on the model's device."""
     B = len(new_tokens)
     if B != cache[0].k.shape[0]:
         raise ValueError(f"{B} rows of new tokens for a cache of batch size {cache[0].k.shape[0]}")
@@ -1331,17 +1708,22 @@ def generate(model: Transformer, cache, new_tokens: list[list[int]], max_new_tok
             accumulate(acc, attn, hidden, fed)
         if not running.any():
             break
+    return turn_traces(tokens, logps, count, finished, span_start, acc, alive)
 
+
+def turn_traces(tokens, logps, count, finished, span_start, acc, alive) -> list[TurnTrace | None]:
+    """generate's traces, read back from its tensors at once: row r sampled tokens[r, :count[r]]
+    from span_start[r] on; acc: its TurnStats, or None without statistics."""
     tokens, logps = tokens.cpu().tolist(), logps.cpu().tolist()
     count, finished = count.cpu().tolist(), finished.cpu().tolist()
-    if stats:
+    if acc is not None:
         acc = TurnStats(acc.attn.cpu(), acc.h_sum.cpu(), acc.h_last.cpu())
     traces = []
     for r, s in enumerate(span_start.tolist()):
         n = count[r]
         trace = TurnTrace(tokens=tokens[r][:n], span=(s, s + n), attn={}, h_last=None,
                           h_mean=None, finished=finished[r], logprobs=logps[r][:n])
-        if stats and n > 0:
+        if acc is not None and n > 0:
             trace.attn, trace.h_last, trace.h_mean = acc.means(r, n)
         traces.append(trace if alive[r] else None)
     return traces
@@ -1449,10 +1831,6 @@ def lora_parameters(model):
     return ((n, p) for n, p in model.named_parameters() if ".lora_A." in n or ".lora_B." in n)
 
 
-def lora_state_dict(model) -> dict[str, torch.Tensor]:
-    return {n: p.detach() for n, p in lora_parameters(model)}
-
-
 @contextlib.contextmanager
 def lora_disabled(model):
     """`with lora_disabled(model):` runs the base model (GRPO's pi_ref) without copying weights."""
@@ -1485,6 +1863,113 @@ def lora_swapped(policy, state: dict[str, torch.Tensor]):
         yield policy
     finally:
         load_lora_state(policy, own)
+
+
+# Adapter files in PEFT's layout, which checkpoints save and PEFT reads as they are
+ADAPTER_CONFIG, ADAPTER_WEIGHTS = "adapter_config.json", "adapter_model.safetensors"
+PEFT_PREFIX = "base_model.model."
+
+
+def save_adapter(model, path, base_model_name_or_path=None):
+    """Write the model's adapter to the folder `path`: its config and its float32 weights."""
+    s = getattr(model, "lora_settings", None)
+    if s is None:
+        raise ValueError("save_adapter: the model has no LoRA adapter (call apply_lora first)")
+    folder = Path(path)
+    folder.mkdir(parents=True, exist_ok=True)
+    tensors = {PEFT_PREFIX + n: p.detach().to("cpu").contiguous()
+               for n, p in lora_parameters(model)}
+    config = {
+        "peft_type": "LORA", "task_type": "CAUSAL_LM",
+        "base_model_name_or_path": base_model_name_or_path or getattr(model, "name_or_path", None),
+        "revision": None, "inference_mode": True,
+        "r": s.r, "lora_alpha": int(s.alpha) if s.alpha.is_integer() else s.alpha,
+        "lora_dropout": s.dropout,
+        "target_modules": sorted(s.targets), "use_rslora": s.use_rslora,
+        "bias": "none", "fan_in_fan_out": False, "init_lora_weights": True,
+        "use_dora": False, "lora_bias": False, "modules_to_save": None,
+        "layers_to_transform": None, "layers_pattern": None,
+        "rank_pattern": {}, "alpha_pattern": {},
+    }
+    write_atomic(folder / ADAPTER_WEIGHTS, safetensors_bytes(tensors, {"format": "pt"}))
+    write_atomic(folder / ADAPTER_CONFIG, (json.dumps(config, indent=2) + "\n").encode())
+
+
+def read_adapter_config(path) -> LoraSettings:
+    file = Path(path) / ADAPTER_CONFIG
+    try:
+        c = json.loads(file.read_text())
+    except OSError as e:
+        raise FileNotFoundError(f"{file}: cannot read the adapter config ({e})") from e
+    except (ValueError, RecursionError) as e:
+        raise ValueError(f"{file}: not valid JSON ({type(e).__name__}: {e})") from None
+
+    def bad(field, why):
+        return ValueError(f"{file}: {field}={c.get(field)!r}: {why}")
+
+    if c.get("peft_type") != "LORA":
+        raise bad("peft_type", "only LoRA adapters are supported")
+    # PEFT options that change the math: refuse them rather than load a different model.
+    for key, plain in (("bias", "none"), ("fan_in_fan_out", False), ("use_dora", False),
+                       ("lora_bias", False), ("modules_to_save", None),
+                       ("layers_to_transform", None), ("rank_pattern", {}),
+                       ("alpha_pattern", {})):
+        if c.get(key, plain) not in (plain, None, [], {}):
+            raise bad(key, f"not supported (only {plain!r})")
+    targets = c.get("target_modules")
+    if not (isinstance(targets, list) and targets and all(isinstance(t, str) for t in targets)):
+        raise bad("target_modules", "must be a list of module names (regex strings and "
+                                    "'all-linear' are not supported)")
+    if not isinstance(c.get("r"), int) or c["r"] <= 0:
+        raise bad("r", "must be a positive integer")
+    if not isinstance(c.get("lora_alpha"), (int, float)) or c["lora_alpha"] <= 0:
+        raise bad("lora_alpha", "must be a positive number")
+    return LoraSettings(c["r"], float(c["lora_alpha"]), float(c.get("lora_dropout", 0.0)),
+                        tuple(targets), bool(c.get("use_rslora", False)))
+
+
+def _same_shape(s: LoraSettings):
+    return s.r, s.alpha, set(s.targets), s.use_rslora       # dropout may differ
+
+
+def _adapter_shapes(model, s: LoraSettings) -> dict[str, tuple[int, int]]:
+    """PEFT key -> shape of every adapter weight `s` puts on `model` (applied or not yet)."""
+    shapes = {}
+    for name, m in model.named_modules():
+        if name.rsplit(".", 1)[-1] in s.targets and type(m) in (nn.Linear, LoRALinear):
+            shapes[f"{PEFT_PREFIX}{name}.lora_A.weight"] = (s.r, m.in_features)
+            shapes[f"{PEFT_PREFIX}{name}.lora_B.weight"] = (m.out_features, s.r)
+    return shapes
+
+
+def load_adapter(model, path):
+    """Load a PEFT LoRA adapter (ours or PEFT's) into `model`, applying LoRA first if needed.
+    Everything is checked before the model is touched."""
+    s = read_adapter_config(path)
+    if getattr(model, "lora_settings", None) is not None and \
+            _same_shape(model.lora_settings) != _same_shape(s):
+        raise ValueError(f"{Path(path) / ADAPTER_CONFIG}: {s} does not match the model's "
+                         f"adapter {model.lora_settings}")
+    file = Path(path) / ADAPTER_WEIGHTS
+    if not file.is_file():
+        raise FileNotFoundError(f"{file}: missing (only safetensors adapters are read)")
+    shapes = _adapter_shapes(model, s)
+    with safe_open(str(file), framework="pt") as f:
+        tensors = {key: f.get_tensor(key) for key in f.keys()}
+    if missing := sorted(shapes.keys() - tensors.keys()):
+        raise ValueError(f"{file}: {len(missing)} adapter weights missing, e.g. {missing[0]}")
+    if unexpected := sorted(tensors.keys() - shapes.keys()):
+        raise ValueError(f"{file}: {len(unexpected)} unexpected tensors, e.g. {unexpected[0]}")
+    for key, shape in shapes.items():
+        if tuple(tensors[key].shape) != shape:
+            raise ValueError(f"{file}: {key} has shape {tuple(tensors[key].shape)}, the model "
+                             f"expects {shape}")
+        if not torch.isfinite(tensors[key]).all():
+            raise ValueError(f"{file}: {key} holds NaN or infinite values")
+    if getattr(model, "lora_settings", None) is None:
+        apply_lora(model, s.r, s.alpha, s.dropout, s.targets, s.use_rslora)
+    load_lora_state(model, {key[len(PEFT_PREFIX):]: t for key, t in tensors.items()})
+    return model
 
 
 # ----------------------------------------------------------------------------------------------
@@ -1598,7 +2083,7 @@ def split_model(model, devices, layer_counts=None):
 
 
 # ----------------------------------------------------------------------------------------------
-# CLI
+# File helpers: where fetched and fitted files live, atomic writes, progress lines, optimizer state
 
 
 def cache_root() -> Path:
@@ -1678,209 +2163,8 @@ def num(x) -> str:
     return "n/a" if x is None else f"{x:.3f}"
 
 
-# A code point in U+D800..U+DFFF left in a str is half of a UTF-16 pair (a JSON "\ud800"
-# escape decodes to one): no UTF-8 text can hold it and the tokenizer refuses it.
-LONE_SURROGATE = re.compile("[\ud800-\udfff]")
-
-
-def holds_lone_surrogate(value) -> bool:
-    """Whether a JSON value holds one anywhere, in a key or a string."""
-    return bool(LONE_SURROGATE.search(json.dumps(value, ensure_ascii=False)))
-
-
-def without_surrogates(text: str) -> str:
-    """text with every unpaired surrogate replaced by U+FFFD (same length): whatever a policy or
-    a data file wrote stays encodable."""
-    return LONE_SURROGATE.sub("\ufffd", text)
-
-
-def _read_json(path: Path) -> dict:
-    try:
-        return json.loads(path.read_text())
-    except FileNotFoundError:
-        raise CheckpointError(f"{path}: file not found") from None
-    except (OSError, ValueError, RecursionError) as e:    # deep nesting: RecursionError
-        raise CheckpointError(f"{path}: not readable JSON ({type(e).__name__}: {e})") from None
-
-
-def read_config(directory) -> Config:
-    path = Path(directory) / "config.json"
-    try:
-        return Config.from_dict(_read_json(path))
-    except (TypeError, ValueError) as e:
-        raise CheckpointError(f"{path}: {e}") from None
-
-
-# config.json keys of a checkpoint trained on a built-in world (written by `python -m lab.shop sft`): the
-# world's name, and the tool list and reply format it appends to a task in the first user
-# message, so that `model.py generate` can show a prompt as the model saw tasks in training.
-WORLD_KEY = "pair_world"
-
-
-TOOLS_KEY = "pair_tool_instructions"
-
-
-def checkpoint_world(directory) -> tuple[str | None, str | None]:
-    """(world name, its tool instructions) a checkpoint's config.json records, or (None, None)."""
-    path = Path(directory) / "config.json"
-    config = _read_json(path)
-    world, tools = config.get(WORLD_KEY), config.get(TOOLS_KEY)
-    if world is not None and not (isinstance(world, str) and isinstance(tools, str)):
-        raise CheckpointError(f"{path}: {WORLD_KEY} must name a world and {TOOLS_KEY} hold its "
-                              f"tool instructions (got {world!r} and {type(tools).__name__})")
-    return world, tools
-
-
-def _open_safetensors(path: Path):
-    try:
-        return safe_open(str(path), framework="pt", device="cpu")
-    except FileNotFoundError:
-        raise CheckpointError(f"{path}: file not found") from None
-    except Exception as e:      # safetensors raises its own error for truncated or corrupt files
-        raise CheckpointError(f"{path}: truncated or corrupt safetensors file ({e})") from None
-
-
-def _weight_files(directory: Path) -> dict[str, list[str]]:
-    """{file name: tensor names it must hold}; an empty list means 'whatever it holds'."""
-    index = directory / "model.safetensors.index.json"
-    if index.is_file():
-        index_json = _read_json(index)
-        weight_map = index_json.get("weight_map") if isinstance(index_json, dict) else None
-        if not isinstance(weight_map, dict):
-            raise CheckpointError(f"{index}: no weight_map")
-        files: dict[str, list[str]] = {}
-        for name, file in weight_map.items():
-            # a shard is a plain file beside the index: "../x.safetensors" or "/etc/x" would
-            # read whatever the index points at
-            if not (isinstance(file, str) and file == Path(file).name and
-                    file.endswith(".safetensors") and not file.startswith(".")):
-                raise CheckpointError(f"{index}: tensor {name} is mapped to {file!r}, not a "
-                                      "safetensors file beside the index")
-            files.setdefault(file, []).append(name)
-        return files
-    if (directory / "model.safetensors").is_file():
-        return {"model.safetensors": []}
-    raise CheckpointError(f"{directory}: neither model.safetensors nor "
-                          "model.safetensors.index.json")
-
-
-def read_state_dict(directory, expected: dict[str, tuple], config: Config, dtype,
-                    device) -> dict:
-    """Every tensor of `expected` (name -> shape: what the model built from `config` holds),
-    checked for presence, extras and shape, as `dtype` on `device`."""
-    directory = Path(directory)
-    expected = dict(expected)
-    tied = config.tie_word_embeddings
-    if tied:
-        expected.pop("lm_head.weight")          # tied heads are not stored (or ignored if they are)
-    state, where = {}, {}
-    for file, listed in _weight_files(directory).items():
-        path = directory / file
-        with _open_safetensors(path) as f:
-            names = set(f.keys())
-            for name in listed:
-                if name not in names:
-                    raise CheckpointError(f"{path}: missing tensor {name} (listed in the index)")
-            for name in sorted(names):
-                if listed and name not in listed:
-                    raise CheckpointError(f"{path}: unexpected tensor {name} (not in the index)")
-                if tied and name == "lm_head.weight":
-                    continue
-                if name not in expected:
-                    raise CheckpointError(f"{path}: unexpected tensor {name} for "
-                                          f"{config.arch}")
-                if name in where:
-                    raise CheckpointError(f"{path}: tensor {name} also in {where[name]}")
-                shape = tuple(f.get_slice(name).get_shape())
-                if shape != expected[name]:
-                    raise CheckpointError(f"{path}: tensor {name} has shape {list(shape)}, "
-                                          f"expected {list(expected[name])}")
-                try:
-                    tensor = f.get_tensor(name)
-                except Exception as e:
-                    raise CheckpointError(f"{path}: cannot read tensor {name} ({e})") from None
-                if tensor.is_floating_point() and not torch.isfinite(tensor).all():
-                    # a model with a NaN weight loads and generates a stop token forever
-                    raise CheckpointError(f"{path}: tensor {name} holds NaN or infinite values")
-                state[name], where[name] = tensor.to(device=device, dtype=dtype), path
-    missing = sorted(set(expected) - set(state))
-    if missing:
-        raise CheckpointError(f"{directory}: missing tensor {missing[0]}"
-                              + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""))
-    return state
-
-
-FINGERPRINT_WHOLE = 64 << 20     # files up to this size are hashed whole
-
-
-FINGERPRINT_BLOCK = 4096         # bytes read at each end of every tensor of a larger file
-
-
-def checkpoint_sha256(directory) -> str:
-    """A sha256 of what a checkpoint directory computes with, for keying what is made from it
-    (features, probes, resumed extractions) by content rather than by path.
-
-    config.json, tokenizer.json, the index and any weights file up to 64 MiB are hashed whole.
-    A larger safetensors file contributes its size, its header (every tensor's name, dtype,
-    shape and offsets) and the first and last 4 KiB of every tensor: under a second for a 7B
-    model, where hashing 15 GB would take minutes on a network disk at every extract and run.
-    Fine-tuning, merging an adapter, or another checkpoint of the same shape changes every tensor
-    it touches, ends included; only an edit confined to the middle of a tensor goes unseen.
-    Size and mtime are not enough: a copy changes mtime (false mismatch), and a swapped file of
-    the same size written within the clock's resolution, or copied with its mtime, keeps both."""
-    directory = Path(directory)
-    h = hashlib.sha256(b"checkpoint/1")
-    names = ["config.json", "tokenizer.json"]
-    if (directory / "model.safetensors.index.json").is_file():
-        names.append("model.safetensors.index.json")
-    for name in names + sorted(_weight_files(directory)):
-        path = directory / name
-        try:
-            with open(path, "rb") as f:
-                size = os.fstat(f.fileno()).st_size
-                h.update(f"{name}\0{size}\0".encode())
-                if size <= FINGERPRINT_WHOLE or not name.endswith(".safetensors"):
-                    for block in iter(lambda: f.read(1 << 20), b""):
-                        h.update(block)
-                    continue
-                n = struct.unpack("<Q", f.read(8))[0]
-                header = f.read(min(n, size))
-                h.update(header)
-                for key, entry in sorted(json.loads(header).items()):
-                    if key == "__metadata__":
-                        continue
-                    start, end = (8 + n + int(o) for o in entry["data_offsets"])
-                    for at in sorted({start, max(start, end - FINGERPRINT_BLOCK)}):
-                        f.seek(at)
-                        h.update(f.read(min(FINGERPRINT_BLOCK, end - at)))
-        except FileNotFoundError:
-            raise CheckpointError(f"{path}: file not found") from None
-        except (OSError, ValueError, KeyError, TypeError, AttributeError, struct.error) as e:
-            raise CheckpointError(f"{path}: truncated or corrupt safetensors file "
-                                  f"({type(e).__name__}: {e})") from None
-    return h.hexdigest()
-
-
-def resolve(path_or_repo) -> Path:
-    """A checkpoint directory, or the local copy of a Hub model name (fetched once)."""
-    directory = Path(path_or_repo)
-    if directory.is_dir():
-        return directory
-    if directory.exists():
-        raise CheckpointError(f"{directory}: not a checkpoint directory (a file)")
-    if not HUB_NAME.fullmatch(str(path_or_repo)):
-        raise CheckpointError(f"{directory}: no such directory (nor a Hub model name like "
-                              "Qwen/Qwen2.5-7B-Instruct)")
-    # <org>/<name> where <org> is a local directory names a path (data/shop-policy misspelt),
-    # not a model to fetch: it fails here, before anything is written to the cache
-    first = directory.parts[0]
-    if Path(first).is_dir():
-        raise CheckpointError(f"{directory}: no such directory ({first}/ is a local directory, "
-                              "so this is a path, not a Hub model name)")
-    return fetch_from_hub(str(path_or_repo))
-
-
 def optimizer_to_tensors(optimizer) -> tuple[dict, dict]:
+    """An optimizer's state as (tensors for a safetensors file, the rest for JSON)."""
     sd = optimizer.state_dict()
     tensors, scalars = {}, {}
     for idx, state in sd["state"].items():
@@ -1898,347 +2182,3 @@ def optimizer_from_tensors(optimizer, tensors: dict, meta: dict):
         idx, k = key.split(".", 1)
         state.setdefault(int(idx), {})[k] = v
     optimizer.load_state_dict({"state": state, "param_groups": meta["param_groups"]})
-
-
-HUB_NAME = re.compile(r"[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*")    # <org>/<name>
-
-
-HUB_MANIFEST = ".pair-complete.json"
-
-
-HUB_TIMEOUT = (10, 60)          # (connect, read) seconds
-
-
-HUB_RETRIES = 5                 # attempts per file; each one resumes where the last one stopped
-
-
-HUB_RETRY_WAIT = 2.0            # seconds, times the attempt number
-
-
-class HubError(CheckpointError):
-    """A model name that could not be fetched from the Hub (or found complete in the cache)."""
-
-
-def hub_cache_dir(repo_id: str) -> Path:
-    return cache_root() / repo_id.replace("/", "--")
-
-
-def _cached_copy(folder: Path) -> bool:
-    # Complete only when the manifest exists and every file it lists has the listed size.
-    try:
-        files = json.loads((folder / HUB_MANIFEST).read_text())["files"]
-        for name in files:
-            _check_hub_name(name, folder, folder.name)
-        return all((folder / name).stat().st_size == size for name, size in files.items())
-    except (OSError, ValueError, KeyError, TypeError, AttributeError, HubError):
-        return False
-
-
-def fetch_from_hub(repo_id: str, revision: str = "main") -> Path:
-    """Download what load_model needs from `repo_id` (e.g. "Qwen/Qwen2.5-7B-Instruct")."""
-    folder = hub_cache_dir(repo_id)
-    if _cached_copy(folder):
-        return folder
-    endpoint = os.environ.get("HF_ENDPOINT", "https://huggingface.co").rstrip("/")
-    offline = (f"cannot fetch model {repo_id!r} from {endpoint}: {{}}; no complete copy in "
-               f"{folder} (copy the files there, or give a local directory instead)")
-    if os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes", "on"):
-        raise HubError(offline.format("HF_HUB_OFFLINE is set"))
-    import fcntl                    # POSIX only, so imported where it is needed
-    folder.mkdir(parents=True, exist_ok=True)
-    with open(folder / ".lock", "w") as lock:
-        # torchrun starts one process per GPU: the first one downloads, the others wait here
-        # and then find the copy complete.
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        if _cached_copy(folder):
-            return folder
-        try:
-            files = _fetch_files(folder, repo_id, revision, endpoint)
-        except (requests.ConnectionError, requests.Timeout,
-                requests.exceptions.ChunkedEncodingError) as e:
-            raise HubError(offline.format(f"network unreachable or connection lost "
-                                          f"({type(e).__name__})")) from e
-        manifest = {"repo": repo_id, "revision": revision, "endpoint": endpoint, "files": files}
-        write_atomic(folder / HUB_MANIFEST, json.dumps(manifest, indent=1).encode())
-    return folder
-
-
-def _fetch_files(folder: Path, repo_id, revision, endpoint) -> dict[str, int]:
-    """config, tokenizer and weights (one file, or the index and its shards) -> {name: size}."""
-    session = requests.Session()
-    if os.environ.get("HF_TOKEN"):
-        # requests drops this header when the Hub redirects a download to its CDN (other host),
-        # which is what we want: the CDN URL is signed.
-        session.headers["Authorization"] = f"Bearer {os.environ['HF_TOKEN']}"
-    listing = _hub_tree(session, endpoint, repo_id, revision)
-    files = {}
-
-    def fetch(name):
-        _check_hub_name(name, folder, repo_id)
-        if name not in listing:
-            raise HubError(f"{repo_id}@{revision} on {endpoint} has no file {name!r}")
-        size, digest = listing[name]
-        url = f"{endpoint}/{repo_id}/resolve/{quote(revision, safe='')}/{quote(name)}"
-        _download(session, url, folder / name, size, digest, f"{repo_id}/{name}")
-        files[name] = size
-
-    fetch("config.json")
-    _check_hub_json(folder / "config.json", "a JSON object")
-    fetch("tokenizer.json")
-    _check_hub_json(folder / "tokenizer.json", "a JSON object with a \"model\" entry",
-                    lambda d: isinstance(d.get("model"), dict))
-    if "model.safetensors.index.json" not in listing:
-        fetch("model.safetensors")
-        return files
-    fetch("model.safetensors.index.json")
-    index = _check_hub_json(
-        folder / "model.safetensors.index.json", "a safetensors index: {\"weight_map\": "
-        "{tensor name: shard file name}}",
-        lambda d: isinstance(d.get("weight_map"), dict) and d["weight_map"] and
-        all(isinstance(v, str) and v.endswith(".safetensors") for v in d["weight_map"].values()))
-    for shard in sorted(set(index["weight_map"].values())):
-        fetch(shard)
-    return files
-
-
-def _check_hub_name(name: str, folder: Path, repo_id: str):
-    """A file name from the Hub (the listing or an index) is joined to the cache folder: it
-    must name a plain file inside it. A hostile endpoint could otherwise write anywhere
-    ("../../.bashrc", "/etc/x") or over our own bookkeeping (".pair-complete.json")."""
-    plain = (isinstance(name, str) and name and name == Path(name).name and
-             not name.startswith(".") and "\\" not in name and "\0" not in name and
-             (folder / name).resolve().parent == folder.resolve())
-    if not plain:
-        raise HubError(f"{repo_id}: refusing the file name {name!r} from the Hub (not a plain "
-                       f"file name inside {folder})")
-
-
-def _check_hub_json(path: Path, shape: str, check=None) -> dict:
-    # A JSON file is read by load_model only later: a wrong one is removed now, so that a
-    # retry fetches it again instead of finding it complete.
-    try:
-        data = json.loads(path.read_text())
-        if not isinstance(data, dict) or (check is not None and not check(data)):
-            raise ValueError(f"expected {shape}")
-    except (OSError, ValueError) as e:
-        path.unlink(missing_ok=True)
-        raise HubError(f"{path}: not {shape} ({e}); removed it") from None
-    return data
-
-
-def _hub_tree(session, endpoint, repo_id, revision) -> dict[str, tuple[int, tuple | None]]:
-    # GET /api/models/{repo}/tree/{revision}: [{"type", "path", "size", "oid", "lfs"?}, ...],
-    # paginated through the Link header. For LFS files lfs.oid is the sha256 of the content;
-    # for the others oid is the git blob id of the content. -> {path: (size, (kind, hex))}
-    url = f"{endpoint}/api/models/{repo_id}/tree/{quote(revision, safe='')}"
-    listing = {}
-    while url:
-        r = session.get(url, timeout=HUB_TIMEOUT)
-        _check_status(r, f"model {repo_id!r} at revision {revision!r}")
-        try:
-            for entry in r.json():
-                if entry["type"] == "file":
-                    lfs = entry.get("lfs") or {}
-                    digest = ("sha256", lfs["oid"]) if lfs.get("oid") else \
-                        ("git blob id", entry["oid"]) if not lfs and entry.get("oid") else None
-                    listing[entry["path"]] = (int(lfs.get("size", entry["size"])), digest)
-        except (ValueError, KeyError, TypeError) as e:
-            raise HubError(f"{url}: unexpected answer from the Hub API ({e!r})") from e
-        url = r.links.get("next", {}).get("url")
-    return listing
-
-
-def _check_status(r, what):
-    if r.status_code in (401, 403):
-        raise HubError(f"{r.url}: HTTP {r.status_code}: access to {what} denied (private or "
-                       "gated?); set HF_TOKEN to a token that has access")
-    if r.status_code == 404:
-        raise HubError(f"{r.url}: HTTP 404: {what} not found")
-    if r.status_code >= 400:
-        raise HubError(f"{r.url}: HTTP {r.status_code} {r.reason}")
-
-
-def _download(session, url, dest: Path, size: int, digest: tuple | None, label: str):
-    if dest.is_file() and dest.stat().st_size == size:
-        return                                  # finished by an earlier, interrupted fetch
-    part = dest.with_name(dest.name + ".part")
-    for attempt in range(1, HUB_RETRIES + 1):
-        have = part.stat().st_size if part.exists() else 0
-        if part.exists() and have >= size:
-            break                               # whole (or too long: the size check says so)
-        try:
-            with session.get(url, headers={"Range": f"bytes={have}-"} if have else {},
-                             stream=True, timeout=HUB_TIMEOUT) as r:
-                _check_status(r, label)
-                if have and r.status_code != 206:
-                    have = 0                    # the server ignored Range: start over
-                with open(part, "ab" if have else "wb") as f:
-                    progress = _Progress(label, size, have)
-                    # Small chunks: what was read before a dropped connection is on disk.
-                    for chunk in r.iter_content(chunk_size=1 << 16):
-                        f.write(chunk)
-                        progress.update(len(chunk))
-                        if progress.done > size:
-                            break
-                    progress.close()
-            break
-        except (requests.ConnectionError, requests.Timeout,
-                requests.exceptions.ChunkedEncodingError) as e:
-            if attempt == HUB_RETRIES:
-                raise
-            got = part.stat().st_size if part.exists() else 0
-            print(f"\n{label}: connection lost at {got} bytes ({type(e).__name__}), resuming",
-                  file=sys.stderr)
-            time.sleep(HUB_RETRY_WAIT * attempt)
-    got = part.stat().st_size if part.exists() else 0
-    if got != size:
-        part.unlink(missing_ok=True)
-        raise HubError(f"{url}: downloaded {got} bytes but the Hub lists {size}; removed {part}, "
-                       "try again")
-    if digest is not None and _digest(part, digest[0], size) != str(digest[1]).lower():
-        part.unlink()
-        raise HubError(f"{url}: {digest[0]} differs from the Hub's ({digest[1]}); removed "
-                       f"{part}, try again")
-    os.replace(part, dest)
-
-
-def _digest(path: Path, kind: str, size: int) -> str:
-    if kind == "sha256":
-        h = hashlib.sha256()
-    else:                   # git's blob id: sha1 of the header "blob <size>\0", then the content
-        h = hashlib.sha1(b"blob %d\0" % size)
-    with open(path, "rb") as f:
-        while block := f.read(1 << 24):
-            h.update(block)
-    return h.hexdigest()
-
-
-class _Progress:
-    """A download's progress on stderr: name, bytes, percent, speed. On a terminal one line,
-    rewritten twice a second; in a log, a new line when the Pacer says so."""
-
-    def __init__(self, label, total, done):
-        self.label, self.total, self.done, self.start_done = label, total, done, done
-        self.t0 = time.monotonic()
-        self.pacer = Pacer(total, sys.stderr, every=0.5)
-
-    def update(self, n):
-        self.done += n
-        if self.done < self.total and self.pacer.due(self.done):
-            self.show()
-
-    def show(self, end=""):
-        rate = (self.done - self.start_done) / max(time.monotonic() - self.t0, 1e-9) / 1e6
-        pct = 100.0 * self.done / max(self.total, 1)
-        print(f"{chr(13) if self.pacer.tty else ''}{self.label}: {self.done / 1e6:.1f}/"
-              f"{self.total / 1e6:.1f} MB ({pct:.0f}%) {rate:.1f} MB/s",
-              end=end if self.pacer.tty else "\n", file=sys.stderr, flush=True)
-
-    def close(self):
-        self.show(end="\n")
-
-
-ADAPTER_CONFIG, ADAPTER_WEIGHTS = "adapter_config.json", "adapter_model.safetensors"
-PEFT_PREFIX = "base_model.model."
-
-
-def save_adapter(model, path, base_model_name_or_path=None):
-    s = getattr(model, "lora_settings", None)
-    if s is None:
-        raise ValueError("save_adapter: the model has no LoRA adapter (call apply_lora first)")
-    folder = Path(path)
-    folder.mkdir(parents=True, exist_ok=True)
-    tensors = {PEFT_PREFIX + n: t.to("cpu").contiguous() for n, t in lora_state_dict(model).items()}
-    config = {
-        "peft_type": "LORA", "task_type": "CAUSAL_LM",
-        "base_model_name_or_path": base_model_name_or_path or getattr(model, "name_or_path", None),
-        "revision": None, "inference_mode": True,
-        "r": s.r, "lora_alpha": int(s.alpha) if s.alpha.is_integer() else s.alpha,
-        "lora_dropout": s.dropout,
-        "target_modules": sorted(s.targets), "use_rslora": s.use_rslora,
-        "bias": "none", "fan_in_fan_out": False, "init_lora_weights": True,
-        "use_dora": False, "lora_bias": False, "modules_to_save": None,
-        "layers_to_transform": None, "layers_pattern": None,
-        "rank_pattern": {}, "alpha_pattern": {},
-    }
-    write_atomic(folder / ADAPTER_WEIGHTS, safetensors_bytes(tensors, {"format": "pt"}))
-    write_atomic(folder / ADAPTER_CONFIG, (json.dumps(config, indent=2) + "\n").encode())
-
-
-def read_adapter_config(path) -> LoraSettings:
-    file = Path(path) / ADAPTER_CONFIG
-    try:
-        c = json.loads(file.read_text())
-    except OSError as e:
-        raise FileNotFoundError(f"{file}: cannot read the adapter config ({e})") from e
-    except (ValueError, RecursionError) as e:
-        raise ValueError(f"{file}: not valid JSON ({type(e).__name__}: {e})") from None
-
-    def bad(field, why):
-        return ValueError(f"{file}: {field}={c.get(field)!r}: {why}")
-
-    if c.get("peft_type") != "LORA":
-        raise bad("peft_type", "only LoRA adapters are supported")
-    # PEFT options that change the math: refuse them rather than load a different model.
-    for key, plain in (("bias", "none"), ("fan_in_fan_out", False), ("use_dora", False),
-                       ("lora_bias", False), ("modules_to_save", None),
-                       ("layers_to_transform", None), ("rank_pattern", {}),
-                       ("alpha_pattern", {})):
-        if c.get(key, plain) not in (plain, None, [], {}):
-            raise bad(key, f"not supported (only {plain!r})")
-    targets = c.get("target_modules")
-    if not (isinstance(targets, list) and targets and all(isinstance(t, str) for t in targets)):
-        raise bad("target_modules", "must be a list of module names (regex strings and "
-                                    "'all-linear' are not supported)")
-    if not isinstance(c.get("r"), int) or c["r"] <= 0:
-        raise bad("r", "must be a positive integer")
-    if not isinstance(c.get("lora_alpha"), (int, float)) or c["lora_alpha"] <= 0:
-        raise bad("lora_alpha", "must be a positive number")
-    return LoraSettings(c["r"], float(c["lora_alpha"]), float(c.get("lora_dropout", 0.0)),
-                        tuple(targets), bool(c.get("use_rslora", False)))
-
-
-def _same_shape(s: LoraSettings):
-    return s.r, s.alpha, set(s.targets), s.use_rslora       # dropout may differ
-
-
-def _adapter_shapes(model, s: LoraSettings) -> dict[str, tuple[int, int]]:
-    """PEFT key -> shape of every adapter weight `s` puts on `model` (applied or not yet)."""
-    shapes = {}
-    for name, m in model.named_modules():
-        if name.rsplit(".", 1)[-1] in s.targets and type(m) in (nn.Linear, LoRALinear):
-            shapes[f"{PEFT_PREFIX}{name}.lora_A.weight"] = (s.r, m.in_features)
-            shapes[f"{PEFT_PREFIX}{name}.lora_B.weight"] = (m.out_features, s.r)
-    return shapes
-
-
-def load_adapter(model, path):
-    """Load a PEFT LoRA adapter (ours or PEFT's) into `model`, applying LoRA first if needed.
-    Everything is checked before the model is touched."""
-    s = read_adapter_config(path)
-    if getattr(model, "lora_settings", None) is not None and \
-            _same_shape(model.lora_settings) != _same_shape(s):
-        raise ValueError(f"{Path(path) / ADAPTER_CONFIG}: {s} does not match the model's "
-                         f"adapter {model.lora_settings}")
-    file = Path(path) / ADAPTER_WEIGHTS
-    if not file.is_file():
-        raise FileNotFoundError(f"{file}: missing (only safetensors adapters are read)")
-    shapes = _adapter_shapes(model, s)
-    with safe_open(str(file), framework="pt") as f:
-        tensors = {key: f.get_tensor(key) for key in f.keys()}
-    if missing := sorted(shapes.keys() - tensors.keys()):
-        raise ValueError(f"{file}: {len(missing)} adapter weights missing, e.g. {missing[0]}")
-    if unexpected := sorted(tensors.keys() - shapes.keys()):
-        raise ValueError(f"{file}: {len(unexpected)} unexpected tensors, e.g. {unexpected[0]}")
-    for key, shape in shapes.items():
-        if tuple(tensors[key].shape) != shape:
-            raise ValueError(f"{file}: {key} has shape {tuple(tensors[key].shape)}, the model "
-                             f"expects {shape}")
-        if not torch.isfinite(tensors[key]).all():
-            raise ValueError(f"{file}: {key} holds NaN or infinite values")
-    if getattr(model, "lora_settings", None) is None:
-        apply_lora(model, s.r, s.alpha, s.dropout, s.targets, s.use_rslora)
-    with torch.no_grad():
-        for name, p in lora_parameters(model):
-            p.copy_(tensors[PEFT_PREFIX + name])
-    return model

@@ -1,15 +1,35 @@
-"""TODO"""
+"""`python -m lab.generate`: chat-format a prompt and print the model's reply (greedy by default).
+
+A checkpoint trained on a built-in world records in its config.json (model.WORLD_KEY,
+model.TOOLS_KEY) the tool list and reply format that world appends to a task, so that a prompt
+is rendered as the model saw tasks in training.
+"""
 from __future__ import annotations
+
 import argparse
-import model as M
 import sys
+from pathlib import Path
+
 import torch
+
+import model as M
+
+
+def checkpoint_world(directory) -> tuple[str | None, str | None]:
+    """(world name, its tool instructions) a checkpoint's config.json records, or (None, None)."""
+    path = Path(directory) / "config.json"
+    config = M.read_json(path)
+    world, tools = config.get(M.WORLD_KEY), config.get(M.TOOLS_KEY)
+    if world is not None and not (isinstance(world, str) and isinstance(tools, str)):
+        raise M.CheckpointError(f"{path}: {M.WORLD_KEY} must name a world and {M.TOOLS_KEY} hold "
+                                f"its tool instructions (got {world!r} and {type(tools).__name__})")
+    return world, tools
 
 
 def prompt_messages(prompt: str, system: str | None, tools: str | None) -> list[dict]:
     """The chat `generate` renders: the prompt as the user message or, for a model trained on a
     world, as that world renders a task: the task, a blank line, then the tool list and the
-    reply format the checkpoint records (weights.checkpoint_world), exactly what the model saw
+    reply format the checkpoint records (checkpoint_world), exactly what the model saw
     in training and sees in rollouts."""
     content = f"{prompt.strip()}\n\n{tools}" if tools else prompt
     return ([{"role": "system", "content": system}] if system else []) + \
@@ -61,7 +81,7 @@ def main(argv=None):
         ap.error(str(e))
     try:
         model, tok = M.load_model(args.model, dtype=M.DTYPES[args.dtype], devices=devices)
-        world, tools = M.checkpoint_world(model.checkpoint_dir)
+        world, tools = checkpoint_world(model.checkpoint_dir)
     except (M.CheckpointError, FileNotFoundError, ValueError) as e:
         sys.exit(f"--model: {e}")
     if args.world == "none":
@@ -82,8 +102,8 @@ def main(argv=None):
           f"{len(ids)} tokens]", file=sys.stderr)
     gen = torch.Generator().manual_seed(args.seed)
     trace = M.generate(model, model.new_cache(1, capacity=len(ids) + args.max_new_tokens), [ids],
-                     args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
-                     stop_ids=[tok.im_end_id], generator=gen, stats=False)[0]
+                       args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
+                       stop_ids=[tok.im_end_id], generator=gen, stats=False)[0]
     tokens = trace.tokens[:-1] if trace.finished else trace.tokens
     print(tok.decode(tokens))
 

@@ -773,7 +773,7 @@ def test_progress_into_a_log_is_at_most_a_line_per_30s_and_per_10_percent():
 def test_generate_renders_a_task_for_the_built_in_policy_as_its_rollouts_do(capsys):
     policy = ROOT / "data" / "shop-policy"
     episode = envs.ShopEnv("test").episode(0)
-    world, tools = M.checkpoint_world(policy)
+    world, tools = generate.checkpoint_world(policy)
     # the config carries the world's tool list and reply format, as the world renders them
     assert world == "shop" and tools == envs.tool_instructions(envs.SHOP_TOOLS)
     assert generate.prompt_messages(episode.task.text, None, tools) == episode.messages
