@@ -221,8 +221,11 @@ class Probe:
                 and tensors["b"].numel() == 1):
             raise FormatError(f"{path}: probe tensors of inconsistent shapes")
         _check_finite(tensors, path)       # a NaN weight would turn every reward into NaN
-        return cls(tensors["mean"].double(), tensors["scale"].double(), tensors["w"].double(),
-                   tensors["b"].double().reshape(()), info)
+        # Copied into fresh memory: read in place, a weight's alignment would follow the length
+        # of the file's header, and float64 products with it change in the last bit with it
+        # (vectorized sums treat an unaligned head apart).
+        t = {k: v.to(torch.float64, copy=True) for k, v in tensors.items()}
+        return cls(t["mean"], t["scale"], t["w"], t["b"].reshape(()), info)
 
     def _check_fitted(self):
         if self.w is None:
