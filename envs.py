@@ -53,7 +53,7 @@ import re
 import sys
 import time
 from dataclasses import dataclass
-from decimal import ROUND_HALF_UP, Decimal
+from decimal import Decimal, ROUND_HALF_UP
 from functools import cached_property
 from pathlib import Path
 

@@ -572,7 +572,7 @@ def update(policy, optimizer, batch: Batch, args, world) -> dict:
     """`--ppo-epochs` passes over the batch in micro-batches, one AdamW step each."""
     params = [p for p in policy.parameters() if p.requires_grad]
     n_tokens, n_seqs, n_turns = all_sum(world, [batch.mask[:, 1:].sum().item(),
-                                                     batch.n_seqs, batch.n_turns])
+                                                batch.n_seqs, batch.n_turns])
     if n_tokens == 0:
         # no rollout generated a token (every prompt outgrew --max-len): the loss would be 0/0,
         # and an AdamW step on zero gradients would still move the adapter by its momentum
@@ -1262,8 +1262,8 @@ def train_parser(rewards) -> argparse.ArgumentParser:
 # cost a model load and minutes of probe fitting first (nan fails every check).
 FLAG_RANGES = {
     **{k: at_least(1) for k in ("steps", "batch", "group", "max_turns", "max_new_tokens",
-                                 "max_len", "oversample", "ppo_epochs", "micro_batch", "lora_r",
-                                 "micro_batch_tokens", "save_every", "eval_batch")},
+                                "max_len", "oversample", "ppo_epochs", "micro_batch", "lora_r",
+                                "micro_batch_tokens", "save_every", "eval_batch")},
     "threads": THREADS,
     **{k: at_least(0) for k in ("eval_episodes", "val_episodes")},
     "seed": ((lambda v: 0 <= v < 2 ** 32), "in [0, 2**32) (numpy's seeds)"),
@@ -1622,7 +1622,7 @@ def _write_checkpoint(out, step, final, tmp, policy, optimizer, world, lagged) -
         if lagged is not None:
             save_file(lagged, tmp / "lagged.safetensors")
         model.write_json(tmp / "trainer.json", {"step": step, "processes": world.size,
-                                          "optimizer": meta})
+                                                "optimizer": meta})
         shutil.rmtree(final, ignore_errors=True)
         os.replace(tmp, final)        # the directory appears complete or not at all
     barrier(world)
@@ -1645,7 +1645,7 @@ def load_checkpoint(path: Path, policy, optimizer, world) -> tuple[int, dict | N
                              f"{world.size}; the RNG streams would differ")
         model.load_adapter(policy, path / "adapter")
         model.optimizer_from_tensors(optimizer, load_file(path / "optimizer.safetensors"),
-                                       info["optimizer"])
+                                     info["optimizer"])
         set_rng_state(load_file(path / f"rng-{world.rank}.safetensors"),
                       json.loads((path / f"rng-{world.rank}.json").read_text()))
         lagged = load_file(path / "lagged.safetensors") \

@@ -61,7 +61,7 @@ import sys
 import tempfile
 import time
 from bisect import bisect_right
-from dataclasses import MISSING, dataclass, field, fields
+from dataclasses import dataclass, field, fields, MISSING
 from pathlib import Path
 from urllib.parse import quote
 
@@ -71,7 +71,7 @@ import torch.nn.functional as F
 import torch.utils.checkpoint
 from safetensors import safe_open
 from safetensors.torch import save as safetensors_bytes
-from torch import Tensor, nn
+from torch import nn, Tensor
 
 STATS = ("max", "std", "prefix", "self", "entropy", "lookback")
 DEFAULT_SYSTEM = "You are Qwen, created by Alibaba Cloud. You are a helpful assistant."
@@ -655,7 +655,7 @@ class _Progress:
 
 
 def load_model(path_or_repo, dtype=torch.float32, devices=None) -> tuple["Transformer",
-                                                                          "Tokenizer"]:
+                                                                         "Tokenizer"]:
     """A checkpoint directory (config.json, safetensors, tokenizer.json) or a Hugging Face Hub
     name such as "Qwen/Qwen2.5-7B-Instruct" (fetched once into $PAIR_CACHE) -> (model, tokenizer).
     devices: one device, or several to split the layers over (split_model)."""

@@ -34,7 +34,7 @@ import torch
 
 import model as mdl
 import probes
-from probes import ATTN_STATS, Probe, attn_features, feature
+from probes import attn_features, ATTN_STATS, feature, Probe
 
 
 # ----------------------------------------------------------------------------------------------

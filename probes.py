@@ -29,8 +29,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 from safetensors import safe_open
-from safetensors.torch import load_file
-from safetensors.torch import save as safetensors_bytes
+from safetensors.torch import load_file, save as safetensors_bytes
 
 import model
 
@@ -337,7 +336,7 @@ def _json_entry(meta: dict, key: str, path):
 
 def save_safetensors(tensors: dict, path, metadata: dict) -> None:
     model.write_atomic(path, safetensors_bytes({k: v.contiguous() for k, v in tensors.items()},
-                                              metadata))
+                                               metadata))
 
 
 def _check_finite(tensors: dict, path) -> None:

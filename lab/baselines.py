@@ -18,17 +18,17 @@ sibling rollouts, external calls), which the cost table prices.
 from __future__ import annotations
 
 import math
+import time
 from collections import Counter
 from dataclasses import dataclass, field
 
 import torch
 
 import envs
+import grpo
 import model
 import probes
-from grpo import Step, Trajectory, play, rollout
-import time
-import grpo
+from grpo import play, rollout, Step, Trajectory
 
 
 # ---------------------------------------------------------------------------------------------
@@ -579,11 +579,12 @@ def register() -> None:
     if flags in grpo.HOOKS["flags"]:
         return
     grpo.HOOKS["flags"].append(flags)
-    grpo.FLAG_RANGES.update({**{k: grpo.at_least(1) for k in ("tips_refresh", "tree_m", "tree_n", "tree_l")},
-                        "at2po_penalty": grpo.finite(0.0), "tips_gamma": grpo.finite(),
-                        "at2po_clip": ((lambda v: 0 <= v < 1), "two numbers in [0, 1)")})
-    grpo.RESUME_KEYS += ("tips_refresh", "tips_gamma", "tree_m", "tree_n", "tree_l", "at2po_penalty",
-                         "at2po_clip", "judge_model")
+    grpo.FLAG_RANGES.update({**{k: grpo.at_least(1)
+                                for k in ("tips_refresh", "tree_m", "tree_n", "tree_l")},
+                             "at2po_penalty": grpo.finite(0.0), "tips_gamma": grpo.finite(),
+                             "at2po_clip": ((lambda v: 0 <= v < 1), "two numbers in [0, 1)")})
+    grpo.RESUME_KEYS += ("tips_refresh", "tips_gamma", "tree_m", "tree_n", "tree_l",
+                         "at2po_penalty", "at2po_clip", "judge_model")
     grpo.REWARDS.update(coe=coe_reward, llm_judge=judge_reward, igpo=igpo_reward, tips=tips_reward,
                         # tree search: the leaves' outcome; the advantages come from the trees
                         tree_grpo=grpo.outcome_reward, at2po=grpo.outcome_reward)

@@ -43,10 +43,10 @@ from pathlib import Path
 
 import torch
 
+import grpo
 import model as M
 import pair
 import probes
-import grpo
 
 ROOT = Path(__file__).resolve().parent
 QWEN2 = dict(architectures=["Qwen2ForCausalLM"], model_type="qwen2", hidden_act="silu",
@@ -446,9 +446,9 @@ def main(argv=None):
                     "busy processes, 1 thread gives far steadier ratios")
     args = ap.parse_args(argv)
     grpo.check_ranges(ap, args, {**dict.fromkeys(("new_tokens", "batch", "repeats",
-                                                    "gen_repeats", "prompt_len"),
-                                                   grpo.at_least(1)),
-                                   "threads": grpo.THREADS})
+                                                  "gen_repeats", "prompt_len"),
+                                                 grpo.at_least(1)),
+                                 "threads": grpo.THREADS})
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         ap.error(f"--device {args.device}: torch sees no CUDA device")

@@ -31,11 +31,10 @@ from pathlib import Path
 
 import numpy as np
 
-from lab import baselines, curves
-import grpo
-from lab import shop
-import model
 import envs
+import grpo
+import model
+from lab import baselines, curves, shop
 
 COMPARE_REWARDS = ("outcome", "pair", "pair:alpha=0", "last_token", "multi_attn", "attention",
                    "head_entropy", "igpo", "tips", "tree_grpo", "at2po",
@@ -429,7 +428,7 @@ def compare_table(out: Path, specs: list[str], seeds: list[int]) -> dict:
             run = out / "runs" / run_name(spec, seed)
             played.append(read_run(run))
         row = {"reward": spec, "seeds": seeds, "runs": [str(out / "runs" / run_name(spec, s))
-                                                         for s in seeds]}
+                                                        for s in seeds]}
         for key in ("base", "selected", "final", "best_on_test"):
             vals = [s[key]["success"] for s, _, _ in played]
             # the sample std (n - 1): the seeds are a sample of the training noise

@@ -11,15 +11,16 @@ the outcome (lab/FINDINGS.md).
 Each plugs into grpo.py's tables and hooks when this module is imported (python -m lab.train).
 """
 from __future__ import annotations
-import grpo
-from lab import study
-import torch
 import math
-import probes
-import model
-import envs
 import sys
-from lab import onpolicy
+
+import torch
+
+import envs
+import grpo
+import model
+import probes
+from lab import onpolicy, study
 
 
 def labels_reward(traj: grpo.Trajectory, ctx) -> list[float]:

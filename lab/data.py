@@ -337,7 +337,7 @@ def gta_diagnostic(clean: dict[str, dict], contaminated_matched: list[dict],
         out += positives.pop(eid, [])
     if positives:
         raise envs.DataError(f"matched_contaminated_test episodes {sorted(positives)} are not in "
-                        "clean_test.json")
+                             "clean_test.json")
     return out
 
 
@@ -347,7 +347,7 @@ def family_folder(data_dir, family: str) -> Path:
     root = Path(data_dir or envs.default_data_dir())
     if not (root / family).is_dir() and (root / "matched_clean_test.json").is_file():
         raise envs.DataError(f"--data-dir {root}: holds the {family} files itself; --data-dir is "
-                        f"the folder above it ({root.parent}), which holds {family}/")
+                             f"the folder above it ({root.parent}), which holds {family}/")
     return root / family
 
 
@@ -359,7 +359,7 @@ def make_gta_diagnostic(data_dir=None, out_dir=None, seed: int = 0) -> dict[str,
         envs.download("gta", folder.parent)
     clean = envs.load_episodes(folder / "clean_test.json")
     matched = envs._parse_json((folder / "matched_contaminated_test.json").read_bytes(),
-                          folder / "matched_contaminated_test.json")
+                               folder / "matched_contaminated_test.json")
     envs._check_matched_file(matched, folder / "matched_contaminated_test.json")
     records = gta_diagnostic(clean, matched, seed)
     envs._check_matched_file(records, "matched_diagnostic_test.json")
@@ -420,7 +420,7 @@ def split_episodes(data_dir, family: str, out_dir, seed: int = 0, fraction: floa
                 part = {k: v for k, v in data[name].items() if k in keep}
             target = Path(out_dir) / f"{name}_{split}.json"
             model.write_atomic(target, json.dumps(part, indent=None if name.startswith("matched_")
-                                            else 2).encode())
+                                                  else 2).encode())
             counts[target.name] = len(part)
     return counts
 
@@ -477,7 +477,7 @@ def main(argv=None):
     p = sub.add_parser("make-diagnostic", help="write the adversarial diagnostic set of a "
                                                "released benchmark from its data (no LLM)")
     p.add_argument("family", choices=["gta"], help="which benchmark (GTA: the rules in "
-                                                        "lab/data.py)")
+                   "lab/data.py)")
     p.add_argument("--data-dir", default=None,
                    help="root folder of the released files (DIR/<family>/); default $PAIR_DATA "
                         "or ~/.cache/pair/data")

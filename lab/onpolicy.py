@@ -28,6 +28,7 @@ own turns of the last N steps (the last section: refit and the run-directory fil
 """
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import shutil
@@ -39,15 +40,12 @@ from pathlib import Path
 import torch
 
 import envs
+import grpo
 import model
 import pair
 import probes
-from lab import shop
 from grpo import rollout
-import grpo
-from lab import study
-from lab import onpolicy
-import argparse
+from lab import onpolicy, shop, study
 
 PROBE_SEED = 42
 
@@ -168,18 +166,18 @@ def contaminated_corpus(policy, tok, episodes: int, log) -> study.Split:
     teacher-forced with the base policy. The choice reads labels only, so it is made first and
     only the kept records (about half) are traced."""
     t0 = time.perf_counter()
-    log(f"  contaminated corpus: `python -m lab.shop make-data --episodes {episodes}`, its kept turns "
-        "teacher-forced ...", flush=True)
+    log(f"  contaminated corpus: `python -m lab.shop make-data --episodes {episodes}`, its kept "
+        "turns teacher-forced ...", flush=True)
     with tempfile.TemporaryDirectory() as tmp:
         shop.make_shop_data(tmp, episodes=episodes, seed=PROBE_SEED)
         loaded = [envs.load_matched(Path(tmp) / f"{name}.json")
                   for name in study.TRAIN_SPLITS["mixed"]]
     # feature-less splits whose "raw" says where each row came from: (split, record) indices
     index = {name: study.Split(name, {"turn_idx": torch.tensor([int(r["turn_idx"]) for r in recs]),
-                                     "split": torch.full((len(recs),), s),
-                                     "record": torch.arange(len(recs))},
-                              torch.tensor([int(r["label"]) for r in recs]),
-                              [str(r["episode_id"]) for r in recs], {})
+                                      "split": torch.full((len(recs),), s),
+                                      "record": torch.arange(len(recs))},
+                               torch.tensor([int(r["label"]) for r in recs]),
+                               [str(r["episode_id"]) for r in recs], {})
              for s, (name, recs) in enumerate(zip(study.TRAIN_SPLITS["mixed"], loaded))}
     kept = study.training_set(index, "mixed", PROBE_SEED)
     records = [loaded[s][r] for s, r in zip(kept.raw["split"].tolist(),
@@ -190,9 +188,9 @@ def contaminated_corpus(policy, tok, episodes: int, log) -> study.Split:
                                    [span for _, span, _ in rendered])
     raw = probes.stack_raw([probes.raw_features(tr) for tr in traces])
     raw["turn_idx"] = kept.raw["turn_idx"]
-    log(f"  contaminated corpus: {len(kept.y)} teacher-forced turns of `python -m lab.shop make-data "
-        f"--episodes {episodes}` (mode mixed; the shop world's, also for shop-long, which has "
-        f"no make-data) in {time.perf_counter() - t0:.0f}s", flush=True)
+    log(f"  contaminated corpus: {len(kept.y)} teacher-forced turns of `python -m lab.shop "
+        f"make-data --episodes {episodes}` (mode mixed; the shop world's, also for shop-long, "
+        f"which has no make-data) in {time.perf_counter() - t0:.0f}s", flush=True)
     return study.Split(kept.name, raw, kept.y, kept.episode_id, {})
 
 
@@ -200,7 +198,7 @@ def fit_probes(train: study.Split, info: dict) -> dict:
     """PAIR and every baseline probe on one training set (balanced subsample, seed 42)."""
     fitted = study.fit_baselines(train, info=info)
     fitted["pair"] = pair.fit_pair(train.raw, train.y, info=info,
-                                       stage1=fitted["last_token"])
+                                   stage1=fitted["last_token"])
     return fitted
 
 
@@ -288,12 +286,12 @@ def shop_probes(args, policy, tok, world, log) -> tuple[Path, dict]:
         corpora["contaminated"] = contaminated_corpus(policy, tok, args.probe_episodes, log)
         if args.probe_corpus == "both":
             corpora["both"] = study.concat_splits([corpora["on-policy"],
-                                                      corpora["contaminated"]])
+                                                   corpora["contaminated"]])
         info = {"seed": PROBE_SEED, "corpus": args.probe_corpus}
         fitted = fit_probes(corpora[args.probe_corpus], info)
         reference = fitted if args.probe_corpus == "contaminated" else \
             {"pair": pair.fit_pair(corpora["contaminated"].raw, corpora["contaminated"].y,
-                                       info=info)}
+                                   info=info)}
         tmp = root / f".{out.name}.{os.getpid()}.tmp"
         shutil.rmtree(tmp, ignore_errors=True)
         for name, m in fitted.items():        # pair/ is a directory, each probe one file
@@ -332,7 +330,7 @@ def heldout_path(args) -> Path:
     """Where the held-out own turns of this policy are kept: beside its probes, keyed on what
     they depend on (the sampling, the labelling rules)."""
     key = grpo.settings_hash({"format": HELDOUT_FORMAT, "own": own_turns_settings(args),
-                         "labels": envs.SHOP_SCORING})
+                              "labels": envs.SHOP_SCORING})
     return (model.cache_root() / "grpo-probes" / f"{args.env}-{grpo.policy_hash(args.model)}" /
             f"heldout-{key}.safetensors")
 
@@ -365,7 +363,7 @@ def heldout_turns(args, policy, tok, world, log) -> study.Split:
     try:
         meta = json.loads(meta["heldout_turns"])
         return study.Split("heldout_turns", tensors, tensors["label"].long(),
-                          list(meta["episode_id"]), {"kinds": list(meta["kinds"])})
+                           list(meta["episode_id"]), {"kinds": list(meta["kinds"])})
     except (KeyError, ValueError, TypeError) as e:
         raise SystemExit(f"{path}: a damaged cache of held-out turns ({type(e).__name__}: "
                          f"{e}); delete it and the next run samples them again") from None
@@ -466,7 +464,7 @@ def load_window(out: Path, steps: range, processes: int) -> study.Split | None:
             recode = torch.tensor([codes.setdefault(k, len(codes)) for k in meta["kinds"]])
             tensors["kind"] = recode[tensors["kind"]]
             parts.append(study.Split(path.stem, tensors, tensors["label"].long(),
-                                    meta["episode_id"], {}))
+                                     meta["episode_id"], {}))
     return study.concat_splits(parts) if parts else None
 
 
@@ -623,8 +621,9 @@ def flags(ap) -> None:
     a = ap.add_argument
     a("--probe-corpus", default="on-policy", choices=PROBE_CORPORA,
       help="shop, probes fitted on the fly: on-policy = rollouts of the base policy on training "
-           "episodes, labelled by the world; contaminated = `python -m lab.shop make-data` gold dialogs and "
-           "their rule-based contaminations (the released recipe); both = the two together")
+           "episodes, labelled by the world; contaminated = `python -m lab.shop make-data` gold "
+           "dialogs and their rule-based contaminations (the released recipe); both = the two "
+           "together")
     a("--probe-retrain-every", type=int, default=0,
       help="shop: every N steps, fit the head the reward reads again (PAIR's stage 2, or the "
            "probe) on the policy's own turns of the last N steps, labelled by the world "
@@ -646,7 +645,8 @@ def main(argv=None) -> None:
     ap = argparse.ArgumentParser(prog="python -m lab.onpolicy", description=main.__doc__)
     ap.add_argument("--env", default="shop", choices=tuple(envs.WORLDS))
     env = ap.parse_args(argv).env
-    from lab import train  # noqa: F401 (grpo's flags and defaults, as python -m lab.train's)
+    from lab.train import plug_in
+    plug_in()                           # grpo's flags and defaults, as python -m lab.train's
     with tempfile.TemporaryDirectory() as tmp:
         os.environ["PAIR_CACHE"] = tmp                  # a fresh fit, never a cached one
         args = grpo.parse_args(["--env", env, "--out", str(Path(tmp) / "run")], grpo.REWARDS)
@@ -676,10 +676,12 @@ def register() -> None:
     if flags in grpo.HOOKS["flags"]:
         return
     grpo.HOOKS["flags"].append(flags)
-    grpo.FLAG_RANGES.update({**{k: grpo.at_least(1) for k in ("corpus_episodes", "corpus_samples", "corpus_heldout")},
-                        "probe_retrain_every": grpo.at_least(0), "probe_episodes": grpo.at_least(2)})
-    grpo.RESUME_KEYS += ("probe_corpus", "corpus_episodes", "corpus_samples", "corpus_heldout", "probe_episodes",
-                         "probe_retrain_every")
+    grpo.FLAG_RANGES.update({**{k: grpo.at_least(1)
+                                for k in ("corpus_episodes", "corpus_samples", "corpus_heldout")},
+                             "probe_retrain_every": grpo.at_least(0),
+                             "probe_episodes": grpo.at_least(2)})
+    grpo.RESUME_KEYS += ("probe_corpus", "corpus_episodes", "corpus_samples", "corpus_heldout",
+                         "probe_episodes", "probe_retrain_every")
     grpo.RESUME_DEFAULTS.update({"probe_retrain_every": 0})
     grpo.HOOKS["context"].append(fit_on_the_fly)
     grpo.HOOKS["check"].append(check)

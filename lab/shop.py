@@ -26,20 +26,20 @@ import sys
 import tempfile
 import time
 from dataclasses import dataclass, replace
-from decimal import ROUND_HALF_UP, Decimal
+from decimal import Decimal, ROUND_HALF_UP
 from itertools import accumulate
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from safetensors import SafetensorError
-from safetensors.torch import load_file, save_file, save as safetensors_bytes
+from safetensors.torch import load_file, save as safetensors_bytes, save_file
 
 import envs
-import model
-from lab import data as lab_data
-from grpo import rollout
 import grpo
+import model
+from grpo import rollout
+from lab import data as lab_data
 
 # ---------------------------------------------------------------------------------------------
 # The world: tasks drawn from a seed, tools that really execute, exact labels
@@ -291,10 +291,14 @@ def _long_distinct(task: envs.ShopTask) -> bool:
 
 
 
-# the long world joins the built-in ones: its episodes, its turn limit and its policy
-envs.WORLDS["shop-long"] = long_task
-envs.WORLD_TURNS["shop-long"] = 16
-envs.BUILTIN_POLICIES["shop-long"] = envs.BUILTIN_POLICY.parent / "shop-long-policy"
+def register() -> None:
+    """The long world joins the built-in ones: its episodes, its turn limit and its policy."""
+    envs.WORLDS["shop-long"] = long_task
+    envs.WORLD_TURNS["shop-long"] = 16
+    envs.BUILTIN_POLICIES["shop-long"] = envs.BUILTIN_POLICY.parent / "shop-long-policy"
+
+
+register()      # make-data, sft and the lab's commands know it from the first import on
 
 def _slip_store(task: envs.ShopTask, store: str, item: str) -> str:
     """The next store after `store` (cyclically) whose price of `item` the task does not need."""
@@ -516,7 +520,7 @@ def shop_matched(task: envs.ShopTask, episode_id: str, clean: list[dict], contam
         dialog = clean[:t] + [contaminated[t]]
         label = shop_dialog_labels(task, dialog)[-1]
         clean_records.append(lab_data.matched_record(episode_id, t, label, kind, indices,
-                                                 "clean", dialog))
+                                                     "clean", dialog))
         contaminated_records.append(lab_data.matched_record(
             episode_id, t, labels[k], kind, indices, "contaminated", contaminated[:t + 1]))
     return clean_records, contaminated_records
@@ -556,9 +560,9 @@ def shop_diagnostic(task: envs.ShopTask, episode_id: str, clean: list[dict],
     if not shop_dialog_labels(task, prefix + [repair])[-1]:
         raise RuntimeError(f"shop seed {task.seed}: the repair turn is not correct")
     return [lab_data.matched_record(episode_id, t, False, None, [], "clean", clean[:t] + [wrong],
-                                diagnostic="consistent_incorrect"),
+                                    diagnostic="consistent_incorrect"),
             lab_data.matched_record(episode_id, t, True, None, [j], "contaminated",
-                                prefix + [repair], diagnostic="inconsistent_correct")]
+                                    prefix + [repair], diagnostic="inconsistent_correct")]
 
 
 # ---- make-data ----------------------------------------------------------------------------------
@@ -764,7 +768,7 @@ def sft(args) -> dict:
     done, losses, kept, earlier_seconds = 0, [], [], 0.0
     if args.resume:
         done, losses, kept, earlier_seconds = load_sft_checkpoint(ckpt, args, policy, opt,
-                                                                   induction)
+                                                                  induction)
         print(f"sft: resumed from {ckpt} after {done} of {args.induction_steps + args.steps} "
               "steps", flush=True)
 
@@ -875,7 +879,7 @@ def _policy_tensors(policy) -> dict[str, torch.Tensor]:
 def save_policy(out: Path, policy, tok, config: dict):
     out.mkdir(parents=True, exist_ok=True)
     model.write_atomic(out / "model.safetensors",
-                        safetensors_bytes(_policy_tensors(policy), {"format": "pt"}))
+                       safetensors_bytes(_policy_tensors(policy), {"format": "pt"}))
     model.write_json(out / "config.json", config)
     model.write_atomic(out / "tokenizer.json", tok.tok.to_str(pretty=True))
 
@@ -902,7 +906,8 @@ def save_sft_checkpoint(path: Path, args, done: int, policy, opt, induction, los
         save_file(tensors, tmp / "optimizer.safetensors")
         save_file({"induction": induction.g.get_state()}, tmp / "rng.safetensors")
         model.write_json(tmp / "trainer.json", {"done": done, "flags": _sft_flags(args),
-                          "losses": losses, "kept": kept, "seconds": seconds, "optimizer": meta})
+                                                "losses": losses, "kept": kept,
+                                                "seconds": seconds, "optimizer": meta})
         shutil.rmtree(path, ignore_errors=True)
         os.replace(tmp, path)
     except (OSError, SafetensorError) as e:        # a full disk: the last checkpoint stays
@@ -925,7 +930,7 @@ def load_sft_checkpoint(path: Path, args, policy, opt, induction) -> tuple:
             raise ValueError(f"weights do not fit the model: missing {missing}, "
                              f"unexpected {unexpected}")
         model.optimizer_from_tensors(opt, load_file(path / "optimizer.safetensors"),
-                                       info["optimizer"])
+                                     info["optimizer"])
         induction.g.set_state(load_file(path / "rng.safetensors")["induction"])
         return int(info["done"]), info["losses"], info["kept"], float(info["seconds"])
     except (OSError, KeyError, TypeError, ValueError, RuntimeError, SafetensorError) as e:

@@ -18,26 +18,27 @@ pairs are the same dialog twice, which can only dilute a drop. There, per method
 contaminated, the drop with a paired bootstrap 95% interval (1,000 resamples of the pairs, seed
 0), and how far the evaluation turn's logit moved between its two prefixes (report.json
 `drop_differing`). (e) reads matched_diagnostic_test (shop: `python -m lab.shop make-data`; GTA:
-`python -m lab.data make-diagnostic gta`), overall and per rule of its negatives (report.json `diagnostic`).
+`python -m lab.data make-diagnostic gta`), overall and per rule of its negatives (report.json
+`diagnostic`).
 
     python -m lab.study extract --model DIR --data gta/matched_clean_train.json \\
-                           --out feats/matched_clean_train.safetensors
-    python -m lab.study train  --features feats --out probes/gta        # PAIR + every baseline probe
+                                --out feats/matched_clean_train.safetensors
+    python -m lab.study train  --features feats --out probes/gta   # PAIR + every baseline probe
     python -m lab.study eval   --probes probes/gta --features feats
-    python -m lab.study report --features feats                         # report.md + report.json
+    python -m lab.study report --features feats                    # report.md + report.json
 """
 from __future__ import annotations
 import argparse
 import contextlib
-from dataclasses import dataclass
 import hashlib
 import itertools
 import json
 import math
-from pathlib import Path
 import shutil
 import sys
 import time
+from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -369,9 +370,8 @@ def training_set(splits: dict[str, Split], mode: str, seed: int) -> Split:
 
 def fit_baselines(train: Split, C=0.01, info=None) -> dict[str, probes.Probe]:
     """Every supervised baseline probe (METHOD.md §5) on one training set."""
-    return {name: probes.Probe(info={"feature": name, **(info or {})}).fit(probes.feature(name, train.raw),
-                                                                    train.y, C)
-            for name in probes.FEATURES}
+    return {name: probes.Probe(info={"feature": name, **(info or {})})
+            .fit(probes.feature(name, train.raw), train.y, C) for name in probes.FEATURES}
 
 
 def predict(model, raw) -> torch.Tensor:
@@ -609,7 +609,7 @@ def run_report(features_dir, mode="mixed", seeds=SEEDS, C=0.01, crossfit=0, log=
         # (d) PAIR's stage 2 on every subset of the four statistics (stage 1 shared); the full
         # set is PAIR itself
         stage1, s_bc = pair.fit_stage1(train.raw, train.y, C, crossfit, train.episode_id, seed,
-                                  stage1=models["last_token"])
+                                       stage1=models["last_token"])
         for subset in stat_subsets():
             model = pair.fit_stage2(stage1, s_bc, train.raw, train.y, C, subset, info)
             for split_name in TEST_SPLITS + ("all_test",):
@@ -870,8 +870,9 @@ def cmd_train(args):
         info = {"seed": seed, "C": args.C, "mode": args.mode, "features": str(args.features),
                 "n_train": len(train.y), **probes.source(train.meta)}
         models = fit_baselines(train, args.C, info)
-        pair_model = pair.fit_pair(train.raw, train.y, args.C, args.crossfit, train.episode_id, seed,
-                              info=info, stage1=models["last_token"])
+        pair_model = pair.fit_pair(train.raw, train.y, args.C, args.crossfit, train.episode_id,
+                                   seed,
+                                   info=info, stage1=models["last_token"])
         for name, probe in models.items():
             probe.save(out / f"seed{seed}" / f"{name}.safetensors")
         pair_model.save(out / f"seed{seed}" / f"pair_{args.mode}")
@@ -880,8 +881,8 @@ def cmd_train(args):
         print(f"seed {seed}: PAIR ({args.mode}) and {len(models)} probes on {len(train.y)} "
               f"records in {summary[-1]['seconds']:.1f}s -> {out / f'seed{seed}'}")
     mdl.write_atomic(out / "train.json", json.dumps({"mode": args.mode, "C": args.C,
-                                                "crossfit": args.crossfit, "runs": summary},
-                                               indent=2) + "\n")
+                                                     "crossfit": args.crossfit, "runs": summary},
+                                                    indent=2) + "\n")
 
 
 def cmd_eval(args):
@@ -889,16 +890,18 @@ def cmd_eval(args):
     seed_dirs = sorted(p for p in root.glob("seed*") if p.is_dir())
     listed = root / "train.json"
     if listed.is_file():
-        # the seeds the last `python -m lab.study train --out` wrote: an older run's seed<S>/ left in the
-        # directory (another C, another mode) must not be averaged in
+        # the seeds the last `python -m lab.study train --out` wrote: an older run's seed<S>/ left
+        # in the directory (another C, another mode) must not be averaged in
         try:
             seeds = {int(r["seed"]) for r in json.loads(listed.read_text())["runs"]}
         except (ValueError, KeyError, TypeError, RecursionError) as e:
-            raise probes.FormatError(f"{listed}: not a train.json written by `python -m lab.study train` "
+            raise probes.FormatError(f"{listed}: not a train.json written by "
+                                     f"`python -m lab.study train` "
                                      f"({type(e).__name__}: {e})") from None
         stale = [p.name for p in seed_dirs if p.name[4:] not in {str(s) for s in seeds}]
         if stale:
-            print(f"ignoring {', '.join(stale)} in {root}: not written by the `python -m lab.study train` "
+            print(f"ignoring {', '.join(stale)} in {root}: not written by the "
+                  f"`python -m lab.study train` "
                   f"that wrote {listed.name} (seeds {sorted(seeds)})", file=sys.stderr)
         seed_dirs = [p for p in seed_dirs if p.name not in stale]
     if not seed_dirs:
@@ -1019,7 +1022,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_train, writes=lambda a: [a.out])
 
     p = sub.add_parser("eval", help="evaluate trained probes on test features")
-    p.add_argument("--probes", required=True, help="directory written by `python -m lab.study train`")
+    p.add_argument("--probes", required=True, help="directory written by "
+                   "`python -m lab.study train`")
     p.add_argument("--features", required=True, help="directory holding the test features")
     p.add_argument("--splits", nargs="+", default=None,
                    help="features file stems to evaluate (default: matched_clean_test "
@@ -1045,7 +1049,8 @@ def probe_main(argv=None) -> None:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="cmd", required=True)
     fit = sub.add_parser("fit", help="fit one probe on a features file")
-    fit.add_argument("--features", required=True, help="features file from `python -m lab.study extract`")
+    fit.add_argument("--features", required=True,
+                     help="features file from `python -m lab.study extract`")
     fit.add_argument("--feature", required=True, choices=probes.FEATURES,
                      help="feature set (METHOD.md §4)")
     fit.add_argument("--C", type=grpo.positive_number, default=0.01,
@@ -1053,7 +1058,8 @@ def probe_main(argv=None) -> None:
     fit.add_argument("--out", required=True, help="probe file to write (.safetensors)")
     score = sub.add_parser("score", help="score a features file with a probe and print metrics")
     score.add_argument("--probe", required=True, help="probe file written by `fit`")
-    score.add_argument("--features", required=True, help="features file from `python -m lab.study extract`")
+    score.add_argument("--features", required=True,
+                       help="features file from `python -m lab.study extract`")
     args = ap.parse_args(argv)
     try:
         probe_run(args)
@@ -1066,7 +1072,7 @@ def probe_run(args) -> None:
         mdl.refuse_dir_out(args.out)
         raw, meta = load_features(args.features)
         probe = probes.Probe(info={"feature": args.feature, "train": meta.get("data"),
-                            **probes.source(meta)})
+                                   **probes.source(meta)})
         probe.fit(probes.feature(args.feature, raw), raw["label"], C=args.C)
         probe.save(args.out)
         print(f"fitted {args.feature} probe on {probe.info['n']} records "
@@ -1077,7 +1083,8 @@ def probe_run(args) -> None:
         if name not in probes.FEATURES:
             sys.exit(f"{args.probe}: probe metadata names no known feature set ({name!r})")
         raw, meta = load_features(args.features)
-        probes.check_same_source(probes.source(probe.info), args.probe, probes.source(meta), args.features)
+        probes.check_same_source(probes.source(probe.info), args.probe, probes.source(meta),
+                                 args.features)
         p = probe.predict_proba(probes.feature(name, raw))
         print(json.dumps(probes.metrics(raw["label"], p, meta.get("episode_id")), indent=2))
 
@@ -1091,21 +1098,24 @@ def load_features(path) -> tuple[dict[str, torch.Tensor], dict]:
     meta = probes._json_entry(meta, "pair_features", path)
     missing = [k for k in probes.RAW_KEYS + ("label",) if k not in tensors]
     if not isinstance(meta, dict) or missing:
-        raise probes.FormatError(f"{path}: not a features file written by `python -m lab.study extract` "
-                          f"(missing {missing or 'metadata'})")
+        raise probes.FormatError(f"{path}: not a features file written by "
+                                 f"`python -m lab.study extract` "
+                                 f"(missing {missing or 'metadata'})")
     if not isinstance(meta.get("episode_id", []), list):
-        raise probes.FormatError(f"{path}: its metadata's episode_id must be a list (one per record)")
+        raise probes.FormatError(f"{path}: its metadata's episode_id must be a list (one per "
+                                 "record)")
     n = {len(v) for v in tensors.values() if v.dim() > 0}
     if len(n) != 1 or len(meta.get("episode_id", ())) not in n:
         raise probes.FormatError(f"{path}: columns of different lengths (records {sorted(n)}, "
-                          f"episode ids {len(meta.get('episode_id', ()))})")
+                                 f"episode ids {len(meta.get('episode_id', ()))})")
     if tensors["h_mean"].dim() != 2 or tensors["attn_max"].dim() != 3:
-        raise probes.FormatError(f"{path}: h_mean must be (records, d) and attn_max (records, L, H)")
+        raise probes.FormatError(f"{path}: h_mean must be (records, d) and attn_max "
+                                 "(records, L, H)")
     probes._check_finite(tensors, path)
     labels = set(tensors["label"].unique().tolist())
     if not labels <= {0, 1}:
         raise probes.FormatError(f"{path}: labels must be 0 (wrong) or 1 (right), got "
-                          f"{sorted(labels)[:5]}")
+                                 f"{sorted(labels)[:5]}")
     meta["dims"] = probes.features_dims(tensors)     # what the tensors hold, whatever was recorded
     return tensors, meta
 

@@ -19,7 +19,9 @@ os.environ["PAIR_COMPILE"] = "0"
 # The command lines the tests start find the core and the lab (python -m lab.X) from anywhere.
 os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, (str(ROOT), os.environ.get("PYTHONPATH"))))
 
-from lab import train  # noqa: E402, F401 (the lab plugged into grpo.py, as python -m lab.train)
+from lab.train import plug_in  # noqa: E402
+
+plug_in()       # the lab plugged into grpo.py, as python -m lab.train does
 
 SHARED = Path(os.environ.get("PAIR_SHARED", ROOT.parent / "shared"))
 RELEASE = SHARED / "data" / "pair-release"

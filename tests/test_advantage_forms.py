@@ -175,7 +175,7 @@ def test_premise_gate_reads_the_outcome_on_the_last_turn():
     # rollout that slipped and failed ranks below the one that made the decision right
     turns = gate_turns([[1, 1, 1], [1, 0, 0]], [1.0, 0.0])
     gate = credit.premise_gate(turns, argparse.Namespace(args=args_for(reward="outcome")),
-                             [None, "store", None] * 2)
+                               [None, "store", None] * 2)
     assert gate["auroc"] == 1.0 and gate["reward_auroc"] is None    # no reward at turn 1
 
 

@@ -25,7 +25,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 # (b) on the pairs that differ
 
 TOOLS = [{"name": "OCR", "description": "reads text", "inputs": [{"name": "image",
-                                                                   "type": "image"}]}]
+                                                                  "type": "image"}]}]
 
 
 def call(thought, image):
@@ -70,7 +70,7 @@ def split_of(records, tokenizer, name, order):
     raw = {"input_digest": torch.stack(digests),
            "turn_idx": torch.tensor([r["turn_idx"] for r in records])}
     return study.Split(name, raw, torch.tensor([r["label"] for r in records]),
-                      [r["episode_id"] for r in records], {})
+                       [r["episode_id"] for r in records], {})
 
 
 def test_differing_pairs_on_a_hand_made_matched_set():
@@ -124,7 +124,7 @@ def test_paired_bootstrap_is_reproducible_and_covers_the_true_drop():
     assert covered >= 16, covered
     # one class on a side: the drop is undefined, not a number
     assert study.paired_bootstrap_drop(torch.ones(5), [torch.rand(5)], torch.ones(5),
-                                      [torch.rand(5)])["drop"] is None
+                                       [torch.rand(5)])["drop"] is None
 
 
 def test_report_measures_the_differing_pairs(tmp_path):
@@ -210,7 +210,7 @@ def test_gta_diagnostic_set_from_the_release(release_dir, tmp_path):
 def test_split_episodes_of_released_test_files(release_dir, tmp_path):
     counts = lab_data.split_episodes(release_dir, "toolbench", tmp_path, seed=0, episodes=12)
     again = lab_data.split_episodes(release_dir, "toolbench", tmp_path / "again", seed=0,
-                                episodes=12)
+                                    episodes=12)
     assert counts == again
     halves = {}
     for split in ("train", "test"):

@@ -716,7 +716,7 @@ def test_contaminate_prompt_for_observation_misinterpretation(release_dir):
     assert lab_data.compatible_types(rec["dialogs"], idx) == [
         "reasoning_error", "tool_misuse", "observation_misinterpretation", "stale_memory"]
     assert lab_data.compatible_types(rec["dialogs"], 1) == ["reasoning_error", "tool_misuse",
-                                                        "stale_memory"]
+                                                            "stale_memory"]
     system, user = lab_data.contamination_messages(rec, idx, "observation_misinterpretation")
     text = user["content"]
     assert "The observation immediately before the target step:\nObservation: The image " \
@@ -739,7 +739,7 @@ def test_a_data_dir_that_is_the_family_folder_itself_is_one_line(release_dir, tm
     shutil.copytree(release_dir / "gta", gta)
     for run in (lambda: lab_data.main(["make-diagnostic", "gta", "--data-dir", str(gta)]),
                 lambda: lab_data.main(["split-episodes", "gta", "--data-dir", str(gta),
-                                   "--out", str(tmp_path / "out")])):
+                                       "--out", str(tmp_path / "out")])):
         with pytest.raises(SystemExit, match="--data-dir .*holds the gta files itself"):
             run()
     assert not (gta / "gta").exists()                   # nothing was downloaded beside it

@@ -221,7 +221,7 @@ def test_release_loss_is_the_release_reinforce_step():
 
 
 def test_release_advantage_trains_and_is_refused_with_tree_search(tiny_policy, tmp_path,
-                                                                 monkeypatch):
+                                                                  monkeypatch):
     temperatures = []
 
     def token_logprobs(policy, ids, mask, temperature=1.0):
@@ -379,7 +379,7 @@ def test_the_judge_rates_each_turn_in_the_history_it_was_taken_in(tiny_policy, m
     # still see it, as the policy did when it took that turn
     policy, tok = mdl.load_model(tiny_policy)
     (traj,) = grpo.rollout(policy, tok, [rewriting_episode(score=0.0)], play_args(max_turns=3),
-                              generator=torch.Generator().manual_seed(0))
+                           generator=torch.Generator().manual_seed(0))
     assert traj.episode.messages[2]["content"] == "Observation: [elided]"
     rated = []
     monkeypatch.setattr(baselines, "judge_step",
@@ -434,7 +434,7 @@ def test_first_update_has_zero_kl_and_unit_ratio(tiny_policy):
 
 
 def test_a_batch_without_generated_tokens_logs_loss_0_and_is_counted(tiny_policy, tmp_path,
-                                                                      monkeypatch):
+                                                                     monkeypatch):
     # every rollout ends before its first turn (each prompt is longer than a max_len of 20,
     # which grpo.py would refuse up front): nothing is generated, nothing is learned
     real = grpo.rollout
@@ -459,7 +459,7 @@ def test_a_batch_without_generated_tokens_logs_loss_0_and_is_counted(tiny_policy
 
 
 def test_a_non_finite_gradient_skips_the_update_and_says_so(tiny_policy, tmp_path, monkeypatch,
-                                                           capsys):
+                                                            capsys):
     # a NaN that reaches the gradient (here through the advantages) must not reach the adapter:
     # AdamW would turn every weight it touches into NaN
     def nan_advantages(rewards, scores, args):
@@ -562,7 +562,7 @@ def test_resume_reproduces_the_uninterrupted_run(tiny_policy, tmp_path, monkeypa
         "adapter_config.json", "adapter_model.safetensors"]
     assert not list(cut.glob(".*tmp*"))
     a = mdl.load_adapter(mdl.load_model(tiny_policy)[0],
-                              whole / "checkpoint-000004" / "adapter")
+                         whole / "checkpoint-000004" / "adapter")
     b = mdl.load_adapter(mdl.load_model(tiny_policy)[0], ckpt / "adapter")
     for (name, p), (_, q) in zip(mdl.lora_parameters(a), mdl.lora_parameters(b)):
         assert torch.equal(p, q), name
@@ -763,9 +763,9 @@ def test_two_processes_equal_one_process(reward, tiny_policy, tmp_path, pair_cac
                   "frac_zero_std", "turns"):
             assert b[k] == pytest.approx(a[k], rel=1e-4, abs=1e-7), k
     pa = mdl.load_adapter(mdl.load_model(tiny_policy)[0],
-                               one / "checkpoint-000002" / "adapter")
+                          one / "checkpoint-000002" / "adapter")
     pb = mdl.load_adapter(mdl.load_model(tiny_policy)[0],
-                               two / "checkpoint-000002" / "adapter")
+                          two / "checkpoint-000002" / "adapter")
     for (name, p), (_, q) in zip(mdl.lora_parameters(pa), mdl.lora_parameters(pb)):
         torch.testing.assert_close(p, q, atol=1e-6, rtol=1e-4, msg=name)
 
@@ -868,7 +868,7 @@ def test_evaluation_decodes_greedily(tiny_policy):
 
 
 def test_training_plays_the_train_split_and_evaluation_the_test_split(tiny_policy, tmp_path,
-                                                                     monkeypatch):
+                                                                      monkeypatch):
     seen = spy_envs(monkeypatch)
     summary = run(flags(tiny_policy, tmp_path / "run", "outcome", steps=1, eval_episodes=2))
     (train_env, _), evals = seen["train"], seen["eval"]
@@ -888,7 +888,7 @@ def test_summary_selects_on_validation_and_reports_test(tmp_path):
             "step": step, "val": {"success": val, "episodes": 20, "turns": 3.0, "scores": []},
             "test": {"success": test, "episodes": 48, "turns": 3.0, "scores": []}})
     s = grpo.summarize(tmp_path, 12.0, argparse.Namespace(reward="pair", alpha=5.0, seed=1,
-                                                         steps=40))
+                                                          steps=40))
     assert [s[k]["step"] for k in ("base", "selected", "final", "best_on_test")] == [0, 20, 40, 30]
     assert [s[k]["success"] for k in ("base", "selected", "final", "best_on_test")] == \
         [0.2, 0.7, 0.4, 0.8]
@@ -960,7 +960,7 @@ def test_toolbench_tree_search_runs_with_the_judge(reward, release_dir, tiny_pol
     # ToolBench releases test files only: a by-episode split of a few of them (envs.py
     # split-episodes) is its training data; ToolBench needs a judge to score answers
     lab_data.split_episodes(release_dir, "toolbench", tmp_path / "data" / "toolbench", seed=0,
-                        episodes=8)
+                            episodes=8)
     out = tmp_path / reward
     summary = run(flags(tiny_policy, out, reward, env="toolbench", data_dir=tmp_path / "data",
                         steps=1, eval_episodes=2))
@@ -1080,7 +1080,7 @@ def test_outcome_weight_moves_the_last_reward_not_the_probes_p_correct(tiny_poli
     policy, tok = mdl.load_model(tiny_policy)
     env = envs.ShopEnv("train")
     traj = grpo.rollout(policy, tok, [env.episode(0)], play_args(max_turns=3),
-                           generator=torch.Generator().manual_seed(0))[0]
+                        generator=torch.Generator().manual_seed(0))[0]
     traj.score = 1.0
     probe = random_pair(stacked_raw(traj.steps), seed=0).stage1        # a last_token probe
     ctx = grpo.RewardContext(policy, tok, play_args(reward="last_token", outcome_weight=0.5),
@@ -1171,7 +1171,7 @@ def test_llm_judge_without_a_key_fails_before_any_work(tiny_policy, tmp_path, mo
 
 
 def test_premise_gate_is_printed_kept_and_its_turns_cached(tiny_policy, tmp_path, pair_cache,
-                                                            capsys):
+                                                           capsys):
     # --reward labels fits no probe: the held-out own turns are sampled once, then read again
     summary = run(flags(tiny_policy, tmp_path / "a", "labels", steps=1, eval_episodes=2,
                         advantage="position"))
@@ -1277,7 +1277,8 @@ def test_probe_reads_base_equals_teacher_forcing_through_the_base():
     for traj in trajs:
         turns = [m for m, msg in enumerate(traj.episode.messages) if msg["role"] == "assistant"]
         for step, m in zip(traj.steps, turns):
-            # what `python -m lab.study extract` does with this transcript: render, one teacher-forced pass
+            # what `python -m lab.study extract` does with this transcript: render, one
+            # teacher-forced pass
             ids, spans = tok.render(traj.episode.messages[:m + 1])
             if not step.trace.finished:           # a turn cut at max_new_tokens has no im_end
                 continue
@@ -1296,7 +1297,7 @@ def test_probe_reads_base_equals_teacher_forcing_through_the_base():
 
 
 def test_the_drift_monitor_warns_once_when_the_probe_falls_below_chance(tiny_policy, tmp_path,
-                                                                       monkeypatch, capsys):
+                                                                        monkeypatch, capsys):
     assert grpo.below_chance([0.9, 0.4, 0.4, 0.4, 0.4]) is None           # not yet 5 below
     assert grpo.below_chance([0.9, 0.4, 0.4, None, 0.4, 0.4]) is None     # a step without one
     assert grpo.below_chance([0.9, 0.3, 0.4, 0.5, 0.4, 0.4]) == pytest.approx(0.4)
@@ -1395,7 +1396,7 @@ def _finished_runs(out: Path, scores=FAKE_SCORES):
                 "scores": test, "success": sum(test) / 4}})
         for step in (10, 20):
             grpo.append_jsonl(run / "metrics.jsonl", {"step": step, "frac_zero_std": 0.0,
-                                                        "kl": 0.0, "reward_mean": 0.0})
+                                                      "kl": 0.0, "reward_mean": 0.0})
         mdl.write_json(run / "summary.json", {"seconds": 60, **{
             key: {"step": step, "success": sum(by_step[step]) / 4}
             for key, step in (("base", 0), ("selected", 10), ("final", 20),
@@ -1676,7 +1677,7 @@ def test_two_runs_on_one_fresh_probe_cache_fit_the_probes_once(tiny_policy, tmp_
 
 
 def test_resume_redoes_exactly_what_was_logged_after_the_last_checkpoint(tiny_policy, tmp_path,
-                                                                        monkeypatch):
+                                                                         monkeypatch):
     kw = dict(steps=3, save_every=2, eval_episodes=2)
     whole = tmp_path / "whole"
     run(flags(tiny_policy, whole, "outcome", **kw))
@@ -1865,7 +1866,7 @@ def test_a_branch_from_a_copied_cache_equals_a_fresh_prefill(tiny_policy, monkey
         baselines.attach(forest, owner, forest.roots[0], 0)
         parent = forest.node_of[id(owner.steps[kept - 1])] if kept else forest.roots[0]
         baselines.grow(policy, tok, lambda: env.episode(5), forest, [(parent, owner, kept)], args,
-                  torch.Generator().manual_seed(11), stats=True)
+                       torch.Generator().manual_seed(11), stats=True)
         branch = forest.leaves[-1]
         context = owner.segments[0][:owner.steps[kept].span[0]]
         assert copied[-1] == len(context) - 1       # the prefix is copied, one token re-fed
@@ -1909,8 +1910,8 @@ def test_a_branch_from_before_a_rewritten_history_prefills_only_what_differs(tin
         forest.caches[id(owner)] = (caches[0], 0)
         baselines.attach(forest, owner, forest.roots[0], 0)
         baselines.grow(policy, tok, episode, forest, [(forest.node_of[id(owner.steps[kept - 1])],
-                                                  owner, kept)], args,
-                  torch.Generator().manual_seed(5), stats=True)
+                                                       owner, kept)], args,
+                       torch.Generator().manual_seed(5), stats=True)
         branch = forest.leaves[-1]
         at = owner.steps[kept]
         context = owner.segments[at.segment][:at.span[0]]
@@ -1939,12 +1940,12 @@ def test_turn_loss_matches_a_direct_computation():
     logp = (torch.randn(N, generator=g, dtype=torch.float64) - 1).requires_grad_()
     # turn 3's ratio leaves the trust region upwards with A > 0 (clipped); the others do not
     logp_old = logp.detach() - torch.tensor([0.004, 0.006, 0.008, 0.0, 0.002, -0.001, -0.003],
-                                             dtype=torch.float64)
+                                            dtype=torch.float64)
     logp_ref = logp.detach() + 0.1 * torch.randn(N, generator=g, dtype=torch.float64)
     adv = torch.tensor([1.0, 1.0, 1.0, -0.5, -0.5, 2.0, 2.0], dtype=torch.float64)
     lo, hi, beta = 3e-3, 4e-3, 0.05
     loss, sums = baselines.turn_loss(logp, logp_old, logp_ref, adv, turn, weight, (lo, hi), beta,
-                                n_tokens=7.0, n_seqs=2.0)
+                                     n_tokens=7.0, n_seqs=2.0)
     loss.backward()
     total, grad, clipped = 0.0, [0.0] * N, 0
     lp, lo_, lr = logp.tolist(), logp_old.tolist(), logp_ref.tolist()
@@ -2004,7 +2005,7 @@ def test_compare_cost_measures_what_each_reward_adds(tiny_policy, tmp_path):
     per_run = ["--model", str(tiny_policy), "--steps", "1", "--group", "4", "--max-turns", "2",
                "--max-new-tokens", "8"]
     result = compare.main(["--cost", "--rewards", "outcome", "igpo", "tree_grpo", "at2po",
-                        "--seeds", "1", "--out", str(out), "--", *per_run])
+                           "--seeds", "1", "--out", str(out), "--", *per_run])
     rows = {r["reward"]: r for r in result["rows"]}
     assert not any((out / "runs" / name / "eval.jsonl").exists() for name in
                    ("outcome-s1", "igpo-s1"))                 # no evaluation: time only

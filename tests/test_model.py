@@ -165,7 +165,7 @@ def test_config_reads_both_rope_layouts_and_rejects_unknown():
                                                            "rope_type": "default"}}).rope_base == 7
     with pytest.raises(ValueError, match="RoPE"):
         M.Config.from_dict({**base, "rope_parameters": {"rope_theta": 7.0,
-                                                              "rope_type": "yarn"}})
+                                                        "rope_type": "yarn"}})
     with pytest.raises(ValueError, match="GPT2"):
         M.Config.from_dict({**base, "architectures": ["GPT2LMHeadModel"]})
     # transformers < 5 leaves out keys equal to its class defaults: Mistral's window is 4096.
@@ -342,7 +342,7 @@ def test_ragged_batched_appends_equal_per_row_forward():
                 ref = model(torch.tensor([seq])).logits[0, -1]
                 torch.testing.assert_close(logits[r], ref, atol=1e-5, rtol=1e-5)
             assert cache[0].lengths.tolist() == [sum(len(chunks[j][r]) for j in range(k + 1))
-                                                  for r in range(3)]
+                                                 for r in range(3)]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -417,7 +417,7 @@ def test_prefill_computes_a_repeated_prompt_once_to_the_bit(name, monkeypatch):
         assert torch.equal(c.lengths, n)
         for i, k in enumerate(n.tolist()):
             assert torch.equal(c.k[i, :, :k], r.k[i, :, :k]) and torch.equal(c.v[i, :, :k],
-                                                                              r.v[i, :, :k])
+                                                                             r.v[i, :, :k])
     full = n > 0
     assert torch.equal(logits[full], model.lm_head(h[full, n[full] - 1]).float())
     assert not logits[~full].any()
@@ -656,7 +656,7 @@ def test_sample_temperature_and_top_p():
 def test_cli_generate_smoke(tmp_path, capsys):
     hf_checkpoint(tmp_path, "llama-gqa")
     generate.main(["--model", str(tmp_path), "--prompt", "w1 w2 w3",
-            "--max-new-tokens", "3"])
+                   "--max-new-tokens", "3"])
     assert capsys.readouterr().out.strip()
     with pytest.raises(SystemExit):
         generate.main(["--model", str(tmp_path / "nope"), "--prompt", "x"])
@@ -671,7 +671,7 @@ def test_cli_generate_refuses_a_bad_flag_in_one_line(bad, tmp_path, capsys):
     hf_checkpoint(tmp_path, "llama-gqa")
     with pytest.raises(SystemExit):
         generate.main(["--model", str(tmp_path), "--prompt", "w1 w2",
-                "--max-new-tokens", "3"] + bad)
+                       "--max-new-tokens", "3"] + bad)
     err = capsys.readouterr().err
     assert f"error: {bad[0]}" in err and "Traceback" not in err, err
 
@@ -684,7 +684,7 @@ def test_cli_generate_refuses_more_tokens_than_the_models_context(tmp_path):
                                          f"[0-9]+ tokens that is past the model's context, "
                                          f"{context} tokens"):
         generate.main(["--model", str(tmp_path), "--prompt", "w1 w2", "--max-new-tokens",
-                str(context)])
+                       str(context)])
 
 
 def test_generate_refuses_a_temperature_that_overflows_the_logits():
@@ -780,7 +780,7 @@ def test_generate_renders_a_task_for_the_built_in_policy_as_its_rollouts_do(caps
     assert generate.prompt_messages("hi", "Be brief.", None) == [
         {"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"}]
     generate.main(["--model", str(policy), "--prompt", episode.task.text,
-            "--max-new-tokens", "48", "--dtype", "float32"])
+                   "--max-new-tokens", "48", "--dtype", "float32"])
     out, err = capsys.readouterr()
     assert "float32; the prompt rendered as a shop task" in err
     turn = envs.parse_react(out.strip())        # a first turn: a tool call, not an echo
@@ -899,7 +899,7 @@ def assert_only_template_specials(tok):
     assert tok.decode(ids[spans[0][0]:spans[0][1] - 1]) == "Thought: " + forged
     opening = grpo.turn_opening(tok, True, "Observation: " + forged)
     assert [i for i in opening if i in specials] == [tok.im_start_id, tok.im_end_id,
-                                                    tok.im_start_id]
+                                                     tok.im_start_id]
 
 
 def test_untrusted_text_cannot_forge_chat_turns_qwen(qwen_tokenizer_dir):

@@ -155,7 +155,7 @@ def test_pair_save_load_reward_and_latency(features_dir, tmp_path, monkeypatch):
 
 
 def test_a_probe_reads_a_turn_from_its_trace_as_from_the_features_file(features_dir, tmp_path,
-                                                                        monkeypatch):
+                                                                       monkeypatch):
     # grpo.py's probe rewards: P(correct) of the features of a turn's trace
     train = study.load_split(features_dir / "matched_clean_train.safetensors")
     for name in ("attention", "hidden_attn", "multi_layer"):
@@ -323,7 +323,7 @@ def test_unreadable_files_are_one_line_errors(features_dir, tmp_path, capsys):
     (tmp_path / "x.safetensors").write_bytes(b"\xff" * 16)
     with pytest.raises(SystemExit, match="error: .*x.safetensors: truncated or corrupt probe"):
         study.probe_main(["score", "--probe", str(tmp_path / "x.safetensors"),
-                     "--features", str(bad)])
+                          "--features", str(bad)])
 
     # readable features that no probe can use: labels other than 0/1, episode ids not a list
     tensors, meta = probes.read_safetensors(bad, "features")
@@ -662,8 +662,9 @@ def test_features_of_another_model_are_refused(features_dir, tmp_path):
     with pytest.raises(SystemExit, match="_test.safetensors from model /models/b"):
         study.main(["report", "--features", str(feats), "--seeds", "42"])
     with pytest.raises(SystemExit, match="do not belong together"):
-        study.probe_main(["score", "--probe", str(tmp_path / "m" / "seed42" / "attention.safetensors"),
-                     "--features", str(feats / "matched_clean_test.safetensors")])
+        study.probe_main(["score", "--probe",
+                          str(tmp_path / "m" / "seed42" / "attention.safetensors"),
+                          "--features", str(feats / "matched_clean_test.safetensors")])
     # ... and one of the training splits
     restamp(feats / "matched_contaminated_train.safetensors", model_sha256="c" * 64)
     with pytest.raises(SystemExit, match="matched_contaminated_train.safetensors from .*"
@@ -731,7 +732,8 @@ def test_hostile_flags_and_values_are_one_line_errors(features_dir, tmp_path, ca
             study.main(["train", "--features", feats, "--out", str(tmp_path / "m"), flag, value])
         assert f"argument {flag}: must be" in capsys.readouterr().err
     with pytest.raises(SystemExit):
-        study.main(["train", "--features", feats, "--out", str(tmp_path / "m"), "--crossfit", "2.5"])
+        study.main(["train", "--features", feats, "--out", str(tmp_path / "m"),
+                    "--crossfit", "2.5"])
     assert "argument --crossfit: invalid int value: '2.5'" in capsys.readouterr().err
     with pytest.raises(SystemExit):         # one fold would be in-sample under another name
         study.main(["train", "--features", feats, "--out", str(tmp_path / "m"), "--crossfit", "1"])

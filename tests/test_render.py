@@ -40,7 +40,7 @@ def _records(folder, name):
 
 @pytest.mark.parametrize("name", GTA_FILES)
 def test_released_gta_dialogs_render_like_the_reference_template(name, release_dir, tok,
-                                                                  template):
+                                                                 template):
     records = _records(release_dir / "gta", name)
     assert records
     for i, rec in enumerate(records):

@@ -735,7 +735,8 @@ def test_the_probe_corpora_say_what_they_do_before_their_silent_parts(monkeypatc
     monkeypatch.setattr(mdl, "trace_batch", lambda *a: lines.append("traced") or [])
     monkeypatch.setattr(probes, "stack_raw", lambda raws: {})
     onpolicy.contaminated_corpus(policy, tok, 3, log)
-    assert lines[0].startswith("  contaminated corpus: `python -m lab.shop make-data --episodes 3`") and \
+    assert lines[0].startswith("  contaminated corpus: `python -m lab.shop make-data "
+                               "--episodes 3`") and \
         lines[1] == "traced" and lines[2].endswith("s")
 
 
@@ -755,7 +756,7 @@ def test_contaminated_corpus_is_the_recipes_training_set_of_every_traced_record(
         raw = probes.stack_raw(raws)
         raw["turn_idx"] = torch.tensor([int(r["turn_idx"]) for r in recs])
         splits[name] = study.Split(name, raw, torch.tensor([int(r["label"]) for r in recs]),
-                                  [str(r["episode_id"]) for r in recs], {})
+                                   [str(r["episode_id"]) for r in recs], {})
     want = study.training_set(splits, "mixed", onpolicy.PROBE_SEED)
     assert len(got.y) < sum(len(s.y) for s in splits.values())     # not every record is kept
     assert torch.equal(got.y, want.y) and got.keys() == want.keys()
@@ -792,7 +793,7 @@ def test_heldout_auroc_reports_each_habit_at_its_own_turn_with_a_clean_prefix(mo
     raw = {"turn_idx": torch.tensor(turn), "distance": torch.tensor(distance),
            "kind": torch.zeros(len(rows), dtype=torch.long), "nll": nll}
     split = study.Split("own_turns", raw, torch.tensor(y), [ids[k] for k in episode],
-                       {"kinds": ["Calculator"]})
+                        {"kinds": ["Calculator"]})
     p = torch.tensor(p)
     monkeypatch.setattr(onpolicy.study, "predict", lambda m, raw: p)
     got = onpolicy.heldout_auroc({"pair": object()}, split)
@@ -833,7 +834,7 @@ def test_the_report_warns_where_the_rewards_probe_favours_a_habit():
                 "contaminated_corpus_pair": {"all": 0.4}}
     lines = []
     onpolicy.log_report(report({"slip=store": 0.7, "slip=divided": 0.2}, {"slip=store": 0.3,
-                                                                           "slip=divided": 0.9}),
+                                                                          "slip=divided": 0.9}),
                         "pair", lambda line, **kw: lines.append(line))
     text = "\n".join(lines)
     assert "PAIR at the habits' own turns" in text and "store 0.700 (10 turns, 6 wrong)" in text
@@ -842,7 +843,7 @@ def test_the_report_warns_where_the_rewards_probe_favours_a_habit():
     assert "the divided slip above the same turn made right (0.200 on 8" in warning
     lines.clear()            # a probe reward: its own probe is judged, not PAIR
     onpolicy.log_report(report({"slip=store": 0.7, "slip=divided": 0.2}, {"slip=store": 0.3,
-                                                                           "slip=divided": 0.9}),
+                                                                          "slip=divided": 0.9}),
                         "last_token", lambda line, **kw: lines.append(line))
     (warning,) = [line for line in lines if "warning" in line]
     assert "the last_token probe ranks the store slip" in warning

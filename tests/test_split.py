@@ -77,7 +77,7 @@ def test_decoding_step_on_fake_devices():
     fed = torch.tensor([True, False])
     with torch.no_grad():
         logits, hidden, stats = M.decode_one_token(model, cache, torch.tensor([4, 7]), fed,
-                                                    torch.tensor([1, 2]))
+                                                   torch.tensor([1, 2]))
         assert {logits.device.type, hidden.device.type, stats.device.type} == {"meta"}
         assert hidden.shape == (5, 2, 32) and stats.shape == (2, 4, 4, len(STATS))
         acc = M.TurnStats.zeros(model.config, 2, logits.device)
