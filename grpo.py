@@ -792,24 +792,23 @@ def step_metrics(step, trajs, rewards, p_correct, played, stats, times, args, wo
                 if r is not None:
                     turn_sum[t] += r
                     turn_n[t] += 1
-    sums = all_sum(world, [len(flat), sum(flat), sum(r * r for r in flat), len(trajs),
-                           sum(t.score for t in trajs), sum(len(t.steps) for t in trajs),
-                           sum(t.truncated for t in trajs), zero, tried, *times,
-                           *turn_sum, *turn_n, *reached, *costs])
-    n, s, s2, n_traj, score, turns, trunc, zero, n_groups = sums[:9]
-    k = 9 + len(TIMING)
-    times = sums[9:k]
-    turn_sum, turn_n, reached = sums[k:k + M], sums[k + M:k + 2 * M], sums[k + 2 * M:k + 3 * M]
-    costs = sums[k + 3 * M:]
-    mean = s / max(n, 1)
-    rec = {"step": step + 1, "lr": lr_at(step, args),
-           "reward_mean": mean, "reward_std": math.sqrt(max(s2 / max(n, 1) - mean * mean, 0.0)),
-           "success": score / max(n_traj, 1), "frac_zero_std": zero / max(n_groups, 1),
-           "groups_played": int(n_groups),
-           **stats, "turns": turns / max(n_traj, 1), "truncated": int(trunc),
+    s = all_sum_named(world, {
+        "n": [len(flat)], "sum": [sum(flat)], "sum_sq": [sum(r * r for r in flat)],
+        "rollouts": [len(trajs)], "score": [sum(t.score for t in trajs)],
+        "turns": [sum(len(t.steps) for t in trajs)], "truncated": [sum(t.truncated for t in trajs)],
+        "all_equal": [zero], "groups": [tried], "times": list(times), "turn_sum": turn_sum,
+        "turn_n": turn_n, "reached": reached, "costs": list(costs)})
+    (n,), (n_traj,), (n_groups,) = s["n"], s["rollouts"], s["groups"]
+    mean = s["sum"][0] / max(n, 1)
+    turn_sum, turn_n = s["turn_sum"], s["turn_n"]
+    rec = {"step": step + 1, "lr": lr_at(step, args), "reward_mean": mean,
+           "reward_std": math.sqrt(max(s["sum_sq"][0] / max(n, 1) - mean * mean, 0.0)),
+           "success": s["score"][0] / max(n_traj, 1),
+           "frac_zero_std": s["all_equal"][0] / max(n_groups, 1), "groups_played": int(n_groups),
+           **stats, "turns": s["turns"][0] / max(n_traj, 1), "truncated": int(s["truncated"][0]),
            # mean reward of turn t over the rollouts that reached it (None: no reward there)
            "turn_rewards": [turn_sum[t] / turn_n[t] if turn_n[t] else None
-                            for t in range(M) if reached[t]]}
+                            for t in range(M) if s["reached"][t]]}
     # drift / reward-hacking monitor: the frozen probe against the exact step labels (shop)
     if ctx_has_probe(args):
         pairs = [(p, float(lab)) for t, ps in zip(trajs, p_correct) if ps is not None
@@ -818,9 +817,9 @@ def step_metrics(step, trajs, rewards, p_correct, played, stats, times, args, wo
         p = gather_floats(world, [x for x, _ in pairs], size)
         y = gather_floats(world, [y for _, y in pairs], size)
         rec["probe_auroc"] = probes.auroc(y, p) if 0 < sum(y) < len(y) else None
-    for name, t in zip(TIMING, times):
+    for name, t in zip(TIMING, s["times"]):
         rec[name] = t / world.size
-    rec.update({name: int(c) for name, c in zip(COSTS, costs)})
+    rec.update({name: int(c) for name, c in zip(COSTS, s["costs"])})
     for name, v in (memory or {}).items():
         rec[name] = round(all_max(world, v), 3)
     for metrics in extra:           # the lab's (a refit's report)
@@ -999,7 +998,6 @@ def check_args(args: argparse.Namespace) -> None:
     """The rules between flags that need the rewards (parse_args checks the rest), the lab's
     included; lab/compare.py applies them to every run before starting any."""
     hook("check", args)
-
 
 
 # ---------------------------------------------------------------------------------------------
@@ -1334,6 +1332,14 @@ def all_sum(world: World, values: list[float]) -> list[float]:
     t = torch.tensor(values, dtype=torch.float64, device=world.device)
     dist.all_reduce(t)
     return t.tolist()
+
+
+def all_sum_named(world: World, parts: dict[str, list[float]]) -> dict[str, list[float]]:
+    """all_sum of named lists of numbers, in one all-reduce: each name gets its list back."""
+    flat, out = all_sum(world, [v for values in parts.values() for v in values]), {}
+    for name, values in parts.items():
+        out[name], flat = flat[:len(values)], flat[len(values):]
+    return out
 
 
 def barrier(world):

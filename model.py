@@ -63,6 +63,7 @@ import time
 from bisect import bisect_right
 from dataclasses import dataclass, field, fields, MISSING
 from pathlib import Path
+from typing import NamedTuple
 from urllib.parse import quote
 
 import requests
@@ -801,7 +802,6 @@ STATS_CHUNK = 1 << 21
 STATS_CHUNK_GPU = 1 << 26
 
 
-
 @dataclass
 class SpanRows:
     """Which query rows of one forward call lie in the span, and where each row's span starts."""
@@ -961,7 +961,7 @@ class Attention(nn.Module):
             q = apply_rope(q.view(B, 1, H, D).transpose(1, 2), cos, sin)   # (B, H, 1, D)
             k = apply_rope(k.view(B, 1, KV, D).transpose(1, 2), cos, sin)
         else:       # q and k side by side from one matmul: rotated together, in one pass
-            qk, v = F.linear(x, *w[0]).split(((H + KV) * D, KV * D), -1)
+            qk, v = F.linear(x, *w.qkv).split(((H + KV) * D, KV * D), -1)
             q, k = apply_rope(qk.view(B, 1, H + KV, D).transpose(1, 2), cos, sin).split((H, KV), 1)
         k_cache, v_cache = kv
         rows = torch.arange(B, device=pos.device)
@@ -977,7 +977,7 @@ class Attention(nn.Module):
             p = p.view(B, H, 1, -1)                                         # (B, H, 1, S)
             prefix = torch.linalg.vecdot(p, before)
             numbers = (p.amax(-1), torch.linalg.vecdot(p, p), prefix, 1 - prefix)
-        return (self.o_proj(out) if w is None else F.linear(out, *w[1])), numbers
+        return (self.o_proj(out) if w is None else F.linear(out, *w.o)), numbers
 
     def span_stats(self, sums, q, k, mask, positions, key_pos, rows: SpanRows):
         """Recompute q k^T for the span rows only, a chunk of rows at a time: (B, H, c, S).
@@ -992,6 +992,13 @@ class Attention(nn.Module):
                 else mask[:, :, a:b]
             p = attention_probs(q[:, :, a:b], k, m, self.scale)
             add_row_stats(sums, p, positions[:, a:b], key_pos, rows, a, b)
+
+
+class FusedWeights(NamedTuple):     # a block's projections as decoding applies them
+    qkv: tuple[Tensor, Tensor | None]       # (weight, bias) of q, k and v side by side
+    o: tuple[Tensor, Tensor | None]
+    gate_up: tuple[Tensor, Tensor | None]   # gate and up side by side
+    down: tuple[Tensor, Tensor | None]
 
 
 class Block(nn.Module):
@@ -1026,10 +1033,10 @@ class Block(nn.Module):
         h = self.post_attention_layernorm(x)
         if w is None:
             return x + self.mlp(h), numbers
-        gate, up = F.linear(h, *w[2]).chunk(2, -1)
-        return x + F.linear(F.silu(gate) * up, *w[3]), numbers
+        gate, up = F.linear(h, *w.gate_up).chunk(2, -1)
+        return x + F.linear(F.silu(gate) * up, *w.down), numbers
 
-    def decode_weights(self) -> list[tuple] | None:
+    def decode_weights(self) -> FusedWeights | None:
         """(weight, bias) of q/k/v, o, gate/up and down as decoding applies them, an enabled
         adapter merged in: four matmuls a token instead of seven (21 with adapters), each costing
         its call, not its arithmetic, at a small model's size. Rebuilt when a tensor's version
@@ -1048,7 +1055,7 @@ class Block(nn.Module):
         key = [(id(t), t.data_ptr(), t._version) for lin in linears for t in _lora_reads(lin)]
         if getattr(self, "_fused", (None,))[0] != key:
             with torch.no_grad():
-                self._fused = key, [_fuse(group) for group in groups]
+                self._fused = key, FusedWeights(*[_fuse(group) for group in groups])
         return self._fused[1]
 
 
