@@ -339,17 +339,17 @@ def shipped_probes(args, log) -> tuple[Path, dict]:
     where = Path(args.model) / "probes"
     if args.env not in envs.WORLDS or not is_builtin(args) or not where.is_dir():
         raise SystemExit(f"--reward {args.reward} on {args.env} with --model {args.model} needs "
-                         "--probes DIR (fit them with `python -m lab.onpolicy` on a built-in "
-                         "world, or `python -m lab.study extract` and `train` on released data)")
+                         "--probes DIR: `python -m lab.study extract` and `train` fit them on "
+                         "released data, and `python -m lab.train` on the fly for another policy "
+                         "of a built-in world")
     try:
         report = json.loads((where / "probes.json").read_text())
-        heldout = report["heldout"]
-        line = " ".join(f"{name} {a['all']:.3f}" for name, a in heldout.items() if name != "n")
+        auroc, n = report["heldout"][args.reward]["all"], report["heldout"]["n"]["all"]
     except (OSError, ValueError, KeyError, TypeError) as e:
         raise SystemExit(f"{where}: damaged shipped probes ({type(e).__name__}: {e}); rebuild "
                          f"them with `python -m lab.onpolicy --env {args.env}`") from None
-    log(f"probes: {where} ({report['n_train']} own turns of this policy; AUROC on "
-        f"{heldout['n']['all']} held-out own turns: {line})", flush=True)
+    log(f"probes: {where}, fitted on {report['n_train']} own turns of this policy; {args.reward}"
+        f"'s AUROC on {n} held-out own turns {auroc:.3f}", flush=True)
     return where, report
 
 
