@@ -3,7 +3,7 @@
     python grpo.py --reward pair                   # shop, built-in policy, its shipped probes
     python grpo.py --reward outcome --out runs/o   # the sparse baseline, same budget
     python grpo.py --env gta --model Qwen/Qwen2.5-7B-Instruct --probes runs/pair-gta --reward pair
-    torchrun --nproc_per_node 2 grpo.py ...        # prompts sharded, LoRA gradients all-reduced
+    torchrun --nproc_per_node 2 -m lab.train ...   # prompts sharded, LoRA gradients all-reduced
     python -m lab.train --reward igpo ...          # the lab's rewards and searches (lab/)
 
 One training step, section by section:
@@ -73,7 +73,6 @@ from pathlib import Path
 
 import numpy as np
 import torch
-import torch.distributed as dist
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
@@ -276,8 +275,8 @@ NEEDS_STATS = set(READS_PROBE)          # rewards that read the generation pass'
 # hooks (`hook(name, ...)` calls each function of HOOKS[name]); the core runs with them empty.
 PLAYERS = {}        # --reward name -> play(g, run, t) -> (Group, KV bytes), in place of play_group
 LOSSES = {}         # --reward name -> its own loss (update), in place of the advantage form's
-HOOKS = {name: [] for name in ("flags", "check", "preset", "context", "setup", "step", "trained",
-                               "resume", "checkpoint")}
+HOOKS = {name: [] for name in ("flags", "check", "preset", "processes", "context", "setup",
+                               "step", "trained", "resume", "checkpoint")}
 PROG = "python grpo.py"     # how the command line that runs this file is spelled in messages
 
 
@@ -306,14 +305,14 @@ def with_outcome(rewards: list[float | None], score: float, args) -> list[float 
     return rewards
 
 
-def reward_context(args, policy, tok, env, world, log) -> RewardContext:
+def reward_context(args, policy, tok, env, procs, log) -> RewardContext:
     """Load (or, through the lab, fit once and cache) whatever the `--reward` function reads."""
     ctx = RewardContext(policy, tok, args, env=env)
     if args.reward not in READS_PROBE:
         return ctx
     if args.probes:
         where = seed_dir(Path(args.probes), log)
-    elif (fitted := [w for w in hook("context", args, policy, tok, world, log) if w]):
+    elif (fitted := [w for w in hook("context", args, policy, tok, procs, log) if w]):
         where, ctx.probe_report = fitted[0]     # the lab's probes, fitted on the fly
     else:
         where, ctx.probe_report = shipped_probes(args, log)
@@ -568,10 +567,10 @@ def micro_batches(lengths: list[int], rows: int, tokens: int) -> list[list[int]]
     return chunks
 
 
-def update(policy, optimizer, batch: Batch, args, world) -> dict:
+def update(policy, optimizer, batch: Batch, args, procs) -> dict:
     """`--ppo-epochs` passes over the batch in micro-batches, one AdamW step each."""
     params = [p for p in policy.parameters() if p.requires_grad]
-    n_tokens, n_seqs, n_turns = all_sum(world, [batch.mask[:, 1:].sum().item(),
+    n_tokens, n_seqs, n_turns = procs.all_sum([batch.mask[:, 1:].sum().item(),
                                                 batch.n_seqs, batch.n_turns])
     if n_tokens == 0:
         # no rollout generated a token (every prompt outgrew --max-len): the loss would be 0/0,
@@ -614,16 +613,14 @@ def update(policy, optimizer, batch: Batch, args, world) -> dict:
         for p in params:               # processes with fewer tokens still join the all-reduce
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
-        if world.size > 1:
-            for p in params:
-                dist.all_reduce(p.grad)
+        procs.all_reduce_grads(params)
         grad_norm = torch.nn.utils.clip_grad_norm_(params, args.grad_clip).item()
         if math.isfinite(grad_norm):
             optimizer.step()
         else:       # a NaN or inf reached the gradient: a step on it would ruin the adapter
             skipped += 1
         if epoch == 0:
-            first = all_sum(world, [sums[k] for k in ("loss", "kl", "clip", "ratio")])
+            first = procs.all_sum([sums[k] for k in ("loss", "kl", "clip", "ratio")])
     loss, kl, clip, ratio = first
     return {"loss": loss, "kl": kl / max(n_tokens, 1), "clip_frac": clip / max(n_tokens, 1),
             "ratio": ratio / max(n_tokens, 1), "grad_norm": grad_norm, "tokens": int(n_tokens),
@@ -672,7 +669,7 @@ class Training:                     # what the training loop reads; setup() buil
     ctx: RewardContext
     optimizer: torch.optim.Optimizer
     args: argparse.Namespace
-    world: World
+    procs: Processes
     out: Path                       # the run directory
     log: object                     # print on the main process, silent elsewhere
 
@@ -740,16 +737,16 @@ def train_step(step: int, run: Training) -> dict:
     With --oversample K (DAPO's dynamic sampling) up to K x its share of prompts are played, in
     order, and a group with no advantage to give (Group.all_equal) is set aside while later
     prompts remain: with a sparse reward most groups are such groups."""
-    policy, args, world = run.policy, run.args, run.world
+    policy, args, procs = run.policy, run.args, run.procs
     t = {k: 0.0 for k in TIMING}
     run.ctx.cost = Counter(dict.fromkeys(COSTS, 0))
     kv_bytes, on_cuda = 0, model.input_device(policy).type == "cuda"
     if on_cuda:
         torch.cuda.reset_peak_memory_stats(model.input_device(policy))
     policy.eval()
-    need = len(range(world.rank, args.batch, world.size))
+    need = len(range(procs.rank, args.batch, procs.size))
     kept, tried, zero = [], 0, 0
-    candidates = list(range(world.rank, args.batch * args.oversample, world.size))
+    candidates = list(range(procs.rank, args.batch * args.oversample, procs.size))
     for n, j in enumerate(candidates):
         if len(kept) == need:
             break
@@ -762,7 +759,7 @@ def train_step(step: int, run: Training) -> dict:
     trajs = [traj for group in kept for traj in group.trajs]
     advs = [a for group in kept for a in group.advantages]
     policy.train()
-    stats = update(policy, run.optimizer, make_batch(trajs, advs, run.tok.pad_id), args, world)
+    stats = update(policy, run.optimizer, make_batch(trajs, advs, run.tok.pad_id), args, procs)
     policy.eval()
     t["t_update"] = time.perf_counter() - t0
     extra = hook("trained", run, step, trajs)       # the lab's metrics of this step
@@ -772,11 +769,11 @@ def train_step(step: int, run: Training) -> dict:
             model.input_device(policy)) / 2**20
     return step_metrics(step, trajs, [g.rewards for g in kept],
                         [p for g in kept for p in g.p_correct], (zero, tried), stats,
-                        [t[k] for k in TIMING], args, world,
+                        [t[k] for k in TIMING], args, procs,
                         [run.ctx.cost[k] for k in COSTS], memory, extra)
 
 
-def step_metrics(step, trajs, rewards, p_correct, played, stats, times, args, world, costs=(),
+def step_metrics(step, trajs, rewards, p_correct, played, stats, times, args, procs, costs=(),
                  memory=None, extra=()) -> dict:
     """One metrics.jsonl record, summed over processes (memory: the largest). played = (groups
     all_equal, groups played); the rest is about the groups kept. p_correct: per trajectory,
@@ -792,7 +789,7 @@ def step_metrics(step, trajs, rewards, p_correct, played, stats, times, args, wo
                 if r is not None:
                     turn_sum[t] += r
                     turn_n[t] += 1
-    s = all_sum_named(world, {
+    s = all_sum_named(procs, {
         "n": [len(flat)], "sum": [sum(flat)], "sum_sq": [sum(r * r for r in flat)],
         "rollouts": [len(trajs)], "score": [sum(t.score for t in trajs)],
         "turns": [sum(len(t.steps) for t in trajs)], "truncated": [sum(t.truncated for t in trajs)],
@@ -814,14 +811,14 @@ def step_metrics(step, trajs, rewards, p_correct, played, stats, times, args, wo
         pairs = [(p, float(lab)) for t, ps in zip(trajs, p_correct) if ps is not None
                  for p, lab in zip(ps, t.episode.labels() or [])]
         size = args.batch * args.group * M
-        p = gather_floats(world, [x for x, _ in pairs], size)
-        y = gather_floats(world, [y for _, y in pairs], size)
+        p = procs.gather([x for x, _ in pairs], size)
+        y = procs.gather([y for _, y in pairs], size)
         rec["probe_auroc"] = probes.auroc(y, p) if 0 < sum(y) < len(y) else None
     for name, t in zip(TIMING, s["times"]):
-        rec[name] = t / world.size
+        rec[name] = t / procs.size
     rec.update({name: int(c) for name, c in zip(COSTS, s["costs"])})
     for name, v in (memory or {}).items():
-        rec[name] = round(all_max(world, v), 3)
+        rec[name] = round(procs.all_max(v), 3)
     for metrics in extra:           # the lab's (a refit's report)
         rec.update(metrics or {})
     return rec
@@ -845,19 +842,19 @@ def below_chance(aurocs: list) -> float | None:
 
 def setup(args) -> Training:
     """Everything a run reads, each input checked before the run directory is written."""
-    world = init_world(args)
-    resolve_preset(args, world)
-    if args.batch % world.size:
-        raise SystemExit(f"--batch {args.batch} must be a multiple of the {world.size} processes")
+    procs = init_processes(args)
+    resolve_preset(args, procs)
+    if args.batch % procs.size:
+        raise SystemExit(f"--batch {args.batch} must be a multiple of the {procs.size} processes")
     if args.threads:
         torch.set_num_threads(args.threads)
     # OUT is checked read-only first, so that a --resume mistake costs no model load.
     check_out(args)
-    barrier(world)     # every process reads OUT as it was before any of them writes
-    log = print if world.main else (lambda *a, **k: None)
+    procs.barrier()     # every process reads OUT as it was before any of them writes
+    log = print if procs.main else (lambda *a, **k: None)
     seed_all(args.seed)
     devices = args.devices.split(",") if args.devices else (
-        [world.device] if world.device != "cpu" else None)
+        [procs.device] if procs.device != "cpu" else None)
     builtin = envs.BUILTIN_POLICIES.get(args.env, envs.BUILTIN_POLICY)
     if Path(args.model).resolve() == builtin.resolve() and not builtin.is_dir():
         sys.exit(f"--model: the built-in policy {builtin} is missing; build it with "
@@ -880,10 +877,10 @@ def setup(args) -> Training:
     # Probes fitted on the fly take minutes on a first run: OUT is claimed before them, so that
     # a busy OUT is refused at once. Given probes and the judge's key are checked before OUT.
     fit_later = ctx_has_probe(args) and not args.probes
-    ctx = None if fit_later else reward_context(args, policy, tok, env, world, log)
-    out = prepare_out(args, world)
-    ctx = ctx or reward_context(args, policy, tok, env, world, log)
-    hook("setup", args, policy, tok, world, log, ctx)
+    ctx = None if fit_later else reward_context(args, policy, tok, env, procs, log)
+    out = prepare_out(args, procs)
+    ctx = ctx or reward_context(args, policy, tok, env, procs, log)
+    hook("setup", args, policy, tok, procs, log, ctx)
     params = [p for p in policy.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=args.lr, weight_decay=args.weight_decay)
     n_lora = sum(p.numel() for p in params)
@@ -891,8 +888,8 @@ def setup(args) -> Training:
         f"parameters, + {n_lora:,} in the LoRA adapter (trained); env {args.env}: {len(pool)} "
         f"training / {len(held['val'][1])} validation / {len(held['test'][1])} test episodes; "
         f"reward {args.reward}; {args.steps} steps of {args.batch} x {args.group} rollouts on "
-        f"{world.size} process(es); run in {out}", flush=True)
-    return Training(policy, tok, env, pool, held, ctx, optimizer, args, world, out, log)
+        f"{procs.size} process(es); run in {out}", flush=True)
+    return Training(policy, tok, env, pool, held, ctx, optimizer, args, procs, out, log)
 
 
 def resume(run: Training) -> int:
@@ -906,14 +903,14 @@ def resume(run: Training) -> int:
                          "short or damaged), and no complete checkpoint: delete them to start "
                          "the run over from step 0")
     if ckpt is not None:
-        start, lagged = load_checkpoint(ckpt, run.policy, run.optimizer, run.world)
+        start, lagged = load_checkpoint(ckpt, run.policy, run.optimizer, run.procs)
         if lagged is not None:
             run.ctx.lagged = lagged
         run.log(f"resumed from {ckpt} at step {start}", flush=True)
-    if run.world.main and args.resume:
+    if run.procs.main and args.resume:
         truncate_jsonl(out / "metrics.jsonl", start)
         truncate_jsonl(out / "eval.jsonl", start)
-    barrier(run.world)
+    run.procs.barrier()
     hook("resume", run, start)
     return start
 
@@ -922,22 +919,22 @@ def evaluate_and_log(run: Training, step: int, done: set, seconds: list):
     """Evaluate the policy at `step` on the held-out splits (unless done, or --no-eval) into
     eval.jsonl; step 0 from the cache when an earlier run made it (base_eval_cache). `seconds`:
     each evaluation's time, which the ETA expects of the next."""
-    args, world = run.args, run.world
+    args, procs = run.args, run.procs
     if args.no_eval or step in done:
         return
     t = time.perf_counter()
-    cache = base_eval_cache(run.policy, args, world) if step == 0 else None
+    cache = base_eval_cache(run.policy, args, procs) if step == 0 else None
     if cache is not None and cache.is_file():
         ev = json.loads(cache.read_text())
         run.log(f"base model: evaluated by an earlier run of this policy with these evaluation "
                 f"settings ({cache})", flush=True)
     else:
-        ev = evaluate_all(step, run.policy, run.tok, run.held, args, world)
+        ev = evaluate_all(step, run.policy, run.tok, run.held, args, procs)
         seconds.append(time.perf_counter() - t)
         if cache is not None:
             cache.parent.mkdir(parents=True, exist_ok=True)
             model.write_json(cache, ev)
-    if world.main:
+    if procs.main:
         append_jsonl(run.out / "eval.jsonl", ev)
     done.add(step)
     what = "base model" if step == 0 else f"step {step}"
@@ -951,7 +948,7 @@ def train(args) -> dict:
     evaluation every --save-every steps and at the end, the summary."""
     started = time.perf_counter()
     run = setup(args)
-    policy, optimizer, ctx, world, log = run.policy, run.optimizer, run.ctx, run.world, run.log
+    policy, optimizer, ctx, procs, log = run.policy, run.optimizer, run.ctx, run.procs, run.log
     start = resume(run)
     done, eval_seconds = {e["step"] for e in read_jsonl(run.out / "eval.jsonl")}, []
     evaluate_and_log(run, start, done, eval_seconds)  # base model, or a checkpoint killed early
@@ -963,7 +960,7 @@ def train(args) -> dict:
         hook("step", run, step)
         rec = train_step(step, run)
         elapsed.append(time.perf_counter() - t)
-        if world.main:
+        if procs.main:
             append_jsonl(run.out / "metrics.jsonl", rec)
         to_come = 0 if args.no_eval or not eval_seconds else eval_seconds[-1] * sum(
             s % args.save_every == 0 or s == args.steps for s in range(step + 1, args.steps + 1))
@@ -979,18 +976,16 @@ def train(args) -> dict:
                 f"{mean:.2f} over the last {CHANCE_WINDOW} steps, probe_auroc in "
                 "metrics.jsonl): its reward now favours wrong turns", flush=True)
         if (step + 1) % args.save_every == 0 or step + 1 == args.steps:
-            path = save_checkpoint(run.out, step + 1, policy, optimizer, world, ctx.lagged)
+            path = save_checkpoint(run.out, step + 1, policy, optimizer, procs, ctx.lagged)
             log(f"checkpoint {path}", flush=True)
             hook("checkpoint", run, step + 1)
             evaluate_and_log(run, step + 1, done, eval_seconds)
     summary = summarize(run.out, time.perf_counter() - started, args, ctx.probe_report)
     summary.update(ctx.summary)
-    if world.main:
+    if procs.main:
         model.write_json(run.out / "summary.json", summary)
         log(summary_text(summary), flush=True)
-    if world.size > 1:
-        dist.barrier()
-        dist.destroy_process_group()
+    procs.close()
     return summary
 
 
@@ -1099,7 +1094,7 @@ def is_builtin(args) -> bool:
         Path(args.model).resolve() == envs.BUILTIN_POLICIES[args.env].resolve()
 
 
-def resolve_preset(args, world) -> None:
+def resolve_preset(args, procs) -> None:
     """Fill the flags left unset: the tiny preset for the built-in policy, else the paper's."""
     preset = dict(PAPER_HPARAMS, **TINY) if is_builtin(args) else dict(PAPER_HPARAMS)
     if args.env in envs.WORLDS:         # shop-long's episodes are longer than the paper's 10
@@ -1112,14 +1107,14 @@ def resolve_preset(args, world) -> None:
     if args.micro_batch is None:
         args.micro_batch = args.group
     hook("preset", args, given)
-    if world.main and is_builtin(args):
+    if procs.main and is_builtin(args):
         def flags(keys):
             return ", ".join(f"--{k.replace('_', '-')} {getattr(args, k)}" for k in keys)
         print("preset for the tiny built-in policy (the paper's 7B values for everything else): "
               + flags(k for k in TINY if k not in given)
               + (f"; from the command line: {flags(k for k in TINY if k in given)}"
                  if given & set(TINY) else ""), flush=True)
-    if world.main and args.preset:
+    if procs.main and args.preset:
         print(f"--preset {args.preset}: " + ", ".join(
             f"--{k.replace('_', '-')} {getattr(args, k)}" + (" (from the command line)"
                                                              if k in given else "")
@@ -1151,7 +1146,7 @@ def train_parser(rewards) -> argparse.ArgumentParser:
                     "`python -m lab.train` adds the lab's rewards, searches and worlds.",
         epilog="A default given as two values is the tiny preset's with the built-in policy "
                "(printed at start) and the paper's Table grpo_config with any other model. "
-               "Scale out with `torchrun --nproc_per_node N grpo.py ...` (prompts sharded, "
+               "Scale out with `torchrun --nproc_per_node N -m lab.train ...` (prompts sharded, "
                "gradients all-reduced) or split one model with --devices cuda:0,cuda:1.")
     a = ap.add_argument
     a("--env", default="shop", choices=(*envs.WORLDS, "gta", "toolbench"),
@@ -1304,66 +1299,55 @@ def parse_args(argv, rewards) -> argparse.Namespace:
 
 
 @dataclass
-class World:
+class Processes:
+    """The processes of a run. In the core, this one alone; under torchrun (python -m lab.train,
+    lab/torchrun.py) several, each playing its share of the prompts, with the sums, gathers and
+    gradients below reduced across them."""
     rank: int = 0
     size: int = 1
-    device: str = "cpu"             # where all-reduced tensors live (cuda for nccl)
+    device: str = "cpu"             # where reduced tensors live (cuda for nccl)
 
     @property
     def main(self) -> bool:
         return self.rank == 0
 
-
-def init_world(args) -> World:
-    size = int(os.environ.get("WORLD_SIZE", "1"))
-    if size == 1:
-        return World()
-    gpu = torch.cuda.is_available() and not (args.devices or "cuda").startswith("cpu")
-    local = int(os.environ.get("LOCAL_RANK", "0"))
-    if gpu:
-        torch.cuda.set_device(local)
-    dist.init_process_group("nccl" if gpu else "gloo")
-    return World(dist.get_rank(), dist.get_world_size(), f"cuda:{local}" if gpu else "cpu")
-
-
-def all_sum(world: World, values: list[float]) -> list[float]:
-    if world.size == 1:
+    def all_sum(self, values: list[float]) -> list[float]:
         return [float(v) for v in values]
-    t = torch.tensor(values, dtype=torch.float64, device=world.device)
-    dist.all_reduce(t)
-    return t.tolist()
+
+    def all_max(self, value: float) -> float:
+        return float(value)
+
+    def gather(self, values: list[float], size: int) -> list[float]:
+        """Every process's list (each at most `size` long), concatenated."""
+        return list(values)
+
+    def all_reduce_grads(self, params) -> None:
+        pass
+
+    def barrier(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
 
 
-def all_sum_named(world: World, parts: dict[str, list[float]]) -> dict[str, list[float]]:
+def init_processes(args) -> Processes:
+    """This process alone, or under torchrun (WORLD_SIZE > 1) the lab's process group."""
+    if int(os.environ.get("WORLD_SIZE", "1")) == 1:
+        return Processes()
+    started = [procs for procs in hook("processes", args) if procs is not None]
+    if not started:
+        raise SystemExit("several processes run through the lab: torchrun --nproc_per_node N "
+                         "-m lab.train ...")
+    return started[0]
+
+
+def all_sum_named(procs: Processes, parts: dict[str, list[float]]) -> dict[str, list[float]]:
     """all_sum of named lists of numbers, in one all-reduce: each name gets its list back."""
-    flat, out = all_sum(world, [v for values in parts.values() for v in values]), {}
+    flat, out = procs.all_sum([v for values in parts.values() for v in values]), {}
     for name, values in parts.items():
         out[name], flat = flat[:len(values)], flat[len(values):]
     return out
-
-
-def barrier(world):
-    if world.size > 1:
-        dist.barrier()
-
-
-def all_max(world: World, value: float) -> float:
-    if world.size == 1:
-        return float(value)
-    t = torch.tensor([value], dtype=torch.float64, device=world.device)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return t.item()
-
-
-def gather_floats(world: World, values: list[float], size: int) -> list[float]:
-    """Concatenate every process's list (each at most `size` long)."""
-    if world.size == 1:
-        return list(values)
-    t = torch.full((size,), float("nan"), dtype=torch.float64, device=world.device)
-    t[:len(values)] = torch.tensor(values, dtype=torch.float64)
-    parts = [torch.empty_like(t) for _ in range(world.size)]
-    dist.all_gather(parts, t)
-    return [v for part in parts for v in part.tolist() if not math.isnan(v)]
 
 
 # flags that must not change when a run is resumed: everything that trains or scores it (not
@@ -1442,16 +1426,15 @@ def check_out(args) -> None:
                          "choose another --out")
 
 
-def prepare_out(args, world) -> Path:
+def prepare_out(args, procs) -> Path:
     out = Path(args.out)
-    if world.main:
+    if procs.main:
         # One run per --out, held until this process exits: two would interleave their metrics
         # and checkpoints.
         claim(out)
         check_out(args)
         model.write_json(out / "args.json", vars(args))
-    if world.size > 1:
-        dist.barrier()
+    procs.barrier()
     return out
 
 
@@ -1596,13 +1579,13 @@ def _is_file_at(f, path: Path) -> bool:
     return (a.st_dev, a.st_ino) == (b.st_dev, b.st_ino)
 
 
-def save_checkpoint(out: Path, step: int, policy, optimizer, world, lagged=None) -> Path:
+def save_checkpoint(out: Path, step: int, policy, optimizer, procs, lagged=None) -> Path:
     """OUT/checkpoint-<step>/ (`lagged`: the tips reward's LoRA snapshot). A failed write (a
     full disk) leaves the earlier checkpoints as they were and stops the run with one line."""
     final = out / f"checkpoint-{step:06d}"
     tmp = out / f".checkpoint-{step:06d}.tmp"
     try:
-        return _write_checkpoint(out, step, final, tmp, policy, optimizer, world, lagged)
+        return _write_checkpoint(out, step, final, tmp, policy, optimizer, procs, lagged)
     except (OSError, SafetensorError) as e:
         shutil.rmtree(tmp, ignore_errors=True)
         last = latest_checkpoint(out)
@@ -1611,27 +1594,27 @@ def save_checkpoint(out: Path, step: int, policy, optimizer, world, lagged=None)
                          + "free the space and continue with --resume") from None
 
 
-def _write_checkpoint(out, step, final, tmp, policy, optimizer, world, lagged) -> Path:
-    if world.main:
+def _write_checkpoint(out, step, final, tmp, policy, optimizer, procs, lagged) -> Path:
+    if procs.main:
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
-    barrier(world)
+    procs.barrier()
     # every process has its own RNG streams (LoRA dropout); each saves its own
     rng_tensors, rng_meta = rng_state()
-    save_file(rng_tensors, tmp / f"rng-{world.rank}.safetensors")
-    model.write_json(tmp / f"rng-{world.rank}.json", rng_meta)
-    barrier(world)
-    if world.main:
+    save_file(rng_tensors, tmp / f"rng-{procs.rank}.safetensors")
+    model.write_json(tmp / f"rng-{procs.rank}.json", rng_meta)
+    procs.barrier()
+    if procs.main:
         model.save_adapter(policy, tmp / "adapter")
         tensors, meta = model.optimizer_to_tensors(optimizer)
         save_file(tensors, tmp / "optimizer.safetensors")
         if lagged is not None:
             save_file(lagged, tmp / "lagged.safetensors")
-        model.write_json(tmp / "trainer.json", {"step": step, "processes": world.size,
+        model.write_json(tmp / "trainer.json", {"step": step, "processes": procs.size,
                                                 "optimizer": meta})
         shutil.rmtree(final, ignore_errors=True)
         os.replace(tmp, final)        # the directory appears complete or not at all
-    barrier(world)
+    procs.barrier()
     return final
 
 
@@ -1640,20 +1623,20 @@ def latest_checkpoint(out: Path) -> Path | None:
     return done[-1] if done else None
 
 
-def load_checkpoint(path: Path, policy, optimizer, world) -> tuple[int, dict | None]:
+def load_checkpoint(path: Path, policy, optimizer, procs) -> tuple[int, dict | None]:
     """Restore a checkpoint into policy, optimizer and RNGs: (its step, the lagged snapshot)."""
     try:
         info = json.loads((path / "trainer.json").read_text())
         if not (isinstance(info, dict) and type(info.get("step")) is int and info["step"] >= 1):
             raise ValueError(f"trainer.json holds no step >= 1: {str(info)[:80]}")
-        if info["processes"] != world.size:
+        if info["processes"] != procs.size:
             raise ValueError(f"it was written by {info['processes']} processes, this run has "
-                             f"{world.size}; the RNG streams would differ")
+                             f"{procs.size}; the RNG streams would differ")
         model.load_adapter(policy, path / "adapter")
         model.optimizer_from_tensors(optimizer, load_file(path / "optimizer.safetensors"),
                                      info["optimizer"])
-        set_rng_state(load_file(path / f"rng-{world.rank}.safetensors"),
-                      json.loads((path / f"rng-{world.rank}.json").read_text()))
+        set_rng_state(load_file(path / f"rng-{procs.rank}.safetensors"),
+                      json.loads((path / f"rng-{procs.rank}.json").read_text()))
         lagged = load_file(path / "lagged.safetensors") \
             if (path / "lagged.safetensors").exists() else None
         return int(info["step"]), lagged
@@ -1699,12 +1682,12 @@ def make_env(args, split: str, evaluation: bool = False):
     return envs.make(args.env, split=split, data_dir=args.data_dir, **kw)
 
 
-def evaluate(policy, tok, env, pool, n: int, args, world, name: str = "held-out") -> dict:
+def evaluate(policy, tok, env, pool, n: int, args, procs, name: str = "held-out") -> dict:
     """Greedy rollouts on the first n episodes of `pool` (0: all): mean task score, mean turns,
     and every episode's score in pool order (for paired comparisons), with an ETA line when the
     Pacer says so."""
     n = len(pool) if not n else min(n, len(pool))
-    mine = list(range(world.rank, n, world.size))
+    mine = list(range(procs.rank, n, procs.size))
     policy.eval()
     scores, turns = [], 0
     t0, pacer = time.perf_counter(), model.Pacer(len(mine), sys.stdout)
@@ -1713,13 +1696,13 @@ def evaluate(policy, tok, env, pool, n: int, args, world, name: str = "held-out"
         for traj in rollout(policy, tok, episodes, args, greedy=True, stats=False):
             scores.append(traj.score)
             turns += len(traj.steps)
-        if world.main and pacer.due(len(scores)):
+        if procs.main and pacer.due(len(scores)):
             rate = (time.perf_counter() - t0) / len(scores)
             print(f"  evaluating: {len(scores)}/{len(mine)} {name} episodes, ETA "
                   f"{model.duration(rate * (len(mine) - len(scores)))}", flush=True)
-    turns = all_sum(world, [turns])[0]
-    order = gather_floats(world, [float(j) for j in mine], n)
-    scores = [s for _, s in sorted(zip(order, gather_floats(world, scores, n)))]
+    turns = procs.all_sum([turns])[0]
+    order = procs.gather([float(j) for j in mine], n)
+    scores = [s for _, s in sorted(zip(order, procs.gather(scores, n)))]
     return {"success": sum(scores) / max(n, 1), "episodes": n, "turns": turns / max(n, 1),
             "scores": scores}
 
@@ -1738,19 +1721,19 @@ def eval_splits(args, train_env, train_pool) -> tuple[dict, list[int]]:
             train_pool[:len(train_pool) - k])
 
 
-def evaluate_all(step: int, policy, tok, held: dict, args, world) -> dict:
+def evaluate_all(step: int, policy, tok, held: dict, args, procs) -> dict:
     sizes = {"val": args.val_episodes, "test": args.eval_episodes}
-    return {"step": step, **{name: evaluate(policy, tok, env, pool, sizes[name], args, world,
+    return {"step": step, **{name: evaluate(policy, tok, env, pool, sizes[name], args, procs,
                                             {"val": "validation"}.get(name, name))
                              for name, (env, pool) in held.items()}}
 
 
-def base_eval_cache(policy, args, world) -> Path | None:
+def base_eval_cache(policy, args, procs) -> Path | None:
     """Where the base model's evaluation is kept for later runs: greedy decoding of a fixed pool
     is the same in every run of one policy and evaluation settings, so it is done once. Built-in
     worlds only (a replay pool depends on the data directory). The key holds everything the
     rollouts depend on, threads and batch included (float summation order), and the scoring."""
-    if args.env not in envs.WORLDS or world.size > 1:
+    if args.env not in envs.WORLDS or procs.size > 1:
         return None
     settings = {"val": args.val_episodes, "test": args.eval_episodes, "batch": args.eval_batch,
                 "max_turns": args.max_turns, "max_new_tokens": args.max_new_tokens,

@@ -534,7 +534,7 @@ def preset(args, given) -> None:
                          "trees; leave --advantage at process")
 
 
-def setup(args, policy, tok, world, log, ctx) -> None:
+def setup(args, policy, tok, procs, log, ctx) -> None:
     if args.reward == "llm_judge":
         try:
             ctx.judge = envs.ChatClient(args.judge_model)

@@ -171,11 +171,11 @@ def check(args) -> None:
                  "advantage itself; leave it at 0")
 
 
-def gate_at_setup(args, policy, tok, world, log, ctx) -> None:
+def gate_at_setup(args, policy, tok, procs, log, ctx) -> None:
     """The premise gate of the run's reward and advantage, logged and kept for summary.json."""
     if args.env not in envs.WORLDS or args.reward not in GATE_REWARDS:
         return
-    turns = onpolicy.heldout_turns(args, policy, tok, world, log)
+    turns = onpolicy.heldout_turns(args, policy, tok, procs, log)
     gate = premise_gate(turns, ctx, onpolicy.habit_at(turns))
     if gate is not None:
         log_gate(gate, log)

@@ -247,20 +247,20 @@ def habit_at(turns: study.Split) -> list[str | None]:
             for eid, t in zip(turns.episode_id, turns.raw["turn_idx"].tolist())]
 
 
-def shop_probes(args, policy, tok, world, log) -> tuple[Path, dict]:
+def shop_probes(args, policy, tok, procs, log) -> tuple[Path, dict]:
     """The directory of probes fitted for this policy on `--probe-corpus` (fitting them once),
     and its report: AUROC on held-out own turns, next to the contaminated corpus's PAIR.
-    grpo.py calls it with its args and its process world (runs.World)."""
+    grpo.py calls it with its args and its processes (grpo.Processes)."""
     settings = probe_settings(args)
     root = model.cache_root() / "grpo-probes" / f"{args.env}-{grpo.policy_hash(args.model)}"
     out = root / f"{args.probe_corpus}-{grpo.settings_hash(settings)}"
     done = out / "probes.json"
     fitted_by = "an earlier run" if done.is_file() else None
-    if world.main and not done.is_file():
+    if procs.main and not done.is_file():
         # two runs starting on one fresh cache (compare --jobs 2): the second waits, then reads
         grpo.claim(root, wait=log)
         fitted_by = "another run, which this one waited for" if done.is_file() else None
-    if world.main and not done.is_file():
+    if procs.main and not done.is_file():
         t0 = time.perf_counter()
         log(f"fitting the probes of this policy once, {args.probe_corpus} corpus (minutes: "
             f"later runs read them from the cache, {out}):", flush=True)
@@ -305,9 +305,9 @@ def shop_probes(args, policy, tok, world, log) -> tuple[Path, dict]:
         model.write_json(tmp / "probes.json", report)
         shutil.rmtree(out, ignore_errors=True)
         os.replace(tmp, out)                # the directory appears complete or not at all
-    if world.main:
+    if procs.main:
         grpo.release(root)
-    if world.size > 1:                      # the other processes read what the main one wrote
+    if procs.size > 1:                      # the other processes read what the main one wrote
         torch.distributed.barrier()
     try:
         report = json.loads(done.read_text())
@@ -342,14 +342,14 @@ def save_heldout(turns: study.Split, path: Path) -> None:
     probes.save_safetensors(turns.raw, path, meta)
 
 
-def heldout_turns(args, policy, tok, world, log) -> study.Split:
+def heldout_turns(args, policy, tok, procs, log) -> study.Split:
     """The held-out own turns that score the fitted probes (shop_probes): --corpus-samples
     rollouts of the base policy on each of the first --corpus-heldout validation episodes, at
     the training sampling, labelled, with their features and task scores. Written when the
     probes are fitted; a cache fitted before they were kept, or a run whose reward fits no probe,
     samples them once (half a minute for the built-in policy)."""
     path = heldout_path(args)
-    if world.main and not path.is_file():
+    if procs.main and not path.is_file():
         grpo.claim(path.parent, wait=log)
         if not path.is_file():
             log(f"sampling the held-out own turns once ({path}):", flush=True)
@@ -357,7 +357,7 @@ def heldout_turns(args, policy, tok, world, log) -> study.Split:
                                           args.corpus_heldout, args.corpus_samples, args,
                                           PROBE_SEED + 1, log), path)
         grpo.release(path.parent)
-    if world.size > 1:                      # the other processes read what the main one wrote
+    if procs.size > 1:                      # the other processes read what the main one wrote
         torch.distributed.barrier()
     tensors, meta = probes.read_safetensors(path, "held-out turns")
     try:
@@ -535,10 +535,10 @@ def refit_head(run: grpo.Training, step: int) -> dict:
     """--probe-retrain-every N, after step `step`: the head the reward reads fitted again on the
     policy's own turns of the last N steps (onpolicy.refit), saved in the run directory; what
     it did, for metrics.jsonl. Every process fits the same head from the same files."""
-    args, ctx, world = run.args, run.ctx, run.world
+    args, ctx, procs = run.args, run.ctx, run.procs
     t0, every = time.perf_counter(), args.probe_retrain_every
-    grpo.barrier(world)                 # every process's turns of this step are written
-    window = onpolicy.load_window(run.out, range(step - every + 1, step + 1), world.size)
+    procs.barrier()                 # every process's turns of this step are written
+    window = onpolicy.load_window(run.out, range(step - every + 1, step + 1), procs.size)
     head = ctx.pair if ctx.pair is not None else ctx.probe
     new, rep = onpolicy.refit(head, window, onpolicy.PROBE_SEED + step)
     what = "PAIR's stage 2" if ctx.pair is not None else f"the {args.reward} probe"
@@ -547,13 +547,13 @@ def refit_head(run: grpo.Training, step: int) -> dict:
             f"their {rep['turns']} turns are all {'right' if rep['correct'] else 'wrong'}"
         run.log(f"refit: {what} kept, steps {step - every + 1}-{step}: {why}", flush=True)
     else:
-        if world.main:
+        if procs.main:
             onpolicy.save_head(new, onpolicy.head_dir(run.out, step))
         ctx.use_head(new)
         run.log(f"refit: {what} fitted again on the {rep['turns']} own turns of steps "
                 f"{step - every + 1}-{step} ({rep['correct']} right), AUROC on them "
                 f"{rep['auroc_before']:.3f} -> {rep['auroc_after']:.3f}", flush=True)
-    grpo.barrier(world)
+    procs.barrier()
     return {**{f"refit_{k}": v for k, v in rep.items()}, "t_refit": time.perf_counter() - t0}
 
 
@@ -561,7 +561,7 @@ def refit_head(run: grpo.Training, step: int) -> dict:
 # Into grpo.py (python -m lab.train): probes fitted on the fly, and the refits during a run
 # ---------------------------------------------------------------------------------------------
 
-def fit_on_the_fly(args, policy, tok, world, log):
+def fit_on_the_fly(args, policy, tok, procs, log):
     """The probes of a built-in world's policy fitted for these settings (shop_probes), unless
     the ones shipped beside it are those: None then, and grpo.py reads the shipped ones."""
     if args.env not in envs.WORLDS:
@@ -570,7 +570,7 @@ def fit_on_the_fly(args, policy, tok, world, log):
     if grpo.is_builtin(args) and shipped.is_file() and \
             json.loads(shipped.read_text()).get("settings") == probe_settings(args):
         return None
-    return shop_probes(args, policy, tok, world, log)
+    return shop_probes(args, policy, tok, procs, log)
 
 
 def check(args) -> None:
@@ -589,16 +589,16 @@ def after_step(run, step: int, trajs) -> dict | None:
     every = run.args.probe_retrain_every
     if not every:
         return None
-    save_step_turns(run.out, step + 1, run.world.rank, trajs)
+    save_step_turns(run.out, step + 1, run.procs.rank, trajs)
     return refit_head(run, step + 1) if (step + 1) % every == 0 else None
 
 
 def on_resume(run, start: int) -> None:
     """Turns and heads of the steps to be redone are not this run's; the head read at the
     checkpoint is read again."""
-    if run.world.main:
+    if run.procs.main:
         forget_after(run.out, start)
-    grpo.barrier(run.world)
+    run.procs.barrier()
     if run.args.probe_retrain_every and start:
         head, k = latest_head(run.out, start)
         if head is not None:
@@ -608,7 +608,7 @@ def on_resume(run, start: int) -> None:
 
 
 def at_checkpoint(run, step: int) -> None:
-    if run.args.probe_retrain_every and run.world.main:
+    if run.args.probe_retrain_every and run.procs.main:
         forget_turns(run.out, step, run.args.probe_retrain_every)
 
 
@@ -650,14 +650,14 @@ def main(argv=None) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         os.environ["PAIR_CACHE"] = tmp                  # a fresh fit, never a cached one
         args = grpo.parse_args(["--env", env, "--out", str(Path(tmp) / "run")], grpo.REWARDS)
-        world = grpo.World()
-        grpo.resolve_preset(args, world)
+        procs = grpo.Processes()
+        grpo.resolve_preset(args, procs)
         torch.set_num_threads(args.threads)
         grpo.seed_all(args.seed)                        # as grpo.setup, draw for draw
         policy, tok = model.load_model(args.model, dtype=model.DTYPES[args.dtype])
         model.apply_lora(policy, r=args.lora_r, alpha=args.lora_alpha, dropout=args.lora_dropout,
                          targets=tuple(args.lora_targets.split(",")))
-        fitted, report = shop_probes(args, policy, tok, world, print)
+        fitted, report = shop_probes(args, policy, tok, procs, print)
         report.pop("seconds", None)
         out = Path(args.model) / "probes"
         shutil.rmtree(out, ignore_errors=True)

@@ -116,7 +116,7 @@ def test_tree_search_refuses_the_forms_it_cannot_use(reward, argv, tmp_path):
     args = grpo.parse_args(["--reward", reward, *argv, "--out", str(tmp_path / "r")],
                            grpo.REWARDS)
     with pytest.raises(SystemExit) as e:
-        grpo.resolve_preset(args, grpo.World(rank=1))
+        grpo.resolve_preset(args, grpo.Processes(rank=1))
     assert f"{' '.join(argv)}: --reward {reward} derives its advantages" in str(e.value.code)
 
 
@@ -185,7 +185,7 @@ def test_premise_gate_reads_the_outcome_on_the_last_turn():
 def test_release_preset_sets_the_release_and_flags_given_win(tmp_path):
     def resolved(*argv):
         args = grpo.parse_args([*argv, "--out", str(tmp_path / "r")], grpo.REWARDS)
-        grpo.resolve_preset(args, grpo.World(rank=1))
+        grpo.resolve_preset(args, grpo.Processes(rank=1))
         return args
     a = resolved("--preset", "release")
     assert (a.weight_decay, a.warmup, a.top_p, a.advantage) == (0.01, 0.0, 0.95, "release")

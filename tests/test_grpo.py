@@ -105,7 +105,7 @@ def lora_policy(model_dir, flags: list[str]):
     """The policy with its LoRA adapter, the parsed flags (preset filled) and the shop train env."""
     policy, tok = mdl.load_model(model_dir)
     args = grpo.train_parser(grpo.REWARDS).parse_args([*flags, "--model", str(model_dir)])
-    grpo.resolve_preset(args, grpo.World())
+    grpo.resolve_preset(args, grpo.Processes())
     mdl.apply_lora(policy, r=args.lora_r, alpha=args.lora_alpha, dropout=args.lora_dropout,
                    targets=tuple(args.lora_targets.split(",")))
     return policy, tok, args, envs.ShopEnv("train")
@@ -416,7 +416,7 @@ def test_first_update_has_zero_kl_and_unit_ratio(tiny_policy):
     batch = grpo.make_batch(trajs, adv, tok.pad_id)
     opt = torch.optim.AdamW([p for _, p in mdl.lora_parameters(policy)], lr=1e-2)
     policy.train()
-    stats = grpo.update(policy, opt, batch, args, grpo.World())
+    stats = grpo.update(policy, opt, batch, args, grpo.Processes())
     assert stats["kl"] == 0.0 and stats["ratio"] == 1.0 and stats["clip_frac"] == 0.0
     n = batch.mask.sum().item()
     # rho = 1 and KL = 0: the loss is minus the token-averaged advantage
@@ -428,7 +428,7 @@ def test_first_update_has_zero_kl_and_unit_ratio(tiny_policy):
         with mdl.lora_disabled(policy):
             logp_ref = mdl.token_logprobs(policy, batch.ids, batch.mask, args.temperature)
     kl = (torch.expm1(logp_ref - logp) - (logp_ref - logp)).mean().item()
-    again = grpo.update(policy, opt, batch, args, grpo.World())
+    again = grpo.update(policy, opt, batch, args, grpo.Processes())
     assert kl > 1e-6 and again["kl"] == pytest.approx(kl, rel=1e-3)
     assert again["ratio"] == pytest.approx(1.0)                          # new pi_old, new ratio
 
@@ -571,8 +571,8 @@ def test_resume_reproduces_the_uninterrupted_run(tiny_policy, tmp_path, monkeypa
 def test_resume_checks_args_json(tiny_policy, tmp_path):
     def prepare(out, **kw):
         args = grpo.train_parser(grpo.REWARDS).parse_args(flags(tiny_policy, out, **kw))
-        grpo.resolve_preset(args, grpo.World())
-        return grpo.prepare_out(args, grpo.World())
+        grpo.resolve_preset(args, grpo.Processes())
+        return grpo.prepare_out(args, grpo.Processes())
 
     out = tmp_path / "run"
     prepare(out, eval_episodes=4)
@@ -612,7 +612,7 @@ def test_out_and_resume_checks_read_what_a_run_left(tiny_policy, tmp_path):
     def checked(out, *argv):
         args = grpo.parse_args(["--model", str(tiny_policy), "--out", str(out), *argv],
                                grpo.REWARDS)
-        grpo.resolve_preset(args, grpo.World())
+        grpo.resolve_preset(args, grpo.Processes())
         grpo.check_out(args)
         return args
     # a run killed after its base evaluation, before step 1: a new one would take its step 0
@@ -661,7 +661,7 @@ def test_the_probe_cache_keys_a_sharded_policy_and_where_it_runs(tiny_policy, tm
     assert grpo.policy_hash(sharded) != grpo.policy_hash(tiny_policy)
     mdl.load_model(sharded)                                 # a policy the run can load
     args = grpo.parse_args(["--model", str(tiny_policy)], grpo.REWARDS)
-    grpo.resolve_preset(args, grpo.World())
+    grpo.resolve_preset(args, grpo.Processes())
     keys = {grpo.settings_hash(onpolicy.own_turns_settings(args))}
     for name, value in (("dtype", "bfloat16"), ("devices", "cuda")):
         keys.add(grpo.settings_hash(onpolicy.own_turns_settings(
@@ -792,7 +792,7 @@ def test_kill_9_frees_the_out_of_a_run(tiny_policy, tmp_path, pair_cache):
     out = tmp_path / "run"
     args = grpo.train_parser(grpo.REWARDS).parse_args(
         flags(tiny_policy, out, steps=1000, resume=True))
-    grpo.resolve_preset(args, grpo.World())
+    grpo.resolve_preset(args, grpo.Processes())
     env = dict(os.environ, PAIR_CACHE=str(pair_cache), OMP_NUM_THREADS="1")
     first = subprocess.Popen([sys.executable, "-m", "lab.train",
                               *flags(tiny_policy, out, steps=1000)], cwd=ROOT, env=env,
@@ -803,11 +803,11 @@ def test_kill_9_frees_the_out_of_a_run(tiny_policy, tmp_path, pair_cache):
             assert time.perf_counter() - t0 < 120 and first.poll() is None
             time.sleep(0.05)
         with pytest.raises(SystemExit, match=f"{out} is in use by pid {first.pid}"):
-            grpo.prepare_out(args, grpo.World())
+            grpo.prepare_out(args, grpo.Processes())
     finally:
         first.send_signal(signal.SIGKILL)       # no cleanup runs: the kernel drops the lock
         first.wait()
-    assert grpo.prepare_out(args, grpo.World()) == out
+    assert grpo.prepare_out(args, grpo.Processes()) == out
 
 
 # ---------------------------------------------------------------------------------------------
@@ -854,7 +854,7 @@ def test_evaluation_decodes_greedily(tiny_policy):
     for seed in (0, 1):                 # greedy: the global RNG state changes nothing
         torch.manual_seed(seed)
         env = Recording(held_out)
-        result = grpo.evaluate(policy, tok, env, pool, 0, args, grpo.World())
+        result = grpo.evaluate(policy, tok, env, pool, 0, args, grpo.Processes())
         played.append([ep.messages for ep in env.episodes])
         assert result["episodes"] == 3
         assert result["success"] == pytest.approx(sum(ep.score() for ep in env.episodes) / 3)
@@ -2249,7 +2249,7 @@ def test_shop_long_is_a_world_of_its_own(tiny_policy, tmp_path, monkeypatch):
     for model in (tiny_policy, envs.BUILTIN_POLICIES["shop-long"]):   # any policy: 16 turns
         args = grpo.parse_args(["--env", "shop-long", "--model", str(model), "--out", "x"],
                                grpo.REWARDS)
-        grpo.resolve_preset(args, grpo.World())
+        grpo.resolve_preset(args, grpo.Processes())
         assert args.max_turns == envs.WORLD_TURNS["shop-long"] == 16
     assert played and all(eid.startswith("shop-long-") for eid in played)
     caches = [p.name for p in (Path(os.environ["PAIR_CACHE"]) / "grpo-probes").iterdir()]
@@ -2318,7 +2318,7 @@ def test_the_built_in_policies_run_on_one_thread_unless_told(tmp_path):
     thread, --threads overrides it, and any other model keeps torch's choice."""
     def resolved(*argv):
         args = grpo.parse_args([*argv, "--out", str(tmp_path / "r")], grpo.REWARDS)
-        grpo.resolve_preset(args, grpo.World(rank=1))
+        grpo.resolve_preset(args, grpo.Processes(rank=1))
         return args.threads
     assert resolved() == 1
     assert resolved("--env", "shop-long") == 1
