@@ -349,6 +349,12 @@ def shipped_probes(args, log) -> tuple[Path, dict]:
                          f"them with `python -m lab.onpolicy --env {args.env}`") from None
     log(f"probes: {where}, fitted on {report['n_train']} own turns of this policy; {args.reward}"
         f"'s AUROC on {n} held-out own turns {auroc:.3f}", flush=True)
+    for part, a in report["heldout"][args.reward].items():     # below chance: a reward of wrong
+        if a is not None and a < 0.5 and (part == "all" or part.startswith("slip=")):
+            which = "the held-out own turns" if part == "all" else \
+                f"the {part[5:]} slip above the same turn made right"
+            log(f"warning: the {args.reward} probe ranks {which} below chance ({a:.3f}): as a "
+                "reward it favours the wrong turn", flush=True)
     return where, report
 
 
