@@ -261,7 +261,15 @@ def parse_react(text: str) -> Action | Final | ParseError:
     name = text[end:marks[head + 1][1]].strip().strip("`'\"*").strip()
     if not name:
         return ParseError(f"'Action:' names no tool. {_FORMAT_HINT}")
-    raw = text[marks[head + 1][2]:].lstrip()
+    arguments = _action_input(text[marks[head + 1][2]:])
+    if isinstance(arguments, ParseError):
+        return arguments
+    return Action(thought, name, arguments)
+
+
+def _action_input(raw: str) -> dict | ParseError:
+    """The JSON object after `Action Input:` (an opening ``` fence skipped), or what is wrong."""
+    raw = raw.lstrip()
     if raw.startswith("```"):
         raw = re.sub(r"^```[A-Za-z]*", "", raw).lstrip()
     if not raw:
@@ -288,7 +296,7 @@ def parse_react(text: str) -> Action | Final | ParseError:
         # a tool would echo it back, and no tokenizer can encode the observation
         return ParseError("Action Input holds a \\ud800-\\udfff escape that is not half of a "
                           "surrogate pair: write the character itself.")
-    return Action(thought, name, arguments)
+    return arguments
 
 
 # ==== Episodes and environments ===================================================================
