@@ -413,7 +413,8 @@ def reward_section(model, traces):
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))
+    ap = argparse.ArgumentParser(prog="python -m lab.bench",
+                                 description=" ".join(__doc__.split("\n\n")[0].split()))
     what = ap.add_mutually_exclusive_group()
     what.add_argument("--shape", choices=(*SHAPES, *POLICIES),
                       help="random weights of this real shape, built in memory (default: "

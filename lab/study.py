@@ -968,7 +968,8 @@ def crossfit_folds(text: str) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+    ap = argparse.ArgumentParser(prog="python -m lab.study",
+                                 description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter,
                                  epilog="See the module docstring for the method.")
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -1041,52 +1042,45 @@ def build_parser() -> argparse.ArgumentParser:
                    help="put the paper's Table result_pair beside ours (auto: by dataset name)")
     training_flags(p)
     p.set_defaults(func=cmd_report, writes=lambda a: [a.out or a.features])
+
+    p = sub.add_parser("fit", help="fit one probe on a features file")
+    p.add_argument("--features", required=True,
+                   help="features file from `python -m lab.study extract`")
+    p.add_argument("--feature", required=True, choices=probes.FEATURES,
+                   help="feature set (METHOD.md §4)")
+    p.add_argument("--C", type=grpo.positive_number, default=0.01,
+                   help="inverse L2 strength (default 0.01)")
+    p.add_argument("--out", required=True, help="probe file to write (.safetensors)")
+    p.set_defaults(func=cmd_fit, writes=lambda a: [])
+
+    p = sub.add_parser("score", help="score a features file with a probe and print metrics")
+    p.add_argument("--probe", required=True, help="probe file written by `fit`")
+    p.add_argument("--features", required=True,
+                   help="features file from `python -m lab.study extract`")
+    p.set_defaults(func=cmd_score, writes=lambda a: [])
     return ap
 
 
-def probe_main(argv=None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    sub = ap.add_subparsers(dest="cmd", required=True)
-    fit = sub.add_parser("fit", help="fit one probe on a features file")
-    fit.add_argument("--features", required=True,
-                     help="features file from `python -m lab.study extract`")
-    fit.add_argument("--feature", required=True, choices=probes.FEATURES,
-                     help="feature set (METHOD.md §4)")
-    fit.add_argument("--C", type=grpo.positive_number, default=0.01,
-                     help="inverse L2 strength (default 0.01)")
-    fit.add_argument("--out", required=True, help="probe file to write (.safetensors)")
-    score = sub.add_parser("score", help="score a features file with a probe and print metrics")
-    score.add_argument("--probe", required=True, help="probe file written by `fit`")
-    score.add_argument("--features", required=True,
-                       help="features file from `python -m lab.study extract`")
-    args = ap.parse_args(argv)
-    try:
-        probe_run(args)
-    except (OSError, probes.FormatError) as e:     # a missing file, an --out under a file
-        sys.exit(f"error: {e}")         # bad input: one clear line naming the file
+def cmd_fit(args) -> None:
+    raw, meta = load_features(args.features)
+    probe = probes.Probe(info={"feature": args.feature, "train": meta.get("data"),
+                               **probes.source(meta)})
+    probe.fit(probes.feature(args.feature, raw), raw["label"], C=args.C)
+    probe.save(args.out)
+    print(f"fitted {args.feature} probe on {probe.info['n']} records "
+          f"(d={probe.info['d']}) in {probe.info['fit_seconds']:.2f}s -> {args.out}")
 
 
-def probe_run(args) -> None:
-    if args.cmd == "fit":
-        mdl.refuse_dir_out(args.out)
-        raw, meta = load_features(args.features)
-        probe = probes.Probe(info={"feature": args.feature, "train": meta.get("data"),
-                                   **probes.source(meta)})
-        probe.fit(probes.feature(args.feature, raw), raw["label"], C=args.C)
-        probe.save(args.out)
-        print(f"fitted {args.feature} probe on {probe.info['n']} records "
-              f"(d={probe.info['d']}) in {probe.info['fit_seconds']:.2f}s -> {args.out}")
-    else:
-        probe = probes.Probe.load(args.probe)
-        name = probe.info.get("feature")
-        if name not in probes.FEATURES:
-            sys.exit(f"{args.probe}: probe metadata names no known feature set ({name!r})")
-        raw, meta = load_features(args.features)
-        probes.check_same_source(probes.source(probe.info), args.probe, probes.source(meta),
-                                 args.features)
-        p = probe.predict_proba(probes.feature(name, raw))
-        print(json.dumps(probes.metrics(raw["label"], p, meta.get("episode_id")), indent=2))
+def cmd_score(args) -> None:
+    probe = probes.Probe.load(args.probe)
+    name = probe.info.get("feature")
+    if name not in probes.FEATURES:
+        sys.exit(f"{args.probe}: probe metadata names no known feature set ({name!r})")
+    raw, meta = load_features(args.features)
+    probes.check_same_source(probes.source(probe.info), args.probe, probes.source(meta),
+                             args.features)
+    p = probe.predict_proba(probes.feature(name, raw))
+    print(json.dumps(probes.metrics(raw["label"], p, meta.get("episode_id")), indent=2))
 
 
 def load_features(path) -> tuple[dict[str, torch.Tensor], dict]:
@@ -1121,11 +1115,8 @@ def load_features(path) -> tuple[dict[str, torch.Tensor], dict]:
 
 
 def main(argv=None) -> None:
-    argv = sys.argv[1:] if argv is None else argv
-    if argv[:1] in (["fit"], ["score"]):         # one probe on a features file
-        return probe_main(argv)
     args = build_parser().parse_args(argv)
-    if args.func in (cmd_extract, cmd_eval):
+    if args.func in (cmd_extract, cmd_eval, cmd_fit):
         mdl.refuse_dir_out(args.out)
     try:
         with contextlib.ExitStack() as stack:

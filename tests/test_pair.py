@@ -322,7 +322,7 @@ def test_unreadable_files_are_one_line_errors(features_dir, tmp_path, capsys):
 
     (tmp_path / "x.safetensors").write_bytes(b"\xff" * 16)
     with pytest.raises(SystemExit, match="error: .*x.safetensors: truncated or corrupt probe"):
-        study.probe_main(["score", "--probe", str(tmp_path / "x.safetensors"),
+        study.main(["score", "--probe", str(tmp_path / "x.safetensors"),
                           "--features", str(bad)])
 
     # readable features that no probe can use: labels other than 0/1, episode ids not a list
@@ -334,12 +334,12 @@ def test_unreadable_files_are_one_line_errors(features_dir, tmp_path, capsys):
                          (tensors, dict(meta, episode_id=3), "episode_id must be a list")):
         probes.save_safetensors(t, bad, {"pair_features": json.dumps(m)})
         with pytest.raises(SystemExit, match=f"error: {bad}: .*{expect}"):
-            study.probe_main(fit)
+            study.main(fit)
     probes.save_safetensors(tensors, bad, {"pair_features": json.dumps(meta)})
     with pytest.raises(SystemExit, match=f"error: .*{bad}"):       # --out under a file
-        study.probe_main(fit[:-1] + [str(bad / "p.safetensors")])
+        study.main(fit[:-1] + [str(bad / "p.safetensors")])
     with pytest.raises(SystemExit):
-        study.probe_main(fit + ["--C", "0"])
+        study.main(fit + ["--C", "0"])
     assert "argument --C: must be a positive number, not 0" in capsys.readouterr().err
 
 
@@ -662,7 +662,7 @@ def test_features_of_another_model_are_refused(features_dir, tmp_path):
     with pytest.raises(SystemExit, match="_test.safetensors from model /models/b"):
         study.main(["report", "--features", str(feats), "--seeds", "42"])
     with pytest.raises(SystemExit, match="do not belong together"):
-        study.probe_main(["score", "--probe",
+        study.main(["score", "--probe",
                           str(tmp_path / "m" / "seed42" / "attention.safetensors"),
                           "--features", str(feats / "matched_clean_test.safetensors")])
     # ... and one of the training splits
@@ -782,7 +782,7 @@ def test_an_out_that_is_a_directory_is_refused_before_any_work(tmp_path):
     d.mkdir()
     for main, argv in ((study.main, ["extract", "--model", "no-model", "--data", "no.json"]),
                        (study.main, ["eval", "--probes", "no-probes", "--features", "no"]),
-                       (study.probe_main, ["fit", "--features", "no", "--feature", "last_token"])):
+                       (study.main, ["fit", "--features", "no", "--feature", "last_token"])):
         with pytest.raises(SystemExit, match=f"^error: --out {d} is a directory; name the file"):
             main([*argv, "--out", str(d)])
     assert not list(d.iterdir()) and not study.parts_dir(d).exists()
