@@ -45,8 +45,8 @@ Where this departs from textbook GRPO (DeepSeekMath; TRL's GRPOTrainer):
 The lab (lab/, which imports this file, never the reverse) plugs in through REWARDS, ADVANTAGES,
 PLAYERS, LOSSES and HOOKS: the paper's other rewards and tree searches (lab/baselines.py), more
 advantage forms (lab/credit.py), probes fitted on the fly (lab/onpolicy.py), the long world
-(lab/shop.py), comparisons and curves (lab/compare.py, lab/curves.py); `python -m lab.train` is
-this file with them.
+(lab/shop.py), several processes under torchrun (lab/torchrun.py), comparisons and curves
+(lab/compare.py, lab/curves.py); `python -m lab.train` is this file with them.
 
 Every checkpoint stores the PEFT-layout adapter, the optimizer, the RNG states and the step,
 atomically; `--resume` continues from the newest and gives the metrics of an uninterrupted run.
