@@ -35,6 +35,7 @@ import envs
 import grpo
 import model
 from lab import baselines, curves, shop
+from lab.train import plug_in
 
 COMPARE_REWARDS = ("outcome", "pair", "pair:alpha=0", "last_token", "multi_attn", "attention",
                    "head_entropy", "igpo", "tips", "tree_grpo", "at2po",
@@ -201,6 +202,7 @@ def read_run(run: Path) -> tuple[dict, list[dict], dict]:
 
 
 def compare(argv: list[str]) -> dict:
+    plug_in()                   # every run is python -m lab.train's: its rewards and flags
     command = " ".join(["python -m lab.compare", *argv])
     ap = argparse.ArgumentParser(
         prog="python -m lab.compare", formatter_class=grpo.HelpFormatter,

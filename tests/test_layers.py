@@ -49,3 +49,14 @@ def test_the_core_runs_without_the_lab():
                        env=dict(os.environ, PYTHONPATH=str(ROOT)), timeout=120)
     assert r.returncode == 0, r.stderr[-2000:]
     assert "'pair'" in r.stdout and "'outcome'" in r.stdout and "'igpo'" not in r.stdout
+
+
+def test_every_lab_command_plugs_the_lab_in_itself(tmp_path):
+    # the suite plugs the lab in once (conftest); a command run alone must do it itself: its
+    # runs are checked against the lab's rewards and flags before any starts
+    r = subprocess.run([sys.executable, "-m", "lab.compare", "--rewards", "igpo", "tree_grpo",
+                        "--seeds", "42", "--out", str(tmp_path / "c"), "--", "--steps", "0"],
+                       cwd=ROOT, capture_output=True, text=True, timeout=120,
+                       env=dict(os.environ, PYTHONPATH=str(ROOT)))
+    assert r.returncode != 0 and "--steps must be at least 1, got 0" in r.stderr, r.stderr
+    assert "unknown reward" not in r.stderr and not (tmp_path / "c").exists()
