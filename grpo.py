@@ -1143,9 +1143,19 @@ def preset_flag(group, key: str, what: str, kind=int):
                        help=preset_help(key, what))
 
 
+class Parser(argparse.ArgumentParser):
+    """argparse, pointing to the lab when a choice the core refuses may be the lab's."""
+
+    def error(self, message):
+        if "invalid choice" in message and PROG == "python grpo.py":     # a lab reward or world?
+            message += ("; the paper's other rewards, the tree searches, shop-long and the "
+                        "other advantage forms run through `python -m lab.train` (lab/README.md)")
+        super().error(message)
+
+
 def train_parser(rewards) -> argparse.ArgumentParser:
     """grpo.py's flags; `rewards`: the names --reward takes (grpo.REWARDS)."""
-    ap = argparse.ArgumentParser(
+    ap = Parser(
         prog=PROG, formatter_class=HelpFormatter,
         description="Multi-turn GRPO with LoRA and step-level rewards (METHOD.md §9). "
                     "With no flag: the shop environment, the built-in policy and its probes; "

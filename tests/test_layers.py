@@ -60,3 +60,10 @@ def test_every_lab_command_plugs_the_lab_in_itself(tmp_path):
                        env=dict(os.environ, PYTHONPATH=str(ROOT)))
     assert r.returncode != 0 and "--steps must be at least 1, got 0" in r.stderr, r.stderr
     assert "unknown reward" not in r.stderr and not (tmp_path / "c").exists()
+
+
+def test_a_lab_reward_asked_of_the_core_says_where_it_runs():
+    r = subprocess.run([sys.executable, "grpo.py", "--reward", "igpo"], cwd=ROOT,
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and "invalid choice: 'igpo'" in r.stderr
+    assert "run through `python -m lab.train`" in r.stderr
