@@ -577,7 +577,7 @@ def update(policy, optimizer, batch: Batch, args, procs) -> dict:
     """`--ppo-epochs` passes over the batch in micro-batches, one AdamW step each."""
     params = [p for p in policy.parameters() if p.requires_grad]
     n_tokens, n_seqs, n_turns = procs.all_sum([batch.mask[:, 1:].sum().item(),
-                                                batch.n_seqs, batch.n_turns])
+                                               batch.n_seqs, batch.n_turns])
     if n_tokens == 0:
         # no rollout generated a token (every prompt outgrew --max-len): the loss would be 0/0,
         # and an AdamW step on zero gradients would still move the adapter by its momentum
@@ -858,17 +858,7 @@ def setup(args) -> Training:
     check_out(args)
     procs.barrier()     # every process reads OUT as it was before any of them writes
     log = print if procs.main else (lambda *a, **k: None)
-    seed_all(args.seed)
-    devices = args.devices.split(",") if args.devices else (
-        [procs.device] if procs.device != "cpu" else None)
-    builtin = envs.BUILTIN_POLICIES.get(args.env, envs.BUILTIN_POLICY)
-    if Path(args.model).resolve() == builtin.resolve() and not builtin.is_dir():
-        sys.exit(f"--model: the built-in policy {builtin} is missing; build it with "
-                 f"`python -m lab.shop sft --out {builtin}` (lab/README.md)")
-    policy, tok = model.load_model(args.model, dtype=model.DTYPES[args.dtype], devices=devices)
-    # apply_lora freezes the base: only the adapter is trained (and all-reduced)
-    model.apply_lora(policy, r=args.lora_r, alpha=args.lora_alpha, dropout=args.lora_dropout,
-                     targets=tuple(args.lora_targets.split(",")))
+    policy, tok = load_policy(args, procs)
     env = make_env(args, "train")
     held, pool = eval_splits(args, env, scorable(env))
     if not pool or not all(p for _, p in held.values()):
@@ -896,6 +886,24 @@ def setup(args) -> Training:
         f"reward {args.reward}; {args.steps} steps of {args.batch} x {args.group} rollouts on "
         f"{procs.size} process(es); run in {out}", flush=True)
     return Training(policy, tok, env, pool, held, ctx, optimizer, args, procs, out, log)
+
+
+def load_policy(args, procs: Processes) -> tuple[model.Transformer, model.Tokenizer]:
+    """The seeded start of a run: every RNG seeded, the policy loaded, a fresh LoRA adapter on it
+    (its initial weights are the first random draws, so anything that must draw as a run does,
+    such as lab/onpolicy.py's rebuild of the shipped probes, starts here)."""
+    seed_all(args.seed)
+    devices = args.devices.split(",") if args.devices else (
+        [procs.device] if procs.device != "cpu" else None)
+    builtin = envs.BUILTIN_POLICIES.get(args.env, envs.BUILTIN_POLICY)
+    if Path(args.model).resolve() == builtin.resolve() and not builtin.is_dir():
+        sys.exit(f"--model: the built-in policy {builtin} is missing; build it with "
+                 f"`python -m lab.shop sft --out {builtin}` (lab/README.md)")
+    policy, tok = model.load_model(args.model, dtype=model.DTYPES[args.dtype], devices=devices)
+    # apply_lora freezes the base: only the adapter is trained (and all-reduced)
+    model.apply_lora(policy, r=args.lora_r, alpha=args.lora_alpha, dropout=args.lora_dropout,
+                     targets=tuple(args.lora_targets.split(",")))
+    return policy, tok
 
 
 def resume(run: Training) -> int:

@@ -647,28 +647,31 @@ def main(argv=None) -> None:
     env = ap.parse_args(argv).env
     from lab.train import plug_in
     plug_in()                           # grpo's flags and defaults, as python -m lab.train's
-    with tempfile.TemporaryDirectory() as tmp:
-        os.environ["PAIR_CACHE"] = tmp                  # a fresh fit, never a cached one
-        args = grpo.parse_args(["--env", env, "--out", str(Path(tmp) / "run")], grpo.REWARDS)
-        procs = grpo.Processes()
-        grpo.resolve_preset(args, procs)
-        torch.set_num_threads(args.threads)
-        grpo.seed_all(args.seed)                        # as grpo.setup, draw for draw
-        policy, tok = model.load_model(args.model, dtype=model.DTYPES[args.dtype])
-        model.apply_lora(policy, r=args.lora_r, alpha=args.lora_alpha, dropout=args.lora_dropout,
-                         targets=tuple(args.lora_targets.split(",")))
-        fitted, report = shop_probes(args, policy, tok, procs, print)
-        report.pop("seconds", None)
-        out = Path(args.model) / "probes"
-        shutil.rmtree(out, ignore_errors=True)
-        shutil.copytree(fitted, out, ignore=shutil.ignore_patterns("probes.json"))
-        for path in out.rglob("*.safetensors"):        # a fit's duration is not its result
-            probe = probes.Probe.load(path)
-            probe.info.pop("fit_seconds", None)
-            probe.save(path)
-        model.write_json(out / "probes.json", report)
+    cache = os.environ.get("PAIR_CACHE")
+    try:
+        with tempfile.TemporaryDirectory() as tmp:
+            os.environ["PAIR_CACHE"] = tmp                  # a fresh fit, never a cached one
+            args = grpo.parse_args(["--env", env, "--out", str(Path(tmp) / "run")], grpo.REWARDS)
+            procs = grpo.Processes()
+            grpo.resolve_preset(args, procs)
+            torch.set_num_threads(args.threads)
+            policy, tok = grpo.load_policy(args, procs)    # as grpo.setup, draw for draw
+            fitted, report = shop_probes(args, policy, tok, procs, print)
+            report.pop("seconds", None)
+            out = Path(args.model) / "probes"
+            shutil.rmtree(out, ignore_errors=True)
+            shutil.copytree(fitted, out, ignore=shutil.ignore_patterns("probes.json"))
+            for path in out.rglob("*.safetensors"):        # a fit's duration is not its result
+                probe = probes.Probe.load(path)
+                probe.info.pop("fit_seconds", None)
+                probe.save(path)
+            model.write_json(out / "probes.json", report)
+    finally:                                # the caller's cache, as it was
+        if cache is None:
+            os.environ.pop("PAIR_CACHE", None)
+        else:
+            os.environ["PAIR_CACHE"] = cache
     print(f"wrote {out}")
-
 
 
 def register() -> None:

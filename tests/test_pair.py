@@ -323,7 +323,7 @@ def test_unreadable_files_are_one_line_errors(features_dir, tmp_path, capsys):
     (tmp_path / "x.safetensors").write_bytes(b"\xff" * 16)
     with pytest.raises(SystemExit, match="error: .*x.safetensors: truncated or corrupt probe"):
         study.main(["score", "--probe", str(tmp_path / "x.safetensors"),
-                          "--features", str(bad)])
+                    "--features", str(bad)])
 
     # readable features that no probe can use: labels other than 0/1, episode ids not a list
     tensors, meta = probes.read_safetensors(bad, "features")
@@ -663,8 +663,8 @@ def test_features_of_another_model_are_refused(features_dir, tmp_path):
         study.main(["report", "--features", str(feats), "--seeds", "42"])
     with pytest.raises(SystemExit, match="do not belong together"):
         study.main(["score", "--probe",
-                          str(tmp_path / "m" / "seed42" / "attention.safetensors"),
-                          "--features", str(feats / "matched_clean_test.safetensors")])
+                    str(tmp_path / "m" / "seed42" / "attention.safetensors"),
+                    "--features", str(feats / "matched_clean_test.safetensors")])
     # ... and one of the training splits
     restamp(feats / "matched_contaminated_train.safetensors", model_sha256="c" * 64)
     with pytest.raises(SystemExit, match="matched_contaminated_train.safetensors from .*"
