@@ -227,3 +227,23 @@ def test_raw_features_from_trace():
     assert raw["h_last4"].equal(trace.h_last[-4:]) and raw["h_mean"].equal(trace.h_mean[-1])
     assert raw["attn_self"].equal(trace.attn["self"])
     assert raw["coe_r"].item() == pytest.approx(probes.coe_scores(trace.h_mean)[0], rel=1e-6)
+
+
+def test_a_loaded_probe_scores_alike_whatever_the_files_header_length(tmp_path):
+    # read in place, a weight's memory alignment follows the header's length, and float64
+    # products with it change in the last bit: the probe must score the same from either file
+    g = torch.Generator().manual_seed(0)
+    X = torch.randn(400, 65, generator=g, dtype=torch.float64)
+    y = (X[:, 0] + 0.5 * torch.randn(400, generator=g, dtype=torch.float64) > 0).double()
+    probe = Probe(info={"feature": "multi_attn"}).fit(X, y, C=0.01)
+    paths = []
+    for pad in range(8):                     # headers of 8 lengths, a byte apart
+        p = Probe(probe.mean, probe.scale, probe.w, probe.b, {**probe.info, "pad": "x" * pad})
+        p.save(tmp_path / f"p{pad}.safetensors")
+        paths.append(tmp_path / f"p{pad}.safetensors")
+    loaded = [Probe.load(p) for p in paths]
+    for n in range(1, 12):
+        for _ in range(10):
+            Xn = torch.randn(n, 65, generator=g, dtype=torch.float64)
+            first = loaded[0].predict_proba(Xn)
+            assert all(torch.equal(first, q.predict_proba(Xn)) for q in loaded[1:])
