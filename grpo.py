@@ -947,7 +947,7 @@ def evaluate_and_log(run: Training, step: int, done: set, seconds: list):
         seconds.append(time.perf_counter() - t)
         if cache is not None:
             cache.parent.mkdir(parents=True, exist_ok=True)
-            model.write_json(cache, ev)
+            write_json(cache, ev)
     if procs.main:
         append_jsonl(run.out / "eval.jsonl", ev)
     done.add(step)
@@ -997,7 +997,7 @@ def train(args) -> dict:
     summary = summarize(run.out, time.perf_counter() - started, args, ctx.probe_report)
     summary.update(ctx.summary)
     if procs.main:
-        model.write_json(run.out / "summary.json", summary)
+        write_json(run.out / "summary.json", summary)
         log(summary_text(summary), flush=True)
     procs.close()
     return summary
@@ -1457,7 +1457,7 @@ def prepare_out(args, procs) -> Path:
         # and checkpoints.
         claim(out)
         check_out(args)
-        model.write_json(out / "args.json", vars(args))
+        write_json(out / "args.json", vars(args))
     procs.barrier()
     return out
 
@@ -1626,15 +1626,15 @@ def _write_checkpoint(out, step, final, tmp, policy, optimizer, procs, lagged) -
     # every process has its own RNG streams (LoRA dropout); each saves its own
     rng_tensors, rng_meta = rng_state()
     save_file(rng_tensors, tmp / f"rng-{procs.rank}.safetensors")
-    model.write_json(tmp / f"rng-{procs.rank}.json", rng_meta)
+    write_json(tmp / f"rng-{procs.rank}.json", rng_meta)
     procs.barrier()
     if procs.main:
         model.save_adapter(policy, tmp / "adapter")
-        tensors, meta = model.optimizer_to_tensors(optimizer)
+        tensors, meta = optimizer_to_tensors(optimizer)
         save_file(tensors, tmp / "optimizer.safetensors")
         if lagged is not None:
             save_file(lagged, tmp / "lagged.safetensors")
-        model.write_json(tmp / "trainer.json", {"step": step, "processes": procs.size,
+        write_json(tmp / "trainer.json", {"step": step, "processes": procs.size,
                                                 "optimizer": meta})
         shutil.rmtree(final, ignore_errors=True)
         os.replace(tmp, final)        # the directory appears complete or not at all
@@ -1657,7 +1657,7 @@ def load_checkpoint(path: Path, policy, optimizer, procs) -> tuple[int, dict | N
             raise ValueError(f"it was written by {info['processes']} processes, this run has "
                              f"{procs.size}; the RNG streams would differ")
         model.load_adapter(policy, path / "adapter")
-        model.optimizer_from_tensors(optimizer, load_file(path / "optimizer.safetensors"),
+        optimizer_from_tensors(optimizer, load_file(path / "optimizer.safetensors"),
                                      info["optimizer"])
         set_rng_state(load_file(path / f"rng-{procs.rank}.safetensors"),
                       json.loads((path / f"rng-{procs.rank}.json").read_text()))
@@ -1714,7 +1714,7 @@ def evaluate(policy, tok, env, pool, n: int, args, procs, name: str = "held-out"
     mine = list(range(procs.rank, n, procs.size))
     policy.eval()
     scores, turns = [], 0
-    t0, pacer = time.perf_counter(), model.Pacer(len(mine), sys.stdout)
+    t0, pacer = time.perf_counter(), Pacer(len(mine), sys.stdout)
     for i in range(0, len(mine), args.eval_batch):
         episodes = [env.episode(pool[j]) for j in mine[i:i + args.eval_batch]]
         for traj in rollout(policy, tok, episodes, args, greedy=True, stats=False):
@@ -1723,7 +1723,7 @@ def evaluate(policy, tok, env, pool, n: int, args, procs, name: str = "held-out"
         if procs.main and pacer.due(len(scores)):
             rate = (time.perf_counter() - t0) / len(scores)
             print(f"  evaluating: {len(scores)}/{len(mine)} {name} episodes, ETA "
-                  f"{model.duration(rate * (len(mine) - len(scores)))}", flush=True)
+                  f"{duration(rate * (len(mine) - len(scores)))}", flush=True)
     turns = procs.all_sum([turns])[0]
     order = procs.gather([float(j) for j in mine], n)
     scores = [s for _, s in sorted(zip(order, procs.gather(scores, n)))]
@@ -1780,7 +1780,7 @@ def progress_line(rec: dict, steps: int, elapsed: list[float], evals_left: float
     --max-new-tokens makes single steps slow) plus `evals_left`, the seconds of the evaluations
     to come. No ETA before 3 steps: a median of one or two is one outlier away from hours."""
     left = float(np.median(elapsed[-10:])) * (steps - rec["step"]) + evals_left
-    eta = model.duration(left) if len(elapsed) >= 3 or rec["step"] == steps else \
+    eta = duration(left) if len(elapsed) >= 3 or rec["step"] == steps else \
         "after 3 steps"
     auroc = rec.get("probe_auroc")
     return (f"step {rec['step']:>4}/{steps}  reward {rec['reward_mean']:.3f}"
@@ -1825,7 +1825,7 @@ def summarize(out: Path, seconds: float, args, probe_report: dict | None = None)
 
 
 def summary_text(s: dict) -> str:
-    lines = [f"done in {model.duration(s['seconds'])} (reward {s['reward']})."]
+    lines = [f"done in {duration(s['seconds'])} (reward {s['reward']})."]
     if s["base"] and s["selected"]:
         lines.append(
             f"held-out success (greedy, {s['base']['episodes']} test episodes): before "
@@ -1835,9 +1835,9 @@ def summary_text(s: dict) -> str:
             f"(step {s['best_on_test']['step']}, the paper's protocol)")
     if s.get("probe_auroc_heldout"):
         p = s["probe_auroc_heldout"]
-        lines.append(f"PAIR AUROC on {p['turns']} held-out own turns: {model.num(p['pair'])} "
+        lines.append(f"PAIR AUROC on {p['turns']} held-out own turns: {num(p['pair'])} "
                      f"({p['corpus']} corpus); contaminated-corpus PAIR: "
-                     f"{model.num(p['contaminated_corpus_pair'])}")
+                     f"{num(p['contaminated_corpus_pair'])}")
     lines.append(f"run: {s['out']}  (metrics.jsonl per step, eval.jsonl per checkpoint, "
                  "summary.json; `python -m lab.curves` draws them)")
     if s["selected_adapter"]:
@@ -1859,6 +1859,66 @@ def settings_hash(settings: dict) -> str:
 
 
 PROBES_FORMAT = "grpo-probes/3"   # 3: the on-policy corpus balanced within each kind of turn
+
+
+def write_json(path: Path, obj, indent: int = 1) -> None:
+    model.write_atomic(path, json.dumps(obj, indent=indent) + "\n")
+
+
+def duration(seconds: float) -> str:
+    """"42s" or "3m07s": the time left or taken, in a progress line."""
+    seconds = int(round(seconds))
+    return f"{seconds // 60}m{seconds % 60:02d}s" if seconds >= 60 else f"{seconds}s"
+
+
+class Pacer:
+    """When the next progress line is due. On a terminal: every `every` seconds. Into a file or
+    a pipe (a log, read later): at most one line per 30 s and per 10% of the work, so that an
+    hour of work is a dozen lines, not hundreds. The end of the work is always due."""
+
+    def __init__(self, total: float, stream, every: float = 5.0, clock=time.monotonic):
+        self.tty = bool(getattr(stream, "isatty", lambda: False)())
+        self.total, self.clock = total, clock
+        self.every, self.least = (every, 0.0) if self.tty else (30.0, total / 10)
+        self.last_time, self.last_done = clock(), 0.0
+
+    def due(self, done: float) -> bool:
+        now = self.clock()
+        if done >= self.total or (now - self.last_time >= self.every
+                                  and done - self.last_done >= self.least):
+            self.last_time, self.last_done = now, done
+            return True
+        return False
+
+
+def hms(seconds: float) -> str:
+    seconds = int(seconds)
+    return f"{seconds // 3600}h{seconds // 60 % 60:02d}m{seconds % 60:02d}s"
+
+
+def num(x) -> str:
+    return "n/a" if x is None else f"{x:.3f}"
+
+
+def optimizer_to_tensors(optimizer) -> tuple[dict, dict]:
+    """An optimizer's state as (tensors for a safetensors file, the rest for JSON)."""
+    sd = optimizer.state_dict()
+    tensors, scalars = {}, {}
+    for idx, state in sd["state"].items():
+        for k, v in state.items():
+            if torch.is_tensor(v):
+                tensors[f"{idx}.{k}"] = v.detach().cpu().contiguous()
+            else:
+                scalars[f"{idx}.{k}"] = v
+    return tensors, {"param_groups": sd["param_groups"], "scalars": scalars}
+
+
+def optimizer_from_tensors(optimizer, tensors: dict, meta: dict):
+    state: dict[int, dict] = {}
+    for key, v in list(tensors.items()) + list(meta["scalars"].items()):
+        idx, k = key.split(".", 1)
+        state.setdefault(int(idx), {})[k] = v
+    optimizer.load_state_dict({"state": state, "param_groups": meta["param_groups"]})
 
 
 def main(argv=None):

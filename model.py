@@ -73,6 +73,7 @@ import torch.utils.checkpoint
 from safetensors import safe_open
 from safetensors.torch import save as safetensors_bytes
 from torch import nn, Tensor
+import grpo
 
 STATS = ("max", "std", "prefix", "self", "entropy", "lookback")
 DEFAULT_SYSTEM = "You are Qwen, created by Alibaba Cloud. You are a helpful assistant."
@@ -640,7 +641,7 @@ class _Progress:
 
     def __init__(self, label, total, done):
         self.label, self.total, self.done, self.start_done = label, total, done, done
-        self.t0, self.pacer = time.monotonic(), Pacer(total, sys.stderr, every=0.5)
+        self.t0, self.pacer = time.monotonic(), grpo.Pacer(total, sys.stderr, every=0.5)
 
     def update(self, n):
         self.done += n
@@ -778,17 +779,6 @@ def set_lengths(cache: list[KVCache], lengths: Tensor):
     """Declare how many real tokens each row holds (slots past them are free to overwrite)."""
     for layer_cache in cache:
         layer_cache.lengths = lengths.detach().to("cpu", torch.long).clone()
-
-
-def copy_rows(src: list[KVCache], src_row: int, dst: list[KVCache], dst_row: int, n: int):
-    """Row dst_row of dst holds the first n slots of row src_row of src, and n tokens: a branch
-    of a rollout tree continues from its parent's prefix without prefilling it again (slot =
-    position, so the copied keys, RoPE applied, are what a fresh prefill would write)."""
-    for s, d in zip(src, dst):
-        d.grow(n)
-        d.k[dst_row, :, :n] = s.k[src_row, :, :n].to(d.k.device)
-        d.v[dst_row, :, :n] = s.v[src_row, :, :n].to(d.v.device)
-        d.lengths[dst_row] = n
 
 
 # ----------------------------------------------------------------------------------------------
@@ -1416,16 +1406,6 @@ def chat_text(messages, add_generation_prompt=False) -> str:
         ("<|im_start|>assistant\n" if add_generation_prompt else "")
 
 
-def keep_last(ids: list[int], spans: list[tuple], max_len: int):
-    """Keep the last max_len tokens (METHOD.md §3); spans shift with them, a span cut in part is
-    clipped at 0 and one cut entirely becomes (0, 0). Returns (ids, spans, n_cut)."""
-    cut = max(0, len(ids) - max_len)
-    if not cut:
-        return ids, list(spans), 0
-    shifted = [(max(0, s - cut), max(0, e - cut)) for s, e in spans]
-    return ids[cut:], shifted, cut
-
-
 # A code point in U+D800..U+DFFF left in a str is half of a UTF-16 pair (a JSON "\ud800"
 # escape decodes to one): no UTF-8 text can hold it and the tokenizer refuses it.
 LONE_SURROGATE = re.compile("[\ud800-\udfff]")
@@ -1861,17 +1841,6 @@ def load_lora_state(policy, state: dict[str, torch.Tensor]):
             p.copy_(state[n])
 
 
-@contextlib.contextmanager
-def lora_swapped(policy, state: dict[str, torch.Tensor]):
-    """Run with other adapter weights (the lagged teacher of tips), then put the policy's back."""
-    own = lora_state(policy)
-    load_lora_state(policy, state)
-    try:
-        yield policy
-    finally:
-        load_lora_state(policy, own)
-
-
 # Adapter files in PEFT's layout, which checkpoints save and PEFT reads as they are
 ADAPTER_CONFIG, ADAPTER_WEIGHTS = "adapter_config.json", "adapter_model.safetensors"
 PEFT_PREFIX = "base_model.model."
@@ -2131,61 +2100,3 @@ def refuse_dir_out(path) -> None:
         raise SystemExit(f"error: --out {path} is a directory; name the file to write")
 
 
-def write_json(path: Path, obj, indent: int = 1) -> None:
-    write_atomic(path, json.dumps(obj, indent=indent) + "\n")
-
-
-def duration(seconds: float) -> str:
-    """"42s" or "3m07s": the time left or taken, in a progress line."""
-    seconds = int(round(seconds))
-    return f"{seconds // 60}m{seconds % 60:02d}s" if seconds >= 60 else f"{seconds}s"
-
-
-class Pacer:
-    """When the next progress line is due. On a terminal: every `every` seconds. Into a file or
-    a pipe (a log, read later): at most one line per 30 s and per 10% of the work, so that an
-    hour of work is a dozen lines, not hundreds. The end of the work is always due."""
-
-    def __init__(self, total: float, stream, every: float = 5.0, clock=time.monotonic):
-        self.tty = bool(getattr(stream, "isatty", lambda: False)())
-        self.total, self.clock = total, clock
-        self.every, self.least = (every, 0.0) if self.tty else (30.0, total / 10)
-        self.last_time, self.last_done = clock(), 0.0
-
-    def due(self, done: float) -> bool:
-        now = self.clock()
-        if done >= self.total or (now - self.last_time >= self.every
-                                  and done - self.last_done >= self.least):
-            self.last_time, self.last_done = now, done
-            return True
-        return False
-
-
-def hms(seconds: float) -> str:
-    seconds = int(seconds)
-    return f"{seconds // 3600}h{seconds // 60 % 60:02d}m{seconds % 60:02d}s"
-
-
-def num(x) -> str:
-    return "n/a" if x is None else f"{x:.3f}"
-
-
-def optimizer_to_tensors(optimizer) -> tuple[dict, dict]:
-    """An optimizer's state as (tensors for a safetensors file, the rest for JSON)."""
-    sd = optimizer.state_dict()
-    tensors, scalars = {}, {}
-    for idx, state in sd["state"].items():
-        for k, v in state.items():
-            if torch.is_tensor(v):
-                tensors[f"{idx}.{k}"] = v.detach().cpu().contiguous()
-            else:
-                scalars[f"{idx}.{k}"] = v
-    return tensors, {"param_groups": sd["param_groups"], "scalars": scalars}
-
-
-def optimizer_from_tensors(optimizer, tensors: dict, meta: dict):
-    state: dict[int, dict] = {}
-    for key, v in list(tensors.items()) + list(meta["scalars"].items()):
-        idx, k = key.split(".", 1)
-        state.setdefault(int(idx), {})[k] = v
-    optimizer.load_state_dict({"state": state, "param_groups": meta["param_groups"]})

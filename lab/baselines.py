@@ -17,6 +17,7 @@ sibling rollouts, external calls), which the cost table prices.
 """
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 from collections import Counter
@@ -74,7 +75,7 @@ def tips_reward(traj: Trajectory, ctx) -> list[float]:
     turn gets the task score and no shaping term, as in the release (a terminal potential of 0
     would, with group-normalized returns, cancel the shaping of every turn)."""
     states = traj_states(traj)
-    with model.lora_swapped(ctx.policy, ctx.lagged):
+    with lora_swapped(ctx.policy, ctx.lagged):
         logp, n = gold_logprobs(ctx.policy, ctx.tok, states, gold_answer(ctx, traj.episode),
                                 ctx.args.micro_batch, ctx.cost)
     phi = [lp / k for lp, k in zip(logp, n)]
@@ -138,7 +139,7 @@ def gold_logprobs(policy, tok, states: list[list[int]], answer: str, rows_per_fo
 # plays on from the exact context they left: the environment is replayed with those turns' texts
 # (every environment here is deterministic, which is checked: the replayed observations must be
 # the recorded ones), and the branch's KV cache row is a copy of the cache row of the rollout
-# that played those turns (model.copy_rows), so the shared prefix is never prefilled again. Only
+# that played those turns (copy_rows), so the shared prefix is never prefilled again. Only
 # its last token is fed once more, because its logits are where the branch's first token is
 # drawn from. (A ToolBench rollout whose history was rewritten holds only its last segment in its
 # cache: a branch from an earlier segment copies what the two share and prefills the rest.)
@@ -334,7 +335,7 @@ def grow(policy, tok, fresh, forest: Forest, points: list, args, generator, stat
     cache = policy.new_cache(len(trajs), capacity=min(args.max_len, max(
         len(t.segments[-1]) + len(x) for t, x in zip(trajs, new)) + 4 * args.max_new_tokens))
     for b, (src, row, n) in enumerate(sources):
-        model.copy_rows(src, row, cache, b, n)
+        copy_rows(src, row, cache, b, n)
     play(policy, tok, trajs, cache, new, args, generator=generator, stats=stats)
     for b, (traj, (parent, _, kept)) in enumerate(zip(trajs, points)):
         forest.branch_rollouts += 1
@@ -594,3 +595,25 @@ def register() -> None:
     grpo.HOOKS["preset"].append(preset)
     grpo.HOOKS["setup"].append(setup)
     grpo.HOOKS["step"].append(refresh_teacher)
+
+
+def copy_rows(src: list[model.KVCache], src_row: int, dst: list[model.KVCache], dst_row: int, n: int):
+    """Row dst_row of dst holds the first n slots of row src_row of src, and n tokens: a branch
+    of a rollout tree continues from its parent's prefix without prefilling it again (slot =
+    position, so the copied keys, RoPE applied, are what a fresh prefill would write)."""
+    for s, d in zip(src, dst):
+        d.grow(n)
+        d.k[dst_row, :, :n] = s.k[src_row, :, :n].to(d.k.device)
+        d.v[dst_row, :, :n] = s.v[src_row, :, :n].to(d.v.device)
+        d.lengths[dst_row] = n
+
+
+@contextlib.contextmanager
+def lora_swapped(policy, state: dict[str, torch.Tensor]):
+    """Run with other adapter weights (the lagged teacher of tips), then put the policy's back."""
+    own = model.lora_state(policy)
+    model.load_lora_state(policy, state)
+    try:
+        yield policy
+    finally:
+        model.load_lora_state(policy, own)

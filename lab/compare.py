@@ -287,13 +287,13 @@ def compare(argv: list[str]) -> dict:
                          "logs; run the same command again to retry them")
     if args.cost:
         result = cost_table(out, args.rewards, args.seeds)
-        model.write_json(out / "cost.json", result)
+        grpo.write_json(out / "cost.json", result)
         model.write_atomic(out / "cost.md", cost_markdown(result, command))
         print((out / "cost.md").read_text() + f"\nwrote {out / 'cost.md'}, {out / 'cost.json'}",
               flush=True)
         return result
     result = compare_table(out, args.rewards, args.seeds)
-    model.write_json(out / "compare.json", result)
+    grpo.write_json(out / "compare.json", result)
     model.write_atomic(out / "compare.md", compare_markdown(result, command))
     model.write_atomic(out / "curves.svg", curves.curves_svg(result))
     print((out / "compare.md").read_text() + f"\nwrote {out / 'compare.md'}, "
@@ -565,8 +565,8 @@ def compare_markdown(result: dict, command: str) -> str:
             f"| {r['reward']} | {pct(r['base']['mean'])} | {cell(r, 'selected')} | "
             f"{delta(r, 'selected') if r['reward'] != ref else '—'} | {cell(r, 'final')} | "
             f"{delta(r, 'final') if r['reward'] != ref else '—'} | "
-            f"{pct(r['best_on_test']['mean'])} | {reach(r)} | {model.num(r['heldout_auroc'])} | "
-            + (f"{model.num(pa['first5'])} → {model.num(pa['last5'])}"
+            f"{pct(r['best_on_test']['mean'])} | {reach(r)} | {grpo.num(r['heldout_auroc'])} | "
+            + (f"{grpo.num(pa['first5'])} → {grpo.num(pa['last5'])}"
                if pa["first5"] is not None else "—")
             + f" | {r['frac_zero_std']:.2f} | {r['kl_final']:.3f} | {r['t_rollout']:.1f} / "
             f"{r['t_reward']:.2f} / {r['t_update']:.1f} | {r['minutes']:.1f} |")

@@ -18,7 +18,6 @@ import torch
 
 import envs
 import grpo
-import model
 import probes
 from lab import onpolicy, study
 
@@ -139,7 +138,7 @@ def premise_gate(turns: study.Split, ctx, at: list[str | None]) -> dict | None:
 
 def log_gate(gate: dict, log) -> None:
     """The gate's line at start, and the warning when the advantage credits the slip."""
-    num = model.num
+    num = grpo.num
     log(f"premise gate: the {gate['advantage']} advantage of --reward {gate['reward']} at the "
         f"habits' first-error turns, clean prefix ({gate['turns']} held-out turns, "
         f"{gate['slips']} slips, {gate['groups']} groups of base-policy rollouts): AUROC "

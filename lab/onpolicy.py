@@ -139,7 +139,7 @@ def sample_own_turns(policy, tok, env, n_episodes: int, samples: int, args, seed
     g = torch.Generator(device=policy.model.embed_tokens.weight.device).manual_seed(seed)
     # 16 rows a call: a call decodes until its slowest row is done, so wider calls wait longer
     trajs, rows, t0 = [], 16, time.perf_counter()
-    pacer = model.Pacer(len(episodes), sys.stdout)
+    pacer = grpo.Pacer(len(episodes), sys.stdout)
     with model.lora_disabled(policy):
         for a in range(0, len(episodes), rows):
             batch = [env.episode(i) for i in episodes[a:a + rows]]
@@ -154,7 +154,7 @@ def sample_own_turns(policy, tok, env, n_episodes: int, samples: int, args, seed
             elif len(trajs) < len(episodes) and pacer.due(len(trajs)):
                 rate = (time.perf_counter() - t1) / (len(trajs) - rows)
                 log(f"  {len(trajs)}/{len(episodes)} rollouts of {env.split} episodes, ETA "
-                    f"{model.duration(rate * (len(episodes) - len(trajs)))}", flush=True)
+                    f"{grpo.duration(rate * (len(episodes) - len(trajs)))}", flush=True)
     log(f"  {len(trajs)} rollouts of {n_episodes} {env.split} episodes x {samples} in "
         f"{time.perf_counter() - t0:.0f}s", flush=True)
     return turn_records(trajs)
@@ -302,7 +302,7 @@ def shop_probes(args, policy, tok, procs, log) -> tuple[Path, dict]:
                   "heldout": heldout_auroc(fitted, heldout),
                   "contaminated_corpus_pair": heldout_auroc(reference, heldout)["pair"],
                   "seconds": round(time.perf_counter() - t0, 1)}
-        model.write_json(tmp / "probes.json", report)
+        grpo.write_json(tmp / "probes.json", report)
         shutil.rmtree(out, ignore_errors=True)
         os.replace(tmp, out)                # the directory appears complete or not at all
     if procs.main:
@@ -374,13 +374,13 @@ def log_report(report: dict, reward: str, log) -> None:
     wherever the probe the reward reads ranks wrong turns above right ones."""
     h, ref = report["heldout"], report["contaminated_corpus_pair"]
     log(f"  PAIR AUROC on {h['n']['all']} held-out own turns (validation episodes): "
-        f"{model.num(h['pair']['all'])} (clean prefix {model.num(h['pair']['clean_prefix'])}, "
-        f"after a wrong turn {model.num(h['pair']['contaminated_prefix'])}); the "
-        f"contaminated-corpus PAIR on the same turns: {model.num(ref['all'])}", flush=True)
+        f"{grpo.num(h['pair']['all'])} (clean prefix {grpo.num(h['pair']['clean_prefix'])}, "
+        f"after a wrong turn {grpo.num(h['pair']['contaminated_prefix'])}); the "
+        f"contaminated-corpus PAIR on the same turns: {grpo.num(ref['all'])}", flush=True)
     kinds = [g for g in h["n"] if g.startswith("kind=")]
     if kinds:                   # caches fitted before the per-kind report have none
         log("  by kind of turn: " + ", ".join(
-            f"{g[5:]} {model.num(h['pair'].get(g))} ({h['n'][g]} turns, {h['n_correct'][g]} "
+            f"{g[5:]} {grpo.num(h['pair'].get(g))} ({h['n'][g]} turns, {h['n_correct'][g]} "
             "right)" for g in kinds), flush=True)
     # the probe this run's reward reads
     name = reward if reward in h else "pair"
@@ -389,12 +389,12 @@ def log_report(report: dict, reward: str, log) -> None:
     if slips:
         log(f"  {what} at the habits' own turns, clean prefix (the slip against the same turn "
             "made right): " + ", ".join(
-                f"{g[5:]} {model.num(h[name].get(g))} ({h['n'][g]} turns, "
+                f"{g[5:]} {grpo.num(h[name].get(g))} ({h['n'][g]} turns, "
                 f"{h['n'][g] - h['n_correct'][g]} wrong)" for g in slips), flush=True)
         if "confidence" in h:
             log("  there, the turn's own confidence (-mean NLL of its tokens, no probe; below "
                 "0.5 where the slip is the more confident turn): " +
-                ", ".join(f"{g[5:]} {model.num(h['confidence'].get(g))}" for g in slips),
+                ", ".join(f"{g[5:]} {grpo.num(h['confidence'].get(g))}" for g in slips),
                 flush=True)
     mine = h[name]["all"]
     if mine is not None and mine < 0.5:
@@ -665,7 +665,7 @@ def main(argv=None) -> None:
                 probe = probes.Probe.load(path)
                 probe.info.pop("fit_seconds", None)
                 probe.save(path)
-            model.write_json(out / "probes.json", report)
+            grpo.write_json(out / "probes.json", report)
     finally:                                # the caller's cache, as it was
         if cache is None:
             os.environ.pop("PAIR_CACHE", None)

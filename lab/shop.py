@@ -787,7 +787,7 @@ def sft(args) -> dict:
             rate = (time.perf_counter() - t_phase) / (i + 1 - first)
             print(f"  induction {i + 1}/{args.induction_steps}  loss "
                   f"{sum(losses[-250:]) / len(losses[-250:]):.4f}"
-                  f"  ETA {model.duration(rate * (args.induction_steps - i - 1))}", flush=True)
+                  f"  ETA {grpo.duration(rate * (args.induction_steps - i - 1))}", flush=True)
         checkpoint(i + 1)
     if done <= args.induction_steps:
         losses = []             # the dialog phase logs its own losses
@@ -811,7 +811,7 @@ def sft(args) -> dict:
             rate = (time.perf_counter() - t_phase) / (i + 1 - first)
             print(f"  step {i + 1}/{args.steps}  loss {sum(losses[-50:]) / len(losses[-50:]):.4f}"
                   f"  induction loss {sum(kept[-50:]) / len(kept[-50:]):.4f}"
-                  f"  ETA {model.duration(rate * (args.steps - i - 1))}", flush=True)
+                  f"  ETA {grpo.duration(rate * (args.steps - i - 1))}", flush=True)
         checkpoint(args.induction_steps + i + 1)
     policy.eval()
     seconds = earlier_seconds + time.perf_counter() - t0
@@ -823,7 +823,7 @@ def sft(args) -> dict:
     if args.eval_episodes:
         result.update(sft_eval(policy, tok, args))
     write_policy_readme(out, args, config, result, earlier)
-    print(f"sft: wrote {out} in {model.duration(time.perf_counter() - t0)}: " + json.dumps(result),
+    print(f"sft: wrote {out} in {grpo.duration(time.perf_counter() - t0)}: " + json.dumps(result),
           flush=True)
     return result
 
@@ -880,7 +880,7 @@ def save_policy(out: Path, policy, tok, config: dict):
     out.mkdir(parents=True, exist_ok=True)
     model.write_atomic(out / "model.safetensors",
                        safetensors_bytes(_policy_tensors(policy), {"format": "pt"}))
-    model.write_json(out / "config.json", config)
+    grpo.write_json(out / "config.json", config)
     model.write_atomic(out / "tokenizer.json", tok.tok.to_str(pretty=True))
 
 
@@ -902,10 +902,10 @@ def save_sft_checkpoint(path: Path, args, done: int, policy, opt, induction, los
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
         save_file(_policy_tensors(policy), tmp / "model.safetensors")
-        tensors, meta = model.optimizer_to_tensors(opt)
+        tensors, meta = grpo.optimizer_to_tensors(opt)
         save_file(tensors, tmp / "optimizer.safetensors")
         save_file({"induction": induction.g.get_state()}, tmp / "rng.safetensors")
-        model.write_json(tmp / "trainer.json", {"done": done, "flags": _sft_flags(args),
+        grpo.write_json(tmp / "trainer.json", {"done": done, "flags": _sft_flags(args),
                                                 "losses": losses, "kept": kept,
                                                 "seconds": seconds, "optimizer": meta})
         shutil.rmtree(path, ignore_errors=True)
@@ -929,7 +929,7 @@ def load_sft_checkpoint(path: Path, args, policy, opt, induction) -> tuple:
         if unexpected or set(missing) - {"lm_head.weight"}:
             raise ValueError(f"weights do not fit the model: missing {missing}, "
                              f"unexpected {unexpected}")
-        model.optimizer_from_tensors(opt, load_file(path / "optimizer.safetensors"),
+        grpo.optimizer_from_tensors(opt, load_file(path / "optimizer.safetensors"),
                                      info["optimizer"])
         induction.g.set_state(load_file(path / "rng.safetensors")["induction"])
         return int(info["done"]), info["losses"], info["kept"], float(info["seconds"])

@@ -78,7 +78,7 @@ def render_record(record, tokenizer, max_len=4096):
     if messages[-1]["role"] != "assistant":
         raise ValueError("dialog does not end with an assistant message (the evaluation turn)")
     ids, spans = tokenizer.render(messages)
-    ids, spans, cut = mdl.keep_last(ids, spans, max_len)
+    ids, spans, cut = keep_last(ids, spans, max_len)
     if spans[-1][1] - spans[-1][0] < 1:
         raise ValueError(f"the evaluation turn does not fit in --max-len {max_len}")
     return ids, spans[-1], cut
@@ -162,7 +162,7 @@ def _extract_parts(net, tokenizer, records, data_path, parts, out_path, manifest
           f"extract {data_path.name}: {len(records)} records", file=log)
 
     failed, buffer, n_reused = [], [], 0
-    t0, pacer = time.perf_counter(), mdl.Pacer(len(todo), log)
+    t0, pacer = time.perf_counter(), grpo.Pacer(len(todo), log)
     for n_new, i in enumerate(todo, 1):
         record = records[i]
         rid = f"{record['episode_id']}@{record['turn_idx']}"
@@ -1112,6 +1112,16 @@ def load_features(path) -> tuple[dict[str, torch.Tensor], dict]:
                                  f"{sorted(labels)[:5]}")
     meta["dims"] = probes.features_dims(tensors)     # what the tensors hold, whatever was recorded
     return tensors, meta
+
+
+def keep_last(ids: list[int], spans: list[tuple], max_len: int):
+    """Keep the last max_len tokens (METHOD.md §3); spans shift with them, a span cut in part is
+    clipped at 0 and one cut entirely becomes (0, 0). Returns (ids, spans, n_cut)."""
+    cut = max(0, len(ids) - max_len)
+    if not cut:
+        return ids, list(spans), 0
+    shifted = [(max(0, s - cut), max(0, e - cut)) for s, e in spans]
+    return ids[cut:], shifted, cut
 
 
 def main(argv=None) -> None:

@@ -622,7 +622,7 @@ def test_out_and_resume_checks_read_what_a_run_left(tiny_policy, tmp_path):
     with pytest.raises(SystemExit, match="already holds a run: pass --resume"):
         checked(out)
     # what trains a run cannot change under a resume, nor what scores it
-    mdl.write_json(out / "args.json", vars(checked(tmp_path / "new")))
+    grpo.write_json(out / "args.json", vars(checked(tmp_path / "new")))
     for flag, value in (("--grad-clip", "0.1"), ("--weight-decay", "0.1"),
                         ("--dtype", "bfloat16"), ("--judge-model", "x")):
         with pytest.raises(SystemExit, match=f"--resume: {flag} is"):
@@ -656,7 +656,7 @@ def test_the_probe_cache_keys_a_sharded_policy_and_where_it_runs(tiny_policy, tm
     halves = {"a.safetensors": names[::2], "b.safetensors": names[1::2]}
     for file, part in halves.items():
         save_file({n: tensors[n] for n in part}, sharded / file)
-    mdl.write_json(sharded / "model.safetensors.index.json", {"weight_map": {
+    grpo.write_json(sharded / "model.safetensors.index.json", {"weight_map": {
         n: file for file, part in halves.items() for n in part}})
     assert grpo.policy_hash(sharded) != grpo.policy_hash(tiny_policy)
     mdl.load_model(sharded)                                 # a policy the run can load
@@ -1390,14 +1390,14 @@ def _finished_runs(out: Path, scores=FAKE_SCORES):
     for seed, by_step in scores.items():
         run = out / "runs" / compare.run_name("outcome", seed)
         run.mkdir(parents=True)
-        mdl.write_json(run / "args.json", {"env": "shop", "eval_episodes": 4})
+        grpo.write_json(run / "args.json", {"env": "shop", "eval_episodes": 4})
         for step, test in by_step.items():
             grpo.append_jsonl(run / "eval.jsonl", {"step": step, "test": {
                 "scores": test, "success": sum(test) / 4}})
         for step in (10, 20):
             grpo.append_jsonl(run / "metrics.jsonl", {"step": step, "frac_zero_std": 0.0,
                                                       "kl": 0.0, "reward_mean": 0.0})
-        mdl.write_json(run / "summary.json", {"seconds": 60, **{
+        grpo.write_json(run / "summary.json", {"seconds": 60, **{
             key: {"step": step, "success": sum(by_step[step]) / 4}
             for key, step in (("base", 0), ("selected", 10), ("final", 20),
                               ("best_on_test", 10))}})
@@ -1494,7 +1494,7 @@ def test_compare_refuses_a_resumed_run_whose_flags_changed_before_starting_any(
         tmp_path, no_run_starts):
     run = tmp_path / "runs" / "outcome-s1"
     run.mkdir(parents=True)
-    mdl.write_json(run / "args.json", {"steps": 3})
+    grpo.write_json(run / "args.json", {"steps": 3})
     with pytest.raises(SystemExit) as e:
         compare.main(["--rewards", "outcome", "--seeds", "1", "--out", str(tmp_path), "--",
                       "--steps", "2"])
@@ -1526,7 +1526,7 @@ def test_compare_refuses_an_out_with_a_file_in_the_way(under, tmp_path, no_run_s
 
 def _set_summary(run, key, value):
     summary = json.loads((run / "summary.json").read_text())
-    mdl.write_json(run / "summary.json", {**summary, key: value})
+    grpo.write_json(run / "summary.json", {**summary, key: value})
 
 
 def _drop_eval(run, step):
@@ -1550,9 +1550,9 @@ def _drop_eval(run, step):
     (lambda r: grpo.append_jsonl(r / "metrics.jsonl", {"step": 21}), "metrics.jsonl",
      "step 21: reward_mean, frac_zero_std, kl not a number"),
     (lambda r: (r / "args.json").write_text("{"), "args.json", "not readable JSON"),
-    (lambda r: mdl.write_json(r / "args.json", {"env": "shop", "eval_episodes": "4"}),
+    (lambda r: grpo.write_json(r / "args.json", {"env": "shop", "eval_episodes": "4"}),
      "args.json", "the run used --eval-episodes '4', where this command gives 4"),
-    (lambda r: mdl.write_json(r / "args.json", {"env": "shop-long", "eval_episodes": 4}),
+    (lambda r: grpo.write_json(r / "args.json", {"env": "shop-long", "eval_episodes": 4}),
      "args.json", "the run used --env 'shop-long', where this command gives 'shop'")])
 def test_compare_tabulating_a_damaged_run_is_one_line_naming_its_file(
         damage, file, error, tmp_path, no_run_starts):
@@ -1584,7 +1584,7 @@ def test_compare_cost_names_a_run_whose_metrics_lack_the_costs(tmp_path, no_run_
                        "trained with evaluations, .* so its step times are not --cost's"):
         compare.main(cost)
     args = tmp_path / "runs" / "outcome-s1" / "args.json"
-    mdl.write_json(args, {**json.loads(args.read_text()), "no_eval": True})
+    grpo.write_json(args, {**json.loads(args.read_text()), "no_eval": True})
     with pytest.raises(SystemExit, match=r"^compare: .*outcome-s1/metrics.jsonl: step 10: "
                        "t_rollout, t_reward, t_update, gen_tokens"):
         compare.main(cost)
@@ -1858,7 +1858,7 @@ def test_a_branch_from_a_copied_cache_equals_a_fresh_prefill(tiny_policy, monkey
     owner = chains[i]
     assert len(owner.steps) >= 3 and owner.steps[0].observation
     copied = []
-    real_copy = mdl.copy_rows
+    real_copy = baselines.copy_rows
     monkeypatch.setattr(mdl, "copy_rows", lambda *a: (copied.append(a[-1]), real_copy(*a)))
     for kept in (0, 1, 2):                         # the prompt; after an observation, twice
         forest = baselines.Forest([baselines.Node(None, None, None, 0)])
@@ -1903,7 +1903,7 @@ def test_a_branch_from_before_a_rewritten_history_prefills_only_what_differs(tin
                             generator=torch.Generator().manual_seed(0), caches=caches)
     assert [s.segment for s in owner.steps] == [0, 0, 1]
     copied = []
-    real_copy = mdl.copy_rows
+    real_copy = baselines.copy_rows
     monkeypatch.setattr(mdl, "copy_rows", lambda *a: (copied.append(a[-1]), real_copy(*a)))
     for kept in (1, 2):
         forest = baselines.Forest([baselines.Node(None, None, None, 0)])
@@ -2069,7 +2069,7 @@ def test_progress_an_eta_is_not_one_outlier_and_evaluations_print_progress(tiny_
            "frac_zero_std": 0.0, "kl": 0.0, "t_rollout": 1.0, "t_reward": 0.0, "t_update": 1.0}
     assert grpo.progress_line(rec, 20, [11580.0]).endswith("ETA after 3 steps")
     line = grpo.progress_line({**rec, "step": 3}, 20, [11580.0, 5.0, 6.0])
-    assert line.endswith("ETA " + mdl.duration(6.0 * 17))        # the median, not the mean
+    assert line.endswith("ETA " + grpo.duration(6.0 * 17))        # the median, not the mean
     run(flags(tiny_policy, tmp_path / "r", steps=1, eval_episodes=3))
     out = capsys.readouterr().out
     assert "evaluating: 3/3 test episodes, ETA" in out and "2/2 validation episodes" in out

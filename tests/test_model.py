@@ -17,6 +17,7 @@ import envs
 import model as M
 import grpo
 from lab import generate
+from lab import study
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -756,7 +757,7 @@ def test_progress_into_a_log_is_at_most_a_line_per_30s_and_per_10_percent():
     now = [0.0]
 
     def due(tty, total=1000, seconds_each=1.0):
-        pacer = M.Pacer(total, _Stream(tty), every=5.0, clock=lambda: now[0])
+        pacer = grpo.Pacer(total, _Stream(tty), every=5.0, clock=lambda: now[0])
         lines = []
         for done in range(1, total + 1):
             now[0] += seconds_each
@@ -879,7 +880,7 @@ def test_render_spans_point_at_assistant_content(qwen_tokenizer_dir):
                 assert ids[start - 3:start] == [tok.im_start_id, *assistant_id, *newline_id]
     ids, spans = tok.render(MESSAGE_LISTS[1], add_generation_prompt=True)
     assert ids[-3:] == [tok.im_start_id, *assistant_id, *newline_id]
-    cut_ids, cut_spans, n_cut = M.keep_last(ids, spans, 10)
+    cut_ids, cut_spans, n_cut = study.keep_last(ids, spans, 10)
     assert cut_ids == ids[-10:] and n_cut == len(ids) - 10 and cut_spans == [(0, 0)]
 
 
