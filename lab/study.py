@@ -1188,8 +1188,8 @@ def metrics(y, p, groups=None, probability=True) -> dict[str, float]:
     (probability=False: -entropy, CoE) has a ranking but no scale, and is reported by AUROC only."""
     if not probability:
         return {"auroc": probes.auroc(y, p)}
-    out = {"auroc": probes.auroc(y, p), "auprc": auprc(y, p), "ece": ece(y, p), "brier": brier(y, p),
-           "accuracy": accuracy(y, p)}
+    out = {"auroc": probes.auroc(y, p), "auprc": auprc(y, p), "ece": ece(y, p),
+           "brier": brier(y, p), "accuracy": accuracy(y, p)}
     if groups is not None:
         out["pairwise"] = pairwise_accuracy(y, p, groups)
     return out
