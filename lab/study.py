@@ -162,7 +162,7 @@ def _extract_parts(net, tokenizer, records, data_path, parts, out_path, manifest
           f"extract {data_path.name}: {len(records)} records", file=log)
 
     failed, buffer, n_reused = [], [], 0
-    t0, pacer = time.perf_counter(), grpo.Pacer(len(todo), log)
+    t0, pacer = time.perf_counter(), mdl.Pacer(len(todo), log)
     for n_new, i in enumerate(todo, 1):
         record = records[i]
         rid = f"{record['episode_id']}@{record['turn_idx']}"
@@ -1203,7 +1203,7 @@ def features_dims(tensors: dict) -> dict:
 def main(argv=None) -> None:
     args = build_parser().parse_args(argv)
     if args.func in (cmd_extract, cmd_eval, cmd_fit):
-        mdl.refuse_dir_out(args.out)
+        refuse_dir_out(args.out)
     try:
         with contextlib.ExitStack() as stack:
             # Claimed before any work (extract: before the model loads): a busy output is
@@ -1217,3 +1217,10 @@ def main(argv=None) -> None:
 
 if __name__ == "__main__":
     main()
+
+
+def refuse_dir_out(path) -> None:
+    """An --out that names a file to write, checked before any work: not a directory (else
+    write_atomic would fail only at the end, naming its temporary file)."""
+    if path is not None and Path(path).is_dir():
+        raise SystemExit(f"error: --out {path} is a directory; name the file to write")
