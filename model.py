@@ -784,66 +784,6 @@ def set_lengths(cache: list[KVCache], lengths: Tensor):
 # ----------------------------------------------------------------------------------------------
 # Attention statistics of the span rows (METHOD.md §4)
 
-# Span rows are scored in chunks of at most this many float32 scores (8 MB): the few temporaries
-# of a chunk stay below what the MLP of the same block holds anyway, so peak memory is unchanged.
-STATS_CHUNK = 1 << 21
-# On a GPU the chunk's launches cost more than its memory: 256 MB of scores, a 256-row span over
-# 8,192 keys of the 7B's 28 heads in one product per layer.
-STATS_CHUNK_GPU = 1 << 26
-
-
-@dataclass
-class SpanRows:
-    """Which query rows of one forward call lie in the span, and where each row's span starts."""
-    lo: int                 # query indices [lo, hi) cover every span row of the batch
-    hi: int
-    is_row: Tensor          # (B, hi - lo) bool
-    start: Tensor           # (B,) span_start per row (absolute position)
-    count: Tensor           # (B,) number of span rows per row
-
-    def to(self, device) -> "SpanRows":
-        return SpanRows(self.lo, self.hi, self.is_row.to(device), self.start.to(device),
-                        self.count.to(device))
-
-
-def span_rows(span, positions: Tensor) -> SpanRows:
-    """span: (start, end) for every row, or one (start, end) per row; positions: (B, T)."""
-    B = positions.shape[0]
-    bounds = torch.as_tensor(span, dtype=torch.long, device=positions.device)
-    bounds = bounds.expand(B, 2) if bounds.dim() == 1 else bounds
-    start, end = bounds[:, 0], bounds[:, 1]
-    is_row = (positions >= start[:, None]) & (positions < end[:, None])    # (B, T)
-    hit = is_row.any(0).nonzero()
-    lo, hi = (int(hit[0]), int(hit[-1]) + 1) if len(hit) else (0, 0)
-    return SpanRows(lo, hi, is_row[:, lo:hi], start, is_row.sum(1))
-
-
-def attention_probs(q: Tensor, k: Tensor, mask: Tensor, scale: float) -> Tensor:
-    """softmax(q k^T * scale) in float32 for a few query rows: (B,H,c,D), (B,KV,S,D) -> (B,H,c,S)"""
-    B, H, c, D = q.shape
-    kv = k.shape[1]
-    # Query head h uses key head h // (H/KV): group the query heads instead of repeating keys.
-    # Scale the few queries rather than the many scores; mask in place: one (B,H,c,S) temporary.
-    q = (q.float() * scale).reshape(B, kv, (H // kv) * c, D)
-    scores = (q @ k.float().transpose(-1, -2)).view(B, H, c, -1)
-    return torch.softmax(scores.masked_fill_(~mask, float("-inf")), dim=-1)
-
-
-def masses_matrix(key_pos: Tensor, start: Tensor) -> Tensor:
-    """(B, 1, S, 2): for each key slot, [j < span_start, j >= span_start]; key_pos (B, S) or
-    (S,), start (B,). A row of probabilities times it gives the prefix and the self mass at once:
-    masked keys j > i hold p = 0, so "not before" is exactly span_start <= j <= i."""
-    before = (key_pos < start[:, None]).float()                 # (B, S) keys j < span_start
-    return torch.stack((before, 1 - before), -1)[:, None]
-
-
-def row_stats(p: Tensor, pos: Tensor, key_pos: Tensor, start: Tensor) -> dict[str, Tensor]:
-    """The six statistics of each row of p (B,H,c,S); pos (B,c), key_pos (B,S), start (B,)."""
-    masses = p @ masses_matrix(key_pos, start)                  # (B, H, c, 2)
-    return stats_from(p.amax(-1), torch.linalg.vecdot(p, p), *masses.unbind(-1),
-                      pos[:, None], start[:, None, None])
-
-
 def stats_from(mx, sum_sq, prefix, self_, pos, start) -> dict[str, Tensor]:
     """The six statistics from the four numbers of each softmax row (its max, its sum of squares,
     its prefix and self masses); pos (the row's position) and start broadcast against them."""
@@ -859,15 +799,6 @@ def stats_from(mx, sum_sq, prefix, self_, pos, start) -> dict[str, Tensor]:
         "entropy": -sum_sq.log(),
         "lookback": torch.where(s0 > 0, m_ctx / (m_ctx + m_new), torch.zeros_like(m_ctx)),
     }
-
-
-def add_row_stats(sums: Tensor, p, pos, key_pos, rows: SpanRows, a: int, b: int):
-    """Add the statistics of query rows [a, b) that lie in the span to sums (B, H, len(STATS))."""
-    stats = row_stats(p, pos, key_pos, rows.start)
-    values = torch.stack([stats[name] for name in STATS], -1)   # (B, H, c, 6)
-    keep = rows.is_row[:, None, a - rows.lo:b - rows.lo, None]  # (B, 1, c, 1)
-    # where, not multiply: rows outside the span may hold inf/nan (e.g. m_new of i < start).
-    sums += torch.where(keep, values, 0.0).sum(2)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -912,30 +843,21 @@ class Attention(nn.Module):
         # Llama's attention_bias also puts a bias on o_proj; Qwen2's QKV bias does not.
         self.o_proj = nn.Linear(H * D, d, bias=config.attention_bias)
 
-    def forward(self, x, cos, sin, mask, positions, key_pos, cache=None, rows=None):
-        """x (B,T,d) -> (B,T,d) and, when rows is given, the per-head sums of the span-row
-        statistics (B, H, len(STATS)) in STATS order."""
+    def forward(self, x, cos, sin, mask, positions, cache=None):
+        """x (B, T, d) -> (B, T, d); mask None: plain causal (see trunk)."""
         B, T, _ = x.shape
         dev = x.device                              # the block may live on any device
-        cos, sin = cos.to(dev), sin.to(dev)
-        mask = mask.to(dev) if mask is not None else None     # None: plain causal (see trunk)
-        positions, key_pos = positions.to(dev), key_pos.to(dev)
-        rows = rows.to(dev) if rows is not None else None
+        cos, sin, positions = cos.to(dev), sin.to(dev), positions.to(dev)
+        mask = mask.to(dev) if mask is not None else None
         q = self.q_proj(x).view(B, T, self.n_heads, self.head_dim).transpose(1, 2)  # (B,H,T,D)
         k = self.k_proj(x).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)
         v = self.v_proj(x).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if cache is not None:
             k, v = cache.write(k, v, positions, mask.shape[-1])   # (B, KV, S, D)
-
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None,
                                              enable_gqa=True)
-        sums = None
-        if rows is not None and rows.hi > rows.lo:
-            sums = x.new_zeros(B, self.n_heads, len(STATS), dtype=torch.float32)
-            self.span_stats(sums, q, k, mask, positions, key_pos, rows)
-        out = out.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim)
-        return self.o_proj(out), sums
+        return self.o_proj(out.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim))
 
     def decode(self, x, cos, sin, bias, pos, kv, before=None, w=None):
         """One new token per row, x (B, 1, d) at positions pos (B,), its k and v written at
@@ -969,20 +891,6 @@ class Attention(nn.Module):
             numbers = (p.amax(-1), torch.linalg.vecdot(p, p), prefix, 1 - prefix)
         return (self.o_proj(out) if w is None else F.linear(out, *w.o)), numbers
 
-    def span_stats(self, sums, q, k, mask, positions, key_pos, rows: SpanRows):
-        """Recompute q k^T for the span rows only, a chunk of rows at a time: (B, H, c, S).
-        mask None: the plain causal forward, whose span rows' masks are built here."""
-        B, H, _, _ = q.shape
-        k = k.float()
-        budget = STATS_CHUNK if q.device.type == "cpu" else STATS_CHUNK_GPU
-        step = max(1, budget // (B * H * k.shape[2]))
-        for a in range(rows.lo, rows.hi, step):
-            b = min(a + step, rows.hi)
-            m = attention_mask(positions[:, a:b], key_pos, None) if mask is None \
-                else mask[:, :, a:b]
-            p = attention_probs(q[:, :, a:b], k, m, self.scale)
-            add_row_stats(sums, p, positions[:, a:b], key_pos, rows, a, b)
-
 
 class FusedWeights(NamedTuple):     # a block's projections as decoding applies them
     qkv: tuple[Tensor, Tensor | None]       # (weight, bias) of q, k and v side by side
@@ -999,20 +907,16 @@ class Block(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, x, cos, sin, mask, positions, key_pos, cache=None, rows=None,
-                mlp_chunk=None):
+    def forward(self, x, cos, sin, mask, positions, cache=None, mlp_chunk=None):
         """mlp_chunk: the MLP over at most this many tokens at a time, each chunk recomputed in
-        the backward pass (the update of a long rollout: its (T, intermediate) activations,
-        most of what a recomputed block holds, then never exist for the whole sequence)."""
-        a, sums = self.self_attn(self.input_layernorm(x), cos, sin, mask, positions, key_pos,
-                                 cache, rows)
-        x = x + a
+        the backward pass (a long rollout's (T, intermediate) activations never exist whole)."""
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask, positions, cache)
         h = self.post_attention_layernorm(x)
         if mlp_chunk is None or x.shape[1] <= mlp_chunk:
-            return x + self.mlp(h), sums
+            return x + self.mlp(h)
         return x + torch.cat([torch.utils.checkpoint.checkpoint(
             self.mlp, h[:, i:i + mlp_chunk], use_reentrant=False)
-            for i in range(0, x.shape[1], mlp_chunk)], 1), sums
+            for i in range(0, x.shape[1], mlp_chunk)], 1)
 
     def decode(self, x, cos, sin, bias, pos, kv, before=None, w=None):
         """forward for one new token per row (Attention.decode): (B, 1, d) -> (B, 1, d).
@@ -1070,13 +974,6 @@ class Decoder(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
 
-@dataclass
-class Output:
-    logits: Tensor | None                       # (B, T, V) float32; None when logits=False
-    hidden_states: tuple[Tensor, ...] | None    # L+1 x (B, T, d), Hugging Face convention
-    attn_stats: dict[str, Tensor] | None        # STATS -> (B, L, H), span rows averaged
-
-
 class Transformer(nn.Module):
     def __init__(self, config: Config):
         super().__init__()
@@ -1095,26 +992,22 @@ class Transformer(nn.Module):
                         layer.input_layernorm.weight.dtype, layer.input_layernorm.weight.device)
                 for layer in self.model.layers]
 
-    def forward(self, input_ids, positions=None, cache=None, span=None,
-                output_hidden_states=False, logits=True) -> Output:
-        h, hidden_states, attn_stats = self.trunk(input_ids, positions, cache, span,
-                                                  output_hidden_states)
-        return Output(self.lm_head(h).float() if logits else None, hidden_states, attn_stats)
+    def forward(self, input_ids, positions=None, cache=None) -> Tensor:
+        """input_ids (B, T) -> logits (B, T, V) in float32 (trunk, then the head)."""
+        return self.lm_head(self.trunk(input_ids, positions, cache)).float()
 
-    def trunk(self, input_ids, positions=None, cache=None, span=None, output_hidden_states=False,
-              recompute=False):
-        """Everything up to the final norm: (B,T,d) normed output, hidden states, span stats.
+    def trunk(self, input_ids, positions=None, cache=None, recompute=False) -> Tensor:
+        """Everything up to the final norm: input_ids (B, T) -> (B, T, d).
 
-        input_ids (B, T); positions (B, T) absolute positions (default: right after the cache's
-        tokens, else 0..T-1); span (start, end) or one per row, in absolute positions. With a
-        cache, K/V are written at `positions` and each row's length grows to cover them.
-        recompute: where a gradient is wanted, each block keeps only its input and runs again in
-        the backward pass, its MLP in chunks of MLP_CHUNK tokens (a long rollout's update)."""
+        positions (B, T): absolute positions (default: right after the cache's tokens, else
+        0..T-1). With a cache, K/V are written at `positions` and each row's length grows to
+        cover them. recompute: where a gradient is wanted, each block keeps only its input and
+        runs again in the backward pass, its MLP MLP_CHUNK tokens at a time."""
         B, T = input_ids.shape
         dev = self.model.embed_tokens.weight.device
-        # A causal forward from position 0 (the GRPO update, teacher-forced traces) lets
-        # PyTorch's fused causal kernel skip the mask: upper-left causal is right there, and in a
-        # right-padded batch no real token sees a pad. The span rows' statistics build their own.
+        # A causal forward from position 0 (the GRPO update) lets PyTorch's fused causal kernel
+        # skip the mask: upper-left causal is right there, and in a right-padded batch no real
+        # token sees a pad.
         fused_causal = (positions is None and cache is None and T > 1
                         and all(w is None for w in self.windows))
         if positions is None:
@@ -1129,37 +1022,18 @@ class Transformer(nn.Module):
         masks = {w: None if fused_causal else attention_mask(positions, key_pos, w)
                  for w in set(self.windows)}
         cos, sin = rope_tables(self.inv_freq, positions, self.model.embed_tokens.weight.dtype)
-        rows = span_rows(span, positions) if span is not None else None
-
         x = self.model.embed_tokens(input_ids.to(dev))                          # (B, T, d)
-        hidden_states = [x] if output_hidden_states else None
-        layer_sums = []
         for i, layer in enumerate(self.model.layers):
-            inputs = (x, cos, sin, masks[self.windows[i]], positions, key_pos,
-                      cache[i] if cache is not None else None, rows)
+            inputs = (x, cos, sin, masks[self.windows[i]], positions,
+                      cache[i] if cache is not None else None)
             if recompute and torch.is_grad_enabled():
-                x, sums = torch.utils.checkpoint.checkpoint(
+                x = torch.utils.checkpoint.checkpoint(
                     layer, *inputs, mlp_chunk=max(1, MLP_CHUNK // B), use_reentrant=False)
             else:
-                x, sums = layer(*inputs)
-            layer_sums.append(sums)
-            if output_hidden_states and i < len(self.model.layers) - 1:
-                hidden_states.append(x)
-        x = self.model.norm(x)
-        if output_hidden_states:
-            hidden_states.append(x)        # Hugging Face: the last hidden state is after the norm
+                x = layer(*inputs)
         if cache is not None:
             set_lengths(cache, torch.maximum(cache[0].lengths, positions.max(1).values.cpu() + 1))
-
-        attn_stats = None
-        if rows is not None:
-            H = self.config.num_attention_heads
-            per_layer = [s.to(dev) if s is not None else torch.zeros(B, H, len(STATS), device=dev)
-                         for s in layer_sums]
-            count = rows.count.to(dev).float()[:, None, None, None]      # 0 span rows -> nan
-            means = torch.stack(per_layer, 1) / count                     # (B, L, H, 6)
-            attn_stats = dict(zip(STATS, means.unbind(-1)))
-        return x, tuple(hidden_states) if output_hidden_states else None, attn_stats
+        return self.model.norm(x)
 
     def decode(self, tokens, cache, span_start=None, w=None):
         """One token per row, tokens (B,), at each row's cache length (the caller advances the
@@ -1440,42 +1314,6 @@ class TurnTrace:
     logprobs: list[float] = field(default_factory=list)
 
 
-@torch.no_grad()
-def trace_forward(model: Transformer, ids: list[int], span, stop_ids=None) -> TurnTrace:
-    """The TurnTrace of tokens ids[start:end] of one sequence, teacher-forced."""
-    return trace_batch(model, [ids], [span], stop_ids)[0]
-
-
-@torch.no_grad()
-def trace_batch(model: Transformer, seqs: list[list[int]], spans, stop_ids=None,
-                rows_per_forward: int = 16) -> list[TurnTrace]:
-    """trace_forward of many (sequence, span) pairs, a few rows per forward.
-
-    Rows are right-padded: a real token never attends to a pad after it, so each row's trace is
-    the one its sequence gives alone. Only the span tokens' hidden states are kept."""
-    stop_ids = model.config.stop_ids if stop_ids is None else tuple(stop_ids)
-    for ids, (start, end) in zip(seqs, spans):
-        if not 0 <= start < end <= len(ids):
-            raise ValueError(f"span {(start, end)} is not inside a sequence of {len(ids)} tokens")
-    # rows of similar length share a forward (less padding); traces come back in input order
-    order = sorted(range(len(seqs)), key=lambda i: len(seqs[i]))
-    traces = [None] * len(seqs)
-    for a in range(0, len(order), rows_per_forward):
-        chunk = order[a:a + rows_per_forward]
-        T = max(len(seqs[i]) for i in chunk)
-        batch = torch.tensor([list(seqs[i]) + [0] * (T - len(seqs[i])) for i in chunk])  # (b, T)
-        _, hidden, stats = model.trunk(batch, span=[tuple(spans[i]) for i in chunk],
-                                       output_hidden_states=True)
-        for r, i in enumerate(chunk):
-            (start, end), ids = spans[i], seqs[i]
-            h = torch.stack([hs[r, start:end].float().cpu() for hs in hidden])  # (L+1, n, d)
-            traces[i] = TurnTrace(tokens=list(ids[start:end]), span=(start, end),
-                                  attn={k: v[r].float().cpu() for k, v in stats.items()},
-                                  h_last=h[:, -1], h_mean=h.mean(1),
-                                  finished=ids[end - 1] in stop_ids)
-    return traces
-
-
 # A recomputed block runs its MLP over at most this many tokens (rows x positions) at a time.
 MLP_CHUNK = 4096
 # The head's float32 logits over a 152k vocabulary take 0.58 GiB per 1,000 tokens, and the update
@@ -1493,7 +1331,7 @@ def token_logprobs(policy, ids: torch.Tensor, mask: torch.Tensor,
     MLP_CHUNK tokens of its MLP and each chunk of the head are recomputed in the backward pass,
     so the call holds about one (T, d) input per block: neither the (N, V) logits nor the MLPs'
     (T, intermediate) activations ever exist for the whole rollout."""
-    h, _, _ = policy.trunk(ids, recompute=True)                 # (B, T, d) after the final norm
+    h = policy.trunk(ids, recompute=True)                 # (B, T, d) after the final norm
     h = h[:, :-1]                                               # position j predicts x_{j+1}
     target = mask[:, 1:].to(h.device)
     h, labels = h[target], ids[:, 1:].to(h.device)[target]      # (N, d), (N,)
@@ -1584,7 +1422,7 @@ def prefill_last(model: Transformer, cache, new_tokens: list[list[int]]) -> Tens
             return h[index.to(h.device)]
     ids = torch.tensor([list(t) + [0] * (T - len(t)) for t in new_tokens])     # (B, T)
     positions = lengths[:, None] + torch.arange(T)
-    h, _, _ = model.trunk(ids, positions, cache)
+    h = model.trunk(ids, positions, cache)
     set_lengths(cache, lengths + n)
     return h[torch.arange(len(n), device=h.device), (n - 1).clamp_min(0).to(h.device)]
 

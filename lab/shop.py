@@ -830,7 +830,7 @@ def sft(args) -> dict:
 
 def masked_lm_loss(policy, ids, mask) -> torch.Tensor:
     """Mean cross-entropy of the tokens where mask is True (the head runs on those only)."""
-    h, _, _ = policy.trunk(ids)
+    h = policy.trunk(ids)
     target = mask[:, 1:]
     return F.cross_entropy(policy.lm_head(h[:, :-1][target]).float(), ids[:, 1:][target])
 

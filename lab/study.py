@@ -47,6 +47,7 @@ import grpo
 import model as mdl
 import pair
 import probes
+from lab import traces
 
 
 SEEDS = (42, 43, 44)
@@ -173,7 +174,7 @@ def _extract_parts(net, tokenizer, records, data_path, parts, out_path, manifest
             n_reused += bool(raw)
             if not raw:
                 with torch.inference_mode():
-                    trace = mdl.trace_forward(net, ids, span)
+                    trace = traces.trace_forward(net, ids, span)
                 raw = probes.raw_features(trace)
             raw["input_digest"] = digest
             raw["record_index"] = torch.tensor(i)

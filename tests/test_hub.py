@@ -367,7 +367,7 @@ def test_load_model_fetches_a_name_and_then_uses_the_cache(env, tmp_path):
     ours, tok = M.load_model(REPO)
     ids = torch.tensor([[1, 2, 3, 4]])
     with torch.no_grad():
-        assert torch.equal(ours(ids).logits, ref.eval()(ids).logits)
+        assert torch.equal(ours(ids), ref.eval()(ids).logits)
     assert tok.im_end_id == 15 and ours.name_or_path == REPO
     n = len(hub.requests)
     again, _ = M.load_model(REPO, devices=["cpu", "cpu"])
