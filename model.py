@@ -73,7 +73,6 @@ import torch.utils.checkpoint
 from safetensors import safe_open
 from safetensors.torch import save as safetensors_bytes
 from torch import nn, Tensor
-import grpo
 
 STATS = ("max", "std", "prefix", "self", "entropy", "lookback")
 DEFAULT_SYSTEM = "You are Qwen, created by Alibaba Cloud. You are a helpful assistant."
@@ -427,20 +426,17 @@ def resolve(path_or_repo) -> Path:
 
 
 HUB_NAME = re.compile(r"[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*")    # <org>/<name>
-
-HUB_MANIFEST = ".pair-complete.json"
-
-HUB_TIMEOUT = (10, 60)          # (connect, read) seconds
-
-HUB_RETRIES = 5                 # attempts per file; each one resumes where the last one stopped
-
-HUB_RETRY_WAIT = 2.0            # seconds, times the attempt number
+HUB_MANIFEST = ".pair-complete.json"    # written last: the files of a complete copy, and sizes
+HUB_TIMEOUT = (10, 60)                  # (connect, read) seconds
+HUB_RETRIES = 5                         # attempts per file
+HUB_RETRY_WAIT = 2.0                    # seconds, times the attempt number
 NETWORK_ERRORS = (requests.ConnectionError, requests.Timeout,
                   requests.exceptions.ChunkedEncodingError)
+INDEX = "model.safetensors.index.json"
 
 
 class HubError(CheckpointError):
-    """A model name that could not be fetched from the Hub (or found complete in the cache)."""
+    """A Hub model name that could not be fetched (nor found complete in the cache)."""
 
 
 def hub_cache_dir(repo_id: str) -> Path:
@@ -448,18 +444,16 @@ def hub_cache_dir(repo_id: str) -> Path:
 
 
 def _cached_copy(folder: Path) -> bool:
-    # Complete only when the manifest exists and every file it lists has the listed size.
     try:
         files = json.loads((folder / HUB_MANIFEST).read_text())["files"]
-        for name in files:
-            _check_hub_name(name, folder, folder.name)
         return all((folder / name).stat().st_size == size for name, size in files.items())
-    except (OSError, ValueError, KeyError, TypeError, AttributeError, HubError):
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
         return False
 
 
 def fetch_from_hub(repo_id: str, revision: str = "main") -> Path:
-    """Download what load_model needs from `repo_id` (e.g. "Qwen/Qwen2.5-7B-Instruct")."""
+    """What load_model reads of a Hub model (e.g. "Qwen/Qwen2.5-7B-Instruct"), downloaded once
+    into hub_cache_dir(repo_id): config.json, tokenizer.json, the weights."""
     folder = hub_cache_dir(repo_id)
     if _cached_copy(folder):
         return folder
@@ -471,9 +465,7 @@ def fetch_from_hub(repo_id: str, revision: str = "main") -> Path:
     import fcntl                    # POSIX only, so imported where it is needed
     folder.mkdir(parents=True, exist_ok=True)
     with open(folder / ".lock", "w") as lock:
-        # torchrun starts one process per GPU: the first one downloads, the others wait here
-        # and then find the copy complete.
-        fcntl.flock(lock, fcntl.LOCK_EX)
+        fcntl.flock(lock, fcntl.LOCK_EX)     # torchrun's ranks: one downloads, the others wait
         if _cached_copy(folder):
             return folder
         try:
@@ -481,90 +473,68 @@ def fetch_from_hub(repo_id: str, revision: str = "main") -> Path:
         except NETWORK_ERRORS as e:
             raise HubError(offline.format(f"network unreachable or connection lost "
                                           f"({type(e).__name__})")) from e
-        manifest = {"repo": repo_id, "revision": revision, "endpoint": endpoint, "files": files}
-        write_atomic(folder / HUB_MANIFEST, json.dumps(manifest, indent=1).encode())
+        write_atomic(folder / HUB_MANIFEST, json.dumps(
+            {"repo": repo_id, "revision": revision, "endpoint": endpoint, "files": files}))
     return folder
 
 
 def _fetch_files(folder: Path, repo_id, revision, endpoint) -> dict[str, int]:
     """config, tokenizer and weights (one file, or the index and its shards) -> {name: size}."""
     session = requests.Session()
-    if os.environ.get("HF_TOKEN"):
-        # requests drops this header when the Hub redirects a download to its CDN (other host),
-        # which is what we want: the CDN URL is signed.
+    if os.environ.get("HF_TOKEN"):  # requests drops it on the redirect to the (signed) CDN URL
         session.headers["Authorization"] = f"Bearer {os.environ['HF_TOKEN']}"
-    listing = _hub_tree(session, endpoint, repo_id, revision)
+    listing = _hub_tree(session, f"{endpoint}/api/models/{repo_id}/tree/"
+                        f"{quote(revision, safe='')}", f"model {repo_id!r} at {revision}")
     files = {}
 
-    def fetch(name):
-        _check_hub_name(name, folder, repo_id)
+    def fetch(name, shape="a JSON object", check=None):
+        # a name from the Hub is joined to the cache folder: only a plain file inside it
+        # ("../../.bashrc", "/etc/x" or our ".pair-complete.json" are not)
+        if not (isinstance(name, str) and name and name == Path(name).name and
+                not name.startswith(".") and "\\" not in name and "\0" not in name):
+            raise HubError(f"{repo_id}: refusing the file name {name!r} from the Hub (not a plain "
+                           f"file name inside {folder})")
         if name not in listing:
             raise HubError(f"{repo_id}@{revision} on {endpoint} has no file {name!r}")
-        size, digest = listing[name]
         url = f"{endpoint}/{repo_id}/resolve/{quote(revision, safe='')}/{quote(name)}"
-        _download(session, url, folder / name, size, digest, f"{repo_id}/{name}")
-        files[name] = size
+        _download(session, url, folder / name, *listing[name], f"{repo_id}/{name}")
+        files[name] = listing[name][0]
+        if name.endswith(".json"):      # removed if wrong, so that a retry fetches it again
+            try:
+                data = json.loads((folder / name).read_text())
+                if not isinstance(data, dict) or check and not check(data):
+                    raise ValueError(f"expected {shape}")
+                return data
+            except (OSError, ValueError) as e:
+                (folder / name).unlink(missing_ok=True)
+                raise HubError(f"{folder / name}: not {shape} ({e}); removed it") from None
 
     fetch("config.json")
-    _check_hub_json(folder / "config.json", "a JSON object")
     fetch("tokenizer.json")
-    _check_hub_json(folder / "tokenizer.json", "a JSON object with a \"model\" entry",
-                    lambda d: isinstance(d.get("model"), dict))
-    if "model.safetensors.index.json" not in listing:
+    if INDEX not in listing:
         fetch("model.safetensors")
         return files
-    fetch("model.safetensors.index.json")
-    index = _check_hub_json(
-        folder / "model.safetensors.index.json", "a safetensors index: {\"weight_map\": "
-        "{tensor name: shard file name}}",
-        lambda d: isinstance(d.get("weight_map"), dict) and d["weight_map"] and
-        all(isinstance(v, str) and v.endswith(".safetensors") for v in d["weight_map"].values()))
+    index = fetch(INDEX, "a safetensors index: {\"weight_map\": {tensor name: shard file name}}",
+                  lambda d: isinstance(d.get("weight_map"), dict) and d["weight_map"] and all(
+                      isinstance(v, str) and v.endswith(".safetensors")
+                      for v in d["weight_map"].values()))
     for shard in sorted(set(index["weight_map"].values())):
         fetch(shard)
     return files
 
 
-def _check_hub_name(name: str, folder: Path, repo_id: str):
-    """A file name from the Hub (the listing or an index) is joined to the cache folder: it
-    must name a plain file inside it. A hostile endpoint could otherwise write anywhere
-    ("../../.bashrc", "/etc/x") or over our own bookkeeping (".pair-complete.json")."""
-    plain = (isinstance(name, str) and name and name == Path(name).name and
-             not name.startswith(".") and "\\" not in name and "\0" not in name and
-             (folder / name).resolve().parent == folder.resolve())
-    if not plain:
-        raise HubError(f"{repo_id}: refusing the file name {name!r} from the Hub (not a plain "
-                       f"file name inside {folder})")
-
-
-def _check_hub_json(path: Path, shape: str, check=None) -> dict:
-    # A JSON file is read by load_model only later: a wrong one is removed now, so that a
-    # retry fetches it again instead of finding it complete.
-    try:
-        data = json.loads(path.read_text())
-        if not isinstance(data, dict) or (check is not None and not check(data)):
-            raise ValueError(f"expected {shape}")
-    except (OSError, ValueError) as e:
-        path.unlink(missing_ok=True)
-        raise HubError(f"{path}: not {shape} ({e}); removed it") from None
-    return data
-
-
-def _hub_tree(session, endpoint, repo_id, revision) -> dict[str, tuple[int, tuple | None]]:
-    # GET /api/models/{repo}/tree/{revision}: [{"type", "path", "size", "oid", "lfs"?}, ...],
-    # paginated through the Link header. For LFS files lfs.oid is the sha256 of the content;
-    # for the others oid is the git blob id of the content. -> {path: (size, (kind, hex))}
-    url = f"{endpoint}/api/models/{repo_id}/tree/{quote(revision, safe='')}"
+def _hub_tree(session, url, what) -> dict[str, tuple[int, str | None]]:
+    """{path: (size, sha256 of an LFS file's content, else None)} from the Hub's tree API
+    ([{"type", "path", "size", "lfs"?: {"oid", "size"}}, ...], paginated by the Link header)."""
     listing = {}
     while url:
         r = session.get(url, timeout=HUB_TIMEOUT)
-        _check_status(r, f"model {repo_id!r} at revision {revision!r}")
+        _check_status(r, what)
         try:
             for entry in r.json():
                 if entry["type"] == "file":
                     lfs = entry.get("lfs") or {}
-                    digest = ("sha256", lfs["oid"]) if lfs.get("oid") else \
-                        ("git blob id", entry["oid"]) if not lfs and entry.get("oid") else None
-                    listing[entry["path"]] = (int(lfs.get("size", entry["size"])), digest)
+                    listing[entry["path"]] = (int(lfs.get("size", entry["size"])), lfs.get("oid"))
         except (ValueError, KeyError, TypeError) as e:
             raise HubError(f"{url}: unexpected answer from the Hub API ({e!r})") from e
         url = r.links.get("next", {}).get("url")
@@ -572,88 +542,43 @@ def _hub_tree(session, endpoint, repo_id, revision) -> dict[str, tuple[int, tupl
 
 
 def _check_status(r, what):
-    if r.status_code in (401, 403):
-        raise HubError(f"{r.url}: HTTP {r.status_code}: access to {what} denied (private or "
-                       "gated?); set HF_TOKEN to a token that has access")
-    if r.status_code == 404:
-        raise HubError(f"{r.url}: HTTP 404: {what} not found")
+    denied = "access denied (private or gated?); set HF_TOKEN to a token that has access"
     if r.status_code >= 400:
-        raise HubError(f"{r.url}: HTTP {r.status_code} {r.reason}")
+        why = {401: denied, 403: denied, 404: "not found"}.get(r.status_code, r.reason)
+        raise HubError(f"{r.url}: HTTP {r.status_code}: {what}: {why}")
 
 
-def _download(session, url, dest: Path, size: int, digest: tuple | None, label: str):
+def _download(session, url, dest: Path, size: int, sha256: str | None, label: str):
+    """url into dest through a .part file beside it, HUB_RETRIES attempts; its size and, for an
+    LFS file, its sha256 checked against the listing before it takes dest's name."""
     if dest.is_file() and dest.stat().st_size == size:
         return                                  # finished by an earlier, interrupted fetch
     part = dest.with_name(dest.name + ".part")
     for attempt in range(1, HUB_RETRIES + 1):
-        have = part.stat().st_size if part.exists() else 0
-        if part.exists() and have >= size:
-            break                               # whole (or too long: the size check says so)
+        h, got = hashlib.sha256(), 0
         try:
-            with session.get(url, headers={"Range": f"bytes={have}-"} if have else {},
-                             stream=True, timeout=HUB_TIMEOUT) as r:
+            with session.get(url, stream=True, timeout=HUB_TIMEOUT) as r:
                 _check_status(r, label)
-                if have and r.status_code != 206:
-                    have = 0                    # the server ignored Range: start over
-                with open(part, "ab" if have else "wb") as f:
-                    progress = _Progress(label, size, have)
-                    # Small chunks: what was read before a dropped connection is on disk.
-                    for chunk in r.iter_content(chunk_size=1 << 16):
+                with open(part, "wb") as f:
+                    for chunk in r.iter_content(chunk_size=1 << 20):
                         f.write(chunk)
-                        progress.update(len(chunk))
-                        if progress.done > size:
-                            break
-                    progress.show(end="\n")
+                        h.update(chunk)
+                        got += len(chunk)
             break
         except NETWORK_ERRORS as e:
+            part.unlink(missing_ok=True)
             if attempt == HUB_RETRIES:
                 raise
-            got = part.stat().st_size if part.exists() else 0
-            print(f"\n{label}: connection lost at {got} bytes ({type(e).__name__}), resuming",
-                  file=sys.stderr)
+            print(f"{label}: connection lost ({type(e).__name__}), retrying", file=sys.stderr)
             time.sleep(HUB_RETRY_WAIT * attempt)
-    got = part.stat().st_size if part.exists() else 0
-    if got != size:
-        part.unlink(missing_ok=True)
-        raise HubError(f"{url}: downloaded {got} bytes but the Hub lists {size}; removed {part}, "
-                       "try again")
-    if digest is not None and _digest(part, digest[0], size) != str(digest[1]).lower():
+    wrong = (f"downloaded {got} bytes but the Hub lists {size}" if got != size else
+             f"sha256 differs from the Hub's ({sha256})"
+             if sha256 and h.hexdigest() != sha256.lower() else None)
+    if wrong:
         part.unlink()
-        raise HubError(f"{url}: {digest[0]} differs from the Hub's ({digest[1]}); removed "
-                       f"{part}, try again")
+        raise HubError(f"{url}: {wrong}; removed {part}, try again")
     os.replace(part, dest)
-
-
-def _digest(path: Path, kind: str, size: int) -> str:
-    if kind == "sha256":
-        h = hashlib.sha256()
-    else:                   # git's blob id: sha1 of the header "blob <size>\0", then the content
-        h = hashlib.sha1(b"blob %d\0" % size)
-    with open(path, "rb") as f:
-        while block := f.read(1 << 24):
-            h.update(block)
-    return h.hexdigest()
-
-
-class _Progress:
-    """A download's progress on stderr: name, bytes, percent, speed. On a terminal one line,
-    rewritten twice a second; in a log, a new line when the Pacer says so."""
-
-    def __init__(self, label, total, done):
-        self.label, self.total, self.done, self.start_done = label, total, done, done
-        self.t0, self.pacer = time.monotonic(), grpo.Pacer(total, sys.stderr, every=0.5)
-
-    def update(self, n):
-        self.done += n
-        if self.done < self.total and self.pacer.due(self.done):
-            self.show()
-
-    def show(self, end=""):
-        rate = (self.done - self.start_done) / max(time.monotonic() - self.t0, 1e-9) / 1e6
-        pct = 100.0 * self.done / max(self.total, 1)
-        print(f"{chr(13) if self.pacer.tty else ''}{self.label}: {self.done / 1e6:.1f}/"
-              f"{self.total / 1e6:.1f} MB ({pct:.0f}%) {rate:.1f} MB/s",
-              end=end if self.pacer.tty else "\n", file=sys.stderr, flush=True)
+    print(f"{label}: {size / 1e6:.1f} MB", file=sys.stderr, flush=True)
 
 
 def load_model(path_or_repo, dtype=torch.float32, devices=None) -> tuple["Transformer",
