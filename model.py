@@ -272,14 +272,6 @@ def read_config(directory) -> Config:
         raise CheckpointError(f"{path}: {e}") from None
 
 
-# config.json keys of a checkpoint trained on a built-in world (`python -m lab.shop sft` writes
-# them): the world's name, and the tool list and reply format it appends to a task in the first
-# user message, so that a prompt can be shown to the model as it saw tasks in training.
-WORLD_KEY = "pair_world"
-
-TOOLS_KEY = "pair_tool_instructions"
-
-
 def _open_safetensors(path: Path):
     try:
         return safe_open(str(path), framework="pt", device="cpu")
@@ -1166,10 +1158,6 @@ class Tokenizer:
             if not isinstance(m.get("content"), str):
                 raise ValueError(f"message {i}: content must be a string")
 
-    def chat_text(self, messages, add_generation_prompt=False) -> str:
-        self._check(messages)
-        return chat_text(messages, add_generation_prompt)
-
     def render(self, messages, add_generation_prompt=False) -> tuple[list[int], list[tuple]]:
         """Token ids of the chat and, per assistant message, its span [start, end) (METHOD.md §3):
         start = first token of the content, end = its closing <|im_end|> + 1.
@@ -1193,16 +1181,6 @@ class Tokenizer:
         if add_generation_prompt:
             ids += [self.im_start_id] + self.encode("assistant\n")
         return ids, spans
-
-
-def chat_text(messages, add_generation_prompt=False) -> str:
-    """The ChatML text of a chat, as the chat template writes it (the text a tokenizer is trained
-    on; Tokenizer.render gives the ids, with the template's special tokens as ids)."""
-    system = [] if messages and messages[0]["role"] == "system" else \
-        [f"<|im_start|>system\n{DEFAULT_SYSTEM}<|im_end|>\n"]
-    return "".join(system + [f"<|im_start|>{m['role']}\n{m['content']}<|im_end|>\n"
-                             for m in messages]) + \
-        ("<|im_start|>assistant\n" if add_generation_prompt else "")
 
 
 # A code point in U+D800..U+DFFF left in a str is half of a UTF-16 pair (a JSON "\ud800"
@@ -1594,10 +1572,6 @@ def lora_disabled(model):
             m.enabled = was[name]
 
 
-def lora_state(policy) -> dict[str, torch.Tensor]:
-    return {n: p.detach().clone() for n, p in lora_parameters(policy)}
-
-
 def load_lora_state(policy, state: dict[str, torch.Tensor]):
     with torch.no_grad():
         for n, p in lora_parameters(policy):
@@ -1854,12 +1828,5 @@ def write_atomic(path: Path, data: bytes | str) -> None:
     except BaseException:
         os.unlink(tmp)
         raise
-
-
-def refuse_dir_out(path) -> None:
-    """An --out that names a file to write, checked before any work: not a directory (else
-    write_atomic would fail only at the end, naming its temporary file)."""
-    if path is not None and Path(path).is_dir():
-        raise SystemExit(f"error: --out {path} is a directory; name the file to write")
 
 

@@ -1125,10 +1125,17 @@ def keep_last(ids: list[int], spans: list[tuple], max_len: int):
     return ids[cut:], shifted, cut
 
 
+def refuse_dir_out(path) -> None:
+    """An --out that names a file to write, checked before any work: not a directory (else
+    write_atomic would fail only at the end, naming its temporary file)."""
+    if path is not None and Path(path).is_dir():
+        raise SystemExit(f"error: --out {path} is a directory; name the file to write")
+
+
 def main(argv=None) -> None:
     args = build_parser().parse_args(argv)
     if args.func in (cmd_extract, cmd_eval, cmd_fit):
-        mdl.refuse_dir_out(args.out)
+        refuse_dir_out(args.out)
     try:
         with contextlib.ExitStack() as stack:
             # Claimed before any work (extract: before the model loads): a busy output is

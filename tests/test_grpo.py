@@ -46,7 +46,7 @@ def tiny_policy(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("policy")
     torch.manual_seed(0)
     dialogs = shop.sft_dialogs(10, 0.3, seed=1)
-    tok = mdl.Tokenizer(shop.train_tokenizer([mdl.chat_text(m) for m in dialogs], 300))
+    tok = mdl.Tokenizer(shop.train_tokenizer([shop.chat_text(m) for m in dialogs], 300))
     shape = argparse.Namespace(hidden=32, intermediate=64, layers=2, heads=4, kv_heads=2)
     config = shop.sft_config(shape, tok)
     policy = mdl.Transformer(mdl.Config.from_dict(config))
@@ -1010,11 +1010,11 @@ def test_tips_reads_the_lagged_teacher(tiny_policy):
     policy, tok, args, env = lora_policy(tiny_policy, ["--micro-batch", "2", "--reward", "tips"])
     (traj,) = grpo.rollout(policy, tok, [env.episode(3)], play_args(),
                            generator=torch.Generator().manual_seed(0))
-    base = mdl.lora_state(policy)                      # B = 0: the teacher is the base model
+    base = baselines.lora_state(policy)                # B = 0: the teacher is the base model
     with torch.no_grad():
         for _, p in mdl.lora_parameters(policy):
             p.add_(0.3)                                  # the policy has moved on since
-    moved = mdl.lora_state(policy)
+    moved = baselines.lora_state(policy)
     ctx = grpo.RewardContext(policy, tok, args, env=env, lagged=base)
     rewards = baselines.tips_reward(traj, ctx)
     assert all(torch.equal(moved[n], p) for n, p in mdl.lora_parameters(policy))   # restored

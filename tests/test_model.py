@@ -17,6 +17,7 @@ import envs
 import model as M
 import grpo
 from lab import generate
+from lab import shop
 from lab import study
 from lab import traces
 
@@ -845,7 +846,6 @@ MESSAGE_LISTS = [
 
 
 def test_chat_text_equals_reference_jinja_template(qwen_tokenizer_dir, release_dir):
-    tok = M.Tokenizer.from_file(qwen_tokenizer_dir)
     template = jinja_template(qwen_tokenizer_dir)
     lists = list(MESSAGE_LISTS)
     for path in sorted((release_dir / "gta").glob("*.json")):     # episodes and matched records
@@ -855,7 +855,7 @@ def test_chat_text_equals_reference_jinja_template(qwen_tokenizer_dir, release_d
     assert len(lists) > 2000
     for messages in lists:
         for gen_prompt in (False, True):
-            assert tok.chat_text(messages, gen_prompt) == \
+            assert shop.chat_text(messages, gen_prompt) == \
                 template.render(messages=messages, add_generation_prompt=gen_prompt)
 
 
@@ -867,7 +867,7 @@ def test_render_spans_point_at_assistant_content(qwen_tokenizer_dir):
     for messages in MESSAGE_LISTS:
         ids, spans = tok.render(messages)
         if not any("<|" in m["content"] for m in messages):   # text that reads as a template
-            assert ids == whole.encode(tok.chat_text(messages), add_special_tokens=False).ids
+            assert ids == whole.encode(shop.chat_text(messages), add_special_tokens=False).ids
         specials = [i for i in ids if i in (tok.im_start_id, tok.im_end_id)]
         assert len(specials) == 2 * (len(messages) + (messages[0]["role"] != "system"))
         contents = [m["content"] for m in messages if m["role"] == "assistant"]
