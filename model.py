@@ -1,53 +1,34 @@
 """A hand-written Qwen2-family decoder that reports its own hidden states and attention statistics,
 and what it needs around it: loading a checkpoint, a tokenizer, generation, LoRA, a layer split.
 
-PAIR reads its reward from the policy's internals (METHOD.md §4); this model returns them natively:
-  * `hidden_states`: L+1 tensors in the Hugging Face convention (embedding output, the output of
-    blocks 1..L-1, then the final-normed output of block L);
-  * `attn_stats`: for every layer l and query head h, six statistics of the softmax row p_i of
-    every query row i of the evaluation-turn span [span_start, span_end), averaged over those
-    rows (keys j <= i are the causal keys; a sliding window's masked keys count as zeros):
-        max      = max_j p_ij
-        std      = population std of p_i0..p_ii
-        prefix   = sum_{j < span_start} p_ij
-        self     = sum_{span_start <= j <= i} p_ij
-        entropy  = -log sum_j p_ij^2                     (Renyi-2, the Head Entropy baseline)
-        lookback = m_ctx / (m_ctx + m_new), m_ctx = mean_{j<span_start} p_ij,
-                   m_new = mean_{span_start<=j<=i} p_ij  (Lookback Lens; 0 when span_start = 0)
-    All six follow from three numbers per row: max_j p_ij, sum_j p_ij^2 and the prefix mass
-    (sum_j p_ij = 1, so self = 1 - prefix, and std^2 = sum_j p_ij^2 / (i+1) - 1/(i+1)^2);
-    the code carries self as a fourth (`stats_from`). They are computed only for the
-    span rows (a block of span rows x keys per head, in float32), never as a T x T matrix, in a
-    teacher-forced forward and while generating with the KV cache. Without a span the forward is
-    a plain forward.
+PAIR reads its reward from the policy's internals (METHOD.md §4). While generating, every token
+is fed through the model once and the decoding step returns, besides the logits, its L+1 hidden
+states (Hugging Face's convention: the embedding, blocks 1..L-1, the final-normed block L) and,
+for every layer l and query head h, six statistics of its softmax row p_i over causal keys j <= i:
+    max = max_j p_ij      std = population std of p_i0..p_ii      entropy = -log sum_j p_ij^2
+    prefix = sum_{j < span_start} p_ij      self = sum_{span_start <= j <= i} p_ij
+    lookback = m_ctx / (m_ctx + m_new), m_ctx = prefix / span_start, m_new = self / (i-start+1)
+(Lookback Lens; 0 when span_start = 0). `accumulate` sums them over a turn's tokens (`TurnStats`),
+so no second forward pass is run. Departure from the authors' release: std is over the i+1
+causal keys, not the whole padded row, and the statistics come from the generation pass.
+(lab/traces.py computes the same numbers teacher-forced, from a full forward.)
 
 Architectures: Qwen2ForCausalLM (QKV bias, GQA, tied or untied embeddings), LlamaForCausalLM and
-MistralForCausalLM (no bias; Mistral's sliding window). Modules carry the Hugging Face weight
-names, so loading a checkpoint (a local directory, or a Hub name downloaded once into
-$PAIR_CACHE) is a strict `load_state_dict` after every file, tensor and shape is checked.
+MistralForCausalLM (Mistral's sliding window). Modules carry the Hugging Face weight names, so
+loading a checkpoint (a directory, or a Hub name fetched once into $PAIR_CACHE) is a strict
+`load_state_dict` after every file, tensor and shape is checked.
 
-Positions are explicit and every attention mask is built from them: key slot j is visible to the
-query at position p iff j <= p (and p - j < window). The KV cache is indexed by absolute position,
-so several rows can append ragged blocks of tokens, each at its own offset (multi-turn rollouts
-append observations mid-conversation). Pad queries of a ragged append get positions past the row's
-real tokens; their cache slots hold garbage that no real query can see (slot <= position) until the
-row's next real token overwrites it.
-
-Generation follows gpt-fast's small functions (`prefill`, `decode_one_token`, `sample`). Every
-generated token, the final <|im_end|> included, is fed through the model once: the cache holds it,
-and `accumulate` adds its statistics and hidden states to its turn's running sums (`TurnStats`),
-so no second forward pass is run. The decoding step runs compiled (`torch.compile`) where that
-pays: a small model on the CPU, and any model on one GPU, where it is also captured as a CUDA
-graph (compiled_step). The GRPO update's log-probabilities (`token_logprobs`) recompute each block
-and the head in chunks, so that a long rollout's update holds little more than one (T, d) tensor
+Positions are explicit and every mask is built from them: key slot j is visible to the query at
+position p iff j <= p (and p - j < window). The KV cache is indexed by absolute position, so rows
+append ragged blocks of tokens, each at its own offset; a pad query sits past its row's real
+tokens and its slot stays invisible until the row's next real token overwrites it. The decoding
+step runs compiled where that pays (compiled_step). The GRPO update's log-probabilities
+(`token_logprobs`) recompute each block and the head in chunks, holding about one (T, d) tensor
 per block.
-Departure from the authors' release (METHOD.md §4): std is over the i+1 causal keys, not the whole
-padded row, and the statistics come from the generation pass instead of a second eager forward.
 
-Top to bottom: the config and loading a checkpoint (local or from the Hub), RoPE, the KV cache,
-the span statistics, the transformer, its compiled decoding step, the tokenizer and the chat
-format, generation and teacher-forced traces, LoRA and its adapter files (PEFT's layout), the
-layer split across devices, and the file helpers the whole project writes with.
+Top to bottom: config and checkpoint loading (local or Hub), RoPE, the KV cache, the statistics,
+the transformer, its compiled step, the tokenizer, generation, LoRA and its PEFT adapter files,
+the layer split, and the file helpers the project writes with.
 """
 import contextlib
 import hashlib
@@ -83,22 +64,21 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 # ----------------------------------------------------------------------------------------------
 # The config and loading a checkpoint: a local directory or a Hugging Face Hub name
 
-
 ARCHITECTURES = {"qwen2": "Qwen2ForCausalLM", "llama": "LlamaForCausalLM",
                  "mistral": "MistralForCausalLM"}      # model_type -> architecture
-
-# transformers < 5 saves only the keys that differ from its class defaults; these defaults of
-# the config classes differ from the dataclass defaults below.
+# transformers < 5 saves only the keys that differ from its class defaults; these differ from ours
 ARCH_DEFAULTS = {"Qwen2ForCausalLM": {"max_window_layers": 28},
                  "MistralForCausalLM": {"sliding_window": 4096}}
-
-# (config.json key, largest value, may be absent): sizes a config may ask for; every released
-# model is far below these (the largest has ~126 layers and a 256K vocabulary).
+# (key, largest value, may be absent): far above every released model, so that a config.json
+# asking for a million layers fails here, not after minutes of building them
 INT_LIMITS = (("vocab_size", 1 << 22, False), ("hidden_size", 1 << 16, False),
               ("intermediate_size", 1 << 18, False), ("num_hidden_layers", 1024, False),
               ("num_attention_heads", 1024, False), ("num_key_value_heads", 1024, True),
               ("head_dim", 4096, True), ("max_position_embeddings", 1 << 24, False),
               ("sliding_window", 1 << 24, True))
+
+
+INDEX = "model.safetensors.index.json"
 
 
 class CheckpointError(Exception):
@@ -159,24 +139,19 @@ class Config:
         return cfg
 
     def validate(self):
-        """Types and ranges first, before anything is built from them: a config.json is input,
-        and num_hidden_layers = 10**6 would take minutes and gigabytes to build before any weight
-        is read. The limits are far above every released model."""
+        """Types and ranges, before anything is built from them: a config.json is input."""
         def bad(key, want):
             return ValueError(f"{key} must be {want}, got {getattr(self, key)!r}")
         for key, hi, optional in INT_LIMITS:
             v = getattr(self, key)
-            if v is None and optional:
-                continue
-            if type(v) is not int or not 1 <= v <= hi:
+            if not (v is None and optional) and (type(v) is not int or not 1 <= v <= hi):
                 raise bad(key, f"an integer in 1..{hi}")
         if type(self.max_window_layers) is not int or self.max_window_layers < 0:
             raise bad("max_window_layers", "an integer >= 0")
-        for key in ("bos_token_id", "pad_token_id", "eos_token_id"):
-            v = getattr(self, key)
-            ids = v if isinstance(v, list) else [v]
+        for key in ("bos_token_id", "pad_token_id", "eos_token_id"):   # (an eos never drawn
+            v = getattr(self, key)                                      # would never stop)
             if v is not None and not all(type(i) is int and 0 <= i < self.vocab_size
-                                         for i in ids):   # an eos never drawn: no stop
+                                         for i in (v if isinstance(v, list) else [v])):
                 raise bad(key, f"a token id below vocab_size {self.vocab_size} (or, for "
                                "eos_token_id, a list of them)")
         for key in ("tie_word_embeddings", "attention_bias", "mlp_bias", "use_sliding_window"):
@@ -277,13 +252,13 @@ def _open_safetensors(path: Path):
         return safe_open(str(path), framework="pt", device="cpu")
     except FileNotFoundError:
         raise CheckpointError(f"{path}: file not found") from None
-    except Exception as e:      # safetensors raises its own error for truncated or corrupt files
+    except Exception as e:      # safetensors' own error for a truncated or corrupt file
         raise CheckpointError(f"{path}: truncated or corrupt safetensors file ({e})") from None
 
 
 def _weight_files(directory: Path) -> dict[str, list[str]]:
     """{file name: tensor names it must hold}; an empty list means 'whatever it holds'."""
-    index = directory / "model.safetensors.index.json"
+    index = directory / INDEX
     if index.is_file():
         index_json = read_json(index)
         weight_map = index_json.get("weight_map") if isinstance(index_json, dict) else None
@@ -291,8 +266,7 @@ def _weight_files(directory: Path) -> dict[str, list[str]]:
             raise CheckpointError(f"{index}: no weight_map")
         files: dict[str, list[str]] = {}
         for name, file in weight_map.items():
-            # a shard is a plain file beside the index: "../x.safetensors" or "/etc/x" would
-            # read whatever the index points at
+            # a plain file beside the index, not "../x.safetensors" or "/etc/x"
             if not (isinstance(file, str) and file == Path(file).name and
                     file.endswith(".safetensors") and not file.startswith(".")):
                 raise CheckpointError(f"{index}: tensor {name} is mapped to {file!r}, not a "
@@ -301,19 +275,18 @@ def _weight_files(directory: Path) -> dict[str, list[str]]:
         return files
     if (directory / "model.safetensors").is_file():
         return {"model.safetensors": []}
-    raise CheckpointError(f"{directory}: neither model.safetensors nor "
-                          "model.safetensors.index.json")
+    raise CheckpointError(f"{directory}: neither model.safetensors nor {INDEX}")
 
 
 def read_state_dict(directory, expected: dict[str, tuple], config: Config, dtype,
                     device) -> dict:
-    """Every tensor of `expected` (name -> shape: what the model built from `config` holds),
-    checked for presence, extras and shape, as `dtype` on `device`."""
+    """Every tensor of `expected` (name -> shape), checked for presence, extras, shape and
+    finiteness (a NaN weight would load and generate a stop token forever), as dtype on device."""
     directory = Path(directory)
     expected = dict(expected)
     tied = config.tie_word_embeddings
     if tied:
-        expected.pop("lm_head.weight")          # tied heads are not stored (or ignored if they are)
+        expected.pop("lm_head.weight")          # not stored (ignored if it is)
     state, where = {}, {}
     for file, listed in _weight_files(directory).items():
         path = directory / file
@@ -341,7 +314,6 @@ def read_state_dict(directory, expected: dict[str, tuple], config: Config, dtype
                 except Exception as e:
                     raise CheckpointError(f"{path}: cannot read tensor {name} ({e})") from None
                 if tensor.is_floating_point() and not torch.isfinite(tensor).all():
-                    # a model with a NaN weight loads and generates a stop token forever
                     raise CheckpointError(f"{path}: tensor {name} holds NaN or infinite values")
                 state[name], where[name] = tensor.to(device=device, dtype=dtype), path
     missing = sorted(set(expected) - set(state))
@@ -352,24 +324,17 @@ def read_state_dict(directory, expected: dict[str, tuple], config: Config, dtype
 
 
 FINGERPRINT_WHOLE = 64 << 20     # files up to this size are hashed whole
-
 FINGERPRINT_BLOCK = 4096         # bytes read at each end of every tensor of a larger file
 
 
 def checkpoint_sha256(directory) -> str:
-    """A sha256 of what a checkpoint directory computes with, to key what is made from it
-    (features, probes, resumed extractions) by content: a copy changes mtime, and a swapped file
-    of the same size can keep it.
-
-    config.json, tokenizer.json, the index and any weights file up to 64 MiB are hashed whole; a
-    larger safetensors file gives its size, its header and the first and last 4 KiB of every
-    tensor: under a second for a 7B model, not minutes on a network disk. Fine-tuning or merging
+    """A sha256 of what a checkpoint computes with, keying what is made from it by content.
+    Small files are hashed whole; a larger safetensors file gives its size, header and the first
+    and last 4 KiB of every tensor (under a second for a 7B model): fine-tuning or merging
     changes every tensor it touches, ends included; only an edit inside a tensor goes unseen."""
     directory = Path(directory)
     h = hashlib.sha256(b"checkpoint/1")
-    names = ["config.json", "tokenizer.json"]
-    if (directory / "model.safetensors.index.json").is_file():
-        names.append("model.safetensors.index.json")
+    names = ["config.json", "tokenizer.json"] + [INDEX] * (directory / INDEX).is_file()
     for name in names + sorted(_weight_files(directory)):
         path = directory / name
         try:
@@ -408,8 +373,7 @@ def resolve(path_or_repo) -> Path:
     if not HUB_NAME.fullmatch(str(path_or_repo)):
         raise CheckpointError(f"{directory}: no such directory (nor a Hub model name like "
                               "Qwen/Qwen2.5-7B-Instruct)")
-    # <org>/<name> where <org> is a local directory names a path (data/shop-policy misspelt),
-    # not a model to fetch: it fails here, before anything is written to the cache
+    # <org>/<name> with a local <org>/ is a misspelt path (data/shop-policy), not a Hub name
     first = directory.parts[0]
     if Path(first).is_dir():
         raise CheckpointError(f"{directory}: no such directory ({first}/ is a local directory, "
@@ -424,7 +388,6 @@ HUB_RETRIES = 5                         # attempts per file
 HUB_RETRY_WAIT = 2.0                    # seconds, times the attempt number
 NETWORK_ERRORS = (requests.ConnectionError, requests.Timeout,
                   requests.exceptions.ChunkedEncodingError)
-INDEX = "model.safetensors.index.json"
 
 
 class HubError(CheckpointError):
@@ -595,13 +558,11 @@ def load_model(path_or_repo, dtype=torch.float32, devices=None) -> tuple["Transf
     model.load_state_dict(state, strict=True, assign=True)
     if config.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight   # assign=True broke the tie
-    # The base weights are never trained here (GRPO trains LoRA adapters beside them).
-    model.requires_grad_(False).eval()
+    model.requires_grad_(False).eval()             # GRPO trains LoRA adapters beside them
     model.name_or_path = str(path_or_repo)        # recorded in saved adapters' configs
     model.checkpoint_dir = directory              # what checkpoint_sha256 reads
     if len(devices) > 1:
-        # Loaded on the first device, then spread: the blocks move to their devices one by one.
-        split_model(model, devices)
+        split_model(model, devices)     # loaded on the first device, blocks moved one by one
     return model, Tokenizer.from_file(directory)
 
 
@@ -613,10 +574,8 @@ def input_device(model: "Transformer") -> torch.device:
 # ----------------------------------------------------------------------------------------------
 # RoPE, written as Hugging Face writes it for Qwen (rotate_half), so no weight permutation
 
-
 def rope_inv_freq(config: Config) -> Tensor:
-    d = config.head_size
-    # Explicit CPU device: the model may be built under torch.device("meta") for loading.
+    d = config.head_size                # on the CPU: the model may be built on "meta"
     return 1.0 / config.rope_base ** (torch.arange(0, d, 2, dtype=torch.float32, device="cpu") / d)
 
 
@@ -648,11 +607,8 @@ def attention_mask(positions: Tensor, key_positions: Tensor, window: int | None)
 # ----------------------------------------------------------------------------------------------
 # KV cache: one per layer, on that layer's device, slot index = absolute position
 
-
 def static_address(t: Tensor) -> Tensor:
-    """t, marked as a tensor a CUDA graph may write into in place: the compiled decoding step is
-    replayed with the addresses it was captured with, and torch.compile captures no graph that
-    mutates an input unless that input keeps its address."""
+    """t, marked as a tensor a captured CUDA graph may write in place (at the same address)."""
     if t.is_cuda:
         torch._dynamo.mark_static_address(t, guard=False)
     return t
@@ -663,8 +619,7 @@ class KVCache:
         shape = (batch_size, n_kv_heads, capacity, head_dim)
         self.k = static_address(torch.zeros(shape, dtype=dtype, device=device))
         self.v = static_address(torch.zeros(shape, dtype=dtype, device=device))
-        # Number of real tokens per row, kept on the CPU: where each row's next token goes (the
-        # trunk's default positions, the decoding step's positions and the key slots it reads).
+        # real tokens per row, on the CPU (no device sync): where each row's next token goes
         self.lengths = torch.zeros(batch_size, dtype=torch.long)
 
     @property
@@ -674,7 +629,6 @@ class KVCache:
     def grow(self, size: int):
         if size <= self.capacity:
             return
-        # Double (rounded to 256) so that decoding one token at a time reallocates rarely.
         new = (max(size, 2 * self.capacity) + 255) // 256 * 256
         for name in ("k", "v"):
             old = getattr(self, name)
@@ -699,11 +653,12 @@ def set_lengths(cache: list[KVCache], lengths: Tensor):
 
 
 # ----------------------------------------------------------------------------------------------
-# Attention statistics of the span rows (METHOD.md §4)
+# The attention statistics (METHOD.md §4)
 
 def stats_from(mx, sum_sq, prefix, self_, pos, start) -> dict[str, Tensor]:
-    """The six statistics from the four numbers of each softmax row (its max, its sum of squares,
-    its prefix and self masses); pos (the row's position) and start broadcast against them."""
+    """The six statistics from four numbers of each softmax row p_i: max_j p_ij, sum_j p_ij^2,
+    the prefix and self masses. sum_j p_ij = 1 over the i+1 causal keys, so
+    std^2 = sum_j p_ij^2 / (i+1) - 1/(i+1)^2. pos (the row's position) and start broadcast."""
     n = (pos + 1).float()                                       # causal keys j <= i
     s0 = start.float()
     m_ctx = prefix / s0.clamp(min=1)
@@ -721,7 +676,6 @@ def stats_from(mx, sum_sq, prefix, self_, pos, start) -> dict[str, Tensor]:
 # ----------------------------------------------------------------------------------------------
 # The transformer; module names are the Hugging Face weight keys
 
-
 class RMSNorm(nn.Module):
     def __init__(self, d, eps):
         super().__init__()
@@ -729,8 +683,7 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x):
-        # Normalise in float32 and cast back before the weight, in Hugging Face's order.
-        xf = x.float()
+        xf = x.float()                  # cast back before the weight, in Hugging Face's order
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * xf.to(x.dtype)
 
@@ -757,7 +710,6 @@ class Attention(nn.Module):
         self.q_proj = nn.Linear(d, H * D, bias=config.qkv_bias)
         self.k_proj = nn.Linear(d, KV * D, bias=config.qkv_bias)
         self.v_proj = nn.Linear(d, KV * D, bias=config.qkv_bias)
-        # Llama's attention_bias also puts a bias on o_proj; Qwen2's QKV bias does not.
         self.o_proj = nn.Linear(H * D, d, bias=config.attention_bias)
 
     def forward(self, x, cos, sin, mask, positions, cache=None):
@@ -777,13 +729,11 @@ class Attention(nn.Module):
         return self.o_proj(out.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim))
 
     def decode(self, x, cos, sin, bias, pos, kv, before=None, w=None):
-        """One new token per row, x (B, 1, d) at positions pos (B,), its k and v written at
-        slots pos of this layer's cache tensors kv = (k, v) (B, KV, capacity, D): the attention
-        output and, given before (B, 1, 1, S) (1 on the key slots before each row's span), the
-        four numbers of each head's softmax row for stats_from, each (B, H, 1) (a row sums to 1,
-        so self = 1 - prefix). By hand, in float32 (its probabilities are the statistics), over
-        key slots [0, S), query heads grouped per key head; bias (B, 1, 1, S) is 0 on visible
-        slots, -inf elsewhere. w: the fused projections (Block.decode_weights) or None."""
+        """One token per row, x (B, 1, d) at positions pos (B,), k and v written at slots pos of
+        kv = (k, v) (B, KV, capacity, D), attending over slots [0, S) with bias (B, 1, 1, S)
+        (0 visible, -inf not): the output and, given before (B, 1, 1, S) (1 on slots before the
+        span), the four numbers of each head's row for stats_from, each (B, H, 1). By hand in
+        float32: its probabilities are the statistics. w: Block.decode_weights() or None."""
         B, H, KV, D = x.shape[0], self.n_heads, self.n_kv_heads, self.head_dim
         if w is None:
             q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
@@ -825,8 +775,7 @@ class Block(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(self, x, cos, sin, mask, positions, cache=None, mlp_chunk=None):
-        """mlp_chunk: the MLP over at most this many tokens at a time, each chunk recomputed in
-        the backward pass (a long rollout's (T, intermediate) activations never exist whole)."""
+        """mlp_chunk: the MLP this many tokens at a time, each chunk recomputed in backward."""
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask, positions, cache)
         h = self.post_attention_layernorm(x)
         if mlp_chunk is None or x.shape[1] <= mlp_chunk:
@@ -836,8 +785,7 @@ class Block(nn.Module):
             for i in range(0, x.shape[1], mlp_chunk)], 1)
 
     def decode(self, x, cos, sin, bias, pos, kv, before=None, w=None):
-        """forward for one new token per row (Attention.decode): (B, 1, d) -> (B, 1, d).
-        w: decode_weights(), or None for the modules."""
+        """forward of one token per row (Attention.decode); w: decode_weights() or None."""
         a, numbers = self.self_attn.decode(self.input_layernorm(x), cos, sin, bias, pos, kv,
                                            before, w)
         x = x + a
@@ -848,12 +796,10 @@ class Block(nn.Module):
         return x + F.linear(F.silu(gate) * up, *w.down), numbers
 
     def decode_weights(self) -> FusedWeights | None:
-        """(weight, bias) of q/k/v, o, gate/up and down as decoding applies them, an enabled
-        adapter merged in: four matmuls a token instead of seven (21 with adapters), each costing
-        its call, not its arithmetic, at a small model's size. Rebuilt when a tensor's version
-        changes or an adapter is switched. None (use the modules) where merging would change the
-        numbers (not float32; adapter dropout on), where a gradient is wanted (the fused weights
-        are detached), or where a second copy buys nothing (a block over FUSE_MAX_ELEMENTS)."""
+        """(weight, bias) of q/k/v, o, gate/up and down, an enabled adapter merged in: four
+        matmuls a token instead of seven (21 with adapters), rebuilt when a tensor changes. None
+        (use the modules) where merging would change the numbers (not float32, dropout on), a
+        gradient is wanted, or the copy costs too much (a block over FUSE_MAX_ELEMENTS)."""
         a, m = self.self_attn, self.mlp
         groups = ((a.q_proj, a.k_proj, a.v_proj), (a.o_proj,), (m.gate_proj, m.up_proj),
                   (m.down_proj,))
@@ -899,7 +845,7 @@ class Transformer(nn.Module):
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
-        self.inv_freq = rope_inv_freq(config)   # a plain tensor: not a weight of the checkpoint
+        self.inv_freq = rope_inv_freq(config)   # a plain tensor, not a checkpoint weight
         self.windows = [config.window(i) for i in range(config.num_hidden_layers)]
 
     def new_cache(self, batch_size: int, capacity: int = 256) -> list[KVCache]:
@@ -914,17 +860,14 @@ class Transformer(nn.Module):
         return self.lm_head(self.trunk(input_ids, positions, cache)).float()
 
     def trunk(self, input_ids, positions=None, cache=None, recompute=False) -> Tensor:
-        """Everything up to the final norm: input_ids (B, T) -> (B, T, d).
-
-        positions (B, T): absolute positions (default: right after the cache's tokens, else
-        0..T-1). With a cache, K/V are written at `positions` and each row's length grows to
-        cover them. recompute: where a gradient is wanted, each block keeps only its input and
-        runs again in the backward pass, its MLP MLP_CHUNK tokens at a time."""
+        """Up to the final norm: (B, T) -> (B, T, d). positions (B, T): absolute (default: after
+        the cache's tokens, else 0..T-1); a cache gets K/V at them and its lengths cover them.
+        recompute: where a gradient is wanted, each block keeps only its input and runs again
+        in backward, its MLP MLP_CHUNK tokens at a time (the update of a long rollout)."""
         B, T = input_ids.shape
         dev = self.model.embed_tokens.weight.device
-        # A causal forward from position 0 (the GRPO update) lets PyTorch's fused causal kernel
-        # skip the mask: upper-left causal is right there, and in a right-padded batch no real
-        # token sees a pad.
+        # From position 0 PyTorch's fused causal kernel needs no mask: upper-left causal is right
+        # there, and in a right-padded batch no real token sees a pad.
         fused_causal = (positions is None and cache is None and T > 1
                         and all(w is None for w in self.windows))
         if positions is None:
@@ -953,16 +896,12 @@ class Transformer(nn.Module):
         return self.model.norm(x)
 
     def decode(self, tokens, cache, span_start=None, w=None):
-        """One token per row, tokens (B,), at each row's cache length (the caller advances the
-        lengths) -> the logits (B, V) in float32 and, given span_start (B,) (where each row's turn
-        began), the token's hidden states (L+1, B, d) and six statistics (B, L, H, 6), all on the
-        head's device. w: self.decode_weights(), read once by a caller decoding many tokens
-        (checking that they are current costs a fair part of a small model's step).
-
-        The step runs compiled where it can (compiled_step): a small model's step on the CPU
-        costs its number of operations, and a GPU's waits on the CPU to launch each kernel. The
-        compiled step attends over the slots in use rounded up to whole KEY_BLOCKs (at most the
-        capacity), later slots masked, so its shapes change once every KEY_BLOCK tokens."""
+        """One token per row, tokens (B,), at each row's cache length (the caller advances it)
+        -> logits (B, V) float32 and, given span_start (B,) (where each row's turn began), the
+        hidden states (L+1, B, d) and six statistics (B, L, H, 6), on the head's device.
+        w: decode_weights(), read once by a caller decoding many tokens. Compiled where it can
+        (compiled_step), over the slots in use rounded up to whole KEY_BLOCKs, later ones
+        masked, so that its shapes change once every KEY_BLOCK tokens."""
         lengths = cache[0].lengths                          # (B,) on the CPU: no device sync
         size = int(lengths.max()) + 1                       # key slots [0, size) are in use
         for layer_cache in cache:
@@ -975,8 +914,8 @@ class Transformer(nn.Module):
                 blocks = min(cache[0].capacity, -(-size // KEY_BLOCK) * KEY_BLOCK)
                 if not cache[0].k.is_cuda:
                     return step(self, *args, blocks)
-                # A CUDA graph reads device tensors only, and its outputs live in memory that its
-                # next replay overwrites: the caller gets copies.
+                # a CUDA graph reads device tensors only, and its next replay overwrites its
+                # outputs: the caller gets copies
                 dev = cache[0].k.device
                 self.inv_freq = self.inv_freq.to(dev)
                 on_dev = [None if t is None else t.to(dev) for t in args[:3]]
@@ -992,10 +931,9 @@ class Transformer(nn.Module):
         return [layer.decode_weights() for layer in self.model.layers]
 
     def decode_step(self, tokens, lengths, span_start, ks, vs, w, size):
-        """decode on the cache tensors ks, vs (one (B, KV, capacity, D) each per layer),
-        attending over key slots [0, size); w: each block's decode_weights(). The counterpart of
-        trunk with nothing per layer that depends on a row's length: the masks, RoPE tables and
-        before-span vector are built once per step, every layer's statistics derived at the end."""
+        """decode on the cache tensors ks, vs ((B, KV, capacity, D) per layer) over key slots
+        [0, size): masks, RoPE tables and the before-span vector built once per step (once per
+        device of a split model), every layer's statistics derived at the end."""
         dev = self.model.embed_tokens.weight.device
         pos = lengths.to(dev)
         key_pos = torch.arange(size, device=dev)
@@ -1010,7 +948,6 @@ class Transformer(nn.Module):
         x = self.model.embed_tokens(tokens.to(dev)[:, None])                # (B, 1, d)
         hidden, numbers, moved = [x], [], {}
         for i, layer in enumerate(self.model.layers):
-            # a split model: each device gets the step's tables once
             key = (ks[i].device, self.windows[i])
             if key not in moved:
                 moved[key] = [t.to(key[0]) if t is not None else None
@@ -1037,25 +974,19 @@ class Transformer(nn.Module):
 # ----------------------------------------------------------------------------------------------
 # The compiled decoding step
 
-# PAIR_COMPILE=0 decodes eagerly everywhere (the test suite does, but where it compares the two).
-COMPILE = os.environ.get("PAIR_COMPILE", "1") != "0"
-# The compiled step attends over key slots in blocks of this many, not over the whole capacity:
-# a cache made for several turns, doubling as it grows, would up to double the attention's work.
+COMPILE = os.environ.get("PAIR_COMPILE", "1") != "0"     # 0: decode eagerly everywhere
+# key slots attended in blocks of this many, not the whole capacity (which doubles as it grows)
 KEY_BLOCK = 128
-# torch specializes a graph on the relations among its sizes (span_start given or not, one row
-# or more, the slots attended filling the cache or not): 8 graphs once every size is symbolic,
-# after the first call's static graph and one more at the first change of each size. Up to 11,
-# over torch's default limit of 8, past which the step would decode eagerly for good.
+# torch compiles a graph per relation among the sizes (span_start or not, one row or more, the
+# cache full or not): up to 11, over its default limit of 8, past which it decodes eagerly
 RECOMPILE_LIMIT = 32
-# a CUDA graph per step, every size symbolic from the first compile (compiled_step)
 COMPILE_OPTIONS = {"cpu": {}, "cuda": {"mode": "reduce-overhead", "dynamic": True}}
 _compiled = {}          # device kind: Transformer.decode_step compiled; "failed": why given up
 
 
 def compile_errors() -> tuple:
-    """Compiling failed: no working C++ compiler, or past the limit (FailOnCacheLimitHit before
-    torch 2.7), which fullgraph=True raises. Imported here, not with this module: torch's
-    compiler is seconds of every command's start, `--help` included."""
+    """Compiling failed: no C++ compiler, or past the limit (FailOnCacheLimitHit before torch
+    2.7). Looked up here: importing torch's compiler costs seconds of every command's start."""
     exc = torch._dynamo.exc
     return (exc.TorchDynamoException, *(getattr(exc, name) for name in (
         "FailOnRecompileLimitHit", "FailOnCacheLimitHit") if hasattr(exc, name)))
