@@ -993,16 +993,11 @@ def compile_errors() -> tuple:
 
 
 def compiled_step(w: list, cache: list[KVCache]):
-    """Transformer.decode_step compiled (called with the model first), or None where compiling
-    does not pay or is not wanted: PAIR_COMPILE=0, an earlier failure, a model split over several
-    devices, or on the CPU a block decoding with its modules (Block.decode_weights).
-
-    On the CPU inductor compiles it for the shapes of its first call and, at the first change,
-    once more with the changed sizes symbolic (batch, key slots, capacity), once per relation
-    among them (RECOMPILE_LIMIT). On a GPU it is also captured as a CUDA graph (gpt-fast's
-    recipe): one launch instead of thousands of kernels, writing the cache in place at the
-    addresses it was captured with (static_address; generate reserves its slots first); every
-    size is symbolic from the first call, one compile serving each batch and key-slot count."""
+    """Transformer.decode_step compiled (called with the model first), or None where it does
+    not pay or is not wanted: PAIR_COMPILE=0, an earlier failure, a split model, or on the CPU a
+    block without fused weights. On a GPU it is also captured as a CUDA graph (gpt-fast's
+    recipe: one launch instead of thousands of kernels, the cache written in place at its
+    captured addresses), every size symbolic from the first call."""
     if not COMPILE or "failed" in _compiled or len({c.k.device for c in cache}) > 1:
         return None
     kind = cache[0].k.device.type
@@ -1019,8 +1014,8 @@ def compiled_step(w: list, cache: list[KVCache]):
             name = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"
             setattr(config, name, max(getattr(config, name), RECOMPILE_LIMIT))
         if COMPILE_OPTIONS[kind].get("dynamic"):
-            # Every size symbolic, each its own symbol: "duck" sizing would take two sizes equal
-            # at the first call (4 rows, 4 key heads) for one, and compile again when they part.
+            # each size its own symbol: "duck" sizing would merge two sizes equal at the first
+            # call (4 rows, 4 key heads) and compile again when they part
             torch.fx.experimental._config.use_duck_shape = False
         _compiled[kind] = torch.compile(Transformer.decode_step, fullgraph=True, **limit,
                                         **COMPILE_OPTIONS[kind])
@@ -1040,12 +1035,9 @@ def compile_failed(error: Exception):
 
 
 class Tokenizer:
-    """A tokenizers.Tokenizer and the ChatML template around it.
-
-    Untrusted text stays text: every string (a task, a tool's observation, a dataset record, the
-    policy's own reply) is encoded with special-token text treated as ordinary characters, so
-    an observation that writes "<|im_end|>\n<|im_start|>system" is those characters, not a new
-    turn. Only the template puts the special tokens <|im_start|> and <|im_end|>, as ids."""
+    """A tokenizers.Tokenizer and the ChatML template around it. Untrusted text stays text: a
+    message that writes "<|im_end|>" is those characters, not a new turn; only the template
+    puts the special tokens <|im_start|> and <|im_end|>, as ids."""
 
     def __init__(self, tok):
         self.tok = tok
@@ -1091,11 +1083,8 @@ class Tokenizer:
 
     def render(self, messages, add_generation_prompt=False) -> tuple[list[int], list[tuple]]:
         """Token ids of the chat and, per assistant message, its span [start, end) (METHOD.md §3):
-        start = first token of the content, end = its closing <|im_end|> + 1.
-
-        The template's special tokens are inserted as ids and the text between them is encoded as
-        text, piece by piece: the ids a tokenizer gives the whole ChatML string (special tokens
-        split it into these same pieces), except that a message cannot open or close a turn."""
+        its content's first token to its closing <|im_end|> + 1. The ids a tokenizer gives the
+        whole ChatML string, piece by piece, except that a message cannot open or close a turn."""
         self._check(messages)
         if not messages or messages[0]["role"] != "system":
             messages = [{"role": "system", "content": DEFAULT_SYSTEM}, *messages]
@@ -1114,8 +1103,8 @@ class Tokenizer:
         return ids, spans
 
 
-# A code point in U+D800..U+DFFF left in a str is half of a UTF-16 pair (a JSON "\ud800"
-# escape decodes to one): no UTF-8 text can hold it and the tokenizer refuses it.
+# half of a UTF-16 pair (a JSON "\ud800" decodes to one): no UTF-8 text holds it, the tokenizer
+# refuses it
 LONE_SURROGATE = re.compile("[\ud800-\udfff]")
 
 
@@ -1125,14 +1114,12 @@ def holds_lone_surrogate(value) -> bool:
 
 
 def without_surrogates(text: str) -> str:
-    """text with every unpaired surrogate replaced by U+FFFD (same length): whatever a policy or
-    a data file wrote stays encodable."""
+    """text with every unpaired surrogate replaced by U+FFFD (same length), so it encodes."""
     return LONE_SURROGATE.sub("\ufffd", text)
 
 
 # ----------------------------------------------------------------------------------------------
-# Generation (gpt-fast style small functions) and teacher-forced traces
-
+# Generation (gpt-fast style small functions) and the update's log-probabilities
 
 @dataclass
 class TurnTrace:
@@ -1143,29 +1130,24 @@ class TurnTrace:
     h_last: Tensor | None               # (L+1, d) hidden_states[l] at the last span token
     h_mean: Tensor | None               # (L+1, d) mean over span rows of hidden_states[l]
     finished: bool                      # stopped on a stop token (vs max_new_tokens)
-    # log pi(token) of each sampled token at the sampling temperature (T = 1 when greedy), from
-    # the logits it was drawn from; empty for teacher-forced traces
+    # log pi(token) of each sampled token at the sampling temperature (1 when greedy); empty
+    # for teacher-forced traces
     logprobs: list[float] = field(default_factory=list)
 
 
-# A recomputed block runs its MLP over at most this many tokens (rows x positions) at a time.
-MLP_CHUNK = 4096
-# The head's float32 logits over a 152k vocabulary take 0.58 GiB per 1,000 tokens, and the update
-# would hold several such copies (the logits, / T, the log-softmax, their gradients): it scores
-# at most this many logits at a time (64 MB), and scores them again in the backward pass.
+MLP_CHUNK = 4096          # tokens (rows x positions) a recomputed block's MLP runs at a time
+# logits scored at a time (64 MB), again in backward: a 152k vocabulary's float32 logits take
+# 0.58 GiB per 1,000 tokens, and the update would hold several copies
 LOGITS_CHUNK = 1 << 24
 
 
 def token_logprobs(policy, ids: torch.Tensor, mask: torch.Tensor,
                    temperature: float = 1.0) -> torch.Tensor:
-    """log pi(x_j | x_<j) at the masked positions j, in row-major order -> (N,) float32.
-
-    Sized for the update of a long multi-turn rollout: the head runs only on the N positions
-    that count, LOGITS_CHUNK // V at a time, and where a gradient is wanted each block, each
-    MLP_CHUNK tokens of its MLP and each chunk of the head are recomputed in the backward pass,
-    so the call holds about one (T, d) input per block: neither the (N, V) logits nor the MLPs'
-    (T, intermediate) activations ever exist for the whole rollout."""
-    h = policy.trunk(ids, recompute=True)                 # (B, T, d) after the final norm
+    """log pi(x_j | x_<j) at the masked positions j, in row-major order -> (N,) float32. The head
+    runs only on those N positions, LOGITS_CHUNK // V at a time; with a gradient, blocks, MLP
+    chunks and head chunks are recomputed in backward, so a long rollout's update holds about
+    one (T, d) input per block, never the (N, V) logits or the MLPs' activations whole."""
+    h = policy.trunk(ids, recompute=True)                       # (B, T, d) after the final norm
     h = h[:, :-1]                                               # position j predicts x_{j+1}
     target = mask[:, 1:].to(h.device)
     h, labels = h[target], ids[:, 1:].to(h.device)[target]      # (N, d), (N,)
@@ -1186,8 +1168,7 @@ def head_logprobs(lm_head: nn.Module, h: Tensor, labels: Tensor, temperature: fl
     return torch.log_softmax(logits, dim=-1).gather(1, labels[:, None]).squeeze(1)
 
 
-# The smallest sampling temperature: below it sampling is greedy decoding in all but name, and far
-# below it logits / T overflows float32 and the softmax turns to NaN (use 0 for greedy).
+# below it sampling is greedy in all but name, and far below logits / T overflows float32
 MIN_TEMPERATURE = 1e-3
 
 
@@ -1197,16 +1178,13 @@ def valid_temperature(t: float) -> bool:
 
 
 def sample(logits: Tensor, temperature: float, top_p: float, generator=None) -> Tensor:
-    """(B, V) float32 logits -> (B,) token ids; temperature 0 is greedy.
-
-    Sampled by the inverse of each row's cumulative distribution at one uniform number: the
-    draw torch.multinomial makes for a single sample costs one random number per vocabulary
-    entry, which at a small model's size is most of a decoding step."""
+    """(B, V) float32 logits -> (B,) token ids; temperature 0 is greedy. Drawn by inverting each
+    row's CDF at one uniform number (torch.multinomial draws one per vocabulary entry)."""
     if temperature == 0:
         return logits.argmax(-1)
     probs = torch.softmax(logits / temperature, dim=-1)
     if top_p < 1.0:
-        # Nucleus: keep the most likely tokens until their mass reaches top_p (at least one).
+        # nucleus: the most likely tokens until their mass reaches top_p (at least one)
         sorted_p, order = probs.sort(-1, descending=True)
         drop = sorted_p.cumsum(-1) - sorted_p >= top_p
         probs = torch.zeros_like(probs).scatter_(-1, order, sorted_p.masked_fill(drop, 0.0))
@@ -1232,13 +1210,10 @@ def prefill(model: Transformer, cache, new_tokens: list[list[int]]) -> Tensor | 
 
 
 def prefill_last(model: Transformer, cache, new_tokens: list[list[int]]) -> Tensor:
-    """prefill up to the head: the final-normed hidden state of each row's last new token (B, d)
-    (garbage in a row with none).
-
-    An empty cache whose rows start alike (GRPO's group: G copies of one prompt) computes each
-    distinct prompt once and copies its keys, values and last state to the rows that repeat it:
-    a row's numbers do not depend on the rows beside it, so the copies are what computing them
-    would give, to the bit (the head is then applied to every row, as it would be)."""
+    """prefill up to the head: the final-normed state of each row's last new token (B, d)
+    (garbage in a row with none). An empty cache whose rows repeat a prompt (GRPO's group)
+    computes each distinct prompt once and copies its keys, values and state: a row's numbers
+    do not depend on its neighbours, so the copies are bit-identical."""
     lengths = cache[0].lengths.clone()
     n = torch.tensor([len(t) for t in new_tokens])
     T = int(n.max())
@@ -1274,8 +1249,7 @@ def decode_one_token(model: Transformer, cache, tokens: Tensor, fed: Tensor,
 
 @dataclass
 class TurnStats:
-    """Per row, the running sums of the statistics of the turn being decoded (float32, on the
-    model's device until the turn ends)."""
+    """Per row, the running sums over the turn being decoded (float32, on the model's device)."""
     attn: Tensor                        # (B, L, H, len(STATS)) summed over the turn's tokens
     h_sum: Tensor                       # (L+1, B, d) hidden states summed over the turn's tokens
     h_last: Tensor                      # (L+1, B, d) hidden states of the latest token
@@ -1293,9 +1267,8 @@ class TurnStats:
 
 
 def accumulate(acc: TurnStats, attn: Tensor, hidden: Tensor, fed: Tensor):
-    """Add one decoded token's statistics (B, L, H, 6) and hidden states (L+1, B, d) to the
-    rows that fed a real token (fed (B,) bool). The other rows' numbers are garbage (they were
-    fed a pad): where, not a multiply."""
+    """Add one decoded token's statistics (B, L, H, 6) and hidden states (L+1, B, d) to the rows
+    that fed a real token (fed (B,) bool); where, not multiply: a pad row's numbers are garbage."""
     acc.attn += torch.where(fed[:, None, None, None], attn, 0.0)
     hidden = hidden.float()
     acc.h_sum += torch.where(fed[None, :, None], hidden, 0.0)
@@ -1303,10 +1276,9 @@ def accumulate(acc: TurnStats, attn: Tensor, hidden: Tensor, fed: Tensor):
 
 
 def reserve_slots(cache: list[KVCache], steps: int):
-    """Room for `steps` more tokens a row, and past the last block of key slots a decoding step
-    attends over, reserved before a generation on a GPU: the captured step then writes at the
-    same addresses to its end, and its key slots never fill the cache, a relation between the
-    sizes that torch would compile a graph of its own for (at 7B, a minute and more)."""
+    """Room for `steps` more tokens a row and a slot past the last KEY_BLOCK, before generating
+    on a GPU: the captured step keeps its addresses, and the key slots never fill the cache (a
+    relation torch would compile another graph for: a minute and more at 7B)."""
     need = -(-(int(cache[0].lengths.max()) + steps) // KEY_BLOCK) * KEY_BLOCK + 1
     for c in cache:
         c.grow(need)
@@ -1317,13 +1289,10 @@ def generate(model: Transformer, cache, new_tokens: list[list[int]], max_new_tok
              temperature=1.0, top_p=1.0, stop_ids=None, generator=None,
              stats=True, active=None) -> list[TurnTrace | None]:
     """Append each row's new tokens to the cache, then sample up to max_new_tokens per row.
-
-    A row with no new tokens generates nothing (empty trace); a row with active[i] False (an
-    episode that has ended) gets nothing appended and None as its trace; max_new_tokens=0 only
-    appends. Every sampled token, the stop token included, is fed through the model, so the
-    cache holds it and (stats=True) its statistics and hidden states are accumulated: the traces
-    cover exactly the generated tokens. Idle rows ride along as pads (decoding is bound by
-    reading the weights). The loop keeps every row's state in tensors on the model's device."""
+    A row with no new tokens generates nothing (empty trace), one with active[i] False (an ended
+    episode) gets None. Every sampled token, the stop token included, is fed through the model,
+    so the cache holds it and (stats=True) its statistics and hidden states are accumulated.
+    Idle rows ride along as pads (decoding is bound by reading the weights)."""
     B = len(new_tokens)
     if B != cache[0].k.shape[0]:
         raise ValueError(f"{B} rows of new tokens for a cache of batch size {cache[0].k.shape[0]}")
@@ -1391,11 +1360,10 @@ def turn_traces(tokens, logps, count, finished, span_start, acc, alive) -> list[
 # ----------------------------------------------------------------------------------------------
 # LoRA (Hu et al., 2021), by hand, laid out as PEFT lays it out
 
-# A targeted nn.Linear becomes a LoRALinear that keeps the base Parameters under their own keys
-# (`q_proj.weight`, `q_proj.bias`) and adds `q_proj.lora_A.weight` (r, d_in) and
-# `q_proj.lora_B.weight` (d_out, r) beside them:   y = x W^T + b + (alpha / r) * B A dropout(x).
-# B starts at zero, so a fresh adapter leaves the model unchanged. The adapter is kept in float32
-# (as PEFT does by default) even when the base weights are bfloat16: the updates are tiny.
+# A targeted nn.Linear becomes a LoRALinear keeping the base weight's keys (`q_proj.weight`) and
+# adding `q_proj.lora_A.weight` (r, d_in), `q_proj.lora_B.weight` (d_out, r) beside them:
+#     y = x W^T + b + (alpha / r) * B A dropout(x),   B = 0 at first (the model unchanged).
+# The adapter stays float32 (PEFT's default) under bfloat16 weights: its updates are tiny.
 
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
@@ -1429,8 +1397,7 @@ class LoRALinear(nn.Module):
         y = F.linear(x, self.weight, self.bias)
         if not self.enabled:
             return y
-        # lora_A and lora_B are applied as functions, not called as modules: decoding calls this
-        # once per projection per token, where a module call costs more than its tiny matmul
+        # functions, not module calls: per token a module call costs more than its tiny matmul
         x = x.to(self.lora_A.weight.dtype)
         if self.dropout > 0:
             x = self.lora_dropout(x)
@@ -1475,7 +1442,6 @@ def apply_lora(model: nn.Module, r=16, alpha=32.0, dropout=0.05, targets=LORA_TA
     for p in model.parameters():
         p.requires_grad_(False)
     for module, name, child in sites:
-        # A new module starts in training mode; keep the model's mode (dropout off in eval).
         setattr(module, name, LoRALinear(child, s, dtype).train(child.training))
     model.lora_settings = s
     return model
@@ -1619,11 +1585,10 @@ def load_adapter(model, path):
 # ----------------------------------------------------------------------------------------------
 # Layers split across devices (pipeline placement, no pipelining), applied to a built model
 
-# The model code stays single-device. split_model moves contiguous ranges of blocks to the given
-# devices and adds a forward pre-hook to each block that moves its tensor inputs there. Only one
-# device computes at a time (placement, not pipelining): the point is memory, as a 7B policy with
-# its LoRA state and KV caches does not fit on one 48 GB GPU. Embeddings sit on the first device,
-# the final norm and lm_head on the last; new_cache puts each block's KV cache on its device.
+# split_model moves contiguous ranges of blocks to the devices, each with a pre-hook moving its
+# inputs there: one device computes at a time, the point is memory (a 7B policy with its LoRA
+# state and caches exceeds one 48 GB GPU). Embeddings on the first device, norm and head on the
+# last; new_cache puts each block's cache on its device.
 
 def balance_layers(block_sizes: list[int], n_devices: int, first_extra=0, last_extra=0):
     """Layers per device: contiguous ranges whose loads (parameter counts, with the embedding on
@@ -1727,7 +1692,7 @@ def split_model(model, devices, layer_counts=None):
 
 
 # ----------------------------------------------------------------------------------------------
-# File helpers: where fetched and fitted files live, atomic writes, progress lines, optimizer state
+# File helpers: where fetched and fitted files live, atomic writes
 
 
 def cache_root() -> Path:
