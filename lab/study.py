@@ -190,7 +190,7 @@ def _extract_parts(net, tokenizer, records, data_path, parts, out_path, manifest
             rate = n_new / (time.perf_counter() - t0)
             eta = (len(todo) - n_new) / rate if rate > 0 else 0
             print(f"  {len(done) + n_new}/{len(records)} records  {rate:.2f} rec/s  "
-                  f"ETA {mdl.hms(eta)}  failed {len(failed)}  reused {n_reused}", file=log)
+                  f"ETA {grpo.hms(eta)}  failed {len(failed)}  reused {n_reused}", file=log)
     if not todo:
         _write_shard(parts, [], [])
 
