@@ -1,53 +1,34 @@
 """A hand-written Qwen2-family decoder that reports its own hidden states and attention statistics,
 and what it needs around it: loading a checkpoint, a tokenizer, generation, LoRA, a layer split.
 
-PAIR reads its reward from the policy's internals (METHOD.md §4); this model returns them natively:
-  * `hidden_states`: L+1 tensors in the Hugging Face convention (embedding output, the output of
-    blocks 1..L-1, then the final-normed output of block L);
-  * `attn_stats`: for every layer l and query head h, six statistics of the softmax row p_i of
-    every query row i of the evaluation-turn span [span_start, span_end), averaged over those
-    rows (keys j <= i are the causal keys; a sliding window's masked keys count as zeros):
-        max      = max_j p_ij
-        std      = population std of p_i0..p_ii
-        prefix   = sum_{j < span_start} p_ij
-        self     = sum_{span_start <= j <= i} p_ij
-        entropy  = -log sum_j p_ij^2                     (Renyi-2, the Head Entropy baseline)
-        lookback = m_ctx / (m_ctx + m_new), m_ctx = mean_{j<span_start} p_ij,
-                   m_new = mean_{span_start<=j<=i} p_ij  (Lookback Lens; 0 when span_start = 0)
-    All six follow from three numbers per row: max_j p_ij, sum_j p_ij^2 and the prefix mass
-    (sum_j p_ij = 1, so self = 1 - prefix, and std^2 = sum_j p_ij^2 / (i+1) - 1/(i+1)^2);
-    the code carries self as a fourth (`stats_from`). They are computed only for the
-    span rows (a block of span rows x keys per head, in float32), never as a T x T matrix, in a
-    teacher-forced forward and while generating with the KV cache. Without a span the forward is
-    a plain forward.
+PAIR reads its reward from the policy's internals (METHOD.md §4). While generating, every token
+is fed through the model once and the decoding step returns, besides the logits, its L+1 hidden
+states (Hugging Face's convention: the embedding, blocks 1..L-1, the final-normed block L) and,
+for every layer l and query head h, six statistics of its softmax row p_i over causal keys j <= i:
+    max = max_j p_ij      std = population std of p_i0..p_ii      entropy = -log sum_j p_ij^2
+    prefix = sum_{j < span_start} p_ij      self = sum_{span_start <= j <= i} p_ij
+    lookback = m_ctx / (m_ctx + m_new), m_ctx = prefix / span_start, m_new = self / (i-start+1)
+(Lookback Lens; 0 when span_start = 0). `accumulate` sums them over a turn's tokens (`TurnStats`),
+so no second forward pass is run. Departure from the authors' release: std is over the i+1
+causal keys, not the whole padded row, and the statistics come from the generation pass.
+(lab/traces.py computes the same numbers teacher-forced, from a full forward.)
 
 Architectures: Qwen2ForCausalLM (QKV bias, GQA, tied or untied embeddings), LlamaForCausalLM and
-MistralForCausalLM (no bias; Mistral's sliding window). Modules carry the Hugging Face weight
-names, so loading a checkpoint (a local directory, or a Hub name downloaded once into
-$PAIR_CACHE) is a strict `load_state_dict` after every file, tensor and shape is checked.
+MistralForCausalLM (Mistral's sliding window). Modules carry the Hugging Face weight names, so
+loading a checkpoint (a directory, or a Hub name fetched once into $PAIR_CACHE) is a strict
+`load_state_dict` after every file, tensor and shape is checked.
 
-Positions are explicit and every attention mask is built from them: key slot j is visible to the
-query at position p iff j <= p (and p - j < window). The KV cache is indexed by absolute position,
-so several rows can append ragged blocks of tokens, each at its own offset (multi-turn rollouts
-append observations mid-conversation). Pad queries of a ragged append get positions past the row's
-real tokens; their cache slots hold garbage that no real query can see (slot <= position) until the
-row's next real token overwrites it.
-
-Generation follows gpt-fast's small functions (`prefill`, `decode_one_token`, `sample`). Every
-generated token, the final <|im_end|> included, is fed through the model once: the cache holds it,
-and `accumulate` adds its statistics and hidden states to its turn's running sums (`TurnStats`),
-so no second forward pass is run. The decoding step runs compiled (`torch.compile`) where that
-pays: a small model on the CPU, and any model on one GPU, where it is also captured as a CUDA
-graph (compiled_step). The GRPO update's log-probabilities (`token_logprobs`) recompute each block
-and the head in chunks, so that a long rollout's update holds little more than one (T, d) tensor
+Positions are explicit and every mask is built from them: key slot j is visible to the query at
+position p iff j <= p (and p - j < window). The KV cache is indexed by absolute position, so rows
+append ragged blocks of tokens, each at its own offset; a pad query sits past its row's real
+tokens and its slot stays invisible until the row's next real token overwrites it. The decoding
+step runs compiled where that pays (compiled_step). The GRPO update's log-probabilities
+(`token_logprobs`) recompute each block and the head in chunks, holding about one (T, d) tensor
 per block.
-Departure from the authors' release (METHOD.md §4): std is over the i+1 causal keys, not the whole
-padded row, and the statistics come from the generation pass instead of a second eager forward.
 
-Top to bottom: the config and loading a checkpoint (local or from the Hub), RoPE, the KV cache,
-the span statistics, the transformer, its compiled decoding step, the tokenizer and the chat
-format, generation and teacher-forced traces, LoRA and its adapter files (PEFT's layout), the
-layer split across devices, and the file helpers the whole project writes with.
+Top to bottom: config and checkpoint loading (local or Hub), RoPE, the KV cache, the statistics,
+the transformer, its compiled step, the tokenizer, generation, LoRA and its PEFT adapter files,
+the layer split, and the file helpers the project writes with.
 """
 import contextlib
 import hashlib
@@ -83,22 +64,21 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 # ----------------------------------------------------------------------------------------------
 # The config and loading a checkpoint: a local directory or a Hugging Face Hub name
 
-
 ARCHITECTURES = {"qwen2": "Qwen2ForCausalLM", "llama": "LlamaForCausalLM",
                  "mistral": "MistralForCausalLM"}      # model_type -> architecture
-
-# transformers < 5 saves only the keys that differ from its class defaults; these defaults of
-# the config classes differ from the dataclass defaults below.
+# transformers < 5 saves only the keys that differ from its class defaults; these differ from ours
 ARCH_DEFAULTS = {"Qwen2ForCausalLM": {"max_window_layers": 28},
                  "MistralForCausalLM": {"sliding_window": 4096}}
-
-# (config.json key, largest value, may be absent): sizes a config may ask for; every released
-# model is far below these (the largest has ~126 layers and a 256K vocabulary).
+# (key, largest value, may be absent): far above every released model, so that a config.json
+# asking for a million layers fails here, not after minutes of building them
 INT_LIMITS = (("vocab_size", 1 << 22, False), ("hidden_size", 1 << 16, False),
               ("intermediate_size", 1 << 18, False), ("num_hidden_layers", 1024, False),
               ("num_attention_heads", 1024, False), ("num_key_value_heads", 1024, True),
               ("head_dim", 4096, True), ("max_position_embeddings", 1 << 24, False),
               ("sliding_window", 1 << 24, True))
+
+
+INDEX = "model.safetensors.index.json"
 
 
 class CheckpointError(Exception):
@@ -159,24 +139,19 @@ class Config:
         return cfg
 
     def validate(self):
-        """Types and ranges first, before anything is built from them: a config.json is input,
-        and num_hidden_layers = 10**6 would take minutes and gigabytes to build before any weight
-        is read. The limits are far above every released model."""
+        """Types and ranges, before anything is built from them: a config.json is input."""
         def bad(key, want):
             return ValueError(f"{key} must be {want}, got {getattr(self, key)!r}")
         for key, hi, optional in INT_LIMITS:
             v = getattr(self, key)
-            if v is None and optional:
-                continue
-            if type(v) is not int or not 1 <= v <= hi:
+            if not (v is None and optional) and (type(v) is not int or not 1 <= v <= hi):
                 raise bad(key, f"an integer in 1..{hi}")
         if type(self.max_window_layers) is not int or self.max_window_layers < 0:
             raise bad("max_window_layers", "an integer >= 0")
-        for key in ("bos_token_id", "pad_token_id", "eos_token_id"):
-            v = getattr(self, key)
-            ids = v if isinstance(v, list) else [v]
+        for key in ("bos_token_id", "pad_token_id", "eos_token_id"):   # (an eos never drawn
+            v = getattr(self, key)                                      # would never stop)
             if v is not None and not all(type(i) is int and 0 <= i < self.vocab_size
-                                         for i in ids):   # an eos never drawn: no stop
+                                         for i in (v if isinstance(v, list) else [v])):
                 raise bad(key, f"a token id below vocab_size {self.vocab_size} (or, for "
                                "eos_token_id, a list of them)")
         for key in ("tie_word_embeddings", "attention_bias", "mlp_bias", "use_sliding_window"):
@@ -272,26 +247,18 @@ def read_config(directory) -> Config:
         raise CheckpointError(f"{path}: {e}") from None
 
 
-# config.json keys of a checkpoint trained on a built-in world (`python -m lab.shop sft` writes
-# them): the world's name, and the tool list and reply format it appends to a task in the first
-# user message, so that a prompt can be shown to the model as it saw tasks in training.
-WORLD_KEY = "pair_world"
-
-TOOLS_KEY = "pair_tool_instructions"
-
-
 def _open_safetensors(path: Path):
     try:
         return safe_open(str(path), framework="pt", device="cpu")
     except FileNotFoundError:
         raise CheckpointError(f"{path}: file not found") from None
-    except Exception as e:      # safetensors raises its own error for truncated or corrupt files
+    except Exception as e:      # safetensors' own error for a truncated or corrupt file
         raise CheckpointError(f"{path}: truncated or corrupt safetensors file ({e})") from None
 
 
 def _weight_files(directory: Path) -> dict[str, list[str]]:
     """{file name: tensor names it must hold}; an empty list means 'whatever it holds'."""
-    index = directory / "model.safetensors.index.json"
+    index = directory / INDEX
     if index.is_file():
         index_json = read_json(index)
         weight_map = index_json.get("weight_map") if isinstance(index_json, dict) else None
@@ -299,8 +266,7 @@ def _weight_files(directory: Path) -> dict[str, list[str]]:
             raise CheckpointError(f"{index}: no weight_map")
         files: dict[str, list[str]] = {}
         for name, file in weight_map.items():
-            # a shard is a plain file beside the index: "../x.safetensors" or "/etc/x" would
-            # read whatever the index points at
+            # a plain file beside the index, not "../x.safetensors" or "/etc/x"
             if not (isinstance(file, str) and file == Path(file).name and
                     file.endswith(".safetensors") and not file.startswith(".")):
                 raise CheckpointError(f"{index}: tensor {name} is mapped to {file!r}, not a "
@@ -309,19 +275,18 @@ def _weight_files(directory: Path) -> dict[str, list[str]]:
         return files
     if (directory / "model.safetensors").is_file():
         return {"model.safetensors": []}
-    raise CheckpointError(f"{directory}: neither model.safetensors nor "
-                          "model.safetensors.index.json")
+    raise CheckpointError(f"{directory}: neither model.safetensors nor {INDEX}")
 
 
 def read_state_dict(directory, expected: dict[str, tuple], config: Config, dtype,
                     device) -> dict:
-    """Every tensor of `expected` (name -> shape: what the model built from `config` holds),
-    checked for presence, extras and shape, as `dtype` on `device`."""
+    """Every tensor of `expected` (name -> shape), checked for presence, extras, shape and
+    finiteness (a NaN weight would load and generate a stop token forever), as dtype on device."""
     directory = Path(directory)
     expected = dict(expected)
     tied = config.tie_word_embeddings
     if tied:
-        expected.pop("lm_head.weight")          # tied heads are not stored (or ignored if they are)
+        expected.pop("lm_head.weight")          # not stored (ignored if it is)
     state, where = {}, {}
     for file, listed in _weight_files(directory).items():
         path = directory / file
@@ -349,7 +314,6 @@ def read_state_dict(directory, expected: dict[str, tuple], config: Config, dtype
                 except Exception as e:
                     raise CheckpointError(f"{path}: cannot read tensor {name} ({e})") from None
                 if tensor.is_floating_point() and not torch.isfinite(tensor).all():
-                    # a model with a NaN weight loads and generates a stop token forever
                     raise CheckpointError(f"{path}: tensor {name} holds NaN or infinite values")
                 state[name], where[name] = tensor.to(device=device, dtype=dtype), path
     missing = sorted(set(expected) - set(state))
@@ -360,24 +324,17 @@ def read_state_dict(directory, expected: dict[str, tuple], config: Config, dtype
 
 
 FINGERPRINT_WHOLE = 64 << 20     # files up to this size are hashed whole
-
 FINGERPRINT_BLOCK = 4096         # bytes read at each end of every tensor of a larger file
 
 
 def checkpoint_sha256(directory) -> str:
-    """A sha256 of what a checkpoint directory computes with, to key what is made from it
-    (features, probes, resumed extractions) by content: a copy changes mtime, and a swapped file
-    of the same size can keep it.
-
-    config.json, tokenizer.json, the index and any weights file up to 64 MiB are hashed whole; a
-    larger safetensors file gives its size, its header and the first and last 4 KiB of every
-    tensor: under a second for a 7B model, not minutes on a network disk. Fine-tuning or merging
+    """A sha256 of what a checkpoint computes with, keying what is made from it by content.
+    Small files are hashed whole; a larger safetensors file gives its size, header and the first
+    and last 4 KiB of every tensor (under a second for a 7B model): fine-tuning or merging
     changes every tensor it touches, ends included; only an edit inside a tensor goes unseen."""
     directory = Path(directory)
     h = hashlib.sha256(b"checkpoint/1")
-    names = ["config.json", "tokenizer.json"]
-    if (directory / "model.safetensors.index.json").is_file():
-        names.append("model.safetensors.index.json")
+    names = ["config.json", "tokenizer.json"] + [INDEX] * (directory / INDEX).is_file()
     for name in names + sorted(_weight_files(directory)):
         path = directory / name
         try:
@@ -416,8 +373,7 @@ def resolve(path_or_repo) -> Path:
     if not HUB_NAME.fullmatch(str(path_or_repo)):
         raise CheckpointError(f"{directory}: no such directory (nor a Hub model name like "
                               "Qwen/Qwen2.5-7B-Instruct)")
-    # <org>/<name> where <org> is a local directory names a path (data/shop-policy misspelt),
-    # not a model to fetch: it fails here, before anything is written to the cache
+    # <org>/<name> with a local <org>/ is a misspelt path (data/shop-policy), not a Hub name
     first = directory.parts[0]
     if Path(first).is_dir():
         raise CheckpointError(f"{directory}: no such directory ({first}/ is a local directory, "
@@ -426,20 +382,16 @@ def resolve(path_or_repo) -> Path:
 
 
 HUB_NAME = re.compile(r"[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*")    # <org>/<name>
-
-HUB_MANIFEST = ".pair-complete.json"
-
-HUB_TIMEOUT = (10, 60)          # (connect, read) seconds
-
-HUB_RETRIES = 5                 # attempts per file; each one resumes where the last one stopped
-
-HUB_RETRY_WAIT = 2.0            # seconds, times the attempt number
+HUB_MANIFEST = ".pair-complete.json"    # written last: the files of a complete copy, and sizes
+HUB_TIMEOUT = (10, 60)                  # (connect, read) seconds
+HUB_RETRIES = 5                         # attempts per file
+HUB_RETRY_WAIT = 2.0                    # seconds, times the attempt number
 NETWORK_ERRORS = (requests.ConnectionError, requests.Timeout,
                   requests.exceptions.ChunkedEncodingError)
 
 
 class HubError(CheckpointError):
-    """A model name that could not be fetched from the Hub (or found complete in the cache)."""
+    """A Hub model name that could not be fetched (nor found complete in the cache)."""
 
 
 def hub_cache_dir(repo_id: str) -> Path:
@@ -447,18 +399,16 @@ def hub_cache_dir(repo_id: str) -> Path:
 
 
 def _cached_copy(folder: Path) -> bool:
-    # Complete only when the manifest exists and every file it lists has the listed size.
     try:
         files = json.loads((folder / HUB_MANIFEST).read_text())["files"]
-        for name in files:
-            _check_hub_name(name, folder, folder.name)
         return all((folder / name).stat().st_size == size for name, size in files.items())
-    except (OSError, ValueError, KeyError, TypeError, AttributeError, HubError):
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
         return False
 
 
 def fetch_from_hub(repo_id: str, revision: str = "main") -> Path:
-    """Download what load_model needs from `repo_id` (e.g. "Qwen/Qwen2.5-7B-Instruct")."""
+    """What load_model reads of a Hub model (e.g. "Qwen/Qwen2.5-7B-Instruct"), downloaded once
+    into hub_cache_dir(repo_id): config.json, tokenizer.json, the weights."""
     folder = hub_cache_dir(repo_id)
     if _cached_copy(folder):
         return folder
@@ -470,9 +420,7 @@ def fetch_from_hub(repo_id: str, revision: str = "main") -> Path:
     import fcntl                    # POSIX only, so imported where it is needed
     folder.mkdir(parents=True, exist_ok=True)
     with open(folder / ".lock", "w") as lock:
-        # torchrun starts one process per GPU: the first one downloads, the others wait here
-        # and then find the copy complete.
-        fcntl.flock(lock, fcntl.LOCK_EX)
+        fcntl.flock(lock, fcntl.LOCK_EX)     # torchrun's ranks: one downloads, the others wait
         if _cached_copy(folder):
             return folder
         try:
@@ -480,90 +428,68 @@ def fetch_from_hub(repo_id: str, revision: str = "main") -> Path:
         except NETWORK_ERRORS as e:
             raise HubError(offline.format(f"network unreachable or connection lost "
                                           f"({type(e).__name__})")) from e
-        manifest = {"repo": repo_id, "revision": revision, "endpoint": endpoint, "files": files}
-        write_atomic(folder / HUB_MANIFEST, json.dumps(manifest, indent=1).encode())
+        write_atomic(folder / HUB_MANIFEST, json.dumps(
+            {"repo": repo_id, "revision": revision, "endpoint": endpoint, "files": files}))
     return folder
 
 
 def _fetch_files(folder: Path, repo_id, revision, endpoint) -> dict[str, int]:
     """config, tokenizer and weights (one file, or the index and its shards) -> {name: size}."""
     session = requests.Session()
-    if os.environ.get("HF_TOKEN"):
-        # requests drops this header when the Hub redirects a download to its CDN (other host),
-        # which is what we want: the CDN URL is signed.
+    if os.environ.get("HF_TOKEN"):  # requests drops it on the redirect to the (signed) CDN URL
         session.headers["Authorization"] = f"Bearer {os.environ['HF_TOKEN']}"
-    listing = _hub_tree(session, endpoint, repo_id, revision)
+    listing = _hub_tree(session, f"{endpoint}/api/models/{repo_id}/tree/"
+                        f"{quote(revision, safe='')}", f"model {repo_id!r} at {revision}")
     files = {}
 
-    def fetch(name):
-        _check_hub_name(name, folder, repo_id)
+    def fetch(name, shape="a JSON object", check=None):
+        # a name from the Hub is joined to the cache folder: only a plain file inside it
+        # ("../../.bashrc", "/etc/x" or our ".pair-complete.json" are not)
+        if not (isinstance(name, str) and name and name == Path(name).name and
+                not name.startswith(".") and "\\" not in name and "\0" not in name):
+            raise HubError(f"{repo_id}: refusing the file name {name!r} from the Hub (not a plain "
+                           f"file name inside {folder})")
         if name not in listing:
             raise HubError(f"{repo_id}@{revision} on {endpoint} has no file {name!r}")
-        size, digest = listing[name]
         url = f"{endpoint}/{repo_id}/resolve/{quote(revision, safe='')}/{quote(name)}"
-        _download(session, url, folder / name, size, digest, f"{repo_id}/{name}")
-        files[name] = size
+        _download(session, url, folder / name, *listing[name], f"{repo_id}/{name}")
+        files[name] = listing[name][0]
+        if name.endswith(".json"):      # removed if wrong, so that a retry fetches it again
+            try:
+                data = json.loads((folder / name).read_text())
+                if not isinstance(data, dict) or check and not check(data):
+                    raise ValueError(f"expected {shape}")
+                return data
+            except (OSError, ValueError) as e:
+                (folder / name).unlink(missing_ok=True)
+                raise HubError(f"{folder / name}: not {shape} ({e}); removed it") from None
 
     fetch("config.json")
-    _check_hub_json(folder / "config.json", "a JSON object")
     fetch("tokenizer.json")
-    _check_hub_json(folder / "tokenizer.json", "a JSON object with a \"model\" entry",
-                    lambda d: isinstance(d.get("model"), dict))
-    if "model.safetensors.index.json" not in listing:
+    if INDEX not in listing:
         fetch("model.safetensors")
         return files
-    fetch("model.safetensors.index.json")
-    index = _check_hub_json(
-        folder / "model.safetensors.index.json", "a safetensors index: {\"weight_map\": "
-        "{tensor name: shard file name}}",
-        lambda d: isinstance(d.get("weight_map"), dict) and d["weight_map"] and
-        all(isinstance(v, str) and v.endswith(".safetensors") for v in d["weight_map"].values()))
+    index = fetch(INDEX, "a safetensors index: {\"weight_map\": {tensor name: shard file name}}",
+                  lambda d: isinstance(d.get("weight_map"), dict) and d["weight_map"] and all(
+                      isinstance(v, str) and v.endswith(".safetensors")
+                      for v in d["weight_map"].values()))
     for shard in sorted(set(index["weight_map"].values())):
         fetch(shard)
     return files
 
 
-def _check_hub_name(name: str, folder: Path, repo_id: str):
-    """A file name from the Hub (the listing or an index) is joined to the cache folder: it
-    must name a plain file inside it. A hostile endpoint could otherwise write anywhere
-    ("../../.bashrc", "/etc/x") or over our own bookkeeping (".pair-complete.json")."""
-    plain = (isinstance(name, str) and name and name == Path(name).name and
-             not name.startswith(".") and "\\" not in name and "\0" not in name and
-             (folder / name).resolve().parent == folder.resolve())
-    if not plain:
-        raise HubError(f"{repo_id}: refusing the file name {name!r} from the Hub (not a plain "
-                       f"file name inside {folder})")
-
-
-def _check_hub_json(path: Path, shape: str, check=None) -> dict:
-    # A JSON file is read by load_model only later: a wrong one is removed now, so that a
-    # retry fetches it again instead of finding it complete.
-    try:
-        data = json.loads(path.read_text())
-        if not isinstance(data, dict) or (check is not None and not check(data)):
-            raise ValueError(f"expected {shape}")
-    except (OSError, ValueError) as e:
-        path.unlink(missing_ok=True)
-        raise HubError(f"{path}: not {shape} ({e}); removed it") from None
-    return data
-
-
-def _hub_tree(session, endpoint, repo_id, revision) -> dict[str, tuple[int, tuple | None]]:
-    # GET /api/models/{repo}/tree/{revision}: [{"type", "path", "size", "oid", "lfs"?}, ...],
-    # paginated through the Link header. For LFS files lfs.oid is the sha256 of the content;
-    # for the others oid is the git blob id of the content. -> {path: (size, (kind, hex))}
-    url = f"{endpoint}/api/models/{repo_id}/tree/{quote(revision, safe='')}"
+def _hub_tree(session, url, what) -> dict[str, tuple[int, str | None]]:
+    """{path: (size, sha256 of an LFS file's content, else None)} from the Hub's tree API
+    ([{"type", "path", "size", "lfs"?: {"oid", "size"}}, ...], paginated by the Link header)."""
     listing = {}
     while url:
         r = session.get(url, timeout=HUB_TIMEOUT)
-        _check_status(r, f"model {repo_id!r} at revision {revision!r}")
+        _check_status(r, what)
         try:
             for entry in r.json():
                 if entry["type"] == "file":
                     lfs = entry.get("lfs") or {}
-                    digest = ("sha256", lfs["oid"]) if lfs.get("oid") else \
-                        ("git blob id", entry["oid"]) if not lfs and entry.get("oid") else None
-                    listing[entry["path"]] = (int(lfs.get("size", entry["size"])), digest)
+                    listing[entry["path"]] = (int(lfs.get("size", entry["size"])), lfs.get("oid"))
         except (ValueError, KeyError, TypeError) as e:
             raise HubError(f"{url}: unexpected answer from the Hub API ({e!r})") from e
         url = r.links.get("next", {}).get("url")
@@ -571,88 +497,43 @@ def _hub_tree(session, endpoint, repo_id, revision) -> dict[str, tuple[int, tupl
 
 
 def _check_status(r, what):
-    if r.status_code in (401, 403):
-        raise HubError(f"{r.url}: HTTP {r.status_code}: access to {what} denied (private or "
-                       "gated?); set HF_TOKEN to a token that has access")
-    if r.status_code == 404:
-        raise HubError(f"{r.url}: HTTP 404: {what} not found")
+    denied = "access denied (private or gated?); set HF_TOKEN to a token that has access"
     if r.status_code >= 400:
-        raise HubError(f"{r.url}: HTTP {r.status_code} {r.reason}")
+        why = {401: denied, 403: denied, 404: "not found"}.get(r.status_code, r.reason)
+        raise HubError(f"{r.url}: HTTP {r.status_code}: {what}: {why}")
 
 
-def _download(session, url, dest: Path, size: int, digest: tuple | None, label: str):
+def _download(session, url, dest: Path, size: int, sha256: str | None, label: str):
+    """url into dest through a .part file beside it, HUB_RETRIES attempts; its size and, for an
+    LFS file, its sha256 checked against the listing before it takes dest's name."""
     if dest.is_file() and dest.stat().st_size == size:
         return                                  # finished by an earlier, interrupted fetch
     part = dest.with_name(dest.name + ".part")
     for attempt in range(1, HUB_RETRIES + 1):
-        have = part.stat().st_size if part.exists() else 0
-        if part.exists() and have >= size:
-            break                               # whole (or too long: the size check says so)
+        h, got = hashlib.sha256(), 0
         try:
-            with session.get(url, headers={"Range": f"bytes={have}-"} if have else {},
-                             stream=True, timeout=HUB_TIMEOUT) as r:
+            with session.get(url, stream=True, timeout=HUB_TIMEOUT) as r:
                 _check_status(r, label)
-                if have and r.status_code != 206:
-                    have = 0                    # the server ignored Range: start over
-                with open(part, "ab" if have else "wb") as f:
-                    progress = _Progress(label, size, have)
-                    # Small chunks: what was read before a dropped connection is on disk.
-                    for chunk in r.iter_content(chunk_size=1 << 16):
+                with open(part, "wb") as f:
+                    for chunk in r.iter_content(chunk_size=1 << 20):
                         f.write(chunk)
-                        progress.update(len(chunk))
-                        if progress.done > size:
-                            break
-                    progress.show(end="\n")
+                        h.update(chunk)
+                        got += len(chunk)
             break
         except NETWORK_ERRORS as e:
+            part.unlink(missing_ok=True)
             if attempt == HUB_RETRIES:
                 raise
-            got = part.stat().st_size if part.exists() else 0
-            print(f"\n{label}: connection lost at {got} bytes ({type(e).__name__}), resuming",
-                  file=sys.stderr)
+            print(f"{label}: connection lost ({type(e).__name__}), retrying", file=sys.stderr)
             time.sleep(HUB_RETRY_WAIT * attempt)
-    got = part.stat().st_size if part.exists() else 0
-    if got != size:
-        part.unlink(missing_ok=True)
-        raise HubError(f"{url}: downloaded {got} bytes but the Hub lists {size}; removed {part}, "
-                       "try again")
-    if digest is not None and _digest(part, digest[0], size) != str(digest[1]).lower():
+    wrong = (f"downloaded {got} bytes but the Hub lists {size}" if got != size else
+             f"sha256 differs from the Hub's ({sha256})"
+             if sha256 and h.hexdigest() != sha256.lower() else None)
+    if wrong:
         part.unlink()
-        raise HubError(f"{url}: {digest[0]} differs from the Hub's ({digest[1]}); removed "
-                       f"{part}, try again")
+        raise HubError(f"{url}: {wrong}; removed {part}, try again")
     os.replace(part, dest)
-
-
-def _digest(path: Path, kind: str, size: int) -> str:
-    if kind == "sha256":
-        h = hashlib.sha256()
-    else:                   # git's blob id: sha1 of the header "blob <size>\0", then the content
-        h = hashlib.sha1(b"blob %d\0" % size)
-    with open(path, "rb") as f:
-        while block := f.read(1 << 24):
-            h.update(block)
-    return h.hexdigest()
-
-
-class _Progress:
-    """A download's progress on stderr: name, bytes, percent, speed. On a terminal one line,
-    rewritten twice a second; in a log, a new line when the Pacer says so."""
-
-    def __init__(self, label, total, done):
-        self.label, self.total, self.done, self.start_done = label, total, done, done
-        self.t0, self.pacer = time.monotonic(), Pacer(total, sys.stderr, every=0.5)
-
-    def update(self, n):
-        self.done += n
-        if self.done < self.total and self.pacer.due(self.done):
-            self.show()
-
-    def show(self, end=""):
-        rate = (self.done - self.start_done) / max(time.monotonic() - self.t0, 1e-9) / 1e6
-        pct = 100.0 * self.done / max(self.total, 1)
-        print(f"{chr(13) if self.pacer.tty else ''}{self.label}: {self.done / 1e6:.1f}/"
-              f"{self.total / 1e6:.1f} MB ({pct:.0f}%) {rate:.1f} MB/s",
-              end=end if self.pacer.tty else "\n", file=sys.stderr, flush=True)
+    print(f"{label}: {size / 1e6:.1f} MB", file=sys.stderr, flush=True)
 
 
 def load_model(path_or_repo, dtype=torch.float32, devices=None) -> tuple["Transformer",
@@ -677,13 +558,11 @@ def load_model(path_or_repo, dtype=torch.float32, devices=None) -> tuple["Transf
     model.load_state_dict(state, strict=True, assign=True)
     if config.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight   # assign=True broke the tie
-    # The base weights are never trained here (GRPO trains LoRA adapters beside them).
-    model.requires_grad_(False).eval()
+    model.requires_grad_(False).eval()             # GRPO trains LoRA adapters beside them
     model.name_or_path = str(path_or_repo)        # recorded in saved adapters' configs
     model.checkpoint_dir = directory              # what checkpoint_sha256 reads
     if len(devices) > 1:
-        # Loaded on the first device, then spread: the blocks move to their devices one by one.
-        split_model(model, devices)
+        split_model(model, devices)     # loaded on the first device, blocks moved one by one
     return model, Tokenizer.from_file(directory)
 
 
@@ -695,10 +574,8 @@ def input_device(model: "Transformer") -> torch.device:
 # ----------------------------------------------------------------------------------------------
 # RoPE, written as Hugging Face writes it for Qwen (rotate_half), so no weight permutation
 
-
 def rope_inv_freq(config: Config) -> Tensor:
-    d = config.head_size
-    # Explicit CPU device: the model may be built under torch.device("meta") for loading.
+    d = config.head_size                # on the CPU: the model may be built on "meta"
     return 1.0 / config.rope_base ** (torch.arange(0, d, 2, dtype=torch.float32, device="cpu") / d)
 
 
@@ -730,11 +607,8 @@ def attention_mask(positions: Tensor, key_positions: Tensor, window: int | None)
 # ----------------------------------------------------------------------------------------------
 # KV cache: one per layer, on that layer's device, slot index = absolute position
 
-
 def static_address(t: Tensor) -> Tensor:
-    """t, marked as a tensor a CUDA graph may write into in place: the compiled decoding step is
-    replayed with the addresses it was captured with, and torch.compile captures no graph that
-    mutates an input unless that input keeps its address."""
+    """t, marked as a tensor a captured CUDA graph may write in place (at the same address)."""
     if t.is_cuda:
         torch._dynamo.mark_static_address(t, guard=False)
     return t
@@ -745,8 +619,7 @@ class KVCache:
         shape = (batch_size, n_kv_heads, capacity, head_dim)
         self.k = static_address(torch.zeros(shape, dtype=dtype, device=device))
         self.v = static_address(torch.zeros(shape, dtype=dtype, device=device))
-        # Number of real tokens per row, kept on the CPU: where each row's next token goes (the
-        # trunk's default positions, the decoding step's positions and the key slots it reads).
+        # real tokens per row, on the CPU (no device sync): where each row's next token goes
         self.lengths = torch.zeros(batch_size, dtype=torch.long)
 
     @property
@@ -756,7 +629,6 @@ class KVCache:
     def grow(self, size: int):
         if size <= self.capacity:
             return
-        # Double (rounded to 256) so that decoding one token at a time reallocates rarely.
         new = (max(size, 2 * self.capacity) + 255) // 256 * 256
         for name in ("k", "v"):
             old = getattr(self, name)
@@ -781,71 +653,12 @@ def set_lengths(cache: list[KVCache], lengths: Tensor):
 
 
 # ----------------------------------------------------------------------------------------------
-# Attention statistics of the span rows (METHOD.md §4)
-
-# Span rows are scored in chunks of at most this many float32 scores (8 MB): the few temporaries
-# of a chunk stay below what the MLP of the same block holds anyway, so peak memory is unchanged.
-STATS_CHUNK = 1 << 21
-# On a GPU the chunk's launches cost more than its memory: 256 MB of scores, a 256-row span over
-# 8,192 keys of the 7B's 28 heads in one product per layer.
-STATS_CHUNK_GPU = 1 << 26
-
-
-@dataclass
-class SpanRows:
-    """Which query rows of one forward call lie in the span, and where each row's span starts."""
-    lo: int                 # query indices [lo, hi) cover every span row of the batch
-    hi: int
-    is_row: Tensor          # (B, hi - lo) bool
-    start: Tensor           # (B,) span_start per row (absolute position)
-    count: Tensor           # (B,) number of span rows per row
-
-    def to(self, device) -> "SpanRows":
-        return SpanRows(self.lo, self.hi, self.is_row.to(device), self.start.to(device),
-                        self.count.to(device))
-
-
-def span_rows(span, positions: Tensor) -> SpanRows:
-    """span: (start, end) for every row, or one (start, end) per row; positions: (B, T)."""
-    B = positions.shape[0]
-    bounds = torch.as_tensor(span, dtype=torch.long, device=positions.device)
-    bounds = bounds.expand(B, 2) if bounds.dim() == 1 else bounds
-    start, end = bounds[:, 0], bounds[:, 1]
-    is_row = (positions >= start[:, None]) & (positions < end[:, None])    # (B, T)
-    hit = is_row.any(0).nonzero()
-    lo, hi = (int(hit[0]), int(hit[-1]) + 1) if len(hit) else (0, 0)
-    return SpanRows(lo, hi, is_row[:, lo:hi], start, is_row.sum(1))
-
-
-def attention_probs(q: Tensor, k: Tensor, mask: Tensor, scale: float) -> Tensor:
-    """softmax(q k^T * scale) in float32 for a few query rows: (B,H,c,D), (B,KV,S,D) -> (B,H,c,S)"""
-    B, H, c, D = q.shape
-    kv = k.shape[1]
-    # Query head h uses key head h // (H/KV): group the query heads instead of repeating keys.
-    # Scale the few queries rather than the many scores; mask in place: one (B,H,c,S) temporary.
-    q = (q.float() * scale).reshape(B, kv, (H // kv) * c, D)
-    scores = (q @ k.float().transpose(-1, -2)).view(B, H, c, -1)
-    return torch.softmax(scores.masked_fill_(~mask, float("-inf")), dim=-1)
-
-
-def masses_matrix(key_pos: Tensor, start: Tensor) -> Tensor:
-    """(B, 1, S, 2): for each key slot, [j < span_start, j >= span_start]; key_pos (B, S) or
-    (S,), start (B,). A row of probabilities times it gives the prefix and the self mass at once:
-    masked keys j > i hold p = 0, so "not before" is exactly span_start <= j <= i."""
-    before = (key_pos < start[:, None]).float()                 # (B, S) keys j < span_start
-    return torch.stack((before, 1 - before), -1)[:, None]
-
-
-def row_stats(p: Tensor, pos: Tensor, key_pos: Tensor, start: Tensor) -> dict[str, Tensor]:
-    """The six statistics of each row of p (B,H,c,S); pos (B,c), key_pos (B,S), start (B,)."""
-    masses = p @ masses_matrix(key_pos, start)                  # (B, H, c, 2)
-    return stats_from(p.amax(-1), torch.linalg.vecdot(p, p), *masses.unbind(-1),
-                      pos[:, None], start[:, None, None])
-
+# The attention statistics (METHOD.md §4)
 
 def stats_from(mx, sum_sq, prefix, self_, pos, start) -> dict[str, Tensor]:
-    """The six statistics from the four numbers of each softmax row (its max, its sum of squares,
-    its prefix and self masses); pos (the row's position) and start broadcast against them."""
+    """The six statistics from four numbers of each softmax row p_i: max_j p_ij, sum_j p_ij^2,
+    the prefix and self masses. sum_j p_ij = 1 over the i+1 causal keys, so
+    std^2 = sum_j p_ij^2 / (i+1) - 1/(i+1)^2. pos (the row's position) and start broadcast."""
     n = (pos + 1).float()                                       # causal keys j <= i
     s0 = start.float()
     m_ctx = prefix / s0.clamp(min=1)
@@ -860,18 +673,8 @@ def stats_from(mx, sum_sq, prefix, self_, pos, start) -> dict[str, Tensor]:
     }
 
 
-def add_row_stats(sums: Tensor, p, pos, key_pos, rows: SpanRows, a: int, b: int):
-    """Add the statistics of query rows [a, b) that lie in the span to sums (B, H, len(STATS))."""
-    stats = row_stats(p, pos, key_pos, rows.start)
-    values = torch.stack([stats[name] for name in STATS], -1)   # (B, H, c, 6)
-    keep = rows.is_row[:, None, a - rows.lo:b - rows.lo, None]  # (B, 1, c, 1)
-    # where, not multiply: rows outside the span may hold inf/nan (e.g. m_new of i < start).
-    sums += torch.where(keep, values, 0.0).sum(2)
-
-
 # ----------------------------------------------------------------------------------------------
 # The transformer; module names are the Hugging Face weight keys
-
 
 class RMSNorm(nn.Module):
     def __init__(self, d, eps):
@@ -880,8 +683,7 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x):
-        # Normalise in float32 and cast back before the weight, in Hugging Face's order.
-        xf = x.float()
+        xf = x.float()                  # cast back before the weight, in Hugging Face's order
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * xf.to(x.dtype)
 
@@ -908,42 +710,30 @@ class Attention(nn.Module):
         self.q_proj = nn.Linear(d, H * D, bias=config.qkv_bias)
         self.k_proj = nn.Linear(d, KV * D, bias=config.qkv_bias)
         self.v_proj = nn.Linear(d, KV * D, bias=config.qkv_bias)
-        # Llama's attention_bias also puts a bias on o_proj; Qwen2's QKV bias does not.
         self.o_proj = nn.Linear(H * D, d, bias=config.attention_bias)
 
-    def forward(self, x, cos, sin, mask, positions, key_pos, cache=None, rows=None):
-        """x (B,T,d) -> (B,T,d) and, when rows is given, the per-head sums of the span-row
-        statistics (B, H, len(STATS)) in STATS order."""
+    def forward(self, x, cos, sin, mask, positions, cache=None):
+        """x (B, T, d) -> (B, T, d); mask None: plain causal (see trunk)."""
         B, T, _ = x.shape
         dev = x.device                              # the block may live on any device
-        cos, sin = cos.to(dev), sin.to(dev)
-        mask = mask.to(dev) if mask is not None else None     # None: plain causal (see trunk)
-        positions, key_pos = positions.to(dev), key_pos.to(dev)
-        rows = rows.to(dev) if rows is not None else None
+        cos, sin, positions = cos.to(dev), sin.to(dev), positions.to(dev)
+        mask = mask.to(dev) if mask is not None else None
         q = self.q_proj(x).view(B, T, self.n_heads, self.head_dim).transpose(1, 2)  # (B,H,T,D)
         k = self.k_proj(x).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)
         v = self.v_proj(x).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if cache is not None:
             k, v = cache.write(k, v, positions, mask.shape[-1])   # (B, KV, S, D)
-
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None,
                                              enable_gqa=True)
-        sums = None
-        if rows is not None and rows.hi > rows.lo:
-            sums = x.new_zeros(B, self.n_heads, len(STATS), dtype=torch.float32)
-            self.span_stats(sums, q, k, mask, positions, key_pos, rows)
-        out = out.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim)
-        return self.o_proj(out), sums
+        return self.o_proj(out.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim))
 
     def decode(self, x, cos, sin, bias, pos, kv, before=None, w=None):
-        """One new token per row, x (B, 1, d) at positions pos (B,), its k and v written at
-        slots pos of this layer's cache tensors kv = (k, v) (B, KV, capacity, D): the attention
-        output and, given before (B, 1, 1, S) (1 on the key slots before each row's span), the
-        four numbers of each head's softmax row for stats_from, each (B, H, 1) (a row sums to 1,
-        so self = 1 - prefix). By hand, in float32 (its probabilities are the statistics), over
-        key slots [0, S), query heads grouped per key head; bias (B, 1, 1, S) is 0 on visible
-        slots, -inf elsewhere. w: the fused projections (Block.decode_weights) or None."""
+        """One token per row, x (B, 1, d) at positions pos (B,), k and v written at slots pos of
+        kv = (k, v) (B, KV, capacity, D), attending over slots [0, S) with bias (B, 1, 1, S)
+        (0 visible, -inf not): the output and, given before (B, 1, 1, S) (1 on slots before the
+        span), the four numbers of each head's row for stats_from, each (B, H, 1). By hand in
+        float32: its probabilities are the statistics. w: Block.decode_weights() or None."""
         B, H, KV, D = x.shape[0], self.n_heads, self.n_kv_heads, self.head_dim
         if w is None:
             q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
@@ -968,20 +758,6 @@ class Attention(nn.Module):
             numbers = (p.amax(-1), torch.linalg.vecdot(p, p), prefix, 1 - prefix)
         return (self.o_proj(out) if w is None else F.linear(out, *w.o)), numbers
 
-    def span_stats(self, sums, q, k, mask, positions, key_pos, rows: SpanRows):
-        """Recompute q k^T for the span rows only, a chunk of rows at a time: (B, H, c, S).
-        mask None: the plain causal forward, whose span rows' masks are built here."""
-        B, H, _, _ = q.shape
-        k = k.float()
-        budget = STATS_CHUNK if q.device.type == "cpu" else STATS_CHUNK_GPU
-        step = max(1, budget // (B * H * k.shape[2]))
-        for a in range(rows.lo, rows.hi, step):
-            b = min(a + step, rows.hi)
-            m = attention_mask(positions[:, a:b], key_pos, None) if mask is None \
-                else mask[:, :, a:b]
-            p = attention_probs(q[:, :, a:b], k, m, self.scale)
-            add_row_stats(sums, p, positions[:, a:b], key_pos, rows, a, b)
-
 
 class FusedWeights(NamedTuple):     # a block's projections as decoding applies them
     qkv: tuple[Tensor, Tensor | None]       # (weight, bias) of q, k and v side by side
@@ -998,24 +774,18 @@ class Block(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, x, cos, sin, mask, positions, key_pos, cache=None, rows=None,
-                mlp_chunk=None):
-        """mlp_chunk: the MLP over at most this many tokens at a time, each chunk recomputed in
-        the backward pass (the update of a long rollout: its (T, intermediate) activations,
-        most of what a recomputed block holds, then never exist for the whole sequence)."""
-        a, sums = self.self_attn(self.input_layernorm(x), cos, sin, mask, positions, key_pos,
-                                 cache, rows)
-        x = x + a
+    def forward(self, x, cos, sin, mask, positions, cache=None, mlp_chunk=None):
+        """mlp_chunk: the MLP this many tokens at a time, each chunk recomputed in backward."""
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask, positions, cache)
         h = self.post_attention_layernorm(x)
         if mlp_chunk is None or x.shape[1] <= mlp_chunk:
-            return x + self.mlp(h), sums
+            return x + self.mlp(h)
         return x + torch.cat([torch.utils.checkpoint.checkpoint(
             self.mlp, h[:, i:i + mlp_chunk], use_reentrant=False)
-            for i in range(0, x.shape[1], mlp_chunk)], 1), sums
+            for i in range(0, x.shape[1], mlp_chunk)], 1)
 
     def decode(self, x, cos, sin, bias, pos, kv, before=None, w=None):
-        """forward for one new token per row (Attention.decode): (B, 1, d) -> (B, 1, d).
-        w: decode_weights(), or None for the modules."""
+        """forward of one token per row (Attention.decode); w: decode_weights() or None."""
         a, numbers = self.self_attn.decode(self.input_layernorm(x), cos, sin, bias, pos, kv,
                                            before, w)
         x = x + a
@@ -1026,12 +796,10 @@ class Block(nn.Module):
         return x + F.linear(F.silu(gate) * up, *w.down), numbers
 
     def decode_weights(self) -> FusedWeights | None:
-        """(weight, bias) of q/k/v, o, gate/up and down as decoding applies them, an enabled
-        adapter merged in: four matmuls a token instead of seven (21 with adapters), each costing
-        its call, not its arithmetic, at a small model's size. Rebuilt when a tensor's version
-        changes or an adapter is switched. None (use the modules) where merging would change the
-        numbers (not float32; adapter dropout on), where a gradient is wanted (the fused weights
-        are detached), or where a second copy buys nothing (a block over FUSE_MAX_ELEMENTS)."""
+        """(weight, bias) of q/k/v, o, gate/up and down, an enabled adapter merged in: four
+        matmuls a token instead of seven (21 with adapters), rebuilt when a tensor changes. None
+        (use the modules) where merging would change the numbers (not float32, dropout on), a
+        gradient is wanted, or the copy costs too much (a block over FUSE_MAX_ELEMENTS)."""
         a, m = self.self_attn, self.mlp
         groups = ((a.q_proj, a.k_proj, a.v_proj), (a.o_proj,), (m.gate_proj, m.up_proj),
                   (m.down_proj,))
@@ -1069,13 +837,6 @@ class Decoder(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
 
-@dataclass
-class Output:
-    logits: Tensor | None                       # (B, T, V) float32; None when logits=False
-    hidden_states: tuple[Tensor, ...] | None    # L+1 x (B, T, d), Hugging Face convention
-    attn_stats: dict[str, Tensor] | None        # STATS -> (B, L, H), span rows averaged
-
-
 class Transformer(nn.Module):
     def __init__(self, config: Config):
         super().__init__()
@@ -1084,7 +845,7 @@ class Transformer(nn.Module):
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
-        self.inv_freq = rope_inv_freq(config)   # a plain tensor: not a weight of the checkpoint
+        self.inv_freq = rope_inv_freq(config)   # a plain tensor, not a checkpoint weight
         self.windows = [config.window(i) for i in range(config.num_hidden_layers)]
 
     def new_cache(self, batch_size: int, capacity: int = 256) -> list[KVCache]:
@@ -1094,26 +855,19 @@ class Transformer(nn.Module):
                         layer.input_layernorm.weight.dtype, layer.input_layernorm.weight.device)
                 for layer in self.model.layers]
 
-    def forward(self, input_ids, positions=None, cache=None, span=None,
-                output_hidden_states=False, logits=True) -> Output:
-        h, hidden_states, attn_stats = self.trunk(input_ids, positions, cache, span,
-                                                  output_hidden_states)
-        return Output(self.lm_head(h).float() if logits else None, hidden_states, attn_stats)
+    def forward(self, input_ids, positions=None, cache=None) -> Tensor:
+        """input_ids (B, T) -> logits (B, T, V) in float32 (trunk, then the head)."""
+        return self.lm_head(self.trunk(input_ids, positions, cache)).float()
 
-    def trunk(self, input_ids, positions=None, cache=None, span=None, output_hidden_states=False,
-              recompute=False):
-        """Everything up to the final norm: (B,T,d) normed output, hidden states, span stats.
-
-        input_ids (B, T); positions (B, T) absolute positions (default: right after the cache's
-        tokens, else 0..T-1); span (start, end) or one per row, in absolute positions. With a
-        cache, K/V are written at `positions` and each row's length grows to cover them.
-        recompute: where a gradient is wanted, each block keeps only its input and runs again in
-        the backward pass, its MLP in chunks of MLP_CHUNK tokens (a long rollout's update)."""
+    def trunk(self, input_ids, positions=None, cache=None, recompute=False) -> Tensor:
+        """Up to the final norm: (B, T) -> (B, T, d). positions (B, T): absolute (default: after
+        the cache's tokens, else 0..T-1); a cache gets K/V at them and its lengths cover them.
+        recompute: where a gradient is wanted, each block keeps only its input and runs again
+        in backward, its MLP MLP_CHUNK tokens at a time (the update of a long rollout)."""
         B, T = input_ids.shape
         dev = self.model.embed_tokens.weight.device
-        # A causal forward from position 0 (the GRPO update, teacher-forced traces) lets
-        # PyTorch's fused causal kernel skip the mask: upper-left causal is right there, and in a
-        # right-padded batch no real token sees a pad. The span rows' statistics build their own.
+        # From position 0 PyTorch's fused causal kernel needs no mask: upper-left causal is right
+        # there, and in a right-padded batch no real token sees a pad.
         fused_causal = (positions is None and cache is None and T > 1
                         and all(w is None for w in self.windows))
         if positions is None:
@@ -1128,49 +882,26 @@ class Transformer(nn.Module):
         masks = {w: None if fused_causal else attention_mask(positions, key_pos, w)
                  for w in set(self.windows)}
         cos, sin = rope_tables(self.inv_freq, positions, self.model.embed_tokens.weight.dtype)
-        rows = span_rows(span, positions) if span is not None else None
-
         x = self.model.embed_tokens(input_ids.to(dev))                          # (B, T, d)
-        hidden_states = [x] if output_hidden_states else None
-        layer_sums = []
         for i, layer in enumerate(self.model.layers):
-            inputs = (x, cos, sin, masks[self.windows[i]], positions, key_pos,
-                      cache[i] if cache is not None else None, rows)
+            inputs = (x, cos, sin, masks[self.windows[i]], positions,
+                      cache[i] if cache is not None else None)
             if recompute and torch.is_grad_enabled():
-                x, sums = torch.utils.checkpoint.checkpoint(
+                x = torch.utils.checkpoint.checkpoint(
                     layer, *inputs, mlp_chunk=max(1, MLP_CHUNK // B), use_reentrant=False)
             else:
-                x, sums = layer(*inputs)
-            layer_sums.append(sums)
-            if output_hidden_states and i < len(self.model.layers) - 1:
-                hidden_states.append(x)
-        x = self.model.norm(x)
-        if output_hidden_states:
-            hidden_states.append(x)        # Hugging Face: the last hidden state is after the norm
+                x = layer(*inputs)
         if cache is not None:
             set_lengths(cache, torch.maximum(cache[0].lengths, positions.max(1).values.cpu() + 1))
-
-        attn_stats = None
-        if rows is not None:
-            H = self.config.num_attention_heads
-            per_layer = [s.to(dev) if s is not None else torch.zeros(B, H, len(STATS), device=dev)
-                         for s in layer_sums]
-            count = rows.count.to(dev).float()[:, None, None, None]      # 0 span rows -> nan
-            means = torch.stack(per_layer, 1) / count                     # (B, L, H, 6)
-            attn_stats = dict(zip(STATS, means.unbind(-1)))
-        return x, tuple(hidden_states) if output_hidden_states else None, attn_stats
+        return self.model.norm(x)
 
     def decode(self, tokens, cache, span_start=None, w=None):
-        """One token per row, tokens (B,), at each row's cache length (the caller advances the
-        lengths) -> the logits (B, V) in float32 and, given span_start (B,) (where each row's turn
-        began), the token's hidden states (L+1, B, d) and six statistics (B, L, H, 6), all on the
-        head's device. w: self.decode_weights(), read once by a caller decoding many tokens
-        (checking that they are current costs a fair part of a small model's step).
-
-        The step runs compiled where it can (compiled_step): a small model's step on the CPU
-        costs its number of operations, and a GPU's waits on the CPU to launch each kernel. The
-        compiled step attends over the slots in use rounded up to whole KEY_BLOCKs (at most the
-        capacity), later slots masked, so its shapes change once every KEY_BLOCK tokens."""
+        """One token per row, tokens (B,), at each row's cache length (the caller advances it)
+        -> logits (B, V) float32 and, given span_start (B,) (where each row's turn began), the
+        hidden states (L+1, B, d) and six statistics (B, L, H, 6), on the head's device.
+        w: decode_weights(), read once by a caller decoding many tokens. Compiled where it can
+        (compiled_step), over the slots in use rounded up to whole KEY_BLOCKs, later ones
+        masked, so that its shapes change once every KEY_BLOCK tokens."""
         lengths = cache[0].lengths                          # (B,) on the CPU: no device sync
         size = int(lengths.max()) + 1                       # key slots [0, size) are in use
         for layer_cache in cache:
@@ -1183,8 +914,8 @@ class Transformer(nn.Module):
                 blocks = min(cache[0].capacity, -(-size // KEY_BLOCK) * KEY_BLOCK)
                 if not cache[0].k.is_cuda:
                     return step(self, *args, blocks)
-                # A CUDA graph reads device tensors only, and its outputs live in memory that its
-                # next replay overwrites: the caller gets copies.
+                # a CUDA graph reads device tensors only, and its next replay overwrites its
+                # outputs: the caller gets copies
                 dev = cache[0].k.device
                 self.inv_freq = self.inv_freq.to(dev)
                 on_dev = [None if t is None else t.to(dev) for t in args[:3]]
@@ -1200,10 +931,9 @@ class Transformer(nn.Module):
         return [layer.decode_weights() for layer in self.model.layers]
 
     def decode_step(self, tokens, lengths, span_start, ks, vs, w, size):
-        """decode on the cache tensors ks, vs (one (B, KV, capacity, D) each per layer),
-        attending over key slots [0, size); w: each block's decode_weights(). The counterpart of
-        trunk with nothing per layer that depends on a row's length: the masks, RoPE tables and
-        before-span vector are built once per step, every layer's statistics derived at the end."""
+        """decode on the cache tensors ks, vs ((B, KV, capacity, D) per layer) over key slots
+        [0, size): masks, RoPE tables and the before-span vector built once per step (once per
+        device of a split model), every layer's statistics derived at the end."""
         dev = self.model.embed_tokens.weight.device
         pos = lengths.to(dev)
         key_pos = torch.arange(size, device=dev)
@@ -1218,7 +948,6 @@ class Transformer(nn.Module):
         x = self.model.embed_tokens(tokens.to(dev)[:, None])                # (B, 1, d)
         hidden, numbers, moved = [x], [], {}
         for i, layer in enumerate(self.model.layers):
-            # a split model: each device gets the step's tables once
             key = (ks[i].device, self.windows[i])
             if key not in moved:
                 moved[key] = [t.to(key[0]) if t is not None else None
@@ -1245,41 +974,30 @@ class Transformer(nn.Module):
 # ----------------------------------------------------------------------------------------------
 # The compiled decoding step
 
-# PAIR_COMPILE=0 decodes eagerly everywhere (the test suite does, but where it compares the two).
-COMPILE = os.environ.get("PAIR_COMPILE", "1") != "0"
-# The compiled step attends over key slots in blocks of this many, not over the whole capacity:
-# a cache made for several turns, doubling as it grows, would up to double the attention's work.
+COMPILE = os.environ.get("PAIR_COMPILE", "1") != "0"     # 0: decode eagerly everywhere
+# key slots attended in blocks of this many, not the whole capacity (which doubles as it grows)
 KEY_BLOCK = 128
-# torch specializes a graph on the relations among its sizes (span_start given or not, one row
-# or more, the slots attended filling the cache or not): 8 graphs once every size is symbolic,
-# after the first call's static graph and one more at the first change of each size. Up to 11,
-# over torch's default limit of 8, past which the step would decode eagerly for good.
+# torch compiles a graph per relation among the sizes (span_start or not, one row or more, the
+# cache full or not): up to 11, over its default limit of 8, past which it decodes eagerly
 RECOMPILE_LIMIT = 32
-# a CUDA graph per step, every size symbolic from the first compile (compiled_step)
 COMPILE_OPTIONS = {"cpu": {}, "cuda": {"mode": "reduce-overhead", "dynamic": True}}
 _compiled = {}          # device kind: Transformer.decode_step compiled; "failed": why given up
 
 
 def compile_errors() -> tuple:
-    """Compiling failed: no working C++ compiler, or past the limit (FailOnCacheLimitHit before
-    torch 2.7), which fullgraph=True raises. Imported here, not with this module: torch's
-    compiler is seconds of every command's start, `--help` included."""
+    """Compiling failed: no C++ compiler, or past the limit (FailOnCacheLimitHit before torch
+    2.7). Looked up here: importing torch's compiler costs seconds of every command's start."""
     exc = torch._dynamo.exc
     return (exc.TorchDynamoException, *(getattr(exc, name) for name in (
         "FailOnRecompileLimitHit", "FailOnCacheLimitHit") if hasattr(exc, name)))
 
 
 def compiled_step(w: list, cache: list[KVCache]):
-    """Transformer.decode_step compiled (called with the model first), or None where compiling
-    does not pay or is not wanted: PAIR_COMPILE=0, an earlier failure, a model split over several
-    devices, or on the CPU a block decoding with its modules (Block.decode_weights).
-
-    On the CPU inductor compiles it for the shapes of its first call and, at the first change,
-    once more with the changed sizes symbolic (batch, key slots, capacity), once per relation
-    among them (RECOMPILE_LIMIT). On a GPU it is also captured as a CUDA graph (gpt-fast's
-    recipe): one launch instead of thousands of kernels, writing the cache in place at the
-    addresses it was captured with (static_address; generate reserves its slots first); every
-    size is symbolic from the first call, one compile serving each batch and key-slot count."""
+    """Transformer.decode_step compiled (called with the model first), or None where it does
+    not pay or is not wanted: PAIR_COMPILE=0, an earlier failure, a split model, or on the CPU a
+    block without fused weights. On a GPU it is also captured as a CUDA graph (gpt-fast's
+    recipe: one launch instead of thousands of kernels, the cache written in place at its
+    captured addresses), every size symbolic from the first call."""
     if not COMPILE or "failed" in _compiled or len({c.k.device for c in cache}) > 1:
         return None
     kind = cache[0].k.device.type
@@ -1296,8 +1014,8 @@ def compiled_step(w: list, cache: list[KVCache]):
             name = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"
             setattr(config, name, max(getattr(config, name), RECOMPILE_LIMIT))
         if COMPILE_OPTIONS[kind].get("dynamic"):
-            # Every size symbolic, each its own symbol: "duck" sizing would take two sizes equal
-            # at the first call (4 rows, 4 key heads) for one, and compile again when they part.
+            # each size its own symbol: "duck" sizing would merge two sizes equal at the first
+            # call (4 rows, 4 key heads) and compile again when they part
             torch.fx.experimental._config.use_duck_shape = False
         _compiled[kind] = torch.compile(Transformer.decode_step, fullgraph=True, **limit,
                                         **COMPILE_OPTIONS[kind])
@@ -1317,12 +1035,9 @@ def compile_failed(error: Exception):
 
 
 class Tokenizer:
-    """A tokenizers.Tokenizer and the ChatML template around it.
-
-    Untrusted text stays text: every string (a task, a tool's observation, a dataset record, the
-    policy's own reply) is encoded with special-token text treated as ordinary characters, so
-    an observation that writes "<|im_end|>\n<|im_start|>system" is those characters, not a new
-    turn. Only the template puts the special tokens <|im_start|> and <|im_end|>, as ids."""
+    """A tokenizers.Tokenizer and the ChatML template around it. Untrusted text stays text: a
+    message that writes "<|im_end|>" is those characters, not a new turn; only the template
+    puts the special tokens <|im_start|> and <|im_end|>, as ids."""
 
     def __init__(self, tok):
         self.tok = tok
@@ -1366,17 +1081,10 @@ class Tokenizer:
             if not isinstance(m.get("content"), str):
                 raise ValueError(f"message {i}: content must be a string")
 
-    def chat_text(self, messages, add_generation_prompt=False) -> str:
-        self._check(messages)
-        return chat_text(messages, add_generation_prompt)
-
     def render(self, messages, add_generation_prompt=False) -> tuple[list[int], list[tuple]]:
         """Token ids of the chat and, per assistant message, its span [start, end) (METHOD.md §3):
-        start = first token of the content, end = its closing <|im_end|> + 1.
-
-        The template's special tokens are inserted as ids and the text between them is encoded as
-        text, piece by piece: the ids a tokenizer gives the whole ChatML string (special tokens
-        split it into these same pieces), except that a message cannot open or close a turn."""
+        its content's first token to its closing <|im_end|> + 1. The ids a tokenizer gives the
+        whole ChatML string, piece by piece, except that a message cannot open or close a turn."""
         self._check(messages)
         if not messages or messages[0]["role"] != "system":
             messages = [{"role": "system", "content": DEFAULT_SYSTEM}, *messages]
@@ -1395,18 +1103,8 @@ class Tokenizer:
         return ids, spans
 
 
-def chat_text(messages, add_generation_prompt=False) -> str:
-    """The ChatML text of a chat, as the chat template writes it (the text a tokenizer is trained
-    on; Tokenizer.render gives the ids, with the template's special tokens as ids)."""
-    system = [] if messages and messages[0]["role"] == "system" else \
-        [f"<|im_start|>system\n{DEFAULT_SYSTEM}<|im_end|>\n"]
-    return "".join(system + [f"<|im_start|>{m['role']}\n{m['content']}<|im_end|>\n"
-                             for m in messages]) + \
-        ("<|im_start|>assistant\n" if add_generation_prompt else "")
-
-
-# A code point in U+D800..U+DFFF left in a str is half of a UTF-16 pair (a JSON "\ud800"
-# escape decodes to one): no UTF-8 text can hold it and the tokenizer refuses it.
+# half of a UTF-16 pair (a JSON "\ud800" decodes to one): no UTF-8 text holds it, the tokenizer
+# refuses it
 LONE_SURROGATE = re.compile("[\ud800-\udfff]")
 
 
@@ -1416,14 +1114,12 @@ def holds_lone_surrogate(value) -> bool:
 
 
 def without_surrogates(text: str) -> str:
-    """text with every unpaired surrogate replaced by U+FFFD (same length): whatever a policy or
-    a data file wrote stays encodable."""
+    """text with every unpaired surrogate replaced by U+FFFD (same length), so it encodes."""
     return LONE_SURROGATE.sub("\ufffd", text)
 
 
 # ----------------------------------------------------------------------------------------------
-# Generation (gpt-fast style small functions) and teacher-forced traces
-
+# Generation (gpt-fast style small functions) and the update's log-probabilities
 
 @dataclass
 class TurnTrace:
@@ -1434,65 +1130,24 @@ class TurnTrace:
     h_last: Tensor | None               # (L+1, d) hidden_states[l] at the last span token
     h_mean: Tensor | None               # (L+1, d) mean over span rows of hidden_states[l]
     finished: bool                      # stopped on a stop token (vs max_new_tokens)
-    # log pi(token) of each sampled token at the sampling temperature (T = 1 when greedy), from
-    # the logits it was drawn from; empty for teacher-forced traces
+    # log pi(token) of each sampled token at the sampling temperature (1 when greedy); empty
+    # for teacher-forced traces
     logprobs: list[float] = field(default_factory=list)
 
 
-@torch.no_grad()
-def trace_forward(model: Transformer, ids: list[int], span, stop_ids=None) -> TurnTrace:
-    """The TurnTrace of tokens ids[start:end] of one sequence, teacher-forced."""
-    return trace_batch(model, [ids], [span], stop_ids)[0]
-
-
-@torch.no_grad()
-def trace_batch(model: Transformer, seqs: list[list[int]], spans, stop_ids=None,
-                rows_per_forward: int = 16) -> list[TurnTrace]:
-    """trace_forward of many (sequence, span) pairs, a few rows per forward.
-
-    Rows are right-padded: a real token never attends to a pad after it, so each row's trace is
-    the one its sequence gives alone. Only the span tokens' hidden states are kept."""
-    stop_ids = model.config.stop_ids if stop_ids is None else tuple(stop_ids)
-    for ids, (start, end) in zip(seqs, spans):
-        if not 0 <= start < end <= len(ids):
-            raise ValueError(f"span {(start, end)} is not inside a sequence of {len(ids)} tokens")
-    # rows of similar length share a forward (less padding); traces come back in input order
-    order = sorted(range(len(seqs)), key=lambda i: len(seqs[i]))
-    traces = [None] * len(seqs)
-    for a in range(0, len(order), rows_per_forward):
-        chunk = order[a:a + rows_per_forward]
-        T = max(len(seqs[i]) for i in chunk)
-        batch = torch.tensor([list(seqs[i]) + [0] * (T - len(seqs[i])) for i in chunk])  # (b, T)
-        _, hidden, stats = model.trunk(batch, span=[tuple(spans[i]) for i in chunk],
-                                       output_hidden_states=True)
-        for r, i in enumerate(chunk):
-            (start, end), ids = spans[i], seqs[i]
-            h = torch.stack([hs[r, start:end].float().cpu() for hs in hidden])  # (L+1, n, d)
-            traces[i] = TurnTrace(tokens=list(ids[start:end]), span=(start, end),
-                                  attn={k: v[r].float().cpu() for k, v in stats.items()},
-                                  h_last=h[:, -1], h_mean=h.mean(1),
-                                  finished=ids[end - 1] in stop_ids)
-    return traces
-
-
-# A recomputed block runs its MLP over at most this many tokens (rows x positions) at a time.
-MLP_CHUNK = 4096
-# The head's float32 logits over a 152k vocabulary take 0.58 GiB per 1,000 tokens, and the update
-# would hold several such copies (the logits, / T, the log-softmax, their gradients): it scores
-# at most this many logits at a time (64 MB), and scores them again in the backward pass.
+MLP_CHUNK = 4096          # tokens (rows x positions) a recomputed block's MLP runs at a time
+# logits scored at a time (64 MB), again in backward: a 152k vocabulary's float32 logits take
+# 0.58 GiB per 1,000 tokens, and the update would hold several copies
 LOGITS_CHUNK = 1 << 24
 
 
 def token_logprobs(policy, ids: torch.Tensor, mask: torch.Tensor,
                    temperature: float = 1.0) -> torch.Tensor:
-    """log pi(x_j | x_<j) at the masked positions j, in row-major order -> (N,) float32.
-
-    Sized for the update of a long multi-turn rollout: the head runs only on the N positions
-    that count, LOGITS_CHUNK // V at a time, and where a gradient is wanted each block, each
-    MLP_CHUNK tokens of its MLP and each chunk of the head are recomputed in the backward pass,
-    so the call holds about one (T, d) input per block: neither the (N, V) logits nor the MLPs'
-    (T, intermediate) activations ever exist for the whole rollout."""
-    h, _, _ = policy.trunk(ids, recompute=True)                 # (B, T, d) after the final norm
+    """log pi(x_j | x_<j) at the masked positions j, in row-major order -> (N,) float32. The head
+    runs only on those N positions, LOGITS_CHUNK // V at a time; with a gradient, blocks, MLP
+    chunks and head chunks are recomputed in backward, so a long rollout's update holds about
+    one (T, d) input per block, never the (N, V) logits or the MLPs' activations whole."""
+    h = policy.trunk(ids, recompute=True)                       # (B, T, d) after the final norm
     h = h[:, :-1]                                               # position j predicts x_{j+1}
     target = mask[:, 1:].to(h.device)
     h, labels = h[target], ids[:, 1:].to(h.device)[target]      # (N, d), (N,)
@@ -1513,8 +1168,7 @@ def head_logprobs(lm_head: nn.Module, h: Tensor, labels: Tensor, temperature: fl
     return torch.log_softmax(logits, dim=-1).gather(1, labels[:, None]).squeeze(1)
 
 
-# The smallest sampling temperature: below it sampling is greedy decoding in all but name, and far
-# below it logits / T overflows float32 and the softmax turns to NaN (use 0 for greedy).
+# below it sampling is greedy in all but name, and far below logits / T overflows float32
 MIN_TEMPERATURE = 1e-3
 
 
@@ -1524,16 +1178,13 @@ def valid_temperature(t: float) -> bool:
 
 
 def sample(logits: Tensor, temperature: float, top_p: float, generator=None) -> Tensor:
-    """(B, V) float32 logits -> (B,) token ids; temperature 0 is greedy.
-
-    Sampled by the inverse of each row's cumulative distribution at one uniform number: the
-    draw torch.multinomial makes for a single sample costs one random number per vocabulary
-    entry, which at a small model's size is most of a decoding step."""
+    """(B, V) float32 logits -> (B,) token ids; temperature 0 is greedy. Drawn by inverting each
+    row's CDF at one uniform number (torch.multinomial draws one per vocabulary entry)."""
     if temperature == 0:
         return logits.argmax(-1)
     probs = torch.softmax(logits / temperature, dim=-1)
     if top_p < 1.0:
-        # Nucleus: keep the most likely tokens until their mass reaches top_p (at least one).
+        # nucleus: the most likely tokens until their mass reaches top_p (at least one)
         sorted_p, order = probs.sort(-1, descending=True)
         drop = sorted_p.cumsum(-1) - sorted_p >= top_p
         probs = torch.zeros_like(probs).scatter_(-1, order, sorted_p.masked_fill(drop, 0.0))
@@ -1559,13 +1210,10 @@ def prefill(model: Transformer, cache, new_tokens: list[list[int]]) -> Tensor | 
 
 
 def prefill_last(model: Transformer, cache, new_tokens: list[list[int]]) -> Tensor:
-    """prefill up to the head: the final-normed hidden state of each row's last new token (B, d)
-    (garbage in a row with none).
-
-    An empty cache whose rows start alike (GRPO's group: G copies of one prompt) computes each
-    distinct prompt once and copies its keys, values and last state to the rows that repeat it:
-    a row's numbers do not depend on the rows beside it, so the copies are what computing them
-    would give, to the bit (the head is then applied to every row, as it would be)."""
+    """prefill up to the head: the final-normed state of each row's last new token (B, d)
+    (garbage in a row with none). An empty cache whose rows repeat a prompt (GRPO's group)
+    computes each distinct prompt once and copies its keys, values and state: a row's numbers
+    do not depend on its neighbours, so the copies are bit-identical."""
     lengths = cache[0].lengths.clone()
     n = torch.tensor([len(t) for t in new_tokens])
     T = int(n.max())
@@ -1583,7 +1231,7 @@ def prefill_last(model: Transformer, cache, new_tokens: list[list[int]]) -> Tens
             return h[index.to(h.device)]
     ids = torch.tensor([list(t) + [0] * (T - len(t)) for t in new_tokens])     # (B, T)
     positions = lengths[:, None] + torch.arange(T)
-    h, _, _ = model.trunk(ids, positions, cache)
+    h = model.trunk(ids, positions, cache)
     set_lengths(cache, lengths + n)
     return h[torch.arange(len(n), device=h.device), (n - 1).clamp_min(0).to(h.device)]
 
@@ -1601,8 +1249,7 @@ def decode_one_token(model: Transformer, cache, tokens: Tensor, fed: Tensor,
 
 @dataclass
 class TurnStats:
-    """Per row, the running sums of the statistics of the turn being decoded (float32, on the
-    model's device until the turn ends)."""
+    """Per row, the running sums over the turn being decoded (float32, on the model's device)."""
     attn: Tensor                        # (B, L, H, len(STATS)) summed over the turn's tokens
     h_sum: Tensor                       # (L+1, B, d) hidden states summed over the turn's tokens
     h_last: Tensor                      # (L+1, B, d) hidden states of the latest token
@@ -1620,9 +1267,8 @@ class TurnStats:
 
 
 def accumulate(acc: TurnStats, attn: Tensor, hidden: Tensor, fed: Tensor):
-    """Add one decoded token's statistics (B, L, H, 6) and hidden states (L+1, B, d) to the
-    rows that fed a real token (fed (B,) bool). The other rows' numbers are garbage (they were
-    fed a pad): where, not a multiply."""
+    """Add one decoded token's statistics (B, L, H, 6) and hidden states (L+1, B, d) to the rows
+    that fed a real token (fed (B,) bool); where, not multiply: a pad row's numbers are garbage."""
     acc.attn += torch.where(fed[:, None, None, None], attn, 0.0)
     hidden = hidden.float()
     acc.h_sum += torch.where(fed[None, :, None], hidden, 0.0)
@@ -1630,10 +1276,9 @@ def accumulate(acc: TurnStats, attn: Tensor, hidden: Tensor, fed: Tensor):
 
 
 def reserve_slots(cache: list[KVCache], steps: int):
-    """Room for `steps` more tokens a row, and past the last block of key slots a decoding step
-    attends over, reserved before a generation on a GPU: the captured step then writes at the
-    same addresses to its end, and its key slots never fill the cache, a relation between the
-    sizes that torch would compile a graph of its own for (at 7B, a minute and more)."""
+    """Room for `steps` more tokens a row and a slot past the last KEY_BLOCK, before generating
+    on a GPU: the captured step keeps its addresses, and the key slots never fill the cache (a
+    relation torch would compile another graph for: a minute and more at 7B)."""
     need = -(-(int(cache[0].lengths.max()) + steps) // KEY_BLOCK) * KEY_BLOCK + 1
     for c in cache:
         c.grow(need)
@@ -1644,13 +1289,10 @@ def generate(model: Transformer, cache, new_tokens: list[list[int]], max_new_tok
              temperature=1.0, top_p=1.0, stop_ids=None, generator=None,
              stats=True, active=None) -> list[TurnTrace | None]:
     """Append each row's new tokens to the cache, then sample up to max_new_tokens per row.
-
-    A row with no new tokens generates nothing (empty trace); a row with active[i] False (an
-    episode that has ended) gets nothing appended and None as its trace; max_new_tokens=0 only
-    appends. Every sampled token, the stop token included, is fed through the model, so the
-    cache holds it and (stats=True) its statistics and hidden states are accumulated: the traces
-    cover exactly the generated tokens. Idle rows ride along as pads (decoding is bound by
-    reading the weights). The loop keeps every row's state in tensors on the model's device."""
+    A row with no new tokens generates nothing (empty trace), one with active[i] False (an ended
+    episode) gets None. Every sampled token, the stop token included, is fed through the model,
+    so the cache holds it and (stats=True) its statistics and hidden states are accumulated.
+    Idle rows ride along as pads (decoding is bound by reading the weights)."""
     B = len(new_tokens)
     if B != cache[0].k.shape[0]:
         raise ValueError(f"{B} rows of new tokens for a cache of batch size {cache[0].k.shape[0]}")
@@ -1718,11 +1360,10 @@ def turn_traces(tokens, logps, count, finished, span_start, acc, alive) -> list[
 # ----------------------------------------------------------------------------------------------
 # LoRA (Hu et al., 2021), by hand, laid out as PEFT lays it out
 
-# A targeted nn.Linear becomes a LoRALinear that keeps the base Parameters under their own keys
-# (`q_proj.weight`, `q_proj.bias`) and adds `q_proj.lora_A.weight` (r, d_in) and
-# `q_proj.lora_B.weight` (d_out, r) beside them:   y = x W^T + b + (alpha / r) * B A dropout(x).
-# B starts at zero, so a fresh adapter leaves the model unchanged. The adapter is kept in float32
-# (as PEFT does by default) even when the base weights are bfloat16: the updates are tiny.
+# A targeted nn.Linear becomes a LoRALinear keeping the base weight's keys (`q_proj.weight`) and
+# adding `q_proj.lora_A.weight` (r, d_in), `q_proj.lora_B.weight` (d_out, r) beside them:
+#     y = x W^T + b + (alpha / r) * B A dropout(x),   B = 0 at first (the model unchanged).
+# The adapter stays float32 (PEFT's default) under bfloat16 weights: its updates are tiny.
 
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
@@ -1756,8 +1397,7 @@ class LoRALinear(nn.Module):
         y = F.linear(x, self.weight, self.bias)
         if not self.enabled:
             return y
-        # lora_A and lora_B are applied as functions, not called as modules: decoding calls this
-        # once per projection per token, where a module call costs more than its tiny matmul
+        # functions, not module calls: per token a module call costs more than its tiny matmul
         x = x.to(self.lora_A.weight.dtype)
         if self.dropout > 0:
             x = self.lora_dropout(x)
@@ -1802,7 +1442,6 @@ def apply_lora(model: nn.Module, r=16, alpha=32.0, dropout=0.05, targets=LORA_TA
     for p in model.parameters():
         p.requires_grad_(False)
     for module, name, child in sites:
-        # A new module starts in training mode; keep the model's mode (dropout off in eval).
         setattr(module, name, LoRALinear(child, s, dtype).train(child.training))
     model.lora_settings = s
     return model
@@ -1828,10 +1467,6 @@ def lora_disabled(model):
     finally:
         for name, m in lora_modules(model):
             m.enabled = was[name]
-
-
-def lora_state(policy) -> dict[str, torch.Tensor]:
-    return {n: p.detach().clone() for n, p in lora_parameters(policy)}
 
 
 def load_lora_state(policy, state: dict[str, torch.Tensor]):
@@ -1950,11 +1585,10 @@ def load_adapter(model, path):
 # ----------------------------------------------------------------------------------------------
 # Layers split across devices (pipeline placement, no pipelining), applied to a built model
 
-# The model code stays single-device. split_model moves contiguous ranges of blocks to the given
-# devices and adds a forward pre-hook to each block that moves its tensor inputs there. Only one
-# device computes at a time (placement, not pipelining): the point is memory, as a 7B policy with
-# its LoRA state and KV caches does not fit on one 48 GB GPU. Embeddings sit on the first device,
-# the final norm and lm_head on the last; new_cache puts each block's KV cache on its device.
+# split_model moves contiguous ranges of blocks to the devices, each with a pre-hook moving its
+# inputs there: one device computes at a time, the point is memory (a 7B policy with its LoRA
+# state and caches exceeds one 48 GB GPU). Embeddings on the first device, norm and head on the
+# last; new_cache puts each block's cache on its device.
 
 def balance_layers(block_sizes: list[int], n_devices: int, first_extra=0, last_extra=0):
     """Layers per device: contiguous ranges whose loads (parameter counts, with the embedding on
@@ -2058,7 +1692,7 @@ def split_model(model, devices, layer_counts=None):
 
 
 # ----------------------------------------------------------------------------------------------
-# File helpers: where fetched and fitted files live, atomic writes, progress lines, optimizer state
+# File helpers: where fetched and fitted files live, atomic writes
 
 
 def cache_root() -> Path:
@@ -2092,26 +1726,3 @@ def write_atomic(path: Path, data: bytes | str) -> None:
         raise
 
 
-class Pacer:
-    """When the next progress line is due. On a terminal: every `every` seconds. Into a file or
-    a pipe (a log, read later): at most one line per 30 s and per 10% of the work, so that an
-    hour of work is a dozen lines, not hundreds. The end of the work is always due."""
-
-    def __init__(self, total: float, stream, every: float = 5.0, clock=time.monotonic):
-        self.tty = bool(getattr(stream, "isatty", lambda: False)())
-        self.total, self.clock = total, clock
-        self.every, self.least = (every, 0.0) if self.tty else (30.0, total / 10)
-        self.last_time, self.last_done = clock(), 0.0
-
-    def due(self, done: float) -> bool:
-        now = self.clock()
-        if done >= self.total or (now - self.last_time >= self.every
-                                  and done - self.last_done >= self.least):
-            self.last_time, self.last_done = now, done
-            return True
-        return False
-
-
-def hms(seconds: float) -> str:
-    seconds = int(seconds)
-    return f"{seconds // 3600}h{seconds // 60 % 60:02d}m{seconds % 60:02d}s"

@@ -549,7 +549,7 @@ def setup(args, policy, tok, procs, log, ctx) -> None:
 def refresh_teacher(run, step: int) -> None:
     """tips: every --tips-refresh steps the lagged teacher moves to the policy."""
     if run.args.reward == "tips" and step % run.args.tips_refresh == 0:
-        run.ctx.lagged = model.lora_state(run.policy)
+        run.ctx.lagged = lora_state(run.policy)
 
 
 def flags(ap) -> None:
@@ -611,9 +611,13 @@ def copy_rows(src: list[model.KVCache], src_row: int, dst: list[model.KVCache], 
 @contextlib.contextmanager
 def lora_swapped(policy, state: dict[str, torch.Tensor]):
     """Run with other adapter weights (the lagged teacher of tips), then put the policy's back."""
-    own = model.lora_state(policy)
+    own = lora_state(policy)
     model.load_lora_state(policy, state)
     try:
         yield policy
     finally:
         model.load_lora_state(policy, own)
+
+
+def lora_state(policy) -> dict[str, torch.Tensor]:
+    return {n: p.detach().clone() for n, p in model.lora_parameters(policy)}

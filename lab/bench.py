@@ -32,7 +32,7 @@ Time is the best of --repeats runs (on a shared CPU the minimum is the least noi
 memory is the most bytes held by tensors allocated during the call: on a GPU its allocator's
 peak, on the CPU the "Total Allocated" counter of PyTorch's CPU allocator as torch.profiler reports
 it; weights already resident are excluded, whatever the call returns is included. No forward
-computes full logits (ours logits=False, transformers logits_to_keep=1).
+computes full logits (ours: model.trunk and lab/traces.py, transformers logits_to_keep=1).
 """
 import argparse
 import json
@@ -47,6 +47,7 @@ import grpo
 import model as M
 import pair
 import probes
+from lab import traces
 
 ROOT = Path(__file__).resolve().parent
 QWEN2 = dict(architectures=["Qwen2ForCausalLM"], model_type="qwen2", hidden_act="silu",
@@ -199,10 +200,9 @@ def forward_section(model, hf, args, device):
         ids = random_ids(model, T, 1, seed=T).to(device)
         span = (T - args.span, T)
         runs = {
-            "plain": lambda: model(ids, logits=False),
-            "stats": lambda: model(ids, span=span, logits=False),
-            "stats+hidden": lambda: model(ids, span=span, output_hidden_states=True,
-                                          logits=False),
+            "plain": lambda: model.trunk(ids),
+            "stats": lambda: traces.forward(model, ids, span),
+            "stats+hidden": lambda: traces.forward(model, ids, span, output_hidden_states=True),
         }
         c = model.config
         maps = c.num_hidden_layers * c.num_attention_heads * T * T * ids.new_zeros(
@@ -343,7 +343,7 @@ def update_section(model, args, device):
         ids = random_ids(model, T, 1, seed=T).to(device)
         mask = torch.ones_like(ids, dtype=torch.bool)
         if plain:       # the straightforward way: every activation kept, the logits whole
-            h, _, _ = model.trunk(ids)
+            h = model.trunk(ids)
             logits = model.lm_head(h[:, :-1][mask[:, 1:]]).float()
             logp = torch.log_softmax(logits, -1).gather(1, ids[:, 1:][mask[:, 1:]][:, None])
         else:

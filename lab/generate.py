@@ -1,7 +1,7 @@
 """`python -m lab.generate`: chat-format a prompt and print the model's reply (greedy by default).
 
-A checkpoint trained on a built-in world records in its config.json (model.WORLD_KEY,
-model.TOOLS_KEY) the tool list and reply format that world appends to a task, so that a prompt
+A checkpoint trained on a built-in world records in its config.json (WORLD_KEY,
+TOOLS_KEY) the tool list and reply format that world appends to a task, so that a prompt
 is rendered as the model saw tasks in training.
 """
 from __future__ import annotations
@@ -14,14 +14,19 @@ import torch
 
 import model as M
 
+# config.json keys of a checkpoint trained on a built-in world (`python -m lab.shop sft` writes
+# them): the world's name, and the tool list and reply format it appends to a task.
+WORLD_KEY = "pair_world"
+TOOLS_KEY = "pair_tool_instructions"
+
 
 def checkpoint_world(directory) -> tuple[str | None, str | None]:
     """(world name, its tool instructions) a checkpoint's config.json records, or (None, None)."""
     path = Path(directory) / "config.json"
     config = M.read_json(path)
-    world, tools = config.get(M.WORLD_KEY), config.get(M.TOOLS_KEY)
+    world, tools = config.get(WORLD_KEY), config.get(TOOLS_KEY)
     if world is not None and not (isinstance(world, str) and isinstance(tools, str)):
-        raise M.CheckpointError(f"{path}: {M.WORLD_KEY} must name a world and {M.TOOLS_KEY} hold "
+        raise M.CheckpointError(f"{path}: {WORLD_KEY} must name a world and {TOOLS_KEY} hold "
                                 f"its tool instructions (got {world!r} and {type(tools).__name__})")
     return world, tools
 
@@ -50,7 +55,7 @@ def main(argv=None):
                    help="how the prompt is rendered: shop = as the shop world renders a task "
                    "(the task, then the tool list and the reply format: what the built-in "
                    "policy is trained and rolled out on; the checkpoint's config.json records "
-                   f"them, {M.WORLD_KEY} and {M.TOOLS_KEY}, written by `shop.py "
+                   f"them, {WORLD_KEY} and {TOOLS_KEY}, written by `shop.py "
                    "sft`); none = the prompt alone; auto (default) = the world the checkpoint "
                    "records, else none")
     g.add_argument("--system", default=None, help="system message (default: Qwen's default, "
@@ -88,7 +93,7 @@ def main(argv=None):
         world, tools = None, None
     elif args.world != "auto" and world != args.world:
         sys.exit(f"--world {args.world}: {args.model} records no {args.world} task rendering "
-                 f"(its config.json has {M.WORLD_KEY} {world!r})")
+                 f"(its config.json has {WORLD_KEY} {world!r})")
     ids, _ = tok.render(prompt_messages(args.prompt, args.system, tools),
                         add_generation_prompt=True)
     context = model.config.max_position_embeddings     # the cache is made for all of it at once

@@ -45,7 +45,7 @@ import model
 import pair
 import probes
 from grpo import rollout
-from lab import onpolicy, shop, study
+from lab import onpolicy, shop, study, traces
 
 PROBE_SEED = 42
 
@@ -139,7 +139,7 @@ def sample_own_turns(policy, tok, env, n_episodes: int, samples: int, args, seed
     g = torch.Generator(device=policy.model.embed_tokens.weight.device).manual_seed(seed)
     # 16 rows a call: a call decodes until its slowest row is done, so wider calls wait longer
     trajs, rows, t0 = [], 16, time.perf_counter()
-    pacer = model.Pacer(len(episodes), sys.stdout)
+    pacer = grpo.Pacer(len(episodes), sys.stdout)
     with model.lora_disabled(policy):
         for a in range(0, len(episodes), rows):
             batch = [env.episode(i) for i in episodes[a:a + rows]]
@@ -184,9 +184,9 @@ def contaminated_corpus(policy, tok, episodes: int, log) -> study.Split:
                                             kept.raw["record"].tolist())]
     rendered = [study.render_record(r, tok) for r in records]
     with model.lora_disabled(policy):
-        traces = model.trace_batch(policy, [ids for ids, _, _ in rendered],
-                                   [span for _, span, _ in rendered])
-    raw = probes.stack_raw([probes.raw_features(tr) for tr in traces])
+        traced = traces.trace_batch(policy, [ids for ids, _, _ in rendered],
+                                    [span for _, span, _ in rendered])
+    raw = probes.stack_raw([probes.raw_features(tr) for tr in traced])
     raw["turn_idx"] = kept.raw["turn_idx"]
     log(f"  contaminated corpus: {len(kept.y)} teacher-forced turns of `python -m lab.shop "
         f"make-data --episodes {episodes}` (mode mixed; the shop world's, also for shop-long, "

@@ -40,6 +40,7 @@ import grpo
 import model
 from grpo import rollout
 from lab import data as lab_data
+from lab import generate
 
 # ---------------------------------------------------------------------------------------------
 # The world: tasks drawn from a seed, tools that really execute, exact labels
@@ -688,7 +689,8 @@ def sft_config(args, tok) -> dict:
             "bos_token_id": None, "eos_token_id": tok.im_end_id, "pad_token_id": tok.pad_id,
             "torch_dtype": "float32",
             # `model.py generate` renders a prompt as this world renders a task
-            model.WORLD_KEY: "shop", model.TOOLS_KEY: envs.tool_instructions(envs.SHOP_TOOLS)}
+            generate.WORLD_KEY: "shop",
+            generate.TOOLS_KEY: envs.tool_instructions(envs.SHOP_TOOLS)}
 
 
 def sft_batches(lengths: list[int], batch: int, steps: int, seed: int) -> list[list[int]]:
@@ -723,7 +725,7 @@ def sft(args) -> dict:
     dialogs = sft_dialogs(args.episodes, args.contaminated, args.seed, args.divided) \
         if args.world == "shop" else long_sft_dialogs(args.episodes, args.slips, args.seed)
     if not args.init:
-        tok = model.Tokenizer(train_tokenizer([model.chat_text(m) for m in dialogs], args.vocab))
+        tok = model.Tokenizer(train_tokenizer([chat_text(m) for m in dialogs], args.vocab))
     examples = []
     for messages in dialogs:
         ids, spans = tok.render(messages)
@@ -830,7 +832,7 @@ def sft(args) -> dict:
 
 def masked_lm_loss(policy, ids, mask) -> torch.Tensor:
     """Mean cross-entropy of the tokens where mask is True (the head runs on those only)."""
-    h, _, _ = policy.trunk(ids)
+    h = policy.trunk(ids)
     target = mask[:, 1:]
     return F.cross_entropy(policy.lm_head(h[:, :-1][target]).float(), ids[:, 1:][target])
 
@@ -1039,6 +1041,16 @@ SFT_RANGES = {**dict.fromkeys(("steps", "batch", "warmup", "hidden", "layers", "
               "episodes": grpo.within(2, envs.SHOP_SPLIT_SIZE["train"]),
               "seed": grpo.within(0, 2**32 - 1), "vocab": grpo.at_least(len(SPECIALS) + 256),
               "threads": grpo.THREADS}
+
+
+def chat_text(messages, add_generation_prompt=False) -> str:
+    """The ChatML text of a chat, as the chat template writes it (the text a tokenizer is trained
+    on; Tokenizer.render gives the ids, with the template's special tokens as ids)."""
+    system = [] if messages and messages[0]["role"] == "system" else \
+        [f"<|im_start|>system\n{model.DEFAULT_SYSTEM}<|im_end|>\n"]
+    return "".join(system + [f"<|im_start|>{m['role']}\n{m['content']}<|im_end|>\n"
+                             for m in messages]) + \
+        ("<|im_start|>assistant\n" if add_generation_prompt else "")
 
 
 def main(argv=None):

@@ -47,6 +47,7 @@ import grpo
 import model as mdl
 import pair
 import probes
+from lab import traces
 
 
 SEEDS = (42, 43, 44)
@@ -162,7 +163,7 @@ def _extract_parts(net, tokenizer, records, data_path, parts, out_path, manifest
           f"extract {data_path.name}: {len(records)} records", file=log)
 
     failed, buffer, n_reused = [], [], 0
-    t0, pacer = time.perf_counter(), mdl.Pacer(len(todo), log)
+    t0, pacer = time.perf_counter(), grpo.Pacer(len(todo), log)
     for n_new, i in enumerate(todo, 1):
         record = records[i]
         rid = f"{record['episode_id']}@{record['turn_idx']}"
@@ -173,7 +174,7 @@ def _extract_parts(net, tokenizer, records, data_path, parts, out_path, manifest
             n_reused += bool(raw)
             if not raw:
                 with torch.inference_mode():
-                    trace = mdl.trace_forward(net, ids, span)
+                    trace = traces.trace_forward(net, ids, span)
                 raw = probes.raw_features(trace)
             raw["input_digest"] = digest
             raw["record_index"] = torch.tensor(i)
@@ -189,7 +190,7 @@ def _extract_parts(net, tokenizer, records, data_path, parts, out_path, manifest
             rate = n_new / (time.perf_counter() - t0)
             eta = (len(todo) - n_new) / rate if rate > 0 else 0
             print(f"  {len(done) + n_new}/{len(records)} records  {rate:.2f} rec/s  "
-                  f"ETA {mdl.hms(eta)}  failed {len(failed)}  reused {n_reused}", file=log)
+                  f"ETA {grpo.hms(eta)}  failed {len(failed)}  reused {n_reused}", file=log)
     if not todo:
         _write_shard(parts, [], [])
 

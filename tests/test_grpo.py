@@ -30,6 +30,7 @@ import probes
 from lab import shop
 from lab import data as lab_data
 from lab import study
+from lab import traces
 
 ROOT = Path(__file__).resolve().parents[1]
 CORE_REWARDS = {"outcome", "pair", *probes.FEATURES}
@@ -45,7 +46,7 @@ def tiny_policy(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("policy")
     torch.manual_seed(0)
     dialogs = shop.sft_dialogs(10, 0.3, seed=1)
-    tok = mdl.Tokenizer(shop.train_tokenizer([mdl.chat_text(m) for m in dialogs], 300))
+    tok = mdl.Tokenizer(shop.train_tokenizer([shop.chat_text(m) for m in dialogs], 300))
     shape = argparse.Namespace(hidden=32, intermediate=64, layers=2, heads=4, kv_heads=2)
     config = shop.sft_config(shape, tok)
     policy = mdl.Transformer(mdl.Config.from_dict(config))
@@ -277,7 +278,7 @@ def test_token_logprobs_equal_full_log_softmax(tiny_policy):
                         .manual_seed(1))
     mask = torch.zeros(2, 12, dtype=torch.bool)
     mask[0, 3:7] = mask[1, 5:12] = True
-    full = torch.log_softmax(policy(ids).logits / 0.7, -1)             # (B, T, V)
+    full = torch.log_softmax(policy(ids) / 0.7, -1)             # (B, T, V)
     direct = torch.cat([full[b, j - 1, ids[b, j]][None] for b in range(2) for j in range(12)
                         if mask[b, j]])
     torch.testing.assert_close(mdl.token_logprobs(policy, ids, mask, 0.7), direct)
@@ -307,7 +308,7 @@ def test_rollout_appends_turns_to_one_cache_and_traces_equal_teacher_forcing(tin
                 assert seq[e:e + len(opening)] == opening
                 pos += len(opening)
             # the reward's statistics came from generation; teacher forcing gives the same
-            tf = mdl.trace_forward(policy, seq[:e], (s, e))
+            tf = traces.trace_forward(policy, seq[:e], (s, e))
             torch.testing.assert_close(step.trace.h_last, tf.h_last, atol=1e-4, rtol=1e-4)
             for name in mdl.STATS:
                 torch.testing.assert_close(step.trace.attn[name], tf.attn[name], atol=1e-4,
@@ -367,7 +368,7 @@ def test_rollout_refills_the_cache_when_the_environment_rewrites_history(tiny_po
     first, second = traj.segments
     assert tok.decode(second).count("[elided]") == 1 and "[elided]" not in tok.decode(first)
     last = traj.steps[-1]
-    tf = mdl.trace_forward(policy, second[:last.span[1]], last.span)
+    tf = traces.trace_forward(policy, second[:last.span[1]], last.span)
     torch.testing.assert_close(last.trace.h_last, tf.h_last, atol=1e-4, rtol=1e-4)
     batch = grpo.make_batch([traj], [[1.0, 2.0, 3.0]], tok.pad_id)
     assert batch.ids.shape[0] == 2 and batch.mask.sum() == sum(len(s.tokens) for s in traj.steps)
@@ -996,7 +997,7 @@ def test_igpo_rewards_are_gold_probability_gains(tiny_policy):
         head = tok.encode("Final Answer:")
         target = tok.encode(" " + answer)
         ids = torch.tensor([prefix + head + target])
-        logp = torch.log_softmax(policy(ids).logits[0], -1)
+        logp = torch.log_softmax(policy(ids)[0], -1)
         n = len(target)
         return math.exp(sum(logp[ids.shape[1] - n - 1 + k, target[k]].item()
                             for k in range(n)) / n)
@@ -1009,11 +1010,11 @@ def test_tips_reads_the_lagged_teacher(tiny_policy):
     policy, tok, args, env = lora_policy(tiny_policy, ["--micro-batch", "2", "--reward", "tips"])
     (traj,) = grpo.rollout(policy, tok, [env.episode(3)], play_args(),
                            generator=torch.Generator().manual_seed(0))
-    base = mdl.lora_state(policy)                      # B = 0: the teacher is the base model
+    base = baselines.lora_state(policy)                # B = 0: the teacher is the base model
     with torch.no_grad():
         for _, p in mdl.lora_parameters(policy):
             p.add_(0.3)                                  # the policy has moved on since
-    moved = mdl.lora_state(policy)
+    moved = baselines.lora_state(policy)
     ctx = grpo.RewardContext(policy, tok, args, env=env, lagged=base)
     rewards = baselines.tips_reward(traj, ctx)
     assert all(torch.equal(moved[n], p) for n, p in mdl.lora_parameters(policy))   # restored
@@ -1285,7 +1286,7 @@ def test_probe_reads_base_equals_teacher_forcing_through_the_base():
             assert tuple(spans[-1]) == step.span
             assert ids[:step.span[1]] == traj.segments[step.segment][:step.span[1]]
             with mdl.lora_disabled(policy):
-                want = grpo.probes.raw_features(mdl.trace_forward(policy, ids, spans[-1]))
+                want = grpo.probes.raw_features(traces.trace_forward(policy, ids, spans[-1]))
             got = grpo.probes.raw_features(step.trace)
             for key in want:
                 torch.testing.assert_close(got[key], want[key], atol=1e-5, rtol=1e-4)

@@ -1,4 +1,4 @@
-"""Hub download against a fake Hub on 127.0.0.1: resume, size/sha checks, cache, offline, token."""
+"""Hub download against a fake Hub on 127.0.0.1: retry, size/sha checks, cache, offline, token."""
 import hashlib
 import http.server
 import json
@@ -141,7 +141,7 @@ def test_fetches_only_needed_files_with_token(env, monkeypatch, capsys):
     hub = env(token="secret")
     monkeypatch.setenv("HF_TOKEN", "secret")
     folder = M.fetch_from_hub(REPO)
-    assert "tiny-org/tiny-model/model.safetensors: 0.3/0.3 MB (100%)" in capsys.readouterr().err
+    assert "tiny-org/tiny-model/model.safetensors: 0.3 MB" in capsys.readouterr().err
     assert folder == M.hub_cache_dir(REPO) and folder.name == "tiny-org--tiny-model"
     fetched = sorted(p.name for p in folder.iterdir() if not p.name.startswith("."))
     assert fetched == ["config.json", "model.safetensors", "tokenizer.json"]
@@ -169,32 +169,26 @@ def test_sharded_checkpoint_fetches_index_and_every_shard(env):
     assert not (folder / "model.safetensors").exists()
 
 
-def test_interrupted_transfer_resumes_with_range(env):
+def test_interrupted_transfer_is_retried(env, capsys):
     hub = env()
     hub.drop_first.add("model.safetensors")
     folder = M.fetch_from_hub(REPO)
-    data = hub.files["model.safetensors"]
-    assert (folder / "model.safetensors").read_bytes() == data
-    first, second = hub.gets("model.safetensors")
-    assert "Range" not in first
-    # The part file kept what arrived before the drop (at most half) and asked only for the rest.
-    start = int(second["Range"].removeprefix("bytes=").rstrip("-"))
-    assert 0 < start <= len(data) // 2
+    assert (folder / "model.safetensors").read_bytes() == hub.files["model.safetensors"]
+    assert len(hub.gets("model.safetensors")) == 2
+    assert "model.safetensors: connection lost" in capsys.readouterr().err
     assert not list(folder.glob("*.part"))
 
 
-def test_interrupted_fetch_resumes_in_a_later_call(env, monkeypatch):
+def test_interrupted_fetch_is_one_line_and_finishes_in_a_later_call(env, monkeypatch):
     hub = env()
     hub.drop_first.add("model.safetensors")
     monkeypatch.setattr(M, "HUB_RETRIES", 1)
-    with pytest.raises(M.HubError, match="tiny-org/tiny-model"):
+    with pytest.raises(M.HubError, match="tiny-org/tiny-model") as err:
         M.fetch_from_hub(REPO)
-    part = M.hub_cache_dir(REPO) / "model.safetensors.part"
-    kept = part.stat().st_size
-    assert 0 < kept < len(hub.files["model.safetensors"])
+    assert "connection lost" in str(err.value) and "\n" not in str(err.value)
+    assert not (M.hub_cache_dir(REPO) / "model.safetensors.part").exists()
     folder = M.fetch_from_hub(REPO)
     assert (folder / "model.safetensors").read_bytes() == hub.files["model.safetensors"]
-    assert hub.gets("model.safetensors")[-1]["Range"] == f"bytes={kept}-"
     # Files finished by the first call are not fetched again.
     assert len(hub.gets("config.json")) == 1
 
@@ -245,26 +239,6 @@ def test_corrupt_content_fails_the_sha256_check(env):
     assert not (M.hub_cache_dir(REPO) / "model.safetensors.part").exists()
 
 
-@pytest.mark.parametrize("name", ["config.json", "tokenizer.json",
-                                  "model.safetensors.index.json"])
-def test_small_files_are_checked_against_their_git_blob_id(env, name):
-    # Not LFS: the listing gives their git blob id, not a sha256. Served tampered, same size.
-    files = checkpoint_files(sharded=True)
-    hub = env(files=files, lfs=())
-    listed = hub.tree()
-    hub.tree = lambda: listed                   # the Hub's ids, of the true content
-    good = files[name]
-    hub.files[name] = good.replace(b"{", b" ", 1)[:len(good) - 1] + b"}" \
-        if name != "model.safetensors.index.json" else good.replace(b'"a"', b'"z"')
-    assert len(hub.files[name]) == len(good) and hub.files[name] != good
-    with pytest.raises(M.HubError, match=f"{name}: git blob id differs"):
-        M.fetch_from_hub(REPO)
-    folder = M.hub_cache_dir(REPO)
-    assert not (folder / name).exists() and not (folder / f"{name}.part").exists()
-    hub.files[name] = good                      # served right again: fetched and kept
-    assert (M.fetch_from_hub(REPO) / name).read_bytes() == good
-
-
 @pytest.mark.parametrize("shard", ["../../escape.safetensors", "{tmp}/escape.safetensors",
                                    "sub/../../escape.safetensors", ".pair-complete.json",
                                    "..\\escape.safetensors"])
@@ -287,18 +261,21 @@ def test_hostile_shard_names_are_refused(env, tmp_path, shard):
 
 @pytest.mark.parametrize("name, body", [
     ("config.json", b"not json"), ("config.json", b"[1, 2]"), ("tokenizer.json", b"<html>"),
-    ("tokenizer.json", b'{"version": "1.0"}'), ("model.safetensors.index.json", b'{"a": 1}'),
+    ("model.safetensors.index.json", b'{"a": 1}'),
     ("model.safetensors.index.json", b'{"weight_map": {"a": 7}}'),
     ("model.safetensors.index.json", b'{"weight_map": {"a": "tokenizer.json"}}'),
 ])
 def test_json_files_of_the_wrong_shape_are_refused_and_removed(env, name, body):
     files = checkpoint_files(sharded=True)
     files[name] = body
-    env(files=files, lfs=())
+    hub = env(files=files, lfs=())
     with pytest.raises(M.HubError, match=name.replace(".", r"\.")):
         M.fetch_from_hub(REPO)
     folder = M.hub_cache_dir(REPO)
     assert not (folder / name).exists() and not (folder / M.HUB_MANIFEST).exists()
+    good = checkpoint_files(sharded=True)[name]                # served right: fetched again
+    hub.files[name], hub.listed[name] = good, len(good)
+    assert (M.fetch_from_hub(REPO) / name).read_bytes() == good
 
 
 def test_complete_cache_makes_no_request(env, monkeypatch):
@@ -367,7 +344,7 @@ def test_load_model_fetches_a_name_and_then_uses_the_cache(env, tmp_path):
     ours, tok = M.load_model(REPO)
     ids = torch.tensor([[1, 2, 3, 4]])
     with torch.no_grad():
-        assert torch.equal(ours(ids).logits, ref.eval()(ids).logits)
+        assert torch.equal(ours(ids), ref.eval()(ids))
     assert tok.im_end_id == 15 and ours.name_or_path == REPO
     n = len(hub.requests)
     again, _ = M.load_model(REPO, devices=["cpu", "cpu"])

@@ -17,7 +17,9 @@ import envs
 import model as M
 import grpo
 from lab import generate
+from lab import shop
 from lab import study
+from lab import traces
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -139,7 +141,7 @@ def test_logits_hidden_states_and_stats_equal_transformers(tmp_path, name, shard
     with torch.no_grad():
         ref = hf(ids, output_attentions=True, output_hidden_states=True)
         for span in [(5, 11), (0, 4)]:
-            out = model(ids, span=span, output_hidden_states=True)
+            out = traces.forward(model, ids, span, output_hidden_states=True, logits=True)
             scale = ref.logits.abs().max()
             assert (out.logits - ref.logits).abs().max() <= 1e-4 * scale
             assert len(out.hidden_states) == len(ref.hidden_states) == 4
@@ -147,8 +149,9 @@ def test_logits_hidden_states_and_stats_equal_transformers(tmp_path, name, shard
                 assert (ours - theirs).abs().max() <= 1e-4 * theirs.abs().max()
             assert out.attn_stats["max"].shape == (2, 3, 4)
             assert_stats_close(out.attn_stats, reference_stats(ref.attentions, *span))
-        assert model(ids).attn_stats is None and model(ids).hidden_states is None
-        assert model(ids, logits=False).logits is None
+        plain = traces.forward(model, ids)
+        assert plain.attn_stats is plain.hidden_states is plain.logits is None
+        assert torch.equal(model(ids), out.logits)      # the core's forward, op for op
 
 
 def test_tied_embeddings_share_one_tensor(tmp_path):
@@ -309,22 +312,19 @@ def test_cached_decoding_and_offset_append_equal_full_forward(name):
     model = random_model(name)
     ids = torch.randint(0, 64, (1, T), generator=torch.Generator().manual_seed(2))
     with torch.no_grad():
-        full = model(ids, span=(5, T), output_hidden_states=True)
+        full = model(ids)
         # Prefill 2, then one token at a time: each logit row equals the full forward's.
         cache = model.new_cache(1, capacity=4)          # small: it must grow on the way
-        rows = [model(ids[:, :2], cache=cache).logits]
+        rows = [model(ids[:, :2], cache=cache)]
         for t in range(2, T):
-            rows.append(model(ids[:, t:t + 1], cache=cache).logits)
-        torch.testing.assert_close(torch.cat(rows, 1), full.logits, atol=1e-5, rtol=1e-5)
+            rows.append(model(ids[:, t:t + 1], cache=cache))
+        torch.testing.assert_close(torch.cat(rows, 1), full, atol=1e-5, rtol=1e-5)
         assert cache[0].lengths.tolist() == [T]
         # Prefill 5, then append 7 tokens at offset 5 in one call (a mask from positions).
         cache = model.new_cache(1)
         model(ids[:, :5], cache=cache)
-        out = model(ids[:, 5:], cache=cache, span=(5, T), output_hidden_states=True)
-    torch.testing.assert_close(out.logits, full.logits[:, 5:], atol=1e-5, rtol=1e-5)
-    for ours, theirs in zip(out.hidden_states, full.hidden_states):
-        torch.testing.assert_close(ours, theirs[:, 5:], atol=1e-5, rtol=1e-5)
-    assert_stats_close(out.attn_stats, full.attn_stats)
+        out = model(ids[:, 5:], cache=cache)
+    torch.testing.assert_close(out, full[:, 5:], atol=1e-5, rtol=1e-5)
 
 
 def test_ragged_batched_appends_equal_per_row_forward():
@@ -340,7 +340,7 @@ def test_ragged_batched_appends_equal_per_row_forward():
                 seq = sum((chunks[j][r] for j in range(k + 1)), [])
                 if not step[r]:
                     continue
-                ref = model(torch.tensor([seq])).logits[0, -1]
+                ref = model(torch.tensor([seq]))[0, -1]
                 torch.testing.assert_close(logits[r], ref, atol=1e-5, rtol=1e-5)
             assert cache[0].lengths.tolist() == [sum(len(chunks[j][r]) for j in range(k + 1))
                                                  for r in range(3)]
@@ -365,13 +365,13 @@ def test_generation_traces_equal_teacher_forced_traces(name):
     prompts = [torch.randint(0, 64, (n,), generator=g).tolist() for n in (5, 2, 8)]
     cache = model.new_cache(3, capacity=4)
     gen = torch.Generator().manual_seed(6)
-    traces = M.generate(model, cache, prompts, max_new_tokens=7, temperature=1.0, top_p=0.9,
+    traced = M.generate(model, cache, prompts, max_new_tokens=7, temperature=1.0, top_p=0.9,
                         stop_ids=[], generator=gen)
-    seqs = [p + t.tokens for p, t in zip(prompts, traces)]
-    for seq, trace, prompt in zip(seqs, traces, prompts):
+    seqs = [p + t.tokens for p, t in zip(prompts, traced)]
+    for seq, trace, prompt in zip(seqs, traced, prompts):
         assert len(trace.tokens) == 7 and not trace.finished
         assert trace.span == (len(prompt), len(seq))
-        assert_trace_equal(trace, M.trace_forward(model, seq, trace.span, stop_ids=[]))
+        assert_trace_equal(trace, traces.trace_forward(model, seq, trace.span, stop_ids=[]))
 
     # A second turn on the same cache: an observation appended mid-conversation (row 1 has
     # none, so it generates nothing), greedy, stopping on a token the rows are known to emit.
@@ -386,10 +386,10 @@ def test_generation_traces_equal_teacher_forced_traces(name):
     assert second[0].finished and second[0].tokens[-1] == stop and len(second[0].tokens) <= 3
     for r in (0, 2):
         seq = seqs[r] + obs[r] + second[r].tokens
-        ref = M.trace_forward(model, seq, second[r].span, stop_ids=[stop])
+        ref = traces.trace_forward(model, seq, second[r].span, stop_ids=[stop])
         assert_trace_equal(second[r], ref)
         # Greedy: each generated token is the argmax of the teacher-forced logits before it.
-        logits = model(torch.tensor([seq])).logits[0]
+        logits = model(torch.tensor([seq]))[0]
         s, e = second[r].span
         assert logits[s - 1:e - 1].argmax(-1).tolist() == second[r].tokens
         assert cache[0].lengths[r] == len(seq)
@@ -412,7 +412,7 @@ def test_prefill_computes_a_repeated_prompt_once_to_the_bit(name, monkeypatch):
     T = max(map(len, rows))
     ref = model.new_cache(len(rows), capacity=T)
     ids = torch.tensor([r + [0] * (T - len(r)) for r in rows])
-    h, _, _ = trunk(ids, torch.arange(T).expand(len(rows), T), ref)
+    h = trunk(ids, torch.arange(T).expand(len(rows), T), ref)
     n = torch.tensor(list(map(len, rows)))
     for c, r in zip(cache, ref):
         assert torch.equal(c.lengths, n)
@@ -439,7 +439,7 @@ def reference_generate(model, seqs, max_new, temperature, top_p, stop, generator
         logits = torch.zeros(len(seqs), model.config.vocab_size)
         for r, seq in enumerate(seqs):
             if running[r]:
-                logits[r] = model(torch.tensor([seq])).logits[0, -1]
+                logits[r] = model(torch.tensor([seq]))[0, -1]
         token = M.sample(logits, temperature, top_p, generator).tolist()
         for r in range(len(seqs)):
             if running[r]:
@@ -478,19 +478,19 @@ def test_decoding_equals_the_straightforward_loop(monkeypatch, name, compiled, t
         seqs = [s + n if n else s for s, n in zip(seqs, new)] if turn else seqs
         active = [bool(n) for n in new]
         gen, ref_gen = (torch.Generator().manual_seed(13 + turn) for _ in range(2))
-        traces = M.generate(model, cache, new, 12, temperature, top_p, stop, gen)
+        traced = M.generate(model, cache, new, 12, temperature, top_p, stop, gen)
         expect = reference_generate(model, seqs, 12, temperature, top_p, stop, ref_gen, active)
-        assert [t.tokens for t in traces] == expect
-        for r, trace in enumerate(traces):
+        assert [t.tokens for t in traced] == expect
+        for r, trace in enumerate(traced):
             if not trace.tokens:
                 continue
-            ref = M.trace_forward(model, seqs[r] + trace.tokens, trace.span, stop_ids=stop)
+            ref = traces.trace_forward(model, seqs[r] + trace.tokens, trace.span, stop_ids=stop)
             assert trace.finished == ref.finished and trace.span == ref.span
             assert_stats_close(trace.attn, ref.attn, atol=1e-5)
             torch.testing.assert_close(trace.h_last, ref.h_last, atol=1e-5, rtol=1e-5)
             torch.testing.assert_close(trace.h_mean, ref.h_mean, atol=1e-5, rtol=1e-5)
             seqs[r] = seqs[r] + trace.tokens
-    assert len({len(t.tokens) for t in traces} | {0}) > 1 or temperature == 0
+    assert len({len(t.tokens) for t in traced} | {0}) > 1 or temperature == 0
     assert steps and all(s is not None for s in steps) == compiled and "failed" not in M._compiled
 
 
@@ -580,16 +580,16 @@ def test_decoding_falls_back_to_eager_when_compiling_fails(monkeypatch, capsys):
 def check_decoding(model, prompts, temperature, seed, h_atol=1e-5):
     """generate against reference_generate and trace_forward (the modules' own forward)."""
     stop = [0, 1, 2]
-    traces = M.generate(model, model.new_cache(len(prompts)), prompts, 10, temperature, 1.0,
+    traced = M.generate(model, model.new_cache(len(prompts)), prompts, 10, temperature, 1.0,
                         stop, torch.Generator().manual_seed(seed))
     expect = reference_generate(model, prompts, 10, temperature, 1.0, stop,
                                 torch.Generator().manual_seed(seed), [True] * len(prompts))
-    assert [t.tokens for t in traces] == expect
-    for p, trace in zip(prompts, traces):
-        ref = M.trace_forward(model, p + trace.tokens, trace.span, stop_ids=stop)
+    assert [t.tokens for t in traced] == expect
+    for p, trace in zip(prompts, traced):
+        ref = traces.trace_forward(model, p + trace.tokens, trace.span, stop_ids=stop)
         assert_stats_close(trace.attn, ref.attn, atol=1e-5)
         torch.testing.assert_close(trace.h_mean, ref.h_mean, atol=h_atol, rtol=1e-4)
-    return [t.tokens for t in traces]
+    return [t.tokens for t in traced]
 
 
 @pytest.mark.parametrize("fused", [True, False])
@@ -609,7 +609,7 @@ def test_decoding_with_an_adapter_follows_its_updates(monkeypatch, fused):
     prompts = [[5, 6, 7, 8], [9, 10], [11, 12, 13]]
     before = check_decoding(model, prompts, 1.0, seed=5)
     opt = torch.optim.AdamW([p for _, p in M.lora_parameters(model)], lr=0.5)
-    model(torch.tensor([prompts[0]])).logits.logsumexp(-1).sum().backward()
+    model(torch.tensor([prompts[0]])).logsumexp(-1).sum().backward()
     opt.step()                              # an in-place update, as GRPO's
     # The adapter merged into the weights rounds otherwise than the modules' two products: after
     # this large update, 9e-5 on a hidden state of 0.72 on an AMD EPYC.
@@ -757,7 +757,7 @@ def test_progress_into_a_log_is_at_most_a_line_per_30s_and_per_10_percent():
     now = [0.0]
 
     def due(tty, total=1000, seconds_each=1.0):
-        pacer = M.Pacer(total, _Stream(tty), every=5.0, clock=lambda: now[0])
+        pacer = grpo.Pacer(total, _Stream(tty), every=5.0, clock=lambda: now[0])
         lines = []
         for done in range(1, total + 1):
             now[0] += seconds_each
@@ -846,7 +846,6 @@ MESSAGE_LISTS = [
 
 
 def test_chat_text_equals_reference_jinja_template(qwen_tokenizer_dir, release_dir):
-    tok = M.Tokenizer.from_file(qwen_tokenizer_dir)
     template = jinja_template(qwen_tokenizer_dir)
     lists = list(MESSAGE_LISTS)
     for path in sorted((release_dir / "gta").glob("*.json")):     # episodes and matched records
@@ -856,7 +855,7 @@ def test_chat_text_equals_reference_jinja_template(qwen_tokenizer_dir, release_d
     assert len(lists) > 2000
     for messages in lists:
         for gen_prompt in (False, True):
-            assert tok.chat_text(messages, gen_prompt) == \
+            assert shop.chat_text(messages, gen_prompt) == \
                 template.render(messages=messages, add_generation_prompt=gen_prompt)
 
 
@@ -868,7 +867,7 @@ def test_render_spans_point_at_assistant_content(qwen_tokenizer_dir):
     for messages in MESSAGE_LISTS:
         ids, spans = tok.render(messages)
         if not any("<|" in m["content"] for m in messages):   # text that reads as a template
-            assert ids == whole.encode(tok.chat_text(messages), add_special_tokens=False).ids
+            assert ids == whole.encode(shop.chat_text(messages), add_special_tokens=False).ids
         specials = [i for i in ids if i in (tok.im_start_id, tok.im_end_id)]
         assert len(specials) == 2 * (len(messages) + (messages[0]["role"] != "system"))
         contents = [m["content"] for m in messages if m["role"] == "assistant"]
@@ -994,7 +993,7 @@ def check_update_logprobs(monkeypatch, name, device, mlp_chunk):
         return logp.detach(), grads
 
     def plain():
-        h, _, _ = model.trunk(ids)
+        h = model.trunk(ids)
         logits = model.lm_head(h[:, :-1][mask[:, 1:]]).float() / 0.7
         return torch.log_softmax(logits, -1).gather(1, ids[:, 1:][mask[:, 1:]][:, None])[:, 0]
 

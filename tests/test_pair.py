@@ -17,6 +17,7 @@ import probes
 from pair import Pair
 import grpo
 from lab import study
+from lab import traces
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -398,14 +399,14 @@ def test_pipeline_on_shop(tmp_path, monkeypatch, capsys):
     ckpt = tiny_checkpoint(tmp_path / "ckpt", data)
 
     # an interrupted extraction resumes where it stopped
-    real_trace_forward, calls = mdl.trace_forward, []
+    real_trace_forward, calls = traces.trace_forward, []
 
     def interrupted(net, ids, span):
         calls.append(span)
         if len(calls) == 10:
             raise KeyboardInterrupt
         return real_trace_forward(net, ids, span)
-    monkeypatch.setattr(mdl, "trace_forward", interrupted)
+    monkeypatch.setattr(traces, "trace_forward", interrupted)
     target = feats / "matched_clean_train.safetensors"
     extract_args = ["extract", "--model", str(ckpt), "--data",
                     str(data / "matched_clean_train.json"), "--out", str(target),
@@ -420,8 +421,8 @@ def test_pipeline_on_shop(tmp_path, monkeypatch, capsys):
         study.main(extract_args)
     manifest.write_text(kept)
     calls.clear()
-    monkeypatch.setattr(mdl, "trace_forward", lambda *a: (calls.append(a[2]),
-                                                          real_trace_forward(*a))[1])
+    monkeypatch.setattr(traces, "trace_forward", lambda *a: (calls.append(a[2]),
+                                                             real_trace_forward(*a))[1])
     study.main(extract_args)
     records = envs.load_matched(data / "matched_clean_train.json")
     assert len(calls) == len(records) - 8               # the two shards were not redone
@@ -437,7 +438,7 @@ def test_pipeline_on_shop(tmp_path, monkeypatch, capsys):
             raise RuntimeError("boom")
         return real_trace_forward(net, ids, span)
     calls.clear()
-    monkeypatch.setattr(mdl, "trace_forward", failing)
+    monkeypatch.setattr(traces, "trace_forward", failing)
     extract_args = ["extract", "--model", str(ckpt), "--data",
                     str(data / "matched_clean_test.json"), "--out", str(target)]
     study.main(extract_args)
@@ -447,8 +448,8 @@ def test_pipeline_on_shop(tmp_path, monkeypatch, capsys):
     assert len(meta["failed"]) == 1 and meta["n_records"] == len(test_records) - 1
     assert f"1 {bad}: RuntimeError: boom" in capsys.readouterr().err
     calls.clear()
-    monkeypatch.setattr(mdl, "trace_forward", lambda *a: (calls.append(a[2]),
-                                                          real_trace_forward(*a))[1])
+    monkeypatch.setattr(traces, "trace_forward", lambda *a: (calls.append(a[2]),
+                                                             real_trace_forward(*a))[1])
     study.main(extract_args)
     assert len(calls) == 1
     _, meta = study.load_features(target)
@@ -509,10 +510,10 @@ def test_pipeline_on_shop(tmp_path, monkeypatch, capsys):
 
 ROOT = Path(__file__).resolve().parents[1]
 # pair.py extract with each forward slowed down, so that two runs surely overlap
-SLOW_EXTRACT = ("import sys, time, model\n"
-                "real = model.trace_forward\n"
-                "model.trace_forward = lambda *a: (time.sleep(0.03), real(*a))[1]\n"
-                "from lab import study\n"
+SLOW_EXTRACT = ("import sys, time\n"
+                "from lab import study, traces\n"
+                "real = traces.trace_forward\n"
+                "traces.trace_forward = lambda *a: (time.sleep(0.03), real(*a))[1]\n"
                 "study.main(sys.argv[1:])\n")
 
 
@@ -560,7 +561,7 @@ def test_an_extract_stopped_before_its_first_shard_leaves_nothing_behind(shop_ck
 
     def interrupted(*a, **k):
         raise KeyboardInterrupt
-    monkeypatch.setattr(pair.mdl, "trace_forward", interrupted)
+    monkeypatch.setattr(traces, "trace_forward", interrupted)
     with pytest.raises((KeyboardInterrupt, SystemExit)):
         study.main(argv)
     assert not study.parts_dir(out).exists() and not out.exists()
@@ -689,17 +690,17 @@ def test_extraction_resumes_by_model_content_not_path(shop_ckpt, tmp_path, monke
     out = tmp_path / "f.safetensors"
     argv = ["extract", "--data", str(data / "matched_clean_test.json"), "--out", str(out),
             "--shard-size", "2"]
-    real, calls = mdl.trace_forward, []
+    real, calls = traces.trace_forward, []
 
     def interrupted(net, ids, span):
         calls.append(span)
         if len(calls) == 5:
             raise KeyboardInterrupt
         return real(net, ids, span)
-    monkeypatch.setattr(mdl, "trace_forward", interrupted)
+    monkeypatch.setattr(traces, "trace_forward", interrupted)
     with pytest.raises(KeyboardInterrupt):
         study.main(argv + ["--model", str(ckpt)])
-    monkeypatch.setattr(mdl, "trace_forward", real)
+    monkeypatch.setattr(traces, "trace_forward", real)
 
     # other weights under the same path: the shards of the first model are not resumed
     tensors = load_file(str(ckpt / "model.safetensors"))
@@ -710,7 +711,7 @@ def test_extraction_resumes_by_model_content_not_path(shop_ckpt, tmp_path, monke
     save_file(tensors, str(ckpt / "model.safetensors"))
     moved = tmp_path / "moved"
     ckpt.rename(moved)
-    monkeypatch.setattr(mdl, "trace_forward", lambda *a: (calls.append(a[2]), real(*a))[1])
+    monkeypatch.setattr(traces, "trace_forward", lambda *a: (calls.append(a[2]), real(*a))[1])
     calls.clear()
     study.main(argv + ["--model", str(moved)])
     import envs

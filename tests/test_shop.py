@@ -23,6 +23,7 @@ import probes
 from lab import data as lab_data
 from lab import shop
 from lab import study
+from lab import traces
 
 ROOT = Path(__file__).resolve().parents[1]
 BUILTIN = ROOT / "data" / "shop-policy"
@@ -732,7 +733,7 @@ def test_the_probe_corpora_say_what_they_do_before_their_silent_parts(monkeypatc
     onpolicy.sample_own_turns(policy, tok, envs.ShopEnv("val"), 20, 2, None, 0, log)
     assert re.fullmatch(r"  16/40 rollouts of val episodes, the first 16 in \d+s .*", lines[0])
     lines.clear()
-    monkeypatch.setattr(mdl, "trace_batch", lambda *a: lines.append("traced") or [])
+    monkeypatch.setattr(traces, "trace_batch", lambda *a: lines.append("traced") or [])
     monkeypatch.setattr(probes, "stack_raw", lambda raws: {})
     onpolicy.contaminated_corpus(policy, tok, 3, log)
     assert lines[0].startswith("  contaminated corpus: `python -m lab.shop make-data "
@@ -752,7 +753,7 @@ def test_contaminated_corpus_is_the_recipes_training_set_of_every_traced_record(
         raws = []
         for r in recs:
             ids, span, _ = study.render_record(r, tok)
-            raws.append(probes.raw_features(mdl.trace_forward(policy, ids, span)))
+            raws.append(probes.raw_features(traces.trace_forward(policy, ids, span)))
         raw = probes.stack_raw(raws)
         raw["turn_idx"] = torch.tensor([int(r["turn_idx"]) for r in recs])
         splits[name] = study.Split(name, raw, torch.tensor([int(r["label"]) for r in recs]),

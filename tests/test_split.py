@@ -5,6 +5,7 @@ import pytest
 import torch
 
 import model as M
+from lab import traces
 
 STATS = M.STATS
 
@@ -60,11 +61,12 @@ def test_placement_on_fake_devices():
     assert [c.k.device.type for c in cache] == ["cpu", "meta", "meta", "meta"]
     ids = torch.tensor([[1, 2, 3, 4, 5], [6, 7, 8, 9, 10]])
     with torch.no_grad():
-        out = model(ids, cache=cache, output_hidden_states=True)
-        assert out.logits.device.type == "meta" and out.logits.shape == (2, 5, 64)
-        assert [h.device.type for h in out.hidden_states] == ["cpu", "cpu"] + ["meta"] * 3
+        out = model(ids, cache=cache)
+        assert out.device.type == "meta" and out.shape == (2, 5, 64)
         step = model(ids[:, :1], cache=cache)                    # one cached decoding step
-        assert step.logits.shape == (2, 1, 64)
+        assert step.shape == (2, 1, 64)
+        hidden = traces.forward(model, ids, output_hidden_states=True).hidden_states
+        assert [h.device.type for h in hidden] == ["cpu", "cpu"] + ["meta"] * 3
 
 
 def test_decoding_step_on_fake_devices():
@@ -92,7 +94,7 @@ def test_default_split_balances_and_three_devices():
     assert sum(first) == M.balance_layers([1] * 6, 3, 1, 1)[0] >= 1
     assert first == sorted(first, reverse=True)              # a contiguous range from layer 0
     with torch.no_grad():
-        assert model(torch.tensor([[1, 2, 3]])).logits.device.type == "meta"
+        assert model(torch.tensor([[1, 2, 3]])).device.type == "meta"
 
 
 def test_tied_head_gets_its_own_copy_on_the_last_device():
@@ -104,7 +106,7 @@ def test_tied_head_gets_its_own_copy_on_the_last_device():
     assert model.model.embed_tokens.weight.device.type == "cpu"
     assert model.lm_head.weight.device.type == "meta"
     with torch.no_grad():
-        assert model(torch.tensor([[1, 2, 3]])).logits.shape == (1, 3, 64)
+        assert model(torch.tensor([[1, 2, 3]])).shape == (1, 3, 64)
     # On one device the tie stays a tie.
     same = M.split_model(tiny(tie=True), ["cpu", "cpu"])
     assert same.lm_head.weight is same.model.embed_tokens.weight
@@ -131,29 +133,26 @@ def test_two_cpu_devices_equal_one_device(tie, counts):
         torch.testing.assert_close(a, b, atol=1e-6, rtol=0)
 
     with torch.no_grad():
-        a, b = (m(ids, span=(4, 9), output_hidden_states=True) for m in (one, two))
+        a, b = (traces.forward(m, ids, (4, 9), output_hidden_states=True, logits=True)
+                for m in (one, two))
         close(a.logits, b.logits)
         for x, y in zip(a.hidden_states, b.hidden_states, strict=True):
             close(x, y)
         for name in STATS:
             close(a.attn_stats[name], b.attn_stats[name])
-        # Cached decoding: prefill 6, then one token at a time with statistics.
+        # Cached decoding: prefill 6, then one token at a time.
         caches = [m.new_cache(2, capacity=4) for m in (one, two)]
         for m, c in zip((one, two), caches):
             m(ids[:, :6], cache=c)
         for t in range(6, 10):
-            a, b = (m(ids[:, t:t + 1], cache=c, span=(6, 10), output_hidden_states=True)
-                    for m, c in zip((one, two), caches))
-            close(a.logits, b.logits)
-            for name in STATS:
-                close(a.attn_stats[name], b.attn_stats[name])
+            close(*(m(ids[:, t:t + 1], cache=c) for m, c in zip((one, two), caches)))
     # Generation with sampling and statistics: same tokens, same traces.
-    traces = []
+    traced = []
     for m in (one, two):
         gen = torch.Generator().manual_seed(3)
-        traces.append(M.generate(m, m.new_cache(2), [[1, 2, 3], [4, 5]], 6, temperature=1.0,
+        traced.append(M.generate(m, m.new_cache(2), [[1, 2, 3], [4, 5]], 6, temperature=1.0,
                                  stop_ids=[], generator=gen))
-    for x, y in zip(*traces):
+    for x, y in zip(*traced):
         assert x.tokens == y.tokens and x.span == y.span
         close(x.h_last, y.h_last)
         close(x.h_mean, y.h_mean)
