@@ -39,7 +39,7 @@ import envs
 import grpo
 import model
 from grpo import rollout
-from lab import data as lab_data
+from lab import data as lab_data, runs
 
 # ---------------------------------------------------------------------------------------------
 # The world: tasks drawn from a seed, tools that really execute, exact labels
@@ -1035,9 +1035,9 @@ SFT_RANGES = {**dict.fromkeys(("steps", "batch", "warmup", "hidden", "layers", "
               **dict.fromkeys(("induction_steps", "induction_rows", "save_every",
                                "eval_episodes"), grpo.at_least(0)),
               **dict.fromkeys(("contaminated", "divided", "slips", "induction_text"),
-                              grpo.within(0, 1)),
-              "episodes": grpo.within(2, envs.SHOP_SPLIT_SIZE["train"]),
-              "seed": grpo.within(0, 2**32 - 1), "vocab": grpo.at_least(len(SPECIALS) + 256),
+                              runs.within(0, 1)),
+              "episodes": runs.within(2, envs.SHOP_SPLIT_SIZE["train"]),
+              "seed": runs.within(0, 2**32 - 1), "vocab": grpo.at_least(len(SPECIALS) + 256),
               "threads": grpo.THREADS}
 
 
@@ -1123,7 +1123,7 @@ def main(argv=None):
                  "--slips is shop-long's habit and --divided shop's: pass the one of --world")):
             if bad:
                 ap.error(why)
-        with grpo.exclusive_dir(args.out):    # one writer; a stopped run is not overwritten
+        with runs.exclusive_dir(args.out):    # one writer; a stopped run is not overwritten
             if (Path(args.out) / SFT_CHECKPOINT).is_dir() and not args.resume:
                 ap.error(f"{Path(args.out) / SFT_CHECKPOINT} holds a stopped run: continue "
                          "it with --resume, or delete it to start over")

@@ -1272,7 +1272,7 @@ def test_probe_reads_base_equals_teacher_forcing_through_the_base():
     trajs = grpo.rollout(policy, tok, [env.episode(i) for i in (0, 1)],
                          play_args(max_new_tokens=96), generator=torch.Generator().manual_seed(0))
     generated = [step.trace for traj in trajs for step in traj.steps]
-    grpo.read_from_base(policy, trajs, rows_per_forward=2)
+    onpolicy.read_from_base(policy, trajs, rows_per_forward=2)
     k = 0
     for traj in trajs:
         turns = [m for m, msg in enumerate(traj.episode.messages) if msg["role"] == "assistant"]
