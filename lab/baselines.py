@@ -593,7 +593,8 @@ def register() -> None:
     grpo.HOOKS["step"].append(refresh_teacher)
 
 
-def copy_rows(src: list[model.KVCache], src_row: int, dst: list[model.KVCache], dst_row: int, n: int):
+def copy_rows(src: list[model.KVCache], src_row: int, dst: list[model.KVCache], dst_row: int,
+              n: int):
     """Row dst_row of dst holds the first n slots of row src_row of src, and n tokens: a branch
     of a rollout tree continues from its parent's prefix without prefilling it again (slot =
     position, so the copied keys, RoPE applied, are what a fresh prefill would write)."""

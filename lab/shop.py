@@ -906,8 +906,8 @@ def save_sft_checkpoint(path: Path, args, done: int, policy, opt, induction, los
         save_file(tensors, tmp / "optimizer.safetensors")
         save_file({"induction": induction.g.get_state()}, tmp / "rng.safetensors")
         grpo.write_json(tmp / "trainer.json", {"done": done, "flags": _sft_flags(args),
-                                                "losses": losses, "kept": kept,
-                                                "seconds": seconds, "optimizer": meta})
+                                               "losses": losses, "kept": kept,
+                                               "seconds": seconds, "optimizer": meta})
         shutil.rmtree(path, ignore_errors=True)
         os.replace(tmp, path)
     except (OSError, SafetensorError) as e:        # a full disk: the last checkpoint stays
@@ -930,7 +930,7 @@ def load_sft_checkpoint(path: Path, args, policy, opt, induction) -> tuple:
             raise ValueError(f"weights do not fit the model: missing {missing}, "
                              f"unexpected {unexpected}")
         grpo.optimizer_from_tensors(opt, load_file(path / "optimizer.safetensors"),
-                                     info["optimizer"])
+                                    info["optimizer"])
         induction.g.set_state(load_file(path / "rng.safetensors")["induction"])
         return int(info["done"]), info["losses"], info["kept"], float(info["seconds"])
     except (OSError, KeyError, TypeError, ValueError, RuntimeError, SafetensorError) as e:
