@@ -1,58 +1,36 @@
-"""Multi-turn GRPO with LoRA and step-level rewards (METHOD.md §9): the algorithm, top to bottom.
+"""Multi-turn GRPO with LoRA and step-level rewards (METHOD.md §9), top to bottom.
 
     python grpo.py --reward pair                   # shop, built-in policy, its shipped probes
     python grpo.py --reward outcome --out runs/o   # the sparse baseline, same budget
     python grpo.py --env gta --model Qwen/Qwen2.5-7B-Instruct --probes runs/pair-gta --reward pair
-    torchrun --nproc_per_node 2 -m lab.train ...   # prompts sharded, LoRA gradients all-reduced
-    python -m lab.train --reward igpo ...          # the lab's rewards and searches (lab/)
+    python -m lab.train --reward igpo ...          # the lab's rewards, searches, torchrun (lab/)
 
-One training step, section by section:
- 1. Rollout. `--batch` prompts x `--group` G rollouts (paper: 1 x 4), each up to --max-turns
-    assistant turns (paper: 10). The G rollouts of a prompt are one batch whose KV cache lives
-    for the whole episode; the per-turn statistics the internal rewards read (hidden states,
-    the attention statistics of METHOD.md §4) come out of that same generation pass.
- 2. Rewards. One r_{i,t} per assistant turn t of rollout i, from `--reward` (REWARDS). PAIR:
-    each turn's s_final from its two stages (pair.Pair.scores), the rollout's rewards from them
-    (pair.trajectory_rewards). `--outcome-weight w` adds w x task score to the last turn's.
- 3. Advantages (`group_advantages`, DeepSeekMath process supervision). The group's rewards are
-    pooled, r^ = (r - mean) / (std + 1e-6) with the population std, and every token of turn t
-    gets A_{i,t} = sum_{k>=t} r^_{i,k}; with `outcome` this is the usual group-normalized
-    outcome. A group whose rewards are all equal gives A = 0 (`frac_zero_std`). `--advantage
-    release` is the authors' release (`release_advantages`, `release_loss`): A_{i,t} = r_{i,t}
-    - mean_t r_{i,.} + z_i, z_i the group-normalized total of rollout i, every turn weighing
-    the same in the loss. The lab adds more forms (ADVANTAGES).
- 4. Update (`grpo_loss`, `update`). Per policy token -min(rho A, clip(rho, 1-eps, 1+eps) A) +
-    beta KL_k3(pi || pi_ref), rho = exp(logp - logp_old), KL_k3 = exp(logp_ref - logp) -
-    (logp_ref - logp) - 1, pi_ref = the model with its LoRA adapter disabled. Only the policy's
-    own tokens count (its <|im_end|> included), summed and divided by their number in the whole
-    batch, over all processes. AdamW on LoRA (r 16, alpha 32, dropout 0.05 - 0 on the built-in
-    worlds - on q,k,v,o,gate,up,down), lr constant after a 5% linear warmup, grad-norm clip 1.0.
-    A batch without a policy token makes no update (`empty_batch`).
- 5. The training loop: the steps, with a checkpoint and an evaluation every --save-every.
-Then the run around it: flags and presets, processes, the run directory, checkpoints,
-evaluation, summary.
+One step:
+ 1. Rollout: --batch prompts x --group G rollouts (paper: 1 x 4) of up to --max-turns turns,
+    one KV cache per group for the whole episode; the statistics the internal rewards read
+    (hidden states, METHOD.md §4's attention statistics) come from that generation pass.
+ 2. Rewards: one r_{i,t} per assistant turn from --reward (REWARDS); PAIR: s_final per turn
+    (pair.Pair.scores), then pair.trajectory_rewards. --outcome-weight w adds w x the task
+    score to the last turn's.
+ 3. Advantages (DeepSeekMath process supervision): r^ = (r - mean) / (std + 1e-6) over the
+    group's pooled rewards (population std), A_{i,t} = sum_{k>=t} r^_{i,k}. An all-equal group
+    gives A = 0 (frac_zero_std). --advantage release: the authors' form (release_advantages).
+ 4. Update: per policy token -min(rho A, clip(rho, 1-eps, 1+eps) A) + beta KL_k3(pi || pi_ref),
+    rho = exp(logp - logp_old), KL_k3 = exp(logp_ref - logp) - (logp_ref - logp) - 1, pi_ref =
+    the adapter-disabled model; summed over the batch's policy tokens (<|im_end|> included) and
+    divided by their number. AdamW on LoRA (r 16, alpha 32, dropout 0.05, on q,k,v,o,gate,up,
+    down), lr constant after a 5% warmup, grad-norm clip 1.0.
 
-Where this departs from textbook GRPO (DeepSeekMath; TRL's GRPOTrainer):
- - One PPO epoch per batch, as the paper ran it: rho = 1 in value (the plain policy gradient)
-   and the clip never fires; `--ppo-epochs K` re-uses the batch K times.
- - logp_old is the first epoch's own forward, detached: exact, the parameters have not moved.
- - Token-level normalization over the whole batch (DAPO / Dr. GRPO), not a mean per sequence.
- - Rewards live on turns, not sequences, and A is a per-turn return of normalized rewards.
- - The KL reference is the adapter-disabled base: no second copy of the model in memory.
- - log pi is taken at the sampling temperature (logits / T), the distribution the tokens were
-   drawn from (T = 1 in the paper); `--advantage release` takes it at T = 1, as the release.
+Departures from textbook GRPO: one PPO epoch as in the paper (rho = 1 in value; --ppo-epochs K
+re-uses the batch); token-level normalization over the batch (DAPO / Dr. GRPO); rewards on
+turns; the KL reference is the adapter-disabled base (no second model); log pi at the sampling
+temperature (T = 1 with --advantage release, as the release).
 
-The lab (lab/, which imports this file, never the reverse) plugs in through REWARDS, ADVANTAGES,
-PLAYERS, LOSSES and HOOKS: the paper's other rewards and tree searches (lab/baselines.py), more
-advantage forms (lab/credit.py), probes fitted on the fly (lab/onpolicy.py), the long world
-(lab/shop.py), several processes under torchrun (lab/torchrun.py), comparisons and curves
-(lab/compare.py, lab/curves.py); `python -m lab.train` is this file with them.
-
-Every checkpoint stores the PEFT-layout adapter, the optimizer, the RNG states and the step,
-atomically; `--resume` continues from the newest and gives the metrics of an uninterrupted run.
-The base model and every checkpoint are evaluated greedily on validation (which selects the
-checkpoint) and test (which reports it; `best_on_test` is the paper's pick on test itself).
-OUT holds metrics.jsonl (per step), eval.jsonl (per evaluation) and summary.json.
+The lab (lab/; it imports this file, never the reverse) plugs in through REWARDS, ADVANTAGES,
+PLAYERS, LOSSES and HOOKS. Checkpoints hold the PEFT adapter, optimizer, RNG states and step,
+written atomically; --resume gives the metrics of an uninterrupted run. The base model and each
+checkpoint are evaluated greedily on validation (selects) and test (reports). OUT holds
+metrics.jsonl, eval.jsonl and summary.json.
 """
 from __future__ import annotations
 
@@ -97,17 +75,15 @@ class Step:                         # one assistant turn of one rollout
     trace: model.TurnTrace | None   # statistics from the generation pass (None: not collected)
     observation: str | None         # the environment's answer (None: the episode ended here)
     nll: float | None = None        # mean -log pi of its tokens as sampled (AT²PO's entropy H)
-    # the chat up to this turn as the policy saw it: an environment may rewrite earlier
-    # messages later (ToolBench's history cap), and a judge rates the turn in its context
+    # the chat up to this turn as the policy saw it (a judge rates the turn in its context)
     history: list[dict] = field(default_factory=list)
 
 
 @dataclass
 class Trajectory:                   # one rollout of one episode
     episode: object                 # an envs.Episode: step(text), messages, score(), labels()
-    # The tokens exactly as the model saw them: one sequence, unless the environment rewrote
-    # earlier messages (ToolBench's history cap); then the cache is refilled and a new segment
-    # starts, so that every turn is later scored in the context it came from.
+    # the tokens as the model saw them: one sequence, and a new one each time the environment
+    # rewrote earlier messages (ToolBench's history cap), so each turn is scored in its context
     segments: list[list[int]] = field(default_factory=lambda: [[]])
     steps: list[Step] = field(default_factory=list)
     score: float = 0.0              # task score in [0, 1]
@@ -115,12 +91,9 @@ class Trajectory:                   # one rollout of one episode
 
 
 def turn_opening(tok, finished: bool, observation: str | None) -> list[int]:
-    """The tokens between one assistant turn and the next: what a later turn appends to the cache.
-
-    Exactly what the chat template puts there (METHOD.md §2): the newline after <|im_end|> (plus
-    the <|im_end|> itself when the turn hit max_new_tokens), the observation as a user message,
-    and the next generation prompt. Special tokens split the text, so these tokens are the ones
-    Tokenizer.render gives for the whole conversation."""
+    """The tokens the chat template puts between one assistant turn and the next (METHOD.md
+    §2): <|im_end|> if the turn hit max_new_tokens, the newline, the observation as a user
+    message, the next generation prompt; the same tokens Tokenizer.render gives."""
     ids = ([] if finished else [tok.im_end_id]) + tok.encode("\n")
     if observation is not None:         # text, not template: it cannot open or close a turn
         ids += [tok.im_start_id] + tok.encode(f"user\n{observation}") + [tok.im_end_id] + \
@@ -131,9 +104,8 @@ def turn_opening(tok, finished: bool, observation: str | None) -> list[int]:
 @torch.no_grad()
 def rollout(policy, tok, episodes: list, args, greedy=False, generator=None,
             stats=True, caches: list | None = None) -> list[Trajectory]:
-    """Play each episode (one batch row each) to its end; returns one Trajectory per row.
-    With `caches`, the KV cache of the batch is appended to it, row i holding trajectory i's
-    last segment (tree search branches from it)."""
+    """Play each episode (one batch row each) to its end. `caches` gets the batch's KV cache
+    (row i: trajectory i's last segment), from which a tree search branches."""
     trajs = [Trajectory(ep) for ep in episodes]
     new = [tok.render(ep.messages, add_generation_prompt=True)[0] for ep in episodes]
     cache = policy.new_cache(len(episodes), capacity=min(
@@ -186,8 +158,7 @@ def play(policy, tok, trajs: list[Trajectory], cache, new: list[list[int]], args
             before = [dict(m) for m in traj.episode.messages]   # as this turn saw them
             result = traj.episode.step(text)
             obs = None if result.done else traj.episode.messages[-1]["content"]
-            # step appends the assistant message after the ones it had (a rewrite changes
-            # messages, it does not move them)
+            # a rewrite changes messages, it does not move them
             history = before + [dict(traj.episode.messages[len(before)])]
             traj.steps.append(Step(list(tr.tokens), len(traj.segments) - 1, (start, len(seq)),
                                    text, tr if stats else None, obs,
@@ -208,9 +179,9 @@ def play(policy, tok, trajs: list[Trajectory], cache, new: list[list[int]], args
 # ---------------------------------------------------------------------------------------------
 # 2. Rewards: one per assistant turn; `--reward` name -> function(trajectory, ctx)
 # ---------------------------------------------------------------------------------------------
-# Each returns one entry per turn: a float, or None for a turn without reward (outcome: all but
-# the last). Those that read a frozen probe (READS_PROBE) return (rewards, P(correct) of each
-# turn), which the drift monitor scores against the exact labels.
+# Each returns a float per turn, or None for a turn without reward (outcome: all but the last);
+# those that read a frozen probe (READS_PROBE) return (rewards, each turn's P(correct)), which
+# the drift monitor scores against the exact labels.
 
 @dataclass
 class RewardContext:                # what the reward functions need besides the rollout
@@ -222,9 +193,10 @@ class RewardContext:                # what the reward functions need besides the
     probe: probes.Probe | None = None       # the probe of the feature set named by --reward
     judge: envs.ChatClient | None = None    # reward "llm_judge"
     lagged: dict[str, torch.Tensor] | None = None   # tips: the lagged teacher's LoRA parameters
-    probe_report: dict | None = None    # shop: the fitted probes' AUROC on held-out own turns
+    probe_report: dict | None = None    # the probes' AUROC on held-out own turns
     summary: dict = field(default_factory=dict)     # what the lab adds to summary.json
     cost: Counter = field(default_factory=Counter)  # this step's extra work (COSTS)
+    stats: bool = True              # the rollout keeps the generation pass's statistics
 
     def use_head(self, head) -> None:
         """Read `head` from now on (--probe-retrain-every): a pair.Pair or a probes.Probe."""
@@ -243,8 +215,8 @@ def pair_reward(traj: Trajectory, ctx) -> tuple[list[float], list[float]]:
 
 
 def pair_from_features(features: dict[str, torch.Tensor], ctx) -> tuple[list[float], list[float]]:
-    # METHOD.md §6-7: each turn's s_final from the two stages (paper Eq. stage1, stage2), then the
-    # rollout's rewards from them (Appendix reward: temperature clip, momentum)
+    # METHOD.md §6-7: each turn's s_final (Eq. stage1, stage2), then the rollout's rewards
+    # (Appendix reward: temperature clip, momentum)
     _, s_final = ctx.pair.scores(features)
     s_final = s_final.tolist()
     return pair.trajectory_rewards(s_final, ctx.args.alpha), s_final
@@ -271,12 +243,22 @@ PROBE_REWARDS = set(probes.FEATURES)
 READS_PROBE = {"pair"} | PROBE_REWARDS
 NEEDS_STATS = set(READS_PROBE)          # rewards that read the generation pass's statistics
 
-# The lab (lab/train.py) adds its rewards, searches and experiments through these tables and
-# hooks (`hook(name, ...)` calls each function of HOOKS[name]); the core runs with them empty.
-PLAYERS = {}        # --reward name -> play(g, run, t) -> (Group, KV bytes), in place of play_group
-LOSSES = {}         # --reward name -> its own loss (update), in place of the advantage form's
-HOOKS = {name: [] for name in ("flags", "check", "preset", "processes", "context", "setup",
-                               "step", "trained", "resume", "checkpoint")}
+# The lab (lab/train.py) plugs in through these tables and HOOKS[name], each function of which
+# `hook(name, ...)` calls at one point of a run; the core runs with them empty.
+PLAYERS = {}        # --reward name -> play(g, run, t) -> (Group, KV bytes), for play_group
+LOSSES = {}         # --reward name -> its own loss (update), for the advantage form's
+HOOKS = {name: [] for name in (
+    "flags",        # (parser): add flags
+    "check",        # (args): refuse flag combinations (check_args)
+    "preset",       # (args, flags given): fill defaults after the preset
+    "processes",    # (args): start several processes -> Processes or None
+    "context",      # (args, policy, tok, procs, log): fit probes -> (dir, report) or None
+    "setup",        # (args, policy, tok, procs, log, ctx): once the run is set up
+    "played",       # (run, trajs, t): after each group's rollout, before its rewards
+    "step",         # (run, step): before each step
+    "trained",      # (run, step, trajs): after each update -> metrics to log, or None
+    "resume",       # (run, start step)
+    "checkpoint")}  # (run, step): after each checkpoint
 PROG = "python grpo.py"     # how the command line that runs this file is spelled in messages
 
 
@@ -333,8 +315,8 @@ def reward_context(args, policy, tok, env, procs, log) -> RewardContext:
 
 
 def shipped_probes(args, log) -> tuple[Path, dict]:
-    """The probes of a built-in world's own policy, fitted on its own labelled turns and shipped
-    beside it in data/ (`python -m lab.onpolicy` rebuilds them), and their report."""
+    """A built-in world's probes, fitted on its own policy's turns and shipped in data/
+    (`python -m lab.onpolicy` rebuilds them), and their report."""
     where = Path(args.model) / "probes"
     if args.env not in envs.WORLDS or not is_builtin(args) or not where.is_dir():
         raise SystemExit(f"--reward {args.reward} on {args.env} with --model {args.model} needs "
@@ -359,7 +341,7 @@ def shipped_probes(args, log) -> tuple[Path, dict]:
 
 
 def check_widths(ctx: RewardContext, config, where: Path):
-    """A damaged or foreign probe file fails here, before any rollout, not at the first reward."""
+    """A damaged or foreign probe file fails here, before any rollout."""
     d, L, H = config.hidden_size, config.num_hidden_layers, config.num_attention_heads
     if ctx.pair is not None:
         want = {"stage1": d, "stage2": len(ctx.pair.stats) * H * L + 1}
@@ -375,9 +357,8 @@ def check_widths(ctx: RewardContext, config, where: Path):
 
 
 def seed_dir(where: Path, log) -> Path:
-    """`python -m lab.study train --out DIR` fits every probe once per seed, into DIR/seed<S>/:
-    take the smallest seed (42 by default, the built-in policy's) and say so. Any other path is
-    used as it is."""
+    """`python -m lab.study train --out DIR` fits the probes into DIR/seed<S>/: take the
+    smallest seed and say so. Any other path is used as it is."""
     seeds = sorted((int(p.name[4:]), p) for p in (where.glob("seed*") if where.is_dir() else ())
                    if p.name[4:].isdigit() and p.is_dir())
     if not seeds:
@@ -389,7 +370,7 @@ def seed_dir(where: Path, log) -> Path:
     return chosen
 
 
-# Where PAIR lies inside a probes directory, first found first: the paper's training mode, the
+# Where PAIR lies in a probes directory, first found first: the paper's training mode, the
 # probes fitted on the fly, the clean_only mode
 PAIR_DIRS = ("pair_mixed", "pair", "pair_clean_only")
 
@@ -413,8 +394,8 @@ class Batch:                        # what the update consumes: rollouts right-p
     mask: torch.Tensor              # (B, T) bool: True on tokens the policy generated
     adv: torch.Tensor               # (B, T) float32: A of the turn each policy token belongs to
     lengths: list[int]              # real length of each row
-    # AT²PO's turn-level objective: which turn each policy token belongs to (-1 elsewhere), and
-    # 1 / (policy tokens of its trajectory), so that a trajectory's tokens weigh 1 together
+    # AT²PO's turn-level objective: each policy token's turn (-1 elsewhere), and 1 / (policy
+    # tokens of its trajectory), so that a trajectory's tokens weigh 1 together
     turn: torch.Tensor | None = None        # (B, T) long
     weight: torch.Tensor | None = None      # (B, T) float32
     n_seqs: int = 0                         # trajectories with at least one policy token
@@ -438,19 +419,15 @@ def group_advantages(rewards: list[list[float | None]]) -> tuple[list[list[float
     for row in rewards:
         rhat = torch.tensor([0.0 if r is None else (r - mean) / (std + 1e-6) for r in row],
                             dtype=torch.float64)
-        # suffix sums: the return from turn t on
-        advantages.append(rhat.flip(0).cumsum(0).flip(0).tolist())
+        advantages.append(rhat.flip(0).cumsum(0).flip(0).tolist())     # returns to go
     return advantages, False
 
 
 def release_advantages(rewards: list[list[float | None]]) -> tuple[list[list[float]], bool]:
-    """`--advantage release`: the authors' release (its GRPO loop). Per group, z_i = the
-    group-normalized total R_i = sum_t r_{i,t} (population std; only centered when the std is
-    <= 1e-8), and per turn A_{i,t} = r_{i,t} - mean_t r_{i,.} + z_i: a turn is credited its
-    reward against its own rollout's mean, plus the rollout's standing in the group. A turn
-    without a reward counts 0. A group of one rollout is not normalized at all (A = r), as the
-    release leaves it. "All equal" here means that no turn of the group gets an advantage (a
-    group whose totals are equal still moves turns within each rollout)."""
+    """`--advantage release`, the authors' release: A_{i,t} = r_{i,t} - mean_t r_{i,.} + z_i,
+    z_i = the group-normalized total R_i = sum_t r_{i,t} (population std; only centered when
+    std <= 1e-8). A turn without a reward counts 0; a group of one rollout keeps A = r. "All
+    equal": no turn of the group gets an advantage."""
     rows = [torch.tensor([0.0 if r is None else r for r in row], dtype=torch.float64)
             for row in rewards]
     if len(rows) == 1:
@@ -465,8 +442,7 @@ def release_advantages(rewards: list[list[float | None]]) -> tuple[list[list[flo
 
 
 # --advantage name -> function(the group's per-turn rewards, its task scores, args) ->
-# (advantages, all equal). The loss of each form (update): release_loss for `release`, grpo_loss
-# for the others. The lab adds forms of its own (lab/credit.py).
+# (advantages, all equal); the lab adds forms (lab/credit.py)
 ADVANTAGES = {"process": lambda rewards, scores, args: group_advantages(rewards),
               "release": lambda rewards, scores, args: release_advantages(rewards)}
 
@@ -514,10 +490,9 @@ def make_batch(trajs: list[Trajectory], advantages: list[list[float]], pad_id: i
 # ---------------------------------------------------------------------------------------------
 
 def grpo_loss(logp, logp_old, logp_ref, adv, eps: float, beta: float, n_tokens: float):
-    """METHOD.md §9 loss summed over N policy tokens, divided by n_tokens (all of the batch).
-
-    All inputs (N,). Returns (loss, sums) with sums of the per-token KL and clip indicator, so that
-    micro-batches and processes add up to batch-level metrics."""
+    """METHOD.md §9: sum over N policy tokens (inputs (N,)) of
+    -min(rho A, clip(rho, 1-eps, 1+eps) A) + beta KL_k3, divided by n_tokens (the batch's).
+    Returns (loss, sums of KL, clip indicator, rho and the surrogate, for batch metrics)."""
     ratio = torch.exp(logp - logp_old)                          # rho
     clipped = torch.clamp(ratio, 1 - eps, 1 + eps)
     pg = -torch.minimum(ratio * adv, clipped * adv)
@@ -533,14 +508,11 @@ def grpo_loss(logp, logp_old, logp_ref, adv, eps: float, beta: float, n_tokens: 
 
 def release_loss(logp, logp_old, logp_ref, adv, turn_weight, eps: float, beta: float,
                  n_turns: float):
-    """`--advantage release`: the authors' update, each turn weighing the same. Per turn, the
-    mean over its tokens of the clipped surrogate plus beta (logp - logp_ref) (the release's KL
-    estimate, the mean log-ratio to the adapter-disabled model); then the mean over the batch's
-    turns. turn_weight (N,) = 1 / (tokens of the token's turn). At one PPO epoch rho = 1 in
-    value and this is the release's REINFORCE step, gradient for gradient:
+    """`--advantage release`: per turn, the mean over its tokens (turn_weight = 1 / its tokens)
+    of the clipped surrogate + beta (logp - logp_ref), the release's KL estimate; then the mean
+    over the batch's turns. At one epoch this is the release's REINFORCE step:
     -(1 / n_turns) sum_turns (A mean_t grad log pi_t - beta mean_t grad(log pi_t - log pi_ref,t)).
-    (The logged loss is -(A - beta KL) per turn, where the release logs -(A mean log pi - ...).
-    The logged KL is the k3 estimate, as grpo_loss logs it, so that the two forms compare.)"""
+    The logged KL is k3, as grpo_loss's, so that the two forms compare."""
     ratio = torch.exp(logp - logp_old)                          # rho
     pg = -torch.minimum(ratio * adv, torch.clamp(ratio, 1 - eps, 1 + eps) * adv)
     loss = ((pg + beta * (logp - logp_ref)) * turn_weight).sum() / n_turns
@@ -560,8 +532,7 @@ def lr_at(step: int, args) -> float:
 
 def micro_batches(lengths: list[int], rows: int, tokens: int) -> list[list[int]]:
     """Consecutive rows in groups of at most `rows` rows and `tokens` padded tokens (rows x the
-    longest), so that the update's memory is bounded whatever the rollouts' lengths; a row
-    longer than `tokens` goes alone (a row is bounded by --max-len)."""
+    longest), bounding the update's memory; a row longer than `tokens` goes alone."""
     chunks, longest = [], 0
     for r, n in enumerate(lengths):
         longest = max(longest, n)
@@ -578,15 +549,13 @@ def update(policy, optimizer, batch: Batch, args, procs) -> dict:
     params = [p for p in policy.parameters() if p.requires_grad]
     n_tokens, n_seqs, n_turns = procs.all_sum([batch.mask[:, 1:].sum().item(),
                                                batch.n_seqs, batch.n_turns])
-    if n_tokens == 0:
-        # no rollout generated a token (every prompt outgrew --max-len): the loss would be 0/0,
-        # and an AdamW step on zero gradients would still move the adapter by its momentum
+    if n_tokens == 0:   # 0/0 loss; and AdamW on zero gradients still moves by its momentum
         return {"loss": 0.0, "kl": 0.0, "clip_frac": 0.0, "ratio": 0.0, "grad_norm": 0.0,
                 "tokens": 0, "empty_batch": 1, "skipped_updates": 0}
     chunks = micro_batches(batch.lengths, args.micro_batch, args.micro_batch_tokens)
     dev = model.input_device(policy)
-    # log pi at the sampling temperature: the distribution the tokens were drawn from. The
-    # release takes the model's own (T = 1) whatever it sampled at; `release` does as it does.
+    # log pi at the sampling temperature, the distribution the tokens were drawn from; the
+    # release takes T = 1 whatever it sampled at
     temperature = 1.0 if args.advantage == "release" else args.temperature
     ref, old, skipped = {}, {}, 0
     for epoch in range(args.ppo_epochs):
@@ -644,8 +613,8 @@ def prompt_index(seed: int, g: int, n: int) -> int:
 
 
 def sampler(policy, seed: int, g: int) -> torch.Generator:
-    # One generator per prompt, seeded by its number in the run: the rollouts do not depend on
-    # how prompts are sharded over processes, nor on where a run was resumed.
+    # one generator per prompt, seeded by its number in the run: the rollouts depend neither on
+    # the sharding over processes nor on where a run was resumed
     device = policy.lm_head.weight.device
     return torch.Generator(device=device).manual_seed(seed * 1_000_003 + g)
 
@@ -656,11 +625,9 @@ def seed_all(seed: int):
     torch.manual_seed(seed)
 
 
-# seconds per step; t_reward includes t_base_read, the extra forward of --probe-reads base
-TIMING = ("t_rollout", "t_reward", "t_update", "t_base_read")
-# what a step cost besides time, summed over processes: tokens sampled and turns played (chains
-# and branches), sibling rollouts of tree search, sequences and tokens teacher-forced by the
-# reward (igpo, tips, --probe-reads base), calls to an external judge
+TIMING = ("t_rollout", "t_reward", "t_update")      # seconds per step; the lab adds its own
+# what a step cost besides time, summed over processes: tokens and turns sampled, tree search's
+# sibling rollouts, sequences and tokens teacher-forced by a reward, calls to an external judge
 COSTS = ("gen_tokens", "gen_turns", "branch_rollouts", "branch_tokens", "tf_rows", "tf_tokens",
          "external_calls")
 
@@ -700,16 +667,12 @@ def play_group(g: int, run: Training, t: dict) -> tuple[Group, int]:
     caches = []
     # G fresh copies of the same episode: the group GRPO compares
     episodes = [run.env.episode(index) for _ in range(args.group)]
-    reads = args.reward in NEEDS_STATS
     trajs = rollout(policy, tok, episodes, args, generator=sampler(policy, args.seed, g),
-                    caches=caches, stats=reads and args.probe_reads == "policy")
+                    caches=caches, stats=args.reward in NEEDS_STATS and ctx.stats)
     t1 = time.perf_counter()
-    if reads and args.probe_reads == "base":
-        read_from_base(policy, trajs, args.micro_batch, ctx.cost)
-    t2 = time.perf_counter()
+    hook("played", run, trajs, t)
     r, p = zip(*[turn_rewards(traj, ctx) for traj in trajs])
     t["t_rollout"] += t1 - t0
-    t["t_base_read"] += t2 - t1
     t["t_reward"] += time.perf_counter() - t1
     a, all_equal = advantages(list(r), [traj.score for traj in trajs], args)
     played = [st for traj in trajs for st in traj.steps]
@@ -718,31 +681,10 @@ def play_group(g: int, run: Training, t: dict) -> tuple[Group, int]:
     return Group(list(trajs), list(r), list(p), a, all_equal), kv_bytes
 
 
-def read_from_base(policy, trajs: list[Trajectory], rows_per_forward: int,
-                   cost: Counter | None = None) -> None:
-    """--probe-reads base: every turn's statistics from its tokens teacher-forced through the
-    frozen base (adapter off) instead of the generation pass, so that the probe reads the
-    representation it was fitted on: a policy cannot move its own hidden states to please it."""
-    seqs, spans, steps = [], [], []
-    for traj in trajs:
-        for step in traj.steps:
-            seqs.append(traj.segments[step.segment][:step.span[1]])
-            spans.append(step.span)
-            steps.append(step)
-    if cost is not None:
-        cost.update(tf_rows=len(seqs), tf_tokens=sum(map(len, seqs)))
-    with model.lora_disabled(policy):
-        traces = model.trace_batch(policy, seqs, spans, rows_per_forward=rows_per_forward)
-    for step, trace in zip(steps, traces):
-        step.trace = trace
-
-
 def train_step(step: int, run: Training) -> dict:
     """One GRPO step: this process's share of the prompts, then the all-reduced update.
-
-    With --oversample K (DAPO's dynamic sampling) up to K x its share of prompts are played, in
-    order, and a group with no advantage to give (Group.all_equal) is set aside while later
-    prompts remain: with a sparse reward most groups are such groups."""
+    --oversample K (DAPO's dynamic sampling): up to K x the share is played, in order, and a
+    group with no advantage (Group.all_equal) is set aside while later prompts remain."""
     policy, args, procs = run.policy, run.args, run.procs
     t = {k: 0.0 for k in TIMING}
     run.ctx.cost = Counter(dict.fromkeys(COSTS, 0))
@@ -854,8 +796,7 @@ def setup(args) -> Training:
         raise SystemExit(f"--batch {args.batch} must be a multiple of the {procs.size} processes")
     if args.threads:
         torch.set_num_threads(args.threads)
-    # OUT is checked read-only first, so that a --resume mistake costs no model load.
-    check_out(args)
+    check_out(args)     # read-only first: a --resume mistake costs no model load
     procs.barrier()     # every process reads OUT as it was before any of them writes
     log = print if procs.main else (lambda *a, **k: None)
     policy, tok = load_policy(args, procs)
@@ -870,8 +811,8 @@ def setup(args) -> Training:
         raise SystemExit(f"--max-len {args.max_len}: a task's prompt alone is {prompt} tokens "
                          f"and a turn needs --max-new-tokens {args.max_new_tokens} more, so no "
                          "rollout could play its first turn")
-    # Probes fitted on the fly take minutes on a first run: OUT is claimed before them, so that
-    # a busy OUT is refused at once. Given probes and the judge's key are checked before OUT.
+    # probes fitted on the fly take minutes: OUT is claimed first, so a busy OUT is refused at
+    # once; given probes and the judge's key are checked before OUT
     fit_later = ctx_has_probe(args) and not args.probes
     ctx = None if fit_later else reward_context(args, policy, tok, env, procs, log)
     out = prepare_out(args, procs)
@@ -889,9 +830,8 @@ def setup(args) -> Training:
 
 
 def load_policy(args, procs: Processes) -> tuple[model.Transformer, model.Tokenizer]:
-    """The seeded start of a run: every RNG seeded, the policy loaded, a fresh LoRA adapter on it
-    (its initial weights are the first random draws, so anything that must draw as a run does,
-    such as lab/onpolicy.py's rebuild of the shipped probes, starts here)."""
+    """The seeded start of a run: RNGs seeded, the policy loaded, a fresh LoRA adapter (its
+    weights are the first random draws; lab/onpolicy.py's rebuild of the probes starts here)."""
     seed_all(args.seed)
     devices = args.devices.split(",") if args.devices else (
         [procs.device] if procs.device != "cpu" else None)
@@ -930,9 +870,8 @@ def resume(run: Training) -> int:
 
 
 def evaluate_and_log(run: Training, step: int, done: set, seconds: list):
-    """Evaluate the policy at `step` on the held-out splits (unless done, or --no-eval) into
-    eval.jsonl; step 0 from the cache when an earlier run made it (base_eval_cache). `seconds`:
-    each evaluation's time, which the ETA expects of the next."""
+    """Evaluate the policy at `step` on the held-out splits into eval.jsonl, unless done or
+    --no-eval (step 0: from base_eval_cache when there). `seconds`: each evaluation's time."""
     args, procs = run.args, run.procs
     if args.no_eval or step in done:
         return
@@ -1004,8 +943,8 @@ def train(args) -> dict:
 
 
 def check_args(args: argparse.Namespace) -> None:
-    """The rules between flags that need the rewards (parse_args checks the rest), the lab's
-    included; lab/compare.py applies them to every run before starting any."""
+    """The rules between flags that need the rewards, the lab's included (parse_args checks the
+    rest); lab/compare.py applies them to every run before starting any."""
     hook("check", args)
 
 
@@ -1015,42 +954,14 @@ def check_args(args: argparse.Namespace) -> None:
 # ---------------------------------------------------------------------------------------------
 
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
-    """Every default in --help, but never "(default: None)": a flag whose default is decided
-    at run time (by the preset, or from another flag) says so in its own help text."""
+    """Every default in --help but "(default: None)": such a flag's help says what decides it."""
 
     def _get_help_string(self, action):
         return action.help if action.default is None else super()._get_help_string(action)
 
 
-def positive_number(text: str) -> float:
-    """An argparse type: a finite number > 0 (nan and inf fail too)."""
-    x = float(text)
-    if not 0 < x < math.inf:
-        raise argparse.ArgumentTypeError(f"must be a positive number, not {text}")
-    return x
-
-
-def int_at_least(low: int):
-    """An argparse type: an integer >= low."""
-    def parse(text: str) -> int:
-        n = int(text)
-        if n < low:
-            raise argparse.ArgumentTypeError(f"must be >= {low}, not {text}")
-        return n
-    parse.__name__ = "int"              # argparse's "invalid int value: 'x'"
-    return parse
-
-
-def at_least(low):
+def at_least(low):                  # the ranges of FLAG_RANGES: (test, what it asks for)
     return (lambda v: v >= low), f"at least {low}"
-
-
-def within(low, high):
-    return (lambda v: low <= v <= high), f"in [{low}, {high}]"
-
-
-def positive():
-    return (lambda v: 0 < v < math.inf), "a positive number"
 
 
 def finite(low=-math.inf):
@@ -1077,24 +988,17 @@ PAPER_HPARAMS = dict(batch=1, group=4, max_turns=10, max_new_tokens=1024, temper
                      top_p=1.0, lr=3e-7, warmup=0.05, beta=0.01, eps=0.2, steps=500,
                      save_every=50, lora_r=16, lora_alpha=32.0, lora_dropout=0.05, oversample=1,
                      eval_batch=16)
-# The built-in policy has ~0.3M parameters and short turns. T = 0.7: closer to its greedy
-# evaluation, and it rambles to --max-new-tokens far less than at T = 1. Four prompts a step, so
-# that a step rarely has no informative group; lr 3e-4 (1e-3 and above erode held-out success
-# within 10 steps); no LoRA dropout (a fifth of the update at this size, only noise); greedy
-# evaluation 128 episodes at a time. One torch thread: a second gains 1.17x alone, and two
-# threads beside any other busy process ran 1.8x to 40x slower. The rest is the paper's.
+# The built-in policy (~0.3M parameters, short turns): T = 0.7, closer to its greedy evaluation
+# and far less rambling; four prompts a step, so a step rarely has no informative group; lr 3e-4
+# (1e-3 erodes held-out success within 10 steps); no LoRA dropout (only noise at this size); one
+# torch thread (two ran 1.8x to 40x slower beside any busy process). The rest is the paper's.
 TINY = dict(batch=4, group=8, max_new_tokens=96, temperature=0.7, lr=3e-4, lora_dropout=0.0,
             steps=20, save_every=10, eval_batch=128, threads=1)
-# Defaults of flags that a --preset may set, and which Table grpo_config does not give
-DEFAULTS = dict(weight_decay=0.0, advantage="process")
-# --preset release: the authors' release as it ran, where it departs from the defaults: torch's
-# AdamW weight decay 0.01, a constant lr with no warmup, nucleus sampling at top-p 0.95, and its
-# advantage and update (--advantage release). Not reproduced: the cap of its update's forward at
-# the last 2,560 tokens of each turn's context (METHOD.md §9).
+DEFAULTS = dict(weight_decay=0.0, advantage="process")     # flags a --preset sets, not the paper
+# --preset release: the authors' release as it ran (not reproduced: its update's cap at the last
+# 2,560 tokens of each turn's context, METHOD.md §9)
 PRESETS = {"release": dict(weight_decay=0.01, warmup=0.0, top_p=0.95, advantage="release")}
-# The flags of Table grpo_config (and the paper's 50-step checkpoints); the paper states no
-# sampling temperature, top-p, LoRA alpha or dropout: those defaults are the release's (T 1.0,
-# alpha 32, dropout 0.05) or, top-p 1.0, this repository's (the release samples at 0.95)
+# what Table grpo_config states; the other defaults' sources
 PAPER_STATED = ("batch", "group", "max_turns", "max_new_tokens", "lr", "warmup", "beta", "eps",
                 "steps", "save_every", "lora_r")
 SOURCE = {"temperature": "the release's; the paper states none", "lora_alpha": "the release's",
@@ -1121,43 +1025,43 @@ def resolve_preset(args, procs) -> None:
     if args.micro_batch is None:
         args.micro_batch = args.group
     hook("preset", args, given)
+
+    def flags(keys, mark=""):
+        return ", ".join(f"--{k.replace('_', '-')} {getattr(args, k)}"
+                         + (mark if k in given else "") for k in keys)
     if procs.main and is_builtin(args):
-        def flags(keys):
-            return ", ".join(f"--{k.replace('_', '-')} {getattr(args, k)}" for k in keys)
         print("preset for the tiny built-in policy (the paper's 7B values for everything else): "
               + flags(k for k in TINY if k not in given)
               + (f"; from the command line: {flags(k for k in TINY if k in given)}"
                  if given & set(TINY) else ""), flush=True)
     if procs.main and args.preset:
-        print(f"--preset {args.preset}: " + ", ".join(
-            f"--{k.replace('_', '-')} {getattr(args, k)}" + (" (from the command line)"
-                                                             if k in given else "")
-            for k in PRESETS[args.preset]), flush=True)
+        print(f"--preset {args.preset}: " + flags(PRESETS[args.preset], " (from the command line)"),
+              flush=True)
 
 
-def preset_help(key: str, what: str) -> str:
-    """`what` and the flag's effective default, read from the presets themselves: TINY's with
-    the built-in policy, the paper's (Table grpo_config) with any other model."""
+def preset_flag(group, key: str, what: str, kind=int, more: str = ""):
+    """A flag the presets set; its help gives the default of each (TINY's with the built-in
+    policy, Table grpo_config's with any other model) and where it comes from."""
     tiny, paper = dict(PAPER_HPARAMS, **TINY)[key], PAPER_HPARAMS[key]
     source = "the paper's" if key in PAPER_STATED else SOURCE.get(key)
     if tiny == paper:
-        return f"{what} (default: {paper}{', ' + source if source else ''})"
-    return f"{what} (default: {tiny} with the built-in policy, {paper} otherwise" \
-        f"{': ' + source if source else ''})"
-
-
-def preset_flag(group, key: str, what: str, kind=int):
+        default = f"(default: {paper}{', ' + source if source else ''})"
+    else:
+        default = f"(default: {tiny} with the built-in policy, {paper} otherwise" \
+            f"{': ' + source if source else ''})"
     group.add_argument(f"--{key.replace('_', '-')}", type=kind, default=None,
-                       help=preset_help(key, what))
+                       help=f"{what} {default}{more}")
 
 
 class Parser(argparse.ArgumentParser):
-    """argparse, pointing to the lab when a choice the core refuses may be the lab's."""
+    """argparse, pointing to the lab for a choice or a flag the core lacks."""
 
     def error(self, message):
-        if "invalid choice" in message and PROG == "python grpo.py":     # a lab reward or world?
-            message += ("; the paper's other rewards, the tree searches, shop-long and the "
-                        "other advantage forms run through `python -m lab.train` (lab/README.md)")
+        if PROG == "python grpo.py" and ("invalid choice" in message
+                                         or "unrecognized arguments" in message):
+            message += ("; the paper's other rewards, the tree searches, shop-long, the other "
+                        "advantage forms and the lab's flags run through `python -m lab.train` "
+                        "(lab/README.md)")
         super().error(message)
 
 
@@ -1165,55 +1069,40 @@ def train_parser(rewards) -> argparse.ArgumentParser:
     """grpo.py's flags; `rewards`: the names --reward takes (grpo.REWARDS)."""
     ap = Parser(
         prog=PROG, formatter_class=HelpFormatter,
-        description="Multi-turn GRPO with LoRA and step-level rewards (METHOD.md §9). "
-                    "With no flag: the shop environment, the built-in policy and its probes; "
-                    "`python -m lab.train` adds the lab's rewards, searches and worlds.",
+        description="Multi-turn GRPO with LoRA and step-level rewards (METHOD.md §9); with no "
+                    "flag: shop, the built-in policy and its probes.",
         epilog="A default given as two values is the tiny preset's with the built-in policy "
-               "(printed at start) and the paper's Table grpo_config with any other model. "
-               "Scale out with `torchrun --nproc_per_node N -m lab.train ...` (prompts sharded, "
-               "gradients all-reduced) or split one model with --devices cuda:0,cuda:1.")
+               "and Table grpo_config's with any other model. Scale out with `torchrun "
+               "--nproc_per_node N -m lab.train ...` or --devices cuda:0,cuda:1.")
     a = ap.add_argument
     a("--env", default="shop", choices=(*envs.WORLDS, "gta", "toolbench"),
-      help="environment: a built-in world (envs.WORLDS; python -m lab.train adds shop-long, "
-           "the long-horizon one) or a released dataset replayed (envs.py)")
+      help="a built-in world (envs.WORLDS) or a released dataset replayed (envs.py)")
     a("--data-dir", default=None, help="gta / toolbench: the released files' root (default: "
       "$PAIR_DATA, else ~/.cache/pair/data; `python -m lab.data download` fills it)")
-    a("--model", default=None,
-      help="policy: a checkpoint directory or a Hugging Face model name (default: the built-in "
-           "world's own policy, data/shop-policy or data/shop-long-policy)")
+    a("--model", default=None, help="policy: a checkpoint directory or a Hugging Face model "
+      "name (default: the built-in world's own, data/shop-policy)")
     a("--reward", default="pair", choices=tuple(rewards), help="per-turn reward source")
     a("--alpha", type=float, default=5.0,
       help="PAIR momentum scaling (METHOD.md §7); 0 = vanilla PAIR, r_t = s~_t")
     a("--outcome-weight", type=float, default=0.0,
       help="add this times the task score to the last turn's reward (METHOD.md §9)")
     a("--advantage", default=None, choices=tuple(ADVANTAGES),
-      help="how per-turn rewards become advantages and the loss (METHOD.md §9): process = "
-           "DeepSeekMath process supervision, pooled normalization and returns to go, "
-           "token-normalized loss; release = the authors' release, each turn's reward against "
-           "its rollout's mean plus the rollout's normalized total, every turn weighing the "
-           "same; position = process on each turn's reward minus the group's mean at its turn "
-           "index; outcome-turn = the outcome's group advantage on every token plus "
-           "--turn-weight x the turn's own position-centred reward, no sum over later turns "
-           "(default: process; release with --preset release)")
+      help="per-turn rewards to advantages and loss (METHOD.md §9): process = DeepSeekMath "
+           "process supervision; release = the authors' release; the lab's: position, "
+           "outcome-turn (default: process; release with --preset release)")
     a("--preset", default=None, choices=tuple(PRESETS),
       help="release = the authors' release as it ran: --weight-decay 0.01, --warmup 0, --top-p "
-           "0.95, --advantage release (its update and KL estimate); flags given win")
+           "0.95, --advantage release; flags given win")
     a("--probes", default=None,
-      help="trained probes: a `python -m lab.study train --out` directory (its smallest "
-           "seed<S>/ is used, pair_mixed/ in it for --reward pair) or one seed<S>/ of it, a "
-           "PAIR directory, a probe file; default on shop: fitted on the fly for this policy "
-           "(--probe-corpus), cached under $PAIR_CACHE")
-    a("--probe-reads", default="policy", choices=("policy", "base"),
-      help="where PAIR and the probes read a turn's statistics: policy = the generation pass "
-           "(the paper); base = the same tokens teacher-forced through the frozen base model "
-           "(one extra forward per step; a drifting policy cannot move what the probe reads)")
+      help="trained probes: a `python -m lab.study train --out` directory (its smallest seed<S>/)"
+           " or one seed<S>/ of it, a PAIR directory, a probe file (default on shop: shipped "
+           "beside the built-in policy)")
     g = ap.add_argument_group("rollout")
     preset_flag(g, "steps", "training steps")
     preset_flag(g, "batch", "prompts per step")
     preset_flag(g, "group", "rollouts per prompt, G")
-    g.add_argument("--max-turns", type=int, default=None,
-                   help=preset_help("max_turns", "assistant turns per rollout") +
-                   " (a built-in world's own: envs.WORLD_TURNS)")
+    preset_flag(g, "max_turns", "assistant turns per rollout", more=" (a built-in world's own: "
+                "envs.WORLD_TURNS)")
     preset_flag(g, "max_new_tokens", "generated tokens per turn")
     g.add_argument("--max-len", type=int, default=8192,
                    help="KV cache capacity per rollout; a rollout that would outgrow it ends")
@@ -1224,22 +1113,18 @@ def train_parser(rewards) -> argparse.ArgumentParser:
     preset_flag(g, "warmup", "fraction of steps of linear warmup, then constant", float)
     preset_flag(g, "beta", "KL coefficient", float)
     preset_flag(g, "eps", "PPO clip epsilon", float)
-    g.add_argument("--oversample", type=int, default=None,
-                   help=preset_help("oversample", "DAPO dynamic sampling: play up to K x --batch "
-                                    "prompts per step and keep the first --batch whose group "
-                                    "gives some turn an advantage (1: off)"))
+    preset_flag(g, "oversample", "DAPO dynamic sampling: play up to K x --batch prompts and keep "
+                "the first --batch whose group gives some turn an advantage (1: off)")
     g.add_argument("--ppo-epochs", type=int, default=1,
                    help="passes over each batch (1: on-policy, rho = 1)")
     g.add_argument("--micro-batch", type=int, default=None,
                    help="rollouts per forward in the update (default: --group)")
     g.add_argument("--micro-batch-tokens", type=int, default=16384,
-                   help="at most this many padded tokens per forward in the update (a longer "
-                   "rollout goes alone): with its blocks recomputed in the backward pass, the "
-                   "update holds about 0.2 GiB per 1,000 tokens at 7B")
+                   help="most padded tokens per forward in the update (a longer rollout goes "
+                        "alone); about 0.2 GiB per 1,000 tokens at 7B")
     g.add_argument("--grad-clip", type=float, default=1.0, help="gradient norm clip")
     g.add_argument("--weight-decay", type=float, default=None,
-                   help="AdamW weight decay (default: 0; 0.01 with --preset release, torch's "
-                        "default, which the release keeps)")
+                   help="AdamW weight decay (default: 0; 0.01 with --preset release)")
     preset_flag(g, "lora_r", "LoRA rank")
     preset_flag(g, "lora_alpha", "LoRA alpha", float)
     preset_flag(g, "lora_dropout", "LoRA dropout", float)
@@ -1249,34 +1134,29 @@ def train_parser(rewards) -> argparse.ArgumentParser:
     g.add_argument("--out", default=None,
                    help="run directory (default: runs/<env>-<reward>-<date>-<time>, new)")
     g.add_argument("--resume", action="store_true",
-                   help="continue the run in --out from its newest checkpoint; with no run "
-                        "there, stop and say so")
+                   help="continue the run in --out from its newest checkpoint")
     g.add_argument("--resume-if-present", action="store_true",
-                   help="continue the run in --out if there is one, else start it (for scripts)")
+                   help="continue the run in --out if there is one, else start it")
     preset_flag(g, "save_every", "checkpoint (and evaluate) every N steps")
     g.add_argument("--eval-episodes", type=int, default=0,
                    help="test episodes per evaluation (0 = the whole test split; shop: 600)")
     g.add_argument("--val-episodes", type=int, default=None,
-                   help="validation episodes per evaluation, for checkpoint selection (shop: its "
-                        "validation split, 200; replay environments: set aside from the end of "
-                        "the training split, default 10%% of it)")
+                   help="validation episodes per evaluation (shop: its split, 200; replays: set "
+                        "aside from the end of the training split, default 10%% of it)")
     preset_flag(g, "eval_batch", "episodes decoded together in an evaluation")
     g.add_argument("--no-eval", action="store_true", help="skip the held-out evaluations")
     g.add_argument("--seed", type=int, default=42, help="seed of everything")
     g.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"),
                    help="model weights dtype (the adapter stays float32)")
-    g.add_argument("--devices", default=None,
-                   help="split the model over these devices, e.g. cuda:0,cuda:1 (default: the "
-                        "process's GPU under torchrun, else the CPU)")
-    g.add_argument("--threads", type=int, default=None,
-                   help="torch CPU threads (default: 1 with the built-in policy; else torch's "
-                   "choice, or $OMP_NUM_THREADS)")
+    g.add_argument("--devices", default=None, help="split the model over these devices, e.g. "
+                   "cuda:0,cuda:1 (default: the process's GPU under torchrun, else the CPU)")
+    g.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: 1 "
+                   "with the built-in policy; else torch's choice, or $OMP_NUM_THREADS)")
     hook("flags", ap)
     return ap
 
 
-# The range of every numeric flag, checked before anything is loaded: a wrong value must not
-# cost a model load and minutes of probe fitting first (nan fails every check).
+# The range of every numeric flag, checked before anything is loaded (nan fails every check)
 FLAG_RANGES = {
     **{k: at_least(1) for k in ("steps", "batch", "group", "max_turns", "max_new_tokens",
                                 "max_len", "oversample", "ppo_epochs", "micro_batch", "lora_r",
@@ -1284,9 +1164,9 @@ FLAG_RANGES = {
     "threads": THREADS,
     **{k: at_least(0) for k in ("eval_episodes", "val_episodes")},
     "seed": ((lambda v: 0 <= v < 2 ** 32), "in [0, 2**32) (numpy's seeds)"),
-    "temperature": ((lambda v: model.MIN_TEMPERATURE <= v < math.inf),
-                    f"a finite number >= {model.MIN_TEMPERATURE}"),
-    **{k: positive() for k in ("lr", "eps", "grad_clip", "lora_alpha")},
+    "temperature": finite(model.MIN_TEMPERATURE),
+    **{k: ((lambda v: 0 < v < math.inf), "a positive number")
+       for k in ("lr", "eps", "grad_clip", "lora_alpha")},
     **{k: finite(0.0) for k in ("beta", "weight_decay", "alpha")},
     "outcome_weight": finite(),
     "top_p": ((lambda v: 0 < v <= 1), "in (0, 1]"),
@@ -1324,9 +1204,8 @@ def parse_args(argv, rewards) -> argparse.Namespace:
 
 @dataclass
 class Processes:
-    """The processes of a run. In the core, this one alone; under torchrun (python -m lab.train,
-    lab/torchrun.py) several, each playing its share of the prompts, with the sums, gathers and
-    gradients below reduced across them."""
+    """The processes of a run: this one alone in the core; under torchrun (lab/torchrun.py)
+    several, each playing its share of the prompts, with these reduced across them."""
     rank: int = 0
     size: int = 1
     device: str = "cpu"             # where reduced tensors live (cuda for nccl)
@@ -1342,8 +1221,7 @@ class Processes:
         return float(value)
 
     def gather(self, values: list[float], size: int) -> list[float]:
-        """Every process's list (each at most `size` long), concatenated."""
-        return list(values)
+        return list(values)         # every process's list (each at most `size`), concatenated
 
     def all_reduce_grads(self, params) -> None:
         pass
@@ -1374,18 +1252,15 @@ def all_sum_named(procs: Processes, parts: dict[str, list[float]]) -> dict[str, 
     return out
 
 
-# flags that must not change when a run is resumed: everything that trains or scores it (not
-# where it runs: --threads, --devices, --eval-batch change float summation order only)
+# flags a resumed run must keep: all that trains or scores it (not --threads, --devices,
+# --eval-batch: they change float summation order only)
 RESUME_KEYS = ("env", "model", "reward", "alpha", "outcome_weight", "probes", "seed", "steps",
                "batch", "group", "max_turns", "max_new_tokens", "max_len", "temperature", "top_p",
                "lr", "warmup", "beta", "eps", "oversample", "ppo_epochs", "micro_batch",
                "micro_batch_tokens", "lora_r", "lora_alpha", "lora_dropout", "lora_targets",
-               "save_every", "probe_reads", "eval_episodes", "val_episodes", "advantage",
-               "grad_clip", "weight_decay", "dtype")
-
-
-# what a run from before these flags existed ran with
-RESUME_DEFAULTS = {"advantage": "process"}
+               "save_every", "eval_episodes", "val_episodes", "advantage", "grad_clip",
+               "weight_decay", "dtype")
+RESUME_DEFAULTS = {"advantage": "process"}      # what a run from before a flag ran with
 
 
 def changed_flag(args, old: dict) -> tuple[str, object, object] | None:
@@ -1394,7 +1269,6 @@ def changed_flag(args, old: dict) -> tuple[str, object, object] | None:
     for k in RESUME_KEYS:
         if k not in old and k not in RESUME_DEFAULTS:
             continue                        # not recorded, and no default to compare with
-        # a run from before the flag existed ran with its default
         now, then = getattr(args, k), old.get(k, RESUME_DEFAULTS.get(k))
         if then == now:
             continue
@@ -1420,13 +1294,11 @@ def check_out(args) -> None:
         except (OSError, ValueError, RecursionError) as e:
             raise SystemExit(f"--resume: {saved} is not readable ({type(e).__name__}: {e}); the "
                              "flags of the run cannot be checked") from None
-        changed = changed_flag(args, old)
-        if changed:
+        if changed := changed_flag(args, old):
             flag, now, then = changed
             raise SystemExit(f"--resume: {flag} is {now!r} but the run in {out} used {then!r}")
-        # A finished run, or logs past the step of the first checkpoint (a step is logged, then
-        # its checkpoint saved), and no checkpoint: they were deleted (as in results/, which
-        # keeps none). Starting over would replace the logs.
+        # a finished run, or logs past the first checkpoint's step, and no checkpoint: they were
+        # deleted (results/ keeps none), and starting over would replace the logs
         logged = max((r["step"] for r in read_jsonl(out / "metrics.jsonl")), default=0)
         first = min(args.save_every, args.steps)
         gone = not any(out.glob("checkpoint-*"))     # a damaged one: resume() says so
@@ -1439,8 +1311,7 @@ def check_out(args) -> None:
         # without it any flag could change under the checkpoint's optimizer and RNG states
         raise SystemExit(f"--resume: {out} holds checkpoints but no args.json, so the flags "
                          "of that run cannot be checked; restore it, or start a new --out")
-    elif args.resume:
-        # a typo in --out must not start a new run from scratch under the user's nose
+    elif args.resume:               # a typo in --out must not start a new run from scratch
         raise SystemExit(f"--resume: nothing to resume in {out} (no run was started there); "
                          "leave out --resume to start one, or pass --resume-if-present to "
                          "start one only when there is none")
@@ -1452,9 +1323,7 @@ def check_out(args) -> None:
 
 def prepare_out(args, procs) -> Path:
     out = Path(args.out)
-    if procs.main:
-        # One run per --out, held until this process exits: two would interleave their metrics
-        # and checkpoints.
+    if procs.main:      # one run per --out: two would interleave metrics and checkpoints
         claim(out)
         check_out(args)
         write_json(out / "args.json", vars(args))
@@ -1463,8 +1332,8 @@ def prepare_out(args, procs) -> Path:
 
 
 def forget_failed(out) -> None:
-    """A run that failed before its first step leaves no run behind: its args.json, lock and
-    directory are removed (only while this process holds OUT, which logged nothing yet)."""
+    """A run that failed before logging anything leaves nothing behind: its args.json, lock
+    and directory go (only while this process holds OUT)."""
     out = Path(out)
     if not holds(out) or any((out / n).exists() for n in ("metrics.jsonl", "eval.jsonl")) \
             or any(out.glob("checkpoint-*")):
@@ -1483,9 +1352,8 @@ def append_jsonl(path: Path, record: dict):
 
 
 def read_jsonl(path: Path) -> list[dict]:
-    """The records of metrics.jsonl or eval.jsonl: a JSON object with an integer "step" a line.
-    A last line cut short by a kill is dropped (its step is redone on resume); any other broken
-    line is an error."""
+    """metrics.jsonl or eval.jsonl: a JSON object with an integer "step" a line. A last line
+    cut short by a kill is dropped (redone on resume); any other broken line is an error."""
     if not path.exists():
         return []
     lines = [line for line in path.read_text().splitlines() if line.strip()]
@@ -1506,34 +1374,25 @@ def read_jsonl(path: Path) -> list[dict]:
 
 
 def truncate_jsonl(path: Path, last_step: int):
-    """Keep the records up to `last_step`: what an interrupted run logged after its last
-    checkpoint is redone on resume."""
-    if not path.exists():
-        return
-    keep = [r for r in read_jsonl(path) if r["step"] <= last_step]
-    model.write_atomic(path, "".join(json.dumps(r) + "\n" for r in keep))
+    """Keep the records up to `last_step` (a resumed run redoes the rest)."""
+    if path.exists():
+        keep = [r for r in read_jsonl(path) if r["step"] <= last_step]
+        model.write_atomic(path, "".join(json.dumps(r) + "\n" for r in keep))
 
 
 LOCK_FILE = ".lock"
-
-
 _claims: dict[str, list] = {}       # resolved directory -> [its open lock file, claim depth]
 
 
 def claim(directory, wait=None) -> Path:
     """Make this process the only writer of `directory` (created if needed) until it exits or
-    calls release(); one another process holds is refused with its pid, or, with wait=log (a
-    print-like function), waited for after saying so. Claims nest within a process.
-
-    flock() on DIRECTORY/.lock: the kernel drops it when the holder exits, kill -9 included, so
-    there is no stale lock to judge by pid or age (a recycled pid defeats that). The file may
-    be deleted while held, so a lock is only taken on the file still at that path."""
-    import fcntl                    # POSIX only, so imported where it is needed
+    release()s it; claims nest. One another process holds is refused with its pid, or, with
+    wait=log, waited for. flock() on DIRECTORY/.lock dies with its holder (kill -9 included):
+    no stale lock to judge. The file may be deleted while held: only the one at the path counts."""
+    import fcntl                    # POSIX only
     directory = Path(directory)
-    key = str(directory.resolve())
-    held = _claims.get(key)
-    if held is not None and _is_file_at(held[0], directory / LOCK_FILE):
-        held[1] += 1
+    if holds(directory):
+        _claims[str(directory.resolve())][1] += 1
         return directory
     for _ in range(100):
         try:
@@ -1564,35 +1423,24 @@ def claim(directory, wait=None) -> Path:
             f.truncate(0)
             f.write(f"{os.getpid()}\n")
             f.flush()
-            _claims[key] = [f, 1]
+            _claims[str(directory.resolve())] = [f, 1]
             return directory
         f.close()                                   # locked a file that was just deleted
     raise SystemExit(f"{directory}: could not be locked (removed again and again meanwhile)")
 
 
 def release(directory) -> None:
-    held = _claims.get(str(Path(directory).resolve()))
-    if held is not None:
-        held[1] -= 1
-        if held[1] == 0:
-            del _claims[str(Path(directory).resolve())]
-            held[0].close()                         # closing the file drops the lock
+    key = str(Path(directory).resolve())
+    if key in _claims:
+        _claims[key][1] -= 1
+        if _claims[key][1] == 0:
+            _claims.pop(key)[0].close()             # closing the file drops the lock
 
 
 def holds(directory) -> bool:
     """Whether this process holds the claim on `directory`."""
     held = _claims.get(str(Path(directory).resolve()))
     return held is not None and _is_file_at(held[0], Path(directory) / LOCK_FILE)
-
-
-@contextlib.contextmanager
-def exclusive_dir(directory):
-    """`with exclusive_dir(out):` claim() for the duration of the block."""
-    claim(directory)
-    try:
-        yield Path(directory)
-    finally:
-        release(directory)
 
 
 def _is_file_at(f, path: Path) -> bool:
@@ -1604,42 +1452,38 @@ def _is_file_at(f, path: Path) -> bool:
 
 
 def save_checkpoint(out: Path, step: int, policy, optimizer, procs, lagged=None) -> Path:
-    """OUT/checkpoint-<step>/ (`lagged`: the tips reward's LoRA snapshot). A failed write (a
-    full disk) leaves the earlier checkpoints as they were and stops the run with one line."""
+    """OUT/checkpoint-<step>/ (`lagged`: the tips reward's LoRA snapshot), whole or not at all:
+    a failed write (a full disk) leaves the earlier ones and stops the run with one line."""
     final = out / f"checkpoint-{step:06d}"
     tmp = out / f".checkpoint-{step:06d}.tmp"
     try:
-        return _write_checkpoint(out, step, final, tmp, policy, optimizer, procs, lagged)
+        if procs.main:
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir(parents=True)
+        procs.barrier()
+        # every process has its own RNG streams (LoRA dropout); each saves its own
+        rng_tensors, rng_meta = rng_state()
+        save_file(rng_tensors, tmp / f"rng-{procs.rank}.safetensors")
+        write_json(tmp / f"rng-{procs.rank}.json", rng_meta)
+        procs.barrier()
+        if procs.main:
+            model.save_adapter(policy, tmp / "adapter")
+            tensors, meta = optimizer_to_tensors(optimizer)
+            save_file(tensors, tmp / "optimizer.safetensors")
+            if lagged is not None:
+                save_file(lagged, tmp / "lagged.safetensors")
+            write_json(tmp / "trainer.json", {"step": step, "processes": procs.size,
+                                              "optimizer": meta})
+            shutil.rmtree(final, ignore_errors=True)
+            os.replace(tmp, final)
+        procs.barrier()
+        return final
     except (OSError, SafetensorError) as e:
         shutil.rmtree(tmp, ignore_errors=True)
         last = latest_checkpoint(out)
         raise SystemExit(f"{final}: could not be written ({type(e).__name__}: {e}); "
                          + (f"{last.name} is intact: " if last else "")
                          + "free the space and continue with --resume") from None
-
-
-def _write_checkpoint(out, step, final, tmp, policy, optimizer, procs, lagged) -> Path:
-    if procs.main:
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
-    procs.barrier()
-    # every process has its own RNG streams (LoRA dropout); each saves its own
-    rng_tensors, rng_meta = rng_state()
-    save_file(rng_tensors, tmp / f"rng-{procs.rank}.safetensors")
-    write_json(tmp / f"rng-{procs.rank}.json", rng_meta)
-    procs.barrier()
-    if procs.main:
-        model.save_adapter(policy, tmp / "adapter")
-        tensors, meta = optimizer_to_tensors(optimizer)
-        save_file(tensors, tmp / "optimizer.safetensors")
-        if lagged is not None:
-            save_file(lagged, tmp / "lagged.safetensors")
-        write_json(tmp / "trainer.json", {"step": step, "processes": procs.size,
-                                                "optimizer": meta})
-        shutil.rmtree(final, ignore_errors=True)
-        os.replace(tmp, final)        # the directory appears complete or not at all
-    procs.barrier()
-    return final
 
 
 def latest_checkpoint(out: Path) -> Path | None:
@@ -1658,7 +1502,7 @@ def load_checkpoint(path: Path, policy, optimizer, procs) -> tuple[int, dict | N
                              f"{procs.size}; the RNG streams would differ")
         model.load_adapter(policy, path / "adapter")
         optimizer_from_tensors(optimizer, load_file(path / "optimizer.safetensors"),
-                                     info["optimizer"])
+                               info["optimizer"])
         set_rng_state(load_file(path / f"rng-{procs.rank}.safetensors"),
                       json.loads((path / f"rng-{procs.rank}.json").read_text()))
         lagged = load_file(path / "lagged.safetensors") \
@@ -1671,8 +1515,7 @@ def load_checkpoint(path: Path, policy, optimizer, procs) -> tuple[int, dict | N
 
 
 def rng_state() -> tuple[dict, dict]:
-    py = random.getstate()
-    np_state = np.random.get_state()
+    py, np_state = random.getstate(), np.random.get_state()
     tensors = {"torch": torch.get_rng_state(),
                "numpy": torch.from_numpy(np_state[1].astype(np.int64))}
     if torch.cuda.is_available():
@@ -1695,11 +1538,30 @@ def set_rng_state(tensors: dict, meta: dict):
                                       if f"cuda{i}" in tensors])
 
 
-# GTA answers are matched as the paper matches them: strictly (an alias must stand alone) for the
-# training reward, loosely (a substring) wherever a policy is evaluated. Shop and ToolBench have
-# one scorer.
+def optimizer_to_tensors(optimizer) -> tuple[dict, dict]:
+    """An optimizer's state as (tensors for a safetensors file, the rest for JSON)."""
+    sd = optimizer.state_dict()
+    tensors, scalars = {}, {}
+    for idx, state in sd["state"].items():
+        for k, v in state.items():
+            if torch.is_tensor(v):
+                tensors[f"{idx}.{k}"] = v.detach().cpu().contiguous()
+            else:
+                scalars[f"{idx}.{k}"] = v
+    return tensors, {"param_groups": sd["param_groups"], "scalars": scalars}
+
+
+def optimizer_from_tensors(optimizer, tensors: dict, meta: dict):
+    state: dict[int, dict] = {}
+    for key, v in list(tensors.items()) + list(meta["scalars"].items()):
+        idx, k = key.split(".", 1)
+        state.setdefault(int(idx), {})[k] = v
+    optimizer.load_state_dict({"state": state, "param_groups": meta["param_groups"]})
+
+
 def make_env(args, split: str, evaluation: bool = False):
-    """The `--env` environment of one split, scored for training or for evaluation."""
+    """The `--env` environment of one split. GTA answers are matched as the paper does: strictly
+    (an alias must stand alone) for the training reward, loosely (a substring) in evaluation."""
     if args.env in envs.WORLDS:
         return envs.ShopEnv(split, world=args.env)
     kw = {"match": "loose" if evaluation else "strict"} if args.env == "gta" else {}
@@ -1708,8 +1570,7 @@ def make_env(args, split: str, evaluation: bool = False):
 
 def evaluate(policy, tok, env, pool, n: int, args, procs, name: str = "held-out") -> dict:
     """Greedy rollouts on the first n episodes of `pool` (0: all): mean task score, mean turns,
-    and every episode's score in pool order (for paired comparisons), with an ETA line when the
-    Pacer says so."""
+    and every episode's score in pool order (for paired comparisons)."""
     n = len(pool) if not n else min(n, len(pool))
     mine = list(range(procs.rank, n, procs.size))
     policy.eval()
@@ -1732,9 +1593,8 @@ def evaluate(policy, tok, env, pool, n: int, args, procs, name: str = "held-out"
 
 
 def eval_splits(args, train_env, train_pool) -> tuple[dict, list[int]]:
-    """The held-out splits {"val": (env, pool), "test": (env, pool)} and the training pool left.
-    A built-in world has its own validation split; a replay environment sets aside the last
-    --val-episodes scorable training episodes."""
+    """{"val": (env, pool), "test": (env, pool)} and the training pool left: a built-in world
+    has a validation split, a replay sets aside its last --val-episodes training episodes."""
     test = make_env(args, "test", evaluation=True)
     if args.env in envs.WORLDS:
         val = make_env(args, "val", evaluation=True)
@@ -1753,10 +1613,9 @@ def evaluate_all(step: int, policy, tok, held: dict, args, procs) -> dict:
 
 
 def base_eval_cache(policy, args, procs) -> Path | None:
-    """Where the base model's evaluation is kept for later runs: greedy decoding of a fixed pool
-    is the same in every run of one policy and evaluation settings, so it is done once. Built-in
-    worlds only (a replay pool depends on the data directory). The key holds everything the
-    rollouts depend on, threads and batch included (float summation order), and the scoring."""
+    """Where the base model's evaluation is kept for later runs (greedy decoding of a fixed pool
+    is the same in every run of one policy and settings), keyed on all the rollouts depend on,
+    threads and batch included (float summation order). Built-in worlds only."""
     if args.env not in envs.WORLDS or procs.size > 1:
         return None
     settings = {"val": args.val_episodes, "test": args.eval_episodes, "batch": args.eval_batch,
@@ -1764,24 +1623,21 @@ def base_eval_cache(policy, args, procs) -> Path | None:
                 "max_len": args.max_len, "dtype": args.dtype, "devices": args.devices,
                 "threads": torch.get_num_threads(), "scoring": envs.SHOP_SCORING}
     return (model.cache_root() / "grpo-base-eval" /
-            f"{args.env}-{policy_hash(policy.checkpoint_dir)}-"
-            f"{settings_hash(settings)}.json")
+            f"{args.env}-{policy_hash(policy.checkpoint_dir)}-{settings_hash(settings)}.json")
 
 
 def scorable(env) -> list[int]:
     """Indices of the episodes that can be scored (GTA skips some, METHOD.md §10; shop none)."""
-    if isinstance(env, envs.ShopEnv):          # the built-in world: every episode is scorable
+    if isinstance(env, envs.ShopEnv):
         return list(range(len(env)))
     return [i for i in range(len(env)) if env.episode(i).skip_reason is None]
 
 
 def progress_line(rec: dict, steps: int, elapsed: list[float], evals_left: float = 0.0) -> str:
-    """The step's time, and an ETA from the median of the last 10 steps (a rollout rambling to
-    --max-new-tokens makes single steps slow) plus `evals_left`, the seconds of the evaluations
-    to come. No ETA before 3 steps: a median of one or two is one outlier away from hours."""
+    """The step's time and an ETA: the median of the last 10 steps (one rambling rollout makes
+    a step slow) plus `evals_left` seconds of evaluation; none before 3 steps."""
     left = float(np.median(elapsed[-10:])) * (steps - rec["step"]) + evals_left
-    eta = duration(left) if len(elapsed) >= 3 or rec["step"] == steps else \
-        "after 3 steps"
+    eta = duration(left) if len(elapsed) >= 3 or rec["step"] == steps else "after 3 steps"
     auroc = rec.get("probe_auroc")
     return (f"step {rec['step']:>4}/{steps}  reward {rec['reward_mean']:.3f}"
             f"±{rec['reward_std']:.3f}"
@@ -1792,9 +1648,8 @@ def progress_line(rec: dict, steps: int, elapsed: list[float], evals_left: float
 
 
 def summarize(out: Path, seconds: float, args, probe_report: dict | None = None) -> dict:
-    """base / selected / final held-out success on test. `selected` is the checkpoint with the
-    best validation success (ties: the earliest); `best_on_test` picks on the test split itself,
-    the paper's protocol, which flatters every method alike."""
+    """base / selected / final held-out success on test: `selected` has the best validation
+    success (ties: the earliest); `best_on_test` picks on test itself, the paper's protocol."""
     evals = read_jsonl(out / "eval.jsonl")
     base = next((e for e in evals if e["step"] == 0), None)
     ckpts = [e for e in evals if e["step"] > 0]
@@ -1805,7 +1660,6 @@ def summarize(out: Path, seconds: float, args, probe_report: dict | None = None)
     selected = max(ckpts, key=lambda e: (e["val"]["success"], -e["step"])) if ckpts else None
     best = max(ckpts, key=lambda e: (e["test"]["success"], -e["step"])) if ckpts else None
     final = ckpts[-1] if ckpts else None
-    # seconds: this process's (a resumed run: since it resumed)
     summary = {"out": str(out), "seconds": round(seconds, 1), "reward": args.reward,
                "alpha": args.alpha, "seed": args.seed, "steps": args.steps,
                "selection": "checkpoint with the best validation success, reported on test",
@@ -1845,6 +1699,9 @@ def summary_text(s: dict) -> str:
     return "\n".join(lines)
 
 
+PROBES_FORMAT = "grpo-probes/3"   # 3: the on-policy corpus balanced within each kind of turn
+
+
 def policy_hash(model_dir) -> str:
     """The key of everything cached for one policy: model.checkpoint_sha256 of its files."""
     try:
@@ -1858,15 +1715,12 @@ def settings_hash(settings: dict) -> str:
     return hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:12]
 
 
-PROBES_FORMAT = "grpo-probes/3"   # 3: the on-policy corpus balanced within each kind of turn
-
-
 def write_json(path: Path, obj, indent: int = 1) -> None:
     model.write_atomic(path, json.dumps(obj, indent=indent) + "\n")
 
 
 def duration(seconds: float) -> str:
-    """"42s" or "3m07s": the time left or taken, in a progress line."""
+    """"42s" or "3m07s"."""
     seconds = int(round(seconds))
     return f"{seconds // 60}m{seconds % 60:02d}s" if seconds >= 60 else f"{seconds}s"
 
@@ -1875,25 +1729,23 @@ def num(x) -> str:
     return "n/a" if x is None else f"{x:.3f}"
 
 
-def optimizer_to_tensors(optimizer) -> tuple[dict, dict]:
-    """An optimizer's state as (tensors for a safetensors file, the rest for JSON)."""
-    sd = optimizer.state_dict()
-    tensors, scalars = {}, {}
-    for idx, state in sd["state"].items():
-        for k, v in state.items():
-            if torch.is_tensor(v):
-                tensors[f"{idx}.{k}"] = v.detach().cpu().contiguous()
-            else:
-                scalars[f"{idx}.{k}"] = v
-    return tensors, {"param_groups": sd["param_groups"], "scalars": scalars}
+class Pacer:
+    """When the next progress line is due: on a terminal every `every` seconds; into a file or
+    pipe at most one per 30 s and per 10% of the work. The end of the work is always due."""
 
+    def __init__(self, total: float, stream, every: float = 5.0, clock=time.monotonic):
+        self.tty = bool(getattr(stream, "isatty", lambda: False)())
+        self.total, self.clock = total, clock
+        self.every, self.least = (every, 0.0) if self.tty else (30.0, total / 10)
+        self.last_time, self.last_done = clock(), 0.0
 
-def optimizer_from_tensors(optimizer, tensors: dict, meta: dict):
-    state: dict[int, dict] = {}
-    for key, v in list(tensors.items()) + list(meta["scalars"].items()):
-        idx, k = key.split(".", 1)
-        state.setdefault(int(idx), {})[k] = v
-    optimizer.load_state_dict({"state": state, "param_groups": meta["param_groups"]})
+    def due(self, done: float) -> bool:
+        now = self.clock()
+        if done >= self.total or (now - self.last_time >= self.every
+                                  and done - self.last_done >= self.least):
+            self.last_time, self.last_done = now, done
+            return True
+        return False
 
 
 def main(argv=None):
@@ -1931,28 +1783,3 @@ def interrupted(args, argv) -> str:
 
 if __name__ == "__main__":
     main()
-
-
-class Pacer:
-    """When the next progress line is due. On a terminal: every `every` seconds. Into a file or
-    a pipe (a log, read later): at most one line per 30 s and per 10% of the work, so that an
-    hour of work is a dozen lines, not hundreds. The end of the work is always due."""
-
-    def __init__(self, total: float, stream, every: float = 5.0, clock=time.monotonic):
-        self.tty = bool(getattr(stream, "isatty", lambda: False)())
-        self.total, self.clock = total, clock
-        self.every, self.least = (every, 0.0) if self.tty else (30.0, total / 10)
-        self.last_time, self.last_done = clock(), 0.0
-
-    def due(self, done: float) -> bool:
-        now = self.clock()
-        if done >= self.total or (now - self.last_time >= self.every
-                                  and done - self.last_done >= self.least):
-            self.last_time, self.last_done = now, done
-            return True
-        return False
-
-
-def hms(seconds: float) -> str:
-    seconds = int(seconds)
-    return f"{seconds // 3600}h{seconds // 60 % 60:02d}m{seconds % 60:02d}s"

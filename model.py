@@ -830,6 +830,7 @@ FUSE_MAX_ELEMENTS = 1 << 22       # 16 MB of float32 per block: the built-in pol
 
 class Decoder(nn.Module):
     """The `model.` prefix of the checkpoint keys."""
+
     def __init__(self, config: Config):
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)

@@ -406,15 +406,11 @@ def play_trees(g: int, run, t: dict):
     trajs = forest.leaves
     caches = list({id(c): c for c, _ in forest.caches.values()}.values())
     ctx.cost.update(branch_rollouts=forest.branch_rollouts, branch_tokens=forest.branch_tokens)
-    tb = time.perf_counter()
-    if args.reward in grpo.NEEDS_STATS and args.probe_reads == "base":
-        grpo.read_from_base(policy, trajs, args.micro_batch, ctx.cost)
-    t2 = time.perf_counter()
+    grpo.hook("played", run, trajs, t)
     r, p = zip(*[grpo.turn_rewards(traj, ctx) for traj in trajs])
     a, all_equal = TREE_SEARCH[args.reward](forest)
     t3 = time.perf_counter()
     t["t_rollout"] += t1 - t0
-    t["t_base_read"] += t2 - tb
     t["t_reward"] += t3 - t1
     # every turn once: a tree's shared turns count where they were generated
     played = [n.step for n in forest.node_of.values()]
@@ -597,7 +593,8 @@ def register() -> None:
     grpo.HOOKS["step"].append(refresh_teacher)
 
 
-def copy_rows(src: list[model.KVCache], src_row: int, dst: list[model.KVCache], dst_row: int, n: int):
+def copy_rows(src: list[model.KVCache], src_row: int, dst: list[model.KVCache], dst_row: int,
+              n: int):
     """Row dst_row of dst holds the first n slots of row src_row of src, and n tokens: a branch
     of a rollout tree continues from its parent's prefix without prefilling it again (slot =
     position, so the copied keys, RoPE applied, are what a fresh prefill would write)."""

@@ -14,6 +14,7 @@ from pathlib import Path
 import grpo
 import model
 
+
 def nice_ticks(lo: float, hi: float, most: int = 6, integer: bool = False) -> list[float]:
     """Evenly spaced round values (1, 2 or 5 times a power of ten) covering [lo, hi], at most
     `most` of them, never a value twice (integer: whole numbers only, for steps)."""
@@ -120,7 +121,6 @@ def training_seconds(metrics: list[dict]) -> dict[int, float]:
         total += sum(m.get(k, 0.0) for k in STEP_SECONDS)
         out[m["step"]] = total
     return out
-
 
 
 def main(argv=None):

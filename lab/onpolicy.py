@@ -636,6 +636,46 @@ def flags(ap) -> None:
       help="validation episodes whose rollouts score the fitted probes (held-out own turns)")
     a("--probe-episodes", type=int, default=200,
       help="contaminated corpus: episodes of `python -m lab.shop make-data` (80%% of them train)")
+    a("--probe-reads", default="policy", choices=("policy", "base"),
+      help="where PAIR and the probes read a turn's statistics: policy = the generation pass "
+           "(the paper); base = the same tokens teacher-forced through the frozen base model "
+           "(one extra forward per step; a drifting policy cannot move what the probe reads)")
+
+
+def read_from_base(policy, trajs: list, rows_per_forward: int, cost=None) -> None:
+    """--probe-reads base: every turn's statistics from its tokens teacher-forced through the
+    frozen base (adapter off) instead of the generation pass, so that the probe reads the
+    representation it was fitted on: a policy cannot move its own hidden states to please it."""
+    seqs, spans, steps = [], [], []
+    for traj in trajs:
+        for step in traj.steps:
+            seqs.append(traj.segments[step.segment][:step.span[1]])
+            spans.append(step.span)
+            steps.append(step)
+    if cost is not None:
+        cost.update(tf_rows=len(seqs), tf_tokens=sum(map(len, seqs)))
+    with model.lora_disabled(policy):
+        traced = traces.trace_batch(policy, seqs, spans, rows_per_forward=rows_per_forward)
+    for step, trace in zip(steps, traced):
+        step.trace = trace
+
+
+def reads_base(args) -> bool:
+    return args.reward in grpo.NEEDS_STATS and args.probe_reads == "base"
+
+
+def stats_at_setup(args, policy, tok, procs, log, ctx) -> None:
+    """--probe-reads base: the generation pass keeps no statistics (they are read anew)."""
+    ctx.stats = not reads_base(args)
+
+
+def played(run, trajs, t: dict) -> None:
+    """--probe-reads base, after each group's rollout: the statistics from the base
+    (t_base_read, part of t_reward)."""
+    t0 = time.perf_counter()
+    if reads_base(run.args):
+        read_from_base(run.policy, trajs, run.args.micro_batch, run.ctx.cost)
+    t["t_base_read"] += time.perf_counter() - t0
 
 
 def main(argv=None) -> None:
@@ -684,13 +724,17 @@ def register() -> None:
                              "probe_retrain_every": grpo.at_least(0),
                              "probe_episodes": grpo.at_least(2)})
     grpo.RESUME_KEYS += ("probe_corpus", "corpus_episodes", "corpus_samples", "corpus_heldout",
-                         "probe_episodes", "probe_retrain_every")
-    grpo.RESUME_DEFAULTS.update({"probe_retrain_every": 0})
+                         "probe_episodes", "probe_retrain_every", "probe_reads")
+    grpo.RESUME_DEFAULTS.update({"probe_retrain_every": 0, "probe_reads": "policy"})
+    grpo.TIMING += ("t_base_read",)     # the extra forward of --probe-reads base
+    grpo.HOOKS["setup"].append(stats_at_setup)
+    grpo.HOOKS["played"].append(played)
     grpo.HOOKS["context"].append(fit_on_the_fly)
     grpo.HOOKS["check"].append(check)
     grpo.HOOKS["trained"].append(after_step)
     grpo.HOOKS["resume"].append(on_resume)
     grpo.HOOKS["checkpoint"].append(at_checkpoint)
+
 
 if __name__ == "__main__":
     main()

@@ -39,8 +39,7 @@ import envs
 import grpo
 import model
 from grpo import rollout
-from lab import data as lab_data
-from lab import generate
+from lab import data as lab_data, generate, runs
 
 # ---------------------------------------------------------------------------------------------
 # The world: tasks drawn from a seed, tools that really execute, exact labels
@@ -291,7 +290,6 @@ def _long_distinct(task: envs.ShopTask) -> bool:
     return all(abs(a - b) > envs._CENT for a in wrong for b in gold)
 
 
-
 def register() -> None:
     """The long world joins the built-in ones: its episodes, its turn limit and its policy."""
     envs.WORLDS["shop-long"] = long_task
@@ -300,6 +298,7 @@ def register() -> None:
 
 
 register()      # make-data, sft and the lab's commands know it from the first import on
+
 
 def _slip_store(task: envs.ShopTask, store: str, item: str) -> str:
     """The next store after `store` (cyclically) whose price of `item` the task does not need."""
@@ -908,8 +907,8 @@ def save_sft_checkpoint(path: Path, args, done: int, policy, opt, induction, los
         save_file(tensors, tmp / "optimizer.safetensors")
         save_file({"induction": induction.g.get_state()}, tmp / "rng.safetensors")
         grpo.write_json(tmp / "trainer.json", {"done": done, "flags": _sft_flags(args),
-                                                "losses": losses, "kept": kept,
-                                                "seconds": seconds, "optimizer": meta})
+                                               "losses": losses, "kept": kept,
+                                               "seconds": seconds, "optimizer": meta})
         shutil.rmtree(path, ignore_errors=True)
         os.replace(tmp, path)
     except (OSError, SafetensorError) as e:        # a full disk: the last checkpoint stays
@@ -932,7 +931,7 @@ def load_sft_checkpoint(path: Path, args, policy, opt, induction) -> tuple:
             raise ValueError(f"weights do not fit the model: missing {missing}, "
                              f"unexpected {unexpected}")
         grpo.optimizer_from_tensors(opt, load_file(path / "optimizer.safetensors"),
-                                     info["optimizer"])
+                                    info["optimizer"])
         induction.g.set_state(load_file(path / "rng.safetensors")["induction"])
         return int(info["done"]), info["losses"], info["kept"], float(info["seconds"])
     except (OSError, KeyError, TypeError, ValueError, RuntimeError, SafetensorError) as e:
@@ -1037,9 +1036,9 @@ SFT_RANGES = {**dict.fromkeys(("steps", "batch", "warmup", "hidden", "layers", "
               **dict.fromkeys(("induction_steps", "induction_rows", "save_every",
                                "eval_episodes"), grpo.at_least(0)),
               **dict.fromkeys(("contaminated", "divided", "slips", "induction_text"),
-                              grpo.within(0, 1)),
-              "episodes": grpo.within(2, envs.SHOP_SPLIT_SIZE["train"]),
-              "seed": grpo.within(0, 2**32 - 1), "vocab": grpo.at_least(len(SPECIALS) + 256),
+                              runs.within(0, 1)),
+              "episodes": runs.within(2, envs.SHOP_SPLIT_SIZE["train"]),
+              "seed": runs.within(0, 2**32 - 1), "vocab": grpo.at_least(len(SPECIALS) + 256),
               "threads": grpo.THREADS}
 
 
@@ -1135,7 +1134,7 @@ def main(argv=None):
                  "--slips is shop-long's habit and --divided shop's: pass the one of --world")):
             if bad:
                 ap.error(why)
-        with grpo.exclusive_dir(args.out):    # one writer; a stopped run is not overwritten
+        with runs.exclusive_dir(args.out):    # one writer; a stopped run is not overwritten
             if (Path(args.out) / SFT_CHECKPOINT).is_dir() and not args.resume:
                 ap.error(f"{Path(args.out) / SFT_CHECKPOINT} holds a stopped run: continue "
                          "it with --resume, or delete it to start over")

@@ -47,7 +47,7 @@ import grpo
 import model as mdl
 import pair
 import probes
-from lab import traces
+from lab import runs, traces
 
 
 SEEDS = (42, 43, 44)
@@ -123,7 +123,7 @@ def extract(net, tokenizer, data_path, out_path, max_len=4096, shard_size=32,
                 "max_len": max_len, **(manifest_extra or {})}
     known = _reusable_rows(reuse, manifest)
     # One writer: a second run on the same output would delete this one's shards at its merge.
-    with grpo.exclusive_dir(parts):
+    with runs.exclusive_dir(parts):
         try:
             return _extract_parts(net, tokenizer, records, data_path, parts, out_path, manifest,
                                   max_len, shard_size, log, known)
@@ -190,7 +190,7 @@ def _extract_parts(net, tokenizer, records, data_path, parts, out_path, manifest
             rate = n_new / (time.perf_counter() - t0)
             eta = (len(todo) - n_new) / rate if rate > 0 else 0
             print(f"  {len(done) + n_new}/{len(records)} records  {rate:.2f} rec/s  "
-                  f"ETA {grpo.hms(eta)}  failed {len(failed)}  reused {n_reused}", file=log)
+                  f"ETA {runs.hms(eta)}  failed {len(failed)}  reused {n_reused}", file=log)
     if not todo:
         _write_shard(parts, [], [])
 
@@ -959,7 +959,7 @@ def cmd_report(args):
 def crossfit_folds(text: str) -> int:
     """An argparse type: 0 (in-sample) or K >= 2 folds."""
     try:
-        k = grpo.int_at_least(0)(text)
+        k = runs.int_at_least(0)(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"invalid int value: {text!r}") from None
     if k == 1:
@@ -983,18 +983,18 @@ def build_parser() -> argparse.ArgumentParser:
                         "episode file of the same family beside it "
                         "(clean_train.json, METHOD.md §2)")
     p.add_argument("--out", required=True, help="features file to write (.safetensors)")
-    p.add_argument("--max-len", type=grpo.int_at_least(1), default=4096,
+    p.add_argument("--max-len", type=runs.int_at_least(1), default=4096,
                    help="keep the last MAX_LEN tokens of longer sequences (default 4096)")
     p.add_argument("--dtype", default="float32", choices=tuple(mdl.DTYPES),
                    help="model weights dtype (default float32)")
-    p.add_argument("--shard-size", type=grpo.int_at_least(1), default=32,
+    p.add_argument("--shard-size", type=runs.int_at_least(1), default=32,
                    help="records per checkpoint shard; an interrupted run resumes after the last "
                         "shard written (default 32)")
     p.add_argument("--reuse", nargs="+", default=[], metavar="FEATURES",
                    help="features files of the same model, dtype and max-len: a record whose "
                         "model input (token ids and span) is in one of them is copied, not run "
                         "again (e.g. the clean split when extracting the contaminated one)")
-    p.add_argument("--episodes", type=grpo.int_at_least(1), default=None,
+    p.add_argument("--episodes", type=runs.int_at_least(1), default=None,
                    help="keep the records of this many episodes only, drawn with "
                         "--episode-seed (the same draw for the clean and contaminated files); "
                         "default: every record")
@@ -1009,9 +1009,9 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--crossfit", type=crossfit_folds, default=0, metavar="K",
                        help="fit stage 2 on out-of-fold stage-1 scores over K >= 2 episode "
                             "folds (default 0: in-sample, as released)")
-        p.add_argument("--seeds", type=grpo.int_at_least(0), nargs="+", default=list(SEEDS),
+        p.add_argument("--seeds", type=runs.int_at_least(0), nargs="+", default=list(SEEDS),
                        help="seeds, each drawing a class-balanced subsample (default 42 43 44)")
-        p.add_argument("--C", type=grpo.positive_number, default=0.01,
+        p.add_argument("--C", type=runs.positive_number, default=0.01,
                        help="inverse L2 strength of every probe (default 0.01)")
 
     p = sub.add_parser("train", help="fit PAIR and every baseline probe per seed")
@@ -1049,7 +1049,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="features file from `python -m lab.study extract`")
     p.add_argument("--feature", required=True, choices=probes.FEATURES,
                    help="feature set (METHOD.md §4)")
-    p.add_argument("--C", type=grpo.positive_number, default=0.01,
+    p.add_argument("--C", type=runs.positive_number, default=0.01,
                    help="inverse L2 strength (default 0.01)")
     p.add_argument("--out", required=True, help="probe file to write (.safetensors)")
     p.set_defaults(func=cmd_fit, writes=lambda a: [])
@@ -1210,7 +1210,7 @@ def main(argv=None) -> None:
             # Claimed before any work (extract: before the model loads): a busy output is
             # refused at once, not after minutes.
             for directory in args.writes(args):
-                stack.enter_context(grpo.exclusive_dir(directory))
+                stack.enter_context(runs.exclusive_dir(directory))
             args.func(args)
     except (OSError, envs.DataError, mdl.CheckpointError, probes.FormatError) as e:
         sys.exit(f"error: {e}")         # bad input (or an --out under a file): one line

@@ -1273,7 +1273,7 @@ def test_probe_reads_base_equals_teacher_forcing_through_the_base():
     trajs = grpo.rollout(policy, tok, [env.episode(i) for i in (0, 1)],
                          play_args(max_new_tokens=96), generator=torch.Generator().manual_seed(0))
     generated = [step.trace for traj in trajs for step in traj.steps]
-    grpo.read_from_base(policy, trajs, rows_per_forward=2)
+    onpolicy.read_from_base(policy, trajs, rows_per_forward=2)
     k = 0
     for traj in trajs:
         turns = [m for m, msg in enumerate(traj.episode.messages) if msg["role"] == "assistant"]
@@ -1860,7 +1860,7 @@ def test_a_branch_from_a_copied_cache_equals_a_fresh_prefill(tiny_policy, monkey
     assert len(owner.steps) >= 3 and owner.steps[0].observation
     copied = []
     real_copy = baselines.copy_rows
-    monkeypatch.setattr(mdl, "copy_rows", lambda *a: (copied.append(a[-1]), real_copy(*a)))
+    monkeypatch.setattr(baselines, "copy_rows", lambda *a: (copied.append(a[-1]), real_copy(*a)))
     for kept in (0, 1, 2):                         # the prompt; after an observation, twice
         forest = baselines.Forest([baselines.Node(None, None, None, 0)])
         forest.caches[id(owner)] = (caches[0], i)
@@ -1905,7 +1905,7 @@ def test_a_branch_from_before_a_rewritten_history_prefills_only_what_differs(tin
     assert [s.segment for s in owner.steps] == [0, 0, 1]
     copied = []
     real_copy = baselines.copy_rows
-    monkeypatch.setattr(mdl, "copy_rows", lambda *a: (copied.append(a[-1]), real_copy(*a)))
+    monkeypatch.setattr(baselines, "copy_rows", lambda *a: (copied.append(a[-1]), real_copy(*a)))
     for kept in (1, 2):
         forest = baselines.Forest([baselines.Node(None, None, None, 0)])
         forest.caches[id(owner)] = (caches[0], 0)

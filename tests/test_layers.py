@@ -67,3 +67,8 @@ def test_a_lab_reward_asked_of_the_core_says_where_it_runs():
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 2 and "invalid choice: 'igpo'" in r.stderr
     assert "run through `python -m lab.train`" in r.stderr
+    # a lab flag too: --probe-reads base is the lab's
+    r = subprocess.run([sys.executable, "grpo.py", "--probe-reads", "base"], cwd=ROOT,
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and "unrecognized arguments: --probe-reads base" in r.stderr
+    assert "run through `python -m lab.train`" in r.stderr

@@ -12,12 +12,11 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+import grpo
 import pair
 import probes
+from lab import runs, study, traces
 from pair import Pair
-import grpo
-from lab import study
-from lab import traces
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -605,14 +604,14 @@ def test_a_busy_output_is_refused_and_kill_9_frees_it(features_dir, tmp_path):
 
 def test_claims_nest_and_survive_the_directory_being_removed(tmp_path):
     d = tmp_path / "x.parts"
-    with grpo.exclusive_dir(d):
-        with grpo.exclusive_dir(d):             # nested in one process: fine
+    with runs.exclusive_dir(d):
+        with runs.exclusive_dir(d):             # nested in one process: fine
             pass
         assert str(d.resolve()) in grpo._claims
         import shutil
         shutil.rmtree(d)                        # extract removes OUT.parts while holding it
     assert str(d.resolve()) not in grpo._claims
-    with grpo.exclusive_dir(d):
+    with runs.exclusive_dir(d):
         assert (d / grpo.LOCK_FILE).read_text().strip() == str(__import__("os").getpid())
 
 

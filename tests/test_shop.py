@@ -684,7 +684,6 @@ def test_make_data_refuses_a_file_as_out(tmp_path):
     assert (tmp_path / "f").read_text() == "x"
 
 
-
 # ---------------------------------------------------------------------------------------------
 # the probes of the built-in world: the on-policy corpus
 
