@@ -45,7 +45,7 @@ import model
 import pair
 import probes
 from grpo import rollout
-from lab import onpolicy, shop, study, traces
+from lab import shop, study, traces
 
 PROBE_SEED = 42
 
@@ -533,14 +533,14 @@ def forget_turns(out: Path, step: int, every: int) -> None:
 
 def refit_head(run: grpo.Training, step: int) -> dict:
     """--probe-retrain-every N, after step `step`: the head the reward reads fitted again on the
-    policy's own turns of the last N steps (onpolicy.refit), saved in the run directory; what
+    policy's own turns of the last N steps (refit), saved in the run directory; what
     it did, for metrics.jsonl. Every process fits the same head from the same files."""
     args, ctx, procs = run.args, run.ctx, run.procs
     t0, every = time.perf_counter(), args.probe_retrain_every
     procs.barrier()                 # every process's turns of this step are written
-    window = onpolicy.load_window(run.out, range(step - every + 1, step + 1), procs.size)
+    window = load_window(run.out, range(step - every + 1, step + 1), procs.size)
     head = ctx.pair if ctx.pair is not None else ctx.probe
-    new, rep = onpolicy.refit(head, window, onpolicy.PROBE_SEED + step)
+    new, rep = refit(head, window, PROBE_SEED + step)
     what = "PAIR's stage 2" if ctx.pair is not None else f"the {args.reward} probe"
     if new is None:
         why = "no turn was played" if not rep["turns"] else \
@@ -548,7 +548,7 @@ def refit_head(run: grpo.Training, step: int) -> dict:
         run.log(f"refit: {what} kept, steps {step - every + 1}-{step}: {why}", flush=True)
     else:
         if procs.main:
-            onpolicy.save_head(new, onpolicy.head_dir(run.out, step))
+            save_head(new, head_dir(run.out, step))
         ctx.use_head(new)
         run.log(f"refit: {what} fitted again on the {rep['turns']} own turns of steps "
                 f"{step - every + 1}-{step} ({rep['correct']} right), AUROC on them "
