@@ -151,11 +151,6 @@ def dialog_to_messages(dialog: list[dict], tools: list[dict],
     return messages
 
 
-def record_messages(record: dict) -> list[dict]:
-    """Messages of an episode record, or of a matched record returned by load_matched."""
-    return dialog_to_messages(record["dialogs"], record["tools"], record.get("files") or ())
-
-
 # ==== ReAct parser: one assistant reply -> a tool call, a final answer, or what was wrong with it
 
 @dataclass
@@ -488,15 +483,6 @@ def shop_episode_seed(split: str, seed: int, i: int) -> int:
 
 def shop_episode_id(split: str, seed: int, i: int, world: str = "shop") -> str:
     return f"{world}-{seed}-{split}-{i}"
-
-
-def shop_task_from_id(episode_id: str) -> ShopTask:
-    """Rebuild the world of a shop (or shop-long) episode id, so any record can be re-labelled."""
-    m = re.fullmatch(r"(shop|shop-long)-(\d+)-(train|val|test)-(\d+)", episode_id)
-    if m is None:
-        raise ValueError(f"not a shop episode id: {episode_id!r} (expected shop-SEED-SPLIT-I or "
-                         "shop-long-SEED-SPLIT-I)")
-    return WORLDS[m.group(1)](shop_episode_seed(m.group(3), int(m.group(2)), int(m.group(4))))
 
 
 @dataclass(frozen=True)
@@ -1009,26 +995,6 @@ def load_episodes(path: str | Path) -> dict[str, dict]:
     data = _read_json(path)
     _check_episode_file(data, path)
     return data
-
-
-def load_matched(path: str | Path) -> list[dict]:
-    """A matched file, every record validated, each given the `tools` and `files` of its episode
-    (from the episode file of the same family: matched_clean_train -> clean_train.json)."""
-    path = Path(path)
-    data = _read_json(path)
-    _check_matched_file(data, path)
-    if not path.name.startswith("matched_"):
-        raise DataError(f"{path}: a matched file is named matched_<family>_<split>.json")
-    episode_path = path.with_name(path.name[len("matched_"):])
-    episodes = load_episodes(episode_path)
-    out = []
-    for i, rec in enumerate(data):
-        ep = episodes.get(rec["episode_id"])
-        if ep is None:
-            raise DataError(f"{path}: record {i} (episode {rec['episode_id']}): episode not "
-                            f"found in {episode_path}")
-        out.append({**rec, "tools": ep["tools"], "files": ep["files"]})
-    return out
 
 
 # Each check raises DataError("<file>: record <id>[: dialogs[i]]: <what is wrong>").

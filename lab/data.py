@@ -446,6 +446,31 @@ def replay_report(env: envs.Env, match: str | None = None, score: bool = True) -
     return report
 
 
+def load_matched(path: str | Path) -> list[dict]:
+    """A matched file, every record validated, each given the `tools` and `files` of its episode
+    (from the episode file of the same family: matched_clean_train -> clean_train.json)."""
+    path = Path(path)
+    data = envs._read_json(path)
+    envs._check_matched_file(data, path)
+    if not path.name.startswith("matched_"):
+        raise envs.DataError(f"{path}: a matched file is named matched_<family>_<split>.json")
+    episode_path = path.with_name(path.name[len("matched_"):])
+    episodes = envs.load_episodes(episode_path)
+    out = []
+    for i, rec in enumerate(data):
+        ep = episodes.get(rec["episode_id"])
+        if ep is None:
+            raise envs.DataError(f"{path}: record {i} (episode {rec['episode_id']}): episode "
+                                 f"not found in {episode_path}")
+        out.append({**rec, "tools": ep["tools"], "files": ep["files"]})
+    return out
+
+
+def record_messages(record: dict) -> list[dict]:
+    """Messages of an episode record, or of a matched record returned by load_matched."""
+    return envs.dialog_to_messages(record["dialogs"], record["tools"], record.get("files") or ())
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(prog="python -m lab.data", description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)

@@ -37,7 +37,7 @@ def test_gta_gold_replay_returns_recorded_observations_and_scores_one(release_di
     for key in env.ids:
         record = env.records[key]
         ep = env.episode(key)
-        assert ep.messages == envs.record_messages(record)[:1]
+        assert ep.messages == lab_data.record_messages(record)[:1]
         pairs = lab_data.play_gold(ep, record["dialogs"])
         n_calls = sum(1 for m in record["dialogs"] if m["role"] == "tool")
         assert len(pairs) == n_calls
@@ -141,7 +141,7 @@ def test_render_format_and_parse_roundtrip_on_released_turns(release_dir):
 def test_dialog_to_messages_shape(release_dir):
     eps = envs.load_episodes(release_dir / "gta" / "clean_train.json")
     rec = eps["37"]         # a tool call with `content` and no thought
-    msgs = envs.record_messages(rec)
+    msgs = lab_data.record_messages(rec)
     task = rec["dialogs"][0]["content"]
     files = "\n".join(f"- {f['path']} ({f['type']})" for f in rec["files"])
     assert msgs[0] == {"role": "user", "content": f"{task}\n\nFiles:\n{files}\n\n"
@@ -162,11 +162,11 @@ def test_dialog_to_messages_shape(release_dir):
         in tool_text and "Final Answer: <the answer only>" in tool_text
     # the contaminated turn stored under `explanation` is rendered as the thought
     bad = envs.load_episodes(release_dir / "gta" / "contaminated_train.json")["162"]
-    assert envs.record_messages(bad)[1]["content"].startswith(
+    assert lab_data.record_messages(bad)[1]["content"].startswith(
         "Thought: Since the image depicts a historical battle")
     # ToolBench: a user message after a tool result is merged into the observation message
     tb = envs.load_episodes(release_dir / "toolbench" / "clean_test.json")["toolbench_85752"]
-    msgs = envs.record_messages(tb)
+    msgs = lab_data.record_messages(tb)
     assert [m["role"] for m in msgs] == ["user", "assistant"] * (len(msgs) // 2)
     merged = [m for m in msgs if m["role"] == "user" and "\n\nThis is not the first time"
               in m["content"]]
@@ -174,18 +174,18 @@ def test_dialog_to_messages_shape(release_dir):
 
 
 def test_matched_records_get_their_episode_tools(release_dir, tmp_path):
-    recs = envs.load_matched(release_dir / "gta" / "matched_contaminated_test.json")
+    recs = lab_data.load_matched(release_dir / "gta" / "matched_contaminated_test.json")
     eps = envs.load_episodes(release_dir / "gta" / "contaminated_test.json")
     assert len(recs) == 177
     for r in recs[:20]:
         assert r["tools"] == eps[r["episode_id"]]["tools"]
-        msgs = envs.record_messages(r)
+        msgs = lab_data.record_messages(r)
         assert msgs[-1]["role"] == "assistant"
-        assert msgs[0]["content"] == envs.record_messages(eps[r["episode_id"]])[0]["content"]
+        assert msgs[0]["content"] == lab_data.record_messages(eps[r["episode_id"]])[0]["content"]
     lone = tmp_path / "matched_clean_test.json"
     lone.write_bytes((release_dir / "gta" / "matched_clean_test.json").read_bytes())
     with pytest.raises(envs.DataError, match="clean_test.json: no such file"):
-        envs.load_matched(lone)
+        lab_data.load_matched(lone)
 
 
 # ---- parser ------------------------------------------------------------------------------------
@@ -453,10 +453,10 @@ def test_matched_loader_errors(tmp_path, release_dir):
     path = tmp_path / "matched_clean_test.json"
     path.write_text(json.dumps(data))
     with pytest.raises(envs.DataError, match=r"matched_clean_test.json: record 2 \(episode "):
-        envs.load_matched(path)
+        lab_data.load_matched(path)
     path.write_text("{not json")
     with pytest.raises(envs.DataError, match="matched_clean_test.json: not valid JSON"):
-        envs.load_matched(path)
+        lab_data.load_matched(path)
 
 
 def test_download_validates_and_writes_atomically(monkeypatch, tmp_path, release_dir):
