@@ -1,6 +1,6 @@
 """Tool-use environments for PAIR (METHOD.md §1, §2, §10): the ReAct text every model sees and its
-parser, episodes, the built-in `shop` world, GTA and ToolBench replay, the released data, the
-Calculator tool, and an OpenAI-compatible client for ToolBench's answer judge.
+parser, the built-in `shop` world, GTA and ToolBench replay, the released data, the Calculator
+tool, and the chat client of ToolBench's answer judge.
 
     env = make("gta", split="test", data_dir=...)       # or ShopEnv("test"), the built-in world
     ep = env.episode(0)
@@ -10,15 +10,8 @@ Calculator tool, and an OpenAI-compatible client for ToolBench's answer judge.
 
 Offline probe data and online rollouts share one text format, so a probe sees the same text in
 both. Replay (paper Appendix eval) answers a tool call from the episode's gold dialog, keyed by
-(tool name, json.dumps(arguments, sort_keys=True)). Where the paper and the release are silent or
-disagree:
-- GTA answers match by GTA's reference `iscorrect` (gta_match). The paper's wording ("at least
-  one whitelist group fully matched") is the release's matcher, under which the gold answers of
-  GTA test 28 ("24185" for ["24185", "24,185"]) and train 171, 207 would score 0.
-- A call the gold dialog repeats with different responses (ToolBench retries) gets them in
-  order, then the last; the release kept only the first.
-- The task lists the episode's attached files (GTA image paths), as the release's rollout prompt
-  did: without them no GTA tool call can be written.
+(tool name, json.dumps(arguments, sort_keys=True)); a call the gold repeats with different
+responses (ToolBench retries) gets them in order, then the last (the release kept the first).
 """
 from __future__ import annotations
 
@@ -700,24 +693,9 @@ class ReplayCache:
                 call = None
 
     def lookup(self, name: str, arguments) -> str | None:
-        return self._serve(cache_key(name, arguments))
+        return self.serve(cache_key(name, arguments))
 
-    def nearest(self, name: str, arguments) -> str | None:
-        """Fuzzy fallback: the same tool's entry of highest Jaccard overlap of argument tokens
-        (lowercased words of the canonical JSON, keys included); ties go to the first recorded."""
-        tokens = set(re.findall(r"\w+", cache_key(name, arguments)[1].lower()))
-        best, best_sim = None, -1.0
-        for key in self.entries:
-            if key[0] != name:
-                continue
-            other = set(re.findall(r"\w+", key[1].lower()))
-            union = tokens | other
-            sim = len(tokens & other) / len(union) if union else 1.0
-            if sim > best_sim:
-                best, best_sim = key, sim
-        return self._serve(best) if best is not None else None
-
-    def _serve(self, key) -> str | None:
+    def serve(self, key) -> str | None:
         responses = self.entries.get(key)
         if not responses:
             return None
@@ -832,24 +810,22 @@ ELIDED_OBSERVATION = "Observation: [older observation elided]"
 
 
 class ToolBenchEpisode(Episode):
-    """Replay with the optional fuzzy fallback and the history cap (paper Appendix eval: "cap
-    the rollout history at 6,000 characters"): after each observation, while the messages after
-    the task exceed `history_chars` in all, the oldest observation not yet elided, never the
-    newest, becomes ELIDED_OBSERVATION. The policy's own turns are never changed."""
+    """Replay with the history cap (paper Appendix eval: "cap the rollout history at 6,000
+    characters"): after each observation, while the messages after the task exceed
+    `history_chars` in all, the oldest observation not yet elided, never the newest, becomes
+    ELIDED_OBSERVATION. The policy's own turns are never changed."""
 
-    def __init__(self, key: str, record: dict, fuzzy: bool = False,
-                 history_chars: int | None = HISTORY_CHARS, judge: ChatClient | None = None):
+    def __init__(self, key: str, record: dict, history_chars: int | None = HISTORY_CHARS,
+                 judge: ChatClient | None = None):
         super().__init__(key, record["dialogs"][0]["content"], record["tools"], record["files"])
         self.task = record["dialogs"][0]["content"]
         self.cache = ReplayCache(record["dialogs"])
         self.gt_answer = record["gt_answer"]
-        self.fuzzy, self.history_chars, self.judge = fuzzy, history_chars, judge
+        self.history_chars, self.judge = history_chars, judge
         self.skip_reason = None if toolbench_reference(self.gt_answer) else "no_answer"
 
     def call_tool(self, name: str, arguments: dict) -> str:
         hit = self.cache.lookup(name, arguments)
-        if hit is None and self.fuzzy:
-            hit = self.cache.nearest(name, arguments)
         return hit if hit is not None else simulator_miss(name, arguments)
 
     def _after_observation(self) -> int | None:
@@ -888,21 +864,21 @@ def toolbench_reference(gt) -> str:
 
 
 class ToolBenchEnv(Env):
-    def __init__(self, split: str = "test", data_dir=None, fuzzy: bool = False,
+    def __init__(self, split: str = "test", data_dir=None,
                  history_chars: int | None = HISTORY_CHARS,
                  judge_model: str | None = "gpt-4o-mini", judge_cache=None):
         # The judge first: a missing key must fail before any data is read or fetched.
         self.judge = ChatClient(judge_model, cache_dir=judge_cache) if judge_model else None
         super().__init__(load_episodes(episode_file("toolbench", split, data_dir)))
-        self.fuzzy, self.history_chars = fuzzy, history_chars
+        self.history_chars = history_chars
 
     def _new_episode(self, key, record):
-        return ToolBenchEpisode(key, record, self.fuzzy, self.history_chars, self.judge)
+        return ToolBenchEpisode(key, record, self.history_chars, self.judge)
 
 
 def make(name: str, split: str = "test", data_dir=None, **kw) -> Env:
-    """A replay environment: gta (match="strict" | "loose") or toolbench (fuzzy=False,
-    history_chars=6000, judge_model="gpt-4o-mini" or None: no scoring, judge_cache=None)."""
+    """A replay environment: gta (match="strict" | "loose") or toolbench (history_chars=6000,
+    judge_model="gpt-4o-mini" or None: no scoring, judge_cache=None)."""
     if name == "gta":
         return GTAEnv(split, data_dir, **kw)
     if name == "toolbench":

@@ -446,6 +446,33 @@ def replay_report(env: envs.Env, match: str | None = None, score: bool = True) -
     return report
 
 
+def nearest(cache: envs.ReplayCache, name: str, arguments) -> str | None:
+    """ToolBench's optional fuzzy fallback (METHOD.md §10): the same tool's entry of highest
+    Jaccard overlap of argument tokens (lowercased words of the canonical JSON, keys included);
+    ties go to the entry recorded first."""
+    tokens = set(re.findall(r"\w+", envs.cache_key(name, arguments)[1].lower()))
+    best, best_sim = None, -1.0
+    for key in cache.entries:
+        if key[0] != name:
+            continue
+        other = set(re.findall(r"\w+", key[1].lower()))
+        union = tokens | other
+        sim = len(tokens & other) / len(union) if union else 1.0
+        if sim > best_sim:
+            best, best_sim = key, sim
+    return cache.serve(best) if best is not None else None
+
+
+class FuzzyToolBenchEpisode(envs.ToolBenchEpisode):
+    """ToolBench replay whose cache misses fall back to the nearest recorded call."""
+
+    def call_tool(self, name: str, arguments: dict) -> str:
+        hit = self.cache.lookup(name, arguments)
+        if hit is None:
+            hit = nearest(self.cache, name, arguments)
+        return hit if hit is not None else envs.simulator_miss(name, arguments)
+
+
 def load_matched(path: str | Path) -> list[dict]:
     """A matched file, every record validated, each given the `tools` and `files` of its episode
     (from the episode file of the same family: matched_clean_train -> clean_train.json)."""

@@ -379,14 +379,14 @@ def test_toolbench_cache_repeats_and_fuzzy_fallback():
     rec = _toolbench_record(["rain", "sun"])
     rec["dialogs"].insert(5, dict(rec["dialogs"][1]))          # the day-0 call again ...
     rec["dialogs"].insert(6, {"role": "tool", "name": "weather_for_api", "content": "retry"})
-    exact = envs.ToolBenchEpisode("x", rec, fuzzy=False)
+    exact = envs.ToolBenchEpisode("x", rec)
     call = envs.render_action(None, "weather_for_api", {"day": 0, "city": "Paris"})
     assert exact.step(call).observation == "Observation: rain"      # key order does not matter
     assert exact.step(call).observation == "Observation: retry"     # ... replayed in order
     assert exact.step(call).observation == "Observation: retry"
     near = envs.render_action(None, "weather_for_api", {"city": "paris", "day": 1, "unit": "C"})
     assert "[Simulator] Tool 'weather_for_api'" in exact.step(near).observation
-    fuzzy = envs.ToolBenchEpisode("x", rec, fuzzy=True)
+    fuzzy = lab_data.FuzzyToolBenchEpisode("x", rec)
     assert fuzzy.step(near).observation == "Observation: sun"       # highest Jaccard overlap
     other = envs.render_action(None, "other_tool", {"city": "Paris", "day": 1})
     assert "[Simulator] Tool 'other_tool'" in fuzzy.step(other).observation
