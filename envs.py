@@ -262,8 +262,7 @@ def _action_input(raw: str) -> dict | ParseError:
 class StepResult:
     observation: str | None     # content of the user message appended, None when done
     done: bool
-    rewritten_from: int | None = None   # first message rewritten in place (ToolBench history
-    #                                     cap): a caller holding a KV cache re-renders from it
+    rewritten_from: int | None = None   # history cap: a KV cache re-renders from this message
 
 
 class Episode:
@@ -273,7 +272,6 @@ class Episode:
 
     def __init__(self, id: str, task: str, tools: list[dict], files: list[dict] | tuple = ()):
         self.id = str(id)
-        self.tools = tools
         self.messages = dialog_to_messages([{"role": "user", "content": task}], tools, files)
         self.steps: list[Action | Final | ParseError] = []   # one per assistant turn
         self.final_answer: str | None = None
