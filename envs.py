@@ -1015,20 +1015,17 @@ def _check_episode_file(data, path) -> None:
         _require(_gt_answer_ok(rec["gt_answer"]), where, "'gt_answer' must be null, a list of "
                  "reference strings, or {whitelist: [[str]], blacklist: [[str]] | null} (no empty "
                  "group or alias)")
-        if any(k in rec for k in _CONTAMINATION_KEYS):
-            _check_contamination(rec, where)
-
-
-def _check_contamination(rec, where) -> None:
-    keys = _CONTAMINATION_KEYS
-    _require(all(isinstance(rec.get(k), list) for k in keys) and
-             len({len(rec[k]) for k in keys}) == 1,
-             where, f"{', '.join(keys)} must be lists of one length")
-    for idx, kind in zip(rec["contaminated_turn_indices"], rec["contamination_types"]):
-        _require(type(idx) is int and 0 <= idx < len(rec["dialogs"]) and
-                 rec["dialogs"][idx]["role"] == "assistant",
-                 where, f"contaminated turn index {idx!r} is not an assistant turn")
-        _require(kind in CONTAMINATION_TYPES, where, f"unknown contamination type {kind!r}")
+        keys = _CONTAMINATION_KEYS
+        if not any(k in rec for k in keys):
+            continue
+        _require(all(isinstance(rec.get(k), list) for k in keys) and
+                 len({len(rec[k]) for k in keys}) == 1,
+                 where, f"{', '.join(keys)} must be lists of one length")
+        for idx, kind in zip(rec["contaminated_turn_indices"], rec["contamination_types"]):
+            _require(type(idx) is int and 0 <= idx < len(rec["dialogs"]) and
+                     rec["dialogs"][idx]["role"] == "assistant",
+                     where, f"contaminated turn index {idx!r} is not an assistant turn")
+            _require(kind in CONTAMINATION_TYPES, where, f"unknown contamination type {kind!r}")
 
 
 def _check_matched_file(data, path) -> None:
