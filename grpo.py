@@ -1714,7 +1714,7 @@ def evaluate(policy, tok, env, pool, n: int, args, procs, name: str = "held-out"
     mine = list(range(procs.rank, n, procs.size))
     policy.eval()
     scores, turns = [], 0
-    t0, pacer = time.perf_counter(), Pacer(len(mine), sys.stdout)
+    t0, pacer = time.perf_counter(), model.Pacer(len(mine), sys.stdout)
     for i in range(0, len(mine), args.eval_batch):
         episodes = [env.episode(pool[j]) for j in mine[i:i + args.eval_batch]]
         for traj in rollout(policy, tok, episodes, args, greedy=True, stats=False):
@@ -1869,31 +1869,6 @@ def duration(seconds: float) -> str:
     """"42s" or "3m07s": the time left or taken, in a progress line."""
     seconds = int(round(seconds))
     return f"{seconds // 60}m{seconds % 60:02d}s" if seconds >= 60 else f"{seconds}s"
-
-
-class Pacer:
-    """When the next progress line is due. On a terminal: every `every` seconds. Into a file or
-    a pipe (a log, read later): at most one line per 30 s and per 10% of the work, so that an
-    hour of work is a dozen lines, not hundreds. The end of the work is always due."""
-
-    def __init__(self, total: float, stream, every: float = 5.0, clock=time.monotonic):
-        self.tty = bool(getattr(stream, "isatty", lambda: False)())
-        self.total, self.clock = total, clock
-        self.every, self.least = (every, 0.0) if self.tty else (30.0, total / 10)
-        self.last_time, self.last_done = clock(), 0.0
-
-    def due(self, done: float) -> bool:
-        now = self.clock()
-        if done >= self.total or (now - self.last_time >= self.every
-                                  and done - self.last_done >= self.least):
-            self.last_time, self.last_done = now, done
-            return True
-        return False
-
-
-def hms(seconds: float) -> str:
-    seconds = int(seconds)
-    return f"{seconds // 3600}h{seconds // 60 % 60:02d}m{seconds % 60:02d}s"
 
 
 def num(x) -> str:

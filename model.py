@@ -73,7 +73,6 @@ import torch.utils.checkpoint
 from safetensors import safe_open
 from safetensors.torch import save as safetensors_bytes
 from torch import nn, Tensor
-import grpo
 
 STATS = ("max", "std", "prefix", "self", "entropy", "lookback")
 DEFAULT_SYSTEM = "You are Qwen, created by Alibaba Cloud. You are a helpful assistant."
@@ -641,7 +640,7 @@ class _Progress:
 
     def __init__(self, label, total, done):
         self.label, self.total, self.done, self.start_done = label, total, done, done
-        self.t0, self.pacer = time.monotonic(), grpo.Pacer(total, sys.stderr, every=0.5)
+        self.t0, self.pacer = time.monotonic(), Pacer(total, sys.stderr, every=0.5)
 
     def update(self, n):
         self.done += n
@@ -2093,10 +2092,26 @@ def write_atomic(path: Path, data: bytes | str) -> None:
         raise
 
 
-def refuse_dir_out(path) -> None:
-    """An --out that names a file to write, checked before any work: not a directory (else
-    write_atomic would fail only at the end, naming its temporary file)."""
-    if path is not None and Path(path).is_dir():
-        raise SystemExit(f"error: --out {path} is a directory; name the file to write")
+class Pacer:
+    """When the next progress line is due. On a terminal: every `every` seconds. Into a file or
+    a pipe (a log, read later): at most one line per 30 s and per 10% of the work, so that an
+    hour of work is a dozen lines, not hundreds. The end of the work is always due."""
+
+    def __init__(self, total: float, stream, every: float = 5.0, clock=time.monotonic):
+        self.tty = bool(getattr(stream, "isatty", lambda: False)())
+        self.total, self.clock = total, clock
+        self.every, self.least = (every, 0.0) if self.tty else (30.0, total / 10)
+        self.last_time, self.last_done = clock(), 0.0
+
+    def due(self, done: float) -> bool:
+        now = self.clock()
+        if done >= self.total or (now - self.last_time >= self.every
+                                  and done - self.last_done >= self.least):
+            self.last_time, self.last_done = now, done
+            return True
+        return False
 
 
+def hms(seconds: float) -> str:
+    seconds = int(seconds)
+    return f"{seconds // 3600}h{seconds // 60 % 60:02d}m{seconds % 60:02d}s"

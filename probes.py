@@ -309,11 +309,6 @@ def describe_source(src: dict) -> str:
             + (f", d={dims.get('d')} L={dims.get('L')} H={dims.get('H')}" if dims else ""))
 
 
-def features_dims(tensors: dict) -> dict:
-    L, H = tensors["attn_max"].shape[1:]
-    return {"d": int(tensors["h_mean"].shape[1]), "L": int(L), "H": int(H)}
-
-
 def read_safetensors(path, what: str) -> tuple[dict[str, torch.Tensor], dict]:
     """(tensors, string metadata) of a safetensors file; a truncated or corrupt one is a
     FormatError naming it (safetensors raises its own error type, with no path)."""
@@ -349,7 +344,7 @@ def _check_finite(tensors: dict, path) -> None:
 # ----------------------------------------------------------------------------------------------
 # Metrics (METHOD.md §8); y = 1 for a correct turn, s / p = a score or P(correct)
 
-def _labels_scores(y, s):
+def labels_scores(y, s):
     y = torch.as_tensor(y, dtype=torch.float64).flatten()
     s = torch.as_tensor(s, dtype=torch.float64).flatten()
     if y.shape != s.shape:
@@ -360,7 +355,7 @@ def _labels_scores(y, s):
 def auroc(y, s) -> float:
     """P(score of a random positive > that of a random negative), ties counting 1/2 (Mann-Whitney
     U with average ranks). NaN when one class is absent."""
-    y, s = _labels_scores(y, s)
+    y, s = labels_scores(y, s)
     n_pos = y.sum().item()
     n_neg = y.numel() - n_pos
     if n_pos == 0 or n_neg == 0:
@@ -372,72 +367,3 @@ def auroc(y, s) -> float:
     return (rank_sum - n_pos * (n_pos + 1) / 2) / (n_pos * n_neg)
 
 
-def auprc(y, s) -> float:
-    """Average precision: sum over distinct thresholds (descending) of (R_k - R_{k-1}) P_k, as
-    scikit-learn's average_precision_score. NaN without positives."""
-    y, s = _labels_scores(y, s)
-    n_pos = y.sum()
-    if n_pos == 0:
-        return float("nan")
-    values, inverse, counts = torch.unique(s, return_inverse=True, return_counts=True)
-    pos = torch.zeros_like(values).index_add_(0, inverse, y)            # positives per value
-    tp = pos.flip(0).cumsum(0)                                          # score >= threshold
-    predicted = counts.flip(0).double().cumsum(0)
-    precision, recall = tp / predicted, tp / n_pos
-    delta_recall = torch.diff(recall, prepend=recall.new_zeros(1))
-    return (delta_recall * precision).sum().item()
-
-
-def ece(y, p, n_bins: int = 15) -> float:
-    """Expected calibration error: bins (lo, hi] of equal width over P(correct), p = 0 in the
-    first bin; sum_b (n_b / N) |mean label - mean p| over the bin."""
-    y, p = _labels_scores(y, p)
-    edges = torch.arange(n_bins + 1, dtype=torch.float64) / n_bins
-    # searchsorted (left) gives i with edges[i-1] < p <= edges[i]: bin i-1
-    bins = (torch.searchsorted(edges, p, right=False) - 1).clamp(0, n_bins - 1)
-    sum_y = torch.zeros(n_bins, dtype=torch.float64).index_add_(0, bins, y)
-    sum_p = torch.zeros(n_bins, dtype=torch.float64).index_add_(0, bins, p)
-    # (n_b / N) |mean_b y - mean_b p| = |sum_b y - sum_b p| / N
-    return ((sum_y - sum_p).abs().sum() / p.numel()).item()
-
-
-def brier(y, p) -> float:
-    y, p = _labels_scores(y, p)
-    return ((p - y) ** 2).mean().item()
-
-
-def pairwise_accuracy(y, s, groups) -> float:
-    """Within-episode ranking: over every (correct, incorrect) pair of turns of the same episode,
-    the fraction where the correct turn scores higher (ties 1/2). NaN when there is no pair."""
-    y, s = _labels_scores(y, s)
-    groups = list(groups)
-    if len(groups) != y.numel():
-        raise ValueError(f"{y.numel()} labels but {len(groups)} episode ids")
-    by_group: dict = {}
-    for i, g in enumerate(groups):
-        by_group.setdefault(g, []).append(i)
-    wins, pairs = 0.0, 0
-    for idx in by_group.values():
-        idx = torch.tensor(idx)
-        pos, neg = s[idx][y[idx] == 1], s[idx][y[idx] == 0]
-        diff = pos[:, None] - neg[None, :]                              # (P, Q)
-        wins += (diff > 0).sum().item() + 0.5 * (diff == 0).sum().item()
-        pairs += diff.numel()
-    return wins / pairs if pairs else float("nan")
-
-
-def accuracy(y, p, threshold: float = 0.5) -> float:
-    y, p = _labels_scores(y, p)
-    return ((p > threshold).double() == y).double().mean().item()
-
-
-def metrics(y, p, groups=None, probability=True) -> dict[str, float]:
-    """All metrics of METHOD.md §8 for one set of P(correct); an unsupervised score
-    (probability=False: -entropy, CoE) has a ranking but no scale, and is reported by AUROC only."""
-    if not probability:
-        return {"auroc": auroc(y, p)}
-    out = {"auroc": auroc(y, p), "auprc": auprc(y, p), "ece": ece(y, p), "brier": brier(y, p),
-           "accuracy": accuracy(y, p)}
-    if groups is not None:
-        out["pairwise"] = pairwise_accuracy(y, p, groups)
-    return out

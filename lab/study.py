@@ -163,7 +163,7 @@ def _extract_parts(net, tokenizer, records, data_path, parts, out_path, manifest
           f"extract {data_path.name}: {len(records)} records", file=log)
 
     failed, buffer, n_reused = [], [], 0
-    t0, pacer = time.perf_counter(), grpo.Pacer(len(todo), log)
+    t0, pacer = time.perf_counter(), mdl.Pacer(len(todo), log)
     for n_new, i in enumerate(todo, 1):
         record = records[i]
         rid = f"{record['episode_id']}@{record['turn_idx']}"
@@ -587,15 +587,15 @@ def run_report(features_dir, mode="mixed", seeds=SEEDS, C=0.01, crossfit=0, log=
             p = scorer(split.raw)
             kept.setdefault(method, {}).setdefault(split_name, []).append(p)
             probability_of[method] = probability
-            metrics = probes.metrics(split.y, p, split.episode_id, probability)
-            for metric, value in metrics.items():
+            scores = metrics(split.y, p, split.episode_id, probability)
+            for metric, value in scores.items():
                 add(detection, (method, split_name, metric), value)
             if split_name == "matched_contaminated_test":
                 buckets = [distance_bucket(d) for d in split.raw["distance"].tolist()]
                 for b in DISTANCE_BUCKETS:
                     idx = [i for i, x in enumerate(buckets) if x == b]
                     if idx:
-                        m = probes.metrics(split.y[idx], p[idx], None, probability)
+                        m = metrics(split.y[idx], p[idx], None, probability)
                         for metric in ("accuracy", "auroc"):
                             if metric in m:
                                 add(distance, (method, b, metric), m[metric])
@@ -921,14 +921,14 @@ def cmd_eval(args):
                                          probes.source(split.meta), f"{args.features}/"
                                          f"{split_name}.safetensors")
             for split_name, split in tests.items():
-                metrics = probes.metrics(split.y, predict(m, split.raw), split.episode_id)
-                for k, v in metrics.items():
+                scores = metrics(split.y, predict(m, split.raw), split.episode_id)
+                for k, v in scores.items():
                     values.setdefault(name, {}).setdefault(split_name, {}).setdefault(
                         k, []).append(v)
     for name in probes.SCORES:
         for split_name, split in tests.items():
             p = probes.unsupervised_score(name, split.raw)
-            for k, v in probes.metrics(split.y, p, split.episode_id, False).items():
+            for k, v in metrics(split.y, p, split.episode_id, False).items():
                 values.setdefault(name, {}).setdefault(split_name, {})[k] = [v]
     result = {m: {s: {k: mean_std(v) for k, v in d.items()} for s, d in per.items()}
               for m, per in values.items()}
@@ -1081,7 +1081,7 @@ def cmd_score(args) -> None:
     probes.check_same_source(probes.source(probe.info), args.probe, probes.source(meta),
                              args.features)
     p = probe.predict_proba(probes.feature(name, raw))
-    print(json.dumps(probes.metrics(raw["label"], p, meta.get("episode_id")), indent=2))
+    print(json.dumps(metrics(raw["label"], p, meta.get("episode_id")), indent=2))
 
 
 def load_features(path) -> tuple[dict[str, torch.Tensor], dict]:
@@ -1111,7 +1111,7 @@ def load_features(path) -> tuple[dict[str, torch.Tensor], dict]:
     if not labels <= {0, 1}:
         raise probes.FormatError(f"{path}: labels must be 0 (wrong) or 1 (right), got "
                                  f"{sorted(labels)[:5]}")
-    meta["dims"] = probes.features_dims(tensors)     # what the tensors hold, whatever was recorded
+    meta["dims"] = features_dims(tensors)     # what the tensors hold, whatever was recorded
     return tensors, meta
 
 
@@ -1125,10 +1125,86 @@ def keep_last(ids: list[int], spans: list[tuple], max_len: int):
     return ids[cut:], shifted, cut
 
 
+def auprc(y, s) -> float:
+    """Average precision: sum over distinct thresholds (descending) of (R_k - R_{k-1}) P_k, as
+    scikit-learn's average_precision_score. NaN without positives."""
+    y, s = probes.labels_scores(y, s)
+    n_pos = y.sum()
+    if n_pos == 0:
+        return float("nan")
+    values, inverse, counts = torch.unique(s, return_inverse=True, return_counts=True)
+    pos = torch.zeros_like(values).index_add_(0, inverse, y)            # positives per value
+    tp = pos.flip(0).cumsum(0)                                          # score >= threshold
+    predicted = counts.flip(0).double().cumsum(0)
+    precision, recall = tp / predicted, tp / n_pos
+    delta_recall = torch.diff(recall, prepend=recall.new_zeros(1))
+    return (delta_recall * precision).sum().item()
+
+
+def ece(y, p, n_bins: int = 15) -> float:
+    """Expected calibration error: bins (lo, hi] of equal width over P(correct), p = 0 in the
+    first bin; sum_b (n_b / N) |mean label - mean p| over the bin."""
+    y, p = probes.labels_scores(y, p)
+    edges = torch.arange(n_bins + 1, dtype=torch.float64) / n_bins
+    # searchsorted (left) gives i with edges[i-1] < p <= edges[i]: bin i-1
+    bins = (torch.searchsorted(edges, p, right=False) - 1).clamp(0, n_bins - 1)
+    sum_y = torch.zeros(n_bins, dtype=torch.float64).index_add_(0, bins, y)
+    sum_p = torch.zeros(n_bins, dtype=torch.float64).index_add_(0, bins, p)
+    # (n_b / N) |mean_b y - mean_b p| = |sum_b y - sum_b p| / N
+    return ((sum_y - sum_p).abs().sum() / p.numel()).item()
+
+
+def brier(y, p) -> float:
+    y, p = probes.labels_scores(y, p)
+    return ((p - y) ** 2).mean().item()
+
+
+def pairwise_accuracy(y, s, groups) -> float:
+    """Within-episode ranking: over every (correct, incorrect) pair of turns of the same episode,
+    the fraction where the correct turn scores higher (ties 1/2). NaN when there is no pair."""
+    y, s = probes.labels_scores(y, s)
+    groups = list(groups)
+    if len(groups) != y.numel():
+        raise ValueError(f"{y.numel()} labels but {len(groups)} episode ids")
+    by_group: dict = {}
+    for i, g in enumerate(groups):
+        by_group.setdefault(g, []).append(i)
+    wins, pairs = 0.0, 0
+    for idx in by_group.values():
+        idx = torch.tensor(idx)
+        pos, neg = s[idx][y[idx] == 1], s[idx][y[idx] == 0]
+        diff = pos[:, None] - neg[None, :]                              # (P, Q)
+        wins += (diff > 0).sum().item() + 0.5 * (diff == 0).sum().item()
+        pairs += diff.numel()
+    return wins / pairs if pairs else float("nan")
+
+
+def accuracy(y, p, threshold: float = 0.5) -> float:
+    y, p = probes.labels_scores(y, p)
+    return ((p > threshold).double() == y).double().mean().item()
+
+
+def metrics(y, p, groups=None, probability=True) -> dict[str, float]:
+    """All metrics of METHOD.md §8 for one set of P(correct); an unsupervised score
+    (probability=False: -entropy, CoE) has a ranking but no scale, and is reported by AUROC only."""
+    if not probability:
+        return {"auroc": probes.auroc(y, p)}
+    out = {"auroc": probes.auroc(y, p), "auprc": auprc(y, p), "ece": ece(y, p),
+           "brier": brier(y, p), "accuracy": accuracy(y, p)}
+    if groups is not None:
+        out["pairwise"] = pairwise_accuracy(y, p, groups)
+    return out
+
+
+def features_dims(tensors: dict) -> dict:
+    L, H = tensors["attn_max"].shape[1:]
+    return {"d": int(tensors["h_mean"].shape[1]), "L": int(L), "H": int(H)}
+
+
 def main(argv=None) -> None:
     args = build_parser().parse_args(argv)
     if args.func in (cmd_extract, cmd_eval, cmd_fit):
-        mdl.refuse_dir_out(args.out)
+        refuse_dir_out(args.out)
     try:
         with contextlib.ExitStack() as stack:
             # Claimed before any work (extract: before the model loads): a busy output is
@@ -1142,3 +1218,10 @@ def main(argv=None) -> None:
 
 if __name__ == "__main__":
     main()
+
+
+def refuse_dir_out(path) -> None:
+    """An --out that names a file to write, checked before any work: not a directory (else
+    write_atomic would fail only at the end, naming its temporary file)."""
+    if path is not None and Path(path).is_dir():
+        raise SystemExit(f"error: --out {path} is a directory; name the file to write")
