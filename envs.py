@@ -884,20 +884,15 @@ def make(name: str, split: str = "test", data_dir=None, **kw) -> Env:
     raise ValueError(f"unknown environment {name!r}: choose gta or toolbench")
 
 
-# ==== Released data (METHOD.md §1): locations, download, validated loading ========================
+# ==== Released data (METHOD.md §1): the episode files, downloaded and validated ===================
 
 RELEASE_REPO = "wonjoong-kim/PAIR"
 RELEASE_REF = "03e41ad6e5ce69b288a2cb14ac541b088ea1d3d9"    # the commit the splits were taken at
 RELEASE_URL = "https://raw.githubusercontent.com/{repo}/{ref}/data/{family}/{name}"
-RELEASE_FILES = {
-    "gta": [f"{kind}{part}_{split}.json" for kind in ("", "matched_")
-            for part in ("clean", "contaminated") for split in ("train", "test")],
-    # The ToolBench train splits are missing from the authors' repository (METHOD.md §1).
-    "toolbench": [f"{kind}{part}_test.json" for kind in ("", "matched_")
-                  for part in ("clean", "contaminated")],
-}
-CONTAMINATION_TYPES = ("reasoning_error", "tool_misuse", "observation_misinterpretation",
-                       "stale_memory")
+# The episode files the core plays (lab/data.py fetches the contaminated and matched files).
+# ToolBench's train split is missing from the authors' repository (METHOD.md §1).
+RELEASE_FILES = {"gta": ["clean_train.json", "clean_test.json"],
+                 "toolbench": ["clean_test.json"]}
 
 
 class DataError(ValueError):
@@ -926,27 +921,32 @@ def episode_file(family: str, split: str, data_dir: str | Path | None) -> Path:
 
 def download(family: str, data_dir: str | Path | None = None, ref: str = RELEASE_REF,
              force: bool = False) -> Path:
-    """Fetch the released files of `family` into data_dir/family/ (returned), each validated
-    before it is written, so a partial or wrong download never lands on disk."""
+    """Fetch the episode files of `family` into data_dir/family/ (returned)."""
     if family not in RELEASE_FILES:
         raise ValueError(f"unknown data family {family!r}: choose {', '.join(RELEASE_FILES)}")
     folder = Path(data_dir or default_data_dir()) / family
     for name in RELEASE_FILES[family]:
-        dest = folder / name
-        if dest.exists() and not force:
-            continue
-        url = RELEASE_URL.format(repo=RELEASE_REPO, ref=ref, family=family, name=name)
-        print(f"downloading {url}", file=sys.stderr)
-        try:
-            r = requests.get(url, timeout=300)
-        except requests.RequestException as e:
-            raise DataError(f"cannot download {url}: {e}") from e
-        if r.status_code != 200:
-            raise DataError(f"cannot download {url}: HTTP {r.status_code}")
-        check = _check_matched_file if name.startswith("matched_") else _check_episode_file
-        check(_parse_json(r.content, url), url)
-        model.write_atomic(dest, r.content)
+        fetch(family, name, folder, _check_episode_file, ref, force)
     return folder
+
+
+def fetch(family: str, name: str, folder: Path, check, ref: str = RELEASE_REF,
+          force: bool = False) -> None:
+    """One released file to folder/name, validated by check(data, url) before it is written, so
+    a partial or wrong download never lands on disk."""
+    dest = folder / name
+    if dest.exists() and not force:
+        return
+    url = RELEASE_URL.format(repo=RELEASE_REPO, ref=ref, family=family, name=name)
+    print(f"downloading {url}", file=sys.stderr)
+    try:
+        r = requests.get(url, timeout=300)
+    except requests.RequestException as e:
+        raise DataError(f"cannot download {url}: {e}") from e
+    if r.status_code != 200:
+        raise DataError(f"cannot download {url}: HTTP {r.status_code}")
+    check(_parse_json(r.content, url), url)
+    model.write_atomic(dest, r.content)
 
 
 def _parse_json(raw: bytes | str, where) -> object:
@@ -987,20 +987,6 @@ def _gt_answer_ok(gt) -> bool:
         (gt.get("blacklist") is None or groups(gt["blacklist"])))
 
 
-_MATCHED_FIELDS = {
-    "episode_id": lambda v: isinstance(v, str),
-    "turn_idx": lambda v: type(v) is int,
-    "dialogs": lambda v: True,
-    "label": lambda v: type(v) is int and v in (0, 1),
-    "contamination_type": lambda v: v is None or v in CONTAMINATION_TYPES,
-    "has_contaminated_prefix": lambda v: isinstance(v, bool),
-    "original_contaminated_turn_indices":
-        lambda v: isinstance(v, list) and all(type(x) is int for x in v),
-    "prefix_type": lambda v: v in ("clean", "contaminated")}
-_CONTAMINATION_KEYS = ("contaminated_turn_indices", "contamination_types",
-                       "original_turn_contents")
-
-
 def _check_episode_file(data, path) -> None:
     _require(isinstance(data, dict), path, "an episode file is a JSON object keyed by episode id")
     for rid, rec in data.items():
@@ -1015,33 +1001,6 @@ def _check_episode_file(data, path) -> None:
         _require(_gt_answer_ok(rec["gt_answer"]), where, "'gt_answer' must be null, a list of "
                  "reference strings, or {whitelist: [[str]], blacklist: [[str]] | null} (no empty "
                  "group or alias)")
-        keys = _CONTAMINATION_KEYS
-        if not any(k in rec for k in keys):
-            continue
-        _require(all(isinstance(rec.get(k), list) for k in keys) and
-                 len({len(rec[k]) for k in keys}) == 1,
-                 where, f"{', '.join(keys)} must be lists of one length")
-        for idx, kind in zip(rec["contaminated_turn_indices"], rec["contamination_types"]):
-            _require(type(idx) is int and 0 <= idx < len(rec["dialogs"]) and
-                     rec["dialogs"][idx]["role"] == "assistant",
-                     where, f"contaminated turn index {idx!r} is not an assistant turn")
-            _require(kind in CONTAMINATION_TYPES, where, f"unknown contamination type {kind!r}")
-
-
-def _check_matched_file(data, path) -> None:
-    _require(isinstance(data, list), path, "a matched file is a JSON list of records")
-    for i, rec in enumerate(data):
-        where = f"{path}: record {i}"
-        _require(isinstance(rec, dict), where, "not an object")
-        where += f" (episode {rec.get('episode_id')}, turn {rec.get('turn_idx')})"
-        for key, ok in _MATCHED_FIELDS.items():
-            _require(key in rec, where, f"missing '{key}'")
-            if not ok(rec[key]):
-                raise DataError(f"{where}: bad '{key}': {rec[key]!r}")
-        _check_dialog(rec["dialogs"], where)
-        _require(rec["turn_idx"] == len(rec["dialogs"]) - 1 and
-                 rec["dialogs"][-1]["role"] == "assistant",
-                 where, "the dialog must end at turn_idx with the assistant evaluation turn")
 
 
 def _check_dialog(dialog, where) -> None:

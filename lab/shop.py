@@ -660,7 +660,7 @@ def sft_dialogs(episodes: int, contaminated: float, seed: int,
     with tempfile.TemporaryDirectory() as tmp:
         make_shop_data(tmp, episodes=episodes, seed=seed)
         clean = envs.load_episodes(Path(tmp) / "clean_train.json")
-        dirty = envs.load_episodes(Path(tmp) / "contaminated_train.json")
+        dirty = lab_data.load_episodes(Path(tmp) / "contaminated_train.json")
     rng = random.Random(f"sft-{seed}")
     habit = random.Random(f"sft-divided-{seed}")  # its own stream: divided=0 changes nothing
     out = []

@@ -161,7 +161,7 @@ def test_dialog_to_messages_shape(release_dir):
     assert "- GoogleSearch: " in tool_text and "    k (int, optional): Select the first k" \
         in tool_text and "Final Answer: <the answer only>" in tool_text
     # the contaminated turn stored under `explanation` is rendered as the thought
-    bad = envs.load_episodes(release_dir / "gta" / "contaminated_train.json")["162"]
+    bad = lab_data.load_episodes(release_dir / "gta" / "contaminated_train.json")["162"]
     assert lab_data.record_messages(bad)[1]["content"].startswith(
         "Thought: Since the image depicts a historical battle")
     # ToolBench: a user message after a tool result is merged into the observation message
@@ -175,7 +175,7 @@ def test_dialog_to_messages_shape(release_dir):
 
 def test_matched_records_get_their_episode_tools(release_dir, tmp_path):
     recs = lab_data.load_matched(release_dir / "gta" / "matched_contaminated_test.json")
-    eps = envs.load_episodes(release_dir / "gta" / "contaminated_test.json")
+    eps = lab_data.load_episodes(release_dir / "gta" / "contaminated_test.json")
     assert len(recs) == 177
     for r in recs[:20]:
         assert r["tools"] == eps[r["episode_id"]]["tools"]
@@ -438,13 +438,23 @@ def _bad_file(tmp_path, release_dir, mutate):
     (lambda r: r.update(gt_answer={"whitelist": "1919.96"}), "'gt_answer' must be"),
     (lambda r: r.update(contaminated_turn_indices=[0], contamination_types=["reasoning_error"],
                         original_turn_contents=[{}]), "index 0 is not an assistant turn"),
+    (lambda r: r.update(contaminated_turn_indices=[1], contamination_types=["typo"],
+                        original_turn_contents=[{}]), "unknown contamination type 'typo'"),
+    (lambda r: r.update(contaminated_turn_indices=[1], contamination_types=[]),
+     "must be lists of one length"),
 ])
 def test_loader_errors_name_file_and_record(tmp_path, release_dir, mutate, message):
+    """The core's loader checks what it plays; the lab's adds a contaminated file's fields."""
     path, key = _bad_file(tmp_path, release_dir, mutate)
-    with pytest.raises(envs.DataError) as err:
-        envs.load_episodes(path)
-    assert str(path) in str(err.value) and f"record {key}" in str(err.value)
-    assert message in str(err.value)
+    contamination = "contaminated_turn_indices" in json.loads(path.read_text())[key]
+    loaders = [lab_data.load_episodes] + ([] if contamination else [envs.load_episodes])
+    for load in loaders:
+        with pytest.raises(envs.DataError) as err:
+            load(path)
+        assert str(path) in str(err.value) and f"record {key}" in str(err.value)
+        assert message in str(err.value)
+    if contamination:
+        assert envs.load_episodes(path)[key]["contaminated_turn_indices"]
 
 
 def test_matched_loader_errors(tmp_path, release_dir):
@@ -461,7 +471,7 @@ def test_matched_loader_errors(tmp_path, release_dir):
 
 def test_download_validates_and_writes_atomically(monkeypatch, tmp_path, release_dir):
     served = tmp_path / "served"
-    for name in envs.RELEASE_FILES["gta"]:
+    for name in lab_data.RELEASE_FILES["gta"]:
         (served / "gta").mkdir(parents=True, exist_ok=True)
         (served / "gta" / name).write_bytes((release_dir / "gta" / name).read_bytes())
     class Quiet(SimpleHTTPRequestHandler):
@@ -475,10 +485,21 @@ def test_download_validates_and_writes_atomically(monkeypatch, tmp_path, release
     monkeypatch.setattr(envs, "RELEASE_URL", f"http://127.0.0.1:{port}/{{family}}/{{name}}")
     try:
         env = envs.make("gta", split="test", data_dir=tmp_path / "data")   # missing: fetched
-        assert len(env) == 53
-        for name in envs.RELEASE_FILES["gta"]:
+        assert len(env) == 53       # the core fetches the episode files it plays, no more
+        assert sorted(p.name for p in (tmp_path / "data" / "gta").iterdir()) == \
+            sorted(envs.RELEASE_FILES["gta"])
+        assert lab_data.download("gta", tmp_path / "data") == tmp_path / "data" / "gta"
+        for name in lab_data.RELEASE_FILES["gta"]:                  # the lab's: every file
             assert (tmp_path / "data" / "gta" / name).read_bytes() == \
                 (release_dir / "gta" / name).read_bytes()
+        matched = json.loads((served / "gta" / "matched_clean_test.json").read_text())
+        matched[2]["turn_idx"] -= 1
+        (served / "gta" / "matched_clean_test.json").write_text(json.dumps(matched))
+        with pytest.raises(envs.DataError, match=r"/gta/matched_clean_test.json: record 2 "
+                           r"\(episode .*the dialog must end at turn_idx"):
+            lab_data.download("gta", tmp_path / "lab")
+        assert (tmp_path / "lab" / "gta" / "matched_clean_train.json").is_file()
+        assert not (tmp_path / "lab" / "gta" / "matched_clean_test.json").exists()
         (served / "gta" / "clean_test.json").write_text('{"1": {"dialogs": []}}')
         with pytest.raises(envs.DataError, match=r"/gta/clean_test.json: record 1: missing"):
             envs.download("gta", tmp_path / "fresh")

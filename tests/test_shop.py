@@ -403,7 +403,7 @@ def test_make_data_says_what_it_wrote_in_the_users_file_mode(tmp_path, capsys, m
 def test_make_data_files_load_and_split_80_20(data):
     for split, n in (("train", 48), ("test", 12)):
         clean = envs.load_episodes(data / f"clean_{split}.json")
-        cont = envs.load_episodes(data / f"contaminated_{split}.json")
+        cont = lab_data.load_episodes(data / f"contaminated_{split}.json")
         assert list(clean) == list(cont) == [f"shop-7-{split}-{i}" for i in range(n)]
         for fam in ("clean", "contaminated"):
             records = lab_data.load_matched(data / f"matched_{fam}_{split}.json")
@@ -449,7 +449,7 @@ def test_contamination_follows_the_paper_procedure(data):
                     new = collections.Counter(re.findall(r"\d+\.\d+", thought)) - \
                         collections.Counter(re.findall(r"\d+\.\d+", old_thought))
                     assert new and set(new) <= earlier
-    assert set(kinds) == set(envs.CONTAMINATION_TYPES), kinds
+    assert set(kinds) == set(lab_data.CONTAMINATION_TYPES), kinds
 
 
 def test_a_rewrite_right_by_coincidence_falls_back_to_another_kind():
