@@ -1,17 +1,12 @@
-"""Tool-use environments for PAIR (METHOD.md §1, §2, §10): the ReAct text every model sees and its
-parser, the built-in `shop` world, GTA and ToolBench replay, the released data, the Calculator
-tool, and the chat client of ToolBench's answer judge.
+"""Tool-use environments (METHOD.md §1, §2, §10): the ReAct text every model sees and its parser,
+the built-in `shop` world, GTA and ToolBench replay of the released episodes, the Calculator tool,
+and ToolBench's LLM answer judge.
 
     env = make("gta", split="test", data_dir=...)       # or ShopEnv("test"), the built-in world
     ep = env.episode(0)
     while not ep.done:
         ep.step(policy(ep.messages))
     ep.score()          # in [0, 1], or None with ep.skip_reason
-
-Offline probe data and online rollouts share one text format, so a probe sees the same text in
-both. Replay (paper Appendix eval) answers a tool call from the episode's gold dialog, keyed by
-(tool name, json.dumps(arguments, sort_keys=True)); a call the gold repeats with different
-responses (ToolBench retries) gets them in order, then the last (the release kept the first).
 """
 from __future__ import annotations
 
@@ -35,10 +30,10 @@ import requests
 import model
 
 MAX_TURNS = 10                      # assistant turns per episode (paper Appendix eval)
-OBSERVATION_CHARS = 1000            # METHOD.md §2: longer tool results are cut and get "..."
+OBSERVATION_CHARS = 1000            # longer tool results are cut and get "..." (METHOD.md §2)
 
 
-# ==== METHOD.md §2: the canonical text of tools, steps and observations ===========================
+# ==== METHOD.md §2: the one text of tools, steps and observations, offline and online =============
 
 _REPLY_FORMAT = """
 Solve the task step by step. Each reply is one step, in exactly one of two formats.
@@ -77,7 +72,7 @@ def render_final(thought: str | None, answer: str) -> str:
 
 
 def render_observation(text: str) -> str:
-    """A tool result as the content of a user message (METHOD.md §2)."""
+    """A tool result as the content of a user message."""
     text = model.without_surrogates(text)
     if len(text) > OBSERVATION_CHARS:
         text = text[:OBSERVATION_CHARS] + "..."
@@ -101,10 +96,8 @@ def tool_result_text(message: dict) -> str:
 
 def assistant_parts(message: dict) -> tuple[str | None, dict | None, str | None]:
     """(thought, tool call {name, arguments} or None, final content) of a released assistant turn.
-
-    Text in `content` beside a tool call (three released turns, as in Qwen's tool template) and
-    a contaminated turn's `explanation` (one turn: the contamination LLM's key) are the thought.
-    """
+    Text beside a tool call (three released turns) and a contaminated turn's `explanation` (the
+    contamination LLM's key, one turn) are part of the thought."""
     calls = message.get("tool_calls") or []
     call = calls[0]["function"] if calls else None
     parts = [message.get("thought"), message.get("explanation")]
@@ -124,17 +117,15 @@ def render_assistant(message: dict) -> str:
 
 def dialog_to_messages(dialog: list[dict], tools: list[dict],
                        files: list[dict] | tuple = ()) -> list[dict]:
-    """A released dialog as chat messages {role, content} in METHOD.md §2 text: the task (+ files
-    + tool instructions), assistant steps, tool results as user `Observation:` messages;
-    consecutive messages of one role merged with a blank line."""
+    """A released dialog as chat messages: the task (+ files + tool instructions), assistant
+    steps, tool results as user `Observation:` messages; consecutive messages of a role merged."""
     messages: list[dict] = []
     for i, m in enumerate(dialog):
-        if m["role"] == "user":
-            role, content = "user", m["content"]
-            if i == 0:
-                content = render_task(content, files) + "\n\n" + tool_instructions(tools)
-        elif m["role"] == "assistant":
+        if m["role"] == "assistant":
             role, content = "assistant", render_assistant(m)
+        elif m["role"] == "user":
+            role, content = "user", m["content"] if i else (
+                render_task(m["content"], files) + "\n\n" + tool_instructions(tools))
         else:  # tool
             role, content = "user", render_observation(tool_result_text(m))
         if messages and messages[-1]["role"] == role:
@@ -184,13 +175,9 @@ def _nesting(value) -> int:
 
 
 def parse_react(text: str) -> Action | Final | ParseError:
-    """Parse the first step of a reply. Never raises.
-
-    The step is the first `Action:` marker followed by an `Action Input:` marker, or the first
-    `Final Answer:`: a thought may hold a line starting "Action:" (ToolBench's gold thoughts do),
-    and what follows the step (an invented `Observation:`) is ignored. The tool name is the text
-    between the two markers; the input is the first JSON value after its marker.
-    """
+    """The first step of a reply: the first `Action:` marker followed by `Action Input:` (a thought
+    may hold a line "Action:", as ToolBench's gold thoughts do), or the first `Final Answer:`;
+    what follows it (an invented `Observation:`) is ignored. Never raises."""
     if not isinstance(text, str):
         return ParseError(f"The reply is not text. {_FORMAT_HINT}")
     marks = [(re.sub(r"[ \t]+", " ", m.group(1).lower()), m.start(), m.end())
@@ -266,8 +253,7 @@ class StepResult:
 
 
 class Episode:
-    """One task being played: the chat so far and the rules that answer each step. Subclasses
-    implement call_tool (a parsed call's observation text) and score."""
+    """One task being played: the chat so far; subclasses answer a tool call and score."""
     max_turns = MAX_TURNS               # a world with longer tasks allows more
 
     def __init__(self, id: str, task: str, tools: list[dict], files: list[dict] | tuple = ()):
@@ -332,10 +318,10 @@ class Env:
 
 
 # ==== The built-in world, shop: tasks drawn from a seed, tools that really execute, exact labels
-# A seed draws a world (USD prices of SHOP_ITEMS at SHOP_STORES, exchange rates) and a task, "What
-# is the total cost of 3 apple at store B and 2 pear at store A, in EUR?": 2-5 tool calls (a Lookup
-# per line, a Rate unless in USD, a Calculator), then the answer with 2 decimals. Vocabulary and
-# phrasing are small and regular so that a tiny model can learn the world from gold dialogs.
+# A seed draws USD prices of SHOP_ITEMS at SHOP_STORES, exchange rates and a task ("What is the
+# total cost of 3 apple at store B and 2 pear at store A, in EUR?"): 2-5 tool calls (a Lookup per
+# line, a Rate unless in USD, a Calculator), then the total with 2 decimals. A small regular
+# vocabulary lets a tiny model learn the world from gold dialogs.
 
 SHOP_STORES = ("A", "B", "C", "D")
 SHOP_ITEMS = ("apple", "bread", "egg", "milk", "pear", "rice")
@@ -347,38 +333,43 @@ SHOP_MAX_QUANTITY = 6
 SHOP_TEMPLATES = ("What is the total cost of {lines}, in {cur}?",
                   "How much do {lines} cost in total, in {cur}?",
                   "I buy {lines}. How much do I pay in {cur}?")
-# Episode seed: seed * SHOP_SEED_STRIDE + SHOP_SPLIT_OFFSET[split] + i, disjoint across splits
+# Episode i's seed: seed * SHOP_SEED_STRIDE + SHOP_SPLIT_OFFSET[split] + i, disjoint across splits
 # and seeds while i < SHOP_SPLIT_SIZE[split]. Validation is the top of the training range.
 SHOP_SEED_STRIDE = 10_000_000
 SHOP_SPLIT_OFFSET = {"train": 0, "val": 4_500_000, "test": 5_000_000}
 SHOP_SPLIT_SIZE = {"train": 4_500_000, "val": 500_000, "test": 5_000_000}
-# A success rate near 0.3 on 600 test episodes is known to +-3.7 points (95%); validation only
-# picks a checkpoint. The first 200 test episodes are make-data's test split.
+# 600 test episodes know a success rate near 0.3 to +-3.7 points (95%); make-data's are the first
+# 200. Validation only picks a checkpoint.
 SHOP_EPISODES = {"train": 10_000, "val": 200, "test": 600}
 SHOP_SCORING = 2    # the rules' version (2: half a cent): cached evaluations and probes key on it
 _SHOP_VALUE_TOL = 0.005     # "equals" within half a cent: of a total, its rounding, not a cent off
 _CENT = Decimal("0.01")
 
 
-def _text_field(name: str | None, description: str) -> dict:
-    """One text input or output of a tool, in the released (GTA) tool schema."""
-    return {"type": "text", "name": name, "description": description, "optional": False,
-            "default": None, "filetype": None}
+def _shop_tool(name: str, description: str, inputs: dict, output: str) -> dict:
+    """A tool in the released (GTA) schema, with text inputs {name: description}."""
+    def field(key, text):
+        return {"type": "text", "name": key, "description": text, "optional": False,
+                "default": None, "filetype": None}
+    return {"name": name, "description": description,
+            "inputs": [field(k, text) for k, text in inputs.items()],
+            "outputs": [field(None, output)]}
 
 
 SHOP_TOOLS = [
-    {"name": "Lookup", "description": "Look up the price in USD of one item at one store.",
-     "inputs": [_text_field("store", "The store: A, B, C or D."),
-                _text_field("item", "The item, e.g. apple.")],
-     "outputs": [_text_field(None, "The price in USD.")]},
-    {"name": "Rate", "description": "How many units of a currency one USD buys.",
-     "inputs": [_text_field("currency", "The currency: " + ", ".join(SHOP_CURRENCIES) + ".")],
-     "outputs": [_text_field(None, "The exchange rate.")]},
-    {"name": "Calculator",
-     "description": "Evaluate an arithmetic expression (+ - * / and parentheses).",
-     "inputs": [_text_field("expression", "e.g. (3*2.50+1.20)*0.92")],
-     "outputs": [_text_field(None, "The value.")]}]
+    _shop_tool("Lookup", "Look up the price in USD of one item at one store.",
+               {"store": "The store: A, B, C or D.", "item": "The item, e.g. apple."},
+               "The price in USD."),
+    _shop_tool("Rate", "How many units of a currency one USD buys.",
+               {"currency": "The currency: " + ", ".join(SHOP_CURRENCIES) + "."},
+               "The exchange rate."),
+    _shop_tool("Calculator", "Evaluate an arithmetic expression (+ - * / and parentheses).",
+               {"expression": "e.g. (3*2.50+1.20)*0.92"}, "The value.")]
 _SHOP_ARGS = {t["name"]: tuple(i["name"] for i in t["inputs"]) for t in SHOP_TOOLS}
+# An argument's spelling the world accepts, its values, and their name in an error message.
+_SHOP_NAMES = {"store": (str.upper, SHOP_STORES, "Stores"),
+               "item": (str.lower, SHOP_ITEMS, "Items"),
+               "currency": (str.upper, SHOP_CURRENCIES, "Currencies")}
 
 
 def _cents(n: int) -> Decimal:
@@ -417,9 +408,8 @@ class ShopTask:
 
     @cached_property
     def quantities(self) -> list[Decimal]:
-        """Every value a useful Calculator call may produce: a line subtotal q*p, a sum of
-        subtotals, such a sum converted, a converted unit price p*r (stepwise: the running
-        totals and the total)."""
+        """Every value a useful Calculator call may produce: a sum of line subtotals q*p, such a
+        sum converted, a converted unit price p*r (stepwise: the running totals and the total)."""
         rate = self.rates[self.currency]
         subtotals = [q * self.prices[s, i] for q, i, s in self.lines]
         if self.stepwise:
@@ -493,27 +483,23 @@ def shop_execute(task: ShopTask, name: str, arguments) -> ShopResult:
             not all(isinstance(arguments[k], str) for k in keys):
         return ShopResult(f"Error: {name} takes {{" + ", ".join(f'"{k}": ...' for k in keys)
                           + "}.")
-    args = [arguments[k].strip() for k in keys]
+    args = {k: arguments[k].strip() for k in keys}
     if name == "Calculator":
-        out = calculate(args[0])
+        out = calculate(args["expression"])
         try:
             number = float(out)
         except ValueError:          # "Error: ..."
             return ShopResult(out)
         # Round away float noise (9.108000000000001): a small model should not have to copy it.
         return ShopResult(str(round(number, 6)), number=number)
+    for key, raw in args.items():
+        spelling, names, plural = _SHOP_NAMES[key]
+        if spelling(raw) not in names:
+            return ShopResult(f"Error: unknown {key} '{raw}'. {plural}: {', '.join(names)}.")
     if name == "Rate":
-        cur = args[0].upper()
-        if cur not in SHOP_CURRENCIES:
-            return ShopResult(f"Error: unknown currency '{args[0]}'. Currencies: "
-                              + ", ".join(SHOP_CURRENCIES) + ".")
+        cur = args["currency"].upper()
         return ShopResult(f"1 USD = {task.rates[cur]} {cur}.", ("rate", cur), task.rates[cur])
-    store, item = args[0].upper(), args[1].lower()
-    if store not in SHOP_STORES:
-        return ShopResult(f"Error: unknown store '{args[0]}'. Stores: "
-                          + ", ".join(SHOP_STORES) + ".")
-    if item not in SHOP_ITEMS:
-        return ShopResult(f"Error: unknown item '{args[1]}'. Items: {', '.join(SHOP_ITEMS)}.")
+    store, item = args["store"].upper(), args["item"].lower()
     price = task.prices[store, item]
     return ShopResult(f"{item} at store {store} costs {price} USD.", ("price", store, item), price)
 
@@ -548,8 +534,8 @@ def _answer_right(task: ShopTask, answer: str | None) -> bool:
 
 def _claim_true(task: ShopTask, m: re.Match, known: dict) -> bool:
     """One _SHOP_CLAIM: a price or rate must be the world's; "I need ..." must name a needed fact
-    not fetched yet; "the total is <expression or x> [CUR]" must be within half a cent of the
-    exact total, in the task's currency (the longest start that computes: "21.91 (2 lines)")."""
+    not fetched yet; "the total is <expression or x> [CUR]" must be the exact total within half a
+    cent, in the task's currency (of the longest start that computes: "21.91 (2 lines)")."""
     if m.group("price"):
         key = (m.group("store").upper(), m.group("item").lower())
         return key in task.prices and _close(float(m.group("price")), [task.prices[key]])
@@ -569,9 +555,8 @@ def _claim_true(task: ShopTask, m: re.Match, known: dict) -> bool:
 
 def _shop_thought_true(task: ShopTask, thought: str | None, known: dict,
                        computed: list[float]) -> bool:
-    """The thought asserts nothing false: every claim is true (_claim_true), every other number
-    a value the task involves (a quantity, a needed or fetched price or rate, a needed
-    quantity, an earlier Calculator result). known: fact -> value fetched by earlier turns."""
+    """Every claim is true and every other number one the task involves: a quantity, a needed or
+    fetched (`known`) price or rate, a useful Calculator value, an earlier Calculator result."""
     if not thought:
         return True
     if not all(_claim_true(task, m, known) for m in _SHOP_CLAIM.finditer(thought)):
@@ -586,15 +571,11 @@ def _shop_thought_true(task: ShopTask, thought: str | None, known: dict,
 
 
 def shop_labels(task: ShopTask, steps: list) -> list[bool]:
-    """Exact correctness of each assistant turn (steps: parse_react's, in order; tool calls are
-    re-run, observations never read).
-
-    A turn is right iff its thought asserts nothing false and its step is a Lookup/Rate of a
-    needed fact no earlier turn fetched, a Calculator call giving (within half a cent) a needed
-    quantity no earlier call gave, or a final answer within half a cent of the exact total.
+    """Exact correctness of each assistant turn (parse_react's steps; calls re-run, observations
+    never read): its thought asserts nothing false, and it fetches a needed fact not fetched yet,
+    computes a needed quantity not computed yet, or answers the total, each within half a cent.
     Claims are checked against the world, not the dialog: matched contaminated data keep the
-    clean observations after a contaminated call (as the release does).
-    """
+    clean observations after a contaminated call (as the release does)."""
     known: dict = {}
     computed: list[float] = []
     labels = []
@@ -635,15 +616,13 @@ class ShopEpisode(Episode):
 
 
 class ShopEnv(Env):
-    """Episodes of one split (train, val or test) of a built-in world (WORLDS), from seeds
-    disjoint from the other splits'."""
+    """The episodes of one split (train, val or test) of a built-in world (WORLDS)."""
 
     def __init__(self, split: str = "test", seed: int = 42, episodes: int | None = None,
                  world: str = "shop"):
         if world not in WORLDS:
             raise ValueError(f"unknown built-in world {world!r} (choose from {', '.join(WORLDS)})")
-        if split not in SHOP_SPLIT_OFFSET:
-            raise ValueError(f"shop: unknown split {split!r} (choose from train, val, test)")
+        shop_episode_seed(split, 0, 0)      # refuses an unknown split
         if type(seed) is not int or seed < 0:
             raise ValueError(f"shop: seed must be a non-negative integer, got {seed!r}")
         n = SHOP_EPISODES[split] if episodes is None else episodes
@@ -660,8 +639,8 @@ class ShopEnv(Env):
                 raise KeyError(f"no episode {i!r} in shop {self.split} (seed {self.seed})")
             i = self._index[i]
         key = self.ids[i]
-        return ShopEpisode(key, WORLDS[self.world](shop_episode_seed(self.split, self.seed,
-                                                                     self._index[key])))
+        seed = shop_episode_seed(self.split, self.seed, self._index[key])
+        return ShopEpisode(key, WORLDS[self.world](seed))
 
 
 # ==== Replay (METHOD.md §10): tool calls answered from the gold dialog ============================
@@ -676,7 +655,8 @@ def simulator_miss(name: str, arguments) -> str:
 
 
 class ReplayCache:
-    """(tool name, canonical args) -> the responses recorded for that call, in dialog order."""
+    """cache_key(call) -> the responses the gold dialog recorded for it. A call the gold repeats
+    (ToolBench retries) gets them in order, then the last again (the release kept the first)."""
 
     def __init__(self, dialog: list[dict]):
         self.entries: dict[tuple[str, str], list[str]] = {}
@@ -703,11 +683,24 @@ class ReplayCache:
 
 
 def written_tool_name(call: dict) -> str:
-    """The tool name a policy writes to repeat a released call (what parse_react reads back from
-    its text): 54 released ToolBench names carry a ToolLLaMA parsing artifact ('Call the function
-    "f".\n\n\nAction: f') that no policy could reproduce."""
+    """The tool name a policy writes to repeat a released call (what parse_react reads back): 54
+    ToolBench names carry a ToolLLaMA artifact ('Call the function "f".\n\n\nAction: f')."""
     parsed = parse_react(render_action(None, call["name"], call.get("arguments") or {}))
     return parsed.name if isinstance(parsed, Action) else call["name"]
+
+
+class ReplayEpisode(Episode):
+    """A released episode: its task, tools and files, a call answered from its gold dialog."""
+
+    def __init__(self, key: str, record: dict):
+        self.task = record["dialogs"][0]["content"]
+        super().__init__(key, self.task, record["tools"], record["files"])
+        self.cache = ReplayCache(record["dialogs"])
+        self.gt_answer = record["gt_answer"]
+
+    def call_tool(self, name: str, arguments: dict) -> str:
+        hit = self.cache.lookup(name, arguments)
+        return hit if hit is not None else simulator_miss(name, arguments)
 
 
 # ---- GTA -------------------------------------------------------------------------------------
@@ -719,9 +712,9 @@ GTA_IMAGE_REPLY = "The image is saved."     # GTA's final reply when the answer 
 
 
 def gta_skip_reason(gt, dialog: list[dict] = ()) -> str | None:
-    """Why an episode cannot be scored by answer matching, or None (METHOD.md §10): a reference
-    list (it needs a sentence-embedding model), no answer, or an image answer - also when the gold
-    dialog ends on an image tool result, bare or before "The image is saved." (test 211)."""
+    """Why answer matching cannot score an episode, or None: a reference list (it needs a
+    sentence-embedding model), no answer, or an image answer - also a gold dialog ending on an
+    image tool result, bare or before "The image is saved." (test 211)."""
     if isinstance(gt, list):
         return "reference_list"
     if not isinstance(gt, dict) or not gt.get("whitelist"):
@@ -740,9 +733,8 @@ def gta_skip_reason(gt, dialog: list[dict] = ()) -> str | None:
 
 def gta_match(prediction: str, gt: dict, mode: str = "strict") -> float:
     """1.0 iff every whitelist group has an alias in the prediction and no blacklist alias is in
-    it (GTA's reference `iscorrect`), else 0.0. Case-insensitive. strict: the alias may not touch
-    a letter, digit or _ (the reference's \\b never matches an alias starting with "-" or "$");
-    loose: a substring after collapsing whitespace."""
+    it (GTA's `iscorrect`), case-insensitive. strict: the alias touches no letter, digit or _
+    (GTA's \\b never matches an alias starting "-" or "$"); loose: a substring, spaces collapsed."""
     if mode == "strict":
         def found(alias):
             return re.search(r"(?<!\w)" + re.escape(alias.strip()) + r"(?!\w)", prediction,
@@ -759,11 +751,9 @@ def gta_match(prediction: str, gt: dict, mode: str = "strict") -> float:
     return 1.0 if right else 0.0
 
 
-class GTAEpisode(Episode):
+class GTAEpisode(ReplayEpisode):
     def __init__(self, key: str, record: dict, match: str = "strict"):
-        super().__init__(key, record["dialogs"][0]["content"], record["tools"], record["files"])
-        self.cache = ReplayCache(record["dialogs"])
-        self.gt_answer = record["gt_answer"]
+        super().__init__(key, record)
         self.match = match
         self.skip_reason = gta_skip_reason(self.gt_answer, record["dialogs"])
 
@@ -771,18 +761,16 @@ class GTAEpisode(Episode):
         if name in GTA_UNAVAILABLE:
             return UNAVAILABLE_MESSAGE
         hit = self.cache.lookup(name, arguments)
-        if hit is not None:
-            return hit
-        if name == "Calculator":
-            expression = arguments.get("expression")
-            if not isinstance(expression, str):
-                return 'Error: Calculator takes {"expression": "<arithmetic expression>"}'
-            return calculate(expression)
-        return simulator_miss(name, arguments)
+        if hit is not None or name != "Calculator":
+            return hit if hit is not None else simulator_miss(name, arguments)
+        expression = arguments.get("expression")
+        if not isinstance(expression, str):
+            return 'Error: Calculator takes {"expression": "<arithmetic expression>"}'
+        return calculate(expression)
 
     def score(self, match: str | None = None) -> float | None:
-        """Task score in [0, 1], None when skipped. `match` overrides the env's mode: strict for
-        the training reward, loose for evaluation (paper)."""
+        """In [0, 1], None when skipped; `match` overrides the env's mode (the paper trains on
+        strict, evaluates loose)."""
         if self.skip_reason is not None:
             return None
         if self.final_answer is None:
@@ -801,30 +789,22 @@ class GTAEnv(Env):
         return GTAEpisode(key, record, self.match)
 
 
-# ---- ToolBench (its answers are scored by the LLM judge, judge_answer) -----------------------
+# ---- ToolBench: answers scored by the LLM judge ------------------------------------------------
 
 HISTORY_CHARS = 6000
 ELIDED_OBSERVATION = "Observation: [older observation elided]"
 
 
-class ToolBenchEpisode(Episode):
-    """Replay with the history cap (paper Appendix eval: "cap the rollout history at 6,000
-    characters"): after each observation, while the messages after the task exceed
-    `history_chars` in all, the oldest observation not yet elided, never the newest, becomes
+class ToolBenchEpisode(ReplayEpisode):
+    """Replay with the paper's history cap at 6,000 characters: after each observation, while the
+    messages after the task exceed `history_chars`, the oldest observation but the newest becomes
     ELIDED_OBSERVATION. The policy's own turns are never changed."""
 
     def __init__(self, key: str, record: dict, history_chars: int | None = HISTORY_CHARS,
                  judge: ChatClient | None = None):
-        super().__init__(key, record["dialogs"][0]["content"], record["tools"], record["files"])
-        self.task = record["dialogs"][0]["content"]
-        self.cache = ReplayCache(record["dialogs"])
-        self.gt_answer = record["gt_answer"]
+        super().__init__(key, record)
         self.history_chars, self.judge = history_chars, judge
         self.skip_reason = None if toolbench_reference(self.gt_answer) else "no_answer"
-
-    def call_tool(self, name: str, arguments: dict) -> str:
-        hit = self.cache.lookup(name, arguments)
-        return hit if hit is not None else simulator_miss(name, arguments)
 
     def _after_observation(self) -> int | None:
         if self.history_chars is None:
@@ -1020,8 +1000,7 @@ def _check_dialog(dialog, where) -> None:
             _require(prev.get("role") == "assistant" and prev.get("tool_calls"), at,
                      "a tool result must follow an assistant tool call")
             content = m.get("content")
-            if isinstance(content, dict):
-                content = content.get("content", None)
+            content = content.get("content") if isinstance(content, dict) else content
             _require(isinstance(m.get("name"), str) and content is not None, at,
                      "a tool message needs 'name' and 'content'")
 
@@ -1053,7 +1032,7 @@ def _check_tools(tools, where) -> None:
         _require(isinstance(inputs, list) and all(isinstance(x, dict) and isinstance(
             x.get("name"), str) for x in inputs), at,
             "'inputs' must be a list of objects with a 'name'")
-        # the tool instructions render these as text
+        # tool_instructions renders these as text
         texts = [("description", t.get("description"))] + [
             (f"inputs[{i}].{key}", x.get(key)) for i, x in enumerate(inputs)
             for key in ("type", "description")]
@@ -1074,7 +1053,7 @@ class CalculatorError(ValueError):
 
 
 def _too_large(too_large: bool) -> None:
-    if too_large:           # checked before computing: the work is what must be bounded
+    if too_large:           # checked before computing: it is the work that must be bounded
         raise CalculatorError("result too large")
 
 
@@ -1172,9 +1151,8 @@ def _qualified_name(node) -> str:
 
 
 def calculate(expression: str) -> str:
-    """Evaluate one arithmetic expression: numbers, + - * / // % **, unary signs, parentheses,
-    math functions and constants by name (`sqrt(2)` or `math.sqrt(2)`). The result as Python
-    prints it, or 'Error: ...'; never raises."""
+    """One arithmetic expression (numbers, + - * / // % **, signs, parentheses, math functions
+    and constants as `sqrt(2)` or `math.sqrt(2)`) as Python prints it, or 'Error: ...'."""
     try:
         if not isinstance(expression, str):
             raise CalculatorError("the expression must be a string")
@@ -1210,10 +1188,9 @@ class BadReply(LLMError):
 
 
 class ChatClient:
-    """POST {OPENAI_BASE_URL}/chat/completions, JSON-object replies only. Replies are cached on
-    disk under the SHA-256 of the request body, so a repeated call makes no request and an
-    interrupted run resumes. 429, 5xx and connection errors are retried with exponential backoff
-    (Retry-After honoured); 401 fails at once; a missing key fails in the constructor."""
+    """POST {OPENAI_BASE_URL}/chat/completions for a JSON object, the reply cached on disk under
+    the SHA-256 of the request (a repeated call sends nothing, a stopped run resumes). 429, 5xx
+    and connection errors are retried with exponential backoff or Retry-After; 401 is final."""
 
     def __init__(self, model_name: str, base_url: str | None = None, api_key: str | None = None,
                  cache_dir: str | Path | None = None, max_retries: int = 6,
@@ -1233,8 +1210,8 @@ class ChatClient:
 
     def chat_json(self, messages: list[dict], check=None, temperature: float = 0.0,
                   max_tokens: int = 512) -> tuple[dict, str]:
-        """(parsed JSON object, raw reply). `check(obj)` may raise ValueError to reject a reply;
-        a rejected or unparsable reply raises BadReply and is not cached."""
+        """(JSON object, raw reply); a reply `check(obj)` rejects (ValueError) or that does not
+        parse raises BadReply and is not cached."""
         body = {"model": self.model, "messages": messages, "temperature": temperature,
                 "max_tokens": max_tokens, "response_format": {"type": "json_object"}}
         digest = hashlib.sha256(json.dumps(body, sort_keys=True, ensure_ascii=False)
@@ -1258,12 +1235,12 @@ class ChatClient:
 
     def _post(self, body: dict) -> str:
         url = f"{self.base_url}/chat/completions"
-        headers = {"Authorization": f"Bearer {self.api_key}"}
         for attempt in range(self.max_retries + 1):
             wait = self.backoff * 2 ** attempt
+            self.requests_made += 1
             try:
-                self.requests_made += 1
-                r = self.session.post(url, json=body, headers=headers, timeout=self.timeout)
+                r = self.session.post(url, json=body, timeout=self.timeout,
+                                      headers={"Authorization": f"Bearer {self.api_key}"})
             except (requests.ConnectionError, requests.Timeout) as e:
                 problem = f"connection error: {e}"
             else:
@@ -1285,7 +1262,6 @@ class ChatClient:
             if attempt == self.max_retries:
                 raise LLMError(f"{url}: giving up after {attempt + 1} attempts ({problem})")
             time.sleep(min(wait, 60.0))
-        raise AssertionError("unreachable")
 
 
 def _checked_json(raw: str, check) -> dict:
