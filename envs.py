@@ -474,6 +474,13 @@ class ShopResult:
     number: float | None = None     # a Calculator result
 
 
+def _number(calculated: str) -> float | None:
+    try:
+        return float(calculated)
+    except ValueError:              # "Error: ..."
+        return None
+
+
 def shop_execute(task: ShopTask, name: str, arguments) -> ShopResult:
     """Run one tool call against the episode's world."""
     keys = _SHOP_ARGS.get(name)
@@ -486,9 +493,7 @@ def shop_execute(task: ShopTask, name: str, arguments) -> ShopResult:
     args = {k: arguments[k].strip() for k in keys}
     if name == "Calculator":
         out = calculate(args["expression"])
-        try:
-            number = float(out)
-        except ValueError:          # "Error: ..."
+        if (number := _number(out)) is None:
             return ShopResult(out)
         # Round away float noise (9.108000000000001): a small model should not have to copy it.
         return ShopResult(str(round(number, 6)), number=number)
@@ -518,13 +523,6 @@ def _close(x: float, values) -> bool:
     return any(abs(x - float(v)) <= _SHOP_VALUE_TOL + 1e-9 for v in values)
 
 
-def _calc_value(expression: str) -> float | None:
-    try:
-        return float(calculate(expression))
-    except ValueError:              # "Error: ..."
-        return None
-
-
 def _answer_right(task: ShopTask, answer: str | None) -> bool:
     """The answer's first number is within half a cent of the exact total (1.67 or 1.674 for
     1.674, not 1.68)."""
@@ -548,7 +546,7 @@ def _claim_true(task: ShopTask, m: re.Match, known: dict) -> bool:
         return fact in task.needed and fact not in known
     total, cur = m.group("total").replace(",", ""), m.group("tcur")    # "10,996.94"
     value = next((v for k in range(len(total), 0, -1)
-                  if (v := _calc_value(total[:k])) is not None), None)
+                  if (v := _number(calculate(total[:k]))) is not None), None)
     return not (cur and cur.upper() != task.currency) and value is not None \
         and _close(value, [task.total])
 

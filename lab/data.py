@@ -1,6 +1,7 @@
 """Data recipes for the released benchmarks (GTA, ToolBench), beside envs.py which loads and
-replays them: the LLM contamination of episodes, the rule-based diagnostic set, episode splits of
-the test files, and gold-dialog replay checks.
+replays their clean episodes: the contaminated and matched files (download, validation, loading),
+the LLM contamination of episodes, the rule-based diagnostic set, episode splits of the test
+files, and gold-dialog replay checks.
 
     python -m lab.data download gta                       # every released file of a family
     python -m lab.data contaminate --data clean_train.json --out contaminated_train.json
