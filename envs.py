@@ -1,44 +1,12 @@
-"""Tool-use environments for PAIR (METHOD.md §1, §2, §10): the text every model sees and its
-ReAct parser, the built-in `shop` world, the GTA and ToolBench replay benchmarks, released data.
-
-An environment hands out episodes. An episode holds the chat so far (METHOD.md §2), takes the
-policy's next assistant turn with `step(text)`, answers with the tool's observation, and is done
-at a `Final Answer:` or after MAX_TURNS = 10 assistant turns (then it scores 0):
+"""Tool-use environments (METHOD.md §1, §2, §10): the ReAct text every model sees and its parser,
+the built-in `shop` world, GTA and ToolBench replay of the released episodes, the Calculator tool,
+and ToolBench's LLM answer judge.
 
     env = make("gta", split="test", data_dir=...)       # or ShopEnv("test"), the built-in world
     ep = env.episode(0)
     while not ep.done:
         ep.step(policy(ep.messages))
     ep.score()          # in [0, 1], or None with ep.skip_reason
-
-Top to bottom: the text format, shared by offline probe data and online rollouts so a probe sees
-the same text in both, and its parser; episodes and environments; the built-in world, whose tools
-really execute, so every turn of any dialog is labelled exactly (shop_labels: the default run's
-step labels; its data recipes and the long world are in lab/shop.py); GTA and ToolBench replay;
-the released data, validated on load; the Calculator tool (an AST whitelist, never eval); the
-OpenAI-compatible chat client and ToolBench's answer judge.
-
-Replay (paper Appendix eval): a tool call is answered from a cache built from the episode's gold
-dialog, keyed by (tool name, json.dumps(arguments, sort_keys=True)). Choices made here where the
-paper and the release are silent or disagree (each is marked where it is implemented):
-- GTA answer matching. Each whitelist group is a list of aliases; an answer is correct iff every
-  group has an alias in it and no blacklist alias is in it. This is GTA's reference `iscorrect`.
-  The paper's wording ("at least one whitelist group fully matched") describes the release's loose
-  matcher, which reads the aliases of a group as all required: under it the gold answers of
-  GTA test episodes 28 ("24185" for ["24185", "24,185"]) and train 171, 207 would score 0.
-  strict mode: an alias must stand alone (no letter/digit/_ touching either end) - the reference
-  regex uses \\b, which can never match an alias that starts with "-" or "$" ("-2", "$3120");
-  loose mode: case-insensitive substring after collapsing whitespace.
-- A call repeated in the gold dialog with different responses (ToolBench retries) replays its
-  responses in order; later repeats get the last one. The release kept only the first.
-- GTA skip reasons: reference_list, no_answer, image_answer - the last also when the gold dialog
-  answers with an image (gta_skip_reason).
-- ToolBench history cap: see ToolBenchEpisode.
-- The task shown to the model lists the episode's attached files (GTA image paths): without them
-  no GTA tool call can be written. The release did the same in its rollout prompt.
-- Released assistant turns with text in `content` beside a tool call, or under `explanation`:
-  that text is the thought (assistant_parts). A gold tool name polluted by a ToolLLaMA parsing
-  artifact is replayed under the name a policy would write (written_tool_name).
 """
 from __future__ import annotations
 
@@ -62,10 +30,22 @@ import requests
 import model
 
 MAX_TURNS = 10                      # assistant turns per episode (paper Appendix eval)
-OBSERVATION_CHARS = 1000            # METHOD.md §2: longer tool results are cut and get "..."
+OBSERVATION_CHARS = 1000            # longer tool results are cut and get "..." (METHOD.md §2)
 
 
-# ==== METHOD.md §2: the canonical text of tools, steps and observations ===========================
+# ==== METHOD.md §2: the one text of tools, steps and observations, offline and online =============
+
+_REPLY_FORMAT = """
+Solve the task step by step. Each reply is one step, in exactly one of two formats.
+To call one tool:
+Thought: <your reasoning about what to do next>
+Action: <the tool name, exactly as listed above>
+Action Input: <the tool's inputs as one JSON object keyed by input name>
+Then stop: the tool's result comes back to you as "Observation: <result>".
+To answer, once you know the answer:
+Thought: <your reasoning>
+Final Answer: <the answer only>"""
+
 
 def tool_instructions(tools: list[dict]) -> str:
     """The tool list and the reply format, appended to the task in the first user message."""
@@ -74,25 +54,12 @@ def tool_instructions(tools: list[dict]) -> str:
         desc = " ".join((tool.get("description") or "").split())
         lines.append(f"- {tool['name']}: {desc}" if desc else f"- {tool['name']}")
         for inp in tool.get("inputs") or []:
-            kind = inp.get("type") or "text"
-            kind += ", optional" if inp.get("optional") else ""
+            kind = (inp.get("type") or "text") + (", optional" if inp.get("optional") else "")
             note = " ".join((inp.get("description") or "").split())
             lines.append(f"    {inp['name']} ({kind})" + (f": {note}" if note else ""))
     if not tools:
         lines.append("(none)")
-    lines += [
-        "",
-        "Solve the task step by step. Each reply is one step, in exactly one of two formats.",
-        "To call one tool:",
-        "Thought: <your reasoning about what to do next>",
-        "Action: <the tool name, exactly as listed above>",
-        "Action Input: <the tool's inputs as one JSON object keyed by input name>",
-        'Then stop: the tool\'s result comes back to you as "Observation: <result>".',
-        "To answer, once you know the answer:",
-        "Thought: <your reasoning>",
-        "Final Answer: <the answer only>",
-    ]
-    return "\n".join(lines)
+    return "\n".join(lines) + "\n" + _REPLY_FORMAT
 
 
 def render_action(thought: str | None, name: str, arguments: dict) -> str:
@@ -105,7 +72,7 @@ def render_final(thought: str | None, answer: str) -> str:
 
 
 def render_observation(text: str) -> str:
-    """A tool result as the content of a user message (METHOD.md §2)."""
+    """A tool result as the content of a user message."""
     text = model.without_surrogates(text)
     if len(text) > OBSERVATION_CHARS:
         text = text[:OBSERVATION_CHARS] + "..."
@@ -129,12 +96,8 @@ def tool_result_text(message: dict) -> str:
 
 def assistant_parts(message: dict) -> tuple[str | None, dict | None, str | None]:
     """(thought, tool call {name, arguments} or None, final content) of a released assistant turn.
-
-    Three released turns carry text in `content` next to a tool call and no `thought`: that text
-    precedes the call (as in Qwen's own tool template) and reads as the step's reasoning, so it
-    is the thought. One contaminated turn holds its rewritten thought under `explanation` (the
-    contamination LLM's key): it is the thought too, otherwise that contamination is invisible.
-    """
+    Text beside a tool call (three released turns) and a contaminated turn's `explanation` (the
+    contamination LLM's key, one turn) are part of the thought."""
     calls = message.get("tool_calls") or []
     call = calls[0]["function"] if calls else None
     parts = [message.get("thought"), message.get("explanation")]
@@ -154,20 +117,15 @@ def render_assistant(message: dict) -> str:
 
 def dialog_to_messages(dialog: list[dict], tools: list[dict],
                        files: list[dict] | tuple = ()) -> list[dict]:
-    """A released dialog as chat messages {role, content} in METHOD.md §2 text form.
-
-    The first user message becomes task (+ files) + blank line + tool instructions; assistant
-    turns become Thought/Action/Action Input or Thought/Final Answer text; tool results become
-    user `Observation:` messages; consecutive messages of one role are merged with a blank line.
-    """
+    """A released dialog as chat messages: the task (+ files + tool instructions), assistant
+    steps, tool results as user `Observation:` messages; consecutive messages of a role merged."""
     messages: list[dict] = []
     for i, m in enumerate(dialog):
-        if m["role"] == "user":
-            role, content = "user", m["content"]
-            if i == 0:
-                content = render_task(content, files) + "\n\n" + tool_instructions(tools)
-        elif m["role"] == "assistant":
+        if m["role"] == "assistant":
             role, content = "assistant", render_assistant(m)
+        elif m["role"] == "user":
+            role, content = "user", m["content"] if i else (
+                render_task(m["content"], files) + "\n\n" + tool_instructions(tools))
         else:  # tool
             role, content = "user", render_observation(tool_result_text(m))
         if messages and messages[-1]["role"] == role:
@@ -175,11 +133,6 @@ def dialog_to_messages(dialog: list[dict], tools: list[dict],
         else:
             messages.append({"role": role, "content": content})
     return messages
-
-
-def record_messages(record: dict) -> list[dict]:
-    """Messages of an episode record, or of a matched record returned by load_matched."""
-    return dialog_to_messages(record["dialogs"], record["tools"], record.get("files") or ())
 
 
 # ==== ReAct parser: one assistant reply -> a tool call, a final answer, or what was wrong with it
@@ -222,16 +175,9 @@ def _nesting(value) -> int:
 
 
 def parse_react(text: str) -> Action | Final | ParseError:
-    """Parse the first step of a reply. Never raises.
-
-    The step is the first `Action:` marker whose next marker is `Action Input:`, or the first
-    `Final Answer:`, whichever comes first: a thought may itself contain a line starting with
-    "Action:" (ToolBench's gold thoughts do), and anything after the step (an invented
-    `Observation:`, say) is ignored. The tool's name is the text between the two markers,
-    stripped (a name over several lines names no tool there is, and the tool call misses). The
-    Action Input is the first JSON value after its marker (an opening ``` fence is skipped), an
-    object nested at most MAX_NESTING deep.
-    """
+    """The first step of a reply: the first `Action:` marker followed by `Action Input:` (a thought
+    may hold a line "Action:", as ToolBench's gold thoughts do), or the first `Final Answer:`;
+    what follows it (an invented `Observation:`) is ignored. Never raises."""
     if not isinstance(text, str):
         return ParseError(f"The reply is not text. {_FORMAT_HINT}")
     marks = [(re.sub(r"[ \t]+", " ", m.group(1).lower()), m.start(), m.end())
@@ -288,12 +234,10 @@ def _action_input(raw: str) -> dict | ParseError:
     if not isinstance(arguments, dict):
         return ParseError(f"Action Input must be a JSON object {{...}}, not a JSON "
                           f"{type(arguments).__name__}.")
-    if _nesting(arguments) > MAX_NESTING:
-        # json.dumps (the tool cache's key, the check below) recurses and would overflow
+    if _nesting(arguments) > MAX_NESTING:       # json.dumps (the replay key) would overflow
         return ParseError(f"Invalid JSON in Action Input: nested deeper than {MAX_NESTING} "
                           "levels.")
-    if model.holds_lone_surrogate(arguments):
-        # a tool would echo it back, and no tokenizer can encode the observation
+    if model.holds_lone_surrogate(arguments):   # echoed back, no tokenizer could encode it
         return ParseError("Action Input holds a \\ud800-\\udfff escape that is not half of a "
                           "surrogate pair: write the character itself.")
     return arguments
@@ -305,21 +249,15 @@ def _action_input(raw: str) -> dict | ParseError:
 class StepResult:
     observation: str | None     # content of the user message appended, None when done
     done: bool
-    rewritten_from: int | None = None   # first message rewritten in place (ToolBench history
-    #                                     cap): a caller holding a KV cache re-renders from it
+    rewritten_from: int | None = None   # history cap: a KV cache re-renders from this message
 
 
 class Episode:
-    """One task being played: the chat so far and the rules that answer each step.
-
-    Subclasses implement call_tool (the observation text for a parsed tool call) and score.
-    """
+    """One task being played: the chat so far; subclasses answer a tool call and score."""
     max_turns = MAX_TURNS               # a world with longer tasks allows more
 
     def __init__(self, id: str, task: str, tools: list[dict], files: list[dict] | tuple = ()):
         self.id = str(id)
-        self.tools = tools
-        # the chat as the policy sees it: the task and its files, the tools, the reply format
         self.messages = dialog_to_messages([{"role": "user", "content": task}], tools, files)
         self.steps: list[Action | Final | ParseError] = []   # one per assistant turn
         self.final_answer: str | None = None
@@ -380,11 +318,10 @@ class Env:
 
 
 # ==== The built-in world, shop: tasks drawn from a seed, tools that really execute, exact labels
-# An episode's seed draws a world (USD prices of SHOP_ITEMS at SHOP_STORES, exchange rates) and
-# a task, "What is the total cost of 3 apple at store B and 2 pear at store A, in EUR?": 2-5 tool
-# calls (a Lookup per line, a Rate unless the currency is USD, a Calculator), then the answer with
-# 2 decimals. Vocabulary and phrasing are small and regular on purpose: a tiny model trained on
-# the gold dialogs must be able to learn the world. The rules of a right turn are shop_labels'.
+# A seed draws USD prices of SHOP_ITEMS at SHOP_STORES, exchange rates and a task ("What is the
+# total cost of 3 apple at store B and 2 pear at store A, in EUR?"): 2-5 tool calls (a Lookup per
+# line, a Rate unless in USD, a Calculator), then the total with 2 decimals. A small regular
+# vocabulary lets a tiny model learn the world from gold dialogs.
 
 SHOP_STORES = ("A", "B", "C", "D")
 SHOP_ITEMS = ("apple", "bread", "egg", "milk", "pear", "rice")
@@ -396,39 +333,43 @@ SHOP_MAX_QUANTITY = 6
 SHOP_TEMPLATES = ("What is the total cost of {lines}, in {cur}?",
                   "How much do {lines} cost in total, in {cur}?",
                   "I buy {lines}. How much do I pay in {cur}?")
-# Episode seeds: seed * SHOP_SEED_STRIDE + SHOP_SPLIT_OFFSET[split] + i, so splits (and seeds)
-# never share an episode as long as i < SHOP_SPLIT_SIZE[split]. The validation split (checkpoint
-# selection) is the top of the training range, which no run comes near.
+# Episode i's seed: seed * SHOP_SEED_STRIDE + SHOP_SPLIT_OFFSET[split] + i, disjoint across splits
+# and seeds while i < SHOP_SPLIT_SIZE[split]. Validation is the top of the training range.
 SHOP_SEED_STRIDE = 10_000_000
 SHOP_SPLIT_OFFSET = {"train": 0, "val": 4_500_000, "test": 5_000_000}
 SHOP_SPLIT_SIZE = {"train": 4_500_000, "val": 500_000, "test": 5_000_000}
-# Held-out pools: a success rate near 0.3 on 600 test episodes is known to +-3.7 points (95%),
-# and a mean over 3 seeds to about +-2; validation only picks a checkpoint. The first 200 test
-# episodes are make-data's test split.
+# 600 test episodes know a success rate near 0.3 to +-3.7 points (95%); make-data's are the first
+# 200. Validation only picks a checkpoint.
 SHOP_EPISODES = {"train": 10_000, "val": 200, "test": 600}
 SHOP_SCORING = 2    # the rules' version (2: half a cent): cached evaluations and probes key on it
 _SHOP_VALUE_TOL = 0.005     # "equals" within half a cent: of a total, its rounding, not a cent off
 _CENT = Decimal("0.01")
 
 
-def _text_field(name: str | None, description: str) -> dict:
-    """One text input or output of a tool, in the released (GTA) tool schema."""
-    return {"type": "text", "name": name, "description": description, "optional": False,
-            "default": None, "filetype": None}
+def _shop_tool(name: str, description: str, inputs: dict, output: str) -> dict:
+    """A tool in the released (GTA) schema, with text inputs {name: description}."""
+    def field(key, text):
+        return {"type": "text", "name": key, "description": text, "optional": False,
+                "default": None, "filetype": None}
+    return {"name": name, "description": description,
+            "inputs": [field(k, text) for k, text in inputs.items()],
+            "outputs": [field(None, output)]}
 
 
 SHOP_TOOLS = [
-    {"name": "Lookup", "description": "Look up the price in USD of one item at one store.",
-     "inputs": [_text_field("store", "The store: A, B, C or D."),
-                _text_field("item", "The item, e.g. apple.")],
-     "outputs": [_text_field(None, "The price in USD.")]},
-    {"name": "Rate", "description": "How many units of a currency one USD buys.",
-     "inputs": [_text_field("currency", "The currency: " + ", ".join(SHOP_CURRENCIES) + ".")],
-     "outputs": [_text_field(None, "The exchange rate.")]},
-    {"name": "Calculator",
-     "description": "Evaluate an arithmetic expression (+ - * / and parentheses).",
-     "inputs": [_text_field("expression", "e.g. (3*2.50+1.20)*0.92")],
-     "outputs": [_text_field(None, "The value.")]}]
+    _shop_tool("Lookup", "Look up the price in USD of one item at one store.",
+               {"store": "The store: A, B, C or D.", "item": "The item, e.g. apple."},
+               "The price in USD."),
+    _shop_tool("Rate", "How many units of a currency one USD buys.",
+               {"currency": "The currency: " + ", ".join(SHOP_CURRENCIES) + "."},
+               "The exchange rate."),
+    _shop_tool("Calculator", "Evaluate an arithmetic expression (+ - * / and parentheses).",
+               {"expression": "e.g. (3*2.50+1.20)*0.92"}, "The value.")]
+_SHOP_ARGS = {t["name"]: tuple(i["name"] for i in t["inputs"]) for t in SHOP_TOOLS}
+# An argument's spelling the world accepts, its values, and their name in an error message.
+_SHOP_NAMES = {"store": (str.upper, SHOP_STORES, "Stores"),
+               "item": (str.lower, SHOP_ITEMS, "Items"),
+               "currency": (str.upper, SHOP_CURRENCIES, "Currencies")}
 
 
 def _cents(n: int) -> Decimal:
@@ -458,8 +399,7 @@ class ShopTask:
     @cached_property
     def total(self) -> Decimal:
         """Exact total in the task's currency."""
-        usd = sum(q * self.prices[s, i] for q, i, s in self.lines)
-        return usd * self.rates[self.currency]
+        return sum(q * self.prices[s, i] for q, i, s in self.lines) * self.rates[self.currency]
 
     @cached_property
     def answer(self) -> str:
@@ -468,9 +408,8 @@ class ShopTask:
 
     @cached_property
     def quantities(self) -> list[Decimal]:
-        """Every value a useful Calculator call may produce: a line subtotal q*p, a sum of
-        subtotals, such a sum converted with the rate, a converted unit price p*r (a stepwise
-        task's: the running totals and the total converted)."""
+        """Every value a useful Calculator call may produce: a sum of line subtotals q*p, such a
+        sum converted, a converted unit price p*r (stepwise: the running totals and the total)."""
         rate = self.rates[self.currency]
         subtotals = [q * self.prices[s, i] for q, i, s in self.lines]
         if self.stepwise:
@@ -494,7 +433,7 @@ def draw_world(rng: random.Random) -> tuple[dict, dict]:
 
 
 def shop_task(seed: int) -> ShopTask:
-    """The episode of one seed (deterministic: one random.Random(seed), fixed draw order)."""
+    """The episode of one seed (one random.Random(seed), fixed draw order)."""
     rng = random.Random(seed)
     prices, rates = draw_world(rng)
     n_lines = rng.randint(1, 3)
@@ -508,8 +447,7 @@ def shop_task(seed: int) -> ShopTask:
 
 
 WORLDS = {"shop": shop_task}        # lab/shop.py adds shop-long
-# assistant turns an episode allows: shop's 2-5 turns fit the paper's 10, shop-long's 9-11 not
-WORLD_TURNS = {"shop": MAX_TURNS}
+WORLD_TURNS = {"shop": MAX_TURNS}   # assistant turns an episode allows (shop-long needs more)
 # where sft writes by default: the policy grpo.py trains by default, and each world's own
 BUILTIN_POLICY = Path(__file__).resolve().parent / "data" / "shop-policy"
 BUILTIN_POLICIES = {"shop": BUILTIN_POLICY}
@@ -528,15 +466,6 @@ def shop_episode_id(split: str, seed: int, i: int, world: str = "shop") -> str:
     return f"{world}-{seed}-{split}-{i}"
 
 
-def shop_task_from_id(episode_id: str) -> ShopTask:
-    """Rebuild the world of a shop (or shop-long) episode id, so any record can be re-labelled."""
-    m = re.fullmatch(r"(shop|shop-long)-(\d+)-(train|val|test)-(\d+)", episode_id)
-    if m is None:
-        raise ValueError(f"not a shop episode id: {episode_id!r} (expected shop-SEED-SPLIT-I or "
-                         "shop-long-SEED-SPLIT-I)")
-    return WORLDS[m.group(1)](shop_episode_seed(m.group(3), int(m.group(2)), int(m.group(4))))
-
-
 @dataclass(frozen=True)
 class ShopResult:
     text: str                   # the observation
@@ -545,49 +474,39 @@ class ShopResult:
     number: float | None = None     # a Calculator result
 
 
-def _shop_args(arguments, keys: tuple[str, ...]) -> list[str] | None:
-    if not isinstance(arguments, dict) or set(arguments) != set(keys) or \
-            not all(isinstance(arguments[k], str) for k in keys):
+def _number(calculated: str) -> float | None:
+    try:
+        return float(calculated)
+    except ValueError:              # "Error: ..."
         return None
-    return [arguments[k].strip() for k in keys]
 
 
 def shop_execute(task: ShopTask, name: str, arguments) -> ShopResult:
     """Run one tool call against the episode's world."""
-    if name == "Lookup":
-        args = _shop_args(arguments, ("store", "item"))
-        if args is None:
-            return ShopResult('Error: Lookup takes {"store": ..., "item": ...}.')
-        store, item = args[0].upper(), args[1].lower()
-        if store not in SHOP_STORES:
-            return ShopResult(f"Error: unknown store '{args[0]}'. Stores: "
-                              + ", ".join(SHOP_STORES) + ".")
-        if item not in SHOP_ITEMS:
-            return ShopResult(f"Error: unknown item '{args[1]}'. Items: {', '.join(SHOP_ITEMS)}.")
-        price = task.prices[store, item]
-        return ShopResult(f"{item} at store {store} costs {price} USD.",
-                          ("price", store, item), price)
-    if name == "Rate":
-        args = _shop_args(arguments, ("currency",))
-        if args is None:
-            return ShopResult('Error: Rate takes {"currency": ...}.')
-        cur = args[0].upper()
-        if cur not in SHOP_CURRENCIES:
-            return ShopResult(f"Error: unknown currency '{args[0]}'. Currencies: "
-                              + ", ".join(SHOP_CURRENCIES) + ".")
-        return ShopResult(f"1 USD = {task.rates[cur]} {cur}.", ("rate", cur), task.rates[cur])
+    keys = _SHOP_ARGS.get(name)
+    if keys is None:
+        return ShopResult(f"Error: unknown tool '{name}'. Tools: Lookup, Rate, Calculator.")
+    if not isinstance(arguments, dict) or set(arguments) != set(keys) or \
+            not all(isinstance(arguments[k], str) for k in keys):
+        return ShopResult(f"Error: {name} takes {{" + ", ".join(f'"{k}": ...' for k in keys)
+                          + "}.")
+    args = {k: arguments[k].strip() for k in keys}
     if name == "Calculator":
-        args = _shop_args(arguments, ("expression",))
-        if args is None:
-            return ShopResult('Error: Calculator takes {"expression": ...}.')
-        out = calculate(args[0])
-        try:
-            number = float(out)
-        except ValueError:          # "Error: ..."
+        out = calculate(args["expression"])
+        if (number := _number(out)) is None:
             return ShopResult(out)
         # Round away float noise (9.108000000000001): a small model should not have to copy it.
         return ShopResult(str(round(number, 6)), number=number)
-    return ShopResult(f"Error: unknown tool '{name}'. Tools: Lookup, Rate, Calculator.")
+    for key, raw in args.items():
+        spelling, names, plural = _SHOP_NAMES[key]
+        if spelling(raw) not in names:
+            return ShopResult(f"Error: unknown {key} '{raw}'. {plural}: {', '.join(names)}.")
+    if name == "Rate":
+        cur = args["currency"].upper()
+        return ShopResult(f"1 USD = {task.rates[cur]} {cur}.", ("rate", cur), task.rates[cur])
+    store, item = args["store"].upper(), args["item"].lower()
+    price = task.prices[store, item]
+    return ShopResult(f"{item} at store {store} costs {price} USD.", ("price", store, item), price)
 
 
 _NUM = r"\d+(?:\.\d+)?"
@@ -604,55 +523,42 @@ def _close(x: float, values) -> bool:
     return any(abs(x - float(v)) <= _SHOP_VALUE_TOL + 1e-9 for v in values)
 
 
-def _calc_value(expression: str) -> float | None:
-    try:
-        return float(calculate(expression))
-    except ValueError:              # "Error: ..."
-        return None
-
-
 def _answer_right(task: ShopTask, answer: str | None) -> bool:
-    """The final answer's first number is within half a cent of the exact total (1.67 or 1.674
-    for 1.674, not 1.68)."""
+    """The answer's first number is within half a cent of the exact total (1.67 or 1.674 for
+    1.674, not 1.68)."""
     m = re.search(r"-?\d[\d,]*(?:\.\d+)?", answer or "")
     return m is not None and _close(float(m.group(0).replace(",", "")), [task.total])
 
 
+def _claim_true(task: ShopTask, m: re.Match, known: dict) -> bool:
+    """One _SHOP_CLAIM: a price or rate must be the world's; "I need ..." must name a needed fact
+    not fetched yet; "the total is <expression or x> [CUR]" must be the exact total within half a
+    cent, in the task's currency (of the longest start that computes: "21.91 (2 lines)")."""
+    if m.group("price"):
+        key = (m.group("store").upper(), m.group("item").lower())
+        return key in task.prices and _close(float(m.group("price")), [task.prices[key]])
+    if m.group("rate"):
+        cur = m.group("rcur").upper()
+        return cur in task.rates and _close(float(m.group("rate")), [task.rates[cur]])
+    if m.group("nitem") or m.group("ncur"):
+        fact = ("price", m.group("nstore").upper(), m.group("nitem").lower()) \
+            if m.group("nitem") else ("rate", m.group("ncur").upper())
+        return fact in task.needed and fact not in known
+    total, cur = m.group("total").replace(",", ""), m.group("tcur")    # "10,996.94"
+    value = next((v for k in range(len(total), 0, -1)
+                  if (v := _number(calculate(total[:k]))) is not None), None)
+    return not (cur and cur.upper() != task.currency) and value is not None \
+        and _close(value, [task.total])
+
+
 def _shop_thought_true(task: ShopTask, thought: str | None, known: dict,
                        computed: list[float]) -> bool:
-    """The thought asserts nothing false. known: fact -> value fetched by earlier turns;
-    computed: results of earlier Calculator calls.
-
-    Claims are read with fixed patterns (_SHOP_CLAIM): "<item> at store <S> costs <x>" and
-    "1 USD = <x> <CUR>" must state the world's value; "I need the price of <item> at store <S>" /
-    "I need the <CUR> rate" must name a fact the task needs that is not yet fetched; "The total is
-    <expression or x> [<CUR>]" must come within half a cent of the exact total, in the task's
-    currency. Every other number must be a value the task involves: a quantity, a price or rate
-    the task needs or the dialog fetched, a needed quantity, an earlier result.
-    """
+    """Every claim is true and every other number one the task involves: a quantity, a needed or
+    fetched (`known`) price or rate, a useful Calculator value, an earlier Calculator result."""
     if not thought:
         return True
-    for m in _SHOP_CLAIM.finditer(thought):
-        if m.group("price"):
-            key = (m.group("store").upper(), m.group("item").lower())
-            if key not in task.prices or not _close(float(m.group("price")), [task.prices[key]]):
-                return False
-        elif m.group("rate"):
-            cur = m.group("rcur").upper()
-            if cur not in task.rates or not _close(float(m.group("rate")), [task.rates[cur]]):
-                return False
-        elif m.group("nitem") or m.group("ncur"):
-            fact = ("price", m.group("nstore").upper(), m.group("nitem").lower()) \
-                if m.group("nitem") else ("rate", m.group("ncur").upper())
-            if fact not in task.needed or fact in known:
-                return False
-        else:       # the longest start that computes: "21.91 (2 lines)" claims 21.91
-            total, cur = m.group("total").replace(",", ""), m.group("tcur")    # "10,996.94"
-            value = next((v for k in range(len(total), 0, -1)
-                          if (v := _calc_value(total[:k])) is not None), None)
-            if (cur and cur.upper() != task.currency) or value is None \
-                    or not _close(value, [task.total]):
-                return False
+    if not all(_claim_true(task, m, known) for m in _SHOP_CLAIM.finditer(thought)):
+        return False
     allowed = [Decimal(q) for q, _, _ in task.lines] + [task.value(f) for f in task.needed]
     allowed += list(known.values()) + task.quantities + [Decimal(task.answer)]
     rest = _SHOP_CLAIM.sub(" ", thought)
@@ -663,28 +569,19 @@ def _shop_thought_true(task: ShopTask, thought: str | None, known: dict,
 
 
 def shop_labels(task: ShopTask, steps: list) -> list[bool]:
-    """Exact correctness of each assistant turn. steps: Action | Final | ParseError per turn, in
-    order (parse_react); tool calls are re-run, observations never read.
-
-    A turn is right iff its thought asserts nothing false (_shop_thought_true) and its step is
-    a Lookup/Rate of a fact the task needs that no earlier turn fetched; a Calculator call that
-    evaluates (within half a cent) to a needed quantity (ShopTask.quantities) no earlier call
-    produced; or a final answer within half a cent of the exact total. An unknown tool, bad
-    arguments or an unparsable reply is never right. Claims are checked against the world, not
-    against what the dialog showed: matched contaminated data keep the clean observations after a
-    contaminated call (as the release does), and a later gold turn restating the truth is true.
-    """
+    """Exact correctness of each assistant turn (parse_react's steps; calls re-run, observations
+    never read): its thought asserts nothing false, and it fetches a needed fact not fetched yet,
+    computes a needed quantity not computed yet, or answers the total, each within half a cent.
+    Claims are checked against the world, not the dialog: matched contaminated data keep the
+    clean observations after a contaminated call (as the release does)."""
     known: dict = {}
     computed: list[float] = []
     labels = []
     for step in steps:
-        if isinstance(step, Final):
-            ok = _answer_right(task, step.answer)
-        elif isinstance(step, Action):
-            ok = True
-        else:                      # ParseError, or a released turn with several tool calls
+        if not isinstance(step, (Action, Final)):  # a ParseError, or several released calls
             labels.append(False)
             continue
+        ok = _answer_right(task, step.answer) if isinstance(step, Final) else True
         ok = ok and _shop_thought_true(task, step.thought, known, computed)
         if isinstance(step, Action):
             res = shop_execute(task, step.name, step.arguments)
@@ -710,7 +607,6 @@ class ShopEpisode(Episode):
         return shop_execute(self.task, name, arguments).text
 
     def score(self) -> float:
-        """1.0 iff the final answer's first number is within half a cent of the exact total."""
         return float(_answer_right(self.task, self.final_answer))
 
     def labels(self) -> list[bool]:
@@ -718,15 +614,13 @@ class ShopEpisode(Episode):
 
 
 class ShopEnv(Env):
-    """Episodes of one split (train, val or test) of a built-in world (WORLDS: shop, or
-    shop-long), from seeds disjoint from the other splits'."""
+    """The episodes of one split (train, val or test) of a built-in world (WORLDS)."""
 
     def __init__(self, split: str = "test", seed: int = 42, episodes: int | None = None,
                  world: str = "shop"):
         if world not in WORLDS:
             raise ValueError(f"unknown built-in world {world!r} (choose from {', '.join(WORLDS)})")
-        if split not in SHOP_SPLIT_OFFSET:
-            raise ValueError(f"shop: unknown split {split!r} (choose from train, val, test)")
+        shop_episode_seed(split, 0, 0)      # refuses an unknown split
         if type(seed) is not int or seed < 0:
             raise ValueError(f"shop: seed must be a non-negative integer, got {seed!r}")
         n = SHOP_EPISODES[split] if episodes is None else episodes
@@ -743,8 +637,8 @@ class ShopEnv(Env):
                 raise KeyError(f"no episode {i!r} in shop {self.split} (seed {self.seed})")
             i = self._index[i]
         key = self.ids[i]
-        return ShopEpisode(key, WORLDS[self.world](shop_episode_seed(self.split, self.seed,
-                                                                     self._index[key])))
+        seed = shop_episode_seed(self.split, self.seed, self._index[key])
+        return ShopEpisode(key, WORLDS[self.world](seed))
 
 
 # ==== Replay (METHOD.md §10): tool calls answered from the gold dialog ============================
@@ -759,7 +653,8 @@ def simulator_miss(name: str, arguments) -> str:
 
 
 class ReplayCache:
-    """(tool name, canonical args) -> the responses recorded for that call, in dialog order."""
+    """cache_key(call) -> the responses the gold dialog recorded for it. A call the gold repeats
+    (ToolBench retries) gets them in order, then the last again (the release kept the first)."""
 
     def __init__(self, dialog: list[dict]):
         self.entries: dict[tuple[str, str], list[str]] = {}
@@ -774,25 +669,9 @@ class ReplayCache:
                 call = None
 
     def lookup(self, name: str, arguments) -> str | None:
-        return self._serve(cache_key(name, arguments))
+        return self.serve(cache_key(name, arguments))
 
-    def nearest(self, name: str, arguments) -> str | None:
-        """Fuzzy fallback: the same tool's entry whose argument tokens have the highest Jaccard
-        overlap with this call's (lowercased word tokens of the canonical JSON, keys included);
-        ties go to the entry recorded first."""
-        tokens = set(re.findall(r"\w+", cache_key(name, arguments)[1].lower()))
-        best, best_sim = None, -1.0
-        for key in self.entries:
-            if key[0] != name:
-                continue
-            other = set(re.findall(r"\w+", key[1].lower()))
-            union = tokens | other
-            sim = len(tokens & other) / len(union) if union else 1.0
-            if sim > best_sim:
-                best, best_sim = key, sim
-        return self._serve(best) if best is not None else None
-
-    def _serve(self, key) -> str | None:
+    def serve(self, key) -> str | None:
         responses = self.entries.get(key)
         if not responses:
             return None
@@ -802,12 +681,24 @@ class ReplayCache:
 
 
 def written_tool_name(call: dict) -> str:
-    """The tool name a policy writes to repeat a released call: what parse_react reads back
-    from the call's METHOD.md §2 text. It differs from the stored name for 54 released ToolBench
-    calls whose name carries a ToolLLaMA parsing artifact ('Call the function "f".\n\n\nAction:
-    f'), which no policy could reproduce."""
+    """The tool name a policy writes to repeat a released call (what parse_react reads back): 54
+    ToolBench names carry a ToolLLaMA artifact ('Call the function "f".\n\n\nAction: f')."""
     parsed = parse_react(render_action(None, call["name"], call.get("arguments") or {}))
     return parsed.name if isinstance(parsed, Action) else call["name"]
+
+
+class ReplayEpisode(Episode):
+    """A released episode: its task, tools and files, a call answered from its gold dialog."""
+
+    def __init__(self, key: str, record: dict):
+        self.task = record["dialogs"][0]["content"]
+        super().__init__(key, self.task, record["tools"], record["files"])
+        self.cache = ReplayCache(record["dialogs"])
+        self.gt_answer = record["gt_answer"]
+
+    def call_tool(self, name: str, arguments: dict) -> str:
+        hit = self.cache.lookup(name, arguments)
+        return hit if hit is not None else simulator_miss(name, arguments)
 
 
 # ---- GTA -------------------------------------------------------------------------------------
@@ -819,14 +710,11 @@ GTA_IMAGE_REPLY = "The image is saved."     # GTA's final reply when the answer 
 
 
 def gta_skip_reason(gt, dialog: list[dict] = ()) -> str | None:
-    """Why an episode cannot be scored by answer matching, or None (METHOD.md §10).
-
-    image_answer also covers a gold dialog that answers with an image - it ends on an image tool
-    result, bare or followed only by "The image is saved." (test episode 211: "circle it in the
-    image") - so its whitelist cannot be matched against any text, not even the gold one.
-    """
+    """Why answer matching cannot score an episode, or None: a reference list (it needs a
+    sentence-embedding model), no answer, or an image answer - also a gold dialog ending on an
+    image tool result, bare or before "The image is saved." (test 211)."""
     if isinstance(gt, list):
-        return "reference_list"     # needs a sentence-embedding model the project does not ship
+        return "reference_list"
     if not isinstance(gt, dict) or not gt.get("whitelist"):
         return "no_answer"
     if any(a.strip().lower().endswith(IMAGE_SUFFIXES) for g in gt["whitelist"] for a in g):
@@ -842,12 +730,9 @@ def gta_skip_reason(gt, dialog: list[dict] = ()) -> str | None:
 
 
 def gta_match(prediction: str, gt: dict, mode: str = "strict") -> float:
-    """1.0 iff every whitelist group has one of its aliases in the prediction and no blacklist
-    alias is in it (GTA's reference rule; see the module docstring), else 0.0.
-
-    strict: case-insensitive, the alias may not touch a letter, digit or _ on either side;
-    loose: case-insensitive substring after collapsing whitespace.
-    """
+    """1.0 iff every whitelist group has an alias in the prediction and no blacklist alias is in
+    it (GTA's `iscorrect`), case-insensitive. strict: the alias touches no letter, digit or _
+    (GTA's \\b never matches an alias starting "-" or "$"); loose: a substring, spaces collapsed."""
     if mode == "strict":
         def found(alias):
             return re.search(r"(?<!\w)" + re.escape(alias.strip()) + r"(?!\w)", prediction,
@@ -864,11 +749,9 @@ def gta_match(prediction: str, gt: dict, mode: str = "strict") -> float:
     return 1.0 if right else 0.0
 
 
-class GTAEpisode(Episode):
+class GTAEpisode(ReplayEpisode):
     def __init__(self, key: str, record: dict, match: str = "strict"):
-        super().__init__(key, record["dialogs"][0]["content"], record["tools"], record["files"])
-        self.cache = ReplayCache(record["dialogs"])
-        self.gt_answer = record["gt_answer"]
+        super().__init__(key, record)
         self.match = match
         self.skip_reason = gta_skip_reason(self.gt_answer, record["dialogs"])
 
@@ -876,18 +759,16 @@ class GTAEpisode(Episode):
         if name in GTA_UNAVAILABLE:
             return UNAVAILABLE_MESSAGE
         hit = self.cache.lookup(name, arguments)
-        if hit is not None:
-            return hit
-        if name == "Calculator":
-            expression = arguments.get("expression")
-            if not isinstance(expression, str):
-                return 'Error: Calculator takes {"expression": "<arithmetic expression>"}'
-            return calculate(expression)
-        return simulator_miss(name, arguments)
+        if hit is not None or name != "Calculator":
+            return hit if hit is not None else simulator_miss(name, arguments)
+        expression = arguments.get("expression")
+        if not isinstance(expression, str):
+            return 'Error: Calculator takes {"expression": "<arithmetic expression>"}'
+        return calculate(expression)
 
     def score(self, match: str | None = None) -> float | None:
-        """Task score in [0, 1]; None when skipped (reason in .skip_reason). `match` overrides
-        the env's mode: strict for the training reward, loose for evaluation (paper)."""
+        """In [0, 1], None when skipped; `match` overrides the env's mode (the paper trains on
+        strict, evaluates loose)."""
         if self.skip_reason is not None:
             return None
         if self.final_answer is None:
@@ -906,40 +787,22 @@ class GTAEnv(Env):
         return GTAEpisode(key, record, self.match)
 
 
-# ---- ToolBench (its answers are scored by the LLM judge, judge_answer) -----------------------
+# ---- ToolBench: answers scored by the LLM judge ------------------------------------------------
 
 HISTORY_CHARS = 6000
 ELIDED_OBSERVATION = "Observation: [older observation elided]"
 
 
-class ToolBenchEpisode(Episode):
-    """Replay with the optional fuzzy fallback and the history cap.
+class ToolBenchEpisode(ReplayEpisode):
+    """Replay with the paper's history cap at 6,000 characters: after each observation, while the
+    messages after the task exceed `history_chars`, the oldest observation but the newest becomes
+    ELIDED_OBSERVATION. The policy's own turns are never changed."""
 
-    History cap (paper Appendix eval, "cap the rollout history at 6,000 characters"), defined
-    here as: the history is every message after the first (task) message; after each new
-    observation, while the history's total content length exceeds `history_chars`, the oldest
-    observation not yet elided - never the newest one - is replaced by ELIDED_OBSERVATION.
-    Assistant turns are never changed (they are the policy's own tokens). Messages are rewritten
-    in place, so StepResult.rewritten_from tells a caller holding a KV cache to re-render.
-    """
-
-    def __init__(self, key: str, record: dict, fuzzy: bool = False,
-                 history_chars: int | None = HISTORY_CHARS,
+    def __init__(self, key: str, record: dict, history_chars: int | None = HISTORY_CHARS,
                  judge: ChatClient | None = None):
-        super().__init__(key, record["dialogs"][0]["content"], record["tools"], record["files"])
-        self.task = record["dialogs"][0]["content"]
-        self.cache = ReplayCache(record["dialogs"])
-        self.gt_answer = record["gt_answer"]
-        self.fuzzy = fuzzy
-        self.history_chars = history_chars
-        self.judge = judge
+        super().__init__(key, record)
+        self.history_chars, self.judge = history_chars, judge
         self.skip_reason = None if toolbench_reference(self.gt_answer) else "no_answer"
-
-    def call_tool(self, name: str, arguments: dict) -> str:
-        hit = self.cache.lookup(name, arguments)
-        if hit is None and self.fuzzy:
-            hit = self.cache.nearest(name, arguments)
-        return hit if hit is not None else simulator_miss(name, arguments)
 
     def _after_observation(self) -> int | None:
         if self.history_chars is None:
@@ -977,25 +840,21 @@ def toolbench_reference(gt) -> str:
 
 
 class ToolBenchEnv(Env):
-    def __init__(self, split: str = "test", data_dir=None, fuzzy: bool = False,
+    def __init__(self, split: str = "test", data_dir=None,
                  history_chars: int | None = HISTORY_CHARS,
                  judge_model: str | None = "gpt-4o-mini", judge_cache=None):
         # The judge first: a missing key must fail before any data is read or fetched.
         self.judge = ChatClient(judge_model, cache_dir=judge_cache) if judge_model else None
         super().__init__(load_episodes(episode_file("toolbench", split, data_dir)))
-        self.fuzzy = fuzzy
         self.history_chars = history_chars
 
     def _new_episode(self, key, record):
-        return ToolBenchEpisode(key, record, self.fuzzy, self.history_chars, self.judge)
+        return ToolBenchEpisode(key, record, self.history_chars, self.judge)
 
 
 def make(name: str, split: str = "test", data_dir=None, **kw) -> Env:
-    """A replay environment by name: gta or toolbench (the built-in world is ShopEnv).
-
-    gta: match="strict" | "loose". toolbench: fuzzy=False, history_chars=6000,
-    judge_model="gpt-4o-mini" (None: no scoring), judge_cache=None.
-    """
+    """A replay environment: gta (match="strict" | "loose") or toolbench (history_chars=6000,
+    judge_model="gpt-4o-mini" or None: no scoring, judge_cache=None)."""
     if name == "gta":
         return GTAEnv(split, data_dir, **kw)
     if name == "toolbench":
@@ -1003,20 +862,15 @@ def make(name: str, split: str = "test", data_dir=None, **kw) -> Env:
     raise ValueError(f"unknown environment {name!r}: choose gta or toolbench")
 
 
-# ==== Released data (METHOD.md §1): locations, download, validated loading ========================
+# ==== Released data (METHOD.md §1): the episode files, downloaded and validated ===================
 
 RELEASE_REPO = "wonjoong-kim/PAIR"
 RELEASE_REF = "03e41ad6e5ce69b288a2cb14ac541b088ea1d3d9"    # the commit the splits were taken at
 RELEASE_URL = "https://raw.githubusercontent.com/{repo}/{ref}/data/{family}/{name}"
-RELEASE_FILES = {
-    "gta": [f"{kind}{part}_{split}.json" for kind in ("", "matched_")
-            for part in ("clean", "contaminated") for split in ("train", "test")],
-    # The ToolBench train splits are missing from the authors' repository (METHOD.md §1).
-    "toolbench": [f"{kind}{part}_test.json" for kind in ("", "matched_")
-                  for part in ("clean", "contaminated")],
-}
-CONTAMINATION_TYPES = ("reasoning_error", "tool_misuse", "observation_misinterpretation",
-                       "stale_memory")
+# The episode files the core plays (lab/data.py fetches the contaminated and matched files).
+# ToolBench's train split is missing from the authors' repository (METHOD.md §1).
+RELEASE_FILES = {"gta": ["clean_train.json", "clean_test.json"],
+                 "toolbench": ["clean_test.json"]}
 
 
 class DataError(ValueError):
@@ -1028,8 +882,8 @@ def default_data_dir() -> Path:
 
 
 def episode_file(family: str, split: str, data_dir: str | Path | None) -> Path:
-    """data_dir/family/clean_{split}.json, downloaded first when it is missing (a split the
-    authors did not release, such as ToolBench's train, is one `split-episodes` wrote)."""
+    """data_dir/family/clean_{split}.json, downloaded when missing (a split the authors did not
+    release, such as ToolBench's train, is one `split-episodes` wrote)."""
     name = f"clean_{split}.json"
     path = Path(data_dir or default_data_dir()) / family / name
     if path.is_file():
@@ -1045,33 +899,32 @@ def episode_file(family: str, split: str, data_dir: str | Path | None) -> Path:
 
 def download(family: str, data_dir: str | Path | None = None, ref: str = RELEASE_REF,
              force: bool = False) -> Path:
-    """Fetch the released files of `family` into data_dir/family/; returns that folder.
-
-    Each file is validated (every record) before it is written, so a partial or wrong download
-    never lands on disk.
-    """
+    """Fetch the episode files of `family` into data_dir/family/ (returned)."""
     if family not in RELEASE_FILES:
         raise ValueError(f"unknown data family {family!r}: choose {', '.join(RELEASE_FILES)}")
     folder = Path(data_dir or default_data_dir()) / family
     for name in RELEASE_FILES[family]:
-        dest = folder / name
-        if dest.exists() and not force:
-            continue
-        url = RELEASE_URL.format(repo=RELEASE_REPO, ref=ref, family=family, name=name)
-        print(f"downloading {url}", file=sys.stderr)
-        try:
-            r = requests.get(url, timeout=300)
-        except requests.RequestException as e:
-            raise DataError(f"cannot download {url}: {e}") from e
-        if r.status_code != 200:
-            raise DataError(f"cannot download {url}: HTTP {r.status_code}")
-        data = _parse_json(r.content, url)
-        if name.startswith("matched_"):
-            _check_matched_file(data, url)
-        else:
-            _check_episode_file(data, url)
-        model.write_atomic(dest, r.content)
+        fetch(family, name, folder, _check_episode_file, ref, force)
     return folder
+
+
+def fetch(family: str, name: str, folder: Path, check, ref: str = RELEASE_REF,
+          force: bool = False) -> None:
+    """One released file to folder/name, validated by check(data, url) before it is written, so
+    a partial or wrong download never lands on disk."""
+    dest = folder / name
+    if dest.exists() and not force:
+        return
+    url = RELEASE_URL.format(repo=RELEASE_REPO, ref=ref, family=family, name=name)
+    print(f"downloading {url}", file=sys.stderr)
+    try:
+        r = requests.get(url, timeout=300)
+    except requests.RequestException as e:
+        raise DataError(f"cannot download {url}: {e}") from e
+    if r.status_code != 200:
+        raise DataError(f"cannot download {url}: HTTP {r.status_code}")
+    check(_parse_json(r.content, url), url)
+    model.write_atomic(dest, r.content)
 
 
 def _parse_json(raw: bytes | str, where) -> object:
@@ -1096,168 +949,93 @@ def load_episodes(path: str | Path) -> dict[str, dict]:
     return data
 
 
-def load_matched(path: str | Path) -> list[dict]:
-    """A matched file, every record validated, each given the `tools` and `files` of its episode
-    (from the episode file of the same family: matched_clean_train -> clean_train.json)."""
-    path = Path(path)
-    data = _read_json(path)
-    _check_matched_file(data, path)
-    if not path.name.startswith("matched_"):
-        raise DataError(f"{path}: a matched file is named matched_<family>_<split>.json")
-    episode_path = path.with_name(path.name[len("matched_"):])
-    episodes = load_episodes(episode_path)
-    out = []
-    for i, rec in enumerate(data):
-        ep = episodes.get(rec["episode_id"])
-        if ep is None:
-            raise DataError(f"{path}: record {i} (episode {rec['episode_id']}): episode not "
-                            f"found in {episode_path}")
-        out.append({**rec, "tools": ep["tools"], "files": ep["files"]})
-    return out
+# Each check raises DataError("<file>: record <id>[: dialogs[i]]: <what is wrong>").
+
+def _require(ok, where, message: str) -> None:
+    if not ok:
+        raise DataError(f"{where}: {message}")
+
+
+def _gt_answer_ok(gt) -> bool:
+    def groups(v):          # an empty group or alias would match every answer
+        return isinstance(v, list) and all(isinstance(g, list) and g and all(
+            isinstance(a, str) and a.strip() for a in g) for g in v)
+    return gt is None or (isinstance(gt, list) and all(isinstance(a, str) for a in gt)) or (
+        isinstance(gt, dict) and groups(gt.get("whitelist")) and
+        (gt.get("blacklist") is None or groups(gt["blacklist"])))
 
 
 def _check_episode_file(data, path) -> None:
-    if not isinstance(data, dict):
-        raise DataError(f"{path}: an episode file is a JSON object keyed by episode id")
+    _require(isinstance(data, dict), path, "an episode file is a JSON object keyed by episode id")
     for rid, rec in data.items():
         where = f"{path}: record {rid}"
-        if not isinstance(rec, dict):
-            raise DataError(f"{where}: not an object")
+        _require(isinstance(rec, dict), where, "not an object")
         for key in ("dialogs", "tools", "files", "gt_answer"):
-            if key not in rec:
-                raise DataError(f"{where}: missing '{key}'")
+            _require(key in rec, where, f"missing '{key}'")
         _check_dialog(rec["dialogs"], where)
         _check_tools(rec["tools"], where)
-        if not isinstance(rec["files"], list) or not all(isinstance(f, dict)
-                                                         for f in rec["files"]):
-            raise DataError(f"{where}: 'files' must be a list of objects")
-        _check_gt_answer(rec["gt_answer"], where)
-        _check_contamination(rec, where)
-
-
-def _check_matched_file(data, path) -> None:
-    if not isinstance(data, list):
-        raise DataError(f"{path}: a matched file is a JSON list of records")
-    for i, rec in enumerate(data):
-        where = f"{path}: record {i}"
-        if not isinstance(rec, dict):
-            raise DataError(f"{where}: not an object")
-        where += f" (episode {rec.get('episode_id')}, turn {rec.get('turn_idx')})"
-        checks = {"episode_id": lambda v: isinstance(v, str),
-                  "turn_idx": lambda v: type(v) is int,
-                  "dialogs": lambda v: True,
-                  "label": lambda v: type(v) is int and v in (0, 1),
-                  "contamination_type": lambda v: v is None or v in CONTAMINATION_TYPES,
-                  "has_contaminated_prefix": lambda v: isinstance(v, bool),
-                  "original_contaminated_turn_indices":
-                      lambda v: isinstance(v, list) and all(type(x) is int for x in v),
-                  "prefix_type": lambda v: v in ("clean", "contaminated")}
-        for key, ok in checks.items():
-            if key not in rec:
-                raise DataError(f"{where}: missing '{key}'")
-            if not ok(rec[key]):
-                raise DataError(f"{where}: bad '{key}': {rec[key]!r}")
-        _check_dialog(rec["dialogs"], where)
-        if rec["turn_idx"] != len(rec["dialogs"]) - 1 \
-                or rec["dialogs"][-1]["role"] != "assistant":
-            raise DataError(f"{where}: the dialog must end at turn_idx with the assistant "
-                            "evaluation turn")
+        _require(isinstance(rec["files"], list) and all(isinstance(f, dict) for f in rec["files"]),
+                 where, "'files' must be a list of objects")
+        _require(_gt_answer_ok(rec["gt_answer"]), where, "'gt_answer' must be null, a list of "
+                 "reference strings, or {whitelist: [[str]], blacklist: [[str]] | null} (no empty "
+                 "group or alias)")
 
 
 def _check_dialog(dialog, where) -> None:
-    if not isinstance(dialog, list) or not dialog:
-        raise DataError(f"{where}: 'dialogs' must be a non-empty list")
+    _require(isinstance(dialog, list) and dialog, where, "'dialogs' must be a non-empty list")
     for i, m in enumerate(dialog):
         at = f"{where}: dialogs[{i}]"
-        if not isinstance(m, dict):
-            raise DataError(f"{at}: not an object")
+        _require(isinstance(m, dict), at, "not an object")
         role = m.get("role")
-        if i == 0 and role != "user":
-            raise DataError(f"{at}: the dialog must start with the user's task")
+        _require(i > 0 or role == "user", at, "the dialog must start with the user's task")
+        _require(role in ("user", "assistant", "tool"), at, f"unknown role {role!r}")
         if role == "user":
-            if not isinstance(m.get("content"), str):
-                raise DataError(f"{at}: user message without text content")
+            _require(isinstance(m.get("content"), str), at, "user message without text content")
         elif role == "assistant":
             _check_assistant(m, at)
-        elif role == "tool":
-            prev = dialog[i - 1]
-            if prev.get("role") != "assistant" or not prev.get("tool_calls"):
-                raise DataError(f"{at}: a tool result must follow an assistant tool call")
-            content = m.get("content")
-            if isinstance(content, dict):
-                content = content.get("content", None)
-            if not isinstance(m.get("name"), str) or content is None:
-                raise DataError(f"{at}: a tool message needs 'name' and 'content'")
         else:
-            raise DataError(f"{at}: unknown role {role!r}")
+            prev = dialog[i - 1]
+            _require(prev.get("role") == "assistant" and prev.get("tool_calls"), at,
+                     "a tool result must follow an assistant tool call")
+            content = m.get("content")
+            content = content.get("content") if isinstance(content, dict) else content
+            _require(isinstance(m.get("name"), str) and content is not None, at,
+                     "a tool message needs 'name' and 'content'")
 
 
 def _check_assistant(m: dict, at: str) -> None:
     for key in ("thought", "content", "explanation"):
-        if m.get(key) is not None and not isinstance(m[key], str):
-            raise DataError(f"{at}: '{key}' must be a string")
+        _require(m.get(key) is None or isinstance(m[key], str), at, f"'{key}' must be a string")
     calls = m.get("tool_calls")
     if calls is None or calls == []:
-        if m.get("content") is None:
-            raise DataError(f"{at}: assistant message with neither tool_calls nor content")
+        _require(m.get("content") is not None, at,
+                 "assistant message with neither tool_calls nor content")
         return
-    if not isinstance(calls, list) or len(calls) > 1:
-        raise DataError(f"{at}: at most one tool call per assistant turn (METHOD.md §2)")
+    _require(isinstance(calls, list) and len(calls) <= 1, at,
+             "at most one tool call per assistant turn (METHOD.md §2)")
     fn = calls[0].get("function") if isinstance(calls[0], dict) else None
-    if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not fn["name"]:
-        raise DataError(f"{at}: tool call without a function name")
-    if not isinstance(fn.get("arguments"), dict):
-        raise DataError(f"{at}: tool call arguments must be a JSON object")
+    _require(isinstance(fn, dict) and isinstance(fn.get("name"), str) and fn["name"], at,
+             "tool call without a function name")
+    _require(isinstance(fn.get("arguments"), dict), at,
+             "tool call arguments must be a JSON object")
 
 
 def _check_tools(tools, where) -> None:
-    if not isinstance(tools, list):
-        raise DataError(f"{where}: 'tools' must be a list")
+    _require(isinstance(tools, list), where, "'tools' must be a list")
     for j, t in enumerate(tools):
-        if not isinstance(t, dict) or not isinstance(t.get("name"), str):
-            raise DataError(f"{where}: tools[{j}] needs a 'name'")
+        _require(isinstance(t, dict) and isinstance(t.get("name"), str), where,
+                 f"tools[{j}] needs a 'name'")
+        at = f"{where}: tools[{j}] ({t['name']})"
         inputs = t.get("inputs") or []
-        if not isinstance(inputs, list) or not all(isinstance(x, dict) and
-                                                   isinstance(x.get("name"), str)
-                                                   for x in inputs):
-            raise DataError(f"{where}: tools[{j}] ({t['name']}): 'inputs' must be a list of "
-                            "objects with a 'name'")
-        # the tool instructions render these as text
+        _require(isinstance(inputs, list) and all(isinstance(x, dict) and isinstance(
+            x.get("name"), str) for x in inputs), at,
+            "'inputs' must be a list of objects with a 'name'")
+        # tool_instructions renders these as text
         texts = [("description", t.get("description"))] + [
             (f"inputs[{i}].{key}", x.get(key)) for i, x in enumerate(inputs)
             for key in ("type", "description")]
         for key, value in texts:
-            if value is not None and not isinstance(value, str):
-                raise DataError(f"{where}: tools[{j}] ({t['name']}): '{key}' must be a string")
-
-
-def _check_gt_answer(gt, where) -> None:
-    def phrase_groups(v):               # an empty group or alias would match every answer
-        return isinstance(v, list) and all(isinstance(g, list) and g and
-                                           all(isinstance(a, str) and a.strip() for a in g)
-                                           for g in v)
-    if gt is None or (isinstance(gt, list) and all(isinstance(a, str) for a in gt)):
-        return
-    if isinstance(gt, dict) and phrase_groups(gt.get("whitelist")) and \
-            (gt.get("blacklist") is None or phrase_groups(gt["blacklist"])):
-        return
-    raise DataError(f"{where}: 'gt_answer' must be null, a list of reference strings, or "
-                    "{whitelist: [[str]], blacklist: [[str]] | null} (no empty group or alias)")
-
-
-def _check_contamination(rec, where) -> None:
-    keys = ("contaminated_turn_indices", "contamination_types", "original_turn_contents")
-    if not any(k in rec for k in keys):
-        return
-    if not all(isinstance(rec.get(k), list) for k in keys) or \
-            len({len(rec[k]) for k in keys}) != 1:
-        raise DataError(f"{where}: {', '.join(keys)} must be lists of one length")
-    for idx, kind in zip(rec["contaminated_turn_indices"], rec["contamination_types"]):
-        if type(idx) is not int or not 0 <= idx < len(rec["dialogs"]) or \
-                rec["dialogs"][idx]["role"] != "assistant":
-            raise DataError(f"{where}: contaminated turn index {idx!r} is not an assistant turn")
-        if kind not in CONTAMINATION_TYPES:
-            raise DataError(f"{where}: unknown contamination type {kind!r}")
+            _require(value is None or isinstance(value, str), at, f"'{key}' must be a string")
 
 
 # ==== The Calculator tool (GTA's and shop's): an AST whitelist, never eval ========================
@@ -1272,46 +1050,44 @@ class CalculatorError(ValueError):
     pass
 
 
-def _int_arg(x, fn):
+def _too_large(too_large: bool) -> None:
+    if too_large:           # checked before computing: it is the work that must be bounded
+        raise CalculatorError("result too large")
+
+
+def _whole(x, fn: str, limit: int = MAX_FACTORIAL, over: str = "argument too large",
+           unit: str = "") -> int:
+    """An integer argument (an integral float counts) of at most `limit` in size."""
     if isinstance(x, float) and x.is_integer():
         x = int(x)
     if not isinstance(x, int):
-        raise CalculatorError(f"{fn}() needs an integer")
-    if abs(x) > MAX_FACTORIAL:
-        raise CalculatorError(f"{fn}() argument too large (limit {MAX_FACTORIAL})")
+        raise CalculatorError(f"{fn}() needs an integer{unit}")
+    if abs(x) > limit:
+        raise CalculatorError(f"{fn}() {over} (limit {limit})")
     return x
 
 
 def _power(a, b):
-    # Refuse integer powers whose result would exceed MAX_INT_BITS before computing them.
-    if isinstance(a, int) and isinstance(b, int) and b > 0 and abs(a) > 1:
-        if b * math.log2(abs(a)) > MAX_INT_BITS:
-            raise CalculatorError("result too large")
+    _too_large(isinstance(a, int) and isinstance(b, int) and b > 0 and abs(a) > 1
+               and b * math.log2(abs(a)) > MAX_INT_BITS)
     return a ** b
 
 
 def _multiply(a, b):
-    if isinstance(a, int) and isinstance(b, int) and \
-            a.bit_length() + b.bit_length() > MAX_INT_BITS + 1:
-        raise CalculatorError("result too large")
+    _too_large(isinstance(a, int) and isinstance(b, int)
+               and a.bit_length() + b.bit_length() > MAX_INT_BITS + 1)
     return a * b
 
 
 def _round(x, ndigits=None):
     if ndigits is None:
         return round(x)
-    if isinstance(ndigits, float) and ndigits.is_integer():
-        ndigits = int(ndigits)
-    if not isinstance(ndigits, int):
-        raise CalculatorError("round() needs an integer number of digits")
-    if abs(ndigits) > MAX_NDIGITS:
-        raise CalculatorError(f"round() digits out of range (limit {MAX_NDIGITS})")
-    return round(x, ndigits)
+    return round(x, _whole(ndigits, "round", MAX_NDIGITS, "digits out of range",
+                           " number of digits"))
 
 
 def _lcm(*xs):
-    if sum(x.bit_length() for x in xs if isinstance(x, int)) > MAX_INT_BITS + len(xs):
-        raise CalculatorError("result too large")
+    _too_large(sum(x.bit_length() for x in xs if isinstance(x, int)) > MAX_INT_BITS + len(xs))
     return math.lcm(*xs)
 
 
@@ -1319,19 +1095,15 @@ _BINARY = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: _multiply,
            ast.Div: operator.truediv, ast.FloorDiv: operator.floordiv, ast.Mod: operator.mod,
            ast.Pow: _power}
 _UNARY = {ast.USub: operator.neg, ast.UAdd: operator.pos}
-_FUNCTIONS = {
+_FUNCTIONS = {name: getattr(math, name) for name in (
+    "sqrt cbrt exp log log10 log2 log1p sin cos tan asin acos atan atan2 sinh cosh tanh degrees "
+    "radians floor ceil trunc fabs hypot gcd isqrt").split()}
+_FUNCTIONS.update({
     "abs": abs, "round": _round, "min": min, "max": max, "int": int, "float": float,
-    "pow": _power, "sqrt": math.sqrt, "cbrt": math.cbrt, "exp": math.exp, "log": math.log,
-    "log10": math.log10, "log2": math.log2, "log1p": math.log1p, "sin": math.sin,
-    "cos": math.cos, "tan": math.tan, "asin": math.asin, "acos": math.acos, "atan": math.atan,
-    "atan2": math.atan2, "sinh": math.sinh, "cosh": math.cosh, "tanh": math.tanh,
-    "degrees": math.degrees, "radians": math.radians, "floor": math.floor, "ceil": math.ceil,
-    "trunc": math.trunc, "fabs": math.fabs, "hypot": math.hypot, "gcd": math.gcd,
-    "lcm": _lcm, "isqrt": math.isqrt, "fsum": lambda *xs: math.fsum(xs),
-    "factorial": lambda n: math.factorial(_int_arg(n, "factorial")),
-    "comb": lambda n, k: math.comb(_int_arg(n, "comb"), _int_arg(k, "comb")),
-    "perm": lambda n, k: math.perm(_int_arg(n, "perm"), _int_arg(k, "perm")),
-}
+    "pow": _power, "lcm": _lcm, "fsum": lambda *xs: math.fsum(xs),
+    "factorial": lambda n: math.factorial(_whole(n, "factorial")),
+    "comb": lambda n, k: math.comb(_whole(n, "comb"), _whole(k, "comb")),
+    "perm": lambda n, k: math.perm(_whole(n, "perm"), _whole(k, "perm"))})
 _CONSTANTS = {"pi": math.pi, "e": math.e, "tau": math.tau, "inf": math.inf, "nan": math.nan}
 
 
@@ -1362,8 +1134,7 @@ def _evaluate(node):
         raise CalculatorError(f"unsupported syntax ({type(node).__name__})")
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise CalculatorError("the result is not a real number")
-    if isinstance(value, int) and value.bit_length() > MAX_INT_BITS:
-        raise CalculatorError("result too large")
+    _too_large(isinstance(value, int) and value.bit_length() > MAX_INT_BITS)
     return value
 
 
@@ -1378,11 +1149,8 @@ def _qualified_name(node) -> str:
 
 
 def calculate(expression: str) -> str:
-    """Evaluate one arithmetic expression; the result as Python prints it, or 'Error: ...'.
-
-    Numbers, + - * / // % **, unary signs, parentheses, and math functions/constants by name
-    (`sqrt(2)` or `math.sqrt(2)`). Never raises.
-    """
+    """One arithmetic expression (numbers, + - * / // % **, signs, parentheses, math functions
+    and constants as `sqrt(2)` or `math.sqrt(2)`) as Python prints it, or 'Error: ...'."""
     try:
         if not isinstance(expression, str):
             raise CalculatorError("the expression must be a string")
@@ -1418,14 +1186,9 @@ class BadReply(LLMError):
 
 
 class ChatClient:
-    """POST {OPENAI_BASE_URL}/chat/completions with requests, JSON-object replies only.
-
-    Replies are cached on disk under the SHA-256 of the request body (model, messages,
-    temperature, max_tokens, response format), so a repeated call makes no request and an
-    interrupted run resumes. 429, 5xx and connection errors are retried with exponential backoff
-    (Retry-After honoured); 401 fails at once. A missing key fails in the constructor, before
-    any work starts.
-    """
+    """POST {OPENAI_BASE_URL}/chat/completions for a JSON object, the reply cached on disk under
+    the SHA-256 of the request (a repeated call sends nothing, a stopped run resumes). 429, 5xx
+    and connection errors are retried with exponential backoff or Retry-After; 401 is final."""
 
     def __init__(self, model_name: str, base_url: str | None = None, api_key: str | None = None,
                  cache_dir: str | Path | None = None, max_retries: int = 6,
@@ -1445,8 +1208,8 @@ class ChatClient:
 
     def chat_json(self, messages: list[dict], check=None, temperature: float = 0.0,
                   max_tokens: int = 512) -> tuple[dict, str]:
-        """(parsed JSON object, raw reply). `check(obj)` may raise ValueError to reject a reply;
-        a rejected or unparsable reply raises BadReply and is not cached."""
+        """(JSON object, raw reply); a reply `check(obj)` rejects (ValueError) or that does not
+        parse raises BadReply and is not cached."""
         body = {"model": self.model, "messages": messages, "temperature": temperature,
                 "max_tokens": max_tokens, "response_format": {"type": "json_object"}}
         digest = hashlib.sha256(json.dumps(body, sort_keys=True, ensure_ascii=False)
@@ -1470,12 +1233,12 @@ class ChatClient:
 
     def _post(self, body: dict) -> str:
         url = f"{self.base_url}/chat/completions"
-        headers = {"Authorization": f"Bearer {self.api_key}"}
         for attempt in range(self.max_retries + 1):
             wait = self.backoff * 2 ** attempt
+            self.requests_made += 1
             try:
-                self.requests_made += 1
-                r = self.session.post(url, json=body, headers=headers, timeout=self.timeout)
+                r = self.session.post(url, json=body, timeout=self.timeout,
+                                      headers={"Authorization": f"Bearer {self.api_key}"})
             except (requests.ConnectionError, requests.Timeout) as e:
                 problem = f"connection error: {e}"
             else:
@@ -1497,7 +1260,6 @@ class ChatClient:
             if attempt == self.max_retries:
                 raise LLMError(f"{url}: giving up after {attempt + 1} attempts ({problem})")
             time.sleep(min(wait, 60.0))
-        raise AssertionError("unreachable")
 
 
 def _checked_json(raw: str, check) -> dict:

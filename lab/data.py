@@ -1,8 +1,9 @@
 """Data recipes for the released benchmarks (GTA, ToolBench), beside envs.py which loads and
-replays them: the LLM contamination of episodes, the rule-based diagnostic set, episode splits of
-the test files, and gold-dialog replay checks.
+replays their clean episodes: the contaminated and matched files (download, validation, loading),
+the LLM contamination of episodes, the rule-based diagnostic set, episode splits of the test
+files, and gold-dialog replay checks.
 
-    python -m lab.data download gta                       # the released splits (envs.download)
+    python -m lab.data download gta                       # every released file of a family
     python -m lab.data contaminate --data clean_train.json --out contaminated_train.json
     python -m lab.data make-diagnostic gta                # matched_diagnostic_test.json, no LLM
     python -m lab.data split-episodes toolbench --out OUT/toolbench
@@ -29,6 +30,82 @@ def matched_record(episode_id: str, turn_idx: int, label: bool, kind, indices: l
             "has_contaminated_prefix": any(i < turn_idx for i in indices),
             "original_contaminated_turn_indices": list(indices), "prefix_type": prefix_type,
             **extra, "dialogs": dialog}
+
+
+# ---- The released files beyond the core's episode files: contaminated episodes, matched turns ---
+
+RELEASE_FILES = {family: [f"{kind}{part}_{split}.json" for kind in ("", "matched_")
+                          for part in ("clean", "contaminated") for split in splits]
+                 for family, splits in (("gta", ("train", "test")), ("toolbench", ("test",)))}
+CONTAMINATION_TYPES = ("reasoning_error", "tool_misuse", "observation_misinterpretation",
+                       "stale_memory")
+_MATCHED_FIELDS = {
+    "episode_id": lambda v: isinstance(v, str),
+    "turn_idx": lambda v: type(v) is int,
+    "dialogs": lambda v: True,
+    "label": lambda v: type(v) is int and v in (0, 1),
+    "contamination_type": lambda v: v is None or v in CONTAMINATION_TYPES,
+    "has_contaminated_prefix": lambda v: isinstance(v, bool),
+    "original_contaminated_turn_indices":
+        lambda v: isinstance(v, list) and all(type(x) is int for x in v),
+    "prefix_type": lambda v: v in ("clean", "contaminated")}
+_CONTAMINATION_KEYS = ("contaminated_turn_indices", "contamination_types",
+                       "original_turn_contents")
+
+
+def download(family: str, data_dir=None, ref: str = envs.RELEASE_REF, force: bool = False) -> Path:
+    """Fetch every released file of `family` into data_dir/family/ (returned): envs.download's
+    episode files, then the contaminated and matched ones, each validated before it is written."""
+    folder = envs.download(family, data_dir, ref, force)
+    for name in RELEASE_FILES[family]:
+        if name not in envs.RELEASE_FILES[family]:
+            check = check_matched_file if name.startswith("matched_") else check_episode_file
+            envs.fetch(family, name, folder, check, ref, force)
+    return folder
+
+
+def check_episode_file(data, path) -> None:
+    """envs' checks, and a contaminated record's: its contaminated turns are assistant turns of a
+    known contamination type."""
+    envs._check_episode_file(data, path)
+    keys = _CONTAMINATION_KEYS
+    for rid, rec in data.items():
+        if not any(k in rec for k in keys):
+            continue
+        where = f"{path}: record {rid}"
+        envs._require(all(isinstance(rec.get(k), list) for k in keys) and
+                      len({len(rec[k]) for k in keys}) == 1,
+                      where, f"{', '.join(keys)} must be lists of one length")
+        for idx, kind in zip(rec["contaminated_turn_indices"], rec["contamination_types"]):
+            envs._require(type(idx) is int and 0 <= idx < len(rec["dialogs"]) and
+                          rec["dialogs"][idx]["role"] == "assistant",
+                          where, f"contaminated turn index {idx!r} is not an assistant turn")
+            envs._require(kind in CONTAMINATION_TYPES, where,
+                          f"unknown contamination type {kind!r}")
+
+
+def load_episodes(path: str | Path) -> dict[str, dict]:
+    """An episode file, clean or contaminated, every record validated."""
+    path = Path(path)
+    data = envs._read_json(path)
+    check_episode_file(data, path)
+    return data
+
+
+def check_matched_file(data, path) -> None:
+    envs._require(isinstance(data, list), path, "a matched file is a JSON list of records")
+    for i, rec in enumerate(data):
+        where = f"{path}: record {i}"
+        envs._require(isinstance(rec, dict), where, "not an object")
+        where += f" (episode {rec.get('episode_id')}, turn {rec.get('turn_idx')})"
+        for key, ok in _MATCHED_FIELDS.items():
+            envs._require(key in rec, where, f"missing '{key}'")
+            if not ok(rec[key]):
+                raise envs.DataError(f"{where}: bad '{key}': {rec[key]!r}")
+        envs._check_dialog(rec["dialogs"], where)
+        envs._require(rec["turn_idx"] == len(rec["dialogs"]) - 1 and
+                      rec["dialogs"][-1]["role"] == "assistant",
+                      where, "the dialog must end at turn_idx with the assistant evaluation turn")
 
 
 def play_gold(episode: envs.Episode, dialog: list[dict]) -> list[tuple[str, str | None]]:
@@ -228,7 +305,7 @@ def contaminate_file(data: str | Path, out: str | Path, client: envs.ChatClient,
         counts[status] = counts.get(status, 0) + 1
     if not result:
         raise envs.DataError(f"{data}: no episode was contaminated ({counts}); {out} not written")
-    envs._check_episode_file(result, out)
+    check_episode_file(result, out)
     model.write_atomic(Path(out), json.dumps(result, indent=2, ensure_ascii=False).encode("utf-8"))
     return counts
 
@@ -356,13 +433,13 @@ def make_gta_diagnostic(data_dir=None, out_dir=None, seed: int = 0) -> dict[str,
     test episodes, for the tool lists) to out_dir (default: the released gta folder)."""
     folder = family_folder(data_dir, "gta")
     if not (folder / "matched_contaminated_test.json").is_file():
-        envs.download("gta", folder.parent)
+        download("gta", folder.parent)
     clean = envs.load_episodes(folder / "clean_test.json")
     matched = envs._parse_json((folder / "matched_contaminated_test.json").read_bytes(),
                                folder / "matched_contaminated_test.json")
-    envs._check_matched_file(matched, folder / "matched_contaminated_test.json")
+    check_matched_file(matched, folder / "matched_contaminated_test.json")
     records = gta_diagnostic(clean, matched, seed)
-    envs._check_matched_file(records, "matched_diagnostic_test.json")
+    check_matched_file(records, "matched_diagnostic_test.json")
     used = {r["episode_id"] for r in records}
     out_dir = Path(out_dir or folder)
     model.write_atomic(out_dir / "diagnostic_test.json", json.dumps(
@@ -395,13 +472,13 @@ def split_episodes(data_dir, family: str, out_dir, seed: int = 0, fraction: floa
                              "split would overwrite their test files: write it to another folder "
                              f"(e.g. OUT/{family}, then --data-dir OUT)")
     if not all((folder / f"{name}_test.json").is_file() for name in SPLIT_FILES):
-        envs.download(family, folder.parent)
+        download(family, folder.parent)
     data = {}
     for name in SPLIT_FILES:
         path = folder / f"{name}_test.json"
         data[name] = envs._parse_json(path.read_bytes(), path)
-        (envs._check_matched_file if name.startswith("matched_") else envs._check_episode_file)(
-            data[name], path)
+        check = check_matched_file if name.startswith("matched_") else check_episode_file
+        check(data[name], path)
     ids = sorted(data["clean"])
     rng = random.Random(f"split-{family}-{seed}")
     rng.shuffle(ids)
@@ -446,13 +523,65 @@ def replay_report(env: envs.Env, match: str | None = None, score: bool = True) -
     return report
 
 
+def nearest(cache: envs.ReplayCache, name: str, arguments) -> str | None:
+    """ToolBench's optional fuzzy fallback (METHOD.md §10): the same tool's entry of highest
+    Jaccard overlap of argument tokens (lowercased words of the canonical JSON, keys included);
+    ties go to the entry recorded first."""
+    tokens = set(re.findall(r"\w+", envs.cache_key(name, arguments)[1].lower()))
+    best, best_sim = None, -1.0
+    for key in cache.entries:
+        if key[0] != name:
+            continue
+        other = set(re.findall(r"\w+", key[1].lower()))
+        union = tokens | other
+        sim = len(tokens & other) / len(union) if union else 1.0
+        if sim > best_sim:
+            best, best_sim = key, sim
+    return cache.serve(best) if best is not None else None
+
+
+class FuzzyToolBenchEpisode(envs.ToolBenchEpisode):
+    """ToolBench replay whose cache misses fall back to the nearest recorded call."""
+
+    def call_tool(self, name: str, arguments: dict) -> str:
+        hit = self.cache.lookup(name, arguments)
+        if hit is None:
+            hit = nearest(self.cache, name, arguments)
+        return hit if hit is not None else envs.simulator_miss(name, arguments)
+
+
+def load_matched(path: str | Path) -> list[dict]:
+    """A matched file, every record validated, each given the `tools` and `files` of its episode
+    (from the episode file of the same family: matched_clean_train -> clean_train.json)."""
+    path = Path(path)
+    data = envs._read_json(path)
+    check_matched_file(data, path)
+    if not path.name.startswith("matched_"):
+        raise envs.DataError(f"{path}: a matched file is named matched_<family>_<split>.json")
+    episode_path = path.with_name(path.name[len("matched_"):])
+    episodes = load_episodes(episode_path)
+    out = []
+    for i, rec in enumerate(data):
+        ep = episodes.get(rec["episode_id"])
+        if ep is None:
+            raise envs.DataError(f"{path}: record {i} (episode {rec['episode_id']}): episode "
+                                 f"not found in {episode_path}")
+        out.append({**rec, "tools": ep["tools"], "files": ep["files"]})
+    return out
+
+
+def record_messages(record: dict) -> list[dict]:
+    """Messages of an episode record, or of a matched record returned by load_matched."""
+    return envs.dialog_to_messages(record["dialogs"], record["tools"], record.get("files") or ())
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(prog="python -m lab.data", description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("download", help="fetch the released splits from the authors' repository")
-    p.add_argument("family", choices=sorted(envs.RELEASE_FILES), help="which benchmark's files")
+    p.add_argument("family", choices=sorted(RELEASE_FILES), help="which benchmark's files")
     p.add_argument("--data-dir", default=None,
                    help="root folder (files go to DIR/<family>/); default $PAIR_DATA or "
                         "~/.cache/pair/data")
@@ -486,7 +615,7 @@ def main(argv=None):
 
     p = sub.add_parser("split-episodes", help="split a benchmark's released test files by "
                                               "episode into train and test halves")
-    p.add_argument("family", choices=sorted(envs.RELEASE_FILES), help="which benchmark")
+    p.add_argument("family", choices=sorted(RELEASE_FILES), help="which benchmark")
     p.add_argument("--data-dir", default=None,
                    help="root folder of the released files (DIR/<family>/)")
     p.add_argument("--out", required=True, help="output folder for the eight files")
@@ -514,7 +643,7 @@ def main(argv=None):
 
 def _run(args):
     if args.command == "download":
-        print(envs.download(args.family, args.data_dir, args.ref, args.force))
+        print(download(args.family, args.data_dir, args.ref, args.force))
     elif args.command == "contaminate":
         client = envs.ChatClient(args.model, cache_dir=args.cache_dir)
         counts = contaminate_file(args.data, args.out, client, args.seed, args.min_turns,

@@ -45,7 +45,7 @@ import model
 import pair
 import probes
 from grpo import rollout
-from lab import shop, study, traces
+from lab import data as lab_data, shop, study, traces
 
 PROBE_SEED = 42
 
@@ -170,7 +170,7 @@ def contaminated_corpus(policy, tok, episodes: int, log) -> study.Split:
         "turns teacher-forced ...", flush=True)
     with tempfile.TemporaryDirectory() as tmp:
         shop.make_shop_data(tmp, episodes=episodes, seed=PROBE_SEED)
-        loaded = [envs.load_matched(Path(tmp) / f"{name}.json")
+        loaded = [lab_data.load_matched(Path(tmp) / f"{name}.json")
                   for name in study.TRAIN_SPLITS["mixed"]]
     # feature-less splits whose "raw" says where each row came from: (split, record) indices
     index = {name: study.Split(name, {"turn_idx": torch.tensor([int(r["turn_idx"]) for r in recs]),
@@ -241,7 +241,7 @@ def habit_at(turns: study.Split) -> list[str | None]:
     """For each turn, the habit (shop.slip_turns) whose decision is made at its turn index in its
     episode, or None: with a clean prefix, the turn where a rollout first goes wrong by that
     habit (label 0) or makes the same decision right (label 1)."""
-    slip_at = {eid: {t: s for s, t in shop.slip_turns(envs.shop_task_from_id(eid)).items()}
+    slip_at = {eid: {t: s for s, t in shop.slip_turns(shop.shop_task_from_id(eid)).items()}
                for eid in set(turns.episode_id)}        # episode -> {turn: the slip made there}
     return [slip_at[eid].get(t)
             for eid, t in zip(turns.episode_id, turns.raw["turn_idx"].tolist())]

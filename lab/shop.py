@@ -290,6 +290,16 @@ def _long_distinct(task: envs.ShopTask) -> bool:
     return all(abs(a - b) > envs._CENT for a in wrong for b in gold)
 
 
+def shop_task_from_id(episode_id: str) -> envs.ShopTask:
+    """Rebuild the world of a shop (or shop-long) episode id, so any record can be re-labelled."""
+    m = re.fullmatch(r"(shop|shop-long)-(\d+)-(train|val|test)-(\d+)", episode_id)
+    if m is None:
+        raise ValueError(f"not a shop episode id: {episode_id!r} (expected shop-SEED-SPLIT-I or "
+                         "shop-long-SEED-SPLIT-I)")
+    seed = envs.shop_episode_seed(m.group(3), int(m.group(2)), int(m.group(4)))
+    return envs.WORLDS[m.group(1)](seed)
+
+
 def register() -> None:
     """The long world joins the built-in ones: its episodes, its turn limit and its policy."""
     envs.WORLDS["shop-long"] = long_task
@@ -651,14 +661,14 @@ def sft_dialogs(episodes: int, contaminated: float, seed: int,
     with tempfile.TemporaryDirectory() as tmp:
         make_shop_data(tmp, episodes=episodes, seed=seed)
         clean = envs.load_episodes(Path(tmp) / "clean_train.json")
-        dirty = envs.load_episodes(Path(tmp) / "contaminated_train.json")
+        dirty = lab_data.load_episodes(Path(tmp) / "contaminated_train.json")
     rng = random.Random(f"sft-{seed}")
     habit = random.Random(f"sft-divided-{seed}")  # its own stream: divided=0 changes nothing
     out = []
     for eid in clean:
         rec = dirty[eid] if rng.random() < contaminated else clean[eid]
         if rec is clean[eid] and habit.random() < divided:
-            wrong = shop_divided(envs.shop_task_from_id(eid))
+            wrong = shop_divided(shop_task_from_id(eid))
             rec = rec if wrong is None else {**rec, "dialogs": wrong}
         out.append(envs.dialog_to_messages(rec["dialogs"], rec["tools"], rec["files"]))
     return out

@@ -47,7 +47,7 @@ import grpo
 import model as mdl
 import pair
 import probes
-from lab import runs, traces
+from lab import data as lab_data, runs, traces
 
 
 SEEDS = (42, 43, 44)
@@ -73,9 +73,9 @@ def contamination_distance(record: dict) -> tuple[int, int]:
 
 def render_record(record, tokenizer, max_len=4096):
     """ids, span of the evaluation turn (METHOD.md §3) and the number of leading tokens cut to keep
-    the last max_len. `record` comes from envs.load_matched, which adds the episode's tools and
+    the last max_len. `record` comes from lab.data.load_matched, which adds the episode's tools and
     files (METHOD.md §2: from the episode file of the same family and id)."""
-    messages = envs.record_messages(record)
+    messages = lab_data.record_messages(record)
     if messages[-1]["role"] != "assistant":
         raise ValueError("dialog does not end with an assistant message (the evaluation turn)")
     ids, spans = tokenizer.render(messages)
@@ -115,7 +115,7 @@ def extract(net, tokenizer, data_path, out_path, max_len=4096, shard_size=32,
     log = log or sys.stderr
     data_path, out_path = Path(data_path), Path(out_path)
     if records is None:                           # validated; each with its episode's tools
-        records = envs.load_matched(data_path)
+        records = lab_data.load_matched(data_path)
     if not records:
         raise SystemExit(f"{data_path}: no record to extract (an empty list)")
     parts = parts_dir(out_path)
@@ -840,7 +840,7 @@ def subsample_episodes(records: list[dict], n: int, seed: int) -> list[dict]:
 
 
 def cmd_extract(args):
-    records = envs.load_matched(args.data)      # a bad data file fails before the model loads
+    records = lab_data.load_matched(args.data)      # a bad data file fails before the model loads
     extra = {}
     if args.episodes is not None:
         n_episodes = len({r["episode_id"] for r in records})

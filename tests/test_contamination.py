@@ -184,7 +184,7 @@ def test_gta_diagnostic_set_from_the_release(release_dir, tmp_path):
     first = (tmp_path / "matched_diagnostic_test.json").read_bytes()
     lab_data.make_gta_diagnostic(release_dir, tmp_path, seed=0)
     assert (tmp_path / "matched_diagnostic_test.json").read_bytes() == first     # deterministic
-    records = envs.load_matched(tmp_path / "matched_diagnostic_test.json")        # the schema
+    records = lab_data.load_matched(tmp_path / "matched_diagnostic_test.json")        # the schema
     assert counts["records"] == len(records)
     gold = envs.load_episodes(release_dir / "gta" / "clean_test.json")
     negatives = [r for r in records if r["label"] == 0]
@@ -217,7 +217,7 @@ def test_split_episodes_of_released_test_files(release_dir, tmp_path):
         episodes = envs.load_episodes(tmp_path / f"clean_{split}.json")
         halves[split] = set(episodes)
         for kind in ("clean", "contaminated"):
-            records = envs.load_matched(tmp_path / f"matched_{kind}_{split}.json")
+            records = lab_data.load_matched(tmp_path / f"matched_{kind}_{split}.json")
             assert {r["episode_id"] for r in records} <= halves[split]
     assert len(halves["train"]) == len(halves["test"]) == 6
     assert not halves["train"] & halves["test"]
@@ -245,7 +245,7 @@ def test_extracted_features_equal_transformers_on_gta(qwen05b_dir, release_dir, 
     del net
     hf = transformers.AutoModelForCausalLM.from_pretrained(
         qwen05b_dir, dtype=torch.float32, attn_implementation="eager").eval()
-    records = envs.load_matched(tmp_path / "matched_clean_test.json")
+    records = lab_data.load_matched(tmp_path / "matched_clean_test.json")
     worst = {}
     for i, record in enumerate(records):
         ids, (start, end), _ = study.render_record(record, tok)

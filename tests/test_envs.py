@@ -37,7 +37,7 @@ def test_gta_gold_replay_returns_recorded_observations_and_scores_one(release_di
     for key in env.ids:
         record = env.records[key]
         ep = env.episode(key)
-        assert ep.messages == envs.record_messages(record)[:1]
+        assert ep.messages == lab_data.record_messages(record)[:1]
         pairs = lab_data.play_gold(ep, record["dialogs"])
         n_calls = sum(1 for m in record["dialogs"] if m["role"] == "tool")
         assert len(pairs) == n_calls
@@ -141,7 +141,7 @@ def test_render_format_and_parse_roundtrip_on_released_turns(release_dir):
 def test_dialog_to_messages_shape(release_dir):
     eps = envs.load_episodes(release_dir / "gta" / "clean_train.json")
     rec = eps["37"]         # a tool call with `content` and no thought
-    msgs = envs.record_messages(rec)
+    msgs = lab_data.record_messages(rec)
     task = rec["dialogs"][0]["content"]
     files = "\n".join(f"- {f['path']} ({f['type']})" for f in rec["files"])
     assert msgs[0] == {"role": "user", "content": f"{task}\n\nFiles:\n{files}\n\n"
@@ -161,12 +161,12 @@ def test_dialog_to_messages_shape(release_dir):
     assert "- GoogleSearch: " in tool_text and "    k (int, optional): Select the first k" \
         in tool_text and "Final Answer: <the answer only>" in tool_text
     # the contaminated turn stored under `explanation` is rendered as the thought
-    bad = envs.load_episodes(release_dir / "gta" / "contaminated_train.json")["162"]
-    assert envs.record_messages(bad)[1]["content"].startswith(
+    bad = lab_data.load_episodes(release_dir / "gta" / "contaminated_train.json")["162"]
+    assert lab_data.record_messages(bad)[1]["content"].startswith(
         "Thought: Since the image depicts a historical battle")
     # ToolBench: a user message after a tool result is merged into the observation message
     tb = envs.load_episodes(release_dir / "toolbench" / "clean_test.json")["toolbench_85752"]
-    msgs = envs.record_messages(tb)
+    msgs = lab_data.record_messages(tb)
     assert [m["role"] for m in msgs] == ["user", "assistant"] * (len(msgs) // 2)
     merged = [m for m in msgs if m["role"] == "user" and "\n\nThis is not the first time"
               in m["content"]]
@@ -174,18 +174,18 @@ def test_dialog_to_messages_shape(release_dir):
 
 
 def test_matched_records_get_their_episode_tools(release_dir, tmp_path):
-    recs = envs.load_matched(release_dir / "gta" / "matched_contaminated_test.json")
-    eps = envs.load_episodes(release_dir / "gta" / "contaminated_test.json")
+    recs = lab_data.load_matched(release_dir / "gta" / "matched_contaminated_test.json")
+    eps = lab_data.load_episodes(release_dir / "gta" / "contaminated_test.json")
     assert len(recs) == 177
     for r in recs[:20]:
         assert r["tools"] == eps[r["episode_id"]]["tools"]
-        msgs = envs.record_messages(r)
+        msgs = lab_data.record_messages(r)
         assert msgs[-1]["role"] == "assistant"
-        assert msgs[0]["content"] == envs.record_messages(eps[r["episode_id"]])[0]["content"]
+        assert msgs[0]["content"] == lab_data.record_messages(eps[r["episode_id"]])[0]["content"]
     lone = tmp_path / "matched_clean_test.json"
     lone.write_bytes((release_dir / "gta" / "matched_clean_test.json").read_bytes())
     with pytest.raises(envs.DataError, match="clean_test.json: no such file"):
-        envs.load_matched(lone)
+        lab_data.load_matched(lone)
 
 
 # ---- parser ------------------------------------------------------------------------------------
@@ -379,14 +379,14 @@ def test_toolbench_cache_repeats_and_fuzzy_fallback():
     rec = _toolbench_record(["rain", "sun"])
     rec["dialogs"].insert(5, dict(rec["dialogs"][1]))          # the day-0 call again ...
     rec["dialogs"].insert(6, {"role": "tool", "name": "weather_for_api", "content": "retry"})
-    exact = envs.ToolBenchEpisode("x", rec, fuzzy=False)
+    exact = envs.ToolBenchEpisode("x", rec)
     call = envs.render_action(None, "weather_for_api", {"day": 0, "city": "Paris"})
     assert exact.step(call).observation == "Observation: rain"      # key order does not matter
     assert exact.step(call).observation == "Observation: retry"     # ... replayed in order
     assert exact.step(call).observation == "Observation: retry"
     near = envs.render_action(None, "weather_for_api", {"city": "paris", "day": 1, "unit": "C"})
     assert "[Simulator] Tool 'weather_for_api'" in exact.step(near).observation
-    fuzzy = envs.ToolBenchEpisode("x", rec, fuzzy=True)
+    fuzzy = lab_data.FuzzyToolBenchEpisode("x", rec)
     assert fuzzy.step(near).observation == "Observation: sun"       # highest Jaccard overlap
     other = envs.render_action(None, "other_tool", {"city": "Paris", "day": 1})
     assert "[Simulator] Tool 'other_tool'" in fuzzy.step(other).observation
@@ -438,13 +438,23 @@ def _bad_file(tmp_path, release_dir, mutate):
     (lambda r: r.update(gt_answer={"whitelist": "1919.96"}), "'gt_answer' must be"),
     (lambda r: r.update(contaminated_turn_indices=[0], contamination_types=["reasoning_error"],
                         original_turn_contents=[{}]), "index 0 is not an assistant turn"),
+    (lambda r: r.update(contaminated_turn_indices=[1], contamination_types=["typo"],
+                        original_turn_contents=[{}]), "unknown contamination type 'typo'"),
+    (lambda r: r.update(contaminated_turn_indices=[1], contamination_types=[]),
+     "must be lists of one length"),
 ])
 def test_loader_errors_name_file_and_record(tmp_path, release_dir, mutate, message):
+    """The core's loader checks what it plays; the lab's adds a contaminated file's fields."""
     path, key = _bad_file(tmp_path, release_dir, mutate)
-    with pytest.raises(envs.DataError) as err:
-        envs.load_episodes(path)
-    assert str(path) in str(err.value) and f"record {key}" in str(err.value)
-    assert message in str(err.value)
+    contamination = "contaminated_turn_indices" in json.loads(path.read_text())[key]
+    loaders = [lab_data.load_episodes] + ([] if contamination else [envs.load_episodes])
+    for load in loaders:
+        with pytest.raises(envs.DataError) as err:
+            load(path)
+        assert str(path) in str(err.value) and f"record {key}" in str(err.value)
+        assert message in str(err.value)
+    if contamination:
+        assert envs.load_episodes(path)[key]["contaminated_turn_indices"]
 
 
 def test_matched_loader_errors(tmp_path, release_dir):
@@ -453,15 +463,15 @@ def test_matched_loader_errors(tmp_path, release_dir):
     path = tmp_path / "matched_clean_test.json"
     path.write_text(json.dumps(data))
     with pytest.raises(envs.DataError, match=r"matched_clean_test.json: record 2 \(episode "):
-        envs.load_matched(path)
+        lab_data.load_matched(path)
     path.write_text("{not json")
     with pytest.raises(envs.DataError, match="matched_clean_test.json: not valid JSON"):
-        envs.load_matched(path)
+        lab_data.load_matched(path)
 
 
 def test_download_validates_and_writes_atomically(monkeypatch, tmp_path, release_dir):
     served = tmp_path / "served"
-    for name in envs.RELEASE_FILES["gta"]:
+    for name in lab_data.RELEASE_FILES["gta"]:
         (served / "gta").mkdir(parents=True, exist_ok=True)
         (served / "gta" / name).write_bytes((release_dir / "gta" / name).read_bytes())
     class Quiet(SimpleHTTPRequestHandler):
@@ -475,10 +485,21 @@ def test_download_validates_and_writes_atomically(monkeypatch, tmp_path, release
     monkeypatch.setattr(envs, "RELEASE_URL", f"http://127.0.0.1:{port}/{{family}}/{{name}}")
     try:
         env = envs.make("gta", split="test", data_dir=tmp_path / "data")   # missing: fetched
-        assert len(env) == 53
-        for name in envs.RELEASE_FILES["gta"]:
+        assert len(env) == 53       # the core fetches the episode files it plays, no more
+        assert sorted(p.name for p in (tmp_path / "data" / "gta").iterdir()) == \
+            sorted(envs.RELEASE_FILES["gta"])
+        assert lab_data.download("gta", tmp_path / "data") == tmp_path / "data" / "gta"
+        for name in lab_data.RELEASE_FILES["gta"]:                  # the lab's: every file
             assert (tmp_path / "data" / "gta" / name).read_bytes() == \
                 (release_dir / "gta" / name).read_bytes()
+        matched = json.loads((served / "gta" / "matched_clean_test.json").read_text())
+        matched[2]["turn_idx"] -= 1
+        (served / "gta" / "matched_clean_test.json").write_text(json.dumps(matched))
+        with pytest.raises(envs.DataError, match=r"/gta/matched_clean_test.json: record 2 "
+                           r"\(episode .*the dialog must end at turn_idx"):
+            lab_data.download("gta", tmp_path / "lab")
+        assert (tmp_path / "lab" / "gta" / "matched_clean_train.json").is_file()
+        assert not (tmp_path / "lab" / "gta" / "matched_clean_test.json").exists()
         (served / "gta" / "clean_test.json").write_text('{"1": {"dialogs": []}}')
         with pytest.raises(envs.DataError, match=r"/gta/clean_test.json: record 1: missing"):
             envs.download("gta", tmp_path / "fresh")

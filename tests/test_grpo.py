@@ -2052,7 +2052,7 @@ def test_deeply_nested_json_is_one_line_everywhere(tiny_policy, tmp_path):
     data = tmp_path / "matched_clean_test.json"
     data.write_text(deep)
     with pytest.raises(envs.DataError, match="matched_clean_test.json: not valid JSON"):
-        envs.load_matched(data)
+        lab_data.load_matched(data)
     (tmp_path / "pairdir").mkdir()
     (tmp_path / "pairdir" / "pair.json").write_text(deep)
     with pytest.raises(probes.FormatError, match="pair.json: not JSON"):

@@ -15,7 +15,7 @@ import torch
 import grpo
 import pair
 import probes
-from lab import runs, study, traces
+from lab import data as lab_data, runs, study, traces
 from pair import Pair
 
 
@@ -361,13 +361,12 @@ SHOP_SPLITS = ("matched_clean_train", "matched_contaminated_train", "matched_cle
 def tiny_checkpoint(directory: Path, data_dir: Path) -> Path:
     """A random 4-layer Qwen2 model and a small byte-level BPE with the ChatML specials, trained
     on the shop dialogs (no download)."""
-    import envs
     import model as mdl
     from safetensors.torch import save_file
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     directory.mkdir(parents=True)
     texts = [m["content"] for f in sorted(data_dir.glob("matched_*.json"))
-             for r in envs.load_matched(f) for m in envs.record_messages(r)]
+             for r in lab_data.load_matched(f) for m in lab_data.record_messages(r)]
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
@@ -389,7 +388,6 @@ def tiny_checkpoint(directory: Path, data_dir: Path) -> Path:
 
 
 def test_pipeline_on_shop(tmp_path, monkeypatch, capsys):
-    import envs
     import model as mdl
     from lab import shop
     t_start = time.perf_counter()
@@ -423,13 +421,13 @@ def test_pipeline_on_shop(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(traces, "trace_forward", lambda *a: (calls.append(a[2]),
                                                              real_trace_forward(*a))[1])
     study.main(extract_args)
-    records = envs.load_matched(data / "matched_clean_train.json")
+    records = lab_data.load_matched(data / "matched_clean_train.json")
     assert len(calls) == len(records) - 8               # the two shards were not redone
     assert not target.with_name(target.name + ".parts").exists()
 
     # a failing record is reported by id and kept in the metadata; a rerun retries only it
     target = feats / "matched_clean_test.safetensors"
-    test_records = envs.load_matched(data / "matched_clean_test.json")
+    test_records = lab_data.load_matched(data / "matched_clean_test.json")
 
     def failing(net, ids, span):
         calls.append(span)
@@ -461,10 +459,10 @@ def test_pipeline_on_shop(tmp_path, monkeypatch, capsys):
 
     # the features file holds what one teacher-forced forward gives, and the record columns
     raw, meta = study.load_features(feats / "matched_contaminated_test.safetensors")
-    recs = envs.load_matched(data / "matched_contaminated_test.json")
+    recs = lab_data.load_matched(data / "matched_contaminated_test.json")
     net, tok = mdl.load_model(ckpt)
     for i in (0, len(recs) - 1):
-        ids, spans = tok.render(envs.record_messages(recs[i]))
+        ids, spans = tok.render(lab_data.record_messages(recs[i]))
         expect = probes.raw_features(real_trace_forward(net, ids, spans[-1]))
         for k, v in expect.items():
             torch.testing.assert_close(raw[k][i], v, msg=k)
@@ -475,7 +473,7 @@ def test_pipeline_on_shop(tmp_path, monkeypatch, capsys):
     assert meta["contamination_type"] == [r["contamination_type"] for r in recs]
     assert meta["dims"] == {"d": 16, "L": 4, "H": 4}
     # long sequences keep their last max_len tokens, the span shifted with them
-    full_ids, full_spans = tok.render(envs.record_messages(recs[0]))
+    full_ids, full_spans = tok.render(lab_data.record_messages(recs[0]))
     cut_ids, cut_span, cut = study.render_record(recs[0], tok, max_len=len(full_ids) - 7)
     assert cut == 7 and cut_ids == full_ids[7:]
     assert cut_span == (full_spans[-1][0] - 7, full_spans[-1][1] - 7)
@@ -490,7 +488,7 @@ def test_pipeline_on_shop(tmp_path, monkeypatch, capsys):
     rep = json.loads((feats / "report.json").read_text())
     assert rep["paper_ref"] is None                      # shop: no paper numbers
     assert rep["n_records"]["matched_diagnostic_test"] == len(
-        envs.load_matched(data / "matched_diagnostic_test.json"))
+        lab_data.load_matched(data / "matched_diagnostic_test.json"))
     for m in study.METHODS:
         assert 0 <= rep["detection"][m]["matched_clean_test"]["auroc"]["mean"] <= 1
         assert rep["detection"][m]["matched_diagnostic_test"]["auroc"]["mean"] is not None
@@ -530,7 +528,6 @@ def _env():
 
 
 def test_two_extracts_on_one_output_one_refuses_and_the_file_is_complete(shop_ckpt, tmp_path):
-    import envs
     import subprocess
     import sys
     data, ckpt = shop_ckpt
@@ -545,7 +542,7 @@ def test_two_extracts_on_one_output_one_refuses_and_the_file_is_complete(shop_ck
     assert len(refused) == 1, results
     assert f"{study.parts_dir(out)} is in use by pid" in refused[0]
     raw, meta = study.load_features(out)
-    n = len(envs.load_matched(data / "matched_clean_train.json"))
+    n = len(lab_data.load_matched(data / "matched_clean_train.json"))
     assert meta["n_records"] == n and meta["failed"] == [] and len(raw["label"]) == n
     assert raw["record_index"].tolist() == list(range(n))
     assert not study.parts_dir(out).exists()
@@ -632,9 +629,8 @@ def test_merge_refuses_to_write_an_incomplete_file(shop_ckpt, tmp_path, monkeypa
     assert not out.exists()
     monkeypatch.setattr(study, "_write_shard", real)
     study.main(argv)                              # the rerun extracts the lost records
-    import envs
     _, meta = study.load_features(out)
-    assert meta["n_records"] == len(envs.load_matched(data / "matched_clean_test.json"))
+    assert meta["n_records"] == len(lab_data.load_matched(data / "matched_clean_test.json"))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -713,8 +709,7 @@ def test_extraction_resumes_by_model_content_not_path(shop_ckpt, tmp_path, monke
     monkeypatch.setattr(traces, "trace_forward", lambda *a: (calls.append(a[2]), real(*a))[1])
     calls.clear()
     study.main(argv + ["--model", str(moved)])
-    import envs
-    n = len(envs.load_matched(data / "matched_clean_test.json"))
+    n = len(lab_data.load_matched(data / "matched_clean_test.json"))
     assert len(calls) == n - 4
     _, meta = study.load_features(out)
     assert meta["model_sha256"] == mdl.checkpoint_sha256(moved) \

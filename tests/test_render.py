@@ -4,7 +4,7 @@ by jinja2, and the assistant spans cover exactly the assistant contents."""
 import pytest
 
 import envs
-from lab import shop
+from lab import data as lab_data, shop
 
 jinja2 = pytest.importorskip("jinja2")
 from jinja2.sandbox import ImmutableSandboxedEnvironment  # noqa: E402
@@ -35,7 +35,7 @@ def template(qwen_tokenizer_dir):
 
 def _records(folder, name):
     if name.startswith("matched_"):
-        return envs.load_matched(folder / name)
+        return lab_data.load_matched(folder / name)
     return list(envs.load_episodes(folder / name).values())
 
 
@@ -45,7 +45,7 @@ def test_released_gta_dialogs_render_like_the_reference_template(name, release_d
     records = _records(release_dir / "gta", name)
     assert records
     for i, rec in enumerate(records):
-        messages = envs.record_messages(rec)
+        messages = lab_data.record_messages(rec)
         for gen in (False, True):
             expected = template.render(messages=messages, add_generation_prompt=gen)
             assert shop.chat_text(messages, add_generation_prompt=gen) == expected, (name, i)

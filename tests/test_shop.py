@@ -187,7 +187,7 @@ def test_long_world_gold_dialogs_replay_score_and_label():
     for i in range(len(env)):
         ep = env.episode(i)
         task = ep.task
-        assert ep.id == f"shop-long-3-test-{i}" and envs.shop_task_from_id(ep.id) == task
+        assert ep.id == f"shop-long-3-test-{i}" and shop.shop_task_from_id(ep.id) == task
         assert task.currency != "USD" and 3 <= len(task.lines) <= 5
         dialog = shop.long_dialog(task)
         pairs = lab_data.play_gold(ep, dialog)      # every tool call re-executed: same observations
@@ -364,7 +364,7 @@ def test_episodes_deterministic_and_splits_disjoint():
     assert not seeds("test", 5) & seeds("train", 6)
     val = envs.ShopEnv("val", seed=5, episodes=50)
     assert not set(val.ids) & (set(a.ids) | set(test.ids))
-    assert envs.shop_task_from_id(val.ids[3]) == val.episode(3).task
+    assert shop.shop_task_from_id(val.ids[3]) == val.episode(3).task
     with pytest.raises(ValueError, match="unknown split"):
         envs.ShopEnv("dev")
     with pytest.raises(KeyError, match="no episode"):
@@ -404,16 +404,16 @@ def test_make_data_says_what_it_wrote_in_the_users_file_mode(tmp_path, capsys, m
 def test_make_data_files_load_and_split_80_20(data):
     for split, n in (("train", 48), ("test", 12)):
         clean = envs.load_episodes(data / f"clean_{split}.json")
-        cont = envs.load_episodes(data / f"contaminated_{split}.json")
+        cont = lab_data.load_episodes(data / f"contaminated_{split}.json")
         assert list(clean) == list(cont) == [f"shop-7-{split}-{i}" for i in range(n)]
         for fam in ("clean", "contaminated"):
-            records = envs.load_matched(data / f"matched_{fam}_{split}.json")
+            records = lab_data.load_matched(data / f"matched_{fam}_{split}.json")
             assert all(r["tools"] == envs.SHOP_TOOLS for r in records)
         for eid, rec in clean.items():
-            task = envs.shop_task_from_id(eid)
+            task = shop.shop_task_from_id(eid)
             assert rec["dialogs"] == shop.shop_gold(task)[0]
             assert rec["gt_answer"] == {"whitelist": [[task.answer]], "blacklist": None}
-    assert len(envs.load_matched(data / "matched_diagnostic_test.json")) == 24
+    assert len(lab_data.load_matched(data / "matched_diagnostic_test.json")) == 24
 
 
 def test_contamination_follows_the_paper_procedure(data):
@@ -421,7 +421,7 @@ def test_contamination_follows_the_paper_procedure(data):
     for split in ("train", "test"):
         clean = load(data, f"clean_{split}.json")
         for eid, rec in load(data, f"contaminated_{split}.json").items():
-            task = envs.shop_task_from_id(eid)
+            task = shop.shop_task_from_id(eid)
             gold, cont = clean[eid]["dialogs"], rec["dialogs"]
             idx = rec["contaminated_turn_indices"]
             assert 1 <= len(idx) <= 2 and idx == sorted(set(idx))
@@ -450,7 +450,7 @@ def test_contamination_follows_the_paper_procedure(data):
                     new = collections.Counter(re.findall(r"\d+\.\d+", thought)) - \
                         collections.Counter(re.findall(r"\d+\.\d+", old_thought))
                     assert new and set(new) <= earlier
-    assert set(kinds) == set(envs.CONTAMINATION_TYPES), kinds
+    assert set(kinds) == set(lab_data.CONTAMINATION_TYPES), kinds
 
 
 def test_a_rewrite_right_by_coincidence_falls_back_to_another_kind():
@@ -491,7 +491,7 @@ def test_matched_records_mirror_the_release_and_labels_resimulate(data):
                 assert r["has_contaminated_prefix"] == any(i < t for i in idx)
                 want = dict(zip(idx, ep["contamination_types"])).get(t)
                 assert r["contamination_type"] == want
-                task = envs.shop_task_from_id(eid)
+                task = shop.shop_task_from_id(eid)
                 assert r["label"] == int(shop.shop_dialog_labels(task, r["dialogs"])[-1])
             assert c["label"] == x["label"] == int(t not in idx)
             seen[eid].append(t)
@@ -504,7 +504,7 @@ def test_contaminated_dialog_labels_match_episode_replay(data):
     # Stepping a contaminated dialog's texts through the environment gives the same labels:
     # the labeler reads what the policy wrote, never the recorded observations.
     for eid, rec in list(load(data, "contaminated_test.json").items())[:12]:
-        task = envs.shop_task_from_id(eid)
+        task = shop.shop_task_from_id(eid)
         ep = envs.ShopEpisode(eid, task)
         for m in rec["dialogs"]:
             if m["role"] == "assistant":
@@ -521,7 +521,7 @@ def test_diagnostic_set(data):
         ["consistent_incorrect", "inconsistent_correct"] * len(clean)
     for wrong, repair in zip(records[::2], records[1::2]):
         eid, j = wrong["episode_id"], cont[wrong["episode_id"]]["contaminated_turn_indices"][0]
-        task = envs.shop_task_from_id(eid)
+        task = shop.shop_task_from_id(eid)
         assert wrong["turn_idx"] == repair["turn_idx"] == j + 2
         assert (wrong["label"], wrong["prefix_type"], wrong["has_contaminated_prefix"]) == \
             (0, "clean", False)
@@ -583,7 +583,7 @@ def test_make_dispatches_to_shop():
     env = envs.ShopEnv("train", seed=3, episodes=5)
     assert isinstance(env, envs.ShopEnv) and len(env) == 5
     assert env.ids == [f"shop-3-train-{i}" for i in range(5)]
-    assert env.episode(4).task == envs.shop_task_from_id("shop-3-train-4")
+    assert env.episode(4).task == shop.shop_task_from_id("shop-3-train-4")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -748,7 +748,7 @@ def test_contaminated_corpus_is_the_recipes_training_set_of_every_traced_record(
     shop.make_shop_data(tmp_path, episodes=3, seed=onpolicy.PROBE_SEED)
     splits = {}
     for name in study.TRAIN_SPLITS["mixed"]:
-        recs = envs.load_matched(tmp_path / f"{name}.json")
+        recs = lab_data.load_matched(tmp_path / f"{name}.json")
         raws = []
         for r in recs:
             ids, span, _ = study.render_record(r, tok)
@@ -781,7 +781,7 @@ def test_kind_balanced_indices_balance_every_kind_that_has_both_classes():
 def test_heldout_auroc_reports_each_habit_at_its_own_turn_with_a_clean_prefix(monkeypatch):
     ids = {k: f"shop-long-42-test-{k}" for k in range(6)}
     # test-0: forget at turn 7; 1: store at 0; 2, 3, 5: divided at 7; 4: store at 0, forget at 7
-    assert [shop.slip_turns(envs.shop_task_from_id(ids[k])) for k in (0, 1, 2, 4)] == \
+    assert [shop.slip_turns(shop.shop_task_from_id(ids[k])) for k in (0, 1, 2, 4)] == \
         [{"forget": 7}, {"store": 0}, {"divided": 7}, {"store": 0, "forget": 7}]
     rows = [  # (episode, turn, right, distance to an earlier wrong turn, P(correct))
         (1, 0, 1, -1, 0.3), (4, 0, 0, -1, 0.6),     # store: the slip ranked above the right turn
