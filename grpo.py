@@ -1324,24 +1324,54 @@ def check_out(args) -> None:
 def prepare_out(args, procs) -> Path:
     out = Path(args.out)
     if procs.main:      # one run per --out: two would interleave metrics and checkpoints
-        claim(out)
+        lock(out)
         check_out(args)
         write_json(out / "args.json", vars(args))
     procs.barrier()
     return out
 
 
+_locks: dict[Path, object] = {}     # run directory (resolved) -> its lock file, open for the run
+
+
+def lock(out: Path) -> None:
+    """Make this process OUT's only writer: flock() on OUT/.lock, which the kernel drops when the
+    process dies (kill -9 included), so no lock goes stale; the pid inside names the holder."""
+    import fcntl                    # POSIX only
+    while out.resolve() not in _locks:
+        try:
+            out.mkdir(parents=True, exist_ok=True)
+            f = open(out / ".lock", "a+")           # "a+": the holder's pid stays readable
+        except OSError as e:
+            raise SystemExit(f"--out {out}: cannot write there ({e})") from None
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            f.seek(0)
+            raise SystemExit(f"{out} is in use by pid {f.read().strip() or '?'}; wait for that "
+                             "process to finish (or stop it), or write somewhere else") from None
+        # the file may have been removed (forget_failed) between open and flock: retry then
+        with contextlib.suppress(FileNotFoundError):
+            if os.path.samestat(os.fstat(f.fileno()), os.stat(out / ".lock")):
+                f.truncate(0)
+                f.write(f"{os.getpid()}\n")
+                f.flush()
+                _locks[out.resolve()] = f
+                break
+        f.close()
+
+
 def forget_failed(out) -> None:
     """A run that failed before logging anything leaves nothing behind: its args.json, lock
     and directory go (only while this process holds OUT)."""
     out = Path(out)
-    if not holds(out) or any((out / n).exists() for n in ("metrics.jsonl", "eval.jsonl")) \
-            or any(out.glob("checkpoint-*")):
+    if out.resolve() not in _locks or any(out.glob("checkpoint-*")) \
+            or any((out / n).exists() for n in ("metrics.jsonl", "eval.jsonl")):
         return
     (out / "args.json").unlink(missing_ok=True)
     shutil.rmtree(out / "refit", ignore_errors=True)
-    (out / LOCK_FILE).unlink(missing_ok=True)
-    release(out)
+    (out / ".lock").unlink(missing_ok=True)
+    _locks.pop(out.resolve()).close()
     with contextlib.suppress(OSError):
         out.rmdir()                     # only if nothing else is in it
 
@@ -1378,77 +1408,6 @@ def truncate_jsonl(path: Path, last_step: int):
     if path.exists():
         keep = [r for r in read_jsonl(path) if r["step"] <= last_step]
         model.write_atomic(path, "".join(json.dumps(r) + "\n" for r in keep))
-
-
-LOCK_FILE = ".lock"
-_claims: dict[str, list] = {}       # resolved directory -> [its open lock file, claim depth]
-
-
-def claim(directory, wait=None) -> Path:
-    """Make this process the only writer of `directory` (created if needed) until it exits or
-    release()s it; claims nest. One another process holds is refused with its pid, or, with
-    wait=log, waited for. flock() on DIRECTORY/.lock dies with its holder (kill -9 included):
-    no stale lock to judge. The file may be deleted while held: only the one at the path counts."""
-    import fcntl                    # POSIX only
-    directory = Path(directory)
-    if holds(directory):
-        _claims[str(directory.resolve())][1] += 1
-        return directory
-    for _ in range(100):
-        try:
-            directory.mkdir(parents=True, exist_ok=True)
-        except (FileExistsError, NotADirectoryError):
-            raise SystemExit(f"{directory}: not a directory (an output directory is needed "
-                             "here)") from None
-        except OSError as e:
-            raise SystemExit(f"{directory}: cannot create it ({e.strerror})") from None
-        try:
-            f = open(directory / LOCK_FILE, "a+")   # "a+": the holder's pid stays readable
-        except FileNotFoundError:                   # the directory was removed meanwhile
-            continue
-        except OSError as e:
-            raise SystemExit(f"{directory}: cannot write there ({e.strerror})") from None
-        try:
-            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            f.seek(0)
-            pid = f.read().strip() or "?"
-            if wait is None:
-                f.close()
-                raise SystemExit(f"{directory} is in use by pid {pid}; wait for that process to "
-                                 "finish (or stop it), or write somewhere else") from None
-            wait(f"{directory} is in use by pid {pid}: waiting for it", flush=True)
-            fcntl.flock(f, fcntl.LOCK_EX)
-        if _is_file_at(f, directory / LOCK_FILE):
-            f.truncate(0)
-            f.write(f"{os.getpid()}\n")
-            f.flush()
-            _claims[str(directory.resolve())] = [f, 1]
-            return directory
-        f.close()                                   # locked a file that was just deleted
-    raise SystemExit(f"{directory}: could not be locked (removed again and again meanwhile)")
-
-
-def release(directory) -> None:
-    key = str(Path(directory).resolve())
-    if key in _claims:
-        _claims[key][1] -= 1
-        if _claims[key][1] == 0:
-            _claims.pop(key)[0].close()             # closing the file drops the lock
-
-
-def holds(directory) -> bool:
-    """Whether this process holds the claim on `directory`."""
-    held = _claims.get(str(Path(directory).resolve()))
-    return held is not None and _is_file_at(held[0], Path(directory) / LOCK_FILE)
-
-
-def _is_file_at(f, path: Path) -> bool:
-    try:
-        a, b = os.fstat(f.fileno()), os.stat(path)
-    except FileNotFoundError:
-        return False
-    return (a.st_dev, a.st_ino) == (b.st_dev, b.st_ino)
 
 
 def save_checkpoint(out: Path, step: int, policy, optimizer, procs, lagged=None) -> Path:

@@ -46,6 +46,7 @@ import pair
 import probes
 from grpo import rollout
 from lab import shop, study, traces
+from lab import runs
 
 PROBE_SEED = 42
 
@@ -258,7 +259,7 @@ def shop_probes(args, policy, tok, procs, log) -> tuple[Path, dict]:
     fitted_by = "an earlier run" if done.is_file() else None
     if procs.main and not done.is_file():
         # two runs starting on one fresh cache (compare --jobs 2): the second waits, then reads
-        grpo.claim(root, wait=log)
+        runs.claim(root, wait=log)
         fitted_by = "another run, which this one waited for" if done.is_file() else None
     if procs.main and not done.is_file():
         t0 = time.perf_counter()
@@ -306,7 +307,7 @@ def shop_probes(args, policy, tok, procs, log) -> tuple[Path, dict]:
         shutil.rmtree(out, ignore_errors=True)
         os.replace(tmp, out)                # the directory appears complete or not at all
     if procs.main:
-        grpo.release(root)
+        runs.release(root)
     if procs.size > 1:                      # the other processes read what the main one wrote
         torch.distributed.barrier()
     try:
@@ -350,13 +351,13 @@ def heldout_turns(args, policy, tok, procs, log) -> study.Split:
     samples them once (half a minute for the built-in policy)."""
     path = heldout_path(args)
     if procs.main and not path.is_file():
-        grpo.claim(path.parent, wait=log)
+        runs.claim(path.parent, wait=log)
         if not path.is_file():
             log(f"sampling the held-out own turns once ({path}):", flush=True)
             save_heldout(sample_own_turns(policy, tok, envs.ShopEnv("val", world=args.env),
                                           args.corpus_heldout, args.corpus_samples, args,
                                           PROBE_SEED + 1, log), path)
-        grpo.release(path.parent)
+        runs.release(path.parent)
     if procs.size > 1:                      # the other processes read what the main one wrote
         torch.distributed.barrier()
     tensors, meta = probes.read_safetensors(path, "held-out turns")
