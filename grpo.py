@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import hashlib
 import json
 import math
 import os
@@ -258,7 +257,9 @@ HOOKS = {name: [] for name in (
     "step",         # (run, step): before each step
     "trained",      # (run, step, trajs): after each update -> metrics to log, or None
     "resume",       # (run, start step)
-    "checkpoint")}  # (run, step): after each checkpoint
+    "checkpoint",   # (run, step): after each checkpoint
+    "evaluate",     # (run, step): a held-out evaluation kept from elsewhere, or None
+    "evaluated")}   # (run, step, ev): after each held-out evaluation
 PROG = "python grpo.py"     # how the command line that runs this file is spelled in messages
 
 
@@ -871,22 +872,16 @@ def resume(run: Training) -> int:
 
 def evaluate_and_log(run: Training, step: int, done: set, seconds: list):
     """Evaluate the policy at `step` on the held-out splits into eval.jsonl, unless done or
-    --no-eval (step 0: from base_eval_cache when there). `seconds`: each evaluation's time."""
+    --no-eval; `seconds`: each evaluation's time. The lab may hand in one it kept ("evaluate")."""
     args, procs = run.args, run.procs
     if args.no_eval or step in done:
         return
     t = time.perf_counter()
-    cache = base_eval_cache(run.policy, args, procs) if step == 0 else None
-    if cache is not None and cache.is_file():
-        ev = json.loads(cache.read_text())
-        run.log(f"base model: evaluated by an earlier run of this policy with these evaluation "
-                f"settings ({cache})", flush=True)
-    else:
+    ev = next((e for e in hook("evaluate", run, step) if e is not None), None)
+    if ev is None:
         ev = evaluate_all(step, run.policy, run.tok, run.held, args, procs)
         seconds.append(time.perf_counter() - t)
-        if cache is not None:
-            cache.parent.mkdir(parents=True, exist_ok=True)
-            write_json(cache, ev)
+        hook("evaluated", run, step, ev)
     if procs.main:
         append_jsonl(run.out / "eval.jsonl", ev)
     done.add(step)
@@ -1571,20 +1566,6 @@ def evaluate_all(step: int, policy, tok, held: dict, args, procs) -> dict:
                              for name, (env, pool) in held.items()}}
 
 
-def base_eval_cache(policy, args, procs) -> Path | None:
-    """Where the base model's evaluation is kept for later runs (greedy decoding of a fixed pool
-    is the same in every run of one policy and settings), keyed on all the rollouts depend on,
-    threads and batch included (float summation order). Built-in worlds only."""
-    if args.env not in envs.WORLDS or procs.size > 1:
-        return None
-    settings = {"val": args.val_episodes, "test": args.eval_episodes, "batch": args.eval_batch,
-                "max_turns": args.max_turns, "max_new_tokens": args.max_new_tokens,
-                "max_len": args.max_len, "dtype": args.dtype, "devices": args.devices,
-                "threads": torch.get_num_threads(), "scoring": envs.SHOP_SCORING}
-    return (model.cache_root() / "grpo-base-eval" /
-            f"{args.env}-{policy_hash(policy.checkpoint_dir)}-{settings_hash(settings)}.json")
-
-
 def scorable(env) -> list[int]:
     """Indices of the episodes that can be scored (GTA skips some, METHOD.md §10; shop none)."""
     if isinstance(env, envs.ShopEnv):
@@ -1656,22 +1637,6 @@ def summary_text(s: dict) -> str:
     if s["selected_adapter"]:
         lines.append(f"selected adapter (PEFT layout): {s['selected_adapter']}")
     return "\n".join(lines)
-
-
-PROBES_FORMAT = "grpo-probes/3"   # 3: the on-policy corpus balanced within each kind of turn
-
-
-def policy_hash(model_dir) -> str:
-    """The key of everything cached for one policy: model.checkpoint_sha256 of its files."""
-    try:
-        digest = model.checkpoint_sha256(model_dir)
-    except model.CheckpointError as e:
-        raise SystemExit(f"{model_dir}: nothing to key this policy's cache on ({e})") from None
-    return hashlib.sha256(f"{PROBES_FORMAT}\0{digest}".encode()).hexdigest()[:16]
-
-
-def settings_hash(settings: dict) -> str:
-    return hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:12]
 
 
 def write_json(path: Path, obj, indent: int = 1) -> None:

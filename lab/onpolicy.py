@@ -45,8 +45,7 @@ import model
 import pair
 import probes
 from grpo import rollout
-from lab import shop, study, traces
-from lab import runs
+from lab import runs, shop, study, traces
 
 PROBE_SEED = 42
 
@@ -253,8 +252,8 @@ def shop_probes(args, policy, tok, procs, log) -> tuple[Path, dict]:
     and its report: AUROC on held-out own turns, next to the contaminated corpus's PAIR.
     grpo.py calls it with its args and its processes (grpo.Processes)."""
     settings = probe_settings(args)
-    root = model.cache_root() / "grpo-probes" / f"{args.env}-{grpo.policy_hash(args.model)}"
-    out = root / f"{args.probe_corpus}-{grpo.settings_hash(settings)}"
+    root = model.cache_root() / "grpo-probes" / f"{args.env}-{runs.policy_hash(args.model)}"
+    out = root / f"{args.probe_corpus}-{runs.settings_hash(settings)}"
     done = out / "probes.json"
     fitted_by = "an earlier run" if done.is_file() else None
     if procs.main and not done.is_file():
@@ -297,7 +296,7 @@ def shop_probes(args, policy, tok, procs, log) -> tuple[Path, dict]:
         shutil.rmtree(tmp, ignore_errors=True)
         for name, m in fitted.items():        # pair/ is a directory, each probe one file
             m.save(tmp / ("pair" if name == "pair" else f"{name}.safetensors"))
-        report = {"format": grpo.PROBES_FORMAT, "settings": settings,
+        report = {"format": runs.PROBES_FORMAT, "settings": settings,
                   "n_train": len(corpora[args.probe_corpus].y),
                   "n_train_correct": int(corpora[args.probe_corpus].y.sum()),
                   "heldout": heldout_auroc(fitted, heldout),
@@ -330,9 +329,9 @@ HELDOUT_FORMAT = "heldout-turns/1"
 def heldout_path(args) -> Path:
     """Where the held-out own turns of this policy are kept: beside its probes, keyed on what
     they depend on (the sampling, the labelling rules)."""
-    key = grpo.settings_hash({"format": HELDOUT_FORMAT, "own": own_turns_settings(args),
+    key = runs.settings_hash({"format": HELDOUT_FORMAT, "own": own_turns_settings(args),
                               "labels": envs.SHOP_SCORING})
-    return (model.cache_root() / "grpo-probes" / f"{args.env}-{grpo.policy_hash(args.model)}" /
+    return (model.cache_root() / "grpo-probes" / f"{args.env}-{runs.policy_hash(args.model)}" /
             f"heldout-{key}.safetensors")
 
 
@@ -679,6 +678,38 @@ def played(run, trajs, t: dict) -> None:
     t["t_base_read"] += time.perf_counter() - t0
 
 
+def base_eval_cache(policy, args, procs) -> Path | None:
+    """Where the base model's evaluation is kept for later runs (greedy decoding of a fixed pool
+    is the same in every run of one policy and settings), keyed on all the rollouts depend on,
+    threads and batch included (float summation order). Built-in worlds only."""
+    if args.env not in envs.WORLDS or procs.size > 1:
+        return None
+    settings = {"val": args.val_episodes, "test": args.eval_episodes, "batch": args.eval_batch,
+                "max_turns": args.max_turns, "max_new_tokens": args.max_new_tokens,
+                "max_len": args.max_len, "dtype": args.dtype, "devices": args.devices,
+                "threads": torch.get_num_threads(), "scoring": envs.SHOP_SCORING}
+    key = f"{runs.policy_hash(policy.checkpoint_dir)}-{runs.settings_hash(settings)}"
+    return model.cache_root() / "grpo-base-eval" / f"{args.env}-{key}.json"
+
+
+def cached_base_eval(run, step: int) -> dict | None:
+    """grpo.py's "evaluate" hook: the base model's evaluation by an earlier run, if any."""
+    cache = base_eval_cache(run.policy, run.args, run.procs) if step == 0 else None
+    if cache is None or not cache.is_file():
+        return None
+    run.log(f"base model: evaluated by an earlier run of this policy with these evaluation "
+            f"settings ({cache})", flush=True)
+    return json.loads(cache.read_text())
+
+
+def keep_base_eval(run, step: int, ev: dict) -> None:
+    """grpo.py's "evaluated" hook: keep the base model's evaluation for later runs."""
+    cache = base_eval_cache(run.policy, run.args, run.procs) if step == 0 else None
+    if cache is not None:
+        cache.parent.mkdir(parents=True, exist_ok=True)
+        grpo.write_json(cache, ev)
+
+
 def main(argv=None) -> None:
     """python -m lab.onpolicy --env shop: fit the built-in policy's probes as the default run
     fits them (its flags, preset and seed) and write them beside it, in data/<policy>/probes/,
@@ -735,6 +766,8 @@ def register() -> None:
     grpo.HOOKS["trained"].append(after_step)
     grpo.HOOKS["resume"].append(on_resume)
     grpo.HOOKS["checkpoint"].append(at_checkpoint)
+    grpo.HOOKS["evaluate"].append(cached_base_eval)
+    grpo.HOOKS["evaluated"].append(keep_base_eval)
 
 
 if __name__ == "__main__":

@@ -1,11 +1,16 @@
-"""Run-management helpers of the lab's scripts: argparse types, a claimed directory, a clock."""
+"""Run-management helpers of the lab's scripts: argparse types, a claimed directory, a clock,
+the keys of the caches kept across runs."""
 from __future__ import annotations
 
 import argparse
 import contextlib
+import hashlib
+import json
 import math
 import os
 from pathlib import Path
+
+import model
 
 
 def positive_number(text: str) -> float:
@@ -45,6 +50,10 @@ def exclusive_dir(directory):
 def hms(seconds: float) -> str:
     seconds = int(seconds)
     return f"{seconds // 3600}h{seconds // 60 % 60:02d}m{seconds % 60:02d}s"
+
+
+LOCK_FILE = ".lock"
+_claims: dict[str, list] = {}       # resolved directory -> [its open lock file, claim depth]
 
 
 def claim(directory, wait=None) -> Path:
@@ -114,7 +123,21 @@ def _is_file_at(f, path: Path) -> bool:
     return (a.st_dev, a.st_ino) == (b.st_dev, b.st_ino)
 
 
-_claims: dict[str, list] = {}       # resolved directory -> [its open lock file, claim depth]
 
 
-LOCK_FILE = ".lock"
+PROBES_FORMAT = "grpo-probes/3"   # 3: the on-policy corpus balanced within each kind of turn
+
+
+def policy_hash(model_dir) -> str:
+    """The key of everything cached for one policy: model.checkpoint_sha256 of its files."""
+    try:
+        digest = model.checkpoint_sha256(model_dir)
+    except model.CheckpointError as e:
+        raise SystemExit(f"{model_dir}: nothing to key this policy's cache on ({e})") from None
+    return hashlib.sha256(f"{PROBES_FORMAT}\0{digest}".encode()).hexdigest()[:16]
+
+
+def settings_hash(settings: dict) -> str:
+    return hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:12]
+
+
