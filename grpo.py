@@ -2,7 +2,8 @@
 
     python grpo.py --reward pair                   # shop, built-in policy, its shipped probes
     python grpo.py --reward outcome --out runs/o   # the sparse baseline, same budget
-    python grpo.py --env gta --model Qwen/Qwen2.5-7B-Instruct --probes runs/pair-gta --reward pair
+    python grpo.py --env gta --model Qwen/Qwen2.5-7B-Instruct --devices cuda:0,cuda:1 \
+        --probes runs/pair-gta/seed42/pair_mixed     # the paper's setting
     python -m lab.train --reward igpo ...          # the lab's rewards, searches, torchrun (lab/)
 
 One step:
@@ -289,23 +290,27 @@ def with_outcome(rewards: list[float | None], score: float, args) -> list[float 
 
 
 def reward_context(args, policy, tok, env, procs, log) -> RewardContext:
-    """Load (or, through the lab, fit once and cache) whatever the `--reward` function reads."""
+    """Load whatever the `--reward` function reads: --probes (a PAIR directory, a probe file or
+    a directory of them), the lab's ("context": fitted on the fly, a study's), or the shipped."""
     ctx = RewardContext(policy, tok, args, env=env)
     if args.reward not in READS_PROBE:
         return ctx
-    if args.probes:
-        where = seed_dir(Path(args.probes), log)
-    elif (fitted := [w for w in hook("context", args, policy, tok, procs, log) if w]):
-        where, ctx.probe_report = fitted[0]     # the lab's probes, fitted on the fly
+    if (found := [w for w in hook("context", args, policy, tok, procs, log) if w]):
+        where, ctx.probe_report = found[0]
+    elif args.probes:
+        where = Path(args.probes)
     else:
         where, ctx.probe_report = shipped_probes(args, log)
     if args.reward == "pair":
-        path = find_pair_dir(where)
+        path = next((d for d in (where, where / "pair") if (d / "pair.json").is_file()), None)
+        if path is None:
+            raise SystemExit(f"--probes {where}: no pair.json there nor in pair/ of it{STUDY}")
         ctx.pair = pair.Pair.load(path)
     else:
         path = where / f"{args.reward}.safetensors" if where.is_dir() else where
         if not path.is_file():
-            raise SystemExit(f"--probes {where}: no probe {path.name} for --reward {args.reward}")
+            raise SystemExit(f"--probes {where}: no probe {path.name} for --reward "
+                             f"{args.reward}{STUDY}")
         ctx.probe = probes.Probe.load(path)
     if args.probes:                     # fitted for this policy? (before any evaluation)
         pair.check_probe_model(path, policy.checkpoint_dir)
@@ -313,6 +318,11 @@ def reward_context(args, policy, tok, env, procs, log) -> RewardContext:
         raise SystemExit(f"--probes {path}: a {name} probe, not {args.reward}")
     check_widths(ctx, policy.config, path)
     return ctx
+
+
+# a `python -m lab.study train --out DIR` directory holds DIR/seed<S>/pair_mixed/ and the probes
+STUDY = ("; `python -m lab.study train --out DIR` fits them into DIR/seed<S>/ (PAIR: its "
+         "pair_mixed/), and `python -m lab.train --probes DIR` reads DIR itself")
 
 
 def shipped_probes(args, log) -> tuple[Path, dict]:
@@ -355,34 +365,6 @@ def check_widths(ctx: RewardContext, config, where: Path):
             raise SystemExit(f"{where}: the {part} probe reads {have[part]} features, this "
                              f"policy gives {n} (d={d}, L={L}, H={H}): fitted on another model, "
                              "or damaged")
-
-
-def seed_dir(where: Path, log) -> Path:
-    """`python -m lab.study train --out DIR` fits the probes into DIR/seed<S>/: take the
-    smallest seed and say so. Any other path is used as it is."""
-    seeds = sorted((int(p.name[4:]), p) for p in (where.glob("seed*") if where.is_dir() else ())
-                   if p.name[4:].isdigit() and p.is_dir())
-    if not seeds:
-        return where
-    seed, chosen = seeds[0]
-    log(f"--probes {where}: the probes of seed {seed} ({chosen}), the smallest of "
-        f"{', '.join(str(s) for s, _ in seeds)}; --probes {where / 'seed<S>'} takes another",
-        flush=True)
-    return chosen
-
-
-# Where PAIR lies in a probes directory, first found first: the paper's training mode, the
-# probes fitted on the fly, the clean_only mode
-PAIR_DIRS = ("pair_mixed", "pair", "pair_clean_only")
-
-
-def find_pair_dir(where: Path) -> Path:
-    for d in (where, *(where / name for name in PAIR_DIRS)):
-        if (d / "pair.json").is_file():
-            return d
-    raise SystemExit(f"--probes {where}: no pair.json there nor in "
-                     f"{', '.join(n + '/' for n in PAIR_DIRS)} of it: train PAIR with "
-                     "`python -m lab.study train`")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -1089,8 +1071,7 @@ def train_parser(rewards) -> argparse.ArgumentParser:
       help="release = the authors' release as it ran: --weight-decay 0.01, --warmup 0, --top-p "
            "0.95, --advantage release; flags given win")
     a("--probes", default=None,
-      help="trained probes: a `python -m lab.study train --out` directory (its smallest seed<S>/)"
-           " or one seed<S>/ of it, a PAIR directory, a probe file (default on shop: shipped "
+      help="a PAIR directory, a probe file or a directory of them (default on shop: shipped "
            "beside the built-in policy)")
     g = ap.add_argument_group("rollout")
     preset_flag(g, "steps", "training steps")

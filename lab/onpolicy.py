@@ -564,7 +564,7 @@ def refit_head(run: grpo.Training, step: int) -> dict:
 def fit_on_the_fly(args, policy, tok, procs, log):
     """The probes of a built-in world's policy fitted for these settings (shop_probes), unless
     the ones shipped beside it are those: None then, and grpo.py reads the shipped ones."""
-    if args.env not in envs.WORLDS:
+    if args.probes or args.env not in envs.WORLDS:
         return None
     shipped = Path(args.model) / "probes" / "probes.json"
     if grpo.is_builtin(args) and shipped.is_file() and \
