@@ -139,7 +139,7 @@ def sample_own_turns(policy, tok, env, n_episodes: int, samples: int, args, seed
     g = torch.Generator(device=policy.model.embed_tokens.weight.device).manual_seed(seed)
     # 16 rows a call: a call decodes until its slowest row is done, so wider calls wait longer
     trajs, rows, t0 = [], 16, time.perf_counter()
-    pacer = grpo.Pacer(len(episodes), sys.stdout)
+    pacer = runs.Pacer(len(episodes), sys.stdout)
     with model.lora_disabled(policy):
         for a in range(0, len(episodes), rows):
             batch = [env.episode(i) for i in episodes[a:a + rows]]

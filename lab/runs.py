@@ -8,6 +8,7 @@ import hashlib
 import json
 import math
 import os
+import time
 from pathlib import Path
 
 import model
@@ -141,3 +142,20 @@ def settings_hash(settings: dict) -> str:
     return hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:12]
 
 
+class Pacer:
+    """When the next progress line is due: on a terminal every `every` seconds; into a file or
+    pipe at most one per 30 s and per 10% of the work. The end of the work is always due."""
+
+    def __init__(self, total: float, stream, every: float = 5.0, clock=time.monotonic):
+        self.tty = bool(getattr(stream, "isatty", lambda: False)())
+        self.total, self.clock = total, clock
+        self.every, self.least = (every, 0.0) if self.tty else (30.0, total / 10)
+        self.last_time, self.last_done = clock(), 0.0
+
+    def due(self, done: float) -> bool:
+        now = self.clock()
+        if done >= self.total or (now - self.last_time >= self.every
+                                  and done - self.last_done >= self.least):
+            self.last_time, self.last_done = now, done
+            return True
+        return False

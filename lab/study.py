@@ -163,7 +163,7 @@ def _extract_parts(net, tokenizer, records, data_path, parts, out_path, manifest
           f"extract {data_path.name}: {len(records)} records", file=log)
 
     failed, buffer, n_reused = [], [], 0
-    t0, pacer = time.perf_counter(), grpo.Pacer(len(todo), log)
+    t0, pacer = time.perf_counter(), runs.Pacer(len(todo), log)
     for n_new, i in enumerate(todo, 1):
         record = records[i]
         rid = f"{record['episode_id']}@{record['turn_idx']}"
