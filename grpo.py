@@ -2,24 +2,17 @@
 
     python grpo.py --reward pair                   # shop, built-in policy, its shipped probes
     python grpo.py --reward outcome --out runs/o   # the sparse baseline, same budget
-    python grpo.py --env gta --model Qwen/Qwen2.5-7B-Instruct --probes runs/pair-gta --reward pair
+    python grpo.py --env gta --model Qwen/Qwen2.5-7B-Instruct --devices cuda:0,cuda:1 \
+        --probes runs/pair-gta/seed42/pair_mixed     # the paper's setting
     python -m lab.train --reward igpo ...          # the lab's rewards, searches, torchrun (lab/)
 
-One step:
- 1. Rollout: --batch prompts x --group G rollouts (paper: 1 x 4) of up to --max-turns turns,
-    one KV cache per group for the whole episode; the statistics the internal rewards read
-    (hidden states, METHOD.md §4's attention statistics) come from that generation pass.
- 2. Rewards: one r_{i,t} per assistant turn from --reward (REWARDS); PAIR: s_final per turn
-    (pair.Pair.scores), then pair.trajectory_rewards. --outcome-weight w adds w x the task
-    score to the last turn's.
- 3. Advantages (DeepSeekMath process supervision): r^ = (r - mean) / (std + 1e-6) over the
-    group's pooled rewards (population std), A_{i,t} = sum_{k>=t} r^_{i,k}. An all-equal group
-    gives A = 0 (frac_zero_std). --advantage release: the authors' form (release_advantages).
- 4. Update: per policy token -min(rho A, clip(rho, 1-eps, 1+eps) A) + beta KL_k3(pi || pi_ref),
-    rho = exp(logp - logp_old), KL_k3 = exp(logp_ref - logp) - (logp_ref - logp) - 1, pi_ref =
-    the adapter-disabled model; summed over the batch's policy tokens (<|im_end|> included) and
-    divided by their number. AdamW on LoRA (r 16, alpha 32, dropout 0.05, on q,k,v,o,gate,up,
-    down), lr constant after a 5% warmup, grad-norm clip 1.0.
+One step: (1) rollout: --batch prompts x --group G rollouts of up to --max-turns turns, one KV
+cache per group, the statistics the probes read taken from that generation pass; (2) rewards:
+one r_{i,t} per assistant turn from --reward (PAIR: pair.trajectory_rewards of each turn's
+s_final), plus --outcome-weight x the task score on the last; (3) advantages: group_advantages
+(DeepSeekMath process supervision) or release_advantages (--advantage release); (4) update:
+PPO-clip + beta KL_k3 to the adapter-disabled model, normalized over the batch's policy tokens
+(grpo_loss), one AdamW step on the LoRA adapter, lr constant after warmup, grad-norm clip.
 
 Departures from textbook GRPO: one PPO epoch as in the paper (rho = 1 in value; --ppo-epochs K
 re-uses the batch); token-level normalization over the batch (DAPO / Dr. GRPO); rewards on
@@ -27,16 +20,14 @@ turns; the KL reference is the adapter-disabled base (no second model); log pi a
 temperature (T = 1 with --advantage release, as the release).
 
 The lab (lab/; it imports this file, never the reverse) plugs in through REWARDS, ADVANTAGES,
-PLAYERS, LOSSES and HOOKS. Checkpoints hold the PEFT adapter, optimizer, RNG states and step,
-written atomically; --resume gives the metrics of an uninterrupted run. The base model and each
-checkpoint are evaluated greedily on validation (selects) and test (reports). OUT holds
-metrics.jsonl, eval.jsonl and summary.json.
+PLAYERS, LOSSES and HOOKS. Checkpoints (adapter, optimizer, RNG states) make --resume exact;
+the base model and each checkpoint are evaluated greedily on validation (selects) and test
+(reports). OUT holds metrics.jsonl, eval.jsonl and summary.json.
 """
 from __future__ import annotations
 
 import argparse
 import contextlib
-import hashlib
 import json
 import math
 import os
@@ -59,12 +50,8 @@ import model
 import pair
 import probes
 
-ROOT = Path(__file__).resolve().parent
 
-
-# ---------------------------------------------------------------------------------------------
-# 1. Rollout: G rollouts of one prompt played together, one KV cache for the whole episode
-# ---------------------------------------------------------------------------------------------
+# --- 1. Rollout: G rollouts of one prompt played together, one KV cache for the whole episode ----
 
 @dataclass
 class Step:                         # one assistant turn of one rollout
@@ -176,9 +163,7 @@ def play(policy, tok, trajs: list[Trajectory], cache, new: list[list[int]], args
         traj.score = 0.0 if score is None else float(score)
 
 
-# ---------------------------------------------------------------------------------------------
-# 2. Rewards: one per assistant turn; `--reward` name -> function(trajectory, ctx)
-# ---------------------------------------------------------------------------------------------
+# --- 2. Rewards: one per assistant turn; `--reward` name -> function(trajectory, ctx) ------------
 # Each returns a float per turn, or None for a turn without reward (outcome: all but the last);
 # those that read a frozen probe (READS_PROBE) return (rewards, each turn's P(correct)), which
 # the drift monitor scores against the exact labels.
@@ -258,7 +243,9 @@ HOOKS = {name: [] for name in (
     "step",         # (run, step): before each step
     "trained",      # (run, step, trajs): after each update -> metrics to log, or None
     "resume",       # (run, start step)
-    "checkpoint")}  # (run, step): after each checkpoint
+    "checkpoint",   # (run, step): after each checkpoint
+    "evaluate",     # (run, step): a held-out evaluation kept from elsewhere, or None
+    "evaluated")}   # (run, step, ev): after each held-out evaluation
 PROG = "python grpo.py"     # how the command line that runs this file is spelled in messages
 
 
@@ -288,23 +275,27 @@ def with_outcome(rewards: list[float | None], score: float, args) -> list[float 
 
 
 def reward_context(args, policy, tok, env, procs, log) -> RewardContext:
-    """Load (or, through the lab, fit once and cache) whatever the `--reward` function reads."""
+    """Load whatever the `--reward` function reads: --probes (a PAIR directory, a probe file or
+    a directory of them), the lab's ("context": fitted on the fly, a study's), or the shipped."""
     ctx = RewardContext(policy, tok, args, env=env)
     if args.reward not in READS_PROBE:
         return ctx
-    if args.probes:
-        where = seed_dir(Path(args.probes), log)
-    elif (fitted := [w for w in hook("context", args, policy, tok, procs, log) if w]):
-        where, ctx.probe_report = fitted[0]     # the lab's probes, fitted on the fly
+    if (found := [w for w in hook("context", args, policy, tok, procs, log) if w]):
+        where, ctx.probe_report = found[0]
+    elif args.probes:
+        where = Path(args.probes)
     else:
         where, ctx.probe_report = shipped_probes(args, log)
     if args.reward == "pair":
-        path = find_pair_dir(where)
+        path = next((d for d in (where, where / "pair") if (d / "pair.json").is_file()), None)
+        if path is None:
+            raise SystemExit(f"--probes {where}: no pair.json there nor in pair/ of it{STUDY}")
         ctx.pair = pair.Pair.load(path)
     else:
         path = where / f"{args.reward}.safetensors" if where.is_dir() else where
         if not path.is_file():
-            raise SystemExit(f"--probes {where}: no probe {path.name} for --reward {args.reward}")
+            raise SystemExit(f"--probes {where}: no probe {path.name} for --reward "
+                             f"{args.reward}{STUDY}")
         ctx.probe = probes.Probe.load(path)
     if args.probes:                     # fitted for this policy? (before any evaluation)
         pair.check_probe_model(path, policy.checkpoint_dir)
@@ -312,6 +303,11 @@ def reward_context(args, policy, tok, env, procs, log) -> RewardContext:
         raise SystemExit(f"--probes {path}: a {name} probe, not {args.reward}")
     check_widths(ctx, policy.config, path)
     return ctx
+
+
+# a `python -m lab.study train --out DIR` directory holds DIR/seed<S>/pair_mixed/ and the probes
+STUDY = ("; `python -m lab.study train --out DIR` fits them into DIR/seed<S>/ (PAIR: its "
+         "pair_mixed/), and `python -m lab.train --probes DIR` reads DIR itself")
 
 
 def shipped_probes(args, log) -> tuple[Path, dict]:
@@ -356,37 +352,7 @@ def check_widths(ctx: RewardContext, config, where: Path):
                              "or damaged")
 
 
-def seed_dir(where: Path, log) -> Path:
-    """`python -m lab.study train --out DIR` fits the probes into DIR/seed<S>/: take the
-    smallest seed and say so. Any other path is used as it is."""
-    seeds = sorted((int(p.name[4:]), p) for p in (where.glob("seed*") if where.is_dir() else ())
-                   if p.name[4:].isdigit() and p.is_dir())
-    if not seeds:
-        return where
-    seed, chosen = seeds[0]
-    log(f"--probes {where}: the probes of seed {seed} ({chosen}), the smallest of "
-        f"{', '.join(str(s) for s, _ in seeds)}; --probes {where / 'seed<S>'} takes another",
-        flush=True)
-    return chosen
-
-
-# Where PAIR lies in a probes directory, first found first: the paper's training mode, the
-# probes fitted on the fly, the clean_only mode
-PAIR_DIRS = ("pair_mixed", "pair", "pair_clean_only")
-
-
-def find_pair_dir(where: Path) -> Path:
-    for d in (where, *(where / name for name in PAIR_DIRS)):
-        if (d / "pair.json").is_file():
-            return d
-    raise SystemExit(f"--probes {where}: no pair.json there nor in "
-                     f"{', '.join(n + '/' for n in PAIR_DIRS)} of it: train PAIR with "
-                     "`python -m lab.study train`")
-
-
-# ---------------------------------------------------------------------------------------------
-# 3. Advantages (METHOD.md §9: DeepSeekMath process supervision)
-# ---------------------------------------------------------------------------------------------
+# --- 3. Advantages (METHOD.md §9: DeepSeekMath process supervision) ------------------------------
 
 @dataclass
 class Batch:                        # what the update consumes: rollouts right-padded into rows
@@ -485,9 +451,7 @@ def make_batch(trajs: list[Trajectory], advantages: list[list[float]], pad_id: i
                  n_seqs, per_turn, n_turns)
 
 
-# ---------------------------------------------------------------------------------------------
-# 4. Update: PPO-clip + k3 KL, token-normalized, AdamW on LoRA
-# ---------------------------------------------------------------------------------------------
+# --- 4. Update: PPO-clip + k3 KL, token-normalized, AdamW on LoRA --------------------------------
 
 def grpo_loss(logp, logp_old, logp_ref, adv, eps: float, beta: float, n_tokens: float):
     """METHOD.md §9: sum over N policy tokens (inputs (N,)) of
@@ -602,9 +566,7 @@ def update(policy, optimizer, batch: Batch, args, procs) -> dict:
             "empty_batch": 0, "skipped_updates": skipped}
 
 
-# ---------------------------------------------------------------------------------------------
-# 5. The training loop: steps of rollout -> rewards -> advantages -> update, checkpoints between
-# ---------------------------------------------------------------------------------------------
+# --- 5. The training loop: steps of rollout -> rewards -> advantages -> update, checkpoints between 
 
 def prompt_index(seed: int, g: int, n: int) -> int:
     """The training episode of the g-th prompt of the run: a fresh permutation every pass."""
@@ -871,22 +833,16 @@ def resume(run: Training) -> int:
 
 def evaluate_and_log(run: Training, step: int, done: set, seconds: list):
     """Evaluate the policy at `step` on the held-out splits into eval.jsonl, unless done or
-    --no-eval (step 0: from base_eval_cache when there). `seconds`: each evaluation's time."""
+    --no-eval; `seconds`: each evaluation's time. The lab may hand in one it kept ("evaluate")."""
     args, procs = run.args, run.procs
     if args.no_eval or step in done:
         return
     t = time.perf_counter()
-    cache = base_eval_cache(run.policy, args, procs) if step == 0 else None
-    if cache is not None and cache.is_file():
-        ev = json.loads(cache.read_text())
-        run.log(f"base model: evaluated by an earlier run of this policy with these evaluation "
-                f"settings ({cache})", flush=True)
-    else:
+    ev = next((e for e in hook("evaluate", run, step) if e is not None), None)
+    if ev is None:
         ev = evaluate_all(step, run.policy, run.tok, run.held, args, procs)
         seconds.append(time.perf_counter() - t)
-        if cache is not None:
-            cache.parent.mkdir(parents=True, exist_ok=True)
-            write_json(cache, ev)
+        hook("evaluated", run, step, ev)
     if procs.main:
         append_jsonl(run.out / "eval.jsonl", ev)
     done.add(step)
@@ -948,10 +904,7 @@ def check_args(args: argparse.Namespace) -> None:
     hook("check", args)
 
 
-# ---------------------------------------------------------------------------------------------
-# The run around the loop: flags and presets, processes, run directory, checkpoints,
-# evaluation, summary
-# ---------------------------------------------------------------------------------------------
+# --- The run: flags and presets, processes, run directory, checkpoints, evaluation, summary ----
 
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
     """Every default in --help but "(default: None)": such a flag's help says what decides it."""
@@ -976,7 +929,7 @@ THREADS = (lambda v: 1 <= v <= (os.cpu_count() or 1)), \
 
 def check_ranges(ap: argparse.ArgumentParser, args, ranges: dict) -> None:
     """ap.error for the first flag of `ranges` (name -> (test, what)) whose value, or one of its
-    values, fails its test; a flag left at None is not checked (nan fails every test)."""
+    values, fails its test; None is not checked, nan fails every test."""
     for name, (ok, what) in ranges.items():
         value = getattr(args, name)
         for v in value if isinstance(value, list) else [value]:
@@ -988,15 +941,15 @@ PAPER_HPARAMS = dict(batch=1, group=4, max_turns=10, max_new_tokens=1024, temper
                      top_p=1.0, lr=3e-7, warmup=0.05, beta=0.01, eps=0.2, steps=500,
                      save_every=50, lora_r=16, lora_alpha=32.0, lora_dropout=0.05, oversample=1,
                      eval_batch=16)
-# The built-in policy (~0.3M parameters, short turns): T = 0.7, closer to its greedy evaluation
-# and far less rambling; four prompts a step, so a step rarely has no informative group; lr 3e-4
-# (1e-3 erodes held-out success within 10 steps); no LoRA dropout (only noise at this size); one
-# torch thread (two ran 1.8x to 40x slower beside any busy process). The rest is the paper's.
+# The built-in policy (~0.3M parameters, short turns): T = 0.7, closer to its greedy evaluation;
+# four prompts a step, so a step rarely has no informative group; lr 3e-4 (1e-3 erodes held-out
+# success within 10 steps); no LoRA dropout (noise at this size); one torch thread (two ran 1.8x
+# to 40x slower beside any busy process). The rest is the paper's.
 TINY = dict(batch=4, group=8, max_new_tokens=96, temperature=0.7, lr=3e-4, lora_dropout=0.0,
             steps=20, save_every=10, eval_batch=128, threads=1)
 DEFAULTS = dict(weight_decay=0.0, advantage="process")     # flags a --preset sets, not the paper
-# --preset release: the authors' release as it ran (not reproduced: its update's cap at the last
-# 2,560 tokens of each turn's context, METHOD.md §9)
+# --preset release: the authors' release as it ran (but for its update's cap at the last 2,560
+# tokens of each turn's context, METHOD.md §9)
 PRESETS = {"release": dict(weight_decay=0.01, warmup=0.0, top_p=0.95, advantage="release")}
 # what Table grpo_config states; the other defaults' sources
 PAPER_STATED = ("batch", "group", "max_turns", "max_new_tokens", "lr", "warmup", "beta", "eps",
@@ -1040,8 +993,8 @@ def resolve_preset(args, procs) -> None:
 
 
 def preset_flag(group, key: str, what: str, kind=int, more: str = ""):
-    """A flag the presets set; its help gives the default of each (TINY's with the built-in
-    policy, Table grpo_config's with any other model) and where it comes from."""
+    """A flag the presets set; its help gives TINY's default and Table grpo_config's, and where
+    each comes from."""
     tiny, paper = dict(PAPER_HPARAMS, **TINY)[key], PAPER_HPARAMS[key]
     source = "the paper's" if key in PAPER_STATED else SOURCE.get(key)
     if tiny == paper:
@@ -1067,36 +1020,28 @@ class Parser(argparse.ArgumentParser):
 
 def train_parser(rewards) -> argparse.ArgumentParser:
     """grpo.py's flags; `rewards`: the names --reward takes (grpo.REWARDS)."""
-    ap = Parser(
-        prog=PROG, formatter_class=HelpFormatter,
-        description="Multi-turn GRPO with LoRA and step-level rewards (METHOD.md §9); with no "
-                    "flag: shop, the built-in policy and its probes.",
-        epilog="A default given as two values is the tiny preset's with the built-in policy "
-               "and Table grpo_config's with any other model. Scale out with `torchrun "
-               "--nproc_per_node N -m lab.train ...` or --devices cuda:0,cuda:1.")
+    ap = Parser(prog=PROG, formatter_class=HelpFormatter,
+                description="Multi-turn GRPO with LoRA and step-level rewards (METHOD.md §9); "
+                            "with no flag: shop, the built-in policy and its probes.",
+                epilog="Several processes: `torchrun --nproc_per_node N -m lab.train ...`.")
     a = ap.add_argument
     a("--env", default="shop", choices=(*envs.WORLDS, "gta", "toolbench"),
-      help="a built-in world (envs.WORLDS) or a released dataset replayed (envs.py)")
+      help="a built-in world or a released dataset replayed (envs.py)")
     a("--data-dir", default=None, help="gta / toolbench: the released files' root (default: "
       "$PAIR_DATA, else ~/.cache/pair/data; `python -m lab.data download` fills it)")
     a("--model", default=None, help="policy: a checkpoint directory or a Hugging Face model "
       "name (default: the built-in world's own, data/shop-policy)")
     a("--reward", default="pair", choices=tuple(rewards), help="per-turn reward source")
-    a("--alpha", type=float, default=5.0,
-      help="PAIR momentum scaling (METHOD.md §7); 0 = vanilla PAIR, r_t = s~_t")
+    a("--alpha", type=float, default=5.0, help="PAIR momentum scaling; 0 = vanilla PAIR")
     a("--outcome-weight", type=float, default=0.0,
-      help="add this times the task score to the last turn's reward (METHOD.md §9)")
-    a("--advantage", default=None, choices=tuple(ADVANTAGES),
-      help="per-turn rewards to advantages and loss (METHOD.md §9): process = DeepSeekMath "
-           "process supervision; release = the authors' release; the lab's: position, "
-           "outcome-turn (default: process; release with --preset release)")
-    a("--preset", default=None, choices=tuple(PRESETS),
-      help="release = the authors' release as it ran: --weight-decay 0.01, --warmup 0, --top-p "
-           "0.95, --advantage release; flags given win")
-    a("--probes", default=None,
-      help="trained probes: a `python -m lab.study train --out` directory (its smallest seed<S>/)"
-           " or one seed<S>/ of it, a PAIR directory, a probe file (default on shop: shipped "
-           "beside the built-in policy)")
+      help="add this times the task score to the last turn's reward")
+    a("--advantage", default=None, choices=tuple(ADVANTAGES), help="advantage form and loss: "
+      "process (DeepSeekMath) or the authors' release (default: process; release with --preset "
+      "release)")
+    a("--preset", default=None, choices=tuple(PRESETS), help="release = the authors' release "
+      "as it ran: --weight-decay 0.01, --warmup 0, --top-p 0.95, --advantage release")
+    a("--probes", default=None, help="a PAIR directory, a probe file or a directory of them "
+      "(default on shop: shipped beside the built-in policy)")
     g = ap.add_argument_group("rollout")
     preset_flag(g, "steps", "training steps")
     preset_flag(g, "batch", "prompts per step")
@@ -1113,15 +1058,14 @@ def train_parser(rewards) -> argparse.ArgumentParser:
     preset_flag(g, "warmup", "fraction of steps of linear warmup, then constant", float)
     preset_flag(g, "beta", "KL coefficient", float)
     preset_flag(g, "eps", "PPO clip epsilon", float)
-    preset_flag(g, "oversample", "DAPO dynamic sampling: play up to K x --batch prompts and keep "
-                "the first --batch whose group gives some turn an advantage (1: off)")
-    g.add_argument("--ppo-epochs", type=int, default=1,
-                   help="passes over each batch (1: on-policy, rho = 1)")
+    preset_flag(g, "oversample", "DAPO dynamic sampling: play up to K x --batch prompts, keep "
+                "the first --batch groups that give some turn an advantage")
+    g.add_argument("--ppo-epochs", type=int, default=1, help="passes over each batch")
     g.add_argument("--micro-batch", type=int, default=None,
                    help="rollouts per forward in the update (default: --group)")
     g.add_argument("--micro-batch-tokens", type=int, default=16384,
-                   help="most padded tokens per forward in the update (a longer rollout goes "
-                        "alone); about 0.2 GiB per 1,000 tokens at 7B")
+                   help="most padded tokens per forward in the update (about 0.2 GiB per 1,000 "
+                        "at 7B)")
     g.add_argument("--grad-clip", type=float, default=1.0, help="gradient norm clip")
     g.add_argument("--weight-decay", type=float, default=None,
                    help="AdamW weight decay (default: 0; 0.01 with --preset release)")
@@ -1139,10 +1083,9 @@ def train_parser(rewards) -> argparse.ArgumentParser:
                    help="continue the run in --out if there is one, else start it")
     preset_flag(g, "save_every", "checkpoint (and evaluate) every N steps")
     g.add_argument("--eval-episodes", type=int, default=0,
-                   help="test episodes per evaluation (0 = the whole test split; shop: 600)")
-    g.add_argument("--val-episodes", type=int, default=None,
-                   help="validation episodes per evaluation (shop: its split, 200; replays: set "
-                        "aside from the end of the training split, default 10%% of it)")
+                   help="test episodes per evaluation (0 = the whole test split)")
+    g.add_argument("--val-episodes", type=int, default=None, help="validation episodes per "
+                   "evaluation (shop: its split; replays: the training split's last 10%%)")
     preset_flag(g, "eval_batch", "episodes decoded together in an evaluation")
     g.add_argument("--no-eval", action="store_true", help="skip the held-out evaluations")
     g.add_argument("--seed", type=int, default=42, help="seed of everything")
@@ -1151,12 +1094,12 @@ def train_parser(rewards) -> argparse.ArgumentParser:
     g.add_argument("--devices", default=None, help="split the model over these devices, e.g. "
                    "cuda:0,cuda:1 (default: the process's GPU under torchrun, else the CPU)")
     g.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: 1 "
-                   "with the built-in policy; else torch's choice, or $OMP_NUM_THREADS)")
+                   "with the built-in policy, else torch's choice)")
     hook("flags", ap)
     return ap
 
 
-# The range of every numeric flag, checked before anything is loaded (nan fails every check)
+# The range of every numeric flag, checked before anything is loaded
 FLAG_RANGES = {
     **{k: at_least(1) for k in ("steps", "batch", "group", "max_turns", "max_new_tokens",
                                 "max_len", "oversample", "ppo_epochs", "micro_batch", "lora_r",
@@ -1204,8 +1147,8 @@ def parse_args(argv, rewards) -> argparse.Namespace:
 
 @dataclass
 class Processes:
-    """The processes of a run: this one alone in the core; under torchrun (lab/torchrun.py)
-    several, each playing its share of the prompts, with these reduced across them."""
+    """The processes of a run: this one alone in the core; several under torchrun (the lab's
+    lab/torchrun.py), each playing its share of the prompts, reducing these across them."""
     rank: int = 0
     size: int = 1
     device: str = "cpu"             # where reduced tensors live (cuda for nccl)
@@ -1253,7 +1196,7 @@ def all_sum_named(procs: Processes, parts: dict[str, list[float]]) -> dict[str, 
 
 
 # flags a resumed run must keep: all that trains or scores it (not --threads, --devices,
-# --eval-batch: they change float summation order only)
+# --eval-batch: they change float summation order only); the lab adds its own
 RESUME_KEYS = ("env", "model", "reward", "alpha", "outcome_weight", "probes", "seed", "steps",
                "batch", "group", "max_turns", "max_new_tokens", "max_len", "temperature", "top_p",
                "lr", "warmup", "beta", "eps", "oversample", "ppo_epochs", "micro_batch",
@@ -1267,22 +1210,18 @@ def changed_flag(args, old: dict) -> tuple[str, object, object] | None:
     """The first flag of RESUME_KEYS that differs from a run's args.json (old): (--flag, its
     value now, the run's), or None. A model directory may be written another way (relative)."""
     for k in RESUME_KEYS:
-        if k not in old and k not in RESUME_DEFAULTS:
-            continue                        # not recorded, and no default to compare with
-        now, then = getattr(args, k), old.get(k, RESUME_DEFAULTS.get(k))
-        if then == now:
-            continue
-        if k == "model" and isinstance(then, str) and Path(then).is_dir() and \
-                Path(then).resolve() == Path(now).resolve():
-            continue
-        return f"--{k.replace('_', '-')}", now, then
+        now, then = getattr(args, k), old.get(k, RESUME_DEFAULTS.get(k, getattr(args, k)))
+        if then != now and not (k == "model" and isinstance(then, str) and Path(then).is_dir()
+                                and Path(then).resolve() == Path(now).resolve()):
+            return f"--{k.replace('_', '-')}", now, then
     return None
 
 
 def check_out(args) -> None:
     """What --out holds against --resume / --resume-if-present, read-only: checked before
-    anything is loaded and again once OUT is claimed. A run exists once its args.json does."""
+    anything is loaded and again once OUT is locked. A run exists once its args.json does."""
     out = Path(args.out)
+    resume = f"--resume: {out}"
     saved = out / "args.json"
     if args.resume_if_present:
         args.resume = saved.exists()
@@ -1297,24 +1236,22 @@ def check_out(args) -> None:
         if changed := changed_flag(args, old):
             flag, now, then = changed
             raise SystemExit(f"--resume: {flag} is {now!r} but the run in {out} used {then!r}")
-        # a finished run, or logs past the first checkpoint's step, and no checkpoint: they were
-        # deleted (results/ keeps none), and starting over would replace the logs
+        # logs past the first checkpoint's step (or a summary) and no checkpoint: they were
+        # deleted, and starting over would replace the logs
         logged = max((r["step"] for r in read_jsonl(out / "metrics.jsonl")), default=0)
         first = min(args.save_every, args.steps)
-        gone = not any(out.glob("checkpoint-*"))     # a damaged one: resume() says so
-        if gone and (logged > first or (out / "summary.json").exists()):
-            raise SystemExit(f"--resume: {out} logged {logged} steps but holds no checkpoint (the "
-                             f"first is saved after step {first}): there is nothing to resume "
-                             "from, and starting over would replace its logs; restore its "
-                             "checkpoints, or choose another --out")
+        if not any(out.glob("checkpoint-*")) and (logged > first
+                                                  or (out / "summary.json").exists()):
+            raise SystemExit(f"{resume} logged {logged} steps but holds no checkpoint (the first "
+                             f"is saved after step {first}): restore its checkpoints, or choose "
+                             "another --out")
     elif args.resume and latest_checkpoint(out):
-        # without it any flag could change under the checkpoint's optimizer and RNG states
-        raise SystemExit(f"--resume: {out} holds checkpoints but no args.json, so the flags "
-                         "of that run cannot be checked; restore it, or start a new --out")
+        # any flag could change under the checkpoint's optimizer and RNG states
+        raise SystemExit(f"{resume} holds checkpoints but no args.json, so the flags of that run "
+                         "cannot be checked; restore it, or start a new --out")
     elif args.resume:               # a typo in --out must not start a new run from scratch
         raise SystemExit(f"--resume: nothing to resume in {out} (no run was started there); "
-                         "leave out --resume to start one, or pass --resume-if-present to "
-                         "start one only when there is none")
+                         "leave out --resume to start one, or pass --resume-if-present")
     elif any((out / f).exists() for f in ("metrics.jsonl", "eval.jsonl")) or \
             latest_checkpoint(out):         # eval.jsonl: killed after the base evaluation
         raise SystemExit(f"--out {out} already holds a run: pass --resume to continue it, or "
@@ -1324,24 +1261,54 @@ def check_out(args) -> None:
 def prepare_out(args, procs) -> Path:
     out = Path(args.out)
     if procs.main:      # one run per --out: two would interleave metrics and checkpoints
-        claim(out)
+        lock(out)
         check_out(args)
         write_json(out / "args.json", vars(args))
     procs.barrier()
     return out
 
 
+_locks: dict[Path, object] = {}     # run directory (resolved) -> its lock file, open for the run
+
+
+def lock(out: Path) -> None:
+    """Make this process OUT's only writer: flock() on OUT/.lock, which the kernel drops when the
+    process dies (kill -9 included), so no lock goes stale; the pid inside names the holder."""
+    import fcntl                    # POSIX only
+    while out.resolve() not in _locks:
+        try:
+            out.mkdir(parents=True, exist_ok=True)
+            f = open(out / ".lock", "a+")           # "a+": the holder's pid stays readable
+        except OSError as e:
+            raise SystemExit(f"--out {out}: cannot write there ({e})") from None
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            f.seek(0)
+            raise SystemExit(f"{out} is in use by pid {f.read().strip() or '?'}; wait for that "
+                             "process to finish (or stop it), or write somewhere else") from None
+        # the file may have been removed (forget_failed) between open and flock: retry then
+        with contextlib.suppress(FileNotFoundError):
+            if os.path.samestat(os.fstat(f.fileno()), os.stat(out / ".lock")):
+                f.truncate(0)
+                f.write(f"{os.getpid()}\n")
+                f.flush()
+                _locks[out.resolve()] = f
+                break
+        f.close()
+
+
 def forget_failed(out) -> None:
     """A run that failed before logging anything leaves nothing behind: its args.json, lock
     and directory go (only while this process holds OUT)."""
     out = Path(out)
-    if not holds(out) or any((out / n).exists() for n in ("metrics.jsonl", "eval.jsonl")) \
-            or any(out.glob("checkpoint-*")):
+    if out.resolve() not in _locks or any(out.glob("checkpoint-*")) \
+            or any((out / n).exists() for n in ("metrics.jsonl", "eval.jsonl")):
         return
     (out / "args.json").unlink(missing_ok=True)
     shutil.rmtree(out / "refit", ignore_errors=True)
-    (out / LOCK_FILE).unlink(missing_ok=True)
-    release(out)
+    (out / ".lock").unlink(missing_ok=True)
+    _locks.pop(out.resolve()).close()
     with contextlib.suppress(OSError):
         out.rmdir()                     # only if nothing else is in it
 
@@ -1354,9 +1321,8 @@ def append_jsonl(path: Path, record: dict):
 def read_jsonl(path: Path) -> list[dict]:
     """metrics.jsonl or eval.jsonl: a JSON object with an integer "step" a line. A last line
     cut short by a kill is dropped (redone on resume); any other broken line is an error."""
-    if not path.exists():
-        return []
-    lines = [line for line in path.read_text().splitlines() if line.strip()]
+    lines = [line for line in path.read_text().splitlines() if line.strip()] \
+        if path.exists() else []
     records = []
     for k, line in enumerate(lines):
         try:
@@ -1380,77 +1346,6 @@ def truncate_jsonl(path: Path, last_step: int):
         model.write_atomic(path, "".join(json.dumps(r) + "\n" for r in keep))
 
 
-LOCK_FILE = ".lock"
-_claims: dict[str, list] = {}       # resolved directory -> [its open lock file, claim depth]
-
-
-def claim(directory, wait=None) -> Path:
-    """Make this process the only writer of `directory` (created if needed) until it exits or
-    release()s it; claims nest. One another process holds is refused with its pid, or, with
-    wait=log, waited for. flock() on DIRECTORY/.lock dies with its holder (kill -9 included):
-    no stale lock to judge. The file may be deleted while held: only the one at the path counts."""
-    import fcntl                    # POSIX only
-    directory = Path(directory)
-    if holds(directory):
-        _claims[str(directory.resolve())][1] += 1
-        return directory
-    for _ in range(100):
-        try:
-            directory.mkdir(parents=True, exist_ok=True)
-        except (FileExistsError, NotADirectoryError):
-            raise SystemExit(f"{directory}: not a directory (an output directory is needed "
-                             "here)") from None
-        except OSError as e:
-            raise SystemExit(f"{directory}: cannot create it ({e.strerror})") from None
-        try:
-            f = open(directory / LOCK_FILE, "a+")   # "a+": the holder's pid stays readable
-        except FileNotFoundError:                   # the directory was removed meanwhile
-            continue
-        except OSError as e:
-            raise SystemExit(f"{directory}: cannot write there ({e.strerror})") from None
-        try:
-            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            f.seek(0)
-            pid = f.read().strip() or "?"
-            if wait is None:
-                f.close()
-                raise SystemExit(f"{directory} is in use by pid {pid}; wait for that process to "
-                                 "finish (or stop it), or write somewhere else") from None
-            wait(f"{directory} is in use by pid {pid}: waiting for it", flush=True)
-            fcntl.flock(f, fcntl.LOCK_EX)
-        if _is_file_at(f, directory / LOCK_FILE):
-            f.truncate(0)
-            f.write(f"{os.getpid()}\n")
-            f.flush()
-            _claims[str(directory.resolve())] = [f, 1]
-            return directory
-        f.close()                                   # locked a file that was just deleted
-    raise SystemExit(f"{directory}: could not be locked (removed again and again meanwhile)")
-
-
-def release(directory) -> None:
-    key = str(Path(directory).resolve())
-    if key in _claims:
-        _claims[key][1] -= 1
-        if _claims[key][1] == 0:
-            _claims.pop(key)[0].close()             # closing the file drops the lock
-
-
-def holds(directory) -> bool:
-    """Whether this process holds the claim on `directory`."""
-    held = _claims.get(str(Path(directory).resolve()))
-    return held is not None and _is_file_at(held[0], Path(directory) / LOCK_FILE)
-
-
-def _is_file_at(f, path: Path) -> bool:
-    try:
-        a, b = os.fstat(f.fileno()), os.stat(path)
-    except FileNotFoundError:
-        return False
-    return (a.st_dev, a.st_ino) == (b.st_dev, b.st_ino)
-
-
 def save_checkpoint(out: Path, step: int, policy, optimizer, procs, lagged=None) -> Path:
     """OUT/checkpoint-<step>/ (`lagged`: the tips reward's LoRA snapshot), whole or not at all:
     a failed write (a full disk) leaves the earlier ones and stops the run with one line."""
@@ -1461,8 +1356,7 @@ def save_checkpoint(out: Path, step: int, policy, optimizer, procs, lagged=None)
             shutil.rmtree(tmp, ignore_errors=True)
             tmp.mkdir(parents=True)
         procs.barrier()
-        # every process has its own RNG streams (LoRA dropout); each saves its own
-        rng_tensors, rng_meta = rng_state()
+        rng_tensors, rng_meta = rng_state()         # each process has its own RNG streams
         save_file(rng_tensors, tmp / f"rng-{procs.rank}.safetensors")
         write_json(tmp / f"rng-{procs.rank}.json", rng_meta)
         procs.barrier()
@@ -1568,28 +1462,11 @@ def make_env(args, split: str, evaluation: bool = False):
     return envs.make(args.env, split=split, data_dir=args.data_dir, **kw)
 
 
-def evaluate(policy, tok, env, pool, n: int, args, procs, name: str = "held-out") -> dict:
-    """Greedy rollouts on the first n episodes of `pool` (0: all): mean task score, mean turns,
-    and every episode's score in pool order (for paired comparisons)."""
-    n = len(pool) if not n else min(n, len(pool))
-    mine = list(range(procs.rank, n, procs.size))
-    policy.eval()
-    scores, turns = [], 0
-    t0, pacer = time.perf_counter(), Pacer(len(mine), sys.stdout)
-    for i in range(0, len(mine), args.eval_batch):
-        episodes = [env.episode(pool[j]) for j in mine[i:i + args.eval_batch]]
-        for traj in rollout(policy, tok, episodes, args, greedy=True, stats=False):
-            scores.append(traj.score)
-            turns += len(traj.steps)
-        if procs.main and pacer.due(len(scores)):
-            rate = (time.perf_counter() - t0) / len(scores)
-            print(f"  evaluating: {len(scores)}/{len(mine)} {name} episodes, ETA "
-                  f"{duration(rate * (len(mine) - len(scores)))}", flush=True)
-    turns = procs.all_sum([turns])[0]
-    order = procs.gather([float(j) for j in mine], n)
-    scores = [s for _, s in sorted(zip(order, procs.gather(scores, n)))]
-    return {"success": sum(scores) / max(n, 1), "episodes": n, "turns": turns / max(n, 1),
-            "scores": scores}
+def scorable(env) -> list[int]:
+    """Indices of the episodes that can be scored (GTA skips some, METHOD.md §10; shop none)."""
+    if isinstance(env, envs.ShopEnv):
+        return list(range(len(env)))
+    return [i for i in range(len(env)) if env.episode(i).skip_reason is None]
 
 
 def eval_splits(args, train_env, train_pool) -> tuple[dict, list[int]]:
@@ -1605,32 +1482,34 @@ def eval_splits(args, train_env, train_pool) -> tuple[dict, list[int]]:
             train_pool[:len(train_pool) - k])
 
 
+def evaluate(policy, tok, env, pool, n: int, args, procs, name: str = "held-out") -> dict:
+    """Greedy rollouts on the first n episodes of `pool` (0: all): mean task score, mean turns,
+    and every episode's score in pool order (for paired comparisons)."""
+    n = len(pool) if not n else min(n, len(pool))
+    mine = list(range(procs.rank, n, procs.size))
+    policy.eval()
+    scores, turns, t0 = [], 0, time.perf_counter()
+    for i in range(0, len(mine), args.eval_batch):
+        episodes = [env.episode(pool[j]) for j in mine[i:i + args.eval_batch]]
+        for traj in rollout(policy, tok, episodes, args, greedy=True, stats=False):
+            scores.append(traj.score)
+            turns += len(traj.steps)
+        if procs.main:
+            left = (time.perf_counter() - t0) / len(scores) * (len(mine) - len(scores))
+            print(f"  evaluating: {len(scores)}/{len(mine)} {name} episodes, ETA "
+                  f"{duration(left)}", flush=True)
+    turns = procs.all_sum([turns])[0]
+    order = procs.gather([float(j) for j in mine], n)
+    scores = [s for _, s in sorted(zip(order, procs.gather(scores, n)))]
+    return {"success": sum(scores) / max(n, 1), "episodes": n, "turns": turns / max(n, 1),
+            "scores": scores}
+
+
 def evaluate_all(step: int, policy, tok, held: dict, args, procs) -> dict:
     sizes = {"val": args.val_episodes, "test": args.eval_episodes}
     return {"step": step, **{name: evaluate(policy, tok, env, pool, sizes[name], args, procs,
                                             {"val": "validation"}.get(name, name))
                              for name, (env, pool) in held.items()}}
-
-
-def base_eval_cache(policy, args, procs) -> Path | None:
-    """Where the base model's evaluation is kept for later runs (greedy decoding of a fixed pool
-    is the same in every run of one policy and settings), keyed on all the rollouts depend on,
-    threads and batch included (float summation order). Built-in worlds only."""
-    if args.env not in envs.WORLDS or procs.size > 1:
-        return None
-    settings = {"val": args.val_episodes, "test": args.eval_episodes, "batch": args.eval_batch,
-                "max_turns": args.max_turns, "max_new_tokens": args.max_new_tokens,
-                "max_len": args.max_len, "dtype": args.dtype, "devices": args.devices,
-                "threads": torch.get_num_threads(), "scoring": envs.SHOP_SCORING}
-    return (model.cache_root() / "grpo-base-eval" /
-            f"{args.env}-{policy_hash(policy.checkpoint_dir)}-{settings_hash(settings)}.json")
-
-
-def scorable(env) -> list[int]:
-    """Indices of the episodes that can be scored (GTA skips some, METHOD.md §10; shop none)."""
-    if isinstance(env, envs.ShopEnv):
-        return list(range(len(env)))
-    return [i for i in range(len(env)) if env.episode(i).skip_reason is None]
 
 
 def progress_line(rec: dict, steps: int, elapsed: list[float], evals_left: float = 0.0) -> str:
@@ -1640,9 +1519,9 @@ def progress_line(rec: dict, steps: int, elapsed: list[float], evals_left: float
     eta = duration(left) if len(elapsed) >= 3 or rec["step"] == steps else "after 3 steps"
     auroc = rec.get("probe_auroc")
     return (f"step {rec['step']:>4}/{steps}  reward {rec['reward_mean']:.3f}"
-            f"±{rec['reward_std']:.3f}"
-            f"  success {rec['success']:.2f}  zero-std {rec['frac_zero_std']:.2f}"
-            f"  kl {rec['kl']:.2e}" + (f"  probe-auroc {auroc:.2f}" if auroc is not None else "")
+            f"±{rec['reward_std']:.3f}  success {rec['success']:.2f}  zero-std "
+            f"{rec['frac_zero_std']:.2f}  kl {rec['kl']:.2e}"
+            + (f"  probe-auroc {auroc:.2f}" if auroc is not None else "")
             + f"  {elapsed[-1]:.1f}s (rollout {rec['t_rollout']:.1f} reward "
             f"{rec['t_reward']:.2f} update {rec['t_update']:.1f})  ETA {eta}")
 
@@ -1657,14 +1536,16 @@ def summarize(out: Path, seconds: float, args, probe_report: dict | None = None)
     def on_test(e):
         return None if e is None else {"step": e["step"], "val": e["val"]["success"],
                                        **{k: v for k, v in e["test"].items() if k != "scores"}}
-    selected = max(ckpts, key=lambda e: (e["val"]["success"], -e["step"])) if ckpts else None
-    best = max(ckpts, key=lambda e: (e["test"]["success"], -e["step"])) if ckpts else None
-    final = ckpts[-1] if ckpts else None
+
+    def best(split):
+        return max(ckpts, key=lambda e: (e[split]["success"], -e["step"])) if ckpts else None
+    selected = best("val")
     summary = {"out": str(out), "seconds": round(seconds, 1), "reward": args.reward,
                "alpha": args.alpha, "seed": args.seed, "steps": args.steps,
                "selection": "checkpoint with the best validation success, reported on test",
-               "base": on_test(base), "selected": on_test(selected), "final": on_test(final),
-               "best_on_test": on_test(best),
+               "base": on_test(base), "selected": on_test(selected),
+               "final": on_test(ckpts[-1] if ckpts else None),
+               "best_on_test": on_test(best("test")),
                "selected_adapter": str(out / f"checkpoint-{selected['step']:06d}" / "adapter")
                if selected else None}
     if probe_report is not None:
@@ -1699,22 +1580,6 @@ def summary_text(s: dict) -> str:
     return "\n".join(lines)
 
 
-PROBES_FORMAT = "grpo-probes/3"   # 3: the on-policy corpus balanced within each kind of turn
-
-
-def policy_hash(model_dir) -> str:
-    """The key of everything cached for one policy: model.checkpoint_sha256 of its files."""
-    try:
-        digest = model.checkpoint_sha256(model_dir)
-    except model.CheckpointError as e:
-        raise SystemExit(f"{model_dir}: nothing to key this policy's cache on ({e})") from None
-    return hashlib.sha256(f"{PROBES_FORMAT}\0{digest}".encode()).hexdigest()[:16]
-
-
-def settings_hash(settings: dict) -> str:
-    return hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:12]
-
-
 def write_json(path: Path, obj, indent: int = 1) -> None:
     model.write_atomic(path, json.dumps(obj, indent=indent) + "\n")
 
@@ -1727,25 +1592,6 @@ def duration(seconds: float) -> str:
 
 def num(x) -> str:
     return "n/a" if x is None else f"{x:.3f}"
-
-
-class Pacer:
-    """When the next progress line is due: on a terminal every `every` seconds; into a file or
-    pipe at most one per 30 s and per 10% of the work. The end of the work is always due."""
-
-    def __init__(self, total: float, stream, every: float = 5.0, clock=time.monotonic):
-        self.tty = bool(getattr(stream, "isatty", lambda: False)())
-        self.total, self.clock = total, clock
-        self.every, self.least = (every, 0.0) if self.tty else (30.0, total / 10)
-        self.last_time, self.last_done = clock(), 0.0
-
-    def due(self, done: float) -> bool:
-        now = self.clock()
-        if done >= self.total or (now - self.last_time >= self.every
-                                  and done - self.last_done >= self.least):
-            self.last_time, self.last_done = now, done
-            return True
-        return False
 
 
 def main(argv=None):
@@ -1767,17 +1613,16 @@ def main(argv=None):
 
 def interrupted(args, argv) -> str:
     """What Ctrl-C leaves, and the command that goes on from there."""
-    out = Path(args.out)
     again = [*argv] + ([] if "--out" in argv else ["--out", args.out])
     resume = [] if "--resume" in argv or "--resume-if-present" in argv else ["--resume"]
-    ckpt = latest_checkpoint(out)
-    if ckpt is not None:
-        return (f"interrupted; the run resumes from its last checkpoint ({ckpt.name}), exactly, "
-                f"with: {PROG} {shlex.join(again + resume)}")
-    if (out / "args.json").is_file():
+    command = f"{PROG} {shlex.join(again + resume)}"
+    if (ckpt := latest_checkpoint(Path(args.out))) is not None:
+        return f"interrupted; the run resumes from its last checkpoint ({ckpt.name}), exactly, " \
+            f"with: {command}"
+    if (Path(args.out) / "args.json").is_file():
         return (f"interrupted before the first checkpoint (after step "
                 f"{min(args.save_every, args.steps)}): no step is kept, and this starts the run "
-                f"over from step 1: {PROG} {shlex.join(again + resume)}")
+                f"over from step 1: {command}")
     return f"interrupted before the run started; start it with: {PROG} {shlex.join(again)}"
 
 

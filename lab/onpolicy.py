@@ -45,7 +45,7 @@ import model
 import pair
 import probes
 from grpo import rollout
-from lab import data as lab_data, shop, study, traces
+from lab import data as lab_data, runs, shop, study, traces
 
 PROBE_SEED = 42
 
@@ -139,7 +139,7 @@ def sample_own_turns(policy, tok, env, n_episodes: int, samples: int, args, seed
     g = torch.Generator(device=policy.model.embed_tokens.weight.device).manual_seed(seed)
     # 16 rows a call: a call decodes until its slowest row is done, so wider calls wait longer
     trajs, rows, t0 = [], 16, time.perf_counter()
-    pacer = grpo.Pacer(len(episodes), sys.stdout)
+    pacer = runs.Pacer(len(episodes), sys.stdout)
     with model.lora_disabled(policy):
         for a in range(0, len(episodes), rows):
             batch = [env.episode(i) for i in episodes[a:a + rows]]
@@ -252,13 +252,13 @@ def shop_probes(args, policy, tok, procs, log) -> tuple[Path, dict]:
     and its report: AUROC on held-out own turns, next to the contaminated corpus's PAIR.
     grpo.py calls it with its args and its processes (grpo.Processes)."""
     settings = probe_settings(args)
-    root = model.cache_root() / "grpo-probes" / f"{args.env}-{grpo.policy_hash(args.model)}"
-    out = root / f"{args.probe_corpus}-{grpo.settings_hash(settings)}"
+    root = model.cache_root() / "grpo-probes" / f"{args.env}-{runs.policy_hash(args.model)}"
+    out = root / f"{args.probe_corpus}-{runs.settings_hash(settings)}"
     done = out / "probes.json"
     fitted_by = "an earlier run" if done.is_file() else None
     if procs.main and not done.is_file():
         # two runs starting on one fresh cache (compare --jobs 2): the second waits, then reads
-        grpo.claim(root, wait=log)
+        runs.claim(root, wait=log)
         fitted_by = "another run, which this one waited for" if done.is_file() else None
     if procs.main and not done.is_file():
         t0 = time.perf_counter()
@@ -296,7 +296,7 @@ def shop_probes(args, policy, tok, procs, log) -> tuple[Path, dict]:
         shutil.rmtree(tmp, ignore_errors=True)
         for name, m in fitted.items():        # pair/ is a directory, each probe one file
             m.save(tmp / ("pair" if name == "pair" else f"{name}.safetensors"))
-        report = {"format": grpo.PROBES_FORMAT, "settings": settings,
+        report = {"format": runs.PROBES_FORMAT, "settings": settings,
                   "n_train": len(corpora[args.probe_corpus].y),
                   "n_train_correct": int(corpora[args.probe_corpus].y.sum()),
                   "heldout": heldout_auroc(fitted, heldout),
@@ -306,7 +306,7 @@ def shop_probes(args, policy, tok, procs, log) -> tuple[Path, dict]:
         shutil.rmtree(out, ignore_errors=True)
         os.replace(tmp, out)                # the directory appears complete or not at all
     if procs.main:
-        grpo.release(root)
+        runs.release(root)
     if procs.size > 1:                      # the other processes read what the main one wrote
         torch.distributed.barrier()
     try:
@@ -329,9 +329,9 @@ HELDOUT_FORMAT = "heldout-turns/1"
 def heldout_path(args) -> Path:
     """Where the held-out own turns of this policy are kept: beside its probes, keyed on what
     they depend on (the sampling, the labelling rules)."""
-    key = grpo.settings_hash({"format": HELDOUT_FORMAT, "own": own_turns_settings(args),
+    key = runs.settings_hash({"format": HELDOUT_FORMAT, "own": own_turns_settings(args),
                               "labels": envs.SHOP_SCORING})
-    return (model.cache_root() / "grpo-probes" / f"{args.env}-{grpo.policy_hash(args.model)}" /
+    return (model.cache_root() / "grpo-probes" / f"{args.env}-{runs.policy_hash(args.model)}" /
             f"heldout-{key}.safetensors")
 
 
@@ -350,13 +350,13 @@ def heldout_turns(args, policy, tok, procs, log) -> study.Split:
     samples them once (half a minute for the built-in policy)."""
     path = heldout_path(args)
     if procs.main and not path.is_file():
-        grpo.claim(path.parent, wait=log)
+        runs.claim(path.parent, wait=log)
         if not path.is_file():
             log(f"sampling the held-out own turns once ({path}):", flush=True)
             save_heldout(sample_own_turns(policy, tok, envs.ShopEnv("val", world=args.env),
                                           args.corpus_heldout, args.corpus_samples, args,
                                           PROBE_SEED + 1, log), path)
-        grpo.release(path.parent)
+        runs.release(path.parent)
     if procs.size > 1:                      # the other processes read what the main one wrote
         torch.distributed.barrier()
     tensors, meta = probes.read_safetensors(path, "held-out turns")
@@ -564,7 +564,7 @@ def refit_head(run: grpo.Training, step: int) -> dict:
 def fit_on_the_fly(args, policy, tok, procs, log):
     """The probes of a built-in world's policy fitted for these settings (shop_probes), unless
     the ones shipped beside it are those: None then, and grpo.py reads the shipped ones."""
-    if args.env not in envs.WORLDS:
+    if args.probes or args.env not in envs.WORLDS:
         return None
     shipped = Path(args.model) / "probes" / "probes.json"
     if grpo.is_builtin(args) and shipped.is_file() and \
@@ -678,6 +678,38 @@ def played(run, trajs, t: dict) -> None:
     t["t_base_read"] += time.perf_counter() - t0
 
 
+def base_eval_cache(policy, args, procs) -> Path | None:
+    """Where the base model's evaluation is kept for later runs (greedy decoding of a fixed pool
+    is the same in every run of one policy and settings), keyed on all the rollouts depend on,
+    threads and batch included (float summation order). Built-in worlds only."""
+    if args.env not in envs.WORLDS or procs.size > 1:
+        return None
+    settings = {"val": args.val_episodes, "test": args.eval_episodes, "batch": args.eval_batch,
+                "max_turns": args.max_turns, "max_new_tokens": args.max_new_tokens,
+                "max_len": args.max_len, "dtype": args.dtype, "devices": args.devices,
+                "threads": torch.get_num_threads(), "scoring": envs.SHOP_SCORING}
+    key = f"{runs.policy_hash(policy.checkpoint_dir)}-{runs.settings_hash(settings)}"
+    return model.cache_root() / "grpo-base-eval" / f"{args.env}-{key}.json"
+
+
+def cached_base_eval(run, step: int) -> dict | None:
+    """grpo.py's "evaluate" hook: the base model's evaluation by an earlier run, if any."""
+    cache = base_eval_cache(run.policy, run.args, run.procs) if step == 0 else None
+    if cache is None or not cache.is_file():
+        return None
+    run.log(f"base model: evaluated by an earlier run of this policy with these evaluation "
+            f"settings ({cache})", flush=True)
+    return json.loads(cache.read_text())
+
+
+def keep_base_eval(run, step: int, ev: dict) -> None:
+    """grpo.py's "evaluated" hook: keep the base model's evaluation for later runs."""
+    cache = base_eval_cache(run.policy, run.args, run.procs) if step == 0 else None
+    if cache is not None:
+        cache.parent.mkdir(parents=True, exist_ok=True)
+        grpo.write_json(cache, ev)
+
+
 def main(argv=None) -> None:
     """python -m lab.onpolicy --env shop: fit the built-in policy's probes as the default run
     fits them (its flags, preset and seed) and write them beside it, in data/<policy>/probes/,
@@ -734,6 +766,8 @@ def register() -> None:
     grpo.HOOKS["trained"].append(after_step)
     grpo.HOOKS["resume"].append(on_resume)
     grpo.HOOKS["checkpoint"].append(at_checkpoint)
+    grpo.HOOKS["evaluate"].append(cached_base_eval)
+    grpo.HOOKS["evaluated"].append(keep_base_eval)
 
 
 if __name__ == "__main__":

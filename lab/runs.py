@@ -1,12 +1,17 @@
-"""Run-management helpers of the lab's scripts: argparse types, a claimed directory, a clock."""
+"""Run-management helpers of the lab's scripts: argparse types, a claimed directory, a clock,
+the keys of the caches kept across runs."""
 from __future__ import annotations
 
 import argparse
 import contextlib
+import hashlib
+import json
 import math
+import os
+import time
 from pathlib import Path
 
-import grpo
+import model
 
 
 def positive_number(text: str) -> float:
@@ -35,14 +40,120 @@ def within(low, high):
 
 @contextlib.contextmanager
 def exclusive_dir(directory):
-    """`with exclusive_dir(out):` grpo.claim() for the duration of the block."""
-    grpo.claim(directory)
+    """`with exclusive_dir(out):` claim() for the duration of the block."""
+    claim(directory)
     try:
         yield Path(directory)
     finally:
-        grpo.release(directory)
+        release(directory)
 
 
 def hms(seconds: float) -> str:
     seconds = int(seconds)
     return f"{seconds // 3600}h{seconds // 60 % 60:02d}m{seconds % 60:02d}s"
+
+
+LOCK_FILE = ".lock"
+_claims: dict[str, list] = {}       # resolved directory -> [its open lock file, claim depth]
+
+
+def claim(directory, wait=None) -> Path:
+    """Make this process the only writer of `directory` (created if needed) until it exits or
+    release()s it; claims nest. One another process holds is refused with its pid, or, with
+    wait=log, waited for. flock() on DIRECTORY/.lock dies with its holder (kill -9 included):
+    no stale lock to judge. The file may be deleted while held: only the one at the path counts."""
+    import fcntl                    # POSIX only
+    directory = Path(directory)
+    if holds(directory):
+        _claims[str(directory.resolve())][1] += 1
+        return directory
+    for _ in range(100):
+        try:
+            directory.mkdir(parents=True, exist_ok=True)
+        except (FileExistsError, NotADirectoryError):
+            raise SystemExit(f"{directory}: not a directory (an output directory is needed "
+                             "here)") from None
+        except OSError as e:
+            raise SystemExit(f"{directory}: cannot create it ({e.strerror})") from None
+        try:
+            f = open(directory / LOCK_FILE, "a+")   # "a+": the holder's pid stays readable
+        except FileNotFoundError:                   # the directory was removed meanwhile
+            continue
+        except OSError as e:
+            raise SystemExit(f"{directory}: cannot write there ({e.strerror})") from None
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            f.seek(0)
+            pid = f.read().strip() or "?"
+            if wait is None:
+                f.close()
+                raise SystemExit(f"{directory} is in use by pid {pid}; wait for that process to "
+                                 "finish (or stop it), or write somewhere else") from None
+            wait(f"{directory} is in use by pid {pid}: waiting for it", flush=True)
+            fcntl.flock(f, fcntl.LOCK_EX)
+        if _is_file_at(f, directory / LOCK_FILE):
+            f.truncate(0)
+            f.write(f"{os.getpid()}\n")
+            f.flush()
+            _claims[str(directory.resolve())] = [f, 1]
+            return directory
+        f.close()                                   # locked a file that was just deleted
+    raise SystemExit(f"{directory}: could not be locked (removed again and again meanwhile)")
+
+
+def release(directory) -> None:
+    key = str(Path(directory).resolve())
+    if key in _claims:
+        _claims[key][1] -= 1
+        if _claims[key][1] == 0:
+            _claims.pop(key)[0].close()             # closing the file drops the lock
+
+
+def holds(directory) -> bool:
+    """Whether this process holds the claim on `directory`."""
+    held = _claims.get(str(Path(directory).resolve()))
+    return held is not None and _is_file_at(held[0], Path(directory) / LOCK_FILE)
+
+
+def _is_file_at(f, path: Path) -> bool:
+    try:
+        a, b = os.fstat(f.fileno()), os.stat(path)
+    except FileNotFoundError:
+        return False
+    return (a.st_dev, a.st_ino) == (b.st_dev, b.st_ino)
+
+
+PROBES_FORMAT = "grpo-probes/3"   # 3: the on-policy corpus balanced within each kind of turn
+
+
+def policy_hash(model_dir) -> str:
+    """The key of everything cached for one policy: model.checkpoint_sha256 of its files."""
+    try:
+        digest = model.checkpoint_sha256(model_dir)
+    except model.CheckpointError as e:
+        raise SystemExit(f"{model_dir}: nothing to key this policy's cache on ({e})") from None
+    return hashlib.sha256(f"{PROBES_FORMAT}\0{digest}".encode()).hexdigest()[:16]
+
+
+def settings_hash(settings: dict) -> str:
+    return hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:12]
+
+
+class Pacer:
+    """When the next progress line is due: on a terminal every `every` seconds; into a file or
+    pipe at most one per 30 s and per 10% of the work. The end of the work is always due."""
+
+    def __init__(self, total: float, stream, every: float = 5.0, clock=time.monotonic):
+        self.tty = bool(getattr(stream, "isatty", lambda: False)())
+        self.total, self.clock = total, clock
+        self.every, self.least = (every, 0.0) if self.tty else (30.0, total / 10)
+        self.last_time, self.last_done = clock(), 0.0
+
+    def due(self, done: float) -> bool:
+        now = self.clock()
+        if done >= self.total or (now - self.last_time >= self.every
+                                  and done - self.last_done >= self.least):
+            self.last_time, self.last_done = now, done
+            return True
+        return False

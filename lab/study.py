@@ -163,7 +163,7 @@ def _extract_parts(net, tokenizer, records, data_path, parts, out_path, manifest
           f"extract {data_path.name}: {len(records)} records", file=log)
 
     failed, buffer, n_reused = [], [], 0
-    t0, pacer = time.perf_counter(), grpo.Pacer(len(todo), log)
+    t0, pacer = time.perf_counter(), runs.Pacer(len(todo), log)
     for n_new, i in enumerate(todo, 1):
         record = records[i]
         rid = f"{record['episode_id']}@{record['turn_idx']}"
@@ -1225,3 +1225,45 @@ def refuse_dir_out(path) -> None:
     write_atomic would fail only at the end, naming its temporary file)."""
     if path is not None and Path(path).is_dir():
         raise SystemExit(f"error: --out {path} is a directory; name the file to write")
+
+
+def seed_dir(where: Path, log) -> Path:
+    """`train --out DIR` fits the probes into DIR/seed<S>/: take the smallest seed and say so.
+    Any other path is used as it is."""
+    seeds = sorted((int(p.name[4:]), p) for p in (where.glob("seed*") if where.is_dir() else ())
+                   if p.name[4:].isdigit() and p.is_dir())
+    if not seeds:
+        return where
+    seed, chosen = seeds[0]
+    log(f"--probes {where}: the probes of seed {seed} ({chosen}), the smallest of "
+        f"{', '.join(str(s) for s, _ in seeds)}; --probes {where / 'seed<S>'} takes another",
+        flush=True)
+    return chosen
+
+
+# Where PAIR lies in a seed's directory, first found first: the paper's training mode, the probes
+# fitted on the fly, the clean_only mode
+PAIR_DIRS = ("pair_mixed", "pair", "pair_clean_only")
+
+
+def study_probes(args, policy, tok, procs, log) -> tuple[Path, None] | None:
+    """grpo.py's "context" hook: --probes a `train --out` directory, or one seed<S>/ of it: the
+    directory grpo.py reads the `--reward` probe from (PAIR: the first of PAIR_DIRS there)."""
+    if not args.probes or args.reward not in grpo.READS_PROBE:
+        return None
+    where = seed_dir(Path(args.probes), log)
+    if args.reward == "pair":
+        found = [d for d in (where, *(where / name for name in PAIR_DIRS))
+                 if (d / "pair.json").is_file()]
+        if not found:
+            raise SystemExit(f"--probes {where}: no pair.json there nor in "
+                             f"{', '.join(n + '/' for n in PAIR_DIRS)} of it: train PAIR with "
+                             "`python -m lab.study train`")
+        where = found[0]
+    return where, None
+
+
+def register() -> None:
+    """Plug this module into grpo.py (lab/train.py does, once)."""
+    if study_probes not in grpo.HOOKS["context"]:
+        grpo.HOOKS["context"].append(study_probes)

@@ -31,6 +31,7 @@ from lab import shop
 from lab import data as lab_data
 from lab import study
 from lab import traces
+from lab import runs
 
 ROOT = Path(__file__).resolve().parents[1]
 CORE_REWARDS = {"outcome", "pair", *probes.FEATURES}
@@ -659,13 +660,13 @@ def test_the_probe_cache_keys_a_sharded_policy_and_where_it_runs(tiny_policy, tm
         save_file({n: tensors[n] for n in part}, sharded / file)
     grpo.write_json(sharded / "model.safetensors.index.json", {"weight_map": {
         n: file for file, part in halves.items() for n in part}})
-    assert grpo.policy_hash(sharded) != grpo.policy_hash(tiny_policy)
+    assert runs.policy_hash(sharded) != runs.policy_hash(tiny_policy)
     mdl.load_model(sharded)                                 # a policy the run can load
     args = grpo.parse_args(["--model", str(tiny_policy)], grpo.REWARDS)
     grpo.resolve_preset(args, grpo.Processes())
-    keys = {grpo.settings_hash(onpolicy.own_turns_settings(args))}
+    keys = {runs.settings_hash(onpolicy.own_turns_settings(args))}
     for name, value in (("dtype", "bfloat16"), ("devices", "cuda")):
-        keys.add(grpo.settings_hash(onpolicy.own_turns_settings(
+        keys.add(runs.settings_hash(onpolicy.own_turns_settings(
             argparse.Namespace(**{**vars(args), name: value}))))
     assert len(keys) == 3
 

@@ -20,6 +20,7 @@ from lab import generate
 from lab import shop
 from lab import study
 from lab import traces
+from lab import runs
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -757,7 +758,7 @@ def test_progress_into_a_log_is_at_most_a_line_per_30s_and_per_10_percent():
     now = [0.0]
 
     def due(tty, total=1000, seconds_each=1.0):
-        pacer = grpo.Pacer(total, _Stream(tty), every=5.0, clock=lambda: now[0])
+        pacer = runs.Pacer(total, _Stream(tty), every=5.0, clock=lambda: now[0])
         lines = []
         for done in range(1, total + 1):
             now[0] += seconds_each

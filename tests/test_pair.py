@@ -12,7 +12,6 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-import grpo
 import pair
 import probes
 from lab import data as lab_data, runs, study, traces
@@ -230,7 +229,7 @@ def test_train_eval_report_cli(features_dir, tmp_path, capsys):
              if p.is_file()}
     assert {f"seed42/{n}.safetensors" for n in probes.FEATURES} <= files
     assert "seed43/pair_mixed/pair.json" in files
-    assert all(f.endswith((".safetensors", ".json", grpo.LOCK_FILE)) for f in files)
+    assert all(f.endswith((".safetensors", ".json", runs.LOCK_FILE)) for f in files)
     study.main(["eval", "--probes", str(tmp_path / "m"), "--features", str(features_dir),
                "--out", str(tmp_path / "eval.json")])
     ev = json.loads((tmp_path / "eval.json").read_text())
@@ -604,12 +603,12 @@ def test_claims_nest_and_survive_the_directory_being_removed(tmp_path):
     with runs.exclusive_dir(d):
         with runs.exclusive_dir(d):             # nested in one process: fine
             pass
-        assert str(d.resolve()) in grpo._claims
+        assert str(d.resolve()) in runs._claims
         import shutil
         shutil.rmtree(d)                        # extract removes OUT.parts while holding it
-    assert str(d.resolve()) not in grpo._claims
+    assert str(d.resolve()) not in runs._claims
     with runs.exclusive_dir(d):
-        assert (d / grpo.LOCK_FILE).read_text().strip() == str(__import__("os").getpid())
+        assert (d / runs.LOCK_FILE).read_text().strip() == str(__import__("os").getpid())
 
 
 def test_merge_refuses_to_write_an_incomplete_file(shop_ckpt, tmp_path, monkeypatch):
