@@ -338,8 +338,8 @@ SHOP_TEMPLATES = ("What is the total cost of {lines}, in {cur}?",
 SHOP_SEED_STRIDE = 10_000_000
 SHOP_SPLIT_OFFSET = {"train": 0, "val": 4_500_000, "test": 5_000_000}
 SHOP_SPLIT_SIZE = {"train": 4_500_000, "val": 500_000, "test": 5_000_000}
-# 600 test episodes know a success rate near 0.3 to +-3.7 points (95%); make-data's are the first
-# 200. Validation only picks a checkpoint.
+# 600 test episodes know a success rate near 0.3 to +-3.7 points (95%); `lab.shop make-data`'s
+# are the first 200. Validation only picks a checkpoint.
 SHOP_EPISODES = {"train": 10_000, "val": 200, "test": 600}
 SHOP_SCORING = 2    # the rules' version (2: half a cent): cached evaluations and probes key on it
 _SHOP_VALUE_TOL = 0.005     # "equals" within half a cent: of a total, its rounding, not a cent off
@@ -883,7 +883,7 @@ def default_data_dir() -> Path:
 
 def episode_file(family: str, split: str, data_dir: str | Path | None) -> Path:
     """data_dir/family/clean_{split}.json, downloaded when missing (a split the authors did not
-    release, such as ToolBench's train, is one `split-episodes` wrote)."""
+    release, such as ToolBench's train, is one `python -m lab.data split-episodes` wrote)."""
     name = f"clean_{split}.json"
     path = Path(data_dir or default_data_dir()) / family / name
     if path.is_file():

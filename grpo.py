@@ -78,9 +78,8 @@ class Trajectory:                   # one rollout of one episode
 
 
 def turn_opening(tok, finished: bool, observation: str | None) -> list[int]:
-    """The tokens the chat template puts between one assistant turn and the next (METHOD.md
-    §2): <|im_end|> if the turn hit max_new_tokens, the newline, the observation as a user
-    message, the next generation prompt; the same tokens Tokenizer.render gives."""
+    """The tokens Tokenizer.render puts between two assistant turns (METHOD.md §2): <|im_end|>
+    if the turn hit max_new_tokens, "\\n", the observation as a user message, the next prompt."""
     ids = ([] if finished else [tok.im_end_id]) + tok.encode("\n")
     if observation is not None:         # text, not template: it cannot open or close a turn
         ids += [tok.im_start_id] + tok.encode(f"user\n{observation}") + [tok.im_end_id] + \
@@ -184,7 +183,7 @@ class RewardContext:                # what the reward functions need besides the
     stats: bool = True              # the rollout keeps the generation pass's statistics
 
     def use_head(self, head) -> None:
-        """Read `head` from now on (--probe-retrain-every): a pair.Pair or a probes.Probe."""
+        """Reward with a refitted head (the lab's --probe-retrain-every): a Pair or a Probe."""
         if isinstance(head, pair.Pair):
             self.pair = head
         else:
@@ -305,7 +304,6 @@ def reward_context(args, policy, tok, env, procs, log) -> RewardContext:
     return ctx
 
 
-# a `python -m lab.study train --out DIR` directory holds DIR/seed<S>/pair_mixed/ and the probes
 STUDY = ("; `python -m lab.study train --out DIR` fits them into DIR/seed<S>/ (PAIR: its "
          "pair_mixed/), and `python -m lab.train --probes DIR` reads DIR itself")
 
@@ -327,7 +325,7 @@ def shipped_probes(args, log) -> tuple[Path, dict]:
                          f"them with `python -m lab.onpolicy --env {args.env}`") from None
     log(f"probes: {where}, fitted on {report['n_train']} own turns of this policy; {args.reward}"
         f"'s AUROC on {n} held-out own turns {auroc:.3f}", flush=True)
-    for part, a in report["heldout"][args.reward].items():     # below chance: a reward of wrong
+    for part, a in report["heldout"][args.reward].items():     # below 0.5: favours wrong turns
         if a is not None and a < 0.5 and (part == "all" or part.startswith("slip=")):
             which = "the held-out own turns" if part == "all" else \
                 f"the {part[5:]} slip above the same turn made right"
@@ -566,7 +564,7 @@ def update(policy, optimizer, batch: Batch, args, procs) -> dict:
             "empty_batch": 0, "skipped_updates": skipped}
 
 
-# --- 5. The training loop: steps of rollout -> rewards -> advantages -> update, checkpoints between 
+# --- 5. The training loop: rollout -> rewards -> advantages -> update, checkpoints between ------
 
 def prompt_index(seed: int, g: int, n: int) -> int:
     """The training episode of the g-th prompt of the run: a fresh permutation every pass."""
@@ -724,11 +722,9 @@ def step_metrics(step, trajs, rewards, p_correct, played, stats, times, args, pr
         p = procs.gather([x for x, _ in pairs], size)
         y = procs.gather([y for _, y in pairs], size)
         rec["probe_auroc"] = probes.auroc(y, p) if 0 < sum(y) < len(y) else None
-    for name, t in zip(TIMING, s["times"]):
-        rec[name] = t / procs.size
+    rec.update({name: t / procs.size for name, t in zip(TIMING, s["times"])})
     rec.update({name: int(c) for name, c in zip(COSTS, s["costs"])})
-    for name, v in (memory or {}).items():
-        rec[name] = round(procs.all_max(v), 3)
+    rec.update({name: round(procs.all_max(v), 3) for name, v in (memory or {}).items()})
     for metrics in extra:           # the lab's (a refit's report)
         rec.update(metrics or {})
     return rec
@@ -824,8 +820,8 @@ def resume(run: Training) -> int:
             run.ctx.lagged = lagged
         run.log(f"resumed from {ckpt} at step {start}", flush=True)
     if run.procs.main and args.resume:
-        truncate_jsonl(out / "metrics.jsonl", start)
-        truncate_jsonl(out / "eval.jsonl", start)
+        for name in ("metrics.jsonl", "eval.jsonl"):
+            truncate_jsonl(out / name, start)
     run.procs.barrier()
     hook("resume", run, start)
     return start
@@ -1027,8 +1023,8 @@ def train_parser(rewards) -> argparse.ArgumentParser:
     a = ap.add_argument
     a("--env", default="shop", choices=(*envs.WORLDS, "gta", "toolbench"),
       help="a built-in world or a released dataset replayed (envs.py)")
-    a("--data-dir", default=None, help="gta / toolbench: the released files' root (default: "
-      "$PAIR_DATA, else ~/.cache/pair/data; `python -m lab.data download` fills it)")
+    a("--data-dir", default=None, help="gta / toolbench: the released files' root, a missing "
+      "episode file downloaded there (default: $PAIR_DATA, else ~/.cache/pair/data)")
     a("--model", default=None, help="policy: a checkpoint directory or a Hugging Face model "
       "name (default: the built-in world's own, data/shop-policy)")
     a("--reward", default="pair", choices=tuple(rewards), help="per-turn reward source")
@@ -1203,7 +1199,7 @@ RESUME_KEYS = ("env", "model", "reward", "alpha", "outcome_weight", "probes", "s
                "micro_batch_tokens", "lora_r", "lora_alpha", "lora_dropout", "lora_targets",
                "save_every", "eval_episodes", "val_episodes", "advantage", "grad_clip",
                "weight_decay", "dtype")
-RESUME_DEFAULTS = {"advantage": "process"}      # what a run from before a flag ran with
+RESUME_DEFAULTS = {"advantage": "process"}      # an args.json without the flag ran with this
 
 
 def changed_flag(args, old: dict) -> tuple[str, object, object] | None:
@@ -1299,8 +1295,8 @@ def lock(out: Path) -> None:
 
 
 def forget_failed(out) -> None:
-    """A run that failed before logging anything leaves nothing behind: its args.json, lock
-    and directory go (only while this process holds OUT)."""
+    """A run that failed before logging anything leaves nothing behind: its args.json, the
+    lab's refit/, the lock and the directory go (only while this process holds OUT)."""
     out = Path(out)
     if out.resolve() not in _locks or any(out.glob("checkpoint-*")) \
             or any((out / n).exists() for n in ("metrics.jsonl", "eval.jsonl")):

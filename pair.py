@@ -8,7 +8,7 @@ internals:
 Both are `probes.Probe` (StandardScaler + L2 logistic regression, C = 0.01). Train modes:
 `clean_only` = matched_clean_train; `mixed` (default, the paper's) = matched_clean_train +
 matched_contaminated_train, for both stages as in the release. Stage 2 is fitted on the in-sample
-stage-1 scores of the training set (as released); `--crossfit K` uses out-of-fold scores, with
+stage-1 scores of the training set (as released); crossfit = K uses out-of-fold scores, with
 folds by episode so a record and its matched twin never sit on both sides. At inference stage 2
 reads the raw s_bc (*departure*: the release temperature-clipped s_bc at inference only).
 
@@ -173,10 +173,10 @@ def logit(s: float, clamp: float = 1e-6) -> float:
 
 
 def check_probe_model(probe_path, model_dir) -> None:
-    """Refuse a PAIR directory or probe file fitted on another model's features than the model
-    in `model_dir`: same-width internals of another model would be read without any error.
-    Compares what the probe recorded (model_sha256, dims) with the checkpoint; a probe that
-    recorded neither (written before they were) is only checked for PAIR's hidden width."""
+    """Refuse a PAIR directory or probe file fitted on another model than `model_dir`'s: the
+    internals of another model of the same widths would be read without any error. Compares
+    what the probe recorded (model_sha256, dims) with the checkpoint; with neither recorded,
+    only PAIR's hidden width is checked."""
     probe_path = Path(probe_path)
     if (probe_path / "pair.json").is_file():
         pair = Pair.load(probe_path)

@@ -12,11 +12,8 @@ model.py collects natively — and predicts P(correct) of that turn.
   probability; scikit-learn is only a test dependency. Saved as safetensors with a JSON header.
 - Unsupervised scores: CoE-R, CoE-C (Chain-of-Embedding) and -mean head entropy. Higher = more
   likely correct.
-- Metrics: AUROC (ties count 1/2), AUPRC (average precision as scikit-learn defines it), ECE over 15
-  equal-width bins (lo, hi] with p = 0 in the first bin, Brier, within-episode pairwise accuracy.
-
-Fitting and scoring a probe on a features file from the command line: `python -m lab.study fit`
-and `score` (lab/study.py).
+- AUROC (ties count 1/2), which the drift monitor reads (grpo.py); METHOD.md §8's other metrics,
+  and fitting and scoring probes from the command line, are lab/study.py's.
 """
 from __future__ import annotations
 
@@ -49,15 +46,12 @@ RAW_KEYS = ("h_last4", "h_mean", "attn_max", "attn_std", "attn_prefix", "attn_se
 # Features (METHOD.md §4)
 
 def coe_scores(h: torch.Tensor) -> tuple[float, float]:
-    """CoE-R and CoE-C from the span-mean hidden state of every layer, h: (L+1, d).
-
-    Direction: higher = more likely correct, as in the CoE paper (Wang et al., ICLR 2025,
-    arXiv 2410.13640). It finds that correct responses take larger relative magnitude steps and
-    smaller relative angle steps through the layers, so CoE-R = mean M - mean A rises with
-    correctness; its evaluation code passes CoE-R and CoE-C unchanged as the score of the
-    correct class to roc_curve (label 1 = correct), with the same M, A and |mean M e^{iA}| as
-    here. The sign is therefore not inverted; an AUROC below 0.5 on tool-use turns is a result
-    about this setting, not a sign error."""
+    """CoE-R and CoE-C from the span-mean hidden state of every layer, h: (L+1, d); higher =
+    more likely correct, as in the CoE paper (Wang et al., ICLR 2025, arXiv 2410.13640): correct
+    responses take larger relative magnitude steps M and smaller relative angle steps A, and
+    its evaluation code scores the correct class with CoE-R = mean M - mean A and CoE-C =
+    |mean M e^{iA}| unchanged. No sign is inverted: an AUROC below 0.5 on tool-use turns is a
+    result about this setting, not a sign error."""
     h = h.double()
     step = h[1:] - h[:-1]                                               # (L, d)
     M = step.norm(dim=-1) / (h[-1] - h[0]).norm()                       # (L,) relative magnitude
@@ -220,9 +214,9 @@ class Probe:
                 and tensors["b"].numel() == 1):
             raise FormatError(f"{path}: probe tensors of inconsistent shapes")
         _check_finite(tensors, path)       # a NaN weight would turn every reward into NaN
-        # Copied into fresh memory: read in place, a weight's alignment would follow the length
-        # of the file's header, and float64 products with it change in the last bit with it
-        # (vectorized sums treat an unaligned head apart).
+        # Copied into fresh memory: read in place, a weight's alignment follows the header's
+        # length, and float64 products change in the last bit with it (vectorized sums treat
+        # an unaligned head apart).
         t = {k: v.to(torch.float64, copy=True) for k, v in tensors.items()}
         return cls(t["mean"], t["scale"], t["w"], t["b"].reshape(()), info)
 
@@ -232,14 +226,12 @@ class Probe:
 
 
 def _fit_logistic(Z, y, C, tol, max_iter):
-    """min_{w,b} sum_i logloss(z_i . w + b, y_i) + ||w||^2 / (2C) with LBFGS in float64.
-
-    The objective is divided by n so that gradient tolerances do not depend on the data size (the
-    minimizer is unchanged). It is strongly convex in w, so LBFGS reaches the unique optimum
-    that scikit-learn's solvers also find. LBFGS stops at max |gradient| <= tol or when an
-    iteration changes the objective by less than 1e-14 (scikit-learn's lbfgs stops on the same
-    kind of test, relative change < 64 eps); there the gradient is ~1e-8 and probabilities sit
-    ~1e-7 from the optimum, so only a gradient above 1e-6 counts as not converged."""
+    """min_{w,b} sum_i logloss(z_i . w + b, y_i) + ||w||^2 / (2C) with LBFGS in float64, divided
+    by n so that the tolerances do not depend on the data size. Strongly convex in w: LBFGS
+    reaches the unique optimum scikit-learn's solvers find. It stops at max |gradient| <= tol or
+    at an objective change < 1e-14 (scikit-learn's lbfgs: a relative change < 64 eps), where the
+    gradient is ~1e-8 and probabilities ~1e-7 from the optimum: only a gradient above 1e-6
+    counts as not converged."""
     n, d = Z.shape
     w = torch.zeros(d, dtype=torch.float64, requires_grad=True)
     # Starting the intercept at the log-odds of the base rate is the exact optimum at w = 0.
@@ -292,8 +284,8 @@ def source(meta: dict) -> dict:
 
 
 def check_same_source(a: dict, a_name, b: dict, b_name) -> None:
-    """Refuse to combine two inputs made from different models; keys one side lacks (files
-    written before they were recorded) are not compared."""
+    """Refuse to combine two inputs made from different models; a key one side lacks is not
+    compared."""
     for key in ("model_sha256", "dtype", "dims"):
         if key in a and key in b and a[key] != b[key]:
             raise FormatError(f"{a_name} was made from {describe_source(a)} but {b_name} "
@@ -342,7 +334,7 @@ def _check_finite(tensors: dict, path) -> None:
 
 
 # ----------------------------------------------------------------------------------------------
-# Metrics (METHOD.md §8); y = 1 for a correct turn, s / p = a score or P(correct)
+# AUROC (METHOD.md §8); y = 1 for a correct turn, s = a score or P(correct)
 
 def labels_scores(y, s):
     y = torch.as_tensor(y, dtype=torch.float64).flatten()
