@@ -236,7 +236,7 @@ HOOKS = {name: [] for name in (
     "check",        # (args): refuse flag combinations (check_args)
     "preset",       # (args, flags given): fill defaults after the preset
     "processes",    # (args): start several processes -> Processes or None
-    "context",      # (args, policy, tok, procs, log): fit probes -> (dir, report) or None
+    "context",      # (args, policy, tok, procs, log): the probes -> (dir, report) or None
     "setup",        # (args, policy, tok, procs, log, ctx): once the run is set up
     "played",       # (run, trajs, t): after each group's rollout, before its rewards
     "step",         # (run, step): before each step
@@ -684,8 +684,7 @@ def train_step(step: int, run: Training) -> dict:
 def step_metrics(step, trajs, rewards, p_correct, played, stats, times, args, procs, costs=(),
                  memory=None, extra=()) -> dict:
     """One metrics.jsonl record, summed over processes (memory: the largest). played = (groups
-    all_equal, groups played); the rest is about the groups kept. p_correct: per trajectory,
-    the frozen probe's P(correct) of each turn (or None)."""
+    all_equal, groups played); the rest is about the groups kept (p_correct: as Group's)."""
     zero, tried = played
     flat = [r for group in rewards for row in group for r in row if r is not None]
     M = args.max_turns

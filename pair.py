@@ -5,9 +5,9 @@ internals:
     Stage 1  s_bc    = sigma(w_1 . h + b_1)            h = last-token hidden state (last_token)
     Stage 2  s_final = sigma(w_2 . [a; s_bc] + b_2)    a = multi_attn: [max, std, prefix, self] of
                                                           every head, every layer (layer-major)
-Both are `probes.Probe` (StandardScaler + L2 logistic regression, C = 0.01). Train modes:
-`clean_only` = matched_clean_train; `mixed` (default, the paper's) = matched_clean_train +
-matched_contaminated_train, for both stages as in the release. Stage 2 is fitted on the in-sample
+Both are `probes.Probe` (StandardScaler + L2 logistic regression, C = 0.01), fitted (lab/study.py)
+on matched_clean_train + matched_contaminated_train for both stages as in the release (`mixed`,
+the paper's) or on matched_clean_train alone (`clean_only`). Stage 2 is fitted on the in-sample
 stage-1 scores of the training set (as released); crossfit = K uses out-of-fold scores, with
 folds by episode so a record and its matched twin never sit on both sides. At inference stage 2
 reads the raw s_bc (*departure*: the release temperature-clipped s_bc at inference only).
