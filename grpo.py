@@ -61,7 +61,7 @@ class Step:                         # one assistant turn of one rollout
     text: str                       # the assistant text handed to the environment
     trace: model.TurnTrace | None   # statistics from the generation pass (None: not collected)
     observation: str | None         # the environment's answer (None: the episode ended here)
-    nll: float | None = None        # mean -log pi of its tokens as sampled (AT²PO's entropy H)
+    nll: float | None = None        # mean -log pi of its tokens as sampled (lab AT²PO's H)
     # the chat up to this turn as the policy saw it (a judge rates the turn in its context)
     history: list[dict] = field(default_factory=list)
 
@@ -358,7 +358,7 @@ class Batch:                        # what the update consumes: rollouts right-p
     mask: torch.Tensor              # (B, T) bool: True on tokens the policy generated
     adv: torch.Tensor               # (B, T) float32: A of the turn each policy token belongs to
     lengths: list[int]              # real length of each row
-    # AT²PO's turn-level objective: each policy token's turn (-1 elsewhere), and 1 / (policy
+    # lab/baselines.py's AT²PO loss: each policy token's turn (-1 elsewhere), and 1 / (policy
     # tokens of its trajectory), so that a trajectory's tokens weigh 1 together
     turn: torch.Tensor | None = None        # (B, T) long
     weight: torch.Tensor | None = None      # (B, T) float32
