@@ -61,7 +61,7 @@ class Step:                         # one assistant turn of one rollout
     text: str                       # the assistant text handed to the environment
     trace: model.TurnTrace | None   # statistics from the generation pass (None: not collected)
     observation: str | None         # the environment's answer (None: the episode ended here)
-    nll: float | None = None        # mean -log pi of its tokens as sampled (lab AT²PO's H)
+    nll: float | None = None        # mean -log pi of its tokens as sampled (the lab's AT²PO: H)
     # the chat up to this turn as the policy saw it (a judge rates the turn in its context)
     history: list[dict] = field(default_factory=list)
 
