@@ -1,34 +1,27 @@
 """A hand-written Qwen2-family decoder that reports its own hidden states and attention statistics,
-and what it needs around it: loading a checkpoint, a tokenizer, generation, LoRA, a layer split.
+and what it needs around it: checkpoint loading, a tokenizer, generation, LoRA, a layer split.
 
-PAIR reads its reward from the policy's internals (METHOD.md §4). While generating, every token
-is fed through the model once and the decoding step returns, besides the logits, its L+1 hidden
-states (Hugging Face's convention: the embedding, blocks 1..L-1, the final-normed block L) and,
-for every layer l and query head h, six statistics of its softmax row p_i over causal keys j <= i:
+PAIR reads its reward from the policy's internals (METHOD.md §4). While generating, the decoding
+step returns, besides the logits, the L+1 hidden states (Hugging Face's convention: the
+embedding, blocks 1..L-1, the final-normed block L) and, for every layer l and query head h, six
+statistics of its softmax row p_i over the causal keys j <= i:
     max = max_j p_ij      std = population std of p_i0..p_ii      entropy = -log sum_j p_ij^2
     prefix = sum_{j < span_start} p_ij      self = sum_{span_start <= j <= i} p_ij
     lookback = m_ctx / (m_ctx + m_new), m_ctx = prefix / span_start, m_new = self / (i-start+1)
-(Lookback Lens; 0 when span_start = 0). `accumulate` sums them over a turn's tokens (`TurnStats`),
-so no second forward pass is run. Departure from the authors' release: std is over the i+1
-causal keys, not the whole padded row, and the statistics come from the generation pass.
-(lab/traces.py computes the same numbers teacher-forced, from a full forward.)
+(Lookback Lens; 0 when span_start = 0), summed over a turn's tokens (`TurnStats`): no second
+forward pass. Departure from the authors' release: std is over the i+1 causal keys, not the
+whole padded row. (lab/traces.py computes the same numbers teacher-forced.)
 
-Architectures: Qwen2ForCausalLM (QKV bias, GQA, tied or untied embeddings), LlamaForCausalLM and
-MistralForCausalLM (Mistral's sliding window). Modules carry the Hugging Face weight names, so
-loading a checkpoint (a directory, or a Hub name fetched once into $PAIR_CACHE) is a strict
-`load_state_dict` after every file, tensor and shape is checked.
+Architectures: Qwen2ForCausalLM, LlamaForCausalLM and MistralForCausalLM (sliding window).
+Modules carry the Hugging Face weight names: loading a checkpoint (a directory, or a Hub name
+fetched once into $PAIR_CACHE) is a strict `load_state_dict` after every file, tensor and shape
+is checked.
 
-Positions are explicit and every mask is built from them: key slot j is visible to the query at
-position p iff j <= p (and p - j < window). The KV cache is indexed by absolute position, so rows
-append ragged blocks of tokens, each at its own offset; a pad query sits past its row's real
-tokens and its slot stays invisible until the row's next real token overwrites it. The decoding
-step runs compiled where that pays (compiled_step). The GRPO update's log-probabilities
-(`token_logprobs`) recompute each block and the head in chunks, holding about one (T, d) tensor
-per block.
-
-Top to bottom: config and checkpoint loading (local or Hub), RoPE, the KV cache, the statistics,
-the transformer, its compiled step, the tokenizer, generation, LoRA and its PEFT adapter files,
-the layer split, and the file helpers the project writes with.
+Every mask is built from explicit positions: key slot j is visible to the query at position p iff
+j <= p (and p - j < window). The KV cache is indexed by absolute position, so rows append ragged
+blocks, each at its own offset; a pad sits past its row's real tokens, its slot invisible until
+the row's next real token overwrites it. The update's log-probabilities (`token_logprobs`)
+recompute each block and the head in chunks, holding about one (T, d) tensor per block.
 """
 import contextlib
 import hashlib
@@ -76,8 +69,6 @@ INT_LIMITS = (("vocab_size", 1 << 22, False), ("hidden_size", 1 << 16, False),
               ("num_attention_heads", 1024, False), ("num_key_value_heads", 1024, True),
               ("head_dim", 4096, True), ("max_position_embeddings", 1 << 24, False),
               ("sliding_window", 1 << 24, True))
-
-
 INDEX = "model.safetensors.index.json"
 
 
@@ -118,74 +109,66 @@ class Config:
     def from_dict(cls, d: dict) -> "Config":
         if not isinstance(d, dict):
             raise ValueError(f"must be a JSON object, not {type(d).__name__}")
-        d = dict(d)
         arch = d.get("architectures")
         if arch is not None and not (isinstance(arch, list) and
                                      all(isinstance(a, str) for a in arch)):
             raise ValueError(f"architectures must be a list of names, got {arch!r}")
-        if not d.get("architectures"):
+        if not arch:
             if d.get("model_type") not in ARCHITECTURES:
                 raise ValueError("no architectures entry and no known model_type")
-            d["architectures"] = [ARCHITECTURES[d["model_type"]]]
-        arch = d["architectures"][0]
-        d = {**ARCH_DEFAULTS.get(arch, {}), **d}
-        known = {f.name for f in fields(cls)}
-        missing = [f.name for f in fields(cls) if f.name not in d
-                   and f.default is MISSING and f.default_factory is MISSING]
-        if missing:
+            d = {**d, "architectures": [ARCHITECTURES[d["model_type"]]]}
+        d = {**ARCH_DEFAULTS.get(d["architectures"][0], {}), **d}
+        if missing := [f.name for f in fields(cls) if f.name not in d
+                       and f.default is MISSING and f.default_factory is MISSING]:
             raise ValueError(f"no {', '.join(missing)} (a model's config.json has them)")
-        cfg = cls(**{k: v for k, v in d.items() if k in known})
+        cfg = cls(**{f.name: d[f.name] for f in fields(cls) if f.name in d})
         cfg.validate()
         return cfg
 
     def validate(self):
         """Types and ranges, before anything is built from them: a config.json is input."""
-        def bad(key, want):
-            return ValueError(f"{key} must be {want}, got {getattr(self, key)!r}")
-        for key, hi, optional in INT_LIMITS:
-            v = getattr(self, key)
-            if not (v is None and optional) and (type(v) is not int or not 1 <= v <= hi):
-                raise bad(key, f"an integer in 1..{hi}")
-        if type(self.max_window_layers) is not int or self.max_window_layers < 0:
-            raise bad("max_window_layers", "an integer >= 0")
-        for key in ("bos_token_id", "pad_token_id", "eos_token_id"):   # (an eos never drawn
-            v = getattr(self, key)                                      # would never stop)
-            if v is not None and not all(type(i) is int and 0 <= i < self.vocab_size
-                                         for i in (v if isinstance(v, list) else [v])):
-                raise bad(key, f"a token id below vocab_size {self.vocab_size} (or, for "
-                               "eos_token_id, a list of them)")
-        for key in ("tie_word_embeddings", "attention_bias", "mlp_bias", "use_sliding_window"):
-            if not isinstance(getattr(self, key), bool):
-                raise bad(key, "true or false")
-        if type(self.rms_norm_eps) not in (int, float) or not 0 < self.rms_norm_eps < 1:
-            raise bad("rms_norm_eps", "a number between 0 and 1")
-        for key in ("rope_parameters", "rope_scaling"):
-            if getattr(self, key) is not None and not isinstance(getattr(self, key), dict):
-                raise bad(key, "a JSON object")
-        for key, theta in (("rope_theta", self.rope_theta),
-                           ("rope_parameters.rope_theta",
-                            (self.rope_parameters or {}).get("rope_theta"))):
-            if theta is not None and (type(theta) not in (int, float) or
-                                      not 0 < theta < math.inf):
-                raise ValueError(f"{key} must be a positive number, got {theta!r}")
-        if not isinstance(self.hidden_act, str):
-            raise bad("hidden_act", "a name")
+        def value(key):                 # "a.b": key b of the JSON object a
+            head, _, tail = key.partition(".")
+            return (getattr(self, head) or {}).get(tail) if tail else getattr(self, head)
+
+        def token_ids(v):               # (an eos never drawn would never stop)
+            return v is None or all(type(i) is int and 0 <= i < self.vocab_size
+                                    for i in (v if isinstance(v, list) else [v]))
+
+        def theta(v):
+            return v is None or type(v) in (int, float) and 0 < v < math.inf
+        n_layers = self.num_hidden_layers
+        checks = [  # (key, test of its value, what it must be), in order: each reads the ones before
+            *((key, lambda v, hi=hi, opt=opt: v is None and opt or type(v) is int and 1 <= v <= hi,
+               f"an integer in 1..{hi}") for key, hi, opt in INT_LIMITS),
+            ("max_window_layers", lambda v: type(v) is int and v >= 0, "an integer >= 0"),
+            *((key, token_ids, f"a token id below vocab_size {self.vocab_size} (or, for "
+               "eos_token_id, a list of them)") for key in ("bos_token_id", "pad_token_id",
+                                                              "eos_token_id")),
+            *((key, lambda v: isinstance(v, bool), "true or false") for key in (
+                "tie_word_embeddings", "attention_bias", "mlp_bias", "use_sliding_window")),
+            ("rms_norm_eps", lambda v: type(v) in (int, float) and 0 < v < 1,
+             "a number between 0 and 1"),
+            *((key, lambda v: v is None or isinstance(v, dict), "a JSON object")
+              for key in ("rope_parameters", "rope_scaling")),
+            ("rope_theta", theta, "a positive number"),
+            ("rope_parameters.rope_theta", theta, "a positive number"),
+            ("hidden_act", lambda v: isinstance(v, str), "a name"),
+            ("layer_types", lambda v: v is None or isinstance(v, list) and len(v) == n_layers
+             and all(isinstance(t, str) for t in v), f"a list of {n_layers} names")]
+        for key, ok, want in checks:
+            if not ok(value(key)):
+                raise ValueError(f"{key} must be {want}, got {value(key)!r}")
         if self.head_dim is None and self.hidden_size % self.num_attention_heads:
             raise ValueError(f"hidden_size {self.hidden_size} is not a multiple of "
                              f"num_attention_heads {self.num_attention_heads} (and no head_dim)")
-        if self.layer_types is not None and (
-                not isinstance(self.layer_types, list) or
-                len(self.layer_types) != self.num_hidden_layers or
-                not all(isinstance(t, str) for t in self.layer_types)):
-            raise bad("layer_types", f"a list of {self.num_hidden_layers} names")
         if self.arch not in ARCHITECTURES.values():
             raise ValueError(f"unsupported architecture {self.architectures!r} "
                              f"(supported: {', '.join(ARCHITECTURES.values())})")
         if self.hidden_act != "silu":
             raise ValueError(f"unsupported hidden_act {self.hidden_act!r} (only silu)")
-        for scaling in (self.rope_parameters, self.rope_scaling):
-            kind = (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
-            if kind != "default":
+        for scaling in (self.rope_parameters or {}, self.rope_scaling or {}):
+            if (kind := scaling.get("rope_type", scaling.get("type", "default"))) != "default":
                 raise ValueError(f"unsupported RoPE type {kind!r} (only default RoPE)")
         if self.num_attention_heads % self.n_kv_heads:
             raise ValueError("num_attention_heads must be a multiple of num_key_value_heads")
@@ -217,10 +200,8 @@ class Config:
         if self.arch == "MistralForCausalLM":
             return self.sliding_window
         if self.arch == "Qwen2ForCausalLM" and self.use_sliding_window and self.sliding_window:
-            if self.layer_types is not None:
-                sliding = self.layer_types[layer] == "sliding_attention"
-            else:
-                sliding = layer >= self.max_window_layers
+            sliding = (self.layer_types[layer] == "sliding_attention" if self.layer_types
+                       is not None else layer >= self.max_window_layers)
             return self.sliding_window if sliding else None
         return None
 
@@ -247,54 +228,48 @@ def read_config(directory) -> Config:
         raise CheckpointError(f"{path}: {e}") from None
 
 
-def _open_safetensors(path: Path):
-    try:
-        return safe_open(str(path), framework="pt", device="cpu")
-    except FileNotFoundError:
-        raise CheckpointError(f"{path}: file not found") from None
-    except Exception as e:      # safetensors' own error for a truncated or corrupt file
-        raise CheckpointError(f"{path}: truncated or corrupt safetensors file ({e})") from None
-
-
 def _weight_files(directory: Path) -> dict[str, list[str]]:
     """{file name: tensor names it must hold}; an empty list means 'whatever it holds'."""
     index = directory / INDEX
-    if index.is_file():
-        index_json = read_json(index)
-        weight_map = index_json.get("weight_map") if isinstance(index_json, dict) else None
-        if not isinstance(weight_map, dict):
-            raise CheckpointError(f"{index}: no weight_map")
-        files: dict[str, list[str]] = {}
-        for name, file in weight_map.items():
-            # a plain file beside the index, not "../x.safetensors" or "/etc/x"
-            if not (isinstance(file, str) and file == Path(file).name and
-                    file.endswith(".safetensors") and not file.startswith(".")):
-                raise CheckpointError(f"{index}: tensor {name} is mapped to {file!r}, not a "
-                                      "safetensors file beside the index")
-            files.setdefault(file, []).append(name)
-        return files
-    if (directory / "model.safetensors").is_file():
-        return {"model.safetensors": []}
-    raise CheckpointError(f"{directory}: neither model.safetensors nor {INDEX}")
+    if not index.is_file():
+        if (directory / "model.safetensors").is_file():
+            return {"model.safetensors": []}
+        raise CheckpointError(f"{directory}: neither model.safetensors nor {INDEX}")
+    index_json = read_json(index)
+    weight_map = index_json.get("weight_map") if isinstance(index_json, dict) else None
+    if not isinstance(weight_map, dict):
+        raise CheckpointError(f"{index}: no weight_map")
+    files = {}
+    for name, file in weight_map.items():
+        # a plain file beside the index, not "../x.safetensors" or "/etc/x"
+        if not (isinstance(file, str) and file == Path(file).name and
+                file.endswith(".safetensors") and not file.startswith(".")):
+            raise CheckpointError(f"{index}: tensor {name} is mapped to {file!r}, not a "
+                                  "safetensors file beside the index")
+        files.setdefault(file, []).append(name)
+    return files
 
 
 def read_state_dict(directory, expected: dict[str, tuple], config: Config, dtype,
                     device) -> dict:
     """Every tensor of `expected` (name -> shape), checked for presence, extras, shape and
-    finiteness (a NaN weight would load and generate a stop token forever), as dtype on device."""
-    directory = Path(directory)
-    expected = dict(expected)
-    tied = config.tie_word_embeddings
-    if tied:
-        expected.pop("lm_head.weight")          # not stored (ignored if it is)
+    finiteness (a NaN weight would load and generate a stop token forever), as dtype on device.
+    Tied embeddings: lm_head.weight is not expected (and ignored if stored)."""
+    directory, tied = Path(directory), config.tie_word_embeddings
+    expected = {k: v for k, v in expected.items() if not (tied and k == "lm_head.weight")}
     state, where = {}, {}
     for file, listed in _weight_files(directory).items():
         path = directory / file
-        with _open_safetensors(path) as f:
+        try:
+            f = safe_open(str(path), framework="pt", device="cpu")
+        except FileNotFoundError:
+            raise CheckpointError(f"{path}: file not found") from None
+        except Exception as e:      # safetensors' own error for a truncated or corrupt file
+            raise CheckpointError(f"{path}: truncated or corrupt safetensors file ({e})") from None
+        with f:
             names = set(f.keys())
-            for name in listed:
-                if name not in names:
-                    raise CheckpointError(f"{path}: missing tensor {name} (listed in the index)")
+            if missing := [name for name in listed if name not in names]:
+                raise CheckpointError(f"{path}: missing tensor {missing[0]} (listed in the index)")
             for name in sorted(names):
                 if listed and name not in listed:
                     raise CheckpointError(f"{path}: unexpected tensor {name} (not in the index)")
@@ -305,8 +280,7 @@ def read_state_dict(directory, expected: dict[str, tuple], config: Config, dtype
                                           f"{config.arch}")
                 if name in where:
                     raise CheckpointError(f"{path}: tensor {name} also in {where[name]}")
-                shape = tuple(f.get_slice(name).get_shape())
-                if shape != expected[name]:
+                if (shape := tuple(f.get_slice(name).get_shape())) != expected[name]:
                     raise CheckpointError(f"{path}: tensor {name} has shape {list(shape)}, "
                                           f"expected {list(expected[name])}")
                 try:
@@ -316,8 +290,7 @@ def read_state_dict(directory, expected: dict[str, tuple], config: Config, dtype
                 if tensor.is_floating_point() and not torch.isfinite(tensor).all():
                     raise CheckpointError(f"{path}: tensor {name} holds NaN or infinite values")
                 state[name], where[name] = tensor.to(device=device, dtype=dtype), path
-    missing = sorted(set(expected) - set(state))
-    if missing:
+    if missing := sorted(set(expected) - set(state)):
         raise CheckpointError(f"{directory}: missing tensor {missing[0]}"
                               + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""))
     return state
@@ -346,15 +319,13 @@ def checkpoint_sha256(directory) -> str:
                         h.update(block)
                     continue
                 n = struct.unpack("<Q", f.read(8))[0]
-                header = f.read(min(n, size))
-                h.update(header)
+                h.update(header := f.read(min(n, size)))
                 for key, entry in sorted(json.loads(header).items()):
-                    if key == "__metadata__":
-                        continue
-                    start, end = (8 + n + int(o) for o in entry["data_offsets"])
-                    for at in sorted({start, max(start, end - FINGERPRINT_BLOCK)}):
-                        f.seek(at)
-                        h.update(f.read(min(FINGERPRINT_BLOCK, end - at)))
+                    if key != "__metadata__":
+                        start, end = (8 + n + int(o) for o in entry["data_offsets"])
+                        for at in sorted({start, max(start, end - FINGERPRINT_BLOCK)}):
+                            f.seek(at)
+                            h.update(f.read(min(FINGERPRINT_BLOCK, end - at)))
         except FileNotFoundError:
             raise CheckpointError(f"{path}: file not found") from None
         except (OSError, ValueError, KeyError, TypeError, AttributeError, struct.error) as e:
@@ -374,8 +345,7 @@ def resolve(path_or_repo) -> Path:
         raise CheckpointError(f"{directory}: no such directory (nor a Hub model name like "
                               "Qwen/Qwen2.5-7B-Instruct)")
     # <org>/<name> with a local <org>/ is a misspelt path (data/shop-policy), not a Hub name
-    first = directory.parts[0]
-    if Path(first).is_dir():
+    if Path(first := directory.parts[0]).is_dir():
         raise CheckpointError(f"{directory}: no such directory ({first}/ is a local directory, "
                               "so this is a path, not a Hub model name)")
     return fetch_from_hub(str(path_or_repo))
@@ -486,10 +456,9 @@ def _hub_tree(session, url, what) -> dict[str, tuple[int, str | None]]:
         r = session.get(url, timeout=HUB_TIMEOUT)
         _check_status(r, what)
         try:
-            for entry in r.json():
-                if entry["type"] == "file":
-                    lfs = entry.get("lfs") or {}
-                    listing[entry["path"]] = (int(lfs.get("size", entry["size"])), lfs.get("oid"))
+            for entry in (e for e in r.json() if e["type"] == "file"):
+                lfs = entry.get("lfs") or {}
+                listing[entry["path"]] = (int(lfs.get("size", entry["size"])), lfs.get("oid"))
         except (ValueError, KeyError, TypeError) as e:
             raise HubError(f"{url}: unexpected answer from the Hub API ({e!r})") from e
         url = r.links.get("next", {}).get("url")
@@ -526,10 +495,9 @@ def _download(session, url, dest: Path, size: int, sha256: str | None, label: st
                 raise
             print(f"{label}: connection lost ({type(e).__name__}), retrying", file=sys.stderr)
             time.sleep(HUB_RETRY_WAIT * attempt)
-    wrong = (f"downloaded {got} bytes but the Hub lists {size}" if got != size else
-             f"sha256 differs from the Hub's ({sha256})"
-             if sha256 and h.hexdigest() != sha256.lower() else None)
-    if wrong:
+    if wrong := (f"downloaded {got} bytes but the Hub lists {size}" if got != size else
+                 f"sha256 differs from the Hub's ({sha256})"
+                 if sha256 and h.hexdigest() != sha256.lower() else None):
         part.unlink()
         raise HubError(f"{url}: {wrong}; removed {part}, try again")
     os.replace(part, dest)
@@ -543,8 +511,6 @@ def load_model(path_or_repo, dtype=torch.float32, devices=None) -> tuple["Transf
     devices: one device, or several to split the layers over (split_model)."""
     directory = resolve(path_or_repo)
     devices = [torch.device(d) for d in (devices or ["cpu"])]
-    if not devices:
-        raise ValueError("devices: empty list")
     config = read_config(directory)
     if not (directory / "tokenizer.json").is_file():
         raise CheckpointError(f"{directory / 'tokenizer.json'}: file not found")
