@@ -540,25 +540,15 @@ def input_device(model: "Transformer") -> torch.device:
 # ----------------------------------------------------------------------------------------------
 # RoPE, written as Hugging Face writes it for Qwen (rotate_half), so no weight permutation
 
-def rope_inv_freq(config: Config) -> Tensor:
-    d = config.head_size                # on the CPU: the model may be built on "meta"
-    return 1.0 / config.rope_base ** (torch.arange(0, d, 2, dtype=torch.float32, device="cpu") / d)
-
-
 def rope_tables(inv_freq: Tensor, positions: Tensor, dtype) -> tuple[Tensor, Tensor]:
     freqs = positions[..., None].float() * inv_freq.to(positions.device)   # (B, T, D/2)
     emb = torch.cat((freqs, freqs), dim=-1)                                 # (B, T, D)
     return emb.cos().to(dtype), emb.sin().to(dtype)
 
 
-def rotate_half(x: Tensor) -> Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
-
-
 def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    cos, sin = cos[:, None], sin[:, None]                                   # (B, 1, T, D)
-    return x * cos + rotate_half(x) * sin
+    x1, x2 = x.chunk(2, dim=-1)                                             # rotate_half
+    return x * cos[:, None] + torch.cat((-x2, x1), dim=-1) * sin[:, None]   # (B, 1, T, D)
 
 
 def attention_mask(positions: Tensor, key_positions: Tensor, window: int | None) -> Tensor:
@@ -811,7 +801,9 @@ class Transformer(nn.Module):
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
-        self.inv_freq = rope_inv_freq(config)   # a plain tensor, not a checkpoint weight
+        d = config.head_size    # a plain tensor on the CPU (the model may be built on "meta")
+        self.inv_freq = 1.0 / config.rope_base ** (torch.arange(0, d, 2, dtype=torch.float32,
+                                                                device="cpu") / d)
         self.windows = [config.window(i) for i in range(config.num_hidden_layers)]
 
     def new_cache(self, batch_size: int, capacity: int = 256) -> list[KVCache]:
@@ -888,8 +880,10 @@ class Transformer(nn.Module):
                 torch.compiler.cudagraph_mark_step_begin()
                 out = step(self, *on_dev, *args[3:], blocks)
                 return tuple(None if t is None else t.clone() for t in out)
-            except compile_errors() as e:
-                compile_failed(e)
+            except compile_errors() as e:     # decode eagerly from now on, and say so once
+                _compiled["failed"] = e
+                print(f"model.py: decoding eagerly, torch.compile failed: {type(e).__name__}: "
+                      f"{(str(e).strip().splitlines() or [''])[0]}", file=sys.stderr, flush=True)
         return self.decode_step(*args, size)
 
     def decode_weights(self) -> list:
@@ -972,10 +966,8 @@ def compiled_step(w: list, cache: list[KVCache]):
     if kind not in _compiled:
         print("model.py: compiling the decoding step (under a minute the first time on a machine, "
               "seconds later; PAIR_COMPILE=0 decodes eagerly)", file=sys.stderr, flush=True)
-        limit = {}
-        if "recompile_limit" in inspect.signature(torch.compile).parameters:
-            limit["recompile_limit"] = RECOMPILE_LIMIT          # this function's own
-        else:               # older torch: the process's, named cache_size_limit before 2.7
+        own = "recompile_limit" in inspect.signature(torch.compile).parameters  # torch >= 2.13
+        if not own:         # older torch: the process's limit, named cache_size_limit before 2.7
             config = torch._dynamo.config
             name = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"
             setattr(config, name, max(getattr(config, name), RECOMPILE_LIMIT))
@@ -983,17 +975,10 @@ def compiled_step(w: list, cache: list[KVCache]):
             # each size its own symbol: "duck" sizing would merge two sizes equal at the first
             # call (4 rows, 4 key heads) and compile again when they part
             torch.fx.experimental._config.use_duck_shape = False
-        _compiled[kind] = torch.compile(Transformer.decode_step, fullgraph=True, **limit,
+        _compiled[kind] = torch.compile(Transformer.decode_step, fullgraph=True,
+                                        **({"recompile_limit": RECOMPILE_LIMIT} if own else {}),
                                         **COMPILE_OPTIONS[kind])
     return _compiled[kind]
-
-
-def compile_failed(error: Exception):
-    """Decode eagerly from now on, and say so once."""
-    _compiled["failed"] = error
-    first = str(error).strip().splitlines()[0] if str(error).strip() else ""
-    print(f"model.py: decoding eagerly, torch.compile failed: {type(error).__name__}: {first}",
-          file=sys.stderr, flush=True)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -1008,15 +993,11 @@ class Tokenizer:
     def __init__(self, tok):
         self.tok = tok
         tok.encode_special_tokens = True        # an attribute of the instance: never saved
-        self.im_start_id = self._special("<|im_start|>")
-        self.im_end_id = self._special("<|im_end|>")
-        self.pad_id = self._special("<|endoftext|>")
-
-    def _special(self, text) -> int:
-        i = self.tok.token_to_id(text)
-        if i is None:
-            raise ValueError(f"tokenizer has no {text} token (not a Qwen2.5 tokenizer?)")
-        return i
+        for name, text in (("im_start_id", "<|im_start|>"), ("im_end_id", "<|im_end|>"),
+                           ("pad_id", "<|endoftext|>")):
+            if (i := tok.token_to_id(text)) is None:
+                raise ValueError(f"tokenizer has no {text} token (not a Qwen2.5 tokenizer?)")
+            setattr(self, name, i)
 
     @classmethod
     def from_file(cls, path) -> "Tokenizer":
@@ -1039,19 +1020,15 @@ class Tokenizer:
     def decode(self, ids, skip_special_tokens=False) -> str:
         return self.tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
-    @staticmethod
-    def _check(messages):
+    def render(self, messages, add_generation_prompt=False) -> tuple[list[int], list[tuple]]:
+        """Token ids of the chat and, per assistant message, its span [start, end) (METHOD.md §3):
+        its content's first token to its closing <|im_end|> + 1. The ids a tokenizer gives the
+        whole ChatML string, piece by piece, except that a message cannot open or close a turn."""
         for i, m in enumerate(messages):
             if not isinstance(m, dict) or m.get("role") not in ("system", "user", "assistant"):
                 raise ValueError(f"message {i}: role must be system, user or assistant")
             if not isinstance(m.get("content"), str):
                 raise ValueError(f"message {i}: content must be a string")
-
-    def render(self, messages, add_generation_prompt=False) -> tuple[list[int], list[tuple]]:
-        """Token ids of the chat and, per assistant message, its span [start, end) (METHOD.md §3):
-        its content's first token to its closing <|im_end|> + 1. The ids a tokenizer gives the
-        whole ChatML string, piece by piece, except that a message cannot open or close a turn."""
-        self._check(messages)
         if not messages or messages[0]["role"] != "system":
             messages = [{"role": "system", "content": DEFAULT_SYSTEM}, *messages]
         ids, spans = [], []
@@ -1413,10 +1390,6 @@ def apply_lora(model: nn.Module, r=16, alpha=32.0, dropout=0.05, targets=LORA_TA
     return model
 
 
-def lora_modules(model):
-    return ((n, m) for n, m in model.named_modules() if isinstance(m, LoRALinear))
-
-
 def lora_parameters(model):
     """(name, Parameter) of every adapter weight, names as in model.state_dict()."""
     return ((n, p) for n, p in model.named_parameters() if ".lora_A." in n or ".lora_B." in n)
@@ -1425,14 +1398,14 @@ def lora_parameters(model):
 @contextlib.contextmanager
 def lora_disabled(model):
     """`with lora_disabled(model):` runs the base model (GRPO's pi_ref) without copying weights."""
-    was = {name: m.enabled for name, m in lora_modules(model)}
-    for _, m in lora_modules(model):
+    was = {m: m.enabled for m in model.modules() if isinstance(m, LoRALinear)}
+    for m in was:
         m.enabled = False
     try:
         yield model
     finally:
-        for name, m in lora_modules(model):
-            m.enabled = was[name]
+        for m, enabled in was.items():
+            m.enabled = enabled
 
 
 def load_lora_state(policy, state: dict[str, torch.Tensor]):
@@ -1455,18 +1428,15 @@ def save_adapter(model, path, base_model_name_or_path=None):
     folder.mkdir(parents=True, exist_ok=True)
     tensors = {PEFT_PREFIX + n: p.detach().to("cpu").contiguous()
                for n, p in lora_parameters(model)}
-    config = {
-        "peft_type": "LORA", "task_type": "CAUSAL_LM",
-        "base_model_name_or_path": base_model_name_or_path or getattr(model, "name_or_path", None),
-        "revision": None, "inference_mode": True,
-        "r": s.r, "lora_alpha": int(s.alpha) if s.alpha.is_integer() else s.alpha,
-        "lora_dropout": s.dropout,
-        "target_modules": sorted(s.targets), "use_rslora": s.use_rslora,
-        "bias": "none", "fan_in_fan_out": False, "init_lora_weights": True,
-        "use_dora": False, "lora_bias": False, "modules_to_save": None,
-        "layers_to_transform": None, "layers_pattern": None,
-        "rank_pattern": {}, "alpha_pattern": {},
-    }
+    config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path":
+              base_model_name_or_path or getattr(model, "name_or_path", None),
+              "revision": None, "inference_mode": True, "r": s.r,
+              "lora_alpha": int(s.alpha) if s.alpha.is_integer() else s.alpha,
+              "lora_dropout": s.dropout, "target_modules": sorted(s.targets),
+              "use_rslora": s.use_rslora, "bias": "none", "fan_in_fan_out": False,
+              "init_lora_weights": True, "use_dora": False, "lora_bias": False,
+              "modules_to_save": None, "layers_to_transform": None, "layers_pattern": None,
+              "rank_pattern": {}, "alpha_pattern": {}}
     write_atomic(folder / ADAPTER_WEIGHTS, safetensors_bytes(tensors, {"format": "pt"}))
     write_atomic(folder / ADAPTER_CONFIG, (json.dumps(config, indent=2) + "\n").encode())
 
@@ -1489,12 +1459,8 @@ def load_adapter_weights(policy, directory):
 
 
 # ----------------------------------------------------------------------------------------------
-# Layers split across devices (pipeline placement, no pipelining), applied to a built model
-
-# split_model moves contiguous ranges of blocks to the devices, each with a pre-hook moving its
-# inputs there: one device computes at a time, the point is memory (a 7B policy with its LoRA
-# state and caches exceeds one 48 GB GPU). Embeddings on the first device, norm and head on the
-# last; new_cache puts each block's cache on its device.
+# Layers split across devices (placement, no pipelining): one device computes at a time, the
+# point is memory (a 7B policy with its LoRA state and caches exceeds one 48 GB GPU)
 
 def balance_layers(block_sizes: list[int], n_devices: int, first_extra=0, last_extra=0):
     """Layers per device: contiguous ranges whose loads (parameter counts, with the embedding on
@@ -1512,10 +1478,6 @@ def balance_layers(block_sizes: list[int], n_devices: int, first_extra=0, last_e
         cuts.append(min(range(lo, hi + 1), key=lambda b: abs(load_before[b] - share)))
     cuts.append(n_layers)
     return [b - a for a, b in zip(cuts, cuts[1:])]
-
-
-def _n_params(module) -> int:
-    return sum(p.numel() for p in module.parameters())
 
 
 def _move_inputs(device):
@@ -1555,20 +1517,21 @@ def parse_devices(text: str) -> list[torch.device]:
 
 
 def split_model(model, devices, layer_counts=None):
-    """Place model.model.layers on `devices` (e.g. ["cuda:0", "cuda:1"]) in contiguous ranges.
-
-    layer_counts: layers per device (sums to the number of layers); default balances parameters.
-    """
+    """Place model.model.layers on `devices` (e.g. ["cuda:0", "cuda:1"]) in contiguous ranges,
+    each block with a pre-hook moving its inputs there; the embedding on the first device, norm
+    and head on the last (new_cache puts each block's cache with it). layer_counts: layers per
+    device (summing to the number of layers); by default balance_layers on parameter counts."""
     if hasattr(model, "layer_devices"):
         raise ValueError(f"the model is already split over {sorted(set(model.layer_devices))}")
     devices = [torch.device(d) for d in devices]
-    inner, layers = model.model, model.model.layers
-    head = model.lm_head
+    inner, layers, head = model.model, model.model.layers, model.lm_head
     tied = head.weight is inner.embed_tokens.weight
     if layer_counts is None:
-        layer_counts = balance_layers([_n_params(b) for b in layers], len(devices),
-                                      first_extra=_n_params(inner.embed_tokens),
-                                      last_extra=_n_params(inner.norm) + head.weight.numel())
+        def n_params(module):
+            return sum(p.numel() for p in module.parameters())
+        layer_counts = balance_layers([n_params(b) for b in layers], len(devices),
+                                      first_extra=n_params(inner.embed_tokens),
+                                      last_extra=n_params(inner.norm) + head.weight.numel())
     layer_counts = [int(n) for n in layer_counts]
     if (len(layer_counts) != len(devices) or min(layer_counts) < 1
             or sum(layer_counts) != len(layers)):
@@ -1582,18 +1545,12 @@ def split_model(model, devices, layer_counts=None):
                              "(apply_lora does) or split over one device")
         head.weight = nn.Parameter(inner.embed_tokens.weight.detach().to(devices[-1]),
                                    requires_grad=False)
-    inner.embed_tokens.to(devices[0])
-    inner.embed_tokens.register_forward_pre_hook(_move_inputs(devices[0]), with_kwargs=True)
-    first = 0
-    for device, n in zip(devices, layer_counts):
-        for block in layers[first:first + n]:
-            block.to(device)
-            block.register_forward_pre_hook(_move_inputs(device), with_kwargs=True)
-        first += n
-    for module in (inner.norm, head):
-        module.to(devices[-1])
-        module.register_forward_pre_hook(_move_inputs(devices[-1]), with_kwargs=True)
-    model.layer_devices = [d for d, n in zip(devices, layer_counts) for _ in range(n)]
+    layer_devices = [d for d, n in zip(devices, layer_counts) for _ in range(n)]
+    for module, device in [(inner.embed_tokens, devices[0]), *zip(layers, layer_devices),
+                           (inner.norm, devices[-1]), (head, devices[-1])]:
+        module.to(device)
+        module.register_forward_pre_hook(_move_inputs(device), with_kwargs=True)
+    model.layer_devices = layer_devices
     return model
 
 
@@ -1602,9 +1559,8 @@ def split_model(model, devices, layer_counts=None):
 
 
 def cache_root() -> Path:
-    """Where everything fetched or fitted once is kept: Hub checkpoints, the released data, LLM
-    judgments, the built-in policy's probes and base evaluations. $PAIR_CACHE, else
-    ~/.cache/pair."""
+    """Where everything fetched or fitted once is kept (Hub checkpoints, released data, LLM
+    judgments, probes): $PAIR_CACHE, else ~/.cache/pair."""
     return Path(os.environ.get("PAIR_CACHE") or Path.home() / ".cache" / "pair").expanduser()
 
 
