@@ -138,13 +138,13 @@ class Config:
         def theta(v):
             return v is None or type(v) in (int, float) and 0 < v < math.inf
         n_layers = self.num_hidden_layers
-        checks = [  # (key, test of its value, what it must be), in order: each reads the ones before
+        ids = f"a token id below vocab_size {self.vocab_size} (or, for eos_token_id, a list of " \
+            "them)"
+        checks = [  # (key, test of its value, what it must be); each may read the ones before
             *((key, lambda v, hi=hi, opt=opt: v is None and opt or type(v) is int and 1 <= v <= hi,
                f"an integer in 1..{hi}") for key, hi, opt in INT_LIMITS),
             ("max_window_layers", lambda v: type(v) is int and v >= 0, "an integer >= 0"),
-            *((key, token_ids, f"a token id below vocab_size {self.vocab_size} (or, for "
-               "eos_token_id, a list of them)") for key in ("bos_token_id", "pad_token_id",
-                                                              "eos_token_id")),
+            *((key, token_ids, ids) for key in ("bos_token_id", "pad_token_id", "eos_token_id")),
             *((key, lambda v: isinstance(v, bool), "true or false") for key in (
                 "tie_word_embeddings", "attention_bias", "mlp_bias", "use_sliding_window")),
             ("rms_norm_eps", lambda v: type(v) in (int, float) and 0 < v < 1,
@@ -674,9 +674,8 @@ class Attention(nn.Module):
         dev = x.device                              # the block may live on any device
         cos, sin, positions = cos.to(dev), sin.to(dev), positions.to(dev)
         mask = mask.to(dev) if mask is not None else None
-        q = self.q_proj(x).view(B, T, self.n_heads, self.head_dim).transpose(1, 2)  # (B,H,T,D)
-        k = self.k_proj(x).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)
-        v = self.v_proj(x).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        q, k, v = (proj(x).view(B, T, -1, self.head_dim).transpose(1, 2)   # (B, H or KV, T, D)
+                   for proj in (self.q_proj, self.k_proj, self.v_proj))
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if cache is not None:
             k, v = cache.write(k, v, positions, mask.shape[-1])   # (B, KV, S, D)
@@ -784,20 +783,14 @@ def _fuse(linears) -> tuple[Tensor, Tensor | None]:
 FUSE_MAX_ELEMENTS = 1 << 22       # 16 MB of float32 per block: the built-in policy, not 0.5B
 
 
-class Decoder(nn.Module):
-    """The `model.` prefix of the checkpoint keys."""
-    def __init__(self, config: Config):
-        super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(Block(config) for _ in range(config.num_hidden_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-
-
 class Transformer(nn.Module):
     def __init__(self, config: Config):
         super().__init__()
         self.config = config
-        self.model = Decoder(config)
+        self.model = nn.Module()        # the `model.` prefix of the checkpoint keys
+        self.model.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.model.layers = nn.ModuleList(Block(config) for _ in range(config.num_hidden_layers))
+        self.model.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight

@@ -564,7 +564,7 @@ def test_resume_reproduces_the_uninterrupted_run(tiny_policy, tmp_path, monkeypa
         "adapter_config.json", "adapter_model.safetensors"]
     assert not list(cut.glob(".*tmp*"))
     a = adapters.load_adapter(mdl.load_model(tiny_policy)[0],
-                         whole / "checkpoint-000004" / "adapter")
+                              whole / "checkpoint-000004" / "adapter")
     b = adapters.load_adapter(mdl.load_model(tiny_policy)[0], ckpt / "adapter")
     for (name, p), (_, q) in zip(mdl.lora_parameters(a), mdl.lora_parameters(b)):
         assert torch.equal(p, q), name
@@ -765,9 +765,9 @@ def test_two_processes_equal_one_process(reward, tiny_policy, tmp_path, pair_cac
                   "frac_zero_std", "turns"):
             assert b[k] == pytest.approx(a[k], rel=1e-4, abs=1e-7), k
     pa = adapters.load_adapter(mdl.load_model(tiny_policy)[0],
-                          one / "checkpoint-000002" / "adapter")
+                               one / "checkpoint-000002" / "adapter")
     pb = adapters.load_adapter(mdl.load_model(tiny_policy)[0],
-                          two / "checkpoint-000002" / "adapter")
+                               two / "checkpoint-000002" / "adapter")
     for (name, p), (_, q) in zip(mdl.lora_parameters(pa), mdl.lora_parameters(pb)):
         torch.testing.assert_close(p, q, atol=1e-6, rtol=1e-4, msg=name)
 
