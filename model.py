@@ -408,8 +408,19 @@ def _fetch_files(folder: Path, repo_id, revision, endpoint) -> dict[str, int]:
     session = requests.Session()
     if os.environ.get("HF_TOKEN"):  # requests drops it on the redirect to the (signed) CDN URL
         session.headers["Authorization"] = f"Bearer {os.environ['HF_TOKEN']}"
-    listing = _hub_tree(session, f"{endpoint}/api/models/{repo_id}/tree/"
-                        f"{quote(revision, safe='')}", f"model {repo_id!r} at {revision}")
+    # the Hub's tree API: [{"type", "path", "size", "lfs"?: {"oid", "size"}}, ...], paginated by
+    # the Link header -> {path: (size, sha256 of an LFS file's content, else None)}
+    listing, url = {}, f"{endpoint}/api/models/{repo_id}/tree/{quote(revision, safe='')}"
+    while url:
+        r = session.get(url, timeout=HUB_TIMEOUT)
+        _check_status(r, f"model {repo_id!r} at {revision}")
+        try:
+            for entry in (e for e in r.json() if e["type"] == "file"):
+                lfs = entry.get("lfs") or {}
+                listing[entry["path"]] = (int(lfs.get("size", entry["size"])), lfs.get("oid"))
+        except (ValueError, KeyError, TypeError) as e:
+            raise HubError(f"{url}: unexpected answer from the Hub API ({e!r})") from e
+        url = r.links.get("next", {}).get("url")
     files = {}
 
     def fetch(name, shape="a JSON object", check=None):
@@ -446,23 +457,6 @@ def _fetch_files(folder: Path, repo_id, revision, endpoint) -> dict[str, int]:
     for shard in sorted(set(index["weight_map"].values())):
         fetch(shard)
     return files
-
-
-def _hub_tree(session, url, what) -> dict[str, tuple[int, str | None]]:
-    """{path: (size, sha256 of an LFS file's content, else None)} from the Hub's tree API
-    ([{"type", "path", "size", "lfs"?: {"oid", "size"}}, ...], paginated by the Link header)."""
-    listing = {}
-    while url:
-        r = session.get(url, timeout=HUB_TIMEOUT)
-        _check_status(r, what)
-        try:
-            for entry in (e for e in r.json() if e["type"] == "file"):
-                lfs = entry.get("lfs") or {}
-                listing[entry["path"]] = (int(lfs.get("size", entry["size"])), lfs.get("oid"))
-        except (ValueError, KeyError, TypeError) as e:
-            raise HubError(f"{url}: unexpected answer from the Hub API ({e!r})") from e
-        url = r.links.get("next", {}).get("url")
-    return listing
 
 
 def _check_status(r, what):
@@ -1417,8 +1411,7 @@ def save_adapter(model, path, base_model_name_or_path=None):
     s = getattr(model, "lora_settings", None)
     if s is None:
         raise ValueError("save_adapter: the model has no LoRA adapter (call apply_lora first)")
-    folder = Path(path)
-    folder.mkdir(parents=True, exist_ok=True)
+    folder = Path(path)             # (write_atomic creates it)
     tensors = {PEFT_PREFIX + n: p.detach().to("cpu").contiguous()
                for n, p in lora_parameters(model)}
     config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path":
