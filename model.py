@@ -1429,7 +1429,12 @@ def save_adapter(model, path, base_model_name_or_path=None):
 
 def load_adapter_weights(policy, directory):
     """Restore into policy's LoRA weights the adapter save_adapter wrote to `directory` (a run's
-    own checkpoint); lab/adapters.py loads any PEFT adapter."""
+    own checkpoint, its settings those of policy's adapter); lab/adapters.py loads any PEFT one."""
+    config, s = Path(directory) / ADAPTER_CONFIG, policy.lora_settings
+    c = json.loads(config.read_text())
+    if not isinstance(c, dict) or (s.r, s.alpha, s.use_rslora, set(s.targets)) != (
+            c.get("r"), c.get("lora_alpha"), c.get("use_rslora"), set(c.get("target_modules", ()))):
+        raise ValueError(f"{config}: not an adapter with the settings of the model's ({s})")
     file = Path(directory) / ADAPTER_WEIGHTS
     with safe_open(str(file), framework="pt") as f:
         tensors = {key[len(PEFT_PREFIX):]: f.get_tensor(key) for key in f.keys()}

@@ -202,6 +202,8 @@ def test_load_adapter_weights_restores_what_save_adapter_wrote(hf, tmp_path):
     for (n, p), (_, q), (_, t) in zip(M.lora_parameters(ours), M.lora_parameters(again),
                                       M.lora_parameters(theirs)):
         assert torch.equal(p, q) and torch.equal(q, t) and q.dtype == t.dtype, n
+    with pytest.raises(ValueError, match="adapter_config.json: not an adapter with the settings"):
+        M.load_adapter_weights(M.apply_lora(build_ours(hf), r=4, alpha=16, dropout=0.0), tmp_path)
     key = "base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight"
     tensors = load_file(tmp_path / "adapter_model.safetensors")
     tensors[key][0, 0] = float("nan")
