@@ -1033,8 +1033,7 @@ class Tokenizer:
         return ids, spans
 
 
-# half of a UTF-16 pair (a JSON "\ud800" decodes to one): no UTF-8 text holds it, the tokenizer
-# refuses it
+# half of a UTF-16 pair (JSON's "\ud800"): no UTF-8 text holds it, the tokenizer refuses it
 LONE_SURROGATE = re.compile("[\ud800-\udfff]")
 
 
@@ -1060,8 +1059,7 @@ class TurnTrace:
     h_last: Tensor | None               # (L+1, d) hidden_states[l] at the last span token
     h_mean: Tensor | None               # (L+1, d) mean over span rows of hidden_states[l]
     finished: bool                      # stopped on a stop token (vs max_new_tokens)
-    # log pi(token) of each sampled token at the sampling temperature (1 when greedy); empty
-    # for teacher-forced traces
+    # log pi(token) at the sampling temperature (1 when greedy); empty when teacher-forced
     logprobs: list[float] = field(default_factory=list)
 
 
@@ -1529,8 +1527,7 @@ def split_model(model, devices, layer_counts=None):
         raise ValueError(f"layer_counts={layer_counts}: need one count >= 1 per device "
                          f"({len(devices)}) summing to the model's {len(layers)} layers")
     if tied and devices[0] != devices[-1]:
-        # The head needs the embedding matrix on the last device: a second copy, which stays
-        # equal to the first only while it is not trained (true under LoRA).
+        # the head's copy of the embedding stays equal to it only while it is frozen (LoRA)
         if inner.embed_tokens.weight.requires_grad:
             raise ValueError("tied embeddings are copied to the last device; freeze them first "
                              "(apply_lora does) or split over one device")
