@@ -1389,7 +1389,7 @@ def load_checkpoint(path: Path, policy, optimizer, procs) -> tuple[int, dict | N
         if info["processes"] != procs.size:
             raise ValueError(f"it was written by {info['processes']} processes, this run has "
                              f"{procs.size}; the RNG streams would differ")
-        model.load_adapter(policy, path / "adapter")
+        model.load_adapter_weights(policy, path / "adapter")
         optimizer_from_tensors(optimizer, load_file(path / "optimizer.safetensors"),
                                info["optimizer"])
         set_rng_state(load_file(path / f"rng-{procs.rank}.safetensors"),

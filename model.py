@@ -1,34 +1,27 @@
 """A hand-written Qwen2-family decoder that reports its own hidden states and attention statistics,
-and what it needs around it: loading a checkpoint, a tokenizer, generation, LoRA, a layer split.
+and what it needs around it: checkpoint loading, a tokenizer, generation, LoRA, a layer split.
 
-PAIR reads its reward from the policy's internals (METHOD.md §4). While generating, every token
-is fed through the model once and the decoding step returns, besides the logits, its L+1 hidden
-states (Hugging Face's convention: the embedding, blocks 1..L-1, the final-normed block L) and,
-for every layer l and query head h, six statistics of its softmax row p_i over causal keys j <= i:
+PAIR reads its reward from the policy's internals (METHOD.md §4). While generating, the decoding
+step returns, besides the logits, the L+1 hidden states (Hugging Face's convention: the
+embedding, blocks 1..L-1, the final-normed block L) and, for every layer l and query head h, six
+statistics of its softmax row p_i over the causal keys j <= i:
     max = max_j p_ij      std = population std of p_i0..p_ii      entropy = -log sum_j p_ij^2
     prefix = sum_{j < span_start} p_ij      self = sum_{span_start <= j <= i} p_ij
     lookback = m_ctx / (m_ctx + m_new), m_ctx = prefix / span_start, m_new = self / (i-start+1)
-(Lookback Lens; 0 when span_start = 0). `accumulate` sums them over a turn's tokens (`TurnStats`),
-so no second forward pass is run. Departure from the authors' release: std is over the i+1
-causal keys, not the whole padded row, and the statistics come from the generation pass.
-(lab/traces.py computes the same numbers teacher-forced, from a full forward.)
+(Lookback Lens; 0 when span_start = 0), summed over a turn's tokens (`TurnStats`): no second
+forward pass. Departure from the authors' release: std is over the i+1 causal keys, not the
+whole padded row. (lab/traces.py computes the same numbers teacher-forced.)
 
-Architectures: Qwen2ForCausalLM (QKV bias, GQA, tied or untied embeddings), LlamaForCausalLM and
-MistralForCausalLM (Mistral's sliding window). Modules carry the Hugging Face weight names, so
-loading a checkpoint (a directory, or a Hub name fetched once into $PAIR_CACHE) is a strict
-`load_state_dict` after every file, tensor and shape is checked.
+Architectures: Qwen2ForCausalLM, LlamaForCausalLM and MistralForCausalLM (sliding window).
+Modules carry the Hugging Face weight names: loading a checkpoint (a directory, or a Hub name
+fetched once into $PAIR_CACHE) is a strict `load_state_dict` after every file, tensor and shape
+is checked.
 
-Positions are explicit and every mask is built from them: key slot j is visible to the query at
-position p iff j <= p (and p - j < window). The KV cache is indexed by absolute position, so rows
-append ragged blocks of tokens, each at its own offset; a pad query sits past its row's real
-tokens and its slot stays invisible until the row's next real token overwrites it. The decoding
-step runs compiled where that pays (compiled_step). The GRPO update's log-probabilities
-(`token_logprobs`) recompute each block and the head in chunks, holding about one (T, d) tensor
-per block.
-
-Top to bottom: config and checkpoint loading (local or Hub), RoPE, the KV cache, the statistics,
-the transformer, its compiled step, the tokenizer, generation, LoRA and its PEFT adapter files,
-the layer split, and the file helpers the project writes with.
+Every mask is built from explicit positions: key slot j is visible to the query at position p iff
+j <= p (and p - j < window). The KV cache is indexed by absolute position, so rows append ragged
+blocks, each at its own offset; a pad sits past its row's real tokens, its slot invisible until
+the row's next real token overwrites it. The update's log-probabilities (`token_logprobs`)
+recompute each block and the head in chunks, holding about one (T, d) tensor per block.
 """
 import contextlib
 import hashlib
@@ -76,8 +69,6 @@ INT_LIMITS = (("vocab_size", 1 << 22, False), ("hidden_size", 1 << 16, False),
               ("num_attention_heads", 1024, False), ("num_key_value_heads", 1024, True),
               ("head_dim", 4096, True), ("max_position_embeddings", 1 << 24, False),
               ("sliding_window", 1 << 24, True))
-
-
 INDEX = "model.safetensors.index.json"
 
 
@@ -118,74 +109,66 @@ class Config:
     def from_dict(cls, d: dict) -> "Config":
         if not isinstance(d, dict):
             raise ValueError(f"must be a JSON object, not {type(d).__name__}")
-        d = dict(d)
         arch = d.get("architectures")
         if arch is not None and not (isinstance(arch, list) and
                                      all(isinstance(a, str) for a in arch)):
             raise ValueError(f"architectures must be a list of names, got {arch!r}")
-        if not d.get("architectures"):
+        if not arch:
             if d.get("model_type") not in ARCHITECTURES:
                 raise ValueError("no architectures entry and no known model_type")
-            d["architectures"] = [ARCHITECTURES[d["model_type"]]]
-        arch = d["architectures"][0]
-        d = {**ARCH_DEFAULTS.get(arch, {}), **d}
-        known = {f.name for f in fields(cls)}
-        missing = [f.name for f in fields(cls) if f.name not in d
-                   and f.default is MISSING and f.default_factory is MISSING]
-        if missing:
+            d = {**d, "architectures": [ARCHITECTURES[d["model_type"]]]}
+        d = {**ARCH_DEFAULTS.get(d["architectures"][0], {}), **d}
+        if missing := [f.name for f in fields(cls) if f.name not in d
+                       and f.default is MISSING and f.default_factory is MISSING]:
             raise ValueError(f"no {', '.join(missing)} (a model's config.json has them)")
-        cfg = cls(**{k: v for k, v in d.items() if k in known})
+        cfg = cls(**{f.name: d[f.name] for f in fields(cls) if f.name in d})
         cfg.validate()
         return cfg
 
     def validate(self):
         """Types and ranges, before anything is built from them: a config.json is input."""
-        def bad(key, want):
-            return ValueError(f"{key} must be {want}, got {getattr(self, key)!r}")
-        for key, hi, optional in INT_LIMITS:
-            v = getattr(self, key)
-            if not (v is None and optional) and (type(v) is not int or not 1 <= v <= hi):
-                raise bad(key, f"an integer in 1..{hi}")
-        if type(self.max_window_layers) is not int or self.max_window_layers < 0:
-            raise bad("max_window_layers", "an integer >= 0")
-        for key in ("bos_token_id", "pad_token_id", "eos_token_id"):   # (an eos never drawn
-            v = getattr(self, key)                                      # would never stop)
-            if v is not None and not all(type(i) is int and 0 <= i < self.vocab_size
-                                         for i in (v if isinstance(v, list) else [v])):
-                raise bad(key, f"a token id below vocab_size {self.vocab_size} (or, for "
-                               "eos_token_id, a list of them)")
-        for key in ("tie_word_embeddings", "attention_bias", "mlp_bias", "use_sliding_window"):
-            if not isinstance(getattr(self, key), bool):
-                raise bad(key, "true or false")
-        if type(self.rms_norm_eps) not in (int, float) or not 0 < self.rms_norm_eps < 1:
-            raise bad("rms_norm_eps", "a number between 0 and 1")
-        for key in ("rope_parameters", "rope_scaling"):
-            if getattr(self, key) is not None and not isinstance(getattr(self, key), dict):
-                raise bad(key, "a JSON object")
-        for key, theta in (("rope_theta", self.rope_theta),
-                           ("rope_parameters.rope_theta",
-                            (self.rope_parameters or {}).get("rope_theta"))):
-            if theta is not None and (type(theta) not in (int, float) or
-                                      not 0 < theta < math.inf):
-                raise ValueError(f"{key} must be a positive number, got {theta!r}")
-        if not isinstance(self.hidden_act, str):
-            raise bad("hidden_act", "a name")
+        def value(key):                 # "a.b": key b of the JSON object a
+            head, _, tail = key.partition(".")
+            return (getattr(self, head) or {}).get(tail) if tail else getattr(self, head)
+
+        def token_ids(v):               # (an eos never drawn would never stop)
+            return v is None or all(type(i) is int and 0 <= i < self.vocab_size
+                                    for i in (v if isinstance(v, list) else [v]))
+
+        def theta(v):
+            return v is None or type(v) in (int, float) and 0 < v < math.inf
+        n_layers = self.num_hidden_layers
+        ids = f"a token id below vocab_size {self.vocab_size} (or, for eos_token_id, a list of " \
+            "them)"
+        checks = [  # (key, test of its value, what it must be); each may read the ones before
+            *((key, lambda v, hi=hi, opt=opt: v is None and opt or type(v) is int and 1 <= v <= hi,
+               f"an integer in 1..{hi}") for key, hi, opt in INT_LIMITS),
+            ("max_window_layers", lambda v: type(v) is int and v >= 0, "an integer >= 0"),
+            *((key, token_ids, ids) for key in ("bos_token_id", "pad_token_id", "eos_token_id")),
+            *((key, lambda v: isinstance(v, bool), "true or false") for key in (
+                "tie_word_embeddings", "attention_bias", "mlp_bias", "use_sliding_window")),
+            ("rms_norm_eps", lambda v: type(v) in (int, float) and 0 < v < 1,
+             "a number between 0 and 1"),
+            *((key, lambda v: v is None or isinstance(v, dict), "a JSON object")
+              for key in ("rope_parameters", "rope_scaling")),
+            ("rope_theta", theta, "a positive number"),
+            ("rope_parameters.rope_theta", theta, "a positive number"),
+            ("hidden_act", lambda v: isinstance(v, str), "a name"),
+            ("layer_types", lambda v: v is None or isinstance(v, list) and len(v) == n_layers
+             and all(isinstance(t, str) for t in v), f"a list of {n_layers} names")]
+        for key, ok, want in checks:
+            if not ok(value(key)):
+                raise ValueError(f"{key} must be {want}, got {value(key)!r}")
         if self.head_dim is None and self.hidden_size % self.num_attention_heads:
             raise ValueError(f"hidden_size {self.hidden_size} is not a multiple of "
                              f"num_attention_heads {self.num_attention_heads} (and no head_dim)")
-        if self.layer_types is not None and (
-                not isinstance(self.layer_types, list) or
-                len(self.layer_types) != self.num_hidden_layers or
-                not all(isinstance(t, str) for t in self.layer_types)):
-            raise bad("layer_types", f"a list of {self.num_hidden_layers} names")
         if self.arch not in ARCHITECTURES.values():
             raise ValueError(f"unsupported architecture {self.architectures!r} "
                              f"(supported: {', '.join(ARCHITECTURES.values())})")
         if self.hidden_act != "silu":
             raise ValueError(f"unsupported hidden_act {self.hidden_act!r} (only silu)")
-        for scaling in (self.rope_parameters, self.rope_scaling):
-            kind = (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
-            if kind != "default":
+        for scaling in (self.rope_parameters or {}, self.rope_scaling or {}):
+            if (kind := scaling.get("rope_type", scaling.get("type", "default"))) != "default":
                 raise ValueError(f"unsupported RoPE type {kind!r} (only default RoPE)")
         if self.num_attention_heads % self.n_kv_heads:
             raise ValueError("num_attention_heads must be a multiple of num_key_value_heads")
@@ -217,10 +200,8 @@ class Config:
         if self.arch == "MistralForCausalLM":
             return self.sliding_window
         if self.arch == "Qwen2ForCausalLM" and self.use_sliding_window and self.sliding_window:
-            if self.layer_types is not None:
-                sliding = self.layer_types[layer] == "sliding_attention"
-            else:
-                sliding = layer >= self.max_window_layers
+            sliding = (self.layer_types[layer] == "sliding_attention" if self.layer_types
+                       is not None else layer >= self.max_window_layers)
             return self.sliding_window if sliding else None
         return None
 
@@ -247,54 +228,48 @@ def read_config(directory) -> Config:
         raise CheckpointError(f"{path}: {e}") from None
 
 
-def _open_safetensors(path: Path):
-    try:
-        return safe_open(str(path), framework="pt", device="cpu")
-    except FileNotFoundError:
-        raise CheckpointError(f"{path}: file not found") from None
-    except Exception as e:      # safetensors' own error for a truncated or corrupt file
-        raise CheckpointError(f"{path}: truncated or corrupt safetensors file ({e})") from None
-
-
 def _weight_files(directory: Path) -> dict[str, list[str]]:
     """{file name: tensor names it must hold}; an empty list means 'whatever it holds'."""
     index = directory / INDEX
-    if index.is_file():
-        index_json = read_json(index)
-        weight_map = index_json.get("weight_map") if isinstance(index_json, dict) else None
-        if not isinstance(weight_map, dict):
-            raise CheckpointError(f"{index}: no weight_map")
-        files: dict[str, list[str]] = {}
-        for name, file in weight_map.items():
-            # a plain file beside the index, not "../x.safetensors" or "/etc/x"
-            if not (isinstance(file, str) and file == Path(file).name and
-                    file.endswith(".safetensors") and not file.startswith(".")):
-                raise CheckpointError(f"{index}: tensor {name} is mapped to {file!r}, not a "
-                                      "safetensors file beside the index")
-            files.setdefault(file, []).append(name)
-        return files
-    if (directory / "model.safetensors").is_file():
-        return {"model.safetensors": []}
-    raise CheckpointError(f"{directory}: neither model.safetensors nor {INDEX}")
+    if not index.is_file():
+        if (directory / "model.safetensors").is_file():
+            return {"model.safetensors": []}
+        raise CheckpointError(f"{directory}: neither model.safetensors nor {INDEX}")
+    index_json = read_json(index)
+    weight_map = index_json.get("weight_map") if isinstance(index_json, dict) else None
+    if not isinstance(weight_map, dict):
+        raise CheckpointError(f"{index}: no weight_map")
+    files = {}
+    for name, file in weight_map.items():
+        # a plain file beside the index, not "../x.safetensors" or "/etc/x"
+        if not (isinstance(file, str) and file == Path(file).name and
+                file.endswith(".safetensors") and not file.startswith(".")):
+            raise CheckpointError(f"{index}: tensor {name} is mapped to {file!r}, not a "
+                                  "safetensors file beside the index")
+        files.setdefault(file, []).append(name)
+    return files
 
 
 def read_state_dict(directory, expected: dict[str, tuple], config: Config, dtype,
                     device) -> dict:
     """Every tensor of `expected` (name -> shape), checked for presence, extras, shape and
-    finiteness (a NaN weight would load and generate a stop token forever), as dtype on device."""
-    directory = Path(directory)
-    expected = dict(expected)
-    tied = config.tie_word_embeddings
-    if tied:
-        expected.pop("lm_head.weight")          # not stored (ignored if it is)
+    finiteness (a NaN weight would load and generate a stop token forever), as dtype on device.
+    Tied embeddings: lm_head.weight is not expected (and ignored if stored)."""
+    directory, tied = Path(directory), config.tie_word_embeddings
+    expected = {k: v for k, v in expected.items() if not (tied and k == "lm_head.weight")}
     state, where = {}, {}
     for file, listed in _weight_files(directory).items():
         path = directory / file
-        with _open_safetensors(path) as f:
+        try:
+            f = safe_open(str(path), framework="pt", device="cpu")
+        except FileNotFoundError:
+            raise CheckpointError(f"{path}: file not found") from None
+        except Exception as e:      # safetensors' own error for a truncated or corrupt file
+            raise CheckpointError(f"{path}: truncated or corrupt safetensors file ({e})") from None
+        with f:
             names = set(f.keys())
-            for name in listed:
-                if name not in names:
-                    raise CheckpointError(f"{path}: missing tensor {name} (listed in the index)")
+            if missing := [name for name in listed if name not in names]:
+                raise CheckpointError(f"{path}: missing tensor {missing[0]} (listed in the index)")
             for name in sorted(names):
                 if listed and name not in listed:
                     raise CheckpointError(f"{path}: unexpected tensor {name} (not in the index)")
@@ -305,8 +280,7 @@ def read_state_dict(directory, expected: dict[str, tuple], config: Config, dtype
                                           f"{config.arch}")
                 if name in where:
                     raise CheckpointError(f"{path}: tensor {name} also in {where[name]}")
-                shape = tuple(f.get_slice(name).get_shape())
-                if shape != expected[name]:
+                if (shape := tuple(f.get_slice(name).get_shape())) != expected[name]:
                     raise CheckpointError(f"{path}: tensor {name} has shape {list(shape)}, "
                                           f"expected {list(expected[name])}")
                 try:
@@ -316,8 +290,7 @@ def read_state_dict(directory, expected: dict[str, tuple], config: Config, dtype
                 if tensor.is_floating_point() and not torch.isfinite(tensor).all():
                     raise CheckpointError(f"{path}: tensor {name} holds NaN or infinite values")
                 state[name], where[name] = tensor.to(device=device, dtype=dtype), path
-    missing = sorted(set(expected) - set(state))
-    if missing:
+    if missing := sorted(set(expected) - set(state)):
         raise CheckpointError(f"{directory}: missing tensor {missing[0]}"
                               + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""))
     return state
@@ -346,15 +319,13 @@ def checkpoint_sha256(directory) -> str:
                         h.update(block)
                     continue
                 n = struct.unpack("<Q", f.read(8))[0]
-                header = f.read(min(n, size))
-                h.update(header)
+                h.update(header := f.read(min(n, size)))
                 for key, entry in sorted(json.loads(header).items()):
-                    if key == "__metadata__":
-                        continue
-                    start, end = (8 + n + int(o) for o in entry["data_offsets"])
-                    for at in sorted({start, max(start, end - FINGERPRINT_BLOCK)}):
-                        f.seek(at)
-                        h.update(f.read(min(FINGERPRINT_BLOCK, end - at)))
+                    if key != "__metadata__":
+                        start, end = (8 + n + int(o) for o in entry["data_offsets"])
+                        for at in sorted({start, max(start, end - FINGERPRINT_BLOCK)}):
+                            f.seek(at)
+                            h.update(f.read(min(FINGERPRINT_BLOCK, end - at)))
         except FileNotFoundError:
             raise CheckpointError(f"{path}: file not found") from None
         except (OSError, ValueError, KeyError, TypeError, AttributeError, struct.error) as e:
@@ -374,8 +345,7 @@ def resolve(path_or_repo) -> Path:
         raise CheckpointError(f"{directory}: no such directory (nor a Hub model name like "
                               "Qwen/Qwen2.5-7B-Instruct)")
     # <org>/<name> with a local <org>/ is a misspelt path (data/shop-policy), not a Hub name
-    first = directory.parts[0]
-    if Path(first).is_dir():
+    if Path(first := directory.parts[0]).is_dir():
         raise CheckpointError(f"{directory}: no such directory ({first}/ is a local directory, "
                               "so this is a path, not a Hub model name)")
     return fetch_from_hub(str(path_or_repo))
@@ -438,8 +408,19 @@ def _fetch_files(folder: Path, repo_id, revision, endpoint) -> dict[str, int]:
     session = requests.Session()
     if os.environ.get("HF_TOKEN"):  # requests drops it on the redirect to the (signed) CDN URL
         session.headers["Authorization"] = f"Bearer {os.environ['HF_TOKEN']}"
-    listing = _hub_tree(session, f"{endpoint}/api/models/{repo_id}/tree/"
-                        f"{quote(revision, safe='')}", f"model {repo_id!r} at {revision}")
+    # the Hub's tree API: [{"type", "path", "size", "lfs"?: {"oid", "size"}}, ...], paginated by
+    # the Link header -> {path: (size, sha256 of an LFS file's content, else None)}
+    listing, url = {}, f"{endpoint}/api/models/{repo_id}/tree/{quote(revision, safe='')}"
+    while url:
+        r = session.get(url, timeout=HUB_TIMEOUT)
+        _check_status(r, f"model {repo_id!r} at {revision}")
+        try:
+            for entry in (e for e in r.json() if e["type"] == "file"):
+                lfs = entry.get("lfs") or {}
+                listing[entry["path"]] = (int(lfs.get("size", entry["size"])), lfs.get("oid"))
+        except (ValueError, KeyError, TypeError) as e:
+            raise HubError(f"{url}: unexpected answer from the Hub API ({e!r})") from e
+        url = r.links.get("next", {}).get("url")
     files = {}
 
     def fetch(name, shape="a JSON object", check=None):
@@ -478,24 +459,6 @@ def _fetch_files(folder: Path, repo_id, revision, endpoint) -> dict[str, int]:
     return files
 
 
-def _hub_tree(session, url, what) -> dict[str, tuple[int, str | None]]:
-    """{path: (size, sha256 of an LFS file's content, else None)} from the Hub's tree API
-    ([{"type", "path", "size", "lfs"?: {"oid", "size"}}, ...], paginated by the Link header)."""
-    listing = {}
-    while url:
-        r = session.get(url, timeout=HUB_TIMEOUT)
-        _check_status(r, what)
-        try:
-            for entry in r.json():
-                if entry["type"] == "file":
-                    lfs = entry.get("lfs") or {}
-                    listing[entry["path"]] = (int(lfs.get("size", entry["size"])), lfs.get("oid"))
-        except (ValueError, KeyError, TypeError) as e:
-            raise HubError(f"{url}: unexpected answer from the Hub API ({e!r})") from e
-        url = r.links.get("next", {}).get("url")
-    return listing
-
-
 def _check_status(r, what):
     denied = "access denied (private or gated?); set HF_TOKEN to a token that has access"
     if r.status_code >= 400:
@@ -526,10 +489,9 @@ def _download(session, url, dest: Path, size: int, sha256: str | None, label: st
                 raise
             print(f"{label}: connection lost ({type(e).__name__}), retrying", file=sys.stderr)
             time.sleep(HUB_RETRY_WAIT * attempt)
-    wrong = (f"downloaded {got} bytes but the Hub lists {size}" if got != size else
-             f"sha256 differs from the Hub's ({sha256})"
-             if sha256 and h.hexdigest() != sha256.lower() else None)
-    if wrong:
+    if wrong := (f"downloaded {got} bytes but the Hub lists {size}" if got != size else
+                 f"sha256 differs from the Hub's ({sha256})"
+                 if sha256 and h.hexdigest() != sha256.lower() else None):
         part.unlink()
         raise HubError(f"{url}: {wrong}; removed {part}, try again")
     os.replace(part, dest)
@@ -543,8 +505,6 @@ def load_model(path_or_repo, dtype=torch.float32, devices=None) -> tuple["Transf
     devices: one device, or several to split the layers over (split_model)."""
     directory = resolve(path_or_repo)
     devices = [torch.device(d) for d in (devices or ["cpu"])]
-    if not devices:
-        raise ValueError("devices: empty list")
     config = read_config(directory)
     if not (directory / "tokenizer.json").is_file():
         raise CheckpointError(f"{directory / 'tokenizer.json'}: file not found")
@@ -574,25 +534,15 @@ def input_device(model: "Transformer") -> torch.device:
 # ----------------------------------------------------------------------------------------------
 # RoPE, written as Hugging Face writes it for Qwen (rotate_half), so no weight permutation
 
-def rope_inv_freq(config: Config) -> Tensor:
-    d = config.head_size                # on the CPU: the model may be built on "meta"
-    return 1.0 / config.rope_base ** (torch.arange(0, d, 2, dtype=torch.float32, device="cpu") / d)
-
-
 def rope_tables(inv_freq: Tensor, positions: Tensor, dtype) -> tuple[Tensor, Tensor]:
     freqs = positions[..., None].float() * inv_freq.to(positions.device)   # (B, T, D/2)
     emb = torch.cat((freqs, freqs), dim=-1)                                 # (B, T, D)
     return emb.cos().to(dtype), emb.sin().to(dtype)
 
 
-def rotate_half(x: Tensor) -> Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
-
-
 def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    cos, sin = cos[:, None], sin[:, None]                                   # (B, 1, T, D)
-    return x * cos + rotate_half(x) * sin
+    x1, x2 = x.chunk(2, dim=-1)                                             # rotate_half
+    return x * cos[:, None] + torch.cat((-x2, x1), dim=-1) * sin[:, None]   # (B, 1, T, D)
 
 
 def attention_mask(positions: Tensor, key_positions: Tensor, window: int | None) -> Tensor:
@@ -718,9 +668,8 @@ class Attention(nn.Module):
         dev = x.device                              # the block may live on any device
         cos, sin, positions = cos.to(dev), sin.to(dev), positions.to(dev)
         mask = mask.to(dev) if mask is not None else None
-        q = self.q_proj(x).view(B, T, self.n_heads, self.head_dim).transpose(1, 2)  # (B,H,T,D)
-        k = self.k_proj(x).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)
-        v = self.v_proj(x).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        q, k, v = (proj(x).view(B, T, -1, self.head_dim).transpose(1, 2)   # (B, H or KV, T, D)
+                   for proj in (self.q_proj, self.k_proj, self.v_proj))
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if cache is not None:
             k, v = cache.write(k, v, positions, mask.shape[-1])   # (B, KV, S, D)
@@ -828,25 +777,20 @@ def _fuse(linears) -> tuple[Tensor, Tensor | None]:
 FUSE_MAX_ELEMENTS = 1 << 22       # 16 MB of float32 per block: the built-in policy, not 0.5B
 
 
-class Decoder(nn.Module):
-    """The `model.` prefix of the checkpoint keys."""
-
-    def __init__(self, config: Config):
-        super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(Block(config) for _ in range(config.num_hidden_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-
-
 class Transformer(nn.Module):
     def __init__(self, config: Config):
         super().__init__()
         self.config = config
-        self.model = Decoder(config)
+        self.model = nn.Module()        # the `model.` prefix of the checkpoint keys
+        self.model.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.model.layers = nn.ModuleList(Block(config) for _ in range(config.num_hidden_layers))
+        self.model.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
-        self.inv_freq = rope_inv_freq(config)   # a plain tensor, not a checkpoint weight
+        d = config.head_size    # a plain tensor on the CPU (the model may be built on "meta")
+        self.inv_freq = 1.0 / config.rope_base ** (torch.arange(0, d, 2, dtype=torch.float32,
+                                                                device="cpu") / d)
         self.windows = [config.window(i) for i in range(config.num_hidden_layers)]
 
     def new_cache(self, batch_size: int, capacity: int = 256) -> list[KVCache]:
@@ -923,8 +867,10 @@ class Transformer(nn.Module):
                 torch.compiler.cudagraph_mark_step_begin()
                 out = step(self, *on_dev, *args[3:], blocks)
                 return tuple(None if t is None else t.clone() for t in out)
-            except compile_errors() as e:
-                compile_failed(e)
+            except compile_errors() as e:     # decode eagerly from now on, and say so once
+                _compiled["failed"] = e
+                print(f"model.py: decoding eagerly, torch.compile failed: {type(e).__name__}: "
+                      f"{(str(e).strip().splitlines() or [''])[0]}", file=sys.stderr, flush=True)
         return self.decode_step(*args, size)
 
     def decode_weights(self) -> list:
@@ -1007,10 +953,8 @@ def compiled_step(w: list, cache: list[KVCache]):
     if kind not in _compiled:
         print("model.py: compiling the decoding step (under a minute the first time on a machine, "
               "seconds later; PAIR_COMPILE=0 decodes eagerly)", file=sys.stderr, flush=True)
-        limit = {}
-        if "recompile_limit" in inspect.signature(torch.compile).parameters:
-            limit["recompile_limit"] = RECOMPILE_LIMIT          # this function's own
-        else:               # older torch: the process's, named cache_size_limit before 2.7
+        own = "recompile_limit" in inspect.signature(torch.compile).parameters  # torch >= 2.13
+        if not own:         # older torch: the process's limit, named cache_size_limit before 2.7
             config = torch._dynamo.config
             name = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"
             setattr(config, name, max(getattr(config, name), RECOMPILE_LIMIT))
@@ -1018,17 +962,10 @@ def compiled_step(w: list, cache: list[KVCache]):
             # each size its own symbol: "duck" sizing would merge two sizes equal at the first
             # call (4 rows, 4 key heads) and compile again when they part
             torch.fx.experimental._config.use_duck_shape = False
-        _compiled[kind] = torch.compile(Transformer.decode_step, fullgraph=True, **limit,
+        _compiled[kind] = torch.compile(Transformer.decode_step, fullgraph=True,
+                                        **({"recompile_limit": RECOMPILE_LIMIT} if own else {}),
                                         **COMPILE_OPTIONS[kind])
     return _compiled[kind]
-
-
-def compile_failed(error: Exception):
-    """Decode eagerly from now on, and say so once."""
-    _compiled["failed"] = error
-    first = str(error).strip().splitlines()[0] if str(error).strip() else ""
-    print(f"model.py: decoding eagerly, torch.compile failed: {type(error).__name__}: {first}",
-          file=sys.stderr, flush=True)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -1043,15 +980,11 @@ class Tokenizer:
     def __init__(self, tok):
         self.tok = tok
         tok.encode_special_tokens = True        # an attribute of the instance: never saved
-        self.im_start_id = self._special("<|im_start|>")
-        self.im_end_id = self._special("<|im_end|>")
-        self.pad_id = self._special("<|endoftext|>")
-
-    def _special(self, text) -> int:
-        i = self.tok.token_to_id(text)
-        if i is None:
-            raise ValueError(f"tokenizer has no {text} token (not a Qwen2.5 tokenizer?)")
-        return i
+        for name, text in (("im_start_id", "<|im_start|>"), ("im_end_id", "<|im_end|>"),
+                           ("pad_id", "<|endoftext|>")):
+            if (i := tok.token_to_id(text)) is None:
+                raise ValueError(f"tokenizer has no {text} token (not a Qwen2.5 tokenizer?)")
+            setattr(self, name, i)
 
     @classmethod
     def from_file(cls, path) -> "Tokenizer":
@@ -1074,19 +1007,15 @@ class Tokenizer:
     def decode(self, ids, skip_special_tokens=False) -> str:
         return self.tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
-    @staticmethod
-    def _check(messages):
+    def render(self, messages, add_generation_prompt=False) -> tuple[list[int], list[tuple]]:
+        """Token ids of the chat and, per assistant message, its span [start, end) (METHOD.md §3):
+        its content's first token to its closing <|im_end|> + 1. The ids a tokenizer gives the
+        whole ChatML string, piece by piece, except that a message cannot open or close a turn."""
         for i, m in enumerate(messages):
             if not isinstance(m, dict) or m.get("role") not in ("system", "user", "assistant"):
                 raise ValueError(f"message {i}: role must be system, user or assistant")
             if not isinstance(m.get("content"), str):
                 raise ValueError(f"message {i}: content must be a string")
-
-    def render(self, messages, add_generation_prompt=False) -> tuple[list[int], list[tuple]]:
-        """Token ids of the chat and, per assistant message, its span [start, end) (METHOD.md §3):
-        its content's first token to its closing <|im_end|> + 1. The ids a tokenizer gives the
-        whole ChatML string, piece by piece, except that a message cannot open or close a turn."""
-        self._check(messages)
         if not messages or messages[0]["role"] != "system":
             messages = [{"role": "system", "content": DEFAULT_SYSTEM}, *messages]
         ids, spans = [], []
@@ -1104,8 +1033,7 @@ class Tokenizer:
         return ids, spans
 
 
-# half of a UTF-16 pair (a JSON "\ud800" decodes to one): no UTF-8 text holds it, the tokenizer
-# refuses it
+# half of a UTF-16 pair (JSON's "\ud800"): no UTF-8 text holds it, the tokenizer refuses it
 LONE_SURROGATE = re.compile("[\ud800-\udfff]")
 
 
@@ -1131,8 +1059,7 @@ class TurnTrace:
     h_last: Tensor | None               # (L+1, d) hidden_states[l] at the last span token
     h_mean: Tensor | None               # (L+1, d) mean over span rows of hidden_states[l]
     finished: bool                      # stopped on a stop token (vs max_new_tokens)
-    # log pi(token) of each sampled token at the sampling temperature (1 when greedy); empty
-    # for teacher-forced traces
+    # log pi(token) at the sampling temperature (1 when greedy); empty when teacher-forced
     logprobs: list[float] = field(default_factory=list)
 
 
@@ -1448,10 +1375,6 @@ def apply_lora(model: nn.Module, r=16, alpha=32.0, dropout=0.05, targets=LORA_TA
     return model
 
 
-def lora_modules(model):
-    return ((n, m) for n, m in model.named_modules() if isinstance(m, LoRALinear))
-
-
 def lora_parameters(model):
     """(name, Parameter) of every adapter weight, names as in model.state_dict()."""
     return ((n, p) for n, p in model.named_parameters() if ".lora_A." in n or ".lora_B." in n)
@@ -1460,14 +1383,14 @@ def lora_parameters(model):
 @contextlib.contextmanager
 def lora_disabled(model):
     """`with lora_disabled(model):` runs the base model (GRPO's pi_ref) without copying weights."""
-    was = {name: m.enabled for name, m in lora_modules(model)}
-    for _, m in lora_modules(model):
+    was = {m: m.enabled for m in model.modules() if isinstance(m, LoRALinear)}
+    for m in was:
         m.enabled = False
     try:
         yield model
     finally:
-        for name, m in lora_modules(model):
-            m.enabled = was[name]
+        for m, enabled in was.items():
+            m.enabled = enabled
 
 
 def load_lora_state(policy, state: dict[str, torch.Tensor]):
@@ -1486,110 +1409,47 @@ def save_adapter(model, path, base_model_name_or_path=None):
     s = getattr(model, "lora_settings", None)
     if s is None:
         raise ValueError("save_adapter: the model has no LoRA adapter (call apply_lora first)")
-    folder = Path(path)
-    folder.mkdir(parents=True, exist_ok=True)
+    folder = Path(path)             # (write_atomic creates it)
     tensors = {PEFT_PREFIX + n: p.detach().to("cpu").contiguous()
                for n, p in lora_parameters(model)}
-    config = {
-        "peft_type": "LORA", "task_type": "CAUSAL_LM",
-        "base_model_name_or_path": base_model_name_or_path or getattr(model, "name_or_path", None),
-        "revision": None, "inference_mode": True,
-        "r": s.r, "lora_alpha": int(s.alpha) if s.alpha.is_integer() else s.alpha,
-        "lora_dropout": s.dropout,
-        "target_modules": sorted(s.targets), "use_rslora": s.use_rslora,
-        "bias": "none", "fan_in_fan_out": False, "init_lora_weights": True,
-        "use_dora": False, "lora_bias": False, "modules_to_save": None,
-        "layers_to_transform": None, "layers_pattern": None,
-        "rank_pattern": {}, "alpha_pattern": {},
-    }
+    config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path":
+              base_model_name_or_path or getattr(model, "name_or_path", None),
+              "revision": None, "inference_mode": True, "r": s.r,
+              "lora_alpha": int(s.alpha) if s.alpha.is_integer() else s.alpha,
+              "lora_dropout": s.dropout, "target_modules": sorted(s.targets),
+              "use_rslora": s.use_rslora, "bias": "none", "fan_in_fan_out": False,
+              "init_lora_weights": True, "use_dora": False, "lora_bias": False,
+              "modules_to_save": None, "layers_to_transform": None, "layers_pattern": None,
+              "rank_pattern": {}, "alpha_pattern": {}}
     write_atomic(folder / ADAPTER_WEIGHTS, safetensors_bytes(tensors, {"format": "pt"}))
     write_atomic(folder / ADAPTER_CONFIG, (json.dumps(config, indent=2) + "\n").encode())
 
 
-def read_adapter_config(path) -> LoraSettings:
-    file = Path(path) / ADAPTER_CONFIG
-    try:
-        c = json.loads(file.read_text())
-    except OSError as e:
-        raise FileNotFoundError(f"{file}: cannot read the adapter config ({e})") from e
-    except (ValueError, RecursionError) as e:
-        raise ValueError(f"{file}: not valid JSON ({type(e).__name__}: {e})") from None
-
-    def bad(field, why):
-        return ValueError(f"{file}: {field}={c.get(field)!r}: {why}")
-
-    if c.get("peft_type") != "LORA":
-        raise bad("peft_type", "only LoRA adapters are supported")
-    # PEFT options that change the math: refuse them rather than load a different model.
-    for key, plain in (("bias", "none"), ("fan_in_fan_out", False), ("use_dora", False),
-                       ("lora_bias", False), ("modules_to_save", None),
-                       ("layers_to_transform", None), ("rank_pattern", {}),
-                       ("alpha_pattern", {})):
-        if c.get(key, plain) not in (plain, None, [], {}):
-            raise bad(key, f"not supported (only {plain!r})")
-    targets = c.get("target_modules")
-    if not (isinstance(targets, list) and targets and all(isinstance(t, str) for t in targets)):
-        raise bad("target_modules", "must be a list of module names (regex strings and "
-                                    "'all-linear' are not supported)")
-    if not isinstance(c.get("r"), int) or c["r"] <= 0:
-        raise bad("r", "must be a positive integer")
-    if not isinstance(c.get("lora_alpha"), (int, float)) or c["lora_alpha"] <= 0:
-        raise bad("lora_alpha", "must be a positive number")
-    return LoraSettings(c["r"], float(c["lora_alpha"]), float(c.get("lora_dropout", 0.0)),
-                        tuple(targets), bool(c.get("use_rslora", False)))
-
-
-def _same_shape(s: LoraSettings):
-    return s.r, s.alpha, set(s.targets), s.use_rslora       # dropout may differ
-
-
-def _adapter_shapes(model, s: LoraSettings) -> dict[str, tuple[int, int]]:
-    """PEFT key -> shape of every adapter weight `s` puts on `model` (applied or not yet)."""
-    shapes = {}
-    for name, m in model.named_modules():
-        if name.rsplit(".", 1)[-1] in s.targets and type(m) in (nn.Linear, LoRALinear):
-            shapes[f"{PEFT_PREFIX}{name}.lora_A.weight"] = (s.r, m.in_features)
-            shapes[f"{PEFT_PREFIX}{name}.lora_B.weight"] = (m.out_features, s.r)
-    return shapes
-
-
-def load_adapter(model, path):
-    """Load a PEFT LoRA adapter (ours or PEFT's) into `model`, applying LoRA first if needed.
-    Everything is checked before the model is touched."""
-    s = read_adapter_config(path)
-    if getattr(model, "lora_settings", None) is not None and \
-            _same_shape(model.lora_settings) != _same_shape(s):
-        raise ValueError(f"{Path(path) / ADAPTER_CONFIG}: {s} does not match the model's "
-                         f"adapter {model.lora_settings}")
-    file = Path(path) / ADAPTER_WEIGHTS
-    if not file.is_file():
-        raise FileNotFoundError(f"{file}: missing (only safetensors adapters are read)")
-    shapes = _adapter_shapes(model, s)
+def load_adapter_weights(policy, directory):
+    """Restore into policy's LoRA weights the adapter save_adapter wrote to `directory` (a run's
+    own checkpoint, its settings those of policy's adapter); lab/adapters.py loads any PEFT one."""
+    config, s = Path(directory) / ADAPTER_CONFIG, policy.lora_settings
+    c = json.loads(config.read_text())
+    if not isinstance(c, dict) or (s.r, s.alpha, s.use_rslora, set(s.targets)) != (
+            c.get("r"), c.get("lora_alpha"), c.get("use_rslora"), set(c.get("target_modules", ()))):
+        raise ValueError(f"{config}: not an adapter with the settings of the model's ({s})")
+    file = Path(directory) / ADAPTER_WEIGHTS
     with safe_open(str(file), framework="pt") as f:
-        tensors = {key: f.get_tensor(key) for key in f.keys()}
-    if missing := sorted(shapes.keys() - tensors.keys()):
-        raise ValueError(f"{file}: {len(missing)} adapter weights missing, e.g. {missing[0]}")
-    if unexpected := sorted(tensors.keys() - shapes.keys()):
-        raise ValueError(f"{file}: {len(unexpected)} unexpected tensors, e.g. {unexpected[0]}")
-    for key, shape in shapes.items():
-        if tuple(tensors[key].shape) != shape:
-            raise ValueError(f"{file}: {key} has shape {tuple(tensors[key].shape)}, the model "
-                             f"expects {shape}")
-        if not torch.isfinite(tensors[key]).all():
-            raise ValueError(f"{file}: {key} holds NaN or infinite values")
-    if getattr(model, "lora_settings", None) is None:
-        apply_lora(model, s.r, s.alpha, s.dropout, s.targets, s.use_rslora)
-    load_lora_state(model, {key[len(PEFT_PREFIX):]: t for key, t in tensors.items()})
-    return model
+        tensors = {key[len(PEFT_PREFIX):]: f.get_tensor(key) for key in f.keys()}
+    params = dict(lora_parameters(policy))
+    if odd := sorted(params.keys() ^ tensors.keys()):
+        raise ValueError(f"{file}: {odd[0]} is not in both this adapter and the model's")
+    for name, p in params.items():
+        if tensors[name].shape != p.shape or not torch.isfinite(tensors[name]).all():
+            raise ValueError(f"{file}: {name} has shape {list(tensors[name].shape)} (the model's "
+                             f"{list(p.shape)}) or holds NaN or infinite values")
+    load_lora_state(policy, tensors)
+    return policy
 
 
 # ----------------------------------------------------------------------------------------------
-# Layers split across devices (pipeline placement, no pipelining), applied to a built model
-
-# split_model moves contiguous ranges of blocks to the devices, each with a pre-hook moving its
-# inputs there: one device computes at a time, the point is memory (a 7B policy with its LoRA
-# state and caches exceeds one 48 GB GPU). Embeddings on the first device, norm and head on the
-# last; new_cache puts each block's cache on its device.
+# Layers split across devices (placement, no pipelining): one device computes at a time, the
+# point is memory (a 7B policy with its LoRA state and caches exceeds one 48 GB GPU)
 
 def balance_layers(block_sizes: list[int], n_devices: int, first_extra=0, last_extra=0):
     """Layers per device: contiguous ranges whose loads (parameter counts, with the embedding on
@@ -1607,10 +1467,6 @@ def balance_layers(block_sizes: list[int], n_devices: int, first_extra=0, last_e
         cuts.append(min(range(lo, hi + 1), key=lambda b: abs(load_before[b] - share)))
     cuts.append(n_layers)
     return [b - a for a, b in zip(cuts, cuts[1:])]
-
-
-def _n_params(module) -> int:
-    return sum(p.numel() for p in module.parameters())
 
 
 def _move_inputs(device):
@@ -1650,45 +1506,39 @@ def parse_devices(text: str) -> list[torch.device]:
 
 
 def split_model(model, devices, layer_counts=None):
-    """Place model.model.layers on `devices` (e.g. ["cuda:0", "cuda:1"]) in contiguous ranges.
-
-    layer_counts: layers per device (sums to the number of layers); default balances parameters.
-    """
+    """Place model.model.layers on `devices` (e.g. ["cuda:0", "cuda:1"]) in contiguous ranges,
+    each block with a pre-hook moving its inputs there; the embedding on the first device, norm
+    and head on the last (new_cache puts each block's cache with it). layer_counts: layers per
+    device (summing to the number of layers); by default balance_layers on parameter counts."""
     if hasattr(model, "layer_devices"):
         raise ValueError(f"the model is already split over {sorted(set(model.layer_devices))}")
     devices = [torch.device(d) for d in devices]
-    inner, layers = model.model, model.model.layers
-    head = model.lm_head
+    inner, layers, head = model.model, model.model.layers, model.lm_head
     tied = head.weight is inner.embed_tokens.weight
     if layer_counts is None:
-        layer_counts = balance_layers([_n_params(b) for b in layers], len(devices),
-                                      first_extra=_n_params(inner.embed_tokens),
-                                      last_extra=_n_params(inner.norm) + head.weight.numel())
+        def n_params(module):
+            return sum(p.numel() for p in module.parameters())
+        layer_counts = balance_layers([n_params(b) for b in layers], len(devices),
+                                      first_extra=n_params(inner.embed_tokens),
+                                      last_extra=n_params(inner.norm) + head.weight.numel())
     layer_counts = [int(n) for n in layer_counts]
     if (len(layer_counts) != len(devices) or min(layer_counts) < 1
             or sum(layer_counts) != len(layers)):
         raise ValueError(f"layer_counts={layer_counts}: need one count >= 1 per device "
                          f"({len(devices)}) summing to the model's {len(layers)} layers")
     if tied and devices[0] != devices[-1]:
-        # The head needs the embedding matrix on the last device: a second copy, which stays
-        # equal to the first only while it is not trained (true under LoRA).
+        # the head's copy of the embedding stays equal to it only while it is frozen (LoRA)
         if inner.embed_tokens.weight.requires_grad:
             raise ValueError("tied embeddings are copied to the last device; freeze them first "
                              "(apply_lora does) or split over one device")
         head.weight = nn.Parameter(inner.embed_tokens.weight.detach().to(devices[-1]),
                                    requires_grad=False)
-    inner.embed_tokens.to(devices[0])
-    inner.embed_tokens.register_forward_pre_hook(_move_inputs(devices[0]), with_kwargs=True)
-    first = 0
-    for device, n in zip(devices, layer_counts):
-        for block in layers[first:first + n]:
-            block.to(device)
-            block.register_forward_pre_hook(_move_inputs(device), with_kwargs=True)
-        first += n
-    for module in (inner.norm, head):
-        module.to(devices[-1])
-        module.register_forward_pre_hook(_move_inputs(devices[-1]), with_kwargs=True)
-    model.layer_devices = [d for d, n in zip(devices, layer_counts) for _ in range(n)]
+    layer_devices = [d for d, n in zip(devices, layer_counts) for _ in range(n)]
+    for module, device in [(inner.embed_tokens, devices[0]), *zip(layers, layer_devices),
+                           (inner.norm, devices[-1]), (head, devices[-1])]:
+        module.to(device)
+        module.register_forward_pre_hook(_move_inputs(device), with_kwargs=True)
+    model.layer_devices = layer_devices
     return model
 
 
@@ -1697,9 +1547,8 @@ def split_model(model, devices, layer_counts=None):
 
 
 def cache_root() -> Path:
-    """Where everything fetched or fitted once is kept: Hub checkpoints, the released data, LLM
-    judgments, the built-in policy's probes and base evaluations. $PAIR_CACHE, else
-    ~/.cache/pair."""
+    """Where everything fetched or fitted once is kept (Hub checkpoints, released data, LLM
+    judgments, probes): $PAIR_CACHE, else ~/.cache/pair."""
     return Path(os.environ.get("PAIR_CACHE") or Path.home() / ".cache" / "pair").expanduser()
 
 

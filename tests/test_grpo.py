@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 import torch
 
+from lab import adapters
 from lab import baselines
 from lab import compare
 from lab import curves
@@ -455,7 +456,7 @@ def test_a_batch_without_generated_tokens_logs_loss_0_and_is_counted(tiny_policy
     assert [(r["loss"], r["tokens"], r["empty_batch"], r["grad_norm"]) for r in recs] == \
         [(0.0, 0, 1, 0.0)] * 2
     policy, _ = mdl.load_model(tiny_policy)
-    adapter = mdl.load_adapter(policy, out / "checkpoint-000002" / "adapter")
+    adapter = adapters.load_adapter(policy, out / "checkpoint-000002" / "adapter")
     lora_b = [p for n, p in mdl.lora_parameters(adapter) if ".lora_B." in n]
     assert lora_b and all(p.abs().sum() == 0 for p in lora_b)     # B starts at zero, stays there
 
@@ -473,7 +474,7 @@ def test_a_non_finite_gradient_skips_the_update_and_says_so(tiny_policy, tmp_pat
     assert [(r["skipped_updates"], r["tokens"] > 0) for r in recs] == [(1, True)]
     assert "step 1: the gradient was not finite" in capsys.readouterr().out
     policy, _ = mdl.load_model(tiny_policy)
-    adapter = mdl.load_adapter(policy, out / "checkpoint-000001" / "adapter")
+    adapter = adapters.load_adapter(policy, out / "checkpoint-000001" / "adapter")
     lora_b = [p for n, p in mdl.lora_parameters(adapter) if ".lora_B." in n]
     assert lora_b and all(p.abs().sum() == 0 for p in lora_b)
 
@@ -563,9 +564,9 @@ def test_resume_reproduces_the_uninterrupted_run(tiny_policy, tmp_path, monkeypa
     assert sorted(p.name for p in (ckpt / "adapter").iterdir()) == [
         "adapter_config.json", "adapter_model.safetensors"]
     assert not list(cut.glob(".*tmp*"))
-    a = mdl.load_adapter(mdl.load_model(tiny_policy)[0],
-                         whole / "checkpoint-000004" / "adapter")
-    b = mdl.load_adapter(mdl.load_model(tiny_policy)[0], ckpt / "adapter")
+    a = adapters.load_adapter(mdl.load_model(tiny_policy)[0],
+                              whole / "checkpoint-000004" / "adapter")
+    b = adapters.load_adapter(mdl.load_model(tiny_policy)[0], ckpt / "adapter")
     for (name, p), (_, q) in zip(mdl.lora_parameters(a), mdl.lora_parameters(b)):
         assert torch.equal(p, q), name
 
@@ -764,10 +765,10 @@ def test_two_processes_equal_one_process(reward, tiny_policy, tmp_path, pair_cac
         for k in ("reward_mean", "reward_std", "success", "loss", "kl", "grad_norm", "tokens",
                   "frac_zero_std", "turns"):
             assert b[k] == pytest.approx(a[k], rel=1e-4, abs=1e-7), k
-    pa = mdl.load_adapter(mdl.load_model(tiny_policy)[0],
-                          one / "checkpoint-000002" / "adapter")
-    pb = mdl.load_adapter(mdl.load_model(tiny_policy)[0],
-                          two / "checkpoint-000002" / "adapter")
+    pa = adapters.load_adapter(mdl.load_model(tiny_policy)[0],
+                               one / "checkpoint-000002" / "adapter")
+    pb = adapters.load_adapter(mdl.load_model(tiny_policy)[0],
+                               two / "checkpoint-000002" / "adapter")
     for (name, p), (_, q) in zip(mdl.lora_parameters(pa), mdl.lora_parameters(pb)):
         torch.testing.assert_close(p, q, atol=1e-6, rtol=1e-4, msg=name)
 

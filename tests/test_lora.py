@@ -7,6 +7,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 import model as M
+from lab import adapters
 
 pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning")   # peft on transformers 5
 peft = pytest.importorskip("peft")
@@ -123,7 +124,7 @@ def test_peft_adapter_loads_in_ours(hf, tmp_path, targets, rslora):
     randomize_lora(theirs, seed=2)
     theirs.save_pretrained(str(tmp_path))
     theirs.eval()
-    ours = M.load_adapter(build_ours(hf), tmp_path)
+    ours = adapters.load_adapter(build_ours(hf), tmp_path)
     assert ours.lora_settings.use_rslora == rslora
     expected = logits(theirs, IDS)
     assert (expected - logits(hf, IDS)).abs().max() > 1e-2
@@ -134,7 +135,7 @@ def test_round_trip_and_load_errors(hf, tmp_path):
     ours = M.apply_lora(build_ours(hf), r=4, alpha=8, dropout=0.0)
     randomize_lora(ours)
     M.save_adapter(ours, tmp_path)
-    again = M.load_adapter(build_ours(hf), tmp_path)
+    again = adapters.load_adapter(build_ours(hf), tmp_path)
     assert torch.equal(logits(again, IDS), logits(ours, IDS))
     weights = tmp_path / "adapter_model.safetensors"
     key = "base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight"
@@ -145,21 +146,21 @@ def test_round_trip_and_load_errors(hf, tmp_path):
     save_file(tensors, weights)
     fresh = build_ours(hf)
     with pytest.raises(ValueError, match=f"{weights}.*{key}.*shape"):
-        M.load_adapter(fresh, tmp_path)
+        adapters.load_adapter(fresh, tmp_path)
     assert not any("lora_" in n for n in fresh.state_dict())     # checked before touching it
     del tensors[key]
     save_file(tensors, weights)
     with pytest.raises(ValueError, match=f"{weights}.*missing.*{key}"):
-        M.load_adapter(build_ours(hf), tmp_path)
+        adapters.load_adapter(build_ours(hf), tmp_path)
 
     config_file = tmp_path / "adapter_config.json"
     config = json.loads(config_file.read_text())
     config_file.write_text(json.dumps(dict(config, use_dora=True)))
     with pytest.raises(ValueError, match=f"{config_file}.*use_dora"):
-        M.load_adapter(build_ours(hf), tmp_path)
+        adapters.load_adapter(build_ours(hf), tmp_path)
     config_file.write_text(json.dumps(dict(config, peft_type="IA3")))
     with pytest.raises(ValueError, match="peft_type"):
-        M.load_adapter(build_ours(hf), tmp_path)
+        adapters.load_adapter(build_ours(hf), tmp_path)
     with pytest.raises(ValueError, match="match no nn.Linear"):
         M.apply_lora(build_ours(hf), targets=("q_proj", "qkv_proj"))
 
@@ -187,5 +188,25 @@ def test_an_adapter_holding_nan_is_refused_before_the_model_is_touched(hf, tmp_p
     save_file(tensors, str(path))
     before = {n: p.clone() for n, p in M.lora_parameters(ours)}
     with pytest.raises(ValueError, match=f"{key}.*NaN"):
-        M.load_adapter(ours, tmp_path)
+        adapters.load_adapter(ours, tmp_path)
     assert all(torch.equal(p, before[n]) for n, p in M.lora_parameters(ours))
+
+
+def test_load_adapter_weights_restores_what_save_adapter_wrote(hf, tmp_path):
+    ours = M.apply_lora(build_ours(hf), r=4, alpha=8, dropout=0.0)
+    randomize_lora(ours)
+    M.save_adapter(ours, tmp_path)
+    again = M.load_adapter_weights(M.apply_lora(build_ours(hf), r=4, alpha=8, dropout=0.0),
+                                   tmp_path)
+    theirs = adapters.load_adapter(build_ours(hf), tmp_path)
+    for (n, p), (_, q), (_, t) in zip(M.lora_parameters(ours), M.lora_parameters(again),
+                                      M.lora_parameters(theirs)):
+        assert torch.equal(p, q) and torch.equal(q, t) and q.dtype == t.dtype, n
+    with pytest.raises(ValueError, match="adapter_config.json: not an adapter with the settings"):
+        M.load_adapter_weights(M.apply_lora(build_ours(hf), r=4, alpha=16, dropout=0.0), tmp_path)
+    key = "base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight"
+    tensors = load_file(tmp_path / "adapter_model.safetensors")
+    tensors[key][0, 0] = float("nan")
+    save_file(tensors, tmp_path / "adapter_model.safetensors")
+    with pytest.raises(ValueError, match="q_proj.lora_A.weight .*NaN"):
+        M.load_adapter_weights(again, tmp_path)
