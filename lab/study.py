@@ -1216,10 +1216,6 @@ def main(argv=None) -> None:
         sys.exit(f"error: {e}")         # bad input (or an --out under a file): one line
 
 
-if __name__ == "__main__":
-    main()
-
-
 def refuse_dir_out(path) -> None:
     """An --out that names a file to write, checked before any work: not a directory (else
     write_atomic would fail only at the end, naming its temporary file)."""
@@ -1267,3 +1263,7 @@ def register() -> None:
     """Plug this module into grpo.py (lab/train.py does, once)."""
     if study_probes not in grpo.HOOKS["context"]:
         grpo.HOOKS["context"].append(study_probes)
+
+
+if __name__ == "__main__":
+    main()

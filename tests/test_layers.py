@@ -72,3 +72,13 @@ def test_a_lab_reward_asked_of_the_core_says_where_it_runs():
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 2 and "unrecognized arguments: --probe-reads base" in r.stderr
     assert "run through `python -m lab.train`" in r.stderr
+
+
+def test_a_command_runs_after_every_definition_of_its_file():
+    """`if __name__ == "__main__"` is a module's last statement: a definition after it does not
+    exist yet when the command runs (`python -m lab.study extract` once failed that way)."""
+    for path in [*ROOT.glob("*.py"), *(ROOT / "lab").glob("*.py")]:
+        body = ast.parse(path.read_text()).body
+        mains = [i for i, node in enumerate(body) if isinstance(node, ast.If)
+                 and "__main__" in ast.unparse(node.test)]
+        assert mains in ([], [len(body) - 1]), f"{path.name}: definitions after its __main__ block"
