@@ -3,14 +3,11 @@ and what it needs around it: checkpoint loading, a tokenizer, generation, LoRA, 
 
 PAIR reads its reward from the policy's internals (METHOD.md §4). While generating, the decoding
 step returns, besides the logits, the L+1 hidden states (Hugging Face's convention: the
-embedding, blocks 1..L-1, the final-normed block L) and, for every layer l and query head h, six
-statistics of its softmax row p_i over the causal keys j <= i:
-    max = max_j p_ij      std = population std of p_i0..p_ii      entropy = -log sum_j p_ij^2
-    prefix = sum_{j < span_start} p_ij      self = sum_{span_start <= j <= i} p_ij
-    lookback = m_ctx / (m_ctx + m_new), m_ctx = prefix / span_start, m_new = self / (i-start+1)
-(Lookback Lens; 0 when span_start = 0), summed over a turn's tokens (`TurnStats`): no second
-forward pass. Departure from the authors' release: std is over the i+1 causal keys, not the
-whole padded row. (lab/traces.py computes the same numbers teacher-forced.)
+embedding, blocks 1..L-1, the final-normed block L) and, for every layer and query head, the six
+statistics of its softmax row over the causal keys (STATS; their equations are stats_from's).
+`TurnStats` sums them over a turn's tokens and its `TurnTrace` holds their means: no second
+forward pass. Departure from the authors' release: std is over the i+1 causal keys of row i, not
+the whole padded row. (lab/traces.py computes the same numbers teacher-forced.)
 
 Architectures: Qwen2ForCausalLM, LlamaForCausalLM and MistralForCausalLM (sliding window).
 Modules carry the Hugging Face weight names: loading a checkpoint (a directory, or a Hub name
@@ -20,8 +17,7 @@ is checked.
 Every mask is built from explicit positions: key slot j is visible to the query at position p iff
 j <= p (and p - j < window). The KV cache is indexed by absolute position, so rows append ragged
 blocks, each at its own offset; a pad sits past its row's real tokens, its slot invisible until
-the row's next real token overwrites it. The update's log-probabilities (`token_logprobs`)
-recompute each block and the head in chunks, holding about one (T, d) tensor per block.
+the row's next real token overwrites it.
 """
 import contextlib
 import hashlib
@@ -137,6 +133,7 @@ class Config:
 
         def theta(v):
             return v is None or type(v) in (int, float) and 0 < v < math.inf
+
         n_layers = self.num_hidden_layers
         ids = f"a token id below vocab_size {self.vocab_size} (or, for eos_token_id, a list of " \
             "them)"
@@ -606,9 +603,13 @@ def set_lengths(cache: list[KVCache], lengths: Tensor):
 # The attention statistics (METHOD.md §4)
 
 def stats_from(mx, sum_sq, prefix, self_, pos, start) -> dict[str, Tensor]:
-    """The six statistics from four numbers of each softmax row p_i: max_j p_ij, sum_j p_ij^2,
-    the prefix and self masses. sum_j p_ij = 1 over the i+1 causal keys, so
-    std^2 = sum_j p_ij^2 / (i+1) - 1/(i+1)^2. pos (the row's position) and start broadcast."""
+    """The six statistics (METHOD.md §4) of softmax rows p_i, i = pos, from four numbers of each:
+    mx = max_j p_ij, sum_sq = sum_j p_ij^2, prefix = sum_{j < start} p_ij and
+    self_ = sum_{start <= j <= i} p_ij. max, prefix and self are those given;
+        std = sqrt(sum_sq / n - 1 / n^2), n = i + 1 causal keys (sum_j p_ij = 1)
+        entropy = -log sum_sq
+        lookback = m_ctx / (m_ctx + m_new), m_ctx = prefix / start, m_new = self_ / (i - start + 1)
+    (lookback 0 where start = 0). All arguments broadcast against each other."""
     n = (pos + 1).float()                                       # causal keys j <= i
     s0 = start.float()
     m_ctx = prefix / s0.clamp(min=1)
@@ -663,7 +664,8 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(H * D, d, bias=config.attention_bias)
 
     def forward(self, x, cos, sin, mask, positions, cache=None):
-        """x (B, T, d) -> (B, T, d); mask None: plain causal (see trunk)."""
+        """x (B, T, d) -> (B, T, d); mask (B, 1, T, S) bool, or None for plain causal (trunk).
+        A cache gets k and v at slots `positions`; the queries attend over its slots [0, S)."""
         B, T, _ = x.shape
         dev = x.device                              # the block may live on any device
         cos, sin, positions = cos.to(dev), sin.to(dev), positions.to(dev)
@@ -678,11 +680,14 @@ class Attention(nn.Module):
         return self.o_proj(out.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim))
 
     def decode(self, x, cos, sin, bias, pos, kv, before=None, w=None):
-        """One token per row, x (B, 1, d) at positions pos (B,), k and v written at slots pos of
-        kv = (k, v) (B, KV, capacity, D), attending over slots [0, S) with bias (B, 1, 1, S)
-        (0 visible, -inf not): the output and, given before (B, 1, 1, S) (1 on slots before the
-        span), the four numbers of each head's row for stats_from, each (B, H, 1). By hand in
-        float32: its probabilities are the statistics. w: Block.decode_weights() or None."""
+        """One token per row, x (B, 1, d) at positions i = pos (B,) -> (output (B, 1, d), numbers).
+        k and v go to slots pos of the cache kv = (k, v), each (B, KV, capacity, D); the query
+        attends over slots [0, S) with bias (B, 1, 1, S) (0 visible, -inf not):
+            p_ij = softmax_j(q_i . k_j / sqrt(D) + bias_j)   (head h reads key head h // (H/KV))
+        By hand in float32, not SDPA, because p itself gives the statistics: given before
+        (B, 1, 1, S), 1 on slots j < span_start, numbers = (max_j p_ij, sum_j p_ij^2,
+        prefix = sum_j p_ij before_j, self = 1 - prefix), each (B, H, 1), for stats_from; else
+        None. w: Block.decode_weights(), or None to apply the modules."""
         B, H, KV, D = x.shape[0], self.n_heads, self.n_kv_heads, self.head_dim
         if w is None:
             q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
@@ -734,7 +739,7 @@ class Block(nn.Module):
             for i in range(0, x.shape[1], mlp_chunk)], 1)
 
     def decode(self, x, cos, sin, bias, pos, kv, before=None, w=None):
-        """forward of one token per row (Attention.decode); w: decode_weights() or None."""
+        """forward of one token per row -> (x, Attention.decode's numbers); w as there."""
         a, numbers = self.self_attn.decode(self.input_layernorm(x), cos, sin, bias, pos, kv,
                                            before, w)
         x = x + a
@@ -774,7 +779,9 @@ def _fuse(linears) -> tuple[Tensor, Tensor | None]:
                               lin.weight.new_zeros(lin.out_features) for lin in linears])
 
 
-FUSE_MAX_ELEMENTS = 1 << 22       # 16 MB of float32 per block: the built-in policy, not 0.5B
+# 16 MB of float32 per block: the built-in policy's blocks are fused, a 0.5B model's are not (the
+# merged copy would double their weights' memory)
+FUSE_MAX_ELEMENTS = 1 << 22
 
 
 class Transformer(nn.Module):
@@ -842,8 +849,9 @@ class Transformer(nn.Module):
 
     def decode(self, tokens, cache, span_start=None, w=None):
         """One token per row, tokens (B,), at each row's cache length (the caller advances it)
-        -> logits (B, V) float32 and, given span_start (B,) (where each row's turn began), the
-        hidden states (L+1, B, d) and six statistics (B, L, H, 6), on the head's device.
+        -> (logits (B, V) float32, hidden, stats) on the head's device: given span_start (B,)
+        (each row's turn's first position), hidden holds the L+1 hidden states (L+1, B, d) and
+        stats the six statistics (B, L, H, 6) in STATS order; without it both are None.
         w: decode_weights(), read once by a caller decoding many tokens. Compiled where it can
         (compiled_step), over the slots in use rounded up to whole KEY_BLOCKs, later ones
         masked, so that its shapes change once every KEY_BLOCK tokens."""
@@ -867,20 +875,21 @@ class Transformer(nn.Module):
                 torch.compiler.cudagraph_mark_step_begin()
                 out = step(self, *on_dev, *args[3:], blocks)
                 return tuple(None if t is None else t.clone() for t in out)
-            except compile_errors() as e:     # decode eagerly from now on, and say so once
+            except compile_errors() as e:     # every later call decodes eagerly: said once
                 _compiled["failed"] = e
                 print(f"model.py: decoding eagerly, torch.compile failed: {type(e).__name__}: "
                       f"{(str(e).strip().splitlines() or [''])[0]}", file=sys.stderr, flush=True)
         return self.decode_step(*args, size)
 
     def decode_weights(self) -> list:
-        """Each block's decode_weights(), current for the weights as they are now."""
+        """Each block's decode_weights(), for the weights as they are."""
         return [layer.decode_weights() for layer in self.model.layers]
 
     def decode_step(self, tokens, lengths, span_start, ks, vs, w, size):
-        """decode on the cache tensors ks, vs ((B, KV, capacity, D) per layer) over key slots
-        [0, size): masks, RoPE tables and the before-span vector built once per step (once per
-        device of a split model), every layer's statistics derived at the end."""
+        """decode's computation (what compiled_step compiles) on the cache tensors ks, vs
+        ((B, KV, capacity, D) per layer) over key slots [0, size); returns what decode returns.
+        Masks, RoPE tables and the before-span indicator are built once per step (once per
+        device of a split model); stats_from runs once, on every layer's numbers together."""
         dev = self.model.embed_tokens.weight.device
         pos = lengths.to(dev)
         key_pos = torch.arange(size, device=dev)
@@ -971,7 +980,6 @@ def compiled_step(w: list, cache: list[KVCache]):
 # ----------------------------------------------------------------------------------------------
 # Tokenizer and the chat format (METHOD.md §2, §3); text kept encodable
 
-
 class Tokenizer:
     """A tokenizers.Tokenizer and the ChatML template around it. Untrusted text stays text: a
     message that writes "<|im_end|>" is those characters, not a new turn; only the template
@@ -1052,12 +1060,13 @@ def without_surrogates(text: str) -> str:
 
 @dataclass
 class TurnTrace:
-    """Everything a reward needs from one assistant turn (CPU, float32)."""
+    """Everything a reward needs from one assistant turn (CPU, float32): generate's, or
+    lab/traces.py's teacher-forced one."""
     tokens: list[int]                   # the turn's tokens (ends with a stop token when finished)
     span: tuple[int, int]               # absolute positions [start, end) in the sequence
-    attn: dict[str, Tensor]             # STATS -> (L, H), averaged over span rows ({} if no stats)
-    h_last: Tensor | None               # (L+1, d) hidden_states[l] at the last span token
-    h_mean: Tensor | None               # (L+1, d) mean over span rows of hidden_states[l]
+    attn: dict[str, Tensor]             # STATS -> (L, H), the span's mean ({} without stats)
+    h_last: Tensor | None               # (L+1, d) hidden_states[l] at the last span token, or None
+    h_mean: Tensor | None               # (L+1, d) the span's mean of hidden_states[l], or None
     finished: bool                      # stopped on a stop token (vs max_new_tokens)
     # log pi(token) at the sampling temperature (1 when greedy); empty when teacher-forced
     logprobs: list[float] = field(default_factory=list)
@@ -1126,7 +1135,7 @@ def sample(logits: Tensor, temperature: float, top_p: float, generator=None) -> 
 
 def prefill(model: Transformer, cache, new_tokens: list[list[int]]) -> Tensor | None:
     """Append each row's new tokens at that row's own offset; logits (B, V) after its last one
-    (rows with no new tokens get zeros). Pads sit past each row's real tokens (see the top)."""
+    (rows with no new tokens get zeros). Pads sit past each row's real tokens (module docstring)."""
     n = torch.tensor([len(t) for t in new_tokens])
     if not len(n) or n.max() == 0:
         return None
@@ -1166,9 +1175,9 @@ def prefill_last(model: Transformer, cache, new_tokens: list[list[int]]) -> Tens
 
 def decode_one_token(model: Transformer, cache, tokens: Tensor, fed: Tensor,
                      span_start: Tensor | None, w=None):
-    """Feed tokens (B,) of the rows where fed (B,) is True, each at its row's length; (logits
-    (B, V), hidden states, statistics), the last two given span_start (Transformer.decode).
-    A row not fed gets a pad in its first free slot, which stays free."""
+    """Feed tokens (B,) of the rows where fed (B,) is True, each at its row's length ->
+    Transformer.decode's (logits, hidden, stats). A row not fed gets a pad in its first free
+    slot, which stays free."""
     lengths = cache[0].lengths.clone()
     out = model.decode(torch.where(fed, tokens, 0), cache, span_start, w)
     set_lengths(cache, lengths + fed.long().cpu())
@@ -1177,7 +1186,7 @@ def decode_one_token(model: Transformer, cache, tokens: Tensor, fed: Tensor,
 
 @dataclass
 class TurnStats:
-    """Per row, the running sums over the turn being decoded (float32, on the model's device)."""
+    """Per row, the running sums over the turn being decoded (float32, on the head's device)."""
     attn: Tensor                        # (B, L, H, len(STATS)) summed over the turn's tokens
     h_sum: Tensor                       # (L+1, B, d) hidden states summed over the turn's tokens
     h_last: Tensor                      # (L+1, B, d) hidden states of the latest token
@@ -1216,11 +1225,13 @@ def reserve_slots(cache: list[KVCache], steps: int):
 def generate(model: Transformer, cache, new_tokens: list[list[int]], max_new_tokens: int,
              temperature=1.0, top_p=1.0, stop_ids=None, generator=None,
              stats=True, active=None) -> list[TurnTrace | None]:
-    """Append each row's new tokens to the cache, then sample up to max_new_tokens per row.
-    A row with no new tokens generates nothing (empty trace), one with active[i] False (an ended
-    episode) gets None. Every sampled token, the stop token included, is fed through the model,
-    so the cache holds it and (stats=True) its statistics and hidden states are accumulated.
-    Idle rows ride along as pads (decoding is bound by reading the weights)."""
+    """Append each row's new tokens to the cache, then sample up to max_new_tokens per row ->
+    one TurnTrace per row: the sampled tokens, their positions, log pi of each, whether a stop
+    token ended the turn and, with stats, the turn's mean statistics and hidden states. A row with
+    no new tokens generates nothing (empty trace), one with active[i] False (an ended episode)
+    gets None. Every sampled token, the stop token included, is fed through the model, so the
+    cache holds it and its statistics count. Idle rows ride along as pads (decoding is bound by
+    reading the weights)."""
     B = len(new_tokens)
     if B != cache[0].k.shape[0]:
         raise ValueError(f"{B} rows of new tokens for a cache of batch size {cache[0].k.shape[0]}")
@@ -1545,7 +1556,6 @@ def split_model(model, devices, layer_counts=None):
 # ----------------------------------------------------------------------------------------------
 # File helpers: where fetched and fitted files live, atomic writes
 
-
 def cache_root() -> Path:
     """Where everything fetched or fitted once is kept (Hub checkpoints, released data, LLM
     judgments, probes): $PAIR_CACHE, else ~/.cache/pair."""
@@ -1574,5 +1584,3 @@ def write_atomic(path: Path, data: bytes | str) -> None:
     except BaseException:
         os.unlink(tmp)
         raise
-
-
