@@ -357,5 +357,3 @@ def auroc(y, s) -> float:
     avg_rank = counts.cumsum(0).double() - (counts.double() - 1) / 2
     rank_sum = avg_rank[inverse][y == 1].sum().item()
     return (rank_sum - n_pos * (n_pos + 1) / 2) / (n_pos * n_neg)
-
-
