@@ -1,19 +1,13 @@
-"""Internal-signal probes of the PAIR paper: features, probe, metrics (METHOD.md §4, §5, §8).
+"""Internal-signal probes of the PAIR paper (METHOD.md §4, §5, §8): a probe reads one assistant
+turn's hidden states and attention statistics (model.py) and predicts P(correct) of that turn.
 
-A probe reads one assistant turn's internals — hidden states and attention statistics that
-model.py collects natively — and predicts P(correct) of that turn.
-
-- `raw_features(trace)` keeps, per turn, everything any probe needs (a few d-vectors and (L, H)
-  statistics); `feature(name, raw)` builds the feature vectors of METHOD.md §4 from a batch.
+- `raw_features(trace)` keeps per turn what any probe needs; `feature(name, raw)` builds the
+  feature sets of METHOD.md §4 from a batch.
 - `Probe` is StandardScaler + L2 logistic regression, minimizing
       sum_i logloss_i + ||w||^2 / (2C)        (intercept not penalized, C = 0.01)
-  in float64 with torch's LBFGS (strong Wolfe line search) to convergence. It is the same model as
-  scikit-learn's `StandardScaler` + `LogisticRegression(C)`, which the tests check to 1e-4 in
-  probability; scikit-learn is only a test dependency. Saved as safetensors with a JSON header.
-- Unsupervised scores: CoE-R, CoE-C (Chain-of-Embedding) and -mean head entropy. Higher = more
-  likely correct.
-- AUROC (ties count 1/2), which the drift monitor reads (grpo.py); METHOD.md §8's other metrics,
-  and fitting and scoring probes from the command line, are lab/study.py's.
+  in float64 with torch's LBFGS: scikit-learn's model, which the tests check to 1e-4.
+- Unsupervised scores (CoE-R, CoE-C, -mean head entropy) and AUROC, which grpo.py's drift monitor
+  reads; METHOD.md §8's other metrics and the probe CLI are lab/study.py's.
 """
 from __future__ import annotations
 
@@ -42,16 +36,12 @@ RAW_KEYS = ("h_last4", "h_mean", "attn_max", "attn_std", "attn_prefix", "attn_se
             "attn_entropy", "attn_lookback", "coe_r", "coe_c")
 
 
-# ----------------------------------------------------------------------------------------------
-# Features (METHOD.md §4)
+# ---- Features (METHOD.md §4) ------------------------------------------------------------------
 
 def coe_scores(h: torch.Tensor) -> tuple[float, float]:
-    """CoE-R and CoE-C from the span-mean hidden state of every layer, h: (L+1, d); higher =
-    more likely correct, as in the CoE paper (Wang et al., ICLR 2025, arXiv 2410.13640): correct
-    responses take larger relative magnitude steps M and smaller relative angle steps A, and
-    its evaluation code scores the correct class with CoE-R = mean M - mean A and CoE-C =
-    |mean M e^{iA}| unchanged. No sign is inverted: an AUROC below 0.5 on tool-use turns is a
-    result about this setting, not a sign error."""
+    """CoE-R = mean M - mean A and CoE-C = |mean M e^{iA}| (Wang et al., ICLR 2025) from the
+    span-mean hidden state of every layer, h: (L+1, d), with M, A the relative magnitude and
+    angle steps; as the paper's code, higher = more likely correct (no sign inverted)."""
     h = h.double()
     step = h[1:] - h[:-1]                                               # (L, d)
     M = step.norm(dim=-1) / (h[-1] - h[0]).norm()                       # (L,) relative magnitude
@@ -65,8 +55,8 @@ def coe_scores(h: torch.Tensor) -> tuple[float, float]:
 
 
 def raw_features(trace, coe: bool = True) -> dict[str, torch.Tensor]:
-    """Everything any probe needs from one model.TurnTrace, in float32 on the CPU (coe=False
-    skips the two CoE scores, which only the unsupervised baselines read)."""
+    """What any probe needs from one model.TurnTrace, float32 on the CPU (coe=False skips the
+    CoE scores)."""
     raw = {"h_last4": trace.h_last[-4:].float(),                        # (4, d)
            "h_mean": trace.h_mean[-1].float()}                          # (d,)
     for stat in ("max", "std", "prefix", "self", "entropy", "lookback"):
@@ -84,23 +74,17 @@ def stack_raw(raws: list[dict]) -> dict[str, torch.Tensor]:
     return {k: torch.stack([r[k] for r in raws]) for k in raws[0]}
 
 
-def stack_attn(stats: list[torch.Tensor]) -> torch.Tensor:
-    """k statistics of shape (..., L, H) -> (..., L*k*H), layer-major: for each layer the k
-    statistics one after the other, each over all heads."""
-    return torch.stack(stats, dim=-2).flatten(-3)                       # (..., L, k, H) -> flat
-
-
 def attn_features(raw: dict, stats=ATTN_STATS, last_layer_only=False) -> torch.Tensor:
-    """The statistics `stats` of every layer (multi_attn) or of the last one (attention)."""
+    """The statistics `stats` of every layer (multi_attn) or of the last one (attention), layer-
+    major: for each layer the statistics one after the other, each over all heads."""
     parts = [raw[f"attn_{s}"] for s in stats]                           # k x (N, L, H)
     if last_layer_only:
         parts = [p[:, -1:] for p in parts]
-    return stack_attn(parts).double()
+    return torch.stack(parts, dim=-2).flatten(-3).double()              # (N, L, k, H) -> flat
 
 
 def feature_width(name: str, d: int, L: int, H: int) -> int:
-    """The width of feature set `name` (METHOD.md §4) for a model of hidden size d, L layers
-    and H heads: what a probe of it must have been fitted on."""
+    """The width of feature set `name` for a model of hidden size d, L layers and H heads."""
     return {"last_token": d, "mean_pooled": d, "multi_layer": min(4, L + 1) * d,  # h_last4
             "attention": 4 * H,
             "multi_attn": 4 * H * L, "hidden_attn": d + 4 * H, "lookback": H * L,
@@ -110,23 +94,17 @@ def feature_width(name: str, d: int, L: int, H: int) -> int:
 def feature(name: str, raw: dict[str, torch.Tensor]) -> torch.Tensor:
     """Feature set `name` (METHOD.md §4) of a batch of raw features -> (N, D) float64."""
     n = raw["h_mean"].shape[0]
-    if name == "last_token":
-        return raw["h_last4"][:, -1].double()                           # (N, d)
-    if name == "mean_pooled":
-        return raw["h_mean"].double()                                   # (N, d)
-    if name == "multi_layer":
-        return raw["h_last4"].reshape(n, -1).double()                   # (N, 4d)
-    if name == "attention":
-        return attn_features(raw, last_layer_only=True)                 # (N, 4H)
-    if name == "multi_attn":
-        return attn_features(raw)                                       # (N, 4HL)
-    if name == "hidden_attn":
-        return torch.cat([feature("last_token", raw), feature("attention", raw)], dim=1)
-    if name == "lookback":
-        return raw["attn_lookback"].reshape(n, -1).double()             # (N, HL)
-    if name == "head_entropy":
-        return raw["attn_entropy"].reshape(n, -1).double()              # (N, HL)
-    raise ValueError(f"unknown feature set {name!r}; expected one of {FEATURES}")
+    build = {"last_token": lambda: raw["h_last4"][:, -1].double(),                 # (N, d)
+             "mean_pooled": lambda: raw["h_mean"].double(),                       # (N, d)
+             "multi_layer": lambda: raw["h_last4"].reshape(n, -1).double(),       # (N, 4d)
+             "attention": lambda: attn_features(raw, last_layer_only=True),       # (N, 4H)
+             "multi_attn": lambda: attn_features(raw),                            # (N, 4HL)
+             "hidden_attn": lambda: torch.cat([build["last_token"](), build["attention"]()], 1),
+             "lookback": lambda: raw["attn_lookback"].reshape(n, -1).double(),    # (N, HL)
+             "head_entropy": lambda: raw["attn_entropy"].reshape(n, -1).double()}  # (N, HL)
+    if name not in build:
+        raise ValueError(f"unknown feature set {name!r}; expected one of {FEATURES}")
+    return build[name]()
 
 
 def unsupervised_score(name: str, raw: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -139,8 +117,7 @@ def unsupervised_score(name: str, raw: dict[str, torch.Tensor]) -> torch.Tensor:
     raise ValueError(f"unknown score {name!r}; expected one of {SCORES}")
 
 
-# ----------------------------------------------------------------------------------------------
-# The probe (METHOD.md §5)
+# ---- The probe (METHOD.md §5) -----------------------------------------------------------------
 
 class Probe:
     """StandardScaler + L2-regularized logistic regression; predicts P(label 1) = P(correct)."""
@@ -167,8 +144,7 @@ class Probe:
             raise ValueError(f"C must be positive, got {C}")
         t0 = time.perf_counter()
 
-        # StandardScaler: population std; near-constant columns (variance within the rounding
-        # error of the two-pass algorithm, as scikit-learn decides) keep scale 1.
+        # StandardScaler: population std; near-constant columns (as scikit-learn decides) keep 1
         self.mean = X.mean(dim=0)
         var = X.var(dim=0, correction=0)
         eps = torch.finfo(torch.float64).eps
@@ -214,9 +190,8 @@ class Probe:
                 and tensors["b"].numel() == 1):
             raise FormatError(f"{path}: probe tensors of inconsistent shapes")
         _check_finite(tensors, path)       # a NaN weight would turn every reward into NaN
-        # Copied into fresh memory: read in place, a weight's alignment follows the header's
-        # length, and float64 products change in the last bit with it (vectorized sums treat
-        # an unaligned head apart).
+        # Copied into fresh memory: read in place, alignment follows the header's length, and
+        # float64 products change in the last bit with it.
         t = {k: v.to(torch.float64, copy=True) for k, v in tensors.items()}
         return cls(t["mean"], t["scale"], t["w"], t["b"].reshape(()), info)
 
@@ -226,12 +201,10 @@ class Probe:
 
 
 def _fit_logistic(Z, y, C, tol, max_iter):
-    """min_{w,b} sum_i logloss(z_i . w + b, y_i) + ||w||^2 / (2C) with LBFGS in float64, divided
-    by n so that the tolerances do not depend on the data size. Strongly convex in w: LBFGS
-    reaches the unique optimum scikit-learn's solvers find. It stops at max |gradient| <= tol or
-    at an objective change < 1e-14 (scikit-learn's lbfgs: a relative change < 64 eps), where the
-    gradient is ~1e-8 and probabilities ~1e-7 from the optimum: only a gradient above 1e-6
-    counts as not converged."""
+    """min_{w,b} sum_i logloss(z_i . w + b, y_i) + ||w||^2 / (2C), divided by n so that the
+    tolerances do not depend on n; strongly convex, so LBFGS reaches scikit-learn's optimum. It
+    stops at max |grad| <= tol or an objective change < 1e-14 (then |grad| ~1e-8): only
+    |grad| > 1e-6 counts as not converged."""
     n, d = Z.shape
     w = torch.zeros(d, dtype=torch.float64, requires_grad=True)
     # Starting the intercept at the log-odds of the base rate is the exact optimum at w = 0.
@@ -269,13 +242,11 @@ def _as_float64_2d(X, what):
 
 
 class FormatError(ValueError):
-    """A probe or features file that cannot be read, that holds values no probe can use, or
-    that does not belong with the other inputs (another model); the message names it."""
+    """A probe or features file that is unreadable, unusable, or from another model."""
 
 
-# What a features file was extracted with, recorded in its metadata and copied into the info of
-# every probe fitted on it. Features of two models (or dtypes) can have the same width, and then
-# nothing downstream would notice that they are mixed.
+# What a features file was extracted with (recorded in it and in every probe fitted on it): two
+# models' features can have the same width, and nothing downstream would notice them mixed.
 SOURCE_KEYS = ("model", "model_sha256", "dtype", "dims")
 
 
@@ -284,8 +255,7 @@ def source(meta: dict) -> dict:
 
 
 def check_same_source(a: dict, a_name, b: dict, b_name) -> None:
-    """Refuse to combine two inputs made from different models; a key one side lacks is not
-    compared."""
+    """Refuse to combine inputs of different models (a key one side lacks is not compared)."""
     for key in ("model_sha256", "dtype", "dims"):
         if key in a and key in b and a[key] != b[key]:
             raise FormatError(f"{a_name} was made from {describe_source(a)} but {b_name} "
@@ -302,8 +272,8 @@ def describe_source(src: dict) -> str:
 
 
 def read_safetensors(path, what: str) -> tuple[dict[str, torch.Tensor], dict]:
-    """(tensors, string metadata) of a safetensors file; a truncated or corrupt one is a
-    FormatError naming it (safetensors raises its own error type, with no path)."""
+    """(tensors, string metadata) of a safetensors file; a corrupt one is a FormatError naming
+    it (safetensors' own error has no path)."""
     try:
         tensors = load_file(str(path))
         with safe_open(str(path), framework="pt") as f:
@@ -333,8 +303,7 @@ def _check_finite(tensors: dict, path) -> None:
             raise FormatError(f"{path}: {key} holds NaN or infinite values (first at {bad})")
 
 
-# ----------------------------------------------------------------------------------------------
-# AUROC (METHOD.md §8); y = 1 for a correct turn, s = a score or P(correct)
+# ---- AUROC (METHOD.md §8); y = 1 for a correct turn, s = a score or P(correct) ---------------
 
 def labels_scores(y, s):
     y = torch.as_tensor(y, dtype=torch.float64).flatten()
