@@ -1,6 +1,6 @@
 """Tool-use environments (METHOD.md §1, §2, §10): the ReAct text every model sees and its parser,
-the built-in `shop` world, GTA and ToolBench replay of the released episodes, the Calculator tool,
-and ToolBench's LLM answer judge.
+the built-in `shop` world, GTA and ToolBench replay of the released episodes with what scores
+them (answer matching, an LLM judge), the Calculator tool, and the episode files themselves.
 
     env = make("gta", split="test", data_dir=...)       # or ShopEnv("test"), the built-in world
     ep = env.episode(0)
@@ -96,8 +96,7 @@ def tool_result_text(message: dict) -> str:
 
 def assistant_parts(message: dict) -> tuple[str | None, dict | None, str | None]:
     """(thought, tool call {name, arguments} or None, final content) of a released assistant turn.
-    Text beside a tool call (three released turns) and a contaminated turn's `explanation` (the
-    contamination LLM's key, one turn) are part of the thought."""
+    Text beside a tool call and a contaminated turn's `explanation` join the thought."""
     calls = message.get("tool_calls") or []
     call = calls[0]["function"] if calls else None
     parts = [message.get("thought"), message.get("explanation")]
@@ -163,17 +162,6 @@ _FORMAT_HINT = ("Reply with 'Thought:', 'Action:' and 'Action Input:' lines to c
 MAX_NESTING = 64             # of an Action Input's objects and lists
 
 
-def _nesting(value) -> int:
-    """How deep lists and objects nest in a parsed JSON value (iteratively: no recursion)."""
-    deepest, stack = 0, [(value, 1)]
-    while stack:
-        v, depth = stack.pop()
-        if isinstance(v, (dict, list)):
-            deepest = max(deepest, depth)
-            stack.extend((x, depth + 1) for x in (v.values() if isinstance(v, dict) else v))
-    return deepest
-
-
 def parse_react(text: str) -> Action | Final | ParseError:
     """The first step of a reply: the first `Action:` marker followed by `Action Input:` (a thought
     may hold a line "Action:", as ToolBench's gold thoughts do), or the first `Final Answer:`;
@@ -234,7 +222,13 @@ def _action_input(raw: str) -> dict | ParseError:
     if not isinstance(arguments, dict):
         return ParseError(f"Action Input must be a JSON object {{...}}, not a JSON "
                           f"{type(arguments).__name__}.")
-    if _nesting(arguments) > MAX_NESTING:       # json.dumps (the replay key) would overflow
+    deepest, stack = 0, [(arguments, 1)]    # iteratively: json.dumps (the replay key) recurses
+    while stack:
+        v, depth = stack.pop()
+        if isinstance(v, (dict, list)):
+            deepest = max(deepest, depth)
+            stack.extend((x, depth + 1) for x in (v.values() if isinstance(v, dict) else v))
+    if deepest > MAX_NESTING:
         return ParseError(f"Invalid JSON in Action Input: nested deeper than {MAX_NESTING} "
                           "levels.")
     if model.holds_lone_surrogate(arguments):   # echoed back, no tokenizer could encode it
@@ -253,7 +247,8 @@ class StepResult:
 
 
 class Episode:
-    """One task being played: the chat so far; subclasses answer a tool call and score."""
+    """One task being played: the chat so far. A subclass answers a tool call (call_tool(name,
+    arguments) -> observation text) and scores the episode (score() -> [0, 1], None: skipped)."""
     max_turns = MAX_TURNS               # a world with longer tasks allows more
 
     def __init__(self, id: str, task: str, tools: list[dict], files: list[dict] | tuple = ()):
@@ -284,23 +279,18 @@ class Episode:
         self.messages.append({"role": "user", "content": observation})
         return StepResult(observation, False, self._after_observation())
 
-    def call_tool(self, name: str, arguments: dict) -> str:
-        raise NotImplementedError
-
     def _after_observation(self) -> int | None:
         return None
-
-    def score(self) -> float | None:
-        raise NotImplementedError
 
     def labels(self) -> list[bool] | None:
         return None     # exact step labels exist only in the built-in world
 
 
 class Env:
-    """A split of episodes: env.episode(i) is a fresh Episode (an index or an episode id)."""
+    """A split of episodes: env.episode(i) is a fresh Episode (an index or an episode id) made by
+    the subclass's _new_episode(id, records[id])."""
 
-    def __init__(self, records: dict[str, dict]):
+    def __init__(self, records: dict):
         self.records = records
         self.ids = list(records)
 
@@ -312,9 +302,6 @@ class Env:
         if key not in self.records:
             raise KeyError(f"no episode {key!r} in this split")
         return self._new_episode(key, self.records[key])
-
-    def _new_episode(self, key: str, record: dict) -> Episode:
-        raise NotImplementedError
 
 
 # ==== The built-in world, shop: tasks drawn from a seed, tools that really execute, exact labels
@@ -338,42 +325,33 @@ SHOP_TEMPLATES = ("What is the total cost of {lines}, in {cur}?",
 SHOP_SEED_STRIDE = 10_000_000
 SHOP_SPLIT_OFFSET = {"train": 0, "val": 4_500_000, "test": 5_000_000}
 SHOP_SPLIT_SIZE = {"train": 4_500_000, "val": 500_000, "test": 5_000_000}
-# 600 test episodes know a success rate near 0.3 to +-3.7 points (95%); `lab.shop make-data`'s
-# are the first 200. Validation only picks a checkpoint.
-SHOP_EPISODES = {"train": 10_000, "val": 200, "test": 600}
+SHOP_EPISODES = {"train": 10_000, "val": 200, "test": 600}  # test: a rate to +-3.7 points (95%)
 SHOP_SCORING = 2    # the rules' version (2: half a cent): cached evaluations and probes key on it
 _SHOP_VALUE_TOL = 0.005     # "equals" within half a cent: of a total, its rounding, not a cent off
 _CENT = Decimal("0.01")
 
 
-def _shop_tool(name: str, description: str, inputs: dict, output: str) -> dict:
-    """A tool in the released (GTA) schema, with text inputs {name: description}."""
-    def field(key, text):
-        return {"type": "text", "name": key, "description": text, "optional": False,
-                "default": None, "filetype": None}
-    return {"name": name, "description": description,
-            "inputs": [field(k, text) for k, text in inputs.items()],
-            "outputs": [field(None, output)]}
+def _text_input(key: str | None, text: str) -> dict:
+    return {"type": "text", "name": key, "description": text, "optional": False,
+            "default": None, "filetype": None}
 
 
-SHOP_TOOLS = [
-    _shop_tool("Lookup", "Look up the price in USD of one item at one store.",
-               {"store": "The store: A, B, C or D.", "item": "The item, e.g. apple."},
-               "The price in USD."),
-    _shop_tool("Rate", "How many units of a currency one USD buys.",
-               {"currency": "The currency: " + ", ".join(SHOP_CURRENCIES) + "."},
-               "The exchange rate."),
-    _shop_tool("Calculator", "Evaluate an arithmetic expression (+ - * / and parentheses).",
-               {"expression": "e.g. (3*2.50+1.20)*0.92"}, "The value.")]
+# (name, description, {input: description}, output), in the released (GTA) tool schema
+SHOP_TOOLS = [{"name": name, "description": description,
+               "inputs": [_text_input(k, text) for k, text in inputs.items()],
+               "outputs": [_text_input(None, output)]}
+              for name, description, inputs, output in (
+    ("Lookup", "Look up the price in USD of one item at one store.",
+     {"store": "The store: A, B, C or D.", "item": "The item, e.g. apple."}, "The price in USD."),
+    ("Rate", "How many units of a currency one USD buys.",
+     {"currency": "The currency: " + ", ".join(SHOP_CURRENCIES) + "."}, "The exchange rate."),
+    ("Calculator", "Evaluate an arithmetic expression (+ - * / and parentheses).",
+     {"expression": "e.g. (3*2.50+1.20)*0.92"}, "The value."))]
 _SHOP_ARGS = {t["name"]: tuple(i["name"] for i in t["inputs"]) for t in SHOP_TOOLS}
 # An argument's spelling the world accepts, its values, and their name in an error message.
 _SHOP_NAMES = {"store": (str.upper, SHOP_STORES, "Stores"),
                "item": (str.lower, SHOP_ITEMS, "Items"),
                "currency": (str.upper, SHOP_CURRENCIES, "Currencies")}
-
-
-def _cents(n: int) -> Decimal:
-    return Decimal(n).scaleb(-2)        # 250 -> Decimal("2.50"): keeps two decimals when printed
 
 
 @dataclass(frozen=True)
@@ -424,11 +402,12 @@ class ShopTask:
 
 
 def draw_world(rng: random.Random) -> tuple[dict, dict]:
-    """An episode's prices and rates, the first draws of its seed's stream."""
-    prices = {(s, i): _cents(rng.randint(*SHOP_PRICE_CENTS))
+    """An episode's prices and rates, the first draws of its seed's stream (2.50 keeps its two
+    decimals when printed)."""
+    prices = {(s, i): Decimal(rng.randint(*SHOP_PRICE_CENTS)).scaleb(-2)
               for s in SHOP_STORES for i in SHOP_ITEMS}
-    rates = {"USD": _cents(100)}
-    rates.update({c: _cents(rng.randint(*span)) for c, span in SHOP_RATE_CENTS.items()})
+    rates = {"USD": Decimal("1.00")}
+    rates.update({c: Decimal(rng.randint(*span)).scaleb(-2) for c, span in SHOP_RATE_CENTS.items()})
     return prices, rates
 
 
@@ -530,34 +509,33 @@ def _answer_right(task: ShopTask, answer: str | None) -> bool:
     return m is not None and _close(float(m.group(0).replace(",", "")), [task.total])
 
 
-def _claim_true(task: ShopTask, m: re.Match, known: dict) -> bool:
-    """One _SHOP_CLAIM: a price or rate must be the world's; "I need ..." must name a needed fact
-    not fetched yet; "the total is <expression or x> [CUR]" must be the exact total within half a
-    cent, in the task's currency (of the longest start that computes: "21.91 (2 lines)")."""
-    if m.group("price"):
-        key = (m.group("store").upper(), m.group("item").lower())
-        return key in task.prices and _close(float(m.group("price")), [task.prices[key]])
-    if m.group("rate"):
-        cur = m.group("rcur").upper()
-        return cur in task.rates and _close(float(m.group("rate")), [task.rates[cur]])
-    if m.group("nitem") or m.group("ncur"):
-        fact = ("price", m.group("nstore").upper(), m.group("nitem").lower()) \
-            if m.group("nitem") else ("rate", m.group("ncur").upper())
-        return fact in task.needed and fact not in known
-    total, cur = m.group("total").replace(",", ""), m.group("tcur")    # "10,996.94"
-    value = next((v for k in range(len(total), 0, -1)
-                  if (v := _number(calculate(total[:k]))) is not None), None)
-    return not (cur and cur.upper() != task.currency) and value is not None \
-        and _close(value, [task.total])
-
-
 def _shop_thought_true(task: ShopTask, thought: str | None, known: dict,
                        computed: list[float]) -> bool:
-    """Every claim is true and every other number one the task involves: a quantity, a needed or
-    fetched (`known`) price or rate, a useful Calculator value, an earlier Calculator result."""
+    """Every _SHOP_CLAIM is true and every other number one the task involves (a quantity, a
+    needed or fetched (`known`) price or rate, a useful Calculator value, an earlier result).
+    A price or rate must be the world's; "I need ..." must name a needed fact not fetched yet;
+    "the total is <expression or x> [CUR]" must be the exact total within half a cent, in the
+    task's currency (of the longest start that computes: "21.91 (2 lines)")."""
+    def true(m: re.Match) -> bool:
+        if m.group("price"):
+            key = (m.group("store").upper(), m.group("item").lower())
+            return key in task.prices and _close(float(m.group("price")), [task.prices[key]])
+        if m.group("rate"):
+            cur = m.group("rcur").upper()
+            return cur in task.rates and _close(float(m.group("rate")), [task.rates[cur]])
+        if m.group("nitem") or m.group("ncur"):
+            fact = ("price", m.group("nstore").upper(), m.group("nitem").lower()) \
+                if m.group("nitem") else ("rate", m.group("ncur").upper())
+            return fact in task.needed and fact not in known
+        total, cur = m.group("total").replace(",", ""), m.group("tcur")    # "10,996.94"
+        value = next((v for k in range(len(total), 0, -1)
+                      if (v := _number(calculate(total[:k]))) is not None), None)
+        return not (cur and cur.upper() != task.currency) and value is not None \
+            and _close(value, [task.total])
+
     if not thought:
         return True
-    if not all(_claim_true(task, m, known) for m in _SHOP_CLAIM.finditer(thought)):
+    if not all(true(m) for m in _SHOP_CLAIM.finditer(thought)):
         return False
     allowed = [Decimal(q) for q, _, _ in task.lines] + [task.value(f) for f in task.needed]
     allowed += list(known.values()) + task.quantities + [Decimal(task.answer)]
@@ -572,8 +550,8 @@ def shop_labels(task: ShopTask, steps: list) -> list[bool]:
     """Exact correctness of each assistant turn (parse_react's steps; calls re-run, observations
     never read): its thought asserts nothing false, and it fetches a needed fact not fetched yet,
     computes a needed quantity not computed yet, or answers the total, each within half a cent.
-    Claims are checked against the world, not the dialog: matched contaminated data keep the
-    clean observations after a contaminated call (as the release does)."""
+    Claims are checked against the world, not the dialog (a contaminated call's observation is
+    clean in the release)."""
     known: dict = {}
     computed: list[float] = []
     labels = []
@@ -614,31 +592,20 @@ class ShopEpisode(Episode):
 
 
 class ShopEnv(Env):
-    """The episodes of one split (train, val or test) of a built-in world (WORLDS)."""
+    """The episodes of one split (train, val or test) of a built-in world (WORLDS); records maps
+    an episode id to its index."""
 
     def __init__(self, split: str = "test", seed: int = 42, episodes: int | None = None,
                  world: str = "shop"):
         if world not in WORLDS:
             raise ValueError(f"unknown built-in world {world!r} (choose from {', '.join(WORLDS)})")
         shop_episode_seed(split, 0, 0)      # refuses an unknown split
-        if type(seed) is not int or seed < 0:
-            raise ValueError(f"shop: seed must be a non-negative integer, got {seed!r}")
-        n = SHOP_EPISODES[split] if episodes is None else episodes
-        if not 0 < n <= SHOP_SPLIT_SIZE[split]:
-            raise ValueError(f"shop: {split} episodes must be in [1, "
-                             f"{SHOP_SPLIT_SIZE[split]}], got {n}")
         self.split, self.seed, self.world = split, seed, world
-        self.ids = [shop_episode_id(split, seed, i, world) for i in range(n)]
-        self._index = {key: i for i, key in enumerate(self.ids)}
+        n = SHOP_EPISODES[split] if episodes is None else episodes
+        super().__init__({shop_episode_id(split, seed, i, world): i for i in range(n)})
 
-    def episode(self, i: int | str) -> ShopEpisode:
-        if isinstance(i, str):
-            if i not in self._index:
-                raise KeyError(f"no episode {i!r} in shop {self.split} (seed {self.seed})")
-            i = self._index[i]
-        key = self.ids[i]
-        seed = shop_episode_seed(self.split, self.seed, self._index[key])
-        return ShopEpisode(key, WORLDS[self.world](seed))
+    def _new_episode(self, key: str, i: int) -> ShopEpisode:
+        return ShopEpisode(key, WORLDS[self.world](shop_episode_seed(self.split, self.seed, i)))
 
 
 # ==== Replay (METHOD.md §10): tool calls answered from the gold dialog ============================
@@ -701,7 +668,7 @@ class ReplayEpisode(Episode):
         return hit if hit is not None else simulator_miss(name, arguments)
 
 
-# ---- GTA -------------------------------------------------------------------------------------
+# ---- GTA: answers matched against the reference's aliases ----------------------------------------
 
 GTA_UNAVAILABLE = ("FastOCR", "FastCalculator", "ImageDescriptor", "WebSearch")
 UNAVAILABLE_MESSAGE = "This tool is not available now. Consider other tools."
@@ -776,17 +743,6 @@ class GTAEpisode(ReplayEpisode):
         return gta_match(self.final_answer, self.gt_answer, match or self.match)
 
 
-class GTAEnv(Env):
-    def __init__(self, split: str = "test", data_dir=None, match: str = "strict"):
-        if match not in ("strict", "loose"):
-            raise ValueError(f"match={match!r}: choose strict or loose")
-        super().__init__(load_episodes(episode_file("gta", split, data_dir)))
-        self.match = match
-
-    def _new_episode(self, key, record):
-        return GTAEpisode(key, record, self.match)
-
-
 # ---- ToolBench: answers scored by the LLM judge ------------------------------------------------
 
 HISTORY_CHARS = 6000
@@ -839,27 +795,30 @@ def toolbench_reference(gt) -> str:
     return ""
 
 
-class ToolBenchEnv(Env):
-    def __init__(self, split: str = "test", data_dir=None,
+class ReplayEnv(Env):
+    """A released split: gta (answers matched `match`: "strict" or "loose") or toolbench (the
+    history cap `history_chars`; `judge_model` scores answers, None plays without scoring)."""
+
+    def __init__(self, family: str, split: str = "test", data_dir=None, match: str = "strict",
                  history_chars: int | None = HISTORY_CHARS,
                  judge_model: str | None = "gpt-4o-mini", judge_cache=None):
+        if family not in RELEASE_FILES:
+            raise ValueError(f"unknown environment {family!r}: choose gta or toolbench")
+        if match not in ("strict", "loose"):
+            raise ValueError(f"match={match!r}: choose strict or loose")
         # The judge first: a missing key must fail before any data is read or fetched.
-        self.judge = ChatClient(judge_model, cache_dir=judge_cache) if judge_model else None
-        super().__init__(load_episodes(episode_file("toolbench", split, data_dir)))
-        self.history_chars = history_chars
+        self.judge = ChatClient(judge_model, judge_cache) \
+            if family == "toolbench" and judge_model else None
+        super().__init__(load_episodes(episode_file(family, split, data_dir)))
+        self.family, self.match, self.history_chars = family, match, history_chars
 
-    def _new_episode(self, key, record):
+    def _new_episode(self, key: str, record: dict) -> ReplayEpisode:
+        if self.family == "gta":
+            return GTAEpisode(key, record, self.match)
         return ToolBenchEpisode(key, record, self.history_chars, self.judge)
 
 
-def make(name: str, split: str = "test", data_dir=None, **kw) -> Env:
-    """A replay environment: gta (match="strict" | "loose") or toolbench (history_chars=6000,
-    judge_model="gpt-4o-mini" or None: no scoring, judge_cache=None)."""
-    if name == "gta":
-        return GTAEnv(split, data_dir, **kw)
-    if name == "toolbench":
-        return ToolBenchEnv(split, data_dir, **kw)
-    raise ValueError(f"unknown environment {name!r}: choose gta or toolbench")
+make = ReplayEnv        # make("gta", split="test", data_dir=..., match="loose")
 
 
 # ==== Released data (METHOD.md §1): the episode files, downloaded and validated ===================
@@ -900,11 +859,9 @@ def episode_file(family: str, split: str, data_dir: str | Path | None) -> Path:
 def download(family: str, data_dir: str | Path | None = None, ref: str = RELEASE_REF,
              force: bool = False) -> Path:
     """Fetch the episode files of `family` into data_dir/family/ (returned)."""
-    if family not in RELEASE_FILES:
-        raise ValueError(f"unknown data family {family!r}: choose {', '.join(RELEASE_FILES)}")
     folder = Path(data_dir or default_data_dir()) / family
     for name in RELEASE_FILES[family]:
-        fetch(family, name, folder, _check_episode_file, ref, force)
+        fetch(family, name, folder, check_episode_file, ref, force)
     return folder
 
 
@@ -923,11 +880,17 @@ def fetch(family: str, name: str, folder: Path, check, ref: str = RELEASE_REF,
         raise DataError(f"cannot download {url}: {e}") from e
     if r.status_code != 200:
         raise DataError(f"cannot download {url}: HTTP {r.status_code}")
-    check(_parse_json(r.content, url), url)
+    check(read_json(url, r.content), url)
     model.write_atomic(dest, r.content)
 
 
-def _parse_json(raw: bytes | str, where) -> object:
+def read_json(where: str | Path, raw: bytes | None = None) -> object:
+    """The JSON value of `raw`, or of the file `where` when raw is None; bad input is a
+    DataError naming `where`."""
+    if raw is None:
+        if not Path(where).is_file():
+            raise DataError(f"{where}: no such file")
+        raw = Path(where).read_bytes()
     try:
         return json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as e:
@@ -935,217 +898,174 @@ def _parse_json(raw: bytes | str, where) -> object:
         raise DataError(f"{where}: not valid JSON ({type(e).__name__}: {e})") from None
 
 
-def _read_json(path: Path) -> object:
-    if not path.is_file():
-        raise DataError(f"{path}: no such file")
-    return _parse_json(path.read_bytes(), path)
-
-
 def load_episodes(path: str | Path) -> dict[str, dict]:
     """An episode file: {episode id: record}, every record validated (METHOD.md §1)."""
-    path = Path(path)
-    data = _read_json(path)
-    _check_episode_file(data, path)
+    data = read_json(Path(path))
+    check_episode_file(data, Path(path))
     return data
 
 
-# Each check raises DataError("<file>: record <id>[: dialogs[i]]: <what is wrong>").
-
-def _require(ok, where, message: str) -> None:
+def require(ok, where, message: str) -> None:
+    """The checks' one failure: DataError("<file>: record <id>[: dialogs[i]]: <what is wrong>")."""
     if not ok:
         raise DataError(f"{where}: {message}")
 
 
-def _gt_answer_ok(gt) -> bool:
-    def groups(v):          # an empty group or alias would match every answer
-        return isinstance(v, list) and all(isinstance(g, list) and g and all(
-            isinstance(a, str) and a.strip() for a in g) for g in v)
-    return gt is None or (isinstance(gt, list) and all(isinstance(a, str) for a in gt)) or (
-        isinstance(gt, dict) and groups(gt.get("whitelist")) and
-        (gt.get("blacklist") is None or groups(gt["blacklist"])))
+def _aliases(groups) -> bool:
+    """[[alias, ...], ...] with no empty group or alias: either would match every answer."""
+    return isinstance(groups, list) and all(isinstance(g, list) and g and all(
+        isinstance(a, str) and a.strip() for a in g) for g in groups)
 
 
-def _check_episode_file(data, path) -> None:
-    _require(isinstance(data, dict), path, "an episode file is a JSON object keyed by episode id")
+def check_episode_file(data, path) -> None:
+    require(isinstance(data, dict), path, "an episode file is a JSON object keyed by episode id")
     for rid, rec in data.items():
         where = f"{path}: record {rid}"
-        _require(isinstance(rec, dict), where, "not an object")
+        require(isinstance(rec, dict), where, "not an object")
         for key in ("dialogs", "tools", "files", "gt_answer"):
-            _require(key in rec, where, f"missing '{key}'")
-        _check_dialog(rec["dialogs"], where)
-        _check_tools(rec["tools"], where)
-        _require(isinstance(rec["files"], list) and all(isinstance(f, dict) for f in rec["files"]),
-                 where, "'files' must be a list of objects")
-        _require(_gt_answer_ok(rec["gt_answer"]), where, "'gt_answer' must be null, a list of "
-                 "reference strings, or {whitelist: [[str]], blacklist: [[str]] | null} (no empty "
-                 "group or alias)")
+            require(key in rec, where, f"missing '{key}'")
+        check_dialog(rec["dialogs"], where)
+        require(isinstance(rec["tools"], list), where, "'tools' must be a list")
+        for j, t in enumerate(rec["tools"]):
+            require(isinstance(t, dict) and isinstance(t.get("name"), str), where,
+                    f"tools[{j}] needs a 'name'")
+            at = f"{where}: tools[{j}] ({t['name']})"
+            inputs = t.get("inputs") or []
+            require(isinstance(inputs, list) and all(isinstance(x, dict) and isinstance(
+                x.get("name"), str) for x in inputs), at,
+                "'inputs' must be a list of objects with a 'name'")
+            texts = [("description", t.get("description"))] + [   # tool_instructions' text
+                (f"inputs[{i}].{key}", x.get(key)) for i, x in enumerate(inputs)
+                for key in ("type", "description")]
+            for key, value in texts:
+                require(value is None or isinstance(value, str), at, f"'{key}' must be a string")
+        require(isinstance(rec["files"], list) and all(isinstance(f, dict) for f in rec["files"]),
+                where, "'files' must be a list of objects")
+        gt = rec["gt_answer"]
+        require(gt is None or (isinstance(gt, list) and all(isinstance(a, str) for a in gt)) or (
+            isinstance(gt, dict) and _aliases(gt.get("whitelist")) and
+            (gt.get("blacklist") is None or _aliases(gt["blacklist"]))), where,
+            "'gt_answer' must be null, a list of reference strings, or {whitelist: [[str]], "
+            "blacklist: [[str]] | null} (no empty group or alias)")
 
 
-def _check_dialog(dialog, where) -> None:
-    _require(isinstance(dialog, list) and dialog, where, "'dialogs' must be a non-empty list")
+def check_dialog(dialog, where) -> None:
+    require(isinstance(dialog, list) and dialog, where, "'dialogs' must be a non-empty list")
     for i, m in enumerate(dialog):
         at = f"{where}: dialogs[{i}]"
-        _require(isinstance(m, dict), at, "not an object")
-        role = m.get("role")
-        _require(i > 0 or role == "user", at, "the dialog must start with the user's task")
-        _require(role in ("user", "assistant", "tool"), at, f"unknown role {role!r}")
+        require(isinstance(m, dict), at, "not an object")
+        role, calls = m.get("role"), m.get("tool_calls")
+        require(i > 0 or role == "user", at, "the dialog must start with the user's task")
+        require(role in ("user", "assistant", "tool"), at, f"unknown role {role!r}")
         if role == "user":
-            _require(isinstance(m.get("content"), str), at, "user message without text content")
-        elif role == "assistant":
-            _check_assistant(m, at)
-        else:
-            prev = dialog[i - 1]
-            _require(prev.get("role") == "assistant" and prev.get("tool_calls"), at,
-                     "a tool result must follow an assistant tool call")
+            require(isinstance(m.get("content"), str), at, "user message without text content")
+        elif role == "tool":
+            require(dialog[i - 1].get("role") == "assistant" and dialog[i - 1].get("tool_calls"),
+                    at, "a tool result must follow an assistant tool call")
             content = m.get("content")
             content = content.get("content") if isinstance(content, dict) else content
-            _require(isinstance(m.get("name"), str) and content is not None, at,
-                     "a tool message needs 'name' and 'content'")
-
-
-def _check_assistant(m: dict, at: str) -> None:
-    for key in ("thought", "content", "explanation"):
-        _require(m.get(key) is None or isinstance(m[key], str), at, f"'{key}' must be a string")
-    calls = m.get("tool_calls")
-    if calls is None or calls == []:
-        _require(m.get("content") is not None, at,
-                 "assistant message with neither tool_calls nor content")
-        return
-    _require(isinstance(calls, list) and len(calls) <= 1, at,
-             "at most one tool call per assistant turn (METHOD.md §2)")
-    fn = calls[0].get("function") if isinstance(calls[0], dict) else None
-    _require(isinstance(fn, dict) and isinstance(fn.get("name"), str) and fn["name"], at,
-             "tool call without a function name")
-    _require(isinstance(fn.get("arguments"), dict), at,
-             "tool call arguments must be a JSON object")
-
-
-def _check_tools(tools, where) -> None:
-    _require(isinstance(tools, list), where, "'tools' must be a list")
-    for j, t in enumerate(tools):
-        _require(isinstance(t, dict) and isinstance(t.get("name"), str), where,
-                 f"tools[{j}] needs a 'name'")
-        at = f"{where}: tools[{j}] ({t['name']})"
-        inputs = t.get("inputs") or []
-        _require(isinstance(inputs, list) and all(isinstance(x, dict) and isinstance(
-            x.get("name"), str) for x in inputs), at,
-            "'inputs' must be a list of objects with a 'name'")
-        # tool_instructions renders these as text
-        texts = [("description", t.get("description"))] + [
-            (f"inputs[{i}].{key}", x.get(key)) for i, x in enumerate(inputs)
-            for key in ("type", "description")]
-        for key, value in texts:
-            _require(value is None or isinstance(value, str), at, f"'{key}' must be a string")
+            require(isinstance(m.get("name"), str) and content is not None, at,
+                    "a tool message needs 'name' and 'content'")
+        else:
+            for key in ("thought", "content", "explanation"):
+                require(m.get(key) is None or isinstance(m[key], str), at,
+                        f"'{key}' must be a string")
+            if calls is None or calls == []:
+                require(m.get("content") is not None, at,
+                        "assistant message with neither tool_calls nor content")
+                continue
+            require(isinstance(calls, list) and len(calls) <= 1, at,
+                    "at most one tool call per assistant turn (METHOD.md §2)")
+            fn = calls[0].get("function") if isinstance(calls[0], dict) else None
+            require(isinstance(fn, dict) and isinstance(fn.get("name"), str) and fn["name"], at,
+                    "tool call without a function name")
+            require(isinstance(fn.get("arguments"), dict), at,
+                    "tool call arguments must be a JSON object")
 
 
 # ==== The Calculator tool (GTA's and shop's): an AST whitelist, never eval ========================
 
 MAX_EXPRESSION_CHARS = 1000
 MAX_INT_BITS = 4000          # ~1200 digits: bounds the work of *, ** and str() on integers
-MAX_FACTORIAL = 1000
-MAX_NDIGITS = 1000           # round(x, n) builds 10 ** |n|: n = -10**8 would run for minutes
+MAX_ARGUMENT = 1000          # of factorial, comb, perm, and round's digits (10 ** |n| is built)
 
 
-class CalculatorError(ValueError):
-    pass
-
-
-def _too_large(too_large: bool) -> None:
-    if too_large:           # checked before computing: it is the work that must be bounded
-        raise CalculatorError("result too large")
-
-
-def _whole(x, fn: str, limit: int = MAX_FACTORIAL, over: str = "argument too large",
-           unit: str = "") -> int:
-    """An integer argument (an integral float counts) of at most `limit` in size."""
+def _whole(x, fn: str, over: str = "argument too large") -> int:
+    """An integer argument (an integral float counts) of at most MAX_ARGUMENT in size."""
     if isinstance(x, float) and x.is_integer():
         x = int(x)
     if not isinstance(x, int):
-        raise CalculatorError(f"{fn}() needs an integer{unit}")
-    if abs(x) > limit:
-        raise CalculatorError(f"{fn}() {over} (limit {limit})")
+        raise ValueError(f"{fn}() needs an integer")
+    if abs(x) > MAX_ARGUMENT:
+        raise ValueError(f"{fn}() {over} (limit {MAX_ARGUMENT})")
     return x
 
 
-def _power(a, b):
-    _too_large(isinstance(a, int) and isinstance(b, int) and b > 0 and abs(a) > 1
-               and b * math.log2(abs(a)) > MAX_INT_BITS)
-    return a ** b
-
-
-def _multiply(a, b):
-    _too_large(isinstance(a, int) and isinstance(b, int)
-               and a.bit_length() + b.bit_length() > MAX_INT_BITS + 1)
-    return a * b
-
-
-def _round(x, ndigits=None):
-    if ndigits is None:
-        return round(x)
-    return round(x, _whole(ndigits, "round", MAX_NDIGITS, "digits out of range",
-                           " number of digits"))
-
-
-def _lcm(*xs):
-    _too_large(sum(x.bit_length() for x in xs if isinstance(x, int)) > MAX_INT_BITS + len(xs))
-    return math.lcm(*xs)
-
-
-_BINARY = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: _multiply,
-           ast.Div: operator.truediv, ast.FloorDiv: operator.floordiv, ast.Mod: operator.mod,
-           ast.Pow: _power}
-_UNARY = {ast.USub: operator.neg, ast.UAdd: operator.pos}
+_OPERATORS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul,
+              ast.Div: operator.truediv, ast.FloorDiv: operator.floordiv, ast.Mod: operator.mod,
+              ast.Pow: operator.pow, ast.USub: operator.neg, ast.UAdd: operator.pos}
 _FUNCTIONS = {name: getattr(math, name) for name in (
     "sqrt cbrt exp log log10 log2 log1p sin cos tan asin acos atan atan2 sinh cosh tanh degrees "
-    "radians floor ceil trunc fabs hypot gcd isqrt").split()}
+    "radians floor ceil trunc fabs hypot gcd isqrt lcm").split()}
 _FUNCTIONS.update({
-    "abs": abs, "round": _round, "min": min, "max": max, "int": int, "float": float,
-    "pow": _power, "lcm": _lcm, "fsum": lambda *xs: math.fsum(xs),
+    "abs": abs, "min": min, "max": max, "int": int, "float": float, "pow": operator.pow,
+    "round": lambda x, n=None: round(x) if n is None else round(x, _whole(
+        n, "round", "digits out of range")),
+    "fsum": lambda *xs: math.fsum(xs),
     "factorial": lambda n: math.factorial(_whole(n, "factorial")),
     "comb": lambda n, k: math.comb(_whole(n, "comb"), _whole(k, "comb")),
     "perm": lambda n, k: math.perm(_whole(n, "perm"), _whole(k, "perm"))})
 _CONSTANTS = {"pi": math.pi, "e": math.e, "tau": math.tau, "inf": math.inf, "nan": math.nan}
 
 
+def _too_large(op, xs: list) -> bool:
+    """Whether op(*xs) would build an integer of over MAX_INT_BITS bits, decided before the work
+    (which is what must stay bounded)."""
+    ints = all(isinstance(x, int) for x in xs)
+    bits = sum(x.bit_length() for x in xs if isinstance(x, int))
+    if op is operator.mul:
+        return ints and bits > MAX_INT_BITS + 1
+    if op is operator.pow and len(xs) == 2:
+        a, b = xs
+        return ints and b > 0 and abs(a) > 1 and b * math.log2(abs(a)) > MAX_INT_BITS
+    return op is math.lcm and bits > MAX_INT_BITS + len(xs)
+
+
 def _evaluate(node):
-    if isinstance(node, ast.Expression):
-        return _evaluate(node.body)
+    """The value of a whitelisted node; a refusal is a ValueError."""
     if isinstance(node, ast.Constant):
         if type(node.value) in (int, float):
             return node.value
-        raise CalculatorError(f"unsupported literal {node.value!r}")
-    if isinstance(node, ast.BinOp) and type(node.op) in _BINARY:
-        value = _BINARY[type(node.op)](_evaluate(node.left), _evaluate(node.right))
-    elif isinstance(node, ast.UnaryOp) and type(node.op) in _UNARY:
-        value = _UNARY[type(node.op)](_evaluate(node.operand))
-    elif isinstance(node, (ast.Name, ast.Attribute)):
-        name = _qualified_name(node)
-        if name not in _CONSTANTS:
-            raise CalculatorError(f"unknown name '{name}'")
-        return _CONSTANTS[name]
-    elif isinstance(node, ast.Call):
-        name = _qualified_name(node.func)
+        raise ValueError(f"unsupported literal {node.value!r}")
+    if isinstance(node, (ast.BinOp, ast.UnaryOp)) and type(node.op) in _OPERATORS:
+        op = _OPERATORS[type(node.op)]
+        args = [node.left, node.right] if isinstance(node, ast.BinOp) else [node.operand]
+    elif isinstance(node, (ast.Name, ast.Attribute, ast.Call)):
+        # `sqrt` and `math.sqrt` both name the whitelisted function; no other attribute exists.
+        name = ast.unparse(node.func if isinstance(node, ast.Call) else node)
+        name = name.removeprefix("math.")
+        if "." in name:
+            raise ValueError("attribute access is not allowed")
+        if not isinstance(node, ast.Call):
+            if name not in _CONSTANTS:
+                raise ValueError(f"unknown name '{name}'")
+            return _CONSTANTS[name]
         if name not in _FUNCTIONS:
-            raise CalculatorError(f"unknown function '{name}'")
+            raise ValueError(f"unknown function '{name}'")
         if node.keywords or any(isinstance(a, ast.Starred) for a in node.args):
-            raise CalculatorError(f"{name}() takes plain positional arguments only")
-        value = _FUNCTIONS[name](*[_evaluate(a) for a in node.args])
+            raise ValueError(f"{name}() takes plain positional arguments only")
+        op, args = _FUNCTIONS[name], node.args
     else:
-        raise CalculatorError(f"unsupported syntax ({type(node).__name__})")
+        raise ValueError(f"unsupported syntax ({type(node).__name__})")
+    xs = [_evaluate(a) for a in args]
+    if _too_large(op, xs):
+        raise ValueError("result too large")
+    value = op(*xs)
     if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise CalculatorError("the result is not a real number")
-    _too_large(isinstance(value, int) and value.bit_length() > MAX_INT_BITS)
+        raise ValueError("the result is not a real number")
+    if isinstance(value, int) and value.bit_length() > MAX_INT_BITS:
+        raise ValueError("result too large")
     return value
-
-
-def _qualified_name(node) -> str:
-    # `sqrt` and `math.sqrt` both name the whitelisted function; no other attribute exists.
-    if isinstance(node, ast.Name):
-        return node.id
-    if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) \
-            and node.value.id == "math":
-        return node.attr
-    raise CalculatorError("attribute access is not allowed")
 
 
 def calculate(expression: str) -> str:
@@ -1153,31 +1073,25 @@ def calculate(expression: str) -> str:
     and constants as `sqrt(2)` or `math.sqrt(2)`) as Python prints it, or 'Error: ...'."""
     try:
         if not isinstance(expression, str):
-            raise CalculatorError("the expression must be a string")
+            raise ValueError("the expression must be a string")
         if len(expression) > MAX_EXPRESSION_CHARS:
-            raise CalculatorError(f"expression longer than {MAX_EXPRESSION_CHARS} characters")
-        tree = ast.parse(expression.strip(), mode="eval")
-        if isinstance(tree.body, ast.Tuple):
-            raise CalculatorError("a comma separates values: write numbers without thousands "
-                                  "separators")
-        return str(_evaluate(tree))
-    except CalculatorError as e:
-        return f"Error: {e}"
+            raise ValueError(f"expression longer than {MAX_EXPRESSION_CHARS} characters")
+        body = ast.parse(expression.strip(), mode="eval").body
+        if isinstance(body, ast.Tuple):
+            raise ValueError("a comma separates values: write numbers without thousands "
+                             "separators")
+        return str(_evaluate(body))
     except SyntaxError as e:
         return f"Error: invalid expression ({e.msg})"
     except RecursionError:
         return "Error: expression nested too deeply"
-    except Exception as e:  # ZeroDivisionError, math domain errors, overflow, bad arity ...
+    except Exception as e:  # a refusal, ZeroDivisionError, math domain errors, bad arity ...
         return f"Error: {e}"
 
 
-# ==== The LLM client (an OpenAI-compatible endpoint) and ToolBench's answer judge =================
+# ==== ToolBench's answer judge: an LLM at an OpenAI-compatible endpoint =========================
 
 class LLMError(RuntimeError):
-    pass
-
-
-class AuthError(LLMError):
     pass
 
 
@@ -1187,79 +1101,61 @@ class BadReply(LLMError):
 
 class ChatClient:
     """POST {OPENAI_BASE_URL}/chat/completions for a JSON object, the reply cached on disk under
-    the SHA-256 of the request (a repeated call sends nothing, a stopped run resumes). 429, 5xx
-    and connection errors are retried with exponential backoff or Retry-After; 401 is final."""
+    the SHA-256 of the request (a repeated call sends nothing, a stopped run resumes)."""
 
-    def __init__(self, model_name: str, base_url: str | None = None, api_key: str | None = None,
-                 cache_dir: str | Path | None = None, max_retries: int = 6,
-                 backoff: float = 1.0, timeout: float = 120.0):
-        self.api_key = api_key or os.environ.get("OPENAI_API_KEY")
+    def __init__(self, model_name: str, cache_dir: str | Path | None = None,
+                 retry_wait: float = 5.0):
+        self.api_key = os.environ.get("OPENAI_API_KEY")
         if not self.api_key:
             raise LLMError("OPENAI_API_KEY is not set: the LLM judge and the contamination "
                            "generator need an OpenAI-compatible endpoint (OPENAI_API_KEY, and "
                            "OPENAI_BASE_URL for a server other than api.openai.com)")
-        self.model = model_name
-        self.base_url = (base_url or os.environ.get("OPENAI_BASE_URL")
-                         or "https://api.openai.com/v1").rstrip("/")
+        base = os.environ.get("OPENAI_BASE_URL") or "https://api.openai.com/v1"
+        self.url = base.rstrip("/") + "/chat/completions"
+        self.model, self.retry_wait, self.requests_made = model_name, retry_wait, 0
         self.cache_dir = Path(cache_dir) if cache_dir else model.cache_root() / "llm"
-        self.max_retries, self.backoff, self.timeout = max_retries, backoff, timeout
-        self.session = requests.Session()
-        self.requests_made = 0          # HTTP requests sent (cache hits send none)
 
-    def chat_json(self, messages: list[dict], check=None, temperature: float = 0.0,
-                  max_tokens: int = 512) -> tuple[dict, str]:
-        """(JSON object, raw reply); a reply `check(obj)` rejects (ValueError) or that does not
-        parse raises BadReply and is not cached."""
-        body = {"model": self.model, "messages": messages, "temperature": temperature,
+    def chat_json(self, messages: list[dict], check=None, max_tokens: int = 512
+                  ) -> tuple[dict, str]:
+        """(JSON object, raw reply) at temperature 0. A reply that is no JSON object or that
+        `check(obj)` rejects (ValueError) is a BadReply, not cached; a 429, a 5xx or a
+        connection error is retried once."""
+        body = {"model": self.model, "messages": messages, "temperature": 0.0,
                 "max_tokens": max_tokens, "response_format": {"type": "json_object"}}
         digest = hashlib.sha256(json.dumps(body, sort_keys=True, ensure_ascii=False)
                                 .encode("utf-8")).hexdigest()
         path = self.cache_dir / digest[:2] / f"{digest}.json"
-        if path.is_file():
+        try:            # an unreadable entry, or one `check` rejects, is asked again
+            raw = json.loads(path.read_text(encoding="utf-8"))["reply"]
+            return _checked_json(raw, check), raw
+        except (OSError, ValueError, KeyError, TypeError):
+            pass
+        for attempt in (1, 2):
+            self.requests_made += 1
             try:
-                raw = json.loads(path.read_text(encoding="utf-8"))["reply"]
-                return _checked_json(raw, check), raw
-            except (ValueError, KeyError, TypeError):
-                pass                        # unreadable entry: ask again and overwrite it
-        raw = self._post(body)
+                r = requests.post(self.url, json=body, timeout=120,
+                                  headers={"Authorization": f"Bearer {self.api_key}"})
+                problem = f"HTTP {r.status_code}"
+                if r.status_code != 429 and r.status_code < 500:
+                    break
+            except (requests.ConnectionError, requests.Timeout) as e:
+                problem = f"connection error: {e}"
+            if attempt == 1:
+                time.sleep(self.retry_wait)
+        else:
+            raise LLMError(f"{self.url}: giving up after 2 attempts ({problem})")
+        if r.status_code != 200:
+            raise LLMError(f"{self.url} answered {problem}: {r.text[:300]}" + (
+                " (the key in OPENAI_API_KEY was rejected)" if r.status_code == 401 else ""))
         try:
+            raw = r.json()["choices"][0]["message"]["content"]
             obj = _checked_json(raw, check)
-        except ValueError as e:
+        except (ValueError, KeyError, IndexError, TypeError) as e:
             raise BadReply(f"{self.model} replied with an unusable answer ({e}): "
-                           f"{raw[:300]!r}") from e
+                           f"{r.text[:300]!r}") from e
         model.write_atomic(path, json.dumps({"request": body, "reply": raw},
                                             ensure_ascii=False).encode("utf-8"))
         return obj, raw
-
-    def _post(self, body: dict) -> str:
-        url = f"{self.base_url}/chat/completions"
-        for attempt in range(self.max_retries + 1):
-            wait = self.backoff * 2 ** attempt
-            self.requests_made += 1
-            try:
-                r = self.session.post(url, json=body, timeout=self.timeout,
-                                      headers={"Authorization": f"Bearer {self.api_key}"})
-            except (requests.ConnectionError, requests.Timeout) as e:
-                problem = f"connection error: {e}"
-            else:
-                if r.status_code == 200:
-                    try:
-                        return r.json()["choices"][0]["message"]["content"]
-                    except (ValueError, KeyError, IndexError, TypeError) as e:
-                        raise LLMError(f"{url}: unexpected reply {r.text[:300]!r}") from e
-                if r.status_code == 401:
-                    raise AuthError(f"{url} answered 401 Unauthorized: the key in "
-                                    "OPENAI_API_KEY was rejected")
-                if r.status_code != 429 and r.status_code < 500:
-                    raise LLMError(f"{url} answered HTTP {r.status_code}: {r.text[:300]}")
-                problem = f"HTTP {r.status_code}"
-                try:
-                    wait = max(wait, float(r.headers.get("Retry-After", 0)))
-                except ValueError:
-                    pass
-            if attempt == self.max_retries:
-                raise LLMError(f"{url}: giving up after {attempt + 1} attempts ({problem})")
-            time.sleep(min(wait, 60.0))
 
 
 def _checked_json(raw: str, check) -> dict:

@@ -67,45 +67,45 @@ def download(family: str, data_dir=None, ref: str = envs.RELEASE_REF, force: boo
 def check_episode_file(data, path) -> None:
     """envs' checks, and a contaminated record's: its contaminated turns are assistant turns of a
     known contamination type."""
-    envs._check_episode_file(data, path)
+    envs.check_episode_file(data, path)
     keys = _CONTAMINATION_KEYS
     for rid, rec in data.items():
         if not any(k in rec for k in keys):
             continue
         where = f"{path}: record {rid}"
-        envs._require(all(isinstance(rec.get(k), list) for k in keys) and
-                      len({len(rec[k]) for k in keys}) == 1,
-                      where, f"{', '.join(keys)} must be lists of one length")
+        envs.require(all(isinstance(rec.get(k), list) for k in keys) and
+                     len({len(rec[k]) for k in keys}) == 1,
+                     where, f"{', '.join(keys)} must be lists of one length")
         for idx, kind in zip(rec["contaminated_turn_indices"], rec["contamination_types"]):
-            envs._require(type(idx) is int and 0 <= idx < len(rec["dialogs"]) and
-                          rec["dialogs"][idx]["role"] == "assistant",
-                          where, f"contaminated turn index {idx!r} is not an assistant turn")
-            envs._require(kind in CONTAMINATION_TYPES, where,
-                          f"unknown contamination type {kind!r}")
+            envs.require(type(idx) is int and 0 <= idx < len(rec["dialogs"]) and
+                         rec["dialogs"][idx]["role"] == "assistant",
+                         where, f"contaminated turn index {idx!r} is not an assistant turn")
+            envs.require(kind in CONTAMINATION_TYPES, where,
+                         f"unknown contamination type {kind!r}")
 
 
 def load_episodes(path: str | Path) -> dict[str, dict]:
     """An episode file, clean or contaminated, every record validated."""
     path = Path(path)
-    data = envs._read_json(path)
+    data = envs.read_json(path)
     check_episode_file(data, path)
     return data
 
 
 def check_matched_file(data, path) -> None:
-    envs._require(isinstance(data, list), path, "a matched file is a JSON list of records")
+    envs.require(isinstance(data, list), path, "a matched file is a JSON list of records")
     for i, rec in enumerate(data):
         where = f"{path}: record {i}"
-        envs._require(isinstance(rec, dict), where, "not an object")
+        envs.require(isinstance(rec, dict), where, "not an object")
         where += f" (episode {rec.get('episode_id')}, turn {rec.get('turn_idx')})"
         for key, ok in _MATCHED_FIELDS.items():
-            envs._require(key in rec, where, f"missing '{key}'")
+            envs.require(key in rec, where, f"missing '{key}'")
             if not ok(rec[key]):
                 raise envs.DataError(f"{where}: bad '{key}': {rec[key]!r}")
-        envs._check_dialog(rec["dialogs"], where)
-        envs._require(rec["turn_idx"] == len(rec["dialogs"]) - 1 and
-                      rec["dialogs"][-1]["role"] == "assistant",
-                      where, "the dialog must end at turn_idx with the assistant evaluation turn")
+        envs.check_dialog(rec["dialogs"], where)
+        envs.require(rec["turn_idx"] == len(rec["dialogs"]) - 1 and
+                     rec["dialogs"][-1]["role"] == "assistant",
+                     where, "the dialog must end at turn_idx with the assistant evaluation turn")
 
 
 def play_gold(episode: envs.Episode, dialog: list[dict]) -> list[tuple[str, str | None]]:
@@ -435,8 +435,7 @@ def make_gta_diagnostic(data_dir=None, out_dir=None, seed: int = 0) -> dict[str,
     if not (folder / "matched_contaminated_test.json").is_file():
         download("gta", folder.parent)
     clean = envs.load_episodes(folder / "clean_test.json")
-    matched = envs._parse_json((folder / "matched_contaminated_test.json").read_bytes(),
-                               folder / "matched_contaminated_test.json")
+    matched = envs.read_json(folder / "matched_contaminated_test.json")
     check_matched_file(matched, folder / "matched_contaminated_test.json")
     records = gta_diagnostic(clean, matched, seed)
     check_matched_file(records, "matched_diagnostic_test.json")
@@ -476,7 +475,7 @@ def split_episodes(data_dir, family: str, out_dir, seed: int = 0, fraction: floa
     data = {}
     for name in SPLIT_FILES:
         path = folder / f"{name}_test.json"
-        data[name] = envs._parse_json(path.read_bytes(), path)
+        data[name] = envs.read_json(path)
         check = check_matched_file if name.startswith("matched_") else check_episode_file
         check(data[name], path)
     ids = sorted(data["clean"])
@@ -554,7 +553,7 @@ def load_matched(path: str | Path) -> list[dict]:
     """A matched file, every record validated, each given the `tools` and `files` of its episode
     (from the episode file of the same family: matched_clean_train -> clean_train.json)."""
     path = Path(path)
-    data = envs._read_json(path)
+    data = envs.read_json(path)
     check_matched_file(data, path)
     if not path.name.startswith("matched_"):
         raise envs.DataError(f"{path}: a matched file is named matched_<family>_<split>.json")
