@@ -18,7 +18,6 @@ import operator
 import os
 import random
 import re
-import sys
 import time
 from dataclasses import dataclass
 from decimal import Decimal, ROUND_HALF_UP
@@ -287,8 +286,7 @@ class Episode:
 
 
 class Env:
-    """A split of episodes: env.episode(i) is a fresh Episode (an index or an episode id) made by
-    the subclass's _new_episode(id, records[id])."""
+    """A split: env.episode(i or id) is a fresh Episode, _new_episode(id, records[id])."""
 
     def __init__(self, records: dict):
         self.records = records
@@ -305,14 +303,13 @@ class Env:
 
 
 # ==== The built-in world, shop: tasks drawn from a seed, tools that really execute, exact labels
-# A seed draws USD prices of SHOP_ITEMS at SHOP_STORES, exchange rates and a task ("What is the
-# total cost of 3 apple at store B and 2 pear at store A, in EUR?"): 2-5 tool calls (a Lookup per
-# line, a Rate unless in USD, a Calculator), then the total with 2 decimals. A small regular
-# vocabulary lets a tiny model learn the world from gold dialogs.
+# A seed draws prices, exchange rates and a task ("What is the total cost of 3 apple at store B and
+# 2 pear at store A, in EUR?"): 2-5 tool calls (a Lookup per line, a Rate unless in USD, a
+# Calculator), then the total with 2 decimals; a small vocabulary a tiny model learns.
 
 SHOP_STORES = ("A", "B", "C", "D")
 SHOP_ITEMS = ("apple", "bread", "egg", "milk", "pear", "rice")
-# Units of each currency one USD buys, drawn uniformly in cents from these ranges.
+# units of each currency one USD buys, drawn uniformly in cents
 SHOP_RATE_CENTS = {"EUR": (80, 99), "GBP": (70, 89), "CAD": (120, 149), "JPY": (10000, 15999)}
 SHOP_CURRENCIES = ("USD",) + tuple(SHOP_RATE_CENTS)
 SHOP_PRICE_CENTS = (50, 999)
@@ -402,8 +399,7 @@ class ShopTask:
 
 
 def draw_world(rng: random.Random) -> tuple[dict, dict]:
-    """An episode's prices and rates, the first draws of its seed's stream (2.50 keeps its two
-    decimals when printed)."""
+    """An episode's prices and rates (2.50 keeps its decimals), its seed's first draws."""
     prices = {(s, i): Decimal(rng.randint(*SHOP_PRICE_CENTS)).scaleb(-2)
               for s in SHOP_STORES for i in SHOP_ITEMS}
     rates = {"USD": Decimal("1.00")}
@@ -511,11 +507,9 @@ def _answer_right(task: ShopTask, answer: str | None) -> bool:
 
 def _shop_thought_true(task: ShopTask, thought: str | None, known: dict,
                        computed: list[float]) -> bool:
-    """Every _SHOP_CLAIM is true and every other number one the task involves (a quantity, a
-    needed or fetched (`known`) price or rate, a useful Calculator value, an earlier result).
-    A price or rate must be the world's; "I need ..." must name a needed fact not fetched yet;
-    "the total is <expression or x> [CUR]" must be the exact total within half a cent, in the
-    task's currency (of the longest start that computes: "21.91 (2 lines)")."""
+    """Every _SHOP_CLAIM is true (a price or rate the world's; "I need ..." a needed fact not
+    fetched yet; "the total is <expression or x> [CUR]" the total in the task's currency, read
+    from the longest start that computes) and every other number one the task involves."""
     def true(m: re.Match) -> bool:
         if m.group("price"):
             key = (m.group("store").upper(), m.group("item").lower())
@@ -547,11 +541,9 @@ def _shop_thought_true(task: ShopTask, thought: str | None, known: dict,
 
 
 def shop_labels(task: ShopTask, steps: list) -> list[bool]:
-    """Exact correctness of each assistant turn (parse_react's steps; calls re-run, observations
-    never read): its thought asserts nothing false, and it fetches a needed fact not fetched yet,
-    computes a needed quantity not computed yet, or answers the total, each within half a cent.
-    Claims are checked against the world, not the dialog (a contaminated call's observation is
-    clean in the release)."""
+    """Exact correctness of each assistant turn (parse_react's steps; calls re-run against the
+    world, observations never read): its thought asserts nothing false, and it fetches a needed
+    fact or computes a needed quantity not had yet, or answers the total, within half a cent."""
     known: dict = {}
     computed: list[float] = []
     labels = []
@@ -592,8 +584,7 @@ class ShopEpisode(Episode):
 
 
 class ShopEnv(Env):
-    """The episodes of one split (train, val or test) of a built-in world (WORLDS); records maps
-    an episode id to its index."""
+    """One split (train, val or test) of a built-in world; records maps an id to its index."""
 
     def __init__(self, split: str = "test", seed: int = 42, episodes: int | None = None,
                  world: str = "shop"):
@@ -677,9 +668,8 @@ GTA_IMAGE_REPLY = "The image is saved."     # GTA's final reply when the answer 
 
 
 def gta_skip_reason(gt, dialog: list[dict] = ()) -> str | None:
-    """Why answer matching cannot score an episode, or None: a reference list (it needs a
-    sentence-embedding model), no answer, or an image answer - also a gold dialog ending on an
-    image tool result, bare or before "The image is saved." (test 211)."""
+    """Why answer matching cannot score an episode, or None: a reference list (it needs an
+    embedding model), no answer, an image answer or a gold dialog ending on an image (test 211)."""
     if isinstance(gt, list):
         return "reference_list"
     if not isinstance(gt, dict) or not gt.get("whitelist"):
@@ -841,8 +831,7 @@ def default_data_dir() -> Path:
 
 
 def episode_file(family: str, split: str, data_dir: str | Path | None) -> Path:
-    """data_dir/family/clean_{split}.json, downloaded when missing (a split the authors did not
-    release, such as ToolBench's train, is one `python -m lab.data split-episodes` wrote)."""
+    """data_dir/family/clean_{split}.json, downloaded when missing."""
     name = f"clean_{split}.json"
     path = Path(data_dir or default_data_dir()) / family / name
     if path.is_file():
@@ -852,28 +841,18 @@ def episode_file(family: str, split: str, data_dir: str | Path | None) -> Path:
                         f"{', '.join(RELEASE_FILES[family])}) and {path} is missing: `python "
                         f"-m lab.data split-episodes {family} --out OUT/{family}` writes one from "
                         "its test files (then --data-dir OUT)")
-    download(family, path.parent.parent)
+    for name in RELEASE_FILES[family]:         # the core's files, each when missing
+        fetch(family, name, path.parent, check_episode_file)
     return path
-
-
-def download(family: str, data_dir: str | Path | None = None, ref: str = RELEASE_REF,
-             force: bool = False) -> Path:
-    """Fetch the episode files of `family` into data_dir/family/ (returned)."""
-    folder = Path(data_dir or default_data_dir()) / family
-    for name in RELEASE_FILES[family]:
-        fetch(family, name, folder, check_episode_file, ref, force)
-    return folder
 
 
 def fetch(family: str, name: str, folder: Path, check, ref: str = RELEASE_REF,
           force: bool = False) -> None:
-    """One released file to folder/name, validated by check(data, url) before it is written, so
-    a partial or wrong download never lands on disk."""
+    """One released file to folder/name, written only once check(data, url) accepts it."""
     dest = folder / name
     if dest.exists() and not force:
         return
     url = RELEASE_URL.format(repo=RELEASE_REPO, ref=ref, family=family, name=name)
-    print(f"downloading {url}", file=sys.stderr)
     try:
         r = requests.get(url, timeout=300)
     except requests.RequestException as e:
@@ -885,8 +864,7 @@ def fetch(family: str, name: str, folder: Path, check, ref: str = RELEASE_REF,
 
 
 def read_json(where: str | Path, raw: bytes | None = None) -> object:
-    """The JSON value of `raw`, or of the file `where` when raw is None; bad input is a
-    DataError naming `where`."""
+    """The JSON of `raw`, else of the file `where`; bad input is a DataError naming `where`."""
     if raw is None:
         if not Path(where).is_file():
             raise DataError(f"{where}: no such file")
@@ -894,7 +872,6 @@ def read_json(where: str | Path, raw: bytes | None = None) -> object:
     try:
         return json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as e:
-        # RecursionError: a value nested deeper than Python's parser goes ('[' * 100000)
         raise DataError(f"{where}: not valid JSON ({type(e).__name__}: {e})") from None
 
 
@@ -1019,8 +996,7 @@ _CONSTANTS = {"pi": math.pi, "e": math.e, "tau": math.tau, "inf": math.inf, "nan
 
 
 def _too_large(op, xs: list) -> bool:
-    """Whether op(*xs) would build an integer of over MAX_INT_BITS bits, decided before the work
-    (which is what must stay bounded)."""
+    """Would op(*xs) build an integer over MAX_INT_BITS? Decided before the work it bounds."""
     ints = all(isinstance(x, int) for x in xs)
     bits = sum(x.bit_length() for x in xs if isinstance(x, int))
     if op is operator.mul:

@@ -54,13 +54,12 @@ _CONTAMINATION_KEYS = ("contaminated_turn_indices", "contamination_types",
 
 
 def download(family: str, data_dir=None, ref: str = envs.RELEASE_REF, force: bool = False) -> Path:
-    """Fetch every released file of `family` into data_dir/family/ (returned): envs.download's
-    episode files, then the contaminated and matched ones, each validated before it is written."""
-    folder = envs.download(family, data_dir, ref, force)
+    """Fetch every released file of `family` into data_dir/family/ (returned), each validated
+    before it is written (the core fetches only its episode files)."""
+    folder = Path(data_dir or envs.default_data_dir()) / family
     for name in RELEASE_FILES[family]:
-        if name not in envs.RELEASE_FILES[family]:
-            check = check_matched_file if name.startswith("matched_") else check_episode_file
-            envs.fetch(family, name, folder, check, ref, force)
+        check = check_matched_file if name.startswith("matched_") else check_episode_file
+        envs.fetch(family, name, folder, check, ref, force)
     return folder
 
 

@@ -502,12 +502,12 @@ def test_download_validates_and_writes_atomically(monkeypatch, tmp_path, release
         assert not (tmp_path / "lab" / "gta" / "matched_clean_test.json").exists()
         (served / "gta" / "clean_test.json").write_text('{"1": {"dialogs": []}}')
         with pytest.raises(envs.DataError, match=r"/gta/clean_test.json: record 1: missing"):
-            envs.download("gta", tmp_path / "fresh")
+            envs.make("gta", data_dir=tmp_path / "fresh")
         assert not (tmp_path / "fresh" / "gta" / "clean_test.json").exists()
         assert not list((tmp_path / "fresh" / "gta").glob(".*.tmp"))
         (served / "gta" / "clean_train.json").unlink()
         with pytest.raises(envs.DataError, match="clean_train.json: HTTP 404"):
-            envs.download("gta", tmp_path / "fresh", force=True)
+            lab_data.download("gta", tmp_path / "fresh", force=True)
     finally:
         server.shutdown()
         server.server_close()
