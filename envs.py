@@ -588,8 +588,6 @@ class ShopEnv(Env):
 
     def __init__(self, split: str = "test", seed: int = 42, episodes: int | None = None,
                  world: str = "shop"):
-        if world not in WORLDS:
-            raise ValueError(f"unknown built-in world {world!r} (choose from {', '.join(WORLDS)})")
         shop_episode_seed(split, 0, 0)      # refuses an unknown split
         self.split, self.seed, self.world = split, seed, world
         n = SHOP_EPISODES[split] if episodes is None else episodes
@@ -794,8 +792,6 @@ class ReplayEnv(Env):
                  judge_model: str | None = "gpt-4o-mini", judge_cache=None):
         if family not in RELEASE_FILES:
             raise ValueError(f"unknown environment {family!r}: choose gta or toolbench")
-        if match not in ("strict", "loose"):
-            raise ValueError(f"match={match!r}: choose strict or loose")
         # The judge first: a missing key must fail before any data is read or fetched.
         self.judge = ChatClient(judge_model, judge_cache) \
             if family == "toolbench" and judge_model else None
@@ -1048,8 +1044,6 @@ def calculate(expression: str) -> str:
     """One arithmetic expression (numbers, + - * / // % **, signs, parentheses, math functions
     and constants as `sqrt(2)` or `math.sqrt(2)`) as Python prints it, or 'Error: ...'."""
     try:
-        if not isinstance(expression, str):
-            raise ValueError("the expression must be a string")
         if len(expression) > MAX_EXPRESSION_CHARS:
             raise ValueError(f"expression longer than {MAX_EXPRESSION_CHARS} characters")
         body = ast.parse(expression.strip(), mode="eval").body
