@@ -59,7 +59,7 @@ INDEX = "model.safetensors.index.json"
 
 
 class CheckpointError(Exception):
-    """A checkpoint directory that cannot be loaded exactly; the message names file and tensor."""
+    """A checkpoint that cannot be loaded exactly; the message names file and tensor."""
 
 
 @dataclass
@@ -254,10 +254,9 @@ FINGERPRINT_BLOCK = 4096         # bytes read at each end of every tensor of a l
 
 
 def checkpoint_sha256(directory) -> str:
-    """A sha256 of what a checkpoint computes with, keying what is made from it by content.
-    Small files are hashed whole; a larger safetensors file gives its size, header and the first
-    and last 4 KiB of every tensor (under a second for a 7B model): fine-tuning or merging
-    changes every tensor it touches, ends included; only an edit inside a tensor goes unseen."""
+    """A sha256 of what a checkpoint computes with, keying what is made from it. Small files are
+    hashed whole; a larger safetensors file gives its size, header and the first and last 4 KiB
+    of every tensor (under a second at 7B): fine-tuning or merging changes those ends."""
     directory = Path(directory)
     h = hashlib.sha256(b"checkpoint/1")
     names = ["config.json", "tokenizer.json"] + [INDEX] * (directory / INDEX).is_file()
@@ -318,8 +317,7 @@ def hub_cache_dir(repo_id: str) -> Path:
 
 def fetch_from_hub(repo_id: str) -> Path:
     """config.json, tokenizer.json and the weights (model.safetensors, or the index and its
-    shards) of a Hub model such as "Qwen/Qwen2.5-7B-Instruct", downloaded once into
-    hub_cache_dir(repo_id). HF_TOKEN authenticates; HF_HUB_OFFLINE allows the cache only."""
+    shards) of a Hub model, downloaded once into hub_cache_dir(repo_id)."""
     folder = hub_cache_dir(repo_id)
     if (folder / HUB_MANIFEST).is_file():
         return folder
@@ -476,13 +474,10 @@ class KVCache:
 
 
 def set_lengths(cache: list[KVCache], lengths: Tensor):
-    """Declare how many real tokens each row holds (slots past them are free to overwrite)."""
+    """Declare how many real tokens each row holds (slots past them are free)."""
     for layer_cache in cache:
         layer_cache.lengths = lengths.detach().to("cpu", torch.long).clone()
 
-
-# ----------------------------------------------------------------------------------------------
-# The attention statistics (METHOD.md §4)
 
 def stats_from(mx, sum_sq, prefix, self_, pos, start) -> dict[str, Tensor]:
     """The six statistics (METHOD.md §4) of softmax rows p_i, i = pos, from four numbers of each:
@@ -884,11 +879,6 @@ class Tokenizer:
         """Token ids of the chat (the whole ChatML string's, but that a message cannot open or
         close a turn) and, per assistant message, its span [start, end) (METHOD.md §3): its
         content's first token to its closing <|im_end|> + 1."""
-        for i, m in enumerate(messages):
-            if not isinstance(m, dict) or m.get("role") not in ("system", "user", "assistant"):
-                raise ValueError(f"message {i}: role must be system, user or assistant")
-            if not isinstance(m.get("content"), str):
-                raise ValueError(f"message {i}: content must be a string")
         if not messages or messages[0]["role"] != "system":
             messages = [{"role": "system", "content": DEFAULT_SYSTEM}, *messages]
         ids, spans = [], []
@@ -1061,11 +1051,6 @@ class TurnStats:
         return cls(torch.zeros(B, L, H, len(STATS), device=device),
                    torch.zeros(L + 1, B, d, device=device), torch.zeros(L + 1, B, d, device=device))
 
-    def means(self, r: int, n: int) -> tuple[dict[str, Tensor], Tensor, Tensor]:
-        """Row r's turn of n tokens: attention statistics (STATS -> (L, H)), h_last, h_mean."""
-        return (dict(zip(STATS, (self.attn[r] / n).unbind(-1))), self.h_last[:, r].clone(),
-                self.h_sum[:, r] / n)
-
 
 def accumulate(acc: TurnStats, attn: Tensor, hidden: Tensor, fed: Tensor):
     """Add one decoded token's statistics (B, L, H, 6) and hidden states (L+1, B, d) to the rows
@@ -1095,9 +1080,6 @@ def generate(model: Transformer, cache, new_tokens: list[list[int]], max_new_tok
     Every sampled token, the stop token included, is fed through the model: the cache holds it
     and its statistics count. Idle rows ride along as pads (decoding reads the weights anyway)."""
     B = len(new_tokens)
-    if B != cache[0].k.shape[0] or active is not None and len(active) != B:
-        raise ValueError(f"{B} rows of new tokens for a cache of batch size {cache[0].k.shape[0]}"
-                         f" (active: {active})")
     if not valid_temperature(temperature):
         raise ValueError(f"temperature {temperature}: 0 (greedy) or in [{MIN_TEMPERATURE}, inf)")
     alive = [True] * B if active is None else [bool(a) for a in active]
@@ -1151,8 +1133,9 @@ def turn_traces(tokens, logps, count, finished, span_start, acc, alive) -> list[
         n = count[r]
         trace = TurnTrace(tokens=tokens[r][:n], span=(s, s + n), attn={}, h_last=None,
                           h_mean=None, finished=finished[r], logprobs=logps[r][:n])
-        if acc is not None and n > 0:
-            trace.attn, trace.h_last, trace.h_mean = acc.means(r, n)
+        if acc is not None and n > 0:       # the turn's means
+            trace.attn = dict(zip(STATS, (acc.attn[r] / n).unbind(-1)))
+            trace.h_last, trace.h_mean = acc.h_last[:, r].clone(), acc.h_sum[:, r] / n
         traces.append(trace if alive[r] else None)
     return traces
 
@@ -1290,12 +1273,12 @@ def save_adapter(model, path, base_model_name_or_path=None):
 def load_adapter_weights(policy, directory):
     """Restore into policy's LoRA weights the adapter save_adapter wrote to `directory` (a run's
     own checkpoint, its settings those of policy's adapter); lab/adapters.py loads any PEFT one."""
-    config, s = Path(directory) / ADAPTER_CONFIG, policy.lora_settings
+    config, file, s = (Path(directory) / ADAPTER_CONFIG, Path(directory) / ADAPTER_WEIGHTS,
+                       policy.lora_settings)
     c = json.loads(config.read_text())
     if not isinstance(c, dict) or (s.r, s.alpha, s.use_rslora, set(s.targets)) != (
             c.get("r"), c.get("lora_alpha"), c.get("use_rslora"), set(c.get("target_modules", ()))):
         raise ValueError(f"{config}: not an adapter with the settings of the model's ({s})")
-    file = Path(directory) / ADAPTER_WEIGHTS
     with safe_open(str(file), framework="pt") as f:
         tensors = {key[len(PEFT_PREFIX):]: f.get_tensor(key) for key in f.keys()}
     params = dict(lora_parameters(policy))
