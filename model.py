@@ -1,35 +1,27 @@
 """A hand-written Qwen2-family decoder that reports its own hidden states and attention statistics,
-and what it needs around it: checkpoint loading, a tokenizer, generation, LoRA, a layer split.
+and what it needs around it: checkpoint loading (a directory or a Hub name), a tokenizer,
+generation, LoRA, layers split across devices.
 
-PAIR reads its reward from the policy's internals (METHOD.md §4). While generating, the decoding
-step returns, besides the logits, the L+1 hidden states (Hugging Face's convention: the
-embedding, blocks 1..L-1, the final-normed block L) and, for every layer and query head, the six
-statistics of its softmax row over the causal keys (STATS; their equations are stats_from's).
-`TurnStats` sums them over a turn's tokens and its `TurnTrace` holds their means: no second
-forward pass. Departure from the authors' release: std is over the i+1 causal keys of row i, not
-the whole padded row. (lab/traces.py computes the same numbers teacher-forced.)
+PAIR reads its reward from the policy's internals (METHOD.md §4). Each decoding step returns,
+besides the logits, the L+1 hidden states (Hugging Face's convention) and, per layer and query
+head, the six statistics of its softmax row over the causal keys (STATS; equations in stats_from).
+`TurnStats` sums them over a turn and its `TurnTrace` holds their means: no second forward pass.
+Departure from the authors' release: std is over the i+1 causal keys of row i, not the padded row.
 
-Architectures: Qwen2ForCausalLM, LlamaForCausalLM and MistralForCausalLM (sliding window).
-Modules carry the Hugging Face weight names: loading a checkpoint (a directory, or a Hub name
-fetched once into $PAIR_CACHE) is a strict `load_state_dict` after every file, tensor and shape
-is checked.
-
-Every mask is built from explicit positions: key slot j is visible to the query at position p iff
-j <= p (and p - j < window). The KV cache is indexed by absolute position, so rows append ragged
-blocks, each at its own offset; a pad sits past its row's real tokens, its slot invisible until
-the row's next real token overwrites it.
+Masks come from explicit positions: key slot j is visible to the query at position p iff j <= p
+(and p - j < window). The KV cache is indexed by absolute position, so rows append ragged blocks,
+each at its own offset; a pad sits past its row's real tokens, invisible until the row's next
+real token overwrites it.
 """
 import contextlib
 import hashlib
-import inspect
 import json
 import math
 import os
 import re
 import struct
 import sys
-import tempfile
-import time
+import threading
 from bisect import bisect_right
 from dataclasses import dataclass, field, fields, MISSING
 from pathlib import Path
@@ -58,18 +50,16 @@ ARCHITECTURES = {"qwen2": "Qwen2ForCausalLM", "llama": "LlamaForCausalLM",
 # transformers < 5 saves only the keys that differ from its class defaults; these differ from ours
 ARCH_DEFAULTS = {"Qwen2ForCausalLM": {"max_window_layers": 28},
                  "MistralForCausalLM": {"sliding_window": 4096}}
-# (key, largest value, may be absent): far above every released model, so that a config.json
-# asking for a million layers fails here, not after minutes of building them
-INT_LIMITS = (("vocab_size", 1 << 22, False), ("hidden_size", 1 << 16, False),
-              ("intermediate_size", 1 << 18, False), ("num_hidden_layers", 1024, False),
-              ("num_attention_heads", 1024, False), ("num_key_value_heads", 1024, True),
-              ("head_dim", 4096, True), ("max_position_embeddings", 1 << 24, False),
-              ("sliding_window", 1 << 24, True))
+# (key, may be absent): positive integers
+SIZES = (("vocab_size", False), ("hidden_size", False), ("intermediate_size", False),
+         ("num_hidden_layers", False), ("num_attention_heads", False),
+         ("num_key_value_heads", True), ("head_dim", True), ("max_position_embeddings", False),
+         ("sliding_window", True))
 INDEX = "model.safetensors.index.json"
 
 
 class CheckpointError(Exception):
-    """A checkpoint directory that cannot be loaded exactly; the message names file and tensor."""
+    """A checkpoint that cannot be loaded exactly; the message names file and tensor."""
 
 
 @dataclass
@@ -105,15 +95,12 @@ class Config:
     def from_dict(cls, d: dict) -> "Config":
         if not isinstance(d, dict):
             raise ValueError(f"must be a JSON object, not {type(d).__name__}")
-        arch = d.get("architectures")
-        if arch is not None and not (isinstance(arch, list) and
-                                     all(isinstance(a, str) for a in arch)):
-            raise ValueError(f"architectures must be a list of names, got {arch!r}")
-        if not arch:
-            if d.get("model_type") not in ARCHITECTURES:
-                raise ValueError("no architectures entry and no known model_type")
-            d = {**d, "architectures": [ARCHITECTURES[d["model_type"]]]}
-        d = {**ARCH_DEFAULTS.get(d["architectures"][0], {}), **d}
+        arch = d.get("architectures") or [ARCHITECTURES.get(d.get("model_type"))]
+        if not (isinstance(arch, list) and arch[0] in ARCHITECTURES.values()):
+            raise ValueError(f"architectures {arch!r}: unsupported (supported: "
+                             f"{', '.join(ARCHITECTURES.values())}, or a model_type of "
+                             f"{', '.join(ARCHITECTURES)})")
+        d = {**ARCH_DEFAULTS.get(arch[0], {}), **d, "architectures": arch}
         if missing := [f.name for f in fields(cls) if f.name not in d
                        and f.default is MISSING and f.default_factory is MISSING]:
             raise ValueError(f"no {', '.join(missing)} (a model's config.json has them)")
@@ -122,57 +109,48 @@ class Config:
         return cfg
 
     def validate(self):
-        """Types and ranges, before anything is built from them: a config.json is input."""
-        def value(key):                 # "a.b": key b of the JSON object a
-            head, _, tail = key.partition(".")
-            return (getattr(self, head) or {}).get(tail) if tail else getattr(self, head)
-
+        """What would break the build or run wrong silently, checked in order (each check may read
+        the ones before): a config.json is input."""
         def token_ids(v):               # (an eos never drawn would never stop)
             return v is None or all(type(i) is int and 0 <= i < self.vocab_size
                                     for i in (v if isinstance(v, list) else [v]))
+
+        def rope(v):                    # only default RoPE
+            return v is None or isinstance(v, dict) and theta(v.get("rope_theta")) and \
+                v.get("rope_type", v.get("type", "default")) == "default"
 
         def theta(v):
             return v is None or type(v) in (int, float) and 0 < v < math.inf
 
         n_layers = self.num_hidden_layers
-        ids = f"a token id below vocab_size {self.vocab_size} (or, for eos_token_id, a list of " \
-            "them)"
-        checks = [  # (key, test of its value, what it must be); each may read the ones before
-            *((key, lambda v, hi=hi, opt=opt: v is None and opt or type(v) is int and 1 <= v <= hi,
-               f"an integer in 1..{hi}") for key, hi, opt in INT_LIMITS),
+        checks = [  # (key, test of its value, what it must be)
+            *((key, lambda v, opt=opt: v is None and opt or type(v) is int and v >= 1,
+               "a positive integer") for key, opt in SIZES),
             ("max_window_layers", lambda v: type(v) is int and v >= 0, "an integer >= 0"),
-            *((key, token_ids, ids) for key in ("bos_token_id", "pad_token_id", "eos_token_id")),
+            *((key, token_ids, f"a token id below vocab_size {self.vocab_size} (or, for "
+               "eos_token_id, a list of them)") for key in ("bos_token_id", "pad_token_id",
+                                                            "eos_token_id")),
             *((key, lambda v: isinstance(v, bool), "true or false") for key in (
                 "tie_word_embeddings", "attention_bias", "mlp_bias", "use_sliding_window")),
             ("rms_norm_eps", lambda v: type(v) in (int, float) and 0 < v < 1,
              "a number between 0 and 1"),
-            *((key, lambda v: v is None or isinstance(v, dict), "a JSON object")
-              for key in ("rope_parameters", "rope_scaling")),
             ("rope_theta", theta, "a positive number"),
-            ("rope_parameters.rope_theta", theta, "a positive number"),
-            ("hidden_act", lambda v: isinstance(v, str), "a name"),
+            *((key, rope, "a JSON object of default RoPE with a positive rope_theta")
+              for key in ("rope_parameters", "rope_scaling")),
+            ("hidden_act", lambda v: v == "silu", "silu (the only activation here)"),
             ("layer_types", lambda v: v is None or isinstance(v, list) and len(v) == n_layers
-             and all(isinstance(t, str) for t in v), f"a list of {n_layers} names")]
+             and all(isinstance(t, str) for t in v), f"a list of {n_layers} names"),
+            ("hidden_size", lambda v: self.head_dim or v % self.num_attention_heads == 0,
+             "a multiple of num_attention_heads (or head_dim given)"),
+            ("num_attention_heads", lambda v: v % self.n_kv_heads == 0,
+             "a multiple of num_key_value_heads")]
         for key, ok, want in checks:
-            if not ok(value(key)):
-                raise ValueError(f"{key} must be {want}, got {value(key)!r}")
-        if self.head_dim is None and self.hidden_size % self.num_attention_heads:
-            raise ValueError(f"hidden_size {self.hidden_size} is not a multiple of "
-                             f"num_attention_heads {self.num_attention_heads} (and no head_dim)")
-        if self.arch not in ARCHITECTURES.values():
-            raise ValueError(f"unsupported architecture {self.architectures!r} "
-                             f"(supported: {', '.join(ARCHITECTURES.values())})")
-        if self.hidden_act != "silu":
-            raise ValueError(f"unsupported hidden_act {self.hidden_act!r} (only silu)")
-        for scaling in (self.rope_parameters or {}, self.rope_scaling or {}):
-            if (kind := scaling.get("rope_type", scaling.get("type", "default"))) != "default":
-                raise ValueError(f"unsupported RoPE type {kind!r} (only default RoPE)")
-        if self.num_attention_heads % self.n_kv_heads:
-            raise ValueError("num_attention_heads must be a multiple of num_key_value_heads")
+            if not ok(v := getattr(self, key)):
+                raise ValueError(f"{key} must be {want}, got {v!r}")
 
     @property
     def arch(self) -> str:
-        return (self.architectures or ["?"])[0]
+        return self.architectures[0]
 
     @property
     def n_kv_heads(self) -> int:
@@ -184,13 +162,8 @@ class Config:
 
     @property
     def rope_base(self) -> float:
-        if self.rope_parameters and "rope_theta" in self.rope_parameters:
-            return float(self.rope_parameters["rope_theta"])
-        return float(self.rope_theta if self.rope_theta is not None else 10000.0)
-
-    @property
-    def qkv_bias(self) -> bool:
-        return self.arch == "Qwen2ForCausalLM" or self.attention_bias
+        default = 10000.0 if self.rope_theta is None else self.rope_theta
+        return float((self.rope_parameters or {}).get("rope_theta", default))
 
     def window(self, layer: int) -> int | None:
         """Sliding-window size of one layer (None = full causal attention), as transformers does."""
@@ -225,37 +198,30 @@ def read_config(directory) -> Config:
         raise CheckpointError(f"{path}: {e}") from None
 
 
-def _weight_files(directory: Path) -> dict[str, list[str]]:
-    """{file name: tensor names it must hold}; an empty list means 'whatever it holds'."""
-    index = directory / INDEX
-    if not index.is_file():
-        if (directory / "model.safetensors").is_file():
-            return {"model.safetensors": []}
-        raise CheckpointError(f"{directory}: neither model.safetensors nor {INDEX}")
+def weight_files(directory: Path) -> list[str]:
+    """model.safetensors, or the shards the index maps tensors to: plain files beside it (not
+    "../x.safetensors": a Hub index names the files fetch_from_hub writes)."""
+    if not (index := directory / INDEX).is_file():
+        return ["model.safetensors"]
     index_json = read_json(index)
     weight_map = index_json.get("weight_map") if isinstance(index_json, dict) else None
-    if not isinstance(weight_map, dict):
+    if not isinstance(weight_map, dict) or not weight_map:
         raise CheckpointError(f"{index}: no weight_map")
-    files = {}
     for name, file in weight_map.items():
-        # a plain file beside the index, not "../x.safetensors" or "/etc/x"
         if not (isinstance(file, str) and file == Path(file).name and
                 file.endswith(".safetensors") and not file.startswith(".")):
             raise CheckpointError(f"{index}: tensor {name} is mapped to {file!r}, not a "
                                   "safetensors file beside the index")
-        files.setdefault(file, []).append(name)
-    return files
+    return sorted(set(weight_map.values()))
 
 
-def read_state_dict(directory, expected: dict[str, tuple], config: Config, dtype,
+def read_state_dict(directory: Path, expected: dict[str, tuple], tied: bool, dtype,
                     device) -> dict:
-    """Every tensor of `expected` (name -> shape), checked for presence, extras, shape and
-    finiteness (a NaN weight would load and generate a stop token forever), as dtype on device.
-    Tied embeddings: lm_head.weight is not expected (and ignored if stored)."""
-    directory, tied = Path(directory), config.tie_word_embeddings
-    expected = {k: v for k, v in expected.items() if not (tied and k == "lm_head.weight")}
-    state, where = {}, {}
-    for file, listed in _weight_files(directory).items():
+    """Every tensor of `expected` (name -> shape) as dtype on device; a missing, unexpected or
+    misshapen tensor, or one holding NaN (it would load and generate a stop token forever), is a
+    CheckpointError naming it. Tied embeddings: a stored lm_head.weight is ignored."""
+    state = {}
+    for file in weight_files(directory):
         path = directory / file
         try:
             f = safe_open(str(path), framework="pt", device="cpu")
@@ -264,29 +230,19 @@ def read_state_dict(directory, expected: dict[str, tuple], config: Config, dtype
         except Exception as e:      # safetensors' own error for a truncated or corrupt file
             raise CheckpointError(f"{path}: truncated or corrupt safetensors file ({e})") from None
         with f:
-            names = set(f.keys())
-            if missing := [name for name in listed if name not in names]:
-                raise CheckpointError(f"{path}: missing tensor {missing[0]} (listed in the index)")
-            for name in sorted(names):
-                if listed and name not in listed:
-                    raise CheckpointError(f"{path}: unexpected tensor {name} (not in the index)")
+            for name in sorted(f.keys()):
                 if tied and name == "lm_head.weight":
                     continue
-                if name not in expected:
-                    raise CheckpointError(f"{path}: unexpected tensor {name} for "
-                                          f"{config.arch}")
-                if name in where:
-                    raise CheckpointError(f"{path}: tensor {name} also in {where[name]}")
+                if name not in expected or name in state:
+                    raise CheckpointError(f"{path}: unexpected tensor {name} (not of a "
+                                          "Hugging Face checkpoint of this config, or twice)")
                 if (shape := tuple(f.get_slice(name).get_shape())) != expected[name]:
                     raise CheckpointError(f"{path}: tensor {name} has shape {list(shape)}, "
                                           f"expected {list(expected[name])}")
-                try:
-                    tensor = f.get_tensor(name)
-                except Exception as e:
-                    raise CheckpointError(f"{path}: cannot read tensor {name} ({e})") from None
+                tensor = f.get_tensor(name)
                 if tensor.is_floating_point() and not torch.isfinite(tensor).all():
                     raise CheckpointError(f"{path}: tensor {name} holds NaN or infinite values")
-                state[name], where[name] = tensor.to(device=device, dtype=dtype), path
+                state[name] = tensor.to(device=device, dtype=dtype)
     if missing := sorted(set(expected) - set(state)):
         raise CheckpointError(f"{directory}: missing tensor {missing[0]}"
                               + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""))
@@ -298,22 +254,20 @@ FINGERPRINT_BLOCK = 4096         # bytes read at each end of every tensor of a l
 
 
 def checkpoint_sha256(directory) -> str:
-    """A sha256 of what a checkpoint computes with, keying what is made from it by content.
-    Small files are hashed whole; a larger safetensors file gives its size, header and the first
-    and last 4 KiB of every tensor (under a second for a 7B model): fine-tuning or merging
-    changes every tensor it touches, ends included; only an edit inside a tensor goes unseen."""
+    """A sha256 of what a checkpoint computes with, keying what is made from it. Small files are
+    hashed whole; a larger safetensors file gives its size, header and the first and last 4 KiB
+    of every tensor (under a second at 7B): fine-tuning or merging changes those ends."""
     directory = Path(directory)
     h = hashlib.sha256(b"checkpoint/1")
     names = ["config.json", "tokenizer.json"] + [INDEX] * (directory / INDEX).is_file()
-    for name in names + sorted(_weight_files(directory)):
+    for name in names + weight_files(directory):
         path = directory / name
         try:
             with open(path, "rb") as f:
                 size = os.fstat(f.fileno()).st_size
                 h.update(f"{name}\0{size}\0".encode())
                 if size <= FINGERPRINT_WHOLE or not name.endswith(".safetensors"):
-                    for block in iter(lambda: f.read(1 << 20), b""):
-                        h.update(block)
+                    h.update(f.read())
                     continue
                 n = struct.unpack("<Q", f.read(8))[0]
                 h.update(header := f.read(min(n, size)))
@@ -349,12 +303,8 @@ def resolve(path_or_repo) -> Path:
 
 
 HUB_NAME = re.compile(r"[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*")    # <org>/<name>
-HUB_MANIFEST = ".pair-complete.json"    # written last: the files of a complete copy, and sizes
+HUB_MANIFEST = ".pair-complete.json"    # written last: the copy is complete
 HUB_TIMEOUT = (10, 60)                  # (connect, read) seconds
-HUB_RETRIES = 5                         # attempts per file
-HUB_RETRY_WAIT = 2.0                    # seconds, times the attempt number
-NETWORK_ERRORS = (requests.ConnectionError, requests.Timeout,
-                  requests.exceptions.ChunkedEncodingError)
 
 
 class HubError(CheckpointError):
@@ -365,169 +315,99 @@ def hub_cache_dir(repo_id: str) -> Path:
     return cache_root() / repo_id.replace("/", "--")
 
 
-def _cached_copy(folder: Path) -> bool:
-    try:
-        files = json.loads((folder / HUB_MANIFEST).read_text())["files"]
-        return all((folder / name).stat().st_size == size for name, size in files.items())
-    except (OSError, ValueError, KeyError, TypeError, AttributeError):
-        return False
-
-
-def fetch_from_hub(repo_id: str, revision: str = "main") -> Path:
-    """What load_model reads of a Hub model (e.g. "Qwen/Qwen2.5-7B-Instruct"), downloaded once
-    into hub_cache_dir(repo_id): config.json, tokenizer.json, the weights."""
+def fetch_from_hub(repo_id: str) -> Path:
+    """config.json, tokenizer.json and the weights (model.safetensors, or the index and its
+    shards) of a Hub model, downloaded once into hub_cache_dir(repo_id)."""
     folder = hub_cache_dir(repo_id)
-    if _cached_copy(folder):
+    if (folder / HUB_MANIFEST).is_file():
         return folder
-    endpoint = os.environ.get("HF_ENDPOINT", "https://huggingface.co").rstrip("/")
-    offline = (f"cannot fetch model {repo_id!r} from {endpoint}: {{}}; no complete copy in "
-               f"{folder} (copy the files there, or give a local directory instead)")
     if os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes", "on"):
-        raise HubError(offline.format("HF_HUB_OFFLINE is set"))
+        raise HubError(f"cannot fetch model {repo_id!r}: HF_HUB_OFFLINE is set; no complete "
+                       f"copy in {folder} (copy the files there, or give a local directory)")
+    endpoint = os.environ.get("HF_ENDPOINT", "https://huggingface.co").rstrip("/")
+    session = requests.Session()
+    session.headers["Accept-Encoding"] = "identity"     # Content-Length is the file's size
+    if os.environ.get("HF_TOKEN"):  # requests drops it on the redirect to the (signed) CDN URL
+        session.headers["Authorization"] = f"Bearer {os.environ['HF_TOKEN']}"
     import fcntl                    # POSIX only, so imported where it is needed
     folder.mkdir(parents=True, exist_ok=True)
     with open(folder / ".lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)     # torchrun's ranks: one downloads, the others wait
-        if _cached_copy(folder):
-            return folder
-        try:
-            files = _fetch_files(folder, repo_id, revision, endpoint)
-        except NETWORK_ERRORS as e:
-            raise HubError(offline.format(f"network unreachable or connection lost "
-                                          f"({type(e).__name__})")) from e
-        write_atomic(folder / HUB_MANIFEST, json.dumps(
-            {"repo": repo_id, "revision": revision, "endpoint": endpoint, "files": files}))
+        if not (folder / HUB_MANIFEST).is_file():
+            base = f"{endpoint}/{repo_id}/resolve/main/"
+            names = [name for name in ("config.json", "tokenizer.json", INDEX)
+                     if _download(session, base, folder, name, missing_ok=name == INDEX)]
+            for name in weight_files(folder):
+                _download(session, base, folder, name)
+            files = {name: (folder / name).stat().st_size for name in names + weight_files(folder)}
+            write_atomic(folder / HUB_MANIFEST, json.dumps(
+                {"repo": repo_id, "revision": "main", "endpoint": endpoint, "files": files}))
     return folder
 
 
-def _fetch_files(folder: Path, repo_id, revision, endpoint) -> dict[str, int]:
-    """config, tokenizer and weights (one file, or the index and its shards) -> {name: size}."""
-    session = requests.Session()
-    if os.environ.get("HF_TOKEN"):  # requests drops it on the redirect to the (signed) CDN URL
-        session.headers["Authorization"] = f"Bearer {os.environ['HF_TOKEN']}"
-    # the Hub's tree API: [{"type", "path", "size", "lfs"?: {"oid", "size"}}, ...], paginated by
-    # the Link header -> {path: (size, sha256 of an LFS file's content, else None)}
-    listing, url = {}, f"{endpoint}/api/models/{repo_id}/tree/{quote(revision, safe='')}"
-    while url:
-        r = session.get(url, timeout=HUB_TIMEOUT)
-        _check_status(r, f"model {repo_id!r} at {revision}")
-        try:
-            for entry in (e for e in r.json() if e["type"] == "file"):
-                lfs = entry.get("lfs") or {}
-                listing[entry["path"]] = (int(lfs.get("size", entry["size"])), lfs.get("oid"))
-        except (ValueError, KeyError, TypeError) as e:
-            raise HubError(f"{url}: unexpected answer from the Hub API ({e!r})") from e
-        url = r.links.get("next", {}).get("url")
-    files = {}
-
-    def fetch(name, shape="a JSON object", check=None):
-        # a name from the Hub is joined to the cache folder: only a plain file inside it
-        # ("../../.bashrc", "/etc/x" or our ".pair-complete.json" are not)
-        if not (isinstance(name, str) and name and name == Path(name).name and
-                not name.startswith(".") and "\\" not in name and "\0" not in name):
-            raise HubError(f"{repo_id}: refusing the file name {name!r} from the Hub (not a plain "
-                           f"file name inside {folder})")
-        if name not in listing:
-            raise HubError(f"{repo_id}@{revision} on {endpoint} has no file {name!r}")
-        url = f"{endpoint}/{repo_id}/resolve/{quote(revision, safe='')}/{quote(name)}"
-        _download(session, url, folder / name, *listing[name], f"{repo_id}/{name}")
-        files[name] = listing[name][0]
-        if name.endswith(".json"):      # removed if wrong, so that a retry fetches it again
-            try:
-                data = json.loads((folder / name).read_text())
-                if not isinstance(data, dict) or check and not check(data):
-                    raise ValueError(f"expected {shape}")
-                return data
-            except (OSError, ValueError) as e:
-                (folder / name).unlink(missing_ok=True)
-                raise HubError(f"{folder / name}: not {shape} ({e}); removed it") from None
-
-    fetch("config.json")
-    fetch("tokenizer.json")
-    if INDEX not in listing:
-        fetch("model.safetensors")
-        return files
-    index = fetch(INDEX, "a safetensors index: {\"weight_map\": {tensor name: shard file name}}",
-                  lambda d: isinstance(d.get("weight_map"), dict) and d["weight_map"] and all(
-                      isinstance(v, str) and v.endswith(".safetensors")
-                      for v in d["weight_map"].values()))
-    for shard in sorted(set(index["weight_map"].values())):
-        fetch(shard)
-    return files
-
-
-def _check_status(r, what):
+def _download(session, base_url, folder: Path, name: str, missing_ok=False) -> bool:
+    """One file into folder (unless an earlier, interrupted fetch left it there) through a .part
+    file, its size checked against the Content-Length -> whether the Hub has it."""
+    dest, url = folder / name, base_url + quote(name)
+    if dest.is_file():
+        return True
+    part = dest.with_name(name + ".part")
     denied = "access denied (private or gated?); set HF_TOKEN to a token that has access"
-    if r.status_code >= 400:
-        why = {401: denied, 403: denied, 404: "not found"}.get(r.status_code, r.reason)
-        raise HubError(f"{r.url}: HTTP {r.status_code}: {what}: {why}")
-
-
-def _download(session, url, dest: Path, size: int, sha256: str | None, label: str):
-    """url into dest through a .part file beside it, HUB_RETRIES attempts; its size and, for an
-    LFS file, its sha256 checked against the listing before it takes dest's name."""
-    if dest.is_file() and dest.stat().st_size == size:
-        return                                  # finished by an earlier, interrupted fetch
-    part = dest.with_name(dest.name + ".part")
-    for attempt in range(1, HUB_RETRIES + 1):
-        h, got = hashlib.sha256(), 0
-        try:
-            with session.get(url, stream=True, timeout=HUB_TIMEOUT) as r:
-                _check_status(r, label)
-                with open(part, "wb") as f:
-                    for chunk in r.iter_content(chunk_size=1 << 20):
-                        f.write(chunk)
-                        h.update(chunk)
-                        got += len(chunk)
-            break
-        except NETWORK_ERRORS as e:
-            part.unlink(missing_ok=True)
-            if attempt == HUB_RETRIES:
-                raise
-            print(f"{label}: connection lost ({type(e).__name__}), retrying", file=sys.stderr)
-            time.sleep(HUB_RETRY_WAIT * attempt)
-    if wrong := (f"downloaded {got} bytes but the Hub lists {size}" if got != size else
-                 f"sha256 differs from the Hub's ({sha256})"
-                 if sha256 and h.hexdigest() != sha256.lower() else None):
+    try:
+        with session.get(url, stream=True, timeout=HUB_TIMEOUT) as r:
+            if r.status_code == 404 and missing_ok:
+                return False
+            if r.status_code >= 400:
+                why = {401: denied, 403: denied, 404: "not found"}.get(r.status_code, r.reason)
+                raise HubError(f"{url}: HTTP {r.status_code}: {why}")
+            with open(part, "wb") as f:
+                for chunk in r.iter_content(chunk_size=1 << 20):
+                    f.write(chunk)
+            size = int(r.headers.get("Content-Length", part.stat().st_size))
+    except (requests.ConnectionError, requests.Timeout,
+            requests.exceptions.ChunkedEncodingError) as e:
+        part.unlink(missing_ok=True)
+        raise HubError(f"cannot fetch {url}: network unreachable or connection lost "
+                       f"({type(e).__name__}); no complete copy in {folder}") from None
+    if (got := part.stat().st_size) != size:
         part.unlink()
-        raise HubError(f"{url}: {wrong}; removed {part}, try again")
+        raise HubError(f"{url}: {got} bytes, not the {size} announced; try again")
     os.replace(part, dest)
-    print(f"{label}: {size / 1e6:.1f} MB", file=sys.stderr, flush=True)
+    return True
 
 
 def load_model(path_or_repo, dtype=torch.float32, devices=None) -> tuple["Transformer",
                                                                          "Tokenizer"]:
-    """A checkpoint directory (config.json, safetensors, tokenizer.json) or a Hugging Face Hub
-    name such as "Qwen/Qwen2.5-7B-Instruct" (fetched once into $PAIR_CACHE) -> (model, tokenizer).
+    """A checkpoint directory (config.json, safetensors, tokenizer.json) or a Hub model name
+    -> (model, tokenizer), the model frozen (GRPO trains LoRA adapters beside its weights).
     devices: one device, or several to split the layers over (split_model)."""
     directory = resolve(path_or_repo)
     devices = [torch.device(d) for d in (devices or ["cpu"])]
     config = read_config(directory)
-    if not (directory / "tokenizer.json").is_file():
-        raise CheckpointError(f"{directory / 'tokenizer.json'}: file not found")
+    tokenizer = Tokenizer.from_file(directory)
     # Build without allocating, then adopt the loaded tensors (assign=True): one copy in memory.
     with torch.device("meta"):
         model = Transformer(config)
-    expected = {name: tuple(t.shape) for name, t in model.state_dict().items()}
-    state = read_state_dict(directory, expected, config, dtype, devices[0])
-    if config.tie_word_embeddings:
+    tied = config.tie_word_embeddings
+    expected = {name: tuple(t.shape) for name, t in model.state_dict().items()
+                if not (tied and name == "lm_head.weight")}
+    state = read_state_dict(directory, expected, tied, dtype, devices[0])
+    if tied:
         state["lm_head.weight"] = state["model.embed_tokens.weight"]
     model.load_state_dict(state, strict=True, assign=True)
-    if config.tie_word_embeddings:
+    if tied:
         model.lm_head.weight = model.model.embed_tokens.weight   # assign=True broke the tie
-    model.requires_grad_(False).eval()             # GRPO trains LoRA adapters beside them
+    model.requires_grad_(False).eval()
     model.name_or_path = str(path_or_repo)        # recorded in saved adapters' configs
     model.checkpoint_dir = directory              # what checkpoint_sha256 reads
     if len(devices) > 1:
         split_model(model, devices)     # loaded on the first device, blocks moved one by one
-    return model, Tokenizer.from_file(directory)
+    return model, tokenizer
 
 
 def input_device(model: "Transformer") -> torch.device:
     """Where input ids go: the embedding's device (the first one of a split model)."""
     return model.model.embed_tokens.weight.device
-
-
 # ----------------------------------------------------------------------------------------------
 # RoPE, written as Hugging Face writes it for Qwen (rotate_half), so no weight permutation
 
@@ -555,7 +435,7 @@ def attention_mask(positions: Tensor, key_positions: Tensor, window: int | None)
 # KV cache: one per layer, on that layer's device, slot index = absolute position
 
 def static_address(t: Tensor) -> Tensor:
-    """t, marked as a tensor a captured CUDA graph may write in place (at the same address)."""
+    """t, marked as one a captured CUDA graph may write in place (at the same address)."""
     if t.is_cuda:
         torch._dynamo.mark_static_address(t, guard=False)
     return t
@@ -594,13 +474,10 @@ class KVCache:
 
 
 def set_lengths(cache: list[KVCache], lengths: Tensor):
-    """Declare how many real tokens each row holds (slots past them are free to overwrite)."""
+    """Declare how many real tokens each row holds (slots past them are free)."""
     for layer_cache in cache:
         layer_cache.lengths = lengths.detach().to("cpu", torch.long).clone()
 
-
-# ----------------------------------------------------------------------------------------------
-# The attention statistics (METHOD.md §4)
 
 def stats_from(mx, sum_sq, prefix, self_, pos, start) -> dict[str, Tensor]:
     """The six statistics (METHOD.md §4) of softmax rows p_i, i = pos, from four numbers of each:
@@ -658,9 +535,10 @@ class Attention(nn.Module):
                        config.head_size)
         self.n_heads, self.n_kv_heads, self.head_dim = H, KV, D
         self.scale = D ** -0.5
-        self.q_proj = nn.Linear(d, H * D, bias=config.qkv_bias)
-        self.k_proj = nn.Linear(d, KV * D, bias=config.qkv_bias)
-        self.v_proj = nn.Linear(d, KV * D, bias=config.qkv_bias)
+        bias = config.arch == "Qwen2ForCausalLM" or config.attention_bias    # Qwen2: always
+        self.q_proj = nn.Linear(d, H * D, bias=bias)
+        self.k_proj = nn.Linear(d, KV * D, bias=bias)
+        self.v_proj = nn.Linear(d, KV * D, bias=bias)
         self.o_proj = nn.Linear(H * D, d, bias=config.attention_bias)
 
     def forward(self, x, cos, sin, mask, positions, cache=None):
@@ -681,13 +559,12 @@ class Attention(nn.Module):
 
     def decode(self, x, cos, sin, bias, pos, kv, before=None, w=None):
         """One token per row, x (B, 1, d) at positions i = pos (B,) -> (output (B, 1, d), numbers).
-        k and v go to slots pos of the cache kv = (k, v), each (B, KV, capacity, D); the query
+        k, v go to slots pos of kv = (k cache, v cache), each (B, KV, capacity, D); the query
         attends over slots [0, S) with bias (B, 1, 1, S) (0 visible, -inf not):
             p_ij = softmax_j(q_i . k_j / sqrt(D) + bias_j)   (head h reads key head h // (H/KV))
-        By hand in float32, not SDPA, because p itself gives the statistics: given before
-        (B, 1, 1, S), 1 on slots j < span_start, numbers = (max_j p_ij, sum_j p_ij^2,
-        prefix = sum_j p_ij before_j, self = 1 - prefix), each (B, H, 1), for stats_from; else
-        None. w: Block.decode_weights(), or None to apply the modules."""
+        By hand in float32, not SDPA, because p gives the statistics: given before (B, 1, 1, S),
+        1 on slots j < span_start, numbers = (max_j p_ij, sum_j p_ij^2, prefix = sum_j p_ij
+        before_j, self = 1 - prefix), each (B, H, 1), for stats_from. w: Block.decode_weights()."""
         B, H, KV, D = x.shape[0], self.n_heads, self.n_kv_heads, self.head_dim
         if w is None:
             q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
@@ -750,10 +627,10 @@ class Block(nn.Module):
         return x + F.linear(F.silu(gate) * up, *w.down), numbers
 
     def decode_weights(self) -> FusedWeights | None:
-        """(weight, bias) of q/k/v, o, gate/up and down, an enabled adapter merged in: four
-        matmuls a token instead of seven (21 with adapters), rebuilt when a tensor changes. None
-        (use the modules) where merging would change the numbers (not float32, dropout on), a
-        gradient is wanted, or the copy costs too much (a block over FUSE_MAX_ELEMENTS)."""
+        """The projections fused, an enabled adapter merged in: four matmuls a token instead of
+        seven (21 with adapters), rebuilt when a tensor changes. None (use the modules) where
+        merging changes the numbers (not float32, dropout on), a gradient is wanted, or the copy
+        costs too much (a block over FUSE_MAX_ELEMENTS)."""
         a, m = self.self_attn, self.mlp
         groups = ((a.q_proj, a.k_proj, a.v_proj), (a.o_proj,), (m.gate_proj, m.up_proj),
                   (m.down_proj,))
@@ -773,10 +650,9 @@ class Block(nn.Module):
 def _fuse(linears) -> tuple[Tensor, Tensor | None]:
     """One (weight, bias) applying the given projections side by side (a missing bias is 0)."""
     weight = torch.cat([merged_weight(lin) for lin in linears])
-    if all(lin.bias is None for lin in linears):
-        return weight, None
-    return weight, torch.cat([lin.bias if lin.bias is not None else
-                              lin.weight.new_zeros(lin.out_features) for lin in linears])
+    return weight, None if all(lin.bias is None for lin in linears) else torch.cat(
+        [lin.weight.new_zeros(lin.out_features) if lin.bias is None else lin.bias
+         for lin in linears])
 
 
 # 16 MB of float32 per block: the built-in policy's blocks are fused, a 0.5B model's are not (the
@@ -813,9 +689,9 @@ class Transformer(nn.Module):
 
     def trunk(self, input_ids, positions=None, cache=None, recompute=False) -> Tensor:
         """Up to the final norm: (B, T) -> (B, T, d). positions (B, T): absolute (default: after
-        the cache's tokens, else 0..T-1); a cache gets K/V at them and its lengths cover them.
-        recompute: where a gradient is wanted, each block keeps only its input and runs again
-        in backward, its MLP MLP_CHUNK tokens at a time (the update of a long rollout)."""
+        the cache's tokens, else 0..T-1); a cache gets K/V at them. recompute: with a gradient,
+        each block keeps only its input and runs again in backward, its MLP MLP_CHUNK tokens at
+        a time (the update of a long rollout)."""
         B, T = input_ids.shape
         dev = self.model.embed_tokens.weight.device
         # From position 0 PyTorch's fused causal kernel needs no mask: upper-left causal is right
@@ -849,12 +725,10 @@ class Transformer(nn.Module):
 
     def decode(self, tokens, cache, span_start=None, w=None):
         """One token per row, tokens (B,), at each row's cache length (the caller advances it)
-        -> (logits (B, V) float32, hidden, stats) on the head's device: given span_start (B,)
-        (each row's turn's first position), hidden holds the L+1 hidden states (L+1, B, d) and
-        stats the six statistics (B, L, H, 6) in STATS order; without it both are None.
-        w: decode_weights(), read once by a caller decoding many tokens. Compiled where it can
-        (compiled_step), over the slots in use rounded up to whole KEY_BLOCKs, later ones
-        masked, so that its shapes change once every KEY_BLOCK tokens."""
+        -> (logits (B, V) float32, hidden (L+1, B, d), stats (B, L, H, 6) in STATS order) on the
+        head's device; hidden and stats None without span_start (B,), each row's turn's first
+        position. Compiled where it can (compiled_step), over the slots in use rounded up to
+        whole KEY_BLOCKs, so that its shapes change once every KEY_BLOCK tokens."""
         lengths = cache[0].lengths                          # (B,) on the CPU: no device sync
         size = int(lengths.max()) + 1                       # key slots [0, size) are in use
         for layer_cache in cache:
@@ -875,7 +749,8 @@ class Transformer(nn.Module):
                 torch.compiler.cudagraph_mark_step_begin()
                 out = step(self, *on_dev, *args[3:], blocks)
                 return tuple(None if t is None else t.clone() for t in out)
-            except compile_errors() as e:     # every later call decodes eagerly: said once
+            except (torch._dynamo.exc.TorchDynamoException,   # no C++ compiler, or a limit:
+                    torch._dynamo.exc.FailOnRecompileLimitHit) as e:   # eager from now on
                 _compiled["failed"] = e
                 print(f"model.py: decoding eagerly, torch.compile failed: {type(e).__name__}: "
                       f"{(str(e).strip().splitlines() or [''])[0]}", file=sys.stderr, flush=True)
@@ -887,9 +762,8 @@ class Transformer(nn.Module):
 
     def decode_step(self, tokens, lengths, span_start, ks, vs, w, size):
         """decode's computation (what compiled_step compiles) on the cache tensors ks, vs
-        ((B, KV, capacity, D) per layer) over key slots [0, size); returns what decode returns.
-        Masks, RoPE tables and the before-span indicator are built once per step (once per
-        device of a split model); stats_from runs once, on every layer's numbers together."""
+        ((B, KV, capacity, D) per layer) over key slots [0, size). Masks, RoPE tables and the
+        before-span indicator are built once per device; stats_from runs once, on all layers."""
         dev = self.model.embed_tokens.weight.device
         pos = lengths.to(dev)
         key_pos = torch.arange(size, device=dev)
@@ -940,20 +814,11 @@ COMPILE_OPTIONS = {"cpu": {}, "cuda": {"mode": "reduce-overhead", "dynamic": Tru
 _compiled = {}          # device kind: Transformer.decode_step compiled; "failed": why given up
 
 
-def compile_errors() -> tuple:
-    """Compiling failed: no C++ compiler, or past the limit (FailOnCacheLimitHit before torch
-    2.7). Looked up here: importing torch's compiler costs seconds of every command's start."""
-    exc = torch._dynamo.exc
-    return (exc.TorchDynamoException, *(getattr(exc, name) for name in (
-        "FailOnRecompileLimitHit", "FailOnCacheLimitHit") if hasattr(exc, name)))
-
-
 def compiled_step(w: list, cache: list[KVCache]):
     """Transformer.decode_step compiled (called with the model first), or None where it does
     not pay or is not wanted: PAIR_COMPILE=0, an earlier failure, a split model, or on the CPU a
-    block without fused weights. On a GPU it is also captured as a CUDA graph (gpt-fast's
-    recipe: one launch instead of thousands of kernels, the cache written in place at its
-    captured addresses), every size symbolic from the first call."""
+    block without fused weights. On a GPU also captured as a CUDA graph (gpt-fast's recipe: one
+    launch instead of thousands of kernels), every size symbolic from the first call."""
     if not COMPILE or "failed" in _compiled or len({c.k.device for c in cache}) > 1:
         return None
     kind = cache[0].k.device.type
@@ -962,17 +827,13 @@ def compiled_step(w: list, cache: list[KVCache]):
     if kind not in _compiled:
         print("model.py: compiling the decoding step (under a minute the first time on a machine, "
               "seconds later; PAIR_COMPILE=0 decodes eagerly)", file=sys.stderr, flush=True)
-        own = "recompile_limit" in inspect.signature(torch.compile).parameters  # torch >= 2.13
-        if not own:         # older torch: the process's limit, named cache_size_limit before 2.7
-            config = torch._dynamo.config
-            name = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"
-            setattr(config, name, max(getattr(config, name), RECOMPILE_LIMIT))
+        config = torch._dynamo.config
+        config.recompile_limit = max(config.recompile_limit, RECOMPILE_LIMIT)
         if COMPILE_OPTIONS[kind].get("dynamic"):
             # each size its own symbol: "duck" sizing would merge two sizes equal at the first
             # call (4 rows, 4 key heads) and compile again when they part
             torch.fx.experimental._config.use_duck_shape = False
         _compiled[kind] = torch.compile(Transformer.decode_step, fullgraph=True,
-                                        **({"recompile_limit": RECOMPILE_LIMIT} if own else {}),
                                         **COMPILE_OPTIONS[kind])
     return _compiled[kind]
 
@@ -982,8 +843,7 @@ def compiled_step(w: list, cache: list[KVCache]):
 
 class Tokenizer:
     """A tokenizers.Tokenizer and the ChatML template around it. Untrusted text stays text: a
-    message that writes "<|im_end|>" is those characters, not a new turn; only the template
-    puts the special tokens <|im_start|> and <|im_end|>, as ids."""
+    message writing "<|im_end|>" is those characters; only the template puts special tokens."""
 
     def __init__(self, tok):
         self.tok = tok
@@ -1000,7 +860,7 @@ class Tokenizer:
         path = Path(path)
         path = path / "tokenizer.json" if path.is_dir() else path
         if not path.is_file():
-            raise FileNotFoundError(f"{path}: tokenizer.json not found")
+            raise CheckpointError(f"{path}: file not found")
         try:
             return cls(HFTokenizer.from_file(str(path)))
         except Exception as e:      # the library's own error names no file
@@ -1016,14 +876,9 @@ class Tokenizer:
         return self.tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
     def render(self, messages, add_generation_prompt=False) -> tuple[list[int], list[tuple]]:
-        """Token ids of the chat and, per assistant message, its span [start, end) (METHOD.md §3):
-        its content's first token to its closing <|im_end|> + 1. The ids a tokenizer gives the
-        whole ChatML string, piece by piece, except that a message cannot open or close a turn."""
-        for i, m in enumerate(messages):
-            if not isinstance(m, dict) or m.get("role") not in ("system", "user", "assistant"):
-                raise ValueError(f"message {i}: role must be system, user or assistant")
-            if not isinstance(m.get("content"), str):
-                raise ValueError(f"message {i}: content must be a string")
+        """Token ids of the chat (the whole ChatML string's, but that a message cannot open or
+        close a turn) and, per assistant message, its span [start, end) (METHOD.md §3): its
+        content's first token to its closing <|im_end|> + 1."""
         if not messages or messages[0]["role"] != "system":
             messages = [{"role": "system", "content": DEFAULT_SYSTEM}, *messages]
         ids, spans = [], []
@@ -1060,8 +915,8 @@ def without_surrogates(text: str) -> str:
 
 @dataclass
 class TurnTrace:
-    """Everything a reward needs from one assistant turn (CPU, float32): generate's, or
-    lab/traces.py's teacher-forced one."""
+    """What a reward needs of one assistant turn (CPU, float32): generate's, or lab/traces.py's
+    teacher-forced one."""
     tokens: list[int]                   # the turn's tokens (ends with a stop token when finished)
     span: tuple[int, int]               # absolute positions [start, end) in the sequence
     attn: dict[str, Tensor]             # STATS -> (L, H), the span's mean ({} without stats)
@@ -1081,9 +936,9 @@ LOGITS_CHUNK = 1 << 24
 def token_logprobs(policy, ids: torch.Tensor, mask: torch.Tensor,
                    temperature: float = 1.0) -> torch.Tensor:
     """log pi(x_j | x_<j) at the masked positions j, in row-major order -> (N,) float32. The head
-    runs only on those N positions, LOGITS_CHUNK // V at a time; with a gradient, blocks, MLP
-    chunks and head chunks are recomputed in backward, so a long rollout's update holds about
-    one (T, d) input per block, never the (N, V) logits or the MLPs' activations whole."""
+    runs on those N positions only, LOGITS_CHUNK // V at a time; with a gradient, blocks, MLP
+    chunks and head chunks are recomputed in backward: a long rollout's update holds about one
+    (T, d) input per block, never the (N, V) logits whole."""
     h = policy.trunk(ids, recompute=True)                       # (B, T, d) after the final norm
     h = h[:, :-1]                                               # position j predicts x_{j+1}
     target = mask[:, 1:].to(h.device)
@@ -1134,8 +989,8 @@ def sample(logits: Tensor, temperature: float, top_p: float, generator=None) -> 
 
 
 def prefill(model: Transformer, cache, new_tokens: list[list[int]]) -> Tensor | None:
-    """Append each row's new tokens at that row's own offset; logits (B, V) after its last one
-    (rows with no new tokens get zeros). Pads sit past each row's real tokens (module docstring)."""
+    """Append each row's new tokens at that row's own offset -> logits (B, V) after its last one
+    (zeros for a row with none), or None where no row has any."""
     n = torch.tensor([len(t) for t in new_tokens])
     if not len(n) or n.max() == 0:
         return None
@@ -1149,8 +1004,8 @@ def prefill(model: Transformer, cache, new_tokens: list[list[int]]) -> Tensor | 
 def prefill_last(model: Transformer, cache, new_tokens: list[list[int]]) -> Tensor:
     """prefill up to the head: the final-normed state of each row's last new token (B, d)
     (garbage in a row with none). An empty cache whose rows repeat a prompt (GRPO's group)
-    computes each distinct prompt once and copies its keys, values and state: a row's numbers
-    do not depend on its neighbours, so the copies are bit-identical."""
+    computes each distinct prompt once and copies the result: a row's numbers do not depend on
+    its neighbours, so the copies are bit-identical."""
     lengths = cache[0].lengths.clone()
     n = torch.tensor([len(t) for t in new_tokens])
     T = int(n.max())
@@ -1176,8 +1031,7 @@ def prefill_last(model: Transformer, cache, new_tokens: list[list[int]]) -> Tens
 def decode_one_token(model: Transformer, cache, tokens: Tensor, fed: Tensor,
                      span_start: Tensor | None, w=None):
     """Feed tokens (B,) of the rows where fed (B,) is True, each at its row's length ->
-    Transformer.decode's (logits, hidden, stats). A row not fed gets a pad in its first free
-    slot, which stays free."""
+    Transformer.decode's (logits, hidden, stats). A row not fed writes a pad to a free slot."""
     lengths = cache[0].lengths.clone()
     out = model.decode(torch.where(fed, tokens, 0), cache, span_start, w)
     set_lengths(cache, lengths + fed.long().cpu())
@@ -1197,11 +1051,6 @@ class TurnStats:
         return cls(torch.zeros(B, L, H, len(STATS), device=device),
                    torch.zeros(L + 1, B, d, device=device), torch.zeros(L + 1, B, d, device=device))
 
-    def means(self, r: int, n: int) -> tuple[dict[str, Tensor], Tensor, Tensor]:
-        """Row r's turn of n tokens: attention statistics (STATS -> (L, H)), h_last, h_mean."""
-        return (dict(zip(STATS, (self.attn[r] / n).unbind(-1))), self.h_last[:, r].clone(),
-                self.h_sum[:, r] / n)
-
 
 def accumulate(acc: TurnStats, attn: Tensor, hidden: Tensor, fed: Tensor):
     """Add one decoded token's statistics (B, L, H, 6) and hidden states (L+1, B, d) to the rows
@@ -1214,8 +1063,8 @@ def accumulate(acc: TurnStats, attn: Tensor, hidden: Tensor, fed: Tensor):
 
 def reserve_slots(cache: list[KVCache], steps: int):
     """Room for `steps` more tokens a row and a slot past the last KEY_BLOCK, before generating
-    on a GPU: the captured step keeps its addresses, and the key slots never fill the cache (a
-    relation torch would compile another graph for: a minute and more at 7B)."""
+    on a GPU: the captured step keeps its addresses, and the slots in use never fill the cache
+    (torch would compile another graph for it: minutes at 7B)."""
     need = -(-(int(cache[0].lengths.max()) + steps) // KEY_BLOCK) * KEY_BLOCK + 1
     for c in cache:
         c.grow(need)
@@ -1226,17 +1075,11 @@ def generate(model: Transformer, cache, new_tokens: list[list[int]], max_new_tok
              temperature=1.0, top_p=1.0, stop_ids=None, generator=None,
              stats=True, active=None) -> list[TurnTrace | None]:
     """Append each row's new tokens to the cache, then sample up to max_new_tokens per row ->
-    one TurnTrace per row: the sampled tokens, their positions, log pi of each, whether a stop
-    token ended the turn and, with stats, the turn's mean statistics and hidden states. A row with
-    no new tokens generates nothing (empty trace), one with active[i] False (an ended episode)
-    gets None. Every sampled token, the stop token included, is fed through the model, so the
-    cache holds it and its statistics count. Idle rows ride along as pads (decoding is bound by
-    reading the weights)."""
+    one TurnTrace per row (with stats, the turn's mean statistics and hidden states); a row
+    with no new tokens gets an empty trace, one with active[i] False (an ended episode) None.
+    Every sampled token, the stop token included, is fed through the model: the cache holds it
+    and its statistics count. Idle rows ride along as pads (decoding reads the weights anyway)."""
     B = len(new_tokens)
-    if B != cache[0].k.shape[0]:
-        raise ValueError(f"{B} rows of new tokens for a cache of batch size {cache[0].k.shape[0]}")
-    if active is not None and len(active) != B:
-        raise ValueError(f"active has {len(active)} entries for {B} rows")
     if not valid_temperature(temperature):
         raise ValueError(f"temperature {temperature}: 0 (greedy) or in [{MIN_TEMPERATURE}, inf)")
     alive = [True] * B if active is None else [bool(a) for a in active]
@@ -1279,8 +1122,8 @@ def generate(model: Transformer, cache, new_tokens: list[list[int]], max_new_tok
 
 
 def turn_traces(tokens, logps, count, finished, span_start, acc, alive) -> list[TurnTrace | None]:
-    """generate's traces, read back from its tensors at once: row r sampled tokens[r, :count[r]]
-    from span_start[r] on; acc: its TurnStats, or None without statistics."""
+    """generate's traces, read back at once: row r sampled tokens[r, :count[r]] from
+    span_start[r] on; acc: its TurnStats, or None without statistics."""
     tokens, logps = tokens.cpu().tolist(), logps.cpu().tolist()
     count, finished = count.cpu().tolist(), finished.cpu().tolist()
     if acc is not None:
@@ -1290,8 +1133,9 @@ def turn_traces(tokens, logps, count, finished, span_start, acc, alive) -> list[
         n = count[r]
         trace = TurnTrace(tokens=tokens[r][:n], span=(s, s + n), attn={}, h_last=None,
                           h_mean=None, finished=finished[r], logprobs=logps[r][:n])
-        if acc is not None and n > 0:
-            trace.attn, trace.h_last, trace.h_mean = acc.means(r, n)
+        if acc is not None and n > 0:       # the turn's means
+            trace.attn = dict(zip(STATS, (acc.attn[r] / n).unbind(-1)))
+            trace.h_last, trace.h_mean = acc.h_last[:, r].clone(), acc.h_sum[:, r] / n
         traces.append(trace if alive[r] else None)
     return traces
 
@@ -1299,8 +1143,8 @@ def turn_traces(tokens, logps, count, finished, span_start, acc, alive) -> list[
 # ----------------------------------------------------------------------------------------------
 # LoRA (Hu et al., 2021), by hand, laid out as PEFT lays it out
 
-# A targeted nn.Linear becomes a LoRALinear keeping the base weight's keys (`q_proj.weight`) and
-# adding `q_proj.lora_A.weight` (r, d_in), `q_proj.lora_B.weight` (d_out, r) beside them:
+# A targeted nn.Linear becomes a LoRALinear keeping its weight's key (`q_proj.weight`) and adding
+# `q_proj.lora_A.weight` (r, d_in), `q_proj.lora_B.weight` (d_out, r):
 #     y = x W^T + b + (alpha / r) * B A dropout(x),   B = 0 at first (the model unchanged).
 # The adapter stays float32 (PEFT's default) under bfloat16 weights: its updates are tiny.
 
@@ -1343,14 +1187,9 @@ class LoRALinear(nn.Module):
         a = F.linear(x, self.lora_A.weight)                                    # (..., r)
         return y + (F.linear(a, self.lora_B.weight) * self.scaling).to(y.dtype)
 
-    def extra_repr(self):
-        return (f"{self.in_features}, {self.out_features}, r={self.lora_A.out_features}, "
-                f"scaling={self.scaling:g}")
-
 
 def merged_weight(linear: nn.Module) -> Tensor:
-    """The weight an nn.Linear or LoRALinear applies now: W + scaling * B A with its adapter
-    enabled (float32 throughout; without dropout, forward computes exactly this map)."""
+    """The weight an nn.Linear or LoRALinear applies now: W + scaling * B A, adapter enabled."""
     if isinstance(linear, LoRALinear) and linear.enabled:
         return linear.weight + linear.scaling * (linear.lora_B.weight @ linear.lora_A.weight)
     return linear.weight
@@ -1370,8 +1209,6 @@ def apply_lora(model: nn.Module, r=16, alpha=32.0, dropout=0.05, targets=LORA_TA
     if not (isinstance(r, int) and r > 0) or alpha <= 0 or not 0 <= dropout < 1:
         raise ValueError(f"LoRA needs an integer r > 0, alpha > 0 and 0 <= dropout < 1; got "
                          f"r={r!r}, alpha={alpha!r}, dropout={dropout!r}")
-    if getattr(model, "lora_settings", None) is not None:
-        raise ValueError(f"the model already has a LoRA adapter ({model.lora_settings})")
     s = LoraSettings(r, float(alpha), float(dropout), tuple(targets), bool(use_rslora))
     sites = [(module, name, child) for module in model.modules()
              for name, child in module.named_children()
@@ -1395,19 +1232,19 @@ def lora_parameters(model):
 def lora_disabled(model):
     """`with lora_disabled(model):` runs the base model (GRPO's pi_ref) without copying weights."""
     was = {m: m.enabled for m in model.modules() if isinstance(m, LoRALinear)}
-    for m in was:
-        m.enabled = False
     try:
+        for m in was:
+            m.enabled = False
         yield model
     finally:
         for m, enabled in was.items():
             m.enabled = enabled
 
 
+@torch.no_grad()
 def load_lora_state(policy, state: dict[str, torch.Tensor]):
-    with torch.no_grad():
-        for n, p in lora_parameters(policy):
-            p.copy_(state[n])
+    for n, p in lora_parameters(policy):
+        p.copy_(state[n])
 
 
 # Adapter files in PEFT's layout, which checkpoints save and PEFT reads as they are
@@ -1417,10 +1254,7 @@ PEFT_PREFIX = "base_model.model."
 
 def save_adapter(model, path, base_model_name_or_path=None):
     """Write the model's adapter to the folder `path`: its config and its float32 weights."""
-    s = getattr(model, "lora_settings", None)
-    if s is None:
-        raise ValueError("save_adapter: the model has no LoRA adapter (call apply_lora first)")
-    folder = Path(path)             # (write_atomic creates it)
+    s, folder = model.lora_settings, Path(path)             # (write_atomic creates it)
     tensors = {PEFT_PREFIX + n: p.detach().to("cpu").contiguous()
                for n, p in lora_parameters(model)}
     config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path":
@@ -1439,12 +1273,12 @@ def save_adapter(model, path, base_model_name_or_path=None):
 def load_adapter_weights(policy, directory):
     """Restore into policy's LoRA weights the adapter save_adapter wrote to `directory` (a run's
     own checkpoint, its settings those of policy's adapter); lab/adapters.py loads any PEFT one."""
-    config, s = Path(directory) / ADAPTER_CONFIG, policy.lora_settings
+    config, file, s = (Path(directory) / ADAPTER_CONFIG, Path(directory) / ADAPTER_WEIGHTS,
+                       policy.lora_settings)
     c = json.loads(config.read_text())
     if not isinstance(c, dict) or (s.r, s.alpha, s.use_rslora, set(s.targets)) != (
             c.get("r"), c.get("lora_alpha"), c.get("use_rslora"), set(c.get("target_modules", ()))):
         raise ValueError(f"{config}: not an adapter with the settings of the model's ({s})")
-    file = Path(directory) / ADAPTER_WEIGHTS
     with safe_open(str(file), framework="pt") as f:
         tensors = {key[len(PEFT_PREFIX):]: f.get_tensor(key) for key in f.keys()}
     params = dict(lora_parameters(policy))
@@ -1480,24 +1314,9 @@ def balance_layers(block_sizes: list[int], n_devices: int, first_extra=0, last_e
     return [b - a for a, b in zip(cuts, cuts[1:])]
 
 
-def _move_inputs(device):
-    def to(x):
-        if isinstance(x, torch.Tensor):
-            return x.to(device)     # blocking: a copy to the CPU must have landed
-        if isinstance(x, (tuple, list)):
-            return type(x)(to(v) for v in x)
-        if isinstance(x, dict):
-            return {k: to(v) for k, v in x.items()}
-        return x            # caches and flags stay as they are: a block's cache lives with it
-
-    def hook(module, args, kwargs):
-        return to(args), to(kwargs)
-    return hook
-
-
 def parse_devices(text: str) -> list[torch.device]:
-    """A --devices value ("cuda:0,cuda:1", "cpu") -> the devices; a ValueError whose message is
-    the command line's one line for a value that is not a list of this machine's devices."""
+    """A --devices value ("cuda:0,cuda:1", "cpu") -> the devices; a one-line ValueError for a
+    value that is not a list of this machine's devices."""
     try:
         devices = [torch.device(d.strip()) for d in text.split(",")]
     except RuntimeError:                                # "", "foo", "cuda:x"
@@ -1505,14 +1324,11 @@ def parse_devices(text: str) -> list[torch.device]:
     if not devices or any(d.type not in ("cpu", "cuda") for d in devices):
         raise ValueError(f"--devices {text!r}: a comma-separated list of devices such as "
                          "cuda:0,cuda:1 (or cpu)")
-    if any(d.type == "cuda" for d in devices) and not torch.cuda.is_available():
+    n_gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if any(d.type == "cuda" and (d.index or 0) >= n_gpus for d in devices):
         raise ValueError(f"--devices {text}: this PyTorch sees no CUDA device (a CPU build, or no "
-                         "GPU visible); leave --devices out to run on the CPU")
-    missing = [str(d) for d in devices if d.type == "cuda" and d.index is not None
-               and d.index >= torch.cuda.device_count()]
-    if missing:
-        raise ValueError(f"--devices {text}: no {', '.join(missing)} here (this machine has "
-                         f"{torch.cuda.device_count()} GPUs)")
+                         "GPU visible)" if not n_gpus else f"--devices {text}: this machine has "
+                         f"{n_gpus} GPUs")
     return devices
 
 
@@ -1521,11 +1337,8 @@ def split_model(model, devices, layer_counts=None):
     each block with a pre-hook moving its inputs there; the embedding on the first device, norm
     and head on the last (new_cache puts each block's cache with it). layer_counts: layers per
     device (summing to the number of layers); by default balance_layers on parameter counts."""
-    if hasattr(model, "layer_devices"):
-        raise ValueError(f"the model is already split over {sorted(set(model.layer_devices))}")
     devices = [torch.device(d) for d in devices]
     inner, layers, head = model.model, model.model.layers, model.lm_head
-    tied = head.weight is inner.embed_tokens.weight
     if layer_counts is None:
         def n_params(module):
             return sum(p.numel() for p in module.parameters())
@@ -1537,19 +1350,25 @@ def split_model(model, devices, layer_counts=None):
             or sum(layer_counts) != len(layers)):
         raise ValueError(f"layer_counts={layer_counts}: need one count >= 1 per device "
                          f"({len(devices)}) summing to the model's {len(layers)} layers")
-    if tied and devices[0] != devices[-1]:
+    if head.weight is inner.embed_tokens.weight and devices[0] != devices[-1]:
         # the head's copy of the embedding stays equal to it only while it is frozen (LoRA)
         if inner.embed_tokens.weight.requires_grad:
             raise ValueError("tied embeddings are copied to the last device; freeze them first "
                              "(apply_lora does) or split over one device")
         head.weight = nn.Parameter(inner.embed_tokens.weight.detach().to(devices[-1]),
                                    requires_grad=False)
-    layer_devices = [d for d, n in zip(devices, layer_counts) for _ in range(n)]
-    for module, device in [(inner.embed_tokens, devices[0]), *zip(layers, layer_devices),
+
+    def to(device, x):      # tensors moved; caches and flags stay (a block's cache lives with it)
+        if isinstance(x, (tuple, list)):
+            return type(x)(to(device, v) for v in x)
+        return x.to(device) if isinstance(x, Tensor) else x   # blocking: a copy must have landed
+
+    model.layer_devices = [d for d, n in zip(devices, layer_counts) for _ in range(n)]
+    for module, device in [(inner.embed_tokens, devices[0]), *zip(layers, model.layer_devices),
                            (inner.norm, devices[-1]), (head, devices[-1])]:
         module.to(device)
-        module.register_forward_pre_hook(_move_inputs(device), with_kwargs=True)
-    model.layer_devices = layer_devices
+        module.register_forward_pre_hook(lambda _, args, kwargs, device=device: (
+            to(device, args), {k: to(device, v) for k, v in kwargs.items()}), with_kwargs=True)
     return model
 
 
@@ -1562,25 +1381,16 @@ def cache_root() -> Path:
     return Path(os.environ.get("PAIR_CACHE") or Path.home() / ".cache" / "pair").expanduser()
 
 
-# The process's umask, read once at import: os.umask can only be read by setting it, and setting
-# it while another thread creates a file would give that file the wrong mode.
-_UMASK = os.umask(0o022)
-os.umask(_UMASK)
-
-
 def write_atomic(path: Path, data: bytes | str) -> None:
-    """The one way this project writes a file: a unique temporary file beside it, then
-    os.replace, so a reader (or a run killed mid-write) sees the old file or the new one."""
+    """The one way this project writes a file: a temporary file beside it (this thread's own,
+    made as open() makes files), then os.replace: a reader, or a run killed mid-write, sees the
+    old file or the new one."""
     path = Path(path)
-    data = data.encode() if isinstance(data, str) else data
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
     try:
-        # mkstemp creates the file 0600; the result gets the mode open() would have given it
-        os.fchmod(fd, 0o666 & ~_UMASK)
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
+        tmp.write_bytes(data.encode() if isinstance(data, str) else data)
         os.replace(tmp, path)
     except BaseException:
-        os.unlink(tmp)
+        tmp.unlink(missing_ok=True)
         raise

@@ -1,4 +1,4 @@
-"""Hub download against a fake Hub on 127.0.0.1: retry, size/sha checks, cache, offline, token."""
+"""Hub download against a fake Hub on 127.0.0.1: the files fetched, cache, offline, token."""
 import hashlib
 import http.server
 import json
@@ -123,7 +123,6 @@ def env(tmp_path, monkeypatch):
     monkeypatch.setenv("PAIR_CACHE", str(tmp_path / "cache"))
     monkeypatch.delenv("HF_TOKEN", raising=False)
     monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
-    monkeypatch.setattr(M, "HUB_RETRY_WAIT", 0.0)
     hubs = []
 
     def start(files=None, **kw):
@@ -137,11 +136,10 @@ def env(tmp_path, monkeypatch):
         hub.close()
 
 
-def test_fetches_only_needed_files_with_token(env, monkeypatch, capsys):
+def test_fetches_only_needed_files_with_token(env, monkeypatch):
     hub = env(token="secret")
     monkeypatch.setenv("HF_TOKEN", "secret")
     folder = M.fetch_from_hub(REPO)
-    assert "tiny-org/tiny-model/model.safetensors: 0.3 MB" in capsys.readouterr().err
     assert folder == M.hub_cache_dir(REPO) and folder.name == "tiny-org--tiny-model"
     fetched = sorted(p.name for p in folder.iterdir() if not p.name.startswith("."))
     assert fetched == ["config.json", "model.safetensors", "tokenizer.json"]
@@ -169,20 +167,9 @@ def test_sharded_checkpoint_fetches_index_and_every_shard(env):
     assert not (folder / "model.safetensors").exists()
 
 
-def test_interrupted_transfer_is_retried(env, capsys):
+def test_interrupted_fetch_is_one_line_and_finishes_in_a_later_call(env):
     hub = env()
     hub.drop_first.add("model.safetensors")
-    folder = M.fetch_from_hub(REPO)
-    assert (folder / "model.safetensors").read_bytes() == hub.files["model.safetensors"]
-    assert len(hub.gets("model.safetensors")) == 2
-    assert "model.safetensors: connection lost" in capsys.readouterr().err
-    assert not list(folder.glob("*.part"))
-
-
-def test_interrupted_fetch_is_one_line_and_finishes_in_a_later_call(env, monkeypatch):
-    hub = env()
-    hub.drop_first.add("model.safetensors")
-    monkeypatch.setattr(M, "HUB_RETRIES", 1)
     with pytest.raises(M.HubError, match="tiny-org/tiny-model") as err:
         M.fetch_from_hub(REPO)
     assert "connection lost" in str(err.value) and "\n" not in str(err.value)
@@ -214,31 +201,6 @@ def test_concurrent_fetches_download_once(env):
     assert (folders[0] / "model.safetensors").read_bytes() == hub.files["model.safetensors"]
 
 
-def test_size_mismatch_is_detected_and_part_removed(env):
-    hub = env()
-    hub.files["model.safetensors"] = hub.files["model.safetensors"][:-7]   # served short
-    hub.lfs.clear()
-    with pytest.raises(M.HubError, match="lists") as err:
-        M.fetch_from_hub(REPO)
-    folder = M.hub_cache_dir(REPO)
-    assert "model.safetensors" in str(err.value)
-    assert not (folder / "model.safetensors").exists()
-    assert not (folder / "model.safetensors.part").exists()
-    assert not (folder / M.HUB_MANIFEST).exists()
-
-
-def test_corrupt_content_fails_the_sha256_check(env):
-    hub = env()
-    good = hub.files["model.safetensors"]
-    sha = hashlib.sha256(good).hexdigest()
-    hub.tree = lambda orig=hub.tree: [dict(e, lfs=dict(e["lfs"], oid=sha)) if "lfs" in e else e
-                                      for e in orig()]
-    hub.files["model.safetensors"] = bytes([good[0] ^ 1]) + good[1:]   # one byte flipped
-    with pytest.raises(M.HubError, match="sha256"):
-        M.fetch_from_hub(REPO)
-    assert not (M.hub_cache_dir(REPO) / "model.safetensors.part").exists()
-
-
 @pytest.mark.parametrize("shard", ["../../escape.safetensors", "{tmp}/escape.safetensors",
                                    "sub/../../escape.safetensors", ".pair-complete.json",
                                    "..\\escape.safetensors"])
@@ -250,7 +212,7 @@ def test_hostile_shard_names_are_refused(env, tmp_path, shard):
     files[shard] = b"x" * 64
     files["model.safetensors.index.json"] = json.dumps({"weight_map": {"a": shard}}).encode()
     hub = env(files=files, lfs=())
-    with pytest.raises(M.HubError, match="refusing the file name|not a safetensors index"):
+    with pytest.raises(M.CheckpointError, match="not a safetensors file beside the index"):
         M.fetch_from_hub(REPO)
     folder = M.hub_cache_dir(REPO)
     assert not hub.gets(shard)
@@ -259,36 +221,23 @@ def test_hostile_shard_names_are_refused(env, tmp_path, shard):
     assert not (folder / M.HUB_MANIFEST).exists()
 
 
-@pytest.mark.parametrize("name, body", [
-    ("config.json", b"not json"), ("config.json", b"[1, 2]"), ("tokenizer.json", b"<html>"),
-    ("model.safetensors.index.json", b'{"a": 1}'),
-    ("model.safetensors.index.json", b'{"weight_map": {"a": 7}}'),
-    ("model.safetensors.index.json", b'{"weight_map": {"a": "tokenizer.json"}}'),
-])
-def test_json_files_of_the_wrong_shape_are_refused_and_removed(env, name, body):
+@pytest.mark.parametrize("body", [b'{"a": 1}', b'{"weight_map": {"a": 7}}',
+                                  b'{"weight_map": {"a": "tokenizer.json"}}'])
+def test_an_index_of_the_wrong_shape_is_refused(env, body):
     files = checkpoint_files(sharded=True)
-    files[name] = body
-    hub = env(files=files, lfs=())
-    with pytest.raises(M.HubError, match=name.replace(".", r"\.")):
+    files["model.safetensors.index.json"] = body
+    env(files=files, lfs=())
+    with pytest.raises(M.CheckpointError, match=r"model\.safetensors\.index\.json"):
         M.fetch_from_hub(REPO)
-    folder = M.hub_cache_dir(REPO)
-    assert not (folder / name).exists() and not (folder / M.HUB_MANIFEST).exists()
-    good = checkpoint_files(sharded=True)[name]                # served right: fetched again
-    hub.files[name], hub.listed[name] = good, len(good)
-    assert (M.fetch_from_hub(REPO) / name).read_bytes() == good
+    assert not (M.hub_cache_dir(REPO) / M.HUB_MANIFEST).exists()
 
 
-def test_complete_cache_makes_no_request(env, monkeypatch):
+def test_complete_cache_makes_no_request(env):
     hub = env()
     folder = M.fetch_from_hub(REPO)
     n = len(hub.requests)
     assert M.fetch_from_hub(REPO) == folder
     assert len(hub.requests) == n
-    # A damaged cached file makes the copy incomplete again: it is fetched anew.
-    (folder / "model.safetensors").write_bytes(b"junk")
-    M.fetch_from_hub(REPO)
-    assert len(hub.gets("model.safetensors")) == 2
-    assert (folder / "model.safetensors").read_bytes() == hub.files["model.safetensors"]
 
 
 def closed_port():

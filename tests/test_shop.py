@@ -396,8 +396,11 @@ def test_make_data_says_what_it_wrote_in_the_users_file_mode(tmp_path, capsys, m
     umask = os.umask(0)
     os.umask(umask)
     assert {(p.stat().st_mode & 0o777) for p in (tmp_path / "a").iterdir()} == {0o666 & ~umask}
-    monkeypatch.setattr(mdl, "_UMASK", 0o027)      # a group-readable umask is honoured too
-    shop.make_shop_data(tmp_path / "b", episodes=2)
+    os.umask(0o027)                                 # a group-readable umask is honoured too
+    try:
+        shop.make_shop_data(tmp_path / "b", episodes=2)
+    finally:
+        os.umask(umask)
     assert {(p.stat().st_mode & 0o777) for p in (tmp_path / "b").iterdir()} == {0o640}
 
 
