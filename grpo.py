@@ -943,31 +943,29 @@ def train_parser(rewards) -> argparse.ArgumentParser:
     g.add_argument("--weight-decay", type=float, default=None,
                    help="AdamW weight decay (default: 0; 0.01 with --preset release)")
     preset_flag(g, "lora_r", "LoRA rank")
-    preset_flag(g, "lora_alpha", "LoRA alpha", float)
-    preset_flag(g, "lora_dropout", "LoRA dropout", float)
+    for key in ("lora_alpha", "lora_dropout"):
+        preset_flag(g, key, key.replace("_", " ").replace("lora", "LoRA"), float)
     g.add_argument("--lora-targets", default=",".join(model.LORA_TARGETS),
                    help="comma-separated projections that get an adapter")
     g = ap.add_argument_group("run")
-    g.add_argument("--out", default=None,
-                   help="run directory (default: runs/<env>-<reward>-<date>-<time>, new)")
-    g.add_argument("--resume", action="store_true",
-                   help="continue the run in --out from its newest checkpoint")
+    g.add_argument("--out", help="run directory (default: runs/<env>-<reward>-<date>-<time>)")
+    g.add_argument("--resume", action="store_true", help="continue the run in --out")
     g.add_argument("--resume-if-present", action="store_true",
                    help="continue the run in --out if there is one, else start it")
     preset_flag(g, "save_every", "checkpoint (and evaluate) every N steps")
     g.add_argument("--eval-episodes", type=int, default=0,
                    help="test episodes per evaluation (0 = the whole test split)")
-    g.add_argument("--val-episodes", type=int, default=None, help="validation episodes per "
-                   "evaluation (shop: its split; replays: the training split's last 10%%)")
+    g.add_argument("--val-episodes", type=int, help="validation episodes per evaluation (shop: "
+                   "its split; replays: the training split's last 10%%)")
     preset_flag(g, "eval_batch", "episodes decoded together in an evaluation")
     g.add_argument("--no-eval", action="store_true", help="skip the held-out evaluations")
     g.add_argument("--seed", type=int, default=42, help="seed of everything")
     g.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"),
                    help="model weights dtype (the adapter stays float32)")
-    g.add_argument("--devices", default=None, help="split the model over these devices, e.g. "
-                   "cuda:0,cuda:1 (default: the process's GPU under torchrun, else the CPU)")
-    g.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: 1 "
-                   "with the built-in policy, else torch's choice)")
+    g.add_argument("--devices", help="split the model over these devices, e.g. cuda:0,cuda:1 "
+                   "(default: the process's GPU under torchrun, else the CPU)")
+    g.add_argument("--threads", type=int, help="torch CPU threads (default: 1 with the "
+                   "built-in policy, else torch's choice)")
     hook("flags", ap)
     return ap
 
@@ -1167,6 +1165,8 @@ def load_checkpoint(path: Path, policy, optimizer, procs) -> tuple[int, dict | N
     """Restore a checkpoint into policy, optimizer and RNGs: (its step, the lagged snapshot)."""
     try:
         info = json.loads((path / "trainer.json").read_text())
+        if type(info["step"]) is not int or info["step"] < 1:
+            raise ValueError(f"trainer.json holds no step >= 1: {info['step']!r}")
         if info["processes"] != procs.size:
             raise ValueError(f"it was written by {info['processes']} processes, this run has "
                              f"{procs.size}; the RNG streams would differ")
