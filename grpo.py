@@ -2,32 +2,21 @@
 
     python grpo.py --reward pair                   # shop, built-in policy, its shipped probes
     python grpo.py --reward outcome --out runs/o   # the sparse baseline, same budget
-    python grpo.py --env gta --model Qwen/Qwen2.5-7B-Instruct --devices cuda:0,cuda:1 \
-        --probes runs/pair-gta/seed42/pair_mixed     # the paper's setting
-    python -m lab.train --reward igpo ...          # the lab's rewards, searches, torchrun (lab/)
+    python grpo.py --env gta --model Qwen/Qwen2.5-7B-Instruct --probes DIR/pair_mixed
+    python -m lab.train --reward igpo ...          # the lab's rewards, searches, torchrun
 
-One step: (1) rollout: --batch prompts x --group G rollouts of up to --max-turns turns, one KV
-cache per group, the statistics the probes read taken from that generation pass; (2) rewards:
-one r_{i,t} per assistant turn from --reward (PAIR: pair.trajectory_rewards of each turn's
-s_final), plus --outcome-weight x the task score on the last; (3) advantages: group_advantages
-(DeepSeekMath process supervision) or release_advantages (--advantage release); (4) update:
-PPO-clip + beta KL_k3 to the adapter-disabled model, normalized over the batch's policy tokens
-(grpo_loss), one AdamW step on the LoRA adapter, lr constant after warmup, grad-norm clip.
-
-Departures from textbook GRPO: one PPO epoch as in the paper (rho = 1 in value; --ppo-epochs K
-re-uses the batch); token-level normalization over the batch (DAPO / Dr. GRPO); rewards on
-turns; the KL reference is the adapter-disabled base (no second model); log pi at the sampling
-temperature (T = 1 with --advantage release, as the release).
-
-The lab (lab/; it imports this file, never the reverse) plugs in through REWARDS, ADVANTAGES,
-PLAYERS, LOSSES and HOOKS. Checkpoints (adapter, optimizer, RNG states) make --resume exact;
-the base model and each checkpoint are evaluated greedily on validation (selects) and test
-(reports). OUT holds metrics.jsonl, eval.jsonl and summary.json.
+One step: (1) rollout: --batch prompts x --group G rollouts, one KV cache per group, the probes'
+statistics taken from that generation pass; (2) rewards: one r_{i,t} per assistant turn from
+--reward, plus --outcome-weight x the task score on the last; (3) advantages (group_advantages,
+or release_advantages with --advantage release); (4) update: PPO-clip + beta KL_k3 to the
+adapter-disabled model, normalized over the batch's policy tokens, one AdamW step on LoRA.
+Departures from textbook GRPO: token-level normalization (DAPO / Dr. GRPO); rewards on turns; the
+KL reference is the adapter-disabled base; log pi at the sampling temperature (T = 1 under
+release). The lab (lab/) plugs in through REWARDS, ADVANTAGES, PLAYERS, LOSSES and HOOKS.
 """
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import math
 import os
@@ -61,16 +50,14 @@ class Step:                         # one assistant turn of one rollout
     text: str                       # the assistant text handed to the environment
     trace: model.TurnTrace | None   # statistics from the generation pass (None: not collected)
     observation: str | None         # the environment's answer (None: the episode ended here)
-    nll: float | None = None        # mean -log pi of its tokens as sampled (the lab's AT²PO: H)
-    # the chat up to this turn as the policy saw it (a judge rates the turn in its context)
-    history: list[dict] = field(default_factory=list)
+    nll: float | None = None        # mean -log pi of its tokens as sampled
+    history: list[dict] = field(default_factory=list)   # the chat up to this turn
 
 
 @dataclass
 class Trajectory:                   # one rollout of one episode
     episode: object                 # an envs.Episode: step(text), messages, score(), labels()
-    # the tokens as the model saw them: one sequence, and a new one each time the environment
-    # rewrote earlier messages (ToolBench's history cap), so each turn is scored in its context
+    # one token sequence, and a new one each time the environment rewrites earlier messages
     segments: list[list[int]] = field(default_factory=lambda: [[]])
     steps: list[Step] = field(default_factory=list)
     score: float = 0.0              # task score in [0, 1]
@@ -90,8 +77,7 @@ def turn_opening(tok, finished: bool, observation: str | None) -> list[int]:
 @torch.no_grad()
 def rollout(policy, tok, episodes: list, args, greedy=False, generator=None,
             stats=True, caches: list | None = None) -> list[Trajectory]:
-    """Play each episode (one batch row each) to its end. `caches` gets the batch's KV cache
-    (row i: trajectory i's last segment), from which a tree search branches."""
+    """Play each episode (one batch row each) to its end; `caches` gets the batch's KV cache."""
     trajs = [Trajectory(ep) for ep in episodes]
     new = [tok.render(ep.messages, add_generation_prompt=True)[0] for ep in episodes]
     cache = policy.new_cache(len(episodes), capacity=min(
@@ -127,13 +113,12 @@ def play(policy, tok, trajs: list[Trajectory], cache, new: list[list[int]], args
                     traj.segments.append([])
                     refill[i] = False
             model.set_lengths(cache, lengths)
-        # a row no longer playing gets nothing appended (its cache row stays) and no trace
         traces = model.generate(policy, cache, new, max_new_tokens=args.max_new_tokens,
                                 temperature=0.0 if greedy else args.temperature,
                                 top_p=args.top_p, stop_ids=[tok.im_end_id],
                                 generator=generator, stats=stats, active=active)
         for i, (traj, tr) in enumerate(zip(trajs, traces)):
-            if tr is None:
+            if tr is None:                  # a row no longer playing
                 continue
             seq = traj.segments[-1]
             seq += new[i]
@@ -144,7 +129,6 @@ def play(policy, tok, trajs: list[Trajectory], cache, new: list[list[int]], args
             before = [dict(m) for m in traj.episode.messages]   # as this turn saw them
             result = traj.episode.step(text)
             obs = None if result.done else traj.episode.messages[-1]["content"]
-            # a rewrite changes messages, it does not move them
             history = before + [dict(traj.episode.messages[len(before)])]
             traj.steps.append(Step(list(tr.tokens), len(traj.segments) - 1, (start, len(seq)),
                                    text, tr if stats else None, obs,
@@ -163,31 +147,23 @@ def play(policy, tok, trajs: list[Trajectory], cache, new: list[list[int]], args
 
 
 # --- 2. Rewards: one per assistant turn; `--reward` name -> function(trajectory, ctx) ------------
-# Each returns a float per turn, or None for a turn without reward (outcome: all but the last);
-# those that read a frozen probe (READS_PROBE) return (rewards, each turn's P(correct)), which
-# the drift monitor scores against the exact labels.
+# Each returns a float per turn, or None for a turn without reward; those that read a frozen
+# probe (READS_PROBE) return (rewards, each turn's P(correct)) for the drift monitor.
 
 @dataclass
 class RewardContext:                # what the reward functions need besides the rollout
     policy: model.Transformer
     tok: model.Tokenizer
     args: argparse.Namespace
-    env: envs.Env | None = None     # the training environment (gold answers for igpo / tips)
+    env: envs.Env | None = None     # the training environment
     pair: pair.Pair | None = None           # reward "pair"
     probe: probes.Probe | None = None       # the probe of the feature set named by --reward
-    judge: envs.ChatClient | None = None    # reward "llm_judge"
-    lagged: dict[str, torch.Tensor] | None = None   # tips: the lagged teacher's LoRA parameters
+    judge: envs.ChatClient | None = None    # the lab's llm_judge
+    lagged: dict[str, torch.Tensor] | None = None   # the lab's tips: a lagged LoRA snapshot
     probe_report: dict | None = None    # the probes' AUROC on held-out own turns
     summary: dict = field(default_factory=dict)     # what the lab adds to summary.json
     cost: Counter = field(default_factory=Counter)  # this step's extra work (COSTS)
     stats: bool = True              # the rollout keeps the generation pass's statistics
-
-    def use_head(self, head) -> None:
-        """Reward with a refitted head (the lab's --probe-retrain-every): a Pair or a Probe."""
-        if isinstance(head, pair.Pair):
-            self.pair = head
-        else:
-            self.probe = head
 
 
 def outcome_reward(traj: Trajectory, ctx) -> list[float | None]:
@@ -195,30 +171,11 @@ def outcome_reward(traj: Trajectory, ctx) -> list[float | None]:
 
 
 def pair_reward(traj: Trajectory, ctx) -> tuple[list[float], list[float]]:
-    return pair_from_features(turn_features(traj), ctx)
-
-
-def pair_from_features(features: dict[str, torch.Tensor], ctx) -> tuple[list[float], list[float]]:
-    # METHOD.md §6-7: each turn's s_final (Eq. stage1, stage2), then the rollout's rewards
-    # (Appendix reward: temperature clip, momentum)
-    _, s_final = ctx.pair.scores(features)
-    s_final = s_final.tolist()
-    return pair.trajectory_rewards(s_final, ctx.args.alpha), s_final
+    return pair.pair_from_features(pair.turn_features([s.trace for s in traj.steps]), ctx)
 
 
 def probe_reward(traj: Trajectory, ctx) -> tuple[list[float], list[float]]:
-    return probe_from_features(turn_features(traj), ctx)
-
-
-def probe_from_features(features: dict[str, torch.Tensor], ctx) -> tuple[list[float], list[float]]:
-    # METHOD.md §7: a probe baseline used as a reward gives r_t = its P(correct)
-    p = ctx.probe.predict_proba(probes.feature(ctx.args.reward, features)).tolist()
-    return p, p
-
-
-def turn_features(traj: Trajectory, coe: bool = False) -> dict[str, torch.Tensor]:
-    """probes.raw_features of every turn, stacked: (turns, ...) each."""
-    return probes.stack_raw([probes.raw_features(step.trace, coe) for step in traj.steps])
+    return pair.probe_from_features(pair.turn_features([s.trace for s in traj.steps]), ctx)
 
 
 REWARDS = {"outcome": outcome_reward, "pair": pair_reward,
@@ -227,24 +184,13 @@ PROBE_REWARDS = set(probes.FEATURES)
 READS_PROBE = {"pair"} | PROBE_REWARDS
 NEEDS_STATS = set(READS_PROBE)          # rewards that read the generation pass's statistics
 
-# The lab (lab/train.py) plugs in through these tables and HOOKS[name], each function of which
-# `hook(name, ...)` calls at one point of a run; the core runs with them empty.
+# The lab (lab/train.py) plugs in through these tables and HOOKS[name], called by `hook(name,
+# ...)` at one point of a run with the arguments given there; the core runs with them empty.
 PLAYERS = {}        # --reward name -> play(g, run, t) -> (Group, KV bytes), for play_group
-LOSSES = {}         # --reward name -> its own loss (update), for the advantage form's
+LOSSES = {}         # --reward name -> its own loss (update)
 HOOKS = {name: [] for name in (
-    "flags",        # (parser): add flags
-    "check",        # (args): refuse flag combinations (check_args)
-    "preset",       # (args, flags given): fill defaults after the preset
-    "processes",    # (args): start several processes -> Processes or None
-    "context",      # (args, policy, tok, procs, log): the probes -> (dir, report) or None
-    "setup",        # (args, policy, tok, procs, log, ctx): once the run is set up
-    "played",       # (run, trajs, t): after each group's rollout, before its rewards
-    "step",         # (run, step): before each step
-    "trained",      # (run, step, trajs): after each update -> metrics to log, or None
-    "resume",       # (run, start step)
-    "checkpoint",   # (run, step): after each checkpoint
-    "evaluate",     # (run, step): a held-out evaluation kept from elsewhere, or None
-    "evaluated")}   # (run, step, ev): after each held-out evaluation
+    "flags", "check", "preset", "processes", "context", "setup", "claim", "failed", "played",
+    "step", "trained", "logged", "resume", "checkpoint", "evaluate", "evaluated")}
 PROG = "python grpo.py"     # how the command line that runs this file is spelled in messages
 
 
@@ -274,8 +220,8 @@ def with_outcome(rewards: list[float | None], score: float, args) -> list[float 
 
 
 def reward_context(args, policy, tok, env, procs, log) -> RewardContext:
-    """Load whatever the `--reward` function reads: --probes (a PAIR directory, a probe file or
-    a directory of them), the lab's ("context": fitted on the fly, a study's), or the shipped."""
+    """Load what the `--reward` function reads: the lab's probes ("context" hook), --probes (a
+    PAIR directory, a probe file or a directory of them), or the built-in world's shipped ones."""
     ctx = RewardContext(policy, tok, args, env=env)
     if args.reward not in READS_PROBE:
         return ctx
@@ -285,27 +231,13 @@ def reward_context(args, policy, tok, env, procs, log) -> RewardContext:
         where = Path(args.probes)
     else:
         where, ctx.probe_report = shipped_probes(args, log)
-    if args.reward == "pair":
-        path = next((d for d in (where, where / "pair") if (d / "pair.json").is_file()), None)
-        if path is None:
-            raise SystemExit(f"--probes {where}: no pair.json there nor in pair/ of it{STUDY}")
-        ctx.pair = pair.Pair.load(path)
+    head = pair.load_head(where, args.reward, policy.config,
+                          policy.checkpoint_dir if args.probes else None)
+    if isinstance(head, pair.Pair):
+        ctx.pair = head
     else:
-        path = where / f"{args.reward}.safetensors" if where.is_dir() else where
-        if not path.is_file():
-            raise SystemExit(f"--probes {where}: no probe {path.name} for --reward "
-                             f"{args.reward}{STUDY}")
-        ctx.probe = probes.Probe.load(path)
-    if args.probes:                     # fitted for this policy? (before any evaluation)
-        pair.check_probe_model(path, policy.checkpoint_dir)
-    if ctx.probe is not None and (name := ctx.probe.info.get("feature")) != args.reward:
-        raise SystemExit(f"--probes {path}: a {name} probe, not {args.reward}")
-    check_widths(ctx, policy.config, path)
+        ctx.probe = head
     return ctx
-
-
-STUDY = ("; `python -m lab.study train --out DIR` fits them into DIR/seed<S>/ (PAIR: its "
-         "pair_mixed/), and `python -m lab.train --probes DIR` reads DIR itself")
 
 
 def shipped_probes(args, log) -> tuple[Path, dict]:
@@ -314,40 +246,9 @@ def shipped_probes(args, log) -> tuple[Path, dict]:
     where = Path(args.model) / "probes"
     if args.env not in envs.WORLDS or not is_builtin(args) or not where.is_dir():
         raise SystemExit(f"--reward {args.reward} on {args.env} with --model {args.model} needs "
-                         "--probes DIR: `python -m lab.study extract` and `train` fit them on "
-                         "released data, and `python -m lab.train` on the fly for another policy "
-                         "of a built-in world")
-    try:
-        report = json.loads((where / "probes.json").read_text())
-        auroc, n = report["heldout"][args.reward]["all"], report["heldout"]["n"]["all"]
-    except (OSError, ValueError, KeyError, TypeError) as e:
-        raise SystemExit(f"{where}: damaged shipped probes ({type(e).__name__}: {e}); rebuild "
-                         f"them with `python -m lab.onpolicy --env {args.env}`") from None
-    log(f"probes: {where}, fitted on {report['n_train']} own turns of this policy; {args.reward}"
-        f"'s AUROC on {n} held-out own turns {auroc:.3f}", flush=True)
-    for part, a in report["heldout"][args.reward].items():     # below 0.5: favours wrong turns
-        if a is not None and a < 0.5 and (part == "all" or part.startswith("slip=")):
-            which = "the held-out own turns" if part == "all" else \
-                f"the {part[5:]} slip above the same turn made right"
-            log(f"warning: the {args.reward} probe ranks {which} below chance ({a:.3f}): as a "
-                "reward it favours the wrong turn", flush=True)
-    return where, report
-
-
-def check_widths(ctx: RewardContext, config, where: Path):
-    """A damaged or foreign probe file fails here, before any rollout."""
-    d, L, H = config.hidden_size, config.num_hidden_layers, config.num_attention_heads
-    if ctx.pair is not None:
-        want = {"stage1": d, "stage2": len(ctx.pair.stats) * H * L + 1}
-        have = {"stage1": ctx.pair.stage1.w.numel(), "stage2": ctx.pair.stage2.w.numel()}
-    else:
-        want = {ctx.args.reward: probes.feature_width(ctx.args.reward, d, L, H)}
-        have = {ctx.args.reward: ctx.probe.w.numel()}
-    for part, n in want.items():
-        if have[part] != n:
-            raise SystemExit(f"{where}: the {part} probe reads {have[part]} features, this "
-                             f"policy gives {n} (d={d}, L={L}, H={H}): fitted on another model, "
-                             "or damaged")
+                         "--probes DIR (`python -m lab.study` fits them; `python -m lab.train` "
+                         "on the fly for another policy of a built-in world)")
+    return where, pair.read_report(where, args.reward, log)
 
 
 # --- 3. Advantages (METHOD.md §9: DeepSeekMath process supervision) ------------------------------
@@ -358,8 +259,8 @@ class Batch:                        # what the update consumes: rollouts right-p
     mask: torch.Tensor              # (B, T) bool: True on tokens the policy generated
     adv: torch.Tensor               # (B, T) float32: A of the turn each policy token belongs to
     lengths: list[int]              # real length of each row
-    # lab/baselines.py's AT²PO loss: each policy token's turn (-1 elsewhere), and 1 / (policy
-    # tokens of its trajectory), so that a trajectory's tokens weigh 1 together
+    # the lab's AT²PO loss: each policy token's turn (-1 elsewhere), and 1 / (policy tokens of
+    # its trajectory), so that a trajectory's tokens weigh 1 together
     turn: torch.Tensor | None = None        # (B, T) long
     weight: torch.Tensor | None = None      # (B, T) float32
     n_seqs: int = 0                         # trajectories with at least one policy token
@@ -405,17 +306,10 @@ def release_advantages(rewards: list[list[float | None]]) -> tuple[list[list[flo
     return advantages, all(abs(a) <= 1e-8 for row in advantages for a in row)
 
 
-# --advantage name -> function(the group's per-turn rewards, its task scores, args) ->
-# (advantages, all equal); the lab adds forms (lab/credit.py)
+# --advantage name -> function(the group's per-turn rewards r[i][t], its task scores s[i], args)
+# -> (advantages, all equal); the lab adds forms (lab/credit.py)
 ADVANTAGES = {"process": lambda rewards, scores, args: group_advantages(rewards),
               "release": lambda rewards, scores, args: release_advantages(rewards)}
-
-
-def advantages(rewards: list[list[float | None]], scores: list[float],
-               args) -> tuple[list[list[float]], bool]:
-    """One group's `--advantage`: rewards[i][t] = r_{i,t} (or None), scores[i] = rollout i's
-    task score (a form may add it as a term of its own)."""
-    return ADVANTAGES[args.advantage](rewards, scores, args)
 
 
 def make_batch(trajs: list[Trajectory], advantages: list[list[float]], pad_id: int) -> Batch:
@@ -579,12 +473,6 @@ def sampler(policy, seed: int, g: int) -> torch.Generator:
     return torch.Generator(device=device).manual_seed(seed * 1_000_003 + g)
 
 
-def seed_all(seed: int):
-    random.seed(seed)
-    np.random.seed(seed)
-    torch.manual_seed(seed)
-
-
 TIMING = ("t_rollout", "t_reward", "t_update")      # seconds per step; the lab adds its own
 # what a step cost besides time, summed over processes: tokens and turns sampled, tree search's
 # sibling rollouts, sequences and tokens teacher-forced by a reward, calls to an external judge
@@ -634,7 +522,7 @@ def play_group(g: int, run: Training, t: dict) -> tuple[Group, int]:
     r, p = zip(*[turn_rewards(traj, ctx) for traj in trajs])
     t["t_rollout"] += t1 - t0
     t["t_reward"] += time.perf_counter() - t1
-    a, all_equal = advantages(list(r), [traj.score for traj in trajs], args)
+    a, all_equal = ADVANTAGES[args.advantage](list(r), [traj.score for traj in trajs], args)
     played = [st for traj in trajs for st in traj.steps]
     ctx.cost.update(gen_turns=len(played), gen_tokens=sum(len(st.tokens) for st in played))
     kv_bytes = sum(c.k.nbytes + c.v.nbytes for cache in caches for c in cache)
@@ -696,12 +584,15 @@ def step_metrics(step, trajs, rewards, p_correct, played, stats, times, args, pr
                 if r is not None:
                     turn_sum[t] += r
                     turn_n[t] += 1
-    s = all_sum_named(procs, {
+    parts = {
         "n": [len(flat)], "sum": [sum(flat)], "sum_sq": [sum(r * r for r in flat)],
         "rollouts": [len(trajs)], "score": [sum(t.score for t in trajs)],
         "turns": [sum(len(t.steps) for t in trajs)], "truncated": [sum(t.truncated for t in trajs)],
         "all_equal": [zero], "groups": [tried], "times": list(times), "turn_sum": turn_sum,
-        "turn_n": turn_n, "reached": reached, "costs": list(costs)})
+        "turn_n": turn_n, "reached": reached, "costs": list(costs)}
+    summed, s = procs.all_sum([v for values in parts.values() for v in values]), {}
+    for name, values in parts.items():          # one all-reduce; each name gets its list back
+        s[name], summed = summed[:len(values)], summed[len(values):]
     (n,), (n_traj,), (n_groups,) = s["n"], s["rollouts"], s["groups"]
     mean = s["sum"][0] / max(n, 1)
     turn_sum, turn_n = s["turn_sum"], s["turn_n"]
@@ -734,20 +625,14 @@ def ctx_has_probe(args) -> bool:
     return args.env in envs.WORLDS and (args.reward == "pair" or args.reward in PROBE_REWARDS)
 
 
-CHANCE_WINDOW = 5       # steps the drift monitor's alarm averages over
-
-
-def below_chance(aurocs: list) -> float | None:
-    """The drift monitor's alarm: the mean probe AUROC of the last CHANCE_WINDOW steps when
-    below chance (the frozen probe's reward now favours wrong turns), else None."""
-    recent = [a for a in aurocs[-CHANCE_WINDOW:] if a is not None]
-    mean = sum(recent) / CHANCE_WINDOW
-    return mean if len(recent) == CHANCE_WINDOW and mean < 0.5 else None
-
-
 def setup(args) -> Training:
     """Everything a run reads, each input checked before the run directory is written."""
-    procs = init_processes(args)
+    procs = Processes()
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:     # torchrun: the lab's process group
+        procs = next((p for p in hook("processes", args) if p is not None), None)
+        if procs is None:
+            raise SystemExit("several processes run through the lab: torchrun --nproc_per_node "
+                             "N -m lab.train ...")
     resolve_preset(args, procs)
     if args.batch % procs.size:
         raise SystemExit(f"--batch {args.batch} must be a multiple of the {procs.size} processes")
@@ -760,16 +645,14 @@ def setup(args) -> Training:
     env = make_env(args, "train")
     held, pool = eval_splits(args, env, scorable(env))
     if not pool or not all(p for _, p in held.values()):
-        raise SystemExit(f"--env {args.env}: no scorable episode in the train, validation or "
-                         "test split")
+        raise SystemExit(f"--env {args.env}: no scorable episode in a split")
     # a turn that might not fit ends a rollout: with no room for the first, a run learns nothing
     prompt = len(tok.render(env.episode(pool[0]).messages, add_generation_prompt=True)[0])
     if prompt + args.max_new_tokens > args.max_len:
         raise SystemExit(f"--max-len {args.max_len}: a task's prompt alone is {prompt} tokens "
-                         f"and a turn needs --max-new-tokens {args.max_new_tokens} more, so no "
-                         "rollout could play its first turn")
+                         f"and a turn needs --max-new-tokens {args.max_new_tokens} more")
     # probes fitted on the fly take minutes: OUT is claimed first, so a busy OUT is refused at
-    # once; given probes and the judge's key are checked before OUT
+    # once; given probes are checked before OUT
     fit_later = ctx_has_probe(args) and not args.probes
     ctx = None if fit_later else reward_context(args, policy, tok, env, procs, log)
     out = prepare_out(args, procs)
@@ -789,7 +672,9 @@ def setup(args) -> Training:
 def load_policy(args, procs: Processes) -> tuple[model.Transformer, model.Tokenizer]:
     """The seeded start of a run: RNGs seeded, the policy loaded, a fresh LoRA adapter (its
     weights are the first random draws; lab/onpolicy.py's rebuild of the probes starts here)."""
-    seed_all(args.seed)
+    random.seed(args.seed)
+    np.random.seed(args.seed)
+    torch.manual_seed(args.seed)
     devices = args.devices.split(",") if args.devices else (
         [procs.device] if procs.device != "cpu" else None)
     builtin = envs.BUILTIN_POLICIES.get(args.env, envs.BUILTIN_POLICY)
@@ -807,44 +692,37 @@ def resume(run: Training) -> int:
     """The step to start from: 0, or (--resume) the newest checkpoint's, restored; what was
     logged after it is dropped, to be redone exactly."""
     start, args, out = 0, run.args, run.out
-    ckpt = latest_checkpoint(out) if args.resume else None
-    damaged = sorted(p.name for p in out.glob("checkpoint-*") if not (p / "trainer.json").is_file())
-    if args.resume and ckpt is None and damaged:
-        raise SystemExit(f"--resume: {out} holds {', '.join(damaged)} without trainer.json (cut "
-                         "short or damaged), and no complete checkpoint: delete them to start "
-                         "the run over from step 0")
-    if ckpt is not None:
+    if args.resume and (ckpt := latest_checkpoint(out)) is not None:
         start, lagged = load_checkpoint(ckpt, run.policy, run.optimizer, run.procs)
         if lagged is not None:
             run.ctx.lagged = lagged
         run.log(f"resumed from {ckpt} at step {start}", flush=True)
     if run.procs.main and args.resume:
-        for name in ("metrics.jsonl", "eval.jsonl"):
-            truncate_jsonl(out / name, start)
+        for path in (out / "metrics.jsonl", out / "eval.jsonl"):
+            if path.exists():
+                text = "".join(json.dumps(r) + "\n" for r in read_jsonl(path) if r["step"] <= start)
+                model.write_atomic(path, text)
     run.procs.barrier()
     hook("resume", run, start)
     return start
 
 
-def evaluate_and_log(run: Training, step: int, done: set, seconds: list):
+def evaluate_and_log(run: Training, step: int, done: set):
     """Evaluate the policy at `step` on the held-out splits into eval.jsonl, unless done or
-    --no-eval; `seconds`: each evaluation's time. The lab may hand in one it kept ("evaluate")."""
-    args, procs = run.args, run.procs
-    if args.no_eval or step in done:
+    --no-eval. The lab may hand in an evaluation it kept ("evaluate" hook)."""
+    if run.args.no_eval or step in done:
         return
-    t = time.perf_counter()
     ev = next((e for e in hook("evaluate", run, step) if e is not None), None)
     if ev is None:
-        ev = evaluate_all(step, run.policy, run.tok, run.held, args, procs)
-        seconds.append(time.perf_counter() - t)
+        ev = evaluate_all(step, run.policy, run.tok, run.held, run.args, run.procs)
         hook("evaluated", run, step, ev)
-    if procs.main:
+    if run.procs.main:
         append_jsonl(run.out / "eval.jsonl", ev)
     done.add(step)
-    what = "base model" if step == 0 else f"step {step}"
-    run.log(f"{what}: held-out success {ev['test']['success']:.3f} on {ev['test']['episodes']} "
-            f"test episodes, {ev['val']['success']:.3f} on {ev['val']['episodes']} validation "
-            "episodes (greedy)", flush=True)
+    run.log(f"{'base model' if step == 0 else f'step {step}'}: held-out success "
+            f"{ev['test']['success']:.3f} on {ev['test']['episodes']} test episodes, "
+            f"{ev['val']['success']:.3f} on {ev['val']['episodes']} validation (greedy)",
+            flush=True)
 
 
 def train(args) -> dict:
@@ -854,36 +732,33 @@ def train(args) -> dict:
     run = setup(args)
     policy, optimizer, ctx, procs, log = run.policy, run.optimizer, run.ctx, run.procs, run.log
     start = resume(run)
-    done, eval_seconds = {e["step"] for e in read_jsonl(run.out / "eval.jsonl")}, []
-    evaluate_and_log(run, start, done, eval_seconds)  # base model, or a checkpoint killed early
-    elapsed, aurocs, warned = [], [], False
+    done = {e["step"] for e in read_jsonl(run.out / "eval.jsonl")}
+    evaluate_and_log(run, start, done)      # the base model, or a checkpoint killed early
     for step in range(start, args.steps):
         t = time.perf_counter()
         for group in optimizer.param_groups:
             group["lr"] = lr_at(step, args)
         hook("step", run, step)
         rec = train_step(step, run)
-        elapsed.append(time.perf_counter() - t)
         if procs.main:
             append_jsonl(run.out / "metrics.jsonl", rec)
-        to_come = 0 if args.no_eval or not eval_seconds else eval_seconds[-1] * sum(
-            s % args.save_every == 0 or s == args.steps for s in range(step + 1, args.steps + 1))
-        log(progress_line(rec, args.steps, elapsed, to_come), flush=True)
+        auroc = rec.get("probe_auroc")
+        log(f"step {rec['step']:>4}/{args.steps}  reward {rec['reward_mean']:.3f}"
+            f"±{rec['reward_std']:.3f}  success {rec['success']:.2f}  zero-std "
+            f"{rec['frac_zero_std']:.2f}  kl {rec['kl']:.2e}"
+            + (f"  probe-auroc {auroc:.2f}" if auroc is not None else "")
+            + f"  {time.perf_counter() - t:.1f}s (rollout {rec['t_rollout']:.1f} reward "
+            f"{rec['t_reward']:.2f} update {rec['t_update']:.1f})", flush=True)
         if rec.get("skipped_updates"):
             log(f"warning: step {step + 1}: the gradient was not finite (a NaN or infinite "
                 "reward or log-probability reached it); the adapter was not updated "
                 "(skipped_updates in metrics.jsonl)", flush=True)
-        aurocs.append(rec.get("probe_auroc"))
-        if not warned and (mean := below_chance(aurocs)) is not None:
-            warned = True
-            log(f"warning: the probe ranks this run's own turns below chance (mean AUROC "
-                f"{mean:.2f} over the last {CHANCE_WINDOW} steps, probe_auroc in "
-                "metrics.jsonl): its reward now favours wrong turns", flush=True)
+        hook("logged", run, rec)
         if (step + 1) % args.save_every == 0 or step + 1 == args.steps:
             path = save_checkpoint(run.out, step + 1, policy, optimizer, procs, ctx.lagged)
             log(f"checkpoint {path}", flush=True)
             hook("checkpoint", run, step + 1)
-            evaluate_and_log(run, step + 1, done, eval_seconds)
+            evaluate_and_log(run, step + 1, done)
     summary = summarize(run.out, time.perf_counter() - started, args, ctx.probe_report)
     summary.update(ctx.summary)
     if procs.main:
@@ -891,12 +766,6 @@ def train(args) -> dict:
         log(summary_text(summary), flush=True)
     procs.close()
     return summary
-
-
-def check_args(args: argparse.Namespace) -> None:
-    """The rules between flags that need the rewards, the lab's included (parse_args checks the
-    rest); lab/compare.py applies them to every run before starting any."""
-    hook("check", args)
 
 
 # --- The run: flags and presets, processes, run directory, checkpoints, evaluation, summary ----
@@ -908,7 +777,19 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
         return action.help if action.default is None else super()._get_help_string(action)
 
 
-def at_least(low):                  # the ranges of FLAG_RANGES: (test, what it asks for)
+class Parser(argparse.ArgumentParser):
+    """argparse, pointing to the lab for a choice or a flag the core lacks."""
+
+    def error(self, message):
+        if PROG == "python grpo.py" and ("invalid choice" in message
+                                         or "unrecognized arguments" in message):
+            message += ("; the paper's other rewards, the tree searches, shop-long, the other "
+                        "advantage forms and the lab's flags run through `python -m lab.train` "
+                        "(lab/README.md)")
+        super().error(message)
+
+
+def at_least(low):                  # a range of FLAG_RANGES: (test, what it asks for)
     return (lambda v: v >= low), f"at least {low}"
 
 
@@ -920,6 +801,23 @@ def finite(low=-math.inf):
 # more threads than cores only slows a run down, and a huge count crashes torch's thread pool
 THREADS = (lambda v: 1 <= v <= (os.cpu_count() or 1)), \
     f"between 1 and this machine's {os.cpu_count() or 1} cores"
+# The range of every numeric flag, checked before anything is loaded
+FLAG_RANGES = {
+    **{k: at_least(1) for k in ("steps", "batch", "group", "max_turns", "max_new_tokens",
+                                "max_len", "oversample", "ppo_epochs", "micro_batch", "lora_r",
+                                "micro_batch_tokens", "save_every", "eval_batch")},
+    "threads": THREADS,
+    **{k: at_least(0) for k in ("eval_episodes", "val_episodes")},
+    "seed": ((lambda v: 0 <= v < 2 ** 32), "in [0, 2**32) (numpy's seeds)"),
+    "temperature": finite(model.MIN_TEMPERATURE),
+    **{k: ((lambda v: 0 < v < math.inf), "a positive number")
+       for k in ("lr", "eps", "grad_clip", "lora_alpha")},
+    **{k: finite(0.0) for k in ("beta", "weight_decay", "alpha")},
+    "outcome_weight": finite(),
+    "top_p": ((lambda v: 0 < v <= 1), "in (0, 1]"),
+    "warmup": ((lambda v: 0 <= v <= 1), "in [0, 1]"),
+    "lora_dropout": ((lambda v: 0 <= v < 1), "in [0, 1)"),
+}
 
 
 def check_ranges(ap: argparse.ArgumentParser, args, ranges: dict) -> None:
@@ -961,7 +859,8 @@ def is_builtin(args) -> bool:
 
 
 def resolve_preset(args, procs) -> None:
-    """Fill the flags left unset: the tiny preset for the built-in policy, else the paper's."""
+    """Fill the flags left unset: the tiny preset for the built-in policy, else the paper's;
+    then --preset's."""
     preset = dict(PAPER_HPARAMS, **TINY) if is_builtin(args) else dict(PAPER_HPARAMS)
     if args.env in envs.WORLDS:         # shop-long's episodes are longer than the paper's 10
         preset["max_turns"] = envs.WORLD_TURNS[args.env]
@@ -973,18 +872,11 @@ def resolve_preset(args, procs) -> None:
     if args.micro_batch is None:
         args.micro_batch = args.group
     hook("preset", args, given)
-
-    def flags(keys, mark=""):
-        return ", ".join(f"--{k.replace('_', '-')} {getattr(args, k)}"
-                         + (mark if k in given else "") for k in keys)
-    if procs.main and is_builtin(args):
-        print("preset for the tiny built-in policy (the paper's 7B values for everything else): "
-              + flags(k for k in TINY if k not in given)
-              + (f"; from the command line: {flags(k for k in TINY if k in given)}"
-                 if given & set(TINY) else ""), flush=True)
-    if procs.main and args.preset:
-        print(f"--preset {args.preset}: " + flags(PRESETS[args.preset], " (from the command line)"),
-              flush=True)
+    shown = [*(TINY if is_builtin(args) else ()), *PRESETS.get(args.preset, ())]
+    if procs.main and shown:
+        print("preset: " + ", ".join(f"--{k.replace('_', '-')} {getattr(args, k)}"
+                                     + (" (from the command line)" if k in given else "")
+                                     for k in shown), flush=True)
 
 
 def preset_flag(group, key: str, what: str, kind=int, more: str = ""):
@@ -1001,18 +893,6 @@ def preset_flag(group, key: str, what: str, kind=int, more: str = ""):
                        help=f"{what} {default}{more}")
 
 
-class Parser(argparse.ArgumentParser):
-    """argparse, pointing to the lab for a choice or a flag the core lacks."""
-
-    def error(self, message):
-        if PROG == "python grpo.py" and ("invalid choice" in message
-                                         or "unrecognized arguments" in message):
-            message += ("; the paper's other rewards, the tree searches, shop-long, the other "
-                        "advantage forms and the lab's flags run through `python -m lab.train` "
-                        "(lab/README.md)")
-        super().error(message)
-
-
 def train_parser(rewards) -> argparse.ArgumentParser:
     """grpo.py's flags; `rewards`: the names --reward takes (grpo.REWARDS)."""
     ap = Parser(prog=PROG, formatter_class=HelpFormatter,
@@ -1022,25 +902,24 @@ def train_parser(rewards) -> argparse.ArgumentParser:
     a = ap.add_argument
     a("--env", default="shop", choices=(*envs.WORLDS, "gta", "toolbench"),
       help="a built-in world or a released dataset replayed (envs.py)")
-    a("--data-dir", default=None, help="gta / toolbench: the released files' root, a missing "
-      "episode file downloaded there (default: $PAIR_DATA, else ~/.cache/pair/data)")
+    a("--data-dir", default=None, help="gta / toolbench: the released files' root (default: "
+      "$PAIR_DATA, else ~/.cache/pair/data)")
     a("--model", default=None, help="policy: a checkpoint directory or a Hugging Face model "
       "name (default: the built-in world's own, data/shop-policy)")
     a("--reward", default="pair", choices=tuple(rewards), help="per-turn reward source")
     a("--alpha", type=float, default=5.0, help="PAIR momentum scaling; 0 = vanilla PAIR")
     a("--outcome-weight", type=float, default=0.0,
       help="add this times the task score to the last turn's reward")
-    a("--advantage", default=None, choices=tuple(ADVANTAGES), help="advantage form and loss: "
-      "process (DeepSeekMath) or the authors' release (default: process; release with --preset "
-      "release)")
+    a("--advantage", default=None, choices=tuple(ADVANTAGES), help="advantage form and loss "
+      "(default: process, DeepSeekMath's; release with --preset release)")
     a("--preset", default=None, choices=tuple(PRESETS), help="release = the authors' release "
       "as it ran: --weight-decay 0.01, --warmup 0, --top-p 0.95, --advantage release")
     a("--probes", default=None, help="a PAIR directory, a probe file or a directory of them "
       "(default on shop: shipped beside the built-in policy)")
     g = ap.add_argument_group("rollout")
-    preset_flag(g, "steps", "training steps")
-    preset_flag(g, "batch", "prompts per step")
-    preset_flag(g, "group", "rollouts per prompt, G")
+    for key, what in (("steps", "training steps"), ("batch", "prompts per step"),
+                      ("group", "rollouts per prompt, G")):
+        preset_flag(g, key, what)
     preset_flag(g, "max_turns", "assistant turns per rollout", more=" (a built-in world's own: "
                 "envs.WORLD_TURNS)")
     preset_flag(g, "max_new_tokens", "generated tokens per turn")
@@ -1049,68 +928,46 @@ def train_parser(rewards) -> argparse.ArgumentParser:
     preset_flag(g, "temperature", "sampling temperature", float)
     preset_flag(g, "top_p", "nucleus sampling mass", float)
     g = ap.add_argument_group("optimization")
-    preset_flag(g, "lr", "AdamW learning rate", float)
-    preset_flag(g, "warmup", "fraction of steps of linear warmup, then constant", float)
-    preset_flag(g, "beta", "KL coefficient", float)
-    preset_flag(g, "eps", "PPO clip epsilon", float)
+    for key, what in (("lr", "AdamW learning rate"), ("beta", "KL coefficient"),
+                      ("warmup", "fraction of steps of linear warmup, then constant"),
+                      ("eps", "PPO clip epsilon")):
+        preset_flag(g, key, what, float)
     preset_flag(g, "oversample", "DAPO dynamic sampling: play up to K x --batch prompts, keep "
                 "the first --batch groups that give some turn an advantage")
     g.add_argument("--ppo-epochs", type=int, default=1, help="passes over each batch")
     g.add_argument("--micro-batch", type=int, default=None,
                    help="rollouts per forward in the update (default: --group)")
     g.add_argument("--micro-batch-tokens", type=int, default=16384,
-                   help="most padded tokens per forward in the update (about 0.2 GiB per 1,000 "
-                        "at 7B)")
+                   help="most padded tokens per forward in the update (~0.2 GiB per 1,000 at 7B)")
     g.add_argument("--grad-clip", type=float, default=1.0, help="gradient norm clip")
     g.add_argument("--weight-decay", type=float, default=None,
                    help="AdamW weight decay (default: 0; 0.01 with --preset release)")
     preset_flag(g, "lora_r", "LoRA rank")
-    preset_flag(g, "lora_alpha", "LoRA alpha", float)
-    preset_flag(g, "lora_dropout", "LoRA dropout", float)
+    for key in ("lora_alpha", "lora_dropout"):
+        preset_flag(g, key, key.replace("_", " ").replace("lora", "LoRA"), float)
     g.add_argument("--lora-targets", default=",".join(model.LORA_TARGETS),
                    help="comma-separated projections that get an adapter")
     g = ap.add_argument_group("run")
-    g.add_argument("--out", default=None,
-                   help="run directory (default: runs/<env>-<reward>-<date>-<time>, new)")
-    g.add_argument("--resume", action="store_true",
-                   help="continue the run in --out from its newest checkpoint")
+    g.add_argument("--out", help="run directory (default: runs/<env>-<reward>-<date>-<time>)")
+    g.add_argument("--resume", action="store_true", help="continue the run in --out")
     g.add_argument("--resume-if-present", action="store_true",
                    help="continue the run in --out if there is one, else start it")
     preset_flag(g, "save_every", "checkpoint (and evaluate) every N steps")
     g.add_argument("--eval-episodes", type=int, default=0,
                    help="test episodes per evaluation (0 = the whole test split)")
-    g.add_argument("--val-episodes", type=int, default=None, help="validation episodes per "
-                   "evaluation (shop: its split; replays: the training split's last 10%%)")
+    g.add_argument("--val-episodes", type=int, help="validation episodes per evaluation (shop: "
+                   "its split; replays: the training split's last 10%%)")
     preset_flag(g, "eval_batch", "episodes decoded together in an evaluation")
     g.add_argument("--no-eval", action="store_true", help="skip the held-out evaluations")
     g.add_argument("--seed", type=int, default=42, help="seed of everything")
     g.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"),
                    help="model weights dtype (the adapter stays float32)")
-    g.add_argument("--devices", default=None, help="split the model over these devices, e.g. "
-                   "cuda:0,cuda:1 (default: the process's GPU under torchrun, else the CPU)")
-    g.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: 1 "
-                   "with the built-in policy, else torch's choice)")
+    g.add_argument("--devices", help="split the model over these devices, e.g. cuda:0,cuda:1 "
+                   "(default: the process's GPU under torchrun, else the CPU)")
+    g.add_argument("--threads", type=int, help="torch CPU threads (default: 1 with the "
+                   "built-in policy, else torch's choice)")
     hook("flags", ap)
     return ap
-
-
-# The range of every numeric flag, checked before anything is loaded
-FLAG_RANGES = {
-    **{k: at_least(1) for k in ("steps", "batch", "group", "max_turns", "max_new_tokens",
-                                "max_len", "oversample", "ppo_epochs", "micro_batch", "lora_r",
-                                "micro_batch_tokens", "save_every", "eval_batch")},
-    "threads": THREADS,
-    **{k: at_least(0) for k in ("eval_episodes", "val_episodes")},
-    "seed": ((lambda v: 0 <= v < 2 ** 32), "in [0, 2**32) (numpy's seeds)"),
-    "temperature": finite(model.MIN_TEMPERATURE),
-    **{k: ((lambda v: 0 < v < math.inf), "a positive number")
-       for k in ("lr", "eps", "grad_clip", "lora_alpha")},
-    **{k: finite(0.0) for k in ("beta", "weight_decay", "alpha")},
-    "outcome_weight": finite(),
-    "top_p": ((lambda v: 0 < v <= 1), "in (0, 1]"),
-    "warmup": ((lambda v: 0 <= v <= 1), "in [0, 1]"),
-    "lora_dropout": ((lambda v: 0 <= v < 1), "in [0, 1)"),
-}
 
 
 def parse_args(argv, rewards) -> argparse.Namespace:
@@ -1171,25 +1028,6 @@ class Processes:
         pass
 
 
-def init_processes(args) -> Processes:
-    """This process alone, or under torchrun (WORLD_SIZE > 1) the lab's process group."""
-    if int(os.environ.get("WORLD_SIZE", "1")) == 1:
-        return Processes()
-    started = [procs for procs in hook("processes", args) if procs is not None]
-    if not started:
-        raise SystemExit("several processes run through the lab: torchrun --nproc_per_node N "
-                         "-m lab.train ...")
-    return started[0]
-
-
-def all_sum_named(procs: Processes, parts: dict[str, list[float]]) -> dict[str, list[float]]:
-    """all_sum of named lists of numbers, in one all-reduce: each name gets its list back."""
-    flat, out = procs.all_sum([v for values in parts.values() for v in values]), {}
-    for name, values in parts.items():
-        out[name], flat = flat[:len(values)], flat[len(values):]
-    return out
-
-
 # flags a resumed run must keep: all that trains or scores it (not --threads, --devices,
 # --eval-batch: they change float summation order only); the lab adds its own
 RESUME_KEYS = ("env", "model", "reward", "alpha", "outcome_weight", "probes", "seed", "steps",
@@ -1214,39 +1052,34 @@ def changed_flag(args, old: dict) -> tuple[str, object, object] | None:
 
 def check_out(args) -> None:
     """What --out holds against --resume / --resume-if-present, read-only: checked before
-    anything is loaded and again once OUT is locked. A run exists once its args.json does."""
+    anything is loaded and again once OUT is claimed. A run exists once its args.json does."""
     out = Path(args.out)
-    resume = f"--resume: {out}"
     saved = out / "args.json"
     if args.resume_if_present:
         args.resume = saved.exists()
-    if args.resume and saved.exists():
+    if args.resume and not saved.exists():      # a typo in --out must not start a new run
+        raise SystemExit(f"--resume: nothing to resume in {out} (no args.json: no run was "
+                         "started there); leave out --resume to start one")
+    if args.resume:
         try:
             old = json.loads(saved.read_text())
             if not isinstance(old, dict):
                 raise ValueError("not a JSON object")
         except (OSError, ValueError, RecursionError) as e:
-            raise SystemExit(f"--resume: {saved} is not readable ({type(e).__name__}: {e}); the "
-                             "flags of the run cannot be checked") from None
+            raise SystemExit(f"--resume: {saved} is not readable ({type(e).__name__}: {e})") \
+                from None
         if changed := changed_flag(args, old):
             flag, now, then = changed
             raise SystemExit(f"--resume: {flag} is {now!r} but the run in {out} used {then!r}")
-        # logs past the first checkpoint's step (or a summary) and no checkpoint: they were
-        # deleted, and starting over would replace the logs
+        # logs past the first checkpoint's step, a summary or a damaged checkpoint, and no whole
+        # checkpoint: starting over would replace the logs
         logged = max((r["step"] for r in read_jsonl(out / "metrics.jsonl")), default=0)
         first = min(args.save_every, args.steps)
-        if not any(out.glob("checkpoint-*")) and (logged > first
-                                                  or (out / "summary.json").exists()):
-            raise SystemExit(f"{resume} logged {logged} steps but holds no checkpoint (the first "
-                             f"is saved after step {first}): restore its checkpoints, or choose "
-                             "another --out")
-    elif args.resume and latest_checkpoint(out):
-        # any flag could change under the checkpoint's optimizer and RNG states
-        raise SystemExit(f"{resume} holds checkpoints but no args.json, so the flags of that run "
-                         "cannot be checked; restore it, or start a new --out")
-    elif args.resume:               # a typo in --out must not start a new run from scratch
-        raise SystemExit(f"--resume: nothing to resume in {out} (no run was started there); "
-                         "leave out --resume to start one, or pass --resume-if-present")
+        if latest_checkpoint(out) is None and (logged > first or any(out.glob("checkpoint-*"))
+                                               or (out / "summary.json").exists()):
+            raise SystemExit(f"--resume: {out} logged {logged} steps but holds no checkpoint "
+                             f"whole (with trainer.json; the first is saved after step {first}): "
+                             "restore them, or choose another --out")
     elif any((out / f).exists() for f in ("metrics.jsonl", "eval.jsonl")) or \
             latest_checkpoint(out):         # eval.jsonl: killed after the base evaluation
         raise SystemExit(f"--out {out} already holds a run: pass --resume to continue it, or "
@@ -1255,57 +1088,13 @@ def check_out(args) -> None:
 
 def prepare_out(args, procs) -> Path:
     out = Path(args.out)
-    if procs.main:      # one run per --out: two would interleave metrics and checkpoints
-        lock(out)
+    if procs.main:
+        hook("claim", out)      # the lab's lock: one run per OUT
+        out.mkdir(parents=True, exist_ok=True)
         check_out(args)
         write_json(out / "args.json", vars(args))
     procs.barrier()
     return out
-
-
-_locks: dict[Path, object] = {}     # run directory (resolved) -> its lock file, open for the run
-
-
-def lock(out: Path) -> None:
-    """Make this process OUT's only writer: flock() on OUT/.lock, which the kernel drops when the
-    process dies (kill -9 included), so no lock goes stale; the pid inside names the holder."""
-    import fcntl                    # POSIX only
-    while out.resolve() not in _locks:
-        try:
-            out.mkdir(parents=True, exist_ok=True)
-            f = open(out / ".lock", "a+")           # "a+": the holder's pid stays readable
-        except OSError as e:
-            raise SystemExit(f"--out {out}: cannot write there ({e})") from None
-        try:
-            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            f.seek(0)
-            raise SystemExit(f"{out} is in use by pid {f.read().strip() or '?'}; wait for that "
-                             "process to finish (or stop it), or write somewhere else") from None
-        # the file may have been removed (forget_failed) between open and flock: retry then
-        with contextlib.suppress(FileNotFoundError):
-            if os.path.samestat(os.fstat(f.fileno()), os.stat(out / ".lock")):
-                f.truncate(0)
-                f.write(f"{os.getpid()}\n")
-                f.flush()
-                _locks[out.resolve()] = f
-                break
-        f.close()
-
-
-def forget_failed(out) -> None:
-    """A run that failed before logging anything leaves nothing behind: its args.json, the
-    lab's refit/, the lock and the directory go (only while this process holds OUT)."""
-    out = Path(out)
-    if out.resolve() not in _locks or any(out.glob("checkpoint-*")) \
-            or any((out / n).exists() for n in ("metrics.jsonl", "eval.jsonl")):
-        return
-    (out / "args.json").unlink(missing_ok=True)
-    shutil.rmtree(out / "refit", ignore_errors=True)
-    (out / ".lock").unlink(missing_ok=True)
-    _locks.pop(out.resolve()).close()
-    with contextlib.suppress(OSError):
-        out.rmdir()                     # only if nothing else is in it
 
 
 def append_jsonl(path: Path, record: dict):
@@ -1328,22 +1117,14 @@ def read_jsonl(path: Path) -> list[dict]:
             raise SystemExit(f"{path}: line {k + 1} is not JSON ({e}); the log is damaged") \
                 from e
         if not isinstance(record, dict) or type(record.get("step")) is not int:
-            raise SystemExit(f"{path}: line {k + 1} is not a step's record (a JSON object with "
-                             "an integer \"step\"); the log is damaged")
+            raise SystemExit(f"{path}: line {k + 1} is not a step's record; the log is damaged")
         records.append(record)
     return records
 
 
-def truncate_jsonl(path: Path, last_step: int):
-    """Keep the records up to `last_step` (a resumed run redoes the rest)."""
-    if path.exists():
-        keep = [r for r in read_jsonl(path) if r["step"] <= last_step]
-        model.write_atomic(path, "".join(json.dumps(r) + "\n" for r in keep))
-
-
 def save_checkpoint(out: Path, step: int, policy, optimizer, procs, lagged=None) -> Path:
-    """OUT/checkpoint-<step>/ (`lagged`: the tips reward's LoRA snapshot), whole or not at all:
-    a failed write (a full disk) leaves the earlier ones and stops the run with one line."""
+    """OUT/checkpoint-<step>/ (`lagged`: the lab's tips snapshot), whole or not at all: written
+    to a temporary directory, then renamed; a failed write stops the run with one line."""
     final = out / f"checkpoint-{step:06d}"
     tmp = out / f".checkpoint-{step:06d}.tmp"
     try:
@@ -1384,8 +1165,8 @@ def load_checkpoint(path: Path, policy, optimizer, procs) -> tuple[int, dict | N
     """Restore a checkpoint into policy, optimizer and RNGs: (its step, the lagged snapshot)."""
     try:
         info = json.loads((path / "trainer.json").read_text())
-        if not (isinstance(info, dict) and type(info.get("step")) is int and info["step"] >= 1):
-            raise ValueError(f"trainer.json holds no step >= 1: {str(info)[:80]}")
+        if type(info["step"]) is not int or info["step"] < 1:
+            raise ValueError(f"trainer.json holds no step >= 1: {info['step']!r}")
         if info["processes"] != procs.size:
             raise ValueError(f"it was written by {info['processes']} processes, this run has "
                              f"{procs.size}; the RNG streams would differ")
@@ -1477,22 +1258,18 @@ def eval_splits(args, train_env, train_pool) -> tuple[dict, list[int]]:
             train_pool[:len(train_pool) - k])
 
 
-def evaluate(policy, tok, env, pool, n: int, args, procs, name: str = "held-out") -> dict:
+def evaluate(policy, tok, env, pool, n: int, args, procs) -> dict:
     """Greedy rollouts on the first n episodes of `pool` (0: all): mean task score, mean turns,
     and every episode's score in pool order (for paired comparisons)."""
     n = len(pool) if not n else min(n, len(pool))
     mine = list(range(procs.rank, n, procs.size))
     policy.eval()
-    scores, turns, t0 = [], 0, time.perf_counter()
+    scores, turns = [], 0
     for i in range(0, len(mine), args.eval_batch):
         episodes = [env.episode(pool[j]) for j in mine[i:i + args.eval_batch]]
         for traj in rollout(policy, tok, episodes, args, greedy=True, stats=False):
             scores.append(traj.score)
             turns += len(traj.steps)
-        if procs.main:
-            left = (time.perf_counter() - t0) / len(scores) * (len(mine) - len(scores))
-            print(f"  evaluating: {len(scores)}/{len(mine)} {name} episodes, ETA "
-                  f"{duration(left)}", flush=True)
     turns = procs.all_sum([turns])[0]
     order = procs.gather([float(j) for j in mine], n)
     scores = [s for _, s in sorted(zip(order, procs.gather(scores, n)))]
@@ -1502,23 +1279,8 @@ def evaluate(policy, tok, env, pool, n: int, args, procs, name: str = "held-out"
 
 def evaluate_all(step: int, policy, tok, held: dict, args, procs) -> dict:
     sizes = {"val": args.val_episodes, "test": args.eval_episodes}
-    return {"step": step, **{name: evaluate(policy, tok, env, pool, sizes[name], args, procs,
-                                            {"val": "validation"}.get(name, name))
+    return {"step": step, **{name: evaluate(policy, tok, env, pool, sizes[name], args, procs)
                              for name, (env, pool) in held.items()}}
-
-
-def progress_line(rec: dict, steps: int, elapsed: list[float], evals_left: float = 0.0) -> str:
-    """The step's time and an ETA: the median of the last 10 steps (one rambling rollout makes
-    a step slow) plus `evals_left` seconds of evaluation; none before 3 steps."""
-    left = float(np.median(elapsed[-10:])) * (steps - rec["step"]) + evals_left
-    eta = duration(left) if len(elapsed) >= 3 or rec["step"] == steps else "after 3 steps"
-    auroc = rec.get("probe_auroc")
-    return (f"step {rec['step']:>4}/{steps}  reward {rec['reward_mean']:.3f}"
-            f"±{rec['reward_std']:.3f}  success {rec['success']:.2f}  zero-std "
-            f"{rec['frac_zero_std']:.2f}  kl {rec['kl']:.2e}"
-            + (f"  probe-auroc {auroc:.2f}" if auroc is not None else "")
-            + f"  {elapsed[-1]:.1f}s (rollout {rec['t_rollout']:.1f} reward "
-            f"{rec['t_reward']:.2f} update {rec['t_update']:.1f})  ETA {eta}")
 
 
 def summarize(out: Path, seconds: float, args, probe_report: dict | None = None) -> dict:
@@ -1544,18 +1306,12 @@ def summarize(out: Path, seconds: float, args, probe_report: dict | None = None)
                "selected_adapter": str(out / f"checkpoint-{selected['step']:06d}" / "adapter")
                if selected else None}
     if probe_report is not None:
-        h = probe_report["heldout"]
-        summary["probe_auroc_heldout"] = {
-            "corpus": probe_report["settings"]["corpus"], "turns": h["n"]["all"],
-            "pair": h["pair"]["all"], "pair_clean_prefix": h["pair"]["clean_prefix"],
-            "pair_contaminated_prefix": h["pair"]["contaminated_prefix"],
-            "contaminated_corpus_pair": probe_report["contaminated_corpus_pair"]["all"],
-            **({args.reward: h[args.reward]["all"]} if args.reward in h else {})}
+        summary["probe_auroc_heldout"] = pair.report_summary(probe_report, args.reward)
     return summary
 
 
 def summary_text(s: dict) -> str:
-    lines = [f"done in {duration(s['seconds'])} (reward {s['reward']})."]
+    lines = [f"done in {s['seconds']:.0f}s (reward {s['reward']})."]
     if s["base"] and s["selected"]:
         lines.append(
             f"held-out success (greedy, {s['base']['episodes']} test episodes): before "
@@ -1568,8 +1324,8 @@ def summary_text(s: dict) -> str:
         lines.append(f"PAIR AUROC on {p['turns']} held-out own turns: {num(p['pair'])} "
                      f"({p['corpus']} corpus); contaminated-corpus PAIR: "
                      f"{num(p['contaminated_corpus_pair'])}")
-    lines.append(f"run: {s['out']}  (metrics.jsonl per step, eval.jsonl per checkpoint, "
-                 "summary.json; `python -m lab.curves` draws them)")
+    lines.append(f"run: {s['out']} (metrics.jsonl, eval.jsonl, summary.json; `python -m "
+                 "lab.curves` draws them)")
     if s["selected_adapter"]:
         lines.append(f"selected adapter (PEFT layout): {s['selected_adapter']}")
     return "\n".join(lines)
@@ -1579,12 +1335,6 @@ def write_json(path: Path, obj, indent: int = 1) -> None:
     model.write_atomic(path, json.dumps(obj, indent=indent) + "\n")
 
 
-def duration(seconds: float) -> str:
-    """"42s" or "3m07s"."""
-    seconds = int(round(seconds))
-    return f"{seconds // 60}m{seconds % 60:02d}s" if seconds >= 60 else f"{seconds}s"
-
-
 def num(x) -> str:
     return "n/a" if x is None else f"{x:.3f}"
 
@@ -1592,15 +1342,15 @@ def num(x) -> str:
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else argv
     args = parse_args(argv, REWARDS)
-    check_args(args)
+    hook("check", args)             # the rules between flags that need the rewards, the lab's
     try:
         return train(args)
     except (model.CheckpointError, envs.DataError, probes.FormatError, envs.LLMError,
-            FileNotFoundError) as e:
-        forget_failed(args.out)
+            OSError) as e:
+        hook("failed", args)
         sys.exit(f"error: {e}")         # bad input: one clear line naming the file
     except SystemExit:                  # refused with one line: no run left behind either
-        forget_failed(args.out)
+        hook("failed", args)
         raise
     except KeyboardInterrupt:
         sys.exit("\n" + interrupted(args, argv))
@@ -1609,16 +1359,14 @@ def main(argv=None):
 def interrupted(args, argv) -> str:
     """What Ctrl-C leaves, and the command that goes on from there."""
     again = [*argv] + ([] if "--out" in argv else ["--out", args.out])
-    resume = [] if "--resume" in argv or "--resume-if-present" in argv else ["--resume"]
-    command = f"{PROG} {shlex.join(again + resume)}"
-    if (ckpt := latest_checkpoint(Path(args.out))) is not None:
-        return f"interrupted; the run resumes from its last checkpoint ({ckpt.name}), exactly, " \
-            f"with: {command}"
-    if (Path(args.out) / "args.json").is_file():
-        return (f"interrupted before the first checkpoint (after step "
-                f"{min(args.save_every, args.steps)}): no step is kept, and this starts the run "
-                f"over from step 1: {command}")
-    return f"interrupted before the run started; start it with: {PROG} {shlex.join(again)}"
+    if not (Path(args.out) / "args.json").is_file():
+        return f"interrupted before the run started; start it with: {PROG} {shlex.join(again)}"
+    again += [] if "--resume" in argv or "--resume-if-present" in argv else ["--resume"]
+    ckpt = latest_checkpoint(Path(args.out))
+    what = f"; the run resumes from its last checkpoint ({ckpt.name}), exactly," if ckpt else \
+        (f" before the first checkpoint (after step {min(args.save_every, args.steps)}): no step "
+         "is kept, and this starts the run over from step 1:")
+    return f"interrupted{what} with: {PROG} {shlex.join(again)}"
 
 
 if __name__ == "__main__":

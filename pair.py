@@ -198,3 +198,92 @@ def check_probe_model(probe_path, model_dir) -> None:
     else:
         print(f"warning: {probe_path} does not record the model it was fitted for; it cannot "
               "be checked against --model", file=sys.stderr)
+
+
+# ----------------------------------------------------------------------------------------------
+# PAIR and the probes as grpo.py's rewards: a rollout's turns in, one r_t per turn out
+
+def turn_features(traces: list) -> dict[str, torch.Tensor]:
+    """probes.raw_features of every turn's trace (model.TurnTrace), stacked: (turns, ...) each."""
+    return probes.stack_raw([probes.raw_features(trace, False) for trace in traces])
+
+
+def pair_from_features(features: dict[str, torch.Tensor], ctx) -> tuple[list[float], list[float]]:
+    """METHOD.md §6-7: each turn's s_final (Eq. stage1, stage2), then the rollout's rewards
+    (trajectory_rewards with ctx.args.alpha), and the s_final themselves."""
+    _, s_final = ctx.pair.scores(features)
+    s_final = s_final.tolist()
+    return trajectory_rewards(s_final, ctx.args.alpha), s_final
+
+
+def probe_from_features(features: dict[str, torch.Tensor], ctx) -> tuple[list[float], list[float]]:
+    """METHOD.md §7: a probe baseline used as a reward gives r_t = its P(correct)."""
+    p = ctx.probe.predict_proba(feature(ctx.args.reward, features)).tolist()
+    return p, p
+
+
+STUDY = ("; `python -m lab.study train --out DIR` fits them into DIR/seed<S>/ (PAIR: its "
+         "pair_mixed/), and `python -m lab.train --probes DIR` reads DIR itself")
+
+
+def load_head(where: Path, reward: str, config, model_dir=None) -> Pair | Probe:
+    """What `--reward` reads in `where` (a PAIR directory, or its pair/; a probe file, or a
+    directory of them), checked against the policy's widths (config) and, given model_dir,
+    against the model it was fitted for: a damaged or foreign file fails before any rollout."""
+    if reward == "pair":
+        path = next((d for d in (where, where / "pair") if (d / "pair.json").is_file()), None)
+        if path is None:
+            raise SystemExit(f"--probes {where}: no pair.json there nor in pair/ of it{STUDY}")
+        head = Pair.load(path)
+    else:
+        path = where / f"{reward}.safetensors" if where.is_dir() else where
+        if not path.is_file():
+            raise SystemExit(f"--probes {where}: no probe {path.name} for --reward {reward}"
+                             f"{STUDY}")
+        head = Probe.load(path)
+    if model_dir is not None:
+        check_probe_model(path, model_dir)
+    if isinstance(head, Probe) and (name := head.info.get("feature")) != reward:
+        raise SystemExit(f"--probes {path}: a {name} probe, not {reward}")
+    d, L, H = config.hidden_size, config.num_hidden_layers, config.num_attention_heads
+    if isinstance(head, Pair):
+        want = {"stage1": d, "stage2": len(head.stats) * H * L + 1}
+        have = {"stage1": head.stage1.w.numel(), "stage2": head.stage2.w.numel()}
+    else:
+        want, have = {reward: probes.feature_width(reward, d, L, H)}, {reward: head.w.numel()}
+    for part, n in want.items():
+        if have[part] != n:
+            raise SystemExit(f"{path}: the {part} probe reads {have[part]} features, this "
+                             f"policy gives {n} (d={d}, L={L}, H={H}): fitted on another model, "
+                             "or damaged")
+    return head
+
+
+def read_report(where: Path, reward: str, log) -> dict:
+    """The report (probes.json) of probes shipped in `where`: it logs `reward`'s AUROC on
+    held-out own turns, and warns where it is below chance (as a reward it favours wrong turns)."""
+    try:
+        report = json.loads((where / "probes.json").read_text())
+        auroc, n = report["heldout"][reward]["all"], report["heldout"]["n"]["all"]
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise SystemExit(f"{where}: damaged shipped probes ({type(e).__name__}: {e}); rebuild "
+                         "them with `python -m lab.onpolicy`") from None
+    log(f"probes: {where}, fitted on {report['n_train']} own turns of this policy; {reward}'s "
+        f"AUROC on {n} held-out own turns {auroc:.3f}", flush=True)
+    for part, a in report["heldout"][reward].items():
+        if a is not None and a < 0.5 and (part == "all" or part.startswith("slip=")):
+            which = "the held-out own turns" if part == "all" else \
+                f"the {part[5:]} slip above the same turn made right"
+            log(f"warning: the {reward} probe ranks {which} below chance ({a:.3f}): as a reward "
+                "it favours the wrong turn", flush=True)
+    return report
+
+
+def report_summary(report: dict, reward: str) -> dict:
+    """What summary.json keeps of a probes report: the AUROC on held-out own turns."""
+    h = report["heldout"]
+    return {"corpus": report["settings"]["corpus"], "turns": h["n"]["all"],
+            "pair": h["pair"]["all"], "pair_clean_prefix": h["pair"]["clean_prefix"],
+            "pair_contaminated_prefix": h["pair"]["contaminated_prefix"],
+            "contaminated_corpus_pair": report["contaminated_corpus_pair"]["all"],
+            **({reward: h[reward]["all"]} if reward in h else {})}

@@ -85,7 +85,7 @@ def check_run(spec: str, argv: list[str], reward: str, seed: int, run: Path, res
                     (reward, seed, str(run), resume, False):
                 raise SystemExit("--reward, --seed, --out and --resume are compare's to set; "
                                  "leave them out of the spec and of the flags after --")
-            grpo.check_args(args)
+            grpo.hook("check", args)
             grpo.resolve_preset(args, grpo.Processes())
             if not done:
                 grpo.check_out(args)

@@ -18,6 +18,7 @@ import torch
 
 import envs
 import grpo
+import pair
 import probes
 from lab import onpolicy, study
 
@@ -87,9 +88,9 @@ def stored_rewards(turns: study.Split, ctx) -> list[float | None] | None:
     elif name == "labels":
         rewards = [float(y) for y in turns.y.tolist()]
     elif name == "pair":
-        rewards = grpo.pair_from_features(turns.raw, ctx)[0]
+        rewards = pair.pair_from_features(turns.raw, ctx)[0]
     elif name in grpo.PROBE_REWARDS:
-        rewards = grpo.probe_from_features(turns.raw, ctx)[0]
+        rewards = pair.probe_from_features(turns.raw, ctx)[0]
     else:
         return None
     return grpo.with_outcome(rewards, score, ctx.args)
@@ -114,7 +115,7 @@ def premise_gate(turns: study.Split, ctx, at: list[str | None]) -> dict | None:
         if any(r is None for r in rewards):
             return None
         scores = [float(turns.raw["score"][idx[0]]) for idx in group]
-        a, _ = grpo.advantages(rewards, scores, ctx.args)
+        a, _ = grpo.ADVANTAGES[ctx.args.advantage](rewards, scores, ctx.args)
         for idx, a_i, r_i in zip(group, a, rewards):
             adv[idx] = torch.tensor(a_i, dtype=torch.float64)
             reward[idx] = torch.tensor([math.nan if r is None else r for r in r_i],

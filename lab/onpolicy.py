@@ -154,7 +154,7 @@ def sample_own_turns(policy, tok, env, n_episodes: int, samples: int, args, seed
             elif len(trajs) < len(episodes) and pacer.due(len(trajs)):
                 rate = (time.perf_counter() - t1) / (len(trajs) - rows)
                 log(f"  {len(trajs)}/{len(episodes)} rollouts of {env.split} episodes, ETA "
-                    f"{grpo.duration(rate * (len(episodes) - len(trajs)))}", flush=True)
+                    f"{runs.duration(rate * (len(episodes) - len(trajs)))}", flush=True)
     log(f"  {len(trajs)} rollouts of {n_episodes} {env.split} episodes x {samples} in "
         f"{time.perf_counter() - t0:.0f}s", flush=True)
     return turn_records(trajs)
@@ -549,7 +549,7 @@ def refit_head(run: grpo.Training, step: int) -> dict:
     else:
         if procs.main:
             save_head(new, head_dir(run.out, step))
-        ctx.use_head(new)
+        use_head(ctx, new)
         run.log(f"refit: {what} fitted again on the {rep['turns']} own turns of steps "
                 f"{step - every + 1}-{step} ({rep['correct']} right), AUROC on them "
                 f"{rep['auroc_before']:.3f} -> {rep['auroc_after']:.3f}", flush=True)
@@ -593,6 +593,36 @@ def after_step(run, step: int, trajs) -> dict | None:
     return refit_head(run, step + 1) if (step + 1) % every == 0 else None
 
 
+def use_head(ctx, head) -> None:
+    """Reward with a refitted head: a pair.Pair or a probes.Probe."""
+    if isinstance(head, pair.Pair):
+        ctx.pair = head
+    else:
+        ctx.probe = head
+
+
+CHANCE_WINDOW = 5       # steps the drift monitor's alarm averages over
+
+
+def below_chance(aurocs: list) -> float | None:
+    """The drift monitor's alarm: the mean probe AUROC of the last CHANCE_WINDOW steps when
+    below chance (the frozen probe's reward now favours wrong turns), else None."""
+    recent = [a for a in aurocs[-CHANCE_WINDOW:] if a is not None]
+    mean = sum(recent) / CHANCE_WINDOW
+    return mean if len(recent) == CHANCE_WINDOW and mean < 0.5 else None
+
+
+def drift_alarm(run, rec: dict) -> None:
+    """Warn once a run when the probe ranks its own turns below chance (probe_auroc)."""
+    aurocs = vars(run).setdefault("probe_aurocs", [])     # this run's, since it (re)started
+    aurocs.append(rec.get("probe_auroc"))
+    if not vars(run).get("drift_warned") and (mean := below_chance(aurocs)) is not None:
+        run.drift_warned = True
+        run.log(f"warning: the probe ranks this run's own turns below chance (mean AUROC "
+                f"{mean:.2f} over the last {CHANCE_WINDOW} steps, probe_auroc in "
+                "metrics.jsonl): its reward now favours wrong turns", flush=True)
+
+
 def on_resume(run, start: int) -> None:
     """Turns and heads of the steps to be redone are not this run's; the head read at the
     checkpoint is read again."""
@@ -602,7 +632,7 @@ def on_resume(run, start: int) -> None:
     if run.args.probe_retrain_every and start:
         head, k = latest_head(run.out, start)
         if head is not None:
-            run.ctx.use_head(head)
+            use_head(run.ctx, head)
             run.log(f"reading the head refitted after step {k} ({head_dir(run.out, k)})",
                     flush=True)
 
@@ -764,6 +794,7 @@ def register() -> None:
     grpo.HOOKS["context"].append(fit_on_the_fly)
     grpo.HOOKS["check"].append(check)
     grpo.HOOKS["trained"].append(after_step)
+    grpo.HOOKS["logged"].append(drift_alarm)
     grpo.HOOKS["resume"].append(on_resume)
     grpo.HOOKS["checkpoint"].append(at_checkpoint)
     grpo.HOOKS["evaluate"].append(cached_base_eval)

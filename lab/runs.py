@@ -8,9 +8,11 @@ import hashlib
 import json
 import math
 import os
+import shutil
 import time
 from pathlib import Path
 
+import grpo
 import model
 
 
@@ -46,6 +48,12 @@ def exclusive_dir(directory):
         yield Path(directory)
     finally:
         release(directory)
+
+
+def duration(seconds: float) -> str:
+    """"42s" or "3m07s"."""
+    seconds = int(round(seconds))
+    return f"{seconds // 60}m{seconds % 60:02d}s" if seconds >= 60 else f"{seconds}s"
 
 
 def hms(seconds: float) -> str:
@@ -157,3 +165,32 @@ class Pacer:
             self.last_time, self.last_done = now, done
             return True
         return False
+
+
+def forget_failed(args) -> None:
+    """A run that failed before logging anything leaves nothing behind: its args.json, the
+    lab's refit/, the lock and the directory go (only while this process holds OUT)."""
+    out = Path(args.out)
+    if not holds(out) or any(out.glob("checkpoint-*")) \
+            or any((out / n).exists() for n in ("metrics.jsonl", "eval.jsonl")):
+        return
+    (out / "args.json").unlink(missing_ok=True)
+    shutil.rmtree(out / "refit", ignore_errors=True)
+    (out / LOCK_FILE).unlink(missing_ok=True)
+    _claims.pop(str(out.resolve()))[0].close()
+    with contextlib.suppress(OSError):
+        out.rmdir()                     # only if nothing else is in it
+
+
+def claim_out(out: Path) -> None:
+    """grpo.py's run directory: one run per OUT (two would interleave metrics and checkpoints),
+    held until the process exits."""
+    if not holds(out):
+        claim(out)
+
+
+def register() -> None:
+    """Plug the run lock into grpo.py (lab/train.py does, once)."""
+    if claim_out not in grpo.HOOKS["claim"]:
+        grpo.HOOKS["claim"].append(claim_out)
+        grpo.HOOKS["failed"].append(forget_failed)

@@ -8,16 +8,17 @@
 `plug_in` registers each lab module with grpo.py (its REWARDS, ADVANTAGES, PLAYERS, LOSSES and
 HOOKS): the paper's other rewards and the tree searches (lab/baselines.py), the exact-label
 reward, the advantage forms and the premise gate (lab/credit.py), probes fitted on the fly and
-refitted during a run (lab/onpolicy.py), the long world (lab/shop.py), the probes of a
-`lab.study train` directory (lab/study.py), and several processes under torchrun (lab/torchrun.py).
+refitted during a run and the drift alarm (lab/onpolicy.py), the run lock (lab/runs.py), the
+long world (lab/shop.py), the probes of a `lab.study train` directory (lab/study.py), and
+several processes under torchrun (lab/torchrun.py).
 """
 import grpo
-from lab import baselines, credit, onpolicy, shop, study, torchrun
+from lab import baselines, credit, onpolicy, runs, shop, study, torchrun
 
 
 def plug_in() -> None:
     """The lab into grpo.py, once (calling it again changes nothing)."""
-    for module in (baselines, credit, onpolicy, shop, study, torchrun):
+    for module in (baselines, credit, onpolicy, runs, shop, study, torchrun):
         module.register()
     grpo.PROG = "python -m lab.train"
 

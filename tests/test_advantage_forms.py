@@ -79,9 +79,10 @@ def test_advantages_dispatch_reads_the_scores_only_where_the_form_needs_them():
     for form in ("process", "release", "position"):
         form_of = {"process": grpo.group_advantages, "release": grpo.release_advantages,
                    "position": credit.position_advantages}[form]
-        assert grpo.advantages(rewards, scores, args_for(advantage=form)) == form_of(rewards)
-    assert grpo.advantages(rewards, scores, args_for(advantage="outcome-turn", turn_weight=2.0)) \
-        == credit.outcome_turn_advantages(rewards, scores, 2.0)
+        assert grpo.ADVANTAGES[form](rewards, scores, args_for(advantage=form)) == form_of(rewards)
+    args = args_for(advantage="outcome-turn", turn_weight=2.0)
+    assert grpo.ADVANTAGES["outcome-turn"](rewards, scores, args) == \
+        credit.outcome_turn_advantages(rewards, scores, 2.0)
     assert set(grpo.ADVANTAGES) == {"process", "release", "position", "outcome-turn"}
 
 
@@ -105,7 +106,7 @@ def test_labels_reward_is_the_exact_labels():
 ])
 def test_labels_and_forms_are_refused_where_they_cannot_work(argv, error, tmp_path):
     with pytest.raises(SystemExit) as e:
-        grpo.check_args(grpo.parse_args([*argv, "--out", str(tmp_path / "r")], grpo.REWARDS))
+        grpo.hook("check", grpo.parse_args([*argv, "--out", str(tmp_path / "r")], grpo.REWARDS))
     assert error in str(e.value.code)
 
 
