@@ -725,6 +725,28 @@ def evaluate_and_log(run: Training, step: int, done: set):
             flush=True)
 
 
+CHANCE_WINDOW = 5       # steps the drift monitor's alarm averages over
+
+
+def below_chance(aurocs: list) -> float | None:
+    """The drift monitor's alarm: the mean probe AUROC of the last CHANCE_WINDOW steps when
+    below chance (the frozen probe's reward now favours wrong turns), else None."""
+    recent = [a for a in aurocs[-CHANCE_WINDOW:] if a is not None]
+    mean = sum(recent) / CHANCE_WINDOW
+    return mean if len(recent) == CHANCE_WINDOW and mean < 0.5 else None
+
+
+def drift_alarm(run, rec: dict) -> None:
+    """Warn once a run when the probe ranks its own turns below chance (probe_auroc)."""
+    aurocs = vars(run).setdefault("probe_aurocs", [])     # this run's, since it (re)started
+    aurocs.append(rec.get("probe_auroc"))
+    if not vars(run).get("drift_warned") and (mean := below_chance(aurocs)) is not None:
+        run.drift_warned = True
+        run.log(f"warning: the probe ranks this run's own turns below chance (mean AUROC "
+                f"{mean:.2f} over the last {CHANCE_WINDOW} steps, probe_auroc in "
+                "metrics.jsonl): its reward now favours wrong turns", flush=True)
+
+
 def train(args) -> dict:
     """Setup, the base model's evaluation, --steps GRPO steps with a checkpoint and an
     evaluation every --save-every steps and at the end, the summary."""
@@ -734,6 +756,7 @@ def train(args) -> dict:
     start = resume(run)
     done = {e["step"] for e in read_jsonl(run.out / "eval.jsonl")}
     evaluate_and_log(run, start, done)      # the base model, or a checkpoint killed early
+    seconds = []
     for step in range(start, args.steps):
         t = time.perf_counter()
         for group in optimizer.param_groups:
@@ -743,16 +766,20 @@ def train(args) -> dict:
         if procs.main:
             append_jsonl(run.out / "metrics.jsonl", rec)
         auroc = rec.get("probe_auroc")
+        seconds.append(time.perf_counter() - t)     # the median: one rambling rollout is slow
+        left = round(float(np.median(seconds[-10:])) * (args.steps - step - 1))
         log(f"step {rec['step']:>4}/{args.steps}  reward {rec['reward_mean']:.3f}"
             f"±{rec['reward_std']:.3f}  success {rec['success']:.2f}  zero-std "
             f"{rec['frac_zero_std']:.2f}  kl {rec['kl']:.2e}"
             + (f"  probe-auroc {auroc:.2f}" if auroc is not None else "")
-            + f"  {time.perf_counter() - t:.1f}s (rollout {rec['t_rollout']:.1f} reward "
-            f"{rec['t_reward']:.2f} update {rec['t_update']:.1f})", flush=True)
+            + f"  {seconds[-1]:.1f}s (rollout {rec['t_rollout']:.1f} reward "
+            f"{rec['t_reward']:.2f} update {rec['t_update']:.1f})  steps left {left // 60}m"
+            f"{left % 60:02d}s", flush=True)
         if rec.get("skipped_updates"):
             log(f"warning: step {step + 1}: the gradient was not finite (a NaN or infinite "
                 "reward or log-probability reached it); the adapter was not updated "
                 "(skipped_updates in metrics.jsonl)", flush=True)
+        drift_alarm(run, rec)
         hook("logged", run, rec)
         if (step + 1) % args.save_every == 0 or step + 1 == args.steps:
             path = save_checkpoint(run.out, step + 1, policy, optimizer, procs, ctx.lagged)
@@ -1089,12 +1116,33 @@ def check_out(args) -> None:
 def prepare_out(args, procs) -> Path:
     out = Path(args.out)
     if procs.main:
-        hook("claim", out)      # the lab's lock: one run per OUT
         out.mkdir(parents=True, exist_ok=True)
+        if not hook("claim", out):      # the lab's lock nests and waits; the core's refuses
+            lock(out)
         check_out(args)
         write_json(out / "args.json", vars(args))
     procs.barrier()
     return out
+
+
+def lock(out: Path) -> None:
+    """One run per OUT, two would interleave logs and checkpoints: flock() on OUT/.lock, which
+    the kernel drops when the process dies (kill -9 included); the file names the holder."""
+    import fcntl                    # POSIX only
+    f = open(out / ".lock", "a+")
+    try:
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        f.seek(0)
+        raise SystemExit(f"--out {out} is in use by pid {f.read().strip() or '?'}; wait for it "
+                         "to finish, or write somewhere else") from None
+    f.truncate(0)
+    f.write(f"{os.getpid()}\n")
+    f.flush()
+    LOCKS.append(f)                 # held open until the process exits
+
+
+LOCKS = []
 
 
 def append_jsonl(path: Path, record: dict):

@@ -408,8 +408,11 @@ def load_model(path_or_repo, dtype=torch.float32, devices=None) -> tuple["Transf
 def input_device(model: "Transformer") -> torch.device:
     """Where input ids go: the embedding's device (the first one of a split model)."""
     return model.model.embed_tokens.weight.device
+
+
 # ----------------------------------------------------------------------------------------------
 # RoPE, written as Hugging Face writes it for Qwen (rotate_half), so no weight permutation
+
 
 def rope_tables(inv_freq: Tensor, positions: Tensor, dtype) -> tuple[Tensor, Tensor]:
     freqs = positions[..., None].float() * inv_freq.to(positions.device)   # (B, T, D/2)

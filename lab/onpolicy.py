@@ -601,28 +601,6 @@ def use_head(ctx, head) -> None:
         ctx.probe = head
 
 
-CHANCE_WINDOW = 5       # steps the drift monitor's alarm averages over
-
-
-def below_chance(aurocs: list) -> float | None:
-    """The drift monitor's alarm: the mean probe AUROC of the last CHANCE_WINDOW steps when
-    below chance (the frozen probe's reward now favours wrong turns), else None."""
-    recent = [a for a in aurocs[-CHANCE_WINDOW:] if a is not None]
-    mean = sum(recent) / CHANCE_WINDOW
-    return mean if len(recent) == CHANCE_WINDOW and mean < 0.5 else None
-
-
-def drift_alarm(run, rec: dict) -> None:
-    """Warn once a run when the probe ranks its own turns below chance (probe_auroc)."""
-    aurocs = vars(run).setdefault("probe_aurocs", [])     # this run's, since it (re)started
-    aurocs.append(rec.get("probe_auroc"))
-    if not vars(run).get("drift_warned") and (mean := below_chance(aurocs)) is not None:
-        run.drift_warned = True
-        run.log(f"warning: the probe ranks this run's own turns below chance (mean AUROC "
-                f"{mean:.2f} over the last {CHANCE_WINDOW} steps, probe_auroc in "
-                "metrics.jsonl): its reward now favours wrong turns", flush=True)
-
-
 def on_resume(run, start: int) -> None:
     """Turns and heads of the steps to be redone are not this run's; the head read at the
     checkpoint is read again."""
@@ -794,7 +772,6 @@ def register() -> None:
     grpo.HOOKS["context"].append(fit_on_the_fly)
     grpo.HOOKS["check"].append(check)
     grpo.HOOKS["trained"].append(after_step)
-    grpo.HOOKS["logged"].append(drift_alarm)
     grpo.HOOKS["resume"].append(on_resume)
     grpo.HOOKS["checkpoint"].append(at_checkpoint)
     grpo.HOOKS["evaluate"].append(cached_base_eval)

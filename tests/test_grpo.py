@@ -791,6 +791,20 @@ def test_two_runs_on_one_out_one_refuses(tiny_policy, tmp_path, pair_cache):
     assert [m["step"] for m in metrics(out)] == [1, 2, 3]
 
 
+def test_the_cores_own_lock_refuses_a_second_holder(tmp_path):
+    # `python grpo.py` runs without the lab's claim hook: its own flock keeps one run per OUT
+    import fcntl
+    with open(tmp_path / ".lock", "a+") as other:       # another open file: another holder
+        other.write("4242\n")
+        other.flush()
+        fcntl.flock(other, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        with pytest.raises(SystemExit, match=f"--out {tmp_path} is in use by pid 4242"):
+            grpo.lock(tmp_path)
+    grpo.lock(tmp_path)                                 # released with its file: taken
+    assert (tmp_path / ".lock").read_text() == f"{os.getpid()}\n"
+    grpo.LOCKS.pop().close()
+
+
 def test_kill_9_frees_the_out_of_a_run(tiny_policy, tmp_path, pair_cache):
     out = tmp_path / "run"
     args = grpo.train_parser(grpo.REWARDS).parse_args(
@@ -1301,10 +1315,10 @@ def test_probe_reads_base_equals_teacher_forcing_through_the_base():
 
 def test_the_drift_monitor_warns_once_when_the_probe_falls_below_chance(tiny_policy, tmp_path,
                                                                         monkeypatch, capsys):
-    assert onpolicy.below_chance([0.9, 0.4, 0.4, 0.4, 0.4]) is None           # not yet 5 below
-    assert onpolicy.below_chance([0.9, 0.4, 0.4, None, 0.4, 0.4]) is None     # a step without one
-    assert onpolicy.below_chance([0.9, 0.3, 0.4, 0.5, 0.4, 0.4]) == pytest.approx(0.4)
-    assert onpolicy.below_chance([0.3, 0.4, 0.5, 0.6, 0.7]) is None           # mean 0.5: not below
+    assert grpo.below_chance([0.9, 0.4, 0.4, 0.4, 0.4]) is None           # not yet 5 below
+    assert grpo.below_chance([0.9, 0.4, 0.4, None, 0.4, 0.4]) is None     # a step without one
+    assert grpo.below_chance([0.9, 0.3, 0.4, 0.5, 0.4, 0.4]) == pytest.approx(0.4)
+    assert grpo.below_chance([0.3, 0.4, 0.5, 0.6, 0.7]) is None           # mean 0.5: not below
     # a tiny random policy's turns are all wrong (no AUROC): feed the loop a falling monitor
     real, falling = grpo.train_step, iter([0.8, 0.6, 0.4, 0.4, 0.4, 0.4, 0.3])
 
