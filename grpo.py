@@ -1306,18 +1306,22 @@ def eval_splits(args, train_env, train_pool) -> tuple[dict, list[int]]:
             train_pool[:len(train_pool) - k])
 
 
-def evaluate(policy, tok, env, pool, n: int, args, procs) -> dict:
+def evaluate(policy, tok, env, pool, n: int, args, procs, name: str = "held-out") -> dict:
     """Greedy rollouts on the first n episodes of `pool` (0: all): mean task score, mean turns,
     and every episode's score in pool order (for paired comparisons)."""
     n = len(pool) if not n else min(n, len(pool))
     mine = list(range(procs.rank, n, procs.size))
     policy.eval()
-    scores, turns = [], 0
+    scores, turns, t0 = [], 0, time.perf_counter()
     for i in range(0, len(mine), args.eval_batch):
         episodes = [env.episode(pool[j]) for j in mine[i:i + args.eval_batch]]
         for traj in rollout(policy, tok, episodes, args, greedy=True, stats=False):
             scores.append(traj.score)
             turns += len(traj.steps)
+        if procs.main:          # at 7B an evaluation takes minutes: say how far it is
+            left = round((time.perf_counter() - t0) / len(scores) * (len(mine) - len(scores)))
+            print(f"  evaluating: {len(scores)}/{len(mine)} {name} episodes, {left // 60}m"
+                  f"{left % 60:02d}s left", flush=True)
     turns = procs.all_sum([turns])[0]
     order = procs.gather([float(j) for j in mine], n)
     scores = [s for _, s in sorted(zip(order, procs.gather(scores, n)))]
@@ -1327,8 +1331,9 @@ def evaluate(policy, tok, env, pool, n: int, args, procs) -> dict:
 
 def evaluate_all(step: int, policy, tok, held: dict, args, procs) -> dict:
     sizes = {"val": args.val_episodes, "test": args.eval_episodes}
-    return {"step": step, **{name: evaluate(policy, tok, env, pool, sizes[name], args, procs)
-                             for name, (env, pool) in held.items()}}
+    words = {"val": "validation", "test": "test"}
+    return {"step": step, **{name: evaluate(policy, tok, env, pool, sizes[name], args, procs,
+                                            words[name]) for name, (env, pool) in held.items()}}
 
 
 def summarize(out: Path, seconds: float, args, probe_report: dict | None = None) -> dict:
