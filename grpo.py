@@ -190,7 +190,7 @@ PLAYERS = {}        # --reward name -> play(g, run, t) -> (Group, KV bytes), for
 LOSSES = {}         # --reward name -> its own loss (update)
 HOOKS = {name: [] for name in (
     "flags", "check", "preset", "processes", "context", "setup", "claim", "failed", "played",
-    "step", "trained", "logged", "resume", "checkpoint", "evaluate", "evaluated")}
+    "step", "trained", "resume", "checkpoint", "evaluate", "evaluated")}
 PROG = "python grpo.py"     # how the command line that runs this file is spelled in messages
 
 
@@ -736,17 +736,6 @@ def below_chance(aurocs: list) -> float | None:
     return mean if len(recent) == CHANCE_WINDOW and mean < 0.5 else None
 
 
-def drift_alarm(run, rec: dict) -> None:
-    """Warn once a run when the probe ranks its own turns below chance (probe_auroc)."""
-    aurocs = vars(run).setdefault("probe_aurocs", [])     # this run's, since it (re)started
-    aurocs.append(rec.get("probe_auroc"))
-    if not vars(run).get("drift_warned") and (mean := below_chance(aurocs)) is not None:
-        run.drift_warned = True
-        run.log(f"warning: the probe ranks this run's own turns below chance (mean AUROC "
-                f"{mean:.2f} over the last {CHANCE_WINDOW} steps, probe_auroc in "
-                "metrics.jsonl): its reward now favours wrong turns", flush=True)
-
-
 def train(args) -> dict:
     """Setup, the base model's evaluation, --steps GRPO steps with a checkpoint and an
     evaluation every --save-every steps and at the end, the summary."""
@@ -756,7 +745,7 @@ def train(args) -> dict:
     start = resume(run)
     done = {e["step"] for e in read_jsonl(run.out / "eval.jsonl")}
     evaluate_and_log(run, start, done)      # the base model, or a checkpoint killed early
-    seconds = []
+    seconds, aurocs, warned = [], [], False
     for step in range(start, args.steps):
         t = time.perf_counter()
         for group in optimizer.param_groups:
@@ -767,20 +756,24 @@ def train(args) -> dict:
             append_jsonl(run.out / "metrics.jsonl", rec)
         auroc = rec.get("probe_auroc")
         seconds.append(time.perf_counter() - t)     # the median: one rambling rollout is slow
-        left = round(float(np.median(seconds[-10:])) * (args.steps - step - 1))
+        left = float(np.median(seconds[-10:])) * (args.steps - step - 1)
         log(f"step {rec['step']:>4}/{args.steps}  reward {rec['reward_mean']:.3f}"
             f"±{rec['reward_std']:.3f}  success {rec['success']:.2f}  zero-std "
             f"{rec['frac_zero_std']:.2f}  kl {rec['kl']:.2e}"
             + (f"  probe-auroc {auroc:.2f}" if auroc is not None else "")
             + f"  {seconds[-1]:.1f}s (rollout {rec['t_rollout']:.1f} reward "
-            f"{rec['t_reward']:.2f} update {rec['t_update']:.1f})  steps left {left // 60}m"
-            f"{left % 60:02d}s", flush=True)
+            f"{rec['t_reward']:.2f} update {rec['t_update']:.1f})  steps left {duration(left)}",
+            flush=True)
         if rec.get("skipped_updates"):
             log(f"warning: step {step + 1}: the gradient was not finite (a NaN or infinite "
                 "reward or log-probability reached it); the adapter was not updated "
                 "(skipped_updates in metrics.jsonl)", flush=True)
-        drift_alarm(run, rec)
-        hook("logged", run, rec)
+        aurocs.append(rec.get("probe_auroc"))
+        if not warned and (mean := below_chance(aurocs)) is not None:
+            warned = True
+            log(f"warning: the probe ranks this run's own turns below chance (mean AUROC "
+                f"{mean:.2f} over the last {CHANCE_WINDOW} steps, probe_auroc in "
+                "metrics.jsonl): its reward now favours wrong turns", flush=True)
         if (step + 1) % args.save_every == 0 or step + 1 == args.steps:
             path = save_checkpoint(run.out, step + 1, policy, optimizer, procs, ctx.lagged)
             log(f"checkpoint {path}", flush=True)
@@ -1125,6 +1118,9 @@ def prepare_out(args, procs) -> Path:
     return out
 
 
+LOCKS = []          # the open lock files of the run directories this process holds
+
+
 def lock(out: Path) -> None:
     """One run per OUT, two would interleave logs and checkpoints: flock() on OUT/.lock, which
     the kernel drops when the process dies (kill -9 included); the file names the holder."""
@@ -1140,9 +1136,6 @@ def lock(out: Path) -> None:
     f.write(f"{os.getpid()}\n")
     f.flush()
     LOCKS.append(f)                 # held open until the process exits
-
-
-LOCKS = []
 
 
 def append_jsonl(path: Path, record: dict):
@@ -1319,9 +1312,9 @@ def evaluate(policy, tok, env, pool, n: int, args, procs, name: str = "held-out"
             scores.append(traj.score)
             turns += len(traj.steps)
         if procs.main:          # at 7B an evaluation takes minutes: say how far it is
-            left = round((time.perf_counter() - t0) / len(scores) * (len(mine) - len(scores)))
-            print(f"  evaluating: {len(scores)}/{len(mine)} {name} episodes, {left // 60}m"
-                  f"{left % 60:02d}s left", flush=True)
+            left = (time.perf_counter() - t0) / len(scores) * (len(mine) - len(scores))
+            print(f"  evaluating: {len(scores)}/{len(mine)} {name} episodes, {duration(left)} "
+                  "left", flush=True)
     turns = procs.all_sum([turns])[0]
     order = procs.gather([float(j) for j in mine], n)
     scores = [s for _, s in sorted(zip(order, procs.gather(scores, n)))]
@@ -1331,9 +1324,9 @@ def evaluate(policy, tok, env, pool, n: int, args, procs, name: str = "held-out"
 
 def evaluate_all(step: int, policy, tok, held: dict, args, procs) -> dict:
     sizes = {"val": args.val_episodes, "test": args.eval_episodes}
-    words = {"val": "validation", "test": "test"}
     return {"step": step, **{name: evaluate(policy, tok, env, pool, sizes[name], args, procs,
-                                            words[name]) for name, (env, pool) in held.items()}}
+                                            {"val": "validation"}.get(name, name))
+                             for name, (env, pool) in held.items()}}
 
 
 def summarize(out: Path, seconds: float, args, probe_report: dict | None = None) -> dict:
@@ -1386,6 +1379,12 @@ def summary_text(s: dict) -> str:
 
 def write_json(path: Path, obj, indent: int = 1) -> None:
     model.write_atomic(path, json.dumps(obj, indent=indent) + "\n")
+
+
+def duration(seconds: float) -> str:
+    """"42s" or "3m07s"."""
+    seconds = int(round(seconds))
+    return f"{seconds // 60}m{seconds % 60:02d}s" if seconds >= 60 else f"{seconds}s"
 
 
 def num(x) -> str:

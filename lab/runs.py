@@ -50,12 +50,6 @@ def exclusive_dir(directory):
         release(directory)
 
 
-def duration(seconds: float) -> str:
-    """"42s" or "3m07s"."""
-    seconds = int(round(seconds))
-    return f"{seconds // 60}m{seconds % 60:02d}s" if seconds >= 60 else f"{seconds}s"
-
-
 def hms(seconds: float) -> str:
     seconds = int(seconds)
     return f"{seconds // 3600}h{seconds // 60 % 60:02d}m{seconds % 60:02d}s"
