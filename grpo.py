@@ -26,7 +26,7 @@ import shutil
 import sys
 import time
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -40,157 +40,15 @@ import pair
 import probes
 
 
-# --- 1. Rollout: G rollouts of one prompt played together, one KV cache for the whole episode ----
-
-@dataclass
-class Step:                         # one assistant turn of one rollout
-    tokens: list[int]               # what the policy generated (ends with <|im_end|> if finished)
-    segment: int                    # which of Trajectory.segments holds it ...
-    span: tuple[int, int]           # ... at these positions [start, end)
-    text: str                       # the assistant text handed to the environment
-    trace: model.TurnTrace | None   # statistics from the generation pass (None: not collected)
-    observation: str | None         # the environment's answer (None: the episode ended here)
-    nll: float | None = None        # mean -log pi of its tokens as sampled
-    history: list[dict] = field(default_factory=list)   # the chat up to this turn
-
-
-@dataclass
-class Trajectory:                   # one rollout of one episode
-    episode: object                 # an envs.Episode: step(text), messages, score(), labels()
-    # one token sequence, and a new one each time the environment rewrites earlier messages
-    segments: list[list[int]] = field(default_factory=lambda: [[]])
-    steps: list[Step] = field(default_factory=list)
-    score: float = 0.0              # task score in [0, 1]
-    truncated: bool = False         # stopped by --max-len, not by the episode
-
-
-def turn_opening(tok, finished: bool, observation: str | None) -> list[int]:
-    """The tokens Tokenizer.render puts between two assistant turns (METHOD.md §2): <|im_end|>
-    if the turn hit max_new_tokens, "\\n", the observation as a user message, the next prompt."""
-    ids = ([] if finished else [tok.im_end_id]) + tok.encode("\n")
-    if observation is not None:         # text, not template: it cannot open or close a turn
-        ids += [tok.im_start_id] + tok.encode(f"user\n{observation}") + [tok.im_end_id] + \
-            tok.encode("\n")
-    return ids + [tok.im_start_id] + tok.encode("assistant\n")
-
-
-@torch.no_grad()
-def rollout(policy, tok, episodes: list, args, greedy=False, generator=None,
-            stats=True, caches: list | None = None) -> list[Trajectory]:
-    """Play each episode (one batch row each) to its end; `caches` gets the batch's KV cache."""
-    trajs = [Trajectory(ep) for ep in episodes]
-    new = [tok.render(ep.messages, add_generation_prompt=True)[0] for ep in episodes]
-    cache = policy.new_cache(len(episodes), capacity=min(
-        args.max_len, max(map(len, new)) + 4 * args.max_new_tokens))     # it grows if needed
-    play(policy, tok, trajs, cache, new, args, greedy, generator, stats)
-    if caches is not None:
-        caches.append(cache)
-    return trajs
-
-
-@torch.no_grad()
-def play(policy, tok, trajs: list[Trajectory], cache, new: list[list[int]], args, greedy=False,
-         generator=None, stats=True):
-    """Continue every row to the end of its episode. Row i's cache holds traj.segments[-1]; it
-    appends new[i] before its next turn (the prompt, or the rest of a branch's prefix)."""
-    active = [True] * len(trajs)
-    refill = [False] * len(trajs)
-    for _ in range(args.max_turns - min(len(t.steps) for t in trajs)):
-        for i, traj in enumerate(trajs):
-            if len(traj.steps) >= args.max_turns:       # a branch that started deep in a tree
-                active[i] = False
-            # a turn that might not fit ends the rollout (it is scored as it stands)
-            seen = 0 if refill[i] else len(traj.segments[-1])
-            if active[i] and seen + len(new[i]) + args.max_new_tokens > args.max_len:
-                active[i], traj.truncated = False, True
-        if not any(active):
-            break
-        if any(a and r for a, r in zip(active, refill)):
-            lengths = cache[0].lengths.clone()
-            for i, traj in enumerate(trajs):
-                if active[i] and refill[i]:
-                    lengths[i] = 0           # the row's old slots are free: overwrite them
-                    traj.segments.append([])
-                    refill[i] = False
-            model.set_lengths(cache, lengths)
-        traces = model.generate(policy, cache, new, max_new_tokens=args.max_new_tokens,
-                                temperature=0.0 if greedy else args.temperature,
-                                top_p=args.top_p, stop_ids=[tok.im_end_id],
-                                generator=generator, stats=stats, active=active)
-        for i, (traj, tr) in enumerate(zip(trajs, traces)):
-            if tr is None:                  # a row no longer playing
-                continue
-            seq = traj.segments[-1]
-            seq += new[i]
-            start = len(seq)
-            assert tuple(tr.span) == (start, start + len(tr.tokens)), (tr.span, start)
-            seq += tr.tokens
-            text = tok.decode(tr.tokens[:-1] if tr.finished else tr.tokens)
-            before = [dict(m) for m in traj.episode.messages]   # as this turn saw them
-            result = traj.episode.step(text)
-            obs = None if result.done else traj.episode.messages[-1]["content"]
-            history = before + [dict(traj.episode.messages[len(before)])]
-            traj.steps.append(Step(list(tr.tokens), len(traj.segments) - 1, (start, len(seq)),
-                                   text, tr if stats else None, obs,
-                                   nll=-sum(tr.logprobs) / max(len(tr.logprobs), 1),
-                                   history=history))
-            if result.done:
-                active[i], new[i] = False, []
-            elif getattr(result, "rewritten_from", None) is not None:
-                new[i] = tok.render(traj.episode.messages, add_generation_prompt=True)[0]
-                refill[i] = True
-            else:
-                new[i] = turn_opening(tok, tr.finished, obs)
-    for traj in trajs:
-        score = traj.episode.score()
-        traj.score = 0.0 if score is None else float(score)
-
-
-# --- 2. Rewards: one per assistant turn; `--reward` name -> function(trajectory, ctx) ------------
-# Each returns a float per turn, or None for a turn without reward; those that read a frozen
-# probe (READS_PROBE) return (rewards, each turn's P(correct)) for the drift monitor.
-
-@dataclass
-class RewardContext:                # what the reward functions need besides the rollout
-    policy: model.Transformer
-    tok: model.Tokenizer
-    args: argparse.Namespace
-    env: envs.Env | None = None     # the training environment
-    pair: pair.Pair | None = None           # reward "pair"
-    probe: probes.Probe | None = None       # the probe of the feature set named by --reward
-    judge: envs.ChatClient | None = None    # the lab's llm_judge
-    lagged: dict[str, torch.Tensor] | None = None   # the lab's tips: a lagged LoRA snapshot
-    probe_report: dict | None = None    # the probes' AUROC on held-out own turns
-    summary: dict = field(default_factory=dict)     # what the lab adds to summary.json
-    cost: Counter = field(default_factory=Counter)  # this step's extra work (COSTS)
-    stats: bool = True              # the rollout keeps the generation pass's statistics
-
-
-def outcome_reward(traj: Trajectory, ctx) -> list[float | None]:
-    return [None] * (len(traj.steps) - 1) + [traj.score]
-
-
-def pair_reward(traj: Trajectory, ctx) -> tuple[list[float], list[float]]:
-    return pair.pair_from_features(pair.turn_features([s.trace for s in traj.steps]), ctx)
-
-
-def probe_reward(traj: Trajectory, ctx) -> tuple[list[float], list[float]]:
-    return pair.probe_from_features(pair.turn_features([s.trace for s in traj.steps]), ctx)
-
-
-REWARDS = {"outcome": outcome_reward, "pair": pair_reward,
-           **{name: probe_reward for name in probes.FEATURES}}
-PROBE_REWARDS = set(probes.FEATURES)
-READS_PROBE = {"pair"} | PROBE_REWARDS
-NEEDS_STATS = set(READS_PROBE)          # rewards that read the generation pass's statistics
+# --- 1. Rewards (pair.REWARDS, one per assistant turn of a probes.rollout) and what they read ----
 
 # The lab (lab/train.py) plugs in through these tables and HOOKS[name], called by `hook(name,
 # ...)` at one point of a run with the arguments given there; the core runs with them empty.
 PLAYERS = {}        # --reward name -> play(g, run, t) -> (Group, KV bytes), for play_group
 LOSSES = {}         # --reward name -> its own loss (update)
 HOOKS = {name: [] for name in (
-    "flags", "check", "preset", "processes", "context", "setup", "claim", "failed", "played",
-    "step", "trained", "resume", "checkpoint", "evaluate", "evaluated")}
+    "flags", "check", "preset", "processes", "split", "context", "setup", "claim", "failed",
+    "played", "step", "trained", "resume", "checkpoint", "evaluate", "evaluated")}
 PROG = "python grpo.py"     # how the command line that runs this file is spelled in messages
 
 
@@ -198,32 +56,11 @@ def hook(name: str, *args) -> list:
     return [fn(*args) for fn in HOOKS[name]]
 
 
-def turn_rewards(traj: Trajectory, ctx) -> tuple[list[float | None], list[float] | None]:
-    """The `--reward` function plus `--outcome-weight`, and the frozen probe's P(correct) of
-    every turn when the reward reads one (else None)."""
-    if not traj.steps:              # a prompt longer than --max-len: nothing was generated
-        return [], None
-    rewards, p_correct = REWARDS[ctx.args.reward](traj, ctx), None
-    if ctx.args.reward in READS_PROBE:
-        rewards, p_correct = rewards
-    assert len(rewards) == len(traj.steps), (len(rewards), len(traj.steps))
-    return with_outcome(rewards, traj.score, ctx.args), p_correct
-
-
-def with_outcome(rewards: list[float | None], score: float, args) -> list[float | None]:
-    """`--outcome-weight w`: w x the task score added to the last turn's reward."""
-    w = args.outcome_weight
-    if w and args.reward != "outcome":
-        # a new list: a probe reward's list is also its P(correct), which the monitor scores
-        rewards = rewards[:-1] + [(rewards[-1] or 0.0) + w * score]
-    return rewards
-
-
-def reward_context(args, policy, tok, env, procs, log) -> RewardContext:
+def reward_context(args, policy, tok, env, procs, log) -> pair.RewardContext:
     """Load what the `--reward` function reads: the lab's probes ("context" hook), --probes (a
     PAIR directory, a probe file or a directory of them), or the built-in world's shipped ones."""
-    ctx = RewardContext(policy, tok, args, env=env)
-    if args.reward not in READS_PROBE:
+    ctx = pair.RewardContext(policy, tok, args, env=env)
+    if args.reward not in pair.READS_PROBE:
         return ctx
     if (found := [w for w in hook("context", args, policy, tok, procs, log) if w]):
         where, ctx.probe_report = found[0]
@@ -251,7 +88,7 @@ def shipped_probes(args, log) -> tuple[Path, dict]:
     return where, pair.read_report(where, args.reward, log)
 
 
-# --- 3. Advantages (METHOD.md §9: DeepSeekMath process supervision) ------------------------------
+# --- 2. The batch: rollouts right-padded, each turn's advantage (pair.ADVANTAGES) on its tokens --
 
 @dataclass
 class Batch:                        # what the update consumes: rollouts right-padded into rows
@@ -269,50 +106,7 @@ class Batch:                        # what the update consumes: rollouts right-p
     n_turns: int = 0
 
 
-def group_advantages(rewards: list[list[float | None]]) -> tuple[list[list[float]], bool]:
-    """Per-turn advantages of one group of G rollouts, and whether the group was all-equal.
-
-    rewards[i][t] = r_{i,t} or None (turn without reward). Pool every reward of the group,
-    r^ = (r - mean) / (std + 1e-6) with the population std, A_{i,t} = sum_{k>=t} r^_{i,k}.
-    "All equal" allows rounding noise (std <= 1e-8): the same score summed in another order."""
-    pooled = torch.tensor([r for row in rewards for r in row if r is not None], dtype=torch.float64)
-    std = pooled.std(correction=0) if len(pooled) else torch.tensor(0.0)
-    if std <= 1e-8:
-        return [[0.0] * len(row) for row in rewards], True
-    mean = pooled.mean()
-    advantages = []
-    for row in rewards:
-        rhat = torch.tensor([0.0 if r is None else (r - mean) / (std + 1e-6) for r in row],
-                            dtype=torch.float64)
-        advantages.append(rhat.flip(0).cumsum(0).flip(0).tolist())     # returns to go
-    return advantages, False
-
-
-def release_advantages(rewards: list[list[float | None]]) -> tuple[list[list[float]], bool]:
-    """`--advantage release`, the authors' release: A_{i,t} = r_{i,t} - mean_t r_{i,.} + z_i,
-    z_i = the group-normalized total R_i = sum_t r_{i,t} (population std; only centered when
-    std <= 1e-8). A turn without a reward counts 0; a group of one rollout keeps A = r. "All
-    equal": no turn of the group gets an advantage."""
-    rows = [torch.tensor([0.0 if r is None else r for r in row], dtype=torch.float64)
-            for row in rewards]
-    if len(rows) == 1:
-        advantages = [rows[0].tolist()]
-    else:
-        totals = torch.stack([row.sum() for row in rows])
-        std = totals.std(correction=0)
-        z = (totals - totals.mean()) / std if std > 1e-8 else totals - totals.mean()
-        advantages = [(row - row.mean() + z_i).tolist() if len(row) else []
-                      for row, z_i in zip(rows, z.tolist())]
-    return advantages, all(abs(a) <= 1e-8 for row in advantages for a in row)
-
-
-# --advantage name -> function(the group's per-turn rewards r[i][t], its task scores s[i], args)
-# -> (advantages, all equal); the lab adds forms (lab/credit.py)
-ADVANTAGES = {"process": lambda rewards, scores, args: group_advantages(rewards),
-              "release": lambda rewards, scores, args: release_advantages(rewards)}
-
-
-def make_batch(trajs: list[Trajectory], advantages: list[list[float]], pad_id: int) -> Batch:
+def make_batch(trajs: list[probes.Trajectory], advantages: list[list[float]], pad_id: int) -> Batch:
     """One right-padded row per token sequence; the mask covers the generated tokens only."""
     rows = [(traj, k) for traj in trajs for k in range(len(traj.segments))]
     T = max(len(traj.segments[k]) for traj, k in rows)
@@ -343,7 +137,7 @@ def make_batch(trajs: list[Trajectory], advantages: list[list[float]], pad_id: i
                  n_seqs, per_turn, n_turns)
 
 
-# --- 4. Update: PPO-clip + k3 KL, token-normalized, AdamW on LoRA --------------------------------
+# --- 3. Update: PPO-clip + k3 KL, token-normalized, AdamW on LoRA --------------------------------
 
 def grpo_loss(logp, logp_old, logp_ref, adv, eps: float, beta: float, n_tokens: float):
     """METHOD.md §9: sum over N policy tokens (inputs (N,)) of
@@ -458,7 +252,7 @@ def update(policy, optimizer, batch: Batch, args, procs) -> dict:
             "empty_batch": 0, "skipped_updates": skipped}
 
 
-# --- 5. The training loop: rollout -> rewards -> advantages -> update, checkpoints between ------
+# --- 4. The training loop: rollout -> rewards -> advantages -> update, checkpoints between ------
 
 def prompt_index(seed: int, g: int, n: int) -> int:
     """The training episode of the g-th prompt of the run: a fresh permutation every pass."""
@@ -487,7 +281,7 @@ class Training:                     # what the training loop reads; setup() buil
     env: envs.Env                   # the training environment ...
     pool: list[int]                 # ... and the indices of its episodes the prompts come from
     held: dict                      # the held-out splits, {"val": (env, pool), "test": ...}
-    ctx: RewardContext
+    ctx: pair.RewardContext
     optimizer: torch.optim.Optimizer
     args: argparse.Namespace
     procs: Processes
@@ -497,7 +291,7 @@ class Training:                     # what the training loop reads; setup() buil
 
 @dataclass
 class Group:                        # one prompt's rollouts, rewarded, with their advantages
-    trajs: list[Trajectory]
+    trajs: list[probes.Trajectory]
     rewards: list[list[float | None]]
     p_correct: list                 # per rollout, the frozen probe's P(correct) per turn, or None
     advantages: list[list[float]]
@@ -515,14 +309,14 @@ def play_group(g: int, run: Training, t: dict) -> tuple[Group, int]:
     caches = []
     # G fresh copies of the same episode: the group GRPO compares
     episodes = [run.env.episode(index) for _ in range(args.group)]
-    trajs = rollout(policy, tok, episodes, args, generator=sampler(policy, args.seed, g),
-                    caches=caches, stats=args.reward in NEEDS_STATS and ctx.stats)
+    trajs = probes.rollout(policy, tok, episodes, args, generator=sampler(policy, args.seed, g),
+                           caches=caches, stats=args.reward in pair.NEEDS_STATS and ctx.stats)
     t1 = time.perf_counter()
     hook("played", run, trajs, t)
-    r, p = zip(*[turn_rewards(traj, ctx) for traj in trajs])
+    r, p = zip(*[pair.turn_rewards(traj, ctx) for traj in trajs])
     t["t_rollout"] += t1 - t0
     t["t_reward"] += time.perf_counter() - t1
-    a, all_equal = ADVANTAGES[args.advantage](list(r), [traj.score for traj in trajs], args)
+    a, all_equal = pair.ADVANTAGES[args.advantage](list(r), [traj.score for traj in trajs], args)
     played = [st for traj in trajs for st in traj.steps]
     ctx.cost.update(gen_turns=len(played), gen_tokens=sum(len(st.tokens) for st in played))
     kv_bytes = sum(c.k.nbytes + c.v.nbytes for cache in caches for c in cache)
@@ -622,7 +416,7 @@ def step_metrics(step, trajs, rewards, p_correct, played, stats, times, args, pr
 
 def ctx_has_probe(args) -> bool:
     # probe rewards and PAIR score every turn; only shop knows the exact labels to check them on
-    return args.env in envs.WORLDS and (args.reward == "pair" or args.reward in PROBE_REWARDS)
+    return args.env in envs.WORLDS and (args.reward == "pair" or args.reward in pair.PROBE_REWARDS)
 
 
 def setup(args) -> Training:
@@ -675,13 +469,14 @@ def load_policy(args, procs: Processes) -> tuple[model.Transformer, model.Tokeni
     random.seed(args.seed)
     np.random.seed(args.seed)
     torch.manual_seed(args.seed)
-    devices = args.devices.split(",") if args.devices else (
-        [procs.device] if procs.device != "cpu" else None)
+    devices = model.parse_devices(args.devices or procs.device)
     builtin = envs.BUILTIN_POLICIES.get(args.env, envs.BUILTIN_POLICY)
     if Path(args.model).resolve() == builtin.resolve() and not builtin.is_dir():
         sys.exit(f"--model: the built-in policy {builtin} is missing; build it with "
                  f"`python -m lab.shop sft --out {builtin}` (lab/README.md)")
-    policy, tok = model.load_model(args.model, dtype=model.DTYPES[args.dtype], devices=devices)
+    policy, tok = model.load_model(args.model, dtype=model.DTYPES[args.dtype], device=devices[0])
+    if len(devices) > 1:
+        hook("split", policy, devices)      # lab/split.py: blocks moved one by one
     # apply_lora freezes the base: only the adapter is trained (and all-reduced)
     model.apply_lora(policy, r=args.lora_r, alpha=args.lora_alpha, dropout=args.lora_dropout,
                      targets=tuple(args.lora_targets.split(",")))
@@ -829,7 +624,7 @@ FLAG_RANGES = {
     "threads": THREADS,
     **{k: at_least(0) for k in ("eval_episodes", "val_episodes")},
     "seed": ((lambda v: 0 <= v < 2 ** 32), "in [0, 2**32) (numpy's seeds)"),
-    "temperature": finite(model.MIN_TEMPERATURE),
+    "temperature": finite(probes.MIN_TEMPERATURE),
     **{k: ((lambda v: 0 < v < math.inf), "a positive number")
        for k in ("lr", "eps", "grad_clip", "lora_alpha")},
     **{k: finite(0.0) for k in ("beta", "weight_decay", "alpha")},
@@ -914,7 +709,7 @@ def preset_flag(group, key: str, what: str, kind=int, more: str = ""):
 
 
 def train_parser(rewards) -> argparse.ArgumentParser:
-    """grpo.py's flags; `rewards`: the names --reward takes (grpo.REWARDS)."""
+    """grpo.py's flags; `rewards`: the names --reward takes (pair.REWARDS)."""
     ap = Parser(prog=PROG, formatter_class=HelpFormatter,
                 description="Multi-turn GRPO with LoRA and step-level rewards (METHOD.md §9); "
                             "with no flag: shop, the built-in policy and its probes.",
@@ -930,7 +725,7 @@ def train_parser(rewards) -> argparse.ArgumentParser:
     a("--alpha", type=float, default=5.0, help="PAIR momentum scaling; 0 = vanilla PAIR")
     a("--outcome-weight", type=float, default=0.0,
       help="add this times the task score to the last turn's reward")
-    a("--advantage", default=None, choices=tuple(ADVANTAGES), help="advantage form and loss "
+    a("--advantage", default=None, choices=tuple(pair.ADVANTAGES), help="advantage form and loss "
       "(default: process, DeepSeekMath's; release with --preset release)")
     a("--preset", default=None, choices=tuple(PRESETS), help="release = the authors' release "
       "as it ran: --weight-decay 0.01, --warmup 0, --top-p 0.95, --advantage release")
@@ -1001,9 +796,12 @@ def parse_args(argv, rewards) -> argparse.Namespace:
         ap.error("--resume and --resume-if-present: pass one")
     if args.devices is not None:
         try:
-            model.parse_devices(args.devices)
+            devices = model.parse_devices(args.devices)
         except ValueError as e:
             ap.error(str(e))
+        if len(devices) > 1 and not HOOKS["split"]:
+            ap.error(f"--devices {args.devices}: the layers split over several devices through "
+                     "`python -m lab.train` (lab/split.py)")
     bad = [t for t in args.lora_targets.split(",") if t not in model.LORA_TARGETS]
     if bad:
         ap.error(f"--lora-targets {args.lora_targets!r}: {bad} not among the blocks' linear "
@@ -1308,7 +1106,7 @@ def evaluate(policy, tok, env, pool, n: int, args, procs, name: str = "held-out"
     scores, turns, t0 = [], 0, time.perf_counter()
     for i in range(0, len(mine), args.eval_batch):
         episodes = [env.episode(pool[j]) for j in mine[i:i + args.eval_batch]]
-        for traj in rollout(policy, tok, episodes, args, greedy=True, stats=False):
+        for traj in probes.rollout(policy, tok, episodes, args, greedy=True, stats=False):
             scores.append(traj.score)
             turns += len(traj.steps)
         if procs.main:          # at 7B an evaluation takes minutes: say how far it is
@@ -1393,7 +1191,7 @@ def num(x) -> str:
 
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else argv
-    args = parse_args(argv, REWARDS)
+    args = parse_args(argv, pair.REWARDS)
     hook("check", args)             # the rules between flags that need the rewards, the lab's
     try:
         return train(args)

@@ -376,13 +376,11 @@ def _download(session, base_url, folder: Path, name: str, missing_ok=False) -> b
     return True
 
 
-def load_model(path_or_repo, dtype=torch.float32, devices=None) -> tuple["Transformer",
-                                                                         "Tokenizer"]:
+def load_model(path_or_repo, dtype=torch.float32,
+               device="cpu") -> tuple["Transformer", "Tokenizer"]:
     """A checkpoint directory (config.json, safetensors, tokenizer.json) or a Hub model name
-    -> (model, tokenizer), the model frozen (GRPO trains LoRA adapters beside its weights).
-    devices: one device, or several to split the layers over (split_model)."""
+    -> (model, tokenizer) on `device`, the model frozen (GRPO trains LoRA adapters beside it)."""
     directory = resolve(path_or_repo)
-    devices = [torch.device(d) for d in (devices or ["cpu"])]
     config = read_config(directory)
     tokenizer = Tokenizer.from_file(directory)
     # Build without allocating, then adopt the loaded tensors (assign=True): one copy in memory.
@@ -391,7 +389,7 @@ def load_model(path_or_repo, dtype=torch.float32, devices=None) -> tuple["Transf
     tied = config.tie_word_embeddings
     expected = {name: tuple(t.shape) for name, t in model.state_dict().items()
                 if not (tied and name == "lm_head.weight")}
-    state = read_state_dict(directory, expected, tied, dtype, devices[0])
+    state = read_state_dict(directory, expected, tied, dtype, torch.device(device))
     if tied:
         state["lm_head.weight"] = state["model.embed_tokens.weight"]
     model.load_state_dict(state, strict=True, assign=True)
@@ -400,8 +398,6 @@ def load_model(path_or_repo, dtype=torch.float32, devices=None) -> tuple["Transf
     model.requires_grad_(False).eval()
     model.name_or_path = str(path_or_repo)        # recorded in saved adapters' configs
     model.checkpoint_dir = directory              # what checkpoint_sha256 reads
-    if len(devices) > 1:
-        split_model(model, devices)     # loaded on the first device, blocks moved one by one
     return model, tokenizer
 
 
@@ -916,19 +912,6 @@ def without_surrogates(text: str) -> str:
 # ----------------------------------------------------------------------------------------------
 # Generation (gpt-fast style small functions) and the update's log-probabilities
 
-@dataclass
-class TurnTrace:
-    """What a reward needs of one assistant turn (CPU, float32): generate's, or lab/traces.py's
-    teacher-forced one."""
-    tokens: list[int]                   # the turn's tokens (ends with a stop token when finished)
-    span: tuple[int, int]               # absolute positions [start, end) in the sequence
-    attn: dict[str, Tensor]             # STATS -> (L, H), the span's mean ({} without stats)
-    h_last: Tensor | None               # (L+1, d) hidden_states[l] at the last span token, or None
-    h_mean: Tensor | None               # (L+1, d) the span's mean of hidden_states[l], or None
-    finished: bool                      # stopped on a stop token (vs max_new_tokens)
-    # log pi(token) at the sampling temperature (1 when greedy); empty when teacher-forced
-    logprobs: list[float] = field(default_factory=list)
-
 
 MLP_CHUNK = 4096          # tokens (rows x positions) a recomputed block's MLP runs at a time
 # logits scored at a time (64 MB), again in backward: a 152k vocabulary's float32 logits take
@@ -961,186 +944,6 @@ def head_logprobs(lm_head: nn.Module, h: Tensor, labels: Tensor, temperature: fl
     if temperature > 0:
         logits = logits / temperature
     return torch.log_softmax(logits, dim=-1).gather(1, labels[:, None]).squeeze(1)
-
-
-# below it sampling is greedy in all but name, and far below logits / T overflows float32
-MIN_TEMPERATURE = 1e-3
-
-
-def valid_temperature(t: float) -> bool:
-    """0 (greedy), or a finite temperature of at least MIN_TEMPERATURE (nan is neither)."""
-    return t == 0 or MIN_TEMPERATURE <= t < math.inf
-
-
-def sample(logits: Tensor, temperature: float, top_p: float, generator=None) -> Tensor:
-    """(B, V) float32 logits -> (B,) token ids; temperature 0 is greedy. Drawn by inverting each
-    row's CDF at one uniform number (torch.multinomial draws one per vocabulary entry)."""
-    if temperature == 0:
-        return logits.argmax(-1)
-    probs = torch.softmax(logits / temperature, dim=-1)
-    if top_p < 1.0:
-        # nucleus: the most likely tokens until their mass reaches top_p (at least one)
-        sorted_p, order = probs.sort(-1, descending=True)
-        drop = sorted_p.cumsum(-1) - sorted_p >= top_p
-        probs = torch.zeros_like(probs).scatter_(-1, order, sorted_p.masked_fill(drop, 0.0))
-    cdf = probs.cumsum(-1)                                                  # (B, V)
-    total = cdf[:, -1:]
-    u = torch.rand(total.shape, generator=generator, device=cdf.device, dtype=cdf.dtype)
-    # strictly below the total, so a token of probability 0 at the end is never drawn
-    u = torch.minimum(u * total, total.nextafter(torch.zeros_like(total)))
-    return torch.searchsorted(cdf, u, right=True)[:, 0]
-
-
-def prefill(model: Transformer, cache, new_tokens: list[list[int]]) -> Tensor | None:
-    """Append each row's new tokens at that row's own offset -> logits (B, V) after its last one
-    (zeros for a row with none), or None where no row has any."""
-    n = torch.tensor([len(t) for t in new_tokens])
-    if not len(n) or n.max() == 0:
-        return None
-    h = prefill_last(model, cache, new_tokens)
-    rows = (n > 0).nonzero().squeeze(-1).to(h.device)
-    logits = torch.zeros(len(new_tokens), model.config.vocab_size, device=h.device)
-    logits[rows] = model.lm_head(h[rows]).float()
-    return logits
-
-
-def prefill_last(model: Transformer, cache, new_tokens: list[list[int]]) -> Tensor:
-    """prefill up to the head: the final-normed state of each row's last new token (B, d)
-    (garbage in a row with none). An empty cache whose rows repeat a prompt (GRPO's group)
-    computes each distinct prompt once and copies the result: a row's numbers do not depend on
-    its neighbours, so the copies are bit-identical."""
-    lengths = cache[0].lengths.clone()
-    n = torch.tensor([len(t) for t in new_tokens])
-    T = int(n.max())
-    if not lengths.any():
-        first = {}                                      # tokens -> their row in `once`
-        index = torch.tensor([first.setdefault(tuple(t), len(first)) for t in new_tokens])
-        if len(first) < len(new_tokens):
-            once = model.new_cache(len(first), capacity=T)
-            h = prefill_last(model, once, [list(t) for t in first])
-            for c, o in zip(cache, once):
-                c.grow(T)
-                i = index.to(c.k.device)
-                c.k[:, :, :T], c.v[:, :, :T] = o.k[i, :, :T], o.v[i, :, :T]
-            set_lengths(cache, n)
-            return h[index.to(h.device)]
-    ids = torch.tensor([list(t) + [0] * (T - len(t)) for t in new_tokens])     # (B, T)
-    positions = lengths[:, None] + torch.arange(T)
-    h = model.trunk(ids, positions, cache)
-    set_lengths(cache, lengths + n)
-    return h[torch.arange(len(n), device=h.device), (n - 1).clamp_min(0).to(h.device)]
-
-
-def decode_one_token(model: Transformer, cache, tokens: Tensor, fed: Tensor,
-                     span_start: Tensor | None, w=None):
-    """Feed tokens (B,) of the rows where fed (B,) is True, each at its row's length ->
-    Transformer.decode's (logits, hidden, stats). A row not fed writes a pad to a free slot."""
-    lengths = cache[0].lengths.clone()
-    out = model.decode(torch.where(fed, tokens, 0), cache, span_start, w)
-    set_lengths(cache, lengths + fed.long().cpu())
-    return out
-
-
-@dataclass
-class TurnStats:
-    """Per row, the running sums over the turn being decoded (float32, on the head's device)."""
-    attn: Tensor                        # (B, L, H, len(STATS)) summed over the turn's tokens
-    h_sum: Tensor                       # (L+1, B, d) hidden states summed over the turn's tokens
-    h_last: Tensor                      # (L+1, B, d) hidden states of the latest token
-
-    @classmethod
-    def zeros(cls, config: Config, B: int, device=None) -> "TurnStats":
-        L, H, d = config.num_hidden_layers, config.num_attention_heads, config.hidden_size
-        return cls(torch.zeros(B, L, H, len(STATS), device=device),
-                   torch.zeros(L + 1, B, d, device=device), torch.zeros(L + 1, B, d, device=device))
-
-
-def accumulate(acc: TurnStats, attn: Tensor, hidden: Tensor, fed: Tensor):
-    """Add one decoded token's statistics (B, L, H, 6) and hidden states (L+1, B, d) to the rows
-    that fed a real token (fed (B,) bool); where, not multiply: a pad row's numbers are garbage."""
-    acc.attn += torch.where(fed[:, None, None, None], attn, 0.0)
-    hidden = hidden.float()
-    acc.h_sum += torch.where(fed[None, :, None], hidden, 0.0)
-    acc.h_last = torch.where(fed[None, :, None], hidden, acc.h_last)
-
-
-def reserve_slots(cache: list[KVCache], steps: int):
-    """Room for `steps` more tokens a row and a slot past the last KEY_BLOCK, before generating
-    on a GPU: the captured step keeps its addresses, and the slots in use never fill the cache
-    (torch would compile another graph for it: minutes at 7B)."""
-    need = -(-(int(cache[0].lengths.max()) + steps) // KEY_BLOCK) * KEY_BLOCK + 1
-    for c in cache:
-        c.grow(need)
-
-
-@torch.no_grad()
-def generate(model: Transformer, cache, new_tokens: list[list[int]], max_new_tokens: int,
-             temperature=1.0, top_p=1.0, stop_ids=None, generator=None,
-             stats=True, active=None) -> list[TurnTrace | None]:
-    """Append each row's new tokens to the cache, then sample up to max_new_tokens per row ->
-    one TurnTrace per row (with stats, the turn's mean statistics and hidden states); a row
-    with no new tokens gets an empty trace, one with active[i] False (an ended episode) None.
-    Every sampled token, the stop token included, is fed through the model: the cache holds it
-    and its statistics count. Idle rows ride along as pads (decoding reads the weights anyway)."""
-    B = len(new_tokens)
-    if not valid_temperature(temperature):
-        raise ValueError(f"temperature {temperature}: 0 (greedy) or in [{MIN_TEMPERATURE}, inf)")
-    alive = [True] * B if active is None else [bool(a) for a in active]
-    new_tokens = [list(t) if a else [] for t, a in zip(new_tokens, alive)]
-    stop_ids = sorted(set(model.config.stop_ids if stop_ids is None else stop_ids))
-
-    logits = prefill(model, cache, new_tokens)
-    span_start = cache[0].lengths.clone()                                    # (B,)
-    running = torch.tensor([len(t) > 0 and max_new_tokens > 0 for t in new_tokens])
-    dev = logits.device if logits is not None else input_device(model)
-    steps = max_new_tokens if running.any() else 0
-    running = running.to(dev)
-    tokens = torch.zeros(B, max(steps, 1), dtype=torch.long, device=dev)
-    logps = torch.zeros(B, max(steps, 1), device=dev)
-    count = torch.zeros(B, dtype=torch.long, device=dev)
-    finished = torch.zeros(B, dtype=torch.bool, device=dev)
-    stop = torch.tensor(stop_ids, dtype=torch.long, device=dev)
-    acc = TurnStats.zeros(model.config, B, dev) if stats else None
-    if cache[0].k.is_cuda and steps:
-        reserve_slots(cache, steps)
-    w = model.decode_weights()                  # no_grad: the weights cannot change in the loop
-    for t in range(steps):
-        token = sample(logits, temperature, top_p, generator)                # (B,)
-        # log pi at the sampling temperature, before top_p's truncation: the policy's own
-        # probability of the token, as token_logprobs computes it for the update
-        logp = torch.log_softmax(logits / (temperature or 1.0), -1).gather(1, token[:, None])
-        tokens[:, t], logps[:, t] = token, logp[:, 0]
-        fed = running
-        count += fed
-        stopped = torch.isin(token, stop) & fed
-        finished |= stopped
-        running = fed & ~stopped
-        logits, hidden, attn = decode_one_token(model, cache, token, fed,
-                                                span_start if stats else None, w)
-        if stats:
-            accumulate(acc, attn, hidden, fed)
-        if not running.any():
-            break
-    return turn_traces(tokens, logps, count, finished, span_start, acc, alive)
-
-
-def turn_traces(tokens, logps, count, finished, span_start, acc, alive) -> list[TurnTrace | None]:
-    """generate's traces, read back at once: row r sampled tokens[r, :count[r]] from
-    span_start[r] on; acc: its TurnStats, or None without statistics."""
-    tokens, logps = tokens.cpu().tolist(), logps.cpu().tolist()
-    count, finished = count.cpu().tolist(), finished.cpu().tolist()
-    if acc is not None:
-        acc = TurnStats(acc.attn.cpu(), acc.h_sum.cpu(), acc.h_last.cpu())
-    traces = []
-    for r, s in enumerate(span_start.tolist()):
-        n = count[r]
-        trace = TurnTrace(tokens=tokens[r][:n], span=(s, s + n), attn={}, h_last=None,
-                          h_mean=None, finished=finished[r], logprobs=logps[r][:n])
-        if acc is not None and n > 0:       # the turn's means
-            trace.attn = dict(zip(STATS, (acc.attn[r] / n).unbind(-1)))
-            trace.h_last, trace.h_mean = acc.h_last[:, r].clone(), acc.h_sum[:, r] / n
-        traces.append(trace if alive[r] else None)
-    return traces
 
 
 # ----------------------------------------------------------------------------------------------
@@ -1299,81 +1102,6 @@ def load_adapter_weights(policy, directory):
 # Layers split across devices (placement, no pipelining): one device computes at a time, the
 # point is memory (a 7B policy with its LoRA state and caches exceeds one 48 GB GPU)
 
-def balance_layers(block_sizes: list[int], n_devices: int, first_extra=0, last_extra=0):
-    """Layers per device: contiguous ranges whose loads (parameter counts, with the embedding on
-    the first device and the head on the last) come closest to an even share each."""
-    n_layers = len(block_sizes)
-    if not 1 <= n_devices <= n_layers:
-        raise ValueError(f"cannot split {n_layers} layers over {n_devices} devices")
-    total = first_extra + sum(block_sizes) + last_extra
-    load_before = [first_extra + sum(block_sizes[:b]) for b in range(n_layers + 1)]
-    cuts = [0]
-    for k in range(1, n_devices):
-        # Cut k where the load so far is nearest k/n of the total, leaving every device a layer.
-        lo, hi = cuts[-1] + 1, n_layers - (n_devices - k)
-        share = k * total / n_devices
-        cuts.append(min(range(lo, hi + 1), key=lambda b: abs(load_before[b] - share)))
-    cuts.append(n_layers)
-    return [b - a for a, b in zip(cuts, cuts[1:])]
-
-
-def parse_devices(text: str) -> list[torch.device]:
-    """A --devices value ("cuda:0,cuda:1", "cpu") -> the devices; a one-line ValueError for a
-    value that is not a list of this machine's devices."""
-    try:
-        devices = [torch.device(d.strip()) for d in text.split(",")]
-    except RuntimeError:                                # "", "foo", "cuda:x"
-        devices = []
-    if not devices or any(d.type not in ("cpu", "cuda") for d in devices):
-        raise ValueError(f"--devices {text!r}: a comma-separated list of devices such as "
-                         "cuda:0,cuda:1 (or cpu)")
-    n_gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    if any(d.type == "cuda" and (d.index or 0) >= n_gpus for d in devices):
-        raise ValueError(f"--devices {text}: this PyTorch sees no CUDA device (a CPU build, or no "
-                         "GPU visible)" if not n_gpus else f"--devices {text}: this machine has "
-                         f"{n_gpus} GPUs")
-    return devices
-
-
-def split_model(model, devices, layer_counts=None):
-    """Place model.model.layers on `devices` (e.g. ["cuda:0", "cuda:1"]) in contiguous ranges,
-    each block with a pre-hook moving its inputs there; the embedding on the first device, norm
-    and head on the last (new_cache puts each block's cache with it). layer_counts: layers per
-    device (summing to the number of layers); by default balance_layers on parameter counts."""
-    devices = [torch.device(d) for d in devices]
-    inner, layers, head = model.model, model.model.layers, model.lm_head
-    if layer_counts is None:
-        def n_params(module):
-            return sum(p.numel() for p in module.parameters())
-        layer_counts = balance_layers([n_params(b) for b in layers], len(devices),
-                                      first_extra=n_params(inner.embed_tokens),
-                                      last_extra=n_params(inner.norm) + head.weight.numel())
-    layer_counts = [int(n) for n in layer_counts]
-    if (len(layer_counts) != len(devices) or min(layer_counts) < 1
-            or sum(layer_counts) != len(layers)):
-        raise ValueError(f"layer_counts={layer_counts}: need one count >= 1 per device "
-                         f"({len(devices)}) summing to the model's {len(layers)} layers")
-    if head.weight is inner.embed_tokens.weight and devices[0] != devices[-1]:
-        # the head's copy of the embedding stays equal to it only while it is frozen (LoRA)
-        if inner.embed_tokens.weight.requires_grad:
-            raise ValueError("tied embeddings are copied to the last device; freeze them first "
-                             "(apply_lora does) or split over one device")
-        head.weight = nn.Parameter(inner.embed_tokens.weight.detach().to(devices[-1]),
-                                   requires_grad=False)
-
-    def to(device, x):      # tensors moved; caches and flags stay (a block's cache lives with it)
-        if isinstance(x, (tuple, list)):
-            return type(x)(to(device, v) for v in x)
-        return x.to(device) if isinstance(x, Tensor) else x   # blocking: a copy must have landed
-
-    model.layer_devices = [d for d, n in zip(devices, layer_counts) for _ in range(n)]
-    for module, device in [(inner.embed_tokens, devices[0]), *zip(layers, model.layer_devices),
-                           (inner.norm, devices[-1]), (head, devices[-1])]:
-        module.to(device)
-        module.register_forward_pre_hook(lambda _, args, kwargs, device=device: (
-            to(device, args), {k: to(device, v) for k, v in kwargs.items()}), with_kwargs=True)
-    return model
-
 
 # ----------------------------------------------------------------------------------------------
 # File helpers: where fetched and fitted files live, atomic writes
@@ -1397,3 +1125,21 @@ def write_atomic(path: Path, data: bytes | str) -> None:
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
+
+
+def parse_devices(text: str) -> list[torch.device]:
+    """A --devices value ("cuda:0,cuda:1", "cpu") -> the devices; a one-line ValueError for a
+    value that is not a list of this machine's devices."""
+    try:
+        devices = [torch.device(d.strip()) for d in text.split(",")]
+    except RuntimeError:                                # "", "foo", "cuda:x"
+        devices = []
+    if not devices or any(d.type not in ("cpu", "cuda") for d in devices):
+        raise ValueError(f"--devices {text!r}: a comma-separated list of devices such as "
+                         "cuda:0,cuda:1 (or cpu)")
+    n_gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if any(d.type == "cuda" and (d.index or 0) >= n_gpus for d in devices):
+        raise ValueError(f"--devices {text}: this PyTorch sees no CUDA device (a CPU build, or no "
+                         "GPU visible)" if not n_gpus else f"--devices {text}: this machine has "
+                         f"{n_gpus} GPUs")
+    return devices

@@ -27,6 +27,7 @@ from __future__ import annotations
 import json
 import math
 import sys
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -287,3 +288,110 @@ def report_summary(report: dict, reward: str) -> dict:
             "pair_contaminated_prefix": h["pair"]["contaminated_prefix"],
             "contaminated_corpus_pair": report["contaminated_corpus_pair"]["all"],
             **({reward: h[reward]["all"]} if reward in h else {})}
+
+
+# ----------------------------------------------------------------------------------------------
+# The per-turn rewards: `--reward` name -> function(trajectory, ctx). Each returns a float per
+# turn, or None for a turn without reward; those that read a frozen probe (READS_PROBE) return
+# (rewards, each turn's P(correct)) for the drift monitor. A trajectory is grpo.Trajectory.
+
+@dataclass
+class RewardContext:                # what the reward functions need besides the rollout
+    policy: mdl.Transformer
+    tok: mdl.Tokenizer
+    args: object                    # grpo.py's flags
+    env: object = None              # the training environment (an envs.Env)
+    pair: Pair | None = None                # reward "pair"
+    probe: Probe | None = None              # the probe of the feature set named by --reward
+    judge: object = None                    # the lab's llm_judge (an envs.ChatClient)
+    lagged: dict[str, torch.Tensor] | None = None   # the lab's tips: a lagged LoRA snapshot
+    probe_report: dict | None = None    # the probes' AUROC on held-out own turns
+    summary: dict = field(default_factory=dict)     # what the lab adds to summary.json
+    cost: Counter = field(default_factory=Counter)  # this step's extra work (grpo.COSTS)
+    stats: bool = True              # the rollout keeps the generation pass's statistics
+
+
+def outcome_reward(traj, ctx) -> list[float | None]:
+    return [None] * (len(traj.steps) - 1) + [traj.score]
+
+
+def pair_reward(traj, ctx) -> tuple[list[float], list[float]]:
+    return pair_from_features(turn_features([s.trace for s in traj.steps]), ctx)
+
+
+def probe_reward(traj, ctx) -> tuple[list[float], list[float]]:
+    return probe_from_features(turn_features([s.trace for s in traj.steps]), ctx)
+
+
+REWARDS = {"outcome": outcome_reward, "pair": pair_reward,
+           **{name: probe_reward for name in probes.FEATURES}}
+PROBE_REWARDS = set(probes.FEATURES)
+READS_PROBE = {"pair"} | PROBE_REWARDS
+NEEDS_STATS = set(READS_PROBE)          # rewards that read the generation pass's statistics
+
+
+def turn_rewards(traj, ctx) -> tuple[list[float | None], list[float] | None]:
+    """The `--reward` function plus `--outcome-weight`, and the frozen probe's P(correct) of
+    every turn when the reward reads one (else None)."""
+    if not traj.steps:              # a prompt longer than --max-len: nothing was generated
+        return [], None
+    rewards, p_correct = REWARDS[ctx.args.reward](traj, ctx), None
+    if ctx.args.reward in READS_PROBE:
+        rewards, p_correct = rewards
+    assert len(rewards) == len(traj.steps), (len(rewards), len(traj.steps))
+    return with_outcome(rewards, traj.score, ctx.args), p_correct
+
+
+def with_outcome(rewards: list[float | None], score: float, args) -> list[float | None]:
+    """`--outcome-weight w`: w x the task score added to the last turn's reward."""
+    w = args.outcome_weight
+    if w and args.reward != "outcome":
+        # a new list: a probe reward's list is also its P(correct), which the monitor scores
+        rewards = rewards[:-1] + [(rewards[-1] or 0.0) + w * score]
+    return rewards
+
+
+# ----------------------------------------------------------------------------------------------
+# Advantages (METHOD.md §9: DeepSeekMath process supervision)
+
+def group_advantages(rewards: list[list[float | None]]) -> tuple[list[list[float]], bool]:
+    """Per-turn advantages of one group of G rollouts, and whether the group was all-equal.
+
+    rewards[i][t] = r_{i,t} or None (turn without reward). Pool every reward of the group,
+    r^ = (r - mean) / (std + 1e-6) with the population std, A_{i,t} = sum_{k>=t} r^_{i,k}.
+    "All equal" allows rounding noise (std <= 1e-8): the same score summed in another order."""
+    pooled = torch.tensor([r for row in rewards for r in row if r is not None], dtype=torch.float64)
+    std = pooled.std(correction=0) if len(pooled) else torch.tensor(0.0)
+    if std <= 1e-8:
+        return [[0.0] * len(row) for row in rewards], True
+    mean = pooled.mean()
+    advantages = []
+    for row in rewards:
+        rhat = torch.tensor([0.0 if r is None else (r - mean) / (std + 1e-6) for r in row],
+                            dtype=torch.float64)
+        advantages.append(rhat.flip(0).cumsum(0).flip(0).tolist())     # returns to go
+    return advantages, False
+
+
+def release_advantages(rewards: list[list[float | None]]) -> tuple[list[list[float]], bool]:
+    """`--advantage release`, the authors' release: A_{i,t} = r_{i,t} - mean_t r_{i,.} + z_i,
+    z_i = the group-normalized total R_i = sum_t r_{i,t} (population std; only centered when
+    std <= 1e-8). A turn without a reward counts 0; a group of one rollout keeps A = r. "All
+    equal": no turn of the group gets an advantage."""
+    rows = [torch.tensor([0.0 if r is None else r for r in row], dtype=torch.float64)
+            for row in rewards]
+    if len(rows) == 1:
+        advantages = [rows[0].tolist()]
+    else:
+        totals = torch.stack([row.sum() for row in rows])
+        std = totals.std(correction=0)
+        z = (totals - totals.mean()) / std if std > 1e-8 else totals - totals.mean()
+        advantages = [(row - row.mean() + z_i).tolist() if len(row) else []
+                      for row, z_i in zip(rows, z.tolist())]
+    return advantages, all(abs(a) <= 1e-8 for row in advantages for a in row)
+
+
+# --advantage name -> function(the group's per-turn rewards r[i][t], its task scores s[i], args)
+# -> (advantages, all equal); the lab adds forms (lab/credit.py)
+ADVANTAGES = {"process": lambda rewards, scores, args: group_advantages(rewards),
+              "release": lambda rewards, scores, args: release_advantages(rewards)}

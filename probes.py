@@ -15,6 +15,7 @@ import json
 import math
 import sys
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -22,7 +23,7 @@ import torch.nn.functional as F
 from safetensors import safe_open
 from safetensors.torch import load_file, save as safetensors_bytes
 
-import model
+import model as mdl
 
 # The four attention statistics of the attention probes and of PAIR's stage 2, in feature order.
 ATTN_STATS = ("max", "std", "prefix", "self")
@@ -34,6 +35,308 @@ SCORES = ("neg_entropy", "coe_r", "coe_c")
 # Keys of `raw_features`; a features file stacks them over records.
 RAW_KEYS = ("h_last4", "h_mean", "attn_max", "attn_std", "attn_prefix", "attn_self",
             "attn_entropy", "attn_lookback", "coe_r", "coe_c")
+
+
+# ---- A turn generated with its statistics (gpt-fast style small functions) ----------------
+
+@dataclass
+class TurnTrace:
+    """What a reward needs of one assistant turn (CPU, float32): generate's, or lab/traces.py's
+    teacher-forced one."""
+    tokens: list[int]                   # the turn's tokens (ends with a stop token when finished)
+    span: tuple[int, int]               # absolute positions [start, end) in the sequence
+    attn: dict[str, torch.Tensor]       # STATS -> (L, H), the span's mean ({} without stats)
+    h_last: torch.Tensor | None         # (L+1, d) hidden_states[l] at the last span token
+    h_mean: torch.Tensor | None         # (L+1, d) the span's mean of hidden_states[l]
+    finished: bool                      # stopped on a stop token (vs max_new_tokens)
+    # log pi(token) at the sampling temperature (1 when greedy); empty when teacher-forced
+    logprobs: list[float] = field(default_factory=list)
+
+
+# below it sampling is greedy in all but name, and far below logits / T overflows float32
+MIN_TEMPERATURE = 1e-3
+
+
+def valid_temperature(t: float) -> bool:
+    """0 (greedy), or a finite temperature of at least MIN_TEMPERATURE (nan is neither)."""
+    return t == 0 or MIN_TEMPERATURE <= t < math.inf
+
+
+def sample(logits: torch.Tensor, temperature: float, top_p: float, generator=None) -> torch.Tensor:
+    """(B, V) float32 logits -> (B,) token ids; temperature 0 is greedy. Drawn by inverting each
+    row's CDF at one uniform number (torch.multinomial draws one per vocabulary entry)."""
+    if temperature == 0:
+        return logits.argmax(-1)
+    probs = torch.softmax(logits / temperature, dim=-1)
+    if top_p < 1.0:
+        # nucleus: the most likely tokens until their mass reaches top_p (at least one)
+        sorted_p, order = probs.sort(-1, descending=True)
+        drop = sorted_p.cumsum(-1) - sorted_p >= top_p
+        probs = torch.zeros_like(probs).scatter_(-1, order, sorted_p.masked_fill(drop, 0.0))
+    cdf = probs.cumsum(-1)                                                  # (B, V)
+    total = cdf[:, -1:]
+    u = torch.rand(total.shape, generator=generator, device=cdf.device, dtype=cdf.dtype)
+    # strictly below the total, so a token of probability 0 at the end is never drawn
+    u = torch.minimum(u * total, total.nextafter(torch.zeros_like(total)))
+    return torch.searchsorted(cdf, u, right=True)[:, 0]
+
+
+def prefill(model: mdl.Transformer, cache, new_tokens: list[list[int]]) -> torch.Tensor | None:
+    """Append each row's new tokens at that row's own offset -> logits (B, V) after its last one
+    (zeros for a row with none), or None where no row has any."""
+    n = torch.tensor([len(t) for t in new_tokens])
+    if not len(n) or n.max() == 0:
+        return None
+    h = prefill_last(model, cache, new_tokens)
+    rows = (n > 0).nonzero().squeeze(-1).to(h.device)
+    logits = torch.zeros(len(new_tokens), model.config.vocab_size, device=h.device)
+    logits[rows] = model.lm_head(h[rows]).float()
+    return logits
+
+
+def prefill_last(model: mdl.Transformer, cache, new_tokens: list[list[int]]) -> torch.Tensor:
+    """prefill up to the head: the final-normed state of each row's last new token (B, d)
+    (garbage in a row with none). An empty cache whose rows repeat a prompt (GRPO's group)
+    computes each distinct prompt once and copies the result: a row's numbers do not depend on
+    its neighbours, so the copies are bit-identical."""
+    lengths = cache[0].lengths.clone()
+    n = torch.tensor([len(t) for t in new_tokens])
+    T = int(n.max())
+    if not lengths.any():
+        first = {}                                      # tokens -> their row in `once`
+        index = torch.tensor([first.setdefault(tuple(t), len(first)) for t in new_tokens])
+        if len(first) < len(new_tokens):
+            once = model.new_cache(len(first), capacity=T)
+            h = prefill_last(model, once, [list(t) for t in first])
+            for c, o in zip(cache, once):
+                c.grow(T)
+                i = index.to(c.k.device)
+                c.k[:, :, :T], c.v[:, :, :T] = o.k[i, :, :T], o.v[i, :, :T]
+            mdl.set_lengths(cache, n)
+            return h[index.to(h.device)]
+    ids = torch.tensor([list(t) + [0] * (T - len(t)) for t in new_tokens])     # (B, T)
+    positions = lengths[:, None] + torch.arange(T)
+    h = model.trunk(ids, positions, cache)
+    mdl.set_lengths(cache, lengths + n)
+    return h[torch.arange(len(n), device=h.device), (n - 1).clamp_min(0).to(h.device)]
+
+
+def decode_one_token(model: mdl.Transformer, cache, tokens: torch.Tensor, fed: torch.Tensor,
+                     span_start: torch.Tensor | None, w=None):
+    """Feed tokens (B,) of the rows where fed (B,) is True, each at its row's length ->
+    Transformer.decode's (logits, hidden, stats). A row not fed writes a pad to a free slot."""
+    lengths = cache[0].lengths.clone()
+    out = model.decode(torch.where(fed, tokens, 0), cache, span_start, w)
+    mdl.set_lengths(cache, lengths + fed.long().cpu())
+    return out
+
+
+@dataclass
+class TurnStats:
+    """Per row, the running sums over the turn being decoded (float32, on the head's device)."""
+    attn: torch.Tensor                  # (B, L, H, len(STATS)) summed over the turn's tokens
+    h_sum: torch.Tensor                 # (L+1, B, d) hidden states summed over the turn's tokens
+    h_last: torch.Tensor                # (L+1, B, d) hidden states of the latest token
+
+    @classmethod
+    def zeros(cls, config: mdl.Config, B: int, device=None) -> "TurnStats":
+        L, H, d = config.num_hidden_layers, config.num_attention_heads, config.hidden_size
+        return cls(torch.zeros(B, L, H, len(mdl.STATS), device=device),
+                   torch.zeros(L + 1, B, d, device=device), torch.zeros(L + 1, B, d, device=device))
+
+
+def accumulate(acc: TurnStats, attn: torch.Tensor, hidden: torch.Tensor, fed: torch.Tensor):
+    """Add one decoded token's statistics (B, L, H, 6) and hidden states (L+1, B, d) to the rows
+    that fed a real token (fed (B,) bool); where, not multiply: a pad row's numbers are garbage."""
+    acc.attn += torch.where(fed[:, None, None, None], attn, 0.0)
+    hidden = hidden.float()
+    acc.h_sum += torch.where(fed[None, :, None], hidden, 0.0)
+    acc.h_last = torch.where(fed[None, :, None], hidden, acc.h_last)
+
+
+def reserve_slots(cache: list[mdl.KVCache], steps: int):
+    """Room for `steps` more tokens a row and a slot past the last KEY_BLOCK, before generating
+    on a GPU: the captured step keeps its addresses, and the slots in use never fill the cache
+    (torch would compile another graph for it: minutes at 7B)."""
+    need = -(-(int(cache[0].lengths.max()) + steps) // mdl.KEY_BLOCK) * mdl.KEY_BLOCK + 1
+    for c in cache:
+        c.grow(need)
+
+
+@torch.no_grad()
+def generate(model: mdl.Transformer, cache, new_tokens: list[list[int]], max_new_tokens: int,
+             temperature=1.0, top_p=1.0, stop_ids=None, generator=None,
+             stats=True, active=None) -> list[TurnTrace | None]:
+    """Append each row's new tokens to the cache, then sample up to max_new_tokens per row ->
+    one TurnTrace per row (with stats, the turn's mean statistics and hidden states); a row
+    with no new tokens gets an empty trace, one with active[i] False (an ended episode) None.
+    Every sampled token, the stop token included, is fed through the model: the cache holds it
+    and its statistics count. Idle rows ride along as pads (decoding reads the weights anyway)."""
+    B = len(new_tokens)
+    if not valid_temperature(temperature):
+        raise ValueError(f"temperature {temperature}: 0 (greedy) or in [{MIN_TEMPERATURE}, inf)")
+    alive = [True] * B if active is None else [bool(a) for a in active]
+    new_tokens = [list(t) if a else [] for t, a in zip(new_tokens, alive)]
+    stop_ids = sorted(set(model.config.stop_ids if stop_ids is None else stop_ids))
+
+    logits = prefill(model, cache, new_tokens)
+    span_start = cache[0].lengths.clone()                                    # (B,)
+    running = torch.tensor([len(t) > 0 and max_new_tokens > 0 for t in new_tokens])
+    dev = logits.device if logits is not None else mdl.input_device(model)
+    steps = max_new_tokens if running.any() else 0
+    running = running.to(dev)
+    tokens = torch.zeros(B, max(steps, 1), dtype=torch.long, device=dev)
+    logps = torch.zeros(B, max(steps, 1), device=dev)
+    count = torch.zeros(B, dtype=torch.long, device=dev)
+    finished = torch.zeros(B, dtype=torch.bool, device=dev)
+    stop = torch.tensor(stop_ids, dtype=torch.long, device=dev)
+    acc = TurnStats.zeros(model.config, B, dev) if stats else None
+    if cache[0].k.is_cuda and steps:
+        reserve_slots(cache, steps)
+    w = model.decode_weights()                  # no_grad: the weights cannot change in the loop
+    for t in range(steps):
+        token = sample(logits, temperature, top_p, generator)                # (B,)
+        # log pi at the sampling temperature, before top_p's truncation: the policy's own
+        # probability of the token, as token_logprobs computes it for the update
+        logp = torch.log_softmax(logits / (temperature or 1.0), -1).gather(1, token[:, None])
+        tokens[:, t], logps[:, t] = token, logp[:, 0]
+        fed = running
+        count += fed
+        stopped = torch.isin(token, stop) & fed
+        finished |= stopped
+        running = fed & ~stopped
+        logits, hidden, attn = decode_one_token(model, cache, token, fed,
+                                                span_start if stats else None, w)
+        if stats:
+            accumulate(acc, attn, hidden, fed)
+        if not running.any():
+            break
+    return turn_traces(tokens, logps, count, finished, span_start, acc, alive)
+
+
+def turn_traces(tokens, logps, count, finished, span_start, acc, alive) -> list[TurnTrace | None]:
+    """generate's traces, read back at once: row r sampled tokens[r, :count[r]] from
+    span_start[r] on; acc: its TurnStats, or None without statistics."""
+    tokens, logps = tokens.cpu().tolist(), logps.cpu().tolist()
+    count, finished = count.cpu().tolist(), finished.cpu().tolist()
+    if acc is not None:
+        acc = TurnStats(acc.attn.cpu(), acc.h_sum.cpu(), acc.h_last.cpu())
+    traces = []
+    for r, s in enumerate(span_start.tolist()):
+        n = count[r]
+        trace = TurnTrace(tokens=tokens[r][:n], span=(s, s + n), attn={}, h_last=None,
+                          h_mean=None, finished=finished[r], logprobs=logps[r][:n])
+        if acc is not None and n > 0:       # the turn's means
+            trace.attn = dict(zip(mdl.STATS, (acc.attn[r] / n).unbind(-1)))
+            trace.h_last, trace.h_mean = acc.h_last[:, r].clone(), acc.h_sum[:, r] / n
+        traces.append(trace if alive[r] else None)
+    return traces
+
+
+# ---- An episode played: G rollouts of one prompt together, one KV cache for the whole episode
+
+@dataclass
+class Step:                         # one assistant turn of one rollout
+    tokens: list[int]               # what the policy generated (ends with <|im_end|> if finished)
+    segment: int                    # which of Trajectory.segments holds it ...
+    span: tuple[int, int]           # ... at these positions [start, end)
+    text: str                       # the assistant text handed to the environment
+    trace: TurnTrace | None   # statistics from the generation pass (None: not collected)
+    observation: str | None         # the environment's answer (None: the episode ended here)
+    nll: float | None = None        # mean -log pi of its tokens as sampled
+    history: list[dict] = field(default_factory=list)   # the chat up to this turn
+
+
+@dataclass
+class Trajectory:                   # one rollout of one episode
+    episode: object                 # an envs.Episode: step(text), messages, score(), labels()
+    # one token sequence, and a new one each time the environment rewrites earlier messages
+    segments: list[list[int]] = field(default_factory=lambda: [[]])
+    steps: list[Step] = field(default_factory=list)
+    score: float = 0.0              # task score in [0, 1]
+    truncated: bool = False         # stopped by --max-len, not by the episode
+
+
+def turn_opening(tok, finished: bool, observation: str | None) -> list[int]:
+    """The tokens Tokenizer.render puts between two assistant turns (METHOD.md §2): <|im_end|>
+    if the turn hit max_new_tokens, "\\n", the observation as a user message, the next prompt."""
+    ids = ([] if finished else [tok.im_end_id]) + tok.encode("\n")
+    if observation is not None:         # text, not template: it cannot open or close a turn
+        ids += [tok.im_start_id] + tok.encode(f"user\n{observation}") + [tok.im_end_id] + \
+            tok.encode("\n")
+    return ids + [tok.im_start_id] + tok.encode("assistant\n")
+
+
+@torch.no_grad()
+def rollout(policy, tok, episodes: list, args, greedy=False, generator=None,
+            stats=True, caches: list | None = None) -> list[Trajectory]:
+    """Play each episode (one batch row each) to its end; `caches` gets the batch's KV cache."""
+    trajs = [Trajectory(ep) for ep in episodes]
+    new = [tok.render(ep.messages, add_generation_prompt=True)[0] for ep in episodes]
+    cache = policy.new_cache(len(episodes), capacity=min(
+        args.max_len, max(map(len, new)) + 4 * args.max_new_tokens))     # it grows if needed
+    play(policy, tok, trajs, cache, new, args, greedy, generator, stats)
+    if caches is not None:
+        caches.append(cache)
+    return trajs
+
+
+@torch.no_grad()
+def play(policy, tok, trajs: list[Trajectory], cache, new: list[list[int]], args, greedy=False,
+         generator=None, stats=True):
+    """Continue every row to the end of its episode. Row i's cache holds traj.segments[-1]; it
+    appends new[i] before its next turn (the prompt, or the rest of a branch's prefix)."""
+    active = [True] * len(trajs)
+    refill = [False] * len(trajs)
+    for _ in range(args.max_turns - min(len(t.steps) for t in trajs)):
+        for i, traj in enumerate(trajs):
+            if len(traj.steps) >= args.max_turns:       # a branch that started deep in a tree
+                active[i] = False
+            # a turn that might not fit ends the rollout (it is scored as it stands)
+            seen = 0 if refill[i] else len(traj.segments[-1])
+            if active[i] and seen + len(new[i]) + args.max_new_tokens > args.max_len:
+                active[i], traj.truncated = False, True
+        if not any(active):
+            break
+        if any(a and r for a, r in zip(active, refill)):
+            lengths = cache[0].lengths.clone()
+            for i, traj in enumerate(trajs):
+                if active[i] and refill[i]:
+                    lengths[i] = 0           # the row's old slots are free: overwrite them
+                    traj.segments.append([])
+                    refill[i] = False
+            mdl.set_lengths(cache, lengths)
+        traces = generate(policy, cache, new, max_new_tokens=args.max_new_tokens,
+                          temperature=0.0 if greedy else args.temperature,
+                          top_p=args.top_p, stop_ids=[tok.im_end_id],
+                          generator=generator, stats=stats, active=active)
+        for i, (traj, tr) in enumerate(zip(trajs, traces)):
+            if tr is None:                  # a row no longer playing
+                continue
+            seq = traj.segments[-1]
+            seq += new[i]
+            start = len(seq)
+            assert tuple(tr.span) == (start, start + len(tr.tokens)), (tr.span, start)
+            seq += tr.tokens
+            text = tok.decode(tr.tokens[:-1] if tr.finished else tr.tokens)
+            before = [dict(m) for m in traj.episode.messages]   # as this turn saw them
+            result = traj.episode.step(text)
+            obs = None if result.done else traj.episode.messages[-1]["content"]
+            history = before + [dict(traj.episode.messages[len(before)])]
+            traj.steps.append(Step(list(tr.tokens), len(traj.segments) - 1, (start, len(seq)),
+                                   text, tr if stats else None, obs,
+                                   nll=-sum(tr.logprobs) / max(len(tr.logprobs), 1),
+                                   history=history))
+            if result.done:
+                active[i], new[i] = False, []
+            elif getattr(result, "rewritten_from", None) is not None:
+                new[i] = tok.render(traj.episode.messages, add_generation_prompt=True)[0]
+                refill[i] = True
+            else:
+                new[i] = turn_opening(tok, tr.finished, obs)
+    for traj in trajs:
+        score = traj.episode.score()
+        traj.score = 0.0 if score is None else float(score)
 
 
 # ---- Features (METHOD.md §4) ------------------------------------------------------------------
@@ -55,7 +358,7 @@ def coe_scores(h: torch.Tensor) -> tuple[float, float]:
 
 
 def raw_features(trace, coe: bool = True) -> dict[str, torch.Tensor]:
-    """What any probe needs from one model.TurnTrace, float32 on the CPU (coe=False skips the
+    """What any probe needs from one TurnTrace, float32 on the CPU (coe=False skips the
     CoE scores)."""
     raw = {"h_last4": trace.h_last[-4:].float(),                        # (4, d)
            "h_mean": trace.h_mean[-1].float()}                          # (d,)
@@ -292,8 +595,8 @@ def _json_entry(meta: dict, key: str, path):
 
 
 def save_safetensors(tensors: dict, path, metadata: dict) -> None:
-    model.write_atomic(path, safetensors_bytes({k: v.contiguous() for k, v in tensors.items()},
-                                               metadata))
+    mdl.write_atomic(path, safetensors_bytes({k: v.contiguous() for k, v in tensors.items()},
+                                             metadata))
 
 
 def _check_finite(tensors: dict, path) -> None:

@@ -28,12 +28,13 @@ import torch
 import envs
 import grpo
 import model
+import pair
 import probes
-from grpo import play, rollout, Step, Trajectory
+from probes import play, rollout, Step, Trajectory
 
 
 # ---------------------------------------------------------------------------------------------
-# Rewards for vanilla GRPO: function(trajectory, ctx) -> one reward per turn (grpo.REWARDS)
+# Rewards for vanilla GRPO: function(trajectory, ctx) -> one reward per turn (pair.REWARDS)
 # ---------------------------------------------------------------------------------------------
 
 def coe_reward(traj: Trajectory, ctx) -> list[float]:
@@ -181,7 +182,7 @@ def gold_logprobs(policy, tok, states: list[list[int]], answer: str, rows_per_fo
 #   4. the turn-level objective (the release's gspo_turn, see turn_loss): one importance ratio
 #      per turn, PPO-clipped in [1 - 3e-3, 1 + 4e-3] (--at2po-clip), averaged over each
 #      trajectory's tokens and then over trajectories.
-#   Choices: H(n) is read from the generation pass itself (model.generate records log pi of
+#   Choices: H(n) is read from the generation pass itself (probes.generate records log pi of
 #   every sampled token, at the sampling temperature); the KL term stays this pipeline's
 #   (k3, token mean, --beta; the release ran with its KL coefficient at 0).
 #
@@ -407,7 +408,7 @@ def play_trees(g: int, run, t: dict):
     caches = list({id(c): c for c, _ in forest.caches.values()}.values())
     ctx.cost.update(branch_rollouts=forest.branch_rollouts, branch_tokens=forest.branch_tokens)
     grpo.hook("played", run, trajs, t)
-    r, p = zip(*[grpo.turn_rewards(traj, ctx) for traj in trajs])
+    r, p = zip(*[pair.turn_rewards(traj, ctx) for traj in trajs])
     a, all_equal = TREE_SEARCH[args.reward](forest)
     t3 = time.perf_counter()
     t["t_rollout"] += t1 - t0
@@ -582,10 +583,10 @@ def register() -> None:
                              "at2po_clip": ((lambda v: 0 <= v < 1), "two numbers in [0, 1)")})
     grpo.RESUME_KEYS += ("tips_refresh", "tips_gamma", "tree_m", "tree_n", "tree_l",
                          "at2po_penalty", "at2po_clip", "judge_model")
-    grpo.REWARDS.update(coe=coe_reward, llm_judge=judge_reward, igpo=igpo_reward, tips=tips_reward,
+    pair.REWARDS.update(coe=coe_reward, llm_judge=judge_reward, igpo=igpo_reward, tips=tips_reward,
                         # tree search: the leaves' outcome; the advantages come from the trees
-                        tree_grpo=grpo.outcome_reward, at2po=grpo.outcome_reward)
-    grpo.NEEDS_STATS.add("coe")
+                        tree_grpo=pair.outcome_reward, at2po=pair.outcome_reward)
+    pair.NEEDS_STATS.add("coe")
     grpo.PLAYERS.update(dict.fromkeys(TREE_SEARCH, play_trees))
     grpo.LOSSES[AT2PO] = at2po_loss
     grpo.HOOKS["preset"].append(preset)

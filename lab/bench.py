@@ -145,7 +145,7 @@ def build(args, device, dtype):
                          "requirements-dev.txt (or --sections update reward)")
     if args.model:
         try:
-            model, _ = M.load_model(args.model, dtype=dtype, devices=[device])
+            model, _ = M.load_model(args.model, dtype=dtype, device=device)
         except (M.CheckpointError, OSError, ValueError) as e:     # a damaged checkpoint
             raise SystemExit(f"--model {args.model}: {e}") from None
         hf = None
@@ -253,8 +253,8 @@ def generation_section(model, hf, args, device) -> list:
         def ours(stats):
             cache = model.new_cache(batch, args.prompt_len + n)
             gen = torch.Generator(device).manual_seed(0)
-            return M.generate(model, cache, prompts.tolist(), n, temperature=1.0, stop_ids=[],
-                              stats=stats, generator=gen)
+            return probes.generate(model, cache, prompts.tolist(), n, temperature=1.0, stop_ids=[],
+                                   stats=stats, generator=gen)
 
         def theirs():
             return hf.generate(prompts.to(device), attention_mask=torch.ones_like(prompts)
@@ -299,16 +299,16 @@ def step_section(model, args, device):
     B = args.batch
     cache = model.new_cache(B, args.prompt_len)
     with torch.no_grad():
-        M.generate(model, cache, random_ids(model, args.prompt_len, B, 1).tolist(), 0)
-        M.reserve_slots(cache, args.new_tokens + 1)         # as a generation on a GPU does
+        probes.generate(model, cache, random_ids(model, args.prompt_len, B, 1).tolist(), 0)
+        probes.reserve_slots(cache, args.new_tokens + 1)         # as a generation on a GPU does
         tokens = torch.zeros(B, dtype=torch.long, device=device)
         fed = torch.ones(B, dtype=torch.bool, device=device)
         span = cache[0].lengths.clone()
-        M.decode_one_token(model, cache, tokens, fed, span)
+        probes.decode_one_token(model, cache, tokens, fed, span)
         sync(device)
         t0 = time.perf_counter()
         for _ in range(args.new_tokens):
-            M.decode_one_token(model, cache, tokens, fed, span)
+            probes.decode_one_token(model, cache, tokens, fed, span)
         sync(device)
     step = (time.perf_counter() - t0) / args.new_tokens
     x = torch.empty(GiB, dtype=torch.uint8, device=device)
@@ -390,8 +390,8 @@ def reward_section(model, traces):
     if trace is None:
         with torch.no_grad():
             cache = model.new_cache(1, 64)
-            trace = M.generate(model, cache, random_ids(model, 16, 1, 0).tolist(), 16,
-                               stop_ids=[])[0]
+            trace = probes.generate(model, cache, random_ids(model, 16, 1, 0).tolist(), 16,
+                                    stop_ids=[])[0]
     raw = probes.raw_features(trace, coe=False)
     g = torch.Generator().manual_seed(0)
     corpus = {k: v[None] + 0.1 * torch.randn((64, *v.shape), generator=g) for k, v in raw.items()}

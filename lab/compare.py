@@ -36,6 +36,7 @@ import grpo
 import model
 from lab import baselines, curves, shop
 from lab.train import plug_in
+import pair
 
 COMPARE_REWARDS = ("outcome", "pair", "pair:alpha=0", "last_token", "multi_attn", "attention",
                    "head_entropy", "igpo", "tips", "tree_grpo", "at2po",
@@ -45,9 +46,9 @@ COMPARE_REWARDS = ("outcome", "pair", "pair:alpha=0", "last_token", "multi_attn"
 def parse_spec(spec: str) -> tuple[str, list[str]]:
     """'pair:alpha=0,probe-corpus=contaminated' -> ('pair', ['--alpha', '0', ...])."""
     reward, _, rest = spec.partition(":")
-    if reward not in grpo.REWARDS:
+    if reward not in pair.REWARDS:
         raise SystemExit(f"compare: unknown reward {reward!r} in {spec!r} (choose from "
-                         f"{', '.join(grpo.REWARDS)})")
+                         f"{', '.join(pair.REWARDS)})")
     flags = []
     for item in filter(None, rest.split(",")):
         key, eq, value = item.partition("=")
@@ -79,7 +80,7 @@ def check_run(spec: str, argv: list[str], reward: str, seed: int, run: Path, res
     said = io.StringIO()                # argparse's usage and the preset line: not for here
     try:
         with contextlib.redirect_stdout(said), contextlib.redirect_stderr(said):
-            args = grpo.parse_args(argv, grpo.REWARDS)
+            args = grpo.parse_args(argv, pair.REWARDS)
             # compare sets these per run: given again they would put every seed in one run
             if (args.reward, args.seed, args.out, args.resume, args.resume_if_present) != \
                     (reward, seed, str(run), resume, False):
@@ -233,7 +234,7 @@ def compare(argv: list[str]) -> dict:
             raise SystemExit(f"compare: {flag}: {', '.join(map(str, twice))} given twice")
     if args.cost:
         if "--rewards" not in argv:
-            args.rewards = [r for r in grpo.REWARDS if r != "llm_judge"
+            args.rewards = [r for r in pair.REWARDS if r != "llm_judge"
                             or os.environ.get("OPENAI_API_KEY")]
         # latencies measured beside another run are not latencies
         args.jobs, extra = 1, [*extra, "--no-eval"]

@@ -23,7 +23,7 @@ import probes
 from lab import onpolicy, study
 
 
-def labels_reward(traj: grpo.Trajectory, ctx) -> list[float]:
+def labels_reward(traj: probes.Trajectory, ctx) -> list[float]:
     # the built-in worlds' exact step labels (1 right, 0 wrong): the perfect process reward, the
     # ceiling every dense reward is measured against
     return [float(ok) for ok in traj.episode.labels()]
@@ -48,7 +48,7 @@ def position_advantages(rewards: list[list[float | None]]) -> tuple[list[list[fl
     same for every rollout (how right that kind of turn usually is), not what this rollout did.
     A turn index one rollout alone reaches gives c = 0, which still counts in the pooled std. A
     group whose rewards are equal at every position has nothing to say: A = 0, all equal."""
-    return grpo.group_advantages(position_centred(rewards))
+    return pair.group_advantages(position_centred(rewards))
 
 
 def outcome_turn_advantages(rewards: list[list[float | None]], scores: list[float],
@@ -60,7 +60,7 @@ def outcome_turn_advantages(rewards: list[list[float | None]], scores: list[floa
     for a turn without a reward): no sum over later turns, so a turn is credited for itself and
     never for the harder turns its right decision leads to. lambda = --turn-weight. A rollout
     that played no turn has no advantage. All equal: no turn gets an advantage."""
-    z, _ = grpo.group_advantages([[s] if row else [] for row, s in zip(rewards, scores)])
+    z, _ = pair.group_advantages([[s] if row else [] for row, s in zip(rewards, scores)])
     advantages = [[z_i[0] + lam * (c or 0.0) for c in row] if row else []
                   for row, z_i in zip(position_centred(rewards), z)]
     return advantages, all(abs(a) <= 1e-8 for row in advantages for a in row)
@@ -75,7 +75,7 @@ def outcome_turn_advantages(rewards: list[list[float | None]], scores: list[floa
 # habits' first-error turns with a clean prefix (onpolicy.habit_at): the slip against the same
 # decision made right.
 
-GATE_REWARDS = {"outcome", "labels", "pair"} | grpo.PROBE_REWARDS     # what stored_rewards computes
+GATE_REWARDS = {"outcome", "labels", "pair"} | pair.PROBE_REWARDS     # what stored_rewards computes
 
 
 def stored_rewards(turns: study.Split, ctx) -> list[float | None] | None:
@@ -89,11 +89,11 @@ def stored_rewards(turns: study.Split, ctx) -> list[float | None] | None:
         rewards = [float(y) for y in turns.y.tolist()]
     elif name == "pair":
         rewards = pair.pair_from_features(turns.raw, ctx)[0]
-    elif name in grpo.PROBE_REWARDS:
+    elif name in pair.PROBE_REWARDS:
         rewards = pair.probe_from_features(turns.raw, ctx)[0]
     else:
         return None
-    return grpo.with_outcome(rewards, score, ctx.args)
+    return pair.with_outcome(rewards, score, ctx.args)
 
 
 def premise_gate(turns: study.Split, ctx, at: list[str | None]) -> dict | None:
@@ -115,7 +115,7 @@ def premise_gate(turns: study.Split, ctx, at: list[str | None]) -> dict | None:
         if any(r is None for r in rewards):
             return None
         scores = [float(turns.raw["score"][idx[0]]) for idx in group]
-        a, _ = grpo.ADVANTAGES[ctx.args.advantage](rewards, scores, ctx.args)
+        a, _ = pair.ADVANTAGES[ctx.args.advantage](rewards, scores, ctx.args)
         for idx, a_i, r_i in zip(group, a, rewards):
             adv[idx] = torch.tensor(a_i, dtype=torch.float64)
             reward[idx] = torch.tensor([math.nan if r is None else r for r in r_i],
@@ -198,9 +198,9 @@ def register() -> None:
     grpo.FLAG_RANGES.update({"turn_weight": grpo.finite()})
     grpo.RESUME_KEYS += ("turn_weight",)
     grpo.RESUME_DEFAULTS.update({"turn_weight": 1.0})
-    grpo.REWARDS["labels"] = labels_reward
-    grpo.ADVANTAGES["position"] = lambda rewards, scores, args: position_advantages(rewards)
-    grpo.ADVANTAGES["outcome-turn"] = lambda rewards, scores, args: outcome_turn_advantages(
+    pair.REWARDS["labels"] = labels_reward
+    pair.ADVANTAGES["position"] = lambda rewards, scores, args: position_advantages(rewards)
+    pair.ADVANTAGES["outcome-turn"] = lambda rewards, scores, args: outcome_turn_advantages(
         rewards, scores, args.turn_weight)
     grpo.HOOKS["check"].append(check)
     grpo.HOOKS["setup"].append(gate_at_setup)

@@ -13,6 +13,8 @@ from pathlib import Path
 import torch
 
 import model as M
+import probes
+from lab import split
 
 # config.json keys of a checkpoint trained on a built-in world (`python -m lab.shop sft` writes
 # them): the world's name, and the tool list and reply format it appends to a task.
@@ -73,9 +75,9 @@ def main(argv=None):
 
     if args.max_new_tokens < 1:
         ap.error("--max-new-tokens must be at least 1")
-    if not M.valid_temperature(args.temperature):
-        ap.error(f"--temperature must be 0 (greedy) or a finite number >= {M.MIN_TEMPERATURE}, "
-                 f"got {args.temperature}")
+    if not probes.valid_temperature(args.temperature):
+        ap.error("--temperature must be 0 (greedy) or a finite number >= "
+                 f"{probes.MIN_TEMPERATURE}, got {args.temperature}")
     if not 0 < args.top_p <= 1:
         ap.error(f"--top-p must be in (0, 1], got {args.top_p}")
     if not -2**63 <= args.seed < 2**64:                 # what torch.Generator takes
@@ -85,7 +87,9 @@ def main(argv=None):
     except ValueError as e:
         ap.error(str(e))
     try:
-        model, tok = M.load_model(args.model, dtype=M.DTYPES[args.dtype], devices=devices)
+        model, tok = M.load_model(args.model, dtype=M.DTYPES[args.dtype], device=devices[0])
+        if len(devices) > 1:
+            split.split_model(model, devices)
         world, tools = checkpoint_world(model.checkpoint_dir)
     except (M.CheckpointError, FileNotFoundError, ValueError) as e:
         sys.exit(f"--model: {e}")
@@ -106,9 +110,10 @@ def main(argv=None):
           f"{f'as a {world} task, with its tool list' if world else 'as the user message'}, "
           f"{len(ids)} tokens]", file=sys.stderr)
     gen = torch.Generator().manual_seed(args.seed)
-    trace = M.generate(model, model.new_cache(1, capacity=len(ids) + args.max_new_tokens), [ids],
-                       args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
-                       stop_ids=[tok.im_end_id], generator=gen, stats=False)[0]
+    cache = model.new_cache(1, capacity=len(ids) + args.max_new_tokens)
+    trace = probes.generate(model, cache, [ids],
+                            args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
+                            stop_ids=[tok.im_end_id], generator=gen, stats=False)[0]
     tokens = trace.tokens[:-1] if trace.finished else trace.tokens
     print(tok.decode(tokens))
 

@@ -44,8 +44,8 @@ import grpo
 import model
 import pair
 import probes
-from grpo import rollout
 from lab import data as lab_data, runs, shop, study, traces
+from probes import rollout
 
 PROBE_SEED = 42
 
@@ -574,9 +574,9 @@ def fit_on_the_fly(args, policy, tok, procs, log):
 
 
 def check(args) -> None:
-    if args.probe_retrain_every and args.reward not in grpo.READS_PROBE:
+    if args.probe_retrain_every and args.reward not in pair.READS_PROBE:
         sys.exit(f"--probe-retrain-every: --reward {args.reward} reads no probe to refit (pair or "
-                 f"a probe reward: {', '.join(sorted(grpo.PROBE_REWARDS))})")
+                 f"a probe reward: {', '.join(sorted(pair.PROBE_REWARDS))})")
     if args.probe_retrain_every and args.env not in envs.WORLDS:
         sys.exit(f"--probe-retrain-every refits on the exact labels of the policy's own turns, "
                  f"which only the built-in world has (its tool calls re-executed); {args.env}'s "
@@ -669,7 +669,7 @@ def read_from_base(policy, trajs: list, rows_per_forward: int, cost=None) -> Non
 
 
 def reads_base(args) -> bool:
-    return args.reward in grpo.NEEDS_STATS and args.probe_reads == "base"
+    return args.reward in pair.NEEDS_STATS and args.probe_reads == "base"
 
 
 def stats_at_setup(args, policy, tok, procs, log, ctx) -> None:
@@ -731,7 +731,7 @@ def main(argv=None) -> None:
     try:
         with tempfile.TemporaryDirectory() as tmp:
             os.environ["PAIR_CACHE"] = tmp                  # a fresh fit, never a cached one
-            args = grpo.parse_args(["--env", env, "--out", str(Path(tmp) / "run")], grpo.REWARDS)
+            args = grpo.parse_args(["--env", env, "--out", str(Path(tmp) / "run")], pair.REWARDS)
             procs = grpo.Processes()
             grpo.resolve_preset(args, procs)
             torch.set_num_threads(args.threads)

@@ -38,8 +38,8 @@ from safetensors.torch import load_file, save as safetensors_bytes, save_file
 import envs
 import grpo
 import model
-from grpo import rollout
 from lab import data as lab_data, generate, runs
+from probes import rollout
 
 # ---------------------------------------------------------------------------------------------
 # The world: tasks drawn from a seed, tools that really execute, exact labels

@@ -1245,7 +1245,7 @@ PAIR_DIRS = ("pair_mixed", "pair", "pair_clean_only")
 def study_probes(args, policy, tok, procs, log) -> tuple[Path, None] | None:
     """grpo.py's "context" hook: --probes a `train --out` directory, or one seed<S>/ of it: the
     directory grpo.py reads the `--reward` probe from (PAIR: the first of PAIR_DIRS there)."""
-    if not args.probes or args.reward not in grpo.READS_PROBE:
+    if not args.probes or args.reward not in pair.READS_PROBE:
         return None
     where = seed_dir(Path(args.probes), log)
     if args.reward == "pair":

@@ -15,6 +15,7 @@ from torch import Tensor
 
 import model
 from model import STATS
+import probes
 
 # Span rows are scored in chunks of at most this many float32 scores (8 MB): below what the MLP
 # of the same block holds anyway, so peak memory is unchanged.
@@ -169,14 +170,14 @@ def forward(net: model.Transformer, input_ids: Tensor, span=None, output_hidden_
 
 
 @torch.no_grad()
-def trace_forward(net: model.Transformer, ids: list[int], span, stop_ids=None) -> model.TurnTrace:
+def trace_forward(net: model.Transformer, ids: list[int], span, stop_ids=None) -> probes.TurnTrace:
     """The TurnTrace of tokens ids[start:end] of one sequence, teacher-forced."""
     return trace_batch(net, [ids], [span], stop_ids)[0]
 
 
 @torch.no_grad()
 def trace_batch(net: model.Transformer, seqs: list[list[int]], spans, stop_ids=None,
-                rows_per_forward: int = 16) -> list[model.TurnTrace]:
+                rows_per_forward: int = 16) -> list[probes.TurnTrace]:
     """trace_forward of many (sequence, span) pairs, a few rows per forward. Rows are
     right-padded: a real token never attends to a pad after it, so each row's trace is the one
     its sequence gives alone. Only the span tokens' hidden states are kept."""
@@ -195,7 +196,7 @@ def trace_batch(net: model.Transformer, seqs: list[list[int]], spans, stop_ids=N
         for r, i in enumerate(chunk):
             (start, end), ids = spans[i], seqs[i]
             h = torch.stack([hs[r, start:end].float().cpu() for hs in out.hidden_states])
-            traces[i] = model.TurnTrace(
+            traces[i] = probes.TurnTrace(
                 tokens=list(ids[start:end]), span=(start, end),
                 attn={k: v[r].float().cpu() for k, v in out.attn_stats.items()},
                 h_last=h[:, -1], h_mean=h.mean(1), finished=ids[end - 1] in stop_ids)

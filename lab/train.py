@@ -9,16 +9,16 @@
 HOOKS): the paper's other rewards and the tree searches (lab/baselines.py), the exact-label
 reward, the advantage forms and the premise gate (lab/credit.py), probes fitted on the fly and
 refitted during a run and the drift alarm (lab/onpolicy.py), the run lock (lab/runs.py), the
-long world (lab/shop.py), the probes of a `lab.study train` directory (lab/study.py), and
-several processes under torchrun (lab/torchrun.py).
+long world (lab/shop.py), layers split across devices (lab/split.py), the probes of a `lab.study
+train` directory (lab/study.py), and several processes under torchrun (lab/torchrun.py).
 """
 import grpo
-from lab import baselines, credit, onpolicy, runs, shop, study, torchrun
+from lab import baselines, credit, onpolicy, runs, shop, split, study, torchrun
 
 
 def plug_in() -> None:
     """The lab into grpo.py, once (calling it again changes nothing)."""
-    for module in (baselines, credit, onpolicy, runs, shop, study, torchrun):
+    for module in (baselines, credit, onpolicy, runs, shop, split, study, torchrun):
         module.register()
     grpo.PROG = "python -m lab.train"
 

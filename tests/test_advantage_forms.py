@@ -9,6 +9,7 @@ import torch
 import grpo
 from lab import study
 from lab import credit
+import pair
 
 
 def args_for(**kw):
@@ -35,7 +36,7 @@ def test_position_advantages_hand_worked():
 def test_position_advantages_drop_what_every_rollout_shares():
     # the same reward at each position in every rollout: process still moves every turn (pooled
     # r = [1, 0, 1, 0]: r^ = +-1), the per-position baseline has nothing to say
-    assert grpo.group_advantages([[1.0, 0.0], [1.0, 0.0]])[1] is False
+    assert pair.group_advantages([[1.0, 0.0], [1.0, 0.0]])[1] is False
     assert credit.position_advantages([[1.0, 0.0], [1.0, 0.0]]) == ([[0.0, 0.0], [0.0, 0.0]], True)
     # turns without a reward stay out of the mean and get 0: an outcome on the same last turn
     # gives the outcome's group advantage, (1 - 0.5) / (0.5 + 1e-6) on every turn
@@ -68,7 +69,7 @@ def test_outcome_turn_advantages_hand_worked():
 def test_outcome_turn_gives_the_outcome_term_process_gives_the_outcome():
     rewards = [[0.2, 0.9, 0.4], [0.7], [0.1, 0.1]]
     scores = [1.0, 0.0, 1.0]
-    outcome, _ = grpo.group_advantages([[None] * (len(r) - 1) + [s]
+    outcome, _ = pair.group_advantages([[None] * (len(r) - 1) + [s]
                                         for r, s in zip(rewards, scores)])
     adv, _ = credit.outcome_turn_advantages(rewards, scores, 0.0)
     assert adv == outcome
@@ -77,13 +78,13 @@ def test_outcome_turn_gives_the_outcome_term_process_gives_the_outcome():
 def test_advantages_dispatch_reads_the_scores_only_where_the_form_needs_them():
     rewards, scores = [[1.0, 0.0], [0.5, 1.0, 0.4]], [1.0, 0.0]
     for form in ("process", "release", "position"):
-        form_of = {"process": grpo.group_advantages, "release": grpo.release_advantages,
+        form_of = {"process": pair.group_advantages, "release": pair.release_advantages,
                    "position": credit.position_advantages}[form]
-        assert grpo.ADVANTAGES[form](rewards, scores, args_for(advantage=form)) == form_of(rewards)
+        assert pair.ADVANTAGES[form](rewards, scores, args_for(advantage=form)) == form_of(rewards)
     args = args_for(advantage="outcome-turn", turn_weight=2.0)
-    assert grpo.ADVANTAGES["outcome-turn"](rewards, scores, args) == \
+    assert pair.ADVANTAGES["outcome-turn"](rewards, scores, args) == \
         credit.outcome_turn_advantages(rewards, scores, 2.0)
-    assert set(grpo.ADVANTAGES) == {"process", "release", "position", "outcome-turn"}
+    assert set(pair.ADVANTAGES) == {"process", "release", "position", "outcome-turn"}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -93,9 +94,9 @@ def test_labels_reward_is_the_exact_labels():
     traj = argparse.Namespace(steps=[None] * 3, score=1.0,
                               episode=argparse.Namespace(labels=lambda: [True, False, True]))
     ctx = argparse.Namespace(args=args_for())
-    assert grpo.turn_rewards(traj, ctx) == ([1.0, 0.0, 1.0], None)
+    assert pair.turn_rewards(traj, ctx) == ([1.0, 0.0, 1.0], None)
     ctx.args.outcome_weight = 0.5       # --outcome-weight adds to the last turn, as for any reward
-    assert grpo.turn_rewards(traj, ctx) == ([1.0, 0.0, 1.5], None)
+    assert pair.turn_rewards(traj, ctx) == ([1.0, 0.0, 1.5], None)
 
 
 @pytest.mark.parametrize("argv, error", [
@@ -106,7 +107,7 @@ def test_labels_reward_is_the_exact_labels():
 ])
 def test_labels_and_forms_are_refused_where_they_cannot_work(argv, error, tmp_path):
     with pytest.raises(SystemExit) as e:
-        grpo.hook("check", grpo.parse_args([*argv, "--out", str(tmp_path / "r")], grpo.REWARDS))
+        grpo.hook("check", grpo.parse_args([*argv, "--out", str(tmp_path / "r")], pair.REWARDS))
     assert error in str(e.value.code)
 
 
@@ -115,7 +116,7 @@ def test_labels_and_forms_are_refused_where_they_cannot_work(argv, error, tmp_pa
                                   ["--preset", "release"]])
 def test_tree_search_refuses_the_forms_it_cannot_use(reward, argv, tmp_path):
     args = grpo.parse_args(["--reward", reward, *argv, "--out", str(tmp_path / "r")],
-                           grpo.REWARDS)
+                           pair.REWARDS)
     with pytest.raises(SystemExit) as e:
         grpo.resolve_preset(args, grpo.Processes(rank=1))
     assert f"{' '.join(argv)}: --reward {reward} derives its advantages" in str(e.value.code)
@@ -185,7 +186,7 @@ def test_premise_gate_reads_the_outcome_on_the_last_turn():
 
 def test_release_preset_sets_the_release_and_flags_given_win(tmp_path):
     def resolved(*argv):
-        args = grpo.parse_args([*argv, "--out", str(tmp_path / "r")], grpo.REWARDS)
+        args = grpo.parse_args([*argv, "--out", str(tmp_path / "r")], pair.REWARDS)
         grpo.resolve_preset(args, grpo.Processes(rank=1))
         return args
     a = resolved("--preset", "release")

@@ -18,21 +18,12 @@ import numpy as np
 import pytest
 import torch
 
-from lab import adapters
-from lab import baselines
-from lab import compare
-from lab import curves
 import envs
 import grpo
 import model as mdl
-from lab import onpolicy
 import pair
 import probes
-from lab import shop
-from lab import data as lab_data
-from lab import study
-from lab import traces
-from lab import runs
+from lab import (adapters, baselines, compare, curves, data as lab_data, onpolicy, runs, shop, study, traces)
 
 ROOT = Path(__file__).resolve().parents[1]
 CORE_REWARDS = {"outcome", "pair", *probes.FEATURES}
@@ -107,7 +98,7 @@ def play_args(**kw):
 def lora_policy(model_dir, flags: list[str]):
     """The policy with its LoRA adapter, the parsed flags (preset filled) and the shop train env."""
     policy, tok = mdl.load_model(model_dir)
-    args = grpo.train_parser(grpo.REWARDS).parse_args([*flags, "--model", str(model_dir)])
+    args = grpo.train_parser(pair.REWARDS).parse_args([*flags, "--model", str(model_dir)])
     grpo.resolve_preset(args, grpo.Processes())
     mdl.apply_lora(policy, r=args.lora_r, alpha=args.lora_alpha, dropout=args.lora_dropout,
                    targets=tuple(args.lora_targets.split(",")))
@@ -119,7 +110,7 @@ def lora_policy(model_dir, flags: list[str]):
 
 def test_advantages_dense_steps():
     # pooled r = [1, 0, 0.5]: mean 0.5, population std sqrt(1/6)
-    adv, zero = grpo.group_advantages([[1.0, 0.0], [0.5]])
+    adv, zero = pair.group_advantages([[1.0, 0.0], [0.5]])
     s = 0.5 / (math.sqrt(1 / 6) + 1e-6)
     assert not zero
     # turn 1 of rollout 0: r^_1 + r^_2 = s - s; turn 2: -s; rollout 1: 0
@@ -129,7 +120,7 @@ def test_advantages_dense_steps():
 
 def test_advantages_outcome_is_group_normalized_outcome_on_every_turn():
     rewards = [[None, None, 1.0], [None, 0.0], [1.0], [None, None, None, 0.0]]
-    adv, zero = grpo.group_advantages(rewards)
+    adv, zero = pair.group_advantages(rewards)
     s = 0.5 / (0.5 + 1e-6)          # outcomes [1, 0, 1, 0]: mean 0.5, std 0.5
     assert not zero
     assert adv == [pytest.approx([s] * 3), pytest.approx([-s] * 2), pytest.approx([s]),
@@ -138,9 +129,9 @@ def test_advantages_outcome_is_group_normalized_outcome_on_every_turn():
 
 def test_advantages_all_equal_group_is_zero_and_flagged():
     for rewards in ([[0.3, 0.3], [0.3]], [[None, 1.0], [1.0]], [[0.1 + 0.2, 0.3]]):
-        adv, zero = grpo.group_advantages(rewards)
+        adv, zero = pair.group_advantages(rewards)
         assert zero and adv == [[0.0] * len(r) for r in rewards]
-    assert grpo.group_advantages([[0.3, 0.3], [0.3000001]])[1] is False
+    assert pair.group_advantages([[0.3, 0.3], [0.3000001]])[1] is False
 
 
 @pytest.mark.parametrize("flag, value", [("--temperature", "-1"), ("--temperature", "1e-40"),
@@ -178,7 +169,7 @@ def test_release_advantages_hand_worked():
     # rollout 0: r = [0.2, 0.8], total 1.0, own mean 0.5; rollout 1: r = [0.4], total 0.4;
     # rollout 2: r = [None, 0.1, 0.7] -> [0, 0.1, 0.7], total 0.8, own mean 0.8 / 3
     rewards = [[0.2, 0.8], [0.4], [None, 0.1, 0.7]]
-    adv, zero = grpo.release_advantages(rewards)
+    adv, zero = pair.release_advantages(rewards)
     totals = [1.0, 0.4, 0.8]
     mean = sum(totals) / 3
     std = math.sqrt(sum((t - mean) ** 2 for t in totals) / 3)       # population std
@@ -188,14 +179,14 @@ def test_release_advantages_hand_worked():
     assert adv[1] == pytest.approx([0.4 - 0.4 + z[1]], abs=1e-12)
     assert adv[2] == pytest.approx([r - 0.8 / 3 + z[2] for r in (0.0, 0.1, 0.7)], abs=1e-12)
     # equal totals: only centered (no division by a zero std); every reward equal: no advantage
-    adv, zero = grpo.release_advantages([[0.5, 0.1], [0.6]])
+    adv, zero = pair.release_advantages([[0.5, 0.1], [0.6]])
     assert not zero and adv == [pytest.approx([0.2, -0.2]), pytest.approx([0.0])]
-    assert grpo.release_advantages([[0.3, 0.3], [0.3, 0.3]]) == ([[0.0, 0.0], [0.0, 0.0]], True)
+    assert pair.release_advantages([[0.3, 0.3], [0.3, 0.3]]) == ([[0.0, 0.0], [0.0, 0.0]], True)
     # equal totals but rewards that differ within a rollout: the turns still move
-    assert grpo.release_advantages([[1.0, 0.0], [0.0, 1.0]]) == \
+    assert pair.release_advantages([[1.0, 0.0], [0.0, 1.0]]) == \
         ([[0.5, -0.5], [-0.5, 0.5]], False)
     # a group of one rollout is left as it is (the release normalizes groups of two or more)
-    assert grpo.release_advantages([[0.2, None, 0.8]]) == ([[0.2, 0.0, 0.8]], False)
+    assert pair.release_advantages([[0.2, None, 0.8]]) == ([[0.2, 0.0, 0.8]], False)
 
 
 def test_release_loss_is_the_release_reinforce_step():
@@ -294,8 +285,8 @@ def test_rollout_appends_turns_to_one_cache_and_traces_equal_teacher_forcing(tin
     env = envs.ShopEnv("train")
     episodes = [env.episode(5), env.episode(5), env.episode(6)]
     prompts = [tok.render(ep.messages, add_generation_prompt=True)[0] for ep in episodes]
-    trajs = grpo.rollout(policy, tok, episodes, play_args(),
-                         generator=torch.Generator().manual_seed(0))
+    trajs = probes.rollout(policy, tok, episodes, play_args(),
+                           generator=torch.Generator().manual_seed(0))
     assert max(len(t.steps) for t in trajs) > 1
     for traj, prompt in zip(trajs, prompts):
         (seq,) = traj.segments
@@ -306,7 +297,7 @@ def test_rollout_appends_turns_to_one_cache_and_traces_equal_teacher_forcing(tin
             assert (s, e) == (pos, pos + len(step.tokens)) and seq[s:e] == step.tokens
             pos = e
             if k + 1 < len(traj.steps):     # exactly the chat template's tokens in between
-                opening = grpo.turn_opening(tok, step.trace.finished, step.observation)
+                opening = probes.turn_opening(tok, step.trace.finished, step.observation)
                 assert seq[e:e + len(opening)] == opening
                 pos += len(opening)
             # the reward's statistics came from generation; teacher forcing gives the same
@@ -326,8 +317,8 @@ def test_rollout_survives_a_reply_with_a_lone_surrogate_escape(tiny_policy, monk
     hostile = 'Thought: x\nAction: Lookup\nAction Input: {"store": "\\ud800", "item": "tea"}'
     monkeypatch.setattr(tok, "decode", lambda ids, **kw: hostile)
     episodes = [envs.ShopEnv("train").episode(0)]
-    (traj,) = grpo.rollout(policy, tok, episodes, play_args(max_turns=2),
-                           generator=torch.Generator().manual_seed(0))
+    (traj,) = probes.rollout(policy, tok, episodes, play_args(max_turns=2),
+                             generator=torch.Generator().manual_seed(0))
     assert len(traj.steps) == 2 and traj.steps[0].observation.startswith("Observation: Invalid")
 
 
@@ -364,8 +355,8 @@ def test_rollout_refills_the_cache_when_the_environment_rewrites_history(tiny_po
 
     def episode():
         return rewriting_episode(score=0.0)
-    (traj,) = grpo.rollout(policy, tok, [episode()], play_args(max_turns=3),
-                           generator=torch.Generator().manual_seed(0))
+    (traj,) = probes.rollout(policy, tok, [episode()], play_args(max_turns=3),
+                             generator=torch.Generator().manual_seed(0))
     assert len(traj.segments) == 2 and [s.segment for s in traj.steps] == [0, 0, 1]
     first, second = traj.segments
     assert tok.decode(second).count("[elided]") == 1 and "[elided]" not in tok.decode(first)
@@ -381,13 +372,13 @@ def test_the_judge_rates_each_turn_in_the_history_it_was_taken_in(tiny_policy, m
     # the third turn's rollout elides the first observation; the judge of the second turn must
     # still see it, as the policy did when it took that turn
     policy, tok = mdl.load_model(tiny_policy)
-    (traj,) = grpo.rollout(policy, tok, [rewriting_episode(score=0.0)], play_args(max_turns=3),
-                           generator=torch.Generator().manual_seed(0))
+    (traj,) = probes.rollout(policy, tok, [rewriting_episode(score=0.0)], play_args(max_turns=3),
+                             generator=torch.Generator().manual_seed(0))
     assert traj.episode.messages[2]["content"] == "Observation: [elided]"
     rated = []
     monkeypatch.setattr(baselines, "judge_step",
                         lambda client, messages: rated.append(messages) or 0.5)
-    ctx = grpo.RewardContext(policy, tok, play_args(), judge=object())
+    ctx = pair.RewardContext(policy, tok, play_args(), judge=object())
     assert baselines.judge_reward(traj, ctx) == [0.5] * 3
     assert [len(m) for m in rated] == [2, 4, 6]      # the task, then turns and observations
     assert all(m[-1]["role"] == "assistant" for m in rated)
@@ -398,9 +389,9 @@ def test_the_judge_rates_each_turn_in_the_history_it_was_taken_in(tiny_policy, m
 
 def test_batch_masks_exactly_the_generated_tokens_eos_included():
     ep = envs.ShopEnv("train").episode(0)
-    traj = grpo.Trajectory(ep, segments=[[7, 7, 7, 1, 2, 99, 7, 7, 3, 99, 7]])
+    traj = probes.Trajectory(ep, segments=[[7, 7, 7, 1, 2, 99, 7, 7, 3, 99, 7]])
     for (s, e) in ((3, 6), (8, 10)):
-        traj.steps.append(grpo.Step(traj.segments[0][s:e], 0, (s, e), "", None, None))
+        traj.steps.append(probes.Step(traj.segments[0][s:e], 0, (s, e), "", None, None))
     batch = grpo.make_batch([traj], [[0.5, -1.0]], pad_id=0)
     assert batch.mask[0].tolist() == [False] * 3 + [True] * 3 + [False] * 2 + [True] * 2 + [False]
     assert batch.adv[0].tolist() == [0, 0, 0, .5, .5, .5, 0, 0, -1, -1, 0]
@@ -413,8 +404,8 @@ def test_first_update_has_zero_kl_and_unit_ratio(tiny_policy):
     # dropout 0: dropout noise alone would give KL > 0 even with pi_ref = the policy itself
     policy, tok, args, env = lora_policy(tiny_policy, ["--lr", "1e-2", "--micro-batch", "1",
                                                        "--lora-dropout", "0"])
-    trajs = grpo.rollout(policy, tok, [env.episode(1) for _ in range(3)], play_args(),
-                         generator=torch.Generator().manual_seed(0))
+    trajs = probes.rollout(policy, tok, [env.episode(1) for _ in range(3)], play_args(),
+                           generator=torch.Generator().manual_seed(0))
     adv = [[float(i + t) for t in range(len(tr.steps))] for i, tr in enumerate(trajs)]
     batch = grpo.make_batch(trajs, adv, tok.pad_id)
     opt = torch.optim.AdamW([p for _, p in mdl.lora_parameters(policy)], lr=1e-2)
@@ -440,12 +431,12 @@ def test_a_batch_without_generated_tokens_logs_loss_0_and_is_counted(tiny_policy
                                                                      monkeypatch):
     # every rollout ends before its first turn (each prompt is longer than a max_len of 20,
     # which grpo.py would refuse up front): nothing is generated, nothing is learned
-    real = grpo.rollout
+    real = probes.rollout
 
     def no_room(policy, tok, episodes, args, **kw):
         return real(policy, tok, episodes, argparse.Namespace(**{**vars(args), "max_len": 20}),
                     **kw)
-    monkeypatch.setattr(grpo, "rollout", no_room)
+    monkeypatch.setattr(probes, "rollout", no_room)
     out = tmp_path / "empty"
     run(flags(tiny_policy, out, "outcome", steps=2, save_every=2))
     lines = (out / "metrics.jsonl").read_text().splitlines()
@@ -467,7 +458,7 @@ def test_a_non_finite_gradient_skips_the_update_and_says_so(tiny_policy, tmp_pat
     # AdamW would turn every weight it touches into NaN
     def nan_advantages(rewards, scores, args):
         return [[math.nan] * len(row) for row in rewards], False
-    monkeypatch.setitem(grpo.ADVANTAGES, "process", nan_advantages)
+    monkeypatch.setitem(pair.ADVANTAGES, "process", nan_advantages)
     out = tmp_path / "nan"
     run(flags(tiny_policy, out, "outcome", steps=1))
     recs = metrics(out)
@@ -573,7 +564,7 @@ def test_resume_reproduces_the_uninterrupted_run(tiny_policy, tmp_path, monkeypa
 
 def test_resume_checks_args_json(tiny_policy, tmp_path):
     def prepare(out, **kw):
-        args = grpo.train_parser(grpo.REWARDS).parse_args(flags(tiny_policy, out, **kw))
+        args = grpo.train_parser(pair.REWARDS).parse_args(flags(tiny_policy, out, **kw))
         grpo.resolve_preset(args, grpo.Processes())
         return grpo.prepare_out(args, grpo.Processes())
 
@@ -614,7 +605,7 @@ def test_a_bad_model_is_a_one_line_error_and_writes_nothing(tmp_path, monkeypatc
 def test_out_and_resume_checks_read_what_a_run_left(tiny_policy, tmp_path):
     def checked(out, *argv):
         args = grpo.parse_args(["--model", str(tiny_policy), "--out", str(out), *argv],
-                               grpo.REWARDS)
+                               pair.REWARDS)
         grpo.resolve_preset(args, grpo.Processes())
         grpo.check_out(args)
         return args
@@ -663,7 +654,7 @@ def test_the_probe_cache_keys_a_sharded_policy_and_where_it_runs(tiny_policy, tm
         n: file for file, part in halves.items() for n in part}})
     assert runs.policy_hash(sharded) != runs.policy_hash(tiny_policy)
     mdl.load_model(sharded)                                 # a policy the run can load
-    args = grpo.parse_args(["--model", str(tiny_policy)], grpo.REWARDS)
+    args = grpo.parse_args(["--model", str(tiny_policy)], pair.REWARDS)
     grpo.resolve_preset(args, grpo.Processes())
     keys = {runs.settings_hash(onpolicy.own_turns_settings(args))}
     for name, value in (("dtype", "bfloat16"), ("devices", "cuda")):
@@ -817,7 +808,7 @@ def test_the_cores_own_lock_refuses_a_second_holder(tmp_path):
 
 def test_kill_9_frees_the_out_of_a_run(tiny_policy, tmp_path, pair_cache):
     out = tmp_path / "run"
-    args = grpo.train_parser(grpo.REWARDS).parse_args(
+    args = grpo.train_parser(pair.REWARDS).parse_args(
         flags(tiny_policy, out, steps=1000, resume=True))
     grpo.resolve_preset(args, grpo.Processes())
     env = dict(os.environ, PAIR_CACHE=str(pair_cache), OMP_NUM_THREADS="1")
@@ -886,11 +877,11 @@ def test_evaluation_decodes_greedily(tiny_policy):
         assert result["episodes"] == 3
         assert result["success"] == pytest.approx(sum(ep.score() for ep in env.episodes) / 3)
     assert played[0] == played[1]
-    greedy = grpo.rollout(policy, tok, [held_out.episode(j) for j in pool], args, greedy=True,
-                          stats=False)
+    greedy = probes.rollout(policy, tok, [held_out.episode(j) for j in pool], args, greedy=True,
+                            stats=False)
     assert played[0] == [t.episode.messages for t in greedy]
-    sampled = grpo.rollout(policy, tok, [held_out.episode(j) for j in pool], args,
-                           generator=torch.Generator().manual_seed(0), stats=False)
+    sampled = probes.rollout(policy, tok, [held_out.episode(j) for j in pool], args,
+                             generator=torch.Generator().manual_seed(0), stats=False)
     assert played[0] != [t.episode.messages for t in sampled]      # the check can tell
 
 
@@ -941,7 +932,7 @@ def test_gta_answers_match_strictly_in_training_and_loosely_in_evaluation(releas
 # ---------------------------------------------------------------------------------------------
 # every --reward that needs no network: a short run each
 
-OFFLINE = [r for r in grpo.REWARDS if r != "llm_judge"]
+OFFLINE = [r for r in pair.REWARDS if r != "llm_judge"]
 
 
 @pytest.mark.parametrize("reward", OFFLINE)
@@ -952,7 +943,7 @@ def test_every_offline_reward_runs(reward, tiny_policy, tmp_path):
     (rec,) = metrics(out)
     assert math.isfinite(rec["reward_mean"]) and math.isfinite(rec["loss"])
     assert rec["tokens"] > 0 and rec["turn_rewards"] and rec["empty_batch"] == 0
-    if reward in ("pair", *grpo.PROBE_REWARDS):
+    if reward in ("pair", *pair.PROBE_REWARDS):
         assert "probe_auroc" in rec
         bound = 1.5 if reward == "pair" else 1.0            # + 0.5 x task score on pair
         assert all(0 <= r <= bound for r in rec["turn_rewards"] if r is not None)
@@ -1012,9 +1003,9 @@ def test_igpo_rewards_are_gold_probability_gains(tiny_policy):
     policy, tok = mdl.load_model(tiny_policy)
     env = envs.ShopEnv("train")
     args = play_args(micro_batch=2, reward="igpo", outcome_weight=0.0)
-    (traj,) = grpo.rollout(policy, tok, [env.episode(2)], args,
-                           generator=torch.Generator().manual_seed(0))
-    ctx = grpo.RewardContext(policy, tok, args, env=env)
+    (traj,) = probes.rollout(policy, tok, [env.episode(2)], args,
+                             generator=torch.Generator().manual_seed(0))
+    ctx = pair.RewardContext(policy, tok, args, env=env)
     rewards = baselines.igpo_reward(traj, ctx)
     answer = env.episode(2).task.answer
     assert baselines.gold_answer(ctx, traj.episode) == answer
@@ -1034,14 +1025,14 @@ def test_igpo_rewards_are_gold_probability_gains(tiny_policy):
 
 def test_tips_reads_the_lagged_teacher(tiny_policy):
     policy, tok, args, env = lora_policy(tiny_policy, ["--micro-batch", "2", "--reward", "tips"])
-    (traj,) = grpo.rollout(policy, tok, [env.episode(3)], play_args(),
-                           generator=torch.Generator().manual_seed(0))
+    (traj,) = probes.rollout(policy, tok, [env.episode(3)], play_args(),
+                             generator=torch.Generator().manual_seed(0))
     base = baselines.lora_state(policy)                # B = 0: the teacher is the base model
     with torch.no_grad():
         for _, p in mdl.lora_parameters(policy):
             p.add_(0.3)                                  # the policy has moved on since
     moved = baselines.lora_state(policy)
-    ctx = grpo.RewardContext(policy, tok, args, env=env, lagged=base)
+    ctx = pair.RewardContext(policy, tok, args, env=env, lagged=base)
     rewards = baselines.tips_reward(traj, ctx)
     assert all(torch.equal(moved[n], p) for n, p in mdl.lora_parameters(policy))   # restored
     states = baselines.traj_states(traj)
@@ -1079,15 +1070,15 @@ def random_pair(raw: dict, seed: int) -> pair.Pair:
 def test_pair_reward_is_the_momentum_reward_of_the_turns_s_final(tiny_policy, tmp_path):
     policy, tok = mdl.load_model(tiny_policy)
     env = envs.ShopEnv("train")
-    trajs = grpo.rollout(policy, tok, [env.episode(i) for i in range(4)], play_args(max_turns=4),
-                         generator=torch.Generator().manual_seed(0))
+    trajs = probes.rollout(policy, tok, [env.episode(i) for i in range(4)], play_args(max_turns=4),
+                           generator=torch.Generator().manual_seed(0))
     model = random_pair(stacked_raw([step for t in trajs for step in t.steps]), seed=0)
     model.save(tmp_path / "pair")
     traj = max(trajs, key=lambda t: len(t.steps))
     assert len(traj.steps) >= 3             # momentum reads the mean of at least two earlier s~
     args = play_args(reward="pair", outcome_weight=0.0, alpha=5.0)
-    ctx = grpo.RewardContext(policy, tok, args, pair=pair.Pair.load(tmp_path / "pair"))
-    rewards, p_correct = grpo.pair_reward(traj, ctx)
+    ctx = pair.RewardContext(policy, tok, args, pair=pair.Pair.load(tmp_path / "pair"))
+    rewards, p_correct = pair.pair_reward(traj, ctx)
 
     _, s_final = model.scores(stacked_raw(traj.steps))
     assert p_correct == pytest.approx(s_final.tolist(), abs=1e-9)
@@ -1106,14 +1097,14 @@ def test_outcome_weight_moves_the_last_reward_not_the_probes_p_correct(tiny_poli
     # --outcome-weight adds to the last reward only
     policy, tok = mdl.load_model(tiny_policy)
     env = envs.ShopEnv("train")
-    traj = grpo.rollout(policy, tok, [env.episode(0)], play_args(max_turns=3),
-                        generator=torch.Generator().manual_seed(0))[0]
+    traj = probes.rollout(policy, tok, [env.episode(0)], play_args(max_turns=3),
+                          generator=torch.Generator().manual_seed(0))[0]
     traj.score = 1.0
     probe = random_pair(stacked_raw(traj.steps), seed=0).stage1        # a last_token probe
-    ctx = grpo.RewardContext(policy, tok, play_args(reward="last_token", outcome_weight=0.5),
+    ctx = pair.RewardContext(policy, tok, play_args(reward="last_token", outcome_weight=0.5),
                              probe=probe)
     p = probe.predict_proba(probes.feature("last_token", stacked_raw(traj.steps))).tolist()
-    rewards, p_correct = grpo.turn_rewards(traj, ctx)
+    rewards, p_correct = pair.turn_rewards(traj, ctx)
     assert p_correct == pytest.approx(p, abs=1e-12)
     assert rewards == pytest.approx(p[:-1] + [p[-1] + 0.5], abs=1e-12)
 
@@ -1225,7 +1216,7 @@ def test_cli_help_lists_every_reward_and_the_real_defaults():
 
     def choices(text):
         return set(re.search(r"--reward \{([^}]*)\}", text)[1].split(","))
-    assert choices(r.stdout) == set(grpo.REWARDS) and choices(core.stdout) == CORE_REWARDS
+    assert choices(r.stdout) == set(pair.REWARDS) and choices(core.stdout) == CORE_REWARDS
     text = " ".join(r.stdout.split())       # wide enough that no default is broken at a "-"
     body = text[text.index("optimization:"):]          # the flags' help, past the usage
     assert "default: None" not in text and body.count("(default:", body.index("--micro-batch"),
@@ -1241,7 +1232,7 @@ def test_cli_help_lists_every_reward_and_the_real_defaults():
                                   (f", {source})" if source else ")")), (flag, default)
         if key not in grpo.PAPER_STATED:
             assert "the paper's" not in default, (flag, default)
-    assert grpo.train_parser(grpo.REWARDS).parse_args(["--dtype", "bfloat16"]).dtype == "bfloat16"
+    assert grpo.train_parser(pair.REWARDS).parse_args(["--dtype", "bfloat16"]).dtype == "bfloat16"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -1249,7 +1240,7 @@ def test_cli_help_lists_every_reward_and_the_real_defaults():
 
 def test_no_held_out_episode_is_sampled_for_the_corpus_or_for_training(tmp_path, monkeypatch):
     calls, fitted, yardstick = [], [], []
-    real_rollout, real_fit = grpo.rollout, onpolicy.fit_probes
+    real_rollout, real_fit = probes.rollout, onpolicy.fit_probes
     real_corpus = onpolicy.contaminated_corpus
 
     def spy_rollout(policy, tok, episodes, args, greedy=False, **kw):
@@ -1259,7 +1250,7 @@ def test_no_held_out_episode_is_sampled_for_the_corpus_or_for_training(tmp_path,
     def spy_fit(train, info):
         fitted.append(list(train.episode_id))
         return real_fit(train, info)
-    for module in (grpo, onpolicy):       # training, evaluation, the probe corpus
+    for module in (probes, onpolicy):     # training, evaluation, the probe corpus
         monkeypatch.setattr(module, "rollout", spy_rollout)
     monkeypatch.setattr(onpolicy, "fit_probes", spy_fit)
     monkeypatch.setattr(onpolicy, "contaminated_corpus",
@@ -1296,8 +1287,8 @@ def test_probe_reads_base_equals_teacher_forcing_through_the_base():
         for name, p in mdl.lora_parameters(policy):
             p.normal_(0, 0.004 if "lora_B" in name else 0.3)
     policy.eval()
-    trajs = grpo.rollout(policy, tok, [env.episode(i) for i in (0, 1)],
-                         play_args(max_new_tokens=96), generator=torch.Generator().manual_seed(0))
+    trajs = probes.rollout(policy, tok, [env.episode(i) for i in (0, 1)],
+                           play_args(max_new_tokens=96), generator=torch.Generator().manual_seed(0))
     generated = [step.trace for traj in trajs for step in traj.steps]
     onpolicy.read_from_base(policy, trajs, rows_per_forward=2)
     k = 0
@@ -1620,7 +1611,7 @@ def test_compare_cost_names_a_run_whose_metrics_lack_the_costs(tmp_path, no_run_
 def test_changed_flag_reads_a_model_directory_written_another_way(tmp_path, monkeypatch):
     (tmp_path / "policy").mkdir()
     monkeypatch.chdir(tmp_path)
-    args = grpo.parse_args(["--model", str(tmp_path / "policy")], grpo.REWARDS)
+    args = grpo.parse_args(["--model", str(tmp_path / "policy")], pair.REWARDS)
     saved = {k: getattr(args, k) for k in grpo.RESUME_KEYS}
     assert grpo.changed_flag(args, {**saved, "model": "policy"}) is None      # relative
     assert grpo.changed_flag(args, {**saved, "model": "other"}) == (
@@ -1662,7 +1653,7 @@ def test_interval95_by_hand_and_where_it_holds_the_seeds():
 def test_oversample_keeps_the_first_groups_with_something_to_say(tiny_policy, tmp_path,
                                                                  monkeypatch):
     # prompts whose training-pool index is odd get varied rewards, the others all-equal ones
-    real_rewards, real_batch = grpo.turn_rewards, grpo.make_batch
+    real_rewards, real_batch = pair.turn_rewards, grpo.make_batch
     counter, kept = iter(range(10**6)), []
 
     def rewards(traj, ctx):
@@ -1673,7 +1664,7 @@ def test_oversample_keeps_the_first_groups_with_something_to_say(tiny_policy, tm
     def batch(trajs, advantages, pad_id):
         kept.append([t.episode.id for t in trajs])
         return real_batch(trajs, advantages, pad_id)
-    monkeypatch.setattr(grpo, "turn_rewards", rewards)
+    monkeypatch.setattr(pair, "turn_rewards", rewards)
     monkeypatch.setattr(grpo, "make_batch", batch)
     run(flags(tiny_policy, tmp_path / "o", "outcome", steps=1, batch=2, oversample=4))
     (rec,) = metrics(tmp_path / "o")
@@ -1784,8 +1775,8 @@ def test_the_base_model_is_evaluated_once_per_policy_and_evaluation_settings(
 # ---------------------------------------------------------------------------------------------
 # tree search: Tree-GRPO and AT²PO (grpo.py section 3b)
 
-def hand_step(nll: float = 0.0) -> grpo.Step:
-    return grpo.Step([1, 2], 0, (0, 2), "", None, None, nll=nll)
+def hand_step(nll: float = 0.0) -> probes.Step:
+    return probes.Step([1, 2], 0, (0, 2), "", None, None, nll=nll)
 
 
 def hand_forest(n_roots: int, paths: list[tuple[int, int | None, int, list[float], float]]):
@@ -1795,7 +1786,7 @@ def hand_forest(n_roots: int, paths: list[tuple[int, int | None, int, list[float
     trajs = []
     for root, src, kept, nlls, score in paths:
         shared = trajs[src].steps[:kept] if src is not None else []
-        traj = grpo.Trajectory(None, steps=shared + [hand_step(h) for h in nlls], score=score)
+        traj = probes.Trajectory(None, steps=shared + [hand_step(h) for h in nlls], score=score)
         parent = forest.node_of[id(shared[-1])] if shared else forest.roots[root]
         baselines.attach(forest, traj, parent, kept)
         trajs.append(traj)
@@ -1879,8 +1870,8 @@ def test_a_branch_from_a_copied_cache_equals_a_fresh_prefill(tiny_policy, monkey
     env = envs.ShopEnv("train")
     args = play_args(max_turns=4, max_new_tokens=12)
     caches = []
-    chains = grpo.rollout(policy, tok, [env.episode(5) for _ in range(3)], args,
-                          generator=torch.Generator().manual_seed(0), caches=caches)
+    chains = probes.rollout(policy, tok, [env.episode(5) for _ in range(3)], args,
+                            generator=torch.Generator().manual_seed(0), caches=caches)
     i = max(range(3), key=lambda k: len(chains[k].steps))
     owner = chains[i]
     assert len(owner.steps) >= 3 and owner.steps[0].observation
@@ -1898,10 +1889,10 @@ def test_a_branch_from_a_copied_cache_equals_a_fresh_prefill(tiny_policy, monkey
         context = owner.segments[0][:owner.steps[kept].span[0]]
         assert copied[-1] == len(context) - 1       # the prefix is copied, one token re-fed
         # the same continuation from a fresh prefill of the whole context
-        fresh = grpo.Trajectory(baselines.fork_episode(lambda: env.episode(5), owner, kept),
-                                steps=list(owner.steps[:kept]))
-        grpo.play(policy, tok, [fresh], policy.new_cache(1), [context], args,
-                  generator=torch.Generator().manual_seed(11), stats=True)
+        fresh = probes.Trajectory(baselines.fork_episode(lambda: env.episode(5), owner, kept),
+                                  steps=list(owner.steps[:kept]))
+        probes.play(policy, tok, [fresh], policy.new_cache(1), [context], args,
+                    generator=torch.Generator().manual_seed(11), stats=True)
         assert branch.segments == fresh.segments and branch.steps[:kept] == owner.steps[:kept]
         assert branch.score == fresh.score and len(branch.steps) == len(fresh.steps) > kept
         for x, y in zip(branch.steps[kept:], fresh.steps[kept:]):
@@ -1926,8 +1917,8 @@ def test_a_branch_from_before_a_rewritten_history_prefills_only_what_differs(tin
         return rewriting_episode(score=None)
     args = play_args(max_turns=3)
     caches = []
-    (owner,) = grpo.rollout(policy, tok, [episode()], args,
-                            generator=torch.Generator().manual_seed(0), caches=caches)
+    (owner,) = probes.rollout(policy, tok, [episode()], args,
+                              generator=torch.Generator().manual_seed(0), caches=caches)
     assert [s.segment for s in owner.steps] == [0, 0, 1]
     copied = []
     real_copy = baselines.copy_rows
@@ -1945,11 +1936,11 @@ def test_a_branch_from_before_a_rewritten_history_prefills_only_what_differs(tin
         shared = baselines.common_prefix(context, owner.segments[-1])
         assert copied[-1] == min(shared, len(context) - 1)
         assert (shared < len(context)) == (kept == 1)   # turn 2 was played before the rewrite
-        fresh = grpo.Trajectory(baselines.fork_episode(episode, owner, kept),
-                                segments=[list(x) for x in owner.segments[:at.segment]] + [[]],
-                                steps=list(owner.steps[:kept]))
-        grpo.play(policy, tok, [fresh], policy.new_cache(1), [context], args,
-                  generator=torch.Generator().manual_seed(5), stats=True)
+        fresh = probes.Trajectory(baselines.fork_episode(episode, owner, kept),
+                                  segments=[list(x) for x in owner.segments[:at.segment]] + [[]],
+                                  steps=list(owner.steps[:kept]))
+        probes.play(policy, tok, [fresh], policy.new_cache(1), [context], args,
+                    generator=torch.Generator().manual_seed(5), stats=True)
         assert branch.segments == fresh.segments
         for x, y in zip(branch.steps[kept:], fresh.steps[kept:]):
             assert x.tokens == y.tokens
@@ -2250,12 +2241,12 @@ def test_probe_retrain_is_refused_where_there_is_nothing_to_refit(tmp_path, caps
 
 
 def test_shop_long_is_a_world_of_its_own(tiny_policy, tmp_path, monkeypatch):
-    played, real = [], grpo.rollout
+    played, real = [], probes.rollout
 
     def spy(policy, tok, episodes, args, **kw):
         played.extend(e.id for e in episodes)
         return real(policy, tok, episodes, args, **kw)
-    for module in (grpo, onpolicy):
+    for module in (probes, onpolicy):
         monkeypatch.setattr(module, "rollout", spy)
     out = tmp_path / "r"
     run(flags(tiny_policy, out, "pair", env="shop-long", steps=1, eval_episodes=2))
@@ -2263,7 +2254,7 @@ def test_shop_long_is_a_world_of_its_own(tiny_policy, tmp_path, monkeypatch):
     assert saved["env"] == "shop-long"
     for model in (tiny_policy, envs.BUILTIN_POLICIES["shop-long"]):   # any policy: 16 turns
         args = grpo.parse_args(["--env", "shop-long", "--model", str(model), "--out", "x"],
-                               grpo.REWARDS)
+                               pair.REWARDS)
         grpo.resolve_preset(args, grpo.Processes())
         assert args.max_turns == envs.WORLD_TURNS["shop-long"] == 16
     assert played and all(eid.startswith("shop-long-") for eid in played)
@@ -2332,7 +2323,7 @@ def test_the_built_in_policies_run_on_one_thread_unless_told(tmp_path):
     busy process a run went 1.8 to 40 times slower: the built-in policies' preset takes one
     thread, --threads overrides it, and any other model keeps torch's choice."""
     def resolved(*argv):
-        args = grpo.parse_args([*argv, "--out", str(tmp_path / "r")], grpo.REWARDS)
+        args = grpo.parse_args([*argv, "--out", str(tmp_path / "r")], pair.REWARDS)
         grpo.resolve_preset(args, grpo.Processes(rank=1))
         return args.threads
     assert resolved() == 1

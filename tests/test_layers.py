@@ -44,7 +44,7 @@ def test_the_lab_imports_the_core_and_its_own_files_only():
 def test_the_core_runs_without_the_lab():
     # a fresh interpreter that imports grpo alone: the lab's rewards are not there, the core's are
     code = ("import sys, grpo; assert not any(m.startswith('lab') for m in sys.modules); "
-            "print(sorted(grpo.REWARDS))")
+            "print(sorted(grpo.pair.REWARDS))")
     r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
                        env=dict(os.environ, PYTHONPATH=str(ROOT)), timeout=120)
     assert r.returncode == 0, r.stderr[-2000:]

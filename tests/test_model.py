@@ -13,12 +13,12 @@ from safetensors.torch import load_file, save_file
 
 import envs
 import model as M
-import grpo
 from lab import generate
 from lab import shop
 from lab import study
 from lab import traces
 from lab import runs
+import probes
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -322,7 +322,7 @@ def test_ragged_batched_appends_equal_per_row_forward():
     cache = model.new_cache(3, capacity=8)
     with torch.no_grad():
         for k, step in enumerate(chunks):
-            logits = M.prefill(model, cache, step)              # logits after each row's last token
+            logits = probes.prefill(model, cache, step)  # after each row's last token
             for r in range(3):
                 seq = sum((chunks[j][r] for j in range(k + 1)), [])
                 if not step[r]:
@@ -352,8 +352,8 @@ def test_generation_traces_equal_teacher_forced_traces(name):
     prompts = [torch.randint(0, 64, (n,), generator=g).tolist() for n in (5, 2, 8)]
     cache = model.new_cache(3, capacity=4)
     gen = torch.Generator().manual_seed(6)
-    traced = M.generate(model, cache, prompts, max_new_tokens=7, temperature=1.0, top_p=0.9,
-                        stop_ids=[], generator=gen)
+    traced = probes.generate(model, cache, prompts, max_new_tokens=7, temperature=1.0, top_p=0.9,
+                             stop_ids=[], generator=gen)
     seqs = [p + t.tokens for p, t in zip(prompts, traced)]
     for seq, trace, prompt in zip(seqs, traced, prompts):
         assert len(trace.tokens) == 7 and not trace.finished
@@ -366,9 +366,9 @@ def test_generation_traces_equal_teacher_forced_traces(name):
     probe = model.new_cache(3)
     for c_probe, c in zip(probe, cache):
         c_probe.k, c_probe.v, c_probe.lengths = c.k.clone(), c.v.clone(), c.lengths.clone()
-    free = M.generate(model, probe, obs, max_new_tokens=6, temperature=0, stop_ids=[])
+    free = probes.generate(model, probe, obs, max_new_tokens=6, temperature=0, stop_ids=[])
     stop = free[0].tokens[2]
-    second = M.generate(model, cache, obs, max_new_tokens=6, temperature=0, stop_ids=[stop])
+    second = probes.generate(model, cache, obs, max_new_tokens=6, temperature=0, stop_ids=[stop])
     assert second[1].tokens == [] and second[1].attn == {}
     assert second[0].finished and second[0].tokens[-1] == stop and len(second[0].tokens) <= 3
     for r in (0, 2):
@@ -393,7 +393,7 @@ def test_prefill_computes_a_repeated_prompt_once_to_the_bit(name, monkeypatch):
     monkeypatch.setattr(model, "trunk", lambda ids, *x, **k: computed.append(len(ids)) or
                         trunk(ids, *x, **k))
     cache = model.new_cache(len(rows), capacity=4)
-    logits = M.prefill(model, cache, rows)
+    logits = probes.prefill(model, cache, rows)
     assert computed == [3]                      # a, b and the empty row, once each
     # every row computed in one batch, as prefill does for rows that do not repeat
     T = max(map(len, rows))
@@ -411,14 +411,14 @@ def test_prefill_computes_a_repeated_prompt_once_to_the_bit(name, monkeypatch):
     assert not logits[~full].any()
     # a cache that already holds tokens appends row by row, repeated or not
     computed.clear()
-    M.prefill(model, cache, [[5]] * len(rows))
+    probes.prefill(model, cache, [[5]] * len(rows))
     assert computed == [len(rows)]
 
 
 def reference_generate(model, seqs, max_new, temperature, top_p, stop, generator, active):
     """The straightforward decoding loop: every step runs each running row's whole sequence
     through a plain teacher-forced forward (no KV cache), then draws the batch's tokens with
-    M.sample and the same generator (one draw per step for the whole batch, as generate)."""
+    probes.sample and the same generator (one draw per step for the whole batch, as generate)."""
     seqs, running, new = [list(s) for s in seqs], list(active), [[] for _ in seqs]
     for _ in range(max_new):
         if not any(running):
@@ -427,7 +427,7 @@ def reference_generate(model, seqs, max_new, temperature, top_p, stop, generator
         for r, seq in enumerate(seqs):
             if running[r]:
                 logits[r] = model(torch.tensor([seq]))[0, -1]
-        token = M.sample(logits, temperature, top_p, generator).tolist()
+        token = probes.sample(logits, temperature, top_p, generator).tolist()
         for r in range(len(seqs)):
             if running[r]:
                 seqs[r].append(token[r])
@@ -465,7 +465,7 @@ def test_decoding_equals_the_straightforward_loop(monkeypatch, name, compiled, t
         seqs = [s + n if n else s for s, n in zip(seqs, new)] if turn else seqs
         active = [bool(n) for n in new]
         gen, ref_gen = (torch.Generator().manual_seed(13 + turn) for _ in range(2))
-        traced = M.generate(model, cache, new, 12, temperature, top_p, stop, gen)
+        traced = probes.generate(model, cache, new, 12, temperature, top_p, stop, gen)
         expect = reference_generate(model, seqs, 12, temperature, top_p, stop, ref_gen, active)
         assert [t.tokens for t in traced] == expect
         for r, trace in enumerate(traced):
@@ -495,10 +495,10 @@ def test_compiled_decoding_does_not_depend_on_the_graphs_compiled_before(monkeyp
         g = torch.Generator().manual_seed(B)
         cache = model.new_cache(B, capacity)
         prompts = [torch.randint(3, 64, (4 + r,), generator=g).tolist() for r in range(B)]
-        M.generate(model, cache, prompts, 0)
+        probes.generate(model, cache, prompts, 0)
         tokens = torch.randint(3, 64, (B,), generator=g)
         fed = torch.tensor([r != 1 for r in range(B)])
-        return M.decode_one_token(model, cache, tokens, fed, cache[0].lengths.clone())
+        return probes.decode_one_token(model, cache, tokens, fed, cache[0].lengths.clone())
 
     first = step(6, 16)                     # the graph of these shapes
     step(3, 16), step(3, 32)                # a batch size, then a capacity: symbolic
@@ -567,8 +567,8 @@ def test_decoding_falls_back_to_eager_when_compiling_fails(monkeypatch, capsys):
 def check_decoding(model, prompts, temperature, seed, h_atol=1e-5):
     """generate against reference_generate and trace_forward (the modules' own forward)."""
     stop = [0, 1, 2]
-    traced = M.generate(model, model.new_cache(len(prompts)), prompts, 10, temperature, 1.0,
-                        stop, torch.Generator().manual_seed(seed))
+    traced = probes.generate(model, model.new_cache(len(prompts)), prompts, 10, temperature, 1.0,
+                             stop, torch.Generator().manual_seed(seed))
     expect = reference_generate(model, prompts, 10, temperature, 1.0, stop,
                                 torch.Generator().manual_seed(seed), [True] * len(prompts))
     assert [t.tokens for t in traced] == expect
@@ -616,27 +616,27 @@ def test_statistics_do_not_change_the_sampled_tokens():
     runs = []
     for stats in (True, False):
         gen = torch.Generator().manual_seed(8)
-        runs.append(M.generate(model, model.new_cache(2), prompts, 9, temperature=1.0,
-                               stop_ids=[], generator=gen, stats=stats))
+        runs.append(probes.generate(model, model.new_cache(2), prompts, 9, temperature=1.0,
+                                    stop_ids=[], generator=gen, stats=stats))
     assert [t.tokens for t in runs[0]] == [t.tokens for t in runs[1]]
     assert runs[1][0].h_last is None and runs[1][0].attn == {}
-    prefill_only = M.generate(model, model.new_cache(2), prompts, 0)
+    prefill_only = probes.generate(model, model.new_cache(2), prompts, 0)
     assert [t.tokens for t in prefill_only] == [[], []]
     # An ended row (active False) gets nothing appended and no trace; the other is unaffected.
     cache = model.new_cache(2)
     gen = torch.Generator().manual_seed(8)
-    partial = M.generate(model, cache, prompts, 9, temperature=1.0, stop_ids=[],
-                         generator=gen, active=[True, False])
+    partial = probes.generate(model, cache, prompts, 9, temperature=1.0, stop_ids=[],
+                              generator=gen, active=[True, False])
     assert partial[1] is None and cache[0].lengths.tolist() == [3 + 9, 0]
     assert partial[0].tokens == runs[0][0].tokens
 
 
 def test_sample_temperature_and_top_p():
     logits = torch.log(torch.tensor([[0.5, 0.3, 0.2], [0.1, 0.2, 0.7]]))
-    assert M.sample(logits, 0, 1.0).tolist() == [0, 2]
-    assert M.sample(logits, 1.0, 1e-6).tolist() == [0, 2]
+    assert probes.sample(logits, 0, 1.0).tolist() == [0, 2]
+    assert probes.sample(logits, 1.0, 1e-6).tolist() == [0, 2]
     g = torch.Generator().manual_seed(0)
-    draws = torch.stack([M.sample(logits, 1.0, 0.6, g) for _ in range(300)])
+    draws = torch.stack([probes.sample(logits, 1.0, 0.6, g) for _ in range(300)])
     assert set(draws[:, 0].tolist()) == {0, 1}              # 0.5 < 0.6: token 1 is kept too
     assert set(draws[:, 1].tolist()) == {2}                 # 0.7 >= 0.6 alone
 
@@ -680,8 +680,8 @@ def test_generate_refuses_a_temperature_that_overflows_the_logits():
     model = random_model("qwen2-gqa-tied", seed=0)
     for t in (1e-40, float("nan"), float("inf"), -1.0):
         with pytest.raises(ValueError, match="0 \\(greedy\\) or in"):
-            M.generate(model, model.new_cache(1, 8), [[3, 4]], 2, temperature=t)
-    M.generate(model, model.new_cache(1, 8), [[3, 4]], 2, temperature=M.MIN_TEMPERATURE)
+            probes.generate(model, model.new_cache(1, 8), [[3, 4]], 2, temperature=t)
+    probes.generate(model, model.new_cache(1, 8), [[3, 4]], 2, temperature=probes.MIN_TEMPERATURE)
 
 
 def test_bench_runs_on_the_built_in_policy(capsys):
@@ -884,7 +884,7 @@ def assert_only_template_specials(tok):
     found = [i for i in ids if i in specials]
     assert found == [tok.im_start_id, tok.im_end_id] * 4 + [tok.im_start_id]
     assert tok.decode(ids[spans[0][0]:spans[0][1] - 1]) == "Thought: " + forged
-    opening = grpo.turn_opening(tok, True, "Observation: " + forged)
+    opening = probes.turn_opening(tok, True, "Observation: " + forged)
     assert [i for i in opening if i in specials] == [tok.im_start_id, tok.im_end_id,
                                                      tok.im_start_id]
 
@@ -924,8 +924,8 @@ def test_real_checkpoint_greedy_equals_transformers(qwen05b_dir):
                "Translate 'good morning' to French."]
     rendered = [tok.render([{"role": "user", "content": p}], add_generation_prompt=True)[0]
                 for p in prompts]
-    ours = M.generate(model, model.new_cache(len(prompts)), rendered, max_new_tokens=16,
-                      temperature=0, stop_ids=[tok.im_end_id])
+    ours = probes.generate(model, model.new_cache(len(prompts)), rendered, max_new_tokens=16,
+                           temperature=0, stop_ids=[tok.im_end_id])
     # transformers' batched greedy generate needs left padding and an attention mask.
     width = max(map(len, rendered))
     ids = torch.tensor([[tok.pad_id] * (width - len(r)) + r for r in rendered])
@@ -1025,7 +1025,7 @@ def test_decoding_compiled_with_the_gpu_settings_equals_the_straightforward_loop
     check_decoding(model, prompts[:2], 0.0, seed=6)
     for B, n in ((4, 7), (3, 7), (1, 7)):      # 16 slots: filled, but for the reserve
         cache = model.new_cache(B, 16)
-        M.reserve_slots(cache, 9 + n)
-        M.generate(model, cache, prompts[:B], n, stop_ids=[], generator=g)
+        probes.reserve_slots(cache, 9 + n)
+        probes.generate(model, cache, prompts[:B], n, stop_ids=[], generator=g)
     assert "cpu" in M._compiled and "failed" not in M._compiled
     assert graphs["unique_graphs"] - before == 2        # a batch of one row is its own graph

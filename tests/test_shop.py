@@ -24,6 +24,7 @@ from lab import data as lab_data
 from lab import shop
 from lab import study
 from lab import traces
+import pair
 
 ROOT = Path(__file__).resolve().parents[1]
 BUILTIN = ROOT / "data" / "shop-policy"
@@ -606,8 +607,8 @@ def test_sft_is_deterministic_and_loadable(tmp_path):
         "<|im_start|>user\n3 apple<|im_end|>"
     assert "python -m lab.shop sft --out" in (tmp_path / "a" / "README.md").read_text()
     # sft writes, by default, what grpo.py trains by default; each world its own policy
-    assert grpo.parse_args(["--out", "x"], grpo.REWARDS).model == str(envs.BUILTIN_POLICY)
-    assert grpo.parse_args(["--out", "x", "--env", "shop-long"], grpo.REWARDS).model == \
+    assert grpo.parse_args(["--out", "x"], pair.REWARDS).model == str(envs.BUILTIN_POLICY)
+    assert grpo.parse_args(["--out", "x", "--env", "shop-long"], pair.REWARDS).model == \
         str(envs.BUILTIN_POLICIES["shop-long"])
 
 
@@ -695,8 +696,8 @@ def test_on_policy_corpus_labels_are_the_worlds():
     env = envs.ShopEnv("train")
     play = argparse.Namespace(max_turns=10, max_new_tokens=96, max_len=4096, temperature=1.0,
                               top_p=1.0)
-    trajs = grpo.rollout(policy, tok, [env.episode(i) for i in (0, 0, 1, 2, 3, 3)], play,
-                         generator=torch.Generator().manual_seed(1))
+    trajs = probes.rollout(policy, tok, [env.episode(i) for i in (0, 0, 1, 2, 3, 3)], play,
+                           generator=torch.Generator().manual_seed(1))
     split = onpolicy.turn_records(trajs)
     labels = [ok for traj in trajs for ok in traj.episode.labels()]
     assert split.y.tolist() == [int(ok) for ok in labels]
