@@ -6,7 +6,7 @@ own to REWARDS and ADVANTAGES).
                                                           every head, every layer (layer-major)
 Both are `probes.Probe`s (C = 0.01), fitted by lab/study.py; stage 2 on stage 1's in-sample s_bc
 (as released) or, with crossfit = K, its out-of-fold s_bc over folds of episodes. At inference
-stage 2 reads the raw s_bc (*departure*: the release temperature-clipped it there only).
+stage 2 reads the raw s_bc (*departure*: the release temperature-clipped s_bc at inference).
 As a reward (METHOD.md §7), with T = 2, eps = 0.05 and alpha = 5 (alpha = 0: vanilla PAIR):
     s~_t = clip(sigma(logit(s_final_t) / T), eps, 1-eps)
     r_1 = s~_1,   r_t = sigma(logit(s~_t) + alpha (s~_t - mean_{k<t} s~_k))
