@@ -1,26 +1,16 @@
-"""PAIR — Prefix-Aware Internal Reward: the two-stage probe, its fit, and its reward.
-
-PAIR (paper Eq. stage1 / stage2, METHOD.md §6) scores one assistant turn from the model's
-internals:
+"""PAIR, the Prefix-Aware Internal Reward (METHOD.md §6-7): the two-stage probe, its fit, its
+reward; then the per-turn rewards and the advantages that GRPO reads (grpo.py; the lab adds its
+own to REWARDS and ADVANTAGES).
     Stage 1  s_bc    = sigma(w_1 . h + b_1)            h = last-token hidden state (last_token)
     Stage 2  s_final = sigma(w_2 . [a; s_bc] + b_2)    a = multi_attn: [max, std, prefix, self] of
                                                           every head, every layer (layer-major)
-Both are `probes.Probe` (StandardScaler + L2 logistic regression, C = 0.01), fitted (lab/study.py)
-on matched_clean_train + matched_contaminated_train for both stages as in the release (`mixed`,
-the paper's) or on matched_clean_train alone (`clean_only`). Stage 2 is fitted on the in-sample
-stage-1 scores of the training set (as released); crossfit = K uses out-of-fold scores, with
-folds by episode so a record and its matched twin never sit on both sides. At inference stage 2
-reads the raw s_bc (*departure*: the release temperature-clipped s_bc at inference only).
-
-As a reward (paper Appendix reward, METHOD.md §7):
+Both are `probes.Probe`s (C = 0.01), fitted by lab/study.py; stage 2 on stage 1's in-sample s_bc
+(as released) or, with crossfit = K, its out-of-fold s_bc over folds of episodes. At inference
+stage 2 reads the raw s_bc (*departure*: the release temperature-clipped s_bc at inference).
+As a reward (METHOD.md §7), with T = 2, eps = 0.05 and alpha = 5 (alpha = 0: vanilla PAIR):
     s~_t = clip(sigma(logit(s_final_t) / T), eps, 1-eps)
-with T = 2, eps = 0.05, and the momentum reward r_1 = s~_1,
-r_t = sigma(logit(s~_t) + alpha (s~_t - mean_{k<t} s~_k)) with alpha = 5 (alpha = 0: vanilla
-r_t = s~_t). grpo.py's PAIR reward of a rollout is `trajectory_rewards` of the s_final that
-`Pair.scores` gives its turns.
-
-The detection study around it (extraction, the training protocol, the paper's tables) is
-lab/study.py's.
+    r_1 = s~_1,   r_t = sigma(logit(s~_t) + alpha (s~_t - mean_{k<t} s~_k))
+The advantages (METHOD.md §9) normalize the rewards within a group of G rollouts of one prompt.
 """
 from __future__ import annotations
 
@@ -38,8 +28,7 @@ import probes
 from probes import attn_features, ATTN_STATS, feature, Probe
 
 
-# ----------------------------------------------------------------------------------------------
-# The PAIR model (METHOD.md §6)
+# ---- The PAIR model (METHOD.md §6) ---------------------------------------------------------------
 
 @dataclass
 class Pair:
@@ -136,8 +125,7 @@ def fit_pair(raw, y, C=0.01, crossfit=0, groups=None, seed=0, stats=ATTN_STATS, 
     return fit_stage2(stage1, s_bc, raw, y, C, stats, {"crossfit": crossfit, **(info or {})})
 
 
-# ----------------------------------------------------------------------------------------------
-# The reward (paper Appendix reward, METHOD.md §7): one rollout's rewards from its turns' s_final
+# ---- The reward (METHOD.md §7): one rollout's rewards from its turns' s_final --------------------
 
 def trajectory_rewards(s_final: list[float], alpha: float = 5.0, T: float = 2.0,
                        eps: float = 0.05) -> list[float]:
@@ -173,11 +161,11 @@ def logit(s: float, clamp: float = 1e-6) -> float:
     return math.log(s / (1.0 - s))
 
 
+# ---- The probes a run reads: found, checked against the policy, their report ---------------------
+
 def check_probe_model(probe_path, model_dir) -> None:
-    """Refuse a PAIR directory or probe file fitted on another model than `model_dir`'s: the
-    internals of another model of the same widths would be read without any error. Compares
-    what the probe recorded (model_sha256, dims) with the checkpoint; with neither recorded,
-    only PAIR's hidden width is checked."""
+    """Refuse a PAIR directory or probe file fitted on another model than `model_dir`'s (those
+    of the same widths would be read without error): by the model_sha256 and dims it recorded."""
     probe_path = Path(probe_path)
     if (probe_path / "pair.json").is_file():
         pair = Pair.load(probe_path)
@@ -199,28 +187,6 @@ def check_probe_model(probe_path, model_dir) -> None:
     else:
         print(f"warning: {probe_path} does not record the model it was fitted for; it cannot "
               "be checked against --model", file=sys.stderr)
-
-
-# ----------------------------------------------------------------------------------------------
-# PAIR and the probes as grpo.py's rewards: a rollout's turns in, one r_t per turn out
-
-def turn_features(traces: list) -> dict[str, torch.Tensor]:
-    """probes.raw_features of every turn's trace (model.TurnTrace), stacked: (turns, ...) each."""
-    return probes.stack_raw([probes.raw_features(trace, False) for trace in traces])
-
-
-def pair_from_features(features: dict[str, torch.Tensor], ctx) -> tuple[list[float], list[float]]:
-    """METHOD.md §6-7: each turn's s_final (Eq. stage1, stage2), then the rollout's rewards
-    (trajectory_rewards with ctx.args.alpha), and the s_final themselves."""
-    _, s_final = ctx.pair.scores(features)
-    s_final = s_final.tolist()
-    return trajectory_rewards(s_final, ctx.args.alpha), s_final
-
-
-def probe_from_features(features: dict[str, torch.Tensor], ctx) -> tuple[list[float], list[float]]:
-    """METHOD.md §7: a probe baseline used as a reward gives r_t = its P(correct)."""
-    p = ctx.probe.predict_proba(feature(ctx.args.reward, features)).tolist()
-    return p, p
 
 
 STUDY = ("; `python -m lab.study train --out DIR` fits them into DIR/seed<S>/ (PAIR: its "
@@ -290,37 +256,49 @@ def report_summary(report: dict, reward: str) -> dict:
             **({reward: h[reward]["all"]} if reward in h else {})}
 
 
-# ----------------------------------------------------------------------------------------------
-# The per-turn rewards: `--reward` name -> function(trajectory, ctx). Each returns a float per
-# turn, or None for a turn without reward; those that read a frozen probe (READS_PROBE) return
-# (rewards, each turn's P(correct)) for the drift monitor. A trajectory is grpo.Trajectory.
+# ---- The per-turn rewards: `--reward` name -> function(trajectory, ctx) --------------------------
+# Each gives a float per turn, or None for a turn without reward; those that read a frozen probe
+# (READS_PROBE) give (rewards, each turn's P(correct)) for the drift monitor.
 
 @dataclass
-class RewardContext:                # what the reward functions need besides the rollout
+class RewardContext:                                # what the rewards need besides the rollout
     policy: mdl.Transformer
     tok: mdl.Tokenizer
-    args: object                    # grpo.py's flags
-    env: object = None              # the training environment (an envs.Env)
-    pair: Pair | None = None                # reward "pair"
-    probe: Probe | None = None              # the probe of the feature set named by --reward
-    judge: object = None                    # the lab's llm_judge (an envs.ChatClient)
+    args: object                                    # grpo.py's flags
+    env: object = None                              # the training environment (an envs.Env)
+    pair: Pair | None = None                        # reward "pair"
+    probe: Probe | None = None                      # the probe of the feature set --reward names
+    judge: object = None                            # the lab's llm_judge (an envs.ChatClient)
     lagged: dict[str, torch.Tensor] | None = None   # the lab's tips: a lagged LoRA snapshot
-    probe_report: dict | None = None    # the probes' AUROC on held-out own turns
+    probe_report: dict | None = None                # the probes' AUROC on held-out own turns
     summary: dict = field(default_factory=dict)     # what the lab adds to summary.json
     cost: Counter = field(default_factory=Counter)  # this step's extra work (grpo.COSTS)
-    stats: bool = True              # the rollout keeps the generation pass's statistics
+    stats: bool = True                              # rollouts keep the generation's statistics
 
 
 def outcome_reward(traj, ctx) -> list[float | None]:
     return [None] * (len(traj.steps) - 1) + [traj.score]
 
 
-def pair_reward(traj, ctx) -> tuple[list[float], list[float]]:
-    return pair_from_features(turn_features([s.trace for s in traj.steps]), ctx)
+def turn_features(traj) -> dict[str, torch.Tensor]:
+    """probes.raw_features of every turn of a rollout (probes.Trajectory), stacked: (turns, ...)."""
+    return probes.stack_raw([probes.raw_features(step.trace, False) for step in traj.steps])
 
 
-def probe_reward(traj, ctx) -> tuple[list[float], list[float]]:
-    return probe_from_features(turn_features([s.trace for s in traj.steps]), ctx)
+def pair_reward(traj, ctx, raw=None) -> tuple[list[float], list[float]]:
+    """METHOD.md §6-7: each turn's s_final (Eq. stage1, stage2), then the rollout's rewards
+    (trajectory_rewards with ctx.args.alpha), and the s_final themselves. raw: the turns'
+    stacked raw features where they are stored rather than generated (lab/credit.py)."""
+    _, s_final = ctx.pair.scores(turn_features(traj) if raw is None else raw)
+    s_final = s_final.tolist()
+    return trajectory_rewards(s_final, ctx.args.alpha), s_final
+
+
+def probe_reward(traj, ctx, raw=None) -> tuple[list[float], list[float]]:
+    """METHOD.md §7: a probe baseline used as a reward gives r_t = its P(correct)."""
+    X = feature(ctx.args.reward, turn_features(traj) if raw is None else raw)
+    p = ctx.probe.predict_proba(X).tolist()
+    return p, p
 
 
 REWARDS = {"outcome": outcome_reward, "pair": pair_reward,
@@ -351,8 +329,7 @@ def with_outcome(rewards: list[float | None], score: float, args) -> list[float 
     return rewards
 
 
-# ----------------------------------------------------------------------------------------------
-# Advantages (METHOD.md §9: DeepSeekMath process supervision)
+# ---- Advantages (METHOD.md §9: DeepSeekMath process supervision) ---------------------------------
 
 def group_advantages(rewards: list[list[float | None]]) -> tuple[list[list[float]], bool]:
     """Per-turn advantages of one group of G rollouts, and whether the group was all-equal.

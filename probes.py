@@ -1,13 +1,17 @@
-"""Internal-signal probes of the PAIR paper (METHOD.md §4, §5, §8): a probe reads one assistant
-turn's hidden states and attention statistics (model.py) and predicts P(correct) of that turn.
+"""The policy generating, read (METHOD.md §4, §5, §8): a turn and an episode generated with
+the statistics the rewards read, the features built from them, and the probes.
 
+- `generate` samples one assistant turn per row through the KV cache (prefill, then
+  decode_one_token and sample per token) -> a TurnTrace: the tokens, their log pi, and the
+  turn's mean attention statistics and hidden states. `rollout` plays G rollouts of an episode
+  turn by turn on one cache -> a Trajectory of Steps.
 - `raw_features(trace)` keeps per turn what any probe needs; `feature(name, raw)` builds the
-  feature sets of METHOD.md §4 from a batch.
+  feature sets of METHOD.md §4 from a batch; the unsupervised scores need no training.
 - `Probe` is StandardScaler + L2 logistic regression, minimizing
       sum_i logloss_i + ||w||^2 / (2C)        (intercept not penalized, C = 0.01)
   in float64 with torch's LBFGS: scikit-learn's model, which the tests check to 1e-4.
-- Unsupervised scores (CoE-R, CoE-C, -mean head entropy) and AUROC, which grpo.py's drift monitor
-  reads; METHOD.md §8's other metrics and the probe CLI are lab/study.py's.
+- The probe and features files, and AUROC (grpo.py's drift monitor reads it); METHOD.md §8's
+  other metrics and the probe CLI are lab/study.py's.
 """
 from __future__ import annotations
 
@@ -16,7 +20,6 @@ import math
 import sys
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -37,12 +40,11 @@ RAW_KEYS = ("h_last4", "h_mean", "attn_max", "attn_std", "attn_prefix", "attn_se
             "attn_entropy", "attn_lookback", "coe_r", "coe_c")
 
 
-# ---- A turn generated with its statistics (gpt-fast style small functions) ----------------
+# ---- A turn generated with its statistics (gpt-fast's prefill, decode_one_token, sample) ---------
 
 @dataclass
 class TurnTrace:
-    """What a reward needs of one assistant turn (CPU, float32): generate's, or lab/traces.py's
-    teacher-forced one."""
+    """One assistant turn as a reward reads it (CPU, float32): generated, or teacher-forced."""
     tokens: list[int]                   # the turn's tokens (ends with a stop token when finished)
     span: tuple[int, int]               # absolute positions [start, end) in the sequence
     attn: dict[str, torch.Tensor]       # STATS -> (L, H), the span's mean ({} without stats)
@@ -95,10 +97,9 @@ def prefill(model: mdl.Transformer, cache, new_tokens: list[list[int]]) -> torch
 
 
 def prefill_last(model: mdl.Transformer, cache, new_tokens: list[list[int]]) -> torch.Tensor:
-    """prefill up to the head: the final-normed state of each row's last new token (B, d)
-    (garbage in a row with none). An empty cache whose rows repeat a prompt (GRPO's group)
-    computes each distinct prompt once and copies the result: a row's numbers do not depend on
-    its neighbours, so the copies are bit-identical."""
+    """prefill up to the head: the final-normed state of each row's last new token (B, d), garbage
+    in a row with none. An empty cache whose rows repeat a prompt (GRPO's group) computes each
+    distinct prompt once and copies it, bit-identical: a row does not depend on its neighbours."""
     lengths = cache[0].lengths.clone()
     n = torch.tensor([len(t) for t in new_tokens])
     T = int(n.max())
@@ -155,9 +156,8 @@ def accumulate(acc: TurnStats, attn: torch.Tensor, hidden: torch.Tensor, fed: to
 
 
 def reserve_slots(cache: list[mdl.KVCache], steps: int):
-    """Room for `steps` more tokens a row and a slot past the last KEY_BLOCK, before generating
-    on a GPU: the captured step keeps its addresses, and the slots in use never fill the cache
-    (torch would compile another graph for it: minutes at 7B)."""
+    """Room for `steps` more tokens a row and one past the last KEY_BLOCK before generating on a
+    GPU: the captured step keeps its addresses; a full cache would compile a new graph (minutes)."""
     need = -(-(int(cache[0].lengths.max()) + steps) // mdl.KEY_BLOCK) * mdl.KEY_BLOCK + 1
     for c in cache:
         c.grow(need)
@@ -167,11 +167,10 @@ def reserve_slots(cache: list[mdl.KVCache], steps: int):
 def generate(model: mdl.Transformer, cache, new_tokens: list[list[int]], max_new_tokens: int,
              temperature=1.0, top_p=1.0, stop_ids=None, generator=None,
              stats=True, active=None) -> list[TurnTrace | None]:
-    """Append each row's new tokens to the cache, then sample up to max_new_tokens per row ->
-    one TurnTrace per row (with stats, the turn's mean statistics and hidden states); a row
-    with no new tokens gets an empty trace, one with active[i] False (an ended episode) None.
-    Every sampled token, the stop token included, is fed through the model: the cache holds it
-    and its statistics count. Idle rows ride along as pads (decoding reads the weights anyway)."""
+    """Append each row's new tokens to the cache, then sample up to max_new_tokens a row -> one
+    TurnTrace a row (with stats, its mean statistics and hidden states); empty: no new tokens,
+    None: active[i] False. Every sampled token, the stop token included, is fed (the cache holds
+    it, its statistics count); idle rows ride along as pads (decoding reads the weights anyway)."""
     B = len(new_tokens)
     if not valid_temperature(temperature):
         raise ValueError(f"temperature {temperature}: 0 (greedy) or in [{MIN_TEMPERATURE}, inf)")
@@ -233,7 +232,7 @@ def turn_traces(tokens, logps, count, finished, span_start, acc, alive) -> list[
     return traces
 
 
-# ---- An episode played: G rollouts of one prompt together, one KV cache for the whole episode
+# ---- An episode's rollout: G rollouts of one prompt together, one KV cache for the episode -------
 
 @dataclass
 class Step:                         # one assistant turn of one rollout
@@ -241,7 +240,7 @@ class Step:                         # one assistant turn of one rollout
     segment: int                    # which of Trajectory.segments holds it ...
     span: tuple[int, int]           # ... at these positions [start, end)
     text: str                       # the assistant text handed to the environment
-    trace: TurnTrace | None   # statistics from the generation pass (None: not collected)
+    trace: TurnTrace | None         # statistics from the generation pass (None: not collected)
     observation: str | None         # the environment's answer (None: the episode ended here)
     nll: float | None = None        # mean -log pi of its tokens as sampled
     history: list[dict] = field(default_factory=list)   # the chat up to this turn
@@ -286,8 +285,7 @@ def play(policy, tok, trajs: list[Trajectory], cache, new: list[list[int]], args
          generator=None, stats=True):
     """Continue every row to the end of its episode. Row i's cache holds traj.segments[-1]; it
     appends new[i] before its next turn (the prompt, or the rest of a branch's prefix)."""
-    active = [True] * len(trajs)
-    refill = [False] * len(trajs)
+    active, refill = [True] * len(trajs), [False] * len(trajs)
     for _ in range(args.max_turns - min(len(t.steps) for t in trajs)):
         for i, traj in enumerate(trajs):
             if len(traj.steps) >= args.max_turns:       # a branch that started deep in a tree
@@ -339,7 +337,7 @@ def play(policy, tok, trajs: list[Trajectory], cache, new: list[list[int]], args
         traj.score = 0.0 if score is None else float(score)
 
 
-# ---- Features (METHOD.md §4) ------------------------------------------------------------------
+# ---- Features (METHOD.md §4) and the unsupervised scores -----------------------------------------
 
 def coe_scores(h: torch.Tensor) -> tuple[float, float]:
     """CoE-R = mean M - mean A and CoE-C = |mean M e^{iA}| (Wang et al., ICLR 2025) from the
@@ -352,23 +350,20 @@ def coe_scores(h: torch.Tensor) -> tuple[float, float]:
     cos_end = F.cosine_similarity(h[-1], h[0], dim=0).clamp(-1.0, 1.0)
     A = torch.arccos(cos) / torch.arccos(cos_end)                       # (L,) relative angle
     coe_r = M.mean() - A.mean()
-    # |mean_l M_l e^{i A_l}|: the length of the average step drawn in the complex plane
     coe_c = torch.hypot((M * torch.cos(A)).mean(), (M * torch.sin(A)).mean())
     return coe_r.item(), coe_c.item()
 
 
 def raw_features(trace, coe: bool = True) -> dict[str, torch.Tensor]:
-    """What any probe needs from one TurnTrace, float32 on the CPU (coe=False skips the
-    CoE scores)."""
+    """What any probe needs of one TurnTrace, float32 on the CPU (coe=False: no CoE scores)."""
     raw = {"h_last4": trace.h_last[-4:].float(),                        # (4, d)
            "h_mean": trace.h_mean[-1].float()}                          # (d,)
     for stat in ("max", "std", "prefix", "self", "entropy", "lookback"):
         raw[f"attn_{stat}"] = trace.attn[stat].float()                  # (L, H)
-    if not coe:
-        return raw
-    coe_r, coe_c = coe_scores(trace.h_mean)
-    raw["coe_r"] = torch.tensor(coe_r, dtype=torch.float32)
-    raw["coe_c"] = torch.tensor(coe_c, dtype=torch.float32)
+    if coe:
+        coe_r, coe_c = coe_scores(trace.h_mean)
+        raw["coe_r"] = torch.tensor(coe_r, dtype=torch.float32)
+        raw["coe_c"] = torch.tensor(coe_c, dtype=torch.float32)
     return raw
 
 
@@ -389,9 +384,8 @@ def attn_features(raw: dict, stats=ATTN_STATS, last_layer_only=False) -> torch.T
 def feature_width(name: str, d: int, L: int, H: int) -> int:
     """The width of feature set `name` for a model of hidden size d, L layers and H heads."""
     return {"last_token": d, "mean_pooled": d, "multi_layer": min(4, L + 1) * d,  # h_last4
-            "attention": 4 * H,
-            "multi_attn": 4 * H * L, "hidden_attn": d + 4 * H, "lookback": H * L,
-            "head_entropy": H * L}[name]
+            "attention": 4 * H, "multi_attn": 4 * H * L, "hidden_attn": d + 4 * H,
+            "lookback": H * L, "head_entropy": H * L}[name]
 
 
 def feature(name: str, raw: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -420,7 +414,7 @@ def unsupervised_score(name: str, raw: dict[str, torch.Tensor]) -> torch.Tensor:
     raise ValueError(f"unknown score {name!r}; expected one of {SCORES}")
 
 
-# ---- The probe (METHOD.md §5) -----------------------------------------------------------------
+# ---- The probe (METHOD.md §5) --------------------------------------------------------------------
 
 class Probe:
     """StandardScaler + L2-regularized logistic regression; predicts P(label 1) = P(correct)."""
@@ -431,7 +425,7 @@ class Probe:
         self.info = dict(info or {})            # C, n, convergence, feature name, ...
 
     def fit(self, X, y, C: float = 0.01, tol: float = 1e-8, max_iter: int = 5000) -> "Probe":
-        X = _as_float64_2d(X, "X")
+        X = torch.as_tensor(X, dtype=torch.float64)
         y = torch.as_tensor(y, dtype=torch.float64).flatten()
         n, d = X.shape
         if y.shape[0] != n:
@@ -443,8 +437,6 @@ class Probe:
             raise ValueError("labels must be 0 or 1")
         if y.min() == y.max():
             raise ValueError(f"labels hold a single class ({int(y[0])}); a probe needs both")
-        if C <= 0:
-            raise ValueError(f"C must be positive, got {C}")
         t0 = time.perf_counter()
 
         # StandardScaler: population std; near-constant columns (as scikit-learn decides) keep 1
@@ -455,16 +447,14 @@ class Probe:
         self.scale = torch.where(constant, torch.ones_like(var), var.sqrt())
         Z = (X - self.mean) / self.scale                                # (n, d)
 
-        w, b, report = _fit_logistic(Z, y, C, tol, max_iter)
-        self.w, self.b = w, b
+        self.w, self.b, report = _fit_logistic(Z, y, C, tol, max_iter)
         self.info.update(C=C, n=n, d=d, n_pos=int(y.sum()), fit_seconds=time.perf_counter() - t0,
                          **report)
         return self
 
     def decision_function(self, X) -> torch.Tensor:
         """The logit w.((x - mean) / scale) + b -> (N,) float64."""
-        self._check_fitted()
-        X = _as_float64_2d(X, "X")
+        X = torch.as_tensor(X, dtype=torch.float64)
         if X.shape[1] != self.w.shape[0]:
             raise ValueError(f"probe expects {self.w.shape[0]} features, got {X.shape[1]}")
         return ((X - self.mean) / self.scale) @ self.w + self.b
@@ -474,40 +464,26 @@ class Probe:
         return torch.sigmoid(self.decision_function(X))
 
     def save(self, path) -> None:
-        self._check_fitted()
         tensors = {"mean": self.mean, "scale": self.scale, "w": self.w, "b": self.b.reshape(1)}
         save_safetensors(tensors, path, {"probe": json.dumps(self.info)})
 
     @classmethod
     def load(cls, path) -> "Probe":
-        path = Path(path)
-        if not path.is_file():
-            raise FileNotFoundError(f"probe file not found: {path}")
         tensors, meta = read_safetensors(path, "probe")
-        missing = {"mean", "scale", "w", "b"} - set(tensors)
-        if missing:
+        if missing := {"mean", "scale", "w", "b"} - set(tensors):
             raise FormatError(f"{path}: not a probe file (missing tensors {sorted(missing)})")
         info = _json_entry(meta, "probe", path) or {}
-        d = tensors["w"].numel()
-        if not (tensors["mean"].shape == tensors["scale"].shape == tensors["w"].shape == (d,)
-                and tensors["b"].numel() == 1):
-            raise FormatError(f"{path}: probe tensors of inconsistent shapes")
         _check_finite(tensors, path)       # a NaN weight would turn every reward into NaN
         # Copied into fresh memory: read in place, alignment follows the header's length, and
         # float64 products change in the last bit with it.
         t = {k: v.to(torch.float64, copy=True) for k, v in tensors.items()}
         return cls(t["mean"], t["scale"], t["w"], t["b"].reshape(()), info)
 
-    def _check_fitted(self):
-        if self.w is None:
-            raise RuntimeError("probe is not fitted")
-
 
 def _fit_logistic(Z, y, C, tol, max_iter):
-    """min_{w,b} sum_i logloss(z_i . w + b, y_i) + ||w||^2 / (2C), divided by n so that the
-    tolerances do not depend on n; strongly convex, so LBFGS reaches scikit-learn's optimum. It
-    stops at max |grad| <= tol or an objective change < 1e-14 (then |grad| ~1e-8): only
-    |grad| > 1e-6 counts as not converged."""
+    """min_{w,b} sum_i logloss(z_i . w + b, y_i) + ||w||^2 / (2C), over n so that the tolerances
+    do not depend on n; strongly convex, so LBFGS reaches scikit-learn's optimum. It stops at max
+    |grad| <= tol or an objective change < 1e-14 (|grad| ~1e-8): not converged is |grad| > 1e-6."""
     n, d = Z.shape
     w = torch.zeros(d, dtype=torch.float64, requires_grad=True)
     # Starting the intercept at the log-odds of the base rate is the exact optimum at w = 0.
@@ -537,12 +513,7 @@ def _fit_logistic(Z, y, C, tol, max_iter):
                                     "converged": converged, "objective": loss.item() * n}
 
 
-def _as_float64_2d(X, what):
-    X = torch.as_tensor(X, dtype=torch.float64)
-    if X.dim() != 2:
-        raise ValueError(f"{what} must be 2-D (records, features), got shape {tuple(X.shape)}")
-    return X
-
+# ---- The probe and features files: safetensors, and the model they were read from ----------------
 
 class FormatError(ValueError):
     """A probe or features file that is unreadable, unusable, or from another model."""
@@ -561,9 +532,8 @@ def check_same_source(a: dict, a_name, b: dict, b_name) -> None:
     """Refuse to combine inputs of different models (a key one side lacks is not compared)."""
     for key in ("model_sha256", "dtype", "dims"):
         if key in a and key in b and a[key] != b[key]:
-            raise FormatError(f"{a_name} was made from {describe_source(a)} but {b_name} "
-                              f"from {describe_source(b)} ({key} differs): they do not belong "
-                              "together")
+            raise FormatError(f"{a_name} was made from {describe_source(a)} but {b_name} from "
+                              f"{describe_source(b)} ({key} differs): they do not belong together")
 
 
 def describe_source(src: dict) -> str:
@@ -575,8 +545,7 @@ def describe_source(src: dict) -> str:
 
 
 def read_safetensors(path, what: str) -> tuple[dict[str, torch.Tensor], dict]:
-    """(tensors, string metadata) of a safetensors file; a corrupt one is a FormatError naming
-    it (safetensors' own error has no path)."""
+    """(tensors, string metadata) of a safetensors file; corrupt: a FormatError naming it."""
     try:
         tensors = load_file(str(path))
         with safe_open(str(path), framework="pt") as f:
@@ -606,7 +575,7 @@ def _check_finite(tensors: dict, path) -> None:
             raise FormatError(f"{path}: {key} holds NaN or infinite values (first at {bad})")
 
 
-# ---- AUROC (METHOD.md §8); y = 1 for a correct turn, s = a score or P(correct) ---------------
+# ---- AUROC (METHOD.md §8); y = 1 for a correct turn, s = a score or P(correct) -------------------
 
 def labels_scores(y, s):
     y = torch.as_tensor(y, dtype=torch.float64).flatten()

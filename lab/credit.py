@@ -88,9 +88,9 @@ def stored_rewards(turns: study.Split, ctx) -> list[float | None] | None:
     elif name == "labels":
         rewards = [float(y) for y in turns.y.tolist()]
     elif name == "pair":
-        rewards = pair.pair_from_features(turns.raw, ctx)[0]
+        rewards = pair.pair_reward(None, ctx, turns.raw)[0]
     elif name in pair.PROBE_REWARDS:
-        rewards = pair.probe_from_features(turns.raw, ctx)[0]
+        rewards = pair.probe_reward(None, ctx, turns.raw)[0]
     else:
         return None
     return pair.with_outcome(rewards, score, ctx.args)

@@ -98,7 +98,7 @@ def features_dir(tmp_path_factory):
 
 
 def fake_trace(raw, i):
-    """A model.TurnTrace-like object carrying record i of a features batch."""
+    """A probes.TurnTrace-like object carrying record i of a features batch."""
     h_last = torch.randn(L + 1, D)
     h_last[-4:] = raw["h_last4"][i]
     return SimpleNamespace(h_last=h_last, h_mean=torch.randn(L + 1, D), tokens=[], span=(0, 1),
