@@ -67,10 +67,7 @@ def reward_context(args, policy, tok, env, procs, log) -> pair.RewardContext:
         where, ctx.probe_report = shipped_probes(args, log)
     head = pair.load_head(where, args.reward, policy.config,
                           policy.checkpoint_dir if args.probes else None)
-    if isinstance(head, pair.Pair):
-        ctx.pair = head
-    else:
-        ctx.probe = head
+    setattr(ctx, "pair" if isinstance(head, pair.Pair) else "probe", head)
     return ctx
 
 
@@ -103,19 +100,13 @@ class Batch:                        # rollouts right-padded into rows, what the 
 def make_batch(trajs: list[probes.Trajectory], advantages: list[list[float]], pad_id: int) -> Batch:
     """One right-padded row per token sequence; the mask covers the generated tokens only."""
     rows = [(traj, k) for traj in trajs for k in range(len(traj.segments))]
-    T = max(len(traj.segments[k]) for traj, k in rows)
-    ids = torch.full((len(rows), T), pad_id, dtype=torch.long)
-    mask = torch.zeros(len(rows), T, dtype=torch.bool)
-    adv = torch.zeros(len(rows), T, dtype=torch.float32)
-    row_of = {}
+    B, T = len(rows), max(len(traj.segments[k]) for traj, k in rows)
+    ids, mask = torch.full((B, T), pad_id, dtype=torch.long), torch.zeros(B, T, dtype=torch.bool)
+    adv, weight, per_turn = (torch.zeros(B, T, dtype=torch.float32) for _ in range(3))
+    turn, row_of, n_seqs, n_turns = torch.full((B, T), -1, dtype=torch.long), {}, 0, 0
     for r, (traj, k) in enumerate(rows):
-        seq = traj.segments[k]
-        ids[r, :len(seq)] = torch.tensor(seq)
+        ids[r, :len(traj.segments[k])] = torch.tensor(traj.segments[k])
         row_of[id(traj), k] = r
-    turn = torch.full((len(rows), T), -1, dtype=torch.long)
-    weight = torch.zeros(len(rows), T, dtype=torch.float32)
-    per_turn = torch.zeros(len(rows), T, dtype=torch.float32)
-    n_seqs = n_turns = 0
     for traj, a in zip(trajs, advantages):
         n = sum(len(step.tokens) for step in traj.steps)
         n_seqs += n > 0
@@ -204,7 +195,7 @@ def update(policy, optimizer, batch: Batch, args, procs) -> dict:
     ref, old, skipped = {}, {}, 0
     for epoch in range(args.ppo_epochs):
         optimizer.zero_grad(set_to_none=True)
-        sums = {"loss": 0.0, "kl": 0.0, "clip": 0.0, "ratio": 0.0, "pg": 0.0}
+        sums = [0.0] * 4                # loss, KL, clip indicator, rho
         for c, rows_c in enumerate(chunks):
             T = max(batch.lengths[r] for r in rows_c)
             ids = batch.ids[rows_c, :T].to(dev)
@@ -226,9 +217,7 @@ def update(policy, optimizer, batch: Batch, args, procs) -> dict:
             else:
                 loss, s = grpo_loss(logp, old[c], ref[c], adv, args.eps, args.beta, n_tokens)
             loss.backward()
-            sums["loss"] += loss.item()
-            for k in ("kl", "clip", "ratio", "pg"):
-                sums[k] += s[k]
+            sums = [a + b for a, b in zip(sums, (loss.item(), s["kl"], s["clip"], s["ratio"]))]
         for p in params:               # processes with fewer tokens still join the all-reduce
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
@@ -239,7 +228,7 @@ def update(policy, optimizer, batch: Batch, args, procs) -> dict:
         else:       # a NaN or inf reached the gradient: a step on it would ruin the adapter
             skipped += 1
         if epoch == 0:
-            first = procs.all_sum([sums[k] for k in ("loss", "kl", "clip", "ratio")])
+            first = procs.all_sum(sums)
     loss, kl, clip, ratio = first
     return {"loss": loss, "kl": kl / max(n_tokens, 1), "clip_frac": clip / max(n_tokens, 1),
             "ratio": ratio / max(n_tokens, 1), "grad_norm": grad_norm, "tokens": int(n_tokens),
@@ -255,10 +244,9 @@ def prompt_index(seed: int, g: int, n: int) -> int:
 
 
 def sampler(policy, seed: int, g: int) -> torch.Generator:
-    # one generator per prompt, seeded by its number in the run: the rollouts depend neither on
-    # the sharding over processes nor on where a run was resumed
-    device = policy.lm_head.weight.device
-    return torch.Generator(device=device).manual_seed(seed * 1_000_003 + g)
+    """One generator per prompt, seeded by its number in the run: the rollouts depend neither on
+    the sharding over processes nor on where a run was resumed."""
+    return torch.Generator(device=policy.lm_head.weight.device).manual_seed(seed * 1_000_003 + g)
 
 
 TIMING = ("t_rollout", "t_reward", "t_update")      # seconds per step; the lab adds its own
@@ -297,13 +285,11 @@ def play_group(g: int, run: Training, t: dict) -> tuple[Group, int]:
     cache they held. Adds the seconds spent to t (TIMING) and the work to run.ctx.cost (COSTS)."""
     if run.args.reward in PLAYERS:      # a tree search of the lab plays its trees instead
         return PLAYERS[run.args.reward](g, run, t)
-    policy, tok, ctx, args = run.policy, run.tok, run.ctx, run.args
+    policy, ctx, args, caches = run.policy, run.ctx, run.args, []
     t0 = time.perf_counter()
     index = run.pool[prompt_index(args.seed, g, len(run.pool))]
-    caches = []
-    # G fresh copies of the same episode: the group GRPO compares
-    episodes = [run.env.episode(index) for _ in range(args.group)]
-    trajs = probes.rollout(policy, tok, episodes, args, generator=sampler(policy, args.seed, g),
+    episodes = [run.env.episode(index) for _ in range(args.group)]     # the group GRPO compares
+    trajs = probes.rollout(policy, run.tok, episodes, args, generator=sampler(policy, args.seed, g),
                            caches=caches, stats=args.reward in pair.NEEDS_STATS and ctx.stats)
     t1 = time.perf_counter()
     hook("played", run, trajs, t)
@@ -682,20 +668,20 @@ def train_parser(rewards) -> argparse.ArgumentParser:
     a = ap.add_argument
     a("--env", default="shop", choices=(*envs.WORLDS, "gta", "toolbench"),
       help="a built-in world or a released dataset replayed (envs.py)")
-    a("--data-dir", default=None, help="gta / toolbench: the released files' root (default: "
-      "$PAIR_DATA, else ~/.cache/pair/data)")
-    a("--model", default=None, help="policy: a checkpoint directory or a Hugging Face model "
-      "name (default: the built-in world's own, data/shop-policy)")
+    a("--data-dir", help="gta / toolbench: the released files' root (default: $PAIR_DATA, else "
+      "~/.cache/pair/data)")
+    a("--model", help="policy: a checkpoint directory or a Hugging Face model name (default: the "
+      "built-in world's own, data/shop-policy)")
     a("--reward", default="pair", choices=tuple(rewards), help="per-turn reward source")
     a("--alpha", type=float, default=5.0, help="PAIR momentum scaling; 0 = vanilla PAIR")
-    a("--outcome-weight", type=float, default=0.0,
-      help="add this times the task score to the last turn's reward")
-    a("--advantage", default=None, choices=tuple(pair.ADVANTAGES), help="advantage form and loss "
-      "(default: process, DeepSeekMath's; release with --preset release)")
-    a("--preset", default=None, choices=tuple(PRESETS), help="release = the authors' release "
-      "as it ran: --weight-decay 0.01, --warmup 0, --top-p 0.95, --advantage release")
-    a("--probes", default=None, help="a PAIR directory, a probe file or a directory of them "
-      "(default on shop: shipped beside the built-in policy)")
+    a("--outcome-weight", type=float, default=0.0, help="plus this x the task score on the last "
+      "turn's reward")
+    a("--advantage", choices=tuple(pair.ADVANTAGES), help="advantage form and loss (default: "
+      "process, DeepSeekMath's; release with --preset release)")
+    a("--preset", choices=tuple(PRESETS), help="release = the authors' release as it ran: "
+      "--weight-decay 0.01, --warmup 0, --top-p 0.95, --advantage release")
+    a("--probes", help="a PAIR directory, a probe file or a directory of them (default on shop: "
+      "shipped beside the built-in policy)")
     g = ap.add_argument_group("rollout")
     preset_flags(g, dict(steps="training steps", batch="prompts per step",
                          group="rollouts per prompt, G", max_turns="assistant turns per rollout "
@@ -708,35 +694,33 @@ def train_parser(rewards) -> argparse.ArgumentParser:
     preset_flags(g, dict(lr="AdamW learning rate", beta="KL coefficient", eps="PPO clip epsilon",
                          warmup="fraction of steps of linear warmup, then constant",
                          lora_r="LoRA rank", lora_alpha="LoRA alpha", lora_dropout="LoRA dropout"))
-    g.add_argument("--ppo-epochs", type=int, default=1, help="passes over each batch")
-    g.add_argument("--micro-batch", type=int, default=None,
-                   help="rollouts per forward in the update (default: --group)")
-    g.add_argument("--micro-batch-tokens", type=int, default=16384,
-                   help="most padded tokens per forward in the update (~0.2 GiB per 1,000 at 7B)")
-    g.add_argument("--grad-clip", type=float, default=1.0, help="gradient norm clip")
-    g.add_argument("--weight-decay", type=float, default=None,
-                   help="AdamW weight decay (default: 0; 0.01 with --preset release)")
-    g.add_argument("--lora-targets", default=",".join(model.LORA_TARGETS),
-                   help="comma-separated projections that get an adapter")
+    a = g.add_argument
+    a("--ppo-epochs", type=int, default=1, help="passes over each batch")
+    a("--micro-batch", type=int, help="rollouts per forward in the update (default: --group)")
+    a("--micro-batch-tokens", type=int, default=16384,
+      help="most padded tokens per forward in the update (~0.2 GiB per 1,000 at 7B)")
+    a("--grad-clip", type=float, default=1.0, help="gradient norm clip")
+    a("--weight-decay", type=float, help="AdamW weight decay (default: 0; 0.01 with --preset "
+      "release)")
+    a("--lora-targets", default=",".join(model.LORA_TARGETS), help="projections with an adapter")
     g = ap.add_argument_group("run")
-    g.add_argument("--out", help="run directory (default: runs/<env>-<reward>-<date>-<time>)")
-    g.add_argument("--resume", action="store_true", help="continue the run in --out")
-    g.add_argument("--resume-if-present", action="store_true",
-                   help="continue the run in --out if there is one, else start it")
     preset_flags(g, dict(save_every="checkpoint (and evaluate) every N steps",
                          eval_batch="episodes decoded together in an evaluation"))
-    g.add_argument("--eval-episodes", type=int, default=0,
-                   help="test episodes per evaluation (0 = the whole test split)")
-    g.add_argument("--val-episodes", type=int, help="validation episodes per evaluation (shop: "
-                   "its split; replays: the training split's last 10%%)")
-    g.add_argument("--no-eval", action="store_true", help="skip the held-out evaluations")
-    g.add_argument("--seed", type=int, default=42, help="seed of everything")
-    g.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"),
-                   help="model weights dtype (the adapter stays float32)")
-    g.add_argument("--devices", help="the process's device, e.g. cuda:0; several split the layers "
-                   "(lab) (default: the process's GPU under torchrun, else the CPU)")
-    g.add_argument("--threads", type=int, help="torch CPU threads (default: 1 with the "
-                   "built-in policy, else torch's choice)")
+    a = g.add_argument
+    a("--out", help="run directory (default: runs/<env>-<reward>-<date>-<time>)")
+    a("--resume", action="store_true", help="continue the run in --out")
+    a("--resume-if-present", action="store_true", help="--resume if --out holds a run")
+    a("--eval-episodes", type=int, default=0, help="test episodes per evaluation (0: all)")
+    a("--val-episodes", type=int, help="validation episodes per evaluation (shop: its split; "
+      "replays: the training split's last 10%%)")
+    a("--no-eval", action="store_true", help="skip the held-out evaluations")
+    a("--seed", type=int, default=42, help="seed of everything")
+    a("--dtype", default="float32", choices=("float32", "bfloat16"),
+      help="model weights dtype (the adapter stays float32)")
+    a("--devices", help="the process's device, e.g. cuda:0; several split the layers (lab) "
+      "(default: the process's GPU under torchrun, else the CPU)")
+    a("--threads", type=int, help="torch CPU threads (default: 1 with the built-in policy, else "
+      "torch's choice)")
     hook("flags", ap)
     return ap
 
@@ -918,9 +902,15 @@ def save_checkpoint(out: Path, step: int, policy, optimizer, procs, lagged=None)
             shutil.rmtree(tmp, ignore_errors=True)
             tmp.mkdir(parents=True)
         procs.barrier()
-        rng_tensors, rng_meta = rng_state()         # each process has its own RNG streams
-        save_file(rng_tensors, tmp / f"rng-{procs.rank}.safetensors")
-        write_json(tmp / f"rng-{procs.rank}.json", rng_meta)
+        # each process has its own RNG streams: Python's, numpy's, torch's and CUDA's
+        py, (name, keys, pos, has_gauss, cached) = random.getstate(), np.random.get_state()
+        cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []
+        rng = {"torch": torch.get_rng_state(), "numpy": torch.from_numpy(keys.astype(np.int64)),
+               **{f"cuda{i}": s for i, s in enumerate(cuda)}}
+        save_file(rng, tmp / f"rng-{procs.rank}.safetensors")
+        write_json(tmp / f"rng-{procs.rank}.json", {
+            "python": [py[0], list(py[1]), py[2]],
+            "numpy": [name, int(pos), int(has_gauss), float(cached)]})
         procs.barrier()
         if procs.main:
             model.save_adapter(policy, tmp / "adapter")
@@ -959,35 +949,22 @@ def load_checkpoint(path: Path, policy, optimizer, procs) -> tuple[int, dict | N
         model.load_adapter_weights(policy, path / "adapter")
         optimizer_from_tensors(optimizer, load_file(path / "optimizer.safetensors"),
                                info["optimizer"])
-        set_rng_state(load_file(path / f"rng-{procs.rank}.safetensors"),
-                      json.loads((path / f"rng-{procs.rank}.json").read_text()))
+        rng = load_file(path / f"rng-{procs.rank}.safetensors")
+        meta = json.loads((path / f"rng-{procs.rank}.json").read_text())
+        v, state, gauss = meta["python"]
+        random.setstate((v, tuple(state), gauss))
+        name, pos, has_gauss, cached = meta["numpy"]
+        np.random.set_state((name, rng["numpy"].numpy().astype(np.uint32), pos, has_gauss, cached))
+        torch.set_rng_state(rng["torch"])
+        if torch.cuda.is_available():
+            torch.cuda.set_rng_state_all([rng[f"cuda{i}"] for i in range(torch.cuda.device_count())
+                                          if f"cuda{i}" in rng])
         lagged = path / "lagged.safetensors"
         return info["step"], load_file(lagged) if lagged.exists() else None
     except (OSError, KeyError, IndexError, TypeError, ValueError, RecursionError,
             SafetensorError) as e:      # a damaged file: any of these, never a traceback
         raise SystemExit(f"{path}: cannot resume from this checkpoint ({type(e).__name__}: "
                          f"{e})") from None
-
-
-def rng_state() -> tuple[dict, dict]:
-    """Python's, numpy's, torch's and CUDA's RNG states: (tensors, the rest for JSON)."""
-    py, (name, keys, pos, has_gauss, cached) = random.getstate(), np.random.get_state()
-    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []
-    tensors = {"torch": torch.get_rng_state(), "numpy": torch.from_numpy(keys.astype(np.int64)),
-               **{f"cuda{i}": s for i, s in enumerate(cuda)}}
-    return tensors, {"python": [py[0], list(py[1]), py[2]],
-                     "numpy": [name, int(pos), int(has_gauss), float(cached)]}
-
-
-def set_rng_state(tensors: dict, meta: dict):
-    v, state, gauss = meta["python"]
-    random.setstate((v, tuple(state), gauss))
-    name, pos, has_gauss, cached = meta["numpy"]
-    np.random.set_state((name, tensors["numpy"].numpy().astype(np.uint32), pos, has_gauss, cached))
-    torch.set_rng_state(tensors["torch"])
-    if torch.cuda.is_available():
-        torch.cuda.set_rng_state_all([tensors[f"cuda{i}"] for i in range(torch.cuda.device_count())
-                                      if f"cuda{i}" in tensors])
 
 
 def optimizer_to_tensors(optimizer) -> tuple[dict, dict]:
@@ -1143,21 +1120,17 @@ def main(argv=None):
     except SystemExit:                  # refused with one line: no run left behind either
         hook("failed", args)
         raise
-    except KeyboardInterrupt:
-        sys.exit("\n" + interrupted(args, argv))
-
-
-def interrupted(args, argv) -> str:
-    """What Ctrl-C leaves, and the command that goes on from there."""
-    again = [*argv] + ([] if "--out" in argv else ["--out", args.out])
-    if not (Path(args.out) / "args.json").is_file():
-        return f"interrupted before the run started; start it with: {PROG} {shlex.join(again)}"
-    again += [] if "--resume" in argv or "--resume-if-present" in argv else ["--resume"]
-    ckpt = latest_checkpoint(Path(args.out))
-    what = f"; the run resumes from its last checkpoint ({ckpt.name}), exactly," if ckpt else \
-        (f" before the first checkpoint (after step {min(args.save_every, args.steps)}): no step "
-         "is kept, and this starts the run over from step 1:")
-    return f"interrupted{what} with: {PROG} {shlex.join(again)}"
+    except KeyboardInterrupt:           # what Ctrl-C leaves, and the command that goes on
+        again = [*argv] + ([] if "--out" in argv else ["--out", args.out])
+        if not (Path(args.out) / "args.json").is_file():
+            sys.exit(f"\ninterrupted before the run started; start it with: {PROG} "
+                     f"{shlex.join(again)}")
+        again += [] if "--resume" in argv or "--resume-if-present" in argv else ["--resume"]
+        ckpt = latest_checkpoint(Path(args.out))
+        what = f"; the run resumes from its last checkpoint ({ckpt.name}), exactly," if ckpt else \
+            (f" before the first checkpoint (after step {min(args.save_every, args.steps)}): no "
+             "step is kept, and this starts the run over from step 1:")
+        sys.exit(f"\ninterrupted{what} with: {PROG} {shlex.join(again)}")
 
 
 if __name__ == "__main__":
