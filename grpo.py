@@ -250,8 +250,8 @@ def sampler(policy, seed: int, g: int) -> torch.Generator:
 
 
 TIMING = ("t_rollout", "t_reward", "t_update")      # seconds per step; the lab adds its own
-# what a step cost besides time, summed over processes: tokens and turns sampled, tree search's
-# sibling rollouts, sequences and tokens teacher-forced by a reward, calls to an external judge
+# a step's work, summed over processes: tokens and turns sampled, tree search's sibling rollouts,
+# sequences and tokens teacher-forced by a reward, calls to an external judge
 COSTS = ("gen_tokens", "gen_turns", "branch_rollouts", "branch_tokens", "tf_rows", "tf_tokens",
          "external_calls")
 
@@ -456,14 +456,12 @@ def resume(run: Training) -> int:
     start, args, out = 0, run.args, run.out
     if args.resume and (ckpt := latest_checkpoint(out)) is not None:
         start, lagged = load_checkpoint(ckpt, run.policy, run.optimizer, run.procs)
-        if lagged is not None:
-            run.ctx.lagged = lagged
+        run.ctx.lagged = run.ctx.lagged if lagged is None else lagged
         run.log(f"resumed from {ckpt} at step {start}", flush=True)
-    if run.procs.main and args.resume:
-        for path in (out / "metrics.jsonl", out / "eval.jsonl"):
-            if path.exists():
-                text = "".join(json.dumps(r) + "\n" for r in read_jsonl(path) if r["step"] <= start)
-                model.write_atomic(path, text)
+    for path in (out / "metrics.jsonl", out / "eval.jsonl"):
+        if run.procs.main and args.resume and path.exists():
+            model.write_atomic(path, "".join(json.dumps(r) + "\n" for r in read_jsonl(path)
+                                             if r["step"] <= start))
     run.procs.barrier()
     hook("resume", run, start)
     return start
@@ -474,8 +472,7 @@ def evaluate_and_log(run: Training, step: int, done: set):
     --no-eval. The lab may hand in an evaluation it kept ("evaluate" hook)."""
     if run.args.no_eval or step in done:
         return
-    ev = next((e for e in hook("evaluate", run, step) if e is not None), None)
-    if ev is None:
+    if (ev := next((e for e in hook("evaluate", run, step) if e is not None), None)) is None:
         ev = evaluate_all(step, run.policy, run.tok, run.held, run.args, run.procs)
         hook("evaluated", run, step, ev)
     if run.procs.main:
@@ -609,10 +606,9 @@ def check_ranges(ap: argparse.ArgumentParser, args, ranges: dict) -> None:
 PAPER_HPARAMS = dict(batch=1, group=4, max_turns=10, max_new_tokens=1024, temperature=1.0,
                      top_p=1.0, lr=3e-7, warmup=0.05, beta=0.01, eps=0.2, steps=500,
                      save_every=50, lora_r=16, lora_alpha=32.0, lora_dropout=0.05, eval_batch=16)
-# The built-in policy (~0.3M parameters, short turns): T = 0.7, closer to its greedy evaluation;
-# four prompts a step, so a step rarely has no informative group; lr 3e-4 (1e-3 erodes held-out
-# success within 10 steps); no LoRA dropout (noise at this size); one torch thread (two ran 1.8x
-# to 40x slower beside any busy process). The rest is the paper's.
+# The built-in policy (~0.3M parameters): T = 0.7, near its greedy evaluation; four prompts a
+# step, rarely all uninformative; lr 3e-4 (1e-3 erodes held-out success in 10 steps); no LoRA
+# dropout (noise at this size); one thread (two ran 1.8x-40x slower beside a busy process).
 TINY = dict(batch=4, group=8, max_new_tokens=96, temperature=0.7, lr=3e-4, lora_dropout=0.0,
             steps=20, save_every=10, eval_batch=128, threads=1)
 DEFAULTS = dict(weight_decay=0.0, advantage="process")     # flags a --preset sets, not the paper
@@ -621,8 +617,7 @@ DEFAULTS = dict(weight_decay=0.0, advantage="process")     # flags a --preset se
 PRESETS = {"release": dict(weight_decay=0.01, warmup=0.0, top_p=0.95, advantage="release")}
 
 
-def is_builtin(args) -> bool:
-    """The built-in world's own policy (TINY preset)."""
+def is_builtin(args) -> bool:      # the built-in world's own policy (TINY preset)
     return args.env in envs.WORLDS and \
         Path(args.model).resolve() == envs.BUILTIN_POLICIES[args.env].resolve()
 
@@ -643,9 +638,8 @@ def resolve_preset(args, procs) -> None:
     hook("preset", args, given)
     shown = [*(TINY if is_builtin(args) else ()), *PRESETS.get(args.preset, ())]
     if procs.main and shown:
-        print("preset: " + ", ".join(f"--{k.replace('_', '-')} {getattr(args, k)}"
-                                     + (" (from the command line)" if k in given else "")
-                                     for k in shown), flush=True)
+        print("preset: " + ", ".join(f"--{k.replace('_', '-')} {getattr(args, k)}" + (
+            " (from the command line)" if k in given else "") for k in shown), flush=True)
 
 
 def preset_flags(group, flags: dict) -> None:
@@ -1040,10 +1034,9 @@ def evaluate(policy, tok, env, pool, n: int, args, procs, name: str = "held-out"
 
 
 def evaluate_all(step: int, policy, tok, held: dict, args, procs) -> dict:
-    sizes = {"val": args.val_episodes, "test": args.eval_episodes}
-    return {"step": step, **{name: evaluate(policy, tok, env, pool, sizes[name], args, procs,
-                                            {"val": "validation"}.get(name, name))
-                             for name, (env, pool) in held.items()}}
+    return {"step": step, "val": evaluate(policy, tok, *held["val"], args.val_episodes, args,
+                                          procs, "validation"),
+            "test": evaluate(policy, tok, *held["test"], args.eval_episodes, args, procs, "test")}
 
 
 def summarize(out: Path, seconds: float, args, probe_report: dict | None = None) -> dict:

@@ -23,7 +23,8 @@ import grpo
 import model as mdl
 import pair
 import probes
-from lab import (adapters, baselines, compare, curves, data as lab_data, onpolicy, runs, shop, study, traces)
+from lab import (adapters, baselines, compare, curves, data as lab_data, onpolicy, runs, shop,
+                 study, traces)
 
 ROOT = Path(__file__).resolve().parents[1]
 CORE_REWARDS = {"outcome", "pair", *probes.FEATURES}
