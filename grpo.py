@@ -1,18 +1,16 @@
-"""Multi-turn GRPO with LoRA and step-level rewards (METHOD.md §9), top to bottom.
+"""Multi-turn GRPO with LoRA and step-level rewards (METHOD.md §9): the training run.
 
     python grpo.py --reward pair                   # shop, built-in policy, its shipped probes
     python grpo.py --reward outcome --out runs/o   # the sparse baseline, same budget
     python grpo.py --env gta --model Qwen/Qwen2.5-7B-Instruct --probes DIR/pair_mixed
     python -m lab.train --reward igpo ...          # the lab's rewards, searches, torchrun
 
-One step: (1) rollout: --batch prompts x --group G rollouts, one KV cache per group, the probes'
-statistics taken from that generation pass; (2) rewards: one r_{i,t} per assistant turn from
---reward, plus --outcome-weight x the task score on the last; (3) advantages (group_advantages,
-or release_advantages with --advantage release); (4) update: PPO-clip + beta KL_k3 to the
-adapter-disabled model, normalized over the batch's policy tokens, one AdamW step on LoRA.
-Departures from textbook GRPO: token-level normalization (DAPO / Dr. GRPO); rewards on turns; the
-KL reference is the adapter-disabled base; log pi at the sampling temperature (T = 1 under
-release). The lab (lab/) plugs in through REWARDS, ADVANTAGES, PLAYERS, LOSSES and HOOKS.
+One step: --batch prompts x --group G rollouts (probes.rollout), one reward per assistant turn
+and the advantages (pair.REWARDS, pair.ADVANTAGES), then update: PPO-clip + beta KL_k3 to the
+adapter-disabled model, normalized over the batch's policy tokens (DAPO / Dr. GRPO), log pi at
+the sampling temperature (T = 1 under release), one AdamW step on LoRA. Here also: the CLI and
+presets, the run directory, checkpoints, evaluation, the summary. The lab (lab/) plugs in
+through PLAYERS, LOSSES and HOOKS.
 """
 from __future__ import annotations
 
@@ -40,16 +38,15 @@ import pair
 import probes
 
 
-# --- 1. Rewards (pair.REWARDS, one per assistant turn of a probes.rollout) and what they read ----
+# --- 1. What the rewards (pair.REWARDS) read; the lab's plug-in tables ------------------------
 
-# The lab (lab/train.py) plugs in through these tables and HOOKS[name], called by `hook(name,
-# ...)` at one point of a run with the arguments given there; the core runs with them empty.
+# The lab plugs in here (lab/train.py); hook(name, ...) calls HOOKS[name] at one point of a run.
 PLAYERS = {}        # --reward name -> play(g, run, t) -> (Group, KV bytes), for play_group
 LOSSES = {}         # --reward name -> its own loss (update)
 HOOKS = {name: [] for name in (
     "flags", "check", "preset", "processes", "split", "context", "setup", "claim", "failed",
-    "played", "step", "trained", "resume", "checkpoint", "evaluate", "evaluated")}
-PROG = "python grpo.py"     # how the command line that runs this file is spelled in messages
+    "share", "played", "step", "trained", "resume", "checkpoint", "evaluate", "evaluated")}
+PROG = "python grpo.py"     # how messages spell the command line that runs this file
 
 
 def hook(name: str, *args) -> list:
@@ -57,8 +54,8 @@ def hook(name: str, *args) -> list:
 
 
 def reward_context(args, policy, tok, env, procs, log) -> pair.RewardContext:
-    """Load what the `--reward` function reads: the lab's probes ("context" hook), --probes (a
-    PAIR directory, a probe file or a directory of them), or the built-in world's shipped ones."""
+    """What --reward reads: the lab's probes ("context" hook), --probes (a PAIR directory, a probe
+    file or a directory of them), or the built-in world's shipped ones."""
     ctx = pair.RewardContext(policy, tok, args, env=env)
     if args.reward not in pair.READS_PROBE:
         return ctx
@@ -70,16 +67,13 @@ def reward_context(args, policy, tok, env, procs, log) -> pair.RewardContext:
         where, ctx.probe_report = shipped_probes(args, log)
     head = pair.load_head(where, args.reward, policy.config,
                           policy.checkpoint_dir if args.probes else None)
-    if isinstance(head, pair.Pair):
-        ctx.pair = head
-    else:
-        ctx.probe = head
+    setattr(ctx, "pair" if isinstance(head, pair.Pair) else "probe", head)
     return ctx
 
 
 def shipped_probes(args, log) -> tuple[Path, dict]:
-    """A built-in world's probes, fitted on its own policy's turns and shipped in data/
-    (`python -m lab.onpolicy` rebuilds them), and their report."""
+    """A built-in world's probes shipped beside its policy (`python -m lab.onpolicy` rebuilds
+    them), and their report."""
     where = Path(args.model) / "probes"
     if args.env not in envs.WORLDS or not is_builtin(args) or not where.is_dir():
         raise SystemExit(f"--reward {args.reward} on {args.env} with --model {args.model} needs "
@@ -91,37 +85,28 @@ def shipped_probes(args, log) -> tuple[Path, dict]:
 # --- 2. The batch: rollouts right-padded, each turn's advantage (pair.ADVANTAGES) on its tokens --
 
 @dataclass
-class Batch:                        # what the update consumes: rollouts right-padded into rows
+class Batch:                        # rollouts right-padded into rows, what the update consumes
     ids: torch.Tensor               # (B, T) long
     mask: torch.Tensor              # (B, T) bool: True on tokens the policy generated
     adv: torch.Tensor               # (B, T) float32: A of the turn each policy token belongs to
     lengths: list[int]              # real length of each row
-    # the lab's AT²PO loss: each policy token's turn (-1 elsewhere), and 1 / (policy tokens of
-    # its trajectory), so that a trajectory's tokens weigh 1 together
-    turn: torch.Tensor | None = None        # (B, T) long
-    weight: torch.Tensor | None = None      # (B, T) float32
-    n_seqs: int = 0                         # trajectories with at least one policy token
-    # --advantage release: 1 / (policy tokens of the token's turn), and the number of turns
-    per_turn: torch.Tensor | None = None    # (B, T) float32
-    n_turns: int = 0
+    turn: torch.Tensor              # (B, T) long: a policy token's turn, -1 elsewhere (AT²PO)
+    weight: torch.Tensor            # (B, T) float32: 1 / its trajectory's policy tokens (AT²PO)
+    n_seqs: int                     # trajectories with a policy token (AT²PO)
+    per_turn: torch.Tensor          # (B, T) float32: 1 / its turn's policy tokens (release)
+    n_turns: int                    # turns with a policy token (release)
 
 
 def make_batch(trajs: list[probes.Trajectory], advantages: list[list[float]], pad_id: int) -> Batch:
     """One right-padded row per token sequence; the mask covers the generated tokens only."""
     rows = [(traj, k) for traj in trajs for k in range(len(traj.segments))]
-    T = max(len(traj.segments[k]) for traj, k in rows)
-    ids = torch.full((len(rows), T), pad_id, dtype=torch.long)
-    mask = torch.zeros(len(rows), T, dtype=torch.bool)
-    adv = torch.zeros(len(rows), T, dtype=torch.float32)
-    row_of = {}
+    B, T = len(rows), max(len(traj.segments[k]) for traj, k in rows)
+    ids, mask = torch.full((B, T), pad_id, dtype=torch.long), torch.zeros(B, T, dtype=torch.bool)
+    adv, weight, per_turn = (torch.zeros(B, T, dtype=torch.float32) for _ in range(3))
+    turn, row_of, n_seqs, n_turns = torch.full((B, T), -1, dtype=torch.long), {}, 0, 0
     for r, (traj, k) in enumerate(rows):
-        seq = traj.segments[k]
-        ids[r, :len(seq)] = torch.tensor(seq)
+        ids[r, :len(traj.segments[k])] = torch.tensor(traj.segments[k])
         row_of[id(traj), k] = r
-    turn = torch.full((len(rows), T), -1, dtype=torch.long)
-    weight = torch.zeros(len(rows), T, dtype=torch.float32)
-    per_turn = torch.zeros(len(rows), T, dtype=torch.float32)
-    n_seqs = n_turns = 0
     for traj, a in zip(trajs, advantages):
         n = sum(len(step.tokens) for step in traj.steps)
         n_seqs += n > 0
@@ -210,7 +195,7 @@ def update(policy, optimizer, batch: Batch, args, procs) -> dict:
     ref, old, skipped = {}, {}, 0
     for epoch in range(args.ppo_epochs):
         optimizer.zero_grad(set_to_none=True)
-        sums = {"loss": 0.0, "kl": 0.0, "clip": 0.0, "ratio": 0.0, "pg": 0.0}
+        sums = [0.0] * 4                # loss, KL, clip indicator, rho
         for c, rows_c in enumerate(chunks):
             T = max(batch.lengths[r] for r in rows_c)
             ids = batch.ids[rows_c, :T].to(dev)
@@ -232,9 +217,7 @@ def update(policy, optimizer, batch: Batch, args, procs) -> dict:
             else:
                 loss, s = grpo_loss(logp, old[c], ref[c], adv, args.eps, args.beta, n_tokens)
             loss.backward()
-            sums["loss"] += loss.item()
-            for k in ("kl", "clip", "ratio", "pg"):
-                sums[k] += s[k]
+            sums = [a + b for a, b in zip(sums, (loss.item(), s["kl"], s["clip"], s["ratio"]))]
         for p in params:               # processes with fewer tokens still join the all-reduce
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
@@ -245,7 +228,7 @@ def update(policy, optimizer, batch: Batch, args, procs) -> dict:
         else:       # a NaN or inf reached the gradient: a step on it would ruin the adapter
             skipped += 1
         if epoch == 0:
-            first = procs.all_sum([sums[k] for k in ("loss", "kl", "clip", "ratio")])
+            first = procs.all_sum(sums)
     loss, kl, clip, ratio = first
     return {"loss": loss, "kl": kl / max(n_tokens, 1), "clip_frac": clip / max(n_tokens, 1),
             "ratio": ratio / max(n_tokens, 1), "grad_norm": grad_norm, "tokens": int(n_tokens),
@@ -261,15 +244,14 @@ def prompt_index(seed: int, g: int, n: int) -> int:
 
 
 def sampler(policy, seed: int, g: int) -> torch.Generator:
-    # one generator per prompt, seeded by its number in the run: the rollouts depend neither on
-    # the sharding over processes nor on where a run was resumed
-    device = policy.lm_head.weight.device
-    return torch.Generator(device=device).manual_seed(seed * 1_000_003 + g)
+    """One generator per prompt, seeded by its number in the run: the rollouts depend neither on
+    the sharding over processes nor on where a run was resumed."""
+    return torch.Generator(device=policy.lm_head.weight.device).manual_seed(seed * 1_000_003 + g)
 
 
 TIMING = ("t_rollout", "t_reward", "t_update")      # seconds per step; the lab adds its own
-# what a step cost besides time, summed over processes: tokens and turns sampled, tree search's
-# sibling rollouts, sequences and tokens teacher-forced by a reward, calls to an external judge
+# a step's work, summed over processes: tokens and turns sampled, tree search's sibling rollouts,
+# sequences and tokens teacher-forced by a reward, calls to an external judge
 COSTS = ("gen_tokens", "gen_turns", "branch_rollouts", "branch_tokens", "tf_rows", "tf_tokens",
          "external_calls")
 
@@ -303,13 +285,11 @@ def play_group(g: int, run: Training, t: dict) -> tuple[Group, int]:
     cache they held. Adds the seconds spent to t (TIMING) and the work to run.ctx.cost (COSTS)."""
     if run.args.reward in PLAYERS:      # a tree search of the lab plays its trees instead
         return PLAYERS[run.args.reward](g, run, t)
-    policy, tok, ctx, args = run.policy, run.tok, run.ctx, run.args
+    policy, ctx, args, caches = run.policy, run.ctx, run.args, []
     t0 = time.perf_counter()
     index = run.pool[prompt_index(args.seed, g, len(run.pool))]
-    caches = []
-    # G fresh copies of the same episode: the group GRPO compares
-    episodes = [run.env.episode(index) for _ in range(args.group)]
-    trajs = probes.rollout(policy, tok, episodes, args, generator=sampler(policy, args.seed, g),
+    episodes = [run.env.episode(index) for _ in range(args.group)]     # the group GRPO compares
+    trajs = probes.rollout(policy, run.tok, episodes, args, generator=sampler(policy, args.seed, g),
                            caches=caches, stats=args.reward in pair.NEEDS_STATS and ctx.stats)
     t1 = time.perf_counter()
     hook("played", run, trajs, t)
@@ -324,27 +304,20 @@ def play_group(g: int, run: Training, t: dict) -> tuple[Group, int]:
 
 
 def train_step(step: int, run: Training) -> dict:
-    """One GRPO step: this process's share of the prompts, then the all-reduced update.
-    --oversample K (DAPO's dynamic sampling): up to K x the share is played, in order, and a
-    group with no advantage (Group.all_equal) is set aside while later prompts remain."""
+    """One GRPO step: this process's share of the prompts, then the all-reduced update. The lab
+    may play the share another way ("share" hook: the groups kept, and (Group, KV bytes) of
+    every group played)."""
     policy, args, procs = run.policy, run.args, run.procs
     t = {k: 0.0 for k in TIMING}
     run.ctx.cost = Counter(dict.fromkeys(COSTS, 0))
-    kv_bytes, on_cuda = 0, model.input_device(policy).type == "cuda"
-    if on_cuda:
+    if on_cuda := model.input_device(policy).type == "cuda":
         torch.cuda.reset_peak_memory_stats(model.input_device(policy))
     policy.eval()
-    need = len(range(procs.rank, args.batch, procs.size))
-    kept, tried, zero = [], 0, 0
-    candidates = list(range(procs.rank, args.batch * args.oversample, procs.size))
-    for n, j in enumerate(candidates):
-        if len(kept) == need:
-            break
-        group, kv = play_group(step * args.batch * args.oversample + j, run, t)
-        kv_bytes, tried, zero = max(kv_bytes, kv), tried + 1, zero + group.all_equal
-        if group.all_equal and len(candidates) - n - 1 >= need - len(kept) and args.oversample > 1:
-            continue                    # set aside: enough prompts remain to fill the batch
-        kept.append(group)
+    if (share := next((s for s in hook("share", step, run, t) if s is not None), None)) is None:
+        played = [play_group(step * args.batch + j, run, t)
+                  for j in range(procs.rank, args.batch, procs.size)]
+        share = [group for group, _ in played], played
+    kept, played = share
     t0 = time.perf_counter()
     trajs = [traj for group in kept for traj in group.trajs]
     advs = [a for group in kept for a in group.advantages]
@@ -353,12 +326,13 @@ def train_step(step: int, run: Training) -> dict:
     policy.eval()
     t["t_update"] = time.perf_counter() - t0
     extra = hook("trained", run, step, trajs)       # the lab's metrics of this step
-    memory = {"mem_kv_mb": kv_bytes / 2**20}
+    memory = {"mem_kv_mb": max((kv for _, kv in played), default=0) / 2**20}
     if on_cuda:
         memory["mem_cuda_peak_mb"] = torch.cuda.max_memory_allocated(
             model.input_device(policy)) / 2**20
     return step_metrics(step, trajs, [g.rewards for g in kept],
-                        [p for g in kept for p in g.p_correct], (zero, tried), stats,
+                        [p for g in kept for p in g.p_correct],
+                        (sum(g.all_equal for g, _ in played), len(played)), stats,
                         [t[k] for k in TIMING], args, procs,
                         [run.ctx.cost[k] for k in COSTS], memory, extra)
 
@@ -367,39 +341,35 @@ def step_metrics(step, trajs, rewards, p_correct, played, stats, times, args, pr
                  memory=None, extra=()) -> dict:
     """One metrics.jsonl record, summed over processes (memory: the largest). played = (groups
     all_equal, groups played); the rest is about the groups kept (p_correct: as Group's)."""
-    zero, tried = played
-    flat = [r for group in rewards for row in group for r in row if r is not None]
+    rows = [row for group in rewards for row in group]
+    flat = [r for row in rows for r in row if r is not None]
     M = args.max_turns
     turn_sum, turn_n, reached = [0.0] * M, [0] * M, [0] * M
-    for group in rewards:
-        for row in group:
-            for t, r in enumerate(row):
-                reached[t] += 1
-                if r is not None:
-                    turn_sum[t] += r
-                    turn_n[t] += 1
+    for row in rows:
+        for t, r in enumerate(row):
+            reached[t] += 1
+            if r is not None:
+                turn_sum[t] += r
+                turn_n[t] += 1
     parts = {
         "n": [len(flat)], "sum": [sum(flat)], "sum_sq": [sum(r * r for r in flat)],
         "rollouts": [len(trajs)], "score": [sum(t.score for t in trajs)],
         "turns": [sum(len(t.steps) for t in trajs)], "truncated": [sum(t.truncated for t in trajs)],
-        "all_equal": [zero], "groups": [tried], "times": list(times), "turn_sum": turn_sum,
-        "turn_n": turn_n, "reached": reached, "costs": list(costs)}
-    summed, s = procs.all_sum([v for values in parts.values() for v in values]), {}
-    for name, values in parts.items():          # one all-reduce; each name gets its list back
-        s[name], summed = summed[:len(values)], summed[len(values):]
+        "all_equal": [played[0]], "groups": [played[1]], "times": list(times),
+        "turn_sum": turn_sum, "turn_n": turn_n, "reached": reached, "costs": list(costs)}
+    summed = iter(procs.all_sum([v for values in parts.values() for v in values]))
+    s = {name: [next(summed) for _ in values] for name, values in parts.items()}  # one all-reduce
     (n,), (n_traj,), (n_groups,) = s["n"], s["rollouts"], s["groups"]
     mean = s["sum"][0] / max(n, 1)
-    turn_sum, turn_n = s["turn_sum"], s["turn_n"]
     rec = {"step": step + 1, "lr": lr_at(step, args), "reward_mean": mean,
            "reward_std": math.sqrt(max(s["sum_sq"][0] / max(n, 1) - mean * mean, 0.0)),
            "success": s["score"][0] / max(n_traj, 1),
            "frac_zero_std": s["all_equal"][0] / max(n_groups, 1), "groups_played": int(n_groups),
            **stats, "turns": s["turns"][0] / max(n_traj, 1), "truncated": int(s["truncated"][0]),
            # mean reward of turn t over the rollouts that reached it (None: no reward there)
-           "turn_rewards": [turn_sum[t] / turn_n[t] if turn_n[t] else None
+           "turn_rewards": [s["turn_sum"][t] / s["turn_n"][t] if s["turn_n"][t] else None
                             for t in range(M) if s["reached"][t]]}
-    # drift / reward-hacking monitor: the frozen probe against the exact step labels (shop)
-    if ctx_has_probe(args):
+    if ctx_has_probe(args):     # drift monitor: the frozen probe against the exact step labels
         pairs = [(p, float(lab)) for t, ps in zip(trajs, p_correct) if ps is not None
                  for p, lab in zip(ps, t.episode.labels() or [])]
         size = args.batch * args.group * M
@@ -415,18 +385,17 @@ def step_metrics(step, trajs, rewards, p_correct, played, stats, times, args, pr
 
 
 def ctx_has_probe(args) -> bool:
-    # probe rewards and PAIR score every turn; only shop knows the exact labels to check them on
+    """PAIR and the probe rewards score every turn; only shop has exact labels to check them on."""
     return args.env in envs.WORLDS and (args.reward == "pair" or args.reward in pair.PROBE_REWARDS)
 
 
 def setup(args) -> Training:
     """Everything a run reads, each input checked before the run directory is written."""
-    procs = Processes()
-    if int(os.environ.get("WORLD_SIZE", "1")) > 1:     # torchrun: the lab's process group
-        procs = next((p for p in hook("processes", args) if p is not None), None)
-        if procs is None:
-            raise SystemExit("several processes run through the lab: torchrun --nproc_per_node "
-                             "N -m lab.train ...")
+    procs = next((p for p in hook("processes", args) if p is not None), None) \
+        if int(os.environ.get("WORLD_SIZE", "1")) > 1 else Processes()    # torchrun: the lab's
+    if procs is None:
+        raise SystemExit("several processes run through the lab: torchrun --nproc_per_node N -m "
+                         "lab.train ...")
     resolve_preset(args, procs)
     if args.batch % procs.size:
         raise SystemExit(f"--batch {args.batch} must be a multiple of the {procs.size} processes")
@@ -445,10 +414,9 @@ def setup(args) -> Training:
     if prompt + args.max_new_tokens > args.max_len:
         raise SystemExit(f"--max-len {args.max_len}: a task's prompt alone is {prompt} tokens "
                          f"and a turn needs --max-new-tokens {args.max_new_tokens} more")
-    # probes fitted on the fly take minutes: OUT is claimed first, so a busy OUT is refused at
-    # once; given probes are checked before OUT
-    fit_later = ctx_has_probe(args) and not args.probes
-    ctx = None if fit_later else reward_context(args, policy, tok, env, procs, log)
+    # given probes are checked before OUT is claimed; probes fitted on the fly (minutes) after
+    ctx = None if ctx_has_probe(args) and not args.probes else \
+        reward_context(args, policy, tok, env, procs, log)
     out = prepare_out(args, procs)
     ctx = ctx or reward_context(args, policy, tok, env, procs, log)
     hook("setup", args, policy, tok, procs, log, ctx)
@@ -464,8 +432,8 @@ def setup(args) -> Training:
 
 
 def load_policy(args, procs: Processes) -> tuple[model.Transformer, model.Tokenizer]:
-    """The seeded start of a run: RNGs seeded, the policy loaded, a fresh LoRA adapter (its
-    weights are the first random draws; lab/onpolicy.py's rebuild of the probes starts here)."""
+    """The seeded start of a run: RNGs seeded, the policy, a fresh LoRA adapter (the first random
+    draws; lab/onpolicy.py's rebuild of the probes starts here too)."""
     random.seed(args.seed)
     np.random.seed(args.seed)
     torch.manual_seed(args.seed)
@@ -476,8 +444,7 @@ def load_policy(args, procs: Processes) -> tuple[model.Transformer, model.Tokeni
                  f"`python -m lab.shop sft --out {builtin}` (lab/README.md)")
     policy, tok = model.load_model(args.model, dtype=model.DTYPES[args.dtype], device=devices[0])
     if len(devices) > 1:
-        hook("split", policy, devices)      # lab/split.py: blocks moved one by one
-    # apply_lora freezes the base: only the adapter is trained (and all-reduced)
+        hook("split", policy, devices)      # lab/split.py
     model.apply_lora(policy, r=args.lora_r, alpha=args.lora_alpha, dropout=args.lora_dropout,
                      targets=tuple(args.lora_targets.split(",")))
     return policy, tok
@@ -489,14 +456,12 @@ def resume(run: Training) -> int:
     start, args, out = 0, run.args, run.out
     if args.resume and (ckpt := latest_checkpoint(out)) is not None:
         start, lagged = load_checkpoint(ckpt, run.policy, run.optimizer, run.procs)
-        if lagged is not None:
-            run.ctx.lagged = lagged
+        run.ctx.lagged = run.ctx.lagged if lagged is None else lagged
         run.log(f"resumed from {ckpt} at step {start}", flush=True)
-    if run.procs.main and args.resume:
-        for path in (out / "metrics.jsonl", out / "eval.jsonl"):
-            if path.exists():
-                text = "".join(json.dumps(r) + "\n" for r in read_jsonl(path) if r["step"] <= start)
-                model.write_atomic(path, text)
+    for path in (out / "metrics.jsonl", out / "eval.jsonl"):
+        if run.procs.main and args.resume and path.exists():
+            model.write_atomic(path, "".join(json.dumps(r) + "\n" for r in read_jsonl(path)
+                                             if r["step"] <= start))
     run.procs.barrier()
     hook("resume", run, start)
     return start
@@ -507,8 +472,7 @@ def evaluate_and_log(run: Training, step: int, done: set):
     --no-eval. The lab may hand in an evaluation it kept ("evaluate" hook)."""
     if run.args.no_eval or step in done:
         return
-    ev = next((e for e in hook("evaluate", run, step) if e is not None), None)
-    if ev is None:
+    if (ev := next((e for e in hook("evaluate", run, step) if e is not None), None)) is None:
         ev = evaluate_all(step, run.policy, run.tok, run.held, run.args, run.procs)
         hook("evaluated", run, step, ev)
     if run.procs.main:
@@ -536,20 +500,20 @@ def train(args) -> dict:
     evaluation every --save-every steps and at the end, the summary."""
     started = time.perf_counter()
     run = setup(args)
-    policy, optimizer, ctx, procs, log = run.policy, run.optimizer, run.ctx, run.procs, run.log
+    ctx, procs, log = run.ctx, run.procs, run.log
     start = resume(run)
     done = {e["step"] for e in read_jsonl(run.out / "eval.jsonl")}
     evaluate_and_log(run, start, done)      # the base model, or a checkpoint killed early
     seconds, aurocs, warned = [], [], False
     for step in range(start, args.steps):
         t = time.perf_counter()
-        for group in optimizer.param_groups:
+        for group in run.optimizer.param_groups:
             group["lr"] = lr_at(step, args)
         hook("step", run, step)
         rec = train_step(step, run)
         if procs.main:
             append_jsonl(run.out / "metrics.jsonl", rec)
-        auroc = rec.get("probe_auroc")
+        aurocs.append(auroc := rec.get("probe_auroc"))
         seconds.append(time.perf_counter() - t)     # the median: one rambling rollout is slow
         left = float(np.median(seconds[-10:])) * (args.steps - step - 1)
         log(f"step {rec['step']:>4}/{args.steps}  reward {rec['reward_mean']:.3f}"
@@ -560,17 +524,15 @@ def train(args) -> dict:
             f"{rec['t_reward']:.2f} update {rec['t_update']:.1f})  steps left {duration(left)}",
             flush=True)
         if rec.get("skipped_updates"):
-            log(f"warning: step {step + 1}: the gradient was not finite (a NaN or infinite "
-                "reward or log-probability reached it); the adapter was not updated "
-                "(skipped_updates in metrics.jsonl)", flush=True)
-        aurocs.append(rec.get("probe_auroc"))
+            log(f"warning: step {step + 1}: the gradient was not finite; the adapter was not "
+                "updated (skipped_updates in metrics.jsonl)", flush=True)
         if not warned and (mean := below_chance(aurocs)) is not None:
             warned = True
             log(f"warning: the probe ranks this run's own turns below chance (mean AUROC "
-                f"{mean:.2f} over the last {CHANCE_WINDOW} steps, probe_auroc in "
-                "metrics.jsonl): its reward now favours wrong turns", flush=True)
+                f"{mean:.2f} over the last {CHANCE_WINDOW} steps): its reward now favours wrong "
+                "turns", flush=True)
         if (step + 1) % args.save_every == 0 or step + 1 == args.steps:
-            path = save_checkpoint(run.out, step + 1, policy, optimizer, procs, ctx.lagged)
+            path = save_checkpoint(run.out, step + 1, run.policy, run.optimizer, procs, ctx.lagged)
             log(f"checkpoint {path}", flush=True)
             hook("checkpoint", run, step + 1)
             evaluate_and_log(run, step + 1, done)
@@ -599,8 +561,8 @@ class Parser(argparse.ArgumentParser):
         if PROG == "python grpo.py" and ("invalid choice" in message
                                          or "unrecognized arguments" in message):
             message += ("; the paper's other rewards, the tree searches, shop-long, the other "
-                        "advantage forms and the lab's flags run through `python -m lab.train` "
-                        "(lab/README.md)")
+                        "advantage forms and the lab's flags (--oversample...) run through "
+                        "`python -m lab.train` (lab/README.md)")
         super().error(message)
 
 
@@ -616,23 +578,19 @@ def finite(low=-math.inf):
 # more threads than cores only slows a run down, and a huge count crashes torch's thread pool
 THREADS = (lambda v: 1 <= v <= (os.cpu_count() or 1)), \
     f"between 1 and this machine's {os.cpu_count() or 1} cores"
-# The range of every numeric flag, checked before anything is loaded
-FLAG_RANGES = {
-    **{k: at_least(1) for k in ("steps", "batch", "group", "max_turns", "max_new_tokens",
-                                "max_len", "oversample", "ppo_epochs", "micro_batch", "lora_r",
-                                "micro_batch_tokens", "save_every", "eval_batch")},
-    "threads": THREADS,
-    **{k: at_least(0) for k in ("eval_episodes", "val_episodes")},
-    "seed": ((lambda v: 0 <= v < 2 ** 32), "in [0, 2**32) (numpy's seeds)"),
-    "temperature": finite(probes.MIN_TEMPERATURE),
-    **{k: ((lambda v: 0 < v < math.inf), "a positive number")
-       for k in ("lr", "eps", "grad_clip", "lora_alpha")},
-    **{k: finite(0.0) for k in ("beta", "weight_decay", "alpha")},
-    "outcome_weight": finite(),
+FLAG_RANGES = {     # every numeric flag's range, checked before anything is loaded
+    **dict.fromkeys(("steps", "batch", "group", "max_turns", "max_new_tokens", "max_len",
+                     "ppo_epochs", "micro_batch", "lora_r", "micro_batch_tokens", "save_every",
+                     "eval_batch"), at_least(1)),
+    **dict.fromkeys(("eval_episodes", "val_episodes"), at_least(0)),
+    **dict.fromkeys(("lr", "eps", "grad_clip", "lora_alpha"),
+                    ((lambda v: 0 < v < math.inf), "a positive number")),
+    **dict.fromkeys(("beta", "weight_decay", "alpha"), finite(0.0)),
+    "threads": THREADS, "seed": ((lambda v: 0 <= v < 2 ** 32), "in [0, 2**32) (numpy's seeds)"),
+    "temperature": finite(probes.MIN_TEMPERATURE), "outcome_weight": finite(),
     "top_p": ((lambda v: 0 < v <= 1), "in (0, 1]"),
     "warmup": ((lambda v: 0 <= v <= 1), "in [0, 1]"),
-    "lora_dropout": ((lambda v: 0 <= v < 1), "in [0, 1)"),
-}
+    "lora_dropout": ((lambda v: 0 <= v < 1), "in [0, 1)")}
 
 
 def check_ranges(ap: argparse.ArgumentParser, args, ranges: dict) -> None:
@@ -647,28 +605,19 @@ def check_ranges(ap: argparse.ArgumentParser, args, ranges: dict) -> None:
 
 PAPER_HPARAMS = dict(batch=1, group=4, max_turns=10, max_new_tokens=1024, temperature=1.0,
                      top_p=1.0, lr=3e-7, warmup=0.05, beta=0.01, eps=0.2, steps=500,
-                     save_every=50, lora_r=16, lora_alpha=32.0, lora_dropout=0.05, oversample=1,
-                     eval_batch=16)
-# The built-in policy (~0.3M parameters, short turns): T = 0.7, closer to its greedy evaluation;
-# four prompts a step, so a step rarely has no informative group; lr 3e-4 (1e-3 erodes held-out
-# success within 10 steps); no LoRA dropout (noise at this size); one torch thread (two ran 1.8x
-# to 40x slower beside any busy process). The rest is the paper's.
+                     save_every=50, lora_r=16, lora_alpha=32.0, lora_dropout=0.05, eval_batch=16)
+# The built-in policy (~0.3M parameters): T = 0.7, near its greedy evaluation; four prompts a
+# step, rarely all uninformative; lr 3e-4 (1e-3 erodes held-out success in 10 steps); no LoRA
+# dropout (noise at this size); one thread (two ran 1.8x-40x slower beside a busy process).
 TINY = dict(batch=4, group=8, max_new_tokens=96, temperature=0.7, lr=3e-4, lora_dropout=0.0,
             steps=20, save_every=10, eval_batch=128, threads=1)
 DEFAULTS = dict(weight_decay=0.0, advantage="process")     # flags a --preset sets, not the paper
 # --preset release: the authors' release as it ran (but for its update's cap at the last 2,560
 # tokens of each turn's context, METHOD.md §9)
 PRESETS = {"release": dict(weight_decay=0.01, warmup=0.0, top_p=0.95, advantage="release")}
-# what Table grpo_config states; the other defaults' sources
-PAPER_STATED = ("batch", "group", "max_turns", "max_new_tokens", "lr", "warmup", "beta", "eps",
-                "steps", "save_every", "lora_r")
-SOURCE = {"temperature": "the release's; the paper states none", "lora_alpha": "the release's",
-          "lora_dropout": "the release's", "top_p": "the paper states none; the release's 0.95 "
-          "with --preset release"}
 
 
-def is_builtin(args) -> bool:
-    """The built-in world's own policy (TINY preset)."""
+def is_builtin(args) -> bool:      # the built-in world's own policy (TINY preset)
     return args.env in envs.WORLDS and \
         Path(args.model).resolve() == envs.BUILTIN_POLICIES[args.env].resolve()
 
@@ -689,23 +638,17 @@ def resolve_preset(args, procs) -> None:
     hook("preset", args, given)
     shown = [*(TINY if is_builtin(args) else ()), *PRESETS.get(args.preset, ())]
     if procs.main and shown:
-        print("preset: " + ", ".join(f"--{k.replace('_', '-')} {getattr(args, k)}"
-                                     + (" (from the command line)" if k in given else "")
-                                     for k in shown), flush=True)
+        print("preset: " + ", ".join(f"--{k.replace('_', '-')} {getattr(args, k)}" + (
+            " (from the command line)" if k in given else "") for k in shown), flush=True)
 
 
-def preset_flag(group, key: str, what: str, kind=int, more: str = ""):
-    """A flag the presets set; its help gives TINY's default and Table grpo_config's, and where
-    each comes from."""
-    tiny, paper = dict(PAPER_HPARAMS, **TINY)[key], PAPER_HPARAMS[key]
-    source = "the paper's" if key in PAPER_STATED else SOURCE.get(key)
-    if tiny == paper:
-        default = f"(default: {paper}{', ' + source if source else ''})"
-    else:
-        default = f"(default: {tiny} with the built-in policy, {paper} otherwise" \
-            f"{': ' + source if source else ''})"
-    group.add_argument(f"--{key.replace('_', '-')}", type=kind, default=None,
-                       help=f"{what} {default}{more}")
+def preset_flags(group, flags: dict) -> None:
+    """Flags the presets set (name -> help); their help gives TINY's default and the paper's."""
+    for key, what in flags.items():
+        tiny, paper = TINY.get(key, PAPER_HPARAMS[key]), PAPER_HPARAMS[key]
+        default = f"{tiny} with the built-in policy, {paper} otherwise" if tiny != paper else paper
+        group.add_argument(f"--{key.replace('_', '-')}", type=type(paper), default=None,
+                           help=f"{what} (default: {default})")
 
 
 def train_parser(rewards) -> argparse.ArgumentParser:
@@ -713,74 +656,65 @@ def train_parser(rewards) -> argparse.ArgumentParser:
     ap = Parser(prog=PROG, formatter_class=HelpFormatter,
                 description="Multi-turn GRPO with LoRA and step-level rewards (METHOD.md §9); "
                             "with no flag: shop, the built-in policy and its probes.",
-                epilog="Several processes: `torchrun --nproc_per_node N -m lab.train ...`.")
+                epilog="Defaults: the paper's Table grpo_config, but --temperature, --top-p, "
+                       "--lora-alpha and --lora-dropout, the release's (the paper states no T or "
+                       "top-p). Several processes: `torchrun --nproc_per_node N -m lab.train ...`.")
     a = ap.add_argument
     a("--env", default="shop", choices=(*envs.WORLDS, "gta", "toolbench"),
       help="a built-in world or a released dataset replayed (envs.py)")
-    a("--data-dir", default=None, help="gta / toolbench: the released files' root (default: "
-      "$PAIR_DATA, else ~/.cache/pair/data)")
-    a("--model", default=None, help="policy: a checkpoint directory or a Hugging Face model "
-      "name (default: the built-in world's own, data/shop-policy)")
+    a("--data-dir", help="gta / toolbench: the released files' root (default: $PAIR_DATA, else "
+      "~/.cache/pair/data)")
+    a("--model", help="policy: a checkpoint directory or a Hugging Face model name (default: the "
+      "built-in world's own, data/shop-policy)")
     a("--reward", default="pair", choices=tuple(rewards), help="per-turn reward source")
     a("--alpha", type=float, default=5.0, help="PAIR momentum scaling; 0 = vanilla PAIR")
-    a("--outcome-weight", type=float, default=0.0,
-      help="add this times the task score to the last turn's reward")
-    a("--advantage", default=None, choices=tuple(pair.ADVANTAGES), help="advantage form and loss "
-      "(default: process, DeepSeekMath's; release with --preset release)")
-    a("--preset", default=None, choices=tuple(PRESETS), help="release = the authors' release "
-      "as it ran: --weight-decay 0.01, --warmup 0, --top-p 0.95, --advantage release")
-    a("--probes", default=None, help="a PAIR directory, a probe file or a directory of them "
-      "(default on shop: shipped beside the built-in policy)")
+    a("--outcome-weight", type=float, default=0.0, help="plus this x the task score on the last "
+      "turn's reward")
+    a("--advantage", choices=tuple(pair.ADVANTAGES), help="advantage form and loss (default: "
+      "process, DeepSeekMath's; release with --preset release)")
+    a("--preset", choices=tuple(PRESETS), help="release = the authors' release as it ran: "
+      "--weight-decay 0.01, --warmup 0, --top-p 0.95, --advantage release")
+    a("--probes", help="a PAIR directory, a probe file or a directory of them (default on shop: "
+      "shipped beside the built-in policy)")
     g = ap.add_argument_group("rollout")
-    for key, what in (("steps", "training steps"), ("batch", "prompts per step"),
-                      ("group", "rollouts per prompt, G")):
-        preset_flag(g, key, what)
-    preset_flag(g, "max_turns", "assistant turns per rollout", more=" (a built-in world's own: "
-                "envs.WORLD_TURNS)")
-    preset_flag(g, "max_new_tokens", "generated tokens per turn")
+    preset_flags(g, dict(steps="training steps", batch="prompts per step",
+                         group="rollouts per prompt, G", max_turns="assistant turns per rollout "
+                         "(a built-in world's own: envs.WORLD_TURNS)",
+                         max_new_tokens="generated tokens per turn",
+                         temperature="sampling temperature", top_p="nucleus sampling mass"))
     g.add_argument("--max-len", type=int, default=8192,
                    help="KV cache capacity per rollout; a rollout that would outgrow it ends")
-    preset_flag(g, "temperature", "sampling temperature", float)
-    preset_flag(g, "top_p", "nucleus sampling mass", float)
     g = ap.add_argument_group("optimization")
-    for key, what in (("lr", "AdamW learning rate"), ("beta", "KL coefficient"),
-                      ("warmup", "fraction of steps of linear warmup, then constant"),
-                      ("eps", "PPO clip epsilon")):
-        preset_flag(g, key, what, float)
-    preset_flag(g, "oversample", "DAPO dynamic sampling: play up to K x --batch prompts, keep "
-                "the first --batch groups that give some turn an advantage")
-    g.add_argument("--ppo-epochs", type=int, default=1, help="passes over each batch")
-    g.add_argument("--micro-batch", type=int, default=None,
-                   help="rollouts per forward in the update (default: --group)")
-    g.add_argument("--micro-batch-tokens", type=int, default=16384,
-                   help="most padded tokens per forward in the update (~0.2 GiB per 1,000 at 7B)")
-    g.add_argument("--grad-clip", type=float, default=1.0, help="gradient norm clip")
-    g.add_argument("--weight-decay", type=float, default=None,
-                   help="AdamW weight decay (default: 0; 0.01 with --preset release)")
-    preset_flag(g, "lora_r", "LoRA rank")
-    for key in ("lora_alpha", "lora_dropout"):
-        preset_flag(g, key, key.replace("_", " ").replace("lora", "LoRA"), float)
-    g.add_argument("--lora-targets", default=",".join(model.LORA_TARGETS),
-                   help="comma-separated projections that get an adapter")
+    preset_flags(g, dict(lr="AdamW learning rate", beta="KL coefficient", eps="PPO clip epsilon",
+                         warmup="fraction of steps of linear warmup, then constant",
+                         lora_r="LoRA rank", lora_alpha="LoRA alpha", lora_dropout="LoRA dropout"))
+    a = g.add_argument
+    a("--ppo-epochs", type=int, default=1, help="passes over each batch")
+    a("--micro-batch", type=int, help="rollouts per forward in the update (default: --group)")
+    a("--micro-batch-tokens", type=int, default=16384,
+      help="most padded tokens per forward in the update (~0.2 GiB per 1,000 at 7B)")
+    a("--grad-clip", type=float, default=1.0, help="gradient norm clip")
+    a("--weight-decay", type=float, help="AdamW weight decay (default: 0; 0.01 with --preset "
+      "release)")
+    a("--lora-targets", default=",".join(model.LORA_TARGETS), help="projections with an adapter")
     g = ap.add_argument_group("run")
-    g.add_argument("--out", help="run directory (default: runs/<env>-<reward>-<date>-<time>)")
-    g.add_argument("--resume", action="store_true", help="continue the run in --out")
-    g.add_argument("--resume-if-present", action="store_true",
-                   help="continue the run in --out if there is one, else start it")
-    preset_flag(g, "save_every", "checkpoint (and evaluate) every N steps")
-    g.add_argument("--eval-episodes", type=int, default=0,
-                   help="test episodes per evaluation (0 = the whole test split)")
-    g.add_argument("--val-episodes", type=int, help="validation episodes per evaluation (shop: "
-                   "its split; replays: the training split's last 10%%)")
-    preset_flag(g, "eval_batch", "episodes decoded together in an evaluation")
-    g.add_argument("--no-eval", action="store_true", help="skip the held-out evaluations")
-    g.add_argument("--seed", type=int, default=42, help="seed of everything")
-    g.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"),
-                   help="model weights dtype (the adapter stays float32)")
-    g.add_argument("--devices", help="split the model over these devices, e.g. cuda:0,cuda:1 "
-                   "(default: the process's GPU under torchrun, else the CPU)")
-    g.add_argument("--threads", type=int, help="torch CPU threads (default: 1 with the "
-                   "built-in policy, else torch's choice)")
+    preset_flags(g, dict(save_every="checkpoint (and evaluate) every N steps",
+                         eval_batch="episodes decoded together in an evaluation"))
+    a = g.add_argument
+    a("--out", help="run directory (default: runs/<env>-<reward>-<date>-<time>)")
+    a("--resume", action="store_true", help="continue the run in --out")
+    a("--resume-if-present", action="store_true", help="--resume if --out holds a run")
+    a("--eval-episodes", type=int, default=0, help="test episodes per evaluation (0: all)")
+    a("--val-episodes", type=int, help="validation episodes per evaluation (shop: its split; "
+      "replays: the training split's last 10%%)")
+    a("--no-eval", action="store_true", help="skip the held-out evaluations")
+    a("--seed", type=int, default=42, help="seed of everything")
+    a("--dtype", default="float32", choices=("float32", "bfloat16"),
+      help="model weights dtype (the adapter stays float32)")
+    a("--devices", help="the process's device, e.g. cuda:0; several split the layers (lab) "
+      "(default: the process's GPU under torchrun, else the CPU)")
+    a("--threads", type=int, help="torch CPU threads (default: 1 with the built-in policy, else "
+      "torch's choice)")
     hook("flags", ap)
     return ap
 
@@ -794,16 +728,14 @@ def parse_args(argv, rewards) -> argparse.Namespace:
     check_ranges(ap, args, FLAG_RANGES)
     if args.resume and args.resume_if_present:
         ap.error("--resume and --resume-if-present: pass one")
-    if args.devices is not None:
-        try:
-            devices = model.parse_devices(args.devices)
-        except ValueError as e:
-            ap.error(str(e))
-        if len(devices) > 1 and not HOOKS["split"]:
+    try:
+        if args.devices is not None and len(model.parse_devices(args.devices)) > 1 \
+                and not HOOKS["split"]:
             ap.error(f"--devices {args.devices}: the layers split over several devices through "
                      "`python -m lab.train` (lab/split.py)")
-    bad = [t for t in args.lora_targets.split(",") if t not in model.LORA_TARGETS]
-    if bad:
+    except ValueError as e:
+        ap.error(str(e))
+    if bad := [t for t in args.lora_targets.split(",") if t not in model.LORA_TARGETS]:
         ap.error(f"--lora-targets {args.lora_targets!r}: {bad} not among the blocks' linear "
                  f"layers {','.join(model.LORA_TARGETS)}")
     if args.out is None:
@@ -817,8 +749,8 @@ def parse_args(argv, rewards) -> argparse.Namespace:
 
 @dataclass
 class Processes:
-    """The processes of a run: this one alone in the core; several under torchrun (the lab's
-    lab/torchrun.py), each playing its share of the prompts, reducing these across them."""
+    """This process alone; lab/torchrun.py's subclass reduces across the processes of torchrun,
+    each playing its share of the prompts."""
     rank: int = 0
     size: int = 1
     device: str = "cpu"             # where reduced tensors live (cuda for nccl)
@@ -836,30 +768,25 @@ class Processes:
     def gather(self, values: list[float], size: int) -> list[float]:
         return list(values)         # every process's list (each at most `size`), concatenated
 
-    def all_reduce_grads(self, params) -> None:
+    def barrier(self, *_) -> None:
         pass
 
-    def barrier(self) -> None:
-        pass
-
-    def close(self) -> None:
-        pass
+    all_reduce_grads = close = barrier
 
 
 # flags a resumed run must keep: all that trains or scores it (not --threads, --devices,
 # --eval-batch: they change float summation order only); the lab adds its own
 RESUME_KEYS = ("env", "model", "reward", "alpha", "outcome_weight", "probes", "seed", "steps",
                "batch", "group", "max_turns", "max_new_tokens", "max_len", "temperature", "top_p",
-               "lr", "warmup", "beta", "eps", "oversample", "ppo_epochs", "micro_batch",
-               "micro_batch_tokens", "lora_r", "lora_alpha", "lora_dropout", "lora_targets",
-               "save_every", "eval_episodes", "val_episodes", "advantage", "grad_clip",
-               "weight_decay", "dtype")
+               "lr", "warmup", "beta", "eps", "ppo_epochs", "micro_batch", "micro_batch_tokens",
+               "lora_r", "lora_alpha", "lora_dropout", "lora_targets", "save_every",
+               "eval_episodes", "val_episodes", "advantage", "grad_clip", "weight_decay", "dtype")
 RESUME_DEFAULTS = {"advantage": "process"}      # an args.json without the flag ran with this
 
 
 def changed_flag(args, old: dict) -> tuple[str, object, object] | None:
     """The first flag of RESUME_KEYS that differs from a run's args.json (old): (--flag, its
-    value now, the run's), or None. A model directory may be written another way (relative)."""
+    value now, the run's), or None. A model directory may be spelled another way (relative)."""
     for k in RESUME_KEYS:
         now, then = getattr(args, k), old.get(k, RESUME_DEFAULTS.get(k, getattr(args, k)))
         if then != now and not (k == "model" and isinstance(then, str) and Path(then).is_dir()
@@ -869,39 +796,38 @@ def changed_flag(args, old: dict) -> tuple[str, object, object] | None:
 
 
 def check_out(args) -> None:
-    """What --out holds against --resume / --resume-if-present, read-only: checked before
-    anything is loaded and again once OUT is claimed. A run exists once its args.json does."""
-    out = Path(args.out)
-    saved = out / "args.json"
+    """What --out holds against --resume(-if-present), read-only: checked before anything is
+    loaded and again once OUT is claimed. A run exists once its args.json does."""
+    out, saved = Path(args.out), Path(args.out) / "args.json"
     if args.resume_if_present:
         args.resume = saved.exists()
-    if args.resume and not saved.exists():      # a typo in --out must not start a new run
+    if not args.resume:
+        if any((out / f).exists() for f in ("metrics.jsonl", "eval.jsonl")) or \
+                latest_checkpoint(out):     # eval.jsonl: killed after the base evaluation
+            raise SystemExit(f"--out {out} already holds a run: pass --resume to continue it, "
+                             "or choose another --out")
+        return
+    if not saved.exists():      # a typo in --out must not start a new run
         raise SystemExit(f"--resume: nothing to resume in {out} (no args.json: no run was "
                          "started there); leave out --resume to start one")
-    if args.resume:
-        try:
-            old = json.loads(saved.read_text())
-            if not isinstance(old, dict):
-                raise ValueError("not a JSON object")
-        except (OSError, ValueError, RecursionError) as e:
-            raise SystemExit(f"--resume: {saved} is not readable ({type(e).__name__}: {e})") \
-                from None
-        if changed := changed_flag(args, old):
-            flag, now, then = changed
-            raise SystemExit(f"--resume: {flag} is {now!r} but the run in {out} used {then!r}")
-        # logs past the first checkpoint's step, a summary or a damaged checkpoint, and no whole
-        # checkpoint: starting over would replace the logs
-        logged = max((r["step"] for r in read_jsonl(out / "metrics.jsonl")), default=0)
-        first = min(args.save_every, args.steps)
-        if latest_checkpoint(out) is None and (logged > first or any(out.glob("checkpoint-*"))
-                                               or (out / "summary.json").exists()):
-            raise SystemExit(f"--resume: {out} logged {logged} steps but holds no checkpoint "
-                             f"whole (with trainer.json; the first is saved after step {first}): "
-                             "restore them, or choose another --out")
-    elif any((out / f).exists() for f in ("metrics.jsonl", "eval.jsonl")) or \
-            latest_checkpoint(out):         # eval.jsonl: killed after the base evaluation
-        raise SystemExit(f"--out {out} already holds a run: pass --resume to continue it, or "
-                         "choose another --out")
+    try:
+        old = json.loads(saved.read_text())
+        if not isinstance(old, dict):
+            raise ValueError("not a JSON object")
+    except (OSError, ValueError, RecursionError) as e:
+        raise SystemExit(f"--resume: {saved} is not readable ({type(e).__name__}: {e})") from None
+    if changed := changed_flag(args, old):
+        flag, now, then = changed
+        raise SystemExit(f"--resume: {flag} is {now!r} but the run in {out} used {then!r}")
+    # logs past the first checkpoint's step, a summary or a damaged checkpoint, and no whole
+    # checkpoint: starting over would replace the logs
+    logged = max((r["step"] for r in read_jsonl(out / "metrics.jsonl")), default=0)
+    first = min(args.save_every, args.steps)
+    if latest_checkpoint(out) is None and (logged > first or any(out.glob("checkpoint-*"))
+                                           or (out / "summary.json").exists()):
+        raise SystemExit(f"--resume: {out} logged {logged} steps but holds no checkpoint whole "
+                         f"(with trainer.json; the first is saved after step {first}): restore "
+                         "them, or choose another --out")
 
 
 def prepare_out(args, procs) -> Path:
@@ -920,8 +846,8 @@ LOCKS = []          # the open lock files of the run directories this process ho
 
 
 def lock(out: Path) -> None:
-    """One run per OUT, two would interleave logs and checkpoints: flock() on OUT/.lock, which
-    the kernel drops when the process dies (kill -9 included); the file names the holder."""
+    """One run per OUT: flock() on OUT/.lock, dropped by the kernel when the process dies (kill -9
+    included); the file names the holder."""
     import fcntl                    # POSIX only
     f = open(out / ".lock", "a+")
     try:
@@ -964,16 +890,21 @@ def read_jsonl(path: Path) -> list[dict]:
 def save_checkpoint(out: Path, step: int, policy, optimizer, procs, lagged=None) -> Path:
     """OUT/checkpoint-<step>/ (`lagged`: the lab's tips snapshot), whole or not at all: written
     to a temporary directory, then renamed; a failed write stops the run with one line."""
-    final = out / f"checkpoint-{step:06d}"
-    tmp = out / f".checkpoint-{step:06d}.tmp"
+    final, tmp = out / f"checkpoint-{step:06d}", out / f".checkpoint-{step:06d}.tmp"
     try:
         if procs.main:
             shutil.rmtree(tmp, ignore_errors=True)
             tmp.mkdir(parents=True)
         procs.barrier()
-        rng_tensors, rng_meta = rng_state()         # each process has its own RNG streams
-        save_file(rng_tensors, tmp / f"rng-{procs.rank}.safetensors")
-        write_json(tmp / f"rng-{procs.rank}.json", rng_meta)
+        # each process has its own RNG streams: Python's, numpy's, torch's and CUDA's
+        py, (name, keys, pos, has_gauss, cached) = random.getstate(), np.random.get_state()
+        cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []
+        rng = {"torch": torch.get_rng_state(), "numpy": torch.from_numpy(keys.astype(np.int64)),
+               **{f"cuda{i}": s for i, s in enumerate(cuda)}}
+        save_file(rng, tmp / f"rng-{procs.rank}.safetensors")
+        write_json(tmp / f"rng-{procs.rank}.json", {
+            "python": [py[0], list(py[1]), py[2]],
+            "numpy": [name, int(pos), int(has_gauss), float(cached)]})
         procs.barrier()
         if procs.main:
             model.save_adapter(policy, tmp / "adapter")
@@ -996,8 +927,8 @@ def save_checkpoint(out: Path, step: int, policy, optimizer, procs, lagged=None)
 
 
 def latest_checkpoint(out: Path) -> Path | None:
-    done = sorted(p for p in out.glob("checkpoint-*") if (p / "trainer.json").is_file())
-    return done[-1] if done else None
+    return max((p for p in out.glob("checkpoint-*") if (p / "trainer.json").is_file()),
+               default=None)
 
 
 def load_checkpoint(path: Path, policy, optimizer, procs) -> tuple[int, dict | None]:
@@ -1012,45 +943,27 @@ def load_checkpoint(path: Path, policy, optimizer, procs) -> tuple[int, dict | N
         model.load_adapter_weights(policy, path / "adapter")
         optimizer_from_tensors(optimizer, load_file(path / "optimizer.safetensors"),
                                info["optimizer"])
-        set_rng_state(load_file(path / f"rng-{procs.rank}.safetensors"),
-                      json.loads((path / f"rng-{procs.rank}.json").read_text()))
-        lagged = load_file(path / "lagged.safetensors") \
-            if (path / "lagged.safetensors").exists() else None
-        return int(info["step"]), lagged
+        rng = load_file(path / f"rng-{procs.rank}.safetensors")
+        meta = json.loads((path / f"rng-{procs.rank}.json").read_text())
+        v, state, gauss = meta["python"]
+        random.setstate((v, tuple(state), gauss))
+        name, pos, has_gauss, cached = meta["numpy"]
+        np.random.set_state((name, rng["numpy"].numpy().astype(np.uint32), pos, has_gauss, cached))
+        torch.set_rng_state(rng["torch"])
+        if torch.cuda.is_available():
+            torch.cuda.set_rng_state_all([rng[f"cuda{i}"] for i in range(torch.cuda.device_count())
+                                          if f"cuda{i}" in rng])
+        lagged = path / "lagged.safetensors"
+        return info["step"], load_file(lagged) if lagged.exists() else None
     except (OSError, KeyError, IndexError, TypeError, ValueError, RecursionError,
             SafetensorError) as e:      # a damaged file: any of these, never a traceback
         raise SystemExit(f"{path}: cannot resume from this checkpoint ({type(e).__name__}: "
                          f"{e})") from None
 
 
-def rng_state() -> tuple[dict, dict]:
-    py, np_state = random.getstate(), np.random.get_state()
-    tensors = {"torch": torch.get_rng_state(),
-               "numpy": torch.from_numpy(np_state[1].astype(np.int64))}
-    if torch.cuda.is_available():
-        for i, s in enumerate(torch.cuda.get_rng_state_all()):
-            tensors[f"cuda{i}"] = s
-    meta = {"python": [py[0], list(py[1]), py[2]],
-            "numpy": [np_state[0], int(np_state[2]), int(np_state[3]), float(np_state[4])]}
-    return tensors, meta
-
-
-def set_rng_state(tensors: dict, meta: dict):
-    v, state, gauss = meta["python"]
-    random.setstate((v, tuple(state), gauss))
-    name, pos, has_gauss, cached = meta["numpy"]
-    np.random.set_state((name, tensors["numpy"].numpy().astype(np.uint32), pos, has_gauss, cached))
-    torch.set_rng_state(tensors["torch"])
-    if torch.cuda.is_available():
-        torch.cuda.set_rng_state_all([tensors[f"cuda{i}"]
-                                      for i in range(torch.cuda.device_count())
-                                      if f"cuda{i}" in tensors])
-
-
 def optimizer_to_tensors(optimizer) -> tuple[dict, dict]:
     """An optimizer's state as (tensors for a safetensors file, the rest for JSON)."""
-    sd = optimizer.state_dict()
-    tensors, scalars = {}, {}
+    sd, tensors, scalars = optimizer.state_dict(), {}, {}
     for idx, state in sd["state"].items():
         for k, v in state.items():
             if torch.is_tensor(v):
@@ -1121,10 +1034,9 @@ def evaluate(policy, tok, env, pool, n: int, args, procs, name: str = "held-out"
 
 
 def evaluate_all(step: int, policy, tok, held: dict, args, procs) -> dict:
-    sizes = {"val": args.val_episodes, "test": args.eval_episodes}
-    return {"step": step, **{name: evaluate(policy, tok, env, pool, sizes[name], args, procs,
-                                            {"val": "validation"}.get(name, name))
-                             for name, (env, pool) in held.items()}}
+    return {"step": step, "val": evaluate(policy, tok, *held["val"], args.val_episodes, args,
+                                          procs, "validation"),
+            "test": evaluate(policy, tok, *held["test"], args.eval_episodes, args, procs, "test")}
 
 
 def summarize(out: Path, seconds: float, args, probe_report: dict | None = None) -> dict:
@@ -1157,14 +1069,13 @@ def summarize(out: Path, seconds: float, args, probe_report: dict | None = None)
 def summary_text(s: dict) -> str:
     lines = [f"done in {s['seconds']:.0f}s (reward {s['reward']})."]
     if s["base"] and s["selected"]:
-        lines.append(
-            f"held-out success (greedy, {s['base']['episodes']} test episodes): before "
-            f"{s['base']['success']:.3f} -> selected {s['selected']['success']:.3f} (step "
-            f"{s['selected']['step']}, chosen on validation) -> final {s['final']['success']:.3f}"
-            f" (step {s['final']['step']}); best on test {s['best_on_test']['success']:.3f} "
-            f"(step {s['best_on_test']['step']}, the paper's protocol)")
-    if s.get("probe_auroc_heldout"):
-        p = s["probe_auroc_heldout"]
+        b, sel, last, best = (s[k] for k in ("base", "selected", "final", "best_on_test"))
+        lines.append(f"held-out success (greedy, {b['episodes']} test episodes): before "
+                     f"{b['success']:.3f} -> selected {sel['success']:.3f} (step {sel['step']}, "
+                     f"chosen on validation) -> final {last['success']:.3f} (step {last['step']});"
+                     f" best on test {best['success']:.3f} (step {best['step']}, the paper's "
+                     "protocol)")
+    if p := s.get("probe_auroc_heldout"):
         lines.append(f"PAIR AUROC on {p['turns']} held-out own turns: {num(p['pair'])} "
                      f"({p['corpus']} corpus); contaminated-corpus PAIR: "
                      f"{num(p['contaminated_corpus_pair'])}")
@@ -1192,7 +1103,7 @@ def num(x) -> str:
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else argv
     args = parse_args(argv, pair.REWARDS)
-    hook("check", args)             # the rules between flags that need the rewards, the lab's
+    hook("check", args)             # the lab's rules between flags, which need the rewards
     try:
         return train(args)
     except (model.CheckpointError, envs.DataError, probes.FormatError, envs.LLMError,
@@ -1202,21 +1113,17 @@ def main(argv=None):
     except SystemExit:                  # refused with one line: no run left behind either
         hook("failed", args)
         raise
-    except KeyboardInterrupt:
-        sys.exit("\n" + interrupted(args, argv))
-
-
-def interrupted(args, argv) -> str:
-    """What Ctrl-C leaves, and the command that goes on from there."""
-    again = [*argv] + ([] if "--out" in argv else ["--out", args.out])
-    if not (Path(args.out) / "args.json").is_file():
-        return f"interrupted before the run started; start it with: {PROG} {shlex.join(again)}"
-    again += [] if "--resume" in argv or "--resume-if-present" in argv else ["--resume"]
-    ckpt = latest_checkpoint(Path(args.out))
-    what = f"; the run resumes from its last checkpoint ({ckpt.name}), exactly," if ckpt else \
-        (f" before the first checkpoint (after step {min(args.save_every, args.steps)}): no step "
-         "is kept, and this starts the run over from step 1:")
-    return f"interrupted{what} with: {PROG} {shlex.join(again)}"
+    except KeyboardInterrupt:           # what Ctrl-C leaves, and the command that goes on
+        again = [*argv] + ([] if "--out" in argv else ["--out", args.out])
+        if not (Path(args.out) / "args.json").is_file():
+            sys.exit(f"\ninterrupted before the run started; start it with: {PROG} "
+                     f"{shlex.join(again)}")
+        again += [] if "--resume" in argv or "--resume-if-present" in argv else ["--resume"]
+        ckpt = latest_checkpoint(Path(args.out))
+        what = f"; the run resumes from its last checkpoint ({ckpt.name}), exactly," if ckpt else \
+            (f" before the first checkpoint (after step {min(args.save_every, args.steps)}): no "
+             "step is kept, and this starts the run over from step 1:")
+        sys.exit(f"\ninterrupted{what} with: {PROG} {shlex.join(again)}")
 
 
 if __name__ == "__main__":

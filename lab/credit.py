@@ -6,7 +6,8 @@ the outcome (lab/FINDINGS.md).
 - `--advantage position` and `--advantage outcome-turn` (`--turn-weight`), beside the core's
   `process` and `release`;
 - the premise gate, before training: does the chosen advantage rank the right decision above the
-  slip on held-out own turns? (its AUROC in summary.json, `premise_gate`).
+  slip on held-out own turns? (its AUROC in summary.json, `premise_gate`);
+- `--oversample K`, DAPO's dynamic sampling: groups with nothing to say set aside.
 
 Each plugs into grpo.py's tables and hooks when this module is imported (python -m lab.train).
 """
@@ -182,12 +183,34 @@ def gate_at_setup(args, policy, tok, procs, log, ctx) -> None:
         ctx.summary["premise_gate"] = gate
 
 
+def oversample(step: int, run, t: dict):
+    """grpo.py's "share" hook, `--oversample K` (DAPO's dynamic sampling): up to K x this
+    process's share of the step's prompts is played, in order, and a group with no advantage
+    (Group.all_equal) is set aside while enough later prompts remain to fill the batch. Returns
+    (groups kept, (Group, KV bytes) of every group played), or None at K = 1 (the core's)."""
+    args, procs = run.args, run.procs
+    if args.oversample == 1:
+        return None
+    need = len(range(procs.rank, args.batch, procs.size))
+    candidates = list(range(procs.rank, args.batch * args.oversample, procs.size))
+    kept, played = [], []
+    for n, j in enumerate(candidates):
+        if len(kept) == need:
+            break
+        played.append(grpo.play_group(step * args.batch * args.oversample + j, run, t))
+        if not (played[-1][0].all_equal and len(candidates) - n - 1 >= need - len(kept)):
+            kept.append(played[-1][0])
+    return kept, played
+
+
 def flags(ap) -> None:
     """This module's flags, on grpo.py's parser."""
     a = ap.add_argument
     a("--turn-weight", type=float, default=1.0,
       help="--advantage outcome-turn: lambda, the weight of the turn's own centred reward "
            "beside the outcome's group advantage")
+    a("--oversample", type=int, default=1, help="DAPO dynamic sampling: play up to K x --batch "
+      "prompts, keep the first --batch groups that give some turn an advantage")
 
 
 def register() -> None:
@@ -195,12 +218,13 @@ def register() -> None:
     if flags in grpo.HOOKS["flags"]:
         return
     grpo.HOOKS["flags"].append(flags)
-    grpo.FLAG_RANGES.update({"turn_weight": grpo.finite()})
-    grpo.RESUME_KEYS += ("turn_weight",)
-    grpo.RESUME_DEFAULTS.update({"turn_weight": 1.0})
+    grpo.FLAG_RANGES.update({"turn_weight": grpo.finite(), "oversample": grpo.at_least(1)})
+    grpo.RESUME_KEYS += ("turn_weight", "oversample")
+    grpo.RESUME_DEFAULTS.update({"turn_weight": 1.0, "oversample": 1})
     pair.REWARDS["labels"] = labels_reward
     pair.ADVANTAGES["position"] = lambda rewards, scores, args: position_advantages(rewards)
     pair.ADVANTAGES["outcome-turn"] = lambda rewards, scores, args: outcome_turn_advantages(
         rewards, scores, args.turn_weight)
     grpo.HOOKS["check"].append(check)
     grpo.HOOKS["setup"].append(gate_at_setup)
+    grpo.HOOKS["share"].append(oversample)

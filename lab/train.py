@@ -7,10 +7,10 @@
 
 `plug_in` registers each lab module with grpo.py (its REWARDS, ADVANTAGES, PLAYERS, LOSSES and
 HOOKS): the paper's other rewards and the tree searches (lab/baselines.py), the exact-label
-reward, the advantage forms and the premise gate (lab/credit.py), probes fitted on the fly and
-refitted during a run and the drift alarm (lab/onpolicy.py), the run lock (lab/runs.py), the
-long world (lab/shop.py), layers split across devices (lab/split.py), the probes of a `lab.study
-train` directory (lab/study.py), and several processes under torchrun (lab/torchrun.py).
+reward, the advantage forms, the premise gate and --oversample (lab/credit.py), probes fitted on
+the fly and refitted during a run (lab/onpolicy.py), the run lock (lab/runs.py), the long world
+(lab/shop.py), layers split across devices (lab/split.py), the probes of a `lab.study train`
+directory (lab/study.py), and several processes under torchrun (lab/torchrun.py).
 """
 import grpo
 from lab import baselines, credit, onpolicy, runs, shop, split, study, torchrun
