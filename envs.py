@@ -1,6 +1,6 @@
 """Tool-use environments (METHOD.md §1, §2, §10): the ReAct text every model sees and its parser,
-the built-in `shop` world, GTA and ToolBench replays of the released episodes with what scores
-them (answer matching, an LLM judge), the Calculator tool, and the episode files themselves.
+the built-in `shop` world, the GTA replay of the released episodes and its answer matching, the
+Calculator tool, and the episode files themselves (ToolBench, LLM-judged: lab/toolbench.py).
 
     env = make("gta", split="test", data_dir=...)       # or ShopEnv("test"), the built-in world
     ep = env.episode(0)
@@ -11,14 +11,12 @@ them (answer matching, an LLM judge), the Calculator tool, and the episode files
 from __future__ import annotations
 
 import ast
-import hashlib
 import json
 import math
 import operator
 import os
 import random
 import re
-import time
 from dataclasses import dataclass
 from decimal import Decimal, ROUND_HALF_UP
 from functools import cached_property
@@ -710,76 +708,26 @@ class GTAEpisode(ReplayEpisode):
         return gta_match(self.final_answer, self.gt_answer, match or self.match)
 
 
-# ---- ToolBench: answers scored by the LLM judge ------------------------------------------------
+class GTAEnv(Env):
+    """A released GTA split, answers matched `match`: "strict" or "loose"."""
 
-HISTORY_CHARS = 6000
-ELIDED_OBSERVATION = "Observation: [older observation elided]"
+    def __init__(self, split: str = "test", data_dir=None, match: str = "strict"):
+        super().__init__(load_episodes(episode_file("gta", split, data_dir)))
+        self.match = match
 
-
-class ToolBenchEpisode(ReplayEpisode):
-    """Replay with the paper's history cap: after each observation, while the messages after the
-    task exceed `history_chars`, the oldest observation but the newest becomes
-    ELIDED_OBSERVATION. The policy's own turns are never changed."""
-
-    def __init__(self, key: str, record: dict, history_chars: int | None = HISTORY_CHARS,
-                 judge: ChatClient | None = None):
-        super().__init__(key, record)
-        self.history_chars, self.judge = history_chars, judge
-        self.skip_reason = None if toolbench_reference(self.gt_answer) else "no_answer"
-
-    def _after_observation(self) -> int | None:
-        if self.history_chars is None:
-            return None
-        size = sum(len(m["content"]) for m in self.messages[1:])
-        first = None
-        for i in range(1, len(self.messages) - 1):
-            if size <= self.history_chars:
-                break
-            m = self.messages[i]
-            if m["role"] == "user" and len(m["content"]) > len(ELIDED_OBSERVATION):
-                size -= len(m["content"]) - len(ELIDED_OBSERVATION)
-                self.messages[i] = {"role": "user", "content": ELIDED_OBSERVATION}
-                first = i if first is None else first
-        return first
-
-    def answer_score(self) -> float:
-        if self.judge is None:
-            raise LLMError("ToolBench scoring needs the LLM judge: make('toolbench', "
-                           "judge_model=...)")
-        return judge_answer(self.judge, self.task, toolbench_reference(self.gt_answer),
-                            self.final_answer)
+    def _new_episode(self, key: str, record: dict) -> GTAEpisode:
+        return GTAEpisode(key, record, self.match)
 
 
-def toolbench_reference(gt) -> str:
-    if isinstance(gt, dict):
-        return "\n".join(g[0] for g in gt.get("whitelist") or [] if g and g[0].strip())
-    if isinstance(gt, list):
-        return "\n".join(a for a in gt if a.strip())
-    return ""
+REPLAYS = {"gta": GTAEnv}       # lab/toolbench.py adds toolbench (LLM-judged, no training split)
 
 
-class ReplayEnv(Env):
-    """A released split: gta (answers matched `match`: "strict" or "loose") or toolbench (the
-    history cap `history_chars`; `judge_model` scores answers, None plays without scoring)."""
-
-    def __init__(self, family: str, split: str = "test", data_dir=None, match: str = "strict",
-                 history_chars: int | None = HISTORY_CHARS,
-                 judge_model: str | None = "gpt-4o-mini", judge_cache=None):
-        if family not in RELEASE_FILES:
-            raise ValueError(f"unknown environment {family!r}: choose gta or toolbench")
-        # The judge first: a missing key must fail before any data is read or fetched.
-        self.judge = ChatClient(judge_model, judge_cache) \
-            if family == "toolbench" and judge_model else None
-        super().__init__(load_episodes(episode_file(family, split, data_dir)))
-        self.family, self.match, self.history_chars = family, match, history_chars
-
-    def _new_episode(self, key: str, record: dict) -> ReplayEpisode:
-        if self.family == "gta":
-            return GTAEpisode(key, record, self.match)
-        return ToolBenchEpisode(key, record, self.history_chars, self.judge)
-
-
-make = ReplayEnv        # make("gta", split="test", data_dir=..., match="loose")
+def make(family: str, split: str = "test", data_dir=None, **kw) -> Env:
+    """A released split: make("gta", split="test", data_dir=..., match="loose")."""
+    if family not in REPLAYS:
+        raise DataError(f"unknown environment {family!r}: choose {', '.join(REPLAYS)} (toolbench "
+                        "is the lab's: python -m lab.train --env toolbench)")
+    return REPLAYS[family](split, data_dir, **kw)
 
 
 # ==== Released data (METHOD.md §1): the episode files, downloaded and validated ===================
@@ -794,6 +742,10 @@ RELEASE_FILES = {"gta": ["clean_train.json", "clean_test.json"],
 
 
 class DataError(ValueError):
+    pass
+
+
+class LLMError(RuntimeError):      # an LLM endpoint failed (lab/toolbench.py)
     pass
 
 
@@ -1003,109 +955,3 @@ def calculate(expression: str) -> str:
         return "Error: expression nested too deeply"
     except Exception as e:  # a refusal, ZeroDivisionError, math domain errors, bad arity ...
         return f"Error: {e}"
-
-
-# ==== ToolBench's answer judge: an LLM at an OpenAI-compatible endpoint =========================
-
-class LLMError(RuntimeError):
-    pass
-
-
-class BadReply(LLMError):
-    """The endpoint answered, but not with the JSON object asked for."""
-
-
-class ChatClient:
-    """POST {OPENAI_BASE_URL}/chat/completions for a JSON object, the reply cached on disk under
-    the SHA-256 of the request (a repeated call sends nothing, a stopped run resumes)."""
-
-    def __init__(self, model_name: str, cache_dir: str | Path | None = None,
-                 retry_wait: float = 5.0):
-        self.api_key = os.environ.get("OPENAI_API_KEY")
-        if not self.api_key:
-            raise LLMError("OPENAI_API_KEY is not set: the LLM judge and the contamination "
-                           "generator need an OpenAI-compatible endpoint (OPENAI_API_KEY, and "
-                           "OPENAI_BASE_URL for a server other than api.openai.com)")
-        base = os.environ.get("OPENAI_BASE_URL") or "https://api.openai.com/v1"
-        self.url = base.rstrip("/") + "/chat/completions"
-        self.model, self.retry_wait, self.requests_made = model_name, retry_wait, 0
-        self.cache_dir = Path(cache_dir) if cache_dir else model.cache_root() / "llm"
-
-    def chat_json(self, messages: list[dict], check=None, max_tokens: int = 512
-                  ) -> tuple[dict, str]:
-        """(JSON object, raw reply) at temperature 0. A reply that is no JSON object or that
-        `check(obj)` rejects (ValueError) is a BadReply, not cached; a 429, a 5xx or a
-        connection error is retried once."""
-        body = {"model": self.model, "messages": messages, "temperature": 0.0,
-                "max_tokens": max_tokens, "response_format": {"type": "json_object"}}
-        digest = hashlib.sha256(json.dumps(body, sort_keys=True, ensure_ascii=False)
-                                .encode("utf-8")).hexdigest()
-        path = self.cache_dir / digest[:2] / f"{digest}.json"
-        try:            # an unreadable entry, or one `check` rejects, is asked again
-            raw = json.loads(path.read_text(encoding="utf-8"))["reply"]
-            return _checked_json(raw, check), raw
-        except (OSError, ValueError, KeyError, TypeError):
-            pass
-        for attempt in (1, 2):
-            self.requests_made += 1
-            try:
-                r = requests.post(self.url, json=body, timeout=120,
-                                  headers={"Authorization": f"Bearer {self.api_key}"})
-                problem = f"HTTP {r.status_code}"
-                if r.status_code != 429 and r.status_code < 500:
-                    break
-            except (requests.ConnectionError, requests.Timeout) as e:
-                problem = f"connection error: {e}"
-            if attempt == 1:
-                time.sleep(self.retry_wait)
-        else:
-            raise LLMError(f"{self.url}: giving up after 2 attempts ({problem})")
-        if r.status_code != 200:
-            raise LLMError(f"{self.url} answered {problem}: {r.text[:300]}" + (
-                " (the key in OPENAI_API_KEY was rejected)" if r.status_code == 401 else ""))
-        try:
-            raw = r.json()["choices"][0]["message"]["content"]
-            obj = _checked_json(raw, check)
-        except (ValueError, KeyError, IndexError, TypeError) as e:
-            raise BadReply(f"{self.model} replied with an unusable answer ({e}): "
-                           f"{r.text[:300]!r}") from e
-        model.write_atomic(path, json.dumps({"request": body, "reply": raw},
-                                            ensure_ascii=False).encode("utf-8"))
-        return obj, raw
-
-
-def _checked_json(raw: str, check) -> dict:
-    text = raw.strip()
-    if text.startswith("```"):      # tolerate a fenced reply from servers without JSON mode
-        text = re.sub(r"^```[A-Za-z]*\s*|\s*```$", "", text)
-    obj = json.loads(text)
-    if not isinstance(obj, dict):
-        raise ValueError("the reply is not a JSON object")
-    if check is not None:
-        check(obj)
-    return obj
-
-
-ANSWER_JUDGE_SYSTEM = """\
-You grade the final answer of a tool-using assistant against a reference answer.
-The reference was written from the tool outputs recorded when the task was collected; judge the
-answer against the reference's key facts - named entities, numbers, dates and stated relations -
-not against your own knowledge. Wording, order and formatting differences do not matter.
-Labels:
-- "yes": the answer captures most of the reference's key facts.
-- "partial": it captures some key facts, with minor omissions or local errors.
-- "no": a refusal, an empty or off-topic answer, or most key facts missing or wrong.
-Reply with a JSON object only: {"label": "yes" | "partial" | "no", "reason": "<one sentence>"}"""
-ANSWER_LABELS = {"yes": 1.0, "partial": 0.5, "no": 0.0}
-
-
-def judge_answer(client: ChatClient, task: str, reference: str, answer: str) -> float:
-    """yes 1.0 / partial 0.5 / no 0.0 for `answer` against `reference` (temperature 0)."""
-    def check(obj):
-        if obj.get("label") not in ANSWER_LABELS:
-            raise ValueError(f"label must be one of {', '.join(ANSWER_LABELS)}")
-    user = (f"Task:\n{task.strip()}\n\nReference answer:\n{reference.strip()}\n\n"
-            f"Assistant's final answer:\n{answer.strip()}")
-    obj, _ = client.chat_json([{"role": "system", "content": ANSWER_JUDGE_SYSTEM},
-                               {"role": "user", "content": user}], check=check)
-    return ANSWER_LABELS[obj["label"]]
