@@ -1,6 +1,6 @@
 """Tool-use environments (METHOD.md §1, §2, §10): the ReAct text every model sees and its parser,
-the built-in `shop` world, GTA and ToolBench replay of the released episodes with what scores
-them (answer matching, an LLM judge), the Calculator tool, and the episode files themselves.
+the built-in `shop` world, the GTA replay of the released episodes and its answer matching, the
+Calculator tool, and the episode files themselves (ToolBench, LLM-judged: lab/toolbench.py).
 
     env = make("gta", split="test", data_dir=...)       # or ShopEnv("test"), the built-in world
     ep = env.episode(0)
@@ -11,14 +11,12 @@ them (answer matching, an LLM judge), the Calculator tool, and the episode files
 from __future__ import annotations
 
 import ast
-import hashlib
 import json
 import math
 import operator
 import os
 import random
 import re
-import time
 from dataclasses import dataclass
 from decimal import Decimal, ROUND_HALF_UP
 from functools import cached_property
@@ -71,7 +69,6 @@ def render_final(thought: str | None, answer: str) -> str:
 
 
 def render_observation(text: str) -> str:
-    """A tool result as the content of a user message."""
     text = model.without_surrogates(text)
     if len(text) > OBSERVATION_CHARS:
         text = text[:OBSERVATION_CHARS] + "..."
@@ -79,10 +76,9 @@ def render_observation(text: str) -> str:
 
 
 def render_task(task: str, files: list[dict] | tuple = ()) -> str:
-    """The task text, with the files it refers to (GTA tools take these paths as inputs)."""
-    task = task.strip()
+    """The task text and the files it refers to (GTA tools take these paths as inputs)."""
     paths = [f"- {f['path']} ({f.get('type') or 'file'})" for f in files if f.get("path")]
-    return task + "\n\nFiles:\n" + "\n".join(paths) if paths else task
+    return task.strip() + "\n\nFiles:\n" + "\n".join(paths) if paths else task.strip()
 
 
 def tool_result_text(message: dict) -> str:
@@ -176,35 +172,28 @@ def parse_react(text: str) -> Action | Final | ParseError:
         lone = next((mk for mk in marks if mk[0] == "action"), None)
         if lone is None:
             return ParseError(f"No 'Action:' or 'Final Answer:' line found. {_FORMAT_HINT}")
-        line_end = text.find("\n", lone[2])
-        name = text[lone[2]:line_end if line_end >= 0 else len(text)].strip()
+        name = text[lone[2]:].split("\n", 1)[0].strip()
         return ParseError(f"'Action: {name[:100]}' must be followed by an 'Action Input:' line "
                           "with the tool's inputs as a JSON object.")
     kind, start, end = marks[head]
     thought_at = next((mk[2] for mk in marks[:head] if mk[0] == "thought"), 0)
     thought = text[thought_at:start].strip() or None
-
+    after = marks[head + 1][1] if head + 1 < len(marks) else len(text)
     if kind == "final answer":
-        after = marks[head + 1][1] if head + 1 < len(marks) else len(text)
         answer = text[end:after].strip()
         if not answer:
             return ParseError("'Final Answer:' is empty: write the answer after it.")
         return Final(thought, answer)
-
-    name = text[end:marks[head + 1][1]].strip().strip("`'\"*").strip()
+    name = text[end:after].strip().strip("`'\"*").strip()
     if not name:
         return ParseError(f"'Action:' names no tool. {_FORMAT_HINT}")
     arguments = _action_input(text[marks[head + 1][2]:])
-    if isinstance(arguments, ParseError):
-        return arguments
-    return Action(thought, name, arguments)
+    return arguments if isinstance(arguments, ParseError) else Action(thought, name, arguments)
 
 
 def _action_input(raw: str) -> dict | ParseError:
     """The JSON object after `Action Input:` (an opening ``` fence skipped), or what is wrong."""
-    raw = raw.lstrip()
-    if raw.startswith("```"):
-        raw = re.sub(r"^```[A-Za-z]*", "", raw).lstrip()
+    raw = re.sub(r"^```[A-Za-z]*", "", raw.lstrip()).lstrip()
     if not raw:
         return ParseError("'Action Input:' is empty: write the inputs as a JSON object "
                           "(use {} for a tool without inputs).")
@@ -221,15 +210,14 @@ def _action_input(raw: str) -> dict | ParseError:
     if not isinstance(arguments, dict):
         return ParseError(f"Action Input must be a JSON object {{...}}, not a JSON "
                           f"{type(arguments).__name__}.")
-    deepest, stack = 0, [(arguments, 1)]    # iteratively: json.dumps (the replay key) recurses
+    stack = [(arguments, 1)]        # iteratively: json.dumps (the replay key) recurses
     while stack:
         v, depth = stack.pop()
         if isinstance(v, (dict, list)):
-            deepest = max(deepest, depth)
+            if depth > MAX_NESTING:
+                return ParseError(f"Invalid JSON in Action Input: nested deeper than "
+                                  f"{MAX_NESTING} levels.")
             stack.extend((x, depth + 1) for x in (v.values() if isinstance(v, dict) else v))
-    if deepest > MAX_NESTING:
-        return ParseError(f"Invalid JSON in Action Input: nested deeper than {MAX_NESTING} "
-                          "levels.")
     if model.holds_lone_surrogate(arguments):   # echoed back, no tokenizer could encode it
         return ParseError("Action Input holds a \\ud800-\\udfff escape that is not half of a "
                           "surrogate pair: write the character itself.")
@@ -248,7 +236,7 @@ class StepResult:
 class Episode:
     """One task being played: the chat so far. A subclass answers a tool call (call_tool(name,
     arguments) -> observation text) and scores the episode (score() -> [0, 1], None: skipped)."""
-    max_turns = MAX_TURNS               # a world with longer tasks allows more
+    max_turns = MAX_TURNS
 
     def __init__(self, id: str, task: str, tools: list[dict], files: list[dict] | tuple = ()):
         self.id = str(id)
@@ -270,11 +258,9 @@ class Episode:
         if isinstance(parsed, Final) or len(self.steps) >= self.max_turns:  # out of turns: 0
             self.done = True
             return StepResult(None, True)
-        if isinstance(parsed, Action):
-            text = self.call_tool(parsed.name, parsed.arguments)
-        else:
-            text = f"Invalid reply: {parsed.message}"
-        observation = render_observation(text)
+        observation = render_observation(self.call_tool(parsed.name, parsed.arguments)
+                                         if isinstance(parsed, Action)
+                                         else f"Invalid reply: {parsed.message}")
         self.messages.append({"role": "user", "content": observation})
         return StepResult(observation, False, self._after_observation())
 
@@ -303,9 +289,8 @@ class Env:
 
 
 # ==== The built-in world, shop: tasks drawn from a seed, tools that really execute, exact labels
-# A seed draws prices, exchange rates and a task ("What is the total cost of 3 apple at store B and
-# 2 pear at store A, in EUR?"): 2-5 tool calls (a Lookup per line, a Rate unless in USD, a
-# Calculator), then the total with 2 decimals; a small vocabulary a tiny model learns.
+# A seed draws prices, rates and a task ("What is the total cost of 3 apple at store B and 2 pear
+# at store A, in EUR?"): a Lookup per line, a Rate unless in USD, a Calculator, then the total.
 
 SHOP_STORES = ("A", "B", "C", "D")
 SHOP_ITEMS = ("apple", "bread", "egg", "milk", "pear", "rice")
@@ -378,7 +363,7 @@ class ShopTask:
 
     @cached_property
     def answer(self) -> str:
-        """The canonical answer: the total rounded half-up to 2 decimals."""
+        """The total rounded half-up to 2 decimals."""
         return str(self.total.quantize(_CENT, rounding=ROUND_HALF_UP))
 
     @cached_property
@@ -620,8 +605,12 @@ class ReplayCache:
             if m["role"] == "assistant":
                 _, call, _ = assistant_parts(m)
             elif m["role"] == "tool" and call is not None:
-                key = cache_key(written_tool_name(call), call.get("arguments") or {})
-                self.entries.setdefault(key, []).append(tool_result_text(m))
+                # the name a policy writes to repeat the call, as parse_react reads it back: 54
+                # ToolBench names carry a ToolLLaMA artifact ('Call the function "f".\n\nAction: f')
+                args = call.get("arguments") or {}
+                parsed = parse_react(render_action(None, call["name"], args))
+                name = parsed.name if isinstance(parsed, Action) else call["name"]
+                self.entries.setdefault(cache_key(name, args), []).append(tool_result_text(m))
                 call = None
 
     def lookup(self, name: str, arguments) -> str | None:
@@ -636,15 +625,9 @@ class ReplayCache:
         return responses[min(n, len(responses) - 1)]
 
 
-def written_tool_name(call: dict) -> str:
-    """The tool name a policy writes to repeat a released call (what parse_react reads back): 54
-    ToolBench names carry a ToolLLaMA artifact ('Call the function "f".\n\n\nAction: f')."""
-    parsed = parse_react(render_action(None, call["name"], call.get("arguments") or {}))
-    return parsed.name if isinstance(parsed, Action) else call["name"]
-
-
 class ReplayEpisode(Episode):
-    """A released episode: its task, tools and files, a call answered from its gold dialog."""
+    """A released episode: its task, tools and files, a call answered from its gold dialog, the
+    score None when skipped (skip_reason), 0 without a final answer, else answer_score()."""
 
     def __init__(self, key: str, record: dict):
         self.task = record["dialogs"][0]["content"]
@@ -655,6 +638,11 @@ class ReplayEpisode(Episode):
     def call_tool(self, name: str, arguments: dict) -> str:
         hit = self.cache.lookup(name, arguments)
         return hit if hit is not None else simulator_miss(name, arguments)
+
+    def score(self, *match) -> float | None:
+        if self.skip_reason is not None:
+            return None
+        return 0.0 if self.final_answer is None else self.answer_score(*match)
 
 
 # ---- GTA: answers matched against the reference's aliases ----------------------------------------
@@ -688,16 +676,11 @@ def gta_match(prediction: str, gt: dict, mode: str = "strict") -> float:
     """1.0 iff every whitelist group has an alias in the prediction and no blacklist alias is in
     it (GTA's `iscorrect`), case-insensitive. strict: the alias touches no letter, digit or _
     (GTA's \\b never matches an alias starting "-" or "$"); loose: a substring, spaces collapsed."""
-    if mode == "strict":
-        def found(alias):
-            return re.search(r"(?<!\w)" + re.escape(alias.strip()) + r"(?!\w)", prediction,
-                             re.IGNORECASE) is not None
-    elif mode == "loose":
-        text = " ".join(prediction.split()).lower()
-
-        def found(alias):
-            return " ".join(alias.split()).lower() in text
-    else:
+    text = " ".join(prediction.split()).lower()
+    found = {"strict": lambda a: re.search(r"(?<!\w)" + re.escape(a.strip()) + r"(?!\w)",
+                                           prediction, re.IGNORECASE) is not None,
+             "loose": lambda a: " ".join(a.split()).lower() in text}.get(mode)
+    if found is None:
         raise ValueError(f"unknown match mode {mode!r}: choose strict or loose")
     right = all(any(found(a) for a in group) for group in gt["whitelist"]) and \
         not any(found(a) for group in gt.get("blacklist") or [] for a in group)
@@ -714,97 +697,37 @@ class GTAEpisode(ReplayEpisode):
         if name in GTA_UNAVAILABLE:
             return UNAVAILABLE_MESSAGE
         hit = self.cache.lookup(name, arguments)
-        if hit is not None or name != "Calculator":
-            return hit if hit is not None else simulator_miss(name, arguments)
-        expression = arguments.get("expression")
-        if not isinstance(expression, str):
-            return 'Error: Calculator takes {"expression": "<arithmetic expression>"}'
-        return calculate(expression)
+        if hit is None and name == "Calculator":        # a miss is computed
+            expression = arguments.get("expression")
+            return calculate(expression) if isinstance(expression, str) else \
+                'Error: Calculator takes {"expression": "<arithmetic expression>"}'
+        return hit if hit is not None else simulator_miss(name, arguments)
 
-    def score(self, match: str | None = None) -> float | None:
-        """In [0, 1], None when skipped; `match` overrides the env's mode (the paper trains on
-        strict, evaluates loose)."""
-        if self.skip_reason is not None:
-            return None
-        if self.final_answer is None:
-            return 0.0
+    def answer_score(self, match: str | None = None) -> float:
+        """`match` overrides the env's mode (the paper trains on strict, evaluates loose)."""
         return gta_match(self.final_answer, self.gt_answer, match or self.match)
 
 
-# ---- ToolBench: answers scored by the LLM judge ------------------------------------------------
+class GTAEnv(Env):
+    """A released GTA split, answers matched `match`: "strict" or "loose"."""
 
-HISTORY_CHARS = 6000
-ELIDED_OBSERVATION = "Observation: [older observation elided]"
+    def __init__(self, split: str = "test", data_dir=None, match: str = "strict"):
+        super().__init__(load_episodes(episode_file("gta", split, data_dir)))
+        self.match = match
 
-
-class ToolBenchEpisode(ReplayEpisode):
-    """Replay with the paper's history cap at 6,000 characters: after each observation, while the
-    messages after the task exceed `history_chars`, the oldest observation but the newest becomes
-    ELIDED_OBSERVATION. The policy's own turns are never changed."""
-
-    def __init__(self, key: str, record: dict, history_chars: int | None = HISTORY_CHARS,
-                 judge: ChatClient | None = None):
-        super().__init__(key, record)
-        self.history_chars, self.judge = history_chars, judge
-        self.skip_reason = None if toolbench_reference(self.gt_answer) else "no_answer"
-
-    def _after_observation(self) -> int | None:
-        if self.history_chars is None:
-            return None
-        size = sum(len(m["content"]) for m in self.messages[1:])
-        first = None
-        for i in range(1, len(self.messages) - 1):
-            if size <= self.history_chars:
-                break
-            m = self.messages[i]
-            if m["role"] == "user" and len(m["content"]) > len(ELIDED_OBSERVATION):
-                size -= len(m["content"]) - len(ELIDED_OBSERVATION)
-                self.messages[i] = {"role": "user", "content": ELIDED_OBSERVATION}
-                first = i if first is None else first
-        return first
-
-    def score(self) -> float | None:
-        if self.skip_reason is not None:
-            return None
-        if self.final_answer is None:
-            return 0.0
-        if self.judge is None:
-            raise LLMError("ToolBench scoring needs the LLM judge: make('toolbench', "
-                           "judge_model=...)")
-        return judge_answer(self.judge, self.task, toolbench_reference(self.gt_answer),
-                            self.final_answer)
+    def _new_episode(self, key: str, record: dict) -> GTAEpisode:
+        return GTAEpisode(key, record, self.match)
 
 
-def toolbench_reference(gt) -> str:
-    if isinstance(gt, dict):
-        return "\n".join(g[0] for g in gt.get("whitelist") or [] if g and g[0].strip())
-    if isinstance(gt, list):
-        return "\n".join(a for a in gt if a.strip())
-    return ""
+REPLAYS = {"gta": GTAEnv}       # lab/toolbench.py adds toolbench (LLM-judged, no training split)
 
 
-class ReplayEnv(Env):
-    """A released split: gta (answers matched `match`: "strict" or "loose") or toolbench (the
-    history cap `history_chars`; `judge_model` scores answers, None plays without scoring)."""
-
-    def __init__(self, family: str, split: str = "test", data_dir=None, match: str = "strict",
-                 history_chars: int | None = HISTORY_CHARS,
-                 judge_model: str | None = "gpt-4o-mini", judge_cache=None):
-        if family not in RELEASE_FILES:
-            raise ValueError(f"unknown environment {family!r}: choose gta or toolbench")
-        # The judge first: a missing key must fail before any data is read or fetched.
-        self.judge = ChatClient(judge_model, judge_cache) \
-            if family == "toolbench" and judge_model else None
-        super().__init__(load_episodes(episode_file(family, split, data_dir)))
-        self.family, self.match, self.history_chars = family, match, history_chars
-
-    def _new_episode(self, key: str, record: dict) -> ReplayEpisode:
-        if self.family == "gta":
-            return GTAEpisode(key, record, self.match)
-        return ToolBenchEpisode(key, record, self.history_chars, self.judge)
-
-
-make = ReplayEnv        # make("gta", split="test", data_dir=..., match="loose")
+def make(family: str, split: str = "test", data_dir=None, **kw) -> Env:
+    """A released split: make("gta", split="test", data_dir=..., match="loose")."""
+    if family not in REPLAYS:
+        raise DataError(f"unknown environment {family!r}: choose {', '.join(REPLAYS)} (toolbench "
+                        "is the lab's: python -m lab.train --env toolbench)")
+    return REPLAYS[family](split, data_dir, **kw)
 
 
 # ==== Released data (METHOD.md §1): the episode files, downloaded and validated ===================
@@ -812,13 +735,17 @@ make = ReplayEnv        # make("gta", split="test", data_dir=..., match="loose")
 RELEASE_REPO = "wonjoong-kim/PAIR"
 RELEASE_REF = "03e41ad6e5ce69b288a2cb14ac541b088ea1d3d9"    # the commit the splits were taken at
 RELEASE_URL = "https://raw.githubusercontent.com/{repo}/{ref}/data/{family}/{name}"
-# The episode files the core plays (lab/data.py fetches the contaminated and matched files).
-# ToolBench's train split is missing from the authors' repository (METHOD.md §1).
+# The episode files the core plays (lab/data.py fetches the rest). ToolBench's train split is
+# missing from the authors' repository (METHOD.md §1).
 RELEASE_FILES = {"gta": ["clean_train.json", "clean_test.json"],
                  "toolbench": ["clean_test.json"]}
 
 
 class DataError(ValueError):
+    pass
+
+
+class LLMError(RuntimeError):      # an LLM endpoint failed (lab/toolbench.py)
     pass
 
 
@@ -837,7 +764,7 @@ def episode_file(family: str, split: str, data_dir: str | Path | None) -> Path:
                         f"{', '.join(RELEASE_FILES[family])}) and {path} is missing: `python "
                         f"-m lab.data split-episodes {family} --out OUT/{family}` writes one from "
                         "its test files (then --data-dir OUT)")
-    for name in RELEASE_FILES[family]:         # the core's files, each when missing
+    for name in RELEASE_FILES[family]:
         fetch(family, name, path.parent, check_episode_file)
     return path
 
@@ -845,8 +772,7 @@ def episode_file(family: str, split: str, data_dir: str | Path | None) -> Path:
 def fetch(family: str, name: str, folder: Path, check, ref: str = RELEASE_REF,
           force: bool = False) -> None:
     """One released file to folder/name, written only once check(data, url) accepts it."""
-    dest = folder / name
-    if dest.exists() and not force:
+    if (folder / name).exists() and not force:
         return
     url = RELEASE_URL.format(repo=RELEASE_REPO, ref=ref, family=family, name=name)
     try:
@@ -856,7 +782,7 @@ def fetch(family: str, name: str, folder: Path, check, ref: str = RELEASE_REF,
     if r.status_code != 200:
         raise DataError(f"cannot download {url}: HTTP {r.status_code}")
     check(read_json(url, r.content), url)
-    model.write_atomic(dest, r.content)
+    model.write_atomic(folder / name, r.content)
 
 
 def read_json(where: str | Path, raw: bytes | None = None) -> object:
@@ -898,22 +824,11 @@ def check_episode_file(data, path) -> None:
         for key in ("dialogs", "tools", "files", "gt_answer"):
             require(key in rec, where, f"missing '{key}'")
         check_dialog(rec["dialogs"], where)
-        require(isinstance(rec["tools"], list), where, "'tools' must be a list")
-        for j, t in enumerate(rec["tools"]):
-            require(isinstance(t, dict) and isinstance(t.get("name"), str), where,
-                    f"tools[{j}] needs a 'name'")
-            at = f"{where}: tools[{j}] ({t['name']})"
-            inputs = t.get("inputs") or []
-            require(isinstance(inputs, list) and all(isinstance(x, dict) and isinstance(
-                x.get("name"), str) for x in inputs), at,
-                "'inputs' must be a list of objects with a 'name'")
-            texts = [("description", t.get("description"))] + [   # tool_instructions' text
-                (f"inputs[{i}].{key}", x.get(key)) for i, x in enumerate(inputs)
-                for key in ("type", "description")]
-            for key, value in texts:
-                require(value is None or isinstance(value, str), at, f"'{key}' must be a string")
-        require(isinstance(rec["files"], list) and all(isinstance(f, dict) for f in rec["files"]),
-                where, "'files' must be a list of objects")
+        try:
+            tool_instructions(rec["tools"]) + render_task("", rec["files"])
+        except (AttributeError, KeyError, TypeError) as e:
+            raise DataError(f"{where}: its tools or files do not render ({type(e).__name__}: "
+                            f"{e})") from None
         gt = rec["gt_answer"]
         require(gt is None or (isinstance(gt, list) and all(isinstance(a, str) for a in gt)) or (
             isinstance(gt, dict) and _aliases(gt.get("whitelist")) and
@@ -923,44 +838,35 @@ def check_episode_file(data, path) -> None:
 
 
 def check_dialog(dialog, where) -> None:
+    """The user's task first, text where text is rendered, at most one tool call per assistant
+    turn (METHOD.md §2) with a name and an arguments object, each tool result after a call."""
     require(isinstance(dialog, list) and dialog, where, "'dialogs' must be a non-empty list")
     for i, m in enumerate(dialog):
         at = f"{where}: dialogs[{i}]"
-        require(isinstance(m, dict), at, "not an object")
-        role, calls = m.get("role"), m.get("tool_calls")
-        require(i > 0 or role == "user", at, "the dialog must start with the user's task")
-        require(role in ("user", "assistant", "tool"), at, f"unknown role {role!r}")
-        if role == "user":
-            require(isinstance(m.get("content"), str), at, "user message without text content")
-        elif role == "tool":
+        role = m.get("role") if isinstance(m, dict) else None
+        require(role in ("user", "assistant", "tool") and (i > 0 or role == "user"), at,
+                f"role {role!r}: a dialog is the user's task, then user, assistant, tool messages")
+        calls = m.get("tool_calls")
+        if role == "tool":
             require(dialog[i - 1].get("role") == "assistant" and dialog[i - 1].get("tool_calls"),
                     at, "a tool result must follow an assistant tool call")
-            content = m.get("content")
-            content = content.get("content") if isinstance(content, dict) else content
-            require(isinstance(m.get("name"), str) and content is not None, at,
-                    "a tool message needs 'name' and 'content'")
+        elif role == "user" or not calls:
+            require(isinstance(m.get("content"), str), at, f"a {role} turn without a tool call "
+                    "needs text content")
         else:
-            for key in ("thought", "content", "explanation"):
-                require(m.get(key) is None or isinstance(m[key], str), at,
-                        f"'{key}' must be a string")
-            if calls is None or calls == []:
-                require(m.get("content") is not None, at,
-                        "assistant message with neither tool_calls nor content")
-                continue
-            require(isinstance(calls, list) and len(calls) <= 1, at,
+            require(isinstance(calls, list) and len(calls) == 1, at,
                     "at most one tool call per assistant turn (METHOD.md §2)")
             fn = calls[0].get("function") if isinstance(calls[0], dict) else None
-            require(isinstance(fn, dict) and isinstance(fn.get("name"), str) and fn["name"], at,
-                    "tool call without a function name")
-            require(isinstance(fn.get("arguments"), dict), at,
-                    "tool call arguments must be a JSON object")
+            require(isinstance(fn, dict) and isinstance(fn.get("name"), str) and fn["name"] and
+                    isinstance(fn.get("arguments"), dict), at,
+                    "tool call arguments must be a JSON object, under a function name")
 
 
 # ==== The Calculator tool (GTA's and shop's): an AST whitelist, never eval ========================
 
 MAX_EXPRESSION_CHARS = 1000
 MAX_INT_BITS = 4000          # ~1200 digits: bounds the work of *, ** and str() on integers
-MAX_ARGUMENT = 1000          # of factorial, comb, perm, and round's digits (10 ** |n| is built)
+MAX_ARGUMENT = 1000          # of factorial, and of round's digits (10 ** |n| is built)
 
 
 def _whole(x, fn: str, over: str = "argument too large") -> int:
@@ -979,51 +885,43 @@ _OPERATORS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.m
               ast.Pow: operator.pow, ast.USub: operator.neg, ast.UAdd: operator.pos}
 _FUNCTIONS = {name: getattr(math, name) for name in (
     "sqrt cbrt exp log log10 log2 log1p sin cos tan asin acos atan atan2 sinh cosh tanh degrees "
-    "radians floor ceil trunc fabs hypot gcd isqrt lcm").split()}
-_FUNCTIONS.update({
-    "abs": abs, "min": min, "max": max, "int": int, "float": float, "pow": operator.pow,
-    "round": lambda x, n=None: round(x) if n is None else round(x, _whole(
-        n, "round", "digits out of range")),
-    "fsum": lambda *xs: math.fsum(xs),
-    "factorial": lambda n: math.factorial(_whole(n, "factorial")),
-    "comb": lambda n, k: math.comb(_whole(n, "comb"), _whole(k, "comb")),
-    "perm": lambda n, k: math.perm(_whole(n, "perm"), _whole(k, "perm"))})
+    "radians floor ceil trunc fabs hypot gcd isqrt").split()}
+_FUNCTIONS.update(abs=abs, min=min, max=max, int=int, float=float, pow=operator.pow,
+                  round=lambda x, n=None: round(x) if n is None else round(x, _whole(
+                      n, "round", "digits out of range")),
+                  factorial=lambda n: math.factorial(_whole(n, "factorial")))
 _CONSTANTS = {"pi": math.pi, "e": math.e, "tau": math.tau, "inf": math.inf, "nan": math.nan}
 
 
 def _too_large(op, xs: list) -> bool:
     """Would op(*xs) build an integer over MAX_INT_BITS? Decided before the work it bounds."""
-    ints = all(isinstance(x, int) for x in xs)
-    bits = sum(x.bit_length() for x in xs if isinstance(x, int))
+    if len(xs) != 2 or not all(isinstance(x, int) for x in xs):
+        return False
+    a, b = xs
     if op is operator.mul:
-        return ints and bits > MAX_INT_BITS + 1
-    if op is operator.pow and len(xs) == 2:
-        a, b = xs
-        return ints and b > 0 and abs(a) > 1 and b * math.log2(abs(a)) > MAX_INT_BITS
-    return op is math.lcm and bits > MAX_INT_BITS + len(xs)
+        return a.bit_length() + b.bit_length() > MAX_INT_BITS + 1
+    return op is operator.pow and b > 0 and abs(a) > 1 and b * math.log2(abs(a)) > MAX_INT_BITS
 
 
 def _evaluate(node):
     """The value of a whitelisted node; a refusal is a ValueError."""
     if isinstance(node, ast.Constant):
-        if type(node.value) in (int, float):
-            return node.value
-        raise ValueError(f"unsupported literal {node.value!r}")
+        if type(node.value) not in (int, float):
+            raise ValueError(f"unsupported literal {node.value!r}")
+        return node.value
     if isinstance(node, (ast.BinOp, ast.UnaryOp)) and type(node.op) in _OPERATORS:
         op = _OPERATORS[type(node.op)]
         args = [node.left, node.right] if isinstance(node, ast.BinOp) else [node.operand]
     elif isinstance(node, (ast.Name, ast.Attribute, ast.Call)):
         # `sqrt` and `math.sqrt` both name the whitelisted function; no other attribute exists.
-        name = ast.unparse(node.func if isinstance(node, ast.Call) else node)
-        name = name.removeprefix("math.")
+        call = isinstance(node, ast.Call)
+        name = ast.unparse(node.func if call else node).removeprefix("math.")
         if "." in name:
             raise ValueError("attribute access is not allowed")
-        if not isinstance(node, ast.Call):
-            if name not in _CONSTANTS:
-                raise ValueError(f"unknown name '{name}'")
+        if name not in (_FUNCTIONS if call else _CONSTANTS):
+            raise ValueError(f"unknown {'function' if call else 'name'} '{name}'")
+        if not call:
             return _CONSTANTS[name]
-        if name not in _FUNCTIONS:
-            raise ValueError(f"unknown function '{name}'")
         if node.keywords or any(isinstance(a, ast.Starred) for a in node.args):
             raise ValueError(f"{name}() takes plain positional arguments only")
         op, args = _FUNCTIONS[name], node.args
@@ -1057,109 +955,3 @@ def calculate(expression: str) -> str:
         return "Error: expression nested too deeply"
     except Exception as e:  # a refusal, ZeroDivisionError, math domain errors, bad arity ...
         return f"Error: {e}"
-
-
-# ==== ToolBench's answer judge: an LLM at an OpenAI-compatible endpoint =========================
-
-class LLMError(RuntimeError):
-    pass
-
-
-class BadReply(LLMError):
-    """The endpoint answered, but not with the JSON object asked for."""
-
-
-class ChatClient:
-    """POST {OPENAI_BASE_URL}/chat/completions for a JSON object, the reply cached on disk under
-    the SHA-256 of the request (a repeated call sends nothing, a stopped run resumes)."""
-
-    def __init__(self, model_name: str, cache_dir: str | Path | None = None,
-                 retry_wait: float = 5.0):
-        self.api_key = os.environ.get("OPENAI_API_KEY")
-        if not self.api_key:
-            raise LLMError("OPENAI_API_KEY is not set: the LLM judge and the contamination "
-                           "generator need an OpenAI-compatible endpoint (OPENAI_API_KEY, and "
-                           "OPENAI_BASE_URL for a server other than api.openai.com)")
-        base = os.environ.get("OPENAI_BASE_URL") or "https://api.openai.com/v1"
-        self.url = base.rstrip("/") + "/chat/completions"
-        self.model, self.retry_wait, self.requests_made = model_name, retry_wait, 0
-        self.cache_dir = Path(cache_dir) if cache_dir else model.cache_root() / "llm"
-
-    def chat_json(self, messages: list[dict], check=None, max_tokens: int = 512
-                  ) -> tuple[dict, str]:
-        """(JSON object, raw reply) at temperature 0. A reply that is no JSON object or that
-        `check(obj)` rejects (ValueError) is a BadReply, not cached; a 429, a 5xx or a
-        connection error is retried once."""
-        body = {"model": self.model, "messages": messages, "temperature": 0.0,
-                "max_tokens": max_tokens, "response_format": {"type": "json_object"}}
-        digest = hashlib.sha256(json.dumps(body, sort_keys=True, ensure_ascii=False)
-                                .encode("utf-8")).hexdigest()
-        path = self.cache_dir / digest[:2] / f"{digest}.json"
-        try:            # an unreadable entry, or one `check` rejects, is asked again
-            raw = json.loads(path.read_text(encoding="utf-8"))["reply"]
-            return _checked_json(raw, check), raw
-        except (OSError, ValueError, KeyError, TypeError):
-            pass
-        for attempt in (1, 2):
-            self.requests_made += 1
-            try:
-                r = requests.post(self.url, json=body, timeout=120,
-                                  headers={"Authorization": f"Bearer {self.api_key}"})
-                problem = f"HTTP {r.status_code}"
-                if r.status_code != 429 and r.status_code < 500:
-                    break
-            except (requests.ConnectionError, requests.Timeout) as e:
-                problem = f"connection error: {e}"
-            if attempt == 1:
-                time.sleep(self.retry_wait)
-        else:
-            raise LLMError(f"{self.url}: giving up after 2 attempts ({problem})")
-        if r.status_code != 200:
-            raise LLMError(f"{self.url} answered {problem}: {r.text[:300]}" + (
-                " (the key in OPENAI_API_KEY was rejected)" if r.status_code == 401 else ""))
-        try:
-            raw = r.json()["choices"][0]["message"]["content"]
-            obj = _checked_json(raw, check)
-        except (ValueError, KeyError, IndexError, TypeError) as e:
-            raise BadReply(f"{self.model} replied with an unusable answer ({e}): "
-                           f"{r.text[:300]!r}") from e
-        model.write_atomic(path, json.dumps({"request": body, "reply": raw},
-                                            ensure_ascii=False).encode("utf-8"))
-        return obj, raw
-
-
-def _checked_json(raw: str, check) -> dict:
-    text = raw.strip()
-    if text.startswith("```"):      # tolerate a fenced reply from servers without JSON mode
-        text = re.sub(r"^```[A-Za-z]*\s*|\s*```$", "", text)
-    obj = json.loads(text)
-    if not isinstance(obj, dict):
-        raise ValueError("the reply is not a JSON object")
-    if check is not None:
-        check(obj)
-    return obj
-
-
-ANSWER_JUDGE_SYSTEM = """\
-You grade the final answer of a tool-using assistant against a reference answer.
-The reference was written from the tool outputs recorded when the task was collected; judge the
-answer against the reference's key facts - named entities, numbers, dates and stated relations -
-not against your own knowledge. Wording, order and formatting differences do not matter.
-Labels:
-- "yes": the answer captures most of the reference's key facts.
-- "partial": it captures some key facts, with minor omissions or local errors.
-- "no": a refusal, an empty or off-topic answer, or most key facts missing or wrong.
-Reply with a JSON object only: {"label": "yes" | "partial" | "no", "reason": "<one sentence>"}"""
-ANSWER_LABELS = {"yes": 1.0, "partial": 0.5, "no": 0.0}
-
-
-def judge_answer(client: ChatClient, task: str, reference: str, answer: str) -> float:
-    """yes 1.0 / partial 0.5 / no 0.0 for `answer` against `reference` (temperature 0)."""
-    def check(obj):
-        if obj.get("label") not in ANSWER_LABELS:
-            raise ValueError(f"label must be one of {', '.join(ANSWER_LABELS)}")
-    user = (f"Task:\n{task.strip()}\n\nReference answer:\n{reference.strip()}\n\n"
-            f"Assistant's final answer:\n{answer.strip()}")
-    obj, _ = client.chat_json([{"role": "system", "content": ANSWER_JUDGE_SYSTEM},
-                               {"role": "user", "content": user}], check=check)
-    return ANSWER_LABELS[obj["label"]]

@@ -30,6 +30,7 @@ import grpo
 import model
 import pair
 import probes
+from lab import toolbench
 from probes import play, rollout, Step, Trajectory
 
 
@@ -465,7 +466,7 @@ def turn_loss(logp, logp_old, logp_ref, adv, turn, weight, clip: tuple[float, fl
     return loss, sums
 
 
-def judge_step(client: envs.ChatClient, messages: list[dict]) -> float:
+def judge_step(client: toolbench.ChatClient, messages: list[dict]) -> float:
     """The LLM-as-a-judge step reward in [0, 1]: (score - 1) / 9 for a 1-10 judgment of the last
     message of `messages` (METHOD.md §2 chat: task first, the assistant turn to rate last)."""
     if len(messages) < 2 or messages[-1]["role"] != "assistant":
@@ -535,7 +536,7 @@ def preset(args, given) -> None:
 def setup(args, policy, tok, procs, log, ctx) -> None:
     if args.reward == "llm_judge":
         try:
-            ctx.judge = envs.ChatClient(args.judge_model)
+            ctx.judge = toolbench.ChatClient(args.judge_model)
         except envs.LLMError as e:
             raise SystemExit(f"--reward llm_judge: {e}") from e
     if args.reward in TREE_SEARCH:

@@ -20,6 +20,7 @@ from pathlib import Path
 
 import envs
 import model
+from lab import toolbench
 
 
 def matched_record(episode_id: str, turn_idx: int, label: bool, kind, indices: list[int],
@@ -238,7 +239,7 @@ def contaminated_turn(message: dict, kind: str, reply: dict) -> dict:
     return new
 
 
-def contaminate_record(client: envs.ChatClient, key: str, record: dict, seed: int
+def contaminate_record(client: toolbench.ChatClient, key: str, record: dict, seed: int
                        ) -> tuple[dict | None, str]:
     """(contaminated record, "ok") or (None, why it was left out)."""
     dialog = record["dialogs"]
@@ -262,7 +263,7 @@ def contaminate_record(client: envs.ChatClient, key: str, record: dict, seed: in
     try:
         reply, raw = client.chat_json(contamination_messages(record, idx, kind), check=check,
                                       max_tokens=1024)
-    except envs.BadReply as e:  # one call per turn (paper): a bad reply leaves the episode out
+    except toolbench.BadReply as e:  # one call per turn (paper): a bad reply leaves the episode out
         print(f"episode {key}: {e}", file=sys.stderr)
         return None, "bad_reply"
     turn = contaminated_turn(dialog[idx], kind, reply)
@@ -277,8 +278,8 @@ def contaminate_record(client: envs.ChatClient, key: str, record: dict, seed: in
     return out, "ok"
 
 
-def contaminate_file(data: str | Path, out: str | Path, client: envs.ChatClient, seed: int = 42,
-                     min_turns: int = 3, max_turns: int = 8) -> dict[str, int]:
+def contaminate_file(data: str | Path, out: str | Path, client: toolbench.ChatClient,
+                     seed: int = 42, min_turns: int = 3, max_turns: int = 8) -> dict[str, int]:
     """Contaminate every episode of an episode file whose assistant-turn count T lies in
     [min_turns, max_turns] (the paper's filters); write the released schema atomically."""
     if min_turns < 2:
@@ -538,7 +539,7 @@ def nearest(cache: envs.ReplayCache, name: str, arguments) -> str | None:
     return cache.serve(best) if best is not None else None
 
 
-class FuzzyToolBenchEpisode(envs.ToolBenchEpisode):
+class FuzzyToolBenchEpisode(toolbench.ToolBenchEpisode):
     """ToolBench replay whose cache misses fall back to the nearest recorded call."""
 
     def call_tool(self, name: str, arguments: dict) -> str:
@@ -643,7 +644,7 @@ def _run(args):
     if args.command == "download":
         print(download(args.family, args.data_dir, args.ref, args.force))
     elif args.command == "contaminate":
-        client = envs.ChatClient(args.model, cache_dir=args.cache_dir)
+        client = toolbench.ChatClient(args.model, cache_dir=args.cache_dir)
         counts = contaminate_file(args.data, args.out, client, args.seed, args.min_turns,
                                   args.max_turns)
         print(json.dumps({"out": args.out, "counts": counts,
@@ -657,7 +658,7 @@ def _run(args):
         if args.family == "gta":
             env = envs.make("gta", args.split, args.data_dir, match=args.match)
         else:
-            env = envs.make("toolbench", args.split, args.data_dir, judge_model=args.judge_model)
+            env = toolbench.ToolBenchEnv(args.split, args.data_dir, judge_model=args.judge_model)
         score = args.family == "gta" or args.judge_model is not None
         print(json.dumps(replay_report(env, args.match, score)))
 

@@ -13,12 +13,12 @@ the fly and refitted during a run (lab/onpolicy.py), the run lock (lab/runs.py),
 directory (lab/study.py), and several processes under torchrun (lab/torchrun.py).
 """
 import grpo
-from lab import baselines, credit, onpolicy, runs, shop, split, study, torchrun
+from lab import baselines, credit, onpolicy, runs, shop, split, study, toolbench, torchrun
 
 
 def plug_in() -> None:
     """The lab into grpo.py, once (calling it again changes nothing)."""
-    for module in (baselines, credit, onpolicy, runs, shop, split, study, torchrun):
+    for module in (baselines, credit, onpolicy, runs, shop, split, study, toolbench, torchrun):
         module.register()
     grpo.PROG = "python -m lab.train"
 

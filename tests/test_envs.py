@@ -2,8 +2,8 @@
 scoring, the loaders, and the OpenAI-compatible client (judge, contamination) against a local fake
 server."""
 import functools
-import os
 import json
+import os
 import random
 import re
 import shutil
@@ -17,8 +17,7 @@ import pytest
 
 import envs
 from envs import Action, Final, ParseError
-from lab import baselines
-from lab import data as lab_data
+from lab import baselines, data as lab_data, toolbench
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -128,11 +127,10 @@ def test_render_format_and_parse_roundtrip_on_released_turns(release_dir):
                 parsed = envs.parse_react(envs.render_assistant(m))
                 if call is None:
                     assert parsed == Final(thought, final)
-                elif call["name"] == envs.written_tool_name(call):
+                elif "\n" not in call["name"]:
                     assert parsed == Action(thought, call["name"], call["arguments"])
                 else:       # the 54 ToolLLaMA name artifacts: the tool name is recovered
                     assert isinstance(parsed, Action)
-                    assert parsed.name == envs.written_tool_name(call)
                     assert parsed.name in call["name"] and "\n" not in parsed.name
                 n += 1
     assert n > 10000
@@ -317,9 +315,9 @@ def test_calculator_rejects(expr, message):
 
 
 HOSTILE = ["round(1, -10**8)", "round(1, -10**7)", "round(2**3999, -10**8)", "round(1.5, -10**8)",
-           "round(1, 10**8)", "round(1, -2**3999)", "2**3999 * 2**3999", "lcm(*[1])",
-           "lcm(2**3999 - 1, 2**3998 - 1, 2**3997 - 1, 2**3996 - 1)", "factorial(1000)",
-           "comb(1000, 500) * comb(1000, 500)", "pow(3, 2**3999)", "(-1) ** (2**3999)"]
+           "round(1, 10**8)", "round(1, -2**3999)", "2**3999 * 2**3999", "gcd(*[1])",
+           "gcd(2**3999 - 1, 2**3998 - 1)", "factorial(1000)", "factorial(1000) * factorial(1000)",
+           "pow(3, 2**3999)", "(-1) ** (2**3999)"]
 
 
 def test_calculator_bounds_every_operation_before_running_it():
@@ -379,7 +377,7 @@ def test_toolbench_cache_repeats_and_fuzzy_fallback():
     rec = _toolbench_record(["rain", "sun"])
     rec["dialogs"].insert(5, dict(rec["dialogs"][1]))          # the day-0 call again ...
     rec["dialogs"].insert(6, {"role": "tool", "name": "weather_for_api", "content": "retry"})
-    exact = envs.ToolBenchEpisode("x", rec)
+    exact = toolbench.ToolBenchEpisode("x", rec)
     call = envs.render_action(None, "weather_for_api", {"day": 0, "city": "Paris"})
     assert exact.step(call).observation == "Observation: rain"      # key order does not matter
     assert exact.step(call).observation == "Observation: retry"     # ... replayed in order
@@ -394,24 +392,24 @@ def test_toolbench_cache_repeats_and_fuzzy_fallback():
 
 def test_toolbench_history_cap_elides_oldest_observations():
     rec = _toolbench_record(["a" * 900, "b" * 900, "c" * 900, "d" * 900, "e" * 900, "f" * 900])
-    ep = envs.ToolBenchEpisode("x", rec, history_chars=3000)
+    ep = toolbench.ToolBenchEpisode("x", rec, history_chars=3000)
     results = [ep.step(envs.render_assistant(m)) for m in rec["dialogs"] if m["role"] ==
                "assistant" and m.get("tool_calls")]
     history = ep.messages[1:]
     assert sum(len(m["content"]) for m in history) <= 3000
     obs = [m["content"] for m in history if m["role"] == "user"]
     assert obs[-1] == "Observation: " + "f" * 900                  # the newest is kept
-    assert obs[0] == envs.ELIDED_OBSERVATION and obs[-2] == "Observation: " + "e" * 900
-    kept = [o for o in obs if o != envs.ELIDED_OBSERVATION]
-    assert obs == [envs.ELIDED_OBSERVATION] * (len(obs) - len(kept)) + kept   # oldest first
+    assert obs[0] == toolbench.ELIDED_OBSERVATION and obs[-2] == "Observation: " + "e" * 900
+    kept = [o for o in obs if o != toolbench.ELIDED_OBSERVATION]
+    assert obs == [toolbench.ELIDED_OBSERVATION] * (len(obs) - len(kept)) + kept   # oldest first
     assert [m["content"] for m in history if m["role"] == "assistant"] == [
         envs.render_assistant(m) for m in rec["dialogs"] if m.get("tool_calls")]
     assert results[0].rewritten_from is None and results[-1].rewritten_from is not None
-    assert ep.messages[results[-1].rewritten_from]["content"] == envs.ELIDED_OBSERVATION
-    uncapped = envs.ToolBenchEpisode("x", rec, history_chars=None)
+    assert ep.messages[results[-1].rewritten_from]["content"] == toolbench.ELIDED_OBSERVATION
+    uncapped = toolbench.ToolBenchEpisode("x", rec, history_chars=None)
     for m in rec["dialogs"][1::2][:6]:
         assert uncapped.step(envs.render_assistant(m)).rewritten_from is None
-    assert envs.ELIDED_OBSERVATION not in [m["content"] for m in uncapped.messages]
+    assert toolbench.ELIDED_OBSERVATION not in [m["content"] for m in uncapped.messages]
 
 
 # ---- loaders -------------------------------------------------------------------------------------
@@ -514,9 +512,9 @@ def test_download_validates_and_writes_atomically(monkeypatch, tmp_path, release
 
 
 @pytest.mark.parametrize("field, value, message", [
-    ("description", 5, "'description' must be a string"),
-    ("input_type", 3, "'inputs[0].type' must be a string"),
-    ("input_description", ["a"], "'inputs[0].description' must be a string"),
+    ("description", 5, "its tools or files do not render"),
+    ("input_type", 3, "its tools or files do not render"),
+    ("input_description", ["a"], "its tools or files do not render"),
     ("gt_answer", {"whitelist": [["42"]], "blacklist": [[""]]}, "no empty group or alias"),
     ("gt_answer", {"whitelist": [[]]}, "no empty group or alias"),
     ("gt_answer", {"whitelist": [[" "]]}, "no empty group or alias")])
@@ -557,63 +555,63 @@ def test_missing_split_is_a_clear_error(tmp_path):
 # ---- the OpenAI-compatible client against a fake server on 127.0.0.1 (conftest.fake_openai)
 
 def _client(tmp_path, **kw):
-    return envs.ChatClient("judge-model", cache_dir=tmp_path / "llm", retry_wait=0.01, **kw)
+    return toolbench.ChatClient("judge-model", cache_dir=tmp_path / "llm", retry_wait=0.01, **kw)
 
 
 def test_judge_request_shape_and_cache(fake_openai, tmp_path):
     client = _client(tmp_path)
     fake_openai.reply = lambda body: {"label": "partial", "reason": "one fact missing"}
-    assert envs.judge_answer(client, "Task?", "Paris, 21 C", "Paris") == 0.5
+    assert toolbench.judge_answer(client, "Task?", "Paris, 21 C", "Paris") == 0.5
     (req,) = fake_openai.requests
     assert req["path"] == "/v1/chat/completions" and req["auth"] == "Bearer sk-test"
     body = req["body"]
     assert body["model"] == "judge-model" and body["temperature"] == 0
     assert body["response_format"] == {"type": "json_object"}
     assert [m["role"] for m in body["messages"]] == ["system", "user"]
-    assert body["messages"][0]["content"] == envs.ANSWER_JUDGE_SYSTEM
+    assert body["messages"][0]["content"] == toolbench.ANSWER_JUDGE_SYSTEM
     assert "Reference answer:\nParis, 21 C" in body["messages"][1]["content"]
     assert "Assistant's final answer:\nParis" in body["messages"][1]["content"]
     again = _client(tmp_path)                     # a new client reads the same disk cache
-    assert envs.judge_answer(again, "Task?", "Paris, 21 C", "Paris") == 0.5
+    assert toolbench.judge_answer(again, "Task?", "Paris, 21 C", "Paris") == 0.5
     assert len(fake_openai.requests) == 1 and again.requests_made == 0
     assert len(list((tmp_path / "llm").glob("*/*.json"))) == 1
-    envs.judge_answer(again, "Task?", "Paris, 21 C", "Lyon")       # other content, new request
+    toolbench.judge_answer(again, "Task?", "Paris, 21 C", "Lyon")       # other content, new request
     assert len(fake_openai.requests) == 2
 
 
 def test_client_retries_a_429_or_500_once(fake_openai, tmp_path):
     fake_openai.script = [(429, {"error": "slow down"})]
     client = _client(tmp_path)
-    assert envs.judge_answer(client, "t", "r", "a") == 1.0
+    assert toolbench.judge_answer(client, "t", "r", "a") == 1.0
     assert len(fake_openai.requests) == 2 and client.requests_made == 2
     fake_openai.script = [(500, {}), (503, {})]
     with pytest.raises(envs.LLMError, match=r"giving up after 2 attempts \(HTTP 503\)"):
-        envs.judge_answer(_client(tmp_path), "t", "r", "other")
+        toolbench.judge_answer(_client(tmp_path), "t", "r", "other")
 
 
 def test_client_401_fails_at_once(fake_openai, tmp_path):
     fake_openai.script = [(401, {"error": "bad key"})]
     with pytest.raises(envs.LLMError, match="HTTP 401.*OPENAI_API_KEY was rejected"):
-        envs.judge_answer(_client(tmp_path), "t", "r", "a")
+        toolbench.judge_answer(_client(tmp_path), "t", "r", "a")
     assert len(fake_openai.requests) == 1
 
 
 def test_bad_replies_are_rejected_and_not_cached(fake_openai, tmp_path):
     fake_openai.reply = lambda body: {"label": "maybe"}
-    with pytest.raises(envs.BadReply, match="label must be one of"):
-        envs.judge_answer(_client(tmp_path), "t", "r", "a")
+    with pytest.raises(toolbench.BadReply, match="label must be one of"):
+        toolbench.judge_answer(_client(tmp_path), "t", "r", "a")
     fake_openai.reply = lambda body: "not json"
-    with pytest.raises(envs.BadReply):
-        envs.judge_answer(_client(tmp_path), "t", "r", "a")
+    with pytest.raises(toolbench.BadReply):
+        toolbench.judge_answer(_client(tmp_path), "t", "r", "a")
     fake_openai.reply = lambda body: {"label": "no"}
-    assert envs.judge_answer(_client(tmp_path), "t", "r", "a") == 0.0
+    assert toolbench.judge_answer(_client(tmp_path), "t", "r", "a") == 0.0
     assert len(fake_openai.requests) == 3
 
 
 def test_missing_key_fails_before_any_work(monkeypatch, tmp_path):
     monkeypatch.delenv("OPENAI_API_KEY", raising=False)
     with pytest.raises(envs.LLMError, match="OPENAI_API_KEY is not set"):
-        envs.ChatClient("m")
+        toolbench.ChatClient("m")
     # the data dir does not exist: the key is checked before any load or download
     with pytest.raises(envs.LLMError, match="OPENAI_API_KEY is not set"):
         envs.make("toolbench", data_dir=tmp_path / "nowhere")
@@ -648,7 +646,7 @@ def test_step_judge(fake_openai, tmp_path):
     assert user.endswith("Latest step to rate:\nFinal Answer: 5")
     assert "Agent:\nAction: Calculator" in user and "Observation: 5" in user
     fake_openai.reply = lambda body: {"score": 11}
-    with pytest.raises(envs.BadReply):
+    with pytest.raises(toolbench.BadReply):
         baselines.judge_step(_client(tmp_path), msgs[:2])
 
 
