@@ -6,9 +6,10 @@
     python -m lab.train --reward igpo ...          # the lab's rewards, searches, torchrun
 
 One step: --batch prompts x --group G rollouts (probes.rollout), one reward per assistant turn
-and the advantages (pair.REWARDS, pair.ADVANTAGES), then update: PPO-clip + beta KL_k3 to the
-adapter-disabled model, normalized over the batch's policy tokens (DAPO / Dr. GRPO), log pi at
-the sampling temperature (T = 1 under release), one AdamW step on LoRA. Here also: the CLI and
+and the advantages (pair.REWARDS, pair.ADVANTAGES), then update: the loss (pair.grpo_loss:
+PPO-clip + beta KL_k3 to the adapter-disabled model, normalized over the batch's policy tokens as
+DAPO / Dr. GRPO), log pi at the sampling temperature (T = 1 under release), one AdamW step on
+LoRA. Here also: the CLI and
 presets, the run directory, checkpoints, evaluation, the summary. The lab (lab/) plugs in
 through PLAYERS, LOSSES and HOOKS.
 """
@@ -82,82 +83,7 @@ def shipped_probes(args, log) -> tuple[Path, dict]:
     return where, pair.read_report(where, args.reward, log)
 
 
-# --- 2. The batch: rollouts right-padded, each turn's advantage (pair.ADVANTAGES) on its tokens --
-
-@dataclass
-class Batch:                        # rollouts right-padded into rows, what the update consumes
-    ids: torch.Tensor               # (B, T) long
-    mask: torch.Tensor              # (B, T) bool: True on tokens the policy generated
-    adv: torch.Tensor               # (B, T) float32: A of the turn each policy token belongs to
-    lengths: list[int]              # real length of each row
-    turn: torch.Tensor              # (B, T) long: a policy token's turn, -1 elsewhere (AT²PO)
-    weight: torch.Tensor            # (B, T) float32: 1 / its trajectory's policy tokens (AT²PO)
-    n_seqs: int                     # trajectories with a policy token (AT²PO)
-    per_turn: torch.Tensor          # (B, T) float32: 1 / its turn's policy tokens (release)
-    n_turns: int                    # turns with a policy token (release)
-
-
-def make_batch(trajs: list[probes.Trajectory], advantages: list[list[float]], pad_id: int) -> Batch:
-    """One right-padded row per token sequence; the mask covers the generated tokens only."""
-    rows = [(traj, k) for traj in trajs for k in range(len(traj.segments))]
-    B, T = len(rows), max(len(traj.segments[k]) for traj, k in rows)
-    ids, mask = torch.full((B, T), pad_id, dtype=torch.long), torch.zeros(B, T, dtype=torch.bool)
-    adv, weight, per_turn = (torch.zeros(B, T, dtype=torch.float32) for _ in range(3))
-    turn, row_of, n_seqs, n_turns = torch.full((B, T), -1, dtype=torch.long), {}, 0, 0
-    for r, (traj, k) in enumerate(rows):
-        ids[r, :len(traj.segments[k])] = torch.tensor(traj.segments[k])
-        row_of[id(traj), k] = r
-    for traj, a in zip(trajs, advantages):
-        n = sum(len(step.tokens) for step in traj.steps)
-        n_seqs += n > 0
-        for step, a_t in zip(traj.steps, a):
-            r, (s, e) = row_of[id(traj), step.segment], step.span
-            mask[r, s:e] = True
-            adv[r, s:e] = a_t
-            turn[r, s:e] = r * T + s           # unique in the batch: one id per (row, turn)
-            weight[r, s:e] = 1.0 / n
-            per_turn[r, s:e] = 1.0 / max(e - s, 1)
-            n_turns += e > s
-    return Batch(ids, mask, adv, [len(traj.segments[k]) for traj, k in rows], turn, weight,
-                 n_seqs, per_turn, n_turns)
-
-
-# --- 3. Update: PPO-clip + k3 KL, token-normalized, AdamW on LoRA --------------------------------
-
-def grpo_loss(logp, logp_old, logp_ref, adv, eps: float, beta: float, n_tokens: float):
-    """METHOD.md §9: sum over N policy tokens (inputs (N,)) of
-    -min(rho A, clip(rho, 1-eps, 1+eps) A) + beta KL_k3, divided by n_tokens (the batch's).
-    Returns (loss, sums of KL, clip indicator, rho and the surrogate, for batch metrics)."""
-    ratio = torch.exp(logp - logp_old)                          # rho
-    clipped = torch.clamp(ratio, 1 - eps, 1 + eps)
-    pg = -torch.minimum(ratio * adv, clipped * adv)
-    d = logp_ref - logp
-    kl = torch.expm1(d) - d             # k3 estimator of KL(pi || pi_ref); expm1: exact near 0
-    loss = (pg + beta * kl).sum() / n_tokens
-    with torch.no_grad():
-        clip = ((ratio < 1 - eps) & (adv < 0)) | ((ratio > 1 + eps) & (adv > 0))
-        sums = {"kl": kl.sum().item(), "clip": clip.sum().item(),
-                "ratio": ratio.sum().item(), "pg": pg.sum().item()}
-    return loss, sums
-
-
-def release_loss(logp, logp_old, logp_ref, adv, turn_weight, eps: float, beta: float,
-                 n_turns: float):
-    """`--advantage release`: per turn, the mean over its tokens (turn_weight = 1 / its tokens)
-    of the clipped surrogate + beta (logp - logp_ref), the release's KL estimate; then the mean
-    over the batch's turns. At one epoch this is the release's REINFORCE step:
-    -(1 / n_turns) sum_turns (A mean_t grad log pi_t - beta mean_t grad(log pi_t - log pi_ref,t)).
-    The logged KL is k3, as grpo_loss's, so that the two forms compare."""
-    ratio = torch.exp(logp - logp_old)                          # rho
-    pg = -torch.minimum(ratio * adv, torch.clamp(ratio, 1 - eps, 1 + eps) * adv)
-    loss = ((pg + beta * (logp - logp_ref)) * turn_weight).sum() / n_turns
-    with torch.no_grad():
-        d = logp_ref - logp
-        clip = ((ratio < 1 - eps) & (adv < 0)) | ((ratio > 1 + eps) & (adv > 0))
-        sums = {"kl": (torch.expm1(d) - d).sum().item(), "clip": clip.sum().item(),
-                "ratio": ratio.sum().item(), "pg": pg.sum().item()}
-    return loss, sums
-
+# --- 2. Update: pair.grpo_loss (or release_loss) over micro-batches, AdamW on LoRA -------------
 
 def lr_at(step: int, args) -> float:
     """Constant lr after a linear warmup over the first `--warmup` fraction of the steps."""
@@ -179,7 +105,7 @@ def micro_batches(lengths: list[int], rows: int, tokens: int) -> list[list[int]]
     return chunks
 
 
-def update(policy, optimizer, batch: Batch, args, procs) -> dict:
+def update(policy, optimizer, batch: pair.Batch, args, procs) -> dict:
     """`--ppo-epochs` passes over the batch in micro-batches, one AdamW step each."""
     params = [p for p in policy.parameters() if p.requires_grad]
     n_tokens, n_seqs, n_turns = procs.all_sum([batch.mask[:, 1:].sum().item(),
@@ -211,11 +137,11 @@ def update(policy, optimizer, batch: Batch, args, procs) -> dict:
                 loss, s = LOSSES[args.reward](logp, old[c], ref[c], adv, batch, rows_c, T, args,
                                               (n_tokens, n_seqs))
             elif args.advantage == "release":
-                loss, s = release_loss(logp, old[c], ref[c], adv,
-                                       batch.per_turn[rows_c, 1:T][mask[:, 1:]].to(dev),
-                                       args.eps, args.beta, n_turns)
+                loss, s = pair.release_loss(logp, old[c], ref[c], adv,
+                                            batch.per_turn[rows_c, 1:T][mask[:, 1:]].to(dev),
+                                            args.eps, args.beta, n_turns)
             else:
-                loss, s = grpo_loss(logp, old[c], ref[c], adv, args.eps, args.beta, n_tokens)
+                loss, s = pair.grpo_loss(logp, old[c], ref[c], adv, args.eps, args.beta, n_tokens)
             loss.backward()
             sums = [a + b for a, b in zip(sums, (loss.item(), s["kl"], s["clip"], s["ratio"]))]
         for p in params:               # processes with fewer tokens still join the all-reduce
@@ -235,7 +161,7 @@ def update(policy, optimizer, batch: Batch, args, procs) -> dict:
             "empty_batch": 0, "skipped_updates": skipped}
 
 
-# --- 4. The training loop: rollout -> rewards -> advantages -> update, checkpoints between ------
+# --- 3. The training loop: rollout -> rewards -> advantages -> update, checkpoints between ------
 
 def prompt_index(seed: int, g: int, n: int) -> int:
     """The training episode of the g-th prompt of the run: a fresh permutation every pass."""
@@ -322,7 +248,7 @@ def train_step(step: int, run: Training) -> dict:
     trajs = [traj for group in kept for traj in group.trajs]
     advs = [a for group in kept for a in group.advantages]
     policy.train()
-    stats = update(policy, run.optimizer, make_batch(trajs, advs, run.tok.pad_id), args, procs)
+    stats = update(policy, run.optimizer, pair.make_batch(trajs, advs, run.tok.pad_id), args, procs)
     policy.eval()
     t["t_update"] = time.perf_counter() - t0
     extra = hook("trained", run, step, trajs)       # the lab's metrics of this step

@@ -1,6 +1,6 @@
 """PAIR, the Prefix-Aware Internal Reward (METHOD.md §6-7): the two-stage probe, its fit, its
-reward; then the per-turn rewards and the advantages that GRPO reads (grpo.py; the lab adds its
-own to REWARDS and ADVANTAGES).
+reward; then what GRPO makes of any per-turn reward: the rewards, the advantages, the batch and
+the loss (grpo.update runs them; the lab adds its own to REWARDS and ADVANTAGES).
     Stage 1  s_bc    = sigma(w_1 . h + b_1)            h = last-token hidden state (last_token)
     Stage 2  s_final = sigma(w_2 . [a; s_bc] + b_2)    a = multi_attn: [max, std, prefix, self] of
                                                           every head, every layer (layer-major)
@@ -10,7 +10,8 @@ stage 2 reads the raw s_bc (*departure*: the release temperature-clipped s_bc at
 As a reward (METHOD.md §7), with T = 2, eps = 0.05 and alpha = 5 (alpha = 0: vanilla PAIR):
     s~_t = clip(sigma(logit(s_final_t) / T), eps, 1-eps)
     r_1 = s~_1,   r_t = sigma(logit(s~_t) + alpha (s~_t - mean_{k<t} s~_k))
-The advantages (METHOD.md §9) normalize the rewards within a group of G rollouts of one prompt.
+The advantages (METHOD.md §9) normalize the rewards within a group of G rollouts of one prompt;
+the loss is PPO-clip + beta KL_k3 on each policy token, its turn's advantage A.
 """
 from __future__ import annotations
 
@@ -268,7 +269,7 @@ class RewardContext:                                # what the rewards need besi
     env: object = None                              # the training environment (an envs.Env)
     pair: Pair | None = None                        # reward "pair"
     probe: Probe | None = None                      # the probe of the feature set --reward names
-    judge: object = None                            # the lab's llm_judge (an envs.ChatClient)
+    judge: object = None                            # the lab's llm_judge (lab/toolbench.py)
     lagged: dict[str, torch.Tensor] | None = None   # the lab's tips: a lagged LoRA snapshot
     probe_report: dict | None = None                # the probes' AUROC on held-out own turns
     summary: dict = field(default_factory=dict)     # what the lab adds to summary.json
@@ -372,3 +373,78 @@ def release_advantages(rewards: list[list[float | None]]) -> tuple[list[list[flo
 # -> (advantages, all equal); the lab adds forms (lab/credit.py)
 ADVANTAGES = {"process": lambda rewards, scores, args: group_advantages(rewards),
               "release": lambda rewards, scores, args: release_advantages(rewards)}
+
+
+# ---- The batch and the loss (METHOD.md §9): each turn's advantage on its tokens, PPO-clip + KL
+
+@dataclass
+class Batch:                        # rollouts right-padded into rows, what the update consumes
+    ids: torch.Tensor               # (B, T) long
+    mask: torch.Tensor              # (B, T) bool: True on tokens the policy generated
+    adv: torch.Tensor               # (B, T) float32: A of the turn each policy token belongs to
+    lengths: list[int]              # real length of each row
+    turn: torch.Tensor              # (B, T) long: a policy token's turn, -1 elsewhere (AT²PO)
+    weight: torch.Tensor            # (B, T) float32: 1 / its trajectory's policy tokens (AT²PO)
+    n_seqs: int                     # trajectories with a policy token (AT²PO)
+    per_turn: torch.Tensor          # (B, T) float32: 1 / its turn's policy tokens (release)
+    n_turns: int                    # turns with a policy token (release)
+
+
+def make_batch(trajs: list[probes.Trajectory], advantages: list[list[float]], pad_id: int) -> Batch:
+    """One right-padded row per token sequence; the mask covers the generated tokens only."""
+    rows = [(traj, k) for traj in trajs for k in range(len(traj.segments))]
+    B, T = len(rows), max(len(traj.segments[k]) for traj, k in rows)
+    ids, mask = torch.full((B, T), pad_id, dtype=torch.long), torch.zeros(B, T, dtype=torch.bool)
+    adv, weight, per_turn = (torch.zeros(B, T, dtype=torch.float32) for _ in range(3))
+    turn, row_of, n_seqs, n_turns = torch.full((B, T), -1, dtype=torch.long), {}, 0, 0
+    for r, (traj, k) in enumerate(rows):
+        ids[r, :len(traj.segments[k])] = torch.tensor(traj.segments[k])
+        row_of[id(traj), k] = r
+    for traj, a in zip(trajs, advantages):
+        n = sum(len(step.tokens) for step in traj.steps)
+        n_seqs += n > 0
+        for step, a_t in zip(traj.steps, a):
+            r, (s, e) = row_of[id(traj), step.segment], step.span
+            mask[r, s:e] = True
+            adv[r, s:e] = a_t
+            turn[r, s:e] = r * T + s           # unique in the batch: one id per (row, turn)
+            weight[r, s:e] = 1.0 / n
+            per_turn[r, s:e] = 1.0 / max(e - s, 1)
+            n_turns += e > s
+    return Batch(ids, mask, adv, [len(traj.segments[k]) for traj, k in rows], turn, weight,
+                 n_seqs, per_turn, n_turns)
+
+
+def grpo_loss(logp, logp_old, logp_ref, adv, eps: float, beta: float, n_tokens: float):
+    """METHOD.md §9: sum over N policy tokens (inputs (N,)) of
+    -min(rho A, clip(rho, 1-eps, 1+eps) A) + beta KL_k3, divided by n_tokens (the batch's).
+    Returns (loss, sums of KL, clip indicator, rho and the surrogate, for batch metrics)."""
+    ratio = torch.exp(logp - logp_old)                          # rho
+    clipped = torch.clamp(ratio, 1 - eps, 1 + eps)
+    pg = -torch.minimum(ratio * adv, clipped * adv)
+    d = logp_ref - logp
+    kl = torch.expm1(d) - d             # k3 estimator of KL(pi || pi_ref); expm1: exact near 0
+    loss = (pg + beta * kl).sum() / n_tokens
+    with torch.no_grad():
+        clip = ((ratio < 1 - eps) & (adv < 0)) | ((ratio > 1 + eps) & (adv > 0))
+        sums = {"kl": kl.sum().item(), "clip": clip.sum().item(),
+                "ratio": ratio.sum().item(), "pg": pg.sum().item()}
+    return loss, sums
+
+
+def release_loss(logp, logp_old, logp_ref, adv, turn_weight, eps: float, beta: float,
+                 n_turns: float):
+    """`--advantage release`: per turn, the mean over its tokens (turn_weight = 1 / its tokens)
+    of the clipped surrogate + beta (logp - logp_ref), the release's KL estimate; then the mean
+    over the batch's turns. At one epoch this is the release's REINFORCE step:
+    -(1 / n_turns) sum_turns (A mean_t grad log pi_t - beta mean_t grad(log pi_t - log pi_ref,t)).
+    The logged KL is k3, as grpo_loss's, so that the two forms compare."""
+    ratio = torch.exp(logp - logp_old)                          # rho
+    pg = -torch.minimum(ratio * adv, torch.clamp(ratio, 1 - eps, 1 + eps) * adv)
+    loss = ((pg + beta * (logp - logp_ref)) * turn_weight).sum() / n_turns
+    with torch.no_grad():
+        d = logp_ref - logp
+        clip = ((ratio < 1 - eps) & (adv < 0)) | ((ratio > 1 + eps) & (adv > 0))
+        sums = {"kl": (torch.expm1(d) - d).sum().item(), "clip": clip.sum().item(),
+                "ratio": ratio.sum().item(), "pg": pg.sum().item()}
+    return loss, sums

@@ -203,7 +203,7 @@ def test_release_loss_is_the_release_reinforce_step():
     logp = torch.nn.functional.logsigmoid(theta)         # any differentiable log-probabilities
     adv = torch.cat([a.repeat(n) for a, n in zip(A, turns)])
     w = torch.cat([torch.full((n,), 1.0 / n, dtype=torch.float64) for n in turns])
-    loss, _ = grpo.release_loss(logp, logp.detach(), ref, adv, w, eps, beta, len(turns))
+    loss, _ = pair.release_loss(logp, logp.detach(), ref, adv, w, eps, beta, len(turns))
     (ours,) = torch.autograd.grad(loss, theta)
     logp = torch.nn.functional.logsigmoid(theta)
     theirs, at = 0.0, 0
@@ -245,7 +245,7 @@ def test_loss_and_gradient_match_direct_computation():
     logp_old = logp.detach() + 0.3 * torch.randn(N, generator=g, dtype=torch.float64)
     logp_ref = logp.detach() + 0.2 * torch.randn(N, generator=g, dtype=torch.float64)
     adv = torch.randn(N, generator=g, dtype=torch.float64)
-    loss, sums = grpo.grpo_loss(logp, logp_old, logp_ref, adv, eps, beta, n_tokens)
+    loss, sums = pair.grpo_loss(logp, logp_old, logp_ref, adv, eps, beta, n_tokens)
     loss.backward()
 
     total, grad, clipped, kl = 0.0, [], 0, 0.0
@@ -364,7 +364,7 @@ def test_rollout_refills_the_cache_when_the_environment_rewrites_history(tiny_po
     last = traj.steps[-1]
     tf = traces.trace_forward(policy, second[:last.span[1]], last.span)
     torch.testing.assert_close(last.trace.h_last, tf.h_last, atol=1e-4, rtol=1e-4)
-    batch = grpo.make_batch([traj], [[1.0, 2.0, 3.0]], tok.pad_id)
+    batch = pair.make_batch([traj], [[1.0, 2.0, 3.0]], tok.pad_id)
     assert batch.ids.shape[0] == 2 and batch.mask.sum() == sum(len(s.tokens) for s in traj.steps)
     assert batch.adv[1][batch.mask[1]].unique().tolist() == [3.0]
 
@@ -393,7 +393,7 @@ def test_batch_masks_exactly_the_generated_tokens_eos_included():
     traj = probes.Trajectory(ep, segments=[[7, 7, 7, 1, 2, 99, 7, 7, 3, 99, 7]])
     for (s, e) in ((3, 6), (8, 10)):
         traj.steps.append(probes.Step(traj.segments[0][s:e], 0, (s, e), "", None, None))
-    batch = grpo.make_batch([traj], [[0.5, -1.0]], pad_id=0)
+    batch = pair.make_batch([traj], [[0.5, -1.0]], pad_id=0)
     assert batch.mask[0].tolist() == [False] * 3 + [True] * 3 + [False] * 2 + [True] * 2 + [False]
     assert batch.adv[0].tolist() == [0, 0, 0, .5, .5, .5, 0, 0, -1, -1, 0]
 
@@ -408,7 +408,7 @@ def test_first_update_has_zero_kl_and_unit_ratio(tiny_policy):
     trajs = probes.rollout(policy, tok, [env.episode(1) for _ in range(3)], play_args(),
                            generator=torch.Generator().manual_seed(0))
     adv = [[float(i + t) for t in range(len(tr.steps))] for i, tr in enumerate(trajs)]
-    batch = grpo.make_batch(trajs, adv, tok.pad_id)
+    batch = pair.make_batch(trajs, adv, tok.pad_id)
     opt = torch.optim.AdamW([p for _, p in mdl.lora_parameters(policy)], lr=1e-2)
     policy.train()
     stats = grpo.update(policy, opt, batch, args, grpo.Processes())
@@ -1651,7 +1651,7 @@ def test_interval95_by_hand_and_where_it_holds_the_seeds():
 def test_oversample_keeps_the_first_groups_with_something_to_say(tiny_policy, tmp_path,
                                                                  monkeypatch):
     # prompts whose training-pool index is odd get varied rewards, the others all-equal ones
-    real_rewards, real_batch = pair.turn_rewards, grpo.make_batch
+    real_rewards, real_batch = pair.turn_rewards, pair.make_batch
     counter, kept = iter(range(10**6)), []
 
     def rewards(traj, ctx):
