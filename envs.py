@@ -730,6 +730,35 @@ def make(family: str, split: str = "test", data_dir=None, **kw) -> Env:
     return REPLAYS[family](split, data_dir, **kw)
 
 
+def make_env(args, split: str, evaluation: bool = False):
+    """The `--env` environment of one split. GTA answers are matched as the paper does: strictly
+    (an alias must stand alone) for the training reward, loosely (a substring) in evaluation."""
+    if args.env in WORLDS:
+        return ShopEnv(split, world=args.env)
+    kw = {"match": "loose" if evaluation else "strict"} if args.env == "gta" else {}
+    return make(args.env, split=split, data_dir=args.data_dir, **kw)
+
+
+def scorable(env) -> list[int]:
+    """Indices of the episodes that can be scored (GTA skips some, METHOD.md §10; shop none)."""
+    if isinstance(env, ShopEnv):
+        return list(range(len(env)))
+    return [i for i in range(len(env)) if env.episode(i).skip_reason is None]
+
+
+def eval_splits(args, train_env, train_pool) -> tuple[dict, list[int]]:
+    """{"val": (env, pool), "test": (env, pool)} and the training pool left: a built-in world
+    has a validation split, a replay sets aside its last --val-episodes training episodes."""
+    test = make_env(args, "test", evaluation=True)
+    if args.env in WORLDS:
+        val = make_env(args, "val", evaluation=True)
+        return {"val": (val, scorable(val)), "test": (test, scorable(test))}, train_pool
+    k = min(args.val_episodes or max(1, len(train_pool) // 10), len(train_pool) // 2)
+    val = make_env(args, "train", evaluation=True)
+    return ({"val": (val, train_pool[len(train_pool) - k:]), "test": (test, scorable(test))},
+            train_pool[:len(train_pool) - k])
+
+
 # ==== Released data (METHOD.md §1): the episode files, downloaded and validated ===================
 
 RELEASE_REPO = "wonjoong-kim/PAIR"

@@ -331,8 +331,8 @@ def setup(args) -> Training:
     procs.barrier()     # every process reads OUT as it was before any of them writes
     log = print if procs.main else (lambda *a, **k: None)
     policy, tok = load_policy(args, procs)
-    env = make_env(args, "train")
-    held, pool = eval_splits(args, env, scorable(env))
+    env = envs.make_env(args, "train")
+    held, pool = envs.eval_splits(args, env, envs.scorable(env))
     if not pool or not all(p for _, p in held.values()):
         raise SystemExit(f"--env {args.env}: no scorable episode in a split")
     # a turn that might not fit ends a rollout: with no room for the first, a run learns nothing
@@ -501,9 +501,8 @@ def finite(low=-math.inf):
         "a finite number" + (f" >= {low}" if low > -math.inf else "")
 
 
-# more threads than cores only slows a run down, and a huge count crashes torch's thread pool
-THREADS = (lambda v: 1 <= v <= (os.cpu_count() or 1)), \
-    f"between 1 and this machine's {os.cpu_count() or 1} cores"
+CORES = os.cpu_count() or 1         # more threads only slow a run down (a huge count crashes)
+THREADS = (lambda v: 1 <= v <= CORES), f"between 1 and this machine's {CORES} cores"
 FLAG_RANGES = {     # every numeric flag's range, checked before anything is loaded
     **dict.fromkeys(("steps", "batch", "group", "max_turns", "max_new_tokens", "max_len",
                      "ppo_epochs", "micro_batch", "lora_r", "micro_batch_tokens", "save_every",
@@ -796,20 +795,17 @@ def append_jsonl(path: Path, record: dict):
 def read_jsonl(path: Path) -> list[dict]:
     """metrics.jsonl or eval.jsonl: a JSON object with an integer "step" a line. A last line
     cut short by a kill is dropped (redone on resume); any other broken line is an error."""
-    lines = [line for line in path.read_text().splitlines() if line.strip()] \
-        if path.exists() else []
+    lines = path.read_text().splitlines() if path.exists() else []
     records = []
     for k, line in enumerate(lines):
         try:
-            record = json.loads(line)
+            records.append(record := json.loads(line))
         except json.JSONDecodeError as e:
-            if k == len(lines) - 1:
-                break
-            raise SystemExit(f"{path}: line {k + 1} is not JSON ({e}); the log is damaged") \
-                from e
+            if k < len(lines) - 1 and line.strip():
+                raise SystemExit(f"{path}: line {k + 1} is not JSON ({e}); the log is damaged")
+            continue
         if not isinstance(record, dict) or type(record.get("step")) is not int:
             raise SystemExit(f"{path}: line {k + 1} is not a step's record; the log is damaged")
-        records.append(record)
     return records
 
 
@@ -905,35 +901,6 @@ def optimizer_from_tensors(optimizer, tensors: dict, meta: dict):
         idx, k = key.split(".", 1)
         state.setdefault(int(idx), {})[k] = v
     optimizer.load_state_dict({"state": state, "param_groups": meta["param_groups"]})
-
-
-def make_env(args, split: str, evaluation: bool = False):
-    """The `--env` environment of one split. GTA answers are matched as the paper does: strictly
-    (an alias must stand alone) for the training reward, loosely (a substring) in evaluation."""
-    if args.env in envs.WORLDS:
-        return envs.ShopEnv(split, world=args.env)
-    kw = {"match": "loose" if evaluation else "strict"} if args.env == "gta" else {}
-    return envs.make(args.env, split=split, data_dir=args.data_dir, **kw)
-
-
-def scorable(env) -> list[int]:
-    """Indices of the episodes that can be scored (GTA skips some, METHOD.md §10; shop none)."""
-    if isinstance(env, envs.ShopEnv):
-        return list(range(len(env)))
-    return [i for i in range(len(env)) if env.episode(i).skip_reason is None]
-
-
-def eval_splits(args, train_env, train_pool) -> tuple[dict, list[int]]:
-    """{"val": (env, pool), "test": (env, pool)} and the training pool left: a built-in world
-    has a validation split, a replay sets aside its last --val-episodes training episodes."""
-    test = make_env(args, "test", evaluation=True)
-    if args.env in envs.WORLDS:
-        val = make_env(args, "val", evaluation=True)
-        return {"val": (val, scorable(val)), "test": (test, scorable(test))}, train_pool
-    k = min(args.val_episodes or max(1, len(train_pool) // 10), len(train_pool) // 2)
-    val = make_env(args, "train", evaluation=True)
-    return ({"val": (val, train_pool[len(train_pool) - k:]), "test": (test, scorable(test))},
-            train_pool[:len(train_pool) - k])
 
 
 def evaluate(policy, tok, env, pool, n: int, args, procs, name: str = "held-out") -> dict:

@@ -922,7 +922,7 @@ def test_gta_answers_match_strictly_in_training_and_loosely_in_evaluation(releas
     args = argparse.Namespace(env="gta", data_dir=release_dir)
     scores = {}
     for split, evaluation in (("train", False), ("train", True), ("test", True)):
-        ep = grpo.make_env(args, split, evaluation).episode(0)
+        ep = envs.make_env(args, split, evaluation).episode(0)
         ep.gt_answer = {"whitelist": [["1919.96"]], "blacklist": None}  # GTA test episode 1
         assert ep.skip_reason is None
         ep.step("Final Answer: 1919.96s")           # "s" touches the alias: strict says no
