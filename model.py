@@ -1,17 +1,14 @@
-"""A hand-written Qwen2-family decoder that reports its own hidden states and attention statistics,
-and what it needs around it: checkpoint loading (a directory or a Hub name), a tokenizer,
-generation, LoRA, layers split across devices.
+"""The policy: a hand-written Qwen2-family decoder that reports its own hidden states and attention
+statistics. Here: the config and checkpoint loading (a directory or a Hub name), the transformer
+with its KV cache, the decoding step (compiled where it pays), the tokenizer and chat template,
+the update's log-probabilities, LoRA in PEFT's layout, and file helpers.
 
-PAIR reads its reward from the policy's internals (METHOD.md §4). Each decoding step returns,
-besides the logits, the L+1 hidden states (Hugging Face's convention) and, per layer and query
-head, the six statistics of its softmax row over the causal keys (STATS; equations in stats_from).
-`TurnStats` sums them over a turn and its `TurnTrace` holds their means: no second forward pass.
-Departure from the authors' release: std is over the i+1 causal keys of row i, not the padded row.
-
-Masks come from explicit positions: key slot j is visible to the query at position p iff j <= p
-(and p - j < window). The KV cache is indexed by absolute position, so rows append ragged blocks,
-each at its own offset; a pad sits past its row's real tokens, invisible until the row's next
-real token overwrites it.
+PAIR reads its reward from the policy's internals (METHOD.md §4): each decoding step returns,
+besides the logits, the L+1 hidden states and per layer and head the six statistics of its
+softmax row (STATS, stats_from). Departure from the authors' release: std is over the i+1 causal
+keys of row i, not the padded row. Masks come from positions: key slot j is visible to the query
+at position p iff j <= p (and p - j < window); the cache is indexed by absolute position, so a
+pad past a row's real tokens stays invisible until the row's next token overwrites it.
 """
 import contextlib
 import hashlib
@@ -50,11 +47,9 @@ ARCHITECTURES = {"qwen2": "Qwen2ForCausalLM", "llama": "LlamaForCausalLM",
 # transformers < 5 saves only the keys that differ from its class defaults; these differ from ours
 ARCH_DEFAULTS = {"Qwen2ForCausalLM": {"max_window_layers": 28},
                  "MistralForCausalLM": {"sliding_window": 4096}}
-# (key, may be absent): positive integers
-SIZES = (("vocab_size", False), ("hidden_size", False), ("intermediate_size", False),
-         ("num_hidden_layers", False), ("num_attention_heads", False),
-         ("num_key_value_heads", True), ("head_dim", True), ("max_position_embeddings", False),
-         ("sliding_window", True))
+SIZES = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+         "num_attention_heads", "num_key_value_heads", "head_dim", "max_position_embeddings",
+         "sliding_window")      # positive integers
 INDEX = "model.safetensors.index.json"
 
 
@@ -64,7 +59,8 @@ class CheckpointError(Exception):
 
 @dataclass
 class Config:
-    """The config.json of a checkpoint; field names are its keys, unknown keys are dropped."""
+    """The config.json of a checkpoint; field names are its keys, unknown keys are dropped, a
+    field whose default is None may be null."""
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -109,44 +105,39 @@ class Config:
         return cfg
 
     def validate(self):
-        """What would break the build or run wrong silently, checked in order (each check may read
-        the ones before): a config.json is input."""
-        def token_ids(v):               # (an eos never drawn would never stop)
-            return v is None or all(type(i) is int and 0 <= i < self.vocab_size
-                                    for i in (v if isinstance(v, list) else [v]))
+        """What would break the build or run wrong silently, checked in order (a check may read
+        the keys checked before it): a config.json is input."""
+        def number(v, below=math.inf):
+            return type(v) in (int, float) and 0 < v < below
 
-        def rope(v):                    # only default RoPE
-            return v is None or isinstance(v, dict) and theta(v.get("rope_theta")) and \
-                v.get("rope_type", v.get("type", "default")) == "default"
-
-        def theta(v):
-            return v is None or type(v) in (int, float) and 0 < v < math.inf
-
-        n_layers = self.num_hidden_layers
-        checks = [  # (key, test of its value, what it must be)
-            *((key, lambda v, opt=opt: v is None and opt or type(v) is int and v >= 1,
-               "a positive integer") for key, opt in SIZES),
-            ("max_window_layers", lambda v: type(v) is int and v >= 0, "an integer >= 0"),
-            *((key, token_ids, f"a token id below vocab_size {self.vocab_size} (or, for "
-               "eos_token_id, a list of them)") for key in ("bos_token_id", "pad_token_id",
-                                                            "eos_token_id")),
-            *((key, lambda v: isinstance(v, bool), "true or false") for key in (
-                "tie_word_embeddings", "attention_bias", "mlp_bias", "use_sliding_window")),
-            ("rms_norm_eps", lambda v: type(v) in (int, float) and 0 < v < 1,
-             "a number between 0 and 1"),
-            ("rope_theta", theta, "a positive number"),
-            *((key, rope, "a JSON object of default RoPE with a positive rope_theta")
-              for key in ("rope_parameters", "rope_scaling")),
-            ("hidden_act", lambda v: v == "silu", "silu (the only activation here)"),
-            ("layer_types", lambda v: v is None or isinstance(v, list) and len(v) == n_layers
-             and all(isinstance(t, str) for t in v), f"a list of {n_layers} names"),
-            ("hidden_size", lambda v: self.head_dim or v % self.num_attention_heads == 0,
+        n, vocab = self.num_hidden_layers, self.vocab_size
+        checks = [  # (keys, test of a value, what it must be)
+            (SIZES, lambda v: type(v) is int and v >= 1, "a positive integer"),
+            (("max_window_layers",), lambda v: type(v) is int and v >= 0, "an integer >= 0"),
+            (("bos_token_id", "pad_token_id", "eos_token_id"),   # an eos never drawn never stops
+             lambda v: all(type(i) is int and 0 <= i < vocab
+                           for i in (v if isinstance(v, list) else [v])),
+             f"a token id below vocab_size {vocab} (or, for eos_token_id, a list of them)"),
+            (("tie_word_embeddings", "attention_bias", "mlp_bias", "use_sliding_window"),
+             lambda v: isinstance(v, bool), "true or false"),
+            (("rms_norm_eps",), lambda v: number(v, 1), "a number between 0 and 1"),
+            (("rope_theta",), number, "a positive number"),
+            (("rope_parameters", "rope_scaling"), lambda v: isinstance(v, dict)
+             and (v.get("rope_theta") is None or number(v["rope_theta"]))
+             and v.get("rope_type", v.get("type", "default")) == "default",
+             "a JSON object of default RoPE with a positive rope_theta"),
+            (("hidden_act",), lambda v: v == "silu", "silu (the only activation here)"),
+            (("layer_types",), lambda v: isinstance(v, list) and len(v) == n
+             and all(isinstance(t, str) for t in v), f"a list of {n} names"),
+            (("hidden_size",), lambda v: self.head_dim or v % self.num_attention_heads == 0,
              "a multiple of num_attention_heads (or head_dim given)"),
-            ("num_attention_heads", lambda v: v % self.n_kv_heads == 0,
+            (("num_attention_heads",), lambda v: v % self.n_kv_heads == 0,
              "a multiple of num_key_value_heads")]
-        for key, ok, want in checks:
-            if not ok(v := getattr(self, key)):
-                raise ValueError(f"{key} must be {want}, got {v!r}")
+        nullable = {f.name for f in fields(self) if f.default is None}
+        for keys, ok, want in checks:
+            for key in keys:
+                if not ((v := getattr(self, key)) is None and key in nullable or ok(v)):
+                    raise ValueError(f"{key} must be {want}, got {v!r}")
 
     @property
     def arch(self) -> str:
@@ -199,12 +190,12 @@ def read_config(directory) -> Config:
 
 
 def weight_files(directory: Path) -> list[str]:
-    """model.safetensors, or the shards the index maps tensors to: plain files beside it (not
-    "../x.safetensors": a Hub index names the files fetch_from_hub writes)."""
+    """model.safetensors, or the shards the index maps tensors to: files beside it (a Hub index
+    names the files fetch_from_hub writes)."""
     if not (index := directory / INDEX).is_file():
         return ["model.safetensors"]
-    index_json = read_json(index)
-    weight_map = index_json.get("weight_map") if isinstance(index_json, dict) else None
+    weight_map = read_json(index)
+    weight_map = weight_map.get("weight_map") if isinstance(weight_map, dict) else None
     if not isinstance(weight_map, dict) or not weight_map:
         raise CheckpointError(f"{index}: no weight_map")
     for name, file in weight_map.items():
@@ -218,11 +209,10 @@ def weight_files(directory: Path) -> list[str]:
 def read_state_dict(directory: Path, expected: dict[str, tuple], tied: bool, dtype,
                     device) -> dict:
     """Every tensor of `expected` (name -> shape) as dtype on device; a missing, unexpected or
-    misshapen tensor, or one holding NaN (it would load and generate a stop token forever), is a
+    misshapen tensor, or one holding NaN (it would generate a stop token forever), is a
     CheckpointError naming it. Tied embeddings: a stored lm_head.weight is ignored."""
     state = {}
-    for file in weight_files(directory):
-        path = directory / file
+    for path in (directory / file for file in weight_files(directory)):
         try:
             f = safe_open(str(path), framework="pt", device="cpu")
         except FileNotFoundError:
@@ -230,9 +220,7 @@ def read_state_dict(directory: Path, expected: dict[str, tuple], tied: bool, dty
         except Exception as e:      # safetensors' own error for a truncated or corrupt file
             raise CheckpointError(f"{path}: truncated or corrupt safetensors file ({e})") from None
         with f:
-            for name in sorted(f.keys()):
-                if tied and name == "lm_head.weight":
-                    continue
+            for name in sorted(k for k in f.keys() if not (tied and k == "lm_head.weight")):
                 if name not in expected or name in state:
                     raise CheckpointError(f"{path}: unexpected tensor {name} (not of a "
                                           "Hugging Face checkpoint of this config, or twice)")
@@ -249,15 +237,11 @@ def read_state_dict(directory: Path, expected: dict[str, tuple], tied: bool, dty
     return state
 
 
-FINGERPRINT_WHOLE = 64 << 20     # files up to this size are hashed whole
-FINGERPRINT_BLOCK = 4096         # bytes read at each end of every tensor of a larger file
-
-
 def checkpoint_sha256(directory) -> str:
-    """A sha256 of what a checkpoint computes with, keying what is made from it. Small files are
-    hashed whole; a larger safetensors file gives its size, header and the first and last 4 KiB
-    of every tensor (under a second at 7B): fine-tuning or merging changes those ends."""
-    directory = Path(directory)
+    """A sha256 of what a checkpoint computes with, keying what is made from it. Files up to 64
+    MiB are hashed whole; a larger safetensors file gives its size, header and the first and last
+    4 KiB of every tensor (under a second at 7B): fine-tuning or merging changes those ends."""
+    directory, block = Path(directory), 4096
     h = hashlib.sha256(b"checkpoint/1")
     names = ["config.json", "tokenizer.json"] + [INDEX] * (directory / INDEX).is_file()
     for name in names + weight_files(directory):
@@ -266,7 +250,7 @@ def checkpoint_sha256(directory) -> str:
             with open(path, "rb") as f:
                 size = os.fstat(f.fileno()).st_size
                 h.update(f"{name}\0{size}\0".encode())
-                if size <= FINGERPRINT_WHOLE or not name.endswith(".safetensors"):
+                if size <= 64 << 20 or not name.endswith(".safetensors"):
                     h.update(f.read())
                     continue
                 n = struct.unpack("<Q", f.read(8))[0]
@@ -274,9 +258,9 @@ def checkpoint_sha256(directory) -> str:
                 for key, entry in sorted(json.loads(header).items()):
                     if key != "__metadata__":
                         start, end = (8 + n + int(o) for o in entry["data_offsets"])
-                        for at in sorted({start, max(start, end - FINGERPRINT_BLOCK)}):
+                        for at in sorted({start, max(start, end - block)}):
                             f.seek(at)
-                            h.update(f.read(min(FINGERPRINT_BLOCK, end - at)))
+                            h.update(f.read(min(block, end - at)))
         except FileNotFoundError:
             raise CheckpointError(f"{path}: file not found") from None
         except (OSError, ValueError, KeyError, TypeError, AttributeError, struct.error) as e:
@@ -285,14 +269,20 @@ def checkpoint_sha256(directory) -> str:
     return h.hexdigest()
 
 
+HUB_NAME = re.compile(r"[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*")    # <org>/<name>
+HUB_MANIFEST = ".pair-complete.json"    # written last: the copy is complete
+
+
+class HubError(CheckpointError):
+    """A Hub model name that could not be fetched (nor found complete in the cache)."""
+
+
 def resolve(path_or_repo) -> Path:
     """A checkpoint directory, or the local copy of a Hub model name (fetched once)."""
     directory = Path(path_or_repo)
     if directory.is_dir():
         return directory
-    if directory.exists():
-        raise CheckpointError(f"{directory}: not a checkpoint directory (a file)")
-    if not HUB_NAME.fullmatch(str(path_or_repo)):
+    if directory.exists() or not HUB_NAME.fullmatch(str(path_or_repo)):
         raise CheckpointError(f"{directory}: no such directory (nor a Hub model name like "
                               "Qwen/Qwen2.5-7B-Instruct)")
     # <org>/<name> with a local <org>/ is a misspelt path (data/shop-policy), not a Hub name
@@ -300,15 +290,6 @@ def resolve(path_or_repo) -> Path:
         raise CheckpointError(f"{directory}: no such directory ({first}/ is a local directory, "
                               "so this is a path, not a Hub model name)")
     return fetch_from_hub(str(path_or_repo))
-
-
-HUB_NAME = re.compile(r"[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*")    # <org>/<name>
-HUB_MANIFEST = ".pair-complete.json"    # written last: the copy is complete
-HUB_TIMEOUT = (10, 60)                  # (connect, read) seconds
-
-
-class HubError(CheckpointError):
-    """A Hub model name that could not be fetched (nor found complete in the cache)."""
 
 
 def hub_cache_dir(repo_id: str) -> Path:
@@ -326,7 +307,6 @@ def fetch_from_hub(repo_id: str) -> Path:
                        f"copy in {folder} (copy the files there, or give a local directory)")
     endpoint = os.environ.get("HF_ENDPOINT", "https://huggingface.co").rstrip("/")
     session = requests.Session()
-    session.headers["Accept-Encoding"] = "identity"     # Content-Length is the file's size
     if os.environ.get("HF_TOKEN"):  # requests drops it on the redirect to the (signed) CDN URL
         session.headers["Authorization"] = f"Bearer {os.environ['HF_TOKEN']}"
     import fcntl                    # POSIX only, so imported where it is needed
@@ -336,26 +316,25 @@ def fetch_from_hub(repo_id: str) -> Path:
         if not (folder / HUB_MANIFEST).is_file():
             base = f"{endpoint}/{repo_id}/resolve/main/"
             names = [name for name in ("config.json", "tokenizer.json", INDEX)
-                     if _download(session, base, folder, name, missing_ok=name == INDEX)]
+                     if _download(session, base + quote(name), folder / name, name != INDEX)]
             for name in weight_files(folder):
-                _download(session, base, folder, name)
+                _download(session, base + quote(name), folder / name)
             files = {name: (folder / name).stat().st_size for name in names + weight_files(folder)}
             write_atomic(folder / HUB_MANIFEST, json.dumps(
                 {"repo": repo_id, "revision": "main", "endpoint": endpoint, "files": files}))
     return folder
 
 
-def _download(session, base_url, folder: Path, name: str, missing_ok=False) -> bool:
-    """One file into folder (unless an earlier, interrupted fetch left it there) through a .part
-    file, its size checked against the Content-Length -> whether the Hub has it."""
-    dest, url = folder / name, base_url + quote(name)
+def _download(session, url: str, dest: Path, required=True) -> bool:
+    """url into dest (unless an interrupted fetch left it there) through a .part file -> whether
+    the Hub has it. requests refuses a body shorter than its Content-Length."""
     if dest.is_file():
         return True
-    part = dest.with_name(name + ".part")
+    part = dest.with_name(dest.name + ".part")
     denied = "access denied (private or gated?); set HF_TOKEN to a token that has access"
     try:
-        with session.get(url, stream=True, timeout=HUB_TIMEOUT) as r:
-            if r.status_code == 404 and missing_ok:
+        with session.get(url, stream=True, timeout=(10, 60)) as r:
+            if r.status_code == 404 and not required:
                 return False
             if r.status_code >= 400:
                 why = {401: denied, 403: denied, 404: "not found"}.get(r.status_code, r.reason)
@@ -363,15 +342,10 @@ def _download(session, base_url, folder: Path, name: str, missing_ok=False) -> b
             with open(part, "wb") as f:
                 for chunk in r.iter_content(chunk_size=1 << 20):
                     f.write(chunk)
-            size = int(r.headers.get("Content-Length", part.stat().st_size))
-    except (requests.ConnectionError, requests.Timeout,
-            requests.exceptions.ChunkedEncodingError) as e:
+    except requests.RequestException as e:
         part.unlink(missing_ok=True)
         raise HubError(f"cannot fetch {url}: network unreachable or connection lost "
-                       f"({type(e).__name__}); no complete copy in {folder}") from None
-    if (got := part.stat().st_size) != size:
-        part.unlink()
-        raise HubError(f"{url}: {got} bytes, not the {size} announced; try again")
+                       f"({type(e).__name__}); no complete copy in {dest.parent}") from None
     os.replace(part, dest)
     return True
 
