@@ -269,7 +269,6 @@ def checkpoint_sha256(directory) -> str:
     return h.hexdigest()
 
 
-HUB_NAME = re.compile(r"[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*")    # <org>/<name>
 HUB_MANIFEST = ".pair-complete.json"    # written last: the copy is complete
 
 
@@ -282,7 +281,8 @@ def resolve(path_or_repo) -> Path:
     directory = Path(path_or_repo)
     if directory.is_dir():
         return directory
-    if directory.exists() or not HUB_NAME.fullmatch(str(path_or_repo)):
+    if directory.exists() or not re.fullmatch(r"[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*",
+                                              str(path_or_repo)):
         raise CheckpointError(f"{directory}: no such directory (nor a Hub model name like "
                               "Qwen/Qwen2.5-7B-Instruct)")
     # <org>/<name> with a local <org>/ is a misspelt path (data/shop-policy), not a Hub name
@@ -298,7 +298,8 @@ def hub_cache_dir(repo_id: str) -> Path:
 
 def fetch_from_hub(repo_id: str) -> Path:
     """config.json, tokenizer.json and the weights (model.safetensors, or the index and its
-    shards) of a Hub model, downloaded once into hub_cache_dir(repo_id)."""
+    shards) of a Hub model, downloaded once into hub_cache_dir(repo_id); HF_ENDPOINT, HF_TOKEN
+    and HF_HUB_OFFLINE as huggingface_hub reads them."""
     folder = hub_cache_dir(repo_id)
     if (folder / HUB_MANIFEST).is_file():
         return folder
@@ -306,36 +307,34 @@ def fetch_from_hub(repo_id: str) -> Path:
         raise HubError(f"cannot fetch model {repo_id!r}: HF_HUB_OFFLINE is set; no complete "
                        f"copy in {folder} (copy the files there, or give a local directory)")
     endpoint = os.environ.get("HF_ENDPOINT", "https://huggingface.co").rstrip("/")
-    session = requests.Session()
-    if os.environ.get("HF_TOKEN"):  # requests drops it on the redirect to the (signed) CDN URL
-        session.headers["Authorization"] = f"Bearer {os.environ['HF_TOKEN']}"
-    import fcntl                    # POSIX only, so imported where it is needed
+    token = os.environ.get("HF_TOKEN")  # requests drops it on the redirect to the CDN
+    headers = {"Authorization": f"Bearer {token}"} if token else {}
+    import fcntl                        # POSIX only, so imported where it is needed
     folder.mkdir(parents=True, exist_ok=True)
     with open(folder / ".lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)     # torchrun's ranks: one downloads, the others wait
         if not (folder / HUB_MANIFEST).is_file():
             base = f"{endpoint}/{repo_id}/resolve/main/"
-            names = [name for name in ("config.json", "tokenizer.json", INDEX)
-                     if _download(session, base + quote(name), folder / name, name != INDEX)]
+            for name in ("config.json", "tokenizer.json", INDEX):
+                _download(base, folder / name, headers, required=name != INDEX)
             for name in weight_files(folder):
-                _download(session, base + quote(name), folder / name)
-            files = {name: (folder / name).stat().st_size for name in names + weight_files(folder)}
+                _download(base, folder / name, headers)
             write_atomic(folder / HUB_MANIFEST, json.dumps(
-                {"repo": repo_id, "revision": "main", "endpoint": endpoint, "files": files}))
+                {"repo": repo_id, "revision": "main", "endpoint": endpoint}))
     return folder
 
 
-def _download(session, url: str, dest: Path, required=True) -> bool:
-    """url into dest (unless an interrupted fetch left it there) through a .part file -> whether
-    the Hub has it. requests refuses a body shorter than its Content-Length."""
+def _download(base: str, dest: Path, headers: dict, required=True):
+    """base + dest.name into dest (unless an interrupted fetch left it there) through a .part file
+    (requests refuses a body shorter than its Content-Length); not required: a 404 is no file."""
     if dest.is_file():
-        return True
-    part = dest.with_name(dest.name + ".part")
+        return
+    url, part = base + quote(dest.name), dest.with_name(dest.name + ".part")
     denied = "access denied (private or gated?); set HF_TOKEN to a token that has access"
     try:
-        with session.get(url, stream=True, timeout=(10, 60)) as r:
+        with requests.get(url, headers=headers, stream=True, timeout=(10, 60)) as r:
             if r.status_code == 404 and not required:
-                return False
+                return
             if r.status_code >= 400:
                 why = {401: denied, 403: denied, 404: "not found"}.get(r.status_code, r.reason)
                 raise HubError(f"{url}: HTTP {r.status_code}: {why}")
@@ -347,7 +346,6 @@ def _download(session, url: str, dest: Path, required=True) -> bool:
         raise HubError(f"cannot fetch {url}: network unreachable or connection lost "
                        f"({type(e).__name__}); no complete copy in {dest.parent}") from None
     os.replace(part, dest)
-    return True
 
 
 def load_model(path_or_repo, dtype=torch.float32,
@@ -357,8 +355,7 @@ def load_model(path_or_repo, dtype=torch.float32,
     directory = resolve(path_or_repo)
     config = read_config(directory)
     tokenizer = Tokenizer.from_file(directory)
-    # Build without allocating, then adopt the loaded tensors (assign=True): one copy in memory.
-    with torch.device("meta"):
+    with torch.device("meta"):      # built without memory; adopts the loaded tensors (assign)
         model = Transformer(config)
     tied = config.tie_word_embeddings
     expected = {name: tuple(t.shape) for name, t in model.state_dict().items()
@@ -381,8 +378,7 @@ def input_device(model: "Transformer") -> torch.device:
 
 
 # ----------------------------------------------------------------------------------------------
-# RoPE, written as Hugging Face writes it for Qwen (rotate_half), so no weight permutation
-
+# RoPE as Hugging Face writes it for Qwen (rotate_half, so no weight permutation), masks, KV cache
 
 def rope_tables(inv_freq: Tensor, positions: Tensor, dtype) -> tuple[Tensor, Tensor]:
     freqs = positions[..., None].float() * inv_freq.to(positions.device)   # (B, T, D/2)
@@ -404,9 +400,6 @@ def attention_mask(positions: Tensor, key_positions: Tensor, window: int | None)
     return mask[:, None]
 
 
-# ----------------------------------------------------------------------------------------------
-# KV cache: one per layer, on that layer's device, slot index = absolute position
-
 def static_address(t: Tensor) -> Tensor:
     """t, marked as one a captured CUDA graph may write in place (at the same address)."""
     if t.is_cuda:
@@ -415,6 +408,8 @@ def static_address(t: Tensor) -> Tensor:
 
 
 class KVCache:
+    """One layer's keys and values (B, KV, capacity, D) on its device; slot = absolute position."""
+
     def __init__(self, batch_size, n_kv_heads, head_dim, capacity, dtype, device):
         shape = (batch_size, n_kv_heads, capacity, head_dim)
         self.k = static_address(torch.zeros(shape, dtype=dtype, device=device))
@@ -422,14 +417,10 @@ class KVCache:
         # real tokens per row, on the CPU (no device sync): where each row's next token goes
         self.lengths = torch.zeros(batch_size, dtype=torch.long)
 
-    @property
-    def capacity(self) -> int:
-        return self.k.shape[2]
-
     def grow(self, size: int):
-        if size <= self.capacity:
+        if size <= self.k.shape[2]:
             return
-        new = (max(size, 2 * self.capacity) + 255) // 256 * 256
+        new = (max(size, 2 * self.k.shape[2]) + 255) // 256 * 256
         for name in ("k", "v"):
             old = getattr(self, name)
             t = old.new_zeros(old.shape[0], old.shape[1], new, old.shape[3])
@@ -532,12 +523,11 @@ class Attention(nn.Module):
 
     def decode(self, x, cos, sin, bias, pos, kv, before=None, w=None):
         """One token per row, x (B, 1, d) at positions i = pos (B,) -> (output (B, 1, d), numbers).
-        k, v go to slots pos of kv = (k cache, v cache), each (B, KV, capacity, D); the query
-        attends over slots [0, S) with bias (B, 1, 1, S) (0 visible, -inf not):
-            p_ij = softmax_j(q_i . k_j / sqrt(D) + bias_j)   (head h reads key head h // (H/KV))
-        By hand in float32, not SDPA, because p gives the statistics: given before (B, 1, 1, S),
-        1 on slots j < span_start, numbers = (max_j p_ij, sum_j p_ij^2, prefix = sum_j p_ij
-        before_j, self = 1 - prefix), each (B, H, 1), for stats_from. w: Block.decode_weights()."""
+        k, v go to slots pos of kv = (k cache, v cache); the query attends over slots [0, S):
+            p_ij = softmax_j(q_i . k_j / sqrt(D) + bias_j)   (bias (B, 1, 1, S): 0 or -inf)
+        By hand in float32, not SDPA, because p gives the statistics: numbers = (max_j p_ij,
+        sum_j p_ij^2, prefix = sum_j p_ij before_j, self = 1 - prefix), each (B, H, 1), where
+        before (B, 1, 1, S) is 1 on slots j < span_start. w: Block.decode_weights()."""
         B, H, KV, D = x.shape[0], self.n_heads, self.n_kv_heads, self.head_dim
         if w is None:
             q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
@@ -608,12 +598,13 @@ class Block(nn.Module):
         groups = ((a.q_proj, a.k_proj, a.v_proj), (a.o_proj,), (m.gate_proj, m.up_proj),
                   (m.down_proj,))
         linears = [lin for group in groups for lin in group]
-        if torch.is_grad_enabled() or sum(lin.weight.numel() for lin in linears) > \
-                FUSE_MAX_ELEMENTS or any(
-                lin.weight.dtype != torch.float32 or getattr(lin, "dropout", 0) and lin.training
-                for lin in linears):
+        if (torch.is_grad_enabled() or sum(lin.weight.numel() for lin in linears)
+                > FUSE_MAX_ELEMENTS or any(lin.weight.dtype != torch.float32
+                                           or getattr(lin, "dropout", 0) and lin.training
+                                           for lin in linears)):
             return None
-        key = [(id(t), t.data_ptr(), t._version) for lin in linears for t in _lora_reads(lin)]
+        key = [(getattr(lin, "enabled", None), [(id(t), t.data_ptr(), t._version)
+                                                for t in lin.parameters()]) for lin in linears]
         if getattr(self, "_fused", (None,))[0] != key:
             with torch.no_grad():
                 self._fused = key, FusedWeights(*[_fuse(group) for group in groups])
@@ -621,8 +612,11 @@ class Block(nn.Module):
 
 
 def _fuse(linears) -> tuple[Tensor, Tensor | None]:
-    """One (weight, bias) applying the given projections side by side (a missing bias is 0)."""
-    weight = torch.cat([merged_weight(lin) for lin in linears])
+    """One (weight, bias) applying the projections side by side (a missing bias is 0), each with
+    its enabled adapter merged in: W + scaling * B A."""
+    weight = torch.cat([lin.weight + lin.scaling * (lin.lora_B.weight @ lin.lora_A.weight)
+                        if isinstance(lin, LoRALinear) and lin.enabled else lin.weight
+                        for lin in linears])
     return weight, None if all(lin.bias is None for lin in linears) else torch.cat(
         [lin.weight.new_zeros(lin.out_features) if lin.bias is None else lin.bias
          for lin in linears])
@@ -662,9 +656,8 @@ class Transformer(nn.Module):
 
     def trunk(self, input_ids, positions=None, cache=None, recompute=False) -> Tensor:
         """Up to the final norm: (B, T) -> (B, T, d). positions (B, T): absolute (default: after
-        the cache's tokens, else 0..T-1); a cache gets K/V at them. recompute: with a gradient,
-        each block keeps only its input and runs again in backward, its MLP MLP_CHUNK tokens at
-        a time (the update of a long rollout)."""
+        the cache's tokens, else 0..T-1); a cache gets K/V at them. recompute (the update of a long
+        rollout): each block keeps only its input, its MLP run MLP_CHUNK tokens at a time."""
         B, T = input_ids.shape
         dev = self.model.embed_tokens.weight.device
         # From position 0 PyTorch's fused causal kernel needs no mask: upper-left causal is right
@@ -675,11 +668,8 @@ class Transformer(nn.Module):
             start = cache[0].lengths if cache is not None else torch.zeros(B, dtype=torch.long)
             positions = start[:, None] + torch.arange(T)
         positions = positions.to(dev)
-        if cache is not None:
-            size = int(positions.max()) + 1             # keys are slots [0, size) of the cache
-            key_pos = torch.arange(size, device=dev).expand(B, size)
-        else:
-            key_pos = positions
+        key_pos = positions if cache is None else \
+            torch.arange(int(positions.max()) + 1, device=dev).expand(B, -1)   # cache slots
         masks = {w: None if fused_causal else attention_mask(positions, key_pos, w)
                  for w in set(self.windows)}
         cos, sin = rope_tables(self.inv_freq, positions, self.model.embed_tokens.weight.dtype)
@@ -700,8 +690,7 @@ class Transformer(nn.Module):
         """One token per row, tokens (B,), at each row's cache length (the caller advances it)
         -> (logits (B, V) float32, hidden (L+1, B, d), stats (B, L, H, 6) in STATS order) on the
         head's device; hidden and stats None without span_start (B,), each row's turn's first
-        position. Compiled where it can (compiled_step), over the slots in use rounded up to
-        whole KEY_BLOCKs, so that its shapes change once every KEY_BLOCK tokens."""
+        position. Compiled where it can, over whole KEY_BLOCKs of slots (few distinct shapes)."""
         lengths = cache[0].lengths                          # (B,) on the CPU: no device sync
         size = int(lengths.max()) + 1                       # key slots [0, size) are in use
         for layer_cache in cache:
@@ -711,11 +700,10 @@ class Transformer(nn.Module):
         step = compiled_step(w, cache)
         if step is not None:
             try:
-                blocks = min(cache[0].capacity, -(-size // KEY_BLOCK) * KEY_BLOCK)
+                blocks = min(cache[0].k.shape[2], -(-size // KEY_BLOCK) * KEY_BLOCK)
                 if not cache[0].k.is_cuda:
                     return step(self, *args, blocks)
-                # a CUDA graph reads device tensors only, and its next replay overwrites its
-                # outputs: the caller gets copies
+                # a CUDA graph reads device tensors only; its next replay overwrites its outputs
                 dev = cache[0].k.device
                 self.inv_freq = self.inv_freq.to(dev)
                 on_dev = [None if t is None else t.to(dev) for t in args[:3]]
@@ -734,9 +722,8 @@ class Transformer(nn.Module):
         return [layer.decode_weights() for layer in self.model.layers]
 
     def decode_step(self, tokens, lengths, span_start, ks, vs, w, size):
-        """decode's computation (what compiled_step compiles) on the cache tensors ks, vs
-        ((B, KV, capacity, D) per layer) over key slots [0, size). Masks, RoPE tables and the
-        before-span indicator are built once per device; stats_from runs once, on all layers."""
+        """decode's computation (what compiled_step compiles) on the caches' tensors ks, vs over
+        key slots [0, size); stats_from runs once, on all layers."""
         dev = self.model.embed_tokens.weight.device
         pos = lengths.to(dev)
         key_pos = torch.arange(size, device=dev)
@@ -774,24 +761,19 @@ class Transformer(nn.Module):
                 torch.stack([stats[name] for name in STATS], -1))
 
 
-# ----------------------------------------------------------------------------------------------
-# The compiled decoding step
-
 COMPILE = os.environ.get("PAIR_COMPILE", "1") != "0"     # 0: decode eagerly everywhere
-# key slots attended in blocks of this many, not the whole capacity (which doubles as it grows)
-KEY_BLOCK = 128
-# torch compiles a graph per relation among the sizes (span_start or not, one row or more, the
-# cache full or not): up to 11, over its default limit of 8, past which it decodes eagerly
+KEY_BLOCK = 128         # key slots attended in blocks of this many, not the whole capacity
+# a graph per relation among the sizes (span_start or not, one row or more, the cache full or
+# not): up to 11, over torch's default limit of 8, past which it decodes eagerly
 RECOMPILE_LIMIT = 32
 COMPILE_OPTIONS = {"cpu": {}, "cuda": {"mode": "reduce-overhead", "dynamic": True}}
 _compiled = {}          # device kind: Transformer.decode_step compiled; "failed": why given up
 
 
 def compiled_step(w: list, cache: list[KVCache]):
-    """Transformer.decode_step compiled (called with the model first), or None where it does
-    not pay or is not wanted: PAIR_COMPILE=0, an earlier failure, a split model, or on the CPU a
-    block without fused weights. On a GPU also captured as a CUDA graph (gpt-fast's recipe: one
-    launch instead of thousands of kernels), every size symbolic from the first call."""
+    """Transformer.decode_step compiled, or None where it does not pay (a split model, on the CPU
+    a block without fused weights) or is not wanted. On a GPU also a CUDA graph (gpt-fast's
+    recipe: one launch instead of thousands of kernels), every size symbolic from the start."""
     if not COMPILE or "failed" in _compiled or len({c.k.device for c in cache}) > 1:
         return None
     kind = cache[0].k.device.type
@@ -803,8 +785,7 @@ def compiled_step(w: list, cache: list[KVCache]):
         config = torch._dynamo.config
         config.recompile_limit = max(config.recompile_limit, RECOMPILE_LIMIT)
         if COMPILE_OPTIONS[kind].get("dynamic"):
-            # each size its own symbol: "duck" sizing would merge two sizes equal at the first
-            # call (4 rows, 4 key heads) and compile again when they part
+            # each size its own symbol: "duck" sizing merges sizes equal at the first call
             torch.fx.experimental._config.use_duck_shape = False
         _compiled[kind] = torch.compile(Transformer.decode_step, fullgraph=True,
                                         **COMPILE_OPTIONS[kind])
@@ -830,16 +811,13 @@ class Tokenizer:
     @classmethod
     def from_file(cls, path) -> "Tokenizer":
         from tokenizers import Tokenizer as HFTokenizer
-        path = Path(path)
-        path = path / "tokenizer.json" if path.is_dir() else path
-        if not path.is_file():
-            raise CheckpointError(f"{path}: file not found")
+        path = Path(path) / "tokenizer.json" if Path(path).is_dir() else Path(path)
         try:
             return cls(HFTokenizer.from_file(str(path)))
         except Exception as e:      # the library's own error names no file
+            why = (str(e).splitlines() or [type(e).__name__])[0]
             raise CheckpointError(f"{path}: not a tokenizer the tokenizers library can read "
-                                  f"({str(e).splitlines()[0] if str(e) else type(e).__name__})"
-                                  ) from None
+                                  f"({why})") from None
 
     def encode(self, text: str) -> list[int]:
         """The ids of text as text: special-token text in it is encoded as ordinary characters."""
@@ -884,8 +862,7 @@ def without_surrogates(text: str) -> str:
 
 
 # ----------------------------------------------------------------------------------------------
-# Generation (gpt-fast style small functions) and the update's log-probabilities
-
+# The update's log-probabilities
 
 MLP_CHUNK = 4096          # tokens (rows x positions) a recomputed block's MLP runs at a time
 # logits scored at a time (64 MB), again in backward: a 152k vocabulary's float32 logits take
@@ -896,9 +873,8 @@ LOGITS_CHUNK = 1 << 24
 def token_logprobs(policy, ids: torch.Tensor, mask: torch.Tensor,
                    temperature: float = 1.0) -> torch.Tensor:
     """log pi(x_j | x_<j) at the masked positions j, in row-major order -> (N,) float32. The head
-    runs on those N positions only, LOGITS_CHUNK // V at a time; with a gradient, blocks, MLP
-    chunks and head chunks are recomputed in backward: a long rollout's update holds about one
-    (T, d) input per block, never the (N, V) logits whole."""
+    runs on those N positions only, LOGITS_CHUNK // V at a time; with a gradient, blocks and head
+    chunks are recomputed in backward: the update never holds the (N, V) logits whole."""
     h = policy.trunk(ids, recompute=True)                       # (B, T, d) after the final norm
     h = h[:, :-1]                                               # position j predicts x_{j+1}
     target = mask[:, 1:].to(h.device)
@@ -921,10 +897,8 @@ def head_logprobs(lm_head: nn.Module, h: Tensor, labels: Tensor, temperature: fl
 
 
 # ----------------------------------------------------------------------------------------------
-# LoRA (Hu et al., 2021), by hand, laid out as PEFT lays it out
-
-# A targeted nn.Linear becomes a LoRALinear keeping its weight's key (`q_proj.weight`) and adding
-# `q_proj.lora_A.weight` (r, d_in), `q_proj.lora_B.weight` (d_out, r):
+# LoRA (Hu et al., 2021) in PEFT's layout: a targeted nn.Linear keeps its weight's key
+# (q_proj.weight) and gains q_proj.lora_A.weight (r, d_in) and q_proj.lora_B.weight (d_out, r):
 #     y = x W^T + b + (alpha / r) * B A dropout(x),   B = 0 at first (the model unchanged).
 # The adapter stays float32 (PEFT's default) under bfloat16 weights: its updates are tiny.
 
@@ -968,35 +942,16 @@ class LoRALinear(nn.Module):
         return y + (F.linear(a, self.lora_B.weight) * self.scaling).to(y.dtype)
 
 
-def merged_weight(linear: nn.Module) -> Tensor:
-    """The weight an nn.Linear or LoRALinear applies now: W + scaling * B A, adapter enabled."""
-    if isinstance(linear, LoRALinear) and linear.enabled:
-        return linear.weight + linear.scaling * (linear.lora_B.weight @ linear.lora_A.weight)
-    return linear.weight
-
-
-def _lora_reads(linear: nn.Module) -> list[Tensor]:
-    """The tensors merged_weight and the bias read now (the adapter's only while enabled)."""
-    out = [linear.weight] + ([linear.bias] if linear.bias is not None else [])
-    if isinstance(linear, LoRALinear) and linear.enabled:
-        out += [linear.lora_A.weight, linear.lora_B.weight]
-    return out
-
-
 def apply_lora(model: nn.Module, r=16, alpha=32.0, dropout=0.05, targets=LORA_TARGETS,
                use_rslora=False, dtype=torch.float32) -> nn.Module:
     """Freeze `model` and wrap every nn.Linear child named in `targets` with a LoRA adapter."""
-    if not (isinstance(r, int) and r > 0) or alpha <= 0 or not 0 <= dropout < 1:
-        raise ValueError(f"LoRA needs an integer r > 0, alpha > 0 and 0 <= dropout < 1; got "
-                         f"r={r!r}, alpha={alpha!r}, dropout={dropout!r}")
     s = LoraSettings(r, float(alpha), float(dropout), tuple(targets), bool(use_rslora))
     sites = [(module, name, child) for module in model.modules()
              for name, child in module.named_children()
              if name in s.targets and type(child) is nn.Linear]
     if missing := sorted(set(s.targets) - {name for _, name, _ in sites}):
         raise ValueError(f"LoRA targets {missing} match no nn.Linear module of the model")
-    for p in model.parameters():
-        p.requires_grad_(False)
+    model.requires_grad_(False)
     for module, name, child in sites:
         setattr(module, name, LoRALinear(child, s, dtype).train(child.training))
     model.lora_settings = s
@@ -1012,9 +967,9 @@ def lora_parameters(model):
 def lora_disabled(model):
     """`with lora_disabled(model):` runs the base model (GRPO's pi_ref) without copying weights."""
     was = {m: m.enabled for m in model.modules() if isinstance(m, LoRALinear)}
+    for m in was:
+        m.enabled = False
     try:
-        for m in was:
-            m.enabled = False
         yield model
     finally:
         for m, enabled in was.items():
@@ -1061,35 +1016,26 @@ def load_adapter_weights(policy, directory):
         raise ValueError(f"{config}: not an adapter with the settings of the model's ({s})")
     with safe_open(str(file), framework="pt") as f:
         tensors = {key[len(PEFT_PREFIX):]: f.get_tensor(key) for key in f.keys()}
-    params = dict(lora_parameters(policy))
-    if odd := sorted(params.keys() ^ tensors.keys()):
-        raise ValueError(f"{file}: {odd[0]} is not in both this adapter and the model's")
-    for name, p in params.items():
-        if tensors[name].shape != p.shape or not torch.isfinite(tensors[name]).all():
-            raise ValueError(f"{file}: {name} has shape {list(tensors[name].shape)} (the model's "
-                             f"{list(p.shape)}) or holds NaN or infinite values")
+    for name, p in lora_parameters(policy):
+        if name not in tensors or tensors[name].shape != p.shape \
+                or not torch.isfinite(tensors[name]).all():
+            raise ValueError(f"{file}: {name} is missing, not of shape {list(p.shape)}, or holds "
+                             "NaN or infinite values")
     load_lora_state(policy, tensors)
     return policy
 
 
 # ----------------------------------------------------------------------------------------------
-# Layers split across devices (placement, no pipelining): one device computes at a time, the
-# point is memory (a 7B policy with its LoRA state and caches exceeds one 48 GB GPU)
-
-
-# ----------------------------------------------------------------------------------------------
-# File helpers: where fetched and fitted files live, atomic writes
+# File helpers: where fetched and fitted files live, atomic writes; --devices
 
 def cache_root() -> Path:
-    """Where everything fetched or fitted once is kept (Hub checkpoints, released data, LLM
-    judgments, probes): $PAIR_CACHE, else ~/.cache/pair."""
+    """Where everything fetched or fitted once is kept: $PAIR_CACHE, else ~/.cache/pair."""
     return Path(os.environ.get("PAIR_CACHE") or Path.home() / ".cache" / "pair").expanduser()
 
 
 def write_atomic(path: Path, data: bytes | str) -> None:
-    """The one way this project writes a file: a temporary file beside it (this thread's own,
-    made as open() makes files), then os.replace: a reader, or a run killed mid-write, sees the
-    old file or the new one."""
+    """The one way this project writes a file: a temporary file beside it (this thread's own),
+    then os.replace: a reader, or a run killed mid-write, sees the old file or the new one."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
@@ -1111,9 +1057,7 @@ def parse_devices(text: str) -> list[torch.device]:
     if not devices or any(d.type not in ("cpu", "cuda") for d in devices):
         raise ValueError(f"--devices {text!r}: a comma-separated list of devices such as "
                          "cuda:0,cuda:1 (or cpu)")
-    n_gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    n_gpus = torch.cuda.device_count()
     if any(d.type == "cuda" and (d.index or 0) >= n_gpus for d in devices):
-        raise ValueError(f"--devices {text}: this PyTorch sees no CUDA device (a CPU build, or no "
-                         "GPU visible)" if not n_gpus else f"--devices {text}: this machine has "
-                         f"{n_gpus} GPUs")
+        raise ValueError(f"--devices {text}: this PyTorch sees {n_gpus or 'no'} CUDA device(s)")
     return devices
