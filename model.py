@@ -69,7 +69,6 @@ class Config:
     num_key_value_heads: int | None = None
     head_dim: int | None = None
     architectures: list[str] = field(default_factory=lambda: ["Qwen2ForCausalLM"])
-    model_type: str | None = None
     hidden_act: str = "silu"
     rms_norm_eps: float = 1e-6
     max_position_embeddings: int = 32768
@@ -83,9 +82,7 @@ class Config:
     use_sliding_window: bool = False        # Qwen2: windows only when set, from max_window_layers
     max_window_layers: int = 0
     layer_types: list[str] | None = None
-    bos_token_id: int | None = None
     eos_token_id: int | list[int] | None = None
-    pad_token_id: int | None = None
 
     @classmethod
     def from_dict(cls, d: dict) -> "Config":
@@ -107,21 +104,18 @@ class Config:
     def validate(self):
         """What would break the build or run wrong silently, checked in order (a check may read
         the keys checked before it): a config.json is input."""
-        def number(v, below=math.inf):
-            return type(v) in (int, float) and 0 < v < below
+        def number(v):
+            return type(v) in (int, float) and 0 < v < math.inf
 
         n, vocab = self.num_hidden_layers, self.vocab_size
         checks = [  # (keys, test of a value, what it must be)
             (SIZES, lambda v: type(v) is int and v >= 1, "a positive integer"),
-            (("max_window_layers",), lambda v: type(v) is int and v >= 0, "an integer >= 0"),
-            (("bos_token_id", "pad_token_id", "eos_token_id"),   # an eos never drawn never stops
-             lambda v: all(type(i) is int and 0 <= i < vocab
-                           for i in (v if isinstance(v, list) else [v])),
-             f"a token id below vocab_size {vocab} (or, for eos_token_id, a list of them)"),
+            (("eos_token_id",), lambda v: all(type(i) is int and 0 <= i < vocab for i in (
+                v if isinstance(v, list) else [v])),    # an eos never drawn would never stop
+             f"a token id below vocab_size {vocab}, or a list of them"),
             (("tie_word_embeddings", "attention_bias", "mlp_bias", "use_sliding_window"),
              lambda v: isinstance(v, bool), "true or false"),
-            (("rms_norm_eps",), lambda v: number(v, 1), "a number between 0 and 1"),
-            (("rope_theta",), number, "a positive number"),
+            (("rms_norm_eps", "rope_theta"), number, "a positive number"),
             (("rope_parameters", "rope_scaling"), lambda v: isinstance(v, dict)
              and (v.get("rope_theta") is None or number(v["rope_theta"]))
              and v.get("rope_type", v.get("type", "default")) == "default",
@@ -292,15 +286,11 @@ def resolve(path_or_repo) -> Path:
     return fetch_from_hub(str(path_or_repo))
 
 
-def hub_cache_dir(repo_id: str) -> Path:
-    return cache_root() / repo_id.replace("/", "--")
-
-
 def fetch_from_hub(repo_id: str) -> Path:
     """config.json, tokenizer.json and the weights (model.safetensors, or the index and its
-    shards) of a Hub model, downloaded once into hub_cache_dir(repo_id); HF_ENDPOINT, HF_TOKEN
-    and HF_HUB_OFFLINE as huggingface_hub reads them."""
-    folder = hub_cache_dir(repo_id)
+    shards) of a Hub model, downloaded once into $PAIR_CACHE/<org>--<name>; HF_ENDPOINT,
+    HF_TOKEN and HF_HUB_OFFLINE as huggingface_hub reads them."""
+    folder = cache_root() / repo_id.replace("/", "--")
     if (folder / HUB_MANIFEST).is_file():
         return folder
     if os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes", "on"):
