@@ -1,14 +1,12 @@
-"""The policy: a hand-written Qwen2-family decoder that reports its own hidden states and attention
-statistics. Here: the config and checkpoint loading (a directory or a Hub name), the transformer
-with its KV cache, the decoding step (compiled where it pays), the tokenizer and chat template,
-the update's log-probabilities, LoRA in PEFT's layout, and file helpers.
+"""The policy: a hand-written Qwen2-family decoder reporting its own hidden states and attention
+statistics; its config and checkpoint loading (a directory or a Hub name), KV cache, compiled
+decoding step, tokenizer and chat template, the update's log-probabilities, LoRA in PEFT's layout.
 
-PAIR reads its reward from the policy's internals (METHOD.md §4): each decoding step returns,
-besides the logits, the L+1 hidden states and per layer and head the six statistics of its
-softmax row (STATS, stats_from). Departure from the authors' release: std is over the i+1 causal
-keys of row i, not the padded row. Masks come from positions: key slot j is visible to the query
-at position p iff j <= p (and p - j < window); the cache is indexed by absolute position, so a
-pad past a row's real tokens stays invisible until the row's next token overwrites it.
+Each decoding step returns, besides the logits, the L+1 hidden states and per layer and head the
+six statistics of its softmax row (STATS, stats_from; METHOD.md §4). Departure from the authors'
+release: std is over the i+1 causal keys of row i, not the padded row. Masks come from positions:
+key slot j is visible to the query at position p iff j <= p (and p - j < window); the cache is
+indexed by absolute position, so a pad past a row's tokens is invisible until overwritten.
 """
 import contextlib
 import hashlib
@@ -59,8 +57,7 @@ class CheckpointError(Exception):
 
 @dataclass
 class Config:
-    """The config.json of a checkpoint; field names are its keys, unknown keys are dropped, a
-    field whose default is None may be null."""
+    """config.json: field names are its keys (others are dropped); a None default: may be null."""
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -102,8 +99,7 @@ class Config:
         return cfg
 
     def validate(self):
-        """What would break the build or run wrong silently, checked in order (a check may read
-        the keys checked before it): a config.json is input."""
+        """What would break the build or run wrong silently; a check may read the ones before."""
         def number(v):
             return type(v) in (int, float) and 0 < v < math.inf
 
@@ -169,8 +165,6 @@ class Config:
 def read_json(path: Path) -> dict:
     try:
         return json.loads(path.read_text())
-    except FileNotFoundError:
-        raise CheckpointError(f"{path}: file not found") from None
     except (OSError, ValueError, RecursionError) as e:    # deep nesting: RecursionError
         raise CheckpointError(f"{path}: not readable JSON ({type(e).__name__}: {e})") from None
 
@@ -184,8 +178,7 @@ def read_config(directory) -> Config:
 
 
 def weight_files(directory: Path) -> list[str]:
-    """model.safetensors, or the shards the index maps tensors to: files beside it (a Hub index
-    names the files fetch_from_hub writes)."""
+    """model.safetensors, or the shards the index maps tensors to: files beside it, never above."""
     if not (index := directory / INDEX).is_file():
         return ["model.safetensors"]
     weight_map = read_json(index)
@@ -203,16 +196,14 @@ def weight_files(directory: Path) -> list[str]:
 def read_state_dict(directory: Path, expected: dict[str, tuple], tied: bool, dtype,
                     device) -> dict:
     """Every tensor of `expected` (name -> shape) as dtype on device; a missing, unexpected or
-    misshapen tensor, or one holding NaN (it would generate a stop token forever), is a
-    CheckpointError naming it. Tied embeddings: a stored lm_head.weight is ignored."""
+    misshapen tensor, or NaN (a stop token forever), is an error naming it. Tied: no lm_head."""
     state = {}
     for path in (directory / file for file in weight_files(directory)):
         try:
             f = safe_open(str(path), framework="pt", device="cpu")
-        except FileNotFoundError:
-            raise CheckpointError(f"{path}: file not found") from None
-        except Exception as e:      # safetensors' own error for a truncated or corrupt file
-            raise CheckpointError(f"{path}: truncated or corrupt safetensors file ({e})") from None
+        except Exception as e:      # safetensors' own error names no file
+            raise CheckpointError(f"{path}: missing, truncated or corrupt safetensors file "
+                                  f"({e})") from None
         with f:
             for name in sorted(k for k in f.keys() if not (tied and k == "lm_head.weight")):
                 if name not in expected or name in state:
@@ -255,19 +246,13 @@ def checkpoint_sha256(directory) -> str:
                         for at in sorted({start, max(start, end - block)}):
                             f.seek(at)
                             h.update(f.read(min(block, end - at)))
-        except FileNotFoundError:
-            raise CheckpointError(f"{path}: file not found") from None
         except (OSError, ValueError, KeyError, TypeError, AttributeError, struct.error) as e:
-            raise CheckpointError(f"{path}: truncated or corrupt safetensors file "
+            raise CheckpointError(f"{path}: missing, truncated or corrupt "
                                   f"({type(e).__name__}: {e})") from None
     return h.hexdigest()
 
 
 HUB_MANIFEST = ".pair-complete.json"    # written last: the copy is complete
-
-
-class HubError(CheckpointError):
-    """A Hub model name that could not be fetched (nor found complete in the cache)."""
 
 
 def resolve(path_or_repo) -> Path:
@@ -287,15 +272,14 @@ def resolve(path_or_repo) -> Path:
 
 
 def fetch_from_hub(repo_id: str) -> Path:
-    """config.json, tokenizer.json and the weights (model.safetensors, or the index and its
-    shards) of a Hub model, downloaded once into $PAIR_CACHE/<org>--<name>; HF_ENDPOINT,
-    HF_TOKEN and HF_HUB_OFFLINE as huggingface_hub reads them."""
+    """config.json, tokenizer.json and the weights of a Hub model, downloaded once into
+    $PAIR_CACHE/<org>--<name>; HF_ENDPOINT, HF_TOKEN, HF_HUB_OFFLINE as huggingface_hub has them."""
     folder = cache_root() / repo_id.replace("/", "--")
     if (folder / HUB_MANIFEST).is_file():
         return folder
     if os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes", "on"):
-        raise HubError(f"cannot fetch model {repo_id!r}: HF_HUB_OFFLINE is set; no complete "
-                       f"copy in {folder} (copy the files there, or give a local directory)")
+        raise CheckpointError(f"cannot fetch model {repo_id!r}: HF_HUB_OFFLINE is set; no complete "
+                              f"copy in {folder} (copy the files there, or give a local directory)")
     endpoint = os.environ.get("HF_ENDPOINT", "https://huggingface.co").rstrip("/")
     token = os.environ.get("HF_TOKEN")  # requests drops it on the redirect to the CDN
     headers = {"Authorization": f"Bearer {token}"} if token else {}
@@ -315,8 +299,8 @@ def fetch_from_hub(repo_id: str) -> Path:
 
 
 def _download(base: str, dest: Path, headers: dict, required=True):
-    """base + dest.name into dest (unless an interrupted fetch left it there) through a .part file
-    (requests refuses a body shorter than its Content-Length); not required: a 404 is no file."""
+    """base + dest.name into dest (unless there from an interrupted fetch) through a .part file;
+    requests refuses a body shorter than its Content-Length. Not required: a 404 is no file."""
     if dest.is_file():
         return
     url, part = base + quote(dest.name), dest.with_name(dest.name + ".part")
@@ -327,21 +311,21 @@ def _download(base: str, dest: Path, headers: dict, required=True):
                 return
             if r.status_code >= 400:
                 why = {401: denied, 403: denied, 404: "not found"}.get(r.status_code, r.reason)
-                raise HubError(f"{url}: HTTP {r.status_code}: {why}")
+                raise CheckpointError(f"{url}: HTTP {r.status_code}: {why}")
             with open(part, "wb") as f:
                 for chunk in r.iter_content(chunk_size=1 << 20):
                     f.write(chunk)
     except requests.RequestException as e:
         part.unlink(missing_ok=True)
-        raise HubError(f"cannot fetch {url}: network unreachable or connection lost "
-                       f"({type(e).__name__}); no complete copy in {dest.parent}") from None
+        raise CheckpointError(f"cannot fetch {url}: network unreachable or connection lost "
+                              f"({type(e).__name__}); no complete copy in {dest.parent}") from None
     os.replace(part, dest)
 
 
 def load_model(path_or_repo, dtype=torch.float32,
                device="cpu") -> tuple["Transformer", "Tokenizer"]:
-    """A checkpoint directory (config.json, safetensors, tokenizer.json) or a Hub model name
-    -> (model, tokenizer) on `device`, the model frozen (GRPO trains LoRA adapters beside it)."""
+    """A checkpoint directory or a Hub model name -> (model, tokenizer) on `device`, the model
+    frozen (GRPO trains LoRA adapters beside it)."""
     directory = resolve(path_or_repo)
     config = read_config(directory)
     tokenizer = Tokenizer.from_file(directory)
@@ -368,7 +352,8 @@ def input_device(model: "Transformer") -> torch.device:
 
 
 # ----------------------------------------------------------------------------------------------
-# RoPE as Hugging Face writes it for Qwen (rotate_half, so no weight permutation), masks, KV cache
+# The transformer; module names are the Hugging Face weight keys. RoPE as Hugging Face writes it
+# for Qwen (rotate_half, so no weight permutation).
 
 def rope_tables(inv_freq: Tensor, positions: Tensor, dtype) -> tuple[Tensor, Tensor]:
     freqs = positions[..., None].float() * inv_freq.to(positions.device)   # (B, T, D/2)
@@ -434,29 +419,20 @@ def set_lengths(cache: list[KVCache], lengths: Tensor):
 
 
 def stats_from(mx, sum_sq, prefix, self_, pos, start) -> dict[str, Tensor]:
-    """The six statistics (METHOD.md §4) of softmax rows p_i, i = pos, from four numbers of each:
-    mx = max_j p_ij, sum_sq = sum_j p_ij^2, prefix = sum_{j < start} p_ij and
-    self_ = sum_{start <= j <= i} p_ij. max, prefix and self are those given;
+    """The six statistics (METHOD.md §4) of softmax rows p_i, i = pos, from mx = max_j p_ij,
+    sum_sq = sum_j p_ij^2, prefix = sum_{j < start} p_ij, self_ = sum_{start <= j <= i} p_ij:
         std = sqrt(sum_sq / n - 1 / n^2), n = i + 1 causal keys (sum_j p_ij = 1)
         entropy = -log sum_sq
         lookback = m_ctx / (m_ctx + m_new), m_ctx = prefix / start, m_new = self_ / (i - start + 1)
-    (lookback 0 where start = 0). All arguments broadcast against each other."""
+    (lookback 0 where start = 0); max, prefix and self as given. Arguments broadcast."""
     n = (pos + 1).float()                                       # causal keys j <= i
     s0 = start.float()
     m_ctx = prefix / s0.clamp(min=1)
     m_new = self_ / (pos - start + 1).float()
-    return {
-        "max": mx,
-        "std": (sum_sq / n - 1 / n.square()).clamp(min=0).sqrt(),
-        "prefix": prefix,
-        "self": self_,
-        "entropy": -sum_sq.log(),
-        "lookback": torch.where(s0 > 0, m_ctx / (m_ctx + m_new), torch.zeros_like(m_ctx)),
-    }
+    return {"max": mx, "std": (sum_sq / n - 1 / n.square()).clamp(min=0).sqrt(),
+            "prefix": prefix, "self": self_, "entropy": -sum_sq.log(),
+            "lookback": torch.where(s0 > 0, m_ctx / (m_ctx + m_new), torch.zeros_like(m_ctx))}
 
-
-# ----------------------------------------------------------------------------------------------
-# The transformer; module names are the Hugging Face weight keys
 
 class RMSNorm(nn.Module):
     def __init__(self, d, eps):
@@ -487,8 +463,7 @@ class Attention(nn.Module):
         super().__init__()
         d, H, KV, D = (config.hidden_size, config.num_attention_heads, config.n_kv_heads,
                        config.head_size)
-        self.n_heads, self.n_kv_heads, self.head_dim = H, KV, D
-        self.scale = D ** -0.5
+        self.n_heads, self.n_kv_heads, self.head_dim, self.scale = H, KV, D, D ** -0.5
         bias = config.arch == "Qwen2ForCausalLM" or config.attention_bias    # Qwen2: always
         self.q_proj = nn.Linear(d, H * D, bias=bias)
         self.k_proj = nn.Linear(d, KV * D, bias=bias)
@@ -580,10 +555,9 @@ class Block(nn.Module):
         return x + F.linear(F.silu(gate) * up, *w.down), numbers
 
     def decode_weights(self) -> FusedWeights | None:
-        """The projections fused, an enabled adapter merged in: four matmuls a token instead of
-        seven (21 with adapters), rebuilt when a tensor changes. None (use the modules) where
-        merging changes the numbers (not float32, dropout on), a gradient is wanted, or the copy
-        costs too much (a block over FUSE_MAX_ELEMENTS)."""
+        """The projections fused, an enabled adapter merged in: 4 matmuls a token, not 7 (21 with
+        adapters), rebuilt when a tensor changes. None (use the modules) where merging changes
+        the numbers (not float32, dropout on), a gradient is wanted, or the copy costs too much."""
         a, m = self.self_attn, self.mlp
         groups = ((a.q_proj, a.k_proj, a.v_proj), (a.o_proj,), (m.gate_proj, m.up_proj),
                   (m.down_proj,))
@@ -612,9 +586,7 @@ def _fuse(linears) -> tuple[Tensor, Tensor | None]:
          for lin in linears])
 
 
-# 16 MB of float32 per block: the built-in policy's blocks are fused, a 0.5B model's are not (the
-# merged copy would double their weights' memory)
-FUSE_MAX_ELEMENTS = 1 << 22
+FUSE_MAX_ELEMENTS = 1 << 22     # 16 MB of float32: the built-in policy's blocks, not a 0.5B's
 
 
 class Transformer(nn.Module):
@@ -650,8 +622,7 @@ class Transformer(nn.Module):
         rollout): each block keeps only its input, its MLP run MLP_CHUNK tokens at a time."""
         B, T = input_ids.shape
         dev = self.model.embed_tokens.weight.device
-        # From position 0 PyTorch's fused causal kernel needs no mask: upper-left causal is right
-        # there, and in a right-padded batch no real token sees a pad.
+        # from position 0 SDPA's causal kernel needs no mask (no token sees a right pad)
         fused_causal = (positions is None and cache is None and T > 1
                         and all(w is None for w in self.windows))
         if positions is None:
@@ -677,10 +648,9 @@ class Transformer(nn.Module):
         return self.model.norm(x)
 
     def decode(self, tokens, cache, span_start=None, w=None):
-        """One token per row, tokens (B,), at each row's cache length (the caller advances it)
-        -> (logits (B, V) float32, hidden (L+1, B, d), stats (B, L, H, 6) in STATS order) on the
-        head's device; hidden and stats None without span_start (B,), each row's turn's first
-        position. Compiled where it can, over whole KEY_BLOCKs of slots (few distinct shapes)."""
+        """One token per row, tokens (B,), at each row's cache length (the caller advances it) ->
+        (logits (B, V) float32, hidden (L+1, B, d), stats (B, L, H, 6) in STATS order); hidden and
+        stats None without span_start (B,), each row's turn's first position. Compiled if it can."""
         lengths = cache[0].lengths                          # (B,) on the CPU: no device sync
         size = int(lengths.max()) + 1                       # key slots [0, size) are in use
         for layer_cache in cache:
@@ -712,8 +682,7 @@ class Transformer(nn.Module):
         return [layer.decode_weights() for layer in self.model.layers]
 
     def decode_step(self, tokens, lengths, span_start, ks, vs, w, size):
-        """decode's computation (what compiled_step compiles) on the caches' tensors ks, vs over
-        key slots [0, size); stats_from runs once, on all layers."""
+        """decode's computation (what compiled_step compiles) on caches ks, vs, slots [0, size)."""
         dev = self.model.embed_tokens.weight.device
         pos = lengths.to(dev)
         key_pos = torch.arange(size, device=dev)
@@ -726,15 +695,11 @@ class Transformer(nn.Module):
         before = None if start is None else \
             (key_pos < start[:, None]).float()[:, None, None]              # (B, 1, 1, S)
         x = self.model.embed_tokens(tokens.to(dev)[:, None])                # (B, 1, d)
-        hidden, numbers, moved = [x], [], {}
+        hidden, numbers = [x], []
         for i, layer in enumerate(self.model.layers):
-            key = (ks[i].device, self.windows[i])
-            if key not in moved:
-                moved[key] = [t.to(key[0]) if t is not None else None
-                              for t in (cos, sin, bias[key[1]], pos, before)]
-            cos_i, sin_i, bias_i, pos_i, before_i = moved[key]
-            x, n = layer.decode(x.to(key[0]), cos_i, sin_i, bias_i, pos_i, (ks[i], vs[i]),
-                                before_i, w[i])
+            on = ks[i].device                   # the block's own (a split model's differ)
+            x, n = layer.decode(*(t.to(on) for t in (x, cos, sin, bias[self.windows[i]], pos)),
+                                (ks[i], vs[i]), before if before is None else before.to(on), w[i])
             numbers.append(n)
             if i < len(self.model.layers) - 1:
                 hidden.append(x)
@@ -753,21 +718,17 @@ class Transformer(nn.Module):
 
 COMPILE = os.environ.get("PAIR_COMPILE", "1") != "0"     # 0: decode eagerly everywhere
 KEY_BLOCK = 128         # key slots attended in blocks of this many, not the whole capacity
-# a graph per relation among the sizes (span_start or not, one row or more, the cache full or
-# not): up to 11, over torch's default limit of 8, past which it decodes eagerly
-RECOMPILE_LIMIT = 32
+RECOMPILE_LIMIT = 32    # a graph per relation among the sizes: up to 11, over torch's default 8
 COMPILE_OPTIONS = {"cpu": {}, "cuda": {"mode": "reduce-overhead", "dynamic": True}}
 _compiled = {}          # device kind: Transformer.decode_step compiled; "failed": why given up
 
 
 def compiled_step(w: list, cache: list[KVCache]):
     """Transformer.decode_step compiled, or None where it does not pay (a split model, on the CPU
-    a block without fused weights) or is not wanted. On a GPU also a CUDA graph (gpt-fast's
-    recipe: one launch instead of thousands of kernels), every size symbolic from the start."""
-    if not COMPILE or "failed" in _compiled or len({c.k.device for c in cache}) > 1:
-        return None
+    unfused weights) or is not wanted. On a GPU a CUDA graph too (gpt-fast: one launch)."""
     kind = cache[0].k.device.type
-    if kind == "cpu" and any(x is None for x in w) or kind not in ("cpu", "cuda"):
+    if (not COMPILE or "failed" in _compiled or len({c.k.device for c in cache}) > 1
+            or kind not in ("cpu", "cuda") or kind == "cpu" and any(x is None for x in w)):
         return None
     if kind not in _compiled:
         print("model.py: compiling the decoding step (under a minute the first time on a machine, "

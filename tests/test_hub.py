@@ -158,7 +158,7 @@ def test_fetches_only_needed_files_with_token(env, monkeypatch):
 
 def test_gated_model_without_token_names_hf_token(env):
     env(token="secret")
-    with pytest.raises(M.HubError, match="HF_TOKEN"):
+    with pytest.raises(M.CheckpointError, match="HF_TOKEN"):
         M.fetch_from_hub(REPO)
 
 
@@ -175,7 +175,7 @@ def test_sharded_checkpoint_fetches_index_and_every_shard(env):
 def test_interrupted_fetch_is_one_line_and_finishes_in_a_later_call(env):
     hub = env()
     hub.drop_first.add("model.safetensors")
-    with pytest.raises(M.HubError, match="tiny-org/tiny-model") as err:
+    with pytest.raises(M.CheckpointError, match="tiny-org/tiny-model") as err:
         M.fetch_from_hub(REPO)
     assert "connection lost" in str(err.value) and "\n" not in str(err.value)
     assert not (cache_dir() / "model.safetensors.part").exists()
@@ -253,12 +253,12 @@ def closed_port():
 
 def test_offline_error_names_model_and_cache(env, monkeypatch):
     monkeypatch.setenv("HF_ENDPOINT", f"http://127.0.0.1:{closed_port()}")
-    with pytest.raises(M.HubError) as err:
+    with pytest.raises(M.CheckpointError) as err:
         M.fetch_from_hub(REPO)
     msg = str(err.value)
     assert REPO in msg and str(cache_dir()) in msg
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    with pytest.raises(M.HubError, match="HF_HUB_OFFLINE"):
+    with pytest.raises(M.CheckpointError, match="HF_HUB_OFFLINE"):
         M.fetch_from_hub(REPO)
 
 
@@ -272,7 +272,7 @@ def test_offline_with_complete_cache_works(env, monkeypatch):
 
 def test_unknown_repo_is_a_clear_404(env):
     env()
-    with pytest.raises(M.HubError, match="not found"):
+    with pytest.raises(M.CheckpointError, match="not found"):
         M.fetch_from_hub("tiny-org/missing")
 
 
