@@ -217,8 +217,7 @@ def read_state_dict(directory: Path, expected: dict[str, tuple], tied: bool, dty
                     raise CheckpointError(f"{path}: tensor {name} holds NaN or infinite values")
                 state[name] = tensor.to(device=device, dtype=dtype)
     if missing := sorted(set(expected) - set(state)):
-        raise CheckpointError(f"{directory}: missing tensor {missing[0]}"
-                              + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""))
+        raise CheckpointError(f"{directory}: missing tensor {missing[0]} ({len(missing)} missing)")
     return state
 
 
@@ -293,8 +292,7 @@ def fetch_from_hub(repo_id: str) -> Path:
                 _download(base, folder / name, headers, required=name != INDEX)
             for name in weight_files(folder):
                 _download(base, folder / name, headers)
-            write_atomic(folder / HUB_MANIFEST, json.dumps(
-                {"repo": repo_id, "revision": "main", "endpoint": endpoint}))
+            write_atomic(folder / HUB_MANIFEST, json.dumps({"repo": repo_id, "endpoint": endpoint}))
     return folder
 
 
@@ -335,9 +333,7 @@ def load_model(path_or_repo, dtype=torch.float32,
     expected = {name: tuple(t.shape) for name, t in model.state_dict().items()
                 if not (tied and name == "lm_head.weight")}
     state = read_state_dict(directory, expected, tied, dtype, torch.device(device))
-    if tied:
-        state["lm_head.weight"] = state["model.embed_tokens.weight"]
-    model.load_state_dict(state, strict=True, assign=True)
+    model.load_state_dict(state, strict=not tied, assign=True)     # names checked as read
     if tied:
         model.lm_head.weight = model.model.embed_tokens.weight   # assign=True broke the tie
     model.requires_grad_(False).eval()
@@ -396,11 +392,8 @@ class KVCache:
         if size <= self.k.shape[2]:
             return
         new = (max(size, 2 * self.k.shape[2]) + 255) // 256 * 256
-        for name in ("k", "v"):
-            old = getattr(self, name)
-            t = old.new_zeros(old.shape[0], old.shape[1], new, old.shape[3])
-            t[:, :, :old.shape[2]] = old
-            setattr(self, name, static_address(t))
+        self.k, self.v = (static_address(torch.cat((t, t.new_zeros(
+            *t.shape[:2], new - t.shape[2], t.shape[3])), 2)) for t in (self.k, self.v))
 
     def write(self, k: Tensor, v: Tensor, positions: Tensor, size: int) -> tuple[Tensor, Tensor]:
         """Store k, v (B, KV, T, D) at slots `positions` (B, T); return slots [0, size)."""
@@ -747,8 +740,8 @@ def compiled_step(w: list, cache: list[KVCache]):
 # Tokenizer and the chat format (METHOD.md §2, §3); text kept encodable
 
 class Tokenizer:
-    """A tokenizers.Tokenizer and the ChatML template around it. Untrusted text stays text: a
-    message writing "<|im_end|>" is those characters; only the template puts special tokens."""
+    """A tokenizers.Tokenizer and the ChatML template around it; only the template puts special
+    tokens (a message writing "<|im_end|>" is those characters)."""
 
     def __init__(self, tok):
         self.tok = tok
@@ -778,9 +771,8 @@ class Tokenizer:
         return self.tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
     def render(self, messages, add_generation_prompt=False) -> tuple[list[int], list[tuple]]:
-        """Token ids of the chat (the whole ChatML string's, but that a message cannot open or
-        close a turn) and, per assistant message, its span [start, end) (METHOD.md §3): its
-        content's first token to its closing <|im_end|> + 1."""
+        """Token ids of the ChatML chat and, per assistant message, its span [start, end)
+        (METHOD.md §3): its content's first token to its closing <|im_end|> + 1."""
         if not messages or messages[0]["role"] != "system":
             messages = [{"role": "system", "content": DEFAULT_SYSTEM}, *messages]
         ids, spans = [], []
@@ -816,16 +808,13 @@ def without_surrogates(text: str) -> str:
 # The update's log-probabilities
 
 MLP_CHUNK = 4096          # tokens (rows x positions) a recomputed block's MLP runs at a time
-# logits scored at a time (64 MB), again in backward: a 152k vocabulary's float32 logits take
-# 0.58 GiB per 1,000 tokens, and the update would hold several copies
-LOGITS_CHUNK = 1 << 24
+LOGITS_CHUNK = 1 << 24    # logits at a time (64 MB): 152k float32 logits are 0.58 GiB a 1k tokens
 
 
 def token_logprobs(policy, ids: torch.Tensor, mask: torch.Tensor,
                    temperature: float = 1.0) -> torch.Tensor:
-    """log pi(x_j | x_<j) at the masked positions j, in row-major order -> (N,) float32. The head
-    runs on those N positions only, LOGITS_CHUNK // V at a time; with a gradient, blocks and head
-    chunks are recomputed in backward: the update never holds the (N, V) logits whole."""
+    """log pi(x_j | x_<j) at the masked positions j, row-major -> (N,) float32. The head runs on
+    those only, LOGITS_CHUNK // V at a time, recomputed in backward: never all (N, V) logits."""
     h = policy.trunk(ids, recompute=True)                       # (B, T, d) after the final norm
     h = h[:, :-1]                                               # position j predicts x_{j+1}
     target = mask[:, 1:].to(h.device)
@@ -848,10 +837,9 @@ def head_logprobs(lm_head: nn.Module, h: Tensor, labels: Tensor, temperature: fl
 
 
 # ----------------------------------------------------------------------------------------------
-# LoRA (Hu et al., 2021) in PEFT's layout: a targeted nn.Linear keeps its weight's key
-# (q_proj.weight) and gains q_proj.lora_A.weight (r, d_in) and q_proj.lora_B.weight (d_out, r):
-#     y = x W^T + b + (alpha / r) * B A dropout(x),   B = 0 at first (the model unchanged).
-# The adapter stays float32 (PEFT's default) under bfloat16 weights: its updates are tiny.
+# LoRA (Hu et al., 2021) in PEFT's layout: q_proj keeps q_proj.weight and gains q_proj.lora_A
+# (r, d_in) and q_proj.lora_B (d_out, r): y = x W^T + b + (alpha / r) B A dropout(x), B = 0 at
+# first. The adapter stays float32 (PEFT's default) under bfloat16 weights: its updates are tiny.
 
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
@@ -957,8 +945,8 @@ def save_adapter(model, path, base_model_name_or_path=None):
 
 
 def load_adapter_weights(policy, directory):
-    """Restore into policy's LoRA weights the adapter save_adapter wrote to `directory` (a run's
-    own checkpoint, its settings those of policy's adapter); lab/adapters.py loads any PEFT one."""
+    """policy's LoRA weights from the adapter save_adapter wrote to `directory` (a run's own
+    checkpoint; lab/adapters.py loads any PEFT adapter)."""
     config, file, s = (Path(directory) / ADAPTER_CONFIG, Path(directory) / ADAPTER_WEIGHTS,
                        policy.lora_settings)
     c = json.loads(config.read_text())
@@ -977,7 +965,7 @@ def load_adapter_weights(policy, directory):
 
 
 # ----------------------------------------------------------------------------------------------
-# File helpers: where fetched and fitted files live, atomic writes; --devices
+# Files (where fetched and fitted ones live, atomic writes) and --devices
 
 def cache_root() -> Path:
     """Where everything fetched or fitted once is kept: $PAIR_CACHE, else ~/.cache/pair."""
@@ -985,8 +973,8 @@ def cache_root() -> Path:
 
 
 def write_atomic(path: Path, data: bytes | str) -> None:
-    """The one way this project writes a file: a temporary file beside it (this thread's own),
-    then os.replace: a reader, or a run killed mid-write, sees the old file or the new one."""
+    """The one way this project writes a file: a temporary file beside it, then os.replace: a
+    reader, or a run killed mid-write, sees the old file or the new one."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
@@ -999,8 +987,7 @@ def write_atomic(path: Path, data: bytes | str) -> None:
 
 
 def parse_devices(text: str) -> list[torch.device]:
-    """A --devices value ("cuda:0,cuda:1", "cpu") -> the devices; a one-line ValueError for a
-    value that is not a list of this machine's devices."""
+    """A --devices value ("cuda:0,cuda:1", "cpu") -> the devices, or a one-line ValueError."""
     try:
         devices = [torch.device(d.strip()) for d in text.split(",")]
     except RuntimeError:                                # "", "foo", "cuda:x"
