@@ -33,7 +33,6 @@ from torch import nn, Tensor
 
 STATS = ("max", "std", "prefix", "self", "entropy", "lookback")
 DEFAULT_SYSTEM = "You are Qwen, created by Alibaba Cloud. You are a helpful assistant."
-# --dtype of every script takes these names, torch's, and only these
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -88,8 +87,7 @@ class Config:
         arch = d.get("architectures") or [ARCHITECTURES.get(d.get("model_type"))]
         if not (isinstance(arch, list) and arch[0] in ARCHITECTURES.values()):
             raise ValueError(f"architectures {arch!r}: unsupported (supported: "
-                             f"{', '.join(ARCHITECTURES.values())}, or a model_type of "
-                             f"{', '.join(ARCHITECTURES)})")
+                             f"{', '.join(ARCHITECTURES.values())})")
         d = {**ARCH_DEFAULTS.get(arch[0], {}), **d, "architectures": arch}
         if missing := [f.name for f in fields(cls) if f.name not in d
                        and f.default is MISSING and f.default_factory is MISSING]:
@@ -348,8 +346,8 @@ def input_device(model: "Transformer") -> torch.device:
 
 
 # ----------------------------------------------------------------------------------------------
-# The transformer; module names are the Hugging Face weight keys. RoPE as Hugging Face writes it
-# for Qwen (rotate_half, so no weight permutation).
+# The transformer, its decoding step and the update's log-probabilities; module names are the
+# Hugging Face weight keys, RoPE is written as theirs for Qwen (rotate_half: no permutation).
 
 def rope_tables(inv_freq: Tensor, positions: Tensor, dtype) -> tuple[Tensor, Tensor]:
     freqs = positions[..., None].float() * inv_freq.to(positions.device)   # (B, T, D/2)
@@ -385,8 +383,7 @@ class KVCache:
         shape = (batch_size, n_kv_heads, capacity, head_dim)
         self.k = static_address(torch.zeros(shape, dtype=dtype, device=device))
         self.v = static_address(torch.zeros(shape, dtype=dtype, device=device))
-        # real tokens per row, on the CPU (no device sync): where each row's next token goes
-        self.lengths = torch.zeros(batch_size, dtype=torch.long)
+        self.lengths = torch.zeros(batch_size, dtype=torch.long)   # real tokens a row, on the CPU
 
     def grow(self, size: int):
         if size <= self.k.shape[2]:
@@ -466,10 +463,7 @@ class Attention(nn.Module):
     def forward(self, x, cos, sin, mask, positions, cache=None):
         """x (B, T, d) -> (B, T, d); mask (B, 1, T, S) bool, or None for plain causal (trunk).
         A cache gets k and v at slots `positions`; the queries attend over its slots [0, S)."""
-        B, T, _ = x.shape
-        dev = x.device                              # the block may live on any device
-        cos, sin, positions = cos.to(dev), sin.to(dev), positions.to(dev)
-        mask = mask.to(dev) if mask is not None else None
+        B, T, _ = x.shape                       # (a split model's hooks moved the inputs here)
         q, k, v = (proj(x).view(B, T, -1, self.head_dim).transpose(1, 2)   # (B, H or KV, T, D)
                    for proj in (self.q_proj, self.k_proj, self.v_proj))
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
@@ -478,37 +472,6 @@ class Attention(nn.Module):
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None,
                                              enable_gqa=True)
         return self.o_proj(out.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim))
-
-    def decode(self, x, cos, sin, bias, pos, kv, before=None, w=None):
-        """One token per row, x (B, 1, d) at positions i = pos (B,) -> (output (B, 1, d), numbers).
-        k, v go to slots pos of kv = (k cache, v cache); the query attends over slots [0, S):
-            p_ij = softmax_j(q_i . k_j / sqrt(D) + bias_j)   (bias (B, 1, 1, S): 0 or -inf)
-        By hand in float32, not SDPA, because p gives the statistics: numbers = (max_j p_ij,
-        sum_j p_ij^2, prefix = sum_j p_ij before_j, self = 1 - prefix), each (B, H, 1), where
-        before (B, 1, 1, S) is 1 on slots j < span_start. w: Block.decode_weights()."""
-        B, H, KV, D = x.shape[0], self.n_heads, self.n_kv_heads, self.head_dim
-        if w is None:
-            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
-            q = apply_rope(q.view(B, 1, H, D).transpose(1, 2), cos, sin)   # (B, H, 1, D)
-            k = apply_rope(k.view(B, 1, KV, D).transpose(1, 2), cos, sin)
-        else:       # q and k side by side from one matmul: rotated together, in one pass
-            qk, v = F.linear(x, *w.qkv).split(((H + KV) * D, KV * D), -1)
-            q, k = apply_rope(qk.view(B, 1, H + KV, D).transpose(1, 2), cos, sin).split((H, KV), 1)
-        k_cache, v_cache = kv
-        rows = torch.arange(B, device=pos.device)
-        k_cache[rows, :, pos] = k[:, :, 0].to(k_cache.dtype)                 # (B, KV, D)
-        v_cache[rows, :, pos] = v.view(B, KV, D).to(v_cache.dtype)
-        S = bias.shape[-1]
-        k, v = k_cache[:, :, :S], v_cache[:, :, :S]                         # (B, KV, S, D)
-        q = (q.float() * self.scale).reshape(B, KV, H // KV, D)             # (B, KV, G, D)
-        p = torch.softmax(q @ k.float().transpose(-1, -2) + bias, dim=-1)  # (B, KV, G, S)
-        out = (p @ v.float()).view(B, 1, H * D).to(x.dtype)
-        numbers = None
-        if before is not None:
-            p = p.view(B, H, 1, -1)                                         # (B, H, 1, S)
-            prefix = torch.linalg.vecdot(p, before)
-            numbers = (p.amax(-1), torch.linalg.vecdot(p, p), prefix, 1 - prefix)
-        return (self.o_proj(out) if w is None else F.linear(out, *w.o)), numbers
 
 
 class FusedWeights(NamedTuple):     # a block's projections as decoding applies them
@@ -537,10 +500,36 @@ class Block(nn.Module):
             for i in range(0, x.shape[1], mlp_chunk)], 1)
 
     def decode(self, x, cos, sin, bias, pos, kv, before=None, w=None):
-        """forward of one token per row -> (x, Attention.decode's numbers); w as there."""
-        a, numbers = self.self_attn.decode(self.input_layernorm(x), cos, sin, bias, pos, kv,
-                                           before, w)
-        x = x + a
+        """The block on one token per row, x (B, 1, d) at positions i = pos (B,) -> (x, numbers).
+        k, v go to slots pos of kv = (k cache, v cache); the query attends over slots [0, S):
+            p_ij = softmax_j(q_i . k_j / sqrt(D) + bias_j)   (bias (B, 1, 1, S): 0 or -inf)
+        By hand in float32, not SDPA, because p gives the statistics: numbers = (max_j p_ij,
+        sum_j p_ij^2, prefix = sum_j p_ij before_j, self = 1 - prefix), each (B, H, 1), where
+        before (B, 1, 1, S) is 1 on slots j < span_start. w: decode_weights(), or None."""
+        a, h = self.self_attn, self.input_layernorm(x)
+        B, H, KV, D = x.shape[0], a.n_heads, a.n_kv_heads, a.head_dim
+        if w is None:
+            q, k, v = a.q_proj(h), a.k_proj(h), a.v_proj(h)
+            q = apply_rope(q.view(B, 1, H, D).transpose(1, 2), cos, sin)   # (B, H, 1, D)
+            k = apply_rope(k.view(B, 1, KV, D).transpose(1, 2), cos, sin)
+        else:       # q and k side by side from one matmul: rotated together, in one pass
+            qk, v = F.linear(h, *w.qkv).split(((H + KV) * D, KV * D), -1)
+            q, k = apply_rope(qk.view(B, 1, H + KV, D).transpose(1, 2), cos, sin).split((H, KV), 1)
+        k_cache, v_cache = kv
+        rows = torch.arange(B, device=pos.device)
+        k_cache[rows, :, pos] = k[:, :, 0].to(k_cache.dtype)                 # (B, KV, D)
+        v_cache[rows, :, pos] = v.view(B, KV, D).to(v_cache.dtype)
+        S = bias.shape[-1]
+        k, v = k_cache[:, :, :S], v_cache[:, :, :S]                         # (B, KV, S, D)
+        q = (q.float() * a.scale).reshape(B, KV, H // KV, D)                # (B, KV, G, D)
+        p = torch.softmax(q @ k.float().transpose(-1, -2) + bias, dim=-1)  # (B, KV, G, S)
+        out = (p @ v.float()).view(B, 1, H * D).to(h.dtype)
+        numbers = None
+        if before is not None:
+            p = p.view(B, H, 1, -1)                                         # (B, H, 1, S)
+            prefix = torch.linalg.vecdot(p, before)
+            numbers = (p.amax(-1), torch.linalg.vecdot(p, p), prefix, 1 - prefix)
+        x = x + (a.o_proj(out) if w is None else F.linear(out, *w.o))
         h = self.post_attention_layernorm(x)
         if w is None:
             return x + self.mlp(h), numbers
@@ -736,6 +725,34 @@ def compiled_step(w: list, cache: list[KVCache]):
     return _compiled[kind]
 
 
+MLP_CHUNK = 4096          # tokens (rows x positions) a recomputed block's MLP runs at a time
+LOGITS_CHUNK = 1 << 24    # logits at a time (64 MB): 152k float32 logits are 0.58 GiB a 1k tokens
+
+
+def token_logprobs(policy, ids: torch.Tensor, mask: torch.Tensor,
+                   temperature: float = 1.0) -> torch.Tensor:
+    """log pi(x_j | x_<j) at the masked positions j, row-major -> (N,) float32. The head runs on
+    those only, LOGITS_CHUNK // V at a time, recomputed in backward: never all (N, V) logits."""
+    h = policy.trunk(ids, recompute=True)[:, :-1]               # position j predicts x_{j+1}
+    target = mask[:, 1:].to(h.device)
+    h, labels = h[target], ids[:, 1:].to(h.device)[target]      # (N, d), (N,)
+    n = max(1, LOGITS_CHUNK // policy.config.vocab_size)
+    parts = []
+    for a in range(0, len(labels), n):
+        inputs = (policy.lm_head, h[a:a + n], labels[a:a + n], temperature)
+        parts.append(torch.utils.checkpoint.checkpoint(head_logprobs, *inputs, use_reentrant=False)
+                     if torch.is_grad_enabled() else head_logprobs(*inputs))
+    return torch.cat(parts) if parts else torch.zeros(0, device=h.device)
+
+
+def head_logprobs(lm_head: nn.Module, h: Tensor, labels: Tensor, temperature: float) -> Tensor:
+    """log softmax(lm_head(h) / T)[label] of each row: (n, d), (n,) -> (n,) float32."""
+    logits = lm_head(h).float()                                 # (n, V)
+    if temperature > 0:
+        logits = logits / temperature
+    return torch.log_softmax(logits, dim=-1).gather(1, labels[:, None]).squeeze(1)
+
+
 # ----------------------------------------------------------------------------------------------
 # Tokenizer and the chat format (METHOD.md §2, §3); text kept encodable
 
@@ -802,38 +819,6 @@ def holds_lone_surrogate(value) -> bool:
 def without_surrogates(text: str) -> str:
     """text with every unpaired surrogate replaced by U+FFFD (same length), so it encodes."""
     return LONE_SURROGATE.sub("\ufffd", text)
-
-
-# ----------------------------------------------------------------------------------------------
-# The update's log-probabilities
-
-MLP_CHUNK = 4096          # tokens (rows x positions) a recomputed block's MLP runs at a time
-LOGITS_CHUNK = 1 << 24    # logits at a time (64 MB): 152k float32 logits are 0.58 GiB a 1k tokens
-
-
-def token_logprobs(policy, ids: torch.Tensor, mask: torch.Tensor,
-                   temperature: float = 1.0) -> torch.Tensor:
-    """log pi(x_j | x_<j) at the masked positions j, row-major -> (N,) float32. The head runs on
-    those only, LOGITS_CHUNK // V at a time, recomputed in backward: never all (N, V) logits."""
-    h = policy.trunk(ids, recompute=True)                       # (B, T, d) after the final norm
-    h = h[:, :-1]                                               # position j predicts x_{j+1}
-    target = mask[:, 1:].to(h.device)
-    h, labels = h[target], ids[:, 1:].to(h.device)[target]      # (N, d), (N,)
-    n = max(1, LOGITS_CHUNK // policy.config.vocab_size)
-    parts = []
-    for a in range(0, len(labels), n):
-        inputs = (policy.lm_head, h[a:a + n], labels[a:a + n], temperature)
-        parts.append(torch.utils.checkpoint.checkpoint(head_logprobs, *inputs, use_reentrant=False)
-                     if torch.is_grad_enabled() else head_logprobs(*inputs))
-    return torch.cat(parts) if parts else torch.zeros(0, device=h.device)
-
-
-def head_logprobs(lm_head: nn.Module, h: Tensor, labels: Tensor, temperature: float) -> Tensor:
-    """log softmax(lm_head(h) / T)[label] of each row: (n, d), (n,) -> (n,) float32."""
-    logits = lm_head(h).float()                                 # (n, V)
-    if temperature > 0:
-        logits = logits / temperature
-    return torch.log_softmax(logits, dim=-1).gather(1, labels[:, None]).squeeze(1)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -921,7 +906,6 @@ def load_lora_state(policy, state: dict[str, torch.Tensor]):
         p.copy_(state[n])
 
 
-# Adapter files in PEFT's layout, which checkpoints save and PEFT reads as they are
 ADAPTER_CONFIG, ADAPTER_WEIGHTS = "adapter_config.json", "adapter_model.safetensors"
 PEFT_PREFIX = "base_model.model."
 
