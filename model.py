@@ -18,7 +18,7 @@ import struct
 import sys
 import threading
 from bisect import bisect_right
-from dataclasses import dataclass, field, fields, MISSING
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import NamedTuple
 from urllib.parse import quote
@@ -82,16 +82,12 @@ class Config:
 
     @classmethod
     def from_dict(cls, d: dict) -> "Config":
-        if not isinstance(d, dict):
-            raise ValueError(f"must be a JSON object, not {type(d).__name__}")
+        """config.json's object -> Config; a missing key is the dataclass's TypeError naming it."""
         arch = d.get("architectures") or [ARCHITECTURES.get(d.get("model_type"))]
         if not (isinstance(arch, list) and arch[0] in ARCHITECTURES.values()):
             raise ValueError(f"architectures {arch!r}: unsupported (supported: "
                              f"{', '.join(ARCHITECTURES.values())})")
         d = {**ARCH_DEFAULTS.get(arch[0], {}), **d, "architectures": arch}
-        if missing := [f.name for f in fields(cls) if f.name not in d
-                       and f.default is MISSING and f.default_factory is MISSING]:
-            raise ValueError(f"no {', '.join(missing)} (a model's config.json has them)")
         cfg = cls(**{f.name: d[f.name] for f in fields(cls) if f.name in d})
         cfg.validate()
         return cfg
@@ -171,7 +167,7 @@ def read_config(directory) -> Config:
     path = Path(directory) / "config.json"
     try:
         return Config.from_dict(read_json(path))
-    except (TypeError, ValueError) as e:
+    except (TypeError, ValueError, AttributeError) as e:     # AttributeError: not an object
         raise CheckpointError(f"{path}: {e}") from None
 
 

@@ -204,7 +204,7 @@ def test_config_without_a_required_key_or_with_an_index_of_another_shape(tmp_pat
     (tmp_path / "config.json").write_text(json.dumps(
         {k: v for k, v in GOOD_CONFIG.items() if k != "hidden_size"}))
     write_tiny_tokenizer(tmp_path)
-    with pytest.raises(M.CheckpointError, match="config.json: no hidden_size"):
+    with pytest.raises(M.CheckpointError, match="config.json: .*missing .*hidden_size"):
         M.load_model(tmp_path)
     (tmp_path / "config.json").write_text(json.dumps(GOOD_CONFIG))
     (tmp_path / "model.safetensors.index.json").write_text("[]")
