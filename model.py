@@ -179,11 +179,10 @@ def weight_files(directory: Path) -> list[str]:
     weight_map = weight_map.get("weight_map") if isinstance(weight_map, dict) else None
     if not isinstance(weight_map, dict) or not weight_map:
         raise CheckpointError(f"{index}: no weight_map")
-    for name, file in weight_map.items():
+    for file in weight_map.values():
         if not (isinstance(file, str) and file == Path(file).name and
                 file.endswith(".safetensors") and not file.startswith(".")):
-            raise CheckpointError(f"{index}: tensor {name} is mapped to {file!r}, not a "
-                                  "safetensors file beside the index")
+            raise CheckpointError(f"{index}: {file!r} is not a safetensors file beside the index")
     return sorted(set(weight_map.values()))
 
 
@@ -201,8 +200,7 @@ def read_state_dict(directory: Path, expected: dict[str, tuple], tied: bool, dty
         with f:
             for name in sorted(k for k in f.keys() if not (tied and k == "lm_head.weight")):
                 if name not in expected or name in state:
-                    raise CheckpointError(f"{path}: unexpected tensor {name} (not of a "
-                                          "Hugging Face checkpoint of this config, or twice)")
+                    raise CheckpointError(f"{path}: unexpected tensor {name} (or twice)")
                 if (shape := tuple(f.get_slice(name).get_shape())) != expected[name]:
                     raise CheckpointError(f"{path}: tensor {name} has shape {list(shape)}, "
                                           f"expected {list(expected[name])}")
@@ -257,10 +255,8 @@ def resolve(path_or_repo) -> Path:
                                               str(path_or_repo)):
         raise CheckpointError(f"{directory}: no such directory (nor a Hub model name like "
                               "Qwen/Qwen2.5-7B-Instruct)")
-    # <org>/<name> with a local <org>/ is a misspelt path (data/shop-policy), not a Hub name
-    if Path(first := directory.parts[0]).is_dir():
-        raise CheckpointError(f"{directory}: no such directory ({first}/ is a local directory, "
-                              "so this is a path, not a Hub model name)")
+    if Path(first := directory.parts[0]).is_dir():      # a misspelt path, not a Hub name
+        raise CheckpointError(f"{directory}: no such directory ({first}/ is a local directory)")
     return fetch_from_hub(str(path_or_repo))
 
 
@@ -316,8 +312,7 @@ def _download(base: str, dest: Path, headers: dict, required=True):
 
 def load_model(path_or_repo, dtype=torch.float32,
                device="cpu") -> tuple["Transformer", "Tokenizer"]:
-    """A checkpoint directory or a Hub model name -> (model, tokenizer) on `device`, the model
-    frozen (GRPO trains LoRA adapters beside it)."""
+    """A checkpoint directory or Hub model name -> (model, tokenizer) on `device`, model frozen."""
     directory = resolve(path_or_repo)
     config = read_config(directory)
     tokenizer = Tokenizer.from_file(directory)
@@ -391,7 +386,6 @@ class KVCache:
     def write(self, k: Tensor, v: Tensor, positions: Tensor, size: int) -> tuple[Tensor, Tensor]:
         """Store k, v (B, KV, T, D) at slots `positions` (B, T); return slots [0, size)."""
         self.grow(size)
-        positions = positions.to(self.k.device)
         rows = torch.arange(k.shape[0], device=self.k.device)[:, None]
         self.k[rows, :, positions] = k.transpose(1, 2).to(self.k.dtype)   # (B, T, KV, D)
         self.v[rows, :, positions] = v.transpose(1, 2).to(self.v.dtype)
@@ -540,10 +534,9 @@ class Block(nn.Module):
         groups = ((a.q_proj, a.k_proj, a.v_proj), (a.o_proj,), (m.gate_proj, m.up_proj),
                   (m.down_proj,))
         linears = [lin for group in groups for lin in group]
-        if (torch.is_grad_enabled() or sum(lin.weight.numel() for lin in linears)
-                > FUSE_MAX_ELEMENTS or any(lin.weight.dtype != torch.float32
-                                           or getattr(lin, "dropout", 0) and lin.training
-                                           for lin in linears)):
+        big = sum(lin.weight.numel() for lin in linears) > FUSE_MAX_ELEMENTS
+        if torch.is_grad_enabled() or big or any(lin.weight.dtype != torch.float32 or getattr(
+                lin, "dropout", 0) and lin.training for lin in linears):
             return None
         key = [(getattr(lin, "enabled", None), [(id(t), t.data_ptr(), t._version)
                                                 for t in lin.parameters()]) for lin in linears]
@@ -554,8 +547,7 @@ class Block(nn.Module):
 
 
 def _fuse(linears) -> tuple[Tensor, Tensor | None]:
-    """One (weight, bias) applying the projections side by side (a missing bias is 0), each with
-    its enabled adapter merged in: W + scaling * B A."""
+    """One (weight, bias) for the projections side by side, adapters merged: W + scaling * B A."""
     weight = torch.cat([lin.weight + lin.scaling * (lin.lora_B.weight @ lin.lora_A.weight)
                         if isinstance(lin, LoRALinear) and lin.enabled else lin.weight
                         for lin in linears])
@@ -753,8 +745,7 @@ def head_logprobs(lm_head: nn.Module, h: Tensor, labels: Tensor, temperature: fl
 # Tokenizer and the chat format (METHOD.md §2, §3); text kept encodable
 
 class Tokenizer:
-    """A tokenizers.Tokenizer and the ChatML template around it; only the template puts special
-    tokens (a message writing "<|im_end|>" is those characters)."""
+    """A tokenizers.Tokenizer and the ChatML template; only the template puts special tokens."""
 
     def __init__(self, tok):
         self.tok = tok
@@ -925,8 +916,7 @@ def save_adapter(model, path, base_model_name_or_path=None):
 
 
 def load_adapter_weights(policy, directory):
-    """policy's LoRA weights from the adapter save_adapter wrote to `directory` (a run's own
-    checkpoint; lab/adapters.py loads any PEFT adapter)."""
+    """policy's LoRA weights from save_adapter's `directory` (lab/adapters.py: any PEFT adapter)."""
     config, file, s = (Path(directory) / ADAPTER_CONFIG, Path(directory) / ADAPTER_WEIGHTS,
                        policy.lora_settings)
     c = json.loads(config.read_text())
@@ -953,8 +943,7 @@ def cache_root() -> Path:
 
 
 def write_atomic(path: Path, data: bytes | str) -> None:
-    """The one way this project writes a file: a temporary file beside it, then os.replace: a
-    reader, or a run killed mid-write, sees the old file or the new one."""
+    """Every file written here: a temporary file, then os.replace (the old file or the new one)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
