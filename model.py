@@ -82,13 +82,12 @@ class Config:
 
     @classmethod
     def from_dict(cls, d: dict) -> "Config":
-        """config.json's object -> Config; a missing key is the dataclass's TypeError naming it."""
         arch = d.get("architectures") or [ARCHITECTURES.get(d.get("model_type"))]
         if not (isinstance(arch, list) and arch[0] in ARCHITECTURES.values()):
             raise ValueError(f"architectures {arch!r}: unsupported (supported: "
                              f"{', '.join(ARCHITECTURES.values())})")
         d = {**ARCH_DEFAULTS.get(arch[0], {}), **d, "architectures": arch}
-        cfg = cls(**{f.name: d[f.name] for f in fields(cls) if f.name in d})
+        cfg = cls(**{f.name: d[f.name] for f in fields(cls) if f.name in d})   # missing: TypeError
         cfg.validate()
         return cfg
 
@@ -186,8 +185,7 @@ def weight_files(directory: Path) -> list[str]:
     return sorted(set(weight_map.values()))
 
 
-def read_state_dict(directory: Path, expected: dict[str, tuple], tied: bool, dtype,
-                    device) -> dict:
+def read_state_dict(directory: Path, expected: dict, tied: bool, dtype, device) -> dict:
     """Every tensor of `expected` (name -> shape) as dtype on device; a missing, unexpected or
     misshapen tensor, or NaN (a stop token forever), is an error naming it. Tied: no lm_head."""
     state = {}
@@ -221,9 +219,8 @@ def checkpoint_sha256(directory) -> str:
     h = hashlib.sha256(b"checkpoint/1")
     names = ["config.json", "tokenizer.json"] + [INDEX] * (directory / INDEX).is_file()
     for name in names + weight_files(directory):
-        path = directory / name
         try:
-            with open(path, "rb") as f:
+            with open(path := directory / name, "rb") as f:
                 size = os.fstat(f.fileno()).st_size
                 h.update(f"{name}\0{size}\0".encode())
                 if size <= 64 << 20 or not name.endswith(".safetensors"):
@@ -287,8 +284,7 @@ def fetch_from_hub(repo_id: str) -> Path:
 
 
 def _download(base: str, dest: Path, headers: dict, required=True):
-    """base + dest.name into dest (unless there from an interrupted fetch) through a .part file;
-    requests refuses a body shorter than its Content-Length. Not required: a 404 is no file."""
+    """base + dest.name into dest via a .part file (requests refuses a short body)."""
     if dest.is_file():
         return
     url, part = base + quote(dest.name), dest.with_name(dest.name + ".part")
@@ -451,8 +447,7 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(H * D, d, bias=config.attention_bias)
 
     def forward(self, x, cos, sin, mask, positions, cache=None):
-        """x (B, T, d) -> (B, T, d); mask (B, 1, T, S) bool, or None for plain causal (trunk).
-        A cache gets k and v at slots `positions`; the queries attend over its slots [0, S)."""
+        """x (B, T, d) -> (B, T, d); mask (B, 1, T, S) or None (causal); a cache gets k, v."""
         B, T, _ = x.shape                       # (a split model's hooks moved the inputs here)
         q, k, v = (proj(x).view(B, T, -1, self.head_dim).transpose(1, 2)   # (B, H or KV, T, D)
                    for proj in (self.q_proj, self.k_proj, self.v_proj))
@@ -587,9 +582,8 @@ class Transformer(nn.Module):
         return self.lm_head(self.trunk(input_ids, positions, cache)).float()
 
     def trunk(self, input_ids, positions=None, cache=None, recompute=False) -> Tensor:
-        """Up to the final norm: (B, T) -> (B, T, d). positions (B, T): absolute (default: after
-        the cache's tokens, else 0..T-1); a cache gets K/V at them. recompute (the update of a long
-        rollout): each block keeps only its input, its MLP run MLP_CHUNK tokens at a time."""
+        """Up to the final norm: (B, T) -> (B, T, d) at positions (B, T) (default: after the cache's
+        tokens, else 0..T-1); recompute: each block (MLP_CHUNK tokens a time) again in backward."""
         B, T = input_ids.shape
         dev = self.model.embed_tokens.weight.device
         # from position 0 SDPA's causal kernel needs no mask (no token sees a right pad)
@@ -717,8 +711,7 @@ MLP_CHUNK = 4096          # tokens (rows x positions) a recomputed block's MLP r
 LOGITS_CHUNK = 1 << 24    # logits at a time (64 MB): 152k float32 logits are 0.58 GiB a 1k tokens
 
 
-def token_logprobs(policy, ids: torch.Tensor, mask: torch.Tensor,
-                   temperature: float = 1.0) -> torch.Tensor:
+def token_logprobs(policy, ids: Tensor, mask: Tensor, temperature: float = 1.0) -> Tensor:
     """log pi(x_j | x_<j) at the masked positions j, row-major -> (N,) float32. The head runs on
     those only, LOGITS_CHUNK // V at a time, recomputed in backward: never all (N, V) logits."""
     h = policy.trunk(ids, recompute=True)[:, :-1]               # position j predicts x_{j+1}
@@ -764,8 +757,7 @@ class Tokenizer:
             return cls(HFTokenizer.from_file(str(path)))
         except Exception as e:      # the library's own error names no file
             why = (str(e).splitlines() or [type(e).__name__])[0]
-            raise CheckpointError(f"{path}: not a tokenizer the tokenizers library can read "
-                                  f"({why})") from None
+            raise CheckpointError(f"{path}: not a readable tokenizer ({why})") from None
 
     def encode(self, text: str) -> list[int]:
         """The ids of text as text: special-token text in it is encoded as ordinary characters."""
@@ -794,8 +786,7 @@ class Tokenizer:
         return ids, spans
 
 
-# half of a UTF-16 pair (JSON's "\ud800"): no UTF-8 text holds it, the tokenizer refuses it
-LONE_SURROGATE = re.compile("[\ud800-\udfff]")
+LONE_SURROGATE = re.compile("[\ud800-\udfff]")     # half a UTF-16 pair: not UTF-8, not encodable
 
 
 def holds_lone_surrogate(value) -> bool:
@@ -809,9 +800,9 @@ def without_surrogates(text: str) -> str:
 
 
 # ----------------------------------------------------------------------------------------------
-# LoRA (Hu et al., 2021) in PEFT's layout: q_proj keeps q_proj.weight and gains q_proj.lora_A
-# (r, d_in) and q_proj.lora_B (d_out, r): y = x W^T + b + (alpha / r) B A dropout(x), B = 0 at
-# first. The adapter stays float32 (PEFT's default) under bfloat16 weights: its updates are tiny.
+# LoRA (Hu et al., 2021) in PEFT's layout (q_proj gains q_proj.lora_A, q_proj.lora_B):
+#     y = x W^T + b + (alpha / r) B A dropout(x),   A (r, d_in), B (d_out, r) = 0 at first;
+# float32 (PEFT's default) under bfloat16 weights: the adapter's updates are tiny.
 
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
@@ -962,8 +953,7 @@ def parse_devices(text: str) -> list[torch.device]:
     except RuntimeError:                                # "", "foo", "cuda:x"
         devices = []
     if not devices or any(d.type not in ("cpu", "cuda") for d in devices):
-        raise ValueError(f"--devices {text!r}: a comma-separated list of devices such as "
-                         "cuda:0,cuda:1 (or cpu)")
+        raise ValueError(f"--devices {text!r}: not a list of devices like cuda:0,cuda:1 or cpu")
     n_gpus = torch.cuda.device_count()
     if any(d.type == "cuda" and (d.index or 0) >= n_gpus for d in devices):
         raise ValueError(f"--devices {text}: this PyTorch sees {n_gpus or 'no'} CUDA device(s)")
