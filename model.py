@@ -1,17 +1,12 @@
-"""A hand-written Qwen2-family decoder that reports its own hidden states and attention statistics,
-and what it needs around it: checkpoint loading (a directory or a Hub name), a tokenizer,
-generation, LoRA, layers split across devices.
+"""The policy: a hand-written Qwen2-family decoder reporting its own hidden states and attention
+statistics; its config and checkpoint loading (a directory or a Hub name), KV cache, compiled
+decoding step, tokenizer and chat template, the update's log-probabilities, LoRA in PEFT's layout.
 
-PAIR reads its reward from the policy's internals (METHOD.md §4). Each decoding step returns,
-besides the logits, the L+1 hidden states (Hugging Face's convention) and, per layer and query
-head, the six statistics of its softmax row over the causal keys (STATS; equations in stats_from).
-`TurnStats` sums them over a turn and its `TurnTrace` holds their means: no second forward pass.
-Departure from the authors' release: std is over the i+1 causal keys of row i, not the padded row.
-
-Masks come from explicit positions: key slot j is visible to the query at position p iff j <= p
-(and p - j < window). The KV cache is indexed by absolute position, so rows append ragged blocks,
-each at its own offset; a pad sits past its row's real tokens, invisible until the row's next
-real token overwrites it.
+Each decoding step returns, besides the logits, the L+1 hidden states and per layer and head the
+six statistics of its softmax row (STATS, stats_from; METHOD.md §4). Departure from the authors'
+release: std is over the i+1 causal keys of row i, not the padded row. Masks come from positions:
+key slot j is visible to the query at position p iff j <= p (and p - j < window); the cache is
+indexed by absolute position, so a pad past a row's tokens is invisible until overwritten.
 """
 import contextlib
 import hashlib
@@ -23,7 +18,7 @@ import struct
 import sys
 import threading
 from bisect import bisect_right
-from dataclasses import dataclass, field, fields, MISSING
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import NamedTuple
 from urllib.parse import quote
@@ -38,7 +33,6 @@ from torch import nn, Tensor
 
 STATS = ("max", "std", "prefix", "self", "entropy", "lookback")
 DEFAULT_SYSTEM = "You are Qwen, created by Alibaba Cloud. You are a helpful assistant."
-# --dtype of every script takes these names, torch's, and only these
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -50,11 +44,9 @@ ARCHITECTURES = {"qwen2": "Qwen2ForCausalLM", "llama": "LlamaForCausalLM",
 # transformers < 5 saves only the keys that differ from its class defaults; these differ from ours
 ARCH_DEFAULTS = {"Qwen2ForCausalLM": {"max_window_layers": 28},
                  "MistralForCausalLM": {"sliding_window": 4096}}
-# (key, may be absent): positive integers
-SIZES = (("vocab_size", False), ("hidden_size", False), ("intermediate_size", False),
-         ("num_hidden_layers", False), ("num_attention_heads", False),
-         ("num_key_value_heads", True), ("head_dim", True), ("max_position_embeddings", False),
-         ("sliding_window", True))
+SIZES = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+         "num_attention_heads", "num_key_value_heads", "head_dim", "max_position_embeddings",
+         "sliding_window")      # positive integers
 INDEX = "model.safetensors.index.json"
 
 
@@ -64,7 +56,7 @@ class CheckpointError(Exception):
 
 @dataclass
 class Config:
-    """The config.json of a checkpoint; field names are its keys, unknown keys are dropped."""
+    """config.json: field names are its keys (others are dropped); a None default: may be null."""
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -73,7 +65,6 @@ class Config:
     num_key_value_heads: int | None = None
     head_dim: int | None = None
     architectures: list[str] = field(default_factory=lambda: ["Qwen2ForCausalLM"])
-    model_type: str | None = None
     hidden_act: str = "silu"
     rms_norm_eps: float = 1e-6
     max_position_embeddings: int = 32768
@@ -87,66 +78,49 @@ class Config:
     use_sliding_window: bool = False        # Qwen2: windows only when set, from max_window_layers
     max_window_layers: int = 0
     layer_types: list[str] | None = None
-    bos_token_id: int | None = None
     eos_token_id: int | list[int] | None = None
-    pad_token_id: int | None = None
 
     @classmethod
     def from_dict(cls, d: dict) -> "Config":
-        if not isinstance(d, dict):
-            raise ValueError(f"must be a JSON object, not {type(d).__name__}")
         arch = d.get("architectures") or [ARCHITECTURES.get(d.get("model_type"))]
         if not (isinstance(arch, list) and arch[0] in ARCHITECTURES.values()):
             raise ValueError(f"architectures {arch!r}: unsupported (supported: "
-                             f"{', '.join(ARCHITECTURES.values())}, or a model_type of "
-                             f"{', '.join(ARCHITECTURES)})")
+                             f"{', '.join(ARCHITECTURES.values())})")
         d = {**ARCH_DEFAULTS.get(arch[0], {}), **d, "architectures": arch}
-        if missing := [f.name for f in fields(cls) if f.name not in d
-                       and f.default is MISSING and f.default_factory is MISSING]:
-            raise ValueError(f"no {', '.join(missing)} (a model's config.json has them)")
-        cfg = cls(**{f.name: d[f.name] for f in fields(cls) if f.name in d})
+        cfg = cls(**{f.name: d[f.name] for f in fields(cls) if f.name in d})   # missing: TypeError
         cfg.validate()
         return cfg
 
     def validate(self):
-        """What would break the build or run wrong silently, checked in order (each check may read
-        the ones before): a config.json is input."""
-        def token_ids(v):               # (an eos never drawn would never stop)
-            return v is None or all(type(i) is int and 0 <= i < self.vocab_size
-                                    for i in (v if isinstance(v, list) else [v]))
+        """What would break the build or run wrong silently; a check may read the ones before."""
+        def number(v):
+            return type(v) in (int, float) and 0 < v < math.inf
 
-        def rope(v):                    # only default RoPE
-            return v is None or isinstance(v, dict) and theta(v.get("rope_theta")) and \
-                v.get("rope_type", v.get("type", "default")) == "default"
-
-        def theta(v):
-            return v is None or type(v) in (int, float) and 0 < v < math.inf
-
-        n_layers = self.num_hidden_layers
-        checks = [  # (key, test of its value, what it must be)
-            *((key, lambda v, opt=opt: v is None and opt or type(v) is int and v >= 1,
-               "a positive integer") for key, opt in SIZES),
-            ("max_window_layers", lambda v: type(v) is int and v >= 0, "an integer >= 0"),
-            *((key, token_ids, f"a token id below vocab_size {self.vocab_size} (or, for "
-               "eos_token_id, a list of them)") for key in ("bos_token_id", "pad_token_id",
-                                                            "eos_token_id")),
-            *((key, lambda v: isinstance(v, bool), "true or false") for key in (
-                "tie_word_embeddings", "attention_bias", "mlp_bias", "use_sliding_window")),
-            ("rms_norm_eps", lambda v: type(v) in (int, float) and 0 < v < 1,
-             "a number between 0 and 1"),
-            ("rope_theta", theta, "a positive number"),
-            *((key, rope, "a JSON object of default RoPE with a positive rope_theta")
-              for key in ("rope_parameters", "rope_scaling")),
-            ("hidden_act", lambda v: v == "silu", "silu (the only activation here)"),
-            ("layer_types", lambda v: v is None or isinstance(v, list) and len(v) == n_layers
-             and all(isinstance(t, str) for t in v), f"a list of {n_layers} names"),
-            ("hidden_size", lambda v: self.head_dim or v % self.num_attention_heads == 0,
+        n, vocab = self.num_hidden_layers, self.vocab_size
+        checks = [  # (keys, test of a value, what it must be)
+            (SIZES, lambda v: type(v) is int and v >= 1, "a positive integer"),
+            (("eos_token_id",), lambda v: all(type(i) is int and 0 <= i < vocab for i in (
+                v if isinstance(v, list) else [v])),    # an eos never drawn would never stop
+             f"a token id below vocab_size {vocab}, or a list of them"),
+            (("tie_word_embeddings", "attention_bias", "mlp_bias", "use_sliding_window"),
+             lambda v: isinstance(v, bool), "true or false"),
+            (("rms_norm_eps", "rope_theta"), number, "a positive number"),
+            (("rope_parameters", "rope_scaling"), lambda v: isinstance(v, dict)
+             and (v.get("rope_theta") is None or number(v["rope_theta"]))
+             and v.get("rope_type", v.get("type", "default")) == "default",
+             "a JSON object of default RoPE with a positive rope_theta"),
+            (("hidden_act",), lambda v: v == "silu", "silu (the only activation here)"),
+            (("layer_types",), lambda v: isinstance(v, list) and len(v) == n
+             and all(isinstance(t, str) for t in v), f"a list of {n} names"),
+            (("hidden_size",), lambda v: self.head_dim or v % self.num_attention_heads == 0,
              "a multiple of num_attention_heads (or head_dim given)"),
-            ("num_attention_heads", lambda v: v % self.n_kv_heads == 0,
+            (("num_attention_heads",), lambda v: v % self.n_kv_heads == 0,
              "a multiple of num_key_value_heads")]
-        for key, ok, want in checks:
-            if not ok(v := getattr(self, key)):
-                raise ValueError(f"{key} must be {want}, got {v!r}")
+        nullable = {f.name for f in fields(self) if f.default is None}
+        for keys, ok, want in checks:
+            for key in keys:
+                if not ((v := getattr(self, key)) is None and key in nullable or ok(v)):
+                    raise ValueError(f"{key} must be {want}, got {v!r}")
 
     @property
     def arch(self) -> str:
@@ -184,8 +158,6 @@ class Config:
 def read_json(path: Path) -> dict:
     try:
         return json.loads(path.read_text())
-    except FileNotFoundError:
-        raise CheckpointError(f"{path}: file not found") from None
     except (OSError, ValueError, RecursionError) as e:    # deep nesting: RecursionError
         raise CheckpointError(f"{path}: not readable JSON ({type(e).__name__}: {e})") from None
 
@@ -194,48 +166,39 @@ def read_config(directory) -> Config:
     path = Path(directory) / "config.json"
     try:
         return Config.from_dict(read_json(path))
-    except (TypeError, ValueError) as e:
+    except (TypeError, ValueError, AttributeError) as e:     # AttributeError: not an object
         raise CheckpointError(f"{path}: {e}") from None
 
 
 def weight_files(directory: Path) -> list[str]:
-    """model.safetensors, or the shards the index maps tensors to: plain files beside it (not
-    "../x.safetensors": a Hub index names the files fetch_from_hub writes)."""
+    """model.safetensors, or the shards the index maps tensors to: files beside it, never above."""
     if not (index := directory / INDEX).is_file():
         return ["model.safetensors"]
-    index_json = read_json(index)
-    weight_map = index_json.get("weight_map") if isinstance(index_json, dict) else None
+    weight_map = read_json(index)
+    weight_map = weight_map.get("weight_map") if isinstance(weight_map, dict) else None
     if not isinstance(weight_map, dict) or not weight_map:
         raise CheckpointError(f"{index}: no weight_map")
-    for name, file in weight_map.items():
+    for file in weight_map.values():
         if not (isinstance(file, str) and file == Path(file).name and
                 file.endswith(".safetensors") and not file.startswith(".")):
-            raise CheckpointError(f"{index}: tensor {name} is mapped to {file!r}, not a "
-                                  "safetensors file beside the index")
+            raise CheckpointError(f"{index}: {file!r} is not a safetensors file beside the index")
     return sorted(set(weight_map.values()))
 
 
-def read_state_dict(directory: Path, expected: dict[str, tuple], tied: bool, dtype,
-                    device) -> dict:
+def read_state_dict(directory: Path, expected: dict, tied: bool, dtype, device) -> dict:
     """Every tensor of `expected` (name -> shape) as dtype on device; a missing, unexpected or
-    misshapen tensor, or one holding NaN (it would load and generate a stop token forever), is a
-    CheckpointError naming it. Tied embeddings: a stored lm_head.weight is ignored."""
+    misshapen tensor, or NaN (a stop token forever), is an error naming it. Tied: no lm_head."""
     state = {}
-    for file in weight_files(directory):
-        path = directory / file
+    for path in (directory / file for file in weight_files(directory)):
         try:
             f = safe_open(str(path), framework="pt", device="cpu")
-        except FileNotFoundError:
-            raise CheckpointError(f"{path}: file not found") from None
-        except Exception as e:      # safetensors' own error for a truncated or corrupt file
-            raise CheckpointError(f"{path}: truncated or corrupt safetensors file ({e})") from None
+        except Exception as e:      # safetensors' own error names no file
+            raise CheckpointError(f"{path}: missing, truncated or corrupt safetensors file "
+                                  f"({e})") from None
         with f:
-            for name in sorted(f.keys()):
-                if tied and name == "lm_head.weight":
-                    continue
+            for name in sorted(k for k in f.keys() if not (tied and k == "lm_head.weight")):
                 if name not in expected or name in state:
-                    raise CheckpointError(f"{path}: unexpected tensor {name} (not of a "
-                                          "Hugging Face checkpoint of this config, or twice)")
+                    raise CheckpointError(f"{path}: unexpected tensor {name} (or twice)")
                 if (shape := tuple(f.get_slice(name).get_shape())) != expected[name]:
                     raise CheckpointError(f"{path}: tensor {name} has shape {list(shape)}, "
                                           f"expected {list(expected[name])}")
@@ -244,29 +207,23 @@ def read_state_dict(directory: Path, expected: dict[str, tuple], tied: bool, dty
                     raise CheckpointError(f"{path}: tensor {name} holds NaN or infinite values")
                 state[name] = tensor.to(device=device, dtype=dtype)
     if missing := sorted(set(expected) - set(state)):
-        raise CheckpointError(f"{directory}: missing tensor {missing[0]}"
-                              + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""))
+        raise CheckpointError(f"{directory}: missing tensor {missing[0]} ({len(missing)} missing)")
     return state
 
 
-FINGERPRINT_WHOLE = 64 << 20     # files up to this size are hashed whole
-FINGERPRINT_BLOCK = 4096         # bytes read at each end of every tensor of a larger file
-
-
 def checkpoint_sha256(directory) -> str:
-    """A sha256 of what a checkpoint computes with, keying what is made from it. Small files are
-    hashed whole; a larger safetensors file gives its size, header and the first and last 4 KiB
-    of every tensor (under a second at 7B): fine-tuning or merging changes those ends."""
-    directory = Path(directory)
+    """A sha256 of what a checkpoint computes with, keying what is made from it. Files up to 64
+    MiB are hashed whole; a larger safetensors file gives its size, header and the first and last
+    4 KiB of every tensor (under a second at 7B): fine-tuning or merging changes those ends."""
+    directory, block = Path(directory), 4096
     h = hashlib.sha256(b"checkpoint/1")
     names = ["config.json", "tokenizer.json"] + [INDEX] * (directory / INDEX).is_file()
     for name in names + weight_files(directory):
-        path = directory / name
         try:
-            with open(path, "rb") as f:
+            with open(path := directory / name, "rb") as f:
                 size = os.fstat(f.fileno()).st_size
                 h.update(f"{name}\0{size}\0".encode())
-                if size <= FINGERPRINT_WHOLE or not name.endswith(".safetensors"):
+                if size <= 64 << 20 or not name.endswith(".safetensors"):
                     h.update(f.read())
                     continue
                 n = struct.unpack("<Q", f.read(8))[0]
@@ -274,15 +231,16 @@ def checkpoint_sha256(directory) -> str:
                 for key, entry in sorted(json.loads(header).items()):
                     if key != "__metadata__":
                         start, end = (8 + n + int(o) for o in entry["data_offsets"])
-                        for at in sorted({start, max(start, end - FINGERPRINT_BLOCK)}):
+                        for at in sorted({start, max(start, end - block)}):
                             f.seek(at)
-                            h.update(f.read(min(FINGERPRINT_BLOCK, end - at)))
-        except FileNotFoundError:
-            raise CheckpointError(f"{path}: file not found") from None
+                            h.update(f.read(min(block, end - at)))
         except (OSError, ValueError, KeyError, TypeError, AttributeError, struct.error) as e:
-            raise CheckpointError(f"{path}: truncated or corrupt safetensors file "
+            raise CheckpointError(f"{path}: missing, truncated or corrupt "
                                   f"({type(e).__name__}: {e})") from None
     return h.hexdigest()
+
+
+HUB_MANIFEST = ".pair-complete.json"    # written last: the copy is complete
 
 
 def resolve(path_or_repo) -> Path:
@@ -290,109 +248,77 @@ def resolve(path_or_repo) -> Path:
     directory = Path(path_or_repo)
     if directory.is_dir():
         return directory
-    if directory.exists():
-        raise CheckpointError(f"{directory}: not a checkpoint directory (a file)")
-    if not HUB_NAME.fullmatch(str(path_or_repo)):
+    if directory.exists() or not re.fullmatch(r"[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*",
+                                              str(path_or_repo)):
         raise CheckpointError(f"{directory}: no such directory (nor a Hub model name like "
                               "Qwen/Qwen2.5-7B-Instruct)")
-    # <org>/<name> with a local <org>/ is a misspelt path (data/shop-policy), not a Hub name
-    if Path(first := directory.parts[0]).is_dir():
-        raise CheckpointError(f"{directory}: no such directory ({first}/ is a local directory, "
-                              "so this is a path, not a Hub model name)")
+    if Path(first := directory.parts[0]).is_dir():      # a misspelt path, not a Hub name
+        raise CheckpointError(f"{directory}: no such directory ({first}/ is a local directory)")
     return fetch_from_hub(str(path_or_repo))
 
 
-HUB_NAME = re.compile(r"[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*")    # <org>/<name>
-HUB_MANIFEST = ".pair-complete.json"    # written last: the copy is complete
-HUB_TIMEOUT = (10, 60)                  # (connect, read) seconds
-
-
-class HubError(CheckpointError):
-    """A Hub model name that could not be fetched (nor found complete in the cache)."""
-
-
-def hub_cache_dir(repo_id: str) -> Path:
-    return cache_root() / repo_id.replace("/", "--")
-
-
 def fetch_from_hub(repo_id: str) -> Path:
-    """config.json, tokenizer.json and the weights (model.safetensors, or the index and its
-    shards) of a Hub model, downloaded once into hub_cache_dir(repo_id)."""
-    folder = hub_cache_dir(repo_id)
+    """config.json, tokenizer.json and the weights of a Hub model, downloaded once into
+    $PAIR_CACHE/<org>--<name>; HF_ENDPOINT, HF_TOKEN, HF_HUB_OFFLINE as huggingface_hub has them."""
+    folder = cache_root() / repo_id.replace("/", "--")
     if (folder / HUB_MANIFEST).is_file():
         return folder
     if os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes", "on"):
-        raise HubError(f"cannot fetch model {repo_id!r}: HF_HUB_OFFLINE is set; no complete "
-                       f"copy in {folder} (copy the files there, or give a local directory)")
+        raise CheckpointError(f"cannot fetch model {repo_id!r}: HF_HUB_OFFLINE is set; no complete "
+                              f"copy in {folder} (copy the files there, or give a local directory)")
     endpoint = os.environ.get("HF_ENDPOINT", "https://huggingface.co").rstrip("/")
-    session = requests.Session()
-    session.headers["Accept-Encoding"] = "identity"     # Content-Length is the file's size
-    if os.environ.get("HF_TOKEN"):  # requests drops it on the redirect to the (signed) CDN URL
-        session.headers["Authorization"] = f"Bearer {os.environ['HF_TOKEN']}"
-    import fcntl                    # POSIX only, so imported where it is needed
+    token = os.environ.get("HF_TOKEN")  # requests drops it on the redirect to the CDN
+    headers = {"Authorization": f"Bearer {token}"} if token else {}
+    import fcntl                        # POSIX only, so imported where it is needed
     folder.mkdir(parents=True, exist_ok=True)
     with open(folder / ".lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)     # torchrun's ranks: one downloads, the others wait
         if not (folder / HUB_MANIFEST).is_file():
             base = f"{endpoint}/{repo_id}/resolve/main/"
-            names = [name for name in ("config.json", "tokenizer.json", INDEX)
-                     if _download(session, base, folder, name, missing_ok=name == INDEX)]
+            for name in ("config.json", "tokenizer.json", INDEX):
+                _download(base, folder / name, headers, required=name != INDEX)
             for name in weight_files(folder):
-                _download(session, base, folder, name)
-            files = {name: (folder / name).stat().st_size for name in names + weight_files(folder)}
-            write_atomic(folder / HUB_MANIFEST, json.dumps(
-                {"repo": repo_id, "revision": "main", "endpoint": endpoint, "files": files}))
+                _download(base, folder / name, headers)
+            write_atomic(folder / HUB_MANIFEST, json.dumps({"repo": repo_id, "endpoint": endpoint}))
     return folder
 
 
-def _download(session, base_url, folder: Path, name: str, missing_ok=False) -> bool:
-    """One file into folder (unless an earlier, interrupted fetch left it there) through a .part
-    file, its size checked against the Content-Length -> whether the Hub has it."""
-    dest, url = folder / name, base_url + quote(name)
+def _download(base: str, dest: Path, headers: dict, required=True):
+    """base + dest.name into dest via a .part file (requests refuses a short body)."""
     if dest.is_file():
-        return True
-    part = dest.with_name(name + ".part")
+        return
+    url, part = base + quote(dest.name), dest.with_name(dest.name + ".part")
     denied = "access denied (private or gated?); set HF_TOKEN to a token that has access"
     try:
-        with session.get(url, stream=True, timeout=HUB_TIMEOUT) as r:
-            if r.status_code == 404 and missing_ok:
-                return False
+        with requests.get(url, headers=headers, stream=True, timeout=(10, 60)) as r:
+            if r.status_code == 404 and not required:
+                return
             if r.status_code >= 400:
                 why = {401: denied, 403: denied, 404: "not found"}.get(r.status_code, r.reason)
-                raise HubError(f"{url}: HTTP {r.status_code}: {why}")
+                raise CheckpointError(f"{url}: HTTP {r.status_code}: {why}")
             with open(part, "wb") as f:
                 for chunk in r.iter_content(chunk_size=1 << 20):
                     f.write(chunk)
-            size = int(r.headers.get("Content-Length", part.stat().st_size))
-    except (requests.ConnectionError, requests.Timeout,
-            requests.exceptions.ChunkedEncodingError) as e:
+    except requests.RequestException as e:
         part.unlink(missing_ok=True)
-        raise HubError(f"cannot fetch {url}: network unreachable or connection lost "
-                       f"({type(e).__name__}); no complete copy in {folder}") from None
-    if (got := part.stat().st_size) != size:
-        part.unlink()
-        raise HubError(f"{url}: {got} bytes, not the {size} announced; try again")
+        raise CheckpointError(f"cannot fetch {url}: network unreachable or connection lost "
+                              f"({type(e).__name__}); no complete copy in {dest.parent}") from None
     os.replace(part, dest)
-    return True
 
 
 def load_model(path_or_repo, dtype=torch.float32,
                device="cpu") -> tuple["Transformer", "Tokenizer"]:
-    """A checkpoint directory (config.json, safetensors, tokenizer.json) or a Hub model name
-    -> (model, tokenizer) on `device`, the model frozen (GRPO trains LoRA adapters beside it)."""
+    """A checkpoint directory or Hub model name -> (model, tokenizer) on `device`, model frozen."""
     directory = resolve(path_or_repo)
     config = read_config(directory)
     tokenizer = Tokenizer.from_file(directory)
-    # Build without allocating, then adopt the loaded tensors (assign=True): one copy in memory.
-    with torch.device("meta"):
+    with torch.device("meta"):      # built without memory; adopts the loaded tensors (assign)
         model = Transformer(config)
     tied = config.tie_word_embeddings
     expected = {name: tuple(t.shape) for name, t in model.state_dict().items()
                 if not (tied and name == "lm_head.weight")}
     state = read_state_dict(directory, expected, tied, dtype, torch.device(device))
-    if tied:
-        state["lm_head.weight"] = state["model.embed_tokens.weight"]
-    model.load_state_dict(state, strict=True, assign=True)
+    model.load_state_dict(state, strict=not tied, assign=True)     # names checked as read
     if tied:
         model.lm_head.weight = model.model.embed_tokens.weight   # assign=True broke the tie
     model.requires_grad_(False).eval()
@@ -407,8 +333,8 @@ def input_device(model: "Transformer") -> torch.device:
 
 
 # ----------------------------------------------------------------------------------------------
-# RoPE, written as Hugging Face writes it for Qwen (rotate_half), so no weight permutation
-
+# The transformer, its decoding step and the update's log-probabilities; module names are the
+# Hugging Face weight keys, RoPE is written as theirs for Qwen (rotate_half: no permutation).
 
 def rope_tables(inv_freq: Tensor, positions: Tensor, dtype) -> tuple[Tensor, Tensor]:
     freqs = positions[..., None].float() * inv_freq.to(positions.device)   # (B, T, D/2)
@@ -430,9 +356,6 @@ def attention_mask(positions: Tensor, key_positions: Tensor, window: int | None)
     return mask[:, None]
 
 
-# ----------------------------------------------------------------------------------------------
-# KV cache: one per layer, on that layer's device, slot index = absolute position
-
 def static_address(t: Tensor) -> Tensor:
     """t, marked as one a captured CUDA graph may write in place (at the same address)."""
     if t.is_cuda:
@@ -441,31 +364,24 @@ def static_address(t: Tensor) -> Tensor:
 
 
 class KVCache:
+    """One layer's keys and values (B, KV, capacity, D) on its device; slot = absolute position."""
+
     def __init__(self, batch_size, n_kv_heads, head_dim, capacity, dtype, device):
         shape = (batch_size, n_kv_heads, capacity, head_dim)
         self.k = static_address(torch.zeros(shape, dtype=dtype, device=device))
         self.v = static_address(torch.zeros(shape, dtype=dtype, device=device))
-        # real tokens per row, on the CPU (no device sync): where each row's next token goes
-        self.lengths = torch.zeros(batch_size, dtype=torch.long)
-
-    @property
-    def capacity(self) -> int:
-        return self.k.shape[2]
+        self.lengths = torch.zeros(batch_size, dtype=torch.long)   # real tokens a row, on the CPU
 
     def grow(self, size: int):
-        if size <= self.capacity:
+        if size <= self.k.shape[2]:
             return
-        new = (max(size, 2 * self.capacity) + 255) // 256 * 256
-        for name in ("k", "v"):
-            old = getattr(self, name)
-            t = old.new_zeros(old.shape[0], old.shape[1], new, old.shape[3])
-            t[:, :, :old.shape[2]] = old
-            setattr(self, name, static_address(t))
+        new = (max(size, 2 * self.k.shape[2]) + 255) // 256 * 256
+        self.k, self.v = (static_address(torch.cat((t, t.new_zeros(
+            *t.shape[:2], new - t.shape[2], t.shape[3])), 2)) for t in (self.k, self.v))
 
     def write(self, k: Tensor, v: Tensor, positions: Tensor, size: int) -> tuple[Tensor, Tensor]:
         """Store k, v (B, KV, T, D) at slots `positions` (B, T); return slots [0, size)."""
         self.grow(size)
-        positions = positions.to(self.k.device)
         rows = torch.arange(k.shape[0], device=self.k.device)[:, None]
         self.k[rows, :, positions] = k.transpose(1, 2).to(self.k.dtype)   # (B, T, KV, D)
         self.v[rows, :, positions] = v.transpose(1, 2).to(self.v.dtype)
@@ -479,29 +395,20 @@ def set_lengths(cache: list[KVCache], lengths: Tensor):
 
 
 def stats_from(mx, sum_sq, prefix, self_, pos, start) -> dict[str, Tensor]:
-    """The six statistics (METHOD.md §4) of softmax rows p_i, i = pos, from four numbers of each:
-    mx = max_j p_ij, sum_sq = sum_j p_ij^2, prefix = sum_{j < start} p_ij and
-    self_ = sum_{start <= j <= i} p_ij. max, prefix and self are those given;
+    """The six statistics (METHOD.md §4) of softmax rows p_i, i = pos, from mx = max_j p_ij,
+    sum_sq = sum_j p_ij^2, prefix = sum_{j < start} p_ij, self_ = sum_{start <= j <= i} p_ij:
         std = sqrt(sum_sq / n - 1 / n^2), n = i + 1 causal keys (sum_j p_ij = 1)
         entropy = -log sum_sq
         lookback = m_ctx / (m_ctx + m_new), m_ctx = prefix / start, m_new = self_ / (i - start + 1)
-    (lookback 0 where start = 0). All arguments broadcast against each other."""
+    (lookback 0 where start = 0); max, prefix and self as given. Arguments broadcast."""
     n = (pos + 1).float()                                       # causal keys j <= i
     s0 = start.float()
     m_ctx = prefix / s0.clamp(min=1)
     m_new = self_ / (pos - start + 1).float()
-    return {
-        "max": mx,
-        "std": (sum_sq / n - 1 / n.square()).clamp(min=0).sqrt(),
-        "prefix": prefix,
-        "self": self_,
-        "entropy": -sum_sq.log(),
-        "lookback": torch.where(s0 > 0, m_ctx / (m_ctx + m_new), torch.zeros_like(m_ctx)),
-    }
+    return {"max": mx, "std": (sum_sq / n - 1 / n.square()).clamp(min=0).sqrt(),
+            "prefix": prefix, "self": self_, "entropy": -sum_sq.log(),
+            "lookback": torch.where(s0 > 0, m_ctx / (m_ctx + m_new), torch.zeros_like(m_ctx))}
 
-
-# ----------------------------------------------------------------------------------------------
-# The transformer; module names are the Hugging Face weight keys
 
 class RMSNorm(nn.Module):
     def __init__(self, d, eps):
@@ -532,8 +439,7 @@ class Attention(nn.Module):
         super().__init__()
         d, H, KV, D = (config.hidden_size, config.num_attention_heads, config.n_kv_heads,
                        config.head_size)
-        self.n_heads, self.n_kv_heads, self.head_dim = H, KV, D
-        self.scale = D ** -0.5
+        self.n_heads, self.n_kv_heads, self.head_dim, self.scale = H, KV, D, D ** -0.5
         bias = config.arch == "Qwen2ForCausalLM" or config.attention_bias    # Qwen2: always
         self.q_proj = nn.Linear(d, H * D, bias=bias)
         self.k_proj = nn.Linear(d, KV * D, bias=bias)
@@ -541,12 +447,8 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(H * D, d, bias=config.attention_bias)
 
     def forward(self, x, cos, sin, mask, positions, cache=None):
-        """x (B, T, d) -> (B, T, d); mask (B, 1, T, S) bool, or None for plain causal (trunk).
-        A cache gets k and v at slots `positions`; the queries attend over its slots [0, S)."""
-        B, T, _ = x.shape
-        dev = x.device                              # the block may live on any device
-        cos, sin, positions = cos.to(dev), sin.to(dev), positions.to(dev)
-        mask = mask.to(dev) if mask is not None else None
+        """x (B, T, d) -> (B, T, d); mask (B, 1, T, S) or None (causal); a cache gets k, v."""
+        B, T, _ = x.shape                       # (a split model's hooks moved the inputs here)
         q, k, v = (proj(x).view(B, T, -1, self.head_dim).transpose(1, 2)   # (B, H or KV, T, D)
                    for proj in (self.q_proj, self.k_proj, self.v_proj))
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
@@ -555,38 +457,6 @@ class Attention(nn.Module):
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None,
                                              enable_gqa=True)
         return self.o_proj(out.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim))
-
-    def decode(self, x, cos, sin, bias, pos, kv, before=None, w=None):
-        """One token per row, x (B, 1, d) at positions i = pos (B,) -> (output (B, 1, d), numbers).
-        k, v go to slots pos of kv = (k cache, v cache), each (B, KV, capacity, D); the query
-        attends over slots [0, S) with bias (B, 1, 1, S) (0 visible, -inf not):
-            p_ij = softmax_j(q_i . k_j / sqrt(D) + bias_j)   (head h reads key head h // (H/KV))
-        By hand in float32, not SDPA, because p gives the statistics: given before (B, 1, 1, S),
-        1 on slots j < span_start, numbers = (max_j p_ij, sum_j p_ij^2, prefix = sum_j p_ij
-        before_j, self = 1 - prefix), each (B, H, 1), for stats_from. w: Block.decode_weights()."""
-        B, H, KV, D = x.shape[0], self.n_heads, self.n_kv_heads, self.head_dim
-        if w is None:
-            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
-            q = apply_rope(q.view(B, 1, H, D).transpose(1, 2), cos, sin)   # (B, H, 1, D)
-            k = apply_rope(k.view(B, 1, KV, D).transpose(1, 2), cos, sin)
-        else:       # q and k side by side from one matmul: rotated together, in one pass
-            qk, v = F.linear(x, *w.qkv).split(((H + KV) * D, KV * D), -1)
-            q, k = apply_rope(qk.view(B, 1, H + KV, D).transpose(1, 2), cos, sin).split((H, KV), 1)
-        k_cache, v_cache = kv
-        rows = torch.arange(B, device=pos.device)
-        k_cache[rows, :, pos] = k[:, :, 0].to(k_cache.dtype)                 # (B, KV, D)
-        v_cache[rows, :, pos] = v.view(B, KV, D).to(v_cache.dtype)
-        S = bias.shape[-1]
-        k, v = k_cache[:, :, :S], v_cache[:, :, :S]                         # (B, KV, S, D)
-        q = (q.float() * self.scale).reshape(B, KV, H // KV, D)             # (B, KV, G, D)
-        p = torch.softmax(q @ k.float().transpose(-1, -2) + bias, dim=-1)  # (B, KV, G, S)
-        out = (p @ v.float()).view(B, 1, H * D).to(x.dtype)
-        numbers = None
-        if before is not None:
-            p = p.view(B, H, 1, -1)                                         # (B, H, 1, S)
-            prefix = torch.linalg.vecdot(p, before)
-            numbers = (p.amax(-1), torch.linalg.vecdot(p, p), prefix, 1 - prefix)
-        return (self.o_proj(out) if w is None else F.linear(out, *w.o)), numbers
 
 
 class FusedWeights(NamedTuple):     # a block's projections as decoding applies them
@@ -615,10 +485,36 @@ class Block(nn.Module):
             for i in range(0, x.shape[1], mlp_chunk)], 1)
 
     def decode(self, x, cos, sin, bias, pos, kv, before=None, w=None):
-        """forward of one token per row -> (x, Attention.decode's numbers); w as there."""
-        a, numbers = self.self_attn.decode(self.input_layernorm(x), cos, sin, bias, pos, kv,
-                                           before, w)
-        x = x + a
+        """The block on one token per row, x (B, 1, d) at positions i = pos (B,) -> (x, numbers).
+        k, v go to slots pos of kv = (k cache, v cache); the query attends over slots [0, S):
+            p_ij = softmax_j(q_i . k_j / sqrt(D) + bias_j)   (bias (B, 1, 1, S): 0 or -inf)
+        By hand in float32, not SDPA, because p gives the statistics: numbers = (max_j p_ij,
+        sum_j p_ij^2, prefix = sum_j p_ij before_j, self = 1 - prefix), each (B, H, 1), where
+        before (B, 1, 1, S) is 1 on slots j < span_start. w: decode_weights(), or None."""
+        a, h = self.self_attn, self.input_layernorm(x)
+        B, H, KV, D = x.shape[0], a.n_heads, a.n_kv_heads, a.head_dim
+        if w is None:
+            q, k, v = a.q_proj(h), a.k_proj(h), a.v_proj(h)
+            q = apply_rope(q.view(B, 1, H, D).transpose(1, 2), cos, sin)   # (B, H, 1, D)
+            k = apply_rope(k.view(B, 1, KV, D).transpose(1, 2), cos, sin)
+        else:       # q and k side by side from one matmul: rotated together, in one pass
+            qk, v = F.linear(h, *w.qkv).split(((H + KV) * D, KV * D), -1)
+            q, k = apply_rope(qk.view(B, 1, H + KV, D).transpose(1, 2), cos, sin).split((H, KV), 1)
+        k_cache, v_cache = kv
+        rows = torch.arange(B, device=pos.device)
+        k_cache[rows, :, pos] = k[:, :, 0].to(k_cache.dtype)                 # (B, KV, D)
+        v_cache[rows, :, pos] = v.view(B, KV, D).to(v_cache.dtype)
+        S = bias.shape[-1]
+        k, v = k_cache[:, :, :S], v_cache[:, :, :S]                         # (B, KV, S, D)
+        q = (q.float() * a.scale).reshape(B, KV, H // KV, D)                # (B, KV, G, D)
+        p = torch.softmax(q @ k.float().transpose(-1, -2) + bias, dim=-1)  # (B, KV, G, S)
+        out = (p @ v.float()).view(B, 1, H * D).to(h.dtype)
+        numbers = None
+        if before is not None:
+            p = p.view(B, H, 1, -1)                                         # (B, H, 1, S)
+            prefix = torch.linalg.vecdot(p, before)
+            numbers = (p.amax(-1), torch.linalg.vecdot(p, p), prefix, 1 - prefix)
+        x = x + (a.o_proj(out) if w is None else F.linear(out, *w.o))
         h = self.post_attention_layernorm(x)
         if w is None:
             return x + self.mlp(h), numbers
@@ -626,20 +522,19 @@ class Block(nn.Module):
         return x + F.linear(F.silu(gate) * up, *w.down), numbers
 
     def decode_weights(self) -> FusedWeights | None:
-        """The projections fused, an enabled adapter merged in: four matmuls a token instead of
-        seven (21 with adapters), rebuilt when a tensor changes. None (use the modules) where
-        merging changes the numbers (not float32, dropout on), a gradient is wanted, or the copy
-        costs too much (a block over FUSE_MAX_ELEMENTS)."""
+        """The projections fused, an enabled adapter merged in: 4 matmuls a token, not 7 (21 with
+        adapters), rebuilt when a tensor changes. None (use the modules) where merging changes
+        the numbers (not float32, dropout on), a gradient is wanted, or the copy costs too much."""
         a, m = self.self_attn, self.mlp
         groups = ((a.q_proj, a.k_proj, a.v_proj), (a.o_proj,), (m.gate_proj, m.up_proj),
                   (m.down_proj,))
         linears = [lin for group in groups for lin in group]
-        if torch.is_grad_enabled() or sum(lin.weight.numel() for lin in linears) > \
-                FUSE_MAX_ELEMENTS or any(
-                lin.weight.dtype != torch.float32 or getattr(lin, "dropout", 0) and lin.training
-                for lin in linears):
+        big = sum(lin.weight.numel() for lin in linears) > FUSE_MAX_ELEMENTS
+        if torch.is_grad_enabled() or big or any(lin.weight.dtype != torch.float32 or getattr(
+                lin, "dropout", 0) and lin.training for lin in linears):
             return None
-        key = [(id(t), t.data_ptr(), t._version) for lin in linears for t in _lora_reads(lin)]
+        key = [(getattr(lin, "enabled", None), [(id(t), t.data_ptr(), t._version)
+                                                for t in lin.parameters()]) for lin in linears]
         if getattr(self, "_fused", (None,))[0] != key:
             with torch.no_grad():
                 self._fused = key, FusedWeights(*[_fuse(group) for group in groups])
@@ -647,16 +542,16 @@ class Block(nn.Module):
 
 
 def _fuse(linears) -> tuple[Tensor, Tensor | None]:
-    """One (weight, bias) applying the given projections side by side (a missing bias is 0)."""
-    weight = torch.cat([merged_weight(lin) for lin in linears])
+    """One (weight, bias) for the projections side by side, adapters merged: W + scaling * B A."""
+    weight = torch.cat([lin.weight + lin.scaling * (lin.lora_B.weight @ lin.lora_A.weight)
+                        if isinstance(lin, LoRALinear) and lin.enabled else lin.weight
+                        for lin in linears])
     return weight, None if all(lin.bias is None for lin in linears) else torch.cat(
         [lin.weight.new_zeros(lin.out_features) if lin.bias is None else lin.bias
          for lin in linears])
 
 
-# 16 MB of float32 per block: the built-in policy's blocks are fused, a 0.5B model's are not (the
-# merged copy would double their weights' memory)
-FUSE_MAX_ELEMENTS = 1 << 22
+FUSE_MAX_ELEMENTS = 1 << 22     # 16 MB of float32: the built-in policy's blocks, not a 0.5B's
 
 
 class Transformer(nn.Module):
@@ -687,25 +582,19 @@ class Transformer(nn.Module):
         return self.lm_head(self.trunk(input_ids, positions, cache)).float()
 
     def trunk(self, input_ids, positions=None, cache=None, recompute=False) -> Tensor:
-        """Up to the final norm: (B, T) -> (B, T, d). positions (B, T): absolute (default: after
-        the cache's tokens, else 0..T-1); a cache gets K/V at them. recompute: with a gradient,
-        each block keeps only its input and runs again in backward, its MLP MLP_CHUNK tokens at
-        a time (the update of a long rollout)."""
+        """Up to the final norm: (B, T) -> (B, T, d) at positions (B, T) (default: after the cache's
+        tokens, else 0..T-1); recompute: each block (MLP_CHUNK tokens a time) again in backward."""
         B, T = input_ids.shape
         dev = self.model.embed_tokens.weight.device
-        # From position 0 PyTorch's fused causal kernel needs no mask: upper-left causal is right
-        # there, and in a right-padded batch no real token sees a pad.
+        # from position 0 SDPA's causal kernel needs no mask (no token sees a right pad)
         fused_causal = (positions is None and cache is None and T > 1
                         and all(w is None for w in self.windows))
         if positions is None:
             start = cache[0].lengths if cache is not None else torch.zeros(B, dtype=torch.long)
             positions = start[:, None] + torch.arange(T)
         positions = positions.to(dev)
-        if cache is not None:
-            size = int(positions.max()) + 1             # keys are slots [0, size) of the cache
-            key_pos = torch.arange(size, device=dev).expand(B, size)
-        else:
-            key_pos = positions
+        key_pos = positions if cache is None else \
+            torch.arange(int(positions.max()) + 1, device=dev).expand(B, -1)   # cache slots
         masks = {w: None if fused_causal else attention_mask(positions, key_pos, w)
                  for w in set(self.windows)}
         cos, sin = rope_tables(self.inv_freq, positions, self.model.embed_tokens.weight.dtype)
@@ -723,11 +612,9 @@ class Transformer(nn.Module):
         return self.model.norm(x)
 
     def decode(self, tokens, cache, span_start=None, w=None):
-        """One token per row, tokens (B,), at each row's cache length (the caller advances it)
-        -> (logits (B, V) float32, hidden (L+1, B, d), stats (B, L, H, 6) in STATS order) on the
-        head's device; hidden and stats None without span_start (B,), each row's turn's first
-        position. Compiled where it can (compiled_step), over the slots in use rounded up to
-        whole KEY_BLOCKs, so that its shapes change once every KEY_BLOCK tokens."""
+        """One token per row, tokens (B,), at each row's cache length (the caller advances it) ->
+        (logits (B, V) float32, hidden (L+1, B, d), stats (B, L, H, 6) in STATS order); hidden and
+        stats None without span_start (B,), each row's turn's first position. Compiled if it can."""
         lengths = cache[0].lengths                          # (B,) on the CPU: no device sync
         size = int(lengths.max()) + 1                       # key slots [0, size) are in use
         for layer_cache in cache:
@@ -737,11 +624,10 @@ class Transformer(nn.Module):
         step = compiled_step(w, cache)
         if step is not None:
             try:
-                blocks = min(cache[0].capacity, -(-size // KEY_BLOCK) * KEY_BLOCK)
+                blocks = min(cache[0].k.shape[2], -(-size // KEY_BLOCK) * KEY_BLOCK)
                 if not cache[0].k.is_cuda:
                     return step(self, *args, blocks)
-                # a CUDA graph reads device tensors only, and its next replay overwrites its
-                # outputs: the caller gets copies
+                # a CUDA graph reads device tensors only; its next replay overwrites its outputs
                 dev = cache[0].k.device
                 self.inv_freq = self.inv_freq.to(dev)
                 on_dev = [None if t is None else t.to(dev) for t in args[:3]]
@@ -760,9 +646,7 @@ class Transformer(nn.Module):
         return [layer.decode_weights() for layer in self.model.layers]
 
     def decode_step(self, tokens, lengths, span_start, ks, vs, w, size):
-        """decode's computation (what compiled_step compiles) on the cache tensors ks, vs
-        ((B, KV, capacity, D) per layer) over key slots [0, size). Masks, RoPE tables and the
-        before-span indicator are built once per device; stats_from runs once, on all layers."""
+        """decode's computation (what compiled_step compiles) on caches ks, vs, slots [0, size)."""
         dev = self.model.embed_tokens.weight.device
         pos = lengths.to(dev)
         key_pos = torch.arange(size, device=dev)
@@ -775,15 +659,11 @@ class Transformer(nn.Module):
         before = None if start is None else \
             (key_pos < start[:, None]).float()[:, None, None]              # (B, 1, 1, S)
         x = self.model.embed_tokens(tokens.to(dev)[:, None])                # (B, 1, d)
-        hidden, numbers, moved = [x], [], {}
+        hidden, numbers = [x], []
         for i, layer in enumerate(self.model.layers):
-            key = (ks[i].device, self.windows[i])
-            if key not in moved:
-                moved[key] = [t.to(key[0]) if t is not None else None
-                              for t in (cos, sin, bias[key[1]], pos, before)]
-            cos_i, sin_i, bias_i, pos_i, before_i = moved[key]
-            x, n = layer.decode(x.to(key[0]), cos_i, sin_i, bias_i, pos_i, (ks[i], vs[i]),
-                                before_i, w[i])
+            on = ks[i].device                   # the block's own (a split model's differ)
+            x, n = layer.decode(*(t.to(on) for t in (x, cos, sin, bias[self.windows[i]], pos)),
+                                (ks[i], vs[i]), before if before is None else before.to(on), w[i])
             numbers.append(n)
             if i < len(self.model.layers) - 1:
                 hidden.append(x)
@@ -800,28 +680,19 @@ class Transformer(nn.Module):
                 torch.stack([stats[name] for name in STATS], -1))
 
 
-# ----------------------------------------------------------------------------------------------
-# The compiled decoding step
-
 COMPILE = os.environ.get("PAIR_COMPILE", "1") != "0"     # 0: decode eagerly everywhere
-# key slots attended in blocks of this many, not the whole capacity (which doubles as it grows)
-KEY_BLOCK = 128
-# torch compiles a graph per relation among the sizes (span_start or not, one row or more, the
-# cache full or not): up to 11, over its default limit of 8, past which it decodes eagerly
-RECOMPILE_LIMIT = 32
+KEY_BLOCK = 128         # key slots attended in blocks of this many, not the whole capacity
+RECOMPILE_LIMIT = 32    # a graph per relation among the sizes: up to 11, over torch's default 8
 COMPILE_OPTIONS = {"cpu": {}, "cuda": {"mode": "reduce-overhead", "dynamic": True}}
 _compiled = {}          # device kind: Transformer.decode_step compiled; "failed": why given up
 
 
 def compiled_step(w: list, cache: list[KVCache]):
-    """Transformer.decode_step compiled (called with the model first), or None where it does
-    not pay or is not wanted: PAIR_COMPILE=0, an earlier failure, a split model, or on the CPU a
-    block without fused weights. On a GPU also captured as a CUDA graph (gpt-fast's recipe: one
-    launch instead of thousands of kernels), every size symbolic from the first call."""
-    if not COMPILE or "failed" in _compiled or len({c.k.device for c in cache}) > 1:
-        return None
+    """Transformer.decode_step compiled, or None where it does not pay (a split model, on the CPU
+    unfused weights) or is not wanted. On a GPU a CUDA graph too (gpt-fast: one launch)."""
     kind = cache[0].k.device.type
-    if kind == "cpu" and any(x is None for x in w) or kind not in ("cpu", "cuda"):
+    if (not COMPILE or "failed" in _compiled or len({c.k.device for c in cache}) > 1
+            or kind not in ("cpu", "cuda") or kind == "cpu" and any(x is None for x in w)):
         return None
     if kind not in _compiled:
         print("model.py: compiling the decoding step (under a minute the first time on a machine, "
@@ -829,104 +700,21 @@ def compiled_step(w: list, cache: list[KVCache]):
         config = torch._dynamo.config
         config.recompile_limit = max(config.recompile_limit, RECOMPILE_LIMIT)
         if COMPILE_OPTIONS[kind].get("dynamic"):
-            # each size its own symbol: "duck" sizing would merge two sizes equal at the first
-            # call (4 rows, 4 key heads) and compile again when they part
+            # each size its own symbol: "duck" sizing merges sizes equal at the first call
             torch.fx.experimental._config.use_duck_shape = False
         _compiled[kind] = torch.compile(Transformer.decode_step, fullgraph=True,
                                         **COMPILE_OPTIONS[kind])
     return _compiled[kind]
 
 
-# ----------------------------------------------------------------------------------------------
-# Tokenizer and the chat format (METHOD.md §2, §3); text kept encodable
-
-class Tokenizer:
-    """A tokenizers.Tokenizer and the ChatML template around it. Untrusted text stays text: a
-    message writing "<|im_end|>" is those characters; only the template puts special tokens."""
-
-    def __init__(self, tok):
-        self.tok = tok
-        tok.encode_special_tokens = True        # an attribute of the instance: never saved
-        for name, text in (("im_start_id", "<|im_start|>"), ("im_end_id", "<|im_end|>"),
-                           ("pad_id", "<|endoftext|>")):
-            if (i := tok.token_to_id(text)) is None:
-                raise ValueError(f"tokenizer has no {text} token (not a Qwen2.5 tokenizer?)")
-            setattr(self, name, i)
-
-    @classmethod
-    def from_file(cls, path) -> "Tokenizer":
-        from tokenizers import Tokenizer as HFTokenizer
-        path = Path(path)
-        path = path / "tokenizer.json" if path.is_dir() else path
-        if not path.is_file():
-            raise CheckpointError(f"{path}: file not found")
-        try:
-            return cls(HFTokenizer.from_file(str(path)))
-        except Exception as e:      # the library's own error names no file
-            raise CheckpointError(f"{path}: not a tokenizer the tokenizers library can read "
-                                  f"({str(e).splitlines()[0] if str(e) else type(e).__name__})"
-                                  ) from None
-
-    def encode(self, text: str) -> list[int]:
-        """The ids of text as text: special-token text in it is encoded as ordinary characters."""
-        return self.tok.encode(without_surrogates(text), add_special_tokens=False).ids
-
-    def decode(self, ids, skip_special_tokens=False) -> str:
-        return self.tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
-
-    def render(self, messages, add_generation_prompt=False) -> tuple[list[int], list[tuple]]:
-        """Token ids of the chat (the whole ChatML string's, but that a message cannot open or
-        close a turn) and, per assistant message, its span [start, end) (METHOD.md §3): its
-        content's first token to its closing <|im_end|> + 1."""
-        if not messages or messages[0]["role"] != "system":
-            messages = [{"role": "system", "content": DEFAULT_SYSTEM}, *messages]
-        ids, spans = [], []
-        for m in messages:
-            head = f"{m['role']}\n"
-            enc = self.tok.encode(without_surrogates(head + m["content"]),
-                                  add_special_tokens=False)
-            ids.append(self.im_start_id)
-            if m["role"] == "assistant":        # first token reaching past the head
-                start = len(ids) + bisect_right([e for _, e in enc.offsets], len(head))
-                spans.append((start, len(ids) + len(enc.ids) + 1))
-            ids += enc.ids + [self.im_end_id] + self.encode("\n")
-        if add_generation_prompt:
-            ids += [self.im_start_id] + self.encode("assistant\n")
-        return ids, spans
-
-
-# half of a UTF-16 pair (JSON's "\ud800"): no UTF-8 text holds it, the tokenizer refuses it
-LONE_SURROGATE = re.compile("[\ud800-\udfff]")
-
-
-def holds_lone_surrogate(value) -> bool:
-    """Whether a JSON value holds one anywhere, in a key or a string."""
-    return bool(LONE_SURROGATE.search(json.dumps(value, ensure_ascii=False)))
-
-
-def without_surrogates(text: str) -> str:
-    """text with every unpaired surrogate replaced by U+FFFD (same length), so it encodes."""
-    return LONE_SURROGATE.sub("\ufffd", text)
-
-
-# ----------------------------------------------------------------------------------------------
-# Generation (gpt-fast style small functions) and the update's log-probabilities
-
-
 MLP_CHUNK = 4096          # tokens (rows x positions) a recomputed block's MLP runs at a time
-# logits scored at a time (64 MB), again in backward: a 152k vocabulary's float32 logits take
-# 0.58 GiB per 1,000 tokens, and the update would hold several copies
-LOGITS_CHUNK = 1 << 24
+LOGITS_CHUNK = 1 << 24    # logits at a time (64 MB): 152k float32 logits are 0.58 GiB a 1k tokens
 
 
-def token_logprobs(policy, ids: torch.Tensor, mask: torch.Tensor,
-                   temperature: float = 1.0) -> torch.Tensor:
-    """log pi(x_j | x_<j) at the masked positions j, in row-major order -> (N,) float32. The head
-    runs on those N positions only, LOGITS_CHUNK // V at a time; with a gradient, blocks, MLP
-    chunks and head chunks are recomputed in backward: a long rollout's update holds about one
-    (T, d) input per block, never the (N, V) logits whole."""
-    h = policy.trunk(ids, recompute=True)                       # (B, T, d) after the final norm
-    h = h[:, :-1]                                               # position j predicts x_{j+1}
+def token_logprobs(policy, ids: Tensor, mask: Tensor, temperature: float = 1.0) -> Tensor:
+    """log pi(x_j | x_<j) at the masked positions j, row-major -> (N,) float32. The head runs on
+    those only, LOGITS_CHUNK // V at a time, recomputed in backward: never all (N, V) logits."""
+    h = policy.trunk(ids, recompute=True)[:, :-1]               # position j predicts x_{j+1}
     target = mask[:, 1:].to(h.device)
     h, labels = h[target], ids[:, 1:].to(h.device)[target]      # (N, d), (N,)
     n = max(1, LOGITS_CHUNK // policy.config.vocab_size)
@@ -947,12 +735,74 @@ def head_logprobs(lm_head: nn.Module, h: Tensor, labels: Tensor, temperature: fl
 
 
 # ----------------------------------------------------------------------------------------------
-# LoRA (Hu et al., 2021), by hand, laid out as PEFT lays it out
+# Tokenizer and the chat format (METHOD.md §2, §3); text kept encodable
 
-# A targeted nn.Linear becomes a LoRALinear keeping its weight's key (`q_proj.weight`) and adding
-# `q_proj.lora_A.weight` (r, d_in), `q_proj.lora_B.weight` (d_out, r):
-#     y = x W^T + b + (alpha / r) * B A dropout(x),   B = 0 at first (the model unchanged).
-# The adapter stays float32 (PEFT's default) under bfloat16 weights: its updates are tiny.
+class Tokenizer:
+    """A tokenizers.Tokenizer and the ChatML template; only the template puts special tokens."""
+
+    def __init__(self, tok):
+        self.tok = tok
+        tok.encode_special_tokens = True        # an attribute of the instance: never saved
+        for name, text in (("im_start_id", "<|im_start|>"), ("im_end_id", "<|im_end|>"),
+                           ("pad_id", "<|endoftext|>")):
+            if (i := tok.token_to_id(text)) is None:
+                raise ValueError(f"tokenizer has no {text} token (not a Qwen2.5 tokenizer?)")
+            setattr(self, name, i)
+
+    @classmethod
+    def from_file(cls, path) -> "Tokenizer":
+        from tokenizers import Tokenizer as HFTokenizer
+        path = Path(path) / "tokenizer.json" if Path(path).is_dir() else Path(path)
+        try:
+            return cls(HFTokenizer.from_file(str(path)))
+        except Exception as e:      # the library's own error names no file
+            why = (str(e).splitlines() or [type(e).__name__])[0]
+            raise CheckpointError(f"{path}: not a readable tokenizer ({why})") from None
+
+    def encode(self, text: str) -> list[int]:
+        """The ids of text as text: special-token text in it is encoded as ordinary characters."""
+        return self.tok.encode(without_surrogates(text), add_special_tokens=False).ids
+
+    def decode(self, ids, skip_special_tokens=False) -> str:
+        return self.tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def render(self, messages, add_generation_prompt=False) -> tuple[list[int], list[tuple]]:
+        """Token ids of the ChatML chat and, per assistant message, its span [start, end)
+        (METHOD.md §3): its content's first token to its closing <|im_end|> + 1."""
+        if not messages or messages[0]["role"] != "system":
+            messages = [{"role": "system", "content": DEFAULT_SYSTEM}, *messages]
+        ids, spans = [], []
+        for m in messages:
+            head = f"{m['role']}\n"
+            enc = self.tok.encode(without_surrogates(head + m["content"]),
+                                  add_special_tokens=False)
+            ids.append(self.im_start_id)
+            if m["role"] == "assistant":        # first token reaching past the head
+                start = len(ids) + bisect_right([e for _, e in enc.offsets], len(head))
+                spans.append((start, len(ids) + len(enc.ids) + 1))
+            ids += enc.ids + [self.im_end_id] + self.encode("\n")
+        if add_generation_prompt:
+            ids += [self.im_start_id] + self.encode("assistant\n")
+        return ids, spans
+
+
+LONE_SURROGATE = re.compile("[\ud800-\udfff]")     # half a UTF-16 pair: not UTF-8, not encodable
+
+
+def holds_lone_surrogate(value) -> bool:
+    """Whether a JSON value holds one anywhere, in a key or a string."""
+    return bool(LONE_SURROGATE.search(json.dumps(value, ensure_ascii=False)))
+
+
+def without_surrogates(text: str) -> str:
+    """text with every unpaired surrogate replaced by U+FFFD (same length), so it encodes."""
+    return LONE_SURROGATE.sub("\ufffd", text)
+
+
+# ----------------------------------------------------------------------------------------------
+# LoRA (Hu et al., 2021) in PEFT's layout (q_proj gains q_proj.lora_A, q_proj.lora_B):
+#     y = x W^T + b + (alpha / r) B A dropout(x),   A (r, d_in), B (d_out, r) = 0 at first;
+# float32 (PEFT's default) under bfloat16 weights: the adapter's updates are tiny.
 
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
@@ -994,35 +844,16 @@ class LoRALinear(nn.Module):
         return y + (F.linear(a, self.lora_B.weight) * self.scaling).to(y.dtype)
 
 
-def merged_weight(linear: nn.Module) -> Tensor:
-    """The weight an nn.Linear or LoRALinear applies now: W + scaling * B A, adapter enabled."""
-    if isinstance(linear, LoRALinear) and linear.enabled:
-        return linear.weight + linear.scaling * (linear.lora_B.weight @ linear.lora_A.weight)
-    return linear.weight
-
-
-def _lora_reads(linear: nn.Module) -> list[Tensor]:
-    """The tensors merged_weight and the bias read now (the adapter's only while enabled)."""
-    out = [linear.weight] + ([linear.bias] if linear.bias is not None else [])
-    if isinstance(linear, LoRALinear) and linear.enabled:
-        out += [linear.lora_A.weight, linear.lora_B.weight]
-    return out
-
-
 def apply_lora(model: nn.Module, r=16, alpha=32.0, dropout=0.05, targets=LORA_TARGETS,
                use_rslora=False, dtype=torch.float32) -> nn.Module:
     """Freeze `model` and wrap every nn.Linear child named in `targets` with a LoRA adapter."""
-    if not (isinstance(r, int) and r > 0) or alpha <= 0 or not 0 <= dropout < 1:
-        raise ValueError(f"LoRA needs an integer r > 0, alpha > 0 and 0 <= dropout < 1; got "
-                         f"r={r!r}, alpha={alpha!r}, dropout={dropout!r}")
     s = LoraSettings(r, float(alpha), float(dropout), tuple(targets), bool(use_rslora))
     sites = [(module, name, child) for module in model.modules()
              for name, child in module.named_children()
              if name in s.targets and type(child) is nn.Linear]
     if missing := sorted(set(s.targets) - {name for _, name, _ in sites}):
         raise ValueError(f"LoRA targets {missing} match no nn.Linear module of the model")
-    for p in model.parameters():
-        p.requires_grad_(False)
+    model.requires_grad_(False)
     for module, name, child in sites:
         setattr(module, name, LoRALinear(child, s, dtype).train(child.training))
     model.lora_settings = s
@@ -1038,9 +869,9 @@ def lora_parameters(model):
 def lora_disabled(model):
     """`with lora_disabled(model):` runs the base model (GRPO's pi_ref) without copying weights."""
     was = {m: m.enabled for m in model.modules() if isinstance(m, LoRALinear)}
+    for m in was:
+        m.enabled = False
     try:
-        for m in was:
-            m.enabled = False
         yield model
     finally:
         for m, enabled in was.items():
@@ -1053,7 +884,6 @@ def load_lora_state(policy, state: dict[str, torch.Tensor]):
         p.copy_(state[n])
 
 
-# Adapter files in PEFT's layout, which checkpoints save and PEFT reads as they are
 ADAPTER_CONFIG, ADAPTER_WEIGHTS = "adapter_config.json", "adapter_model.safetensors"
 PEFT_PREFIX = "base_model.model."
 
@@ -1077,8 +907,7 @@ def save_adapter(model, path, base_model_name_or_path=None):
 
 
 def load_adapter_weights(policy, directory):
-    """Restore into policy's LoRA weights the adapter save_adapter wrote to `directory` (a run's
-    own checkpoint, its settings those of policy's adapter); lab/adapters.py loads any PEFT one."""
+    """policy's LoRA weights from save_adapter's `directory` (lab/adapters.py: any PEFT adapter)."""
     config, file, s = (Path(directory) / ADAPTER_CONFIG, Path(directory) / ADAPTER_WEIGHTS,
                        policy.lora_settings)
     c = json.loads(config.read_text())
@@ -1087,35 +916,25 @@ def load_adapter_weights(policy, directory):
         raise ValueError(f"{config}: not an adapter with the settings of the model's ({s})")
     with safe_open(str(file), framework="pt") as f:
         tensors = {key[len(PEFT_PREFIX):]: f.get_tensor(key) for key in f.keys()}
-    params = dict(lora_parameters(policy))
-    if odd := sorted(params.keys() ^ tensors.keys()):
-        raise ValueError(f"{file}: {odd[0]} is not in both this adapter and the model's")
-    for name, p in params.items():
-        if tensors[name].shape != p.shape or not torch.isfinite(tensors[name]).all():
-            raise ValueError(f"{file}: {name} has shape {list(tensors[name].shape)} (the model's "
-                             f"{list(p.shape)}) or holds NaN or infinite values")
+    for name, p in lora_parameters(policy):
+        if name not in tensors or tensors[name].shape != p.shape \
+                or not torch.isfinite(tensors[name]).all():
+            raise ValueError(f"{file}: {name} is missing, not of shape {list(p.shape)}, or holds "
+                             "NaN or infinite values")
     load_lora_state(policy, tensors)
     return policy
 
 
 # ----------------------------------------------------------------------------------------------
-# Layers split across devices (placement, no pipelining): one device computes at a time, the
-# point is memory (a 7B policy with its LoRA state and caches exceeds one 48 GB GPU)
-
-
-# ----------------------------------------------------------------------------------------------
-# File helpers: where fetched and fitted files live, atomic writes
+# Files (where fetched and fitted ones live, atomic writes) and --devices
 
 def cache_root() -> Path:
-    """Where everything fetched or fitted once is kept (Hub checkpoints, released data, LLM
-    judgments, probes): $PAIR_CACHE, else ~/.cache/pair."""
+    """Where everything fetched or fitted once is kept: $PAIR_CACHE, else ~/.cache/pair."""
     return Path(os.environ.get("PAIR_CACHE") or Path.home() / ".cache" / "pair").expanduser()
 
 
 def write_atomic(path: Path, data: bytes | str) -> None:
-    """The one way this project writes a file: a temporary file beside it (this thread's own,
-    made as open() makes files), then os.replace: a reader, or a run killed mid-write, sees the
-    old file or the new one."""
+    """Every file written here: a temporary file, then os.replace (the old file or the new one)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
@@ -1128,18 +947,14 @@ def write_atomic(path: Path, data: bytes | str) -> None:
 
 
 def parse_devices(text: str) -> list[torch.device]:
-    """A --devices value ("cuda:0,cuda:1", "cpu") -> the devices; a one-line ValueError for a
-    value that is not a list of this machine's devices."""
+    """A --devices value ("cuda:0,cuda:1", "cpu") -> the devices, or a one-line ValueError."""
     try:
         devices = [torch.device(d.strip()) for d in text.split(",")]
     except RuntimeError:                                # "", "foo", "cuda:x"
         devices = []
     if not devices or any(d.type not in ("cpu", "cuda") for d in devices):
-        raise ValueError(f"--devices {text!r}: a comma-separated list of devices such as "
-                         "cuda:0,cuda:1 (or cpu)")
-    n_gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        raise ValueError(f"--devices {text!r}: not a list of devices like cuda:0,cuda:1 or cpu")
+    n_gpus = torch.cuda.device_count()
     if any(d.type == "cuda" and (d.index or 0) >= n_gpus for d in devices):
-        raise ValueError(f"--devices {text}: this PyTorch sees no CUDA device (a CPU build, or no "
-                         "GPU visible)" if not n_gpus else f"--devices {text}: this machine has "
-                         f"{n_gpus} GPUs")
+        raise ValueError(f"--devices {text}: this PyTorch sees {n_gpus or 'no'} CUDA device(s)")
     return devices

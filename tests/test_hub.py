@@ -102,6 +102,10 @@ class FakeHub:
         self.server.server_close()
 
 
+def cache_dir():
+    return M.cache_root() / "tiny-org--tiny-model"
+
+
 def checkpoint_files(sharded=False):
     blob = bytes(range(256)) * 1200             # ~300 KB of "weights"
     files = {"config.json": b'{"model_type": "qwen2"}',
@@ -141,7 +145,7 @@ def test_fetches_only_needed_files_with_token(env, monkeypatch):
     hub = env(token="secret")
     monkeypatch.setenv("HF_TOKEN", "secret")
     folder = M.fetch_from_hub(REPO)
-    assert folder == M.hub_cache_dir(REPO) and folder.name == "tiny-org--tiny-model"
+    assert folder == cache_dir()
     fetched = sorted(p.name for p in folder.iterdir() if not p.name.startswith("."))
     assert fetched == ["config.json", "model.safetensors", "tokenizer.json"]
     for name in fetched:
@@ -154,7 +158,7 @@ def test_fetches_only_needed_files_with_token(env, monkeypatch):
 
 def test_gated_model_without_token_names_hf_token(env):
     env(token="secret")
-    with pytest.raises(M.HubError, match="HF_TOKEN"):
+    with pytest.raises(M.CheckpointError, match="HF_TOKEN"):
         M.fetch_from_hub(REPO)
 
 
@@ -171,10 +175,10 @@ def test_sharded_checkpoint_fetches_index_and_every_shard(env):
 def test_interrupted_fetch_is_one_line_and_finishes_in_a_later_call(env):
     hub = env()
     hub.drop_first.add("model.safetensors")
-    with pytest.raises(M.HubError, match="tiny-org/tiny-model") as err:
+    with pytest.raises(M.CheckpointError, match="tiny-org/tiny-model") as err:
         M.fetch_from_hub(REPO)
     assert "connection lost" in str(err.value) and "\n" not in str(err.value)
-    assert not (M.hub_cache_dir(REPO) / "model.safetensors.part").exists()
+    assert not (cache_dir() / "model.safetensors.part").exists()
     folder = M.fetch_from_hub(REPO)
     assert (folder / "model.safetensors").read_bytes() == hub.files["model.safetensors"]
     # Files finished by the first call are not fetched again.
@@ -215,7 +219,7 @@ def test_hostile_shard_names_are_refused(env, tmp_path, shard):
     hub = env(files=files, lfs=())
     with pytest.raises(M.CheckpointError, match="not a safetensors file beside the index"):
         M.fetch_from_hub(REPO)
-    folder = M.hub_cache_dir(REPO)
+    folder = cache_dir()
     assert not hub.gets(shard)
     written = {p for p in tmp_path.rglob("*") if p.is_file()}
     assert all(folder in p.parents for p in written), written
@@ -230,7 +234,7 @@ def test_an_index_of_the_wrong_shape_is_refused(env, body):
     env(files=files, lfs=())
     with pytest.raises(M.CheckpointError, match=r"model\.safetensors\.index\.json"):
         M.fetch_from_hub(REPO)
-    assert not (M.hub_cache_dir(REPO) / M.HUB_MANIFEST).exists()
+    assert not (cache_dir() / M.HUB_MANIFEST).exists()
 
 
 def test_complete_cache_makes_no_request(env):
@@ -249,12 +253,12 @@ def closed_port():
 
 def test_offline_error_names_model_and_cache(env, monkeypatch):
     monkeypatch.setenv("HF_ENDPOINT", f"http://127.0.0.1:{closed_port()}")
-    with pytest.raises(M.HubError) as err:
+    with pytest.raises(M.CheckpointError) as err:
         M.fetch_from_hub(REPO)
     msg = str(err.value)
-    assert REPO in msg and str(M.hub_cache_dir(REPO)) in msg
+    assert REPO in msg and str(cache_dir()) in msg
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    with pytest.raises(M.HubError, match="HF_HUB_OFFLINE"):
+    with pytest.raises(M.CheckpointError, match="HF_HUB_OFFLINE"):
         M.fetch_from_hub(REPO)
 
 
@@ -268,7 +272,7 @@ def test_offline_with_complete_cache_works(env, monkeypatch):
 
 def test_unknown_repo_is_a_clear_404(env):
     env()
-    with pytest.raises(M.HubError, match="not found"):
+    with pytest.raises(M.CheckpointError, match="not found"):
         M.fetch_from_hub("tiny-org/missing")
 
 
