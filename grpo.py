@@ -5,13 +5,11 @@
     python grpo.py --env gta --model Qwen/Qwen2.5-7B-Instruct --probes DIR/pair_mixed
     python -m lab.train --reward igpo ...          # the lab's rewards, searches, torchrun
 
-One step: --batch prompts x --group G rollouts (probes.rollout), one reward per assistant turn
-and the advantages (pair.REWARDS, pair.ADVANTAGES), then update: the loss (pair.grpo_loss:
-PPO-clip + beta KL_k3 to the adapter-disabled model, normalized over the batch's policy tokens as
-DAPO / Dr. GRPO), log pi at the sampling temperature (T = 1 under release), one AdamW step on
-LoRA. Here also: the CLI and
-presets, the run directory, checkpoints, evaluation, the summary. The lab (lab/) plugs in
-through PLAYERS, LOSSES and HOOKS.
+One step: --batch prompts x --group G rollouts (probes.rollout), a reward per assistant turn and
+the advantages (pair.REWARDS, pair.ADVANTAGES), then `update`: pair.grpo_loss over micro-batches,
+log pi at the sampling temperature, one AdamW step on LoRA. Around it: the flags and presets, the
+run directory, checkpoints and exact resume, evaluation, the summary. The lab plugs in through
+PLAYERS, LOSSES and HOOKS.
 """
 from __future__ import annotations
 
@@ -56,7 +54,7 @@ def hook(name: str, *args) -> list:
 
 def reward_context(args, policy, tok, env, procs, log) -> pair.RewardContext:
     """What --reward reads: the lab's probes ("context" hook), --probes (a PAIR directory, a probe
-    file or a directory of them), or the built-in world's shipped ones."""
+    file or a directory of them), or the probes shipped beside a built-in world's policy."""
     ctx = pair.RewardContext(policy, tok, args, env=env)
     if args.reward not in pair.READS_PROBE:
         return ctx
@@ -64,23 +62,16 @@ def reward_context(args, policy, tok, env, procs, log) -> pair.RewardContext:
         where, ctx.probe_report = found[0]
     elif args.probes:
         where = Path(args.probes)
+    elif is_builtin(args) and (where := Path(args.model) / "probes").is_dir():
+        ctx.probe_report = pair.read_report(where, args.reward, log)   # lab.onpolicy rebuilds
     else:
-        where, ctx.probe_report = shipped_probes(args, log)
+        raise SystemExit(f"--reward {args.reward} on {args.env} with --model {args.model} needs "
+                         "--probes DIR (`python -m lab.study` fits them; `python -m lab.train` "
+                         "on the fly for another policy of a built-in world)")
     head = pair.load_head(where, args.reward, policy.config,
                           policy.checkpoint_dir if args.probes else None)
     setattr(ctx, "pair" if isinstance(head, pair.Pair) else "probe", head)
     return ctx
-
-
-def shipped_probes(args, log) -> tuple[Path, dict]:
-    """A built-in world's probes shipped beside its policy (`python -m lab.onpolicy` rebuilds
-    them), and their report."""
-    where = Path(args.model) / "probes"
-    if args.env not in envs.WORLDS or not is_builtin(args) or not where.is_dir():
-        raise SystemExit(f"--reward {args.reward} on {args.env} with --model {args.model} needs "
-                         "--probes DIR (`python -m lab.study` fits them; `python -m lab.train` "
-                         "on the fly for another policy of a built-in world)")
-    return where, pair.read_report(where, args.reward, log)
 
 
 # --- 2. Update: pair.grpo_loss (or release_loss) over micro-batches, AdamW on LoRA -------------
@@ -399,7 +390,7 @@ def evaluate_and_log(run: Training, step: int, done: set):
     if run.args.no_eval or step in done:
         return
     if (ev := next((e for e in hook("evaluate", run, step) if e is not None), None)) is None:
-        ev = evaluate_all(step, run.policy, run.tok, run.held, run.args, run.procs)
+        ev = probes.evaluate_all(step, run.policy, run.tok, run.held, run.args, run.procs)
         hook("evaluated", run, step, ev)
     if run.procs.main:
         append_jsonl(run.out / "eval.jsonl", ev)
@@ -447,7 +438,8 @@ def train(args) -> dict:
             f"{rec['frac_zero_std']:.2f}  kl {rec['kl']:.2e}"
             + (f"  probe-auroc {auroc:.2f}" if auroc is not None else "")
             + f"  {seconds[-1]:.1f}s (rollout {rec['t_rollout']:.1f} reward "
-            f"{rec['t_reward']:.2f} update {rec['t_update']:.1f})  steps left {duration(left)}",
+            f"{rec['t_reward']:.2f} update {rec['t_update']:.1f})  steps left "
+            f"{probes.duration(left)}",
             flush=True)
         if rec.get("skipped_updates"):
             log(f"warning: step {step + 1}: the gradient was not finite; the adapter was not "
@@ -903,35 +895,6 @@ def optimizer_from_tensors(optimizer, tensors: dict, meta: dict):
     optimizer.load_state_dict({"state": state, "param_groups": meta["param_groups"]})
 
 
-def evaluate(policy, tok, env, pool, n: int, args, procs, name: str = "held-out") -> dict:
-    """Greedy rollouts on the first n episodes of `pool` (0: all): mean task score, mean turns,
-    and every episode's score in pool order (for paired comparisons)."""
-    n = len(pool) if not n else min(n, len(pool))
-    mine = list(range(procs.rank, n, procs.size))
-    policy.eval()
-    scores, turns, t0 = [], 0, time.perf_counter()
-    for i in range(0, len(mine), args.eval_batch):
-        episodes = [env.episode(pool[j]) for j in mine[i:i + args.eval_batch]]
-        for traj in probes.rollout(policy, tok, episodes, args, greedy=True, stats=False):
-            scores.append(traj.score)
-            turns += len(traj.steps)
-        if procs.main:          # at 7B an evaluation takes minutes: say how far it is
-            left = (time.perf_counter() - t0) / len(scores) * (len(mine) - len(scores))
-            print(f"  evaluating: {len(scores)}/{len(mine)} {name} episodes, {duration(left)} "
-                  "left", flush=True)
-    turns = procs.all_sum([turns])[0]
-    order = procs.gather([float(j) for j in mine], n)
-    scores = [s for _, s in sorted(zip(order, procs.gather(scores, n)))]
-    return {"success": sum(scores) / max(n, 1), "episodes": n, "turns": turns / max(n, 1),
-            "scores": scores}
-
-
-def evaluate_all(step: int, policy, tok, held: dict, args, procs) -> dict:
-    return {"step": step, "val": evaluate(policy, tok, *held["val"], args.val_episodes, args,
-                                          procs, "validation"),
-            "test": evaluate(policy, tok, *held["test"], args.eval_episodes, args, procs, "test")}
-
-
 def summarize(out: Path, seconds: float, args, probe_report: dict | None = None) -> dict:
     """base / selected / final held-out success on test: `selected` has the best validation
     success (ties: the earliest); `best_on_test` picks on test itself, the paper's protocol."""
@@ -960,9 +923,9 @@ def summarize(out: Path, seconds: float, args, probe_report: dict | None = None)
 
 
 def summary_text(s: dict) -> str:
+    b, sel, last, best = (s[k] for k in ("base", "selected", "final", "best_on_test"))
     lines = [f"done in {s['seconds']:.0f}s (reward {s['reward']})."]
-    if s["base"] and s["selected"]:
-        b, sel, last, best = (s[k] for k in ("base", "selected", "final", "best_on_test"))
+    if b and sel:
         lines.append(f"held-out success (greedy, {b['episodes']} test episodes): before "
                      f"{b['success']:.3f} -> selected {sel['success']:.3f} (step {sel['step']}, "
                      f"chosen on validation) -> final {last['success']:.3f} (step {last['step']});"
@@ -981,12 +944,6 @@ def summary_text(s: dict) -> str:
 
 def write_json(path: Path, obj, indent: int = 1) -> None:
     model.write_atomic(path, json.dumps(obj, indent=indent) + "\n")
-
-
-def duration(seconds: float) -> str:
-    """"42s" or "3m07s"."""
-    seconds = int(round(seconds))
-    return f"{seconds // 60}m{seconds % 60:02d}s" if seconds >= 60 else f"{seconds}s"
 
 
 def num(x) -> str:

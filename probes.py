@@ -1,10 +1,9 @@
 """The policy generating, read (METHOD.md §4, §5, §8): a turn and an episode generated with
 the statistics the rewards read, the features built from them, and the probes.
 
-- `generate` samples one assistant turn per row through the KV cache (prefill, then
-  decode_one_token and sample per token) -> a TurnTrace: the tokens, their log pi, and the
-  turn's mean attention statistics and hidden states. `rollout` plays G rollouts of an episode
-  turn by turn on one cache -> a Trajectory of Steps.
+- `generate` samples a turn per row on the KV cache (prefill, then decode_one_token and sample
+  per token) -> a TurnTrace: its tokens, their log pi, its mean statistics and hidden states;
+  `rollout` plays G rollouts of an episode on one cache -> Trajectories of Steps.
 - `raw_features(trace)` keeps per turn what any probe needs; `feature(name, raw)` builds the
   feature sets of METHOD.md §4 from a batch; the unsupervised scores need no training.
 - `Probe` is StandardScaler + L2 logistic regression, minimizing
@@ -232,7 +231,7 @@ def turn_traces(tokens, logps, count, finished, span_start, acc, alive) -> list[
     return traces
 
 
-# ---- An episode's rollout: G rollouts of one prompt together, one KV cache for the episode -------
+# ---- An episode's rollout: G rollouts of one prompt on one KV cache; held-out evaluation ---------
 
 @dataclass
 class Step:                         # one assistant turn of one rollout
@@ -335,6 +334,41 @@ def play(policy, tok, trajs: list[Trajectory], cache, new: list[list[int]], args
     for traj in trajs:
         score = traj.episode.score()
         traj.score = 0.0 if score is None else float(score)
+
+
+def evaluate(policy, tok, env, pool, n: int, args, procs, name: str = "held-out") -> dict:
+    """Greedy rollouts on the first n episodes of `pool` (0: all): mean task score, mean turns,
+    and every episode's score in pool order (for paired comparisons)."""
+    n = len(pool) if not n else min(n, len(pool))
+    mine = list(range(procs.rank, n, procs.size))
+    policy.eval()
+    scores, turns, t0 = [], 0, time.perf_counter()
+    for i in range(0, len(mine), args.eval_batch):
+        episodes = [env.episode(pool[j]) for j in mine[i:i + args.eval_batch]]
+        for traj in rollout(policy, tok, episodes, args, greedy=True, stats=False):
+            scores.append(traj.score)
+            turns += len(traj.steps)
+        if procs.main:          # at 7B an evaluation takes minutes: say how far it is
+            left = (time.perf_counter() - t0) / len(scores) * (len(mine) - len(scores))
+            print(f"  evaluating: {len(scores)}/{len(mine)} {name} episodes, {duration(left)} "
+                  "left", flush=True)
+    turns = procs.all_sum([turns])[0]
+    order = procs.gather([float(j) for j in mine], n)
+    scores = [s for _, s in sorted(zip(order, procs.gather(scores, n)))]
+    return {"success": sum(scores) / max(n, 1), "episodes": n, "turns": turns / max(n, 1),
+            "scores": scores}
+
+
+def evaluate_all(step: int, policy, tok, held: dict, args, procs) -> dict:
+    return {"step": step, "val": evaluate(policy, tok, *held["val"], args.val_episodes, args,
+                                          procs, "validation"),
+            "test": evaluate(policy, tok, *held["test"], args.eval_episodes, args, procs, "test")}
+
+
+def duration(seconds: float) -> str:
+    """"42s" or "3m07s"."""
+    seconds = int(round(seconds))
+    return f"{seconds // 60}m{seconds % 60:02d}s" if seconds >= 60 else f"{seconds}s"
 
 
 # ---- Features (METHOD.md §4) and the unsupervised scores -----------------------------------------

@@ -154,7 +154,7 @@ def sample_own_turns(policy, tok, env, n_episodes: int, samples: int, args, seed
             elif len(trajs) < len(episodes) and pacer.due(len(trajs)):
                 rate = (time.perf_counter() - t1) / (len(trajs) - rows)
                 log(f"  {len(trajs)}/{len(episodes)} rollouts of {env.split} episodes, ETA "
-                    f"{grpo.duration(rate * (len(episodes) - len(trajs)))}", flush=True)
+                    f"{probes.duration(rate * (len(episodes) - len(trajs)))}", flush=True)
     log(f"  {len(trajs)} rollouts of {n_episodes} {env.split} episodes x {samples} in "
         f"{time.perf_counter() - t0:.0f}s", flush=True)
     return turn_records(trajs)

@@ -40,6 +40,7 @@ import grpo
 import model
 from lab import data as lab_data, generate, runs
 from probes import rollout
+import probes
 
 # ---------------------------------------------------------------------------------------------
 # The world: tasks drawn from a seed, tools that really execute, exact labels
@@ -798,7 +799,7 @@ def sft(args) -> dict:
             rate = (time.perf_counter() - t_phase) / (i + 1 - first)
             print(f"  induction {i + 1}/{args.induction_steps}  loss "
                   f"{sum(losses[-250:]) / len(losses[-250:]):.4f}"
-                  f"  ETA {grpo.duration(rate * (args.induction_steps - i - 1))}", flush=True)
+                  f"  ETA {probes.duration(rate * (args.induction_steps - i - 1))}", flush=True)
         checkpoint(i + 1)
     if done <= args.induction_steps:
         losses = []             # the dialog phase logs its own losses
@@ -822,7 +823,7 @@ def sft(args) -> dict:
             rate = (time.perf_counter() - t_phase) / (i + 1 - first)
             print(f"  step {i + 1}/{args.steps}  loss {sum(losses[-50:]) / len(losses[-50:]):.4f}"
                   f"  induction loss {sum(kept[-50:]) / len(kept[-50:]):.4f}"
-                  f"  ETA {grpo.duration(rate * (args.steps - i - 1))}", flush=True)
+                  f"  ETA {probes.duration(rate * (args.steps - i - 1))}", flush=True)
         checkpoint(args.induction_steps + i + 1)
     policy.eval()
     seconds = earlier_seconds + time.perf_counter() - t0
@@ -834,7 +835,7 @@ def sft(args) -> dict:
     if args.eval_episodes:
         result.update(sft_eval(policy, tok, args))
     write_policy_readme(out, args, config, result, earlier)
-    print(f"sft: wrote {out} in {grpo.duration(time.perf_counter() - t0)}: " + json.dumps(result),
+    print(f"sft: wrote {out} in {probes.duration(time.perf_counter() - t0)}: " + json.dumps(result),
           flush=True)
     return result
 

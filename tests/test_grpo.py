@@ -725,7 +725,7 @@ def test_probes_of_another_model_fail_up_front(tiny_policy, tmp_path, monkeypatc
 
     def no_evaluation(*a, **k):
         raise AssertionError("evaluated before the probes were checked")
-    monkeypatch.setattr(grpo, "evaluate", no_evaluation)
+    monkeypatch.setattr(probes, "evaluate", no_evaluation)
     with pytest.raises(SystemExit, match=f"{theirs} was made from model {other} .* but --model "
                                          f"{tiny_policy} from .*model_sha256 differs"):
         run(flags(tiny_policy, tmp_path / "run", "pair", probes=theirs, eval_episodes=2))
@@ -836,7 +836,7 @@ def test_kill_9_frees_the_out_of_a_run(tiny_policy, tmp_path, pair_cache):
 def spy_envs(monkeypatch) -> dict:
     """Record what train() hands to the training steps and to evaluate: name -> (env, pool)."""
     seen = {}
-    real_step, real_eval = grpo.train_step, grpo.evaluate
+    real_step, real_eval = grpo.train_step, probes.evaluate
 
     def train_step(step, run):
         seen["train"] = run.env, run.pool
@@ -846,7 +846,7 @@ def spy_envs(monkeypatch) -> dict:
         seen.setdefault("eval", []).append((env, pool))
         return real_eval(policy, tok, env, pool, *a, **k)
     monkeypatch.setattr(grpo, "train_step", train_step)
-    monkeypatch.setattr(grpo, "evaluate", evaluate)
+    monkeypatch.setattr(probes, "evaluate", evaluate)
     return seen
 
 
@@ -873,7 +873,7 @@ def test_evaluation_decodes_greedily(tiny_policy):
     for seed in (0, 1):                 # greedy: the global RNG state changes nothing
         torch.manual_seed(seed)
         env = Recording(held_out)
-        result = grpo.evaluate(policy, tok, env, pool, 0, args, grpo.Processes())
+        result = probes.evaluate(policy, tok, env, pool, 0, args, grpo.Processes())
         played.append([ep.messages for ep in env.episodes])
         assert result["episodes"] == 3
         assert result["success"] == pytest.approx(sum(ep.score() for ep in env.episodes) / 3)
@@ -1663,7 +1663,7 @@ def test_oversample_keeps_the_first_groups_with_something_to_say(tiny_policy, tm
         kept.append([t.episode.id for t in trajs])
         return real_batch(trajs, advantages, pad_id)
     monkeypatch.setattr(pair, "turn_rewards", rewards)
-    monkeypatch.setattr(grpo, "make_batch", batch)
+    monkeypatch.setattr(pair, "make_batch", batch)
     run(flags(tiny_policy, tmp_path / "o", "outcome", steps=1, batch=2, oversample=4))
     (rec,) = metrics(tmp_path / "o")
     played = [grpo.prompt_index(3, g, 10_000) for g in range(8)]
@@ -1701,7 +1701,7 @@ def test_resume_redoes_exactly_what_was_logged_after_the_last_checkpoint(tiny_po
     def evals(out):
         return [(e["step"], e["test"]["scores"]) for e in grpo.read_jsonl(out / "eval.jsonl")]
 
-    real_step, real_eval = grpo.train_step, grpo.evaluate_all
+    real_step, real_eval = grpo.train_step, probes.evaluate_all
     # 1. killed before the first checkpoint: step 1 was logged, the base model evaluated
     early = tmp_path / "early"
 
@@ -1726,10 +1726,10 @@ def test_resume_redoes_exactly_what_was_logged_after_the_last_checkpoint(tiny_po
         if step == 2:
             raise KeyboardInterrupt
         return real_eval(step, *a, **k)
-    monkeypatch.setattr(grpo, "evaluate_all", crash_in_eval_2)
+    monkeypatch.setattr(probes, "evaluate_all", crash_in_eval_2)
     with pytest.raises(SystemExit, match="--resume"):
         run(flags(tiny_policy, late, "outcome", **kw))
-    monkeypatch.setattr(grpo, "evaluate_all", real_eval)
+    monkeypatch.setattr(probes, "evaluate_all", real_eval)
     assert (late / "checkpoint-000002").is_dir() and [s for s, _ in evals(late)] == [0]
     summary = run(flags(tiny_policy, late, "outcome", resume=True, **kw))
     assert without_timing(metrics(late)) == without_timing(metrics(whole))
@@ -1751,12 +1751,12 @@ def test_a_damaged_log_line_before_the_last_is_a_one_line_error(tmp_path):
 def test_the_base_model_is_evaluated_once_per_policy_and_evaluation_settings(
         tiny_policy, tmp_path, monkeypatch):
     monkeypatch.setenv("PAIR_CACHE", str(tmp_path / "cache"))
-    real_eval, steps = grpo.evaluate_all, []
+    real_eval, steps = probes.evaluate_all, []
 
     def counted(step, *a, **k):
         steps.append(step)
         return real_eval(step, *a, **k)
-    monkeypatch.setattr(grpo, "evaluate_all", counted)
+    monkeypatch.setattr(probes, "evaluate_all", counted)
     kw = dict(steps=1, eval_episodes=3)
 
     def base(out):
