@@ -3,9 +3,10 @@ the statistics the rewards read, the features built from them, and the probes.
 
 - `generate` samples a turn per row on the KV cache (prefill, then decode_one_token and sample
   per token) -> a TurnTrace: its tokens, their log pi, its mean statistics and hidden states;
-  `rollout` plays G rollouts of an episode on one cache -> Trajectories of Steps.
+  `rollout` plays G rollouts of an episode on one cache -> Trajectories of Steps; `evaluate`
+  plays held-out episodes greedily and scores them.
 - `raw_features(trace)` keeps per turn what any probe needs; `feature(name, raw)` builds the
-  feature sets of METHOD.md §4 from a batch; the unsupervised scores need no training.
+  feature sets of METHOD.md §4 from a batch.
 - `Probe` is StandardScaler + L2 logistic regression, minimizing
       sum_i logloss_i + ||w||^2 / (2C)        (intercept not penalized, C = 0.01)
   in float64 with torch's LBFGS: scikit-learn's model, which the tests check to 1e-4.
@@ -32,8 +33,6 @@ ATTN_STATS = ("max", "std", "prefix", "self")
 # Supervised feature sets (METHOD.md §4 table); each is a `Probe` input.
 FEATURES = ("last_token", "mean_pooled", "multi_layer", "attention", "multi_attn",
             "hidden_attn", "lookback", "head_entropy")
-# Unsupervised scores (no training): higher = more likely correct.
-SCORES = ("neg_entropy", "coe_r", "coe_c")
 # Keys of `raw_features`; a features file stacks them over records.
 RAW_KEYS = ("h_last4", "h_mean", "attn_max", "attn_std", "attn_prefix", "attn_self",
             "attn_entropy", "attn_lookback", "coe_r", "coe_c")
@@ -371,7 +370,7 @@ def duration(seconds: float) -> str:
     return f"{seconds // 60}m{seconds % 60:02d}s" if seconds >= 60 else f"{seconds}s"
 
 
-# ---- Features (METHOD.md §4) and the unsupervised scores -----------------------------------------
+# ---- Features (METHOD.md §4) ---------------------------------------------------------------------
 
 def coe_scores(h: torch.Tensor) -> tuple[float, float]:
     """CoE-R = mean M - mean A and CoE-C = |mean M e^{iA}| (Wang et al., ICLR 2025) from the
@@ -436,16 +435,6 @@ def feature(name: str, raw: dict[str, torch.Tensor]) -> torch.Tensor:
     if name not in build:
         raise ValueError(f"unknown feature set {name!r}; expected one of {FEATURES}")
     return build[name]()
-
-
-def unsupervised_score(name: str, raw: dict[str, torch.Tensor]) -> torch.Tensor:
-    """An unsupervised correctness score -> (N,) float64; higher = more likely correct."""
-    if name == "neg_entropy":
-        # a sharper attention (lower Renyi-2 entropy) reads as a more confident turn
-        return -raw["attn_entropy"].double().flatten(1).mean(dim=1)
-    if name in ("coe_r", "coe_c"):
-        return raw[name].double()
-    raise ValueError(f"unknown score {name!r}; expected one of {SCORES}")
 
 
 # ---- The probe (METHOD.md §5) --------------------------------------------------------------------

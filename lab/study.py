@@ -628,8 +628,8 @@ def run_report(features_dir, mode="mixed", seeds=SEEDS, C=0.01, crossfit=0, log=
             score_all(name, lambda raw, m=model: predict(m, raw), True)
         print(f"  seed {seed}: {len(models)} models + 15 ablations fitted "
               f"({time.perf_counter() - t:.1f}s)", file=log)
-    for name in probes.SCORES:           # unsupervised: no training, one value per split
-        score_all(name, lambda raw, n=name: probes.unsupervised_score(n, raw), False)
+    for name in SCORES:           # unsupervised: no training, one value per split
+        score_all(name, lambda raw, n=name: unsupervised_score(n, raw), False)
 
     def summarize(node):
         if isinstance(node, list):
@@ -925,9 +925,9 @@ def cmd_eval(args):
                 for k, v in scores.items():
                     values.setdefault(name, {}).setdefault(split_name, {}).setdefault(
                         k, []).append(v)
-    for name in probes.SCORES:
+    for name in SCORES:
         for split_name, split in tests.items():
-            p = probes.unsupervised_score(name, split.raw)
+            p = unsupervised_score(name, split.raw)
             for k, v in metrics(split.y, p, split.episode_id, False).items():
                 values.setdefault(name, {}).setdefault(split_name, {})[k] = [v]
     result = {m: {s: {k: mean_std(v) for k, v in d.items()} for s, d in per.items()}
@@ -1199,6 +1199,20 @@ def metrics(y, p, groups=None, probability=True) -> dict[str, float]:
 def features_dims(tensors: dict) -> dict:
     L, H = tensors["attn_max"].shape[1:]
     return {"d": int(tensors["h_mean"].shape[1]), "L": int(L), "H": int(H)}
+
+
+def unsupervised_score(name: str, raw: dict[str, torch.Tensor]) -> torch.Tensor:
+    """An unsupervised correctness score -> (N,) float64; higher = more likely correct."""
+    if name == "neg_entropy":
+        # a sharper attention (lower Renyi-2 entropy) reads as a more confident turn
+        return -raw["attn_entropy"].double().flatten(1).mean(dim=1)
+    if name in ("coe_r", "coe_c"):
+        return raw[name].double()
+    raise ValueError(f"unknown score {name!r}; expected one of {SCORES}")
+
+
+# Unsupervised scores (no training): higher = more likely correct.
+SCORES = ("neg_entropy", "coe_r", "coe_c")
 
 
 def main(argv=None) -> None:

@@ -198,7 +198,7 @@ def test_feature_layouts():
     sub = probes.attn_features(raw, stats=("prefix", "max"))
     assert sub[0].tolist() == [100 * s + 10 * l + h for l in range(L) for s in (2, 0)
                                for h in range(H)]
-    ent = probes.unsupervised_score("neg_entropy", raw)
+    ent = study.unsupervised_score("neg_entropy", raw)
     torch.testing.assert_close(ent, -raw["attn_entropy"].double().mean(dim=(1, 2)))
 
 
