@@ -1,14 +1,12 @@
 """The probes shipped beside the built-in policy (data/shop-policy/probes/, rebuilt by
 `python -m lab.onpolicy`): complete, of the policy's widths, and what the core's default run reads
 without the lab."""
-import argparse
 import json
 import os
 import subprocess
 import sys
 from pathlib import Path
 
-import grpo
 import model
 import pair
 import probes
@@ -49,10 +47,9 @@ def test_the_default_run_reads_the_shipped_probes_without_the_lab(tmp_path):
 
 def test_a_shipped_probe_below_chance_at_a_slip_is_warned_about(capsys):
     # the long world's PAIR ranks its divided slip above the same turn made right
-    args = argparse.Namespace(env="shop-long", reward="pair", probes=None,
-                              model=str(ROOT / "data" / "shop-long-policy"))
-    report = json.loads((ROOT / "data" / "shop-long-policy" / "probes" / "probes.json").read_text())
+    where = ROOT / "data" / "shop-long-policy" / "probes"
+    report = json.loads((where / "probes.json").read_text())
     assert report["heldout"]["pair"]["slip=divided"] < 0.5
-    grpo.shipped_probes(args, print)
+    pair.read_report(where, "pair", print)
     assert "warning: the pair probe ranks the divided slip above the same turn made right" in \
         capsys.readouterr().out
