@@ -7,6 +7,7 @@ point is memory (a 7B policy with its LoRA state and caches exceeds one 48 GB GP
 device; the core's decoding step already moves its per-layer tensors to each block's device.
 """
 from __future__ import annotations
+
 import torch
 from torch import nn, Tensor
 
