@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from decimal import Decimal, ROUND_HALF_UP
 from functools import cached_property
 from pathlib import Path
+from typing import Callable
 
 import requests
 
@@ -406,11 +407,20 @@ def shop_task(seed: int) -> ShopTask:
     return ShopTask(seed, prices, rates, lines, currency, text)
 
 
-WORLDS = {"shop": shop_task}        # lab/shop.py adds shop-long
-WORLD_TURNS = {"shop": MAX_TURNS}   # assistant turns an episode allows (shop-long needs more)
-# where sft writes by default: the policy grpo.py trains by default, and each world's own
+@dataclass(frozen=True)
+class World:
+    """A built-in world: how an episode's task is drawn from its seed, the assistant turns an
+    episode allows, and the world's own built-in policy (the one `--model` defaults to, trained
+    by `python -m lab.shop sft`). The lab builds a longer world the same way (lab/shop.py)."""
+    name: str
+    task: Callable[[int], ShopTask]
+    max_turns: int
+    policy: Path
+
+
+# the policy grpo.py trains by default
 BUILTIN_POLICY = Path(__file__).resolve().parent / "data" / "shop-policy"
-BUILTIN_POLICIES = {"shop": BUILTIN_POLICY}
+WORLDS = {"shop": World("shop", shop_task, MAX_TURNS, BUILTIN_POLICY)}
 
 
 def shop_episode_seed(split: str, seed: int, i: int) -> int:
@@ -553,10 +563,10 @@ def shop_labels(task: ShopTask, steps: list) -> list[bool]:
 
 
 class ShopEpisode(Episode):
-    def __init__(self, key: str, task: ShopTask):
+    def __init__(self, key: str, task: ShopTask, max_turns: int = MAX_TURNS):
         super().__init__(key, task.text, SHOP_TOOLS)
         self.task = task
-        self.max_turns = WORLD_TURNS["shop-long" if task.stepwise else "shop"]
+        self.max_turns = max_turns
 
     def call_tool(self, name: str, arguments: dict) -> str:
         return shop_execute(self.task, name, arguments).text
@@ -572,14 +582,17 @@ class ShopEnv(Env):
     """One split (train, val or test) of a built-in world; records maps an id to its index."""
 
     def __init__(self, split: str = "test", seed: int = 42, episodes: int | None = None,
-                 world: str = "shop"):
+                 world: World = WORLDS["shop"]):
         shop_episode_seed(split, 0, 0)      # refuses an unknown split
-        self.split, self.seed, self.world = split, seed, world
+        self.split = split
+        self.seed = seed
+        self.world = world
         n = SHOP_EPISODES[split] if episodes is None else episodes
-        super().__init__({shop_episode_id(split, seed, i, world): i for i in range(n)})
+        super().__init__({shop_episode_id(split, seed, i, world.name): i for i in range(n)})
 
     def _new_episode(self, key: str, i: int) -> ShopEpisode:
-        return ShopEpisode(key, WORLDS[self.world](shop_episode_seed(self.split, self.seed, i)))
+        task = self.world.task(shop_episode_seed(self.split, self.seed, i))
+        return ShopEpisode(key, task, self.world.max_turns)
 
 
 # ==== Replay (METHOD.md §10): tool calls answered from the gold dialog ============================
@@ -719,24 +732,29 @@ class GTAEnv(Env):
         return GTAEpisode(key, record, self.match)
 
 
-REPLAYS = {"gta": GTAEnv}       # lab/toolbench.py adds toolbench (LLM-judged, no training split)
+REPLAYS = {"gta": GTAEnv}       # the lab's table adds toolbench (LLM-judged, no training split)
 
 
-def make(family: str, split: str = "test", data_dir=None, **kw) -> Env:
-    """A released split: make("gta", split="test", data_dir=..., match="loose")."""
-    if family not in REPLAYS:
-        raise DataError(f"unknown environment {family!r}: choose {', '.join(REPLAYS)} (toolbench "
+def make(family: str, split: str = "test", data_dir=None, replays=REPLAYS, **kw) -> Env:
+    """A released split: make("gta", split="test", data_dir=..., match="loose"). `replays`: the
+    families to choose from (the lab's table adds toolbench)."""
+    if family not in replays:
+        raise DataError(f"unknown environment {family!r}: choose {', '.join(replays)} (toolbench "
                         "is the lab's: python -m lab.train --env toolbench)")
-    return REPLAYS[family](split, data_dir, **kw)
+    return replays[family](split, data_dir, **kw)
 
 
-def make_env(args, split: str, evaluation: bool = False):
-    """The `--env` environment of one split. GTA answers are matched as the paper does: strictly
-    (an alias must stand alone) for the training reward, loosely (a substring) in evaluation."""
-    if args.env in WORLDS:
-        return ShopEnv(split, world=args.env)
-    kw = {"match": "loose" if evaluation else "strict"} if args.env == "gta" else {}
-    return make(args.env, split=split, data_dir=args.data_dir, **kw)
+def make_env(args, split: str, evaluation: bool = False, worlds=WORLDS, replays=REPLAYS):
+    """The `--env` environment of one split: a built-in world of `worlds`, or a released family
+    of `replays` (the lab passes its tables, which add shop-long and toolbench). GTA answers are
+    matched as the paper does: strictly (an alias must stand alone) for the training reward,
+    loosely (a substring) in evaluation."""
+    if args.env in worlds:
+        return ShopEnv(split, world=worlds[args.env])
+    kw = {}
+    if args.env == "gta":
+        kw["match"] = "loose" if evaluation else "strict"
+    return make(args.env, split, args.data_dir, replays, **kw)
 
 
 def scorable(env) -> list[int]:
@@ -746,15 +764,16 @@ def scorable(env) -> list[int]:
     return [i for i in range(len(env)) if env.episode(i).skip_reason is None]
 
 
-def eval_splits(args, train_env, train_pool) -> tuple[dict, list[int]]:
+def eval_splits(args, train_env, train_pool, worlds=WORLDS,
+                replays=REPLAYS) -> tuple[dict, list[int]]:
     """{"val": (env, pool), "test": (env, pool)} and the training pool left: a built-in world
     has a validation split, a replay sets aside its last --val-episodes training episodes."""
-    test = make_env(args, "test", evaluation=True)
-    if args.env in WORLDS:
-        val = make_env(args, "val", evaluation=True)
+    test = make_env(args, "test", True, worlds, replays)
+    if args.env in worlds:
+        val = make_env(args, "val", True, worlds, replays)
         return {"val": (val, scorable(val)), "test": (test, scorable(test))}, train_pool
     k = min(args.val_episodes or max(1, len(train_pool) // 10), len(train_pool) // 2)
-    val = make_env(args, "train", evaluation=True)
+    val = make_env(args, "train", True, worlds, replays)
     return ({"val": (val, train_pool[len(train_pool) - k:]), "test": (test, scorable(test))},
             train_pool[:len(train_pool) - k])
 

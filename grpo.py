@@ -2,14 +2,22 @@
 
     python grpo.py --reward pair                   # shop, built-in policy, its shipped probes
     python grpo.py --reward outcome --out runs/o   # the sparse baseline, same budget
-    python grpo.py --env gta --model Qwen/Qwen2.5-7B-Instruct --probes DIR/pair_mixed
+    python grpo.py --env gta --model Qwen/Qwen2.5-7B-Instruct --devices cuda --probes DIR/pair_mixed
+    python grpo.py --devices cuda:0,cuda:1 ...     # the layers split over two GPUs
     python -m lab.train --reward igpo ...          # the lab's rewards, searches, torchrun
 
-One step: --batch prompts x --group G rollouts (probes.rollout), a reward per assistant turn and
-the advantages (pair.REWARDS, pair.ADVANTAGES), then `update`: pair.grpo_loss over micro-batches,
-log pi at the sampling temperature, one AdamW step on LoRA. Around it: the flags and presets, the
-run directory, checkpoints and exact resume, evaluation, the summary. The lab plugs in through
-PLAYERS, LOSSES and HOOKS.
+One step (`train_step`): --batch prompts, each played as a group of --group G rollouts
+(`play_group`: probes.rollout), a reward for every assistant turn (pair.turn_rewards, the
+--reward entry of pair.REWARDS), the group's advantages (the --advantage entry of
+pair.ADVANTAGES), then `update`: the entry's loss (pair.grpo_loss, or the release's) over
+micro-batches, log pi at the sampling temperature, one AdamW step on the LoRA adapter. `train`
+is the loop around it: the base model's evaluation, the steps, a checkpoint and an evaluation
+every --save-every steps, the summary. Everything else is the run's plumbing: the flags and
+presets, the run directory, checkpoints and exact resume.
+
+The loop knows its reward and advantage form only through those two tables. The lab's methods
+that need more (refitted probes, tree searches, oversampling, several processes) run their own
+loop, lab/train.py, built from the functions of this file.
 """
 from __future__ import annotations
 
@@ -37,47 +45,261 @@ import pair
 import probes
 
 
-# --- 1. What the rewards (pair.REWARDS) read; the lab's plug-in tables ------------------------
+# --- 1. What a run reads: the policy, the environments, the reward's probes -------------------
 
-# The lab plugs in here (lab/train.py); hook(name, ...) calls HOOKS[name] at one point of a run.
-PLAYERS = {}        # --reward name -> play(g, run, t) -> (Group, KV bytes), for play_group
-LOSSES = {}         # --reward name -> its own loss (update)
-HOOKS = {name: [] for name in (
-    "flags", "check", "preset", "processes", "split", "context", "setup", "claim", "failed",
-    "share", "played", "step", "trained", "resume", "checkpoint", "evaluate", "evaluated")}
-PROG = "python grpo.py"     # how messages spell the command line that runs this file
+@dataclass
+class Training:                     # what the training loop reads; setup() builds it once
+    policy: model.Transformer
+    tok: model.Tokenizer
+    env: envs.Env                   # the training environment ...
+    pool: list[int]                 # ... and the indices of its episodes the prompts come from
+    held: dict                      # the held-out splits, {"val": (env, pool), "test": ...}
+    reward: pair.Reward             # --reward's entry of the rewards table
+    form: pair.Advantage            # --advantage's entry: the advantages and their loss
+    ctx: pair.RewardContext         # what the reward reads besides the rollout
+    optimizer: torch.optim.Optimizer
+    args: argparse.Namespace
+    procs: Processes
+    out: Path                       # the run directory
+    log: object                     # print on the main process, silent elsewhere
+    probe_report: dict | None = None    # the shipped probes' AUROC on held-out own turns
 
 
-def hook(name: str, *args) -> list:
-    return [fn(*args) for fn in HOOKS[name]]
+def setup(args, procs: Processes | None = None) -> Training:
+    """Everything a run reads, each input checked before the run directory is written: the
+    presets resolved, the policy loaded with a fresh adapter, the environments, the reward's
+    probes, then the run directory claimed and the optimizer built."""
+    if procs is None:
+        procs = Processes()
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1 and procs.size == 1:
+        raise SystemExit("several processes run through the lab: torchrun --nproc_per_node N -m "
+                         "lab.train ...")
+    resolve_preset(args, procs)
+    check_processes(args, procs)
+    check_out(args)     # read-only first: a --resume mistake costs no model load
+    procs.barrier()     # every process reads OUT as it was before any of them writes
+    log = logger(procs)
+    policy, tok = load_policy(args, procs)
+    env, pool, held = environments(args, tok)
+    reward = pair.REWARDS[args.reward]
+    ctx = pair.RewardContext(policy, tok, env, alpha=args.alpha)
+    report = None
+    if reward.reads_probe:
+        where, report = probes_to_read(args, log)
+        read_probes(ctx, args, policy, where)
+    out = prepare_out(args, procs)
+    optimizer = make_optimizer(policy, args)
+    log_start(args, policy, pool, held, procs, out, log)
+    return Training(policy, tok, env, pool, held, reward, pair.ADVANTAGES[args.advantage], ctx,
+                    optimizer, args, procs, out, log, report)
 
 
-def reward_context(args, policy, tok, env, procs, log) -> pair.RewardContext:
-    """What --reward reads: the lab's probes ("context" hook), --probes (a PAIR directory, a probe
-    file or a directory of them), or the probes shipped beside a built-in world's policy."""
-    ctx = pair.RewardContext(policy, tok, args, env=env)
-    if args.reward not in pair.READS_PROBE:
-        return ctx
-    if (found := [w for w in hook("context", args, policy, tok, procs, log) if w]):
-        where, ctx.probe_report = found[0]
-    elif args.probes:
-        where = Path(args.probes)
-    elif is_builtin(args) and (where := Path(args.model) / "probes").is_dir():
-        ctx.probe_report = pair.read_report(where, args.reward, log)   # lab.onpolicy rebuilds
+def logger(procs: Processes):
+    """print on the main process, nothing on the others (they would repeat every line)."""
+    if procs.main:
+        return print
+    return lambda *a, **k: None
+
+
+def check_processes(args, procs: Processes) -> None:
+    """--batch shared out evenly, and --threads set, before anything is loaded."""
+    if args.batch % procs.size:
+        raise SystemExit(f"--batch {args.batch} must be a multiple of the {procs.size} processes")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+
+
+def load_policy(args, procs: Processes,
+                worlds=envs.WORLDS) -> tuple[model.Transformer, model.Tokenizer]:
+    """The seeded start of a run: RNGs seeded, the policy (its layers split when --devices names
+    several), a fresh LoRA adapter (the first random draws; lab/onpolicy.py's rebuild of the
+    probes starts here too)."""
+    random.seed(args.seed)
+    np.random.seed(args.seed)
+    torch.manual_seed(args.seed)
+    devices = model.parse_devices(args.devices or procs.device)
+    world = worlds.get(args.env)
+    builtin = envs.BUILTIN_POLICY
+    if world is not None:
+        builtin = world.policy
+    if Path(args.model).resolve() == builtin.resolve() and not builtin.is_dir():
+        sys.exit(f"--model: the built-in policy {builtin} is missing; build it with "
+                 f"`python -m lab.shop sft --out {builtin}` (lab/README.md)")
+    policy, tok = model.load_model(args.model, dtype=model.DTYPES[args.dtype], device=devices[0])
+    if len(devices) > 1:
+        model.split_model(policy, devices)
+    model.apply_lora(policy, r=args.lora_r, alpha=args.lora_alpha, dropout=args.lora_dropout,
+                     targets=tuple(args.lora_targets.split(",")))
+    return policy, tok
+
+
+def environments(args, tok, worlds=envs.WORLDS, replays=envs.REPLAYS):
+    """The training environment, the pool of its episodes the prompts come from, and the
+    held-out splits; refused when a split has no scorable episode or a task's prompt leaves no
+    room for a turn (a turn that might not fit ends a rollout: a run would learn nothing)."""
+    env = envs.make_env(args, "train", False, worlds, replays)
+    held, pool = envs.eval_splits(args, env, envs.scorable(env), worlds, replays)
+    if not pool or not all(p for _, p in held.values()):
+        raise SystemExit(f"--env {args.env}: no scorable episode in a split")
+    prompt = len(tok.render(env.episode(pool[0]).messages, add_generation_prompt=True)[0])
+    if prompt + args.max_new_tokens > args.max_len:
+        raise SystemExit(f"--max-len {args.max_len}: a task's prompt alone is {prompt} tokens "
+                         f"and a turn needs --max-new-tokens {args.max_new_tokens} more")
+    return env, pool, held
+
+
+def probes_to_read(args, log, worlds=envs.WORLDS) -> tuple[Path | None, dict | None]:
+    """Where the --reward's probes are, and their report when they are the shipped ones: --probes
+    (a PAIR directory, a probe file or a directory of them), or the probes shipped beside a
+    built-in world's policy."""
+    if args.probes:
+        return Path(args.probes), None
+    shipped = Path(args.model) / "probes"
+    if is_builtin(args, worlds) and shipped.is_dir():
+        return shipped, pair.read_report(shipped, args.reward, log)
+    raise SystemExit(f"--reward {args.reward} on {args.env} with --model {args.model} needs "
+                     "--probes DIR (`python -m lab.study` fits them; `python -m lab.train` "
+                     "on the fly for another policy of a built-in world)")
+
+
+def read_probes(ctx: pair.RewardContext, args, policy, where: Path) -> None:
+    """The probe the reward reads, loaded into ctx and checked against the policy: its widths,
+    and (given --probes) the model it was fitted for."""
+    model_dir = policy.checkpoint_dir if args.probes else None
+    head = pair.load_head(where, args.reward, policy.config, model_dir)
+    if isinstance(head, pair.Pair):
+        ctx.pair = head
     else:
-        raise SystemExit(f"--reward {args.reward} on {args.env} with --model {args.model} needs "
-                         "--probes DIR (`python -m lab.study` fits them; `python -m lab.train` "
-                         "on the fly for another policy of a built-in world)")
-    head = pair.load_head(where, args.reward, policy.config,
-                          policy.checkpoint_dir if args.probes else None)
-    setattr(ctx, "pair" if isinstance(head, pair.Pair) else "probe", head)
-    return ctx
+        ctx.probe = head
+        ctx.feature = args.reward
 
 
-# --- 2. Update: pair.grpo_loss (or release_loss) over micro-batches, AdamW on LoRA -------------
+def make_optimizer(policy, args) -> torch.optim.Optimizer:
+    """AdamW on the LoRA adapter's parameters, the only ones that train."""
+    params = [p for p in policy.parameters() if p.requires_grad]
+    return torch.optim.AdamW(params, lr=args.lr, weight_decay=args.weight_decay)
+
+
+def log_start(args, policy, pool, held, procs, out, log) -> None:
+    n_lora = sum(p.numel() for p in policy.parameters() if p.requires_grad)
+    log(f"policy {args.model}: {sum(p.numel() for p in policy.parameters()) - n_lora:,} "
+        f"parameters, + {n_lora:,} in the LoRA adapter (trained); env {args.env}: {len(pool)} "
+        f"training / {len(held['val'][1])} validation / {len(held['test'][1])} test episodes; "
+        f"reward {args.reward}; {args.steps} steps of {args.batch} x {args.group} rollouts on "
+        f"{procs.size} process(es); run in {out}", flush=True)
+
+
+# --- 2. One step: play each prompt's group, reward and advantage it, update ------------------
+
+def prompt_index(seed: int, g: int, n: int) -> int:
+    """The training episode of the g-th prompt of the run: a fresh permutation every pass."""
+    epoch, k = divmod(g, n)
+    return int(np.random.default_rng([seed, epoch]).permutation(n)[k])
+
+
+def sampler(policy, seed: int, g: int) -> torch.Generator:
+    """One generator per prompt, seeded by its number in the run: the rollouts depend neither on
+    the sharding over processes nor on where a run was resumed."""
+    return torch.Generator(device=policy.lm_head.weight.device).manual_seed(seed * 1_000_003 + g)
+
+
+TIMING = ("t_rollout", "t_reward", "t_update")      # seconds a step spends in each phase
+# A step's work, summed over processes: tokens and turns sampled, and what a reward or a search
+# adds (sibling rollouts of a tree, sequences and tokens teacher-forced, calls to an external
+# judge), which it counts in RewardContext.cost; the metrics report every one of them.
+COSTS = ("gen_tokens", "gen_turns", "branch_rollouts", "branch_tokens", "tf_rows", "tf_tokens",
+         "external_calls")
+
+
+@dataclass
+class Group:                        # one prompt's rollouts, rewarded, with their advantages
+    trajs: list[probes.Trajectory]
+    rewards: list[list[float | None]]
+    p_correct: list                 # per rollout, the frozen probe's P(correct) per turn, or None
+    advantages: list[list[float]]
+    all_equal: bool                 # no turn got an advantage: nothing to learn from
+    kv_bytes: int = 0               # the KV cache its rollouts held
+
+
+def play_group(g: int, run: Training, t: dict) -> Group:
+    """The g-th prompt of the run: its G rollouts, then their rewards and advantages. Adds the
+    seconds spent to t (TIMING)."""
+    t0 = time.perf_counter()
+    trajs, kv_bytes = play_rollouts(g, run, stats=run.reward.needs_stats)
+    t["t_rollout"] += time.perf_counter() - t0
+    return score_group(trajs, run, t, kv_bytes)
+
+
+def play_rollouts(g: int, run: Training, stats: bool) -> tuple[list[probes.Trajectory], int]:
+    """The G rollouts of the g-th prompt (the group GRPO compares), and the bytes of KV cache
+    they held; `stats`: the generation keeps each turn's statistics (the reward reads them)."""
+    args, policy = run.args, run.policy
+    index = run.pool[prompt_index(args.seed, g, len(run.pool))]
+    episodes = [run.env.episode(index) for _ in range(args.group)]
+    caches = []
+    trajs = probes.rollout(policy, run.tok, episodes, args, generator=sampler(policy, args.seed, g),
+                           caches=caches, stats=stats)
+    kv_bytes = sum(c.k.nbytes + c.v.nbytes for cache in caches for c in cache)
+    return trajs, kv_bytes
+
+
+def score_group(trajs: list[probes.Trajectory], run: Training, t: dict,
+                kv_bytes: int = 0) -> Group:
+    """A group's rewards (one per turn) and advantages, and the tokens and turns it generated
+    counted in run.ctx.cost (COSTS). Adds the seconds spent to t["t_reward"]."""
+    t0 = time.perf_counter()
+    rewards, p_correct = [], []
+    for traj in trajs:
+        r, p = pair.turn_rewards(traj, run.reward, run.ctx, run.args.outcome_weight)
+        rewards.append(r)
+        p_correct.append(p)
+    t["t_reward"] += time.perf_counter() - t0
+    advantages, all_equal = run.form.fn(rewards, [traj.score for traj in trajs])
+    played = [st for traj in trajs for st in traj.steps]
+    run.ctx.cost.update(gen_turns=len(played), gen_tokens=sum(len(st.tokens) for st in played))
+    return Group(list(trajs), rewards, p_correct, advantages, all_equal, kv_bytes)
+
+
+def train_step(step: int, run: Training) -> dict:
+    """One GRPO step: this process's share of the step's prompts played, then the update
+    (all-reduced over the processes), and the step's metrics."""
+    args, procs = run.args, run.procs
+    t = dict.fromkeys(TIMING, 0.0)
+    run.ctx.cost = Counter(dict.fromkeys(COSTS, 0))
+    reset_peak_memory(run.policy)
+    run.policy.eval()
+    groups = [play_group(step * args.batch + j, run, t)
+              for j in range(procs.rank, args.batch, procs.size)]
+    stats = learn(groups, run, t)
+    return step_metrics(step, groups, groups, stats, t, run)
+
+
+def learn(groups: list[Group], run: Training, t: dict) -> dict:
+    """The update on the groups' rollouts, each turn's tokens carrying its advantage; adds its
+    seconds to t["t_update"]."""
+    t0 = time.perf_counter()
+    trajs = [traj for group in groups for traj in group.trajs]
+    advantages = [a for group in groups for a in group.advantages]
+    batch = pair.make_batch(trajs, advantages, run.tok.pad_id)
+    run.policy.train()
+    stats = update(run.policy, run.optimizer, batch, run.form, run.args, run.procs)
+    run.policy.eval()
+    t["t_update"] = time.perf_counter() - t0
+    return stats
+
+
+def reset_peak_memory(policy) -> None:
+    """On a GPU, the step's peak memory is measured from here (mem_cuda_peak_mb)."""
+    device = model.input_device(policy)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+# --- 3. The update: the advantage form's loss over micro-batches, AdamW on LoRA ---------------
 
 def lr_at(step: int, args) -> float:
-    """Constant lr after a linear warmup over the first `--warmup` fraction of the steps."""
+    """Constant lr after a linear warmup over the first `--warmup` fraction of the steps:
+    lr_s = lr x min(1, (s + 1) / max(1, round(warmup x steps)))."""
     warm = max(1, round(args.warmup * args.steps))
     return args.lr * min(1.0, (step + 1) / warm)
 
@@ -96,309 +318,241 @@ def micro_batches(lengths: list[int], rows: int, tokens: int) -> list[list[int]]
     return chunks
 
 
-def update(policy, optimizer, batch: pair.Batch, args, procs) -> dict:
-    """`--ppo-epochs` passes over the batch in micro-batches, one AdamW step each."""
-    params = [p for p in policy.parameters() if p.requires_grad]
-    n_tokens, n_seqs, n_turns = procs.all_sum([batch.mask[:, 1:].sum().item(),
-                                               batch.n_seqs, batch.n_turns])
-    if n_tokens == 0:   # 0/0 loss; and AdamW on zero gradients still moves by its momentum
-        return {"loss": 0.0, "kl": 0.0, "clip_frac": 0.0, "ratio": 0.0, "grad_norm": 0.0,
+EMPTY_UPDATE = {"loss": 0.0, "kl": 0.0, "clip_frac": 0.0, "ratio": 0.0, "grad_norm": 0.0,
                 "tokens": 0, "empty_batch": 1, "skipped_updates": 0}
-    chunks = micro_batches(batch.lengths, args.micro_batch, args.micro_batch_tokens)
-    dev = model.input_device(policy)
-    # log pi at the sampling temperature, the distribution the tokens were drawn from; the
-    # release takes T = 1 whatever it sampled at
-    temperature = 1.0 if args.advantage == "release" else args.temperature
-    ref, old, skipped = {}, {}, 0
+
+
+def update(policy, optimizer, batch: pair.Batch, form: pair.Advantage, args, procs) -> dict:
+    """`--ppo-epochs` passes over the batch, each one AdamW step on the gradient of the form's
+    loss summed over the micro-batches. The reference (adapter off) and old log pi are taken
+    once, the old at the first pass. Returns the first pass's metrics."""
+    counts = batch.counts()
+    totals = dict(zip(counts, procs.all_sum(list(counts.values()))))
+    n_tokens = totals["tokens"]
+    if n_tokens == 0:   # 0/0 loss; and AdamW on zero gradients still moves by its momentum
+        return dict(EMPTY_UPDATE)
+    parts = [pair.Part(batch, rows, max(batch.lengths[r] for r in rows), totals)
+             for rows in micro_batches(batch.lengths, args.micro_batch, args.micro_batch_tokens)]
+    # log pi at the temperature the tokens were drawn at (the form may fix it: the release's 1)
+    temperature = args.temperature if form.temperature is None else form.temperature
+    ref, old = {}, {}
+    skipped = 0
     for epoch in range(args.ppo_epochs):
-        optimizer.zero_grad(set_to_none=True)
-        sums = [0.0] * 4                # loss, KL, clip indicator, rho
-        for c, rows_c in enumerate(chunks):
-            T = max(batch.lengths[r] for r in rows_c)
-            ids = batch.ids[rows_c, :T].to(dev)
-            mask = batch.mask[rows_c, :T]
-            adv = batch.adv[rows_c, :T][:, 1:][mask[:, 1:]].to(dev)
-            if c not in ref:
-                with torch.no_grad(), model.lora_disabled(policy):
-                    ref[c] = model.token_logprobs(policy, ids, mask, temperature)
-            logp = model.token_logprobs(policy, ids, mask, temperature)
-            if epoch == 0:
-                old[c] = logp.detach()
-            if args.reward in LOSSES:
-                loss, s = LOSSES[args.reward](logp, old[c], ref[c], adv, batch, rows_c, T, args,
-                                              (n_tokens, n_seqs))
-            elif args.advantage == "release":
-                loss, s = pair.release_loss(logp, old[c], ref[c], adv,
-                                            batch.per_turn[rows_c, 1:T][mask[:, 1:]].to(dev),
-                                            args.eps, args.beta, n_turns)
-            else:
-                loss, s = pair.grpo_loss(logp, old[c], ref[c], adv, args.eps, args.beta, n_tokens)
-            loss.backward()
-            sums = [a + b for a, b in zip(sums, (loss.item(), s["kl"], s["clip"], s["ratio"]))]
-        for p in params:               # processes with fewer tokens still join the all-reduce
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
-        procs.all_reduce_grads(params)
-        grad_norm = torch.nn.utils.clip_grad_norm_(params, args.grad_clip).item()
-        if math.isfinite(grad_norm):
-            optimizer.step()
-        else:       # a NaN or inf reached the gradient: a step on it would ruin the adapter
+        sums = backward_pass(policy, optimizer, parts, form, temperature, ref, old, args)
+        grad_norm = optimizer_step(policy, optimizer, args.grad_clip, procs)
+        if not math.isfinite(grad_norm):
             skipped += 1
         if epoch == 0:
             first = procs.all_sum(sums)
     loss, kl, clip, ratio = first
-    return {"loss": loss, "kl": kl / max(n_tokens, 1), "clip_frac": clip / max(n_tokens, 1),
-            "ratio": ratio / max(n_tokens, 1), "grad_norm": grad_norm, "tokens": int(n_tokens),
+    return {"loss": loss, "kl": kl / n_tokens, "clip_frac": clip / n_tokens,
+            "ratio": ratio / n_tokens, "grad_norm": grad_norm, "tokens": int(n_tokens),
             "empty_batch": 0, "skipped_updates": skipped}
 
 
-# --- 3. The training loop: rollout -> rewards -> advantages -> update, checkpoints between ------
-
-def prompt_index(seed: int, g: int, n: int) -> int:
-    """The training episode of the g-th prompt of the run: a fresh permutation every pass."""
-    epoch, k = divmod(g, n)
-    return int(np.random.default_rng([seed, epoch]).permutation(n)[k])
-
-
-def sampler(policy, seed: int, g: int) -> torch.Generator:
-    """One generator per prompt, seeded by its number in the run: the rollouts depend neither on
-    the sharding over processes nor on where a run was resumed."""
-    return torch.Generator(device=policy.lm_head.weight.device).manual_seed(seed * 1_000_003 + g)
-
-
-TIMING = ("t_rollout", "t_reward", "t_update")      # seconds per step; the lab adds its own
-# a step's work, summed over processes: tokens and turns sampled, tree search's sibling rollouts,
-# sequences and tokens teacher-forced by a reward, calls to an external judge
-COSTS = ("gen_tokens", "gen_turns", "branch_rollouts", "branch_tokens", "tf_rows", "tf_tokens",
-         "external_calls")
-
-
-@dataclass
-class Training:                     # what the training loop reads; setup() builds it once
-    policy: model.Transformer
-    tok: model.Tokenizer
-    env: envs.Env                   # the training environment ...
-    pool: list[int]                 # ... and the indices of its episodes the prompts come from
-    held: dict                      # the held-out splits, {"val": (env, pool), "test": ...}
-    ctx: pair.RewardContext
-    optimizer: torch.optim.Optimizer
-    args: argparse.Namespace
-    procs: Processes
-    out: Path                       # the run directory
-    log: object                     # print on the main process, silent elsewhere
+def backward_pass(policy, optimizer, parts: list[pair.Part], form: pair.Advantage,
+                  temperature: float, ref: dict, old: dict, args) -> list[float]:
+    """One pass: the gradient of the loss accumulated over the micro-batches. ref and old hold
+    each part's reference and old log pi, filled at the first pass. Returns the sums of the
+    loss, the KL, the clip indicator and the ratio over this process's tokens."""
+    dev = model.input_device(policy)
+    optimizer.zero_grad(set_to_none=True)
+    sums = [0.0] * 4
+    for c, part in enumerate(parts):
+        ids = part.batch.ids[part.rows, :part.T].to(dev)
+        mask = part.batch.mask[part.rows, :part.T]
+        adv = part.tokens(part.batch.adv).to(dev)                   # (N,) A of each token
+        if c not in ref:
+            with torch.no_grad(), model.lora_disabled(policy):
+                ref[c] = model.token_logprobs(policy, ids, mask, temperature)
+        logp = model.token_logprobs(policy, ids, mask, temperature)  # (N,)
+        if c not in old:
+            old[c] = logp.detach()
+        loss, s = form.loss(logp, old[c], ref[c], adv, part, args.eps, args.beta)
+        loss.backward()
+        sums = [a + b for a, b in zip(sums, (loss.item(), s["kl"], s["clip"], s["ratio"]))]
+    return sums
 
 
-@dataclass
-class Group:                        # one prompt's rollouts, rewarded, with their advantages
-    trajs: list[probes.Trajectory]
-    rewards: list[list[float | None]]
-    p_correct: list                 # per rollout, the frozen probe's P(correct) per turn, or None
-    advantages: list[list[float]]
-    all_equal: bool                 # no turn got an advantage: nothing to learn from
+def optimizer_step(policy, optimizer, grad_clip: float, procs) -> float:
+    """The gradients all-reduced over the processes, their global norm clipped to grad_clip,
+    one AdamW step. Returns the norm before the clip; a norm that is not finite skips the step
+    (a NaN or inf in the gradient would ruin the adapter)."""
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    for p in params:               # processes with fewer tokens still join the all-reduce
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+    procs.all_reduce_grads(params)
+    grad_norm = torch.nn.utils.clip_grad_norm_(params, grad_clip).item()
+    if math.isfinite(grad_norm):
+        optimizer.step()
+    return grad_norm
 
 
-def play_group(g: int, run: Training, t: dict) -> tuple[Group, int]:
-    """The g-th prompt of the run: its G rollouts, rewards and advantages, and the bytes of KV
-    cache they held. Adds the seconds spent to t (TIMING) and the work to run.ctx.cost (COSTS)."""
-    if run.args.reward in PLAYERS:      # a tree search of the lab plays its trees instead
-        return PLAYERS[run.args.reward](g, run, t)
-    policy, ctx, args, caches = run.policy, run.ctx, run.args, []
-    t0 = time.perf_counter()
-    index = run.pool[prompt_index(args.seed, g, len(run.pool))]
-    episodes = [run.env.episode(index) for _ in range(args.group)]     # the group GRPO compares
-    trajs = probes.rollout(policy, run.tok, episodes, args, generator=sampler(policy, args.seed, g),
-                           caches=caches, stats=args.reward in pair.NEEDS_STATS and ctx.stats)
-    t1 = time.perf_counter()
-    hook("played", run, trajs, t)
-    r, p = zip(*[pair.turn_rewards(traj, ctx) for traj in trajs])
-    t["t_rollout"] += t1 - t0
-    t["t_reward"] += time.perf_counter() - t1
-    a, all_equal = pair.ADVANTAGES[args.advantage](list(r), [traj.score for traj in trajs], args)
-    played = [st for traj in trajs for st in traj.steps]
-    ctx.cost.update(gen_turns=len(played), gen_tokens=sum(len(st.tokens) for st in played))
-    kv_bytes = sum(c.k.nbytes + c.v.nbytes for cache in caches for c in cache)
-    return Group(list(trajs), list(r), list(p), a, all_equal), kv_bytes
+# --- 4. A step's metrics: one metrics.jsonl record, summed over the processes ----------------
 
-
-def train_step(step: int, run: Training) -> dict:
-    """One GRPO step: this process's share of the prompts, then the all-reduced update. The lab
-    may play the share another way ("share" hook: the groups kept, and (Group, KV bytes) of
-    every group played)."""
-    policy, args, procs = run.policy, run.args, run.procs
-    t = {k: 0.0 for k in TIMING}
-    run.ctx.cost = Counter(dict.fromkeys(COSTS, 0))
-    if on_cuda := model.input_device(policy).type == "cuda":
-        torch.cuda.reset_peak_memory_stats(model.input_device(policy))
-    policy.eval()
-    if (share := next((s for s in hook("share", step, run, t) if s is not None), None)) is None:
-        played = [play_group(step * args.batch + j, run, t)
-                  for j in range(procs.rank, args.batch, procs.size)]
-        share = [group for group, _ in played], played
-    kept, played = share
-    t0 = time.perf_counter()
+def step_metrics(step: int, kept: list[Group], played: list[Group], stats: dict, t: dict,
+                 run: Training) -> dict:
+    """The record of one step: the update's statistics, the rewards and successes of the groups
+    kept (the update's), the groups played (played: every group the step played, kept or not),
+    the seconds of each phase t, the step's costs and memory, and the drift monitor. Sums go
+    over the processes in one all-reduce; memory is the largest over them."""
+    args, procs = run.args, run.procs
     trajs = [traj for group in kept for traj in group.trajs]
-    advs = [a for group in kept for a in group.advantages]
-    policy.train()
-    stats = update(policy, run.optimizer, pair.make_batch(trajs, advs, run.tok.pad_id), args, procs)
-    policy.eval()
-    t["t_update"] = time.perf_counter() - t0
-    extra = hook("trained", run, step, trajs)       # the lab's metrics of this step
-    memory = {"mem_kv_mb": max((kv for _, kv in played), default=0) / 2**20}
-    if on_cuda:
-        memory["mem_cuda_peak_mb"] = torch.cuda.max_memory_allocated(
-            model.input_device(policy)) / 2**20
-    return step_metrics(step, trajs, [g.rewards for g in kept],
-                        [p for g in kept for p in g.p_correct],
-                        (sum(g.all_equal for g, _ in played), len(played)), stats,
-                        [t[k] for k in TIMING], args, procs,
-                        [run.ctx.cost[k] for k in COSTS], memory, extra)
-
-
-def step_metrics(step, trajs, rewards, p_correct, played, stats, times, args, procs, costs=(),
-                 memory=None, extra=()) -> dict:
-    """One metrics.jsonl record, summed over processes (memory: the largest). played = (groups
-    all_equal, groups played); the rest is about the groups kept (p_correct: as Group's)."""
-    rows = [row for group in rewards for row in group]
-    flat = [r for row in rows for r in row if r is not None]
-    M = args.max_turns
-    turn_sum, turn_n, reached = [0.0] * M, [0] * M, [0] * M
-    for row in rows:
-        for t, r in enumerate(row):
-            reached[t] += 1
-            if r is not None:
-                turn_sum[t] += r
-                turn_n[t] += 1
-    parts = {
-        "n": [len(flat)], "sum": [sum(flat)], "sum_sq": [sum(r * r for r in flat)],
-        "rollouts": [len(trajs)], "score": [sum(t.score for t in trajs)],
-        "turns": [sum(len(t.steps) for t in trajs)], "truncated": [sum(t.truncated for t in trajs)],
-        "all_equal": [played[0]], "groups": [played[1]], "times": list(times),
-        "turn_sum": turn_sum, "turn_n": turn_n, "reached": reached, "costs": list(costs)}
-    summed = iter(procs.all_sum([v for values in parts.values() for v in values]))
-    s = {name: [next(summed) for _ in values] for name, values in parts.items()}  # one all-reduce
-    (n,), (n_traj,), (n_groups,) = s["n"], s["rollouts"], s["groups"]
+    rewards = [row for group in kept for row in group.rewards]
+    costs = [run.ctx.cost[k] for k in COSTS]
+    parts = reward_sums(rewards, args.max_turns)
+    parts.update({
+        "rollouts": [len(trajs)], "score": [sum(traj.score for traj in trajs)],
+        "turns": [sum(len(traj.steps) for traj in trajs)],
+        "truncated": [sum(traj.truncated for traj in trajs)],
+        "all_equal": [sum(group.all_equal for group in played)], "groups": [len(played)],
+        "times": list(t.values()), "costs": costs})
+    s = all_sum_parts(parts, procs)
+    n = s["n"][0]
+    n_traj = s["rollouts"][0]
     mean = s["sum"][0] / max(n, 1)
+    variance = max(s["sum_sq"][0] / max(n, 1) - mean * mean, 0.0)
     rec = {"step": step + 1, "lr": lr_at(step, args), "reward_mean": mean,
-           "reward_std": math.sqrt(max(s["sum_sq"][0] / max(n, 1) - mean * mean, 0.0)),
-           "success": s["score"][0] / max(n_traj, 1),
-           "frac_zero_std": s["all_equal"][0] / max(n_groups, 1), "groups_played": int(n_groups),
-           **stats, "turns": s["turns"][0] / max(n_traj, 1), "truncated": int(s["truncated"][0]),
-           # mean reward of turn t over the rollouts that reached it (None: no reward there)
-           "turn_rewards": [s["turn_sum"][t] / s["turn_n"][t] if s["turn_n"][t] else None
-                            for t in range(M) if s["reached"][t]]}
-    if ctx_has_probe(args):     # drift monitor: the frozen probe against the exact step labels
-        pairs = [(p, float(lab)) for t, ps in zip(trajs, p_correct) if ps is not None
-                 for p, lab in zip(ps, t.episode.labels() or [])]
-        size = args.batch * args.group * M
-        p = procs.gather([x for x, _ in pairs], size)
-        y = procs.gather([y for _, y in pairs], size)
-        rec["probe_auroc"] = probes.auroc(y, p) if 0 < sum(y) < len(y) else None
-    rec.update({name: t / procs.size for name, t in zip(TIMING, s["times"])})
+           "reward_std": math.sqrt(variance), "success": s["score"][0] / max(n_traj, 1),
+           "frac_zero_std": s["all_equal"][0] / max(s["groups"][0], 1),
+           "groups_played": int(s["groups"][0]), **stats,
+           "turns": s["turns"][0] / max(n_traj, 1), "truncated": int(s["truncated"][0]),
+           "turn_rewards": turn_means(s)}
+    if monitors_probe(run):
+        rec["probe_auroc"] = probe_monitor(trajs, [p for g in kept for p in g.p_correct], run)
+    rec.update({name: seconds / procs.size for name, seconds in zip(t, s["times"])})
     rec.update({name: int(c) for name, c in zip(COSTS, s["costs"])})
-    rec.update({name: round(procs.all_max(v), 3) for name, v in (memory or {}).items()})
-    for metrics in extra:           # the lab's (a refit's report)
-        rec.update(metrics or {})
+    memory = {"mem_kv_mb": max((group.kv_bytes for group in played), default=0) / 2**20}
+    device = model.input_device(run.policy)
+    if device.type == "cuda":
+        memory["mem_cuda_peak_mb"] = torch.cuda.max_memory_allocated(device) / 2**20
+    rec.update({name: round(procs.all_max(v), 3) for name, v in memory.items()})
     return rec
 
 
-def ctx_has_probe(args) -> bool:
-    """PAIR and the probe rewards score every turn; only shop has exact labels to check them on."""
-    return args.env in envs.WORLDS and (args.reward == "pair" or args.reward in pair.PROBE_REWARDS)
+def reward_sums(rewards: list[list[float | None]], max_turns: int) -> dict[str, list[float]]:
+    """The sums a step's reward statistics are made of, over every turn that got a reward: their
+    count, sum and sum of squares, and per turn index t < max_turns, the sum and count of turn
+    t's rewards and the rollouts that reached turn t."""
+    flat = [r for row in rewards for r in row if r is not None]
+    turn_sum = [0.0] * max_turns
+    turn_n = [0] * max_turns
+    reached = [0] * max_turns
+    for row in rewards:
+        for k, r in enumerate(row):
+            reached[k] += 1
+            if r is not None:
+                turn_sum[k] += r
+                turn_n[k] += 1
+    return {"n": [len(flat)], "sum": [sum(flat)], "sum_sq": [sum(r * r for r in flat)],
+            "turn_sum": turn_sum, "turn_n": turn_n, "reached": reached}
 
 
-def setup(args) -> Training:
-    """Everything a run reads, each input checked before the run directory is written."""
-    procs = next((p for p in hook("processes", args) if p is not None), None) \
-        if int(os.environ.get("WORLD_SIZE", "1")) > 1 else Processes()    # torchrun: the lab's
-    if procs is None:
-        raise SystemExit("several processes run through the lab: torchrun --nproc_per_node N -m "
-                         "lab.train ...")
-    resolve_preset(args, procs)
-    if args.batch % procs.size:
-        raise SystemExit(f"--batch {args.batch} must be a multiple of the {procs.size} processes")
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    check_out(args)     # read-only first: a --resume mistake costs no model load
-    procs.barrier()     # every process reads OUT as it was before any of them writes
-    log = print if procs.main else (lambda *a, **k: None)
-    policy, tok = load_policy(args, procs)
-    env = envs.make_env(args, "train")
-    held, pool = envs.eval_splits(args, env, envs.scorable(env))
-    if not pool or not all(p for _, p in held.values()):
-        raise SystemExit(f"--env {args.env}: no scorable episode in a split")
-    # a turn that might not fit ends a rollout: with no room for the first, a run learns nothing
-    prompt = len(tok.render(env.episode(pool[0]).messages, add_generation_prompt=True)[0])
-    if prompt + args.max_new_tokens > args.max_len:
-        raise SystemExit(f"--max-len {args.max_len}: a task's prompt alone is {prompt} tokens "
-                         f"and a turn needs --max-new-tokens {args.max_new_tokens} more")
-    # given probes are checked before OUT is claimed; probes fitted on the fly (minutes) after
-    ctx = None if ctx_has_probe(args) and not args.probes else \
-        reward_context(args, policy, tok, env, procs, log)
-    out = prepare_out(args, procs)
-    ctx = ctx or reward_context(args, policy, tok, env, procs, log)
-    hook("setup", args, policy, tok, procs, log, ctx)
-    params = [p for p in policy.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(params, lr=args.lr, weight_decay=args.weight_decay)
-    n_lora = sum(p.numel() for p in params)
-    log(f"policy {args.model}: {sum(p.numel() for p in policy.parameters()) - n_lora:,} "
-        f"parameters, + {n_lora:,} in the LoRA adapter (trained); env {args.env}: {len(pool)} "
-        f"training / {len(held['val'][1])} validation / {len(held['test'][1])} test episodes; "
-        f"reward {args.reward}; {args.steps} steps of {args.batch} x {args.group} rollouts on "
-        f"{procs.size} process(es); run in {out}", flush=True)
-    return Training(policy, tok, env, pool, held, ctx, optimizer, args, procs, out, log)
+def all_sum_parts(parts: dict[str, list[float]], procs) -> dict[str, list[float]]:
+    """Each list of parts summed over the processes, in one all-reduce of their concatenation."""
+    summed = iter(procs.all_sum([v for values in parts.values() for v in values]))
+    return {name: [next(summed) for _ in values] for name, values in parts.items()}
 
 
-def load_policy(args, procs: Processes) -> tuple[model.Transformer, model.Tokenizer]:
-    """The seeded start of a run: RNGs seeded, the policy, a fresh LoRA adapter (the first random
-    draws; lab/onpolicy.py's rebuild of the probes starts here too)."""
-    random.seed(args.seed)
-    np.random.seed(args.seed)
-    torch.manual_seed(args.seed)
-    devices = model.parse_devices(args.devices or procs.device)
-    builtin = envs.BUILTIN_POLICIES.get(args.env, envs.BUILTIN_POLICY)
-    if Path(args.model).resolve() == builtin.resolve() and not builtin.is_dir():
-        sys.exit(f"--model: the built-in policy {builtin} is missing; build it with "
-                 f"`python -m lab.shop sft --out {builtin}` (lab/README.md)")
-    policy, tok = model.load_model(args.model, dtype=model.DTYPES[args.dtype], device=devices[0])
-    if len(devices) > 1:
-        hook("split", policy, devices)      # lab/split.py
-    model.apply_lora(policy, r=args.lora_r, alpha=args.lora_alpha, dropout=args.lora_dropout,
-                     targets=tuple(args.lora_targets.split(",")))
-    return policy, tok
+def turn_means(s: dict[str, list[float]]) -> list[float | None]:
+    """The mean reward of turn t over the rollouts that reached it, for every turn index some
+    rollout reached (None: no reward at that turn)."""
+    means = []
+    for k, reached in enumerate(s["reached"]):
+        if not reached:
+            continue
+        if s["turn_n"][k]:
+            means.append(s["turn_sum"][k] / s["turn_n"][k])
+        else:
+            means.append(None)
+    return means
 
 
-def resume(run: Training) -> int:
-    """The step to start from: 0, or (--resume) the newest checkpoint's, restored; what was
-    logged after it is dropped, to be redone exactly."""
-    start, args, out = 0, run.args, run.out
-    if args.resume and (ckpt := latest_checkpoint(out)) is not None:
-        start, lagged = load_checkpoint(ckpt, run.policy, run.optimizer, run.procs)
-        run.ctx.lagged = run.ctx.lagged if lagged is None else lagged
-        run.log(f"resumed from {ckpt} at step {start}", flush=True)
-    for path in (out / "metrics.jsonl", out / "eval.jsonl"):
-        if run.procs.main and args.resume and path.exists():
-            model.write_atomic(path, "".join(json.dumps(r) + "\n" for r in read_jsonl(path)
-                                             if r["step"] <= start))
-    run.procs.barrier()
-    hook("resume", run, start)
-    return start
+def monitors_probe(run: Training) -> bool:
+    """The drift monitor runs where a frozen probe scores every turn and the world has exact
+    step labels to check it on (the built-in worlds)."""
+    return run.reward.reads_probe and isinstance(run.env, envs.ShopEnv)
 
 
-def evaluate_and_log(run: Training, step: int, done: set):
-    """Evaluate the policy at `step` on the held-out splits into eval.jsonl, unless done or
-    --no-eval. The lab may hand in an evaluation it kept ("evaluate" hook)."""
-    if run.args.no_eval or step in done:
-        return
-    if (ev := next((e for e in hook("evaluate", run, step) if e is not None), None)) is None:
-        ev = probes.evaluate_all(step, run.policy, run.tok, run.held, run.args, run.procs)
-        hook("evaluated", run, step, ev)
-    if run.procs.main:
-        append_jsonl(run.out / "eval.jsonl", ev)
-    done.add(step)
-    run.log(f"{'base model' if step == 0 else f'step {step}'}: held-out success "
-            f"{ev['test']['success']:.3f} on {ev['test']['episodes']} test episodes, "
-            f"{ev['val']['success']:.3f} on {ev['val']['episodes']} validation (greedy)",
-            flush=True)
+def probe_monitor(trajs: list[probes.Trajectory], p_correct: list, run: Training) -> float | None:
+    """The drift monitor: AUROC of the frozen probe's P(correct) of the step's turns against
+    their exact labels, over every process's turns (None where one class is missing)."""
+    pairs = [(p, float(label)) for traj, ps in zip(trajs, p_correct) if ps is not None
+             for p, label in zip(ps, traj.episode.labels() or [])]
+    args, procs = run.args, run.procs
+    size = args.batch * args.group * args.max_turns
+    p = procs.gather([x for x, _ in pairs], size)
+    y = procs.gather([y for _, y in pairs], size)
+    if 0 < sum(y) < len(y):
+        return probes.auroc(y, p)
+    return None
+
+
+# --- 5. The loop: evaluation, the steps, checkpoints; resume -----------------------------------
+
+def train(args) -> dict:
+    """Setup, the base model's evaluation, --steps GRPO steps with a checkpoint and an
+    evaluation every --save-every steps and at the end, the summary."""
+    started = time.perf_counter()
+    run = setup(args)
+    start = resume(run)
+    done = evaluated_steps(run.out)
+    evaluate_and_log(run, start, done)      # the base model, or a checkpoint killed early
+    seconds, aurocs, warned = [], [], False
+    for step in range(start, args.steps):
+        t0 = time.perf_counter()
+        set_lr(run.optimizer, lr_at(step, args))
+        rec = train_step(step, run)
+        if run.procs.main:
+            append_jsonl(run.out / "metrics.jsonl", rec)
+        seconds.append(time.perf_counter() - t0)
+        aurocs.append(rec.get("probe_auroc"))
+        log_step(run, rec, seconds)
+        if not warned and below_chance(aurocs) is not None:
+            warned = True
+            warn_below_chance(run, below_chance(aurocs))
+        if checkpoint_due(step, args):
+            path = save_checkpoint(run.out, step + 1, run.policy, run.optimizer, run.procs)
+            run.log(f"checkpoint {path}", flush=True)
+            evaluate_and_log(run, step + 1, done)
+    return finish(run, time.perf_counter() - started)
+
+
+def set_lr(optimizer, lr: float) -> None:
+    for group in optimizer.param_groups:
+        group["lr"] = lr
+
+
+def checkpoint_due(step: int, args) -> bool:
+    """A checkpoint (and an evaluation) after every --save-every steps and after the last."""
+    return (step + 1) % args.save_every == 0 or step + 1 == args.steps
+
+
+def log_step(run: Training, rec: dict, seconds: list[float]) -> None:
+    """The step's line, and a warning when the update was skipped."""
+    args, log = run.args, run.log
+    # the time left from the median of the last steps: one rambling rollout is slow
+    left = float(np.median(seconds[-10:])) * (args.steps - rec["step"])
+    auroc = rec.get("probe_auroc")
+    line = (f"step {rec['step']:>4}/{args.steps}  reward {rec['reward_mean']:.3f}"
+            f"±{rec['reward_std']:.3f}  success {rec['success']:.2f}  zero-std "
+            f"{rec['frac_zero_std']:.2f}  kl {rec['kl']:.2e}")
+    if auroc is not None:
+        line += f"  probe-auroc {auroc:.2f}"
+    line += (f"  {seconds[-1]:.1f}s (rollout {rec['t_rollout']:.1f} reward "
+             f"{rec['t_reward']:.2f} update {rec['t_update']:.1f})  steps left "
+             f"{probes.duration(left)}")
+    log(line, flush=True)
+    if rec.get("skipped_updates"):
+        log(f"warning: step {rec['step']}: the gradient was not finite; the adapter was not "
+            "updated (skipped_updates in metrics.jsonl)", flush=True)
+
+
+def warn_below_chance(run: Training, mean: float) -> None:
+    run.log(f"warning: the probe ranks this run's own turns below chance (mean AUROC "
+            f"{mean:.2f} over the last {CHANCE_WINDOW} steps): its reward now favours wrong "
+            "turns", flush=True)
 
 
 CHANCE_WINDOW = 5       # steps the drift monitor's alarm averages over
@@ -409,61 +563,67 @@ def below_chance(aurocs: list) -> float | None:
     below chance (the frozen probe's reward now favours wrong turns), else None."""
     recent = [a for a in aurocs[-CHANCE_WINDOW:] if a is not None]
     mean = sum(recent) / CHANCE_WINDOW
-    return mean if len(recent) == CHANCE_WINDOW and mean < 0.5 else None
+    if len(recent) == CHANCE_WINDOW and mean < 0.5:
+        return mean
+    return None
 
 
-def train(args) -> dict:
-    """Setup, the base model's evaluation, --steps GRPO steps with a checkpoint and an
-    evaluation every --save-every steps and at the end, the summary."""
-    started = time.perf_counter()
-    run = setup(args)
-    ctx, procs, log = run.ctx, run.procs, run.log
-    start = resume(run)
-    done = {e["step"] for e in read_jsonl(run.out / "eval.jsonl")}
-    evaluate_and_log(run, start, done)      # the base model, or a checkpoint killed early
-    seconds, aurocs, warned = [], [], False
-    for step in range(start, args.steps):
-        t = time.perf_counter()
-        for group in run.optimizer.param_groups:
-            group["lr"] = lr_at(step, args)
-        hook("step", run, step)
-        rec = train_step(step, run)
-        if procs.main:
-            append_jsonl(run.out / "metrics.jsonl", rec)
-        aurocs.append(auroc := rec.get("probe_auroc"))
-        seconds.append(time.perf_counter() - t)     # the median: one rambling rollout is slow
-        left = float(np.median(seconds[-10:])) * (args.steps - step - 1)
-        log(f"step {rec['step']:>4}/{args.steps}  reward {rec['reward_mean']:.3f}"
-            f"±{rec['reward_std']:.3f}  success {rec['success']:.2f}  zero-std "
-            f"{rec['frac_zero_std']:.2f}  kl {rec['kl']:.2e}"
-            + (f"  probe-auroc {auroc:.2f}" if auroc is not None else "")
-            + f"  {seconds[-1]:.1f}s (rollout {rec['t_rollout']:.1f} reward "
-            f"{rec['t_reward']:.2f} update {rec['t_update']:.1f})  steps left "
-            f"{probes.duration(left)}",
-            flush=True)
-        if rec.get("skipped_updates"):
-            log(f"warning: step {step + 1}: the gradient was not finite; the adapter was not "
-                "updated (skipped_updates in metrics.jsonl)", flush=True)
-        if not warned and (mean := below_chance(aurocs)) is not None:
-            warned = True
-            log(f"warning: the probe ranks this run's own turns below chance (mean AUROC "
-                f"{mean:.2f} over the last {CHANCE_WINDOW} steps): its reward now favours wrong "
-                "turns", flush=True)
-        if (step + 1) % args.save_every == 0 or step + 1 == args.steps:
-            path = save_checkpoint(run.out, step + 1, run.policy, run.optimizer, procs, ctx.lagged)
-            log(f"checkpoint {path}", flush=True)
-            hook("checkpoint", run, step + 1)
-            evaluate_and_log(run, step + 1, done)
-    summary = summarize(run.out, time.perf_counter() - started, args, ctx.probe_report)
-    summary.update(ctx.summary)
-    if procs.main:
+def resume(run: Training) -> int:
+    """The step to start from: 0, or (--resume) the newest checkpoint's, restored; what was
+    logged after it is dropped, to be redone exactly."""
+    args, out = run.args, run.out
+    start = 0
+    ckpt = latest_checkpoint(out) if args.resume else None
+    if ckpt is not None:
+        start = load_checkpoint(ckpt, run.policy, run.optimizer, run.procs)
+        run.log(f"resumed from {ckpt} at step {start}", flush=True)
+    if run.procs.main and args.resume:
+        for path in (out / "metrics.jsonl", out / "eval.jsonl"):
+            if path.exists():
+                kept = [r for r in read_jsonl(path) if r["step"] <= start]
+                model.write_atomic(path, "".join(json.dumps(r) + "\n" for r in kept))
+    run.procs.barrier()
+    return start
+
+
+def evaluated_steps(out: Path) -> set[int]:
+    """The steps eval.jsonl already holds (a resumed run does not evaluate them again)."""
+    return {e["step"] for e in read_jsonl(out / "eval.jsonl")}
+
+
+def evaluate_and_log(run: Training, step: int, done: set, ev: dict | None = None) -> dict | None:
+    """Evaluate the policy at `step` on the held-out splits into eval.jsonl, unless done or
+    --no-eval; `ev`: an evaluation already made (the lab's cache of the base model's). Returns
+    the evaluation made, or None."""
+    if run.args.no_eval or step in done:
+        return None
+    if ev is None:
+        ev = probes.evaluate_all(step, run.policy, run.tok, run.held, run.args, run.procs)
+    if run.procs.main:
+        append_jsonl(run.out / "eval.jsonl", ev)
+    done.add(step)
+    what = "base model" if step == 0 else f"step {step}"
+    run.log(f"{what}: held-out success {ev['test']['success']:.3f} on {ev['test']['episodes']} "
+            f"test episodes, {ev['val']['success']:.3f} on {ev['val']['episodes']} validation "
+            "(greedy)", flush=True)
+    return ev
+
+
+def finish(run: Training, seconds: float, extra: dict | None = None) -> dict:
+    """summary.json (extra: what the lab adds to it) and its lines; the run directory is let go."""
+    summary = summarize(run.out, seconds, run.args, run.probe_report)
+    summary.update(extra or {})
+    if run.procs.main:
         write_json(run.out / "summary.json", summary)
-        log(summary_text(summary), flush=True)
-    procs.close()
+        run.log(summary_text(summary), flush=True)
+        unlock(run.out)
+    run.procs.close()
     return summary
 
 
-# --- The run: flags and presets, processes, run directory, checkpoints, evaluation, summary ----
+# --- 6. The flags and presets --------------------------------------------------------------------
+
+PROG = "python grpo.py"     # how messages spell the command line that runs this file
 
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
     """Every default in --help but "(default: None)": such a flag's help says what decides it."""
@@ -473,15 +633,16 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
 
 
 class Parser(argparse.ArgumentParser):
-    """argparse, pointing to the lab for a choice or a flag the core lacks."""
+    """argparse, saying what is wrong in one line (no usage block above it: --help has it), and
+    pointing to the lab for a choice or a flag grpo.py lacks."""
 
     def error(self, message):
-        if PROG == "python grpo.py" and ("invalid choice" in message
-                                         or "unrecognized arguments" in message):
+        if self.prog == PROG and ("invalid choice" in message
+                                  or "unrecognized arguments" in message):
             message += ("; the paper's other rewards, the tree searches, shop-long, the other "
                         "advantage forms and the lab's flags (--oversample...) run through "
                         "`python -m lab.train` (lab/README.md)")
-        super().error(message)
+        self.exit(2, f"{self.prog}: error: {message} (--help lists the flags)\n")
 
 
 def at_least(low):                  # a range of FLAG_RANGES: (test, what it asks for)
@@ -534,17 +695,22 @@ DEFAULTS = dict(weight_decay=0.0, advantage="process")     # flags a --preset se
 PRESETS = {"release": dict(weight_decay=0.01, warmup=0.0, top_p=0.95, advantage="release")}
 
 
-def is_builtin(args) -> bool:      # the built-in world's own policy (TINY preset)
-    return args.env in envs.WORLDS and \
-        Path(args.model).resolve() == envs.BUILTIN_POLICIES[args.env].resolve()
+def is_builtin(args, worlds=envs.WORLDS) -> bool:
+    """Whether the run trains a built-in world's own policy (the TINY preset applies)."""
+    world = worlds.get(args.env)
+    return world is not None and Path(args.model).resolve() == world.policy.resolve()
 
 
-def resolve_preset(args, procs) -> None:
+def resolve_preset(args, procs, worlds=envs.WORLDS) -> set[str]:
     """Fill the flags left unset: the tiny preset for the built-in policy, else the paper's;
-    then --preset's."""
-    preset = dict(PAPER_HPARAMS, **TINY) if is_builtin(args) else dict(PAPER_HPARAMS)
-    if args.env in envs.WORLDS:         # shop-long's episodes are longer than the paper's 10
-        preset["max_turns"] = envs.WORLD_TURNS[args.env]
+    a built-in world's own turn limit; then --preset's. Returns the preset's flags that were
+    set on the command line."""
+    builtin = is_builtin(args, worlds)
+    preset = dict(PAPER_HPARAMS)
+    if builtin:
+        preset.update(TINY)
+    if args.env in worlds:              # a world's episodes may be longer than the paper's 10
+        preset["max_turns"] = worlds[args.env].max_turns
     preset.update(DEFAULTS, **PRESETS.get(args.preset, {}))
     given = {k for k in preset if getattr(args, k) is not None}
     for k, v in preset.items():
@@ -552,11 +718,11 @@ def resolve_preset(args, procs) -> None:
             setattr(args, k, v)
     if args.micro_batch is None:
         args.micro_batch = args.group
-    hook("preset", args, given)
-    shown = [*(TINY if is_builtin(args) else ()), *PRESETS.get(args.preset, ())]
+    shown = [*(TINY if builtin else ()), *PRESETS.get(args.preset, ())]
     if procs.main and shown:
         print("preset: " + ", ".join(f"--{k.replace('_', '-')} {getattr(args, k)}" + (
             " (from the command line)" if k in given else "") for k in shown), flush=True)
+    return given
 
 
 def preset_flags(group, flags: dict) -> None:
@@ -568,16 +734,18 @@ def preset_flags(group, flags: dict) -> None:
                            help=f"{what} (default: {default})")
 
 
-def train_parser(rewards) -> argparse.ArgumentParser:
-    """grpo.py's flags; `rewards`: the names --reward takes (pair.REWARDS)."""
-    ap = Parser(prog=PROG, formatter_class=HelpFormatter,
+def train_parser(rewards=pair.REWARDS, forms=pair.ADVANTAGES, worlds=envs.WORLDS,
+                 replays=envs.REPLAYS, prog=PROG) -> argparse.ArgumentParser:
+    """grpo.py's flags; the names --reward, --advantage and --env take come from the tables
+    (the lab passes its own, which add rows)."""
+    ap = Parser(prog=prog, formatter_class=HelpFormatter,
                 description="Multi-turn GRPO with LoRA and step-level rewards (METHOD.md §9); "
                             "with no flag: shop, the built-in policy and its probes.",
                 epilog="Defaults: the paper's Table grpo_config, but --temperature, --top-p, "
                        "--lora-alpha and --lora-dropout, the release's (the paper states no T or "
                        "top-p). Several processes: `torchrun --nproc_per_node N -m lab.train ...`.")
     a = ap.add_argument
-    a("--env", default="shop", choices=(*envs.WORLDS, "gta", "toolbench"),
+    a("--env", default="shop", choices=(*worlds, *replays),
       help="a built-in world or a released dataset replayed (envs.py)")
     a("--data-dir", help="gta / toolbench: the released files' root (default: $PAIR_DATA, else "
       "~/.cache/pair/data)")
@@ -587,7 +755,7 @@ def train_parser(rewards) -> argparse.ArgumentParser:
     a("--alpha", type=float, default=5.0, help="PAIR momentum scaling; 0 = vanilla PAIR")
     a("--outcome-weight", type=float, default=0.0, help="plus this x the task score on the last "
       "turn's reward")
-    a("--advantage", choices=tuple(pair.ADVANTAGES), help="advantage form and loss (default: "
+    a("--advantage", choices=tuple(forms), help="advantage form and loss (default: "
       "process, DeepSeekMath's; release with --preset release)")
     a("--preset", choices=tuple(PRESETS), help="release = the authors' release as it ran: "
       "--weight-decay 0.01, --warmup 0, --top-p 0.95, --advantage release")
@@ -596,7 +764,7 @@ def train_parser(rewards) -> argparse.ArgumentParser:
     g = ap.add_argument_group("rollout")
     preset_flags(g, dict(steps="training steps", batch="prompts per step",
                          group="rollouts per prompt, G", max_turns="assistant turns per rollout "
-                         "(a built-in world's own: envs.WORLD_TURNS)",
+                         "(a built-in world's own: envs.World.max_turns)",
                          max_new_tokens="generated tokens per turn",
                          temperature="sampling temperature", top_p="nucleus sampling mass"))
     g.add_argument("--max-len", type=int, default=8192,
@@ -628,31 +796,35 @@ def train_parser(rewards) -> argparse.ArgumentParser:
     a("--seed", type=int, default=42, help="seed of everything")
     a("--dtype", default="float32", choices=("float32", "bfloat16"),
       help="model weights dtype (the adapter stays float32)")
-    a("--devices", help="the process's device, e.g. cuda:0; several split the layers (lab) "
+    a("--devices", help="the process's device, e.g. cuda:0; several split the layers, e.g. "
+      "cuda:0,cuda:1 "
       "(default: the process's GPU under torchrun, else the CPU)")
     a("--threads", type=int, help="torch CPU threads (default: 1 with the built-in policy, else "
       "torch's choice)")
-    hook("flags", ap)
     return ap
 
 
-def parse_args(argv, rewards) -> argparse.Namespace:
-    """grpo.py's command line, checked, with --out defaulting to a new runs/ directory."""
-    ap = train_parser(rewards)
+def parse_args(argv, ap: argparse.ArgumentParser | None = None, ranges=FLAG_RANGES,
+               worlds=envs.WORLDS, keys=None) -> argparse.Namespace:
+    """grpo.py's command line (`ap`: the lab's parser, with its flags), checked, with --out
+    defaulting to a new runs/ directory. Resuming a run, the flags left out take the values the
+    run recorded in its args.json (`keys`: those a run must keep, RESUME_KEYS)."""
+    if ap is None:
+        ap = train_parser()
     args = ap.parse_args(argv)
     if args.model is None:
-        args.model = str(envs.BUILTIN_POLICIES.get(args.env, envs.BUILTIN_POLICY))
-    check_ranges(ap, args, FLAG_RANGES)
+        world = worlds.get(args.env)
+        args.model = str(world.policy if world is not None else envs.BUILTIN_POLICY)
+    check_ranges(ap, args, ranges)
     if args.resume and args.resume_if_present:
         ap.error("--resume and --resume-if-present: pass one")
     try:
-        if args.devices is not None and len(model.parse_devices(args.devices)) > 1 \
-                and not HOOKS["split"]:
-            ap.error(f"--devices {args.devices}: the layers split over several devices through "
-                     "`python -m lab.train` (lab/split.py)")
+        if args.devices is not None:
+            model.parse_devices(args.devices)
     except ValueError as e:
         ap.error(str(e))
-    if bad := [t for t in args.lora_targets.split(",") if t not in model.LORA_TARGETS]:
+    bad = [t for t in args.lora_targets.split(",") if t not in model.LORA_TARGETS]
+    if bad:
         ap.error(f"--lora-targets {args.lora_targets!r}: {bad} not among the blocks' linear "
                  f"layers {','.join(model.LORA_TARGETS)}")
     if args.out is None:
@@ -661,8 +833,45 @@ def parse_args(argv, rewards) -> argparse.Namespace:
         if int(os.environ.get("WORLD_SIZE", "1")) > 1:
             raise SystemExit("--out is required with several processes")
         args.out = str(Path("runs") / f"{args.env}-{args.reward}-{time.strftime('%Y%m%d-%H%M%S')}")
+    recorded = Path(args.out) / "args.json"
+    if args.resume or (args.resume_if_present and recorded.exists()):
+        given = given_flags(ap, argv)
+        old = read_args_json(recorded)
+        for k in keys or RESUME_KEYS:
+            if k not in given and k in old:
+                setattr(args, k, old[k])
     return args
 
+
+def given_flags(ap: argparse.ArgumentParser, argv) -> set[str]:
+    """The flags (their dest names) given on the command line, told apart from defaults by
+    parsing argv again with every default suppressed."""
+    defaults = {action: action.default for action in ap._actions}
+    for action in defaults:
+        action.default = argparse.SUPPRESS
+    try:
+        given = ap.parse_known_args(argv)[0]
+    finally:
+        for action, default in defaults.items():
+            action.default = default
+    return set(vars(given))
+
+
+def read_args_json(path: Path) -> dict:
+    """A run's args.json, or one line saying why it cannot be read."""
+    if not path.exists():       # a typo in --out must not start a new run
+        raise SystemExit(f"--resume: nothing to resume in {path.parent} (no args.json: no run "
+                         "was started there); leave out --resume to start one")
+    try:
+        old = json.loads(path.read_text())
+        if not isinstance(old, dict):
+            raise ValueError("not a JSON object")
+    except (OSError, ValueError, RecursionError) as e:
+        raise SystemExit(f"--resume: {path} is not readable ({type(e).__name__}: {e})") from None
+    return old
+
+
+# --- 7. Processes, the run directory, checkpoints and exact resume, the summary ----------------
 
 @dataclass
 class Processes:
@@ -692,7 +901,7 @@ class Processes:
 
 
 # flags a resumed run must keep: all that trains or scores it (not --threads, --devices,
-# --eval-batch: they change float summation order only); the lab adds its own
+# --eval-batch: they change float summation order only); the lab's loop adds its own
 RESUME_KEYS = ("env", "model", "reward", "alpha", "outcome_weight", "probes", "seed", "steps",
                "batch", "group", "max_turns", "max_new_tokens", "max_len", "temperature", "top_p",
                "lr", "warmup", "beta", "eps", "ppo_epochs", "micro_batch", "micro_batch_tokens",
@@ -701,39 +910,40 @@ RESUME_KEYS = ("env", "model", "reward", "alpha", "outcome_weight", "probes", "s
 RESUME_DEFAULTS = {"advantage": "process"}      # an args.json without the flag ran with this
 
 
-def changed_flag(args, old: dict) -> tuple[str, object, object] | None:
-    """The first flag of RESUME_KEYS that differs from a run's args.json (old): (--flag, its
-    value now, the run's), or None. A model directory may be spelled another way (relative)."""
-    for k in RESUME_KEYS:
-        now, then = getattr(args, k), old.get(k, RESUME_DEFAULTS.get(k, getattr(args, k)))
-        if then != now and not (k == "model" and isinstance(then, str) and Path(then).is_dir()
-                                and Path(then).resolve() == Path(now).resolve()):
+def changed_flag(args, old: dict, keys=RESUME_KEYS,
+                 defaults=RESUME_DEFAULTS) -> tuple[str, object, object] | None:
+    """The first flag of `keys` that differs from a run's args.json (old): (--flag, its value
+    now, the run's), or None. `defaults`: the value of a flag an older args.json lacks. A model
+    directory may be spelled another way (relative)."""
+    for k in keys:
+        now = getattr(args, k)
+        then = old.get(k, defaults.get(k, now))
+        if then == now:
+            continue
+        same_dir = k == "model" and isinstance(then, str) and Path(then).is_dir() and \
+            Path(then).resolve() == Path(now).resolve()
+        if not same_dir:
             return f"--{k.replace('_', '-')}", now, then
     return None
 
 
-def check_out(args) -> None:
+def check_out(args, keys=RESUME_KEYS, defaults=RESUME_DEFAULTS) -> None:
     """What --out holds against --resume(-if-present), read-only: checked before anything is
-    loaded and again once OUT is claimed. A run exists once its args.json does."""
-    out, saved = Path(args.out), Path(args.out) / "args.json"
+    loaded and again once OUT is claimed. A run exists once its args.json does; a resumed run
+    keeps every flag of `keys` its args.json records."""
+    out = Path(args.out)
+    saved = out / "args.json"
     if args.resume_if_present:
         args.resume = saved.exists()
     if not args.resume:
+        # eval.jsonl alone: killed after the base evaluation
         if any((out / f).exists() for f in ("metrics.jsonl", "eval.jsonl")) or \
-                latest_checkpoint(out):     # eval.jsonl: killed after the base evaluation
+                latest_checkpoint(out):
             raise SystemExit(f"--out {out} already holds a run: pass --resume to continue it, "
                              "or choose another --out")
         return
-    if not saved.exists():      # a typo in --out must not start a new run
-        raise SystemExit(f"--resume: nothing to resume in {out} (no args.json: no run was "
-                         "started there); leave out --resume to start one")
-    try:
-        old = json.loads(saved.read_text())
-        if not isinstance(old, dict):
-            raise ValueError("not a JSON object")
-    except (OSError, ValueError, RecursionError) as e:
-        raise SystemExit(f"--resume: {saved} is not readable ({type(e).__name__}: {e})") from None
-    if changed := changed_flag(args, old):
+    changed = changed_flag(args, read_args_json(saved), keys, defaults)
+    if changed is not None:
         flag, now, then = changed
         raise SystemExit(f"--resume: {flag} is {now!r} but the run in {out} used {then!r}")
     # logs past the first checkpoint's step, a summary or a damaged checkpoint, and no whole
@@ -748,18 +958,19 @@ def check_out(args) -> None:
 
 
 def prepare_out(args, procs) -> Path:
+    """The run directory: made, locked for this run, checked again under the lock, and its
+    args.json written (every flag, resolved)."""
     out = Path(args.out)
     if procs.main:
         out.mkdir(parents=True, exist_ok=True)
-        if not hook("claim", out):      # the lab's lock nests and waits; the core's refuses
-            lock(out)
+        lock(out)
         check_out(args)
         write_json(out / "args.json", vars(args))
     procs.barrier()
     return out
 
 
-LOCKS = []          # the open lock files of the run directories this process holds
+LOCKS = {}          # run directory -> the open lock file this process holds on it
 
 
 def lock(out: Path) -> None:
@@ -776,7 +987,15 @@ def lock(out: Path) -> None:
     f.truncate(0)
     f.write(f"{os.getpid()}\n")
     f.flush()
-    LOCKS.append(f)                 # held open until the process exits
+    LOCKS[out.resolve()] = f        # held open until the run ends or the process exits
+
+
+def unlock(out: Path) -> None:
+    """A finished run lets its directory go: the lock file is removed, then released."""
+    f = LOCKS.pop(out.resolve(), None)
+    if f is not None:
+        (out / ".lock").unlink(missing_ok=True)
+        f.close()
 
 
 def append_jsonl(path: Path, record: dict):
@@ -801,9 +1020,12 @@ def read_jsonl(path: Path) -> list[dict]:
     return records
 
 
-def save_checkpoint(out: Path, step: int, policy, optimizer, procs, lagged=None) -> Path:
-    """OUT/checkpoint-<step>/ (`lagged`: the lab's tips snapshot), whole or not at all: written
-    to a temporary directory, then renamed; a failed write stops the run with one line."""
+def save_checkpoint(out: Path, step: int, policy, optimizer, procs,
+                    extra: dict[str, dict] | None = None) -> Path:
+    """OUT/checkpoint-<step>/, whole or not at all: written to a temporary directory, then
+    renamed; a failed write stops the run with one line. It holds the adapter (PEFT layout), the
+    optimizer's state, every process's RNG states and trainer.json; `extra`: more tensors files
+    to keep with it (file name -> tensors), such as a lab method's own state."""
     final, tmp = out / f"checkpoint-{step:06d}", out / f".checkpoint-{step:06d}.tmp"
     try:
         if procs.main:
@@ -824,8 +1046,8 @@ def save_checkpoint(out: Path, step: int, policy, optimizer, procs, lagged=None)
             model.save_adapter(policy, tmp / "adapter")
             tensors, meta = optimizer_to_tensors(optimizer)
             save_file(tensors, tmp / "optimizer.safetensors")
-            if lagged is not None:
-                save_file(lagged, tmp / "lagged.safetensors")
+            for name, tensors in (extra or {}).items():
+                save_file(tensors, tmp / name)
             write_json(tmp / "trainer.json", {"step": step, "processes": procs.size,
                                               "optimizer": meta})
             shutil.rmtree(final, ignore_errors=True)
@@ -845,8 +1067,8 @@ def latest_checkpoint(out: Path) -> Path | None:
                default=None)
 
 
-def load_checkpoint(path: Path, policy, optimizer, procs) -> tuple[int, dict | None]:
-    """Restore a checkpoint into policy, optimizer and RNGs: (its step, the lagged snapshot)."""
+def load_checkpoint(path: Path, policy, optimizer, procs) -> int:
+    """Restore a checkpoint into policy, optimizer and RNGs; returns its step."""
     try:
         info = json.loads((path / "trainer.json").read_text())
         if type(info["step"]) is not int or info["step"] < 1:
@@ -867,8 +1089,7 @@ def load_checkpoint(path: Path, policy, optimizer, procs) -> tuple[int, dict | N
         if torch.cuda.is_available():
             torch.cuda.set_rng_state_all([rng[f"cuda{i}"] for i in range(torch.cuda.device_count())
                                           if f"cuda{i}" in rng])
-        lagged = path / "lagged.safetensors"
-        return info["step"], load_file(lagged) if lagged.exists() else None
+        return info["step"]
     except (OSError, KeyError, IndexError, TypeError, ValueError, RecursionError,
             SafetensorError) as e:      # a damaged file: any of these, never a traceback
         raise SystemExit(f"{path}: cannot resume from this checkpoint ({type(e).__name__}: "
@@ -950,30 +1171,37 @@ def num(x) -> str:
     return "n/a" if x is None else f"{x:.3f}"
 
 
+# bad input that a run reports in one line naming the file, never a traceback
+INPUT_ERRORS = (model.CheckpointError, envs.DataError, probes.FormatError, envs.LLMError, OSError)
+
+
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else argv
-    args = parse_args(argv, pair.REWARDS)
-    hook("check", args)             # the lab's rules between flags, which need the rewards
+    args = parse_args(argv)
     try:
         return train(args)
-    except (model.CheckpointError, envs.DataError, probes.FormatError, envs.LLMError,
-            OSError) as e:
-        hook("failed", args)
-        sys.exit(f"error: {e}")         # bad input: one clear line naming the file
-    except SystemExit:                  # refused with one line: no run left behind either
-        hook("failed", args)
-        raise
-    except KeyboardInterrupt:           # what Ctrl-C leaves, and the command that goes on
-        again = [*argv] + ([] if "--out" in argv else ["--out", args.out])
-        if not (Path(args.out) / "args.json").is_file():
-            sys.exit(f"\ninterrupted before the run started; start it with: {PROG} "
-                     f"{shlex.join(again)}")
-        again += [] if "--resume" in argv or "--resume-if-present" in argv else ["--resume"]
-        ckpt = latest_checkpoint(Path(args.out))
-        what = f"; the run resumes from its last checkpoint ({ckpt.name}), exactly," if ckpt else \
-            (f" before the first checkpoint (after step {min(args.save_every, args.steps)}): no "
-             "step is kept, and this starts the run over from step 1:")
-        sys.exit(f"\ninterrupted{what} with: {PROG} {shlex.join(again)}")
+    except INPUT_ERRORS as e:
+        sys.exit(f"error: {e}")
+    except KeyboardInterrupt:
+        sys.exit(interrupted(args, argv, PROG))
+
+
+def interrupted(args, argv: list[str], prog: str) -> str:
+    """What Ctrl-C leaves, and the command that goes on from there."""
+    again = list(argv)
+    if "--out" not in argv:
+        again += ["--out", args.out]
+    if not (Path(args.out) / "args.json").is_file():
+        return f"\ninterrupted before the run started; start it with: {prog} {shlex.join(again)}"
+    if "--resume" not in argv and "--resume-if-present" not in argv:
+        again.append("--resume")
+    ckpt = latest_checkpoint(Path(args.out))
+    if ckpt is not None:
+        what = f"; the run resumes from its last checkpoint ({ckpt.name}), exactly,"
+    else:
+        what = (f" before the first checkpoint (after step {min(args.save_every, args.steps)}): "
+                "no step is kept, and this starts the run over from step 1:")
+    return f"\ninterrupted{what} with: {prog} {shlex.join(again)}"
 
 
 if __name__ == "__main__":

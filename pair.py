@@ -21,6 +21,7 @@ import sys
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -257,27 +258,37 @@ def report_summary(report: dict, reward: str) -> dict:
             **({reward: h[reward]["all"]} if reward in h else {})}
 
 
-# ---- The per-turn rewards: `--reward` name -> function(trajectory, ctx) --------------------------
-# Each gives a float per turn, or None for a turn without reward; those that read a frozen probe
-# (READS_PROBE) give (rewards, each turn's P(correct)) for the drift monitor.
+# ---- The per-turn rewards: `--reward` name -> Reward --------------------------------------------
+# A reward is a function of one rollout (probes.Trajectory) and of what it reads besides
+# (RewardContext), giving a float per assistant turn or None for a turn without reward. The
+# functions that compute PAIR's and a probe's rewards from stored features take their parameters
+# (alpha, T, eps) as arguments: a porter calls them without any of grpo.py.
 
 @dataclass
-class RewardContext:                                # what the rewards need besides the rollout
+class RewardContext:                    # what the rewards read besides the rollout
     policy: mdl.Transformer
     tok: mdl.Tokenizer
-    args: object                                    # grpo.py's flags
-    env: object = None                              # the training environment (an envs.Env)
-    pair: Pair | None = None                        # reward "pair"
-    probe: Probe | None = None                      # the probe of the feature set --reward names
-    judge: object = None                            # the lab's llm_judge (lab/toolbench.py)
-    lagged: dict[str, torch.Tensor] | None = None   # the lab's tips: a lagged LoRA snapshot
-    probe_report: dict | None = None                # the probes' AUROC on held-out own turns
-    summary: dict = field(default_factory=dict)     # what the lab adds to summary.json
-    cost: Counter = field(default_factory=Counter)  # this step's extra work (grpo.COSTS)
-    stats: bool = True                              # rollouts keep the generation's statistics
+    env: object = None                  # the training environment (an envs.Env)
+    pair: Pair | None = None            # reward "pair": the two-stage probe
+    probe: Probe | None = None          # a probe reward: the probe of feature set `feature`
+    feature: str | None = None          # ... whose name is the --reward name (probes.FEATURES)
+    alpha: float = 5.0                  # PAIR's momentum scaling (Eq. pair_momentum)
+    # this step's work by the rewards (grpo.COSTS): a reward that teacher-forces sequences or
+    # calls an external model counts it here, and the step's metrics report it
+    cost: Counter = field(default_factory=Counter)
+
+
+@dataclass(frozen=True)
+class Reward:                           # one entry of REWARDS
+    # (trajectory, ctx) -> a reward per turn (None: no reward there); a reward that reads a frozen
+    # probe returns (rewards, the probe's P(correct) per turn), which the drift monitor scores
+    fn: Callable
+    reads_probe: bool = False
+    needs_stats: bool = False           # reads the generation pass's statistics (TurnTrace)
 
 
 def outcome_reward(traj, ctx) -> list[float | None]:
+    """The sparse baseline: the task score on the last turn, no reward on the others."""
     return [None] * (len(traj.steps) - 1) + [traj.score]
 
 
@@ -286,48 +297,64 @@ def turn_features(traj) -> dict[str, torch.Tensor]:
     return probes.stack_raw([probes.raw_features(step.trace, False) for step in traj.steps])
 
 
-def pair_reward(traj, ctx, raw=None) -> tuple[list[float], list[float]]:
-    """METHOD.md §6-7: each turn's s_final (Eq. stage1, stage2), then the rollout's rewards
-    (trajectory_rewards with ctx.args.alpha), and the s_final themselves. raw: the turns'
-    stacked raw features where they are stored rather than generated (lab/credit.py)."""
-    _, s_final = ctx.pair.scores(turn_features(traj) if raw is None else raw)
+def pair_rewards(head: Pair, raw: dict, alpha: float = 5.0, T: float = 2.0,
+                 eps: float = 0.05) -> tuple[list[float], list[float]]:
+    """METHOD.md §6-7 for one rollout from its turns' stacked raw features (turn_features): each
+    turn's s_final (Eq. stage1, stage2), then the rewards r_1..r_n (trajectory_rewards).
+    Returns (rewards, s_final)."""
+    _, s_final = head.scores(raw)
     s_final = s_final.tolist()
-    return trajectory_rewards(s_final, ctx.args.alpha), s_final
+    return trajectory_rewards(s_final, alpha, T, eps), s_final
 
 
-def probe_reward(traj, ctx, raw=None) -> tuple[list[float], list[float]]:
-    """METHOD.md §7: a probe baseline used as a reward gives r_t = its P(correct)."""
-    X = feature(ctx.args.reward, turn_features(traj) if raw is None else raw)
-    p = ctx.probe.predict_proba(X).tolist()
+def probe_rewards(probe: Probe, name: str, raw: dict) -> tuple[list[float], list[float]]:
+    """METHOD.md §7: a probe baseline of feature set `name` used as a reward gives r_t = its
+    P(correct) of turn t. Returns (rewards, P(correct)), the same list twice."""
+    p = probe.predict_proba(feature(name, raw)).tolist()
     return p, p
 
 
-REWARDS = {"outcome": outcome_reward, "pair": pair_reward,
-           **{name: probe_reward for name in probes.FEATURES}}
+def pair_reward(traj, ctx) -> tuple[list[float], list[float]]:
+    """--reward pair: pair_rewards of the rollout's turns, the paper's T and eps, ctx.alpha."""
+    return pair_rewards(ctx.pair, turn_features(traj), ctx.alpha)
+
+
+def probe_reward(traj, ctx) -> tuple[list[float], list[float]]:
+    """--reward <feature set>: probe_rewards of the rollout's turns."""
+    return probe_rewards(ctx.probe, ctx.feature, turn_features(traj))
+
+
 PROBE_REWARDS = set(probes.FEATURES)
-READS_PROBE = {"pair"} | PROBE_REWARDS
-NEEDS_STATS = set(READS_PROBE)          # rewards that read the generation pass's statistics
+REWARDS = {"outcome": Reward(outcome_reward),
+           "pair": Reward(pair_reward, reads_probe=True, needs_stats=True),
+           **{name: Reward(probe_reward, reads_probe=True, needs_stats=True)
+              for name in probes.FEATURES}}
 
 
-def turn_rewards(traj, ctx) -> tuple[list[float | None], list[float] | None]:
-    """The `--reward` function plus `--outcome-weight`, and the frozen probe's P(correct) of
-    every turn when the reward reads one (else None)."""
+def turn_rewards(traj, reward: Reward, ctx: RewardContext,
+                 outcome_weight: float = 0.0) -> tuple[list[float | None], list[float] | None]:
+    """One rollout's per-turn rewards (`reward.fn`) plus `outcome_weight` x its task score on the
+    last turn, and the frozen probe's P(correct) of every turn when the reward reads one (else
+    None)."""
     if not traj.steps:              # a prompt longer than --max-len: nothing was generated
         return [], None
-    rewards, p_correct = REWARDS[ctx.args.reward](traj, ctx), None
-    if ctx.args.reward in READS_PROBE:
+    rewards = reward.fn(traj, ctx)
+    p_correct = None
+    if reward.reads_probe:
         rewards, p_correct = rewards
     assert len(rewards) == len(traj.steps), (len(rewards), len(traj.steps))
-    return with_outcome(rewards, traj.score, ctx.args), p_correct
+    if reward.fn is not outcome_reward:         # the outcome is the task score already
+        rewards = with_outcome(rewards, traj.score, outcome_weight)
+    return rewards, p_correct
 
 
-def with_outcome(rewards: list[float | None], score: float, args) -> list[float | None]:
+def with_outcome(rewards: list[float | None], score: float,
+                 weight: float) -> list[float | None]:
     """`--outcome-weight w`: w x the task score added to the last turn's reward."""
-    w = args.outcome_weight
-    if w and args.reward != "outcome":
-        # a new list: a probe reward's list is also its P(correct), which the monitor scores
-        rewards = rewards[:-1] + [(rewards[-1] or 0.0) + w * score]
-    return rewards
+    if not weight:
+        return rewards
+    # a new list: a probe reward's list is also its P(correct), which the monitor scores
+    return rewards[:-1] + [(rewards[-1] or 0.0) + weight * score]
 
 
 # ---- Advantages (METHOD.md §9: DeepSeekMath process supervision) ---------------------------------
@@ -369,12 +396,6 @@ def release_advantages(rewards: list[list[float | None]]) -> tuple[list[list[flo
     return advantages, all(abs(a) <= 1e-8 for row in advantages for a in row)
 
 
-# --advantage name -> function(the group's per-turn rewards r[i][t], its task scores s[i], args)
-# -> (advantages, all equal); the lab adds forms (lab/credit.py)
-ADVANTAGES = {"process": lambda rewards, scores, args: group_advantages(rewards),
-              "release": lambda rewards, scores, args: release_advantages(rewards)}
-
-
 # ---- The batch and the loss (METHOD.md §9): each turn's advantage on its tokens, PPO-clip + KL
 
 @dataclass
@@ -383,36 +404,45 @@ class Batch:                        # rollouts right-padded into rows, what the 
     mask: torch.Tensor              # (B, T) bool: True on tokens the policy generated
     adv: torch.Tensor               # (B, T) float32: A of the turn each policy token belongs to
     lengths: list[int]              # real length of each row
-    turn: torch.Tensor              # (B, T) long: a policy token's turn, -1 elsewhere (AT²PO)
-    weight: torch.Tensor            # (B, T) float32: 1 / its trajectory's policy tokens (AT²PO)
-    n_seqs: int                     # trajectories with a policy token (AT²PO)
     per_turn: torch.Tensor          # (B, T) float32: 1 / its turn's policy tokens (release)
     n_turns: int                    # turns with a policy token (release)
 
+    def counts(self) -> dict[str, int]:
+        """What a loss divides by, this process's share: policy tokens that are predicted (a
+        row's first token is not) and turns. The update sums them over the processes."""
+        return {"tokens": int(self.mask[:, 1:].sum().item()), "turns": self.n_turns}
+
+
+def batch_rows(trajs: list[probes.Trajectory]) -> tuple[list, dict]:
+    """The rows of a batch, one per token sequence (traj, k) of each rollout (a rollout is one
+    sequence, or several where it was cut, probes.Trajectory.segments), and each one's index."""
+    rows = [(traj, k) for traj in trajs for k in range(len(traj.segments))]
+    row_of = {(id(traj), k): r for r, (traj, k) in enumerate(rows)}
+    return rows, row_of
+
 
 def make_batch(trajs: list[probes.Trajectory], advantages: list[list[float]], pad_id: int) -> Batch:
-    """One right-padded row per token sequence; the mask covers the generated tokens only."""
-    rows = [(traj, k) for traj in trajs for k in range(len(traj.segments))]
-    B, T = len(rows), max(len(traj.segments[k]) for traj, k in rows)
-    ids, mask = torch.full((B, T), pad_id, dtype=torch.long), torch.zeros(B, T, dtype=torch.bool)
-    adv, weight, per_turn = (torch.zeros(B, T, dtype=torch.float32) for _ in range(3))
-    turn, row_of, n_seqs, n_turns = torch.full((B, T), -1, dtype=torch.long), {}, 0, 0
+    """One right-padded row per token sequence; the mask covers the generated tokens only, and
+    each of them carries its turn's advantage."""
+    rows, row_of = batch_rows(trajs)
+    B = len(rows)
+    T = max(len(traj.segments[k]) for traj, k in rows)
+    ids = torch.full((B, T), pad_id, dtype=torch.long)
+    mask = torch.zeros(B, T, dtype=torch.bool)
+    adv = torch.zeros(B, T, dtype=torch.float32)
+    per_turn = torch.zeros(B, T, dtype=torch.float32)
+    n_turns = 0
     for r, (traj, k) in enumerate(rows):
         ids[r, :len(traj.segments[k])] = torch.tensor(traj.segments[k])
-        row_of[id(traj), k] = r
     for traj, a in zip(trajs, advantages):
-        n = sum(len(step.tokens) for step in traj.steps)
-        n_seqs += n > 0
         for step, a_t in zip(traj.steps, a):
-            r, (s, e) = row_of[id(traj), step.segment], step.span
+            r = row_of[id(traj), step.segment]
+            s, e = step.span                    # the turn's tokens in its row
             mask[r, s:e] = True
             adv[r, s:e] = a_t
-            turn[r, s:e] = r * T + s           # unique in the batch: one id per (row, turn)
-            weight[r, s:e] = 1.0 / n
             per_turn[r, s:e] = 1.0 / max(e - s, 1)
             n_turns += e > s
-    return Batch(ids, mask, adv, [len(traj.segments[k]) for traj, k in rows], turn, weight,
-                 n_seqs, per_turn, n_turns)
+    return Batch(ids, mask, adv, [len(traj.segments[k]) for traj, k in rows], per_turn, n_turns)
 
 
 def grpo_loss(logp, logp_old, logp_ref, adv, eps: float, beta: float, n_tokens: float):
@@ -448,3 +478,48 @@ def release_loss(logp, logp_old, logp_ref, adv, turn_weight, eps: float, beta: f
         sums = {"kl": (torch.expm1(d) - d).sum().item(), "clip": clip.sum().item(),
                 "ratio": ratio.sum().item(), "pg": pg.sum().item()}
     return loss, sums
+
+
+# ---- An advantage form with its loss: `--advantage` name -> Advantage ------------------------
+
+@dataclass
+class Part:                         # one micro-batch of the update, as a loss reads it
+    batch: Batch
+    rows: list[int]                 # its rows of the batch ...
+    T: int                          # ... cut to the longest of them
+    totals: dict[str, float]        # Batch.counts summed over the processes: the loss's divisors
+
+    def tokens(self, x: torch.Tensor) -> torch.Tensor:
+        """A (B, T) per-token tensor of the batch at this part's predicted policy tokens, (N,):
+        the order of the log-probabilities model.token_logprobs gives."""
+        mask = self.batch.mask[self.rows, :self.T][:, 1:]
+        return x[self.rows, 1:self.T][mask]
+
+
+def process_loss(logp, logp_old, logp_ref, adv, part: Part, eps: float, beta: float):
+    """--advantage process (and the lab's forms): grpo_loss over the batch's policy tokens."""
+    return grpo_loss(logp, logp_old, logp_ref, adv, eps, beta, part.totals["tokens"])
+
+
+def release_turn_loss(logp, logp_old, logp_ref, adv, part: Part, eps: float, beta: float):
+    """--advantage release: release_loss, each token weighted by 1 / its turn's tokens."""
+    turn_weight = part.tokens(part.batch.per_turn).to(adv.device)
+    return release_loss(logp, logp_old, logp_ref, adv, turn_weight, eps, beta,
+                        part.totals["turns"])
+
+
+@dataclass(frozen=True)
+class Advantage:                    # one entry of ADVANTAGES: an advantage form and its loss
+    # (the group's per-turn rewards r[i][t], its task scores s[i]) -> (A[i][t], all equal)
+    fn: Callable
+    # (logp, logp_old, logp_ref, adv, part, eps, beta) -> (loss, sums), each (N,) over the
+    # part's policy tokens
+    loss: Callable = process_loss
+    # the temperature of the update's log pi: None, the one the tokens were sampled at; the
+    # release takes 1 whatever it sampled at
+    temperature: float | None = None
+
+
+ADVANTAGES = {"process": Advantage(lambda rewards, scores: group_advantages(rewards)),
+              "release": Advantage(lambda rewards, scores: release_advantages(rewards),
+                                   release_turn_loss, temperature=1.0)}

@@ -10,8 +10,9 @@ outcome, PAIR and probe rewards, the advantages, the update and the training loo
       tree_grpo   Tree-GRPO (Ji et al. 2025): intra- plus inter-tree normalized outcomes;
       at2po       AT²PO (Zong et al. 2026): entropy-guided expansion, entropy-weighted values,
                   and a turn-level importance ratio in the update (`turn_loss`).
-Each plugs into grpo.py's tables and hooks when this module is imported (python -m lab.train).
-Each section states its exact rules and every choice made where a paper and its release leave
+Each is a row of this module's REWARDS, which lab/train.py's loop adds to the core's; the trees
+are played by `play_trees` and AT²PO's update reads `turn_batch` and `at2po_loss`, where that
+loop calls them. Each section states its exact rules and every choice made where a paper and its release leave
 one open. Their cost is counted into the step's `cost` counter (teacher-forced rows and tokens,
 sibling rollouts, external calls), which the cost table prices.
 """
@@ -22,6 +23,7 @@ import math
 import time
 from collections import Counter
 from dataclasses import dataclass, field
+from functools import partial
 
 import torch
 
@@ -36,8 +38,17 @@ from lab import study
 
 
 # ---------------------------------------------------------------------------------------------
-# Rewards for vanilla GRPO: function(trajectory, ctx) -> one reward per turn (pair.REWARDS)
+# Rewards for vanilla GRPO: function(trajectory, ctx) -> one reward per turn (pair.Reward)
 # ---------------------------------------------------------------------------------------------
+
+@dataclass
+class LabContext(pair.RewardContext):
+    """What the lab's rewards read besides the core's: the run's flags (their own settings), the
+    LLM judge's client (llm_judge) and the lagged teacher's LoRA snapshot (tips)."""
+    args: object = None
+    judge: object = None
+    lagged: dict[str, torch.Tensor] | None = None
+
 
 def coe_reward(traj: Trajectory, ctx) -> list[float]:
     # CoE is unsupervised (METHOD.md §4-5): r_t = the turn's CoE-C score (the paper's baseline);
@@ -395,9 +406,9 @@ def at2po_advantages(forest: Forest) -> tuple[list[list[float]], bool]:
 TREE_SEARCH = {TREE_GRPO: tree_grpo_advantages, AT2PO: at2po_advantages}
 
 
-def play_trees(g: int, run, t: dict):
-    """grpo.play_group for a tree search: the g-th prompt's trees (planted, then expanded by
-    sibling rollouts), their leaves' rewards and the advantages the trees give."""
+def play_trees(g: int, run, t: dict) -> grpo.Group:
+    """lab/train.py's play of a prompt under a tree search: the g-th prompt's trees (planted,
+    then expanded by sibling rollouts), their leaves' rewards and the advantages the trees give."""
     policy, tok, ctx, args = run.policy, run.tok, run.ctx, run.args
     t0 = time.perf_counter()
     index = run.pool[grpo.prompt_index(args.seed, g, len(run.pool))]
@@ -409,8 +420,11 @@ def play_trees(g: int, run, t: dict):
     trajs = forest.leaves
     caches = list({id(c): c for c, _ in forest.caches.values()}.values())
     ctx.cost.update(branch_rollouts=forest.branch_rollouts, branch_tokens=forest.branch_tokens)
-    grpo.hook("played", run, trajs, t)
-    r, p = zip(*[pair.turn_rewards(traj, ctx) for traj in trajs])
+    rewards, p_correct = [], []
+    for traj in trajs:
+        r, p = pair.turn_rewards(traj, run.reward, ctx, args.outcome_weight)
+        rewards.append(r)
+        p_correct.append(p)
     a, all_equal = TREE_SEARCH[args.reward](forest)
     t3 = time.perf_counter()
     t["t_rollout"] += t1 - t0
@@ -419,7 +433,7 @@ def play_trees(g: int, run, t: dict):
     played = [n.step for n in forest.node_of.values()]
     ctx.cost.update(gen_turns=len(played), gen_tokens=sum(len(st.tokens) for st in played))
     kv_bytes = sum(c.k.nbytes + c.v.nbytes for cache in caches for c in cache)
-    return grpo.Group(list(trajs), list(r), list(p), a, all_equal), kv_bytes
+    return grpo.Group(list(trajs), rewards, p_correct, a, all_equal, kv_bytes)
 
 
 def tree_defaults(args):
@@ -502,17 +516,62 @@ Do not reward length or confident tone. Reply with a JSON object only: {"score":
 
 
 # ---------------------------------------------------------------------------------------------
-# Into grpo.py: the rewards, the tree searches' plays and AT²PO's loss, and what they need
-# around the run (the judge's client, the budget of the trees, the lagged teacher)
+# What lab/train.py's loop reads from here: the rewards, the tree searches' budget and their
+# plays, AT²PO's batch and loss, and what they need around the run (the judge's client, the
+# lagged teacher); with their flags
 # ---------------------------------------------------------------------------------------------
 
-def at2po_loss(logp, logp_old, logp_ref, adv, batch, rows, T, args, totals):
-    """grpo.update's call of turn_loss on one micro-batch (rows, padded to T tokens)."""
-    sel = batch.mask[rows, :T][:, 1:]
-    turn = batch.turn[rows, 1:T][sel].to(logp.device)
-    weight = batch.weight[rows, 1:T][sel].to(logp.device)
-    return turn_loss(logp, logp_old, logp_ref, adv, turn, weight, args.at2po_clip, args.beta,
-                     *totals)
+REWARDS = {"coe": pair.Reward(coe_reward, needs_stats=True), "llm_judge": pair.Reward(judge_reward),
+           "igpo": pair.Reward(igpo_reward), "tips": pair.Reward(tips_reward),
+           # tree search: the leaves' outcome; the advantages come from the trees
+           TREE_GRPO: pair.Reward(pair.outcome_reward), AT2PO: pair.Reward(pair.outcome_reward)}
+
+
+@dataclass
+class TurnBatch(pair.Batch):        # pair.Batch with what AT²PO's turn-level loss reads
+    turn: torch.Tensor = None       # (B, T) long: a policy token's turn id, -1 elsewhere
+    weight: torch.Tensor = None     # (B, T) float32: 1 / its trajectory's policy tokens
+    n_seqs: int = 0                 # trajectories with a policy token
+
+    def counts(self) -> dict[str, int]:
+        return {**super().counts(), "seqs": self.n_seqs}
+
+
+def turn_batch(trajs: list[Trajectory], advantages: list[list[float]], pad_id: int) -> TurnBatch:
+    """pair.make_batch's batch, with each policy token's turn (one id per (row, turn) in the
+    batch) and its weight 1 / (policy tokens of its trajectory)."""
+    batch = pair.make_batch(trajs, advantages, pad_id)
+    rows, row_of = pair.batch_rows(trajs)
+    B, T = batch.ids.shape
+    turn = torch.full((B, T), -1, dtype=torch.long)
+    weight = torch.zeros(B, T, dtype=torch.float32)
+    n_seqs = 0
+    for traj in trajs:
+        n = sum(len(step.tokens) for step in traj.steps)
+        n_seqs += n > 0
+        for step in traj.steps:
+            r = row_of[id(traj), step.segment]
+            s, e = step.span
+            turn[r, s:e] = r * T + s
+            weight[r, s:e] = 1.0 / n
+    return TurnBatch(**vars(batch), turn=turn, weight=weight, n_seqs=n_seqs)
+
+
+def at2po_loss(logp, logp_old, logp_ref, adv, part: pair.Part, eps: float, beta: float,
+               clip: tuple[float, float]):
+    """turn_loss on one micro-batch of a TurnBatch (an entry of pair.Advantage's loss; eps is
+    AT²PO's own `clip`)."""
+    turn = part.tokens(part.batch.turn).to(logp.device)
+    weight = part.tokens(part.batch.weight).to(logp.device)
+    return turn_loss(logp, logp_old, logp_ref, adv, turn, weight, clip, beta,
+                     part.totals["tokens"], part.totals["seqs"])
+
+
+def at2po_form(args) -> pair.Advantage:
+    """The update of AT²PO: the process form (its advantages come from the trees) with the
+    turn-level loss in place of grpo_loss."""
+    return pair.Advantage(pair.ADVANTAGES["process"].fn,
+                          partial(at2po_loss, clip=tuple(args.at2po_clip)))
 
 
 def preset(args, given) -> None:
@@ -528,13 +587,17 @@ def preset(args, given) -> None:
         raise SystemExit(f"--outcome-weight: --reward {args.reward} learns from the outcome "
                          "alone already; leave it at 0")
     if args.advantage != "process":
-        what = f"--preset {args.preset}" if "advantage" not in given and args.preset else \
-            f"--advantage {args.advantage}"
+        if "advantage" not in given and args.preset:
+            what = f"--preset {args.preset}"
+        else:
+            what = f"--advantage {args.advantage}"
         raise SystemExit(f"{what}: --reward {args.reward} derives its advantages from its "
                          "trees; leave --advantage at process")
 
 
-def setup(args, policy, tok, procs, log, ctx) -> None:
+def start(args, ctx: LabContext, log) -> None:
+    """What the lab's rewards need before the first step: the judge's client (llm_judge), the
+    line that says a tree search replaces the G rollouts."""
     if args.reward == "llm_judge":
         try:
             ctx.judge = toolbench.ChatClient(args.judge_model)
@@ -545,14 +608,14 @@ def setup(args, policy, tok, procs, log, ctx) -> None:
             f"--tree-n {args.tree_n} --tree-l {args.tree_l} (see lab/baselines.py)", flush=True)
 
 
-def refresh_teacher(run, step: int) -> None:
+def refresh_teacher(args, ctx: LabContext, policy, step: int) -> None:
     """tips: every --tips-refresh steps the lagged teacher moves to the policy."""
-    if run.args.reward == "tips" and step % run.args.tips_refresh == 0:
-        run.ctx.lagged = lora_state(run.policy)
+    if args.reward == "tips" and step % args.tips_refresh == 0:
+        ctx.lagged = lora_state(policy)
 
 
-def flags(ap) -> None:
-    """This module's flags, on grpo.py's parser."""
+def add_flags(ap) -> None:
+    """This module's flags, on the lab's parser."""
     a = ap.add_argument
     a("--judge-model", default="gpt-4o-mini",
       help="llm_judge: model name at the OpenAI-compatible endpoint (OPENAI_BASE_URL, "
@@ -574,26 +637,11 @@ def flags(ap) -> None:
       help="at2po: clip range of the turn-level ratio, [1 - LOW, 1 + HIGH] (the release's)")
 
 
-def register() -> None:
-    """Plug this module into grpo.py (lab/train.py does, once)."""
-    if flags in grpo.HOOKS["flags"]:
-        return
-    grpo.HOOKS["flags"].append(flags)
-    grpo.FLAG_RANGES.update({**{k: grpo.at_least(1)
-                                for k in ("tips_refresh", "tree_m", "tree_n", "tree_l")},
-                             "at2po_penalty": grpo.finite(0.0), "tips_gamma": grpo.finite(),
-                             "at2po_clip": ((lambda v: 0 <= v < 1), "two numbers in [0, 1)")})
-    grpo.RESUME_KEYS += ("tips_refresh", "tips_gamma", "tree_m", "tree_n", "tree_l",
-                         "at2po_penalty", "at2po_clip", "judge_model")
-    pair.REWARDS.update(coe=coe_reward, llm_judge=judge_reward, igpo=igpo_reward, tips=tips_reward,
-                        # tree search: the leaves' outcome; the advantages come from the trees
-                        tree_grpo=pair.outcome_reward, at2po=pair.outcome_reward)
-    pair.NEEDS_STATS.add("coe")
-    grpo.PLAYERS.update(dict.fromkeys(TREE_SEARCH, play_trees))
-    grpo.LOSSES[AT2PO] = at2po_loss
-    grpo.HOOKS["preset"].append(preset)
-    grpo.HOOKS["setup"].append(setup)
-    grpo.HOOKS["step"].append(refresh_teacher)
+RANGES = {**{k: grpo.at_least(1) for k in ("tips_refresh", "tree_m", "tree_n", "tree_l")},
+          "at2po_penalty": grpo.finite(0.0), "tips_gamma": grpo.finite(),
+          "at2po_clip": ((lambda v: 0 <= v < 1), "two numbers in [0, 1)")}
+RESUME_KEYS = ("tips_refresh", "tips_gamma", "tree_m", "tree_n", "tree_l", "at2po_penalty",
+               "at2po_clip", "judge_model")
 
 
 def copy_rows(src: list[model.KVCache], src_row: int, dst: list[model.KVCache], dst_row: int,

@@ -35,8 +35,7 @@ import envs
 import grpo
 import model
 from lab import baselines, curves, shop
-from lab.train import plug_in
-import pair
+from lab import train
 
 COMPARE_REWARDS = ("outcome", "pair", "pair:alpha=0", "last_token", "multi_attn", "attention",
                    "head_entropy", "igpo", "tips", "tree_grpo", "at2po",
@@ -46,9 +45,9 @@ COMPARE_REWARDS = ("outcome", "pair", "pair:alpha=0", "last_token", "multi_attn"
 def parse_spec(spec: str) -> tuple[str, list[str]]:
     """'pair:alpha=0,probe-corpus=contaminated' -> ('pair', ['--alpha', '0', ...])."""
     reward, _, rest = spec.partition(":")
-    if reward not in pair.REWARDS:
+    if reward not in train.REWARDS:
         raise SystemExit(f"compare: unknown reward {reward!r} in {spec!r} (choose from "
-                         f"{', '.join(pair.REWARDS)})")
+                         f"{', '.join(train.REWARDS)})")
     flags = []
     for item in filter(None, rest.split(",")):
         key, eq, value = item.partition("=")
@@ -80,16 +79,15 @@ def check_run(spec: str, argv: list[str], reward: str, seed: int, run: Path, res
     said = io.StringIO()                # argparse's usage and the preset line: not for here
     try:
         with contextlib.redirect_stdout(said), contextlib.redirect_stderr(said):
-            args = grpo.parse_args(argv, pair.REWARDS)
+            args = train.parse_args(argv)      # with the rules between the lab's flags
             # compare sets these per run: given again they would put every seed in one run
             if (args.reward, args.seed, args.out, args.resume, args.resume_if_present) != \
                     (reward, seed, str(run), resume, False):
                 raise SystemExit("--reward, --seed, --out and --resume are compare's to set; "
                                  "leave them out of the spec and of the flags after --")
-            grpo.hook("check", args)
-            grpo.resolve_preset(args, grpo.Processes())
+            grpo.resolve_preset(args, grpo.Processes(), train.WORLDS)
             if not done:
-                grpo.check_out(args)
+                grpo.check_out(args, train.RESUME_KEYS, train.RESUME_DEFAULTS)
     except SystemExit as e:
         if e.code in (0, None):         # `-- --help`: grpo.py's help is what was asked for
             print(said.getvalue(), end="")
@@ -114,7 +112,7 @@ def check_run(spec: str, argv: list[str], reward: str, seed: int, run: Path, res
 
 # What the tables read from each step of metrics.jsonl: numbers that must be there, and numbers
 # that may be missing (a run from before they were logged)
-TABLE_METRICS = ("reward_mean", "frac_zero_std", "kl"), (*grpo.TIMING, *curves.STEP_SECONDS)
+TABLE_METRICS = ("reward_mean", "frac_zero_std", "kl"), (*train.TIMING, *curves.STEP_SECONDS)
 COST_METRICS = ("t_rollout", "t_reward", "t_update", *grpo.COSTS, "mem_kv_mb"), \
     ("t_base_read", "mem_cuda_peak_mb")
 
@@ -203,7 +201,6 @@ def read_run(run: Path) -> tuple[dict, list[dict], dict]:
 
 
 def compare(argv: list[str]) -> dict:
-    plug_in()                   # every run is python -m lab.train's: its rewards and flags
     command = " ".join(["python -m lab.compare", *argv])
     ap = argparse.ArgumentParser(
         prog="python -m lab.compare", formatter_class=grpo.HelpFormatter,
@@ -234,7 +231,7 @@ def compare(argv: list[str]) -> dict:
             raise SystemExit(f"compare: {flag}: {', '.join(map(str, twice))} given twice")
     if args.cost:
         if "--rewards" not in argv:
-            args.rewards = [r for r in pair.REWARDS if r != "llm_judge"
+            args.rewards = [r for r in train.REWARDS if r != "llm_judge"
                             or os.environ.get("OPENAI_API_KEY")]
         # latencies measured beside another run are not latencies
         args.jobs, extra = 1, [*extra, "--no-eval"]
@@ -333,7 +330,7 @@ def cost_table(out: Path, specs: list[str], seeds: list[int]) -> dict:
         ms = [m for seed in seeds
               for m in read_metrics(out / "runs" / run_name(spec, seed), COST_METRICS)]
         row = {"reward": spec, "steps": len(ms)}
-        for key in (*grpo.TIMING, *grpo.COSTS, "mem_kv_mb", "mem_cuda_peak_mb"):
+        for key in (*train.TIMING, *grpo.COSTS, "mem_kv_mb", "mem_cuda_peak_mb"):
             row[key] = _mean([m.get(key) for m in ms])
         # the paper's latency is per agent step (one turn's reward)
         row["ms_per_turn"] = 1000 * row["t_reward"] / max(row["gen_turns"] or 0, 1)
@@ -462,7 +459,7 @@ def compare_table(out: Path, specs: list[str], seeds: list[int]) -> dict:
         all_m = [m for _, ms, _ in played for m in ms]
         row["frac_zero_std"] = _mean([m["frac_zero_std"] for m in all_m])
         row["kl_final"] = _mean([ms[-1]["kl"] for _, ms, _ in played])
-        for key in grpo.TIMING:
+        for key in train.TIMING:
             row[key] = _mean([m.get(key, 0.0) for m in all_m])
         row["minutes"] = _mean([s["seconds"] / 60 for s, _, _ in played])
         # the learning curves: test success at every evaluation, mean reward at every step
@@ -510,9 +507,9 @@ def habit_tasks(run: Path) -> dict[str, list[int]] | None:
     n = args.get("eval_episodes")
     if not isinstance(args.get("env"), str) or not (n is None or type(n) is int and n >= 0):
         raise damaged(run / "args.json", 'no string "env" or no count "eval_episodes"')
-    if args["env"] not in envs.WORLDS:
+    if args["env"] not in shop.WORLDS:
         return None
-    test = envs.ShopEnv("test", world=args["env"])
+    test = envs.ShopEnv("test", world=shop.WORLDS[args["env"]])
     n = min(n or len(test), len(test))
     groups = {h: [] for h in ("none", *shop.LONG_SLIPS)}
     for i in range(n):

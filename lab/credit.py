@@ -9,15 +9,16 @@ the outcome (lab/FINDINGS.md).
   slip on held-out own turns? (its AUROC in summary.json, `premise_gate`);
 - `--oversample K`, DAPO's dynamic sampling: groups with nothing to say set aside.
 
-Each plugs into grpo.py's tables and hooks when this module is imported (python -m lab.train).
+lab/train.py's loop adds this module's REWARDS and `forms` to the core's tables and calls the gate
+and the oversampling where they run.
 """
 from __future__ import annotations
+
 import math
 import sys
 
 import torch
 
-import envs
 import grpo
 import pair
 import probes
@@ -79,26 +80,27 @@ def outcome_turn_advantages(rewards: list[list[float | None]], scores: list[floa
 GATE_REWARDS = {"outcome", "labels", "pair"} | pair.PROBE_REWARDS     # what stored_rewards computes
 
 
-def stored_rewards(turns: study.Split, ctx) -> list[float | None] | None:
+def stored_rewards(turns: study.Split, ctx, args) -> list[float | None] | None:
     """One rollout's rewards from its stored turns (features, labels, task score), as
-    turn_rewards gives them from the trajectory; None for a reward that needs more (a judge, a
-    forward of the policy, trees)."""
-    name, score = ctx.args.reward, float(turns.raw["score"][0])
+    pair.turn_rewards gives them from the trajectory; None for a reward that needs more (a
+    judge, a forward of the policy, trees)."""
+    name, score = args.reward, float(turns.raw["score"][0])
     if name == "outcome":
-        rewards = [None] * (len(turns.y) - 1) + [score]
-    elif name == "labels":
+        return [None] * (len(turns.y) - 1) + [score]
+    if name == "labels":
         rewards = [float(y) for y in turns.y.tolist()]
     elif name == "pair":
-        rewards = pair.pair_reward(None, ctx, turns.raw)[0]
+        rewards = pair.pair_rewards(ctx.pair, turns.raw, ctx.alpha)[0]
     elif name in pair.PROBE_REWARDS:
-        rewards = pair.probe_reward(None, ctx, turns.raw)[0]
+        rewards = pair.probe_rewards(ctx.probe, name, turns.raw)[0]
     else:
         return None
-    return pair.with_outcome(rewards, score, ctx.args)
+    return pair.with_outcome(rewards, score, args.outcome_weight)
 
 
-def premise_gate(turns: study.Split, ctx, at: list[str | None]) -> dict | None:
-    """AUROC of the `--advantage` (and of the reward alone) for right (1) against wrong (0) at
+def premise_gate(turns: study.Split, ctx, args, form: pair.Advantage,
+                 at: list[str | None]) -> dict | None:
+    """AUROC of the `--advantage` (form) and of the reward alone for right (1) against wrong (0) at
     the first-error turns with a clean prefix: the turns where `at` names a habit and no earlier
     turn of the rollout is wrong; by habit; and on every clean-prefix turn. Each episode's
     rollouts are one group. None for a reward stored_rewards cannot compute."""
@@ -112,11 +114,11 @@ def premise_gate(turns: study.Split, ctx, at: list[str | None]) -> dict | None:
     adv = torch.full((len(turns.y),), float("nan"), dtype=torch.float64)
     reward = torch.full((len(turns.y),), float("nan"), dtype=torch.float64)
     for group in groups.values():
-        rewards = [stored_rewards(turns.take(idx), ctx) for idx in group]
+        rewards = [stored_rewards(turns.take(idx), ctx, args) for idx in group]
         if any(r is None for r in rewards):
             return None
         scores = [float(turns.raw["score"][idx[0]]) for idx in group]
-        a, _ = pair.ADVANTAGES[ctx.args.advantage](rewards, scores, ctx.args)
+        a, _ = form.fn(rewards, scores)
         for idx, a_i, r_i in zip(group, a, rewards):
             adv[idx] = torch.tensor(a_i, dtype=torch.float64)
             reward[idx] = torch.tensor([math.nan if r is None else r for r in r_i],
@@ -130,7 +132,7 @@ def premise_gate(turns: study.Split, ctx, at: list[str | None]) -> dict | None:
             return None
         return probes.auroc(y, score[sel])
     habits = sorted({h for h, f in zip(at, first.tolist()) if f})
-    return {"advantage": ctx.args.advantage, "reward": ctx.args.reward, "groups": len(groups),
+    return {"advantage": args.advantage, "reward": args.reward, "groups": len(groups),
             "turns": int(first.sum()), "slips": int((turns.y[first] == 0).sum()),
             "auroc": auroc(first, adv), "reward_auroc": auroc(first, reward),
             "by_habit": {h: auroc(first & torch.tensor([x == h for x in at]), adv)
@@ -158,12 +160,12 @@ def log_gate(gate: dict, log) -> None:
 OUTCOME_FORMS = ("outcome-turn",)
 
 
-def check(args) -> None:
+def check(args, worlds) -> None:
     """The rules between flags of this module's reward and advantage forms."""
-    if args.reward == "labels" and args.env not in envs.WORLDS:
+    if args.reward == "labels" and args.env not in worlds:
         sys.exit(f"--reward labels: {args.env} has no exact step labels (its replayed tools "
                  f"label only the final answer); only the built-in worlds do "
-                 f"({', '.join(envs.WORLDS)})")
+                 f"({', '.join(worlds)})")
     if args.advantage in OUTCOME_FORMS and args.reward == "outcome":
         sys.exit(f"--advantage {args.advantage} adds a dense per-turn reward to the outcome; "
                  "--reward outcome has none (its own form is --advantage process)")
@@ -172,39 +174,39 @@ def check(args) -> None:
                  "advantage itself; leave it at 0")
 
 
-def gate_at_setup(args, policy, tok, procs, log, ctx) -> None:
-    """The premise gate of the run's reward and advantage, logged and kept for summary.json."""
-    if args.env not in envs.WORLDS or args.reward not in GATE_REWARDS:
-        return
+def gate_at_setup(args, policy, tok, procs, log, ctx, form: pair.Advantage) -> dict | None:
+    """The premise gate of the run's reward and advantage form on a built-in world, logged;
+    returned for summary.json (None where it does not apply)."""
+    if args.reward not in GATE_REWARDS:
+        return None
     turns = onpolicy.heldout_turns(args, policy, tok, procs, log)
-    gate = premise_gate(turns, ctx, onpolicy.habit_at(turns))
+    gate = premise_gate(turns, ctx, args, form, onpolicy.habit_at(turns))
     if gate is not None:
         log_gate(gate, log)
-        ctx.summary["premise_gate"] = gate
+    return gate
 
 
-def oversample(step: int, run, t: dict):
-    """grpo.py's "share" hook, `--oversample K` (DAPO's dynamic sampling): up to K x this
-    process's share of the step's prompts is played, in order, and a group with no advantage
+def oversample(step: int, run, t: dict, play_group) -> tuple[list, list]:
+    """`--oversample K` (DAPO's dynamic sampling): up to K x this process's share of the step's
+    prompts is played (play_group: the loop's), in order, and a group with no advantage
     (Group.all_equal) is set aside while enough later prompts remain to fill the batch. Returns
-    (groups kept, (Group, KV bytes) of every group played), or None at K = 1 (the core's)."""
+    (the groups kept, every group played)."""
     args, procs = run.args, run.procs
-    if args.oversample == 1:
-        return None
     need = len(range(procs.rank, args.batch, procs.size))
     candidates = list(range(procs.rank, args.batch * args.oversample, procs.size))
     kept, played = [], []
     for n, j in enumerate(candidates):
         if len(kept) == need:
             break
-        played.append(grpo.play_group(step * args.batch * args.oversample + j, run, t))
-        if not (played[-1][0].all_equal and len(candidates) - n - 1 >= need - len(kept)):
-            kept.append(played[-1][0])
+        group = play_group(step * args.batch * args.oversample + j, run, t)
+        played.append(group)
+        if not (group.all_equal and len(candidates) - n - 1 >= need - len(kept)):
+            kept.append(group)
     return kept, played
 
 
-def flags(ap) -> None:
-    """This module's flags, on grpo.py's parser."""
+def add_flags(ap) -> None:
+    """This module's flags, on the lab's parser."""
     a = ap.add_argument
     a("--turn-weight", type=float, default=1.0,
       help="--advantage outcome-turn: lambda, the weight of the turn's own centred reward "
@@ -213,18 +215,17 @@ def flags(ap) -> None:
       "prompts, keep the first --batch groups that give some turn an advantage")
 
 
-def register() -> None:
-    """Plug this module into grpo.py (lab/train.py does, once)."""
-    if flags in grpo.HOOKS["flags"]:
-        return
-    grpo.HOOKS["flags"].append(flags)
-    grpo.FLAG_RANGES.update({"turn_weight": grpo.finite(), "oversample": grpo.at_least(1)})
-    grpo.RESUME_KEYS += ("turn_weight", "oversample")
-    grpo.RESUME_DEFAULTS.update({"turn_weight": 1.0, "oversample": 1})
-    pair.REWARDS["labels"] = labels_reward
-    pair.ADVANTAGES["position"] = lambda rewards, scores, args: position_advantages(rewards)
-    pair.ADVANTAGES["outcome-turn"] = lambda rewards, scores, args: outcome_turn_advantages(
-        rewards, scores, args.turn_weight)
-    grpo.HOOKS["check"].append(check)
-    grpo.HOOKS["setup"].append(gate_at_setup)
-    grpo.HOOKS["share"].append(oversample)
+REWARDS = {"labels": pair.Reward(labels_reward)}
+FORM_NAMES = ("position", "outcome-turn")
+
+
+def forms(turn_weight: float = 1.0) -> dict[str, pair.Advantage]:
+    """This module's advantage forms (rows of pair.ADVANTAGES), outcome-turn with its lambda."""
+    return {"position": pair.Advantage(lambda rewards, scores: position_advantages(rewards)),
+            "outcome-turn": pair.Advantage(
+                lambda rewards, scores: outcome_turn_advantages(rewards, scores, turn_weight))}
+
+
+RANGES = {"turn_weight": grpo.finite(), "oversample": grpo.at_least(1)}
+RESUME_KEYS = ("turn_weight", "oversample")
+RESUME_DEFAULTS = {"turn_weight": 1.0, "oversample": 1}

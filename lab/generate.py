@@ -14,7 +14,6 @@ import torch
 
 import model as M
 import probes
-from lab import split
 
 # config.json keys of a checkpoint trained on a built-in world (`python -m lab.shop sft` writes
 # them): the world's name, and the tool list and reply format it appends to a task.
@@ -89,7 +88,7 @@ def main(argv=None):
     try:
         model, tok = M.load_model(args.model, dtype=M.DTYPES[args.dtype], device=devices[0])
         if len(devices) > 1:
-            split.split_model(model, devices)
+            M.split_model(model, devices)
         world, tools = checkpoint_world(model.checkpoint_dir)
     except (M.CheckpointError, FileNotFoundError, ValueError) as e:
         sys.exit(f"--model: {e}")

@@ -19,9 +19,9 @@ balanced subsample, C = 0.01, stage 2 on in-sample s_bc), the baselines on the s
 
     python -m lab.onpolicy --env shop    # rebuild data/shop-policy/probes/, which grpo.py reads
 
-grpo.py reads the probes shipped beside a built-in policy; under python -m lab.train, probes of
-other settings (--probe-corpus, --corpus-*) or of another policy are fitted here on the fly
-(`shop_probes`) and cached.
+grpo.py reads the probes shipped beside a built-in policy; lab/train.py's loop fits probes of
+other settings (--probe-corpus, --corpus-*) or of another policy here on the fly (`shop_probes`)
+and caches them.
 
 With --probe-retrain-every N the head the reward reads is fitted again during GRPO on the run's
 own turns of the last N steps (the last section: refit and the run-directory files it keeps).
@@ -264,8 +264,8 @@ def shop_probes(args, policy, tok, procs, log) -> tuple[Path, dict]:
         t0 = time.perf_counter()
         log(f"fitting the probes of this policy once, {args.probe_corpus} corpus (minutes: "
             f"later runs read them from the cache, {out}):", flush=True)
-        train_env = envs.ShopEnv("train", world=args.env)
-        heldout = sample_own_turns(policy, tok, envs.ShopEnv("val", world=args.env),
+        train_env = envs.ShopEnv("train", world=shop.WORLDS[args.env])
+        heldout = sample_own_turns(policy, tok, envs.ShopEnv("val", world=shop.WORLDS[args.env]),
                                    args.corpus_heldout,
                                    args.corpus_samples, args, PROBE_SEED + 1, log)
         save_heldout(heldout, heldout_path(args))     # grpo's premise gate reads them again
@@ -353,7 +353,7 @@ def heldout_turns(args, policy, tok, procs, log) -> study.Split:
         runs.claim(path.parent, wait=log)
         if not path.is_file():
             log(f"sampling the held-out own turns once ({path}):", flush=True)
-            save_heldout(sample_own_turns(policy, tok, envs.ShopEnv("val", world=args.env),
+            save_heldout(sample_own_turns(policy, tok, envs.ShopEnv("val", world=shop.WORLDS[args.env]),
                                           args.corpus_heldout, args.corpus_samples, args,
                                           PROBE_SEED + 1, log), path)
         runs.release(path.parent)
@@ -558,26 +558,27 @@ def refit_head(run: grpo.Training, step: int) -> dict:
 
 
 # ---------------------------------------------------------------------------------------------
-# Into grpo.py (python -m lab.train): probes fitted on the fly, and the refits during a run
+# What lab/train.py's loop calls: probes fitted on the fly, the statistics read from the base,
+# the refits during a run, the base model's evaluation kept for later runs; with their flags
 # ---------------------------------------------------------------------------------------------
 
-def fit_on_the_fly(args, policy, tok, procs, log):
-    """The probes of a built-in world's policy fitted for these settings (shop_probes), unless
-    the ones shipped beside it are those: None then, and grpo.py reads the shipped ones."""
-    if args.probes or args.env not in envs.WORLDS:
-        return None
+def fit_on_the_fly(args, policy, tok, procs, log) -> tuple[Path, dict] | None:
+    """The probes of a built-in world's policy fitted for these settings (shop_probes): their
+    directory and report; None when the ones shipped beside the built-in policy are those (the
+    run reads them, as grpo.py does)."""
     shipped = Path(args.model) / "probes" / "probes.json"
-    if grpo.is_builtin(args) and shipped.is_file() and \
+    if grpo.is_builtin(args, shop.WORLDS) and shipped.is_file() and \
             json.loads(shipped.read_text()).get("settings") == probe_settings(args):
         return None
     return shop_probes(args, policy, tok, procs, log)
 
 
-def check(args) -> None:
-    if args.probe_retrain_every and args.reward not in pair.READS_PROBE:
+def check(args, reward: pair.Reward) -> None:
+    """The rules between this module's flags and the run's reward and world."""
+    if args.probe_retrain_every and not reward.reads_probe:
         sys.exit(f"--probe-retrain-every: --reward {args.reward} reads no probe to refit (pair or "
                  f"a probe reward: {', '.join(sorted(pair.PROBE_REWARDS))})")
-    if args.probe_retrain_every and args.env not in envs.WORLDS:
+    if args.probe_retrain_every and args.env not in shop.WORLDS:
         sys.exit(f"--probe-retrain-every refits on the exact labels of the policy's own turns, "
                  f"which only the built-in world has (its tool calls re-executed); {args.env}'s "
                  "replayed tools label only the final answer")
@@ -590,7 +591,9 @@ def after_step(run, step: int, trajs) -> dict | None:
     if not every:
         return None
     save_step_turns(run.out, step + 1, run.procs.rank, trajs)
-    return refit_head(run, step + 1) if (step + 1) % every == 0 else None
+    if (step + 1) % every == 0:
+        return refit_head(run, step + 1)
+    return None
 
 
 def use_head(ctx, head) -> None:
@@ -624,8 +627,8 @@ def at_checkpoint(run, step: int) -> None:
 PROBE_CORPORA = ("on-policy", "contaminated", "both")
 
 
-def flags(ap) -> None:
-    """This module's flags, on grpo.py's parser."""
+def add_flags(ap) -> None:
+    """This module's flags, on the lab's parser."""
     a = ap.add_argument
     a("--probe-corpus", default="on-policy", choices=PROBE_CORPORA,
       help="shop, probes fitted on the fly: on-policy = rollouts of the base policy on training "
@@ -650,6 +653,13 @@ def flags(ap) -> None:
            "(one extra forward per step; a drifting policy cannot move what the probe reads)")
 
 
+RANGES = {**{k: grpo.at_least(1) for k in ("corpus_episodes", "corpus_samples", "corpus_heldout")},
+          "probe_retrain_every": grpo.at_least(0), "probe_episodes": grpo.at_least(2)}
+RESUME_KEYS = ("probe_corpus", "corpus_episodes", "corpus_samples", "corpus_heldout",
+               "probe_episodes", "probe_retrain_every", "probe_reads")
+RESUME_DEFAULTS = {"probe_retrain_every": 0, "probe_reads": "policy"}
+
+
 def read_from_base(policy, trajs: list, rows_per_forward: int, cost=None) -> None:
     """--probe-reads base: every turn's statistics from its tokens teacher-forced through the
     frozen base (adapter off) instead of the generation pass, so that the probe reads the
@@ -668,29 +678,16 @@ def read_from_base(policy, trajs: list, rows_per_forward: int, cost=None) -> Non
         step.trace = trace
 
 
-def reads_base(args) -> bool:
-    return args.reward in pair.NEEDS_STATS and args.probe_reads == "base"
-
-
-def stats_at_setup(args, policy, tok, procs, log, ctx) -> None:
-    """--probe-reads base: the generation pass keeps no statistics (they are read anew)."""
-    ctx.stats = not reads_base(args)
-
-
-def played(run, trajs, t: dict) -> None:
-    """--probe-reads base, after each group's rollout: the statistics from the base
-    (t_base_read, part of t_reward)."""
-    t0 = time.perf_counter()
-    if reads_base(run.args):
-        read_from_base(run.policy, trajs, run.args.micro_batch, run.ctx.cost)
-    t["t_base_read"] += time.perf_counter() - t0
+def reads_base(args, reward: pair.Reward) -> bool:
+    """--probe-reads base, for a reward that reads the statistics."""
+    return reward.needs_stats and args.probe_reads == "base"
 
 
 def base_eval_cache(policy, args, procs) -> Path | None:
     """Where the base model's evaluation is kept for later runs (greedy decoding of a fixed pool
     is the same in every run of one policy and settings), keyed on all the rollouts depend on,
     threads and batch included (float summation order). Built-in worlds only."""
-    if args.env not in envs.WORLDS or procs.size > 1:
+    if args.env not in shop.WORLDS or procs.size > 1:
         return None
     settings = {"val": args.val_episodes, "test": args.eval_episodes, "batch": args.eval_batch,
                 "max_turns": args.max_turns, "max_new_tokens": args.max_new_tokens,
@@ -700,9 +697,9 @@ def base_eval_cache(policy, args, procs) -> Path | None:
     return model.cache_root() / "grpo-base-eval" / f"{args.env}-{key}.json"
 
 
-def cached_base_eval(run, step: int) -> dict | None:
-    """grpo.py's "evaluate" hook: the base model's evaluation by an earlier run, if any."""
-    cache = base_eval_cache(run.policy, run.args, run.procs) if step == 0 else None
+def cached_base_eval(run) -> dict | None:
+    """The base model's evaluation by an earlier run of this policy and settings, if any."""
+    cache = base_eval_cache(run.policy, run.args, run.procs)
     if cache is None or not cache.is_file():
         return None
     run.log(f"base model: evaluated by an earlier run of this policy with these evaluation "
@@ -710,9 +707,9 @@ def cached_base_eval(run, step: int) -> dict | None:
     return json.loads(cache.read_text())
 
 
-def keep_base_eval(run, step: int, ev: dict) -> None:
-    """grpo.py's "evaluated" hook: keep the base model's evaluation for later runs."""
-    cache = base_eval_cache(run.policy, run.args, run.procs) if step == 0 else None
+def keep_base_eval(run, ev: dict) -> None:
+    """Keep the base model's evaluation for later runs."""
+    cache = base_eval_cache(run.policy, run.args, run.procs)
     if cache is not None:
         cache.parent.mkdir(parents=True, exist_ok=True)
         grpo.write_json(cache, ev)
@@ -723,19 +720,21 @@ def main(argv=None) -> None:
     fits them (its flags, preset and seed) and write them beside it, in data/<policy>/probes/,
     byte for byte the same every time (the fit's durations are left out)."""
     ap = argparse.ArgumentParser(prog="python -m lab.onpolicy", description=main.__doc__)
-    ap.add_argument("--env", default="shop", choices=tuple(envs.WORLDS))
+    ap.add_argument("--env", default="shop", choices=tuple(shop.WORLDS))
     env = ap.parse_args(argv).env
-    from lab.train import plug_in
-    plug_in()                           # grpo's flags and defaults, as python -m lab.train's
     cache = os.environ.get("PAIR_CACHE")
     try:
         with tempfile.TemporaryDirectory() as tmp:
             os.environ["PAIR_CACHE"] = tmp                  # a fresh fit, never a cached one
-            args = grpo.parse_args(["--env", env, "--out", str(Path(tmp) / "run")], pair.REWARDS)
+            # grpo's flags and this module's, with their defaults, as python -m lab.train has them
+            parser = grpo.train_parser(worlds=shop.WORLDS)
+            add_flags(parser)
+            args = grpo.parse_args(["--env", env, "--out", str(Path(tmp) / "run")], parser,
+                                   worlds=shop.WORLDS)
             procs = grpo.Processes()
-            grpo.resolve_preset(args, procs)
+            grpo.resolve_preset(args, procs, shop.WORLDS)
             torch.set_num_threads(args.threads)
-            policy, tok = grpo.load_policy(args, procs)    # as grpo.setup, draw for draw
+            policy, tok = grpo.load_policy(args, procs, shop.WORLDS)    # as a run's, draw for draw
             fitted, report = shop_probes(args, policy, tok, procs, print)
             report.pop("seconds", None)
             out = Path(args.model) / "probes"
@@ -752,30 +751,6 @@ def main(argv=None) -> None:
         else:
             os.environ["PAIR_CACHE"] = cache
     print(f"wrote {out}")
-
-
-def register() -> None:
-    """Plug this module into grpo.py (lab/train.py does, once)."""
-    if flags in grpo.HOOKS["flags"]:
-        return
-    grpo.HOOKS["flags"].append(flags)
-    grpo.FLAG_RANGES.update({**{k: grpo.at_least(1)
-                                for k in ("corpus_episodes", "corpus_samples", "corpus_heldout")},
-                             "probe_retrain_every": grpo.at_least(0),
-                             "probe_episodes": grpo.at_least(2)})
-    grpo.RESUME_KEYS += ("probe_corpus", "corpus_episodes", "corpus_samples", "corpus_heldout",
-                         "probe_episodes", "probe_retrain_every", "probe_reads")
-    grpo.RESUME_DEFAULTS.update({"probe_retrain_every": 0, "probe_reads": "policy"})
-    grpo.TIMING += ("t_base_read",)     # the extra forward of --probe-reads base
-    grpo.HOOKS["setup"].append(stats_at_setup)
-    grpo.HOOKS["played"].append(played)
-    grpo.HOOKS["context"].append(fit_on_the_fly)
-    grpo.HOOKS["check"].append(check)
-    grpo.HOOKS["trained"].append(after_step)
-    grpo.HOOKS["resume"].append(on_resume)
-    grpo.HOOKS["checkpoint"].append(at_checkpoint)
-    grpo.HOOKS["evaluate"].append(cached_base_eval)
-    grpo.HOOKS["evaluated"].append(keep_base_eval)
 
 
 if __name__ == "__main__":

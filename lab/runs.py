@@ -12,7 +12,6 @@ import shutil
 import time
 from pathlib import Path
 
-import grpo
 import model
 
 
@@ -109,7 +108,12 @@ def release(directory) -> None:
     if key in _claims:
         _claims[key][1] -= 1
         if _claims[key][1] == 0:
-            _claims.pop(key)[0].close()             # closing the file drops the lock
+            # the lock file goes first, then closing it drops the lock: a process waiting on it
+            # finds it deleted and takes a fresh one (claim), and nothing is left behind
+            f = _claims.pop(key)[0]
+            if _is_file_at(f, Path(directory) / LOCK_FILE):
+                (Path(directory) / LOCK_FILE).unlink()
+            f.close()
 
 
 def holds(directory) -> bool:
@@ -182,9 +186,3 @@ def claim_out(out: Path) -> None:
     if not holds(out):
         claim(out)
 
-
-def register() -> None:
-    """Plug the run lock into grpo.py (lab/train.py does, once)."""
-    if claim_out not in grpo.HOOKS["claim"]:
-        grpo.HOOKS["claim"].append(claim_out)
-        grpo.HOOKS["failed"].append(forget_failed)

@@ -298,17 +298,14 @@ def shop_task_from_id(episode_id: str) -> envs.ShopTask:
         raise ValueError(f"not a shop episode id: {episode_id!r} (expected shop-SEED-SPLIT-I or "
                          "shop-long-SEED-SPLIT-I)")
     seed = envs.shop_episode_seed(m.group(3), int(m.group(2)), int(m.group(4)))
-    return envs.WORLDS[m.group(1)](seed)
+    return WORLDS[m.group(1)].task(seed)
 
 
-def register() -> None:
-    """The long world joins the built-in ones: its episodes, its turn limit and its policy."""
-    envs.WORLDS["shop-long"] = long_task
-    envs.WORLD_TURNS["shop-long"] = 16
-    envs.BUILTIN_POLICIES["shop-long"] = envs.BUILTIN_POLICY.parent / "shop-long-policy"
+# The long world: its episodes, its turn limit (a line a turn, then the total: up to 16 turns)
+# and its own policy. The lab's table of worlds is the core's with it.
+LONG_WORLD = envs.World("shop-long", long_task, 16, envs.BUILTIN_POLICY.parent / "shop-long-policy")
+WORLDS = {**envs.WORLDS, "shop-long": LONG_WORLD}
 
-
-register()      # make-data, sft and the lab's commands know it from the first import on
 
 
 def _slip_store(task: envs.ShopTask, store: str, item: str) -> str:

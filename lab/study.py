@@ -43,7 +43,6 @@ from pathlib import Path
 import torch
 
 import envs
-import grpo
 import model as mdl
 import pair
 import probes
@@ -1256,11 +1255,9 @@ def seed_dir(where: Path, log) -> Path:
 PAIR_DIRS = ("pair_mixed", "pair", "pair_clean_only")
 
 
-def study_probes(args, policy, tok, procs, log) -> tuple[Path, None] | None:
-    """grpo.py's "context" hook: --probes a `train --out` directory, or one seed<S>/ of it: the
-    directory grpo.py reads the `--reward` probe from (PAIR: the first of PAIR_DIRS there)."""
-    if not args.probes or args.reward not in pair.READS_PROBE:
-        return None
+def study_probes(args, log) -> Path:
+    """--probes a `train --out` directory, or one seed<S>/ of it: the directory the run reads
+    the `--reward` probe from (PAIR: the first of PAIR_DIRS there)."""
     where = seed_dir(Path(args.probes), log)
     if args.reward == "pair":
         found = [d for d in (where, *(where / name for name in PAIR_DIRS))
@@ -1270,13 +1267,7 @@ def study_probes(args, policy, tok, procs, log) -> tuple[Path, None] | None:
                              f"{', '.join(n + '/' for n in PAIR_DIRS)} of it: train PAIR with "
                              "`python -m lab.study train`")
         where = found[0]
-    return where, None
-
-
-def register() -> None:
-    """Plug this module into grpo.py (lab/train.py does, once)."""
-    if study_probes not in grpo.HOOKS["context"]:
-        grpo.HOOKS["context"].append(study_probes)
+    return where
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 """ToolBench (METHOD.md §10): its replay with the paper's history cap, answers scored by an LLM
 judge at any OpenAI-compatible endpoint, and that endpoint's client (also the lab's contamination
 generator and step judge). ToolBench releases no training split and its scorer is a paid API, so
-it is the lab's: `python -m lab.train --env toolbench` (register() adds it to envs.REPLAYS).
+it is the lab's: `python -m lab.train --env toolbench` (REPLAYS below adds it to the core's).
 
     env = envs.make("toolbench", split="test", data_dir=..., judge_model="gpt-4o-mini")
 """
@@ -81,9 +81,9 @@ class ToolBenchEnv(envs.Env):
         return ToolBenchEpisode(key, record, self.history_chars, self.judge)
 
 
-def register() -> None:
-    """envs.make("toolbench", ...) and `--env toolbench` play ToolBenchEnv."""
-    envs.REPLAYS["toolbench"] = ToolBenchEnv
+# The lab's table of replayed families: the core's, with ToolBench (`--env toolbench` in
+# `python -m lab.train`; envs.make("toolbench", ..., replays=REPLAYS))
+REPLAYS = {**envs.REPLAYS, "toolbench": ToolBenchEnv}
 
 
 # ---- An LLM at an OpenAI-compatible endpoint ----------------------------------------------------
@@ -186,6 +186,3 @@ def judge_answer(client: ChatClient, task: str, reference: str, answer: str) -> 
     obj, _ = client.chat_json([{"role": "system", "content": ANSWER_JUDGE_SYSTEM},
                                {"role": "user", "content": user}], check=check)
     return ANSWER_LABELS[obj["label"]]
-
-
-register()      # the lab's commands know it from the first import on, as lab/shop.py's world

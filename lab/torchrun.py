@@ -5,8 +5,8 @@
 Each process plays its share of the prompts (prompt g goes to process g mod N); the metrics' sums
 and maxima, the probe monitor's scores and the LoRA gradients are reduced across processes, so N
 processes x B/N prompts give the update of one process with B prompts. One GPU per process (nccl),
-or the CPU (gloo). `register` plugs `start` into grpo.py's "processes" hook, which the core calls
-when WORLD_SIZE > 1.
+or the CPU (gloo). lab/train.py's loop calls `start` when WORLD_SIZE > 1 and hands the processes
+to its setup.
 """
 import math
 import os
@@ -58,8 +58,3 @@ def start(args) -> DistProcesses:
     dist.init_process_group("nccl" if gpu else "gloo")
     return DistProcesses(dist.get_rank(), dist.get_world_size(), f"cuda:{local}" if gpu else "cpu")
 
-
-def register() -> None:
-    """Plug torchrun into grpo.py (lab/train.py does, once)."""
-    if start not in grpo.HOOKS["processes"]:
-        grpo.HOOKS["processes"].append(start)

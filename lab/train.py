@@ -1,29 +1,292 @@
-"""python -m lab.train: grpo.py's training run with the lab's plug-ins, the same flags besides.
+"""python -m lab.train: the lab's training loop, grpo.py's flags and more.
 
     python -m lab.train --reward igpo                    # the paper's other rewards
     python -m lab.train --reward tree_grpo               # the tree searches (at2po too)
     python -m lab.train --env shop-long --reward labels --advantage outcome-turn
+    python -m lab.train --probe-reads base --probe-retrain-every 5
     torchrun --nproc_per_node 2 -m lab.train ...
 
-`plug_in` registers each lab module with the core (pair.REWARDS, pair.ADVANTAGES, grpo.PLAYERS,
-LOSSES and HOOKS, envs.WORLDS and REPLAYS): the paper's other rewards and the tree searches
-(lab/baselines.py), the exact-label reward, the advantage forms, the premise gate and --oversample
-(lab/credit.py), probes fitted on the fly and refitted during a run (lab/onpolicy.py), the run lock
-(lab/runs.py), the long world (lab/shop.py), layers split across devices (lab/split.py), ToolBench's
-replay and its LLM judge (lab/toolbench.py), the probes of a `lab.study train` directory
-(lab/study.py), and several processes under torchrun (lab/torchrun.py).
+This is grpo.train's loop, written out again with what only the lab's methods need, each where
+it runs, built from grpo.py's functions (setup's pieces, play_rollouts and score_group, update,
+step_metrics, checkpoints, evaluation):
+  * its tables are the core's with the lab's rows: the rewards of lab/baselines.py (CoE, the LLM
+    judge, IGPO, TIPS, the tree searches) and lab/credit.py (the exact labels), the advantage
+    forms of lab/credit.py, the long world of lab/shop.py, ToolBench's replay (lab/toolbench.py);
+  * setup: several processes under torchrun (lab/torchrun.py), the probes of a `lab.study
+    train` directory (lab/study.py) or fitted on the fly for these settings (lab/onpolicy.py),
+    the run lock that nests and waits (lab/runs.py), the judge's client, the premise gate;
+  * a step: TIPS' lagged teacher refreshed, DAPO's oversampling (--oversample), the tree
+    searches' plays, the statistics read from the frozen base (--probe-reads base), AT²PO's
+    turn-level loss, the refits of the probe (--probe-retrain-every);
+  * around the steps: the base model's evaluation kept for later runs, the lagged teacher kept
+    in the checkpoints, the premise gate in summary.json.
 """
+from __future__ import annotations
+
+import os
+import sys
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from safetensors.torch import load_file
+
 import grpo
-from lab import baselines, credit, onpolicy, runs, shop, split, study, toolbench, torchrun
+import pair
+from lab import baselines, credit, onpolicy, runs, shop, study, toolbench, torchrun
+
+PROG = "python -m lab.train"
+
+# The core's tables with the lab's rows
+REWARDS = {**pair.REWARDS, **baselines.REWARDS, **credit.REWARDS}
+FORM_NAMES = (*pair.ADVANTAGES, *credit.FORM_NAMES)
+WORLDS = shop.WORLDS                    # shop and shop-long
+REPLAYS = toolbench.REPLAYS             # gta and toolbench
+TIMING = (*grpo.TIMING, "t_base_read")  # the extra forward of --probe-reads base
+# the flags a resumed run must keep, their ranges, and the value of a flag an older run lacks
+RESUME_KEYS = (*grpo.RESUME_KEYS, *baselines.RESUME_KEYS, *credit.RESUME_KEYS,
+               *onpolicy.RESUME_KEYS)
+RESUME_DEFAULTS = {**grpo.RESUME_DEFAULTS, **credit.RESUME_DEFAULTS, **onpolicy.RESUME_DEFAULTS}
+RANGES = {**grpo.FLAG_RANGES, **baselines.RANGES, **credit.RANGES, **onpolicy.RANGES}
 
 
-def plug_in() -> None:
-    """The lab into grpo.py, once (calling it again changes nothing)."""
-    for module in (baselines, credit, onpolicy, runs, shop, split, study, toolbench, torchrun):
-        module.register()
-    grpo.PROG = "python -m lab.train"
+def forms(args) -> dict[str, pair.Advantage]:
+    """The advantage forms, the core's and lab/credit.py's (outcome-turn with --turn-weight)."""
+    return {**pair.ADVANTAGES, **credit.forms(args.turn_weight)}
+
+
+def parser():
+    """grpo.py's flags over the lab's tables, then the lab's own flags."""
+    ap = grpo.train_parser(REWARDS, FORM_NAMES, WORLDS, REPLAYS, prog=PROG)
+    baselines.add_flags(ap)
+    credit.add_flags(ap)
+    onpolicy.add_flags(ap)
+    return ap
+
+
+def parse_args(argv) -> object:
+    """The lab's command line, checked: every flag's range, then the rules between them."""
+    args = grpo.parse_args(argv, parser(), RANGES, WORLDS, RESUME_KEYS)
+    credit.check(args, WORLDS)
+    onpolicy.check(args, REWARDS[args.reward])
+    return args
+
+
+# --- setup ------------------------------------------------------------------------------------
+
+@dataclass
+class LabTraining(grpo.Training):
+    summary: dict = field(default_factory=dict)     # what the lab adds to summary.json
+
+
+def setup(args) -> LabTraining:
+    """grpo.setup's steps over the lab's tables, with the lab's processes, probes and lock."""
+    procs = torchrun.start(args) if int(os.environ.get("WORLD_SIZE", "1")) > 1 \
+        else grpo.Processes()
+    given = grpo.resolve_preset(args, procs, WORLDS)
+    baselines.preset(args, given)       # the trees' budget
+    grpo.check_processes(args, procs)
+    grpo.check_out(args, RESUME_KEYS, RESUME_DEFAULTS)
+    procs.barrier()
+    log = grpo.logger(procs)
+    policy, tok = grpo.load_policy(args, procs, WORLDS)
+    env, pool, held = grpo.environments(args, tok, WORLDS, REPLAYS)
+    reward = REWARDS[args.reward]
+    ctx = baselines.LabContext(policy, tok, env, alpha=args.alpha, args=args)
+    # Probes fitted on the fly take minutes: they (and the shipped ones of a built-in world) are
+    # read once OUT is claimed. Given ones are checked before.
+    later = reward.reads_probe and args.env in WORLDS and not args.probes
+    report = None
+    if reward.reads_probe and not later:
+        report = read_probes(ctx, args, policy, tok, procs, log)
+    out = prepare_out(args, procs)
+    if later:
+        report = read_probes(ctx, args, policy, tok, procs, log)
+    if args.reward == baselines.AT2PO:
+        form = baselines.at2po_form(args)
+    else:
+        form = forms(args)[args.advantage]
+    baselines.start(args, ctx, log)
+    summary = {}
+    if args.env in WORLDS:
+        gate = credit.gate_at_setup(args, policy, tok, procs, log, ctx, form)
+        if gate is not None:
+            summary["premise_gate"] = gate
+    optimizer = grpo.make_optimizer(policy, args)
+    grpo.log_start(args, policy, pool, held, procs, out, log)
+    return LabTraining(policy, tok, env, pool, held, reward, form, ctx, optimizer, args, procs,
+                       out, log, report, summary)
+
+
+def read_probes(ctx, args, policy, tok, procs, log) -> dict | None:
+    """The probe the reward reads, into ctx: from --probes (a `lab.study train` directory, or
+    what grpo.py reads), fitted on the fly for a built-in world's policy and these settings, or
+    shipped beside the built-in policy. Returns the probes' report when there is one."""
+    where, report = None, None
+    if args.probes:
+        where = study.study_probes(args, log)
+    elif args.env in WORLDS:
+        fitted = onpolicy.fit_on_the_fly(args, policy, tok, procs, log)
+        if fitted is not None:
+            where, report = fitted
+    if where is None:
+        where, report = grpo.probes_to_read(args, log, WORLDS)
+    grpo.read_probes(ctx, args, policy, where)
+    return report
+
+
+def prepare_out(args, procs) -> Path:
+    """grpo.prepare_out with the lab's lock, which nests (a lab command may hold OUT already)
+    and waits where the core's refuses."""
+    out = Path(args.out)
+    if procs.main:
+        out.mkdir(parents=True, exist_ok=True)
+        runs.claim_out(out)
+        grpo.check_out(args, RESUME_KEYS, RESUME_DEFAULTS)
+        grpo.write_json(out / "args.json", vars(args))
+    procs.barrier()
+    return out
+
+
+# --- a step -------------------------------------------------------------------------------------
+
+def play_group(g: int, run: LabTraining, t: dict) -> grpo.Group:
+    """grpo.play_group, or a tree search's play; under --probe-reads base the statistics the
+    reward reads come from the frozen base (t_base_read, part of t_reward)."""
+    if run.args.reward in baselines.TREE_SEARCH:
+        return baselines.play_trees(g, run, t)
+    base = onpolicy.reads_base(run.args, run.reward)
+    t0 = time.perf_counter()
+    trajs, kv_bytes = grpo.play_rollouts(g, run, stats=run.reward.needs_stats and not base)
+    t1 = time.perf_counter()
+    t["t_rollout"] += t1 - t0
+    if base:
+        onpolicy.read_from_base(run.policy, trajs, run.args.micro_batch, run.ctx.cost)
+    t["t_base_read"] += time.perf_counter() - t1
+    t["t_reward"] += time.perf_counter() - t1
+    return grpo.score_group(trajs, run, t, kv_bytes)
+
+
+def train_step(step: int, run: LabTraining) -> dict:
+    """grpo.train_step, with --oversample's groups set aside, AT²PO's batch, and the probe's
+    refit (--probe-retrain-every), whose report joins the step's metrics."""
+    args, procs = run.args, run.procs
+    t = dict.fromkeys(TIMING, 0.0)
+    run.ctx.cost = Counter(dict.fromkeys(grpo.COSTS, 0))
+    grpo.reset_peak_memory(run.policy)
+    run.policy.eval()
+    if args.oversample > 1:
+        kept, played = credit.oversample(step, run, t, play_group)
+    else:
+        played = [play_group(step * args.batch + j, run, t)
+                  for j in range(procs.rank, args.batch, procs.size)]
+        kept = played
+    stats = learn(kept, run, t)
+    refit = onpolicy.after_step(run, step, [traj for g in kept for traj in g.trajs])
+    rec = grpo.step_metrics(step, kept, played, stats, t, run)
+    rec.update(refit or {})
+    return rec
+
+
+def learn(groups: list[grpo.Group], run: LabTraining, t: dict) -> dict:
+    """grpo.learn; AT²PO's update reads each token's turn and weight (baselines.turn_batch)."""
+    t0 = time.perf_counter()
+    trajs = [traj for group in groups for traj in group.trajs]
+    advantages = [a for group in groups for a in group.advantages]
+    if run.args.reward == baselines.AT2PO:
+        batch = baselines.turn_batch(trajs, advantages, run.tok.pad_id)
+    else:
+        batch = pair.make_batch(trajs, advantages, run.tok.pad_id)
+    run.policy.train()
+    stats = grpo.update(run.policy, run.optimizer, batch, run.form, run.args, run.procs)
+    run.policy.eval()
+    t["t_update"] = time.perf_counter() - t0
+    return stats
+
+
+# --- the loop -----------------------------------------------------------------------------------
+
+def train(args) -> dict:
+    """grpo.train's loop: setup, the base model's evaluation, --steps steps with a checkpoint and
+    an evaluation every --save-every steps and at the end, the summary."""
+    started = time.perf_counter()
+    run = setup(args)
+    start = resume(run)
+    done = grpo.evaluated_steps(run.out)
+    evaluate_and_log(run, start, done)
+    seconds, aurocs, warned = [], [], False
+    for step in range(start, args.steps):
+        t0 = time.perf_counter()
+        grpo.set_lr(run.optimizer, grpo.lr_at(step, args))
+        baselines.refresh_teacher(args, run.ctx, run.policy, step)
+        rec = train_step(step, run)
+        if run.procs.main:
+            grpo.append_jsonl(run.out / "metrics.jsonl", rec)
+        seconds.append(time.perf_counter() - t0)
+        aurocs.append(rec.get("probe_auroc"))
+        grpo.log_step(run, rec, seconds)
+        if not warned and grpo.below_chance(aurocs) is not None:
+            warned = True
+            grpo.warn_below_chance(run, grpo.below_chance(aurocs))
+        if grpo.checkpoint_due(step, args):
+            path = grpo.save_checkpoint(run.out, step + 1, run.policy, run.optimizer, run.procs,
+                                        lagged_files(run.ctx))
+            run.log(f"checkpoint {path}", flush=True)
+            onpolicy.at_checkpoint(run, step + 1)
+            evaluate_and_log(run, step + 1, done)
+    summary = grpo.finish(run, time.perf_counter() - started, run.summary)
+    if run.procs.main:
+        runs.release(run.out)
+    return summary
+
+
+LAGGED = "lagged.safetensors"       # TIPS' lagged teacher, kept with each checkpoint
+
+
+def lagged_files(ctx) -> dict:
+    if ctx.lagged is None:
+        return {}
+    return {LAGGED: ctx.lagged}
+
+
+def resume(run: LabTraining) -> int:
+    """grpo.resume, the lagged teacher of the checkpoint, and the refit's files and head."""
+    start = grpo.resume(run)
+    ckpt = grpo.latest_checkpoint(run.out) if run.args.resume else None
+    if ckpt is not None and (ckpt / LAGGED).exists():
+        run.ctx.lagged = load_file(ckpt / LAGGED)
+    onpolicy.on_resume(run, start)
+    return start
+
+
+def evaluate_and_log(run: LabTraining, step: int, done: set) -> None:
+    """grpo.evaluate_and_log; the base model's evaluation is kept for later runs of the same
+    policy and settings, and read from there."""
+    if run.args.no_eval or step in done:
+        return
+    cached = None
+    if step == 0:
+        cached = onpolicy.cached_base_eval(run)
+    ev = grpo.evaluate_and_log(run, step, done, cached)
+    if step == 0 and cached is None:
+        onpolicy.keep_base_eval(run, ev)
+
+
+def main(argv=None):
+    argv = sys.argv[1:] if argv is None else argv
+    args = parse_args(argv)
+    try:
+        return train(args)
+    except grpo.INPUT_ERRORS as e:
+        runs.forget_failed(args)        # a run that failed before logging leaves nothing
+        sys.exit(f"error: {e}")
+    except SystemExit:
+        runs.forget_failed(args)
+        raise
+    except KeyboardInterrupt:
+        sys.exit(grpo.interrupted(args, argv, PROG))
 
 
 if __name__ == "__main__":
-    plug_in()
-    grpo.main()
+    main()

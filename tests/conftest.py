@@ -1,5 +1,6 @@
 """Shared test fixtures: the ../shared material (skipped cleanly when absent), the 0.5B model,
-a local OpenAI-compatible server; eager decoding."""
+a local OpenAI-compatible server; eager decoding. Nothing of the lab is loaded here: a test of the
+core runs the core alone, and a test of the lab imports what it needs."""
 import json
 import os
 import sys
@@ -18,10 +19,6 @@ sys.path.insert(0, str(ROOT))
 os.environ["PAIR_COMPILE"] = "0"
 # The command lines the tests start find the core and the lab (python -m lab.X) from anywhere.
 os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, (str(ROOT), os.environ.get("PYTHONPATH"))))
-
-from lab.train import plug_in  # noqa: E402
-
-plug_in()       # the lab plugged into grpo.py, as python -m lab.train does
 
 SHARED = Path(os.environ.get("PAIR_SHARED", ROOT.parent / "shared"))
 RELEASE = SHARED / "data" / "pair-release"
