@@ -22,6 +22,7 @@ loop, lab/train.py, built from the functions of this file.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import math
 import os
@@ -295,7 +296,7 @@ def reset_peak_memory(policy) -> None:
         torch.cuda.reset_peak_memory_stats(device)
 
 
-# --- 3. The update: the advantage form's loss over micro-batches, AdamW on LoRA ---------------
+# --- 3. The update (pair.update) with the run's flags, and its learning rate -------------------
 
 def lr_at(step: int, args) -> float:
     """Constant lr after a linear warmup over the first `--warmup` fraction of the steps:
@@ -304,89 +305,15 @@ def lr_at(step: int, args) -> float:
     return args.lr * min(1.0, (step + 1) / warm)
 
 
-def micro_batches(lengths: list[int], rows: int, tokens: int) -> list[list[int]]:
-    """Consecutive rows in groups of at most `rows` rows and `tokens` padded tokens (rows x the
-    longest), bounding the update's memory; a row longer than `tokens` goes alone."""
-    chunks, longest = [], 0
-    for r, n in enumerate(lengths):
-        longest = max(longest, n)
-        if chunks and len(chunks[-1]) < rows and (len(chunks[-1]) + 1) * longest <= tokens:
-            chunks[-1].append(r)
-        else:
-            chunks.append([r])
-            longest = n
-    return chunks
-
-
-EMPTY_UPDATE = {"loss": 0.0, "kl": 0.0, "clip_frac": 0.0, "ratio": 0.0, "grad_norm": 0.0,
-                "tokens": 0, "empty_batch": 1, "skipped_updates": 0}
-
-
 def update(policy, optimizer, batch: pair.Batch, form: pair.Advantage, args, procs) -> dict:
-    """`--ppo-epochs` passes over the batch, each one AdamW step on the gradient of the form's
-    loss summed over the micro-batches. The reference (adapter off) and old log pi are taken
-    once, the old at the first pass. Returns the first pass's metrics."""
-    counts = batch.counts()
-    totals = dict(zip(counts, procs.all_sum(list(counts.values()))))
-    n_tokens = totals["tokens"]
-    if n_tokens == 0:   # 0/0 loss; and AdamW on zero gradients still moves by its momentum
-        return dict(EMPTY_UPDATE)
-    parts = [pair.Part(batch, rows, max(batch.lengths[r] for r in rows), totals)
-             for rows in micro_batches(batch.lengths, args.micro_batch, args.micro_batch_tokens)]
-    # log pi at the temperature the tokens were drawn at (the form may fix it: the release's 1)
-    temperature = args.temperature if form.temperature is None else form.temperature
-    ref, old = {}, {}
-    skipped = 0
-    for epoch in range(args.ppo_epochs):
-        sums = backward_pass(policy, optimizer, parts, form, temperature, ref, old, args)
-        grad_norm = optimizer_step(policy, optimizer, args.grad_clip, procs)
-        if not math.isfinite(grad_norm):
-            skipped += 1
-        if epoch == 0:
-            first = procs.all_sum(sums)
-    loss, kl, clip, ratio = first
-    return {"loss": loss, "kl": kl / n_tokens, "clip_frac": clip / n_tokens,
-            "ratio": ratio / n_tokens, "grad_norm": grad_norm, "tokens": int(n_tokens),
-            "empty_batch": 0, "skipped_updates": skipped}
-
-
-def backward_pass(policy, optimizer, parts: list[pair.Part], form: pair.Advantage,
-                  temperature: float, ref: dict, old: dict, args) -> list[float]:
-    """One pass: the gradient of the loss accumulated over the micro-batches. ref and old hold
-    each part's reference and old log pi, filled at the first pass. Returns the sums of the
-    loss, the KL, the clip indicator and the ratio over this process's tokens."""
-    dev = model.input_device(policy)
-    optimizer.zero_grad(set_to_none=True)
-    sums = [0.0] * 4
-    for c, part in enumerate(parts):
-        ids = part.batch.ids[part.rows, :part.T].to(dev)
-        mask = part.batch.mask[part.rows, :part.T]
-        adv = part.tokens(part.batch.adv).to(dev)                   # (N,) A of each token
-        if c not in ref:
-            with torch.no_grad(), model.lora_disabled(policy):
-                ref[c] = model.token_logprobs(policy, ids, mask, temperature)
-        logp = model.token_logprobs(policy, ids, mask, temperature)  # (N,)
-        if c not in old:
-            old[c] = logp.detach()
-        loss, s = form.loss(logp, old[c], ref[c], adv, part, args.eps, args.beta)
-        loss.backward()
-        sums = [a + b for a, b in zip(sums, (loss.item(), s["kl"], s["clip"], s["ratio"]))]
-    return sums
-
-
-def optimizer_step(policy, optimizer, grad_clip: float, procs) -> float:
-    """The gradients all-reduced over the processes, their global norm clipped to grad_clip,
-    one AdamW step. Returns the norm before the clip; a norm that is not finite skips the step
-    (a NaN or inf in the gradient would ruin the adapter)."""
-    params = [p for group in optimizer.param_groups for p in group["params"]]
-    for p in params:               # processes with fewer tokens still join the all-reduce
-        if p.grad is None:
-            p.grad = torch.zeros_like(p)
-    procs.all_reduce_grads(params)
-    grad_norm = torch.nn.utils.clip_grad_norm_(params, grad_clip).item()
-    if math.isfinite(grad_norm):
-        optimizer.step()
-    return grad_norm
+    """pair.update with the run's flags: --ppo-epochs passes over the batch in micro-batches of
+    at most --micro-batch rows and --micro-batch-tokens padded tokens, log pi at the sampling
+    --temperature (or the form's), PPO-clip --eps, KL --beta, the gradient clipped to
+    --grad-clip."""
+    return pair.update(policy, optimizer, batch, form, procs, temperature=args.temperature,
+                       eps=args.eps, beta=args.beta, grad_clip=args.grad_clip,
+                       epochs=args.ppo_epochs, rows=args.micro_batch,
+                       tokens=args.micro_batch_tokens)
 
 
 # --- 4. A step's metrics: one metrics.jsonl record, summed over the processes ----------------
@@ -573,7 +500,9 @@ def resume(run: Training) -> int:
     logged after it is dropped, to be redone exactly."""
     args, out = run.args, run.out
     start = 0
-    ckpt = latest_checkpoint(out) if args.resume else None
+    ckpt = None
+    if args.resume:
+        ckpt = intact_checkpoint(out, run.log)
     if ckpt is not None:
         start = load_checkpoint(ckpt, run.policy, run.optimizer, run.procs)
         run.log(f"resumed from {ckpt} at step {start}", flush=True)
@@ -624,6 +553,7 @@ def finish(run: Training, seconds: float, extra: dict | None = None) -> dict:
 # --- 6. The flags and presets --------------------------------------------------------------------
 
 PROG = "python grpo.py"     # how messages spell the command line that runs this file
+
 
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
     """Every default in --help but "(default: None)": such a flag's help says what decides it."""
@@ -720,8 +650,14 @@ def resolve_preset(args, procs, worlds=envs.WORLDS) -> set[str]:
         args.micro_batch = args.group
     shown = [*(TINY if builtin else ()), *PRESETS.get(args.preset, ())]
     if procs.main and shown:
-        print("preset: " + ", ".join(f"--{k.replace('_', '-')} {getattr(args, k)}" + (
-            " (from the command line)" if k in given else "") for k in shown), flush=True)
+        # a flag given (or recorded by the run resumed) with another value says so
+        words = []
+        for k in shown:
+            word = f"--{k.replace('_', '-')} {getattr(args, k)}"
+            if getattr(args, k) != preset[k]:
+                word += " (not the preset's)"
+            words.append(word)
+        print("preset: " + ", ".join(words), flush=True)
     return given
 
 
@@ -1050,6 +986,7 @@ def save_checkpoint(out: Path, step: int, policy, optimizer, procs,
                 save_file(tensors, tmp / name)
             write_json(tmp / "trainer.json", {"step": step, "processes": procs.size,
                                               "optimizer": meta})
+            write_manifest(tmp)         # last: a checkpoint with its manifest is whole
             shutil.rmtree(final, ignore_errors=True)
             os.replace(tmp, final)
         procs.barrier()
@@ -1067,20 +1004,101 @@ def latest_checkpoint(out: Path) -> Path | None:
                default=None)
 
 
-def load_checkpoint(path: Path, policy, optimizer, procs) -> int:
-    """Restore a checkpoint into policy, optimizer and RNGs; returns its step."""
+# --- A checkpoint verifies itself: its manifest, written last, lists every other file's size
+# and sha256; resuming checks it, then what the files say, before anything is loaded.
+
+MANIFEST = "manifest.json"
+
+
+def file_sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def checkpoint_files(directory: Path) -> list[str]:
+    """Every file of a checkpoint but its manifest, relative to it (the adapter's included)."""
+    return sorted(p.relative_to(directory).as_posix() for p in directory.rglob("*")
+                  if p.is_file() and p.name != MANIFEST)
+
+
+def write_manifest(directory: Path) -> None:
+    files = {}
+    for name in checkpoint_files(directory):
+        path = directory / name
+        files[name] = {"size": path.stat().st_size, "sha256": file_sha256(path)}
+    write_json(directory / MANIFEST, {"format": "checkpoint/1", "files": files})
+
+
+def damage(directory: Path) -> str | None:
+    """What is wrong with a checkpoint against its manifest, naming the file: no manifest (it
+    was never finished), a file missing, changed or not listed; None when it is intact."""
     try:
-        info = json.loads((path / "trainer.json").read_text())
-        if type(info["step"]) is not int or info["step"] < 1:
-            raise ValueError(f"trainer.json holds no step >= 1: {info['step']!r}")
+        listed = json.loads((directory / MANIFEST).read_text())["files"]
+        names = [name for name in listed if not (isinstance(listed[name], dict)
+                 and Path(name).as_posix() == name and ".." not in Path(name).parts)]
+    except (OSError, ValueError, KeyError, TypeError, RecursionError) as e:
+        return f"{directory / MANIFEST}: missing or unreadable ({type(e).__name__})"
+    if names:
+        return f"{directory / MANIFEST}: a file name it may not hold, {names[0]!r}"
+    for name in checkpoint_files(directory):
+        if name not in listed:
+            return f"{directory / name}: a file the checkpoint did not write"
+    for name, entry in listed.items():
+        path = directory / name
+        if not path.is_file():
+            return f"{path}: missing"
+        if path.stat().st_size != entry.get("size") or file_sha256(path) != entry.get("sha256"):
+            return f"{path}: changed since the checkpoint was written (its sha256 differs)"
+    return None
+
+
+def intact_checkpoint(out: Path, log) -> Path | None:
+    """The newest checkpoint whose files are those its manifest lists; each damaged one newer
+    than it is named and passed over. Refused when there are checkpoints but none intact."""
+    found = sorted(out.glob("checkpoint-*"), reverse=True)
+    for ckpt in found:
+        why = damage(ckpt)
+        if why is None:
+            return ckpt
+        log(f"warning: {ckpt.name} is damaged ({why}); resuming from the checkpoint before it, "
+            "if one is intact", flush=True)
+    if found:
+        raise SystemExit(f"--resume: no checkpoint in {out} is intact ({damage(found[0])}); "
+                         "restore it, or start the run again in another --out")
+    return None
+
+
+def load_checkpoint(path: Path, policy, optimizer, procs) -> int:
+    """Restore a checkpoint into policy, optimizer and RNGs; returns its step. What its files
+    say is checked before anything is loaded: its step is its directory's, the optimizer's
+    settings are the run's, and the optimizer's state is finite with a step count >= 0."""
+    current = path / "trainer.json"         # the file being read, named in any refusal
+    try:
+        info = json.loads(current.read_text())
+        if type(info["step"]) is not int or info["step"] != int(path.name.split("-")[-1]):
+            raise ValueError(f"step {info['step']!r}, in the directory of step "
+                             f"{int(path.name.split('-')[-1])}")
         if info["processes"] != procs.size:
             raise ValueError(f"it was written by {info['processes']} processes, this run has "
                              f"{procs.size}; the RNG streams would differ")
-        model.load_adapter_weights(policy, path / "adapter")
-        optimizer_from_tensors(optimizer, load_file(path / "optimizer.safetensors"),
-                               info["optimizer"])
-        rng = load_file(path / f"rng-{procs.rank}.safetensors")
-        meta = json.loads((path / f"rng-{procs.rank}.json").read_text())
+        check_optimizer_settings(optimizer, info["optimizer"]["param_groups"])
+        current = path / "optimizer.safetensors"
+        tensors = load_file(current)
+        for key, t in tensors.items():
+            if t.is_floating_point() and not torch.isfinite(t).all():
+                raise ValueError(f"{key} holds NaN or infinite values")
+            if key.endswith(".step") and (t.numel() != 1 or not 0 <= t.item() < 2**53):
+                raise ValueError(f"{key} is {t.tolist()}, not a count of steps")
+        current = path / "adapter"
+        model.load_adapter_weights(policy, current)
+        optimizer_from_tensors(optimizer, tensors, info["optimizer"])
+        current = path / f"rng-{procs.rank}.safetensors"
+        rng = load_file(current)
+        current = path / f"rng-{procs.rank}.json"
+        meta = json.loads(current.read_text())
         v, state, gauss = meta["python"]
         random.setstate((v, tuple(state), gauss))
         name, pos, has_gauss, cached = meta["numpy"]
@@ -1092,8 +1110,21 @@ def load_checkpoint(path: Path, policy, optimizer, procs) -> int:
         return info["step"]
     except (OSError, KeyError, IndexError, TypeError, ValueError, RecursionError,
             SafetensorError) as e:      # a damaged file: any of these, never a traceback
-        raise SystemExit(f"{path}: cannot resume from this checkpoint ({type(e).__name__}: "
-                         f"{e})") from None
+        raise SystemExit(f"{current}: cannot resume from this checkpoint ({type(e).__name__}: "
+                         f"{e}); resume from an earlier checkpoint (delete this one)") from None
+
+
+def check_optimizer_settings(optimizer, saved: list[dict]) -> None:
+    """The optimizer's settings a checkpoint recorded (its param_groups) are those the run's
+    flags give (betas, eps, weight decay ...): the learning rate aside, which every step sets."""
+    fresh = json.loads(json.dumps(optimizer.state_dict()["param_groups"]))
+    if len(saved) != len(fresh):
+        raise ValueError(f"{len(saved)} parameter groups, the run has {len(fresh)}")
+    for mine, theirs in zip(fresh, saved):
+        for key in mine:
+            if key not in ("lr", "params") and theirs.get(key) != mine[key]:
+                raise ValueError(f"the optimizer's {key} is {theirs.get(key)!r}, the run's flags "
+                                 f"give {mine[key]!r}")
 
 
 def optimizer_to_tensors(optimizer) -> tuple[dict, dict]:

@@ -523,3 +523,97 @@ class Advantage:                    # one entry of ADVANTAGES: an advantage form
 ADVANTAGES = {"process": Advantage(lambda rewards, scores: group_advantages(rewards)),
               "release": Advantage(lambda rewards, scores: release_advantages(rewards),
                                    release_turn_loss, temperature=1.0)}
+
+
+# ---- The update: the form's loss over micro-batches, one optimizer step a pass --------------
+
+def micro_batches(lengths: list[int], rows: int, tokens: int) -> list[list[int]]:
+    """Consecutive rows in groups of at most `rows` rows and `tokens` padded tokens (rows x the
+    longest), bounding the update's memory; a row longer than `tokens` goes alone."""
+    chunks, longest = [], 0
+    for r, n in enumerate(lengths):
+        longest = max(longest, n)
+        if chunks and len(chunks[-1]) < rows and (len(chunks[-1]) + 1) * longest <= tokens:
+            chunks[-1].append(r)
+        else:
+            chunks.append([r])
+            longest = n
+    return chunks
+
+
+EMPTY_UPDATE = {"loss": 0.0, "kl": 0.0, "clip_frac": 0.0, "ratio": 0.0, "grad_norm": 0.0,
+                "tokens": 0, "empty_batch": 1, "skipped_updates": 0}
+
+
+def update(policy, optimizer, batch: Batch, form: Advantage, procs, *, temperature: float,
+           eps: float, beta: float, grad_clip: float, epochs: int = 1, rows: int = 4,
+           tokens: int = 16384) -> dict:
+    """`epochs` passes over the batch, each one optimizer step on the gradient of the form's loss
+    summed over micro-batches of at most `rows` rows and `tokens` padded tokens. log pi is taken
+    at `temperature`, the one the tokens were sampled at (or the form's own); the reference log
+    pi (adapter off) and the old one (the first pass's) once. `procs`: the processes the batch is
+    shared over (grpo.Processes: their counts and gradients are summed). Returns the first
+    pass's metrics, each token's mean (loss, KL, clip fraction, ratio), and the gradient norm
+    before the clip."""
+    counts = batch.counts()
+    totals = dict(zip(counts, procs.all_sum(list(counts.values()))))
+    n_tokens = totals["tokens"]
+    if n_tokens == 0:   # 0/0 loss; and AdamW on zero gradients still moves by its momentum
+        return dict(EMPTY_UPDATE)
+    parts = [Part(batch, chunk, max(batch.lengths[r] for r in chunk), totals)
+             for chunk in micro_batches(batch.lengths, rows, tokens)]
+    # log pi at the temperature the tokens were drawn at (the form may fix it: the release's 1)
+    if form.temperature is not None:
+        temperature = form.temperature
+    ref, old = {}, {}
+    skipped = 0
+    for epoch in range(epochs):
+        sums = backward_pass(policy, optimizer, parts, form, temperature, ref, old, eps, beta)
+        grad_norm = optimizer_step(optimizer, grad_clip, procs)
+        if not math.isfinite(grad_norm):
+            skipped += 1
+        if epoch == 0:
+            first = procs.all_sum(sums)
+    loss, kl, clip, ratio = first
+    return {"loss": loss, "kl": kl / n_tokens, "clip_frac": clip / n_tokens,
+            "ratio": ratio / n_tokens, "grad_norm": grad_norm, "tokens": int(n_tokens),
+            "empty_batch": 0, "skipped_updates": skipped}
+
+
+def backward_pass(policy, optimizer, parts: list[Part], form: Advantage, temperature: float,
+                  ref: dict, old: dict, eps: float, beta: float) -> list[float]:
+    """One pass: the gradient of the loss accumulated over the micro-batches. ref and old hold
+    each part's reference and old log pi, filled at the first pass. Returns the sums of the
+    loss, the KL, the clip indicator and the ratio over this process's tokens."""
+    dev = mdl.input_device(policy)
+    optimizer.zero_grad(set_to_none=True)
+    sums = [0.0] * 4
+    for c, part in enumerate(parts):
+        ids = part.batch.ids[part.rows, :part.T].to(dev)
+        mask = part.batch.mask[part.rows, :part.T]
+        adv = part.tokens(part.batch.adv).to(dev)                   # (N,) A of each token
+        if c not in ref:
+            with torch.no_grad(), mdl.lora_disabled(policy):
+                ref[c] = mdl.token_logprobs(policy, ids, mask, temperature)
+        logp = mdl.token_logprobs(policy, ids, mask, temperature)    # (N,)
+        if c not in old:
+            old[c] = logp.detach()
+        loss, s = form.loss(logp, old[c], ref[c], adv, part, eps, beta)
+        loss.backward()
+        sums = [a + b for a, b in zip(sums, (loss.item(), s["kl"], s["clip"], s["ratio"]))]
+    return sums
+
+
+def optimizer_step(optimizer, grad_clip: float, procs) -> float:
+    """The gradients all-reduced over the processes, their global norm clipped to grad_clip,
+    one AdamW step. Returns the norm before the clip; a norm that is not finite skips the step
+    (a NaN or inf in the gradient would ruin the adapter)."""
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    for p in params:               # processes with fewer tokens still join the all-reduce
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+    procs.all_reduce_grads(params)
+    grad_norm = torch.nn.utils.clip_grad_norm_(params, grad_clip).item()
+    if math.isfinite(grad_norm):
+        optimizer.step()
+    return grad_norm

@@ -12,9 +12,9 @@ outcome, PAIR and probe rewards, the advantages, the update and the training loo
                   and a turn-level importance ratio in the update (`turn_loss`).
 Each is a row of this module's REWARDS, which lab/train.py's loop adds to the core's; the trees
 are played by `play_trees` and AT²PO's update reads `turn_batch` and `at2po_loss`, where that
-loop calls them. Each section states its exact rules and every choice made where a paper and its release leave
-one open. Their cost is counted into the step's `cost` counter (teacher-forced rows and tokens,
-sibling rollouts, external calls), which the cost table prices.
+loop calls them. Each section states its exact rules and every choice made where a paper and its
+release leave one open. Their cost is counted into the step's `cost` counter (teacher-forced rows
+and tokens, sibling rollouts, external calls), which the cost table prices.
 """
 from __future__ import annotations
 

@@ -353,7 +353,8 @@ def heldout_turns(args, policy, tok, procs, log) -> study.Split:
         runs.claim(path.parent, wait=log)
         if not path.is_file():
             log(f"sampling the held-out own turns once ({path}):", flush=True)
-            save_heldout(sample_own_turns(policy, tok, envs.ShopEnv("val", world=shop.WORLDS[args.env]),
+            val = envs.ShopEnv("val", world=shop.WORLDS[args.env])
+            save_heldout(sample_own_turns(policy, tok, val,
                                           args.corpus_heldout, args.corpus_samples, args,
                                           PROBE_SEED + 1, log), path)
         runs.release(path.parent)

@@ -185,4 +185,3 @@ def claim_out(out: Path) -> None:
     held until the process exits."""
     if not holds(out):
         claim(out)
-

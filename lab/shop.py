@@ -307,7 +307,6 @@ LONG_WORLD = envs.World("shop-long", long_task, 16, envs.BUILTIN_POLICY.parent /
 WORLDS = {**envs.WORLDS, "shop-long": LONG_WORLD}
 
 
-
 def _slip_store(task: envs.ShopTask, store: str, item: str) -> str:
     """The next store after `store` (cyclically) whose price of `item` the task does not need."""
     k = envs.SHOP_STORES.index(store)

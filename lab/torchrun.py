@@ -57,4 +57,3 @@ def start(args) -> DistProcesses:
         torch.cuda.set_device(local)
     dist.init_process_group("nccl" if gpu else "gloo")
     return DistProcesses(dist.get_rank(), dist.get_world_size(), f"cuda:{local}" if gpu else "cpu")
-

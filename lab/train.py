@@ -230,8 +230,8 @@ def train(args) -> dict:
             warned = True
             grpo.warn_below_chance(run, grpo.below_chance(aurocs))
         if grpo.checkpoint_due(step, args):
-            path = grpo.save_checkpoint(run.out, step + 1, run.policy, run.optimizer, run.procs,
-                                        lagged_files(run.ctx))
+            path = grpo.save_checkpoint(run.out, step + 1, run.policy, run.optimizer,
+                                        run.procs, lagged_files(run.ctx))
             run.log(f"checkpoint {path}", flush=True)
             onpolicy.at_checkpoint(run, step + 1)
             evaluate_and_log(run, step + 1, done)
@@ -253,9 +253,9 @@ def lagged_files(ctx) -> dict:
 def resume(run: LabTraining) -> int:
     """grpo.resume, the lagged teacher of the checkpoint, and the refit's files and head."""
     start = grpo.resume(run)
-    ckpt = grpo.latest_checkpoint(run.out) if run.args.resume else None
-    if ckpt is not None and (ckpt / LAGGED).exists():
-        run.ctx.lagged = load_file(ckpt / LAGGED)
+    lagged = run.out / f"checkpoint-{start:06d}" / LAGGED      # the checkpoint resumed from
+    if start and lagged.exists():
+        run.ctx.lagged = load_file(lagged)
     onpolicy.on_resume(run, start)
     return start
 

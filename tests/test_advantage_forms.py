@@ -1,5 +1,6 @@
-"""grpo.py's advantage forms beside `process` (METHOD.md §9), the exact-label reward, the premise
-gate and the release preset: every number worked out by hand here, not by the code under test."""
+"""The lab's advantage forms beside the core's `process` and `release` (METHOD.md §9), the
+exact-label reward, the premise gate and the release preset: every number worked out by hand
+here, not by the code under test."""
 import argparse
 import math
 
@@ -7,8 +8,8 @@ import pytest
 import torch
 
 import grpo
-from lab import study
-from lab import credit
+from lab import credit, study
+from lab import train as lab_train
 import pair
 
 
@@ -80,11 +81,17 @@ def test_advantages_dispatch_reads_the_scores_only_where_the_form_needs_them():
     for form in ("process", "release", "position"):
         form_of = {"process": pair.group_advantages, "release": pair.release_advantages,
                    "position": credit.position_advantages}[form]
-        assert pair.ADVANTAGES[form](rewards, scores, args_for(advantage=form)) == form_of(rewards)
-    args = args_for(advantage="outcome-turn", turn_weight=2.0)
-    assert pair.ADVANTAGES["outcome-turn"](rewards, scores, args) == \
+        forms = lab_train.forms(args_for(advantage=form))
+        assert forms[form].fn(rewards, scores) == form_of(rewards)
+    forms = lab_train.forms(args_for(advantage="outcome-turn", turn_weight=2.0))
+    assert forms["outcome-turn"].fn(rewards, scores) == \
         credit.outcome_turn_advantages(rewards, scores, 2.0)
-    assert set(pair.ADVANTAGES) == {"process", "release", "position", "outcome-turn"}
+    assert set(forms) == {"process", "release", "position", "outcome-turn"}
+    # the core's table is the core's own: the lab's rows are in the lab's table alone
+    assert set(pair.ADVANTAGES) == {"process", "release"}
+    # each form's log pi temperature: the sampling one, but the release's T = 1
+    assert [forms[f].temperature for f in ("process", "release", "position", "outcome-turn")] \
+        == [None, 1.0, None, None]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -93,10 +100,10 @@ def test_advantages_dispatch_reads_the_scores_only_where_the_form_needs_them():
 def test_labels_reward_is_the_exact_labels():
     traj = argparse.Namespace(steps=[None] * 3, score=1.0,
                               episode=argparse.Namespace(labels=lambda: [True, False, True]))
-    ctx = argparse.Namespace(args=args_for())
-    assert pair.turn_rewards(traj, ctx) == ([1.0, 0.0, 1.0], None)
-    ctx.args.outcome_weight = 0.5       # --outcome-weight adds to the last turn, as for any reward
-    assert pair.turn_rewards(traj, ctx) == ([1.0, 0.0, 1.5], None)
+    labels = lab_train.REWARDS["labels"]
+    assert pair.turn_rewards(traj, labels, None) == ([1.0, 0.0, 1.0], None)
+    # --outcome-weight adds to the last turn, as for any reward
+    assert pair.turn_rewards(traj, labels, None, outcome_weight=0.5) == ([1.0, 0.0, 1.5], None)
 
 
 @pytest.mark.parametrize("argv, error", [
@@ -107,7 +114,7 @@ def test_labels_reward_is_the_exact_labels():
 ])
 def test_labels_and_forms_are_refused_where_they_cannot_work(argv, error, tmp_path):
     with pytest.raises(SystemExit) as e:
-        grpo.hook("check", grpo.parse_args([*argv, "--out", str(tmp_path / "r")], pair.REWARDS))
+        lab_train.parse_args([*argv, "--out", str(tmp_path / "r")])
     assert error in str(e.value.code)
 
 
@@ -115,10 +122,10 @@ def test_labels_and_forms_are_refused_where_they_cannot_work(argv, error, tmp_pa
 @pytest.mark.parametrize("argv", [["--advantage", "position"], ["--advantage", "outcome-turn"],
                                   ["--preset", "release"]])
 def test_tree_search_refuses_the_forms_it_cannot_use(reward, argv, tmp_path):
-    args = grpo.parse_args(["--reward", reward, *argv, "--out", str(tmp_path / "r")],
-                           pair.REWARDS)
+    args = lab_train.parse_args(["--reward", reward, *argv, "--out", str(tmp_path / "r")])
     with pytest.raises(SystemExit) as e:
-        grpo.resolve_preset(args, grpo.Processes(rank=1))
+        given = grpo.resolve_preset(args, grpo.Processes(rank=1), lab_train.WORLDS)
+        lab_train.baselines.preset(args, given)
     assert f"{' '.join(argv)}: --reward {reward} derives its advantages" in str(e.value.code)
 
 
@@ -156,8 +163,8 @@ def test_premise_gate_catches_an_advantage_that_inverts_the_reward():
     lines = []
     got = {}
     for form in ("process", "position", "outcome-turn"):
-        ctx = argparse.Namespace(args=args_for(advantage=form))
-        got[form] = gate = credit.premise_gate(turns, ctx, at)
+        args = args_for(advantage=form)
+        got[form] = gate = credit.premise_gate(turns, None, args, lab_train.forms(args)[form], at)
         credit.log_gate(gate, lambda text, **k: lines.append(text))
         assert (gate["turns"], gate["slips"], gate["groups"]) == (2, 1, 1)
         assert gate["reward_auroc"] == 1.0
@@ -176,7 +183,8 @@ def test_premise_gate_reads_the_outcome_on_the_last_turn():
     # --reward outcome: the advantage is the group-normalized outcome on every turn, so the
     # rollout that slipped and failed ranks below the one that made the decision right
     turns = gate_turns([[1, 1, 1], [1, 0, 0]], [1.0, 0.0])
-    gate = credit.premise_gate(turns, argparse.Namespace(args=args_for(reward="outcome")),
+    args = args_for(reward="outcome")
+    gate = credit.premise_gate(turns, None, args, pair.ADVANTAGES["process"],
                                [None, "store", None] * 2)
     assert gate["auroc"] == 1.0 and gate["reward_auroc"] is None    # no reward at turn 1
 
@@ -186,8 +194,8 @@ def test_premise_gate_reads_the_outcome_on_the_last_turn():
 
 def test_release_preset_sets_the_release_and_flags_given_win(tmp_path):
     def resolved(*argv):
-        args = grpo.parse_args([*argv, "--out", str(tmp_path / "r")], pair.REWARDS)
-        grpo.resolve_preset(args, grpo.Processes(rank=1))
+        args = lab_train.parse_args([*argv, "--out", str(tmp_path / "r")])
+        grpo.resolve_preset(args, grpo.Processes(rank=1), lab_train.WORLDS)
         return args
     a = resolved("--preset", "release")
     assert (a.weight_decay, a.warmup, a.top_p, a.advantage) == (0.01, 0.0, 0.95, "release")
@@ -195,7 +203,9 @@ def test_release_preset_sets_the_release_and_flags_given_win(tmp_path):
     assert (a.weight_decay, a.top_p, a.advantage) == (0.01, 1.0, "position")
     a = resolved()                      # no preset: the defaults as before
     assert (a.weight_decay, a.warmup, a.top_p, a.advantage) == (0.0, 0.05, 1.0, "process")
-    assert "turn_weight" in grpo.RESUME_KEYS and "turn_weight" in grpo.FLAG_RANGES
+    assert "turn_weight" in lab_train.RESUME_KEYS and "turn_weight" in lab_train.RANGES
+    # the core's own lists are not the lab's
+    assert "turn_weight" not in grpo.RESUME_KEYS and "turn_weight" not in grpo.FLAG_RANGES
 
 
 def test_compare_rows_take_labels_and_the_forms():

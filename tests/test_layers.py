@@ -1,10 +1,13 @@
 """The house: the five core files import each other in one order, model -> probes -> pair ->
 envs -> grpo, and nothing else of the project (lab/ not even inside a function); the lab imports
-the core, never the reverse; and the core runs alone."""
+the core, never the reverse, and changes none of it by being imported; the core runs alone, has
+no hooks, and reads as prose and plain statements."""
 import ast
+import io
 import os
 import subprocess
 import sys
+import tokenize
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -51,15 +54,97 @@ def test_the_core_runs_without_the_lab():
     assert "'pair'" in r.stdout and "'outcome'" in r.stdout and "'igpo'" not in r.stdout
 
 
-def test_every_lab_command_plugs_the_lab_in_itself(tmp_path):
-    # the suite plugs the lab in once (conftest); a command run alone must do it itself: its
-    # runs are checked against the lab's rewards and flags before any starts
+def test_a_lab_command_checks_its_runs_with_the_lab_flags(tmp_path):
+    # lab.compare checks every run's command line with the lab's parser before any starts
     r = subprocess.run([sys.executable, "-m", "lab.compare", "--rewards", "igpo", "tree_grpo",
                         "--seeds", "42", "--out", str(tmp_path / "c"), "--", "--steps", "0"],
                        cwd=ROOT, capture_output=True, text=True, timeout=120,
                        env=dict(os.environ, PYTHONPATH=str(ROOT)))
     assert r.returncode != 0 and "--steps must be at least 1, got 0" in r.stderr, r.stderr
     assert "unknown reward" not in r.stderr and not (tmp_path / "c").exists()
+
+
+def test_the_core_has_no_hooks():
+    # the loop a reader follows is written out where it runs: no table of callbacks in the core
+    for name in CORE:
+        text = (ROOT / f"{name}.py").read_text()
+        for word in ("HOOKS", "hook(", "PLAYERS", "LOSSES"):
+            assert word not in text, f"{name}.py: {word}"
+
+
+def test_importing_the_lab_changes_nothing_of_the_core():
+    # nothing registers at import: the core's tables after importing every lab module are the
+    # core's own, and its other globals untouched
+    code = """
+import importlib, pathlib, envs, grpo, pair
+before = (dict(pair.REWARDS), dict(pair.ADVANTAGES), dict(envs.WORLDS), dict(envs.REPLAYS),
+          grpo.RESUME_KEYS, dict(grpo.RESUME_DEFAULTS), dict(grpo.FLAG_RANGES), grpo.TIMING,
+          grpo.COSTS, grpo.PROG)
+for path in sorted(pathlib.Path("lab").glob("*.py")):
+    importlib.import_module(f"lab.{path.stem}")
+after = (dict(pair.REWARDS), dict(pair.ADVANTAGES), dict(envs.WORLDS), dict(envs.REPLAYS),
+         grpo.RESUME_KEYS, dict(grpo.RESUME_DEFAULTS), dict(grpo.FLAG_RANGES), grpo.TIMING,
+         grpo.COSTS, grpo.PROG)
+assert before == after, [k for k, (a, b) in enumerate(zip(before, after)) if a != b]
+print("ok")
+"""
+    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
+                       env=dict(os.environ, PYTHONPATH=str(ROOT)), timeout=300)
+    assert r.returncode == 0 and "ok" in r.stdout, r.stderr[-2000:]
+
+
+def test_the_lab_imports_no_circle():
+    # every import of a lab file by another, functions included: the graph has no cycle
+    lab = {p.stem for p in (ROOT / "lab").glob("*.py")}
+    edges = {m: {i[4:] for i in imports(ROOT / "lab" / f"{m}.py")
+                 if i.startswith("lab.") and i[4:] in lab and i[4:] != m} for m in lab}
+    state = {}
+
+    def visit(m, path):
+        state[m] = "open"
+        for n in sorted(edges[m]):
+            assert state.get(n) != "open", "import circle: " + " -> ".join([*path, m, n])
+            if n not in state:
+                visit(n, [*path, m])
+        state[m] = "done"
+    for m in sorted(lab):
+        if m not in state:
+            visit(m, [])
+
+
+def test_the_sizes_of_the_files():
+    sizes = {name: len((ROOT / f"{name}.py").read_text().splitlines()) for name in CORE}
+    assert sum(sizes.values()) <= 4800 and max(sizes.values()) <= 1200, sizes
+    for path in (ROOT / "lab").glob("*.py"):
+        assert len(path.read_text().splitlines()) <= 1000, path.name
+
+
+def prose_and_plainness(path: Path) -> tuple[int, int, int, int]:
+    """(lines, lines that are comments or docstrings, conditional expressions, walruses)."""
+    text = path.read_text()
+    prose = {tok.start[0] for tok in tokenize.generate_tokens(io.StringIO(text).readline)
+             if tok.type == tokenize.COMMENT}
+    tree = ast.parse(text)
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.Module, ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            doc = node.body[0] if node.body else None
+            if isinstance(doc, ast.Expr) and isinstance(doc.value, ast.Constant) and \
+                    isinstance(doc.value.value, str):
+                prose.update(range(doc.lineno, doc.end_lineno + 1))
+    nodes = list(ast.walk(tree))
+    return (len(text.splitlines()), len(prose), sum(isinstance(n, ast.IfExp) for n in nodes),
+            sum(isinstance(n, ast.NamedExpr) for n in nodes))
+
+
+def test_the_core_reads_as_prose_and_plain_statements():
+    # a porter reads the prose: comments and docstrings are at least a quarter of the core's
+    # lines (nanoGPT and nanochat: 32%); packed one-liners are rare (conditional expressions
+    # <= 20 and the walrus <= 1 per 1,000 lines)
+    lines, prose, ifexp, walrus = (sum(x) for x in zip(*(prose_and_plainness(ROOT / f"{name}.py")
+                                                           for name in CORE)))
+    assert prose / lines >= 0.25, f"prose {prose / lines:.1%}"
+    assert 1000 * ifexp / lines <= 20, f"{1000 * ifexp / lines:.1f} conditional expressions"
+    assert 1000 * walrus / lines <= 1, f"{1000 * walrus / lines:.1f} walruses"
 
 
 def test_a_lab_reward_asked_of_the_core_says_where_it_runs():
