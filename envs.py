@@ -21,9 +21,6 @@ paper and the authors' release are silent or disagree, the choices made here:
   order, then the last one again; the release kept only the first (ReplayCache).
 - The task shown to the model lists the episode's attached files (GTA's image paths): without
   them no GTA tool call can be written. The release did the same in its rollout prompt.
-- Text beside a released tool call, or under a contaminated turn's `explanation`, is the turn's
-  thought (assistant_parts); a gold tool name carrying a ToolLLaMA parsing artifact is replayed
-  under the name a policy would write (ReplayCache).
 """
 from __future__ import annotations
 
@@ -231,9 +228,8 @@ MAX_NESTING = 64             # of an Action Input's objects and lists
 
 
 def parse_react(text: str) -> Action | Final | ParseError:
-    """The first step of a reply: the first `Action:` marker followed by `Action Input:` (a thought
-    may hold a line "Action:", as ToolBench's gold thoughts do), or the first `Final Answer:`;
-    what follows it (an invented `Observation:`) is ignored. Never raises."""
+    """The reply's first step (a tool call or a final answer) by the rules above, or a ParseError
+    saying what is wrong with it. Never raises."""
     if not isinstance(text, str):
         return ParseError(f"The reply is not text. {_FORMAT_HINT}")
     # (keyword in lower case, single-spaced; where the marker starts; where it ends)
@@ -323,12 +319,10 @@ class StepResult:
 
 
 class Episode:
-    """One task being played: the chat so far. A subclass answers a tool call (call_tool(name,
-    arguments) -> observation text) and scores the episode (score() -> [0, 1], None: skipped).
-    It holds the chat (`messages`, as the policy reads it), the parsed steps (`steps`, one per
-    assistant turn), the final answer once given, and why it cannot be scored (`skip_reason`).
-    An episode ends at a final answer or at its max_turns-th assistant turn; one that ends
-    without a final answer scores 0."""
+    """One task being played: the chat so far (`messages`), its parsed steps (one per assistant
+    turn), its final answer, and why it cannot be scored (`skip_reason`). A subclass answers a
+    tool call (call_tool(name, arguments) -> observation text) and scores the episode (score()
+    -> [0, 1], None: skipped); an episode out of turns without a final answer scores 0."""
     max_turns = MAX_TURNS               # a world with longer tasks allows more (WORLD_TURNS)
 
     def __init__(self, id: str, task: str, tools: list[dict], files: list[dict] | tuple = ()):
@@ -380,10 +374,7 @@ class Env:
         return len(self.ids)
 
     def episode(self, i: int | str) -> Episode:
-        if isinstance(i, int):              # an index into the split's ids
-            key = self.ids[i]
-        else:
-            key = str(i)
+        key = self.ids[i] if isinstance(i, int) else str(i)     # an index, or an episode id
         if key not in self.records:
             raise KeyError(f"no episode {key!r} in this split")
         return self._new_episode(key, self.records[key])
@@ -583,7 +574,7 @@ def shop_execute(task: ShopTask, name: str, arguments) -> ShopResult:
     if name == "Calculator":
         out = calculate(args["expression"])
         number = _number(out)
-        if number is None:
+        if number is None or not math.isfinite(number):     # an error, or an integer past 1e308
             return ShopResult(out)
         # Round away float noise (9.108000000000001): a small model should not have to copy it.
         return ShopResult(str(round(number, 6)), number=number)
@@ -712,10 +703,7 @@ class ShopEpisode(Episode):
     def __init__(self, key: str, task: ShopTask):
         super().__init__(key, task.text, SHOP_TOOLS)
         self.task = task
-        world = "shop"
-        if task.stepwise:
-            world = "shop-long"
-        self.max_turns = WORLD_TURNS[world]
+        self.max_turns = WORLD_TURNS["shop-long" if task.stepwise else "shop"]
 
     def call_tool(self, name: str, arguments: dict) -> str:
         return shop_execute(self.task, name, arguments).text
@@ -1090,8 +1078,10 @@ def check_dialog(dialog, where) -> None:
 # numbers, arithmetic, parentheses and the math functions and constants of the tables below are
 # evaluated: nothing else can run. Every operation is bounded before it runs (an integer result
 # of at most MAX_INT_BITS, factorial's argument and round's digits at most MAX_ARGUMENT), so no
-# expression of at most MAX_EXPRESSION_CHARS characters runs long. A refusal is a ValueError, and
-# calculate answers any error as "Error: ...", the observation the agent reads.
+# expression of at most MAX_EXPRESSION_CHARS characters runs long. Every value is a finite number:
+# a float past 1.8e308 (a literal such as 1e309, or a result) is refused, not answered inf or nan.
+# A refusal is a ValueError; calculate answers any error as "Error: <what is wrong>", the
+# observation the agent reads.
 
 MAX_EXPRESSION_CHARS = 1000
 MAX_INT_BITS = 4000          # ~1200 digits: bounds the work of *, ** and str() on integers
@@ -1120,7 +1110,8 @@ _FUNCTIONS.update(abs=abs, min=min, max=max, int=int, float=float, pow=operator.
                   round=lambda x, n=None: round(x) if n is None else round(x, _whole(
                       n, "round", "digits out of range")),
                   factorial=lambda n: math.factorial(_whole(n, "factorial")))
-_CONSTANTS = {"pi": math.pi, "e": math.e, "tau": math.tau, "inf": math.inf, "nan": math.nan}
+_CONSTANTS = {"pi": math.pi, "e": math.e, "tau": math.tau}     # no inf, no nan: numbers only
+_TOO_LARGE = "the result is too large"
 
 
 def _too_large(op, xs: list) -> bool:
@@ -1147,6 +1138,8 @@ def _evaluate(node):
     if isinstance(node, ast.Constant):
         if type(node.value) not in (int, float):        # True, 'a' and 1j are not numbers here
             raise ValueError(f"unsupported literal {node.value!r}")
+        if isinstance(node.value, float) and not math.isfinite(node.value):     # 1e309 reads inf
+            raise ValueError("a number in the expression is too large")
         return node.value
     if isinstance(node, (ast.BinOp, ast.UnaryOp)) and type(node.op) in _OPERATORS:
         op = _OPERATORS[type(node.op)]          # + - * / // % ** and the signs
@@ -1171,18 +1164,22 @@ def _evaluate(node):
         raise ValueError(f"unsupported syntax ({type(node).__name__})")
     xs = [_evaluate(a) for a in args]   # the operands' values, left to right
     if _too_large(op, xs):
-        raise ValueError("result too large")
-    value = op(*xs)
+        raise ValueError(_TOO_LARGE)
+    value = op(*xs)             # an OverflowError (10.0 ** 400, exp(1000)) is answered in calculate
     if isinstance(value, bool) or not isinstance(value, (int, float)):    # complex: (-8) ** (1/3)
         raise ValueError("the result is not a real number")
-    if isinstance(value, int) and value.bit_length() > MAX_INT_BITS:   # factorial(1000), a + b
-        raise ValueError("result too large")
+    if isinstance(value, int) and value.bit_length() > MAX_INT_BITS:   # factorial(1000), or a sum
+        raise ValueError(_TOO_LARGE)
+    # 1e308 * 10 overflows to inf without an error; NaN needs an infinite operand, refused before
+    if isinstance(value, float) and not math.isfinite(value):
+        raise ValueError(_TOO_LARGE)
     return value
 
 
 def calculate(expression: str) -> str:
     """One arithmetic expression (numbers, + - * / // % **, signs, parentheses, math functions
-    and constants as `sqrt(2)` or `math.sqrt(2)`) as Python prints it, or 'Error: ...'."""
+    and constants as `sqrt(2)` or `math.sqrt(2)`) as Python prints it, a finite number, or
+    "Error: ..." saying what is wrong. Never raises."""
     try:
         if len(expression) > MAX_EXPRESSION_CHARS:
             raise ValueError(f"expression longer than {MAX_EXPRESSION_CHARS} characters")
@@ -1195,5 +1192,7 @@ def calculate(expression: str) -> str:
         return f"Error: invalid expression ({e.msg})"
     except RecursionError:
         return "Error: expression nested too deeply"
+    except OverflowError:       # a float past 1.8e308: 10.0 ** 400, exp(1000), float(10 ** 400)
+        return f"Error: {_TOO_LARGE}"
     except Exception as e:  # a refusal, ZeroDivisionError, math domain errors, bad arity ...
         return f"Error: {e}"
