@@ -7,6 +7,20 @@ Calculator tool, and the episode files themselves (ToolBench, LLM-judged: lab/to
     while not ep.done:
         ep.step(policy(ep.messages))
     ep.score()          # in [0, 1], or None with ep.skip_reason
+
+An episode is a chat. Its first user message holds the task and the tool instructions; each
+assistant turn is one ReAct step (parse_react); a tool call is answered by a user message
+`Observation: ...`, and a final answer, or the last turn allowed, ends the episode. Where the
+paper and the authors' release are silent or disagree, the choices made here:
+- GTA answer matching (gta_match): an answer is right iff every whitelist group has an alias in
+  it and no blacklist alias is in it, GTA's reference `iscorrect`. The paper's wording ("at least
+  one whitelist group fully matched") describes the release's loose matcher, which reads the
+  aliases of a group as all required: under it the gold answers of GTA test episode 28 ("24185"
+  for ["24185", "24,185"]) and train 171 and 207 would score 0.
+- A call the gold dialog repeats with different responses (ToolBench's retries) replays them in
+  order, then the last one again; the release kept only the first (ReplayCache).
+- The task shown to the model lists the episode's attached files (GTA's image paths): without
+  them no GTA tool call can be written. The release did the same in its rollout prompt.
 """
 from __future__ import annotations
 
@@ -32,6 +46,16 @@ OBSERVATION_CHARS = 1000            # longer tool results are cut and get "..." 
 
 
 # ==== METHOD.md §2: the one text of tools, steps and observations, offline and online =============
+# Offline records and online rollouts render the same text, so a probe fitted offline scores the
+# distribution it was fitted on. An assistant step is
+#     Thought: {thought}
+#     Action: {tool name}
+#     Action Input: {json.dumps(arguments, ensure_ascii=False)}
+# and a final turn "Thought: {thought}\nFinal Answer: {answer}", with no Thought line where there
+# is no thought. A tool result is a user message "Observation: {text}", cut to OBSERVATION_CHARS
+# characters plus "..." when longer. The first user message is the task (and its files), a blank
+# line, then the tool list and _REPLY_FORMAT; consecutive messages of one role join with a blank
+# line. Tokenizer.render puts the chat template around these messages (model.py).
 
 _REPLY_FORMAT = """
 Solve the task step by step. Each reply is one step, in exactly one of two formats.
@@ -46,15 +70,27 @@ Final Answer: <the answer only>"""
 
 
 def tool_instructions(tools: list[dict]) -> str:
-    """The tool list and the reply format, appended to the task in the first user message."""
+    """The tool list and the reply format, appended to the task in the first user message: a line
+    per tool (its name and description), then a line per input (its name, type, whether optional,
+    description). Whitespace is collapsed: a released description cannot break the layout."""
     lines = ["You can use the following tools:"]
     for tool in tools:
         desc = " ".join((tool.get("description") or "").split())
-        lines.append(f"- {tool['name']}: {desc}" if desc else f"- {tool['name']}")
+        if desc:
+            lines.append(f"- {tool['name']}: {desc}")
+        else:
+            lines.append(f"- {tool['name']}")
         for inp in tool.get("inputs") or []:
-            kind = (inp.get("type") or "text") + (", optional" if inp.get("optional") else "")
+            optional = ""
+            if inp.get("optional"):
+                optional = ", optional"
+            # a type that is not text fails here, which check_episode_file reports
+            kind = (inp.get("type") or "text") + optional
             note = " ".join((inp.get("description") or "").split())
-            lines.append(f"    {inp['name']} ({kind})" + (f": {note}" if note else ""))
+            line = f"    {inp['name']} ({kind})"
+            if note:
+                line += f": {note}"
+            lines.append(line)
     if not tools:
         lines.append("(none)")
     return "\n".join(lines) + "\n" + _REPLY_FORMAT
@@ -70,6 +106,8 @@ def render_final(thought: str | None, answer: str) -> str:
 
 
 def render_observation(text: str) -> str:
+    """A tool's result as the user message that answers a step. A lone surrogate becomes U+FFFD
+    (no tokenizer encodes it) and a long result is cut: a web page would fill the context."""
     text = model.without_surrogates(text)
     if len(text) > OBSERVATION_CHARS:
         text = text[:OBSERVATION_CHARS] + "..."
@@ -79,7 +117,9 @@ def render_observation(text: str) -> str:
 def render_task(task: str, files: list[dict] | tuple = ()) -> str:
     """The task text and the files it refers to (GTA tools take these paths as inputs)."""
     paths = [f"- {f['path']} ({f.get('type') or 'file'})" for f in files if f.get("path")]
-    return task.strip() + "\n\nFiles:\n" + "\n".join(paths) if paths else task.strip()
+    if paths:                           # "Files:\n- image/1.jpg (image)"
+        return task.strip() + "\n\nFiles:\n" + "\n".join(paths)
+    return task.strip()
 
 
 def tool_result_text(message: dict) -> str:
@@ -92,14 +132,22 @@ def tool_result_text(message: dict) -> str:
 
 def assistant_parts(message: dict) -> tuple[str | None, dict | None, str | None]:
     """(thought, tool call {name, arguments} or None, final content) of a released assistant turn.
-    Text beside a tool call and a contaminated turn's `explanation` join the thought."""
+    Three released turns carry text in `content` next to a tool call and no `thought`: that text
+    precedes the call (as in Qwen's own tool template) and reads as the step's reasoning, so it is
+    the thought. One contaminated turn holds its rewritten thought under `explanation` (the
+    contamination LLM's key): it is the thought too, or that contamination would be invisible."""
     calls = message.get("tool_calls") or []
-    call = calls[0]["function"] if calls else None
+    call = None
+    if calls:
+        call = calls[0]["function"]         # check_dialog allows one call a turn
     parts = [message.get("thought"), message.get("explanation")]
     if call is not None:
         parts.append(message.get("content"))
+    # the non-empty parts, a blank line apart
     thought = "\n\n".join(p.strip() for p in parts if isinstance(p, str) and p.strip()) or None
-    final = None if call is not None else (message.get("content") or "").strip()
+    final = None
+    if call is None:
+        final = (message.get("content") or "").strip()
     return thought, call, final
 
 
@@ -117,13 +165,18 @@ def dialog_to_messages(dialog: list[dict], tools: list[dict],
     messages: list[dict] = []
     for i, m in enumerate(dialog):
         if m["role"] == "assistant":
-            role, content = "assistant", render_assistant(m)
+            role = "assistant"
+            content = render_assistant(m)
         elif m["role"] == "user":
-            role, content = "user", m["content"] if i else (
-                render_task(m["content"], files) + "\n\n" + tool_instructions(tools))
+            role = "user"
+            if i:
+                content = m["content"]
+            else:           # the task: its files, then the tools and the reply format
+                content = render_task(m["content"], files) + "\n\n" + tool_instructions(tools)
         else:  # tool
-            role, content = "user", render_observation(tool_result_text(m))
-        if messages and messages[-1]["role"] == role:
+            role = "user"
+            content = render_observation(tool_result_text(m))
+        if messages and messages[-1]["role"] == role:   # released data: user messages only
             messages[-1]["content"] += "\n\n" + content
         else:
             messages.append({"role": role, "content": content})
@@ -131,6 +184,23 @@ def dialog_to_messages(dialog: list[dict], tools: list[dict],
 
 
 # ==== ReAct parser: one assistant reply -> a tool call, a final answer, or what was wrong with it
+# The rules, and why:
+# - A marker (Thought:, Action:, Action Input:, Final Answer:, Observation:) counts at the start
+#   of a line only, in any case, with spaces or tabs around it: a word inside a sentence is text.
+# - The step is the first "Action:" whose next marker is "Action Input:", or the first "Final
+#   Answer:", whichever comes first. A thought may itself hold a line "Action:" (ToolBench's gold
+#   thoughts do), and what follows the step (an "Observation:" the model invented, a second step)
+#   is ignored: the environment answers one step per turn.
+# - The thought runs from the first "Thought:" before the step (or from the reply's start) to the
+#   step, stripped; an empty one is None.
+# - The tool's name is the text between "Action:" and "Action Input:", stripped of spaces, quotes,
+#   backticks and asterisks (markdown); a name over several lines names no tool there is, and the
+#   call misses.
+# - The Action Input is the first JSON value after its marker (an opening ``` fence skipped, what
+#   follows the value ignored): an object, nested at most MAX_NESTING deep, holding no lone
+#   surrogate escape.
+# - Every failure is a ParseError whose message becomes the observation: it tells the agent how
+#   to write the reply, and the episode goes on.
 
 @dataclass
 class Action:
@@ -159,47 +229,56 @@ MAX_NESTING = 64             # of an Action Input's objects and lists
 
 
 def parse_react(text: str) -> Action | Final | ParseError:
-    """The first step of a reply: the first `Action:` marker followed by `Action Input:` (a thought
-    may hold a line "Action:", as ToolBench's gold thoughts do), or the first `Final Answer:`;
-    what follows it (an invented `Observation:`) is ignored. Never raises."""
+    """The reply's first step (a tool call or a final answer) by the rules above, or a ParseError
+    saying what is wrong with it. Never raises."""
     if not isinstance(text, str):
         return ParseError(f"The reply is not text. {_FORMAT_HINT}")
+    # (keyword in lower case, single-spaced; where the marker starts; where it ends)
     marks = [(re.sub(r"[ \t]+", " ", m.group(1).lower()), m.start(), m.end())
              for m in _MARKER.finditer(text)]
-    head = next((k for k, mk in enumerate(marks) if mk[0] == "final answer" or
-                 (mk[0] == "action" and k + 1 < len(marks) and
-                  marks[k + 1][0] == "action input")), None)
+    head = None                         # the index in `marks` of the step's marker
+    for k, (keyword, _, _) in enumerate(marks):
+        if keyword == "final answer":
+            head = k
+            break
+        if keyword == "action" and k + 1 < len(marks) and marks[k + 1][0] == "action input":
+            head = k
+            break
     if head is None:
-        lone = next((mk for mk in marks if mk[0] == "action"), None)
+        lone = next((mk for mk in marks if mk[0] == "action"), None)   # no Action Input after it
         if lone is None:
             return ParseError(f"No 'Action:' or 'Final Answer:' line found. {_FORMAT_HINT}")
-        name = text[lone[2]:].split("\n", 1)[0].strip()
+        name = text[lone[2]:].split("\n", 1)[0].strip()               # the rest of its line
         return ParseError(f"'Action: {name[:100]}' must be followed by an 'Action Input:' line "
                           "with the tool's inputs as a JSON object.")
-    kind, start, end = marks[head]
-    thought_at = next((mk[2] for mk in marks[:head] if mk[0] == "thought"), 0)
+    kind, start, end = marks[head]                          # the step's keyword and marker
+    thought_at = next((mk[2] for mk in marks[:head] if mk[0] == "thought"), 0)     # else the start
     thought = text[thought_at:start].strip() or None
-    after = marks[head + 1][1] if head + 1 < len(marks) else len(text)
+    after = len(text)                   # where the marker's text ends: the next marker, or the end
+    if head + 1 < len(marks):
+        after = marks[head + 1][1]
     if kind == "final answer":
         answer = text[end:after].strip()
         if not answer:
             return ParseError("'Final Answer:' is empty: write the answer after it.")
         return Final(thought, answer)
-    name = text[end:after].strip().strip("`'\"*").strip()
+    name = text[end:after].strip().strip("`'\"*").strip()      # markdown: **Search**, `Search`
     if not name:
         return ParseError(f"'Action:' names no tool. {_FORMAT_HINT}")
-    arguments = _action_input(text[marks[head + 1][2]:])
-    return arguments if isinstance(arguments, ParseError) else Action(thought, name, arguments)
+    inputs = _action_input(text[marks[head + 1][2]:])      # all that follows "Action Input:"
+    if isinstance(inputs, ParseError):
+        return inputs
+    return Action(thought, name, inputs)
 
 
 def _action_input(raw: str) -> dict | ParseError:
     """The JSON object after `Action Input:` (an opening ``` fence skipped), or what is wrong."""
-    raw = re.sub(r"^```[A-Za-z]*", "", raw.lstrip()).lstrip()
+    raw = re.sub(r"^```[A-Za-z]*", "", raw.lstrip()).lstrip()     # ```json opens a fence
     if not raw:
         return ParseError("'Action Input:' is empty: write the inputs as a JSON object "
                           "(use {} for a tool without inputs).")
     try:
-        arguments, _ = json.JSONDecoder().raw_decode(raw)
+        arguments, _ = json.JSONDecoder().raw_decode(raw)      # the first value; the rest ignored
     except json.JSONDecodeError as e:
         return ParseError(f"Invalid JSON in Action Input: {e.msg} (line {e.lineno}, column "
                           f"{e.colno}). Write the inputs as one JSON object, for example "
@@ -218,7 +297,10 @@ def _action_input(raw: str) -> dict | ParseError:
             if depth > MAX_NESTING:
                 return ParseError(f"Invalid JSON in Action Input: nested deeper than "
                                   f"{MAX_NESTING} levels.")
-            stack.extend((x, depth + 1) for x in (v.values() if isinstance(v, dict) else v))
+            children = v
+            if isinstance(v, dict):
+                children = v.values()
+            stack.extend((x, depth + 1) for x in children)
     if model.holds_lone_surrogate(arguments):   # echoed back, no tokenizer could encode it
         return ParseError("Action Input holds a \\ud800-\\udfff escape that is not half of a "
                           "surrogate pair: write the character itself.")
@@ -229,18 +311,24 @@ def _action_input(raw: str) -> dict | ParseError:
 
 @dataclass
 class StepResult:
+    """What a step did to the chat: the observation appended, or the end of the episode."""
     observation: str | None     # content of the user message appended, None when done
     done: bool
-    rewritten_from: int | None = None   # history cap: a KV cache re-renders from this message
+    # the first message an environment rewrote in place (lab/toolbench.py's history cap), None
+    # when none was: a rollout holding the chat in a KV cache renders it again from the start
+    rewritten_from: int | None = None
 
 
 class Episode:
-    """One task being played: the chat so far. A subclass answers a tool call (call_tool(name,
-    arguments) -> observation text) and scores the episode (score() -> [0, 1], None: skipped)."""
-    max_turns = MAX_TURNS
+    """One task being played: the chat so far (`messages`), its parsed steps (one per assistant
+    turn), its final answer, and why it cannot be scored (`skip_reason`). A subclass answers a
+    tool call (call_tool(name, arguments) -> observation text) and scores the episode (score()
+    -> [0, 1], None: skipped); an episode out of turns without a final answer scores 0."""
+    max_turns = MAX_TURNS               # a world with longer tasks allows more (World)
 
     def __init__(self, id: str, task: str, tools: list[dict], files: list[dict] | tuple = ()):
         self.id = str(id)
+        # the chat as the policy reads it, from one user message: the task, files, tools, format
         self.messages = dialog_to_messages([{"role": "user", "content": task}], tools, files)
         self.steps: list[Action | Final | ParseError] = []   # one per assistant turn
         self.final_answer: str | None = None
@@ -259,13 +347,17 @@ class Episode:
         if isinstance(parsed, Final) or len(self.steps) >= self.max_turns:  # out of turns: 0
             self.done = True
             return StepResult(None, True)
-        observation = render_observation(self.call_tool(parsed.name, parsed.arguments)
-                                         if isinstance(parsed, Action)
-                                         else f"Invalid reply: {parsed.message}")
+        if isinstance(parsed, Action):
+            result = self.call_tool(parsed.name, parsed.arguments)
+        else:                               # a ParseError: the agent reads what was wrong
+            result = f"Invalid reply: {parsed.message}"
+        observation = render_observation(result)
         self.messages.append({"role": "user", "content": observation})
         return StepResult(observation, False, self._after_observation())
 
     def _after_observation(self) -> int | None:
+        """The first message rewritten in place after an observation (StepResult.rewritten_from);
+        a replay with a history cap overrides it."""
         return None
 
     def labels(self) -> list[bool] | None:
@@ -276,45 +368,56 @@ class Env:
     """A split: env.episode(i or id) is a fresh Episode, _new_episode(id, records[id])."""
 
     def __init__(self, records: dict):
-        self.records = records
+        self.records = records          # episode id -> record (a built-in world's: its index)
         self.ids = list(records)
 
     def __len__(self) -> int:
         return len(self.ids)
 
     def episode(self, i: int | str) -> Episode:
-        key = self.ids[i] if isinstance(i, int) else str(i)
+        key = self.ids[i] if isinstance(i, int) else str(i)     # an index, or an episode id
         if key not in self.records:
             raise KeyError(f"no episode {key!r} in this split")
         return self._new_episode(key, self.records[key])
 
 
 # ==== The built-in world, shop: tasks drawn from a seed, tools that really execute, exact labels
-# A seed draws prices, rates and a task ("What is the total cost of 3 apple at store B and 2 pear
-# at store A, in EUR?"): a Lookup per line, a Rate unless in USD, a Calculator, then the total.
+# An episode's seed draws a world (USD prices of SHOP_ITEMS at SHOP_STORES, exchange rates) and a
+# task, "What is the total cost of 3 apple at store B and 2 pear at store A, in EUR?": 2-5 tool
+# calls (a Lookup per line, a Rate unless the currency is USD, one Calculator), then the answer
+# with 2 decimals. Vocabulary and phrasing are small and regular on purpose: a tiny model trained
+# on the gold dialogs must be able to learn the world.
+# Every turn is labelled exactly (shop_labels): the tools run against the world, so any dialog,
+# gold, contaminated or a rollout, is judged turn by turn by re-running its calls. The episode
+# scores 1 when its final answer's first number is within half a cent of the exact total
+# (_answer_right): a correct rounding passes (1.67 or 1.674 for 1.674), a wrong one (1.68) fails.
 
 SHOP_STORES = ("A", "B", "C", "D")
 SHOP_ITEMS = ("apple", "bread", "egg", "milk", "pear", "rice")
 # units of each currency one USD buys, drawn uniformly in cents
 SHOP_RATE_CENTS = {"EUR": (80, 99), "GBP": (70, 89), "CAD": (120, 149), "JPY": (10000, 15999)}
 SHOP_CURRENCIES = ("USD",) + tuple(SHOP_RATE_CENTS)
-SHOP_PRICE_CENTS = (50, 999)
-SHOP_MAX_QUANTITY = 6
+SHOP_PRICE_CENTS = (50, 999)        # USD 0.50 to 9.99
+SHOP_MAX_QUANTITY = 6               # a line buys 1 to 6 of its item
 SHOP_TEMPLATES = ("What is the total cost of {lines}, in {cur}?",
                   "How much do {lines} cost in total, in {cur}?",
                   "I buy {lines}. How much do I pay in {cur}?")
 # Episode i's seed: seed * SHOP_SEED_STRIDE + SHOP_SPLIT_OFFSET[split] + i, disjoint across splits
-# and seeds while i < SHOP_SPLIT_SIZE[split]. Validation is the top of the training range.
+# and seeds while i < SHOP_SPLIT_SIZE[split]. Validation (which picks a checkpoint) is the top of
+# the training range, which no run comes near.
 SHOP_SEED_STRIDE = 10_000_000
 SHOP_SPLIT_OFFSET = {"train": 0, "val": 4_500_000, "test": 5_000_000}
 SHOP_SPLIT_SIZE = {"train": 4_500_000, "val": 500_000, "test": 5_000_000}
-SHOP_EPISODES = {"train": 10_000, "val": 200, "test": 600}  # test: a rate to +-3.7 points (95%)
+# Held-out pools: a success rate near 0.3 on the 600 test episodes is known to +-3.7 points (95%),
+# a mean over 3 seeds to about +-2.
+SHOP_EPISODES = {"train": 10_000, "val": 200, "test": 600}  # a split's episodes by default
 SHOP_SCORING = 2    # the rules' version (2: half a cent): cached evaluations and probes key on it
 _SHOP_VALUE_TOL = 0.005     # "equals" within half a cent: of a total, its rounding, not a cent off
-_CENT = Decimal("0.01")
+_CENT = Decimal("0.01")             # the answer's precision
 
 
 def _text_input(key: str | None, text: str) -> dict:
+    """One text input (or, key None, output) of a tool, in the released (GTA) tool schema."""
     return {"type": "text", "name": key, "description": text, "optional": False,
             "default": None, "filetype": None}
 
@@ -330,7 +433,7 @@ SHOP_TOOLS = [{"name": name, "description": description,
      {"currency": "The currency: " + ", ".join(SHOP_CURRENCIES) + "."}, "The exchange rate."),
     ("Calculator", "Evaluate an arithmetic expression (+ - * / and parentheses).",
      {"expression": "e.g. (3*2.50+1.20)*0.92"}, "The value."))]
-_SHOP_ARGS = {t["name"]: tuple(i["name"] for i in t["inputs"]) for t in SHOP_TOOLS}
+_SHOP_ARGS = {t["name"]: tuple(i["name"] for i in t["inputs"]) for t in SHOP_TOOLS}  # its inputs
 # An argument's spelling the world accepts, its values, and their name in an error message.
 _SHOP_NAMES = {"store": (str.upper, SHOP_STORES, "Stores"),
                "item": (str.lower, SHOP_ITEMS, "Items"),
@@ -339,7 +442,8 @@ _SHOP_NAMES = {"store": (str.upper, SHOP_STORES, "Stores"),
 
 @dataclass(frozen=True)
 class ShopTask:
-    """One episode: the world and the task. Facts are ("price", store, item) or ("rate", cur)."""
+    """One episode: the world and the task. Facts are ("price", store, item) or ("rate", cur).
+    Amounts are Decimals, so the exact total and its rounding carry no float error."""
     seed: int
     prices: dict            # (store, item) -> Decimal USD, every store sells every item
     rates: dict             # currency -> Decimal units per USD ("USD" -> 1.00)
@@ -350,16 +454,20 @@ class ShopTask:
 
     @cached_property
     def needed(self) -> tuple:
-        """The facts a solution fetches, in the gold solver's order."""
+        """The facts a solution fetches, in the gold solver's order: each line's price, then the
+        rate unless the task is in USD."""
         facts = tuple(("price", s, i) for _, i, s in self.lines)
-        return facts + ((("rate", self.currency),) if self.currency != "USD" else ())
+        if self.currency != "USD":
+            facts += (("rate", self.currency),)
+        return facts
 
     def value(self, fact) -> Decimal:
+        """The world's value of a fact: a price in USD or a rate."""
         return self.prices[fact[1:]] if fact[0] == "price" else self.rates[fact[1]]
 
     @cached_property
     def total(self) -> Decimal:
-        """Exact total in the task's currency."""
+        """Exact total in the task's currency: sum over lines of q * p, times the rate."""
         return sum(q * self.prices[s, i] for q, i, s in self.lines) * self.rates[self.currency]
 
     @cached_property
@@ -370,11 +478,13 @@ class ShopTask:
     @cached_property
     def quantities(self) -> list[Decimal]:
         """Every value a useful Calculator call may produce: a sum of line subtotals q*p, such a
-        sum converted, a converted unit price p*r (stepwise: the running totals and the total)."""
+        sum converted, a converted unit price p*r (stepwise: the running totals and the total).
+        Every subset of the lines counts, so a policy may add them up in any grouping."""
         rate = self.rates[self.currency]
-        subtotals = [q * self.prices[s, i] for q, i, s in self.lines]
+        subtotals = [q * self.prices[s, i] for q, i, s in self.lines]      # q * p a line, USD
         if self.stepwise:
             return sorted({sum(subtotals[:k + 1]) for k in range(len(subtotals))} | {self.total})
+        # bit k of mask: line k is in the sum
         sums = {sum(x for k, x in enumerate(subtotals) if mask >> k & 1)
                 for mask in range(1, 2 ** len(subtotals))}
         out = set(sums)
@@ -386,23 +496,27 @@ class ShopTask:
 
 def draw_world(rng: random.Random) -> tuple[dict, dict]:
     """An episode's prices and rates (2.50 keeps its decimals), its seed's first draws."""
-    prices = {(s, i): Decimal(rng.randint(*SHOP_PRICE_CENTS)).scaleb(-2)
+    prices = {(s, i): Decimal(rng.randint(*SHOP_PRICE_CENTS)).scaleb(-2)      # 250 -> 2.50
               for s in SHOP_STORES for i in SHOP_ITEMS}
-    rates = {"USD": Decimal("1.00")}
+    rates = {"USD": Decimal("1.00")}    # a USD task's total is multiplied by 1.00 too
     rates.update({c: Decimal(rng.randint(*span)).scaleb(-2) for c, span in SHOP_RATE_CENTS.items()})
     return prices, rates
 
 
 def shop_task(seed: int) -> ShopTask:
-    """The episode of one seed (one random.Random(seed), fixed draw order)."""
+    """The episode of one seed (one random.Random(seed), fixed draw order: the world, the number
+    of lines, their distinct (store, item) pairs, their quantities, the currency, the phrasing)."""
     rng = random.Random(seed)
     prices, rates = draw_world(rng)
     n_lines = rng.randint(1, 3)
-    pairs = rng.sample([(s, i) for s in SHOP_STORES for i in SHOP_ITEMS], n_lines)
+    pairs = rng.sample([(s, i) for s in SHOP_STORES for i in SHOP_ITEMS], n_lines)   # distinct
     lines = tuple((rng.randint(1, SHOP_MAX_QUANTITY), i, s) for s, i in pairs)
     currency = rng.choice(SHOP_CURRENCIES)
     parts = [f"{q} {i} at store {s}" for q, i, s in lines]
-    listed = parts[0] if len(parts) == 1 else ", ".join(parts[:-1]) + " and " + parts[-1]
+    if len(parts) == 1:
+        listed = parts[0]
+    else:                               # "a, b and c"
+        listed = ", ".join(parts[:-1]) + " and " + parts[-1]
     text = rng.choice(SHOP_TEMPLATES).format(lines=listed, cur=currency)
     return ShopTask(seed, prices, rates, lines, currency, text)
 
@@ -438,6 +552,8 @@ def shop_episode_id(split: str, seed: int, i: int, world: str = "shop") -> str:
 
 @dataclass(frozen=True)
 class ShopResult:
+    """One tool call run against the world: the observation, and what the call learned or
+    computed, which shop_labels checks."""
     text: str                   # the observation
     fact: tuple | None = None   # what a Lookup/Rate call learned ...
     value: Decimal | None = None    # ... and its value
@@ -445,6 +561,7 @@ class ShopResult:
 
 
 def _number(calculated: str) -> float | None:
+    """A Calculator answer as a number; None for an "Error: ..." answer."""
     try:
         return float(calculated)
     except ValueError:              # "Error: ..."
@@ -452,7 +569,9 @@ def _number(calculated: str) -> float | None:
 
 
 def shop_execute(task: ShopTask, name: str, arguments) -> ShopResult:
-    """Run one tool call against the episode's world."""
+    """Run one tool call against the episode's world. An unknown tool, inputs other than exactly
+    the tool's own (each a string), or an unknown store, item or currency answers "Error: ..."
+    naming what the world accepts; names are read in any case, spaces around them stripped."""
     keys = _SHOP_ARGS.get(name)
     if keys is None:
         return ShopResult(f"Error: unknown tool '{name}'. Tools: Lookup, Rate, Calculator.")
@@ -460,10 +579,11 @@ def shop_execute(task: ShopTask, name: str, arguments) -> ShopResult:
             not all(isinstance(arguments[k], str) for k in keys):
         return ShopResult(f"Error: {name} takes {{" + ", ".join(f'"{k}": ...' for k in keys)
                           + "}.")
-    args = {k: arguments[k].strip() for k in keys}
+    args = {k: arguments[k].strip() for k in keys}     # " A " is store A
     if name == "Calculator":
         out = calculate(args["expression"])
-        if (number := _number(out)) is None:
+        number = _number(out)
+        if number is None or not math.isfinite(number):     # an error, or an integer past 1e308
             return ShopResult(out)
         # Round away float noise (9.108000000000001): a small model should not have to copy it.
         return ShopResult(str(round(number, 6)), number=number)
@@ -474,12 +594,15 @@ def shop_execute(task: ShopTask, name: str, arguments) -> ShopResult:
     if name == "Rate":
         cur = args["currency"].upper()
         return ShopResult(f"1 USD = {task.rates[cur]} {cur}.", ("rate", cur), task.rates[cur])
-    store, item = args["store"].upper(), args["item"].lower()
+    store = args["store"].upper()
+    item = args["item"].lower()
     price = task.prices[store, item]
     return ShopResult(f"{item} at store {store} costs {price} USD.", ("price", store, item), price)
 
 
-_NUM = r"\d+(?:\.\d+)?"
+# What a thought can claim, read with fixed patterns (the gold dialogs' phrasing): a price, a
+# rate, a fact it needs next, the total (an expression or a number, maybe with its currency).
+_NUM = r"\d+(?:\.\d+)?"                # a number as prices and rates are written: 2.50, 3
 _SHOP_CLAIM = re.compile(
     rf"(?P<item>[a-z]+) at store (?P<store>[a-z])\b costs (?P<price>{_NUM})(?: USD\b)?"
     rf"|\b1 USD = (?P<rate>{_NUM}) (?P<rcur>[a-z]{{3}})\b"
@@ -490,13 +613,14 @@ _SHOP_CLAIM = re.compile(
 
 
 def _close(x: float, values) -> bool:
+    """x equals one of `values` within half a cent (1e-9 absorbs float error at the boundary)."""
     return any(abs(x - float(v)) <= _SHOP_VALUE_TOL + 1e-9 for v in values)
 
 
 def _answer_right(task: ShopTask, answer: str | None) -> bool:
     """The answer's first number is within half a cent of the exact total (1.67 or 1.674 for
     1.674, not 1.68)."""
-    m = re.search(r"-?\d[\d,]*(?:\.\d+)?", answer or "")
+    m = re.search(r"-?\d[\d,]*(?:\.\d+)?", answer or "")      # "1,234.50", "-3": commas allowed
     return m is not None and _close(float(m.group(0).replace(",", "")), [task.total])
 
 
@@ -504,7 +628,10 @@ def _shop_thought_true(task: ShopTask, thought: str | None, known: dict,
                        computed: list[float]) -> bool:
     """Every _SHOP_CLAIM is true (a price or rate the world's; "I need ..." a needed fact not
     fetched yet; "the total is <expression or x> [CUR]" the total in the task's currency, read
-    from the longest start that computes) and every other number one the task involves."""
+    from the longest start that computes) and every other number one the task involves.
+    known: fact -> value fetched by earlier turns; computed: earlier Calculator results. The
+    numbers a task involves: a quantity, a price or rate it needs or the dialog fetched, a useful
+    Calculator value (ShopTask.quantities), the answer, an earlier result."""
     def true(m: re.Match) -> bool:
         if m.group("price"):
             key = (m.group("store").upper(), m.group("item").lower())
@@ -513,12 +640,19 @@ def _shop_thought_true(task: ShopTask, thought: str | None, known: dict,
             cur = m.group("rcur").upper()
             return cur in task.rates and _close(float(m.group("rate")), [task.rates[cur]])
         if m.group("nitem") or m.group("ncur"):
-            fact = ("price", m.group("nstore").upper(), m.group("nitem").lower()) \
-                if m.group("nitem") else ("rate", m.group("ncur").upper())
+            if m.group("nitem"):
+                fact = ("price", m.group("nstore").upper(), m.group("nitem").lower())
+            else:
+                fact = ("rate", m.group("ncur").upper())
             return fact in task.needed and fact not in known
-        total, cur = m.group("total").replace(",", ""), m.group("tcur")    # "10,996.94"
-        value = next((v for k in range(len(total), 0, -1)
-                      if (v := _number(calculate(total[:k]))) is not None), None)
+        expression = m.group("total").replace(",", "")      # "10,996.94"
+        cur = m.group("tcur")
+        # the longest start that computes: "21.91 (2 lines)" claims 21.91
+        value = None
+        for k in range(len(expression), 0, -1):
+            value = _number(calculate(expression[:k]))
+            if value is not None:
+                break
         return not (cur and cur.upper() != task.currency) and value is not None \
             and _close(value, [task.total])
 
@@ -526,9 +660,10 @@ def _shop_thought_true(task: ShopTask, thought: str | None, known: dict,
         return True
     if not all(true(m) for m in _SHOP_CLAIM.finditer(thought)):
         return False
+    # the numbers a thought may mention besides its claims
     allowed = [Decimal(q) for q, _, _ in task.lines] + [task.value(f) for f in task.needed]
     allowed += list(known.values()) + task.quantities + [Decimal(task.answer)]
-    rest = _SHOP_CLAIM.sub(" ", thought)
+    rest = _SHOP_CLAIM.sub(" ", thought)        # the thought without its claims
     if task.stepwise:                   # shop-long numbers its lines "(1)": a name, not a value
         rest = re.sub(r"\(\d+\)", " ", rest)
     return all(_close(float(x), allowed) or _close(float(x), computed)
@@ -537,32 +672,43 @@ def _shop_thought_true(task: ShopTask, thought: str | None, known: dict,
 
 def shop_labels(task: ShopTask, steps: list) -> list[bool]:
     """Exact correctness of each assistant turn (parse_react's steps; calls re-run against the
-    world, observations never read): its thought asserts nothing false, and it fetches a needed
-    fact or computes a needed quantity not had yet, or answers the total, within half a cent."""
-    known: dict = {}
-    computed: list[float] = []
+    world, observations never read). A turn is right iff its thought asserts nothing false
+    (_shop_thought_true) and its step is a Lookup or Rate of a fact the task needs that no
+    earlier turn fetched, a Calculator call that evaluates to a needed quantity (one of
+    ShopTask.quantities) no earlier call produced, or a final answer within half a cent of the
+    exact total. An unknown tool, bad arguments or an unparsable reply is never right. Claims are
+    checked against the world, not against what the dialog showed: matched contaminated data
+    keep the clean observations after a contaminated call (as the release does), and a later
+    gold turn restating the truth is true."""
+    known: dict = {}                    # fact -> value, fetched by the turns so far
+    computed: list[float] = []          # the Calculator results so far
     labels = []
     for step in steps:
         if not isinstance(step, (Action, Final)):  # a ParseError, or several released calls
             labels.append(False)
             continue
-        ok = _answer_right(task, step.answer) if isinstance(step, Final) else True
+        ok = True
+        if isinstance(step, Final):
+            ok = _answer_right(task, step.answer)
         ok = ok and _shop_thought_true(task, step.thought, known, computed)
         if isinstance(step, Action):
-            res = shop_execute(task, step.name, step.arguments)
-            if res.fact is not None:
+            res = shop_execute(task, step.name, step.arguments)    # the call run again
+            if res.fact is not None:            # a Lookup or Rate: a needed fact, new
                 ok = ok and res.fact in task.needed and res.fact not in known
                 known[res.fact] = res.value
-            elif res.number is not None:
+            elif res.number is not None:        # a Calculator result: a needed value, new
                 ok = ok and _close(res.number, task.quantities) and not _close(res.number, computed)
                 computed.append(res.number)
-            else:
+            else:                               # an error: a call that does nothing
                 ok = False
         labels.append(ok)
     return labels
 
 
 class ShopEpisode(Episode):
+    """A built-in world's episode: its tools run against the task's world, its score is the
+    half-cent rule on the final answer, and every turn has an exact label."""
+
     def __init__(self, key: str, task: ShopTask, max_turns: int = MAX_TURNS):
         super().__init__(key, task.text, SHOP_TOOLS)
         self.task = task
@@ -596,9 +742,15 @@ class ShopEnv(Env):
 
 
 # ==== Replay (METHOD.md §10): tool calls answered from the gold dialog ============================
+# A released episode has no live tools: a call is answered from a cache built from its gold
+# dialog, keyed by (tool name, json.dumps(arguments, sort_keys=True)), so the same call with its
+# keys in another order hits. A call the gold dialog never made misses: GTA computes a Calculator
+# miss (calculate), answers its unavailable tools as the paper's evaluation appendix says, and any
+# other miss with simulator_miss's line. A replay scores the final answer only: it has no step
+# labels (Episode.labels is None).
 
 def cache_key(name: str, arguments) -> tuple[str, str]:
-    return name, json.dumps(arguments, sort_keys=True)
+    return name, json.dumps(arguments, sort_keys=True)     # the keys' order does not matter
 
 
 def simulator_miss(name: str, arguments) -> str:
@@ -612,8 +764,8 @@ class ReplayCache:
 
     def __init__(self, dialog: list[dict]):
         self.entries: dict[tuple[str, str], list[str]] = {}
-        self.served: dict[tuple[str, str], int] = {}
-        call = None
+        self.served: dict[tuple[str, str], int] = {}    # key -> responses served so far
+        call = None                     # the latest assistant turn's call, until its result
         for m in dialog:
             if m["role"] == "assistant":
                 _, call, _ = assistant_parts(m)
@@ -622,7 +774,10 @@ class ReplayCache:
                 # ToolBench names carry a ToolLLaMA artifact ('Call the function "f".\n\nAction: f')
                 args = call.get("arguments") or {}
                 parsed = parse_react(render_action(None, call["name"], args))
-                name = parsed.name if isinstance(parsed, Action) else call["name"]
+                if isinstance(parsed, Action):
+                    name = parsed.name
+                else:
+                    name = call["name"]
                 self.entries.setdefault(cache_key(name, args), []).append(tool_result_text(m))
                 call = None
 
@@ -633,9 +788,9 @@ class ReplayCache:
         responses = self.entries.get(key)
         if not responses:
             return None
-        n = self.served.get(key, 0)
+        n = self.served.get(key, 0)         # this key's responses served so far
         self.served[key] = n + 1
-        return responses[min(n, len(responses) - 1)]
+        return responses[min(n, len(responses) - 1)]       # the next one, then the last again
 
 
 class ReplayEpisode(Episode):
@@ -643,7 +798,7 @@ class ReplayEpisode(Episode):
     score None when skipped (skip_reason), 0 without a final answer, else answer_score()."""
 
     def __init__(self, key: str, record: dict):
-        self.task = record["dialogs"][0]["content"]
+        self.task = record["dialogs"][0]["content"]         # as released: no files, no tools
         super().__init__(key, self.task, record["tools"], record["files"])
         self.cache = ReplayCache(record["dialogs"])
         self.gt_answer = record["gt_answer"]
@@ -655,10 +810,16 @@ class ReplayEpisode(Episode):
     def score(self, *match) -> float | None:
         if self.skip_reason is not None:
             return None
-        return 0.0 if self.final_answer is None else self.answer_score(*match)
+        if self.final_answer is None:       # out of turns without an answer
+            return 0.0
+        return self.answer_score(*match)
 
 
 # ---- GTA: answers matched against the reference's aliases ----------------------------------------
+# A reference answer is {whitelist: [[alias, ...], ...], blacklist: [[alias, ...], ...] | null}.
+# The paper trains on strict matching (an alias must stand alone in the answer) and evaluates with
+# loose matching (a substring), and so does make_env. Episodes answer matching cannot score are
+# skipped and counted (gta_skip_reason).
 
 GTA_UNAVAILABLE = ("FastOCR", "FastCalculator", "ImageDescriptor", "WebSearch")
 UNAVAILABLE_MESSAGE = "This tool is not available now. Consider other tools."
@@ -668,7 +829,9 @@ GTA_IMAGE_REPLY = "The image is saved."     # GTA's final reply when the answer 
 
 def gta_skip_reason(gt, dialog: list[dict] = ()) -> str | None:
     """Why answer matching cannot score an episode, or None: a reference list (it needs an
-    embedding model), no answer, an image answer or a gold dialog ending on an image (test 211)."""
+    embedding model), no answer, an image answer or a gold dialog ending on an image (test 211).
+    A gold dialog that answers with an image ends on an image tool's result, bare or followed by
+    "The image is saved.": its whitelist matches no text, not even the gold one."""
     if isinstance(gt, list):
         return "reference_list"
     if not isinstance(gt, dict) or not gt.get("whitelist"):
@@ -689,7 +852,7 @@ def gta_match(prediction: str, gt: dict, mode: str = "strict") -> float:
     """1.0 iff every whitelist group has an alias in the prediction and no blacklist alias is in
     it (GTA's `iscorrect`), case-insensitive. strict: the alias touches no letter, digit or _
     (GTA's \\b never matches an alias starting "-" or "$"); loose: a substring, spaces collapsed."""
-    text = " ".join(prediction.split()).lower()
+    text = " ".join(prediction.split()).lower()      # what a loose alias is looked for in
     found = {"strict": lambda a: re.search(r"(?<!\w)" + re.escape(a.strip()) + r"(?!\w)",
                                            prediction, re.IGNORECASE) is not None,
              "loose": lambda a: " ".join(a.split()).lower() in text}.get(mode)
@@ -697,7 +860,7 @@ def gta_match(prediction: str, gt: dict, mode: str = "strict") -> float:
         raise ValueError(f"unknown match mode {mode!r}: choose strict or loose")
     right = all(any(found(a) for a in group) for group in gt["whitelist"]) and \
         not any(found(a) for group in gt.get("blacklist") or [] for a in group)
-    return 1.0 if right else 0.0
+    return float(right)
 
 
 class GTAEpisode(ReplayEpisode):
@@ -710,11 +873,14 @@ class GTAEpisode(ReplayEpisode):
         if name in GTA_UNAVAILABLE:
             return UNAVAILABLE_MESSAGE
         hit = self.cache.lookup(name, arguments)
-        if hit is None and name == "Calculator":        # a miss is computed
+        if hit is not None:
+            return hit
+        if name == "Calculator":        # a miss is computed
             expression = arguments.get("expression")
-            return calculate(expression) if isinstance(expression, str) else \
-                'Error: Calculator takes {"expression": "<arithmetic expression>"}'
-        return hit if hit is not None else simulator_miss(name, arguments)
+            if isinstance(expression, str):
+                return calculate(expression)
+            return 'Error: Calculator takes {"expression": "<arithmetic expression>"}'
+        return simulator_miss(name, arguments)
 
     def answer_score(self, match: str | None = None) -> float:
         """`match` overrides the env's mode (the paper trains on strict, evaluates loose)."""
@@ -753,7 +919,9 @@ def make_env(args, split: str, evaluation: bool = False, worlds=WORLDS, replays=
         return ShopEnv(split, world=worlds[args.env])
     kw = {}
     if args.env == "gta":
-        kw["match"] = "loose" if evaluation else "strict"
+        kw["match"] = "strict"
+        if evaluation:
+            kw["match"] = "loose"
     return make(args.env, split, args.data_dir, replays, **kw)
 
 
@@ -772,6 +940,7 @@ def eval_splits(args, train_env, train_pool, worlds=WORLDS,
     if args.env in worlds:
         val = make_env(args, "val", True, worlds, replays)
         return {"val": (val, scorable(val)), "test": (test, scorable(test))}, train_pool
+    # k held out: --val-episodes, else a tenth of the pool (at least 1); at most half of it
     k = min(args.val_episodes or max(1, len(train_pool) // 10), len(train_pool) // 2)
     val = make_env(args, "train", True, worlds, replays)
     return ({"val": (val, train_pool[len(train_pool) - k:]), "test": (test, scorable(test))},
@@ -779,6 +948,8 @@ def eval_splits(args, train_env, train_pool, worlds=WORLDS,
 
 
 # ==== Released data (METHOD.md §1): the episode files, downloaded and validated ===================
+# The authors' files are read at a pinned commit, fetched when absent, and every record is checked
+# on load: a bad one is a DataError naming the file, the record and what is wrong, before any work.
 
 RELEASE_REPO = "wonjoong-kim/PAIR"
 RELEASE_REF = "03e41ad6e5ce69b288a2cb14ac541b088ea1d3d9"    # the commit the splits were taken at
@@ -790,7 +961,7 @@ RELEASE_FILES = {"gta": ["clean_train.json", "clean_test.json"],
 
 
 class DataError(ValueError):
-    pass
+    """Missing or malformed released data; the message names the file and the record."""
 
 
 class LLMError(RuntimeError):      # an LLM endpoint failed (lab/toolbench.py)
@@ -798,28 +969,30 @@ class LLMError(RuntimeError):      # an LLM endpoint failed (lab/toolbench.py)
 
 
 def default_data_dir() -> Path:
+    """$PAIR_DATA, else data/ under the project's cache root."""
     return Path(os.environ.get("PAIR_DATA") or model.cache_root() / "data")
 
 
 def episode_file(family: str, split: str, data_dir: str | Path | None) -> Path:
-    """data_dir/family/clean_{split}.json, downloaded when missing."""
+    """data_dir/family/clean_{split}.json, downloaded with the family's other files if missing."""
     name = f"clean_{split}.json"
     path = Path(data_dir or default_data_dir()) / family / name
     if path.is_file():
         return path
-    if name not in RELEASE_FILES[family]:
+    if name not in RELEASE_FILES[family]:       # a split the authors did not release
         raise DataError(f"{family} has no released '{split}' split (released: "
                         f"{', '.join(RELEASE_FILES[family])}) and {path} is missing: `python "
                         f"-m lab.data split-episodes {family} --out OUT/{family}` writes one from "
                         "its test files (then --data-dir OUT)")
-    for name in RELEASE_FILES[family]:
-        fetch(family, name, path.parent, check_episode_file)
+    for released in RELEASE_FILES[family]:
+        fetch(family, released, path.parent, check_episode_file)
     return path
 
 
 def fetch(family: str, name: str, folder: Path, check, ref: str = RELEASE_REF,
           force: bool = False) -> None:
-    """One released file to folder/name, written only once check(data, url) accepts it."""
+    """One released file to folder/name, written only once check(data, url) accepts it: a partial
+    or wrong download never lands on disk."""
     if (folder / name).exists() and not force:
         return
     url = RELEASE_URL.format(repo=RELEASE_REPO, ref=ref, family=family, name=name)
@@ -829,7 +1002,7 @@ def fetch(family: str, name: str, folder: Path, check, ref: str = RELEASE_REF,
         raise DataError(f"cannot download {url}: {e}") from e
     if r.status_code != 200:
         raise DataError(f"cannot download {url}: HTTP {r.status_code}")
-    check(read_json(url, r.content), url)
+    check(read_json(url, r.content), url)          # every record, before anything is written
     model.write_atomic(folder / name, r.content)
 
 
@@ -865,14 +1038,16 @@ def _aliases(groups) -> bool:
 
 
 def check_episode_file(data, path) -> None:
+    """Every record of an episode file: an object holding a dialog (check_dialog), tools and files
+    that render as the policy will read them, and a reference answer of a known shape."""
     require(isinstance(data, dict), path, "an episode file is a JSON object keyed by episode id")
     for rid, rec in data.items():
-        where = f"{path}: record {rid}"
+        where = f"{path}: record {rid}"         # every message names the record
         require(isinstance(rec, dict), where, "not an object")
         for key in ("dialogs", "tools", "files", "gt_answer"):
             require(key in rec, where, f"missing '{key}'")
         check_dialog(rec["dialogs"], where)
-        try:
+        try:                    # rendered as the first user message will be, then dropped
             tool_instructions(rec["tools"]) + render_task("", rec["files"])
         except (AttributeError, KeyError, TypeError) as e:
             raise DataError(f"{where}: its tools or files do not render ({type(e).__name__}: "
@@ -890,8 +1065,10 @@ def check_dialog(dialog, where) -> None:
     turn (METHOD.md §2) with a name and an arguments object, each tool result after a call."""
     require(isinstance(dialog, list) and dialog, where, "'dialogs' must be a non-empty list")
     for i, m in enumerate(dialog):
-        at = f"{where}: dialogs[{i}]"
-        role = m.get("role") if isinstance(m, dict) else None
+        at = f"{where}: dialogs[{i}]"           # ... and the message
+        role = None
+        if isinstance(m, dict):
+            role = m.get("role")
         require(role in ("user", "assistant", "tool") and (i > 0 or role == "user"), at,
                 f"role {role!r}: a dialog is the user's task, then user, assistant, tool messages")
         calls = m.get("tool_calls")
@@ -904,13 +1081,23 @@ def check_dialog(dialog, where) -> None:
         else:
             require(isinstance(calls, list) and len(calls) == 1, at,
                     "at most one tool call per assistant turn (METHOD.md §2)")
-            fn = calls[0].get("function") if isinstance(calls[0], dict) else None
+            fn = None
+            if isinstance(calls[0], dict):
+                fn = calls[0].get("function")
             require(isinstance(fn, dict) and isinstance(fn.get("name"), str) and fn["name"] and
                     isinstance(fn.get("arguments"), dict), at,
                     "tool call arguments must be a JSON object, under a function name")
 
 
 # ==== The Calculator tool (GTA's and shop's): an AST whitelist, never eval ========================
+# A policy under RL writes whatever earns reward, so an expression is parsed with `ast` and only
+# numbers, arithmetic, parentheses and the math functions and constants of the tables below are
+# evaluated: nothing else can run. Every operation is bounded before it runs (an integer result
+# of at most MAX_INT_BITS, factorial's argument and round's digits at most MAX_ARGUMENT), so no
+# expression of at most MAX_EXPRESSION_CHARS characters runs long. Every value is a finite number:
+# a float past 1.8e308 (a literal such as 1e309, or a result) is refused, not answered inf or nan.
+# A refusal is a ValueError; calculate answers any error as "Error: <what is wrong>", the
+# observation the agent reads.
 
 MAX_EXPRESSION_CHARS = 1000
 MAX_INT_BITS = 4000          # ~1200 digits: bounds the work of *, ** and str() on integers
@@ -919,7 +1106,7 @@ MAX_ARGUMENT = 1000          # of factorial, and of round's digits (10 ** |n| is
 
 def _whole(x, fn: str, over: str = "argument too large") -> int:
     """An integer argument (an integral float counts) of at most MAX_ARGUMENT in size."""
-    if isinstance(x, float) and x.is_integer():
+    if isinstance(x, float) and x.is_integer():     # round(2.675, 2.0) rounds to 2 digits
         x = int(x)
     if not isinstance(x, int):
         raise ValueError(f"{fn}() needs an integer")
@@ -931,6 +1118,7 @@ def _whole(x, fn: str, over: str = "argument too large") -> int:
 _OPERATORS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul,
               ast.Div: operator.truediv, ast.FloorDiv: operator.floordiv, ast.Mod: operator.mod,
               ast.Pow: operator.pow, ast.USub: operator.neg, ast.UAdd: operator.pos}
+# math's functions by name, a few builtins, and round and factorial with their arguments bounded
 _FUNCTIONS = {name: getattr(math, name) for name in (
     "sqrt cbrt exp log log10 log2 log1p sin cos tan asin acos atan atan2 sinh cosh tanh degrees "
     "radians floor ceil trunc fabs hypot gcd isqrt").split()}
@@ -938,11 +1126,13 @@ _FUNCTIONS.update(abs=abs, min=min, max=max, int=int, float=float, pow=operator.
                   round=lambda x, n=None: round(x) if n is None else round(x, _whole(
                       n, "round", "digits out of range")),
                   factorial=lambda n: math.factorial(_whole(n, "factorial")))
-_CONSTANTS = {"pi": math.pi, "e": math.e, "tau": math.tau, "inf": math.inf, "nan": math.nan}
+_CONSTANTS = {"pi": math.pi, "e": math.e, "tau": math.tau}     # no inf, no nan: numbers only
+_TOO_LARGE = "the result is too large"
 
 
 def _too_large(op, xs: list) -> bool:
-    """Would op(*xs) build an integer over MAX_INT_BITS? Decided before the work it bounds."""
+    """Would op(*xs) build an integer over MAX_INT_BITS? Decided before the work it bounds:
+    a * b has at most bits(a) + bits(b) bits, a ** b about b log2 |a|."""
     if len(xs) != 2 or not all(isinstance(x, int) for x in xs):
         return False
     a, b = xs
@@ -951,55 +1141,74 @@ def _too_large(op, xs: list) -> bool:
     return op is operator.pow and b > 0 and abs(a) > 1 and b * math.log2(abs(a)) > MAX_INT_BITS
 
 
+def _math_name(node) -> str:
+    """The name `sqrt` or `math.sqrt` refers to; no other attribute exists."""
+    name = ast.unparse(node).removeprefix("math.")
+    if "." in name:
+        raise ValueError("attribute access is not allowed")
+    return name
+
+
 def _evaluate(node):
-    """The value of a whitelisted node; a refusal is a ValueError."""
+    """The value of a whitelisted node, an int or a float; a refusal is a ValueError."""
     if isinstance(node, ast.Constant):
-        if type(node.value) not in (int, float):
+        if type(node.value) not in (int, float):        # True, 'a' and 1j are not numbers here
             raise ValueError(f"unsupported literal {node.value!r}")
+        if isinstance(node.value, float) and not math.isfinite(node.value):     # 1e309 reads inf
+            raise ValueError("a number in the expression is too large")
         return node.value
     if isinstance(node, (ast.BinOp, ast.UnaryOp)) and type(node.op) in _OPERATORS:
-        op = _OPERATORS[type(node.op)]
-        args = [node.left, node.right] if isinstance(node, ast.BinOp) else [node.operand]
-    elif isinstance(node, (ast.Name, ast.Attribute, ast.Call)):
-        # `sqrt` and `math.sqrt` both name the whitelisted function; no other attribute exists.
-        call = isinstance(node, ast.Call)
-        name = ast.unparse(node.func if call else node).removeprefix("math.")
-        if "." in name:
-            raise ValueError("attribute access is not allowed")
-        if name not in (_FUNCTIONS if call else _CONSTANTS):
-            raise ValueError(f"unknown {'function' if call else 'name'} '{name}'")
-        if not call:
-            return _CONSTANTS[name]
+        op = _OPERATORS[type(node.op)]          # + - * / // % ** and the signs
+        if isinstance(node, ast.BinOp):
+            args = [node.left, node.right]
+        else:
+            args = [node.operand]
+    elif isinstance(node, (ast.Name, ast.Attribute)):
+        name = _math_name(node)
+        if name not in _CONSTANTS:
+            raise ValueError(f"unknown name '{name}'")
+        return _CONSTANTS[name]
+    elif isinstance(node, ast.Call):
+        name = _math_name(node.func)
+        if name not in _FUNCTIONS:
+            raise ValueError(f"unknown function '{name}'")
         if node.keywords or any(isinstance(a, ast.Starred) for a in node.args):
             raise ValueError(f"{name}() takes plain positional arguments only")
-        op, args = _FUNCTIONS[name], node.args
-    else:
+        op = _FUNCTIONS[name]
+        args = node.args
+    else:                               # comparisons, lists, lambdas, subscripts, ...
         raise ValueError(f"unsupported syntax ({type(node).__name__})")
-    xs = [_evaluate(a) for a in args]
+    xs = [_evaluate(a) for a in args]   # the operands' values, left to right
     if _too_large(op, xs):
-        raise ValueError("result too large")
-    value = op(*xs)
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(_TOO_LARGE)
+    value = op(*xs)             # an OverflowError (10.0 ** 400, exp(1000)) is answered in calculate
+    if isinstance(value, bool) or not isinstance(value, (int, float)):    # complex: (-8) ** (1/3)
         raise ValueError("the result is not a real number")
-    if isinstance(value, int) and value.bit_length() > MAX_INT_BITS:
-        raise ValueError("result too large")
+    if isinstance(value, int) and value.bit_length() > MAX_INT_BITS:   # factorial(1000), or a sum
+        raise ValueError(_TOO_LARGE)
+    # 1e308 * 10 overflows to inf without an error; NaN needs an infinite operand, refused before
+    if isinstance(value, float) and not math.isfinite(value):
+        raise ValueError(_TOO_LARGE)
     return value
 
 
 def calculate(expression: str) -> str:
     """One arithmetic expression (numbers, + - * / // % **, signs, parentheses, math functions
-    and constants as `sqrt(2)` or `math.sqrt(2)`) as Python prints it, or 'Error: ...'."""
+    and constants as `sqrt(2)` or `math.sqrt(2)`) as Python prints it, a finite number, or
+    "Error: ..." saying what is wrong. Never raises."""
     try:
         if len(expression) > MAX_EXPRESSION_CHARS:
             raise ValueError(f"expression longer than {MAX_EXPRESSION_CHARS} characters")
-        body = ast.parse(expression.strip(), mode="eval").body
-        if isinstance(body, ast.Tuple):
+        body = ast.parse(expression.strip(), mode="eval").body      # one expression, no statement
+        if isinstance(body, ast.Tuple):         # "29,000 + 1" parses as (29, 0 + 1)
             raise ValueError("a comma separates values: write numbers without thousands "
                              "separators")
-        return str(_evaluate(body))
+        return str(_evaluate(body))         # as Python prints it: 0.1 + 0.2 -> 0.30000000000000004
     except SyntaxError as e:
         return f"Error: invalid expression ({e.msg})"
     except RecursionError:
         return "Error: expression nested too deeply"
+    except OverflowError:       # a float past 1.8e308: 10.0 ** 400, exp(1000), float(10 ** 400)
+        return f"Error: {_TOO_LARGE}"
     except Exception as e:  # a refusal, ZeroDivisionError, math domain errors, bad arity ...
         return f"Error: {e}"

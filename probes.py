@@ -12,6 +12,9 @@ the statistics the rewards read, the features built from them, and the probes.
   in float64 with torch's LBFGS: scikit-learn's model, which the tests check to 1e-4.
 - The probe and features files, and AUROC (grpo.py's drift monitor reads it); METHOD.md §8's
   other metrics and the probe CLI are lab/study.py's.
+
+The statistics are read from the generation pass itself: no second forward runs to score a turn,
+so a per-turn reward costs what accumulating a few sums per decoded token costs.
 """
 from __future__ import annotations
 
@@ -39,6 +42,14 @@ RAW_KEYS = ("h_last4", "h_mean", "attn_max", "attn_std", "attn_prefix", "attn_se
 
 
 # ---- A turn generated with its statistics (gpt-fast's prefill, decode_one_token, sample) ---------
+# A batch row is one rollout, and its row of the KV cache holds the rollout so far. A turn first
+# appends, in one `prefill`, the tokens the row's cache lacks (the prompt at the first turn, later
+# turn_opening's: the observation and the next assistant header), then decodes one token at a time:
+# `sample` draws it from the last logits, `decode_one_token` feeds it and returns the next logits
+# with the fed token's hidden states and attention statistics, and `accumulate` adds those to the
+# turn's running sums (TurnStats). `turn_traces` divides the sums by the turn's length: a turn's
+# statistic is its mean over the turn's tokens, as METHOD.md §4 averages it over the span's rows,
+# with no second forward and no T x T attention matrix.
 
 @dataclass
 class TurnTrace:
@@ -63,59 +74,71 @@ def valid_temperature(t: float) -> bool:
 
 
 def sample(logits: torch.Tensor, temperature: float, top_p: float, generator=None) -> torch.Tensor:
-    """(B, V) float32 logits -> (B,) token ids; temperature 0 is greedy. Drawn by inverting each
-    row's CDF at one uniform number (torch.multinomial draws one per vocabulary entry)."""
+    """(B, V) float32 logits -> (B,) token ids, one per row, drawn from softmax(logits / T) at
+    T = temperature, within the top_p nucleus when top_p < 1; temperature 0 is greedy (the
+    argmax: evaluation decodes so). Each row is drawn by inverting its CDF at one uniform number
+    of `generator` (torch.multinomial draws one per vocabulary entry). A rollout given its own
+    generator (grpo.sampler: one per prompt, seeded by the prompt's number) draws the same
+    tokens whatever else uses torch's global random stream, and on any number of processes."""
     if temperature == 0:
         return logits.argmax(-1)
     probs = torch.softmax(logits / temperature, dim=-1)
     if top_p < 1.0:
-        # nucleus: the most likely tokens until their mass reaches top_p (at least one)
+        # nucleus: the most likely tokens until their mass reaches top_p (at least one); the
+        # rest get probability 0, and the CDF below is not renormalized: u is scaled instead
         sorted_p, order = probs.sort(-1, descending=True)
         drop = sorted_p.cumsum(-1) - sorted_p >= top_p
         probs = torch.zeros_like(probs).scatter_(-1, order, sorted_p.masked_fill(drop, 0.0))
     cdf = probs.cumsum(-1)                                                  # (B, V)
-    total = cdf[:, -1:]
+    total = cdf[:, -1:]                                                     # (B, 1)
     u = torch.rand(total.shape, generator=generator, device=cdf.device, dtype=cdf.dtype)
     # strictly below the total, so a token of probability 0 at the end is never drawn
     u = torch.minimum(u * total, total.nextafter(torch.zeros_like(total)))
+    # the first token whose cumulative probability exceeds u
     return torch.searchsorted(cdf, u, right=True)[:, 0]
 
 
 def prefill(model: mdl.Transformer, cache, new_tokens: list[list[int]]) -> torch.Tensor | None:
     """Append each row's new tokens at that row's own offset -> logits (B, V) after its last one
     (zeros for a row with none), or None where no row has any."""
-    n = torch.tensor([len(t) for t in new_tokens])
+    n = torch.tensor([len(t) for t in new_tokens])                          # (B,)
     if not len(n) or n.max() == 0:
         return None
-    h = prefill_last(model, cache, new_tokens)
+    h = prefill_last(model, cache, new_tokens)                              # (B, d)
     rows = (n > 0).nonzero().squeeze(-1).to(h.device)
     logits = torch.zeros(len(new_tokens), model.config.vocab_size, device=h.device)
-    logits[rows] = model.lm_head(h[rows]).float()
+    logits[rows] = model.lm_head(h[rows]).float()                           # the head: rows only
     return logits
 
 
 def prefill_last(model: mdl.Transformer, cache, new_tokens: list[list[int]]) -> torch.Tensor:
     """prefill up to the head: the final-normed state of each row's last new token (B, d), garbage
     in a row with none. An empty cache whose rows repeat a prompt (GRPO's group) computes each
-    distinct prompt once and copies it, bit-identical: a row does not depend on its neighbours."""
-    lengths = cache[0].lengths.clone()
-    n = torch.tensor([len(t) for t in new_tokens])
+    distinct prompt once and copies it, bit-identical: a row does not depend on its neighbours.
+    Rows of different lengths are padded on the right with token 0: a pad comes after its row's
+    real tokens, so none of them attends to it, and the row's length stops before it (the next
+    tokens overwrite its slot)."""
+    lengths = cache[0].lengths.clone()                                      # (B,) tokens held
+    n = torch.tensor([len(t) for t in new_tokens])                          # (B,) tokens added
     T = int(n.max())
     if not lengths.any():
         first = {}                                      # tokens -> their row in `once`
         index = torch.tensor([first.setdefault(tuple(t), len(first)) for t in new_tokens])
         if len(first) < len(new_tokens):
+            # the distinct prompts on a cache of their own, then each row copies its prompt's
+            # keys and values
             once = model.new_cache(len(first), capacity=T)
             h = prefill_last(model, once, [list(t) for t in first])
             for c, o in zip(cache, once):
                 c.grow(T)
                 i = index.to(c.k.device)
-                c.k[:, :, :T], c.v[:, :, :T] = o.k[i, :, :T], o.v[i, :, :T]
+                c.k[:, :, :T] = o.k[i, :, :T]
+                c.v[:, :, :T] = o.v[i, :, :T]
             mdl.set_lengths(cache, n)
             return h[index.to(h.device)]
     ids = torch.tensor([list(t) + [0] * (T - len(t)) for t in new_tokens])     # (B, T)
-    positions = lengths[:, None] + torch.arange(T)
-    h = model.trunk(ids, positions, cache)
+    positions = lengths[:, None] + torch.arange(T)                              # (B, T)
+    h = model.trunk(ids, positions, cache)                                      # (B, T, d)
     mdl.set_lengths(cache, lengths + n)
     return h[torch.arange(len(n), device=h.device), (n - 1).clamp_min(0).to(h.device)]
 
@@ -123,7 +146,10 @@ def prefill_last(model: mdl.Transformer, cache, new_tokens: list[list[int]]) -> 
 def decode_one_token(model: mdl.Transformer, cache, tokens: torch.Tensor, fed: torch.Tensor,
                      span_start: torch.Tensor | None, w=None):
     """Feed tokens (B,) of the rows where fed (B,) is True, each at its row's length ->
-    Transformer.decode's (logits, hidden, stats). A row not fed writes a pad to a free slot."""
+    Transformer.decode's (logits (B, V), hidden (L+1, B, d), stats (B, L, H, 6)). A row not fed
+    (its turn ended, or it plays no more) writes a pad to a free slot and keeps its length.
+    span_start (B,): each row's first position of the turn, where `prefix` and `self` part
+    (METHOD.md §4); None: logits only. w: the blocks' decoding weights, fetched once a turn."""
     lengths = cache[0].lengths.clone()
     out = model.decode(torch.where(fed, tokens, 0), cache, span_start, w)
     mdl.set_lengths(cache, lengths + fed.long().cpu())
@@ -132,7 +158,8 @@ def decode_one_token(model: mdl.Transformer, cache, tokens: torch.Tensor, fed: t
 
 @dataclass
 class TurnStats:
-    """Per row, the running sums over the turn being decoded (float32, on the head's device)."""
+    """Per row, the running sums over the turn being decoded (float32, on the head's device);
+    turn_traces divides them by the turn's length."""
     attn: torch.Tensor                  # (B, L, H, len(STATS)) summed over the turn's tokens
     h_sum: torch.Tensor                 # (L+1, B, d) hidden states summed over the turn's tokens
     h_last: torch.Tensor                # (L+1, B, d) hidden states of the latest token
@@ -146,7 +173,10 @@ class TurnStats:
 
 def accumulate(acc: TurnStats, attn: torch.Tensor, hidden: torch.Tensor, fed: torch.Tensor):
     """Add one decoded token's statistics (B, L, H, 6) and hidden states (L+1, B, d) to the rows
-    that fed a real token (fed (B,) bool); where, not multiply: a pad row's numbers are garbage."""
+    that fed a real token (fed (B,) bool); where, not multiply: a pad row's numbers are garbage,
+    and 0 times an infinite number is NaN. Every fed token counts, the stop token included:
+    a turn's statistics are read up to its <|im_end|>, the token a finished turn ends on, and
+    h_last keeps the last fed token's states (the turn's last token at the end)."""
     acc.attn += torch.where(fed[:, None, None, None], attn, 0.0)
     hidden = hidden.float()
     acc.h_sum += torch.where(fed[None, :, None], hidden, 0.0)
@@ -155,7 +185,8 @@ def accumulate(acc: TurnStats, attn: torch.Tensor, hidden: torch.Tensor, fed: to
 
 def reserve_slots(cache: list[mdl.KVCache], steps: int):
     """Room for `steps` more tokens a row and one past the last KEY_BLOCK before generating on a
-    GPU: the captured step keeps its addresses; a full cache would compile a new graph (minutes)."""
+    GPU: the captured step keeps its addresses; a full cache would compile a new graph (minutes).
+    The capacity needed is the longest row plus steps, rounded up to whole KEY_BLOCKs, plus 1."""
     need = -(-(int(cache[0].lengths.max()) + steps) // mdl.KEY_BLOCK) * mdl.KEY_BLOCK + 1
     for c in cache:
         c.grow(need)
@@ -168,42 +199,65 @@ def generate(model: mdl.Transformer, cache, new_tokens: list[list[int]], max_new
     """Append each row's new tokens to the cache, then sample up to max_new_tokens a row -> one
     TurnTrace a row (with stats, its mean statistics and hidden states); empty: no new tokens,
     None: active[i] False. Every sampled token, the stop token included, is fed (the cache holds
-    it, its statistics count); idle rows ride along as pads (decoding reads the weights anyway)."""
+    it, its statistics count); idle rows ride along as pads (decoding reads the weights anyway).
+    stop_ids: the tokens that end a turn (default: the model's). A trace's log pi are taken at the
+    sampling temperature (1 when greedy), before top_p's truncation."""
     B = len(new_tokens)
     if not valid_temperature(temperature):
         raise ValueError(f"temperature {temperature}: 0 (greedy) or in [{MIN_TEMPERATURE}, inf)")
-    alive = [True] * B if active is None else [bool(a) for a in active]
-    new_tokens = [list(t) if a else [] for t, a in zip(new_tokens, alive)]
-    stop_ids = sorted(set(model.config.stop_ids if stop_ids is None else stop_ids))
+    if active is None:
+        alive = [True] * B
+    else:
+        alive = [bool(a) for a in active]
+    appended = []                       # what each row appends: nothing for a row not playing
+    for row_tokens, row_alive in zip(new_tokens, alive):
+        if row_alive:
+            appended.append(list(row_tokens))
+        else:
+            appended.append([])
+    if stop_ids is None:
+        stop_ids = model.config.stop_ids
+    stop_ids = sorted(set(stop_ids))
 
-    logits = prefill(model, cache, new_tokens)
-    span_start = cache[0].lengths.clone()                                    # (B,)
-    running = torch.tensor([len(t) > 0 and max_new_tokens > 0 for t in new_tokens])
-    dev = logits.device if logits is not None else mdl.input_device(model)
-    steps = max_new_tokens if running.any() else 0
-    running = running.to(dev)
-    tokens = torch.zeros(B, max(steps, 1), dtype=torch.long, device=dev)
-    logps = torch.zeros(B, max(steps, 1), device=dev)
-    count = torch.zeros(B, dtype=torch.long, device=dev)
-    finished = torch.zeros(B, dtype=torch.bool, device=dev)
+    logits = prefill(model, cache, appended)                                # (B, V) or None
+    span_start = cache[0].lengths.clone()                                   # (B,)
+    running = torch.tensor([len(t) > 0 and max_new_tokens > 0 for t in appended])
+    if logits is not None:
+        dev = logits.device
+    else:
+        dev = mdl.input_device(model)
+    steps = 0
+    if running.any():
+        steps = max_new_tokens
+    running = running.to(dev)                   # rows whose turn goes on, on the head's device
+    tokens = torch.zeros(B, max(steps, 1), dtype=torch.long, device=dev)   # (B, steps)
+    logps = torch.zeros(B, max(steps, 1), device=dev)                      # (B, steps)
+    count = torch.zeros(B, dtype=torch.long, device=dev)       # tokens sampled a row
+    finished = torch.zeros(B, dtype=torch.bool, device=dev)    # the row sampled a stop token
     stop = torch.tensor(stop_ids, dtype=torch.long, device=dev)
-    acc = TurnStats.zeros(model.config, B, dev) if stats else None
+    acc = None                  # the turn's running sums; None: no statistics
+    stats_start = None          # what decoding reads the statistics from; None: logits only
+    if stats:
+        acc = TurnStats.zeros(model.config, B, dev)
+        stats_start = span_start
     if cache[0].k.is_cuda and steps:
         reserve_slots(cache, steps)
     w = model.decode_weights()                  # no_grad: the weights cannot change in the loop
+    # Each step samples a token a row, feeds it where the row's turn goes on and ends that turn
+    # on a stop token; the loop ends when no turn goes on.
     for t in range(steps):
         token = sample(logits, temperature, top_p, generator)                # (B,)
         # log pi at the sampling temperature, before top_p's truncation: the policy's own
         # probability of the token, as token_logprobs computes it for the update
         logp = torch.log_softmax(logits / (temperature or 1.0), -1).gather(1, token[:, None])
-        tokens[:, t], logps[:, t] = token, logp[:, 0]
+        tokens[:, t] = token
+        logps[:, t] = logp[:, 0]
         fed = running
         count += fed
         stopped = torch.isin(token, stop) & fed
         finished |= stopped
         running = fed & ~stopped
-        logits, hidden, attn = decode_one_token(model, cache, token, fed,
-                                                span_start if stats else None, w)
+        logits, hidden, attn = decode_one_token(model, cache, token, fed, stats_start, w)
         if stats:
             accumulate(acc, attn, hidden, fed)
         if not running.any():
@@ -213,27 +267,45 @@ def generate(model: mdl.Transformer, cache, new_tokens: list[list[int]], max_new
 
 def turn_traces(tokens, logps, count, finished, span_start, acc, alive) -> list[TurnTrace | None]:
     """generate's traces, read back at once: row r sampled tokens[r, :count[r]] from
-    span_start[r] on; acc: its TurnStats, or None without statistics."""
-    tokens, logps = tokens.cpu().tolist(), logps.cpu().tolist()
-    count, finished = count.cpu().tolist(), finished.cpu().tolist()
+    span_start[r] on; acc: its TurnStats, or None without statistics. A trace's statistics are
+    the sums divided by the row's count: the means over the turn's tokens (METHOD.md §4)."""
+    # one copy from the device each, not one a row
+    token_rows = tokens.cpu().tolist()
+    logp_rows = logps.cpu().tolist()
+    counts = count.cpu().tolist()
+    finished_rows = finished.cpu().tolist()
+    sums = None
     if acc is not None:
-        acc = TurnStats(acc.attn.cpu(), acc.h_sum.cpu(), acc.h_last.cpu())
+        sums = TurnStats(acc.attn.cpu(), acc.h_sum.cpu(), acc.h_last.cpu())
     traces = []
     for r, s in enumerate(span_start.tolist()):
-        n = count[r]
-        trace = TurnTrace(tokens=tokens[r][:n], span=(s, s + n), attn={}, h_last=None,
-                          h_mean=None, finished=finished[r], logprobs=logps[r][:n])
-        if acc is not None and n > 0:       # the turn's means
-            trace.attn = dict(zip(mdl.STATS, (acc.attn[r] / n).unbind(-1)))
-            trace.h_last, trace.h_mean = acc.h_last[:, r].clone(), acc.h_sum[:, r] / n
-        traces.append(trace if alive[r] else None)
+        n = counts[r]
+        trace = TurnTrace(tokens=token_rows[r][:n], span=(s, s + n), attn={}, h_last=None,
+                          h_mean=None, finished=finished_rows[r], logprobs=logp_rows[r][:n])
+        if sums is not None and n > 0:
+            trace.attn = dict(zip(mdl.STATS, (sums.attn[r] / n).unbind(-1)))   # STATS -> (L, H)
+            trace.h_last = sums.h_last[:, r].clone()        # (L+1, d), not a view of the batch
+            trace.h_mean = sums.h_sum[:, r] / n             # (L+1, d)
+        if alive[r]:
+            traces.append(trace)
+        else:
+            traces.append(None)
     return traces
 
 
 # ---- An episode's rollout: G rollouts of one prompt on one KV cache; held-out evaluation ---------
+# A multi-turn episode is played as one growing token sequence per rollout, held in its row of the
+# KV cache: the chat template's prompt (the task, the tool list and the reply format), then turn
+# after turn the assistant's tokens as sampled and the opening of the next turn (the observation
+# as a user message, then the assistant header). A turn prefills only what is new, so it costs its
+# own tokens, never the whole history again. The environment reads each turn's text, answers a
+# tool call with an observation, and ends the episode at a final answer or at its turn limit; the
+# rollout then gets the episode's task score. GRPO's group is G rows of the same episode.
 
 @dataclass
-class Step:                         # one assistant turn of one rollout
+class Step:
+    """One assistant turn of one rollout: the tokens the update trains on, the statistics the
+    reward reads, and the text the environment saw and answered."""
     tokens: list[int]               # what the policy generated (ends with <|im_end|> if finished)
     segment: int                    # which of Trajectory.segments holds it ...
     span: tuple[int, int]           # ... at these positions [start, end)
@@ -245,7 +317,11 @@ class Step:                         # one assistant turn of one rollout
 
 
 @dataclass
-class Trajectory:                   # one rollout of one episode
+class Trajectory:
+    """One rollout of one episode: its token sequences, its turns in order, its task score. Most
+    rollouts have one segment; an environment that rewrites earlier messages (a history cap,
+    StepResult.rewritten_from) starts a new one, rendered again from the chat, and the turns
+    after it sit in the new segment."""
     episode: object                 # an envs.Episode: step(text), messages, score(), labels()
     # one token sequence, and a new one each time the environment rewrites earlier messages
     segments: list[list[int]] = field(default_factory=lambda: [[]])
@@ -257,7 +333,10 @@ class Trajectory:                   # one rollout of one episode
 def turn_opening(tok, finished: bool, observation: str | None) -> list[int]:
     """The tokens Tokenizer.render puts between two assistant turns (METHOD.md §2): <|im_end|>
     if the turn hit max_new_tokens, "\\n", the observation as a user message, the next prompt."""
-    ids = ([] if finished else [tok.im_end_id]) + tok.encode("\n")
+    ids = []
+    if not finished:        # the template closes a turn cut off at max_new_tokens
+        ids.append(tok.im_end_id)
+    ids += tok.encode("\n")
     if observation is not None:         # text, not template: it cannot open or close a turn
         ids += [tok.im_start_id] + tok.encode(f"user\n{observation}") + [tok.im_end_id] + \
             tok.encode("\n")
@@ -267,7 +346,11 @@ def turn_opening(tok, finished: bool, observation: str | None) -> list[int]:
 @torch.no_grad()
 def rollout(policy, tok, episodes: list, args, greedy=False, generator=None,
             stats=True, caches: list | None = None) -> list[Trajectory]:
-    """Play each episode (one batch row each) to its end; `caches` gets the batch's KV cache."""
+    """Play each episode (one batch row each) to its end; `caches` gets the batch's KV cache.
+    The cache starts with room for the longest prompt and four turns (at most args.max_len) and
+    grows when a rollout needs more. args: max_turns, max_new_tokens, max_len, temperature,
+    top_p; greedy: temperature 0 (evaluation); stats=False: no statistics (a reward that reads
+    none, or evaluation)."""
     trajs = [Trajectory(ep) for ep in episodes]
     new = [tok.render(ep.messages, add_generation_prompt=True)[0] for ep in episodes]
     cache = policy.new_cache(len(episodes), capacity=min(
@@ -282,16 +365,26 @@ def rollout(policy, tok, episodes: list, args, greedy=False, generator=None,
 def play(policy, tok, trajs: list[Trajectory], cache, new: list[list[int]], args, greedy=False,
          generator=None, stats=True):
     """Continue every row to the end of its episode. Row i's cache holds traj.segments[-1]; it
-    appends new[i] before its next turn (the prompt, or the rest of a branch's prefix)."""
-    active, refill = [True] * len(trajs), [False] * len(trajs)
+    appends new[i] before its next turn (the prompt, or the rest of a branch's prefix).
+    Each round generates one turn for every row still playing, hands each turn's text to its
+    episode and records a Step; the observation's tokens are the row's next new[i]. A row stops
+    at the end of its episode, at args.max_turns, or when its next turn might pass args.max_len
+    (then truncated: it is scored as it stands). Finally each rollout gets its episode's score
+    (0 for an episode that cannot be scored)."""
+    active = [True] * len(trajs)        # rows still playing
+    refill = [False] * len(trajs)       # rows that start a new segment at their next turn
     for _ in range(args.max_turns - min(len(t.steps) for t in trajs)):
         for i, traj in enumerate(trajs):
             if len(traj.steps) >= args.max_turns:       # a branch that started deep in a tree
                 active[i] = False
             # a turn that might not fit ends the rollout (it is scored as it stands)
-            seen = 0 if refill[i] else len(traj.segments[-1])
+            if refill[i]:
+                seen = 0                    # the new segment is written over the row's slots
+            else:
+                seen = len(traj.segments[-1])
             if active[i] and seen + len(new[i]) + args.max_new_tokens > args.max_len:
-                active[i], traj.truncated = False, True
+                active[i] = False
+                traj.truncated = True
         if not any(active):
             break
         if any(a and r for a, r in zip(active, refill)):
@@ -302,9 +395,11 @@ def play(policy, tok, trajs: list[Trajectory], cache, new: list[list[int]], args
                     traj.segments.append([])
                     refill[i] = False
             mdl.set_lengths(cache, lengths)
+        temperature = args.temperature
+        if greedy:
+            temperature = 0.0
         traces = generate(policy, cache, new, max_new_tokens=args.max_new_tokens,
-                          temperature=0.0 if greedy else args.temperature,
-                          top_p=args.top_p, stop_ids=[tok.im_end_id],
+                          temperature=temperature, top_p=args.top_p, stop_ids=[tok.im_end_id],
                           generator=generator, stats=stats, active=active)
         for i, (traj, tr) in enumerate(zip(trajs, traces)):
             if tr is None:                  # a row no longer playing
@@ -314,51 +409,71 @@ def play(policy, tok, trajs: list[Trajectory], cache, new: list[list[int]], args
             start = len(seq)
             assert tuple(tr.span) == (start, start + len(tr.tokens)), (tr.span, start)
             seq += tr.tokens
-            text = tok.decode(tr.tokens[:-1] if tr.finished else tr.tokens)
+            # the environment reads the turn without its closing <|im_end|>
+            if tr.finished:
+                text = tok.decode(tr.tokens[:-1])
+            else:
+                text = tok.decode(tr.tokens)
             before = [dict(m) for m in traj.episode.messages]   # as this turn saw them
             result = traj.episode.step(text)
-            obs = None if result.done else traj.episode.messages[-1]["content"]
+            obs = None
+            if not result.done:
+                obs = traj.episode.messages[-1]["content"]
             history = before + [dict(traj.episode.messages[len(before)])]
+            kept = None                     # the trace a Step keeps: none without statistics
+            if stats:
+                kept = tr
             traj.steps.append(Step(list(tr.tokens), len(traj.segments) - 1, (start, len(seq)),
-                                   text, tr if stats else None, obs,
+                                   text, kept, obs,
                                    nll=-sum(tr.logprobs) / max(len(tr.logprobs), 1),
                                    history=history))
             if result.done:
-                active[i], new[i] = False, []
+                active[i] = False
+                new[i] = []
             elif getattr(result, "rewritten_from", None) is not None:
+                # earlier messages changed: the next turn starts a segment from the whole chat
                 new[i] = tok.render(traj.episode.messages, add_generation_prompt=True)[0]
                 refill[i] = True
             else:
                 new[i] = turn_opening(tok, tr.finished, obs)
     for traj in trajs:
         score = traj.episode.score()
-        traj.score = 0.0 if score is None else float(score)
+        if score is None:           # a skipped episode (it cannot be scored) counts 0
+            traj.score = 0.0
+        else:
+            traj.score = float(score)
 
 
 def evaluate(policy, tok, env, pool, n: int, args, procs, name: str = "held-out") -> dict:
     """Greedy rollouts on the first n episodes of `pool` (0: all): mean task score, mean turns,
-    and every episode's score in pool order (for paired comparisons)."""
-    n = len(pool) if not n else min(n, len(pool))
-    mine = list(range(procs.rank, n, procs.size))
+    and every episode's score in pool order (for paired comparisons). Each process plays every
+    procs.size-th episode, args.eval_batch at a time; the scores are gathered back in order."""
+    count = len(pool)                   # the episodes evaluated
+    if n:
+        count = min(n, len(pool))
+    mine = list(range(procs.rank, count, procs.size))
     policy.eval()
-    scores, turns, t0 = [], 0, time.perf_counter()
+    my_scores = []                      # this process's episodes' scores, in `mine` order
+    my_turns = 0
+    t0 = time.perf_counter()
     for i in range(0, len(mine), args.eval_batch):
         episodes = [env.episode(pool[j]) for j in mine[i:i + args.eval_batch]]
         for traj in rollout(policy, tok, episodes, args, greedy=True, stats=False):
-            scores.append(traj.score)
-            turns += len(traj.steps)
+            my_scores.append(traj.score)
+            my_turns += len(traj.steps)
         if procs.main:          # at 7B an evaluation takes minutes: say how far it is
-            left = (time.perf_counter() - t0) / len(scores) * (len(mine) - len(scores))
-            print(f"  evaluating: {len(scores)}/{len(mine)} {name} episodes, {duration(left)} "
+            left = (time.perf_counter() - t0) / len(my_scores) * (len(mine) - len(my_scores))
+            print(f"  evaluating: {len(my_scores)}/{len(mine)} {name} episodes, {duration(left)} "
                   "left", flush=True)
-    turns = procs.all_sum([turns])[0]
-    order = procs.gather([float(j) for j in mine], n)
-    scores = [s for _, s in sorted(zip(order, procs.gather(scores, n)))]
-    return {"success": sum(scores) / max(n, 1), "episodes": n, "turns": turns / max(n, 1),
-            "scores": scores}
+    turns = procs.all_sum([my_turns])[0]
+    order = procs.gather([float(j) for j in mine], count)
+    scores = [s for _, s in sorted(zip(order, procs.gather(my_scores, count)))]
+    return {"success": sum(scores) / max(count, 1), "episodes": count,
+            "turns": turns / max(count, 1), "scores": scores}
 
 
 def evaluate_all(step: int, policy, tok, held: dict, args, procs) -> dict:
+    """The validation split (which picks the checkpoint) and the test split (which reports it)."""
     return {"step": step, "val": evaluate(policy, tok, *held["val"], args.val_episodes, args,
                                           procs, "validation"),
             "test": evaluate(policy, tok, *held["test"], args.eval_episodes, args, procs, "test")}
@@ -367,10 +482,28 @@ def evaluate_all(step: int, policy, tok, held: dict, args, procs) -> dict:
 def duration(seconds: float) -> str:
     """"42s" or "3m07s"."""
     seconds = int(round(seconds))
-    return f"{seconds // 60}m{seconds % 60:02d}s" if seconds >= 60 else f"{seconds}s"
+    if seconds >= 60:
+        return f"{seconds // 60}m{seconds % 60:02d}s"
+    return f"{seconds}s"
 
 
 # ---- Features (METHOD.md §4) ---------------------------------------------------------------------
+# Per turn, with d the hidden size, L layers and H query heads; p_ij is the softmax probability of
+# the turn's query row i on causal key j <= i, and each statistic is a mean over the turn's rows:
+#   last_token    the last hidden state (after the final norm) at the turn's last token    d
+#   mean_pooled   the last hidden state averaged over the turn                               d
+#   multi_layer   the last four hidden states at the last token, concatenated               4d
+#   attention     the last layer's [max, std, prefix, self], each over the H heads          4H
+#   multi_attn    the same for every layer, layer-major                                    4HL
+#   hidden_attn   [last_token; attention]                                               d + 4H
+#   lookback      m_ctx / (m_ctx + m_new) of every layer and head (Lookback Lens)           HL
+#   head_entropy  -log sum_j p_ij^2 of every layer and head (Renyi-2, Head Entropy)          HL
+# with max = max_j p_ij, std their population std over the i + 1 keys, prefix = sum_{j < start}
+# p_ij (the context before the turn), self = sum_{start <= j <= i} p_ij (the turn itself), and
+# m_ctx, m_new the mean p_ij over those two key ranges. CoE turns every layer's mean hidden state
+# into two unsupervised scores (coe_scores). PAIR's stage 1 reads last_token, its stage 2
+# [multi_attn; s_bc] (pair.py).
+
 
 def coe_scores(h: torch.Tensor) -> tuple[float, float]:
     """CoE-R = mean M - mean A and CoE-C = |mean M e^{iA}| (Wang et al., ICLR 2025) from the
@@ -388,7 +521,9 @@ def coe_scores(h: torch.Tensor) -> tuple[float, float]:
 
 
 def raw_features(trace, coe: bool = True) -> dict[str, torch.Tensor]:
-    """What any probe needs of one TurnTrace, float32 on the CPU (coe=False: no CoE scores)."""
+    """What any probe needs of one TurnTrace, float32 on the CPU (coe=False: no CoE scores):
+    the last four hidden states at the last token, the last one's turn mean, the six statistics
+    of every layer and head, and CoE's two scores (from every layer's turn mean, not kept)."""
     raw = {"h_last4": trace.h_last[-4:].float(),                        # (4, d)
            "h_mean": trace.h_mean[-1].float()}                          # (d,)
     for stat in ("max", "std", "prefix", "self", "entropy", "lookback"):
@@ -407,10 +542,11 @@ def stack_raw(raws: list[dict]) -> dict[str, torch.Tensor]:
 
 def attn_features(raw: dict, stats=ATTN_STATS, last_layer_only=False) -> torch.Tensor:
     """The statistics `stats` of every layer (multi_attn) or of the last one (attention), layer-
-    major: for each layer the statistics one after the other, each over all heads."""
+    major: for each layer the statistics one after the other, each over all heads. PAIR's stage 2
+    passes the statistics it was fitted on: all four, or a subset (the ablation of METHOD.md §8)."""
     parts = [raw[f"attn_{s}"] for s in stats]                           # k x (N, L, H)
     if last_layer_only:
-        parts = [p[:, -1:] for p in parts]
+        parts = [p[:, -1:] for p in parts]                              # k x (N, 1, H)
     return torch.stack(parts, dim=-2).flatten(-3).double()              # (N, L, k, H) -> flat
 
 
@@ -440,14 +576,23 @@ def feature(name: str, raw: dict[str, torch.Tensor]) -> torch.Tensor:
 # ---- The probe (METHOD.md §5) --------------------------------------------------------------------
 
 class Probe:
-    """StandardScaler + L2-regularized logistic regression; predicts P(label 1) = P(correct)."""
+    """StandardScaler + L2-regularized logistic regression; predicts P(label 1) = P(correct):
+        z = (x - mean) / scale,     P(correct | x) = sigmoid(w . z + b)."""
 
     def __init__(self, mean=None, scale=None, w=None, b=None, info=None):
-        self.mean, self.scale = mean, scale     # (D,) StandardScaler
-        self.w, self.b = w, b                   # (D,), () on the standardized features
+        self.mean = mean                        # (D,) StandardScaler's mean ...
+        self.scale = scale                      # (D,) ... and its std (1 for a constant column)
+        self.w = w                              # (D,) on the standardized features
+        self.b = b                              # () the intercept
         self.info = dict(info or {})            # C, n, convergence, feature name, ...
 
     def fit(self, X, y, C: float = 0.01, tol: float = 1e-8, max_iter: int = 5000) -> "Probe":
+        """Fit on X (n, D) and labels y (n,) in {0, 1}, both classes present: the scaler's mean
+        and population std of each column, then w and b minimizing, on the standardized rows z_i,
+            sum_i logloss(sigmoid(w . z_i + b), y_i) + ||w||^2 / (2C)
+        (b is not penalized; a smaller C pulls w harder to 0; METHOD.md §5 fixes C = 0.01).
+        Standardizing first makes one C mean the same for features of any scale, as in
+        scikit-learn's StandardScaler + LogisticRegression(C), whose optimum this is."""
         X = torch.as_tensor(X, dtype=torch.float64)
         y = torch.as_tensor(y, dtype=torch.float64).flatten()
         n, d = X.shape
@@ -462,7 +607,8 @@ class Probe:
             raise ValueError(f"labels hold a single class ({int(y[0])}); a probe needs both")
         t0 = time.perf_counter()
 
-        # StandardScaler: population std; near-constant columns (as scikit-learn decides) keep 1
+        # StandardScaler: population std; a near-constant column (its variance within the
+        # rounding error of the two-pass computation, as scikit-learn decides) keeps scale 1
         self.mean = X.mean(dim=0)
         var = X.var(dim=0, correction=0)
         eps = torch.finfo(torch.float64).eps
@@ -493,7 +639,8 @@ class Probe:
     @classmethod
     def load(cls, path) -> "Probe":
         tensors, meta = read_safetensors(path, "probe")
-        if missing := {"mean", "scale", "w", "b"} - set(tensors):
+        missing = {"mean", "scale", "w", "b"} - set(tensors)
+        if missing:
             raise FormatError(f"{path}: not a probe file (missing tensors {sorted(missing)})")
         info = _json_entry(meta, "probe", path) or {}
         _check_finite(tensors, path)       # a NaN weight would turn every reward into NaN
@@ -506,7 +653,9 @@ class Probe:
 def _fit_logistic(Z, y, C, tol, max_iter):
     """min_{w,b} sum_i logloss(z_i . w + b, y_i) + ||w||^2 / (2C), over n so that the tolerances
     do not depend on n; strongly convex, so LBFGS reaches scikit-learn's optimum. It stops at max
-    |grad| <= tol or an objective change < 1e-14 (|grad| ~1e-8): not converged is |grad| > 1e-6."""
+    |grad| <= tol or an objective change < 1e-14 (|grad| ~1e-8): not converged is |grad| > 1e-6.
+    logloss(s, y) = -y log sigmoid(s) - (1 - y) log(1 - sigmoid(s)), from the logits (stable).
+    -> (w, b, {iterations, grad_max, converged, objective}), the objective not divided by n."""
     n, d = Z.shape
     w = torch.zeros(d, dtype=torch.float64, requires_grad=True)
     # Starting the intercept at the log-odds of the base rate is the exact optimum at w = 0.
@@ -560,11 +709,16 @@ def check_same_source(a: dict, a_name, b: dict, b_name) -> None:
 
 
 def describe_source(src: dict) -> str:
+    """"model NAME (sha256 0123456789ab), bfloat16, d=896 L=24 H=14", with what `src` holds."""
     dims = src.get("dims") or {}
-    return (f"model {src.get('model', '?')}"
-            + (f" (sha256 {src['model_sha256'][:12]})" if "model_sha256" in src else "")
-            + (f", {src['dtype']}" if "dtype" in src else "")
-            + (f", d={dims.get('d')} L={dims.get('L')} H={dims.get('H')}" if dims else ""))
+    text = f"model {src.get('model', '?')}"
+    if "model_sha256" in src:
+        text += f" (sha256 {src['model_sha256'][:12]})"
+    if "dtype" in src:
+        text += f", {src['dtype']}"
+    if dims:
+        text += f", d={dims.get('d')} L={dims.get('L')} H={dims.get('H')}"
+    return text
 
 
 def read_safetensors(path, what: str) -> tuple[dict[str, torch.Tensor], dict]:
@@ -610,7 +764,8 @@ def labels_scores(y, s):
 
 def auroc(y, s) -> float:
     """P(score of a random positive > that of a random negative), ties counting 1/2 (Mann-Whitney
-    U with average ranks). NaN when one class is absent."""
+    U with average ranks): (R_pos - n_pos (n_pos + 1) / 2) / (n_pos n_neg), R_pos the sum of the
+    positives' ranks among all scores. NaN when one class is absent."""
     y, s = labels_scores(y, s)
     n_pos = y.sum().item()
     n_neg = y.numel() - n_pos

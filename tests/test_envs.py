@@ -3,6 +3,7 @@ scoring, the loaders, and the OpenAI-compatible client (judge, contamination) ag
 server."""
 import functools
 import json
+import math
 import os
 import random
 import re
@@ -301,9 +302,9 @@ def test_calculator_values(expr, out):
     ("(1).__class__", "attribute access"), ("math.__dict__", "unknown name"),
     ("().__class__.__bases__", "attribute access"), ("[1, 2]", "unsupported syntax"),
     ("'a' * 3", "unsupported literal"), ("lambda: 1", "unsupported syntax"),
-    ("9 ** 9 ** 9", "result too large"), ("2 ** 100000", "result too large"),
-    ("pow(10, 5000)", "result too large"), ("factorial(100000)", "argument too large"),
-    ("10 ** 2000 * 10 ** 2000", "result too large"),
+    ("9 ** 9 ** 9", "the result is too large"), ("2 ** 100000", "the result is too large"),
+    ("pow(10, 5000)", "the result is too large"), ("factorial(100000)", "argument too large"),
+    ("10 ** 2000 * 10 ** 2000", "the result is too large"),
     ("1 / 0", "division by zero"), ("sqrt(-1)", "math domain error"), ("29,000 + 1", "comma"),
     ("(-8) ** (1/3)", "not a real number"), ("1 +", "invalid expression"), ("1" * 2000, "longer"),
     ("round(x=1)", "positional arguments"), ("max(*[1])", "positional arguments"),
@@ -312,6 +313,51 @@ def test_calculator_values(expr, out):
 def test_calculator_rejects(expr, message):
     out = envs.calculate(expr)
     assert out.startswith("Error: ") and message in out
+
+
+# Past the largest float (about 1.8e308): an OverflowError ("(34, 'Numerical result out of
+# range')", "math range error", "int too large to convert to float"), or an operation that
+# overflows to inf without an error.
+@pytest.mark.parametrize("expr", [
+    "10.0 ** 400", "pow(10.0, 400)", "2.0 ** 1024", "(-2.0) ** 1025", "exp(1000)", "cosh(1000)",
+    "10 ** 400 - 1.5", "sqrt(10 ** 400)", "float(10 ** 400)", "3 ** 1000 / 3",
+    "round(1.7e308, -308)", "1e308 * 10", "-1e308 * 10", "1e308 + 1e308", "1e308 / 0.1",
+    "degrees(1e308)", "1e308 * 10 - 1e308 * 10",
+])
+def test_calculator_answers_a_float_overflow_with_a_sentence(expr):
+    assert envs.calculate(expr) == "Error: the result is too large"
+
+
+@pytest.mark.parametrize("expr", ["1e309", "-1e309", "1e400 * 0", "1e309 - 1e309", "sqrt(1e999)"])
+def test_calculator_refuses_an_infinite_literal(expr):
+    assert envs.calculate(expr) == "Error: a number in the expression is too large"
+
+
+@pytest.mark.parametrize("expr", ["inf", "-inf", "nan", "math.inf", "math.nan", "inf - inf",
+                                  "nan + 1", "float('nan')", "float('inf')", "max(1, inf)"])
+def test_calculator_knows_no_inf_or_nan(expr):
+    assert envs.calculate(expr).startswith("Error: ")       # not "inf" or "nan"
+
+
+def test_calculator_answers_finite_numbers_or_sentences():
+    rng = random.Random(3)
+    pieces = ["1e308", "1e307", "9", "0.5", "2", "*", "+", "-", "/", "**", "(", ")", "exp(",
+              "degrees(", "pow(", ",", "1e309", "inf", "nan", "10 ** 400", "hypot("]
+    for _ in range(3000):
+        out = envs.calculate(" ".join(rng.choice(pieces) for _ in range(rng.randint(1, 8))))
+        if out.startswith("Error: "):
+            assert not out.startswith("Error: ("), out        # no raw (errno, message) tuple
+        else:
+            assert math.isfinite(float(out)) or out.lstrip("-").isdigit(), out
+
+
+def test_shop_calculator_never_answers_inf():
+    task = envs.shop_task(1)
+    # an integer past 1.8e308 is exact: the shop tool shows it, not float()'s inf
+    res = envs.shop_execute(task, "Calculator", {"expression": "2 ** 1100"})
+    assert res.text == str(2 ** 1100) and res.number is None
+    res = envs.shop_execute(task, "Calculator", {"expression": "1e308 * 10"})
+    assert res.text == "Error: the result is too large" and res.number is None
 
 
 HOSTILE = ["round(1, -10**8)", "round(1, -10**7)", "round(2**3999, -10**8)", "round(1.5, -10**8)",
@@ -337,7 +383,7 @@ def test_calculator_bounds_every_operation_before_running_it():
     results = {e: out for e, out, _ in json.loads(r.stdout)}
     assert results["round(1, -10**8)"] == "Error: round() digits out of range (limit 1000)"
     assert results["round(1, 10**8)"].startswith("Error")
-    assert results["2**3999 * 2**3999"] == "Error: result too large"
+    assert results["2**3999 * 2**3999"] == "Error: the result is too large"
     assert results["(-1) ** (2**3999)"] == "1"
     assert envs.calculate("round(1234, -2)") == "1200"
     assert envs.calculate("round(2.675, 2.0)") == "2.67"
