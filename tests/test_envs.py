@@ -593,7 +593,7 @@ def test_split_episodes_refuses_to_write_over_the_released_files(release_dir, tm
 def test_missing_split_is_a_clear_error(tmp_path):
     with pytest.raises(envs.DataError, match="no released 'train' split .* `python -m lab.data "
                        "split-episodes toolbench --out OUT/toolbench` writes one"):
-        envs.make("toolbench", split="train", data_dir=tmp_path, judge_model=None)
+        envs.make("toolbench", "train", tmp_path, toolbench.REPLAYS, judge_model=None)
     with pytest.raises(ValueError, match="unknown environment"):
         envs.make("webshop")
 
@@ -660,11 +660,12 @@ def test_missing_key_fails_before_any_work(monkeypatch, tmp_path):
         toolbench.ChatClient("m")
     # the data dir does not exist: the key is checked before any load or download
     with pytest.raises(envs.LLMError, match="OPENAI_API_KEY is not set"):
-        envs.make("toolbench", data_dir=tmp_path / "nowhere")
+        envs.make("toolbench", data_dir=tmp_path / "nowhere", replays=toolbench.REPLAYS)
 
 
 def test_toolbench_scored_by_the_judge(fake_openai, tmp_path, release_dir):
-    env = envs.make("toolbench", data_dir=release_dir, judge_cache=tmp_path / "llm")
+    env = envs.make("toolbench", data_dir=release_dir, replays=toolbench.REPLAYS,
+                     judge_cache=tmp_path / "llm")
     key = env.ids[0]
     record = env.records[key]
     ep = env.episode(key)
