@@ -97,7 +97,7 @@ def check_run(spec: str, argv: list[str], reward: str, seed: int, run: Path, res
                 "grpo.py: error: ")
         raise SystemExit(f"compare: {spec!r} (run {run.name}): {why}") from None
     if done:            # tabulated as it is, so it must be the run this command asks for
-        old = read_json(run / "args.json")
+        old = read_run_json(run / "args.json")
         changed = grpo.changed_flag(args, old)
         if changed:
             flag, now, then = changed
@@ -124,11 +124,12 @@ def damaged(path: Path, what: str) -> SystemExit:
                       "again to redo that run")
 
 
-def _number(x) -> bool:
+def _is_number(x) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool)
 
 
-def read_json(path: Path) -> dict:
+def read_run_json(path: Path) -> dict:
+    """A finished run's JSON object; anything else is `damaged`, the run to be redone."""
     try:
         data = json.loads(path.read_text())
     except FileNotFoundError:
@@ -157,9 +158,9 @@ def read_metrics(run: Path, keys: tuple[tuple[str, ...], tuple[str, ...]]) -> li
         raise damaged(path, "missing or empty: no training step logged")
     need, may = keys
     for m in ms:
-        bad = [k for k in need if not _number(m.get(k))] + \
-            [k for k in may if k in m and not _number(m[k])]
-        if m.get("probe_auroc") is not None and not _number(m["probe_auroc"]):
+        bad = [k for k in need if not _is_number(m.get(k))] + \
+            [k for k in may if k in m and not _is_number(m[k])]
+        if m.get("probe_auroc") is not None and not _is_number(m["probe_auroc"]):
             bad.append("probe_auroc")
         if bad:
             raise damaged(path, f"step {m['step']}: {', '.join(bad)} not a number")
@@ -170,19 +171,19 @@ def read_run(run: Path) -> tuple[dict, list[dict], dict]:
     """A finished run's summary.json, metrics.jsonl and eval.jsonl (by step), with what the
     table reads from each checked."""
     path = run / "summary.json"
-    s = read_json(path)
-    if not _number(s.get("seconds")):
+    s = read_run_json(path)
+    if not _is_number(s.get("seconds")):
         raise damaged(path, 'no number "seconds"')
     heldout = s.get("probe_auroc_heldout", {})
     if not isinstance(heldout, dict) or not (heldout.get("pair") is None
-                                             or _number(heldout["pair"])):
+                                             or _is_number(heldout["pair"])):
         raise damaged(path, '"probe_auroc_heldout" is not an object with a number "pair"')
     evals = {}
     for e in read_log(run / "eval.jsonl"):
         test = e.get("test")
-        if not (isinstance(test, dict) and _number(test.get("success"))
+        if not (isinstance(test, dict) and _is_number(test.get("success"))
                 and isinstance(test.get("scores"), list) and test["scores"]
-                and all(map(_number, test["scores"]))):
+                and all(map(_is_number, test["scores"]))):
             raise damaged(run / "eval.jsonl", f"step {e['step']}: \"test\" is not an object with "
                           "a number \"success\" and a list of numbers \"scores\"")
         evals[e["step"]] = e
@@ -191,7 +192,8 @@ def read_run(run: Path) -> tuple[dict, list[dict], dict]:
         if c is None:
             raise damaged(path, f'"{key}" is null: the run has no held-out evaluation (was it '
                           "run with --no-eval, or by compare --cost?)")
-        if not (isinstance(c, dict) and type(c.get("step")) is int and _number(c.get("success"))):
+        if not (isinstance(c, dict) and type(c.get("step")) is int
+                and _is_number(c.get("success"))):
             raise damaged(path, f'"{key}" is not an object with an integer "step" and a number '
                           '"success"')
         if key != "best_on_test" and c["step"] not in evals:
@@ -503,7 +505,7 @@ def habit_tasks(run: Path) -> dict[str, list[int]] | None:
     """On a built-in world, the test tasks (indices in evaluation order) that have each habit of
     its policy (shop.slip_turns), and those with none: which errors a reward taught away, where
     the success rate alone cannot say. None on other environments."""
-    args = read_json(run / "args.json")
+    args = read_run_json(run / "args.json")
     n = args.get("eval_episodes")
     if not isinstance(args.get("env"), str) or not (n is None or type(n) is int and n >= 0):
         raise damaged(run / "args.json", 'no string "env" or no count "eval_episodes"')

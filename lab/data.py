@@ -35,9 +35,10 @@ def matched_record(episode_id: str, turn_idx: int, label: bool, kind, indices: l
 
 # ---- The released files beyond the core's episode files: contaminated episodes, matched turns ---
 
-RELEASE_FILES = {family: [f"{kind}{part}_{split}.json" for kind in ("", "matched_")
-                          for part in ("clean", "contaminated") for split in splits]
-                 for family, splits in (("gta", ("train", "test")), ("toolbench", ("test",)))}
+# Every released file of a family; envs.RELEASE_FILES names only the episode files the core plays.
+ALL_RELEASE_FILES = {family: [f"{kind}{part}_{split}.json" for kind in ("", "matched_")
+                              for part in ("clean", "contaminated") for split in splits]
+                     for family, splits in (("gta", ("train", "test")), ("toolbench", ("test",)))}
 CONTAMINATION_TYPES = ("reasoning_error", "tool_misuse", "observation_misinterpretation",
                        "stale_memory")
 _MATCHED_FIELDS = {
@@ -58,15 +59,15 @@ def download(family: str, data_dir=None, ref: str = envs.RELEASE_REF, force: boo
     """Fetch every released file of `family` into data_dir/family/ (returned), each validated
     before it is written (the core fetches only its episode files)."""
     folder = Path(data_dir or envs.default_data_dir()) / family
-    for name in RELEASE_FILES[family]:
-        check = check_matched_file if name.startswith("matched_") else check_episode_file
+    for name in ALL_RELEASE_FILES[family]:
+        check = check_matched_file if name.startswith("matched_") else check_released_episode_file
         envs.fetch(family, name, folder, check, ref, force)
     return folder
 
 
-def check_episode_file(data, path) -> None:
-    """envs' checks, and a contaminated record's: its contaminated turns are assistant turns of a
-    known contamination type."""
+def check_released_episode_file(data, path) -> None:
+    """envs.check_episode_file's checks, and a contaminated record's: its contaminated turns are
+    assistant turns of a known contamination type."""
     envs.check_episode_file(data, path)
     keys = _CONTAMINATION_KEYS
     for rid, rec in data.items():
@@ -84,11 +85,12 @@ def check_episode_file(data, path) -> None:
                          f"unknown contamination type {kind!r}")
 
 
-def load_episodes(path: str | Path) -> dict[str, dict]:
-    """An episode file, clean or contaminated, every record validated."""
+def load_released_episodes(path: str | Path) -> dict[str, dict]:
+    """An episode file, clean or contaminated, every record validated: envs.load_episodes'
+    checks and a contaminated record's fields (check_released_episode_file)."""
     path = Path(path)
     data = envs.read_json(path)
-    check_episode_file(data, path)
+    check_released_episode_file(data, path)
     return data
 
 
@@ -305,7 +307,7 @@ def contaminate_file(data: str | Path, out: str | Path, client: toolbench.ChatCl
         counts[status] = counts.get(status, 0) + 1
     if not result:
         raise envs.DataError(f"{data}: no episode was contaminated ({counts}); {out} not written")
-    check_episode_file(result, out)
+    check_released_episode_file(result, out)
     model.write_atomic(Path(out), json.dumps(result, indent=2, ensure_ascii=False).encode("utf-8"))
     return counts
 
@@ -476,7 +478,7 @@ def split_episodes(data_dir, family: str, out_dir, seed: int = 0, fraction: floa
     for name in SPLIT_FILES:
         path = folder / f"{name}_test.json"
         data[name] = envs.read_json(path)
-        check = check_matched_file if name.startswith("matched_") else check_episode_file
+        check = check_matched_file if name.startswith("matched_") else check_released_episode_file
         check(data[name], path)
     ids = sorted(data["clean"])
     rng = random.Random(f"split-{family}-{seed}")
@@ -558,7 +560,7 @@ def load_matched(path: str | Path) -> list[dict]:
     if not path.name.startswith("matched_"):
         raise envs.DataError(f"{path}: a matched file is named matched_<family>_<split>.json")
     episode_path = path.with_name(path.name[len("matched_"):])
-    episodes = load_episodes(episode_path)
+    episodes = load_released_episodes(episode_path)
     out = []
     for i, rec in enumerate(data):
         ep = episodes.get(rec["episode_id"])
@@ -580,7 +582,7 @@ def main(argv=None):
     sub = ap.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("download", help="fetch the released splits from the authors' repository")
-    p.add_argument("family", choices=sorted(RELEASE_FILES), help="which benchmark's files")
+    p.add_argument("family", choices=sorted(ALL_RELEASE_FILES), help="which benchmark's files")
     p.add_argument("--data-dir", default=None,
                    help="root folder (files go to DIR/<family>/); default $PAIR_DATA or "
                         "~/.cache/pair/data")
@@ -614,7 +616,7 @@ def main(argv=None):
 
     p = sub.add_parser("split-episodes", help="split a benchmark's released test files by "
                                               "episode into train and test halves")
-    p.add_argument("family", choices=sorted(RELEASE_FILES), help="which benchmark")
+    p.add_argument("family", choices=sorted(ALL_RELEASE_FILES), help="which benchmark")
     p.add_argument("--data-dir", default=None,
                    help="root folder of the released files (DIR/<family>/)")
     p.add_argument("--out", required=True, help="output folder for the eight files")

@@ -1,10 +1,6 @@
 """The detection study (paper §3, Table result_pair): features extracted from matched records,
 PAIR and every baseline probe trained per seed, and the paper's tables (a)-(e).
 
-Protocol (METHOD.md §8): each probe is trained with seeds 42, 43, 44; a seed draws a class-balanced
-subsample of matched_clean_train (the same records are taken from matched_contaminated_train in
-mixed mode); results are mean +- std over seeds on matched_clean_test and matched_contaminated_test.
-
 Contamination distance (METHOD.md §8c): d = the number of assistant turns from the nearest earlier
 contaminated turn to the evaluated one. The released indices count dialog *messages* (user,
 assistant, tool), so their difference is 2 for the immediately preceding assistant turn and bucket
@@ -12,14 +8,11 @@ d = 1 would always be empty; the paper reads d = 1 as "the error is the immediat
 turn", so `distance` counts assistant turns (the message difference is kept as
 `distance_messages`).
 
-Contamination analyses. (b) is also measured on the matched pairs whose two model inputs
-differ (by an input digest recorded at extraction): in the released GTA test splits 104 of 177
-pairs are the same dialog twice, which can only dilute a drop. There, per method: AUROC clean and
-contaminated, the drop with a paired bootstrap 95% interval (1,000 resamples of the pairs, seed
-0), and how far the evaluation turn's logit moved between its two prefixes (report.json
-`drop_differing`). (e) reads matched_diagnostic_test (shop: `python -m lab.shop make-data`; GTA:
-`python -m lab.data make-diagnostic gta`), overall and per rule of its negatives (report.json
-`diagnostic`).
+This file extracts the features (`extract`: one teacher-forced forward per record, resumable)
+and holds the commands. The protocol - the features read as splits, each seed's training set, the
+probes fitted on it and the metrics - is lab/detection.py's (seeds 42, 43, 44, each a
+class-balanced subsample of matched_clean_train; mean +- std over seeds); the paper's tables
+(a)-(e) and the contamination analyses are lab/report.py's.
 
     python -m lab.study extract --model DIR --data gta/matched_clean_train.json \\
                                 --out feats/matched_clean_train.safetensors
@@ -31,13 +24,10 @@ from __future__ import annotations
 import argparse
 import contextlib
 import hashlib
-import itertools
 import json
-import math
 import shutil
 import sys
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -47,15 +37,16 @@ import model as mdl
 import pair
 import probes
 from lab import data as lab_data, runs, traces
-
-
-SEEDS = (42, 43, 44)
-MODES = ("mixed", "clean_only")
-TRAIN_SPLITS = {"clean_only": ("matched_clean_train",),
-                "mixed": ("matched_clean_train", "matched_contaminated_train")}
-TEST_SPLITS = ("matched_clean_test", "matched_contaminated_test")
-DIAGNOSTIC_SPLIT = "matched_diagnostic_test"   # python -m lab.shop make-data writes it
-DISTANCE_BUCKETS = ("1", "2", "3", "4", "5", "6", "7+")
+from lab.detection import (DIAGNOSTIC_SPLIT, MODES, SCORES, SEEDS, TEST_SPLITS, TRAIN_SPLITS,
+                           fit_baselines, load_features, load_splits, mean_std, metrics, predict,
+                           training_set, unsupervised_score)
+from lab.report import (guess_paper_ref, json_clean, md_table, ms_cell, nested,
+                        render_markdown, run_report)
+# Read as study.<name> by onpolicy.py, credit.py, baselines.py and tests/test_pair.py,
+# tests/test_advantage_forms.py: importable here until they import them from lab.detection and
+# lab.report.
+from lab.detection import Split, balanced_indices, concat_splits, load_split  # noqa: F401
+from lab.report import DISTANCE_BUCKETS, METHODS, distance_bucket  # noqa: F401
 
 
 def contamination_distance(record: dict) -> tuple[int, int]:
@@ -82,6 +73,16 @@ def render_record(record, tokenizer, max_len=4096):
     if spans[-1][1] - spans[-1][0] < 1:
         raise ValueError(f"the evaluation turn does not fit in --max-len {max_len}")
     return ids, spans[-1], cut
+
+
+def keep_last(ids: list[int], spans: list[tuple], max_len: int):
+    """Keep the last max_len tokens (METHOD.md §3); spans shift with them, a span cut in part is
+    clipped at 0 and one cut entirely becomes (0, 0). Returns (ids, spans, n_cut)."""
+    cut = max(0, len(ids) - max_len)
+    if not cut:
+        return ids, list(spans), 0
+    shifted = [(max(0, s - cut), max(0, e - cut)) for s, e in spans]
+    return ids[cut:], shifted, cut
 
 
 def input_digest(ids: list[int], span) -> torch.Tensor:
@@ -289,546 +290,6 @@ def _merge_parts(parts, records, out_path, manifest, failed, log) -> dict:
     return meta
 
 
-@dataclass
-class Split:
-    """One features file: raw tensors stacked over records, labels and string columns."""
-    name: str
-    raw: dict
-    y: torch.Tensor
-    episode_id: list[str]
-    meta: dict
-
-    def keys(self) -> list[tuple[str, int]]:
-        return list(zip(self.episode_id, self.raw["turn_idx"].tolist()))
-
-    def take(self, idx) -> "Split":
-        idx = torch.as_tensor(idx, dtype=torch.long)
-        return Split(self.name, {k: v[idx] for k, v in self.raw.items()}, self.y[idx],
-                     [self.episode_id[i] for i in idx.tolist()], self.meta)
-
-
-def load_split(path, name=None) -> Split:
-    raw, meta = load_features(path)
-    return Split(name or Path(path).stem, raw, raw["label"].long(), list(meta["episode_id"]),
-                 meta)
-
-
-def load_splits(features_dir, names) -> dict[str, Split]:
-    """The named features files of a directory (<name>.safetensors); absent ones are skipped."""
-    features_dir = Path(features_dir)
-    if not features_dir.is_dir():
-        raise FileNotFoundError(f"features directory not found: {features_dir}")
-    splits = {n: load_split(features_dir / f"{n}.safetensors", n) for n in names
-              if (features_dir / f"{n}.safetensors").is_file()}
-    path = {n: features_dir / f"{n}.safetensors" for n in splits}
-    first, *rest = splits.values() if splits else [None]
-    for split in rest:                  # all from one model, or the probes learn a mixture
-        probes.check_same_source(probes.source(first.meta), path[first.name],
-                                 probes.source(split.meta), path[split.name])
-    return splits
-
-
-def concat_splits(splits: list[Split]) -> Split:
-    common = set.intersection(*(set(s.raw) for s in splits))
-    raw = {k: torch.cat([s.raw[k] for s in splits]) for k in common}
-    return Split("+".join(s.name for s in splits), raw, torch.cat([s.y for s in splits]),
-                 sum((s.episode_id for s in splits), []), splits[0].meta)
-
-
-def balanced_indices(y: torch.Tensor, seed: int) -> torch.Tensor:
-    """A class-balanced subsample: every record of the minority class and as many of the
-    majority class, drawn with `seed`."""
-    g = torch.Generator().manual_seed(seed)
-    pos, neg = (y == 1).nonzero().flatten(), (y == 0).nonzero().flatten()
-    m = min(len(pos), len(neg))
-    if m == 0:
-        raise probes.FormatError("the training split holds a single class")
-    pick = [c[torch.randperm(len(c), generator=g)[:m]] for c in (pos, neg)]
-    return torch.cat(pick).sort().values
-
-
-def training_set(splits: dict[str, Split], mode: str, seed: int) -> Split:
-    """The seed's balanced subsample of matched_clean_train, plus (mixed) the same records of
-    matched_contaminated_train: its evaluation turns are identical, only the prefix differs."""
-    need = TRAIN_SPLITS[mode]
-    missing = [n for n in need if n not in splits]
-    if missing:
-        raise FileNotFoundError(f"mode {mode!r} needs the features of {missing} "
-                                f"(<name>.safetensors in the features directory)")
-    clean = splits["matched_clean_train"]
-    chosen = clean.take(balanced_indices(clean.y, seed))
-    if mode == "clean_only":
-        return chosen
-    contam = splits["matched_contaminated_train"]
-    row = {k: i for i, k in enumerate(contam.keys())}
-    twins = [row[k] for k in chosen.keys() if k in row]
-    if len(twins) < len(chosen.y):
-        print(f"warning: {len(chosen.y) - len(twins)} records of the clean subsample have no "
-              "matched_contaminated_train twin (failed extraction?)", file=sys.stderr)
-    return concat_splits([chosen, contam.take(twins)])
-
-
-def fit_baselines(train: Split, C=0.01, info=None) -> dict[str, probes.Probe]:
-    """Every supervised baseline probe (METHOD.md §5) on one training set."""
-    return {name: probes.Probe(info={"feature": name, **(info or {})})
-            .fit(probes.feature(name, train.raw), train.y, C) for name in probes.FEATURES}
-
-
-def predict(model, raw) -> torch.Tensor:
-    """P(correct) of a Probe or a Pair."""
-    if isinstance(model, pair.Pair):
-        return model.scores(raw)[1]
-    return model.predict_proba(probes.feature(model.info["feature"], raw))
-
-
-METHODS = {   # name -> (label in the tables, P(correct)?)
-    "last_token": ("Last-token", True), "mean_pooled": ("Mean-Pooled", True),
-    "multi_layer": ("Multi-layer", True), "attention": ("Attention", True),
-    "hidden_attn": ("Hidden + Attn", True), "multi_attn": ("Multi-Attn", True),
-    "lookback": ("Lookback Lens", True), "head_entropy": ("Head Entropy", True),
-    "neg_entropy": ("-Entropy (unsup.)", False), "coe_r": ("CoE-R (unsup.)", False),
-    "coe_c": ("CoE-C (unsup.)", False), "pair": ("PAIR", True),
-    "pair_clean_only": ("PAIR (clean_only)", True),
-}
-
-
-# Paper Table result_pair (Qwen2.5-7B-Instruct): AUROC, its std, ECE, its std (None: not given).
-PAPER_DETECTION = {
-    "gta": {"last_token": (0.8967, 0.012, 0.1294, 0.018),
-            "mean_pooled": (0.8851, 0.014, 0.1521, 0.020),
-            "multi_layer": (0.9082, 0.010, 0.1342, 0.017),
-            "attention": (0.8709, 0.015, 0.0954, 0.014),
-            "hidden_attn": (0.8978, 0.013, 0.1378, 0.018),
-            "multi_attn": (0.9034, 0.011, 0.1356, 0.018),
-            "lookback": (0.8745, 0.014, 0.1182, 0.015),
-            "head_entropy": (0.8821, 0.013, 0.1432, 0.019),
-            "coe_c": (0.7491, 0.022, None, None),
-            "pair": (0.9217, 0.009, 0.1198, 0.014)},
-    "toolbench": {"last_token": (0.7654, 0.008, 0.2562, 0.014),
-                  "mean_pooled": (0.7372, 0.009, 0.2871, 0.016),
-                  "multi_layer": (0.7821, 0.007, 0.2476, 0.013),
-                  "attention": (0.6847, 0.011, 0.1998, 0.011),
-                  "hidden_attn": (0.7598, 0.008, 0.2683, 0.015),
-                  "multi_attn": (0.7765, 0.007, 0.1961, 0.011),
-                  "lookback": (0.7295, 0.010, 0.1685, 0.010),
-                  "head_entropy": (0.7561, 0.009, 0.2329, 0.013),
-                  "coe_c": (0.5953, 0.013, None, None),
-                  "pair": (0.8129, 0.006, 0.2236, 0.012)},
-}
-
-
-HIDDEN_PROBES = ("last_token", "mean_pooled", "multi_layer")
-
-
-ATTENTION_PROBES = ("attention", "multi_attn", "lookback", "head_entropy")
-
-
-BOOTSTRAP_DRAWS, BOOTSTRAP_SEED = 1000, 0
-
-
-def differing_pairs(clean: Split, contaminated: Split) -> tuple[list[int], list[int]] | None:
-    """Rows (in clean, in contaminated) of the matched pairs whose model inputs differ; None
-    when the features carry no input digests. In the released GTA test splits 104 of 177 pairs
-    are the same dialog twice (no earlier turn was contaminated): they can only dilute a drop."""
-    if "input_digest" not in clean.raw or "input_digest" not in contaminated.raw:
-        return None
-    row = {k: j for j, k in enumerate(contaminated.keys())}
-    a, b = [], []
-    for i, k in enumerate(clean.keys()):
-        j = row.get(k)
-        if j is not None and not torch.equal(clean.raw["input_digest"][i],
-                                             contaminated.raw["input_digest"][j]):
-            a.append(i)
-            b.append(j)
-    return a, b
-
-
-def paired_bootstrap_drop(y_a, s_a: list, y_b, s_b: list, draws=BOOTSTRAP_DRAWS,
-                          seed=BOOTSTRAP_SEED) -> dict:
-    """AUROC(a) - AUROC(b) on n pairs (row i of a and of b are one pair), averaged over the
-    probe seeds (s_a, s_b: one (n,) score tensor per seed), and its 95% percentile interval
-    from `draws` resamples of the pairs with replacement. A given seed draws the same pairs for
-    every method. Draws whose resample holds one class (AUROC undefined) are dropped and
-    counted."""
-    y_a, y_b = torch.as_tensor(y_a), torch.as_tensor(y_b)
-    n = len(y_a)
-
-    def drop(idx):
-        d = [probes.auroc(y_a[idx], a[idx]) - probes.auroc(y_b[idx], b[idx])
-             for a, b in zip(s_a, s_b)]
-        d = [x for x in d if x == x]
-        return sum(d) / len(d) if d else float("nan")
-
-    point = drop(torch.arange(n))
-    if point != point:
-        return {"drop": None, "ci95": None, "draws": 0, "undefined_draws": draws}
-    g = torch.Generator().manual_seed(seed)
-    boot = [drop(torch.randint(n, (n,), generator=g)) for _ in range(draws)]
-    kept = torch.tensor([x for x in boot if x == x], dtype=torch.float64)
-    lo, hi = torch.quantile(kept, torch.tensor([0.025, 0.975], dtype=torch.float64)).tolist()
-    return {"drop": point, "ci95": [lo, hi], "draws": len(kept),
-            "undefined_draws": draws - len(kept)}
-
-
-def _logit(p: torch.Tensor) -> torch.Tensor:
-    p = p.double().clamp(1e-12, 1 - 1e-12)
-    return (p / (1 - p)).log()
-
-
-def drop_on_differing(clean: Split, contaminated: Split, scores: dict, probability: dict,
-                      draws=BOOTSTRAP_DRAWS, seed=BOOTSTRAP_SEED) -> dict:
-    """METHOD.md §8b on the pairs whose prefixes differ: per method AUROC clean and contaminated,
-    the drop with its paired bootstrap interval, and how far the evaluation turn's score moved
-    between its two prefixes: mean |logit(p_clean) - logit(p_contaminated)| over the pairs, also
-    divided by the std of that probe's logits over both test splits (a probe with larger
-    weights moves more in raw logits). scores[method][split]: one (N,) tensor per seed."""
-    pairs = differing_pairs(clean, contaminated)
-    if pairs is None:
-        return {"skipped": "the features carry no input digests (extracted before they were "
-                           "recorded): extract them again"}
-    a, b = pairs
-    out = {"n_pairs": len(a), "n_pairs_all": len(clean.y), "positives": int(clean.y[a].sum()),
-           "draws": draws, "seed": seed, "methods": {}}
-    if not a:
-        return {**out, "skipped": "no pair differs"}
-    y_a, y_b = clean.y[a], contaminated.y[b]
-    for method, per_split in scores.items():
-        s_a = [s[a] for s in per_split["matched_clean_test"]]
-        s_b = [s[b] for s in per_split["matched_contaminated_test"]]
-        row = {"clean": mean_std([probes.auroc(y_a, s) for s in s_a]),
-               "contaminated": mean_std([probes.auroc(y_b, s) for s in s_b]),
-               **paired_bootstrap_drop(y_a, s_a, y_b, s_b, draws, seed)}
-        if probability[method]:
-            moved, rel = [], []
-            for sa, sb, whole_a, whole_b in zip(s_a, s_b, per_split["matched_clean_test"],
-                                                per_split["matched_contaminated_test"]):
-                d = (_logit(sa) - _logit(sb)).abs().mean().item()
-                spread = torch.cat([_logit(whole_a), _logit(whole_b)]).std().item()
-                moved.append(d)
-                rel.append(d / spread if spread > 0 else float("nan"))
-            row["mean_abs_dlogit"], row["rel_abs_dlogit"] = mean_std(moved), mean_std(rel)
-        out["methods"][method] = row
-    groups = {"hidden": HIDDEN_PROBES, "attention": ATTENTION_PROBES}
-    out["groups"] = {}
-    for group, names in groups.items():
-        rows = [out["methods"][m] for m in names if "mean_abs_dlogit" in out["methods"].get(m, {})]
-        if rows:
-            out["groups"][group] = {
-                "probes": [m for m in names if m in out["methods"]],
-                "mean_abs_dlogit": sum(r["mean_abs_dlogit"]["mean"] for r in rows) / len(rows),
-                "rel_abs_dlogit": sum(r["rel_abs_dlogit"]["mean"] for r in rows) / len(rows)}
-    return out
-
-
-def diagnostic_summary(split: Split, scores: dict) -> dict:
-    """Table (e): AUROC on the adversarial set, overall and per rule of its negatives (each
-    rule's negatives against every positive)."""
-    rules = split.meta.get("diagnostic_rule") or [None] * len(split.y)
-    neg_rules = sorted({r for r, y in zip(rules, split.y.tolist()) if y == 0 and r})
-    out = {"n": len(split.y), "positives": int(split.y.sum()),
-           "by_rule_n": {r: rules.count(r) for r in sorted(set(filter(None, rules)))},
-           "methods": {}}
-    pos = [i for i, y in enumerate(split.y.tolist()) if y == 1]
-    for method, per_split in scores.items():
-        seeds = per_split[DIAGNOSTIC_SPLIT]
-        row = {"auroc": mean_std([probes.auroc(split.y, s) for s in seeds]), "by_rule": {}}
-        for rule in neg_rules:
-            idx = pos + [i for i, r in enumerate(rules) if r == rule]
-            row["by_rule"][rule] = mean_std([probes.auroc(split.y[idx], s[idx]) for s in seeds])
-        out["methods"][method] = row
-    return out
-
-
-def stat_subsets() -> list[tuple[str, ...]]:
-    """The 15 non-empty subsets of the four attention statistics, smallest first."""
-    return [c for k in range(1, 5) for c in itertools.combinations(probes.ATTN_STATS, k)]
-
-
-def distance_bucket(d: int) -> str | None:
-    return None if d < 1 else ("7+" if d >= 7 else str(d))
-
-
-def mean_std(values: list[float]) -> dict:
-    """Mean and sample std (ddof 1) over seeds, ignoring NaN (a metric undefined on a split)."""
-    v = [x for x in values if x == x]
-    if not v:
-        return {"mean": None, "std": None, "values": values}
-    m = sum(v) / len(v)
-    s = math.sqrt(sum((x - m) ** 2 for x in v) / (len(v) - 1)) if len(v) > 1 else 0.0
-    return {"mean": m, "std": s, "values": values}
-
-
-def run_report(features_dir, mode="mixed", seeds=SEEDS, C=0.01, crossfit=0, log=None):
-    """Everything of METHOD.md §8 (a)-(e) from the features of the matched splits, as JSON."""
-    log = log or sys.stderr
-    names = TRAIN_SPLITS["mixed"] + TEST_SPLITS + (DIAGNOSTIC_SPLIT,)
-    splits = load_splits(features_dir, names)
-    missing = [n for n in TEST_SPLITS + TRAIN_SPLITS[mode] if n not in splits]
-    if missing:
-        raise FileNotFoundError(f"{features_dir}: missing features of {missing} "
-                                "(name them <data file stem>.safetensors)")
-    tests = {n: splits[n] for n in TEST_SPLITS + (DIAGNOSTIC_SPLIT,) if n in splits}
-    tests["all_test"] = concat_splits([splits[n] for n in TEST_SPLITS])
-    # per-seed values: detection[method][split][metric] -> list over seeds
-    detection, distance, ablation = {}, {}, {}
-    kept, probability_of = {}, {}   # method -> split -> [(N,) scores per seed]; P(correct)?
-    n_train, fit_seconds = {}, []
-    t0 = time.perf_counter()
-
-    def add(table, keys, value):
-        node = table
-        for k in keys[:-1]:
-            node = node.setdefault(k, {})
-        node.setdefault(keys[-1], []).append(value)
-
-    def score_all(method, scorer, probability):
-        for split_name, split in tests.items():
-            p = scorer(split.raw)
-            kept.setdefault(method, {}).setdefault(split_name, []).append(p)
-            probability_of[method] = probability
-            scores = metrics(split.y, p, split.episode_id, probability)
-            for metric, value in scores.items():
-                add(detection, (method, split_name, metric), value)
-            if split_name == "matched_contaminated_test":
-                buckets = [distance_bucket(d) for d in split.raw["distance"].tolist()]
-                for b in DISTANCE_BUCKETS:
-                    idx = [i for i, x in enumerate(buckets) if x == b]
-                    if idx:
-                        m = metrics(split.y[idx], p[idx], None, probability)
-                        for metric in ("accuracy", "auroc"):
-                            if metric in m:
-                                add(distance, (method, b, metric), m[metric])
-                        distance.setdefault("_n", {})[b] = len(idx)
-
-    for seed in seeds:
-        t = time.perf_counter()
-        train = training_set(splits, mode, seed)
-        n_train[seed] = {"n": len(train.y), "positives": int(train.y.sum())}
-        info = {"seed": seed, "C": C, "mode": mode}
-        models = fit_baselines(train, C, info)
-        # (d) PAIR's stage 2 on every subset of the four statistics (stage 1 shared); the full
-        # set is PAIR itself
-        stage1, s_bc = pair.fit_stage1(train.raw, train.y, C, crossfit, train.episode_id, seed,
-                                       stage1=models["last_token"])
-        for subset in stat_subsets():
-            model = pair.fit_stage2(stage1, s_bc, train.raw, train.y, C, subset, info)
-            for split_name in TEST_SPLITS + ("all_test",):
-                split = tests[split_name]
-                add(ablation, ("+".join(subset), split_name),
-                    probes.auroc(split.y, model.scores(split.raw)[1]))
-        models["pair"] = model
-        clean = training_set(splits, "clean_only", seed)
-        models["pair_clean_only"] = pair.fit_pair(
-            clean.raw, clean.y, C, crossfit, clean.episode_id, seed,
-            info={**info, "mode": "clean_only"},
-            stage1=models["last_token"] if mode == "clean_only" else None)
-        fit_seconds.append(time.perf_counter() - t)
-        for name, model in models.items():
-            score_all(name, lambda raw, m=model: predict(m, raw), True)
-        print(f"  seed {seed}: {len(models)} models + 15 ablations fitted "
-              f"({time.perf_counter() - t:.1f}s)", file=log)
-    for name in SCORES:           # unsupervised: no training, one value per split
-        score_all(name, lambda raw, n=name: unsupervised_score(n, raw), False)
-
-    def summarize(node):
-        if isinstance(node, list):
-            return mean_std(node)
-        return {k: (v if k == "_n" else summarize(v)) for k, v in node.items()}
-
-    t_drop = time.perf_counter()
-    drop_differing = drop_on_differing(splits["matched_clean_test"],
-                                       splits["matched_contaminated_test"], kept, probability_of)
-    drop_differing["seconds"] = time.perf_counter() - t_drop
-    diagnostic = (diagnostic_summary(tests[DIAGNOSTIC_SPLIT], kept)
-                  if DIAGNOSTIC_SPLIT in tests else None)
-    meta = splits["matched_clean_test"].meta
-    return {
-        "features_dir": str(features_dir), "mode": mode, "seeds": list(seeds), "C": C,
-        "crossfit": crossfit, "model": meta.get("model"), "dtype": meta.get("dtype"),
-        "data": {n: s.meta.get("data") for n, s in splits.items()},
-        "n_records": {n: len(s.y) for n, s in tests.items()},
-        "positives": {n: int(s.y.sum()) for n, s in tests.items()},
-        "n_train": n_train, "fit_seconds_per_seed": fit_seconds,
-        "seconds": time.perf_counter() - t0,
-        "detection": summarize(detection), "distance": summarize(distance),
-        "ablation": summarize(ablation), "drop_differing": drop_differing,
-        "diagnostic": diagnostic,
-    }
-
-
-def guess_paper_ref(result: dict) -> str | None:
-    """The paper's dataset whose name is a path component of the data or features paths."""
-    paths = [str(v) for v in result["data"].values()] + [result["features_dir"]]
-    parts = {part.lower() for path in paths for part in Path(path).parts}
-    return next((name for name in PAPER_DETECTION if name in parts), None)
-
-
-def _ms(node, digits=3) -> str:
-    if not node or node.get("mean") is None:
-        return "—"
-    return f"{node['mean']:.{digits}f} ± {node['std']:.{digits}f}"
-
-
-def _get(result, *keys):
-    node = result
-    for k in keys:
-        node = node.get(k) if isinstance(node, dict) else None
-        if node is None:
-            return None
-    return node
-
-
-def render_markdown(result: dict, paper_ref: str | None) -> str:
-    det = result["detection"]
-    methods = [m for m in METHODS if m in det]
-    k = result["crossfit"]
-    stage2_input = f"out-of-fold (K={k})" if k > 1 else "in-sample"
-    lines = [f"# PAIR detection report — {result['features_dir']}", "",
-             f"Model `{result['model']}` ({result['dtype']}); train mode `{result['mode']}` "
-             f"(PAIR (clean_only) is trained on matched_clean_train alone); C = {result['C']}; "
-             f"stage 2 on {stage2_input} s_bc; seeds {', '.join(map(str, result['seeds']))} "
-             f"(each a class-balanced "
-             f"subsample: {', '.join(str(v['n']) for v in result['n_train'].values())} "
-             f"training records). Mean ± sample std over seeds; unsupervised scores need no "
-             f"training (std 0) and have no calibration (—).", "",
-             "Test records: " + ", ".join(f"{n} {result['n_records'][n]} "
-                                          f"({result['positives'][n]} correct)"
-                                          for n in result["n_records"]), ""]
-    # (a)
-    header = ["Method", "AUROC clean", "AUROC contaminated", "AUROC both", "ECE clean",
-              "ECE contaminated", "ECE both"]
-    if paper_ref:
-        header += [f"paper AUROC ({paper_ref}, 7B)", f"paper ECE ({paper_ref}, 7B)"]
-    rows = []
-    for m in methods:
-        row = [METHODS[m][0]]
-        row += [_ms(_get(det, m, s, "auroc")) for s in TEST_SPLITS + ("all_test",)]
-        row += [_ms(_get(det, m, s, "ece")) for s in TEST_SPLITS + ("all_test",)]
-        if paper_ref:
-            ref = PAPER_DETECTION[paper_ref].get(m)
-            row += ["—" if ref is None else f"{ref[0]:.4f} ± {ref[1]:.3f}",
-                    "—" if ref is None or ref[2] is None else f"{ref[2]:.4f} ± {ref[3]:.3f}"]
-        rows.append(row)
-    lines += ["## (a) Detection (paper Table result_pair)", ""] + _table(header, rows)
-    if paper_ref:
-        lines += ["", f"The paper's numbers are for Qwen2.5-7B-Instruct on {paper_ref}; the "
-                  "paper does not say which test split they pool, so they sit beside each of "
-                  "ours. Its Hidden + Attn concatenates the multi-layer hidden state; ours is "
-                  "[last_token; attention] (METHOD.md §4)."]
-    header = ["Method"] + [f"{metric} {s}" for metric in ("AUPRC", "Brier", "pairwise")
-                           for s in ("clean", "contaminated")]
-    rows = [[METHODS[m][0]] + [_ms(_get(det, m, s, k)) for k in ("auprc", "brier", "pairwise")
-                               for s in TEST_SPLITS] for m in methods if METHODS[m][1]]
-    lines += ["", "Other metrics (pairwise = within-episode ranking accuracy):", ""]
-    lines += _table(header, rows)
-    # (b)
-    rows = []
-    for m in methods:
-        a = _get(det, m, "matched_clean_test", "auroc")
-        b = _get(det, m, "matched_contaminated_test", "auroc")
-        if a and b and a["mean"] is not None and b["mean"] is not None:
-            drop = a["mean"] - b["mean"]
-            relative = f"{100 * drop / a['mean']:+.1f}%" if a["mean"] else "n/a"   # AUROC 0
-            rows.append([METHODS[m][0], f"{a['mean']:.3f}", f"{b['mean']:.3f}", f"{drop:+.3f}",
-                         relative])
-    lines += ["", "## (b) AUROC drop clean → contaminated prefix", "",
-              "Whole splits (every record, including pairs whose two dialogs are identical):",
-              ""]
-    lines += _table(["Method", "clean", "contaminated", "drop", "relative"], rows)
-    lines += _render_differing(result, methods)
-    # (c)
-    dist = result["distance"]
-    counts = dist.get("_n", {})
-    buckets = [b for b in DISTANCE_BUCKETS if b in counts]
-    lines += ["", "## (c) Distance sensitivity (matched_contaminated_test)", "",
-              "d = assistant turns from the nearest earlier contaminated turn to the evaluation "
-              "turn; accuracy at threshold 0.5 (AUROC for unsupervised scores; — where a bucket "
-              "holds one class).", ""]
-    if buckets:
-        header = ["Method"] + [f"d={b} (n={counts[b]})" for b in buckets]
-        rows = []
-        for m in methods:
-            metric = "accuracy" if METHODS[m][1] else "auroc"
-            rows.append([METHODS[m][0] + ("" if METHODS[m][1] else " [AUROC]")]
-                        + [_ms(_get(dist, m, b, metric)) for b in buckets])
-        lines += _table(header, rows)
-    else:
-        lines += ["No record of matched_contaminated_test has an earlier contaminated turn."]
-    # (d)
-    abl = result["ablation"]
-    rows = [[k.replace("+", " + ")] + [_ms(_get(abl, k, s)) for s in TEST_SPLITS + ("all_test",)]
-            for k in abl]
-    lines += ["", "## (d) Ablation: attention statistics in PAIR's stage 2 (AUROC)", ""]
-    lines += _table(["Statistics", "clean", "contaminated", "both"], rows)
-    # (e)
-    lines += ["", "## (e) Adversarial diagnostic set", ""]
-    diag = result.get("diagnostic")
-    if DIAGNOSTIC_SPLIT in result["n_records"] and diag:
-        rules = [r for r in diag["by_rule_n"] if diag["by_rule_n"][r] and any(
-            r in row["by_rule"] for row in diag["methods"].values())]
-        lines += [f"{diag['n']} records ({diag['positives']} correct): consistent-but-incorrect "
-                  "turns after a clean prefix (label 0) vs correct turns after a contaminated "
-                  "prefix (label 1)" + ("; records per rule: " + ", ".join(
-                      f"{r} {n}" for r, n in diag["by_rule_n"].items()) if diag["by_rule_n"]
-                      else "") + ". AUROC below 0.5 = "
-                  "the probe ranks the fluent wrong turn above the right turn after errors: it "
-                  "tracks belief-consistency. Per rule: that rule's negatives against every "
-                  "positive.", ""]
-        lines += _table(["Method", "AUROC"] + [f"vs {r}" for r in rules],
-                        [[METHODS[m][0], _ms(diag["methods"][m]["auroc"])]
-                         + [_ms(diag["methods"][m]["by_rule"].get(r)) for r in rules]
-                         for m in methods if m in diag["methods"]])
-    else:
-        lines += [f"No {DIAGNOSTIC_SPLIT}.safetensors in the features directory."]
-    return "\n".join(lines) + "\n"
-
-
-def _render_differing(result: dict, methods: list[str]) -> list[str]:
-    dd = result.get("drop_differing") or {}
-    lines = ["", "On the pairs whose two dialogs differ (an earlier turn was contaminated):", ""]
-    if "skipped" in dd:
-        return lines + [f"Not computed: {dd['skipped']}."]
-    lines += [f"{dd['n_pairs']} of {dd['n_pairs_all']} pairs differ ({dd['positives']} with a "
-              f"correct evaluation turn). Drop = AUROC clean − AUROC contaminated on those "
-              f"pairs, mean over seeds; 95% interval from a paired bootstrap ({dd['draws']} "
-              f"resamples of the pairs, seed {dd['seed']}). |Δ logit| = mean over the pairs of "
-              "how far the evaluation turn's logit moved between its clean and its "
-              "contaminated prefix; relative = divided by the std of that probe's logits over "
-              "both test splits.", ""]
-    rows = []
-    for m in methods:
-        row = dd["methods"].get(m)
-        if row is None:
-            continue
-        ci = row.get("ci95")
-        rows.append([METHODS[m][0], _ms(row["clean"]), _ms(row["contaminated"]),
-                     "undefined (one class)" if row["drop"] is None else
-                     f"{row['drop']:+.3f} [{ci[0]:+.3f}, {ci[1]:+.3f}]",
-                     _ms(row.get("mean_abs_dlogit")), _ms(row.get("rel_abs_dlogit"))])
-    lines += _table(["Method", "clean", "contaminated", "drop [95% CI]", "|Δ logit|",
-                     "relative |Δ logit|"], rows)
-    for group, g in dd.get("groups", {}).items():
-        lines.append(f"\nMean over the {group} probes ({', '.join(g['probes'])}): |Δ logit| "
-                     f"{g['mean_abs_dlogit']:.3f}, relative {g['rel_abs_dlogit']:.3f}.")
-    return lines
-
-
-def _table(header, rows) -> list[str]:
-    return (["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-            + ["| " + " | ".join(r) + " |" for r in rows])
-
-
-def _json_clean(node):
-    """NaN -> None so the JSON is standard."""
-    if isinstance(node, dict):
-        return {str(k): _json_clean(v) for k, v in node.items()}
-    if isinstance(node, list):
-        return [_json_clean(v) for v in node]
-    if isinstance(node, float) and node != node:
-        return None
-    return node
-
-
 def subsample_episodes(records: list[dict], n: int, seed: int) -> list[dict]:
     """The records of n episodes drawn with `seed`, in file order. The draw depends only on the
     set of episode ids, so the clean and contaminated files of a family keep the same pairs."""
@@ -932,11 +393,11 @@ def cmd_eval(args):
     result = {m: {s: {k: mean_std(v) for k, v in d.items()} for s, d in per.items()}
               for m, per in values.items()}
     header = ["Method"] + [f"{k} {s}" for s in tests for k in ("AUROC", "ECE")]
-    rows = [[m] + [_ms(_get(result, m, s, k)) for s in tests for k in ("auroc", "ece")]
+    rows = [[m] + [ms_cell(nested(result, m, s, k)) for s in tests for k in ("auroc", "ece")]
             for m in result]
-    print("\n".join(_table(header, rows)))
+    print("\n".join(md_table(header, rows)))
     if args.out:
-        mdl.write_atomic(Path(args.out), json.dumps(_json_clean(result), indent=2) + "\n")
+        mdl.write_atomic(Path(args.out), json.dumps(json_clean(result), indent=2) + "\n")
         print(f"wrote {args.out}")
 
 
@@ -948,7 +409,7 @@ def cmd_report(args):
         None if args.paper_ref == "none" else args.paper_ref)
     result["paper_ref"] = paper_ref
     markdown = render_markdown(result, paper_ref)
-    mdl.write_atomic(out / "report.json", json.dumps(_json_clean(result), indent=2) + "\n")
+    mdl.write_atomic(out / "report.json", json.dumps(json_clean(result), indent=2) + "\n")
     mdl.write_atomic(out / "report.md", markdown)
     print(markdown)
     print(f"wrote {out / 'report.md'} and {out / 'report.json'} "
@@ -1081,137 +542,6 @@ def cmd_score(args) -> None:
                              args.features)
     p = probe.predict_proba(probes.feature(name, raw))
     print(json.dumps(metrics(raw["label"], p, meta.get("episode_id")), indent=2))
-
-
-def load_features(path) -> tuple[dict[str, torch.Tensor], dict]:
-    """A features file -> (tensors stacked over records, JSON metadata)."""
-    path = Path(path)
-    if not path.is_file():
-        raise FileNotFoundError(f"features file not found: {path}")
-    tensors, meta = probes.read_safetensors(path, "features")
-    meta = probes._json_entry(meta, "pair_features", path)
-    missing = [k for k in probes.RAW_KEYS + ("label",) if k not in tensors]
-    if not isinstance(meta, dict) or missing:
-        raise probes.FormatError(f"{path}: not a features file written by "
-                                 f"`python -m lab.study extract` "
-                                 f"(missing {missing or 'metadata'})")
-    if not isinstance(meta.get("episode_id", []), list):
-        raise probes.FormatError(f"{path}: its metadata's episode_id must be a list (one per "
-                                 "record)")
-    n = {len(v) for v in tensors.values() if v.dim() > 0}
-    if len(n) != 1 or len(meta.get("episode_id", ())) not in n:
-        raise probes.FormatError(f"{path}: columns of different lengths (records {sorted(n)}, "
-                                 f"episode ids {len(meta.get('episode_id', ()))})")
-    if tensors["h_mean"].dim() != 2 or tensors["attn_max"].dim() != 3:
-        raise probes.FormatError(f"{path}: h_mean must be (records, d) and attn_max "
-                                 "(records, L, H)")
-    probes._check_finite(tensors, path)
-    labels = set(tensors["label"].unique().tolist())
-    if not labels <= {0, 1}:
-        raise probes.FormatError(f"{path}: labels must be 0 (wrong) or 1 (right), got "
-                                 f"{sorted(labels)[:5]}")
-    meta["dims"] = features_dims(tensors)     # what the tensors hold, whatever was recorded
-    return tensors, meta
-
-
-def keep_last(ids: list[int], spans: list[tuple], max_len: int):
-    """Keep the last max_len tokens (METHOD.md §3); spans shift with them, a span cut in part is
-    clipped at 0 and one cut entirely becomes (0, 0). Returns (ids, spans, n_cut)."""
-    cut = max(0, len(ids) - max_len)
-    if not cut:
-        return ids, list(spans), 0
-    shifted = [(max(0, s - cut), max(0, e - cut)) for s, e in spans]
-    return ids[cut:], shifted, cut
-
-
-def auprc(y, s) -> float:
-    """Average precision: sum over distinct thresholds (descending) of (R_k - R_{k-1}) P_k, as
-    scikit-learn's average_precision_score. NaN without positives."""
-    y, s = probes.labels_scores(y, s)
-    n_pos = y.sum()
-    if n_pos == 0:
-        return float("nan")
-    values, inverse, counts = torch.unique(s, return_inverse=True, return_counts=True)
-    pos = torch.zeros_like(values).index_add_(0, inverse, y)            # positives per value
-    tp = pos.flip(0).cumsum(0)                                          # score >= threshold
-    predicted = counts.flip(0).double().cumsum(0)
-    precision, recall = tp / predicted, tp / n_pos
-    delta_recall = torch.diff(recall, prepend=recall.new_zeros(1))
-    return (delta_recall * precision).sum().item()
-
-
-def ece(y, p, n_bins: int = 15) -> float:
-    """Expected calibration error: bins (lo, hi] of equal width over P(correct), p = 0 in the
-    first bin; sum_b (n_b / N) |mean label - mean p| over the bin."""
-    y, p = probes.labels_scores(y, p)
-    edges = torch.arange(n_bins + 1, dtype=torch.float64) / n_bins
-    # searchsorted (left) gives i with edges[i-1] < p <= edges[i]: bin i-1
-    bins = (torch.searchsorted(edges, p, right=False) - 1).clamp(0, n_bins - 1)
-    sum_y = torch.zeros(n_bins, dtype=torch.float64).index_add_(0, bins, y)
-    sum_p = torch.zeros(n_bins, dtype=torch.float64).index_add_(0, bins, p)
-    # (n_b / N) |mean_b y - mean_b p| = |sum_b y - sum_b p| / N
-    return ((sum_y - sum_p).abs().sum() / p.numel()).item()
-
-
-def brier(y, p) -> float:
-    y, p = probes.labels_scores(y, p)
-    return ((p - y) ** 2).mean().item()
-
-
-def pairwise_accuracy(y, s, groups) -> float:
-    """Within-episode ranking: over every (correct, incorrect) pair of turns of the same episode,
-    the fraction where the correct turn scores higher (ties 1/2). NaN when there is no pair."""
-    y, s = probes.labels_scores(y, s)
-    groups = list(groups)
-    if len(groups) != y.numel():
-        raise ValueError(f"{y.numel()} labels but {len(groups)} episode ids")
-    by_group: dict = {}
-    for i, g in enumerate(groups):
-        by_group.setdefault(g, []).append(i)
-    wins, pairs = 0.0, 0
-    for idx in by_group.values():
-        idx = torch.tensor(idx)
-        pos, neg = s[idx][y[idx] == 1], s[idx][y[idx] == 0]
-        diff = pos[:, None] - neg[None, :]                              # (P, Q)
-        wins += (diff > 0).sum().item() + 0.5 * (diff == 0).sum().item()
-        pairs += diff.numel()
-    return wins / pairs if pairs else float("nan")
-
-
-def accuracy(y, p, threshold: float = 0.5) -> float:
-    y, p = probes.labels_scores(y, p)
-    return ((p > threshold).double() == y).double().mean().item()
-
-
-def metrics(y, p, groups=None, probability=True) -> dict[str, float]:
-    """All metrics of METHOD.md §8 for one set of P(correct); an unsupervised score
-    (probability=False: -entropy, CoE) has a ranking but no scale, and is reported by AUROC only."""
-    if not probability:
-        return {"auroc": probes.auroc(y, p)}
-    out = {"auroc": probes.auroc(y, p), "auprc": auprc(y, p), "ece": ece(y, p),
-           "brier": brier(y, p), "accuracy": accuracy(y, p)}
-    if groups is not None:
-        out["pairwise"] = pairwise_accuracy(y, p, groups)
-    return out
-
-
-def features_dims(tensors: dict) -> dict:
-    L, H = tensors["attn_max"].shape[1:]
-    return {"d": int(tensors["h_mean"].shape[1]), "L": int(L), "H": int(H)}
-
-
-def unsupervised_score(name: str, raw: dict[str, torch.Tensor]) -> torch.Tensor:
-    """An unsupervised correctness score -> (N,) float64; higher = more likely correct."""
-    if name == "neg_entropy":
-        # a sharper attention (lower Renyi-2 entropy) reads as a more confident turn
-        return -raw["attn_entropy"].double().flatten(1).mean(dim=1)
-    if name in ("coe_r", "coe_c"):
-        return raw[name].double()
-    raise ValueError(f"unknown score {name!r}; expected one of {SCORES}")
-
-
-# Unsupervised scores (no training): higher = more likely correct.
-SCORES = ("neg_entropy", "coe_r", "coe_c")
 
 
 def main(argv=None) -> None:

@@ -13,6 +13,8 @@ import envs
 import model as M
 import probes
 from lab import data as lab_data
+from lab import detection
+from lab import report
 from lab import study
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -61,7 +63,7 @@ def hand_made_pairs():
 
 
 def split_of(records, tokenizer, name, order):
-    """A study.Split holding only what the filter reads: keys, labels and input digests."""
+    """A detection.Split holding only what the filter reads: keys, labels and input digests."""
     records = [records[i] for i in order]
     digests = []
     for r in records:
@@ -69,8 +71,8 @@ def split_of(records, tokenizer, name, order):
         digests.append(study.input_digest(ids, span))
     raw = {"input_digest": torch.stack(digests),
            "turn_idx": torch.tensor([r["turn_idx"] for r in records])}
-    return study.Split(name, raw, torch.tensor([r["label"] for r in records]),
-                       [r["episode_id"] for r in records], {})
+    return detection.Split(name, raw, torch.tensor([r["label"] for r in records]),
+                           [r["episode_id"] for r in records], {})
 
 
 def test_differing_pairs_on_a_hand_made_matched_set():
@@ -78,7 +80,7 @@ def test_differing_pairs_on_a_hand_made_matched_set():
     clean, contaminated = hand_made_pairs()
     a = split_of(clean, tokenizer, "matched_clean_test", [0, 1, 2, 3])
     b = split_of(contaminated, tokenizer, "matched_contaminated_test", [3, 2, 1, 0])
-    rows_a, rows_b = study.differing_pairs(a, b)
+    rows_a, rows_b = report.differing_pairs(a, b)
     # b and d differ (d only in a thought); paired by (episode, turn), not by row order
     assert [a.episode_id[i] for i in rows_a] == ["b", "d"]
     assert [b.episode_id[j] for j in rows_b] == ["b", "d"]
@@ -86,7 +88,7 @@ def test_differing_pairs_on_a_hand_made_matched_set():
     assert [r["episode_id"] for r in clean if r["has_contaminated_prefix"]] == ["b", "d"]
     # features without digests cannot be filtered: reported, not guessed
     del a.raw["input_digest"]
-    assert study.differing_pairs(a, b) is None
+    assert report.differing_pairs(a, b) is None
 
 
 def normal_scores(n, sigma, g):
@@ -103,28 +105,28 @@ def test_paired_bootstrap_is_reproducible_and_covers_the_true_drop():
     g = torch.Generator().manual_seed(0)
     y, s_clean = normal_scores(300, 0.8, g)
     s_cont = y + 1.6 * torch.randn(300, generator=g)
-    one = study.paired_bootstrap_drop(y, [s_clean], y, [s_cont])
-    assert one == study.paired_bootstrap_drop(y, [s_clean], y, [s_cont])      # seeded
-    other = study.paired_bootstrap_drop(y, [s_clean], y, [s_cont], seed=1)
+    one = report.paired_bootstrap_drop(y, [s_clean], y, [s_cont])
+    assert one == report.paired_bootstrap_drop(y, [s_clean], y, [s_cont])      # seeded
+    other = report.paired_bootstrap_drop(y, [s_clean], y, [s_cont], seed=1)
     assert other["drop"] == one["drop"] and other["ci95"] != one["ci95"]
     assert one["draws"] == 1000
     truth = true_auroc(0.8) - true_auroc(1.6)                            # ~0.20
     assert one["ci95"][0] < truth < one["ci95"][1]
     assert one["ci95"][0] > 0                                           # a real drop is seen
     # identical scores on both sides: drop 0 and a zero-width interval (pairs stay paired)
-    same = study.paired_bootstrap_drop(y, [s_clean], y, [s_clean.clone()])
+    same = report.paired_bootstrap_drop(y, [s_clean], y, [s_clean.clone()])
     assert same["drop"] == 0 and same["ci95"] == [0, 0]
     # coverage over fresh data sets: a 95% interval misses rarely
     covered = 0
     for k in range(20):
         y, s_clean = normal_scores(200, 0.8, g)
         s_cont = y + 1.6 * torch.randn(200, generator=g)
-        ci = study.paired_bootstrap_drop(y, [s_clean], y, [s_cont], draws=300, seed=k)["ci95"]
+        ci = report.paired_bootstrap_drop(y, [s_clean], y, [s_cont], draws=300, seed=k)["ci95"]
         covered += ci[0] < truth < ci[1]
     assert covered >= 16, covered
     # one class on a side: the drop is undefined, not a number
-    assert study.paired_bootstrap_drop(torch.ones(5), [torch.rand(5)], torch.ones(5),
-                                       [torch.rand(5)])["drop"] is None
+    assert report.paired_bootstrap_drop(torch.ones(5), [torch.rand(5)], torch.ones(5),
+                                        [torch.rand(5)])["drop"] is None
 
 
 def test_report_measures_the_differing_pairs(tmp_path):
@@ -133,7 +135,7 @@ def test_report_measures_the_differing_pairs(tmp_path):
         for kind in ("clean", "contaminated"):
             path = tmp_path / f"matched_{kind}_{name}.safetensors"
             synthetic_split(path, episodes, seed, kind == "contaminated", path.stem)
-            raw, meta = study.load_features(path)
+            raw, meta = detection.load_features(path)
             # pairs 0, 3, 6, ... are the same input twice; the others differ
             n = len(raw["label"])
             digest = torch.zeros(n, 32, dtype=torch.uint8)
@@ -142,7 +144,7 @@ def test_report_measures_the_differing_pairs(tmp_path):
                 digest[torch.arange(n) % 3 != 0, 1] = 1
             raw["input_digest"] = digest
             probes.save_safetensors(raw, path, {"pair_features": json.dumps(meta)})
-    result = study.run_report(tmp_path, seeds=(42,))
+    result = report.run_report(tmp_path, seeds=(42,))
     dd = result["drop_differing"]
     assert dd["n_pairs"] == 40 and dd["n_pairs_all"] == 60
     # synthetic: the hidden state flips on a contaminated prefix, attention does not
@@ -150,7 +152,7 @@ def test_report_measures_the_differing_pairs(tmp_path):
     assert last["drop"] > 0.3 and last["ci95"][0] > 0
     assert last["rel_abs_dlogit"]["mean"] > 3 * attention["rel_abs_dlogit"]["mean"]
     assert dd["groups"]["hidden"]["rel_abs_dlogit"] > dd["groups"]["attention"]["rel_abs_dlogit"]
-    text = study.render_markdown(result, None)
+    text = report.render_markdown(result, None)
     assert "drop [95% CI]" in text and "40 of 60 pairs differ" in text
 
 
@@ -241,7 +243,7 @@ def test_extracted_features_equal_transformers_on_gta(qwen05b_dir, release_dir, 
     (tmp_path / "clean_test.json").write_text((folder / "clean_test.json").read_text())
     net, tok = M.load_model(qwen05b_dir, dtype=torch.float32)
     study.extract(net, tok, tmp_path / "matched_clean_test.json", tmp_path / "f.safetensors")
-    ours, _ = study.load_features(tmp_path / "f.safetensors")
+    ours, _ = detection.load_features(tmp_path / "f.safetensors")
     del net
     hf = transformers.AutoModelForCausalLM.from_pretrained(
         qwen05b_dir, dtype=torch.float32, attn_implementation="eager").eval()

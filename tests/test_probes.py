@@ -16,7 +16,7 @@ from sklearn.linear_model import LogisticRegression  # noqa: E402
 from sklearn.metrics import (average_precision_score, brier_score_loss,  # noqa: E402
                              roc_auc_score)
 from sklearn.preprocessing import StandardScaler  # noqa: E402
-from lab import study
+from lab import detection
 
 
 def sklearn_proba(X, y, C):
@@ -130,8 +130,8 @@ def test_metrics_match_sklearn(seed):
     if seed % 2 == 0:                              # many ties
         p = np.round(p, 1)
     assert probes.auroc(y, p) == pytest.approx(roc_auc_score(y, p), abs=1e-12)
-    assert study.auprc(y, p) == pytest.approx(average_precision_score(y, p), abs=1e-12)
-    assert study.brier(y, p) == pytest.approx(brier_score_loss(y, p), abs=1e-12)
+    assert detection.auprc(y, p) == pytest.approx(average_precision_score(y, p), abs=1e-12)
+    assert detection.brier(y, p) == pytest.approx(brier_score_loss(y, p), abs=1e-12)
 
 
 def test_auroc_ties_count_half_and_one_class_is_nan():
@@ -143,14 +143,14 @@ def test_auroc_ties_count_half_and_one_class_is_nan():
 def test_ece_hand_cases():
     # 0.0 -> first bin; 0.2 = 3/15 -> bin (2/15, 3/15]; 0.9 -> bin 13
     # bin 0: |0 - 0| ; bin 2: 2/4 * |0.5 - 0.2| = 0.15 ; bin 13: 1/4 * |1 - 0.9| = 0.025
-    assert study.ece([0, 1, 0, 1], [0.0, 0.2, 0.2, 0.9]) == pytest.approx(0.175, abs=1e-12)
+    assert detection.ece([0, 1, 0, 1], [0.0, 0.2, 0.2, 0.9]) == pytest.approx(0.175, abs=1e-12)
     # (lo, hi]: 1/15 closes the first bin, anything above it opens the second
-    assert study.ece([1, 0], [1 / 15, 1 / 15 + 1e-9]) == pytest.approx(0.5, abs=1e-8)
+    assert detection.ece([1, 0], [1 / 15, 1 / 15 + 1e-9]) == pytest.approx(0.5, abs=1e-8)
     # the two in the same bin instead: |0.5 - mean p|
-    assert study.ece([1, 0], [0.05, 1 / 15]) == pytest.approx(0.5 - (0.05 + 1 / 15) / 2)
-    assert study.ece([1, 0], [0.5, 0.5]) == 0.0
-    assert study.ece([1], [1.0]) == 0.0
-    assert study.ece([0], [1.0]) == 1.0
+    assert detection.ece([1, 0], [0.05, 1 / 15]) == pytest.approx(0.5 - (0.05 + 1 / 15) / 2)
+    assert detection.ece([1, 0], [0.5, 0.5]) == 0.0
+    assert detection.ece([1], [1.0]) == 0.0
+    assert detection.ece([0], [1.0]) == 1.0
 
 
 def test_pairwise_accuracy_hand_case():
@@ -158,8 +158,8 @@ def test_pairwise_accuracy_hand_case():
     s = [0.9, 0.2, 0.9, 0.5, 0.6, 0.3]
     g = ["a", "a", "a", "b", "b", "c"]
     # a: (0.9>0.2) + tie with 0.9 -> 1.5 of 2 ; b: 0.5<0.6 -> 0 of 1 ; c: no pair
-    assert study.pairwise_accuracy(y, s, g) == pytest.approx(1.5 / 3)
-    assert math.isnan(study.pairwise_accuracy([1, 0], [0.1, 0.2], ["a", "b"]))
+    assert detection.pairwise_accuracy(y, s, g) == pytest.approx(1.5 / 3)
+    assert math.isnan(detection.pairwise_accuracy([1, 0], [0.1, 0.2], ["a", "b"]))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -198,7 +198,7 @@ def test_feature_layouts():
     sub = probes.attn_features(raw, stats=("prefix", "max"))
     assert sub[0].tolist() == [100 * s + 10 * l + h for l in range(L) for s in (2, 0)
                                for h in range(H)]
-    ent = study.unsupervised_score("neg_entropy", raw)
+    ent = detection.unsupervised_score("neg_entropy", raw)
     torch.testing.assert_close(ent, -raw["attn_entropy"].double().mean(dim=(1, 2)))
 
 

@@ -1,10 +1,10 @@
 """METHOD.md §2/§3 end to end: every released GTA dialog, rendered by envs.dialog_to_messages and
-model.Tokenizer (as text: lab/shop.py's chat_text), equals Qwen's reference chat template rendered
+model.Tokenizer (as text: lab/sft.py's chat_text), equals Qwen's reference chat template rendered
 by jinja2, and the assistant spans cover exactly the assistant contents."""
 import pytest
 
 import envs
-from lab import data as lab_data, shop
+from lab import data as lab_data, sft
 
 jinja2 = pytest.importorskip("jinja2")
 from jinja2.sandbox import ImmutableSandboxedEnvironment  # noqa: E402
@@ -48,7 +48,7 @@ def test_released_gta_dialogs_render_like_the_reference_template(name, release_d
         messages = lab_data.record_messages(rec)
         for gen in (False, True):
             expected = template.render(messages=messages, add_generation_prompt=gen)
-            assert shop.chat_text(messages, add_generation_prompt=gen) == expected, (name, i)
+            assert sft.chat_text(messages, add_generation_prompt=gen) == expected, (name, i)
         ids, spans = tok.render(messages)
         assistants = [m["content"] for m in messages if m["role"] == "assistant"]
         assert len(spans) == len(assistants), (name, i)
@@ -62,5 +62,5 @@ def test_env_prompt_renders_like_the_reference_template(release_dir, tok, templa
     ep = env.episode(0)
     ep.step("Thought: look first\nAction: OCR\nAction Input: {\"image\": \"image/x.jpg\"}")
     expected = template.render(messages=ep.messages, add_generation_prompt=True)
-    assert shop.chat_text(ep.messages, add_generation_prompt=True) == expected
+    assert sft.chat_text(ep.messages, add_generation_prompt=True) == expected
     assert expected.endswith("<|im_end|>\n<|im_start|>assistant\n")

@@ -1,5 +1,6 @@
-"""The built-in world (envs.py: exact labels, replay, splits; lab/shop.py: data, contamination),
-the recipe of the built-in policy (sft) and the on-policy probe corpus."""
+"""The built-in world (envs.py: exact labels, replay, splits; lab/shopdata.py: data, contamination;
+lab/shop.py: the long world), the recipe of the built-in policy (lab/sft.py) and the on-policy
+probe corpus."""
 import argparse
 import collections
 import json
@@ -21,7 +22,10 @@ import model as mdl
 from lab import onpolicy
 import probes
 from lab import data as lab_data
+from lab import detection
+from lab import sft
 from lab import shop
+from lab import shopdata
 from lab import study
 from lab import traces
 import pair
@@ -37,7 +41,7 @@ NUMBER = re.compile(r"(\w+ at store \w|1 USD) (?:costs|=) (\d+\.\d+)")
 @pytest.fixture(scope="module")
 def data(tmp_path_factory):
     out = tmp_path_factory.mktemp("shop")
-    shop.make_shop_data(out, episodes=60, seed=7)
+    shopdata.make_shop_data(out, episodes=60, seed=7)
     return out
 
 
@@ -135,13 +139,13 @@ def test_gold_dialogs_replay_score_and_label():
     for i in range(len(env)):
         ep = env.episode(i)
         task = ep.task
-        dialog, _ = shop.shop_gold(task)
+        dialog, _ = shopdata.shop_gold(task)
         assert envs.dialog_to_messages(dialog[:1], envs.SHOP_TOOLS) == ep.messages
         pairs = lab_data.play_gold(ep, dialog)
         assert pairs and all(recorded == returned for recorded, returned in pairs)
         assert ep.done and ep.score() == 1.0
         assert ep.labels() == [True] * len(ep.steps)
-        assert shop.shop_dialog_labels(task, dialog) == ep.labels()
+        assert shopdata.shop_dialog_labels(task, dialog) == ep.labels()
         assert dialog[-1]["content"] == task.answer == f"{float(task.answer):.2f}"
         calls[len(pairs)] += 1
         templates.add(task.text.split()[0])
@@ -151,7 +155,7 @@ def test_gold_dialogs_replay_score_and_label():
 
 def test_divided_dialog_is_the_gold_one_converting_the_wrong_way_round():
     task = hand_task("EUR")             # (3*2.50+2*1.20) USD = 9.90 USD; EUR rate 0.90
-    gold, divided = shop.shop_gold(task)[0], shop.shop_divided(task)
+    gold, divided = shopdata.shop_gold(task)[0], shopdata.shop_divided(task)
     calc = next(i for i, m in enumerate(divided) if m.get("tool_calls") and
                 m["tool_calls"][0]["function"]["name"] == "Calculator")
     assert divided[:calc] == gold[:calc]            # the same lookups and rate
@@ -161,12 +165,12 @@ def test_divided_dialog_is_the_gold_one_converting_the_wrong_way_round():
     assert divided[calc + 1]["content"]["content"] == "11.0"
     assert divided[-1]["content"] == "11.00" and divided[-1]["thought"] == \
         "The total is 11.00 EUR."                   # it answers what it computed
-    labels = shop.shop_dialog_labels(task, divided)
+    labels = shopdata.shop_dialog_labels(task, divided)
     assert labels == [True] * (len(labels) - 2) + [False, False]
     ep = envs.ShopEpisode("hand", task)
     lab_data.play_gold(ep, divided)
     assert ep.score() == 0.0
-    assert shop.shop_divided(hand_task("USD")) is None     # nothing to convert
+    assert shopdata.shop_divided(hand_task("USD")) is None     # nothing to convert
 
 
 # ---------------------------------------------------------------------------------------------
@@ -194,7 +198,7 @@ def test_long_world_gold_dialogs_replay_score_and_label():
         pairs = lab_data.play_gold(ep, dialog)      # every tool call re-executed: same observations
         assert pairs and all(recorded == returned for recorded, returned in pairs)
         assert ep.score() == 1.0 and ep.labels() == [True] * len(ep.steps)
-        assert shop.shop_dialog_labels(task, dialog) == ep.labels()
+        assert shopdata.shop_dialog_labels(task, dialog) == ep.labels()
         turns[len(ep.steps)] += 1
     assert set(turns) == {9, 11}
     assert envs.ShopEnv("test", seed=3, episodes=5).episode(0).task != \
@@ -210,10 +214,10 @@ def test_long_world_rejects_tasks_whose_gold_values_tie():
     rates = {**world.rates, "GBP": Decimal("0.80")}     # 60 USD is 48.00 GBP: a running total
     tie = envs.ShopTask(0, prices, rates, ((1, "milk", "C"), (1, "rice", "C"), (1, "egg", "C")),
                         "GBP", "", stepwise=True)
-    assert not all(shop.shop_dialog_labels(tie, shop.long_dialog(tie)))
+    assert not all(shopdata.shop_dialog_labels(tie, shop.long_dialog(tie)))
     assert not shop._long_distinct(tie)
-    assert shop._long_distinct(world) and all(shop.shop_dialog_labels(world,
-                                                                      shop.long_dialog(world)))
+    assert shop._long_distinct(world) and all(shopdata.shop_dialog_labels(
+        world, shop.long_dialog(world)))
 
 
 def test_long_world_slips_are_turn_local_and_each_fails_the_episode():
@@ -227,7 +231,7 @@ def test_long_world_slips_are_turn_local_and_each_fails_the_episode():
             assert all(recorded == returned for recorded, returned in pairs)
             assert ep.score() == 0.0, (i, slip)
             assert ep.labels() == slip_labels(len(task.lines), slip), (i, slip)
-        both = shop.shop_dialog_labels(task, shop.long_dialog(task, ("store", "divided")))
+        both = shopdata.shop_dialog_labels(task, shop.long_dialog(task, ("store", "divided")))
         assert both == [a and b for a, b in zip(slip_labels(len(task.lines), "store"),
                                                 slip_labels(len(task.lines), "divided"))]
     task = env.episode(0).task
@@ -283,7 +287,7 @@ def test_sft_shop_long_continues_a_shop_policy_byte_for_byte(tmp_path):
                    "0.5", "--init", str(tmp_path / "shop")] + tiny)
     for f in ("config.json", "model.safetensors", "tokenizer.json"):
         assert (tmp_path / "a" / f).read_bytes() == (tmp_path / "b" / f).read_bytes(), f
-    recipe = shop.policy_recipe(tmp_path / "a")
+    recipe = sft.policy_recipe(tmp_path / "a")
     assert len(recipe) == 2 and "--world shop-long --slips 0.5" in recipe[1]
     assert "shop-long-policy" in (tmp_path / "a" / "README.md").read_text()
     with pytest.raises(SystemExit):
@@ -301,7 +305,7 @@ def test_the_readme_commands_rebuild_a_continued_policy_in_one_directory(tmp_pat
     shop.main(["sft", "--out", str(c), "--eval-episodes", "0"] + tiny)
     shop.main(["sft", "--out", str(c), "--world", "shop-long", "--slips", "0.5", "--init",
                str(c), "--eval-episodes", "0"] + tiny)
-    recipe = shop.policy_recipe(c)
+    recipe = sft.policy_recipe(c)
     assert len(recipe) == 2 and f"--out {c} " in recipe[1] and f"--init {c} " in recipe[1]
     for line in recipe:
         argv = shlex.split(line.replace(str(c), str(d)))
@@ -323,7 +327,7 @@ def test_sft_resumed_after_a_stop_writes_the_same_bytes(tmp_path, monkeypatch):
             "--eval-episodes", "0", "--threads", "1", "--induction-steps", "3",
             "--save-every", "2"]
     shop.main(["sft", "--out", str(tmp_path / "a")] + tiny)
-    save = shop.save_sft_checkpoint
+    save = sft.save_sft_checkpoint
     for stop in (2, 4, 6):          # checkpoints after 2 induction steps, 1 and 3 dialog steps
         out = tmp_path / f"stop{stop}"
 
@@ -332,10 +336,10 @@ def test_sft_resumed_after_a_stop_writes_the_same_bytes(tmp_path, monkeypatch):
             if done == stop:
                 raise _Stop
 
-        monkeypatch.setattr(shop, "save_sft_checkpoint", save_then_stop)
+        monkeypatch.setattr(sft, "save_sft_checkpoint", save_then_stop)
         with pytest.raises(_Stop):
             shop.main(["sft", "--out", str(out)] + tiny)
-        monkeypatch.setattr(shop, "save_sft_checkpoint", save)
+        monkeypatch.setattr(sft, "save_sft_checkpoint", save)
         assert json.loads((out / "sft-checkpoint" / "trainer.json").read_text())["done"] == stop
         with pytest.raises(SystemExit):         # not started over by accident
             shop.main(["sft", "--out", str(out)] + tiny)
@@ -374,17 +378,17 @@ def test_episodes_deterministic_and_splits_disjoint():
 
 def test_make_data_is_byte_for_byte_deterministic(data, tmp_path):
     assert sorted(p.name for p in data.iterdir()) == sorted(FILES)
-    shop.make_shop_data(tmp_path, episodes=60, seed=7)
+    shopdata.make_shop_data(tmp_path, episodes=60, seed=7)
     for name in FILES:
         assert (tmp_path / name).read_bytes() == (data / name).read_bytes(), name
-    shop.make_shop_data(tmp_path / "other", episodes=60, seed=8)
+    shopdata.make_shop_data(tmp_path / "other", episodes=60, seed=8)
     assert (tmp_path / "other" / "clean_train.json").read_bytes() != \
         (data / "clean_train.json").read_bytes()
     with pytest.raises(ValueError, match="--episodes 1"):
-        shop.make_shop_data(tmp_path, episodes=1)
+        shopdata.make_shop_data(tmp_path, episodes=1)
     # past the train seeds' range: refused at once (it ran for hours before the range check)
     with pytest.raises(ValueError, match="--episodes 1000000000000: 2 to 4,500,000"):
-        shop.make_shop_data(tmp_path / "huge", episodes=10**12)
+        shopdata.make_shop_data(tmp_path / "huge", episodes=10**12)
     assert not (tmp_path / "huge").exists()
 
 
@@ -399,7 +403,7 @@ def test_make_data_says_what_it_wrote_in_the_users_file_mode(tmp_path, capsys, m
     assert {(p.stat().st_mode & 0o777) for p in (tmp_path / "a").iterdir()} == {0o666 & ~umask}
     os.umask(0o027)                                 # a group-readable umask is honoured too
     try:
-        shop.make_shop_data(tmp_path / "b", episodes=2)
+        shopdata.make_shop_data(tmp_path / "b", episodes=2)
     finally:
         os.umask(umask)
     assert {(p.stat().st_mode & 0o777) for p in (tmp_path / "b").iterdir()} == {0o640}
@@ -408,14 +412,14 @@ def test_make_data_says_what_it_wrote_in_the_users_file_mode(tmp_path, capsys, m
 def test_make_data_files_load_and_split_80_20(data):
     for split, n in (("train", 48), ("test", 12)):
         clean = envs.load_episodes(data / f"clean_{split}.json")
-        cont = lab_data.load_episodes(data / f"contaminated_{split}.json")
+        cont = lab_data.load_released_episodes(data / f"contaminated_{split}.json")
         assert list(clean) == list(cont) == [f"shop-7-{split}-{i}" for i in range(n)]
         for fam in ("clean", "contaminated"):
             records = lab_data.load_matched(data / f"matched_{fam}_{split}.json")
             assert all(r["tools"] == envs.SHOP_TOOLS for r in records)
         for eid, rec in clean.items():
             task = shop.shop_task_from_id(eid)
-            assert rec["dialogs"] == shop.shop_gold(task)[0]
+            assert rec["dialogs"] == shopdata.shop_gold(task)[0]
             assert rec["gt_answer"] == {"whitelist": [[task.answer]], "blacklist": None}
     assert len(lab_data.load_matched(data / "matched_diagnostic_test.json")) == 24
 
@@ -432,7 +436,7 @@ def test_contamination_follows_the_paper_procedure(data):
             assert idx[-1] < len(cont) - 1                  # never the evaluation (last) turn
             assert [i for i in range(len(gold)) if gold[i] != cont[i]] == idx  # downstream kept
             assert rec["original_turn_contents"] == [gold[i] for i in idx]
-            labels = shop.shop_dialog_labels(task, cont)
+            labels = shopdata.shop_dialog_labels(task, cont)
             assert [labels[(i - 1) // 2] for i in idx] == [False] * len(idx)
             for i, kind in zip(idx, rec["contamination_types"]):
                 kinds[kind] += 1
@@ -462,13 +466,13 @@ def test_a_rewrite_right_by_coincidence_falls_back_to_another_kind():
     # reasoning_error rewrite of the Calculator turn is an error; make-data shop --seed 43 used
     # to stop here. Every rng draw that picks reasoning_error for that turn must fall back.
     task = envs.shop_task(430001751)
-    gold, turns = shop.shop_gold(task)
+    gold, turns = shopdata.shop_gold(task)
     assert task.lines == ((6, "bread", "A"),) and task.currency == "USD"
     picked = 0
     for seed in range(40):
         rng = random.Random(seed)
-        dialog, idx, kinds, _ = shop.shop_contaminate(task, gold, turns, rng)
-        labels = shop.shop_dialog_labels(task, dialog)
+        dialog, idx, kinds, _ = shopdata.shop_contaminate(task, gold, turns, rng)
+        labels = shopdata.shop_dialog_labels(task, dialog)
         assert [labels[(i - 1) // 2] for i in idx] == [False] * len(idx)
         picked += idx == [3]
     assert picked                           # the coincidental turn was drawn and rewritten
@@ -496,7 +500,7 @@ def test_matched_records_mirror_the_release_and_labels_resimulate(data):
                 want = dict(zip(idx, ep["contamination_types"])).get(t)
                 assert r["contamination_type"] == want
                 task = shop.shop_task_from_id(eid)
-                assert r["label"] == int(shop.shop_dialog_labels(task, r["dialogs"])[-1])
+                assert r["label"] == int(shopdata.shop_dialog_labels(task, r["dialogs"])[-1])
             assert c["label"] == x["label"] == int(t not in idx)
             seen[eid].append(t)
         # one record per assistant turn of every episode, in order
@@ -513,7 +517,7 @@ def test_contaminated_dialog_labels_match_episode_replay(data):
         for m in rec["dialogs"]:
             if m["role"] == "assistant":
                 ep.step(envs.render_assistant(m))
-        assert ep.labels() == shop.shop_dialog_labels(task, rec["dialogs"])
+        assert ep.labels() == shopdata.shop_dialog_labels(task, rec["dialogs"])
 
 
 def test_diagnostic_set(data):
@@ -538,13 +542,13 @@ def test_diagnostic_set(data):
         assert envs.tool_result_text(repair["dialogs"][j + 1]) == \
             envs.shop_execute(task, call["name"], call["arguments"]).text
         for r in (wrong, repair):
-            assert r["label"] == int(shop.shop_dialog_labels(task, r["dialogs"])[-1])
+            assert r["label"] == int(shopdata.shop_dialog_labels(task, r["dialogs"])[-1])
         # consistent: the wrong turn restates the last observation truly and fetches a fact
         # the task does not need (or already has); the repair redoes what the prefix got wrong
         thought, call, _ = envs.assistant_parts(wrong["dialogs"][-1])
         assert call["name"] in ("Lookup", "Rate")
         fact = envs.shop_execute(task, call["name"], call["arguments"]).fact
-        known, computed, _ = shop._shop_state(task, wrong["dialogs"][:-1])
+        known, computed, _ = shopdata._shop_state(task, wrong["dialogs"][:-1])
         assert fact not in task.needed or fact in known
         assert envs._shop_thought_true(task, thought.split("I need")[0], known, computed)
 
@@ -552,7 +556,7 @@ def test_diagnostic_set(data):
 def test_make_data_is_fast(tmp_path):
     import time
     start = time.perf_counter()
-    counts = shop.make_shop_data(tmp_path, episodes=200, seed=1)
+    counts = shopdata.make_shop_data(tmp_path, episodes=200, seed=1)
     assert time.perf_counter() - start < 5.0
     assert counts["clean_train.json"] == 160 and counts["clean_test.json"] == 40
 
@@ -563,7 +567,7 @@ def test_cli_make_data_matches_the_library(tmp_path):
     cli = [sys.executable, "-m", "lab.shop", "make-data", "--episodes", "30",
            "--seed", "9"]
     subprocess.run(cli + ["--out", str(tmp_path / "cli")], check=True, env=env, cwd=tmp_path)
-    shop.make_shop_data(tmp_path / "lib", episodes=30, seed=9)
+    shopdata.make_shop_data(tmp_path / "lib", episodes=30, seed=9)
     for name in FILES:
         assert (tmp_path / "cli" / name).read_bytes() == (tmp_path / "lib" / name).read_bytes()
     bad = subprocess.run(cli[:4] + ["--episodes", "1", "--out", str(tmp_path / "bad")],
@@ -746,12 +750,12 @@ def test_the_probe_corpora_say_what_they_do_before_their_silent_parts(monkeypatc
 
 def test_contaminated_corpus_is_the_recipes_training_set_of_every_traced_record(tmp_path):
     # the corpus picks its records from labels before tracing: the same rows, in the same order,
-    # as study.training_set on both matched train splits traced whole, one record at a time
+    # as detection.training_set on both matched train splits traced whole, one record at a time
     policy, tok = mdl.load_model(BUILTIN)
     got = onpolicy.contaminated_corpus(policy, tok, 3, lambda *a, **k: None)
-    shop.make_shop_data(tmp_path, episodes=3, seed=onpolicy.PROBE_SEED)
+    shopdata.make_shop_data(tmp_path, episodes=3, seed=onpolicy.PROBE_SEED)
     splits = {}
-    for name in study.TRAIN_SPLITS["mixed"]:
+    for name in detection.TRAIN_SPLITS["mixed"]:
         recs = lab_data.load_matched(tmp_path / f"{name}.json")
         raws = []
         for r in recs:
@@ -759,9 +763,9 @@ def test_contaminated_corpus_is_the_recipes_training_set_of_every_traced_record(
             raws.append(probes.raw_features(traces.trace_forward(policy, ids, span)))
         raw = probes.stack_raw(raws)
         raw["turn_idx"] = torch.tensor([int(r["turn_idx"]) for r in recs])
-        splits[name] = study.Split(name, raw, torch.tensor([int(r["label"]) for r in recs]),
-                                   [str(r["episode_id"]) for r in recs], {})
-    want = study.training_set(splits, "mixed", onpolicy.PROBE_SEED)
+        splits[name] = detection.Split(name, raw, torch.tensor([int(r["label"]) for r in recs]),
+                                       [str(r["episode_id"]) for r in recs], {})
+    want = detection.training_set(splits, "mixed", onpolicy.PROBE_SEED)
     assert len(got.y) < sum(len(s.y) for s in splits.values())     # not every record is kept
     assert torch.equal(got.y, want.y) and got.keys() == want.keys()
     assert 0 < int(got.y.sum()) < len(got.y)
@@ -796,8 +800,8 @@ def test_heldout_auroc_reports_each_habit_at_its_own_turn_with_a_clean_prefix(mo
     nll = torch.tensor([1.0, 0.2, 0.5, 0.5, 0.4, 0.1, 0.95, 0.9, 0.6])     # each turn -log pi
     raw = {"turn_idx": torch.tensor(turn), "distance": torch.tensor(distance),
            "kind": torch.zeros(len(rows), dtype=torch.long), "nll": nll}
-    split = study.Split("own_turns", raw, torch.tensor(y), [ids[k] for k in episode],
-                        {"kinds": ["Calculator"]})
+    split = detection.Split("own_turns", raw, torch.tensor(y), [ids[k] for k in episode],
+                            {"kinds": ["Calculator"]})
     p = torch.tensor(p)
     monkeypatch.setattr(onpolicy.study, "predict", lambda m, raw: p)
     got = onpolicy.heldout_auroc({"pair": object()}, split)
@@ -820,8 +824,8 @@ def test_slip_turns_are_where_each_slipped_dialog_is_first_labelled_wrong():
             task = env.episode(i).task
             for slip, turn in shop.slip_turns(task).items():
                 dialog = shop.long_dialog(task, (slip,)) if world == "shop-long" else \
-                    shop.shop_divided(task)
-                labels = shop.shop_dialog_labels(task, dialog)
+                    shopdata.shop_divided(task)
+                labels = shopdata.shop_dialog_labels(task, dialog)
                 assert labels.index(False) == turn, (world, i, slip)
                 seen[slip] += 1
         assert set(seen) == ({"store", "forget", "divided"} if world == "shop-long" else
