@@ -34,7 +34,7 @@ import pair
 import probes
 from lab import toolbench
 from probes import play, rollout, Step, Trajectory
-from lab import study
+from lab import detection
 
 
 # ---------------------------------------------------------------------------------------------
@@ -54,7 +54,7 @@ def coe_reward(traj: Trajectory, ctx) -> list[float]:
     # CoE is unsupervised (METHOD.md §4-5): r_t = the turn's CoE-C score (the paper's baseline);
     # only its ordering within the group matters after normalization.
     raw = probes.stack_raw([probes.raw_features(step.trace) for step in traj.steps])
-    return study.unsupervised_score("coe_c", raw).tolist()
+    return detection.unsupervised_score("coe_c", raw).tolist()
 
 
 def judge_reward(traj: Trajectory, ctx) -> list[float]:

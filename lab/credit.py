@@ -22,7 +22,7 @@ import torch
 import grpo
 import pair
 import probes
-from lab import onpolicy, study
+from lab import detection, onpolicy
 
 
 def labels_reward(traj: probes.Trajectory, ctx) -> list[float]:
@@ -80,7 +80,7 @@ def outcome_turn_advantages(rewards: list[list[float | None]], scores: list[floa
 GATE_REWARDS = {"outcome", "labels", "pair"} | pair.PROBE_REWARDS     # what stored_rewards computes
 
 
-def stored_rewards(turns: study.Split, ctx, args) -> list[float | None] | None:
+def stored_rewards(turns: detection.Split, ctx, args) -> list[float | None] | None:
     """One rollout's rewards from its stored turns (features, labels, task score), as
     pair.turn_rewards gives them from the trajectory; None for a reward that needs more (a
     judge, a forward of the policy, trees)."""
@@ -98,7 +98,7 @@ def stored_rewards(turns: study.Split, ctx, args) -> list[float | None] | None:
     return pair.with_outcome(rewards, score, args.outcome_weight)
 
 
-def premise_gate(turns: study.Split, ctx, args, form: pair.Advantage,
+def premise_gate(turns: detection.Split, ctx, args, form: pair.Advantage,
                  at: list[str | None]) -> dict | None:
     """AUROC of the `--advantage` (form) and of the reward alone for right (1) against wrong (0) at
     the first-error turns with a clean prefix: the turns where `at` names a habit and no earlier

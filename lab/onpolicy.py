@@ -44,7 +44,7 @@ import grpo
 import model
 import pair
 import probes
-from lab import data as lab_data, runs, shop, study, traces
+from lab import data as lab_data, detection, runs, shop, study, traces
 from probes import rollout
 
 PROBE_SEED = 42
@@ -72,7 +72,7 @@ def turn_kind(text: str) -> str:
     return step.name if isinstance(step, envs.Action) else type(step).__name__
 
 
-def turn_records(trajs: list) -> study.Split:
+def turn_records(trajs: list) -> detection.Split:
     """One record per assistant turn of shop rollouts (rollout.Trajectory): raw features, the
     world's exact label, whether (and how far back) an earlier turn of the same rollout was
     wrong, the turn's kind (a code per turn_kind, numbered in order of appearance), the mean
@@ -100,7 +100,7 @@ def turn_records(trajs: list) -> study.Split:
                distance=torch.tensor(distance), rollout=torch.tensor(sample),
                kind=torch.tensor(kind), nll=torch.tensor(nll),
                score=torch.tensor(score, dtype=torch.float64))
-    return study.Split("own_turns", raw, raw["label"].long(), episode_id, {"kinds": list(kinds)})
+    return detection.Split("own_turns", raw, raw["label"].long(), episode_id, {"kinds": list(kinds)})
 
 
 def kind_balanced_indices(y: torch.Tensor, kind: torch.Tensor, seed: int) -> torch.Tensor:
@@ -132,7 +132,7 @@ def kind_balanced_indices(y: torch.Tensor, kind: torch.Tensor, seed: int) -> tor
 
 @torch.no_grad()
 def sample_own_turns(policy, tok, env, n_episodes: int, samples: int, args, seed: int,
-                     log) -> study.Split:
+                     log) -> detection.Split:
     """`samples` rollouts (rollout.rollout) of the base policy on each of the first n_episodes of
     `env`."""
     episodes = [i for i in range(n_episodes) for _ in range(samples)]
@@ -160,7 +160,7 @@ def sample_own_turns(policy, tok, env, n_episodes: int, samples: int, args, seed
     return turn_records(trajs)
 
 
-def contaminated_corpus(policy, tok, episodes: int, log) -> study.Split:
+def contaminated_corpus(policy, tok, episodes: int, log) -> detection.Split:
     """The released recipe's training set for this policy: of `make-data`'s matched clean and
     contaminated train records, the ones pair.training_set keeps (mode mixed, seed 42),
     teacher-forced with the base policy. The choice reads labels only, so it is made first and
@@ -171,15 +171,15 @@ def contaminated_corpus(policy, tok, episodes: int, log) -> study.Split:
     with tempfile.TemporaryDirectory() as tmp:
         shop.make_shop_data(tmp, episodes=episodes, seed=PROBE_SEED)
         loaded = [lab_data.load_matched(Path(tmp) / f"{name}.json")
-                  for name in study.TRAIN_SPLITS["mixed"]]
+                  for name in detection.TRAIN_SPLITS["mixed"]]
     # feature-less splits whose "raw" says where each row came from: (split, record) indices
-    index = {name: study.Split(name, {"turn_idx": torch.tensor([int(r["turn_idx"]) for r in recs]),
+    index = {name: detection.Split(name, {"turn_idx": torch.tensor([int(r["turn_idx"]) for r in recs]),
                                       "split": torch.full((len(recs),), s),
                                       "record": torch.arange(len(recs))},
                                torch.tensor([int(r["label"]) for r in recs]),
                                [str(r["episode_id"]) for r in recs], {})
-             for s, (name, recs) in enumerate(zip(study.TRAIN_SPLITS["mixed"], loaded))}
-    kept = study.training_set(index, "mixed", PROBE_SEED)
+             for s, (name, recs) in enumerate(zip(detection.TRAIN_SPLITS["mixed"], loaded))}
+    kept = detection.training_set(index, "mixed", PROBE_SEED)
     records = [loaded[s][r] for s, r in zip(kept.raw["split"].tolist(),
                                             kept.raw["record"].tolist())]
     rendered = [study.render_record(r, tok) for r in records]
@@ -191,18 +191,18 @@ def contaminated_corpus(policy, tok, episodes: int, log) -> study.Split:
     log(f"  contaminated corpus: {len(kept.y)} teacher-forced turns of `python -m lab.shop "
         f"make-data --episodes {episodes}` (mode mixed; the shop world's, also for shop-long, "
         f"which has no make-data) in {time.perf_counter() - t0:.0f}s", flush=True)
-    return study.Split(kept.name, raw, kept.y, kept.episode_id, {})
+    return detection.Split(kept.name, raw, kept.y, kept.episode_id, {})
 
 
-def fit_probes(train: study.Split, info: dict) -> dict:
+def fit_probes(train: detection.Split, info: dict) -> dict:
     """PAIR and every baseline probe on one training set (balanced subsample, seed 42)."""
-    fitted = study.fit_baselines(train, info=info)
+    fitted = detection.fit_baselines(train, info=info)
     fitted["pair"] = pair.fit_pair(train.raw, train.y, info=info,
                                    stage1=fitted["last_token"])
     return fitted
 
 
-def heldout_auroc(fitted: dict, heldout: study.Split) -> dict:
+def heldout_auroc(fitted: dict, heldout: detection.Split) -> dict:
     """AUROC of every fitted method on the held-out own turns: all, clean prefix, contaminated
     prefix, by distance to the nearest earlier wrong turn, by kind of turn (turn_kind), and at
     each habit's own turn (shop.slip_turns) with a clean prefix: the slip made against the same
@@ -223,7 +223,7 @@ def heldout_auroc(fitted: dict, heldout: study.Split) -> dict:
         here = torch.tensor([a == slip for a in at], dtype=torch.bool)
         if here.any():
             groups[f"slip={slip}"] = here & (d < 0)
-    scores = {name: study.predict(m, heldout.raw) for name, m in fitted.items()}
+    scores = {name: detection.predict(m, heldout.raw) for name, m in fitted.items()}
     if "nll" in heldout.raw:        # unsupervised: the turn's own confidence, no probe at all
         scores["confidence"] = -heldout.raw["nll"].double()
     out = {}
@@ -237,7 +237,7 @@ def heldout_auroc(fitted: dict, heldout: study.Split) -> dict:
     return out
 
 
-def habit_at(turns: study.Split) -> list[str | None]:
+def habit_at(turns: detection.Split) -> list[str | None]:
     """For each turn, the habit (shop.slip_turns) whose decision is made at its turn index in its
     episode, or None: with a clean prefix, the turn where a rollout first goes wrong by that
     habit (label 0) or makes the same decision right (label 1)."""
@@ -281,11 +281,11 @@ def shop_probes(args, policy, tok, procs, log) -> tuple[Path, dict]:
                     "needs both (more --corpus-episodes or --max-new-tokens, or "
                     "--probe-corpus contaminated)")
             own = own.take(kind_balanced_indices(own.y, own.raw["kind"], PROBE_SEED))
-            corpora["on-policy"] = own.take(study.balanced_indices(own.y, PROBE_SEED))
+            corpora["on-policy"] = own.take(detection.balanced_indices(own.y, PROBE_SEED))
         # the released recipe is always fitted: it is the yardstick the startup line prints
         corpora["contaminated"] = contaminated_corpus(policy, tok, args.probe_episodes, log)
         if args.probe_corpus == "both":
-            corpora["both"] = study.concat_splits([corpora["on-policy"],
+            corpora["both"] = detection.concat_splits([corpora["on-policy"],
                                                    corpora["contaminated"]])
         info = {"seed": PROBE_SEED, "corpus": args.probe_corpus}
         fitted = fit_probes(corpora[args.probe_corpus], info)
@@ -335,14 +335,14 @@ def heldout_path(args) -> Path:
             f"heldout-{key}.safetensors")
 
 
-def save_heldout(turns: study.Split, path: Path) -> None:
+def save_heldout(turns: detection.Split, path: Path) -> None:
     meta = {"heldout_turns": json.dumps({"kinds": turns.meta["kinds"],
                                          "episode_id": turns.episode_id})}
     path.parent.mkdir(parents=True, exist_ok=True)
     probes.save_safetensors(turns.raw, path, meta)
 
 
-def heldout_turns(args, policy, tok, procs, log) -> study.Split:
+def heldout_turns(args, policy, tok, procs, log) -> detection.Split:
     """The held-out own turns that score the fitted probes (shop_probes): --corpus-samples
     rollouts of the base policy on each of the first --corpus-heldout validation episodes, at
     the training sampling, labelled, with their features and task scores. Written when the
@@ -363,7 +363,7 @@ def heldout_turns(args, policy, tok, procs, log) -> study.Split:
     tensors, meta = probes.read_safetensors(path, "held-out turns")
     try:
         meta = json.loads(meta["heldout_turns"])
-        return study.Split("heldout_turns", tensors, tensors["label"].long(),
+        return detection.Split("heldout_turns", tensors, tensors["label"].long(),
                            list(meta["episode_id"]), {"kinds": list(meta["kinds"])})
     except (KeyError, ValueError, TypeError) as e:
         raise SystemExit(f"{path}: a damaged cache of held-out turns ({type(e).__name__}: "
@@ -447,7 +447,7 @@ def save_step_turns(out: Path, step: int, rank: int, trajs: list) -> None:
     probes.save_safetensors(split.raw, path, meta)
 
 
-def load_window(out: Path, steps: range, processes: int) -> study.Split | None:
+def load_window(out: Path, steps: range, processes: int) -> detection.Split | None:
     """The turns of `steps`, every process's, kinds recoded by name across files (None: no
     turn at all). A file that is gone is an error, never a smaller window."""
     parts, codes = [], {}
@@ -464,12 +464,12 @@ def load_window(out: Path, steps: range, processes: int) -> study.Split | None:
             meta = json.loads(meta["pair_refit_turns"])
             recode = torch.tensor([codes.setdefault(k, len(codes)) for k in meta["kinds"]])
             tensors["kind"] = recode[tensors["kind"]]
-            parts.append(study.Split(path.stem, tensors, tensors["label"].long(),
+            parts.append(detection.Split(path.stem, tensors, tensors["label"].long(),
                                      meta["episode_id"], {}))
-    return study.concat_splits(parts) if parts else None
+    return detection.concat_splits(parts) if parts else None
 
 
-def refit(head, window: study.Split, seed: int):
+def refit(head, window: detection.Split, seed: int):
     """`head` (a pair.Pair or a probes.Probe) fitted again on `window`, balanced as the on-policy
     corpus is (within each kind of turn, then the two classes), and what it did: turns, correct,
     AUROC on the window before and after. None for the head when the window holds one class."""
@@ -478,7 +478,7 @@ def refit(head, window: study.Split, seed: int):
     if not 0 < report["correct"] < len(y):
         return None, report
     train = window.take(kind_balanced_indices(y, window.raw["kind"], seed))
-    train = train.take(study.balanced_indices(train.y, seed))
+    train = train.take(detection.balanced_indices(train.y, seed))
     if isinstance(head, pair.Pair):     # stage 1 stays: stage 2 reads the frozen s_bc
         new = pair.fit_pair(train.raw, train.y, C=head.stage2.info.get("C", 0.01),
                             stats=head.stats, info=head.info, stage1=head.stage1)
@@ -486,8 +486,8 @@ def refit(head, window: study.Split, seed: int):
         name = head.info["feature"]
         new = probes.Probe(info=head.info).fit(pair.feature(name, train.raw), train.y,
                                                C=head.info.get("C", 0.01))
-    report["auroc_before"] = probes.auroc(y, study.predict(head, window.raw))
-    report["auroc_after"] = probes.auroc(y, study.predict(new, window.raw))
+    report["auroc_before"] = probes.auroc(y, detection.predict(head, window.raw))
+    report["auroc_after"] = probes.auroc(y, detection.predict(new, window.raw))
     return new, report
 
 

@@ -94,9 +94,10 @@ def sft_batches(lengths: list[int], batch: int, steps: int, seed: int) -> list[l
 SFT_CHECKPOINT = "sft-checkpoint"      # under --out while a run is unfinished
 
 
-def sft(args, dialogs_of) -> dict:
+def sft(args, dialogs_of, world: envs.World) -> dict:
     """Train the policy that args describe on dialogs_of(args), the chat dialogs of args.world
-    (lab/shop.py's sft_world_dialogs), and write it to args.out with its README."""
+    (lab/shop.py's sft_world_dialogs), and write it to args.out with its README; `world`: the
+    built-in world it is evaluated on."""
     torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
     t0 = time.perf_counter()
@@ -208,7 +209,7 @@ def sft(args, dialogs_of) -> dict:
     result = {"train_seconds": round(seconds, 1), "final_loss": round(
         sum(losses[-50:]) / len(losses[-50:]), 4), "parameters": n_params}
     if args.eval_episodes:
-        result.update(sft_eval(policy, tok, args))
+        result.update(sft_eval(policy, tok, args, world))
     write_policy_readme(out, args, config, result, earlier)
     print(f"sft: wrote {out} in {probes.duration(time.perf_counter() - t0)}: " + json.dumps(result),
           flush=True)
@@ -326,11 +327,12 @@ def load_sft_checkpoint(path: Path, args, policy, opt, induction) -> tuple:
 
 
 @torch.no_grad()
-def sft_eval(policy, tok, args) -> dict:
-    """Held-out success: sampled at temperature 1 (what GRPO starts from) and greedy."""
-    env = envs.ShopEnv("test", world=args.world)
+def sft_eval(policy, tok, args, world: envs.World) -> dict:
+    """Held-out success on `world`: sampled at temperature 1 (what GRPO starts from) and
+    greedy."""
+    env = envs.ShopEnv("test", world=world)
     n = min(args.eval_episodes, len(env))
-    play = argparse.Namespace(max_turns=envs.WORLD_TURNS[args.world], max_new_tokens=96,
+    play = argparse.Namespace(max_turns=world.max_turns, max_new_tokens=96,
                               max_len=4096, temperature=1.0, top_p=1.0)
     result = {"eval_episodes": n}
     for name, greedy in (("success_sampled", False), ("success_greedy", True)):

@@ -5,7 +5,7 @@
     python -m lab.shop sft --out DIR    # train a policy (data/shop-policy/README.md: the commands)
 
 This file holds the two commands, the long-horizon world `shop-long` (its tasks, joined to the
-built-in worlds by `register`, its gold dialog and the slips of its policy) and the dialogs that
+built-in worlds in this file's WORLDS, its gold dialog and the slips of its policy) and the dialogs that
 `sft` trains each world's policy on. The shop world itself (tasks, tools that really execute,
 exact labels, `ShopEnv`) is envs.py's; its gold dialogs, rule-based contaminations and the
 released-schema files of `make-data` are lab/shopdata.py's; the policies' recipe (tokenizer,
@@ -288,7 +288,7 @@ def main(argv=None):
     a("--divided", type=float, default=0.0,
       help="shop: fraction of the other non-USD dialogs replaced by one that converts the wrong "
            "way round, dividing by the rate (shop_divided): a habit for GRPO to unlearn")
-    a("--world", default="shop", choices=tuple(envs.WORLDS),
+    a("--world", default="shop", choices=tuple(WORLDS),
       help="the world whose dialogs are trained on (shop-long: continue a shop policy, --init)")
     a("--slips", type=float, default=0.0,
       help="shop-long: probability of each of the three slips (LONG_SLIPS) in a dialog whose "
@@ -324,7 +324,7 @@ def main(argv=None):
       help="held-out shop episodes to measure success on (0: skip)")
     args = ap.parse_args(argv)
     if args.command == "sft":
-        args.out = args.out or str(envs.BUILTIN_POLICIES[args.world])
+        args.out = args.out or str(WORLDS[args.world].policy)
         grpo.check_ranges(ap, args, SFT_RANGES)
         train = args.episodes - (args.world == "shop") * max(1, args.episodes // 5)
         for bad, why in (
@@ -335,7 +335,7 @@ def main(argv=None):
                 (args.init and not Path(args.init).is_dir(), "--init must be a directory"),
                 (args.world == "shop-long" and not args.init, "--world shop-long continues a shop "
                  "policy: pass --init DIR (its tokenizer knows the words of both worlds; the "
-                 f"first command of {envs.BUILTIN_POLICIES['shop-long']}/README.md trains the "
+                 f"first command of {LONG_WORLD.policy}/README.md trains the "
                  "shipped one)"),
                 (args.world == "shop" and args.slips or args.world == "shop-long" and args.divided,
                  "--slips is shop-long's habit and --divided shop's: pass the one of --world")):
@@ -345,7 +345,7 @@ def main(argv=None):
             if (Path(args.out) / SFT_CHECKPOINT).is_dir() and not args.resume:
                 ap.error(f"{Path(args.out) / SFT_CHECKPOINT} holds a stopped run: continue "
                          "it with --resume, or delete it to start over")
-            return sft(args, sft_world_dialogs)
+            return sft(args, sft_world_dialogs, WORLDS[args.world])
     try:
         counts = make_shop_data(args.out, args.episodes, args.seed)
     except envs.DataError as e:            # a bad flag: one clear line, no traceback

@@ -42,11 +42,6 @@ from lab.detection import (DIAGNOSTIC_SPLIT, MODES, SCORES, SEEDS, TEST_SPLITS, 
                            training_set, unsupervised_score)
 from lab.report import (guess_paper_ref, json_clean, md_table, ms_cell, nested,
                         render_markdown, run_report)
-# Read as study.<name> by onpolicy.py, credit.py, baselines.py and tests/test_pair.py,
-# tests/test_advantage_forms.py: importable here until they import them from lab.detection and
-# lab.report.
-from lab.detection import Split, balanced_indices, concat_splits, load_split  # noqa: F401
-from lab.report import DISTANCE_BUCKETS, METHODS, distance_bucket  # noqa: F401
 
 
 def contamination_distance(record: dict) -> tuple[int, int]:

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import grpo
-from lab import credit, study
+from lab import credit, detection
 from lab import train as lab_train
 import pair
 
@@ -132,7 +132,7 @@ def test_tree_search_refuses_the_forms_it_cannot_use(reward, argv, tmp_path):
 # ---------------------------------------------------------------------------------------------
 # the premise gate
 
-def gate_turns(labels: list[list[int]], score: list[float], episode: str = "e") -> study.Split:
+def gate_turns(labels: list[list[int]], score: list[float], episode: str = "e") -> detection.Split:
     """Stored held-out turns of one group: per rollout its labels; distance as onpolicy writes
     it (turns since the nearest earlier wrong one, -1 for a clean prefix)."""
     y, t_idx, dist, roll, sc = [], [], [], [], []
@@ -146,7 +146,7 @@ def gate_turns(labels: list[list[int]], score: list[float], episode: str = "e") 
     raw = {"label": torch.tensor(y), "turn_idx": torch.tensor(t_idx),
            "distance": torch.tensor(dist), "rollout": torch.tensor(roll),
            "score": torch.tensor(sc, dtype=torch.float64)}
-    return study.Split("gate", raw, raw["label"].long(), [episode] * len(y), {})
+    return detection.Split("gate", raw, raw["label"].long(), [episode] * len(y), {})
 
 
 def test_premise_gate_catches_an_advantage_that_inverts_the_reward():

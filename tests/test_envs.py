@@ -160,7 +160,7 @@ def test_dialog_to_messages_shape(release_dir):
     assert "- GoogleSearch: " in tool_text and "    k (int, optional): Select the first k" \
         in tool_text and "Final Answer: <the answer only>" in tool_text
     # the contaminated turn stored under `explanation` is rendered as the thought
-    bad = lab_data.load_episodes(release_dir / "gta" / "contaminated_train.json")["162"]
+    bad = lab_data.load_released_episodes(release_dir / "gta" / "contaminated_train.json")["162"]
     assert lab_data.record_messages(bad)[1]["content"].startswith(
         "Thought: Since the image depicts a historical battle")
     # ToolBench: a user message after a tool result is merged into the observation message
@@ -174,7 +174,7 @@ def test_dialog_to_messages_shape(release_dir):
 
 def test_matched_records_get_their_episode_tools(release_dir, tmp_path):
     recs = lab_data.load_matched(release_dir / "gta" / "matched_contaminated_test.json")
-    eps = lab_data.load_episodes(release_dir / "gta" / "contaminated_test.json")
+    eps = lab_data.load_released_episodes(release_dir / "gta" / "contaminated_test.json")
     assert len(recs) == 177
     for r in recs[:20]:
         assert r["tools"] == eps[r["episode_id"]]["tools"]
@@ -491,7 +491,7 @@ def test_loader_errors_name_file_and_record(tmp_path, release_dir, mutate, messa
     """The core's loader checks what it plays; the lab's adds a contaminated file's fields."""
     path, key = _bad_file(tmp_path, release_dir, mutate)
     contamination = "contaminated_turn_indices" in json.loads(path.read_text())[key]
-    loaders = [lab_data.load_episodes] + ([] if contamination else [envs.load_episodes])
+    loaders = [lab_data.load_released_episodes] + ([] if contamination else [envs.load_episodes])
     for load in loaders:
         with pytest.raises(envs.DataError) as err:
             load(path)
@@ -515,7 +515,7 @@ def test_matched_loader_errors(tmp_path, release_dir):
 
 def test_download_validates_and_writes_atomically(monkeypatch, tmp_path, release_dir):
     served = tmp_path / "served"
-    for name in lab_data.RELEASE_FILES["gta"]:
+    for name in lab_data.ALL_RELEASE_FILES["gta"]:
         (served / "gta").mkdir(parents=True, exist_ok=True)
         (served / "gta" / name).write_bytes((release_dir / "gta" / name).read_bytes())
     class Quiet(SimpleHTTPRequestHandler):
@@ -533,7 +533,7 @@ def test_download_validates_and_writes_atomically(monkeypatch, tmp_path, release
         assert sorted(p.name for p in (tmp_path / "data" / "gta").iterdir()) == \
             sorted(envs.RELEASE_FILES["gta"])
         assert lab_data.download("gta", tmp_path / "data") == tmp_path / "data" / "gta"
-        for name in lab_data.RELEASE_FILES["gta"]:                  # the lab's: every file
+        for name in lab_data.ALL_RELEASE_FILES["gta"]:                  # the lab's: every file
             assert (tmp_path / "data" / "gta" / name).read_bytes() == \
                 (release_dir / "gta" / name).read_bytes()
         matched = json.loads((served / "gta" / "matched_clean_test.json").read_text())

@@ -14,7 +14,7 @@ from safetensors.torch import load_file, save_file
 import envs
 import model as M
 from lab import generate
-from lab import shop
+from lab import sft
 from lab import study
 from lab import traces
 from lab import runs
@@ -842,7 +842,7 @@ def test_chat_text_equals_reference_jinja_template(qwen_tokenizer_dir, release_d
     assert len(lists) > 2000
     for messages in lists:
         for gen_prompt in (False, True):
-            assert shop.chat_text(messages, gen_prompt) == \
+            assert sft.chat_text(messages, gen_prompt) == \
                 template.render(messages=messages, add_generation_prompt=gen_prompt)
 
 
@@ -854,7 +854,7 @@ def test_render_spans_point_at_assistant_content(qwen_tokenizer_dir):
     for messages in MESSAGE_LISTS:
         ids, spans = tok.render(messages)
         if not any("<|" in m["content"] for m in messages):   # text that reads as a template
-            assert ids == whole.encode(shop.chat_text(messages), add_special_tokens=False).ids
+            assert ids == whole.encode(sft.chat_text(messages), add_special_tokens=False).ids
         specials = [i for i in ids if i in (tok.im_start_id, tok.im_end_id)]
         assert len(specials) == 2 * (len(messages) + (messages[0]["role"] != "system"))
         contents = [m["content"] for m in messages if m["role"] == "assistant"]

@@ -14,7 +14,7 @@ import torch
 
 import pair
 import probes
-from lab import data as lab_data, runs, study, traces
+from lab import data as lab_data, detection, report, runs, study, traces
 from pair import Pair
 
 
@@ -119,7 +119,7 @@ def forbid_pickle(monkeypatch):
 # PAIR
 
 def test_pair_is_two_probes_on_the_paper_inputs(features_dir):
-    train = study.load_split(features_dir / "matched_clean_train.safetensors")
+    train = detection.load_split(features_dir / "matched_clean_train.safetensors")
     model = pair.fit_pair(train.raw, train.y)
     X1 = probes.feature("last_token", train.raw)
     ref1 = probes.Probe().fit(X1, train.y)
@@ -133,8 +133,8 @@ def test_pair_is_two_probes_on_the_paper_inputs(features_dir):
 
 
 def test_pair_save_load_reward_and_latency(features_dir, tmp_path, monkeypatch):
-    train = study.load_split(features_dir / "matched_clean_train.safetensors")
-    test = study.load_split(features_dir / "matched_contaminated_test.safetensors")
+    train = detection.load_split(features_dir / "matched_clean_train.safetensors")
+    test = detection.load_split(features_dir / "matched_contaminated_test.safetensors")
     model = pair.fit_pair(train.raw, train.y, info={"mode": "clean_only"})
     model.save(tmp_path / "pair")
     assert sorted(p.name for p in (tmp_path / "pair").iterdir()) == [
@@ -156,7 +156,7 @@ def test_pair_save_load_reward_and_latency(features_dir, tmp_path, monkeypatch):
 def test_a_probe_reads_a_turn_from_its_trace_as_from_the_features_file(features_dir, tmp_path,
                                                                        monkeypatch):
     # grpo.py's probe rewards: P(correct) of the features of a turn's trace
-    train = study.load_split(features_dir / "matched_clean_train.safetensors")
+    train = detection.load_split(features_dir / "matched_clean_train.safetensors")
     for name in ("attention", "hidden_attn", "multi_layer"):
         probe = probes.Probe(info={"feature": name}).fit(probes.feature(name, train.raw), train.y)
         probe.save(tmp_path / f"{name}.safetensors")
@@ -169,7 +169,7 @@ def test_a_probe_reads_a_turn_from_its_trace_as_from_the_features_file(features_
 
 
 def test_crossfit_uses_out_of_fold_scores(features_dir):
-    train = study.load_split(features_dir / "matched_clean_train.safetensors")
+    train = detection.load_split(features_dir / "matched_clean_train.safetensors")
     folds = pair.episode_folds(train.episode_id, 3, seed=7)
     by_episode = {}
     for e, f in zip(train.episode_id, folds.tolist()):
@@ -191,14 +191,14 @@ def test_crossfit_uses_out_of_fold_scores(features_dir):
 
 def test_balanced_indices():
     y = torch.tensor([1] * 30 + [0] * 10)
-    a, b = study.balanced_indices(y, 42), study.balanced_indices(y, 43)
+    a, b = detection.balanced_indices(y, 42), detection.balanced_indices(y, 43)
     assert len(a) == 20 and y[a].sum() == 10
-    assert a.equal(study.balanced_indices(y, 42)) and not a.equal(b)
+    assert a.equal(detection.balanced_indices(y, 42)) and not a.equal(b)
     assert set(range(30, 40)) <= set(a.tolist())     # the minority class is kept whole
 
 
 def test_mixed_training_set_takes_the_same_records(features_dir):
-    splits = study.load_splits(features_dir, study.TRAIN_SPLITS["mixed"])
+    splits = detection.load_splits(features_dir, detection.TRAIN_SPLITS["mixed"])
     mixed = study.training_set(splits, "mixed", 43)
     clean = study.training_set(splits, "clean_only", 43)
     n = len(clean.y)
@@ -218,8 +218,8 @@ def test_contamination_distance():
     assert study.contamination_distance(rec) == (1, 2)
     rec["original_contaminated_turn_indices"] = [8]
     assert study.contamination_distance(rec) == (-1, -1)
-    assert study.distance_bucket(1) == "1" and study.distance_bucket(9) == "7+"
-    assert study.distance_bucket(-1) is None
+    assert report.distance_bucket(1) == "1" and report.distance_bucket(9) == "7+"
+    assert report.distance_bucket(-1) is None
 
 
 def test_train_eval_report_cli(features_dir, tmp_path, capsys):
@@ -248,7 +248,7 @@ def test_train_eval_report_cli(features_dir, tmp_path, capsys):
     rep = json.loads((tmp_path / "r" / "report.json").read_text())
     md = (tmp_path / "r" / "report.md").read_text()
     det = rep["detection"]
-    assert set(det) == set(study.METHODS)
+    assert set(det) == set(report.METHODS)
     auroc = {m: {s: det[m][s]["auroc"]["mean"] for s in study.TEST_SPLITS} for m in det}
     # the synthetic data is built so that the hidden state flips after a contaminated prefix
     clean, contam = "matched_clean_test", "matched_contaminated_test"
@@ -258,11 +258,11 @@ def test_train_eval_report_cli(features_dir, tmp_path, capsys):
     assert len(det["pair"][clean]["auroc"]["values"]) == 3
     assert det["coe_c"][clean]["auroc"]["std"] == 0.0 and "ece" not in det["coe_c"][clean]
     # an unsupervised score is reported by AUROC only, in the tables too
-    assert all(set(det[m][clean]) == {"auroc"} for m in det if not study.METHODS[m][1])
+    assert all(set(det[m][clean]) == {"auroc"} for m in det if not report.METHODS[m][1])
     other = md.split("Other metrics")[1].split("## (b)")[0]
     assert "Last-token" in other and "CoE-R" not in other and "Entropy (unsup.)" not in other
     assert len(rep["ablation"]) == 15
-    assert set(rep["distance"]["_n"]) == set(study.DISTANCE_BUCKETS)
+    assert set(rep["distance"]["_n"]) == set(report.DISTANCE_BUCKETS)
     assert rep["paper_ref"] == "gta" and "0.9217" in md
     for section in ("(a)", "(b)", "(c)", "(d)", "(e)"):
         assert f"## {section}" in md
@@ -274,9 +274,9 @@ def test_train_eval_report_cli(features_dir, tmp_path, capsys):
     expect = []
     for m in det:
         a, b = auroc[m][clean], auroc[m][contam]
-        expect.append([study.METHODS[m][0], f"{a:.3f}", f"{b:.3f}", f"{a - b:+.3f}",
+        expect.append([report.METHODS[m][0], f"{a:.3f}", f"{b:.3f}", f"{a - b:+.3f}",
                        f"{100 * (a - b) / a:+.1f}%"])
-    assert sorted(rows) == sorted(expect) and len(rows) == len(study.METHODS)
+    assert sorted(rows) == sorted(expect) and len(rows) == len(report.METHODS)
     drop = {row[0]: float(row[3]) for row in rows}
     assert drop["Last-token"] > 0.15 and drop["PAIR"] < drop["Last-token"] - 0.1
     # a clean AUROC of 0 (a tiny test split can give one) has a drop but no relative drop
@@ -488,7 +488,7 @@ def test_pipeline_on_shop(tmp_path, monkeypatch, capsys):
     assert rep["paper_ref"] is None                      # shop: no paper numbers
     assert rep["n_records"]["matched_diagnostic_test"] == len(
         lab_data.load_matched(data / "matched_diagnostic_test.json"))
-    for m in study.METHODS:
+    for m in report.METHODS:
         assert 0 <= rep["detection"][m]["matched_clean_test"]["auroc"]["mean"] <= 1
         assert rep["detection"][m]["matched_diagnostic_test"]["auroc"]["mean"] is not None
     # the trained PAIR scores a live turn (grpo.py's reward) as it scores the extracted record
@@ -750,7 +750,7 @@ def test_hostile_flags_and_values_are_one_line_errors(features_dir, tmp_path, ca
                             {"pair_features": json.dumps(meta)})
     with pytest.raises(SystemExit, match="matched_clean_train.safetensors: attn_max holds NaN"):
         study.main(["train", "--features", str(nan_feats), "--out", str(tmp_path / "m")])
-    train = study.load_split(features_dir / "matched_clean_train.safetensors")
+    train = detection.load_split(features_dir / "matched_clean_train.safetensors")
     probe = probes.Probe(info={"feature": "last_token"}).fit(
         probes.feature("last_token", train.raw), train.y)
     probe.w[2] = float("inf")
