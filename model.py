@@ -1,12 +1,24 @@
-"""The policy: a hand-written Qwen2-family decoder reporting its own hidden states and attention
-statistics; its config and checkpoint loading (a directory or a Hub name), KV cache, compiled
-decoding step, tokenizer and chat template, the update's log-probabilities, LoRA in PEFT's layout.
+"""The policy: a hand-written Qwen2-family decoder that reports its own hidden states and
+attention statistics, and what it needs around it: the config and checkpoint loading (a local
+directory or a Hub name), the KV cache, the decoding step (compiled where it pays), the tokenizer
+and chat template, the update's log-probabilities, LoRA in PEFT's layout, the layer split.
 
-Each decoding step returns, besides the logits, the L+1 hidden states and per layer and head the
-six statistics of its softmax row (STATS, stats_from; METHOD.md §4). Departure from the authors'
-release: std is over the i+1 causal keys of row i, not the padded row. Masks come from positions:
-key slot j is visible to the query at position p iff j <= p (and p - j < window); the cache is
-indexed by absolute position, so a pad past a row's tokens is invisible until overwritten.
+PAIR reads its reward from the policy's internals (METHOD.md §4). Each decoding step returns,
+besides the logits, the L+1 hidden states (the embedding, blocks 1..L-1, the final-normed block
+L) and, for every layer and query head, the six statistics of its softmax row over the causal
+keys (STATS; their equations are stats_from's): no second forward pass. Departure from the
+authors' release: std is over the i+1 causal keys of row i, not the whole padded row.
+
+Modules carry the Hugging Face weight names (Qwen2, Llama, Mistral), so loading a checkpoint is
+a strict load_state_dict once every file, tensor and shape is checked. Masks come from explicit
+positions: key slot j is visible to the query at position p iff j <= p (and p - j < window); the
+KV cache is indexed by absolute position, so a pad past a row's real tokens stays invisible until
+the row's next real token overwrites it.
+
+The model is written for one device; split_model, at the bottom, places a built model's layers
+over several (as gpt-fast's tp.py applies its parallelism), because a 7B policy with its LoRA
+state and KV caches exceeds one 48 GB GPU. Placement, no pipelining: one device computes at a
+time.
 """
 import contextlib
 import hashlib
@@ -17,6 +29,7 @@ import re
 import struct
 import sys
 import threading
+import time
 from bisect import bisect_right
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -31,8 +44,10 @@ from safetensors import safe_open
 from safetensors.torch import save as safetensors_bytes
 from torch import nn, Tensor
 
-STATS = ("max", "std", "prefix", "self", "entropy", "lookback")
+STATS = ("max", "std", "prefix", "self", "entropy", "lookback")    # a stats tensor's last axis
+# the system message Qwen2.5's own chat template puts first when a chat has none
 DEFAULT_SYSTEM = "You are Qwen, created by Alibaba Cloud. You are a helpful assistant."
+# --dtype of every script takes these names, torch's, and only these
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -56,32 +71,34 @@ class CheckpointError(Exception):
 
 @dataclass
 class Config:
-    """config.json: field names are its keys (others are dropped); a None default: may be null."""
+    """A checkpoint's config.json: field names are its keys (from_dict keeps the known ones), and
+    a field whose default is None may be null."""
     vocab_size: int
     hidden_size: int
     intermediate_size: int
     num_hidden_layers: int
     num_attention_heads: int
-    num_key_value_heads: int | None = None
-    head_dim: int | None = None
+    num_key_value_heads: int | None = None  # None: as many as the query heads
+    head_dim: int | None = None             # None: hidden_size / num_attention_heads
     architectures: list[str] = field(default_factory=lambda: ["Qwen2ForCausalLM"])
-    hidden_act: str = "silu"
+    hidden_act: str = "silu"                # the MLP's activation
     rms_norm_eps: float = 1e-6
-    max_position_embeddings: int = 32768
+    max_position_embeddings: int = 32768    # the context, in tokens
     rope_theta: float | None = None         # transformers < 5 writes the RoPE base here,
     rope_parameters: dict | None = None     # transformers >= 5 writes {"rope_theta", "rope_type"}
-    rope_scaling: dict | None = None
+    rope_scaling: dict | None = None        # only the default RoPE is supported
     tie_word_embeddings: bool = False
     attention_bias: bool = False            # Llama's switch; Qwen2 always has a QKV bias
     mlp_bias: bool = False
-    sliding_window: int | None = None
+    sliding_window: int | None = None       # in tokens
     use_sliding_window: bool = False        # Qwen2: windows only when set, from max_window_layers
-    max_window_layers: int = 0
-    layer_types: list[str] | None = None
-    eos_token_id: int | list[int] | None = None
+    max_window_layers: int = 0              # Qwen2: the first layers without a window
+    layer_types: list[str] | None = None    # "sliding_attention" or not, per layer
+    eos_token_id: int | list[int] | None = None     # one stop token id, or several
 
     @classmethod
     def from_dict(cls, d: dict) -> "Config":
+        """config.json's object -> Config, validated (an old one names only its model_type)."""
         arch = d.get("architectures") or [ARCHITECTURES.get(d.get("model_type"))]
         if not (isinstance(arch, list) and arch[0] in ARCHITECTURES.values()):
             raise ValueError(f"architectures {arch!r}: unsupported (supported: "
@@ -92,15 +109,20 @@ class Config:
         return cfg
 
     def validate(self):
-        """What would break the build or run wrong silently; a check may read the ones before."""
+        """Refuse what would break the build or run wrong silently: a config.json is input.
+        Checked in order, so a check may read the keys checked before it."""
         def number(v):
             return type(v) in (int, float) and 0 < v < math.inf
 
-        n, vocab = self.num_hidden_layers, self.vocab_size
+        def token_ids(v):       # an eos id past the vocabulary, never drawn, would never stop
+            ids = v if isinstance(v, list) else [v]
+            return all(type(i) is int and 0 <= i < vocab for i in ids)
+
+        n = self.num_hidden_layers
+        vocab = self.vocab_size
         checks = [  # (keys, test of a value, what it must be)
             (SIZES, lambda v: type(v) is int and v >= 1, "a positive integer"),
-            (("eos_token_id",), lambda v: all(type(i) is int and 0 <= i < vocab for i in (
-                v if isinstance(v, list) else [v])),    # an eos never drawn would never stop
+            (("eos_token_id",), token_ids,
              f"a token id below vocab_size {vocab}, or a list of them"),
             (("tie_word_embeddings", "attention_bias", "mlp_bias", "use_sliding_window"),
              lambda v: isinstance(v, bool), "true or false"),
@@ -119,7 +141,10 @@ class Config:
         nullable = {f.name for f in fields(self) if f.default is None}
         for keys, ok, want in checks:
             for key in keys:
-                if not ((v := getattr(self, key)) is None and key in nullable or ok(v)):
+                v = getattr(self, key)
+                if v is None and key in nullable:
+                    continue
+                if not ok(v):
                     raise ValueError(f"{key} must be {want}, got {v!r}")
 
     @property
@@ -136,26 +161,35 @@ class Config:
 
     @property
     def rope_base(self) -> float:
+        """RoPE's base: rope_parameters', else rope_theta, else transformers' default 10000."""
         default = 10000.0 if self.rope_theta is None else self.rope_theta
         return float((self.rope_parameters or {}).get("rope_theta", default))
 
     def window(self, layer: int) -> int | None:
-        """Sliding-window size of one layer (None = full causal attention), as transformers does."""
+        """Sliding-window size of one layer (None: full causal attention), as transformers has it:
+        Mistral's every layer, Qwen2's if use_sliding_window (layer_types, or max_window_layers)."""
         if self.arch == "MistralForCausalLM":
             return self.sliding_window
         if self.arch == "Qwen2ForCausalLM" and self.use_sliding_window and self.sliding_window:
-            sliding = (self.layer_types[layer] == "sliding_attention" if self.layer_types
-                       is not None else layer >= self.max_window_layers)
-            return self.sliding_window if sliding else None
+            if self.layer_types is not None:
+                sliding = self.layer_types[layer] == "sliding_attention"
+            else:
+                sliding = layer >= self.max_window_layers
+            if sliding:
+                return self.sliding_window
         return None
 
     @property
     def stop_ids(self) -> tuple[int, ...]:
+        """The eos token ids (config.json holds one id, a list, or null)."""
         eos = self.eos_token_id
-        return () if eos is None else tuple(eos) if isinstance(eos, list) else (eos,)
+        if eos is None:
+            return ()
+        return tuple(eos) if isinstance(eos, list) else (eos,)
 
 
 def read_json(path: Path) -> dict:
+    """A JSON file's value; any failure to read it is a CheckpointError naming the file."""
     try:
         return json.loads(path.read_text())
     except (OSError, ValueError, RecursionError) as e:    # deep nesting: RecursionError
@@ -163,6 +197,7 @@ def read_json(path: Path) -> dict:
 
 
 def read_config(directory) -> Config:
+    """The checkpoint's config.json, built and validated, or a CheckpointError naming it."""
     path = Path(directory) / "config.json"
     try:
         return Config.from_dict(read_json(path))
@@ -171,11 +206,13 @@ def read_config(directory) -> Config:
 
 
 def weight_files(directory: Path) -> list[str]:
-    """model.safetensors, or the shards the index maps tensors to: files beside it, never above."""
-    if not (index := directory / INDEX).is_file():
+    """model.safetensors, or the shards the index's weight_map (tensor -> file) names. A shard
+    must be a safetensors file beside the index: "../x" or "/etc/x" is refused (a Hub's input)."""
+    index = directory / INDEX
+    if not index.is_file():
         return ["model.safetensors"]
-    weight_map = read_json(index)
-    weight_map = weight_map.get("weight_map") if isinstance(weight_map, dict) else None
+    content = read_json(index)
+    weight_map = content.get("weight_map") if isinstance(content, dict) else None
     if not isinstance(weight_map, dict) or not weight_map:
         raise CheckpointError(f"{index}: no weight_map")
     for file in weight_map.values():
@@ -186,10 +223,16 @@ def weight_files(directory: Path) -> list[str]:
 
 
 def read_state_dict(directory: Path, expected: dict, tied: bool, dtype, device) -> dict:
-    """Every tensor of `expected` (name -> shape) as dtype on device; a missing, unexpected or
-    misshapen tensor, or NaN (a stop token forever), is an error naming it. Tied: no lm_head."""
+    """Every tensor of `expected` (name -> shape) from the safetensors files, as dtype on device.
+    The loading rules, each broken one a CheckpointError naming file and tensor:
+      - every expected tensor is present, exactly once over all the shards;
+      - no tensor is unexpected (a checkpoint of another architecture or size);
+      - every shape is the expected one, read from the header before the data;
+      - no float tensor holds NaN or infinity (NaN logits: a stop token drawn forever).
+    Tied embeddings: a stored lm_head.weight is ignored (the head is the embedding)."""
     state = {}
-    for path in (directory / file for file in weight_files(directory)):
+    for file in weight_files(directory):
+        path = directory / file
         try:
             f = safe_open(str(path), framework="pt", device="cpu")
         except Exception as e:      # safetensors' own error names no file
@@ -199,39 +242,47 @@ def read_state_dict(directory: Path, expected: dict, tied: bool, dtype, device) 
             for name in sorted(k for k in f.keys() if not (tied and k == "lm_head.weight")):
                 if name not in expected or name in state:
                     raise CheckpointError(f"{path}: unexpected tensor {name} (or twice)")
-                if (shape := tuple(f.get_slice(name).get_shape())) != expected[name]:
+                shape = tuple(f.get_slice(name).get_shape())     # the header's: no data read
+                if shape != expected[name]:
                     raise CheckpointError(f"{path}: tensor {name} has shape {list(shape)}, "
                                           f"expected {list(expected[name])}")
                 tensor = f.get_tensor(name)
                 if tensor.is_floating_point() and not torch.isfinite(tensor).all():
                     raise CheckpointError(f"{path}: tensor {name} holds NaN or infinite values")
                 state[name] = tensor.to(device=device, dtype=dtype)
-    if missing := sorted(set(expected) - set(state)):
+    missing = sorted(set(expected) - set(state))
+    if missing:
         raise CheckpointError(f"{directory}: missing tensor {missing[0]} ({len(missing)} missing)")
     return state
 
 
 def checkpoint_sha256(directory) -> str:
-    """A sha256 of what a checkpoint computes with, keying what is made from it. Files up to 64
-    MiB are hashed whole; a larger safetensors file gives its size, header and the first and last
-    4 KiB of every tensor (under a second at 7B): fine-tuning or merging changes those ends."""
-    directory, block = Path(directory), 4096
+    """A sha256 of what a checkpoint computes with, keying what is made from it (fitted probes).
+    Files up to 64 MiB are hashed whole; a larger safetensors file gives its size, header and the
+    first and last 4 KiB of every tensor: under a second at 7B instead of reading 15 GB, and
+    fine-tuning or merging an adapter changes those ends."""
+    directory = Path(directory)
+    block = 4096
     h = hashlib.sha256(b"checkpoint/1")
-    names = ["config.json", "tokenizer.json"] + [INDEX] * (directory / INDEX).is_file()
+    names = ["config.json", "tokenizer.json"]
+    if (directory / INDEX).is_file():
+        names.append(INDEX)
     for name in names + weight_files(directory):
+        path = directory / name
         try:
-            with open(path := directory / name, "rb") as f:
+            with open(path, "rb") as f:
                 size = os.fstat(f.fileno()).st_size
                 h.update(f"{name}\0{size}\0".encode())
                 if size <= 64 << 20 or not name.endswith(".safetensors"):
                     h.update(f.read())
                     continue
-                n = struct.unpack("<Q", f.read(8))[0]
-                h.update(header := f.read(min(n, size)))
+                n = struct.unpack("<Q", f.read(8))[0]     # safetensors: n, JSON header, data
+                header = f.read(min(n, size))
+                h.update(header)
                 for key, entry in sorted(json.loads(header).items()):
                     if key != "__metadata__":
                         start, end = (8 + n + int(o) for o in entry["data_offsets"])
-                        for at in sorted({start, max(start, end - block)}):
+                        for at in sorted({start, max(start, end - block)}):   # first, last
                             f.seek(at)
                             h.update(f.read(min(block, end - at)))
         except (OSError, ValueError, KeyError, TypeError, AttributeError, struct.error) as e:
@@ -240,11 +291,12 @@ def checkpoint_sha256(directory) -> str:
     return h.hexdigest()
 
 
-HUB_MANIFEST = ".pair-complete.json"    # written last: the copy is complete
+HUB_MANIFEST = ".pair-complete.json"    # written last: its presence says the copy is complete
 
 
 def resolve(path_or_repo) -> Path:
-    """A checkpoint directory, or the local copy of a Hub model name (fetched once)."""
+    """A checkpoint directory, or the local copy of a Hub model name <org>/<name> (fetched once);
+    anything else is refused in one line."""
     directory = Path(path_or_repo)
     if directory.is_dir():
         return directory
@@ -252,7 +304,8 @@ def resolve(path_or_repo) -> Path:
                                               str(path_or_repo)):
         raise CheckpointError(f"{directory}: no such directory (nor a Hub model name like "
                               "Qwen/Qwen2.5-7B-Instruct)")
-    if Path(first := directory.parts[0]).is_dir():      # a misspelt path, not a Hub name
+    first = directory.parts[0]
+    if Path(first).is_dir():                            # a misspelt path, not a Hub name
         raise CheckpointError(f"{directory}: no such directory ({first}/ is a local directory)")
     return fetch_from_hub(str(path_or_repo))
 
@@ -275,7 +328,7 @@ def fetch_from_hub(repo_id: str) -> Path:
         fcntl.flock(lock, fcntl.LOCK_EX)     # torchrun's ranks: one downloads, the others wait
         if not (folder / HUB_MANIFEST).is_file():
             base = f"{endpoint}/{repo_id}/resolve/main/"
-            for name in ("config.json", "tokenizer.json", INDEX):
+            for name in ("config.json", "tokenizer.json", INDEX):    # an index if sharded
                 _download(base, folder / name, headers, required=name != INDEX)
             for name in weight_files(folder):
                 _download(base, folder / name, headers)
@@ -284,10 +337,12 @@ def fetch_from_hub(repo_id: str) -> Path:
 
 
 def _download(base: str, dest: Path, headers: dict, required=True):
-    """base + dest.name into dest via a .part file (requests refuses a short body)."""
+    """base + dest.name into dest through a .part file renamed when complete (requests refuses a
+    body shorter than its Content-Length: no short file). Not required: a 404 is no file."""
     if dest.is_file():
         return
-    url, part = base + quote(dest.name), dest.with_name(dest.name + ".part")
+    url = base + quote(dest.name)
+    part = dest.with_name(dest.name + ".part")
     denied = "access denied (private or gated?); set HF_TOKEN to a token that has access"
     try:
         with requests.get(url, headers=headers, stream=True, timeout=(10, 60)) as r:
@@ -308,7 +363,8 @@ def _download(base: str, dest: Path, headers: dict, required=True):
 
 def load_model(path_or_repo, dtype=torch.float32,
                device="cpu") -> tuple["Transformer", "Tokenizer"]:
-    """A checkpoint directory or Hub model name -> (model, tokenizer) on `device`, model frozen."""
+    """A checkpoint directory or Hub model name -> (model, tokenizer) on one `device`, the model
+    frozen (GRPO trains LoRA adapters beside it; split_model places it over several devices)."""
     directory = resolve(path_or_repo)
     config = read_config(directory)
     tokenizer = Tokenizer.from_file(directory)
@@ -337,80 +393,107 @@ def input_device(model: "Transformer") -> torch.device:
 # Hugging Face weight keys, RoPE is written as theirs for Qwen (rotate_half: no permutation).
 
 def rope_tables(inv_freq: Tensor, positions: Tensor, dtype) -> tuple[Tensor, Tensor]:
+    """cos and sin of the angles p theta_k at positions p (B, T), inv_freq = theta_k =
+    base^(-2k/D), k < D/2, repeated for both halves of a head; float32, then the model's dtype."""
     freqs = positions[..., None].float() * inv_freq.to(positions.device)   # (B, T, D/2)
     emb = torch.cat((freqs, freqs), dim=-1)                                 # (B, T, D)
-    return emb.cos().to(dtype), emb.sin().to(dtype)
+    return emb.cos().to(dtype), emb.sin().to(dtype)                         # (B, T, D) each
 
 
 def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """RoPE on x (B, H, T, D) as Hugging Face writes it for Qwen, x = (x1, x2) its halves:
+        x' = x * cos + rotate_half(x) * sin,   rotate_half(x) = (-x2, x1),
+    each pair (x1_k, x2_k) rotated by p theta_k: the checkpoints' pairing, no weight permuted."""
     x1, x2 = x.chunk(2, dim=-1)                                             # rotate_half
     return x * cos[:, None] + torch.cat((-x2, x1), dim=-1) * sin[:, None]   # (B, 1, T, D)
 
 
 def attention_mask(positions: Tensor, key_positions: Tensor, window: int | None) -> Tensor:
     """(B, 1, T, S) bool: key j is visible to query t iff kpos_j <= pos_t (and within window)."""
-    q, k = positions[:, :, None], key_positions[:, None, :]
-    mask = k <= q
+    q, k = positions[:, :, None], key_positions[:, None, :]                 # (B, T, 1), (B, 1, S)
+    mask = k <= q                                                           # (B, T, S)
     if window is not None:
         mask &= q - k < window
-    return mask[:, None]
+    return mask[:, None]                                    # (B, 1, T, S): one mask for every head
 
 
 def static_address(t: Tensor) -> Tensor:
-    """t, marked as one a captured CUDA graph may write in place (at the same address)."""
+    """t, marked as one a captured CUDA graph may write in place (at the same address): the
+    decoding step's graph writes into the cache, not into copies of it made at every step."""
     if t.is_cuda:
         torch._dynamo.mark_static_address(t, guard=False)
     return t
 
 
 class KVCache:
-    """One layer's keys and values (B, KV, capacity, D) on its device; slot = absolute position."""
+    """One layer's keys and values, on that layer's device (a split model's cache is split with
+    it) and in its dtype. The layout:
+        k, v     (B, KV, capacity, D): slot j of row b holds the key (RoPE applied) and value
+                 of the token at absolute position j of row b
+        lengths  (B,) int64 on the CPU (no device sync): each row's real tokens, its next slot
+    Rows are ragged: a slot at or past a row's length holds a pad or stale numbers, masked
+    (masks compare slots with positions) until a real token overwrites it."""
 
     def __init__(self, batch_size, n_kv_heads, head_dim, capacity, dtype, device):
-        shape = (batch_size, n_kv_heads, capacity, head_dim)
+        shape = (batch_size, n_kv_heads, capacity, head_dim)                # (B, KV, capacity, D)
         self.k = static_address(torch.zeros(shape, dtype=dtype, device=device))
         self.v = static_address(torch.zeros(shape, dtype=dtype, device=device))
-        self.lengths = torch.zeros(batch_size, dtype=torch.long)   # real tokens a row, on the CPU
+        self.lengths = torch.zeros(batch_size, dtype=torch.long)            # (B,) on the CPU
 
     def grow(self, size: int):
+        """At least `size` slots: the capacity doubled (at least), rounded up to 256 slots so that
+        the compiled step sees few distinct capacities; the old slots keep their contents."""
         if size <= self.k.shape[2]:
             return
         new = (max(size, 2 * self.k.shape[2]) + 255) // 256 * 256
-        self.k, self.v = (static_address(torch.cat((t, t.new_zeros(
-            *t.shape[:2], new - t.shape[2], t.shape[3])), 2)) for t in (self.k, self.v))
+        B, KV, old, D = self.k.shape
+        self.k = static_address(torch.cat((self.k, self.k.new_zeros(B, KV, new - old, D)), 2))
+        self.v = static_address(torch.cat((self.v, self.v.new_zeros(B, KV, new - old, D)), 2))
 
     def write(self, k: Tensor, v: Tensor, positions: Tensor, size: int) -> tuple[Tensor, Tensor]:
         """Store k, v (B, KV, T, D) at slots `positions` (B, T); return slots [0, size)."""
         self.grow(size)
-        rows = torch.arange(k.shape[0], device=self.k.device)[:, None]
+        rows = torch.arange(k.shape[0], device=self.k.device)[:, None]      # (B, 1)
         self.k[rows, :, positions] = k.transpose(1, 2).to(self.k.dtype)   # (B, T, KV, D)
-        self.v[rows, :, positions] = v.transpose(1, 2).to(self.v.dtype)
-        return self.k[:, :, :size], self.v[:, :, :size]
+        self.v[rows, :, positions] = v.transpose(1, 2).to(self.v.dtype)     # (B, T, KV, D)
+        return self.k[:, :, :size], self.v[:, :, :size]                     # (B, KV, size, D) each
 
 
 def set_lengths(cache: list[KVCache], lengths: Tensor):
-    """Declare how many real tokens each row holds (slots past them are free)."""
+    """Declare how many real tokens each row holds (slots past them are free to overwrite); every
+    layer's cache holds its own copy, on the CPU."""
     for layer_cache in cache:
         layer_cache.lengths = lengths.detach().to("cpu", torch.long).clone()
 
 
 def stats_from(mx, sum_sq, prefix, self_, pos, start) -> dict[str, Tensor]:
-    """The six statistics (METHOD.md §4) of softmax rows p_i, i = pos, from mx = max_j p_ij,
-    sum_sq = sum_j p_ij^2, prefix = sum_{j < start} p_ij, self_ = sum_{start <= j <= i} p_ij:
-        std = sqrt(sum_sq / n - 1 / n^2), n = i + 1 causal keys (sum_j p_ij = 1)
-        entropy = -log sum_sq
-        lookback = m_ctx / (m_ctx + m_new), m_ctx = prefix / start, m_new = self_ / (i - start + 1)
-    (lookback 0 where start = 0); max, prefix and self as given. Arguments broadcast."""
+    """The six statistics (METHOD.md §4) of softmax rows p_i over the causal keys j <= i, i = pos,
+    start the turn's first position, from four numbers the decoding step reduces each row to:
+        mx = max_j p_ij,   sum_sq = sum_j p_ij^2,
+        prefix = sum_{j < start} p_ij,   self_ = sum_{start <= j <= i} p_ij.
+    max, prefix and self are those given; with n = i + 1 and sum_j p_ij = 1 (so mean 1/n):
+        std = sqrt(sum_sq / n - 1 / n^2)        (the population std of the n weights)
+        entropy = -log sum_sq                    (Renyi-2; the Head Entropy baseline)
+        lookback = m_ctx / (m_ctx + m_new)       (Lookback Lens; 0 where start = 0)
+        m_ctx = prefix / start,   m_new = self_ / (i - start + 1)
+    (m_ctx: the mean weight on a context key, m_new on a span key). Arguments broadcast."""
     n = (pos + 1).float()                                       # causal keys j <= i
-    s0 = start.float()
-    m_ctx = prefix / s0.clamp(min=1)
-    m_new = self_ / (pos - start + 1).float()
-    return {"max": mx, "std": (sum_sq / n - 1 / n.square()).clamp(min=0).sqrt(),
-            "prefix": prefix, "self": self_, "entropy": -sum_sq.log(),
-            "lookback": torch.where(s0 > 0, m_ctx / (m_ctx + m_new), torch.zeros_like(m_ctx))}
+    s0 = start.float()                                                     # context keys j < start
+    m_ctx = prefix / s0.clamp(min=1)                            # clamp: start = 0 is masked below
+    m_new = self_ / (pos - start + 1).float()                           # span keys start <= j <= i
+    return {
+        "max": mx,
+        "std": (sum_sq / n - 1 / n.square()).clamp(min=0).sqrt(),   # clamp: rounding below 0
+        "prefix": prefix,
+        "self": self_,
+        "entropy": -sum_sq.log(),                                           # Renyi-2
+        "lookback": torch.where(s0 > 0, m_ctx / (m_ctx + m_new), torch.zeros_like(m_ctx)),
+    }
 
 
 class RMSNorm(nn.Module):
+    """y = w * x / sqrt(mean_k x_k^2 + eps), over the last axis, in float32."""
+
     def __init__(self, d, eps):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(d))
@@ -418,11 +501,13 @@ class RMSNorm(nn.Module):
 
     def forward(self, x):
         xf = x.float()                  # cast back before the weight, in Hugging Face's order
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)  # x / rms(x)
         return self.weight * xf.to(x.dtype)
 
 
 class MLP(nn.Module):
+    """SwiGLU: down(silu(gate(x)) * up(x))."""
+
     def __init__(self, config: Config):
         super().__init__()
         d, f, bias = config.hidden_size, config.intermediate_size, config.mlp_bias
@@ -431,15 +516,21 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(f, d, bias=bias)
 
     def forward(self, x):
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))  # (..., d)
 
 
 class Attention(nn.Module):
+    """Grouped-query attention: H query heads share KV key/value heads (G = H / KV each), so the
+    cache holds KV heads, not H. The prompt's and the update's path; decoding is Block.decode."""
+
     def __init__(self, config: Config):
         super().__init__()
         d, H, KV, D = (config.hidden_size, config.num_attention_heads, config.n_kv_heads,
                        config.head_size)
-        self.n_heads, self.n_kv_heads, self.head_dim, self.scale = H, KV, D, D ** -0.5
+        self.n_heads = H
+        self.n_kv_heads = KV
+        self.head_dim = D
+        self.scale = D ** -0.5                                              # 1 / sqrt(D)
         bias = config.arch == "Qwen2ForCausalLM" or config.attention_bias    # Qwen2: always
         self.q_proj = nn.Linear(d, H * D, bias=bias)
         self.k_proj = nn.Linear(d, KV * D, bias=bias)
@@ -447,26 +538,33 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(H * D, d, bias=config.attention_bias)
 
     def forward(self, x, cos, sin, mask, positions, cache=None):
-        """x (B, T, d) -> (B, T, d); mask (B, 1, T, S) or None (causal); a cache gets k, v."""
-        B, T, _ = x.shape                       # (a split model's hooks moved the inputs here)
-        q, k, v = (proj(x).view(B, T, -1, self.head_dim).transpose(1, 2)   # (B, H or KV, T, D)
-                   for proj in (self.q_proj, self.k_proj, self.v_proj))
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        """x (B, T, d) -> (B, T, d); mask (B, 1, T, S) bool, or None: causal from position 0
+        (SDPA's fused kernel). A cache gets k, v at slots `positions` (B, T); the queries attend
+        over its slots [0, S). Inputs are on the block's device (a split model's hooks)."""
+        B, T, _ = x.shape
+        q = self.q_proj(x).view(B, T, -1, self.head_dim).transpose(1, 2)   # (B, H, T, D)
+        k = self.k_proj(x).view(B, T, -1, self.head_dim).transpose(1, 2)   # (B, KV, T, D)
+        v = self.v_proj(x).view(B, T, -1, self.head_dim).transpose(1, 2)   # (B, KV, T, D)
+        q = apply_rope(q, cos, sin)
+        k = apply_rope(k, cos, sin)                                 # the values are not rotated
         if cache is not None:
             k, v = cache.write(k, v, positions, mask.shape[-1])   # (B, KV, S, D)
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None,
-                                             enable_gqa=True)
+                                             enable_gqa=True)   # G query heads per KV head
         return self.o_proj(out.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim))
 
 
-class FusedWeights(NamedTuple):     # a block's projections as decoding applies them
+class FusedWeights(NamedTuple):
+    """A block's projections as decoding applies them: (weight, bias), bias None or fused."""
     qkv: tuple[Tensor, Tensor | None]       # (weight, bias) of q, k and v side by side
-    o: tuple[Tensor, Tensor | None]
+    o: tuple[Tensor, Tensor | None]                                         # o_proj
     gate_up: tuple[Tensor, Tensor | None]   # gate and up side by side
-    down: tuple[Tensor, Tensor | None]
+    down: tuple[Tensor, Tensor | None]                                      # down_proj
 
 
 class Block(nn.Module):
+    """A pre-norm transformer block: x + attention(norm(x)), then x + mlp(norm(x))."""
+
     def __init__(self, config: Config):
         super().__init__()
         self.self_attn = Attention(config)
@@ -475,14 +573,16 @@ class Block(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(self, x, cos, sin, mask, positions, cache=None, mlp_chunk=None):
-        """mlp_chunk: the MLP this many tokens at a time, each chunk recomputed in backward."""
+        """x (B, T, d) -> (B, T, d). mlp_chunk: the MLP this many positions at a time, each chunk
+        recomputed in backward: its (B, T, f) activations never exist whole (a long rollout)."""
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask, positions, cache)
         h = self.post_attention_layernorm(x)
         if mlp_chunk is None or x.shape[1] <= mlp_chunk:
             return x + self.mlp(h)
-        return x + torch.cat([torch.utils.checkpoint.checkpoint(
-            self.mlp, h[:, i:i + mlp_chunk], use_reentrant=False)
-            for i in range(0, x.shape[1], mlp_chunk)], 1)
+        chunks = [torch.utils.checkpoint.checkpoint(self.mlp, h[:, i:i + mlp_chunk],
+                                                    use_reentrant=False)    # (B, mlp_chunk, d)
+                  for i in range(0, x.shape[1], mlp_chunk)]
+        return x + torch.cat(chunks, 1)
 
     def decode(self, x, cos, sin, bias, pos, kv, before=None, w=None):
         """The block on one token per row, x (B, 1, d) at positions i = pos (B,) -> (x, numbers).
@@ -490,71 +590,92 @@ class Block(nn.Module):
             p_ij = softmax_j(q_i . k_j / sqrt(D) + bias_j)   (bias (B, 1, 1, S): 0 or -inf)
         By hand in float32, not SDPA, because p gives the statistics: numbers = (max_j p_ij,
         sum_j p_ij^2, prefix = sum_j p_ij before_j, self = 1 - prefix), each (B, H, 1), where
-        before (B, 1, 1, S) is 1 on slots j < span_start. w: decode_weights(), or None."""
-        a, h = self.self_attn, self.input_layernorm(x)
+        before (B, 1, 1, S) is 1 on slots j < span_start (self: the visible weights sum to 1),
+        for stats_from. w: decode_weights(), the fused projections, or None: the modules."""
+        a = self.self_attn
+        h = self.input_layernorm(x)
         B, H, KV, D = x.shape[0], a.n_heads, a.n_kv_heads, a.head_dim
         if w is None:
-            q, k, v = a.q_proj(h), a.k_proj(h), a.v_proj(h)
+            q, k, v = a.q_proj(h), a.k_proj(h), a.v_proj(h)    # (B, 1, H * D or KV * D)
             q = apply_rope(q.view(B, 1, H, D).transpose(1, 2), cos, sin)   # (B, H, 1, D)
-            k = apply_rope(k.view(B, 1, KV, D).transpose(1, 2), cos, sin)
+            k = apply_rope(k.view(B, 1, KV, D).transpose(1, 2), cos, sin)  # (B, KV, 1, D)
         else:       # q and k side by side from one matmul: rotated together, in one pass
-            qk, v = F.linear(h, *w.qkv).split(((H + KV) * D, KV * D), -1)
+            qk, v = F.linear(h, *w.qkv).split(((H + KV) * D, KV * D), -1)   # (B, 1, (H + KV) D)
             q, k = apply_rope(qk.view(B, 1, H + KV, D).transpose(1, 2), cos, sin).split((H, KV), 1)
         k_cache, v_cache = kv
-        rows = torch.arange(B, device=pos.device)
+        rows = torch.arange(B, device=pos.device)                         # row b writes slot pos_b
         k_cache[rows, :, pos] = k[:, :, 0].to(k_cache.dtype)                 # (B, KV, D)
-        v_cache[rows, :, pos] = v.view(B, KV, D).to(v_cache.dtype)
-        S = bias.shape[-1]
+        v_cache[rows, :, pos] = v.view(B, KV, D).to(v_cache.dtype)          # (B, KV, D)
+        S = bias.shape[-1]                                                  # key slots attended
         k, v = k_cache[:, :, :S], v_cache[:, :, :S]                         # (B, KV, S, D)
         q = (q.float() * a.scale).reshape(B, KV, H // KV, D)                # (B, KV, G, D)
         p = torch.softmax(q @ k.float().transpose(-1, -2) + bias, dim=-1)  # (B, KV, G, S)
-        out = (p @ v.float()).view(B, 1, H * D).to(h.dtype)
+        out = (p @ v.float()).view(B, 1, H * D).to(h.dtype)                # (B, 1, H * D)
         numbers = None
         if before is not None:
-            p = p.view(B, H, 1, -1)                                         # (B, H, 1, S)
-            prefix = torch.linalg.vecdot(p, before)
+            p = p.view(B, H, 1, -1)                 # (B, H, 1, S): head h = group h // G
+            prefix = torch.linalg.vecdot(p, before)                         # (B, H, 1)
             numbers = (p.amax(-1), torch.linalg.vecdot(p, p), prefix, 1 - prefix)
-        x = x + (a.o_proj(out) if w is None else F.linear(out, *w.o))
+        if w is None:
+            attended = a.o_proj(out)
+        else:
+            attended = F.linear(out, *w.o)
+        x = x + attended                                                    # (B, 1, d)
         h = self.post_attention_layernorm(x)
         if w is None:
-            return x + self.mlp(h), numbers
-        gate, up = F.linear(h, *w.gate_up).chunk(2, -1)
-        return x + F.linear(F.silu(gate) * up, *w.down), numbers
+            return x + self.mlp(h), numbers                                 # (B, 1, d)
+        gate, up = F.linear(h, *w.gate_up).chunk(2, -1)                     # (B, 1, f) each
+        return x + F.linear(F.silu(gate) * up, *w.down), numbers            # (B, 1, d)
 
     def decode_weights(self) -> FusedWeights | None:
-        """The projections fused, an enabled adapter merged in: 4 matmuls a token, not 7 (21 with
-        adapters), rebuilt when a tensor changes. None (use the modules) where merging changes
-        the numbers (not float32, dropout on), a gradient is wanted, or the copy costs too much."""
-        a, m = self.self_attn, self.mlp
+        """The projections fused, an enabled adapter merged in: 4 matmuls a token instead of 7
+        (21 with adapters): a token's matmuls are small, their launches dominate. None (run the
+        modules) where merging would change the numbers (not float32, dropout on), a gradient
+        is wanted, or the copy costs too much memory (a block over FUSE_MAX_ELEMENTS)."""
+        a = self.self_attn
+        m = self.mlp
         groups = ((a.q_proj, a.k_proj, a.v_proj), (a.o_proj,), (m.gate_proj, m.up_proj),
                   (m.down_proj,))
-        linears = [lin for group in groups for lin in group]
-        big = sum(lin.weight.numel() for lin in linears) > FUSE_MAX_ELEMENTS
-        if torch.is_grad_enabled() or big or any(lin.weight.dtype != torch.float32 or getattr(
-                lin, "dropout", 0) and lin.training for lin in linears):
+        linears = [lin for group in groups for lin in group]            # the block's 7 projections
+        big = sum(lin.weight.numel() for lin in linears) > FUSE_MAX_ELEMENTS  # memory
+        inexact = any(lin.weight.dtype != torch.float32 or getattr(lin, "dropout", 0)
+                      and lin.training for lin in linears)
+        if torch.is_grad_enabled() or big or inexact:
             return None
-        key = [(getattr(lin, "enabled", None), [(id(t), t.data_ptr(), t._version)
-                                                for t in lin.parameters()]) for lin in linears]
-        if getattr(self, "_fused", (None,))[0] != key:
+        key = []    # rebuilt when a tensor is replaced, moved or updated in place, or LoRA switched
+        for lin in linears:
+            tensors = [(id(t), t.data_ptr(), t._version) for t in lin.parameters()]
+            key.append((getattr(lin, "enabled", None), tensors))
+        fused = getattr(self, "_fused", None)               # (key, FusedWeights) of the last build
+        if fused is None or fused[0] != key:
             with torch.no_grad():
-                self._fused = key, FusedWeights(*[_fuse(group) for group in groups])
-        return self._fused[1]
+                self._fused = (key, FusedWeights(*[_fuse(group) for group in groups]))
+        return self._fused[1]                                         # kept until a tensor changes
 
 
 def _fuse(linears) -> tuple[Tensor, Tensor | None]:
-    """One (weight, bias) for the projections side by side, adapters merged: W + scaling * B A."""
-    weight = torch.cat([lin.weight + lin.scaling * (lin.lora_B.weight @ lin.lora_A.weight)
-                        if isinstance(lin, LoRALinear) and lin.enabled else lin.weight
-                        for lin in linears])
-    return weight, None if all(lin.bias is None for lin in linears) else torch.cat(
-        [lin.weight.new_zeros(lin.out_features) if lin.bias is None else lin.bias
-         for lin in linears])
+    """One (weight, bias) for the projections side by side, each enabled adapter merged in:
+    W' = W + (alpha / r) B A (d_out, d_in); a missing bias is zeros, no bias at all None."""
+    weights = []
+    for lin in linears:
+        if isinstance(lin, LoRALinear) and lin.enabled:
+            weights.append(lin.weight + lin.scaling * (lin.lora_B.weight @ lin.lora_A.weight))
+        else:
+            weights.append(lin.weight)
+    weight = torch.cat(weights)                         # (sum of d_out, d_in)
+    if all(lin.bias is None for lin in linears):
+        return weight, None
+    biases = [lin.weight.new_zeros(lin.out_features) if lin.bias is None else lin.bias
+              for lin in linears]
+    return weight, torch.cat(biases)                                        # (sum of d_out,)
 
 
 FUSE_MAX_ELEMENTS = 1 << 22     # 16 MB of float32: the built-in policy's blocks, not a 0.5B's
 
 
 class Transformer(nn.Module):
+    """The decoder: embed_tokens, L blocks, the final norm, lm_head (tied: the embedding)."""
+
     def __init__(self, config: Config):
         super().__init__()
         self.config = config
@@ -564,11 +685,11 @@ class Transformer(nn.Module):
         self.model.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
-            self.lm_head.weight = self.model.embed_tokens.weight
-        d = config.head_size    # a plain tensor on the CPU (the model may be built on "meta")
+            self.lm_head.weight = self.model.embed_tokens.weight            # tied: one Parameter
+        d = config.head_size    # RoPE's theta_k = base^(-2k/D), on the CPU (not on "meta")
         self.inv_freq = 1.0 / config.rope_base ** (torch.arange(0, d, 2, dtype=torch.float32,
                                                                 device="cpu") / d)
-        self.windows = [config.window(i) for i in range(config.num_hidden_layers)]
+        self.windows = [config.window(i) for i in range(config.num_hidden_layers)]  # None: full
 
     def new_cache(self, batch_size: int, capacity: int = 256) -> list[KVCache]:
         """One empty KV cache per layer, on that layer's device and in its dtype."""
@@ -582,26 +703,30 @@ class Transformer(nn.Module):
         return self.lm_head(self.trunk(input_ids, positions, cache)).float()
 
     def trunk(self, input_ids, positions=None, cache=None, recompute=False) -> Tensor:
-        """Up to the final norm: (B, T) -> (B, T, d) at positions (B, T) (default: after the cache's
-        tokens, else 0..T-1); recompute: each block (MLP_CHUNK tokens a time) again in backward."""
+        """Up to the final norm: (B, T) -> (B, T, d). positions (B, T): absolute (default: after
+        the cache's tokens, else 0..T-1); a cache gets K/V at them and its lengths cover them.
+        recompute: with a gradient, each block runs again in backward, MLP_CHUNK tokens a time."""
         B, T = input_ids.shape
-        dev = self.model.embed_tokens.weight.device
-        # from position 0 SDPA's causal kernel needs no mask (no token sees a right pad)
+        dev = self.model.embed_tokens.weight.device                  # a split model's first device
+        # from position 0 SDPA's causal kernel (upper-left) is right: no token sees a right pad
         fused_causal = (positions is None and cache is None and T > 1
                         and all(w is None for w in self.windows))
         if positions is None:
             start = cache[0].lengths if cache is not None else torch.zeros(B, dtype=torch.long)
-            positions = start[:, None] + torch.arange(T)
-        positions = positions.to(dev)
-        key_pos = positions if cache is None else \
-            torch.arange(int(positions.max()) + 1, device=dev).expand(B, -1)   # cache slots
-        masks = {w: None if fused_causal else attention_mask(positions, key_pos, w)
-                 for w in set(self.windows)}
+            positions = start[:, None] + torch.arange(T)                        # (B, T)
+        positions = positions.to(dev)                                       # (B, T) absolute
+        if cache is None:
+            key_pos = positions                             # the keys are the queries' tokens
+        else:                                               # the cache's slots [0, S): (B, S)
+            key_pos = torch.arange(int(positions.max()) + 1, device=dev).expand(B, -1)
+        masks = {w: None for w in set(self.windows)}        # window -> (B, 1, T, S) or None
+        if not fused_causal:
+            masks = {w: attention_mask(positions, key_pos, w) for w in set(self.windows)}
         cos, sin = rope_tables(self.inv_freq, positions, self.model.embed_tokens.weight.dtype)
         x = self.model.embed_tokens(input_ids.to(dev))                          # (B, T, d)
         for i, layer in enumerate(self.model.layers):
-            inputs = (x, cos, sin, masks[self.windows[i]], positions,
-                      cache[i] if cache is not None else None)
+            layer_cache = cache[i] if cache is not None else None
+            inputs = (x, cos, sin, masks[self.windows[i]], positions, layer_cache)
             if recompute and torch.is_grad_enabled():
                 x = torch.utils.checkpoint.checkpoint(
                     layer, *inputs, mlp_chunk=max(1, MLP_CHUNK // B), use_reentrant=False)
@@ -609,101 +734,140 @@ class Transformer(nn.Module):
                 x = layer(*inputs)
         if cache is not None:
             set_lengths(cache, torch.maximum(cache[0].lengths, positions.max(1).values.cpu() + 1))
-        return self.model.norm(x)
+        return self.model.norm(x)                                           # (B, T, d)
 
     def decode(self, tokens, cache, span_start=None, w=None):
-        """One token per row, tokens (B,), at each row's cache length (the caller advances it) ->
-        (logits (B, V) float32, hidden (L+1, B, d), stats (B, L, H, 6) in STATS order); hidden and
-        stats None without span_start (B,), each row's turn's first position. Compiled if it can."""
+        """One token per row, tokens (B,), at each row's cache length (the caller advances it)
+        -> (logits (B, V) float32, hidden (L+1, B, d), stats (B, L, H, 6) in STATS order) on the
+        head's device; hidden and stats None without span_start (B,), each row's turn's first
+        position. w: decode_weights(). Compiled where it can, over whole KEY_BLOCKs of slots."""
         lengths = cache[0].lengths                          # (B,) on the CPU: no device sync
         size = int(lengths.max()) + 1                       # key slots [0, size) are in use
         for layer_cache in cache:
-            layer_cache.grow(size)
-        w = self.decode_weights() if w is None else w
-        args = (tokens, lengths, span_start, [c.k for c in cache], [c.v for c in cache], w)
+            layer_cache.grow(size)                                 # before a step reads the caches
+        if w is None:
+            w = self.decode_weights()                                   # per block: fused, or None
+        ks = [c.k for c in cache]
+        vs = [c.v for c in cache]
         step = compiled_step(w, cache)
         if step is not None:
             try:
-                blocks = min(cache[0].k.shape[2], -(-size // KEY_BLOCK) * KEY_BLOCK)
+                blocks = min(cache[0].k.shape[2], -(-size // KEY_BLOCK) * KEY_BLOCK)  # slots read
                 if not cache[0].k.is_cuda:
-                    return step(self, *args, blocks)
+                    return step(self, tokens, lengths, span_start, ks, vs, w, blocks)
                 # a CUDA graph reads device tensors only; its next replay overwrites its outputs
                 dev = cache[0].k.device
                 self.inv_freq = self.inv_freq.to(dev)
-                on_dev = [None if t is None else t.to(dev) for t in args[:3]]
+                on_dev = [tokens.to(dev), lengths.to(dev), None]
+                if span_start is not None:
+                    on_dev[2] = span_start.to(dev)
                 torch.compiler.cudagraph_mark_step_begin()
-                out = step(self, *on_dev, *args[3:], blocks)
-                return tuple(None if t is None else t.clone() for t in out)
+                logits, hidden, stats = step(self, *on_dev, ks, vs, w, blocks)
+                if hidden is None:
+                    return logits.clone(), None, None
+                return logits.clone(), hidden.clone(), stats.clone()
             except (torch._dynamo.exc.TorchDynamoException,   # no C++ compiler, or a limit:
                     torch._dynamo.exc.FailOnRecompileLimitHit) as e:   # eager from now on
                 _compiled["failed"] = e
+                why = (str(e).strip().splitlines() or [""])[0]              # its first line
                 print(f"model.py: decoding eagerly, torch.compile failed: {type(e).__name__}: "
-                      f"{(str(e).strip().splitlines() or [''])[0]}", file=sys.stderr, flush=True)
-        return self.decode_step(*args, size)
+                      f"{why}", file=sys.stderr, flush=True)
+        return self.decode_step(tokens, lengths, span_start, ks, vs, w, size)
 
     def decode_weights(self) -> list:
         """Each block's decode_weights(), for the weights as they are."""
         return [layer.decode_weights() for layer in self.model.layers]
 
     def decode_step(self, tokens, lengths, span_start, ks, vs, w, size):
-        """decode's computation (what compiled_step compiles) on caches ks, vs, slots [0, size)."""
-        dev = self.model.embed_tokens.weight.device
-        pos = lengths.to(dev)
-        key_pos = torch.arange(size, device=dev)
+        """decode's computation (what compiled_step compiles) on the caches' ks, vs (B, KV,
+        capacity, D) over slots [0, size). Masks, RoPE tables and the span indicator are built
+        once a step, and stats_from runs once, on every layer's numbers together."""
+        dev = self.model.embed_tokens.weight.device                  # a split model's first device
+        pos = lengths.to(dev)                                               # (B,) positions i
+        key_pos = torch.arange(size, device=dev)                            # (S,) slots j
         visible = key_pos <= pos[:, None]                                   # (B, S)
-        bias = {win: torch.where(visible if win is None else
-                                 visible & (pos[:, None] - key_pos < win),
-                                 0.0, float("-inf"))[:, None, None] for win in set(self.windows)}
+        bias = {}               # window -> (B, 1, 1, S): 0 on the visible slots, -inf elsewhere
+        for win in set(self.windows):
+            allowed = visible if win is None else visible & (pos[:, None] - key_pos < win)
+            bias[win] = torch.where(allowed, 0.0, float("-inf"))[:, None, None]
         cos, sin = rope_tables(self.inv_freq, pos[:, None], self.model.embed_tokens.weight.dtype)
-        start = None if span_start is None else span_start.to(dev)
-        before = None if start is None else \
-            (key_pos < start[:, None]).float()[:, None, None]              # (B, 1, 1, S)
+        start = None
+        before = None
+        if span_start is not None:
+            start = span_start.to(dev)                                      # (B,)
+            before = (key_pos < start[:, None]).float()[:, None, None]     # (B, 1, 1, S)
         x = self.model.embed_tokens(tokens.to(dev)[:, None])                # (B, 1, d)
-        hidden, numbers = [x], []
+        hidden = [x]                                      # the embedding, then each block's output
+        numbers = []                                       # per layer: (max, sum_sq, prefix, self)
         for i, layer in enumerate(self.model.layers):
-            on = ks[i].device                   # the block's own (a split model's differ)
-            x, n = layer.decode(*(t.to(on) for t in (x, cos, sin, bias[self.windows[i]], pos)),
-                                (ks[i], vs[i]), before if before is None else before.to(on), w[i])
+            on = ks[i].device               # the block's device (several if split_model ran)
+            x = x.to(on)
+            cos_i = cos.to(on)
+            sin_i = sin.to(on)
+            bias_i = bias[self.windows[i]].to(on)
+            pos_i = pos.to(on)
+            before_i = before if before is None else before.to(on)
+            x, n = layer.decode(x, cos_i, sin_i, bias_i, pos_i, (ks[i], vs[i]), before_i, w[i])
             numbers.append(n)
             if i < len(self.model.layers) - 1:
-                hidden.append(x)
+                hidden.append(x)                              # blocks 1..L-1; the L-th goes normed
         x = self.model.norm(x)                  # on the head's device (a split model's hooks)
-        logits = self.lm_head(x[:, 0]).float()
+        logits = self.lm_head(x[:, 0]).float()                              # (B, V)
         if start is None:
             return logits, None, None
         out = logits.device                     # where the caller accumulates (TurnStats)
-        hidden.append(x)
+        hidden.append(x)                                                 # the final-normed block L
         four = [torch.cat([n[k].to(out) for n in numbers], -1) for k in range(4)]   # (B, H, L)
-        stats = stats_from(*(t.transpose(1, 2) for t in four), pos.to(out)[:, None, None],
+        mx, sum_sq, prefix, self_ = [t.transpose(1, 2) for t in four]       # (B, L, H) each
+        stats = stats_from(mx, sum_sq, prefix, self_, pos.to(out)[:, None, None],
                            start.to(out)[:, None, None])                    # (B, L, H) each
-        return (logits, torch.cat([h.to(out) for h in hidden], 1).transpose(0, 1),
-                torch.stack([stats[name] for name in STATS], -1))
+        hidden = torch.cat([h.to(out) for h in hidden], 1).transpose(0, 1)  # (L+1, B, d)
+        return logits, hidden, torch.stack([stats[name] for name in STATS], -1)  # (B, L, H, 6)
 
 
 COMPILE = os.environ.get("PAIR_COMPILE", "1") != "0"     # 0: decode eagerly everywhere
 KEY_BLOCK = 128         # key slots attended in blocks of this many, not the whole capacity
 RECOMPILE_LIMIT = 32    # a graph per relation among the sizes: up to 11, over torch's default 8
-COMPILE_OPTIONS = {"cpu": {}, "cuda": {"mode": "reduce-overhead", "dynamic": True}}
-_compiled = {}          # device kind: Transformer.decode_step compiled; "failed": why given up
+COMPILE_OPTIONS = {"cpu": {}, "cuda": {"mode": "reduce-overhead", "dynamic": True}}  # GPU: graphs
+COMPILE_NOTICE_S = 2.0  # seconds: a first call this long was compiling, and says so
+_compiled = {}          # device kind: a CompiledStep; "failed": the exception that gave up
+
+
+class CompiledStep:
+    """decode_step compiled for one kind of device. torch.compile is lazy: the first call compiles
+    (a minute), or loads torch's cache of an earlier run (seconds); said when it took long."""
+
+    def __init__(self, kind: str):
+        self.step = torch.compile(Transformer.decode_step, fullgraph=True, **COMPILE_OPTIONS[kind])
+        self.first = True                                                 # the first call compiles
+
+    def __call__(self, *args):
+        started = time.perf_counter()
+        out = self.step(*args)
+        seconds = time.perf_counter() - started
+        if self.first and seconds > COMPILE_NOTICE_S:
+            print(f"model.py: compiling the decoding step took {seconds:.0f} s (torch caches it "
+                  "for later runs; PAIR_COMPILE=0 decodes eagerly)", file=sys.stderr, flush=True)
+        self.first = False
+        return out
 
 
 def compiled_step(w: list, cache: list[KVCache]):
-    """Transformer.decode_step compiled, or None where it does not pay (a split model, on the CPU
-    unfused weights) or is not wanted. On a GPU a CUDA graph too (gpt-fast: one launch)."""
+    """Transformer.decode_step compiled, or None where it does not pay or is not wanted (a split
+    model: a graph runs on one device; on the CPU, unfused weights). On a GPU also a CUDA graph
+    (gpt-fast's recipe: one launch instead of thousands of kernels), every size symbolic."""
+    if not COMPILE or "failed" in _compiled or len({c.k.device for c in cache}) > 1:
+        return None
     kind = cache[0].k.device.type
-    if (not COMPILE or "failed" in _compiled or len({c.k.device for c in cache}) > 1
-            or kind not in ("cpu", "cuda") or kind == "cpu" and any(x is None for x in w)):
+    if kind not in ("cpu", "cuda") or kind == "cpu" and any(x is None for x in w):
         return None
     if kind not in _compiled:
-        print("model.py: compiling the decoding step (under a minute the first time on a machine, "
-              "seconds later; PAIR_COMPILE=0 decodes eagerly)", file=sys.stderr, flush=True)
         config = torch._dynamo.config
         config.recompile_limit = max(config.recompile_limit, RECOMPILE_LIMIT)
         if COMPILE_OPTIONS[kind].get("dynamic"):
             # each size its own symbol: "duck" sizing merges sizes equal at the first call
             torch.fx.experimental._config.use_duck_shape = False
-        _compiled[kind] = torch.compile(Transformer.decode_step, fullgraph=True,
-                                        **COMPILE_OPTIONS[kind])
+        _compiled[kind] = CompiledStep(kind)
     return _compiled[kind]
 
 
@@ -715,14 +879,17 @@ def token_logprobs(policy, ids: Tensor, mask: Tensor, temperature: float = 1.0) 
     """log pi(x_j | x_<j) at the masked positions j, row-major -> (N,) float32. The head runs on
     those only, LOGITS_CHUNK // V at a time, recomputed in backward: never all (N, V) logits."""
     h = policy.trunk(ids, recompute=True)[:, :-1]               # position j predicts x_{j+1}
-    target = mask[:, 1:].to(h.device)
+    target = mask[:, 1:].to(h.device)                                 # (B, T-1): the tokens scored
     h, labels = h[target], ids[:, 1:].to(h.device)[target]      # (N, d), (N,)
-    n = max(1, LOGITS_CHUNK // policy.config.vocab_size)
+    n = max(1, LOGITS_CHUNK // policy.config.vocab_size)                   # rows of logits a chunk
     parts = []
     for a in range(0, len(labels), n):
         inputs = (policy.lm_head, h[a:a + n], labels[a:a + n], temperature)
-        parts.append(torch.utils.checkpoint.checkpoint(head_logprobs, *inputs, use_reentrant=False)
-                     if torch.is_grad_enabled() else head_logprobs(*inputs))
+        if torch.is_grad_enabled():         # the chunk's (n, V) logits again in backward
+            parts.append(torch.utils.checkpoint.checkpoint(head_logprobs, *inputs,
+                                                           use_reentrant=False))
+        else:
+            parts.append(head_logprobs(*inputs))
     return torch.cat(parts) if parts else torch.zeros(0, device=h.device)
 
 
@@ -745,9 +912,10 @@ class Tokenizer:
         tok.encode_special_tokens = True        # an attribute of the instance: never saved
         for name, text in (("im_start_id", "<|im_start|>"), ("im_end_id", "<|im_end|>"),
                            ("pad_id", "<|endoftext|>")):
-            if (i := tok.token_to_id(text)) is None:
+            token_id = tok.token_to_id(text)
+            if token_id is None:
                 raise ValueError(f"tokenizer has no {text} token (not a Qwen2.5 tokenizer?)")
-            setattr(self, name, i)
+            setattr(self, name, token_id)
 
     @classmethod
     def from_file(cls, path) -> "Tokenizer":
@@ -822,18 +990,18 @@ class LoRALinear(nn.Module):
         self.in_features, self.out_features = base.in_features, base.out_features
         self.weight = base.weight                        # (d_out, d_in), frozen
         self.register_parameter("bias", base.bias)       # None for o/gate/up/down in Qwen2
-        self.scaling = s.alpha / (math.sqrt(s.r) if s.use_rslora else s.r)
-        self.dropout = s.dropout
+        self.scaling = s.alpha / (math.sqrt(s.r) if s.use_rslora else s.r)  # alpha / r (or sqrt r)
+        self.dropout = s.dropout                                      # on the adapter's input only
         self.lora_dropout = nn.Dropout(s.dropout) if s.dropout > 0 else nn.Identity()
-        kw = dict(bias=False, device=base.weight.device, dtype=dtype)
+        kw = dict(bias=False, device=base.weight.device, dtype=dtype)       # float32 by default
         self.lora_A = nn.Linear(self.in_features, s.r, **kw)     # (r, d_in)
         self.lora_B = nn.Linear(s.r, self.out_features, **kw)    # (d_out, r)
         nn.init.kaiming_uniform_(self.lora_A.weight, a=math.sqrt(5))  # PEFT's default init
-        nn.init.zeros_(self.lora_B.weight)
+        nn.init.zeros_(self.lora_B.weight)                    # B = 0: the model unchanged at first
         self.enabled = True         # False: the base model (the GRPO reference policy)
 
     def forward(self, x):
-        y = F.linear(x, self.weight, self.bias)
+        y = F.linear(x, self.weight, self.bias)                             # x W^T + b
         if not self.enabled:
             return y
         # functions, not module calls: per token a module call costs more than its tiny matmul
@@ -851,12 +1019,13 @@ def apply_lora(model: nn.Module, r=16, alpha=32.0, dropout=0.05, targets=LORA_TA
     sites = [(module, name, child) for module in model.modules()
              for name, child in module.named_children()
              if name in s.targets and type(child) is nn.Linear]
-    if missing := sorted(set(s.targets) - {name for _, name, _ in sites}):
+    missing = sorted(set(s.targets) - {name for _, name, _ in sites})
+    if missing:
         raise ValueError(f"LoRA targets {missing} match no nn.Linear module of the model")
-    model.requires_grad_(False)
+    model.requires_grad_(False)                                           # only the adapters train
     for module, name, child in sites:
         setattr(module, name, LoRALinear(child, s, dtype).train(child.training))
-    model.lora_settings = s
+    model.lora_settings = s                                              # what save_adapter writes
     return model
 
 
@@ -881,7 +1050,7 @@ def lora_disabled(model):
 @torch.no_grad()
 def load_lora_state(policy, state: dict[str, torch.Tensor]):
     for n, p in lora_parameters(policy):
-        p.copy_(state[n])
+        p.copy_(state[n])                                  # in place: the optimizer's tensors stay
 
 
 ADAPTER_CONFIG, ADAPTER_WEIGHTS = "adapter_config.json", "adapter_model.safetensors"
@@ -958,3 +1127,72 @@ def parse_devices(text: str) -> list[torch.device]:
     if any(d.type == "cuda" and (d.index or 0) >= n_gpus for d in devices):
         raise ValueError(f"--devices {text}: this PyTorch sees {n_gpus or 'no'} CUDA device(s)")
     return devices
+
+
+# ----------------------------------------------------------------------------------------------
+# The layers split across devices (placement, no pipelining), for memory: a 7B policy with its
+# LoRA state and caches exceeds one 48 GB GPU. grpo.py calls it when --devices names several.
+
+def balance_layers(block_sizes: list[int], n_devices: int, first_extra=0, last_extra=0):
+    """Layers per device: contiguous ranges whose loads (parameter counts, with the embedding on
+    the first device and the head on the last) come closest to an even share each. Cut k goes
+    where the load before it is nearest k/n of the total, leaving every device a layer."""
+    n_layers = len(block_sizes)
+    if not 1 <= n_devices <= n_layers:
+        raise ValueError(f"cannot split {n_layers} layers over {n_devices} devices")
+    total = first_extra + sum(block_sizes) + last_extra
+    load_before = [first_extra + sum(block_sizes[:b]) for b in range(n_layers + 1)]
+    cuts = [0]
+    for k in range(1, n_devices):
+        lo = cuts[-1] + 1                   # a layer for each device before the cut
+        hi = n_layers - (n_devices - k)     # and one for each device after it
+        share = k * total / n_devices
+        cuts.append(min(range(lo, hi + 1), key=lambda b: abs(load_before[b] - share)))
+    cuts.append(n_layers)
+    return [b - a for a, b in zip(cuts, cuts[1:])]
+
+
+def split_model(model, devices, layer_counts=None):
+    """Place model.model.layers on `devices` (e.g. ["cuda:0", "cuda:1"]) in contiguous ranges,
+    each block with a pre-hook moving its inputs there; the embedding on the first device, norm
+    and head on the last (new_cache puts each block's cache with it). layer_counts: layers per
+    device, summing to the layers; by default balance_layers on parameter counts."""
+    devices = [torch.device(d) for d in devices]
+    inner = model.model
+    layers = model.model.layers
+    head = model.lm_head
+    if layer_counts is None:
+        def n_params(module):
+            return sum(p.numel() for p in module.parameters())
+        layer_counts = balance_layers([n_params(b) for b in layers], len(devices),
+                                      first_extra=n_params(inner.embed_tokens),
+                                      last_extra=n_params(inner.norm) + head.weight.numel())
+    layer_counts = [int(n) for n in layer_counts]
+    if (len(layer_counts) != len(devices) or min(layer_counts) < 1
+            or sum(layer_counts) != len(layers)):
+        raise ValueError(f"layer_counts={layer_counts}: need one count >= 1 per device "
+                         f"({len(devices)}) summing to the model's {len(layers)} layers")
+    if head.weight is inner.embed_tokens.weight and devices[0] != devices[-1]:
+        # the head's copy of the embedding stays equal to it only while it is frozen (LoRA)
+        if inner.embed_tokens.weight.requires_grad:
+            raise ValueError("tied embeddings are copied to the last device; freeze them first "
+                             "(apply_lora does) or split over one device")
+        head.weight = nn.Parameter(inner.embed_tokens.weight.detach().to(devices[-1]),
+                                   requires_grad=False)
+    model.layer_devices = [d for d, n in zip(devices, layer_counts) for _ in range(n)]
+    placement = [(inner.embed_tokens, devices[0]), *zip(layers, model.layer_devices),
+                 (inner.norm, devices[-1]), (head, devices[-1])]
+    for module, device in placement:
+        module.to(device)
+        module.register_forward_pre_hook(inputs_to(device), with_kwargs=True)
+    return model
+
+
+def inputs_to(device):
+    """A forward pre-hook moving a module's tensor inputs to `device` (caches and flags stay)."""
+    def to(x):
+        if isinstance(x, (tuple, list)):
+            return type(x)(to(v) for v in x)
+        return x.to(device) if isinstance(x, Tensor) else x   # blocking: a copy must have landed
+
+    return lambda module, args, kwargs: (to(args), {k: to(v) for k, v in kwargs.items()})

@@ -5,6 +5,7 @@ import math
 import shutil
 import struct
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -562,6 +563,28 @@ def test_decoding_falls_back_to_eager_when_compiling_fails(monkeypatch, capsys):
     err = capsys.readouterr().err
     assert err.count("decoding eagerly, torch.compile failed: BackendCompilerFailed") == 1
     assert isinstance(M._compiled["failed"], torch._dynamo.exc.BackendCompilerFailed)
+
+
+@pytest.mark.parametrize("first_call_s, said", [(5.0, True), (0.5, False)])
+def test_compile_time_is_said_only_when_the_first_call_took_long(monkeypatch, capsys,
+                                                                 first_call_s, said):
+    """torch.compile is lazy and its cache makes a warm run's first call fast: the step says how
+    long compiling took after its first call, and only when that took over COMPILE_NOTICE_S."""
+    clock = iter([0.0, first_call_s, 10.0, 10.5])       # perf_counter around two calls
+    monkeypatch.setattr(M, "time", SimpleNamespace(perf_counter=lambda: next(clock)))
+    monkeypatch.setattr(M, "COMPILE", True)
+    monkeypatch.setattr(M, "_compiled", {})
+    monkeypatch.setattr(torch, "compile", lambda fn, **kw: fn)     # eager: no real compile
+    model = random_model("qwen2-gqa-tied", seed=11)
+    cache = model.new_cache(2, capacity=8)
+    M.set_lengths(cache, torch.tensor([3, 5]))
+    with torch.no_grad():
+        for _ in range(2):
+            model.decode(torch.tensor([4, 7]), cache)
+    err = capsys.readouterr().err
+    assert ("compiling the decoding step took 5 s" in err) == said
+    assert err.count("compiling the decoding step") == int(said)
+    assert isinstance(M._compiled["cpu"], M.CompiledStep)
 
 
 def check_decoding(model, prompts, temperature, seed, h_atol=1e-5):

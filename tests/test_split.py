@@ -1,4 +1,5 @@
-"""Layers split across devices: same numbers as one device, and every piece where it belongs."""
+"""model.split_model, the layers split across devices: same numbers as one device, and every
+piece where it belongs."""
 import copy
 
 import pytest
@@ -7,7 +8,6 @@ import torch
 import model as M
 from lab import traces
 import probes
-from lab import split
 
 STATS = M.STATS
 
@@ -37,23 +37,23 @@ def test_balance_layers_by_parameter_count():
     d, f, kv = 3584, 18944, 512
     block = 2 * d * d + 2 * d * kv + d + 2 * kv + 3 * d * f + 2 * d
     embed = 152064 * d
-    assert split.balance_layers([block] * 28, 2, embed, embed + d) == [14, 14]
+    assert M.balance_layers([block] * 28, 2, embed, embed + d) == [14, 14]
     # Loads 545+233k: the first and last device hold the big matrices, so they get fewer blocks.
-    assert split.balance_layers([block] * 28, 4, embed, embed + d) == [6, 8, 8, 6]
-    assert split.balance_layers([block] * 28, 1, embed, embed) == [28]
+    assert M.balance_layers([block] * 28, 4, embed, embed + d) == [6, 8, 8, 6]
+    assert M.balance_layers([block] * 28, 1, embed, embed) == [28]
     # Uneven blocks: the cut goes where the running load is nearest half of the total (7).
-    assert split.balance_layers([1, 1, 1, 1, 10], 2) == [4, 1]
+    assert M.balance_layers([1, 1, 1, 1, 10], 2) == [4, 1]
     # Every device keeps at least one layer, even when one block outweighs the rest.
-    assert split.balance_layers([100, 1, 1], 3) == [1, 1, 1]
+    assert M.balance_layers([100, 1, 1], 3) == [1, 1, 1]
     with pytest.raises(ValueError, match="4 layers over 5 devices"):
-        split.balance_layers([1] * 4, 5)
+        M.balance_layers([1] * 4, 5)
 
 
 def test_placement_on_fake_devices():
     # "meta" stands in for a second accelerator: any tensor left behind on the CPU would meet a
     # meta weight and fail, so the forward below proves that activations follow the blocks.
     model = M.apply_lora(tiny(), r=2, alpha=4, dropout=0.0)
-    split.split_model(model, ["cpu", "meta"], layer_counts=[1, 3])
+    M.split_model(model, ["cpu", "meta"], layer_counts=[1, 3])
     assert devices_of(model.model.embed_tokens) == {"cpu"}
     assert devices_of(model.model.layers[0]) == {"cpu"}     # LoRA weights included
     for block in model.model.layers[1:]:
@@ -75,7 +75,7 @@ def test_decoding_step_on_fake_devices():
     """generate's step on a split model: the logits, hidden states and statistics of the new
     token come back on one device, the head's, where generate keeps each turn's running sums
     (a step that left them on the first device could not be added to those sums)."""
-    model = split.split_model(tiny(), ["cpu", "meta"], layer_counts=[2, 2])
+    model = M.split_model(tiny(), ["cpu", "meta"], layer_counts=[2, 2])
     cache = model.new_cache(2, capacity=8)
     M.set_lengths(cache, torch.tensor([3, 5]))
     fed = torch.tensor([True, False])
@@ -90,10 +90,10 @@ def test_decoding_step_on_fake_devices():
 
 
 def test_default_split_balances_and_three_devices():
-    model = split.split_model(tiny(layers=6), ["cpu", "meta", "meta"])
+    model = M.split_model(tiny(layers=6), ["cpu", "meta", "meta"])
     # Equal blocks, the embedding on the first device and the head on the last: 1 + 4 + 1.
     first = [devices_of(b) == {"cpu"} for b in model.model.layers]
-    assert sum(first) == split.balance_layers([1] * 6, 3, 1, 1)[0] >= 1
+    assert sum(first) == M.balance_layers([1] * 6, 3, 1, 1)[0] >= 1
     assert first == sorted(first, reverse=True)              # a contiguous range from layer 0
     with torch.no_grad():
         assert model(torch.tensor([[1, 2, 3]])).device.type == "meta"
@@ -103,22 +103,21 @@ def test_tied_head_gets_its_own_copy_on_the_last_device():
     model = tiny(tie=True)
     assert model.lm_head.weight is model.model.embed_tokens.weight
     with pytest.raises(ValueError, match="freeze"):
-        split.split_model(copy.deepcopy(model).requires_grad_(True), ["cpu", "meta"])
-    split.split_model(model, ["cpu", "meta"], layer_counts=[2, 2])
+        M.split_model(copy.deepcopy(model).requires_grad_(True), ["cpu", "meta"])
+    M.split_model(model, ["cpu", "meta"], layer_counts=[2, 2])
     assert model.model.embed_tokens.weight.device.type == "cpu"
     assert model.lm_head.weight.device.type == "meta"
     with torch.no_grad():
         assert model(torch.tensor([[1, 2, 3]])).shape == (1, 3, 64)
     # On one device the tie stays a tie.
-    same = split.split_model(tiny(tie=True), ["cpu", "cpu"])
+    same = M.split_model(tiny(tie=True), ["cpu", "cpu"])
     assert same.lm_head.weight is same.model.embed_tokens.weight
 
 
 @pytest.mark.parametrize("counts", [[1, 2], [2, 2, 0], [4, 1], [0, 4]])
 def test_bad_layer_counts(counts):
     with pytest.raises(ValueError, match="layer_counts"):
-        split.split_model(tiny(), ["cpu"] * len(counts) if len(counts) != 2 else ["cpu", "cpu"],
-                          layer_counts=counts)
+        M.split_model(tiny(), ["cpu"] * len(counts), layer_counts=counts)
 
 
 @pytest.mark.parametrize("tie,counts", [(False, [1, 3]), (True, None)])
@@ -127,7 +126,7 @@ def test_two_cpu_devices_equal_one_device(tie, counts):
     with torch.no_grad():
         for _, p in M.lora_parameters(one):
             p.normal_(0, 0.3, generator=torch.Generator().manual_seed(p.numel()))
-    two = split.split_model(copy.deepcopy(one), ["cpu", "cpu"], layer_counts=counts)
+    two = M.split_model(copy.deepcopy(one), ["cpu", "cpu"], layer_counts=counts)
     assert all(b._forward_pre_hooks for b in two.model.layers)   # the hooks run on CPU too
     ids = torch.randint(0, 64, (2, 10), generator=torch.Generator().manual_seed(2))
 
