@@ -741,10 +741,11 @@ def train_parser(rewards=pair.REWARDS, forms=pair.ADVANTAGES, worlds=envs.WORLDS
 
 
 def parse_args(argv, ap: argparse.ArgumentParser | None = None, ranges=FLAG_RANGES,
-               worlds=envs.WORLDS, keys=None) -> argparse.Namespace:
+               worlds=envs.WORLDS, keys=None, recorded: bool = True) -> argparse.Namespace:
     """grpo.py's command line (`ap`: the lab's parser, with its flags), checked, with --out
     defaulting to a new runs/ directory. Resuming a run, the flags left out take the values the
-    run recorded in its args.json (`keys`: those a run must keep, RESUME_KEYS)."""
+    run recorded in its args.json (`keys`: those a run must keep, RESUME_KEYS), unless not
+    `recorded` (the command line alone, to be checked against the run's)."""
     if ap is None:
         ap = train_parser()
     args = ap.parse_args(argv)
@@ -769,10 +770,10 @@ def parse_args(argv, ap: argparse.ArgumentParser | None = None, ranges=FLAG_RANG
         if int(os.environ.get("WORLD_SIZE", "1")) > 1:
             raise SystemExit("--out is required with several processes")
         args.out = str(Path("runs") / f"{args.env}-{args.reward}-{time.strftime('%Y%m%d-%H%M%S')}")
-    recorded = Path(args.out) / "args.json"
-    if args.resume or (args.resume_if_present and recorded.exists()):
+    saved = Path(args.out) / "args.json"
+    if recorded and (args.resume or (args.resume_if_present and saved.exists())):
         given = given_flags(ap, argv)
-        old = read_args_json(recorded)
+        old = read_args_json(saved)
         for k in keys or RESUME_KEYS:
             if k not in given and k in old:
                 setattr(args, k, old[k])
@@ -1212,8 +1213,13 @@ def main(argv=None):
     try:
         return train(args)
     except INPUT_ERRORS as e:
+        unlock(Path(args.out))          # a failed command leaves no lock behind
         sys.exit(f"error: {e}")
+    except SystemExit:
+        unlock(Path(args.out))
+        raise
     except KeyboardInterrupt:
+        unlock(Path(args.out))
         sys.exit(interrupted(args, argv, PROG))
 
 

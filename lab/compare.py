@@ -79,7 +79,9 @@ def check_run(spec: str, argv: list[str], reward: str, seed: int, run: Path, res
     said = io.StringIO()                # argparse's usage and the preset line: not for here
     try:
         with contextlib.redirect_stdout(said), contextlib.redirect_stderr(said):
-            args = train.parse_args(argv)      # with the rules between the lab's flags
+            # the command line alone (no flag taken from the run's args.json): a run made with
+            # other flags must be refused, not continued as if asked for
+            args = train.parse_args(argv, recorded=False)
             # compare sets these per run: given again they would put every seed in one run
             if (args.reward, args.seed, args.out, args.resume, args.resume_if_present) != \
                     (reward, seed, str(run), resume, False):

@@ -65,9 +65,10 @@ def parser():
     return ap
 
 
-def parse_args(argv) -> object:
-    """The lab's command line, checked: every flag's range, then the rules between them."""
-    args = grpo.parse_args(argv, parser(), RANGES, WORLDS, RESUME_KEYS)
+def parse_args(argv, recorded: bool = True) -> object:
+    """The lab's command line, checked: every flag's range, then the rules between them
+    (`recorded`: as grpo.parse_args's)."""
+    args = grpo.parse_args(argv, parser(), RANGES, WORLDS, RESUME_KEYS, recorded)
     credit.check(args, WORLDS)
     onpolicy.check(args, REWARDS[args.reward])
     return args

@@ -1,5 +1,8 @@
-"""grpo.py on tiny CPU models: advantages, loss, rollouts, checkpoints, processes, every reward."""
+"""grpo.py and the lab's loop (lab/train.py) on tiny CPU models: advantages, loss, rollouts,
+checkpoints, processes, every reward. A run of the core goes through grpo.main; a run of a lab
+reward or flag through lab.train.main, which is what `python -m lab.train` runs."""
 import argparse
+import dataclasses
 import json
 import math
 import os
@@ -25,10 +28,11 @@ import pair
 import probes
 from lab import (adapters, baselines, compare, curves, data as lab_data, onpolicy, runs, shop,
                  study, traces)
+from lab import train as lab_train
 
 ROOT = Path(__file__).resolve().parents[1]
 CORE_REWARDS = {"outcome", "pair", *probes.FEATURES}
-TIMING = set(grpo.TIMING)
+TIMING = set(lab_train.TIMING)          # the core's phases and the lab's (a superset)
 BUILTIN = ROOT / "data" / "shop-policy"
 
 
@@ -63,12 +67,28 @@ def _cache(pair_cache, monkeypatch):
 
 
 def flags(policy, out, reward="coe", **kw) -> list[str]:
+    """A short run's command line for the lab (lab.train.main, `python -m lab.train`)."""
     opts = {"model": policy, "reward": reward, "out": out, "steps": 2, "group": 2,
             "max_turns": 2, "max_new_tokens": 8, "lr": 1e-2, "save_every": 1,
             "probe_episodes": 10, "seed": 3, "threads": 1,
             # a random policy's own turns are all wrong: its probes come from the gold corpus
             "probe_corpus": "contaminated", "corpus_samples": 2, "corpus_heldout": 2, **kw}
-    if "eval_episodes" in kw:
+    return argv_of(opts, "eval_episodes" in kw)
+
+
+def core_flags(policy, out, reward="outcome", **kw) -> list[str]:
+    """A short run's command line for the core alone (grpo.main, `python grpo.py`): flags()'s
+    settings less the lab's flags."""
+    opts = {"model": policy, "reward": reward, "out": out, "steps": 2, "group": 2,
+            "max_turns": 2, "max_new_tokens": 8, "lr": 1e-2, "save_every": 1, "seed": 3,
+            "threads": 1, **kw}
+    return argv_of(opts, "eval_episodes" in kw)
+
+
+def argv_of(opts: dict, evaluated: bool) -> list[str]:
+    """--flag value for each option (True: the flag alone; None or False: left out); without
+    --eval-episodes the run skips its evaluations, with it validation takes 2 episodes."""
+    if evaluated:
         opts.setdefault("val_episodes", 2)
     argv = []
     for k, v in opts.items():
@@ -76,10 +96,16 @@ def flags(policy, out, reward="coe", **kw) -> list[str]:
             argv.append(f"--{k.replace('_', '-')}")
         elif v is not None and v is not False:
             argv += [f"--{k.replace('_', '-')}", str(v)]
-    return argv + (["--no-eval"] if "eval_episodes" not in kw else [])
+    return argv + (["--no-eval"] if not evaluated else [])
 
 
 def run(argv) -> dict:
+    """A run of the lab's loop, in this process."""
+    return lab_train.main(argv)
+
+
+def core_run(argv) -> dict:
+    """A run of the core's loop, in this process."""
     return grpo.main(argv)
 
 
@@ -99,8 +125,8 @@ def play_args(**kw):
 def lora_policy(model_dir, flags: list[str]):
     """The policy with its LoRA adapter, the parsed flags (preset filled) and the shop train env."""
     policy, tok = mdl.load_model(model_dir)
-    args = grpo.train_parser(pair.REWARDS).parse_args([*flags, "--model", str(model_dir)])
-    grpo.resolve_preset(args, grpo.Processes())
+    args = lab_train.parser().parse_args([*flags, "--model", str(model_dir)])
+    grpo.resolve_preset(args, grpo.Processes(), lab_train.WORLDS)
     mdl.apply_lora(policy, r=args.lora_r, alpha=args.lora_alpha, dropout=args.lora_dropout,
                    targets=tuple(args.lora_targets.split(",")))
     return policy, tok, args, envs.ShopEnv("train")
@@ -146,9 +172,12 @@ def test_numeric_flags_are_checked_before_any_work(flag, value, tmp_path, monkey
     def no_load(*a, **k):
         raise AssertionError("the model was loaded before the flags were checked")
     monkeypatch.setattr(mdl, "load_model", no_load)
+    # a flag of the core by the core's command line, a flag of the lab by the lab's
+    loop = lab_train if flag == "--at2po-clip" else grpo
     with pytest.raises(SystemExit):
-        grpo.main([flag, *value.split(), "--out", str(tmp_path / "r")])
-    assert f"{flag} must be" in capsys.readouterr().err
+        loop.main([flag, *value.split(), "--out", str(tmp_path / "r")])
+    err = capsys.readouterr().err
+    assert err.startswith(f"{loop.PROG}: error: {flag} must be") and err.count("\n") == 1, err
     assert not (tmp_path / "r").exists()
 
 
@@ -162,8 +191,32 @@ def test_device_and_adapter_flags_are_checked_before_any_work(flag, value, tmp_p
     monkeypatch.setattr(mdl, "load_model", no_load)
     with pytest.raises(SystemExit):
         grpo.main([flag, value, "--out", str(tmp_path / "r")])
-    assert f"{flag} {value!r}:" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert f"{flag} {value!r}:" in err and err.count("\n") == 1, err
     assert not (tmp_path / "r").exists()
+
+
+def test_a_bad_flag_is_one_line_without_the_usage(capsys):
+    # the usage block is --help's; the error says what is wrong, in one line, and where a choice
+    # or a flag is the lab's, where to find it
+    for loop, argv, message in (
+            (grpo, ["--steps", "0"], "--steps must be at least 1, got 0"),
+            (grpo, ["--reward", "igpo"], "argument --reward: invalid choice"),
+            (lab_train, ["--tree-l", "0"], "--tree-l must be at least 1, got 0"),
+            (lab_train, ["--bogus"], "unrecognized arguments: --bogus")):
+        with pytest.raises(SystemExit) as stop:
+            loop.main(argv)
+        err = capsys.readouterr().err
+        assert stop.value.code == 2 and err.count("\n") == 1 and "usage" not in err, err
+        assert err.startswith(f"{loop.PROG}: error: {message}"), err
+        assert err.endswith(" (--help lists the flags)\n"), err
+        assert ("run through `python -m lab.train`" in err) == (argv[0] == "--reward"), err
+    # and so on the command line
+    r = subprocess.run([sys.executable, str(ROOT / "grpo.py"), "--steps", "0"], cwd=ROOT,
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and r.stderr.splitlines() == [
+        "python grpo.py: error: --steps must be at least 1, got 0 (--help lists the flags)"], \
+        r.stderr
 
 
 def test_release_advantages_hand_worked():
@@ -379,7 +432,7 @@ def test_the_judge_rates_each_turn_in_the_history_it_was_taken_in(tiny_policy, m
     rated = []
     monkeypatch.setattr(baselines, "judge_step",
                         lambda client, messages: rated.append(messages) or 0.5)
-    ctx = pair.RewardContext(policy, tok, play_args(), judge=object())
+    ctx = baselines.LabContext(policy, tok, args=play_args(), judge=object())
     assert baselines.judge_reward(traj, ctx) == [0.5] * 3
     assert [len(m) for m in rated] == [2, 4, 6]      # the task, then turns and observations
     assert all(m[-1]["role"] == "assistant" for m in rated)
@@ -411,7 +464,8 @@ def test_first_update_has_zero_kl_and_unit_ratio(tiny_policy):
     batch = pair.make_batch(trajs, adv, tok.pad_id)
     opt = torch.optim.AdamW([p for _, p in mdl.lora_parameters(policy)], lr=1e-2)
     policy.train()
-    stats = grpo.update(policy, opt, batch, args, grpo.Processes())
+    process = pair.ADVANTAGES["process"]
+    stats = grpo.update(policy, opt, batch, process, args, grpo.Processes())
     assert stats["kl"] == 0.0 and stats["ratio"] == 1.0 and stats["clip_frac"] == 0.0
     n = batch.mask.sum().item()
     # rho = 1 and KL = 0: the loss is minus the token-averaged advantage
@@ -423,7 +477,7 @@ def test_first_update_has_zero_kl_and_unit_ratio(tiny_policy):
         with mdl.lora_disabled(policy):
             logp_ref = mdl.token_logprobs(policy, batch.ids, batch.mask, args.temperature)
     kl = (torch.expm1(logp_ref - logp) - (logp_ref - logp)).mean().item()
-    again = grpo.update(policy, opt, batch, args, grpo.Processes())
+    again = grpo.update(policy, opt, batch, process, args, grpo.Processes())
     assert kl > 1e-6 and again["kl"] == pytest.approx(kl, rel=1e-3)
     assert again["ratio"] == pytest.approx(1.0)                          # new pi_old, new ratio
 
@@ -439,7 +493,7 @@ def test_a_batch_without_generated_tokens_logs_loss_0_and_is_counted(tiny_policy
                     **kw)
     monkeypatch.setattr(probes, "rollout", no_room)
     out = tmp_path / "empty"
-    run(flags(tiny_policy, out, "outcome", steps=2, save_every=2))
+    core_run(core_flags(tiny_policy, out, "outcome", steps=2, save_every=2))
     lines = (out / "metrics.jsonl").read_text().splitlines()
 
     def no_nan(name):
@@ -457,11 +511,11 @@ def test_a_non_finite_gradient_skips_the_update_and_says_so(tiny_policy, tmp_pat
                                                             capsys):
     # a NaN that reaches the gradient (here through the advantages) must not reach the adapter:
     # AdamW would turn every weight it touches into NaN
-    def nan_advantages(rewards, scores, args):
+    def nan_advantages(rewards):
         return [[math.nan] * len(row) for row in rewards], False
-    monkeypatch.setitem(pair.ADVANTAGES, "process", nan_advantages)
+    monkeypatch.setattr(pair, "group_advantages", nan_advantages)    # --advantage process's
     out = tmp_path / "nan"
-    run(flags(tiny_policy, out, "outcome", steps=1))
+    core_run(core_flags(tiny_policy, out, "outcome", steps=1))
     recs = metrics(out)
     assert [(r["skipped_updates"], r["tokens"] > 0) for r in recs] == [(1, True)]
     assert "step 1: the gradient was not finite" in capsys.readouterr().out
@@ -474,27 +528,30 @@ def test_a_non_finite_gradient_skips_the_update_and_says_so(tiny_policy, tmp_pat
 # ---------------------------------------------------------------------------------------------
 # checkpoints and --resume
 
-def interrupted_run(monkeypatch, argv):
-    """A run interrupted (KeyboardInterrupt) as its third step starts."""
-    real = grpo.train_step
+def interrupted_run(monkeypatch, argv, loop=lab_train, at: int = 3):
+    """A run of `loop` (lab_train, or grpo: the core's) interrupted (KeyboardInterrupt) as its
+    step `at` starts."""
+    real = loop.train_step
 
-    def crash_at_step_3(step, *a, **k):
-        if step == 2:
+    def crash_at_step(step, *a, **k):
+        if step == at - 1:
             raise KeyboardInterrupt
         return real(step, *a, **k)
-    monkeypatch.setattr(grpo, "train_step", crash_at_step_3)
+    monkeypatch.setattr(loop, "train_step", crash_at_step)
     with pytest.raises(SystemExit) as stop:             # Ctrl-C: one line, how to resume
-        run(argv)
-    monkeypatch.setattr(grpo, "train_step", real)
+        loop.main(argv)
+    monkeypatch.setattr(loop, "train_step", real)
+    if loop is grpo:        # the process would end here, and the kernel drop the core's lock
+        grpo.LOCKS.pop(Path(argv[argv.index("--out") + 1]).resolve()).close()
     message = str(stop.value.code)
-    assert message.count("\n") == 1 and f"{grpo.PROG} " in message and "--resume" in message
+    assert message.count("\n") == 1 and f"{loop.PROG} " in message and "--resume" in message
     return message
 
 
 def test_ctrl_c_says_how_to_resume_and_that_command_resumes(tiny_policy, tmp_path, monkeypatch):
     out = tmp_path / "r"
     message = interrupted_run(monkeypatch, flags(tiny_policy, out, steps=3, save_every=1))
-    again = shlex.split(message.split(f"{grpo.PROG} ", 1)[1])
+    again = shlex.split(message.split(f"{lab_train.PROG} ", 1)[1])
     assert again[again.index("--out") + 1] == str(out) and again[-1] == "--resume"
     run(again)
     assert [r["step"] for r in metrics(out)] == [1, 2, 3]
@@ -506,12 +563,12 @@ def test_ctrl_c_before_the_first_checkpoint_says_the_run_starts_over(tiny_policy
     message = interrupted_run(monkeypatch, flags(tiny_policy, out, steps=3, save_every=3))
     assert "before the first checkpoint (after step 3)" in message and \
         "starts the run over from step 1" in message and "exactly" not in message, message
-    run(shlex.split(message.split(f"{grpo.PROG} ", 1)[1]))
+    run(shlex.split(message.split(f"{lab_train.PROG} ", 1)[1]))
     assert [r["step"] for r in metrics(out)] == [1, 2, 3]
     # before the run directory was written: a plain restart, nothing to resume
-    monkeypatch.setattr(grpo, "setup", lambda args: (_ for _ in ()).throw(KeyboardInterrupt))
+    monkeypatch.setattr(lab_train, "setup", lambda args: (_ for _ in ()).throw(KeyboardInterrupt))
     with pytest.raises(SystemExit, match="interrupted before the run started; start it with: "
-                                         f"{grpo.PROG} ") as stop:
+                                         f"{lab_train.PROG} ") as stop:
         run(flags(tiny_policy, tmp_path / "s"))
     assert "--resume" not in str(stop.value.code)
 
@@ -531,8 +588,8 @@ def test_bad_devices_and_a_missing_judge_key_are_one_line(tiny_policy, tmp_path,
             grpo.main(["--devices", "cuda:0,cuda:1", "--out", str(tmp_path / "a")])
         assert "--devices cuda:0,cuda:1: this PyTorch sees no CUDA" in capsys.readouterr().err
     monkeypatch.delenv("OPENAI_API_KEY", raising=False)
-    with pytest.raises(SystemExit, match="^error: OPENAI_API_KEY is not set"):
-        grpo.main(["--env", "toolbench", "--reward", "outcome", "--out", str(tmp_path / "b")])
+    with pytest.raises(SystemExit, match="^error: OPENAI_API_KEY is not set"):   # the lab's env
+        run(["--env", "toolbench", "--reward", "outcome", "--out", str(tmp_path / "b")])
 
 
 def test_resume_reproduces_the_uninterrupted_run(tiny_policy, tmp_path, monkeypatch):
@@ -552,7 +609,9 @@ def test_resume_reproduces_the_uninterrupted_run(tiny_policy, tmp_path, monkeypa
     assert len(metrics(whole)) == 4 and metrics(whole)[-1]["kl"] > 0
     ckpt = cut / "checkpoint-000004"
     assert sorted(p.name for p in ckpt.iterdir()) == [
-        "adapter", "optimizer.safetensors", "rng-0.json", "rng-0.safetensors", "trainer.json"]
+        "adapter", "manifest.json", "optimizer.safetensors", "rng-0.json", "rng-0.safetensors",
+        "trainer.json"]
+    assert grpo.damage(ckpt) is None                    # every file the manifest lists, intact
     assert sorted(p.name for p in (ckpt / "adapter").iterdir()) == [
         "adapter_config.json", "adapter_model.safetensors"]
     assert not list(cut.glob(".*tmp*"))
@@ -563,11 +622,44 @@ def test_resume_reproduces_the_uninterrupted_run(tiny_policy, tmp_path, monkeypa
         assert torch.equal(p, q), name
 
 
+def test_resume_with_only_out_takes_the_runs_flags_and_continues_exactly(tiny_policy, tmp_path,
+                                                                         monkeypatch):
+    # the run's args.json holds its flags: `python grpo.py --resume --out RUN` needs no other
+    dims = {"d": 32, "L": 2, "H": 4}        # tiny_policy's; a PAIR reward: something to learn
+    head = fake_pair(tmp_path / "pair", 32, 4 * 2 * 4, dims=dims,
+                     model_sha256=mdl.checkpoint_sha256(tiny_policy))
+    kw = dict(reward="pair", probes=head, steps=2, eval_episodes=4, val_episodes=2,
+              save_every=1, seed=7)
+    whole = tmp_path / "whole"
+    core_run(core_flags(tiny_policy, whole, **kw))
+    cut = tmp_path / "cut"
+    interrupted_run(monkeypatch, core_flags(tiny_policy, cut, **kw), loop=grpo, at=2)
+    assert [r["step"] for r in metrics(cut)] == [1]
+    # a flag given that differs from the run's is still refused, before anything is written
+    with pytest.raises(SystemExit, match=re.escape(f"--resume: --seed is 8 but the run in {cut} "
+                                                   "used 7")):
+        core_run(["--resume", "--out", str(cut), "--seed", "8"])
+    assert [r["step"] for r in metrics(cut)] == [1]
+    # one thread, as --threads 1 gave the runs above (not a flag a resumed run keeps)
+    r = subprocess.run([sys.executable, str(ROOT / "grpo.py"), "--resume", "--out", str(cut)],
+                       cwd=tmp_path, env=dict(os.environ, OMP_NUM_THREADS="1"),
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert f"resumed from {cut / 'checkpoint-000001'} at step 1" in r.stdout
+
+    def evals(out):
+        return [(e["step"], e["val"]["scores"], e["test"]["scores"])
+                for e in grpo.read_jsonl(out / "eval.jsonl")]
+    assert len(metrics(whole)) == 2 and metrics(whole)[-1]["kl"] > 0
+    assert without_timing(metrics(cut)) == without_timing(metrics(whole))
+    assert evals(cut) == evals(whole) and [s for s, _, _ in evals(cut)] == [0, 1, 2]
+
+
 def test_resume_checks_args_json(tiny_policy, tmp_path):
     def prepare(out, **kw):
-        args = grpo.train_parser(pair.REWARDS).parse_args(flags(tiny_policy, out, **kw))
-        grpo.resolve_preset(args, grpo.Processes())
-        return grpo.prepare_out(args, grpo.Processes())
+        args = lab_train.parser().parse_args(flags(tiny_policy, out, **kw))
+        grpo.resolve_preset(args, grpo.Processes(), lab_train.WORLDS)
+        return lab_train.prepare_out(args, grpo.Processes())
 
     out = tmp_path / "run"
     prepare(out, eval_episodes=4)
@@ -605,10 +697,9 @@ def test_a_bad_model_is_a_one_line_error_and_writes_nothing(tmp_path, monkeypatc
 
 def test_out_and_resume_checks_read_what_a_run_left(tiny_policy, tmp_path):
     def checked(out, *argv):
-        args = grpo.parse_args(["--model", str(tiny_policy), "--out", str(out), *argv],
-                               pair.REWARDS)
-        grpo.resolve_preset(args, grpo.Processes())
-        grpo.check_out(args)
+        args = lab_train.parse_args(["--model", str(tiny_policy), "--out", str(out), *argv])
+        grpo.resolve_preset(args, grpo.Processes(), lab_train.WORLDS)
+        grpo.check_out(args, lab_train.RESUME_KEYS, lab_train.RESUME_DEFAULTS)
         return args
     # a run killed after its base evaluation, before step 1: a new one would take its step 0
     out = tmp_path / "killed"
@@ -655,8 +746,8 @@ def test_the_probe_cache_keys_a_sharded_policy_and_where_it_runs(tiny_policy, tm
         n: file for file, part in halves.items() for n in part}})
     assert runs.policy_hash(sharded) != runs.policy_hash(tiny_policy)
     mdl.load_model(sharded)                                 # a policy the run can load
-    args = grpo.parse_args(["--model", str(tiny_policy)], pair.REWARDS)
-    grpo.resolve_preset(args, grpo.Processes())
+    args = lab_train.parse_args(["--model", str(tiny_policy)])
+    grpo.resolve_preset(args, grpo.Processes(), lab_train.WORLDS)
     keys = {runs.settings_hash(onpolicy.own_turns_settings(args))}
     for name, value in (("dtype", "bfloat16"), ("devices", "cuda")):
         keys.add(runs.settings_hash(onpolicy.own_turns_settings(
@@ -670,9 +761,11 @@ def test_resume_with_nothing_to_resume_stops_and_says_so(tiny_policy, tmp_path, 
         with pytest.raises(SystemExit, match=f"--resume: nothing to resume in {out} "):
             run(flags(tiny_policy, out, resume=True))
         assert not (out / "args.json").exists()
-    with pytest.raises(SystemExit, match="2"):          # argparse's usage error
+    with pytest.raises(SystemExit, match="2"):          # argparse's error: one line
         run(["--resume"])
-    assert "nothing to resume without --out" in capsys.readouterr().err
+    assert capsys.readouterr().err == (
+        f"{lab_train.PROG}: error: --resume: nothing to resume without --out (the run "
+        "directory to continue) (--help lists the flags)\n")
     with pytest.raises(SystemExit, match="2"):
         run(flags(tiny_policy, tmp_path / "x", resume=True, resume_if_present=True))
     # asked for explicitly: a run starts where there is none, and continues where there is one
@@ -690,9 +783,16 @@ def test_resume_with_nothing_to_resume_stops_and_says_so(tiny_policy, tmp_path, 
 def test_a_truncated_checkpoint_is_a_one_line_error(tiny_policy, tmp_path):
     out = tmp_path / "b"
     run(flags(tiny_policy, out, steps=1))
-    opt = out / "checkpoint-000001" / "optimizer.safetensors"
+    ckpt = out / "checkpoint-000001"
+    opt = ckpt / "optimizer.safetensors"
     opt.write_bytes(opt.read_bytes()[:50])
-    with pytest.raises(SystemExit, match="cannot resume from this checkpoint"):
+    # its manifest tells, and there is no earlier checkpoint to resume from
+    with pytest.raises(SystemExit, match=re.escape(f"--resume: no checkpoint in {out} is intact "
+                                                   f"({opt}: changed since the checkpoint")):
+        run(flags(tiny_policy, out, steps=1, resume=True))
+    # written truncated (its manifest agrees): reading it tells
+    grpo.write_manifest(ckpt)
+    with pytest.raises(SystemExit, match=re.escape(f"{opt}: cannot resume from this checkpoint")):
         run(flags(tiny_policy, out, steps=1, resume=True))
 
 
@@ -794,7 +894,7 @@ def test_steps_and_evaluations_say_how_far_they_are(tiny_policy, tmp_path, capsy
 
 
 def test_the_cores_own_lock_refuses_a_second_holder(tmp_path):
-    # `python grpo.py` runs without the lab's claim hook: its own flock keeps one run per OUT
+    # `python grpo.py` keeps one run per OUT by its own flock, not the lab's lock (lab/runs.py)
     import fcntl
     with open(tmp_path / ".lock", "a+") as other:       # another open file: another holder
         other.write("4242\n")
@@ -804,14 +904,33 @@ def test_the_cores_own_lock_refuses_a_second_holder(tmp_path):
             grpo.lock(tmp_path)
     grpo.lock(tmp_path)                                 # released with its file: taken
     assert (tmp_path / ".lock").read_text() == f"{os.getpid()}\n"
-    grpo.LOCKS.pop().close()
+    grpo.unlock(tmp_path)                               # let go: the file goes with it
+    assert not (tmp_path / ".lock").exists() and tmp_path.resolve() not in grpo.LOCKS
+
+
+@pytest.mark.parametrize("loop", [grpo, lab_train], ids=["core", "lab"])
+def test_a_finished_run_lets_its_out_go(loop, tiny_policy, tmp_path, monkeypatch):
+    # the lock file names the run's process while it lasts; a finished run removes it
+    out = tmp_path / "r"
+    if loop is grpo:
+        argv = core_flags(tiny_policy, out, steps=1)
+    else:
+        argv = flags(tiny_policy, out, steps=1)
+    held, real = [], loop.train_step
+
+    def step(*a, **k):
+        held.append((out / ".lock").read_text())
+        return real(*a, **k)
+    monkeypatch.setattr(loop, "train_step", step)
+    loop.main(argv)
+    assert held == [f"{os.getpid()}\n"]
+    assert (out / "summary.json").is_file() and not (out / ".lock").exists()
 
 
 def test_kill_9_frees_the_out_of_a_run(tiny_policy, tmp_path, pair_cache):
     out = tmp_path / "run"
-    args = grpo.train_parser(pair.REWARDS).parse_args(
-        flags(tiny_policy, out, steps=1000, resume=True))
-    grpo.resolve_preset(args, grpo.Processes())
+    args = lab_train.parser().parse_args(flags(tiny_policy, out, steps=1000, resume=True))
+    grpo.resolve_preset(args, grpo.Processes(), lab_train.WORLDS)
     env = dict(os.environ, PAIR_CACHE=str(pair_cache), OMP_NUM_THREADS="1")
     first = subprocess.Popen([sys.executable, "-m", "lab.train",
                               *flags(tiny_policy, out, steps=1000)], cwd=ROOT, env=env,
@@ -822,11 +941,12 @@ def test_kill_9_frees_the_out_of_a_run(tiny_policy, tmp_path, pair_cache):
             assert time.perf_counter() - t0 < 120 and first.poll() is None
             time.sleep(0.05)
         with pytest.raises(SystemExit, match=f"{out} is in use by pid {first.pid}"):
-            grpo.prepare_out(args, grpo.Processes())
+            lab_train.prepare_out(args, grpo.Processes())
     finally:
         first.send_signal(signal.SIGKILL)       # no cleanup runs: the kernel drops the lock
         first.wait()
-    assert grpo.prepare_out(args, grpo.Processes()) == out
+    assert lab_train.prepare_out(args, grpo.Processes()) == out
+    runs.release(out)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -834,9 +954,10 @@ def test_kill_9_frees_the_out_of_a_run(tiny_policy, tmp_path, pair_cache):
 # summary keeps the best and the final checkpoint apart
 
 def spy_envs(monkeypatch) -> dict:
-    """Record what train() hands to the training steps and to evaluate: name -> (env, pool)."""
+    """Record what the lab's train() hands to the training steps and to evaluate: name ->
+    (env, pool)."""
     seen = {}
-    real_step, real_eval = grpo.train_step, probes.evaluate
+    real_step, real_eval = lab_train.train_step, probes.evaluate
 
     def train_step(step, run):
         seen["train"] = run.env, run.pool
@@ -845,7 +966,7 @@ def spy_envs(monkeypatch) -> dict:
     def evaluate(policy, tok, env, pool, *a, **k):
         seen.setdefault("eval", []).append((env, pool))
         return real_eval(policy, tok, env, pool, *a, **k)
-    monkeypatch.setattr(grpo, "train_step", train_step)
+    monkeypatch.setattr(lab_train, "train_step", train_step)
     monkeypatch.setattr(probes, "evaluate", evaluate)
     return seen
 
@@ -933,7 +1054,7 @@ def test_gta_answers_match_strictly_in_training_and_loosely_in_evaluation(releas
 # ---------------------------------------------------------------------------------------------
 # every --reward that needs no network: a short run each
 
-OFFLINE = [r for r in pair.REWARDS if r != "llm_judge"]
+OFFLINE = [r for r in lab_train.REWARDS if r != "llm_judge"]
 
 
 @pytest.mark.parametrize("reward", OFFLINE)
@@ -1006,7 +1127,7 @@ def test_igpo_rewards_are_gold_probability_gains(tiny_policy):
     args = play_args(micro_batch=2, reward="igpo", outcome_weight=0.0)
     (traj,) = probes.rollout(policy, tok, [env.episode(2)], args,
                              generator=torch.Generator().manual_seed(0))
-    ctx = pair.RewardContext(policy, tok, args, env=env)
+    ctx = baselines.LabContext(policy, tok, env, args=args)
     rewards = baselines.igpo_reward(traj, ctx)
     answer = env.episode(2).task.answer
     assert baselines.gold_answer(ctx, traj.episode) == answer
@@ -1033,7 +1154,7 @@ def test_tips_reads_the_lagged_teacher(tiny_policy):
         for _, p in mdl.lora_parameters(policy):
             p.add_(0.3)                                  # the policy has moved on since
     moved = baselines.lora_state(policy)
-    ctx = pair.RewardContext(policy, tok, args, env=env, lagged=base)
+    ctx = baselines.LabContext(policy, tok, env, args=args, lagged=base)
     rewards = baselines.tips_reward(traj, ctx)
     assert all(torch.equal(moved[n], p) for n, p in mdl.lora_parameters(policy))   # restored
     states = baselines.traj_states(traj)
@@ -1077,8 +1198,7 @@ def test_pair_reward_is_the_momentum_reward_of_the_turns_s_final(tiny_policy, tm
     model.save(tmp_path / "pair")
     traj = max(trajs, key=lambda t: len(t.steps))
     assert len(traj.steps) >= 3             # momentum reads the mean of at least two earlier s~
-    args = play_args(reward="pair", outcome_weight=0.0, alpha=5.0)
-    ctx = pair.RewardContext(policy, tok, args, pair=pair.Pair.load(tmp_path / "pair"))
+    ctx = pair.RewardContext(policy, tok, pair=pair.Pair.load(tmp_path / "pair"), alpha=5.0)
     rewards, p_correct = pair.pair_reward(traj, ctx)
 
     _, s_final = model.scores(stacked_raw(traj.steps))
@@ -1102,12 +1222,61 @@ def test_outcome_weight_moves_the_last_reward_not_the_probes_p_correct(tiny_poli
                           generator=torch.Generator().manual_seed(0))[0]
     traj.score = 1.0
     probe = random_pair(stacked_raw(traj.steps), seed=0).stage1        # a last_token probe
-    ctx = pair.RewardContext(policy, tok, play_args(reward="last_token", outcome_weight=0.5),
-                             probe=probe)
+    ctx = pair.RewardContext(policy, tok, probe=probe, feature="last_token")
     p = probe.predict_proba(probes.feature("last_token", stacked_raw(traj.steps))).tolist()
-    rewards, p_correct = pair.turn_rewards(traj, ctx)
+    rewards, p_correct = pair.turn_rewards(traj, pair.REWARDS["last_token"], ctx,
+                                           outcome_weight=0.5)
     assert p_correct == pytest.approx(p, abs=1e-12)
     assert rewards == pytest.approx(p[:-1] + [p[-1] + 0.5], abs=1e-12)
+
+
+def test_the_cores_pair_reward_runs_without_the_lab(tiny_policy):
+    # the core's own objects only: the "pair" row of pair.REWARDS, a pair.RewardContext, and
+    # PAIR's rewards from stored features with alpha, T and eps as arguments (METHOD.md §7)
+    policy, tok = mdl.load_model(tiny_policy)
+    env = envs.ShopEnv("train")
+    trajs = probes.rollout(policy, tok, [env.episode(i) for i in range(4)], play_args(max_turns=4),
+                           generator=torch.Generator().manual_seed(0))
+    head = random_pair(stacked_raw([step for t in trajs for step in t.steps]), seed=1)
+    traj = max(trajs, key=lambda t: len(t.steps))
+    assert len(traj.steps) >= 3             # momentum reads the mean of at least two earlier s~
+    traj.score = 1.0
+    _, s_final = head.scores(stacked_raw(traj.steps))
+    s_final = s_final.tolist()
+
+    def by_hand(alpha, T, eps):
+        # s~_t = clip(sigma(logit(s_t) / T), eps, 1 - eps); r_1 = s~_1,
+        # r_t = sigma(logit(s~_t) + alpha (s~_t - mean_{k<t} s~_k))
+        def sigma(z):
+            return 1 / (1 + math.exp(-z))
+
+        def logit(p):
+            return math.log(p / (1 - p))
+        s = [min(max(sigma(logit(x) / T), eps), 1 - eps) for x in s_final]
+        return [s[0]] + [sigma(logit(s[t]) + alpha * (s[t] - sum(s[:t]) / t))
+                         for t in range(1, len(s))]
+
+    # other alpha, T and eps than the paper's: each one must reach the reward
+    raw = pair.turn_features(traj)
+    for alpha, T, eps in ((3.0, 1.5, 0.2), (5.0, 2.0, 0.05), (0.0, 4.0, 0.3)):
+        rewards, p = pair.pair_rewards(head, raw, alpha=alpha, T=T, eps=eps)
+        expected = pair.trajectory_rewards(s_final, alpha, T, eps)
+        assert expected == pytest.approx(by_hand(alpha, T, eps), abs=1e-12)
+        assert rewards == pytest.approx(expected, abs=1e-9)
+        assert p == pytest.approx(s_final, abs=1e-9)
+    assert pair.pair_rewards(head, raw, alpha=3.0, T=1.5, eps=0.2)[0] != \
+        pytest.approx(pair.pair_rewards(head, raw)[0], abs=1e-3)     # the check can tell
+    # the table's row: ctx.alpha, the paper's T and eps, + 0.5 x the task score on the last turn
+    ctx = pair.RewardContext(policy, tok, pair=head, alpha=3.0)
+    rewards, p_correct = pair.turn_rewards(traj, pair.REWARDS["pair"], ctx, outcome_weight=0.5)
+    r = by_hand(3.0, 2.0, 0.05)
+    assert rewards == pytest.approx(r[:-1] + [r[-1] + 0.5], abs=1e-9)
+    assert p_correct == pytest.approx(s_final, abs=1e-9)
+    # and the core loads none of the lab
+    code = "import grpo, sys; print(sorted(m for m in sys.modules if m.split('.')[0] == 'lab'))"
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0 and out.stdout == "[]\n", out.stderr
 
 
 def test_probes_of_a_pair_train_run(tiny_policy, tmp_path, capsys, monkeypatch):
@@ -1119,14 +1288,14 @@ def test_probes_of_a_pair_train_run(tiny_policy, tmp_path, capsys, monkeypatch):
         study.extract(policy, tok, data / f"{split}.json", features / f"{split}.safetensors")
     trained = tmp_path / "pair-shop"
     study.main(["train", "--features", str(features), "--out", str(trained), "--seeds", "43", "42"])
-    loaded, real_context = [], grpo.reward_context
+    loaded, real_read = [], lab_train.read_probes
 
-    def reward_context(*a, **k):            # what the reward reads: which model, which seed
-        ctx = real_context(*a, **k)
+    def read_probes(ctx, *a, **k):          # what the reward reads: which model, which seed
+        report = real_read(ctx, *a, **k)
         m = ctx.pair or ctx.probe
         loaded.append((type(m).__name__, m.info.get("feature"), m.info["seed"]))
-        return ctx
-    monkeypatch.setattr(grpo, "reward_context", reward_context)
+        return report
+    monkeypatch.setattr(lab_train, "read_probes", read_probes)
     capsys.readouterr()
     for n, (reward, probes_flag, expect) in enumerate([
             ("pair", trained, ("Pair", None, 42)),
@@ -1217,7 +1386,7 @@ def test_cli_help_lists_every_reward_and_the_real_defaults():
 
     def choices(text):
         return set(re.search(r"--reward \{([^}]*)\}", text)[1].split(","))
-    assert choices(r.stdout) == set(pair.REWARDS) and choices(core.stdout) == CORE_REWARDS
+    assert choices(r.stdout) == set(lab_train.REWARDS) and choices(core.stdout) == CORE_REWARDS
     text = " ".join(r.stdout.split())       # wide enough that no default is broken at a "-"
     body = text[text.index("optimization:"):]          # the flags' help, past the usage
     assert "default: None" not in text and body.count("(default:", body.index("--micro-batch"),
@@ -1319,13 +1488,13 @@ def test_the_drift_monitor_warns_once_when_the_probe_falls_below_chance(tiny_pol
     assert grpo.below_chance([0.9, 0.3, 0.4, 0.5, 0.4, 0.4]) == pytest.approx(0.4)
     assert grpo.below_chance([0.3, 0.4, 0.5, 0.6, 0.7]) is None           # mean 0.5: not below
     # a tiny random policy's turns are all wrong (no AUROC): feed the loop a falling monitor
-    real, falling = grpo.train_step, iter([0.8, 0.6, 0.4, 0.4, 0.4, 0.4, 0.3])
+    real, falling = lab_train.train_step, iter([0.8, 0.6, 0.4, 0.4, 0.4, 0.4, 0.3])
 
     def step(*a, **kw):
         rec = real(*a, **kw)
         rec["probe_auroc"] = next(falling)
         return rec
-    monkeypatch.setattr(grpo, "train_step", step)
+    monkeypatch.setattr(lab_train, "train_step", step)
     run(flags(tiny_policy, tmp_path / "m", "pair", steps=7, save_every=7))
     out = capsys.readouterr().out
     assert out.count("below chance") == 1
@@ -1609,7 +1778,7 @@ def test_compare_cost_names_a_run_whose_metrics_lack_the_costs(tmp_path, no_run_
 def test_changed_flag_reads_a_model_directory_written_another_way(tmp_path, monkeypatch):
     (tmp_path / "policy").mkdir()
     monkeypatch.chdir(tmp_path)
-    args = grpo.parse_args(["--model", str(tmp_path / "policy")], pair.REWARDS)
+    args = grpo.parse_args(["--model", str(tmp_path / "policy")])
     saved = {k: getattr(args, k) for k in grpo.RESUME_KEYS}
     assert grpo.changed_flag(args, {**saved, "model": "policy"}) is None      # relative
     assert grpo.changed_flag(args, {**saved, "model": "other"}) == (
@@ -1654,8 +1823,8 @@ def test_oversample_keeps_the_first_groups_with_something_to_say(tiny_policy, tm
     real_rewards, real_batch = pair.turn_rewards, pair.make_batch
     counter, kept = iter(range(10**6)), []
 
-    def rewards(traj, ctx):
-        r, p_correct = real_rewards(traj, ctx)
+    def rewards(traj, reward, ctx, outcome_weight=0.0):
+        r, p_correct = real_rewards(traj, reward, ctx, outcome_weight)
         odd = int(traj.episode.id.rsplit("-", 1)[1]) % 2
         return r[:-1] + [float(next(counter)) if odd else 0.5], p_correct
 
@@ -1701,7 +1870,7 @@ def test_resume_redoes_exactly_what_was_logged_after_the_last_checkpoint(tiny_po
     def evals(out):
         return [(e["step"], e["test"]["scores"]) for e in grpo.read_jsonl(out / "eval.jsonl")]
 
-    real_step, real_eval = grpo.train_step, probes.evaluate_all
+    real_step, real_eval = lab_train.train_step, probes.evaluate_all
     # 1. killed before the first checkpoint: step 1 was logged, the base model evaluated
     early = tmp_path / "early"
 
@@ -1709,10 +1878,10 @@ def test_resume_redoes_exactly_what_was_logged_after_the_last_checkpoint(tiny_po
         if step == 1:
             raise KeyboardInterrupt
         return real_step(step, *a, **k)
-    monkeypatch.setattr(grpo, "train_step", crash_at_step_2)
+    monkeypatch.setattr(lab_train, "train_step", crash_at_step_2)
     with pytest.raises(SystemExit, match="--resume"):          # Ctrl-C: how to resume
         run(flags(tiny_policy, early, "outcome", **kw))
-    monkeypatch.setattr(grpo, "train_step", real_step)
+    monkeypatch.setattr(lab_train, "train_step", real_step)
     with open(early / "metrics.jsonl", "a") as f:
         f.write('{"step": 2, "reward_me')                  # a line cut short by the kill
     run(flags(tiny_policy, early, "outcome", resume=True, **kw))
@@ -2039,10 +2208,11 @@ def test_compare_cost_measures_what_each_reward_adds(tiny_policy, tmp_path):
 
 @pytest.mark.parametrize("damage", ["rng-json-list", "negative-step", "deep-trainer-json",
                                     "deep-adapter-config"])
-def test_a_damaged_checkpoint_is_one_line_naming_it(tiny_policy, tmp_path, damage):
+def test_a_damaged_checkpoint_is_one_line_naming_it(tiny_policy, tmp_path, damage, capsys):
     out = tmp_path / "r"
     run(flags(tiny_policy, out, steps=2, save_every=1))
     ckpt = out / "checkpoint-000002"                     # the newest: the one resumed from
+    stale = (ckpt / grpo.MANIFEST).read_text()
     if damage == "rng-json-list":
         (ckpt / "rng-0.json").write_text("[]")
     elif damage == "negative-step":
@@ -2052,9 +2222,25 @@ def test_a_damaged_checkpoint_is_one_line_naming_it(tiny_policy, tmp_path, damag
         (ckpt / "trainer.json").write_text("[" * 100000)
     else:
         (ckpt / "adapter" / "adapter_config.json").write_text("[" * 100000)
-    with pytest.raises(SystemExit, match=f"{ckpt}: cannot resume from this checkpoint"):
+    # written so (its manifest agrees): what its files say is refused, naming the file read
+    grpo.write_manifest(ckpt)
+    read = {"rng-json-list": "rng-0.json", "deep-adapter-config": "adapter"}.get(damage,
+                                                                                 "trainer.json")
+    with pytest.raises(SystemExit, match=re.escape(f"{ckpt / read}: cannot resume from this "
+                                                   "checkpoint")):
         run(flags(tiny_policy, out, steps=2, save_every=1, resume=True))
     assert all(r["step"] > 0 for r in metrics(out))      # nothing logged for a bogus step
+    # changed after it was written (its manifest disagrees): passed over, named, and the run
+    # resumes from the checkpoint before it
+    (ckpt / grpo.MANIFEST).write_text(stale)
+    changed = {"rng-json-list": "rng-0.json",
+               "deep-adapter-config": "adapter/adapter_config.json"}.get(damage, "trainer.json")
+    capsys.readouterr()
+    run(flags(tiny_policy, out, steps=2, save_every=1, resume=True))
+    said = capsys.readouterr().out
+    assert f"warning: checkpoint-000002 is damaged ({ckpt / changed}: changed since" in said
+    assert f"resumed from {out / 'checkpoint-000001'} at step 1" in said
+    assert [r["step"] for r in metrics(out)] == [1, 2] and grpo.damage(ckpt) is None
 
 
 def test_deeply_nested_json_is_one_line_everywhere(tiny_policy, tmp_path):
@@ -2201,16 +2387,16 @@ def test_probe_retrain_resumes_exactly(tmp_path, monkeypatch):
     run(refit_flags(whole, reward="last_token", steps=5, save_every=3))
     assert (whole / "refit" / "head-000004" / "probe.safetensors").is_file()
     cut = tmp_path / "cut"
-    real = grpo.train_step
+    real = lab_train.train_step
 
     def crash_at_step_5(step, *a, **k):     # after checkpoint 3, the refit after 4 done
         if step == 4:
             raise KeyboardInterrupt
         return real(step, *a, **k)
-    monkeypatch.setattr(grpo, "train_step", crash_at_step_5)
+    monkeypatch.setattr(lab_train, "train_step", crash_at_step_5)
     with pytest.raises(SystemExit, match="--resume"):
         run(refit_flags(cut, reward="last_token", steps=5, save_every=3))
-    monkeypatch.setattr(grpo, "train_step", real)
+    monkeypatch.setattr(lab_train, "train_step", real)
     assert (cut / "refit" / "head-000004").is_dir()     # after the checkpoint: redone
     run(refit_flags(cut, reward="last_token", steps=5, save_every=3, resume=True))
     assert without_timing(metrics(cut)) == without_timing(metrics(whole))
@@ -2250,16 +2436,16 @@ def test_shop_long_is_a_world_of_its_own(tiny_policy, tmp_path, monkeypatch):
     run(flags(tiny_policy, out, "pair", env="shop-long", steps=1, eval_episodes=2))
     saved = json.loads((out / "args.json").read_text())
     assert saved["env"] == "shop-long"
-    for model in (tiny_policy, envs.BUILTIN_POLICIES["shop-long"]):   # any policy: 16 turns
-        args = grpo.parse_args(["--env", "shop-long", "--model", str(model), "--out", "x"],
-                               pair.REWARDS)
-        grpo.resolve_preset(args, grpo.Processes())
-        assert args.max_turns == envs.WORLD_TURNS["shop-long"] == 16
+    for model in (tiny_policy, shop.LONG_WORLD.policy):          # any policy: 16 turns
+        args = lab_train.parse_args(["--env", "shop-long", "--model", str(model), "--out", "x"])
+        grpo.resolve_preset(args, grpo.Processes(), lab_train.WORLDS)
+        assert args.max_turns == lab_train.WORLDS["shop-long"].max_turns == 16
     assert played and all(eid.startswith("shop-long-") for eid in played)
     caches = [p.name for p in (Path(os.environ["PAIR_CACHE"]) / "grpo-probes").iterdir()]
     assert any(name.startswith("shop-long-") for name in caches)
     with pytest.raises(SystemExit, match="shop-long-policy is missing"):
-        monkeypatch.setitem(envs.BUILTIN_POLICIES, "shop-long", tmp_path / "shop-long-policy")
+        monkeypatch.setitem(lab_train.WORLDS, "shop-long", dataclasses.replace(
+            shop.LONG_WORLD, policy=tmp_path / "shop-long-policy"))
         run(["--env", "shop-long", "--out", str(tmp_path / "x"), "--threads", "1"])
 
 
@@ -2310,21 +2496,21 @@ def test_a_run_refused_before_its_first_step_leaves_nothing_behind(tiny_policy, 
 def test_micro_batches_bound_rows_and_padded_tokens():
     """At most `rows` consecutive rows and rows x longest <= tokens per micro-batch; a row over
     the token bound goes alone."""
-    assert grpo.micro_batches([5, 5, 5, 5, 5], 4, 100) == [[0, 1, 2, 3], [4]]
-    assert grpo.micro_batches([10, 30, 20, 70, 5, 5], 4, 60) == [[0, 1], [2], [3], [4, 5]]
-    assert grpo.micro_batches([10, 30, 20, 200, 5], 4, 90) == [[0, 1, 2], [3], [4]]
-    assert grpo.micro_batches([], 4, 90) == []
+    assert pair.micro_batches([5, 5, 5, 5, 5], 4, 100) == [[0, 1, 2, 3], [4]]
+    assert pair.micro_batches([10, 30, 20, 70, 5, 5], 4, 60) == [[0, 1], [2], [3], [4, 5]]
+    assert pair.micro_batches([10, 30, 20, 200, 5], 4, 90) == [[0, 1, 2], [3], [4]]
+    assert pair.micro_batches([], 4, 90) == []
 
 
 def test_the_built_in_policies_run_on_one_thread_unless_told(tmp_path):
     """Two torch threads of a model this small wait for each other spinning, and beside any other
     busy process a run went 1.8 to 40 times slower: the built-in policies' preset takes one
     thread, --threads overrides it, and any other model keeps torch's choice."""
-    def resolved(*argv):
-        args = grpo.parse_args([*argv, "--out", str(tmp_path / "r")], pair.REWARDS)
-        grpo.resolve_preset(args, grpo.Processes(rank=1))
+    def resolved(*argv, loop=grpo, worlds=envs.WORLDS):
+        args = loop.parse_args([*argv, "--out", str(tmp_path / "r")])
+        grpo.resolve_preset(args, grpo.Processes(rank=1), worlds)
         return args.threads
     assert resolved() == 1
-    assert resolved("--env", "shop-long") == 1
+    assert resolved("--env", "shop-long", loop=lab_train, worlds=lab_train.WORLDS) == 1
     assert resolved("--threads", "2") == 2
     assert resolved("--model", str(tmp_path)) is None

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import model as M
-from lab import split
+
 
 REPO = "tiny-org/tiny-model"
 
@@ -301,7 +301,7 @@ def test_load_model_fetches_a_name_and_then_uses_the_cache(env, tmp_path):
         assert torch.equal(ours(ids), ref.eval()(ids))
     assert tok.im_end_id == 15 and ours.name_or_path == REPO
     n = len(hub.requests)
-    again = split.split_model(M.load_model(REPO)[0], ["cpu", "cpu"])
+    again = M.split_model(M.load_model(REPO)[0], ["cpu", "cpu"])
     assert len(hub.requests) == n                              # the cache, no network
     assert all(b._forward_pre_hooks for b in again.model.layers)   # and split as asked
     with pytest.raises(M.CheckpointError, match="no such directory"):

@@ -27,6 +27,7 @@ from lab import sft
 from lab import shop
 from lab import shopdata
 from lab import study
+from lab import train as lab_train
 from lab import traces
 import pair
 
@@ -187,7 +188,7 @@ def slip_labels(n_lines: int, slip: str) -> list[bool]:
 
 
 def test_long_world_gold_dialogs_replay_score_and_label():
-    env = envs.ShopEnv("test", seed=3, episodes=60, world="shop-long")
+    env = envs.ShopEnv("test", seed=3, episodes=60, world=shop.LONG_WORLD)
     turns = collections.Counter()
     for i in range(len(env)):
         ep = env.episode(i)
@@ -202,7 +203,7 @@ def test_long_world_gold_dialogs_replay_score_and_label():
         turns[len(ep.steps)] += 1
     assert set(turns) == {9, 11}
     assert envs.ShopEnv("test", seed=3, episodes=5).episode(0).task != \
-        envs.ShopEnv("test", seed=3, episodes=5, world="shop-long").episode(0).task
+        envs.ShopEnv("test", seed=3, episodes=5, world=shop.LONG_WORLD).episode(0).task
 
 
 def test_long_world_rejects_tasks_whose_gold_values_tie():
@@ -221,7 +222,7 @@ def test_long_world_rejects_tasks_whose_gold_values_tie():
 
 
 def test_long_world_slips_are_turn_local_and_each_fails_the_episode():
-    env = envs.ShopEnv("train", seed=42, episodes=40, world="shop-long")
+    env = envs.ShopEnv("train", seed=42, episodes=40, world=shop.LONG_WORLD)
     for i in range(len(env)):
         task = env.episode(i).task
         for slip in shop.LONG_SLIPS:
@@ -240,7 +241,7 @@ def test_long_world_slips_are_turn_local_and_each_fails_the_episode():
 
 
 def test_long_world_counts_only_running_totals():
-    task = envs.ShopEnv("test", episodes=1, world="shop-long").episode(0).task
+    task = envs.ShopEnv("test", episodes=1, world=shop.LONG_WORLD).episode(0).task
     subtotals = [f"{q}*{task.prices[s, i]}" for q, i, s in task.lines]
     steps = [envs.Action(None, "Calculator", {"expression": "+".join(subtotals[1:3])}),
              envs.Action(None, "Calculator", {"expression": "+".join(subtotals)}),
@@ -611,9 +612,9 @@ def test_sft_is_deterministic_and_loadable(tmp_path):
         "<|im_start|>user\n3 apple<|im_end|>"
     assert "python -m lab.shop sft --out" in (tmp_path / "a" / "README.md").read_text()
     # sft writes, by default, what grpo.py trains by default; each world its own policy
-    assert grpo.parse_args(["--out", "x"], pair.REWARDS).model == str(envs.BUILTIN_POLICY)
-    assert grpo.parse_args(["--out", "x", "--env", "shop-long"], pair.REWARDS).model == \
-        str(envs.BUILTIN_POLICIES["shop-long"])
+    assert grpo.parse_args(["--out", "x"]).model == str(envs.BUILTIN_POLICY)
+    assert lab_train.parse_args(["--out", "x", "--env", "shop-long"]).model == \
+        str(shop.LONG_WORLD.policy)
 
 
 def test_sft_divided_replaces_only_clean_non_usd_dialogs():
@@ -803,7 +804,7 @@ def test_heldout_auroc_reports_each_habit_at_its_own_turn_with_a_clean_prefix(mo
     split = detection.Split("own_turns", raw, torch.tensor(y), [ids[k] for k in episode],
                             {"kinds": ["Calculator"]})
     p = torch.tensor(p)
-    monkeypatch.setattr(onpolicy.study, "predict", lambda m, raw: p)
+    monkeypatch.setattr(onpolicy.detection, "predict", lambda m, raw: p)
     got = onpolicy.heldout_auroc({"pair": object()}, split)
     assert got["pair"]["slip=store"] == 0.0 and got["n"]["slip=store"] == 2
     assert got["pair"]["slip=forget"] is None and got["n"]["slip=forget"] == 1     # one class
@@ -819,7 +820,7 @@ def test_heldout_auroc_reports_each_habit_at_its_own_turn_with_a_clean_prefix(mo
 
 def test_slip_turns_are_where_each_slipped_dialog_is_first_labelled_wrong():
     for world in ("shop-long", "shop"):
-        env, seen = envs.ShopEnv("val", world=world), collections.Counter()
+        env, seen = envs.ShopEnv("val", world=shop.WORLDS[world]), collections.Counter()
         for i in range(40):
             task = env.episode(i).task
             for slip, turn in shop.slip_turns(task).items():
