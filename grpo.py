@@ -60,18 +60,18 @@ class Training:                     # what the training loop reads; setup() buil
     ctx: pair.RewardContext         # what the reward reads besides the rollout
     optimizer: torch.optim.Optimizer
     args: argparse.Namespace
-    procs: Processes
+    procs: pair.Processes
     out: Path                       # the run directory
     log: object                     # print on the main process, silent elsewhere
     probe_report: dict | None = None    # the shipped probes' AUROC on held-out own turns
 
 
-def setup(args, procs: Processes | None = None) -> Training:
+def setup(args, procs: pair.Processes | None = None) -> Training:
     """Everything a run reads, each input checked before the run directory is written: the
     presets resolved, the policy loaded with a fresh adapter, the environments, the reward's
     probes, then the run directory claimed and the optimizer built."""
     if procs is None:
-        procs = Processes()
+        procs = pair.Processes()
     if int(os.environ.get("WORLD_SIZE", "1")) > 1 and procs.size == 1:
         raise SystemExit("several processes run through the lab: torchrun --nproc_per_node N -m "
                          "lab.train ...")
@@ -95,14 +95,14 @@ def setup(args, procs: Processes | None = None) -> Training:
                     optimizer, args, procs, out, log, report)
 
 
-def logger(procs: Processes):
+def logger(procs: pair.Processes):
     """print on the main process, nothing on the others (they would repeat every line)."""
     if procs.main:
         return print
     return lambda *a, **k: None
 
 
-def check_processes(args, procs: Processes) -> None:
+def check_processes(args, procs: pair.Processes) -> None:
     """--batch shared out evenly, and --threads set, before anything is loaded."""
     if args.batch % procs.size:
         raise SystemExit(f"--batch {args.batch} must be a multiple of the {procs.size} processes")
@@ -110,7 +110,7 @@ def check_processes(args, procs: Processes) -> None:
         torch.set_num_threads(args.threads)
 
 
-def load_policy(args, procs: Processes,
+def load_policy(args, procs: pair.Processes,
                 worlds=envs.WORLDS) -> tuple[model.Transformer, model.Tokenizer]:
     """The seeded start of a run: RNGs seeded, the policy (its layers split when --devices names
     several), a fresh LoRA adapter (the first random draws; lab/onpolicy.py's rebuild of the
@@ -335,7 +335,9 @@ def step_metrics(step: int, kept: list[Group], played: list[Group], stats: dict,
         "truncated": [sum(traj.truncated for traj in trajs)],
         "all_equal": [sum(group.all_equal for group in played)], "groups": [len(played)],
         "times": list(t.values()), "costs": costs})
-    s = all_sum_parts(parts, procs)
+    # one all-reduce of every part, concatenated, then cut back into the parts
+    summed = iter(procs.all_sum([v for values in parts.values() for v in values]))
+    s = {name: [next(summed) for _ in values] for name, values in parts.items()}
     n = s["n"][0]
     n_traj = s["rollouts"][0]
     mean = s["sum"][0] / max(n, 1)
@@ -346,7 +348,8 @@ def step_metrics(step: int, kept: list[Group], played: list[Group], stats: dict,
            "groups_played": int(s["groups"][0]), **stats,
            "turns": s["turns"][0] / max(n_traj, 1), "truncated": int(s["truncated"][0]),
            "turn_rewards": turn_means(s)}
-    if monitors_probe(run):
+    # the drift monitor: where a frozen probe scores every turn and the world has exact labels
+    if run.reward.reads_probe and isinstance(run.env, envs.ShopEnv):
         rec["probe_auroc"] = probe_monitor(trajs, [p for g in kept for p in g.p_correct], run)
     rec.update({name: seconds / procs.size for name, seconds in zip(t, s["times"])})
     rec.update({name: int(c) for name, c in zip(COSTS, s["costs"])})
@@ -376,12 +379,6 @@ def reward_sums(rewards: list[list[float | None]], max_turns: int) -> dict[str, 
             "turn_sum": turn_sum, "turn_n": turn_n, "reached": reached}
 
 
-def all_sum_parts(parts: dict[str, list[float]], procs) -> dict[str, list[float]]:
-    """Each list of parts summed over the processes, in one all-reduce of their concatenation."""
-    summed = iter(procs.all_sum([v for values in parts.values() for v in values]))
-    return {name: [next(summed) for _ in values] for name, values in parts.items()}
-
-
 def turn_means(s: dict[str, list[float]]) -> list[float | None]:
     """The mean reward of turn t over the rollouts that reached it, for every turn index some
     rollout reached (None: no reward at that turn)."""
@@ -394,12 +391,6 @@ def turn_means(s: dict[str, list[float]]) -> list[float | None]:
         else:
             means.append(None)
     return means
-
-
-def monitors_probe(run: Training) -> bool:
-    """The drift monitor runs where a frozen probe scores every turn and the world has exact
-    step labels to check it on (the built-in worlds)."""
-    return run.reward.reads_probe and isinstance(run.env, envs.ShopEnv)
 
 
 def probe_monitor(trajs: list[probes.Trajectory], p_correct: list, run: Training) -> float | None:
@@ -810,33 +801,6 @@ def read_args_json(path: Path) -> dict:
 
 # --- 7. Processes, the run directory, checkpoints and exact resume, the summary ----------------
 
-@dataclass
-class Processes:
-    """This process alone; lab/torchrun.py's subclass reduces across the processes of torchrun,
-    each playing its share of the prompts."""
-    rank: int = 0
-    size: int = 1
-    device: str = "cpu"             # where reduced tensors live (cuda for nccl)
-
-    @property
-    def main(self) -> bool:
-        return self.rank == 0
-
-    def all_sum(self, values: list[float]) -> list[float]:
-        return [float(v) for v in values]
-
-    def all_max(self, value: float) -> float:
-        return float(value)
-
-    def gather(self, values: list[float], size: int) -> list[float]:
-        return list(values)         # every process's list (each at most `size`), concatenated
-
-    def barrier(self, *_) -> None:
-        pass
-
-    all_reduce_grads = close = barrier
-
-
 # flags a resumed run must keep: all that trains or scores it (not --threads, --devices,
 # --eval-batch: they change float summation order only); the lab's loop adds its own
 RESUME_KEYS = ("env", "model", "reward", "alpha", "outcome_weight", "probes", "seed", "steps",
@@ -1075,7 +1039,8 @@ def intact_checkpoint(out: Path, log) -> Path | None:
 def load_checkpoint(path: Path, policy, optimizer, procs) -> int:
     """Restore a checkpoint into policy, optimizer and RNGs; returns its step. What its files
     say is checked before anything is loaded: its step is its directory's, the optimizer's
-    settings are the run's, and the optimizer's state is finite with a step count >= 0."""
+    settings are the run's, and the optimizer's state is finite, its second moments and step
+    count >= 0."""
     current = path / "trainer.json"         # the file being read, named in any refusal
     try:
         info = json.loads(current.read_text())
@@ -1093,6 +1058,8 @@ def load_checkpoint(path: Path, policy, optimizer, procs) -> int:
                 raise ValueError(f"{key} holds NaN or infinite values")
             if key.endswith(".step") and (t.numel() != 1 or not 0 <= t.item() < 2**53):
                 raise ValueError(f"{key} is {t.tolist()}, not a count of steps")
+            if key.endswith(".exp_avg_sq") and (t < 0).any():  # a second moment: its sqrt is taken
+                raise ValueError(f"{key} holds negative values")
         current = path / "adapter"
         model.load_adapter_weights(policy, current)
         optimizer_from_tensors(optimizer, tensors, info["optimizer"])

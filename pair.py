@@ -527,6 +527,34 @@ ADVANTAGES = {"process": Advantage(lambda rewards, scores: group_advantages(rewa
 
 # ---- The update: the form's loss over micro-batches, one optimizer step a pass --------------
 
+@dataclass
+class Processes:
+    """The processes a run is shared over, as the update, the metrics and the evaluation see
+    them: this process alone. lab/torchrun.py's subclass reduces across the processes of
+    torchrun, each playing its share of the prompts."""
+    rank: int = 0
+    size: int = 1
+    device: str = "cpu"             # where reduced tensors live (cuda for nccl)
+
+    @property
+    def main(self) -> bool:
+        return self.rank == 0
+
+    def all_sum(self, values: list[float]) -> list[float]:
+        return [float(v) for v in values]
+
+    def all_max(self, value: float) -> float:
+        return float(value)
+
+    def gather(self, values: list[float], size: int) -> list[float]:
+        return list(values)         # every process's list (each at most `size`), concatenated
+
+    def barrier(self, *_) -> None:
+        pass
+
+    all_reduce_grads = close = barrier
+
+
 def micro_batches(lengths: list[int], rows: int, tokens: int) -> list[list[int]]:
     """Consecutive rows in groups of at most `rows` rows and `tokens` padded tokens (rows x the
     longest), bounding the update's memory; a row longer than `tokens` goes alone."""
@@ -552,7 +580,7 @@ def update(policy, optimizer, batch: Batch, form: Advantage, procs, *, temperatu
     summed over micro-batches of at most `rows` rows and `tokens` padded tokens. log pi is taken
     at `temperature`, the one the tokens were sampled at (or the form's own); the reference log
     pi (adapter off) and the old one (the first pass's) once. `procs`: the processes the batch is
-    shared over (grpo.Processes: their counts and gradients are summed). Returns the first
+    shared over (Processes: their counts and gradients are summed). Returns the first
     pass's metrics, each token's mean (loss, KL, clip fraction, ratio), and the gradient norm
     before the clip."""
     counts = batch.counts()

@@ -34,6 +34,7 @@ import numpy as np
 import envs
 import grpo
 import model
+import pair
 from lab import baselines, curves, shop
 from lab import train
 
@@ -87,7 +88,7 @@ def check_run(spec: str, argv: list[str], reward: str, seed: int, run: Path, res
                     (reward, seed, str(run), resume, False):
                 raise SystemExit("--reward, --seed, --out and --resume are compare's to set; "
                                  "leave them out of the spec and of the flags after --")
-            grpo.resolve_preset(args, grpo.Processes(), train.WORLDS)
+            grpo.resolve_preset(args, pair.Processes(), train.WORLDS)
             if not done:
                 grpo.check_out(args, train.RESUME_KEYS, train.RESUME_DEFAULTS)
     except SystemExit as e:

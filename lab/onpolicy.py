@@ -250,7 +250,7 @@ def habit_at(turns: detection.Split) -> list[str | None]:
 def shop_probes(args, policy, tok, procs, log) -> tuple[Path, dict]:
     """The directory of probes fitted for this policy on `--probe-corpus` (fitting them once),
     and its report: AUROC on held-out own turns, next to the contaminated corpus's PAIR.
-    grpo.py calls it with its args and its processes (grpo.Processes)."""
+    grpo.py calls it with its args and its processes (pair.Processes)."""
     settings = probe_settings(args)
     root = model.cache_root() / "grpo-probes" / f"{args.env}-{runs.policy_hash(args.model)}"
     out = root / f"{args.probe_corpus}-{runs.settings_hash(settings)}"
@@ -732,7 +732,7 @@ def main(argv=None) -> None:
             add_flags(parser)
             args = grpo.parse_args(["--env", env, "--out", str(Path(tmp) / "run")], parser,
                                    worlds=shop.WORLDS)
-            procs = grpo.Processes()
+            procs = pair.Processes()
             grpo.resolve_preset(args, procs, shop.WORLDS)
             torch.set_num_threads(args.threads)
             policy, tok = grpo.load_policy(args, procs, shop.WORLDS)    # as a run's, draw for draw

@@ -14,11 +14,11 @@ import os
 import torch
 import torch.distributed as dist
 
-import grpo
+import pair
 
 
-class DistProcesses(grpo.Processes):
-    """grpo.Processes across a torch.distributed process group."""
+class DistProcesses(pair.Processes):
+    """pair.Processes across a torch.distributed process group."""
 
     def all_sum(self, values: list[float]) -> list[float]:
         t = torch.tensor(values, dtype=torch.float64, device=self.device)

@@ -84,7 +84,7 @@ class LabTraining(grpo.Training):
 def setup(args) -> LabTraining:
     """grpo.setup's steps over the lab's tables, with the lab's processes, probes and lock."""
     procs = torchrun.start(args) if int(os.environ.get("WORLD_SIZE", "1")) > 1 \
-        else grpo.Processes()
+        else pair.Processes()
     given = grpo.resolve_preset(args, procs, WORLDS)
     baselines.preset(args, given)       # the trees' budget
     grpo.check_processes(args, procs)

@@ -124,7 +124,7 @@ def test_labels_and_forms_are_refused_where_they_cannot_work(argv, error, tmp_pa
 def test_tree_search_refuses_the_forms_it_cannot_use(reward, argv, tmp_path):
     args = lab_train.parse_args(["--reward", reward, *argv, "--out", str(tmp_path / "r")])
     with pytest.raises(SystemExit) as e:
-        given = grpo.resolve_preset(args, grpo.Processes(rank=1), lab_train.WORLDS)
+        given = grpo.resolve_preset(args, pair.Processes(rank=1), lab_train.WORLDS)
         lab_train.baselines.preset(args, given)
     assert f"{' '.join(argv)}: --reward {reward} derives its advantages" in str(e.value.code)
 
@@ -195,7 +195,7 @@ def test_premise_gate_reads_the_outcome_on_the_last_turn():
 def test_release_preset_sets_the_release_and_flags_given_win(tmp_path):
     def resolved(*argv):
         args = lab_train.parse_args([*argv, "--out", str(tmp_path / "r")])
-        grpo.resolve_preset(args, grpo.Processes(rank=1), lab_train.WORLDS)
+        grpo.resolve_preset(args, pair.Processes(rank=1), lab_train.WORLDS)
         return args
     a = resolved("--preset", "release")
     assert (a.weight_decay, a.warmup, a.top_p, a.advantage) == (0.01, 0.0, 0.95, "release")

@@ -126,7 +126,7 @@ def lora_policy(model_dir, flags: list[str]):
     """The policy with its LoRA adapter, the parsed flags (preset filled) and the shop train env."""
     policy, tok = mdl.load_model(model_dir)
     args = lab_train.parser().parse_args([*flags, "--model", str(model_dir)])
-    grpo.resolve_preset(args, grpo.Processes(), lab_train.WORLDS)
+    grpo.resolve_preset(args, pair.Processes(), lab_train.WORLDS)
     mdl.apply_lora(policy, r=args.lora_r, alpha=args.lora_alpha, dropout=args.lora_dropout,
                    targets=tuple(args.lora_targets.split(",")))
     return policy, tok, args, envs.ShopEnv("train")
@@ -465,7 +465,7 @@ def test_first_update_has_zero_kl_and_unit_ratio(tiny_policy):
     opt = torch.optim.AdamW([p for _, p in mdl.lora_parameters(policy)], lr=1e-2)
     policy.train()
     process = pair.ADVANTAGES["process"]
-    stats = grpo.update(policy, opt, batch, process, args, grpo.Processes())
+    stats = grpo.update(policy, opt, batch, process, args, pair.Processes())
     assert stats["kl"] == 0.0 and stats["ratio"] == 1.0 and stats["clip_frac"] == 0.0
     n = batch.mask.sum().item()
     # rho = 1 and KL = 0: the loss is minus the token-averaged advantage
@@ -477,7 +477,7 @@ def test_first_update_has_zero_kl_and_unit_ratio(tiny_policy):
         with mdl.lora_disabled(policy):
             logp_ref = mdl.token_logprobs(policy, batch.ids, batch.mask, args.temperature)
     kl = (torch.expm1(logp_ref - logp) - (logp_ref - logp)).mean().item()
-    again = grpo.update(policy, opt, batch, process, args, grpo.Processes())
+    again = grpo.update(policy, opt, batch, process, args, pair.Processes())
     assert kl > 1e-6 and again["kl"] == pytest.approx(kl, rel=1e-3)
     assert again["ratio"] == pytest.approx(1.0)                          # new pi_old, new ratio
 
@@ -658,8 +658,8 @@ def test_resume_with_only_out_takes_the_runs_flags_and_continues_exactly(tiny_po
 def test_resume_checks_args_json(tiny_policy, tmp_path):
     def prepare(out, **kw):
         args = lab_train.parser().parse_args(flags(tiny_policy, out, **kw))
-        grpo.resolve_preset(args, grpo.Processes(), lab_train.WORLDS)
-        return lab_train.prepare_out(args, grpo.Processes())
+        grpo.resolve_preset(args, pair.Processes(), lab_train.WORLDS)
+        return lab_train.prepare_out(args, pair.Processes())
 
     out = tmp_path / "run"
     prepare(out, eval_episodes=4)
@@ -698,7 +698,7 @@ def test_a_bad_model_is_a_one_line_error_and_writes_nothing(tmp_path, monkeypatc
 def test_out_and_resume_checks_read_what_a_run_left(tiny_policy, tmp_path):
     def checked(out, *argv):
         args = lab_train.parse_args(["--model", str(tiny_policy), "--out", str(out), *argv])
-        grpo.resolve_preset(args, grpo.Processes(), lab_train.WORLDS)
+        grpo.resolve_preset(args, pair.Processes(), lab_train.WORLDS)
         grpo.check_out(args, lab_train.RESUME_KEYS, lab_train.RESUME_DEFAULTS)
         return args
     # a run killed after its base evaluation, before step 1: a new one would take its step 0
@@ -747,7 +747,7 @@ def test_the_probe_cache_keys_a_sharded_policy_and_where_it_runs(tiny_policy, tm
     assert runs.policy_hash(sharded) != runs.policy_hash(tiny_policy)
     mdl.load_model(sharded)                                 # a policy the run can load
     args = lab_train.parse_args(["--model", str(tiny_policy)])
-    grpo.resolve_preset(args, grpo.Processes(), lab_train.WORLDS)
+    grpo.resolve_preset(args, pair.Processes(), lab_train.WORLDS)
     keys = {runs.settings_hash(onpolicy.own_turns_settings(args))}
     for name, value in (("dtype", "bfloat16"), ("devices", "cuda")):
         keys.add(runs.settings_hash(onpolicy.own_turns_settings(
@@ -930,7 +930,7 @@ def test_a_finished_run_lets_its_out_go(loop, tiny_policy, tmp_path, monkeypatch
 def test_kill_9_frees_the_out_of_a_run(tiny_policy, tmp_path, pair_cache):
     out = tmp_path / "run"
     args = lab_train.parser().parse_args(flags(tiny_policy, out, steps=1000, resume=True))
-    grpo.resolve_preset(args, grpo.Processes(), lab_train.WORLDS)
+    grpo.resolve_preset(args, pair.Processes(), lab_train.WORLDS)
     env = dict(os.environ, PAIR_CACHE=str(pair_cache), OMP_NUM_THREADS="1")
     first = subprocess.Popen([sys.executable, "-m", "lab.train",
                               *flags(tiny_policy, out, steps=1000)], cwd=ROOT, env=env,
@@ -941,11 +941,11 @@ def test_kill_9_frees_the_out_of_a_run(tiny_policy, tmp_path, pair_cache):
             assert time.perf_counter() - t0 < 120 and first.poll() is None
             time.sleep(0.05)
         with pytest.raises(SystemExit, match=f"{out} is in use by pid {first.pid}"):
-            lab_train.prepare_out(args, grpo.Processes())
+            lab_train.prepare_out(args, pair.Processes())
     finally:
         first.send_signal(signal.SIGKILL)       # no cleanup runs: the kernel drops the lock
         first.wait()
-    assert lab_train.prepare_out(args, grpo.Processes()) == out
+    assert lab_train.prepare_out(args, pair.Processes()) == out
     runs.release(out)
 
 
@@ -994,7 +994,7 @@ def test_evaluation_decodes_greedily(tiny_policy):
     for seed in (0, 1):                 # greedy: the global RNG state changes nothing
         torch.manual_seed(seed)
         env = Recording(held_out)
-        result = probes.evaluate(policy, tok, env, pool, 0, args, grpo.Processes())
+        result = probes.evaluate(policy, tok, env, pool, 0, args, pair.Processes())
         played.append([ep.messages for ep in env.episodes])
         assert result["episodes"] == 3
         assert result["success"] == pytest.approx(sum(ep.score() for ep in env.episodes) / 3)
@@ -2438,7 +2438,7 @@ def test_shop_long_is_a_world_of_its_own(tiny_policy, tmp_path, monkeypatch):
     assert saved["env"] == "shop-long"
     for model in (tiny_policy, shop.LONG_WORLD.policy):          # any policy: 16 turns
         args = lab_train.parse_args(["--env", "shop-long", "--model", str(model), "--out", "x"])
-        grpo.resolve_preset(args, grpo.Processes(), lab_train.WORLDS)
+        grpo.resolve_preset(args, pair.Processes(), lab_train.WORLDS)
         assert args.max_turns == lab_train.WORLDS["shop-long"].max_turns == 16
     assert played and all(eid.startswith("shop-long-") for eid in played)
     caches = [p.name for p in (Path(os.environ["PAIR_CACHE"]) / "grpo-probes").iterdir()]
@@ -2508,7 +2508,7 @@ def test_the_built_in_policies_run_on_one_thread_unless_told(tmp_path):
     thread, --threads overrides it, and any other model keeps torch's choice."""
     def resolved(*argv, loop=grpo, worlds=envs.WORLDS):
         args = loop.parse_args([*argv, "--out", str(tmp_path / "r")])
-        grpo.resolve_preset(args, grpo.Processes(rank=1), worlds)
+        grpo.resolve_preset(args, pair.Processes(rank=1), worlds)
         return args.threads
     assert resolved() == 1
     assert resolved("--env", "shop-long", loop=lab_train, worlds=lab_train.WORLDS) == 1

@@ -28,7 +28,7 @@ def lora_policy(flags: list[str]):
     parsed flags (preset filled) and the shop train env."""
     policy, tok = mdl.load_model(BUILTIN)
     args = grpo.train_parser().parse_args([*flags, "--model", str(BUILTIN)])
-    grpo.resolve_preset(args, grpo.Processes())
+    grpo.resolve_preset(args, pair.Processes())
     mdl.apply_lora(policy, r=args.lora_r, alpha=args.lora_alpha, dropout=args.lora_dropout,
                    targets=tuple(args.lora_targets.split(",")))
     return policy, tok, args, envs.ShopEnv("train")
@@ -37,7 +37,7 @@ def lora_policy(flags: list[str]):
 def run_update(policy, optimizer, batch: pair.Batch, args) -> dict:
     """One call of the update on one process; returns its logged statistics."""
     return grpo.update(policy, optimizer, batch, pair.ADVANTAGES[args.advantage], args,
-                       grpo.Processes())
+                       pair.Processes())
 
 
 def lr_at(step: int, args) -> float:
