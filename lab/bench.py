@@ -278,8 +278,9 @@ def forward_section(model, hf, args, device):
         print(f"\nforward, {T} tokens, span of {args.span}:", flush=True)
         for k in runs:
             print(f"  {k:<14} {1e3 * t[k]:9.1f} ms   peak {mem[k] / 2**20:9.1f} MiB", flush=True)
-        toy = "" if model.config.hidden_size >= REAL_WIDTH else \
-            f"set for widths of {REAL_WIDTH} and up"
+        toy = ""
+        if model.config.hidden_size < REAL_WIDTH:
+            toy = f"set for widths of {REAL_WIDTH} and up"
         ratio = t["stats"] / t["plain"]
         report(f"{T} tokens: forward with stats / plain: time", ratio, "<=1.15", ratio <= 1.15,
                toy)
@@ -305,8 +306,9 @@ def generation_section(model, hf, args, device) -> list:
     gpu = device.type == "cuda"
     # the CPU's targets were set on the compiled float32 step (lab/FINDINGS.md, Decoding on the
     # CPU); another dtype decodes eagerly
-    not_here = "" if gpu or args.dtype == "float32" else \
-        "the CPU's are set for --dtype float32"
+    not_here = ""
+    if not gpu and args.dtype != "float32":
+        not_here = "the CPU's are set for --dtype float32"
     if hasattr(hf, "set_attn_implementation"):
         hf.set_attn_implementation("sdpa")                 # transformers' own fastest path
     else:
