@@ -18,9 +18,8 @@ runs the last three as their own command lines, each in its own process, on
               checkpoint is: config.json, model.safetensors (in shards of 4 GiB with their
               index past that size, as the Hub's 7B) and the Qwen2.5 tokenizer; every later
               phase reads it with model.load_model;
-  extract     `python -m lab.study extract` on the records of --episodes episodes of each
-              training file (matched_clean_train, matched_contaminated_train); it has no
-              --device and runs on the CPU, on a GPU machine too (passed on once it has one);
+  extract     `python -m lab.study extract --device DEVICE` on the records of --episodes
+              episodes of each training file (matched_clean_train, matched_contaminated_train);
   probes      `python -m lab.study train --seeds 42` on those features;
   grpo        `python grpo.py --env gta --reward pair --probes ... --steps 2` at the paper's
               settings (grpo.PAPER_HPARAMS: G 4, 10 turns of 1,024 tokens, LoRA r 16, bfloat16;
@@ -459,17 +458,11 @@ def run(args, cfg, dtype, tok, tokenizer_dir, data_dir, work) -> tuple[list[Phas
     resident = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     phases.append(Phase("checkpoint", time.perf_counter() - t0, resident, "resident",
                         note=f"{gib(size)} of weights in {files} file(s), written once"))
-    # extract: lab.study extract runs where its --device says, if it has one
-    help_text = subprocess.run([sys.executable, "-m", "lab.study", "extract", "--help"], cwd=ROOT,
-                               env=env, capture_output=True, text=True).stdout
-    on_device = "--device" in help_text
     extract = {}
     for name in TRAIN_FILES:
-        argv = ["extract", "--model", str(ckpt), "--dtype", args.dtype, "--data",
-                str(data_dir / "gta" / f"{name}.json"), "--out",
+        argv = ["extract", "--model", str(ckpt), "--dtype", args.dtype, "--device",
+                str(args.device), "--data", str(data_dir / "gta" / f"{name}.json"), "--out",
                 str(feats / f"{name}.safetensors"), "--episodes", str(args.episodes)]
-        if on_device:
-            argv += ["--device", str(args.device)]
         phase = run_phase(f"extract {name}", "module", "lab.study", argv, work, env,
                           "python -m lab.study")
         # the start and load, paid once a file, and the records' loop, paid per record: from
@@ -483,11 +476,8 @@ def run(args, cfg, dtype, tok, tokenizer_dir, data_dir, work) -> tuple[list[Phas
         extract[name] = (n, start, (end - start) / n)
         phase.note = f"{n} records, {(end - start) / n:.2f} s each after {start:.1f} s of " \
                      "start and load"
-        if args.device.type == "cuda" and not on_device:
-            phase.note += "; on the CPU: lab.study extract has no --device"
         phases.append(phase)
     report["extract"] = extract
-    report["extract_on_cpu"] = not on_device and args.device.type == "cuda"
     # probes
     phase = run_phase("probes", "module", "lab.study",
                       ["train", "--features", str(feats), "--out", str(probes_dir),
@@ -594,9 +584,6 @@ def summarize(args, config, need, phases, report, data_dir, where, total):
               f"{args.max_new_tokens:,}, {m.get('truncated', 0)} of {args.group} rollouts ended "
               "by --max-len: training and evaluation are projected at their upper bound; a "
               "policy that ends its turns is faster)")
-    if report["extract_on_cpu"]:
-        print("  (extraction ran on the CPU, as `python -m lab.study extract` does: it has no "
-              "--device)")
 
     # Memory: the device's phases against its memory; then the KV cache scaled from this run
     measured = [p for p in phases if p.peak_kind == "GPU allocator"] or phases

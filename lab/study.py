@@ -305,7 +305,7 @@ def cmd_extract(args):
         print(f"subsample: {len(records)} records of {extra['subsample']['episodes']} of "
               f"{n_episodes} episodes (seed {args.episode_seed})", file=sys.stderr)
     t0 = time.perf_counter()
-    net, tokenizer = mdl.load_model(args.model, dtype=mdl.DTYPES[args.dtype])
+    net, tokenizer = mdl.load_model(args.model, dtype=mdl.DTYPES[args.dtype], device=args.device)
     model_sha256 = mdl.checkpoint_sha256(net.checkpoint_dir)
     print(f"loaded {args.model} ({args.dtype}, sha256 {model_sha256[:12]}) in "
           f"{time.perf_counter() - t0:.1f}s", file=sys.stderr)
@@ -442,6 +442,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="keep the last MAX_LEN tokens of longer sequences (default 4096)")
     p.add_argument("--dtype", default="float32", choices=tuple(mdl.DTYPES),
                    help="model weights dtype (default float32)")
+    p.add_argument("--device", default="cpu", help="where the model runs, e.g. cuda (default cpu)")
     p.add_argument("--shard-size", type=runs.int_at_least(1), default=32,
                    help="records per checkpoint shard; an interrupted run resumes after the last "
                         "shard written (default 32)")
