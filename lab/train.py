@@ -280,13 +280,21 @@ def main(argv=None):
     try:
         return train(args)
     except grpo.INPUT_ERRORS as e:
-        runs.forget_failed(args)        # a run that failed before logging leaves nothing
+        let_go(args)
         sys.exit(f"error: {e}")
     except SystemExit:
-        runs.forget_failed(args)
+        let_go(args)
         raise
     except KeyboardInterrupt:
+        runs.release(Path(args.out))
         sys.exit(grpo.interrupted(args, argv, PROG))
+
+
+def let_go(args) -> None:
+    """A run that failed before logging anything leaves nothing behind (runs.forget_failed); any
+    other leaves its files and no lock."""
+    runs.forget_failed(args)
+    runs.release(Path(args.out))
 
 
 if __name__ == "__main__":

@@ -541,8 +541,8 @@ def interrupted_run(monkeypatch, argv, loop=lab_train, at: int = 3):
     with pytest.raises(SystemExit) as stop:             # Ctrl-C: one line, how to resume
         loop.main(argv)
     monkeypatch.setattr(loop, "train_step", real)
-    if loop is grpo:        # the process would end here, and the kernel drop the core's lock
-        grpo.LOCKS.pop(Path(argv[argv.index("--out") + 1]).resolve()).close()
+    out = Path(argv[argv.index("--out") + 1])
+    assert out.resolve() not in grpo.LOCKS and not (out / ".lock").exists()    # let go
     message = str(stop.value.code)
     assert message.count("\n") == 1 and f"{loop.PROG} " in message and "--resume" in message
     return message
