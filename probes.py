@@ -7,11 +7,10 @@ the statistics the rewards read, the features built from them, and the probes.
   plays held-out episodes greedily and scores them.
 - `raw_features(trace)` keeps per turn what any probe needs; `feature(name, raw)` builds the
   feature sets of METHOD.md §4 from a batch.
-- `Probe` is StandardScaler + L2 logistic regression, minimizing
-      sum_i logloss_i + ||w||^2 / (2C)        (intercept not penalized, C = 0.01)
-  in float64 with torch's LBFGS: scikit-learn's model, which the tests check to 1e-4.
+- `Probe` is StandardScaler + L2 logistic regression (C = 0.01), fitted in float64 with torch's
+  LBFGS: scikit-learn's model, which the tests check to 1e-4.
 - The probe and features files, and AUROC (grpo.py's drift monitor reads it); METHOD.md §8's
-  other metrics and the probe CLI are lab/study.py's.
+  other metrics are lab/detection.py's, the probe CLI lab/study.py's.
 
 The statistics are read from the generation pass itself: no second forward runs to score a turn,
 so a per-turn reward costs what accumulating a few sums per decoded token costs.
@@ -38,7 +37,7 @@ FEATURES = ("last_token", "mean_pooled", "multi_layer", "attention", "multi_attn
             "hidden_attn", "lookback", "head_entropy")
 # Keys of `raw_features`; a features file stacks them over records.
 RAW_KEYS = ("h_last4", "h_mean", "attn_max", "attn_std", "attn_prefix", "attn_self",
-            "attn_entropy", "attn_lookback", "coe_r", "coe_c")
+            "attn_entropy", "attn_lookback")
 
 
 # ---- A turn generated with its statistics (gpt-fast's prefill, decode_one_token, sample) ---------
@@ -64,8 +63,7 @@ class TurnTrace:
     logprobs: list[float] = field(default_factory=list)
 
 
-# below it sampling is greedy in all but name, and far below logits / T overflows float32
-MIN_TEMPERATURE = 1e-3
+MIN_TEMPERATURE = 1e-3  # below: greedy in all but name; far below, logits / T overflows float32
 
 
 def valid_temperature(t: float) -> bool:
@@ -94,8 +92,7 @@ def sample(logits: torch.Tensor, temperature: float, top_p: float, generator=Non
     u = torch.rand(total.shape, generator=generator, device=cdf.device, dtype=cdf.dtype)
     # strictly below the total, so a token of probability 0 at the end is never drawn
     u = torch.minimum(u * total, total.nextafter(torch.zeros_like(total)))
-    # the first token whose cumulative probability exceeds u
-    return torch.searchsorted(cdf, u, right=True)[:, 0]
+    return torch.searchsorted(cdf, u, right=True)[:, 0]     # the first token whose cdf > u
 
 
 def prefill(model: mdl.Transformer, cache, new_tokens: list[list[int]]) -> torch.Tensor | None:
@@ -115,9 +112,8 @@ def prefill_last(model: mdl.Transformer, cache, new_tokens: list[list[int]]) -> 
     """prefill up to the head: the final-normed state of each row's last new token (B, d), garbage
     in a row with none. An empty cache whose rows repeat a prompt (GRPO's group) computes each
     distinct prompt once and copies it, bit-identical: a row does not depend on its neighbours.
-    Rows of different lengths are padded on the right with token 0: a pad comes after its row's
-    real tokens, so none of them attends to it, and the row's length stops before it (the next
-    tokens overwrite its slot)."""
+    Rows of different lengths are padded on the right with token 0, after the row's real tokens:
+    none attends to it, and the row's length stops before it (the next tokens overwrite it)."""
     lengths = cache[0].lengths.clone()                                      # (B,) tokens held
     n = torch.tensor([len(t) for t in new_tokens])                          # (B,) tokens added
     T = int(n.max())
@@ -125,11 +121,9 @@ def prefill_last(model: mdl.Transformer, cache, new_tokens: list[list[int]]) -> 
         first = {}                                      # tokens -> their row in `once`
         index = torch.tensor([first.setdefault(tuple(t), len(first)) for t in new_tokens])
         if len(first) < len(new_tokens):
-            # the distinct prompts on a cache of their own, then each row copies its prompt's
-            # keys and values
-            once = model.new_cache(len(first), capacity=T)
+            once = model.new_cache(len(first), capacity=T)      # each distinct prompt once
             h = prefill_last(model, once, [list(t) for t in first])
-            for c, o in zip(cache, once):
+            for c, o in zip(cache, once):       # each row copies its prompt's keys and values
                 c.grow(T)
                 i = index.to(c.k.device)
                 c.k[:, :, :T] = o.k[i, :, :T]
@@ -158,8 +152,7 @@ def decode_one_token(model: mdl.Transformer, cache, tokens: torch.Tensor, fed: t
 
 @dataclass
 class TurnStats:
-    """Per row, the running sums over the turn being decoded (float32, on the head's device);
-    turn_traces divides them by the turn's length."""
+    """Per row, the running sums over the turn being decoded (float32, on the head's device)."""
     attn: torch.Tensor                  # (B, L, H, len(STATS)) summed over the turn's tokens
     h_sum: torch.Tensor                 # (L+1, B, d) hidden states summed over the turn's tokens
     h_last: torch.Tensor                # (L+1, B, d) hidden states of the latest token
@@ -174,9 +167,8 @@ class TurnStats:
 def accumulate(acc: TurnStats, attn: torch.Tensor, hidden: torch.Tensor, fed: torch.Tensor):
     """Add one decoded token's statistics (B, L, H, 6) and hidden states (L+1, B, d) to the rows
     that fed a real token (fed (B,) bool); where, not multiply: a pad row's numbers are garbage,
-    and 0 times an infinite number is NaN. Every fed token counts, the stop token included:
-    a turn's statistics are read up to its <|im_end|>, the token a finished turn ends on, and
-    h_last keeps the last fed token's states (the turn's last token at the end)."""
+    and 0 times an infinite number is NaN. Every fed token counts, the stop token included (a
+    turn's statistics are read up to its <|im_end|>); h_last keeps the last fed token's states."""
     acc.attn += torch.where(fed[:, None, None, None], attn, 0.0)
     hidden = hidden.float()
     acc.h_sum += torch.where(fed[None, :, None], hidden, 0.0)
@@ -200,21 +192,17 @@ def generate(model: mdl.Transformer, cache, new_tokens: list[list[int]], max_new
     TurnTrace a row (with stats, its mean statistics and hidden states); empty: no new tokens,
     None: active[i] False. Every sampled token, the stop token included, is fed (the cache holds
     it, its statistics count); idle rows ride along as pads (decoding reads the weights anyway).
-    stop_ids: the tokens that end a turn (default: the model's). A trace's log pi are taken at the
-    sampling temperature (1 when greedy), before top_p's truncation."""
+    stop_ids: the tokens that end a turn (default: the model's)."""
     B = len(new_tokens)
     if not valid_temperature(temperature):
         raise ValueError(f"temperature {temperature}: 0 (greedy) or in [{MIN_TEMPERATURE}, inf)")
-    if active is None:
-        alive = [True] * B
-    else:
+    alive = [True] * B
+    if active is not None:
         alive = [bool(a) for a in active]
-    appended = []                       # what each row appends: nothing for a row not playing
-    for row_tokens, row_alive in zip(new_tokens, alive):
-        if row_alive:
-            appended.append(list(row_tokens))
-        else:
-            appended.append([])
+    appended = [[] for _ in range(B)]   # what each row appends: nothing for a row not playing
+    for i in range(B):
+        if alive[i]:
+            appended[i] = list(new_tokens[i])
     if stop_ids is None:
         stop_ids = model.config.stop_ids
     stop_ids = sorted(set(stop_ids))
@@ -222,10 +210,9 @@ def generate(model: mdl.Transformer, cache, new_tokens: list[list[int]], max_new
     logits = prefill(model, cache, appended)                                # (B, V) or None
     span_start = cache[0].lengths.clone()                                   # (B,)
     running = torch.tensor([len(t) > 0 and max_new_tokens > 0 for t in appended])
+    dev = mdl.input_device(model)
     if logits is not None:
         dev = logits.device
-    else:
-        dev = mdl.input_device(model)
     steps = 0
     if running.any():
         steps = max_new_tokens
@@ -267,8 +254,7 @@ def generate(model: mdl.Transformer, cache, new_tokens: list[list[int]], max_new
 
 def turn_traces(tokens, logps, count, finished, span_start, acc, alive) -> list[TurnTrace | None]:
     """generate's traces, read back at once: row r sampled tokens[r, :count[r]] from
-    span_start[r] on; acc: its TurnStats, or None without statistics. A trace's statistics are
-    the sums divided by the row's count: the means over the turn's tokens (METHOD.md §4)."""
+    span_start[r] on; acc: its TurnStats (None: no statistics), divided by count[r]."""
     # one copy from the device each, not one a row
     token_rows = tokens.cpu().tolist()
     logp_rows = logps.cpu().tolist()
@@ -323,7 +309,6 @@ class Trajectory:
     StepResult.rewritten_from) starts a new one, rendered again from the chat, and the turns
     after it sit in the new segment."""
     episode: object                 # an envs.Episode: step(text), messages, score(), labels()
-    # one token sequence, and a new one each time the environment rewrites earlier messages
     segments: list[list[int]] = field(default_factory=lambda: [[]])
     steps: list[Step] = field(default_factory=list)
     score: float = 0.0              # task score in [0, 1]
@@ -346,11 +331,10 @@ def turn_opening(tok, finished: bool, observation: str | None) -> list[int]:
 @torch.no_grad()
 def rollout(policy, tok, episodes: list, args, greedy=False, generator=None,
             stats=True, caches: list | None = None) -> list[Trajectory]:
-    """Play each episode (one batch row each) to its end; `caches` gets the batch's KV cache.
-    The cache starts with room for the longest prompt and four turns (at most args.max_len) and
-    grows when a rollout needs more. args: max_turns, max_new_tokens, max_len, temperature,
-    top_p; greedy: temperature 0 (evaluation); stats=False: no statistics (a reward that reads
-    none, or evaluation)."""
+    """Play each episode (one batch row each) to its end; `caches` gets the batch's KV cache
+    (room for the longest prompt and four turns, at most args.max_len; it grows when needed).
+    args: max_turns, max_new_tokens, max_len, temperature, top_p; greedy: temperature 0
+    (evaluation); stats=False: no statistics (a reward that reads none, or evaluation)."""
     trajs = [Trajectory(ep) for ep in episodes]
     new = [tok.render(ep.messages, add_generation_prompt=True)[0] for ep in episodes]
     cache = policy.new_cache(len(episodes), capacity=min(
@@ -365,12 +349,11 @@ def rollout(policy, tok, episodes: list, args, greedy=False, generator=None,
 def play(policy, tok, trajs: list[Trajectory], cache, new: list[list[int]], args, greedy=False,
          generator=None, stats=True):
     """Continue every row to the end of its episode. Row i's cache holds traj.segments[-1]; it
-    appends new[i] before its next turn (the prompt, or the rest of a branch's prefix).
-    Each round generates one turn for every row still playing, hands each turn's text to its
-    episode and records a Step; the observation's tokens are the row's next new[i]. A row stops
-    at the end of its episode, at args.max_turns, or when its next turn might pass args.max_len
-    (then truncated: it is scored as it stands). Finally each rollout gets its episode's score
-    (0 for an episode that cannot be scored)."""
+    appends new[i] before its next turn (the prompt, or the rest of a branch's prefix). Each
+    round generates one turn for every row still playing, hands each turn's text to its episode
+    and records a Step; the observation's tokens are the row's next new[i]. A row stops at the
+    end of its episode, at args.max_turns, or when its next turn might pass args.max_len
+    (truncated: scored as it stands); then each rollout gets its episode's score."""
     active = [True] * len(trajs)        # rows still playing
     refill = [False] * len(trajs)       # rows that start a new segment at their next turn
     for _ in range(args.max_turns - min(len(t.steps) for t in trajs)):
@@ -378,10 +361,9 @@ def play(policy, tok, trajs: list[Trajectory], cache, new: list[list[int]], args
             if len(traj.steps) >= args.max_turns:       # a branch that started deep in a tree
                 active[i] = False
             # a turn that might not fit ends the rollout (it is scored as it stands)
+            seen = len(traj.segments[-1])
             if refill[i]:
                 seen = 0                    # the new segment is written over the row's slots
-            else:
-                seen = len(traj.segments[-1])
             if active[i] and seen + len(new[i]) + args.max_new_tokens > args.max_len:
                 active[i] = False
                 traj.truncated = True
@@ -409,11 +391,10 @@ def play(policy, tok, trajs: list[Trajectory], cache, new: list[list[int]], args
             start = len(seq)
             assert tuple(tr.span) == (start, start + len(tr.tokens)), (tr.span, start)
             seq += tr.tokens
-            # the environment reads the turn without its closing <|im_end|>
-            if tr.finished:
-                text = tok.decode(tr.tokens[:-1])
-            else:
-                text = tok.decode(tr.tokens)
+            said = tr.tokens
+            if tr.finished:     # the environment reads the turn without its closing <|im_end|>
+                said = tr.tokens[:-1]
+            text = tok.decode(said)
             before = [dict(m) for m in traj.episode.messages]   # as this turn saw them
             result = traj.episode.step(text)
             obs = None
@@ -438,9 +419,8 @@ def play(policy, tok, trajs: list[Trajectory], cache, new: list[list[int]], args
                 new[i] = turn_opening(tok, tr.finished, obs)
     for traj in trajs:
         score = traj.episode.score()
-        if score is None:           # a skipped episode (it cannot be scored) counts 0
-            traj.score = 0.0
-        else:
+        traj.score = 0.0            # a skipped episode (it cannot be scored) counts 0
+        if score is not None:
             traj.score = float(score)
 
 
@@ -500,38 +480,17 @@ def duration(seconds: float) -> str:
 #   head_entropy  -log sum_j p_ij^2 of every layer and head (Renyi-2, Head Entropy)          HL
 # with max = max_j p_ij, std their population std over the i + 1 keys, prefix = sum_{j < start}
 # p_ij (the context before the turn), self = sum_{start <= j <= i} p_ij (the turn itself), and
-# m_ctx, m_new the mean p_ij over those two key ranges. CoE turns every layer's mean hidden state
-# into two unsupervised scores (coe_scores). PAIR's stage 1 reads last_token, its stage 2
-# [multi_attn; s_bc] (pair.py).
+# m_ctx, m_new the mean p_ij over those two key ranges. PAIR's stage 1 reads last_token, its
+# stage 2 [multi_attn; s_bc] (pair.py).
 
 
-def coe_scores(h: torch.Tensor) -> tuple[float, float]:
-    """CoE-R = mean M - mean A and CoE-C = |mean M e^{iA}| (Wang et al., ICLR 2025) from the
-    span-mean hidden state of every layer, h: (L+1, d), with M, A the relative magnitude and
-    angle steps; as the paper's code, higher = more likely correct (no sign inverted)."""
-    h = h.double()
-    step = h[1:] - h[:-1]                                               # (L, d)
-    M = step.norm(dim=-1) / (h[-1] - h[0]).norm()                       # (L,) relative magnitude
-    cos = F.cosine_similarity(h[1:], h[:-1], dim=-1).clamp(-1.0, 1.0)    # (L,)
-    cos_end = F.cosine_similarity(h[-1], h[0], dim=0).clamp(-1.0, 1.0)
-    A = torch.arccos(cos) / torch.arccos(cos_end)                       # (L,) relative angle
-    coe_r = M.mean() - A.mean()
-    coe_c = torch.hypot((M * torch.cos(A)).mean(), (M * torch.sin(A)).mean())
-    return coe_r.item(), coe_c.item()
-
-
-def raw_features(trace, coe: bool = True) -> dict[str, torch.Tensor]:
-    """What any probe needs of one TurnTrace, float32 on the CPU (coe=False: no CoE scores):
-    the last four hidden states at the last token, the last one's turn mean, the six statistics
-    of every layer and head, and CoE's two scores (from every layer's turn mean, not kept)."""
+def raw_features(trace) -> dict[str, torch.Tensor]:
+    """What any probe needs of one TurnTrace, float32 on the CPU: the last four hidden states at
+    the last token, the last one's turn mean, the six statistics of every layer and head."""
     raw = {"h_last4": trace.h_last[-4:].float(),                        # (4, d)
            "h_mean": trace.h_mean[-1].float()}                          # (d,)
     for stat in ("max", "std", "prefix", "self", "entropy", "lookback"):
         raw[f"attn_{stat}"] = trace.attn[stat].float()                  # (L, H)
-    if coe:
-        coe_r, coe_c = coe_scores(trace.h_mean)
-        raw["coe_r"] = torch.tensor(coe_r, dtype=torch.float32)
-        raw["coe_c"] = torch.tensor(coe_c, dtype=torch.float32)
     return raw
 
 
@@ -606,7 +565,6 @@ class Probe:
         if y.min() == y.max():
             raise ValueError(f"labels hold a single class ({int(y[0])}); a probe needs both")
         t0 = time.perf_counter()
-
         # StandardScaler: population std; a near-constant column (its variance within the
         # rounding error of the two-pass computation, as scikit-learn decides) keeps scale 1
         self.mean = X.mean(dim=0)
@@ -658,8 +616,7 @@ def _fit_logistic(Z, y, C, tol, max_iter):
     -> (w, b, {iterations, grad_max, converged, objective}), the objective not divided by n."""
     n, d = Z.shape
     w = torch.zeros(d, dtype=torch.float64, requires_grad=True)
-    # Starting the intercept at the log-odds of the base rate is the exact optimum at w = 0.
-    p = y.mean().item()
+    p = y.mean().item()         # b starts at the base rate's log-odds: the optimum at w = 0
     b = torch.tensor(math.log(p / (1 - p)), dtype=torch.float64, requires_grad=True)
     opt = torch.optim.LBFGS([w, b], lr=1.0, max_iter=max_iter, max_eval=2 * max_iter,
                             tolerance_grad=tol, tolerance_change=1e-14, history_size=20,

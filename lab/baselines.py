@@ -53,7 +53,7 @@ class LabContext(pair.RewardContext):
 def coe_reward(traj: Trajectory, ctx) -> list[float]:
     # CoE is unsupervised (METHOD.md §4-5): r_t = the turn's CoE-C score (the paper's baseline);
     # only its ordering within the group matters after normalization.
-    raw = probes.stack_raw([probes.raw_features(step.trace) for step in traj.steps])
+    raw = probes.stack_raw([detection.raw_with_coe(step.trace) for step in traj.steps])
     return detection.unsupervised_score("coe_c", raw).tolist()
 
 

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 
 import pair
 import probes
@@ -26,6 +27,35 @@ TRAIN_SPLITS = {"clean_only": ("matched_clean_train",),
                 "mixed": ("matched_clean_train", "matched_contaminated_train")}
 TEST_SPLITS = ("matched_clean_test", "matched_contaminated_test")
 DIAGNOSTIC_SPLIT = "matched_diagnostic_test"   # python -m lab.shop make-data writes it
+# Keys of `raw_with_coe`: the core's raw features and CoE's two scores; a features file stacks
+# them over records.
+RAW_KEYS = probes.RAW_KEYS + ("coe_r", "coe_c")
+
+
+def coe_scores(h: torch.Tensor) -> tuple[float, float]:
+    """CoE-R = mean M - mean A and CoE-C = |mean M e^{iA}| (Wang et al., ICLR 2025) from the
+    span-mean hidden state of every layer, h: (L+1, d), with M, A the relative magnitude and
+    angle steps; as the paper's code, higher = more likely correct (no sign inverted)."""
+    h = h.double()
+    step = h[1:] - h[:-1]                                               # (L, d)
+    M = step.norm(dim=-1) / (h[-1] - h[0]).norm()                       # (L,) relative magnitude
+    cos = F.cosine_similarity(h[1:], h[:-1], dim=-1).clamp(-1.0, 1.0)    # (L,)
+    cos_end = F.cosine_similarity(h[-1], h[0], dim=0).clamp(-1.0, 1.0)
+    A = torch.arccos(cos) / torch.arccos(cos_end)                       # (L,) relative angle
+    coe_r = M.mean() - A.mean()
+    coe_c = torch.hypot((M * torch.cos(A)).mean(), (M * torch.sin(A)).mean())
+    return coe_r.item(), coe_c.item()
+
+
+def raw_with_coe(trace) -> dict[str, torch.Tensor]:
+    """probes.raw_features of one TurnTrace, then CoE's two scores (float32) from every layer's
+    turn mean, which the core does not keep: a record of a features file, of the on-policy
+    corpus, or of the coe reward."""
+    raw = probes.raw_features(trace)
+    coe_r, coe_c = coe_scores(trace.h_mean)
+    raw["coe_r"] = torch.tensor(coe_r, dtype=torch.float32)
+    raw["coe_c"] = torch.tensor(coe_c, dtype=torch.float32)
+    return raw
 
 
 def load_features(path) -> tuple[dict[str, torch.Tensor], dict]:
@@ -35,7 +65,7 @@ def load_features(path) -> tuple[dict[str, torch.Tensor], dict]:
         raise FileNotFoundError(f"features file not found: {path}")
     tensors, meta = probes.read_safetensors(path, "features")
     meta = probes._json_entry(meta, "pair_features", path)
-    missing = [k for k in probes.RAW_KEYS + ("label",) if k not in tensors]
+    missing = [k for k in RAW_KEYS + ("label",) if k not in tensors]
     if not isinstance(meta, dict) or missing:
         raise probes.FormatError(f"{path}: not a features file written by "
                                  f"`python -m lab.study extract` "

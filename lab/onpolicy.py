@@ -84,7 +84,7 @@ def turn_records(trajs: list) -> detection.Split:
         y = traj.episode.labels()
         last_wrong = None
         for t, (step, ok) in enumerate(zip(traj.steps, y)):
-            raws.append(probes.raw_features(step.trace))
+            raws.append(detection.raw_with_coe(step.trace))
             kind.append(kinds.setdefault(turn_kind(step.text), len(kinds)))
             nll.append(float("nan") if step.nll is None else step.nll)
             labels.append(int(ok))
@@ -186,7 +186,7 @@ def contaminated_corpus(policy, tok, episodes: int, log) -> detection.Split:
     with model.lora_disabled(policy):
         traced = traces.trace_batch(policy, [ids for ids, _, _ in rendered],
                                     [span for _, span, _ in rendered])
-    raw = probes.stack_raw([probes.raw_features(tr) for tr in traced])
+    raw = probes.stack_raw([detection.raw_with_coe(tr) for tr in traced])
     raw["turn_idx"] = kept.raw["turn_idx"]
     log(f"  contaminated corpus: {len(kept.y)} teacher-forced turns of `python -m lab.shop "
         f"make-data --episodes {episodes}` (mode mixed; the shop world's, also for shop-long, "

@@ -39,7 +39,7 @@ import probes
 from lab import data as lab_data, runs, traces
 from lab.detection import (DIAGNOSTIC_SPLIT, MODES, SCORES, SEEDS, TEST_SPLITS, TRAIN_SPLITS,
                            fit_baselines, load_features, load_splits, mean_std, metrics, predict,
-                           training_set, unsupervised_score)
+                           raw_with_coe, training_set, unsupervised_score)
 from lab.report import (guess_paper_ref, json_clean, md_table, ms_cell, nested,
                         render_markdown, run_report)
 
@@ -98,8 +98,8 @@ def _file_sha256(path: Path) -> str:
 def extract(net, tokenizer, data_path, out_path, max_len=4096, shard_size=32,
             manifest_extra=None, log=None, records=None, reuse=()) -> dict:
     """Features of every record of a matched file -> a features file (safetensors: the
-    raw tensors of probes.RAW_KEYS and the label, stacked over records; the record ids and the
-    manifest in its JSON metadata, read back by load_features).
+    raw tensors of detection.RAW_KEYS and the label, stacked over records; the record ids and
+    the manifest in its JSON metadata, read back by load_features).
 
     Completed records are written to OUT.parts/ in shards (atomically); a rerun with the same
     arguments skips them. Records that fail are listed by id, printed and kept in the output's
@@ -170,7 +170,7 @@ def _extract_parts(net, tokenizer, records, data_path, parts, out_path, manifest
             if not raw:
                 with torch.inference_mode():
                     trace = traces.trace_forward(net, ids, span)
-                raw = probes.raw_features(trace)
+                raw = raw_with_coe(trace)
             raw["input_digest"] = digest
             raw["record_index"] = torch.tensor(i)
             raw["truncated"] = torch.tensor(int(cut > 0))

@@ -148,7 +148,7 @@ def test_pair_save_load_reward_and_latency(features_dir, tmp_path, monkeypatch):
 
     # a turn read from its trace, as grpo.py's PAIR reward reads it: the same scores
     for i in range(3):
-        raw = {k: v[None] for k, v in probes.raw_features(fake_trace(test.raw, i), False).items()}
+        raw = {k: v[None] for k, v in probes.raw_features(fake_trace(test.raw, i)).items()}
         for a, b in zip(loaded.scores(raw), (s_bc, s_final)):
             assert a.item() == pytest.approx(b[i].item(), abs=1e-12)
 
@@ -163,7 +163,7 @@ def test_a_probe_reads_a_turn_from_its_trace_as_from_the_features_file(features_
         forbid_pickle(monkeypatch)
         loaded = probes.Probe.load(tmp_path / f"{name}.safetensors")
         p = probe.predict_proba(probes.feature(name, train.raw))
-        raw = {k: v[None] for k, v in probes.raw_features(fake_trace(train.raw, 4), False).items()}
+        raw = {k: v[None] for k, v in probes.raw_features(fake_trace(train.raw, 4)).items()}
         assert loaded.predict_proba(probes.feature(name, raw)).item() == pytest.approx(
             p[4].item(), abs=1e-12)
 
@@ -462,7 +462,7 @@ def test_pipeline_on_shop(tmp_path, monkeypatch, capsys):
     net, tok = mdl.load_model(ckpt)
     for i in (0, len(recs) - 1):
         ids, spans = tok.render(lab_data.record_messages(recs[i]))
-        expect = probes.raw_features(real_trace_forward(net, ids, spans[-1]))
+        expect = detection.raw_with_coe(real_trace_forward(net, ids, spans[-1]))
         for k, v in expect.items():
             torch.testing.assert_close(raw[k][i], v, msg=k)
     assert raw["label"].tolist() == [r["label"] for r in recs]
@@ -494,7 +494,7 @@ def test_pipeline_on_shop(tmp_path, monkeypatch, capsys):
     # the trained PAIR scores a live turn (grpo.py's reward) as it scores the extracted record
     model = Pair.load(tmp_path / "probes" / "seed42" / "pair_mixed")
     trace = real_trace_forward(net, ids, spans[-1])
-    live = model.scores({k: v[None] for k, v in probes.raw_features(trace, False).items()})
+    live = model.scores({k: v[None] for k, v in probes.raw_features(trace).items()})
     extracted = model.scores({k: v[-1:] for k, v in raw.items()})
     for a, b in zip(live, extracted):
         torch.testing.assert_close(a, b)

@@ -210,7 +210,7 @@ def test_coe_matches_direct_formula():
     def angle(a, b):
         return np.arccos(min(1.0, a @ b / np.linalg.norm(a) / np.linalg.norm(b)))
     A = np.array([angle(h[i + 1], h[i]) for i in range(6)]) / angle(h[-1], h[0])
-    coe_r, coe_c = probes.coe_scores(torch.tensor(h, dtype=torch.float32))
+    coe_r, coe_c = detection.coe_scores(torch.tensor(h, dtype=torch.float32))
     assert coe_r == pytest.approx(M.mean() - A.mean(), rel=1e-5)
     assert coe_c == pytest.approx(abs(np.mean(M * np.exp(1j * A))), rel=1e-5)
 
@@ -227,7 +227,12 @@ def test_raw_features_from_trace():
     assert set(raw) == set(probes.RAW_KEYS)
     assert raw["h_last4"].equal(trace.h_last[-4:]) and raw["h_mean"].equal(trace.h_mean[-1])
     assert raw["attn_self"].equal(trace.attn["self"])
-    assert raw["coe_r"].item() == pytest.approx(probes.coe_scores(trace.h_mean)[0], rel=1e-6)
+    # the lab's records add CoE's two scores to the core's features
+    with_coe = detection.raw_with_coe(trace)
+    assert list(with_coe) == list(detection.RAW_KEYS)
+    assert all(with_coe[k].equal(raw[k]) for k in probes.RAW_KEYS)
+    assert with_coe["coe_r"].item() == pytest.approx(detection.coe_scores(trace.h_mean)[0],
+                                                     rel=1e-6)
 
 
 def test_a_loaded_probe_scores_alike_whatever_the_files_header_length(tmp_path):
