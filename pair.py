@@ -1,6 +1,8 @@
 """PAIR, the Prefix-Aware Internal Reward (METHOD.md §6-7): the two-stage probe, its fit, its
-reward; then what GRPO makes of any per-turn reward: the rewards, the advantages, the batch and
-the loss (grpo.update runs them; the lab adds its own to REWARDS and ADVANTAGES).
+reward; then what GRPO makes of any per-turn reward: the rewards, the advantages, the batch, the
+loss and the update. Every function takes its parameters (alpha, T, eps, the outcome weight, the
+clip): nothing here reads grpo.py's flags. A reward and an advantage form are rows of REWARDS and
+ADVANTAGES; the lab's loop (lab/train.py) passes tables with rows of its own.
     Stage 1  s_bc    = sigma(w_1 . h + b_1)            h = last-token hidden state (last_token)
     Stage 2  s_final = sigma(w_2 . [a; s_bc] + b_2)    a = multi_attn: [max, std, prefix, self] of
                                                           every head, every layer (layer-major)
@@ -294,7 +296,7 @@ def outcome_reward(traj, ctx) -> list[float | None]:
 
 def turn_features(traj) -> dict[str, torch.Tensor]:
     """probes.raw_features of every turn of a rollout (probes.Trajectory), stacked: (turns, ...)."""
-    return probes.stack_raw([probes.raw_features(step.trace, False) for step in traj.steps])
+    return probes.stack_raw([probes.raw_features(step.trace) for step in traj.steps])
 
 
 def pair_rewards(head: Pair, raw: dict, alpha: float = 5.0, T: float = 2.0,

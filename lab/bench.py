@@ -460,13 +460,13 @@ def reward_section(model, traces):
             cache = model.new_cache(1, 64)
             trace = probes.generate(model, cache, random_ids(model, 16, 1, 0).tolist(), 16,
                                     stop_ids=[])[0]
-    raw = probes.raw_features(trace, coe=False)
+    raw = probes.raw_features(trace)
     g = torch.Generator().manual_seed(0)
     corpus = {k: v[None] + 0.1 * torch.randn((64, *v.shape), generator=g) for k, v in raw.items()}
     fitted = pair.fit_pair(corpus, torch.arange(64) % 2)     # labels: only the shapes matter
 
     def reward_of_one_turn():
-        one = {k: v[None] for k, v in probes.raw_features(trace, coe=False).items()}
+        one = {k: v[None] for k, v in probes.raw_features(trace).items()}
         return pair.trajectory_rewards(fitted.scores(one)[1].tolist())
     reward_of_one_turn()
     rounds = []

@@ -268,7 +268,7 @@ def test_extracted_features_equal_transformers_on_gta(qwen05b_dir, release_dir, 
         A_l = torch.arccos(cos.clamp(-1, 1)) / end_angle
         ref["coe_r"] = M_l.mean() - A_l.mean()
         ref["coe_c"] = torch.hypot((M_l * torch.cos(A_l)).mean(), (M_l * torch.sin(A_l)).mean())
-        for key in probes.RAW_KEYS:
+        for key in detection.RAW_KEYS:
             got, want = ours[key][i].double(), ref[key].double()
             diff = (got - want).abs().max().item()
             worst[key] = max(worst.get(key, 0.0), diff)
