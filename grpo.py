@@ -76,10 +76,13 @@ def setup(args, procs: pair.Processes | None = None) -> Training:
         raise SystemExit("several processes run through the lab: torchrun --nproc_per_node N -m "
                          "lab.train ...")
     resolve_preset(args, procs)
-    check_processes(args, procs)
+    if args.batch % procs.size:
+        raise SystemExit(f"--batch {args.batch} must be a multiple of the {procs.size} processes")
+    if args.threads:
+        torch.set_num_threads(args.threads)
     check_out(args)     # read-only first: a --resume mistake costs no model load
     procs.barrier()     # every process reads OUT as it was before any of them writes
-    log = logger(procs)
+    log = print if procs.main else (lambda *a, **k: None)      # the others would repeat it
     policy, tok = load_policy(args, procs)
     env, pool, held = environments(args, tok)
     reward = pair.REWARDS[args.reward]
@@ -89,25 +92,11 @@ def setup(args, procs: pair.Processes | None = None) -> Training:
         where, report = probes_to_read(args, log)
         read_probes(ctx, args, policy, where)
     out = prepare_out(args, procs)
-    optimizer = make_optimizer(policy, args)
+    params = [p for p in policy.parameters() if p.requires_grad]      # the adapter's
+    optimizer = torch.optim.AdamW(params, lr=args.lr, weight_decay=args.weight_decay)
     log_start(args, policy, pool, held, procs, out, log)
     return Training(policy, tok, env, pool, held, reward, pair.ADVANTAGES[args.advantage], ctx,
                     optimizer, args, procs, out, log, report)
-
-
-def logger(procs: pair.Processes):
-    """print on the main process, nothing on the others (they would repeat every line)."""
-    if procs.main:
-        return print
-    return lambda *a, **k: None
-
-
-def check_processes(args, procs: pair.Processes) -> None:
-    """--batch shared out evenly, and --threads set, before anything is loaded."""
-    if args.batch % procs.size:
-        raise SystemExit(f"--batch {args.batch} must be a multiple of the {procs.size} processes")
-    if args.threads:
-        torch.set_num_threads(args.threads)
 
 
 def load_policy(args, procs: pair.Processes,
@@ -119,10 +108,7 @@ def load_policy(args, procs: pair.Processes,
     np.random.seed(args.seed)
     torch.manual_seed(args.seed)
     devices = model.parse_devices(args.devices or procs.device)
-    world = worlds.get(args.env)
-    builtin = envs.BUILTIN_POLICY
-    if world is not None:
-        builtin = world.policy
+    builtin = worlds[args.env].policy if args.env in worlds else envs.BUILTIN_POLICY
     if Path(args.model).resolve() == builtin.resolve() and not builtin.is_dir():
         sys.exit(f"--model: the built-in policy {builtin} is missing; build it with "
                  f"`python -m lab.shop sft --out {builtin}` (lab/README.md)")
@@ -173,12 +159,6 @@ def read_probes(ctx: pair.RewardContext, args, policy, where: Path) -> None:
     else:
         ctx.probe = head
         ctx.feature = args.reward
-
-
-def make_optimizer(policy, args) -> torch.optim.Optimizer:
-    """AdamW on the LoRA adapter's parameters, the only ones that train."""
-    params = [p for p in policy.parameters() if p.requires_grad]
-    return torch.optim.AdamW(params, lr=args.lr, weight_decay=args.weight_decay)
 
 
 def log_start(args, policy, pool, held, procs, out, log) -> None:
@@ -267,7 +247,8 @@ def train_step(step: int, run: Training) -> dict:
     args, procs = run.args, run.procs
     t = dict.fromkeys(TIMING, 0.0)
     run.ctx.cost = Counter(dict.fromkeys(COSTS, 0))
-    reset_peak_memory(run.policy)
+    if model.input_device(run.policy).type == "cuda":       # the step's peak memory from here
+        torch.cuda.reset_peak_memory_stats(model.input_device(run.policy))
     run.policy.eval()
     groups = [play_group(step * args.batch + j, run, t)
               for j in range(procs.rank, args.batch, procs.size)]
@@ -287,13 +268,6 @@ def learn(groups: list[Group], run: Training, t: dict) -> dict:
     run.policy.eval()
     t["t_update"] = time.perf_counter() - t0
     return stats
-
-
-def reset_peak_memory(policy) -> None:
-    """On a GPU, the step's peak memory is measured from here (mem_cuda_peak_mb)."""
-    device = model.input_device(policy)
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
 
 
 # --- 3. The update (pair.update) with the run's flags, and its learning rate -------------------
@@ -382,15 +356,8 @@ def reward_sums(rewards: list[list[float | None]], max_turns: int) -> dict[str, 
 def turn_means(s: dict[str, list[float]]) -> list[float | None]:
     """The mean reward of turn t over the rollouts that reached it, for every turn index some
     rollout reached (None: no reward at that turn)."""
-    means = []
-    for k, reached in enumerate(s["reached"]):
-        if not reached:
-            continue
-        if s["turn_n"][k]:
-            means.append(s["turn_sum"][k] / s["turn_n"][k])
-        else:
-            means.append(None)
-    return means
+    return [s["turn_sum"][k] / s["turn_n"][k] if s["turn_n"][k] else None
+            for k in range(len(s["reached"])) if s["reached"][k]]
 
 
 def probe_monitor(trajs: list[probes.Trajectory], p_correct: list, run: Training) -> float | None:
@@ -415,12 +382,13 @@ def train(args) -> dict:
     started = time.perf_counter()
     run = setup(args)
     start = resume(run)
-    done = evaluated_steps(run.out)
+    done = {e["step"] for e in read_jsonl(run.out / "eval.jsonl")}     # not evaluated again
     evaluate_and_log(run, start, done)      # the base model, or a checkpoint killed early
     seconds, aurocs, warned = [], [], False
     for step in range(start, args.steps):
         t0 = time.perf_counter()
-        set_lr(run.optimizer, lr_at(step, args))
+        for group in run.optimizer.param_groups:
+            group["lr"] = lr_at(step, args)
         rec = train_step(step, run)
         if run.procs.main:
             append_jsonl(run.out / "metrics.jsonl", rec)
@@ -430,21 +398,11 @@ def train(args) -> dict:
         if not warned and below_chance(aurocs) is not None:
             warned = True
             warn_below_chance(run, below_chance(aurocs))
-        if checkpoint_due(step, args):
+        if (step + 1) % args.save_every == 0 or step + 1 == args.steps:     # and evaluated
             path = save_checkpoint(run.out, step + 1, run.policy, run.optimizer, run.procs)
             run.log(f"checkpoint {path}", flush=True)
             evaluate_and_log(run, step + 1, done)
     return finish(run, time.perf_counter() - started)
-
-
-def set_lr(optimizer, lr: float) -> None:
-    for group in optimizer.param_groups:
-        group["lr"] = lr
-
-
-def checkpoint_due(step: int, args) -> bool:
-    """A checkpoint (and an evaluation) after every --save-every steps and after the last."""
-    return (step + 1) % args.save_every == 0 or step + 1 == args.steps
 
 
 def log_step(run: Training, rec: dict, seconds: list[float]) -> None:
@@ -491,9 +449,7 @@ def resume(run: Training) -> int:
     logged after it is dropped, to be redone exactly."""
     args, out = run.args, run.out
     start = 0
-    ckpt = None
-    if args.resume:
-        ckpt = intact_checkpoint(out, run.log)
+    ckpt = intact_checkpoint(out, run.log) if args.resume else None
     if ckpt is not None:
         start = load_checkpoint(ckpt, run.policy, run.optimizer, run.procs)
         run.log(f"resumed from {ckpt} at step {start}", flush=True)
@@ -504,11 +460,6 @@ def resume(run: Training) -> int:
                 model.write_atomic(path, "".join(json.dumps(r) + "\n" for r in kept))
     run.procs.barrier()
     return start
-
-
-def evaluated_steps(out: Path) -> set[int]:
-    """The steps eval.jsonl already holds (a resumed run does not evaluate them again)."""
-    return {e["step"] for e in read_jsonl(out / "eval.jsonl")}
 
 
 def evaluate_and_log(run: Training, step: int, done: set, ev: dict | None = None) -> dict | None:

@@ -30,9 +30,11 @@ from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import torch
 from safetensors.torch import load_file
 
 import grpo
+import model
 import pair
 from lab import baselines, credit, onpolicy, runs, shop, study, toolbench, torchrun
 
@@ -87,10 +89,13 @@ def setup(args) -> LabTraining:
         else pair.Processes()
     given = grpo.resolve_preset(args, procs, WORLDS)
     baselines.preset(args, given)       # the trees' budget
-    grpo.check_processes(args, procs)
+    if args.batch % procs.size:
+        raise SystemExit(f"--batch {args.batch} must be a multiple of the {procs.size} processes")
+    if args.threads:
+        torch.set_num_threads(args.threads)
     grpo.check_out(args, RESUME_KEYS, RESUME_DEFAULTS)
     procs.barrier()
-    log = grpo.logger(procs)
+    log = print if procs.main else (lambda *a, **k: None)      # the others would repeat it
     policy, tok = grpo.load_policy(args, procs, WORLDS)
     env, pool, held = grpo.environments(args, tok, WORLDS, REPLAYS)
     reward = REWARDS[args.reward]
@@ -114,7 +119,8 @@ def setup(args) -> LabTraining:
         gate = credit.gate_at_setup(args, policy, tok, procs, log, ctx, form)
         if gate is not None:
             summary["premise_gate"] = gate
-    optimizer = grpo.make_optimizer(policy, args)
+    params = [p for p in policy.parameters() if p.requires_grad]      # the adapter's
+    optimizer = torch.optim.AdamW(params, lr=args.lr, weight_decay=args.weight_decay)
     grpo.log_start(args, policy, pool, held, procs, out, log)
     return LabTraining(policy, tok, env, pool, held, reward, form, ctx, optimizer, args, procs,
                        out, log, report, summary)
@@ -175,7 +181,8 @@ def train_step(step: int, run: LabTraining) -> dict:
     args, procs = run.args, run.procs
     t = dict.fromkeys(TIMING, 0.0)
     run.ctx.cost = Counter(dict.fromkeys(grpo.COSTS, 0))
-    grpo.reset_peak_memory(run.policy)
+    if model.input_device(run.policy).type == "cuda":       # the step's peak memory from here
+        torch.cuda.reset_peak_memory_stats(model.input_device(run.policy))
     run.policy.eval()
     if args.oversample > 1:
         kept, played = credit.oversample(step, run, t, play_group)
@@ -214,12 +221,13 @@ def train(args) -> dict:
     started = time.perf_counter()
     run = setup(args)
     start = resume(run)
-    done = grpo.evaluated_steps(run.out)
+    done = {e["step"] for e in grpo.read_jsonl(run.out / "eval.jsonl")}     # not evaluated again
     evaluate_and_log(run, start, done)
     seconds, aurocs, warned = [], [], False
     for step in range(start, args.steps):
         t0 = time.perf_counter()
-        grpo.set_lr(run.optimizer, grpo.lr_at(step, args))
+        for group in run.optimizer.param_groups:
+            group["lr"] = grpo.lr_at(step, args)
         baselines.refresh_teacher(args, run.ctx, run.policy, step)
         rec = train_step(step, run)
         if run.procs.main:
@@ -230,7 +238,7 @@ def train(args) -> dict:
         if not warned and grpo.below_chance(aurocs) is not None:
             warned = True
             grpo.warn_below_chance(run, grpo.below_chance(aurocs))
-        if grpo.checkpoint_due(step, args):
+        if (step + 1) % args.save_every == 0 or step + 1 == args.steps:     # and evaluated
             path = grpo.save_checkpoint(run.out, step + 1, run.policy, run.optimizer,
                                         run.procs, lagged_files(run.ctx))
             run.log(f"checkpoint {path}", flush=True)
