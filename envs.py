@@ -414,6 +414,7 @@ SHOP_EPISODES = {"train": 10_000, "val": 200, "test": 600}  # a split's episodes
 SHOP_SCORING = 2    # the rules' version (2: half a cent): cached evaluations and probes key on it
 _SHOP_VALUE_TOL = 0.005     # "equals" within half a cent: of a total, its rounding, not a cent off
 _CENT = Decimal("0.01")             # the answer's precision
+_NUM = r"\d+(?:\.\d+)?"                # a number as prices and rates are written: 2.50, 3
 
 
 def _text_input(key: str | None, text: str) -> dict:
@@ -450,7 +451,6 @@ class ShopTask:
     lines: tuple            # ((quantity, item, store), ...), distinct (store, item)
     currency: str
     text: str
-    stepwise: bool = False  # a shop-long task: the line-by-line solution (lab/shop.py)
 
     @cached_property
     def needed(self) -> tuple:
@@ -478,12 +478,10 @@ class ShopTask:
     @cached_property
     def quantities(self) -> list[Decimal]:
         """Every value a useful Calculator call may produce: a sum of line subtotals q*p, such a
-        sum converted, a converted unit price p*r (stepwise: the running totals and the total).
-        Every subset of the lines counts, so a policy may add them up in any grouping."""
+        sum converted, a converted unit price p*r. Every subset of the lines counts, so a policy
+        may add them up in any grouping."""
         rate = self.rates[self.currency]
         subtotals = [q * self.prices[s, i] for q, i, s in self.lines]      # q * p a line, USD
-        if self.stepwise:
-            return sorted({sum(subtotals[:k + 1]) for k in range(len(subtotals))} | {self.total})
         # bit k of mask: line k is in the sum
         sums = {sum(x for k, x in enumerate(subtotals) if mask >> k & 1)
                 for mask in range(1, 2 ** len(subtotals))}
@@ -492,6 +490,11 @@ class ShopTask:
             out |= {x * rate for x in sums}
             out |= {self.prices[s, i] * rate for _, i, s in self.lines}
         return sorted(out)
+
+    def values_in(self, text: str) -> list[str]:
+        """The numbers `text` states as values: all of them here (lab/shop.py's long tasks number
+        their lines "(1)", which name a line)."""
+        return re.findall(_NUM, text)
 
 
 def draw_world(rng: random.Random) -> tuple[dict, dict]:
@@ -602,7 +605,6 @@ def shop_execute(task: ShopTask, name: str, arguments) -> ShopResult:
 
 # What a thought can claim, read with fixed patterns (the gold dialogs' phrasing): a price, a
 # rate, a fact it needs next, the total (an expression or a number, maybe with its currency).
-_NUM = r"\d+(?:\.\d+)?"                # a number as prices and rates are written: 2.50, 3
 _SHOP_CLAIM = re.compile(
     rf"(?P<item>[a-z]+) at store (?P<store>[a-z])\b costs (?P<price>{_NUM})(?: USD\b)?"
     rf"|\b1 USD = (?P<rate>{_NUM}) (?P<rcur>[a-z]{{3}})\b"
@@ -664,10 +666,8 @@ def _shop_thought_true(task: ShopTask, thought: str | None, known: dict,
     allowed = [Decimal(q) for q, _, _ in task.lines] + [task.value(f) for f in task.needed]
     allowed += list(known.values()) + task.quantities + [Decimal(task.answer)]
     rest = _SHOP_CLAIM.sub(" ", thought)        # the thought without its claims
-    if task.stepwise:                   # shop-long numbers its lines "(1)": a name, not a value
-        rest = re.sub(r"\(\d+\)", " ", rest)
     return all(_close(float(x), allowed) or _close(float(x), computed)
-               for x in re.findall(_NUM, rest))
+               for x in task.values_in(rest))
 
 
 def shop_labels(task: ShopTask, steps: list) -> list[bool]:
@@ -962,10 +962,6 @@ RELEASE_FILES = {"gta": ["clean_train.json", "clean_test.json"],
 
 class DataError(ValueError):
     """Missing or malformed released data; the message names the file and the record."""
-
-
-class LLMError(RuntimeError):      # an LLM endpoint failed (lab/toolbench.py)
-    pass
 
 
 def default_data_dir() -> Path:

@@ -279,7 +279,7 @@ def main(argv=None):
     args = parse_args(argv)
     try:
         return train(args)
-    except grpo.INPUT_ERRORS as e:
+    except (*grpo.INPUT_ERRORS, toolbench.LLMError) as e:      # the judge's endpoint too
         runs.forget_failed(args)        # a run that failed before logging leaves nothing
         sys.exit(f"error: {e}")
     except SystemExit:
