@@ -8,15 +8,13 @@ Calculator tool, and the episode files themselves (ToolBench, LLM-judged: lab/to
         ep.step(policy(ep.messages))
     ep.score()          # in [0, 1], or None with ep.skip_reason
 
-An episode is a chat. Its first user message holds the task and the tool instructions; each
-assistant turn is one ReAct step (parse_react); a tool call is answered by a user message
-`Observation: ...`, and a final answer, or the last turn allowed, ends the episode. Where the
-paper and the authors' release are silent or disagree, the choices made here:
-- GTA answer matching (gta_match): an answer is right iff every whitelist group has an alias in
-  it and no blacklist alias is in it, GTA's reference `iscorrect`. The paper's wording ("at least
-  one whitelist group fully matched") describes the release's loose matcher, which reads the
-  aliases of a group as all required: under it the gold answers of GTA test episode 28 ("24185"
-  for ["24185", "24,185"]) and train 171 and 207 would score 0.
+An episode is a chat: the task and the tool instructions, then one ReAct step (parse_react) per
+assistant turn, a tool call answered by a user message `Observation: ...`, until a final answer
+or the last turn allowed. Where the paper and the authors' release are silent or disagree:
+- GTA answer matching (gta_match): right iff every whitelist group has an alias in the answer and
+  no blacklist alias is in it, GTA's reference `iscorrect`. The paper's "at least one whitelist
+  group fully matched" is the release's loose matcher, which requires every alias of a group: the
+  gold answers of GTA test 28 ("24185" for ["24185", "24,185"]), train 171 and 207 would fail it.
 - A call the gold dialog repeats with different responses (ToolBench's retries) replays them in
   order, then the last one again; the release kept only the first (ReplayCache).
 - The task shown to the model lists the episode's attached files (GTA's image paths): without
@@ -51,12 +49,10 @@ OBSERVATION_CHARS = 1000            # longer tool results are cut and get "..." 
 #     Thought: {thought}
 #     Action: {tool name}
 #     Action Input: {json.dumps(arguments, ensure_ascii=False)}
-# and a final turn "Thought: {thought}\nFinal Answer: {answer}", with no Thought line where there
-# is no thought. A tool result is a user message "Observation: {text}", cut to OBSERVATION_CHARS
-# characters plus "..." when longer. The first user message is the task (and its files), a blank
-# line, then the tool list and _REPLY_FORMAT; consecutive messages of one role join with a blank
-# line. Tokenizer.render puts the chat template around these messages (model.py).
-
+# and a final turn "Thought: {thought}\nFinal Answer: {answer}", no Thought line without a thought.
+# A tool result is a user message "Observation: {text}", cut to OBSERVATION_CHARS. The first user
+# message is the task (and its files), a blank line, the tool list and _REPLY_FORMAT; consecutive
+# messages of a role join with a blank line. model.py's Tokenizer.render adds the chat template.
 _REPLY_FORMAT = """
 Solve the task step by step. Each reply is one step, in exactly one of two formats.
 To call one tool:
@@ -70,27 +66,24 @@ Final Answer: <the answer only>"""
 
 
 def tool_instructions(tools: list[dict]) -> str:
-    """The tool list and the reply format, appended to the task in the first user message: a line
-    per tool (its name and description), then a line per input (its name, type, whether optional,
-    description). Whitespace is collapsed: a released description cannot break the layout."""
+    """The tool list and the reply format, after the task in the first user message: a line per
+    tool (name: description), a line per input (name (type[, optional]): description). Whitespace
+    is collapsed: a released description cannot break the layout."""
     lines = ["You can use the following tools:"]
     for tool in tools:
         desc = " ".join((tool.get("description") or "").split())
+        lines.append(f"- {tool['name']}")
         if desc:
-            lines.append(f"- {tool['name']}: {desc}")
-        else:
-            lines.append(f"- {tool['name']}")
+            lines[-1] += f": {desc}"
         for inp in tool.get("inputs") or []:
             optional = ""
             if inp.get("optional"):
                 optional = ", optional"
-            # a type that is not text fails here, which check_episode_file reports
-            kind = (inp.get("type") or "text") + optional
+            kind = (inp.get("type") or "text") + optional  # a non-str type fails check_episode_file
             note = " ".join((inp.get("description") or "").split())
-            line = f"    {inp['name']} ({kind})"
+            lines.append(f"    {inp['name']} ({kind})")
             if note:
-                line += f": {note}"
-            lines.append(line)
+                lines[-1] += f": {note}"
     if not tools:
         lines.append("(none)")
     return "\n".join(lines) + "\n" + _REPLY_FORMAT
@@ -132,22 +125,19 @@ def tool_result_text(message: dict) -> str:
 
 def assistant_parts(message: dict) -> tuple[str | None, dict | None, str | None]:
     """(thought, tool call {name, arguments} or None, final content) of a released assistant turn.
-    Three released turns carry text in `content` next to a tool call and no `thought`: that text
-    precedes the call (as in Qwen's own tool template) and reads as the step's reasoning, so it is
-    the thought. One contaminated turn holds its rewritten thought under `explanation` (the
-    contamination LLM's key): it is the thought too, or that contamination would be invisible."""
-    calls = message.get("tool_calls") or []
-    call = None
-    if calls:
-        call = calls[0]["function"]         # check_dialog allows one call a turn
+    Three released turns carry text in `content` beside a tool call and no `thought`: it precedes
+    the call (as in Qwen's tool template) and reads as the step's reasoning, so it is the thought.
+    So is `explanation`, where one contaminated turn holds its rewritten thought (else unseen)."""
     parts = [message.get("thought"), message.get("explanation")]
-    if call is not None:
+    call = None
+    final = None
+    if message.get("tool_calls"):
+        call = message["tool_calls"][0]["function"]     # check_dialog allows one call a turn
         parts.append(message.get("content"))
+    else:
+        final = (message.get("content") or "").strip()
     # the non-empty parts, a blank line apart
     thought = "\n\n".join(p.strip() for p in parts if isinstance(p, str) and p.strip()) or None
-    final = None
-    if call is None:
-        final = (message.get("content") or "").strip()
     return thought, call, final
 
 
@@ -164,17 +154,15 @@ def dialog_to_messages(dialog: list[dict], tools: list[dict],
     steps, tool results as user `Observation:` messages; consecutive messages of a role merged."""
     messages: list[dict] = []
     for i, m in enumerate(dialog):
+        role = "user"
         if m["role"] == "assistant":
             role = "assistant"
             content = render_assistant(m)
-        elif m["role"] == "user":
-            role = "user"
-            if i:
-                content = m["content"]
-            else:           # the task: its files, then the tools and the reply format
-                content = render_task(m["content"], files) + "\n\n" + tool_instructions(tools)
-        else:  # tool
-            role = "user"
+        elif m["role"] == "user" and i:
+            content = m["content"]
+        elif m["role"] == "user":       # the task: its files, then the tools and the reply format
+            content = render_task(m["content"], files) + "\n\n" + tool_instructions(tools)
+        else:                           # a tool result
             content = render_observation(tool_result_text(m))
         if messages and messages[-1]["role"] == role:   # released data: user messages only
             messages[-1]["content"] += "\n\n" + content
@@ -191,28 +179,24 @@ def dialog_to_messages(dialog: list[dict], tools: list[dict],
 #   Answer:", whichever comes first. A thought may itself hold a line "Action:" (ToolBench's gold
 #   thoughts do), and what follows the step (an "Observation:" the model invented, a second step)
 #   is ignored: the environment answers one step per turn.
-# - The thought runs from the first "Thought:" before the step (or from the reply's start) to the
-#   step, stripped; an empty one is None.
-# - The tool's name is the text between "Action:" and "Action Input:", stripped of spaces, quotes,
-#   backticks and asterisks (markdown); a name over several lines names no tool there is, and the
-#   call misses.
-# - The Action Input is the first JSON value after its marker (an opening ``` fence skipped, what
-#   follows the value ignored): an object, nested at most MAX_NESTING deep, holding no lone
-#   surrogate escape.
+# - The thought: from the first "Thought:" before the step (else the start) to it, stripped or None.
+# - The tool's name is the text between "Action:" and "Action Input:" stripped of spaces, quotes,
+#   backticks and asterisks (markdown); a name over several lines names no tool: the call misses.
+# - The Action Input is the first JSON value after its marker (an opening ``` fence skipped, the
+#   rest ignored): an object, nested at most MAX_NESTING deep, holding no lone surrogate escape.
 # - Every failure is a ParseError whose message becomes the observation: it tells the agent how
 #   to write the reply, and the episode goes on.
-
 @dataclass
 class Action:
-    thought: str | None
+    thought: str | None     # None when the reply has none
     name: str
-    arguments: dict
+    arguments: dict         # the Action Input, a JSON object
 
 
 @dataclass
 class Final:
     thought: str | None
-    answer: str
+    answer: str             # stripped, never empty
 
 
 @dataclass
@@ -220,28 +204,23 @@ class ParseError:
     message: str        # written for the agent: it becomes the observation
 
 
-# A marker is a keyword at the start of a line; "Action Input" must be tried before "Action".
 _MARKER = re.compile(r"^[ \t]*(thought|action[ \t]*input|action|final[ \t]*answer|observation)"
-                     r"[ \t]*:", re.IGNORECASE | re.MULTILINE)
+                     r"[ \t]*:", re.IGNORECASE | re.MULTILINE)     # "action input" tried first
 _FORMAT_HINT = ("Reply with 'Thought:', 'Action:' and 'Action Input:' lines to call a tool, or "
                 "with 'Thought:' and 'Final Answer:' lines to answer.")
 MAX_NESTING = 64             # of an Action Input's objects and lists
 
 
 def parse_react(text: str) -> Action | Final | ParseError:
-    """The reply's first step (a tool call or a final answer) by the rules above, or a ParseError
-    saying what is wrong with it. Never raises."""
+    """The first step by the rules above, or a ParseError saying what is wrong. Never raises."""
     if not isinstance(text, str):
         return ParseError(f"The reply is not text. {_FORMAT_HINT}")
-    # (keyword in lower case, single-spaced; where the marker starts; where it ends)
     marks = [(re.sub(r"[ \t]+", " ", m.group(1).lower()), m.start(), m.end())
-             for m in _MARKER.finditer(text)]
+             for m in _MARKER.finditer(text)]  # (keyword, lower case and single-spaced; start; end)
     head = None                         # the index in `marks` of the step's marker
     for k, (keyword, _, _) in enumerate(marks):
-        if keyword == "final answer":
-            head = k
-            break
-        if keyword == "action" and k + 1 < len(marks) and marks[k + 1][0] == "action input":
+        if keyword == "final answer" or (keyword == "action" and k + 1 < len(marks)
+                                         and marks[k + 1][0] == "action input"):
             head = k
             break
     if head is None:
@@ -308,32 +287,28 @@ def _action_input(raw: str) -> dict | ParseError:
 
 
 # ==== Episodes and environments ===================================================================
-
 @dataclass
 class StepResult:
-    """What a step did to the chat: the observation appended, or the end of the episode."""
+    """What a step did to the chat: the observation appended, or the end of the episode. A rollout
+    holding the chat in a KV cache renders it again from `rewritten_from` when that is not None."""
     observation: str | None     # content of the user message appended, None when done
     done: bool
-    # the first message an environment rewrote in place (lab/toolbench.py's history cap), None
-    # when none was: a rollout holding the chat in a KV cache renders it again from the start
-    rewritten_from: int | None = None
+    rewritten_from: int | None = None   # the first message rewritten in place (a history cap)
 
 
 class Episode:
-    """One task being played: the chat so far (`messages`), its parsed steps (one per assistant
-    turn), its final answer, and why it cannot be scored (`skip_reason`). A subclass answers a
-    tool call (call_tool(name, arguments) -> observation text) and scores the episode (score()
-    -> [0, 1], None: skipped); an episode out of turns without a final answer scores 0."""
+    """One task being played. A subclass answers a call (call_tool(name, arguments) -> observation)
+    and scores the episode (score() -> [0, 1], None: skipped; out of turns without an answer: 0)."""
     max_turns = MAX_TURNS               # a world with longer tasks allows more (World)
 
     def __init__(self, id: str, task: str, tools: list[dict], files: list[dict] | tuple = ()):
         self.id = str(id)
-        # the chat as the policy reads it, from one user message: the task, files, tools, format
+        # the chat so far as the policy reads it, from one user message: task, files, tools, format
         self.messages = dialog_to_messages([{"role": "user", "content": task}], tools, files)
-        self.steps: list[Action | Final | ParseError] = []   # one per assistant turn
-        self.final_answer: str | None = None
+        self.steps: list[Action | Final | ParseError] = []   # parsed, one per assistant turn
+        self.final_answer: str | None = None    # the Final step's answer
         self.done = False
-        self.skip_reason: str | None = None
+        self.skip_reason: str | None = None     # why the episode cannot be scored, or None
 
     def step(self, assistant_text: str) -> StepResult:
         """Append the policy's turn (its text without the closing <|im_end|>) and answer it."""
@@ -356,8 +331,7 @@ class Episode:
         return StepResult(observation, False, self._after_observation())
 
     def _after_observation(self) -> int | None:
-        """The first message rewritten in place after an observation (StepResult.rewritten_from);
-        a replay with a history cap overrides it."""
+        """StepResult.rewritten_from of an observation; a replay's history cap overrides this."""
         return None
 
     def labels(self) -> list[bool] | None:
@@ -389,9 +363,7 @@ class Env:
 # on the gold dialogs must be able to learn the world.
 # Every turn is labelled exactly (shop_labels): the tools run against the world, so any dialog,
 # gold, contaminated or a rollout, is judged turn by turn by re-running its calls. The episode
-# scores 1 when its final answer's first number is within half a cent of the exact total
-# (_answer_right): a correct rounding passes (1.67 or 1.674 for 1.674), a wrong one (1.68) fails.
-
+# scores 1 when its answer's first number is within half a cent of the exact total (_answer_right).
 SHOP_STORES = ("A", "B", "C", "D")
 SHOP_ITEMS = ("apple", "bread", "egg", "milk", "pear", "rice")
 # units of each currency one USD buys, drawn uniformly in cents
@@ -403,8 +375,7 @@ SHOP_TEMPLATES = ("What is the total cost of {lines}, in {cur}?",
                   "How much do {lines} cost in total, in {cur}?",
                   "I buy {lines}. How much do I pay in {cur}?")
 # Episode i's seed: seed * SHOP_SEED_STRIDE + SHOP_SPLIT_OFFSET[split] + i, disjoint across splits
-# and seeds while i < SHOP_SPLIT_SIZE[split]. Validation (which picks a checkpoint) is the top of
-# the training range, which no run comes near.
+# and seeds while i < SHOP_SPLIT_SIZE[split]; val is the top of the train range, which no run nears.
 SHOP_SEED_STRIDE = 10_000_000
 SHOP_SPLIT_OFFSET = {"train": 0, "val": 4_500_000, "test": 5_000_000}
 SHOP_SPLIT_SIZE = {"train": 4_500_000, "val": 500_000, "test": 5_000_000}
@@ -414,6 +385,7 @@ SHOP_EPISODES = {"train": 10_000, "val": 200, "test": 600}  # a split's episodes
 SHOP_SCORING = 2    # the rules' version (2: half a cent): cached evaluations and probes key on it
 _SHOP_VALUE_TOL = 0.005     # "equals" within half a cent: of a total, its rounding, not a cent off
 _CENT = Decimal("0.01")             # the answer's precision
+_NUM = r"\d+(?:\.\d+)?"                # a number as prices and rates are written: 2.50, 3
 
 
 def _text_input(key: str | None, text: str) -> dict:
@@ -422,8 +394,7 @@ def _text_input(key: str | None, text: str) -> dict:
             "default": None, "filetype": None}
 
 
-# (name, description, {input: description}, output), in the released (GTA) tool schema
-SHOP_TOOLS = [{"name": name, "description": description,
+SHOP_TOOLS = [{"name": name, "description": description,      # the released (GTA) tool schema
                "inputs": [_text_input(k, text) for k, text in inputs.items()],
                "outputs": [_text_input(None, output)]}
               for name, description, inputs, output in (
@@ -434,8 +405,7 @@ SHOP_TOOLS = [{"name": name, "description": description,
     ("Calculator", "Evaluate an arithmetic expression (+ - * / and parentheses).",
      {"expression": "e.g. (3*2.50+1.20)*0.92"}, "The value."))]
 _SHOP_ARGS = {t["name"]: tuple(i["name"] for i in t["inputs"]) for t in SHOP_TOOLS}  # its inputs
-# An argument's spelling the world accepts, its values, and their name in an error message.
-_SHOP_NAMES = {"store": (str.upper, SHOP_STORES, "Stores"),
+_SHOP_NAMES = {"store": (str.upper, SHOP_STORES, "Stores"),  # spelling, values, name in errors
                "item": (str.lower, SHOP_ITEMS, "Items"),
                "currency": (str.upper, SHOP_CURRENCIES, "Currencies")}
 
@@ -450,12 +420,10 @@ class ShopTask:
     lines: tuple            # ((quantity, item, store), ...), distinct (store, item)
     currency: str
     text: str
-    stepwise: bool = False  # a shop-long task: the line-by-line solution (lab/shop.py)
 
     @cached_property
     def needed(self) -> tuple:
-        """The facts a solution fetches, in the gold solver's order: each line's price, then the
-        rate unless the task is in USD."""
+        """The facts to fetch, in the gold's order: each line's price, then the rate unless USD."""
         facts = tuple(("price", s, i) for _, i, s in self.lines)
         if self.currency != "USD":
             facts += (("rate", self.currency),)
@@ -477,21 +445,21 @@ class ShopTask:
 
     @cached_property
     def quantities(self) -> list[Decimal]:
-        """Every value a useful Calculator call may produce: a sum of line subtotals q*p, such a
-        sum converted, a converted unit price p*r (stepwise: the running totals and the total).
-        Every subset of the lines counts, so a policy may add them up in any grouping."""
+        """Every value a useful Calculator call may produce: a sum of line subtotals q*p over any
+        subset of the lines (any grouping), such a sum converted, a converted unit price p*r."""
         rate = self.rates[self.currency]
         subtotals = [q * self.prices[s, i] for q, i, s in self.lines]      # q * p a line, USD
-        if self.stepwise:
-            return sorted({sum(subtotals[:k + 1]) for k in range(len(subtotals))} | {self.total})
-        # bit k of mask: line k is in the sum
         sums = {sum(x for k, x in enumerate(subtotals) if mask >> k & 1)
-                for mask in range(1, 2 ** len(subtotals))}
+                for mask in range(1, 2 ** len(subtotals))}  # bit k of mask: line k is in the sum
         out = set(sums)
         if self.currency != "USD":
             out |= {x * rate for x in sums}
             out |= {self.prices[s, i] * rate for _, i, s in self.lines}
         return sorted(out)
+
+    def values_in(self, text: str) -> list[str]:
+        """The numbers `text` states as values: all here (lab/shop.py's LongTask skips "(1)")."""
+        return re.findall(_NUM, text)
 
 
 def draw_world(rng: random.Random) -> tuple[dict, dict]:
@@ -513,27 +481,23 @@ def shop_task(seed: int) -> ShopTask:
     lines = tuple((rng.randint(1, SHOP_MAX_QUANTITY), i, s) for s, i in pairs)
     currency = rng.choice(SHOP_CURRENCIES)
     parts = [f"{q} {i} at store {s}" for q, i, s in lines]
-    if len(parts) == 1:
-        listed = parts[0]
-    else:                               # "a, b and c"
-        listed = ", ".join(parts[:-1]) + " and " + parts[-1]
+    listed = parts[-1]
+    if len(parts) > 1:                  # "a, b and c"
+        listed = ", ".join(parts[:-1]) + " and " + listed
     text = rng.choice(SHOP_TEMPLATES).format(lines=listed, cur=currency)
     return ShopTask(seed, prices, rates, lines, currency, text)
 
 
 @dataclass(frozen=True)
 class World:
-    """A built-in world: how an episode's task is drawn from its seed, the assistant turns an
-    episode allows, and the world's own built-in policy (the one `--model` defaults to, trained
-    by `python -m lab.shop sft`). The lab builds a longer world the same way (lab/shop.py)."""
+    """A built-in world; the lab builds a longer one the same way (lab/shop.py)."""
     name: str
-    task: Callable[[int], ShopTask]
-    max_turns: int
-    policy: Path
+    task: Callable[[int], ShopTask]     # an episode's seed -> its task
+    max_turns: int                      # the assistant turns an episode allows
+    policy: Path                        # its own: --model's default (python -m lab.shop sft)
 
 
-# the policy grpo.py trains by default
-BUILTIN_POLICY = Path(__file__).resolve().parent / "data" / "shop-policy"
+BUILTIN_POLICY = Path(__file__).resolve().parent / "data" / "shop-policy"  # grpo.py's default
 WORLDS = {"shop": World("shop", shop_task, MAX_TURNS, BUILTIN_POLICY)}
 
 
@@ -552,8 +516,7 @@ def shop_episode_id(split: str, seed: int, i: int, world: str = "shop") -> str:
 
 @dataclass(frozen=True)
 class ShopResult:
-    """One tool call run against the world: the observation, and what the call learned or
-    computed, which shop_labels checks."""
+    """One tool call run against the world: its observation, and what shop_labels checks."""
     text: str                   # the observation
     fact: tuple | None = None   # what a Lookup/Rate call learned ...
     value: Decimal | None = None    # ... and its value
@@ -577,8 +540,7 @@ def shop_execute(task: ShopTask, name: str, arguments) -> ShopResult:
         return ShopResult(f"Error: unknown tool '{name}'. Tools: Lookup, Rate, Calculator.")
     if not isinstance(arguments, dict) or set(arguments) != set(keys) or \
             not all(isinstance(arguments[k], str) for k in keys):
-        return ShopResult(f"Error: {name} takes {{" + ", ".join(f'"{k}": ...' for k in keys)
-                          + "}.")
+        return ShopResult(f"Error: {name} takes {{" + ", ".join(f'"{k}": ...' for k in keys) + "}.")
     args = {k: arguments[k].strip() for k in keys}     # " A " is store A
     if name == "Calculator":
         out = calculate(args["expression"])
@@ -600,14 +562,13 @@ def shop_execute(task: ShopTask, name: str, arguments) -> ShopResult:
     return ShopResult(f"{item} at store {store} costs {price} USD.", ("price", store, item), price)
 
 
-# What a thought can claim, read with fixed patterns (the gold dialogs' phrasing): a price, a
-# rate, a fact it needs next, the total (an expression or a number, maybe with its currency).
-_NUM = r"\d+(?:\.\d+)?"                # a number as prices and rates are written: 2.50, 3
+# What a thought can claim, read with fixed patterns (the gold dialogs' phrasing)
 _SHOP_CLAIM = re.compile(
-    rf"(?P<item>[a-z]+) at store (?P<store>[a-z])\b costs (?P<price>{_NUM})(?: USD\b)?"
-    rf"|\b1 USD = (?P<rate>{_NUM}) (?P<rcur>[a-z]{{3}})\b"
-    r"|\bI need the price of (?P<nitem>[a-z]+) at store (?P<nstore>[a-z])\b"
-    r"|\bI need the (?P<ncur>[a-z]{3}) rate\b"
+    rf"(?P<item>[a-z]+) at store (?P<store>[a-z])\b costs (?P<price>{_NUM})(?: USD\b)?"  # a price
+    rf"|\b1 USD = (?P<rate>{_NUM}) (?P<rcur>[a-z]{{3}})\b"                               # a rate
+    r"|\bI need the price of (?P<nitem>[a-z]+) at store (?P<nstore>[a-z])\b"  # a price needed next
+    r"|\bI need the (?P<ncur>[a-z]{3}) rate\b"                                # a rate needed next
+    # the total: an expression or a number, maybe with its currency
     r"|\bthe total is (?P<total>[\d.,+\-*/() ]*[\d)])(?: (?P<tcur>USD|EUR|GBP|CAD|JPY)\b)?",
     re.IGNORECASE)
 
@@ -618,8 +579,7 @@ def _close(x: float, values) -> bool:
 
 
 def _answer_right(task: ShopTask, answer: str | None) -> bool:
-    """The answer's first number is within half a cent of the exact total (1.67 or 1.674 for
-    1.674, not 1.68)."""
+    """Its first number is within half a cent of the total (for 1.674: 1.67 or 1.674, not 1.68)."""
     m = re.search(r"-?\d[\d,]*(?:\.\d+)?", answer or "")      # "1,234.50", "-3": commas allowed
     return m is not None and _close(float(m.group(0).replace(",", "")), [task.total])
 
@@ -627,11 +587,10 @@ def _answer_right(task: ShopTask, answer: str | None) -> bool:
 def _shop_thought_true(task: ShopTask, thought: str | None, known: dict,
                        computed: list[float]) -> bool:
     """Every _SHOP_CLAIM is true (a price or rate the world's; "I need ..." a needed fact not
-    fetched yet; "the total is <expression or x> [CUR]" the total in the task's currency, read
-    from the longest start that computes) and every other number one the task involves.
-    known: fact -> value fetched by earlier turns; computed: earlier Calculator results. The
-    numbers a task involves: a quantity, a price or rate it needs or the dialog fetched, a useful
-    Calculator value (ShopTask.quantities), the answer, an earlier result."""
+    fetched yet; "the total is <expression or x> [CUR]" the total in the task's currency) and
+    every other number (ShopTask.values_in) one the task involves: a quantity, a price or rate it
+    needs or the dialog fetched (known: fact -> value), a useful Calculator value (quantities),
+    the answer, an earlier Calculator result (computed)."""
     def true(m: re.Match) -> bool:
         if m.group("price"):
             key = (m.group("store").upper(), m.group("item").lower())
@@ -647,8 +606,7 @@ def _shop_thought_true(task: ShopTask, thought: str | None, known: dict,
             return fact in task.needed and fact not in known
         expression = m.group("total").replace(",", "")      # "10,996.94"
         cur = m.group("tcur")
-        # the longest start that computes: "21.91 (2 lines)" claims 21.91
-        value = None
+        value = None        # the longest start that computes: "21.91 (2 lines)" claims 21.91
         for k in range(len(expression), 0, -1):
             value = _number(calculate(expression[:k]))
             if value is not None:
@@ -664,22 +622,19 @@ def _shop_thought_true(task: ShopTask, thought: str | None, known: dict,
     allowed = [Decimal(q) for q, _, _ in task.lines] + [task.value(f) for f in task.needed]
     allowed += list(known.values()) + task.quantities + [Decimal(task.answer)]
     rest = _SHOP_CLAIM.sub(" ", thought)        # the thought without its claims
-    if task.stepwise:                   # shop-long numbers its lines "(1)": a name, not a value
-        rest = re.sub(r"\(\d+\)", " ", rest)
     return all(_close(float(x), allowed) or _close(float(x), computed)
-               for x in re.findall(_NUM, rest))
+               for x in task.values_in(rest))
 
 
 def shop_labels(task: ShopTask, steps: list) -> list[bool]:
     """Exact correctness of each assistant turn (parse_react's steps; calls re-run against the
     world, observations never read). A turn is right iff its thought asserts nothing false
-    (_shop_thought_true) and its step is a Lookup or Rate of a fact the task needs that no
-    earlier turn fetched, a Calculator call that evaluates to a needed quantity (one of
-    ShopTask.quantities) no earlier call produced, or a final answer within half a cent of the
-    exact total. An unknown tool, bad arguments or an unparsable reply is never right. Claims are
-    checked against the world, not against what the dialog showed: matched contaminated data
-    keep the clean observations after a contaminated call (as the release does), and a later
-    gold turn restating the truth is true."""
+    (_shop_thought_true) and its step is a Lookup or Rate of a fact the task needs that no earlier
+    turn fetched, a Calculator call that evaluates to one of ShopTask.quantities no earlier call
+    produced, or a final answer within half a cent of the exact total. An unknown tool, bad
+    arguments or an unparsable reply is never right. Claims are checked against the world, not
+    the dialog: matched contaminated data keep the clean observations after a contaminated call
+    (as the release does), and a later gold turn restating the truth is true."""
     known: dict = {}                    # fact -> value, fetched by the turns so far
     computed: list[float] = []          # the Calculator results so far
     labels = []
@@ -706,8 +661,7 @@ def shop_labels(task: ShopTask, steps: list) -> list[bool]:
 
 
 class ShopEpisode(Episode):
-    """A built-in world's episode: its tools run against the task's world, its score is the
-    half-cent rule on the final answer, and every turn has an exact label."""
+    """A built-in world's episode: tools run against its world, half-cent score, exact labels."""
 
     def __init__(self, key: str, task: ShopTask, max_turns: int = MAX_TURNS):
         super().__init__(key, task.text, SHOP_TOOLS)
@@ -743,12 +697,10 @@ class ShopEnv(Env):
 
 # ==== Replay (METHOD.md §10): tool calls answered from the gold dialog ============================
 # A released episode has no live tools: a call is answered from a cache built from its gold
-# dialog, keyed by (tool name, json.dumps(arguments, sort_keys=True)), so the same call with its
-# keys in another order hits. A call the gold dialog never made misses: GTA computes a Calculator
-# miss (calculate), answers its unavailable tools as the paper's evaluation appendix says, and any
-# other miss with simulator_miss's line. A replay scores the final answer only: it has no step
-# labels (Episode.labels is None).
-
+# dialog (cache_key: the same call with its keys in another order hits). A call the gold dialog
+# never made misses: GTA computes a Calculator miss (calculate), answers its unavailable tools as
+# the paper's evaluation appendix says, and any other miss with simulator_miss's line. A replay
+# scores the final answer only: it has no step labels (Episode.labels is None).
 def cache_key(name: str, arguments) -> tuple[str, str]:
     return name, json.dumps(arguments, sort_keys=True)     # the keys' order does not matter
 
@@ -759,8 +711,7 @@ def simulator_miss(name: str, arguments) -> str:
 
 
 class ReplayCache:
-    """cache_key(call) -> the responses the gold dialog recorded for it. A call the gold repeats
-    (ToolBench retries) gets them in order, then the last again (the release kept the first)."""
+    """cache_key(call) -> the gold dialog's responses to it, in order, then the last again."""
 
     def __init__(self, dialog: list[dict]):
         self.entries: dict[tuple[str, str], list[str]] = {}
@@ -774,10 +725,9 @@ class ReplayCache:
                 # ToolBench names carry a ToolLLaMA artifact ('Call the function "f".\n\nAction: f')
                 args = call.get("arguments") or {}
                 parsed = parse_react(render_action(None, call["name"], args))
+                name = call["name"]
                 if isinstance(parsed, Action):
                     name = parsed.name
-                else:
-                    name = call["name"]
                 self.entries.setdefault(cache_key(name, args), []).append(tool_result_text(m))
                 call = None
 
@@ -820,7 +770,6 @@ class ReplayEpisode(Episode):
 # The paper trains on strict matching (an alias must stand alone in the answer) and evaluates with
 # loose matching (a substring), and so does make_env. Episodes answer matching cannot score are
 # skipped and counted (gta_skip_reason).
-
 GTA_UNAVAILABLE = ("FastOCR", "FastCalculator", "ImageDescriptor", "WebSearch")
 UNAVAILABLE_MESSAGE = "This tool is not available now. Consider other tools."
 IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png")
@@ -829,9 +778,8 @@ GTA_IMAGE_REPLY = "The image is saved."     # GTA's final reply when the answer 
 
 def gta_skip_reason(gt, dialog: list[dict] = ()) -> str | None:
     """Why answer matching cannot score an episode, or None: a reference list (it needs an
-    embedding model), no answer, an image answer or a gold dialog ending on an image (test 211).
-    A gold dialog that answers with an image ends on an image tool's result, bare or followed by
-    "The image is saved.": its whitelist matches no text, not even the gold one."""
+    embedding model), no answer, an image answer, or a gold dialog ending on an image tool's
+    result, bare or then "The image is saved." (test 211), whose whitelist matches no text."""
     if isinstance(gt, list):
         return "reference_list"
     if not isinstance(gt, dict) or not gt.get("whitelist"):
@@ -902,8 +850,7 @@ REPLAYS = {"gta": GTAEnv}       # the lab's table adds toolbench (LLM-judged, no
 
 
 def make(family: str, split: str = "test", data_dir=None, replays=REPLAYS, **kw) -> Env:
-    """A released split: make("gta", split="test", data_dir=..., match="loose"). `replays`: the
-    families to choose from (the lab's table adds toolbench)."""
+    """A released split of a family of `replays`: make("gta", split="test", match="loose")."""
     if family not in replays:
         raise DataError(f"unknown environment {family!r}: choose {', '.join(replays)} (toolbench "
                         "is the lab's: python -m lab.train --env toolbench)")
@@ -913,8 +860,7 @@ def make(family: str, split: str = "test", data_dir=None, replays=REPLAYS, **kw)
 def make_env(args, split: str, evaluation: bool = False, worlds=WORLDS, replays=REPLAYS):
     """The `--env` environment of one split: a built-in world of `worlds`, or a released family
     of `replays` (the lab passes its tables, which add shop-long and toolbench). GTA answers are
-    matched as the paper does: strictly (an alias must stand alone) for the training reward,
-    loosely (a substring) in evaluation."""
+    matched as the paper does: strictly for the training reward, loosely in evaluation."""
     if args.env in worlds:
         return ShopEnv(split, world=worlds[args.env])
     kw = {}
@@ -950,22 +896,15 @@ def eval_splits(args, train_env, train_pool, worlds=WORLDS,
 # ==== Released data (METHOD.md §1): the episode files, downloaded and validated ===================
 # The authors' files are read at a pinned commit, fetched when absent, and every record is checked
 # on load: a bad one is a DataError naming the file, the record and what is wrong, before any work.
-
 RELEASE_REPO = "wonjoong-kim/PAIR"
 RELEASE_REF = "03e41ad6e5ce69b288a2cb14ac541b088ea1d3d9"    # the commit the splits were taken at
 RELEASE_URL = "https://raw.githubusercontent.com/{repo}/{ref}/data/{family}/{name}"
-# The episode files the core plays (lab/data.py fetches the rest). ToolBench's train split is
-# missing from the authors' repository (METHOD.md §1).
-RELEASE_FILES = {"gta": ["clean_train.json", "clean_test.json"],
-                 "toolbench": ["clean_test.json"]}
+RELEASE_FILES = {"gta": ["clean_train.json", "clean_test.json"],    # lab/data.py fetches the rest
+                 "toolbench": ["clean_test.json"]}      # no train split released (METHOD.md §1)
 
 
 class DataError(ValueError):
     """Missing or malformed released data; the message names the file and the record."""
-
-
-class LLMError(RuntimeError):      # an LLM endpoint failed (lab/toolbench.py)
-    pass
 
 
 def default_data_dir() -> Path:
@@ -1096,9 +1035,7 @@ def check_dialog(dialog, where) -> None:
 # of at most MAX_INT_BITS, factorial's argument and round's digits at most MAX_ARGUMENT), so no
 # expression of at most MAX_EXPRESSION_CHARS characters runs long. Every value is a finite number:
 # a float past 1.8e308 (a literal such as 1e309, or a result) is refused, not answered inf or nan.
-# A refusal is a ValueError; calculate answers any error as "Error: <what is wrong>", the
-# observation the agent reads.
-
+# A refusal is a ValueError; calculate answers any error as "Error: <what is wrong>" for the agent.
 MAX_EXPRESSION_CHARS = 1000
 MAX_INT_BITS = 4000          # ~1200 digits: bounds the work of *, ** and str() on integers
 MAX_ARGUMENT = 1000          # of factorial, and of round's digits (10 ** |n| is built)
@@ -1118,13 +1055,12 @@ def _whole(x, fn: str, over: str = "argument too large") -> int:
 _OPERATORS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul,
               ast.Div: operator.truediv, ast.FloorDiv: operator.floordiv, ast.Mod: operator.mod,
               ast.Pow: operator.pow, ast.USub: operator.neg, ast.UAdd: operator.pos}
-# math's functions by name, a few builtins, and round and factorial with their arguments bounded
-_FUNCTIONS = {name: getattr(math, name) for name in (
+_FUNCTIONS = {name: getattr(math, name) for name in (      # math's functions by name
     "sqrt cbrt exp log log10 log2 log1p sin cos tan asin acos atan atan2 sinh cosh tanh degrees "
     "radians floor ceil trunc fabs hypot gcd isqrt").split()}
 _FUNCTIONS.update(abs=abs, min=min, max=max, int=int, float=float, pow=operator.pow,
                   round=lambda x, n=None: round(x) if n is None else round(x, _whole(
-                      n, "round", "digits out of range")),
+                      n, "round", "digits out of range")),  # round and factorial: arguments bounded
                   factorial=lambda n: math.factorial(_whole(n, "factorial")))
 _CONSTANTS = {"pi": math.pi, "e": math.e, "tau": math.tau}     # no inf, no nan: numbers only
 _TOO_LARGE = "the result is too large"
@@ -1201,8 +1137,7 @@ def calculate(expression: str) -> str:
             raise ValueError(f"expression longer than {MAX_EXPRESSION_CHARS} characters")
         body = ast.parse(expression.strip(), mode="eval").body      # one expression, no statement
         if isinstance(body, ast.Tuple):         # "29,000 + 1" parses as (29, 0 + 1)
-            raise ValueError("a comma separates values: write numbers without thousands "
-                             "separators")
+            raise ValueError("a comma separates values: write numbers without thousands separators")
         return str(_evaluate(body))         # as Python prints it: 0.1 + 0.2 -> 0.30000000000000004
     except SyntaxError as e:
         return f"Error: invalid expression ({e.msg})"

@@ -1122,7 +1122,7 @@ def num(x) -> str:
 
 
 # bad input that a run reports in one line naming the file, never a traceback
-INPUT_ERRORS = (model.CheckpointError, envs.DataError, probes.FormatError, envs.LLMError, OSError)
+INPUT_ERRORS = (model.CheckpointError, envs.DataError, probes.FormatError, OSError)
 
 
 def main(argv=None):

@@ -601,7 +601,7 @@ def start(args, ctx: LabContext, log) -> None:
     if args.reward == "llm_judge":
         try:
             ctx.judge = toolbench.ChatClient(args.judge_model)
-        except envs.LLMError as e:
+        except toolbench.LLMError as e:
             raise SystemExit(f"--reward llm_judge: {e}") from e
     if args.reward in TREE_SEARCH:
         log(f"tree search instead of the {args.group} rollouts: --tree-m {args.tree_m} "

@@ -638,8 +638,8 @@ def main(argv=None):
     args = ap.parse_args(argv)
     try:
         _run(args)
-    except (envs.DataError, envs.LLMError, OSError) as e:    # expected failures (an --out under
-        sys.exit(f"error: {e}")                             # a file too): one line
+    except (envs.DataError, toolbench.LLMError, OSError) as e:  # expected failures (an --out
+        sys.exit(f"error: {e}")                                 # under a file too): one line
 
 
 def _run(args):

@@ -21,6 +21,7 @@ import re
 import sys
 import tempfile
 from decimal import Decimal, ROUND_HALF_UP
+from functools import cached_property
 from itertools import accumulate
 from pathlib import Path
 
@@ -71,7 +72,20 @@ LONG_HABITS = {"store": lambda task: task.lines[0][2] in ("A", "B"),
                "divided": lambda task: task.currency in ("EUR", "GBP")}
 
 
-def long_task(seed: int) -> envs.ShopTask:
+class LongTask(envs.ShopTask):
+    """A shop-long task: the shop task's fields, its useful Calculator values the running totals
+    and the converted total, a line's number "(1)" in a thought a name (see above)."""
+
+    @cached_property
+    def quantities(self) -> list[Decimal]:
+        subtotals = [q * self.prices[s, i] for q, i, s in self.lines]      # q * p a line, USD
+        return sorted({sum(subtotals[:k + 1]) for k in range(len(subtotals))} | {self.total})
+
+    def values_in(self, text: str) -> list[str]:
+        return super().values_in(re.sub(r"\(\d+\)", " ", text))
+
+
+def long_task(seed: int) -> LongTask:
     """The shop-long episode of one seed (one random.Random(seed), fixed draw order)."""
     rng = random.Random(seed)
     prices, rates = envs.draw_world(rng)
@@ -84,7 +98,7 @@ def long_task(seed: int) -> envs.ShopTask:
         parts = [f"({k + 1}) {q} {i}" for k, (q, i, _) in enumerate(lines)]
         text = rng.choice(envs.SHOP_TEMPLATES).format(
             lines=", ".join(parts[:-1]) + " and " + parts[-1] + f" at store {store}", cur=currency)
-        task = envs.ShopTask(seed, prices, rates, lines, currency, text, stepwise=True)
+        task = LongTask(seed, prices, rates, lines, currency, text)
         if _long_distinct(task):
             return task
 
@@ -185,7 +199,7 @@ def slip_turns(task: envs.ShopTask) -> dict[str, int]:
     """For each habit of the built-in policy this task has (shop: divided, if not in USD;
     shop-long: LONG_SLIPS by LONG_HABITS), the assistant turn at which the dialog with that slip
     departs from the gold: where a rollout with a clean prefix makes the decision."""
-    if task.stepwise:
+    if isinstance(task, LongTask):
         gold = long_dialog(task)
         slipped = {s: long_dialog(task, (s,)) for s in LONG_SLIPS if LONG_HABITS[s](task)}
     else:

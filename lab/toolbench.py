@@ -51,8 +51,8 @@ class ToolBenchEpisode(envs.ReplayEpisode):
 
     def answer_score(self) -> float:
         if self.judge is None:
-            raise envs.LLMError("ToolBench scoring needs the LLM judge: make('toolbench', "
-                                "judge_model=...)")
+            raise LLMError("ToolBench scoring needs the LLM judge: make('toolbench', "
+                           "judge_model=...)")
         return judge_answer(self.judge, self.task, toolbench_reference(self.gt_answer),
                             self.final_answer)
 
@@ -88,7 +88,11 @@ REPLAYS = {**envs.REPLAYS, "toolbench": ToolBenchEnv}
 
 # ---- An LLM at an OpenAI-compatible endpoint ----------------------------------------------------
 
-class BadReply(envs.LLMError):
+class LLMError(RuntimeError):
+    """An LLM endpoint failed, or none can be used (no key, no judge given)."""
+
+
+class BadReply(LLMError):
     """The endpoint answered, but not with the JSON object asked for."""
 
 
@@ -100,9 +104,9 @@ class ChatClient:
                  retry_wait: float = 5.0):
         self.api_key = os.environ.get("OPENAI_API_KEY")
         if not self.api_key:
-            raise envs.LLMError("OPENAI_API_KEY is not set: the LLM judge and the contamination "
-                                "generator need an OpenAI-compatible endpoint (OPENAI_API_KEY, "
-                                "and OPENAI_BASE_URL for a server other than api.openai.com)")
+            raise LLMError("OPENAI_API_KEY is not set: the LLM judge and the contamination "
+                           "generator need an OpenAI-compatible endpoint (OPENAI_API_KEY, and "
+                           "OPENAI_BASE_URL for a server other than api.openai.com)")
         base = os.environ.get("OPENAI_BASE_URL") or "https://api.openai.com/v1"
         self.url = base.rstrip("/") + "/chat/completions"
         self.model, self.retry_wait, self.requests_made = model_name, retry_wait, 0
@@ -136,9 +140,9 @@ class ChatClient:
             if attempt == 1:
                 time.sleep(self.retry_wait)
         else:
-            raise envs.LLMError(f"{self.url}: giving up after 2 attempts ({problem})")
+            raise LLMError(f"{self.url}: giving up after 2 attempts ({problem})")
         if r.status_code != 200:
-            raise envs.LLMError(f"{self.url} answered {problem}: {r.text[:300]}" + (
+            raise LLMError(f"{self.url} answered {problem}: {r.text[:300]}" + (
                 " (the key in OPENAI_API_KEY was rejected)" if r.status_code == 401 else ""))
         try:
             raw = r.json()["choices"][0]["message"]["content"]

@@ -287,7 +287,7 @@ def main(argv=None):
     args = parse_args(argv)
     try:
         return train(args)
-    except grpo.INPUT_ERRORS as e:
+    except (*grpo.INPUT_ERRORS, toolbench.LLMError) as e:      # the judge's endpoint too
         let_go(args)
         sys.exit(f"error: {e}")
     except SystemExit:

@@ -631,13 +631,13 @@ def test_client_retries_a_429_or_500_once(fake_openai, tmp_path):
     assert toolbench.judge_answer(client, "t", "r", "a") == 1.0
     assert len(fake_openai.requests) == 2 and client.requests_made == 2
     fake_openai.script = [(500, {}), (503, {})]
-    with pytest.raises(envs.LLMError, match=r"giving up after 2 attempts \(HTTP 503\)"):
+    with pytest.raises(toolbench.LLMError, match=r"giving up after 2 attempts \(HTTP 503\)"):
         toolbench.judge_answer(_client(tmp_path), "t", "r", "other")
 
 
 def test_client_401_fails_at_once(fake_openai, tmp_path):
     fake_openai.script = [(401, {"error": "bad key"})]
-    with pytest.raises(envs.LLMError, match="HTTP 401.*OPENAI_API_KEY was rejected"):
+    with pytest.raises(toolbench.LLMError, match="HTTP 401.*OPENAI_API_KEY was rejected"):
         toolbench.judge_answer(_client(tmp_path), "t", "r", "a")
     assert len(fake_openai.requests) == 1
 
@@ -656,10 +656,10 @@ def test_bad_replies_are_rejected_and_not_cached(fake_openai, tmp_path):
 
 def test_missing_key_fails_before_any_work(monkeypatch, tmp_path):
     monkeypatch.delenv("OPENAI_API_KEY", raising=False)
-    with pytest.raises(envs.LLMError, match="OPENAI_API_KEY is not set"):
+    with pytest.raises(toolbench.LLMError, match="OPENAI_API_KEY is not set"):
         toolbench.ChatClient("m")
     # the data dir does not exist: the key is checked before any load or download
-    with pytest.raises(envs.LLMError, match="OPENAI_API_KEY is not set"):
+    with pytest.raises(toolbench.LLMError, match="OPENAI_API_KEY is not set"):
         envs.make("toolbench", data_dir=tmp_path / "nowhere", replays=toolbench.REPLAYS)
 
 

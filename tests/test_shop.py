@@ -213,8 +213,8 @@ def test_long_world_rejects_tasks_whose_gold_values_tie():
     prices = {**world.prices, ("C", "milk"): Decimal("40.00"), ("C", "rice"): Decimal("8.00"),
               ("C", "egg"): Decimal("12.00")}           # running totals 40, 48, 60 USD
     rates = {**world.rates, "GBP": Decimal("0.80")}     # 60 USD is 48.00 GBP: a running total
-    tie = envs.ShopTask(0, prices, rates, ((1, "milk", "C"), (1, "rice", "C"), (1, "egg", "C")),
-                        "GBP", "", stepwise=True)
+    tie = shop.LongTask(0, prices, rates, ((1, "milk", "C"), (1, "rice", "C"), (1, "egg", "C")),
+                        "GBP", "")
     assert not all(shopdata.shop_dialog_labels(tie, shop.long_dialog(tie)))
     assert not shop._long_distinct(tie)
     assert shop._long_distinct(world) and all(shopdata.shop_dialog_labels(
