@@ -94,7 +94,12 @@ def setup(args, procs: pair.Processes | None = None) -> Training:
     out = prepare_out(args, procs)
     params = [p for p in policy.parameters() if p.requires_grad]      # the adapter's
     optimizer = torch.optim.AdamW(params, lr=args.lr, weight_decay=args.weight_decay)
-    log_start(args, policy, pool, held, procs, out, log)
+    n_lora = sum(p.numel() for p in params)
+    log(f"policy {args.model}: {sum(p.numel() for p in policy.parameters()) - n_lora:,} "
+        f"parameters, + {n_lora:,} in the LoRA adapter (trained); env {args.env}: {len(pool)} "
+        f"training / {len(held['val'][1])} validation / {len(held['test'][1])} test episodes; "
+        f"reward {args.reward}; {args.steps} steps of {args.batch} x {args.group} rollouts on "
+        f"{procs.size} process(es); run in {out}", flush=True)
     return Training(policy, tok, env, pool, held, reward, pair.ADVANTAGES[args.advantage], ctx,
                     optimizer, args, procs, out, log, report)
 
@@ -159,15 +164,6 @@ def read_probes(ctx: pair.RewardContext, args, policy, where: Path) -> None:
     else:
         ctx.probe = head
         ctx.feature = args.reward
-
-
-def log_start(args, policy, pool, held, procs, out, log) -> None:
-    n_lora = sum(p.numel() for p in policy.parameters() if p.requires_grad)
-    log(f"policy {args.model}: {sum(p.numel() for p in policy.parameters()) - n_lora:,} "
-        f"parameters, + {n_lora:,} in the LoRA adapter (trained); env {args.env}: {len(pool)} "
-        f"training / {len(held['val'][1])} validation / {len(held['test'][1])} test episodes; "
-        f"reward {args.reward}; {args.steps} steps of {args.batch} x {args.group} rollouts on "
-        f"{procs.size} process(es); run in {out}", flush=True)
 
 
 # --- 2. One step: play each prompt's group, reward and advantage it, update ------------------
@@ -397,7 +393,9 @@ def train(args) -> dict:
         log_step(run, rec, seconds)
         if not warned and below_chance(aurocs) is not None:
             warned = True
-            warn_below_chance(run, below_chance(aurocs))
+            run.log(f"warning: the probe ranks this run's own turns below chance (mean AUROC "
+                    f"{below_chance(aurocs):.2f} over the last {CHANCE_WINDOW} steps): its "
+                    "reward now favours wrong turns", flush=True)
         if (step + 1) % args.save_every == 0 or step + 1 == args.steps:     # and evaluated
             path = save_checkpoint(run.out, step + 1, run.policy, run.optimizer, run.procs)
             run.log(f"checkpoint {path}", flush=True)
@@ -423,12 +421,6 @@ def log_step(run: Training, rec: dict, seconds: list[float]) -> None:
     if rec.get("skipped_updates"):
         log(f"warning: step {rec['step']}: the gradient was not finite; the adapter was not "
             "updated (skipped_updates in metrics.jsonl)", flush=True)
-
-
-def warn_below_chance(run: Training, mean: float) -> None:
-    run.log(f"warning: the probe ranks this run's own turns below chance (mean AUROC "
-            f"{mean:.2f} over the last {CHANCE_WINDOW} steps): its reward now favours wrong "
-            "turns", flush=True)
 
 
 CHANCE_WINDOW = 5       # steps the drift monitor's alarm averages over

@@ -100,7 +100,8 @@ def turn_records(trajs: list) -> detection.Split:
                distance=torch.tensor(distance), rollout=torch.tensor(sample),
                kind=torch.tensor(kind), nll=torch.tensor(nll),
                score=torch.tensor(score, dtype=torch.float64))
-    return detection.Split("own_turns", raw, raw["label"].long(), episode_id, {"kinds": list(kinds)})
+    return detection.Split("own_turns", raw, raw["label"].long(), episode_id,
+                           {"kinds": list(kinds)})
 
 
 def kind_balanced_indices(y: torch.Tensor, kind: torch.Tensor, seed: int) -> torch.Tensor:
@@ -173,12 +174,12 @@ def contaminated_corpus(policy, tok, episodes: int, log) -> detection.Split:
         loaded = [lab_data.load_matched(Path(tmp) / f"{name}.json")
                   for name in detection.TRAIN_SPLITS["mixed"]]
     # feature-less splits whose "raw" says where each row came from: (split, record) indices
-    index = {name: detection.Split(name, {"turn_idx": torch.tensor([int(r["turn_idx"]) for r in recs]),
-                                      "split": torch.full((len(recs),), s),
-                                      "record": torch.arange(len(recs))},
-                               torch.tensor([int(r["label"]) for r in recs]),
-                               [str(r["episode_id"]) for r in recs], {})
-             for s, (name, recs) in enumerate(zip(detection.TRAIN_SPLITS["mixed"], loaded))}
+    index = {}
+    for s, (name, recs) in enumerate(zip(detection.TRAIN_SPLITS["mixed"], loaded)):
+        where = {"turn_idx": torch.tensor([int(r["turn_idx"]) for r in recs]),
+                 "split": torch.full((len(recs),), s), "record": torch.arange(len(recs))}
+        index[name] = detection.Split(name, where, torch.tensor([int(r["label"]) for r in recs]),
+                                      [str(r["episode_id"]) for r in recs], {})
     kept = detection.training_set(index, "mixed", PROBE_SEED)
     records = [loaded[s][r] for s, r in zip(kept.raw["split"].tolist(),
                                             kept.raw["record"].tolist())]
@@ -286,7 +287,7 @@ def shop_probes(args, policy, tok, procs, log) -> tuple[Path, dict]:
         corpora["contaminated"] = contaminated_corpus(policy, tok, args.probe_episodes, log)
         if args.probe_corpus == "both":
             corpora["both"] = detection.concat_splits([corpora["on-policy"],
-                                                   corpora["contaminated"]])
+                                                       corpora["contaminated"]])
         info = {"seed": PROBE_SEED, "corpus": args.probe_corpus}
         fitted = fit_probes(corpora[args.probe_corpus], info)
         reference = fitted if args.probe_corpus == "contaminated" else \
@@ -364,7 +365,7 @@ def heldout_turns(args, policy, tok, procs, log) -> detection.Split:
     try:
         meta = json.loads(meta["heldout_turns"])
         return detection.Split("heldout_turns", tensors, tensors["label"].long(),
-                           list(meta["episode_id"]), {"kinds": list(meta["kinds"])})
+                               list(meta["episode_id"]), {"kinds": list(meta["kinds"])})
     except (KeyError, ValueError, TypeError) as e:
         raise SystemExit(f"{path}: a damaged cache of held-out turns ({type(e).__name__}: "
                          f"{e}); delete it and the next run samples them again") from None
@@ -465,7 +466,7 @@ def load_window(out: Path, steps: range, processes: int) -> detection.Split | No
             recode = torch.tensor([codes.setdefault(k, len(codes)) for k in meta["kinds"]])
             tensors["kind"] = recode[tensors["kind"]]
             parts.append(detection.Split(path.stem, tensors, tensors["label"].long(),
-                                     meta["episode_id"], {}))
+                                         meta["episode_id"], {}))
     return detection.concat_splits(parts) if parts else None
 
 

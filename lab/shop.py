@@ -5,9 +5,9 @@
     python -m lab.shop sft --out DIR    # train a policy (data/shop-policy/README.md: the commands)
 
 This file holds the two commands, the long-horizon world `shop-long` (its tasks, joined to the
-built-in worlds in this file's WORLDS, its gold dialog and the slips of its policy) and the dialogs that
-`sft` trains each world's policy on. The shop world itself (tasks, tools that really execute,
-exact labels, `ShopEnv`) is envs.py's; its gold dialogs, rule-based contaminations and the
+built-in worlds in this file's WORLDS, its gold dialog and the slips of its policy) and the
+dialogs that `sft` trains each world's policy on. The shop world itself (tasks, tools that really
+execute, exact labels, `ShopEnv`) is envs.py's; its gold dialogs, rule-based contaminations and the
 released-schema files of `make-data` are lab/shopdata.py's; the policies' recipe (tokenizer,
 training, checkpoints) is lab/sft.py's. The probes grpo.py fits for a policy of these worlds, on
 its own labelled turns, are in onpolicy.py.
@@ -30,9 +30,6 @@ import grpo
 from lab import data as lab_data, runs
 from lab.sft import SFT_CHECKPOINT, SPECIALS, sft
 from lab.shopdata import dialog_steps, make_shop_data, shop_divided, shop_gold, tool_message
-# Read as shop.<name> by tests/test_grpo.py and tests/test_model.py: importable here until they
-# import them from lab.sft.
-from lab.sft import chat_text, save_policy, sft_config, train_tokenizer  # noqa: F401
 
 
 # ---- shop-long: the long-horizon world ----------------------------------------------------------

@@ -121,7 +121,12 @@ def setup(args) -> LabTraining:
             summary["premise_gate"] = gate
     params = [p for p in policy.parameters() if p.requires_grad]      # the adapter's
     optimizer = torch.optim.AdamW(params, lr=args.lr, weight_decay=args.weight_decay)
-    grpo.log_start(args, policy, pool, held, procs, out, log)
+    n_lora = sum(p.numel() for p in params)
+    log(f"policy {args.model}: {sum(p.numel() for p in policy.parameters()) - n_lora:,} "
+        f"parameters, + {n_lora:,} in the LoRA adapter (trained); env {args.env}: {len(pool)} "
+        f"training / {len(held['val'][1])} validation / {len(held['test'][1])} test episodes; "
+        f"reward {args.reward}; {args.steps} steps of {args.batch} x {args.group} rollouts on "
+        f"{procs.size} process(es); run in {out}", flush=True)
     return LabTraining(policy, tok, env, pool, held, reward, form, ctx, optimizer, args, procs,
                        out, log, report, summary)
 
@@ -237,7 +242,9 @@ def train(args) -> dict:
         grpo.log_step(run, rec, seconds)
         if not warned and grpo.below_chance(aurocs) is not None:
             warned = True
-            grpo.warn_below_chance(run, grpo.below_chance(aurocs))
+            run.log(f"warning: the probe ranks this run's own turns below chance (mean AUROC "
+                    f"{grpo.below_chance(aurocs):.2f} over the last {grpo.CHANCE_WINDOW} "
+                    "steps): its reward now favours wrong turns", flush=True)
         if (step + 1) % args.save_every == 0 or step + 1 == args.steps:     # and evaluated
             path = grpo.save_checkpoint(run.out, step + 1, run.policy, run.optimizer,
                                         run.procs, lagged_files(run.ctx))

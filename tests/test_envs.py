@@ -518,6 +518,7 @@ def test_download_validates_and_writes_atomically(monkeypatch, tmp_path, release
     for name in lab_data.ALL_RELEASE_FILES["gta"]:
         (served / "gta").mkdir(parents=True, exist_ok=True)
         (served / "gta" / name).write_bytes((release_dir / "gta" / name).read_bytes())
+
     class Quiet(SimpleHTTPRequestHandler):
         def log_message(self, *args):
             pass
@@ -665,7 +666,7 @@ def test_missing_key_fails_before_any_work(monkeypatch, tmp_path):
 
 def test_toolbench_scored_by_the_judge(fake_openai, tmp_path, release_dir):
     env = envs.make("toolbench", data_dir=release_dir, replays=toolbench.REPLAYS,
-                     judge_cache=tmp_path / "llm")
+                    judge_cache=tmp_path / "llm")
     key = env.ids[0]
     record = env.records[key]
     ep = env.episode(key)

@@ -26,8 +26,8 @@ import grpo
 import model as mdl
 import pair
 import probes
-from lab import (adapters, baselines, compare, curves, data as lab_data, onpolicy, runs, shop,
-                 study, traces)
+from lab import (adapters, baselines, compare, curves, data as lab_data, onpolicy, runs, sft,
+                 shop, study, traces)
 from lab import train as lab_train
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -44,15 +44,15 @@ def tiny_policy(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("policy")
     torch.manual_seed(0)
     dialogs = shop.sft_dialogs(10, 0.3, seed=1)
-    tok = mdl.Tokenizer(shop.train_tokenizer([shop.chat_text(m) for m in dialogs], 300))
+    tok = mdl.Tokenizer(sft.train_tokenizer([sft.chat_text(m) for m in dialogs], 300))
     shape = argparse.Namespace(hidden=32, intermediate=64, layers=2, heads=4, kv_heads=2)
-    config = shop.sft_config(shape, tok)
+    config = sft.sft_config(shape, tok)
     policy = mdl.Transformer(mdl.Config.from_dict(config))
     with torch.no_grad():        # opinionated random weights: varied rollouts, real gradients
         for p in policy.parameters():
             if p.dim() == 2:
                 p.normal_(0, 0.2)
-    shop.save_policy(out, policy, tok, config)
+    sft.save_policy(out, policy, tok, config)
     return out
 
 

@@ -143,8 +143,8 @@ def test_the_core_reads_as_prose_and_plain_statements():
     # a porter reads the prose: comments and docstrings are at least a quarter of the core's
     # lines (nanoGPT and nanochat: 32%); packed one-liners are rare (conditional expressions
     # <= 20 and the walrus <= 1 per 1,000 lines)
-    lines, prose, ifexp, walrus = (sum(x) for x in zip(*(prose_and_plainness(ROOT / f"{name}.py")
-                                                           for name in CORE)))
+    measured = [prose_and_plainness(ROOT / f"{name}.py") for name in CORE]
+    lines, prose, ifexp, walrus = (sum(x) for x in zip(*measured))
     assert prose / lines >= 0.25, f"prose {prose / lines:.1%}"
     assert 1000 * ifexp / lines <= 20, f"{1000 * ifexp / lines:.1f} conditional expressions"
     assert 1000 * walrus / lines <= 1, f"{1000 * walrus / lines:.1f} walruses"

@@ -29,7 +29,6 @@ from lab import shopdata
 from lab import study
 from lab import train as lab_train
 from lab import traces
-import pair
 
 ROOT = Path(__file__).resolve().parents[1]
 BUILTIN = ROOT / "data" / "shop-policy"
