@@ -1,7 +1,5 @@
-"""The policy: a hand-written Qwen2-family decoder that reports its own hidden states and
-attention statistics, and what it needs around it: the config and checkpoint loading (a local
-directory or a Hub name), the KV cache, the decoding step (compiled where it pays), the tokenizer
-and chat template, the update's log-probabilities, LoRA in PEFT's layout, the layer split.
+"""The policy: a hand-written Qwen2-family decoder that reports its own hidden states and attention
+statistics, and what it needs around it: loading, KV cache, decoding, tokenizer, LoRA, layer split.
 
 PAIR reads its reward from the policy's internals (METHOD.md §4). Each decoding step returns,
 besides the logits, the L+1 hidden states (the embedding, blocks 1..L-1, the final-normed block
@@ -9,17 +7,12 @@ L) and, for every layer and query head, the six statistics of its softmax row ov
 keys (STATS; their equations are stats_from's): no second forward pass. Departure from the
 authors' release: std is over the i+1 causal keys of row i, not the whole padded row.
 
-Modules carry the Hugging Face weight names (Qwen2, Llama, Mistral), so loading a checkpoint is
-a strict load_state_dict once every file, tensor and shape is checked. Masks come from explicit
-positions: key slot j is visible to the query at position p iff j <= p (and p - j < window); the
-KV cache is indexed by absolute position, so a pad past a row's real tokens stays invisible until
-the row's next real token overwrites it.
-
-The model is written for one device; split_model, at the bottom, places a built model's layers
-over several (as gpt-fast's tp.py applies its parallelism), because a 7B policy with its LoRA
-state and KV caches exceeds one 48 GB GPU. Placement, no pipelining: one device computes at a
-time.
-"""
+Modules carry the Hugging Face weight names (Qwen2, Llama, Mistral): loading a checkpoint is a
+strict load_state_dict once every file, tensor and shape is checked. Masks come from explicit
+positions: key slot j is visible to the query at position p iff j <= p (and p - j < window). The
+model is written for one device; split_model, at the bottom, places a built model's layers over
+several (as gpt-fast's tp.py applies its parallelism): a 7B policy with its LoRA state and KV
+caches exceeds one 48 GB GPU. Placement, no pipelining: one device computes at a time."""
 import contextlib
 import hashlib
 import json
@@ -43,26 +36,24 @@ import torch.utils.checkpoint
 from safetensors import safe_open
 from safetensors.torch import save as safetensors_bytes
 from torch import nn, Tensor
-
 STATS = ("max", "std", "prefix", "self", "entropy", "lookback")    # a stats tensor's last axis
-# the system message Qwen2.5's own chat template puts first when a chat has none
-DEFAULT_SYSTEM = "You are Qwen, created by Alibaba Cloud. You are a helpful assistant."
-# --dtype of every script takes these names, torch's, and only these
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DEFAULT_SYSTEM = ("You are Qwen, created by Alibaba Cloud. "  # what Qwen2.5's own chat template
+                  "You are a helpful assistant.")              # puts first when a chat has none
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16,   # --dtype of every script takes
+          "float16": torch.float16}                         # these names, torch's, and only these
+LONE_SURROGATE = re.compile("[\ud800-\udfff]")     # half a UTF-16 pair: not UTF-8, not encodable
 
 
-# ----------------------------------------------------------------------------------------------
-# The config and loading a checkpoint: a local directory or a Hugging Face Hub name
-
+# ---- The config and loading a checkpoint: a local directory or a Hugging Face Hub name -----------
 ARCHITECTURES = {"qwen2": "Qwen2ForCausalLM", "llama": "LlamaForCausalLM",
                  "mistral": "MistralForCausalLM"}      # model_type -> architecture
-# transformers < 5 saves only the keys that differ from its class defaults; these differ from ours
-ARCH_DEFAULTS = {"Qwen2ForCausalLM": {"max_window_layers": 28},
-                 "MistralForCausalLM": {"sliding_window": 4096}}
+ARCH_DEFAULTS = {"Qwen2ForCausalLM": {"max_window_layers": 28},   # transformers < 5 omits keys
+                 "MistralForCausalLM": {"sliding_window": 4096}}  # equal to its defaults, not ours
 SIZES = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
          "num_attention_heads", "num_key_value_heads", "head_dim", "max_position_embeddings",
          "sliding_window")      # positive integers
-INDEX = "model.safetensors.index.json"
+INDEX = "model.safetensors.index.json"  # a sharded checkpoint's weight_map: tensor -> file
+HUB_MANIFEST = ".pair-complete.json"    # written last: its presence says the copy is complete
 
 
 class CheckpointError(Exception):
@@ -71,15 +62,14 @@ class CheckpointError(Exception):
 
 @dataclass
 class Config:
-    """A checkpoint's config.json: field names are its keys (from_dict keeps the known ones), and
-    a field whose default is None may be null."""
-    vocab_size: int
-    hidden_size: int
-    intermediate_size: int
-    num_hidden_layers: int
-    num_attention_heads: int
-    num_key_value_heads: int | None = None  # None: as many as the query heads
-    head_dim: int | None = None             # None: hidden_size / num_attention_heads
+    """config.json, its keys as field names (known ones kept); a None default: may be null."""
+    vocab_size: int                         # V
+    hidden_size: int                        # d
+    intermediate_size: int                  # f, the MLP's width
+    num_hidden_layers: int                  # L
+    num_attention_heads: int                # H, the query heads
+    num_key_value_heads: int | None = None  # KV; None: as many as the query heads
+    head_dim: int | None = None             # D; None: hidden_size / num_attention_heads
     architectures: list[str] = field(default_factory=lambda: ["Qwen2ForCausalLM"])
     hidden_act: str = "silu"                # the MLP's activation
     rms_norm_eps: float = 1e-6
@@ -109,21 +99,17 @@ class Config:
         return cfg
 
     def validate(self):
-        """Refuse what would break the build or run wrong silently: a config.json is input.
-        Checked in order, so a check may read the keys checked before it."""
+        """Refuse what would break the build or run wrong silently: a config.json is input."""
         def number(v):
             return type(v) in (int, float) and 0 < v < math.inf
 
         def token_ids(v):       # an eos id past the vocabulary, never drawn, would never stop
             ids = v if isinstance(v, list) else [v]
-            return all(type(i) is int and 0 <= i < vocab for i in ids)
-
-        n = self.num_hidden_layers
-        vocab = self.vocab_size
+            return all(type(i) is int and 0 <= i < self.vocab_size for i in ids)
         checks = [  # (keys, test of a value, what it must be)
             (SIZES, lambda v: type(v) is int and v >= 1, "a positive integer"),
             (("eos_token_id",), token_ids,
-             f"a token id below vocab_size {vocab}, or a list of them"),
+             f"a token id below vocab_size {self.vocab_size}, or a list of them"),
             (("tie_word_embeddings", "attention_bias", "mlp_bias", "use_sliding_window"),
              lambda v: isinstance(v, bool), "true or false"),
             (("rms_norm_eps", "rope_theta"), number, "a positive number"),
@@ -132,14 +118,14 @@ class Config:
              and v.get("rope_type", v.get("type", "default")) == "default",
              "a JSON object of default RoPE with a positive rope_theta"),
             (("hidden_act",), lambda v: v == "silu", "silu (the only activation here)"),
-            (("layer_types",), lambda v: isinstance(v, list) and len(v) == n
-             and all(isinstance(t, str) for t in v), f"a list of {n} names"),
+            (("layer_types",), lambda v: isinstance(v, list) and len(v) == self.num_hidden_layers
+             and all(isinstance(t, str) for t in v), f"a list of {self.num_hidden_layers} names"),
             (("hidden_size",), lambda v: self.head_dim or v % self.num_attention_heads == 0,
              "a multiple of num_attention_heads (or head_dim given)"),
             (("num_attention_heads",), lambda v: v % self.n_kv_heads == 0,
              "a multiple of num_key_value_heads")]
         nullable = {f.name for f in fields(self) if f.default is None}
-        for keys, ok, want in checks:
+        for keys, ok, want in checks:           # in order: a check may read the keys before it
             for key in keys:
                 v = getattr(self, key)
                 if v is None and key in nullable:
@@ -166,12 +152,11 @@ class Config:
         return float((self.rope_parameters or {}).get("rope_theta", default))
 
     def window(self, layer: int) -> int | None:
-        """Sliding-window size of one layer (None: full causal attention), as transformers has it:
-        Mistral's every layer, Qwen2's if use_sliding_window (layer_types, or max_window_layers)."""
-        if self.arch == "MistralForCausalLM":
+        """Sliding-window size of one layer (None: full causal attention) as transformers has it."""
+        if self.arch == "MistralForCausalLM":     # every layer
             return self.sliding_window
         if self.arch == "Qwen2ForCausalLM" and self.use_sliding_window and self.sliding_window:
-            if self.layer_types is not None:
+            if self.layer_types is not None:    # else the layers from max_window_layers on
                 sliding = self.layer_types[layer] == "sliding_attention"
             else:
                 sliding = layer >= self.max_window_layers
@@ -206,8 +191,7 @@ def read_config(directory) -> Config:
 
 
 def weight_files(directory: Path) -> list[str]:
-    """model.safetensors, or the shards the index's weight_map (tensor -> file) names. A shard
-    must be a safetensors file beside the index: "../x" or "/etc/x" is refused (a Hub's input)."""
+    """model.safetensors, or the shards the index's weight_map names."""
     index = directory / INDEX
     if not index.is_file():
         return ["model.safetensors"]
@@ -215,7 +199,7 @@ def weight_files(directory: Path) -> list[str]:
     weight_map = content.get("weight_map") if isinstance(content, dict) else None
     if not isinstance(weight_map, dict) or not weight_map:
         raise CheckpointError(f"{index}: no weight_map")
-    for file in weight_map.values():
+    for file in weight_map.values():    # beside the index: no "../x", "/etc/x" (a Hub's input)
         if not (isinstance(file, str) and file == Path(file).name and
                 file.endswith(".safetensors") and not file.startswith(".")):
             raise CheckpointError(f"{index}: {file!r} is not a safetensors file beside the index")
@@ -228,8 +212,7 @@ def read_state_dict(directory: Path, expected: dict, tied: bool, dtype, device) 
       - every expected tensor is present, exactly once over all the shards;
       - no tensor is unexpected (a checkpoint of another architecture or size);
       - every shape is the expected one, read from the header before the data;
-      - no float tensor holds NaN or infinity (NaN logits: a stop token drawn forever).
-    Tied embeddings: a stored lm_head.weight is ignored (the head is the embedding)."""
+      - no float tensor holds NaN or infinity (NaN logits: a stop token drawn forever)."""
     state = {}
     for file in weight_files(directory):
         path = directory / file
@@ -238,7 +221,7 @@ def read_state_dict(directory: Path, expected: dict, tied: bool, dtype, device) 
         except Exception as e:      # safetensors' own error names no file
             raise CheckpointError(f"{path}: missing, truncated or corrupt safetensors file "
                                   f"({e})") from None
-        with f:
+        with f:     # tied: a stored lm_head.weight is ignored (the head is the embedding)
             for name in sorted(k for k in f.keys() if not (tied and k == "lm_head.weight")):
                 if name not in expected or name in state:
                     raise CheckpointError(f"{path}: unexpected tensor {name} (or twice)")
@@ -258,12 +241,11 @@ def read_state_dict(directory: Path, expected: dict, tied: bool, dtype, device) 
 
 def checkpoint_sha256(directory) -> str:
     """A sha256 of what a checkpoint computes with, keying what is made from it (fitted probes).
-    Files up to 64 MiB are hashed whole; a larger safetensors file gives its size, header and the
-    first and last 4 KiB of every tensor: under a second at 7B instead of reading 15 GB, and
-    fine-tuning or merging an adapter changes those ends."""
+    A safetensors file over 64 MiB gives its size, header and each tensor's first and last 4 KiB:
+    under a second at 7B, not 15 GB read; fine-tuning or merging an adapter changes those ends."""
     directory = Path(directory)
-    block = 4096
-    h = hashlib.sha256(b"checkpoint/1")
+    block = 4096                                # bytes hashed at each end of a large tensor
+    h = hashlib.sha256(b"checkpoint/1")         # the scheme's version: a change re-keys all
     names = ["config.json", "tokenizer.json"]
     if (directory / INDEX).is_file():
         names.append(INDEX)
@@ -273,8 +255,8 @@ def checkpoint_sha256(directory) -> str:
             with open(path, "rb") as f:
                 size = os.fstat(f.fileno()).st_size
                 h.update(f"{name}\0{size}\0".encode())
-                if size <= 64 << 20 or not name.endswith(".safetensors"):
-                    h.update(f.read())
+                if size <= 64 << 20 or not name.endswith(".safetensors"):     # 64 MiB
+                    h.update(f.read())                          # hashed whole
                     continue
                 n = struct.unpack("<Q", f.read(8))[0]     # safetensors: n, JSON header, data
                 header = f.read(min(n, size))
@@ -291,12 +273,8 @@ def checkpoint_sha256(directory) -> str:
     return h.hexdigest()
 
 
-HUB_MANIFEST = ".pair-complete.json"    # written last: its presence says the copy is complete
-
-
 def resolve(path_or_repo) -> Path:
-    """A checkpoint directory, or the local copy of a Hub model name <org>/<name> (fetched once);
-    anything else is refused in one line."""
+    """A checkpoint directory, or the local copy of a Hub model <org>/<name> (fetched once)."""
     directory = Path(path_or_repo)
     if directory.is_dir():
         return directory
@@ -311,9 +289,8 @@ def resolve(path_or_repo) -> Path:
 
 
 def fetch_from_hub(repo_id: str) -> Path:
-    """config.json, tokenizer.json and the weights of a Hub model, downloaded once into
-    $PAIR_CACHE/<org>--<name>; HF_ENDPOINT, HF_TOKEN, HF_HUB_OFFLINE as huggingface_hub has them."""
-    folder = cache_root() / repo_id.replace("/", "--")
+    """Hub model files, fetched once; HF_ENDPOINT, HF_TOKEN, HF_HUB_OFFLINE as huggingface_hub."""
+    folder = cache_root() / repo_id.replace("/", "--")             # $PAIR_CACHE/<org>--<name>
     if (folder / HUB_MANIFEST).is_file():
         return folder
     if os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes", "on"):
@@ -337,8 +314,7 @@ def fetch_from_hub(repo_id: str) -> Path:
 
 
 def _download(base: str, dest: Path, headers: dict, required=True):
-    """base + dest.name into dest through a .part file renamed when complete (requests refuses a
-    body shorter than its Content-Length: no short file). Not required: a 404 is no file."""
+    """base + dest.name into dest, through a .part file renamed when complete."""
     if dest.is_file():
         return
     url = base + quote(dest.name)
@@ -346,25 +322,24 @@ def _download(base: str, dest: Path, headers: dict, required=True):
     denied = "access denied (private or gated?); set HF_TOKEN to a token that has access"
     try:
         with requests.get(url, headers=headers, stream=True, timeout=(10, 60)) as r:
-            if r.status_code == 404 and not required:
+            if r.status_code == 404 and not required:       # optional: a 404 is no file
                 return
             if r.status_code >= 400:
                 why = {401: denied, 403: denied, 404: "not found"}.get(r.status_code, r.reason)
                 raise CheckpointError(f"{url}: HTTP {r.status_code}: {why}")
             with open(part, "wb") as f:
-                for chunk in r.iter_content(chunk_size=1 << 20):
+                for chunk in r.iter_content(chunk_size=1 << 20):    # 1 MiB
                     f.write(chunk)
     except requests.RequestException as e:
         part.unlink(missing_ok=True)
         raise CheckpointError(f"cannot fetch {url}: network unreachable or connection lost "
                               f"({type(e).__name__}); no complete copy in {dest.parent}") from None
-    os.replace(part, dest)
+    os.replace(part, dest)      # complete: requests refuses a body short of its Content-Length
 
 
 def load_model(path_or_repo, dtype=torch.float32,
                device="cpu") -> tuple["Transformer", "Tokenizer"]:
-    """A checkpoint directory or Hub model name -> (model, tokenizer) on one `device`, the model
-    frozen (GRPO trains LoRA adapters beside it; split_model places it over several devices)."""
+    """A checkpoint directory or Hub model name -> (model, tokenizer) on one `device`."""
     directory = resolve(path_or_repo)
     config = read_config(directory)
     tokenizer = Tokenizer.from_file(directory)
@@ -377,7 +352,7 @@ def load_model(path_or_repo, dtype=torch.float32,
     model.load_state_dict(state, strict=not tied, assign=True)     # names checked as read
     if tied:
         model.lm_head.weight = model.model.embed_tokens.weight   # assign=True broke the tie
-    model.requires_grad_(False).eval()
+    model.requires_grad_(False).eval()            # frozen: GRPO trains LoRA adapters beside it
     model.name_or_path = str(path_or_repo)        # recorded in saved adapters' configs
     model.checkpoint_dir = directory              # what checkpoint_sha256 reads
     return model, tokenizer
@@ -388,16 +363,23 @@ def input_device(model: "Transformer") -> torch.device:
     return model.model.embed_tokens.weight.device
 
 
-# ----------------------------------------------------------------------------------------------
-# The transformer, its decoding step and the update's log-probabilities; module names are the
-# Hugging Face weight keys, RoPE is written as theirs for Qwen (rotate_half: no permutation).
+# ---- The transformer, its decoding step and the update's log-probabilities -----------------------
+FUSE_MAX_ELEMENTS = 1 << 22   # 16 MB of float32: the built-in policy's blocks, not a 0.5B's
+MLP_CHUNK = 4096              # tokens (rows x positions) a recomputed block's MLP runs at a time
+LOGITS_CHUNK = 1 << 24    # logits at a time (64 MB): 152k float32 logits are 0.58 GiB a 1k tokens
+COMPILE = os.environ.get("PAIR_COMPILE", "1") != "0"     # 0: decode eagerly everywhere
+KEY_BLOCK = 128         # key slots attended in blocks of this many, not the whole capacity
+RECOMPILE_LIMIT = 32    # a graph per relation among the sizes: up to 11, over torch's default 8
+COMPILE_OPTIONS = {"cpu": {}, "cuda": {"mode": "reduce-overhead", "dynamic": True}}  # GPU: graphs
+COMPILE_NOTICE_S = 2.0  # seconds: a first call this long was compiling, and says so
+_compiled = {}          # device kind: a CompiledStep; "failed": the exception that gave up
+
 
 def rope_tables(inv_freq: Tensor, positions: Tensor, dtype) -> tuple[Tensor, Tensor]:
-    """cos and sin of the angles p theta_k at positions p (B, T), inv_freq = theta_k =
-    base^(-2k/D), k < D/2, repeated for both halves of a head; float32, then the model's dtype."""
-    freqs = positions[..., None].float() * inv_freq.to(positions.device)   # (B, T, D/2)
-    emb = torch.cat((freqs, freqs), dim=-1)                                 # (B, T, D)
-    return emb.cos().to(dtype), emb.sin().to(dtype)                         # (B, T, D) each
+    """cos and sin of p theta_k at positions p (B, T); inv_freq: theta_k = base^(-2k/D), k < D/2"""
+    freqs = positions[..., None].float() * inv_freq.to(positions.device)   # (B, T, D/2) float32
+    emb = torch.cat((freqs, freqs), dim=-1)                     # (B, T, D): both halves of a head
+    return emb.cos().to(dtype), emb.sin().to(dtype)             # (B, T, D) each, the model's dtype
 
 
 def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
@@ -418,22 +400,17 @@ def attention_mask(positions: Tensor, key_positions: Tensor, window: int | None)
 
 
 def static_address(t: Tensor) -> Tensor:
-    """t, marked as one a captured CUDA graph may write in place (at the same address): the
-    decoding step's graph writes into the cache, not into copies of it made at every step."""
+    """t, marked for a CUDA graph to write in place (the cache, not a copy made every step)."""
     if t.is_cuda:
         torch._dynamo.mark_static_address(t, guard=False)
     return t
 
 
 class KVCache:
-    """One layer's keys and values, on that layer's device (a split model's cache is split with
-    it) and in its dtype. The layout:
-        k, v     (B, KV, capacity, D): slot j of row b holds the key (RoPE applied) and value
-                 of the token at absolute position j of row b
+    """One layer's keys and values, on that layer's device and in its dtype. The layout:
+        k, v     (B, KV, capacity, D): slot j of row b: K (RoPE applied), V at absolute position j
         lengths  (B,) int64 on the CPU (no device sync): each row's real tokens, its next slot
-    Rows are ragged: a slot at or past a row's length holds a pad or stale numbers, masked
-    (masks compare slots with positions) until a real token overwrites it."""
-
+    Ragged rows: a slot at or past a row's length holds a pad or old values, masked till written."""
     def __init__(self, batch_size, n_kv_heads, head_dim, capacity, dtype, device):
         shape = (batch_size, n_kv_heads, capacity, head_dim)                # (B, KV, capacity, D)
         self.k = static_address(torch.zeros(shape, dtype=dtype, device=device))
@@ -441,11 +418,10 @@ class KVCache:
         self.lengths = torch.zeros(batch_size, dtype=torch.long)            # (B,) on the CPU
 
     def grow(self, size: int):
-        """At least `size` slots: the capacity doubled (at least), rounded up to 256 slots so that
-        the compiled step sees few distinct capacities; the old slots keep their contents."""
+        """At least `size` slots: the capacity doubled (at least); old slots keep their contents."""
         if size <= self.k.shape[2]:
             return
-        new = (max(size, 2 * self.k.shape[2]) + 255) // 256 * 256
+        new = (max(size, 2 * self.k.shape[2]) + 255) // 256 * 256  # 256s: few sizes to compile
         B, KV, old, D = self.k.shape
         self.k = static_address(torch.cat((self.k, self.k.new_zeros(B, KV, new - old, D)), 2))
         self.v = static_address(torch.cat((self.v, self.v.new_zeros(B, KV, new - old, D)), 2))
@@ -460,8 +436,7 @@ class KVCache:
 
 
 def set_lengths(cache: list[KVCache], lengths: Tensor):
-    """Declare how many real tokens each row holds (slots past them are free to overwrite); every
-    layer's cache holds its own copy, on the CPU."""
+    """Each row's real tokens (B,), slots past them free to overwrite; a CPU copy per layer."""
     for layer_cache in cache:
         layer_cache.lengths = lengths.detach().to("cpu", torch.long).clone()
 
@@ -481,22 +456,19 @@ def stats_from(mx, sum_sq, prefix, self_, pos, start) -> dict[str, Tensor]:
     s0 = start.float()                                                     # context keys j < start
     m_ctx = prefix / s0.clamp(min=1)                            # clamp: start = 0 is masked below
     m_new = self_ / (pos - start + 1).float()                           # span keys start <= j <= i
-    return {
-        "max": mx,
-        "std": (sum_sq / n - 1 / n.square()).clamp(min=0).sqrt(),   # clamp: rounding below 0
-        "prefix": prefix,
-        "self": self_,
-        "entropy": -sum_sq.log(),                                           # Renyi-2
-        "lookback": torch.where(s0 > 0, m_ctx / (m_ctx + m_new), torch.zeros_like(m_ctx)),
-    }
+    return {"max": mx,
+            "std": (sum_sq / n - 1 / n.square()).clamp(min=0).sqrt(),   # clamp: rounding below 0
+            "prefix": prefix,
+            "self": self_,
+            "entropy": -sum_sq.log(),                                       # Renyi-2
+            "lookback": torch.where(s0 > 0, m_ctx / (m_ctx + m_new), torch.zeros_like(m_ctx))}
 
 
 class RMSNorm(nn.Module):
     """y = w * x / sqrt(mean_k x_k^2 + eps), over the last axis, in float32."""
-
     def __init__(self, d, eps):
         super().__init__()
-        self.weight = nn.Parameter(torch.ones(d))
+        self.weight = nn.Parameter(torch.ones(d))                          # w (d,)
         self.eps = eps
 
     def forward(self, x):
@@ -507,7 +479,6 @@ class RMSNorm(nn.Module):
 
 class MLP(nn.Module):
     """SwiGLU: down(silu(gate(x)) * up(x))."""
-
     def __init__(self, config: Config):
         super().__init__()
         d, f, bias = config.hidden_size, config.intermediate_size, config.mlp_bias
@@ -520,9 +491,7 @@ class MLP(nn.Module):
 
 
 class Attention(nn.Module):
-    """Grouped-query attention: H query heads share KV key/value heads (G = H / KV each), so the
-    cache holds KV heads, not H. The prompt's and the update's path; decoding is Block.decode."""
-
+    """Grouped-query attention, H query heads sharing KV cached heads; decoding is Block.decode."""
     def __init__(self, config: Config):
         super().__init__()
         d, H, KV, D = (config.hidden_size, config.num_attention_heads, config.n_kv_heads,
@@ -538,9 +507,8 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(H * D, d, bias=config.attention_bias)
 
     def forward(self, x, cos, sin, mask, positions, cache=None):
-        """x (B, T, d) -> (B, T, d); mask (B, 1, T, S) bool, or None: causal from position 0
-        (SDPA's fused kernel). A cache gets k, v at slots `positions` (B, T); the queries attend
-        over its slots [0, S). Inputs are on the block's device (a split model's hooks)."""
+        """x (B, T, d) -> (B, T, d); mask (B, 1, T, S) bool, or None: causal from position 0, where
+        SDPA's fused kernel (its upper-left mask) is right: no token sees a right pad."""
         B, T, _ = x.shape
         q = self.q_proj(x).view(B, T, -1, self.head_dim).transpose(1, 2)   # (B, H, T, D)
         k = self.k_proj(x).view(B, T, -1, self.head_dim).transpose(1, 2)   # (B, KV, T, D)
@@ -548,7 +516,7 @@ class Attention(nn.Module):
         q = apply_rope(q, cos, sin)
         k = apply_rope(k, cos, sin)                                 # the values are not rotated
         if cache is not None:
-            k, v = cache.write(k, v, positions, mask.shape[-1])   # (B, KV, S, D)
+            k, v = cache.write(k, v, positions, mask.shape[-1])   # (B, KV, S, D), slots [0, S)
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None,
                                              enable_gqa=True)   # G query heads per KV head
         return self.o_proj(out.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim))
@@ -564,7 +532,6 @@ class FusedWeights(NamedTuple):
 
 class Block(nn.Module):
     """A pre-norm transformer block: x + attention(norm(x)), then x + mlp(norm(x))."""
-
     def __init__(self, config: Config):
         super().__init__()
         self.self_attn = Attention(config)
@@ -573,36 +540,33 @@ class Block(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(self, x, cos, sin, mask, positions, cache=None, mlp_chunk=None):
-        """x (B, T, d) -> (B, T, d). mlp_chunk: the MLP this many positions at a time, each chunk
-        recomputed in backward: its (B, T, f) activations never exist whole (a long rollout)."""
+        """mlp_chunk: the MLP that many positions at a time, never all (B, T, f) activations."""
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask, positions, cache)
         h = self.post_attention_layernorm(x)
         if mlp_chunk is None or x.shape[1] <= mlp_chunk:
-            return x + self.mlp(h)
+            return x + self.mlp(h)                                          # (B, T, d)
         chunks = [torch.utils.checkpoint.checkpoint(self.mlp, h[:, i:i + mlp_chunk],
                                                     use_reentrant=False)    # (B, mlp_chunk, d)
-                  for i in range(0, x.shape[1], mlp_chunk)]
-        return x + torch.cat(chunks, 1)
+                  for i in range(0, x.shape[1], mlp_chunk)]   # backward recomputes each chunk
+        return x + torch.cat(chunks, 1)                                     # (B, T, d)
 
     def decode(self, x, cos, sin, bias, pos, kv, before=None, w=None):
         """The block on one token per row, x (B, 1, d) at positions i = pos (B,) -> (x, numbers).
         k, v go to slots pos of kv = (k cache, v cache); the query attends over slots [0, S):
             p_ij = softmax_j(q_i . k_j / sqrt(D) + bias_j)   (bias (B, 1, 1, S): 0 or -inf)
-        By hand in float32, not SDPA, because p gives the statistics: numbers = (max_j p_ij,
-        sum_j p_ij^2, prefix = sum_j p_ij before_j, self = 1 - prefix), each (B, H, 1), where
-        before (B, 1, 1, S) is 1 on slots j < span_start (self: the visible weights sum to 1),
-        for stats_from. w: decode_weights(), the fused projections, or None: the modules."""
+        By hand in float32, not SDPA, because p gives the statistics: numbers = (max_j p_ij, sum_j
+        p_ij^2, prefix = sum_{j < span_start} p_ij, self = 1 - prefix), each (B, H, 1)."""
         a = self.self_attn
         h = self.input_layernorm(x)
         B, H, KV, D = x.shape[0], a.n_heads, a.n_kv_heads, a.head_dim
-        if w is None:
+        if w is None:               # w: decode_weights(), the fused projections, or None: modules
             q, k, v = a.q_proj(h), a.k_proj(h), a.v_proj(h)    # (B, 1, H * D or KV * D)
             q = apply_rope(q.view(B, 1, H, D).transpose(1, 2), cos, sin)   # (B, H, 1, D)
             k = apply_rope(k.view(B, 1, KV, D).transpose(1, 2), cos, sin)  # (B, KV, 1, D)
         else:       # q and k side by side from one matmul: rotated together, in one pass
             qk, v = F.linear(h, *w.qkv).split(((H + KV) * D, KV * D), -1)   # (B, 1, (H + KV) D)
             q, k = apply_rope(qk.view(B, 1, H + KV, D).transpose(1, 2), cos, sin).split((H, KV), 1)
-        k_cache, v_cache = kv
+        k_cache, v_cache = kv                                       # (B, KV, capacity, D) each
         rows = torch.arange(B, device=pos.device)                         # row b writes slot pos_b
         k_cache[rows, :, pos] = k[:, :, 0].to(k_cache.dtype)                 # (B, KV, D)
         v_cache[rows, :, pos] = v.view(B, KV, D).to(v_cache.dtype)          # (B, KV, D)
@@ -611,27 +575,21 @@ class Block(nn.Module):
         q = (q.float() * a.scale).reshape(B, KV, H // KV, D)                # (B, KV, G, D)
         p = torch.softmax(q @ k.float().transpose(-1, -2) + bias, dim=-1)  # (B, KV, G, S)
         out = (p @ v.float()).view(B, 1, H * D).to(h.dtype)                # (B, 1, H * D)
-        numbers = None
+        numbers = None                              # for stats_from; no span: no statistics
         if before is not None:
             p = p.view(B, H, 1, -1)                 # (B, H, 1, S): head h = group h // G
-            prefix = torch.linalg.vecdot(p, before)                         # (B, H, 1)
-            numbers = (p.amax(-1), torch.linalg.vecdot(p, p), prefix, 1 - prefix)
-        if w is None:
-            attended = a.o_proj(out)
-        else:
-            attended = F.linear(out, *w.o)
-        x = x + attended                                                    # (B, 1, d)
-        h = self.post_attention_layernorm(x)
-        if w is None:
-            return x + self.mlp(h), numbers                                 # (B, 1, d)
-        gate, up = F.linear(h, *w.gate_up).chunk(2, -1)                     # (B, 1, f) each
+            prefix = torch.linalg.vecdot(p, before)         # (B, H, 1); before: 1 on j < span_start
+            numbers = (p.amax(-1), torch.linalg.vecdot(p, p), prefix, 1 - prefix)  # p sums to 1
+        if w is None:                                                       # the modules
+            x = x + a.o_proj(out)                                           # (B, 1, d)
+            return x + self.mlp(self.post_attention_layernorm(x)), numbers  # (B, 1, d)
+        x = x + F.linear(out, *w.o)                                         # (B, 1, d)
+        gate, up = F.linear(self.post_attention_layernorm(x), *w.gate_up).chunk(2, -1)  # (B, 1, f)
         return x + F.linear(F.silu(gate) * up, *w.down), numbers            # (B, 1, d)
 
     def decode_weights(self) -> FusedWeights | None:
         """The projections fused, an enabled adapter merged in: 4 matmuls a token instead of 7
-        (21 with adapters): a token's matmuls are small, their launches dominate. None (run the
-        modules) where merging would change the numbers (not float32, dropout on), a gradient
-        is wanted, or the copy costs too much memory (a block over FUSE_MAX_ELEMENTS)."""
+        (21 with adapters): a token's matmuls are small, their launches dominate."""
         a = self.self_attn
         m = self.mlp
         groups = ((a.q_proj, a.k_proj, a.v_proj), (a.o_proj,), (m.gate_proj, m.up_proj),
@@ -639,9 +597,9 @@ class Block(nn.Module):
         linears = [lin for group in groups for lin in group]            # the block's 7 projections
         big = sum(lin.weight.numel() for lin in linears) > FUSE_MAX_ELEMENTS  # memory
         inexact = any(lin.weight.dtype != torch.float32 or getattr(lin, "dropout", 0)
-                      and lin.training for lin in linears)
+                      and lin.training for lin in linears)        # not float32, or dropout on
         if torch.is_grad_enabled() or big or inexact:
-            return None
+            return None     # fusing would drop a gradient, cost memory or change numbers
         key = []    # rebuilt when a tensor is replaced, moved or updated in place, or LoRA switched
         for lin in linears:
             tensors = [(id(t), t.data_ptr(), t._version) for t in lin.parameters()]
@@ -654,8 +612,7 @@ class Block(nn.Module):
 
 
 def _fuse(linears) -> tuple[Tensor, Tensor | None]:
-    """One (weight, bias) for the projections side by side, each enabled adapter merged in:
-    W' = W + (alpha / r) B A (d_out, d_in); a missing bias is zeros, no bias at all None."""
+    """The projections side by side, each enabled adapter merged in: W' = W + (alpha / r) B A."""
     weights = []
     for lin in linears:
         if isinstance(lin, LoRALinear) and lin.enabled:
@@ -664,26 +621,22 @@ def _fuse(linears) -> tuple[Tensor, Tensor | None]:
             weights.append(lin.weight)
     weight = torch.cat(weights)                         # (sum of d_out, d_in)
     if all(lin.bias is None for lin in linears):
-        return weight, None
+        return weight, None                             # no bias at all
     biases = [lin.weight.new_zeros(lin.out_features) if lin.bias is None else lin.bias
-              for lin in linears]
+              for lin in linears]                       # a missing bias: zeros
     return weight, torch.cat(biases)                                        # (sum of d_out,)
-
-
-FUSE_MAX_ELEMENTS = 1 << 22     # 16 MB of float32: the built-in policy's blocks, not a 0.5B's
 
 
 class Transformer(nn.Module):
     """The decoder: embed_tokens, L blocks, the final norm, lm_head (tied: the embedding)."""
-
     def __init__(self, config: Config):
         super().__init__()
         self.config = config
         self.model = nn.Module()        # the `model.` prefix of the checkpoint keys
-        self.model.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.model.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)  # (V, d)
         self.model.layers = nn.ModuleList(Block(config) for _ in range(config.num_hidden_layers))
         self.model.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)    # (V, d)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight            # tied: one Parameter
         d = config.head_size    # RoPE's theta_k = base^(-2k/D), on the CPU (not on "meta")
@@ -700,17 +653,15 @@ class Transformer(nn.Module):
 
     def forward(self, input_ids, positions=None, cache=None) -> Tensor:
         """input_ids (B, T) -> logits (B, T, V) in float32 (trunk, then the head)."""
-        return self.lm_head(self.trunk(input_ids, positions, cache)).float()
+        return self.lm_head(self.trunk(input_ids, positions, cache)).float()    # (B, T, V)
 
     def trunk(self, input_ids, positions=None, cache=None, recompute=False) -> Tensor:
         """Up to the final norm: (B, T) -> (B, T, d). positions (B, T): absolute (default: after
-        the cache's tokens, else 0..T-1); a cache gets K/V at them and its lengths cover them.
-        recompute: with a gradient, each block runs again in backward, MLP_CHUNK tokens a time."""
+        the cache's tokens, else 0..T-1); a cache gets K/V at them and its lengths cover them."""
         B, T = input_ids.shape
         dev = self.model.embed_tokens.weight.device                  # a split model's first device
-        # from position 0 SDPA's causal kernel (upper-left) is right: no token sees a right pad
         fused_causal = (positions is None and cache is None and T > 1
-                        and all(w is None for w in self.windows))
+                        and all(w is None for w in self.windows))   # mask None: Attention.forward
         if positions is None:
             start = cache[0].lengths if cache is not None else torch.zeros(B, dtype=torch.long)
             positions = start[:, None] + torch.arange(T)                        # (B, T)
@@ -727,7 +678,7 @@ class Transformer(nn.Module):
         for i, layer in enumerate(self.model.layers):
             layer_cache = cache[i] if cache is not None else None
             inputs = (x, cos, sin, masks[self.windows[i]], positions, layer_cache)
-            if recompute and torch.is_grad_enabled():
+            if recompute and torch.is_grad_enabled():   # each block again in backward
                 x = torch.utils.checkpoint.checkpoint(
                     layer, *inputs, mlp_chunk=max(1, MLP_CHUNK // B), use_reentrant=False)
             else:
@@ -737,33 +688,31 @@ class Transformer(nn.Module):
         return self.model.norm(x)                                           # (B, T, d)
 
     def decode(self, tokens, cache, span_start=None, w=None):
-        """One token per row, tokens (B,), at each row's cache length (the caller advances it)
-        -> (logits (B, V) float32, hidden (L+1, B, d), stats (B, L, H, 6) in STATS order) on the
-        head's device; hidden and stats None without span_start (B,), each row's turn's first
-        position. w: decode_weights(). Compiled where it can, over whole KEY_BLOCKs of slots."""
+        """One token per row, tokens (B,), at each row's cache length (the caller advances it) ->
+        (logits (B, V) float32, hidden (L+1, B, d), stats (B, L, H, 6) in STATS order) on the head's
+        device; hidden and stats None without span_start (B,), each row's turn's first position."""
         lengths = cache[0].lengths                          # (B,) on the CPU: no device sync
         size = int(lengths.max()) + 1                       # key slots [0, size) are in use
         for layer_cache in cache:
             layer_cache.grow(size)                                 # before a step reads the caches
         if w is None:
             w = self.decode_weights()                                   # per block: fused, or None
-        ks = [c.k for c in cache]
-        vs = [c.v for c in cache]
-        step = compiled_step(w, cache)
+        ks = [c.k for c in cache]                           # (B, KV, capacity, D) each
+        vs = [c.v for c in cache]                           # (B, KV, capacity, D) each
+        step = compiled_step(w, cache)                      # None where compiling does not pay
         if step is not None:
             try:
-                blocks = min(cache[0].k.shape[2], -(-size // KEY_BLOCK) * KEY_BLOCK)  # slots read
+                blocks = min(cache[0].k.shape[2], -(-size // KEY_BLOCK) * KEY_BLOCK)  # KEY_BLOCKs
                 if not cache[0].k.is_cuda:
                     return step(self, tokens, lengths, span_start, ks, vs, w, blocks)
-                # a CUDA graph reads device tensors only; its next replay overwrites its outputs
-                dev = cache[0].k.device
+                dev = cache[0].k.device             # a CUDA graph reads device tensors only
                 self.inv_freq = self.inv_freq.to(dev)
                 on_dev = [tokens.to(dev), lengths.to(dev), None]
                 if span_start is not None:
                     on_dev[2] = span_start.to(dev)
                 torch.compiler.cudagraph_mark_step_begin()
                 logits, hidden, stats = step(self, *on_dev, ks, vs, w, blocks)
-                if hidden is None:
+                if hidden is None:                  # clones: its next replay overwrites them
                     return logits.clone(), None, None
                 return logits.clone(), hidden.clone(), stats.clone()
             except (torch._dynamo.exc.TorchDynamoException,   # no C++ compiler, or a limit:
@@ -775,13 +724,11 @@ class Transformer(nn.Module):
         return self.decode_step(tokens, lengths, span_start, ks, vs, w, size)
 
     def decode_weights(self) -> list:
-        """Each block's decode_weights(), for the weights as they are."""
         return [layer.decode_weights() for layer in self.model.layers]
 
     def decode_step(self, tokens, lengths, span_start, ks, vs, w, size):
-        """decode's computation (what compiled_step compiles) on the caches' ks, vs (B, KV,
-        capacity, D) over slots [0, size). Masks, RoPE tables and the span indicator are built
-        once a step, and stats_from runs once, on every layer's numbers together."""
+        """decode's computation (what compiled_step compiles) over slots [0, size). Masks, RoPE
+        tables and the span indicator are built once a step; stats_from runs once for all layers."""
         dev = self.model.embed_tokens.weight.device                  # a split model's first device
         pos = lengths.to(dev)                                               # (B,) positions i
         key_pos = torch.arange(size, device=dev)                            # (S,) slots j
@@ -801,13 +748,9 @@ class Transformer(nn.Module):
         numbers = []                                       # per layer: (max, sum_sq, prefix, self)
         for i, layer in enumerate(self.model.layers):
             on = ks[i].device               # the block's device (several if split_model ran)
-            x = x.to(on)
-            cos_i = cos.to(on)
-            sin_i = sin.to(on)
-            bias_i = bias[self.windows[i]].to(on)
-            pos_i = pos.to(on)
             before_i = before if before is None else before.to(on)
-            x, n = layer.decode(x, cos_i, sin_i, bias_i, pos_i, (ks[i], vs[i]), before_i, w[i])
+            x, n = layer.decode(x.to(on), cos.to(on), sin.to(on), bias[self.windows[i]].to(on),
+                                pos.to(on), (ks[i], vs[i]), before_i, w[i])
             numbers.append(n)
             if i < len(self.model.layers) - 1:
                 hidden.append(x)                              # blocks 1..L-1; the L-th goes normed
@@ -825,21 +768,11 @@ class Transformer(nn.Module):
         return logits, hidden, torch.stack([stats[name] for name in STATS], -1)  # (B, L, H, 6)
 
 
-COMPILE = os.environ.get("PAIR_COMPILE", "1") != "0"     # 0: decode eagerly everywhere
-KEY_BLOCK = 128         # key slots attended in blocks of this many, not the whole capacity
-RECOMPILE_LIMIT = 32    # a graph per relation among the sizes: up to 11, over torch's default 8
-COMPILE_OPTIONS = {"cpu": {}, "cuda": {"mode": "reduce-overhead", "dynamic": True}}  # GPU: graphs
-COMPILE_NOTICE_S = 2.0  # seconds: a first call this long was compiling, and says so
-_compiled = {}          # device kind: a CompiledStep; "failed": the exception that gave up
-
-
 class CompiledStep:
-    """decode_step compiled for one kind of device. torch.compile is lazy: the first call compiles
-    (a minute), or loads torch's cache of an earlier run (seconds); said when it took long."""
-
+    """decode_step compiled for one kind of device (lazily); a slow first call says so."""
     def __init__(self, kind: str):
         self.step = torch.compile(Transformer.decode_step, fullgraph=True, **COMPILE_OPTIONS[kind])
-        self.first = True                                                 # the first call compiles
+        self.first = True   # the first call compiles (a minute) or loads torch's cache (seconds)
 
     def __call__(self, *args):
         started = time.perf_counter()
@@ -853,31 +786,23 @@ class CompiledStep:
 
 
 def compiled_step(w: list, cache: list[KVCache]):
-    """Transformer.decode_step compiled, or None where it does not pay or is not wanted (a split
-    model: a graph runs on one device; on the CPU, unfused weights). On a GPU also a CUDA graph
-    (gpt-fast's recipe: one launch instead of thousands of kernels), every size symbolic."""
+    """Transformer.decode_step compiled (a CUDA graph on a GPU), or None where it does not pay."""
     if not COMPILE or "failed" in _compiled or len({c.k.device for c in cache}) > 1:
-        return None
+        return None                                     # split: a graph runs on one device
     kind = cache[0].k.device.type
     if kind not in ("cpu", "cuda") or kind == "cpu" and any(x is None for x in w):
-        return None
+        return None                                     # on the CPU only fused weights pay
     if kind not in _compiled:
         config = torch._dynamo.config
         config.recompile_limit = max(config.recompile_limit, RECOMPILE_LIMIT)
-        if COMPILE_OPTIONS[kind].get("dynamic"):
-            # each size its own symbol: "duck" sizing merges sizes equal at the first call
-            torch.fx.experimental._config.use_duck_shape = False
-        _compiled[kind] = CompiledStep(kind)
+        if COMPILE_OPTIONS[kind].get("dynamic"):      # each size its own symbol: "duck" sizing
+            torch.fx.experimental._config.use_duck_shape = False    # merges sizes equal at first
+        _compiled[kind] = CompiledStep(kind)    # GPU: one graph launch, not thousands of kernels
     return _compiled[kind]
 
 
-MLP_CHUNK = 4096          # tokens (rows x positions) a recomputed block's MLP runs at a time
-LOGITS_CHUNK = 1 << 24    # logits at a time (64 MB): 152k float32 logits are 0.58 GiB a 1k tokens
-
-
 def token_logprobs(policy, ids: Tensor, mask: Tensor, temperature: float = 1.0) -> Tensor:
-    """log pi(x_j | x_<j) at the masked positions j, row-major -> (N,) float32. The head runs on
-    those only, LOGITS_CHUNK // V at a time, recomputed in backward: never all (N, V) logits."""
+    """log pi(x_j | x_<j) at the masked positions j, row-major -> (N,) float32, in logits chunks."""
     h = policy.trunk(ids, recompute=True)[:, :-1]               # position j predicts x_{j+1}
     target = mask[:, 1:].to(h.device)                                 # (B, T-1): the tokens scored
     h, labels = h[target], ids[:, 1:].to(h.device)[target]      # (N, d), (N,)
@@ -890,7 +815,7 @@ def token_logprobs(policy, ids: Tensor, mask: Tensor, temperature: float = 1.0) 
                                                            use_reentrant=False))
         else:
             parts.append(head_logprobs(*inputs))
-    return torch.cat(parts) if parts else torch.zeros(0, device=h.device)
+    return torch.cat(parts) if parts else torch.zeros(0, device=h.device)     # (N,)
 
 
 def head_logprobs(lm_head: nn.Module, h: Tensor, labels: Tensor, temperature: float) -> Tensor:
@@ -898,15 +823,12 @@ def head_logprobs(lm_head: nn.Module, h: Tensor, labels: Tensor, temperature: fl
     logits = lm_head(h).float()                                 # (n, V)
     if temperature > 0:
         logits = logits / temperature
-    return torch.log_softmax(logits, dim=-1).gather(1, labels[:, None]).squeeze(1)
+    return torch.log_softmax(logits, dim=-1).gather(1, labels[:, None]).squeeze(1)     # (n,)
 
 
-# ----------------------------------------------------------------------------------------------
-# Tokenizer and the chat format (METHOD.md §2, §3); text kept encodable
-
+# ---- Tokenizer and the chat format (METHOD.md §2, §3); text kept encodable -----------------------
 class Tokenizer:
     """A tokenizers.Tokenizer and the ChatML template; only the template puts special tokens."""
-
     def __init__(self, tok):
         self.tok = tok
         tok.encode_special_tokens = True        # an attribute of the instance: never saved
@@ -935,26 +857,21 @@ class Tokenizer:
         return self.tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
     def render(self, messages, add_generation_prompt=False) -> tuple[list[int], list[tuple]]:
-        """Token ids of the ChatML chat and, per assistant message, its span [start, end)
-        (METHOD.md §3): its content's first token to its closing <|im_end|> + 1."""
+        """The ChatML chat's ids and each assistant message's span [start, end) (METHOD.md §3)."""
         if not messages or messages[0]["role"] != "system":
             messages = [{"role": "system", "content": DEFAULT_SYSTEM}, *messages]
         ids, spans = [], []
         for m in messages:
             head = f"{m['role']}\n"
-            enc = self.tok.encode(without_surrogates(head + m["content"]),
-                                  add_special_tokens=False)
+            enc = self.tok.encode(without_surrogates(head + m["content"]), add_special_tokens=False)
             ids.append(self.im_start_id)
             if m["role"] == "assistant":        # first token reaching past the head
                 start = len(ids) + bisect_right([e for _, e in enc.offsets], len(head))
-                spans.append((start, len(ids) + len(enc.ids) + 1))
+                spans.append((start, len(ids) + len(enc.ids) + 1))  # to its <|im_end|> + 1
             ids += enc.ids + [self.im_end_id] + self.encode("\n")
         if add_generation_prompt:
             ids += [self.im_start_id] + self.encode("assistant\n")
         return ids, spans
-
-
-LONE_SURROGATE = re.compile("[\ud800-\udfff]")     # half a UTF-16 pair: not UTF-8, not encodable
 
 
 def holds_lone_surrogate(value) -> bool:
@@ -967,12 +884,12 @@ def without_surrogates(text: str) -> str:
     return LONE_SURROGATE.sub("\ufffd", text)
 
 
-# ----------------------------------------------------------------------------------------------
-# LoRA (Hu et al., 2021) in PEFT's layout (q_proj gains q_proj.lora_A, q_proj.lora_B):
+# ---- LoRA (Hu et al., 2021) in PEFT's layout: q_proj gains q_proj.lora_A, q_proj.lora_B ----------
 #     y = x W^T + b + (alpha / r) B A dropout(x),   A (r, d_in), B (d_out, r) = 0 at first;
 # float32 (PEFT's default) under bfloat16 weights: the adapter's updates are tiny.
-
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+ADAPTER_CONFIG, ADAPTER_WEIGHTS = "adapter_config.json", "adapter_model.safetensors"
+PEFT_PREFIX = "base_model.model."       # PEFT's prefix of the wrapped model's weight names
 
 
 @dataclass
@@ -1004,8 +921,7 @@ class LoRALinear(nn.Module):
         y = F.linear(x, self.weight, self.bias)                             # x W^T + b
         if not self.enabled:
             return y
-        # functions, not module calls: per token a module call costs more than its tiny matmul
-        x = x.to(self.lora_A.weight.dtype)
+        x = x.to(self.lora_A.weight.dtype)      # F.linear below: a module call outcosts the matmul
         if self.dropout > 0:
             x = self.lora_dropout(x)
         a = F.linear(x, self.lora_A.weight)                                    # (..., r)
@@ -1053,10 +969,6 @@ def load_lora_state(policy, state: dict[str, torch.Tensor]):
         p.copy_(state[n])                                  # in place: the optimizer's tensors stay
 
 
-ADAPTER_CONFIG, ADAPTER_WEIGHTS = "adapter_config.json", "adapter_model.safetensors"
-PEFT_PREFIX = "base_model.model."
-
-
 def save_adapter(model, path, base_model_name_or_path=None):
     """Write the model's adapter to the folder `path`: its config and its float32 weights."""
     s, folder = model.lora_settings, Path(path)             # (write_atomic creates it)
@@ -1094,9 +1006,7 @@ def load_adapter_weights(policy, directory):
     return policy
 
 
-# ----------------------------------------------------------------------------------------------
-# Files (where fetched and fitted ones live, atomic writes) and --devices
-
+# ---- Files (where fetched and fitted ones live, atomic writes) and --devices ---------------------
 def cache_root() -> Path:
     """Where everything fetched or fitted once is kept: $PAIR_CACHE, else ~/.cache/pair."""
     return Path(os.environ.get("PAIR_CACHE") or Path.home() / ".cache" / "pair").expanduser()
@@ -1129,14 +1039,10 @@ def parse_devices(text: str) -> list[torch.device]:
     return devices
 
 
-# ----------------------------------------------------------------------------------------------
-# The layers split across devices (placement, no pipelining), for memory: a 7B policy with its
-# LoRA state and caches exceeds one 48 GB GPU. grpo.py calls it when --devices names several.
-
+# ---- The layers split over devices (placement, no pipelining) when --devices names several -------
 def balance_layers(block_sizes: list[int], n_devices: int, first_extra=0, last_extra=0):
     """Layers per device: contiguous ranges whose loads (parameter counts, with the embedding on
-    the first device and the head on the last) come closest to an even share each. Cut k goes
-    where the load before it is nearest k/n of the total, leaving every device a layer."""
+    the first device and the head on the last) come closest to an even share each."""
     n_layers = len(block_sizes)
     if not 1 <= n_devices <= n_layers:
         raise ValueError(f"cannot split {n_layers} layers over {n_devices} devices")
@@ -1146,22 +1052,20 @@ def balance_layers(block_sizes: list[int], n_devices: int, first_extra=0, last_e
     for k in range(1, n_devices):
         lo = cuts[-1] + 1                   # a layer for each device before the cut
         hi = n_layers - (n_devices - k)     # and one for each device after it
-        share = k * total / n_devices
+        share = k * total / n_devices       # cut k: the load before it nearest k/n of the total
         cuts.append(min(range(lo, hi + 1), key=lambda b: abs(load_before[b] - share)))
     cuts.append(n_layers)
     return [b - a for a, b in zip(cuts, cuts[1:])]
 
 
 def split_model(model, devices, layer_counts=None):
-    """Place model.model.layers on `devices` (e.g. ["cuda:0", "cuda:1"]) in contiguous ranges,
-    each block with a pre-hook moving its inputs there; the embedding on the first device, norm
-    and head on the last (new_cache puts each block's cache with it). layer_counts: layers per
-    device, summing to the layers; by default balance_layers on parameter counts."""
+    """Place model.model.layers on `devices` in contiguous ranges of layer_counts; the embedding on
+    the first device, norm and head on the last (new_cache puts each block's cache with it)."""
     devices = [torch.device(d) for d in devices]
     inner = model.model
     layers = model.model.layers
     head = model.lm_head
-    if layer_counts is None:
+    if layer_counts is None:                            # balance_layers on parameter counts
         def n_params(module):
             return sum(p.numel() for p in module.parameters())
         layer_counts = balance_layers([n_params(b) for b in layers], len(devices),
@@ -1173,8 +1077,7 @@ def split_model(model, devices, layer_counts=None):
         raise ValueError(f"layer_counts={layer_counts}: need one count >= 1 per device "
                          f"({len(devices)}) summing to the model's {len(layers)} layers")
     if head.weight is inner.embed_tokens.weight and devices[0] != devices[-1]:
-        # the head's copy of the embedding stays equal to it only while it is frozen (LoRA)
-        if inner.embed_tokens.weight.requires_grad:
+        if inner.embed_tokens.weight.requires_grad:     # the copy stays equal only while frozen
             raise ValueError("tied embeddings are copied to the last device; freeze them first "
                              "(apply_lora does) or split over one device")
         head.weight = nn.Parameter(inner.embed_tokens.weight.detach().to(devices[-1]),
@@ -1184,7 +1087,7 @@ def split_model(model, devices, layer_counts=None):
                  (inner.norm, devices[-1]), (head, devices[-1])]
     for module, device in placement:
         module.to(device)
-        module.register_forward_pre_hook(inputs_to(device), with_kwargs=True)
+        module.register_forward_pre_hook(inputs_to(device), with_kwargs=True)  # inputs moved there
     return model
 
 
@@ -1194,5 +1097,4 @@ def inputs_to(device):
         if isinstance(x, (tuple, list)):
             return type(x)(to(v) for v in x)
         return x.to(device) if isinstance(x, Tensor) else x   # blocking: a copy must have landed
-
     return lambda module, args, kwargs: (to(args), {k: to(v) for k, v in kwargs.items()})
