@@ -941,12 +941,13 @@ def fetch(family: str, name: str, folder: Path, check, ref: str = RELEASE_REF,
         raise DataError(f"cannot download {url}: {e}") from e
     if r.status_code != 200:
         raise DataError(f"cannot download {url}: HTTP {r.status_code}")
-    check(read_json(url, r.content), url)          # every record, before anything is written
+    check(read_data_json(url, r.content), url)          # every record, before anything is written
     model.write_atomic(folder / name, r.content)
 
 
-def read_json(where: str | Path, raw: bytes | None = None) -> object:
-    """The JSON of `raw`, else of the file `where`; bad input is a DataError naming `where`."""
+def read_data_json(where: str | Path, raw: bytes | None = None) -> object:
+    """The JSON of released data, `raw` or else the file `where`; bad input is a DataError naming
+    `where` (model.read_json is a checkpoint's, whose errors are CheckpointErrors)."""
     if raw is None:
         if not Path(where).is_file():
             raise DataError(f"{where}: no such file")
@@ -959,7 +960,7 @@ def read_json(where: str | Path, raw: bytes | None = None) -> object:
 
 def load_episodes(path: str | Path) -> dict[str, dict]:
     """An episode file: {episode id: record}, every record validated (METHOD.md §1)."""
-    data = read_json(Path(path))
+    data = read_data_json(Path(path))
     check_episode_file(data, Path(path))
     return data
 

@@ -89,7 +89,7 @@ def load_released_episodes(path: str | Path) -> dict[str, dict]:
     """An episode file, clean or contaminated, every record validated: envs.load_episodes'
     checks and a contaminated record's fields (check_released_episode_file)."""
     path = Path(path)
-    data = envs.read_json(path)
+    data = envs.read_data_json(path)
     check_released_episode_file(data, path)
     return data
 
@@ -437,7 +437,7 @@ def make_gta_diagnostic(data_dir=None, out_dir=None, seed: int = 0) -> dict[str,
     if not (folder / "matched_contaminated_test.json").is_file():
         download("gta", folder.parent)
     clean = envs.load_episodes(folder / "clean_test.json")
-    matched = envs.read_json(folder / "matched_contaminated_test.json")
+    matched = envs.read_data_json(folder / "matched_contaminated_test.json")
     check_matched_file(matched, folder / "matched_contaminated_test.json")
     records = gta_diagnostic(clean, matched, seed)
     check_matched_file(records, "matched_diagnostic_test.json")
@@ -477,7 +477,7 @@ def split_episodes(data_dir, family: str, out_dir, seed: int = 0, fraction: floa
     data = {}
     for name in SPLIT_FILES:
         path = folder / f"{name}_test.json"
-        data[name] = envs.read_json(path)
+        data[name] = envs.read_data_json(path)
         check = check_matched_file if name.startswith("matched_") else check_released_episode_file
         check(data[name], path)
     ids = sorted(data["clean"])
@@ -555,7 +555,7 @@ def load_matched(path: str | Path) -> list[dict]:
     """A matched file, every record validated, each given the `tools` and `files` of its episode
     (from the episode file of the same family: matched_clean_train -> clean_train.json)."""
     path = Path(path)
-    data = envs.read_json(path)
+    data = envs.read_data_json(path)
     check_matched_file(data, path)
     if not path.name.startswith("matched_"):
         raise envs.DataError(f"{path}: a matched file is named matched_<family>_<split>.json")
