@@ -169,3 +169,17 @@ def test_a_failed_core_command_leaves_no_lock(tmp_path, monkeypatch):
     with pytest.raises(SystemExit, match="no space left"):
         grpo.main(flags(out))
     assert not (out / ".lock").exists() and not grpo.LOCKS
+
+
+def test_a_failed_lab_command_leaves_no_lock(tmp_path):
+    # the lab's claim (runs.exclusive_dir, around an extraction or a fit) lets its directory go
+    # on failure as on success: the lock file is removed, a nested claim keeps it
+    from lab import runs
+    out = tmp_path / "out"
+    with pytest.raises(RuntimeError):
+        with runs.exclusive_dir(out):
+            with runs.exclusive_dir(out):           # nested: the outer claim still holds it
+                pass
+            assert (out / runs.LOCK_FILE).exists() and runs.holds(out)
+            raise RuntimeError("the extraction failed")
+    assert not (out / runs.LOCK_FILE).exists() and not runs.holds(out)
