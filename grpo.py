@@ -66,13 +66,12 @@ class Training:                     # what the training loop reads; setup() buil
     probe_report: dict | None = None    # the shipped probes' AUROC on held-out own turns
 
 
-def setup(args, procs: pair.Processes | None = None) -> Training:
+def setup(args) -> Training:
     """Everything a run reads, each input checked before the run directory is written: the
     presets resolved, the policy loaded with a fresh adapter, the environments, the reward's
     probes, then the run directory claimed and the optimizer built."""
-    if procs is None:
-        procs = pair.Processes()
-    if int(os.environ.get("WORLD_SIZE", "1")) > 1 and procs.size == 1:
+    procs = pair.Processes()        # this process alone
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
         raise SystemExit("several processes run through the lab: torchrun --nproc_per_node N -m "
                          "lab.train ...")
     resolve_preset(args, procs)
@@ -854,13 +853,14 @@ def read_jsonl(path: Path) -> list[dict]:
     records = []
     for k, line in enumerate(lines):
         try:
-            records.append(record := json.loads(line))
+            record = json.loads(line)
         except json.JSONDecodeError as e:
             if k < len(lines) - 1 and line.strip():
                 raise SystemExit(f"{path}: line {k + 1} is not JSON ({e}); the log is damaged")
             continue
         if not isinstance(record, dict) or type(record.get("step")) is not int:
             raise SystemExit(f"{path}: line {k + 1} is not a step's record; the log is damaged")
+        records.append(record)
     return records
 
 
@@ -1094,7 +1094,8 @@ def summary_text(s: dict) -> str:
                      f"chosen on validation) -> final {last['success']:.3f} (step {last['step']});"
                      f" best on test {best['success']:.3f} (step {best['step']}, the paper's "
                      "protocol)")
-    if p := s.get("probe_auroc_heldout"):
+    p = s.get("probe_auroc_heldout")
+    if p:
         lines.append(f"PAIR AUROC on {p['turns']} held-out own turns: {num(p['pair'])} "
                      f"({p['corpus']} corpus); contaminated-corpus PAIR: "
                      f"{num(p['contaminated_corpus_pair'])}")

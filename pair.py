@@ -214,8 +214,8 @@ def load_head(where: Path, reward: str, config, model_dir=None) -> Pair | Probe:
         head = Probe.load(path)
     if model_dir is not None:
         check_probe_model(path, model_dir)
-    if isinstance(head, Probe) and (name := head.info.get("feature")) != reward:
-        raise SystemExit(f"--probes {path}: a {name} probe, not {reward}")
+    if isinstance(head, Probe) and head.info.get("feature") != reward:
+        raise SystemExit(f"--probes {path}: a {head.info.get('feature')} probe, not {reward}")
     d, L, H = config.hidden_size, config.num_hidden_layers, config.num_attention_heads
     if isinstance(head, Pair):
         want = {"stage1": d, "stage2": len(head.stats) * H * L + 1}
