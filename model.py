@@ -1016,6 +1016,14 @@ def write_atomic(path: Path, data: bytes | str) -> None:
     """Every file written here: a temporary file, then os.replace (the old file or the new one)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
+    leftover = re.compile(rf"\.{re.escape(path.name)}\.\d+\.\d+\.tmp")     # .NAME.<pid>.<tid>.tmp
+    for name in [n for n in os.listdir(path.parent) if leftover.fullmatch(n)]:
+        try:
+            os.kill(int(name.split(".")[-3]), 0)    # signal 0 only asks whether the pid lives
+        except ProcessLookupError:                  # a killed write's leftover: nobody ends it
+            (path.parent / name).unlink(missing_ok=True)
+        except (PermissionError, OverflowError):    # another user's live process; no pid at all
+            pass                                    # (a live pid's file may be a write under way)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
     try:
         tmp.write_bytes(data.encode() if isinstance(data, str) else data)

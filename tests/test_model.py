@@ -2,8 +2,12 @@
 real 0.5B checkpoint (opt-in: skipped when absent)."""
 import json
 import math
+import os
 import shutil
 import struct
+import subprocess
+import sys
+import threading
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -930,6 +934,32 @@ def test_tokenizer_survives_lone_surrogates():
     ids, spans = tok.render(messages)
     clean = [dict(m, content=m["content"][:-1] + "\ufffd") for m in messages]
     assert (ids, spans) == tok.render(clean)
+
+
+# ---------------------------------------------------------------------------------------------
+# Files
+
+
+def test_a_write_removes_the_leftover_of_a_killed_write_of_its_path_only(tmp_path):
+    """A write killed between its temporary file and os.replace leaves .NAME.<pid>.<tid>.tmp,
+    unreadable, beside the good output. The next write of that path removes it once its process
+    is gone, and leaves what a live process may still be writing (this process's other thread)
+    and the leftovers of other paths."""
+    finished = subprocess.Popen([sys.executable, "-c", ""])
+    finished.wait()                                     # its pid now names no process
+    out = tmp_path / "report.json"
+    out.write_text("the good output")
+    dead = tmp_path / f".report.json.{finished.pid}.{threading.get_ident()}.tmp"
+    live = tmp_path / f".report.json.{os.getpid()}.{threading.get_ident() + 1}.tmp"
+    other = tmp_path / f".report.json.bak.{finished.pid}.1.tmp"    # report.json.bak's
+    for leftover in (dead, live, other):
+        leftover.write_bytes(b"half a wr")
+    M.write_atomic(out, "the new output")
+    assert out.read_text() == "the new output"
+    assert not dead.exists()
+    assert live.exists() and other.exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
+        [out.name, live.name, other.name])
 
 
 # ---------------------------------------------------------------------------------------------
