@@ -6,18 +6,15 @@
     python grpo.py --devices cuda:0,cuda:1 ...     # the layers split over two GPUs
     python -m lab.train --reward igpo ...          # the lab's rewards, searches, torchrun
 
-One step (`train_step`): --batch prompts, each played as a group of --group G rollouts
-(`play_group`: probes.rollout), a reward for every assistant turn (pair.turn_rewards, the
---reward entry of pair.REWARDS), the group's advantages (the --advantage entry of
-pair.ADVANTAGES), then `update`: the entry's loss (pair.grpo_loss, or the release's) over
-micro-batches, log pi at the sampling temperature, one AdamW step on the LoRA adapter. `train`
-is the loop around it: the base model's evaluation, the steps, a checkpoint and an evaluation
-every --save-every steps, the summary. Everything else is the run's plumbing: the flags and
-presets, the run directory, checkpoints and exact resume.
-
-The loop knows its reward and advantage form only through those two tables. The lab's methods
-that need more (refitted probes, tree searches, oversampling, several processes) run their own
-loop, lab/train.py, built from the functions of this file.
+One step (`train_step`): --batch prompts, each a group of --group G rollouts (`play_group`), a
+reward for every assistant turn (pair.turn_rewards: the --reward row of pair.REWARDS), the
+group's advantages (the --advantage row of pair.ADVANTAGES), then `learn`: the row's loss over
+micro-batches, log pi at the sampling temperature, one AdamW step on the LoRA adapter
+(pair.update). `train` is the loop around it: the base model's evaluation, the steps, a
+checkpoint and an evaluation every --save-every steps, the summary. The rest is the run's
+plumbing: flags and presets, the run directory, checkpoints that verify themselves, exact resume.
+The lab's methods that need more (tree searches, refits, oversampling, several processes) run
+their own loop, lab/train.py, built from this file's functions.
 """
 from __future__ import annotations
 

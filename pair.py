@@ -262,9 +262,7 @@ def report_summary(report: dict, reward: str) -> dict:
 
 # ---- The per-turn rewards: `--reward` name -> Reward --------------------------------------------
 # A reward is a function of one rollout (probes.Trajectory) and of what it reads besides
-# (RewardContext), giving a float per assistant turn or None for a turn without reward. The
-# functions that compute PAIR's and a probe's rewards from stored features take their parameters
-# (alpha, T, eps) as arguments: a porter calls them without any of grpo.py.
+# (RewardContext), giving a float per assistant turn or None for a turn without reward.
 
 @dataclass
 class RewardContext:                    # what the rewards read besides the rollout
