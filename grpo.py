@@ -487,7 +487,6 @@ PROG = "python grpo.py"     # how messages spell the command line that runs this
 
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
     """Every default in --help but "(default: None)": such a flag's help says what decides it."""
-
     def _get_help_string(self, action):
         return action.help if action.default is None else super()._get_help_string(action)
 
@@ -495,7 +494,6 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
 class Parser(argparse.ArgumentParser):
     """argparse, saying what is wrong in one line (no usage block above it: --help has it), and
     pointing to the lab for a choice or a flag grpo.py lacks."""
-
     def error(self, message):
         if self.prog == PROG and ("invalid choice" in message
                                   or "unrecognized arguments" in message):
@@ -555,10 +553,8 @@ DEFAULTS = dict(weight_decay=0.0, advantage="process")     # flags a --preset se
 PRESETS = {"release": dict(weight_decay=0.01, warmup=0.0, top_p=0.95, advantage="release")}
 
 
-def is_builtin(args, worlds=envs.WORLDS) -> bool:
-    """Whether the run trains a built-in world's own policy (the TINY preset applies)."""
-    world = worlds.get(args.env)
-    return world is not None and Path(args.model).resolve() == world.policy.resolve()
+def is_builtin(args, worlds=envs.WORLDS) -> bool:       # a built-in world's own policy: TINY
+    return args.env in worlds and Path(args.model).resolve() == worlds[args.env].policy.resolve()
 
 
 def resolve_preset(args, procs, worlds=envs.WORLDS) -> set[str]:
