@@ -9,10 +9,8 @@ authors' release: std is over the i+1 causal keys of row i, not the whole padded
 
 Modules carry the Hugging Face weight names (Qwen2, Llama, Mistral): loading a checkpoint is a
 strict load_state_dict once every file, tensor and shape is checked. Masks come from explicit
-positions: key slot j is visible to the query at position p iff j <= p (and p - j < window). The
-model is written for one device; split_model, at the bottom, places a built model's layers over
-several (as gpt-fast's tp.py applies its parallelism): a 7B policy with its LoRA state and KV
-caches exceeds one 48 GB GPU. Placement, no pipelining: one device computes at a time."""
+positions. The model is written for one device; split_model, at the bottom, places a built
+model's layers over several (as gpt-fast's tp.py): a 7B policy, LoRA and KV caches exceed 48 GB."""
 import contextlib
 import hashlib
 import json
@@ -30,6 +28,7 @@ from typing import NamedTuple
 from urllib.parse import quote
 
 import requests
+import urllib3
 import torch
 import torch.nn.functional as F
 import torch.utils.checkpoint
@@ -53,7 +52,10 @@ SIZES = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
          "num_attention_heads", "num_key_value_heads", "head_dim", "max_position_embeddings",
          "sliding_window")      # positive integers
 INDEX = "model.safetensors.index.json"  # a sharded checkpoint's weight_map: tensor -> file
-HUB_MANIFEST = ".pair-complete.json"    # written last: its presence says the copy is complete
+HUB_MANIFEST = ".pair-complete.json"    # written last, naming each file checked, its size, hash
+HUB_STALL = 60          # s without a byte: a transfer has failed (and is resumed)
+HUB_RATE = 1 << 20      # bytes/s: a file's deadline is HUB_STALL s + its size at this rate
+HUB_TRIES = 4           # transfers of one file at most, 0, 1, 3, 7 s apart
 
 
 class CheckpointError(Exception):
@@ -61,8 +63,7 @@ class CheckpointError(Exception):
 
 
 @dataclass
-class Config:
-    """config.json, its keys as field names (known ones kept); a None default: may be null."""
+class Config:      # config.json, its keys as field names (known ones kept); None default: nullable
     vocab_size: int                         # V
     hidden_size: int                        # d
     intermediate_size: int                  # f, the MLP's width
@@ -166,24 +167,21 @@ class Config:
 
     @property
     def stop_ids(self) -> tuple[int, ...]:
-        """The eos token ids (config.json holds one id, a list, or null)."""
-        eos = self.eos_token_id
+        eos = self.eos_token_id             # config.json holds one id, a list, or null
         if eos is None:
             return ()
         return tuple(eos) if isinstance(eos, list) else (eos,)
 
 
 def read_json(path: Path) -> dict:
-    """A JSON file's value; any failure to read it is a CheckpointError naming the file."""
-    try:
+    try:                        # any failure to read it: a CheckpointError naming the file
         return json.loads(path.read_text())
     except (OSError, ValueError, RecursionError) as e:    # deep nesting: RecursionError
         raise CheckpointError(f"{path}: not readable JSON ({type(e).__name__}: {e})") from None
 
 
 def read_config(directory) -> Config:
-    """The checkpoint's config.json, built and validated, or a CheckpointError naming it."""
-    path = Path(directory) / "config.json"
+    path = Path(directory) / "config.json"     # built and validated, or a CheckpointError
     try:
         return Config.from_dict(read_json(path))
     except (TypeError, ValueError, AttributeError) as e:     # AttributeError: not an object
@@ -191,8 +189,7 @@ def read_config(directory) -> Config:
 
 
 def weight_files(directory: Path) -> list[str]:
-    """model.safetensors, or the shards the index's weight_map names."""
-    index = directory / INDEX
+    index = directory / INDEX           # model.safetensors, or the shards its weight_map names
     if not index.is_file():
         return ["model.safetensors"]
     content = read_json(index)
@@ -207,12 +204,10 @@ def weight_files(directory: Path) -> list[str]:
 
 
 def read_state_dict(directory: Path, expected: dict, tied: bool, dtype, device) -> dict:
-    """Every tensor of `expected` (name -> shape) from the safetensors files, as dtype on device.
-    The loading rules, each broken one a CheckpointError naming file and tensor:
-      - every expected tensor is present, exactly once over all the shards;
-      - no tensor is unexpected (a checkpoint of another architecture or size);
-      - every shape is the expected one, read from the header before the data;
-      - no float tensor holds NaN or infinity (NaN logits: a stop token drawn forever)."""
+    """Every tensor of `expected` (name -> shape) from the safetensors files, as dtype on device,
+    or a CheckpointError naming file and tensor: each present once over the shards, none unexpected
+    (another architecture or size), each shape (the header's, before the data) the expected one, no
+    NaN or infinity in a float tensor (NaN logits: a stop token drawn forever)."""
     state = {}
     for file in weight_files(directory):
         path = directory / file
@@ -274,8 +269,7 @@ def checkpoint_sha256(directory) -> str:
 
 
 def resolve(path_or_repo) -> Path:
-    """A checkpoint directory, or the local copy of a Hub model <org>/<name> (fetched once)."""
-    directory = Path(path_or_repo)
+    directory = Path(path_or_repo)      # or the copy of a Hub model <org>/<name>, fetched once
     if directory.is_dir():
         return directory
     if directory.exists() or not re.fullmatch(r"[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*",
@@ -289,9 +283,10 @@ def resolve(path_or_repo) -> Path:
 
 
 def fetch_from_hub(repo_id: str) -> Path:
-    """Hub model files, fetched once; HF_ENDPOINT, HF_TOKEN, HF_HUB_OFFLINE as huggingface_hub."""
+    """Hub model files, fetched once, each checked against the size and hash the Hub's tree API
+    lists for it; HF_ENDPOINT, HF_TOKEN, HF_HUB_OFFLINE as huggingface_hub."""
     folder = cache_root() / repo_id.replace("/", "--")             # $PAIR_CACHE/<org>--<name>
-    if (folder / HUB_MANIFEST).is_file():
+    if _complete(folder):
         return folder
     if os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes", "on"):
         raise CheckpointError(f"cannot fetch model {repo_id!r}: HF_HUB_OFFLINE is set; no complete "
@@ -303,44 +298,83 @@ def fetch_from_hub(repo_id: str) -> Path:
     folder.mkdir(parents=True, exist_ok=True)
     with open(folder / ".lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)     # torchrun's ranks: one downloads, the others wait
-        if not (folder / HUB_MANIFEST).is_file():
-            base = f"{endpoint}/{repo_id}/resolve/main/"
-            for name in ("config.json", "tokenizer.json", INDEX):    # an index if sharded
-                _download(base, folder / name, headers, required=name != INDEX)
-            for name in weight_files(folder):
-                _download(base, folder / name, headers)
-            write_atomic(folder / HUB_MANIFEST, json.dumps({"repo": repo_id, "endpoint": endpoint}))
+        try:
+            if not _complete(folder):
+                r = requests.get(f"{endpoint}/api/models/{repo_id}/tree/main", headers=headers,
+                                 timeout=(10, HUB_STALL))
+                r.raise_for_status()
+                listed = {e["path"]: e for e in r.json() if e["type"] == "file"}   # name -> entry
+                base = f"{endpoint}/{repo_id}/resolve/main/"
+                for name in ("config.json", "tokenizer.json", INDEX):
+                    if name != INDEX or name in listed:         # an index if sharded
+                        _download(base, folder / name, listed[name], headers)
+                if not isinstance(read_json(folder / "config.json"), dict):
+                    raise CheckpointError(f"{folder / 'config.json'}: not a JSON object")
+                for name in weight_files(folder):
+                    _download(base, folder / name, listed[name], headers)
+                files = {p.name: listed[p.name] for p in folder.iterdir() if p.name in listed}
+                write_atomic(folder / HUB_MANIFEST, json.dumps({"repo": repo_id, "files": files}))
+        except (requests.RequestException, urllib3.exceptions.HTTPError, KeyError) as e:
+            why = f"{type(e).__name__}: {e}"    # KeyError: a file the Hub does not list
+            if isinstance(e, requests.HTTPError) and e.response.status_code in (401, 403):
+                why += " (private or gated? set HF_TOKEN to a token that has access)"
+            raise CheckpointError(f"cannot fetch {repo_id!r}: {why}; no complete copy in "
+                                  f"{folder}") from None
     return folder
 
 
-def _download(base: str, dest: Path, headers: dict, required=True):
-    """base + dest.name into dest, through a .part file renamed when complete."""
-    if dest.is_file():
-        return
+def _complete(folder: Path) -> bool:
+    try:        # a marker, and each file it names still of the size checked (nothing hashed)
+        files = json.loads((folder / HUB_MANIFEST).read_text())["files"]
+        return all((folder / name).stat().st_size == e["size"] for name, e in files.items())
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return False
+
+
+def _download(base: str, dest: Path, entry: dict, headers: dict):
+    """base + dest.name into dest through a .part file (a copy found is checked, a short one
+    resumed by byte range), renamed once its size and hash are those the Hub lists (entry)."""
     url = base + quote(dest.name)
     part = dest.with_name(dest.name + ".part")
-    denied = "access denied (private or gated?); set HF_TOKEN to a token that has access"
-    try:
-        with requests.get(url, headers=headers, stream=True, timeout=(10, 60)) as r:
-            if r.status_code == 404 and not required:       # optional: a 404 is no file
-                return
-            if r.status_code >= 400:
-                why = {401: denied, 403: denied, 404: "not found"}.get(r.status_code, r.reason)
-                raise CheckpointError(f"{url}: HTTP {r.status_code}: {why}")
-            with open(part, "wb") as f:
-                for chunk in r.iter_content(chunk_size=1 << 20):    # 1 MiB
-                    f.write(chunk)
-    except requests.RequestException as e:
-        part.unlink(missing_ok=True)
-        raise CheckpointError(f"cannot fetch {url}: network unreachable or connection lost "
-                              f"({type(e).__name__}); no complete copy in {dest.parent}") from None
-    os.replace(part, dest)      # complete: requests refuses a body short of its Content-Length
+    found = part.exists() or dest.is_file()     # an earlier call's copy: checked, not trusted
+    part.touch()
+    if dest.is_file():
+        os.replace(dest, part)
+    deadline = time.monotonic() + HUB_STALL + entry["size"] / HUB_RATE
+    for attempt in range(HUB_TRIES):
+        have = part.stat().st_size
+        if have >= entry["size"]:
+            break
+        time.sleep(2 ** attempt - 1)                            # 0, 1, 3, 7 s
+        ask = {**headers, "Range": f"bytes={have}-", "Accept-Encoding": "identity"}  # as hashed
+        try:
+            with requests.get(url, headers=ask, stream=True, timeout=(10, HUB_STALL)) as r:
+                r.raise_for_status()
+                with open(part, "ab" if r.status_code == 206 else "wb") as f:    # 200: all again
+                    for chunk in iter(lambda: r.raw.read1(1 << 20), b""):  # what came, <= 1 MiB
+                        f.write(chunk)
+                        if time.monotonic() > deadline:
+                            raise CheckpointError(f"{url}: past its deadline ({HUB_RATE} B/s)")
+        except (requests.ConnectionError, requests.Timeout, urllib3.exceptions.HTTPError):
+            if attempt == HUB_TRIES - 1:
+                raise                               # the .part is kept: the next call resumes it
+    size = part.stat().st_size
+    h = hashlib.sha256() if entry.get("lfs") else hashlib.sha1(b"blob %d\0" % size)  # git's id
+    with open(part, "rb") as f:
+        digest = hashlib.file_digest(f, lambda: h).hexdigest()
+    oid = (entry.get("lfs") or entry)["oid"]               # an LFS file's sha256, else git's
+    if size != entry["size"] or digest != oid:
+        part.unlink()
+        if found:
+            return _download(base, dest, entry, headers)        # fetched again, from byte 0
+        raise CheckpointError(f"{url}: size or hash mismatch: {size} bytes, {h.name} {digest}; "
+                              f"the Hub lists {entry['size']} bytes, {oid}; the copy is deleted")
+    os.replace(part, dest)
 
 
 def load_model(path_or_repo, dtype=torch.float32,
                device="cpu") -> tuple["Transformer", "Tokenizer"]:
-    """A checkpoint directory or Hub model name -> (model, tokenizer) on one `device`."""
-    directory = resolve(path_or_repo)
+    directory = resolve(path_or_repo)   # a directory or Hub name -> (model, tokenizer) on `device`
     config = read_config(directory)
     tokenizer = Tokenizer.from_file(directory)
     with torch.device("meta"):      # built without memory; adopts the loaded tensors (assign)
@@ -359,8 +393,7 @@ def load_model(path_or_repo, dtype=torch.float32,
 
 
 def input_device(model: "Transformer") -> torch.device:
-    """Where input ids go: the embedding's device (the first one of a split model)."""
-    return model.model.embed_tokens.weight.device
+    return model.model.embed_tokens.weight.device      # input ids go there: a split's first
 
 
 # ---- The transformer, its decoding step and the update's log-probabilities -----------------------
@@ -400,8 +433,7 @@ def attention_mask(positions: Tensor, key_positions: Tensor, window: int | None)
 
 
 def static_address(t: Tensor) -> Tensor:
-    """t, marked for a CUDA graph to write in place (the cache, not a copy made every step)."""
-    if t.is_cuda:
+    if t.is_cuda:       # a CUDA graph writes t in place (the cache), not a copy made every step
         torch._dynamo.mark_static_address(t, guard=False)
     return t
 
@@ -418,8 +450,7 @@ class KVCache:
         self.lengths = torch.zeros(batch_size, dtype=torch.long)            # (B,) on the CPU
 
     def grow(self, size: int):
-        """At least `size` slots: the capacity doubled (at least); old slots keep their contents."""
-        if size <= self.k.shape[2]:
+        if size <= self.k.shape[2]:     # >= size slots: capacity at least doubled, old slots kept
             return
         new = (max(size, 2 * self.k.shape[2]) + 255) // 256 * 256  # 256s: few sizes to compile
         B, KV, old, D = self.k.shape
@@ -427,8 +458,7 @@ class KVCache:
         self.v = static_address(torch.cat((self.v, self.v.new_zeros(B, KV, new - old, D)), 2))
 
     def write(self, k: Tensor, v: Tensor, positions: Tensor, size: int) -> tuple[Tensor, Tensor]:
-        """Store k, v (B, KV, T, D) at slots `positions` (B, T); return slots [0, size)."""
-        self.grow(size)
+        self.grow(size)         # k, v (B, KV, T, D) to slots `positions` (B, T); slots [0, size)
         rows = torch.arange(k.shape[0], device=self.k.device)[:, None]      # (B, 1)
         self.k[rows, :, positions] = k.transpose(1, 2).to(self.k.dtype)   # (B, T, KV, D)
         self.v[rows, :, positions] = v.transpose(1, 2).to(self.v.dtype)     # (B, T, KV, D)
@@ -436,22 +466,20 @@ class KVCache:
 
 
 def set_lengths(cache: list[KVCache], lengths: Tensor):
-    """Each row's real tokens (B,), slots past them free to overwrite; a CPU copy per layer."""
-    for layer_cache in cache:
+    for layer_cache in cache:   # a row's real tokens (B,), slots past them free; a CPU copy each
         layer_cache.lengths = lengths.detach().to("cpu", torch.long).clone()
 
 
 def stats_from(mx, sum_sq, prefix, self_, pos, start) -> dict[str, Tensor]:
     """The six statistics (METHOD.md §4) of softmax rows p_i over the causal keys j <= i, i = pos,
-    start the turn's first position, from four numbers the decoding step reduces each row to:
+    start the turn's first position (all broadcast), from four numbers each row is reduced to:
         mx = max_j p_ij,   sum_sq = sum_j p_ij^2,
         prefix = sum_{j < start} p_ij,   self_ = sum_{start <= j <= i} p_ij.
     max, prefix and self are those given; with n = i + 1 and sum_j p_ij = 1 (so mean 1/n):
         std = sqrt(sum_sq / n - 1 / n^2)        (the population std of the n weights)
         entropy = -log sum_sq                    (Renyi-2; the Head Entropy baseline)
         lookback = m_ctx / (m_ctx + m_new)       (Lookback Lens; 0 where start = 0)
-        m_ctx = prefix / start,   m_new = self_ / (i - start + 1)
-    (m_ctx: the mean weight on a context key, m_new on a span key). Arguments broadcast."""
+        m_ctx = prefix / start,   m_new = self_ / (i - start + 1)   (means: context, span keys)"""
     n = (pos + 1).float()                                       # causal keys j <= i
     s0 = start.float()                                                     # context keys j < start
     m_ctx = prefix / s0.clamp(min=1)                            # clamp: start = 0 is masked below
@@ -464,8 +492,7 @@ def stats_from(mx, sum_sq, prefix, self_, pos, start) -> dict[str, Tensor]:
             "lookback": torch.where(s0 > 0, m_ctx / (m_ctx + m_new), torch.zeros_like(m_ctx))}
 
 
-class RMSNorm(nn.Module):
-    """y = w * x / sqrt(mean_k x_k^2 + eps), over the last axis, in float32."""
+class RMSNorm(nn.Module):   # y = w * x / sqrt(mean_k x_k^2 + eps), over the last axis, float32
     def __init__(self, d, eps):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(d))                          # w (d,)
@@ -477,8 +504,7 @@ class RMSNorm(nn.Module):
         return self.weight * xf.to(x.dtype)
 
 
-class MLP(nn.Module):
-    """SwiGLU: down(silu(gate(x)) * up(x))."""
+class MLP(nn.Module):   # SwiGLU: down(silu(gate(x)) * up(x))
     def __init__(self, config: Config):
         super().__init__()
         d, f, bias = config.hidden_size, config.intermediate_size, config.mlp_bias
@@ -490,8 +516,7 @@ class MLP(nn.Module):
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))  # (..., d)
 
 
-class Attention(nn.Module):
-    """Grouped-query attention, H query heads sharing KV cached heads; decoding is Block.decode."""
+class Attention(nn.Module):    # grouped-query: H query heads share KV cached ones (decoding: Block)
     def __init__(self, config: Config):
         super().__init__()
         d, H, KV, D = (config.hidden_size, config.num_attention_heads, config.n_kv_heads,
@@ -522,16 +547,14 @@ class Attention(nn.Module):
         return self.o_proj(out.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim))
 
 
-class FusedWeights(NamedTuple):
-    """A block's projections as decoding applies them: (weight, bias), bias None or fused."""
+class FusedWeights(NamedTuple):    # a block's projections as decoding applies them
     qkv: tuple[Tensor, Tensor | None]       # (weight, bias) of q, k and v side by side
     o: tuple[Tensor, Tensor | None]                                         # o_proj
     gate_up: tuple[Tensor, Tensor | None]   # gate and up side by side
     down: tuple[Tensor, Tensor | None]                                      # down_proj
 
 
-class Block(nn.Module):
-    """A pre-norm transformer block: x + attention(norm(x)), then x + mlp(norm(x))."""
+class Block(nn.Module):     # pre-norm: x + attention(norm(x)), then x + mlp(norm(x))
     def __init__(self, config: Config):
         super().__init__()
         self.self_attn = Attention(config)
@@ -612,8 +635,7 @@ class Block(nn.Module):
 
 
 def _fuse(linears) -> tuple[Tensor, Tensor | None]:
-    """The projections side by side, each enabled adapter merged in: W' = W + (alpha / r) B A."""
-    weights = []
+    weights = []        # side by side, each enabled adapter merged in: W' = W + (alpha / r) B A
     for lin in linears:
         if isinstance(lin, LoRALinear) and lin.enabled:
             weights.append(lin.weight + lin.scaling * (lin.lora_B.weight @ lin.lora_A.weight))
@@ -627,8 +649,7 @@ def _fuse(linears) -> tuple[Tensor, Tensor | None]:
     return weight, torch.cat(biases)                                        # (sum of d_out,)
 
 
-class Transformer(nn.Module):
-    """The decoder: embed_tokens, L blocks, the final norm, lm_head (tied: the embedding)."""
+class Transformer(nn.Module):  # embed_tokens, L blocks, final norm, lm_head (tied: the embedding)
     def __init__(self, config: Config):
         super().__init__()
         self.config = config
@@ -645,15 +666,13 @@ class Transformer(nn.Module):
         self.windows = [config.window(i) for i in range(config.num_hidden_layers)]  # None: full
 
     def new_cache(self, batch_size: int, capacity: int = 256) -> list[KVCache]:
-        """One empty KV cache per layer, on that layer's device and in its dtype."""
-        c = self.config
+        c = self.config         # one empty KV cache per layer, on that layer's device, in its dtype
         return [KVCache(batch_size, c.n_kv_heads, c.head_size, capacity,
                         layer.input_layernorm.weight.dtype, layer.input_layernorm.weight.device)
                 for layer in self.model.layers]
 
     def forward(self, input_ids, positions=None, cache=None) -> Tensor:
-        """input_ids (B, T) -> logits (B, T, V) in float32 (trunk, then the head)."""
-        return self.lm_head(self.trunk(input_ids, positions, cache)).float()    # (B, T, V)
+        return self.lm_head(self.trunk(input_ids, positions, cache)).float()  # (B, T, V) float32
 
     def trunk(self, input_ids, positions=None, cache=None, recompute=False) -> Tensor:
         """Up to the final norm: (B, T) -> (B, T, d). positions (B, T): absolute (default: after
@@ -768,8 +787,7 @@ class Transformer(nn.Module):
         return logits, hidden, torch.stack([stats[name] for name in STATS], -1)  # (B, L, H, 6)
 
 
-class CompiledStep:
-    """decode_step compiled for one kind of device (lazily); a slow first call says so."""
+class CompiledStep:     # decode_step compiled for one kind of device; a slow first call says so
     def __init__(self, kind: str):
         self.step = torch.compile(Transformer.decode_step, fullgraph=True, **COMPILE_OPTIONS[kind])
         self.first = True   # the first call compiles (a minute) or loads torch's cache (seconds)
@@ -819,16 +837,14 @@ def token_logprobs(policy, ids: Tensor, mask: Tensor, temperature: float = 1.0) 
 
 
 def head_logprobs(lm_head: nn.Module, h: Tensor, labels: Tensor, temperature: float) -> Tensor:
-    """log softmax(lm_head(h) / T)[label] of each row: (n, d), (n,) -> (n,) float32."""
-    logits = lm_head(h).float()                                 # (n, V)
+    logits = lm_head(h).float()     # (n, V); log softmax(logits / T)[label] -> (n,) float32
     if temperature > 0:
         logits = logits / temperature
     return torch.log_softmax(logits, dim=-1).gather(1, labels[:, None]).squeeze(1)     # (n,)
 
 
 # ---- Tokenizer and the chat format (METHOD.md §2, §3); text kept encodable -----------------------
-class Tokenizer:
-    """A tokenizers.Tokenizer and the ChatML template; only the template puts special tokens."""
+class Tokenizer:    # a tokenizers.Tokenizer and ChatML; only the template puts special tokens
     def __init__(self, tok):
         self.tok = tok
         tok.encode_special_tokens = True        # an attribute of the instance: never saved
@@ -875,13 +891,11 @@ class Tokenizer:
 
 
 def holds_lone_surrogate(value) -> bool:
-    """Whether a JSON value holds one anywhere, in a key or a string."""
-    return bool(LONE_SURROGATE.search(json.dumps(value, ensure_ascii=False)))
+    return bool(LONE_SURROGATE.search(json.dumps(value, ensure_ascii=False)))  # keys too
 
 
 def without_surrogates(text: str) -> str:
-    """text with every unpaired surrogate replaced by U+FFFD (same length), so it encodes."""
-    return LONE_SURROGATE.sub("\ufffd", text)
+    return LONE_SURROGATE.sub("\ufffd", text)      # each lone one -> U+FFFD: same length, encodes
 
 
 # ---- LoRA (Hu et al., 2021) in PEFT's layout: q_proj gains q_proj.lora_A, q_proj.lora_B ----------
@@ -1013,8 +1027,7 @@ def cache_root() -> Path:
 
 
 def write_atomic(path: Path, data: bytes | str) -> None:
-    """Every file written here: a temporary file, then os.replace (the old file or the new one)."""
-    path = Path(path)
+    path = Path(path)   # every file written here: a temporary one, os.replace'd (old or new, whole)
     path.parent.mkdir(parents=True, exist_ok=True)
     leftover = re.compile(rf"\.{re.escape(path.name)}\.\d+\.\d+\.tmp")     # .NAME.<pid>.<tid>.tmp
     for name in [n for n in os.listdir(path.parent) if leftover.fullmatch(n)]:
@@ -1034,8 +1047,7 @@ def write_atomic(path: Path, data: bytes | str) -> None:
 
 
 def parse_devices(text: str) -> list[torch.device]:
-    """A --devices value ("cuda:0,cuda:1", "cpu") -> the devices, or a one-line ValueError."""
-    try:
+    try:        # "cuda:0,cuda:1", "cpu" -> the devices, or a one-line ValueError
         devices = [torch.device(d.strip()) for d in text.split(",")]
     except RuntimeError:                                # "", "foo", "cuda:x"
         devices = []
@@ -1049,12 +1061,11 @@ def parse_devices(text: str) -> list[torch.device]:
 
 # ---- The layers split over devices (placement, no pipelining) when --devices names several -------
 def balance_layers(block_sizes: list[int], n_devices: int, first_extra=0, last_extra=0):
-    """Layers per device: contiguous ranges whose loads (parameter counts, with the embedding on
-    the first device and the head on the last) come closest to an even share each."""
+    """Layers per device: contiguous ranges whose loads come closest to an even share each."""
     n_layers = len(block_sizes)
     if not 1 <= n_devices <= n_layers:
         raise ValueError(f"cannot split {n_layers} layers over {n_devices} devices")
-    total = first_extra + sum(block_sizes) + last_extra
+    total = first_extra + sum(block_sizes) + last_extra     # parameters: embedding first, head last
     load_before = [first_extra + sum(block_sizes[:b]) for b in range(n_layers + 1)]
     cuts = [0]
     for k in range(1, n_devices):
@@ -1100,8 +1111,7 @@ def split_model(model, devices, layer_counts=None):
 
 
 def inputs_to(device):
-    """A forward pre-hook moving a module's tensor inputs to `device` (caches and flags stay)."""
-    def to(x):
+    def to(x):      # a forward pre-hook's: a module's tensor inputs to `device` (flags stay)
         if isinstance(x, (tuple, list)):
             return type(x)(to(v) for v in x)
         return x.to(device) if isinstance(x, Tensor) else x   # blocking: a copy must have landed

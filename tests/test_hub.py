@@ -20,10 +20,12 @@ class FakeHub:
 
     def __init__(self, files, lfs=("model.safetensors",), token=None):
         self.files = dict(files)               # path -> bytes actually served
-        self.listed = {n: len(b) for n, b in files.items()}   # path -> size the API reports
+        self.listed = {}                        # path -> another size than its bytes' to list
         self.lfs = set(lfs)
         self.token = token                      # when set, requests without it get 401
-        self.drop_first = set()                 # paths whose first GET is cut in half
+        self.served = {}                        # path -> other bytes served than the API lists
+        self.drop = {}                          # path -> how many GETs to cut in half
+        self.quirks = {}                        # path -> a misbehaviour (see send_file)
         self.requests = []                      # (method, path, headers)
         hub = self
 
@@ -55,12 +57,52 @@ class FakeHub:
                 self.wfile.write(body)
 
             def send_file(self, name):
-                data, start = hub.files[name], 0
-                if "Range" in self.headers:
+                data, start = hub.served.get(name, hub.files[name]), 0
+                quirk = hub.quirks.get(name, "")
+                if quirk.endswith("-once"):
+                    quirk = hub.quirks.pop(name).removesuffix("-once")
+                if "Range" in self.headers and quirk != "no-ranges":
                     start = int(self.headers["Range"].removeprefix("bytes=").rstrip("-"))
                 body = data[start:]
-                if name in hub.drop_first:
-                    hub.drop_first.discard(name)
+                if quirk.startswith("status-"):
+                    return self.reply(int(quirk[7:]), b"busy")
+                if quirk == "redirect-loop":
+                    return self.reply(302, b"", [("Location", self.path)])
+                if quirk in ("big-header", "many-headers"):
+                    self.send_response(200)
+                    if quirk == "big-header":
+                        self.send_header("X-Big", "x" * 200_000)
+                    for i in range(500 * (quirk == "many-headers")):
+                        self.send_header(f"X-H{i}", "1")
+                    self.end_headers()
+                    return
+                if quirk in ("short-length", "no-length"):
+                    # Claim 4,096 bytes too few and send those; or no length, half, and hang up.
+                    self.send_response(206 if start else 200)
+                    if quirk == "short-length":
+                        body = body[:-4096]
+                        self.send_header("Content-Length", str(len(body)))
+                    else:
+                        body = body[: len(body) // 2]
+                    self.end_headers()
+                    self.wfile.write(body)
+                    return
+                if quirk in ("trickle", "stall"):
+                    # A byte every 50 ms for 3 s; or half the body, 2 s of silence, the rest.
+                    self.send_response(200)
+                    self.send_header("Content-Length", str(len(body)))
+                    self.end_headers()
+                    cut = 60 if quirk == "trickle" else len(body) // 2
+                    for i in range(cut):
+                        if quirk == "trickle":
+                            threading.Event().wait(0.05)
+                        self.wfile.write(body[i:i + 1])
+                        self.wfile.flush()
+                    threading.Event().wait(2 * (quirk == "stall"))
+                    self.wfile.write(body[cut:])
+                    return
+                if hub.drop.get(name):
+                    hub.drop[name] -= 1
                     # Promise the whole body, send half of it, hang up.
                     self.send_response(200)
                     self.send_header("Content-Length", str(len(body)))
@@ -83,8 +125,8 @@ class FakeHub:
 
     def tree(self):
         out = []
-        for name, size in self.listed.items():
-            data = self.files.get(name, b"")      # what the Hub holds: git's blob id of it
+        for name, data in self.files.items():     # what the Hub holds: git's blob id of it
+            size = self.listed.get(name, len(data))
             entry = {"type": "file", "path": name, "size": size,
                      "oid": hashlib.sha1(b"blob %d\0" % len(data) + data).hexdigest()}
             if name in self.lfs:
@@ -129,6 +171,8 @@ def env(tmp_path, monkeypatch):
     monkeypatch.delenv("HF_TOKEN", raising=False)
     monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
     hubs = []
+    sleeps = []                                 # the backoff, recorded instead of slept
+    monkeypatch.setattr(M.time, "sleep", sleeps.append)
 
     def start(files=None, **kw):
         hub = FakeHub(files or checkpoint_files(kw.pop("sharded", False)), **kw)
@@ -136,6 +180,7 @@ def env(tmp_path, monkeypatch):
         hubs.append(hub)
         return hub
 
+    start.sleeps = sleeps
     yield start
     for hub in hubs:
         hub.close()
@@ -172,17 +217,168 @@ def test_sharded_checkpoint_fetches_index_and_every_shard(env):
     assert not (folder / "model.safetensors").exists()
 
 
-def test_interrupted_fetch_is_one_line_and_finishes_in_a_later_call(env):
+def test_a_broken_transfer_resumes_by_byte_range(env):
     hub = env()
-    hub.drop_first.add("model.safetensors")
-    with pytest.raises(M.CheckpointError, match="tiny-org/tiny-model") as err:
-        M.fetch_from_hub(REPO)
-    assert "connection lost" in str(err.value) and "\n" not in str(err.value)
-    assert not (cache_dir() / "model.safetensors.part").exists()
+    hub.drop["model.safetensors"] = 1
     folder = M.fetch_from_hub(REPO)
     assert (folder / "model.safetensors").read_bytes() == hub.files["model.safetensors"]
-    # Files finished by the first call are not fetched again.
-    assert len(hub.gets("config.json")) == 1
+    first, second = hub.gets("model.safetensors")
+    half = len(hub.files["model.safetensors"]) // 2
+    assert first["Range"] == "bytes=0-" and second["Range"] == f"bytes={half}-"
+    assert [t for t in env.sleeps if t] == [1]          # the backoff before the retry
+
+
+def test_retries_are_bounded_and_the_next_call_resumes(env):
+    hub = env()
+    hub.drop["model.safetensors"] = 99
+    with pytest.raises(M.CheckpointError, match="tiny-org/tiny-model") as err:
+        M.fetch_from_hub(REPO)
+    assert "IncompleteRead" in str(err.value) and "\n" not in str(err.value)
+    assert len(hub.gets("model.safetensors")) == M.HUB_TRIES
+    assert [t for t in env.sleeps if t] == [1, 3, 7]
+    kept = (cache_dir() / "model.safetensors.part").stat().st_size
+    assert 0 < kept < len(hub.files["model.safetensors"])
+    hub.drop.clear()
+    folder = M.fetch_from_hub(REPO)
+    assert (folder / "model.safetensors").read_bytes() == hub.files["model.safetensors"]
+    assert hub.gets("model.safetensors")[-1]["Range"] == f"bytes={kept}-"
+    assert len(hub.gets("config.json")) == 1        # files checked by the first call are kept
+
+
+def test_a_server_ignoring_ranges_sends_the_whole_file_again(env):
+    hub = env()
+    hub.drop["model.safetensors"] = 1
+    hub.quirks["model.safetensors"] = "no-ranges"
+    folder = M.fetch_from_hub(REPO)
+    assert (folder / "model.safetensors").read_bytes() == hub.files["model.safetensors"]
+    assert len(hub.gets("model.safetensors")) == 2
+
+
+def corrupted(data: bytes) -> bytes:
+    # 1 in 64 float32 values changed (a bit of each), the size kept.
+    out = bytearray(data)
+    for i in range(0, len(out) - 4, 64 * 4):
+        out[i] ^= 1
+    return bytes(out)
+
+
+@pytest.mark.parametrize("name,algo", [("model.safetensors", "sha256"), ("tokenizer.json", "sha1")])
+def test_a_damaged_file_is_refused_and_never_kept(env, name, algo):
+    hub = env()
+    hub.served[name] = corrupted(hub.files[name])
+    with pytest.raises(M.CheckpointError, match=f"size or hash mismatch: .* {algo} ") as err:
+        M.fetch_from_hub(REPO)
+    assert len(hub.served[name]) == len(hub.files[name])
+    assert str(len(hub.files[name])) in str(err.value)
+    assert not (cache_dir() / name).exists() and not (cache_dir() / (name + ".part")).exists()
+    assert not (cache_dir() / M.HUB_MANIFEST).exists()
+    del hub.served[name]
+    folder = M.fetch_from_hub(REPO)                 # the next call fetches it again
+    assert (folder / name).read_bytes() == hub.files[name]
+
+
+@pytest.mark.parametrize("how", ["4096 more", "4096 fewer", "short-length", "no-length"])
+def test_a_wrong_size_is_refused_and_never_kept(env, how):
+    hub = env()
+    data = hub.files["model.safetensors"]
+    if how == "4096 more":
+        hub.served["model.safetensors"] = data + bytes(4096)
+    elif how == "4096 fewer":
+        hub.served["model.safetensors"] = data[:-4096]
+    else:
+        hub.quirks["model.safetensors"] = how
+    with pytest.raises(M.CheckpointError, match=f"size or hash mismatch: .*lists {len(data)} "):
+        M.fetch_from_hub(REPO)
+    assert not (cache_dir() / "model.safetensors").exists()
+    assert not (cache_dir() / M.HUB_MANIFEST).exists()
+
+
+def test_a_short_body_once_is_resumed(env):
+    files = checkpoint_files()
+    files["tokenizer.json"] = bytes(range(256)) * 40        # over the 4,096 bytes held back
+    hub = env(files=files)
+    hub.quirks["model.safetensors"] = "no-length-once"
+    hub.quirks["tokenizer.json"] = "short-length-once"
+    folder = M.fetch_from_hub(REPO)
+    for name, resumed_at in (("model.safetensors", len(files["model.safetensors"]) // 2),
+                             ("tokenizer.json", len(files["tokenizer.json"]) - 4096)):
+        assert (folder / name).read_bytes() == files[name]
+        assert [h["Range"] for h in hub.gets(name)] == ["bytes=0-", f"bytes={resumed_at}-"]
+
+
+def test_a_stalled_transfer_is_named(env, monkeypatch):
+    monkeypatch.setattr(M, "HUB_STALL", 0.5)
+    monkeypatch.setattr(M, "HUB_RATE", 1000)                    # the deadline: minutes away
+    hub = env()
+    hub.quirks["model.safetensors"] = "stall"
+    with pytest.raises(M.CheckpointError, match="timed out"):
+        M.fetch_from_hub(REPO)
+    assert len(hub.gets("model.safetensors")) == M.HUB_TRIES
+
+
+def test_a_trickle_meets_the_overall_deadline(env, monkeypatch):
+    monkeypatch.setattr(M, "HUB_STALL", 1)          # a byte every 50 ms never stalls
+    monkeypatch.setattr(M, "HUB_RATE", 1e12)        # the deadline: 1 s from the first byte
+    hub = env()
+    hub.quirks["model.safetensors"] = "trickle"
+    with pytest.raises(M.CheckpointError, match="past its deadline"):
+        M.fetch_from_hub(REPO)
+    assert len(hub.gets("model.safetensors")) == 1                 # not retried
+
+
+@pytest.mark.parametrize("quirk,named", [
+    ("redirect-loop", "TooManyRedirects: Exceeded 30 redirects"),
+    ("big-header", "got more than 65536 bytes when reading header line"),
+    ("many-headers", "got more than 100 headers"),
+    ("status-503", "HTTPError: 503 Server Error")])
+def test_each_failure_is_named(env, quirk, named):
+    hub = env()
+    hub.quirks["config.json"] = quirk
+    with pytest.raises(M.CheckpointError) as err:
+        M.fetch_from_hub(REPO)
+    assert named in str(err.value) and "\n" not in str(err.value)
+    assert "network unreachable" not in str(err.value)
+
+
+def test_a_config_that_is_not_an_object_is_not_marked_complete(env):
+    hub = env()
+    hub.files["config.json"] = b"[1, 2]"
+    with pytest.raises(M.CheckpointError, match="config.json: not a JSON object"):
+        M.fetch_from_hub(REPO)
+    assert not (cache_dir() / M.HUB_MANIFEST).exists()
+    hub.files["config.json"] = b'{"model_type": "qwen2"}'       # the Hub fixed: fetched again
+    folder = M.fetch_from_hub(REPO)
+    assert (folder / "config.json").read_bytes() == hub.files["config.json"]
+
+
+def test_the_marker_records_what_was_checked_and_is_trusted_while_sizes_match(env, monkeypatch):
+    hub = env()
+    folder = M.fetch_from_hub(REPO)
+    data = hub.files["model.safetensors"]
+    marker = json.loads((folder / M.HUB_MANIFEST).read_text())
+    assert marker["files"]["model.safetensors"]["lfs"]["oid"] == hashlib.sha256(data).hexdigest()
+    assert sorted(marker["files"]) == ["config.json", "model.safetensors", "tokenizer.json"]
+    with open(folder / "model.safetensors", "r+b") as f:          # damaged after the marker
+        f.truncate(len(data) - 4096)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(M.CheckpointError, match=f"no complete copy in {folder}"):
+        M.fetch_from_hub(REPO)
+    monkeypatch.delenv("HF_HUB_OFFLINE")
+    assert M.fetch_from_hub(REPO) == folder
+    assert (folder / "model.safetensors").read_bytes() == data
+    assert hub.gets("model.safetensors")[-1]["Range"] == f"bytes={len(data) - 4096}-"
+
+
+def test_a_copy_without_marker_is_checked_file_by_file(env):
+    hub = env()
+    folder = M.fetch_from_hub(REPO)
+    (folder / M.HUB_MANIFEST).unlink()
+    tok = folder / "tokenizer.json"
+    tok.write_bytes(corrupted(tok.read_bytes()))                    # same size, damaged
+    assert M.fetch_from_hub(REPO) == folder
+    assert tok.read_bytes() == hub.files["tokenizer.json"]
+    assert len(hub.gets("tokenizer.json")) == 2                     # fetched again
+    assert len(hub.gets("model.safetensors")) == len(hub.gets("config.json")) == 1   # kept
 
 
 def test_concurrent_fetches_download_once(env):
@@ -231,10 +427,14 @@ def test_hostile_shard_names_are_refused(env, tmp_path, shard):
 def test_an_index_of_the_wrong_shape_is_refused(env, body):
     files = checkpoint_files(sharded=True)
     files["model.safetensors.index.json"] = body
-    env(files=files, lfs=())
+    hub = env(files=files, lfs=())
     with pytest.raises(M.CheckpointError, match=r"model\.safetensors\.index\.json"):
         M.fetch_from_hub(REPO)
     assert not (cache_dir() / M.HUB_MANIFEST).exists()
+    hub.files[M.INDEX] = checkpoint_files(sharded=True)[M.INDEX]   # fixed on the Hub
+    n = len(hub.requests)
+    assert (M.fetch_from_hub(REPO) / M.INDEX).read_bytes() == hub.files[M.INDEX]
+    assert len(hub.requests) > n and (cache_dir() / M.HUB_MANIFEST).exists()
 
 
 def test_complete_cache_makes_no_request(env):
@@ -272,7 +472,7 @@ def test_offline_with_complete_cache_works(env, monkeypatch):
 
 def test_unknown_repo_is_a_clear_404(env):
     env()
-    with pytest.raises(M.CheckpointError, match="not found"):
+    with pytest.raises(M.CheckpointError, match="HTTPError: 404 Client Error: Not Found"):
         M.fetch_from_hub("tiny-org/missing")
 
 
