@@ -33,6 +33,7 @@ from pathlib import Path
 import torch
 
 import envs
+import grpo
 import model as mdl
 import pair
 import probes
@@ -87,14 +88,6 @@ def input_digest(ids: list[int], span) -> torch.Tensor:
     return torch.frombuffer(bytearray(h.digest()), dtype=torch.uint8)
 
 
-def _file_sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
-
-
 def extract(net, tokenizer, data_path, out_path, max_len=4096, shard_size=32,
             manifest_extra=None, log=None, records=None, reuse=()) -> dict:
     """Features of every record of a matched file -> a features file (safetensors: the
@@ -114,7 +107,7 @@ def extract(net, tokenizer, data_path, out_path, max_len=4096, shard_size=32,
     if not records:
         raise SystemExit(f"{data_path}: no record to extract (an empty list)")
     parts = parts_dir(out_path)
-    manifest = {"data": str(data_path.resolve()), "data_sha256": _file_sha256(data_path),
+    manifest = {"data": str(data_path.resolve()), "data_sha256": grpo.file_sha256(data_path),
                 "max_len": max_len, **(manifest_extra or {})}
     known = _reusable_rows(reuse, manifest)
     # One writer: a second run on the same output would delete this one's shards at its merge.
