@@ -315,7 +315,9 @@ def fetch_from_hub(repo_id: str) -> Path:
                 files = {p.name: listed[p.name] for p in folder.iterdir() if p.name in listed}
                 write_atomic(folder / HUB_MANIFEST, json.dumps({"repo": repo_id, "files": files}))
         except (requests.RequestException, urllib3.exceptions.HTTPError, KeyError) as e:
-            why = f"{type(e).__name__}: {e}"    # KeyError: a file the Hub does not list
+            why = f"{type(e).__name__}: {e}"
+            if isinstance(e, KeyError):
+                why = f"the Hub lists no file {e} for it"
             if isinstance(e, requests.HTTPError) and e.response.status_code in (401, 403):
                 why += " (private or gated? set HF_TOKEN to a token that has access)"
             raise CheckpointError(f"cannot fetch {repo_id!r}: {why}; no complete copy in "

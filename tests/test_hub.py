@@ -476,6 +476,14 @@ def test_unknown_repo_is_a_clear_404(env):
         M.fetch_from_hub("tiny-org/missing")
 
 
+def test_a_file_the_hub_does_not_list_is_named(env):
+    files = checkpoint_files(False)
+    del files["tokenizer.json"]
+    env(files)
+    with pytest.raises(M.CheckpointError, match="the Hub lists no file 'tokenizer.json'"):
+        M.fetch_from_hub(REPO)
+
+
 def test_load_model_fetches_a_name_and_then_uses_the_cache(env, tmp_path):
     # A real tiny checkpoint, written by hand: config.json, model.safetensors, tokenizer.json.
     from safetensors.torch import save_file
