@@ -2,7 +2,8 @@
 the outcome (lab/FINDINGS.md).
 
 - `--reward labels`: each turn's exact step label (1 right, 0 wrong), the perfect process reward,
-  the ceiling every dense reward is measured against;
+  the ceiling every dense reward is measured against; `--reward confidence`: each turn's own mean
+  token log-probability, the trivial internal signal an internal reward must beat;
 - `--advantage position` and `--advantage outcome-turn` (`--turn-weight`), beside the core's
   `process` and `release`;
 - the premise gate, before training: does the chosen advantage rank the right decision above the
@@ -29,6 +30,12 @@ def labels_reward(traj: probes.Trajectory, ctx) -> list[float]:
     # the built-in worlds' exact step labels (1 right, 0 wrong): the perfect process reward, the
     # ceiling every dense reward is measured against
     return [float(ok) for ok in traj.episode.labels()]
+
+
+def confidence_reward(traj: probes.Trajectory, ctx) -> list[float | None]:
+    # the trivial internal signal, no probe at all: each turn's own mean token log-probability
+    # as sampled (-Step.nll), the policy's confidence in it; the group's normalization centres it
+    return [None if step.nll is None else -step.nll for step in traj.steps]
 
 
 def position_centred(rewards: list[list[float | None]]) -> list[list[float | None]]:
@@ -77,7 +84,8 @@ def outcome_turn_advantages(rewards: list[list[float | None]], scores: list[floa
 # habits' first-error turns with a clean prefix (onpolicy.habit_at): the slip against the same
 # decision made right.
 
-GATE_REWARDS = {"outcome", "labels", "pair"} | pair.PROBE_REWARDS     # what stored_rewards computes
+# what stored_rewards computes
+GATE_REWARDS = {"outcome", "labels", "confidence", "pair"} | pair.PROBE_REWARDS
 
 
 def stored_rewards(turns: detection.Split, ctx, args) -> list[float | None] | None:
@@ -89,6 +97,8 @@ def stored_rewards(turns: detection.Split, ctx, args) -> list[float | None] | No
         return [None] * (len(turns.y) - 1) + [score]
     if name == "labels":
         rewards = [float(y) for y in turns.y.tolist()]
+    elif name == "confidence":
+        rewards = [None if math.isnan(x) else -x for x in turns.raw["nll"].tolist()]
     elif name == "pair":
         rewards = pair.pair_rewards(ctx.pair, turns.raw, ctx.alpha)[0]
     elif name in pair.PROBE_REWARDS:
@@ -215,7 +225,7 @@ def add_flags(ap) -> None:
       "prompts, keep the first --batch groups that give some turn an advantage")
 
 
-REWARDS = {"labels": pair.Reward(labels_reward)}
+REWARDS = {"labels": pair.Reward(labels_reward), "confidence": pair.Reward(confidence_reward)}
 FORM_NAMES = ("position", "outcome-turn")
 
 

@@ -215,3 +215,26 @@ def test_compare_rows_take_labels_and_the_forms():
         ("labels", ["--advantage", "position"])
     assert compare.parse_spec("pair:advantage=outcome-turn,turn-weight=0.5") == \
         ("pair", ["--advantage", "outcome-turn", "--turn-weight", "0.5"])
+
+
+# ---------------------------------------------------------------------------------------------
+# --reward confidence: the trivial internal signal
+
+def test_confidence_reward_is_each_turns_own_mean_log_probability():
+    # Step.nll = -(mean log pi of the turn's tokens as sampled); a turn without one: no reward
+    steps = [argparse.Namespace(nll=0.5), argparse.Namespace(nll=2.0),
+             argparse.Namespace(nll=None)]
+    traj = argparse.Namespace(steps=steps, score=0.0)
+    confidence = lab_train.REWARDS["confidence"]
+    assert pair.turn_rewards(traj, confidence, None) == ([-0.5, -2.0, None], None)
+
+
+def test_premise_gate_reads_the_confidence_of_the_stored_turns():
+    # the slip (rollout 0, turn 1) is the unsure turn: mean nll 3.0 against 0.3 for the same
+    # decision made right, so the reward and, under process, its advantage rank it below
+    turns = gate_turns([[1, 0], [1, 1]], [0.0, 1.0])
+    turns.raw["nll"] = torch.tensor([0.1, 3.0, 0.2, 0.3])
+    gate = credit.premise_gate(turns, None, args_for(reward="confidence"),
+                               pair.ADVANTAGES["process"], [None, "store"] * 2)
+    assert (gate["turns"], gate["slips"]) == (2, 1)
+    assert gate["reward_auroc"] == 1.0 and gate["auroc"] == 1.0
