@@ -145,9 +145,33 @@ def premise_gate(turns: detection.Split, ctx, args, form: pair.Advantage,
     return {"advantage": args.advantage, "reward": args.reward, "groups": len(groups),
             "turns": int(first.sum()), "slips": int((turns.y[first] == 0).sum()),
             "auroc": auroc(first, adv), "reward_auroc": auroc(first, reward),
+            "auroc_interval": bootstrap_auroc(turns.y[first], adv[first]),
             "by_habit": {h: auroc(first & torch.tensor([x == h for x in at]), adv)
                          for h in habits},
             "clean_prefix": auroc(clean, adv)}
+
+
+GATE_RESAMPLES = 2000     # the bootstrap's resamples of the first-error turns
+
+
+def bootstrap_auroc(y: torch.Tensor, score: torch.Tensor, level: float = 0.95,
+                    seed: int = 0) -> list[float] | None:
+    """A percentile bootstrap interval of AUROC(y, score) over the turns, resampled with
+    replacement (GATE_RESAMPLES draws, seeded: the same interval every time; a draw holding one
+    class only is skipped); None when the turns hold one class or a score is missing."""
+    n = len(y)
+    if not 0 < int(y.sum()) < n or score.isnan().any():
+        return None
+    g = torch.Generator().manual_seed(seed)
+    values = []
+    for _ in range(GATE_RESAMPLES):
+        idx = torch.randint(n, (n,), generator=g)
+        if 0 < int(y[idx].sum()) < n:
+            values.append(probes.auroc(y[idx], score[idx]))
+    values.sort()
+    lo = values[int((1 - level) / 2 * len(values))]
+    hi = values[int((1 + level) / 2 * len(values)) - 1]
+    return [lo, hi]
 
 
 def log_gate(gate: dict, log) -> None:
@@ -156,7 +180,8 @@ def log_gate(gate: dict, log) -> None:
     log(f"premise gate: the {gate['advantage']} advantage of --reward {gate['reward']} at the "
         f"habits' first-error turns, clean prefix ({gate['turns']} held-out turns, "
         f"{gate['slips']} slips, {gate['groups']} groups of base-policy rollouts): AUROC "
-        f"{num(gate['auroc'])} (the reward alone {num(gate['reward_auroc'])}"
+        f"{num(gate['auroc'])}{interval_text(gate.get('auroc_interval'))} (the reward alone "
+        f"{num(gate['reward_auroc'])}"
         + "".join(f"; {h} {num(a)}" for h, a in gate["by_habit"].items())
         + f"); on every clean-prefix turn {num(gate['clean_prefix'])}", flush=True)
     if gate["auroc"] is not None and gate["auroc"] < 0.5:
@@ -165,6 +190,12 @@ def log_gate(gate: dict, log) -> None:
             f"{gate['turns']} held-out first-error turns, the reward alone "
             f"{num(gate['reward_auroc'])}): the turns that follow a decision, not the decision, "
             "set its credit (premise_gate in summary.json)", flush=True)
+
+
+def interval_text(interval) -> str:
+    if interval is None:
+        return ""
+    return f" [{interval[0]:.3f}, {interval[1]:.3f}]"
 
 
 OUTCOME_FORMS = ("outcome-turn",)

@@ -238,3 +238,24 @@ def test_premise_gate_reads_the_confidence_of_the_stored_turns():
                                pair.ADVANTAGES["process"], [None, "store"] * 2)
     assert (gate["turns"], gate["slips"]) == (2, 1)
     assert gate["reward_auroc"] == 1.0 and gate["auroc"] == 1.0
+
+
+def test_the_gate_carries_a_bootstrap_interval_over_its_turns():
+    # the hand-worked gate above: two first-error turns, process ranks the slip first (0) and
+    # outcome-turn last (1); every resample with both turns says the same
+    turns = gate_turns([[1, 1, 0, 0], [1, 0, 1, 1]], [0.0, 0.0])
+    at = [None, "forget", None, None] * 2
+    for form, expected in (("process", [0.0, 0.0]), ("outcome-turn", [1.0, 1.0])):
+        args = args_for(advantage=form)
+        gate = credit.premise_gate(turns, None, args, lab_train.forms(args)[form], at)
+        assert gate["auroc_interval"] == expected
+    # on noisy scores: an interval around the AUROC, the same every time (seeded), and none
+    # where the turns hold one class
+    g = torch.Generator().manual_seed(1)
+    y = torch.tensor([0, 1] * 40)
+    score = y + 1.5 * torch.randn(80, generator=g, dtype=torch.float64)
+    lo, hi = credit.bootstrap_auroc(y, score)
+    point = credit.probes.auroc(y, score)
+    assert 0 <= lo < point < hi <= 1 and hi - lo > 0.05
+    assert credit.bootstrap_auroc(y, score) == [lo, hi]
+    assert credit.bootstrap_auroc(torch.ones(5), torch.rand(5)) is None
