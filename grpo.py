@@ -136,7 +136,7 @@ def environments(args, tok, worlds=envs.WORLDS, replays=envs.REPLAYS):
     return env, pool, held
 
 
-def probes_to_read(args, log, worlds=envs.WORLDS) -> tuple[Path | None, dict | None]:
+def probes_to_read(args, log, worlds=envs.WORLDS) -> tuple[Path, dict | None]:
     """Where the --reward's probes are, and their report when they are the shipped ones: --probes
     (a PAIR directory, a probe file or a directory of them), or the probes shipped beside a
     built-in world's policy."""
