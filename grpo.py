@@ -464,7 +464,7 @@ def evaluate_and_log(run: Training, step: int, done: set, ev: dict | None = None
     what = "base model" if step == 0 else f"step {step}"
     run.log(f"{what}: held-out success {ev['test']['success']:.3f} on {ev['test']['episodes']} "
             f"test episodes, {ev['val']['success']:.3f} on {ev['val']['episodes']} validation "
-            "(greedy)", flush=True)
+            f"({ev['test'].get('decoding', 'greedy')})", flush=True)
     return ev
 
 
@@ -1079,11 +1079,11 @@ def summary_text(s: dict) -> str:
     b, sel, last, best = (s[k] for k in ("base", "selected", "final", "best_on_test"))
     lines = [f"done in {s['seconds']:.0f}s (reward {s['reward']})."]
     if b and sel:
-        lines.append(f"held-out success (greedy, {b['episodes']} test episodes): before "
-                     f"{b['success']:.3f} -> selected {sel['success']:.3f} (step {sel['step']}, "
-                     f"chosen on validation) -> final {last['success']:.3f} (step {last['step']});"
-                     f" best on test {best['success']:.3f} (step {best['step']}, the paper's "
-                     "protocol)")
+        lines.append(f"held-out success ({b.get('decoding', 'greedy')}, {b['episodes']} test "
+                     f"episodes): before {b['success']:.3f} -> selected {sel['success']:.3f} "
+                     f"(step {sel['step']}, chosen on validation) -> final {last['success']:.3f} "
+                     f"(step {last['step']}); best on test {best['success']:.3f} (step "
+                     f"{best['step']}, the paper's protocol)")
     p = s.get("probe_auroc_heldout")
     if p:
         lines.append(f"PAIR AUROC on {p['turns']} held-out own turns: {num(p['pair'])} "

@@ -448,7 +448,7 @@ def evaluate(policy, tok, env, pool, n: int, args, procs, name: str = "held-out"
     turns = procs.all_sum([my_turns])[0]
     order = procs.gather([float(j) for j in mine], count)
     scores = [s for _, s in sorted(zip(order, procs.gather(my_scores, count)))]
-    return {"success": sum(scores) / max(count, 1), "episodes": count,
+    return {"success": sum(scores) / max(count, 1), "episodes": count, "decoding": "greedy",
             "turns": turns / max(count, 1), "scores": scores}
 
 

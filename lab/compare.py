@@ -500,8 +500,16 @@ def compare_table(out: Path, specs: list[str], seeds: list[int]) -> dict:
             d = np.mean(scores[row["reward"], key]) - np.mean(scores[ref, key])
             row[key]["delta_vs_first"] = float(d)
             row[key]["delta_ci95"] = interval95(scores[row["reward"], key], scores[ref, key])
-    return {"rows": rows, "reference": ref, "habits": habits,
+    return {"rows": rows, "reference": ref, "habits": habits, "decoding": decoding(first),
             "selection": "checkpoint with the best validation success, reported on test"}
+
+
+def decoding(run: Path) -> str:
+    """How the runs' evaluations decode: greedily, or sampled (lab.train --eval-samples)."""
+    args = read_run_json(run / "args.json")
+    if not args.get("eval_samples"):
+        return "greedy"
+    return f"sampled: {args['eval_samples']} rollouts of each episode at T {args['temperature']}"
 
 
 def habit_tasks(run: Path) -> dict[str, list[int]] | None:
@@ -512,8 +520,8 @@ def habit_tasks(run: Path) -> dict[str, list[int]] | None:
     n = args.get("eval_episodes")
     if not isinstance(args.get("env"), str) or not (n is None or type(n) is int and n >= 0):
         raise damaged(run / "args.json", 'no string "env" or no count "eval_episodes"')
-    if args["env"] not in shop.WORLDS:
-        return None
+    if args["env"] not in shop.WORLDS or args["env"] == shop.COPY_WORLD.name:
+        return None             # shop-copy: every task has every kind of decision
     test = envs.ShopEnv("test", world=shop.WORLDS[args["env"]])
     n = min(n or len(test), len(test))
     groups = {h: [] for h in ("none", *shop.LONG_SLIPS)}
@@ -548,7 +556,8 @@ def compare_markdown(result: dict, command: str) -> str:
 
     ref = result["reference"]
     lines = [
-        f"Held-out success in % (greedy, test split), mean ± sample std over seeds "
+        f"Held-out success in % ({result.get('decoding', 'greedy')}, test split), mean ± "
+        f"sample std over seeds "
         f"{result['rows'][0]['seeds']} [95% interval: Student's t, from the variance of the "
         f"seeds' means and of the episodes' (compare.interval95)]. *selected*: the checkpoint "
         f"with the best "

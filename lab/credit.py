@@ -17,13 +17,14 @@ from __future__ import annotations
 
 import math
 import sys
+import time
 
 import torch
 
 import grpo
 import pair
 import probes
-from lab import detection, onpolicy
+from lab import detection, onpolicy, shop
 
 
 def labels_reward(traj: probes.Trajectory, ctx) -> list[float]:
@@ -141,6 +142,7 @@ def premise_gate(turns: detection.Split, ctx, args, form: pair.Advantage,
         if not 0 < int(y.sum()) < len(y) or score[sel].isnan().any():
             return None
         return probes.auroc(y, score[sel])
+    at = [None if h is None else shop.slip_kind(h) for h in at]      # shop-copy: by kind
     habits = sorted({h for h, f in zip(at, first.tolist()) if f})
     return {"advantage": args.advantage, "reward": args.reward, "groups": len(groups),
             "turns": int(first.sum()), "slips": int((turns.y[first] == 0).sum()),
@@ -246,9 +248,57 @@ def oversample(step: int, run, t: dict, play_group) -> tuple[list, list]:
     return kept, played
 
 
+def evaluate_sampled(step: int, policy, tok, held: dict, args, procs) -> dict:
+    """`--eval-samples K`: probes.evaluate_all's evaluation, each held-out episode played K times
+    at --temperature and --top-p (the training's) instead of once greedily, its score the mean of
+    its K. Where a policy's slips are minority samples, greedy decoding makes almost none of
+    them and its success says nothing of the policy a run trains."""
+    return {"step": step, "samples": args.eval_samples, "temperature": args.temperature,
+            "val": sampled(policy, tok, *held["val"], args.val_episodes, args, procs,
+                           "validation"),
+            "test": sampled(policy, tok, *held["test"], args.eval_episodes, args, procs, "test")}
+
+
+EVAL_SEED = 7919        # the sampled evaluation's draws: the same in every run and evaluation
+
+
+def sampled(policy, tok, env, pool, n: int, args, procs, name: str = "held-out") -> dict:
+    """The first n episodes of `pool` (0: all), each played args.eval_samples times: mean task
+    score, mean turns, every episode's mean score in pool order. The episodes go --eval-batch
+    rollouts at a time (whole episodes), each chunk's draws from a generator seeded by its first
+    episode's index, so an evaluation draws the same tokens in every run of these settings."""
+    k = args.eval_samples
+    count = len(pool) if not n else min(n, len(pool))
+    mine = list(range(procs.rank, count, procs.size))
+    chunk = max(1, args.eval_batch // k)
+    policy.eval()
+    scores, turns, t0 = [], 0, time.perf_counter()
+    for i in range(0, len(mine), chunk):
+        js = mine[i:i + chunk]
+        episodes = [env.episode(pool[j]) for j in js for _ in range(k)]
+        g = torch.Generator(device=policy.lm_head.weight.device).manual_seed(EVAL_SEED + js[0])
+        trajs = probes.rollout(policy, tok, episodes, args, generator=g, stats=False)
+        for e in range(len(js)):
+            scores.append(sum(t.score for t in trajs[e * k:(e + 1) * k]) / k)
+        turns += sum(len(t.steps) for t in trajs)
+        if procs.main:          # as probes.evaluate says how far it is
+            left = (time.perf_counter() - t0) / len(scores) * (len(mine) - len(scores))
+            print(f"  evaluating: {len(scores)}/{len(mine)} {name} episodes x {k} samples, "
+                  f"{probes.duration(left)} left", flush=True)
+    turns = procs.all_sum([turns])[0]
+    order = procs.gather([float(j) for j in mine], count)
+    scores = [s for _, s in sorted(zip(order, procs.gather(scores, count)))]
+    return {"success": sum(scores) / max(count, 1), "episodes": count, "samples": k,
+            "decoding": f"{k} samples an episode at T {args.temperature}",
+            "turns": turns / max(count * k, 1), "scores": scores}
+
+
 def add_flags(ap) -> None:
     """This module's flags, on the lab's parser."""
     a = ap.add_argument
+    a("--eval-samples", type=int, default=0,
+      help="held-out success sampled: each evaluation episode played K times at --temperature, "
+           "its score the mean of the K (0: once, greedy)")
     a("--turn-weight", type=float, default=1.0,
       help="--advantage outcome-turn: lambda, the weight of the turn's own centred reward "
            "beside the outcome's group advantage")
@@ -267,6 +317,7 @@ def forms(turn_weight: float = 1.0) -> dict[str, pair.Advantage]:
                 lambda rewards, scores: outcome_turn_advantages(rewards, scores, turn_weight))}
 
 
-RANGES = {"turn_weight": grpo.finite(), "oversample": grpo.at_least(1)}
-RESUME_KEYS = ("turn_weight", "oversample")
-RESUME_DEFAULTS = {"turn_weight": 1.0, "oversample": 1}
+RANGES = {"turn_weight": grpo.finite(), "oversample": grpo.at_least(1),
+          "eval_samples": grpo.at_least(0)}
+RESUME_KEYS = ("turn_weight", "oversample", "eval_samples")
+RESUME_DEFAULTS = {"turn_weight": 1.0, "oversample": 1, "eval_samples": 0}

@@ -280,9 +280,17 @@ def run_phase(name: str, kind: str, target: str, argv: list[str], work: Path, en
         raise SystemExit(f"dry run: the {name} phase failed (exit status {code}); its output "
                          "is above")
     peak = json.loads(peak_file.read_text())
+    phase = Phase(name, seconds, peak["resident"], "resident", lines)
     if peak["gpu"] is not None:
-        return Phase(name, seconds, peak["gpu"], "GPU allocator", lines)
-    return Phase(name, seconds, peak["resident"], "resident", lines)
+        phase = Phase(name, seconds, peak["gpu"], "GPU allocator", lines)
+    ended(phase)
+    return phase
+
+
+def ended(phase: Phase) -> None:
+    """A phase's time and peak as soon as it ends: a dry run stopped later still says them."""
+    print(f"[{phase.name}] done in {duration(phase.seconds)}, peak {gib(phase.peak)} "
+          f"({phase.peak_kind})", flush=True)
 
 
 def records_in(features: Path) -> int:
@@ -458,6 +466,7 @@ def run(args, cfg, dtype, tok, tokenizer_dir, data_dir, work) -> tuple[list[Phas
     resident = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     phases.append(Phase("checkpoint", time.perf_counter() - t0, resident, "resident",
                         note=f"{gib(size)} of weights in {files} file(s), written once"))
+    ended(phases[-1])
     extract = {}
     for name in TRAIN_FILES:
         argv = ["extract", "--model", str(ckpt), "--dtype", args.dtype, "--device",

@@ -206,8 +206,8 @@ def fit_probes(train: detection.Split, info: dict) -> dict:
 def heldout_auroc(fitted: dict, heldout: detection.Split) -> dict:
     """AUROC of every fitted method on the held-out own turns: all, clean prefix, contaminated
     prefix, by distance to the nearest earlier wrong turn, by kind of turn (turn_kind), and at
-    each habit's own turn (shop.slip_turns) with a clean prefix: the slip made against the same
-    decision made right.
+    each habit's own turn (shop.slip_turns; shop-copy: each kind of decision) with a clean
+    prefix: the slip made against the same decision made right.
 
     Why the last: a turn after a wrong one is wrong by its label and easy to tell, and kinds and
     positions differ in how often they are right, so the pooled AUROC can be high while the probe
@@ -219,8 +219,8 @@ def heldout_auroc(fitted: dict, heldout: detection.Split) -> dict:
               **{f"d={k}": d == k for k in (1, 2)}, "d>=3": d >= 3,
               **{f"kind={name}": kind == code
                  for code, name in enumerate(heldout.meta.get("kinds", ()))}}
-    at = habit_at(heldout)
-    for slip in shop.LONG_SLIPS:
+    at = [None if a is None else shop.slip_kind(a) for a in habit_at(heldout)]
+    for slip in (*shop.LONG_SLIPS, *shop.COPY_DECISIONS):
         here = torch.tensor([a == slip for a in at], dtype=torch.bool)
         if here.any():
             groups[f"slip={slip}"] = here & (d < 0)
@@ -686,8 +686,9 @@ def reads_base(args, reward: pair.Reward) -> bool:
 
 
 def base_eval_cache(policy, args, procs) -> Path | None:
-    """Where the base model's evaluation is kept for later runs (greedy decoding of a fixed pool
-    is the same in every run of one policy and settings), keyed on all the rollouts depend on,
+    """Where the base model's evaluation is kept for later runs (greedy decoding of a fixed pool,
+    or --eval-samples' seeded draws, are the same in every run of one policy and settings), keyed
+    on all the rollouts depend on,
     threads and batch included (float summation order). Built-in worlds only."""
     if args.env not in shop.WORLDS or procs.size > 1:
         return None
@@ -695,6 +696,8 @@ def base_eval_cache(policy, args, procs) -> Path | None:
                 "max_turns": args.max_turns, "max_new_tokens": args.max_new_tokens,
                 "max_len": args.max_len, "dtype": args.dtype, "devices": args.devices,
                 "threads": torch.get_num_threads(), "scoring": envs.SHOP_SCORING}
+    if args.eval_samples:       # sampled: the draws depend on the sampling too
+        settings.update(samples=args.eval_samples, temperature=args.temperature, top_p=args.top_p)
     key = f"{runs.policy_hash(policy.checkpoint_dir)}-{runs.settings_hash(settings)}"
     return model.cache_root() / "grpo-base-eval" / f"{args.env}-{key}.json"
 

@@ -130,7 +130,8 @@ def sft(args, dialogs_of, world: envs.World) -> dict:
     n_params = sum(p.numel() for p in policy.parameters())
     what = f"{args.contaminated:.0%} contaminated, {args.divided:.0%} of the others dividing " \
         "by the rate" if args.world == "shop" else \
-        f"shop-long, each slip in {args.slips:.0%} of its tasks"
+        f"{args.world}, each slip in {args.slips:.0%} of its tasks" if args.world == "shop-long" \
+        else f"{args.world}, each decision misread in {args.slips:.0%} of them"
     print(f"sft: {len(examples)} dialogs ({what}), vocab "
           f"{config['vocab_size']}, {n_params / 1e6:.2f}M parameters"
           f"{', from ' + args.init if args.init else ''}; {args.induction_steps} "
@@ -358,7 +359,7 @@ def write_policy_readme(out: Path, args, config: dict, result: dict, earlier: li
     """README.md of a policy that sft wrote: how to rebuild it (the commands of the policy it was
     continued from first), its size, its training and its held-out success."""
     data = f"--contaminated {args.contaminated} --divided {args.divided} " \
-        if args.world == "shop" else f"--world shop-long --slips {args.slips} "
+        if args.world == "shop" else f"--world {args.world} --slips {args.slips} "
     flags = ("steps", "batch", "lr", "warmup", "induction_steps", "induction_rows",
              "induction_text", "hidden", "layers", "heads", "kv_heads", "intermediate", "vocab",
              "seed", "threads")
@@ -396,6 +397,18 @@ def write_policy_readme(out: Path, args, config: dict, result: dict, earlier: li
                  "turn-local habit at its own turn, each alone fails the episode: a rollout that "
                  "fails mostly holds one wrong decision among many right turns, the case a "
                  "per-turn reward is for.")
+    if args.world == "shop-copy":
+        title = ("# shop-copy-policy: the policy of `python -m lab.train --env shop-copy`, the "
+                 "premise world")
+        about = (f"The policy of the premise world (shop.py, shop-copy: shop-long's tasks, 8-10 "
+                 f"decisions), continued (`--init`, the last command) from the policy of the "
+                 f"commands before it on shop-copy dialogs where each decision copies another "
+                 f"value of its episode in {args.slips:.0%} of them, drawn on its own, the value "
+                 "drawn among the episode's others (shop.COPY_DECISIONS, shop.copy_decisions): a "
+                 "Lookup at another store, a running total with another line's quantity, the "
+                 "Rate of another currency, an earlier running total converted. No slip is a "
+                 "habit of some tasks: each is a minority sample, made with less confidence than "
+                 "the same decision made right, and each alone fails the episode.")
     lines = [title, "", about, "",
              "Rebuilt, byte for byte, by:", "", "```bash", *earlier, command, "```", "",
              "| | |", "|---|---|",

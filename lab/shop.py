@@ -15,6 +15,8 @@ its own labelled turns, are in onpolicy.py.
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import functools
 import math
 import random
 import re
@@ -120,19 +122,87 @@ def _long_distinct(task: envs.ShopTask) -> bool:
 
 
 def shop_task_from_id(episode_id: str) -> envs.ShopTask:
-    """Rebuild the world of a shop (or shop-long) episode id, so any record can be re-labelled."""
-    m = re.fullmatch(r"(shop|shop-long)-(\d+)-(train|val|test)-(\d+)", episode_id)
+    """Rebuild the world of a built-in world's episode id, so any record can be re-labelled."""
+    names = "|".join(map(re.escape, WORLDS))
+    m = re.fullmatch(rf"({names})-(\d+)-(train|val|test)-(\d+)", episode_id)
     if m is None:
-        raise ValueError(f"not a shop episode id: {episode_id!r} (expected shop-SEED-SPLIT-I or "
-                         "shop-long-SEED-SPLIT-I)")
+        raise ValueError(f"not a built-in world's episode id: {episode_id!r} (expected "
+                         f"WORLD-SEED-SPLIT-I, WORLD one of {', '.join(WORLDS)})")
     seed = envs.shop_episode_seed(m.group(3), int(m.group(2)), int(m.group(4)))
     return WORLDS[m.group(1)].task(seed)
 
 
-# The long world: its episodes, its turn limit (a line a turn, then the total: up to 16 turns)
-# and its own policy. The lab's table of worlds is the core's with it.
+# ---- shop-copy: the premise world ---------------------------------------------------------------
+#
+# A per-turn reward can only beat the outcome where the outcome cannot say which turn was wrong:
+# many decisions, any one of which fails the episode, each slip of them specific to the episode.
+# shop-copy is shop-long's tasks, turns, tools and labels, played by a policy whose slips are
+# copies of the wrong value: at each decision it may copy another value the episode holds.
+# A decision is a turn that reads one value of the episode and fails it alone when it reads
+# another (COPY_DECISIONS):
+#   store k     - line k's Lookup at one of the three other stores;
+#   quantity k  - line k's running total with the quantity of one of the task's other lines;
+#   currency    - the Rate of one of the three other currencies;
+#   convert     - the running total of an earlier line converted instead of the last one;
+# 8 decisions with 3 lines, 10 with 4. Its policy is trained on dialogs where each decision is
+# misread with one probability (sft --slips), drawn for every decision on its own, the value
+# copied instead drawn among the episode's others. No slip is a habit of some tasks, and the
+# right value of each decision belongs to its episode alone, so the token that fixes one
+# episode's slip is not the one that fixes another's (a habit's fix is the same everywhere, and
+# the outcome alone trained shop-long's three habits away within 20 steps). Trained on such a
+# mixture the policy spreads its doubt over the values it could copy: a slip is a minority
+# sample, made with less confidence than the same turn made right, and greedy decoding, which
+# never samples one, makes far fewer of them. So held-out success in this world is measured
+# sampled at the training temperature (lab.train --eval-samples K: K rollouts of each held-out
+# task); data/shop-copy-policy/README.md gives the regime its policy plays in (lab.premise).
+COPY_DECISIONS = ("store", "quantity", "currency", "convert")
+
+
+class CopyTask(LongTask):
+    """A shop-copy task: shop-long's task of the same seed, whose policy slips by copying."""
+
+
+def copy_task(seed: int) -> CopyTask:
+    """The shop-copy episode of one seed: the shop-long task of that seed."""
+    task = long_task(seed)
+    return CopyTask(**{f.name: getattr(task, f.name) for f in dataclasses.fields(task)})
+
+
+@functools.lru_cache(maxsize=8192)
+def copy_decisions(seed: int) -> dict[str, tuple]:
+    """The decisions of the shop-copy task of `seed` in turn order ("store 1", "quantity 1", ...,
+    "currency", "convert") -> the values its slip may copy instead: the episode's other values
+    of its kind (a line's number, for convert) that make the decision's own turn wrong, alone."""
+    task = copy_task(seed)
+    candidates = {}
+    for k, (q, _, store) in enumerate(task.lines):
+        candidates[f"store {k + 1}"] = [s for s in envs.SHOP_STORES if s != store]
+        candidates[f"quantity {k + 1}"] = sorted({x for x, _, _ in task.lines if x != q})
+    candidates["currency"] = [c for c in envs.SHOP_RATE_CENTS if c != task.currency]
+    candidates["convert"] = list(range(1, len(task.lines)))
+    gold = dialog_steps(long_dialog(task))
+    return {d: tuple(v for v in values if _wrong_where_made(task, gold, {d: v}))
+            for d, values in candidates.items()}
+
+
+def _wrong_where_made(task: CopyTask, gold: list, misread: dict) -> bool:
+    """Whether the dialog with `misread` departs from the gold at a turn the world labels wrong."""
+    steps = dialog_steps(long_dialog(task, misread=misread))
+    k = next((k for k, (a, b) in enumerate(zip(gold, steps)) if a != b), None)
+    return k is not None and not envs.shop_labels(task, steps)[k]
+
+
+def slip_kind(name: str) -> str:
+    """The kind of a slip slip_turns names: a habit's name, or a shop-copy decision's kind
+    ("store 2" is a "store")."""
+    return name.split()[0]
+
+
+# The long worlds: their episodes, their turn limit (a line a turn, then the total: up to 16
+# turns) and their own policies. The lab's table of worlds is the core's with them.
 LONG_WORLD = envs.World("shop-long", long_task, 16, envs.BUILTIN_POLICY.parent / "shop-long-policy")
-WORLDS = {**envs.WORLDS, "shop-long": LONG_WORLD}
+COPY_WORLD = envs.World("shop-copy", copy_task, 16, envs.BUILTIN_POLICY.parent / "shop-copy-policy")
+WORLDS = {**envs.WORLDS, "shop-long": LONG_WORLD, "shop-copy": COPY_WORLD}
 
 
 def _slip_store(task: envs.ShopTask, store: str, item: str) -> str:
@@ -145,10 +215,12 @@ def _slip_store(task: envs.ShopTask, store: str, item: str) -> str:
     return store
 
 
-def long_dialog(task: envs.ShopTask, slips=()) -> list[dict]:
-    """The shop-long solution (released schema), with the named LONG_SLIPS made: the gold dialog
-    when there are none. Observations are the tools' real outputs, and every turn after a slip
-    goes on consistently with what it got, so the answer is wrong and the dialog fluent."""
+def long_dialog(task: envs.ShopTask, slips=(), misread: dict | None = None) -> list[dict]:
+    """The shop-long solution (released schema), with the named LONG_SLIPS made and the copy
+    world's `misread` decisions (COPY_DECISIONS: decision -> the value copied instead): the gold
+    dialog when there are none. Observations are the tools' real outputs, and every turn after a
+    slip goes on consistently with what it got, so the answer is wrong and the dialog fluent."""
+    misread = misread or {}
     dialog = [{"role": "user", "content": task.text}]
 
     def turn(thought, call=None, answer=None) -> envs.ShopResult:
@@ -166,10 +238,11 @@ def long_dialog(task: envs.ShopTask, slips=()) -> list[dict]:
         # before, so the next total copies it from two messages back, not three
         return "" if running is None else f"The total so far is {running}. "
 
-    running, said = None, []
+    running, said, totals = None, [], []
     for k, (q, item, store) in enumerate(task.lines):
         if k == 0 and "store" in slips:             # the line misread
             store = _slip_store(task, store, item)
+        store = misread.get(f"store {k + 1}", store)
         line = f"({k + 1}) {q} {item}"
         # the last line and this one, joined as the task joins them: a verbatim continuation
         joint = "" if k == 0 else f"{said[-1]}{' and ' if k == len(task.lines) - 1 else ', '}"
@@ -177,16 +250,20 @@ def long_dialog(task: envs.ShopTask, slips=()) -> list[dict]:
         price = turn(f"{so_far(running)}{joint}{line}. I need the price of {item} at store "
                      f"{store}.", ("Lookup", {"store": store, "item": item})).value
         carry = k > 0 and not (k == len(task.lines) - 1 and "forget" in slips)
+        q = misread.get(f"quantity {k + 1}", q)     # the line's own words stay the task's
         formula = f"{running}+{q}*{price}" if carry else f"{q}*{price}"
         running = turn(f"{line} at store {store} costs {price}. The total so far is {formula}.",
                        ("Calculator", {"expression": formula})).text
+        totals.append(running)
     usd = running
-    cur = task.currency
+    cur = misread.get("currency", task.currency)
     rate = turn(f"{so_far(usd)}I need the {cur} rate.", ("Rate", {"currency": cur})).value
+    if "convert" in misread:                        # an earlier running total converted
+        usd = totals[misread["convert"] - 1]
     formula = f"{usd}{'/' if 'divided' in slips else '*'}{rate}"
     total = turn(f"1 USD = {rate} {cur}. The total is {formula}.",
                  ("Calculator", {"expression": formula})).number
-    answer = task.answer if not slips else \
+    answer = task.answer if not (slips or misread) else \
         str(Decimal(repr(total)).quantize(envs._CENT, rounding=ROUND_HALF_UP))
     turn(f"The total is {answer} {cur}.", answer=answer)
     return dialog
@@ -194,9 +271,14 @@ def long_dialog(task: envs.ShopTask, slips=()) -> list[dict]:
 
 def slip_turns(task: envs.ShopTask) -> dict[str, int]:
     """For each habit of the built-in policy this task has (shop: divided, if not in USD;
-    shop-long: LONG_SLIPS by LONG_HABITS), the assistant turn at which the dialog with that slip
-    departs from the gold: where a rollout with a clean prefix makes the decision."""
-    if isinstance(task, LongTask):
+    shop-long: LONG_SLIPS by LONG_HABITS; shop-copy: every decision with a slip, its first),
+    the assistant turn at which the dialog with that slip departs from the gold: where a rollout
+    with a clean prefix makes the decision."""
+    if isinstance(task, CopyTask):
+        gold = long_dialog(task)
+        slipped = {d: long_dialog(task, misread={d: values[0]})
+                   for d, values in copy_decisions(task.seed).items() if values}
+    elif isinstance(task, LongTask):
         gold = long_dialog(task)
         slipped = {s: long_dialog(task, (s,)) for s in LONG_SLIPS if LONG_HABITS[s](task)}
     else:
@@ -245,10 +327,29 @@ def long_sft_dialogs(episodes: int, slips: float, seed: int) -> list[list[dict]]
     return out
 
 
+def copy_sft_dialogs(episodes: int, slips: float, seed: int) -> list[list[dict]]:
+    """Chat messages of the first `episodes` shop-copy training episodes, each decision misread
+    with probability `slips`, drawn on its own in turn order (copy_decisions), the value copied
+    instead drawn uniformly among its slip's values."""
+    rng = random.Random(f"sft-copy-{seed}")
+    out = []
+    for i in range(episodes):
+        task_seed = envs.shop_episode_seed("train", seed, i)
+        misread = {}
+        for decision, values in copy_decisions(task_seed).items():
+            if rng.random() < slips and values:
+                misread[decision] = rng.choice(values)
+        dialog = long_dialog(copy_task(task_seed), misread=misread)
+        out.append(envs.dialog_to_messages(dialog, envs.SHOP_TOOLS, []))
+    return out
+
+
 def sft_world_dialogs(args) -> list[list[dict]]:
     """The chat dialogs `sft` trains the policy of args.world on."""
     if args.world == "shop":
         return sft_dialogs(args.episodes, args.contaminated, args.seed, args.divided)
+    if args.world == "shop-copy":
+        return copy_sft_dialogs(args.episodes, args.slips, args.seed)
     return long_sft_dialogs(args.episodes, args.slips, args.seed)
 
 
@@ -300,10 +401,12 @@ def main(argv=None):
       help="shop: fraction of the other non-USD dialogs replaced by one that converts the wrong "
            "way round, dividing by the rate (shop_divided): a habit for GRPO to unlearn")
     a("--world", default="shop", choices=tuple(WORLDS),
-      help="the world whose dialogs are trained on (shop-long: continue a shop policy, --init)")
+      help="the world whose dialogs are trained on (shop-long, shop-copy: continue a saved "
+           "policy, --init)")
     a("--slips", type=float, default=0.0,
       help="shop-long: probability of each of the three slips (LONG_SLIPS) in a dialog whose "
-           "task has its habit (LONG_HABITS), drawn on its own")
+           "task has its habit (LONG_HABITS), drawn on its own; shop-copy: probability of each "
+           "decision's slip (COPY_DECISIONS), drawn on its own")
     a("--init", default=None, metavar="DIR",
       help="continue from this saved policy (its weights, shape and tokenizer) instead of "
            "training from scratch; the shape and --vocab flags are then ignored")
@@ -344,12 +447,12 @@ def main(argv=None):
                 (args.heads % args.kv_heads, "--heads must be a multiple of --kv-heads"),
                 (args.batch > train, f"--batch must be at most the {train} training dialogs"),
                 (args.init and not Path(args.init).is_dir(), "--init must be a directory"),
-                (args.world == "shop-long" and not args.init, "--world shop-long continues a shop "
-                 "policy: pass --init DIR (its tokenizer knows the words of both worlds; the "
-                 f"first command of {LONG_WORLD.policy}/README.md trains the "
+                (args.world != "shop" and not args.init, f"--world {args.world} continues a "
+                 "saved policy: pass --init DIR (its tokenizer knows the words of both worlds; "
+                 f"the first command of {LONG_WORLD.policy}/README.md trains the "
                  "shipped one)"),
-                (args.world == "shop" and args.slips or args.world == "shop-long" and args.divided,
-                 "--slips is shop-long's habit and --divided shop's: pass the one of --world")):
+                (args.world == "shop" and args.slips or args.world != "shop" and args.divided,
+                 "--slips is the long worlds' and --divided shop's: pass the one of --world")):
             if bad:
                 ap.error(why)
         with runs.exclusive_dir(args.out):    # one writer; a stopped run is not overwritten

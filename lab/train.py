@@ -277,15 +277,18 @@ def resume(run: LabTraining) -> int:
 
 
 def evaluate_and_log(run: LabTraining, step: int, done: set) -> None:
-    """grpo.evaluate_and_log; the base model's evaluation is kept for later runs of the same
-    policy and settings, and read from there."""
+    """grpo.evaluate_and_log, sampled under --eval-samples; the base model's evaluation is kept
+    for later runs of the same policy and settings, and read from there."""
     if run.args.no_eval or step in done:
         return
-    cached = None
+    ev = None
     if step == 0:
-        cached = onpolicy.cached_base_eval(run)
-    ev = grpo.evaluate_and_log(run, step, done, cached)
-    if step == 0 and cached is None:
+        ev = onpolicy.cached_base_eval(run)
+    cached = ev is not None
+    if ev is None and run.args.eval_samples:
+        ev = credit.evaluate_sampled(step, run.policy, run.tok, run.held, run.args, run.procs)
+    ev = grpo.evaluate_and_log(run, step, done, ev)
+    if step == 0 and not cached:
         onpolicy.keep_base_eval(run, ev)
 
 

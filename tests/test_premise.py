@@ -1,0 +1,170 @@
+"""The premise world, shop-copy (lab/shop.py): each decision's slip copies another value of its
+episode and fails it alone; its dialogs misread each decision on its own; held-out success
+sampled (lab.train --eval-samples); the regime command (lab/premise.py)."""
+import collections
+import json
+
+import pytest
+import torch
+
+import envs
+import grpo
+import pair
+from lab import compare, credit, premise, shop, shopdata
+from lab import data as lab_data
+from lab import train as lab_train
+from test_grpo import _cache, pair_cache, tiny_policy  # noqa: F401  (fixtures)
+
+
+def copy_env(split="train", episodes=30):
+    return envs.ShopEnv(split, seed=42, episodes=episodes, world=shop.COPY_WORLD)
+
+
+def test_shop_copy_tasks_are_shop_longs_of_the_same_seed():
+    env, long = copy_env(), envs.ShopEnv("train", seed=42, episodes=30, world=shop.LONG_WORLD)
+    for i in range(len(env)):
+        a, b = env.episode(i).task, long.episode(i).task
+        assert isinstance(a, shop.CopyTask) and (a.lines, a.currency, a.text) == \
+            (b.lines, b.currency, b.text)
+    key = next(iter(env.records))
+    assert key.startswith("shop-copy-42-train-")
+    assert isinstance(shop.shop_task_from_id(key), shop.CopyTask)
+    with pytest.raises(ValueError, match="WORLD one of shop, shop-long, shop-copy"):
+        shop.shop_task_from_id("shop-short-42-train-0")
+
+
+def test_each_decision_copies_another_value_of_its_episode_and_fails_it_alone():
+    env = copy_env()
+    kinds = collections.Counter()
+    for i in range(len(env)):
+        task = env.episode(i).task
+        decisions = shop.copy_decisions(task.seed)
+        n = len(task.lines)
+        assert list(decisions) == [f"{k} {j}" for j in range(1, n + 1)
+                                   for k in ("store", "quantity")] + ["currency", "convert"]
+        turns = shop.slip_turns(task)
+        assert len(turns) >= 8 - sum(not v for v in decisions.values())
+        for decision, values in decisions.items():
+            for value in values:
+                dialog = shop.long_dialog(task, misread={decision: value})
+                ep = env.episode(i)
+                assert all(a == b for a, b in lab_data.play_gold(ep, dialog))  # real tools
+                labels = ep.labels()
+                assert ep.score() == 0.0, (i, decision, value)
+                # wrong where it is made, right before it: the turn slip_turns names
+                assert labels.index(False) == turns[decision] == \
+                    shopdata.shop_dialog_labels(task, shop.long_dialog(
+                        task, misread={decision: values[0]})).index(False)
+                kinds[shop.slip_kind(decision)] += 1
+        # the values are the episode's own: another store, another line's quantity
+        for k, (q, _, store) in enumerate(task.lines):
+            assert store not in decisions[f"store {k + 1}"]
+            assert set(decisions[f"quantity {k + 1}"]) <= {x for x, _, _ in task.lines} - {q}
+    assert set(kinds) == set(shop.COPY_DECISIONS)
+    assert shop.slip_kind("store 2") == "store" and shop.slip_kind("forget") == "forget"
+
+
+def test_copy_sft_dialogs_misread_each_decision_on_its_own():
+    gold = shop.copy_sft_dialogs(20, 0.0, seed=1)
+    assert gold == [envs.dialog_to_messages(shop.long_dialog(shop.copy_task(
+        envs.shop_episode_seed("train", 1, i))), envs.SHOP_TOOLS, []) for i in range(20)]
+    assert shop.copy_sft_dialogs(50, 0.4, seed=1) == shop.copy_sft_dialogs(50, 0.4, seed=1)
+    first = collections.Counter()
+    for i, dialog in enumerate(shop.copy_sft_dialogs(300, 0.4, seed=1)):
+        task = shop.copy_task(envs.shop_episode_seed("train", 1, i))
+        want = [m for m in envs.dialog_to_messages(shop.long_dialog(task), envs.SHOP_TOOLS, [])
+                if m["role"] == "assistant"]
+        made = [m for m in dialog if m["role"] == "assistant"]
+        assert len(made) == len(want) == 2 * len(task.lines) + 3
+        k = next((k for k, (a, b) in enumerate(zip(made, want)) if a != b), None)
+        assert k is None or k in shop.slip_turns(task).values(), (i, k)    # at a decision
+        first[k] += 1
+    # 8-10 decisions each misread with p 0.4: a dialog without a slip is rare (0.6^8 = 1.7%)
+    assert first[None] <= 0.06 * 300, first
+    assert first[0] >= 0.3 * 300, first             # the first decision: its own 40%
+
+
+def test_a_copy_dialogs_misreads_are_drawn_at_their_rate():
+    seen = collections.Counter()
+    for i, dialog in enumerate(shop.copy_sft_dialogs(200, 0.3, seed=3)):
+        task = shop.copy_task(envs.shop_episode_seed("train", 3, i))
+        decisions = shop.copy_decisions(task.seed)
+        calls = [m["content"].split("Action Input:")[-1] for m in dialog
+                 if m["role"] == "assistant"][:-1]
+        for k, (q, item, store) in enumerate(task.lines):
+            seen["store", f'"store": "{store}"' not in calls[2 * k]] += 1
+        seen["currency", f'"currency": "{task.currency}"' not in calls[2 * len(task.lines)]] += 1
+        assert all(decisions[f"store {k + 1}"] for k in range(len(task.lines)))
+    for kind in ("store", "currency"):
+        rate = seen[kind, True] / (seen[kind, True] + seen[kind, False])
+        assert 0.22 <= rate <= 0.38, (kind, rate)
+
+
+def test_sft_writes_a_shop_copy_policy_and_its_recipe(tmp_path):
+    tiny = ["--episodes", "6", "--steps", "2", "--batch", "2", "--hidden", "16", "--layers",
+            "1", "--heads", "2", "--kv-heads", "1", "--intermediate", "32", "--vocab", "300",
+            "--eval-episodes", "0", "--threads", "1", "--induction-steps", "2"]
+    shop.main(["sft", "--out", str(tmp_path / "shop")] + tiny)
+    shop.main(["sft", "--out", str(tmp_path / "copy"), "--world", "shop-copy", "--slips", "0.4",
+               "--init", str(tmp_path / "shop")] + tiny)
+    readme = (tmp_path / "copy" / "README.md").read_text()
+    assert "shop-copy-policy" in readme and "--world shop-copy --slips 0.4" in readme
+    with pytest.raises(SystemExit):                     # a long world continues a saved policy
+        shop.main(["sft", "--out", str(tmp_path / "c"), "--world", "shop-copy"] + tiny)
+
+
+def run_args(policy, out, *more):
+    args = lab_train.parse_args(["--env", "shop-copy", "--model", str(policy), "--out", str(out),
+                                 "--threads", "1", "--max-new-tokens", "24", *more],
+                                recorded=False)
+    grpo.resolve_preset(args, pair.Processes(), lab_train.WORLDS)
+    return args
+
+
+def test_sampled_evaluation_plays_each_episode_k_times_the_same_way(tiny_policy, tmp_path):
+    args = run_args(tiny_policy, tmp_path / "run", "--eval-samples", "3", "--eval-batch", "4",
+                    "--max-turns", "3")
+    policy, tok = grpo.load_policy(args, pair.Processes(), lab_train.WORLDS)
+    env = copy_env("test", 5)
+    pool = list(range(5))
+    a = credit.sampled(policy, tok, env, pool, 5, args, pair.Processes())
+    b = credit.sampled(policy, tok, env, pool, 5, args, pair.Processes())
+    assert a == b and a["episodes"] == 5 and a["samples"] == 3 and len(a["scores"]) == 5
+    assert all(3 * s == round(3 * s) for s in a["scores"])         # a mean of 3 scores
+    assert a["decoding"] == f"3 samples an episode at T {args.temperature}"
+    assert a["success"] == pytest.approx(sum(a["scores"]) / 5)
+
+
+def test_a_sampled_run_records_and_tabulates_its_decoding(tiny_policy, tmp_path):
+    args = run_args(tiny_policy, tmp_path / "run", "--eval-samples", "2", "--steps", "1",
+                    "--reward", "labels", "--eval-episodes", "3", "--val-episodes", "2",
+                    "--max-turns", "2", "--batch", "1", "--group", "2")
+    lab_train.train(args)
+    ev = [json.loads(line) for line in (tmp_path / "run" / "eval.jsonl").read_text().splitlines()]
+    assert [e["step"] for e in ev] == [0, 1]
+    how = f"2 samples an episode at T {args.temperature}"
+    assert all(e["samples"] == 2 and e["test"]["decoding"] == how for e in ev)
+    recorded = json.loads((tmp_path / "run" / "args.json").read_text())
+    assert recorded["eval_samples"] == 2
+    assert compare.decoding(tmp_path / "run") == \
+        f"sampled: 2 rollouts of each episode at T {args.temperature}"
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["base"]["decoding"] == how
+    assert f"held-out success ({how}, 3 test episodes)" in grpo.summary_text(summary)
+
+
+def test_the_regime_counts_what_the_premise_needs(monkeypatch):
+    turns = type("T", (), {})()
+    # two first-error turns of kind store (one slip), one of kind currency, one later turn
+    turns.y = torch.tensor([1, 0, 1, 0])
+    turns.raw = {"distance": torch.tensor([-1, -1, -1, 2]),
+                 "nll": torch.tensor([0.1, 0.9, 0.2, 0.05])}
+    monkeypatch.setattr(premise.onpolicy, "habit_at",
+                        lambda t: ["store 1", "store 2", "currency", None])
+    got = premise.confidence_at_first_errors(turns)
+    assert got["turns"] == 3 and got["slips"] == 1 and got["auroc"] == 1.0
+    assert got["by_kind"]["store"] == {"turns": 2, "slips": 1, "auroc": 1.0}
+    assert got["by_kind"]["currency"]["auroc"] is None          # one class only
+    assert premise.wilson(0, 10)[0] == 0.0 and premise.wilson(10, 10)[1] == 1.0
+    mean, (lo, hi) = premise.mean_interval([0.0, 0.5, 1.0, 0.5])
+    assert mean == 0.5 and lo < 0.5 < hi
