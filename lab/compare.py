@@ -35,7 +35,7 @@ import envs
 import grpo
 import model
 import pair
-from lab import baselines, curves, shop
+from lab import baselines, credit, curves, shop
 from lab import train
 
 COMPARE_REWARDS = ("outcome", "pair", "pair:alpha=0", "last_token", "multi_attn", "attention",
@@ -218,6 +218,9 @@ def compare(argv: list[str]) -> dict:
     ap.add_argument("--out", required=True, help="directory of the runs and the tables")
     ap.add_argument("--jobs", type=int, default=1, help="runs at once")
     ap.add_argument("--threads", type=int, default=1, help="torch threads per run")
+    ap.add_argument("--ceiling", default=None, metavar="SPEC",
+                    help="one of --rewards (exact labels): each row's share of its gain over "
+                         "the first reward, (R - first) / (SPEC - first)")
     ap.add_argument("--cost", action="store_true",
                     help="the paper's Table complexity, measured: train every reward (default: "
                          "all but llm_judge without an endpoint) for the few steps given after "
@@ -227,6 +230,9 @@ def compare(argv: list[str]) -> dict:
     args = ap.parse_args(argv)
     if args.jobs < 1:                   # 0 would start nothing and wait for it forever
         raise SystemExit(f"compare: --jobs must be at least 1, got {args.jobs}")
+    if args.ceiling is not None and args.ceiling not in args.rewards[1:]:
+        raise SystemExit(f"compare: --ceiling {args.ceiling}: not one of --rewards after the "
+                         "first (the first is what the ceiling's gain is measured from)")
     # one run directory each: a repeat would be trained twice at once and tabulated twice
     for flag, values, name in (("--seeds", args.seeds, str),
                                ("--rewards", args.rewards, lambda spec: run_name(spec, 0))):
@@ -295,7 +301,7 @@ def compare(argv: list[str]) -> dict:
         print((out / "cost.md").read_text() + f"\nwrote {out / 'cost.md'}, {out / 'cost.json'}",
               flush=True)
         return result
-    result = compare_table(out, args.rewards, args.seeds)
+    result = compare_table(out, args.rewards, args.seeds, args.ceiling)
     grpo.write_json(out / "compare.json", result)
     model.write_atomic(out / "compare.md", compare_markdown(result, command))
     model.write_atomic(out / "curves.svg", curves.curves_svg(result))
@@ -391,15 +397,53 @@ def interval95(rows: list[list[float]], base: list[list[float]] | None = None
     x = np.asarray(rows, dtype=np.float64)                             # (seeds, episodes)
     if base is not None:
         x = x - np.asarray(base, dtype=np.float64)
+    mean, half = half_width(x)
+    low = 0.0 if base is None else -1.0
+    return max(low, mean - half), min(1.0, mean + half)
+
+
+def half_width(x: np.ndarray) -> tuple[float, float]:
+    """interval95's mean and half-width, unclipped, of a (seeds, episodes) array."""
     S, E = x.shape
     a = x.mean(1).var(ddof=1) / S if S > 1 else 0.0                     # seeds
     b = x.mean(0).var(ddof=1) / E if E > 1 else 0.0                     # episodes
     if a + b == 0:
-        return float(x.mean()), float(x.mean())
+        return float(x.mean()), 0.0
     df = (a + b) ** 2 / ((a * a / (S - 1) if S > 1 else 0) + (b * b / (E - 1) if E > 1 else 0))
-    half = student_t_quantile(0.975, df) * math.sqrt(a + b)
-    low = 0.0 if base is None else -1.0
-    return max(low, float(x.mean() - half)), min(1.0, float(x.mean() + half))
+    return float(x.mean()), student_t_quantile(0.975, df) * math.sqrt(a + b)
+
+
+SHARE_LIMIT = 10.0      # a share interval reaching past ±10 ceilings is reported unbounded
+
+
+def share_of_ceiling(rows, ceiling, base) -> dict:
+    """The share of the ceiling's gain a reward recovers, (R - O) / (L - O), with R, L and O the
+    (seeds, episodes) test scores of the reward, of the ceiling (exact labels) and of the first
+    reward (the outcome), paired seed by seed and episode by episode; and its 95% interval,
+    Fieller's with interval95's variance: the shares theta for which interval95 of
+    R - O - theta (L - O) holds zero. None for an end past SHARE_LIMIT (the ceiling's own gain
+    is not told from zero there: the share can be anything)."""
+    r = np.asarray(rows, dtype=np.float64) - np.asarray(base, dtype=np.float64)
+    gain = np.asarray(ceiling, dtype=np.float64) - np.asarray(base, dtype=np.float64)
+    if gain.mean() == 0:
+        return {"share": None, "ci95": [None, None]}
+    share = float(r.mean() / gain.mean())
+
+    def outside(theta):         # interval95 of R - O - theta (L - O) misses zero
+        mean, half = half_width(r - theta * gain)
+        return abs(mean) > half
+
+    ends = []
+    for limit in (-SHARE_LIMIT, SHARE_LIMIT):
+        if not outside(limit):
+            ends.append(None)
+            continue
+        inside, out = share, limit          # bisection between the estimate and the limit
+        for _ in range(50):
+            mid = (inside + out) / 2
+            inside, out = (inside, mid) if outside(mid) else (mid, out)
+        ends.append(float((inside + out) / 2))
+    return {"share": share, "ci95": ends}
 
 
 def student_t_quantile(p: float, df: float) -> float:
@@ -420,10 +464,12 @@ def student_t_quantile(p: float, df: float) -> float:
     return (lo + hi) / 2
 
 
-def compare_table(out: Path, specs: list[str], seeds: list[int]) -> dict:
+def compare_table(out: Path, specs: list[str], seeds: list[int],
+                  ceiling: str | None = None) -> dict:
     rows, scores = [], {}
     first = out / "runs" / run_name(specs[0], seeds[0])
     habits = habit_tasks(first)
+    how = decoding(first)
     # test episodes scored -> a file that says so: one number for all, or nothing is paired
     sizes = {1 + max(i for tasks in habits.values() for i in tasks): first / "args.json"} \
         if habits else {}
@@ -455,12 +501,16 @@ def compare_table(out: Path, specs: list[str], seeds: list[int]) -> dict:
         for key in ("selected", "final"):
             scores[spec, key] = test_scores[key]
             row[key]["ci95"] = interval95(test_scores[key])
-        first = [m.get("probe_auroc") for _, ms, _ in played for m in ms[:5]]
-        last = [m.get("probe_auroc") for _, ms, _ in played for m in ms[-5:]]
-        row["probe_auroc"] = {"first5": _mean([x for x in first if x is not None]),
-                              "last5": _mean([x for x in last if x is not None])}
+        early = [m.get("probe_auroc") for _, ms, _ in played for m in ms[:5]]
+        late = [m.get("probe_auroc") for _, ms, _ in played for m in ms[-5:]]
+        row["probe_auroc"] = {"first5": _mean([x for x in early if x is not None]),
+                              "last5": _mean([x for x in late if x is not None])}
         row["heldout_auroc"] = _mean([s.get("probe_auroc_heldout", {}).get("pair")
                                       for s, _, _ in played])
+        # the premise gate is scored on the base policy's held-out turns, the same for every
+        # seed: the first seed's
+        row["premise_gate"] = next((s["premise_gate"] for s, _, _ in played
+                                    if s.get("premise_gate")), None)
         all_m = [m for _, ms, _ in played for m in ms]
         row["frac_zero_std"] = _mean([m["frac_zero_std"] for m in all_m])
         row["kl_final"] = _mean([ms[-1]["kl"] for _, ms, _ in played])
@@ -500,7 +550,11 @@ def compare_table(out: Path, specs: list[str], seeds: list[int]) -> dict:
             d = np.mean(scores[row["reward"], key]) - np.mean(scores[ref, key])
             row[key]["delta_vs_first"] = float(d)
             row[key]["delta_ci95"] = interval95(scores[row["reward"], key], scores[ref, key])
-    return {"rows": rows, "reference": ref, "habits": habits, "decoding": decoding(first),
+            if ceiling is not None:
+                row[key]["share_of_ceiling"] = share_of_ceiling(
+                    scores[row["reward"], key], scores[ceiling, key], scores[ref, key])
+    return {"rows": rows, "reference": ref, "habits": habits, "decoding": how,
+            "ceiling": ceiling,
             "selection": "checkpoint with the best validation success, reported on test"}
 
 
@@ -583,6 +637,7 @@ def compare_markdown(result: dict, command: str) -> str:
             + f" | {r['frac_zero_std']:.2f} | {r['kl_final']:.3f} | {r['t_rollout']:.1f} / "
             f"{r['t_reward']:.2f} / {r['t_update']:.1f} | {r['minutes']:.1f} |")
     rows = result["rows"]
+    lines += credit_lines(result, pct)
     if len(rows[0]["seeds"]) > 1:
         steps = rows[0]["curve_by_seed"]["steps"]
         same = all(r["curve_by_seed"]["steps"] == steps for r in rows)
@@ -609,6 +664,48 @@ def compare_markdown(result: dict, command: str) -> str:
                 " → ".join(pct(b[key][h]) for key in ("base", "selected", "final"))
                 for h in habits) + " |")
     return "\n".join(lines) + "\n"
+
+
+def credit_lines(result: dict, pct) -> list[str]:
+    """The table of what each reward recovers of the ceiling's gain (with --ceiling) and of its
+    premise gate (every run on a built-in world records one): none when neither is there."""
+    rows, ceiling = result["rows"], result.get("ceiling")
+    if ceiling is None and not any(r.get("premise_gate") for r in rows):
+        return []
+
+    def share(r):
+        x = r["final"].get("share_of_ceiling")
+        if r["reward"] in (result["reference"], ceiling) or x is None or x["share"] is None:
+            return "—"
+        lo, hi = ("unbounded" if v is None else f"{100 * v:+.0f}" for v in x["ci95"])
+        return f"{100 * x['share']:+.0f}% [{lo}, {hi}]"
+
+    def gate(r):
+        g = r.get("premise_gate")
+        if not g or g.get("auroc") is None:
+            return "—", "—"
+        return f"{g['auroc']:.3f}{credit.interval_text(g.get('auroc_interval'))}", \
+            grpo.num(g.get("reward_auroc"))
+
+    ref = result["reference"]
+    lines = ["", (f"*share of the ceiling*: (R − `{ref}`) / (`{ceiling}` − `{ref}`) at the "
+                  "final checkpoint, paired, with Fieller's 95% interval from the same "
+                  "variance as Δ (compare.share_of_ceiling). " if ceiling else "")
+             + "*premise gate*: the advantage's AUROC, right against slip, at the first-error "
+             "turns with a clean prefix of held-out base-policy rollouts, with a bootstrap "
+             "interval over those turns, beside the reward's own (lab/credit.py; the same "
+             "turns for every seed). Under `outcome-turn` the advantage carries the outcome's "
+             "term: where any slip fails the episode a high gate is nearly built in.", "",
+             "| reward | final | Δ final | share of the ceiling | premise gate "
+             "| the reward alone |",
+             "|---|---|---|---|---|---|"]
+    for r in rows:
+        delta = "—" if r["reward"] == result["reference"] else \
+            f"{100 * r['final']['delta_vs_first']:+.1f}"
+        g, alone = gate(r)
+        lines.append(f"| {r['reward']} | {pct(r['final']['mean'])} | {delta} | {share(r)} | "
+                     f"{g} | {alone} |")
+    return lines
 
 
 def main(argv=None):

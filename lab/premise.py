@@ -2,6 +2,7 @@
 policy, with the runs' own settings, before any reward is tried.
 
     python -m lab.premise --env shop-copy --out results/shop-copy/regime.json
+    python -m lab.premise ... -- --temperature 1.0      # flags after -- change the runs' settings
 
 A per-turn reward can only beat the outcome where the outcome cannot say which turn was wrong.
 Three of the four conditions for that are properties of the world and its base policy, and this
@@ -27,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -102,7 +104,7 @@ def measure(args) -> dict:
     """The regime of args.env's base policy (see the module's docstring)."""
     with tempfile.TemporaryDirectory() as tmp:      # the run's settings; nothing is written there
         flags = ["--env", args.env, "--out", tmp, "--reward", "confidence", "--threads",
-                 str(args.threads), "--eval-samples", str(args.samples)]
+                 str(args.threads), "--eval-samples", str(args.samples), *args.run_flags]
         if args.model:
             flags += ["--model", args.model]
         run = train.parse_args(flags, recorded=False)
@@ -126,8 +128,11 @@ def measure(args) -> dict:
     more = groups_without_success(policy, tok, env, pool, run, args.seeds[0], args.groups)
     turns = onpolicy.heldout_turns(run, policy, tok, procs, print)
     n_first = run.batch * len(args.seeds)
+    model = Path(run.model).resolve()
+    if model.is_relative_to(Path.cwd()):         # the repository's own policy: as it is named
+        model = model.relative_to(Path.cwd())
     return {
-        "env": args.env, "model": run.model, "temperature": run.temperature, "group": run.group,
+        "env": args.env, "model": str(model), "temperature": run.temperature, "group": run.group,
         "decisions": {"min": min(decisions), "mean": sum(decisions) / len(decisions),
                       "max": max(decisions), "episodes": len(decisions)},
         "success_greedy": greedy["success"],
@@ -169,7 +174,9 @@ def report(r: dict) -> str:
 
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(prog="python -m lab.premise", description=__doc__.split("\n\n")[0],
-                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+                                 epilog="Flags after `--` are lab.train's, for the runs' settings "
+                                 "the regime is measured with (e.g. --temperature).")
     a = ap.add_argument
     a("--env", default="shop-copy", choices=tuple(shop.WORLDS), help="the built-in world")
     a("--model", default=None, help="its policy (default: the world's own)")
@@ -181,7 +188,11 @@ def main(argv=None) -> dict:
       help="prompts of the first seed's run whose groups are counted")
     a("--threads", type=int, default=1, help="torch CPU threads")
     a("--out", required=True, help="the regime's JSON file")
+    argv = sys.argv[1:] if argv is None else argv
+    argv, run_flags = (argv[:argv.index("--")], argv[argv.index("--") + 1:]) if "--" in argv \
+        else (argv, [])
     args = ap.parse_args(argv)
+    args.run_flags = run_flags
     for name in ("episodes", "samples", "groups", "threads"):
         if getattr(args, name) < 1:
             ap.error(f"--{name} must be at least 1")

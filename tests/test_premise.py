@@ -4,6 +4,7 @@ sampled (lab.train --eval-samples); the regime command (lab/premise.py)."""
 import collections
 import json
 
+import numpy as np
 import pytest
 import torch
 
@@ -168,3 +169,68 @@ def test_the_regime_counts_what_the_premise_needs(monkeypatch):
     assert premise.wilson(0, 10)[0] == 0.0 and premise.wilson(10, 10)[1] == 1.0
     mean, (lo, hi) = premise.mean_interval([0.0, 0.5, 1.0, 0.5])
     assert mean == 0.5 and lo < 0.5 < hi
+
+
+def test_the_share_of_the_ceiling_and_its_fieller_interval():
+    rng = np.random.default_rng(0)
+    outcome = rng.integers(0, 2, (3, 300)).astype(float)
+    labels = np.clip(outcome + (rng.random((3, 300)) < 0.4), 0, 1)     # a wide gain over it
+    half = np.where(rng.random((3, 300)) < 0.5, labels, outcome)      # about half of that gain
+    got = compare.share_of_ceiling(half, labels, outcome)
+    assert got["share"] == pytest.approx((half - outcome).mean() / (labels - outcome).mean())
+    lo, hi = got["ci95"]
+    assert lo < got["share"] < hi and 0.2 < lo < 0.5 < hi < 0.8
+    # at an end of the interval, interval95 of R - O - theta (L - O) just holds zero
+    for end in (lo, hi):
+        mean, half_width = compare.half_width((half - outcome) - end * (labels - outcome))
+        assert abs(mean) == pytest.approx(half_width, abs=1e-6)
+    # the ceiling's gain not told from zero: the share can be anything
+    flat = np.where(rng.random((3, 300)) < 0.02, 1.0, outcome)
+    assert None in compare.share_of_ceiling(half, flat, outcome)["ci95"]
+    assert compare.share_of_ceiling(half, outcome, outcome) == {"share": None,
+                                                               "ci95": [None, None]}
+
+
+def test_the_credit_table_names_each_rows_share_and_gate():
+    def row(name, final, delta, share=None, gate=None):
+        return {"reward": name, "final": {"mean": final, "delta_vs_first": delta,
+                                          "share_of_ceiling": share}, "premise_gate": gate}
+    gate = {"auroc": 0.838, "auroc_interval": [0.803, 0.87], "reward_auroc": 1.0}
+    result = {"reference": "outcome", "ceiling": "labels", "rows": [
+        row("outcome", 0.3, 0.0), row("labels", 0.6, 0.3, gate=gate),
+        row("confidence", 0.45, 0.15, {"share": 0.5, "ci95": [0.2, None]}, gate)]}
+    lines = compare.credit_lines(result, lambda x: f"{100 * x:.1f}")
+    assert "| confidence | 45.0 | +15.0 | +50% [+20, unbounded] | 0.838 [0.803, 0.870] | " \
+        "1.000 |" in lines
+    assert "| labels | 60.0 | +30.0 | — | 0.838 [0.803, 0.870] | 1.000 |" in lines
+    assert "| outcome | 30.0 | — | — | — | — |" in lines
+    assert compare.credit_lines({"reference": "outcome", "rows": [row("outcome", 0.3, 0)]},
+                                str) == []
+
+
+def test_compare_refuses_a_ceiling_that_is_not_a_later_reward(tmp_path):
+    with pytest.raises(SystemExit, match="--ceiling labels: not one of --rewards after the first"):
+        compare.main(["--rewards", "outcome", "pair", "--ceiling", "labels", "--out",
+                      str(tmp_path)])
+    with pytest.raises(SystemExit, match="--ceiling outcome"):
+        compare.main(["--rewards", "outcome", "pair", "--ceiling", "outcome", "--out",
+                      str(tmp_path)])
+
+
+def test_the_regime_command_measures_a_world_and_writes_it(tiny_policy, tmp_path, capsys):
+    out = tmp_path / "regime.json"
+    got = premise.main(["--env", "shop-copy", "--model", str(tiny_policy), "--episodes", "3",
+                        "--samples", "2", "--groups", "2", "--seeds", "42", "--out", str(out),
+                        "--", "--max-new-tokens", "8", "--max-turns", "3", "--corpus-heldout",
+                        "2", "--corpus-samples", "2"])
+    assert json.loads(out.read_text()) == got
+    assert got["decisions"]["episodes"] == 3 and got["decisions"]["min"] >= 5
+    assert got["success_sampled"]["samples"] == 2 and got["success_sampled"]["episodes"] == 3
+    # the paper's preset (not a built-in policy): a step of 1 prompt, its group of 4
+    assert got["group"] == 4 and got["groups_without_success_first_step"]["groups"] == 1
+    assert got["groups_without_success"]["groups"] == 2
+    assert got["heldout_turns"] == {"episodes": 2, "samples": 2}
+    printed = capsys.readouterr().out
+    assert "held-out success sampled" in printed and f"wrote {out}" in printed
+    with pytest.raises(SystemExit):
+        premise.main(["--samples", "0", "--out", str(out)])
