@@ -469,7 +469,6 @@ def compare_table(out: Path, specs: list[str], seeds: list[int],
     rows, scores = [], {}
     first = out / "runs" / run_name(specs[0], seeds[0])
     habits = habit_tasks(first)
-    how = decoding(first)
     # test episodes scored -> a file that says so: one number for all, or nothing is paired
     sizes = {1 + max(i for tasks in habits.values() for i in tasks): first / "args.json"} \
         if habits else {}
@@ -553,7 +552,7 @@ def compare_table(out: Path, specs: list[str], seeds: list[int],
             if ceiling is not None:
                 row[key]["share_of_ceiling"] = share_of_ceiling(
                     scores[row["reward"], key], scores[ceiling, key], scores[ref, key])
-    return {"rows": rows, "reference": ref, "habits": habits, "decoding": how,
+    return {"rows": rows, "reference": ref, "habits": habits, "decoding": decoding(first),
             "ceiling": ceiling,
             "selection": "checkpoint with the best validation success, reported on test"}
 
