@@ -19,10 +19,21 @@ command measures them:
   low confidence   at the first-error turns with a clean prefix of held-out base-policy rollouts
                    (the premise gate's turns, onpolicy.heldout_turns), the AUROC of the turn's
                    own mean token log-probability for the right turn against the slip, with a
-                   bootstrap interval over those turns, and by kind of decision.
+                   bootstrap interval over those turns, and by kind of decision; and
+                   what the turn's hidden states and attention hold of the slip there: the
+                   AUROC of linear probes (each feature set of the method's, and PAIR's two
+                   stages) fitted on those very turns and scored out of fold (folds of
+                   episodes). The confidence reads the sampled tokens; the probes, the state
+                   the policy sampled them from.
 
 The fourth, the ceiling (exact step labels against the outcome after the same number of steps),
 is a comparison of trained runs: `python -m lab.compare` (lab/README.md).
+
+    python -m lab.premise ... --gates pair:advantage=outcome-turn confidence -- ...
+
+takes apart, on the same held-out turns, the premise gate of each reward through its form (what
+a run of it logs at its start): the advantage's AUROC at the first errors beside the reward's own,
+pooled over episodes and within each group of rollouts (gate_apart).
 """
 from __future__ import annotations
 
@@ -38,7 +49,7 @@ import torch
 import grpo
 import pair
 import probes
-from lab import credit, onpolicy, shop, train
+from lab import baselines, compare, credit, detection, onpolicy, shop, train
 
 
 def decision_counts(env, pool, n: int) -> list[int]:
@@ -100,16 +111,123 @@ def confidence_at_first_errors(turns) -> dict:
             "by_kind": by_kind}
 
 
+# The feature sets the readout fits (probes.feature), and PAIR's two stages on them.
+READOUT_FEATURES = ("last_token", "mean_pooled", "multi_layer", "multi_attn")
+READOUT_FOLDS = 5
+
+
+def readout_at_first_errors(turns, folds: int = READOUT_FOLDS, seed: int = 0) -> dict | None:
+    """What the turn's own hidden states and attention hold of the slip: at the first-error
+    turns with a clean prefix (confidence_at_first_errors' turns), a linear probe of each of
+    READOUT_FEATURES and PAIR (pair.fit_pair: stage 1 on last_token, stage 2 on multi_attn and
+    s_bc), fitted on those very turns (C 0.01, as the method's), each turn scored by the probe
+    fitted on the other folds (`folds` folds of episodes, pair.episode_folds); the AUROC of the
+    out-of-fold scores, right (1) against slip (0), with a bootstrap interval over the turns.
+
+    Why: the method's probes are fitted on every turn of the policy's rollouts, most of them
+    after an earlier error or away from any slip, so a probe at chance at the slips may only be
+    fitted to other turns. Fitted on the slips themselves, a probe at chance says the slip is not
+    in the features at all; the turn's confidence, read off the sampled tokens, is the measure
+    beside it. None when the turns are too few: fewer episodes than folds, or a fold whose
+    complement holds one class only."""
+    at = onpolicy.habit_at(turns)
+    first = torch.tensor([a is not None for a in at]) & (turns.raw["distance"] < 0)
+    idx = first.nonzero().flatten()
+    raw = {k: v[idx] for k, v in turns.raw.items() if k in probes.RAW_KEYS}
+    y = turns.y[idx]
+    episodes = [turns.episode_id[i] for i in idx.tolist()]
+    if len(set(episodes)) < folds:
+        return None
+    fold = pair.episode_folds(episodes, folds, seed)
+    if any(not 0 < int(y[fold != k].sum()) < int((fold != k).sum()) for k in range(folds)):
+        return None                                     # a fold would fit on one class
+    scores = {name: torch.full((len(idx),), math.nan, dtype=torch.float64)
+              for name in (*READOUT_FEATURES, "pair")}
+    for k in range(folds):
+        held, fit = fold == k, fold != k
+        train_raw = {key: v[fit] for key, v in raw.items()}
+        held_raw = {key: v[held] for key, v in raw.items()}
+        for name in READOUT_FEATURES:
+            probe = probes.Probe().fit(probes.feature(name, train_raw), y[fit])
+            scores[name][held] = probe.decision_function(probes.feature(name, held_raw))
+        scores["pair"][held] = pair.fit_pair(train_raw, y[fit]).scores(held_raw)[1]
+    return {"turns": len(idx), "slips": int((y == 0).sum()), "folds": folds,
+            "auroc": {name: probes.auroc(y, s) for name, s in scores.items()},
+            "auroc_interval": {name: credit.bootstrap_auroc(y, s) for name, s in scores.items()}}
+
+
+def gate_apart(turns, ctx, args, form: pair.Advantage) -> dict | None:
+    """The premise gate (credit.premise_gate) of args.reward through `form`, taken apart at the
+    first-error turns with a clean prefix, overall and by kind of decision, into four AUROCs of
+    the right turn against the slip:
+      gate           the advantage's: what a run logs at its start;
+      reward pooled  the reward's own, over the turns of every episode (the gate's "reward
+                     alone");
+      reward within  the reward's within each group of one episode's rollouts: over the pairs
+                     of a right turn and a slip of the same group, the fraction where the right
+                     one is rewarded higher (ties 1/2; detection.pairwise_accuracy);
+      centred        the reward centred by its group's mean at its turn index
+                     (credit.position_centred): outcome-turn's per-turn term, what position sums.
+    Why: a group-relative advantage sees a reward only against the rest of its group, so where
+    the pooled and the within-group readings part (a reward that scores whole episodes apart but
+    ranks a slip against the same decision made right the wrong way), the gate follows the
+    within-group one. None for a reward credit.stored_rewards cannot compute."""
+    at = onpolicy.habit_at(turns)
+    gate = credit.premise_gate(turns, ctx, args, form, at)
+    if gate is None:
+        return None
+    rollouts = {}                                       # rollout -> its turns' row indices
+    for k, r in enumerate(turns.raw["rollout"].tolist()):
+        rollouts.setdefault(r, []).append(k)
+    groups = {}                                         # episode -> its rollouts
+    for idx in rollouts.values():
+        groups.setdefault(turns.episode_id[idx[0]], []).append(idx)
+    reward = torch.full((len(turns.y),), math.nan, dtype=torch.float64)
+    centred = reward.clone()
+    for group in groups.values():
+        rewards = [credit.stored_rewards(turns.take(idx), ctx, args) for idx in group]
+        for idx, r_i, c_i in zip(group, rewards, credit.position_centred(rewards)):
+            reward[idx] = torch.tensor([math.nan if r is None else r for r in r_i],
+                                       dtype=torch.float64)
+            centred[idx] = torch.tensor([math.nan if c is None else c for c in c_i],
+                                        dtype=torch.float64)
+    first = torch.tensor([a is not None for a in at]) & (turns.raw["distance"] < 0)
+    kind = [None if a is None else shop.slip_kind(a) for a in at]
+
+    def part(sel, gate_auroc):
+        sel = sel & ~reward.isnan()
+        y = turns.y[sel]
+        if not 0 < int(y.sum()) < len(y):
+            return None
+        episodes = [e for e, s in zip(turns.episode_id, sel.tolist()) if s]
+        within = detection.pairwise_accuracy(y, reward[sel], episodes)
+        return {"turns": int(sel.sum()), "slips": int((y == 0).sum()), "gate": gate_auroc,
+                "reward_pooled": probes.auroc(y, reward[sel]),
+                "reward_within": None if math.isnan(within) else within,    # no pair in a group
+                "centred": probes.auroc(y, centred[sel])}
+    return {"reward": args.reward, "advantage": args.advantage,
+            "all": part(first, gate["auroc"]),
+            "by_kind": {k: part(first & torch.tensor([x == k for x in kind]), a)
+                        for k, a in gate["by_habit"].items()}}
+
+
+def run_args(args, reward: str, flags: list[str], procs) -> argparse.Namespace:
+    """The runs' settings (lab.train's flags after `--`) for `reward` with its own `flags`, the
+    preset resolved as a run resolves it."""
+    with tempfile.TemporaryDirectory() as tmp:      # nothing is written there
+        argv = ["--env", args.env, "--out", tmp, "--reward", reward, "--threads",
+                str(args.threads), "--eval-samples", str(args.samples), *args.run_flags, *flags]
+        if args.model:
+            argv += ["--model", args.model]
+        run = train.parse_args(argv, recorded=False)
+    grpo.resolve_preset(run, procs, train.WORLDS)
+    return run
+
+
 def measure(args) -> dict:
     """The regime of args.env's base policy (see the module's docstring)."""
-    with tempfile.TemporaryDirectory() as tmp:      # the run's settings; nothing is written there
-        flags = ["--env", args.env, "--out", tmp, "--reward", "confidence", "--threads",
-                 str(args.threads), "--eval-samples", str(args.samples), *args.run_flags]
-        if args.model:
-            flags += ["--model", args.model]
-        run = train.parse_args(flags, recorded=False)
     procs = pair.Processes()
-    grpo.resolve_preset(run, procs, train.WORLDS)
+    run = run_args(args, "confidence", [], procs)
     torch.set_num_threads(args.threads)
     policy, tok = grpo.load_policy(run, procs, train.WORLDS)
     env, pool, held = grpo.environments(run, tok, train.WORLDS, train.REPLAYS)
@@ -127,6 +245,14 @@ def measure(args) -> dict:
         first_steps[str(seed)] = sum(empty)
     more = groups_without_success(policy, tok, env, pool, run, args.seeds[0], args.groups)
     turns = onpolicy.heldout_turns(run, policy, tok, procs, print)
+    gates = {}
+    for spec in args.gates:
+        reward, flags = compare.parse_spec(spec)
+        gate_run = run_args(args, reward, flags, procs)
+        ctx = baselines.LabContext(policy, tok, env, alpha=gate_run.alpha, args=gate_run)
+        if train.REWARDS[reward].reads_probe:
+            train.read_probes(ctx, gate_run, policy, tok, procs, print)
+        gates[spec] = gate_apart(turns, ctx, gate_run, train.forms(gate_run)[gate_run.advantage])
     n_first = run.batch * len(args.seeds)
     model = Path(run.model).resolve()
     if model.is_relative_to(Path.cwd()):         # the repository's own policy: as it is named
@@ -145,6 +271,8 @@ def measure(args) -> dict:
             "seed": args.seeds[0], "groups": len(more), "without": sum(more),
             "fraction": sum(more) / len(more), "interval95": wilson(sum(more), len(more))},
         "confidence": confidence_at_first_errors(turns),
+        "readout": readout_at_first_errors(turns),
+        "gates": gates,
         "heldout_turns": {"episodes": run.corpus_heldout, "samples": run.corpus_samples},
         "seconds": round(time.perf_counter() - t0, 1)}
 
@@ -169,6 +297,26 @@ def report(r: dict) -> str:
     for kind, k in c["by_kind"].items():
         lines.append(f"    {kind:<10} {grpo.num(k['auroc'])} ({k['turns']} turns, {k['slips']} "
                      "slips)")
+    for spec, g in r["gates"].items():
+        lines.append(f"  premise gate of {spec}, taken apart (AUROC: gate / reward pooled / "
+                     "reward within groups / centred):")
+        for kind, part in [("all", g and g["all"]), *(g["by_kind"].items() if g else [])]:
+            if part is None:
+                lines.append(f"    {kind:<10} n/a")
+                continue
+            numbers = " / ".join(grpo.num(part[k]) for k in
+                                 ("gate", "reward_pooled", "reward_within", "centred"))
+            lines.append(f"    {kind:<10} {numbers} ({part['turns']} turns, {part['slips']} "
+                         "slips)")
+    o = r["readout"]
+    if o is None:
+        lines.append("  a probe fitted at first errors: too few first-error turns to fit on")
+        return "\n".join(lines)
+    lines.append(f"  a probe fitted at first errors ({o['folds']} folds of episodes, "
+                 f"{o['turns']} turns, {o['slips']} slips): AUROC out of fold")
+    for name, a in o["auroc"].items():
+        interval = credit.interval_text(o["auroc_interval"][name])
+        lines.append(f"    {name:<12} {grpo.num(a)}{interval}")
     return "\n".join(lines)
 
 
@@ -186,6 +334,9 @@ def main(argv=None) -> dict:
       help="runs' seeds whose first training step's groups are counted")
     a("--groups", type=int, default=64,
       help="prompts of the first seed's run whose groups are counted")
+    a("--gates", nargs="*", default=[], metavar="SPEC",
+      help="rewards, each through its form, written as lab.compare's --rewards (e.g. "
+           "pair:advantage=outcome-turn), whose premise gate is taken apart (gate_apart)")
     a("--threads", type=int, default=1, help="torch CPU threads")
     a("--out", required=True, help="the regime's JSON file")
     argv = sys.argv[1:] if argv is None else argv

@@ -3,6 +3,7 @@ episode and fails it alone; its dialogs misread each decision on its own; held-o
 sampled (lab.train --eval-samples); the regime command (lab/premise.py)."""
 import collections
 import json
+import types
 
 import numpy as np
 import pytest
@@ -11,7 +12,7 @@ import torch
 import envs
 import grpo
 import pair
-from lab import compare, credit, premise, shop, shopdata
+from lab import compare, credit, detection, premise, shop, shopdata
 from lab import data as lab_data
 from lab import train as lab_train
 from test_grpo import _cache, pair_cache, tiny_policy  # noqa: F401  (fixtures)
@@ -171,6 +172,61 @@ def test_the_regime_counts_what_the_premise_needs(monkeypatch):
     assert mean == 0.5 and lo < 0.5 < hi
 
 
+def test_the_readout_fits_probes_on_the_first_errors_and_scores_them_out_of_fold(monkeypatch):
+    # 40 episodes of 6 turns, all first errors with a clean prefix but the last of each; the
+    # label is written in the last hidden state only, so the hidden-state probes and PAIR (whose
+    # stage 1 reads it) rank the slips, the attention probe does not
+    g = torch.Generator().manual_seed(0)
+    n, d, L, H = 240, 8, 2, 2
+    y = torch.randint(0, 2, (n,), generator=g)
+    h_last4 = torch.randn(n, 4, d, generator=g)
+    h_last4[:, -1, 0] += 3.0 * y
+    raw = {"h_last4": h_last4, "h_mean": h_last4[:, -1] + 0.1 * torch.randn(n, d, generator=g)}
+    for stat in ("max", "std", "prefix", "self", "entropy", "lookback"):
+        raw[f"attn_{stat}"] = torch.rand(n, L, H, generator=g)
+    raw["distance"] = torch.tensor([-1] * n)
+    turns = type("T", (), {})()
+    turns.y, turns.raw = y, raw
+    turns.episode_id = [f"e{i // 6}" for i in range(n)]
+    monkeypatch.setattr(premise.onpolicy, "habit_at",
+                        lambda t: [None if i % 6 == 5 else "store 1" for i in range(n)])
+    got = premise.readout_at_first_errors(turns)
+    first = torch.tensor([i % 6 != 5 for i in range(n)])
+    assert got["turns"] == 200 and got["slips"] == int((y[first] == 0).sum())
+    assert got["folds"] == 5
+    for name in ("last_token", "mean_pooled", "multi_layer", "pair"):
+        assert got["auroc"][name] > 0.9, name
+        lo, hi = got["auroc_interval"][name]
+        assert lo <= got["auroc"][name] <= hi
+    assert 0.35 < got["auroc"]["multi_attn"] < 0.65
+    # too few episodes for the folds, or a fold's complement of one class: nothing to fit
+    assert premise.readout_at_first_errors(turns, folds=41) is None
+    turns.y = torch.ones(n, dtype=torch.long)
+    assert premise.readout_at_first_errors(turns) is None
+
+
+def test_the_gate_taken_apart_tells_a_reward_pooled_over_episodes_from_one_within_groups(
+        monkeypatch):
+    # two episodes of two one-turn rollouts, a right decision and a slip each; the confidence
+    # reward is high in episode A and low in B, and within each the slip is the more confident
+    nll = torch.tensor([0.2, 0.1, 2.0, 1.9])
+    raw = {"nll": nll, "rollout": torch.arange(4), "distance": torch.full((4,), -1),
+           "score": torch.zeros(4), "turn_idx": torch.zeros(4, dtype=torch.long)}
+    turns = detection.Split("heldout", raw, torch.tensor([1, 0, 1, 0]), ["A", "A", "B", "B"], {})
+    monkeypatch.setattr(premise.onpolicy, "habit_at", lambda t: ["store 1"] * 4)
+    args = types.SimpleNamespace(reward="confidence", advantage="position", outcome_weight=0.0)
+    got = premise.gate_apart(turns, None, args, credit.forms()["position"])
+    want = {"turns": 4, "slips": 2, "gate": 0.0, "reward_pooled": 0.25, "reward_within": 0.0,
+            "centred": 0.0}
+    assert got["all"] == want and got["by_kind"] == {"store": want}
+    turns.episode_id = ["A", "B", "C", "D"]            # a group of one: nothing within it
+    alone = premise.gate_apart(turns, None, args, credit.forms()["position"])["all"]
+    assert alone["reward_pooled"] == 0.25 and alone["reward_within"] is None
+    assert alone["centred"] == 0.5 and alone["gate"] == 0.5
+    args.reward = "igpo"                                # not computable from the stored turns
+    assert premise.gate_apart(turns, None, args, credit.forms()["position"]) is None
+
+
 def test_the_share_of_the_ceiling_and_its_fieller_interval():
     rng = np.random.default_rng(0)
     outcome = rng.integers(0, 2, (3, 300)).astype(float)
@@ -221,8 +277,9 @@ def test_the_regime_command_measures_a_world_and_writes_it(tiny_policy, tmp_path
     out = tmp_path / "regime.json"
     got = premise.main(["--env", "shop-copy", "--model", str(tiny_policy), "--episodes", "3",
                         "--samples", "2", "--groups", "2", "--seeds", "42", "--out", str(out),
-                        "--", "--max-new-tokens", "8", "--max-turns", "3", "--corpus-heldout",
-                        "2", "--corpus-samples", "2"])
+                        "--gates", "labels:advantage=outcome-turn", "--", "--max-new-tokens",
+                        "8", "--max-turns", "3", "--corpus-heldout", "2", "--corpus-samples",
+                        "2"])
     assert json.loads(out.read_text()) == got
     assert got["decisions"]["episodes"] == 3 and got["decisions"]["min"] >= 5
     assert got["success_sampled"]["samples"] == 2 and got["success_sampled"]["episodes"] == 3
@@ -232,5 +289,9 @@ def test_the_regime_command_measures_a_world_and_writes_it(tiny_policy, tmp_path
     assert got["heldout_turns"] == {"episodes": 2, "samples": 2}
     printed = capsys.readouterr().out
     assert "held-out success sampled" in printed and f"wrote {out}" in printed
+    assert "a probe fitted at first errors" in printed
+    gate = got["gates"]["labels:advantage=outcome-turn"]
+    assert gate["reward"] == "labels" and gate["advantage"] == "outcome-turn"
+    assert "premise gate of labels:advantage=outcome-turn, taken apart" in printed
     with pytest.raises(SystemExit):
         premise.main(["--samples", "0", "--out", str(out)])
