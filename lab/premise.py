@@ -88,12 +88,18 @@ def groups_without_success(policy, tok, env, pool, args, seed: int, prompts: int
     return out
 
 
+def first_errors(turns, at: list[str | None]) -> torch.Tensor:
+    """The first-error turns with a clean prefix: where `at` (onpolicy.habit_at) names the
+    decision made at the turn and no earlier turn of the rollout is wrong."""
+    return torch.tensor([a is not None for a in at]) & (turns.raw["distance"] < 0)
+
+
 def confidence_at_first_errors(turns) -> dict:
     """AUROC of the turn's own mean token log-probability (-nll), right (1) against slip (0), at
     the first-error turns with a clean prefix, overall (with its bootstrap interval) and by kind of
     decision (shop.slip_kind)."""
     at = onpolicy.habit_at(turns)
-    first = torch.tensor([a is not None for a in at]) & (turns.raw["distance"] < 0)
+    first = first_errors(turns, at)
     confidence = -turns.raw["nll"].double()
 
     def auroc(sel):
@@ -131,7 +137,7 @@ def readout_at_first_errors(turns, folds: int = READOUT_FOLDS, seed: int = 0) ->
     beside it. None when the turns are too few: fewer episodes than folds, or a fold whose
     complement holds one class only."""
     at = onpolicy.habit_at(turns)
-    first = torch.tensor([a is not None for a in at]) & (turns.raw["distance"] < 0)
+    first = first_errors(turns, at)
     idx = first.nonzero().flatten()
     raw = {k: v[idx] for k, v in turns.raw.items() if k in probes.RAW_KEYS}
     y = turns.y[idx]
@@ -191,7 +197,7 @@ def gate_apart(turns, ctx, args, form: pair.Advantage) -> dict | None:
                                        dtype=torch.float64)
             centred[idx] = torch.tensor([math.nan if c is None else c for c in c_i],
                                         dtype=torch.float64)
-    first = torch.tensor([a is not None for a in at]) & (turns.raw["distance"] < 0)
+    first = first_errors(turns, at)
     kind = [None if a is None else shop.slip_kind(a) for a in at]
 
     def part(sel, gate_auroc):
