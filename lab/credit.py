@@ -18,6 +18,7 @@ from __future__ import annotations
 import math
 import sys
 import time
+from dataclasses import dataclass
 
 import torch
 
@@ -109,44 +110,67 @@ def stored_rewards(turns: detection.Split, ctx, args) -> list[float | None] | No
     return pair.with_outcome(rewards, score, args.outcome_weight)
 
 
-def premise_gate(turns: detection.Split, ctx, args, form: pair.Advantage,
-                 at: list[str | None]) -> dict | None:
-    """AUROC of the `--advantage` (form) and of the reward alone for right (1) against wrong (0) at
-    the first-error turns with a clean prefix: the turns where `at` names a habit and no earlier
-    turn of the rollout is wrong; by habit; and on every clean-prefix turn. Each episode's
-    rollouts are one group. None for a reward stored_rewards cannot compute."""
-    rollout_ids = turns.raw["rollout"].tolist()
+@dataclass
+class GateScores:                   # every held-out turn's numbers; NaN where it has none
+    advantage: torch.Tensor         # (N,) float64: the form's advantage A_{i,t}
+    reward: torch.Tensor            # (N,) float64: the reward r_{i,t} the form was given
+    centred: torch.Tensor           # (N,) float64: r_{i,t} against its group's mean at index t
+    groups: int                     # groups of rollouts (one an episode)
+
+
+def gate_scores(turns: detection.Split, ctx, args, form: pair.Advantage) -> GateScores | None:
+    """Each held-out turn's advantage under `form`, its reward (stored_rewards) and that reward
+    centred (position_centred), with each episode's rollouts as one group, as a run's step
+    groups them. None for a reward stored_rewards cannot compute."""
     rows = {}                                           # rollout -> its turns' row indices
-    for k, r in enumerate(rollout_ids):
+    for k, r in enumerate(turns.raw["rollout"].tolist()):
         rows.setdefault(r, []).append(k)
     groups = {}                                         # episode -> its rollouts
-    for r, idx in rows.items():
+    for idx in rows.values():
         groups.setdefault(turns.episode_id[idx[0]], []).append(idx)
-    adv = torch.full((len(turns.y),), float("nan"), dtype=torch.float64)
-    reward = torch.full((len(turns.y),), float("nan"), dtype=torch.float64)
+    scores = GateScores(*(torch.full((len(turns.y),), math.nan, dtype=torch.float64)
+                          for _ in range(3)), groups=len(groups))
+
+    def put(into: torch.Tensor, idx: list[int], values: list[float | None]) -> None:
+        into[idx] = torch.tensor([math.nan if v is None else v for v in values],
+                                 dtype=torch.float64)
     for group in groups.values():
         rewards = [stored_rewards(turns.take(idx), ctx, args) for idx in group]
         if any(r is None for r in rewards):
             return None
-        scores = [float(turns.raw["score"][idx[0]]) for idx in group]
-        a, _ = form.fn(rewards, scores)
-        for idx, a_i, r_i in zip(group, a, rewards):
-            adv[idx] = torch.tensor(a_i, dtype=torch.float64)
-            reward[idx] = torch.tensor([math.nan if r is None else r for r in r_i],
-                                       dtype=torch.float64)
+        a, _ = form.fn(rewards, [float(turns.raw["score"][idx[0]]) for idx in group])
+        for idx, a_i, r_i, c_i in zip(group, a, rewards, position_centred(rewards)):
+            put(scores.advantage, idx, a_i)
+            put(scores.reward, idx, r_i)
+            put(scores.centred, idx, c_i)
+    return scores
+
+
+def first_errors(turns: detection.Split, at: list[str | None]) -> torch.Tensor:
+    """The first-error turns with a clean prefix, as a mask: where `at` (onpolicy.habit_at)
+    names the decision made at the turn and no earlier turn of the rollout is wrong."""
+    return torch.tensor([a is not None for a in at]) & (turns.raw["distance"] < 0)
+
+
+def premise_gate(turns: detection.Split, scores: GateScores, at: list[str | None],
+                 args) -> dict:
+    """AUROC of the `--advantage` (scores.advantage) and of the reward alone for right (1)
+    against wrong (0) at the first-error turns with a clean prefix (first_errors); by habit; and
+    on every clean-prefix turn."""
     clean = turns.raw["distance"] < 0
-    first = torch.tensor([h is not None for h in at]) & clean
+    first = first_errors(turns, at)
 
     def auroc(sel, score):
         y = turns.y[sel]
         if not 0 < int(y.sum()) < len(y) or score[sel].isnan().any():
             return None
         return probes.auroc(y, score[sel])
+    adv = scores.advantage
     at = [None if h is None else shop.slip_kind(h) for h in at]      # shop-copy: by kind
     habits = sorted({h for h, f in zip(at, first.tolist()) if f})
-    return {"advantage": args.advantage, "reward": args.reward, "groups": len(groups),
+    return {"advantage": args.advantage, "reward": args.reward, "groups": scores.groups,
             "turns": int(first.sum()), "slips": int((turns.y[first] == 0).sum()),
-            "auroc": auroc(first, adv), "reward_auroc": auroc(first, reward),
+            "auroc": auroc(first, adv), "reward_auroc": auroc(first, scores.reward),
             "auroc_interval": bootstrap_auroc(turns.y[first], adv[first]),
             "by_habit": {h: auroc(first & torch.tensor([x == h for x in at]), adv)
                          for h in habits},
@@ -190,8 +214,21 @@ def log_gate(gate: dict, log) -> None:
         log(f"warning: the advantage credits the slip: the {gate['advantage']} advantage ranks "
             f"the slip above the same decision made right (AUROC {gate['auroc']:.3f} on "
             f"{gate['turns']} held-out first-error turns, the reward alone "
-            f"{num(gate['reward_auroc'])}): the turns that follow a decision, not the decision, "
-            "set its credit (premise_gate in summary.json)", flush=True)
+            f"{num(gate['reward_auroc'])}): {CREDIT_CAUSES.get(gate['advantage'], '')}"
+            "(premise_gate in summary.json; python -m lab.premise --gates takes it apart)",
+            flush=True)
+
+
+# Where an advantage takes a turn's credit from, by form: why it can rank the slip above the
+# same decision made right when the reward alone does not (log_gate's warning)
+SUMMED = "the turns that follow a decision, not the decision, set its credit "
+CREDIT_CAUSES = {
+    "process": SUMMED, "position": SUMMED,
+    "release": "a turn is credited with its rollout's normalized total beside its own reward "
+               "against the rollout's mean: the rollout, not the decision, sets most of it ",
+    "outcome-turn": "beside the outcome's term, the turn's own reward centred within its group "
+                    "ranks the slip above the same decision made right ",
+}
 
 
 def interval_text(interval) -> str:
@@ -223,9 +260,11 @@ def gate_at_setup(args, policy, tok, procs, log, ctx, form: pair.Advantage) -> d
     if args.reward not in GATE_REWARDS:
         return None
     turns = onpolicy.heldout_turns(args, policy, tok, procs, log)
-    gate = premise_gate(turns, ctx, args, form, onpolicy.habit_at(turns))
-    if gate is not None:
-        log_gate(gate, log)
+    scores = gate_scores(turns, ctx, args, form)
+    if scores is None:
+        return None
+    gate = premise_gate(turns, scores, onpolicy.habit_at(turns), args)
+    log_gate(gate, log)
     return gate
 
 

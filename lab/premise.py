@@ -88,18 +88,12 @@ def groups_without_success(policy, tok, env, pool, args, seed: int, prompts: int
     return out
 
 
-def first_errors(turns, at: list[str | None]) -> torch.Tensor:
-    """The first-error turns with a clean prefix: where `at` (onpolicy.habit_at) names the
-    decision made at the turn and no earlier turn of the rollout is wrong."""
-    return torch.tensor([a is not None for a in at]) & (turns.raw["distance"] < 0)
-
-
-def confidence_at_first_errors(turns) -> dict:
+def confidence_at_first_errors(turns, at: list[str | None]) -> dict:
     """AUROC of the turn's own mean token log-probability (-nll), right (1) against slip (0), at
-    the first-error turns with a clean prefix, overall (with its bootstrap interval) and by kind of
-    decision (shop.slip_kind)."""
-    at = onpolicy.habit_at(turns)
-    first = first_errors(turns, at)
+    the first-error turns with a clean prefix (credit.first_errors: `at`, onpolicy.habit_at,
+    names each turn's decision), overall (with its bootstrap interval) and by kind of decision
+    (shop.slip_kind)."""
+    first = credit.first_errors(turns, at)
     confidence = -turns.raw["nll"].double()
 
     def auroc(sel):
@@ -122,7 +116,8 @@ READOUT_FEATURES = ("last_token", "mean_pooled", "multi_layer", "multi_attn")
 READOUT_FOLDS = 5
 
 
-def readout_at_first_errors(turns, folds: int = READOUT_FOLDS, seed: int = 0) -> dict | None:
+def readout_at_first_errors(turns, at: list[str | None], folds: int = READOUT_FOLDS,
+                            seed: int = 0) -> dict | None:
     """What the turn's own hidden states and attention hold of the slip: at the first-error
     turns with a clean prefix (confidence_at_first_errors' turns), a linear probe of each of
     READOUT_FEATURES and PAIR (pair.fit_pair: stage 1 on last_token, stage 2 on multi_attn and
@@ -136,8 +131,7 @@ def readout_at_first_errors(turns, folds: int = READOUT_FOLDS, seed: int = 0) ->
     in the features at all; the turn's confidence, read off the sampled tokens, is the measure
     beside it. None when the turns are too few: fewer episodes than folds, or a fold whose
     complement holds one class only."""
-    at = onpolicy.habit_at(turns)
-    first = first_errors(turns, at)
+    first = credit.first_errors(turns, at)
     idx = first.nonzero().flatten()
     raw = {k: v[idx] for k, v in turns.raw.items() if k in probes.RAW_KEYS}
     y = turns.y[idx]
@@ -162,7 +156,7 @@ def readout_at_first_errors(turns, folds: int = READOUT_FOLDS, seed: int = 0) ->
             "auroc_interval": {name: credit.bootstrap_auroc(y, s) for name, s in scores.items()}}
 
 
-def gate_apart(turns, ctx, args, form: pair.Advantage) -> dict | None:
+def gate_apart(turns, at: list[str | None], ctx, args, form: pair.Advantage) -> dict | None:
     """The premise gate (credit.premise_gate) of args.reward through `form`, taken apart at the
     first-error turns with a clean prefix, overall and by kind of decision, into four AUROCs of
     the right turn against the slip:
@@ -178,26 +172,11 @@ def gate_apart(turns, ctx, args, form: pair.Advantage) -> dict | None:
     the pooled and the within-group readings part (a reward that scores whole episodes apart but
     ranks a slip against the same decision made right the wrong way), the gate follows the
     within-group one. None for a reward credit.stored_rewards cannot compute."""
-    at = onpolicy.habit_at(turns)
-    gate = credit.premise_gate(turns, ctx, args, form, at)
-    if gate is None:
+    scores = credit.gate_scores(turns, ctx, args, form)
+    if scores is None:
         return None
-    rollouts = {}                                       # rollout -> its turns' row indices
-    for k, r in enumerate(turns.raw["rollout"].tolist()):
-        rollouts.setdefault(r, []).append(k)
-    groups = {}                                         # episode -> its rollouts
-    for idx in rollouts.values():
-        groups.setdefault(turns.episode_id[idx[0]], []).append(idx)
-    reward = torch.full((len(turns.y),), math.nan, dtype=torch.float64)
-    centred = reward.clone()
-    for group in groups.values():
-        rewards = [credit.stored_rewards(turns.take(idx), ctx, args) for idx in group]
-        for idx, r_i, c_i in zip(group, rewards, credit.position_centred(rewards)):
-            reward[idx] = torch.tensor([math.nan if r is None else r for r in r_i],
-                                       dtype=torch.float64)
-            centred[idx] = torch.tensor([math.nan if c is None else c for c in c_i],
-                                        dtype=torch.float64)
-    first = first_errors(turns, at)
+    gate = credit.premise_gate(turns, scores, at, args)
+    reward, first = scores.reward, credit.first_errors(turns, at)
     kind = [None if a is None else shop.slip_kind(a) for a in at]
 
     def part(sel, gate_auroc):
@@ -210,7 +189,7 @@ def gate_apart(turns, ctx, args, form: pair.Advantage) -> dict | None:
         return {"turns": int(sel.sum()), "slips": int((y == 0).sum()), "gate": gate_auroc,
                 "reward_pooled": probes.auroc(y, reward[sel]),
                 "reward_within": None if math.isnan(within) else within,    # no pair in a group
-                "centred": probes.auroc(y, centred[sel])}
+                "centred": probes.auroc(y, scores.centred[sel])}
     return {"reward": args.reward, "advantage": args.advantage,
             "all": part(first, gate["auroc"]),
             "by_kind": {k: part(first & torch.tensor([x == k for x in kind]), a)
@@ -251,6 +230,7 @@ def measure(args) -> dict:
         first_steps[str(seed)] = sum(empty)
     more = groups_without_success(policy, tok, env, pool, run, args.seeds[0], args.groups)
     turns = onpolicy.heldout_turns(run, policy, tok, procs, print)
+    at = onpolicy.habit_at(turns)
     gates = {}
     for spec in args.gates:
         reward, flags = compare.parse_spec(spec)
@@ -258,7 +238,8 @@ def measure(args) -> dict:
         ctx = baselines.LabContext(policy, tok, env, alpha=gate_run.alpha, args=gate_run)
         if train.REWARDS[reward].reads_probe:
             train.read_probes(ctx, gate_run, policy, tok, procs, print)
-        gates[spec] = gate_apart(turns, ctx, gate_run, train.forms(gate_run)[gate_run.advantage])
+        gates[spec] = gate_apart(turns, at, ctx, gate_run,
+                                 train.forms(gate_run)[gate_run.advantage])
     n_first = run.batch * len(args.seeds)
     model = Path(run.model).resolve()
     if model.is_relative_to(Path.cwd()):         # the repository's own policy: as it is named
@@ -276,8 +257,8 @@ def measure(args) -> dict:
         "groups_without_success": {
             "seed": args.seeds[0], "groups": len(more), "without": sum(more),
             "fraction": sum(more) / len(more), "interval95": wilson(sum(more), len(more))},
-        "confidence": confidence_at_first_errors(turns),
-        "readout": readout_at_first_errors(turns),
+        "confidence": confidence_at_first_errors(turns, at),
+        "readout": readout_at_first_errors(turns, at),
         "gates": gates,
         "heldout_turns": {"episodes": run.corpus_heldout, "samples": run.corpus_samples},
         "seconds": round(time.perf_counter() - t0, 1)}

@@ -149,6 +149,11 @@ def gate_turns(labels: list[list[int]], score: list[float], episode: str = "e") 
     return detection.Split("gate", raw, raw["label"].long(), [episode] * len(y), {})
 
 
+def gate_of(turns, args, form, at):
+    """The premise gate as a run computes it at its start (credit.gate_at_setup)."""
+    return credit.premise_gate(turns, credit.gate_scores(turns, None, args, form), at, args)
+
+
 def test_premise_gate_catches_an_advantage_that_inverts_the_reward():
     # The habit's decision is at turn 1. Rollout 0 makes it right and then goes wrong on the
     # harder turns that follow; rollout 1 slips there and gets the easy turns after it right.
@@ -164,7 +169,7 @@ def test_premise_gate_catches_an_advantage_that_inverts_the_reward():
     got = {}
     for form in ("process", "position", "outcome-turn"):
         args = args_for(advantage=form)
-        got[form] = gate = credit.premise_gate(turns, None, args, lab_train.forms(args)[form], at)
+        got[form] = gate = gate_of(turns, args, lab_train.forms(args)[form], at)
         credit.log_gate(gate, lambda text, **k: lines.append(text))
         assert (gate["turns"], gate["slips"], gate["groups"]) == (2, 1, 1)
         assert gate["reward_auroc"] == 1.0
@@ -174,9 +179,26 @@ def test_premise_gate_catches_an_advantage_that_inverts_the_reward():
     warnings = [line for line in lines
                 if line.startswith("warning: the advantage credits the slip")]
     assert len(warnings) == 2 and "process" in warnings[0] and "position" in warnings[1]
+    assert all("the turns that follow a decision, not the decision" in w for w in warnings)
     # every clean-prefix turn, in units of 1/d: right turns r0t0 = (3+3-5-5)/8 = -0.5, r0t1 =
     # -0.875, r1t0 = (3-5+3+3)/8 = 0.5; wrong turns r0t2 = -1.25, r1t1 = 0.125: 4 of 6 pairs
     assert got["process"]["clean_prefix"] == pytest.approx(4 / 6)
+
+
+def test_the_gates_warning_names_the_cause_its_form_has():
+    # each form takes a turn's credit from elsewhere: the warning says from where
+    lines = []
+    for form in ("process", "position", "release", "outcome-turn"):
+        credit.log_gate({"advantage": form, "reward": "pair", "turns": 9, "slips": 3,
+                         "groups": 2, "auroc": 0.4, "auroc_interval": [0.3, 0.5],
+                         "reward_auroc": 0.5, "by_habit": {}, "clean_prefix": 0.5},
+                        lambda text, **k: lines.append(text))
+    warnings = [line for line in lines if line.startswith("warning:")]
+    assert len(warnings) == 4
+    assert "the turns that follow" in warnings[0] and "the turns that follow" in warnings[1]
+    assert "its rollout's normalized total" in warnings[2]
+    assert "centred within its group" in warnings[3]
+    assert not any("the turns that follow" in w for w in warnings[2:])
 
 
 def test_premise_gate_reads_the_outcome_on_the_last_turn():
@@ -184,8 +206,7 @@ def test_premise_gate_reads_the_outcome_on_the_last_turn():
     # rollout that slipped and failed ranks below the one that made the decision right
     turns = gate_turns([[1, 1, 1], [1, 0, 0]], [1.0, 0.0])
     args = args_for(reward="outcome")
-    gate = credit.premise_gate(turns, None, args, pair.ADVANTAGES["process"],
-                               [None, "store", None] * 2)
+    gate = gate_of(turns, args, pair.ADVANTAGES["process"], [None, "store", None] * 2)
     assert gate["auroc"] == 1.0 and gate["reward_auroc"] is None    # no reward at turn 1
 
 
@@ -234,8 +255,8 @@ def test_premise_gate_reads_the_confidence_of_the_stored_turns():
     # decision made right, so the reward and, under process, its advantage rank it below
     turns = gate_turns([[1, 0], [1, 1]], [0.0, 1.0])
     turns.raw["nll"] = torch.tensor([0.1, 3.0, 0.2, 0.3])
-    gate = credit.premise_gate(turns, None, args_for(reward="confidence"),
-                               pair.ADVANTAGES["process"], [None, "store"] * 2)
+    gate = gate_of(turns, args_for(reward="confidence"), pair.ADVANTAGES["process"],
+                   [None, "store"] * 2)
     assert (gate["turns"], gate["slips"]) == (2, 1)
     assert gate["reward_auroc"] == 1.0 and gate["auroc"] == 1.0
 
@@ -247,7 +268,7 @@ def test_the_gate_carries_a_bootstrap_interval_over_its_turns():
     at = [None, "forget", None, None] * 2
     for form, expected in (("process", [0.0, 0.0]), ("outcome-turn", [1.0, 1.0])):
         args = args_for(advantage=form)
-        gate = credit.premise_gate(turns, None, args, lab_train.forms(args)[form], at)
+        gate = gate_of(turns, args, lab_train.forms(args)[form], at)
         assert gate["auroc_interval"] == expected
     # on noisy scores: an interval around the AUROC, the same every time (seeded), and none
     # where the turns hold one class

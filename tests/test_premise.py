@@ -155,15 +155,13 @@ def test_a_sampled_run_records_and_tabulates_its_decoding(tiny_policy, tmp_path)
     assert f"held-out success ({how}, 3 test episodes)" in grpo.summary_text(summary)
 
 
-def test_the_regime_counts_what_the_premise_needs(monkeypatch):
+def test_the_regime_counts_what_the_premise_needs():
     turns = type("T", (), {})()
     # two first-error turns of kind store (one slip), one of kind currency, one later turn
     turns.y = torch.tensor([1, 0, 1, 0])
     turns.raw = {"distance": torch.tensor([-1, -1, -1, 2]),
                  "nll": torch.tensor([0.1, 0.9, 0.2, 0.05])}
-    monkeypatch.setattr(premise.onpolicy, "habit_at",
-                        lambda t: ["store 1", "store 2", "currency", None])
-    got = premise.confidence_at_first_errors(turns)
+    got = premise.confidence_at_first_errors(turns, ["store 1", "store 2", "currency", None])
     assert got["turns"] == 3 and got["slips"] == 1 and got["auroc"] == 1.0
     assert got["by_kind"]["store"] == {"turns": 2, "slips": 1, "auroc": 1.0}
     assert got["by_kind"]["currency"]["auroc"] is None          # one class only
@@ -172,7 +170,7 @@ def test_the_regime_counts_what_the_premise_needs(monkeypatch):
     assert mean == 0.5 and lo < 0.5 < hi
 
 
-def test_the_readout_fits_probes_on_the_first_errors_and_scores_them_out_of_fold(monkeypatch):
+def test_the_readout_fits_probes_on_the_first_errors_and_scores_them_out_of_fold():
     # 40 episodes of 6 turns, all first errors with a clean prefix but the last of each; the
     # label is written in the last hidden state only, so the hidden-state probes and PAIR (whose
     # stage 1 reads it) rank the slips, the attention probe does not
@@ -188,9 +186,8 @@ def test_the_readout_fits_probes_on_the_first_errors_and_scores_them_out_of_fold
     turns = type("T", (), {})()
     turns.y, turns.raw = y, raw
     turns.episode_id = [f"e{i // 6}" for i in range(n)]
-    monkeypatch.setattr(premise.onpolicy, "habit_at",
-                        lambda t: [None if i % 6 == 5 else "store 1" for i in range(n)])
-    got = premise.readout_at_first_errors(turns)
+    at = [None if i % 6 == 5 else "store 1" for i in range(n)]
+    got = premise.readout_at_first_errors(turns, at)
     first = torch.tensor([i % 6 != 5 for i in range(n)])
     assert got["turns"] == 200 and got["slips"] == int((y[first] == 0).sum())
     assert got["folds"] == 5
@@ -200,31 +197,30 @@ def test_the_readout_fits_probes_on_the_first_errors_and_scores_them_out_of_fold
         assert lo <= got["auroc"][name] <= hi
     assert 0.35 < got["auroc"]["multi_attn"] < 0.65
     # too few episodes for the folds, or a fold's complement of one class: nothing to fit
-    assert premise.readout_at_first_errors(turns, folds=41) is None
+    assert premise.readout_at_first_errors(turns, at, folds=41) is None
     turns.y = torch.ones(n, dtype=torch.long)
-    assert premise.readout_at_first_errors(turns) is None
+    assert premise.readout_at_first_errors(turns, at) is None
 
 
-def test_the_gate_taken_apart_tells_a_reward_pooled_over_episodes_from_one_within_groups(
-        monkeypatch):
+def test_the_gate_taken_apart_tells_a_reward_pooled_over_episodes_from_one_within_groups():
     # two episodes of two one-turn rollouts, a right decision and a slip each; the confidence
     # reward is high in episode A and low in B, and within each the slip is the more confident
     nll = torch.tensor([0.2, 0.1, 2.0, 1.9])
     raw = {"nll": nll, "rollout": torch.arange(4), "distance": torch.full((4,), -1),
            "score": torch.zeros(4), "turn_idx": torch.zeros(4, dtype=torch.long)}
     turns = detection.Split("heldout", raw, torch.tensor([1, 0, 1, 0]), ["A", "A", "B", "B"], {})
-    monkeypatch.setattr(premise.onpolicy, "habit_at", lambda t: ["store 1"] * 4)
+    at = ["store 1"] * 4
     args = types.SimpleNamespace(reward="confidence", advantage="position", outcome_weight=0.0)
-    got = premise.gate_apart(turns, None, args, credit.forms()["position"])
+    got = premise.gate_apart(turns, at, None, args, credit.forms()["position"])
     want = {"turns": 4, "slips": 2, "gate": 0.0, "reward_pooled": 0.25, "reward_within": 0.0,
             "centred": 0.0}
     assert got["all"] == want and got["by_kind"] == {"store": want}
     turns.episode_id = ["A", "B", "C", "D"]            # a group of one: nothing within it
-    alone = premise.gate_apart(turns, None, args, credit.forms()["position"])["all"]
+    alone = premise.gate_apart(turns, at, None, args, credit.forms()["position"])["all"]
     assert alone["reward_pooled"] == 0.25 and alone["reward_within"] is None
     assert alone["centred"] == 0.5 and alone["gate"] == 0.5
     args.reward = "igpo"                                # not computable from the stored turns
-    assert premise.gate_apart(turns, None, args, credit.forms()["position"]) is None
+    assert premise.gate_apart(turns, at, None, args, credit.forms()["position"]) is None
 
 
 def test_the_share_of_the_ceiling_and_its_fieller_interval():
