@@ -1752,6 +1752,33 @@ def test_compare_tabulating_a_damaged_run_is_one_line_naming_its_file(
     assert "\n" not in e.value.code and not (tmp_path / "compare.md").exists()
 
 
+def test_compare_tabulates_runs_of_the_built_in_policy_made_in_another_checkout(
+        tmp_path, no_run_starts):
+    # results/ holds runs whose args.json name the checkout that trained them
+    _finished_runs(tmp_path)
+    argv = ["--rewards", "outcome", "--seeds", "1", "2", "--out", str(tmp_path), "--",
+            "--eval-episodes", "4"]
+    for seed in (1, 2):
+        grpo.write_json(tmp_path / "runs" / f"outcome-s{seed}" / "args.json", {
+            "env": "shop", "eval_episodes": 4, "model": "/elsewhere/pair/data/shop-policy"})
+    compare.main(argv)
+    assert "| outcome |" in (tmp_path / "compare.md").read_text()
+    # another policy, there or here, is another run
+    (tmp_path / "compare.md").unlink()
+    for model in ("/elsewhere/pair/data/shop-long-policy", "/elsewhere/pair/shop-policy"):
+        grpo.write_json(tmp_path / "runs" / "outcome-s1" / "args.json", {
+            "env": "shop", "eval_episodes": 4, "model": model})
+        with pytest.raises(SystemExit, match=f"^compare: .*outcome-s1/args.json: the run used "
+                           f"--model '{model}', where this command gives "):
+            compare.main(argv)
+    # and so is a policy of the user's own that was named so
+    grpo.write_json(tmp_path / "runs" / "outcome-s1" / "args.json", {
+        "env": "shop", "eval_episodes": 4, "model": "/elsewhere/pair/data/shop-policy"})
+    with pytest.raises(SystemExit, match="^compare: .*outcome-s1/args.json: the run used --model"):
+        compare.main([*argv, "--model", str(tmp_path / "data" / "shop-policy")])
+    assert not (tmp_path / "compare.md").exists()
+
+
 def test_compare_refuses_runs_evaluated_on_different_episodes(tmp_path, no_run_starts):
     _finished_runs(tmp_path, {**FAKE_SCORES, 2: {k: v[:3] for k, v in FAKE_SCORES[2].items()}})
     with pytest.raises(SystemExit, match="^compare: the runs were evaluated on different test "
