@@ -697,8 +697,11 @@ class Transformer(nn.Module):  # embed_tokens, L blocks, final norm, lm_head (ti
         cos, sin = rope_tables(self.inv_freq, positions, self.model.embed_tokens.weight.dtype)
         x = self.model.embed_tokens(input_ids.to(dev))                          # (B, T, d)
         for i, layer in enumerate(self.model.layers):
+            on = layer.input_layernorm.weight.device    # the block's device (several if split)
+            mask = masks[self.windows[i]]
             layer_cache = cache[i] if cache is not None else None
-            inputs = (x, cos, sin, masks[self.windows[i]], positions, layer_cache)
+            inputs = (x.to(on), cos.to(on), sin.to(on), None if mask is None else mask.to(on),
+                      positions.to(on), layer_cache)
             if recompute and torch.is_grad_enabled():   # each block again in backward
                 x = torch.utils.checkpoint.checkpoint(
                     layer, *inputs, mlp_chunk=max(1, MLP_CHUNK // B), use_reentrant=False)
@@ -775,7 +778,7 @@ class Transformer(nn.Module):  # embed_tokens, L blocks, final norm, lm_head (ti
             numbers.append(n)
             if i < len(self.model.layers) - 1:
                 hidden.append(x)                              # blocks 1..L-1; the L-th goes normed
-        x = self.model.norm(x)                  # on the head's device (a split model's hooks)
+        x = self.model.norm(x)                  # the last block's device: the head's too
         logits = self.lm_head(x[:, 0]).float()                              # (B, V)
         if start is None:
             return logits, None, None
@@ -1081,7 +1084,8 @@ def balance_layers(block_sizes: list[int], n_devices: int, first_extra=0, last_e
 
 def split_model(model, devices, layer_counts=None):
     """Place model.model.layers on `devices` in contiguous ranges of layer_counts; the embedding on
-    the first device, norm and head on the last (new_cache puts each block's cache with it)."""
+    the first device, norm and head on the last (new_cache puts each block's cache with it). The
+    forward passes (trunk, decode_step) move the activations to each block's device as they go."""
     devices = [torch.device(d) for d in devices]
     inner = model.model
     layers = model.model.layers
@@ -1108,13 +1112,4 @@ def split_model(model, devices, layer_counts=None):
                  (inner.norm, devices[-1]), (head, devices[-1])]
     for module, device in placement:
         module.to(device)
-        module.register_forward_pre_hook(inputs_to(device), with_kwargs=True)  # inputs moved there
     return model
-
-
-def inputs_to(device):
-    def to(x):      # a forward pre-hook's: a module's tensor inputs to `device` (flags stay)
-        if isinstance(x, (tuple, list)):
-            return type(x)(to(v) for v in x)
-        return x.to(device) if isinstance(x, Tensor) else x   # blocking: a copy must have landed
-    return lambda module, args, kwargs: (to(args), {k: to(v) for k, v in kwargs.items()})
