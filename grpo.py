@@ -749,18 +749,24 @@ RESUME_DEFAULTS = {"advantage": "process"}      # an args.json without the flag 
 def changed_flag(args, old: dict, keys=RESUME_KEYS,
                  defaults=RESUME_DEFAULTS) -> tuple[str, object, object] | None:
     """The first flag of `keys` that differs from a run's args.json (old): (--flag, its value
-    now, the run's), or None. `defaults`: the value of a flag an older args.json lacks. A model
-    directory may be spelled another way (relative)."""
+    now, the run's), or None. `defaults`: the value of a flag an older args.json lacks."""
     for k in keys:
         now = getattr(args, k)
         then = old.get(k, defaults.get(k, now))
-        if then == now:
-            continue
-        same_dir = k == "model" and isinstance(then, str) and Path(then).is_dir() and \
-            Path(then).resolve() == Path(now).resolve()
-        if not same_dir:
+        if then != now and not (k == "model" and isinstance(then, str) and same_model(then, now)):
             return f"--{k.replace('_', '-')}", now, then
     return None
+
+
+def same_model(then: str, now: str) -> bool:
+    """Whether a run's recorded --model names the directory `now`: spelled another way
+    (relative), or, for a policy shipped in this repository's data/, as another checkout wrote
+    it (a world's default --model is absolute: the runs in results/ name the checkout that made
+    them; the policy is rebuilt byte for byte by its README's commands)."""
+    here = Path(now).resolve()
+    if Path(then).is_dir() and Path(then).resolve() == here:
+        return True
+    return here.parent == envs.BUILTIN_POLICY.parent and Path(then).parts[-2:] == here.parts[-2:]
 
 
 def check_out(args, keys=RESUME_KEYS, defaults=RESUME_DEFAULTS) -> None:

@@ -101,8 +101,6 @@ def check_run(spec: str, argv: list[str], reward: str, seed: int, run: Path, res
         raise SystemExit(f"compare: {spec!r} (run {run.name}): {why}") from None
     if done:            # tabulated as it is, so it must be the run this command asks for
         old = read_run_json(run / "args.json")
-        if same_builtin_policy(old.get("model"), args.model):
-            old["model"] = args.model
         changed = grpo.changed_flag(args, old)
         if changed:
             flag, now, then = changed
@@ -113,18 +111,6 @@ def check_run(spec: str, argv: list[str], reward: str, seed: int, run: Path, res
                           "beside another run, so its step times are not --cost's (or choose "
                           "another --out)")
     return args
-
-
-def same_builtin_policy(then, now: str) -> bool:
-    """Whether a finished run's --model (`then`) is the built-in policy `now` as another
-    checkout of this repository wrote it. A world's default --model is the absolute path of its
-    policy, so each run in results/ names the checkout that trained it, and a clone elsewhere
-    could tabulate none of them. The policy is part of the tree (its README's commands rebuild
-    it byte for byte), so the same folder under data/ is the same policy at the commit the
-    records' README names; any other directory must be the one the run read."""
-    policies = {world.policy for world in train.WORLDS.values()}
-    here = Path(now).resolve()
-    return isinstance(then, str) and here in policies and Path(then).parts[-2:] == here.parts[-2:]
 
 
 # What the tables read from each step of metrics.jsonl: numbers that must be there, and numbers

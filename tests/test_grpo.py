@@ -1808,6 +1808,11 @@ def test_changed_flag_reads_a_model_directory_written_another_way(tmp_path, monk
     args = grpo.parse_args(["--model", str(tmp_path / "policy")])
     saved = {k: getattr(args, k) for k in grpo.RESUME_KEYS}
     assert grpo.changed_flag(args, {**saved, "model": "policy"}) is None      # relative
+    # a policy shipped in data/, as another checkout of the repository wrote it
+    shipped = grpo.parse_args(["--env", "shop"])
+    elsewhere = {**saved, "model": "/elsewhere/pair/data/shop-policy"}
+    assert grpo.changed_flag(shipped, {**elsewhere, "lr": shipped.lr}) is None
+    assert grpo.changed_flag(args, elsewhere)[0] == "--model"       # not a shipped policy here
     assert grpo.changed_flag(args, {**saved, "model": "other"}) == (
         "--model", str(tmp_path / "policy"), "other")
     assert grpo.changed_flag(args, {**saved, "lr": 1.0}) == ("--lr", args.lr, 1.0)
