@@ -35,24 +35,28 @@ import torch.utils.checkpoint
 from safetensors import safe_open
 from safetensors.torch import save as safetensors_bytes
 from torch import nn, Tensor
-STATS = ("max", "std", "prefix", "self", "entropy", "lookback")    # a stats tensor's last axis
-DEFAULT_SYSTEM = ("You are Qwen, created by Alibaba Cloud. "  # what Qwen2.5's own chat template
-                  "You are a helpful assistant.")              # puts first when a chat has none
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16,   # --dtype of every script takes
-          "float16": torch.float16}                         # these names, torch's, and only these
-LONE_SURROGATE = re.compile("[\ud800-\udfff]")     # half a UTF-16 pair: not UTF-8, not encodable
+
+# The six attention statistics of a softmax row (stats_from), in the order of the last axis of
+# the statistics tensor a decoding step returns.
+STATS = ("max", "std", "prefix", "self", "entropy", "lookback")
+# The values --dtype takes in every script: torch's names, and only these.
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 # ---- The config and loading a checkpoint: a local directory or a Hugging Face Hub name -----------
+# config.json's model_type -> architecture, for an old config that names no architectures.
 ARCHITECTURES = {"qwen2": "Qwen2ForCausalLM", "llama": "LlamaForCausalLM",
-                 "mistral": "MistralForCausalLM"}      # model_type -> architecture
-ARCH_DEFAULTS = {"Qwen2ForCausalLM": {"max_window_layers": 28},   # transformers < 5 omits keys
-                 "MistralForCausalLM": {"sliding_window": 4096}}  # equal to its defaults, not ours
+                 "mistral": "MistralForCausalLM"}
+# Keys transformers < 5 omits from config.json when they equal its defaults, which are not ours.
+ARCH_DEFAULTS = {"Qwen2ForCausalLM": {"max_window_layers": 28},
+                 "MistralForCausalLM": {"sliding_window": 4096}}
+# The config keys that must be positive integers.
 SIZES = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
          "num_attention_heads", "num_key_value_heads", "head_dim", "max_position_embeddings",
-         "sliding_window")      # positive integers
+         "sliding_window")
 INDEX = "model.safetensors.index.json"  # a sharded checkpoint's weight_map: tensor -> file
-HUB_MANIFEST = ".pair-complete.json"    # written last, naming each file checked, its size, hash
+# A fetched model's manifest, written last: each file checked, its size and hash.
+HUB_MANIFEST = ".pair-complete.json"
 HUB_STALL = 60          # s without a byte: a transfer has failed (and is resumed)
 HUB_RATE = 1 << 20      # bytes/s: a file's deadline is HUB_STALL s + its size at this rate
 HUB_TRIES = 4           # transfers of one file at most, 0, 1, 3, 7 s apart
@@ -63,7 +67,10 @@ class CheckpointError(Exception):
 
 
 @dataclass
-class Config:      # config.json, its keys as field names (known ones kept); None default: nullable
+class Config:
+    """A checkpoint's config.json: its keys are the field names (unknown keys are dropped), the
+    sizes those the shapes name (V, d, f, L, H, KV, D). A field whose default is None may be null
+    in the file; from_dict builds and validates one."""
     vocab_size: int                         # V
     hidden_size: int                        # d
     intermediate_size: int                  # f, the MLP's width
@@ -95,7 +102,8 @@ class Config:      # config.json, its keys as field names (known ones kept); Non
             raise ValueError(f"architectures {arch!r}: unsupported (supported: "
                              f"{', '.join(ARCHITECTURES.values())})")
         d = {**ARCH_DEFAULTS.get(arch[0], {}), **d, "architectures": arch}
-        cfg = cls(**{f.name: d[f.name] for f in fields(cls) if f.name in d})   # missing: TypeError
+        # a required key missing: TypeError
+        cfg = cls(**{f.name: d[f.name] for f in fields(cls) if f.name in d})
         cfg.validate()
         return cfg
 
@@ -104,10 +112,13 @@ class Config:      # config.json, its keys as field names (known ones kept); Non
         def number(v):
             return type(v) in (int, float) and 0 < v < math.inf
 
-        def token_ids(v):       # an eos id past the vocabulary, never drawn, would never stop
+        # an eos id past the vocabulary is never drawn: a turn would never stop
+        def token_ids(v):
             ids = v if isinstance(v, list) else [v]
             return all(type(i) is int and 0 <= i < self.vocab_size for i in ids)
-        checks = [  # (keys, test of a value, what it must be)
+        # (keys, test of a value, what it must be), checked in order: a check may read the keys
+        # before it
+        checks = [
             (SIZES, lambda v: type(v) is int and v >= 1, "a positive integer"),
             (("eos_token_id",), token_ids,
              f"a token id below vocab_size {self.vocab_size}, or a list of them"),
@@ -126,7 +137,7 @@ class Config:      # config.json, its keys as field names (known ones kept); Non
             (("num_attention_heads",), lambda v: v % self.n_kv_heads == 0,
              "a multiple of num_key_value_heads")]
         nullable = {f.name for f in fields(self) if f.default is None}
-        for keys, ok, want in checks:           # in order: a check may read the keys before it
+        for keys, ok, want in checks:
             for key in keys:
                 v = getattr(self, key)
                 if v is None and key in nullable:
@@ -136,14 +147,17 @@ class Config:      # config.json, its keys as field names (known ones kept); Non
 
     @property
     def arch(self) -> str:
+        """The architecture, one of ARCHITECTURES' values."""
         return self.architectures[0]
 
     @property
     def n_kv_heads(self) -> int:
+        """KV, the key/value heads: as many as the query heads where config.json gives none."""
         return self.num_key_value_heads or self.num_attention_heads
 
     @property
     def head_size(self) -> int:
+        """D, the width of a head: head_dim, else hidden_size / num_attention_heads."""
         return self.head_dim or self.hidden_size // self.num_attention_heads
 
     @property
@@ -156,8 +170,9 @@ class Config:      # config.json, its keys as field names (known ones kept); Non
         """Sliding-window size of one layer (None: full causal attention) as transformers has it."""
         if self.arch == "MistralForCausalLM":     # every layer
             return self.sliding_window
+        # Qwen2: the layers layer_types marks, else those from max_window_layers on
         if self.arch == "Qwen2ForCausalLM" and self.use_sliding_window and self.sliding_window:
-            if self.layer_types is not None:    # else the layers from max_window_layers on
+            if self.layer_types is not None:
                 sliding = self.layer_types[layer] == "sliding_attention"
             else:
                 sliding = layer >= self.max_window_layers
@@ -167,21 +182,24 @@ class Config:      # config.json, its keys as field names (known ones kept); Non
 
     @property
     def stop_ids(self) -> tuple[int, ...]:
-        eos = self.eos_token_id             # config.json holds one id, a list, or null
+        """The tokens that end a turn: config.json's eos_token_id (one id, a list, or null)."""
+        eos = self.eos_token_id
         if eos is None:
             return ()
         return tuple(eos) if isinstance(eos, list) else (eos,)
 
 
 def read_json(path: Path) -> dict:
-    try:                        # any failure to read it: a CheckpointError naming the file
+    """A JSON file's value; any failure to read it is a CheckpointError naming the file."""
+    try:
         return json.loads(path.read_text())
     except (OSError, ValueError, RecursionError) as e:    # deep nesting: RecursionError
         raise CheckpointError(f"{path}: not readable JSON ({type(e).__name__}: {e})") from None
 
 
 def read_config(directory) -> Config:
-    path = Path(directory) / "config.json"     # built and validated, or a CheckpointError
+    """directory/config.json as a validated Config, or a CheckpointError naming the file."""
+    path = Path(directory) / "config.json"
     try:
         return Config.from_dict(read_json(path))
     except (TypeError, ValueError, AttributeError) as e:     # AttributeError: not an object
@@ -189,14 +207,16 @@ def read_config(directory) -> Config:
 
 
 def weight_files(directory: Path) -> list[str]:
-    index = directory / INDEX           # model.safetensors, or the shards its weight_map names
+    """The names of a checkpoint's safetensors files: model.safetensors, or the shards the
+    index's weight_map names, each a plain file beside the index (a Hub's index is input)."""
+    index = directory / INDEX
     if not index.is_file():
         return ["model.safetensors"]
     content = read_json(index)
     weight_map = content.get("weight_map") if isinstance(content, dict) else None
     if not isinstance(weight_map, dict) or not weight_map:
         raise CheckpointError(f"{index}: no weight_map")
-    for file in weight_map.values():    # beside the index: no "../x", "/etc/x" (a Hub's input)
+    for file in weight_map.values():    # beside the index: no "../x", no "/etc/x"
         if not (isinstance(file, str) and file == Path(file).name and
                 file.endswith(".safetensors") and not file.startswith(".")):
             raise CheckpointError(f"{index}: {file!r} is not a safetensors file beside the index")
@@ -216,7 +236,8 @@ def read_state_dict(directory: Path, expected: dict, tied: bool, dtype, device) 
         except Exception as e:      # safetensors' own error names no file
             raise CheckpointError(f"{path}: missing, truncated or corrupt safetensors file "
                                   f"({e})") from None
-        with f:     # tied: a stored lm_head.weight is ignored (the head is the embedding)
+        # tied: a stored lm_head.weight is ignored (the head is the embedding)
+        with f:
             for name in sorted(k for k in f.keys() if not (tied and k == "lm_head.weight")):
                 if name not in expected or name in state:
                     raise CheckpointError(f"{path}: unexpected tensor {name} (or twice)")
@@ -253,13 +274,15 @@ def checkpoint_sha256(directory) -> str:
                 if size <= 64 << 20 or not name.endswith(".safetensors"):     # 64 MiB
                     h.update(f.read())                          # hashed whole
                     continue
-                n = struct.unpack("<Q", f.read(8))[0]     # safetensors: n, JSON header, data
+                # a safetensors file: 8 bytes of n, an n-byte JSON header, then the data
+                n = struct.unpack("<Q", f.read(8))[0]
                 header = f.read(min(n, size))
                 h.update(header)
                 for key, entry in sorted(json.loads(header).items()):
                     if key != "__metadata__":
                         start, end = (8 + n + int(o) for o in entry["data_offsets"])
-                        for at in sorted({start, max(start, end - block)}):   # first, last
+                        # the first and the last block of the tensor (one if it is short)
+                        for at in sorted({start, max(start, end - block)}):
                             f.seek(at)
                             h.update(f.read(min(block, end - at)))
         except (OSError, ValueError, KeyError, TypeError, AttributeError, struct.error) as e:
@@ -269,7 +292,9 @@ def checkpoint_sha256(directory) -> str:
 
 
 def resolve(path_or_repo) -> Path:
-    directory = Path(path_or_repo)      # or the copy of a Hub model <org>/<name>, fetched once
+    """A local directory as given, or the local copy of a Hub model <org>/<name> (fetched once);
+    a CheckpointError for a path that is neither."""
+    directory = Path(path_or_repo)
     if directory.is_dir():
         return directory
     if directory.exists() or not re.fullmatch(r"[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*",
@@ -285,25 +310,27 @@ def resolve(path_or_repo) -> Path:
 def fetch_from_hub(repo_id: str) -> Path:
     """Hub model files, fetched once, each checked against the size and hash the Hub's tree API
     lists for it; HF_ENDPOINT, HF_TOKEN, HF_HUB_OFFLINE as huggingface_hub."""
-    folder = cache_root() / repo_id.replace("/", "--")             # $PAIR_CACHE/<org>--<name>
+    folder = cache_root() / repo_id.replace("/", "--")     # $PAIR_CACHE/<org>--<name>
     if _complete(folder):
         return folder
     if os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes", "on"):
         raise CheckpointError(f"cannot fetch model {repo_id!r}: HF_HUB_OFFLINE is set; no complete "
                               f"copy in {folder} (copy the files there, or give a local directory)")
     endpoint = os.environ.get("HF_ENDPOINT", "https://huggingface.co").rstrip("/")
-    token = os.environ.get("HF_TOKEN")  # requests drops it on the redirect to the CDN
+    # requests drops the token on the redirect to the CDN
+    token = os.environ.get("HF_TOKEN")
     headers = {"Authorization": f"Bearer {token}"} if token else {}
     import fcntl                        # POSIX only, so imported where it is needed
     folder.mkdir(parents=True, exist_ok=True)
+    # torchrun's ranks: one downloads, the others wait for it
     with open(folder / ".lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)     # torchrun's ranks: one downloads, the others wait
+        fcntl.flock(lock, fcntl.LOCK_EX)
         try:
             if not _complete(folder):
                 r = requests.get(f"{endpoint}/api/models/{repo_id}/tree/main", headers=headers,
                                  timeout=(10, HUB_STALL))
                 r.raise_for_status()
-                listed = {e["path"]: e for e in r.json() if e["type"] == "file"}   # name -> entry
+                listed = {e["path"]: e for e in r.json() if e["type"] == "file"}   # name: entry
                 base = f"{endpoint}/{repo_id}/resolve/main/"
                 for name in ("config.json", "tokenizer.json", INDEX):
                     if name != INDEX or name in listed:         # an index if sharded
@@ -326,7 +353,9 @@ def fetch_from_hub(repo_id: str) -> Path:
 
 
 def _complete(folder: Path) -> bool:
-    try:        # a marker, and each file it names still of the size checked (nothing hashed)
+    """Whether folder holds a finished fetch: its manifest, and each file the manifest names
+    still of the size checked then (nothing is hashed again)."""
+    try:
         files = json.loads((folder / HUB_MANIFEST).read_text())["files"]
         return all((folder / name).stat().st_size == e["size"] for name, e in files.items())
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
@@ -348,12 +377,14 @@ def _download(base: str, dest: Path, entry: dict, headers: dict):
         if have >= entry["size"]:
             break
         time.sleep(2 ** attempt - 1)                            # 0, 1, 3, 7 s
-        ask = {**headers, "Range": f"bytes={have}-", "Accept-Encoding": "identity"}  # as hashed
+        # the bytes as the Hub hashed them, not compressed
+        ask = {**headers, "Range": f"bytes={have}-", "Accept-Encoding": "identity"}
         try:
             with requests.get(url, headers=ask, stream=True, timeout=(10, HUB_STALL)) as r:
                 r.raise_for_status()
-                with open(part, "ab" if r.status_code == 206 else "wb") as f:    # 200: all again
-                    for chunk in iter(lambda: r.raw.read1(1 << 20), b""):  # what came, <= 1 MiB
+                # 206: the rest, appended; 200: the whole file again
+                with open(part, "ab" if r.status_code == 206 else "wb") as f:
+                    for chunk in iter(lambda: r.raw.read1(1 << 20), b""):   # <= 1 MiB
                         f.write(chunk)
                         if time.monotonic() > deadline:
                             raise CheckpointError(f"{url}: past its deadline ({HUB_RATE} B/s)")
@@ -361,10 +392,11 @@ def _download(base: str, dest: Path, entry: dict, headers: dict):
             if attempt == HUB_TRIES - 1:
                 raise                               # the .part is kept: the next call resumes it
     size = part.stat().st_size
-    h = hashlib.sha256() if entry.get("lfs") else hashlib.sha1(b"blob %d\0" % size)  # git's id
+    # an LFS file is listed with its sha256, any other with git's blob id
+    h = hashlib.sha256() if entry.get("lfs") else hashlib.sha1(b"blob %d\0" % size)
     with open(part, "rb") as f:
         digest = hashlib.file_digest(f, lambda: h).hexdigest()
-    oid = (entry.get("lfs") or entry)["oid"]               # an LFS file's sha256, else git's
+    oid = (entry.get("lfs") or entry)["oid"]
     if size != entry["size"] or digest != oid:
         part.unlink()
         if found:
@@ -376,10 +408,13 @@ def _download(base: str, dest: Path, entry: dict, headers: dict):
 
 def load_model(path_or_repo, dtype=torch.float32,
                device="cpu") -> tuple["Transformer", "Tokenizer"]:
-    directory = resolve(path_or_repo)   # a directory or Hub name -> (model, tokenizer) on `device`
+    """A checkpoint (a directory or a Hub name) -> (model, tokenizer): the weights checked and
+    loaded as dtype on device, frozen (GRPO trains LoRA adapters beside them), in eval mode."""
+    directory = resolve(path_or_repo)
     config = read_config(directory)
     tokenizer = Tokenizer.from_file(directory)
-    with torch.device("meta"):      # built without memory; adopts the loaded tensors (assign)
+    # built on "meta" without memory, then given the loaded tensors (assign=True)
+    with torch.device("meta"):
         model = Transformer(config)
     tied = config.tie_word_embeddings
     expected = {name: tuple(t.shape) for name, t in model.state_dict().items()
@@ -388,26 +423,22 @@ def load_model(path_or_repo, dtype=torch.float32,
     model.load_state_dict(state, strict=not tied, assign=True)     # names checked as read
     if tied:
         model.lm_head.weight = model.model.embed_tokens.weight   # assign=True broke the tie
-    model.requires_grad_(False).eval()            # frozen: GRPO trains LoRA adapters beside it
+    model.requires_grad_(False).eval()
     model.name_or_path = str(path_or_repo)        # recorded in saved adapters' configs
     model.checkpoint_dir = directory              # what checkpoint_sha256 reads
     return model, tokenizer
 
 
 def input_device(model: "Transformer") -> torch.device:
-    return model.model.embed_tokens.weight.device      # input ids go there: a split's first
+    """Where input ids go: the embedding's device (a split model's first)."""
+    return model.model.embed_tokens.weight.device
 
 
-# ---- The transformer, its decoding step and the update's log-probabilities -----------------------
+# ---- The transformer (nanoGPT's order: RoPE, the mask, the KV cache, norm, MLP, attention, block) -
 FUSE_MAX_ELEMENTS = 1 << 22   # 16 MB of float32: the built-in policy's blocks, not a 0.5B's
 MLP_CHUNK = 4096              # tokens (rows x positions) a recomputed block's MLP runs at a time
-LOGITS_CHUNK = 1 << 24    # logits at a time (64 MB): 152k float32 logits are 0.58 GiB a 1k tokens
-COMPILE = os.environ.get("PAIR_COMPILE", "1") != "0"     # 0: decode eagerly everywhere
-KEY_BLOCK = 128         # key slots attended in blocks of this many, not the whole capacity
-RECOMPILE_LIMIT = 32    # a graph per relation among the sizes: up to 11, over torch's default 8
-COMPILE_OPTIONS = {"cpu": {}, "cuda": {"mode": "reduce-overhead", "dynamic": True}}  # GPU: graphs
-COMPILE_NOTICE_S = 2.0  # seconds: a first call this long was compiling, and says so
-_compiled = {}          # device kind: a CompiledStep; "failed": the exception that gave up
+# logits computed at a time (64 MB): 152k float32 logits are 0.58 GiB for 1k tokens
+LOGITS_CHUNK = 1 << 24
 
 
 def rope_tables(inv_freq: Tensor, positions: Tensor, dtype) -> tuple[Tensor, Tensor]:
@@ -435,7 +466,9 @@ def attention_mask(positions: Tensor, key_positions: Tensor, window: int | None)
 
 
 def static_address(t: Tensor) -> Tensor:
-    if t.is_cuda:       # a CUDA graph writes t in place (the cache), not a copy made every step
+    """t, marked (on a GPU) as a tensor a CUDA graph writes in place: the KV cache is written at
+    its own address every step, not copied into the graph's memory."""
+    if t.is_cuda:
         torch._dynamo.mark_static_address(t, guard=False)
     return t
 
@@ -452,49 +485,34 @@ class KVCache:
         self.lengths = torch.zeros(batch_size, dtype=torch.long)            # (B,) on the CPU
 
     def grow(self, size: int):
-        if size <= self.k.shape[2]:     # >= size slots: capacity at least doubled, old slots kept
+        """Make room for at least `size` slots, keeping the old ones: the capacity at least
+        doubles, to a multiple of 256 (few sizes, so few compiled graphs)."""
+        if size <= self.k.shape[2]:
             return
-        new = (max(size, 2 * self.k.shape[2]) + 255) // 256 * 256  # 256s: few sizes to compile
+        new = (max(size, 2 * self.k.shape[2]) + 255) // 256 * 256
         B, KV, old, D = self.k.shape
         self.k = static_address(torch.cat((self.k, self.k.new_zeros(B, KV, new - old, D)), 2))
         self.v = static_address(torch.cat((self.v, self.v.new_zeros(B, KV, new - old, D)), 2))
 
     def write(self, k: Tensor, v: Tensor, positions: Tensor, size: int) -> tuple[Tensor, Tensor]:
-        self.grow(size)         # k, v (B, KV, T, D) to slots `positions` (B, T); slots [0, size)
+        """Write k, v (B, KV, T, D) to the slots `positions` (B, T) -> the keys and values of
+        slots [0, size), (B, KV, size, D) each, the cache grown to hold them first."""
+        self.grow(size)
         rows = torch.arange(k.shape[0], device=self.k.device)[:, None]      # (B, 1)
-        self.k[rows, :, positions] = k.transpose(1, 2).to(self.k.dtype)   # (B, T, KV, D)
+        self.k[rows, :, positions] = k.transpose(1, 2).to(self.k.dtype)     # (B, T, KV, D)
         self.v[rows, :, positions] = v.transpose(1, 2).to(self.v.dtype)     # (B, T, KV, D)
         return self.k[:, :, :size], self.v[:, :, :size]                     # (B, KV, size, D) each
 
 
 def set_lengths(cache: list[KVCache], lengths: Tensor):
-    for layer_cache in cache:   # a row's real tokens (B,), slots past them free; a CPU copy each
+    """Set every layer's row lengths (B,), each row's real tokens: its slots past them are free.
+    Each layer keeps its own CPU copy."""
+    for layer_cache in cache:
         layer_cache.lengths = lengths.detach().to("cpu", torch.long).clone()
 
 
-def stats_from(mx, sum_sq, prefix, self_, pos, start) -> dict[str, Tensor]:
-    """The six statistics (METHOD.md §4) of softmax rows p_i over the causal keys j <= i, i = pos,
-    start the turn's first position (all broadcast), from four numbers each row is reduced to:
-        mx = max_j p_ij,   sum_sq = sum_j p_ij^2,
-        prefix = sum_{j < start} p_ij,   self_ = sum_{start <= j <= i} p_ij.
-    max, prefix and self are those given; with n = i + 1 and sum_j p_ij = 1 (so mean 1/n):
-        std = sqrt(sum_sq / n - 1 / n^2)        (the population std of the n weights)
-        entropy = -log sum_sq                    (Renyi-2; the Head Entropy baseline)
-        lookback = m_ctx / (m_ctx + m_new)       (Lookback Lens; 0 where start = 0)
-        m_ctx = prefix / start,   m_new = self_ / (i - start + 1)   (means: context, span keys)"""
-    n = (pos + 1).float()                                       # causal keys j <= i
-    s0 = start.float()                                                     # context keys j < start
-    m_ctx = prefix / s0.clamp(min=1)                            # clamp: start = 0 is masked below
-    m_new = self_ / (pos - start + 1).float()                           # span keys start <= j <= i
-    return {"max": mx,
-            "std": (sum_sq / n - 1 / n.square()).clamp(min=0).sqrt(),   # clamp: rounding below 0
-            "prefix": prefix,
-            "self": self_,
-            "entropy": -sum_sq.log(),                                       # Renyi-2
-            "lookback": torch.where(s0 > 0, m_ctx / (m_ctx + m_new), torch.zeros_like(m_ctx))}
-
-
-class RMSNorm(nn.Module):   # y = w * x / sqrt(mean_k x_k^2 + eps), over the last axis, float32
+class RMSNorm(nn.Module):
+    """y = w * x / sqrt(mean_k x_k^2 + eps) over the last axis, computed in float32."""
     def __init__(self, d, eps):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(d))                          # w (d,)
@@ -506,7 +524,8 @@ class RMSNorm(nn.Module):   # y = w * x / sqrt(mean_k x_k^2 + eps), over the las
         return self.weight * xf.to(x.dtype)
 
 
-class MLP(nn.Module):   # SwiGLU: down(silu(gate(x)) * up(x))
+class MLP(nn.Module):
+    """SwiGLU: down(silu(gate(x)) * up(x)), (..., d) -> (..., d) through width f."""
     def __init__(self, config: Config):
         super().__init__()
         d, f, bias = config.hidden_size, config.intermediate_size, config.mlp_bias
@@ -518,7 +537,9 @@ class MLP(nn.Module):   # SwiGLU: down(silu(gate(x)) * up(x))
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))  # (..., d)
 
 
-class Attention(nn.Module):    # grouped-query: H query heads share KV cached ones (decoding: Block)
+class Attention(nn.Module):
+    """Grouped-query attention: H query heads share KV key/value heads, G = H / KV each. This is
+    the forward over many tokens (prefill, the update); a decoding step is decode_block's."""
     def __init__(self, config: Config):
         super().__init__()
         d, H, KV, D = (config.hidden_size, config.num_attention_heads, config.n_kv_heads,
@@ -549,14 +570,17 @@ class Attention(nn.Module):    # grouped-query: H query heads share KV cached on
         return self.o_proj(out.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim))
 
 
-class FusedWeights(NamedTuple):    # a block's projections as decoding applies them
-    qkv: tuple[Tensor, Tensor | None]       # (weight, bias) of q, k and v side by side
-    o: tuple[Tensor, Tensor | None]                                         # o_proj
+class FusedWeights(NamedTuple):
+    """A block's projections as a decoding step applies them: (weight, bias) pairs, the bias
+    None where no projection of the group has one."""
+    qkv: tuple[Tensor, Tensor | None]       # q, k and v side by side
+    o: tuple[Tensor, Tensor | None]         # o_proj
     gate_up: tuple[Tensor, Tensor | None]   # gate and up side by side
-    down: tuple[Tensor, Tensor | None]                                      # down_proj
+    down: tuple[Tensor, Tensor | None]      # down_proj
 
 
-class Block(nn.Module):     # pre-norm: x + attention(norm(x)), then x + mlp(norm(x))
+class Block(nn.Module):
+    """A pre-norm decoder block: x + attention(norm(x)), then x + mlp(norm(x))."""
     def __init__(self, config: Config):
         super().__init__()
         self.self_attn = Attention(config)
@@ -565,67 +589,34 @@ class Block(nn.Module):     # pre-norm: x + attention(norm(x)), then x + mlp(nor
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(self, x, cos, sin, mask, positions, cache=None, mlp_chunk=None):
-        """mlp_chunk: the MLP that many positions at a time, never all (B, T, f) activations."""
+        """x (B, T, d) -> (B, T, d). mlp_chunk: the MLP that many positions at a time, never all
+        (B, T, f) activations, each chunk recomputed in backward."""
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask, positions, cache)
         h = self.post_attention_layernorm(x)
         if mlp_chunk is None or x.shape[1] <= mlp_chunk:
             return x + self.mlp(h)                                          # (B, T, d)
         chunks = [torch.utils.checkpoint.checkpoint(self.mlp, h[:, i:i + mlp_chunk],
                                                     use_reentrant=False)    # (B, mlp_chunk, d)
-                  for i in range(0, x.shape[1], mlp_chunk)]   # backward recomputes each chunk
+                  for i in range(0, x.shape[1], mlp_chunk)]
         return x + torch.cat(chunks, 1)                                     # (B, T, d)
-
-    def decode(self, x, cos, sin, bias, pos, kv, before=None, w=None):
-        """The block on one token per row, x (B, 1, d) at positions i = pos (B,) -> (x, numbers).
-        k, v go to slots pos of kv = (k cache, v cache); the query attends over slots [0, S):
-            p_ij = softmax_j(q_i . k_j / sqrt(D) + bias_j)   (bias (B, 1, 1, S): 0 or -inf)
-        By hand in float32, not SDPA, because p gives the statistics: numbers = (max_j p_ij, sum_j
-        p_ij^2, prefix = sum_{j < span_start} p_ij, self = 1 - prefix), each (B, H, 1)."""
-        a = self.self_attn
-        h = self.input_layernorm(x)
-        B, H, KV, D = x.shape[0], a.n_heads, a.n_kv_heads, a.head_dim
-        if w is None:               # w: decode_weights(), the fused projections, or None: modules
-            q, k, v = a.q_proj(h), a.k_proj(h), a.v_proj(h)    # (B, 1, H * D or KV * D)
-            q = apply_rope(q.view(B, 1, H, D).transpose(1, 2), cos, sin)   # (B, H, 1, D)
-            k = apply_rope(k.view(B, 1, KV, D).transpose(1, 2), cos, sin)  # (B, KV, 1, D)
-        else:       # q and k side by side from one matmul: rotated together, in one pass
-            qk, v = F.linear(h, *w.qkv).split(((H + KV) * D, KV * D), -1)   # (B, 1, (H + KV) D)
-            q, k = apply_rope(qk.view(B, 1, H + KV, D).transpose(1, 2), cos, sin).split((H, KV), 1)
-        k_cache, v_cache = kv                                       # (B, KV, capacity, D) each
-        rows = torch.arange(B, device=pos.device)                         # row b writes slot pos_b
-        k_cache[rows, :, pos] = k[:, :, 0].to(k_cache.dtype)                 # (B, KV, D)
-        v_cache[rows, :, pos] = v.view(B, KV, D).to(v_cache.dtype)          # (B, KV, D)
-        S = bias.shape[-1]                                                  # key slots attended
-        k, v = k_cache[:, :, :S], v_cache[:, :, :S]                         # (B, KV, S, D)
-        q = (q.float() * a.scale).reshape(B, KV, H // KV, D)                # (B, KV, G, D)
-        p = torch.softmax(q @ k.float().transpose(-1, -2) + bias, dim=-1)  # (B, KV, G, S)
-        out = (p @ v.float()).view(B, 1, H * D).to(h.dtype)                # (B, 1, H * D)
-        numbers = None                              # for stats_from; no span: no statistics
-        if before is not None:
-            p = p.view(B, H, 1, -1)                 # (B, H, 1, S): head h = group h // G
-            prefix = torch.linalg.vecdot(p, before)         # (B, H, 1); before: 1 on j < span_start
-            numbers = (p.amax(-1), torch.linalg.vecdot(p, p), prefix, 1 - prefix)  # p sums to 1
-        if w is None:                                                       # the modules
-            x = x + a.o_proj(out)                                           # (B, 1, d)
-            return x + self.mlp(self.post_attention_layernorm(x)), numbers  # (B, 1, d)
-        x = x + F.linear(out, *w.o)                                         # (B, 1, d)
-        gate, up = F.linear(self.post_attention_layernorm(x), *w.gate_up).chunk(2, -1)  # (B, 1, f)
-        return x + F.linear(F.silu(gate) * up, *w.down), numbers            # (B, 1, d)
 
     def decode_weights(self) -> FusedWeights | None:
         """The projections fused, an enabled adapter merged in: 4 matmuls a token instead of 7
-        (21 with adapters): a token's matmuls are small, their launches dominate."""
+        (21 with adapters): a token's matmuls are small, their launches dominate. None where
+        fusing would drop a gradient, cost memory (a large block) or change the numbers (weights
+        not float32, or dropout on): decode_block then applies the modules."""
         a = self.self_attn
         m = self.mlp
         groups = ((a.q_proj, a.k_proj, a.v_proj), (a.o_proj,), (m.gate_proj, m.up_proj),
                   (m.down_proj,))
         linears = [lin for group in groups for lin in group]            # the block's 7 projections
-        big = sum(lin.weight.numel() for lin in linears) > FUSE_MAX_ELEMENTS  # memory
+        big = sum(lin.weight.numel() for lin in linears) > FUSE_MAX_ELEMENTS
         inexact = any(lin.weight.dtype != torch.float32 or getattr(lin, "dropout", 0)
-                      and lin.training for lin in linears)        # not float32, or dropout on
+                      and lin.training for lin in linears)
         if torch.is_grad_enabled() or big or inexact:
-            return None     # fusing would drop a gradient, cost memory or change numbers
-        key = []    # rebuilt when a tensor is replaced, moved or updated in place, or LoRA switched
+            return None
+        # kept until a tensor is replaced, moved or updated in place, or LoRA is switched
+        key = []
         for lin in linears:
             tensors = [(id(t), t.data_ptr(), t._version) for t in lin.parameters()]
             key.append((getattr(lin, "enabled", None), tensors))
@@ -633,11 +624,13 @@ class Block(nn.Module):     # pre-norm: x + attention(norm(x)), then x + mlp(nor
         if fused is None or fused[0] != key:
             with torch.no_grad():
                 self._fused = (key, FusedWeights(*[_fuse(group) for group in groups]))
-        return self._fused[1]                                         # kept until a tensor changes
+        return self._fused[1]
 
 
 def _fuse(linears) -> tuple[Tensor, Tensor | None]:
-    weights = []        # side by side, each enabled adapter merged in: W' = W + (alpha / r) B A
+    """Linear layers side by side -> (weight, bias), each enabled adapter merged into its
+    weight, W' = W + (alpha / r) B A; a missing bias is zeros, and no bias at all is None."""
+    weights = []
     for lin in linears:
         if isinstance(lin, LoRALinear) and lin.enabled:
             weights.append(lin.weight + lin.scaling * (lin.lora_B.weight @ lin.lora_A.weight))
@@ -645,13 +638,16 @@ def _fuse(linears) -> tuple[Tensor, Tensor | None]:
             weights.append(lin.weight)
     weight = torch.cat(weights)                         # (sum of d_out, d_in)
     if all(lin.bias is None for lin in linears):
-        return weight, None                             # no bias at all
+        return weight, None
     biases = [lin.weight.new_zeros(lin.out_features) if lin.bias is None else lin.bias
-              for lin in linears]                       # a missing bias: zeros
+              for lin in linears]
     return weight, torch.cat(biases)                                        # (sum of d_out,)
 
 
-class Transformer(nn.Module):  # embed_tokens, L blocks, final norm, lm_head (tied: the embedding)
+class Transformer(nn.Module):
+    """The decoder: embed_tokens, L blocks, the final norm and lm_head (tied: the embedding),
+    under the checkpoint's names. forward and trunk run many tokens a row (prefill, the update);
+    decode runs one token a row and reports the hidden states and attention statistics."""
     def __init__(self, config: Config):
         super().__init__()
         self.config = config
@@ -662,27 +658,32 @@ class Transformer(nn.Module):  # embed_tokens, L blocks, final norm, lm_head (ti
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)    # (V, d)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight            # tied: one Parameter
-        d = config.head_size    # RoPE's theta_k = base^(-2k/D), on the CPU (not on "meta")
+        # RoPE's theta_k = base^(-2k/D), on the CPU (not on "meta")
+        d = config.head_size
         self.inv_freq = 1.0 / config.rope_base ** (torch.arange(0, d, 2, dtype=torch.float32,
                                                                 device="cpu") / d)
         self.windows = [config.window(i) for i in range(config.num_hidden_layers)]  # None: full
 
     def new_cache(self, batch_size: int, capacity: int = 256) -> list[KVCache]:
-        c = self.config         # one empty KV cache per layer, on that layer's device, in its dtype
+        """An empty KV cache per layer, on that layer's device and in its dtype."""
+        c = self.config
         return [KVCache(batch_size, c.n_kv_heads, c.head_size, capacity,
                         layer.input_layernorm.weight.dtype, layer.input_layernorm.weight.device)
                 for layer in self.model.layers]
 
     def forward(self, input_ids, positions=None, cache=None) -> Tensor:
-        return self.lm_head(self.trunk(input_ids, positions, cache)).float()  # (B, T, V) float32
+        """input_ids (B, T) -> logits (B, T, V) float32; positions and cache as trunk's."""
+        return self.lm_head(self.trunk(input_ids, positions, cache)).float()
 
     def trunk(self, input_ids, positions=None, cache=None, recompute=False) -> Tensor:
         """Up to the final norm: (B, T) -> (B, T, d). positions (B, T): absolute (default: after
-        the cache's tokens, else 0..T-1); a cache gets K/V at them and its lengths cover them."""
+        the cache's tokens, else 0..T-1); a cache gets K/V at them and its lengths cover them.
+        recompute (under grad): each block again in backward, not its activations kept."""
         B, T = input_ids.shape
         dev = self.model.embed_tokens.weight.device                  # a split model's first device
+        # no positions, no cache, no window: Attention.forward's mask None (SDPA's causal kernel)
         fused_causal = (positions is None and cache is None and T > 1
-                        and all(w is None for w in self.windows))   # mask None: Attention.forward
+                        and all(w is None for w in self.windows))
         if positions is None:
             start = cache[0].lengths if cache is not None else torch.zeros(B, dtype=torch.long)
             positions = start[:, None] + torch.arange(T)                        # (B, T)
@@ -702,7 +703,7 @@ class Transformer(nn.Module):  # embed_tokens, L blocks, final norm, lm_head (ti
             layer_cache = cache[i] if cache is not None else None
             inputs = (x.to(on), cos.to(on), sin.to(on), None if mask is None else mask.to(on),
                       positions.to(on), layer_cache)
-            if recompute and torch.is_grad_enabled():   # each block again in backward
+            if recompute and torch.is_grad_enabled():
                 x = torch.utils.checkpoint.checkpoint(
                     layer, *inputs, mlp_chunk=max(1, MLP_CHUNK // B), use_reentrant=False)
             else:
@@ -711,90 +712,213 @@ class Transformer(nn.Module):  # embed_tokens, L blocks, final norm, lm_head (ti
             set_lengths(cache, torch.maximum(cache[0].lengths, positions.max(1).values.cpu() + 1))
         return self.model.norm(x)                                           # (B, T, d)
 
-    def decode(self, tokens, cache, span_start=None, w=None):
-        """One token per row, tokens (B,), at each row's cache length (the caller advances it) ->
-        (logits (B, V) float32, hidden (L+1, B, d), stats (B, L, H, 6) in STATS order) on the head's
-        device; hidden and stats None without span_start (B,), each row's turn's first position."""
-        lengths = cache[0].lengths                          # (B,) on the CPU: no device sync
-        size = int(lengths.max()) + 1                       # key slots [0, size) are in use
-        for layer_cache in cache:
-            layer_cache.grow(size)                                 # before a step reads the caches
-        if w is None:
-            w = self.decode_weights()                                   # per block: fused, or None
-        ks = [c.k for c in cache]                           # (B, KV, capacity, D) each
-        vs = [c.v for c in cache]                           # (B, KV, capacity, D) each
-        step = compiled_step(w, cache)                      # None where compiling does not pay
-        if step is not None:
-            try:
-                blocks = min(cache[0].k.shape[2], -(-size // KEY_BLOCK) * KEY_BLOCK)  # KEY_BLOCKs
-                if not cache[0].k.is_cuda:
-                    return step(self, tokens, lengths, span_start, ks, vs, w, blocks)
-                dev = cache[0].k.device             # a CUDA graph reads device tensors only
-                self.inv_freq = self.inv_freq.to(dev)
-                on_dev = [tokens.to(dev), lengths.to(dev), None]
-                if span_start is not None:
-                    on_dev[2] = span_start.to(dev)
-                torch.compiler.cudagraph_mark_step_begin()
-                logits, hidden, stats = step(self, *on_dev, ks, vs, w, blocks)
-                if hidden is None:                  # clones: its next replay overwrites them
-                    return logits.clone(), None, None
-                return logits.clone(), hidden.clone(), stats.clone()
-            except (torch._dynamo.exc.TorchDynamoException,   # no C++ compiler, or a limit:
-                    torch._dynamo.exc.FailOnRecompileLimitHit) as e:   # eager from now on
-                _compiled["failed"] = e
-                why = (str(e).strip().splitlines() or [""])[0]              # its first line
-                print(f"model.py: decoding eagerly, torch.compile failed: {type(e).__name__}: "
-                      f"{why}", file=sys.stderr, flush=True)
-        return self.decode_step(tokens, lengths, span_start, ks, vs, w, size)
-
     def decode_weights(self) -> list:
+        """Block.decode_weights of every block: fused projections, or None (the modules)."""
         return [layer.decode_weights() for layer in self.model.layers]
 
-    def decode_step(self, tokens, lengths, span_start, ks, vs, w, size):
-        """decode's computation (what compiled_step compiles) over slots [0, size). Masks, RoPE
-        tables and the span indicator are built once a step; stats_from runs once for all layers."""
+    def decode(self, tokens, lengths, span_start, ks, vs, w, size):
+        """One decoding step: tokens (B,) at positions i = lengths (B,), each row's cache length,
+        attending over key slots [0, size) of the caches ks, vs (the caller grows them and then
+        advances lengths); w: decode_weights() -> on the head's device
+            logits (B, V) float32,
+            hidden (L+1, B, d): the embedding, blocks 1..L-1, the final-normed block L,
+            attn_stats (B, L, H, 6): stats_from's statistics of every layer and query head, in
+                STATS order, for the span from span_start (B,), each row's turn's first position;
+        hidden and attn_stats None without span_start. Only tensors go in: this is the function
+        compiled_decode compiles. Masks, RoPE tables and the prefix mask are built once a step,
+        and stats_from runs once for all layers."""
         dev = self.model.embed_tokens.weight.device                  # a split model's first device
         pos = lengths.to(dev)                                               # (B,) positions i
         key_pos = torch.arange(size, device=dev)                            # (S,) slots j
         visible = key_pos <= pos[:, None]                                   # (B, S)
-        bias = {}               # window -> (B, 1, 1, S): 0 on the visible slots, -inf elsewhere
+        # window -> an additive mask (B, 1, 1, S): 0 on the visible slots, -inf elsewhere
+        bias = {}
         for win in set(self.windows):
             allowed = visible if win is None else visible & (pos[:, None] - key_pos < win)
             bias[win] = torch.where(allowed, 0.0, float("-inf"))[:, None, None]
         cos, sin = rope_tables(self.inv_freq, pos[:, None], self.model.embed_tokens.weight.dtype)
+        # the turn's first position, and 1 on the keys before it (the prefix), 0 on the span's
         start = None
-        before = None
+        prefix_mask = None
         if span_start is not None:
             start = span_start.to(dev)                                      # (B,)
-            before = (key_pos < start[:, None]).float()[:, None, None]     # (B, 1, 1, S)
+            prefix_mask = (key_pos < start[:, None]).float()[:, None, None]  # (B, 1, 1, S)
         x = self.model.embed_tokens(tokens.to(dev)[:, None])                # (B, 1, d)
         hidden = [x]                                      # the embedding, then each block's output
-        numbers = []                                       # per layer: (max, sum_sq, prefix, self)
+        reduced = []                                # per layer: (max, sum_sq, prefix, self)
         for i, layer in enumerate(self.model.layers):
             on = ks[i].device               # the block's device (several if split_model ran)
-            before_i = before if before is None else before.to(on)
-            x, n = layer.decode(x.to(on), cos.to(on), sin.to(on), bias[self.windows[i]].to(on),
-                                pos.to(on), (ks[i], vs[i]), before_i, w[i])
-            numbers.append(n)
+            prefix_i = prefix_mask if prefix_mask is None else prefix_mask.to(on)
+            x, r = decode_block(layer, x.to(on), cos.to(on), sin.to(on),
+                                bias[self.windows[i]].to(on), pos.to(on), (ks[i], vs[i]),
+                                prefix_i, w[i])
+            reduced.append(r)
             if i < len(self.model.layers) - 1:
                 hidden.append(x)                              # blocks 1..L-1; the L-th goes normed
         x = self.model.norm(x)                  # the last block's device: the head's too
         logits = self.lm_head(x[:, 0]).float()                              # (B, V)
         if start is None:
             return logits, None, None
-        out = logits.device                     # where the caller accumulates (TurnStats)
+        out = logits.device                     # where the caller accumulates (probes.TurnStats)
         hidden.append(x)                                                 # the final-normed block L
-        four = [torch.cat([n[k].to(out) for n in numbers], -1) for k in range(4)]   # (B, H, L)
+        four = [torch.cat([r[k].to(out) for r in reduced], -1) for k in range(4)]   # (B, H, L)
         mx, sum_sq, prefix, self_ = [t.transpose(1, 2) for t in four]       # (B, L, H) each
-        stats = stats_from(mx, sum_sq, prefix, self_, pos.to(out)[:, None, None],
-                           start.to(out)[:, None, None])                    # (B, L, H) each
+        attn_stats = stats_from(mx, sum_sq, prefix, self_, pos.to(out)[:, None, None],
+                                start.to(out)[:, None, None])               # (B, L, H) each
         hidden = torch.cat([h.to(out) for h in hidden], 1).transpose(0, 1)  # (L+1, B, d)
-        return logits, hidden, torch.stack([stats[name] for name in STATS], -1)  # (B, L, H, 6)
+        return logits, hidden, torch.stack([attn_stats[name] for name in STATS], -1)
 
 
-class CompiledStep:     # decode_step compiled for one kind of device; a slow first call says so
+# ---- Collection: one block on one token, and the statistics of its softmax rows ---------------
+# Transformer.decode runs every block on the new token with decode_block, which computes the
+# attention by hand to see its probabilities p and reduces each softmax row to four numbers;
+# stats_from turns those into the six statistics (STATS) once for all layers.
+
+def decode_block(block: Block, x, cos, sin, bias, pos, kv, prefix_mask=None, w=None):
+    """The block on one token per row, x (B, 1, d) at positions i = pos (B,) -> (x, reduced).
+    k, v go to slots pos of kv = (k cache, v cache); the query attends over slots [0, S):
+        p_ij = softmax_j(q_i . k_j / sqrt(D) + bias_j)   (bias (B, 1, 1, S): 0 or -inf)
+    By hand in float32, not SDPA, because p gives the statistics: reduced = (max_j p_ij, sum_j
+    p_ij^2, prefix = sum_j p_ij prefix_mask_j, self = 1 - prefix), each (B, H, 1); None without
+    prefix_mask (B, 1, 1, S), 1 on the keys before the turn. w: the block's FusedWeights, or
+    None: its modules."""
+    a = block.self_attn
+    h = block.input_layernorm(x)
+    B, H, KV, D = x.shape[0], a.n_heads, a.n_kv_heads, a.head_dim
+    if w is None:
+        q, k, v = a.q_proj(h), a.k_proj(h), a.v_proj(h)    # (B, 1, H * D or KV * D)
+        q = apply_rope(q.view(B, 1, H, D).transpose(1, 2), cos, sin)   # (B, H, 1, D)
+        k = apply_rope(k.view(B, 1, KV, D).transpose(1, 2), cos, sin)  # (B, KV, 1, D)
+    else:
+        # q and k side by side from one matmul: rotated together, in one pass
+        qk, v = F.linear(h, *w.qkv).split(((H + KV) * D, KV * D), -1)   # (B, 1, (H + KV) D)
+        qk = apply_rope(qk.view(B, 1, H + KV, D).transpose(1, 2), cos, sin)
+        q, k = qk.split((H, KV), 1)                                 # (B, H | KV, 1, D)
+    k_cache, v_cache = kv                                       # (B, KV, capacity, D) each
+    rows = torch.arange(B, device=pos.device)                         # row b writes slot pos_b
+    k_cache[rows, :, pos] = k[:, :, 0].to(k_cache.dtype)                 # (B, KV, D)
+    v_cache[rows, :, pos] = v.view(B, KV, D).to(v_cache.dtype)          # (B, KV, D)
+    S = bias.shape[-1]                                                  # key slots attended
+    k, v = k_cache[:, :, :S], v_cache[:, :, :S]                         # (B, KV, S, D)
+    q = (q.float() * a.scale).reshape(B, KV, H // KV, D)                # (B, KV, G, D)
+    p = torch.softmax(q @ k.float().transpose(-1, -2) + bias, dim=-1)  # (B, KV, G, S)
+    out = (p @ v.float()).view(B, 1, H * D).to(h.dtype)                # (B, 1, H * D)
+    reduced = None
+    if prefix_mask is not None:
+        p = p.view(B, H, 1, -1)                 # (B, H, 1, S): head h = group h // G
+        prefix = torch.linalg.vecdot(p, prefix_mask)                    # (B, H, 1)
+        # p sums to 1 over the slots, so the span's mass is what the prefix leaves
+        reduced = (p.amax(-1), torch.linalg.vecdot(p, p), prefix, 1 - prefix)
+    if w is None:
+        x = x + a.o_proj(out)                                           # (B, 1, d)
+        return x + block.mlp(block.post_attention_layernorm(x)), reduced  # (B, 1, d)
+    x = x + F.linear(out, *w.o)                                         # (B, 1, d)
+    gate, up = F.linear(block.post_attention_layernorm(x), *w.gate_up).chunk(2, -1)  # (B, 1, f)
+    return x + F.linear(F.silu(gate) * up, *w.down), reduced            # (B, 1, d)
+
+
+def stats_from(mx, sum_sq, prefix, self_, pos, start) -> dict[str, Tensor]:
+    """The six statistics (METHOD.md §4) of softmax rows p_i over the causal keys j <= i, i = pos,
+    start the turn's first position (all broadcast), from four numbers each row is reduced to:
+        mx = max_j p_ij,   sum_sq = sum_j p_ij^2,
+        prefix = sum_{j < start} p_ij,   self_ = sum_{start <= j <= i} p_ij.
+    max, prefix and self are those given; with n = i + 1 and sum_j p_ij = 1 (so mean 1/n):
+        std = sqrt(sum_sq / n - 1 / n^2)        (the population std of the n weights)
+        entropy = -log sum_sq                    (Renyi-2; the Head Entropy baseline)
+        lookback = m_ctx / (m_ctx + m_new)       (Lookback Lens; 0 where start = 0)
+        m_ctx = prefix / start,   m_new = self_ / (i - start + 1)   (means: context, span keys)
+    -> STATS name -> tensor of the broadcast shape."""
+    n = (pos + 1).float()                                       # causal keys j <= i
+    s0 = start.float()                                          # context keys j < start
+    m_ctx = prefix / s0.clamp(min=1)                            # clamp: start = 0 is masked below
+    m_new = self_ / (pos - start + 1).float()                   # span keys start <= j <= i
+    return {"max": mx,
+            "std": (sum_sq / n - 1 / n.square()).clamp(min=0).sqrt(),   # clamp: rounding below 0
+            "prefix": prefix,
+            "self": self_,
+            "entropy": -sum_sq.log(),                                   # Renyi-2
+            "lookback": torch.where(s0 > 0, m_ctx / (m_ctx + m_new), torch.zeros_like(m_ctx))}
+
+
+# ---- The decoding step compiled: the call site's, as gpt-fast's generate.py -------------------
+# compiled_decode is what generation calls for each token: Transformer.decode compiled once per
+# kind of device (on a GPU with every size symbolic and captured as a CUDA graph), or run eagerly
+# where compiling does not pay, is switched off (PAIR_COMPILE=0) or has failed.
+COMPILE = os.environ.get("PAIR_COMPILE", "1") != "0"     # 0: decode eagerly everywhere
+KEY_BLOCK = 128         # key slots attended in blocks of this many, not the whole capacity
+RECOMPILE_LIMIT = 32    # a graph per relation among the sizes: up to 11, over torch's default 8
+# on a GPU, CUDA graphs ("reduce-overhead") with every size symbolic
+COMPILE_OPTIONS = {"cpu": {}, "cuda": {"mode": "reduce-overhead", "dynamic": True}}
+COMPILE_NOTICE_S = 2.0  # seconds: a first call this long was compiling, and says so
+_compiled = {}          # device kind: a CompiledStep; "failed": the exception that gave up
+
+
+def compiled_decode(model: Transformer, tokens, cache, span_start=None, w=None):
+    """model.decode of tokens (B,) at each row's cache length (the caller advances it), the
+    caches grown first to hold them -> (logits (B, V), hidden (L+1, B, d), attn_stats (B, L, H,
+    6)), hidden and attn_stats None without span_start (B,). w: model.decode_weights(), fetched
+    here when None. Compiled where compiled_step says it pays, attending over whole KEY_BLOCKs
+    of slots; once compiling fails it says so and decodes eagerly for the rest of the process."""
+    lengths = cache[0].lengths                          # (B,) on the CPU: no device sync
+    size = int(lengths.max()) + 1                       # key slots [0, size) are in use
+    for layer_cache in cache:
+        layer_cache.grow(size)                          # before a step reads the caches
+    if w is None:
+        w = model.decode_weights()                      # per block: fused, or None
+    ks = [c.k for c in cache]                           # (B, KV, capacity, D) each
+    vs = [c.v for c in cache]                           # (B, KV, capacity, D) each
+    step = compiled_step(w, cache)                      # None where compiling does not pay
+    if step is not None:
+        try:
+            blocks = min(cache[0].k.shape[2], -(-size // KEY_BLOCK) * KEY_BLOCK)  # KEY_BLOCKs
+            if not cache[0].k.is_cuda:
+                return step(model, tokens, lengths, span_start, ks, vs, w, blocks)
+            # a CUDA graph reads device tensors only, and its next replay overwrites its
+            # outputs: they are cloned
+            dev = cache[0].k.device
+            model.inv_freq = model.inv_freq.to(dev)
+            on_dev = [tokens.to(dev), lengths.to(dev), None]
+            if span_start is not None:
+                on_dev[2] = span_start.to(dev)
+            torch.compiler.cudagraph_mark_step_begin()
+            logits, hidden, attn_stats = step(model, *on_dev, ks, vs, w, blocks)
+            if hidden is None:
+                return logits.clone(), None, None
+            return logits.clone(), hidden.clone(), attn_stats.clone()
+        # no C++ compiler, or a limit: eager from now on
+        except (torch._dynamo.exc.TorchDynamoException,
+                torch._dynamo.exc.FailOnRecompileLimitHit) as e:
+            _compiled["failed"] = e
+            why = (str(e).strip().splitlines() or [""])[0]              # its first line
+            print(f"model.py: decoding eagerly, torch.compile failed: {type(e).__name__}: "
+                  f"{why}", file=sys.stderr, flush=True)
+    return model.decode(tokens, lengths, span_start, ks, vs, w, size)
+
+
+def compiled_step(w: list, cache: list[KVCache]):
+    """The CompiledStep of the caches' device kind, built at its first use, or None where it does
+    not pay: compiling off or failed, a model split over devices (a graph runs on one), a device
+    other than CPU and CUDA, or on the CPU any block decoding through its modules."""
+    if not COMPILE or "failed" in _compiled or len({c.k.device for c in cache}) > 1:
+        return None
+    kind = cache[0].k.device.type
+    if kind not in ("cpu", "cuda") or kind == "cpu" and any(x is None for x in w):
+        return None
+    if kind not in _compiled:
+        config = torch._dynamo.config
+        config.recompile_limit = max(config.recompile_limit, RECOMPILE_LIMIT)
+        # each size its own symbol: "duck" sizing merges the sizes equal at the first call
+        if COMPILE_OPTIONS[kind].get("dynamic"):
+            torch.fx.experimental._config.use_duck_shape = False
+        _compiled[kind] = CompiledStep(kind)
+    return _compiled[kind]
+
+
+class CompiledStep:
+    """Transformer.decode compiled for one kind of device (on a GPU: one graph launch a token,
+    not thousands of kernels); a first call long enough to have been compiling says how long."""
     def __init__(self, kind: str):
-        self.step = torch.compile(Transformer.decode_step, fullgraph=True, **COMPILE_OPTIONS[kind])
+        self.step = torch.compile(Transformer.decode, fullgraph=True, **COMPILE_OPTIONS[kind])
         self.first = True   # the first call compiles (a minute) or loads torch's cache (seconds)
 
     def __call__(self, *args):
@@ -808,28 +932,14 @@ class CompiledStep:     # decode_step compiled for one kind of device; a slow fi
         return out
 
 
-def compiled_step(w: list, cache: list[KVCache]):
-    """Transformer.decode_step compiled (a CUDA graph on a GPU), or None where it does not pay."""
-    if not COMPILE or "failed" in _compiled or len({c.k.device for c in cache}) > 1:
-        return None                                     # split: a graph runs on one device
-    kind = cache[0].k.device.type
-    if kind not in ("cpu", "cuda") or kind == "cpu" and any(x is None for x in w):
-        return None                                     # on the CPU only fused weights pay
-    if kind not in _compiled:
-        config = torch._dynamo.config
-        config.recompile_limit = max(config.recompile_limit, RECOMPILE_LIMIT)
-        if COMPILE_OPTIONS[kind].get("dynamic"):      # each size its own symbol: "duck" sizing
-            torch.fx.experimental._config.use_duck_shape = False    # merges sizes equal at first
-        _compiled[kind] = CompiledStep(kind)    # GPU: one graph launch, not thousands of kernels
-    return _compiled[kind]
-
-
+# ---- The update's log-probabilities ----------------------------------------------------------
 def token_logprobs(policy, ids: Tensor, mask: Tensor, temperature: float = 1.0) -> Tensor:
-    """log pi(x_j | x_<j) at the masked positions j, row-major -> (N,) float32, in logits chunks."""
+    """log pi(x_j | x_<j) at the masked positions j, row-major -> (N,) float32, in logits chunks.
+    ids, mask (B, T); the trunk recomputes each block in backward, and each chunk's logits too."""
     h = policy.trunk(ids, recompute=True)[:, :-1]               # position j predicts x_{j+1}
-    target = mask[:, 1:].to(h.device)                                 # (B, T-1): the tokens scored
+    target = mask[:, 1:].to(h.device)                           # (B, T-1): the tokens scored
     h, labels = h[target], ids[:, 1:].to(h.device)[target]      # (N, d), (N,)
-    n = max(1, LOGITS_CHUNK // policy.config.vocab_size)                   # rows of logits a chunk
+    n = max(1, LOGITS_CHUNK // policy.config.vocab_size)        # rows of logits a chunk
     parts = []
     for a in range(0, len(labels), n):
         inputs = (policy.lm_head, h[a:a + n], labels[a:a + n], temperature)
@@ -842,14 +952,24 @@ def token_logprobs(policy, ids: Tensor, mask: Tensor, temperature: float = 1.0) 
 
 
 def head_logprobs(lm_head: nn.Module, h: Tensor, labels: Tensor, temperature: float) -> Tensor:
-    logits = lm_head(h).float()     # (n, V); log softmax(logits / T)[label] -> (n,) float32
+    """log softmax(lm_head(h) / T)[label] -> (n,) float32; h (n, d), labels (n,); T = 0: 1."""
+    logits = lm_head(h).float()                                 # (n, V)
     if temperature > 0:
         logits = logits / temperature
     return torch.log_softmax(logits, dim=-1).gather(1, labels[:, None]).squeeze(1)     # (n,)
 
 
 # ---- Tokenizer and the chat format (METHOD.md §2, §3); text kept encodable -----------------------
-class Tokenizer:    # a tokenizers.Tokenizer and ChatML; only the template puts special tokens
+# What Qwen2.5's own chat template puts first when a chat has no system message.
+DEFAULT_SYSTEM = ("You are Qwen, created by Alibaba Cloud. "
+                  "You are a helpful assistant.")
+# Half a UTF-16 pair: not UTF-8, so text holding one cannot be encoded.
+LONE_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+class Tokenizer:
+    """A tokenizers.Tokenizer with ChatML around it: only the template puts special tokens (text
+    that spells one is encoded as ordinary characters). Knows im_start_id, im_end_id, pad_id."""
     def __init__(self, tok):
         self.tok = tok
         tok.encode_special_tokens = True        # an attribute of the instance: never saved
@@ -862,6 +982,7 @@ class Tokenizer:    # a tokenizers.Tokenizer and ChatML; only the template puts 
 
     @classmethod
     def from_file(cls, path) -> "Tokenizer":
+        """A tokenizer.json, or the one in a directory; unreadable: a CheckpointError naming it."""
         from tokenizers import Tokenizer as HFTokenizer
         path = Path(path) / "tokenizer.json" if Path(path).is_dir() else Path(path)
         try:
@@ -875,6 +996,7 @@ class Tokenizer:    # a tokenizers.Tokenizer and ChatML; only the template puts 
         return self.tok.encode(without_surrogates(text), add_special_tokens=False).ids
 
     def decode(self, ids, skip_special_tokens=False) -> str:
+        """The text of token ids."""
         return self.tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
     def render(self, messages, add_generation_prompt=False) -> tuple[list[int], list[tuple]]:
@@ -886,9 +1008,11 @@ class Tokenizer:    # a tokenizers.Tokenizer and ChatML; only the template puts 
             head = f"{m['role']}\n"
             enc = self.tok.encode(without_surrogates(head + m["content"]), add_special_tokens=False)
             ids.append(self.im_start_id)
-            if m["role"] == "assistant":        # first token reaching past the head
+            # an assistant span: from the first token reaching past the head "assistant\n" to
+            # its <|im_end|>, included
+            if m["role"] == "assistant":
                 start = len(ids) + bisect_right([e for _, e in enc.offsets], len(head))
-                spans.append((start, len(ids) + len(enc.ids) + 1))  # to its <|im_end|> + 1
+                spans.append((start, len(ids) + len(enc.ids) + 1))
             ids += enc.ids + [self.im_end_id] + self.encode("\n")
         if add_generation_prompt:
             ids += [self.im_start_id] + self.encode("assistant\n")
@@ -896,11 +1020,13 @@ class Tokenizer:    # a tokenizers.Tokenizer and ChatML; only the template puts 
 
 
 def holds_lone_surrogate(value) -> bool:
-    return bool(LONE_SURROGATE.search(json.dumps(value, ensure_ascii=False)))  # keys too
+    """Whether a JSON-able value holds a lone surrogate anywhere, its keys included."""
+    return bool(LONE_SURROGATE.search(json.dumps(value, ensure_ascii=False)))
 
 
 def without_surrogates(text: str) -> str:
-    return LONE_SURROGATE.sub("\ufffd", text)      # each lone one -> U+FFFD: same length, encodes
+    """text with each lone surrogate replaced by U+FFFD: the same length, and encodable."""
+    return LONE_SURROGATE.sub("\ufffd", text)
 
 
 # ---- LoRA (Hu et al., 2021) in PEFT's layout: q_proj gains q_proj.lora_A, q_proj.lora_B ----------
@@ -913,6 +1039,7 @@ PEFT_PREFIX = "base_model.model."       # PEFT's prefix of the wrapped model's w
 
 @dataclass
 class LoraSettings:
+    """An adapter's hyper-parameters, as PEFT's LoraConfig names them (alpha: lora_alpha)."""
     r: int
     alpha: float
     dropout: float
@@ -921,26 +1048,31 @@ class LoraSettings:
 
 
 class LoRALinear(nn.Module):
+    """A frozen nn.Linear with an adapter beside it, under the base's keys (weight, bias) and
+    PEFT's (lora_A, lora_B): y = x W^T + b + scaling B A dropout(x), (..., d_in) -> (..., d_out).
+    enabled False: the base layer alone (GRPO's reference policy)."""
     def __init__(self, base: nn.Linear, s: LoraSettings, dtype=torch.float32):
         super().__init__()
         self.in_features, self.out_features = base.in_features, base.out_features
         self.weight = base.weight                        # (d_out, d_in), frozen
         self.register_parameter("bias", base.bias)       # None for o/gate/up/down in Qwen2
-        self.scaling = s.alpha / (math.sqrt(s.r) if s.use_rslora else s.r)  # alpha / r (or sqrt r)
-        self.dropout = s.dropout                                      # on the adapter's input only
+        # alpha / r, or alpha / sqrt(r) for rsLoRA
+        self.scaling = s.alpha / (math.sqrt(s.r) if s.use_rslora else s.r)
+        self.dropout = s.dropout                         # on the adapter's input only
         self.lora_dropout = nn.Dropout(s.dropout) if s.dropout > 0 else nn.Identity()
         kw = dict(bias=False, device=base.weight.device, dtype=dtype)       # float32 by default
         self.lora_A = nn.Linear(self.in_features, s.r, **kw)     # (r, d_in)
         self.lora_B = nn.Linear(s.r, self.out_features, **kw)    # (d_out, r)
         nn.init.kaiming_uniform_(self.lora_A.weight, a=math.sqrt(5))  # PEFT's default init
         nn.init.zeros_(self.lora_B.weight)                    # B = 0: the model unchanged at first
-        self.enabled = True         # False: the base model (the GRPO reference policy)
+        self.enabled = True
 
     def forward(self, x):
         y = F.linear(x, self.weight, self.bias)                             # x W^T + b
         if not self.enabled:
             return y
-        x = x.to(self.lora_A.weight.dtype)      # F.linear below: a module call outcosts the matmul
+        # F.linear, not the modules: a module call costs more than these small matmuls
+        x = x.to(self.lora_A.weight.dtype)
         if self.dropout > 0:
             x = self.lora_dropout(x)
         a = F.linear(x, self.lora_A.weight)                                    # (..., r)
@@ -984,8 +1116,10 @@ def lora_disabled(model):
 
 @torch.no_grad()
 def load_lora_state(policy, state: dict[str, torch.Tensor]):
+    """Copy the adapter weights of state (name -> tensor) into policy's, in place: an optimizer
+    holding them keeps its tensors."""
     for n, p in lora_parameters(policy):
-        p.copy_(state[n])                                  # in place: the optimizer's tensors stay
+        p.copy_(state[n])
 
 
 def save_adapter(model, path, base_model_name_or_path=None):
@@ -1032,16 +1166,20 @@ def cache_root() -> Path:
 
 
 def write_atomic(path: Path, data: bytes | str) -> None:
-    path = Path(path)   # every file written here: a temporary one, os.replace'd (old or new, whole)
+    """Write data to path through a temporary file os.replace'd over it: a reader sees the old
+    file or the new one, whole. Leftovers of killed writes to the same path are removed."""
+    path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     leftover = re.compile(rf"\.{re.escape(path.name)}\.\d+\.\d+\.tmp")     # .NAME.<pid>.<tid>.tmp
     for name in [n for n in os.listdir(path.parent) if leftover.fullmatch(n)]:
+        # signal 0 only asks whether the pid lives: a dead one's file is a killed write's
+        # leftover; a live one's may be a write under way (PermissionError: another user's)
         try:
-            os.kill(int(name.split(".")[-3]), 0)    # signal 0 only asks whether the pid lives
-        except ProcessLookupError:                  # a killed write's leftover: nobody ends it
+            os.kill(int(name.split(".")[-3]), 0)
+        except ProcessLookupError:
             (path.parent / name).unlink(missing_ok=True)
-        except (PermissionError, OverflowError):    # another user's live process; no pid at all
-            pass                                    # (a live pid's file may be a write under way)
+        except (PermissionError, OverflowError):
+            pass
     tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
     try:
         tmp.write_bytes(data.encode() if isinstance(data, str) else data)
@@ -1052,7 +1190,8 @@ def write_atomic(path: Path, data: bytes | str) -> None:
 
 
 def parse_devices(text: str) -> list[torch.device]:
-    try:        # "cuda:0,cuda:1", "cpu" -> the devices, or a one-line ValueError
+    """--devices "cuda:0,cuda:1" or "cpu" -> the devices, or a one-line ValueError."""
+    try:
         devices = [torch.device(d.strip()) for d in text.split(",")]
     except RuntimeError:                                # "", "foo", "cuda:x"
         devices = []
