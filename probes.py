@@ -41,14 +41,15 @@ RAW_KEYS = ("h_last4", "h_mean", "attn_max", "attn_std", "attn_prefix", "attn_se
 
 
 # ---- A turn generated with its statistics (gpt-fast's prefill, decode_one_token, sample) ---------
-# A batch row is one rollout, and its row of the KV cache holds the rollout so far. A turn first
-# appends, in one `prefill`, the tokens the row's cache lacks (the prompt at the first turn, later
-# turn_opening's: the observation and the next assistant header), then decodes one token at a time:
-# `sample` draws it from the last logits, `decode_one_token` feeds it and returns the next logits
-# with the fed token's hidden states and attention statistics, and `accumulate` adds those to the
-# turn's running sums (TurnStats). `turn_traces` divides the sums by the turn's length: a turn's
-# statistic is its mean over the turn's tokens, as METHOD.md §4 averages it over the span's rows,
-# with no second forward and no T x T attention matrix.
+# A batch row is one rollout, and its row of the KV cache holds the rollout so far. `generate`
+# runs a turn of every row in numbered phases: 1. `prefill` appends, in one forward, the tokens
+# the row's cache lacks (the prompt at the first turn, later turn_opening's: the observation and
+# the next assistant header); 2. the turn's buffers are set up; 3. one token at a time, `sample`
+# draws it from the last logits and `decode_one_token` feeds it (model.compiled_decode) and
+# returns the next logits with the fed token's hidden states and attention statistics, which
+# `accumulate` adds to the turn's running sums (TurnStats); 4. `turn_traces` divides the sums
+# by the turn's length: a turn's statistic is its mean over the turn's tokens, as METHOD.md §4
+# averages it over the span's rows, with no second forward and no T x T attention matrix.
 
 @dataclass
 class TurnTrace:
@@ -71,28 +72,78 @@ def valid_temperature(t: float) -> bool:
     return t == 0 or MIN_TEMPERATURE <= t < math.inf
 
 
-def sample(logits: torch.Tensor, temperature: float, top_p: float, generator=None) -> torch.Tensor:
-    """(B, V) float32 logits -> (B,) token ids, one per row, drawn from softmax(logits / T) at
-    T = temperature, within the top_p nucleus when top_p < 1; temperature 0 is greedy (the
-    argmax: evaluation decodes so). Each row is drawn by inverting its CDF at one uniform number
-    of `generator` (torch.multinomial draws one per vocabulary entry). A rollout given its own
-    generator (grpo.sampler: one per prompt, seeded by the prompt's number) draws the same
-    tokens whatever else uses torch's global random stream, and on any number of processes."""
-    if temperature == 0:
-        return logits.argmax(-1)
-    probs = torch.softmax(logits / temperature, dim=-1)
-    if top_p < 1.0:
-        # nucleus: the most likely tokens until their mass reaches top_p (at least one); the
-        # rest get probability 0, and the CDF below is not renormalized: u is scaled instead
-        sorted_p, order = probs.sort(-1, descending=True)
-        drop = sorted_p.cumsum(-1) - sorted_p >= top_p
-        probs = torch.zeros_like(probs).scatter_(-1, order, sorted_p.masked_fill(drop, 0.0))
-    cdf = probs.cumsum(-1)                                                  # (B, V)
-    total = cdf[:, -1:]                                                     # (B, 1)
-    u = torch.rand(total.shape, generator=generator, device=cdf.device, dtype=cdf.dtype)
-    # strictly below the total, so a token of probability 0 at the end is never drawn
-    u = torch.minimum(u * total, total.nextafter(torch.zeros_like(total)))
-    return torch.searchsorted(cdf, u, right=True)[:, 0]     # the first token whose cdf > u
+@torch.no_grad()
+def generate(model: mdl.Transformer, cache, new_tokens: list[list[int]], max_new_tokens: int,
+             temperature=1.0, top_p=1.0, stop_ids=None, generator=None,
+             stats=True, active=None) -> list[TurnTrace | None]:
+    """Append each row's new tokens to the cache, then sample up to max_new_tokens a row -> one
+    TurnTrace a row (with stats, its mean statistics and hidden states); empty: no new tokens,
+    None: active[i] False. Every sampled token, the stop token included, is fed (the cache holds
+    it, its statistics count); idle rows ride along as pads (decoding reads the weights anyway).
+    stop_ids: the tokens that end a turn (default: the model's)."""
+    B = len(new_tokens)
+    if not valid_temperature(temperature):
+        raise ValueError(f"temperature {temperature}: 0 (greedy) or in [{MIN_TEMPERATURE}, inf)")
+    alive = [True] * B
+    if active is not None:
+        alive = [bool(a) for a in active]
+    appended = [[] for _ in range(B)]   # what each row appends: nothing for a row not playing
+    for i in range(B):
+        if alive[i]:
+            appended[i] = list(new_tokens[i])
+    if stop_ids is None:
+        stop_ids = model.config.stop_ids
+    stop_ids = sorted(set(stop_ids))
+
+    # 1. prefill: the rows' new tokens in one forward; the turn starts where they end
+    logits = prefill(model, cache, appended)                                # (B, V) or None
+    span_start = cache[0].lengths.clone()                                   # (B,)
+
+    # 2. the turn's buffers, on the head's device; room in the cache for the whole turn
+    running = torch.tensor([len(t) > 0 and max_new_tokens > 0 for t in appended])
+    dev = mdl.input_device(model)
+    if logits is not None:
+        dev = logits.device
+    steps = 0
+    if running.any():
+        steps = max_new_tokens
+    running = running.to(dev)                   # rows whose turn goes on
+    tokens = torch.zeros(B, max(steps, 1), dtype=torch.long, device=dev)   # (B, steps)
+    logps = torch.zeros(B, max(steps, 1), device=dev)                      # (B, steps)
+    count = torch.zeros(B, dtype=torch.long, device=dev)       # tokens sampled a row
+    finished = torch.zeros(B, dtype=torch.bool, device=dev)    # the row sampled a stop token
+    stop = torch.tensor(stop_ids, dtype=torch.long, device=dev)
+    acc = None                  # the turn's running sums; None: no statistics
+    stats_start = None          # the span decoding reads statistics for; None: logits only
+    if stats:
+        acc = TurnStats.zeros(model.config, B, dev)
+        stats_start = span_start
+    if cache[0].k.is_cuda and steps:
+        reserve_slots(cache, steps)
+    w = model.decode_weights()                  # no_grad: the weights cannot change in the loop
+
+    # 3. decode: each step samples a token a row, feeds it where the row's turn goes on and
+    # ends that turn on a stop token; the loop ends when no turn goes on
+    for t in range(steps):
+        token = sample(logits, temperature, top_p, generator)                # (B,)
+        # log pi at the sampling temperature, before top_p's truncation: the policy's own
+        # probability of the token, as token_logprobs computes it for the update
+        logp = torch.log_softmax(logits / (temperature or 1.0), -1).gather(1, token[:, None])
+        tokens[:, t] = token
+        logps[:, t] = logp[:, 0]
+        fed = running
+        count += fed
+        stopped = torch.isin(token, stop) & fed
+        finished |= stopped
+        running = fed & ~stopped
+        logits, hidden, attn_stats = decode_one_token(model, cache, token, fed, stats_start, w)
+        if stats:
+            accumulate(acc, attn_stats, hidden, fed)
+        if not running.any():
+            break
+
+    # 4. read back: each row's tokens, log-probabilities and mean statistics
+    return turn_traces(tokens, logps, count, finished, span_start, acc, alive)
 
 
 def prefill(model: mdl.Transformer, cache, new_tokens: list[list[int]]) -> torch.Tensor | None:
@@ -137,44 +188,6 @@ def prefill_last(model: mdl.Transformer, cache, new_tokens: list[list[int]]) -> 
     return h[torch.arange(len(n), device=h.device), (n - 1).clamp_min(0).to(h.device)]
 
 
-def decode_one_token(model: mdl.Transformer, cache, tokens: torch.Tensor, fed: torch.Tensor,
-                     span_start: torch.Tensor | None, w=None):
-    """Feed tokens (B,) of the rows where fed (B,) is True, each at its row's length ->
-    Transformer.decode's (logits (B, V), hidden (L+1, B, d), stats (B, L, H, 6)). A row not fed
-    (its turn ended, or it plays no more) writes a pad to a free slot and keeps its length.
-    span_start (B,): each row's first position of the turn, where `prefix` and `self` part
-    (METHOD.md §4); None: logits only. w: the blocks' decoding weights, fetched once a turn."""
-    lengths = cache[0].lengths.clone()
-    out = model.decode(torch.where(fed, tokens, 0), cache, span_start, w)
-    mdl.set_lengths(cache, lengths + fed.long().cpu())
-    return out
-
-
-@dataclass
-class TurnStats:
-    """Per row, the running sums over the turn being decoded (float32, on the head's device)."""
-    attn: torch.Tensor                  # (B, L, H, len(STATS)) summed over the turn's tokens
-    h_sum: torch.Tensor                 # (L+1, B, d) hidden states summed over the turn's tokens
-    h_last: torch.Tensor                # (L+1, B, d) hidden states of the latest token
-
-    @classmethod
-    def zeros(cls, config: mdl.Config, B: int, device=None) -> "TurnStats":
-        L, H, d = config.num_hidden_layers, config.num_attention_heads, config.hidden_size
-        return cls(torch.zeros(B, L, H, len(mdl.STATS), device=device),
-                   torch.zeros(L + 1, B, d, device=device), torch.zeros(L + 1, B, d, device=device))
-
-
-def accumulate(acc: TurnStats, attn: torch.Tensor, hidden: torch.Tensor, fed: torch.Tensor):
-    """Add one decoded token's statistics (B, L, H, 6) and hidden states (L+1, B, d) to the rows
-    that fed a real token (fed (B,) bool); where, not multiply: a pad row's numbers are garbage,
-    and 0 times an infinite number is NaN. Every fed token counts, the stop token included (a
-    turn's statistics are read up to its <|im_end|>); h_last keeps the last fed token's states."""
-    acc.attn += torch.where(fed[:, None, None, None], attn, 0.0)
-    hidden = hidden.float()
-    acc.h_sum += torch.where(fed[None, :, None], hidden, 0.0)
-    acc.h_last = torch.where(fed[None, :, None], hidden, acc.h_last)
-
-
 def reserve_slots(cache: list[mdl.KVCache], steps: int):
     """Room for `steps` more tokens a row and one past the last KEY_BLOCK before generating on a
     GPU: the captured step keeps its addresses; a full cache would compile a new graph (minutes).
@@ -184,72 +197,67 @@ def reserve_slots(cache: list[mdl.KVCache], steps: int):
         c.grow(need)
 
 
-@torch.no_grad()
-def generate(model: mdl.Transformer, cache, new_tokens: list[list[int]], max_new_tokens: int,
-             temperature=1.0, top_p=1.0, stop_ids=None, generator=None,
-             stats=True, active=None) -> list[TurnTrace | None]:
-    """Append each row's new tokens to the cache, then sample up to max_new_tokens a row -> one
-    TurnTrace a row (with stats, its mean statistics and hidden states); empty: no new tokens,
-    None: active[i] False. Every sampled token, the stop token included, is fed (the cache holds
-    it, its statistics count); idle rows ride along as pads (decoding reads the weights anyway).
-    stop_ids: the tokens that end a turn (default: the model's)."""
-    B = len(new_tokens)
-    if not valid_temperature(temperature):
-        raise ValueError(f"temperature {temperature}: 0 (greedy) or in [{MIN_TEMPERATURE}, inf)")
-    alive = [True] * B
-    if active is not None:
-        alive = [bool(a) for a in active]
-    appended = [[] for _ in range(B)]   # what each row appends: nothing for a row not playing
-    for i in range(B):
-        if alive[i]:
-            appended[i] = list(new_tokens[i])
-    if stop_ids is None:
-        stop_ids = model.config.stop_ids
-    stop_ids = sorted(set(stop_ids))
+def sample(logits: torch.Tensor, temperature: float, top_p: float, generator=None) -> torch.Tensor:
+    """(B, V) float32 logits -> (B,) token ids, one per row, drawn from softmax(logits / T) at
+    T = temperature, within the top_p nucleus when top_p < 1; temperature 0 is greedy (the
+    argmax: evaluation decodes so). Each row is drawn by inverting its CDF at one uniform number
+    of `generator` (torch.multinomial draws one per vocabulary entry). A rollout given its own
+    generator (grpo.sampler: one per prompt, seeded by the prompt's number) draws the same
+    tokens whatever else uses torch's global random stream, and on any number of processes."""
+    if temperature == 0:
+        return logits.argmax(-1)
+    probs = torch.softmax(logits / temperature, dim=-1)
+    if top_p < 1.0:
+        # nucleus: the most likely tokens until their mass reaches top_p (at least one); the
+        # rest get probability 0, and the CDF below is not renormalized: u is scaled instead
+        sorted_p, order = probs.sort(-1, descending=True)
+        drop = sorted_p.cumsum(-1) - sorted_p >= top_p
+        probs = torch.zeros_like(probs).scatter_(-1, order, sorted_p.masked_fill(drop, 0.0))
+    cdf = probs.cumsum(-1)                                                  # (B, V)
+    total = cdf[:, -1:]                                                     # (B, 1)
+    u = torch.rand(total.shape, generator=generator, device=cdf.device, dtype=cdf.dtype)
+    # strictly below the total, so a token of probability 0 at the end is never drawn
+    u = torch.minimum(u * total, total.nextafter(torch.zeros_like(total)))
+    return torch.searchsorted(cdf, u, right=True)[:, 0]     # the first token whose cdf > u
 
-    logits = prefill(model, cache, appended)                                # (B, V) or None
-    span_start = cache[0].lengths.clone()                                   # (B,)
-    running = torch.tensor([len(t) > 0 and max_new_tokens > 0 for t in appended])
-    dev = mdl.input_device(model)
-    if logits is not None:
-        dev = logits.device
-    steps = 0
-    if running.any():
-        steps = max_new_tokens
-    running = running.to(dev)                   # rows whose turn goes on, on the head's device
-    tokens = torch.zeros(B, max(steps, 1), dtype=torch.long, device=dev)   # (B, steps)
-    logps = torch.zeros(B, max(steps, 1), device=dev)                      # (B, steps)
-    count = torch.zeros(B, dtype=torch.long, device=dev)       # tokens sampled a row
-    finished = torch.zeros(B, dtype=torch.bool, device=dev)    # the row sampled a stop token
-    stop = torch.tensor(stop_ids, dtype=torch.long, device=dev)
-    acc = None                  # the turn's running sums; None: no statistics
-    stats_start = None          # what decoding reads the statistics from; None: logits only
-    if stats:
-        acc = TurnStats.zeros(model.config, B, dev)
-        stats_start = span_start
-    if cache[0].k.is_cuda and steps:
-        reserve_slots(cache, steps)
-    w = model.decode_weights()                  # no_grad: the weights cannot change in the loop
-    # Each step samples a token a row, feeds it where the row's turn goes on and ends that turn
-    # on a stop token; the loop ends when no turn goes on.
-    for t in range(steps):
-        token = sample(logits, temperature, top_p, generator)                # (B,)
-        # log pi at the sampling temperature, before top_p's truncation: the policy's own
-        # probability of the token, as token_logprobs computes it for the update
-        logp = torch.log_softmax(logits / (temperature or 1.0), -1).gather(1, token[:, None])
-        tokens[:, t] = token
-        logps[:, t] = logp[:, 0]
-        fed = running
-        count += fed
-        stopped = torch.isin(token, stop) & fed
-        finished |= stopped
-        running = fed & ~stopped
-        logits, hidden, attn = decode_one_token(model, cache, token, fed, stats_start, w)
-        if stats:
-            accumulate(acc, attn, hidden, fed)
-        if not running.any():
-            break
-    return turn_traces(tokens, logps, count, finished, span_start, acc, alive)
+
+def decode_one_token(model: mdl.Transformer, cache, tokens: torch.Tensor, fed: torch.Tensor,
+                     span_start: torch.Tensor | None, w=None):
+    """Feed tokens (B,) of the rows where fed (B,) is True, each at its row's length ->
+    model.compiled_decode's (logits (B, V), hidden (L+1, B, d), attn_stats (B, L, H, 6)). A row
+    not fed (its turn ended, or it plays no more) writes a pad to a free slot and keeps its
+    length. span_start (B,): each row's first position of the turn, where `prefix` and `self`
+    part (METHOD.md §4); None: logits only. w: the blocks' decoding weights, fetched once a turn."""
+    lengths = cache[0].lengths.clone()
+    out = mdl.compiled_decode(model, torch.where(fed, tokens, 0), cache, span_start, w)
+    mdl.set_lengths(cache, lengths + fed.long().cpu())
+    return out
+
+
+@dataclass
+class TurnStats:
+    """Per row, the running sums over the turn being decoded (float32, on the head's device)."""
+    attn_sum: torch.Tensor              # (B, L, H, len(STATS)) statistics summed over the tokens
+    h_sum: torch.Tensor                 # (L+1, B, d) hidden states summed over the turn's tokens
+    h_last: torch.Tensor                # (L+1, B, d) hidden states of the latest token
+
+    @classmethod
+    def zeros(cls, config: mdl.Config, B: int, device=None) -> "TurnStats":
+        """Zero sums for B rows of a model of this config."""
+        L, H, d = config.num_hidden_layers, config.num_attention_heads, config.hidden_size
+        return cls(torch.zeros(B, L, H, len(mdl.STATS), device=device),
+                   torch.zeros(L + 1, B, d, device=device), torch.zeros(L + 1, B, d, device=device))
+
+
+def accumulate(acc: TurnStats, attn_stats: torch.Tensor, hidden: torch.Tensor, fed: torch.Tensor):
+    """Add one decoded token's statistics (B, L, H, 6) and hidden states (L+1, B, d) to the rows
+    that fed a real token (fed (B,) bool); where, not multiply: a pad row's numbers are garbage,
+    and 0 times an infinite number is NaN. Every fed token counts, the stop token included (a
+    turn's statistics are read up to its <|im_end|>); h_last keeps the last fed token's states."""
+    acc.attn_sum += torch.where(fed[:, None, None, None], attn_stats, 0.0)
+    hidden = hidden.float()
+    acc.h_sum += torch.where(fed[None, :, None], hidden, 0.0)
+    acc.h_last = torch.where(fed[None, :, None], hidden, acc.h_last)
 
 
 def turn_traces(tokens, logps, count, finished, span_start, acc, alive) -> list[TurnTrace | None]:
@@ -262,14 +270,15 @@ def turn_traces(tokens, logps, count, finished, span_start, acc, alive) -> list[
     finished_rows = finished.cpu().tolist()
     sums = None
     if acc is not None:
-        sums = TurnStats(acc.attn.cpu(), acc.h_sum.cpu(), acc.h_last.cpu())
+        sums = TurnStats(acc.attn_sum.cpu(), acc.h_sum.cpu(), acc.h_last.cpu())
     traces = []
     for r, s in enumerate(span_start.tolist()):
         n = counts[r]
         trace = TurnTrace(tokens=token_rows[r][:n], span=(s, s + n), attn={}, h_last=None,
                           h_mean=None, finished=finished_rows[r], logprobs=logp_rows[r][:n])
         if sums is not None and n > 0:
-            trace.attn = dict(zip(mdl.STATS, (sums.attn[r] / n).unbind(-1)))   # STATS -> (L, H)
+            # STATS -> (L, H)
+            trace.attn = dict(zip(mdl.STATS, (sums.attn_sum[r] / n).unbind(-1)))
             trace.h_last = sums.h_last[:, r].clone()        # (L+1, d), not a view of the batch
             trace.h_mean = sums.h_sum[:, r] / n             # (L+1, d)
         if alive[r]:
@@ -277,6 +286,71 @@ def turn_traces(tokens, logps, count, finished, span_start, acc, alive) -> list[
         else:
             traces.append(None)
     return traces
+
+
+# ---- Features (METHOD.md §4) ---------------------------------------------------------------------
+# Per turn, with d the hidden size, L layers and H query heads; p_ij is the softmax probability of
+# the turn's query row i on causal key j <= i, and each statistic is a mean over the turn's rows:
+#   last_token    the last hidden state (after the final norm) at the turn's last token    d
+#   mean_pooled   the last hidden state averaged over the turn                               d
+#   multi_layer   the last four hidden states at the last token, concatenated               4d
+#   attention     the last layer's [max, std, prefix, self], each over the H heads          4H
+#   multi_attn    the same for every layer, layer-major                                    4HL
+#   hidden_attn   [last_token; attention]                                               d + 4H
+#   lookback      m_ctx / (m_ctx + m_new) of every layer and head (Lookback Lens)           HL
+#   head_entropy  -log sum_j p_ij^2 of every layer and head (Renyi-2, Head Entropy)          HL
+# with max = max_j p_ij, std their population std over the i + 1 keys, prefix = sum_{j < start}
+# p_ij (the context before the turn), self = sum_{start <= j <= i} p_ij (the turn itself), and
+# m_ctx, m_new the mean p_ij over those two key ranges. PAIR's stage 1 reads last_token, its
+# stage 2 [multi_attn; s_bc] (pair.py).
+
+
+def raw_features(trace) -> dict[str, torch.Tensor]:
+    """What any probe needs of one TurnTrace, float32 on the CPU: the last four hidden states at
+    the last token, the last one's turn mean, the six statistics of every layer and head."""
+    raw = {"h_last4": trace.h_last[-4:].float(),                        # (4, d)
+           "h_mean": trace.h_mean[-1].float()}                          # (d,)
+    for stat in ("max", "std", "prefix", "self", "entropy", "lookback"):
+        raw[f"attn_{stat}"] = trace.attn[stat].float()                  # (L, H)
+    return raw
+
+
+def stack_raw(raws: list[dict]) -> dict[str, torch.Tensor]:
+    """raw_features of N turns -> one dict of tensors with a leading N axis."""
+    return {k: torch.stack([r[k] for r in raws]) for k in raws[0]}
+
+
+def attn_features(raw: dict, stats=ATTN_STATS, last_layer_only=False) -> torch.Tensor:
+    """The statistics `stats` of every layer (multi_attn) or of the last one (attention), layer-
+    major: for each layer the statistics one after the other, each over all heads. PAIR's stage 2
+    passes the statistics it was fitted on: all four, or a subset (the ablation of METHOD.md §8)."""
+    parts = [raw[f"attn_{s}"] for s in stats]                           # k x (N, L, H)
+    if last_layer_only:
+        parts = [p[:, -1:] for p in parts]                              # k x (N, 1, H)
+    return torch.stack(parts, dim=-2).flatten(-3).double()              # (N, L, k, H) -> flat
+
+
+def feature_width(name: str, d: int, L: int, H: int) -> int:
+    """The width of feature set `name` for a model of hidden size d, L layers and H heads."""
+    return {"last_token": d, "mean_pooled": d, "multi_layer": min(4, L + 1) * d,  # h_last4
+            "attention": 4 * H, "multi_attn": 4 * H * L, "hidden_attn": d + 4 * H,
+            "lookback": H * L, "head_entropy": H * L}[name]
+
+
+def feature(name: str, raw: dict[str, torch.Tensor]) -> torch.Tensor:
+    """Feature set `name` (METHOD.md §4) of a batch of raw features -> (N, D) float64."""
+    n = raw["h_mean"].shape[0]
+    build = {"last_token": lambda: raw["h_last4"][:, -1].double(),                 # (N, d)
+             "mean_pooled": lambda: raw["h_mean"].double(),                       # (N, d)
+             "multi_layer": lambda: raw["h_last4"].reshape(n, -1).double(),       # (N, 4d)
+             "attention": lambda: attn_features(raw, last_layer_only=True),       # (N, 4H)
+             "multi_attn": lambda: attn_features(raw),                            # (N, 4HL)
+             "hidden_attn": lambda: torch.cat([build["last_token"](), build["attention"]()], 1),
+             "lookback": lambda: raw["attn_lookback"].reshape(n, -1).double(),    # (N, HL)
+             "head_entropy": lambda: raw["attn_entropy"].reshape(n, -1).double()}  # (N, HL)
+    if name not in build:
+        raise ValueError(f"unknown feature set {name!r}; expected one of {FEATURES}")
+    return build[name]()
 
 
 # ---- An episode's rollout: G rollouts of one prompt on one KV cache; held-out evaluation ---------
@@ -465,71 +539,6 @@ def duration(seconds: float) -> str:
     if seconds >= 60:
         return f"{seconds // 60}m{seconds % 60:02d}s"
     return f"{seconds}s"
-
-
-# ---- Features (METHOD.md §4) ---------------------------------------------------------------------
-# Per turn, with d the hidden size, L layers and H query heads; p_ij is the softmax probability of
-# the turn's query row i on causal key j <= i, and each statistic is a mean over the turn's rows:
-#   last_token    the last hidden state (after the final norm) at the turn's last token    d
-#   mean_pooled   the last hidden state averaged over the turn                               d
-#   multi_layer   the last four hidden states at the last token, concatenated               4d
-#   attention     the last layer's [max, std, prefix, self], each over the H heads          4H
-#   multi_attn    the same for every layer, layer-major                                    4HL
-#   hidden_attn   [last_token; attention]                                               d + 4H
-#   lookback      m_ctx / (m_ctx + m_new) of every layer and head (Lookback Lens)           HL
-#   head_entropy  -log sum_j p_ij^2 of every layer and head (Renyi-2, Head Entropy)          HL
-# with max = max_j p_ij, std their population std over the i + 1 keys, prefix = sum_{j < start}
-# p_ij (the context before the turn), self = sum_{start <= j <= i} p_ij (the turn itself), and
-# m_ctx, m_new the mean p_ij over those two key ranges. PAIR's stage 1 reads last_token, its
-# stage 2 [multi_attn; s_bc] (pair.py).
-
-
-def raw_features(trace) -> dict[str, torch.Tensor]:
-    """What any probe needs of one TurnTrace, float32 on the CPU: the last four hidden states at
-    the last token, the last one's turn mean, the six statistics of every layer and head."""
-    raw = {"h_last4": trace.h_last[-4:].float(),                        # (4, d)
-           "h_mean": trace.h_mean[-1].float()}                          # (d,)
-    for stat in ("max", "std", "prefix", "self", "entropy", "lookback"):
-        raw[f"attn_{stat}"] = trace.attn[stat].float()                  # (L, H)
-    return raw
-
-
-def stack_raw(raws: list[dict]) -> dict[str, torch.Tensor]:
-    """raw_features of N turns -> one dict of tensors with a leading N axis."""
-    return {k: torch.stack([r[k] for r in raws]) for k in raws[0]}
-
-
-def attn_features(raw: dict, stats=ATTN_STATS, last_layer_only=False) -> torch.Tensor:
-    """The statistics `stats` of every layer (multi_attn) or of the last one (attention), layer-
-    major: for each layer the statistics one after the other, each over all heads. PAIR's stage 2
-    passes the statistics it was fitted on: all four, or a subset (the ablation of METHOD.md §8)."""
-    parts = [raw[f"attn_{s}"] for s in stats]                           # k x (N, L, H)
-    if last_layer_only:
-        parts = [p[:, -1:] for p in parts]                              # k x (N, 1, H)
-    return torch.stack(parts, dim=-2).flatten(-3).double()              # (N, L, k, H) -> flat
-
-
-def feature_width(name: str, d: int, L: int, H: int) -> int:
-    """The width of feature set `name` for a model of hidden size d, L layers and H heads."""
-    return {"last_token": d, "mean_pooled": d, "multi_layer": min(4, L + 1) * d,  # h_last4
-            "attention": 4 * H, "multi_attn": 4 * H * L, "hidden_attn": d + 4 * H,
-            "lookback": H * L, "head_entropy": H * L}[name]
-
-
-def feature(name: str, raw: dict[str, torch.Tensor]) -> torch.Tensor:
-    """Feature set `name` (METHOD.md §4) of a batch of raw features -> (N, D) float64."""
-    n = raw["h_mean"].shape[0]
-    build = {"last_token": lambda: raw["h_last4"][:, -1].double(),                 # (N, d)
-             "mean_pooled": lambda: raw["h_mean"].double(),                       # (N, d)
-             "multi_layer": lambda: raw["h_last4"].reshape(n, -1).double(),       # (N, 4d)
-             "attention": lambda: attn_features(raw, last_layer_only=True),       # (N, 4H)
-             "multi_attn": lambda: attn_features(raw),                            # (N, 4HL)
-             "hidden_attn": lambda: torch.cat([build["last_token"](), build["attention"]()], 1),
-             "lookback": lambda: raw["attn_lookback"].reshape(n, -1).double(),    # (N, HL)
-             "head_entropy": lambda: raw["attn_entropy"].reshape(n, -1).double()}  # (N, HL)
-    if name not in build:
-        raise ValueError(f"unknown feature set {name!r}; expected one of {FEATURES}")
-    return build[name]()
 
 
 # ---- The probe (METHOD.md §5) --------------------------------------------------------------------

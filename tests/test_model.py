@@ -537,9 +537,9 @@ def test_compiled_decoding_stays_compiled_over_the_shapes_of_a_run(monkeypatch):
                 M.set_lengths(cache, torch.randint(length - 3, length + 1, (B,), generator=g))
                 tokens = torch.randint(3, 64, (B,), generator=g)
                 span = torch.randint(0, length - 3, (B,), generator=g) if stats else None
-                compiled = model.decode(tokens, cache, span, w=w)
-                eager = model.decode_step(tokens, cache[0].lengths, span, [c.k for c in cache],
-                                          [c.v for c in cache], w, int(cache[0].lengths.max()) + 1)
+                compiled = M.compiled_decode(model, tokens, cache, span, w=w)
+                eager = model.decode(tokens, cache[0].lengths, span, [c.k for c in cache],
+                                     [c.v for c in cache], w, int(cache[0].lengths.max()) + 1)
                 for a, b in zip(compiled, eager):
                     if a is not None:
                         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
@@ -584,7 +584,7 @@ def test_compile_time_is_said_only_when_the_first_call_took_long(monkeypatch, ca
     M.set_lengths(cache, torch.tensor([3, 5]))
     with torch.no_grad():
         for _ in range(2):
-            model.decode(torch.tensor([4, 7]), cache)
+            M.compiled_decode(model, torch.tensor([4, 7]), cache)
     err = capsys.readouterr().err
     assert ("compiling the decoding step took 5 s" in err) == said
     assert err.count("compiling the decoding step") == int(said)
