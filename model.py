@@ -739,7 +739,8 @@ class Transformer(nn.Module):
         positions = positions.to(dev)                                   # (B, T) absolute
         if cache is None:
             key_pos = positions                        # the keys are the queries' tokens
-        else:                                          # the cache's slots [0, S): (B, S)
+        else:
+            # the cache's slots [0, S), S = the last position + 1: (B, S)
             key_pos = torch.arange(int(positions.max()) + 1, device=dev).expand(B, -1)
         masks = {w: None for w in set(self.windows)}     # window -> (B, 1, T, S) or None
         if not fused_causal:
@@ -1011,7 +1012,8 @@ def token_logprobs(policy, ids: Tensor, mask: Tensor, temperature: float = 1.0) 
     parts = []
     for a in range(0, len(labels), n):
         inputs = (policy.lm_head, h[a:a + n], labels[a:a + n], temperature)
-        if torch.is_grad_enabled():         # the chunk's (n, V) logits again in backward
+        # under grad the chunk's (n, V) logits are computed again in backward, not kept
+        if torch.is_grad_enabled():
             parts.append(torch.utils.checkpoint.checkpoint(head_logprobs, *inputs,
                                                            use_reentrant=False))
         else:

@@ -184,7 +184,8 @@ def prefill_last(model: mdl.Transformer, cache, new_tokens: list[list[int]]) -> 
         if len(first) < len(new_tokens):
             once = model.new_cache(len(first), capacity=T)    # each distinct prompt once
             h = prefill_last(model, once, [list(t) for t in first])
-            for c, o in zip(cache, once):  # each row copies its prompt's keys and values
+            # each row copies its prompt's keys and values
+            for c, o in zip(cache, once):
                 c.grow(T)
                 i = index.to(c.k.device)
                 c.k[:, :, :T] = o.k[i, :, :T]
@@ -631,11 +632,13 @@ class Probe:
         return torch.sigmoid(self.decision_function(X))
 
     def save(self, path) -> None:
+        """Write the probe to a safetensors file: mean, scale, w, b, and info as metadata."""
         tensors = {"mean": self.mean, "scale": self.scale, "w": self.w, "b": self.b.reshape(1)}
         save_safetensors(tensors, path, {"probe": json.dumps(self.info)})
 
     @classmethod
     def load(cls, path) -> "Probe":
+        """A probe Probe.save wrote, in float64; a FormatError naming the file if not."""
         tensors, meta = read_safetensors(path, "probe")
         missing = {"mean", "scale", "w", "b"} - set(tensors)
         if missing:
@@ -695,6 +698,7 @@ SOURCE_KEYS = ("model", "model_sha256", "dtype", "dims")
 
 
 def source(meta: dict) -> dict:
+    """The SOURCE_KEYS of a file's metadata that it records."""
     return {k: meta[k] for k in SOURCE_KEYS if meta.get(k) is not None}
 
 
@@ -739,6 +743,7 @@ def _json_entry(meta: dict, key: str, path):
 
 
 def save_safetensors(tensors: dict, path, metadata: dict) -> None:
+    """Write tensors and string metadata to a safetensors file, atomically."""
     mdl.write_atomic(path, safetensors_bytes({k: v.contiguous() for k, v in tensors.items()},
                                              metadata))
 
@@ -753,6 +758,7 @@ def _check_finite(tensors: dict, path) -> None:
 # ---- AUROC (METHOD.md §8); y = 1 for a correct turn, s = a score or P(correct) ---------
 
 def labels_scores(y, s):
+    """Labels and scores as flat float64 tensors, or a ValueError if their counts differ."""
     y = torch.as_tensor(y, dtype=torch.float64).flatten()
     s = torch.as_tensor(s, dtype=torch.float64).flatten()
     if y.shape != s.shape:
