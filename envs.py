@@ -384,7 +384,7 @@ SHOP_SPLIT_SIZE = {"train": 4_500_000, "val": 500_000, "test": 5_000_000}
 SHOP_EPISODES = {"train": 10_000, "val": 200, "test": 600}  # a split's episodes by default
 SHOP_SCORING = 2    # the rules' version (2: half a cent): cached evaluations and probes key on it
 _SHOP_VALUE_TOL = 0.005     # "equals" within half a cent: of a total, its rounding, not a cent off
-_CENT = Decimal("0.01")             # the answer's precision
+CENT = Decimal("0.01")             # the answer's precision
 _NUM = r"\d+(?:\.\d+)?"                # a number as prices and rates are written: 2.50, 3
 
 
@@ -408,6 +408,11 @@ _SHOP_ARGS = {t["name"]: tuple(i["name"] for i in t["inputs"]) for t in SHOP_TOO
 _SHOP_NAMES = {"store": (str.upper, SHOP_STORES, "Stores"),  # spelling, values, name in errors
                "item": (str.lower, SHOP_ITEMS, "Items"),
                "currency": (str.upper, SHOP_CURRENCIES, "Currencies")}
+
+
+def round_answer(amount: Decimal) -> str:
+    """An amount as a shop answer states it: rounded half-up to the cent, "12.35"."""
+    return str(amount.quantize(CENT, rounding=ROUND_HALF_UP))
 
 
 @dataclass(frozen=True)
@@ -441,7 +446,7 @@ class ShopTask:
     @cached_property
     def answer(self) -> str:
         """The total rounded half-up to 2 decimals."""
-        return str(self.total.quantize(_CENT, rounding=ROUND_HALF_UP))
+        return round_answer(self.total)
 
     @cached_property
     def quantities(self) -> list[Decimal]:
@@ -573,7 +578,7 @@ _SHOP_CLAIM = re.compile(
     re.IGNORECASE)
 
 
-def _close(x: float, values) -> bool:
+def within_half_cent(x: float, values) -> bool:
     """x equals one of `values` within half a cent (1e-9 absorbs float error at the boundary)."""
     return any(abs(x - float(v)) <= _SHOP_VALUE_TOL + 1e-9 for v in values)
 
@@ -581,7 +586,7 @@ def _close(x: float, values) -> bool:
 def _answer_right(task: ShopTask, answer: str | None) -> bool:
     """Its first number is within half a cent of the total (for 1.674: 1.67 or 1.674, not 1.68)."""
     m = re.search(r"-?\d[\d,]*(?:\.\d+)?", answer or "")      # "1,234.50", "-3": commas allowed
-    return m is not None and _close(float(m.group(0).replace(",", "")), [task.total])
+    return m is not None and within_half_cent(float(m.group(0).replace(",", "")), [task.total])
 
 
 def _shop_thought_true(task: ShopTask, thought: str | None, known: dict,
@@ -594,10 +599,10 @@ def _shop_thought_true(task: ShopTask, thought: str | None, known: dict,
     def true(m: re.Match) -> bool:
         if m.group("price"):
             key = (m.group("store").upper(), m.group("item").lower())
-            return key in task.prices and _close(float(m.group("price")), [task.prices[key]])
+            return key in task.prices and within_half_cent(float(m.group("price")), [task.prices[key]])
         if m.group("rate"):
             cur = m.group("rcur").upper()
-            return cur in task.rates and _close(float(m.group("rate")), [task.rates[cur]])
+            return cur in task.rates and within_half_cent(float(m.group("rate")), [task.rates[cur]])
         if m.group("nitem") or m.group("ncur"):
             if m.group("nitem"):
                 fact = ("price", m.group("nstore").upper(), m.group("nitem").lower())
@@ -612,7 +617,7 @@ def _shop_thought_true(task: ShopTask, thought: str | None, known: dict,
             if value is not None:
                 break
         return not (cur and cur.upper() != task.currency) and value is not None \
-            and _close(value, [task.total])
+            and within_half_cent(value, [task.total])
 
     if not thought:
         return True
@@ -622,7 +627,7 @@ def _shop_thought_true(task: ShopTask, thought: str | None, known: dict,
     allowed = [Decimal(q) for q, _, _ in task.lines] + [task.value(f) for f in task.needed]
     allowed += list(known.values()) + task.quantities + [Decimal(task.answer)]
     rest = _SHOP_CLAIM.sub(" ", thought)        # the thought without its claims
-    return all(_close(float(x), allowed) or _close(float(x), computed)
+    return all(within_half_cent(float(x), allowed) or within_half_cent(float(x), computed)
                for x in task.values_in(rest))
 
 
@@ -652,7 +657,7 @@ def shop_labels(task: ShopTask, steps: list) -> list[bool]:
                 ok = ok and res.fact in task.needed and res.fact not in known
                 known[res.fact] = res.value
             elif res.number is not None:        # a Calculator result: a needed value, new
-                ok = ok and _close(res.number, task.quantities) and not _close(res.number, computed)
+                ok = ok and within_half_cent(res.number, task.quantities) and not within_half_cent(res.number, computed)
                 computed.append(res.number)
             else:                               # an error: a call that does nothing
                 ok = False

@@ -53,7 +53,7 @@ import grpo
 import model as M
 import pair
 import probes
-from lab import traces
+from lab.probing import traces
 
 ROOT = Path(__file__).resolve().parents[1]     # the repository
 QWEN2 = dict(architectures=["Qwen2ForCausalLM"], model_type="qwen2", hidden_act="silu",

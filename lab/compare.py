@@ -35,8 +35,9 @@ import envs
 import grpo
 import model
 import pair
-from lab import baselines, credit, curves, shop
-from lab import train
+from lab import curves, train
+from lab.methods import baselines, credit
+from lab.worlds import shop
 
 COMPARE_REWARDS = ("outcome", "pair", "pair:alpha=0", "last_token", "multi_attn", "attention",
                    "head_entropy", "igpo", "tips", "tree_grpo", "at2po",

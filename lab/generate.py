@@ -8,28 +8,12 @@ from __future__ import annotations
 
 import argparse
 import sys
-from pathlib import Path
 
 import torch
 
 import model as M
 import probes
-
-# config.json keys of a checkpoint trained on a built-in world (`python -m lab.shop sft` writes
-# them): the world's name, and the tool list and reply format it appends to a task.
-WORLD_KEY = "pair_world"
-TOOLS_KEY = "pair_tool_instructions"
-
-
-def checkpoint_world(directory) -> tuple[str | None, str | None]:
-    """(world name, its tool instructions) a checkpoint's config.json records, or (None, None)."""
-    path = Path(directory) / "config.json"
-    config = M.read_json(path)
-    world, tools = config.get(WORLD_KEY), config.get(TOOLS_KEY)
-    if world is not None and not (isinstance(world, str) and isinstance(tools, str)):
-        raise M.CheckpointError(f"{path}: {WORLD_KEY} must name a world and {TOOLS_KEY} hold "
-                                f"its tool instructions (got {world!r} and {type(tools).__name__})")
-    return world, tools
+from lab.policies.sft import TOOLS_KEY, WORLD_KEY, checkpoint_world
 
 
 def prompt_messages(prompt: str, system: str | None, tools: str | None) -> list[dict]:

@@ -32,9 +32,9 @@ import grpo
 import model
 import pair
 import probes
-from lab import toolbench
+from lab.probing import detection
+from lab.worlds import toolbench
 from probes import play, rollout, Step, Trajectory
-from lab import detection
 
 
 # ---------------------------------------------------------------------------------------------

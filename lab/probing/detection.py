@@ -64,7 +64,7 @@ def load_features(path) -> tuple[dict[str, torch.Tensor], dict]:
     if not path.is_file():
         raise FileNotFoundError(f"features file not found: {path}")
     tensors, meta = probes.read_safetensors(path, "features")
-    meta = probes._json_entry(meta, "pair_features", path)
+    meta = probes.json_entry(meta, "pair_features", path)
     missing = [k for k in RAW_KEYS + ("label",) if k not in tensors]
     if not isinstance(meta, dict) or missing:
         raise probes.FormatError(f"{path}: not a features file written by "
@@ -80,7 +80,7 @@ def load_features(path) -> tuple[dict[str, torch.Tensor], dict]:
     if tensors["h_mean"].dim() != 2 or tensors["attn_max"].dim() != 3:
         raise probes.FormatError(f"{path}: h_mean must be (records, d) and attn_max "
                                  "(records, L, H)")
-    probes._check_finite(tensors, path)
+    probes.check_finite(tensors, path)
     labels = set(tensors["label"].unique().tolist())
     if not labels <= {0, 1}:
         raise probes.FormatError(f"{path}: labels must be 0 (wrong) or 1 (right), got "

@@ -23,7 +23,7 @@ import torch
 
 import pair
 import probes
-from lab.detection import (DIAGNOSTIC_SPLIT, SCORES, SEEDS, TEST_SPLITS, TRAIN_SPLITS, Split,
+from lab.probing.detection import (DIAGNOSTIC_SPLIT, SCORES, SEEDS, TEST_SPLITS, TRAIN_SPLITS, Split,
                            concat_splits, fit_baselines, load_splits, mean_std, metrics, predict,
                            training_set, unsupervised_score)
 
