@@ -54,7 +54,7 @@ def main(argv=None):
     p = sub.add_parser("make-diagnostic", help="write the adversarial diagnostic set of a "
                                                "released benchmark from its data (no LLM)")
     p.add_argument("family", choices=["gta"], help="which benchmark (GTA: the rules in "
-                   "lab/data.py)")
+                   "lab/worlds/released.py)")
     p.add_argument("--data-dir", default=None,
                    help="root folder of the released files (DIR/<family>/); default $PAIR_DATA "
                         "or ~/.cache/pair/data")

@@ -18,6 +18,7 @@ episodes, which neither the probes nor GRPO train on. PAIR is fitted like the pa
 balanced subsample, C = 0.01, stage 2 on in-sample s_bc), the baselines on the same records.
 
     python -m lab.onpolicy --env shop    # rebuild data/shop-policy/probes/, which grpo.py reads
+                                         # (the command: lab/onpolicy.py)
 
 grpo.py reads the probes shipped beside a built-in policy; lab/train.py's loop fits probes of
 other settings (--probe-corpus, --corpus-*) or of another policy here on the fly (`shop_probes`)
@@ -45,7 +46,7 @@ import pair
 import probes
 from lab.infra import runs
 from lab.probing import detection, features, traces
-from lab.worlds import released, shop
+from lab.worlds import released, shop, shopdata
 from probes import rollout
 
 PROBE_SEED = 42
@@ -171,7 +172,7 @@ def contaminated_corpus(policy, tok, episodes: int, log) -> detection.Split:
     log(f"  contaminated corpus: `python -m lab.shop make-data --episodes {episodes}`, its kept "
         "turns teacher-forced ...", flush=True)
     with tempfile.TemporaryDirectory() as tmp:
-        shop.make_shop_data(tmp, episodes=episodes, seed=PROBE_SEED)
+        shopdata.make_shop_data(tmp, episodes=episodes, seed=PROBE_SEED)
         loaded = [released.load_matched(Path(tmp) / f"{name}.json")
                   for name in detection.TRAIN_SPLITS["mixed"]]
     # feature-less splits whose "raw" says where each row came from: (split, record) indices

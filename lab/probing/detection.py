@@ -5,7 +5,8 @@ probes fitted on it, their scores, and the metrics those scores are measured by.
 Each probe is trained with seeds 42, 43, 44; a seed draws a class-balanced subsample of
 matched_clean_train (the same records are taken from matched_contaminated_train in mixed mode);
 results are mean +- std over seeds on matched_clean_test and matched_contaminated_test.
-lab/study.py extracts the features and runs the commands; lab/report.py builds the paper's tables.
+lab/probing/features.py extracts the features and lab/study.py runs the commands;
+lab/probing/report.py builds the paper's tables.
 """
 from __future__ import annotations
 

@@ -2,8 +2,8 @@
 every turn of any dialog labelled exactly, the paper's four contamination types written onto gold
 turns by rule, and the released-schema files that `python -m lab.shop make-data` writes from them.
 
-The world itself (tasks, tools, labels, `ShopEnv`) is envs.py's; the long world `shop-long`, and
-the command line, are lab/shop.py's.
+The world itself (tasks, tools, labels, `ShopEnv`) is envs.py's; the long worlds `shop-long` and
+`shop-copy` lab/worlds/shop.py's; the command line lab/shop.py's.
 """
 from __future__ import annotations
 
