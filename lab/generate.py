@@ -13,6 +13,7 @@ import torch
 
 import model as M
 import probes
+from lab.policies import adapters
 from lab.policies.sft import TOOLS_KEY, WORLD_KEY, checkpoint_world
 
 
@@ -32,6 +33,9 @@ def main(argv=None):
     g.add_argument("--model", required=True, help="checkpoint directory (config.json, "
                    "model.safetensors[.index.json], tokenizer.json) or a Hugging Face Hub name "
                    "such as Qwen/Qwen2.5-7B-Instruct (downloaded once into $PAIR_CACHE)")
+    g.add_argument("--adapter", default=None, metavar="DIR",
+                   help="a LoRA adapter to play the model with: a run's RUN/checkpoint-<step>/"
+                   "adapter, or any PEFT adapter of this model (default: none, the model alone)")
     g.add_argument("--devices", default="cpu", help="comma-separated devices to split the "
                    "layers over, e.g. cuda:0,cuda:1 (default: cpu)")
     g.add_argument("--prompt", required=True,
@@ -71,11 +75,19 @@ def main(argv=None):
         ap.error(str(e))
     try:
         model, tok = M.load_model(args.model, dtype=M.DTYPES[args.dtype], device=devices[0])
-        if len(devices) > 1:
-            M.split_model(model, devices)
         world, tools = checkpoint_world(model.checkpoint_dir)
     except (M.CheckpointError, FileNotFoundError, ValueError) as e:
         sys.exit(f"--model: {e}")
+    if args.adapter is not None:
+        try:
+            adapters.load_adapter(model, args.adapter)      # checked before the model is touched
+        except (FileNotFoundError, ValueError) as e:
+            sys.exit(f"--adapter: {e}")
+    if len(devices) > 1:        # after the adapter, so that its weights split with their layers
+        try:
+            M.split_model(model, devices)
+        except ValueError as e:
+            sys.exit(f"--model: {e}")
     if args.world == "none":
         world, tools = None, None
     elif args.world != "auto" and world != args.world:

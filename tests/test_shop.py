@@ -852,3 +852,29 @@ def test_the_report_warns_where_the_rewards_probe_favours_a_habit():
                         "last_token", lambda line, **kw: lines.append(line))
     (warning,) = [line for line in lines if "warning" in line]
     assert "the last_token probe ranks the store slip" in warning
+
+
+def test_generate_plays_a_runs_adapter(tmp_path, capsys):
+    # a run's checkpoint is an adapter: lab.generate plays the policy with it. B = 0 changes
+    # nothing; a large B changes the greedy reply; a broken adapter is one line naming the flag
+    from lab import generate
+    prompt = ["--model", str(BUILTIN), "--max-new-tokens", "24", "--prompt",
+              "How much do 2 pear at store B cost in total, in USD?"]
+    generate.main(prompt)
+    base = capsys.readouterr().out
+    policy, _ = mdl.load_model(BUILTIN)
+    mdl.apply_lora(policy, r=4, alpha=8.0, dropout=0.0)
+    mdl.save_adapter(policy, tmp_path / "zero")
+    generate.main(prompt + ["--adapter", str(tmp_path / "zero")])
+    assert capsys.readouterr().out == base
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for name, p in mdl.lora_parameters(policy):
+            if "lora_B" in name:
+                p.copy_(torch.randn(p.shape, generator=gen))
+    mdl.save_adapter(policy, tmp_path / "moved")
+    generate.main(prompt + ["--adapter", str(tmp_path / "moved")])
+    assert capsys.readouterr().out != base
+    (tmp_path / "broken").mkdir()
+    with pytest.raises(SystemExit, match="^--adapter: .*adapter_config.json: cannot read"):
+        generate.main(prompt + ["--adapter", str(tmp_path / "broken")])
