@@ -196,8 +196,8 @@ def test_gta_diagnostic_set_from_the_release(release_dir, tmp_path):
         assert r["dialogs"][:t] == dialog[:t]                             # a clean prefix
         assert r["dialogs"][t] != dialog[t]                               # never the gold turn
         assert released._tool_call(r["dialogs"][t]) != released._tool_call(dialog[t])
-    released = json.loads((release_dir / "gta" / "matched_contaminated_test.json").read_text())
-    expected = [r for r in released if r["has_contaminated_prefix"] and r["label"] == 1]
+    given = json.loads((release_dir / "gta" / "matched_contaminated_test.json").read_text())
+    expected = [r for r in given if r["has_contaminated_prefix"] and r["label"] == 1]
     assert len(positives) == len(expected) == 57
     for r in positives:
         dialog, t = gold[r["episode_id"]]["dialogs"], r["turn_idx"]
@@ -221,10 +221,10 @@ def test_split_episodes_of_released_test_files(release_dir, tmp_path):
             assert {r["episode_id"] for r in records} <= halves[split]
     assert len(halves["train"]) == len(halves["test"]) == 6
     assert not halves["train"] & halves["test"]
-    released = json.loads((release_dir / "toolbench" / "matched_clean_test.json").read_text())
+    given = json.loads((release_dir / "toolbench" / "matched_clean_test.json").read_text())
     chosen = halves["train"] | halves["test"]
     assert counts["matched_clean_train.json"] + counts["matched_clean_test.json"] == \
-        sum(r["episode_id"] in chosen for r in released)
+        sum(r["episode_id"] in chosen for r in given)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -234,9 +234,9 @@ def test_extracted_features_equal_transformers_on_gta(qwen05b_dir, release_dir, 
     transformers = pytest.importorskip("transformers")
     from test_model import reference_stats
     folder = release_dir / "gta"
-    released = json.loads((folder / "matched_clean_test.json").read_text())
+    given = json.loads((folder / "matched_clean_test.json").read_text())
     # the three shortest records: float32 eager attention of 24 layers stays small
-    chosen = sorted(released, key=lambda r: len(json.dumps(r["dialogs"])))[:3]
+    chosen = sorted(given, key=lambda r: len(json.dumps(r["dialogs"])))[:3]
     (tmp_path / "matched_clean_test.json").write_text(json.dumps(chosen))
     (tmp_path / "clean_test.json").write_text((folder / "clean_test.json").read_text())
     net, tok = M.load_model(qwen05b_dir, dtype=torch.float32)

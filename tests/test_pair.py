@@ -624,13 +624,13 @@ def test_merge_refuses_to_write_an_incomplete_file(shop_ckpt, tmp_path, monkeypa
         calls.append(len(buffer))
         if len(calls) != 2:
             real(parts, buffer, failed)
-    monkeypatch.setattr(study, "_write_shard", loses_the_second_shard)
+    monkeypatch.setattr(features, "_write_shard", loses_the_second_shard)
     argv = ["extract", "--model", str(ckpt), "--data", str(data / "matched_clean_test.json"),
             "--out", str(out), "--shard-size", "3"]
     with pytest.raises(SystemExit, match=r"3 records .* neither extracted nor listed as failed"):
         study.main(argv)
     assert not out.exists()
-    monkeypatch.setattr(study, "_write_shard", real)
+    monkeypatch.setattr(features, "_write_shard", real)
     study.main(argv)                              # the rerun extracts the lost records
     _, meta = study.load_features(out)
     assert meta["n_records"] == len(lab_data.load_matched(data / "matched_clean_test.json"))
