@@ -667,8 +667,8 @@ def _answer_right(task: ShopTask, answer: str | None) -> bool:
     return m is not None and within_half_cent(float(m.group(0).replace(",", "")), [task.total])
 
 
-def _shop_thought_true(task: ShopTask, thought: str | None, known: dict,
-                       computed: list[float]) -> bool:
+def shop_thought_true(task: ShopTask, thought: str | None, known: dict,
+                      computed: list[float]) -> bool:
     """Every _SHOP_CLAIM is true (a price or rate the world's; "I need ..." a needed fact not
     fetched yet; "the total is <expression or x> [CUR]" the total in the task's currency) and
     every other number (ShopTask.values_in) one the task involves: a quantity, a price or rate it
@@ -715,7 +715,7 @@ def _shop_thought_true(task: ShopTask, thought: str | None, known: dict,
 def shop_labels(task: ShopTask, steps: list) -> list[bool]:
     """Exact correctness of each assistant turn (parse_react's steps; calls re-run
     against the world, observations never read). A turn is right iff its thought asserts
-    nothing false (_shop_thought_true) and its step is a Lookup or Rate of a fact the
+    nothing false (shop_thought_true) and its step is a Lookup or Rate of a fact the
     task needs that no earlier turn fetched, a Calculator call that evaluates to one of
     ShopTask.quantities no earlier call produced, or a final answer within half a cent of
     the exact total. An unknown tool, bad arguments or an unparsable reply is never
@@ -733,7 +733,7 @@ def shop_labels(task: ShopTask, steps: list) -> list[bool]:
         ok = True
         if isinstance(step, Final):
             ok = _answer_right(task, step.answer)
-        ok = ok and _shop_thought_true(task, step.thought, known, computed)
+        ok = ok and shop_thought_true(task, step.thought, known, computed)
         if isinstance(step, Action):
             res = shop_execute(task, step.name, step.arguments)    # the call run again
             if res.fact is not None:            # a Lookup or Rate: a needed fact, new

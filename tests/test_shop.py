@@ -547,7 +547,7 @@ def test_diagnostic_set(data):
         fact = envs.shop_execute(task, call["name"], call["arguments"]).fact
         known, computed, _ = shopdata._shop_state(task, wrong["dialogs"][:-1])
         assert fact not in task.needed or fact in known
-        assert envs._shop_thought_true(task, thought.split("I need")[0], known, computed)
+        assert envs.shop_thought_true(task, thought.split("I need")[0], known, computed)
 
 
 def test_make_data_is_fast(tmp_path):

@@ -28,7 +28,7 @@ from lab.worlds import released
 # turn, by re-running its tool calls (shop_labels). Vocabulary and phrasing are small and regular
 # on purpose: a tiny model trained on the gold dialogs must be able to learn the world.
 #
-# A turn is correct iff envs.shop_labels says so: its docstring and _shop_thought_true's state the
+# A turn is correct iff envs.shop_labels says so: its docstring and shop_thought_true's state the
 # rules, which the default run's rewards and successes depend on.
 
 
