@@ -1,6 +1,7 @@
-"""Tool-use environments (METHOD.md §1, §2, §10): the ReAct text every model sees and its parser,
-the built-in `shop` world, the GTA replay of the released episodes and its answer matching, the
-Calculator tool, and the episode files themselves (ToolBench, LLM-judged: lab/toolbench.py).
+"""Tool-use environments (METHOD.md §1, §2, §10): the ReAct text every model sees and its
+parser, the built-in `shop` world, the GTA replay of the released episodes and its answer
+matching, the Calculator tool, and the episode files themselves (ToolBench, LLM-judged,
+is the lab's: lab/worlds/toolbench.py).
 
     env = make("gta", split="test", data_dir=...)       # or ShopEnv("test"), the built-in world
     ep = env.episode(0)
@@ -8,13 +9,15 @@ Calculator tool, and the episode files themselves (ToolBench, LLM-judged: lab/to
         ep.step(policy(ep.messages))
     ep.score()          # in [0, 1], or None with ep.skip_reason
 
-An episode is a chat: the task and the tool instructions, then one ReAct step (parse_react) per
-assistant turn, a tool call answered by a user message `Observation: ...`, until a final answer
-or the last turn allowed. Where the paper and the authors' release are silent or disagree:
+An episode is a chat: the task and the tool instructions, then one ReAct step
+(parse_react) per assistant turn, a tool call answered by a user message
+`Observation: ...`, until a final answer or the last turn allowed. Where the paper and the authors'
+release are silent or disagree:
 - GTA answer matching (gta_match): right iff every whitelist group has an alias in the answer and
-  no blacklist alias is in it, GTA's reference `iscorrect`. The paper's "at least one whitelist
-  group fully matched" is the release's loose matcher, which requires every alias of a group: the
-  gold answers of GTA test 28 ("24185" for ["24185", "24,185"]), train 171 and 207 would fail it.
+  no blacklist alias is in it, GTA's reference `iscorrect`. The paper's "at least one
+  whitelist group fully matched" is the release's loose matcher, which requires every
+  alias of a group: the gold answers of GTA test 28 ("24185" for ["24185", "24,185"]),
+  train 171 and 207 would fail it.
 - A call the gold dialog repeats with different responses (ToolBench's retries) replays them in
   order, then the last one again; the release kept only the first (ReplayCache).
 - The task shown to the model lists the episode's attached files (GTA's image paths): without
@@ -40,19 +43,21 @@ import requests
 import model
 
 MAX_TURNS = 10                      # assistant turns per episode (paper Appendix eval)
-OBSERVATION_CHARS = 1000            # longer tool results are cut and get "..." (METHOD.md §2)
+# longer tool results are cut and get "..." (METHOD.md §2)
+OBSERVATION_CHARS = 1000
 
 
-# ==== METHOD.md §2: the one text of tools, steps and observations, offline and online =============
-# Offline records and online rollouts render the same text, so a probe fitted offline scores the
-# distribution it was fitted on. An assistant step is
+# ==== METHOD.md §2: the one text of tools, steps and observations, offline and online ===========
+# Offline records and online rollouts render the same text, so a probe fitted offline
+# scores the distribution it was fitted on. An assistant step is
 #     Thought: {thought}
 #     Action: {tool name}
 #     Action Input: {json.dumps(arguments, ensure_ascii=False)}
-# and a final turn "Thought: {thought}\nFinal Answer: {answer}", no Thought line without a thought.
-# A tool result is a user message "Observation: {text}", cut to OBSERVATION_CHARS. The first user
-# message is the task (and its files), a blank line, the tool list and _REPLY_FORMAT; consecutive
-# messages of a role join with a blank line. model.py's Tokenizer.render adds the chat template.
+# and a final turn "Thought: {thought}\nFinal Answer: {answer}", no Thought line without
+# a thought. A tool result is a user message "Observation: {text}", cut to
+# OBSERVATION_CHARS. The first user message is the task (and its files), a blank line,
+# the tool list and _REPLY_FORMAT; consecutive messages of a role join with a blank line.
+# model.py's Tokenizer.render adds the chat template.
 _REPLY_FORMAT = """
 Solve the task step by step. Each reply is one step, in exactly one of two formats.
 To call one tool:
@@ -79,7 +84,8 @@ def tool_instructions(tools: list[dict]) -> str:
             optional = ""
             if inp.get("optional"):
                 optional = ", optional"
-            kind = (inp.get("type") or "text") + optional  # a non-str type fails check_episode_file
+            # a non-str type fails check_episode_file
+            kind = (inp.get("type") or "text") + optional
             note = " ".join((inp.get("description") or "").split())
             lines.append(f"    {inp['name']} ({kind})")
             if note:
@@ -90,11 +96,14 @@ def tool_instructions(tools: list[dict]) -> str:
 
 
 def render_action(thought: str | None, name: str, arguments: dict) -> str:
+    """A tool call as the assistant writes it: Thought (when there is one), Action,
+    Action Input (the arguments as one line of JSON, non-ASCII kept)."""
     text = f"Action: {name}\nAction Input: {json.dumps(arguments, ensure_ascii=False)}"
     return f"Thought: {thought}\n{text}" if thought else text
 
 
 def render_final(thought: str | None, answer: str) -> str:
+    """A final turn as the assistant writes it: Thought (when there is one), Final Answer."""
     return f"Thought: {thought}\nFinal Answer: {answer}" if thought else f"Final Answer: {answer}"
 
 
@@ -124,15 +133,17 @@ def tool_result_text(message: dict) -> str:
 
 
 def assistant_parts(message: dict) -> tuple[str | None, dict | None, str | None]:
-    """(thought, tool call {name, arguments} or None, final content) of a released assistant turn.
-    Three released turns carry text in `content` beside a tool call and no `thought`: it precedes
-    the call (as in Qwen's tool template) and reads as the step's reasoning, so it is the thought.
-    So is `explanation`, where one contaminated turn holds its rewritten thought (else unseen)."""
+    """(thought, tool call {name, arguments} or None, final content) of a released
+    assistant turn. Three released turns carry text in `content` beside a tool call and
+    no `thought`: it precedes the call (as in Qwen's tool template) and reads as the
+    step's reasoning, so it is the thought. So is `explanation`, where one contaminated
+    turn holds its rewritten thought (else unseen)."""
     parts = [message.get("thought"), message.get("explanation")]
     call = None
     final = None
     if message.get("tool_calls"):
-        call = message["tool_calls"][0]["function"]     # check_dialog allows one call a turn
+        # check_dialog allows one call a turn
+        call = message["tool_calls"][0]["function"]
         parts.append(message.get("content"))
     else:
         final = (message.get("content") or "").strip()
@@ -142,6 +153,7 @@ def assistant_parts(message: dict) -> tuple[str | None, dict | None, str | None]
 
 
 def render_assistant(message: dict) -> str:
+    """A released assistant turn as the ReAct text a policy writes (assistant_parts)."""
     thought, call, final = assistant_parts(message)
     if call is not None:
         return render_action(thought, call["name"], call.get("arguments") or {})
@@ -150,8 +162,9 @@ def render_assistant(message: dict) -> str:
 
 def dialog_to_messages(dialog: list[dict], tools: list[dict],
                        files: list[dict] | tuple = ()) -> list[dict]:
-    """A released dialog as chat messages: the task (+ files + tool instructions), assistant
-    steps, tool results as user `Observation:` messages; consecutive messages of a role merged."""
+    """A released dialog as chat messages: the task (+ files + tool instructions),
+    assistant steps, tool results as user `Observation:` messages; consecutive messages
+    of a role merged."""
     messages: list[dict] = []
     for i, m in enumerate(dialog):
         role = "user"
@@ -160,11 +173,13 @@ def dialog_to_messages(dialog: list[dict], tools: list[dict],
             content = render_assistant(m)
         elif m["role"] == "user" and i:
             content = m["content"]
-        elif m["role"] == "user":       # the task: its files, then the tools and the reply format
+        elif m["role"] == "user":
+            # the task: its files, then the tools and the reply format
             content = render_task(m["content"], files) + "\n\n" + tool_instructions(tools)
         else:                           # a tool result
             content = render_observation(tool_result_text(m))
-        if messages and messages[-1]["role"] == role:   # released data: user messages only
+        # released data: user messages only
+        if messages and messages[-1]["role"] == role:
             messages[-1]["content"] += "\n\n" + content
         else:
             messages.append({"role": role, "content": content})
@@ -173,21 +188,26 @@ def dialog_to_messages(dialog: list[dict], tools: list[dict],
 
 # ==== ReAct parser: one assistant reply -> a tool call, a final answer, or what was wrong with it
 # The rules, and why:
-# - A marker (Thought:, Action:, Action Input:, Final Answer:, Observation:) counts at the start
-#   of a line only, in any case, with spaces or tabs around it: a word inside a sentence is text.
-# - The step is the first "Action:" whose next marker is "Action Input:", or the first "Final
-#   Answer:", whichever comes first. A thought may itself hold a line "Action:" (ToolBench's gold
-#   thoughts do), and what follows the step (an "Observation:" the model invented, a second step)
-#   is ignored: the environment answers one step per turn.
-# - The thought: from the first "Thought:" before the step (else the start) to it, stripped or None.
-# - The tool's name is the text between "Action:" and "Action Input:" stripped of spaces, quotes,
-#   backticks and asterisks (markdown); a name over several lines names no tool: the call misses.
-# - The Action Input is the first JSON value after its marker (an opening ``` fence skipped, the
-#   rest ignored): an object, nested at most MAX_NESTING deep, holding no lone surrogate escape.
-# - Every failure is a ParseError whose message becomes the observation: it tells the agent how
-#   to write the reply, and the episode goes on.
+# - A marker (Thought:, Action:, Action Input:, Final Answer:, Observation:) counts at
+#   the start of a line only, in any case, with spaces or tabs around it: a word inside a
+#   sentence is text.
+# - The step is the first "Action:" whose next marker is "Action Input:", or the first
+#   "Final Answer:", whichever comes first. A thought may itself hold a line "Action:"
+#   (ToolBench's gold thoughts do), and what follows the step (an "Observation:" the
+#   model invented, a second step) is ignored: the environment answers one step per turn.
+# - The thought: from the first "Thought:" before the step (else the start) to it,
+#   stripped, or None.
+# - The tool's name is the text between "Action:" and "Action Input:" stripped of spaces,
+#   quotes, backticks and asterisks (markdown); a name over several lines names no tool:
+#   the call misses.
+# - The Action Input is the first JSON value after its marker (an opening ``` fence
+#   skipped, the rest ignored): an object, nested at most MAX_NESTING deep, holding no
+#   lone surrogate escape.
+# - Every failure is a ParseError whose message becomes the observation: it tells the
+#   agent how to write the reply, and the episode goes on.
 @dataclass
 class Action:
+    """A step that calls one tool."""
     thought: str | None     # None when the reply has none
     name: str
     arguments: dict         # the Action Input, a JSON object
@@ -195,17 +215,20 @@ class Action:
 
 @dataclass
 class Final:
+    """A step that answers: the episode ends."""
     thought: str | None
     answer: str             # stripped, never empty
 
 
 @dataclass
 class ParseError:
+    """A reply that is neither step; the episode goes on with the message as its observation."""
     message: str        # written for the agent: it becomes the observation
 
 
 _MARKER = re.compile(r"^[ \t]*(thought|action[ \t]*input|action|final[ \t]*answer|observation)"
-                     r"[ \t]*:", re.IGNORECASE | re.MULTILINE)     # "action input" tried first
+                     # "action input" tried first
+                     r"[ \t]*:", re.IGNORECASE | re.MULTILINE)
 _FORMAT_HINT = ("Reply with 'Thought:', 'Action:' and 'Action Input:' lines to call a tool, or "
                 "with 'Thought:' and 'Final Answer:' lines to answer.")
 MAX_NESTING = 64             # of an Action Input's objects and lists
@@ -216,7 +239,8 @@ def parse_react(text: str) -> Action | Final | ParseError:
     if not isinstance(text, str):
         return ParseError(f"The reply is not text. {_FORMAT_HINT}")
     marks = [(re.sub(r"[ \t]+", " ", m.group(1).lower()), m.start(), m.end())
-             for m in _MARKER.finditer(text)]  # (keyword, lower case and single-spaced; start; end)
+             # (keyword, lower case and single-spaced; start; end)
+             for m in _MARKER.finditer(text)]
     head = None                         # the index in `marks` of the step's marker
     for k, (keyword, _, _) in enumerate(marks):
         if keyword == "final answer" or (keyword == "action" and k + 1 < len(marks)
@@ -224,16 +248,21 @@ def parse_react(text: str) -> Action | Final | ParseError:
             head = k
             break
     if head is None:
-        lone = next((mk for mk in marks if mk[0] == "action"), None)   # no Action Input after it
+        # no Action Input after it
+        lone = next((mk for mk in marks if mk[0] == "action"), None)
         if lone is None:
             return ParseError(f"No 'Action:' or 'Final Answer:' line found. {_FORMAT_HINT}")
-        name = text[lone[2]:].split("\n", 1)[0].strip()               # the rest of its line
+        # the rest of its line
+        name = text[lone[2]:].split("\n", 1)[0].strip()
         return ParseError(f"'Action: {name[:100]}' must be followed by an 'Action Input:' line "
                           "with the tool's inputs as a JSON object.")
-    kind, start, end = marks[head]                          # the step's keyword and marker
-    thought_at = next((mk[2] for mk in marks[:head] if mk[0] == "thought"), 0)     # else the start
+    # the step's keyword and marker
+    kind, start, end = marks[head]
+    # the thought starts after the first "Thought:" before the step, else at the start
+    thought_at = next((mk[2] for mk in marks[:head] if mk[0] == "thought"), 0)
     thought = text[thought_at:start].strip() or None
-    after = len(text)                   # where the marker's text ends: the next marker, or the end
+    # where the marker's text ends: the next marker, or the end
+    after = len(text)
     if head + 1 < len(marks):
         after = marks[head + 1][1]
     if kind == "final answer":
@@ -241,10 +270,12 @@ def parse_react(text: str) -> Action | Final | ParseError:
         if not answer:
             return ParseError("'Final Answer:' is empty: write the answer after it.")
         return Final(thought, answer)
-    name = text[end:after].strip().strip("`'\"*").strip()      # markdown: **Search**, `Search`
+    # markdown: **Search**, `Search`
+    name = text[end:after].strip().strip("`'\"*").strip()
     if not name:
         return ParseError(f"'Action:' names no tool. {_FORMAT_HINT}")
-    inputs = _action_input(text[marks[head + 1][2]:])      # all that follows "Action Input:"
+    # all that follows "Action Input:"
+    inputs = _action_input(text[marks[head + 1][2]:])
     if isinstance(inputs, ParseError):
         return inputs
     return Action(thought, name, inputs)
@@ -257,14 +288,16 @@ def _action_input(raw: str) -> dict | ParseError:
         return ParseError("'Action Input:' is empty: write the inputs as a JSON object "
                           "(use {} for a tool without inputs).")
     try:
-        arguments, _ = json.JSONDecoder().raw_decode(raw)      # the first value; the rest ignored
+        # the first value; the rest ignored
+        arguments, _ = json.JSONDecoder().raw_decode(raw)
     except json.JSONDecodeError as e:
         return ParseError(f"Invalid JSON in Action Input: {e.msg} (line {e.lineno}, column "
                           f"{e.colno}). Write the inputs as one JSON object, for example "
                           '{"name": "value"}.')
     except RecursionError:
         return ParseError("Invalid JSON in Action Input: the value is too deeply nested.")
-    except ValueError as e:         # e.g. an integer longer than Python converts (4300 digits)
+    except ValueError as e:
+        # e.g. an integer longer than Python converts (4300 digits)
         return ParseError(f"Invalid JSON in Action Input: {str(e)[:200]}")
     if not isinstance(arguments, dict):
         return ParseError(f"Action Input must be a JSON object {{...}}, not a JSON "
@@ -280,35 +313,42 @@ def _action_input(raw: str) -> dict | ParseError:
             if isinstance(v, dict):
                 children = v.values()
             stack.extend((x, depth + 1) for x in children)
-    if model.holds_lone_surrogate(arguments):   # echoed back, no tokenizer could encode it
+    # echoed back, no tokenizer could encode it
+    if model.holds_lone_surrogate(arguments):
         return ParseError("Action Input holds a \\ud800-\\udfff escape that is not half of a "
                           "surrogate pair: write the character itself.")
     return arguments
 
 
-# ==== Episodes and environments ===================================================================
+# ==== Episodes and environments =================================================================
 @dataclass
 class StepResult:
-    """What a step did to the chat: the observation appended, or the end of the episode. A rollout
-    holding the chat in a KV cache renders it again from `rewritten_from` when that is not None."""
+    """What a step did to the chat: the observation appended, or the end of the episode.
+    A rollout holding the chat in a KV cache renders it again from `rewritten_from` when
+    that is not None."""
     observation: str | None     # content of the user message appended, None when done
     done: bool
-    rewritten_from: int | None = None   # the first message rewritten in place (a history cap)
+    # the first message rewritten in place (a history cap)
+    rewritten_from: int | None = None
 
 
 class Episode:
-    """One task being played. A subclass answers a call (call_tool(name, arguments) -> observation)
-    and scores the episode (score() -> [0, 1], None: skipped; out of turns without an answer: 0)."""
+    """One task being played: its chat (`messages`), the parsed steps and the final answer. A
+    subclass answers a call (call_tool(name, arguments) -> observation) and scores the episode
+    (score() -> [0, 1], None: skipped; out of turns without an answer: 0)."""
     max_turns = MAX_TURNS               # a world with longer tasks allows more (World)
 
     def __init__(self, id: str, task: str, tools: list[dict], files: list[dict] | tuple = ()):
         self.id = str(id)
-        # the chat so far as the policy reads it, from one user message: task, files, tools, format
+        # the chat so far as the policy reads it, from one user message (the task, its
+        # files, the tools and the reply format)
         self.messages = dialog_to_messages([{"role": "user", "content": task}], tools, files)
-        self.steps: list[Action | Final | ParseError] = []   # parsed, one per assistant turn
+        # parsed, one per assistant turn
+        self.steps: list[Action | Final | ParseError] = []
         self.final_answer: str | None = None    # the Final step's answer
         self.done = False
-        self.skip_reason: str | None = None     # why the episode cannot be scored, or None
+        # why the episode cannot be scored, or None
+        self.skip_reason: str | None = None
 
     def step(self, assistant_text: str) -> StepResult:
         """Append the policy's turn (its text without the closing <|im_end|>) and answer it."""
@@ -319,12 +359,14 @@ class Episode:
         self.steps.append(parsed)
         if isinstance(parsed, Final):
             self.final_answer = parsed.answer
-        if isinstance(parsed, Final) or len(self.steps) >= self.max_turns:  # out of turns: 0
+        # out of turns: 0
+        if isinstance(parsed, Final) or len(self.steps) >= self.max_turns:
             self.done = True
             return StepResult(None, True)
         if isinstance(parsed, Action):
             result = self.call_tool(parsed.name, parsed.arguments)
-        else:                               # a ParseError: the agent reads what was wrong
+        else:
+            # a ParseError: the agent reads what was wrong
             result = f"Invalid reply: {parsed.message}"
         observation = render_observation(result)
         self.messages.append({"role": "user", "content": observation})
@@ -335,35 +377,41 @@ class Episode:
         return None
 
     def labels(self) -> list[bool] | None:
-        return None     # exact step labels exist only in the built-in world
+        """Each step's exact label (True: right), or None where the world cannot label
+        steps: exact step labels exist only in the built-in worlds."""
+        return None
 
 
 class Env:
     """A split: env.episode(i or id) is a fresh Episode, _new_episode(id, records[id])."""
 
     def __init__(self, records: dict):
-        self.records = records          # episode id -> record (a built-in world's: its index)
+        # episode id -> record (a built-in world's: its index)
+        self.records = records
         self.ids = list(records)
 
     def __len__(self) -> int:
         return len(self.ids)
 
     def episode(self, i: int | str) -> Episode:
-        key = self.ids[i] if isinstance(i, int) else str(i)     # an index, or an episode id
+        """A fresh Episode of the split's i-th episode (an int) or of the episode id `i`
+        (a str); KeyError when the split has no such id."""
+        key = self.ids[i] if isinstance(i, int) else str(i)
         if key not in self.records:
             raise KeyError(f"no episode {key!r} in this split")
         return self._new_episode(key, self.records[key])
 
 
 # ==== The built-in world, shop: tasks drawn from a seed, tools that really execute, exact labels
-# An episode's seed draws a world (USD prices of SHOP_ITEMS at SHOP_STORES, exchange rates) and a
-# task, "What is the total cost of 3 apple at store B and 2 pear at store A, in EUR?": 2-5 tool
-# calls (a Lookup per line, a Rate unless the currency is USD, one Calculator), then the answer
-# with 2 decimals. Vocabulary and phrasing are small and regular on purpose: a tiny model trained
-# on the gold dialogs must be able to learn the world.
-# Every turn is labelled exactly (shop_labels): the tools run against the world, so any dialog,
-# gold, contaminated or a rollout, is judged turn by turn by re-running its calls. The episode
-# scores 1 when its answer's first number is within half a cent of the exact total (_answer_right).
+# An episode's seed draws a world (USD prices of SHOP_ITEMS at SHOP_STORES, exchange
+# rates) and a task, "What is the total cost of 3 apple at store B and 2 pear at store A,
+# in EUR?": 2-5 tool calls (a Lookup per line, a Rate unless the currency is USD, one
+# Calculator), then the answer with 2 decimals. Vocabulary and phrasing are small and
+# regular on purpose: a tiny model trained on the gold dialogs must be able to learn the
+# world. Every turn is labelled exactly (shop_labels): the tools run against the world,
+# so any dialog, gold, contaminated or a rollout, is judged turn by turn by re-running
+# its calls. The episode scores 1 when its answer's first number is within half a cent of
+# the exact total (_answer_right).
 SHOP_STORES = ("A", "B", "C", "D")
 SHOP_ITEMS = ("apple", "bread", "egg", "milk", "pear", "rice")
 # units of each currency one USD buys, drawn uniformly in cents
@@ -374,18 +422,23 @@ SHOP_MAX_QUANTITY = 6               # a line buys 1 to 6 of its item
 SHOP_TEMPLATES = ("What is the total cost of {lines}, in {cur}?",
                   "How much do {lines} cost in total, in {cur}?",
                   "I buy {lines}. How much do I pay in {cur}?")
-# Episode i's seed: seed * SHOP_SEED_STRIDE + SHOP_SPLIT_OFFSET[split] + i, disjoint across splits
-# and seeds while i < SHOP_SPLIT_SIZE[split]; val is the top of the train range, which no run nears.
+# Episode i's seed: seed * SHOP_SEED_STRIDE + SHOP_SPLIT_OFFSET[split] + i, disjoint
+# across splits and seeds while i < SHOP_SPLIT_SIZE[split]; val is the top of the train
+# range, which no run nears.
 SHOP_SEED_STRIDE = 10_000_000
 SHOP_SPLIT_OFFSET = {"train": 0, "val": 4_500_000, "test": 5_000_000}
 SHOP_SPLIT_SIZE = {"train": 4_500_000, "val": 500_000, "test": 5_000_000}
-# Held-out pools: a success rate near 0.3 on the 600 test episodes is known to +-3.7 points (95%),
-# a mean over 3 seeds to about +-2.
-SHOP_EPISODES = {"train": 10_000, "val": 200, "test": 600}  # a split's episodes by default
-SHOP_SCORING = 2    # the rules' version (2: half a cent): cached evaluations and probes key on it
-_SHOP_VALUE_TOL = 0.005     # "equals" within half a cent: of a total, its rounding, not a cent off
-_CENT = Decimal("0.01")             # the answer's precision
-_NUM = r"\d+(?:\.\d+)?"                # a number as prices and rates are written: 2.50, 3
+# Held-out pools: a success rate near 0.3 on the 600 test episodes is known to +-3.7
+# points (95%), a mean over 3 seeds to about +-2.
+# a split's episodes by default
+SHOP_EPISODES = {"train": 10_000, "val": 200, "test": 600}
+# the rules' version (2: half a cent): cached evaluations and probes key on it
+SHOP_SCORING = 2
+# "equals" within half a cent: of a total, its rounding, not a cent off
+_SHOP_VALUE_TOL = 0.005
+CENT = Decimal("0.01")             # the answer's precision
+# a number as prices and rates are written: 2.50, 3
+_NUM = r"\d+(?:\.\d+)?"
 
 
 def _text_input(key: str | None, text: str) -> dict:
@@ -394,7 +447,8 @@ def _text_input(key: str | None, text: str) -> dict:
             "default": None, "filetype": None}
 
 
-SHOP_TOOLS = [{"name": name, "description": description,      # the released (GTA) tool schema
+# the released (GTA) tool schema
+SHOP_TOOLS = [{"name": name, "description": description,
                "inputs": [_text_input(k, text) for k, text in inputs.items()],
                "outputs": [_text_input(None, output)]}
               for name, description, inputs, output in (
@@ -404,10 +458,17 @@ SHOP_TOOLS = [{"name": name, "description": description,      # the released (GT
      {"currency": "The currency: " + ", ".join(SHOP_CURRENCIES) + "."}, "The exchange rate."),
     ("Calculator", "Evaluate an arithmetic expression (+ - * / and parentheses).",
      {"expression": "e.g. (3*2.50+1.20)*0.92"}, "The value."))]
-_SHOP_ARGS = {t["name"]: tuple(i["name"] for i in t["inputs"]) for t in SHOP_TOOLS}  # its inputs
-_SHOP_NAMES = {"store": (str.upper, SHOP_STORES, "Stores"),  # spelling, values, name in errors
+# each tool's input names, in the order its schema lists them
+_SHOP_ARGS = {t["name"]: tuple(i["name"] for i in t["inputs"]) for t in SHOP_TOOLS}
+# spelling, values, name in errors
+_SHOP_NAMES = {"store": (str.upper, SHOP_STORES, "Stores"),
                "item": (str.lower, SHOP_ITEMS, "Items"),
                "currency": (str.upper, SHOP_CURRENCIES, "Currencies")}
+
+
+def round_answer(amount: Decimal) -> str:
+    """An amount as a shop answer states it: rounded half-up to the cent, "12.35"."""
+    return str(amount.quantize(CENT, rounding=ROUND_HALF_UP))
 
 
 @dataclass(frozen=True)
@@ -441,16 +502,19 @@ class ShopTask:
     @cached_property
     def answer(self) -> str:
         """The total rounded half-up to 2 decimals."""
-        return str(self.total.quantize(_CENT, rounding=ROUND_HALF_UP))
+        return round_answer(self.total)
 
     @cached_property
     def quantities(self) -> list[Decimal]:
-        """Every value a useful Calculator call may produce: a sum of line subtotals q*p over any
-        subset of the lines (any grouping), such a sum converted, a converted unit price p*r."""
+        """Every value a useful Calculator call may produce: a sum of line subtotals q*p
+        over any subset of the lines (any grouping), such a sum converted, a converted
+        unit price p*r."""
         rate = self.rates[self.currency]
-        subtotals = [q * self.prices[s, i] for q, i, s in self.lines]      # q * p a line, USD
+        # q * p a line, USD
+        subtotals = [q * self.prices[s, i] for q, i, s in self.lines]
         sums = {sum(x for k, x in enumerate(subtotals) if mask >> k & 1)
-                for mask in range(1, 2 ** len(subtotals))}  # bit k of mask: line k is in the sum
+                # bit k of mask: line k is in the sum
+                for mask in range(1, 2 ** len(subtotals))}
         out = set(sums)
         if self.currency != "USD":
             out |= {x * rate for x in sums}
@@ -458,26 +522,31 @@ class ShopTask:
         return sorted(out)
 
     def values_in(self, text: str) -> list[str]:
-        """The numbers `text` states as values: all here (lab/shop.py's LongTask skips "(1)")."""
+        """The numbers `text` states as values: all here (lab/worlds/shop.py's LongTask
+        skips "(1)")."""
         return re.findall(_NUM, text)
 
 
 def draw_world(rng: random.Random) -> tuple[dict, dict]:
     """An episode's prices and rates (2.50 keeps its decimals), its seed's first draws."""
-    prices = {(s, i): Decimal(rng.randint(*SHOP_PRICE_CENTS)).scaleb(-2)      # 250 -> 2.50
+    # 250 -> 2.50
+    prices = {(s, i): Decimal(rng.randint(*SHOP_PRICE_CENTS)).scaleb(-2)
               for s in SHOP_STORES for i in SHOP_ITEMS}
     rates = {"USD": Decimal("1.00")}    # a USD task's total is multiplied by 1.00 too
-    rates.update({c: Decimal(rng.randint(*span)).scaleb(-2) for c, span in SHOP_RATE_CENTS.items()})
+    for currency, span in SHOP_RATE_CENTS.items():
+        rates[currency] = Decimal(rng.randint(*span)).scaleb(-2)
     return prices, rates
 
 
 def shop_task(seed: int) -> ShopTask:
-    """The episode of one seed (one random.Random(seed), fixed draw order: the world, the number
-    of lines, their distinct (store, item) pairs, their quantities, the currency, the phrasing)."""
+    """The episode of one seed (one random.Random(seed), fixed draw order: the world, the
+    number of lines, their distinct (store, item) pairs, their quantities, the currency,
+    the phrasing)."""
     rng = random.Random(seed)
     prices, rates = draw_world(rng)
     n_lines = rng.randint(1, 3)
-    pairs = rng.sample([(s, i) for s in SHOP_STORES for i in SHOP_ITEMS], n_lines)   # distinct
+    # the lines' (store, item) pairs, all distinct
+    pairs = rng.sample([(s, i) for s in SHOP_STORES for i in SHOP_ITEMS], n_lines)
     lines = tuple((rng.randint(1, SHOP_MAX_QUANTITY), i, s) for s, i in pairs)
     currency = rng.choice(SHOP_CURRENCIES)
     parts = [f"{q} {i} at store {s}" for q, i, s in lines]
@@ -490,18 +559,22 @@ def shop_task(seed: int) -> ShopTask:
 
 @dataclass(frozen=True)
 class World:
-    """A built-in world; the lab builds a longer one the same way (lab/shop.py)."""
+    """A built-in world; the lab builds its longer ones the same way (lab/worlds/shop.py)."""
     name: str
     task: Callable[[int], ShopTask]     # an episode's seed -> its task
     max_turns: int                      # the assistant turns an episode allows
-    policy: Path                        # its own: --model's default (python -m lab.shop sft)
+    # its own: --model's default (python -m lab.shop sft)
+    policy: Path
 
 
-BUILTIN_POLICY = Path(__file__).resolve().parent / "data" / "shop-policy"  # grpo.py's default
+# grpo.py's default
+BUILTIN_POLICY = Path(__file__).resolve().parent / "data" / "shop-policy"
 WORLDS = {"shop": World("shop", shop_task, MAX_TURNS, BUILTIN_POLICY)}
 
 
 def shop_episode_seed(split: str, seed: int, i: int) -> int:
+    """The seed of episode i of `split` for the run's `seed` (the comment above
+    SHOP_SEED_STRIDE); ValueError for an unknown split, IndexError past the split's size."""
     if split not in SHOP_SPLIT_OFFSET:
         raise ValueError(f"shop: unknown split {split!r} (choose from train, val, test)")
     if not 0 <= i < SHOP_SPLIT_SIZE[split]:
@@ -511,6 +584,7 @@ def shop_episode_seed(split: str, seed: int, i: int) -> int:
 
 
 def shop_episode_id(split: str, seed: int, i: int, world: str = "shop") -> str:
+    """A built-in world's episode id, "shop-42-test-7": the world, the seed, the split, i."""
     return f"{world}-{seed}-{split}-{i}"
 
 
@@ -532,22 +606,26 @@ def _number(calculated: str) -> float | None:
 
 
 def shop_execute(task: ShopTask, name: str, arguments) -> ShopResult:
-    """Run one tool call against the episode's world. An unknown tool, inputs other than exactly
-    the tool's own (each a string), or an unknown store, item or currency answers "Error: ..."
-    naming what the world accepts; names are read in any case, spaces around them stripped."""
+    """Run one tool call against the episode's world. An unknown tool, inputs other than
+    exactly the tool's own (each a string), or an unknown store, item or currency answers
+    "Error: ..." naming what the world accepts; names are read in any case, spaces around
+    them stripped."""
     keys = _SHOP_ARGS.get(name)
     if keys is None:
         return ShopResult(f"Error: unknown tool '{name}'. Tools: Lookup, Rate, Calculator.")
     if not isinstance(arguments, dict) or set(arguments) != set(keys) or \
             not all(isinstance(arguments[k], str) for k in keys):
-        return ShopResult(f"Error: {name} takes {{" + ", ".join(f'"{k}": ...' for k in keys) + "}.")
+        wanted = ", ".join(f'"{k}": ...' for k in keys)
+        return ShopResult(f"Error: {name} takes {{{wanted}}}.")
     args = {k: arguments[k].strip() for k in keys}     # " A " is store A
     if name == "Calculator":
         out = calculate(args["expression"])
         number = _number(out)
-        if number is None or not math.isfinite(number):     # an error, or an integer past 1e308
+        # an error, or an integer past 1e308
+        if number is None or not math.isfinite(number):
             return ShopResult(out)
-        # Round away float noise (9.108000000000001): a small model should not have to copy it.
+        # Float noise (9.108000000000001) is rounded away: a small model should not have
+        # to copy it.
         return ShopResult(str(round(number, 6)), number=number)
     for key, raw in args.items():
         spelling, names, plural = _SHOP_NAMES[key]
@@ -564,28 +642,33 @@ def shop_execute(task: ShopTask, name: str, arguments) -> ShopResult:
 
 # What a thought can claim, read with fixed patterns (the gold dialogs' phrasing)
 _SHOP_CLAIM = re.compile(
-    rf"(?P<item>[a-z]+) at store (?P<store>[a-z])\b costs (?P<price>{_NUM})(?: USD\b)?"  # a price
-    rf"|\b1 USD = (?P<rate>{_NUM}) (?P<rcur>[a-z]{{3}})\b"                               # a rate
-    r"|\bI need the price of (?P<nitem>[a-z]+) at store (?P<nstore>[a-z])\b"  # a price needed next
-    r"|\bI need the (?P<ncur>[a-z]{3}) rate\b"                                # a rate needed next
+    # a price
+    rf"(?P<item>[a-z]+) at store (?P<store>[a-z])\b costs (?P<price>{_NUM})(?: USD\b)?"
+    # a rate
+    rf"|\b1 USD = (?P<rate>{_NUM}) (?P<rcur>[a-z]{{3}})\b"
+    # a price needed next
+    r"|\bI need the price of (?P<nitem>[a-z]+) at store (?P<nstore>[a-z])\b"
+    # a rate needed next
+    r"|\bI need the (?P<ncur>[a-z]{3}) rate\b"
     # the total: an expression or a number, maybe with its currency
     r"|\bthe total is (?P<total>[\d.,+\-*/() ]*[\d)])(?: (?P<tcur>USD|EUR|GBP|CAD|JPY)\b)?",
     re.IGNORECASE)
 
 
-def _close(x: float, values) -> bool:
+def within_half_cent(x: float, values) -> bool:
     """x equals one of `values` within half a cent (1e-9 absorbs float error at the boundary)."""
     return any(abs(x - float(v)) <= _SHOP_VALUE_TOL + 1e-9 for v in values)
 
 
 def _answer_right(task: ShopTask, answer: str | None) -> bool:
     """Its first number is within half a cent of the total (for 1.674: 1.67 or 1.674, not 1.68)."""
-    m = re.search(r"-?\d[\d,]*(?:\.\d+)?", answer or "")      # "1,234.50", "-3": commas allowed
-    return m is not None and _close(float(m.group(0).replace(",", "")), [task.total])
+    # "1,234.50", "-3": commas allowed
+    m = re.search(r"-?\d[\d,]*(?:\.\d+)?", answer or "")
+    return m is not None and within_half_cent(float(m.group(0).replace(",", "")), [task.total])
 
 
-def _shop_thought_true(task: ShopTask, thought: str | None, known: dict,
-                       computed: list[float]) -> bool:
+def shop_thought_true(task: ShopTask, thought: str | None, known: dict,
+                      computed: list[float]) -> bool:
     """Every _SHOP_CLAIM is true (a price or rate the world's; "I need ..." a needed fact not
     fetched yet; "the total is <expression or x> [CUR]" the total in the task's currency) and
     every other number (ShopTask.values_in) one the task involves: a quantity, a price or rate it
@@ -594,10 +677,12 @@ def _shop_thought_true(task: ShopTask, thought: str | None, known: dict,
     def true(m: re.Match) -> bool:
         if m.group("price"):
             key = (m.group("store").upper(), m.group("item").lower())
-            return key in task.prices and _close(float(m.group("price")), [task.prices[key]])
+            price = float(m.group("price"))
+            return key in task.prices and within_half_cent(price, [task.prices[key]])
         if m.group("rate"):
             cur = m.group("rcur").upper()
-            return cur in task.rates and _close(float(m.group("rate")), [task.rates[cur]])
+            rate = float(m.group("rate"))
+            return cur in task.rates and within_half_cent(rate, [task.rates[cur]])
         if m.group("nitem") or m.group("ncur"):
             if m.group("nitem"):
                 fact = ("price", m.group("nstore").upper(), m.group("nitem").lower())
@@ -606,13 +691,14 @@ def _shop_thought_true(task: ShopTask, thought: str | None, known: dict,
             return fact in task.needed and fact not in known
         expression = m.group("total").replace(",", "")      # "10,996.94"
         cur = m.group("tcur")
-        value = None        # the longest start that computes: "21.91 (2 lines)" claims 21.91
+        # the longest start that computes: "21.91 (2 lines)" claims 21.91
+        value = None
         for k in range(len(expression), 0, -1):
             value = _number(calculate(expression[:k]))
             if value is not None:
                 break
         return not (cur and cur.upper() != task.currency) and value is not None \
-            and _close(value, [task.total])
+            and within_half_cent(value, [task.total])
 
     if not thought:
         return True
@@ -622,37 +708,41 @@ def _shop_thought_true(task: ShopTask, thought: str | None, known: dict,
     allowed = [Decimal(q) for q, _, _ in task.lines] + [task.value(f) for f in task.needed]
     allowed += list(known.values()) + task.quantities + [Decimal(task.answer)]
     rest = _SHOP_CLAIM.sub(" ", thought)        # the thought without its claims
-    return all(_close(float(x), allowed) or _close(float(x), computed)
+    return all(within_half_cent(float(x), allowed) or within_half_cent(float(x), computed)
                for x in task.values_in(rest))
 
 
 def shop_labels(task: ShopTask, steps: list) -> list[bool]:
-    """Exact correctness of each assistant turn (parse_react's steps; calls re-run against the
-    world, observations never read). A turn is right iff its thought asserts nothing false
-    (_shop_thought_true) and its step is a Lookup or Rate of a fact the task needs that no earlier
-    turn fetched, a Calculator call that evaluates to one of ShopTask.quantities no earlier call
-    produced, or a final answer within half a cent of the exact total. An unknown tool, bad
-    arguments or an unparsable reply is never right. Claims are checked against the world, not
-    the dialog: matched contaminated data keep the clean observations after a contaminated call
-    (as the release does), and a later gold turn restating the truth is true."""
+    """Exact correctness of each assistant turn (parse_react's steps; calls re-run
+    against the world, observations never read). A turn is right iff its thought asserts
+    nothing false (shop_thought_true) and its step is a Lookup or Rate of a fact the
+    task needs that no earlier turn fetched, a Calculator call that evaluates to one of
+    ShopTask.quantities no earlier call produced, or a final answer within half a cent of
+    the exact total. An unknown tool, bad arguments or an unparsable reply is never
+    right. Claims are checked against the world, not the dialog: matched contaminated
+    data keep the clean observations after a contaminated call (as the release does), and
+    a later gold turn restating the truth is true."""
     known: dict = {}                    # fact -> value, fetched by the turns so far
     computed: list[float] = []          # the Calculator results so far
     labels = []
     for step in steps:
-        if not isinstance(step, (Action, Final)):  # a ParseError, or several released calls
+        # a ParseError, or several released calls
+        if not isinstance(step, (Action, Final)):
             labels.append(False)
             continue
         ok = True
         if isinstance(step, Final):
             ok = _answer_right(task, step.answer)
-        ok = ok and _shop_thought_true(task, step.thought, known, computed)
+        ok = ok and shop_thought_true(task, step.thought, known, computed)
         if isinstance(step, Action):
             res = shop_execute(task, step.name, step.arguments)    # the call run again
             if res.fact is not None:            # a Lookup or Rate: a needed fact, new
                 ok = ok and res.fact in task.needed and res.fact not in known
                 known[res.fact] = res.value
-            elif res.number is not None:        # a Calculator result: a needed value, new
-                ok = ok and _close(res.number, task.quantities) and not _close(res.number, computed)
+            elif res.number is not None:
+                # a Calculator result: a needed value, new
+                ok = ok and within_half_cent(res.number, task.quantities)
+                ok = ok and not within_half_cent(res.number, computed)
                 computed.append(res.number)
             else:                               # an error: a call that does nothing
                 ok = False
@@ -669,12 +759,15 @@ class ShopEpisode(Episode):
         self.max_turns = max_turns
 
     def call_tool(self, name: str, arguments: dict) -> str:
+        """The tool run against the episode's world: its observation."""
         return shop_execute(self.task, name, arguments).text
 
     def score(self) -> float:
+        """1.0 when the final answer is within half a cent of the exact total, else 0.0."""
         return float(_answer_right(self.task, self.final_answer))
 
     def labels(self) -> list[bool]:
+        """Every step's exact label (shop_labels)."""
         return shop_labels(self.task, self.steps)
 
 
@@ -695,17 +788,21 @@ class ShopEnv(Env):
         return ShopEpisode(key, task, self.world.max_turns)
 
 
-# ==== Replay (METHOD.md §10): tool calls answered from the gold dialog ============================
-# A released episode has no live tools: a call is answered from a cache built from its gold
-# dialog (cache_key: the same call with its keys in another order hits). A call the gold dialog
-# never made misses: GTA computes a Calculator miss (calculate), answers its unavailable tools as
-# the paper's evaluation appendix says, and any other miss with simulator_miss's line. A replay
-# scores the final answer only: it has no step labels (Episode.labels is None).
+# ==== Replay (METHOD.md §10): tool calls answered from the gold dialog ==========================
+# A released episode has no live tools: a call is answered from a cache built from its
+# gold dialog (cache_key: the same call with its keys in another order hits). A call the
+# gold dialog never made misses: GTA computes a Calculator miss (calculate), answers its
+# unavailable tools as the paper's evaluation appendix says, and any other miss with
+# simulator_miss's line. A replay scores the final answer only: it has no step labels
+# (Episode.labels is None).
 def cache_key(name: str, arguments) -> tuple[str, str]:
-    return name, json.dumps(arguments, sort_keys=True)     # the keys' order does not matter
+    """The replay cache's key of a call: its name and its arguments as JSON with sorted
+    keys, so the keys' order does not matter."""
+    return name, json.dumps(arguments, sort_keys=True)
 
 
 def simulator_miss(name: str, arguments) -> str:
+    """The observation of a call the gold dialog never made (the release's line)."""
     return (f"[Simulator] Tool '{name}' with args {json.dumps(arguments, ensure_ascii=False)} "
             "has no cached response.")
 
@@ -716,13 +813,15 @@ class ReplayCache:
     def __init__(self, dialog: list[dict]):
         self.entries: dict[tuple[str, str], list[str]] = {}
         self.served: dict[tuple[str, str], int] = {}    # key -> responses served so far
-        call = None                     # the latest assistant turn's call, until its result
+        # the latest assistant turn's call, until its result
+        call = None
         for m in dialog:
             if m["role"] == "assistant":
                 _, call, _ = assistant_parts(m)
             elif m["role"] == "tool" and call is not None:
-                # the name a policy writes to repeat the call, as parse_react reads it back: 54
-                # ToolBench names carry a ToolLLaMA artifact ('Call the function "f".\n\nAction: f')
+                # the name a policy writes to repeat the call, as parse_react reads it
+                # back: 54 ToolBench names carry a ToolLLaMA artifact,
+                # 'Call the function "f".\n\nAction: f'
                 args = call.get("arguments") or {}
                 parsed = parse_react(render_action(None, call["name"], args))
                 name = call["name"]
@@ -732,15 +831,19 @@ class ReplayCache:
                 call = None
 
     def lookup(self, name: str, arguments) -> str | None:
+        """The next response to this call (serve), or None when the gold dialog never made it."""
         return self.serve(cache_key(name, arguments))
 
     def serve(self, key) -> str | None:
+        """The gold dialog's next response under `key`, the last one again once all are
+        served; None for a key it never made."""
         responses = self.entries.get(key)
         if not responses:
             return None
         n = self.served.get(key, 0)         # this key's responses served so far
         self.served[key] = n + 1
-        return responses[min(n, len(responses) - 1)]       # the next one, then the last again
+        # the next one, then the last again
+        return responses[min(n, len(responses) - 1)]
 
 
 class ReplayEpisode(Episode):
@@ -748,16 +851,19 @@ class ReplayEpisode(Episode):
     score None when skipped (skip_reason), 0 without a final answer, else answer_score()."""
 
     def __init__(self, key: str, record: dict):
-        self.task = record["dialogs"][0]["content"]         # as released: no files, no tools
+        # as released: no files, no tools
+        self.task = record["dialogs"][0]["content"]
         super().__init__(key, self.task, record["tools"], record["files"])
         self.cache = ReplayCache(record["dialogs"])
         self.gt_answer = record["gt_answer"]
 
     def call_tool(self, name: str, arguments: dict) -> str:
+        """The gold dialog's response to the call, or simulator_miss's line."""
         hit = self.cache.lookup(name, arguments)
         return hit if hit is not None else simulator_miss(name, arguments)
 
     def score(self, *match) -> float | None:
+        """None when skipped, 0.0 out of turns without an answer, else answer_score(*match)."""
         if self.skip_reason is not None:
             return None
         if self.final_answer is None:       # out of turns without an answer
@@ -765,21 +871,23 @@ class ReplayEpisode(Episode):
         return self.answer_score(*match)
 
 
-# ---- GTA: answers matched against the reference's aliases ----------------------------------------
-# A reference answer is {whitelist: [[alias, ...], ...], blacklist: [[alias, ...], ...] | null}.
-# The paper trains on strict matching (an alias must stand alone in the answer) and evaluates with
-# loose matching (a substring), and so does make_env. Episodes answer matching cannot score are
-# skipped and counted (gta_skip_reason).
+# ---- GTA: answers matched against the reference's aliases --------------------------------------
+# A reference answer is {whitelist: [[alias, ...], ...], blacklist: [[alias, ...], ...] |
+# null}. The paper trains on strict matching (an alias must stand alone in the answer)
+# and evaluates with loose matching (a substring), and so does make_env. Episodes answer
+# matching cannot score are skipped and counted (gta_skip_reason).
 GTA_UNAVAILABLE = ("FastOCR", "FastCalculator", "ImageDescriptor", "WebSearch")
 UNAVAILABLE_MESSAGE = "This tool is not available now. Consider other tools."
 IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png")
-GTA_IMAGE_REPLY = "The image is saved."     # GTA's final reply when the answer is an image
+# GTA's final reply when the answer is an image
+GTA_IMAGE_REPLY = "The image is saved."
 
 
 def gta_skip_reason(gt, dialog: list[dict] = ()) -> str | None:
-    """Why answer matching cannot score an episode, or None: a reference list (it needs an
-    embedding model), no answer, an image answer, or a gold dialog ending on an image tool's
-    result, bare or then "The image is saved." (test 211), whose whitelist matches no text."""
+    """Why answer matching cannot score an episode, or None: a reference list (it needs
+    an embedding model), no answer, an image answer, or a gold dialog ending on an image
+    tool's result, bare or then "The image is saved." (test 211), whose whitelist matches
+    no text."""
     if isinstance(gt, list):
         return "reference_list"
     if not isinstance(gt, dict) or not gt.get("whitelist"):
@@ -797,10 +905,12 @@ def gta_skip_reason(gt, dialog: list[dict] = ()) -> str | None:
 
 
 def gta_match(prediction: str, gt: dict, mode: str = "strict") -> float:
-    """1.0 iff every whitelist group has an alias in the prediction and no blacklist alias is in
-    it (GTA's `iscorrect`), case-insensitive. strict: the alias touches no letter, digit or _
-    (GTA's \\b never matches an alias starting "-" or "$"); loose: a substring, spaces collapsed."""
-    text = " ".join(prediction.split()).lower()      # what a loose alias is looked for in
+    """1.0 iff every whitelist group has an alias in the prediction and no blacklist
+    alias is in it (GTA's `iscorrect`), case-insensitive. strict: the alias touches no
+    letter, digit or _ (GTA's \\b never matches an alias starting "-" or "$"); loose: a
+    substring, spaces collapsed."""
+    # what a loose alias is looked for in
+    text = " ".join(prediction.split()).lower()
     found = {"strict": lambda a: re.search(r"(?<!\w)" + re.escape(a.strip()) + r"(?!\w)",
                                            prediction, re.IGNORECASE) is not None,
              "loose": lambda a: " ".join(a.split()).lower() in text}.get(mode)
@@ -812,12 +922,17 @@ def gta_match(prediction: str, gt: dict, mode: str = "strict") -> float:
 
 
 class GTAEpisode(ReplayEpisode):
+    """A released GTA episode: answers matched against the reference's aliases
+    (gta_match, in `match` mode), skipped when they cannot be (gta_skip_reason); a
+    Calculator miss computed, the tools GTA cannot run answered UNAVAILABLE_MESSAGE."""
+
     def __init__(self, key: str, record: dict, match: str = "strict"):
         super().__init__(key, record)
         self.match = match
         self.skip_reason = gta_skip_reason(self.gt_answer, record["dialogs"])
 
     def call_tool(self, name: str, arguments: dict) -> str:
+        """The gold dialog's response; a miss computed (Calculator) or answered as a miss."""
         if name in GTA_UNAVAILABLE:
             return UNAVAILABLE_MESSAGE
         hit = self.cache.lookup(name, arguments)
@@ -846,7 +961,8 @@ class GTAEnv(Env):
         return GTAEpisode(key, record, self.match)
 
 
-REPLAYS = {"gta": GTAEnv}       # the lab's table adds toolbench (LLM-judged, no training split)
+# the lab's table adds toolbench (LLM-judged, no training split)
+REPLAYS = {"gta": GTAEnv}
 
 
 def make(family: str, split: str = "test", data_dir=None, replays=REPLAYS, **kw) -> Env:
@@ -858,9 +974,10 @@ def make(family: str, split: str = "test", data_dir=None, replays=REPLAYS, **kw)
 
 
 def make_env(args, split: str, evaluation: bool = False, worlds=WORLDS, replays=REPLAYS):
-    """The `--env` environment of one split: a built-in world of `worlds`, or a released family
-    of `replays` (the lab passes its tables, which add shop-long and toolbench). GTA answers are
-    matched as the paper does: strictly for the training reward, loosely in evaluation."""
+    """The `--env` environment of one split: a built-in world of `worlds`, or a released
+    family of `replays` (the lab passes its tables, which add shop-long and toolbench).
+    GTA answers are matched as the paper does: strictly for the training reward, loosely
+    in evaluation."""
     if args.env in worlds:
         return ShopEnv(split, world=worlds[args.env])
     kw = {}
@@ -886,21 +1003,26 @@ def eval_splits(args, train_env, train_pool, worlds=WORLDS,
     if args.env in worlds:
         val = make_env(args, "val", True, worlds, replays)
         return {"val": (val, scorable(val)), "test": (test, scorable(test))}, train_pool
-    # k held out: --val-episodes, else a tenth of the pool (at least 1); at most half of it
+    # k episodes held out: --val-episodes, else a tenth of the pool (at least 1); never
+    # more than half the pool
     k = min(args.val_episodes or max(1, len(train_pool) // 10), len(train_pool) // 2)
     val = make_env(args, "train", True, worlds, replays)
     return ({"val": (val, train_pool[len(train_pool) - k:]), "test": (test, scorable(test))},
             train_pool[:len(train_pool) - k])
 
 
-# ==== Released data (METHOD.md §1): the episode files, downloaded and validated ===================
-# The authors' files are read at a pinned commit, fetched when absent, and every record is checked
-# on load: a bad one is a DataError naming the file, the record and what is wrong, before any work.
+# ==== Released data (METHOD.md §1): the episode files, downloaded and validated =================
+# The authors' files are read at a pinned commit, fetched when absent, and every record
+# is checked on load: a bad one is a DataError naming the file, the record and what is
+# wrong, before any work.
 RELEASE_REPO = "wonjoong-kim/PAIR"
-RELEASE_REF = "03e41ad6e5ce69b288a2cb14ac541b088ea1d3d9"    # the commit the splits were taken at
+# the commit the splits were taken at
+RELEASE_REF = "03e41ad6e5ce69b288a2cb14ac541b088ea1d3d9"
 RELEASE_URL = "https://raw.githubusercontent.com/{repo}/{ref}/data/{family}/{name}"
-RELEASE_FILES = {"gta": ["clean_train.json", "clean_test.json"],    # lab/data.py fetches the rest
-                 "toolbench": ["clean_test.json"]}      # no train split released (METHOD.md §1)
+# what the core reads; the lab's lab/worlds/released.py fetches the rest
+RELEASE_FILES = {"gta": ["clean_train.json", "clean_test.json"],
+                 # no train split released (METHOD.md §1)
+                 "toolbench": ["clean_test.json"]}
 
 
 class DataError(ValueError):
@@ -930,8 +1052,8 @@ def episode_file(family: str, split: str, data_dir: str | Path | None) -> Path:
 
 def fetch(family: str, name: str, folder: Path, check, ref: str = RELEASE_REF,
           force: bool = False) -> None:
-    """One released file to folder/name, written only once check(data, url) accepts it: a partial
-    or wrong download never lands on disk."""
+    """One released file to folder/name, written only once check(data, url) accepts it: a
+    partial or wrong download never lands on disk."""
     if (folder / name).exists() and not force:
         return
     url = RELEASE_URL.format(repo=RELEASE_REPO, ref=ref, family=family, name=name)
@@ -941,7 +1063,8 @@ def fetch(family: str, name: str, folder: Path, check, ref: str = RELEASE_REF,
         raise DataError(f"cannot download {url}: {e}") from e
     if r.status_code != 200:
         raise DataError(f"cannot download {url}: HTTP {r.status_code}")
-    check(read_data_json(url, r.content), url)          # every record, before anything is written
+    # every record, before anything is written
+    check(read_data_json(url, r.content), url)
     model.write_atomic(folder / name, r.content)
 
 
@@ -987,7 +1110,8 @@ def check_episode_file(data, path) -> None:
         for key in ("dialogs", "tools", "files", "gt_answer"):
             require(key in rec, where, f"missing '{key}'")
         check_dialog(rec["dialogs"], where)
-        try:                    # rendered as the first user message will be, then dropped
+        # rendered as the first user message will be, then dropped
+        try:
             tool_instructions(rec["tools"]) + render_task("", rec["files"])
         except (AttributeError, KeyError, TypeError) as e:
             raise DataError(f"{where}: its tools or files do not render ({type(e).__name__}: "
@@ -1001,8 +1125,9 @@ def check_episode_file(data, path) -> None:
 
 
 def check_dialog(dialog, where) -> None:
-    """The user's task first, text where text is rendered, at most one tool call per assistant
-    turn (METHOD.md §2) with a name and an arguments object, each tool result after a call."""
+    """The user's task first, text where text is rendered, at most one tool call per
+    assistant turn (METHOD.md §2) with a name and an arguments object, each tool result
+    after a call."""
     require(isinstance(dialog, list) and dialog, where, "'dialogs' must be a non-empty list")
     for i, m in enumerate(dialog):
         at = f"{where}: dialogs[{i}]"           # ... and the message
@@ -1029,22 +1154,25 @@ def check_dialog(dialog, where) -> None:
                     "tool call arguments must be a JSON object, under a function name")
 
 
-# ==== The Calculator tool (GTA's and shop's): an AST whitelist, never eval ========================
-# A policy under RL writes whatever earns reward, so an expression is parsed with `ast` and only
-# numbers, arithmetic, parentheses and the math functions and constants of the tables below are
-# evaluated: nothing else can run. Every operation is bounded before it runs (an integer result
-# of at most MAX_INT_BITS, factorial's argument and round's digits at most MAX_ARGUMENT), so no
-# expression of at most MAX_EXPRESSION_CHARS characters runs long. Every value is a finite number:
-# a float past 1.8e308 (a literal such as 1e309, or a result) is refused, not answered inf or nan.
-# A refusal is a ValueError; calculate answers any error as "Error: <what is wrong>" for the agent.
+# ==== The Calculator tool (GTA's and shop's): an AST whitelist, never eval ======================
+# A policy under RL writes whatever earns reward, so an expression is parsed with `ast`
+# and only numbers, arithmetic, parentheses and the math functions and constants of the
+# tables below are evaluated: nothing else can run. Every operation is bounded before it
+# runs (an integer result of at most MAX_INT_BITS, factorial's argument and round's
+# digits at most MAX_ARGUMENT), so no expression of at most MAX_EXPRESSION_CHARS
+# characters runs long. Every value is a finite number: a float past 1.8e308 (a literal
+# such as 1e309, or a result) is refused, not answered inf or nan. A refusal is a
+# ValueError; calculate answers any error as "Error: <what is wrong>" for the agent.
 MAX_EXPRESSION_CHARS = 1000
-MAX_INT_BITS = 4000          # ~1200 digits: bounds the work of *, ** and str() on integers
+# ~1200 digits: bounds the work of *, ** and str() on integers
+MAX_INT_BITS = 4000
 MAX_ARGUMENT = 1000          # of factorial, and of round's digits (10 ** |n| is built)
 
 
 def _whole(x, fn: str, over: str = "argument too large") -> int:
     """An integer argument (an integral float counts) of at most MAX_ARGUMENT in size."""
-    if isinstance(x, float) and x.is_integer():     # round(2.675, 2.0) rounds to 2 digits
+    # round(2.675, 2.0) rounds to 2 digits
+    if isinstance(x, float) and x.is_integer():
         x = int(x)
     if not isinstance(x, int):
         raise ValueError(f"{fn}() needs an integer")
@@ -1061,15 +1189,17 @@ _FUNCTIONS = {name: getattr(math, name) for name in (      # math's functions by
     "radians floor ceil trunc fabs hypot gcd isqrt").split()}
 _FUNCTIONS.update(abs=abs, min=min, max=max, int=int, float=float, pow=operator.pow,
                   round=lambda x, n=None: round(x) if n is None else round(x, _whole(
-                      n, "round", "digits out of range")),  # round and factorial: arguments bounded
+                      # round and factorial: arguments bounded
+                      n, "round", "digits out of range")),
                   factorial=lambda n: math.factorial(_whole(n, "factorial")))
-_CONSTANTS = {"pi": math.pi, "e": math.e, "tau": math.tau}     # no inf, no nan: numbers only
+# no inf, no nan: numbers only
+_CONSTANTS = {"pi": math.pi, "e": math.e, "tau": math.tau}
 _TOO_LARGE = "the result is too large"
 
 
 def _too_large(op, xs: list) -> bool:
-    """Would op(*xs) build an integer over MAX_INT_BITS? Decided before the work it bounds:
-    a * b has at most bits(a) + bits(b) bits, a ** b about b log2 |a|."""
+    """Would op(*xs) build an integer over MAX_INT_BITS? Decided before the work it
+    bounds: a * b has at most bits(a) + bits(b) bits, a ** b about b log2 |a|."""
     if len(xs) != 2 or not all(isinstance(x, int) for x in xs):
         return False
     a, b = xs
@@ -1089,9 +1219,11 @@ def _math_name(node) -> str:
 def _evaluate(node):
     """The value of a whitelisted node, an int or a float; a refusal is a ValueError."""
     if isinstance(node, ast.Constant):
-        if type(node.value) not in (int, float):        # True, 'a' and 1j are not numbers here
+        # True, 'a' and 1j are not numbers here
+        if type(node.value) not in (int, float):
             raise ValueError(f"unsupported literal {node.value!r}")
-        if isinstance(node.value, float) and not math.isfinite(node.value):     # 1e309 reads inf
+        # 1e309 reads inf
+        if isinstance(node.value, float) and not math.isfinite(node.value):
             raise ValueError("a number in the expression is too large")
         return node.value
     if isinstance(node, (ast.BinOp, ast.UnaryOp)) and type(node.op) in _OPERATORS:
@@ -1118,33 +1250,42 @@ def _evaluate(node):
     xs = [_evaluate(a) for a in args]   # the operands' values, left to right
     if _too_large(op, xs):
         raise ValueError(_TOO_LARGE)
-    value = op(*xs)             # an OverflowError (10.0 ** 400, exp(1000)) is answered in calculate
-    if isinstance(value, bool) or not isinstance(value, (int, float)):    # complex: (-8) ** (1/3)
+    # an OverflowError (10.0 ** 400, exp(1000)) is answered in calculate
+    value = op(*xs)
+    # complex: (-8) ** (1/3)
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise ValueError("the result is not a real number")
-    if isinstance(value, int) and value.bit_length() > MAX_INT_BITS:   # factorial(1000), or a sum
+    # factorial(1000), or a sum
+    if isinstance(value, int) and value.bit_length() > MAX_INT_BITS:
         raise ValueError(_TOO_LARGE)
-    # 1e308 * 10 overflows to inf without an error; NaN needs an infinite operand, refused before
+    # 1e308 * 10 overflows to inf without an error (NaN needs an infinite operand, which
+    # is refused before)
     if isinstance(value, float) and not math.isfinite(value):
         raise ValueError(_TOO_LARGE)
     return value
 
 
 def calculate(expression: str) -> str:
-    """One arithmetic expression (numbers, + - * / // % **, signs, parentheses, math functions
-    and constants as `sqrt(2)` or `math.sqrt(2)`) as Python prints it, a finite number, or
-    "Error: ..." saying what is wrong. Never raises."""
+    """One arithmetic expression (numbers, + - * / // % **, signs, parentheses, math
+    functions and constants as `sqrt(2)` or `math.sqrt(2)`) as Python prints it, a finite
+    number, or "Error: ..." saying what is wrong. Never raises."""
     try:
         if len(expression) > MAX_EXPRESSION_CHARS:
             raise ValueError(f"expression longer than {MAX_EXPRESSION_CHARS} characters")
-        body = ast.parse(expression.strip(), mode="eval").body      # one expression, no statement
+        # one expression, no statement
+        body = ast.parse(expression.strip(), mode="eval").body
         if isinstance(body, ast.Tuple):         # "29,000 + 1" parses as (29, 0 + 1)
-            raise ValueError("a comma separates values: write numbers without thousands separators")
-        return str(_evaluate(body))         # as Python prints it: 0.1 + 0.2 -> 0.30000000000000004
+            raise ValueError("a comma separates values: write numbers without thousands "
+                             "separators")
+        # as Python prints it: 0.1 + 0.2 -> 0.30000000000000004
+        return str(_evaluate(body))
     except SyntaxError as e:
         return f"Error: invalid expression ({e.msg})"
     except RecursionError:
         return "Error: expression nested too deeply"
-    except OverflowError:       # a float past 1.8e308: 10.0 ** 400, exp(1000), float(10 ** 400)
+    except OverflowError:
+        # a float past 1.8e308: 10.0 ** 400, exp(1000), float(10 ** 400)
         return f"Error: {_TOO_LARGE}"
-    except Exception as e:  # a refusal, ZeroDivisionError, math domain errors, bad arity ...
+    except Exception as e:
+        # a refusal, ZeroDivisionError, math domain errors, bad arity ...
         return f"Error: {e}"

@@ -643,8 +643,8 @@ class Probe:
         missing = {"mean", "scale", "w", "b"} - set(tensors)
         if missing:
             raise FormatError(f"{path}: not a probe file (missing tensors {sorted(missing)})")
-        info = _json_entry(meta, "probe", path) or {}
-        _check_finite(tensors, path)       # a NaN weight would turn every reward into NaN
+        info = json_entry(meta, "probe", path) or {}
+        check_finite(tensors, path)       # a NaN weight would turn every reward into NaN
         # Copied into fresh memory: read in place, alignment follows the header's length, and
         # float64 products change in the last bit with it.
         t = {k: v.to(torch.float64, copy=True) for k, v in tensors.items()}
@@ -735,7 +735,7 @@ def read_safetensors(path, what: str) -> tuple[dict[str, torch.Tensor], dict]:
         raise FormatError(f"{path}: truncated or corrupt {what} file ({e})") from None
 
 
-def _json_entry(meta: dict, key: str, path):
+def json_entry(meta: dict, key: str, path):
     try:
         return json.loads(meta.get(key, "null") or "null")
     except ValueError as e:
@@ -748,7 +748,7 @@ def save_safetensors(tensors: dict, path, metadata: dict) -> None:
                                              metadata))
 
 
-def _check_finite(tensors: dict, path) -> None:
+def check_finite(tensors: dict, path) -> None:
     for key, t in tensors.items():
         if t.is_floating_point() and not torch.isfinite(t).all():
             bad = (~torch.isfinite(t)).nonzero()[0].tolist()

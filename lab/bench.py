@@ -36,7 +36,7 @@ Time is the best of --repeats runs (on a shared CPU the minimum is the least noi
 memory is the most bytes held by tensors allocated during the call: on a GPU its allocator's
 peak, on the CPU the "Total Allocated" counter of PyTorch's CPU allocator as torch.profiler reports
 it; weights already resident are excluded, whatever the call returns is included. No forward
-computes full logits (ours: model.trunk and lab/traces.py, transformers logits_to_keep=1).
+computes full logits (ours: model.trunk and lab/probing/traces.py, transformers logits_to_keep=1).
 """
 import argparse
 import contextlib
@@ -53,7 +53,7 @@ import grpo
 import model as M
 import pair
 import probes
-from lab import traces
+from lab.probing import traces
 
 ROOT = Path(__file__).resolve().parents[1]     # the repository
 QWEN2 = dict(architectures=["Qwen2ForCausalLM"], model_type="qwen2", hidden_act="silu",

@@ -2,9 +2,8 @@
 
     python -m lab.compare --rewards outcome pair pair:alpha=0 --seeds 42 43 44 --out runs/cmp
     python -m lab.compare --cost --seeds 42 --out runs/cost -- --steps 3
-    python grpo.py compare ...          # the same command (grpo.py hands it to this file)
 
-Each run is an ordinary `grpo.py` run in OUT/runs/<name>-s<seed>, started as its own process
+Each run is an ordinary `python -m lab.train` run in OUT/runs/<name>-s<seed>, started as its own process
 (so `--jobs 2` uses two cores) and resumed with --resume if it was interrupted; a run with a
 summary.json is finished and never redone. A reward is written NAME or NAME:flag=value,...
 (e.g. pair:alpha=0), and flags after `--` go to every run.
@@ -35,8 +34,9 @@ import envs
 import grpo
 import model
 import pair
-from lab import baselines, credit, curves, shop
-from lab import train
+from lab import curves, train
+from lab.methods import baselines, credit
+from lab.worlds import shop
 
 COMPARE_REWARDS = ("outcome", "pair", "pair:alpha=0", "last_token", "multi_attn", "attention",
                    "head_entropy", "igpo", "tips", "tree_grpo", "at2po",

@@ -68,7 +68,6 @@ import model as M
 from lab import bench
 
 ROOT = Path(__file__).resolve().parents[1]
-SHARED = Path(os.environ.get("PAIR_SHARED", ROOT.parent / "shared"))
 GiB = 2 ** 30
 PAPER = grpo.PAPER_HPARAMS
 MAX_LEN = 8192                  # grpo.py's --max-len default: a rollout's KV cache capacity
@@ -307,31 +306,23 @@ def read_jsonl(path: Path) -> list[dict]:
 
 
 def find_tokenizer(given: str | None) -> Path:
-    """--tokenizer, else a fetched Qwen2.5-7B-Instruct's, else the one beside the repository."""
-    if given:
-        candidates = [Path(given)]
-    else:
-        candidates = [M.cache_root() / "Qwen--Qwen2.5-7B-Instruct",
-                      SHARED / "data" / "qwen2.5-tokenizer"]
-    for directory in candidates:
-        if (directory / "tokenizer.json").is_file():
-            return directory
-    raise SystemExit(f"dry run: no Qwen2.5 tokenizer.json in {' or '.join(map(str, candidates))}"
+    """--tokenizer, else a fetched Qwen2.5-7B-Instruct's (nothing outside the repository and the
+    cache is read unless named)."""
+    directory = Path(given) if given else M.cache_root() / "Qwen--Qwen2.5-7B-Instruct"
+    if (directory / "tokenizer.json").is_file():
+        return directory
+    raise SystemExit(f"dry run: no Qwen2.5 tokenizer.json in {directory}"
                      "; pass --tokenizer DIR (e.g. a downloaded Qwen/Qwen2.5-7B-Instruct)")
 
 
 def find_data(given: str | None) -> Path:
-    """--data-dir, else grpo.py's default, else the released splits beside the repository."""
-    if given:
-        candidates = [Path(given)]
-    else:
-        candidates = [envs.default_data_dir(), SHARED / "data" / "pair-release"]
+    """--data-dir, else grpo.py's default ($PAIR_DATA, else ~/.cache/pair/data)."""
+    directory = Path(given) if given else envs.default_data_dir()
     needed = ["clean_train.json", "clean_test.json", *(f"{name}.json" for name in MATCHED)]
-    for directory in candidates:
-        if all((directory / "gta" / name).is_file() for name in needed):
-            return directory
+    if all((directory / "gta" / name).is_file() for name in needed):
+        return directory
     raise SystemExit(f"dry run: the released GTA files ({', '.join(needed)}) are not in "
-                     f"{' or '.join(str(d / 'gta') for d in candidates)}; fetch them with "
+                     f"{directory / 'gta'}; fetch them with "
                      "`python -m lab.data download gta --data-dir DIR`, then pass --data-dir DIR")
 
 
@@ -353,9 +344,9 @@ def parse_args(argv):
     ap.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16",
                     help="weight dtype (the paper's bfloat16)")
     ap.add_argument("--tokenizer", help="a directory with the Qwen2.5 tokenizer.json (default: "
-                    "$PAIR_CACHE/Qwen--Qwen2.5-7B-Instruct, else ../shared/data/qwen2.5-tokenizer)")
+                    "$PAIR_CACHE/Qwen--Qwen2.5-7B-Instruct)")
     ap.add_argument("--data-dir", help="the released files' root, with gta/ (default: $PAIR_DATA, "
-                    "else ~/.cache/pair/data, else ../shared/data/pair-release)")
+                    "else ~/.cache/pair/data)")
     ap.add_argument("--episodes", type=int, default=2,
                     help="extraction: the records of this many episodes of each training file")
     ap.add_argument("--group", type=int, default=PAPER["group"], help="rollouts per prompt, G")

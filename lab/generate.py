@@ -8,28 +8,13 @@ from __future__ import annotations
 
 import argparse
 import sys
-from pathlib import Path
 
 import torch
 
 import model as M
 import probes
-
-# config.json keys of a checkpoint trained on a built-in world (`python -m lab.shop sft` writes
-# them): the world's name, and the tool list and reply format it appends to a task.
-WORLD_KEY = "pair_world"
-TOOLS_KEY = "pair_tool_instructions"
-
-
-def checkpoint_world(directory) -> tuple[str | None, str | None]:
-    """(world name, its tool instructions) a checkpoint's config.json records, or (None, None)."""
-    path = Path(directory) / "config.json"
-    config = M.read_json(path)
-    world, tools = config.get(WORLD_KEY), config.get(TOOLS_KEY)
-    if world is not None and not (isinstance(world, str) and isinstance(tools, str)):
-        raise M.CheckpointError(f"{path}: {WORLD_KEY} must name a world and {TOOLS_KEY} hold "
-                                f"its tool instructions (got {world!r} and {type(tools).__name__})")
-    return world, tools
+from lab.policies import adapters
+from lab.policies.sft import TOOLS_KEY, WORLD_KEY, checkpoint_world
 
 
 def prompt_messages(prompt: str, system: str | None, tools: str | None) -> list[dict]:
@@ -48,6 +33,9 @@ def main(argv=None):
     g.add_argument("--model", required=True, help="checkpoint directory (config.json, "
                    "model.safetensors[.index.json], tokenizer.json) or a Hugging Face Hub name "
                    "such as Qwen/Qwen2.5-7B-Instruct (downloaded once into $PAIR_CACHE)")
+    g.add_argument("--adapter", default=None, metavar="DIR",
+                   help="a LoRA adapter to play the model with: a run's RUN/checkpoint-<step>/"
+                   "adapter, or any PEFT adapter of this model (default: none, the model alone)")
     g.add_argument("--devices", default="cpu", help="comma-separated devices to split the "
                    "layers over, e.g. cuda:0,cuda:1 (default: cpu)")
     g.add_argument("--prompt", required=True,
@@ -87,11 +75,19 @@ def main(argv=None):
         ap.error(str(e))
     try:
         model, tok = M.load_model(args.model, dtype=M.DTYPES[args.dtype], device=devices[0])
-        if len(devices) > 1:
-            M.split_model(model, devices)
         world, tools = checkpoint_world(model.checkpoint_dir)
     except (M.CheckpointError, FileNotFoundError, ValueError) as e:
         sys.exit(f"--model: {e}")
+    if args.adapter is not None:
+        try:
+            adapters.load_adapter(model, args.adapter)      # checked before the model is touched
+        except (FileNotFoundError, ValueError) as e:
+            sys.exit(f"--adapter: {e}")
+    if len(devices) > 1:        # after the adapter, so that its weights split with their layers
+        try:
+            M.split_model(model, devices)
+        except ValueError as e:
+            sys.exit(f"--model: {e}")
     if args.world == "none":
         world, tools = None, None
     elif args.world != "auto" and world != args.world:

@@ -49,7 +49,10 @@ import torch
 import grpo
 import pair
 import probes
-from lab import baselines, compare, credit, detection, onpolicy, shop, train
+from lab import compare, train
+from lab.methods import baselines, credit, onpolicy
+from lab.probing import detection
+from lab.worlds import shop
 
 
 def decision_counts(env, pool, n: int) -> list[int]:

@@ -36,7 +36,10 @@ from safetensors.torch import load_file
 import grpo
 import model
 import pair
-from lab import baselines, credit, onpolicy, runs, shop, study, toolbench, torchrun
+from lab.infra import runs, torchrun
+from lab.methods import baselines, credit, onpolicy
+from lab.probing import features as study
+from lab.worlds import shop, toolbench
 
 PROG = "python -m lab.train"
 

@@ -8,7 +8,8 @@ import pytest
 import torch
 
 import grpo
-from lab import credit, detection
+from lab.methods import credit
+from lab.probing import detection
 from lab import train as lab_train
 import pair
 

@@ -12,10 +12,8 @@ import torch
 import envs
 import model as M
 import probes
-from lab import data as lab_data
-from lab import detection
-from lab import report
-from lab import study
+from lab.probing import detection, features, report
+from lab.worlds import released
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -67,8 +65,8 @@ def split_of(records, tokenizer, name, order):
     records = [records[i] for i in order]
     digests = []
     for r in records:
-        ids, span, _ = study.render_record(r, tokenizer)
-        digests.append(study.input_digest(ids, span))
+        ids, span, _ = features.render_record(r, tokenizer)
+        digests.append(features.input_digest(ids, span))
     raw = {"input_digest": torch.stack(digests),
            "turn_idx": torch.tensor([r["turn_idx"] for r in records])}
     return detection.Split(name, raw, torch.tensor([r["label"] for r in records]),
@@ -169,37 +167,37 @@ def test_diagnostic_rules_on_a_hand_made_episode():
         {"role": "tool", "name": "Calculator", "content": "37.5"},
         {"role": "assistant", "content": "37.5"}], "gt_answer": {"whitelist": [["37.5"]]}}
     dialog = record["dialogs"]
-    assert lab_data.repeat_previous_call(dialog, 3) == dialog[1]
-    assert lab_data.repeat_previous_call(dialog, 5) == dialog[3]
-    assert lab_data.repeat_previous_call(dialog, 1) is None               # no earlier call
-    turn = lab_data.unused_observation_number(record, 3, random.Random(0))
+    assert released.repeat_previous_call(dialog, 3) == dialog[1]
+    assert released.repeat_previous_call(dialog, 5) == dialog[3]
+    assert released.repeat_previous_call(dialog, 1) is None               # no earlier call
+    turn = released.unused_observation_number(record, 3, random.Random(0))
     # 12.5 is copied from the observation; the unused values are 7 and 4 (never the box
     # coordinates 1, 2, 30, 40, and never 3 or 37.5, which the gold turns use)
     expression = turn["tool_calls"][0]["function"]["arguments"]["expression"]
     assert expression in ("7 * 3", "4 * 3")
     assert turn["thought"] == f"An adult ticket is {expression[0]}, so 3 cost {expression}."
-    assert lab_data.unused_observation_number(record, 1, random.Random(0)) is None
+    assert released.unused_observation_number(record, 1, random.Random(0)) is None
 
 
 def test_gta_diagnostic_set_from_the_release(release_dir, tmp_path):
-    counts = lab_data.make_gta_diagnostic(release_dir, tmp_path, seed=0)
+    counts = released.make_gta_diagnostic(release_dir, tmp_path, seed=0)
     first = (tmp_path / "matched_diagnostic_test.json").read_bytes()
-    lab_data.make_gta_diagnostic(release_dir, tmp_path, seed=0)
+    released.make_gta_diagnostic(release_dir, tmp_path, seed=0)
     assert (tmp_path / "matched_diagnostic_test.json").read_bytes() == first     # deterministic
-    records = lab_data.load_matched(tmp_path / "matched_diagnostic_test.json")        # the schema
+    records = released.load_matched(tmp_path / "matched_diagnostic_test.json")        # the schema
     assert counts["records"] == len(records)
     gold = envs.load_episodes(release_dir / "gta" / "clean_test.json")
     negatives = [r for r in records if r["label"] == 0]
     positives = [r for r in records if r["label"] == 1]
-    assert {r["diagnostic_rule"] for r in negatives} == set(lab_data.DIAGNOSTIC_RULES)
+    assert {r["diagnostic_rule"] for r in negatives} == set(released.DIAGNOSTIC_RULES)
     for r in negatives:
         dialog, t = gold[r["episode_id"]]["dialogs"], r["turn_idx"]
         assert r["diagnostic"] == "consistent_incorrect" and not r["has_contaminated_prefix"]
         assert r["dialogs"][:t] == dialog[:t]                             # a clean prefix
         assert r["dialogs"][t] != dialog[t]                               # never the gold turn
-        assert lab_data._tool_call(r["dialogs"][t]) != lab_data._tool_call(dialog[t])
-    released = json.loads((release_dir / "gta" / "matched_contaminated_test.json").read_text())
-    expected = [r for r in released if r["has_contaminated_prefix"] and r["label"] == 1]
+        assert released._tool_call(r["dialogs"][t]) != released._tool_call(dialog[t])
+    given = json.loads((release_dir / "gta" / "matched_contaminated_test.json").read_text())
+    expected = [r for r in given if r["has_contaminated_prefix"] and r["label"] == 1]
     assert len(positives) == len(expected) == 57
     for r in positives:
         dialog, t = gold[r["episode_id"]]["dialogs"], r["turn_idx"]
@@ -210,8 +208,8 @@ def test_gta_diagnostic_set_from_the_release(release_dir, tmp_path):
 
 
 def test_split_episodes_of_released_test_files(release_dir, tmp_path):
-    counts = lab_data.split_episodes(release_dir, "toolbench", tmp_path, seed=0, episodes=12)
-    again = lab_data.split_episodes(release_dir, "toolbench", tmp_path / "again", seed=0,
+    counts = released.split_episodes(release_dir, "toolbench", tmp_path, seed=0, episodes=12)
+    again = released.split_episodes(release_dir, "toolbench", tmp_path / "again", seed=0,
                                     episodes=12)
     assert counts == again
     halves = {}
@@ -219,14 +217,14 @@ def test_split_episodes_of_released_test_files(release_dir, tmp_path):
         episodes = envs.load_episodes(tmp_path / f"clean_{split}.json")
         halves[split] = set(episodes)
         for kind in ("clean", "contaminated"):
-            records = lab_data.load_matched(tmp_path / f"matched_{kind}_{split}.json")
+            records = released.load_matched(tmp_path / f"matched_{kind}_{split}.json")
             assert {r["episode_id"] for r in records} <= halves[split]
     assert len(halves["train"]) == len(halves["test"]) == 6
     assert not halves["train"] & halves["test"]
-    released = json.loads((release_dir / "toolbench" / "matched_clean_test.json").read_text())
+    given = json.loads((release_dir / "toolbench" / "matched_clean_test.json").read_text())
     chosen = halves["train"] | halves["test"]
     assert counts["matched_clean_train.json"] + counts["matched_clean_test.json"] == \
-        sum(r["episode_id"] in chosen for r in released)
+        sum(r["episode_id"] in chosen for r in given)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -236,21 +234,21 @@ def test_extracted_features_equal_transformers_on_gta(qwen05b_dir, release_dir, 
     transformers = pytest.importorskip("transformers")
     from test_model import reference_stats
     folder = release_dir / "gta"
-    released = json.loads((folder / "matched_clean_test.json").read_text())
+    given = json.loads((folder / "matched_clean_test.json").read_text())
     # the three shortest records: float32 eager attention of 24 layers stays small
-    chosen = sorted(released, key=lambda r: len(json.dumps(r["dialogs"])))[:3]
+    chosen = sorted(given, key=lambda r: len(json.dumps(r["dialogs"])))[:3]
     (tmp_path / "matched_clean_test.json").write_text(json.dumps(chosen))
     (tmp_path / "clean_test.json").write_text((folder / "clean_test.json").read_text())
     net, tok = M.load_model(qwen05b_dir, dtype=torch.float32)
-    study.extract(net, tok, tmp_path / "matched_clean_test.json", tmp_path / "f.safetensors")
+    features.extract(net, tok, tmp_path / "matched_clean_test.json", tmp_path / "f.safetensors")
     ours, _ = detection.load_features(tmp_path / "f.safetensors")
     del net
     hf = transformers.AutoModelForCausalLM.from_pretrained(
         qwen05b_dir, dtype=torch.float32, attn_implementation="eager").eval()
-    records = lab_data.load_matched(tmp_path / "matched_clean_test.json")
+    records = released.load_matched(tmp_path / "matched_clean_test.json")
     worst = {}
     for i, record in enumerate(records):
-        ids, (start, end), _ = study.render_record(record, tok)
+        ids, (start, end), _ = features.render_record(record, tok)
         with torch.no_grad():
             out = hf(torch.tensor([ids]), output_hidden_states=True, output_attentions=True)
         hs = [h[0].double() for h in out.hidden_states]                      # L+1 x (T, d)

@@ -18,7 +18,9 @@ import pytest
 
 import envs
 from envs import Action, Final, ParseError
-from lab import baselines, data as lab_data, toolbench
+from lab import data as data_command
+from lab.methods import baselines
+from lab.worlds import released, toolbench
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -37,8 +39,8 @@ def test_gta_gold_replay_returns_recorded_observations_and_scores_one(release_di
     for key in env.ids:
         record = env.records[key]
         ep = env.episode(key)
-        assert ep.messages == lab_data.record_messages(record)[:1]
-        pairs = lab_data.play_gold(ep, record["dialogs"])
+        assert ep.messages == released.record_messages(record)[:1]
+        pairs = released.play_gold(ep, record["dialogs"])
         n_calls = sum(1 for m in record["dialogs"] if m["role"] == "tool")
         assert len(pairs) == n_calls
         for recorded, got in pairs:
@@ -140,7 +142,7 @@ def test_render_format_and_parse_roundtrip_on_released_turns(release_dir):
 def test_dialog_to_messages_shape(release_dir):
     eps = envs.load_episodes(release_dir / "gta" / "clean_train.json")
     rec = eps["37"]         # a tool call with `content` and no thought
-    msgs = lab_data.record_messages(rec)
+    msgs = released.record_messages(rec)
     task = rec["dialogs"][0]["content"]
     files = "\n".join(f"- {f['path']} ({f['type']})" for f in rec["files"])
     assert msgs[0] == {"role": "user", "content": f"{task}\n\nFiles:\n{files}\n\n"
@@ -160,12 +162,12 @@ def test_dialog_to_messages_shape(release_dir):
     assert "- GoogleSearch: " in tool_text and "    k (int, optional): Select the first k" \
         in tool_text and "Final Answer: <the answer only>" in tool_text
     # the contaminated turn stored under `explanation` is rendered as the thought
-    bad = lab_data.load_released_episodes(release_dir / "gta" / "contaminated_train.json")["162"]
-    assert lab_data.record_messages(bad)[1]["content"].startswith(
+    bad = released.load_released_episodes(release_dir / "gta" / "contaminated_train.json")["162"]
+    assert released.record_messages(bad)[1]["content"].startswith(
         "Thought: Since the image depicts a historical battle")
     # ToolBench: a user message after a tool result is merged into the observation message
     tb = envs.load_episodes(release_dir / "toolbench" / "clean_test.json")["toolbench_85752"]
-    msgs = lab_data.record_messages(tb)
+    msgs = released.record_messages(tb)
     assert [m["role"] for m in msgs] == ["user", "assistant"] * (len(msgs) // 2)
     merged = [m for m in msgs if m["role"] == "user" and "\n\nThis is not the first time"
               in m["content"]]
@@ -173,18 +175,18 @@ def test_dialog_to_messages_shape(release_dir):
 
 
 def test_matched_records_get_their_episode_tools(release_dir, tmp_path):
-    recs = lab_data.load_matched(release_dir / "gta" / "matched_contaminated_test.json")
-    eps = lab_data.load_released_episodes(release_dir / "gta" / "contaminated_test.json")
+    recs = released.load_matched(release_dir / "gta" / "matched_contaminated_test.json")
+    eps = released.load_released_episodes(release_dir / "gta" / "contaminated_test.json")
     assert len(recs) == 177
     for r in recs[:20]:
         assert r["tools"] == eps[r["episode_id"]]["tools"]
-        msgs = lab_data.record_messages(r)
+        msgs = released.record_messages(r)
         assert msgs[-1]["role"] == "assistant"
-        assert msgs[0]["content"] == lab_data.record_messages(eps[r["episode_id"]])[0]["content"]
+        assert msgs[0]["content"] == released.record_messages(eps[r["episode_id"]])[0]["content"]
     lone = tmp_path / "matched_clean_test.json"
     lone.write_bytes((release_dir / "gta" / "matched_clean_test.json").read_bytes())
     with pytest.raises(envs.DataError, match="clean_test.json: no such file"):
-        lab_data.load_matched(lone)
+        released.load_matched(lone)
 
 
 # ---- parser ------------------------------------------------------------------------------------
@@ -430,7 +432,7 @@ def test_toolbench_cache_repeats_and_fuzzy_fallback():
     assert exact.step(call).observation == "Observation: retry"
     near = envs.render_action(None, "weather_for_api", {"city": "paris", "day": 1, "unit": "C"})
     assert "[Simulator] Tool 'weather_for_api'" in exact.step(near).observation
-    fuzzy = lab_data.FuzzyToolBenchEpisode("x", rec)
+    fuzzy = released.FuzzyToolBenchEpisode("x", rec)
     assert fuzzy.step(near).observation == "Observation: sun"       # highest Jaccard overlap
     other = envs.render_action(None, "other_tool", {"city": "Paris", "day": 1})
     assert "[Simulator] Tool 'other_tool'" in fuzzy.step(other).observation
@@ -491,7 +493,7 @@ def test_loader_errors_name_file_and_record(tmp_path, release_dir, mutate, messa
     """The core's loader checks what it plays; the lab's adds a contaminated file's fields."""
     path, key = _bad_file(tmp_path, release_dir, mutate)
     contamination = "contaminated_turn_indices" in json.loads(path.read_text())[key]
-    loaders = [lab_data.load_released_episodes] + ([] if contamination else [envs.load_episodes])
+    loaders = [released.load_released_episodes] + ([] if contamination else [envs.load_episodes])
     for load in loaders:
         with pytest.raises(envs.DataError) as err:
             load(path)
@@ -507,15 +509,15 @@ def test_matched_loader_errors(tmp_path, release_dir):
     path = tmp_path / "matched_clean_test.json"
     path.write_text(json.dumps(data))
     with pytest.raises(envs.DataError, match=r"matched_clean_test.json: record 2 \(episode "):
-        lab_data.load_matched(path)
+        released.load_matched(path)
     path.write_text("{not json")
     with pytest.raises(envs.DataError, match="matched_clean_test.json: not valid JSON"):
-        lab_data.load_matched(path)
+        released.load_matched(path)
 
 
 def test_download_validates_and_writes_atomically(monkeypatch, tmp_path, release_dir):
     served = tmp_path / "served"
-    for name in lab_data.ALL_RELEASE_FILES["gta"]:
+    for name in released.ALL_RELEASE_FILES["gta"]:
         (served / "gta").mkdir(parents=True, exist_ok=True)
         (served / "gta" / name).write_bytes((release_dir / "gta" / name).read_bytes())
 
@@ -533,8 +535,8 @@ def test_download_validates_and_writes_atomically(monkeypatch, tmp_path, release
         assert len(env) == 53       # the core fetches the episode files it plays, no more
         assert sorted(p.name for p in (tmp_path / "data" / "gta").iterdir()) == \
             sorted(envs.RELEASE_FILES["gta"])
-        assert lab_data.download("gta", tmp_path / "data") == tmp_path / "data" / "gta"
-        for name in lab_data.ALL_RELEASE_FILES["gta"]:                  # the lab's: every file
+        assert released.download("gta", tmp_path / "data") == tmp_path / "data" / "gta"
+        for name in released.ALL_RELEASE_FILES["gta"]:                  # the lab's: every file
             assert (tmp_path / "data" / "gta" / name).read_bytes() == \
                 (release_dir / "gta" / name).read_bytes()
         matched = json.loads((served / "gta" / "matched_clean_test.json").read_text())
@@ -542,7 +544,7 @@ def test_download_validates_and_writes_atomically(monkeypatch, tmp_path, release
         (served / "gta" / "matched_clean_test.json").write_text(json.dumps(matched))
         with pytest.raises(envs.DataError, match=r"/gta/matched_clean_test.json: record 2 "
                            r"\(episode .*the dialog must end at turn_idx"):
-            lab_data.download("gta", tmp_path / "lab")
+            released.download("gta", tmp_path / "lab")
         assert (tmp_path / "lab" / "gta" / "matched_clean_train.json").is_file()
         assert not (tmp_path / "lab" / "gta" / "matched_clean_test.json").exists()
         (served / "gta" / "clean_test.json").write_text('{"1": {"dialogs": []}}')
@@ -552,7 +554,7 @@ def test_download_validates_and_writes_atomically(monkeypatch, tmp_path, release
         assert not list((tmp_path / "fresh" / "gta").glob(".*.tmp"))
         (served / "gta" / "clean_train.json").unlink()
         with pytest.raises(envs.DataError, match="clean_train.json: HTTP 404"):
-            lab_data.download("gta", tmp_path / "fresh", force=True)
+            released.download("gta", tmp_path / "fresh", force=True)
     finally:
         server.shutdown()
         server.server_close()
@@ -587,7 +589,7 @@ def test_split_episodes_refuses_to_write_over_the_released_files(release_dir, tm
     shutil.copytree(release_dir / "toolbench", data / "toolbench")
     before = (data / "toolbench" / "clean_test.json").read_bytes()
     with pytest.raises(envs.DataError, match="would overwrite their test files"):
-        lab_data.split_episodes(data, "toolbench", data / "toolbench", episodes=4)
+        released.split_episodes(data, "toolbench", data / "toolbench", episodes=4)
     assert (data / "toolbench" / "clean_test.json").read_bytes() == before
 
 
@@ -670,7 +672,7 @@ def test_toolbench_scored_by_the_judge(fake_openai, tmp_path, release_dir):
     key = env.ids[0]
     record = env.records[key]
     ep = env.episode(key)
-    pairs = lab_data.play_gold(ep, record["dialogs"])
+    pairs = released.play_gold(ep, record["dialogs"])
     assert pairs and all(a == b for a, b in pairs) and ep.done
     fake_openai.reply = lambda body: {"label": "yes"}
     assert ep.score() == 1.0
@@ -708,11 +710,11 @@ def test_contaminate_rewrites_one_turn_per_episode(fake_openai, tmp_path, releas
     fake_openai.reply = lambda body: {"thought": "A wrong but fluent thought.",
                                       "action": "OCR", "action_input": {"image": "wrong.jpg"}}
     out = tmp_path / "contaminated_small.json"
-    counts = lab_data.contaminate_file(data, out, _client(tmp_path), seed=3)
+    counts = released.contaminate_file(data, out, _client(tmp_path), seed=3)
     n_requests = len(fake_openai.requests)
     result = envs.load_episodes(out)
     eligible = [k for k, r in small.items()
-                if 3 <= len(lab_data.assistant_positions(r["dialogs"])) <= 8]
+                if 3 <= len(released.assistant_positions(r["dialogs"])) <= 8]
     assert sorted(result) == sorted(eligible) and n_requests == len(eligible) >= 5
     assert counts == {"ok": len(eligible), "turns_out_of_range": len(small) - len(eligible)}
     kinds = set()
@@ -720,8 +722,8 @@ def test_contaminate_rewrites_one_turn_per_episode(fake_openai, tmp_path, releas
         orig = small[key]["dialogs"]
         (idx,), (kind,) = rec["contaminated_turn_indices"], rec["contamination_types"]
         kinds.add(kind)
-        assert idx in lab_data.assistant_positions(orig)[:-1]     # never the evaluation turn
-        assert kind in lab_data.compatible_types(orig, idx)
+        assert idx in released.assistant_positions(orig)[:-1]     # never the evaluation turn
+        assert kind in released.compatible_types(orig, idx)
         assert rec["original_turn_contents"] == [orig[idx]]
         assert json.loads(rec["contamination_responses"][0])["thought"] == \
             "A wrong but fluent thought."
@@ -738,12 +740,12 @@ def test_contaminate_rewrites_one_turn_per_episode(fake_openai, tmp_path, releas
                             {"name": "OCR", "arguments": {"image": "wrong.jpg"}})
     assert len(kinds) >= 2
     systems = {r["body"]["messages"][0]["content"] for r in fake_openai.requests}
-    assert systems <= set(lab_data.CONTAMINATION_SYSTEM.values()) and len(systems) == len(kinds)
+    assert systems <= set(released.CONTAMINATION_SYSTEM.values()) and len(systems) == len(kinds)
     # deterministic given the seed; the second run is served from the cache
     again = tmp_path / "again.json"
-    lab_data.contaminate_file(data, again, _client(tmp_path), seed=3)
+    released.contaminate_file(data, again, _client(tmp_path), seed=3)
     assert again.read_bytes() == out.read_bytes() and len(fake_openai.requests) == n_requests
-    lab_data.contaminate_file(data, tmp_path / "other.json", _client(tmp_path), seed=4)
+    released.contaminate_file(data, tmp_path / "other.json", _client(tmp_path), seed=4)
     assert (tmp_path / "other.json").read_bytes() != out.read_bytes()
 
 
@@ -756,7 +758,7 @@ def test_contaminate_leaves_out_a_reply_utf8_cannot_hold(fake_openai, tmp_path, 
                                       "action_input": {"image": "x\udc00.jpg"}}
     out = tmp_path / "contaminated_small.json"
     with pytest.raises(envs.DataError, match="no episode was contaminated .*'bad_reply': [1-9]"):
-        lab_data.contaminate_file(data, out, _client(tmp_path), seed=3)
+        released.contaminate_file(data, out, _client(tmp_path), seed=3)
     assert not out.exists()
 
 
@@ -778,12 +780,12 @@ def test_contaminate_refuses_to_replace_its_input_or_to_select_nothing(tmp_path,
 
 def test_contaminate_prompt_for_observation_misinterpretation(release_dir):
     rec = envs.load_episodes(release_dir / "gta" / "clean_test.json")["1"]
-    idx = lab_data.assistant_positions(rec["dialogs"])[1]
-    assert lab_data.compatible_types(rec["dialogs"], idx) == [
+    idx = released.assistant_positions(rec["dialogs"])[1]
+    assert released.compatible_types(rec["dialogs"], idx) == [
         "reasoning_error", "tool_misuse", "observation_misinterpretation", "stale_memory"]
-    assert lab_data.compatible_types(rec["dialogs"], 1) == ["reasoning_error", "tool_misuse",
+    assert released.compatible_types(rec["dialogs"], 1) == ["reasoning_error", "tool_misuse",
                                                             "stale_memory"]
-    system, user = lab_data.contamination_messages(rec, idx, "observation_misinterpretation")
+    system, user = released.contamination_messages(rec, idx, "observation_misinterpretation")
     text = user["content"]
     assert "The observation immediately before the target step:\nObservation: The image " \
         "features a group of five people" in text
@@ -803,8 +805,8 @@ def test_cli_help():
 def test_a_data_dir_that_is_the_family_folder_itself_is_one_line(release_dir, tmp_path):
     gta = tmp_path / "gta"
     shutil.copytree(release_dir / "gta", gta)
-    for run in (lambda: lab_data.main(["make-diagnostic", "gta", "--data-dir", str(gta)]),
-                lambda: lab_data.main(["split-episodes", "gta", "--data-dir", str(gta),
+    for run in (lambda: data_command.main(["make-diagnostic", "gta", "--data-dir", str(gta)]),
+                lambda: data_command.main(["split-episodes", "gta", "--data-dir", str(gta),
                                        "--out", str(tmp_path / "out")])):
         with pytest.raises(SystemExit, match="--data-dir .*holds the gta files itself"):
             run()

@@ -26,9 +26,13 @@ import grpo
 import model as mdl
 import pair
 import probes
-from lab import (adapters, baselines, compare, curves, data as lab_data, onpolicy, runs, sft,
-                 shop, study, traces)
+from lab import compare, curves, shop, study
 from lab import train as lab_train
+from lab.infra import runs
+from lab.methods import baselines, onpolicy
+from lab.policies import adapters, sft
+from lab.probing import traces
+from lab.worlds import released as lab_data
 
 ROOT = Path(__file__).resolve().parents[1]
 CORE_REWARDS = {"outcome", "pair", *probes.FEATURES}

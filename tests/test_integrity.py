@@ -181,7 +181,7 @@ def test_a_failed_core_command_leaves_no_lock(tmp_path, monkeypatch):
 def test_a_failed_lab_command_leaves_no_lock(tmp_path):
     # the lab's claim (runs.exclusive_dir, around an extraction or a fit) lets its directory go
     # on failure as on success: the lock file is removed, a nested claim keeps it
-    from lab import runs
+    from lab.infra import runs
     out = tmp_path / "out"
     with pytest.raises(RuntimeError):
         with runs.exclusive_dir(out):

@@ -7,7 +7,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 import model as M
-from lab import adapters
+from lab.policies import adapters
 
 pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning")   # peft on transformers 5
 peft = pytest.importorskip("peft")

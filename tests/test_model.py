@@ -19,10 +19,9 @@ from safetensors.torch import load_file, save_file
 import envs
 import model as M
 from lab import generate
-from lab import sft
-from lab import study
-from lab import traces
-from lab import runs
+from lab.infra import runs
+from lab.policies import sft
+from lab.probing import features, traces
 import probes
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -893,7 +892,7 @@ def test_render_spans_point_at_assistant_content(qwen_tokenizer_dir):
                 assert ids[start - 3:start] == [tok.im_start_id, *assistant_id, *newline_id]
     ids, spans = tok.render(MESSAGE_LISTS[1], add_generation_prompt=True)
     assert ids[-3:] == [tok.im_start_id, *assistant_id, *newline_id]
-    cut_ids, cut_spans, n_cut = study.keep_last(ids, spans, 10)
+    cut_ids, cut_spans, n_cut = features.keep_last(ids, spans, 10)
     assert cut_ids == ids[-10:] and n_cut == len(ids) - 10 and cut_spans == [(0, 0)]
 
 

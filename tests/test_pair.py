@@ -14,7 +14,10 @@ import torch
 
 import pair
 import probes
-from lab import data as lab_data, detection, report, runs, study, traces
+from lab import study
+from lab.infra import runs
+from lab.probing import detection, features, report, traces
+from lab.worlds import released as lab_data
 from pair import Pair
 
 
@@ -213,11 +216,11 @@ def test_contamination_distance():
     dialogs = [{"role": r} for r in roles]
     rec = {"turn_idx": 8, "dialogs": dialogs, "original_contaminated_turn_indices": [3, 8, 10]}
     # nearest earlier contaminated turn: message 3; assistant turns 6 and 8 follow -> d = 2
-    assert study.contamination_distance(rec) == (2, 5)
+    assert features.contamination_distance(rec) == (2, 5)
     rec["original_contaminated_turn_indices"] = [6, 1]
-    assert study.contamination_distance(rec) == (1, 2)
+    assert features.contamination_distance(rec) == (1, 2)
     rec["original_contaminated_turn_indices"] = [8]
-    assert study.contamination_distance(rec) == (-1, -1)
+    assert features.contamination_distance(rec) == (-1, -1)
     assert report.distance_bucket(1) == "1" and report.distance_bucket(9) == "7+"
     assert report.distance_bucket(-1) is None
 
@@ -467,17 +470,17 @@ def test_pipeline_on_shop(tmp_path, monkeypatch, capsys):
             torch.testing.assert_close(raw[k][i], v, msg=k)
     assert raw["label"].tolist() == [r["label"] for r in recs]
     assert raw["turn_idx"].tolist() == [r["turn_idx"] for r in recs]
-    assert raw["distance"].tolist() == [study.contamination_distance(r)[0] for r in recs]
+    assert raw["distance"].tolist() == [features.contamination_distance(r)[0] for r in recs]
     assert meta["episode_id"] == [r["episode_id"] for r in recs]
     assert meta["contamination_type"] == [r["contamination_type"] for r in recs]
     assert meta["dims"] == {"d": 16, "L": 4, "H": 4}
     # long sequences keep their last max_len tokens, the span shifted with them
     full_ids, full_spans = tok.render(lab_data.record_messages(recs[0]))
-    cut_ids, cut_span, cut = study.render_record(recs[0], tok, max_len=len(full_ids) - 7)
+    cut_ids, cut_span, cut = features.render_record(recs[0], tok, max_len=len(full_ids) - 7)
     assert cut == 7 and cut_ids == full_ids[7:]
     assert cut_span == (full_spans[-1][0] - 7, full_spans[-1][1] - 7)
     with pytest.raises(ValueError, match="does not fit"):
-        study.render_record(recs[0], tok, max_len=1)
+        features.render_record(recs[0], tok, max_len=1)
 
     study.main(["train", "--features", str(feats), "--out", str(tmp_path / "probes"),
                "--seeds", "42"])
@@ -507,7 +510,8 @@ def test_pipeline_on_shop(tmp_path, monkeypatch, capsys):
 ROOT = Path(__file__).resolve().parents[1]
 # pair.py extract with each forward slowed down, so that two runs surely overlap
 SLOW_EXTRACT = ("import sys, time\n"
-                "from lab import study, traces\n"
+                "from lab import study\n"
+                "from lab.probing import traces\n"
                 "real = traces.trace_forward\n"
                 "traces.trace_forward = lambda *a: (time.sleep(0.03), real(*a))[1]\n"
                 "study.main(sys.argv[1:])\n")
@@ -614,19 +618,19 @@ def test_claims_nest_and_survive_the_directory_being_removed(tmp_path):
 def test_merge_refuses_to_write_an_incomplete_file(shop_ckpt, tmp_path, monkeypatch):
     data, ckpt = shop_ckpt
     out = tmp_path / "f.safetensors"
-    real, calls = study._write_shard, []
+    real, calls = features._write_shard, []
 
     def loses_the_second_shard(parts, buffer, failed):
         calls.append(len(buffer))
         if len(calls) != 2:
             real(parts, buffer, failed)
-    monkeypatch.setattr(study, "_write_shard", loses_the_second_shard)
+    monkeypatch.setattr(features, "_write_shard", loses_the_second_shard)
     argv = ["extract", "--model", str(ckpt), "--data", str(data / "matched_clean_test.json"),
             "--out", str(out), "--shard-size", "3"]
     with pytest.raises(SystemExit, match=r"3 records .* neither extracted nor listed as failed"):
         study.main(argv)
     assert not out.exists()
-    monkeypatch.setattr(study, "_write_shard", real)
+    monkeypatch.setattr(features, "_write_shard", real)
     study.main(argv)                              # the rerun extracts the lost records
     _, meta = study.load_features(out)
     assert meta["n_records"] == len(lab_data.load_matched(data / "matched_clean_test.json"))

@@ -1,4 +1,4 @@
-"""The premise world, shop-copy (lab/shop.py): each decision's slip copies another value of its
+"""The premise world, shop-copy (lab/worlds/shop.py): each decision's slip copies another value of its
 episode and fails it alone; its dialogs misread each decision on its own; held-out success
 sampled (lab.train --eval-samples); the regime command (lab/premise.py)."""
 import collections
@@ -12,9 +12,12 @@ import torch
 import envs
 import grpo
 import pair
-from lab import compare, credit, detection, premise, shop, shopdata
-from lab import data as lab_data
+from lab import compare, premise
+from lab import shop as shop_command
 from lab import train as lab_train
+from lab.methods import credit
+from lab.probing import detection
+from lab.worlds import released, shop, shopdata
 from test_grpo import _cache, pair_cache, tiny_policy  # noqa: F401  (fixtures)
 
 
@@ -50,7 +53,7 @@ def test_each_decision_copies_another_value_of_its_episode_and_fails_it_alone():
             for value in values:
                 dialog = shop.long_dialog(task, misread={decision: value})
                 ep = env.episode(i)
-                assert all(a == b for a, b in lab_data.play_gold(ep, dialog))  # real tools
+                assert all(a == b for a, b in released.play_gold(ep, dialog))  # real tools
                 labels = ep.labels()
                 assert ep.score() == 0.0, (i, decision, value)
                 # wrong where it is made, right before it: the turn slip_turns names
@@ -67,12 +70,12 @@ def test_each_decision_copies_another_value_of_its_episode_and_fails_it_alone():
 
 
 def test_copy_sft_dialogs_misread_each_decision_on_its_own():
-    gold = shop.copy_sft_dialogs(20, 0.0, seed=1)
+    gold = shop_command.copy_sft_dialogs(20, 0.0, seed=1)
     assert gold == [envs.dialog_to_messages(shop.long_dialog(shop.copy_task(
         envs.shop_episode_seed("train", 1, i))), envs.SHOP_TOOLS, []) for i in range(20)]
-    assert shop.copy_sft_dialogs(50, 0.4, seed=1) == shop.copy_sft_dialogs(50, 0.4, seed=1)
+    assert shop_command.copy_sft_dialogs(50, 0.4, seed=1) == shop_command.copy_sft_dialogs(50, 0.4, seed=1)
     first = collections.Counter()
-    for i, dialog in enumerate(shop.copy_sft_dialogs(300, 0.4, seed=1)):
+    for i, dialog in enumerate(shop_command.copy_sft_dialogs(300, 0.4, seed=1)):
         task = shop.copy_task(envs.shop_episode_seed("train", 1, i))
         want = [m for m in envs.dialog_to_messages(shop.long_dialog(task), envs.SHOP_TOOLS, [])
                 if m["role"] == "assistant"]
@@ -88,7 +91,7 @@ def test_copy_sft_dialogs_misread_each_decision_on_its_own():
 
 def test_a_copy_dialogs_misreads_are_drawn_at_their_rate():
     seen = collections.Counter()
-    for i, dialog in enumerate(shop.copy_sft_dialogs(200, 0.3, seed=3)):
+    for i, dialog in enumerate(shop_command.copy_sft_dialogs(200, 0.3, seed=3)):
         task = shop.copy_task(envs.shop_episode_seed("train", 3, i))
         decisions = shop.copy_decisions(task.seed)
         calls = [m["content"].split("Action Input:")[-1] for m in dialog
@@ -106,13 +109,13 @@ def test_sft_writes_a_shop_copy_policy_and_its_recipe(tmp_path):
     tiny = ["--episodes", "6", "--steps", "2", "--batch", "2", "--hidden", "16", "--layers",
             "1", "--heads", "2", "--kv-heads", "1", "--intermediate", "32", "--vocab", "300",
             "--eval-episodes", "0", "--threads", "1", "--induction-steps", "2"]
-    shop.main(["sft", "--out", str(tmp_path / "shop")] + tiny)
-    shop.main(["sft", "--out", str(tmp_path / "copy"), "--world", "shop-copy", "--slips", "0.4",
+    shop_command.main(["sft", "--out", str(tmp_path / "shop")] + tiny)
+    shop_command.main(["sft", "--out", str(tmp_path / "copy"), "--world", "shop-copy", "--slips", "0.4",
                "--init", str(tmp_path / "shop")] + tiny)
     readme = (tmp_path / "copy" / "README.md").read_text()
     assert "shop-copy-policy" in readme and "--world shop-copy --slips 0.4" in readme
     with pytest.raises(SystemExit):                     # a long world continues a saved policy
-        shop.main(["sft", "--out", str(tmp_path / "c"), "--world", "shop-copy"] + tiny)
+        shop_command.main(["sft", "--out", str(tmp_path / "c"), "--world", "shop-copy"] + tiny)
 
 
 def run_args(policy, out, *more):

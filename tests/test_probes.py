@@ -16,7 +16,7 @@ from sklearn.linear_model import LogisticRegression  # noqa: E402
 from sklearn.metrics import (average_precision_score, brier_score_loss,  # noqa: E402
                              roc_auc_score)
 from sklearn.preprocessing import StandardScaler  # noqa: E402
-from lab import detection  # noqa: E402
+from lab.probing import detection  # noqa: E402
 
 
 def sklearn_proba(X, y, C):

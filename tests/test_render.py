@@ -4,7 +4,8 @@ by jinja2, and the assistant spans cover exactly the assistant contents."""
 import pytest
 
 import envs
-from lab import data as lab_data, sft
+from lab.policies import sft
+from lab.worlds import released as lab_data
 
 jinja2 = pytest.importorskip("jinja2")
 from jinja2.sandbox import ImmutableSandboxedEnvironment  # noqa: E402

@@ -1,6 +1,6 @@
-"""The built-in world (envs.py: exact labels, replay, splits; lab/shopdata.py: data, contamination;
-lab/shop.py: the long world), the recipe of the built-in policy (lab/sft.py) and the on-policy
-probe corpus."""
+"""The built-in world (envs.py: exact labels, replay, splits; lab/worlds/shopdata.py: data,
+contamination; lab/worlds/shop.py: the long worlds), the recipe of the built-in policy
+(lab/policies/sft.py) and the on-policy probe corpus."""
 import argparse
 import collections
 import json
@@ -19,16 +19,13 @@ import torch
 import envs
 import grpo
 import model as mdl
-from lab import onpolicy
 import probes
-from lab import data as lab_data
-from lab import detection
-from lab import sft
-from lab import shop
-from lab import shopdata
-from lab import study
+from lab import shop as shop_command
 from lab import train as lab_train
-from lab import traces
+from lab.methods import onpolicy
+from lab.policies import sft
+from lab.probing import detection, features, traces
+from lab.worlds import released, shop, shopdata
 
 ROOT = Path(__file__).resolve().parents[1]
 BUILTIN = ROOT / "data" / "shop-policy"
@@ -141,7 +138,7 @@ def test_gold_dialogs_replay_score_and_label():
         task = ep.task
         dialog, _ = shopdata.shop_gold(task)
         assert envs.dialog_to_messages(dialog[:1], envs.SHOP_TOOLS) == ep.messages
-        pairs = lab_data.play_gold(ep, dialog)
+        pairs = released.play_gold(ep, dialog)
         assert pairs and all(recorded == returned for recorded, returned in pairs)
         assert ep.done and ep.score() == 1.0
         assert ep.labels() == [True] * len(ep.steps)
@@ -168,7 +165,7 @@ def test_divided_dialog_is_the_gold_one_converting_the_wrong_way_round():
     labels = shopdata.shop_dialog_labels(task, divided)
     assert labels == [True] * (len(labels) - 2) + [False, False]
     ep = envs.ShopEpisode("hand", task)
-    lab_data.play_gold(ep, divided)
+    released.play_gold(ep, divided)
     assert ep.score() == 0.0
     assert shopdata.shop_divided(hand_task("USD")) is None     # nothing to convert
 
@@ -195,7 +192,7 @@ def test_long_world_gold_dialogs_replay_score_and_label():
         assert ep.id == f"shop-long-3-test-{i}" and shop.shop_task_from_id(ep.id) == task
         assert task.currency != "USD" and 3 <= len(task.lines) <= 5
         dialog = shop.long_dialog(task)
-        pairs = lab_data.play_gold(ep, dialog)      # every tool call re-executed: same observations
+        pairs = released.play_gold(ep, dialog)      # every tool call re-executed: same observations
         assert pairs and all(recorded == returned for recorded, returned in pairs)
         assert ep.score() == 1.0 and ep.labels() == [True] * len(ep.steps)
         assert shopdata.shop_dialog_labels(task, dialog) == ep.labels()
@@ -227,7 +224,7 @@ def test_long_world_slips_are_turn_local_and_each_fails_the_episode():
         for slip in shop.LONG_SLIPS:
             dialog = shop.long_dialog(task, (slip,))
             ep = env.episode(i)
-            pairs = lab_data.play_gold(ep, dialog)
+            pairs = released.play_gold(ep, dialog)
             assert all(recorded == returned for recorded, returned in pairs)
             assert ep.score() == 0.0, (i, slip)
             assert ep.labels() == slip_labels(len(task.lines), slip), (i, slip)
@@ -251,11 +248,11 @@ def test_long_world_counts_only_running_totals():
 
 
 def test_long_sft_dialogs_make_each_slip_on_its_own_where_its_habit_is():
-    gold = shop.long_sft_dialogs(30, 0.0, seed=1)
+    gold = shop_command.long_sft_dialogs(30, 0.0, seed=1)
     assert gold == [envs.dialog_to_messages(shop.long_dialog(shop.long_task(
         envs.shop_episode_seed("train", 1, i))), envs.SHOP_TOOLS, []) for i in range(30)]
     made, habits, every = collections.Counter(), collections.Counter(), collections.Counter()
-    for i, dialog in enumerate(shop.long_sft_dialogs(600, 0.5, seed=1)):
+    for i, dialog in enumerate(shop_command.long_sft_dialogs(600, 0.5, seed=1)):
         task = shop.long_task(envs.shop_episode_seed("train", 1, i))
         n = len(task.lines)
         inputs = [m["content"].split("Action Input:")[-1] for m in dialog
@@ -281,9 +278,9 @@ def test_sft_shop_long_continues_a_shop_policy_byte_for_byte(tmp_path):
     tiny = ["--episodes", "6", "--steps", "2", "--batch", "2", "--hidden", "16", "--layers",
             "1", "--heads", "2", "--kv-heads", "1", "--intermediate", "32", "--vocab", "300",
             "--eval-episodes", "0", "--threads", "1", "--induction-steps", "2"]
-    shop.main(["sft", "--out", str(tmp_path / "shop")] + tiny)
+    shop_command.main(["sft", "--out", str(tmp_path / "shop")] + tiny)
     for name in ("a", "b"):
-        shop.main(["sft", "--out", str(tmp_path / name), "--world", "shop-long", "--slips",
+        shop_command.main(["sft", "--out", str(tmp_path / name), "--world", "shop-long", "--slips",
                    "0.5", "--init", str(tmp_path / "shop")] + tiny)
     for f in ("config.json", "model.safetensors", "tokenizer.json"):
         assert (tmp_path / "a" / f).read_bytes() == (tmp_path / "b" / f).read_bytes(), f
@@ -291,7 +288,7 @@ def test_sft_shop_long_continues_a_shop_policy_byte_for_byte(tmp_path):
     assert len(recipe) == 2 and "--world shop-long --slips 0.5" in recipe[1]
     assert "shop-long-policy" in (tmp_path / "a" / "README.md").read_text()
     with pytest.raises(SystemExit):
-        shop.main(["sft", "--out", str(tmp_path / "c"), "--world", "shop-long"] + tiny)
+        shop_command.main(["sft", "--out", str(tmp_path / "c"), "--world", "shop-long"] + tiny)
 
 
 def test_the_readme_commands_rebuild_a_continued_policy_in_one_directory(tmp_path):
@@ -302,15 +299,15 @@ def test_the_readme_commands_rebuild_a_continued_policy_in_one_directory(tmp_pat
             "1", "--heads", "2", "--kv-heads", "1", "--intermediate", "32", "--vocab", "300",
             "--threads", "1", "--induction-steps", "2"]
     c, d = tmp_path / "c", tmp_path / "d"
-    shop.main(["sft", "--out", str(c), "--eval-episodes", "0"] + tiny)
-    shop.main(["sft", "--out", str(c), "--world", "shop-long", "--slips", "0.5", "--init",
+    shop_command.main(["sft", "--out", str(c), "--eval-episodes", "0"] + tiny)
+    shop_command.main(["sft", "--out", str(c), "--world", "shop-long", "--slips", "0.5", "--init",
                str(c), "--eval-episodes", "0"] + tiny)
     recipe = sft.policy_recipe(c)
     assert len(recipe) == 2 and f"--out {c} " in recipe[1] and f"--init {c} " in recipe[1]
     for line in recipe:
         argv = shlex.split(line.replace(str(c), str(d)))
         assert argv[:4] == ["python", "-m", "lab.shop", "sft"], line
-        shop.main(argv[3:] + ["--eval-episodes", "0"])      # evaluation writes no weights
+        shop_command.main(argv[3:] + ["--eval-episodes", "0"])      # evaluation writes no weights
     for f in ("config.json", "model.safetensors", "tokenizer.json"):
         assert (c / f).read_bytes() == (d / f).read_bytes(), f
 
@@ -326,7 +323,7 @@ def test_sft_resumed_after_a_stop_writes_the_same_bytes(tmp_path, monkeypatch):
             "--heads", "2", "--kv-heads", "1", "--intermediate", "32", "--vocab", "300",
             "--eval-episodes", "0", "--threads", "1", "--induction-steps", "3",
             "--save-every", "2"]
-    shop.main(["sft", "--out", str(tmp_path / "a")] + tiny)
+    shop_command.main(["sft", "--out", str(tmp_path / "a")] + tiny)
     save = sft.save_sft_checkpoint
     for stop in (2, 4, 6):          # checkpoints after 2 induction steps, 1 and 3 dialog steps
         out = tmp_path / f"stop{stop}"
@@ -338,19 +335,19 @@ def test_sft_resumed_after_a_stop_writes_the_same_bytes(tmp_path, monkeypatch):
 
         monkeypatch.setattr(sft, "save_sft_checkpoint", save_then_stop)
         with pytest.raises(_Stop):
-            shop.main(["sft", "--out", str(out)] + tiny)
+            shop_command.main(["sft", "--out", str(out)] + tiny)
         monkeypatch.setattr(sft, "save_sft_checkpoint", save)
         assert json.loads((out / "sft-checkpoint" / "trainer.json").read_text())["done"] == stop
         with pytest.raises(SystemExit):         # not started over by accident
-            shop.main(["sft", "--out", str(out)] + tiny)
+            shop_command.main(["sft", "--out", str(out)] + tiny)
         with pytest.raises(SystemExit, match="--lr 0.001 \\(was 0.003\\)"):
-            shop.main(["sft", "--out", str(out), "--resume", "--lr", "0.001"] + tiny)
-        shop.main(["sft", "--out", str(out), "--resume"] + tiny)
+            shop_command.main(["sft", "--out", str(out), "--resume", "--lr", "0.001"] + tiny)
+        shop_command.main(["sft", "--out", str(out), "--resume"] + tiny)
         for f in ("config.json", "model.safetensors", "tokenizer.json"):
             assert (out / f).read_bytes() == (tmp_path / "a" / f).read_bytes(), (stop, f)
         assert not (out / "sft-checkpoint").exists()
     with pytest.raises(SystemExit, match="cannot resume"):
-        shop.main(["sft", "--out", str(tmp_path / "none"), "--resume"] + tiny)
+        shop_command.main(["sft", "--out", str(tmp_path / "none"), "--resume"] + tiny)
 
 
 def test_episodes_deterministic_and_splits_disjoint():
@@ -393,7 +390,7 @@ def test_make_data_is_byte_for_byte_deterministic(data, tmp_path):
 
 
 def test_make_data_says_what_it_wrote_in_the_users_file_mode(tmp_path, capsys, monkeypatch):
-    shop.main(["make-data", "--out", str(tmp_path / "a"), "--episodes", "10"])
+    shop_command.main(["make-data", "--out", str(tmp_path / "a"), "--episodes", "10"])
     out = capsys.readouterr().out
     assert f"10 episodes (seed 42) -> {tmp_path / 'a'}" in out
     assert re.search(r"clean_train\.json +8 episodes", out), out
@@ -412,16 +409,16 @@ def test_make_data_says_what_it_wrote_in_the_users_file_mode(tmp_path, capsys, m
 def test_make_data_files_load_and_split_80_20(data):
     for split, n in (("train", 48), ("test", 12)):
         clean = envs.load_episodes(data / f"clean_{split}.json")
-        cont = lab_data.load_released_episodes(data / f"contaminated_{split}.json")
+        cont = released.load_released_episodes(data / f"contaminated_{split}.json")
         assert list(clean) == list(cont) == [f"shop-7-{split}-{i}" for i in range(n)]
         for fam in ("clean", "contaminated"):
-            records = lab_data.load_matched(data / f"matched_{fam}_{split}.json")
+            records = released.load_matched(data / f"matched_{fam}_{split}.json")
             assert all(r["tools"] == envs.SHOP_TOOLS for r in records)
         for eid, rec in clean.items():
             task = shop.shop_task_from_id(eid)
             assert rec["dialogs"] == shopdata.shop_gold(task)[0]
             assert rec["gt_answer"] == {"whitelist": [[task.answer]], "blacklist": None}
-    assert len(lab_data.load_matched(data / "matched_diagnostic_test.json")) == 24
+    assert len(released.load_matched(data / "matched_diagnostic_test.json")) == 24
 
 
 def test_contamination_follows_the_paper_procedure(data):
@@ -458,7 +455,7 @@ def test_contamination_follows_the_paper_procedure(data):
                     new = collections.Counter(re.findall(r"\d+\.\d+", thought)) - \
                         collections.Counter(re.findall(r"\d+\.\d+", old_thought))
                     assert new and set(new) <= earlier
-    assert set(kinds) == set(lab_data.CONTAMINATION_TYPES), kinds
+    assert set(kinds) == set(released.CONTAMINATION_TYPES), kinds
 
 
 def test_a_rewrite_right_by_coincidence_falls_back_to_another_kind():
@@ -550,7 +547,7 @@ def test_diagnostic_set(data):
         fact = envs.shop_execute(task, call["name"], call["arguments"]).fact
         known, computed, _ = shopdata._shop_state(task, wrong["dialogs"][:-1])
         assert fact not in task.needed or fact in known
-        assert envs._shop_thought_true(task, thought.split("I need")[0], known, computed)
+        assert envs.shop_thought_true(task, thought.split("I need")[0], known, computed)
 
 
 def test_make_data_is_fast(tmp_path):
@@ -602,7 +599,7 @@ def test_sft_is_deterministic_and_loadable(tmp_path):
             "1", "--heads", "2", "--kv-heads", "1", "--intermediate", "32", "--vocab", "300",
             "--eval-episodes", "0", "--threads", "1", "--induction-steps", "3"]
     for name in ("a", "b"):
-        shop.main(["sft", "--out", str(tmp_path / name)] + tiny)
+        shop_command.main(["sft", "--out", str(tmp_path / name)] + tiny)
     for f in ("config.json", "model.safetensors", "tokenizer.json"):   # README: timings
         assert (tmp_path / "a" / f).read_bytes() == (tmp_path / "b" / f).read_bytes(), f
     policy, tok = mdl.load_model(tmp_path / "a")
@@ -617,9 +614,9 @@ def test_sft_is_deterministic_and_loadable(tmp_path):
 
 
 def test_sft_divided_replaces_only_clean_non_usd_dialogs():
-    base = shop.sft_dialogs(20, 0.3, seed=1)
-    assert shop.sft_dialogs(20, 0.3, seed=1, divided=0.0) == base     # nothing else moves
-    habit = shop.sft_dialogs(20, 0.3, seed=1, divided=1.0)
+    base = shop_command.sft_dialogs(20, 0.3, seed=1)
+    assert shop_command.sft_dialogs(20, 0.3, seed=1, divided=0.0) == base     # nothing else moves
+    habit = shop_command.sft_dialogs(20, 0.3, seed=1, divided=1.0)
     changed = 0
     for before, after in zip(base, habit):
         if before == after:
@@ -636,8 +633,8 @@ def test_sft_continues_a_saved_policy_with_its_tokenizer(tmp_path):
     tiny = ["--episodes", "10", "--steps", "2", "--batch", "2", "--hidden", "16", "--layers",
             "1", "--heads", "2", "--kv-heads", "1", "--intermediate", "32", "--vocab", "300",
             "--eval-episodes", "0", "--threads", "1", "--induction-steps", "2"]
-    shop.main(["sft", "--out", str(tmp_path / "a")] + tiny)
-    shop.main(["sft", "--out", str(tmp_path / "b"), "--init", str(tmp_path / "a"),
+    shop_command.main(["sft", "--out", str(tmp_path / "a")] + tiny)
+    shop_command.main(["sft", "--out", str(tmp_path / "b"), "--init", str(tmp_path / "a"),
                "--divided", "0.7"] + tiny)
     assert (tmp_path / "a" / "tokenizer.json").read_bytes() == \
         (tmp_path / "b" / "tokenizer.json").read_bytes()
@@ -679,7 +676,7 @@ def test_sft_refuses_a_bad_flag_before_writing_a_policy(bad, tmp_path, capsys):
              "CORES+1": str((os.cpu_count() or 1) + 1)}.get(value, value)
     out = tmp_path / "out"
     with pytest.raises(SystemExit) as e:
-        shop.main(["sft", "--out", str(out)] + _TINY_SFT + [flag, value])
+        shop_command.main(["sft", "--out", str(out)] + _TINY_SFT + [flag, value])
     said = f"{e.value.code}\n{capsys.readouterr().err}"
     assert flag in said and "Traceback" not in said, said
     assert not (out / "model.safetensors").exists() and not (out / "README.md").exists()
@@ -688,7 +685,7 @@ def test_sft_refuses_a_bad_flag_before_writing_a_policy(bad, tmp_path, capsys):
 def test_make_data_refuses_a_file_as_out(tmp_path):
     (tmp_path / "f").write_text("x")
     with pytest.raises(SystemExit, match="--out"):
-        shop.main(["make-data", "--out", str(tmp_path / "f"), "--episodes", "4"])
+        shop_command.main(["make-data", "--out", str(tmp_path / "f"), "--episodes", "4"])
     assert (tmp_path / "f").read_text() == "x"
 
 
@@ -756,10 +753,10 @@ def test_contaminated_corpus_is_the_recipes_training_set_of_every_traced_record(
     shopdata.make_shop_data(tmp_path, episodes=3, seed=onpolicy.PROBE_SEED)
     splits = {}
     for name in detection.TRAIN_SPLITS["mixed"]:
-        recs = lab_data.load_matched(tmp_path / f"{name}.json")
+        recs = released.load_matched(tmp_path / f"{name}.json")
         raws = []
         for r in recs:
-            ids, span, _ = study.render_record(r, tok)
+            ids, span, _ = features.render_record(r, tok)
             raws.append(probes.raw_features(traces.trace_forward(policy, ids, span)))
         raw = probes.stack_raw(raws)
         raw["turn_idx"] = torch.tensor([int(r["turn_idx"]) for r in recs])
@@ -855,3 +852,29 @@ def test_the_report_warns_where_the_rewards_probe_favours_a_habit():
                         "last_token", lambda line, **kw: lines.append(line))
     (warning,) = [line for line in lines if "warning" in line]
     assert "the last_token probe ranks the store slip" in warning
+
+
+def test_generate_plays_a_runs_adapter(tmp_path, capsys):
+    # a run's checkpoint is an adapter: lab.generate plays the policy with it. B = 0 changes
+    # nothing; a large B changes the greedy reply; a broken adapter is one line naming the flag
+    from lab import generate
+    prompt = ["--model", str(BUILTIN), "--max-new-tokens", "24", "--prompt",
+              "How much do 2 pear at store B cost in total, in USD?"]
+    generate.main(prompt)
+    base = capsys.readouterr().out
+    policy, _ = mdl.load_model(BUILTIN)
+    mdl.apply_lora(policy, r=4, alpha=8.0, dropout=0.0)
+    mdl.save_adapter(policy, tmp_path / "zero")
+    generate.main(prompt + ["--adapter", str(tmp_path / "zero")])
+    assert capsys.readouterr().out == base
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for name, p in mdl.lora_parameters(policy):
+            if "lora_B" in name:
+                p.copy_(torch.randn(p.shape, generator=gen))
+    mdl.save_adapter(policy, tmp_path / "moved")
+    generate.main(prompt + ["--adapter", str(tmp_path / "moved")])
+    assert capsys.readouterr().out != base
+    (tmp_path / "broken").mkdir()
+    with pytest.raises(SystemExit, match="^--adapter: .*adapter_config.json: cannot read"):
+        generate.main(prompt + ["--adapter", str(tmp_path / "broken")])

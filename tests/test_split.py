@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import model as M
-from lab import traces
+from lab.probing import traces
 import probes
 
 STATS = M.STATS

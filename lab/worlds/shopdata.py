@@ -2,20 +2,20 @@
 every turn of any dialog labelled exactly, the paper's four contamination types written onto gold
 turns by rule, and the released-schema files that `python -m lab.shop make-data` writes from them.
 
-The world itself (tasks, tools, labels, `ShopEnv`) is envs.py's; the long world `shop-long`, and
-the command line, are lab/shop.py's.
+The world itself (tasks, tools, labels, `ShopEnv`) is envs.py's; the long worlds `shop-long` and
+`shop-copy` lab/worlds/shop.py's; the command line lab/shop.py's.
 """
 from __future__ import annotations
 
 import json
 import random
 from dataclasses import dataclass, replace
-from decimal import Decimal, ROUND_HALF_UP
+from decimal import Decimal
 from pathlib import Path
 
 import envs
 import model
-from lab import data as lab_data
+from lab.worlds import released
 
 # ---------------------------------------------------------------------------------------------
 # The world (envs.py's): tasks drawn from a seed, tools that really execute, exact labels
@@ -28,7 +28,7 @@ from lab import data as lab_data
 # turn, by re-running its tool calls (shop_labels). Vocabulary and phrasing are small and regular
 # on purpose: a tiny model trained on the gold dialogs must be able to learn the world.
 #
-# A turn is correct iff envs.shop_labels says so: its docstring and _shop_thought_true's state the
+# A turn is correct iff envs.shop_labels says so: its docstring and shop_thought_true's state the
 # rules, which the default run's rewards and successes depend on.
 
 
@@ -106,7 +106,7 @@ def _shop_next(task: envs.ShopTask, known: dict, computed: list[float], said: tu
     missing = [f for f in task.needed if f not in known]
     if missing:
         return _ShopTurn(said=said, need=missing[0], call=_shop_fact_call(missing[0]))
-    if not envs._close(float(task.total), computed):
+    if not envs.within_half_cent(float(task.total), computed):
         formula = _shop_formula(task, known)
         return _ShopTurn(said=said, formula=formula, call=("Calculator", {"expression": formula}))
     return _ShopTurn(said=said, answer=task.answer)
@@ -164,8 +164,7 @@ def shop_divided(task: envs.ShopTask) -> list[dict] | None:
             formula = _shop_formula(task, known, conv="/")
             turn = replace(turn, formula=formula, call=("Calculator", {"expression": formula}))
         elif turn.call is None:
-            wrong = Decimal(repr(computed[-1])).quantize(envs._CENT, rounding=ROUND_HALF_UP)
-            turn = replace(turn, answer=str(wrong))
+            turn = replace(turn, answer=envs.round_answer(Decimal(repr(computed[-1]))))
         res = _shop_play(task, dialog, turn, (known, computed, said))
         said = ((res.fact, res.value),) if res.fact is not None else ()
     return dialog
@@ -340,9 +339,9 @@ def shop_matched(task: envs.ShopTask, episode_id: str, clean: list[dict], contam
         kind = kinds[indices.index(t)] if t in indices else None
         dialog = clean[:t] + [contaminated[t]]
         label = shop_dialog_labels(task, dialog)[-1]
-        clean_records.append(lab_data.matched_record(episode_id, t, label, kind, indices,
+        clean_records.append(released.matched_record(episode_id, t, label, kind, indices,
                                                      "clean", dialog))
-        contaminated_records.append(lab_data.matched_record(
+        contaminated_records.append(released.matched_record(
             episode_id, t, labels[k], kind, indices, "contaminated", contaminated[:t + 1]))
     return clean_records, contaminated_records
 
@@ -380,9 +379,9 @@ def shop_diagnostic(task: envs.ShopTask, episode_id: str, clean: list[dict],
     repair = _shop_render(task, _shop_next(task, known, computed, fixes + said))
     if not shop_dialog_labels(task, prefix + [repair])[-1]:
         raise RuntimeError(f"shop seed {task.seed}: the repair turn is not correct")
-    return [lab_data.matched_record(episode_id, t, False, None, [], "clean", clean[:t] + [wrong],
+    return [released.matched_record(episode_id, t, False, None, [], "clean", clean[:t] + [wrong],
                                     diagnostic="consistent_incorrect"),
-            lab_data.matched_record(episode_id, t, True, None, [j], "contaminated",
+            released.matched_record(episode_id, t, True, None, [j], "contaminated",
                                     prefix + [repair], diagnostic="inconsistent_correct")]
 
 

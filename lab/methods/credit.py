@@ -25,7 +25,9 @@ import torch
 import grpo
 import pair
 import probes
-from lab import detection, onpolicy, shop
+from lab.methods import onpolicy
+from lab.probing import detection
+from lab.worlds import shop
 
 
 def labels_reward(traj: probes.Trajectory, ctx) -> list[float]:

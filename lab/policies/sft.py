@@ -30,9 +30,25 @@ from safetensors.torch import load_file, save as safetensors_bytes, save_file
 import envs
 import grpo
 import model
-from lab import generate
 from probes import rollout
 import probes
+
+
+# config.json keys of a checkpoint trained on a built-in world (`python -m lab.shop sft` writes
+# them): the world's name, and the tool list and reply format it appends to a task.
+WORLD_KEY = "pair_world"
+TOOLS_KEY = "pair_tool_instructions"
+
+
+def checkpoint_world(directory) -> tuple[str | None, str | None]:
+    """(world name, its tool instructions) a checkpoint's config.json records, or (None, None)."""
+    path = Path(directory) / "config.json"
+    config = model.read_json(path)
+    world, tools = config.get(WORLD_KEY), config.get(TOOLS_KEY)
+    if world is not None and not (isinstance(world, str) and isinstance(tools, str)):
+        raise model.CheckpointError(f"{path}: {WORLD_KEY} must name a world and {TOOLS_KEY} hold "
+                                f"its tool instructions (got {world!r} and {type(tools).__name__})")
+    return world, tools
 
 
 SPECIALS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
@@ -73,8 +89,8 @@ def sft_config(args, tok) -> dict:
             "bos_token_id": None, "eos_token_id": tok.im_end_id, "pad_token_id": tok.pad_id,
             "torch_dtype": "float32",
             # `model.py generate` renders a prompt as this world renders a task
-            generate.WORLD_KEY: "shop",
-            generate.TOOLS_KEY: envs.tool_instructions(envs.SHOP_TOOLS)}
+            WORLD_KEY: "shop",
+            TOOLS_KEY: envs.tool_instructions(envs.SHOP_TOOLS)}
 
 
 def sft_batches(lengths: list[int], batch: int, steps: int, seed: int) -> list[list[int]]:

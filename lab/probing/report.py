@@ -7,8 +7,8 @@ differ (by an input digest recorded at extraction): in the released GTA test spl
 pairs are the same dialog twice, which can only dilute a drop. There, per method: AUROC clean and
 contaminated, the drop with a paired bootstrap 95% interval (1,000 resamples of the pairs, seed
 0), and how far the evaluation turn's logit moved between its two prefixes (report.json
-`drop_differing`). (c) buckets matched_contaminated_test by contamination distance (lab/study.py
-says how it is counted). (e) reads matched_diagnostic_test (shop: `python -m lab.shop make-data`;
+`drop_differing`). (c) buckets matched_contaminated_test by contamination distance
+(lab/probing/features.py says how it is counted). (e) reads matched_diagnostic_test (shop: `python -m lab.shop make-data`;
 GTA: `python -m lab.data make-diagnostic gta`), overall and per rule of its negatives
 (report.json `diagnostic`).
 """
@@ -23,7 +23,7 @@ import torch
 
 import pair
 import probes
-from lab.detection import (DIAGNOSTIC_SPLIT, SCORES, SEEDS, TEST_SPLITS, TRAIN_SPLITS, Split,
+from lab.probing.detection import (DIAGNOSTIC_SPLIT, SCORES, SEEDS, TEST_SPLITS, TRAIN_SPLITS, Split,
                            concat_splits, fit_baselines, load_splits, mean_std, metrics, predict,
                            training_set, unsupervised_score)
 

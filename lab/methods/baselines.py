@@ -1,9 +1,10 @@
-"""The paper's other reward sources and training algorithms, beside PAIR (grpo.py holds the
-outcome, PAIR and probe rewards, the advantages, the update and the training loop).
+"""The paper's other reward sources and training algorithms, beside PAIR (pair.py holds the
+outcome, PAIR and probe rewards and the advantages; grpo.py the update and the training loop).
 
   * rewards read by vanilla GRPO, one per assistant turn (`--reward NAME`):
       coe         CoE-C of each turn, unsupervised (Wang et al., ICLR 2025);
-      llm_judge   an LLM's 1-10 score of each step (chat_api.judge_step);
+      llm_judge   an LLM's 1-10 score of each step (judge_step, at lab/worlds/toolbench.py's
+                  client);
       igpo        information gain of the gold answer (Wang et al. 2025);
       tips        potential-based shaping by a lagged teacher (Xie et al. 2026);
   * tree search, which changes how rollouts are drawn and how advantages are derived:
@@ -32,9 +33,9 @@ import grpo
 import model
 import pair
 import probes
-from lab import toolbench
+from lab.probing import detection
+from lab.worlds import toolbench
 from probes import play, rollout, Step, Trajectory
-from lab import detection
 
 
 # ---------------------------------------------------------------------------------------------

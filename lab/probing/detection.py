@@ -5,7 +5,8 @@ probes fitted on it, their scores, and the metrics those scores are measured by.
 Each probe is trained with seeds 42, 43, 44; a seed draws a class-balanced subsample of
 matched_clean_train (the same records are taken from matched_contaminated_train in mixed mode);
 results are mean +- std over seeds on matched_clean_test and matched_contaminated_test.
-lab/study.py extracts the features and runs the commands; lab/report.py builds the paper's tables.
+lab/probing/features.py extracts the features and lab/study.py runs the commands;
+lab/probing/report.py builds the paper's tables.
 """
 from __future__ import annotations
 
@@ -64,7 +65,7 @@ def load_features(path) -> tuple[dict[str, torch.Tensor], dict]:
     if not path.is_file():
         raise FileNotFoundError(f"features file not found: {path}")
     tensors, meta = probes.read_safetensors(path, "features")
-    meta = probes._json_entry(meta, "pair_features", path)
+    meta = probes.json_entry(meta, "pair_features", path)
     missing = [k for k in RAW_KEYS + ("label",) if k not in tensors]
     if not isinstance(meta, dict) or missing:
         raise probes.FormatError(f"{path}: not a features file written by "
@@ -80,7 +81,7 @@ def load_features(path) -> tuple[dict[str, torch.Tensor], dict]:
     if tensors["h_mean"].dim() != 2 or tensors["attn_max"].dim() != 3:
         raise probes.FormatError(f"{path}: h_mean must be (records, d) and attn_max "
                                  "(records, L, H)")
-    probes._check_finite(tensors, path)
+    probes.check_finite(tensors, path)
     labels = set(tensors["label"].unique().tolist())
     if not labels <= {0, 1}:
         raise probes.FormatError(f"{path}: labels must be 0 (wrong) or 1 (right), got "
