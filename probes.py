@@ -528,12 +528,12 @@ def play(policy, tok, trajs: list[Trajectory], cache, new: list[list[int]], args
 def evaluate(policy, tok, env, pool, n: int, args, procs, name: str = "held-out") -> dict:
     """Greedy rollouts on the first n episodes of `pool` (0: all): mean task
     score, mean turns, and every episode's score in pool order (for paired
-    comparisons). Each process plays every procs.size-th episode,
-    args.eval_batch at a time; the scores are gathered back in order."""
+    comparisons). Each process plays its share of the episodes (my_episodes),
+    args.eval_batch at a time; the scores are gathered back in pool order."""
     count = len(pool)                   # the episodes evaluated
     if n:
         count = min(n, len(pool))
-    mine = list(range(procs.rank, count, procs.size))
+    mine = my_episodes(count, procs)
     policy.eval()
     my_scores = []                     # this process's episodes' scores, in `mine` order
     my_turns = 0
@@ -543,15 +543,31 @@ def evaluate(policy, tok, env, pool, n: int, args, procs, name: str = "held-out"
         for traj in rollout(policy, tok, episodes, args, greedy=True, stats=False):
             my_scores.append(traj.score)
             my_turns += len(traj.steps)
-        if procs.main:          # at 7B an evaluation takes minutes: say how far it is
-            left = (time.perf_counter() - t0) / len(my_scores) * (len(mine) - len(my_scores))
-            print(f"  evaluating: {len(my_scores)}/{len(mine)} {name} episodes, {duration(left)} "
-                  "left", flush=True)
+        if procs.main:
+            say_progress(len(my_scores), len(mine), t0, f"{name} episodes")
     turns = procs.all_sum([my_turns])[0]
-    order = procs.gather([float(j) for j in mine], count)
-    scores = [s for _, s in sorted(zip(order, procs.gather(my_scores, count)))]
+    scores = in_pool_order(my_scores, mine, count, procs)
     return {"success": sum(scores) / max(count, 1), "episodes": count, "decoding": "greedy",
             "turns": turns / max(count, 1), "scores": scores}
+
+
+def my_episodes(count: int, procs) -> list[int]:
+    """This process's share of `count` held-out episodes: every procs.size-th, from its rank."""
+    return list(range(procs.rank, count, procs.size))
+
+
+def in_pool_order(my_values: list[float], mine: list[int], count: int, procs) -> list[float]:
+    """Every process's per-episode values (this one's, in `mine` order) gathered back into
+    pool order: the same list on every process, whatever their number."""
+    order = procs.gather([float(j) for j in mine], count)
+    return [v for _, v in sorted(zip(order, procs.gather(my_values, count)))]
+
+
+def say_progress(done: int, total: int, t0: float, what: str) -> None:
+    """One line of how far an evaluation is (at 7B one takes minutes), the time left
+    extrapolated from the time since t0 (time.perf_counter())."""
+    left = (time.perf_counter() - t0) / done * (total - done)
+    print(f"  evaluating: {done}/{total} {what}, {duration(left)} left", flush=True)
 
 
 def evaluate_all(step: int, policy, tok, held: dict, args, procs) -> dict:

@@ -307,10 +307,11 @@ def sampled(policy, tok, env, pool, n: int, args, procs, name: str = "held-out")
     """The first n episodes of `pool` (0: all), each played args.eval_samples times: mean task
     score, mean turns, every episode's mean score in pool order. The episodes go --eval-batch
     rollouts at a time (whole episodes), each chunk's draws from a generator seeded by its first
-    episode's index, so an evaluation draws the same tokens in every run of these settings."""
+    episode's index, so an evaluation draws the same tokens in every run of these settings. Shared
+    between processes as probes.evaluate shares its episodes (my_episodes, in_pool_order)."""
     k = args.eval_samples
     count = len(pool) if not n else min(n, len(pool))
-    mine = list(range(procs.rank, count, procs.size))
+    mine = probes.my_episodes(count, procs)
     chunk = max(1, args.eval_batch // k)
     policy.eval()
     scores, turns, t0 = [], 0, time.perf_counter()
@@ -322,13 +323,10 @@ def sampled(policy, tok, env, pool, n: int, args, procs, name: str = "held-out")
         for e in range(len(js)):
             scores.append(sum(t.score for t in trajs[e * k:(e + 1) * k]) / k)
         turns += sum(len(t.steps) for t in trajs)
-        if procs.main:          # as probes.evaluate says how far it is
-            left = (time.perf_counter() - t0) / len(scores) * (len(mine) - len(scores))
-            print(f"  evaluating: {len(scores)}/{len(mine)} {name} episodes x {k} samples, "
-                  f"{probes.duration(left)} left", flush=True)
+        if procs.main:
+            probes.say_progress(len(scores), len(mine), t0, f"{name} episodes x {k} samples")
     turns = procs.all_sum([turns])[0]
-    order = procs.gather([float(j) for j in mine], count)
-    scores = [s for _, s in sorted(zip(order, procs.gather(scores, count)))]
+    scores = probes.in_pool_order(scores, mine, count, procs)
     return {"success": sum(scores) / max(count, 1), "episodes": count, "samples": k,
             "decoding": f"{k} samples an episode at T {args.temperature}",
             "turns": turns / max(count * k, 1), "scores": scores}
