@@ -51,7 +51,7 @@ import probes
 from probes import attn_features, ATTN_STATS, feature, Probe
 
 
-# ---- The PAIR model (METHOD.md §6) ---------------------------------------------------
+# ---- The PAIR model (METHOD.md §6) ----------------------------------------------------
 
 @dataclass
 class Pair:
@@ -159,7 +159,7 @@ def fit_pair(raw, y, C=0.01, crossfit=0, groups=None, seed=0, stats=ATTN_STATS, 
     return fit_stage2(stage1, s_bc, raw, y, C, stats, {"crossfit": crossfit, **(info or {})})
 
 
-# ---- The reward (METHOD.md §7): one rollout's rewards from its turns' s_final --------
+# ---- The reward (METHOD.md §7): one rollout's rewards from its turns' s_final ---------
 
 def trajectory_rewards(s_final: list[float], alpha: float = 5.0, T: float = 2.0,
                        eps: float = 0.05) -> list[float]:
@@ -351,17 +351,17 @@ def turn_features(traj) -> dict[str, torch.Tensor]:
 
 def rewards_from_pair(head: Pair, raw: dict, alpha: float = 5.0, T: float = 2.0,
                       eps: float = 0.05) -> TurnRewards:
-    """METHOD.md §6-7 for one rollout from its turns' stacked raw features
-    (turn_features): each turn's s_final (Eq. stage1, stage2), then the rewards r_1..r_n
-    (trajectory_rewards); the P(correct) of each turn is its s_final."""
+    """METHOD.md §6-7 for one rollout, from its turns' stacked raw features (turn_features):
+    each turn's s_final (Eq. stage1, stage2), then the rewards r_1..r_n (trajectory_rewards);
+    each turn's P(correct) is its s_final."""
     _, s_final = head.scores(raw)
     s_final = s_final.tolist()
     return TurnRewards(trajectory_rewards(s_final, alpha, T, eps), s_final)
 
 
 def rewards_from_probe(probe: Probe, name: str, raw: dict) -> TurnRewards:
-    """METHOD.md §7: a probe baseline of feature set `name` used as a reward gives r_t =
-    its P(correct) of turn t (the rewards and the P(correct) are one list)."""
+    """METHOD.md §7: a probe baseline of feature set `name` used as a reward gives, for each
+    turn t, r_t = its P(correct) of turn t (the rewards and the P(correct) are one list)."""
     p = probe.predict_proba(feature(name, raw)).tolist()
     return TurnRewards(p, p)
 
@@ -406,15 +406,14 @@ def with_outcome(rewards: list[float | None], score: float,
     return rewards[:-1] + [(rewards[-1] or 0.0) + weight * score]
 
 
-# ---- Advantages (METHOD.md §9): a group's per-turn rewards -> each turn's A -------
+# ---- Advantages (METHOD.md §9): a group's per-turn rewards -> each turn's A -----------
 
 def group_advantages(rewards: list[list[float | None]]) -> tuple[list[list[float]], bool]:
     """Per-turn advantages of one group of G rollouts, and whether the group was all equal.
 
-    rewards[i][t] = r_{i,t} or None (turn without reward). Pool every reward of the
-    group, r^ = (r - mean) / (std + 1e-6) with the population std, A_{i,t} = sum_{k>=t}
-    r^_{i,k}. "All equal" allows rounding noise (std <= 1e-8): the same score summed in
-    another order."""
+    rewards[i][t] = r_{i,t} or None (turn without reward). Pool every reward of the group:
+        r^ = (r - mean) / (std + 1e-6)  (the population std),   A_{i,t} = sum_{k>=t} r^_{i,k}
+    "All equal" allows rounding noise (std <= 1e-8): the same score summed in another order."""
     pooled = torch.tensor([r for row in rewards for r in row if r is not None],
                           dtype=torch.float64)
     std = pooled.std(correction=0) if len(pooled) else torch.tensor(0.0)
@@ -591,7 +590,7 @@ ADVANTAGES = {"process": Objective(lambda rewards, scores: group_advantages(rewa
                                    release_turn_loss, temperature=1.0)}
 
 
-# ---- The update: the objective's loss over micro-batches, an AdamW step a pass -----
+# ---- The update: the objective's loss over micro-batches, an AdamW step a pass --------
 
 @dataclass
 class Processes:

@@ -7,8 +7,10 @@
     torchrun --nproc_per_node 2 -m lab.train ...
 
 This is grpo.train's loop, written out again with what only the lab's methods need, each where
-it runs, built from grpo.py's functions (setup's pieces, play_rollouts and score_group, update,
-step_metrics, checkpoints, evaluation):
+it runs, built from grpo.py's functions (setup's pieces: check_before_loading, load_policy,
+environments, adapter_optimizer, log_start; a step's: start_step, play_rollouts, score_group,
+update_policy, step_metrics; the loop's: set_lr, record_step, checkpoint_due, save_and_log,
+evaluate_and_log, finish):
   * its tables are the core's with the lab's rows: the rewards of lab/baselines.py (CoE, the LLM
     judge, IGPO, TIPS, the tree searches) and lab/credit.py (the exact labels), the advantage
     forms of lab/credit.py, the long world of lab/shop.py, ToolBench's replay (lab/toolbench.py);
@@ -27,15 +29,12 @@ import os
 import signal
 import sys
 import time
-from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import torch
 from safetensors.torch import load_file
 
 import grpo
-import model
 import pair
 from lab import baselines, credit, onpolicy, runs, shop, study, toolbench, torchrun
 

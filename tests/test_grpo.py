@@ -1770,7 +1770,8 @@ def test_compare_refuses_a_run_asked_for_twice(rewards, seeds, error, tmp_path, 
     (["tree_grpo:tree-l=0"], [], "--tree-l must be at least 1, got 0"),
     (["outcome"], ["--bogus"], "unrecognized arguments: --bogus"),
     (["outcome"], ["--steps", "0"], "--steps must be at least 1, got 0"),
-    (["outcome"], ["--see", "7"], "--seed, --out and --resume are compare's to set"),
+    (["outcome"], ["--seed", "7"], "--seed, --out and --resume are compare's to set"),
+    (["outcome"], ["--see", "7"], "unrecognized arguments: --see 7"),     # no prefix is taken
     (["outcome:reward=pair"], [], "--seed, --out and --resume are compare's to set"),
     (["pair", "outcome:probe-retrain-every=5"], [], "--reward outcome reads no probe to refit"),
     (["pair:probe-retrain-every=5"], ["--env", "gta"], "only the built-in world has")])
@@ -2617,11 +2618,12 @@ def test_a_run_refused_before_its_first_step_leaves_nothing_behind(tiny_policy, 
     with pytest.raises(SystemExit, match="^error: probes.json: damaged"):
         run(flags(tiny_policy, out, "pair"))
     assert not out.exists()
-    out.mkdir()                                 # a directory the user made keeps what it held
+    out.mkdir()                         # a folder of the user's own files is refused, untouched
     (out / "notes.txt").write_text("mine")
-    with pytest.raises(SystemExit, match="damaged"):
+    with pytest.raises(SystemExit, match="holds other files, not a run"):
         run(flags(tiny_policy, out, "pair"))
     assert sorted(p.name for p in out.iterdir()) == ["notes.txt"]
+    (out / "notes.txt").unlink()
     monkeypatch.undo()
     monkeypatch.setenv("PAIR_CACHE", str(tmp_path / "cache"))
     run(flags(tiny_policy, out, "pair", steps=1))              # the next run starts cleanly
