@@ -620,6 +620,7 @@ class Parser(argparse.ArgumentParser):
     taking no flag by a prefix of its name (`--step 1` is not --steps), and pointing to the
     lab where the error names a value or a flag that only `python -m lab.train` takes."""
     def error(self, message):
+        """Exit 2 with the one line (and the lab's name where it fits), as argparse's does."""
         lab = lab_only(message) if self.prog == PROG else None
         if lab is not None:
             message += (f"; {lab} is the lab's (its rewards, worlds, advantage forms and "
