@@ -159,7 +159,7 @@ def readout_at_first_errors(turns, at: list[str | None], folds: int = READOUT_FO
             "auroc_interval": {name: credit.bootstrap_auroc(y, s) for name, s in scores.items()}}
 
 
-def gate_apart(turns, at: list[str | None], ctx, args, form: pair.Advantage) -> dict | None:
+def gate_apart(turns, at: list[str | None], ctx, args, form: pair.Objective) -> dict | None:
     """The premise gate (credit.premise_gate) of args.reward through `form`, taken apart at the
     first-error turns with a clean prefix, overall and by kind of decision, into four AUROCs of
     the right turn against the slip:

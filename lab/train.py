@@ -7,8 +7,10 @@
     torchrun --nproc_per_node 2 -m lab.train ...
 
 This is grpo.train's loop, written out again with what only the lab's methods need, each where
-it runs, built from grpo.py's functions (setup's pieces, play_rollouts and score_group, update,
-step_metrics, checkpoints, evaluation):
+it runs, built from grpo.py's functions (setup's pieces: check_before_loading, load_policy,
+environments, adapter_optimizer, log_start; a step's: start_step, play_rollouts, score_group,
+update_policy, step_metrics; the loop's: set_lr, record_step, checkpoint_due, save_and_log,
+evaluate_and_log, finish):
   * its tables are the core's with the lab's rows: the rewards of lab/baselines.py (CoE, the LLM
     judge, IGPO, TIPS, the tree searches) and lab/credit.py (the exact labels), the advantage
     forms of lab/credit.py, the long world of lab/shop.py, ToolBench's replay (lab/toolbench.py);
@@ -24,17 +26,15 @@ step_metrics, checkpoints, evaluation):
 from __future__ import annotations
 
 import os
+import signal
 import sys
 import time
-from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import torch
 from safetensors.torch import load_file
 
 import grpo
-import model
 import pair
 from lab.infra import runs, torchrun
 from lab.methods import baselines, credit, onpolicy
@@ -56,7 +56,7 @@ RESUME_DEFAULTS = {**grpo.RESUME_DEFAULTS, **credit.RESUME_DEFAULTS, **onpolicy.
 RANGES = {**grpo.FLAG_RANGES, **baselines.RANGES, **credit.RANGES, **onpolicy.RANGES}
 
 
-def forms(args) -> dict[str, pair.Advantage]:
+def forms(args) -> dict[str, pair.Objective]:
     """The advantage forms, the core's and lab/credit.py's (outcome-turn with --turn-weight)."""
     return {**pair.ADVANTAGES, **credit.forms(args.turn_weight)}
 
@@ -92,13 +92,8 @@ def setup(args) -> LabTraining:
         else pair.Processes()
     given = grpo.resolve_preset(args, procs, WORLDS)
     baselines.preset(args, given)       # the trees' budget
-    if args.batch % procs.size:
-        raise SystemExit(f"--batch {args.batch} must be a multiple of the {procs.size} processes")
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    grpo.check_out(args, RESUME_KEYS, RESUME_DEFAULTS)
-    procs.barrier()
-    log = print if procs.main else (lambda *a, **k: None)      # the others would repeat it
+    grpo.check_before_loading(args, procs, RESUME_KEYS, RESUME_DEFAULTS)
+    log = procs.log
     policy, tok = grpo.load_policy(args, procs, WORLDS)
     env, pool, held = grpo.environments(args, tok, WORLDS, REPLAYS)
     reward = REWARDS[args.reward]
@@ -113,25 +108,20 @@ def setup(args) -> LabTraining:
     if later:
         report = read_probes(ctx, args, policy, tok, procs, log)
     if args.reward == baselines.AT2PO:
-        form = baselines.at2po_form(args)
+        objective = baselines.at2po_form(args)
     else:
-        form = forms(args)[args.advantage]
+        objective = forms(args)[args.advantage]
     baselines.start(args, ctx, log)
     summary = {}
     if args.env in WORLDS:
-        gate = credit.gate_at_setup(args, policy, tok, procs, log, ctx, form)
+        gate = credit.gate_at_setup(args, policy, tok, procs, log, ctx, objective)
         if gate is not None:
             summary["premise_gate"] = gate
-    params = [p for p in policy.parameters() if p.requires_grad]      # the adapter's
-    optimizer = torch.optim.AdamW(params, lr=args.lr, weight_decay=args.weight_decay)
-    n_lora = sum(p.numel() for p in params)
-    log(f"policy {args.model}: {sum(p.numel() for p in policy.parameters()) - n_lora:,} "
-        f"parameters, + {n_lora:,} in the LoRA adapter (trained); env {args.env}: {len(pool)} "
-        f"training / {len(held['val'][1])} validation / {len(held['test'][1])} test episodes; "
-        f"reward {args.reward}; {args.steps} steps of {args.batch} x {args.group} rollouts on "
-        f"{procs.size} process(es); run in {out}", flush=True)
-    return LabTraining(policy, tok, env, pool, held, reward, form, ctx, optimizer, args, procs,
-                       out, log, report, summary)
+    run = LabTraining(policy, tok, env, pool, held, reward, objective, ctx,
+                      grpo.adapter_optimizer(policy, args), args, procs, out, log, report,
+                      summary)
+    grpo.log_start(run)
+    return run
 
 
 def read_probes(ctx, args, policy, tok, procs, log) -> dict | None:
@@ -187,11 +177,7 @@ def train_step(step: int, run: LabTraining) -> dict:
     """grpo.train_step, with --oversample's groups set aside, AT²PO's batch, and the probe's
     refit (--probe-retrain-every), whose report joins the step's metrics."""
     args, procs = run.args, run.procs
-    t = dict.fromkeys(TIMING, 0.0)
-    run.ctx.cost = Counter(dict.fromkeys(grpo.COSTS, 0))
-    if model.input_device(run.policy).type == "cuda":       # the step's peak memory from here
-        torch.cuda.reset_peak_memory_stats(model.input_device(run.policy))
-    run.policy.eval()
+    t = grpo.start_step(run, TIMING)
     if args.oversample > 1:
         kept, played = credit.oversample(step, run, t, play_group)
     else:
@@ -214,9 +200,7 @@ def learn(groups: list[grpo.Group], run: LabTraining, t: dict) -> dict:
         batch = baselines.turn_batch(trajs, advantages, run.tok.pad_id)
     else:
         batch = pair.make_batch(trajs, advantages, run.tok.pad_id)
-    run.policy.train()
-    stats = grpo.update(run.policy, run.optimizer, batch, run.form, run.args, run.procs)
-    run.policy.eval()
+    stats = grpo.update_policy(run, batch)
     t["t_update"] = time.perf_counter() - t0
     return stats
 
@@ -231,27 +215,15 @@ def train(args) -> dict:
     start = resume(run)
     done = {e["step"] for e in grpo.read_jsonl(run.out / "eval.jsonl")}     # not evaluated again
     evaluate_and_log(run, start, done)
-    seconds, aurocs, warned = [], [], False
+    progress = grpo.Progress()
     for step in range(start, args.steps):
         t0 = time.perf_counter()
-        for group in run.optimizer.param_groups:
-            group["lr"] = grpo.lr_at(step, args)
+        grpo.set_lr(run, step)
         baselines.refresh_teacher(args, run.ctx, run.policy, step)
         rec = train_step(step, run)
-        if run.procs.main:
-            grpo.append_jsonl(run.out / "metrics.jsonl", rec)
-        seconds.append(time.perf_counter() - t0)
-        aurocs.append(rec.get("probe_auroc"))
-        grpo.log_step(run, rec, seconds)
-        if not warned and grpo.below_chance(aurocs) is not None:
-            warned = True
-            run.log(f"warning: the probe ranks this run's own turns below chance (mean AUROC "
-                    f"{grpo.below_chance(aurocs):.2f} over the last {grpo.CHANCE_WINDOW} "
-                    "steps): its reward now favours wrong turns", flush=True)
-        if (step + 1) % args.save_every == 0 or step + 1 == args.steps:     # and evaluated
-            path = grpo.save_checkpoint(run.out, step + 1, run.policy, run.optimizer,
-                                        run.procs, lagged_files(run.ctx))
-            run.log(f"checkpoint {path}", flush=True)
+        grpo.record_step(run, rec, progress, t0)
+        if grpo.checkpoint_due(step + 1, args):
+            grpo.save_and_log(run, step + 1, lagged_files(run.ctx))
             onpolicy.at_checkpoint(run, step + 1)
             evaluate_and_log(run, step + 1, done)
     summary = grpo.finish(run, time.perf_counter() - started, run.summary)
@@ -298,6 +270,7 @@ def evaluate_and_log(run: LabTraining, step: int, done: set) -> None:
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else argv
     args = parse_args(argv)
+    previous = signal.signal(signal.SIGTERM, grpo.stop)
     try:
         return train(args)
     except (*grpo.INPUT_ERRORS, toolbench.LLMError) as e:      # the judge's endpoint too
@@ -306,9 +279,11 @@ def main(argv=None):
     except SystemExit:
         let_go(args)
         raise
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as e:      # Ctrl-C, or SIGTERM (grpo.Stopped)
         runs.release(Path(args.out))
-        sys.exit(grpo.interrupted(args, argv, PROG))
+        sys.exit(grpo.interrupted(args, argv, PROG, e))
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def let_go(args) -> None:

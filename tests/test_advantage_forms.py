@@ -83,9 +83,9 @@ def test_advantages_dispatch_reads_the_scores_only_where_the_form_needs_them():
         form_of = {"process": pair.group_advantages, "release": pair.release_advantages,
                    "position": credit.position_advantages}[form]
         forms = lab_train.forms(args_for(advantage=form))
-        assert forms[form].fn(rewards, scores) == form_of(rewards)
+        assert forms[form].advantages(rewards, scores) == form_of(rewards)
     forms = lab_train.forms(args_for(advantage="outcome-turn", turn_weight=2.0))
-    assert forms["outcome-turn"].fn(rewards, scores) == \
+    assert forms["outcome-turn"].advantages(rewards, scores) == \
         credit.outcome_turn_advantages(rewards, scores, 2.0)
     assert set(forms) == {"process", "release", "position", "outcome-turn"}
     # the core's table is the core's own: the lab's rows are in the lab's table alone

@@ -437,7 +437,7 @@ def test_the_judge_rates_each_turn_in_the_history_it_was_taken_in(tiny_policy, m
     monkeypatch.setattr(baselines, "judge_step",
                         lambda client, messages: rated.append(messages) or 0.5)
     ctx = baselines.LabContext(policy, tok, args=play_args(), judge=object())
-    assert baselines.judge_reward(traj, ctx) == [0.5] * 3
+    assert baselines.judge_reward(traj, ctx).rewards == [0.5] * 3
     assert [len(m) for m in rated] == [2, 4, 6]      # the task, then turns and observations
     assert all(m[-1]["role"] == "assistant" for m in rated)
     assert [m[2]["content"] for m in rated[1:]] == [traj.steps[0].observation,
@@ -467,9 +467,10 @@ def test_first_update_has_zero_kl_and_unit_ratio(tiny_policy):
     adv = [[float(i + t) for t in range(len(tr.steps))] for i, tr in enumerate(trajs)]
     batch = pair.make_batch(trajs, adv, tok.pad_id)
     opt = torch.optim.AdamW([p for _, p in mdl.lora_parameters(policy)], lr=1e-2)
-    policy.train()
-    process = pair.ADVANTAGES["process"]
-    stats = grpo.update(policy, opt, batch, process, args, pair.Processes())
+    # the run's update (grpo.update_policy) on a run of this policy, optimizer and flags
+    run = argparse.Namespace(policy=policy, optimizer=opt, objective=pair.ADVANTAGES["process"],
+                             args=args, procs=pair.Processes())
+    stats = grpo.update_policy(run, batch)
     assert stats["kl"] == 0.0 and stats["ratio"] == 1.0 and stats["clip_frac"] == 0.0
     n = batch.mask.sum().item()
     # rho = 1 and KL = 0: the loss is minus the token-averaged advantage
@@ -481,7 +482,7 @@ def test_first_update_has_zero_kl_and_unit_ratio(tiny_policy):
         with mdl.lora_disabled(policy):
             logp_ref = mdl.token_logprobs(policy, batch.ids, batch.mask, args.temperature)
     kl = (torch.expm1(logp_ref - logp) - (logp_ref - logp)).mean().item()
-    again = grpo.update(policy, opt, batch, process, args, pair.Processes())
+    again = grpo.update_policy(run, batch)
     assert kl > 1e-6 and again["kl"] == pytest.approx(kl, rel=1e-3)
     assert again["ratio"] == pytest.approx(1.0)                          # new pi_old, new ratio
 
@@ -953,6 +954,115 @@ def test_kill_9_frees_the_out_of_a_run(tiny_policy, tmp_path, pair_cache):
     runs.release(out)
 
 
+@pytest.mark.parametrize("loop", ["grpo.py", "lab.train"])
+def test_sigterm_stops_a_run_in_one_line_and_frees_its_lock(loop, tiny_policy, tmp_path,
+                                                            pair_cache):
+    # `kill` (or a scheduler's stop) ends a run as Ctrl-C does: one line saying how to go on,
+    # and no .lock left in OUT
+    out = tmp_path / "run"
+    if loop == "grpo.py":
+        command = [sys.executable, "grpo.py", *core_flags(tiny_policy, out, steps=1000)]
+    else:
+        command = [sys.executable, "-m", "lab.train", *flags(tiny_policy, out, "outcome",
+                                                               steps=1000)]
+    env = dict(os.environ, PAIR_CACHE=str(pair_cache), OMP_NUM_THREADS="1")
+    proc = subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        t0 = time.perf_counter()
+        while not (out / "checkpoint-000001" / "manifest.json").exists():
+            assert time.perf_counter() - t0 < 120 and proc.poll() is None, proc.stderr.read()
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGTERM)
+        err = proc.communicate(timeout=120)[1]
+    finally:
+        proc.kill()
+    lines = err.strip().splitlines()
+    assert proc.returncode == 1 and lines, (proc.returncode, err)
+    assert lines[-1].startswith("stopped by SIGTERM; the run resumes from its last checkpoint "
+                                "(checkpoint-"), err
+    assert f" --out {out} " in lines[-1] and lines[-1].endswith(" --resume"), err
+    assert not (out / ".lock").exists()
+
+
+def test_resume_before_the_first_checkpoint_says_it_starts_over(tiny_policy, tmp_path,
+                                                                monkeypatch, capsys):
+    out = tmp_path / "r"
+    argv = core_flags(tiny_policy, out, steps=3, save_every=3)
+    real = grpo.train_step
+
+    def killed_at_step_2(step, run):
+        if step == 1:
+            raise KeyboardInterrupt
+        return real(step, run)
+    monkeypatch.setattr(grpo, "train_step", killed_at_step_2)
+    with pytest.raises(SystemExit):
+        grpo.main(argv)
+    monkeypatch.setattr(grpo, "train_step", real)
+    assert [r["step"] for r in metrics(out)] == [1] and not list(out.glob("checkpoint-*"))
+    capsys.readouterr()
+    grpo.main([*argv, "--resume"])
+    said = capsys.readouterr().out
+    assert f"--resume: {out} holds no checkpoint (the first is saved after step 3): the run " \
+        "starts over from step 1" in said, said
+    assert [r["step"] for r in metrics(out)] == [1, 2, 3]
+
+
+def test_out_refuses_a_folder_that_holds_other_files(tiny_policy, tmp_path):
+    # --out runs (the folder of every run) or a folder of one's own files is no run to write
+    # into: refused before anything is loaded, naming the folder
+    out = tmp_path / "mine"
+    out.mkdir()
+    (out / "notes.txt").write_text("mine\n")
+    for loop, argv in ((grpo, core_flags(tiny_policy, out)), (lab_train, flags(tiny_policy, out))):
+        with pytest.raises(SystemExit, match=f"--out {out} holds other files, not a run "
+                                             r"\(no args.json\)"):
+            loop.main(argv)
+    assert sorted(p.name for p in out.iterdir()) == ["notes.txt"]
+    # an empty folder, or one holding only a hidden file (a lock), is a fresh run's
+    (out / "notes.txt").unlink()
+    (out / ".lock").write_text("")
+    args = grpo.parse_args(core_flags(tiny_policy, out))
+    grpo.resolve_preset(args, pair.Processes())
+    grpo.check_out(args)
+
+
+def test_a_flag_is_never_taken_by_a_prefix_of_its_name(tiny_policy, tmp_path, capsys):
+    # argparse's default takes --step for --steps: a typo would train with another setting
+    for loop in (grpo, lab_train):
+        with pytest.raises(SystemExit):
+            loop.parse_args(["--step", "1", "--out", str(tmp_path / "r")])
+        err = capsys.readouterr().err
+        assert "unrecognized arguments: --step 1" in err, err
+    args = grpo.parse_args(["--steps", "1", "--out", str(tmp_path / "r")])
+    assert args.steps == 1
+
+
+def test_a_flag_error_points_to_the_lab_only_for_the_labs_names(capsys):
+    # a misspelled flag or value is not the lab's; a name only the lab takes is
+    for argv, lab in ((["--stpes", "3"], None), (["--reward", "pari"], None),
+                      (["--env", "nowhere"], None),
+                      (["--reward", "igpo"], "--reward igpo"),
+                      (["--env", "shop-long"], "--env shop-long"),
+                      (["--advantage", "position"], "--advantage position"),
+                      (["--probe-reads", "base"], "--probe-reads")):
+        with pytest.raises(SystemExit):
+            grpo.main(argv)
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and err.startswith("python grpo.py: error: "), err
+        assert ("`python -m lab.train`" in err) == (lab is not None), err
+        if lab is not None:
+            assert f"; {lab} is the lab's (" in err, err
+    # the names grpo.py points to are exactly those the lab's parser adds to the core's
+    core, lab = grpo.train_parser(), lab_train.parser()
+    assert {s for a in lab._actions for s in a.option_strings} - \
+        {s for a in core._actions for s in a.option_strings} == grpo.LAB_ONLY["flags"]
+    for flag in ("--env", "--reward", "--advantage"):
+        lab_choices = next(set(a.choices) for a in lab._actions if flag in a.option_strings)
+        core_choices = next(set(a.choices) for a in core._actions if flag in a.option_strings)
+        assert lab_choices - core_choices == grpo.LAB_ONLY[flag], flag
+
+
 # ---------------------------------------------------------------------------------------------
 # evaluation: greedy rollouts on the held-out split (GTA matched loosely there); the
 # summary keeps the best and the final checkpoint apart
@@ -1132,7 +1242,7 @@ def test_igpo_rewards_are_gold_probability_gains(tiny_policy):
     (traj,) = probes.rollout(policy, tok, [env.episode(2)], args,
                              generator=torch.Generator().manual_seed(0))
     ctx = baselines.LabContext(policy, tok, env, args=args)
-    rewards = baselines.igpo_reward(traj, ctx)
+    rewards = baselines.igpo_reward(traj, ctx).rewards
     answer = env.episode(2).task.answer
     assert baselines.gold_answer(ctx, traj.episode) == answer
 
@@ -1159,7 +1269,7 @@ def test_tips_reads_the_lagged_teacher(tiny_policy):
             p.add_(0.3)                                  # the policy has moved on since
     moved = baselines.lora_state(policy)
     ctx = baselines.LabContext(policy, tok, env, args=args, lagged=base)
-    rewards = baselines.tips_reward(traj, ctx)
+    rewards = baselines.tips_reward(traj, ctx).rewards
     assert all(torch.equal(moved[n], p) for n, p in mdl.lora_parameters(policy))   # restored
     states = baselines.traj_states(traj)
     answer = baselines.gold_answer(ctx, traj.episode)
@@ -1263,13 +1373,13 @@ def test_the_cores_pair_reward_runs_without_the_lab(tiny_policy):
     # other alpha, T and eps than the paper's: each one must reach the reward
     raw = pair.turn_features(traj)
     for alpha, T, eps in ((3.0, 1.5, 0.2), (5.0, 2.0, 0.05), (0.0, 4.0, 0.3)):
-        rewards, p = pair.pair_rewards(head, raw, alpha=alpha, T=T, eps=eps)
+        rewards, p = pair.rewards_from_pair(head, raw, alpha=alpha, T=T, eps=eps)
         expected = pair.trajectory_rewards(s_final, alpha, T, eps)
         assert expected == pytest.approx(by_hand(alpha, T, eps), abs=1e-12)
         assert rewards == pytest.approx(expected, abs=1e-9)
         assert p == pytest.approx(s_final, abs=1e-9)
-    assert pair.pair_rewards(head, raw, alpha=3.0, T=1.5, eps=0.2)[0] != \
-        pytest.approx(pair.pair_rewards(head, raw)[0], abs=1e-3)     # the check can tell
+    assert pair.rewards_from_pair(head, raw, alpha=3.0, T=1.5, eps=0.2).rewards != \
+        pytest.approx(pair.rewards_from_pair(head, raw).rewards, abs=1e-3)   # the check can tell
     # the table's row: ctx.alpha, the paper's T and eps, + 0.5 x the task score on the last turn
     ctx = pair.RewardContext(policy, tok, pair=head, alpha=3.0)
     rewards, p_correct = pair.turn_rewards(traj, pair.REWARDS["pair"], ctx, outcome_weight=0.5)
@@ -1664,7 +1774,8 @@ def test_compare_refuses_a_run_asked_for_twice(rewards, seeds, error, tmp_path, 
     (["tree_grpo:tree-l=0"], [], "--tree-l must be at least 1, got 0"),
     (["outcome"], ["--bogus"], "unrecognized arguments: --bogus"),
     (["outcome"], ["--steps", "0"], "--steps must be at least 1, got 0"),
-    (["outcome"], ["--see", "7"], "--seed, --out and --resume are compare's to set"),
+    (["outcome"], ["--seed", "7"], "--seed, --out and --resume are compare's to set"),
+    (["outcome"], ["--see", "7"], "unrecognized arguments: --see 7"),     # no prefix is taken
     (["outcome:reward=pair"], [], "--seed, --out and --resume are compare's to set"),
     (["pair", "outcome:probe-retrain-every=5"], [], "--reward outcome reads no probe to refit"),
     (["pair:probe-retrain-every=5"], ["--env", "gta"], "only the built-in world has")])
@@ -1862,7 +1973,7 @@ def test_oversample_keeps_the_first_groups_with_something_to_say(tiny_policy, tm
     def rewards(traj, reward, ctx, outcome_weight=0.0):
         r, p_correct = real_rewards(traj, reward, ctx, outcome_weight)
         odd = int(traj.episode.id.rsplit("-", 1)[1]) % 2
-        return r[:-1] + [float(next(counter)) if odd else 0.5], p_correct
+        return pair.TurnRewards(r[:-1] + [float(next(counter)) if odd else 0.5], p_correct)
 
     def batch(trajs, advantages, pad_id):
         kept.append([t.episode.id for t in trajs])
@@ -2511,11 +2622,12 @@ def test_a_run_refused_before_its_first_step_leaves_nothing_behind(tiny_policy, 
     with pytest.raises(SystemExit, match="^error: probes.json: damaged"):
         run(flags(tiny_policy, out, "pair"))
     assert not out.exists()
-    out.mkdir()                                 # a directory the user made keeps what it held
+    out.mkdir()                         # a folder of the user's own files is refused, untouched
     (out / "notes.txt").write_text("mine")
-    with pytest.raises(SystemExit, match="damaged"):
+    with pytest.raises(SystemExit, match="holds other files, not a run"):
         run(flags(tiny_policy, out, "pair"))
     assert sorted(p.name for p in out.iterdir()) == ["notes.txt"]
+    (out / "notes.txt").unlink()
     monkeypatch.undo()
     monkeypatch.setenv("PAIR_CACHE", str(tmp_path / "cache"))
     run(flags(tiny_policy, out, "pair", steps=1))              # the next run starts cleanly

@@ -1,7 +1,7 @@
-"""grpo.update's three lines no equality test of the loss sees: the gradient-norm clip, the
-warmup of the learning rate, and log pi taken at the sampling temperature. Each test fails when
-its line is removed (AdamW hides a uniform rescale of the gradient, a 20-step run warms up for
-one step, and a run at T = 1 cannot tell the temperatures apart)."""
+"""grpo.update_policy's three lines no equality test of the loss sees: the gradient-norm
+clip, the warmup of the learning rate, and log pi taken at the sampling temperature. Each test
+fails when its line is removed (AdamW hides a uniform rescale of the gradient, a 20-step run
+warms up for one step, and a run at T = 1 cannot tell the temperatures apart)."""
 import argparse
 import json
 from pathlib import Path
@@ -36,8 +36,9 @@ def lora_policy(flags: list[str]):
 
 def run_update(policy, optimizer, batch: pair.Batch, args) -> dict:
     """One call of the update on one process; returns its logged statistics."""
-    return grpo.update(policy, optimizer, batch, pair.ADVANTAGES[args.advantage], args,
-                       pair.Processes())
+    run = argparse.Namespace(policy=policy, optimizer=optimizer, args=args,
+                             objective=pair.ADVANTAGES[args.advantage], procs=pair.Processes())
+    return grpo.update_policy(run, batch)
 
 
 def lr_at(step: int, args) -> float:
@@ -47,12 +48,12 @@ def lr_at(step: int, args) -> float:
 def train_recording_lr(monkeypatch, argv: list[str]) -> list[float]:
     """A training run (grpo.main) whose every update first records the learning rate of each of
     the optimizer's parameter groups: the lr its AdamW step runs at, one list per step."""
-    seen, real = [], grpo.update
+    seen, real = [], grpo.update_policy
 
-    def spy(policy, optimizer, batch, form, args, procs):
-        seen.append([group["lr"] for group in optimizer.param_groups])
-        return real(policy, optimizer, batch, form, args, procs)
-    monkeypatch.setattr(grpo, "update", spy)
+    def spy(run, batch):
+        seen.append([group["lr"] for group in run.optimizer.param_groups])
+        return real(run, batch)
+    monkeypatch.setattr(grpo, "update_policy", spy)
     grpo.main(argv)
     return seen
 

@@ -51,19 +51,19 @@ class LabContext(pair.RewardContext):
     lagged: dict[str, torch.Tensor] | None = None
 
 
-def coe_reward(traj: Trajectory, ctx) -> list[float]:
+def coe_reward(traj: Trajectory, ctx) -> pair.TurnRewards:
     # CoE is unsupervised (METHOD.md §4-5): r_t = the turn's CoE-C score (the paper's baseline);
     # only its ordering within the group matters after normalization.
     raw = probes.stack_raw([detection.raw_with_coe(step.trace) for step in traj.steps])
-    return detection.unsupervised_score("coe_c", raw).tolist()
+    return pair.TurnRewards(detection.unsupervised_score("coe_c", raw).tolist())
 
 
-def judge_reward(traj: Trajectory, ctx) -> list[float]:
+def judge_reward(traj: Trajectory, ctx) -> pair.TurnRewards:
     """LLM-as-a-judge (paper baseline): a 1-10 score of each step given the task and the
     trajectory up to it, as the policy saw it when it took the step (Step.history), from an
     OpenAI-compatible endpoint, normalized to [0, 1]."""
     ctx.cost.update(external_calls=len(traj.steps))
-    return [judge_step(ctx.judge, step.history) for step in traj.steps]
+    return pair.TurnRewards([judge_step(ctx.judge, step.history) for step in traj.steps])
 
 
 # --- rewards from the teacher-forced probability of the gold answer (need the answer: training
@@ -72,17 +72,17 @@ def judge_reward(traj: Trajectory, ctx) -> list[float]:
 # give the final turn the task score (IGPO's rule; TIPS adds shaping to the environment reward)
 # and the turns before it a per-turn change:
 
-def igpo_reward(traj: Trajectory, ctx) -> list[float]:
+def igpo_reward(traj: Trajectory, ctx) -> pair.TurnRewards:
     """IGPO (Wang et al. 2025): r_t = p(gold | s_{t+1}) - p(gold | s_t), information gain of turn t,
     with p = exp(mean token log-probability) under the current policy."""
     states = traj_states(traj)
     logp, n = gold_logprobs(ctx.policy, ctx.tok, states, gold_answer(ctx, traj.episode),
                             ctx.args.micro_batch, ctx.cost)
     p = [math.exp(lp / k) for lp, k in zip(logp, n)]
-    return [p[t + 1] - p[t] for t in range(len(traj.steps) - 1)] + [traj.score]
+    return pair.TurnRewards([p[t + 1] - p[t] for t in range(len(traj.steps) - 1)] + [traj.score])
 
 
-def tips_reward(traj: Trajectory, ctx) -> list[float]:
+def tips_reward(traj: Trajectory, ctx) -> pair.TurnRewards:
     """TIPS-style potential-based shaping: r_t = gamma Phi(s_{t+1}) - Phi(s_t), Phi = the mean
     token log-probability of the gold answer (length-normalized, as the TIPS release scores it:
     a summed one would weigh the shaping against the task score by the answer's length) under a
@@ -95,7 +95,8 @@ def tips_reward(traj: Trajectory, ctx) -> list[float]:
                                 ctx.args.micro_batch, ctx.cost)
     phi = [lp / k for lp, k in zip(logp, n)]
     g = ctx.args.tips_gamma
-    return [g * phi[t + 1] - phi[t] for t in range(len(traj.steps) - 1)] + [traj.score]
+    return pair.TurnRewards([g * phi[t + 1] - phi[t] for t in range(len(traj.steps) - 1)]
+                            + [traj.score])
 
 
 def traj_states(traj: Trajectory) -> list[list[int]]:
@@ -447,7 +448,7 @@ def tree_defaults(args):
 
 
 # ---------------------------------------------------------------------------------------------
-# AT²PO's turn-level objective (grpo.update calls it in place of the per-token GRPO loss)
+# AT²PO's turn-level objective (pair.update calls it in place of the per-token GRPO loss)
 # ---------------------------------------------------------------------------------------------
 
 def turn_loss(logp, logp_old, logp_ref, adv, turn, weight, clip: tuple[float, float],
@@ -560,18 +561,18 @@ def turn_batch(trajs: list[Trajectory], advantages: list[list[float]], pad_id: i
 
 def at2po_loss(logp, logp_old, logp_ref, adv, part: pair.Part, eps: float, beta: float,
                clip: tuple[float, float]):
-    """turn_loss on one micro-batch of a TurnBatch (an entry of pair.Advantage's loss; eps is
+    """turn_loss on one micro-batch of a TurnBatch (an entry of pair.Objective's loss; eps is
     AT²PO's own `clip`)."""
-    turn = part.tokens(part.batch.turn).to(logp.device)
-    weight = part.tokens(part.batch.weight).to(logp.device)
+    turn = part.at_policy_tokens(part.batch.turn).to(logp.device)
+    weight = part.at_policy_tokens(part.batch.weight).to(logp.device)
     return turn_loss(logp, logp_old, logp_ref, adv, turn, weight, clip, beta,
                      part.totals["tokens"], part.totals["seqs"])
 
 
-def at2po_form(args) -> pair.Advantage:
+def at2po_form(args) -> pair.Objective:
     """The update of AT²PO: the process form (its advantages come from the trees) with the
     turn-level loss in place of grpo_loss."""
-    return pair.Advantage(pair.ADVANTAGES["process"].fn,
+    return pair.Objective(pair.ADVANTAGES["process"].advantages,
                           partial(at2po_loss, clip=tuple(args.at2po_clip)))
 
 

@@ -30,16 +30,16 @@ from lab.probing import detection
 from lab.worlds import shop
 
 
-def labels_reward(traj: probes.Trajectory, ctx) -> list[float]:
+def labels_reward(traj: probes.Trajectory, ctx) -> pair.TurnRewards:
     # the built-in worlds' exact step labels (1 right, 0 wrong): the perfect process reward, the
     # ceiling every dense reward is measured against
-    return [float(ok) for ok in traj.episode.labels()]
+    return pair.TurnRewards([float(ok) for ok in traj.episode.labels()])
 
 
-def confidence_reward(traj: probes.Trajectory, ctx) -> list[float | None]:
+def confidence_reward(traj: probes.Trajectory, ctx) -> pair.TurnRewards:
     # the trivial internal signal, no probe at all: each turn's own mean token log-probability
     # as sampled (-Step.nll), the policy's confidence in it; the group's normalization centres it
-    return [None if step.nll is None else -step.nll for step in traj.steps]
+    return pair.TurnRewards([None if step.nll is None else -step.nll for step in traj.steps])
 
 
 def position_centred(rewards: list[list[float | None]]) -> list[list[float | None]]:
@@ -104,9 +104,9 @@ def stored_rewards(turns: detection.Split, ctx, args) -> list[float | None] | No
     elif name == "confidence":
         rewards = [None if math.isnan(x) else -x for x in turns.raw["nll"].tolist()]
     elif name == "pair":
-        rewards = pair.pair_rewards(ctx.pair, turns.raw, ctx.alpha)[0]
+        rewards = pair.rewards_from_pair(ctx.pair, turns.raw, ctx.alpha).rewards
     elif name in pair.PROBE_REWARDS:
-        rewards = pair.probe_rewards(ctx.probe, name, turns.raw)[0]
+        rewards = pair.rewards_from_probe(ctx.probe, name, turns.raw).rewards
     else:
         return None
     return pair.with_outcome(rewards, score, args.outcome_weight)
@@ -120,7 +120,7 @@ class GateScores:                   # every held-out turn's numbers; NaN where i
     groups: int                     # groups of rollouts (one an episode)
 
 
-def gate_scores(turns: detection.Split, ctx, args, form: pair.Advantage) -> GateScores | None:
+def gate_scores(turns: detection.Split, ctx, args, form: pair.Objective) -> GateScores | None:
     """Each held-out turn's advantage under `form`, its reward (stored_rewards) and that reward
     centred (position_centred), with each episode's rollouts as one group, as a run's step
     groups them. None for a reward stored_rewards cannot compute."""
@@ -140,7 +140,7 @@ def gate_scores(turns: detection.Split, ctx, args, form: pair.Advantage) -> Gate
         rewards = [stored_rewards(turns.take(idx), ctx, args) for idx in group]
         if any(r is None for r in rewards):
             return None
-        a, _ = form.fn(rewards, [float(turns.raw["score"][idx[0]]) for idx in group])
+        a, _ = form.advantages(rewards, [float(turns.raw["score"][idx[0]]) for idx in group])
         for idx, a_i, r_i, c_i in zip(group, a, rewards, position_centred(rewards)):
             put(scores.advantage, idx, a_i)
             put(scores.reward, idx, r_i)
@@ -256,7 +256,7 @@ def check(args, worlds) -> None:
                  "advantage itself; leave it at 0")
 
 
-def gate_at_setup(args, policy, tok, procs, log, ctx, form: pair.Advantage) -> dict | None:
+def gate_at_setup(args, policy, tok, procs, log, ctx, form: pair.Objective) -> dict | None:
     """The premise gate of the run's reward and advantage form on a built-in world, logged;
     returned for summary.json (None where it does not apply)."""
     if args.reward not in GATE_REWARDS:
@@ -349,10 +349,10 @@ REWARDS = {"labels": pair.Reward(labels_reward), "confidence": pair.Reward(confi
 FORM_NAMES = ("position", "outcome-turn")
 
 
-def forms(turn_weight: float = 1.0) -> dict[str, pair.Advantage]:
+def forms(turn_weight: float = 1.0) -> dict[str, pair.Objective]:
     """This module's advantage forms (rows of pair.ADVANTAGES), outcome-turn with its lambda."""
-    return {"position": pair.Advantage(lambda rewards, scores: position_advantages(rewards)),
-            "outcome-turn": pair.Advantage(
+    return {"position": pair.Objective(lambda rewards, scores: position_advantages(rewards)),
+            "outcome-turn": pair.Objective(
                 lambda rewards, scores: outcome_turn_advantages(rewards, scores, turn_weight))}
 
 
