@@ -38,7 +38,7 @@ import grpo
 import pair
 from lab.infra import runs, torchrun
 from lab.methods import baselines, credit, onpolicy
-from lab.probing import features as study
+from lab.probing import features
 from lab.worlds import shop, toolbench
 
 PROG = "python -m lab.train"
@@ -130,7 +130,7 @@ def read_probes(ctx, args, policy, tok, procs, log) -> dict | None:
     shipped beside the built-in policy. Returns the probes' report when there is one."""
     where, report = None, None
     if args.probes:
-        where = study.study_probes(args, log)
+        where = features.study_probes(args, log)
     elif args.env in WORLDS:
         fitted = onpolicy.fit_on_the_fly(args, policy, tok, procs, log)
         if fitted is not None:
