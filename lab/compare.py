@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import io
 import json
 import math
@@ -385,15 +386,15 @@ def cost_markdown(result: dict, command: str) -> str:
 def interval95(rows: list[list[float]], base: list[list[float]] | None = None
                ) -> tuple[float, float]:
     """95% interval of the mean success over seeds x episodes (minus `base`'s, seed by seed and
-    episode by episode, when given), holding both the training noise and the evaluation pool's:
-    the mean's variance is the seeds' means' sample variance over the number of seeds plus the
-    episodes' means' (each episode's mean over the seeds) over the number of episodes, and the
-    quantile is Student's t with the Welch-Satterthwaite degrees of freedom of that sum. With
-    three seeds whose means disagree that is nearly t with 2 degrees of freedom (4.30 standard
-    errors): a bootstrap over three seeds cannot draw anything outside their range, and its
-    percentile interval covered far less than 95%. The seed-by-episode noise is in both terms,
-    so the interval errs wide. One seed: the episodes' term alone. Clipped to what a score in
-    [0, 1] allows (a difference: [-1, 1])."""
+    episode by episode, when given: a paired difference). Seeds are the unit of replication:
+    each seed's mean over the episodes is one observation, and the interval is Student's t over
+    those S means with S - 1 degrees of freedom, mean +- t(0.975, S - 1) sd / sqrt(S). A seed's
+    mean already holds its evaluation pool's noise, so nothing is added for the episodes; adding
+    their variance as a second term with Welch's degrees of freedom gave intervals narrower than
+    this one in most simulated draws and covered less than 95%
+    (tests/test_grpo.py::test_interval95_covers_over_seeds). One seed: the episodes' spread with
+    E - 1 degrees of freedom, which holds the evaluation's noise only, not training's. Clipped to
+    what a score in [0, 1] allows (a difference: [-1, 1])."""
     x = np.asarray(rows, dtype=np.float64)                             # (seeds, episodes)
     if base is not None:
         x = x - np.asarray(base, dtype=np.float64)
@@ -405,12 +406,15 @@ def interval95(rows: list[list[float]], base: list[list[float]] | None = None
 def half_width(x: np.ndarray) -> tuple[float, float]:
     """interval95's mean and half-width, unclipped, of a (seeds, episodes) array."""
     S, E = x.shape
-    a = x.mean(1).var(ddof=1) / S if S > 1 else 0.0                     # seeds
-    b = x.mean(0).var(ddof=1) / E if E > 1 else 0.0                     # episodes
-    if a + b == 0:
+    # one observation a seed; a single seed falls back on its episodes
+    units = x.mean(1) if S > 1 else x[0]
+    n = len(units)
+    if n < 2:
         return float(x.mean()), 0.0
-    df = (a + b) ** 2 / ((a * a / (S - 1) if S > 1 else 0) + (b * b / (E - 1) if E > 1 else 0))
-    return float(x.mean()), student_t_quantile(0.975, df) * math.sqrt(a + b)
+    sd = units.std(ddof=1)
+    if sd == 0:
+        return float(x.mean()), 0.0
+    return float(x.mean()), student_t_quantile(0.975, n - 1) * sd / math.sqrt(n)
 
 
 SHARE_LIMIT = 10.0      # a share interval reaching past ±10 ceilings is reported unbounded
@@ -420,7 +424,7 @@ def share_of_ceiling(rows, ceiling, base) -> dict:
     """The share of the ceiling's gain a reward recovers, (R - O) / (L - O), with R, L and O the
     (seeds, episodes) test scores of the reward, of the ceiling (exact labels) and of the first
     reward (the outcome), paired seed by seed and episode by episode; and its 95% interval,
-    Fieller's with interval95's variance: the shares theta for which interval95 of
+    Fieller's over the seeds as interval95: the shares theta for which interval95 of
     R - O - theta (L - O) holds zero. None for an end past SHARE_LIMIT (the ceiling's own gain
     is not told from zero there: the share can be anything)."""
     r = np.asarray(rows, dtype=np.float64) - np.asarray(base, dtype=np.float64)
@@ -446,6 +450,7 @@ def share_of_ceiling(rows, ceiling, base) -> dict:
     return {"share": share, "ci95": ends}
 
 
+@functools.lru_cache(maxsize=None)
 def student_t_quantile(p: float, df: float) -> float:
     """The p-quantile (p > 1/2) of Student's t with df > 0 degrees of freedom (any real df):
     bisection on its CDF, the density integrated by Simpson's rule (to 1e-9)."""
@@ -611,8 +616,8 @@ def compare_markdown(result: dict, command: str) -> str:
     lines = [
         f"Held-out success in % ({result.get('decoding', 'greedy')}, test split), mean ± "
         f"sample std over seeds "
-        f"{result['rows'][0]['seeds']} [95% interval: Student's t, from the variance of the "
-        f"seeds' means and of the episodes' (compare.interval95)]. *selected*: the checkpoint "
+        f"{result['rows'][0]['seeds']} [95% interval: Student's t over the seeds' means, n − 1 "
+        f"degrees of freedom, paired seed by seed for Δ (compare.interval95)]. *selected*: the checkpoint "
         f"with the best "
         f"validation success, reported on test; *best on test*: the paper's protocol (chosen on "
         f"test itself). Δ: paired against `{ref}` (same seeds, same episodes).", "",
@@ -688,8 +693,8 @@ def credit_lines(result: dict, pct) -> list[str]:
 
     ref = result["reference"]
     lines = ["", (f"*share of the ceiling*: (R − `{ref}`) / (`{ceiling}` − `{ref}`) at the "
-                  "final checkpoint, paired, with Fieller's 95% interval from the same "
-                  "variance as Δ (compare.share_of_ceiling). " if ceiling else "")
+                  "final checkpoint, paired, with Fieller's 95% interval over the seeds' "
+                  "means as Δ's (compare.share_of_ceiling). " if ceiling else "")
              + "*premise gate*: the advantage's AUROC, right against slip, at the first-error "
              "turns with a clean prefix of held-out base-policy rollouts, with a bootstrap "
              "interval over those turns, beside the reward's own (lab/credit.py; the same "
