@@ -70,7 +70,7 @@ TURN_KEYS = ("prefix", "sample", "greedy", "turn_idx", "logprob_mean", "n_tokens
 KINDS = ("call", "final", "malformed")
 
 
-# ---- The prefixes: every assistant turn of the chosen episodes -----------------------------------
+# ---- The prefixes: every assistant turn of the chosen episodes ----------------------------------
 
 @dataclass
 class Prefix:
@@ -107,7 +107,7 @@ def prefix_seed(seed: int, episode_id: str, turn_idx: int) -> int:
     return int.from_bytes(digest[:8], "little") >> 1         # a non-negative int64
 
 
-# ---- Sampling: k turns at temperature 1 and the greedy one from one forward of the prompt ---------
+# ---- Sampling: k turns at temperature 1 and the greedy one from one forward of the prompt -------
 
 def rows_of(cache: list[mdl.KVCache], rows: int) -> list[mdl.KVCache]:
     """A new cache of `rows` rows, each a copy of row 0 of `cache` (its capacity, its length)."""
@@ -145,7 +145,7 @@ def turn_text(tok: mdl.Tokenizer, trace: probes.TurnTrace) -> str:
     return tok.decode(said)
 
 
-# ---- The labelling rule (module docstring) -------------------------------------------------------
+# ---- The labelling rule (module docstring) ------------------------------------------------------
 
 @dataclass
 class Verdict:
@@ -245,7 +245,7 @@ def label_turn(text: str, record: dict, turn_idx: int) -> Verdict:
     return Verdict("call", 0, "unseen_arguments")
 
 
-# ---- The shards: every turn of a few prefixes, written atomically --------------------------------
+# ---- The shards: every turn of a few prefixes, written atomically -------------------------------
 
 def manifest_of(args, net, data_path: Path, n_prefixes: int) -> dict:
     """What the turns depend on; a resumed run must match it (the model's and data's paths
@@ -342,7 +342,7 @@ def extract(net, tok, env: envs.GTAEnv, todo: list[Prefix], parts: Path, args, l
               f"undecided {counts[None]}", file=log, flush=True)
 
 
-# ---- The merge: labelled turns in the study's layout, every turn in turns.jsonl ------------------
+# ---- The merge: labelled turns in the study's layout, every turn in turns.jsonl -----------------
 
 @dataclass
 class Turn:
