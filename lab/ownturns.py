@@ -60,7 +60,8 @@ import envs
 import grpo
 import model as mdl
 import probes
-from lab import detection, runs, study
+from lab.infra import runs
+from lab.probing import detection, features
 
 FORMAT = "ownturns/1"
 SAMPLE_TEMPERATURE = 1.0
@@ -84,7 +85,7 @@ def choose_episodes(env: envs.GTAEnv, n: int | None, seed: int) -> list[str]:
     """Every episode of the split, or n drawn with `seed` (lab.study's draw), in file order."""
     if n is None:
         return list(env.ids)
-    return [r["episode_id"] for r in study.subsample_episodes(
+    return [r["episode_id"] for r in features.subsample_episodes(
         [{"episode_id": key} for key in env.ids], n, seed)]
 
 
@@ -283,7 +284,7 @@ def read_shards(parts: Path):
     """(path, per-turn strings, tensors) of every shard, in order."""
     for path in sorted(parts.glob("shard_*.safetensors")):
         tensors, meta = probes.read_safetensors(path, "shard")
-        strings = probes._json_entry(meta, "ownturns", path)
+        strings = probes.json_entry(meta, "ownturns", path)
         if not isinstance(strings, dict) or "prefix" not in tensors:
             raise probes.FormatError(f"{path}: not a shard of `python -m lab.ownturns extract`; "
                                      f"delete {parts} to start over")

@@ -10,6 +10,7 @@ import envs
 import model as M
 import probes
 from lab import bench, dryrun, ownturns
+from lab.probing import detection
 
 TOOLS = [{"name": name, "description": "", "inputs": []}
          for name in ("OCR", "Calculator", "GoogleSearch")]
@@ -163,7 +164,6 @@ def test_a_killed_extraction_resumes_to_the_files_of_an_unbroken_one(
     assert [t["greedy"] for t in turns[:3]] == [False, False, True]
 
     # the labelled turns read back as a study features file
-    from lab import detection
     raw, meta = detection.load_features(whole / "own_turns.safetensors")
     assert len(raw["label"]) == summary["labelled"] == len(meta["episode_id"])
     assert set(meta["kind"]) <= set(ownturns.KINDS)
