@@ -1218,7 +1218,7 @@ def save_adapter(model, path, base_model_name_or_path=None):
 
 def load_adapter_weights(policy, directory):
     """Load policy's LoRA weights from save_adapter's `directory`, checked against the
-    policy's settings, names and shapes (lab/adapters.py reads any PEFT adapter)."""
+    policy's settings, names and shapes (lab/policies/adapters.py reads any PEFT adapter)."""
     config, file, s = (Path(directory) / ADAPTER_CONFIG, Path(directory) / ADAPTER_WEIGHTS,
                        policy.lora_settings)
     c = json.loads(config.read_text())

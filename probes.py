@@ -11,7 +11,7 @@ with the statistics the rewards read, the features built from them, and the prob
 - `Probe` is StandardScaler + L2 logistic regression (C = 0.01), fitted in float64 with
   torch's LBFGS: scikit-learn's model, which the tests check to 1e-4.
 - The probe and features files, and AUROC (grpo.py's drift monitor reads it); METHOD.md
-  §8's other metrics are lab/detection.py's, the probe CLI lab/study.py's.
+  §8's other metrics are lab/probing/detection.py's, the probe CLI lab/study.py's.
 
 The statistics are read from the generation pass itself (model.py's decoding step): no
 second forward runs to score a turn, so a per-turn reward costs what accumulating a few

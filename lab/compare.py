@@ -697,7 +697,7 @@ def credit_lines(result: dict, pct) -> list[str]:
                   "means as Δ's (compare.share_of_ceiling). " if ceiling else "")
              + "*premise gate*: the advantage's AUROC, right against slip, at the first-error "
              "turns with a clean prefix of held-out base-policy rollouts, with a bootstrap "
-             "interval over those turns, beside the reward's own (lab/credit.py; the same "
+             "interval over those turns, beside the reward's own (lab/methods/credit.py; the same "
              "turns for every seed). Under `outcome-turn` the advantage carries the outcome's "
              "term: where any slip fails the episode a high gate is nearly built in.", "",
              "| reward | final | Δ final | share of the ceiling | premise gate "

@@ -607,7 +607,7 @@ def start(args, ctx: LabContext, log) -> None:
             raise SystemExit(f"--reward llm_judge: {e}") from e
     if args.reward in TREE_SEARCH:
         log(f"tree search instead of the {args.group} rollouts: --tree-m {args.tree_m} "
-            f"--tree-n {args.tree_n} --tree-l {args.tree_l} (see lab/baselines.py)", flush=True)
+            f"--tree-n {args.tree_n} --tree-l {args.tree_l} (see lab/methods/baselines.py)", flush=True)
 
 
 def refresh_teacher(args, ctx: LabContext, policy, step: int) -> None:

@@ -385,7 +385,7 @@ def write_policy_readme(out: Path, args, config: dict, result: dict, earlier: li
     about = ("A tiny Qwen2-architecture model trained from scratch, with its own byte-level BPE "
              "tokenizer (ChatML specials), on the gold dialogs of the built-in `shop` world mixed "
              "with contaminated ones (python -m lab.shop make-data), after a warm-up on a "
-             "synthetic copy task that gives it induction heads (lab/sft.py InductionTask). Loss "
+             "synthetic copy task that gives it induction heads (lab/policies/sft.py InductionTask). Loss "
              "on assistant tokens only.")
     if args.init:
         about += " Then continued (`--init`, the last command) on the same dialogs" + \
