@@ -11,12 +11,13 @@ it runs, built from grpo.py's functions (setup's pieces: check_before_loading, l
 environments, adapter_optimizer, log_start; a step's: start_step, play_rollouts, score_group,
 update_policy, step_metrics; the loop's: set_lr, record_step, checkpoint_due, save_and_log,
 evaluate_and_log, finish):
-  * its tables are the core's with the lab's rows: the rewards of lab/baselines.py (CoE, the LLM
-    judge, IGPO, TIPS, the tree searches) and lab/credit.py (the exact labels), the advantage
-    forms of lab/credit.py, the long world of lab/shop.py, ToolBench's replay (lab/toolbench.py);
-  * setup: several processes under torchrun (lab/torchrun.py), the probes of a `lab.study
-    train` directory (lab/study.py) or fitted on the fly for these settings (lab/onpolicy.py),
-    the run lock that nests and waits (lab/runs.py), the judge's client, the premise gate;
+  * its tables are the core's with the lab's rows: the rewards of lab/methods/baselines.py (CoE, the
+    LLM judge, IGPO, TIPS, the tree searches) and lab/methods/credit.py (the exact labels), the
+    advantage forms of lab/methods/credit.py, the worlds of lab/worlds/shop.py, ToolBench's
+    replay (lab/worlds/toolbench.py);
+  * setup: several processes under torchrun (lab/infra/torchrun.py), the probes of a
+    `lab.study train` directory (lab/probing/features.py) or fitted on the fly for these
+    settings (lab/methods/onpolicy.py), the run lock that nests and waits (lab/infra/runs.py), the judge's client, the premise gate;
   * a step: TIPS' lagged teacher refreshed, DAPO's oversampling (--oversample), the tree
     searches' plays, the statistics read from the frozen base (--probe-reads base), AT²PO's
     turn-level loss, the refits of the probe (--probe-retrain-every);
@@ -57,7 +58,7 @@ RANGES = {**grpo.FLAG_RANGES, **baselines.RANGES, **credit.RANGES, **onpolicy.RA
 
 
 def forms(args) -> dict[str, pair.Objective]:
-    """The advantage forms, the core's and lab/credit.py's (outcome-turn with --turn-weight)."""
+    """The advantage forms, the core's and lab/methods/credit.py's (outcome-turn with --turn-weight)."""
     return {**pair.ADVANTAGES, **credit.forms(args.turn_weight)}
 
 
@@ -213,6 +214,9 @@ def train(args) -> dict:
     started = time.perf_counter()
     run = setup(args)
     start = resume(run)
+    if run.procs.main:
+        # the record names the code each segment ran: a run resumed on other code says so
+        runs.record_code(run.out, start, Path(__file__).resolve().parent.parent)
     done = {e["step"] for e in grpo.read_jsonl(run.out / "eval.jsonl")}     # not evaluated again
     evaluate_and_log(run, start, done)
     progress = grpo.Progress()

@@ -612,6 +612,13 @@ def test_resume_reproduces_the_uninterrupted_run(tiny_policy, tmp_path, monkeypa
 
     assert without_timing(metrics(cut)) == without_timing(metrics(whole))
     assert len(metrics(whole)) == 4 and metrics(whole)[-1]["kl"] > 0
+    # each segment of a run records the code it ran: the resumed one from step 2 on
+    head = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "HEAD"], capture_output=True,
+                          text=True).stdout.strip() or None
+    segments = json.loads((cut / "code.json").read_text())
+    assert [x["from_step"] for x in segments] == [0, 2]
+    assert [x["from_step"] for x in json.loads((whole / "code.json").read_text())] == [0]
+    assert all(x["commit"] == head and x["clean"] in (True, False, None) for x in segments)
     ckpt = cut / "checkpoint-000004"
     assert sorted(p.name for p in ckpt.iterdir()) == [
         "adapter", "manifest.json", "optimizer.safetensors", "rng-0.json", "rng-0.safetensors",

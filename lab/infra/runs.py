@@ -9,6 +9,7 @@ import json
 import math
 import os
 import shutil
+import subprocess
 import time
 from pathlib import Path
 
@@ -185,3 +186,32 @@ def claim_out(out: Path) -> None:
     held until the process exits."""
     if not holds(out):
         claim(out)
+
+
+CODE_FILE = "code.json"     # in a run's directory: the code each segment of the run ran
+
+
+def code_version(root: Path) -> dict:
+    """The repository's commit at `root` and whether its tracked files are as committed (an
+    untracked file, a run's records say, does not count); None each where git cannot tell."""
+    def git(*argv) -> str | None:
+        try:
+            r = subprocess.run(["git", "-C", str(root), *argv], capture_output=True, text=True,
+                               timeout=30)
+        except (OSError, subprocess.SubprocessError):
+            return None
+        return r.stdout.strip() if r.returncode == 0 else None
+    commit = git("rev-parse", "HEAD")
+    status = git("status", "--porcelain", "--untracked-files=no")
+    clean = None if status is None else status == ""
+    return {"commit": commit, "clean": clean}
+
+
+def record_code(out: Path, step: int, root: Path) -> None:
+    """Append to out/code.json the code this segment of a run runs from `step` on (a resumed run
+    adds a segment), with the time it started, written atomically."""
+    path = out / CODE_FILE
+    segments = json.loads(path.read_text()) if path.exists() else []
+    stamp = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+    segments.append({"from_step": step, "started": stamp, **code_version(root)})
+    model.write_atomic(path, json.dumps(segments, indent=1) + "\n")
