@@ -224,3 +224,16 @@ def test_a_command_runs_after_every_definition_of_its_file():
         mains = [i for i, node in enumerate(body) if isinstance(node, ast.If)
                  and "__main__" in ast.unparse(node.test)]
         assert mains in ([], [len(body) - 1]), f"{path.name}: definitions after its __main__ block"
+
+
+def test_the_readmes_path_names_the_lines_its_functions_start_at():
+    # README's "Read the code" gives each function on the paper's path as `mod.name` (mod.py:N)
+    readme = (ROOT / "README.md").read_text()
+    section = readme[readme.index("## Read the code"):readme.index("## The files")]
+    cited = re.findall(r"`((model|probes|pair|envs|grpo)\.[\w.]+)` \((\w+)\.py:(\d+)\)", section)
+    assert len(cited) >= 30
+    for name, mod, file, line in cited:
+        assert mod == file, name
+        *_, last = name.split(".")
+        text = (ROOT / f"{mod}.py").read_text().splitlines()[int(line) - 1]
+        assert re.match(rf"\s*(def|class) {last}\b", text), f"{name} is not at {file}.py:{line}"
