@@ -556,6 +556,7 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x):
+        """x (..., d) -> (..., d), in x's dtype."""
         xf = x.float()             # cast back before the weight, in Hugging Face's order
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)  # x / rms(x)
         return self.weight * xf.to(x.dtype)
@@ -571,6 +572,7 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(f, d, bias=bias)
 
     def forward(self, x):
+        """x (..., d) -> (..., d)."""
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))  # (..., d)
 
 
@@ -1143,6 +1145,7 @@ class LoRALinear(nn.Module):
         self.enabled = True
 
     def forward(self, x):
+        """x (..., in) -> (..., out): the base layer's output, plus the adapter's when enabled."""
         y = F.linear(x, self.weight, self.bias)                             # x W^T + b
         if not self.enabled:
             return y

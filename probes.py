@@ -752,6 +752,8 @@ def read_safetensors(path, what: str) -> tuple[dict[str, torch.Tensor], dict]:
 
 
 def json_entry(meta: dict, key: str, path):
+    """The JSON value a safetensors file's metadata holds under `key` (None when absent);
+    FormatError naming the file and the key when it is not JSON."""
     try:
         return json.loads(meta.get(key, "null") or "null")
     except ValueError as e:
@@ -765,6 +767,8 @@ def save_safetensors(tensors: dict, path, metadata: dict) -> None:
 
 
 def check_finite(tensors: dict, path) -> None:
+    """FormatError naming the file, the tensor and the first index where a floating-point
+    tensor of `tensors` holds NaN or an infinity."""
     for key, t in tensors.items():
         if t.is_floating_point() and not torch.isfinite(t).all():
             bad = (~torch.isfinite(t)).nonzero()[0].tolist()
