@@ -61,7 +61,7 @@ class TurnTrace:
     """One assistant turn as a reward reads it (CPU, float32): generated, or teacher-forced."""
     tokens: list[int]          # the turn's tokens (ends with a stop token when finished)
     span: tuple[int, int]               # absolute positions [start, end) in the sequence
-    attn: dict[str, torch.Tensor]   # STATS -> (L, H), the span's mean ({} without stats)
+    attn_stats: dict[str, torch.Tensor]  # STATS -> (L, H), the span's mean ({} without stats)
     h_last: torch.Tensor | None        # (L+1, d) hidden_states[l] at the last span token
     h_mean: torch.Tensor | None         # (L+1, d) the span's mean of hidden_states[l]
     finished: bool                      # stopped on a stop token (vs max_new_tokens)
@@ -291,11 +291,12 @@ def turn_traces(tokens, logps, count, finished, span_start, acc, alive) -> list[
     traces = []
     for r, s in enumerate(span_start.tolist()):
         n = counts[r]
-        trace = TurnTrace(tokens=token_rows[r][:n], span=(s, s + n), attn={}, h_last=None,
-                          h_mean=None, finished=finished_rows[r], logprobs=logp_rows[r][:n])
+        trace = TurnTrace(tokens=token_rows[r][:n], span=(s, s + n), attn_stats={},
+                          h_last=None, h_mean=None, finished=finished_rows[r],
+                          logprobs=logp_rows[r][:n])
         if sums is not None and n > 0:
             # STATS -> (L, H)
-            trace.attn = dict(zip(mdl.STATS, (sums.attn_sum[r] / n).unbind(-1)))
+            trace.attn_stats = dict(zip(mdl.STATS, (sums.attn_sum[r] / n).unbind(-1)))
             trace.h_last = sums.h_last[:, r].clone()  # (L+1, d), not a view of the batch
             trace.h_mean = sums.h_sum[:, r] / n             # (L+1, d)
         if alive[r]:
@@ -330,7 +331,7 @@ def raw_features(trace) -> dict[str, torch.Tensor]:
     raw = {"h_last4": trace.h_last[-4:].float(),                        # (4, d)
            "h_mean": trace.h_mean[-1].float()}                          # (d,)
     for stat in ("max", "std", "prefix", "self", "entropy", "lookback"):
-        raw[f"attn_{stat}"] = trace.attn[stat].float()                  # (L, H)
+        raw[f"attn_{stat}"] = trace.attn_stats[stat].float()                  # (L, H)
     return raw
 
 

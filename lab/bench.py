@@ -454,7 +454,7 @@ def update_section(model, args, device):
 
 
 def reward_section(model, traces):
-    trace = next((t for t in traces if t is not None and t.attn), None)
+    trace = next((t for t in traces if t is not None and t.attn_stats), None)
     if trace is None:
         with torch.no_grad():
             cache = model.new_cache(1, 64)

@@ -362,7 +362,7 @@ def test_rollout_appends_turns_to_one_cache_and_traces_equal_teacher_forcing(tin
             tf = traces.trace_forward(policy, seq[:e], (s, e))
             torch.testing.assert_close(step.trace.h_last, tf.h_last, atol=1e-4, rtol=1e-4)
             for name in mdl.STATS:
-                torch.testing.assert_close(step.trace.attn[name], tf.attn[name], atol=1e-4,
+                torch.testing.assert_close(step.trace.attn_stats[name], tf.attn_stats[name], atol=1e-4,
                                            rtol=1e-4)
         assert pos == len(seq)
         assert traj.score == traj.episode.score()
@@ -2236,7 +2236,7 @@ def test_a_branch_from_a_copied_cache_equals_a_fresh_prefill(tiny_policy, monkey
             torch.testing.assert_close(x.trace.h_last, y.trace.h_last, atol=1e-5, rtol=1e-5)
             torch.testing.assert_close(x.trace.h_mean, y.trace.h_mean, atol=1e-5, rtol=1e-5)
             for name in mdl.STATS:
-                torch.testing.assert_close(x.trace.attn[name], y.trace.attn[name], atol=1e-5,
+                torch.testing.assert_close(x.trace.attn_stats[name], y.trace.attn_stats[name], atol=1e-5,
                                            rtol=1e-5)
         # and the tree: the branch's new turns hang below the parent
         assert forest.node_of[id(branch.steps[kept])].parent is parent
@@ -2279,7 +2279,7 @@ def test_a_branch_from_before_a_rewritten_history_prefills_only_what_differs(tin
         for x, y in zip(branch.steps[kept:], fresh.steps[kept:]):
             assert x.tokens == y.tokens
             torch.testing.assert_close(x.trace.h_last, y.trace.h_last, atol=1e-5, rtol=1e-5)
-            torch.testing.assert_close(x.trace.attn["prefix"], y.trace.attn["prefix"],
+            torch.testing.assert_close(x.trace.attn_stats["prefix"], y.trace.attn_stats["prefix"],
                                        atol=1e-5, rtol=1e-5)
 
 

@@ -344,7 +344,7 @@ def test_ragged_batched_appends_equal_per_row_forward():
 def assert_trace_equal(trace, ref):
     assert trace.tokens == ref.tokens and trace.span == ref.span
     assert trace.finished == ref.finished
-    assert_stats_close(trace.attn, ref.attn)
+    assert_stats_close(trace.attn_stats, ref.attn_stats)
     torch.testing.assert_close(trace.h_last, ref.h_last, atol=5e-5, rtol=1e-4)
     torch.testing.assert_close(trace.h_mean, ref.h_mean, atol=5e-5, rtol=1e-4)
 
@@ -373,7 +373,7 @@ def test_generation_traces_equal_teacher_forced_traces(name):
     free = probes.generate(model, probe, obs, max_new_tokens=6, temperature=0, stop_ids=[])
     stop = free[0].tokens[2]
     second = probes.generate(model, cache, obs, max_new_tokens=6, temperature=0, stop_ids=[stop])
-    assert second[1].tokens == [] and second[1].attn == {}
+    assert second[1].tokens == [] and second[1].attn_stats == {}
     assert second[0].finished and second[0].tokens[-1] == stop and len(second[0].tokens) <= 3
     for r in (0, 2):
         seq = seqs[r] + obs[r] + second[r].tokens
@@ -477,7 +477,7 @@ def test_decoding_equals_the_straightforward_loop(monkeypatch, name, compiled, t
                 continue
             ref = traces.trace_forward(model, seqs[r] + trace.tokens, trace.span, stop_ids=stop)
             assert trace.finished == ref.finished and trace.span == ref.span
-            assert_stats_close(trace.attn, ref.attn, atol=1e-5)
+            assert_stats_close(trace.attn_stats, ref.attn_stats, atol=1e-5)
             torch.testing.assert_close(trace.h_last, ref.h_last, atol=1e-5, rtol=1e-5)
             torch.testing.assert_close(trace.h_mean, ref.h_mean, atol=1e-5, rtol=1e-5)
             seqs[r] = seqs[r] + trace.tokens
@@ -600,7 +600,7 @@ def check_decoding(model, prompts, temperature, seed, h_atol=1e-5):
     assert [t.tokens for t in traced] == expect
     for p, trace in zip(prompts, traced):
         ref = traces.trace_forward(model, p + trace.tokens, trace.span, stop_ids=stop)
-        assert_stats_close(trace.attn, ref.attn, atol=1e-5)
+        assert_stats_close(trace.attn_stats, ref.attn_stats, atol=1e-5)
         torch.testing.assert_close(trace.h_mean, ref.h_mean, atol=h_atol, rtol=1e-4)
     return [t.tokens for t in traced]
 
@@ -645,7 +645,7 @@ def test_statistics_do_not_change_the_sampled_tokens():
         runs.append(probes.generate(model, model.new_cache(2), prompts, 9, temperature=1.0,
                                     stop_ids=[], generator=gen, stats=stats))
     assert [t.tokens for t in runs[0]] == [t.tokens for t in runs[1]]
-    assert runs[1][0].h_last is None and runs[1][0].attn == {}
+    assert runs[1][0].h_last is None and runs[1][0].attn_stats == {}
     prefill_only = probes.generate(model, model.new_cache(2), prompts, 0)
     assert [t.tokens for t in prefill_only] == [[], []]
     # An ended row (active False) gets nothing appended and no trace; the other is unaffected.
@@ -989,7 +989,7 @@ def test_real_checkpoint_greedy_equals_transformers(qwen05b_dir):
         expected = row[:row.index(tok.im_end_id) + 1] if tok.im_end_id in row else row
         assert trace.tokens == expected, tok.decode(trace.tokens)
         assert trace.finished == (tok.im_end_id in row)
-    assert all(math.isfinite(float(t.attn["entropy"].sum())) for t in ours)
+    assert all(math.isfinite(float(t.attn_stats["entropy"].sum())) for t in ours)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -118,7 +118,7 @@ def test_the_shared_prefill_gives_the_turns_of_runs_that_prefill_alone(tiny_qwen
         torch.testing.assert_close(a.h_mean, b.h_mean, atol=1e-4, rtol=1e-4)
         torch.testing.assert_close(a.h_last, b.h_last, atol=1e-4, rtol=1e-4)
         for stat in M.STATS:
-            torch.testing.assert_close(a.attn[stat], b.attn[stat], atol=1e-4, rtol=1e-4)
+            torch.testing.assert_close(a.attn_stats[stat], b.attn_stats[stat], atol=1e-4, rtol=1e-4)
 
 
 def run_extract(model_dir, data_dir, out, extra=()):

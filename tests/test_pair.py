@@ -106,8 +106,8 @@ def fake_trace(raw, i):
     h_last[-4:] = raw["h_last4"][i]
     return SimpleNamespace(h_last=h_last, h_mean=torch.randn(L + 1, D), tokens=[], span=(0, 1),
                            finished=True,
-                           attn={s: raw[f"attn_{s}"][i] for s in
-                                 ("max", "std", "prefix", "self", "entropy", "lookback")})
+                           attn_stats={s: raw[f"attn_{s}"][i] for s in
+                                       ("max", "std", "prefix", "self", "entropy", "lookback")})
 
 
 def forbid_pickle(monkeypatch):

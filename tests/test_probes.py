@@ -220,13 +220,13 @@ def test_raw_features_from_trace():
     g = torch.Generator().manual_seed(1)
     trace = SimpleNamespace(
         tokens=[1, 2], span=(5, 7), finished=True,
-        attn={s: torch.rand(L, H, generator=g) for s in
+        attn_stats={s: torch.rand(L, H, generator=g) for s in
               ("max", "std", "prefix", "self", "entropy", "lookback")},
         h_last=torch.randn(L + 1, d, generator=g), h_mean=torch.randn(L + 1, d, generator=g))
     raw = probes.raw_features(trace)
     assert set(raw) == set(probes.RAW_KEYS)
     assert raw["h_last4"].equal(trace.h_last[-4:]) and raw["h_mean"].equal(trace.h_mean[-1])
-    assert raw["attn_self"].equal(trace.attn["self"])
+    assert raw["attn_self"].equal(trace.attn_stats["self"])
     # the lab's records add CoE's two scores to the core's features
     with_coe = detection.raw_with_coe(trace)
     assert list(with_coe) == list(detection.RAW_KEYS)

@@ -158,4 +158,4 @@ def test_two_cpu_devices_equal_one_device(tie, counts):
         close(x.h_last, y.h_last)
         close(x.h_mean, y.h_mean)
         for name in STATS:
-            close(x.attn[name], y.attn[name])
+            close(x.attn_stats[name], y.attn_stats[name])

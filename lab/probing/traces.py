@@ -198,6 +198,6 @@ def trace_batch(net: model.Transformer, seqs: list[list[int]], spans, stop_ids=N
             h = torch.stack([hs[r, start:end].float().cpu() for hs in out.hidden_states])
             traces[i] = probes.TurnTrace(
                 tokens=list(ids[start:end]), span=(start, end),
-                attn={k: v[r].float().cpu() for k, v in out.attn_stats.items()},
+                attn_stats={k: v[r].float().cpu() for k, v in out.attn_stats.items()},
                 h_last=h[:, -1], h_mean=h.mean(1), finished=ids[end - 1] in stop_ids)
     return traces
