@@ -44,7 +44,7 @@ import grpo
 import model
 import pair
 import probes
-from lab import data as lab_data, detection, runs, shop, study, traces
+from lab import data as lab_data, detection, runs, shop, stale, study, traces
 from probes import rollout
 
 PROBE_SEED = 42
@@ -220,7 +220,7 @@ def heldout_auroc(fitted: dict, heldout: detection.Split) -> dict:
               **{f"kind={name}": kind == code
                  for code, name in enumerate(heldout.meta.get("kinds", ()))}}
     at = [None if a is None else shop.slip_kind(a) for a in habit_at(heldout)]
-    for slip in (*shop.LONG_SLIPS, *shop.COPY_DECISIONS):
+    for slip in (*shop.LONG_SLIPS, *shop.COPY_DECISIONS, *stale.STALE_DECISIONS):
         here = torch.tensor([a == slip for a in at], dtype=torch.bool)
         if here.any():
             groups[f"slip={slip}"] = here & (d < 0)

@@ -29,7 +29,7 @@ from pathlib import Path
 
 import envs
 import grpo
-from lab import data as lab_data, runs
+from lab import data as lab_data, runs, stale
 from lab.sft import SFT_CHECKPOINT, SPECIALS, sft
 from lab.shopdata import dialog_steps, make_shop_data, shop_divided, shop_gold, tool_message
 
@@ -202,7 +202,8 @@ def slip_kind(name: str) -> str:
 # turns) and their own policies. The lab's table of worlds is the core's with them.
 LONG_WORLD = envs.World("shop-long", long_task, 16, envs.BUILTIN_POLICY.parent / "shop-long-policy")
 COPY_WORLD = envs.World("shop-copy", copy_task, 16, envs.BUILTIN_POLICY.parent / "shop-copy-policy")
-WORLDS = {**envs.WORLDS, "shop-long": LONG_WORLD, "shop-copy": COPY_WORLD}
+WORLDS = {**envs.WORLDS, "shop-long": LONG_WORLD, "shop-copy": COPY_WORLD,
+          "shop-stale": stale.STALE_WORLD}
 
 
 def _slip_store(task: envs.ShopTask, store: str, item: str) -> str:
@@ -271,9 +272,12 @@ def long_dialog(task: envs.ShopTask, slips=(), misread: dict | None = None) -> l
 
 def slip_turns(task: envs.ShopTask) -> dict[str, int]:
     """For each habit of the built-in policy this task has (shop: divided, if not in USD;
-    shop-long: LONG_SLIPS by LONG_HABITS; shop-copy: every decision with a slip, its first),
+    shop-long: LONG_SLIPS by LONG_HABITS; shop-copy: every decision with a slip, its first;
+    shop-stale: every decision, stale.slip_turns),
     the assistant turn at which the dialog with that slip departs from the gold: where a rollout
     with a clean prefix makes the decision."""
+    if isinstance(task, stale.StaleTask):
+        return stale.slip_turns(task)
     if isinstance(task, CopyTask):
         gold = long_dialog(task)
         slipped = {d: long_dialog(task, misread={d: values[0]})
@@ -350,6 +354,8 @@ def sft_world_dialogs(args) -> list[list[dict]]:
         return sft_dialogs(args.episodes, args.contaminated, args.seed, args.divided)
     if args.world == "shop-copy":
         return copy_sft_dialogs(args.episodes, args.slips, args.seed)
+    if args.world == stale.STALE_WORLD.name:
+        return stale.stale_sft_dialogs(args.episodes, args.slips, args.seed)
     return long_sft_dialogs(args.episodes, args.slips, args.seed)
 
 
@@ -406,7 +412,8 @@ def main(argv=None):
     a("--slips", type=float, default=0.0,
       help="shop-long: probability of each of the three slips (LONG_SLIPS) in a dialog whose "
            "task has its habit (LONG_HABITS), drawn on its own; shop-copy: probability of each "
-           "decision's slip (COPY_DECISIONS), drawn on its own")
+           "decision's slip (COPY_DECISIONS), drawn on its own; shop-stale: probability of each "
+           "decision's stale value (stale.DECISIONS), drawn on its own")
     a("--init", default=None, metavar="DIR",
       help="continue from this saved policy (its weights, shape and tokenizer) instead of "
            "training from scratch; the shape and --vocab flags are then ignored")
