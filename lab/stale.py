@@ -119,25 +119,26 @@ def stale_dialog(task: StaleTask, stale=frozenset()) -> list[dict]:
 
     # Each Lookup restates the running total and the lines so far as shop-long's do (the policy
     # continued on these dialogs finds its place in the task by copying on from the last line).
-    running, said, price, cost, totals = None, [], None, None, []
+    running, said, totals = None, [], []
+    prices, costs = [], []          # each line's, as the tools answered: the stale values
     for k, (q, item, store) in enumerate(task.lines):
         line = f"({k + 1}) {q} {item}"
         joint = "" if k == 0 else f"{said[-1]}{' and ' if k == len(task.lines) - 1 else ', '}"
         said.append(line)
         so_far = "" if running is None else f"The total so far is {running}. "
-        last_price, price = price, turn(f"{so_far}{joint}{line}. I need the price of {item} at "
-                                        f"store {store}.", ("Lookup", {"store": store, "item": item})
-                                        ).value
-        used = last_price if f"price {k + 1}" in stale else price
-        last_cost, cost = cost, turn(f"{line} at store {store} costs {price}. The line costs "
-                                     f"{q}*{price}.", ("Calculator", {"expression": f"{q}*{used}"})
-                                     ).text
+        price = turn(f"{so_far}{joint}{line}. I need the price of {item} at store {store}.",
+                     ("Lookup", {"store": store, "item": item})).value
+        used = prices[-1] if f"price {k + 1}" in stale else price
+        cost = turn(f"{line} at store {store} costs {price}. The line costs {q}*{price}.",
+                    ("Calculator", {"expression": f"{q}*{used}"})).text
         if k == 0:
             running = cost
         else:
-            used = last_cost if f"subtotal {k + 1}" in stale else cost
+            used = costs[-1] if f"subtotal {k + 1}" in stale else cost
             running = turn(f"The line costs {cost}. The total so far is {running}+{cost}.",
                            ("Calculator", {"expression": f"{running}+{used}"})).text
+        prices.append(price)
+        costs.append(cost)
         totals.append(running)
     cur = task.currency
     rate = turn(f"The total so far is {running}. I need the {cur} rate.",
