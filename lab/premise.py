@@ -27,8 +27,8 @@ command measures them:
                    stages) fitted on those very turns and scored out of fold (folds of
                    episodes), pooled and within groups. The confidence reads the sampled
                    tokens; the probes, the state the policy sampled them from;
-  room in a group  at each decision of the first training step's groups of G rollouts, of the
-                   samples that reach it with a clean prefix: how often a group holds both a
+  room in a group  at each decision of the groups of G rollouts of the first --groups prompts
+                   of the first seed, of the samples that reach it with a clean prefix: how often a group holds both a
                    right and a wrong one (where all are wrong, no per-turn reward has anything
                    to rank).
 
@@ -329,13 +329,12 @@ def measure(args) -> dict:
     sampled = credit.sampled(policy, tok, test_env, test_pool, args.episodes, run, procs, "test")
     mean, interval = mean_interval(sampled["scores"])
     print(f"sampled: {mean:.3f} [{interval[0]:.3f}, {interval[1]:.3f}]", flush=True)
-    first_steps, step_groups = {}, []
+    first_steps = {}
     for seed in args.seeds:
         groups = first_groups(policy, tok, env, pool, run, seed, run.batch)
         first_steps[str(seed)] = sum(g.empty for g in groups)
-        step_groups += groups
-    more = [g.empty for g in first_groups(policy, tok, env, pool, run, args.seeds[0],
-                                          args.groups)]
+    groups = first_groups(policy, tok, env, pool, run, args.seeds[0], args.groups)
+    more = [g.empty for g in groups]
     turns = onpolicy.heldout_turns(run, policy, tok, procs, print)
     at = onpolicy.habit_at(turns)
     gates = {}
@@ -366,7 +365,7 @@ def measure(args) -> dict:
         "groups_without_success": {
             "seed": args.seeds[0], "groups": len(more), "without": sum(more),
             "fraction": sum(more) / len(more), "interval95": wilson(sum(more), len(more))},
-        "room_in_groups": room_in_groups(step_groups),
+        "room_in_groups": room_in_groups(groups),
         "confidence": confidence_at_first_errors(turns, at),
         "readout": readout_at_first_errors(turns, at),
         "gates": gates,
@@ -399,16 +398,16 @@ def report(r: dict) -> str:
         f"  confidence at first errors AUROC {grpo.num(c['auroc'])}"
         f"{credit.interval_text(c['auroc_interval'])} ({c['turns']} turns, {c['slips']} slips)"
         f"; within groups {within_text(c['within'])}"]
-    m = r["room_in_groups"]
-    lines.append(f"  groups of G holding a right and a wrong sample of a decision: "
-                 f"{grpo.num(m['both'])}{credit.interval_text(m['both_interval95'])} of "
-                 f"{m['decisions_reached']} (group, decision) pairs reached; at the first "
-                 f"decision {grpo.num(m['first_decision_both'])}"
-                 f"{credit.interval_text(m['first_decision_interval95'])} of {m['groups']} "
-                 f"groups; at some decision {grpo.num(m['groups_with_both'])}")
     for kind, k in c["by_kind"].items():
         lines.append(f"    {kind:<10} {grpo.num(k['auroc'])} ({k['turns']} turns, {k['slips']} "
                      "slips)")
+    m = r["room_in_groups"]
+    lines.append(f"  groups of G holding a right and a wrong sample of a decision: "
+                 f"{grpo.num(m['both'])}{credit.interval_text(m['both_interval95'])} of the "
+                 f"{m['decisions_reached']} (group, decision) pairs reached, {m['groups']} "
+                 f"groups; at the first decision {grpo.num(m['first_decision_both'])}"
+                 f"{credit.interval_text(m['first_decision_interval95'])}; at some decision "
+                 f"{grpo.num(m['groups_with_both'])}")
     for spec, g in r["gates"].items():
         lines.append(f"  premise gate of {spec}, taken apart (AUROC: gate / reward pooled / "
                      "reward within groups / centred):")

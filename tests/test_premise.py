@@ -297,6 +297,6 @@ def test_the_regime_command_measures_a_world_and_writes_it(tiny_policy, tmp_path
     assert "premise gate of labels:advantage=outcome-turn, taken apart" in printed
     assert gate["probe"] is None                            # the labels read no probe
     room = got["room_in_groups"]
-    assert room["groups"] == 1 and "groups of G holding a right and a wrong sample" in printed
+    assert room["groups"] == 2 and "groups of G holding a right and a wrong sample" in printed
     with pytest.raises(SystemExit):
         premise.main(["--samples", "0", "--out", str(out)])
