@@ -37,7 +37,7 @@ import model
 import pair
 from lab import curves, train
 from lab.methods import baselines, credit
-from lab.worlds import shop
+from lab.worlds import shop, stale
 
 COMPARE_REWARDS = ("outcome", "pair", "pair:alpha=0", "last_token", "multi_attn", "attention",
                    "head_entropy", "igpo", "tips", "tree_grpo", "at2po",
@@ -578,8 +578,9 @@ def habit_tasks(run: Path) -> dict[str, list[int]] | None:
     n = args.get("eval_episodes")
     if not isinstance(args.get("env"), str) or not (n is None or type(n) is int and n >= 0):
         raise damaged(run / "args.json", 'no string "env" or no count "eval_episodes"')
-    if args["env"] not in shop.WORLDS or args["env"] == shop.COPY_WORLD.name:
-        return None             # shop-copy: every task has every kind of decision
+    if args["env"] not in shop.WORLDS or args["env"] in (shop.COPY_WORLD.name,
+                                                         stale.STALE_WORLD.name):
+        return None             # shop-copy, shop-stale: every task has every kind of decision
     test = envs.ShopEnv("test", world=shop.WORLDS[args["env"]])
     n = min(n or len(test), len(test))
     groups = {h: [] for h in ("none", *shop.LONG_SLIPS)}

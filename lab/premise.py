@@ -19,12 +19,18 @@ command measures them:
   low confidence   at the first-error turns with a clean prefix of held-out base-policy rollouts
                    (the premise gate's turns, onpolicy.heldout_turns), the AUROC of the turn's
                    own mean token log-probability for the right turn against the slip, with a
-                   bootstrap interval over those turns, and by kind of decision; and
+                   bootstrap interval over those turns, by kind of decision, and within
+                   groups (the right and the wrong samples of the same decision of the same
+                   episode: the comparison a group-relative advantage makes); and
                    what the turn's hidden states and attention hold of the slip there: the
                    AUROC of linear probes (each feature set of the method's, and PAIR's two
                    stages) fitted on those very turns and scored out of fold (folds of
-                   episodes). The confidence reads the sampled tokens; the probes, the state
-                   the policy sampled them from.
+                   episodes), pooled and within groups. The confidence reads the sampled
+                   tokens; the probes, the state the policy sampled them from;
+  room in a group  at each decision of the groups of G rollouts of the first --groups prompts
+                   of the first seed, of the samples that reach it with a clean prefix: how often a group holds both a
+                   right and a wrong one (where all are wrong, no per-turn reward has anything
+                   to rank).
 
 The fourth, the ceiling (exact step labels against the outcome after the same number of steps),
 is a comparison of trained runs: `python -m lab.compare` (lab/README.md).
@@ -33,7 +39,8 @@ is a comparison of trained runs: `python -m lab.compare` (lab/README.md).
 
 takes apart, on the same held-out turns, the premise gate of each reward through its form (what
 a run of it logs at its start): the advantage's AUROC at the first errors beside the reward's own,
-pooled over episodes and within each group of rollouts (gate_apart).
+pooled over episodes and within each group of rollouts (gate_apart), and the probe the reward
+reads, fitted as a run fits it, scored on those turns, pooled and within groups (probe_apart).
 """
 from __future__ import annotations
 
@@ -42,6 +49,7 @@ import math
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -77,18 +85,91 @@ def wilson(k: int, n: int) -> list[float]:
     return [max(0.0, centre - half), min(1.0, centre + half)]
 
 
-def groups_without_success(policy, tok, env, pool, args, seed: int, prompts: int) -> list[bool]:
-    """For each of the first `prompts` prompts of a run of `seed`, in the order its steps play
-    them (grpo.prompt_index), with the same generator (grpo.sampler): whether its group of
-    args.group rollouts of the base policy holds no success."""
+@dataclass
+class Group:
+    """One prompt's group of rollouts: whether none succeeded, and at each decision the labels
+    of the samples that reached it with a clean prefix (right True, the slip False)."""
+    empty: bool
+    made: dict[str, list[bool]]
+
+
+def first_groups(policy, tok, env, pool, args, seed: int, prompts: int) -> list[Group]:
+    """The groups of args.group rollouts of the base policy of the first `prompts` prompts of a
+    run of `seed`, in the order its steps play them (grpo.prompt_index), with the same generator
+    (grpo.sampler)."""
     out = []
     for g in range(prompts):
         index = pool[grpo.prompt_index(seed, g, len(pool))]
         episodes = [env.episode(index) for _ in range(args.group)]
         trajs = probes.rollout(policy, tok, episodes, args, generator=grpo.sampler(policy, seed, g),
                                stats=False)
-        out.append(not any(t.score > 0 for t in trajs))
+        decisions = shop.slip_turns(episodes[0].task)
+        made = {d: [] for d in decisions}
+        for t in trajs:
+            labels = t.episode.labels()
+            for d, k in decisions.items():
+                if k < len(labels) and all(labels[:k]):      # reached with a clean prefix
+                    made[d].append(labels[k])
+        out.append(Group(not any(t.score > 0 for t in trajs), made))
     return out
+
+
+def room_in_groups(groups: list[Group]) -> dict:
+    """How often a group holds both a right and a wrong sample of a decision: over the (group,
+    decision) pairs at least one sample reached with a clean prefix, with a percentile bootstrap
+    over the groups; the same at the first decision only (every sample reaches it, unless it went
+    wrong earlier); and the share of groups holding such a pair at some decision (Wilson)."""
+    both = [[len(set(m)) == 2 for m in g.made.values() if m] for g in groups]
+    first = [next((len(set(m)) == 2 for m in g.made.values() if m), False) for g in groups]
+    anywhere = sum(any(b) for b in both)
+    reached = sum(len(b) for b in both)
+    g = torch.Generator().manual_seed(0)
+    values = []
+    for _ in range(credit.GATE_RESAMPLES):
+        idx = torch.randint(len(groups), (len(groups),), generator=g).tolist()
+        n = sum(len(both[i]) for i in idx)
+        if n:
+            values.append(sum(sum(both[i]) for i in idx) / n)
+    values.sort()
+    return {"groups": len(groups), "decisions_reached": reached,
+            "both": sum(map(sum, both)) / reached if reached else None,
+            "both_interval95": [values[int(0.025 * len(values))],
+                                values[int(0.975 * len(values)) - 1]] if values else None,
+            "first_decision_both": sum(first) / len(groups),
+            "first_decision_interval95": wilson(sum(first), len(groups)),
+            "groups_with_both": anywhere / len(groups),
+            "groups_with_both_interval95": wilson(anywhere, len(groups))}
+
+
+def within_groups(y: torch.Tensor, score: torch.Tensor, keys: list) -> dict | None:
+    """The AUROC within groups: over every pair of a right (1) and a wrong (0) turn of the same
+    key (an episode's decision: the same decision of the same episode, sampled both ways), the
+    fraction where the right one scores higher (ties 1/2; detection.pairwise_accuracy), with a
+    percentile bootstrap interval over the keys; None where no key holds a pair."""
+    by_key: dict = {}
+    for i, key in enumerate(keys):
+        by_key.setdefault(key, []).append(i)
+    wins, pairs = [], []
+    for idx in by_key.values():
+        idx = torch.tensor(idx)
+        diff = score[idx][y[idx] == 1][:, None] - score[idx][y[idx] == 0][None, :]   # (P, Q)
+        if diff.numel():
+            wins.append((diff > 0).sum().item() + 0.5 * (diff == 0).sum().item())
+            pairs.append(diff.numel())
+    if not pairs:
+        return None
+    wins, pairs = torch.tensor(wins, dtype=torch.float64), torch.tensor(pairs, dtype=torch.float64)
+    g = torch.Generator().manual_seed(0)
+    idx = torch.randint(len(pairs), (credit.GATE_RESAMPLES, len(pairs)), generator=g)
+    values = (wins[idx].sum(1) / pairs[idx].sum(1)).sort().values.tolist()
+    return {"auroc": (wins.sum() / pairs.sum()).item(), "groups": len(pairs),
+            "pairs": int(pairs.sum()),
+            "interval95": [values[int(0.025 * len(values))], values[int(0.975 * len(values)) - 1]]}
+
+
+def decision_keys(turns, at: list[str | None], sel: torch.Tensor) -> list[tuple]:
+    """(episode, decision) of each selected turn: the groups within_groups compares in."""
+    return [(e, a) for e, a, s in zip(turns.episode_id, at, sel.tolist()) if s]
 
 
 def confidence_at_first_errors(turns, at: list[str | None]) -> dict:
@@ -111,6 +192,8 @@ def confidence_at_first_errors(turns, at: list[str | None]) -> dict:
     return {"turns": int(first.sum()), "slips": int((turns.y[first] == 0).sum()),
             "auroc": auroc(first),
             "auroc_interval": credit.bootstrap_auroc(turns.y[first], confidence[first]),
+            "within": within_groups(turns.y[first], confidence[first],
+                                    decision_keys(turns, at, first)),
             "by_kind": by_kind}
 
 
@@ -154,9 +237,31 @@ def readout_at_first_errors(turns, at: list[str | None], folds: int = READOUT_FO
             probe = probes.Probe().fit(probes.feature(name, train_raw), y[fit])
             scores[name][held] = probe.decision_function(probes.feature(name, held_raw))
         scores["pair"][held] = pair.fit_pair(train_raw, y[fit]).scores(held_raw)[1]
+    keys = decision_keys(turns, at, first)
     return {"turns": len(idx), "slips": int((y == 0).sum()), "folds": folds,
             "auroc": {name: probes.auroc(y, s) for name, s in scores.items()},
-            "auroc_interval": {name: credit.bootstrap_auroc(y, s) for name, s in scores.items()}}
+            "auroc_interval": {name: credit.bootstrap_auroc(y, s) for name, s in scores.items()},
+            "within": {name: within_groups(y, s, keys) for name, s in scores.items()}}
+
+
+def probe_apart(turns, at: list[str | None], ctx) -> dict | None:
+    """The probe a reward reads (ctx.pair: PAIR's s_final; ctx.probe: its P(correct)), as a run
+    fits it, scored at the first-error turns with a clean prefix: its AUROC, right against slip,
+    pooled (with a bootstrap interval) and within groups (within_groups). None for a reward that
+    reads no probe."""
+    if ctx is None or ctx.pair is None and ctx.probe is None:
+        return None
+    first = credit.first_errors(turns, at)
+    raw = {k: v[first] for k, v in turns.raw.items() if k in probes.RAW_KEYS}
+    y = turns.y[first]
+    if ctx.pair is not None:
+        score = ctx.pair.scores(raw)[1]
+    else:
+        score = ctx.probe.predict_proba(probes.feature(ctx.feature, raw))
+    return {"turns": int(first.sum()), "slips": int((y == 0).sum()),
+            "auroc": probes.auroc(y, score) if 0 < int(y.sum()) < len(y) else None,
+            "auroc_interval": credit.bootstrap_auroc(y, score),
+            "within": within_groups(y, score, decision_keys(turns, at, first))}
 
 
 def gate_apart(turns, at: list[str | None], ctx, args, form: pair.Objective) -> dict | None:
@@ -229,9 +334,10 @@ def measure(args) -> dict:
     print(f"sampled: {mean:.3f} [{interval[0]:.3f}, {interval[1]:.3f}]", flush=True)
     first_steps = {}
     for seed in args.seeds:
-        empty = groups_without_success(policy, tok, env, pool, run, seed, run.batch)
-        first_steps[str(seed)] = sum(empty)
-    more = groups_without_success(policy, tok, env, pool, run, args.seeds[0], args.groups)
+        groups = first_groups(policy, tok, env, pool, run, seed, run.batch)
+        first_steps[str(seed)] = sum(g.empty for g in groups)
+    groups = first_groups(policy, tok, env, pool, run, args.seeds[0], args.groups)
+    more = [g.empty for g in groups]
     turns = onpolicy.heldout_turns(run, policy, tok, procs, print)
     at = onpolicy.habit_at(turns)
     gates = {}
@@ -243,6 +349,8 @@ def measure(args) -> dict:
             train.read_probes(ctx, gate_run, policy, tok, procs, print)
         gates[spec] = gate_apart(turns, at, ctx, gate_run,
                                  train.forms(gate_run)[gate_run.advantage])
+        if gates[spec] is not None:
+            gates[spec]["probe"] = probe_apart(turns, at, ctx)
     n_first = run.batch * len(args.seeds)
     model = Path(run.model).resolve()
     if model.is_relative_to(Path.cwd()):         # the repository's own policy: as it is named
@@ -260,11 +368,19 @@ def measure(args) -> dict:
         "groups_without_success": {
             "seed": args.seeds[0], "groups": len(more), "without": sum(more),
             "fraction": sum(more) / len(more), "interval95": wilson(sum(more), len(more))},
+        "room_in_groups": room_in_groups(groups),
         "confidence": confidence_at_first_errors(turns, at),
         "readout": readout_at_first_errors(turns, at),
         "gates": gates,
         "heldout_turns": {"episodes": run.corpus_heldout, "samples": run.corpus_samples},
         "seconds": round(time.perf_counter() - t0, 1)}
+
+
+def within_text(w: dict | None) -> str:
+    if w is None:
+        return "n/a (no group holds both)"
+    return f"{grpo.num(w['auroc'])}{credit.interval_text(w['interval95'])} ({w['pairs']} pairs " \
+        f"in {w['groups']} groups)"
 
 
 def report(r: dict) -> str:
@@ -283,10 +399,18 @@ def report(r: dict) -> str:
         f"{', '.join(map(str, f['seeds']))}); first {e['groups']} prompts of seed {e['seed']}: "
         f"{e['fraction']:.2f} [{e['interval95'][0]:.2f}, {e['interval95'][1]:.2f}]",
         f"  confidence at first errors AUROC {grpo.num(c['auroc'])}"
-        f"{credit.interval_text(c['auroc_interval'])} ({c['turns']} turns, {c['slips']} slips)"]
+        f"{credit.interval_text(c['auroc_interval'])} ({c['turns']} turns, {c['slips']} slips)"
+        f"; within groups {within_text(c['within'])}"]
     for kind, k in c["by_kind"].items():
         lines.append(f"    {kind:<10} {grpo.num(k['auroc'])} ({k['turns']} turns, {k['slips']} "
                      "slips)")
+    m = r["room_in_groups"]
+    lines.append(f"  groups of G holding a right and a wrong sample of a decision: "
+                 f"{grpo.num(m['both'])}{credit.interval_text(m['both_interval95'])} of the "
+                 f"{m['decisions_reached']} (group, decision) pairs reached, {m['groups']} "
+                 f"groups; at the first decision {grpo.num(m['first_decision_both'])}"
+                 f"{credit.interval_text(m['first_decision_interval95'])}; at some decision "
+                 f"{grpo.num(m['groups_with_both'])}")
     for spec, g in r["gates"].items():
         lines.append(f"  premise gate of {spec}, taken apart (AUROC: gate / reward pooled / "
                      "reward within groups / centred):")
@@ -298,6 +422,11 @@ def report(r: dict) -> str:
                                  ("gate", "reward_pooled", "reward_within", "centred"))
             lines.append(f"    {kind:<10} {numbers} ({part['turns']} turns, {part['slips']} "
                          "slips)")
+        p = g and g.get("probe")
+        if p:
+            lines.append(f"    its probe, pooled {grpo.num(p['auroc'])}"
+                         f"{credit.interval_text(p['auroc_interval'])}; within groups "
+                         f"{within_text(p['within'])}")
     o = r["readout"]
     if o is None:
         lines.append("  a probe fitted at first errors: too few first-error turns to fit on")
@@ -306,7 +435,8 @@ def report(r: dict) -> str:
                  f"{o['turns']} turns, {o['slips']} slips): AUROC out of fold")
     for name, a in o["auroc"].items():
         interval = credit.interval_text(o["auroc_interval"][name])
-        lines.append(f"    {name:<12} {grpo.num(a)}{interval}")
+        lines.append(f"    {name:<12} {grpo.num(a)}{interval}; within groups "
+                     f"{within_text(o['within'][name])}")
     return "\n".join(lines)
 
 

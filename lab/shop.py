@@ -25,7 +25,7 @@ import envs
 import grpo
 from lab.infra import runs
 from lab.policies.sft import SPECIALS, SFT_CHECKPOINT, sft
-from lab.worlds import released
+from lab.worlds import released, stale
 from lab.worlds.shop import (LONG_HABITS, LONG_SLIPS, LONG_WORLD, WORLDS,
                              copy_decisions, copy_task, long_dialog, long_task, shop_task_from_id)
 from lab.worlds.shopdata import make_shop_data, shop_divided
@@ -91,6 +91,8 @@ def sft_world_dialogs(args) -> list[list[dict]]:
         return sft_dialogs(args.episodes, args.contaminated, args.seed, args.divided)
     if args.world == "shop-copy":
         return copy_sft_dialogs(args.episodes, args.slips, args.seed)
+    if args.world == stale.STALE_WORLD.name:
+        return stale.stale_sft_dialogs(args.episodes, args.slips, args.seed)
     return long_sft_dialogs(args.episodes, args.slips, args.seed)
 
 
@@ -147,7 +149,8 @@ def main(argv=None):
     a("--slips", type=float, default=0.0,
       help="shop-long: probability of each of the three slips (LONG_SLIPS) in a dialog whose "
            "task has its habit (LONG_HABITS), drawn on its own; shop-copy: probability of each "
-           "decision's slip (COPY_DECISIONS), drawn on its own")
+           "decision's slip (COPY_DECISIONS), drawn on its own; shop-stale: probability of each "
+           "decision's stale value (stale.DECISIONS), drawn on its own")
     a("--init", default=None, metavar="DIR",
       help="continue from this saved policy (its weights, shape and tokenizer) instead of "
            "training from scratch; the shape and --vocab flags are then ignored")

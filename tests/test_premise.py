@@ -164,8 +164,11 @@ def test_the_regime_counts_what_the_premise_needs():
     turns.y = torch.tensor([1, 0, 1, 0])
     turns.raw = {"distance": torch.tensor([-1, -1, -1, 2]),
                  "nll": torch.tensor([0.1, 0.9, 0.2, 0.05])}
-    got = premise.confidence_at_first_errors(turns, ["store 1", "store 2", "currency", None])
+    turns.episode_id = ["A", "A", "A", "A"]
+    got = premise.confidence_at_first_errors(turns, ["store 1", "store 1", "currency", None])
     assert got["turns"] == 3 and got["slips"] == 1 and got["auroc"] == 1.0
+    # within groups: the right and the slip of store 1 in episode A, one pair
+    assert got["within"]["auroc"] == 1.0 and got["within"]["pairs"] == 1
     assert got["by_kind"]["store"] == {"turns": 2, "slips": 1, "auroc": 1.0}
     assert got["by_kind"]["currency"]["auroc"] is None          # one class only
     assert premise.wilson(0, 10)[0] == 0.0 and premise.wilson(10, 10)[1] == 1.0
@@ -199,6 +202,9 @@ def test_the_readout_fits_probes_on_the_first_errors_and_scores_them_out_of_fold
         lo, hi = got["auroc_interval"][name]
         assert lo <= got["auroc"][name] <= hi
     assert 0.35 < got["auroc"]["multi_attn"] < 0.65
+    # within each episode's decision, right against slip, as pooled
+    assert got["within"]["last_token"]["auroc"] > 0.85
+    assert 0.3 < got["within"]["multi_attn"]["auroc"] < 0.7
     # too few episodes for the folds, or a fold's complement of one class: nothing to fit
     assert premise.readout_at_first_errors(turns, at, folds=41) is None
     turns.y = torch.ones(n, dtype=torch.long)
@@ -292,5 +298,8 @@ def test_the_regime_command_measures_a_world_and_writes_it(tiny_policy, tmp_path
     gate = got["gates"]["labels:advantage=outcome-turn"]
     assert gate["reward"] == "labels" and gate["advantage"] == "outcome-turn"
     assert "premise gate of labels:advantage=outcome-turn, taken apart" in printed
+    assert gate["probe"] is None                            # the labels read no probe
+    room = got["room_in_groups"]
+    assert room["groups"] == 2 and "groups of G holding a right and a wrong sample" in printed
     with pytest.raises(SystemExit):
         premise.main(["--samples", "0", "--out", str(out)])

@@ -46,7 +46,7 @@ import pair
 import probes
 from lab.infra import runs
 from lab.probing import detection, features, traces
-from lab.worlds import released, shop, shopdata
+from lab.worlds import released, shop, shopdata, stale
 from probes import rollout
 
 PROBE_SEED = 42
@@ -222,7 +222,7 @@ def heldout_auroc(fitted: dict, heldout: detection.Split) -> dict:
               **{f"kind={name}": kind == code
                  for code, name in enumerate(heldout.meta.get("kinds", ()))}}
     at = [None if a is None else shop.slip_kind(a) for a in habit_at(heldout)]
-    for slip in (*shop.LONG_SLIPS, *shop.COPY_DECISIONS):
+    for slip in (*shop.LONG_SLIPS, *shop.COPY_DECISIONS, *stale.STALE_DECISIONS):
         here = torch.tensor([a == slip for a in at], dtype=torch.bool)
         if here.any():
             groups[f"slip={slip}"] = here & (d < 0)

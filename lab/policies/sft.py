@@ -30,8 +30,9 @@ from safetensors.torch import load_file, save as safetensors_bytes, save_file
 import envs
 import grpo
 import model
-from probes import rollout
 import probes
+from lab.worlds import stale
+from probes import rollout
 
 
 # config.json keys of a checkpoint trained on a built-in world (`python -m lab.shop sft` writes
@@ -425,6 +426,8 @@ def write_policy_readme(out: Path, args, config: dict, result: dict, earlier: li
                  "Rate of another currency, an earlier running total converted. No slip is a "
                  "habit of some tasks: each is a minority sample, made with less confidence than "
                  "the same decision made right, and each alone fails the episode.")
+    if args.world == stale.STALE_WORLD.name:
+        title, about = stale.policy_readme_head(args)
     lines = [title, "", about, "",
              "Rebuilt, byte for byte, by:", "", "```bash", *earlier, command, "```", "",
              "| | |", "|---|---|",

@@ -16,6 +16,7 @@ from functools import cached_property
 from itertools import accumulate
 
 import envs
+from lab.worlds import stale
 from lab.worlds.shopdata import dialog_steps, shop_divided, shop_gold, tool_message
 
 
@@ -187,7 +188,8 @@ def slip_kind(name: str) -> str:
 # turns) and their own policies. The lab's table of worlds is the core's with them.
 LONG_WORLD = envs.World("shop-long", long_task, 16, envs.BUILTIN_POLICY.parent / "shop-long-policy")
 COPY_WORLD = envs.World("shop-copy", copy_task, 16, envs.BUILTIN_POLICY.parent / "shop-copy-policy")
-WORLDS = {**envs.WORLDS, "shop-long": LONG_WORLD, "shop-copy": COPY_WORLD}
+WORLDS = {**envs.WORLDS, "shop-long": LONG_WORLD, "shop-copy": COPY_WORLD,
+          "shop-stale": stale.STALE_WORLD}
 
 
 def _slip_store(task: envs.ShopTask, store: str, item: str) -> str:
@@ -257,9 +259,11 @@ def long_dialog(task: envs.ShopTask, slips=(), misread: dict | None = None) -> l
 
 def slip_turns(task: envs.ShopTask) -> dict[str, int]:
     """For each habit of the built-in policy this task has (shop: divided, if not in USD;
-    shop-long: LONG_SLIPS by LONG_HABITS; shop-copy: every decision with a slip, its first),
-    the assistant turn at which the dialog with that slip departs from the gold: where a rollout
-    with a clean prefix makes the decision."""
+    shop-long: LONG_SLIPS by LONG_HABITS; shop-copy: every decision with a slip, its first;
+    shop-stale: every decision, stale.slip_turns), the assistant turn at which the dialog with
+    that slip departs from the gold: where a rollout with a clean prefix makes the decision."""
+    if isinstance(task, stale.StaleTask):
+        return stale.slip_turns(task)
     if isinstance(task, CopyTask):
         gold = long_dialog(task)
         slipped = {d: long_dialog(task, misread={d: values[0]})
