@@ -632,7 +632,7 @@ class Parser(argparse.ArgumentParser):
 # says where it runs: their names only, as the core runs without the lab (tests/test_grpo.py
 # checks them against the lab's parser)
 LAB_ONLY = {
-    "--env": {"shop-long", "shop-copy", "toolbench"},
+    "--env": {"shop-long", "shop-copy", "shop-stale", "toolbench"},
     "--reward": {"coe", "llm_judge", "igpo", "tips", "tree_grpo", "at2po", "labels", "confidence"},
     "--advantage": {"position", "outcome-turn"},
     "flags": {"--judge-model", "--tips-gamma", "--tips-refresh", "--tree-m", "--tree-n",
