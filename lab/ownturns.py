@@ -260,20 +260,7 @@ def manifest_of(args, net, data_path: Path, n_prefixes: int) -> dict:
 
 def open_parts(parts: Path, manifest: dict) -> set[int]:
     """The prefixes already sampled under `parts` (created with the manifest for a fresh run)."""
-    path = parts / "manifest.json"
-    if path.is_file():
-        try:
-            old = json.loads(path.read_text())
-        except ValueError as e:
-            raise probes.FormatError(f"{path}: not JSON ({e}); delete {parts} to start "
-                                     "over") from None
-        if old != manifest:
-            diff = sorted(k for k in set(old) | set(manifest) if old.get(k) != manifest.get(k))
-            raise SystemExit(f"{parts} holds a run with different arguments ({', '.join(diff)});"
-                             " rerun with the same ones or delete that directory")
-    else:
-        parts.mkdir(parents=True, exist_ok=True)
-        mdl.write_atomic(path, json.dumps(manifest, indent=2) + "\n")
+    features.claim_parts(parts, manifest)
     done = set()
     for _, texts, tensors in read_shards(parts):
         done.update(tensors["prefix"].tolist())

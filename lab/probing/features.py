@@ -176,12 +176,10 @@ def parts_dir(out_path) -> Path:
     return Path(out_path).with_name(Path(out_path).name + ".parts")
 
 
-def _open_parts(parts: Path, manifest: dict) -> set[int]:
-    """The record indices already extracted under `parts` (creating it for a fresh run)."""
+def claim_parts(parts: Path, manifest: dict) -> None:
+    """Create `parts` holding `manifest` for a fresh extraction, or check that the manifest there
+    is this one: a resumed extraction only continues work made with the same arguments."""
     path = parts / "manifest.json"
-    # Resumed by content: the data's and the model's hashes, not their paths (a moved copy
-    # resumes; weights swapped under the same path do not).
-    manifest = {k: v for k, v in manifest.items() if k not in ("data", "model")}
     if path.is_file():
         try:
             old = json.loads(path.read_text())
@@ -198,6 +196,13 @@ def _open_parts(parts: Path, manifest: dict) -> set[int]:
     else:
         parts.mkdir(parents=True, exist_ok=True)
         mdl.write_atomic(path, json.dumps(manifest, indent=2) + "\n")
+
+
+def _open_parts(parts: Path, manifest: dict) -> set[int]:
+    """The record indices already extracted under `parts` (creating it for a fresh run)."""
+    # Resumed by content: the data's and the model's hashes, not their paths (a moved copy
+    # resumes; weights swapped under the same path do not).
+    claim_parts(parts, {k: v for k, v in manifest.items() if k not in ("data", "model")})
     done = set()
     for shard in sorted(parts.glob("shard_*.safetensors")):
         tensors = probes.read_safetensors(shard, "shard")[0]

@@ -17,7 +17,7 @@ from itertools import accumulate
 
 import envs
 from lab.worlds import stale
-from lab.worlds.shopdata import dialog_steps, shop_divided, shop_gold, tool_message
+from lab.worlds.shopdata import dialog_steps, play_turn, shop_divided, shop_gold
 
 
 # ---- shop-long: the long-horizon world ----------------------------------------------------------
@@ -210,15 +210,7 @@ def long_dialog(task: envs.ShopTask, slips=(), misread: dict | None = None) -> l
     misread = misread or {}
     dialog = [{"role": "user", "content": task.text}]
 
-    def turn(thought, call=None, answer=None) -> envs.ShopResult:
-        if call is None:
-            dialog.append({"role": "assistant", "content": answer, "thought": thought})
-            return envs.ShopResult("")
-        dialog.append({"role": "assistant", "thought": thought, "tool_calls": [
-            {"type": "function", "function": {"name": call[0], "arguments": call[1]}}]})
-        res = envs.shop_execute(task, *call)
-        dialog.append(tool_message(call[0], res.text))
-        return res
+    turn = functools.partial(play_turn, dialog, task)
 
     def so_far(running) -> str:
         # each turn after a running total restates it first, copied from the observation just

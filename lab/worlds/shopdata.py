@@ -116,6 +116,21 @@ def tool_message(name: str, text: str) -> dict:
     return {"role": "tool", "name": name, "content": {"type": "text", "content": text}}
 
 
+def play_turn(dialog: list[dict], task: envs.ShopTask, thought: str, call: tuple | None = None,
+              answer: str | None = None) -> envs.ShopResult:
+    """Append one assistant turn to `dialog` (released schema): the final `answer`, or the tool
+    `call` (name, arguments) followed by the tool's real observation of `task`; the tool's result
+    (an empty one for an answer)."""
+    if call is None:
+        dialog.append({"role": "assistant", "content": answer, "thought": thought})
+        return envs.ShopResult("")
+    dialog.append({"role": "assistant", "thought": thought, "tool_calls": [
+        {"type": "function", "function": {"name": call[0], "arguments": call[1]}}]})
+    res = envs.shop_execute(task, *call)
+    dialog.append(tool_message(call[0], res.text))
+    return res
+
+
 def _shop_play(task: envs.ShopTask, dialog: list[dict], turn: _ShopTurn,
                state: tuple) -> envs.ShopResult:
     """Append a turn and its true observation; update state = (known, computed, said)."""

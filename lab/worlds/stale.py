@@ -34,6 +34,7 @@ differs with every episode and every line.
 """
 from __future__ import annotations
 
+import functools
 import random
 import re
 from decimal import Decimal
@@ -41,7 +42,7 @@ from functools import cached_property
 from itertools import accumulate
 
 import envs
-from lab.worlds.shopdata import dialog_steps, tool_message
+from lab.worlds.shopdata import dialog_steps, play_turn
 
 STALE_LINES = 4
 STALE_DECISIONS = ("price", "subtotal", "convert", "answer")      # kinds, in turn order by line
@@ -107,15 +108,7 @@ def stale_dialog(task: StaleTask, stale=frozenset()) -> list[dict]:
     episode and the dialog stays fluent."""
     dialog = [{"role": "user", "content": task.text}]
 
-    def turn(thought, call=None, answer=None) -> envs.ShopResult:
-        if call is None:
-            dialog.append({"role": "assistant", "content": answer, "thought": thought})
-            return envs.ShopResult("")
-        dialog.append({"role": "assistant", "thought": thought, "tool_calls": [
-            {"type": "function", "function": {"name": call[0], "arguments": call[1]}}]})
-        res = envs.shop_execute(task, *call)
-        dialog.append(tool_message(call[0], res.text))
-        return res
+    turn = functools.partial(play_turn, dialog, task)
 
     # Each Lookup restates the running total and the lines so far as shop-long's do (the policy
     # continued on these dialogs finds its place in the task by copying on from the last line).
