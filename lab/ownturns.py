@@ -7,6 +7,7 @@ and its features are written as `lab.study extract` writes them, so lab.detectio
 
     python -m lab.ownturns extract --model DIR --split train --out OUT/train   # resumable
     python -m lab.ownturns report --out OUT/train --show 10        # counts so far, 10 turns
+    python -m lab.ownturns detect --corpus OUT/train OUT/test --out OUT   # every method's AUROC
 
 The prompt is the gold prefix as a rollout renders it (envs.dialog_to_messages, then the ChatML
 template with the assistant header). Its forward runs once per prefix: all its tokens but the
@@ -16,7 +17,9 @@ with its own generator, seeded by --seed, the episode id and the turn, so a pref
 turns whatever else is extracted, and a resumed run the same files as one never stopped.
 
 The labelling rule (1 right, 0 wrong, None undecided: counted, with its reason, and left out):
-- malformed (envs.parse_react gives a ParseError): wrong.
+- malformed (envs.parse_react gives a ParseError): wrong when the turn ended (its <|im_end|>);
+  undecided when --max-new-tokens cut it first, since a run allowing more tokens might have
+  finished the step (a cut turn whose first step parses is labelled by the rules below).
 - a final answer: right iff it matches the reference by GTA's loose matching (envs.gta_match,
   as the paper evaluates), wherever the gold dialog answers; undecided where matching cannot
   score the episode (envs.gta_skip_reason: no reference, a reference list, an image answer).
@@ -59,6 +62,7 @@ import torch
 import envs
 import grpo
 import model as mdl
+import pair
 import probes
 from lab.infra import runs
 from lab.probing import detection, features
@@ -209,11 +213,14 @@ def calculator_value(arguments: dict) -> float | None:
         return None
 
 
-def label_turn(text: str, record: dict, turn_idx: int) -> Verdict:
+def label_turn(text: str, record: dict, turn_idx: int, finished: bool = True) -> Verdict:
     """The rule of the module docstring: the turn `text` written in place of gold assistant
-    message turn_idx of `record` (a GTA episode: dialogs, tools, gt_answer)."""
+    message turn_idx of `record` (a GTA episode: dialogs, tools, gt_answer); `finished` False
+    when the token budget cut the turn before its end."""
     step = envs.parse_react(text)
     if isinstance(step, envs.ParseError):
+        if not finished:
+            return Verdict("malformed", None, "truncated")
         return Verdict("malformed", 0, "parse_error")
     dialog = record["dialogs"]
     if isinstance(step, envs.Final):
@@ -317,9 +324,9 @@ def extract(net, tok, env: envs.GTAEnv, todo: list[Prefix], parts: Path, args, l
             rows += new
             strings["text"] += texts
             strings["episode_id"] += [prefix.episode_id] * len(new)
-            for text in texts:
-                counts[label_turn(text, env.records[prefix.episode_id], prefix.turn_idx).label] \
-                    += 1
+            for text, trace in zip(texts, traces):
+                record = env.records[prefix.episode_id]
+                counts[label_turn(text, record, prefix.turn_idx, trace.finished).label] += 1
         write_shard(parts, rows, strings)
         n_turns += len(rows)
         done = min(a + args.shard_size, len(todo))
@@ -364,7 +371,8 @@ def load_turns(parts: Path, env: envs.GTAEnv) -> tuple[list[Turn], dict[str, tor
             raise probes.FormatError(f"{parts}: episode {key!r} is not in the split's file")
         turns.append(Turn(key, t, int(tensors["prefix"][r]), int(tensors["sample"][r]),
                           bool(tensors["greedy"][r]), texts[i],
-                          label_turn(texts[i], env.records[key], t),
+                          label_turn(texts[i], env.records[key], t,
+                                     bool(tensors["finished"][r])),
                           float(tensors["logprob_mean"][r]), int(tensors["n_tokens"][r]),
                           bool(tensors["finished"][r])))
     return turns, tensors
@@ -433,6 +441,294 @@ def merge(parts: Path, out: Path, env: envs.GTAEnv, manifest: dict, log) -> dict
     return summary
 
 
+# ---- Detection on the own turns: out of fold by episode, pooled and within prefixes -----------
+
+FOLDS = 5
+FIT_SEEDS = detection.SEEDS
+# Fitted on labelled turns: every feature set of the paper's probes (Lookback Lens and Head
+# Entropy among them) and PAIR's two stages. Free: read off the turn with no fit.
+FITTED = probes.FEATURES + ("pair_s_bc", "pair")
+FREE = ("logprob_mean", "neg_entropy", "coe_r", "coe_c")
+# The turns a row is measured on: malformed turns apart, since a parser already catches them.
+SUBSETS = ("all", "well_formed", "call", "final")
+RESAMPLES = 1000
+
+
+@dataclass
+class Corpus:
+    """The labelled turns of one or more extractions, concatenated."""
+    turns: detection.Split
+    episode: list[str]          # "<split>/<episode id>": the unit of folds and of the bootstrap
+    prefix: list[str]           # "<split>/<episode id>/<turn>": one prefix's samples, a group
+    kind: list[str]             # KINDS
+
+
+def load_corpus(dirs: list[str]) -> Corpus:
+    """own_turns.safetensors of each extraction directory (one model, one dtype)."""
+    parts = []
+    for d in dirs:
+        path = Path(d) / "own_turns.safetensors"
+        if not path.is_file():
+            raise FileNotFoundError(f"{path}: not found; `python -m lab.ownturns extract "
+                                    f"--out {d}` writes it when every prefix is sampled")
+        parts.append((path, detection.load_split(path, str(d))))
+    first_path, first = parts[0]
+    for path, split in parts[1:]:
+        probes.check_same_source(probes.source(first.meta), first_path,
+                                 probes.source(split.meta), path)
+    episode, prefix, kind = [], [], []
+    for _, split in parts:
+        name = split.meta["split"]
+        episode += [f"{name}/{e}" for e in split.episode_id]
+        prefix += [f"{name}/{e}/{t}" for e, t in zip(split.episode_id,
+                                                     split.raw["turn_idx"].tolist())]
+        kind += split.meta["kind"]
+    return Corpus(detection.concat_splits([s for _, s in parts]), episode, prefix, kind)
+
+
+def subset(corpus_kind: list[str], name: str) -> torch.Tensor:
+    """The boolean mask of SUBSETS' `name` over the turns."""
+    keep = {"all": set(KINDS), "well_formed": {"call", "final"}, "call": {"call"},
+            "final": {"final"}}[name]
+    return torch.tensor([k in keep for k in corpus_kind])
+
+
+def fit_all(train: detection.Split, seed: int) -> dict:
+    """Every FITTED model on the seed's class-balanced subsample of `train` (the study's way)."""
+    chosen = train.take(detection.balanced_indices(train.y, seed))
+    models = detection.fit_baselines(chosen)
+    models["pair"] = pair.fit_pair(chosen.raw, chosen.y, stage1=models["last_token"])
+    return models
+
+
+def fitted_scores(models: dict, raw: dict) -> dict[str, torch.Tensor]:
+    """P(right) of every FITTED model for the turns of `raw`."""
+    out = {name: detection.predict(m, raw).double() for name, m in models.items()
+           if name != "pair"}
+    s_bc, s_final = models["pair"].scores(raw)
+    out["pair_s_bc"], out["pair"] = s_bc.double(), s_final.double()
+    return out
+
+
+def free_scores(raw: dict) -> dict[str, torch.Tensor]:
+    """Each FREE score, higher = more likely right: the turn's mean token log-probability,
+    the attention's -entropy, CoE's two."""
+    out = {"logprob_mean": raw["logprob_mean"].double()}
+    out.update({name: detection.unsupervised_score(name, raw) for name in FREE[1:]})
+    return out
+
+
+def seed_mean(runs: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    return {name: torch.stack([r[name] for r in runs]).mean(0) for name in runs[0]}
+
+
+def out_of_fold(corpus: Corpus, folds: int = FOLDS, seeds=FIT_SEEDS) -> dict[str, torch.Tensor]:
+    """Each turn's score from the FITTED models fitted on the other folds (folds of episodes,
+    the same for every method), averaged over the seeds' balanced subsamples; FREE as read."""
+    n = len(corpus.turns.y)
+    fold = pair.episode_folds(corpus.episode, folds, 0)
+    scores = {name: torch.full((n,), math.nan, dtype=torch.float64) for name in FITTED}
+    for k in range(folds):
+        held = (fold == k).nonzero().flatten()
+        fit = corpus.turns.take((fold != k).nonzero().flatten())
+        held_raw = corpus.turns.take(held).raw
+        mean = seed_mean([fitted_scores(fit_all(fit, seed), held_raw) for seed in seeds])
+        for name in FITTED:
+            scores[name][held] = mean[name]
+    return {**scores, **free_scores(corpus.turns.raw)}
+
+
+def weighted_auroc(y: torch.Tensor, s: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """AUROC(y, s) with each turn counted w times, for R weightings at once: w (R, N) -> (R,)
+    (ties 1/2; NaN where a weighting leaves a class empty). Integer weights give the AUROC of
+    the turns repeated that often."""
+    _, tie = torch.unique(s, return_inverse=True)                      # sorted distinct values
+    G = int(tie.max()) + 1
+    w = w.double()
+    pos = torch.zeros(w.shape[0], G, dtype=torch.float64).index_add_(1, tie, w * (y == 1))
+    neg = torch.zeros(w.shape[0], G, dtype=torch.float64).index_add_(1, tie, w * (y == 0))
+    below = neg.cumsum(1) - neg                                        # negatives scored lower
+    wins = (pos * (below + 0.5 * neg)).sum(1)
+    return wins / (pos.sum(1) * neg.sum(1))
+
+
+def episode_bootstrap_auroc(y: torch.Tensor, s: torch.Tensor, episodes: list[str],
+                            resamples: int = RESAMPLES, seed: int = 0) -> list[float] | None:
+    """A percentile 95% interval of AUROC(y, s) over resamples of the episodes (drawn with
+    replacement; each turn counted as often as its episode was drawn)."""
+    if not 0 < int(y.sum()) < len(y):
+        return None
+    names = sorted(set(episodes))
+    index = {e: i for i, e in enumerate(names)}
+    of = torch.tensor([index[e] for e in episodes])
+    g = torch.Generator().manual_seed(seed)
+    draws = torch.randint(len(names), (resamples, len(names)), generator=g)
+    counts = torch.zeros(resamples, len(names)).scatter_add_(1, draws, torch.ones(draws.shape))
+    values = weighted_auroc(y, s, counts[:, of])
+    values = values[~values.isnan()].sort().values.tolist()
+    return [values[int(0.025 * len(values))], values[int(0.975 * len(values)) - 1]]
+
+
+def within_prefixes(y: torch.Tensor, s: torch.Tensor, prefix: list[str], episodes: list[str],
+                    resamples: int = RESAMPLES, seed: int = 0) -> dict | None:
+    """The AUROC a GRPO group's ranking sees: over every pair of a right and a wrong turn of the
+    same prefix, the share where the right one scores higher (ties 1/2), with a percentile 95%
+    interval over resamples of the episodes; None where no prefix holds both classes."""
+    by_prefix: dict[str, list[int]] = {}
+    for i, key in enumerate(prefix):
+        by_prefix.setdefault(key, []).append(i)
+    names = sorted(set(episodes))
+    index = {e: i for i, e in enumerate(names)}
+    wins = torch.zeros(len(names), dtype=torch.float64)
+    pairs = torch.zeros(len(names), dtype=torch.float64)
+    groups = 0
+    for idx in by_prefix.values():
+        idx = torch.tensor(idx)
+        diff = s[idx][y[idx] == 1][:, None] - s[idx][y[idx] == 0][None, :]    # (P, Q)
+        if diff.numel():
+            e = index[episodes[int(idx[0])]]
+            wins[e] += (diff > 0).sum().item() + 0.5 * (diff == 0).sum().item()
+            pairs[e] += diff.numel()
+            groups += 1
+    if not groups:
+        return None
+    g = torch.Generator().manual_seed(seed)
+    draws = torch.randint(len(names), (resamples, len(names)), generator=g)
+    w, p = wins[draws].sum(1), pairs[draws].sum(1)
+    values = (w[p > 0] / p[p > 0]).sort().values.tolist()
+    return {"auroc": (wins.sum() / pairs.sum()).item(), "prefixes": groups,
+            "pairs": int(pairs.sum()),
+            "interval95": [values[int(0.025 * len(values))], values[int(0.975 * len(values)) - 1]]}
+
+
+def measure(y, scores: dict[str, torch.Tensor], episodes: list[str], prefix: list[str] | None,
+            kinds: list[str] | None) -> dict:
+    """Per method and SUBSETS (only "all" where `kinds` is None): turns, right, AUROC pooled with
+    its episode interval, and within prefixes (when `prefix` is given)."""
+    out = {}
+    for name, s in scores.items():
+        out[name] = {}
+        for sub in SUBSETS if kinds is not None else ("all",):
+            m = subset(kinds, sub) if kinds is not None else torch.ones(len(y), dtype=torch.bool)
+            if not m.any():
+                continue
+            idx = m.nonzero().flatten().tolist()
+            ys, ss, es = y[m], s[m], [episodes[i] for i in idx]
+            row = {"turns": int(m.sum()), "right": int(ys.sum()),
+                   "auroc": probes.auroc(ys, ss) if 0 < int(ys.sum()) < len(ys) else None,
+                   "interval95": episode_bootstrap_auroc(ys, ss, es)}
+            if prefix is not None:
+                row["within"] = within_prefixes(ys, ss, [prefix[i] for i in idx], es)
+            out[name][sub] = row
+    return out
+
+
+def fit_over_seeds(train: detection.Split, raw: dict, seeds=FIT_SEEDS) -> dict:
+    return seed_mean([fitted_scores(fit_all(train, seed), raw) for seed in seeds])
+
+
+def released_splits(features_dir) -> tuple[detection.Split, dict[str, detection.Split]]:
+    """The released GTA turns' features (`lab.study extract`): the training set (clean, with
+    the contaminated twins where extracted) and the test splits present."""
+    splits = detection.load_splits(features_dir, detection.TRAIN_SPLITS["mixed"]
+                                   + detection.TEST_SPLITS)
+    if "matched_clean_train" not in splits:
+        raise FileNotFoundError(f"{features_dir}: no matched_clean_train.safetensors")
+    train = [splits["matched_clean_train"]] + [splits[n] for n in ("matched_contaminated_train",)
+                                                if n in splits]
+    tests = {n: splits[n] for n in detection.TEST_SPLITS if n in splits}
+    if not tests:
+        raise FileNotFoundError(f"{features_dir}: no {' or '.join(detection.TEST_SPLITS)}")
+    return detection.concat_splits(train), tests
+
+
+def detect(corpus: Corpus, released_dir=None, folds: int = FOLDS) -> dict:
+    """The whole table: own turns out of fold; with the released features, the same methods
+    fitted on the released training turns and scored on their test splits and on the own turns,
+    and fitted on every own turn and scored on the released test splits."""
+    y, kinds = corpus.turns.y, corpus.kind
+    t0 = time.perf_counter()
+    out = {"turns": len(y), "right": int(y.sum()), "episodes": len(set(corpus.episode)),
+           "prefixes": len(set(corpus.prefix)), "folds": folds, "seeds": list(FIT_SEEDS),
+           "own": measure(y, out_of_fold(corpus, folds), corpus.episode, corpus.prefix, kinds)}
+    if released_dir is not None:
+        train, tests = released_splits(released_dir)
+        for name, split in tests.items():
+            probes.check_same_source(probes.source(split.meta), f"{released_dir}/{name}",
+                                     probes.source(corpus.turns.meta), "the own turns")
+        released_here = {}
+        for name, split in tests.items():
+            scores = {**fit_over_seeds(train, split.raw), **free_scores(split.raw)}
+            released_here[name] = measure(split.y, scores, split.episode_id, None, None)
+        out["released"] = released_here
+        scores = {**fit_over_seeds(train, corpus.turns.raw), **free_scores(corpus.turns.raw)}
+        out["released_to_own"] = measure(y, scores, corpus.episode, corpus.prefix, kinds)
+        own_to = {}
+        for name, split in tests.items():
+            scores = fit_over_seeds(corpus.turns, split.raw)
+            own_to[name] = measure(split.y, scores, split.episode_id, None, None)
+        out["own_to_released"] = own_to
+    out["seconds"] = time.perf_counter() - t0
+    return out
+
+
+def cell(row: dict | None, within: bool = False) -> str:
+    """"0.812 [0.75, 0.87]" of a measure() row (its within-prefix reading with `within`)."""
+    if row is None:
+        return "—"
+    if within:
+        row = row.get("within")
+        if row is None:
+            return "—"
+    if row["auroc"] is None:
+        return "—"
+    lo_hi = row.get("interval95")
+    return f"{row['auroc']:.3f}" + (f" [{lo_hi[0]:.2f}, {lo_hi[1]:.2f}]" if lo_hi else "")
+
+
+def render(r: dict) -> str:
+    """detection.md: the own turns' table, then the transfer table where it was measured."""
+    methods = list(r["own"])
+    first = r["own"][methods[0]]
+    count = {sub: f"{first[sub]['turns']} turns, {first[sub]['right']} right"
+             for sub in SUBSETS if sub in first}
+    lines = [f"# Detection on the model's own GTA turns\n",
+             f"{r['turns']} labelled turns ({r['right']} right) of {r['episodes']} episodes and "
+             f"{r['prefixes']} prefixes; fitted methods scored out of fold ({r['folds']} folds "
+             f"of episodes, the same for every method), each fold's fit the mean of seeds "
+             f"{', '.join(map(str, r['seeds']))} (a class-balanced subsample each). AUROC, right "
+             f"against wrong, [95% interval over resampled episodes]; within prefixes: the "
+             f"right and wrong samples of the same gold prefix, as a GRPO group ranks them.\n",
+             "| Method | all: pooled | all: within prefixes | well-formed: pooled | "
+             "well-formed: within | calls | final answers |",
+             "|---|---|---|---|---|---|---|"]
+    for name in methods:
+        row = r["own"][name]
+        lines.append(f"| {name} | {cell(row.get('all'))} | {cell(row.get('all'), True)} | "
+                     f"{cell(row.get('well_formed'))} | {cell(row.get('well_formed'), True)} | "
+                     f"{cell(row.get('call'))} | {cell(row.get('final'))} |")
+    lines.append("\nTurns: " + "; ".join(f"{sub} {c}" for sub, c in count.items()) + ".")
+    if "released" in r:
+        tests = list(r["released"])
+        lines += ["\n## Beside the released turns, and across\n",
+                  "Fitted on the released training turns: scored on their test splits and on "
+                  "the own turns; fitted on every own turn: scored on the released test "
+                  "splits.\n",
+                  "| Method | " + " | ".join(f"released → {t}" for t in tests)
+                  + " | released → own: pooled | released → own: within prefixes | "
+                  + " | ".join(f"own → {t}" for t in tests) + " | own, out of fold |",
+                  "|---|" + "---|" * (2 * len(tests) + 3)]
+        for name in methods:
+            across = r["released_to_own"][name].get("all")
+            lines.append(f"| {name} | "
+                         + " | ".join(cell(r["released"][t][name]["all"]) for t in tests)
+                         + f" | {cell(across)} | {cell(across, True)} | "
+                         + " | ".join(cell(r["own_to_released"][t].get(name, {}).get("all"))
+                                      for t in tests)
+                         + f" | {cell(r['own'][name].get('all'))} |")
+    return "\n".join(lines) + "\n"
+
+
 # ---- Commands -----------------------------------------------------------------------------------
 
 def load_split(args) -> envs.GTAEnv:
@@ -479,6 +775,21 @@ def cmd_report(args) -> None:
               f"--- own turn:\n{t.text}\n--- gold turn:\n{gold}")
 
 
+def cmd_detect(args) -> None:
+    corpus = load_corpus(args.corpus)
+    result = detect(corpus, args.released, args.folds)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    result["corpus"] = [str(d) for d in args.corpus]
+    result["released_features"] = args.released
+    mdl.write_atomic(out / "detection.json", json.dumps(result, indent=2) + "\n")
+    text = render(result)
+    mdl.write_atomic(out / "detection.md", text)
+    print(text)
+    print(f"wrote {out / 'detection.md'} and detection.json ({result['seconds']:.0f}s)",
+          file=sys.stderr)
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="python -m lab.ownturns",
                                  description=__doc__.split("\n\n")[0],
@@ -519,6 +830,19 @@ def build_parser() -> argparse.ArgumentParser:
                    help="print this many labelled turns drawn at random, with the gold turn")
     p.add_argument("--seed", type=int, default=0, help="seed of the --show draw")
     p.set_defaults(func=cmd_report)
+    p = sub.add_parser("detect", help="AUROC of every method on the own turns, out of fold by "
+                                      "episode, pooled and within prefixes; with --released, "
+                                      "beside and across the released turns")
+    p.add_argument("--corpus", nargs="+", required=True,
+                   help="extraction directories (holding own_turns.safetensors), pooled")
+    p.add_argument("--released", default=None,
+                   help="features directory of the released GTA turns (`python -m lab.study "
+                        "extract`, the same model and dtype): matched_clean_train and the test "
+                        "splits")
+    p.add_argument("--folds", type=runs.int_at_least(2), default=FOLDS,
+                   help=f"folds of episodes (default {FOLDS})")
+    p.add_argument("--out", required=True, help="directory for detection.md and detection.json")
+    p.set_defaults(func=cmd_detect)
     return ap
 
 

@@ -62,6 +62,17 @@ def test_the_labelling_rule_on_hand_made_turns(turn, text, verdict):
     assert (got.kind, got.label, got.reason) == verdict
 
 
+def test_a_turn_the_token_budget_cut_is_undecided_unless_its_step_parsed():
+    cut = "Thought: First I read the menu, then I add the two prices, which"
+    got = ownturns.label_turn(cut, RECORD, 1, finished=False)
+    assert (got.kind, got.label, got.reason) == ("malformed", None, "truncated")
+    assert ownturns.label_turn(cut, RECORD, 1, finished=True).label == 0
+    # the first step is complete before the cut: labelled by what it does
+    done = action("OCR", {"image": "image/image_1.jpg"}) + "\nObservation: beer 2, wi"
+    got = ownturns.label_turn(done, RECORD, 1, finished=False)
+    assert (got.kind, got.label, got.reason) == ("call", 1, "gold_call")
+
+
 def test_a_final_answer_without_a_reference_is_undecided():
     record = dict(RECORD, gt_answer=None)
     got = ownturns.label_turn(envs.render_final(None, "6"), record, 5)
@@ -173,3 +184,89 @@ def test_a_killed_extraction_resumes_to_the_files_of_an_unbroken_one(
         ownturns.main(["extract", "--model", str(tiny_qwen), "--data-dir", str(release_dir),
                        "--split", "test", "--out", str(whole), "--episodes", "2", "--k", "3",
                        "--max-new-tokens", "6", "--shard-size", "1"])
+
+
+# ---- Detection on own turns ---------------------------------------------------------------------
+
+def synthetic_corpus(path, split, n_episodes, seed, d=6, L=2, H=2,
+                     name="own_turns.safetensors"):
+    """An own_turns.safetensors (or another features file, `name`) of random features: 3 prefixes an episode, 4 turns each; the
+    label is written into h_last4 (every fitted method can read it) and each prefix's difficulty
+    into logprob_mean alone (the same for its right and wrong turns)."""
+    g = torch.Generator().manual_seed(seed)
+    episodes, kinds, rows = [], [], []
+    for e in range(n_episodes):
+        for t in (1, 3, 5):
+            hard = torch.rand((), generator=g)
+            for s in range(4):
+                y = int(torch.rand((), generator=g) > hard)
+                raw = {"h_last4": torch.randn(4, d, generator=g), "h_mean": torch.randn(d, generator=g)}
+                raw["h_last4"][:, 0] += 1.5 * y
+                for stat in ("max", "std", "prefix", "self", "entropy", "lookback"):
+                    raw[f"attn_{stat}"] = torch.rand(L, H, generator=g)
+                raw.update(coe_r=torch.randn((), generator=g), coe_c=torch.randn((), generator=g),
+                           logprob_mean=-hard, label=torch.tensor(y), turn_idx=torch.tensor(t))
+                rows.append(raw)
+                episodes.append(f"{e}")
+                kinds.append("final" if t == 5 else ("malformed" if s == 3 else "call"))
+    tensors = {k: torch.stack([r[k] for r in rows]) for k in rows[0]}
+    meta = {"split": split, "dtype": "float32", "model_sha256": "x" * 64, "episode_id": episodes,
+            "kind": kinds}
+    path.mkdir(parents=True, exist_ok=True)
+    probes.save_safetensors(tensors, path / name,
+                            {"pair_features": json.dumps(meta)})
+
+
+def test_weighted_auroc_is_the_auroc_of_the_turns_repeated():
+    g = torch.Generator().manual_seed(0)
+    y = (torch.rand(40, generator=g) > 0.6).long()
+    s = torch.randint(0, 6, (40,), generator=g).double()            # ties on purpose
+    w = torch.randint(0, 4, (3, 40), generator=g)
+    got = ownturns.weighted_auroc(y, s, w)
+    for r in range(3):
+        idx = torch.arange(40).repeat_interleave(w[r])
+        assert got[r].item() == pytest.approx(probes.auroc(y[idx], s[idx]), abs=1e-12)
+
+
+def test_detection_out_of_fold_reads_the_label_pooled_and_within_prefixes(tmp_path, capsys):
+    synthetic_corpus(tmp_path / "train", "train", 12, 0)
+    synthetic_corpus(tmp_path / "test", "test", 8, 1)
+    ownturns.main(["detect", "--corpus", str(tmp_path / "train"), str(tmp_path / "test"),
+                   "--out", str(tmp_path / "out")])
+    r = json.loads((tmp_path / "out" / "detection.json").read_text())
+    assert r["episodes"] == 20 and r["prefixes"] == 60 and r["turns"] == 240
+    # the same episode id in two splits is two episodes
+    pooled = r["own"]["last_token"]["all"]
+    assert pooled["auroc"] > 0.75 and pooled["within"]["auroc"] > 0.75
+    lo, hi = pooled["interval95"]
+    assert lo < pooled["auroc"] < hi
+    # a score of how hard the prefix is ranks turns across prefixes, and nothing within one
+    hard = r["own"]["logprob_mean"]
+    assert hard["all"]["auroc"] > 0.7
+    assert hard["all"]["within"]["auroc"] == 0.5
+    assert r["own"]["pair"]["well_formed"]["turns"] == 240 - 40
+    assert r["own"]["pair"]["final"]["turns"] == 80
+    table = (tmp_path / "out" / "detection.md").read_text()
+    assert "| pair |" in table and "| logprob_mean |" in table
+
+
+def test_detection_refuses_corpora_of_two_models(tmp_path):
+    synthetic_corpus(tmp_path / "a", "train", 6, 0)
+    synthetic_corpus(tmp_path / "b", "test", 6, 1, d=5)
+    with pytest.raises(probes.FormatError, match="do not belong together"):
+        ownturns.load_corpus([tmp_path / "a", tmp_path / "b"])
+
+
+def test_detection_beside_and_across_the_released_turns(tmp_path, capsys):
+    synthetic_corpus(tmp_path / "own", "train", 12, 0)
+    released = tmp_path / "released"
+    synthetic_corpus(released, "train", 10, 2, name="matched_clean_train.safetensors")
+    synthetic_corpus(released, "test", 8, 3, name="matched_clean_test.safetensors")
+    ownturns.main(["detect", "--corpus", str(tmp_path / "own"), "--released", str(released),
+                   "--out", str(tmp_path / "out")])
+    r = json.loads((tmp_path / "out" / "detection.json").read_text())
+    for block in (r["released"]["matched_clean_test"], r["own_to_released"]["matched_clean_test"]):
+        assert block["pair"]["all"]["auroc"] > 0.75 and "within" not in block["pair"]["all"]
+    across = r["released_to_own"]["pair"]["all"]
+    assert across["auroc"] > 0.75 and across["within"]["auroc"] > 0.75
+    assert "released → matched_clean_test" in (tmp_path / "out" / "detection.md").read_text()
