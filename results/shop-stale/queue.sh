@@ -1,0 +1,13 @@
+#!/usr/bin/env bash
+# The order the shop-stale runs were trained in this session (each lab.compare resumes and skips
+# finished runs): the ceiling's seeds 43 and 44, then PAIR and the confidence reward through
+# outcome-turn for seeds 42 and 43. FLAGS are the ceiling's, the same for every run.
+cd "$(dirname "$0")/../.."
+FLAGS="--env shop-stale --temperature 1.0 --eval-samples 4 --eval-episodes 300 --val-episodes 100 --save-every 10"
+while pgrep -f "lab.train --reward .* --seed 43 --out results/shop-stale" >/dev/null; do sleep 20; done
+python -m lab.compare --out results/shop-stale --jobs 2 --threads 1 \
+    --rewards outcome labels:advantage=outcome-turn --seeds 43 44 -- $FLAGS \
+    >> results/shop-stale/compare-s43-44.log 2>&1
+python -m lab.compare --out results/shop-stale --jobs 2 --threads 1 \
+    --rewards pair:advantage=outcome-turn confidence:advantage=outcome-turn --seeds 42 43 -- $FLAGS \
+    >> results/shop-stale/compare-pair-confidence.log 2>&1
