@@ -708,6 +708,11 @@ def render(r: dict) -> str:
                      f"{cell(row.get('well_formed'))} | {cell(row.get('well_formed'), True)} | "
                      f"{cell(row.get('call'))} | {cell(row.get('final'))} |")
     lines.append("\nTurns: " + "; ".join(f"{sub} {c}" for sub, c in count.items()) + ".")
+    pairs = {sub: first[sub]["within"] for sub in ("all", "well_formed")
+             if sub in first and first[sub].get("within")}
+    lines.append("Within prefixes: " + "; ".join(
+        f"{sub} {w['prefixes']} prefixes holding both classes, {w['pairs']} pairs"
+        for sub, w in pairs.items()) + ".")
     if "released" in r:
         tests = list(r["released"])
         lines += ["\n## Beside the released turns, and across\n",
