@@ -511,9 +511,11 @@ def fitted_scores(models: dict, raw: dict) -> dict[str, torch.Tensor]:
 
 
 def free_scores(raw: dict) -> dict[str, torch.Tensor]:
-    """Each FREE score, higher = more likely right: the turn's mean token log-probability,
-    the attention's -entropy, CoE's two."""
-    out = {"logprob_mean": raw["logprob_mean"].double()}
+    """Each FREE score, higher = more likely right: the turn's mean token log-probability
+    (where the turns were sampled), the attention's -entropy, CoE's two."""
+    out = {}
+    if CONFIDENCE in raw:           # own turns; a teacher-forced features file has none
+        out[CONFIDENCE] = raw[CONFIDENCE].double()
     out.update({name: detection.unsupervised_score(name, raw) for name in FREE[1:]})
     return out
 
@@ -552,73 +554,99 @@ def weighted_auroc(y: torch.Tensor, s: torch.Tensor, w: torch.Tensor) -> torch.T
     return wins / (pos.sum(1) * neg.sum(1))
 
 
-def episode_bootstrap_auroc(y: torch.Tensor, s: torch.Tensor, episodes: list[str],
-                            resamples: int = RESAMPLES, seed: int = 0) -> list[float] | None:
-    """A percentile 95% interval of AUROC(y, s) over resamples of the episodes (drawn with
-    replacement; each turn counted as often as its episode was drawn)."""
-    if not 0 < int(y.sum()) < len(y):
-        return None
+def episode_draws(episodes: list[str], resamples: int = RESAMPLES, seed: int = 0):
+    """How often each episode is drawn in each of `resamples` resamples of the episodes with
+    replacement, (R, E), and each turn's episode index, (N,). Seeded: every method measured on
+    the same turns sees the same resamples, so their differences pair."""
     names = sorted(set(episodes))
     index = {e: i for i, e in enumerate(names)}
     of = torch.tensor([index[e] for e in episodes])
     g = torch.Generator().manual_seed(seed)
     draws = torch.randint(len(names), (resamples, len(names)), generator=g)
-    counts = torch.zeros(resamples, len(names)).scatter_add_(1, draws, torch.ones(draws.shape))
-    values = weighted_auroc(y, s, counts[:, of])
+    counts = torch.zeros(resamples, len(names), dtype=torch.float64)
+    return counts.scatter_add_(1, draws, torch.ones(draws.shape, dtype=torch.float64)), of
+
+
+def percentiles(values: torch.Tensor) -> list[float] | None:
+    """The 2.5th and 97.5th percentiles of a bootstrap's values, NaNs (empty draws) left out."""
     values = values[~values.isnan()].sort().values.tolist()
+    if not values:
+        return None
     return [values[int(0.025 * len(values))], values[int(0.975 * len(values)) - 1]]
 
 
-def within_prefixes(y: torch.Tensor, s: torch.Tensor, prefix: list[str], episodes: list[str],
-                    resamples: int = RESAMPLES, seed: int = 0) -> dict | None:
+def pooled_auroc(y: torch.Tensor, s: torch.Tensor, counts: torch.Tensor, of: torch.Tensor):
+    """AUROC(y, s) and its value in each resample of episode_draws (NaN where a class is
+    empty); (None, None) when the turns hold one class."""
+    if not 0 < int(y.sum()) < len(y):
+        return None, None
+    return probes.auroc(y, s), weighted_auroc(y, s, counts[:, of])
+
+
+def within_prefixes(y: torch.Tensor, s: torch.Tensor, prefix: list[str], counts: torch.Tensor,
+                    of: torch.Tensor):
     """The AUROC a GRPO group's ranking sees: over every pair of a right and a wrong turn of the
-    same prefix, the share where the right one scores higher (ties 1/2), with a percentile 95%
-    interval over resamples of the episodes; None where no prefix holds both classes."""
+    same prefix, the share where the right one scores higher (ties 1/2); its value in each
+    resample of episode_draws; and the prefixes and pairs it stands on. None where no prefix
+    holds both classes."""
     by_prefix: dict[str, list[int]] = {}
     for i, key in enumerate(prefix):
         by_prefix.setdefault(key, []).append(i)
-    names = sorted(set(episodes))
-    index = {e: i for i, e in enumerate(names)}
-    wins = torch.zeros(len(names), dtype=torch.float64)
-    pairs = torch.zeros(len(names), dtype=torch.float64)
+    wins = torch.zeros(counts.shape[1], dtype=torch.float64)
+    pairs = torch.zeros(counts.shape[1], dtype=torch.float64)
     groups = 0
     for idx in by_prefix.values():
         idx = torch.tensor(idx)
         diff = s[idx][y[idx] == 1][:, None] - s[idx][y[idx] == 0][None, :]    # (P, Q)
         if diff.numel():
-            e = index[episodes[int(idx[0])]]
+            e = int(of[idx[0]])                     # a prefix lies in one episode
             wins[e] += (diff > 0).sum().item() + 0.5 * (diff == 0).sum().item()
             pairs[e] += diff.numel()
             groups += 1
     if not groups:
         return None
-    g = torch.Generator().manual_seed(seed)
-    draws = torch.randint(len(names), (resamples, len(names)), generator=g)
-    w, p = wins[draws].sum(1), pairs[draws].sum(1)
-    values = (w[p > 0] / p[p > 0]).sort().values.tolist()
     return {"auroc": (wins.sum() / pairs.sum()).item(), "prefixes": groups,
-            "pairs": int(pairs.sum()),
-            "interval95": [values[int(0.025 * len(values))], values[int(0.975 * len(values)) - 1]]}
+            "pairs": int(pairs.sum()), "values": (counts @ wins) / (counts @ pairs)}
+
+
+# The free signal every method is compared with: what a confidence reward would read.
+CONFIDENCE = "logprob_mean"
 
 
 def measure(y, scores: dict[str, torch.Tensor], episodes: list[str], prefix: list[str] | None,
             kinds: list[str] | None) -> dict:
-    """Per method and SUBSETS (only "all" where `kinds` is None): turns, right, AUROC pooled with
-    its episode interval, and within prefixes (when `prefix` is given)."""
-    out = {}
-    for name, s in scores.items():
-        out[name] = {}
-        for sub in SUBSETS if kinds is not None else ("all",):
-            m = subset(kinds, sub) if kinds is not None else torch.ones(len(y), dtype=torch.bool)
-            if not m.any():
-                continue
-            idx = m.nonzero().flatten().tolist()
-            ys, ss, es = y[m], s[m], [episodes[i] for i in idx]
-            row = {"turns": int(m.sum()), "right": int(ys.sum()),
-                   "auroc": probes.auroc(ys, ss) if 0 < int(ys.sum()) < len(ys) else None,
-                   "interval95": episode_bootstrap_auroc(ys, ss, es)}
+    """Per method and SUBSETS (only "all" where `kinds` is None): turns, right, AUROC pooled
+    and (when `prefix` is given) within prefixes, each with a 95% interval over resampled
+    episodes; and where the turn's confidence (CONFIDENCE) is among the scores, each method's
+    difference from it with the interval of the same resamples, paired."""
+    out = {name: {} for name in scores}
+    for sub in SUBSETS if kinds is not None else ("all",):
+        m = subset(kinds, sub) if kinds is not None else torch.ones(len(y), dtype=torch.bool)
+        if not m.any():
+            continue
+        idx = m.nonzero().flatten().tolist()
+        ys, es = y[m], [episodes[i] for i in idx]
+        counts, of = episode_draws(es)
+        read = {}
+        for name, s in scores.items():
+            auroc, values = pooled_auroc(ys, s[m], counts, of)
+            within = (within_prefixes(ys, s[m], [prefix[i] for i in idx], counts, of)
+                      if prefix is not None else None)
+            read[name] = (auroc, values, within)
+        for name, (auroc, values, within) in read.items():
+            row = {"turns": int(m.sum()), "right": int(ys.sum()), "auroc": auroc,
+                   "interval95": percentiles(values) if values is not None else None}
             if prefix is not None:
-                row["within"] = within_prefixes(ys, ss, [prefix[i] for i in idx], es)
+                row["within"] = within and {**{k: v for k, v in within.items() if k != "values"},
+                                            "interval95": percentiles(within["values"])}
+            if CONFIDENCE in read and name != CONFIDENCE and auroc is not None:
+                ref_auroc, ref_values, ref_within = read[CONFIDENCE]
+                row["minus_confidence"] = {"pooled": auroc - ref_auroc,
+                                           "interval95": percentiles(values - ref_values)}
+                if within and ref_within:
+                    row["minus_confidence"]["within"] = within["auroc"] - ref_within["auroc"]
+                    row["minus_confidence"]["within_interval95"] = percentiles(
+                        within["values"] - ref_within["values"])
             out[name][sub] = row
     return out
 
@@ -713,6 +741,22 @@ def render(r: dict) -> str:
     lines.append("Within prefixes: " + "; ".join(
         f"{sub} {w['prefixes']} prefixes holding both classes, {w['pairs']} pairs"
         for sub, w in pairs.items()) + ".")
+    if any("minus_confidence" in row.get("all", {}) for row in r["own"].values()):
+        lines += [f"\n## Against the turn's confidence ({CONFIDENCE}), paired\n",
+                  "Each method's AUROC minus the confidence's, on the same resamples of the "
+                  "episodes [95% interval].\n",
+                  "| Method | all: pooled | all: within prefixes | well-formed: pooled | "
+                  "well-formed: within |", "|---|---|---|---|---|"]
+        for name in methods:
+            cells = []
+            for sub in ("all", "well_formed"):
+                d = r["own"][name].get(sub, {}).get("minus_confidence")
+                for key in ("pooled", "within"):
+                    lo_hi = d and d.get("interval95" if key == "pooled" else "within_interval95")
+                    cells.append(f"{d[key]:+.3f} [{lo_hi[0]:+.2f}, {lo_hi[1]:+.2f}]"
+                                 if d and key in d and lo_hi else "—")
+            if name != CONFIDENCE:
+                lines.append(f"| {name} | " + " | ".join(cells) + " |")
     if "released" in r:
         tests = list(r["released"])
         lines += ["\n## Beside the released turns, and across\n",
@@ -726,7 +770,8 @@ def render(r: dict) -> str:
         for name in methods:
             across = r["released_to_own"][name].get("all")
             lines.append(f"| {name} | "
-                         + " | ".join(cell(r["released"][t][name]["all"]) for t in tests)
+                         + " | ".join(cell(r["released"][t].get(name, {}).get("all"))
+                                      for t in tests)
                          + f" | {cell(across)} | {cell(across, True)} | "
                          + " | ".join(cell(r["own_to_released"][t].get(name, {}).get("all"))
                                       for t in tests)

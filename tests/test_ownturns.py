@@ -244,6 +244,11 @@ def test_detection_out_of_fold_reads_the_label_pooled_and_within_prefixes(tmp_pa
     hard = r["own"]["logprob_mean"]
     assert hard["all"]["auroc"] > 0.7
     assert hard["all"]["within"]["auroc"] == 0.5
+    # paired against that confidence: the label's reader gains within prefixes, for sure
+    gain = r["own"]["pair"]["all"]["minus_confidence"]
+    assert gain["within"] > 0.2 and gain["within_interval95"][0] > 0
+    lo, hi = gain["interval95"]
+    assert lo < gain["pooled"] < hi
     assert r["own"]["pair"]["well_formed"]["turns"] == 240 - 40
     assert r["own"]["pair"]["final"]["turns"] == 80
     table = (tmp_path / "out" / "detection.md").read_text()
@@ -262,6 +267,11 @@ def test_detection_beside_and_across_the_released_turns(tmp_path, capsys):
     released = tmp_path / "released"
     synthetic_corpus(released, "train", 10, 2, name="matched_clean_train.safetensors")
     synthetic_corpus(released, "test", 8, 3, name="matched_clean_test.safetensors")
+    for name in ("matched_clean_train", "matched_clean_test"):      # teacher-forced: no sampling
+        path = released / f"{name}.safetensors"
+        tensors, meta = probes.read_safetensors(path, "features")
+        del tensors["logprob_mean"]
+        probes.save_safetensors(tensors, path, meta)
     ownturns.main(["detect", "--corpus", str(tmp_path / "own"), "--released", str(released),
                    "--out", str(tmp_path / "out")])
     r = json.loads((tmp_path / "out" / "detection.json").read_text())
@@ -269,4 +279,5 @@ def test_detection_beside_and_across_the_released_turns(tmp_path, capsys):
         assert block["pair"]["all"]["auroc"] > 0.75 and "within" not in block["pair"]["all"]
     across = r["released_to_own"]["pair"]["all"]
     assert across["auroc"] > 0.75 and across["within"]["auroc"] > 0.75
+    assert "logprob_mean" not in r["released"]["matched_clean_test"]
     assert "released → matched_clean_test" in (tmp_path / "out" / "detection.md").read_text()
