@@ -448,7 +448,9 @@ FIT_SEEDS = detection.SEEDS
 # Fitted on labelled turns: every feature set of the paper's probes (Lookback Lens and Head
 # Entropy among them) and PAIR's two stages. Free: read off the turn with no fit.
 FITTED = probes.FEATURES + ("pair_s_bc", "pair")
-FREE = ("logprob_mean", "neg_entropy", "coe_r", "coe_c")
+# The free signal every method is compared with: what a confidence reward would read.
+CONFIDENCE = "logprob_mean"
+FREE = (CONFIDENCE,) + detection.SCORES
 # The turns a row is measured on: malformed turns apart, since a parser already catches them.
 SUBSETS = ("all", "well_formed", "call", "final")
 RESAMPLES = 1000
@@ -516,7 +518,7 @@ def free_scores(raw: dict) -> dict[str, torch.Tensor]:
     out = {}
     if CONFIDENCE in raw:           # own turns; a teacher-forced features file has none
         out[CONFIDENCE] = raw[CONFIDENCE].double()
-    out.update({name: detection.unsupervised_score(name, raw) for name in FREE[1:]})
+    out.update({name: detection.unsupervised_score(name, raw) for name in detection.SCORES})
     return out
 
 
@@ -607,10 +609,6 @@ def within_prefixes(y: torch.Tensor, s: torch.Tensor, prefix: list[str], counts:
         return None
     return {"auroc": (wins.sum() / pairs.sum()).item(), "prefixes": groups,
             "pairs": int(pairs.sum()), "values": (counts @ wins) / (counts @ pairs)}
-
-
-# The free signal every method is compared with: what a confidence reward would read.
-CONFIDENCE = "logprob_mean"
 
 
 def measure(y, scores: dict[str, torch.Tensor], episodes: list[str], prefix: list[str] | None,
