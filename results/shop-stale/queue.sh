@@ -11,3 +11,9 @@ python -m lab.compare --out results/shop-stale --jobs 2 --threads 1 \
 python -m lab.compare --out results/shop-stale --jobs 2 --threads 1 \
     --rewards pair:advantage=outcome-turn confidence:advantage=outcome-turn --seeds 42 43 -- $FLAGS \
     >> results/shop-stale/compare-pair-confidence.log 2>&1
+# Started by hand beside the seed-43 runs above, once the own-turn extraction was stopped:
+# PAIR's third seed, then (beside the tests) the confidence reward's:
+# python -m lab.compare --out results/shop-stale --jobs 1 --threads 1 \
+#     --rewards pair:advantage=outcome-turn --seeds 44 -- $FLAGS >> results/shop-stale/compare-pair-s44.log 2>&1
+# python -m lab.compare --out results/shop-stale --jobs 1 --threads 1 \
+#     --rewards confidence:advantage=outcome-turn --seeds 44 -- $FLAGS >> results/shop-stale/compare-confidence-s44.log 2>&1
