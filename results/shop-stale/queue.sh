@@ -17,3 +17,7 @@ python -m lab.compare --out results/shop-stale --jobs 2 --threads 1 \
 #     --rewards pair:advantage=outcome-turn --seeds 44 -- $FLAGS >> results/shop-stale/compare-pair-s44.log 2>&1
 # python -m lab.compare --out results/shop-stale --jobs 1 --threads 1 \
 #     --rewards confidence:advantage=outcome-turn --seeds 44 -- $FLAGS >> results/shop-stale/compare-confidence-s44.log 2>&1
+# Seed 45 of the four rewards, one at a time, started at the end of the session (resumable):
+# python -m lab.compare --out results/shop-stale --jobs 1 --threads 1 --rewards \
+#     pair:advantage=outcome-turn outcome labels:advantage=outcome-turn \
+#     confidence:advantage=outcome-turn --seeds 45 -- $FLAGS >> results/shop-stale/compare-s45.log 2>&1
