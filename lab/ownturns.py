@@ -536,7 +536,7 @@ def out_of_fold(corpus: Corpus, folds: int = FOLDS, seeds=FIT_SEEDS) -> dict[str
         held = (fold == k).nonzero().flatten()
         fit = corpus.turns.take((fold != k).nonzero().flatten())
         held_raw = corpus.turns.take(held).raw
-        mean = seed_mean([fitted_scores(fit_all(fit, seed), held_raw) for seed in seeds])
+        mean = fit_over_seeds(fit, held_raw, seeds)
         for name in FITTED:
             scores[name][held] = mean[name]
     return {**scores, **free_scores(corpus.turns.raw)}
@@ -591,23 +591,17 @@ def within_prefixes(y: torch.Tensor, s: torch.Tensor, prefix: list[str], counts:
     same prefix, the share where the right one scores higher (ties 1/2); its value in each
     resample of episode_draws; and the prefixes and pairs it stands on. None where no prefix
     holds both classes."""
-    by_prefix: dict[str, list[int]] = {}
-    for i, key in enumerate(prefix):
-        by_prefix.setdefault(key, []).append(i)
+    by_prefix = detection.group_wins(y, s, prefix)
+    if not by_prefix:
+        return None
+    # a prefix lies in one episode: its episode's index, from any of its turns
+    episode_of = {key: int(e) for key, e in zip(prefix, of.tolist())}
     wins = torch.zeros(counts.shape[1], dtype=torch.float64)
     pairs = torch.zeros(counts.shape[1], dtype=torch.float64)
-    groups = 0
-    for idx in by_prefix.values():
-        idx = torch.tensor(idx)
-        diff = s[idx][y[idx] == 1][:, None] - s[idx][y[idx] == 0][None, :]    # (P, Q)
-        if diff.numel():
-            e = int(of[idx[0]])                     # a prefix lies in one episode
-            wins[e] += (diff > 0).sum().item() + 0.5 * (diff == 0).sum().item()
-            pairs[e] += diff.numel()
-            groups += 1
-    if not groups:
-        return None
-    return {"auroc": (wins.sum() / pairs.sum()).item(), "prefixes": groups,
+    for key, (w, p) in by_prefix.items():
+        wins[episode_of[key]] += w
+        pairs[episode_of[key]] += p
+    return {"auroc": (wins.sum() / pairs.sum()).item(), "prefixes": len(by_prefix),
             "pairs": int(pairs.sum()), "values": (counts @ wins) / (counts @ pairs)}
 
 

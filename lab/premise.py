@@ -146,19 +146,10 @@ def within_groups(y: torch.Tensor, score: torch.Tensor, keys: list) -> dict | No
     key (an episode's decision: the same decision of the same episode, sampled both ways), the
     fraction where the right one scores higher (ties 1/2; detection.pairwise_accuracy), with a
     percentile bootstrap interval over the keys; None where no key holds a pair."""
-    by_key: dict = {}
-    for i, key in enumerate(keys):
-        by_key.setdefault(key, []).append(i)
-    wins, pairs = [], []
-    for idx in by_key.values():
-        idx = torch.tensor(idx)
-        diff = score[idx][y[idx] == 1][:, None] - score[idx][y[idx] == 0][None, :]   # (P, Q)
-        if diff.numel():
-            wins.append((diff > 0).sum().item() + 0.5 * (diff == 0).sum().item())
-            pairs.append(diff.numel())
-    if not pairs:
+    counts = list(detection.group_wins(y, score, keys).values())
+    if not counts:
         return None
-    wins, pairs = torch.tensor(wins, dtype=torch.float64), torch.tensor(pairs, dtype=torch.float64)
+    wins, pairs = torch.tensor(counts, dtype=torch.float64).T
     g = torch.Generator().manual_seed(0)
     idx = torch.randint(len(pairs), (credit.GATE_RESAMPLES, len(pairs)), generator=g)
     values = (wins[idx].sum(1) / pairs[idx].sum(1)).sort().values.tolist()

@@ -235,24 +235,32 @@ def brier(y, p) -> float:
     return ((p - y) ** 2).mean().item()
 
 
-def pairwise_accuracy(y, s, groups) -> float:
-    """Within-episode ranking: over every (correct, incorrect) pair of turns of the same episode,
-    the fraction where the correct turn scores higher (ties 1/2). NaN when there is no pair."""
+def group_wins(y, s, groups) -> dict:
+    """For each group holding a (correct, incorrect) pair of turns: (wins, pairs), wins the
+    pairs where the correct turn scores higher (ties 1/2), in the order groups first appear."""
     y, s = probes.labels_scores(y, s)
     groups = list(groups)
     if len(groups) != y.numel():
-        raise ValueError(f"{y.numel()} labels but {len(groups)} episode ids")
+        raise ValueError(f"{y.numel()} labels but {len(groups)} group ids")
     by_group: dict = {}
     for i, g in enumerate(groups):
         by_group.setdefault(g, []).append(i)
-    wins, pairs = 0.0, 0
-    for idx in by_group.values():
+    out = {}
+    for g, idx in by_group.items():
         idx = torch.tensor(idx)
         pos, neg = s[idx][y[idx] == 1], s[idx][y[idx] == 0]
         diff = pos[:, None] - neg[None, :]                              # (P, Q)
-        wins += (diff > 0).sum().item() + 0.5 * (diff == 0).sum().item()
-        pairs += diff.numel()
-    return wins / pairs if pairs else float("nan")
+        if diff.numel():
+            out[g] = ((diff > 0).sum().item() + 0.5 * (diff == 0).sum().item(), diff.numel())
+    return out
+
+
+def pairwise_accuracy(y, s, groups) -> float:
+    """Within-episode ranking: over every (correct, incorrect) pair of turns of the same episode,
+    the fraction where the correct turn scores higher (ties 1/2). NaN when there is no pair."""
+    counts = group_wins(y, s, groups).values()
+    pairs = sum(p for _, p in counts)
+    return sum(w for w, _ in counts) / pairs if pairs else float("nan")
 
 
 def accuracy(y, p, threshold: float = 0.5) -> float:
