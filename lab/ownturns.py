@@ -6,8 +6,11 @@ Each turn is labelled against its episode's gold dialog and reference answer by 
 and its features are written as `lab.study extract` writes them, so lab.detection reads them.
 
     python -m lab.ownturns extract --model DIR --split train --out OUT/train   # resumable
+    python -m lab.ownturns extract --model DIR --split train --besides OUT/train --out OUT/more
     python -m lab.ownturns report --out OUT/train --show 10        # counts so far, 10 turns
     python -m lab.ownturns detect --corpus OUT/train OUT/test --out OUT   # every method's AUROC
+
+The second line grows a corpus with the split's other episodes (--besides: none sampled twice).
 
 The prompt is the gold prefix as a rollout renders it (envs.dialog_to_messages, then the ChatML
 template with the assistant header). Its forward runs once per prefix: all its tokens but the
@@ -85,12 +88,29 @@ class Prefix:
     ids: list[int]          # the prompt: the gold dialog before it, with the assistant header
 
 
-def choose_episodes(env: envs.GTAEnv, n: int | None, seed: int) -> list[str]:
-    """Every episode of the split, or n drawn with `seed` (lab.study's draw), in file order."""
+def choose_episodes(env: envs.GTAEnv, n: int | None, seed: int,
+                    besides: frozenset[str] = frozenset()) -> list[str]:
+    """Every episode of the split not in `besides`, or n of them drawn with `seed` (lab.study's
+    draw), in file order."""
+    ids = [key for key in env.ids if key not in besides]
     if n is None:
-        return list(env.ids)
+        return ids
     return [r["episode_id"] for r in features.subsample_episodes(
-        [{"episode_id": key} for key in env.ids], n, seed)]
+        [{"episode_id": key} for key in ids], n, seed)]
+
+
+def episodes_sampled(out: str, env: envs.GTAEnv, split: str, data_path: Path) -> set[str]:
+    """The episodes the extraction in `out` samples (its manifest's draw), which must be of the
+    same split of the same data file (`data_path`, the split's): what --besides leaves out."""
+    path = Path(out) / "parts" / "manifest.json"
+    if not path.is_file():
+        raise SystemExit(f"--besides {out}: {path} not found (not an extraction directory)")
+    m = json.loads(path.read_text())
+    if m.get("split") != split or m.get("data_sha256") != grpo.file_sha256(data_path):
+        raise SystemExit(f"--besides {out}: it sampled another split or data file than "
+                         f"{data_path} ({split})")
+    return set(choose_episodes(env, m["episodes"], m["episode_seed"],
+                               frozenset(m.get("besides", ()))))
 
 
 def prefixes(env: envs.GTAEnv, episode_ids: list[str], tok: mdl.Tokenizer) -> list[Prefix]:
@@ -781,14 +801,18 @@ def cmd_extract(args) -> None:
     log = sys.stderr
     torch.set_num_threads(args.threads)
     env = load_split(args)              # a bad data file fails before the model loads
-    chosen = choose_episodes(env, args.episodes, args.episode_seed)
+    data_path = envs.episode_file("gta", args.split, args.data_dir)
+    besides = frozenset().union(*(episodes_sampled(d, env, args.split, data_path)
+                                  for d in args.besides))
+    chosen = choose_episodes(env, args.episodes, args.episode_seed, besides)
     t0 = time.perf_counter()
     net, tok = mdl.load_model(args.model, dtype=mdl.DTYPES[args.dtype])
     net.eval()
     print(f"loaded {args.model} ({args.dtype}) in {time.perf_counter() - t0:.1f}s", file=log)
     todo = prefixes(env, chosen, tok)
-    data_path = envs.episode_file("gta", args.split, args.data_dir)
     manifest = manifest_of(args, net, data_path, len(todo))
+    if besides:
+        manifest["besides"] = sorted(besides)
     out = Path(args.out)
     parts = out / "parts"
     done = open_parts(parts, manifest)
@@ -855,6 +879,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="sample the turns of this many episodes, drawn with --episode-seed "
                         "(default: every episode of the split)")
     p.add_argument("--episode-seed", type=int, default=0, help="seed of the --episodes draw")
+    p.add_argument("--besides", nargs="+", default=[], metavar="DIR",
+                   help="leave out the episodes the extractions in these directories sample "
+                        "(of the same split), to grow a corpus with new episodes only")
     p.add_argument("--seed", type=int, default=0,
                    help="sampling seed; each prefix draws from its own generator (default 0)")
     p.add_argument("--threads", type=runs.int_at_least(1), default=1,

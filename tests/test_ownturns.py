@@ -186,6 +186,30 @@ def test_a_killed_extraction_resumes_to_the_files_of_an_unbroken_one(
                        "--max-new-tokens", "6", "--shard-size", "1"])
 
 
+def test_besides_samples_other_episodes_than_the_corpora_named(
+        tiny_qwen, release_dir, tmp_path, one_thread, capsys):
+    run_extract(tiny_qwen, release_dir, tmp_path / "first")
+    run_extract(tiny_qwen, release_dir, tmp_path / "more", ["--besides", str(tmp_path / "first")])
+    run_extract(tiny_qwen, release_dir, tmp_path / "third",
+                ["--besides", str(tmp_path / "first"), str(tmp_path / "more")])
+
+    def episodes(name):
+        return {json.loads(line)["episode_id"]
+                for line in (tmp_path / name / "turns.jsonl").read_text().splitlines()}
+
+    first, more, third = episodes("first"), episodes("more"), episodes("third")
+    assert len(first) == len(more) == len(third) == 2
+    assert not first & more and not (first | more) & third
+    # what a corpus grown with --besides left out is read back from its manifest
+    env = envs.GTAEnv("test", release_dir)
+    path = envs.episode_file("gta", "test", release_dir)
+    assert ownturns.episodes_sampled(str(tmp_path / "more"), env, "test", path) == more
+    # a corpus of another split is refused by name
+    train = envs.episode_file("gta", "train", release_dir)
+    with pytest.raises(SystemExit, match="--besides .*first.*another split"):
+        ownturns.episodes_sampled(str(tmp_path / "first"), env, "train", train)
+
+
 # ---- Detection on own turns ---------------------------------------------------------------------
 
 def synthetic_corpus(path, split, n_episodes, seed, d=6, L=2, H=2,

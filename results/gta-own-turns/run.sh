@@ -11,3 +11,6 @@ python -m lab.ownturns extract --model $M --data-dir $D --split train --out $OUT
   --episodes 65 --episode-seed 0 --k 12 --max-new-tokens 128 --dtype bfloat16 --threads 1
 python -m lab.ownturns extract --model $M --data-dir $D --split test --out $OUT/test \
   --k 12 --max-new-tokens 128 --dtype bfloat16 --threads 1
+# The train split's other 111 episodes (none of the 65 above), to reach the counts:
+python -m lab.ownturns extract --model $M --data-dir $D --split train --out $OUT/train-rest \
+  --besides $OUT/train --k 12 --max-new-tokens 128 --dtype bfloat16 --threads 1
