@@ -788,6 +788,22 @@ def render(r: dict) -> str:
                          + " | ".join(cell(r["own_to_released"][t].get(name, {}).get("all"))
                                       for t in tests)
                          + f" | {cell(r['own'][name].get('all'))} |")
+        # The released turns are all well-formed: what their probes make of a malformed own
+        # turn apart from what they make of the slips a parser does not catch.
+        subsets = ("all", "well_formed")
+        lines += ["\nThe probes fitted on the released turns against the same methods fitted "
+                  "on the own turns (out of fold), on all own turns and on the well-formed ones "
+                  "(pooled / within prefixes).\n",
+                  "| Method | " + " | ".join(f"released → own, {s} | own, {s}" for s in subsets)
+                  + " |",
+                  "|---|" + "---|" * (2 * len(subsets))]
+        for name in methods:
+            cells = []
+            for sub in subsets:
+                for fitted in (r["released_to_own"], r["own"]):
+                    m = fitted[name].get(sub)
+                    cells.append(f"{cell(m)} / {cell(m, True)}")
+            lines.append(f"| {name} | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 
 

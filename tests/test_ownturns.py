@@ -304,4 +304,10 @@ def test_detection_beside_and_across_the_released_turns(tmp_path, capsys):
     across = r["released_to_own"]["pair"]["all"]
     assert across["auroc"] > 0.75 and across["within"]["auroc"] > 0.75
     assert "logprob_mean" not in r["released"]["matched_clean_test"]
-    assert "released → matched_clean_test" in (tmp_path / "out" / "detection.md").read_text()
+    text = (tmp_path / "out" / "detection.md").read_text()
+    assert "released → matched_clean_test" in text
+    # the released probes on the well-formed own turns, beside the own probes there
+    row = next(line for line in text.split("released → own, well_formed")[1].splitlines()
+               if line.startswith("| pair |"))
+    well = r["released_to_own"]["pair"]["well_formed"]
+    assert f"{well['auroc']:.3f}" in row and f"{well['within']['auroc']:.3f}" in row
