@@ -471,8 +471,10 @@ FITTED = probes.FEATURES + ("pair_s_bc", "pair")
 # The free signal every method is compared with: what a confidence reward would read.
 CONFIDENCE = "logprob_mean"
 FREE = (CONFIDENCE,) + detection.SCORES
-# The turns a row is measured on: malformed turns apart, since a parser already catches them.
-SUBSETS = ("all", "well_formed", "call", "final")
+# The turns a row is measured on: malformed turns apart, since a parser already catches them;
+# "malformed" is every right turn against the malformed ones (how a score ranks what a parser
+# catches: a reward scoring them above the right turns would teach the policy to write them).
+SUBSETS = ("all", "well_formed", "call", "final", "malformed")
 RESAMPLES = 1000
 
 
@@ -508,8 +510,10 @@ def load_corpus(dirs: list[str]) -> Corpus:
     return Corpus(detection.concat_splits([s for _, s in parts]), episode, prefix, kind)
 
 
-def subset(corpus_kind: list[str], name: str) -> torch.Tensor:
-    """The boolean mask of SUBSETS' `name` over the turns."""
+def subset(corpus_kind: list[str], name: str, y: torch.Tensor) -> torch.Tensor:
+    """The boolean mask of SUBSETS' `name` over the turns (labels `y`)."""
+    if name == "malformed":
+        return torch.tensor([k == "malformed" for k in corpus_kind]) | (y == 1)
     keep = {"all": set(KINDS), "well_formed": {"call", "final"}, "call": {"call"},
             "final": {"final"}}[name]
     return torch.tensor([k in keep for k in corpus_kind])
@@ -633,7 +637,7 @@ def measure(y, scores: dict[str, torch.Tensor], episodes: list[str], prefix: lis
     difference from it with the interval of the same resamples, paired."""
     out = {name: {} for name in scores}
     for sub in SUBSETS if kinds is not None else ("all",):
-        m = subset(kinds, sub) if kinds is not None else torch.ones(len(y), dtype=torch.bool)
+        m = subset(kinds, sub, y) if kinds is not None else torch.ones(len(y), dtype=torch.bool)
         if not m.any():
             continue
         idx = m.nonzero().flatten().tolist()
@@ -740,13 +744,14 @@ def render(r: dict) -> str:
              f"against wrong, [95% interval over resampled episodes]; within prefixes: the "
              f"right and wrong samples of the same gold prefix, as a GRPO group ranks them.\n",
              "| Method | all: pooled | all: within prefixes | well-formed: pooled | "
-             "well-formed: within | calls | final answers |",
-             "|---|---|---|---|---|---|---|"]
+             "well-formed: within | calls | final answers | right against malformed |",
+             "|---|---|---|---|---|---|---|---|"]
     for name in methods:
         row = r["own"][name]
         lines.append(f"| {name} | {cell(row.get('all'))} | {cell(row.get('all'), True)} | "
                      f"{cell(row.get('well_formed'))} | {cell(row.get('well_formed'), True)} | "
-                     f"{cell(row.get('call'))} | {cell(row.get('final'))} |")
+                     f"{cell(row.get('call'))} | {cell(row.get('final'))} | "
+                     f"{cell(row.get('malformed'))} |")
     lines.append("\nTurns: " + "; ".join(f"{sub} {c}" for sub, c in count.items()) + ".")
     pairs = {sub: first[sub]["within"] for sub in ("all", "well_formed")
              if sub in first and first[sub].get("within")}
@@ -790,10 +795,10 @@ def render(r: dict) -> str:
                          + f" | {cell(r['own'][name].get('all'))} |")
         # The released turns are all well-formed: what their probes make of a malformed own
         # turn apart from what they make of the slips a parser does not catch.
-        subsets = ("all", "well_formed")
+        subsets = ("all", "well_formed", "malformed")
         lines += ["\nThe probes fitted on the released turns against the same methods fitted "
-                  "on the own turns (out of fold), on all own turns and on the well-formed ones "
-                  "(pooled / within prefixes).\n",
+                  "on the own turns (out of fold), on all own turns, on the well-formed ones "
+                  "and on the right ones against the malformed (pooled / within prefixes).\n",
                   "| Method | " + " | ".join(f"released → own, {s} | own, {s}" for s in subsets)
                   + " |",
                   "|---|" + "---|" * (2 * len(subsets))]

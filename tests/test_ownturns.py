@@ -275,6 +275,15 @@ def test_detection_out_of_fold_reads_the_label_pooled_and_within_prefixes(tmp_pa
     assert lo < gain["pooled"] < hi
     assert r["own"]["pair"]["well_formed"]["turns"] == 240 - 40
     assert r["own"]["pair"]["final"]["turns"] == 80
+    # every right turn against the malformed ones (40, each the fourth sample of a call prefix)
+    kinds, y = [], []
+    for split in ("train", "test"):
+        raw, meta = detection.load_features(tmp_path / split / "own_turns.safetensors")
+        kinds += meta["kind"]
+        y += raw["label"].tolist()
+    against = sum(k == "malformed" or label == 1 for k, label in zip(kinds, y))
+    assert r["own"]["pair"]["malformed"]["turns"] == against
+    assert r["own"]["pair"]["malformed"]["right"] == sum(y) > against - 40
     table = (tmp_path / "out" / "detection.md").read_text()
     assert "| pair |" in table and "| logprob_mean |" in table
 
