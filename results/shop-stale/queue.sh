@@ -43,5 +43,12 @@ queue_b() {
         --rewards labels:advantage=outcome-turn confidence:advantage=outcome-turn --seeds 46 \
         -- $FLAGS >> results/shop-stale/compare-s46b.log 2>&1
 }
-# bash results/shop-stale/queue.sh a (or b) runs one queue; no argument, the earlier order.
-case "${1:-}" in a) queue_a ;; b) queue_b ;; *) earlier ;; esac
+# Then, where queue b ended, the rows of three seeds: PAIR, multi_attn, labels and Lookback Lens
+# through process (the default advantage), seed-major.
+queue_c() {
+    python -m lab.compare --out results/shop-stale --jobs 1 --threads 1 \
+        --rewards pair multi_attn labels lookback --seeds 42 43 44 -- $FLAGS \
+        >> results/shop-stale/compare-process.log 2>&1
+}
+# bash results/shop-stale/queue.sh a (or b, c) runs one queue; no argument, the earlier order.
+case "${1:-}" in a) queue_a ;; b) queue_b ;; c) queue_c ;; *) earlier ;; esac
