@@ -43,8 +43,8 @@ queue_b() {
         --rewards labels:advantage=outcome-turn confidence:advantage=outcome-turn --seeds 46 \
         -- $FLAGS >> results/shop-stale/compare-s46b.log 2>&1
 }
-# Then, where queue b ended: the refit row's seeds 45 and 46 (at three seeds it reached the
-# labels' level, +8.3 [-34.8, +51.5] points over PAIR without it), then the rows of three seeds:
+# Then, where queue b ended: the refit row's seeds 45 and 46 (the row at five seeds, beside
+# PAIR's), then the rows of three seeds:
 # PAIR, multi_attn, labels and Lookback Lens through process (the default advantage), seed-major.
 queue_c() {
     python -m lab.compare --out results/shop-stale --jobs 1 --threads 1 \
