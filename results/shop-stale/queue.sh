@@ -54,5 +54,12 @@ queue_c() {
         --rewards pair multi_attn labels lookback --seeds 42 43 44 -- $FLAGS \
         >> results/shop-stale/compare-process.log 2>&1
 }
-# bash results/shop-stale/queue.sh a (or b, c) runs one queue; no argument, the earlier order.
-case "${1:-}" in a) queue_a ;; b) queue_b ;; c) queue_c ;; *) earlier ;; esac
+# Session of 2026-12-06 13:37: the rows of three seeds again, two runs at a time beside the
+# own-turn extraction (PAIR seed 42 resumes from its checkpoint 10).
+queue_d() {
+    python -m lab.compare --out results/shop-stale --jobs 2 --threads 1 \
+        --rewards pair multi_attn labels lookback --seeds 42 43 44 -- $FLAGS \
+        >> results/shop-stale/compare-process.log 2>&1
+}
+# bash results/shop-stale/queue.sh a (or b, c, d) runs one queue; no argument, the earlier order.
+case "${1:-}" in a) queue_a ;; b) queue_b ;; c) queue_c ;; d) queue_d ;; *) earlier ;; esac
