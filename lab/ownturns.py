@@ -11,6 +11,9 @@ and its features are written as `lab.study extract` writes them, so lab.detectio
     python -m lab.ownturns detect --corpus OUT/train OUT/test --out OUT   # every method's AUROC
 
 The second line grows a corpus with the split's other episodes (--besides: none sampled twice).
+`extract --raise-k OUT/train --seed 1 --out OUT/raised` samples k more turns where k were too
+few: at the prefixes of OUT/train holding a right turn whose samples do not hold both classes
+(most often: the greedy turn right, every sample wrong); detect joins them to those prefixes.
 
 The prompt is the gold prefix as a rollout renders it (envs.dialog_to_messages, then the ChatML
 template with the assistant header). Its forward runs once per prefix: all its tokens but the
@@ -99,18 +102,54 @@ def choose_episodes(env: envs.GTAEnv, n: int | None, seed: int,
         [{"episode_id": key} for key in ids], n, seed)]
 
 
-def episodes_sampled(out: str, env: envs.GTAEnv, split: str, data_path: Path) -> set[str]:
-    """The episodes the extraction in `out` samples (its manifest's draw), which must be of the
-    same split of the same data file (`data_path`, the split's): what --besides leaves out."""
+def manifest_at(out: str, split: str, data_path: Path, flag: str) -> dict:
+    """The manifest of the extraction in `out`, which must be of the same split of the same
+    data file (`data_path`, the split's); `flag` names the option that read it."""
     path = Path(out) / "parts" / "manifest.json"
     if not path.is_file():
-        raise SystemExit(f"--besides {out}: {path} not found (not an extraction directory)")
+        raise SystemExit(f"{flag} {out}: {path} not found (not an extraction directory)")
     m = json.loads(path.read_text())
     if m.get("split") != split or m.get("data_sha256") != grpo.file_sha256(data_path):
-        raise SystemExit(f"--besides {out}: it sampled another split or data file than "
+        raise SystemExit(f"{flag} {out}: it sampled another split or data file than "
                          f"{data_path} ({split})")
+    return m
+
+
+def episodes_sampled(out: str, env: envs.GTAEnv, split: str, data_path: Path) -> set[str]:
+    """The episodes the extraction in `out` samples (its manifest's draw): what --besides
+    leaves out."""
+    m = manifest_at(out, split, data_path, "--besides")
+    if m.get("raise_k"):
+        return {key.rsplit("/", 1)[0] for key in m["raise_k"]}
     return set(choose_episodes(env, m["episodes"], m["episode_seed"],
                                frozenset(m.get("besides", ()))))
+
+
+def prefixes_to_raise(dirs: list[str], split: str, data_path: Path,
+                      seed: int) -> set[tuple[str, int]]:
+    """(episode id, turn) of every prefix of the merged extractions in `dirs` that holds a right
+    turn while its sampled turns do not hold both classes: where k samples were too few for a
+    group to show the model's right and wrong turns side by side (--raise-k). Their --seed must
+    differ from `seed`, or the new samples would repeat theirs."""
+    labels: dict[tuple[str, int], dict[str, set]] = {}
+    for out in dirs:
+        m = manifest_at(out, split, data_path, "--raise-k")
+        if m.get("seed") == seed:
+            raise SystemExit(f"--raise-k {out}: it sampled with --seed {seed}; give another "
+                             f"--seed, or the new turns repeat its turns")
+        path = Path(out) / "turns.jsonl"
+        if not path.is_file():
+            raise SystemExit(f"--raise-k {out}: {path} not found; finish its extraction first")
+        for line in path.read_text().splitlines():
+            t = json.loads(line)
+            if t["label"] is None:
+                continue
+            entry = labels.setdefault((t["episode_id"], t["turn_idx"]),
+                                      {"all": set(), "sampled": set()})
+            entry["all"].add(t["label"])
+            if not t["greedy"]:
+                entry["sampled"].add(t["label"])
+    return {key for key, e in labels.items() if 1 in e["all"] and len(e["sampled"]) < 2}
 
 
 def prefixes(env: envs.GTAEnv, episode_ids: list[str], tok: mdl.Tokenizer) -> list[Prefix]:
@@ -150,18 +189,21 @@ def rows_of(cache: list[mdl.KVCache], rows: int) -> list[mdl.KVCache]:
 
 @torch.no_grad()
 def own_turns(net: mdl.Transformer, tok: mdl.Tokenizer, ids: list[int], k: int,
-              max_new_tokens: int, generator: torch.Generator) -> list[probes.TurnTrace]:
-    """k turns sampled at SAMPLE_TEMPERATURE, then the greedy turn, after the prompt `ids`. The
-    prompt but its last token is prefilled once; probes.generate needs a token to append, so each
-    row appends the last one to its copy of that cache and decodes (see the module docstring)."""
+              max_new_tokens: int, generator: torch.Generator,
+              greedy: bool = True) -> list[probes.TurnTrace]:
+    """k turns sampled at SAMPLE_TEMPERATURE, then (with `greedy`) the greedy turn, after the
+    prompt `ids`. The prompt but its last token is prefilled once; probes.generate needs a token
+    to append, so each row appends the last one to its copy of that cache and decodes (see the
+    module docstring)."""
     base = net.new_cache(1, capacity=len(ids) + max_new_tokens + 1)
     probes.prefill_last(net, base, [ids[:-1]])
     stop = [tok.im_end_id]
     sampled = probes.generate(net, rows_of(base, k), [ids[-1:]] * k, max_new_tokens,
                               SAMPLE_TEMPERATURE, stop_ids=stop, generator=generator)
-    greedy = probes.generate(net, rows_of(base, 1), [ids[-1:]], max_new_tokens, 0.0,
-                             stop_ids=stop)
-    return sampled + greedy
+    if not greedy:
+        return sampled
+    return sampled + probes.generate(net, rows_of(base, 1), [ids[-1:]], max_new_tokens, 0.0,
+                                     stop_ids=stop)
 
 
 def turn_text(tok: mdl.Tokenizer, trace: probes.TurnTrace) -> str:
@@ -312,13 +354,15 @@ def write_shard(parts: Path, rows: list[dict], strings: dict[str, list]) -> None
                             {"ownturns": json.dumps(strings)})
 
 
-def turn_rows(prefix: Prefix, traces: list[probes.TurnTrace], tok) -> tuple[list[dict], list]:
-    """One row of tensors per turn of a prefix (the greedy one last), and the turns' texts."""
+def turn_rows(prefix: Prefix, traces: list[probes.TurnTrace], tok,
+              greedy: bool) -> tuple[list[dict], list]:
+    """One row of tensors per turn of a prefix (with `greedy`, the greedy one last), and the
+    turns' texts."""
     rows, texts = [], []
     for s, trace in enumerate(traces):
         raw = detection.raw_with_coe(trace)
         raw.update(prefix=torch.tensor(prefix.index), sample=torch.tensor(s),
-                   greedy=torch.tensor(int(s == len(traces) - 1)),
+                   greedy=torch.tensor(int(greedy and s == len(traces) - 1)),
                    turn_idx=torch.tensor(prefix.turn_idx),
                    logprob_mean=torch.tensor(sum(trace.logprobs) / len(trace.logprobs)),
                    n_tokens=torch.tensor(len(trace.tokens)),
@@ -339,8 +383,9 @@ def extract(net, tok, env: envs.GTAEnv, todo: list[Prefix], parts: Path, args, l
         for prefix in todo[a:a + args.shard_size]:
             g = torch.Generator().manual_seed(prefix_seed(args.seed, prefix.episode_id,
                                                           prefix.turn_idx))
-            traces = own_turns(net, tok, prefix.ids, args.k, args.max_new_tokens, g)
-            new, texts = turn_rows(prefix, traces, tok)
+            greedy = not args.raise_k
+            traces = own_turns(net, tok, prefix.ids, args.k, args.max_new_tokens, g, greedy)
+            new, texts = turn_rows(prefix, traces, tok, greedy)
             rows += new
             strings["text"] += texts
             strings["episode_id"] += [prefix.episode_id] * len(new)
@@ -351,7 +396,7 @@ def extract(net, tok, env: envs.GTAEnv, todo: list[Prefix], parts: Path, args, l
         n_turns += len(rows)
         done = min(a + args.shard_size, len(todo))
         rate = n_turns / (time.perf_counter() - t0)
-        left = (len(todo) - done) * (args.k + 1) / rate
+        left = (len(todo) - done) * len(traces) / rate
         print(f"  {done}/{len(todo)} prefixes  {n_turns} turns  {rate:.4f} turns/s  "
               f"ETA {runs.hms(left)}  right {counts[1]} wrong {counts[0]} "
               f"undecided {counts[None]}", file=log, flush=True)
@@ -686,6 +731,15 @@ def released_splits(features_dir) -> tuple[detection.Split, dict[str, detection.
     return detection.concat_splits(train), tests
 
 
+def prefixes_both(y: torch.Tensor, prefix: list[str], keep: torch.Tensor) -> int:
+    """How many prefixes hold a right and a wrong turn among the turns `keep` marks."""
+    seen: dict[str, set] = {}
+    for label, key, k in zip(y.tolist(), prefix, keep.tolist()):
+        if k:
+            seen.setdefault(key, set()).add(label)
+    return sum(len(labels) == 2 for labels in seen.values())
+
+
 def detect(corpus: Corpus, released_dir=None, folds: int = FOLDS) -> dict:
     """The whole table: own turns out of fold; with the released features, the same methods
     fitted on the released training turns and scored on their test splits and on the own turns,
@@ -693,7 +747,10 @@ def detect(corpus: Corpus, released_dir=None, folds: int = FOLDS) -> dict:
     y, kinds = corpus.turns.y, corpus.kind
     t0 = time.perf_counter()
     out = {"turns": len(y), "right": int(y.sum()), "episodes": len(set(corpus.episode)),
-           "prefixes": len(set(corpus.prefix)), "folds": folds, "seeds": list(FIT_SEEDS),
+           "prefixes": len(set(corpus.prefix)),
+           "prefixes_both": prefixes_both(y, corpus.prefix, torch.ones(len(y), dtype=torch.bool)),
+           "prefixes_both_sampled": prefixes_both(y, corpus.prefix, corpus.turns.raw["greedy"] == 0),
+           "folds": folds, "seeds": list(FIT_SEEDS),
            "own": measure(y, out_of_fold(corpus, folds), corpus.episode, corpus.prefix, kinds)}
     if released_dir is not None:
         train, tests = released_splits(released_dir)
@@ -738,7 +795,9 @@ def render(r: dict) -> str:
              for sub in SUBSETS if sub in first}
     lines = [f"# Detection on the model's own GTA turns\n",
              f"{r['turns']} labelled turns ({r['right']} right) of {r['episodes']} episodes and "
-             f"{r['prefixes']} prefixes; fitted methods scored out of fold ({r['folds']} folds "
+             f"{r['prefixes']} prefixes, {r['prefixes_both']} of them holding both classes "
+             f"({r['prefixes_both_sampled']} among the turns sampled at temperature 1, the "
+             f"greedy ones aside); fitted methods scored out of fold ({r['folds']} folds "
              f"of episodes, the same for every method), each fold's fit the mean of seeds "
              f"{', '.join(map(str, r['seeds']))} (a class-balanced subsample each). AUROC, right "
              f"against wrong, [95% interval over resampled episodes]; within prefixes: the "
@@ -826,21 +885,30 @@ def cmd_extract(args) -> None:
     besides = frozenset().union(*(episodes_sampled(d, env, args.split, data_path)
                                   for d in args.besides))
     chosen = choose_episodes(env, args.episodes, args.episode_seed, besides)
+    raise_k = set()
+    if args.raise_k:
+        raise_k = prefixes_to_raise(args.raise_k, args.split, data_path, args.seed)
+        chosen = [key for key in chosen if key in {e for e, _ in raise_k}]
     t0 = time.perf_counter()
     net, tok = mdl.load_model(args.model, dtype=mdl.DTYPES[args.dtype])
     net.eval()
     print(f"loaded {args.model} ({args.dtype}) in {time.perf_counter() - t0:.1f}s", file=log)
     todo = prefixes(env, chosen, tok)
+    if args.raise_k:
+        todo = [Prefix(i, p.episode_id, p.turn_idx, p.ids) for i, p in enumerate(
+            p for p in todo if (p.episode_id, p.turn_idx) in raise_k)]
     manifest = manifest_of(args, net, data_path, len(todo))
     if besides:
         manifest["besides"] = sorted(besides)
+    if args.raise_k:
+        manifest["raise_k"] = [f"{e}/{t}" for e, t in sorted(raise_k)]
     out = Path(args.out)
     parts = out / "parts"
     done = open_parts(parts, manifest)
     left = [p for p in todo if p.index not in done]
     print(f"extract gta {args.split}: {len(todo)} prefixes of {len(chosen)} episodes, "
-          f"{args.k} samples + greedy each, {len(done)} prefixes already done", file=log,
-          flush=True)
+          f"{args.k} samples{'' if args.raise_k else ' + greedy'} each, {len(done)} prefixes "
+          f"already done", file=log, flush=True)
     extract(net, tok, env, left, parts, args, log)
     summary = merge(parts, out, env, manifest, log)
     print(json.dumps({k: v for k, v in summary.items() if k != "by_reason"}), file=log)
@@ -903,6 +971,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--besides", nargs="+", default=[], metavar="DIR",
                    help="leave out the episodes the extractions in these directories sample "
                         "(of the same split), to grow a corpus with new episodes only")
+    p.add_argument("--raise-k", nargs="+", default=[], metavar="DIR",
+                   help="sample --k more turns, and no greedy one, at the prefixes of these "
+                        "extractions (of the same split, sampled with another --seed) that hold "
+                        "a right turn while their samples do not hold both classes; detect "
+                        "pools a prefix's turns over the corpora")
     p.add_argument("--seed", type=int, default=0,
                    help="sampling seed; each prefix draws from its own generator (default 0)")
     p.add_argument("--threads", type=runs.int_at_least(1), default=1,
@@ -918,6 +991,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--data-dir", default=None, help="as given to extract")
     p.add_argument("--show", type=runs.int_at_least(0), default=0,
                    help="print this many labelled turns drawn at random, with the gold turn")
+    p.add_argument("--raise-k", nargs="+", default=[], metavar="DIR",
+                   help="sample --k more turns, and no greedy one, at the prefixes of these "
+                        "extractions (of the same split, sampled with another --seed) that hold "
+                        "a right turn while their samples do not hold both classes; detect "
+                        "pools a prefix's turns over the corpora")
     p.add_argument("--seed", type=int, default=0, help="seed of the --show draw")
     p.set_defaults(func=cmd_report)
     p = sub.add_parser("detect", help="AUROC of every method on the own turns, out of fold by "

@@ -210,6 +210,38 @@ def test_besides_samples_other_episodes_than_the_corpora_named(
         ownturns.episodes_sampled(str(tmp_path / "first"), env, "train", train)
 
 
+def test_raise_k_samples_more_turns_where_the_samples_missed_a_class(
+        tiny_qwen, release_dir, tmp_path, one_thread, capsys):
+    first = tmp_path / "first"
+    run_extract(tiny_qwen, release_dir, first)
+    turns = [json.loads(line) for line in (first / "turns.jsonl").read_text().splitlines()]
+    # The tiny model is never right; relabel as a merge would have: the first prefix's greedy
+    # turn right and its samples wrong (to raise), the second's samples both (not to raise).
+    prefixes = sorted({t["prefix"] for t in turns})
+    for t in turns:
+        if t["prefix"] == prefixes[0]:
+            t["label"] = int(t["greedy"])
+        elif t["prefix"] == prefixes[1]:
+            t["label"] = int(t["sample"] == 0)
+    (first / "turns.jsonl").write_text("".join(json.dumps(t) + "\n" for t in turns))
+    raised = tmp_path / "raised"
+    run_extract(tiny_qwen, release_dir, raised, ["--raise-k", str(first), "--seed", "1",
+                                                 "--k", "3"])
+
+    target = next(t for t in turns if t["prefix"] == prefixes[0])
+    new = [json.loads(line) for line in (raised / "turns.jsonl").read_text().splitlines()]
+    assert [(t["episode_id"], t["turn_idx"], t["sample"], t["greedy"]) for t in new] == [
+        (target["episode_id"], target["turn_idx"], s, False) for s in range(3)]
+    manifest = json.loads((raised / "parts" / "manifest.json").read_text())
+    assert manifest["raise_k"] == [f"{target['episode_id']}/{target['turn_idx']}"]
+    # new draws, not the first extraction's again
+    old = [t["text"] for t in turns if t["prefix"] == prefixes[0] and not t["greedy"]]
+    assert [t["text"] for t in new][:2] != old
+    # the same seed would repeat the turns it raises: refused by name
+    with pytest.raises(SystemExit, match="--raise-k .*first.*--seed 0"):
+        run_extract(tiny_qwen, release_dir, tmp_path / "again", ["--raise-k", str(first)])
+
+
 # ---- Detection on own turns ---------------------------------------------------------------------
 
 def synthetic_corpus(path, split, n_episodes, seed, d=6, L=2, H=2,
@@ -229,7 +261,8 @@ def synthetic_corpus(path, split, n_episodes, seed, d=6, L=2, H=2,
                 for stat in ("max", "std", "prefix", "self", "entropy", "lookback"):
                     raw[f"attn_{stat}"] = torch.rand(L, H, generator=g)
                 raw.update(coe_r=torch.randn((), generator=g), coe_c=torch.randn((), generator=g),
-                           logprob_mean=-hard, label=torch.tensor(y), turn_idx=torch.tensor(t))
+                           logprob_mean=-hard, label=torch.tensor(y), turn_idx=torch.tensor(t),
+                           greedy=torch.tensor(int(s == 3)))
                 rows.append(raw)
                 episodes.append(f"{e}")
                 kinds.append("final" if t == 5 else ("malformed" if s == 3 else "call"))
@@ -259,6 +292,14 @@ def test_detection_out_of_fold_reads_the_label_pooled_and_within_prefixes(tmp_pa
                    "--out", str(tmp_path / "out")])
     r = json.loads((tmp_path / "out" / "detection.json").read_text())
     assert r["episodes"] == 20 and r["prefixes"] == 60 and r["turns"] == 240
+    # prefixes holding both classes: over all their turns, and over the sampled ones alone
+    both = {"all": 0, "sampled": 0}
+    for split in ("train", "test"):
+        raw, _ = detection.load_features(tmp_path / split / "own_turns.safetensors")
+        for group in raw["label"].view(-1, 4):
+            both["all"] += len(set(group.tolist())) == 2
+            both["sampled"] += len(set(group[:3].tolist())) == 2
+    assert r["prefixes_both"] == both["all"] > r["prefixes_both_sampled"] == both["sampled"]
     # the same episode id in two splits is two episodes
     pooled = r["own"]["last_token"]["all"]
     assert pooled["auroc"] > 0.75 and pooled["within"]["auroc"] > 0.75
