@@ -1,6 +1,7 @@
 """lab/ownturns.py: the labelling rule on hand-made turns and on every gold turn of the released
 GTA test split; the prefix's one forward shared by the samples gives the turns and statistics of
-runs that prefill it themselves; a killed extraction resumes to the files of an unbroken one."""
+runs that prefill it themselves; a killed extraction resumes to the files of an unbroken one;
+lab/probing/owndetect.py reads the label out of fold, pooled and within prefixes."""
 import json
 
 import pytest
@@ -10,7 +11,7 @@ import envs
 import model as M
 import probes
 from lab import bench, dryrun, ownturns
-from lab.probing import detection
+from lab.probing import detection, owndetect
 
 TOOLS = [{"name": name, "description": "", "inputs": []}
          for name in ("OCR", "Calculator", "GoogleSearch")]
@@ -279,7 +280,7 @@ def test_weighted_auroc_is_the_auroc_of_the_turns_repeated():
     y = (torch.rand(40, generator=g) > 0.6).long()
     s = torch.randint(0, 6, (40,), generator=g).double()            # ties on purpose
     w = torch.randint(0, 4, (3, 40), generator=g)
-    got = ownturns.weighted_auroc(y, s, w)
+    got = owndetect.weighted_auroc(y, s, w)
     for r in range(3):
         idx = torch.arange(40).repeat_interleave(w[r])
         assert got[r].item() == pytest.approx(probes.auroc(y[idx], s[idx]), abs=1e-12)
@@ -333,7 +334,7 @@ def test_detection_refuses_corpora_of_two_models(tmp_path):
     synthetic_corpus(tmp_path / "a", "train", 6, 0)
     synthetic_corpus(tmp_path / "b", "test", 6, 1, d=5)
     with pytest.raises(probes.FormatError, match="do not belong together"):
-        ownturns.load_corpus([tmp_path / "a", tmp_path / "b"])
+        owndetect.load_corpus([tmp_path / "a", tmp_path / "b"])
 
 
 def test_detection_beside_and_across_the_released_turns(tmp_path, capsys):
