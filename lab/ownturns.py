@@ -378,12 +378,13 @@ def extract(net, tok, env: envs.GTAEnv, todo: list[Prefix], parts: Path, args, l
     t0 = time.perf_counter()
     n_turns = 0
     counts = {1: 0, 0: 0, None: 0}
+    # --raise-k samples no greedy turn: the corpora it raises hold the prefix's greedy one
+    greedy = not args.raise_k
     for a in range(0, len(todo), args.shard_size):
         rows, strings = [], {"episode_id": [], "text": []}
         for prefix in todo[a:a + args.shard_size]:
             g = torch.Generator().manual_seed(prefix_seed(args.seed, prefix.episode_id,
                                                           prefix.turn_idx))
-            greedy = not args.raise_k
             traces = own_turns(net, tok, prefix.ids, args.k, args.max_new_tokens, g, greedy)
             new, texts = turn_rows(prefix, traces, tok, greedy)
             rows += new
@@ -396,7 +397,7 @@ def extract(net, tok, env: envs.GTAEnv, todo: list[Prefix], parts: Path, args, l
         n_turns += len(rows)
         done = min(a + args.shard_size, len(todo))
         rate = n_turns / (time.perf_counter() - t0)
-        left = (len(todo) - done) * len(traces) / rate
+        left = (len(todo) - done) * (args.k + greedy) / rate
         print(f"  {done}/{len(todo)} prefixes  {n_turns} turns  {rate:.4f} turns/s  "
               f"ETA {runs.hms(left)}  right {counts[1]} wrong {counts[0]} "
               f"undecided {counts[None]}", file=log, flush=True)
@@ -448,11 +449,10 @@ def summarize(turns: list[Turn]) -> dict:
     per reason, episodes, and prefixes whose turns hold both classes (all of them, and the
     sampled ones alone)."""
     labelled = [t for t in turns if t.verdict.label is not None]
-    by_prefix, by_prefix_sampled = {}, {}
-    for t in labelled:
-        by_prefix.setdefault(t.prefix, set()).add(t.verdict.label)
-        if not t.greedy:
-            by_prefix_sampled.setdefault(t.prefix, set()).add(t.verdict.label)
+    y = torch.tensor([t.verdict.label for t in labelled])
+    prefix = [t.prefix for t in labelled]
+    every = torch.ones(len(labelled), dtype=torch.bool)
+    sampled = torch.tensor([not t.greedy for t in labelled], dtype=torch.bool)
     reasons = {}
     for t in turns:
         label = {1: "right", 0: "wrong", None: "undecided"}[t.verdict.label]
@@ -463,8 +463,8 @@ def summarize(turns: list[Turn]) -> dict:
             "wrong": sum(t.verdict.label == 0 for t in labelled),
             "undecided": len(turns) - len(labelled),
             "episodes_labelled": len({t.episode_id for t in labelled}),
-            "prefixes_both": sum(len(v) == 2 for v in by_prefix.values()),
-            "prefixes_both_sampled": sum(len(v) == 2 for v in by_prefix_sampled.values()),
+            "prefixes_both": owndetect.prefixes_both(y, prefix, every),
+            "prefixes_both_sampled": owndetect.prefixes_both(y, prefix, sampled),
             "greedy_right": sum(t.greedy and t.verdict.label == 1 for t in turns),
             "greedy_labelled": sum(t.greedy for t in labelled),
             "truncated": sum(not t.finished for t in turns),
@@ -523,7 +523,8 @@ def cmd_extract(args) -> None:
     raise_k = set()
     if args.raise_k:
         raise_k = prefixes_to_raise(args.raise_k, args.split, data_path, args.seed)
-        chosen = [key for key in chosen if key in {e for e, _ in raise_k}]
+        raised_episodes = {e for e, _ in raise_k}
+        chosen = [key for key in chosen if key in raised_episodes]
     t0 = time.perf_counter()
     net, tok = mdl.load_model(args.model, dtype=mdl.DTYPES[args.dtype])
     net.eval()

@@ -66,10 +66,11 @@ def load_corpus(dirs: list[str]) -> Corpus:
 
 def subset(corpus_kind: list[str], name: str, y: torch.Tensor) -> torch.Tensor:
     """The boolean mask of SUBSETS' `name` over the turns (labels `y`)."""
+    if name == "all":
+        return torch.ones(len(corpus_kind), dtype=torch.bool)
     if name == "malformed":
         return torch.tensor([k == "malformed" for k in corpus_kind]) | (y == 1)
-    keep = {"all": {"call", "final", "malformed"}, "well_formed": {"call", "final"},
-            "call": {"call"}, "final": {"final"}}[name]
+    keep = {"well_formed": {"call", "final"}, "call": {"call"}, "final": {"final"}}[name]
     return torch.tensor([k in keep for k in corpus_kind])
 
 
